@@ -1,0 +1,59 @@
+"""What is trained: LoRA / DoRA adapters injected by peft, or all weights (`kind = "none"`)."""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+
+from difftune.config import AdapterConfig
+from difftune.models import Components
+
+
+def add_adapters(components: Components, config: AdapterConfig) -> list[torch.nn.Module]:
+    """Freeze the base, attach what `config` trains, and return the modules that hold trainable weights."""
+    components.unet.requires_grad_(False)
+    components.vae.requires_grad_(False)
+    components.text_encoder.requires_grad_(False)
+    trained = [components.unet]
+    if config.text_encoder:
+        trained.append(components.text_encoder)
+    if config.kind == "none":
+        for module in trained:
+            module.requires_grad_(True)
+        return trained
+    components.unet.add_adapter(_lora_config(config, config.target_modules))
+    if config.text_encoder:
+        components.text_encoder.add_adapter(_lora_config(config, config.text_encoder_target_modules))
+    return trained
+
+
+def _lora_config(config: AdapterConfig, target_modules: list[str]) -> LoraConfig:
+    return LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=target_modules,
+        use_dora=config.kind == "dora",
+        # A ~ N(0, 1/r), B = 0: the adapter starts as the identity, as in diffusers' LoRA scripts.
+        init_lora_weights="gaussian",
+    )
+
+
+def trainable_parameters(modules: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    return [p for module in modules for p in module.parameters() if p.requires_grad]
+
+
+def adapter_state_dict(components: Components, config: AdapterConfig) -> tuple[dict[str, torch.Tensor], dict]:
+    """The trained adapter weights with diffusers' prefixes, and each part's peft config."""
+    parts = {"unet": components.unet}
+    if config.text_encoder:
+        parts["text_encoder"] = components.text_encoder
+    tensors, lora_configs = {}, {}
+    for prefix, module in parts.items():
+        for key, value in get_peft_model_state_dict(module).items():
+            tensors[f"{prefix}.{key}"] = value.detach().to("cpu", torch.float32).contiguous()
+        for field, value in module.peft_config["default"].to_dict().items():
+            lora_configs[f"{prefix}.{field}"] = sorted(value) if isinstance(value, set) else value
+    return tensors, lora_configs
+

@@ -1,0 +1,268 @@
+"""The typed config schema: the single source for TOML files, CLI overrides, --help and the README.
+
+A job is one `Config`. Files are TOML (read with `tomllib`); overrides are `section.key=value`.
+Every field carries its description here, and nowhere else. Unknown keys and bad values fail
+before any work, with one message naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from difftune.errors import DifftuneError
+
+
+class Section(BaseModel):
+    # strict: a TOML string "100" for an integer is a mistake worth reporting, not coercing.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+
+
+class ModelConfig(Section):
+    base: str = Field(
+        "models/tiny-sd",
+        description="Base model: a local diffusers folder, a Hugging Face hub id (needs network), "
+        "or a single-file .safetensors checkpoint.",
+    )
+    revision: str = Field("", description="Hub revision (branch, tag or commit) of `base`; empty for the default.")
+    variant: str = Field("", description="Weight variant to load from a diffusers folder, e.g. `fp16`; empty for the default.")
+    single_file_config: str = Field(
+        "",
+        description="For a single-file `base`: a diffusers folder or hub id whose configs describe its "
+        "architecture. Offline, pass a local folder here.",
+    )
+    vae: str = Field(
+        "",
+        description="Autoencoder that turns images into latents: empty for the base model's own KL VAE, or "
+        "a folder/hub id of another `AutoencoderKL` or of TAESD (`AutoencoderTiny`).",
+    )
+    weight_dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto",
+        description="Dtype of the frozen weights. `auto` follows `train.mixed_precision`. Trained parameters "
+        "are always fp32.",
+    )
+
+
+class DataConfig(Section):
+    path: str = Field(
+        "examples/shapes",
+        description="Image folder: images with same-stem caption files, or a `metadata.jsonl` with "
+        "`file_name` and `text`. Subfolders named `N_name` are repeated N times per epoch (kohya).",
+    )
+    resolution: int = Field(512, ge=8, description="Training size in pixels: images are resized (shorter side) and cropped to a square.")
+    crop: Literal["center", "random"] = Field("center", description="Where to crop after resizing.")
+    random_flip: bool = Field(False, description="Flip images horizontally with probability 0.5.")
+    caption_extension: str = Field(".txt", description="Extension of caption files next to the images.")
+    missing_caption: Literal["error", "empty"] = Field(
+        "error",
+        description="An image with no caption: `error` stops before training and names it; `empty` trains it "
+        "with an empty caption.",
+    )
+    caption_dropout: float = Field(
+        0.0, ge=0.0, le=1.0, description="Probability of replacing a caption with an empty one (teaches classifier-free guidance)."
+    )
+    num_workers: int = Field(2, ge=0, description="Data loader worker processes; 0 loads in the training process.")
+
+    @field_validator("resolution")
+    @classmethod
+    def _multiple_of_8(cls, value: int) -> int:
+        if value % 8:
+            raise ValueError(f"must be a multiple of 8 (the VAE's downsampling), got {value}")
+        return value
+
+
+class AdapterConfig(Section):
+    kind: Literal["lora", "dora", "none"] = Field(
+        "lora", description="`lora` or `dora` train an adapter through peft; `none` trains all UNet weights."
+    )
+    rank: int = Field(16, ge=1, description="Adapter rank.")
+    alpha: float | None = Field(None, gt=0, description="Adapter alpha (scale = alpha / rank); defaults to the rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        ["to_q", "to_k", "to_v", "to_out.0"],
+        min_length=1,
+        description="UNet modules that get an adapter (names or name suffixes); default: attention projections.",
+    )
+    text_encoder: bool = Field(
+        False, description="Also train the text encoder: an adapter on it, or all its weights when `kind = none`."
+    )
+    text_encoder_target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "out_proj"],
+        min_length=1,
+        description="Text-encoder modules that get an adapter when `text_encoder = true`.",
+    )
+
+    @model_validator(mode="after")
+    def _alpha_defaults_to_rank(self) -> AdapterConfig:
+        if self.alpha is None:
+            self.alpha = float(self.rank)
+        return self
+
+
+class LossConfig(Section):
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
+        "auto", description="What the UNet predicts; `auto` takes it from the model's scheduler config."
+    )
+    weighting: Literal["min_snr", "uniform"] = Field(
+        "min_snr", description="Per-timestep loss weight: Min-SNR-gamma (Hang et al. 2023) or none."
+    )
+    snr_gamma: float = Field(5.0, gt=0, description="Gamma of Min-SNR weighting.")
+
+
+class OptimConfig(Section):
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW).")
+    betas: tuple[float, float] = Field((0.9, 0.999), strict=False, description="AdamW betas.")
+    weight_decay: float = Field(1e-2, ge=0, description="AdamW decoupled weight decay.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate shape after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
+        return value
+
+
+class TrainConfig(Section):
+    output_dir: str = Field("output/run", description="Where the adapter, resolved config, metrics and samples are written.")
+    overwrite: bool = Field(False, description="Allow writing into an output_dir that already holds a finished run.")
+    max_steps: int = Field(1000, ge=1, description="Optimizer steps to train.")
+    batch_size: int = Field(1, ge=1, description="Images per process per micro-step.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
+    mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="Autocast precision (fp16 needs CUDA).")
+    seed: int = Field(0, ge=0, description="Seed for the data order, augmentations, timesteps and noise.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory, slower.")
+    channels_last: bool = Field(True, description="Channels-last memory format for the UNet (faster convolutions on GPU).")
+    attention: Literal["sdpa", "xformers"] = Field(
+        "sdpa", description="Attention kernel: PyTorch SDPA, or xformers (needs the `xformers` extra)."
+    )
+
+
+class SampleConfig(Section):
+    prompts: list[str] = Field([], description="Prompts to sample at the end of training; empty skips sampling.")
+    negative_prompt: str = Field("", description="Negative prompt for every sample.")
+    steps: int = Field(30, ge=1, description="Denoising steps per image.")
+    guidance_scale: float = Field(7.5, ge=1.0, description="Classifier-free guidance scale (1 disables it).")
+    scheduler: Literal["ddim", "euler", "euler_a", "dpmpp_2m"] = Field("ddim", description="Sampling scheduler.")
+    seed: int = Field(0, ge=0, description="Seed of the first image; image i uses seed + i.")
+    resolution: int | None = Field(None, ge=8, description="Sample size in pixels; defaults to `data.resolution`.")
+
+
+class LogConfig(Section):
+    tensorboard: bool = Field(True, description="Also log to TensorBoard (under output_dir/logs) when it is installed.")
+    progress_bar: bool = Field(True, description="Show a progress bar with loss, learning rate and speed.")
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    sample: SampleConfig = Field(default_factory=SampleConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _sample_resolution_defaults_to_data(self) -> Config:
+        if self.sample.resolution is None:
+            self.sample.resolution = self.data.resolution
+        return self
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read a TOML file (or start from defaults), apply `section.key=value` overrides, validate."""
+    source = str(path) if path else "defaults"
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise DifftuneError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as err:
+            raise DifftuneError(f"{path}: not valid TOML: {err}") from None
+    for override in overrides:
+        key, value = _parse_override(override)
+        section, _, name = key.partition(".")
+        data.setdefault(section, {})[name] = value
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise DifftuneError(_describe_errors(source, err)) from None
+
+
+def _parse_override(override: str) -> tuple[str, Any]:
+    """`adapter.rank=8` -> ("adapter.rank", 8): the value is read as the field's type expects."""
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or key.count(".") != 1:
+        raise DifftuneError(f"override {override!r} must look like section.key=value, e.g. train.max_steps=100")
+    section, name = key.split(".")
+    field = _field(section, name, where=f"override {override!r}")
+    if _is_text(field.annotation):
+        return key, text
+    try:
+        return key, tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        # A bare word for a non-text field: let validation report it against the field's type.
+        return key, text
+
+
+def _field(section: str, name: str, where: str):
+    sections = Config.model_fields
+    if section not in sections:
+        raise DifftuneError(f"{where}: unknown section {section!r}; allowed: {', '.join(sections)}")
+    fields = sections[section].annotation.model_fields
+    if name not in fields:
+        raise DifftuneError(f"{where}: unknown key {section}.{name}; allowed in [{section}]: {', '.join(fields)}")
+    return fields[name]
+
+
+def _is_text(annotation: Any) -> bool:
+    if annotation is str:
+        return True
+    args = getattr(annotation, "__args__", ())
+    return getattr(annotation, "__origin__", None) is Literal and all(isinstance(a, str) for a in args)
+
+
+def _describe_errors(source: str, err: ValidationError) -> str:
+    lines = [f"{source}: invalid config"]
+    for error in err.errors():
+        loc = [str(part) for part in error["loc"]]
+        key = ".".join(loc)
+        if error["type"] == "extra_forbidden":
+            if len(loc) == 1:
+                allowed = f"allowed sections: {', '.join(Config.model_fields)}"
+            else:
+                section_model = Config.model_fields[loc[0]].annotation
+                allowed = f"allowed in [{loc[0]}]: {', '.join(section_model.model_fields)}"
+            lines.append(f"  {key}: unknown key; {allowed}")
+        else:
+            lines.append(f"  {key}: {error['msg']} (got {error.get('input')!r})")
+    return "\n".join(lines)
+
+
+def reference_markdown() -> str:
+    """The config reference table in the README, generated from the schema (a test keeps it in sync)."""
+    lines = []
+    for section, section_field in Config.model_fields.items():
+        lines += [f"### [{section}]", "", "| key | default | description |", "| --- | --- | --- |"]
+        for name, field in section_field.annotation.model_fields.items():
+            default = field.default
+            shown = "(see description)" if default is None else tomli_w.dumps({"v": default})[4:].strip()
+            choices = ""
+            if getattr(field.annotation, "__origin__", None) is Literal:
+                choices = " One of: " + ", ".join(f"`{a}`" for a in field.annotation.__args__) + "."
+            lines.append(f"| `{name}` | `{shown}` | {field.description}{choices} |")
+        lines.append("")
+    return "\n".join(lines)

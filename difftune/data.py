@@ -1,0 +1,213 @@
+"""Captioned images -> training batches.
+
+Two folder layouts: images with same-stem caption files (kohya), or a `metadata.jsonl` with
+`file_name` and `text` (Hugging Face imagefolder). Subfolders named `N_name` repeat N times.
+
+Every sample's randomness (crop, flip, caption dropout here; timestep and noise in the loop) comes
+from a seed derived from (train seed, epoch, index). A run is then the same whatever the batch split,
+gradient accumulation, worker count or number of processes, and resuming means starting the sampler
+at a position: nothing else needs restoring.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from difftune.config import DataConfig
+from difftune.errors import DifftuneError
+
+IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")
+
+
+@dataclass(frozen=True)
+class Example:
+    image_path: Path
+    caption: str
+
+
+def scan_examples(config: DataConfig) -> list[Example]:
+    """Every (image, caption) pair under `config.path`, each listed as often as its folder repeats."""
+    root = Path(config.path)
+    if not root.is_dir():
+        raise DifftuneError(f"data.path {root} is not a folder; point it at a folder of captioned images")
+    examples = _scan_folder(root, config)
+    for sub in sorted(p for p in root.iterdir() if p.is_dir()):
+        match = REPEATS_FOLDER.match(sub.name)
+        if match:
+            examples += _scan_folder(sub, config) * int(match.group(1))
+    if not examples:
+        raise DifftuneError(
+            f"data.path {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) directly or in "
+            f"`N_name` subfolders"
+        )
+    return examples
+
+
+def _scan_folder(folder: Path, config: DataConfig) -> list[Example]:
+    metadata = folder / "metadata.jsonl"
+    if metadata.is_file():
+        return _read_metadata(metadata)
+    examples = []
+    for image_path in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS):
+        caption_path = image_path.with_suffix(config.caption_extension)
+        if caption_path.is_file():
+            caption = _read_caption(caption_path)
+        elif config.missing_caption == "empty":
+            caption = ""
+        else:
+            raise DifftuneError(
+                f"{image_path} has no caption file {caption_path.name}; add one, or set "
+                f"data.missing_caption = \"empty\" to train it uncaptioned"
+            )
+        examples.append(Example(image_path, caption))
+    return examples
+
+
+def _read_caption(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8-sig").strip()
+    except UnicodeDecodeError as err:
+        raise DifftuneError(f"{path}: caption is not UTF-8 ({err}); re-save it as UTF-8") from None
+
+
+def _read_metadata(path: Path) -> list[Example]:
+    examples = []
+    for line_number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            file_name, text = record["file_name"], record["text"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise DifftuneError(
+                f"{path}:{line_number}: each line must be a JSON object with `file_name` and `text` ({err!r})"
+            ) from None
+        image_path = path.parent / file_name
+        if not image_path.is_file():
+            raise DifftuneError(f"{path}:{line_number}: image {file_name} does not exist next to it")
+        examples.append(Example(image_path, str(text).strip()))
+    return examples
+
+
+SAMPLE_STREAM, ORDER_STREAM = 0, 1
+
+
+def derive_seed(stream: int, *words: int) -> int:
+    """A well-mixed 63-bit seed from non-negative integers; `stream` keeps different uses apart."""
+    return int(np.random.SeedSequence([stream, *words]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def sample_seed(train_seed: int, epoch: int, index: int) -> int:
+    """The seed of one sample's randomness in one epoch."""
+    return derive_seed(SAMPLE_STREAM, train_seed, epoch, index)
+
+
+def load_image(path: Path, resolution: int, crop: str, flip: bool, rng: random.Random) -> torch.Tensor:
+    """Resize the shorter side to `resolution`, crop a square, maybe flip -> (3, res, res) in [-1, 1]."""
+    with Image.open(path) as raw:
+        image = ImageOps.exif_transpose(raw).convert("RGB")
+    scale = resolution / min(image.size)
+    size = (max(resolution, round(image.width * scale)), max(resolution, round(image.height * scale)))
+    image = image.resize(size, Image.Resampling.BICUBIC)
+    spare_x, spare_y = image.width - resolution, image.height - resolution
+    if crop == "random":
+        left, top = rng.randint(0, spare_x), rng.randint(0, spare_y)
+    else:
+        left, top = spare_x // 2, spare_y // 2
+    image = image.crop((left, top, left + resolution, top + resolution))
+    if flip and rng.random() < 0.5:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return image_to_tensor(image)
+
+
+def image_to_tensor(image: Image.Image) -> torch.Tensor:
+    """PIL RGB image -> (3, H, W) float in [-1, 1]."""
+    array = np.asarray(image.convert("RGB"), dtype=np.float32)
+    return torch.from_numpy(array).permute(2, 0, 1) / 127.5 - 1.0
+
+
+class CaptionedImages(Dataset):
+    """Indexed by (epoch, index) keys from `TrainingOrder`; returns one sample with its seed."""
+
+    def __init__(self, examples: list[Example], config: DataConfig, tokenizer, train_seed: int):
+        self.examples = examples
+        self.config = config
+        self.tokenizer = tokenizer
+        self.train_seed = train_seed
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict:
+        epoch, index = key
+        example = self.examples[index]
+        seed = sample_seed(self.train_seed, epoch, index)
+        rng = random.Random(seed)
+        pixels = load_image(example.image_path, self.config.resolution, self.config.crop, self.config.random_flip, rng)
+        caption = "" if rng.random() < self.config.caption_dropout else example.caption
+        input_ids = self.tokenizer(
+            caption, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True, return_tensors="pt"
+        ).input_ids[0]
+        return {
+            "pixel_values": pixels,  # (3, res, res)
+            "input_ids": input_ids,  # (tokenizer.model_max_length,)
+            "seed": seed,
+            "epoch": epoch,
+            "path": str(example.image_path),
+        }
+
+
+class TrainingOrder(Sampler):
+    """An endless stream of (epoch, index) keys, reshuffled each epoch, cut into this process's batches.
+
+    Global micro-batch g covers stream positions [g * B * P, (g + 1) * B * P) for batch size B and
+    P processes; process r takes its r-th slice. Epochs run on without a gap, so no sample is dropped
+    and the position alone says where a run is.
+    """
+
+    def __init__(self, dataset_size: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1, start_batch: int = 0):
+        self.dataset_size = dataset_size
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.start_batch = start_batch
+
+    def _permutation(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(derive_seed(ORDER_STREAM, self.seed, epoch))
+        return torch.randperm(self.dataset_size, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        global_batch = self.batch_size * self.world_size
+        position = self.start_batch * global_batch + self.rank * self.batch_size
+        epoch, order = -1, []
+        while True:
+            batch = []
+            for p in range(position, position + self.batch_size):
+                if p // self.dataset_size != epoch:
+                    epoch = p // self.dataset_size
+                    order = self._permutation(epoch)
+                batch.append((epoch, order[p % self.dataset_size]))
+            yield batch
+            position += global_batch
+
+
+def build_dataloader(dataset: CaptionedImages, order: TrainingOrder, num_workers: int, pin_memory: bool) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_sampler=order,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+    )

@@ -1,0 +1,66 @@
+"""The denoising loss, one value per sample; weighting is a plain choice, reduction is the loop's.
+
+Timesteps, noise, noisy latents and targets all come from the model's own scheduler config
+(`add_noise`, `get_velocity`). Min-SNR-gamma (Hang et al. 2023) weights a sample at timestep t by
+min(SNR(t), gamma) / SNR(t) for epsilon prediction and min(SNR(t), gamma) / (SNR(t) + 1) for
+v-prediction: both are min(SNR, gamma) over the SNR-weighting implied by the target, so the
+x0-space weight is truncated at gamma either way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffusers import DDPMScheduler
+from diffusers.training_utils import compute_snr
+from diffusers.utils.torch_utils import randn_tensor
+
+from difftune.config import LossConfig
+
+
+def prediction_type(config: LossConfig, noise_scheduler: DDPMScheduler) -> str:
+    return noise_scheduler.config.prediction_type if config.prediction_type == "auto" else config.prediction_type
+
+
+def draw_timesteps_and_noise(
+    generators: list[torch.Generator], latents: torch.Tensor, num_train_timesteps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One uniform timestep (B,) and one noise tensor (B, C, h, w) per sample, each from its own generator."""
+    timesteps = torch.cat([torch.randint(0, num_train_timesteps, (1,), generator=g) for g in generators])
+    noise = randn_tensor(latents.shape, generator=generators, device=latents.device, dtype=latents.dtype)
+    return timesteps.to(latents.device), noise
+
+
+def min_snr_weights(snr: torch.Tensor, gamma: float, prediction: str) -> torch.Tensor:
+    """Per-sample Min-SNR-gamma weights for a batch of SNR values."""
+    clipped = torch.clamp(snr, max=gamma)
+    if prediction == "v_prediction":
+        return clipped / (snr + 1)
+    # SNR -> 0 (a zero-terminal-SNR schedule's last step) has weight -> 1 for epsilon, not 0/0.
+    return torch.where(snr > 0, clipped / snr.clamp(min=torch.finfo(snr.dtype).tiny), torch.ones_like(snr))
+
+
+def diffusion_loss(
+    unet,
+    noise_scheduler: DDPMScheduler,
+    latents: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    timesteps: torch.Tensor,
+    noise: torch.Tensor,
+    config: LossConfig,
+) -> torch.Tensor:
+    """Weighted MSE between the UNet's prediction and the target, per sample: shape (B,)."""
+    prediction = prediction_type(config, noise_scheduler)
+    noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+    if prediction == "epsilon":
+        target = noise
+    elif prediction == "v_prediction":
+        target = noise_scheduler.get_velocity(latents, noise, timesteps)
+    else:
+        raise ValueError(f"prediction type {prediction!r} is not trainable here; use epsilon or v_prediction")
+    model_output = unet(noisy, timesteps, encoder_hidden_states, return_dict=False)[0]
+    per_sample = F.mse_loss(model_output.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+    if config.weighting == "min_snr":
+        snr = compute_snr(noise_scheduler, timesteps).to(per_sample.device)
+        per_sample = per_sample * min_snr_weights(snr, config.snr_gamma, prediction)
+    return per_sample

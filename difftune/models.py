@@ -1,0 +1,169 @@
+"""Load a Stable Diffusion base and turn images and captions into the UNet's inputs.
+
+Latent scaling, for every autoencoder kind: `latents = (encoded - shift_factor) * scaling_factor`,
+with both factors read from the autoencoder's own config (shift 0 where it has none).
+- `AutoencoderKL` (SD's VAE): `encoded` is a sample of the posterior; SD 1.x/2.x's config says
+  `scaling_factor = 0.18215` (SDXL's 0.13025), chosen so that latents have unit variance.
+- `AutoencoderTiny` (TAESD): its encoder was distilled to output SD's *already scaled* latents, so its
+  config says `scaling_factor = 1.0` and `encoded` is the encoder's output as it is.
+The same factors, inverted, decode: `decoded = vae.decode(latents / scaling_factor + shift_factor)`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from transformers import CLIPTextModel, CLIPTokenizer
+
+from difftune.config import ModelConfig
+from difftune.errors import DifftuneError
+
+VAE_CLASSES = {"AutoencoderKL": AutoencoderKL, "AutoencoderTiny": AutoencoderTiny}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Components:
+    unet: UNet2DConditionModel
+    vae: AutoencoderKL | AutoencoderTiny
+    text_encoder: CLIPTextModel
+    tokenizer: CLIPTokenizer
+    noise_scheduler: DDPMScheduler
+
+
+def load_components(config: ModelConfig) -> Components:
+    """Everything training needs from `config.base` (and `config.vae`), in fp32 on the CPU."""
+    base = config.base
+    if base.endswith((".ckpt", ".pt", ".pth", ".bin")):
+        raise DifftuneError(
+            f"model.base {base}: pickled checkpoints can run arbitrary code when loaded and are not read; "
+            f"convert it to .safetensors or a diffusers folder"
+        )
+    with _explained_load_errors("model.base", base):
+        if base.endswith(".safetensors"):
+            components = _load_single_file(config)
+        else:
+            options = {"revision": config.revision or None, "variant": config.variant or None}
+            components = Components(
+                unet=UNet2DConditionModel.from_pretrained(base, subfolder="unet", **options),
+                vae=AutoencoderKL.from_pretrained(base, subfolder="vae", **options),
+                text_encoder=CLIPTextModel.from_pretrained(base, subfolder="text_encoder", **options),
+                tokenizer=CLIPTokenizer.from_pretrained(base, subfolder="tokenizer", revision=options["revision"]),
+                noise_scheduler=DDPMScheduler.from_pretrained(base, subfolder="scheduler", revision=options["revision"]),
+            )
+    if config.vae:
+        with _explained_load_errors("model.vae", config.vae):
+            components.vae = load_vae(config.vae)
+    latent_channels = components.vae.config.latent_channels
+    if latent_channels != components.unet.config.in_channels:
+        raise DifftuneError(
+            f"model.vae {config.vae or base}: makes {latent_channels}-channel latents but the UNet takes "
+            f"{components.unet.config.in_channels}; use an autoencoder made for this base"
+        )
+    return components
+
+
+def _load_single_file(config: ModelConfig) -> Components:
+    if not Path(config.base).is_file():
+        raise DifftuneError(f"model.base {config.base}: no such file")
+    pipeline = StableDiffusionPipeline.from_single_file(
+        config.base,
+        config=config.single_file_config or None,
+        safety_checker=None,
+        requires_safety_checker=False,
+        torch_dtype=torch.float32,
+    )
+    return Components(
+        unet=pipeline.unet,
+        vae=pipeline.vae,
+        text_encoder=pipeline.text_encoder,
+        tokenizer=pipeline.tokenizer,
+        noise_scheduler=DDPMScheduler.from_config(pipeline.scheduler.config),
+    )
+
+
+def assemble_pipeline(components: Components, scheduler=None) -> StableDiffusionPipeline:
+    """A text-to-image pipeline over the (possibly adapted) components; no safety checker."""
+    return StableDiffusionPipeline(
+        vae=components.vae,
+        text_encoder=components.text_encoder,
+        tokenizer=components.tokenizer,
+        unet=components.unet,
+        scheduler=scheduler or components.noise_scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def load_vae(name: str) -> AutoencoderKL | AutoencoderTiny:
+    """An `AutoencoderKL` or `AutoencoderTiny` from a folder (or a pipeline folder's `vae/`) or hub id."""
+    subfolder = "vae" if (Path(name) / "vae" / "config.json").is_file() else None
+    class_name = AutoencoderKL.load_config(name, subfolder=subfolder).get("_class_name")
+    if class_name not in VAE_CLASSES:
+        raise DifftuneError(f"model.vae {name}: is a {class_name}; allowed kinds: {', '.join(VAE_CLASSES)}")
+    return VAE_CLASSES[class_name].from_pretrained(name, subfolder=subfolder)
+
+
+@contextmanager
+def _explained_load_errors(key: str, name: str):
+    """Turn a failed load into a message that says what was tried and what to pass instead."""
+    try:
+        yield
+    except DifftuneError:
+        raise
+    except (OSError, ValueError) as error:
+        cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if Path(name).exists():
+            raise DifftuneError(f"{key} {name}: could not be loaded as a diffusers model: {cause}") from error
+        raise DifftuneError(
+            f"{key} {name}: not a local folder or file (looked at {Path(name).resolve()}), and it could not be "
+            f"fetched from the Hugging Face hub (offline, or no such id). Pass a local diffusers folder or a "
+            f".safetensors file. Cause: {cause}"
+        ) from error
+
+
+def weight_dtype(config_dtype: str, mixed_precision: str) -> torch.dtype:
+    if config_dtype != "auto":
+        return DTYPES[config_dtype]
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision, torch.float32)
+
+
+def encode_latents(vae, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """(B, 3, H, W) in [-1, 1] -> scaled latents (B, C, H/f, W/f); one posterior sample per image, each
+    from its own generator so a sample's latents do not depend on the rest of its batch."""
+    pixels = pixels.to(vae.device, vae.dtype)
+    if isinstance(vae, AutoencoderTiny):
+        encoded = vae.encode(pixels).latents
+    else:
+        encoded = vae.encode(pixels).latent_dist.sample(generator=generators)
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    return (encoded - shift) * vae.config.scaling_factor
+
+
+def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Inverse of `encode_latents` (up to the autoencoder's loss): scaled latents -> pixels in [-1, 1]."""
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    return vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor + shift).sample
+
+
+def encode_prompts(text_encoder: CLIPTextModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """Token ids (B, L), on the encoder's device -> the UNet's cross-attention states (B, L, D): CLIP's last
+    hidden state, as SD 1.x uses it."""
+    return text_encoder(input_ids, return_dict=False)[0]
+
+
+def set_attention(unet: UNet2DConditionModel, kind: str) -> None:
+    """`sdpa` is diffusers' default processor (PyTorch scaled-dot-product attention); `xformers` swaps it."""
+    if kind == "xformers":
+        if importlib.util.find_spec("xformers") is None:
+            raise DifftuneError(
+                "train.attention = \"xformers\" but xformers is not installed; `pip install difftune[xformers]` "
+                "(CUDA only) or use \"sdpa\""
+            )
+        unet.enable_xformers_memory_efficient_attention()

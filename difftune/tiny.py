@@ -1,0 +1,182 @@
+"""A tiny Stable-Diffusion-architecture model and synthetic captioned images, built with no downloads.
+
+The same diffusers/transformers classes as SD 1.x (UNet2DConditionModel, AutoencoderKL,
+CLIPTextModel + CLIPTokenizer), shrunk so that CPU tests and the bundled default job run in seconds.
+The tokenizer is character level with a vocabulary written here, so nothing is fetched.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from PIL import Image, ImageDraw
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+from difftune.data import image_to_tensor
+
+IMAGE_SIZE = 32
+TOKENIZER_MAX_LENGTH = 32
+TEXT_HIDDEN_SIZE = 64
+
+COLORS = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (235, 200, 30),
+    "purple": (140, 50, 180),
+}
+SHAPES = ("circle", "square", "triangle")
+
+
+def character_vocabulary() -> dict[str, int]:
+    """CLIP-style BPE vocabulary with no merges: each character, plain and word-final, plus the specials."""
+    chars = [c for c in string.ascii_lowercase + string.digits + ",.!?'-_:;()<>" if c != " "]
+    tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
+    return {token: i for i, token in enumerate(tokens)}
+
+
+def build_tokenizer() -> CLIPTokenizer:
+    vocab = character_vocabulary()
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab_file, merges_file = Path(tmp, "vocab.json"), Path(tmp, "merges.txt")
+        vocab_file.write_text(json.dumps(vocab))
+        merges_file.write_text("#version: 0.2\n")
+        return CLIPTokenizer(str(vocab_file), str(merges_file), model_max_length=TOKENIZER_MAX_LENGTH)
+
+
+def build_text_encoder() -> CLIPTextModel:
+    vocab = character_vocabulary()
+    config = CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=TEXT_HIDDEN_SIZE,
+        intermediate_size=2 * TEXT_HIDDEN_SIZE,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=TOKENIZER_MAX_LENGTH,
+        bos_token_id=vocab["<|startoftext|>"],
+        eos_token_id=vocab["<|endoftext|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+    )
+    return CLIPTextModel(config)
+
+
+def build_vae(scaling_factor: float = 1.0) -> AutoencoderKL:
+    # Three blocks: 32 px images -> 8x8x4 latents (downsampling 4, where SD's VAE has 8).
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(32, 64, 64),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=32,
+        sample_size=IMAGE_SIZE,
+        scaling_factor=scaling_factor,
+    )
+
+
+def build_taesd() -> AutoencoderTiny:
+    """A TAESD-shaped autoencoder with the tiny VAE's downsampling (4) and latent channels."""
+    return AutoencoderTiny(
+        encoder_block_out_channels=(32, 32, 32),
+        decoder_block_out_channels=(32, 32, 32),
+        num_encoder_blocks=(1, 1, 1),
+        num_decoder_blocks=(1, 1, 1),
+        latent_channels=4,
+        upsampling_scaling_factor=2,
+    )
+
+
+def build_unet() -> UNet2DConditionModel:
+    return UNet2DConditionModel(
+        sample_size=IMAGE_SIZE // 4,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=TEXT_HIDDEN_SIZE,
+        attention_head_dim=4,
+        norm_num_groups=32,
+    )
+
+
+def build_noise_scheduler() -> DDPMScheduler:
+    # Stable Diffusion 1.x's noise schedule.
+    return DDPMScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type="epsilon",
+        clip_sample=False,
+        steps_offset=1,
+    )
+
+
+def build_pipeline(seed: int = 0) -> StableDiffusionPipeline:
+    """A random-init tiny SD pipeline; its VAE's scaling factor is 1/std of the latents of `shape_images`,
+    the way SD's 0.18215 was chosen."""
+    torch.manual_seed(seed)
+    vae = build_vae()
+    with torch.no_grad():
+        pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
+        latents = vae.encode(pixels).latent_dist.mean  # (64, 4, 8, 8)
+    vae.register_to_config(scaling_factor=float(1.0 / latents.std()))
+    return StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=build_text_encoder(),
+        tokenizer=build_tokenizer(),
+        unet=build_unet(),
+        scheduler=build_noise_scheduler(),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def render_shape(shape: str, color: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Image.Image:
+    """One shape in one color on a plain light background, with random size and position."""
+    background = tuple(int(v) for v in rng.integers(200, 256, size=3))
+    image = Image.new("RGB", (size, size), background)
+    draw = ImageDraw.Draw(image)
+    extent = rng.uniform(0.45, 0.75) * size
+    cx, cy = rng.uniform(extent / 2, size - extent / 2, size=2)
+    left, top, right, bottom = cx - extent / 2, cy - extent / 2, cx + extent / 2, cy + extent / 2
+    fill = COLORS[color]
+    if shape == "circle":
+        draw.ellipse((left, top, right, bottom), fill=fill)
+    elif shape == "square":
+        draw.rectangle((left, top, right, bottom), fill=fill)
+    elif shape == "triangle":
+        draw.polygon([(cx, top), (right, bottom), (left, bottom)], fill=fill)
+    else:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    return image
+
+
+def shape_images(count: int, seed: int, colors=tuple(COLORS), shapes=SHAPES) -> list[tuple[Image.Image, str]]:
+    """`count` (image, caption) pairs cycling through every color/shape pair, deterministic by seed."""
+    rng = np.random.default_rng(seed)
+    pairs = [(color, shape) for color in colors for shape in shapes]
+    out = []
+    for i in range(count):
+        color, shape = pairs[i % len(pairs)]
+        out.append((render_shape(shape, color, rng), f"a {color} {shape}"))
+    return out
+
+
+def write_caption_folder(folder: Path, examples: list[tuple[Image.Image, str]]) -> None:
+    """Kohya layout: `NNNN.png` with its caption in `NNNN.txt`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, (image, caption) in enumerate(examples):
+        image.save(folder / f"{i:04d}.png")
+        (folder / f"{i:04d}.txt").write_text(caption + "\n", encoding="utf-8")
