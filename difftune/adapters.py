@@ -9,6 +9,8 @@ from peft.utils import get_peft_model_state_dict
 from difftune.config import AdapterConfig
 from difftune.models import Components
 
+DORA_MAGNITUDE = "lora_magnitude_vector"
+
 
 def add_adapters(components: Components, config: AdapterConfig) -> list[torch.nn.Module]:
     """Freeze the base, attach what `config` trains, and return the modules that hold trainable weights."""
@@ -51,7 +53,12 @@ def adapter_state_dict(components: Components, config: AdapterConfig) -> tuple[d
         parts["text_encoder"] = components.text_encoder
     tensors, lora_configs = {}, {}
     for prefix, module in parts.items():
-        for key, value in get_peft_model_state_dict(module).items():
+        # save_embedding_layers=False: embeddings are never adapted here, and `auto` probes the hub for a config.
+        for key, value in get_peft_model_state_dict(module, save_embedding_layers=False).items():
+            if key.endswith(DORA_MAGNITUDE):
+                # transformers 5's adapter loader (diffusers' text-encoder path) maps only keys ending in
+                # `.weight` and silently drops the bare magnitude key; peft reads both forms.
+                key += ".weight"
             tensors[f"{prefix}.{key}"] = value.detach().to("cpu", torch.float32).contiguous()
         for field, value in module.peft_config["default"].to_dict().items():
             lora_configs[f"{prefix}.{field}"] = sorted(value) if isinstance(value, set) else value

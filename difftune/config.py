@@ -171,9 +171,14 @@ class Config(Section):
     log: LogConfig = Field(default_factory=LogConfig)
 
     @model_validator(mode="after")
-    def _sample_resolution_defaults_to_data(self) -> Config:
+    def _cross_section_rules(self) -> Config:
         if self.sample.resolution is None:
             self.sample.resolution = self.data.resolution
+        if self.model.weight_dtype in ("fp16", "bf16") and self.train.mixed_precision == "no":
+            raise ValueError(
+                f"model.weight_dtype = \"{self.model.weight_dtype}\" needs train.mixed_precision = \"fp16\" or "
+                f"\"bf16\" (half-precision weights without autocast mix dtypes); or use weight_dtype = \"auto\""
+            )
         return self
 
     def to_toml(self) -> str:

@@ -49,10 +49,11 @@ def load_components(config: ModelConfig) -> Components:
             components = _load_single_file(config)
         else:
             options = {"revision": config.revision or None, "variant": config.variant or None}
+            fp32 = {"torch_dtype": torch.float32}  # not the saved dtype: placement casts later, on purpose
             components = Components(
-                unet=UNet2DConditionModel.from_pretrained(base, subfolder="unet", **options),
-                vae=AutoencoderKL.from_pretrained(base, subfolder="vae", **options),
-                text_encoder=CLIPTextModel.from_pretrained(base, subfolder="text_encoder", **options),
+                unet=UNet2DConditionModel.from_pretrained(base, subfolder="unet", **options, **fp32),
+                vae=AutoencoderKL.from_pretrained(base, subfolder="vae", **options, **fp32),
+                text_encoder=CLIPTextModel.from_pretrained(base, subfolder="text_encoder", **options, dtype=torch.float32),
                 tokenizer=CLIPTokenizer.from_pretrained(base, subfolder="tokenizer", revision=options["revision"]),
                 noise_scheduler=DDPMScheduler.from_pretrained(base, subfolder="scheduler", revision=options["revision"]),
             )
@@ -107,7 +108,7 @@ def load_vae(name: str) -> AutoencoderKL | AutoencoderTiny:
     class_name = AutoencoderKL.load_config(name, subfolder=subfolder).get("_class_name")
     if class_name not in VAE_CLASSES:
         raise DifftuneError(f"model.vae {name}: is a {class_name}; allowed kinds: {', '.join(VAE_CLASSES)}")
-    return VAE_CLASSES[class_name].from_pretrained(name, subfolder=subfolder)
+    return VAE_CLASSES[class_name].from_pretrained(name, subfolder=subfolder, torch_dtype=torch.float32)
 
 
 @contextmanager

@@ -42,6 +42,8 @@ class TrainResult:
 
 def train(config: Config) -> TrainResult:
     output_dir = _check_output_dir(config)
+    if config.train.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise DifftuneError('train.mixed_precision = "fp16" needs a CUDA device; use "bf16" or "no" here')
     accelerator = Accelerator(
         mixed_precision=config.train.mixed_precision,
         gradient_accumulation_steps=config.train.gradient_accumulation_steps,
@@ -55,6 +57,7 @@ def train(config: Config) -> TrainResult:
 
     components = load_components(config.model)
     examples = scan_examples(config.data)
+    _configure_unet(components.unet, config)
     trained = add_adapters(components, config.adapter)
     _place_models(components, config, accelerator)
     order = TrainingOrder(
@@ -158,22 +161,29 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
 
 def _place_models(components: Components, config: Config, accelerator: Accelerator) -> None:
     """Frozen weights in the configured dtype, trained ones in fp32, all on the device."""
-    if config.train.mixed_precision == "fp16" and accelerator.device.type != "cuda":
-        raise DifftuneError('train.mixed_precision = "fp16" needs a CUDA device; use "bf16" or "no" here')
     dtype = weight_dtype(config.model.weight_dtype, config.train.mixed_precision)
     # SD's KL VAE overflows to NaN in fp16 on some images: keep it fp32 unless bf16 was asked for.
-    components.vae.to(accelerator.device, dtype=torch.float32 if dtype == torch.float16 else dtype).eval()
-    components.text_encoder.to(accelerator.device, dtype=dtype)
+    vae_dtype = torch.float32 if dtype == torch.float16 else dtype
+    for module, module_dtype in ((components.vae, vae_dtype), (components.text_encoder, dtype), (components.unet, dtype)):
+        module.to(accelerator.device)
+        if module_dtype != torch.float32:  # loaded as fp32; diffusers warns on every dtype cast
+            module.to(dtype=module_dtype)
+    components.vae.eval()
     components.text_encoder.train(config.adapter.text_encoder)
-    components.unet.to(accelerator.device, dtype=dtype).train()
+    components.unet.train()
     cast_training_params([components.unet, components.text_encoder], dtype=torch.float32)
+    if config.train.gradient_checkpointing and config.adapter.text_encoder:
+        components.text_encoder.gradient_checkpointing_enable()
+
+
+def _configure_unet(unet, config: Config) -> None:
+    """Memory format, attention kernel and checkpointing: set before adapters are injected, so that the
+    adapters' own small weights stay contiguous (peft's DoRA on convolutions `view`s them)."""
     if config.train.channels_last:
-        components.unet.to(memory_format=torch.channels_last)
-    set_attention(components.unet, config.train.attention)
+        unet.to(memory_format=torch.channels_last)
+    set_attention(unet, config.train.attention)
     if config.train.gradient_checkpointing:
-        components.unet.enable_gradient_checkpointing()
-        if config.adapter.text_encoder:
-            components.text_encoder.gradient_checkpointing_enable()
+        unet.enable_gradient_checkpointing()
 
 
 def _check_output_dir(config: Config) -> Path:

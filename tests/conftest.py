@@ -1,0 +1,71 @@
+"""Fixtures: a tiny SD pipeline and captioned images built here, on the CPU, with no downloads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from difftune.config import load_config
+from difftune.tiny import build_pipeline, shape_images, write_caption_folder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory) -> Path:
+    """A random-init tiny SD 1.x pipeline folder (fp32)."""
+    path = tmp_path_factory.mktemp("tiny-base")
+    build_pipeline(seed=1).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def shapes(tmp_path_factory) -> Path:
+    """Eight captioned 32 px images in kohya layout."""
+    path = tmp_path_factory.mktemp("shapes")
+    write_caption_folder(path, shape_images(8, seed=3))
+    return path
+
+
+@pytest.fixture
+def make_config(tiny_base, shapes, tmp_path):
+    """A fast job on the tiny base; keyword overrides as {"section.key": value}."""
+
+    def make(**overrides):
+        base = {
+            "model.base": str(tiny_base),
+            "data.path": str(shapes),
+            "data.resolution": 32,
+            "data.num_workers": 0,
+            "train.output_dir": str(tmp_path / "run"),
+            "train.max_steps": 3,
+            "train.batch_size": 2,
+            "adapter.rank": 4,
+            "optim.learning_rate": 1e-3,
+            "log.progress_bar": False,
+            "log.tensorboard": False,
+        }
+        base.update({key.replace("__", "."): value for key, value in overrides.items()})
+        return load_config(None, [f"{key}={_toml_value(value)}" for key, value in base.items()])
+
+    return make
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(f'"{v}"' for v in value) + "]"
+    return str(value)
+
+
+def unet_inputs(unet, batch: int = 2, seed: int = 0):
+    """Fixed random UNet inputs: (latents, timesteps, encoder_hidden_states)."""
+    generator = torch.Generator().manual_seed(seed)
+    size = unet.config.sample_size
+    latents = torch.randn(batch, unet.config.in_channels, size, size, generator=generator)
+    timesteps = torch.randint(0, 1000, (batch,), generator=generator)
+    states = torch.randn(batch, 8, unet.config.cross_attention_dim, generator=generator)
+    return latents, timesteps, states

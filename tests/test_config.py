@@ -1,0 +1,154 @@
+from pathlib import Path
+
+import pytest
+
+from difftune.cli import main
+from difftune.config import Config, load_config, reference_markdown
+from difftune.errors import DifftuneError
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_FILES = sorted((REPO / "configs").glob("*.toml"))
+
+
+def test_configs_exist():
+    assert {"tiny_lora.toml", "tiny_dora.toml", "sd15_lora.toml"} <= {p.name for p in CONFIG_FILES}
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_every_shipped_config_validates(path, tmp_path):
+    config = load_config(path)
+    assert config.train.max_steps >= 1
+    # The resolved form, as written beside every run, reloads to the same config.
+    resolved = tmp_path / "resolved.toml"
+    resolved.write_text(config.to_toml())
+    assert load_config(resolved) == config
+
+
+def test_unknown_key_is_named_with_allowed_keys(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[adapter]\nrnak = 8\n')
+    with pytest.raises(DifftuneError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert "adapter.rnak: unknown key" in message
+    assert "rank" in message and "kind" in message
+    assert str(path) in message
+
+
+def test_unknown_section_is_named(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[optimiser]\nlearning_rate = 1e-4\n')
+    with pytest.raises(DifftuneError, match=r"optimiser: unknown key; allowed sections: model, data"):
+        load_config(path)
+
+
+def test_wrong_type_is_named(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[train]\nmax_steps = "100"\n')
+    with pytest.raises(DifftuneError, match=r"train\.max_steps: Input should be a valid integer \(got '100'\)"):
+        load_config(path)
+
+
+def test_bad_choice_lists_the_allowed_values():
+    with pytest.raises(DifftuneError, match=r"adapter\.kind: Input should be 'lora', 'dora' or 'none'"):
+        load_config(None, ["adapter.kind=loha"])
+
+
+def test_range_and_cross_section_checks():
+    with pytest.raises(DifftuneError, match=r"data\.resolution: .*multiple of 8"):
+        load_config(None, ["data.resolution=500"])
+    with pytest.raises(DifftuneError, match=r"optim\.betas: .*each beta must be in \[0, 1\)"):
+        load_config(None, ["optim.betas=[0.9, 1.5]"])
+    with pytest.raises(DifftuneError, match=r"weight_dtype = \"fp16\" needs train\.mixed_precision"):
+        load_config(None, ["model.weight_dtype=fp16"])
+
+
+def test_overrides_are_read_as_the_field_type():
+    config = load_config(
+        None,
+        [
+            "adapter.rank=8",
+            "train.output_dir=123",  # a text field keeps digits as text
+            "sample.prompts=[\"a cat\", \"a dog\"]",
+            "adapter.kind=dora",
+            "optim.learning_rate=3e-4",
+            "data.random_flip=true",
+        ],
+    )
+    assert config.adapter.rank == 8
+    assert config.train.output_dir == "123"
+    assert config.sample.prompts == ["a cat", "a dog"]
+    assert config.adapter.kind == "dora"
+    assert config.optim.learning_rate == pytest.approx(3e-4)
+    assert config.data.random_flip is True
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rank=8", "must look like section.key=value"),
+        ("adapter.rank", "must look like section.key=value"),
+        ("adapter.rnak=8", "unknown key adapter.rnak; allowed in \\[adapter\\]: kind, rank"),
+        ("trian.max_steps=8", "unknown section 'trian'"),
+        ("train.max_steps=many", "train.max_steps: Input should be a valid integer"),
+    ],
+)
+def test_bad_overrides_fail_naming_the_key(override, message):
+    with pytest.raises(DifftuneError, match=message):
+        load_config(None, [override])
+
+
+def test_defaults_that_follow_other_fields():
+    config = load_config(None, ["adapter.rank=12", "data.resolution=64"])
+    assert config.adapter.alpha == 12.0
+    assert config.sample.resolution == 64
+    assert load_config(None, ["adapter.alpha=4"]).adapter.alpha == 4.0
+
+
+def test_config_command_prints_resolved_toml(capsys):
+    assert main(["config", "--config", str(REPO / "configs/tiny_lora.toml"), "train.max_steps=7"]) == 0
+    printed = capsys.readouterr().out
+    assert "max_steps = 7" in printed
+    assert 'kind = "lora"' in printed
+
+
+def test_cli_reports_bad_config_without_traceback(capsys, tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[train]\nmax_step = 5\n")
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "train.max_step: unknown key" in err and "Traceback" not in err
+
+
+def test_missing_and_malformed_files():
+    with pytest.raises(DifftuneError, match="does not exist"):
+        load_config("no/such/file.toml")
+
+
+def test_malformed_toml_names_the_file(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("[train\nmax_steps = 5\n")
+    with pytest.raises(DifftuneError, match=f"{path}: not valid TOML"):
+        load_config(path)
+
+
+def test_readme_config_reference_is_in_sync():
+    readme = (REPO / "README.md").read_text()
+    start, end = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+    assert start in readme and end in readme
+    documented = readme.split(start)[1].split(end)[0].strip()
+    assert documented == reference_markdown().strip(), "run `python scripts/update_readme.py`"
+
+
+def test_every_field_has_a_description():
+    for section, section_field in Config.model_fields.items():
+        for name, field in section_field.annotation.model_fields.items():
+            assert field.description, f"{section}.{name} has no description"
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci/run").read_text()
+    command = "python -m pytest -q"
+    assert f'pip install -e ".[dev]" && {command}' in readme
+    assert ci.rstrip().splitlines()[-1] == command

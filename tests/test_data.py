@@ -1,0 +1,130 @@
+import json
+import random
+
+import pytest
+import torch
+from PIL import Image
+
+from difftune.config import DataConfig
+from difftune.data import CaptionedImages, TrainingOrder, load_image, sample_seed, scan_examples
+from difftune.errors import DifftuneError
+from difftune.tiny import build_tokenizer
+
+
+def _image(path, size=(40, 32), color=(255, 0, 0)):
+    Image.new("RGB", size, color).save(path)
+
+
+def test_kohya_layout_with_repeat_folders(tmp_path):
+    _image(tmp_path / "a.png")
+    (tmp_path / "a.txt").write_text("a red thing\n")
+    concept = tmp_path / "3_concept"
+    concept.mkdir()
+    _image(concept / "b.jpg")
+    (concept / "b.txt").write_text("\ufeffsks thing", encoding="utf-8")  # BOM is stripped
+    (tmp_path / "ignored_folder").mkdir()  # no N_ prefix: not part of the data set
+    _image(tmp_path / "ignored_folder" / "c.png")
+
+    examples = scan_examples(DataConfig(path=str(tmp_path)))
+    assert [e.caption for e in examples] == ["a red thing"] + ["sks thing"] * 3
+    assert examples[1].image_path == concept / "b.jpg"
+
+
+def test_metadata_jsonl_layout(tmp_path):
+    _image(tmp_path / "x.png")
+    _image(tmp_path / "y.webp")
+    lines = [{"file_name": "x.png", "text": "first"}, {"file_name": "y.webp", "text": " second "}]
+    (tmp_path / "metadata.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    examples = scan_examples(DataConfig(path=str(tmp_path)))
+    assert [(e.image_path.name, e.caption) for e in examples] == [("x.png", "first"), ("y.webp", "second")]
+
+
+def test_metadata_errors_name_the_line(tmp_path):
+    _image(tmp_path / "x.png")
+    (tmp_path / "metadata.jsonl").write_text('{"file_name": "x.png", "text": "ok"}\n{"file_name": "x.png"}\n')
+    with pytest.raises(DifftuneError, match=r"metadata\.jsonl:2: each line must be a JSON object"):
+        scan_examples(DataConfig(path=str(tmp_path)))
+    (tmp_path / "metadata.jsonl").write_text('{"file_name": "gone.png", "text": "ok"}\n')
+    with pytest.raises(DifftuneError, match=r"metadata\.jsonl:1: image gone\.png does not exist"):
+        scan_examples(DataConfig(path=str(tmp_path)))
+
+
+def test_missing_caption_policy(tmp_path):
+    _image(tmp_path / "a.png")
+    with pytest.raises(DifftuneError, match=r"a\.png has no caption file a\.txt.*missing_caption = \"empty\""):
+        scan_examples(DataConfig(path=str(tmp_path)))
+    examples = scan_examples(DataConfig(path=str(tmp_path), missing_caption="empty"))
+    assert [e.caption for e in examples] == [""]
+
+
+def test_non_utf8_caption_is_named(tmp_path):
+    _image(tmp_path / "a.png")
+    (tmp_path / "a.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(DifftuneError, match=r"a\.txt: caption is not UTF-8"):
+        scan_examples(DataConfig(path=str(tmp_path)))
+
+
+def test_empty_or_missing_folder(tmp_path):
+    with pytest.raises(DifftuneError, match="holds no images"):
+        scan_examples(DataConfig(path=str(tmp_path)))
+    with pytest.raises(DifftuneError, match="is not a folder"):
+        scan_examples(DataConfig(path=str(tmp_path / "nope")))
+
+
+def test_resize_and_crop(tmp_path):
+    # Left half black, right half white, 64x32: resized to 32 high -> 64x32; center crop keeps both halves.
+    image = Image.new("RGB", (64, 32), (0, 0, 0))
+    image.paste((255, 255, 255), (32, 0, 64, 32))
+    image.save(tmp_path / "halves.png")
+    center = load_image(tmp_path / "halves.png", 16, "center", False, random.Random(0))
+    assert center.shape == (3, 16, 16)
+    assert center[:, :, 0].mean() == pytest.approx(-1.0, abs=0.05)  # left column black
+    assert center[:, :, -1].mean() == pytest.approx(1.0, abs=0.05)  # right column white
+    assert center.min() >= -1.0 and center.max() <= 1.0
+
+    crops = {load_image(tmp_path / "halves.png", 16, "random", False, random.Random(s)).mean().item() for s in range(8)}
+    assert len(crops) > 1  # random crops move
+    again = load_image(tmp_path / "halves.png", 16, "random", False, random.Random(3))
+    assert torch.equal(again, load_image(tmp_path / "halves.png", 16, "random", False, random.Random(3)))
+
+    flips = [load_image(tmp_path / "halves.png", 16, "center", True, random.Random(s)) for s in range(16)]
+    assert any(torch.equal(f, center.flip(-1)) for f in flips) and any(torch.equal(f, center) for f in flips)
+
+
+def test_samples_are_deterministic_and_carry_their_seed(shapes):
+    config = DataConfig(path=str(shapes), resolution=32, crop="random", random_flip=True, caption_dropout=0.5)
+    dataset = CaptionedImages(scan_examples(config), config, build_tokenizer(), train_seed=7)
+    first, again, other_epoch = dataset[(0, 3)], dataset[(0, 3)], dataset[(1, 3)]
+    assert torch.equal(first["pixel_values"], again["pixel_values"])
+    assert torch.equal(first["input_ids"], again["input_ids"])
+    assert first["seed"] == sample_seed(7, 0, 3) != other_epoch["seed"]
+    assert first["input_ids"].shape == (dataset.tokenizer.model_max_length,)
+
+
+def test_caption_dropout_rate(shapes):
+    config = DataConfig(path=str(shapes), resolution=32, caption_dropout=0.3)
+    dataset = CaptionedImages(scan_examples(config), config, build_tokenizer(), train_seed=0)
+    empty = dataset.tokenizer("", padding="max_length", max_length=dataset.tokenizer.model_max_length).input_ids
+    dropped = [dataset[(epoch, 0)]["input_ids"].tolist() == empty for epoch in range(400)]
+    assert sum(dropped) / len(dropped) == pytest.approx(0.3, abs=0.07)
+
+
+def test_training_order_covers_each_epoch_and_shards_by_rank():
+    size, batch = 10, 3
+    single = TrainingOrder(size, batch * 2, seed=5)
+    ranks = [TrainingOrder(size, batch, seed=5, rank=r, world_size=2) for r in range(2)]
+    single_batches = [b for _, b in zip(range(20), single)]
+    rank_batches = [[b for _, b in zip(range(20), order)] for order in ranks]
+    for step in range(20):
+        # Two processes together see exactly the single process's global batch, in order.
+        assert rank_batches[0][step] + rank_batches[1][step] == single_batches[step]
+    stream = [key for b in single_batches for key in b]
+    for epoch in range(len(stream) // size):
+        keys = stream[epoch * size : (epoch + 1) * size]
+        assert {e for e, _ in keys} == {epoch}
+        assert sorted(i for _, i in keys) == list(range(size))  # each epoch is a permutation
+    assert [k for _, k in stream[:size]] != list(range(size))  # shuffled
+    assert [b for _, b in zip(range(20), TrainingOrder(size, batch * 2, seed=5))] == single_batches
+    assert [b for _, b in zip(range(20), TrainingOrder(size, batch * 2, seed=6))] != single_batches
+    resumed = TrainingOrder(size, batch * 2, seed=5, start_batch=7)
+    assert [b for _, b in zip(range(13), resumed)] == single_batches[7:]

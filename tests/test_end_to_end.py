@@ -1,0 +1,127 @@
+"""The README's promises, through the real entry points in subprocesses, on the bundled default job."""
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from difftune.metrics import read_metrics
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def _run(args, extra_env=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}  # the default job needs no network
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+
+
+def _check_run_files(out, max_steps, prompts):
+    assert (out / "pytorch_lora_weights.safetensors").is_file()
+    assert tomllib.loads((out / "config.toml").read_text())["train"]["max_steps"] == max_steps
+    assert [row["step"] for row in read_metrics(out)] == list(range(1, max_steps + 1))
+    assert sorted(p.name for p in (out / "samples").iterdir()) == [f"{i:03d}.png" for i in range(len(prompts))] + [
+        "grid.png"
+    ]
+    assert list((out / "logs").rglob("events.out.tfevents.*"))
+
+
+def test_accelerate_launch_runs_the_default_job(tmp_path):
+    """`accelerate launch scripts/train.py --config configs/tiny_lora.toml`, as the README says, unchanged."""
+    out = tmp_path / "tiny_lora"
+    run = _run(
+        [
+            shutil.which("accelerate") or "accelerate",
+            "launch",
+            "--num_processes=1",
+            "--num_machines=1",
+            "--mixed_precision=no",
+            "--dynamo_backend=no",
+            "scripts/train.py",
+            "--config",
+            "configs/tiny_lora.toml",
+            f"train.output_dir={out}",
+        ]
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    config = tomllib.loads((REPO / "configs/tiny_lora.toml").read_text())
+    _check_run_files(out, config["train"]["max_steps"], config["sample"]["prompts"])
+    losses = [row["loss"] for row in read_metrics(out)]
+    first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
+    assert last < first, (first, last)  # it learns something even on the untrained base
+
+    # The adapter loads in diffusers onto the bundled base and changes its output.
+    with safe_open(out / "pytorch_lora_weights.safetensors", framework="pt") as handle:
+        assert tomllib.loads(handle.metadata()["difftune_config"])["train"]["output_dir"] == str(out)
+    pipeline = StableDiffusionPipeline.from_pretrained(
+        REPO / "models/tiny-sd", safety_checker=None, torch_dtype=torch.float32
+    )
+    generator = torch.Generator().manual_seed(0)
+    before = pipeline("a red circle", num_inference_steps=3, generator=generator, output_type="np").images
+    pipeline.load_lora_weights(out)
+    generator = torch.Generator().manual_seed(0)
+    after = pipeline("a red circle", num_inference_steps=3, generator=generator, output_type="np").images
+    assert abs(before - after).max() > 1e-3
+    with Image.open(out / "samples" / "grid.png") as grid:
+        assert grid.size == (64, 64)  # four 32 px samples, 2 x 2
+
+
+def test_difftune_command_with_overrides(tmp_path):
+    out = tmp_path / "dora"
+    run = _run(
+        [
+            sys.executable,
+            "-m",
+            "difftune.cli",
+            "train",
+            "--config",
+            "configs/tiny_dora.toml",
+            f"train.output_dir={out}",
+            "train.max_steps=5",
+            "sample.steps=2",
+            'sample.prompts=["a red circle"]',
+        ]
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"wrote {out / 'pytorch_lora_weights.safetensors'}" in run.stdout
+    _check_run_files(out, 5, ["a red circle"])
+    with safe_open(out / "pytorch_lora_weights.safetensors", framework="pt") as handle:
+        keys = list(handle.keys())
+    assert any(k.startswith("text_encoder.") and k.endswith("lora_magnitude_vector.weight") for k in keys)
+    assert any(k.startswith("unet.") and k.endswith("lora_magnitude_vector.weight") for k in keys)
+
+
+def test_console_script_is_installed():
+    run = subprocess.run([shutil.which("difftune") or "difftune", "train", "--help"], capture_output=True, text=True)
+    assert run.returncode == 0
+    assert "adapter.kind:" in run.stdout and "train.max_steps:" in run.stdout
+
+
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
+    """DDP through accelerate (gloo on CPU): 2 x batch 4 trains exactly like 1 x batch 8."""
+    common = ["--config", "configs/tiny_lora.toml", "train.max_steps=4", "sample.prompts=[]", "log.progress_bar=false"]
+    one = _run([sys.executable, "scripts/train.py", *common, f"train.output_dir={tmp_path / 'one'}", "train.batch_size=8"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    torchrun = [shutil.which("torchrun") or "torchrun", "--nproc_per_node=2", "scripts/train.py"]
+    two = _run(
+        [*torchrun, *common, f"train.output_dir={tmp_path / 'two'}", "train.batch_size=4"],
+        extra_env={"ACCELERATE_USE_CPU": "true"},
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 process(es)" in two.stdout
+    losses_one = [row["loss"] for row in read_metrics(tmp_path / "one")]
+    losses_two = [row["loss"] for row in read_metrics(tmp_path / "two")]
+    assert losses_one == pytest.approx(losses_two, rel=1e-5)
+    weights_one = load_file(tmp_path / "one" / "pytorch_lora_weights.safetensors")
+    weights_two = load_file(tmp_path / "two" / "pytorch_lora_weights.safetensors")
+    for key, value in weights_one.items():
+        torch.testing.assert_close(weights_two[key], value, rtol=0, atol=1e-6)

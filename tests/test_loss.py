@@ -1,0 +1,82 @@
+import pytest
+import torch
+from diffusers.training_utils import compute_snr
+
+from difftune.config import LossConfig
+from difftune.loss import diffusion_loss, draw_timesteps_and_noise, min_snr_weights
+from difftune.tiny import build_noise_scheduler
+
+
+def test_min_snr_weights_closed_form():
+    snr = torch.tensor([0.5, 1.0, 5.0, 10.0, 100.0])
+    # epsilon: min(snr, 5) / snr
+    expected_eps = torch.tensor([1.0, 1.0, 1.0, 0.5, 0.05])
+    # v-prediction: min(snr, 5) / (snr + 1)
+    expected_v = torch.tensor([0.5 / 1.5, 1.0 / 2.0, 5.0 / 6.0, 5.0 / 11.0, 5.0 / 101.0])
+    torch.testing.assert_close(min_snr_weights(snr, 5.0, "epsilon"), expected_eps)
+    torch.testing.assert_close(min_snr_weights(snr, 5.0, "v_prediction"), expected_v)
+    # zero SNR (zero-terminal schedules): the epsilon weight's limit, 1, not 0/0
+    assert min_snr_weights(torch.tensor([0.0]), 5.0, "epsilon").item() == 1.0
+
+
+def test_snr_from_the_scheduler():
+    scheduler = build_noise_scheduler()
+    timesteps = torch.tensor([0, 250, 999])
+    alpha_bar = scheduler.alphas_cumprod[timesteps]
+    torch.testing.assert_close(compute_snr(scheduler, timesteps), alpha_bar / (1 - alpha_bar))
+
+
+class _Oracle(torch.nn.Module):
+    """A 'UNet' that returns a fixed tensor, to check targets and weights exactly."""
+
+    def __init__(self, output):
+        super().__init__()
+        self.output = output
+
+    def forward(self, sample, timestep, encoder_hidden_states, return_dict=False):
+        return (self.output,)
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
+def test_loss_targets_and_weights(prediction):
+    scheduler = build_noise_scheduler()
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(3, 4, 8, 8, generator=generator)
+    noise = torch.randn(3, 4, 8, 8, generator=generator)
+    timesteps = torch.tensor([10, 500, 990])
+    states = torch.zeros(3, 4, 16)
+    target = noise if prediction == "epsilon" else scheduler.get_velocity(latents, noise, timesteps)
+    config = LossConfig(prediction_type=prediction, weighting="min_snr", snr_gamma=5.0)
+
+    exact = diffusion_loss(_Oracle(target), scheduler, latents, states, timesteps, noise, config)
+    assert exact.shape == (3,)
+    assert torch.count_nonzero(exact) == 0
+
+    zero = diffusion_loss(_Oracle(torch.zeros_like(target)), scheduler, latents, states, timesteps, noise, config)
+    weights = min_snr_weights(compute_snr(scheduler, timesteps), 5.0, prediction)
+    torch.testing.assert_close(zero, target.pow(2).mean(dim=(1, 2, 3)) * weights)
+
+    uniform = LossConfig(prediction_type=prediction, weighting="uniform")
+    plain = diffusion_loss(_Oracle(torch.zeros_like(target)), scheduler, latents, states, timesteps, noise, uniform)
+    torch.testing.assert_close(plain, target.pow(2).mean(dim=(1, 2, 3)))
+
+
+def test_auto_prediction_type_follows_the_scheduler():
+    scheduler = build_noise_scheduler()
+    scheduler.register_to_config(prediction_type="v_prediction")
+    latents, noise = torch.ones(1, 4, 8, 8), torch.zeros(1, 4, 8, 8)
+    timesteps = torch.tensor([500])
+    velocity = scheduler.get_velocity(latents, noise, timesteps)
+    loss = diffusion_loss(_Oracle(velocity), scheduler, latents, None, timesteps, noise, LossConfig(weighting="uniform"))
+    assert loss.item() == 0.0
+
+
+def test_noise_is_per_sample_whatever_the_batch():
+    seeds = [11, 22, 33]
+    latents = torch.zeros(3, 4, 8, 8)
+    together = draw_timesteps_and_noise([torch.Generator().manual_seed(s) for s in seeds], latents, 1000)
+    for i, seed in enumerate(seeds):
+        alone = draw_timesteps_and_noise([torch.Generator().manual_seed(seed)], latents[:1], 1000)
+        assert torch.equal(alone[0], together[0][i : i + 1])
+        assert torch.equal(alone[1], together[1][i : i + 1])
+    assert together[0].min() >= 0 and together[0].max() < 1000

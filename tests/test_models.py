@@ -1,0 +1,99 @@
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler
+
+from difftune.config import ModelConfig
+from difftune.errors import DifftuneError
+from difftune.models import decode_latents, encode_latents, load_components, set_attention
+from difftune.tiny import build_taesd, build_unet, build_vae
+
+from conftest import REPO
+
+
+def test_loads_a_local_diffusers_folder(tiny_base):
+    components = load_components(ModelConfig(base=str(tiny_base)))
+    assert isinstance(components.vae, AutoencoderKL)
+    assert isinstance(components.noise_scheduler, DDPMScheduler)
+    assert components.unet.config.cross_attention_dim == components.text_encoder.config.hidden_size
+    ids = components.tokenizer("a red circle").input_ids
+    assert ids[0] == components.tokenizer.bos_token_id and ids[-1] == components.tokenizer.eos_token_id
+
+
+def test_pickled_checkpoints_are_refused(tmp_path):
+    path = tmp_path / "model.ckpt"
+    path.write_bytes(b"not read")
+    with pytest.raises(DifftuneError, match=r"model\.ckpt: pickled checkpoints .* convert it to \.safetensors"):
+        load_components(ModelConfig(base=str(path)))
+
+
+def test_missing_single_file_is_named(tmp_path):
+    with pytest.raises(DifftuneError, match=r"model\.base .*nope\.safetensors: no such file"):
+        load_components(ModelConfig(base=str(tmp_path / "nope.safetensors")))
+
+
+def test_offline_hub_id_says_to_pass_a_local_path(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    run = subprocess.run(
+        [sys.executable, "-m", "difftune.cli", "train", "model.base=someone/some-model", f"train.output_dir={tmp_path}/o"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "model.base someone/some-model: not a local folder or file" in run.stderr
+    assert "Pass a local diffusers folder or a .safetensors file" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_vae_override_with_taesd(tiny_base, tmp_path):
+    taesd_dir = tmp_path / "taesd"
+    build_taesd().save_pretrained(taesd_dir)
+    components = load_components(ModelConfig(base=str(tiny_base), vae=str(taesd_dir)))
+    assert isinstance(components.vae, AutoencoderTiny)
+    assert components.vae.config.scaling_factor == 1.0
+
+
+def test_vae_with_the_wrong_latent_channels_is_refused(tiny_base, tmp_path):
+    vae_dir = tmp_path / "vae16"
+    AutoencoderKL(block_out_channels=(32,), latent_channels=16, norm_num_groups=32).save_pretrained(vae_dir)
+    with pytest.raises(DifftuneError, match=r"makes 16-channel latents but the UNet takes 4"):
+        load_components(ModelConfig(base=str(tiny_base), vae=str(vae_dir)))
+
+
+def test_kl_latent_scaling_uses_the_config_factor():
+    torch.manual_seed(0)
+    vae = build_vae(scaling_factor=0.5).eval()
+    pixels = torch.rand(2, 3, 32, 32) * 2 - 1
+    latents = encode_latents(vae, pixels, [torch.Generator().manual_seed(s) for s in (1, 2)])
+    with torch.no_grad():
+        posterior = vae.encode(pixels).latent_dist
+        eps = torch.stack([torch.randn(posterior.mean.shape[1:], generator=torch.Generator().manual_seed(s)) for s in (1, 2)])
+        expected = (posterior.mean + posterior.std * eps) * 0.5
+    assert latents.shape == (2, 4, 8, 8)
+    torch.testing.assert_close(latents, expected)
+    # Decoding divides the factor back out.
+    with torch.no_grad():
+        torch.testing.assert_close(decode_latents(vae, latents), vae.decode(latents / 0.5).sample)
+
+
+def test_taesd_latents_are_used_as_encoded():
+    torch.manual_seed(0)
+    taesd = build_taesd().eval()
+    pixels = torch.rand(2, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        latents = encode_latents(taesd, pixels, [torch.Generator() for _ in range(2)])
+        torch.testing.assert_close(latents, taesd.encode(pixels).latents)
+    assert latents.shape == (2, 4, 8, 8)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("xformers") is not None, reason="xformers is installed")
+def test_xformers_without_the_package_is_a_clear_error():
+    with pytest.raises(DifftuneError, match=r"xformers is not installed; `pip install difftune\[xformers\]`"):
+        set_attention(build_unet(), "xformers")

@@ -1,0 +1,194 @@
+import json
+import tomllib
+
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from difftune.config import load_config
+from difftune.data import CaptionedImages, scan_examples
+from difftune.errors import DifftuneError
+from difftune.loss import diffusion_loss, draw_timesteps_and_noise
+from difftune.metrics import read_metrics
+from difftune.models import encode_latents, encode_prompts, load_components
+from difftune.tiny import shape_images, write_caption_folder
+from difftune.train import train
+
+from conftest import unet_inputs
+
+
+def _fixed_loss(components, config, seeds=(101, 202, 303, 404)) -> float:
+    """Loss over the first four images at fixed timesteps and noise: comparable before and after training."""
+    dataset = CaptionedImages(scan_examples(config.data), config.data, components.tokenizer, config.train.seed)
+    items = [dataset[(0, i)] for i in range(len(seeds))]
+    pixels = torch.stack([item["pixel_values"] for item in items])
+    input_ids = torch.stack([item["input_ids"] for item in items])
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    with torch.no_grad():
+        latents = encode_latents(components.vae, pixels, generators)
+        states = encode_prompts(components.text_encoder, input_ids)
+        timesteps, noise = draw_timesteps_and_noise(generators, latents, 1000)
+        # High-noise timesteps: where a random-init base has most to learn in a few steps.
+        timesteps = torch.tensor([600, 750, 900, 999])
+        loss = diffusion_loss(components.unet, components.noise_scheduler, latents, states, timesteps, noise, config.loss)
+    return loss.mean().item()
+
+
+def _base_weights(unet) -> dict[str, torch.Tensor]:
+    """Every non-adapter weight, under its name in the plain model."""
+    return {
+        name.replace(".base_layer", ""): value.detach().clone()
+        for name, value in unet.state_dict().items()
+        if "lora_" not in name
+    }
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_adapter_training_lowers_the_loss_and_keeps_the_base(make_config, tmp_path, kind):
+    fixed_batch = tmp_path / "four"
+    write_caption_folder(fixed_batch, shape_images(4, seed=3))
+    # Convolutions too: DoRA on a conv under channels-last is a path peft can break.
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "conv1", "conv2"]
+    config = make_config(
+        data__path=str(fixed_batch), adapter__kind=kind, adapter__target_modules=targets, adapter__rank=8,
+        train__max_steps=40, train__batch_size=4, optim__learning_rate=5e-3, loss__weighting="uniform",
+    )
+    base = load_components(config.model)
+    before = _fixed_loss(base, config)
+    result = train(config)
+    after = _fixed_loss(result.components, config)
+    assert after < 0.85 * before, (before, after)
+
+    trained = _base_weights(result.components.unet)
+    original = base.unet.state_dict()
+    assert trained.keys() == original.keys()
+    for name, value in original.items():
+        assert torch.equal(trained[name], value), f"base weight {name} changed"
+    assert len(result.losses) == 40 and all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_gradient_accumulation_matches_one_large_batch(make_config, tmp_path):
+    one_batch = train(make_config(train__batch_size=4, train__output_dir=str(tmp_path / "a")))
+    accumulated = train(
+        make_config(train__batch_size=2, train__gradient_accumulation_steps=2, train__output_dir=str(tmp_path / "b"))
+    )
+    assert one_batch.losses == pytest.approx(accumulated.losses, rel=1e-5)
+    # The same gradient, not k times it: Adam would hide a scale error in the weights, the norm does not.
+    norms_a = [row["grad_norm"] for row in read_metrics(tmp_path / "a")]
+    norms_b = [row["grad_norm"] for row in read_metrics(tmp_path / "b")]
+    assert norms_a == pytest.approx(norms_b, rel=1e-4)
+    weights_a, weights_b = load_file(one_batch.trained_path), load_file(accumulated.trained_path)
+    assert weights_a.keys() == weights_b.keys()
+    # Adam's first steps are ~sign(g) * lr, so an element whose gradient is at float-noise level may move by a
+    # fraction of lr either way; a wrong batch would move most elements by ~lr.
+    lr = 1e-3
+    for key in weights_a:
+        torch.testing.assert_close(weights_a[key], weights_b[key], rtol=0, atol=0.05 * lr)
+    # ...and the adapters did move away from their initial value (B starts at zero).
+    assert any(weights_a[k].abs().max() > 0 for k in weights_a if "lora_B" in k)
+
+
+def test_gradient_checkpointing_gives_the_same_update(make_config, tmp_path):
+    plain = train(make_config(train__output_dir=str(tmp_path / "plain")))
+    checkpointed = train(make_config(train__output_dir=str(tmp_path / "ckpt"), train__gradient_checkpointing=True))
+    assert plain.losses == pytest.approx(checkpointed.losses, rel=1e-5)
+    for key, value in load_file(plain.trained_path).items():
+        torch.testing.assert_close(value, load_file(checkpointed.trained_path)[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_saved_adapter_reloads_in_diffusers(make_config, tiny_base, kind):
+    config = make_config(adapter__kind=kind, adapter__text_encoder=True, train__max_steps=4, optim__learning_rate=1e-2)
+    result = train(config)
+    assert result.trained_path.name == "pytorch_lora_weights.safetensors"
+
+    pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None)
+    pipeline.load_lora_weights(result.trained_path.parent)
+    latents, timesteps, states = unet_inputs(pipeline.unet)
+    states = states[:, :, : pipeline.unet.config.cross_attention_dim]
+    ids = pipeline.tokenizer(["a red circle", "a blue square"], padding="max_length", return_tensors="pt").input_ids
+    ours = result.components
+    ours.unet.eval()
+    ours.text_encoder.eval()
+    with torch.no_grad():
+        expected_unet = ours.unet(latents, timesteps, states).sample
+        expected_text = ours.text_encoder(ids)[0]
+        base_unet = UNet2DConditionModel.from_pretrained(tiny_base, subfolder="unet")(latents, timesteps, states).sample
+        torch.testing.assert_close(pipeline.unet(latents, timesteps, states).sample, expected_unet, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(pipeline.text_encoder(ids)[0], expected_text, rtol=1e-4, atol=1e-5)
+    assert (expected_unet - base_unet).abs().max() > 1e-4  # the adapter does something
+
+    with safe_open(result.trained_path, framework="pt") as handle:
+        metadata = handle.metadata()
+    assert tomllib.loads(metadata["difftune_config"]) == json.loads(config.model_dump_json(exclude_none=True))
+    lora_metadata = json.loads(metadata["lora_adapter_metadata"])
+    assert lora_metadata["unet.r"] == 4 and lora_metadata["unet.use_dora"] == (kind == "dora")
+    assert lora_metadata["text_encoder.r"] == 4
+
+
+def test_full_fine_tune_writes_a_loadable_pipeline(make_config, tiny_base):
+    config = make_config(adapter__kind="none", adapter__text_encoder=True, optim__learning_rate=1e-3)
+    result = train(config)
+    assert result.trained_path.name == "model"
+    saved = StableDiffusionPipeline.from_pretrained(result.trained_path, safety_checker=None)
+    base_unet = UNet2DConditionModel.from_pretrained(tiny_base, subfolder="unet")
+    latents, timesteps, states = unet_inputs(base_unet)
+    result.components.unet.eval()
+    with torch.no_grad():
+        expected = result.components.unet(latents, timesteps, states).sample
+        torch.testing.assert_close(saved.unet(latents, timesteps, states).sample, expected, rtol=1e-5, atol=1e-6)
+        assert (expected - base_unet(latents, timesteps, states).sample).abs().max() > 1e-4
+    assert not any("lora" in key for key in saved.unet.state_dict())
+
+
+def test_run_outputs_and_metrics(make_config, tmp_path):
+    config = make_config(
+        train__max_steps=4,
+        sample__prompts=["a red circle", "a blue square"],
+        sample__steps=3,
+        log__tensorboard=True,
+    )
+    train(config)
+    out = tmp_path / "run"
+    assert load_config(out / "config.toml") == config
+    rows = read_metrics(out)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert {"loss", "grad_norm", "lr", "seconds", "samples_per_second", "epoch"} <= row.keys()
+        assert row["loss"] > 0 and row["grad_norm"] > 0
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["000.png", "001.png", "grid.png"]
+    from PIL import Image
+
+    with Image.open(out / "samples" / "001.png") as image:
+        assert image.size == (32, 32)
+        assert image.text["prompt"] == "a blue square"
+        assert "seed=1" in image.text["parameters"]
+    assert list((out / "logs").rglob("events.out.tfevents.*")), "TensorBoard events were not written"
+
+
+def test_warmup_and_clipping_show_in_the_metrics(make_config):
+    config = make_config(
+        train__max_steps=4, optim__warmup_steps=2, optim__lr_schedule="cosine", optim__max_grad_norm=1e-6
+    )
+    result = train(config)
+    rows = read_metrics(result.trained_path.parent)
+    lrs = [row["lr"] for row in rows]
+    peak = config.optim.learning_rate
+    # Warmup reaches the peak at step 2; cosine decays to 0 at the last step.
+    assert lrs[0] == pytest.approx(peak / 2) and lrs[1] == pytest.approx(peak) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
+    assert all(row["grad_norm"] > 1e-6 for row in rows)  # the norm before clipping is what is logged
+
+
+def test_refuses_to_overwrite_a_finished_run(make_config):
+    config = make_config(train__max_steps=1)
+    train(config)
+    with pytest.raises(DifftuneError, match="already holds a run .*train.overwrite=true"):
+        train(config)
+    train(make_config(train__max_steps=1, train__overwrite=True))
+
+
+def test_fp16_on_cpu_is_a_clear_error(make_config):
+    with pytest.raises(DifftuneError, match='mixed_precision = "fp16" needs a CUDA device'):
+        train(make_config(train__mixed_precision="fp16"))
