@@ -36,7 +36,7 @@ RESOLVED_CONFIG_FILE = "config.toml"
 @dataclass
 class TrainResult:
     components: Components  # unwrapped, adapters attached
-    trained_path: Path  # the adapter file, or the full-model folder
+    trained_path: Path | None  # the adapter file or the full-model folder; None on non-main processes
     losses: list[float]  # one per optimizer step, averaged over processes
 
 
@@ -133,8 +133,8 @@ def train(config: Config) -> TrainResult:
     metrics.close()
 
     accelerator.wait_for_everyone()
-    components.unet = accelerator.unwrap_model(components.unet)
-    components.text_encoder = accelerator.unwrap_model(components.text_encoder)
+    components.unet = accelerator.unwrap_model(components.unet).eval()
+    components.text_encoder = accelerator.unwrap_model(components.text_encoder).eval()
     trained_path = None
     if accelerator.is_main_process:
         trained_path = save_trained(components, config, output_dir)
