@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Literal, get_args, get_origin
 
-from difftune.config import Config, load_config
+from pydantic import ValidationError
+
+from difftune.config import Config, SampleConfig, describe_errors, load_config
 from difftune.errors import DifftuneError
 
 
@@ -17,6 +21,40 @@ def _keys_help() -> str:
     return "\n".join(lines)
 
 
+def _adapter_spec(text: str) -> tuple[Path, float]:
+    """`FILE` or `FILE:SCALE`."""
+    path, sep, scale = text.rpartition(":")
+    if sep:
+        try:
+            return Path(path), float(scale)
+        except ValueError:
+            pass
+    return Path(text), 1.0
+
+
+def _add_sample_options(parser: argparse.ArgumentParser) -> None:
+    """One option per `[sample]` field, from the schema: `--steps`, `--guidance-scale`, `--prompt` (repeatable)..."""
+    for name, field in SampleConfig.model_fields.items():
+        flag = "--prompt" if name == "prompts" else "--" + name.replace("_", "-")
+        options = {"dest": f"sample_{name}", "help": field.description, "default": None}
+        annotation = field.annotation
+        if get_origin(annotation) is list:
+            options["action"] = "append"
+        elif get_origin(annotation) is Literal:
+            options["choices"] = get_args(annotation)
+        else:
+            options["type"] = next((a for a in get_args(annotation) if a is not type(None)), annotation)
+        parser.add_argument(flag, **options)
+
+
+def _sample_config(args: argparse.Namespace) -> SampleConfig:
+    values = {name: getattr(args, f"sample_{name}") for name in SampleConfig.model_fields}
+    try:
+        return SampleConfig.model_validate({k: v for k, v in values.items() if v is not None})
+    except ValidationError as err:
+        raise DifftuneError(describe_errors("difftune sample", err, section="sample")) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="difftune", description="Fine-tune Stable Diffusion with LoRA, DoRA or fully.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -26,25 +64,80 @@ def build_parser() -> argparse.ArgumentParser:
         )
         command.add_argument("--config", help="TOML job file; omitted: all defaults")
         command.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides, e.g. train.max_steps=200")
+
+    adapter_help = "an adapter file (diffusers or kohya layout), optionally with a scale: FILE[:SCALE]; repeatable"
+    merge = commands.add_parser("merge", help="merge adapters into the base model and save it")
+    merge.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
+    merge.add_argument("--adapter", required=True, action="append", type=_adapter_spec, help=adapter_help)
+    merge.add_argument("--out", required=True, type=Path, help="output diffusers pipeline folder")
+    merge.add_argument("--single-file", action="store_true", help="also write out/model.safetensors in the original layout")
+    merge.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="dtype of the saved weights")
+    merge.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
+    convert = commands.add_parser("convert", help="rewrite an adapter in the diffusers or kohya layout")
+    convert.add_argument("source", type=Path, help="adapter file to read (either layout)")
+    convert.add_argument("target", type=Path, help="adapter file to write")
+    convert.add_argument("--to", required=True, choices=("kohya", "diffusers"), help="layout to write")
+    convert.add_argument("--base", help="base model, to read a kohya file's module names (default: from its metadata)")
+
+    sample = commands.add_parser("sample", help="text-to-image samples from a base model and adapters")
+    sample.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
+    sample.add_argument("--adapter", action="append", default=[], type=_adapter_spec, help=adapter_help)
+    sample.add_argument("--out", required=True, type=Path, help="folder for the PNGs and grid.png")
+    _add_sample_options(sample)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        config = load_config(args.config, args.overrides)
-        if args.command == "config":
-            print(config.to_toml(), end="")
-        else:
-            from difftune.train import train  # heavy imports only when training
-
-            result = train(config)
-            if result.trained_path:
-                print(f"difftune: wrote {result.trained_path}")
+        _run(args)
     except DifftuneError as err:
         print(f"difftune: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _run(args: argparse.Namespace) -> None:
+    if args.command in ("train", "config"):
+        config = load_config(args.config, args.overrides)
+        if args.command == "config":
+            print(config.to_toml(), end="")
+            return
+        from difftune.train import train  # heavy imports only when needed
+
+        result = train(config)
+        if result.trained_path:
+            print(f"difftune: wrote {result.trained_path}")
+        return
+
+    from difftune import export
+    from difftune.config import ModelConfig
+    from difftune.models import load_components
+
+    if args.command == "convert":
+        print(f"difftune: wrote {export.convert_adapter(args.source, args.target, args.to, args.base)}")
+    elif args.command == "merge":
+        components = load_components(ModelConfig(base=args.base))
+        export.merge_adapters(components, args.adapter, args.dtype, base=args.base)
+        for path in export.save_merged(components, args.out, args.single_file, args.overwrite):
+            print(f"difftune: wrote {path}")
+    elif args.command == "sample":
+        import torch
+
+        from difftune.sample import generate_images, save_images
+
+        config = _sample_config(args)
+        if not config.prompts:
+            raise DifftuneError("difftune sample: give at least one --prompt")
+        components = load_components(ModelConfig(base=args.base))
+        if args.adapter:
+            export.apply_adapters(components, args.adapter, base=args.base)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        for module in (components.unet, components.vae, components.text_encoder):
+            module.to(device).eval()
+        paths = save_images(generate_images(components, config, device), config, args.out)
+        print(f"difftune: wrote {len(paths)} images and grid.png to {args.out}")
 
 
 if __name__ == "__main__":

@@ -153,6 +153,20 @@ class SampleConfig(Section):
     scheduler: Literal["ddim", "euler", "euler_a", "dpmpp_2m"] = Field("ddim", description="Sampling scheduler.")
     seed: int = Field(0, ge=0, description="Seed of the first image; image i uses seed + i.")
     resolution: int | None = Field(None, ge=8, description="Sample size in pixels; defaults to `data.resolution`.")
+    images_per_prompt: int = Field(1, ge=1, description="Images per prompt, each with the next seed.")
+    decoder: str = Field(
+        "",
+        description="Autoencoder that decodes samples: empty for the model's own; a folder/hub id of TAESD "
+        "(`AutoencoderTiny`) for fast previews.",
+    )
+
+
+class ExportConfig(Section):
+    format: Literal["diffusers", "kohya"] = Field(
+        "diffusers",
+        description="Adapter file layout: `diffusers` (pytorch_lora_weights.safetensors, for diffusers/peft) or "
+        "`kohya` (<output_dir name>.safetensors, for A1111, ComfyUI, kohya; `difftune convert` turns one into the other).",
+    )
 
 
 class LogConfig(Section):
@@ -168,6 +182,7 @@ class Config(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
     @model_validator(mode="after")
@@ -203,7 +218,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise DifftuneError(_describe_errors(source, err)) from None
+        raise DifftuneError(describe_errors(source, err)) from None
 
 
 def _parse_override(override: str) -> tuple[str, Any]:
@@ -240,10 +255,11 @@ def _is_text(annotation: Any) -> bool:
     return getattr(annotation, "__origin__", None) is Literal and all(isinstance(a, str) for a in args)
 
 
-def _describe_errors(source: str, err: ValidationError) -> str:
+def describe_errors(source: str, err: ValidationError, section: str | None = None) -> str:
+    """One line per problem, each naming its `section.key`; `section` when `err` came from one section's model."""
     lines = [f"{source}: invalid config"]
     for error in err.errors():
-        loc = [str(part) for part in error["loc"]]
+        loc = ([section] if section else []) + [str(part) for part in error["loc"]]
         key = ".".join(loc)
         if error["type"] == "extra_forbidden":
             if len(loc) == 1:

@@ -1,42 +1,161 @@
-"""Writing what training produced, in formats other tools load.
+"""Writing what training produced, in the formats other tools load; merging adapters into the base.
 
-The adapter file is one safetensors file in the layout diffusers' `load_lora_weights` reads: peft
-keys prefixed `unet.` / `text_encoder.`, each part's peft `LoraConfig` under the metadata key
-`lora_adapter_metadata` (so rank, alpha and DoRA are read, not guessed from shapes), and the
-resolved difftune config under `difftune_config`. Weights are kept in fp32: lossless, and small.
+The diffusers-layout adapter file is one safetensors file that diffusers' `load_lora_weights` reads:
+peft keys prefixed `unet.` / `text_encoder.`, each part's peft `LoraConfig` under the metadata key
+`lora_adapter_metadata` (so rank, alpha and DoRA are read, not guessed from shapes), and the resolved
+difftune config under `difftune_config`. Weights are kept in fp32: lossless, and small. The kohya
+layout (kohya.py) is the same tensors under A1111/ComfyUI names, with `ss_*` metadata.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
+import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from difftune.adapters import adapter_state_dict
-from difftune.config import Config
-from difftune.models import Components, assemble_pipeline
+from difftune.config import Config, ModelConfig
+from difftune.errors import DifftuneError
+from difftune.kohya import from_kohya, kohya_metadata, to_kohya
+from difftune.models import DTYPES, Components, assemble_pipeline, load_components
 from difftune.sample import sampling_scheduler
+from difftune.single_file import pipeline_to_ldm
 
 ADAPTER_FILE = LORA_WEIGHT_NAME_SAFE  # the name `pipeline.load_lora_weights(output_dir)` looks for
 FULL_MODEL_DIR = "model"
+SINGLE_FILE = "model.safetensors"
 CONFIG_METADATA_KEY = "difftune_config"
+FORMATS = ("diffusers", "kohya")
 
 
 def save_trained(components: Components, config: Config, output_dir: Path) -> Path:
-    """The adapter file, or with `adapter.kind = "none"` a complete diffusers pipeline folder."""
+    """The adapter file in `export.format`, or with `adapter.kind = "none"` a complete diffusers pipeline."""
     if config.adapter.kind == "none":
         path = output_dir / FULL_MODEL_DIR
         pipeline = assemble_pipeline(components, sampling_scheduler(config.sample.scheduler, components))
         pipeline.save_pretrained(path, safe_serialization=True)
         return path
     tensors, lora_configs = adapter_state_dict(components, config.adapter)
-    metadata = {
-        "format": "pt",
-        LORA_ADAPTER_METADATA_KEY: json.dumps(lora_configs, sort_keys=True),
-        CONFIG_METADATA_KEY: config.to_toml(),
-    }
-    path = output_dir / ADAPTER_FILE
+    name = ADAPTER_FILE if config.export.format == "diffusers" else f"{output_dir.resolve().name}.safetensors"
+    return write_adapter(output_dir / name, tensors, lora_configs, config.to_toml(), config.export.format)
+
+
+def write_adapter(path: Path, tensors: dict, lora_configs: dict, config_toml: str, layout: str) -> Path:
+    metadata = {"format": "pt", CONFIG_METADATA_KEY: config_toml}
+    if layout == "kohya":
+        tensors = to_kohya(tensors, lora_configs)
+        metadata.update(kohya_metadata(config_toml, lora_configs))
+    else:
+        metadata[LORA_ADAPTER_METADATA_KEY] = json.dumps(lora_configs, sort_keys=True)
     save_file(tensors, path, metadata=metadata)
     return path
+
+
+def read_adapter(path: Path, base: str | None = None) -> tuple[dict, dict, str]:
+    """Any adapter file difftune writes -> (diffusers-layout tensors, peft configs, difftune config TOML).
+
+    A kohya-layout file needs the base model's module names: from `base`, else the base its metadata names.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DifftuneError(f"adapter {path}: no such file")
+    with safe_open(path, framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    tensors = load_file(path)
+    config_toml = metadata.get(CONFIG_METADATA_KEY, "")
+    if not is_kohya(tensors):
+        if LORA_ADAPTER_METADATA_KEY not in metadata:
+            raise DifftuneError(f"adapter {path}: has no `{LORA_ADAPTER_METADATA_KEY}` metadata; not a diffusers LoRA file")
+        return tensors, json.loads(metadata[LORA_ADAPTER_METADATA_KEY]), config_toml
+    base = base or metadata.get("ss_sd_model_name")
+    if not base:
+        raise DifftuneError(f"adapter {path}: a kohya-layout file needs --base (the model it was trained on)")
+    components = load_components(ModelConfig(base=base))
+    names = {"unet": _module_names(components.unet), "text_encoder": _module_names(components.text_encoder)}
+    try:
+        tensors, lora_configs = from_kohya(tensors, names)
+    except ValueError as err:
+        raise DifftuneError(f"adapter {path}: {err}") from None
+    return tensors, lora_configs, config_toml
+
+
+def convert_adapter(source: Path, target: Path, layout: str, base: str | None = None) -> Path:
+    """Rewrite an adapter file in the other layout; the tensors are unchanged (a lossless round trip)."""
+    if layout not in FORMATS:
+        raise DifftuneError(f"--to {layout}: allowed: {', '.join(FORMATS)}")
+    tensors, lora_configs, config_toml = read_adapter(source, base)
+    if layout == "kohya" and not config_toml:
+        raise DifftuneError(f"adapter {source}: has no difftune config metadata to derive kohya `ss_*` fields from")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return write_adapter(target, tensors, lora_configs, config_toml, layout)
+
+
+def is_kohya(tensors: dict) -> bool:
+    return any(key.startswith(("lora_unet_", "lora_te_")) for key in tensors)
+
+
+def _module_names(model: torch.nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))]
+
+
+def apply_adapters(components: Components, adapters: list[tuple[Path, float]], base: str | None = None) -> None:
+    """Attach adapter files (either layout) to the UNet/text encoder with their scales.
+
+    Each goes through `read_adapter` and is handed to diffusers' own loader in the diffusers layout, with
+    its peft config: diffusers' kohya reader would keep `dora_scale`'s shape, which peft then rejects.
+    """
+    pipeline = assemble_pipeline(components)
+    names = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (path, _) in enumerate(adapters):
+            tensors, lora_configs, config_toml = read_adapter(path, base)
+            _refuse_non_finite(tensors, f"adapter {path}")
+            names.append(f"adapter_{i}")
+            staged = write_adapter(Path(tmp) / f"{names[-1]}.safetensors", tensors, lora_configs, config_toml, "diffusers")
+            pipeline.load_lora_weights(tmp, weight_name=staged.name, adapter_name=names[-1])
+    pipeline.set_adapters(names, adapter_weights=[scale for _, scale in adapters])
+
+
+def merge_adapters(
+    components: Components, adapters: list[tuple[Path, float]], dtype: str = "fp32", base: str | None = None
+) -> None:
+    """Fold the scaled adapters into the base weights (peft's merge: exact for LoRA and DoRA)."""
+    apply_adapters(components, adapters, base)
+    pipeline = assemble_pipeline(components)
+    pipeline.fuse_lora(components=["unet", "text_encoder"], lora_scale=1.0)
+    pipeline.unload_lora_weights()
+    for module in (components.unet, components.text_encoder, components.vae):
+        module.to(DTYPES[dtype])
+        _refuse_non_finite(module.state_dict(), f"the merged model in {dtype}")
+
+
+def save_merged(components: Components, out_dir: Path, single_file: bool, overwrite: bool = False) -> list[Path]:
+    """A complete diffusers pipeline folder (and, on request, `model.safetensors` in the original single-file
+    layout inside it). Written to a temporary folder first and moved into place whole."""
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise DifftuneError(f"--out {out_dir}: already exists and is not empty; choose another folder or pass --overwrite")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    pipeline = assemble_pipeline(components, sampling_scheduler("ddim", components))
+    pipeline.save_pretrained(staging, safe_serialization=True)
+    written = [out_dir]
+    if single_file:
+        ldm = {key: value.contiguous() for key, value in pipeline_to_ldm(pipeline).items()}
+        save_file(ldm, staging / SINGLE_FILE, metadata={"format": "pt"})
+        written.append(out_dir / SINGLE_FILE)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    staging.rename(out_dir)
+    return written
+
+
+def _refuse_non_finite(tensors: dict, what: str) -> None:
+    bad = [key for key, value in tensors.items() if value.is_floating_point() and not torch.isfinite(value).all()]
+    if bad:
+        raise DifftuneError(f"{what}: NaN or inf in {len(bad)} tensors (first: {bad[0]}); nothing was written")

@@ -49,7 +49,7 @@ def load_components(config: ModelConfig) -> Components:
             components = _load_single_file(config)
         else:
             options = {"revision": config.revision or None, "variant": config.variant or None}
-            fp32 = {"torch_dtype": torch.float32}  # not the saved dtype: placement casts later, on purpose
+            fp32 = {"dtype": torch.float32}  # not the saved dtype: placement casts later, on purpose
             components = Components(
                 unet=UNet2DConditionModel.from_pretrained(base, subfolder="unet", **options, **fp32),
                 vae=AutoencoderKL.from_pretrained(base, subfolder="vae", **options, **fp32),
@@ -77,7 +77,7 @@ def _load_single_file(config: ModelConfig) -> Components:
         config=config.single_file_config or None,
         safety_checker=None,
         requires_safety_checker=False,
-        torch_dtype=torch.float32,
+        dtype=torch.float32,
     )
     return Components(
         unet=pipeline.unet,
@@ -108,7 +108,7 @@ def load_vae(name: str) -> AutoencoderKL | AutoencoderTiny:
     class_name = AutoencoderKL.load_config(name, subfolder=subfolder).get("_class_name")
     if class_name not in VAE_CLASSES:
         raise DifftuneError(f"model.vae {name}: is a {class_name}; allowed kinds: {', '.join(VAE_CLASSES)}")
-    return VAE_CLASSES[class_name].from_pretrained(name, subfolder=subfolder, torch_dtype=torch.float32)
+    return VAE_CLASSES[class_name].from_pretrained(name, subfolder=subfolder, dtype=torch.float32)
 
 
 @contextmanager

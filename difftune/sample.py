@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from difftune.config import SampleConfig
-from difftune.models import Components, assemble_pipeline
+from difftune.models import Components, assemble_pipeline, load_vae
 
 SCHEDULERS = {
     "ddim": DDIMScheduler,
@@ -31,42 +32,54 @@ def sampling_scheduler(name: str, components: Components):
     return SCHEDULERS[name].from_config(components.noise_scheduler.config)
 
 
+@dataclass
+class Sample:
+    image: Image.Image
+    prompt: str
+    seed: int
+
+
 @torch.no_grad()
-def generate_images(components: Components, config: SampleConfig, device: torch.device) -> list[Image.Image]:
-    """One image per prompt; image i is drawn with seed `config.seed + i`, so any image can be re-made alone."""
-    pipeline = assemble_pipeline(components, sampling_scheduler(config.scheduler, components))
+def generate_images(components: Components, config: SampleConfig, device: torch.device) -> list[Sample]:
+    """`images_per_prompt` images per prompt; image k (counting across prompts) uses seed `config.seed + k`,
+    so any image can be re-made alone. No `resolution`: the model's native size."""
+    decoder = load_vae(config.decoder).to(device, components.vae.dtype) if config.decoder else components.vae
+    pipeline = assemble_pipeline(replace(components, vae=decoder), sampling_scheduler(config.scheduler, components))
     pipeline.set_progress_bar_config(disable=True)
-    images = []
-    for i, prompt in enumerate(config.prompts):
-        generator = torch.Generator("cpu").manual_seed(config.seed + i)
-        images += pipeline(
-            prompt,
-            negative_prompt=config.negative_prompt or None,
-            num_inference_steps=config.steps,
-            guidance_scale=config.guidance_scale,
-            height=config.resolution,
-            width=config.resolution,
-            generator=generator,
-        ).images
-    return images
+    samples = []
+    for prompt in config.prompts:
+        for _ in range(config.images_per_prompt):
+            seed = config.seed + len(samples)
+            image = pipeline(
+                prompt,
+                negative_prompt=config.negative_prompt or None,
+                num_inference_steps=config.steps,
+                guidance_scale=config.guidance_scale,
+                height=config.resolution,
+                width=config.resolution,
+                generator=torch.Generator("cpu").manual_seed(seed),
+            ).images[0]
+            samples.append(Sample(image, prompt, seed))
+    return samples
 
 
-def save_images(images: list[Image.Image], config: SampleConfig, out_dir: Path) -> list[Path]:
+def save_images(samples: list[Sample], config: SampleConfig, out_dir: Path) -> list[Path]:
     """Each image as a PNG with its prompt and settings in the text chunk, plus `grid.png`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for i, (image, prompt) in enumerate(zip(images, config.prompts)):
+    for i, sample in enumerate(samples):
         info = PngInfo()
-        info.add_text("prompt", prompt)
+        info.add_text("prompt", sample.prompt)
         info.add_text(
             "parameters",
             f"negative_prompt={config.negative_prompt!r} steps={config.steps} guidance_scale={config.guidance_scale} "
-            f"scheduler={config.scheduler} seed={config.seed + i} size={config.resolution}",
+            f"scheduler={config.scheduler} seed={sample.seed} size={sample.image.width}x{sample.image.height} "
+            f"decoder={config.decoder or 'model'}",
         )
         path = out_dir / f"{i:03d}.png"
-        image.save(path, pnginfo=info)
+        sample.image.save(path, pnginfo=info)
         paths.append(path)
-    make_grid(images).save(out_dir / "grid.png")
+    make_grid([sample.image for sample in samples]).save(out_dir / "grid.png")
     return paths
 
 

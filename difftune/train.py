@@ -140,8 +140,8 @@ def train(config: Config) -> TrainResult:
         trained_path = save_trained(components, config, output_dir)
         if config.sample.prompts:
             with accelerator.autocast():
-                images = generate_images(components, config.sample, accelerator.device)
-            save_images(images, config.sample, output_dir / "samples")
+                samples = generate_images(components, config.sample, accelerator.device)
+            save_images(samples, config.sample, output_dir / "samples")
     accelerator.end_training()
     return TrainResult(components, trained_path, losses)
 

@@ -63,7 +63,7 @@ def test_accelerate_launch_runs_the_default_job(tmp_path):
     with safe_open(out / "pytorch_lora_weights.safetensors", framework="pt") as handle:
         assert tomllib.loads(handle.metadata()["difftune_config"])["train"]["output_dir"] == str(out)
     pipeline = StableDiffusionPipeline.from_pretrained(
-        REPO / "models/tiny-sd", safety_checker=None, torch_dtype=torch.float32
+        REPO / "models/tiny-sd", safety_checker=None, dtype=torch.float32
     )
     generator = torch.Generator().manual_seed(0)
     before = pipeline("a red circle", num_inference_steps=3, generator=generator, output_type="np").images

@@ -1,0 +1,133 @@
+"""The kohya / A1111 / ComfyUI adapter layout, both ways, lossless.
+
+Keys: `lora_unet_<module>` and `lora_te_<module>` with the module's dotted path joined by `_`,
+each with `.lora_down.weight` (peft's lora_A), `.lora_up.weight` (lora_B) and a scalar `.alpha`.
+The text encoder's path always starts `text_model_`: transformers 5 dropped that level from
+CLIPTextModel, and A1111/ComfyUI skip keys without it, silently.
+
+DoRA magnitudes are written as `.dora_scale` with one value per output row, shaped `[out, 1]` for
+a linear layer and `[out, 1, 1, 1]` for a convolution (peft keeps `[out]` and `[1, out, 1, 1]`), the
+output-axis orientation kohya/LyCORIS (`wd_on_out`) write and ComfyUI/Forge detect by shape. Readers:
+difftune reads it exactly; diffusers drops `dora_scale` (with a log line) and loads the rest as plain LoRA;
+ComfyUI normalises output-axis DoRA by the base weight's norm instead of the merged weight's, so it
+reproduces peft's DoRA only approximately (closely while the adapter's change is small).
+
+Reading back needs the module names of the model the adapter was made for (a `_`-joined name
+cannot be split unambiguously): they come from the base model's UNet and text encoder.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+
+import torch
+
+from difftune.adapters import DORA_MAGNITUDE
+
+UNET_PREFIX, TEXT_ENCODER_PREFIX = "lora_unet_", "lora_te_"
+_PARTS = {"unet": UNET_PREFIX, "text_encoder": TEXT_ENCODER_PREFIX}
+
+
+def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict) -> dict[str, torch.Tensor]:
+    """difftune/diffusers adapter tensors (`unet.<path>.lora_A.weight`, ...) -> kohya keys."""
+    out = {}
+    for key, value in tensors.items():
+        part, _, rest = key.partition(".")
+        module, kind = _split_module(rest)
+        if part == "text_encoder" and not module.startswith("text_model."):
+            module = f"text_model.{module}"
+        name = _PARTS[part] + module.replace(".", "_")
+        if kind == "lora_A.weight":
+            out[f"{name}.lora_down.weight"] = value
+            out[f"{name}.alpha"] = torch.tensor(float(_alpha(lora_configs, part, rest.rsplit(".lora_A", 1)[0])))
+        elif kind == "lora_B.weight":
+            out[f"{name}.lora_up.weight"] = value
+        else:  # DoRA magnitude: one value per output row
+            out[f"{name}.dora_scale"] = value.reshape(-1, 1, 1, 1) if value.ndim == 4 else value.reshape(-1, 1)
+    return out
+
+
+def from_kohya(
+    kohya: dict[str, torch.Tensor], module_names: dict[str, list[str]]
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """kohya keys -> difftune/diffusers adapter tensors and each part's peft config (rank, alpha, DoRA).
+
+    `module_names` maps "unet" / "text_encoder" to the dotted module names of the model to load into.
+    """
+    lookup = {}
+    for part, names in module_names.items():
+        for name in names:
+            lookup[_PARTS[part] + name.replace(".", "_")] = (part, name)
+            if part == "text_encoder" and not name.startswith("text_model."):
+                lookup[_PARTS[part] + "text_model_" + name.replace(".", "_")] = (part, name)
+    tensors, ranks, alphas, dora = {}, {}, {}, {}
+    for key, value in kohya.items():
+        name, _, kind = key.partition(".")
+        if name not in lookup:
+            raise ValueError(f"{key}: no module of the base model is named {name!r}; is this adapter for this model?")
+        part, module = lookup[name]
+        prefix = f"{part}.{module}"
+        if kind == "lora_down.weight":
+            tensors[f"{prefix}.lora_A.weight"] = value
+            ranks.setdefault(part, {})[module] = value.shape[0]
+        elif kind == "lora_up.weight":
+            tensors[f"{prefix}.lora_B.weight"] = value
+        elif kind == "alpha":
+            alphas.setdefault(part, {})[module] = float(value)
+        elif kind == "dora_scale":
+            is_conv = kohya[f"{name}.lora_down.weight"].ndim == 4
+            magnitude = value.reshape(1, -1, 1, 1) if is_conv else value.reshape(-1)
+            tensors[f"{prefix}.{DORA_MAGNITUDE}.weight"] = magnitude
+            dora[part] = True
+        else:
+            raise ValueError(f"{key}: unknown kohya key kind {kind!r} (known: lora_down, lora_up, alpha, dora_scale)")
+    lora_configs = {}
+    for part, part_ranks in ranks.items():
+        rank = max(set(part_ranks.values()), key=list(part_ranks.values()).count)
+        part_alphas = {m: alphas.get(part, {}).get(m, float(r)) for m, r in part_ranks.items()}
+        alpha = max(set(part_alphas.values()), key=list(part_alphas.values()).count)
+        config = {
+            "r": rank,
+            "lora_alpha": alpha,
+            "target_modules": sorted(part_ranks),
+            "use_dora": dora.get(part, False),
+            "rank_pattern": {m: r for m, r in part_ranks.items() if r != rank},
+            "alpha_pattern": {m: a for m, a in part_alphas.items() if a != alpha},
+        }
+        lora_configs.update({f"{part}.{field}": value for field, value in config.items()})
+    return tensors, lora_configs
+
+
+def kohya_metadata(config_toml: str, lora_configs: dict, base_model_version: str = "sd_v1") -> dict[str, str]:
+    """The `ss_*` fields kohya's scripts write and A1111's UI shows."""
+    config = tomllib.loads(config_toml)
+    is_dora = bool(lora_configs.get("unet.use_dora"))
+    return {
+        "ss_network_module": "lycoris.kohya" if is_dora else "networks.lora",
+        "ss_network_args": json.dumps({"algo": "lora", "dora_wd": "True"} if is_dora else {}),
+        "ss_network_dim": str(lora_configs["unet.r"]),
+        "ss_network_alpha": str(lora_configs["unet.lora_alpha"]),
+        "ss_base_model_version": base_model_version,
+        "ss_sd_model_name": config["model"]["base"],
+        "ss_resolution": f"({config['data']['resolution']}, {config['data']['resolution']})",
+        "ss_max_train_steps": str(config["train"]["max_steps"]),
+        "ss_learning_rate": str(config["optim"]["learning_rate"]),
+        "ss_seed": str(config["train"]["seed"]),
+        "ss_train_text_encoder": str(config["adapter"]["text_encoder"]),
+        "ss_output_name": "difftune",
+        "ss_training_comment": f"trained with difftune ({config['adapter']['kind']})",
+    }
+
+
+def _split_module(key: str) -> tuple[str, str]:
+    # The magnitude with `.weight` (as difftune writes it) or bare (as diffusers/peft write it).
+    for kind in ("lora_A.weight", "lora_B.weight", f"{DORA_MAGNITUDE}.weight", DORA_MAGNITUDE):
+        if key.endswith("." + kind):
+            return key[: -len(kind) - 1], kind
+    raise ValueError(f"{key}: not a LoRA/DoRA tensor (lora_A, lora_B or {DORA_MAGNITUDE})")
+
+
+def _alpha(lora_configs: dict, part: str, module: str) -> float:
+    pattern = lora_configs.get(f"{part}.alpha_pattern") or {}
+    return pattern.get(module, lora_configs[f"{part}.lora_alpha"])

@@ -1,0 +1,131 @@
+"""The original single-file Stable Diffusion (LDM) checkpoint layout, written from diffusers models.
+
+A1111, ComfyUI and `StableDiffusionPipeline.from_single_file` read one `.safetensors` with
+`model.diffusion_model.*` (UNet), `first_stage_model.*` (VAE) and `cond_stage_model.transformer.*`
+(CLIP text encoder) keys. diffusers ships only the reading direction (`single_file_utils`); this is
+the writing one, derived from each model's config (levels, layers per block, attention placement),
+so it serves any SD 1.x/2.x-shaped UNet, the tiny test model included.
+"""
+
+from __future__ import annotations
+
+from diffusers import AutoencoderKL, UNet2DConditionModel
+
+UNET_PREFIX = "model.diffusion_model."
+VAE_PREFIX = "first_stage_model."
+TEXT_ENCODER_PREFIX = "cond_stage_model.transformer."
+
+_UNET_TOP_LEVEL = {
+    "time_embedding.linear_1.": "time_embed.0.",
+    "time_embedding.linear_2.": "time_embed.2.",
+    "conv_in.": "input_blocks.0.0.",
+    "conv_norm_out.": "out.0.",
+    "conv_out.": "out.2.",
+}
+_UNET_RESNET = {
+    "norm1.": "in_layers.0.",
+    "conv1.": "in_layers.2.",
+    "time_emb_proj.": "emb_layers.1.",
+    "norm2.": "out_layers.0.",
+    "conv2.": "out_layers.3.",
+    "conv_shortcut.": "skip_connection.",
+}
+_VAE_ATTENTION = {
+    "group_norm.": "norm.",
+    "to_q.": "q.",
+    "to_k.": "k.",
+    "to_v.": "v.",
+    "to_out.0.": "proj_out.",
+}
+
+
+def unet_to_ldm(unet: UNet2DConditionModel) -> dict:
+    """UNet state dict -> LDM keys (`model.diffusion_model.` prefix)."""
+    config = unet.config
+    per_level = config.layers_per_block + 1  # LDM puts each level's downsampler in its own input block
+    prefixes = dict(_UNET_TOP_LEVEL)
+    for level, block in enumerate(unet.down_blocks):
+        for layer in range(config.layers_per_block):
+            index = per_level * level + layer + 1
+            prefixes[f"down_blocks.{level}.resnets.{layer}."] = f"input_blocks.{index}.0."
+            prefixes[f"down_blocks.{level}.attentions.{layer}."] = f"input_blocks.{index}.1."
+        prefixes[f"down_blocks.{level}.downsamplers.0.conv."] = f"input_blocks.{per_level * (level + 1)}.0.op."
+    prefixes["mid_block.resnets.0."] = "middle_block.0."
+    prefixes["mid_block.attentions.0."] = "middle_block.1."
+    prefixes["mid_block.resnets.1."] = "middle_block.2."
+    for level, block in enumerate(unet.up_blocks):
+        for layer in range(per_level):
+            index = per_level * level + layer
+            prefixes[f"up_blocks.{level}.resnets.{layer}."] = f"output_blocks.{index}.0."
+            prefixes[f"up_blocks.{level}.attentions.{layer}."] = f"output_blocks.{index}.1."
+        upsampler_slot = 2 if getattr(block, "attentions", None) else 1
+        prefixes[f"up_blocks.{level}.upsamplers.0."] = f"output_blocks.{per_level * level + per_level - 1}.{upsampler_slot}."
+    out = {}
+    for key, value in unet.state_dict().items():
+        new_key = _replace_prefix(key, prefixes)
+        if ".resnets." in key:
+            new_key = _replace_inner(new_key, _UNET_RESNET)
+        out[UNET_PREFIX + new_key] = value
+    return out
+
+
+def vae_to_ldm(vae: AutoencoderKL) -> dict:
+    """KL VAE state dict -> LDM keys (`first_stage_model.` prefix); attention projections become 1x1 convs."""
+    levels = len(vae.config.block_out_channels)
+    prefixes = {
+        "encoder.conv_norm_out.": "encoder.norm_out.",
+        "decoder.conv_norm_out.": "decoder.norm_out.",
+        "encoder.mid_block.attentions.0.": "encoder.mid.attn_1.",
+        "decoder.mid_block.attentions.0.": "decoder.mid.attn_1.",
+    }
+    for i in range(2):
+        prefixes[f"encoder.mid_block.resnets.{i}."] = f"encoder.mid.block_{i + 1}."
+        prefixes[f"decoder.mid_block.resnets.{i}."] = f"decoder.mid.block_{i + 1}."
+    for level in range(levels):
+        prefixes[f"encoder.down_blocks.{level}.resnets."] = f"encoder.down.{level}.block."
+        prefixes[f"encoder.down_blocks.{level}.downsamplers.0."] = f"encoder.down.{level}.downsample."
+        # LDM numbers decoder levels from the bottom up.
+        prefixes[f"decoder.up_blocks.{level}.resnets."] = f"decoder.up.{levels - 1 - level}.block."
+        prefixes[f"decoder.up_blocks.{level}.upsamplers.0."] = f"decoder.up.{levels - 1 - level}.upsample."
+    out = {}
+    for key, value in vae.state_dict().items():
+        new_key = _replace_prefix(key, prefixes).replace("conv_shortcut.", "nin_shortcut.")
+        if ".mid.attn_1." in new_key:
+            new_key = _replace_inner(new_key, _VAE_ATTENTION)
+            if value.ndim == 2:
+                value = value[:, :, None, None]
+        out[VAE_PREFIX + new_key] = value
+    return out
+
+
+def text_encoder_to_ldm(text_encoder) -> dict:
+    """CLIP text encoder -> `cond_stage_model.transformer.text_model.*` keys. transformers 5 dropped the
+    `text_model` level from CLIPTextModel; the original layout (and every reader of it) keeps it."""
+    out = {}
+    for key, value in text_encoder.state_dict().items():
+        key = key if key.startswith("text_model.") else f"text_model.{key}"
+        out[TEXT_ENCODER_PREFIX + key] = value
+    return out
+
+
+def pipeline_to_ldm(pipeline) -> dict:
+    return {
+        **unet_to_ldm(pipeline.unet),
+        **vae_to_ldm(pipeline.vae),
+        **text_encoder_to_ldm(pipeline.text_encoder),
+    }
+
+
+def _replace_prefix(key: str, prefixes: dict[str, str]) -> str:
+    # Longest first, so `down_blocks.1.resnets.0.` wins over a shorter prefix of it.
+    for old in sorted(prefixes, key=len, reverse=True):
+        if key.startswith(old):
+            return prefixes[old] + key[len(old) :]
+    return key
+
+
+def _replace_inner(key: str, names: dict[str, str]) -> str:
+    for old, new in names.items():
+        if f".{old}" in key:
+            return key.replace(f".{old}", f".{new}", 1)
+    return key

@@ -1,0 +1,248 @@
+"""Deployment: merge, single-file checkpoints, the kohya layout and sampling, checked by re-loading."""
+
+import json
+
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from difftune import export
+from difftune.adapters import adapter_state_dict, add_adapters
+from difftune.cli import main
+from difftune.config import ModelConfig, load_config
+from difftune.errors import DifftuneError
+from difftune.models import load_components
+
+from conftest import unet_inputs
+
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "conv1", "proj_in"]
+
+
+def _make_adapter(tiny_base, path, kind, layout="diffusers", seed=0):
+    """An adapter with random (non-identity) weights on the UNet and the text encoder, written to `path`."""
+    config = load_config(
+        None,
+        [f"model.base={tiny_base}", f"adapter.kind={kind}", "adapter.rank=4", "adapter.alpha=8",
+         "adapter.text_encoder=true", f"adapter.target_modules={json.dumps(TARGETS)}", "data.resolution=32"],
+    )
+    components = load_components(config.model)
+    add_adapters(components, config.adapter)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in [*components.unet.named_parameters(), *components.text_encoder.named_parameters()]:
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+            elif "lora_magnitude" in name:
+                param.mul_(1 + 0.1 * torch.rand(param.shape, generator=generator))
+    tensors, lora_configs = adapter_state_dict(components, config.adapter)
+    export.write_adapter(path, tensors, lora_configs, config.to_toml(), layout)
+    return components
+
+
+def _outputs(components):
+    """UNet and text-encoder outputs on fixed inputs."""
+    latents, timesteps, states = unet_inputs(components.unet)
+    ids = components.tokenizer(["a red circle", "a blue square"], padding="max_length", return_tensors="pt").input_ids
+    with torch.no_grad():
+        return components.unet(latents, timesteps, states).sample, components.text_encoder(ids)[0]
+
+
+def _assert_same_outputs(a, b, atol=1e-5):
+    for x, y in zip(_outputs(a), _outputs(b)):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=atol)
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_adapter_file_reproduces_the_adapted_model(tiny_base, tmp_path, kind):
+    adapted = _make_adapter(tiny_base, tmp_path / "a.safetensors", kind)
+    loaded = load_components(ModelConfig(base=str(tiny_base)))
+    export.apply_adapters(loaded, [(tmp_path / "a.safetensors", 1.0)])
+    _assert_same_outputs(adapted, loaded)
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_merged_model_equals_the_adapted_model(tiny_base, tmp_path, kind, scale):
+    adapter = tmp_path / "a.safetensors"
+    _make_adapter(tiny_base, adapter, kind)
+    adapted = load_components(ModelConfig(base=str(tiny_base)))
+    export.apply_adapters(adapted, [(adapter, scale)])
+    merged = load_components(ModelConfig(base=str(tiny_base)))
+    export.merge_adapters(merged, [(adapter, scale)])
+    assert not any("lora" in key for key in merged.unet.state_dict())
+    _assert_same_outputs(adapted, merged, atol=2e-5)
+    base = load_components(ModelConfig(base=str(tiny_base)))
+    assert (_outputs(merged)[0] - _outputs(base)[0]).abs().max() > 1e-3
+
+
+def test_merge_command_writes_a_pipeline_and_a_single_file(tiny_base, tmp_path):
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    _make_adapter(tiny_base, first, "lora", seed=1)
+    _make_adapter(tiny_base, second, "dora", seed=2)
+    out = tmp_path / "merged"
+    args = ["merge", "--base", str(tiny_base), "--adapter", f"{first}:0.7", "--adapter", f"{second}:0.5", "--out", str(out)]
+    assert main([*args, "--single-file"]) == 0
+
+    expected = load_components(ModelConfig(base=str(tiny_base)))
+    export.apply_adapters(expected, [(first, 0.7), (second, 0.5)])
+    folder = load_components(ModelConfig(base=str(out)))
+    _assert_same_outputs(expected, folder, atol=3e-5)
+
+    single = StableDiffusionPipeline.from_single_file(
+        str(out / "model.safetensors"), config=str(tiny_base), safety_checker=None, dtype=torch.float32
+    )
+    single_parts = load_components(ModelConfig(base=str(out)))
+    single_parts.unet, single_parts.text_encoder, single_parts.vae = single.unet, single.text_encoder, single.vae
+    _assert_same_outputs(folder, single_parts, atol=0)
+    # ...and difftune trains from it: model.base may be a single file, its architecture from a local folder.
+    _assert_same_outputs(
+        folder, load_components(ModelConfig(base=str(out / "model.safetensors"), single_file_config=str(tiny_base))), atol=0
+    )
+    pixels = torch.rand(1, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        torch.testing.assert_close(single.vae(pixels).sample, folder.vae(pixels).sample, rtol=0, atol=0)
+    with safe_open(out / "model.safetensors", framework="pt") as handle:
+        keys = set(handle.keys())
+    # Every tensor of the folder is in the single file, under the original names A1111/ComfyUI expect.
+    assert len(keys) == sum(len(m.state_dict()) for m in (folder.unet, folder.vae, folder.text_encoder))
+    assert any(k.startswith("cond_stage_model.transformer.text_model.encoder.layers.") for k in keys)
+    assert "model.diffusion_model.input_blocks.0.0.weight" in keys and "first_stage_model.decoder.up.0.block.0.conv1.weight" in keys
+
+    assert main(args) == 2  # refuses to overwrite what is there
+    assert main([*args, "--dtype", "fp16", "--overwrite"]) == 0
+    assert load_components(ModelConfig(base=str(out))).unet.conv_in.weight.dtype == torch.float32  # loads as fp32
+    with safe_open(out / "unet" / "diffusion_pytorch_model.safetensors", framework="pt") as handle:
+        assert handle.get_tensor("conv_in.weight").dtype == torch.float16
+
+
+def test_non_finite_adapter_is_refused_before_writing(tiny_base, tmp_path):
+    adapter = tmp_path / "a.safetensors"
+    _make_adapter(tiny_base, adapter, "lora")
+    with safe_open(adapter, framework="pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(adapter)
+    key = next(k for k in tensors if "lora_B" in k)
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, adapter, metadata=metadata)
+    out = tmp_path / "merged"
+    with pytest.raises(DifftuneError, match=r"NaN or inf .*nothing was written"):
+        export.merge_adapters(load_components(ModelConfig(base=str(tiny_base))), [(adapter, 1.0)])
+    assert main(["merge", "--base", str(tiny_base), "--adapter", str(adapter), "--out", str(out)]) == 2
+    assert not out.exists()
+
+
+def test_fp16_overflow_in_the_merge_is_refused(tiny_base, tmp_path):
+    adapter = tmp_path / "a.safetensors"
+    _make_adapter(tiny_base, adapter, "lora")
+    with pytest.raises(DifftuneError, match=r"the merged model in fp16: NaN or inf in \d+ tensors"):
+        export.merge_adapters(load_components(ModelConfig(base=str(tiny_base))), [(adapter, 1e6)], dtype="fp16")
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_kohya_round_trip_is_exact(tiny_base, tmp_path, kind):
+    original = tmp_path / "diffusers.safetensors"
+    _make_adapter(tiny_base, original, kind)
+    kohya, back = tmp_path / "kohya.safetensors", tmp_path / "back.safetensors"
+    assert main(["convert", str(original), str(kohya), "--to", "kohya"]) == 0
+    assert main(["convert", str(kohya), str(back), "--to", "diffusers", "--base", str(tiny_base)]) == 0
+    before, after = load_file(original), load_file(back)
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    configs = [json.loads(safe_open(p, framework="pt").metadata()["lora_adapter_metadata"]) for p in (original, back)]
+    for part in ("unet", "text_encoder"):
+        for field in ("r", "lora_alpha", "use_dora"):
+            assert configs[0][f"{part}.{field}"] == configs[1][f"{part}.{field}"]
+    loaded = [load_components(ModelConfig(base=str(tiny_base))) for _ in range(2)]
+    export.apply_adapters(loaded[0], [(original, 1.0)])
+    export.apply_adapters(loaded[1], [(back, 1.0)])
+    _assert_same_outputs(*loaded, atol=0)
+
+
+def test_kohya_keys_and_metadata(tiny_base, tmp_path):
+    path = tmp_path / "kohya.safetensors"
+    _make_adapter(tiny_base, path, "dora", layout="kohya")
+    with safe_open(path, framework="pt") as handle:
+        metadata, tensors = handle.metadata(), {k: handle.get_tensor(k) for k in handle.keys()}
+    te_modules = {k.split(".")[0] for k in tensors if k.startswith("lora_te_")}
+    assert te_modules and all(m.startswith("lora_te_text_model_encoder_layers_") for m in te_modules)
+    assert all(k.startswith(("lora_unet_", "lora_te_")) for k in tensors)
+    linear = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
+    conv = "lora_unet_down_blocks_0_resnets_0_conv1"
+    assert tensors[f"{linear}.dora_scale"].shape == (tensors[f"{linear}.lora_up.weight"].shape[0], 1)
+    assert tensors[f"{conv}.dora_scale"].shape == (tensors[f"{conv}.lora_up.weight"].shape[0], 1, 1, 1)
+    assert tensors[f"{linear}.alpha"].item() == 8.0
+    assert metadata["ss_network_dim"] == "4" and metadata["ss_network_alpha"] == "8.0"
+    assert metadata["ss_network_module"] == "lycoris.kohya" and json.loads(metadata["ss_network_args"])["dora_wd"] == "True"
+    assert metadata["ss_base_model_version"] == "sd_v1" and metadata["ss_resolution"] == "(32, 32)"
+
+
+def test_kohya_lora_loads_in_diffusers_own_reader(tiny_base, tmp_path):
+    """diffusers' kohya converter is an independent reader of the layout: same outputs, every key consumed."""
+    ours = _make_adapter(tiny_base, tmp_path / "kohya.safetensors", "lora", layout="kohya")
+    pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None, dtype=torch.float32)
+    pipeline.load_lora_weights(str(tmp_path), weight_name="kohya.safetensors")
+    theirs = load_components(ModelConfig(base=str(tiny_base)))
+    theirs.unet, theirs.text_encoder = pipeline.unet, pipeline.text_encoder
+    _assert_same_outputs(ours, theirs)
+    written = load_file(tmp_path / "kohya.safetensors")
+    loaded_pairs = sum("lora_A" in k for m in (pipeline.unet, pipeline.text_encoder) for k in m.state_dict())
+    assert loaded_pairs == sum(k.endswith("lora_down.weight") for k in written)
+
+
+def test_kohya_dora_scale_follows_the_dora_formula(tiny_base, tmp_path):
+    """W' = dora_scale * (W + alpha/r * up @ down) / ||W + alpha/r * up @ down||, norm per output row."""
+    path = tmp_path / "kohya.safetensors"
+    _make_adapter(tiny_base, path, "dora", layout="kohya")
+    kohya = load_file(path)
+    merged = load_components(ModelConfig(base=str(tiny_base)))
+    export.merge_adapters(merged, [(path, 1.0)], base=str(tiny_base))
+    base = load_components(ModelConfig(base=str(tiny_base)))
+    name = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+    key = "lora_unet_" + name.replace(".", "_")
+    weight = base.unet.get_submodule(name).weight
+    down, up, alpha = kohya[f"{key}.lora_down.weight"], kohya[f"{key}.lora_up.weight"], kohya[f"{key}.alpha"]
+    direction = weight + alpha / down.shape[0] * up @ down
+    expected = kohya[f"{key}.dora_scale"] * direction / direction.norm(dim=1, keepdim=True)
+    torch.testing.assert_close(merged.unet.get_submodule(name).weight, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_training_can_write_kohya_directly(make_config, tiny_base, tmp_path):
+    from difftune.train import train
+
+    result_path = train(make_config(export__format="kohya", train__output_dir=str(tmp_path / "job"))).trained_path
+    assert result_path == tmp_path / "job" / "job.safetensors"
+    assert export.is_kohya(load_file(result_path))
+    pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None, dtype=torch.float32)
+    pipeline.load_lora_weights(str(result_path.parent), weight_name=result_path.name)
+    assert any("lora_A" in k for k in pipeline.unet.state_dict())
+
+
+def test_sample_command_writes_reproducible_images(tiny_base, tmp_path):
+    adapter = tmp_path / "a.safetensors"
+    _make_adapter(tiny_base, adapter, "lora")
+    common = ["sample", "--base", str(tiny_base), "--adapter", f"{adapter}:0.8", "--prompt", "a red circle",
+              "--prompt", "a blue square", "--steps", "3", "--seed", "5", "--guidance-scale", "2",
+              "--scheduler", "euler_a", "--images-per-prompt", "2", "--negative-prompt", "blurry"]
+    assert main([*common, "--out", str(tmp_path / "one")]) == 0
+    assert main([*common, "--out", str(tmp_path / "two")]) == 0
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == ["000.png", "001.png", "002.png", "003.png", "grid.png"]
+    with Image.open(tmp_path / "one" / "002.png") as image, Image.open(tmp_path / "two" / "002.png") as again:
+        assert image.text["prompt"] == "a blue square"
+        assert "seed=7" in image.text["parameters"] and "scheduler=euler_a" in image.text["parameters"]
+        assert "negative_prompt='blurry'" in image.text["parameters"] and "steps=3" in image.text["parameters"]
+        assert image.size == (32, 32)
+        assert list(image.getdata()) == list(again.getdata())
+    with Image.open(tmp_path / "one" / "000.png") as first, Image.open(tmp_path / "one" / "001.png") as second:
+        assert list(first.getdata()) != list(second.getdata())  # the next seed, a different image
+
+
+def test_sample_command_errors(tiny_base, tmp_path, capsys):
+    assert main(["sample", "--base", str(tiny_base), "--out", str(tmp_path)]) == 2
+    assert "give at least one --prompt" in capsys.readouterr().err
+    assert main(["sample", "--base", str(tiny_base), "--out", str(tmp_path), "--prompt", "x", "--steps", "0"]) == 2
+    assert "sample.steps: Input should be greater than or equal to 1" in capsys.readouterr().err
