@@ -246,3 +246,17 @@ def test_sample_command_errors(tiny_base, tmp_path, capsys):
     assert "give at least one --prompt" in capsys.readouterr().err
     assert main(["sample", "--base", str(tiny_base), "--out", str(tmp_path), "--prompt", "x", "--steps", "0"]) == 2
     assert "sample.steps: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+def test_sample_with_a_taesd_decoder(tiny_base, tmp_path):
+    from difftune.tiny import build_taesd
+
+    torch.manual_seed(0)
+    build_taesd().save_pretrained(tmp_path / "taesd")
+    common = ["sample", "--base", str(tiny_base), "--prompt", "a red circle", "--steps", "2", "--seed", "3"]
+    assert main([*common, "--out", str(tmp_path / "vae")]) == 0
+    assert main([*common, "--decoder", str(tmp_path / "taesd"), "--out", str(tmp_path / "taesd_out")]) == 0
+    with Image.open(tmp_path / "vae" / "000.png") as full, Image.open(tmp_path / "taesd_out" / "000.png") as fast:
+        assert fast.size == full.size == (32, 32)
+        assert f"decoder={tmp_path / 'taesd'}" in fast.text["parameters"]
+        assert list(fast.getdata()) != list(full.getdata())  # decoded by the other autoencoder
