@@ -111,16 +111,43 @@ class LossConfig(Section):
         "min_snr", description="Per-timestep loss weight: Min-SNR-gamma (Hang et al. 2023) or none."
     )
     snr_gamma: float = Field(5.0, gt=0, description="Gamma of Min-SNR weighting.")
+    noise_offset: float = Field(
+        0.0, ge=0, description="Add this times a per-channel constant to the noise (darker darks, brighter brights); 0 is off."
+    )
+    input_perturbation: float = Field(
+        0.0, ge=0, description="Perturb the noise the UNet sees (not its target) by this times fresh noise; 0 is off."
+    )
+    zero_terminal_snr: bool = Field(
+        False,
+        description="Rescale the noise schedule so its last step is pure noise (Lin et al. 2023); needs v-prediction.",
+    )
 
 
 class OptimConfig(Section):
-    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW).")
-    betas: tuple[float, float] = Field((0.9, 0.999), strict=False, description="AdamW betas.")
-    weight_decay: float = Field(1e-2, ge=0, description="AdamW decoupled weight decay.")
+    optimizer: Literal["adamw", "adamw_8bit", "lion", "adafactor"] = Field(
+        "adamw",
+        description="AdamW (fused on CUDA, foreach elsewhere), AdamW 8-bit (needs the `bnb` extra), Lion, or Adafactor "
+        "(fixed learning rate, no relative steps).",
+    )
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate of the UNet's parameters.")
+    text_encoder_learning_rate: float | None = Field(
+        None, gt=0, description="Peak learning rate of the text encoder's parameters; defaults to `learning_rate`."
+    )
+    betas: tuple[float, float] = Field((0.9, 0.999), strict=False, description="Betas of AdamW and Lion (Lion: 0.9, 0.99 is usual).")
+    weight_decay: float = Field(1e-2, ge=0, description="Decoupled weight decay.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
-    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate shape after warmup.")
+    lr_schedule: Literal["constant", "linear", "cosine", "cosine_with_restarts"] = Field(
+        "constant", description="Learning-rate shape after warmup (linear and cosine decay to 0 at `train.max_steps`)."
+    )
+    lr_cycles: int = Field(1, ge=1, description="Number of cosine cycles for `cosine_with_restarts`.")
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0.")
+
+    @model_validator(mode="after")
+    def _text_encoder_lr_defaults(self) -> OptimConfig:
+        if self.text_encoder_learning_rate is None:
+            self.text_encoder_learning_rate = self.learning_rate
+        return self
 
     @field_validator("betas")
     @classmethod
@@ -143,6 +170,47 @@ class TrainConfig(Section):
     attention: Literal["sdpa", "xformers"] = Field(
         "sdpa", description="Attention kernel: PyTorch SDPA, or xformers (needs the `xformers` extra)."
     )
+    tf32: bool = Field(True, description="Allow TF32 matmuls and convolutions on CUDA (Ampere and newer); ignored on CPU.")
+    cudnn_benchmark: bool = Field(True, description="Let cuDNN pick the fastest convolution kernels for fixed shapes; ignored on CPU.")
+
+
+class EmaConfig(Section):
+    enabled: bool = Field(False, description="Keep an exponential moving average of the trained parameters and save it too.")
+    decay: float = Field(0.999, gt=0, lt=1, description="EMA decay (the largest, with warmup).")
+    warmup: bool = Field(
+        True, description="Ramp the decay up as 1 - (1 + step)^-power (diffusers' EMA warmup); off: constant `decay`."
+    )
+    power: float = Field(2 / 3, gt=0, description="Exponent of the warmup ramp (2/3 suits runs of ~100k steps, 3/4 shorter).")
+    every_steps: int = Field(1, ge=1, description="Update the EMA every N optimizer steps (each update applies one decay).")
+    offload_to_cpu: bool = Field(False, description="Keep the EMA weights on the CPU between updates (saves GPU memory).")
+
+
+class GuardConfig(Section):
+    enabled: bool = Field(
+        True,
+        description="Skip an optimizer step whose loss or gradient norm is NaN/inf, or a spike: parameters, optimizer "
+        "state and EMA stay as they were; each skip is logged to skipped_steps.jsonl with its images.",
+    )
+    spike_factor: float = Field(
+        10.0, ge=0, description="Also skip a step whose loss or gradient norm exceeds this times its running mean; 0 is off."
+    )
+    spike_warmup_steps: int = Field(20, ge=1, description="Accepted steps of history before spikes are judged.")
+    max_consecutive_skips: int = Field(
+        5, ge=1, description="Stop the run (nothing more is written) after this many skipped steps in a row."
+    )
+
+
+class ValidationConfig(Section):
+    path: str = Field(
+        "", description="Held-out image folder (same layouts as `data.path`); empty disables validation loss."
+    )
+    every_steps: int = Field(100, ge=1, description="Compute the validation loss every N optimizer steps, and at the end.")
+    timesteps: list[int] = Field(
+        [100, 300, 500, 700, 900],
+        min_length=1,
+        description="Fixed timesteps at which each held-out image is scored (with fixed noise): comparable across runs.",
+    )
+    seed: int = Field(0, ge=0, description="Seed of the validation noise.")
 
 
 class SampleConfig(Section):
@@ -154,6 +222,7 @@ class SampleConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of the first image; image i uses seed + i.")
     resolution: int | None = Field(None, ge=8, description="Sample size in pixels; defaults to `data.resolution`.")
     images_per_prompt: int = Field(1, ge=1, description="Images per prompt, each with the next seed.")
+    every_steps: int = Field(0, ge=0, description="Also sample (a preview grid) every N optimizer steps; 0 only at the end.")
     decoder: str = Field(
         "",
         description="Autoencoder that decodes samples: empty for the model's own; a folder/hub id of TAESD "
@@ -166,6 +235,13 @@ class ExportConfig(Section):
         "diffusers",
         description="Adapter file layout: `diffusers` (pytorch_lora_weights.safetensors, for diffusers/peft) or "
         "`kohya` (<output_dir name>.safetensors, for A1111, ComfyUI, kohya; `difftune convert` turns one into the other).",
+    )
+    every_steps: int = Field(0, ge=0, description="Also save the adapter every N steps under snapshots/; 0 only at the end.")
+    average_last: int = Field(
+        0, ge=0, description="At the end, average the last K saved adapters (snapshots and final) into an `_avg` file; 0 is off."
+    )
+    average_weights: Literal["uniform", "linear", "exponential"] = Field(
+        "uniform", description="Weights of `average_last`: equal, growing linearly, or doubling with each newer adapter."
     )
 
 
@@ -181,6 +257,9 @@ class Config(Section):
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    ema: EmaConfig = Field(default_factory=EmaConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     log: LogConfig = Field(default_factory=LogConfig)
@@ -189,6 +268,13 @@ class Config(Section):
     def _cross_section_rules(self) -> Config:
         if self.sample.resolution is None:
             self.sample.resolution = self.data.resolution
+        if self.loss.zero_terminal_snr and self.loss.prediction_type != "v_prediction":
+            raise ValueError(
+                "loss.zero_terminal_snr = true needs loss.prediction_type = \"v_prediction\" (at zero SNR the noise "
+                "cannot be predicted from a pure-noise input)"
+            )
+        if self.export.average_last > 1 and not self.export.every_steps:
+            raise ValueError("export.average_last needs export.every_steps > 0 (snapshots to average)")
         if self.model.weight_dtype in ("fp16", "bf16") and self.train.mixed_precision == "no":
             raise ValueError(
                 f"model.weight_dtype = \"{self.model.weight_dtype}\" needs train.mixed_precision = \"fp16\" or "

@@ -34,25 +34,36 @@ CONFIG_METADATA_KEY = "difftune_config"
 FORMATS = ("diffusers", "kohya")
 
 
-def save_trained(components: Components, config: Config, output_dir: Path) -> Path:
-    """The adapter file in `export.format`, or with `adapter.kind = "none"` a complete diffusers pipeline."""
+def trained_path(config: Config, output_dir: Path, variant: str = "") -> Path:
+    """Where a run's result goes: `variant` is "" (raw weights), "_ema" or "_avg"."""
     if config.adapter.kind == "none":
-        path = output_dir / FULL_MODEL_DIR
+        return output_dir / f"{FULL_MODEL_DIR}{variant}"
+    stem = ADAPTER_FILE.removesuffix(".safetensors") if config.export.format == "diffusers" else output_dir.resolve().name
+    return output_dir / f"{stem}{variant}.safetensors"
+
+
+def save_trained(components: Components, config: Config, path: Path, layout: str | None = None) -> Path:
+    """The adapter file (in `layout`, default `export.format`), or with `adapter.kind = "none"` a complete
+    diffusers pipeline folder."""
+    if config.adapter.kind == "none":
         pipeline = assemble_pipeline(components, sampling_scheduler(config.sample.scheduler, components))
+        _refuse_non_finite(components.unet.state_dict(), f"{path}")
         pipeline.save_pretrained(path, safe_serialization=True)
         return path
     tensors, lora_configs = adapter_state_dict(components, config.adapter)
-    name = ADAPTER_FILE if config.export.format == "diffusers" else f"{output_dir.resolve().name}.safetensors"
-    return write_adapter(output_dir / name, tensors, lora_configs, config.to_toml(), config.export.format)
+    return write_adapter(path, tensors, lora_configs, config.to_toml(), layout or config.export.format)
 
 
 def write_adapter(path: Path, tensors: dict, lora_configs: dict, config_toml: str, layout: str) -> Path:
+    """Write an adapter file; a NaN or inf tensor is refused before anything is written."""
+    _refuse_non_finite(tensors, f"adapter {path}")
     metadata = {"format": "pt", CONFIG_METADATA_KEY: config_toml}
     if layout == "kohya":
         tensors = to_kohya(tensors, lora_configs)
         metadata.update(kohya_metadata(config_toml, lora_configs))
     else:
         metadata[LORA_ADAPTER_METADATA_KEY] = json.dumps(lora_configs, sort_keys=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, path, metadata=metadata)
     return path
 
@@ -94,6 +105,41 @@ def convert_adapter(source: Path, target: Path, layout: str, base: str | None = 
         raise DifftuneError(f"adapter {source}: has no difftune config metadata to derive kohya `ss_*` fields from")
     target.parent.mkdir(parents=True, exist_ok=True)
     return write_adapter(target, tensors, lora_configs, config_toml, layout)
+
+
+AVERAGE_WEIGHTS = {
+    "uniform": lambda n: [1.0] * n,
+    "linear": lambda n: [float(i + 1) for i in range(n)],
+    "exponential": lambda n: [2.0**i for i in range(n)],
+}
+
+
+def average_adapters(paths: list[Path], weighting: str = "uniform", base: str | None = None) -> tuple[dict, dict, str]:
+    """The weighted mean of adapter files, tensor by tensor (later files weigh more under linear/exponential).
+
+    Each tensor is averaged on its own: lora_A, lora_B and, for DoRA, the magnitude. The result is a valid
+    adapter of the same rank and kind (a mean of positive magnitudes stays positive, so DoRA loads). For
+    snapshots of one run this approximates averaging the weights; it is not the mean of the products
+    B @ A, which would need a higher rank (merge each into the base and average the merged models for that).
+    """
+    if len(paths) < 2:
+        raise DifftuneError("averaging needs at least two adapter files")
+    adapters = [read_adapter(path, base) for path in paths]
+    first_tensors, first_configs, _ = adapters[0]
+    for path, (tensors, configs, _) in zip(paths[1:], adapters[1:]):
+        mismatched = [k for k in first_tensors if k not in tensors or tensors[k].shape != first_tensors[k].shape]
+        if mismatched or tensors.keys() != first_tensors.keys():
+            raise DifftuneError(f"adapter {path}: its tensors differ from {paths[0]} (first: {(mismatched or ['?'])[0]})")
+        for field in ("unet.r", "unet.lora_alpha", "unet.use_dora"):
+            if configs.get(field) != first_configs.get(field):
+                raise DifftuneError(f"adapter {path}: {field} = {configs.get(field)} but {paths[0]} has {first_configs.get(field)}")
+    weights = AVERAGE_WEIGHTS[weighting](len(paths))
+    total = sum(weights)
+    averaged = {
+        key: sum(w / total * tensors[key].double() for w, (tensors, _, _) in zip(weights, adapters)).float()
+        for key in first_tensors
+    }
+    return averaged, first_configs, adapters[-1][2]
 
 
 def is_kohya(tensors: dict) -> bool:

@@ -22,13 +22,29 @@ def prediction_type(config: LossConfig, noise_scheduler: DDPMScheduler) -> str:
     return noise_scheduler.config.prediction_type if config.prediction_type == "auto" else config.prediction_type
 
 
+def training_noise_scheduler(noise_scheduler: DDPMScheduler, config: LossConfig) -> DDPMScheduler:
+    """The model's schedule, or with `zero_terminal_snr` its betas rescaled so the last step is pure noise
+    (and trailing timestep spacing, which samplers need to reach that step)."""
+    if not config.zero_terminal_snr:
+        return noise_scheduler
+    return DDPMScheduler.from_config(noise_scheduler.config, rescale_betas_zero_snr=True, timestep_spacing="trailing")
+
+
 def draw_timesteps_and_noise(
-    generators: list[torch.Generator], latents: torch.Tensor, num_train_timesteps: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One uniform timestep (B,) and one noise tensor (B, C, h, w) per sample, each from its own generator."""
+    generators: list[torch.Generator], latents: torch.Tensor, num_train_timesteps: int, config: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sample, each from its own generator: a uniform timestep (B,), the target noise (B, C, h, w) with the
+    configured offset, and the noise the UNet's input is made with (the target perturbed, if configured)."""
     timesteps = torch.cat([torch.randint(0, num_train_timesteps, (1,), generator=g) for g in generators])
     noise = randn_tensor(latents.shape, generator=generators, device=latents.device, dtype=latents.dtype)
-    return timesteps.to(latents.device), noise
+    if config.noise_offset:
+        offset = randn_tensor((*latents.shape[:2], 1, 1), generator=generators, device=latents.device, dtype=latents.dtype)
+        noise = noise + config.noise_offset * offset
+    input_noise = noise
+    if config.input_perturbation:
+        extra = randn_tensor(latents.shape, generator=generators, device=latents.device, dtype=latents.dtype)
+        input_noise = noise + config.input_perturbation * extra
+    return timesteps.to(latents.device), noise, input_noise
 
 
 def min_snr_weights(snr: torch.Tensor, gamma: float, prediction: str) -> torch.Tensor:
@@ -48,10 +64,12 @@ def diffusion_loss(
     timesteps: torch.Tensor,
     noise: torch.Tensor,
     config: LossConfig,
+    input_noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weighted MSE between the UNet's prediction and the target, per sample: shape (B,)."""
+    """Weighted MSE between the UNet's prediction and the target, per sample: shape (B,). The target is made
+    from `noise`; the UNet's input from `input_noise` when given (input perturbation)."""
     prediction = prediction_type(config, noise_scheduler)
-    noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+    noisy = noise_scheduler.add_noise(latents, noise if input_noise is None else input_noise, timesteps)
     if prediction == "epsilon":
         target = noise
     elif prediction == "v_prediction":

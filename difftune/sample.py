@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -46,6 +47,11 @@ def generate_images(components: Components, config: SampleConfig, device: torch.
     decoder = load_vae(config.decoder).to(device, components.vae.dtype) if config.decoder else components.vae
     pipeline = assemble_pipeline(replace(components, vae=decoder), sampling_scheduler(config.scheduler, components))
     pipeline.set_progress_bar_config(disable=True)
+    with _eval_mode(components.unet, components.text_encoder):
+        return _sample_all(pipeline, config)
+
+
+def _sample_all(pipeline, config: SampleConfig) -> list[Sample]:
     samples = []
     for prompt in config.prompts:
         for _ in range(config.images_per_prompt):
@@ -61,6 +67,19 @@ def generate_images(components: Components, config: SampleConfig, device: torch.
             ).images[0]
             samples.append(Sample(image, prompt, seed))
     return samples
+
+
+@contextmanager
+def _eval_mode(*modules: torch.nn.Module):
+    """Sample without dropout (adapter dropout included), then put training modes back."""
+    modes = [module.training for module in modules]
+    for module in modules:
+        module.eval()
+    try:
+        yield
+    finally:
+        for module, mode in zip(modules, modes):
+            module.train(mode)
 
 
 def save_images(samples: list[Sample], config: SampleConfig, out_dir: Path) -> list[Path]:

@@ -1,43 +1,51 @@
 """The training recipe: setup -> loop -> save -> sample.
 
-Features: LoRA / DoRA (peft) or full UNet fine-tuning, optionally the text encoder too; epsilon or
-v-prediction with Min-SNR-gamma weighting; accelerate for devices, DDP/FSDP/DeepSpeed, mixed
-precision and gradient accumulation; global-norm clipping; AdamW with warmup then constant or
-cosine; channels-last UNet; SDPA or xformers attention; gradient checkpointing; a JSONL metrics
-line per optimizer step (and TensorBoard when installed); samples at the end.
+Features: LoRA / DoRA (peft) or full UNet fine-tuning, optionally the text encoder too (its own
+learning rate); epsilon or v-prediction with Min-SNR-gamma weighting, noise offset, input
+perturbation and zero-terminal-SNR; accelerate for devices, DDP/FSDP/DeepSpeed, mixed precision and
+gradient accumulation; global-norm clipping; AdamW / AdamW 8-bit / Lion / Adafactor with warmup and a
+constant, linear, cosine or cosine-with-restarts schedule; a guard that skips NaN/inf and spiking
+steps; EMA weights; validation loss at fixed noise; preview samples; adapter snapshots and their
+average; channels-last UNet; SDPA or xformers attention; gradient checkpointing; TF32; a JSONL
+metrics line per optimizer step (and TensorBoard when installed).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import is_tensorboard_available, set_seed
-from diffusers.optimization import get_scheduler
-from diffusers.training_utils import cast_training_params
+from accelerate.utils import gather_object, is_tensorboard_available, set_seed
+from diffusers.training_utils import EMAModel, cast_training_params
 from tqdm.auto import tqdm
 
+from difftune import export
 from difftune.adapters import add_adapters, trainable_parameters
 from difftune.config import Config
 from difftune.data import CaptionedImages, TrainingOrder, build_dataloader, scan_examples
+from difftune.ema import build_ema, ema_weights, update_ema
 from difftune.errors import DifftuneError
-from difftune.export import save_trained
-from difftune.loss import diffusion_loss, draw_timesteps_and_noise
+from difftune.guard import Guard
+from difftune.loss import diffusion_loss, draw_timesteps_and_noise, training_noise_scheduler
 from difftune.metrics import METRICS_FILE, MetricsLog
 from difftune.models import Components, encode_latents, encode_prompts, load_components, set_attention, weight_dtype
+from difftune.optim import build_lr_scheduler, build_optimizer
 from difftune.sample import generate_images, save_images
+from difftune.validation import Validator
 
 RESOLVED_CONFIG_FILE = "config.toml"
 
 
 @dataclass
 class TrainResult:
-    components: Components  # unwrapped, adapters attached
+    components: Components  # unwrapped, adapters attached, raw (not EMA) weights
     trained_path: Path | None  # the adapter file or the full-model folder; None on non-main processes
     losses: list[float]  # one per optimizer step, averaged over processes
+    optimizer: torch.optim.Optimizer
+    ema: EMAModel | None  # when ema.enabled
 
 
 def train(config: Config) -> TrainResult:
@@ -50,15 +58,18 @@ def train(config: Config) -> TrainResult:
         log_with="tensorboard" if config.log.tensorboard and is_tensorboard_available() else None,
         project_dir=output_dir / "logs",
     )
-    if accelerator.is_main_process:
+    main = accelerator.is_main_process
+    if main:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RESOLVED_CONFIG_FILE).write_text(config.to_toml(), encoding="utf-8")
+    _set_device_flags(config, accelerator)
     set_seed(config.train.seed)  # the adapters' random init
 
     components = load_components(config.model)
+    components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
     examples = scan_examples(config.data)
     _configure_unet(components.unet, config)
-    trained = add_adapters(components, config.adapter)
+    add_adapters(components, config.adapter)
     _place_models(components, config, accelerator)
     order = TrainingOrder(
         len(examples), config.train.batch_size, config.train.seed, accelerator.process_index, accelerator.num_processes
@@ -66,18 +77,11 @@ def train(config: Config) -> TrainResult:
     dataset = CaptionedImages(examples, config.data, components.tokenizer, config.train.seed)
     batches = iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
 
-    optim = config.optim
-    parameters = trainable_parameters(trained)
-    optimizer = torch.optim.AdamW(
-        parameters, lr=optim.learning_rate, betas=optim.betas, weight_decay=optim.weight_decay, eps=optim.eps
-    )
-    # accelerate steps a prepared scheduler once per process each optimizer step.
-    lr_scheduler = get_scheduler(
-        optim.lr_schedule,
-        optimizer,
-        num_warmup_steps=optim.warmup_steps * accelerator.num_processes,
-        num_training_steps=config.train.max_steps * accelerator.num_processes,
-    )
+    unet_params = trainable_parameters([components.unet])
+    text_params = trainable_parameters([components.text_encoder]) if config.adapter.text_encoder else []
+    parameters = unet_params + text_params
+    optimizer = build_optimizer(unet_params, text_params, config.optim, accelerator.device)
+    lr_scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps, accelerator.num_processes)
     # Only trained modules are prepared: DDP refuses a module with nothing to train.
     if config.adapter.text_encoder:
         components.unet, components.text_encoder, optimizer, lr_scheduler = accelerator.prepare(
@@ -85,6 +89,9 @@ def train(config: Config) -> TrainResult:
         )
     else:
         components.unet, optimizer, lr_scheduler = accelerator.prepare(components.unet, optimizer, lr_scheduler)
+    ema = build_ema(parameters, config.ema)
+    guard = Guard(config.guard, output_dir if main else None)
+    validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
     accelerator.init_trackers("difftune", config=_flat_hparams(config))
     accelerator.print(
         f"difftune: {len(examples)} images, {sum(p.numel() for p in parameters):,} trained parameters "
@@ -92,58 +99,60 @@ def train(config: Config) -> TrainResult:
     )
 
     metrics = MetricsLog(output_dir, accelerator)
-    max_norm = optim.max_grad_norm or float("inf")  # inf: measure the norm, clip nothing
-    global_batch = config.train.batch_size * accelerator.num_processes * config.train.gradient_accumulation_steps
+    max_norm = config.optim.max_grad_norm or float("inf")  # inf: measure the norm, clip nothing
+    accumulation = config.train.gradient_accumulation_steps
+    global_batch = config.train.batch_size * accelerator.num_processes * accumulation
     losses = []
-    progress = tqdm(
-        range(1, config.train.max_steps + 1),
-        disable=not (accelerator.is_main_process and config.log.progress_bar),
-        desc="train",
-    )
+    progress = tqdm(range(1, config.train.max_steps + 1), disable=not (main and config.log.progress_bar), desc="train")
     for global_step in progress:
         started = time.perf_counter()
-        step_loss = torch.zeros((), device=accelerator.device)
-        for _ in range(config.train.gradient_accumulation_steps):
+        step_loss, paths = torch.zeros((), device=accelerator.device), []
+        for _ in range(accumulation):
             batch = next(batches)
             with accelerator.accumulate(components.unet, components.text_encoder):
                 loss = _training_loss(components, batch, config, accelerator.device).mean()
                 accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(parameters, max_norm)
-                optimizer.step()
-                lr_scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            step_loss += loss.detach() / config.train.gradient_accumulation_steps
+            step_loss += loss.detach() / accumulation
+            paths += batch["path"]
+        # The last micro-step synced the gradients: clip, judge, then step (or skip) on every process alike.
+        grad_norm = float(accelerator.clip_grad_norm_(parameters, max_norm))
         step_loss = accelerator.reduce(step_loss, reduction="mean").item()
+        skip = guard.judge(global_step, step_loss, grad_norm, grad_overflow_is_expected=accelerator.scaler is not None)
+        if skip:
+            guard.record(global_step, skip, step_loss, grad_norm, gather_object(paths))
+        else:
+            optimizer.step()
+            if ema and global_step % config.ema.every_steps == 0:
+                update_ema(ema, parameters, config.ema)
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
         seconds = time.perf_counter() - started
         lr = lr_scheduler.get_last_lr()[0]
         losses.append(step_loss)
-        metrics.write(
-            global_step,
-            {
-                "epoch": batch["epoch"][-1].item(),
-                "loss": step_loss,
-                "grad_norm": float(grad_norm),
-                "lr": lr,
-                "seconds": seconds,
-                "samples_per_second": global_batch / seconds,
-            },
-        )
-        progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
+        values = {
+            "epoch": batch["epoch"][-1].item(),
+            "loss": step_loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "skipped": bool(skip),
+            "seconds": seconds,
+            "samples_per_second": global_batch / seconds,
+        }
+        if main:
+            unwrapped = _unwrapped(components, accelerator)
+            values |= _periodic_work(global_step, unwrapped, parameters, ema, validator, config, output_dir, accelerator)
+        metrics.write(global_step, values)
+        progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", skipped=guard.skipped)
     metrics.close()
 
     accelerator.wait_for_everyone()
-    components.unet = accelerator.unwrap_model(components.unet).eval()
-    components.text_encoder = accelerator.unwrap_model(components.text_encoder).eval()
-    trained_path = None
-    if accelerator.is_main_process:
-        trained_path = save_trained(components, config, output_dir)
-        if config.sample.prompts:
-            with accelerator.autocast():
-                samples = generate_images(components, config.sample, accelerator.device)
-            save_images(samples, config.sample, output_dir / "samples")
+    components = _unwrapped(components, accelerator)
+    components.unet.eval()
+    components.text_encoder.eval()
+    trained_path = _save_results(components, parameters, ema, config, output_dir, accelerator) if main else None
     accelerator.end_training()
-    return TrainResult(components, trained_path, losses)
+    return TrainResult(components, trained_path, losses, optimizer, ema)
 
 
 def _training_loss(components: Components, batch: dict, config: Config, device: torch.device) -> torch.Tensor:
@@ -153,9 +162,58 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
         latents = encode_latents(components.vae, batch["pixel_values"].to(device), generators).float()
     with torch.set_grad_enabled(config.adapter.text_encoder):
         encoder_hidden_states = encode_prompts(components.text_encoder, batch["input_ids"].to(device))
-    timesteps, noise = draw_timesteps_and_noise(generators, latents, components.noise_scheduler.config.num_train_timesteps)
+    timesteps, noise, input_noise = draw_timesteps_and_noise(
+        generators, latents, components.noise_scheduler.config.num_train_timesteps, config.loss
+    )
     return diffusion_loss(
-        components.unet, components.noise_scheduler, latents, encoder_hidden_states, timesteps, noise, config.loss
+        components.unet, components.noise_scheduler, latents, encoder_hidden_states, timesteps, noise, config.loss,
+        input_noise,
+    )
+
+
+def _periodic_work(step, components, parameters, ema, validator, config: Config, output_dir: Path, accelerator) -> dict:
+    """Validation loss, preview samples and adapter snapshots when their step comes (main process only)."""
+    values = {}
+    last = step == config.train.max_steps
+    if validator and (step % config.validation.every_steps == 0 or last):
+        values["val_loss"] = validator.loss(components)
+        if ema:
+            with ema_weights(ema, parameters):
+                values["val_loss_ema"] = validator.loss(components)
+    if config.sample.every_steps and step % config.sample.every_steps == 0 and config.sample.prompts and not last:
+        with accelerator.autocast():
+            samples = generate_images(components, config.sample, accelerator.device)
+        save_images(samples, config.sample, output_dir / "samples" / f"step-{step:06d}")
+    if config.export.every_steps and (step % config.export.every_steps == 0 or last):
+        export.save_trained(components, config, output_dir / "snapshots" / f"step-{step:06d}.safetensors", "diffusers")
+    return values
+
+
+def _save_results(components, parameters, ema, config: Config, output_dir: Path, accelerator) -> Path:
+    """The raw result, its EMA and the average of the last snapshots, then the end-of-run samples."""
+    trained_path = export.save_trained(components, config, export.trained_path(config, output_dir))
+    if config.export.average_last > 1:
+        snapshots = sorted((output_dir / "snapshots").glob("step-*.safetensors"))[-config.export.average_last :]
+        tensors, lora_configs, config_toml = export.average_adapters(snapshots, config.export.average_weights)
+        export.write_adapter(export.trained_path(config, output_dir, "_avg"), tensors, lora_configs, config_toml, config.export.format)
+    if config.sample.prompts:
+        with accelerator.autocast():
+            save_images(generate_images(components, config.sample, accelerator.device), config.sample, output_dir / "samples")
+    if ema:
+        with ema_weights(ema, parameters):
+            export.save_trained(components, config, export.trained_path(config, output_dir, "_ema"))
+            if config.sample.prompts:
+                with accelerator.autocast():
+                    samples = generate_images(components, config.sample, accelerator.device)
+                save_images(samples, config.sample, output_dir / "samples_ema")
+    return trained_path
+
+
+def _unwrapped(components: Components, accelerator: Accelerator) -> Components:
+    return replace(
+        components,
+        unet=accelerator.unwrap_model(components.unet),
+        text_encoder=accelerator.unwrap_model(components.text_encoder),
     )
 
 
@@ -184,6 +242,15 @@ def _configure_unet(unet, config: Config) -> None:
     set_attention(unet, config.train.attention)
     if config.train.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
+
+
+def _set_device_flags(config: Config, accelerator: Accelerator) -> None:
+    if accelerator.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = config.train.tf32
+        torch.backends.cudnn.allow_tf32 = config.train.tf32
+        torch.backends.cudnn.benchmark = config.train.cudnn_benchmark
+    elif config.train.tf32 or config.train.cudnn_benchmark:
+        accelerator.print(f"difftune: train.tf32 and train.cudnn_benchmark apply to CUDA only; ignored on {accelerator.device}")
 
 
 def _check_output_dir(config: Config) -> Path:

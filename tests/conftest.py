@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,7 @@ def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, list):
-        return "[" + ", ".join(f'"{v}"' for v in value) + "]"
+        return json.dumps(value)  # a JSON array of strings or numbers is a TOML array
     return str(value)
 
 

@@ -74,9 +74,11 @@ def test_auto_prediction_type_follows_the_scheduler():
 def test_noise_is_per_sample_whatever_the_batch():
     seeds = [11, 22, 33]
     latents = torch.zeros(3, 4, 8, 8)
-    together = draw_timesteps_and_noise([torch.Generator().manual_seed(s) for s in seeds], latents, 1000)
+    config = LossConfig(noise_offset=0.1, input_perturbation=0.1)
+    together = draw_timesteps_and_noise([torch.Generator().manual_seed(s) for s in seeds], latents, 1000, config)
     for i, seed in enumerate(seeds):
-        alone = draw_timesteps_and_noise([torch.Generator().manual_seed(seed)], latents[:1], 1000)
+        alone = draw_timesteps_and_noise([torch.Generator().manual_seed(seed)], latents[:1], 1000, config)
         assert torch.equal(alone[0], together[0][i : i + 1])
         assert torch.equal(alone[1], together[1][i : i + 1])
+        assert torch.equal(alone[2], together[2][i : i + 1])
     assert together[0].min() >= 0 and together[0].max() < 1000

@@ -8,32 +8,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from difftune.config import load_config
-from difftune.data import CaptionedImages, scan_examples
 from difftune.errors import DifftuneError
-from difftune.loss import diffusion_loss, draw_timesteps_and_noise
 from difftune.metrics import read_metrics
-from difftune.models import encode_latents, encode_prompts, load_components
+from difftune.models import load_components
 from difftune.tiny import shape_images, write_caption_folder
 from difftune.train import train
+from difftune.validation import Validator
 
 from conftest import unet_inputs
-
-
-def _fixed_loss(components, config, seeds=(101, 202, 303, 404)) -> float:
-    """Loss over the first four images at fixed timesteps and noise: comparable before and after training."""
-    dataset = CaptionedImages(scan_examples(config.data), config.data, components.tokenizer, config.train.seed)
-    items = [dataset[(0, i)] for i in range(len(seeds))]
-    pixels = torch.stack([item["pixel_values"] for item in items])
-    input_ids = torch.stack([item["input_ids"] for item in items])
-    generators = [torch.Generator().manual_seed(s) for s in seeds]
-    with torch.no_grad():
-        latents = encode_latents(components.vae, pixels, generators)
-        states = encode_prompts(components.text_encoder, input_ids)
-        timesteps, noise = draw_timesteps_and_noise(generators, latents, 1000)
-        # High-noise timesteps: where a random-init base has most to learn in a few steps.
-        timesteps = torch.tensor([600, 750, 900, 999])
-        loss = diffusion_loss(components.unet, components.noise_scheduler, latents, states, timesteps, noise, config.loss)
-    return loss.mean().item()
 
 
 def _base_weights(unet) -> dict[str, torch.Tensor]:
@@ -51,14 +33,18 @@ def test_adapter_training_lowers_the_loss_and_keeps_the_base(make_config, tmp_pa
     write_caption_folder(fixed_batch, shape_images(4, seed=3))
     # Convolutions too: DoRA on a conv under channels-last is a path peft can break.
     targets = ["to_q", "to_k", "to_v", "to_out.0", "conv1", "conv2"]
+    # High-noise timesteps: where a random-init base has most to learn in a few steps.
     config = make_config(
         data__path=str(fixed_batch), adapter__kind=kind, adapter__target_modules=targets, adapter__rank=8,
         train__max_steps=40, train__batch_size=4, optim__learning_rate=5e-3, loss__weighting="uniform",
+        validation__path=str(fixed_batch), validation__timesteps=[600, 750, 900, 999],
     )
     base = load_components(config.model)
-    before = _fixed_loss(base, config)
+    before = Validator(base, config, torch.device("cpu")).loss(base)
     result = train(config)
-    after = _fixed_loss(result.components, config)
+    after = Validator(base, config, torch.device("cpu")).loss(result.components)
+    metrics = read_metrics(result.trained_path.parent)
+    assert metrics[-1]["val_loss"] == pytest.approx(after, rel=1e-6)  # the loop's validation is the same number
     assert after < 0.85 * before, (before, after)
 
     trained = _base_weights(result.components.unet)

@@ -1,0 +1,81 @@
+"""Skipping optimizer steps that would damage the run: NaN/inf, and spikes against a running mean.
+
+The loop asks `Guard.judge` once per optimizer step, after gradients are complete and before the
+optimizer steps; on a skip it steps neither the optimizer nor the EMA, so parameters and optimizer
+state stay bit-identical. Every process judges the same (process-averaged) loss and the same
+(all-reduced) gradient norm, so all of them skip together.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from pathlib import Path
+
+from difftune.config import GuardConfig
+from difftune.errors import DifftuneError
+
+SKIPPED_FILE = "skipped_steps.jsonl"
+
+
+class Guard:
+    def __init__(self, config: GuardConfig, output_dir: Path | None):
+        self.config = config
+        self.log_path = output_dir / SKIPPED_FILE if output_dir else None
+        if self.log_path:
+            self.log_path.unlink(missing_ok=True)  # a fresh run (train.overwrite) starts a fresh list
+        # Running means over the last accepted steps (a window, so one old outlier ages out).
+        self.losses: deque[float] = deque(maxlen=config.spike_warmup_steps)
+        self.grad_norms: deque[float] = deque(maxlen=config.spike_warmup_steps)
+        self.consecutive = 0
+        self.skipped = 0
+
+    def judge(self, step: int, loss: float, grad_norm: float, grad_overflow_is_expected: bool = False) -> str | None:
+        """The reason to skip this step, or None to apply it.
+
+        `grad_overflow_is_expected`: under fp16 loss scaling an inf gradient means the scale was too high; the
+        scaler skips that update and lowers the scale itself, so it is not a fault here.
+        """
+        if not self.config.enabled:
+            return None
+        reason = None
+        if not math.isfinite(loss):
+            reason = "non-finite loss"
+        elif not math.isfinite(grad_norm) and not grad_overflow_is_expected:
+            reason = "non-finite gradient norm"
+        elif self.config.spike_factor and len(self.losses) == self.losses.maxlen:
+            if loss > self.config.spike_factor * _mean(self.losses):
+                reason = f"loss spike ({loss:.4g} > {self.config.spike_factor:g} x mean {_mean(self.losses):.4g})"
+            elif grad_norm > self.config.spike_factor * _mean(self.grad_norms):
+                reason = f"gradient-norm spike ({grad_norm:.4g} > {self.config.spike_factor:g} x mean {_mean(self.grad_norms):.4g})"
+        if reason is None:
+            self.consecutive = 0
+            if math.isfinite(grad_norm):
+                self.losses.append(loss)
+                self.grad_norms.append(grad_norm)
+        else:
+            self.consecutive += 1
+            self.skipped += 1
+        return reason
+
+    def record(self, step: int, reason: str, loss: float, grad_norm: float, paths: list[str]) -> None:
+        """Append the skip to skipped_steps.jsonl; stop the run after too many in a row."""
+        if self.log_path:
+            with open(self.log_path, "a", encoding="utf-8") as file:
+                record = {"step": step, "reason": reason, "loss": _json_number(loss), "grad_norm": _json_number(grad_norm)}
+                file.write(json.dumps({**record, "images": paths}) + "\n")
+        if self.consecutive >= self.config.max_consecutive_skips:
+            raise DifftuneError(
+                f"stopped at step {step}: {self.consecutive} optimizer steps in a row were skipped (last: {reason}); "
+                f"see {SKIPPED_FILE}. Lower optim.learning_rate, check the listed images, or raise "
+                f"guard.max_consecutive_skips. Nothing from this step on was saved."
+            )
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values)
+
+
+def _json_number(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)

@@ -1,0 +1,66 @@
+"""Optimizers by name from one table, and learning-rate schedules (diffusers' `get_scheduler`)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from diffusers.optimization import get_scheduler
+
+from difftune.config import OptimConfig
+from difftune.errors import DifftuneError
+
+
+def _adamw(groups, config: OptimConfig, device: torch.device):
+    # fused is fastest where the device has the kernel (CUDA); foreach is the next best everywhere else.
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(
+        groups, betas=config.betas, weight_decay=config.weight_decay, eps=config.eps, fused=fused, foreach=not fused
+    )
+
+
+def _adamw_8bit(groups, config: OptimConfig, device: torch.device):
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise DifftuneError(
+            'optim.optimizer = "adamw_8bit" needs bitsandbytes: `pip install difftune[bnb]` (CUDA), or use "adamw"'
+        )
+    import bitsandbytes
+
+    return bitsandbytes.optim.AdamW8bit(groups, betas=config.betas, weight_decay=config.weight_decay, eps=config.eps)
+
+
+def _lion(groups, config: OptimConfig, device: torch.device):
+    from lion_pytorch import Lion
+
+    return Lion(groups, betas=config.betas, weight_decay=config.weight_decay)
+
+
+def _adafactor(groups, config: OptimConfig, device: torch.device):
+    from transformers.optimization import Adafactor
+
+    # Our schedule sets the learning rate, so Adafactor's own relative steps and parameter scaling are off.
+    return Adafactor(groups, scale_parameter=False, relative_step=False, warmup_init=False, weight_decay=config.weight_decay)
+
+
+OPTIMIZERS = {"adamw": _adamw, "adamw_8bit": _adamw_8bit, "lion": _lion, "adafactor": _adafactor}
+
+
+def build_optimizer(
+    unet_params: list[torch.nn.Parameter], text_encoder_params: list[torch.nn.Parameter], config: OptimConfig, device
+) -> torch.optim.Optimizer:
+    """One parameter group per model, each at its own peak learning rate."""
+    groups = [{"params": unet_params, "lr": config.learning_rate}]
+    if text_encoder_params:
+        groups.append({"params": text_encoder_params, "lr": config.text_encoder_learning_rate})
+    return OPTIMIZERS[config.optimizer](groups, config, device)
+
+
+def build_lr_scheduler(optimizer, config: OptimConfig, max_steps: int, num_processes: int):
+    # accelerate steps a prepared scheduler once per process each optimizer step.
+    return get_scheduler(
+        config.lr_schedule,
+        optimizer,
+        num_warmup_steps=config.warmup_steps * num_processes,
+        num_training_steps=max_steps * num_processes,
+        num_cycles=config.lr_cycles,
+    )

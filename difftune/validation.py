@@ -1,0 +1,60 @@
+"""Validation loss: a fixed held-out set scored at fixed timesteps with fixed noise.
+
+Everything random is drawn once, so two evaluations of the same weights give the same number and
+runs with different settings are scored on the same problem. The loss is the plain (unweighted) MSE
+of the model's prediction target, whatever weighting training uses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from difftune.config import Config
+from difftune.data import CaptionedImages, derive_seed, scan_examples
+from difftune.loss import diffusion_loss
+from difftune.models import Components, encode_latents, encode_prompts
+
+VALIDATION_STREAM = 2
+
+
+class Validator:
+    def __init__(self, components: Components, config: Config, device: torch.device):
+        data = config.data.model_copy(
+            update={"path": config.validation.path, "crop": "center", "random_flip": False, "caption_dropout": 0.0}
+        )
+        examples = scan_examples(data)
+        dataset = CaptionedImages(examples, data, components.tokenizer, config.validation.seed)
+        items = [dataset[(0, i)] for i in range(len(examples))]
+        seed = config.validation.seed
+        generators = [torch.Generator().manual_seed(derive_seed(VALIDATION_STREAM, seed, i)) for i in range(len(items))]
+        with torch.no_grad():
+            latents = encode_latents(components.vae, torch.stack([it["pixel_values"] for it in items]).to(device), generators)
+        timesteps = config.validation.timesteps
+        # Every (image, timestep) pair, with its own fixed noise: (N * T, C, h, w).
+        self.latents = latents.float().repeat_interleave(len(timesteps), dim=0)
+        self.input_ids = torch.stack([it["input_ids"] for it in items]).to(device).repeat_interleave(len(timesteps), dim=0)
+        self.timesteps = torch.tensor(timesteps * len(items), device=device)
+        noise_generator = torch.Generator().manual_seed(derive_seed(VALIDATION_STREAM, seed, len(items)))
+        self.noise = torch.randn(self.latents.shape, generator=noise_generator).to(device)
+        self.loss_config = config.loss.model_copy(update={"weighting": "uniform", "noise_offset": 0.0, "input_perturbation": 0.0})
+        self.batch_size = config.train.batch_size
+        self.size = len(items)
+
+    @torch.no_grad()
+    def loss(self, components: Components) -> float:
+        """Mean loss over every (image, timestep) pair, with the components' current weights."""
+        was_training = components.unet.training, components.text_encoder.training
+        components.unet.eval()
+        components.text_encoder.eval()
+        total = 0.0
+        for start in range(0, len(self.latents), self.batch_size):
+            part = slice(start, start + self.batch_size)
+            states = encode_prompts(components.text_encoder, self.input_ids[part])
+            per_sample = diffusion_loss(
+                components.unet, components.noise_scheduler, self.latents[part], states, self.timesteps[part],
+                self.noise[part], self.loss_config,
+            )
+            total += per_sample.sum().item()
+        components.unet.train(was_training[0])
+        components.text_encoder.train(was_training[1])
+        return total / len(self.latents)
