@@ -59,7 +59,8 @@ def adapter_state_dict(components: Components, config: AdapterConfig) -> tuple[d
                 # transformers 5's adapter loader (diffusers' text-encoder path) maps only keys ending in
                 # `.weight` and silently drops the bare magnitude key; peft reads both forms.
                 key += ".weight"
-            tensors[f"{prefix}.{key}"] = value.detach().to("cpu", torch.float32).contiguous()
+            # copy=True: on CPU in fp32 `.to` would return the live parameter, which later steps change.
+            tensors[f"{prefix}.{key}"] = value.detach().to("cpu", torch.float32, copy=True).contiguous()
         for field, value in module.peft_config["default"].to_dict().items():
             lora_configs[f"{prefix}.{field}"] = sorted(value) if isinstance(value, set) else value
     return tensors, lora_configs

@@ -80,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--to", required=True, choices=("kohya", "diffusers"), help="layout to write")
     convert.add_argument("--base", help="base model, to read a kohya file's module names (default: from its metadata)")
 
+    average = commands.add_parser("average", help="average adapter files (e.g. snapshots of one run) into one")
+    average.add_argument("adapters", nargs="+", type=Path, help="adapter files, oldest first (either layout)")
+    average.add_argument("--out", required=True, type=Path, help="adapter file to write")
+    average.add_argument("--weights", choices=("uniform", "linear", "exponential"), default="uniform",
+                         help="equal weights, growing linearly, or doubling with each newer file")
+    average.add_argument("--to", choices=("diffusers", "kohya"), default="diffusers", help="layout to write")
+    average.add_argument("--base", help="base model, to read kohya files' module names (default: from their metadata)")
+
     sample = commands.add_parser("sample", help="text-to-image samples from a base model and adapters")
     sample.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
     sample.add_argument("--adapter", action="append", default=[], type=_adapter_spec, help=adapter_help)
@@ -117,6 +125,9 @@ def _run(args: argparse.Namespace) -> None:
 
     if args.command == "convert":
         print(f"difftune: wrote {export.convert_adapter(args.source, args.target, args.to, args.base)}")
+    elif args.command == "average":
+        tensors, lora_configs, config_toml = export.average_adapters(args.adapters, args.weights, args.base)
+        print(f"difftune: wrote {export.write_adapter(args.out, tensors, lora_configs, config_toml, args.to)}")
     elif args.command == "merge":
         components = load_components(ModelConfig(base=args.base))
         export.merge_adapters(components, args.adapter, args.dtype, base=args.base)

@@ -56,9 +56,11 @@ def build_optimizer(
 
 
 def build_lr_scheduler(optimizer, config: OptimConfig, max_steps: int, num_processes: int):
+    # diffusers' "constant" ignores warmup steps; its "constant_with_warmup" is warmup then constant.
+    name = "constant_with_warmup" if config.lr_schedule == "constant" else config.lr_schedule
     # accelerate steps a prepared scheduler once per process each optimizer step.
     return get_scheduler(
-        config.lr_schedule,
+        name,
         optimizer,
         num_warmup_steps=config.warmup_steps * num_processes,
         num_training_steps=max_steps * num_processes,

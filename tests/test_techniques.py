@@ -1,0 +1,266 @@
+"""Stability techniques: EMA, averaging, the guard, optimizers and schedules, noise options, validation."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline
+from safetensors.torch import load_file
+
+from difftune import export, train as train_module
+from difftune.adapters import adapter_state_dict, trainable_parameters
+from difftune.cli import main
+from difftune.config import EmaConfig, LossConfig, OptimConfig, load_config
+from difftune.ema import build_ema, ema_weights, update_ema
+from difftune.errors import DifftuneError
+from difftune.guard import SKIPPED_FILE
+from difftune.loss import draw_timesteps_and_noise, training_noise_scheduler
+from difftune.metrics import read_metrics
+from difftune.models import load_components
+from difftune.optim import OPTIMIZERS, build_lr_scheduler, build_optimizer
+from difftune.tiny import build_noise_scheduler
+from difftune.train import train
+from difftune.validation import Validator
+
+
+def test_ema_with_constant_decay_is_the_closed_form():
+    param = torch.nn.Parameter(torch.zeros(3))
+    ema = build_ema([param], EmaConfig(enabled=True, decay=0.9, warmup=False))
+    values = [1.0, 2.0, -1.0, 4.0, 0.5]
+    for value in values:
+        param.data.fill_(value)
+        update_ema(ema, [param], EmaConfig(enabled=True, decay=0.9, warmup=False))
+    # The first update copies (diffusers' step 0 has decay 0); then e <- 0.9 e + 0.1 p.
+    expected = values[0]
+    for value in values[1:]:
+        expected = 0.9 * expected + 0.1 * value
+    torch.testing.assert_close(ema.shadow_params[0], torch.full((3,), expected))
+
+
+def test_ema_warmup_ramps_the_decay():
+    param = torch.nn.Parameter(torch.zeros(1))
+    config = EmaConfig(enabled=True, decay=0.999, warmup=True, power=0.75)
+    ema = build_ema([param], config)
+    decays = []
+    for _ in range(4):
+        update_ema(ema, [param], config)
+        decays.append(ema.cur_decay_value)
+    # diffusers: decay(t) = 1 - (1 + t)^-power for t = step - 1, and 0 at the first step.
+    assert decays == pytest.approx([0.0] + [1 - (1 + t) ** -0.75 for t in (1, 2, 3)])
+
+
+def test_ema_weights_swap_in_and_out():
+    param = torch.nn.Parameter(torch.ones(2))
+    config = EmaConfig(enabled=True, decay=0.5, warmup=False)
+    ema = build_ema([param], config)
+    update_ema(ema, [param], config)
+    param.data.fill_(3.0)
+    update_ema(ema, [param], config)  # ema = 0.5 * 1 + 0.5 * 3 = 2
+    with ema_weights(ema, [param]):
+        torch.testing.assert_close(param.data, torch.full((2,), 2.0))
+    torch.testing.assert_close(param.data, torch.full((2,), 3.0))
+
+
+def test_training_saves_the_ema_adapter_beside_the_raw_one(make_config, tiny_base, tmp_path):
+    config = make_config(train__max_steps=6, ema__enabled=True, ema__decay=0.5, ema__warmup=False)
+    result = train(config)
+    out = tmp_path / "run"
+    raw, ema = load_file(out / "pytorch_lora_weights.safetensors"), load_file(out / "pytorch_lora_weights_ema.safetensors")
+    assert raw.keys() == ema.keys()
+    assert any(not torch.equal(raw[k], ema[k]) for k in raw if "lora_B" in k)
+    # The EMA file holds exactly the EMA weights.
+    with ema_weights(result.ema, trainable_parameters([result.components.unet])):
+        expected, _ = adapter_state_dict(result.components, config.adapter)
+    assert all(torch.equal(ema[k], expected[k]) for k in ema)
+    pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None, dtype=torch.float32)
+    pipeline.load_lora_weights(str(out), weight_name="pytorch_lora_weights_ema.safetensors")
+    assert any("lora_A" in k for k in pipeline.unet.state_dict())
+
+
+def test_average_command_is_the_weighted_mean(make_config, tiny_base, tmp_path):
+    first = train(make_config(train__max_steps=2, train__output_dir=str(tmp_path / "a"))).trained_path
+    second = train(make_config(train__max_steps=2, train__seed=1, train__output_dir=str(tmp_path / "b"))).trained_path
+    out = tmp_path / "avg.safetensors"
+    assert main(["average", str(first), str(second), "--out", str(out), "--weights", "linear"]) == 0
+    a, b, averaged = load_file(first), load_file(second), load_file(out)
+    for key in a:
+        torch.testing.assert_close(averaged[key], a[key] / 3 + b[key] * 2 / 3, rtol=1e-6, atol=1e-7)
+    pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None, dtype=torch.float32)
+    pipeline.load_lora_weights(str(tmp_path), weight_name="avg.safetensors")
+    assert any("lora_A" in k for k in pipeline.unet.state_dict())
+
+
+def test_averaging_refuses_different_adapters(make_config, tmp_path):
+    first = train(make_config(train__max_steps=1, train__output_dir=str(tmp_path / "a"))).trained_path
+    other = train(make_config(train__max_steps=1, adapter__rank=2, train__output_dir=str(tmp_path / "b"))).trained_path
+    with pytest.raises(DifftuneError, match="tensors differ"):
+        export.average_adapters([first, other])
+
+
+def test_training_averages_its_last_snapshots(make_config, tmp_path):
+    config = make_config(
+        train__max_steps=6, export__every_steps=2, export__average_last=3, export__average_weights="exponential",
+        adapter__kind="dora",
+    )
+    train(config)
+    out = tmp_path / "run"
+    snapshots = sorted((out / "snapshots").iterdir())
+    assert [p.name for p in snapshots] == ["step-000002.safetensors", "step-000004.safetensors", "step-000006.safetensors"]
+    loaded = [load_file(p) for p in snapshots]
+    averaged = load_file(out / "pytorch_lora_weights_avg.safetensors")
+    for key in averaged:
+        expected = (loaded[0][key] + 2 * loaded[1][key] + 4 * loaded[2][key]) / 7
+        torch.testing.assert_close(averaged[key], expected, rtol=1e-6, atol=1e-7)
+    # The last snapshot is the final adapter.
+    final = load_file(out / "pytorch_lora_weights.safetensors")
+    assert all(torch.equal(final[k], loaded[2][k]) for k in final)
+
+
+def _poison(monkeypatch, bad_calls: set[int], how):
+    """Make the training loss of the given (1-based) micro-steps NaN or a spike."""
+    original = train_module._training_loss
+    calls = {"n": 0}
+
+    def poisoned(components, batch, config, device):
+        calls["n"] += 1
+        loss = original(components, batch, config, device)
+        return how(loss) if calls["n"] in bad_calls else loss
+
+    monkeypatch.setattr(train_module, "_training_loss", poisoned)
+
+
+def _optimizer_state(optimizer) -> list[torch.Tensor]:
+    return [value for state in optimizer.state_dict()["state"].values() for value in state.values() if torch.is_tensor(value)]
+
+
+def test_a_nan_step_is_skipped_and_leaves_everything_as_it_was(make_config, tmp_path, monkeypatch):
+    clean = train(make_config(train__max_steps=3, ema__enabled=True, train__output_dir=str(tmp_path / "clean")))
+    _poison(monkeypatch, {4}, lambda loss: loss * float("nan"))
+    skipped = train(make_config(train__max_steps=4, ema__enabled=True, train__output_dir=str(tmp_path / "nan")))
+    # Step 4 was skipped: weights, optimizer state and EMA are bit-identical to the run that stopped at 3.
+    weights_clean, weights_skipped = load_file(clean.trained_path), load_file(skipped.trained_path)
+    assert all(torch.equal(weights_clean[k], weights_skipped[k]) for k in weights_clean)
+    for a, b in zip(_optimizer_state(clean.optimizer), _optimizer_state(skipped.optimizer), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(clean.ema.shadow_params, skipped.ema.shadow_params, strict=True):
+        assert torch.equal(a, b)
+    records = [json.loads(line) for line in (tmp_path / "nan" / SKIPPED_FILE).read_text().splitlines()]
+    assert [(r["step"], r["reason"]) for r in records] == [(4, "non-finite loss")]
+    assert len(records[0]["images"]) == 2 and all(p.endswith(".png") for p in records[0]["images"])
+    assert [row["skipped"] for row in read_metrics(tmp_path / "nan")] == [False, False, False, True]
+
+
+def test_consecutive_nans_stop_the_run_without_writing_an_adapter(make_config, tmp_path, monkeypatch):
+    _poison(monkeypatch, set(range(2, 100)), lambda loss: loss * float("nan"))
+    config = make_config(train__max_steps=10, guard__max_consecutive_skips=3, export__every_steps=1)
+    with pytest.raises(DifftuneError, match=r"stopped at step 4: 3 optimizer steps in a row were skipped"):
+        train(config)
+    out = tmp_path / "run"
+    assert not (out / "pytorch_lora_weights.safetensors").exists()
+    # Snapshots of the skipped steps hold the last good weights, unchanged and finite; none from step 4 on.
+    snapshots = sorted((out / "snapshots").iterdir())
+    assert [p.name for p in snapshots] == [f"step-00000{i}.safetensors" for i in (1, 2, 3)]
+    first = load_file(snapshots[0])
+    assert all(torch.isfinite(t).all() for t in first.values())
+    for later in snapshots[1:]:
+        assert all(torch.equal(first[k], v) for k, v in load_file(later).items())
+
+
+@pytest.mark.parametrize("guard_on", [True, False])
+def test_a_loss_spike_is_skipped_only_with_the_guard_on(make_config, tmp_path, monkeypatch, guard_on):
+    clean = train(make_config(train__max_steps=5, train__output_dir=str(tmp_path / "clean")))
+    _poison(monkeypatch, {6}, lambda loss: loss * 100)
+    spiked = train(
+        make_config(
+            train__max_steps=6, guard__enabled=guard_on, guard__spike_warmup_steps=3, train__output_dir=str(tmp_path / "spike")
+        )
+    )
+    same = all(torch.equal(a, b) for a, b in zip(load_file(clean.trained_path).values(), load_file(spiked.trained_path).values()))
+    assert same == guard_on
+    assert read_metrics(tmp_path / "spike")[-1]["skipped"] == guard_on
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_optimizer_builds_and_steps(name):
+    unet_param, text_param = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4))
+    config = OptimConfig(optimizer=name, learning_rate=1e-2, text_encoder_learning_rate=1e-3)
+    if name == "adamw_8bit" and importlib.util.find_spec("bitsandbytes") is None:
+        with pytest.raises(DifftuneError, match=r"needs bitsandbytes: `pip install difftune\[bnb\]`"):
+            build_optimizer([unet_param], [text_param], config, torch.device("cpu"))
+        return
+    optimizer = build_optimizer([unet_param], [text_param], config, torch.device("cpu"))
+    assert [group["lr"] for group in optimizer.param_groups] == [1e-2, 1e-3]
+    (unet_param.square().sum() + text_param.square().sum()).backward()
+    optimizer.step()
+    assert (unet_param < 1).all() and (text_param < 1).all()
+
+
+def test_schedules():
+    def lrs(schedule, **extra):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = build_lr_scheduler(optimizer, OptimConfig(lr_schedule=schedule, warmup_steps=2, **extra), 10, 1)
+        values = []
+        for _ in range(10):
+            optimizer.step()
+            scheduler.step()
+            values.append(scheduler.get_last_lr()[0])
+        return values
+
+    assert lrs("constant")[:3] == pytest.approx([0.5, 1.0, 1.0])
+    assert lrs("linear")[-1] == pytest.approx(0.0) and lrs("linear")[5] == pytest.approx(0.5)
+    assert lrs("cosine")[-1] == pytest.approx(0.0, abs=1e-12)
+    restarts = lrs("cosine_with_restarts", lr_cycles=2)
+    assert restarts[5] > restarts[4]  # the second cycle restarts high
+
+
+def test_noise_offset_is_a_per_channel_constant():
+    latents = torch.zeros(2, 4, 8, 8)
+    plain = draw_timesteps_and_noise([torch.Generator().manual_seed(s) for s in (1, 2)], latents, 1000, LossConfig())
+    offset = draw_timesteps_and_noise(
+        [torch.Generator().manual_seed(s) for s in (1, 2)], latents, 1000, LossConfig(noise_offset=0.1)
+    )
+    difference = offset[1] - plain[1]
+    assert torch.equal(offset[0], plain[0])
+    torch.testing.assert_close(difference, difference[:, :, :1, :1].expand_as(difference))
+    assert 0 < difference.abs().max() < 1
+    assert torch.equal(offset[2], offset[1])  # no perturbation asked for: the input noise is the target noise
+    perturbed = draw_timesteps_and_noise(
+        [torch.Generator().manual_seed(s) for s in (1, 2)], latents, 1000, LossConfig(input_perturbation=0.1)
+    )
+    assert torch.equal(perturbed[1], plain[1]) and not torch.equal(perturbed[2], plain[1])
+
+
+def test_zero_terminal_snr():
+    with pytest.raises(DifftuneError, match="zero_terminal_snr = true needs loss.prediction_type"):
+        load_config(None, ["loss.zero_terminal_snr=true"])
+    config = load_config(None, ["loss.zero_terminal_snr=true", "loss.prediction_type=v_prediction"]).loss
+    scheduler = training_noise_scheduler(build_noise_scheduler(), config)
+    assert scheduler.alphas_cumprod[-1].item() == pytest.approx(0.0, abs=1e-6)
+    assert build_noise_scheduler().alphas_cumprod[-1].item() > 1e-3
+
+
+def test_zero_terminal_snr_trains(make_config):
+    result = train(make_config(loss__zero_terminal_snr=True, loss__prediction_type="v_prediction", train__max_steps=2))
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_validation_loss_is_repeatable(make_config, shapes):
+    config = make_config(validation__path=str(shapes))
+    components = load_components(config.model)
+    first = Validator(components, config, torch.device("cpu")).loss(components)
+    second = Validator(components, config, torch.device("cpu")).loss(components)
+    assert first == second > 0
+
+
+def test_validation_and_previews_during_training(make_config, shapes, tmp_path):
+    config = make_config(
+        train__max_steps=4, validation__path=str(shapes), validation__every_steps=2, ema__enabled=True,
+        sample__prompts=["a red circle"], sample__every_steps=2, sample__steps=2,
+    )
+    train(config)
+    rows = read_metrics(tmp_path / "run")
+    assert ["val_loss" in row for row in rows] == [False, True, False, True]
+    assert all("val_loss_ema" in row for row in rows if "val_loss" in row)
+    assert (tmp_path / "run" / "samples" / "step-000002" / "grid.png").is_file()
+    assert (tmp_path / "run" / "samples" / "grid.png").is_file() and (tmp_path / "run" / "samples_ema" / "grid.png").is_file()
