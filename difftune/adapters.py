@@ -12,8 +12,8 @@ from difftune.models import Components
 DORA_MAGNITUDE = "lora_magnitude_vector"
 
 
-def add_adapters(components: Components, config: AdapterConfig) -> list[torch.nn.Module]:
-    """Freeze the base, attach what `config` trains, and return the modules that hold trainable weights."""
+def add_adapters(components: Components, config: AdapterConfig) -> None:
+    """Freeze the base and attach what `config` trains."""
     components.unet.requires_grad_(False)
     components.vae.requires_grad_(False)
     components.text_encoder.requires_grad_(False)
@@ -23,11 +23,10 @@ def add_adapters(components: Components, config: AdapterConfig) -> list[torch.nn
     if config.kind == "none":
         for module in trained:
             module.requires_grad_(True)
-        return trained
+        return
     components.unet.add_adapter(_lora_config(config, config.target_modules))
     if config.text_encoder:
         components.text_encoder.add_adapter(_lora_config(config, config.text_encoder_target_modules))
-    return trained
 
 
 def _lora_config(config: AdapterConfig, target_modules: list[str]) -> LoraConfig:
@@ -42,8 +41,15 @@ def _lora_config(config: AdapterConfig, target_modules: list[str]) -> LoraConfig
     )
 
 
-def trainable_parameters(modules: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
-    return [p for module in modules for p in module.parameters() if p.requires_grad]
+def trainable_parameters(components: Components, config: AdapterConfig) -> dict[str, torch.nn.Parameter]:
+    """Every trained parameter under a stable name (`unet.` / `text_encoder.` + its name in the module)."""
+    parts = {"unet": components.unet, **({"text_encoder": components.text_encoder} if config.text_encoder else {})}
+    return {
+        f"{prefix}.{name}": param
+        for prefix, module in parts.items()
+        for name, param in module.named_parameters()
+        if param.requires_grad
+    }
 
 
 def adapter_state_dict(components: Components, config: AdapterConfig) -> tuple[dict[str, torch.Tensor], dict]:

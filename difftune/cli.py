@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
         command.add_argument("--config", help="TOML job file; omitted: all defaults")
         command.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides, e.g. train.max_steps=200")
+    commands.choices["train"].add_argument(
+        "--resume", metavar="auto|PATH", help="continue from the latest complete checkpoint in train.output_dir (auto) or a given one"
+    )
 
     adapter_help = "an adapter file (diffusers or kohya layout), optionally with a scale: FILE[:SCALE]; repeatable"
     merge = commands.add_parser("merge", help="merge adapters into the base model and save it")
@@ -114,7 +117,7 @@ def _run(args: argparse.Namespace) -> None:
             return
         from difftune.train import train  # heavy imports only when needed
 
-        result = train(config)
+        result = train(config, resume=args.resume)
         if result.trained_path:
             print(f"difftune: wrote {result.trained_path}")
         return

@@ -230,6 +230,13 @@ class SampleConfig(Section):
     )
 
 
+class CheckpointConfig(Section):
+    every_steps: int = Field(
+        0, ge=0, description="Save a resumable checkpoint every N optimizer steps (and at the end); 0: only at the end."
+    )
+    keep_last: int = Field(3, ge=1, description="Checkpoints kept; older ones are deleted once a newer one is complete.")
+
+
 class ExportConfig(Section):
     format: Literal["diffusers", "kohya"] = Field(
         "diffusers",
@@ -261,6 +268,7 @@ class Config(Section):
     guard: GuardConfig = Field(default_factory=GuardConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 

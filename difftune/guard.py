@@ -15,16 +15,18 @@ from pathlib import Path
 
 from difftune.config import GuardConfig
 from difftune.errors import DifftuneError
+from difftune.metrics import keep_lines_up_to_step
 
 SKIPPED_FILE = "skipped_steps.jsonl"
 
 
 class Guard:
-    def __init__(self, config: GuardConfig, output_dir: Path | None):
+    def __init__(self, config: GuardConfig, output_dir: Path | None, resumed_at_step: int | None = None):
         self.config = config
         self.log_path = output_dir / SKIPPED_FILE if output_dir else None
         if self.log_path:
-            self.log_path.unlink(missing_ok=True)  # a fresh run (train.overwrite) starts a fresh list
+            # A fresh run starts a fresh list; a resumed one keeps what happened up to its checkpoint.
+            keep_lines_up_to_step(self.log_path, resumed_at_step or 0)
         # Running means over the last accepted steps (a window, so one old outlier ages out).
         self.losses: deque[float] = deque(maxlen=config.spike_warmup_steps)
         self.grad_norms: deque[float] = deque(maxlen=config.spike_warmup_steps)
@@ -58,6 +60,21 @@ class Guard:
             self.consecutive += 1
             self.skipped += 1
         return reason
+
+    def state_dict(self) -> dict:
+        return {
+            "losses": list(self.losses),
+            "grad_norms": list(self.grad_norms),
+            "consecutive": self.consecutive,
+            "skipped": self.skipped,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.losses.clear()
+        self.losses.extend(state["losses"])
+        self.grad_norms.clear()
+        self.grad_norms.extend(state["grad_norms"])
+        self.consecutive, self.skipped = state["consecutive"], state["skipped"]
 
     def record(self, step: int, reason: str, loss: float, grad_norm: float, paths: list[str]) -> None:
         """Append the skip to skipped_steps.jsonl; stop the run after too many in a row."""

@@ -8,10 +8,21 @@ from pathlib import Path
 METRICS_FILE = "metrics.jsonl"
 
 
+def keep_lines_up_to_step(path: Path, step: int) -> None:
+    """Drop the JSONL lines of steps after `step` (all of them for 0): a resumed run rewrites those steps."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
 class MetricsLog:
-    def __init__(self, output_dir: Path, accelerator):
+    def __init__(self, output_dir: Path, accelerator, resumed_at_step: int = 0):
         self.accelerator = accelerator
-        self.file = open(output_dir / METRICS_FILE, "w", encoding="utf-8") if accelerator.is_main_process else None
+        self.file = None
+        if accelerator.is_main_process:
+            keep_lines_up_to_step(output_dir / METRICS_FILE, resumed_at_step)
+            self.file = open(output_dir / METRICS_FILE, "a", encoding="utf-8")
 
     def write(self, step: int, values: dict[str, float]) -> None:
         if self.file:

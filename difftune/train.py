@@ -24,6 +24,15 @@ from tqdm.auto import tqdm
 
 from difftune import export
 from difftune.adapters import add_adapters, trainable_parameters
+from difftune.checkpoint import (
+    CHECKPOINTS_DIR,
+    MARKER,
+    Progress,
+    find_checkpoint,
+    keep_models_out_of_accelerate_state,
+    load_checkpoint,
+    save_checkpoint,
+)
 from difftune.config import Config
 from difftune.data import CaptionedImages, TrainingOrder, build_dataloader, scan_examples
 from difftune.ema import build_ema, ema_weights, update_ema
@@ -48,8 +57,9 @@ class TrainResult:
     ema: EMAModel | None  # when ema.enabled
 
 
-def train(config: Config) -> TrainResult:
-    output_dir = _check_output_dir(config)
+def train(config: Config, resume: str | None = None) -> TrainResult:
+    """Run the job; `resume` is "auto" (the latest complete checkpoint in output_dir, if any) or a checkpoint folder."""
+    output_dir = _check_output_dir(config, resume)
     if config.train.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise DifftuneError('train.mixed_precision = "fp16" needs a CUDA device; use "bf16" or "no" here')
     accelerator = Accelerator(
@@ -58,6 +68,7 @@ def train(config: Config) -> TrainResult:
         log_with="tensorboard" if config.log.tensorboard and is_tensorboard_available() else None,
         project_dir=output_dir / "logs",
     )
+    keep_models_out_of_accelerate_state(accelerator)
     main = accelerator.is_main_process
     if main:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -71,15 +82,11 @@ def train(config: Config) -> TrainResult:
     _configure_unet(components.unet, config)
     add_adapters(components, config.adapter)
     _place_models(components, config, accelerator)
-    order = TrainingOrder(
-        len(examples), config.train.batch_size, config.train.seed, accelerator.process_index, accelerator.num_processes
-    )
-    dataset = CaptionedImages(examples, config.data, components.tokenizer, config.train.seed)
-    batches = iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
 
-    unet_params = trainable_parameters([components.unet])
-    text_params = trainable_parameters([components.text_encoder]) if config.adapter.text_encoder else []
-    parameters = unet_params + text_params
+    named = trainable_parameters(components, config.adapter)
+    parameters = list(named.values())
+    unet_params = [p for name, p in named.items() if name.startswith("unet.")]
+    text_params = [p for name, p in named.items() if name.startswith("text_encoder.")]
     optimizer = build_optimizer(unet_params, text_params, config.optim, accelerator.device)
     lr_scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps, accelerator.num_processes)
     # Only trained modules are prepared: DDP refuses a module with nothing to train.
@@ -90,7 +97,21 @@ def train(config: Config) -> TrainResult:
     else:
         components.unet, optimizer, lr_scheduler = accelerator.prepare(components.unet, optimizer, lr_scheduler)
     ema = build_ema(parameters, config.ema)
-    guard = Guard(config.guard, output_dir if main else None)
+    checkpoint = find_checkpoint(output_dir, resume) if resume else None
+    progress, guard_state = load_checkpoint(accelerator, checkpoint, named, ema, config) if checkpoint else (Progress(), None)
+    guard = Guard(config.guard, output_dir if main else None, resumed_at_step=progress.global_step)
+    if guard_state:
+        guard.load_state_dict(guard_state)
+    order = TrainingOrder(
+        len(examples),
+        config.train.batch_size,
+        config.train.seed,
+        accelerator.process_index,
+        accelerator.num_processes,
+        start_batch=progress.micro_batches,
+    )
+    dataset = CaptionedImages(examples, config.data, components.tokenizer, config.train.seed)
+    batches = iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
     validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
     accelerator.init_trackers("difftune", config=_flat_hparams(config))
     accelerator.print(
@@ -98,13 +119,19 @@ def train(config: Config) -> TrainResult:
         f"({config.adapter.kind}), {accelerator.num_processes} process(es) on {accelerator.device}"
     )
 
-    metrics = MetricsLog(output_dir, accelerator)
+    metrics = MetricsLog(output_dir, accelerator, resumed_at_step=progress.global_step)
     max_norm = config.optim.max_grad_norm or float("inf")  # inf: measure the norm, clip nothing
     accumulation = config.train.gradient_accumulation_steps
     global_batch = config.train.batch_size * accelerator.num_processes * accumulation
     losses = []
-    progress = tqdm(range(1, config.train.max_steps + 1), disable=not (main and config.log.progress_bar), desc="train")
-    for global_step in progress:
+    bar = tqdm(
+        range(progress.global_step + 1, config.train.max_steps + 1),
+        initial=progress.global_step,
+        total=config.train.max_steps,
+        disable=not (main and config.log.progress_bar),
+        desc="train",
+    )
+    for global_step in bar:
         started = time.perf_counter()
         step_loss, paths = torch.zeros((), device=accelerator.device), []
         for _ in range(accumulation):
@@ -126,6 +153,7 @@ def train(config: Config) -> TrainResult:
                 update_ema(ema, parameters, config.ema)
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        progress = Progress(global_step, progress.micro_batches + accumulation)
 
         seconds = time.perf_counter() - started
         lr = lr_scheduler.get_last_lr()[0]
@@ -143,8 +171,12 @@ def train(config: Config) -> TrainResult:
             unwrapped = _unwrapped(components, accelerator)
             values |= _periodic_work(global_step, unwrapped, parameters, ema, validator, config, output_dir, accelerator)
         metrics.write(global_step, values)
-        progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", skipped=guard.skipped)
+        bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", skipped=guard.skipped)
+        if config.checkpoint.every_steps and global_step % config.checkpoint.every_steps == 0:
+            save_checkpoint(accelerator, output_dir, progress, named, ema, guard, config)
     metrics.close()
+    if not (output_dir / CHECKPOINTS_DIR / f"step-{progress.global_step:06d}" / MARKER).exists():
+        save_checkpoint(accelerator, output_dir, progress, named, ema, guard, config)
 
     accelerator.wait_for_everyone()
     components = _unwrapped(components, accelerator)
@@ -253,12 +285,12 @@ def _set_device_flags(config: Config, accelerator: Accelerator) -> None:
         accelerator.print(f"difftune: train.tf32 and train.cudnn_benchmark apply to CUDA only; ignored on {accelerator.device}")
 
 
-def _check_output_dir(config: Config) -> Path:
+def _check_output_dir(config: Config, resume: str | None) -> Path:
     output_dir = Path(config.train.output_dir)
-    if (output_dir / METRICS_FILE).exists() and not config.train.overwrite:
+    if (output_dir / METRICS_FILE).exists() and not (config.train.overwrite or resume):
         raise DifftuneError(
-            f"train.output_dir {output_dir} already holds a run ({METRICS_FILE}); choose another folder or set "
-            f"train.overwrite=true to replace it"
+            f"train.output_dir {output_dir} already holds a run ({METRICS_FILE}); resume it with --resume auto, "
+            f"choose another folder, or set train.overwrite=true to replace it"
         )
     return output_dir
 

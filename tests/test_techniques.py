@@ -70,7 +70,7 @@ def test_training_saves_the_ema_adapter_beside_the_raw_one(make_config, tiny_bas
     assert raw.keys() == ema.keys()
     assert any(not torch.equal(raw[k], ema[k]) for k in raw if "lora_B" in k)
     # The EMA file holds exactly the EMA weights.
-    with ema_weights(result.ema, trainable_parameters([result.components.unet])):
+    with ema_weights(result.ema, list(trainable_parameters(result.components, config.adapter).values())):
         expected, _ = adapter_state_dict(result.components, config.adapter)
     assert all(torch.equal(ema[k], expected[k]) for k in ema)
     pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None, dtype=torch.float32)
