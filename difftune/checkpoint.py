@@ -68,6 +68,7 @@ def save_checkpoint(accelerator, output_dir: Path, progress: Progress, named: di
             "progress": asdict(progress),
             "num_processes": accelerator.num_processes,
             "guard": guard.state_dict(),
+            "ema_updates": ema.optimization_step if ema else None,  # drives the EMA's decay ramp
             "config": config.to_toml(),
         }
         (staging / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
@@ -160,6 +161,7 @@ def load_checkpoint(accelerator, path: Path, named: dict, ema, config: Config) -
             if all(t is not None for t in saved):
                 for shadow, value in zip(ema.shadow_params, saved):
                     shadow.copy_(value)
+                ema.optimization_step = state["ema_updates"]
             else:
                 accelerator.print("difftune: the checkpoint has no EMA; the EMA starts from the resumed weights")
                 ema.shadow_params = [param.detach().clone() for param in named.values()]

@@ -210,4 +210,7 @@ def build_dataloader(dataset: CaptionedImages, order: TrainingOrder, num_workers
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
+        # Its own generator: a DataLoader draws its workers' base seed when iterated, and from the global RNG
+        # that would shift adapter dropout after a resume. Samples never use it (they carry their own seeds).
+        generator=torch.Generator().manual_seed(order.seed),
     )
