@@ -35,6 +35,11 @@ class ModelConfig(Section):
         description="For a single-file `base`: a diffusers folder or hub id whose configs describe its "
         "architecture. Offline, pass a local folder here.",
     )
+    allow_pickled_checkpoint: bool = Field(
+        False,
+        description="Allow a pickle-based `.ckpt`/`.pt`/`.bin` single-file base. It is still read with "
+        "`torch.load(weights_only=True)` (tensors only, no code), so one holding other objects fails: convert it.",
+    )
     vae: str = Field(
         "",
         description="Autoencoder that turns images into latents: empty for the base model's own KL VAE, or "
@@ -66,6 +71,15 @@ class DataConfig(Section):
         0.0, ge=0.0, le=1.0, description="Probability of replacing a caption with an empty one (teaches classifier-free guidance)."
     )
     num_workers: int = Field(2, ge=0, description="Data loader worker processes; 0 loads in the training process.")
+    min_image_size: int = Field(16, ge=1, description="Images whose shorter side is smaller than this are skipped and reported.")
+    max_image_pixels: int = Field(
+        89_478_485,
+        ge=1,
+        description="Images with more pixels are skipped as possible decompression bombs (PIL's default limit).",
+    )
+    alpha_background: tuple[int, int, int] = Field(
+        (255, 255, 255), strict=False, description="RGB color that transparent pixels are composited onto."
+    )
 
     @field_validator("resolution")
     @classmethod
@@ -196,8 +210,15 @@ class GuardConfig(Section):
     )
     spike_warmup_steps: int = Field(20, ge=1, description="Accepted steps of history before spikes are judged.")
     max_consecutive_skips: int = Field(
-        5, ge=1, description="Stop the run (nothing more is written) after this many skipped steps in a row."
+        5, ge=1, description="Diverged after this many skipped steps in a row: stop, or with `rollback` go back."
     )
+    max_loss: float = Field(0.0, ge=0, description="Also diverged when a step's loss exceeds this; 0 is off.")
+    rollback: bool = Field(
+        False,
+        description="On divergence, reload the last complete checkpoint and go on past the offending batches, "
+        "instead of stopping (needs checkpoint.every_steps).",
+    )
+    max_rollbacks: int = Field(3, ge=1, description="Stop after this many rollbacks.")
 
 
 class ValidationConfig(Section):
@@ -281,6 +302,8 @@ class Config(Section):
                 "loss.zero_terminal_snr = true needs loss.prediction_type = \"v_prediction\" (at zero SNR the noise "
                 "cannot be predicted from a pure-noise input)"
             )
+        if self.guard.rollback and not self.checkpoint.every_steps:
+            raise ValueError("guard.rollback needs checkpoint.every_steps > 0 (checkpoints to roll back to)")
         if self.export.average_last > 1 and not self.export.every_steps:
             raise ValueError("export.average_last needs export.every_steps > 0 (snapshots to average)")
         if self.model.weight_dtype in ("fp16", "bf16") and self.train.mixed_precision == "no":

@@ -12,9 +12,12 @@ at a position: nothing else needs restoring.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, Sampler
+from tqdm.auto import tqdm
 
 from difftune.config import DataConfig
 from difftune.errors import DifftuneError
@@ -36,25 +40,56 @@ class Example:
     caption: str
 
 
-def scan_examples(config: DataConfig) -> list[Example]:
-    """Every (image, caption) pair under `config.path`, each listed as often as its folder repeats."""
+@dataclass(frozen=True)
+class BadFile:
+    path: Path
+    reason: str
+
+
+class BadImage(Exception):
+    """An image that cannot be trained on; the message is the reason."""
+
+
+def scan_examples(config: DataConfig) -> tuple[list[Example], list[BadFile]]:
+    """Every usable (image, caption) pair under `config.path`, each listed as often as its folder repeats,
+    and the files left out with their reasons. Every image is decoded once here, so a bad one is found
+    before the first step, not at step 9,000."""
     root = Path(config.path)
     if not root.is_dir():
         raise DifftuneError(f"data.path {root} is not a folder; point it at a folder of captioned images")
-    examples = _scan_folder(root, config)
+    bad: list[BadFile] = []
+    examples = _scan_folder(root, config, bad)
     for sub in sorted(p for p in root.iterdir() if p.is_dir()):
         match = REPEATS_FOLDER.match(sub.name)
         if match:
-            examples += _scan_folder(sub, config) * int(match.group(1))
-    if not examples:
+            examples += _scan_folder(sub, config, bad) * int(match.group(1))
+    if not examples and not bad:
         raise DifftuneError(
             f"data.path {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) directly or in "
             f"`N_name` subfolders"
         )
-    return examples
+    unusable = _find_unusable_images({e.image_path for e in examples}, config)
+    bad += unusable
+    broken = {b.path for b in unusable}
+    examples = [e for e in examples if e.image_path not in broken]
+    if not examples:
+        reasons = "; ".join(f"{b.path.name}: {b.reason}" for b in bad[:5])
+        raise DifftuneError(f"data.path {root}: no usable image ({len(bad)} left out: {reasons})")
+    return examples, bad
 
 
-def _scan_folder(folder: Path, config: DataConfig) -> list[Example]:
+BAD_FILES_REPORT = "bad_files.jsonl"
+
+
+def report_bad_files(bad: list[BadFile], report: Path | None, print_fn=print) -> None:
+    """Each left-out file once, in the log and (when given) in a JSONL report."""
+    for item in bad:
+        print_fn(f"difftune: skipping {item.path}: {item.reason}")
+    if report is not None:
+        report.write_text("".join(json.dumps({"file": str(b.path), "reason": b.reason}) + "\n" for b in bad), encoding="utf-8")
+
+
+def _scan_folder(folder: Path, config: DataConfig, bad: list[BadFile]) -> list[Example]:
     metadata = folder / "metadata.jsonl"
     if metadata.is_file():
         return _read_metadata(metadata)
@@ -62,7 +97,11 @@ def _scan_folder(folder: Path, config: DataConfig) -> list[Example]:
     for image_path in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS):
         caption_path = image_path.with_suffix(config.caption_extension)
         if caption_path.is_file():
-            caption = _read_caption(caption_path)
+            try:
+                caption = caption_path.read_text(encoding="utf-8-sig").strip()
+            except UnicodeDecodeError as err:
+                bad.append(BadFile(caption_path, f"caption is not UTF-8 ({err.reason} at byte {err.start}); re-save it as UTF-8"))
+                continue
         elif config.missing_caption == "empty":
             caption = ""
         else:
@@ -74,11 +113,58 @@ def _scan_folder(folder: Path, config: DataConfig) -> list[Example]:
     return examples
 
 
-def _read_caption(path: Path) -> str:
+def _find_unusable_images(paths: set[Path], config: DataConfig) -> list[BadFile]:
+    """Decode each image once (in threads: PIL releases the GIL while decoding)."""
+
+    def check(path: Path) -> BadFile | None:
+        try:
+            open_image(path, config)
+        except BadImage as err:
+            return BadFile(path, str(err))
+        return None
+
+    ordered = sorted(paths)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        results = list(tqdm(pool.map(check, ordered), total=len(ordered), desc="checking images", disable=len(ordered) < 500))
+    return [result for result in results if result is not None]
+
+
+def open_image(path: Path, config: DataConfig) -> Image.Image:
+    """Decode an image fully into 8-bit RGB: EXIF orientation applied, 16-bit scaled down, palette and
+    transparency composited onto `alpha_background`. Raises BadImage for anything that cannot be trained on."""
+    if path.stat().st_size == 0:
+        raise BadImage("empty file (0 bytes)")
+    # PIL enforces its decompression-bomb limit through a module setting; ours is the configured one.
+    Image.MAX_IMAGE_PIXELS = config.max_image_pixels
     try:
-        return path.read_text(encoding="utf-8-sig").strip()
-    except UnicodeDecodeError as err:
-        raise DifftuneError(f"{path}: caption is not UTF-8 ({err}); re-save it as UTF-8") from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as raw:
+                raw.load()  # a truncated file fails here; it is never padded (LOAD_TRUNCATED_IMAGES stays off)
+                image = ImageOps.exif_transpose(raw)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise BadImage(f"more than data.max_image_pixels = {config.max_image_pixels} pixels ({err})") from None
+    except Exception as err:  # PIL raises many kinds for corrupt data: OSError, SyntaxError, ValueError...
+        raise BadImage(f"cannot be decoded: {type(err).__name__}: {err}") from None
+    if min(image.size) < config.min_image_size:
+        raise BadImage(f"{image.width}x{image.height} is smaller than data.min_image_size = {config.min_image_size}")
+    return _to_rgb(image, config.alpha_background)
+
+
+def _to_rgb(image: Image.Image, background: tuple[int, int, int]) -> Image.Image:
+    if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        # 16-bit (and 32-bit) grayscale: PIL's own convert("L") clips at 255; scale the range instead.
+        array = np.asarray(image, dtype=np.float64)
+        top = 65535.0 if image.mode.startswith("I;16") or array.max() > 255 else 255.0
+        image = Image.fromarray(np.clip(array / top * 255.0 + 0.5, 0, 255).astype(np.uint8), "L")
+    if image.mode == "P":
+        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = image.convert("RGBA")
+        flat = Image.new("RGB", rgba.size, tuple(background))
+        flat.paste(rgba, mask=rgba.getchannel("A"))
+        return flat
+    return image.convert("RGB")
 
 
 def _read_metadata(path: Path) -> list[Example]:
@@ -113,10 +199,10 @@ def sample_seed(train_seed: int, epoch: int, index: int) -> int:
     return derive_seed(SAMPLE_STREAM, train_seed, epoch, index)
 
 
-def load_image(path: Path, resolution: int, crop: str, flip: bool, rng: random.Random) -> torch.Tensor:
-    """Resize the shorter side to `resolution`, crop a square, maybe flip -> (3, res, res) in [-1, 1]."""
-    with Image.open(path) as raw:
-        image = ImageOps.exif_transpose(raw).convert("RGB")
+def load_image(path: Path, config: DataConfig, rng: random.Random) -> torch.Tensor:
+    """Decode, resize the shorter side to `resolution`, crop a square, maybe flip -> (3, res, res) in [-1, 1]."""
+    image = open_image(path, config)
+    resolution, crop, flip = config.resolution, config.crop, config.random_flip
     scale = resolution / min(image.size)
     size = (max(resolution, round(image.width * scale)), max(resolution, round(image.height * scale)))
     image = image.resize(size, Image.Resampling.BICUBIC)
@@ -154,7 +240,7 @@ class CaptionedImages(Dataset):
         example = self.examples[index]
         seed = sample_seed(self.train_seed, epoch, index)
         rng = random.Random(seed)
-        pixels = load_image(example.image_path, self.config.resolution, self.config.crop, self.config.random_flip, rng)
+        pixels = load_image(example.image_path, self.config, rng)
         caption = "" if rng.random() < self.config.caption_dropout else example.caption
         input_ids = self.tokenizer(
             caption, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True, return_tensors="pt"

@@ -32,6 +32,7 @@ class Guard:
         self.grad_norms: deque[float] = deque(maxlen=config.spike_warmup_steps)
         self.consecutive = 0
         self.skipped = 0
+        self.rollbacks = 0
 
     def judge(self, step: int, loss: float, grad_norm: float, grad_overflow_is_expected: bool = False) -> str | None:
         """The reason to skip this step, or None to apply it.
@@ -67,6 +68,7 @@ class Guard:
             "grad_norms": list(self.grad_norms),
             "consecutive": self.consecutive,
             "skipped": self.skipped,
+            "rollbacks": self.rollbacks,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -74,20 +76,30 @@ class Guard:
         self.losses.extend(state["losses"])
         self.grad_norms.clear()
         self.grad_norms.extend(state["grad_norms"])
-        self.consecutive, self.skipped = state["consecutive"], state["skipped"]
+        self.consecutive, self.skipped, self.rollbacks = state["consecutive"], state["skipped"], state["rollbacks"]
 
     def record(self, step: int, reason: str, loss: float, grad_norm: float, paths: list[str]) -> None:
-        """Append the skip to skipped_steps.jsonl; stop the run after too many in a row."""
+        """Append the skip to skipped_steps.jsonl."""
         if self.log_path:
             with open(self.log_path, "a", encoding="utf-8") as file:
                 record = {"step": step, "reason": reason, "loss": _json_number(loss), "grad_norm": _json_number(grad_norm)}
                 file.write(json.dumps({**record, "images": paths}) + "\n")
+
+    def divergence(self, loss: float) -> str | None:
+        """Why the run has diverged (too many skips in a row, or a loss over the hard limit), or None."""
+        if not self.config.enabled:
+            return None
         if self.consecutive >= self.config.max_consecutive_skips:
-            raise DifftuneError(
-                f"stopped at step {step}: {self.consecutive} optimizer steps in a row were skipped (last: {reason}); "
-                f"see {SKIPPED_FILE}. Lower optim.learning_rate, check the listed images, or raise "
-                f"guard.max_consecutive_skips. Nothing from this step on was saved."
-            )
+            return f"{self.consecutive} optimizer steps in a row were skipped"
+        if self.config.max_loss and loss > self.config.max_loss:
+            return f"loss {loss:.4g} is above guard.max_loss = {self.config.max_loss:g}"
+        return None
+
+    def stop(self, step: int, why: str) -> DifftuneError:
+        return DifftuneError(
+            f"stopped at step {step}: {why}; see {SKIPPED_FILE}. Lower optim.learning_rate, check the listed images, "
+            f"set guard.rollback = true, or raise guard.max_consecutive_skips. Nothing from this step on was saved."
+        )
 
 
 def _mean(values) -> float:

@@ -24,6 +24,14 @@ class MetricsLog:
             keep_lines_up_to_step(output_dir / METRICS_FILE, resumed_at_step)
             self.file = open(output_dir / METRICS_FILE, "a", encoding="utf-8")
 
+    def rewind(self, step: int) -> None:
+        """Forget the lines after `step` (a rollback redoes those steps)."""
+        if self.file:
+            path = Path(self.file.name)
+            self.file.close()
+            keep_lines_up_to_step(path, step)
+            self.file = open(path, "a", encoding="utf-8")
+
     def write(self, step: int, values: dict[str, float]) -> None:
         if self.file:
             # A line per step, flushed, so a crash loses at most the step being written.

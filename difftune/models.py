@@ -39,13 +39,14 @@ class Components:
 def load_components(config: ModelConfig) -> Components:
     """Everything training needs from `config.base` (and `config.vae`), in fp32 on the CPU."""
     base = config.base
-    if base.endswith((".ckpt", ".pt", ".pth", ".bin")):
+    pickled = base.endswith((".ckpt", ".pt", ".pth", ".bin"))
+    if pickled and not config.allow_pickled_checkpoint:
         raise DifftuneError(
-            f"model.base {base}: pickled checkpoints can run arbitrary code when loaded and are not read; "
-            f"convert it to .safetensors or a diffusers folder"
+            f"model.base {base}: a pickle-based checkpoint is not read by default (pickles can run code); convert it "
+            f"to .safetensors or a diffusers folder, or set model.allow_pickled_checkpoint = true (read tensors-only)"
         )
     with _explained_load_errors("model.base", base):
-        if base.endswith(".safetensors"):
+        if pickled or base.endswith(".safetensors"):
             components = _load_single_file(config)
         else:
             options = {"revision": config.revision or None, "variant": config.variant or None}

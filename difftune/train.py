@@ -12,13 +12,14 @@ metrics line per optimizer step (and TensorBoard when installed).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, is_tensorboard_available, set_seed
+from accelerate.utils import DistributedType, gather_object, is_tensorboard_available, set_seed
 from diffusers.training_utils import EMAModel, cast_training_params
 from tqdm.auto import tqdm
 
@@ -34,7 +35,14 @@ from difftune.checkpoint import (
     save_checkpoint,
 )
 from difftune.config import Config
-from difftune.data import CaptionedImages, TrainingOrder, build_dataloader, scan_examples
+from difftune.data import (
+    BAD_FILES_REPORT,
+    CaptionedImages,
+    TrainingOrder,
+    build_dataloader,
+    report_bad_files,
+    scan_examples,
+)
 from difftune.ema import build_ema, ema_weights, update_ema
 from difftune.errors import DifftuneError
 from difftune.guard import Guard
@@ -46,6 +54,7 @@ from difftune.sample import generate_images, save_images
 from difftune.validation import Validator
 
 RESOLVED_CONFIG_FILE = "config.toml"
+ROLLBACKS_FILE = "rollbacks.jsonl"
 
 
 @dataclass
@@ -68,6 +77,13 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
         log_with="tensorboard" if config.log.tensorboard and is_tensorboard_available() else None,
         project_dir=output_dir / "logs",
     )
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        # Sharded parameters would need a gather before every save; until that is written and tested, refuse
+        # rather than write partial adapters and checkpoints.
+        raise DifftuneError(
+            f"{accelerator.distributed_type.value} is not supported yet: adapters and checkpoints are written from "
+            f"unsharded parameters. Use DDP (configs/accelerate/ddp.yaml)."
+        )
     keep_models_out_of_accelerate_state(accelerator)
     main = accelerator.is_main_process
     if main:
@@ -78,7 +94,8 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
 
     components = load_components(config.model)
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
-    examples = scan_examples(config.data)
+    examples, bad_files = scan_examples(config.data)
+    report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
     _configure_unet(components.unet, config)
     add_adapters(components, config.adapter)
     _place_models(components, config, accelerator)
@@ -125,13 +142,10 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
     global_batch = config.train.batch_size * accelerator.num_processes * accumulation
     losses = []
     bar = tqdm(
-        range(progress.global_step + 1, config.train.max_steps + 1),
-        initial=progress.global_step,
-        total=config.train.max_steps,
-        disable=not (main and config.log.progress_bar),
-        desc="train",
+        initial=progress.global_step, total=config.train.max_steps, disable=not (main and config.log.progress_bar), desc="train"
     )
-    for global_step in bar:
+    while progress.global_step < config.train.max_steps:
+        global_step = progress.global_step + 1
         started = time.perf_counter()
         step_loss, paths = torch.zeros((), device=accelerator.device), []
         for _ in range(accumulation):
@@ -167,13 +181,21 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
             "seconds": seconds,
             "samples_per_second": global_batch / seconds,
         }
+        diverged = guard.divergence(step_loss)
+        if diverged:  # before any snapshot, validation or checkpoint of this step
+            metrics.write(global_step, values)
+            progress = _roll_back(accelerator, output_dir, named, ema, guard, config, metrics, progress, diverged)
+            bar.n = progress.global_step
+            continue
         if main:
             unwrapped = _unwrapped(components, accelerator)
             values |= _periodic_work(global_step, unwrapped, parameters, ema, validator, config, output_dir, accelerator)
         metrics.write(global_step, values)
+        bar.update(1)
         bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", skipped=guard.skipped)
         if config.checkpoint.every_steps and global_step % config.checkpoint.every_steps == 0:
             save_checkpoint(accelerator, output_dir, progress, named, ema, guard, config)
+    bar.close()
     metrics.close()
     if not (output_dir / CHECKPOINTS_DIR / f"step-{progress.global_step:06d}" / MARKER).exists():
         save_checkpoint(accelerator, output_dir, progress, named, ema, guard, config)
@@ -201,6 +223,31 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
         components.unet, components.noise_scheduler, latents, encoder_hidden_states, timesteps, noise, config.loss,
         input_noise,
     )
+
+
+def _roll_back(accelerator, output_dir, named, ema, guard, config: Config, metrics, progress: Progress, why: str) -> Progress:
+    """Reload the last complete checkpoint but keep reading the data from here on, so the batches that led to
+    the divergence are skipped rather than replayed. Without `guard.rollback` (or past its limit): stop."""
+    checkpoint = find_checkpoint(output_dir, "auto") if config.guard.rollback else None
+    if checkpoint is None or guard.rollbacks >= config.guard.max_rollbacks:
+        limit = f"; {guard.rollbacks} rollbacks already" if config.guard.rollback and checkpoint else ""
+        raise guard.stop(progress.global_step, why + limit)
+    restored, guard_state = load_checkpoint(accelerator, checkpoint, named, ema, config)
+    rollbacks = guard.rollbacks + 1
+    guard.load_state_dict(guard_state)
+    guard.rollbacks = rollbacks
+    metrics.rewind(restored.global_step)
+    record = {
+        "at_step": progress.global_step,
+        "to_step": restored.global_step,
+        "reason": why,
+        "skipped_micro_batches": progress.micro_batches - restored.micro_batches,
+    }
+    if accelerator.is_main_process:
+        with open(output_dir / ROLLBACKS_FILE, "a", encoding="utf-8") as file:
+            file.write(json.dumps(record) + "\n")
+    accelerator.print(f"difftune: rolled back from step {progress.global_step} to {restored.global_step}: {why}")
+    return Progress(restored.global_step, progress.micro_batches)
 
 
 def _periodic_work(step, components, parameters, ema, validator, config: Config, output_dir: Path, accelerator) -> dict:

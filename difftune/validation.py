@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from difftune.config import Config
-from difftune.data import CaptionedImages, derive_seed, scan_examples
+from difftune.data import CaptionedImages, derive_seed, report_bad_files, scan_examples
 from difftune.loss import diffusion_loss
 from difftune.models import Components, encode_latents, encode_prompts
 
@@ -22,7 +22,8 @@ class Validator:
         data = config.data.model_copy(
             update={"path": config.validation.path, "crop": "center", "random_flip": False, "caption_dropout": 0.0}
         )
-        examples = scan_examples(data)
+        examples, bad_files = scan_examples(data)
+        report_bad_files(bad_files, None)
         dataset = CaptionedImages(examples, data, components.tokenizer, config.validation.seed)
         items = [dataset[(0, i)] for i in range(len(examples))]
         seed = config.validation.seed

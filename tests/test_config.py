@@ -138,3 +138,11 @@ def test_ci_runs_the_readme_test_command():
     command = "python -m pytest -q"
     assert f'pip install -e ".[dev]" && {command}' in readme
     assert ci.rstrip().splitlines()[-1] == command
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_accelerate_configs_are_valid(path):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    config = ClusterConfig.from_yaml_file(path)
+    assert config.distributed_type.value == "MULTI_GPU" and config.num_processes >= 2

@@ -25,7 +25,7 @@ def test_kohya_layout_with_repeat_folders(tmp_path):
     (tmp_path / "ignored_folder").mkdir()  # no N_ prefix: not part of the data set
     _image(tmp_path / "ignored_folder" / "c.png")
 
-    examples = scan_examples(DataConfig(path=str(tmp_path)))
+    examples = scan_examples(DataConfig(path=str(tmp_path)))[0]
     assert [e.caption for e in examples] == ["a red thing"] + ["sks thing"] * 3
     assert examples[1].image_path == concept / "b.jpg"
 
@@ -35,7 +35,7 @@ def test_metadata_jsonl_layout(tmp_path):
     _image(tmp_path / "y.webp")
     lines = [{"file_name": "x.png", "text": "first"}, {"file_name": "y.webp", "text": " second "}]
     (tmp_path / "metadata.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
-    examples = scan_examples(DataConfig(path=str(tmp_path)))
+    examples = scan_examples(DataConfig(path=str(tmp_path)))[0]
     assert [(e.image_path.name, e.caption) for e in examples] == [("x.png", "first"), ("y.webp", "second")]
 
 
@@ -53,15 +53,18 @@ def test_missing_caption_policy(tmp_path):
     _image(tmp_path / "a.png")
     with pytest.raises(DifftuneError, match=r"a\.png has no caption file a\.txt.*missing_caption = \"empty\""):
         scan_examples(DataConfig(path=str(tmp_path)))
-    examples = scan_examples(DataConfig(path=str(tmp_path), missing_caption="empty"))
+    examples, _ = scan_examples(DataConfig(path=str(tmp_path), missing_caption="empty"))
     assert [e.caption for e in examples] == [""]
 
 
-def test_non_utf8_caption_is_named(tmp_path):
+def test_non_utf8_caption_is_reported_and_skipped(tmp_path):
     _image(tmp_path / "a.png")
     (tmp_path / "a.txt").write_bytes(b"caf\xe9")
-    with pytest.raises(DifftuneError, match=r"a\.txt: caption is not UTF-8"):
-        scan_examples(DataConfig(path=str(tmp_path)))
+    _image(tmp_path / "b.png")
+    (tmp_path / "b.txt").write_text("fine")
+    examples, bad = scan_examples(DataConfig(path=str(tmp_path)))
+    assert [e.image_path.name for e in examples] == ["b.png"]
+    assert [(b.path.name, b.reason.split(" (")[0]) for b in bad] == [("a.txt", "caption is not UTF-8")]
 
 
 def test_empty_or_missing_folder(tmp_path):
@@ -71,29 +74,33 @@ def test_empty_or_missing_folder(tmp_path):
         scan_examples(DataConfig(path=str(tmp_path / "nope")))
 
 
+def _crop(resolution, crop, flip):
+    return DataConfig(path=".", resolution=resolution, crop=crop, random_flip=flip)
+
+
 def test_resize_and_crop(tmp_path):
     # Left half black, right half white, 64x32: resized to 32 high -> 64x32; center crop keeps both halves.
     image = Image.new("RGB", (64, 32), (0, 0, 0))
     image.paste((255, 255, 255), (32, 0, 64, 32))
     image.save(tmp_path / "halves.png")
-    center = load_image(tmp_path / "halves.png", 16, "center", False, random.Random(0))
+    center = load_image(tmp_path / "halves.png", _crop(16, "center", False), random.Random(0))
     assert center.shape == (3, 16, 16)
     assert center[:, :, 0].mean() == pytest.approx(-1.0, abs=0.05)  # left column black
     assert center[:, :, -1].mean() == pytest.approx(1.0, abs=0.05)  # right column white
     assert center.min() >= -1.0 and center.max() <= 1.0
 
-    crops = {load_image(tmp_path / "halves.png", 16, "random", False, random.Random(s)).mean().item() for s in range(8)}
+    crops = {load_image(tmp_path / "halves.png", _crop(16, "random", False), random.Random(s)).mean().item() for s in range(8)}
     assert len(crops) > 1  # random crops move
-    again = load_image(tmp_path / "halves.png", 16, "random", False, random.Random(3))
-    assert torch.equal(again, load_image(tmp_path / "halves.png", 16, "random", False, random.Random(3)))
+    again = load_image(tmp_path / "halves.png", _crop(16, "random", False), random.Random(3))
+    assert torch.equal(again, load_image(tmp_path / "halves.png", _crop(16, "random", False), random.Random(3)))
 
-    flips = [load_image(tmp_path / "halves.png", 16, "center", True, random.Random(s)) for s in range(16)]
+    flips = [load_image(tmp_path / "halves.png", _crop(16, "center", True), random.Random(s)) for s in range(16)]
     assert any(torch.equal(f, center.flip(-1)) for f in flips) and any(torch.equal(f, center) for f in flips)
 
 
 def test_samples_are_deterministic_and_carry_their_seed(shapes):
     config = DataConfig(path=str(shapes), resolution=32, crop="random", random_flip=True, caption_dropout=0.5)
-    dataset = CaptionedImages(scan_examples(config), config, build_tokenizer(), train_seed=7)
+    dataset = CaptionedImages(scan_examples(config)[0], config, build_tokenizer(), train_seed=7)
     first, again, other_epoch = dataset[(0, 3)], dataset[(0, 3)], dataset[(1, 3)]
     assert torch.equal(first["pixel_values"], again["pixel_values"])
     assert torch.equal(first["input_ids"], again["input_ids"])
@@ -103,7 +110,7 @@ def test_samples_are_deterministic_and_carry_their_seed(shapes):
 
 def test_caption_dropout_rate(shapes):
     config = DataConfig(path=str(shapes), resolution=32, caption_dropout=0.3)
-    dataset = CaptionedImages(scan_examples(config), config, build_tokenizer(), train_seed=0)
+    dataset = CaptionedImages(scan_examples(config)[0], config, build_tokenizer(), train_seed=0)
     empty = dataset.tokenizer("", padding="max_length", max_length=dataset.tokenizer.model_max_length).input_ids
     dropped = [dataset[(epoch, 0)]["input_ids"].tolist() == empty for epoch in range(400)]
     assert sum(dropped) / len(dropped) == pytest.approx(0.3, abs=0.07)

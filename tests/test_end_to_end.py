@@ -125,3 +125,26 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     weights_two = load_file(tmp_path / "two" / "pytorch_lora_weights.safetensors")
     for key, value in weights_one.items():
         torch.testing.assert_close(weights_two[key], value, rtol=0, atol=1e-6)
+
+
+def test_two_process_run_resumes_exactly(tmp_path):
+    """Killed after its step-4 checkpoint (simulated by a shorter run), a 2-process run resumes where it stopped."""
+    common = ["--config", "configs/tiny_lora.toml", "sample.prompts=[]", "log.progress_bar=false", "checkpoint.every_steps=2"]
+    one = _run([sys.executable, "scripts/train.py", *common, f"train.output_dir={tmp_path / 'one'}", "train.batch_size=8",
+                "train.max_steps=6"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    torchrun = [shutil.which("torchrun") or "torchrun", "--nproc_per_node=2", "scripts/train.py", *common,
+                f"train.output_dir={tmp_path / 'two'}", "train.batch_size=4"]
+    cpu = {"ACCELERATE_USE_CPU": "true"}
+    first = _run([*torchrun, "train.max_steps=4"], extra_env=cpu)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _run([*torchrun, "train.max_steps=6", "--resume", "auto"], extra_env=cpu)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
+    assert [row["loss"] for row in read_metrics(tmp_path / "two")] == pytest.approx(
+        [row["loss"] for row in read_metrics(tmp_path / "one")], rel=1e-5
+    )
+    weights_one = load_file(tmp_path / "one" / "pytorch_lora_weights.safetensors")
+    weights_two = load_file(tmp_path / "two" / "pytorch_lora_weights.safetensors")
+    for key, value in weights_one.items():
+        torch.testing.assert_close(weights_two[key], value, rtol=0, atol=1e-6)

@@ -97,6 +97,12 @@ def test_merge_command_writes_a_pipeline_and_a_single_file(tiny_base, tmp_path):
     single_parts = load_components(ModelConfig(base=str(out)))
     single_parts.unet, single_parts.text_encoder, single_parts.vae = single.unet, single.text_encoder, single.vae
     _assert_same_outputs(folder, single_parts, atol=0)
+    # A pickled copy loads only when allowed, and then tensors-only.
+    torch.save({"state_dict": load_file(out / "model.safetensors")}, tmp_path / "model.ckpt")
+    with pytest.raises(DifftuneError, match="allow_pickled_checkpoint"):
+        load_components(ModelConfig(base=str(tmp_path / "model.ckpt"), single_file_config=str(tiny_base)))
+    trusted = ModelConfig(base=str(tmp_path / "model.ckpt"), single_file_config=str(tiny_base), allow_pickled_checkpoint=True)
+    _assert_same_outputs(folder, load_components(trusted), atol=0)
     # ...and difftune trains from it: model.base may be a single file, its architecture from a local folder.
     _assert_same_outputs(
         folder, load_components(ModelConfig(base=str(out / "model.safetensors"), single_file_config=str(tiny_base))), atol=0

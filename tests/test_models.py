@@ -27,7 +27,7 @@ def test_loads_a_local_diffusers_folder(tiny_base):
 def test_pickled_checkpoints_are_refused(tmp_path):
     path = tmp_path / "model.ckpt"
     path.write_bytes(b"not read")
-    with pytest.raises(DifftuneError, match=r"model\.ckpt: pickled checkpoints .* convert it to \.safetensors"):
+    with pytest.raises(DifftuneError, match=r"model\.ckpt: a pickle-based checkpoint is not read by default.*allow_pickled"):
         load_components(ModelConfig(base=str(path)))
 
 

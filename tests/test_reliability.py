@@ -1,5 +1,6 @@
 """Kill it at any moment, resume, and get the same run; safe loading; clear refusals."""
 
+import json
 import os
 import re
 import signal
@@ -8,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -169,3 +171,80 @@ def test_sigkill_mid_run_then_resume_is_bit_identical(tmp_path):
     assert f"resumed from {killed / 'checkpoints' / resume_point}" in resumed.stdout.decode()
     assert _losses(killed) == _losses(tmp_path / "whole")
     assert _same_files(tmp_path / "whole" / "pytorch_lora_weights.safetensors", killed / "pytorch_lora_weights.safetensors")
+
+
+def _bad_image_folder(folder: Path) -> dict[str, str]:
+    """One image of each awkward kind, captioned; returns the files expected to be left out, with a reason word."""
+    from PIL import Image
+
+    folder.mkdir()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(folder / "good.png")
+    Image.new("CMYK", (32, 32), (255, 0, 0, 0)).save(folder / "cmyk.jpg")
+    Image.fromarray(np.full((32, 32), 65535, dtype=np.uint16)).save(folder / "gray16.png")
+    palette = Image.new("P", (32, 32), 1)
+    palette.putpalette([0, 0, 0, 255, 0, 0] + [0] * 762)
+    palette.info["transparency"] = 0
+    palette.paste(0, (0, 0, 16, 32))
+    palette.save(folder / "palette.png", transparency=0)
+    rgba = Image.new("RGBA", (32, 32), (0, 0, 255, 255))
+    rgba.paste((0, 0, 0, 0), (0, 0, 16, 32))
+    rgba.save(folder / "rgba.png")
+    Image.new("LA", (32, 32), (100, 0)).save(folder / "la.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    Image.new("RGB", (48, 32), (0, 200, 0)).save(folder / "exif.jpg", exif=exif)
+    (folder / "empty.png").write_bytes(b"")
+    (folder / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    Image.new("RGB", (64, 64), (9, 9, 9)).save(folder / "whole.png")
+    (folder / "truncated.png").write_bytes((folder / "whole.png").read_bytes()[:-40])
+    (folder / "whole.png").unlink()
+    Image.new("RGB", (8, 8)).save(folder / "tiny.png")
+    Image.new("RGB", (120, 120)).save(folder / "bomb.png")
+    for image in folder.iterdir():
+        image.with_suffix(".txt").write_text(f"a {image.stem}")
+    return {"empty.png": "empty", "corrupt.png": "decoded", "truncated.png": "truncated", "tiny.png": "smaller",
+            "bomb.png": "max_image_pixels"}
+
+
+def test_bad_images_are_left_out_and_reported(make_config, tmp_path):
+    folder = tmp_path / "images"
+    expected_bad = _bad_image_folder(folder)
+    config = make_config(data__path=str(folder), data__max_image_pixels=10_000, train__max_steps=2)
+    train(config)
+    report = [json.loads(line) for line in (tmp_path / "run" / "bad_files.jsonl").read_text().splitlines()]
+    assert sorted(Path(r["file"]).name for r in report) == sorted(expected_bad)
+    for record in report:
+        assert expected_bad[Path(record["file"]).name] in record["reason"], record
+
+
+def test_awkward_images_are_decoded_correctly(tmp_path):
+    from difftune.config import DataConfig
+    from difftune.data import open_image
+
+    folder = tmp_path / "images"
+    _bad_image_folder(folder)
+    config = DataConfig(path=str(folder), alpha_background=(0, 255, 0))
+
+    def pixel(name, xy=(24, 16)):
+        image = open_image(folder / name, config)
+        assert image.mode == "RGB"
+        return image.getpixel(xy)
+
+    assert pixel("gray16.png") == (255, 255, 255)  # scaled from 16 bits, not clipped
+    assert pixel("rgba.png", (4, 4)) == (0, 255, 0) and pixel("rgba.png") == (0, 0, 255)  # alpha onto the background
+    assert pixel("palette.png", (4, 4)) == (0, 255, 0) and pixel("palette.png") == (255, 0, 0)
+    assert pixel("la.png", (4, 4)) == (0, 255, 0)  # fully transparent gray
+    cyan = pixel("cmyk.jpg")
+    assert cyan[0] < 40 and cyan[1] > 200 and cyan[2] > 200
+    assert open_image(folder / "exif.jpg", config).size == (32, 48)  # orientation applied
+
+
+def test_an_all_bad_dataset_fails_before_training(make_config, tmp_path):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for name in ("a.png", "b.png"):
+        (folder / name).write_bytes(b"not an image")
+        (folder / name).with_suffix(".txt").write_text("x")
+    with pytest.raises(DifftuneError, match=r"no usable image \(2 left out: a\.png: cannot be decoded"):
+        train(make_config(data__path=str(folder)))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

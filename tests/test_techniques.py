@@ -264,3 +264,26 @@ def test_validation_and_previews_during_training(make_config, shapes, tmp_path):
     assert all("val_loss_ema" in row for row in rows if "val_loss" in row)
     assert (tmp_path / "run" / "samples" / "step-000002" / "grid.png").is_file()
     assert (tmp_path / "run" / "samples" / "grid.png").is_file() and (tmp_path / "run" / "samples_ema" / "grid.png").is_file()
+
+
+def test_rollback_goes_back_and_skips_the_offending_batches(make_config, tmp_path, monkeypatch):
+    _poison(monkeypatch, {5, 6}, lambda loss: loss * float("nan"))  # the 5th and 6th batches
+    config = make_config(
+        train__max_steps=8, checkpoint__every_steps=2, guard__rollback=True, guard__max_consecutive_skips=2,
+    )
+    result = train(config)
+    out = tmp_path / "run"
+    rollbacks = [json.loads(line) for line in (out / "rollbacks.jsonl").read_text().splitlines()]
+    assert rollbacks == [
+        {"at_step": 6, "to_step": 4, "reason": "2 optimizer steps in a row were skipped", "skipped_micro_batches": 2}
+    ]
+    rows = read_metrics(out)
+    assert [row["step"] for row in rows] == list(range(1, 9))  # steps 5-6 redone once, each step logged once
+    assert not any(row["skipped"] for row in rows)  # the redone steps read the batches after the bad ones
+    assert len(result.losses) == 10  # 8 steps, 2 of them done twice
+    assert all(torch.isfinite(t).all() for t in load_file(out / "pytorch_lora_weights.safetensors").values())
+
+
+def test_rollback_needs_checkpoints():
+    with pytest.raises(DifftuneError, match="guard.rollback needs checkpoint.every_steps"):
+        load_config(None, ["guard.rollback=true"])
