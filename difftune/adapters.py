@@ -14,9 +14,9 @@ DORA_MAGNITUDE = "lora_magnitude_vector"
 
 def add_adapters(components: Components, config: AdapterConfig) -> None:
     """Freeze the base and attach what `config` trains."""
-    components.unet.requires_grad_(False)
-    components.vae.requires_grad_(False)
-    components.text_encoder.requires_grad_(False)
+    for module in (components.unet, components.vae, components.text_encoder):
+        if module is not None:  # an encoder may be released (its outputs cached)
+            module.requires_grad_(False)
     trained = [components.unet]
     if config.text_encoder:
         trained.append(components.text_encoder)

@@ -251,6 +251,20 @@ class SampleConfig(Section):
     )
 
 
+class CacheConfig(Section):
+    latents: bool = Field(
+        False,
+        description="Encode each image once and reuse it: the VAE posterior (mean and std) is cached, so runs "
+        "train exactly as uncached ones. Needs `data.crop = \"center\"`; flips are cached too.",
+    )
+    text: bool = Field(
+        False, description="Encode each caption once and reuse it. Needs the text encoder frozen (`adapter.text_encoder = false`)."
+    )
+    dir: str = Field(
+        "", description="Cache folder, shared by runs and processes; empty: $XDG_CACHE_HOME/difftune or ~/.cache/difftune."
+    )
+
+
 class CheckpointConfig(Section):
     every_steps: int = Field(
         0, ge=0, description="Save a resumable checkpoint every N optimizer steps (and at the end); 0: only at the end."
@@ -289,6 +303,7 @@ class Config(Section):
     guard: GuardConfig = Field(default_factory=GuardConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     log: LogConfig = Field(default_factory=LogConfig)
@@ -302,6 +317,10 @@ class Config(Section):
                 "loss.zero_terminal_snr = true needs loss.prediction_type = \"v_prediction\" (at zero SNR the noise "
                 "cannot be predicted from a pure-noise input)"
             )
+        if self.cache.latents and self.data.crop != "center":
+            raise ValueError("cache.latents needs data.crop = \"center\" (a cached image has one crop)")
+        if self.cache.text and self.adapter.text_encoder:
+            raise ValueError("cache.text needs adapter.text_encoder = false (a trained encoder's outputs change)")
         if self.guard.rollback and not self.checkpoint.every_steps:
             raise ValueError("guard.rollback needs checkpoint.every_steps > 0 (checkpoints to roll back to)")
         if self.export.average_last > 1 and not self.export.every_steps:

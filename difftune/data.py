@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageOps
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
@@ -199,10 +200,8 @@ def sample_seed(train_seed: int, epoch: int, index: int) -> int:
     return derive_seed(SAMPLE_STREAM, train_seed, epoch, index)
 
 
-def load_image(path: Path, config: DataConfig, rng: random.Random) -> torch.Tensor:
-    """Decode, resize the shorter side to `resolution`, crop a square, maybe flip -> (3, res, res) in [-1, 1]."""
-    image = open_image(path, config)
-    resolution, crop, flip = config.resolution, config.crop, config.random_flip
+def resize_and_crop(image: Image.Image, resolution: int, crop: str, rng: random.Random | None = None) -> Image.Image:
+    """Resize the shorter side to `resolution` and crop a square (at random, from `rng`, for `random`)."""
     scale = resolution / min(image.size)
     size = (max(resolution, round(image.width * scale)), max(resolution, round(image.height * scale)))
     image = image.resize(size, Image.Resampling.BICUBIC)
@@ -211,8 +210,17 @@ def load_image(path: Path, config: DataConfig, rng: random.Random) -> torch.Tens
         left, top = rng.randint(0, spare_x), rng.randint(0, spare_y)
     else:
         left, top = spare_x // 2, spare_y // 2
-    image = image.crop((left, top, left + resolution, top + resolution))
-    if flip and rng.random() < 0.5:
+    return image.crop((left, top, left + resolution, top + resolution))
+
+
+def draw_flip(config: DataConfig, rng: random.Random) -> bool:
+    return config.random_flip and rng.random() < 0.5
+
+
+def load_image(path: Path, config: DataConfig, rng: random.Random) -> torch.Tensor:
+    """Decode, resize, crop a square, maybe flip -> (3, res, res) in [-1, 1]."""
+    image = resize_and_crop(open_image(path, config), config.resolution, config.crop, rng)
+    if draw_flip(config, rng):
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return image_to_tensor(image)
 
@@ -224,13 +232,28 @@ def image_to_tensor(image: Image.Image) -> torch.Tensor:
 
 
 class CaptionedImages(Dataset):
-    """Indexed by (epoch, index) keys from `TrainingOrder`; returns one sample with its seed."""
+    """Indexed by (epoch, index) keys from `TrainingOrder`; returns one sample with its seed.
 
-    def __init__(self, examples: list[Example], config: DataConfig, tokenizer, train_seed: int):
+    With `latent_entries` (one cache file per example) it returns the cached posterior instead of pixels,
+    and with `text_entries` (caption -> cache file) the cached text states instead of token ids. The
+    per-sample random draws happen in the same order either way, so cached and uncached runs match.
+    """
+
+    def __init__(
+        self,
+        examples: list[Example],
+        config: DataConfig,
+        tokenizer,
+        train_seed: int,
+        latent_entries: list[Path] | None = None,
+        text_entries: dict[str, Path] | None = None,
+    ):
         self.examples = examples
         self.config = config
         self.tokenizer = tokenizer
         self.train_seed = train_seed
+        self.latent_entries = latent_entries
+        self.text_entries = text_entries
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -240,18 +263,22 @@ class CaptionedImages(Dataset):
         example = self.examples[index]
         seed = sample_seed(self.train_seed, epoch, index)
         rng = random.Random(seed)
-        pixels = load_image(example.image_path, self.config, rng)
+        item = {"seed": seed, "epoch": epoch, "path": str(example.image_path)}
+        if self.latent_entries:
+            # Cached images were center-cropped: the only image draw left is the flip, as in load_image.
+            posterior = load_file(self.latent_entries[index])
+            suffix = "_flip" if draw_flip(self.config, rng) else ""
+            item["latent_mean"], item["latent_std"] = posterior[f"mean{suffix}"], posterior[f"std{suffix}"]  # (C, h, w)
+        else:
+            item["pixel_values"] = load_image(example.image_path, self.config, rng)  # (3, res, res)
         caption = "" if rng.random() < self.config.caption_dropout else example.caption
-        input_ids = self.tokenizer(
-            caption, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True, return_tensors="pt"
-        ).input_ids[0]
-        return {
-            "pixel_values": pixels,  # (3, res, res)
-            "input_ids": input_ids,  # (tokenizer.model_max_length,)
-            "seed": seed,
-            "epoch": epoch,
-            "path": str(example.image_path),
-        }
+        if self.text_entries:
+            item["encoder_hidden_states"] = load_file(self.text_entries[caption])["states"]  # (L, D)
+        else:
+            item["input_ids"] = self.tokenizer(
+                caption, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True, return_tensors="pt"
+            ).input_ids[0]  # (tokenizer.model_max_length,)
+        return item
 
 
 class TrainingOrder(Sampler):

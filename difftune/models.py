@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers.utils.torch_utils import randn_tensor
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from difftune.config import ModelConfig
@@ -30,10 +31,11 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 @dataclass
 class Components:
     unet: UNet2DConditionModel
-    vae: AutoencoderKL | AutoencoderTiny
-    text_encoder: CLIPTextModel
+    vae: AutoencoderKL | AutoencoderTiny | None  # None while released (its latents are cached)
+    text_encoder: CLIPTextModel | None  # None while released (its outputs are cached)
     tokenizer: CLIPTokenizer
     noise_scheduler: DDPMScheduler
+    latent_scaling: tuple[float, float] = (1.0, 0.0)  # the VAE's (scaling_factor, shift_factor)
 
 
 def load_components(config: ModelConfig) -> Components:
@@ -61,6 +63,7 @@ def load_components(config: ModelConfig) -> Components:
     if config.vae:
         with _explained_load_errors("model.vae", config.vae):
             components.vae = load_vae(config.vae)
+    components.latent_scaling = latent_scaling(components.vae.config)
     latent_channels = components.vae.config.latent_channels
     if latent_channels != components.unet.config.in_channels:
         raise DifftuneError(
@@ -136,16 +139,35 @@ def weight_dtype(config_dtype: str, mixed_precision: str) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision, torch.float32)
 
 
-def encode_latents(vae, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """(B, 3, H, W) in [-1, 1] -> scaled latents (B, C, H/f, W/f); one posterior sample per image, each
-    from its own generator so a sample's latents do not depend on the rest of its batch."""
+def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, 3, H, W) in [-1, 1] -> the posterior's mean and std (B, C, H/f, W/f), unscaled. TAESD is
+    deterministic: its std is 0. This is what the latent cache stores."""
     pixels = pixels.to(vae.device, vae.dtype)
     if isinstance(vae, AutoencoderTiny):
-        encoded = vae.encode(pixels).latents
-    else:
-        encoded = vae.encode(pixels).latent_dist.sample(generator=generators)
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    return (encoded - shift) * vae.config.scaling_factor
+        mean = vae.encode(pixels).latents
+        return mean, torch.zeros_like(mean)
+    posterior = vae.encode(pixels).latent_dist
+    return posterior.mean, posterior.std
+
+
+def sample_latents(
+    mean: torch.Tensor, std: torch.Tensor, generators: list[torch.Generator], scaling_factor: float, shift_factor: float
+) -> torch.Tensor:
+    """One posterior sample per image, each from its own generator (so a sample's latents do not depend on the
+    rest of its batch), scaled for the UNet: `(sample - shift_factor) * scaling_factor`."""
+    eps = randn_tensor(mean.shape, generator=generators, device=mean.device, dtype=mean.dtype)
+    return (mean + std * eps - shift_factor) * scaling_factor
+
+
+def latent_scaling(vae_config) -> tuple[float, float]:
+    """(scaling_factor, shift_factor) from an autoencoder's config (shift 0 where it has none)."""
+    return vae_config.scaling_factor, getattr(vae_config, "shift_factor", None) or 0.0
+
+
+def encode_latents(vae, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """(B, 3, H, W) in [-1, 1] -> scaled latents (B, C, H/f, W/f), one posterior sample per image."""
+    mean, std = encode_posterior(vae, pixels)
+    return sample_latents(mean, std, generators, *latent_scaling(vae.config))
 
 
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from difftune import export
 from difftune.adapters import add_adapters, trainable_parameters
+from difftune.cache import fill_latents, fill_text, latent_entries, model_identity, text_entries
 from difftune.checkpoint import (
     CHECKPOINTS_DIR,
     MARKER,
@@ -48,7 +49,15 @@ from difftune.errors import DifftuneError
 from difftune.guard import Guard
 from difftune.loss import diffusion_loss, draw_timesteps_and_noise, training_noise_scheduler
 from difftune.metrics import METRICS_FILE, MetricsLog
-from difftune.models import Components, encode_latents, encode_prompts, load_components, set_attention, weight_dtype
+from difftune.models import (
+    Components,
+    encode_posterior,
+    encode_prompts,
+    load_components,
+    sample_latents,
+    set_attention,
+    weight_dtype,
+)
 from difftune.optim import build_lr_scheduler, build_optimizer
 from difftune.sample import generate_images, save_images
 from difftune.validation import Validator
@@ -96,6 +105,9 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
     examples, bad_files = scan_examples(config.data)
     report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
+    latent_files, text_files = _fill_caches(components, examples, config, accelerator)
+    validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
+    _release_unneeded(components, config)
     _configure_unet(components.unet, config)
     add_adapters(components, config.adapter)
     _place_models(components, config, accelerator)
@@ -111,8 +123,10 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
         components.unet, components.text_encoder, optimizer, lr_scheduler = accelerator.prepare(
             components.unet, components.text_encoder, optimizer, lr_scheduler
         )
+        trained_modules = [components.unet, components.text_encoder]
     else:
         components.unet, optimizer, lr_scheduler = accelerator.prepare(components.unet, optimizer, lr_scheduler)
+        trained_modules = [components.unet]
     ema = build_ema(parameters, config.ema)
     checkpoint = find_checkpoint(output_dir, resume) if resume else None
     progress, guard_state = load_checkpoint(accelerator, checkpoint, named, ema, config) if checkpoint else (Progress(), None)
@@ -127,9 +141,8 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
         accelerator.num_processes,
         start_batch=progress.micro_batches,
     )
-    dataset = CaptionedImages(examples, config.data, components.tokenizer, config.train.seed)
+    dataset = CaptionedImages(examples, config.data, components.tokenizer, config.train.seed, latent_files, text_files)
     batches = iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
-    validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
     accelerator.init_trackers("difftune", config=_flat_hparams(config))
     accelerator.print(
         f"difftune: {len(examples)} images, {sum(p.numel() for p in parameters):,} trained parameters "
@@ -150,7 +163,7 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
         step_loss, paths = torch.zeros((), device=accelerator.device), []
         for _ in range(accumulation):
             batch = next(batches)
-            with accelerator.accumulate(components.unet, components.text_encoder):
+            with accelerator.accumulate(*trained_modules):
                 loss = _training_loss(components, batch, config, accelerator.device).mean()
                 accelerator.backward(loss)
             step_loss += loss.detach() / accumulation
@@ -202,20 +215,29 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
 
     accelerator.wait_for_everyone()
     components = _unwrapped(components, accelerator)
+    if main and config.sample.prompts and (components.vae is None or components.text_encoder is None):
+        _reload_released(components, config, accelerator.device)
     components.unet.eval()
-    components.text_encoder.eval()
     trained_path = _save_results(components, parameters, ema, config, output_dir, accelerator) if main else None
     accelerator.end_training()
     return TrainResult(components, trained_path, losses, optimizer, ema)
 
 
 def _training_loss(components: Components, batch: dict, config: Config, device: torch.device) -> torch.Tensor:
-    """Per-sample loss (B,) for one micro-batch; all randomness from the samples' own seeds."""
+    """Per-sample loss (B,) for one micro-batch; all randomness from the samples' own seeds. Cached posteriors
+    and text states, when the batch carries them, stand in for the encoders."""
     generators = [torch.Generator().manual_seed(int(seed)) for seed in batch["seed"]]
-    with torch.no_grad():
-        latents = encode_latents(components.vae, batch["pixel_values"].to(device), generators).float()
-    with torch.set_grad_enabled(config.adapter.text_encoder):
-        encoder_hidden_states = encode_prompts(components.text_encoder, batch["input_ids"].to(device))
+    if "latent_mean" in batch:
+        mean, std = batch["latent_mean"].to(device), batch["latent_std"].to(device)
+    else:
+        with torch.no_grad():
+            mean, std = encode_posterior(components.vae, batch["pixel_values"].to(device))
+    latents = sample_latents(mean, std, generators, *components.latent_scaling).float()
+    if "encoder_hidden_states" in batch:
+        encoder_hidden_states = batch["encoder_hidden_states"].to(device)
+    else:
+        with torch.set_grad_enabled(config.adapter.text_encoder):
+            encoder_hidden_states = encode_prompts(components.text_encoder, batch["input_ids"].to(device))
     timesteps, noise, input_noise = draw_timesteps_and_noise(
         generators, latents, components.noise_scheduler.config.num_train_timesteps, config.loss
     )
@@ -223,6 +245,41 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
         components.unet, components.noise_scheduler, latents, encoder_hidden_states, timesteps, noise, config.loss,
         input_noise,
     )
+
+
+def _fill_caches(components: Components, examples, config: Config, accelerator) -> tuple[list | None, dict | None]:
+    """Cache files for the examples' latents and captions, encoding what is missing (main process first)."""
+    latent_files = text_files = None
+    if config.cache.latents:
+        latent_files = latent_entries(examples, model_identity(components.vae), config)
+    if config.cache.text:
+        captions = {example.caption for example in examples} | {""}  # "" for caption dropout
+        identity = model_identity(components.text_encoder)
+        text_files = text_entries(captions, identity, config, components.tokenizer.model_max_length)
+    if accelerator.is_main_process:
+        device = accelerator.device
+        if latent_files:
+            fill_latents(examples, latent_files, components.vae.to(device), config, config.train.batch_size)
+        if text_files:
+            fill_text(text_files, components.text_encoder.to(device), components.tokenizer, config.train.batch_size)
+    accelerator.wait_for_everyone()
+    return latent_files, text_files
+
+
+def _release_unneeded(components: Components, config: Config) -> None:
+    """Drop the encoders whose outputs are all cached and that nothing else needs until the end of the run."""
+    previews = bool(config.sample.every_steps and config.sample.prompts)
+    if config.cache.latents and not previews:
+        components.vae = None
+    if config.cache.text and not (previews or config.validation.path):
+        components.text_encoder = None
+
+
+def _reload_released(components: Components, config: Config, device) -> None:
+    """Bring the released encoders back for the end-of-run samples."""
+    loaded = load_components(config.model)
+    components.vae = components.vae or loaded.vae.to(device).eval()
+    components.text_encoder = components.text_encoder or loaded.text_encoder.to(device).eval()
 
 
 def _roll_back(accelerator, output_dir, named, ema, guard, config: Config, metrics, progress: Progress, why: str) -> Progress:
@@ -289,10 +346,11 @@ def _save_results(components, parameters, ema, config: Config, output_dir: Path,
 
 
 def _unwrapped(components: Components, accelerator: Accelerator) -> Components:
+    text_encoder = components.text_encoder
     return replace(
         components,
         unet=accelerator.unwrap_model(components.unet),
-        text_encoder=accelerator.unwrap_model(components.text_encoder),
+        text_encoder=accelerator.unwrap_model(text_encoder) if text_encoder is not None else None,
     )
 
 
@@ -301,14 +359,13 @@ def _place_models(components: Components, config: Config, accelerator: Accelerat
     dtype = weight_dtype(config.model.weight_dtype, config.train.mixed_precision)
     # SD's KL VAE overflows to NaN in fp16 on some images: keep it fp32 unless bf16 was asked for.
     vae_dtype = torch.float32 if dtype == torch.float16 else dtype
-    for module, module_dtype in ((components.vae, vae_dtype), (components.text_encoder, dtype), (components.unet, dtype)):
+    placed = [(components.vae, vae_dtype), (components.text_encoder, dtype), (components.unet, dtype)]
+    for module, module_dtype in [(m, d) for m, d in placed if m is not None]:  # released encoders stay away
         module.to(accelerator.device)
         if module_dtype != torch.float32:  # loaded as fp32; diffusers warns on every dtype cast
             module.to(dtype=module_dtype)
-    components.vae.eval()
-    components.text_encoder.train(config.adapter.text_encoder)
-    components.unet.train()
-    cast_training_params([components.unet, components.text_encoder], dtype=torch.float32)
+        module.train(module is components.unet or (module is components.text_encoder and config.adapter.text_encoder))
+    cast_training_params([m for m in (components.unet, components.text_encoder) if m is not None], dtype=torch.float32)
     if config.train.gradient_checkpointing and config.adapter.text_encoder:
         components.text_encoder.gradient_checkpointing_enable()
 

@@ -1,0 +1,92 @@
+"""Latent and text caches: the same run, faster; invalidated by content, never stale."""
+
+import pytest
+import torch
+from PIL import Image
+
+from difftune.cache import fill_latents, latent_entries, model_identity
+from difftune.config import load_config
+from difftune.data import scan_examples
+from difftune.errors import DifftuneError
+from difftune.metrics import read_metrics
+from difftune.models import load_components
+from difftune.tiny import build_vae
+from difftune.train import train
+
+
+def _losses(path):
+    return [row["loss"] for row in read_metrics(path)]
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_a_cached_run_trains_like_an_uncached_one(make_config, tmp_path, flip):
+    common = {"train__max_steps": 4, "data__random_flip": flip, "data__caption_dropout": 0.5, "cache__dir": str(tmp_path / "cache")}
+    plain = train(make_config(train__output_dir=str(tmp_path / "plain"), **common))
+    cached = train(make_config(train__output_dir=str(tmp_path / "cached"), cache__latents=True, cache__text=True, **common))
+    assert _losses(tmp_path / "cached") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-5)
+    assert plain.losses[0] == pytest.approx(cached.losses[0], rel=1e-6)
+    assert any((tmp_path / "cache" / "latents").rglob("*.safetensors"))
+    assert any((tmp_path / "cache" / "text").rglob("*.safetensors"))
+    # Nothing needed the encoders during the run, so they were released.
+    assert cached.components.vae is None and cached.components.text_encoder is None
+
+
+def test_a_warm_cache_encodes_nothing_and_changes_invalidate(make_config, tmp_path, shapes):
+    images = tmp_path / "images"
+    images.mkdir()
+    for path in shapes.iterdir():
+        (images / path.name).write_bytes(path.read_bytes())
+    config = make_config(data__path=str(images), cache__latents=True, cache__dir=str(tmp_path / "cache"))
+    components = load_components(config.model)
+    examples, _ = scan_examples(config.data)
+    identity = model_identity(components.vae)
+    entries = latent_entries(examples, identity, config)
+    assert fill_latents(examples, entries, components.vae, config, 4) == 8
+    assert fill_latents(examples, latent_entries(examples, identity, config), components.vae, config, 4) == 0
+
+    Image.new("RGB", (32, 32), (1, 2, 3)).save(images / "0003.png")  # one image changes
+    changed = latent_entries(examples, identity, config)
+    assert [a != b for a, b in zip(entries, changed)] == [e.image_path.name == "0003.png" for e in examples]
+    assert fill_latents(examples, changed, components.vae, config, 4) == 1
+
+    torch.manual_seed(123)
+    other_vae = build_vae(scaling_factor=components.vae.config.scaling_factor)  # another VAE: everything misses
+    other = latent_entries(examples, model_identity(other_vae), config)
+    assert not set(other) & set(changed)
+    assert fill_latents(examples, other, other_vae, config, 4) == 8
+
+
+def test_a_cached_latent_is_the_posterior_of_its_image(make_config, tmp_path):
+    from safetensors.torch import load_file
+
+    from difftune.data import image_to_tensor, open_image, resize_and_crop
+    from difftune.models import encode_posterior
+
+    config = make_config(cache__latents=True, cache__dir=str(tmp_path / "cache"))
+    components = load_components(config.model)
+    examples, _ = scan_examples(config.data)
+    entries = latent_entries(examples, model_identity(components.vae), config)
+    fill_latents(examples, entries, components.vae, config, 3)
+    image = resize_and_crop(open_image(examples[0].image_path, config.data), 32, "center")
+    with torch.no_grad():
+        mean, std = encode_posterior(components.vae, image_to_tensor(image)[None])
+    entry = load_file(entries[0])
+    torch.testing.assert_close(entry["mean"], mean[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(entry["std"], std[0], rtol=1e-5, atol=1e-6)
+
+
+def test_cache_settings_that_cannot_work_are_refused():
+    with pytest.raises(DifftuneError, match=r"cache\.latents needs data\.crop = \"center\""):
+        load_config(None, ["cache.latents=true", "data.crop=random"])
+    with pytest.raises(DifftuneError, match=r"cache\.text needs adapter\.text_encoder = false"):
+        load_config(None, ["cache.text=true", "adapter.text_encoder=true"])
+
+
+def test_released_encoders_come_back_for_the_final_samples(make_config, tmp_path):
+    config = make_config(
+        cache__latents=True, cache__text=True, cache__dir=str(tmp_path / "cache"), train__max_steps=2,
+        sample__prompts=["a red circle"], sample__steps=2,
+    )
+    result = train(config)
+    assert (tmp_path / "run" / "samples" / "000.png").is_file()
+    assert result.components.vae is not None and result.components.text_encoder is not None
