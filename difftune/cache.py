@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from difftune.config import Config
-from difftune.data import Example, image_to_tensor, open_image, resize_and_crop
+from difftune.data import Example, image_to_tensor, open_image, resize_and_crop, training_sizes
 from difftune.models import encode_posterior, encode_prompts
 
 
@@ -65,27 +65,29 @@ def _write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def latent_entries(examples: list[Example], vae_identity: str, config: Config) -> list[Path]:
-    """The cache file of each example (repeats share one)."""
+    """The cache file of each example (repeats share one), keyed by its training size (square or bucket)."""
     root, data = cache_root(config), config.data
     by_image = {}
-    for example in examples:
+    for example, (width, height) in zip(examples, training_sizes(examples, data)):
         if example.image_path not in by_image:
             content = hashlib.sha256(example.image_path.read_bytes()).hexdigest()
-            by_image[example.image_path] = _entry(root, "latents", content, vae_identity, str(data.resolution), data.crop)
+            by_image[example.image_path] = _entry(root, "latents", content, vae_identity, f"{width}x{height}", data.crop)
     return [by_image[e.image_path] for e in examples]
 
 
 def fill_latents(examples: list[Example], entries: list[Path], vae, config: Config, batch_size: int) -> int:
-    """Encode the images whose entries are missing; returns how many were encoded."""
-    todo = {}
-    for example, entry in zip(examples, entries):
+    """Encode the images whose entries are missing, in batches of one training size; returns how many."""
+    missing: dict[tuple[int, int], dict[Path, Path]] = {}
+    for example, entry, size in zip(examples, entries, training_sizes(examples, config.data)):
         if not entry.exists():
-            todo[entry] = example.image_path
-    items = list(todo.items())
-    for start in tqdm(range(0, len(items), batch_size), desc="caching latents", disable=not items):
-        chunk = items[start : start + batch_size]
-        images = [resize_and_crop(open_image(path, config.data), config.data.resolution, config.data.crop) for _, path in chunk]
-        tensors = {"mean": [], "std": []}
+            missing.setdefault(size, {})[entry] = example.image_path
+    chunks = [
+        (size, list(group.items())[start : start + batch_size])
+        for size, group in sorted(missing.items())
+        for start in range(0, len(group), batch_size)
+    ]
+    for size, chunk in tqdm(chunks, desc="caching latents", disable=not chunks):
+        images = [resize_and_crop(open_image(path, config.data), size, config.data.crop) for _, path in chunk]
         views = {"": images}
         if config.data.random_flip:
             views["_flip"] = [image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) for image in images]
@@ -96,7 +98,7 @@ def fill_latents(examples: list[Example], entries: list[Path], vae, config: Conf
                 results[f"mean{suffix}"], results[f"std{suffix}"] = mean, std
         for i, (entry, _) in enumerate(chunk):
             _write(entry, {name: value[i] for name, value in results.items()})
-    return len(items)
+    return sum(len(group) for group in missing.values())
 
 
 def text_entries(captions: set[str], text_encoder_identity: str, config: Config, max_length: int) -> dict[str, Path]:

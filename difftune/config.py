@@ -71,6 +71,14 @@ class DataConfig(Section):
         0.0, ge=0.0, le=1.0, description="Probability of replacing a caption with an empty one (teaches classifier-free guidance)."
     )
     num_workers: int = Field(2, ge=0, description="Data loader worker processes; 0 loads in the training process.")
+    buckets: bool = Field(
+        False,
+        description="Aspect-ratio buckets (kohya): each image is trained at the bucket size closest to its aspect "
+        "ratio, with about resolution^2 pixels; each batch comes from one bucket.",
+    )
+    bucket_step: int = Field(64, ge=8, description="Bucket sides are multiples of this.")
+    bucket_min_side: int = Field(256, ge=8, description="Shortest bucket side.")
+    bucket_max_side: int = Field(1024, ge=8, description="Longest bucket side.")
     min_image_size: int = Field(16, ge=1, description="Images whose shorter side is smaller than this are skipped and reported.")
     max_image_pixels: int = Field(
         89_478_485,
@@ -81,12 +89,21 @@ class DataConfig(Section):
         (255, 255, 255), strict=False, description="RGB color that transparent pixels are composited onto."
     )
 
-    @field_validator("resolution")
+    @field_validator("resolution", "bucket_step", "bucket_min_side", "bucket_max_side")
     @classmethod
     def _multiple_of_8(cls, value: int) -> int:
         if value % 8:
             raise ValueError(f"must be a multiple of 8 (the VAE's downsampling), got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _buckets_around_resolution(self) -> DataConfig:
+        if self.buckets and not self.bucket_min_side <= self.resolution <= self.bucket_max_side:
+            raise ValueError(
+                f"data.buckets: resolution {self.resolution} must lie within bucket_min_side {self.bucket_min_side} "
+                f"and bucket_max_side {self.bucket_max_side}"
+            )
+        return self
 
 
 class AdapterConfig(Section):
@@ -183,6 +200,11 @@ class TrainConfig(Section):
     channels_last: bool = Field(True, description="Channels-last memory format for the UNet (faster convolutions on GPU).")
     attention: Literal["sdpa", "xformers"] = Field(
         "sdpa", description="Attention kernel: PyTorch SDPA, or xformers (needs the `xformers` extra)."
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile the UNet (in place, so checkpoints keep their keys): slow first steps, faster after. "
+        "CUDA only: on CPU, torch 2.13's inductor gave this UNet wrong LoRA gradients.",
     )
     tf32: bool = Field(True, description="Allow TF32 matmuls and convolutions on CUDA (Ampere and newer); ignored on CPU.")
     cudnn_benchmark: bool = Field(True, description="Let cuDNN pick the fastest convolution kernels for fixed shapes; ignored on CPU.")

@@ -200,26 +200,61 @@ def sample_seed(train_seed: int, epoch: int, index: int) -> int:
     return derive_seed(SAMPLE_STREAM, train_seed, epoch, index)
 
 
-def resize_and_crop(image: Image.Image, resolution: int, crop: str, rng: random.Random | None = None) -> Image.Image:
-    """Resize the shorter side to `resolution` and crop a square (at random, from `rng`, for `random`)."""
-    scale = resolution / min(image.size)
-    size = (max(resolution, round(image.width * scale)), max(resolution, round(image.height * scale)))
-    image = image.resize(size, Image.Resampling.BICUBIC)
-    spare_x, spare_y = image.width - resolution, image.height - resolution
+def resize_and_crop(image: Image.Image, size: tuple[int, int], crop: str, rng: random.Random | None = None) -> Image.Image:
+    """Resize to cover `size` (width, height) and crop it out (at random, from `rng`, for `random`)."""
+    width, height = size
+    scale = max(width / image.width, height / image.height)
+    scaled = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
+    image = image.resize(scaled, Image.Resampling.BICUBIC)
+    spare_x, spare_y = image.width - width, image.height - height
     if crop == "random":
         left, top = rng.randint(0, spare_x), rng.randint(0, spare_y)
     else:
         left, top = spare_x // 2, spare_y // 2
-    return image.crop((left, top, left + resolution, top + resolution))
+    return image.crop((left, top, left + width, top + height))
+
+
+def bucket_sizes(config: DataConfig) -> list[tuple[int, int]]:
+    """Kohya-style buckets: (width, height) pairs in multiples of `bucket_step` within the side limits, each
+    with at most resolution^2 pixels, both orientations."""
+    area, step = config.resolution**2, config.bucket_step
+    sizes = set()
+    for width in range(config.bucket_min_side, config.bucket_max_side + 1, step):
+        height = min(config.bucket_max_side, area // width // step * step)
+        if height >= config.bucket_min_side:
+            sizes |= {(width, height), (height, width)}
+    return sorted(sizes)
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    """(width, height) as displayed (EXIF orientation applied), from the header alone."""
+    with Image.open(path) as image:
+        width, height = image.size
+        return (height, width) if image.getexif().get(0x0112) in (5, 6, 7, 8) else (width, height)
+
+
+def training_sizes(examples: list[Example], config: DataConfig) -> list[tuple[int, int]]:
+    """The (width, height) each example trains at: the square resolution, or its closest-aspect bucket."""
+    if not config.buckets:
+        return [(config.resolution, config.resolution)] * len(examples)
+    sizes = bucket_sizes(config)
+    ratios = np.log([w / h for w, h in sizes])
+    by_image = {}
+    for example in examples:
+        if example.image_path not in by_image:
+            width, height = image_size(example.image_path)
+            by_image[example.image_path] = sizes[int(np.argmin(np.abs(ratios - np.log(width / height))))]
+    return [by_image[e.image_path] for e in examples]
 
 
 def draw_flip(config: DataConfig, rng: random.Random) -> bool:
     return config.random_flip and rng.random() < 0.5
 
 
-def load_image(path: Path, config: DataConfig, rng: random.Random) -> torch.Tensor:
-    """Decode, resize, crop a square, maybe flip -> (3, res, res) in [-1, 1]."""
-    image = resize_and_crop(open_image(path, config), config.resolution, config.crop, rng)
+def load_image(path: Path, config: DataConfig, rng: random.Random, size: tuple[int, int] | None = None) -> torch.Tensor:
+    """Decode, resize, crop to `size` (default: the square resolution), maybe flip -> (3, H, W) in [-1, 1]."""
+    size = size or (config.resolution, config.resolution)
+    image = resize_and_crop(open_image(path, config), size, config.crop, rng)
     if draw_flip(config, rng):
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return image_to_tensor(image)
@@ -254,6 +289,7 @@ class CaptionedImages(Dataset):
         self.train_seed = train_seed
         self.latent_entries = latent_entries
         self.text_entries = text_entries
+        self.sizes = training_sizes(examples, config)
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -270,7 +306,7 @@ class CaptionedImages(Dataset):
             suffix = "_flip" if draw_flip(self.config, rng) else ""
             item["latent_mean"], item["latent_std"] = posterior[f"mean{suffix}"], posterior[f"std{suffix}"]  # (C, h, w)
         else:
-            item["pixel_values"] = load_image(example.image_path, self.config, rng)  # (3, res, res)
+            item["pixel_values"] = load_image(example.image_path, self.config, rng, self.sizes[index])  # (3, H, W)
         caption = "" if rng.random() < self.config.caption_dropout else example.caption
         if self.text_entries:
             item["encoder_hidden_states"] = load_file(self.text_entries[caption])["states"]  # (L, D)
@@ -284,24 +320,54 @@ class CaptionedImages(Dataset):
 class TrainingOrder(Sampler):
     """An endless stream of (epoch, index) keys, reshuffled each epoch, cut into this process's batches.
 
-    Global micro-batch g covers stream positions [g * B * P, (g + 1) * B * P) for batch size B and
-    P processes; process r takes its r-th slice. Epochs run on without a gap, so no sample is dropped
-    and the position alone says where a run is.
+    Without buckets, global micro-batch g covers stream positions [g * B * P, (g + 1) * B * P) for batch
+    size B and P processes; process r takes its r-th slice. Epochs run on without a gap, so no sample is
+    dropped. With buckets (a bucket id per example), each epoch shuffles every bucket, cuts it into global
+    batches (the last one filled by wrapping round that bucket), and shuffles the batches: no batch mixes
+    buckets. Either way the order is a function of the seed, and the batch number alone says where a run is.
     """
 
-    def __init__(self, dataset_size: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1, start_batch: int = 0):
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start_batch: int = 0,
+        buckets: list | None = None,
+    ):
         self.dataset_size = dataset_size
         self.batch_size = batch_size
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
         self.start_batch = start_batch
+        self.buckets = buckets
 
     def _permutation(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(derive_seed(ORDER_STREAM, self.seed, epoch))
         return torch.randperm(self.dataset_size, generator=generator).tolist()
 
+    def _bucket_batches(self, epoch: int) -> list[list[int]]:
+        """One epoch's global batches, each from a single bucket."""
+        global_batch = self.batch_size * self.world_size
+        generator = torch.Generator().manual_seed(derive_seed(ORDER_STREAM, self.seed, epoch))
+        members: dict = {}
+        for index, bucket in enumerate(self.buckets):
+            members.setdefault(bucket, []).append(index)
+        batches = []
+        for bucket in sorted(members):
+            indices = [members[bucket][i] for i in torch.randperm(len(members[bucket]), generator=generator).tolist()]
+            count = -(-len(indices) // global_batch)
+            padded = [indices[i % len(indices)] for i in range(count * global_batch)]
+            batches += [padded[b * global_batch : (b + 1) * global_batch] for b in range(count)]
+        return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        if self.buckets is not None:
+            yield from self._iter_buckets()
+            return
         global_batch = self.batch_size * self.world_size
         position = self.start_batch * global_batch + self.rank * self.batch_size
         epoch, order = -1, []
@@ -314,6 +380,18 @@ class TrainingOrder(Sampler):
                 batch.append((epoch, order[p % self.dataset_size]))
             yield batch
             position += global_batch
+
+    def _iter_buckets(self) -> Iterator[list[tuple[int, int]]]:
+        batches_per_epoch = len(self._bucket_batches(0))  # the same every epoch: it depends on bucket sizes only
+        number = self.start_batch
+        epoch, batches = -1, []
+        while True:
+            if number // batches_per_epoch != epoch:
+                epoch = number // batches_per_epoch
+                batches = self._bucket_batches(epoch)
+            chunk = batches[number % batches_per_epoch][self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+            yield [(epoch, index) for index in chunk]
+            number += 1
 
 
 def build_dataloader(dataset: CaptionedImages, order: TrainingOrder, num_workers: int, pin_memory: bool) -> DataLoader:

@@ -67,7 +67,7 @@ def test_a_cached_latent_is_the_posterior_of_its_image(make_config, tmp_path):
     examples, _ = scan_examples(config.data)
     entries = latent_entries(examples, model_identity(components.vae), config)
     fill_latents(examples, entries, components.vae, config, 3)
-    image = resize_and_crop(open_image(examples[0].image_path, config.data), 32, "center")
+    image = resize_and_crop(open_image(examples[0].image_path, config.data), (32, 32), "center")
     with torch.no_grad():
         mean, std = encode_posterior(components.vae, image_to_tensor(image)[None])
     entry = load_file(entries[0])
@@ -90,3 +90,18 @@ def test_released_encoders_come_back_for_the_final_samples(make_config, tmp_path
     result = train(config)
     assert (tmp_path / "run" / "samples" / "000.png").is_file()
     assert result.components.vae is not None and result.components.text_encoder is not None
+
+
+def test_buckets_train_cached_and_uncached_alike(make_config, tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    for i, size in enumerate([(32, 32), (48, 24), (24, 48), (50, 26), (30, 30), (26, 52)]):
+        Image.new("RGB", size, (40 * i, 100, 200 - 30 * i)).save(images / f"{i}.png")
+        (images / f"{i}.txt").write_text(f"shape {i}")
+    common = {
+        "data__path": str(images), "data__buckets": True, "data__bucket_step": 8, "data__bucket_min_side": 16,
+        "data__bucket_max_side": 64, "train__max_steps": 4, "cache__dir": str(tmp_path / "cache"),
+    }
+    train(make_config(train__output_dir=str(tmp_path / "plain"), **common))
+    train(make_config(train__output_dir=str(tmp_path / "cached"), cache__latents=True, **common))
+    assert _losses(tmp_path / "cached") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-5)

@@ -135,3 +135,58 @@ def test_training_order_covers_each_epoch_and_shards_by_rank():
     assert [b for _, b in zip(range(20), TrainingOrder(size, batch * 2, seed=6))] != single_batches
     resumed = TrainingOrder(size, batch * 2, seed=5, start_batch=7)
     assert [b for _, b in zip(range(13), resumed)] == single_batches[7:]
+
+
+def _bucket_config(tmp_path, **extra):
+    return DataConfig(path=str(tmp_path), resolution=32, buckets=True, bucket_step=8, bucket_min_side=16, bucket_max_side=64, **extra)
+
+
+def test_bucket_sizes_respect_the_budget():
+    from difftune.data import bucket_sizes
+
+    config = DataConfig(path=".", resolution=512, buckets=True)
+    sizes = bucket_sizes(config)
+    assert (512, 512) in sizes and (768, 320) in sizes and (320, 768) in sizes
+    for width, height in sizes:
+        assert width % 64 == 0 and height % 64 == 0
+        assert 256 <= width <= 1024 and 256 <= height <= 1024
+        assert width * height <= 512 * 512
+
+
+def test_every_image_lands_in_its_closest_bucket(tmp_path):
+    import math
+
+    from difftune.data import bucket_sizes, training_sizes
+
+    shapes = [(32, 32), (64, 32), (32, 64), (60, 20), (45, 30), (33, 50), (100, 48)]
+    for i, (w, h) in enumerate(shapes):
+        _image(tmp_path / f"{i}.png", size=(w, h))
+        (tmp_path / f"{i}.txt").write_text("x")
+    config = _bucket_config(tmp_path)
+    examples, _ = scan_examples(config)
+    ratios = sorted(math.log(w / h) for w, h in bucket_sizes(config))
+    tolerance = max(b - a for a, b in zip(ratios, ratios[1:])) / 2
+    for example, (bw, bh) in zip(examples, training_sizes(examples, config)):
+        w, h = Image.open(example.image_path).size
+        assert abs(math.log(w / h) - math.log(bw / bh)) <= tolerance + 1e-9, (example.image_path.name, (bw, bh))
+    assert training_sizes(examples, config)[0] == (32, 32)
+
+
+def test_bucketed_batches_never_mix_buckets_and_repeat_under_a_seed():
+    buckets = [(32, 32)] * 5 + [(48, 16)] * 3 + [(16, 48)] * 2
+    def batches(seed, rank=0, world=1, start=0, count=12):
+        order = TrainingOrder(len(buckets), 2, seed, rank, world, start, buckets=buckets)
+        return [b for _, b in zip(range(count), order)]
+
+    single = batches(seed=1)
+    for batch in single:
+        assert len({buckets[i] for _, i in batch}) == 1  # one bucket per batch
+    per_epoch = 3 + 2 + 1  # ceil(5/2) + ceil(3/2) + ceil(2/2)
+    first_epoch = [i for batch in single[:per_epoch] for _, i in batch]
+    assert set(first_epoch) == set(range(10))  # every image, padded within its bucket
+    assert batches(seed=1) == single and batches(seed=2) != single
+    assert batches(seed=1, start=4, count=8) == single[4:]
+    # Two processes at batch 2 each share out the global batches of one process at batch 4.
+    wide = [b for _, b in zip(range(6), TrainingOrder(len(buckets), 4, 1, buckets=buckets))]
+    halves = [batches(seed=1, rank=r, world=2, count=6) for r in range(2)]
+    assert [a + b for a, b in zip(*halves)] == wide

@@ -84,6 +84,12 @@ def test_gradient_checkpointing_gives_the_same_update(make_config, tmp_path):
         torch.testing.assert_close(value, load_file(checkpointed.trained_path)[key], rtol=1e-5, atol=1e-6)
 
 
+def test_compile_on_cpu_is_refused_with_the_reason(make_config, tmp_path):
+    with pytest.raises(DifftuneError, match=r"train.compile = true is supported on CUDA only .*wrong adapter gradients"):
+        train(make_config(train__compile=True))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
+
+
 @pytest.mark.parametrize("kind", ["lora", "dora"])
 def test_saved_adapter_reloads_in_diffusers(make_config, tiny_base, kind):
     config = make_config(adapter__kind=kind, adapter__text_encoder=True, train__max_steps=4, optim__learning_rate=1e-2)

@@ -1,0 +1,159 @@
+"""Training-speed benchmark: the real `train()` on a generated model and synthetic images.
+
+Model specs have random weights (a weight's value does not change speed): `tiny` is the test model,
+`sd15` has Stable Diffusion 1.5's shapes (UNet 860M, VAE 84M, CLIP ViT-L/14 text encoder 123M).
+Seconds per step are the median over the steps after warm-up, read from the run's metrics.jsonl.
+Peak memory is the process's peak RSS on CPU, `torch.cuda.max_memory_allocated` on GPU. On GPU the
+model FLOPs utilisation (MFU) is the UNet's training FLOPs per step (counted by
+`torch.utils.flop_counter` on one step's forward and backward) over the step time and the device's
+dense peak for the precision.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel
+
+from difftune import tiny
+from difftune.adapters import add_adapters
+from difftune.config import load_config
+from difftune.metrics import read_metrics
+from difftune.models import load_components
+from difftune.train import train
+
+# Dense tensor-core peaks (FLOP/s) by device name and precision, from the vendors' data sheets.
+PEAK_FLOPS = {
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},  # SXM; fp32 = TF32
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12},
+    "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 83e12},
+}
+
+
+@dataclass
+class BenchOptions:
+    model: str = "tiny"  # tiny | sd15
+    resolution: int = 32
+    batch: int = 1
+    steps: int = 3
+    warmup: int = 1
+    adapter: str = "lora"
+    rank: int = 4
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    cache: bool = False
+    channels_last: bool = True
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    attention: str = "sdpa"
+    workdir: str = ""
+
+
+def build_pipeline(model: str) -> StableDiffusionPipeline:
+    if model == "tiny":
+        return tiny.build_pipeline()
+    if model == "sd15":
+        torch.manual_seed(0)
+        text_config = CLIPTextConfig(
+            vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+            max_position_embeddings=77, hidden_act="quick_gelu",
+        )
+        tokenizer = tiny.build_tokenizer()
+        tokenizer.model_max_length = 77
+        return StableDiffusionPipeline(
+            vae=AutoencoderKL(
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4, sample_size=512,
+                scaling_factor=0.18215,
+            ),
+            text_encoder=CLIPTextModel(text_config),
+            tokenizer=tokenizer,
+            unet=UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8),
+            scheduler=tiny.build_noise_scheduler(),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+    raise ValueError(f"unknown model spec {model!r}; known: tiny, sd15")
+
+
+def prepare_workspace(options: BenchOptions) -> tuple[Path, Path, Path]:
+    """The generated model (saved once per spec) and synthetic images, under the workdir."""
+    root = Path(options.workdir or Path(tempfile.gettempdir()) / "difftune-bench")
+    model_dir = root / f"model-{options.model}"
+    if not (model_dir / "model_index.json").exists():
+        build_pipeline(options.model).save_pretrained(model_dir, safe_serialization=True)
+    data_dir = root / f"data-{options.resolution}-{options.batch * (options.steps + options.warmup)}"
+    if not data_dir.exists():
+        count = options.batch * (options.steps + options.warmup)
+        images = [(image.resize((options.resolution,) * 2), caption) for image, caption in tiny.shape_images(count, seed=0)]
+        tiny.write_caption_folder(data_dir, images)
+    return root, model_dir, data_dir
+
+
+def _config(options: BenchOptions, model_dir: Path, data_dir: Path, output_dir: Path, cache_dir: Path, steps: int):
+    overrides = {
+        "model.base": model_dir, "data.path": data_dir, "data.resolution": options.resolution, "data.num_workers": 0,
+        "adapter.kind": options.adapter, "adapter.rank": options.rank, "train.output_dir": output_dir,
+        "train.max_steps": steps, "train.batch_size": options.batch, "train.overwrite": "true",
+        "train.mixed_precision": {"fp32": "no"}.get(options.precision, options.precision),
+        "train.channels_last": str(options.channels_last).lower(), "train.attention": options.attention,
+        "train.gradient_checkpointing": str(options.gradient_checkpointing).lower(),
+        "train.compile": str(options.compile).lower(),
+        "cache.latents": str(options.cache).lower(), "cache.text": str(options.cache).lower(), "cache.dir": cache_dir,
+        "log.progress_bar": "false", "log.tensorboard": "false", "guard.enabled": "false",
+    }
+    return load_config(None, [f"{key}={value}" for key, value in overrides.items()])
+
+
+def unet_training_flops(options: BenchOptions, model_dir: Path, device: torch.device) -> float:
+    """FLOPs of one training step of the UNet (forward and backward, adapters attached), counted by torch."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = _config(options, model_dir, model_dir, model_dir, model_dir, 1)
+    components = load_components(config.model)
+    add_adapters(components, config.adapter)
+    unet = components.unet.to(device)
+    size = options.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1)
+    latents = torch.randn(options.batch, 4, size, size, device=device)
+    states = torch.randn(options.batch, components.tokenizer.model_max_length, unet.config.cross_attention_dim, device=device)
+    with FlopCounterMode(display=False) as counter:
+        unet(latents, torch.full((options.batch,), 500, device=device), states).sample.square().mean().backward()
+    return float(counter.get_total_flops())
+
+
+def measure(options: BenchOptions) -> dict:
+    """One benchmark run in this process: JSON-ready results."""
+    root, model_dir, data_dir = prepare_workspace(options)
+    cache_dir = root / "cache"
+    if options.cache:  # a warm cache, as a second run over the same data sees it
+        train(_config(options, model_dir, data_dir, root / "prefill", cache_dir, 1))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    output_dir = root / "run"
+    train(_config(options, model_dir, data_dir, output_dir, cache_dir, options.warmup + options.steps))
+    seconds = statistics.median(row["seconds"] for row in read_metrics(output_dir)[options.warmup :])
+    result = {
+        **asdict(options),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "seconds_per_step": seconds,
+        "samples_per_second": options.batch / seconds,
+    }
+    if device.type == "cuda":
+        result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+        flops = unet_training_flops(options, model_dir, device)
+        peak = next((p[options.precision] for name, p in PEAK_FLOPS.items() if name in result["device"]), None)
+        result["unet_tflops_per_step"] = flops / 1e12
+        result["mfu"] = flops / seconds / peak if peak else None
+    else:
+        result["peak_memory_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result["mfu"] = None  # no meaningful dense peak for a CPU
+    return result
