@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel
 
 from difftune import tiny

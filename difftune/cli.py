@@ -96,6 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--adapter", action="append", default=[], type=_adapter_spec, help=adapter_help)
     sample.add_argument("--out", required=True, type=Path, help="folder for the PNGs and grid.png")
     _add_sample_options(sample)
+
+    evaluate = commands.add_parser(
+        "eval", help="judge samples of the tiny shapes base (and of an adapter on it): seen prompts, held-out concept, forgetting"
+    )
+    evaluate.add_argument("--base", default="models/tiny-sd", help="a base trained on the shapes (default: the bundled one)")
+    evaluate.add_argument("--adapter", type=Path, help="adapter to score after the base (either layout)")
+    evaluate.add_argument("--concept", default="purple", help="the held-out color the adapter teaches")
+    evaluate.add_argument("--samples-per-prompt", type=int, default=8)
+    evaluate.add_argument("--seed", type=int, default=1000, help="sample k of every prompt uses seed + k")
+    evaluate.add_argument("--steps", type=int, default=20, help="denoising steps")
+    evaluate.add_argument("--guidance-scale", type=float, default=3.0)
+    evaluate.add_argument("--out", type=Path, help="also write the JSON report here")
     return parser
 
 
@@ -126,7 +138,22 @@ def _run(args: argparse.Namespace) -> None:
     from difftune.config import ModelConfig
     from difftune.models import load_components
 
-    if args.command == "convert":
+    if args.command == "eval":
+        import json
+
+        from difftune.evaluate import EvalSettings, evaluate
+        from difftune.tiny import COLORS
+
+        if args.concept not in COLORS:
+            raise DifftuneError(f"difftune eval --concept {args.concept!r}: not a shapes color; one of {', '.join(COLORS)}")
+        settings = EvalSettings(args.samples_per_prompt, args.seed, args.steps, args.guidance_scale)
+        seen = [color for color in COLORS if color != args.concept]
+        text = json.dumps(evaluate(args.base, args.adapter, seen, args.concept, settings), indent=2)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text + "\n")
+        print(text)
+    elif args.command == "convert":
         print(f"difftune: wrote {export.convert_adapter(args.source, args.target, args.to, args.base)}")
     elif args.command == "average":
         tensors, lora_configs, config_toml = export.average_adapters(args.adapters, args.weights, args.base)

@@ -54,7 +54,7 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     path: str = Field(
-        "examples/shapes",
+        "examples/purple",
         description="Image folder: images with same-stem caption files, or a `metadata.jsonl` with "
         "`file_name` and `text`. Subfolders named `N_name` are repeated N times per epoch (kohya).",
     )
@@ -266,6 +266,9 @@ class SampleConfig(Section):
     resolution: int | None = Field(None, ge=8, description="Sample size in pixels; defaults to `data.resolution`.")
     images_per_prompt: int = Field(1, ge=1, description="Images per prompt, each with the next seed.")
     every_steps: int = Field(0, ge=0, description="Also sample (a preview grid) every N optimizer steps; 0 only at the end.")
+    before: bool = Field(
+        False, description="Also sample the prompts with the untouched base before training (`samples/before/`), for a before/after comparison."
+    )
     decoder: str = Field(
         "",
         description="Autoencoder that decodes samples: empty for the model's own; a folder/hub id of TAESD "

@@ -94,15 +94,18 @@ def build_taesd() -> AutoencoderTiny:
     )
 
 
-def build_unet() -> UNet2DConditionModel:
+def build_unet(block_out_channels: tuple[int, ...] = (32, 64)) -> UNet2DConditionModel:
+    """Cross-attention in every block but the lowest, as in SD's UNet. (32, 64): the test model;
+    (32, 64, 64): the bundled base (1.5M parameters, the size that learned best in the prototype)."""
+    depth = len(block_out_channels)
     return UNet2DConditionModel(
         sample_size=IMAGE_SIZE // 4,
         in_channels=4,
         out_channels=4,
         layers_per_block=1,
-        block_out_channels=(32, 64),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        block_out_channels=block_out_channels,
+        down_block_types=("CrossAttnDownBlock2D",) * (depth - 1) + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (depth - 1),
         cross_attention_dim=TEXT_HIDDEN_SIZE,
         attention_head_dim=4,
         norm_num_groups=32,

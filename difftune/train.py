@@ -109,6 +109,8 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
     report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
     latent_files, text_files = _fill_caches(components, examples, config, accelerator)
     validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
+    if config.sample.before and config.sample.prompts and main and not resume:
+        _sample_before_training(components, config, output_dir, accelerator.device)
     _release_unneeded(components, config)
     _configure_unet(components.unet, config)
     add_adapters(components, config.adapter)
@@ -220,7 +222,8 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
 
     accelerator.wait_for_everyone()
     components = _unwrapped(components, accelerator)
-    if main and config.sample.prompts and (components.vae is None or components.text_encoder is None):
+    needs_encoders = config.sample.prompts or config.adapter.kind == "none"  # a full model is saved whole
+    if main and needs_encoders and (components.vae is None or components.text_encoder is None):
         _reload_released(components, config, accelerator.device)
     components.unet.eval()
     trained_path = _save_results(components, parameters, ema, config, output_dir, accelerator) if main else None
@@ -281,7 +284,7 @@ def _release_unneeded(components: Components, config: Config) -> None:
 
 
 def _reload_released(components: Components, config: Config, device) -> None:
-    """Bring the released encoders back for the end-of-run samples."""
+    """Bring the released encoders back for the end-of-run samples and the saved full model."""
     loaded = load_components(config.model)
     components.vae = components.vae or loaded.vae.to(device).eval()
     components.text_encoder = components.text_encoder or loaded.text_encoder.to(device).eval()
@@ -328,6 +331,13 @@ def _periodic_work(step, components, parameters, ema, validator, config: Config,
     if config.export.every_steps and (step % config.export.every_steps == 0 or last):
         export.save_trained(components, config, output_dir / "snapshots" / f"step-{step:06d}.safetensors", "diffusers")
     return values
+
+
+def _sample_before_training(components: Components, config: Config, output_dir: Path, device: torch.device) -> None:
+    """The base's own samples, with the seeds the end-of-run samples use; before any adapter exists."""
+    for module in (components.unet, components.vae, components.text_encoder):
+        module.to(device)
+    save_images(generate_images(components, config.sample, device), config.sample, output_dir / "samples" / "before")
 
 
 def _save_results(components, parameters, ema, config: Config, output_dir: Path, accelerator) -> Path:

@@ -1,33 +1,105 @@
-"""Write the bundled tiny base model and example images: `python scripts/make_tiny_base.py`.
+"""Build the bundled tiny base (models/tiny-sd) and the default job's images: `python scripts/make_tiny_base.py`.
 
-The base (models/tiny-sd) is a random-init Stable Diffusion 1.x-architecture pipeline built from
-diffusers/transformers config classes (see difftune/tiny.py), saved in fp32 (transformers 5 loads a
-model in its saved dtype, so an fp16 text encoder beside an fp32 UNet breaks a plain CPU
-`from_pretrained`; at this size fp32 costs 3.6 MB). It lets the default job
-and the tests run with no downloads; it has learned nothing yet. The examples (examples/shapes)
-are synthetic 32 px renders of colored shapes captioned `a <color> <shape>`. Deterministic by seed.
+Trains a KL autoencoder and a TAESD on synthetic shapes, then the UNet and text encoder with difftune's own
+trainer (full fine-tune, EMA), never showing them the held-out color; scores the result with the judge
+(and an untrained control) and writes the model card. Deterministic by seed; about 15 minutes on 2 CPU
+cores. The default job's images (examples/purple: renders of the held-out color) are written too.
 """
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
-from difftune.tiny import build_pipeline, shape_images, write_caption_folder
+from difftune.evaluate import EvalSettings, score
+from difftune.config import ModelConfig
+from difftune.models import load_components
+from difftune.tiny import shape_images, write_caption_folder
+from difftune.tiny_base import HELD_OUT_COLOR, SEEN_COLORS, Recipe, build_base
+
+CARD = """---
+library_name: diffusers
+pipeline_tag: text-to-image
+tags: [difftune, tiny, synthetic]
+---
+# tiny-sd: a 32 px text-to-image model of colored shapes, trained by difftune
+
+Stable Diffusion 1.x's architecture at toy size, from the same classes (`UNet2DConditionModel`,
+`AutoencoderKL`, `CLIPTextModel` with a character-level `CLIPTokenizer`), trained on synthetic renders
+captioned `a <color> <shape>` for colors {seen} and shapes circle, square, triangle. The color
+`{held_out}` was never shown to the UNet or the text encoder: it is the concept the default fine-tuning
+job teaches. `taesd/` is an `AutoencoderTiny` distilled to the same latent space (encode for training
+with `model.vae = "models/tiny-sd/taesd"`, or decode previews with `sample.decoder`).
+
+Weights are fp16; on a CPU load them as fp32: `StableDiffusionPipeline.from_pretrained(path, dtype=torch.float32)`.
+
+## Recipe (`python scripts/make_tiny_base.py`, seed {seed})
+
+- autoencoders: {autoencoder_images} renders of every color; KL VAE (MSE + 1e-6 KL, {vae_steps} steps at batch
+  {autoencoder_batch}), scaling factor {scaling_factor:.4f} = 1/std of its latents; TAESD distilled for {taesd_steps}
+  steps (encoder -> the VAE's scaled latents, decoder <- them)
+- UNet (block channels {channels}, {unet_params:,} parameters) and text encoder ({text_params:,}) trained jointly
+  by `difftune train` with `adapter.kind = "none"`, `adapter.text_encoder = true`: {steps} steps at batch
+  {batch_size}, AdamW lr {learning_rate} cosine, {weighting} loss weighting, caption dropout 0.1, cached latents,
+  EMA {ema_decay} (the EMA weights are what is saved)
+- time on 2 CPU cores: autoencoders {t_ae:.0f} s, UNet + text encoder {t_unet:.0f} s
+
+## Scores
+
+| | value |
+| --- | ---: |
+| VAE reconstruction PSNR (300 held-out renders) | {vae_psnr:.1f} dB |
+| TAESD reconstruction PSNR | {taesd_psnr:.1f} dB |
+| TAESD latent RMSE vs the VAE's scaled latents (latents have std ~1) | {taesd_rmse:.3f} |
+| seen prompts, color accuracy ({n} samples per prompt, fixed seeds) | {seen_color:.3f} |
+| seen prompts, shape accuracy | {seen_shape:.3f} |
+| held-out color before fine-tuning (both right) | {concept_both:.3f} |
+| untrained control (random UNet and text encoder), color / shape | {control_color:.3f} / {control_shape:.3f} |
+
+Judged by `difftune.evaluate.judge` (pixel statistics: nearest palette color of the foreground; fill
+ratio of its bounding box for the shape). Full numbers: `scores.json`.
+"""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", default="models/tiny-sd")
-    parser.add_argument("--examples-dir", default="examples/shapes")
+    parser.add_argument("--model-dir", type=Path, default=Path("models/tiny-sd"))
+    parser.add_argument("--examples-dir", type=Path, default=Path("examples/purple"))
+    parser.add_argument("--work-dir", type=Path, default=Path("output/tiny-base-build"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=Recipe.steps, help="UNet/text-encoder training steps")
+    parser.add_argument("--weighting", choices=("min_snr", "uniform"), default=Recipe.weighting)
     args = parser.parse_args()
 
-    model_dir, examples_dir = Path(args.model_dir), Path(args.examples_dir)
-    shutil.rmtree(model_dir, ignore_errors=True)
-    build_pipeline(args.seed).save_pretrained(model_dir, safe_serialization=True)
-    shutil.rmtree(examples_dir, ignore_errors=True)
-    write_caption_folder(examples_dir, shape_images(15, seed=args.seed))
-    print(f"wrote {model_dir} and {examples_dir}")
+    recipe = Recipe(seed=args.seed, steps=args.steps, weighting=args.weighting)
+    finish(args, recipe, build_base(args.model_dir, args.work_dir, recipe))
+
+
+def finish(args, recipe: Recipe, facts: dict) -> None:
+    """Score the base and an untrained control, write scores.json, the model card and the default job's images."""
+    settings = EvalSettings()
+    base = score(load_components(ModelConfig(base=str(args.model_dir))), SEEN_COLORS, HELD_OUT_COLOR, settings)
+    control = score(load_components(ModelConfig(base=str(args.work_dir / "init"))), SEEN_COLORS, HELD_OUT_COLOR, settings)
+    facts |= {"base": base, "untrained_control": control, "eval_settings": vars(settings)}
+    (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
+    components = load_components(ModelConfig(base=str(args.model_dir)))
+    (args.model_dir / "README.md").write_text(CARD.format(
+        seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR, seed=recipe.seed,
+        autoencoder_images=recipe.autoencoder_images, vae_steps=recipe.vae_steps, taesd_steps=recipe.taesd_steps,
+        autoencoder_batch=recipe.autoencoder_batch, scaling_factor=components.vae.config.scaling_factor,
+        channels=recipe.unet_block_out_channels, unet_params=sum(p.numel() for p in components.unet.parameters()),
+        text_params=sum(p.numel() for p in components.text_encoder.parameters()), steps=recipe.steps,
+        batch_size=recipe.batch_size, learning_rate=recipe.learning_rate, weighting=recipe.weighting,
+        ema_decay=recipe.ema_decay, t_ae=facts["seconds"]["autoencoders"], t_unet=facts["seconds"]["unet_and_text_encoder"],
+        vae_psnr=facts["autoencoders"]["vae_psnr_db"], taesd_psnr=facts["autoencoders"]["taesd_psnr_db"],
+        taesd_rmse=facts["autoencoders"]["taesd_latent_rmse"], n=settings.samples_per_prompt,
+        seen_color=base["seen"]["color"], seen_shape=base["seen"]["shape"], concept_both=base["concept"]["both"],
+        control_color=control["seen"]["color"], control_shape=control["seen"]["shape"],
+    ))
+    shutil.rmtree(args.examples_dir, ignore_errors=True)
+    write_caption_folder(args.examples_dir, shape_images(16, seed=args.seed + 7, colors=(HELD_OUT_COLOR,)))
+    print(json.dumps({k: facts[k] for k in ("seconds", "autoencoders")} | {"base_seen": base["seen"],
+                     "base_concept": base["concept"], "control_seen": control["seen"]}))
 
 
 if __name__ == "__main__":

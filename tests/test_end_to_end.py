@@ -1,6 +1,7 @@
 """The README's promises, through the real entry points in subprocesses, on the bundled default job."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -26,13 +27,14 @@ def _run(args, extra_env=None):
     return subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
 
 
-def _check_run_files(out, max_steps, prompts):
+def _check_run_files(out, max_steps, images, before=False):
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     assert tomllib.loads((out / "config.toml").read_text())["train"]["max_steps"] == max_steps
     assert [row["step"] for row in read_metrics(out)] == list(range(1, max_steps + 1))
-    assert sorted(p.name for p in (out / "samples").iterdir()) == [f"{i:03d}.png" for i in range(len(prompts))] + [
-        "grid.png"
-    ]
+    expected = [f"{i:03d}.png" for i in range(images)] + ["grid.png"]
+    assert sorted(p.name for p in (out / "samples").iterdir()) == sorted(expected + (["before"] if before else []))
+    if before:
+        assert sorted(p.name for p in (out / "samples" / "before").iterdir()) == expected
     assert list((out / "logs").rglob("events.out.tfevents.*"))
 
 
@@ -55,10 +57,11 @@ def test_accelerate_launch_runs_the_default_job(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     config = tomllib.loads((REPO / "configs/tiny_lora.toml").read_text())
-    _check_run_files(out, config["train"]["max_steps"], config["sample"]["prompts"])
+    images = len(config["sample"]["prompts"]) * config["sample"]["images_per_prompt"]
+    _check_run_files(out, config["train"]["max_steps"], images, before=True)
     losses = [row["loss"] for row in read_metrics(out)]
     first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
-    assert last < first, (first, last)  # it learns something even on the untrained base
+    assert last < first, (first, last)
 
     # The adapter loads in diffusers onto the bundled base and changes its output.
     with safe_open(out / "pytorch_lora_weights.safetensors", framework="pt") as handle:
@@ -67,13 +70,15 @@ def test_accelerate_launch_runs_the_default_job(tmp_path):
         REPO / "models/tiny-sd", safety_checker=None, dtype=torch.float32
     )
     generator = torch.Generator().manual_seed(0)
-    before = pipeline("a red circle", num_inference_steps=3, generator=generator, output_type="np").images
+    before = pipeline("a purple circle", num_inference_steps=3, generator=generator, output_type="np").images
     pipeline.load_lora_weights(out)
     generator = torch.Generator().manual_seed(0)
-    after = pipeline("a red circle", num_inference_steps=3, generator=generator, output_type="np").images
+    after = pipeline("a purple circle", num_inference_steps=3, generator=generator, output_type="np").images
     assert abs(before - after).max() > 1e-3
-    with Image.open(out / "samples" / "grid.png") as grid:
-        assert grid.size == (64, 64)  # four 32 px samples, 2 x 2
+    columns = math.ceil(math.sqrt(images))
+    for grid_path in (out / "samples" / "grid.png", out / "samples" / "before" / "grid.png"):
+        with Image.open(grid_path) as grid:
+            assert grid.size == (32 * columns, 32 * math.ceil(images / columns))
 
 
 def test_difftune_command_with_overrides(tmp_path):
@@ -94,7 +99,7 @@ def test_difftune_command_with_overrides(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"wrote {out / 'pytorch_lora_weights.safetensors'}" in run.stdout
-    _check_run_files(out, 5, ["a red circle"])
+    _check_run_files(out, 5, 1, before=True)
     with safe_open(out / "pytorch_lora_weights.safetensors", framework="pt") as handle:
         keys = list(handle.keys())
     assert any(k.startswith("text_encoder.") and k.endswith("lora_magnitude_vector.weight") for k in keys)

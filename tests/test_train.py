@@ -120,8 +120,11 @@ def test_saved_adapter_reloads_in_diffusers(make_config, tiny_base, kind):
     assert lora_metadata["text_encoder.r"] == 4
 
 
-def test_full_fine_tune_writes_a_loadable_pipeline(make_config, tiny_base):
-    config = make_config(adapter__kind="none", adapter__text_encoder=True, optim__learning_rate=1e-3)
+@pytest.mark.parametrize("cached", [False, True], ids=["encoded", "cached-latents"])
+def test_full_fine_tune_writes_a_loadable_pipeline(make_config, tiny_base, tmp_path, cached):
+    # With cached latents the VAE leaves memory during training; the saved pipeline must still hold it.
+    config = make_config(adapter__kind="none", adapter__text_encoder=True, optim__learning_rate=1e-3,
+                         cache__latents=cached, cache__dir=str(tmp_path / "cache"))
     result = train(config)
     assert result.trained_path.name == "model"
     saved = StableDiffusionPipeline.from_pretrained(result.trained_path, safety_checker=None)

@@ -1,0 +1,210 @@
+"""Building the bundled tiny base: a KL autoencoder, a TAESD distilled to its latent space, then the UNet
+and text encoder trained by difftune's own trainer (full fine-tune) on synthetic shapes.
+
+The autoencoders are trained here with a plain reconstruction loop: difftune's trainer is for the
+diffusion model, and an autoencoder needs none of its machinery. One color (`HELD_OUT_COLOR`) is never
+shown to the UNet and text encoder, so fine-tuning can be judged on a concept the base does not know;
+the autoencoders see every color, as SD's VAE saw every kind of image.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKL, AutoencoderTiny, StableDiffusionPipeline
+from tqdm.auto import tqdm
+
+from difftune.data import image_to_tensor
+from difftune.config import load_config
+from difftune.metrics import read_metrics
+from difftune.tiny import (
+    COLORS,
+    build_noise_scheduler,
+    build_taesd,
+    build_text_encoder,
+    build_tokenizer,
+    build_unet,
+    build_vae,
+    shape_images,
+    write_caption_folder,
+)
+
+HELD_OUT_COLOR = "purple"
+SEEN_COLORS = tuple(color for color in COLORS if color != HELD_OUT_COLOR)
+
+
+def render_tensors(count: int, seed: int, colors=tuple(COLORS)) -> torch.Tensor:
+    """(count, 3, 32, 32) renders in [-1, 1]."""
+    return torch.stack([image_to_tensor(image) for image, _ in shape_images(count, seed, colors=colors)])
+
+
+def psnr(reconstructed: torch.Tensor, reference: torch.Tensor) -> float:
+    """Peak signal-to-noise ratio in dB of images in [-1, 1], measured on the [0, 1] scale."""
+    mse = F.mse_loss((reconstructed.clamp(-1, 1) + 1) / 2, (reference + 1) / 2).item()
+    return 10 * math.log10(1 / mse)
+
+
+def _batches(images: torch.Tensor, batch_size: int, steps: int, seed: int):
+    rng = random.Random(seed)
+    for _ in range(steps):
+        yield images[rng.sample(range(len(images)), batch_size)]
+
+
+def _cosine_lr(optimizer, peak: float, step: int, steps: int, warmup: int = 50) -> None:
+    lr = peak * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def train_vae(images: torch.Tensor, steps: int, batch_size: int = 64, lr: float = 2e-3, kl_weight: float = 1e-6,
+              seed: int = 0) -> AutoencoderKL:
+    """The KL autoencoder: MSE on reconstructions of posterior samples plus a small KL term (SD's VAE recipe
+    without its perceptual and GAN losses, which 32 px flat shapes do not need). Its scaling factor is set
+    to 1/std of the latents afterwards, the way SD's 0.18215 was chosen."""
+    torch.manual_seed(seed)
+    vae = build_vae()
+    with torch.no_grad():  # start with a narrow posterior (log-variance -6): +1 dB at 300 steps, measured
+        vae.quant_conv.bias[vae.config.latent_channels :].fill_(-6.0)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+    for step, batch in enumerate(tqdm(_batches(images, batch_size, steps, seed), total=steps, desc="vae")):
+        _cosine_lr(optimizer, lr, step, steps)
+        posterior = vae.encode(batch).latent_dist
+        loss = F.mse_loss(vae.decode(posterior.sample()).sample, batch) + kl_weight * posterior.kl().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    vae.eval()
+    with torch.no_grad():
+        latents = vae.encode(images[:512]).latent_dist.mean
+    vae.register_to_config(scaling_factor=float(1.0 / latents.std()))
+    return vae
+
+
+def distill_taesd(vae: AutoencoderKL, images: torch.Tensor, steps: int, batch_size: int = 64, lr: float = 2e-3,
+                  seed: int = 0) -> AutoencoderTiny:
+    """A TAESD whose encoder outputs the KL VAE's scaled latents (posterior mean x scaling factor) and whose
+    decoder reconstructs the image from them, as TAESD does for SD: either autoencoder can encode for
+    training and either can decode a sample."""
+    torch.manual_seed(seed)
+    taesd = build_taesd()
+    optimizer = torch.optim.AdamW(taesd.parameters(), lr=lr, weight_decay=0.0)
+    scale = vae.config.scaling_factor
+    for step, batch in enumerate(tqdm(_batches(images, batch_size, steps, seed + 1), total=steps, desc="taesd")):
+        _cosine_lr(optimizer, lr, step, steps)
+        with torch.no_grad():
+            target = vae.encode(batch).latent_dist.mean * scale
+        latent_loss = F.mse_loss(taesd.encode(batch).latents, target)
+        image_loss = F.mse_loss(taesd.decode(target).sample, batch)  # decoder from the true latents
+        optimizer.zero_grad(set_to_none=True)
+        (latent_loss + image_loss).backward()
+        optimizer.step()
+    return taesd.eval()
+
+
+@torch.no_grad()
+def autoencoder_scores(vae: AutoencoderKL, taesd: AutoencoderTiny, images: torch.Tensor) -> dict:
+    """Held-out reconstruction PSNR of both autoencoders, and TAESD's latent error relative to the KL latents."""
+    scale = vae.config.scaling_factor
+    kl_latents = vae.encode(images).latent_dist.mean * scale
+    taesd_latents = taesd.encode(images).latents
+    return {
+        "vae_psnr_db": psnr(vae.decode(kl_latents / scale).sample, images),
+        "taesd_psnr_db": psnr(taesd.decode(taesd_latents).sample, images),
+        "taesd_decoder_psnr_db": psnr(taesd.decode(kl_latents).sample, images),
+        "taesd_latent_rmse": F.mse_loss(taesd_latents, kl_latents).sqrt().item(),
+        "latent_std": kl_latents.std().item(),
+    }
+
+
+@contextmanager
+def timed(seconds: dict, stage: str):
+    """Record a stage's wall time in `seconds[stage]`, for the model card."""
+    started = time.perf_counter()
+    yield
+    seconds[stage] = round(time.perf_counter() - started, 1)
+
+
+@dataclass
+class Recipe:
+    """How the base is made; the defaults are what `scripts/make_tiny_base.py` commits."""
+
+    seed: int = 0
+    autoencoder_images: int = 4000
+    vae_steps: int = 1000
+    taesd_steps: int = 450
+    autoencoder_batch: int = 32
+    unet_block_out_channels: tuple[int, ...] = (32, 64, 64)
+    train_images_per_prompt: int = 200
+    validation_images_per_prompt: int = 8
+    steps: int = 1300
+    batch_size: int = 128
+    learning_rate: float = 1e-3
+    weighting: str = "min_snr"  # or "uniform"
+    ema_decay: float = 0.999
+
+
+def write_renders(folder: Path, images_per_prompt: int, seed: int, colors=SEEN_COLORS) -> Path:
+    shutil.rmtree(folder, ignore_errors=True)
+    write_caption_folder(folder, shape_images(images_per_prompt * len(colors) * 3, seed, colors=colors))
+    return folder
+
+
+def base_training_overrides(recipe: Recipe, init_dir: Path, data_dir: Path, validation_dir: Path, output_dir: Path,
+                            cache_dir: Path) -> list[str]:
+    """The difftune job that trains the UNet and text encoder from scratch (full fine-tune of a random init)."""
+    values = {
+        "model.base": init_dir, "data.path": data_dir, "data.resolution": 32, "data.random_flip": "false",
+        "data.caption_dropout": 0.1, "data.num_workers": 0, "adapter.kind": "none", "adapter.text_encoder": "true",
+        "loss.weighting": recipe.weighting, "optim.learning_rate": recipe.learning_rate, "optim.lr_schedule": "cosine",
+        "optim.warmup_steps": 50, "optim.weight_decay": 0.0, "train.output_dir": output_dir, "train.overwrite": "true",
+        "train.max_steps": recipe.steps, "train.batch_size": recipe.batch_size, "train.seed": recipe.seed,
+        "ema.enabled": "true", "ema.decay": recipe.ema_decay, "validation.path": validation_dir,
+        "validation.every_steps": 100, "cache.latents": "true", "cache.dir": cache_dir, "checkpoint.every_steps": 0,
+        "log.tensorboard": "false",
+    }
+    return [f"{key}={value}" for key, value in values.items()]
+
+
+def build_base(out_dir: Path, work_dir: Path, recipe: Recipe = Recipe()) -> dict:
+    """Train everything and write the pipeline folder (fp16) with `taesd/` beside `vae/`; returns the facts
+    for the model card (scores of the autoencoders, seconds per stage, the recipe)."""
+    from difftune.train import train
+
+    seconds: dict[str, float] = {}
+    work_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(recipe.seed)
+    with timed(seconds, "autoencoders"):
+        images = render_tensors(recipe.autoencoder_images, recipe.seed + 100)
+        vae = train_vae(images, recipe.vae_steps, recipe.autoencoder_batch, seed=recipe.seed)
+        taesd = distill_taesd(vae, images, recipe.taesd_steps, recipe.autoencoder_batch, seed=recipe.seed)
+        scores = autoencoder_scores(vae, taesd, render_tensors(300, recipe.seed + 999))
+    init_dir = work_dir / "init"
+    torch.manual_seed(recipe.seed)
+    StableDiffusionPipeline(
+        vae=vae, text_encoder=build_text_encoder(), tokenizer=build_tokenizer(),
+        unet=build_unet(recipe.unet_block_out_channels), scheduler=build_noise_scheduler(),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    ).save_pretrained(init_dir, safe_serialization=True)
+    data_dir = write_renders(work_dir / "train", recipe.train_images_per_prompt, recipe.seed + 1)
+    validation_dir = write_renders(work_dir / "validation", recipe.validation_images_per_prompt, recipe.seed + 2)
+    run_dir = work_dir / "run"
+    with timed(seconds, "unet_and_text_encoder"):
+        overrides = base_training_overrides(recipe, init_dir, data_dir, validation_dir, run_dir, work_dir / "cache")
+        train(load_config(None, overrides))
+    pipeline = StableDiffusionPipeline.from_pretrained(run_dir / "model_ema", safety_checker=None, dtype=torch.float32)
+    pipeline.scheduler = build_noise_scheduler()  # the training schedule; samplers are chosen at sampling time
+    shutil.rmtree(out_dir, ignore_errors=True)
+    pipeline.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)
+    taesd.to(torch.float16).save_pretrained(out_dir / "taesd", safe_serialization=True)
+    validation = [
+        {key: row[key] for key in ("step", "val_loss", "val_loss_ema")} for row in read_metrics(run_dir) if "val_loss" in row
+    ]
+    return {"recipe": asdict(recipe), "seconds": seconds, "autoencoders": scores, "validation_loss": validation}

@@ -1,0 +1,84 @@
+"""The shapes judge, the tiny-base builder, the committed base's quality, and fine-tuning on its held-out concept."""
+
+import json
+
+import pytest
+import torch
+from diffusers import AutoencoderTiny, StableDiffusionPipeline
+from safetensors import safe_open
+
+from difftune.cli import main
+from difftune.config import ModelConfig, load_config
+from difftune.evaluate import EvalSettings, accuracy, judge, judged_samples, prompts_for
+from difftune.models import load_components
+from difftune.tiny import COLORS, SHAPES, shape_images
+from difftune.tiny_base import HELD_OUT_COLOR, SEEN_COLORS, Recipe, build_base, psnr, render_tensors, train_vae
+from difftune.train import train
+
+from conftest import REPO
+
+BASE = REPO / "models" / "tiny-sd"
+
+
+def test_the_judge_names_color_and_shape_of_renders():
+    renders = shape_images(750, seed=11)  # 50 of every color/shape pair, random sizes, places, backgrounds
+    rows = [dict(zip(("color", "shape"), judge(image)), prompt=caption) for image, caption in renders]
+    scores = accuracy(rows)
+    assert scores["color"] >= 0.99 and scores["shape"] >= 0.99, scores
+
+
+def test_the_judge_sees_no_shape_on_a_blank_image():
+    from PIL import Image
+
+    assert judge(Image.new("RGB", (32, 32), (230, 225, 240))) == (None, None)
+
+
+def test_vae_training_improves_reconstruction():
+    images = render_tensors(64, seed=5)
+    untrained, trained = train_vae(images, steps=0), train_vae(images, steps=40, batch_size=16)
+    with torch.no_grad():
+        before = psnr(untrained.decode(untrained.encode(images).latent_dist.mean).sample, images)
+        after = psnr(trained.decode(trained.encode(images).latent_dist.mean).sample, images)
+    assert after > before + 3, (before, after)
+
+
+@pytest.mark.slow
+def test_build_base_writes_an_fp16_pipeline_with_taesd(tmp_path):
+    recipe = Recipe(autoencoder_images=64, vae_steps=3, taesd_steps=3, autoencoder_batch=8, train_images_per_prompt=1,
+                    validation_images_per_prompt=1, steps=2, batch_size=4)
+    facts = build_base(tmp_path / "base", tmp_path / "work", recipe)
+    assert set(facts["autoencoders"]) >= {"vae_psnr_db", "taesd_psnr_db", "taesd_latent_rmse"}
+    with safe_open(tmp_path / "base" / "unet" / "diffusion_pytorch_model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
+    pipeline = StableDiffusionPipeline.from_pretrained(tmp_path / "base", safety_checker=None, dtype=torch.float32)
+    assert pipeline.unet.config.block_out_channels == [32, 64, 64]
+    taesd = AutoencoderTiny.from_pretrained(tmp_path / "base" / "taesd")
+    assert taesd.config.latent_channels == pipeline.vae.config.latent_channels
+
+
+def test_committed_base_draws_the_seen_prompts():
+    # Measured at 8 samples per prompt in models/tiny-sd/scores.json; the floors sit well under it.
+    pipeline = StableDiffusionPipeline.from_pretrained(BASE, safety_checker=None, dtype=torch.float32)
+    assert pipeline.unet.dtype == torch.float32
+    components = load_components(ModelConfig(base=str(BASE)))
+    rows = judged_samples(components, prompts_for(SEEN_COLORS), EvalSettings(samples_per_prompt=2))
+    scores = accuracy(rows)
+    assert scores["color"] >= 0.75 and scores["shape"] >= 0.6, scores  # measured 0.95 and 0.86 at 8 per prompt
+
+
+@pytest.mark.slow
+def test_fine_tuning_teaches_the_held_out_color(tmp_path, capsys):
+    config = load_config(REPO / "configs" / "tiny_lora.toml", [
+        f"train.output_dir={tmp_path / 'run'}", "log.progress_bar=false", "log.tensorboard=false", "sample.prompts=[]",
+        f"data.path={REPO / 'examples' / HELD_OUT_COLOR}", f"model.base={BASE}",
+    ])
+    result = train(config)
+    capsys.readouterr()  # the training's own messages
+    assert main(["eval", "--base", str(BASE), "--adapter", str(result.trained_path), "--samples-per-prompt", "2",
+                 "--out", str(tmp_path / "eval.json")]) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report == json.loads(capsys.readouterr().out)
+    assert report["before"]["concept"]["both"] <= 0.2
+    assert report["after"]["concept"]["both"] >= 0.5, report["after"]["concept_by_shape"]  # measured 0.75 at 8
+    assert report["forgetting"] <= 0.25
+    assert set(report["after"]["concept_by_shape"]) == set(SHAPES) and set(COLORS) > set(SEEN_COLORS)
