@@ -25,7 +25,7 @@ from difftune import tiny
 from difftune.adapters import add_adapters
 from difftune.config import load_config
 from difftune.metrics import read_metrics
-from difftune.models import load_components
+from difftune.models import Components, assemble_pipeline, load_components
 from difftune.train import train
 
 # Dense tensor-core peaks (FLOP/s) by device name and precision, from the vendors' data sheets.
@@ -67,7 +67,7 @@ def build_pipeline(model: str) -> StableDiffusionPipeline:
         )
         tokenizer = tiny.build_tokenizer()
         tokenizer.model_max_length = 77
-        return StableDiffusionPipeline(
+        return assemble_pipeline(Components(
             vae=AutoencoderKL(
                 down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
                 block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4, sample_size=512,
@@ -76,11 +76,8 @@ def build_pipeline(model: str) -> StableDiffusionPipeline:
             text_encoder=CLIPTextModel(text_config),
             tokenizer=tokenizer,
             unet=UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8),
-            scheduler=tiny.build_noise_scheduler(),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
+            noise_scheduler=tiny.build_noise_scheduler(),
+        ))
     raise ValueError(f"unknown model spec {model!r}; known: tiny, sd15")
 
 

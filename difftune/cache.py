@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from difftune.config import Config
-from difftune.data import Example, image_to_tensor, open_image, resize_and_crop, training_sizes
+from difftune.data import Example, image_to_tensor, open_image, resize_and_crop
 from difftune.models import encode_posterior, encode_prompts
 
 
@@ -64,21 +64,23 @@ def _write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     os.replace(staging, path)
 
 
-def latent_entries(examples: list[Example], vae_identity: str, config: Config) -> list[Path]:
-    """The cache file of each example (repeats share one), keyed by its training size (square or bucket)."""
+def latent_entries(examples: list[Example], sizes: list[tuple[int, int]], vae_identity: str, config: Config) -> list[Path]:
+    """The cache file of each example (repeats share one), keyed by its training size (`data.training_sizes`)."""
     root, data = cache_root(config), config.data
     by_image = {}
-    for example, (width, height) in zip(examples, training_sizes(examples, data)):
+    for example, (width, height) in zip(examples, sizes):
         if example.image_path not in by_image:
             content = hashlib.sha256(example.image_path.read_bytes()).hexdigest()
             by_image[example.image_path] = _entry(root, "latents", content, vae_identity, f"{width}x{height}", data.crop)
     return [by_image[e.image_path] for e in examples]
 
 
-def fill_latents(examples: list[Example], entries: list[Path], vae, config: Config, batch_size: int) -> int:
+def fill_latents(
+    examples: list[Example], sizes: list[tuple[int, int]], entries: list[Path], vae, config: Config, batch_size: int
+) -> int:
     """Encode the images whose entries are missing, in batches of one training size; returns how many."""
     missing: dict[tuple[int, int], dict[Path, Path]] = {}
-    for example, entry, size in zip(examples, entries, training_sizes(examples, config.data)):
+    for example, entry, size in zip(examples, entries, sizes):
         if not entry.exists():
             missing.setdefault(size, {})[entry] = example.image_path
     chunks = [

@@ -282,6 +282,7 @@ class CaptionedImages(Dataset):
         train_seed: int,
         latent_entries: list[Path] | None = None,
         text_entries: dict[str, Path] | None = None,
+        sizes: list[tuple[int, int]] | None = None,  # `training_sizes`, when the caller has them already
     ):
         self.examples = examples
         self.config = config
@@ -289,7 +290,7 @@ class CaptionedImages(Dataset):
         self.train_seed = train_seed
         self.latent_entries = latent_entries
         self.text_entries = text_entries
-        self.sizes = training_sizes(examples, config)
+        self.sizes = sizes if sizes is not None else training_sizes(examples, config)
 
     def __len__(self) -> int:
         return len(self.examples)

@@ -105,10 +105,10 @@ def evaluate(base: str, adapter: Path | None, seen_colors, concept_color: str, s
     from difftune.export import apply_adapters  # export imports sampling; keep this module light to import
 
     report = {"settings": vars(settings) | {"base": base, "concept_color": concept_color}}
-    report["before"] = score(load_components(ModelConfig(base=base)), seen_colors, concept_color, settings)
+    components = load_components(ModelConfig(base=base))
+    report["before"] = score(components, seen_colors, concept_color, settings)
     if adapter:
-        components = load_components(ModelConfig(base=base))
-        apply_adapters(components, [(adapter, 1.0)], base=base)
+        apply_adapters(components, [(adapter, 1.0)], base=base)  # onto the same base, in place
         report["adapter"] = str(adapter)
         report["after"] = score(components, seen_colors, concept_color, settings)
         report["forgetting"] = report["before"]["seen"]["both"] - report["after"]["seen"]["both"]

@@ -19,6 +19,7 @@ from PIL import Image, ImageDraw
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from difftune.data import image_to_tensor
+from difftune.models import Components, assemble_pipeline
 
 IMAGE_SIZE = 32
 TOKENIZER_MAX_LENGTH = 32
@@ -134,16 +135,10 @@ def build_pipeline(seed: int = 0) -> StableDiffusionPipeline:
         pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
         latents = vae.encode(pixels).latent_dist.mean  # (64, 4, 8, 8)
     vae.register_to_config(scaling_factor=float(1.0 / latents.std()))
-    return StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=build_text_encoder(),
-        tokenizer=build_tokenizer(),
-        unet=build_unet(),
-        scheduler=build_noise_scheduler(),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    return assemble_pipeline(Components(  # built in this order: the seed's random draws depend on it
+        vae=vae, text_encoder=build_text_encoder(), tokenizer=build_tokenizer(), unet=build_unet(),
+        noise_scheduler=build_noise_scheduler(),
+    ))
 
 
 def render_shape(shape: str, color: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Image.Image:

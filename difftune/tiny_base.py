@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from difftune.data import image_to_tensor
 from difftune.config import load_config
 from difftune.metrics import read_metrics
+from difftune.models import Components, assemble_pipeline
 from difftune.tiny import (
     COLORS,
     build_noise_scheduler,
@@ -188,11 +189,10 @@ def build_base(out_dir: Path, work_dir: Path, recipe: Recipe = Recipe()) -> dict
         scores = autoencoder_scores(vae, taesd, render_tensors(300, recipe.seed + 999))
     init_dir = work_dir / "init"
     torch.manual_seed(recipe.seed)
-    StableDiffusionPipeline(
+    assemble_pipeline(Components(  # built in this order: the seed's random draws depend on it
         vae=vae, text_encoder=build_text_encoder(), tokenizer=build_tokenizer(),
-        unet=build_unet(recipe.unet_block_out_channels), scheduler=build_noise_scheduler(),
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-    ).save_pretrained(init_dir, safe_serialization=True)
+        unet=build_unet(recipe.unet_block_out_channels), noise_scheduler=build_noise_scheduler(),
+    )).save_pretrained(init_dir, safe_serialization=True)
     data_dir = write_renders(work_dir / "train", recipe.train_images_per_prompt, recipe.seed + 1)
     validation_dir = write_renders(work_dir / "validation", recipe.validation_images_per_prompt, recipe.seed + 2)
     run_dir = work_dir / "run"

@@ -43,6 +43,7 @@ from difftune.data import (
     build_dataloader,
     report_bad_files,
     scan_examples,
+    training_sizes,
 )
 from difftune.ema import build_ema, ema_weights, update_ema
 from difftune.errors import DifftuneError
@@ -107,7 +108,8 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
     examples, bad_files = scan_examples(config.data)
     report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
-    latent_files, text_files = _fill_caches(components, examples, config, accelerator)
+    sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
+    latent_files, text_files = _fill_caches(components, examples, sizes, config, accelerator)
     validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
     if config.sample.before and config.sample.prompts and main and not resume:
         _sample_before_training(components, config, output_dir, accelerator.device)
@@ -139,7 +141,9 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
     guard = Guard(config.guard, output_dir if main else None, resumed_at_step=progress.global_step)
     if guard_state:
         guard.load_state_dict(guard_state)
-    dataset = CaptionedImages(examples, config.data, components.tokenizer, config.train.seed, latent_files, text_files)
+    dataset = CaptionedImages(
+        examples, config.data, components.tokenizer, config.train.seed, latent_files, text_files, sizes
+    )
     order = TrainingOrder(
         len(examples),
         config.train.batch_size,
@@ -147,7 +151,7 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
         accelerator.process_index,
         accelerator.num_processes,
         start_batch=progress.micro_batches,
-        buckets=dataset.sizes if config.data.buckets else None,
+        buckets=sizes if config.data.buckets else None,
     )
     batches = iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
     accelerator.init_trackers("difftune", config=_flat_hparams(config))
@@ -255,11 +259,11 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
     )
 
 
-def _fill_caches(components: Components, examples, config: Config, accelerator) -> tuple[list | None, dict | None]:
+def _fill_caches(components: Components, examples, sizes, config: Config, accelerator) -> tuple[list | None, dict | None]:
     """Cache files for the examples' latents and captions, encoding what is missing (main process first)."""
     latent_files = text_files = None
     if config.cache.latents:
-        latent_files = latent_entries(examples, model_identity(components.vae), config)
+        latent_files = latent_entries(examples, sizes, model_identity(components.vae), config)
     if config.cache.text:
         captions = {example.caption for example in examples} | {""}  # "" for caption dropout
         identity = model_identity(components.text_encoder)
@@ -267,7 +271,7 @@ def _fill_caches(components: Components, examples, config: Config, accelerator) 
     if accelerator.is_main_process:
         device = accelerator.device
         if latent_files:
-            fill_latents(examples, latent_files, components.vae.to(device), config, config.train.batch_size)
+            fill_latents(examples, sizes, latent_files, components.vae.to(device), config, config.train.batch_size)
         if text_files:
             fill_text(text_files, components.text_encoder.to(device), components.tokenizer, config.train.batch_size)
     accelerator.wait_for_everyone()

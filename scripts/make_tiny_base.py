@@ -78,11 +78,11 @@ def main() -> None:
 def finish(args, recipe: Recipe, facts: dict) -> None:
     """Score the base and an untrained control, write scores.json, the model card and the default job's images."""
     settings = EvalSettings()
-    base = score(load_components(ModelConfig(base=str(args.model_dir))), SEEN_COLORS, HELD_OUT_COLOR, settings)
+    components = load_components(ModelConfig(base=str(args.model_dir)))
+    base = score(components, SEEN_COLORS, HELD_OUT_COLOR, settings)
     control = score(load_components(ModelConfig(base=str(args.work_dir / "init"))), SEEN_COLORS, HELD_OUT_COLOR, settings)
     facts |= {"base": base, "untrained_control": control, "eval_settings": vars(settings)}
     (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
-    components = load_components(ModelConfig(base=str(args.model_dir)))
     (args.model_dir / "README.md").write_text(CARD.format(
         seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR, seed=recipe.seed,
         autoencoder_images=recipe.autoencoder_images, vae_steps=recipe.vae_steps, taesd_steps=recipe.taesd_steps,

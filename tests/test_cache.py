@@ -6,7 +6,7 @@ from PIL import Image
 
 from difftune.cache import fill_latents, latent_entries, model_identity
 from difftune.config import load_config
-from difftune.data import scan_examples
+from difftune.data import scan_examples, training_sizes
 from difftune.errors import DifftuneError
 from difftune.metrics import read_metrics
 from difftune.models import load_components
@@ -39,21 +39,22 @@ def test_a_warm_cache_encodes_nothing_and_changes_invalidate(make_config, tmp_pa
     config = make_config(data__path=str(images), cache__latents=True, cache__dir=str(tmp_path / "cache"))
     components = load_components(config.model)
     examples, _ = scan_examples(config.data)
+    sizes = training_sizes(examples, config.data)
     identity = model_identity(components.vae)
-    entries = latent_entries(examples, identity, config)
-    assert fill_latents(examples, entries, components.vae, config, 4) == 8
-    assert fill_latents(examples, latent_entries(examples, identity, config), components.vae, config, 4) == 0
+    entries = latent_entries(examples, sizes, identity, config)
+    assert fill_latents(examples, sizes, entries, components.vae, config, 4) == 8
+    assert fill_latents(examples, sizes, latent_entries(examples, sizes, identity, config), components.vae, config, 4) == 0
 
     Image.new("RGB", (32, 32), (1, 2, 3)).save(images / "0003.png")  # one image changes
-    changed = latent_entries(examples, identity, config)
+    changed = latent_entries(examples, sizes, identity, config)
     assert [a != b for a, b in zip(entries, changed)] == [e.image_path.name == "0003.png" for e in examples]
-    assert fill_latents(examples, changed, components.vae, config, 4) == 1
+    assert fill_latents(examples, sizes, changed, components.vae, config, 4) == 1
 
     torch.manual_seed(123)
     other_vae = build_vae(scaling_factor=components.vae.config.scaling_factor)  # another VAE: everything misses
-    other = latent_entries(examples, model_identity(other_vae), config)
+    other = latent_entries(examples, sizes, model_identity(other_vae), config)
     assert not set(other) & set(changed)
-    assert fill_latents(examples, other, other_vae, config, 4) == 8
+    assert fill_latents(examples, sizes, other, other_vae, config, 4) == 8
 
 
 def test_a_cached_latent_is_the_posterior_of_its_image(make_config, tmp_path):
@@ -65,8 +66,9 @@ def test_a_cached_latent_is_the_posterior_of_its_image(make_config, tmp_path):
     config = make_config(cache__latents=True, cache__dir=str(tmp_path / "cache"))
     components = load_components(config.model)
     examples, _ = scan_examples(config.data)
-    entries = latent_entries(examples, model_identity(components.vae), config)
-    fill_latents(examples, entries, components.vae, config, 3)
+    sizes = training_sizes(examples, config.data)
+    entries = latent_entries(examples, sizes, model_identity(components.vae), config)
+    fill_latents(examples, sizes, entries, components.vae, config, 3)
     image = resize_and_crop(open_image(examples[0].image_path, config.data), (32, 32), "center")
     with torch.no_grad():
         mean, std = encode_posterior(components.vae, image_to_tensor(image)[None])
