@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import threading
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,6 +40,43 @@ EMA_PREFIX = "ema."
 class Progress:
     global_step: int = 0  # optimizer steps done
     micro_batches: int = 0  # global micro-batches consumed from the data stream
+
+
+class StopRequest:
+    """SIGTERM or SIGINT (the UI's stop button, Ctrl-C, a cluster's preemption notice) asks the run to stop
+    after the current step with a checkpoint; a second signal gets the default behaviour at once.
+
+    Every process answers `agreed` alike (a max over processes), so all stop at the same step.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():  # Python installs handlers there only
+            self._previous = {sig: signal.signal(sig, self._request) for sig in self.SIGNALS}
+
+    def _request(self, signum, frame) -> None:
+        if self.requested:
+            self.restore()
+            signal.raise_signal(signum)
+        self.requested = True
+
+    def agreed(self, accelerator) -> bool:
+        flag = torch.tensor(float(self.requested), device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item())
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def __enter__(self) -> StopRequest:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
 
 
 def keep_models_out_of_accelerate_state(accelerator) -> None:

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from difftune.config import Config, SampleConfig, describe_errors, load_config
 from difftune.errors import DifftuneError
+from difftune.form import parse_adapter_spec
 
 
 def _keys_help() -> str:
@@ -19,17 +20,6 @@ def _keys_help() -> str:
         for name, field in section_field.annotation.model_fields.items():
             lines.append(f"  {section}.{name}: {field.description}")
     return "\n".join(lines)
-
-
-def _adapter_spec(text: str) -> tuple[Path, float]:
-    """`FILE` or `FILE:SCALE`."""
-    path, sep, scale = text.rpartition(":")
-    if sep:
-        try:
-            return Path(path), float(scale)
-        except ValueError:
-            pass
-    return Path(text), 1.0
 
 
 def _add_sample_options(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     adapter_help = "an adapter file (diffusers or kohya layout), optionally with a scale: FILE[:SCALE]; repeatable"
     merge = commands.add_parser("merge", help="merge adapters into the base model and save it")
     merge.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
-    merge.add_argument("--adapter", required=True, action="append", type=_adapter_spec, help=adapter_help)
+    merge.add_argument("--adapter", required=True, action="append", type=parse_adapter_spec, help=adapter_help)
     merge.add_argument("--out", required=True, type=Path, help="output diffusers pipeline folder")
     merge.add_argument("--single-file", action="store_true", help="also write out/model.safetensors in the original layout")
     merge.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="dtype of the saved weights")
@@ -93,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sample = commands.add_parser("sample", help="text-to-image samples from a base model and adapters")
     sample.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
-    sample.add_argument("--adapter", action="append", default=[], type=_adapter_spec, help=adapter_help)
+    sample.add_argument("--adapter", action="append", default=[], type=parse_adapter_spec, help=adapter_help)
     sample.add_argument("--out", required=True, type=Path, help="folder for the PNGs and grid.png")
     _add_sample_options(sample)
 
@@ -108,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--steps", type=int, default=20, help="denoising steps")
     evaluate.add_argument("--guidance-scale", type=float, default=3.0)
     evaluate.add_argument("--out", type=Path, help="also write the JSON report here")
+
+    ui = commands.add_parser("ui", help="the web UI: configure, launch and watch jobs, sample, export")
+    ui.add_argument("--host", default="127.0.0.1", help="address to bind; anything but this machine needs --auth")
+    ui.add_argument("--port", type=int, default=7860)
+    ui.add_argument("--jobs-dir", type=Path, default=Path("jobs"), help="one folder per job; the only folder the UI serves")
+    ui.add_argument("--configs-dir", type=Path, default=Path("configs"), help="presets offered in the form")
+    ui.add_argument("--auth", metavar="USER:PASSWORD", help="require this login")
+    ui.add_argument("--auth-file", type=Path, help="require a login from this file (one user:password per line)")
+    ui.add_argument("--share", action="store_true", help="also open a public share link (needs --auth)")
     return parser
 
 
@@ -134,9 +133,14 @@ def _run(args: argparse.Namespace) -> None:
             print(f"difftune: wrote {result.trained_path}")
         return
 
+    if args.command == "ui":
+        from difftune import webui
+
+        auth = webui.read_auth(args.auth, args.auth_file)
+        webui.serve(args.jobs_dir, args.host, args.port, auth, args.share, args.configs_dir)
+        return
+
     from difftune import export
-    from difftune.config import ModelConfig
-    from difftune.models import load_components
 
     if args.command == "eval":
         import json
@@ -159,9 +163,7 @@ def _run(args: argparse.Namespace) -> None:
         tensors, lora_configs, config_toml = export.average_adapters(args.adapters, args.weights, args.base)
         print(f"difftune: wrote {export.write_adapter(args.out, tensors, lora_configs, config_toml, args.to)}")
     elif args.command == "merge":
-        components = load_components(ModelConfig(base=args.base))
-        export.merge_adapters(components, args.adapter, args.dtype, base=args.base)
-        for path in export.save_merged(components, args.out, args.single_file, args.overwrite):
+        for path in export.merge_into_folder(args.base, args.adapter, args.out, args.dtype, args.single_file, args.overwrite):
             print(f"difftune: wrote {path}")
     elif args.command == "sample":
         import torch
@@ -171,12 +173,8 @@ def _run(args: argparse.Namespace) -> None:
         config = _sample_config(args)
         if not config.prompts:
             raise DifftuneError("difftune sample: give at least one --prompt")
-        components = load_components(ModelConfig(base=args.base))
-        if args.adapter:
-            export.apply_adapters(components, args.adapter, base=args.base)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        for module in (components.unet, components.vae, components.text_encoder):
-            module.to(device).eval()
+        components = export.load_with_adapters(args.base, args.adapter, device)
         paths = save_images(generate_images(components, config, device), config, args.out)
         print(f"difftune: wrote {len(paths)} images and grid.png to {args.out}")
 

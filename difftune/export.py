@@ -168,6 +168,26 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]], b
     pipeline.set_adapters(names, adapter_weights=[scale for _, scale in adapters])
 
 
+def load_with_adapters(base: str, adapters: list[tuple[Path, float]], device: torch.device) -> Components:
+    """A base model with scaled adapters attached, on `device`, ready to sample (the CLI's and UI's `sample`)."""
+    components = load_components(ModelConfig(base=base))
+    if adapters:
+        apply_adapters(components, adapters, base=base)
+    for module in (components.unet, components.vae, components.text_encoder):
+        module.to(device).eval()
+    return components
+
+
+def merge_into_folder(
+    base: str, adapters: list[tuple[Path, float]], out_dir: Path, dtype: str = "fp32", single_file: bool = False,
+    overwrite: bool = False,
+) -> list[Path]:
+    """Load the base, fold the adapters in and save the whole pipeline (the CLI's and UI's `merge`)."""
+    components = load_components(ModelConfig(base=base))
+    merge_adapters(components, adapters, dtype, base=base)
+    return save_merged(components, out_dir, single_file, overwrite)
+
+
 def merge_adapters(
     components: Components, adapters: list[tuple[Path, float]], dtype: str = "fp32", base: str | None = None
 ) -> None:

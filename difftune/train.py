@@ -30,6 +30,7 @@ from difftune.checkpoint import (
     CHECKPOINTS_DIR,
     MARKER,
     Progress,
+    StopRequest,
     find_checkpoint,
     keep_models_out_of_accelerate_state,
     load_checkpoint,
@@ -74,6 +75,7 @@ class TrainResult:
     losses: list[float]  # one per optimizer step, averaged over processes
     optimizer: torch.optim.Optimizer
     ema: EMAModel | None  # when ema.enabled
+    stopped: bool = False  # a stop was requested (SIGTERM/SIGINT): checkpoint written, nothing exported
 
 
 def train(config: Config, resume: str | None = None) -> TrainResult:
@@ -168,61 +170,69 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
     bar = tqdm(
         initial=progress.global_step, total=config.train.max_steps, disable=not (main and config.log.progress_bar), desc="train"
     )
-    while progress.global_step < config.train.max_steps:
-        global_step = progress.global_step + 1
-        started = time.perf_counter()
-        step_loss, paths = torch.zeros((), device=accelerator.device), []
-        for _ in range(accumulation):
-            batch = next(batches)
-            with accelerator.accumulate(*trained_modules):
-                loss = _training_loss(components, batch, config, accelerator.device).mean()
-                accelerator.backward(loss)
-            step_loss += loss.detach() / accumulation
-            paths += batch["path"]
-        # The last micro-step synced the gradients: clip, judge, then step (or skip) on every process alike.
-        grad_norm = float(accelerator.clip_grad_norm_(parameters, max_norm))
-        step_loss = accelerator.reduce(step_loss, reduction="mean").item()
-        skip = guard.judge(global_step, step_loss, grad_norm, grad_overflow_is_expected=accelerator.scaler is not None)
-        if skip:
-            guard.record(global_step, skip, step_loss, grad_norm, gather_object(paths))
-        else:
-            optimizer.step()
-            if ema and global_step % config.ema.every_steps == 0:
-                update_ema(ema, parameters, config.ema)
-        lr_scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        progress = Progress(global_step, progress.micro_batches + accumulation)
+    with StopRequest() as stop:
+        while progress.global_step < config.train.max_steps and not stop.agreed(accelerator):
+            global_step = progress.global_step + 1
+            started = time.perf_counter()
+            step_loss, paths = torch.zeros((), device=accelerator.device), []
+            for _ in range(accumulation):
+                batch = next(batches)
+                with accelerator.accumulate(*trained_modules):
+                    loss = _training_loss(components, batch, config, accelerator.device).mean()
+                    accelerator.backward(loss)
+                step_loss += loss.detach() / accumulation
+                paths += batch["path"]
+            # The last micro-step synced the gradients: clip, judge, then step (or skip) on every process alike.
+            grad_norm = float(accelerator.clip_grad_norm_(parameters, max_norm))
+            step_loss = accelerator.reduce(step_loss, reduction="mean").item()
+            skip = guard.judge(global_step, step_loss, grad_norm, grad_overflow_is_expected=accelerator.scaler is not None)
+            if skip:
+                guard.record(global_step, skip, step_loss, grad_norm, gather_object(paths))
+            else:
+                optimizer.step()
+                if ema and global_step % config.ema.every_steps == 0:
+                    update_ema(ema, parameters, config.ema)
+            lr_scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress = Progress(global_step, progress.micro_batches + accumulation)
 
-        seconds = time.perf_counter() - started
-        lr = lr_scheduler.get_last_lr()[0]
-        losses.append(step_loss)
-        values = {
-            "epoch": batch["epoch"][-1].item(),
-            "loss": step_loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "skipped": bool(skip),
-            "seconds": seconds,
-            "samples_per_second": global_batch / seconds,
-        }
-        diverged = guard.divergence(step_loss)
-        if diverged:  # before any snapshot, validation or checkpoint of this step
+            seconds = time.perf_counter() - started
+            lr = lr_scheduler.get_last_lr()[0]
+            losses.append(step_loss)
+            values = {
+                "epoch": batch["epoch"][-1].item(),
+                "loss": step_loss,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "skipped": bool(skip),
+                "seconds": seconds,
+                "samples_per_second": global_batch / seconds,
+            }
+            diverged = guard.divergence(step_loss)
+            if diverged:  # before any snapshot, validation or checkpoint of this step
+                metrics.write(global_step, values)
+                progress = _roll_back(accelerator, output_dir, named, ema, guard, config, metrics, progress, diverged)
+                bar.n = progress.global_step
+                continue
+            if main:
+                unwrapped = _unwrapped(components, accelerator)
+                values |= _periodic_work(global_step, unwrapped, parameters, ema, validator, config, output_dir, accelerator)
             metrics.write(global_step, values)
-            progress = _roll_back(accelerator, output_dir, named, ema, guard, config, metrics, progress, diverged)
-            bar.n = progress.global_step
-            continue
-        if main:
-            unwrapped = _unwrapped(components, accelerator)
-            values |= _periodic_work(global_step, unwrapped, parameters, ema, validator, config, output_dir, accelerator)
-        metrics.write(global_step, values)
-        bar.update(1)
-        bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", skipped=guard.skipped)
-        if config.checkpoint.every_steps and global_step % config.checkpoint.every_steps == 0:
-            save_checkpoint(accelerator, output_dir, progress, named, ema, guard, config)
-    bar.close()
-    metrics.close()
+            bar.update(1)
+            bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", skipped=guard.skipped)
+            if config.checkpoint.every_steps and global_step % config.checkpoint.every_steps == 0:
+                save_checkpoint(accelerator, output_dir, progress, named, ema, guard, config)
+        bar.close()
+        metrics.close()
     if not (output_dir / CHECKPOINTS_DIR / f"step-{progress.global_step:06d}" / MARKER).exists():
         save_checkpoint(accelerator, output_dir, progress, named, ema, guard, config)
+    if progress.global_step < config.train.max_steps:
+        accelerator.print(
+            f"difftune: stopped at step {progress.global_step} of {config.train.max_steps} on request; "
+            f"checkpoint written: continue with --resume auto"
+        )
+        accelerator.end_training()
+        return TrainResult(_unwrapped(components, accelerator), None, losses, optimizer, ema, stopped=True)
 
     accelerator.wait_for_everyone()
     components = _unwrapped(components, accelerator)

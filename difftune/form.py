@@ -1,0 +1,131 @@
+"""What people type, as typed values: the config schema as form fields (the UI's form), adapter specs.
+
+Each config field becomes one `FormField` of a kind (checkbox, choice, number, text, list, pair); the form's
+values go back through `Config` itself, so the form shows the schema's own validation messages.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+
+from difftune.config import Config, describe_errors
+from difftune.errors import DifftuneError
+
+
+def parse_adapter_spec(text: str) -> tuple[Path, float]:
+    """`FILE` or `FILE:SCALE`."""
+    path, sep, scale = text.strip().rpartition(":")
+    if sep:
+        try:
+            return Path(path), float(scale)
+        except ValueError:
+            pass
+    return Path(text.strip()), 1.0
+
+
+def parse_adapter_lines(text: str) -> list[tuple[Path, float]]:
+    """One `FILE[:SCALE]` per line; blank lines are skipped."""
+    return [parse_adapter_spec(line) for line in text.splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class FormField:
+    section: str
+    name: str
+    info: FieldInfo
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def value_type(self) -> Any:
+        """The annotation without `| None`."""
+        annotation = self.info.annotation
+        if get_origin(annotation) in (Union, types.UnionType):
+            return next(arg for arg in get_args(annotation) if arg is not type(None))
+        return annotation
+
+    @property
+    def optional(self) -> bool:
+        return self.value_type is not self.info.annotation
+
+    @property
+    def kind(self) -> str:
+        """One of: bool, choice, int, float, text, list (one item per line), pair (comma-separated), and
+        `optional` for a number that may be left empty (a browser number box cannot be empty)."""
+        value_type = self.value_type
+        origin = get_origin(value_type)
+        if self.optional and value_type in (int, float):
+            return "optional"
+        if origin is Literal:
+            return "choice"
+        if origin is list:
+            return "list"
+        if origin is tuple:
+            return "pair"
+        return {bool: "bool", int: "int", float: "float", str: "text"}[value_type]
+
+    @property
+    def choices(self) -> list[str]:
+        return list(get_args(self.value_type)) if self.kind == "choice" else []
+
+    def to_widget(self, value: Any) -> Any:
+        if self.kind == "optional":
+            return "" if value is None else str(value)
+        if self.kind == "list":
+            return "\n".join(str(item) for item in value)
+        if self.kind == "pair":
+            return ", ".join(str(item) for item in value)
+        return value
+
+    def from_widget(self, value: Any) -> Any:
+        """The widget's value as the schema's type where it reads as one; otherwise left for validation to name."""
+        if self.kind in ("list", "pair"):
+            items = (value or "").splitlines() if self.kind == "list" else (value or "").split(",")
+            item_types = get_args(self.value_type)
+            return [_as_type(item.strip(), item_types[0]) for item in items if item.strip()]
+        if self.kind == "optional":
+            return None if not (value or "").strip() else _as_type(value.strip(), self.value_type)
+        if self.kind == "int" and isinstance(value, float) and value.is_integer():
+            return int(value)  # a browser number box gives 100.0 for 100
+        return value
+
+
+def _as_type(text: str, item_type: type) -> Any:
+    try:
+        return item_type(text) if item_type in (int, float) else text
+    except ValueError:
+        return text
+
+
+def form_fields(sections: list[str] | None = None) -> list[FormField]:
+    """Every field of the named sections (all by default), in schema order."""
+    fields = []
+    for section, section_field in Config.model_fields.items():
+        if sections is None or section in sections:
+            fields += [FormField(section, name, info) for name, info in section_field.annotation.model_fields.items()]
+    return fields
+
+
+def widget_values(config: Config, fields: list[FormField]) -> list[Any]:
+    return [field.to_widget(getattr(getattr(config, field.section), field.name)) for field in fields]
+
+
+def config_from_widgets(fields: list[FormField], values: list[Any], source: str = "form", section: str | None = None):
+    """Validate the form's values as one `Config` (or, given `section`, as that section alone); errors name
+    `section.key` in the schema's own words."""
+    data: dict[str, dict] = {}
+    for field, value in zip(fields, values, strict=True):
+        data.setdefault(field.section, {})[field.name] = field.from_widget(value)
+    model = Config.model_fields[section].annotation if section else Config
+    try:
+        return model.model_validate(data[section] if section else data)
+    except ValidationError as err:
+        raise DifftuneError(describe_errors(source, err, section)) from None

@@ -1,0 +1,158 @@
+"""Training jobs as child processes, one folder each: what the UI launches, watches, stops and finds again.
+
+A job folder is the run's `train.output_dir`. Besides what the trainer writes, it holds `job.toml` (the
+config launched), `job.json` (the process: pid, start time, command, working folder) and `train.log`
+(the process's stdout and stderr). The UI keeps nothing the folder does not say, so a job goes on when
+the browser tab or the UI closes, and a restarted UI finds it again, running or not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from difftune.checkpoint import complete_checkpoints
+from difftune.config import Config, load_config
+from difftune.errors import DifftuneError
+from difftune.export import trained_path
+from difftune.metrics import METRICS_FILE
+
+JOB_CONFIG = "job.toml"
+JOB_STATE = "job.json"
+JOB_LOG = "train.log"
+STOPPED_LINE = "difftune: stopped at step"  # what train prints when a stop request was honoured
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+# Children started by this process, so their exit is collected (no zombies) and their exit code known.
+_children: dict[int, subprocess.Popen] = {}
+
+
+@dataclass(frozen=True)
+class Job:
+    dir: Path
+
+    @property
+    def name(self) -> str:
+        return self.dir.name
+
+    def config(self) -> Config:
+        return load_config(self.dir / JOB_CONFIG)
+
+    def state(self) -> dict:
+        return json.loads((self.dir / JOB_STATE).read_text(encoding="utf-8"))
+
+    def is_running(self) -> bool:
+        state = self.state()
+        child = _children.get(state["pid"])
+        if child is not None:
+            return child.poll() is None
+        try:  # started by an earlier UI: the pid must still be that process, not a reused number
+            process = psutil.Process(state["pid"])
+            return abs(process.create_time() - state["started"]) < 1 and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def status(self) -> str:
+        """`running`, `finished` (the trained result exists), `stopped` (on request, resumable) or `failed`."""
+        if self.is_running():
+            return "running"
+        if trained_path(self.config(), self.dir).exists():
+            return "finished"
+        said = [line for line in log_tail(self).splitlines() if line.startswith("difftune:")]
+        return "stopped" if said and said[-1].startswith(STOPPED_LINE) else "failed"
+
+    def resumable(self) -> bool:
+        return not self.is_running() and bool(complete_checkpoints(self.dir)) and self.status() != "finished"
+
+
+def launch_job(config: Config, jobs_dir: Path, name: str) -> Job:
+    """A new folder `<jobs_dir>/<time>-<name>` and a `difftune train` process writing into it."""
+    if not _NAME.fullmatch(name):
+        raise DifftuneError(f"job name {name!r}: use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit")
+    job_dir = Path(jobs_dir).resolve() / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+    if job_dir.exists():
+        raise DifftuneError(f"job folder {job_dir} already exists; wait a second or choose another name")
+    job_dir.mkdir(parents=True)
+    config = config.model_copy(deep=True)
+    config.train.output_dir = str(job_dir)
+    (job_dir / JOB_CONFIG).write_text(config.to_toml(), encoding="utf-8")
+    return _start(Job(job_dir), resume=False, cwd=Path.cwd())
+
+
+def resume_job(job: Job) -> Job:
+    """Continue a stopped or failed job from its latest complete checkpoint, in the same folder."""
+    if not job.resumable():
+        raise DifftuneError(f"job {job.name} is {job.status()} and has no checkpoint to resume from")
+    return _start(job, resume=True, cwd=Path(job.state()["cwd"]))
+
+
+def stop_job(job: Job) -> None:
+    """Ask the job to stop: SIGTERM to the trainer, which finishes its step and writes a checkpoint. Not to the
+    process group: data-loader workers killed under the trainer would make it fail instead."""
+    if not job.is_running():
+        raise DifftuneError(f"job {job.name} is not running")
+    os.kill(job.state()["pid"], signal.SIGTERM)
+
+
+def find_jobs(jobs_dir: Path) -> list[Job]:
+    """The job folders under `jobs_dir`, newest first."""
+    if not Path(jobs_dir).is_dir():
+        return []
+    folders = [path.parent for path in Path(jobs_dir).resolve().glob(f"*/{JOB_STATE}")]
+    return [Job(folder) for folder in sorted(folders, key=lambda path: path.name, reverse=True)]
+
+
+def log_tail(job: Job, max_chars: int = 6000) -> str:
+    """The end of the job's log, with progress-bar redraws (carriage returns) collapsed to their last state."""
+    path = job.dir / JOB_LOG
+    if not path.exists():
+        return ""
+    with open(path, "rb") as log:
+        log.seek(max(0, path.stat().st_size - max_chars))
+        text = log.read().decode("utf-8", errors="replace")
+    return "\n".join(line.rstrip("\r").split("\r")[-1] for line in text.split("\n"))
+
+
+def read_progress(job: Job) -> list[dict]:
+    """The metrics lines written so far (one per optimizer step)."""
+    path = job.dir / METRICS_FILE
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    # The last line may be half-written while the trainer runs.
+    return [json.loads(line) for line in lines if line.strip().endswith("}")]
+
+
+def preview_grids(job: Job) -> list[Path]:
+    """Sample grids of the job, newest first: previews during training, before/after, EMA."""
+    return sorted(job.dir.glob("samples*/**/grid.png"), key=lambda path: path.stat().st_mtime, reverse=True)
+
+
+def _start(job: Job, resume: bool, cwd: Path) -> Job:
+    # An argument list, never a shell string; the child gets its own session so closing the UI leaves it running.
+    command = [sys.executable, "-m", "difftune.cli", "train", "--config", str(job.dir / JOB_CONFIG)]
+    if resume:
+        command += ["--resume", "auto"]
+    with open(job.dir / JOB_LOG, "ab") as log:
+        child = subprocess.Popen(
+            command,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    _children[child.pid] = child
+    state = {"pid": child.pid, "started": psutil.Process(child.pid).create_time(), "command": command, "cwd": str(cwd)}
+    (job.dir / JOB_STATE).write_text(json.dumps(state, indent=2), encoding="utf-8")
+    return job

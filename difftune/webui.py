@@ -1,0 +1,325 @@
+"""The Gradio front-end (`difftune ui`): configure, launch and watch jobs, sample, export.
+
+Everything it does is a library call: the form is `form.form_fields()` (the config schema), jobs are
+`jobs.launch_job` / `stop_job` / `resume_job`, sampling is `export.load_with_adapters` plus
+`sample.generate_images`, export is `export.merge_into_folder` / `convert_adapter`, as in the CLI.
+
+Safe by default: it binds 127.0.0.1; another host, or a share link, needs a login; files are served
+from the jobs folder only; uploads are capped; exports are written under `<jobs>/exports/` only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from difftune import jobs
+from difftune.config import Config, ModelConfig, SampleConfig, load_config
+from difftune.errors import DifftuneError
+from difftune.form import FormField, config_from_widgets, form_fields, parse_adapter_lines, widget_values
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+EXPORTS_DIR = "exports"
+CONFIGS_DIR = "configs"  # configs saved from the form, under the jobs folder so they can be downloaded
+MAX_UPLOAD = "1mb"  # config files are a few KB
+# Sample fields that only mean something during training.
+TRAINING_ONLY_SAMPLE_FIELDS = ("every_steps", "before")
+PLOTTED = ("loss", "grad_norm", "lr")
+
+
+def check_exposure(host: str, auth: list[tuple[str, str]] | None, share: bool) -> None:
+    """Refuse to serve beyond this machine without a login."""
+    if (host not in LOCAL_HOSTS or share) and not auth:
+        where = "a public share link" if share else f"--host {host}"
+        raise DifftuneError(
+            f"{where} exposes the UI (which runs jobs and reads files) beyond this machine: give --auth user:password "
+            f"or --auth-file FILE, or keep the default --host 127.0.0.1"
+        )
+
+
+def read_auth(auth: str | None, auth_file: Path | None) -> list[tuple[str, str]] | None:
+    """`user:password`, or a file with one such line per user."""
+    lines = [auth] if auth else []
+    if auth_file:
+        try:
+            lines += [line for line in auth_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except OSError as err:
+            raise DifftuneError(f"--auth-file {auth_file}: cannot read it ({err.strerror})") from None
+    pairs = []
+    for line in lines:
+        user, sep, password = line.strip().partition(":")
+        if not (sep and user and password):
+            raise DifftuneError("--auth / --auth-file: each login must look like user:password")
+        pairs.append((user, password))
+    return pairs or None
+
+
+def serve(jobs_dir: Path, host: str, port: int, auth: list[tuple[str, str]] | None, share: bool, configs_dir: Path) -> None:
+    check_exposure(host, auth, share)
+    jobs_dir = jobs_dir.resolve()
+    jobs_dir.mkdir(parents=True, exist_ok=True)
+    build_app(jobs_dir, configs_dir).queue().launch(
+        server_name=host,
+        server_port=port,
+        auth=auth,
+        share=share,
+        allowed_paths=[str(jobs_dir)],
+        max_file_size=MAX_UPLOAD,
+        footer_links=[],
+    )
+
+
+def build_app(jobs_dir: Path, configs_dir: Path) -> gr.Blocks:
+    jobs_dir = Path(jobs_dir).resolve()
+    fields = form_fields()
+    presets = {path.stem: path for path in sorted(Path(configs_dir).glob("*.toml"))}
+    with gr.Blocks(title="difftune") as app:
+        gr.Markdown("# difftune")
+        with gr.Tabs() as tabs:
+            with gr.Tab("Configure", id="configure"):
+                widgets, job_name, launch = _configure_tab(fields, presets, jobs_dir)
+            with gr.Tab("Train", id="train"):
+                job_picker = _train_tab(jobs_dir)
+            with gr.Tab("Sample", id="sample"):
+                _sample_tab(jobs_dir)
+            with gr.Tab("Export", id="export"):
+                _export_tab(jobs_dir)
+
+        launch_message = gr.Markdown(elem_id="launch-message")
+
+        def launch_job(name, *values):
+            try:
+                job = jobs.launch_job(config_from_widgets(fields, list(values)), jobs_dir, name)
+            except DifftuneError as err:
+                return _error(err), gr.update(), gr.update()
+            choices = [job.name for job in jobs.find_jobs(jobs_dir)]
+            return f"Launched **{job.name}**", gr.update(choices=choices, value=job.name), gr.Tabs(selected="train")
+
+        launch.click(launch_job, [job_name, *widgets], [launch_message, job_picker, tabs])
+        app.load(lambda: gr.update(choices=[job.name for job in jobs.find_jobs(jobs_dir)]), None, job_picker)
+    return app
+
+
+def _configure_tab(fields: list[FormField], presets: dict[str, Path], jobs_dir: Path):
+    with gr.Row():
+        preset = gr.Dropdown(list(presets), label="Preset (configs/)", value=None, elem_id="preset")
+        upload = gr.UploadButton("Load a config file (.toml)", file_types=[".toml"], type="filepath", elem_id="upload")
+        job_name = gr.Textbox("job", label="Job name", elem_id="job-name")
+    with gr.Row():
+        validate = gr.Button("Validate", elem_id="validate")
+        save = gr.Button("Save config", elem_id="save-config")
+        launch = gr.Button("Launch training", variant="primary", elem_id="launch")
+    message = gr.Markdown(elem_id="config-message")
+    saved = gr.File(label="Saved config", visible=False, elem_id="saved-config")
+    widgets, defaults = [], Config()
+    for section in Config.model_fields:
+        section_fields = [field for field in fields if field.section == section]
+        with gr.Accordion(f"[{section}]", open=section in ("model", "data", "adapter", "train")):
+            for row in range(0, len(section_fields), 3):
+                with gr.Row(equal_height=False):
+                    for field in section_fields[row : row + 3]:
+                        widgets.append(_widget(field, getattr(getattr(defaults, section), field.name)))
+
+    def load_file(path):
+        if not path:
+            return [gr.update()] * len(widgets) + [""]
+        try:
+            config = load_config(path)
+        except DifftuneError as err:
+            return [gr.update()] * len(widgets) + [_error(err)]
+        return widget_values(config, fields) + [f"Loaded {Path(path).name}"]
+
+    def check(*values):
+        try:
+            config_from_widgets(fields, list(values))
+        except DifftuneError as err:
+            return _error(err)
+        return "The config is valid."
+
+    def save_toml(name, *values):
+        try:
+            config = config_from_widgets(fields, list(values))
+            path = _inside(jobs_dir / CONFIGS_DIR, f"{name}.toml")
+        except DifftuneError as err:
+            return gr.update(visible=False), _error(err)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(config.to_toml(), encoding="utf-8")
+        return gr.update(value=str(path), visible=True), f"Saved `{path}`"
+
+    preset.change(lambda name: load_file(presets.get(name)), preset, [*widgets, message])
+    upload.upload(load_file, upload, [*widgets, message])
+    validate.click(check, widgets, message)
+    save.click(save_toml, [job_name, *widgets], [saved, message])
+    return widgets, job_name, launch
+
+
+def _widget(field: FormField, default, id_prefix: str = "field"):
+    label, info, elem_id = field.key, field.info.description, f"{id_prefix}-{field.section}-{field.name}"
+    value = field.to_widget(default)
+    if field.kind == "bool":
+        return gr.Checkbox(value, label=label, info=info, elem_id=elem_id)
+    if field.kind == "choice":
+        return gr.Dropdown(field.choices, value=value, label=label, info=info, elem_id=elem_id)
+    if field.kind in ("int", "float"):
+        return gr.Number(value, label=label, info=info, precision=0 if field.kind == "int" else None, elem_id=elem_id)
+    lines = 3 if field.kind == "list" else 1
+    hint = {"list": " (one per line)", "pair": " (comma-separated)", "optional": " (empty: the default described)"}.get(field.kind, "")
+    return gr.Textbox(value, label=label, info=info + hint, lines=lines, elem_id=elem_id)
+
+
+def _train_tab(jobs_dir: Path):
+    with gr.Row():
+        job_picker = gr.Dropdown([], label="Job", elem_id="job-picker", scale=3)
+        refresh = gr.Button("Refresh list", scale=1)
+        stop = gr.Button("Stop (checkpoint)", variant="stop", scale=1, elem_id="stop")
+        resume = gr.Button("Resume", scale=1, elem_id="resume")
+    status = gr.Markdown(elem_id="job-status")
+    with gr.Row():
+        plots = [gr.LinePlot(x="step", y=name, title=name, height=220, elem_id=f"plot-{name}") for name in PLOTTED]
+    previews = gr.Gallery(label="Samples (newest first)", columns=4, height=280, object_fit="contain", elem_id="previews")
+    log = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, elem_id="job-log")
+
+    def show(name):
+        if not name:
+            return ["No job selected."] + [None] * len(PLOTTED) + [[], ""]
+        job = jobs.Job(jobs_dir / name)
+        rows = jobs.read_progress(job)
+        max_steps = job.config().train.max_steps
+        step = rows[-1]["step"] if rows else 0
+        summary = f"**{job.status()}** · step {step} / {max_steps} ({100 * step // max_steps}%)"
+        if rows:
+            summary += f" · loss {rows[-1]['loss']:.4f} · {1 / rows[-1]['seconds']:.2f} steps/s"
+        frame = pd.DataFrame(rows, columns=["step", *PLOTTED]) if rows else None
+        frames = [frame[["step", name]] if frame is not None else None for name in PLOTTED]
+        grids = [(str(path), str(path.parent.relative_to(job.dir))) for path in jobs.preview_grids(job)]
+        return [summary, *frames, grids, jobs.log_tail(job)]
+
+    def act(action, name):
+        try:
+            if not name:
+                raise DifftuneError("pick a job first")
+            action(jobs.Job(jobs_dir / name))
+        except DifftuneError as err:
+            gr.Warning(str(err))
+
+    outputs = [status, *plots, previews, log]
+    job_picker.change(show, job_picker, outputs)
+    gr.Timer(2.0).tick(show, job_picker, outputs)
+    refresh.click(lambda: gr.update(choices=[job.name for job in jobs.find_jobs(jobs_dir)]), None, job_picker)
+    stop.click(lambda name: act(jobs.stop_job, name), job_picker, None)
+    resume.click(lambda name: act(jobs.resume_job, name), job_picker, None)
+    return job_picker
+
+
+def _job_adapters(jobs_dir: Path) -> list[str]:
+    """Adapter files the jobs wrote (raw, EMA, averaged), newest job first."""
+    return [str(path) for job in jobs.find_jobs(jobs_dir) for path in sorted(job.dir.glob("*.safetensors"))]
+
+
+def _adapter_inputs(jobs_dir: Path, id_prefix: str):
+    picker = gr.Dropdown(_job_adapters(jobs_dir), label="Adapter from a job", value=None)
+    adapters = gr.Textbox(
+        label="Adapters", lines=2, info="one per line: FILE or FILE:SCALE (either layout)", elem_id=f"{id_prefix}-adapters"
+    )
+    picker.focus(lambda: gr.update(choices=_job_adapters(jobs_dir)), None, picker)
+    picker.change(lambda path, text: text if not path else "\n".join(filter(None, [text.strip(), path + ":1.0"])), [picker, adapters], adapters)
+    return adapters
+
+
+def _sample_tab(jobs_dir: Path):
+    from difftune.sample import generate_images
+
+    fields = [field for field in form_fields(["sample"]) if field.name not in TRAINING_ONLY_SAMPLE_FIELDS]
+    base = gr.Textbox(ModelConfig().base, label="Base model", info=ModelConfig.model_fields["base"].description, elem_id="sample-base")
+    adapters = _adapter_inputs(jobs_dir, "sample")
+    with gr.Row():  # resolution left empty: the model's native size
+        widgets = [_widget(field, getattr(SampleConfig(), field.name), "sample") for field in fields]
+    compare_ema = gr.Checkbox(False, label="Also sample each adapter's EMA weights (its `_ema` file) side by side")
+    generate = gr.Button("Generate", variant="primary", elem_id="generate")
+    message = gr.Markdown(elem_id="sample-message")
+    with gr.Row():
+        raw_gallery = gr.Gallery(label="Adapters as trained", columns=4, elem_id="gallery")
+        ema_gallery = gr.Gallery(label="EMA adapters", columns=4, elem_id="gallery-ema")
+
+    def run(base_name, adapter_text, ema, *values):
+        import torch
+
+        from difftune.export import load_with_adapters
+
+        try:
+            config = config_from_widgets(fields, list(values), "sample", section="sample")
+            if not config.prompts:
+                raise DifftuneError("sample.prompts: give at least one prompt")
+            adapters = parse_adapter_lines(adapter_text)
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            runs = [adapters]
+            if ema:
+                runs.append([(path.with_name(f"{path.stem}_ema{path.suffix}"), scale) for path, scale in adapters])
+            galleries = []
+            for run_adapters in runs:
+                samples = generate_images(load_with_adapters(base_name, run_adapters, device), config, device)
+                galleries.append([(sample.image, f"{sample.prompt} · seed {sample.seed}") for sample in samples])
+        except (DifftuneError, OSError) as err:
+            return _error(err), [], []
+        return f"{len(galleries[0])} images per gallery.", galleries[0], galleries[1] if ema else []
+
+    generate.click(run, [base, adapters, compare_ema, *widgets], [message, raw_gallery, ema_gallery])
+
+
+def _export_tab(jobs_dir: Path):
+    from difftune import export
+
+    exports = jobs_dir / EXPORTS_DIR
+    gr.Markdown(f"Everything is written under `{exports}`.")
+    with gr.Group():
+        gr.Markdown("### Merge adapters into the base")
+        base = gr.Textbox(ModelConfig().base, label="Base model", elem_id="merge-base")
+        adapters = _adapter_inputs(jobs_dir, "merge")
+        with gr.Row():
+            out_name = gr.Textbox("merged", label="Output folder name", elem_id="merge-out")
+            dtype = gr.Dropdown(["fp32", "fp16", "bf16"], value="fp16", label="Saved dtype")
+            single_file = gr.Checkbox(False, label="Also write model.safetensors (single-file layout)")
+            overwrite = gr.Checkbox(False, label="Replace an existing folder")
+        merge = gr.Button("Merge", variant="primary", elem_id="merge")
+        merge_message = gr.Markdown(elem_id="merge-message")
+    with gr.Group():
+        gr.Markdown("### Convert an adapter's layout")
+        source = gr.Textbox(label="Adapter file", elem_id="convert-source")
+        with gr.Row():
+            layout = gr.Dropdown(list(export.FORMATS), value="kohya", label="Write layout")
+            target_name = gr.Textbox("adapter.safetensors", label="Output file name", elem_id="convert-out")
+        convert = gr.Button("Convert", elem_id="convert")
+        convert_message = gr.Markdown(elem_id="convert-message")
+
+    def do_merge(base_name, adapter_text, name, dtype_name, single, replace):
+        try:
+            written = export.merge_into_folder(
+                base_name, parse_adapter_lines(adapter_text), _inside(exports, name), dtype_name, single, replace
+            )
+        except (DifftuneError, OSError) as err:
+            return _error(err)
+        return "Wrote " + ", ".join(f"`{path}`" for path in written)
+
+    def do_convert(source_path, layout_name, name):
+        try:
+            written = export.convert_adapter(Path(source_path.strip()), _inside(exports, name), layout_name)
+        except (DifftuneError, OSError) as err:
+            return _error(err)
+        return f"Wrote `{written}`"
+
+    merge.click(do_merge, [base, adapters, out_name, dtype, single_file, overwrite], merge_message)
+    convert.click(do_convert, [source, layout, target_name], convert_message)
+
+
+def _inside(folder: Path, name: str) -> Path:
+    """`folder/name`, refusing names that lead out of `folder` (`..`, absolute paths)."""
+    path = (folder / name.strip()).resolve()
+    if not name.strip() or not path.is_relative_to(folder.resolve()) or path == folder.resolve():
+        raise DifftuneError(f"output name {name!r}: give a plain name; outputs are written under {folder}")
+    return path
+
+
+def _error(err: Exception) -> str:
+    return f"**Error**\n\n```\n{err}\n```"

@@ -1,0 +1,116 @@
+"""Jobs as the UI runs them: child processes in their own folders, found again, stopped with a checkpoint,
+resumed; and the form that turns the config schema into widgets and back."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from difftune import jobs
+from difftune.checkpoint import complete_checkpoints
+from difftune.config import Config, load_config
+from difftune.errors import DifftuneError
+from difftune.form import config_from_widgets, form_fields, parse_adapter_lines, widget_values
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _wait_for(condition, seconds: float, job: jobs.Job) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out; log:\n{jobs.log_tail(job)}")
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_job_is_found_again_stopped_with_a_checkpoint_and_resumed(make_config, tmp_path):
+    jobs_dir = tmp_path / "jobs"
+    job = jobs.launch_job(make_config(train__max_steps=300), jobs_dir, "long")
+    assert job.config().train.output_dir == str(job.dir)
+    _wait_for(lambda: len(jobs.read_progress(job)) >= 5, 120, job)
+
+    # A restarted UI knows nothing but the folder: the job is found and seen running.
+    child = jobs._children.pop(job.state()["pid"])
+    [found] = jobs.find_jobs(jobs_dir)
+    assert found == job and found.status() == "running"
+    with pytest.raises(DifftuneError, match="is running"):
+        jobs.resume_job(found)
+
+    jobs.stop_job(found)
+    assert child.wait(timeout=120) == 0
+    steps = [row["step"] for row in jobs.read_progress(found)]
+    assert found.status() == "stopped" and found.resumable()
+    assert 5 <= steps[-1] < 300 and steps == list(range(1, steps[-1] + 1))
+    assert [path.name for path in complete_checkpoints(found.dir)] == [f"step-{steps[-1]:06d}"]
+    with pytest.raises(DifftuneError, match="not running"):
+        jobs.stop_job(found)
+
+    jobs.resume_job(found)
+    _wait_for(lambda: not found.is_running(), 300, found)
+    assert found.status() == "finished", jobs.log_tail(found)
+    assert [row["step"] for row in jobs.read_progress(found)] == list(range(1, 301))
+    assert "--resume auto" in " ".join(found.state()["command"])
+
+
+def test_a_job_that_cannot_start_is_failed_with_its_error_in_the_log(make_config, tmp_path):
+    job = jobs.launch_job(make_config(data__path=str(tmp_path / "no-such-folder")), tmp_path / "jobs", "broken")
+    _wait_for(lambda: not job.is_running(), 120, job)
+    assert job.status() == "failed" and not job.resumable()
+    assert "no-such-folder" in jobs.log_tail(job)
+
+
+def test_job_names_are_plain(make_config, tmp_path):
+    for name in ("../up", "a/b", "", "-flag", "x" * 65):
+        with pytest.raises(DifftuneError, match="job name"):
+            jobs.launch_job(make_config(), tmp_path, name)
+    assert not list(tmp_path.iterdir())
+
+
+def test_log_tail_shows_the_last_state_of_progress_bars(tmp_path):
+    job = jobs.Job(tmp_path)
+    (tmp_path / jobs.JOB_LOG).write_text("start\ntrain: 1/3\rtrain: 2/3\rtrain: 3/3\ndone\n")
+    assert jobs.log_tail(job).splitlines() == ["start", "train: 3/3", "done"]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda path: path.name)
+def test_every_shipped_config_survives_the_form(path):
+    fields = form_fields()
+    config = load_config(path)
+    assert config_from_widgets(fields, widget_values(config, fields)) == config
+
+
+def test_the_form_has_every_schema_field_and_reports_in_schema_words():
+    fields = form_fields()
+    assert {field.key for field in fields} == {
+        f"{section}.{name}" for section, model in Config.model_fields.items() for name in model.annotation.model_fields
+    }
+    values = widget_values(Config(), fields)
+    keys = [field.key for field in fields]
+
+    def with_values(**changes):
+        edited = list(values)
+        for key, value in changes.items():
+            edited[keys.index(key.replace("__", "."))] = value
+        return config_from_widgets(fields, edited)
+
+    config = with_values(train__max_steps=250.0, validation__timesteps="100\n 700\n", adapter__alpha="", optim__betas="0.9, 0.99")
+    assert config.train.max_steps == 250 and config.validation.timesteps == [100, 700]
+    assert config.adapter.alpha == config.adapter.rank and config.optim.betas == (0.9, 0.99)
+    assert with_values(adapter__alpha="4").adapter.alpha == 4.0
+    with pytest.raises(DifftuneError, match=r"train\.max_steps: Input should be greater than or equal to 1"):
+        with_values(train__max_steps=0)
+    with pytest.raises(DifftuneError, match=r"validation\.timesteps\.1: Input should be a valid integer"):
+        with_values(validation__timesteps="100\nlate")
+    with pytest.raises(DifftuneError, match=r"train\.max_steps: Input should be a valid integer"):
+        with_values(train__max_steps=2.5)
+
+
+def test_adapter_lines():
+    assert parse_adapter_lines("a.safetensors\n\n b.safetensors:0.5 \nC:/x/c.safetensors") == [
+        (Path("a.safetensors"), 1.0),
+        (Path("b.safetensors"), 0.5),
+        (Path("C:/x/c.safetensors"), 1.0),
+    ]

@@ -1,0 +1,228 @@
+"""The web UI in a real browser (Debian's chromium through playwright), and what it serves.
+
+The browser test drives the whole path a person takes: preset -> form -> launch -> watch progress and
+the loss plot -> sample with the trained adapter -> merge. Screenshots of each tab go to a temporary
+folder, or to $DIFFTUNE_SCREENSHOTS (docs/ keeps them).
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from safetensors.torch import load_file
+
+from difftune.config import load_config
+from difftune.errors import DifftuneError
+from difftune.webui import _inside, check_exposure, read_auth
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SECRET = "difftune-test-secret-4f1c"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`python ui/app.py` on a free port, in the repo (presets, bundled base), jobs in a temporary folder."""
+    root = tmp_path_factory.mktemp("ui")
+    jobs_dir = root / "jobs"
+    (root / "secret.txt").write_text(SECRET)  # next to the jobs folder: must never be served
+    port = _free_port()
+    log = open(root / "server.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "ui/app.py", "--port", str(port), "--jobs-dir", str(jobs_dir)],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the UI did not start: " + (root / "server.log").read_text())
+            time.sleep(0.5)
+    yield {"url": f"http://127.0.0.1:{port}", "port": port, "jobs": jobs_dir, "root": root}
+    process.terminate()
+    process.wait(timeout=30)
+    log.close()
+
+
+def _get(port: int, raw_path: str) -> tuple[int, bytes]:
+    """A request with the path sent exactly as written (no client-side normalisation of `..` or escapes)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("GET", raw_path)
+    response = connection.getresponse()
+    return response.status, response.read()
+
+
+def test_serves_the_jobs_folder_and_nothing_outside_it(server):
+    jobs, root = server["jobs"], server["root"]
+    (jobs / "public.txt").write_text("served from the jobs folder")
+    status, body = _get(server["port"], f"/gradio_api/file={jobs / 'public.txt'}")
+    assert status == 200 and body == b"served from the jobs folder"  # the route works, so refusals below mean something
+
+    secret = root / "secret.txt"
+    attempts = [
+        f"/gradio_api/file={secret}",  # absolute
+        f"/gradio_api/file={jobs}/../secret.txt",  # ../ out of the jobs folder
+        f"/gradio_api/file={jobs}/%2e%2e/secret.txt",  # encoded dots
+        f"/gradio_api/file={quote(str(jobs / '..' / 'secret.txt'), safe='')}",  # everything encoded
+        f"/gradio_api/file={jobs}/%252e%252e/secret.txt",  # double-encoded
+        f"/gradio_api/file={jobs}/..%2fsecret.txt",  # encoded slash
+        "/gradio_api/file=/etc/passwd",
+        "/gradio_api/file=../../../../etc/passwd",
+        "/gradio_api/file=README.md",  # relative to the server's working folder (the repo)
+        "/file=/etc/passwd",
+        "/gradio_api/file=models/tiny-sd/model_index.json",
+    ]
+    for path in attempts:
+        status, body = _get(server["port"], path)
+        assert SECRET.encode() not in body, path
+        assert b"root:" not in body and b"difftune" not in body.lower(), path
+        assert status in (400, 403, 404), (path, status)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium); .ci/run installs it")
+def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    shots = Path(os.environ.get("DIFFTUNE_SCREENSHOTS", tmp_path))
+    jobs = server["jobs"]
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server["url"])
+
+        # Configure: a config file or a preset fills the form; a bad value is reported by the schema, then fixed.
+        uploaded = tmp_path / "mine.toml"
+        uploaded.write_text("[train]\nmax_steps = 7\n")
+        page.locator("#upload input[type=file], input[type=file]").first.set_input_files(str(uploaded))
+        expect(page.locator("#config-message")).to_contain_text("Loaded mine.toml")
+        expect(page.locator("#field-train-max_steps input")).to_have_value("7")
+        page.locator("#preset input").click()
+        page.get_by_role("option", name="tiny_lora").click()
+        expect(page.locator("#config-message")).to_contain_text("Loaded tiny_lora.toml")
+        expect(page.locator("#field-data-path textarea, #field-data-path input").first).to_have_value("examples/purple")
+        max_steps = page.locator("#field-train-max_steps input")
+        max_steps.fill("0")
+        max_steps.press("Tab")
+        page.locator("#validate").click()
+        expect(page.locator("#config-message")).to_contain_text("train.max_steps")
+        max_steps.fill("40")
+        max_steps.press("Tab")
+        page.get_by_text("[sample]", exact=True).click()  # a closed section: its fields render on opening
+        every = page.locator("#field-sample-every_steps input")
+        expect(every).to_have_value("0")  # rendered with the preset's value, so the edit below is not overwritten
+        page.wait_for_timeout(500)
+        every.fill("20")
+        every.press("Tab")
+        expect(every).to_have_value("20")
+        page.locator("#job-name input, #job-name textarea").first.fill("browser")
+        page.locator("#validate").click()
+        expect(page.locator("#config-message")).to_contain_text("The config is valid.")
+        page.locator("#save-config").click()
+        expect(page.locator("#config-message")).to_contain_text("Saved")
+        saved = load_config(jobs / "configs" / "browser.toml")
+        assert (saved.train.max_steps, saved.sample.every_steps, saved.data.path) == (40, 20, "examples/purple")
+        page.screenshot(path=str(shots / "ui_configure.png"))
+        page.locator("#launch").click()
+
+        # Train: the job appears, progresses, plots its loss, shows previews and finishes.
+        expect(page.locator("#launch-message")).to_contain_text("Launched", timeout=30_000)
+        status = page.locator("#job-status")
+        expect(status).to_contain_text("step", timeout=30_000)
+        expect(status).to_contain_text("finished", timeout=240_000)
+        expect(status).to_contain_text("step 40 / 40")
+        expect(page.locator("#plot-loss canvas, #plot-loss svg").first).to_be_visible(timeout=30_000)
+        expect(page.locator("#previews img").first).to_be_visible(timeout=30_000)
+        page.screenshot(path=str(shots / "ui_train.png"))
+        adapter = next(jobs.glob("*-browser/pytorch_lora_weights.safetensors"))
+
+        # Sample: base + the trained adapter -> a gallery.
+        page.get_by_role("tab", name="Sample").click()
+        page.locator("#sample-adapters textarea").fill(f"{adapter}:1.0")
+        page.locator("#sample-sample-prompts textarea").fill("a purple circle\na red square")
+        steps = page.locator("#sample-sample-steps input")
+        steps.fill("10")
+        steps.press("Tab")
+        page.locator("#generate").click()
+        expect(page.locator("#sample-message")).to_contain_text("2 images per gallery", timeout=120_000)
+        expect(page.locator("#gallery img").first).to_be_visible()
+        page.screenshot(path=str(shots / "ui_sample.png"))
+
+        # Export: merge into the base; the merged UNet differs from the base where the adapter acts.
+        page.get_by_role("tab", name="Export").click()
+        page.locator("#merge-adapters textarea").fill(str(adapter))
+        page.locator("#merge-out input, #merge-out textarea").first.fill("purple-merged")
+        page.locator("#merge").click()
+        expect(page.locator("#merge-message")).to_contain_text("Wrote", timeout=120_000)
+        page.screenshot(path=str(shots / "ui_export.png"))
+        browser.close()
+
+    merged_dir = jobs / "exports" / "purple-merged"
+    assert (merged_dir / "model_index.json").exists()
+    base_unet = load_file(REPO / "models/tiny-sd/unet/diffusion_pytorch_model.safetensors")
+    merged = load_file(merged_dir / "unet/diffusion_pytorch_model.safetensors")
+    changed = [key for key in merged if "to_q" in key and not (merged[key].float() - base_unet[key].float()).abs().max() < 1e-3]
+    assert changed, "merging the adapter changed no attention weight"
+
+
+def test_uploads_are_capped(server):
+    boundary = "difftuneboundary"
+    body = (
+        f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"big.toml\"\r\n"
+        f"Content-Type: application/octet-stream\r\n\r\n"
+    ).encode() + b"#" * (2 * 1024 * 1024) + f"\r\n--{boundary}--\r\n".encode()
+    connection = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
+    connection.request("POST", "/gradio_api/upload", body, {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    response = connection.getresponse()
+    assert response.status == 413, response.read()[:200]
+
+
+def test_exposure_beyond_this_machine_needs_a_login():
+    check_exposure("127.0.0.1", None, share=False)
+    check_exposure("0.0.0.0", [("ann", "pw")], share=False)
+    with pytest.raises(DifftuneError, match="--host 0.0.0.0 exposes the UI.*--auth"):
+        check_exposure("0.0.0.0", None, share=False)
+    with pytest.raises(DifftuneError, match="share link"):
+        check_exposure("127.0.0.1", None, share=True)
+
+
+def test_auth_file_and_bad_logins(tmp_path):
+    logins = tmp_path / "logins"
+    logins.write_text("ann:one\n\nbob:two:three\n")
+    assert read_auth("cy:pw", logins) == [("cy", "pw"), ("ann", "one"), ("bob", "two:three")]
+    with pytest.raises(DifftuneError, match="user:password"):
+        read_auth("no-colon", None)
+    with pytest.raises(DifftuneError, match="--auth-file .*missing"):
+        read_auth(None, tmp_path / "missing")
+
+
+def test_cli_refuses_an_open_host_without_login():
+    result = subprocess.run(
+        [sys.executable, "-m", "difftune.cli", "ui", "--host", "0.0.0.0"], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "--auth" in result.stderr
+
+
+def test_outputs_stay_inside_their_folder(tmp_path):
+    assert _inside(tmp_path, "merged") == (tmp_path / "merged").resolve()
+    for name in ("../escape", "/etc/x", "a/../../b", "", "."):
+        with pytest.raises(DifftuneError, match="plain name"):
+            _inside(tmp_path, name)
