@@ -240,8 +240,8 @@ def _sample_tab(jobs_dir: Path):
     generate = gr.Button("Generate", variant="primary", elem_id="generate")
     message = gr.Markdown(elem_id="sample-message")
     with gr.Row():
-        raw_gallery = gr.Gallery(label="Adapters as trained", columns=4, elem_id="gallery")
-        ema_gallery = gr.Gallery(label="EMA adapters", columns=4, elem_id="gallery-ema")
+        raw_gallery = gr.Gallery(label="Adapters as trained", columns=4, height=300, object_fit="contain", elem_id="gallery")
+        ema_gallery = gr.Gallery(label="EMA adapters", columns=4, height=300, object_fit="contain", elem_id="gallery-ema")
 
     def run(base_name, adapter_text, ema, *values):
         import torch

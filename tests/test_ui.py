@@ -133,13 +133,18 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         every.fill("20")
         every.press("Tab")
         expect(every).to_have_value("20")
+        page.get_by_text("[ema]", exact=True).click()
+        ema = page.locator("#field-ema-enabled input")
+        expect(ema).not_to_be_checked()
+        page.wait_for_timeout(500)
+        ema.check()
         page.locator("#job-name input, #job-name textarea").first.fill("browser")
         page.locator("#validate").click()
         expect(page.locator("#config-message")).to_contain_text("The config is valid.")
         page.locator("#save-config").click()
         expect(page.locator("#config-message")).to_contain_text("Saved")
         saved = load_config(jobs / "configs" / "browser.toml")
-        assert (saved.train.max_steps, saved.sample.every_steps, saved.data.path) == (40, 20, "examples/purple")
+        assert (saved.train.max_steps, saved.sample.every_steps, saved.ema.enabled) == (40, 20, True)
         page.screenshot(path=str(shots / "ui_configure.png"))
         page.locator("#launch").click()
 
@@ -154,17 +159,19 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         page.screenshot(path=str(shots / "ui_train.png"))
         adapter = next(jobs.glob("*-browser/pytorch_lora_weights.safetensors"))
 
-        # Sample: base + the trained adapter -> a gallery.
+        # Sample: base + the trained adapter -> a gallery, and its EMA weights beside it.
         page.get_by_role("tab", name="Sample").click()
         page.locator("#sample-adapters textarea").fill(f"{adapter}:1.0")
         page.locator("#sample-sample-prompts textarea").fill("a purple circle\na red square")
         steps = page.locator("#sample-sample-steps input")
         steps.fill("10")
         steps.press("Tab")
+        page.get_by_label("Also sample each adapter's EMA weights").check()
         page.locator("#generate").click()
         expect(page.locator("#sample-message")).to_contain_text("2 images per gallery", timeout=120_000)
         expect(page.locator("#gallery img").first).to_be_visible()
-        page.screenshot(path=str(shots / "ui_sample.png"))
+        expect(page.locator("#gallery-ema img").first).to_be_visible()
+        page.screenshot(path=str(shots / "ui_sample.png"), full_page=True)
 
         # Export: merge into the base; the merged UNet differs from the base where the adapter acts.
         page.get_by_role("tab", name="Export").click()
