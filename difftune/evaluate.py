@@ -1,9 +1,11 @@
 """Does the tiny base draw what it is asked, and did fine-tuning teach the held-out concept without forgetting?
 
-A pixel-statistics judge names a 32 px shapes image's color and shape: the background is the median of the
-border pixels; the foreground is every pixel far from it; the color is the palette entry nearest the
-foreground's median; the shape comes from how much of its bounding box the foreground fills (square ~1,
-circle ~pi/4, triangle ~1/2). `evaluate` samples fixed seeds per prompt and reports accuracies as JSON.
+A pixel-statistics judge names a 32 px shapes image's color and shape, or abstains: the background is the
+median of the border pixels; the foreground is every pixel far from it, and must be mostly one blob in a
+palette color (else there is no shape to name, as in an untrained model's colored noise). The color is the
+palette entry nearest the blob's median; the shape comes from where the blob fills its bounding box: an
+apex-up triangle has little in its top half and empty top corners, a square fills all four corners, a
+circle none. `evaluate` samples fixed seeds per prompt and reports accuracies as JSON.
 """
 
 from __future__ import annotations
@@ -22,24 +24,66 @@ from difftune.tiny import COLORS, SHAPES
 
 FOREGROUND_DISTANCE = 60.0  # RGB distance from the background; backgrounds vary by < 35 per channel
 MIN_FOREGROUND_FRACTION = 0.03
-SQUARE_FILL, TRIANGLE_FILL = 0.89, 0.64  # fill-ratio cut points between triangle < circle < square
+MIN_BLOB_SHARE = 0.85  # of the foreground in its largest 4-connected blob
+MAX_COLOR_DISTANCE = 100.0  # RGB distance to the nearest palette color: faded colors pass, other hues do not
+CORNER = 0.25  # corner patches: this fraction of the bounding box's shorter side
+FULL_CORNER, EMPTY_CORNER = 0.6, 0.55  # a square's corners are filled; a circle's are mostly not
+TRIANGLE_TOP_SHARE, TRIANGLE_TOP_CORNERS = 0.4, 0.3  # an apex-up triangle has 1/4 of its area in its top half
 
 
 def judge(image: Image.Image) -> tuple[str | None, str | None]:
-    """(color, shape) of a shapes image, or None where no shape is visible."""
+    """(color, shape) of a shapes image; (None, None) where no shape is visible; shape None where it is none
+    of the three."""
     pixels = np.asarray(image.convert("RGB"), dtype=np.float32)
     border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
     background = np.median(border, axis=0)
     mask = np.linalg.norm(pixels - background, axis=-1) > FOREGROUND_DISTANCE
     if mask.mean() < MIN_FOREGROUND_FRACTION:
         return None, None
-    foreground = np.median(pixels[mask], axis=0)
-    color = min(COLORS, key=lambda name: np.linalg.norm(foreground - np.array(COLORS[name], dtype=np.float32)))
-    rows, columns = np.nonzero(mask)
-    box = (rows.max() - rows.min() + 1) * (columns.max() - columns.min() + 1)
-    fill = mask.sum() / box
-    shape = "square" if fill >= SQUARE_FILL else "circle" if fill >= TRIANGLE_FILL else "triangle"
-    return color, shape
+    blob = _largest_blob(mask)
+    foreground = np.median(pixels[blob], axis=0)
+    distances = {name: np.linalg.norm(foreground - np.array(rgb, dtype=np.float32)) for name, rgb in COLORS.items()}
+    color = min(distances, key=distances.get)
+    if blob.sum() < MIN_BLOB_SHARE * mask.sum() or distances[color] > MAX_COLOR_DISTANCE:
+        return None, None
+    return color, _shape(blob)
+
+
+def _shape(blob: np.ndarray) -> str | None:
+    rows, columns = np.nonzero(blob)
+    box = blob[rows.min() : rows.max() + 1, columns.min() : columns.max() + 1].astype(np.float32)
+    height, width = box.shape
+    top_share = box[: height // 2].sum() / box.sum()
+    k = max(1, round(min(height, width) * CORNER))
+    corners = np.array([box[:k, :k].mean(), box[:k, -k:].mean(), box[-k:, :k].mean(), box[-k:, -k:].mean()])
+    if top_share < TRIANGLE_TOP_SHARE and corners[:2].mean() < TRIANGLE_TOP_CORNERS:
+        return "triangle"
+    if corners.min() >= FULL_CORNER:
+        return "square"
+    if corners.max() <= EMPTY_CORNER and TRIANGLE_TOP_SHARE <= top_share <= 1 - TRIANGLE_TOP_SHARE:
+        return "circle"
+    return None
+
+
+def _largest_blob(mask: np.ndarray) -> np.ndarray:
+    """The largest 4-connected region of `mask` (a flood fill; 32 px images need nothing faster)."""
+    labels = np.zeros(mask.shape, dtype=np.int32)
+    best, best_size = 0, 0
+    for start in zip(*np.nonzero(mask)):
+        if labels[start]:
+            continue
+        label = labels.max() + 1
+        labels[start], stack, size = label, [start], 0
+        while stack:
+            row, column = stack.pop()
+            size += 1
+            for neighbour in ((row + 1, column), (row - 1, column), (row, column + 1), (row, column - 1)):
+                if 0 <= neighbour[0] < mask.shape[0] and 0 <= neighbour[1] < mask.shape[1] and mask[neighbour] and not labels[neighbour]:
+                    labels[neighbour] = label
+                    stack.append(neighbour)
+        if size > best_size:
+            best, best_size = label, size
+    return labels == best
 
 
 @dataclass

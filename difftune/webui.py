@@ -185,14 +185,17 @@ def _train_tab(jobs_dir: Path):
         if not name:
             return ["No job selected."] + [None] * len(PLOTTED) + [[], ""]
         job = jobs.Job(jobs_dir / name)
+        try:
+            max_steps = job.config().train.max_steps
+        except DifftuneError as err:  # a folder deleted or edited by hand since the list was made
+            return [_error(err)] + [None] * len(PLOTTED) + [[], ""]
         rows = jobs.read_progress(job)
-        max_steps = job.config().train.max_steps
         step = rows[-1]["step"] if rows else 0
         summary = f"**{job.status()}** · step {step} / {max_steps} ({100 * step // max_steps}%)"
         if rows:
             summary += f" · loss {rows[-1]['loss']:.4f} · {1 / rows[-1]['seconds']:.2f} steps/s"
         frame = pd.DataFrame(rows, columns=["step", *PLOTTED]) if rows else None
-        frames = [frame[["step", name]] if frame is not None else None for name in PLOTTED]
+        frames = [frame[["step", column]] if frame is not None else None for column in PLOTTED]
         grids = [(str(path), str(path.parent.relative_to(job.dir))) for path in jobs.preview_grids(job)]
         return [summary, *frames, grids, jobs.log_tail(job)]
 

@@ -2,7 +2,7 @@
 
 Trains a KL autoencoder and a TAESD on synthetic shapes, then the UNet and text encoder with difftune's own
 trainer (full fine-tune, EMA), never showing them the held-out color; scores the result with the judge
-(and an untrained control) and writes the model card. Deterministic by seed; about 15 minutes on 2 CPU
+(and an untrained control) and writes the model card. Deterministic by seed; about 21 minutes on 2 CPU
 cores. The default job's images (examples/purple: renders of the held-out color) are written too.
 """
 
@@ -36,7 +36,8 @@ Weights are fp16; on a CPU load them as fp32: `StableDiffusionPipeline.from_pret
 ## Recipe (`python scripts/make_tiny_base.py`, seed {seed})
 
 - autoencoders: {autoencoder_images} renders of every color; KL VAE (MSE + 1e-6 KL, {vae_steps} steps at batch
-  {autoencoder_batch}), scaling factor {scaling_factor:.4f} = 1/std of its latents; TAESD distilled for {taesd_steps}
+  {autoencoder_batch}, then {vae_decoder_steps} steps of the decoder alone on the posterior means, as SD's ft-MSE
+  VAE), scaling factor {scaling_factor:.4f} = 1/std of its latents; TAESD distilled for {taesd_steps}
   steps (encoder -> the VAE's scaled latents, decoder <- them)
 - UNet (block channels {channels}, {unet_params:,} parameters) and text encoder ({text_params:,}) trained jointly
   by `difftune train` with `adapter.kind = "none"`, `adapter.text_encoder = true`: {steps} steps at batch
@@ -56,8 +57,9 @@ Weights are fp16; on a CPU load them as fp32: `StableDiffusionPipeline.from_pret
 | held-out color before fine-tuning (both right) | {concept_both:.3f} |
 | untrained control (random UNet and text encoder), color / shape | {control_color:.3f} / {control_shape:.3f} |
 
-Judged by `difftune.evaluate.judge` (pixel statistics: nearest palette color of the foreground; fill
-ratio of its bounding box for the shape). Full numbers: `scores.json`.
+Judged by `difftune.evaluate.judge` (pixel statistics: the foreground must be one blob in a palette color,
+else no shape is named; the nearest palette color; where the blob fills its bounding box for the shape).
+Full numbers: `scores.json`.
 """
 
 
@@ -85,7 +87,8 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
     (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
     (args.model_dir / "README.md").write_text(CARD.format(
         seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR, seed=recipe.seed,
-        autoencoder_images=recipe.autoencoder_images, vae_steps=recipe.vae_steps, taesd_steps=recipe.taesd_steps,
+        autoencoder_images=recipe.autoencoder_images, vae_steps=recipe.vae_steps,
+        vae_decoder_steps=recipe.vae_decoder_steps, taesd_steps=recipe.taesd_steps,
         autoencoder_batch=recipe.autoencoder_batch, scaling_factor=components.vae.config.scaling_factor,
         channels=recipe.unet_block_out_channels, unet_params=sum(p.numel() for p in components.unet.parameters()),
         text_params=sum(p.numel() for p in components.text_encoder.parameters()), steps=recipe.steps,

@@ -33,6 +33,17 @@ def test_the_judge_sees_no_shape_on_a_blank_image():
     assert judge(Image.new("RGB", (32, 32), (230, 225, 240))) == (None, None)
 
 
+def test_the_judge_abstains_on_colored_noise():
+    """What an untrained model draws: smooth blobs of many colors. The judge must not name shapes there by chance."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    noise = [Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)).resize((32, 32), Image.BILINEAR) for _ in range(200)]
+    named = [judge(image) != (None, None) for image in noise]
+    assert np.mean(named) <= 0.1, np.mean(named)
+
+
 def test_vae_training_improves_reconstruction():
     images = render_tensors(64, seed=5)
     untrained, trained = train_vae(images, steps=0), train_vae(images, steps=40, batch_size=16)
@@ -44,7 +55,7 @@ def test_vae_training_improves_reconstruction():
 
 @pytest.mark.slow
 def test_build_base_writes_an_fp16_pipeline_with_taesd(tmp_path):
-    recipe = Recipe(autoencoder_images=64, vae_steps=3, taesd_steps=3, autoencoder_batch=8, train_images_per_prompt=1,
+    recipe = Recipe(autoencoder_images=64, vae_steps=3, vae_decoder_steps=3, taesd_steps=3, autoencoder_batch=8, train_images_per_prompt=1,
                     validation_images_per_prompt=1, steps=2, batch_size=4)
     facts = build_base(tmp_path / "base", tmp_path / "work", recipe)
     assert set(facts["autoencoders"]) >= {"vae_psnr_db", "taesd_psnr_db", "taesd_latent_rmse"}
@@ -63,7 +74,7 @@ def test_committed_base_draws_the_seen_prompts():
     components = load_components(ModelConfig(base=str(BASE)))
     rows = judged_samples(components, prompts_for(SEEN_COLORS), EvalSettings(samples_per_prompt=2))
     scores = accuracy(rows)
-    assert scores["color"] >= 0.75 and scores["shape"] >= 0.6, scores  # measured 0.95 and 0.86 at 8 per prompt
+    assert scores["color"] >= 0.75 and scores["shape"] >= 0.6, scores  # measured 0.958 and 0.927 at 8 per prompt
 
 
 @pytest.mark.slow
@@ -79,6 +90,6 @@ def test_fine_tuning_teaches_the_held_out_color(tmp_path, capsys):
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report == json.loads(capsys.readouterr().out)
     assert report["before"]["concept"]["both"] <= 0.2
-    assert report["after"]["concept"]["both"] >= 0.5, report["after"]["concept_by_shape"]  # measured 0.75 at 8
+    assert report["after"]["concept"]["both"] >= 0.5, report["after"]["concept_by_shape"]  # measured 0.958 at 8
     assert report["forgetting"] <= 0.25
     assert set(report["after"]["concept_by_shape"]) == set(SHAPES) and set(COLORS) > set(SEEN_COLORS)

@@ -1,0 +1,88 @@
+"""Fine-tuning quality on the bundled tiny base: the default job and its variants, each trained and judged.
+
+    python scripts/bench_quality.py [--only NAME ...] [--out benchmarks/quality-finetune.jsonl]
+
+Each variant is `difftune train --config configs/tiny_lora.toml <overrides>`, then `difftune eval` of its
+adapter (the base is scored once): one JSON line per variant with the held-out concept's accuracy before
+and after (overall and per shape) and the forgetting of the seen prompts. BENCHMARKS.md's table is these lines.
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from difftune.config import load_config
+from difftune.evaluate import EvalSettings, score
+from difftune.export import apply_adapters
+from difftune.models import load_components
+from difftune.tiny import shape_images, write_caption_folder
+from difftune.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
+from difftune.train import train
+
+CONFIG = "configs/tiny_lora.toml"
+VARIANTS = {  # overrides of the default job; `{renders_32}` is 32 renders of the concept written by this script
+    "lora_r8_te": [],
+    "lora_r8_unet_only": ["adapter.text_encoder=false"],
+    "lora_r4_te": ["adapter.rank=4"],
+    "lora_r16_te": ["adapter.rank=16"],
+    "dora_r4_te": ["adapter.kind=dora", "adapter.rank=4"],
+    "dora_r8_te": ["adapter.kind=dora"],
+    "dora_r16_te": ["adapter.kind=dora", "adapter.rank=16"],
+    "uniform_weighting": ["loss.weighting=uniform"],
+    "taesd_latents": ["model.vae=models/tiny-sd/taesd"],
+    "ema": ["ema.enabled=true", "ema.decay=0.99"],
+    "200_steps": ["train.max_steps=200"],
+    "600_steps": ["train.max_steps=600"],
+    "lr_2e-3": ["optim.learning_rate=2e-3"],
+    "text_encoder_lr_3e-3": ["optim.text_encoder_learning_rate=3e-3"],
+    "no_caption_dropout": ["data.caption_dropout=0.0"],
+    "32_renders": ["data.path={renders_32}"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="variant names (default: all)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/quality-finetune.jsonl"))
+    parser.add_argument("--work-dir", type=Path, default=Path("output/bench-quality"))
+    args = parser.parse_args()
+
+    settings = EvalSettings()
+    base_config = load_config(CONFIG)
+    before = score(load_components(base_config.model), SEEN_COLORS, HELD_OUT_COLOR, settings)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    renders_32 = args.work_dir / "renders_32"
+    write_caption_folder(renders_32, shape_images(32, seed=7, colors=(HELD_OUT_COLOR,)))
+    for name, overrides in VARIANTS.items():
+        if args.only and name not in args.only:
+            continue
+        out_dir = args.work_dir / name
+        overrides = [override.format(renders_32=renders_32) for override in overrides]
+        config = load_config(CONFIG, [*overrides, f"train.output_dir={out_dir}", "train.overwrite=true", "sample.prompts=[]"])
+        started = time.perf_counter()
+        result = train(config)
+        seconds = time.perf_counter() - started
+        adapters = [result.trained_path] + ([out_dir / f"{result.trained_path.stem}_ema.safetensors"] if result.ema else [])
+        for adapter in adapters:
+            components = load_components(base_config.model)
+            apply_adapters(components, [(adapter, 1.0)])
+            after = score(components, SEEN_COLORS, HELD_OUT_COLOR, settings)
+            line = {
+                "run": name + (" (EMA weights)" if adapter.stem.endswith("_ema") else ""),
+                "overrides": overrides,
+                "train_s": round(seconds, 1),
+                "concept_before": before["concept"]["both"],
+                "concept_after": after["concept"]["both"],
+                "by_shape": {shape: scores["both"] for shape, scores in after["concept_by_shape"].items()},
+                "seen_both_before": before["seen"]["both"],
+                "seen_both_after": after["seen"]["both"],
+                "forgetting": round(before["seen"]["both"] - after["seen"]["both"], 3),
+            }
+            print(json.dumps(line), flush=True)
+            with open(args.out, "a", encoding="utf-8") as out:
+                out.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main()
