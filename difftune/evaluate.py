@@ -1,8 +1,9 @@
 """Does the tiny base draw what it is asked, and did fine-tuning teach the held-out concept without forgetting?
 
 A pixel-statistics judge names a 32 px shapes image's color and shape, or abstains: the background is the
-median of the border pixels; the foreground is every pixel far from it, and must be mostly one blob in a
-palette color (else there is no shape to name, as in an untrained model's colored noise). The color is the
+median of the border pixels, and most of the border must be near it; the foreground is every pixel far
+from it, and must be mostly one blob of one palette color (else there is no shape to name, as in an
+untrained model's colored noise). The color is the
 palette entry nearest the blob's median; the shape comes from where the blob fills its bounding box: an
 apex-up triangle has little in its top half and empty top corners, a square fills all four corners, a
 circle none. `evaluate` samples fixed seeds per prompt and reports accuracies as JSON.
@@ -24,7 +25,9 @@ from difftune.tiny import COLORS, SHAPES
 
 FOREGROUND_DISTANCE = 60.0  # RGB distance from the background; backgrounds vary by < 35 per channel
 MIN_FOREGROUND_FRACTION = 0.03
+MIN_PLAIN_BORDER = 0.5  # of the border near the background color (renders: >= 0.61; colored noise: median 0.17)
 MIN_BLOB_SHARE = 0.85  # of the foreground in its largest 4-connected blob
+MAX_BLOB_SPREAD = 45.0  # median RGB distance of the blob's pixels from its median (the base: <= 31; noise: ~90)
 MAX_COLOR_DISTANCE = 100.0  # RGB distance to the nearest palette color: faded colors pass, other hues do not
 CORNER = 0.25  # corner patches: this fraction of the bounding box's shorter side
 FULL_CORNER, EMPTY_CORNER = 0.6, 0.55  # a square's corners are filled; a circle's are mostly not
@@ -37,14 +40,16 @@ def judge(image: Image.Image) -> tuple[str | None, str | None]:
     pixels = np.asarray(image.convert("RGB"), dtype=np.float32)
     border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
     background = np.median(border, axis=0)
+    plain_border = (np.linalg.norm(border - background, axis=-1) <= FOREGROUND_DISTANCE).mean()
     mask = np.linalg.norm(pixels - background, axis=-1) > FOREGROUND_DISTANCE
-    if mask.mean() < MIN_FOREGROUND_FRACTION:
+    if mask.mean() < MIN_FOREGROUND_FRACTION or plain_border < MIN_PLAIN_BORDER:
         return None, None
     blob = _largest_blob(mask)
     foreground = np.median(pixels[blob], axis=0)
+    spread = np.median(np.linalg.norm(pixels[blob] - foreground, axis=-1))
     distances = {name: np.linalg.norm(foreground - np.array(rgb, dtype=np.float32)) for name, rgb in COLORS.items()}
     color = min(distances, key=distances.get)
-    if blob.sum() < MIN_BLOB_SHARE * mask.sum() or distances[color] > MAX_COLOR_DISTANCE:
+    if blob.sum() < MIN_BLOB_SHARE * mask.sum() or spread > MAX_BLOB_SPREAD or distances[color] > MAX_COLOR_DISTANCE:
         return None, None
     return color, _shape(blob)
 

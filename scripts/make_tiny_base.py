@@ -57,8 +57,9 @@ Weights are fp16; on a CPU load them as fp32: `StableDiffusionPipeline.from_pret
 | held-out color before fine-tuning (both right) | {concept_both:.3f} |
 | untrained control (random UNet and text encoder), color / shape | {control_color:.3f} / {control_shape:.3f} |
 
-Judged by `difftune.evaluate.judge` (pixel statistics: the foreground must be one blob in a palette color,
-else no shape is named; the nearest palette color; where the blob fills its bounding box for the shape).
+Judged by `difftune.evaluate.judge` (pixel statistics: on a plain background the foreground must be one
+blob of one palette color, else nothing is named; the nearest palette color; where the blob fills its
+bounding box for the shape).
 Full numbers: `scores.json`.
 """
 
