@@ -46,8 +46,10 @@ class StopRequest:
     """SIGTERM or SIGINT (the UI's stop button, Ctrl-C, a cluster's preemption notice) asks the run to stop
     after the current step with a checkpoint; a second signal gets the default behaviour at once.
 
-    Every process answers `agreed` alike (a max over processes), so all stop at the same step.
+    Every process answers `agreed` alike (a request on any process counts), so all stop at the same step.
     """
+
+    MESSAGE = "difftune: stopped at step"  # how train's log says it honoured one; the UI's jobs read it
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -166,16 +166,13 @@ def _run(args: argparse.Namespace) -> None:
         for path in export.merge_into_folder(args.base, args.adapter, args.out, args.dtype, args.single_file, args.overwrite):
             print(f"difftune: wrote {path}")
     elif args.command == "sample":
-        import torch
-
         from difftune.sample import generate_images, save_images
 
         config = _sample_config(args)
         if not config.prompts:
             raise DifftuneError("difftune sample: give at least one --prompt")
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        components = export.load_with_adapters(args.base, args.adapter, device)
-        paths = save_images(generate_images(components, config, device), config, args.out)
+        components = export.load_with_adapters(args.base, args.adapter)
+        paths = save_images(generate_images(components, config, components.unet.device), config, args.out)
         print(f"difftune: wrote {len(paths)} images and grid.png to {args.out}")
 
 

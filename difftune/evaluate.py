@@ -73,11 +73,11 @@ def _shape(blob: np.ndarray) -> str | None:
 def _largest_blob(mask: np.ndarray) -> np.ndarray:
     """The largest 4-connected region of `mask` (a flood fill; 32 px images need nothing faster)."""
     labels = np.zeros(mask.shape, dtype=np.int32)
-    best, best_size = 0, 0
+    label, best, best_size = 0, 0, 0
     for start in zip(*np.nonzero(mask)):
         if labels[start]:
             continue
-        label = labels.max() + 1
+        label += 1
         labels[start], stack, size = label, [start], 0
         while stack:
             row, column = stack.pop()

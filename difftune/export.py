@@ -37,9 +37,14 @@ FORMATS = ("diffusers", "kohya")
 def trained_path(config: Config, output_dir: Path, variant: str = "") -> Path:
     """Where a run's result goes: `variant` is "" (raw weights), "_ema" or "_avg"."""
     if config.adapter.kind == "none":
-        return output_dir / f"{FULL_MODEL_DIR}{variant}"
+        return variant_of(output_dir / FULL_MODEL_DIR, variant)
     stem = ADAPTER_FILE.removesuffix(".safetensors") if config.export.format == "diffusers" else output_dir.resolve().name
-    return output_dir / f"{stem}{variant}.safetensors"
+    return variant_of(output_dir / f"{stem}.safetensors", variant)
+
+
+def variant_of(path: Path, variant: str) -> Path:
+    """The `_ema` / `_avg` sibling of a run's result: `pytorch_lora_weights.safetensors` -> `..._ema.safetensors`."""
+    return path.with_name(f"{path.stem}{variant}{path.suffix}")
 
 
 def save_trained(components: Components, config: Config, path: Path, layout: str | None = None) -> Path:
@@ -168,11 +173,13 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]], b
     pipeline.set_adapters(names, adapter_weights=[scale for _, scale in adapters])
 
 
-def load_with_adapters(base: str, adapters: list[tuple[Path, float]], device: torch.device) -> Components:
-    """A base model with scaled adapters attached, on `device`, ready to sample (the CLI's and UI's `sample`)."""
+def load_with_adapters(base: str, adapters: list[tuple[Path, float]]) -> Components:
+    """A base model with scaled adapters attached, on CUDA when there is one, ready to sample (the CLI's and UI's
+    `sample`; `components.unet.device` says where)."""
     components = load_components(ModelConfig(base=base))
     if adapters:
         apply_adapters(components, adapters, base=base)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for module in (components.unet, components.vae, components.text_encoder):
         module.to(device).eval()
     return components

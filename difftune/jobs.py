@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from difftune.checkpoint import complete_checkpoints
+from difftune.checkpoint import StopRequest, complete_checkpoints
 from difftune.config import Config, load_config
 from difftune.errors import DifftuneError
 from difftune.export import trained_path
@@ -29,7 +29,6 @@ from difftune.metrics import METRICS_FILE
 JOB_CONFIG = "job.toml"
 JOB_STATE = "job.json"
 JOB_LOG = "train.log"
-STOPPED_LINE = "difftune: stopped at step"  # what train prints when a stop request was honoured
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 # Children started by this process, so their exit is collected (no zombies) and their exit code known.
@@ -68,10 +67,10 @@ class Job:
         if trained_path(self.config(), self.dir).exists():
             return "finished"
         said = [line for line in log_tail(self).splitlines() if line.startswith("difftune:")]
-        return "stopped" if said and said[-1].startswith(STOPPED_LINE) else "failed"
+        return "stopped" if said and said[-1].startswith(StopRequest.MESSAGE) else "failed"
 
     def resumable(self) -> bool:
-        return not self.is_running() and bool(complete_checkpoints(self.dir)) and self.status() != "finished"
+        return self.status() in ("stopped", "failed") and bool(complete_checkpoints(self.dir))
 
 
 def launch_job(config: Config, jobs_dir: Path, name: str) -> Job:

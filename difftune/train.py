@@ -71,11 +71,10 @@ ROLLBACKS_FILE = "rollbacks.jsonl"
 @dataclass
 class TrainResult:
     components: Components  # unwrapped, adapters attached, raw (not EMA) weights
-    trained_path: Path | None  # the adapter file or the full-model folder; None on non-main processes
+    trained_path: Path | None  # the adapter file or the full-model folder; None on non-main processes or after a stop
     losses: list[float]  # one per optimizer step, averaged over processes
     optimizer: torch.optim.Optimizer
     ema: EMAModel | None  # when ema.enabled
-    stopped: bool = False  # a stop was requested (SIGTERM/SIGINT): checkpoint written, nothing exported
 
 
 def train(config: Config, resume: str | None = None) -> TrainResult:
@@ -228,11 +227,11 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
         save_checkpoint(accelerator, output_dir, progress, named, ema, guard, config)
     if progress.global_step < config.train.max_steps:
         accelerator.print(
-            f"difftune: stopped at step {progress.global_step} of {config.train.max_steps} on request; "
+            f"{StopRequest.MESSAGE} {progress.global_step} of {config.train.max_steps} on request; "
             f"checkpoint written: continue with --resume auto"
         )
         accelerator.end_training()
-        return TrainResult(_unwrapped(components, accelerator), None, losses, optimizer, ema, stopped=True)
+        return TrainResult(_unwrapped(components, accelerator), None, losses, optimizer, ema)
 
     accelerator.wait_for_everyone()
     components = _unwrapped(components, accelerator)

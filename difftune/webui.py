@@ -19,6 +19,7 @@ from difftune import jobs
 from difftune.config import Config, ModelConfig, SampleConfig, load_config
 from difftune.errors import DifftuneError
 from difftune.form import FormField, config_from_widgets, form_fields, parse_adapter_lines, widget_values
+from difftune.models import DTYPES
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 EXPORTS_DIR = "exports"
@@ -94,11 +95,10 @@ def build_app(jobs_dir: Path, configs_dir: Path) -> gr.Blocks:
                 job = jobs.launch_job(config_from_widgets(fields, list(values)), jobs_dir, name)
             except DifftuneError as err:
                 return _error(err), gr.update(), gr.update()
-            choices = [job.name for job in jobs.find_jobs(jobs_dir)]
-            return f"Launched **{job.name}**", gr.update(choices=choices, value=job.name), gr.Tabs(selected="train")
+            return f"Launched **{job.name}**", gr.update(choices=_job_names(jobs_dir), value=job.name), gr.Tabs(selected="train")
 
         launch.click(launch_job, [job_name, *widgets], [launch_message, job_picker, tabs])
-        app.load(lambda: gr.update(choices=[job.name for job in jobs.find_jobs(jobs_dir)]), None, job_picker)
+        app.load(lambda: gr.update(choices=_job_names(jobs_dir)), None, job_picker)
     return app
 
 
@@ -210,10 +210,14 @@ def _train_tab(jobs_dir: Path):
     outputs = [status, *plots, previews, log]
     job_picker.change(show, job_picker, outputs)
     gr.Timer(2.0).tick(show, job_picker, outputs)
-    refresh.click(lambda: gr.update(choices=[job.name for job in jobs.find_jobs(jobs_dir)]), None, job_picker)
+    refresh.click(lambda: gr.update(choices=_job_names(jobs_dir)), None, job_picker)
     stop.click(lambda name: act(jobs.stop_job, name), job_picker, None)
     resume.click(lambda name: act(jobs.resume_job, name), job_picker, None)
     return job_picker
+
+
+def _job_names(jobs_dir: Path) -> list[str]:
+    return [job.name for job in jobs.find_jobs(jobs_dir)]
 
 
 def _job_adapters(jobs_dir: Path) -> list[str]:
@@ -247,22 +251,20 @@ def _sample_tab(jobs_dir: Path):
         ema_gallery = gr.Gallery(label="EMA adapters", columns=4, height=300, object_fit="contain", elem_id="gallery-ema")
 
     def run(base_name, adapter_text, ema, *values):
-        import torch
-
-        from difftune.export import load_with_adapters
+        from difftune.export import load_with_adapters, variant_of
 
         try:
             config = config_from_widgets(fields, list(values), "sample", section="sample")
             if not config.prompts:
                 raise DifftuneError("sample.prompts: give at least one prompt")
             adapters = parse_adapter_lines(adapter_text)
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             runs = [adapters]
             if ema:
-                runs.append([(path.with_name(f"{path.stem}_ema{path.suffix}"), scale) for path, scale in adapters])
+                runs.append([(variant_of(path, "_ema"), scale) for path, scale in adapters])
             galleries = []
             for run_adapters in runs:
-                samples = generate_images(load_with_adapters(base_name, run_adapters, device), config, device)
+                components = load_with_adapters(base_name, run_adapters)
+                samples = generate_images(components, config, components.unet.device)
                 galleries.append([(sample.image, f"{sample.prompt} · seed {sample.seed}") for sample in samples])
         except (DifftuneError, OSError) as err:
             return _error(err), [], []
@@ -282,7 +284,7 @@ def _export_tab(jobs_dir: Path):
         adapters = _adapter_inputs(jobs_dir, "merge")
         with gr.Row():
             out_name = gr.Textbox("merged", label="Output folder name", elem_id="merge-out")
-            dtype = gr.Dropdown(["fp32", "fp16", "bf16"], value="fp16", label="Saved dtype")
+            dtype = gr.Dropdown(list(DTYPES), value="fp16", label="Saved dtype")
             single_file = gr.Checkbox(False, label="Also write model.safetensors (single-file layout)")
             overwrite = gr.Checkbox(False, label="Replace an existing folder")
         merge = gr.Button("Merge", variant="primary", elem_id="merge")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from difftune.config import load_config
 from difftune.evaluate import EvalSettings, score
-from difftune.export import apply_adapters
+from difftune.export import apply_adapters, variant_of
 from difftune.models import load_components
 from difftune.tiny import shape_images, write_caption_folder
 from difftune.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
@@ -63,7 +63,7 @@ def main() -> None:
         started = time.perf_counter()
         result = train(config)
         seconds = time.perf_counter() - started
-        adapters = [result.trained_path] + ([out_dir / f"{result.trained_path.stem}_ema.safetensors"] if result.ema else [])
+        adapters = [result.trained_path] + ([variant_of(result.trained_path, "_ema")] if result.ema else [])
         for adapter in adapters:
             components = load_components(base_config.model)
             apply_adapters(components, [(adapter, 1.0)])
