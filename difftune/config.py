@@ -288,6 +288,10 @@ class CacheConfig(Section):
     dir: str = Field(
         "", description="Cache folder, shared by runs and processes; empty: $XDG_CACHE_HOME/difftune or ~/.cache/difftune."
     )
+    memory_mb: int = Field(
+        1024, ge=0, description="Keep cache entries in RAM once read, up to this many MB per data-loader process, so "
+        "later epochs skip the file reads; 0: read from disk every time.",
+    )
 
 
 class CheckpointConfig(Section):

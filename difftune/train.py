@@ -143,7 +143,8 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
     if guard_state:
         guard.load_state_dict(guard_state)
     dataset = CaptionedImages(
-        examples, config.data, components.tokenizer, config.train.seed, latent_files, text_files, sizes
+        examples, config.data, components.tokenizer, config.train.seed, latent_files, text_files, sizes,
+        memory_bytes=config.cache.memory_mb * 2**20,
     )
     order = TrainingOrder(
         len(examples),

@@ -1,6 +1,7 @@
 """Fine-tuning quality on the bundled tiny base: the default job and its variants, each trained and judged.
 
     python scripts/bench_quality.py [--only NAME ...] [--out benchmarks/quality-finetune.jsonl]
+    python scripts/bench_quality.py --table   # BENCHMARKS.md's table from those lines
 
 Each variant is `difftune train --config configs/tiny_lora.toml <overrides>`, then `difftune eval` of its
 adapter (the base is scored once): one JSON line per variant with the held-out concept's accuracy before
@@ -22,14 +23,15 @@ from difftune.train import train
 
 CONFIG = "configs/tiny_lora.toml"
 VARIANTS = {  # overrides of the default job; `{renders_32}` is 32 renders of the concept written by this script
-    "lora_r8_te": [],
-    "lora_r8_unet_only": ["adapter.text_encoder=false"],
+    "lora_r16_te": [],
+    "lora_r16_unet_only": ["adapter.text_encoder=false"],
     "lora_r4_te": ["adapter.rank=4"],
-    "lora_r16_te": ["adapter.rank=16"],
+    "lora_r8_te": ["adapter.rank=8"],
     "dora_r4_te": ["adapter.kind=dora", "adapter.rank=4"],
-    "dora_r8_te": ["adapter.kind=dora"],
-    "dora_r16_te": ["adapter.kind=dora", "adapter.rank=16"],
+    "dora_r8_te": ["adapter.kind=dora", "adapter.rank=8"],
+    "dora_r16_te": ["adapter.kind=dora"],
     "uniform_weighting": ["loss.weighting=uniform"],
+    "noise_offset_0.1": ["loss.noise_offset=0.1"],
     "taesd_latents": ["model.vae=models/tiny-sd/taesd"],
     "ema": ["ema.enabled=true", "ema.decay=0.99"],
     "200_steps": ["train.max_steps=200"],
@@ -46,7 +48,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="variant names (default: all)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/quality-finetune.jsonl"))
     parser.add_argument("--work-dir", type=Path, default=Path("output/bench-quality"))
+    parser.add_argument("--table", action="store_true", help="print the --out lines as a Markdown table and exit")
     args = parser.parse_args()
+    if args.table:
+        print(markdown_table([json.loads(line) for line in args.out.read_text().splitlines()]))
+        return
 
     settings = EvalSettings()
     base_config = load_config(CONFIG)
@@ -82,6 +88,22 @@ def main() -> None:
             print(json.dumps(line), flush=True)
             with open(args.out, "a", encoding="utf-8") as out:
                 out.write(json.dumps(line) + "\n")
+
+
+def markdown_table(lines: list[dict]) -> str:
+    rows = [
+        "| run | overrides | train s | purple both, before -> after | circle / square / triangle | seen both, before -> after | forgetting |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for line in lines:
+        name = f"**{line['run']} (default)**" if not line["overrides"] else line["run"]
+        overrides = f"`{' '.join(line['overrides'])}`" if line["overrides"] else ""
+        shapes = " / ".join(f"{value:.2f}" for value in line["by_shape"].values())
+        rows.append(
+            f"| {name} | {overrides} | {line['train_s']:.0f} | {line['concept_before']:.2f} -> {line['concept_after']:.2f} "
+            f"| {shapes} | {line['seen_both_before']:.2f} -> {line['seen_both_after']:.2f} | {line['forgetting']:.3f} |"
+        )
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

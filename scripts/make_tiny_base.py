@@ -2,7 +2,7 @@
 
 Trains a KL autoencoder and a TAESD on synthetic shapes, then the UNet and text encoder with difftune's own
 trainer (full fine-tune, EMA), never showing them the held-out color; scores the result with the judge
-(and an untrained control) and writes the model card. Deterministic by seed; about 21 minutes on 2 CPU
+(and an untrained control) and writes the model card. Deterministic by seed; about 20 minutes on 2 CPU
 cores. The default job's images (examples/purple: renders of the held-out color) are written too.
 """
 
@@ -36,12 +36,12 @@ Weights are fp16; on a CPU load them as fp32: `StableDiffusionPipeline.from_pret
 ## Recipe (`python scripts/make_tiny_base.py`, seed {seed})
 
 - autoencoders: {autoencoder_images} renders of every color; KL VAE (MSE + 1e-6 KL, {vae_steps} steps at batch
-  {autoencoder_batch}, then {vae_decoder_steps} steps of the decoder alone on the posterior means, as SD's ft-MSE
+  {autoencoder_batch}, then {vae_decoder_steps} steps at lr {vae_decoder_lr} of the decoder alone on the posterior means, as SD's ft-MSE
   VAE), scaling factor {scaling_factor:.4f} = 1/std of its latents; TAESD distilled for {taesd_steps}
   steps (encoder -> the VAE's scaled latents, decoder <- them)
 - UNet (block channels {channels}, {unet_params:,} parameters) and text encoder ({text_params:,}) trained jointly
   by `difftune train` with `adapter.kind = "none"`, `adapter.text_encoder = true`: {steps} steps at batch
-  {batch_size}, AdamW lr {learning_rate} cosine, {weighting} loss weighting, caption dropout 0.1, cached latents,
+  {batch_size}, AdamW lr {learning_rate} cosine, {weighting} loss weighting, noise offset {noise_offset}, caption dropout 0.1, cached latents,
   EMA {ema_decay} (the EMA weights are what is saved)
 - time on 2 CPU cores: autoencoders {t_ae:.0f} s, UNet + text encoder {t_unet:.0f} s
 
@@ -89,11 +89,11 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
     (args.model_dir / "README.md").write_text(CARD.format(
         seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR, seed=recipe.seed,
         autoencoder_images=recipe.autoencoder_images, vae_steps=recipe.vae_steps,
-        vae_decoder_steps=recipe.vae_decoder_steps, taesd_steps=recipe.taesd_steps,
+        vae_decoder_steps=recipe.vae_decoder_steps, vae_decoder_lr=recipe.vae_decoder_lr, taesd_steps=recipe.taesd_steps,
         autoencoder_batch=recipe.autoencoder_batch, scaling_factor=components.vae.config.scaling_factor,
         channels=recipe.unet_block_out_channels, unet_params=sum(p.numel() for p in components.unet.parameters()),
         text_params=sum(p.numel() for p in components.text_encoder.parameters()), steps=recipe.steps,
-        batch_size=recipe.batch_size, learning_rate=recipe.learning_rate, weighting=recipe.weighting,
+        batch_size=recipe.batch_size, learning_rate=recipe.learning_rate, weighting=recipe.weighting, noise_offset=recipe.noise_offset,
         ema_decay=recipe.ema_decay, t_ae=facts["seconds"]["autoencoders"], t_unet=facts["seconds"]["unet_and_text_encoder"],
         vae_psnr=facts["autoencoders"]["vae_psnr_db"], taesd_psnr=facts["autoencoders"]["taesd_psnr_db"],
         taesd_rmse=facts["autoencoders"]["taesd_latent_rmse"], n=settings.samples_per_prompt,

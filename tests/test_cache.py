@@ -57,24 +57,53 @@ def test_a_warm_cache_encodes_nothing_and_changes_invalidate(make_config, tmp_pa
     assert fill_latents(examples, sizes, other, other_vae, config, 4) == 8
 
 
-def test_a_cached_latent_is_the_posterior_of_its_image(make_config, tmp_path):
-    from safetensors.torch import load_file
-
-    from difftune.data import image_to_tensor, open_image, resize_and_crop
-    from difftune.models import encode_posterior
-
+def _filled_latent_cache(make_config, tmp_path):
+    """The shapes folder's latents cached: (config, components, examples, sizes, cache entries)."""
     config = make_config(cache__latents=True, cache__dir=str(tmp_path / "cache"))
     components = load_components(config.model)
     examples, _ = scan_examples(config.data)
     sizes = training_sizes(examples, config.data)
     entries = latent_entries(examples, sizes, model_identity(components.vae), config)
     fill_latents(examples, sizes, entries, components.vae, config, 3)
+    return config, components, examples, sizes, entries
+
+
+def test_a_cached_latent_is_the_posterior_of_its_image(make_config, tmp_path):
+    from safetensors.torch import load_file
+
+    from difftune.data import image_to_tensor, open_image, resize_and_crop
+    from difftune.models import encode_posterior
+
+    config, components, examples, sizes, entries = _filled_latent_cache(make_config, tmp_path)
     image = resize_and_crop(open_image(examples[0].image_path, config.data), (32, 32), "center")
     with torch.no_grad():
         mean, std = encode_posterior(components.vae, image_to_tensor(image)[None])
     entry = load_file(entries[0])
     torch.testing.assert_close(entry["mean"], mean[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(entry["std"], std[0], rtol=1e-5, atol=1e-6)
+
+
+def test_entries_read_once_stay_in_ram_up_to_the_budget(make_config, tmp_path):
+    from difftune.data import CaptionedImages
+
+    config, components, examples, sizes, entries = _filled_latent_cache(make_config, tmp_path)
+    entry_bytes = 2 * 4 * 8 * 8 * 4  # mean and std, (4, 8, 8) float32
+    keys = [(0, index) for index in range(len(examples))]
+    from_disk = CaptionedImages(examples, config.data, components.tokenizer, 0, entries, sizes=sizes)
+    in_ram = CaptionedImages(examples, config.data, components.tokenizer, 0, entries, sizes=sizes, memory_bytes=3 * entry_bytes)
+    expected, first_read = [from_disk[key] for key in keys], [in_ram[key] for key in keys]
+    for entry in entries:
+        entry.unlink()
+    served = []
+    for key in keys:  # the first three entries are kept; the rest must be read again, and are gone
+        if key[1] < 3:
+            served.append(in_ram[key])
+        else:
+            with pytest.raises(FileNotFoundError):
+                in_ram[key]
+    for want, got in zip(expected, first_read + served):
+        torch.testing.assert_close(got["latent_mean"], want["latent_mean"], rtol=0, atol=0)
+        torch.testing.assert_close(got["input_ids"], want["input_ids"], rtol=0, atol=0)
 
 
 def test_cache_settings_that_cannot_work_are_refused():

@@ -74,7 +74,7 @@ def test_committed_base_draws_the_seen_prompts():
     components = load_components(ModelConfig(base=str(BASE)))
     rows = judged_samples(components, prompts_for(SEEN_COLORS), EvalSettings(samples_per_prompt=2))
     scores = accuracy(rows)
-    assert scores["color"] >= 0.75 and scores["shape"] >= 0.6, scores  # measured 0.958 and 0.927 at 8 per prompt
+    assert scores["color"] >= 0.75 and scores["shape"] >= 0.6, scores  # measured 1.000 and 0.958 at 8 per prompt
 
 
 @pytest.mark.slow
@@ -90,6 +90,6 @@ def test_fine_tuning_teaches_the_held_out_color(tmp_path, capsys):
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report == json.loads(capsys.readouterr().out)
     assert report["before"]["concept"]["both"] <= 0.2
-    assert report["after"]["concept"]["both"] >= 0.5, report["after"]["concept_by_shape"]  # measured 0.958 at 8
+    assert report["after"]["concept"]["both"] >= 0.5, report["after"]["concept_by_shape"]  # measured 1.00 at 8
     assert report["forgetting"] <= 0.25
     assert set(report["after"]["concept_by_shape"]) == set(SHAPES) and set(COLORS) > set(SEEN_COLORS)
