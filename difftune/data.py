@@ -15,7 +15,6 @@ import json
 import os
 import random
 import re
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -135,16 +134,21 @@ def open_image(path: Path, config: DataConfig) -> Image.Image:
     transparency composited onto `alpha_background`. Raises BadImage for anything that cannot be trained on."""
     if path.stat().st_size == 0:
         raise BadImage("empty file (0 bytes)")
-    # PIL enforces its decompression-bomb limit through a module setting; ours is the configured one.
+    too_large = BadImage(f"more than data.max_image_pixels = {config.max_image_pixels} pixels")
+    # PIL refuses images over twice its module-wide limit as it opens them; the size check below, made before
+    # anything is decoded, refuses the rest. (Turning PIL's warning into an error with warnings.catch_warnings
+    # is not thread-safe: images are checked by a thread pool, and a bomb got through.)
     Image.MAX_IMAGE_PIXELS = config.max_image_pixels
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as raw:
-                raw.load()  # a truncated file fails here; it is never padded (LOAD_TRUNCATED_IMAGES stays off)
-                image = ImageOps.exif_transpose(raw)
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-        raise BadImage(f"more than data.max_image_pixels = {config.max_image_pixels} pixels ({err})") from None
+        with Image.open(path) as raw:
+            if raw.width * raw.height > config.max_image_pixels:
+                raise too_large
+            raw.load()  # a truncated file fails here; it is never padded (LOAD_TRUNCATED_IMAGES stays off)
+            image = ImageOps.exif_transpose(raw)
+    except BadImage:
+        raise
+    except Image.DecompressionBombError:
+        raise too_large from None
     except Exception as err:  # PIL raises many kinds for corrupt data: OSError, SyntaxError, ValueError...
         raise BadImage(f"cannot be decoded: {type(err).__name__}: {err}") from None
     if min(image.size) < config.min_image_size:

@@ -217,6 +217,23 @@ def test_bad_images_are_left_out_and_reported(make_config, tmp_path):
         assert expected_bad[Path(record["file"]).name] in record["reason"], record
 
 
+def test_every_oversized_image_is_refused_when_checked_in_parallel(tmp_path):
+    # The check runs in a thread pool; a limit enforced through warnings filters let some through.
+    from PIL import Image
+
+    from difftune.config import DataConfig
+    from difftune.data import scan_examples
+
+    for i in range(40):
+        side = 120 if i % 2 else 64  # 14,400 pixels: over the limit, under PIL's own 2x refusal
+        Image.new("RGB", (side, side), (i, 0, 0)).save(tmp_path / f"{i:02d}.png")
+        (tmp_path / f"{i:02d}.txt").write_text("a square")
+    examples, bad = scan_examples(DataConfig(path=str(tmp_path), max_image_pixels=10_000))
+    assert sorted(int(b.path.stem) for b in bad) == list(range(1, 40, 2))
+    assert all("max_image_pixels" in b.reason for b in bad)
+    assert sorted(int(e.image_path.stem) for e in examples) == list(range(0, 40, 2))
+
+
 def test_awkward_images_are_decoded_correctly(tmp_path):
     from difftune.config import DataConfig
     from difftune.data import open_image
