@@ -67,8 +67,8 @@ def _cosine_lr(optimizer, peak: float, step: int, steps: int, warmup: int = 50) 
         group["lr"] = lr
 
 
-def _fit(model: torch.nn.Module, parameters, batch_loss, tensors: tuple[torch.Tensor, ...], steps: int, batch_size: int,
-         lr: float, seed: int, desc: str) -> None:
+def _fit(parameters, batch_loss, tensors: tuple[torch.Tensor, ...], steps: int, batch_size: int, lr: float, seed: int,
+         desc: str) -> None:
     """AdamW (no weight decay) with warmup + cosine on random batches: the loop every autoencoder stage shares."""
     optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
     for step, batch in enumerate(tqdm(_batches(tensors, batch_size, steps, seed), total=steps, desc=desc)):
@@ -77,7 +77,6 @@ def _fit(model: torch.nn.Module, parameters, batch_loss, tensors: tuple[torch.Te
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-    model.eval()
 
 
 def train_vae(images: torch.Tensor, steps: int, batch_size: int = 64, lr: float = 2e-3, kl_weight: float = 1e-6,
@@ -94,7 +93,8 @@ def train_vae(images: torch.Tensor, steps: int, batch_size: int = 64, lr: float 
         posterior = vae.encode(batch).latent_dist
         return F.mse_loss(vae.decode(posterior.sample()).sample, batch) + kl_weight * posterior.kl().mean()
 
-    _fit(vae, vae.parameters(), loss, (images,), steps, batch_size, lr, seed, "vae")
+    _fit(vae.parameters(), loss, (images,), steps, batch_size, lr, seed, "vae")
+    vae.eval()
     vae.register_to_config(scaling_factor=float(1.0 / posterior_means(vae, images[:512]).std()))
     return vae
 
@@ -115,8 +115,8 @@ def finetune_decoder(vae: AutoencoderKL, images: torch.Tensor, latents: torch.Te
         return F.mse_loss(vae.decode(batch_latents).sample, batch)
 
     decoder_params = [*vae.decoder.parameters(), *vae.post_quant_conv.parameters()]
-    _fit(vae, decoder_params, loss, (images, latents), steps, batch_size, lr, seed + 2, "vae decoder")
-    return vae
+    _fit(decoder_params, loss, (images, latents), steps, batch_size, lr, seed + 2, "vae decoder")
+    return vae.eval()
 
 
 def distill_taesd(images: torch.Tensor, scaled_latents: torch.Tensor, steps: int, batch_size: int = 64,
@@ -132,15 +132,15 @@ def distill_taesd(images: torch.Tensor, scaled_latents: torch.Tensor, steps: int
         image_loss = F.mse_loss(taesd.decode(target).sample, batch)  # decoder from the true latents
         return latent_loss + image_loss
 
-    _fit(taesd, taesd.parameters(), loss, (images, scaled_latents), steps, batch_size, lr, seed + 1, "taesd")
-    return taesd
+    _fit(taesd.parameters(), loss, (images, scaled_latents), steps, batch_size, lr, seed + 1, "taesd")
+    return taesd.eval()
 
 
 @torch.no_grad()
 def autoencoder_scores(vae: AutoencoderKL, taesd: AutoencoderTiny, images: torch.Tensor) -> dict:
     """Held-out reconstruction PSNR of both autoencoders, and TAESD's latent error relative to the KL latents."""
     scale = vae.config.scaling_factor
-    kl_latents = vae.encode(images).latent_dist.mean * scale
+    kl_latents = posterior_means(vae, images) * scale
     taesd_latents = taesd.encode(images).latents
     return {
         "vae_psnr_db": psnr(vae.decode(kl_latents / scale).sample, images),
