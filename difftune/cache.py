@@ -1,16 +1,21 @@
 """On-disk caches of VAE posteriors and text-encoder states: encode once, reuse across runs and processes.
 
-An entry's file name is the SHA-256 of everything its content depends on:
-- latents: the image file's bytes, the VAE's weights and config, the resolution and crop;
-- text: the caption, the text encoder's weights and config, the tokenizer's max length.
-A changed image or another VAE therefore misses, and a stale entry can never be read. Each entry is one
+An entry's file name is the SHA-256 of everything its content depends on, and of `FORMAT` (bumped when what
+an entry holds changes):
+- latents: the image file's bytes, the VAE's weights and config, the training size, the crop, the color
+  transparent pixels are composited onto (`data.alpha_background`) and the view (as is, or mirrored);
+- text: the token ids the encoder reads (so the tokenizer and its max length are covered too), the text
+  encoder's weights and config.
+A changed image, another VAE or another setting therefore misses and is encoded again, and an entry made
+under other settings can never be read. Each entry is one
 safetensors file, written under a temporary name and renamed into place, so processes sharing a cache
 never see half an entry (two writing the same entry write the same bytes). Files are spread over 256
 subfolders by the first two hex digits of their name.
 
-A latent entry holds the posterior's `mean` and `std` (and `mean_flip`, `std_flip` of the mirrored image
-when flips are on), not one sample: the training step samples it with the sample's own generator, exactly
-as an uncached run does, so caching changes the speed and nothing else.
+A latent entry holds the posterior's `mean` and `std` of one view of an image, not one sample: the training
+step samples it with the sample's own generator, exactly as an uncached run does, so caching changes the
+speed and nothing else. The mirrored view is an entry of its own: turning `data.random_flip` on later
+encodes the mirrored views alone, and turning it off reads the plain ones already there.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from tqdm.auto import tqdm
 
 from difftune.config import Config
 from difftune.data import Example, image_to_tensor, open_image, resize_and_crop
-from difftune.models import encode_posterior, encode_prompts
+from difftune.models import encode_posterior, encode_prompts, tokenize
 
 
 def cache_root(config: Config) -> Path:
@@ -47,8 +52,12 @@ def model_identity(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+FORMAT = "2"  # 1: one latent entry per image, with `mean_flip`/`std_flip` inside when flips were on
+VIEWS = ("plain", "flipped")
+
+
 def _entry(root: Path, kind: str, *parts: str | bytes) -> Path:
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(FORMAT.encode() + b"\0")
     for part in parts:
         digest.update(part if isinstance(part, bytes) else part.encode())
         digest.update(b"\0")
@@ -64,58 +73,65 @@ def _write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     os.replace(staging, path)
 
 
-def latent_entries(examples: list[Example], sizes: list[tuple[int, int]], vae_identity: str, config: Config) -> list[Path]:
-    """The cache file of each example (repeats share one), keyed by its training size (`data.training_sizes`)."""
+def latent_entries(
+    examples: list[Example], sizes: list[tuple[int, int]], vae_identity: str, config: Config
+) -> list[dict[str, Path]]:
+    """Each example's cache files, one per view it can be trained in (`plain`, and `flipped` with
+    `data.random_flip`); repeats of an image share them. Keyed by its training size (`data.training_sizes`)."""
     root, data = cache_root(config), config.data
+    views = VIEWS if data.random_flip else VIEWS[:1]
+    settings = f"crop={data.crop} alpha_background={','.join(map(str, data.alpha_background))}"
     by_image = {}
     for example, (width, height) in zip(examples, sizes):
         if example.image_path not in by_image:
             content = hashlib.sha256(example.image_path.read_bytes()).hexdigest()
-            by_image[example.image_path] = _entry(root, "latents", content, vae_identity, f"{width}x{height}", data.crop)
+            by_image[example.image_path] = {
+                view: _entry(root, "latents", content, vae_identity, f"{width}x{height}", settings, view) for view in views
+            }
     return [by_image[e.image_path] for e in examples]
 
 
 def fill_latents(
-    examples: list[Example], sizes: list[tuple[int, int]], entries: list[Path], vae, config: Config, batch_size: int
+    examples: list[Example], sizes: list[tuple[int, int]], entries: list[dict[str, Path]], vae, config: Config,
+    batch_size: int,
 ) -> int:
-    """Encode the images whose entries are missing, in batches of one training size; returns how many."""
-    missing: dict[tuple[int, int], dict[Path, Path]] = {}
-    for example, entry, size in zip(examples, entries, sizes):
-        if not entry.exists():
-            missing.setdefault(size, {})[entry] = example.image_path
+    """Encode the views whose entries are missing, in batches of one training size; returns how many."""
+    missing: dict[tuple[int, int], dict[Path, tuple[Path, str]]] = {}
+    for example, views, size in zip(examples, entries, sizes):
+        for view, entry in views.items():
+            if not entry.exists():
+                missing.setdefault(size, {})[entry] = (example.image_path, view)
     chunks = [
         (size, list(group.items())[start : start + batch_size])
         for size, group in sorted(missing.items())
         for start in range(0, len(group), batch_size)
     ]
     for size, chunk in tqdm(chunks, desc="caching latents", disable=not chunks):
-        images = [resize_and_crop(open_image(path, config.data), size, config.data.crop) for _, path in chunk]
-        views = {"": images}
-        if config.data.random_flip:
-            views["_flip"] = [image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) for image in images]
-        results = {}
+        images = []
+        for _, (path, view) in chunk:
+            image = resize_and_crop(open_image(path, config.data), size, config.data.crop)
+            images.append(image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if view == "flipped" else image)
         with torch.no_grad():
-            for suffix, view in views.items():
-                mean, std = encode_posterior(vae, torch.stack([image_to_tensor(image) for image in view]))
-                results[f"mean{suffix}"], results[f"std{suffix}"] = mean, std
+            mean, std = encode_posterior(vae, torch.stack([image_to_tensor(image) for image in images]))
         for i, (entry, _) in enumerate(chunk):
-            _write(entry, {name: value[i] for name, value in results.items()})
+            _write(entry, {"mean": mean[i], "std": std[i]})
     return sum(len(group) for group in missing.values())
 
 
-def text_entries(captions: set[str], text_encoder_identity: str, config: Config, max_length: int) -> dict[str, Path]:
+def text_entries(captions: set[str], text_encoder_identity: str, config: Config, tokenizer) -> dict[str, Path]:
+    """Each caption's cache file, keyed by its token ids: what the encoder reads, whatever the tokenizer."""
     root = cache_root(config)
-    return {caption: _entry(root, "text", caption, text_encoder_identity, str(max_length)) for caption in sorted(captions)}
+    return {
+        caption: _entry(root, "text", tokenize(tokenizer, [caption])[0].numpy().tobytes(), text_encoder_identity)
+        for caption in sorted(captions)
+    }
 
 
 def fill_text(entries: dict[str, Path], text_encoder, tokenizer, batch_size: int) -> int:
     todo = [(caption, path) for caption, path in entries.items() if not path.exists()]
     for start in tqdm(range(0, len(todo), batch_size), desc="caching captions", disable=not todo):
         chunk = todo[start : start + batch_size]
-        ids = tokenizer(
-            [caption for caption, _ in chunk], padding="max_length", max_length=tokenizer.model_max_length,
-            truncation=True, return_tensors="pt",
-        ).input_ids
+        ids = tokenize(tokenizer, [caption for caption, _ in chunk])
         with torch.no_grad():
             states = encode_prompts(text_encoder, ids.to(text_encoder.device))
         for i, (_, path) in enumerate(chunk):

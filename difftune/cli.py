@@ -22,9 +22,26 @@ def _keys_help() -> str:
     return "\n".join(lines)
 
 
+# `[sample]` fields that only mean something inside a training run: not offered by `difftune sample`.
+TRAINING_ONLY_SAMPLE_FIELDS = ("every_steps", "before")
+
+
+def _parse_bool(text: str) -> bool:
+    """`true`/`false` (as in TOML; also yes/no, on/off, 1/0): argparse's `type=bool` reads "false" as True."""
+    words = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+    if text.strip().lower() not in words:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return words[text.strip().lower()]
+
+
+def _sample_fields() -> dict:
+    return {n: f for n, f in SampleConfig.model_fields.items() if n not in TRAINING_ONLY_SAMPLE_FIELDS}
+
+
 def _add_sample_options(parser: argparse.ArgumentParser) -> None:
-    """One option per `[sample]` field, from the schema: `--steps`, `--guidance-scale`, `--prompt` (repeatable)..."""
-    for name, field in SampleConfig.model_fields.items():
+    """One option per `[sample]` field that applies outside training, from the schema: `--steps`,
+    `--guidance-scale`, `--prompt` (repeatable)..."""
+    for name, field in _sample_fields().items():
         flag = "--prompt" if name == "prompts" else "--" + name.replace("_", "-")
         options = {"dest": f"sample_{name}", "help": field.description, "default": None}
         annotation = field.annotation
@@ -33,12 +50,13 @@ def _add_sample_options(parser: argparse.ArgumentParser) -> None:
         elif get_origin(annotation) is Literal:
             options["choices"] = get_args(annotation)
         else:
-            options["type"] = next((a for a in get_args(annotation) if a is not type(None)), annotation)
+            value_type = next((a for a in get_args(annotation) if a is not type(None)), annotation)
+            options["type"] = _parse_bool if value_type is bool else value_type
         parser.add_argument(flag, **options)
 
 
 def _sample_config(args: argparse.Namespace) -> SampleConfig:
-    values = {name: getattr(args, f"sample_{name}") for name in SampleConfig.model_fields}
+    values = {name: getattr(args, f"sample_{name}") for name in _sample_fields()}
     try:
         return SampleConfig.model_validate({k: v for k, v in values.items() if v is not None})
     except ValidationError as err:

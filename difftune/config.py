@@ -206,8 +206,19 @@ class TrainConfig(Section):
         description="torch.compile the UNet (in place, so checkpoints keep their keys): slow first steps, faster after. "
         "CUDA only: on CPU, torch 2.13's inductor gave this UNet wrong LoRA gradients.",
     )
-    tf32: bool = Field(True, description="Allow TF32 matmuls and convolutions on CUDA (Ampere and newer); ignored on CPU.")
-    cudnn_benchmark: bool = Field(True, description="Let cuDNN pick the fastest convolution kernels for fixed shapes; ignored on CPU.")
+    tf32: Literal["auto", "on", "off"] = Field(
+        "auto", description="TF32 matmuls and convolutions (Ampere and newer GPUs); `auto`: on with CUDA. Has no effect off CUDA."
+    )
+    cudnn_benchmark: Literal["auto", "on", "off"] = Field(
+        "auto", description="Let cuDNN pick the fastest convolution kernels for fixed shapes; `auto`: on with CUDA. Has no "
+        "effect off CUDA.",
+    )
+
+    @field_validator("tf32", "cudnn_benchmark", mode="before")
+    @classmethod
+    def _switch_from_bool(cls, value: Any) -> Any:
+        # Files written before `auto` existed say true/false.
+        return {True: "on", False: "off", "true": "on", "false": "off"}.get(value, value) if isinstance(value, (bool, str)) else value
 
 
 class EmaConfig(Section):
@@ -352,6 +363,8 @@ class Config(Section):
             raise ValueError("cache.text needs adapter.text_encoder = false (a trained encoder's outputs change)")
         if self.guard.rollback and not self.checkpoint.every_steps:
             raise ValueError("guard.rollback needs checkpoint.every_steps > 0 (checkpoints to roll back to)")
+        if self.export.average_last == 1:
+            raise ValueError("export.average_last = 1 averages one adapter with itself; set 0 (off), or 2 or more")
         if self.export.average_last > 1 and not self.export.every_steps:
             raise ValueError("export.average_last needs export.every_steps > 0 (snapshots to average)")
         if self.model.weight_dtype in ("fp16", "bf16") and self.train.mixed_precision == "no":

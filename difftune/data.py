@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from difftune.config import DataConfig
 from difftune.errors import DifftuneError
+from difftune.models import tokenize
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")
@@ -273,7 +274,7 @@ def image_to_tensor(image: Image.Image) -> torch.Tensor:
 class CaptionedImages(Dataset):
     """Indexed by (epoch, index) keys from `TrainingOrder`; returns one sample with its seed.
 
-    With `latent_entries` (one cache file per example) it returns the cached posterior instead of pixels,
+    With `latent_entries` (each example's cache file per view) it returns the cached posterior instead of pixels,
     and with `text_entries` (caption -> cache file) the cached text states instead of token ids. The
     per-sample random draws happen in the same order either way, so cached and uncached runs match.
     Cache entries read once stay in RAM up to `memory_bytes`, and each caption is tokenized once: on a small
@@ -286,7 +287,7 @@ class CaptionedImages(Dataset):
         config: DataConfig,
         tokenizer,
         train_seed: int,
-        latent_entries: list[Path] | None = None,
+        latent_entries: list[dict[str, Path]] | None = None,
         text_entries: dict[str, Path] | None = None,
         sizes: list[tuple[int, int]] | None = None,  # `training_sizes`, when the caller has them already
         memory_bytes: int = 0,
@@ -315,9 +316,7 @@ class CaptionedImages(Dataset):
 
     def _tokenize(self, caption: str) -> torch.Tensor:
         if caption not in self._token_ids:
-            self._token_ids[caption] = self.tokenizer(
-                caption, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True, return_tensors="pt"
-            ).input_ids[0]  # (tokenizer.model_max_length,)
+            self._token_ids[caption] = tokenize(self.tokenizer, [caption])[0]  # (tokenizer.model_max_length,)
         return self._token_ids[caption]
 
     def __len__(self) -> int:
@@ -331,9 +330,9 @@ class CaptionedImages(Dataset):
         item = {"seed": seed, "epoch": epoch, "path": str(example.image_path)}
         if self.latent_entries:
             # Cached images were center-cropped: the only image draw left is the flip, as in load_image.
-            posterior = self._read(self.latent_entries[index])
-            suffix = "_flip" if draw_flip(self.config, rng) else ""
-            item["latent_mean"], item["latent_std"] = posterior[f"mean{suffix}"], posterior[f"std{suffix}"]  # (C, h, w)
+            view = "flipped" if draw_flip(self.config, rng) else "plain"
+            posterior = self._read(self.latent_entries[index][view])
+            item["latent_mean"], item["latent_std"] = posterior["mean"], posterior["std"]  # (C, h, w)
         else:
             item["pixel_values"] = load_image(example.image_path, self.config, rng, self.sizes[index])  # (3, H, W)
         caption = "" if rng.random() < self.config.caption_dropout else example.caption

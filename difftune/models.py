@@ -47,7 +47,7 @@ def load_components(config: ModelConfig) -> Components:
             f"model.base {base}: a pickle-based checkpoint is not read by default (pickles can run code); convert it "
             f"to .safetensors or a diffusers folder, or set model.allow_pickled_checkpoint = true (read tensors-only)"
         )
-    with _explained_load_errors("model.base", base):
+    with _explained_load_errors("model.base", base), _quiet_loading():
         if pickled or base.endswith(".safetensors"):
             components = _load_single_file(config)
         else:
@@ -116,6 +116,24 @@ def load_vae(name: str) -> AutoencoderKL | AutoencoderTiny:
 
 
 @contextmanager
+def _quiet_loading():
+    """No per-file "Loading weights" bars from transformers and diffusers: a run's screen is difftune's own."""
+    import diffusers.utils.logging as diffusers_logging
+    import transformers.utils.logging as transformers_logging
+
+    was_enabled = transformers_logging.is_progress_bar_enabled(), diffusers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    diffusers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled[0]:
+            transformers_logging.enable_progress_bar()
+        if was_enabled[1]:
+            diffusers_logging.enable_progress_bar()
+
+
+@contextmanager
 def _explained_load_errors(key: str, name: str):
     """Turn a failed load into a message that says what was tried and what to pass instead."""
     try:
@@ -174,6 +192,13 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """Inverse of `encode_latents` (up to the autoencoder's loss): scaled latents -> pixels in [-1, 1]."""
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     return vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor + shift).sample
+
+
+def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:
+    """Captions -> token ids (B, tokenizer.model_max_length), padded and truncated as training reads them."""
+    return tokenizer(
+        captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+    ).input_ids
 
 
 def encode_prompts(text_encoder: CLIPTextModel, input_ids: torch.Tensor) -> torch.Tensor:

@@ -277,7 +277,7 @@ def _fill_caches(components: Components, examples, sizes, config: Config, accele
     if config.cache.text:
         captions = {example.caption for example in examples} | {""}  # "" for caption dropout
         identity = model_identity(components.text_encoder)
-        text_files = text_entries(captions, identity, config, components.tokenizer.model_max_length)
+        text_files = text_entries(captions, identity, config, components.tokenizer)
     if accelerator.is_main_process:
         device = accelerator.device
         if latent_files:
@@ -420,12 +420,14 @@ def _check_compile_device(device: torch.device) -> None:
 
 
 def _set_device_flags(config: Config, accelerator: Accelerator) -> None:
+    """TF32 and cuDNN autotuning: `auto` turns them on with CUDA; an explicit `on` off CUDA is said to do nothing."""
     if accelerator.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = config.train.tf32
-        torch.backends.cudnn.allow_tf32 = config.train.tf32
-        torch.backends.cudnn.benchmark = config.train.cudnn_benchmark
-    elif config.train.tf32 or config.train.cudnn_benchmark:
-        accelerator.print(f"difftune: train.tf32 and train.cudnn_benchmark apply to CUDA only; ignored on {accelerator.device}")
+        tf32 = config.train.tf32 != "off"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cudnn.benchmark = config.train.cudnn_benchmark != "off"
+    elif "on" in (config.train.tf32, config.train.cudnn_benchmark):
+        accelerator.print(f"difftune: train.tf32 and train.cudnn_benchmark apply to CUDA only; no effect on {accelerator.device}")
 
 
 def _check_output_dir(config: Config, resume: str | None) -> Path:

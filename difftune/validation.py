@@ -18,6 +18,9 @@ VALIDATION_STREAM = 2
 
 
 class Validator:
+    """With `data.buckets`, each held-out image is scored at its own bucket size, as training would see it; images
+    of one size are batched together."""
+
     def __init__(self, components: Components, config: Config, device: torch.device):
         data = config.data.model_copy(
             update={"path": config.validation.path, "crop": "center", "random_flip": False, "caption_dropout": 0.0}
@@ -26,17 +29,24 @@ class Validator:
         report_bad_files(bad_files, None)
         dataset = CaptionedImages(examples, data, components.tokenizer, config.validation.seed)
         items = [dataset[(0, i)] for i in range(len(examples))]
-        seed = config.validation.seed
-        generators = [torch.Generator().manual_seed(derive_seed(VALIDATION_STREAM, seed, i)) for i in range(len(items))]
-        with torch.no_grad():
-            latents = encode_latents(components.vae, torch.stack([it["pixel_values"] for it in items]).to(device), generators)
-        timesteps = config.validation.timesteps
-        # Every (image, timestep) pair, with its own fixed noise: (N * T, C, h, w).
-        self.latents = latents.float().repeat_interleave(len(timesteps), dim=0)
-        self.input_ids = torch.stack([it["input_ids"] for it in items]).to(device).repeat_interleave(len(timesteps), dim=0)
-        self.timesteps = torch.tensor(timesteps * len(items), device=device)
+        seed, timesteps = config.validation.seed, config.validation.timesteps
         noise_generator = torch.Generator().manual_seed(derive_seed(VALIDATION_STREAM, seed, len(items)))
-        self.noise = torch.randn(self.latents.shape, generator=noise_generator).to(device)
+        by_size: dict[tuple, list[int]] = {}
+        for i, item in enumerate(items):
+            by_size.setdefault(tuple(item["pixel_values"].shape), []).append(i)
+        # One group per image size, each with every (image, timestep) pair and its own fixed noise: (N * T, C, h, w).
+        self.groups = []
+        for indices in by_size.values():
+            generators = [torch.Generator().manual_seed(derive_seed(VALIDATION_STREAM, seed, i)) for i in indices]
+            pixels = torch.stack([items[i]["pixel_values"] for i in indices]).to(device)
+            with torch.no_grad():
+                latents = encode_latents(components.vae, pixels, generators).float().repeat_interleave(len(timesteps), dim=0)
+            self.groups.append({
+                "latents": latents,
+                "input_ids": torch.stack([items[i]["input_ids"] for i in indices]).to(device).repeat_interleave(len(timesteps), dim=0),
+                "timesteps": torch.tensor(timesteps * len(indices), device=device),
+                "noise": torch.randn(latents.shape, generator=noise_generator).to(device),
+            })
         self.loss_config = config.loss.model_copy(update={"weighting": "uniform", "noise_offset": 0.0, "input_perturbation": 0.0})
         self.batch_size = config.train.batch_size
         self.size = len(items)
@@ -47,15 +57,17 @@ class Validator:
         was_training = components.unet.training, components.text_encoder.training
         components.unet.eval()
         components.text_encoder.eval()
-        total = 0.0
-        for start in range(0, len(self.latents), self.batch_size):
-            part = slice(start, start + self.batch_size)
-            states = encode_prompts(components.text_encoder, self.input_ids[part])
-            per_sample = diffusion_loss(
-                components.unet, components.noise_scheduler, self.latents[part], states, self.timesteps[part],
-                self.noise[part], self.loss_config,
-            )
-            total += per_sample.sum().item()
+        total, count = 0.0, 0
+        for group in self.groups:
+            for start in range(0, len(group["latents"]), self.batch_size):
+                part = slice(start, start + self.batch_size)
+                states = encode_prompts(components.text_encoder, group["input_ids"][part])
+                per_sample = diffusion_loss(
+                    components.unet, components.noise_scheduler, group["latents"][part], states, group["timesteps"][part],
+                    group["noise"][part], self.loss_config,
+                )
+                total += per_sample.sum().item()
+                count += len(per_sample)
         components.unet.train(was_training[0])
         components.text_encoder.train(was_training[1])
-        return total / len(self.latents)
+        return total / count

@@ -47,13 +47,13 @@ def test_a_warm_cache_encodes_nothing_and_changes_invalidate(make_config, tmp_pa
 
     Image.new("RGB", (32, 32), (1, 2, 3)).save(images / "0003.png")  # one image changes
     changed = latent_entries(examples, sizes, identity, config)
-    assert [a != b for a, b in zip(entries, changed)] == [e.image_path.name == "0003.png" for e in examples]
+    assert [a["plain"] != b["plain"] for a, b in zip(entries, changed)] == [e.image_path.name == "0003.png" for e in examples]
     assert fill_latents(examples, sizes, changed, components.vae, config, 4) == 1
 
     torch.manual_seed(123)
     other_vae = build_vae(scaling_factor=components.vae.config.scaling_factor)  # another VAE: everything misses
     other = latent_entries(examples, sizes, model_identity(other_vae), config)
-    assert not set(other) & set(changed)
+    assert not {e["plain"] for e in other} & {e["plain"] for e in changed}
     assert fill_latents(examples, sizes, other, other_vae, config, 4) == 8
 
 
@@ -78,7 +78,7 @@ def test_a_cached_latent_is_the_posterior_of_its_image(make_config, tmp_path):
     image = resize_and_crop(open_image(examples[0].image_path, config.data), (32, 32), "center")
     with torch.no_grad():
         mean, std = encode_posterior(components.vae, image_to_tensor(image)[None])
-    entry = load_file(entries[0])
+    entry = load_file(entries[0]["plain"])
     torch.testing.assert_close(entry["mean"], mean[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(entry["std"], std[0], rtol=1e-5, atol=1e-6)
 
@@ -93,7 +93,7 @@ def test_entries_read_once_stay_in_ram_up_to_the_budget(make_config, tmp_path):
     in_ram = CaptionedImages(examples, config.data, components.tokenizer, 0, entries, sizes=sizes, memory_bytes=3 * entry_bytes)
     expected, first_read = [from_disk[key] for key in keys], [in_ram[key] for key in keys]
     for entry in entries:
-        entry.unlink()
+        entry["plain"].unlink()
     served = []
     for key in keys:  # the first three entries are kept; the rest must be read again, and are gone
         if key[1] < 3:
@@ -104,6 +104,52 @@ def test_entries_read_once_stay_in_ram_up_to_the_budget(make_config, tmp_path):
     for want, got in zip(expected, first_read + served):
         torch.testing.assert_close(got["latent_mean"], want["latent_mean"], rtol=0, atol=0)
         torch.testing.assert_close(got["input_ids"], want["input_ids"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("first_flip", [False, True])
+def test_a_cache_made_under_other_flip_settings_is_completed_not_misread(make_config, tmp_path, first_flip):
+    """The same cache.dir, flips toggled between runs (either order): the second run encodes the views it lacks
+    and trains exactly like an uncached run with its own settings."""
+    cache = {"cache__latents": True, "cache__dir": str(tmp_path / "cache"), "train__max_steps": 4}
+    train(make_config(train__output_dir=str(tmp_path / "first"), data__random_flip=first_flip, **cache))
+    views_after_first = len(list((tmp_path / "cache" / "latents").rglob("*.safetensors")))
+    train(make_config(train__output_dir=str(tmp_path / "second"), data__random_flip=not first_flip, **cache))
+    train(make_config(train__output_dir=str(tmp_path / "plain"), data__random_flip=not first_flip, train__max_steps=4))
+    assert _losses(tmp_path / "second") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-5)
+    # 8 images: the plain views once, the mirrored ones once, whichever run wrote them.
+    assert views_after_first == (16 if first_flip else 8)
+    assert len(list((tmp_path / "cache" / "latents").rglob("*.safetensors"))) == 16
+
+
+def test_alpha_background_is_part_of_a_latent_entry(make_config, tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(4):
+        rgba = Image.new("RGBA", (32, 32), (0, 0, 0, 0))
+        rgba.paste((200, 40 * i, 60, 255), (8, 8, 24, 24))
+        rgba.save(images / f"{i}.png")
+        (images / f"{i}.txt").write_text("a square")
+    common = {"data__path": str(images), "train__max_steps": 3, "cache__dir": str(tmp_path / "cache")}
+    for color, background in (("white", "[255, 255, 255]"), ("black", "[0, 0, 0]")):
+        for cached in (True, False):
+            out = tmp_path / f"{color}-{'cached' if cached else 'plain'}"
+            train(make_config(train__output_dir=str(out), cache__latents=cached, data__alpha_background=background, **common))
+        assert _losses(tmp_path / f"{color}-cached") == pytest.approx(_losses(tmp_path / f"{color}-plain"), rel=1e-5)
+    assert _losses(tmp_path / "white-cached") != pytest.approx(_losses(tmp_path / "black-cached"), rel=1e-3)
+    assert len(list((tmp_path / "cache" / "latents").rglob("*.safetensors"))) == 8
+
+
+def test_text_entries_follow_the_token_ids(make_config, tmp_path):
+    from difftune.cache import text_entries
+    from difftune.tiny import build_tokenizer
+
+    config = make_config(cache__text=True, cache__dir=str(tmp_path / "cache"))
+    tokenizer = build_tokenizer()
+    full = text_entries({"a red circle"}, "encoder", config, tokenizer)
+    tokenizer.model_max_length = 4  # a shorter context: other ids, another entry
+    short = text_entries({"a red circle"}, "encoder", config, tokenizer)
+    assert full["a red circle"] != short["a red circle"]
+    assert text_entries({"a red circle"}, "other encoder", config, tokenizer)["a red circle"] != short["a red circle"]
 
 
 def test_cache_settings_that_cannot_work_are_refused():

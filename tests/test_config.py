@@ -146,3 +146,39 @@ def test_shipped_accelerate_configs_are_valid(path):
 
     config = ClusterConfig.from_yaml_file(path)
     assert config.distributed_type.value == "MULTI_GPU" and config.num_processes >= 2
+
+
+def test_sample_command_offers_only_flags_that_apply():
+    from difftune.cli import build_parser
+
+    parser = build_parser()
+    sample_help = parser._subparsers._group_actions[0].choices["sample"].format_help()
+    assert "--every-steps" not in sample_help and "--before" not in sample_help
+    for flag in ("--every-steps", "--before"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["sample", "--base", "b", "--out", "o", "--prompt", "p", flag, "1"])
+
+
+@pytest.mark.parametrize(("text", "expected"), [("true", True), ("false", False), ("False", False), ("0", False), ("yes", True)])
+def test_boolean_flags_read_true_and_false(text, expected):
+    from difftune.cli import _parse_bool
+
+    assert _parse_bool(text) is expected
+
+
+def test_boolean_flag_rejects_other_words():
+    import argparse
+
+    from difftune.cli import _parse_bool
+
+    with pytest.raises(argparse.ArgumentTypeError, match="expected true or false, got 'maybe'"):
+        _parse_bool("maybe")
+
+
+@pytest.mark.parametrize(("value", "expected"), [("true", "on"), ("false", "off"), ('"auto"', "auto"), ('"on"', "on")])
+def test_device_switches_read_old_booleans_and_default_to_auto(tmp_path, value, expected):
+    assert load_config(None).train.tf32 == "auto" and load_config(None).train.cudnn_benchmark == "auto"
+    path = tmp_path / "job.toml"
+    path.write_text(f"[train]\ntf32 = {value}\ncudnn_benchmark = {value}\n")
+    config = load_config(path)
+    assert config.train.tf32 == expected and config.train.cudnn_benchmark == expected

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from PIL import Image
 from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file
 
@@ -12,6 +13,7 @@ from difftune import export, train as train_module
 from difftune.adapters import adapter_state_dict, trainable_parameters
 from difftune.cli import main
 from difftune.config import EmaConfig, LossConfig, OptimConfig, load_config
+from difftune.data import scan_examples, training_sizes
 from difftune.ema import build_ema, ema_weights, update_ema
 from difftune.errors import DifftuneError
 from difftune.guard import SKIPPED_FILE
@@ -287,3 +289,29 @@ def test_rollback_goes_back_and_skips_the_offending_batches(make_config, tmp_pat
 def test_rollback_needs_checkpoints():
     with pytest.raises(DifftuneError, match="guard.rollback needs checkpoint.every_steps"):
         load_config(None, ["guard.rollback=true"])
+
+
+def test_validation_scores_each_bucket_at_its_own_size(make_config, tmp_path):
+    held_out = tmp_path / "held_out"
+    held_out.mkdir()
+    for i, size in enumerate([(32, 32), (48, 24), (24, 48)]):
+        Image.new("RGB", size, (60 * i, 120, 200)).save(held_out / f"{i}.png")
+        (held_out / f"{i}.txt").write_text("a shape")
+    buckets = {"data__buckets": True, "data__bucket_step": 8, "data__bucket_min_side": 16, "data__bucket_max_side": 64}
+    config = make_config(validation__path=str(held_out), **buckets)
+    components = load_components(config.model)
+    validator = Validator(components, config, torch.device("cpu"))
+    examples, _ = scan_examples(config.data.model_copy(update={"path": str(held_out)}))
+    factor = 2 ** (len(components.vae.config.block_out_channels) - 1)
+    expected = sorted((h // factor, w // factor) for w, h in training_sizes(examples, config.data))
+    assert len(set(expected)) == 3
+    assert sorted(tuple(g["latents"].shape[-2:]) for g in validator.groups) == expected
+    first, second = validator.loss(components), Validator(components, config, torch.device("cpu")).loss(components)
+    assert first == second > 0
+    train(make_config(validation__path=str(held_out), validation__every_steps=1, train__max_steps=2, data__path=str(held_out), **buckets))
+    assert all(row["val_loss"] > 0 for row in read_metrics(tmp_path / "run"))
+
+
+def test_average_of_one_adapter_is_refused():
+    with pytest.raises(DifftuneError, match=r"export.average_last = 1 averages one adapter with itself"):
+        load_config(None, ["export.average_last=1", "export.every_steps=10"])
