@@ -71,3 +71,24 @@ def adapter_state_dict(components: Components, config: AdapterConfig) -> tuple[d
             lora_configs[f"{prefix}.{field}"] = sorted(value) if isinstance(value, set) else value
     return tensors, lora_configs
 
+
+
+def derived_lora_configs(ranks: dict[str, dict[str, int]], alphas: dict[str, dict[str, float]], dora: dict[str, bool]) -> dict:
+    """Each part's peft config from what a file without one shows: its modules' ranks, the alphas it stores
+    (a module without one gets alpha = rank, diffusers' rule) and whether it has DoRA magnitudes. The most
+    common rank and alpha become `r` and `lora_alpha`; the others go to `rank_pattern` / `alpha_pattern`."""
+    lora_configs = {}
+    for part, part_ranks in ranks.items():
+        rank = max(set(part_ranks.values()), key=list(part_ranks.values()).count)
+        part_alphas = {m: alphas.get(part, {}).get(m, float(r)) for m, r in part_ranks.items()}
+        alpha = max(set(part_alphas.values()), key=list(part_alphas.values()).count)
+        config = {
+            "r": rank,
+            "lora_alpha": alpha,
+            "target_modules": sorted(part_ranks),
+            "use_dora": dora.get(part, False),
+            "rank_pattern": {m: r for m, r in part_ranks.items() if r != rank},
+            "alpha_pattern": {m: a for m, a in part_alphas.items() if a != alpha},
+        }
+        lora_configs.update({f"{part}.{field}": value for field, value in config.items()})
+    return lora_configs

@@ -177,9 +177,11 @@ def _run(args: argparse.Namespace) -> None:
         print(text)
     elif args.command == "convert":
         print(f"difftune: wrote {export.convert_adapter(args.source, args.target, args.to, args.base)}")
+        _note_comfyui_dora(args.target, args.to)
     elif args.command == "average":
         tensors, lora_configs, config_toml = export.average_adapters(args.adapters, args.weights, args.base)
-        print(f"difftune: wrote {export.write_adapter(args.out, tensors, lora_configs, config_toml, args.to)}")
+        print(f"difftune: wrote {export.write_adapter(args.out, tensors, lora_configs, config_toml, args.to, args.base or '')}")
+        _note_comfyui_dora(args.out, args.to)
     elif args.command == "merge":
         for path in export.merge_into_folder(args.base, args.adapter, args.out, args.dtype, args.single_file, args.overwrite):
             print(f"difftune: wrote {path}")
@@ -192,6 +194,16 @@ def _run(args: argparse.Namespace) -> None:
         components = export.load_with_adapters(args.base, args.adapter)
         paths = save_images(generate_images(components, config, components.unet.device), config, args.out)
         print(f"difftune: wrote {len(paths)} images and grid.png to {args.out}")
+
+
+def _note_comfyui_dora(written: Path, layout: str) -> None:
+    from safetensors import safe_open
+
+    from difftune.kohya import COMFYUI_DORA_NOTE
+
+    with safe_open(written, framework="pt") as handle:
+        if layout == "kohya" and any(key.endswith(".dora_scale") for key in handle.keys()):
+            print(f"difftune: {COMFYUI_DORA_NOTE}")
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ def evaluate(base: str, adapter: Path | None, seen_colors, concept_color: str, s
     components = load_components(ModelConfig(base=base))
     report["before"] = score(components, seen_colors, concept_color, settings)
     if adapter:
-        apply_adapters(components, [(adapter, 1.0)], base=base)  # onto the same base, in place
+        apply_adapters(components, [(adapter, 1.0)])  # onto the same base, in place
         report["adapter"] = str(adapter)
         report["after"] = score(components, seen_colors, concept_color, settings)
         report["forgetting"] = report["before"]["seen"]["both"] - report["after"]["seen"]["both"]

@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from difftune.adapter_files import CONFIG_METADATA_KEY, check_modules, module_names_of, read_adapter
 from difftune.adapters import adapter_state_dict
 from difftune.config import Config, ModelConfig
 from difftune.errors import DifftuneError
-from difftune.kohya import from_kohya, kohya_metadata, to_kohya
+from difftune.kohya import kohya_metadata, to_kohya
 from difftune.models import DTYPES, Components, assemble_pipeline, load_components
 from difftune.sample import sampling_scheduler
 from difftune.single_file import pipeline_to_ldm
@@ -30,7 +31,6 @@ from difftune.single_file import pipeline_to_ldm
 ADAPTER_FILE = LORA_WEIGHT_NAME_SAFE  # the name `pipeline.load_lora_weights(output_dir)` looks for
 FULL_MODEL_DIR = "model"
 SINGLE_FILE = "model.safetensors"
-CONFIG_METADATA_KEY = "difftune_config"
 FORMATS = ("diffusers", "kohya")
 
 
@@ -59,13 +59,16 @@ def save_trained(components: Components, config: Config, path: Path, layout: str
     return write_adapter(path, tensors, lora_configs, config.to_toml(), layout or config.export.format)
 
 
-def write_adapter(path: Path, tensors: dict, lora_configs: dict, config_toml: str, layout: str) -> Path:
-    """Write an adapter file; a NaN or inf tensor is refused before anything is written."""
+def write_adapter(path: Path, tensors: dict, lora_configs: dict, config_toml: str, layout: str, base: str = "") -> Path:
+    """Write an adapter file; a NaN or inf tensor is refused before anything is written. `base` names the base
+    model in a kohya file's metadata when there is no difftune config (an adapter from another tool)."""
     _refuse_non_finite(tensors, f"adapter {path}")
-    metadata = {"format": "pt", CONFIG_METADATA_KEY: config_toml}
+    metadata = {"format": "pt"}
+    if config_toml:
+        metadata[CONFIG_METADATA_KEY] = config_toml
     if layout == "kohya":
         tensors = to_kohya(tensors, lora_configs)
-        metadata.update(kohya_metadata(config_toml, lora_configs))
+        metadata.update(kohya_metadata(config_toml, lora_configs, base))
     else:
         metadata[LORA_ADAPTER_METADATA_KEY] = json.dumps(lora_configs, sort_keys=True)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,43 +76,38 @@ def write_adapter(path: Path, tensors: dict, lora_configs: dict, config_toml: st
     return path
 
 
-def read_adapter(path: Path, base: str | None = None) -> tuple[dict, dict, str]:
-    """Any adapter file difftune writes -> (diffusers-layout tensors, peft configs, difftune config TOML).
+def read_any_adapter(path: Path, base: str | None = None, components: Components | None = None) -> tuple[dict, dict, str]:
+    """`adapter_files.read_adapter`, with a kohya file's module names from `components`, else from loading
+    `base`, else the base its metadata names (`ss_sd_model_name`)."""
 
-    A kohya-layout file needs the base model's module names: from `base`, else the base its metadata names.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise DifftuneError(f"adapter {path}: no such file")
+    def module_names() -> dict[str, list[str]]:
+        if components is not None:
+            return module_names_of(components)
+        name = base or _kohya_base_name(path)
+        if not name:
+            raise DifftuneError(f"adapter {path}: a kohya-layout file needs --base (the model it was trained on)")
+        return module_names_of(load_components(ModelConfig(base=name)))
+
+    return read_adapter(path, module_names)
+
+
+def _kohya_base_name(path: Path) -> str:
     with safe_open(path, framework="pt") as handle:
-        metadata = handle.metadata() or {}
-    tensors = load_file(path)
-    config_toml = metadata.get(CONFIG_METADATA_KEY, "")
-    if not is_kohya(tensors):
-        if LORA_ADAPTER_METADATA_KEY not in metadata:
-            raise DifftuneError(f"adapter {path}: has no `{LORA_ADAPTER_METADATA_KEY}` metadata; not a diffusers LoRA file")
-        return tensors, json.loads(metadata[LORA_ADAPTER_METADATA_KEY]), config_toml
-    base = base or metadata.get("ss_sd_model_name")
-    if not base:
-        raise DifftuneError(f"adapter {path}: a kohya-layout file needs --base (the model it was trained on)")
-    components = load_components(ModelConfig(base=base))
-    names = {"unet": _module_names(components.unet), "text_encoder": _module_names(components.text_encoder)}
-    try:
-        tensors, lora_configs = from_kohya(tensors, names)
-    except ValueError as err:
-        raise DifftuneError(f"adapter {path}: {err}") from None
-    return tensors, lora_configs, config_toml
+        return (handle.metadata() or {}).get("ss_sd_model_name", "")
 
 
 def convert_adapter(source: Path, target: Path, layout: str, base: str | None = None) -> Path:
-    """Rewrite an adapter file in the other layout; the tensors are unchanged (a lossless round trip)."""
+    """Rewrite an adapter file (any tool's) in difftune's diffusers or kohya layout; the tensors are unchanged,
+    so difftune layout -> other -> back is lossless."""
     if layout not in FORMATS:
         raise DifftuneError(f"--to {layout}: allowed: {', '.join(FORMATS)}")
-    tensors, lora_configs, config_toml = read_adapter(source, base)
-    if layout == "kohya" and not config_toml:
-        raise DifftuneError(f"adapter {source}: has no difftune config metadata to derive kohya `ss_*` fields from")
+    tensors, lora_configs, config_toml = read_any_adapter(source, base)
     target.parent.mkdir(parents=True, exist_ok=True)
-    return write_adapter(target, tensors, lora_configs, config_toml, layout)
+    return write_adapter(target, tensors, lora_configs, config_toml, layout, base or "")
+
+
+def has_dora(lora_configs: dict) -> bool:
+    return any(lora_configs.get(f"{part}.use_dora") for part in ("unet", "text_encoder"))
 
 
 AVERAGE_WEIGHTS = {
@@ -129,7 +127,7 @@ def average_adapters(paths: list[Path], weighting: str = "uniform", base: str | 
     """
     if len(paths) < 2:
         raise DifftuneError("averaging needs at least two adapter files")
-    adapters = [read_adapter(path, base) for path in paths]
+    adapters = [read_any_adapter(path, base) for path in paths]
     first_tensors, first_configs, _ = adapters[0]
     for path, (tensors, configs, _) in zip(paths[1:], adapters[1:]):
         mismatched = [k for k in first_tensors if k not in tensors or tensors[k].shape != first_tensors[k].shape]
@@ -147,25 +145,19 @@ def average_adapters(paths: list[Path], weighting: str = "uniform", base: str | 
     return averaged, first_configs, adapters[-1][2]
 
 
-def is_kohya(tensors: dict) -> bool:
-    return any(key.startswith(("lora_unet_", "lora_te_")) for key in tensors)
-
-
-def _module_names(model: torch.nn.Module) -> list[str]:
-    return [name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))]
-
-
-def apply_adapters(components: Components, adapters: list[tuple[Path, float]], base: str | None = None) -> None:
+def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -> None:
     """Attach adapter files (either layout) to the UNet/text encoder with their scales.
 
-    Each goes through `read_adapter` and is handed to diffusers' own loader in the diffusers layout, with
-    its peft config: diffusers' kohya reader would keep `dora_scale`'s shape, which peft then rejects.
+    Each is read by `adapter_files` (any tool's layout), checked against the model's modules, and handed to
+    diffusers' own loader in the diffusers layout with its peft config: diffusers' kohya reader would keep
+    `dora_scale`'s shape, which peft then rejects, and it drops keys of modules the model lacks with a log line.
     """
     pipeline = assemble_pipeline(components)
     names = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (path, _) in enumerate(adapters):
-            tensors, lora_configs, config_toml = read_adapter(path, base)
+            tensors, lora_configs, config_toml = read_any_adapter(path, components=components)
+            check_modules(tensors, module_names_of(components), path)
             _refuse_non_finite(tensors, f"adapter {path}")
             names.append(f"adapter_{i}")
             staged = write_adapter(Path(tmp) / f"{names[-1]}.safetensors", tensors, lora_configs, config_toml, "diffusers")
@@ -178,7 +170,7 @@ def load_with_adapters(base: str, adapters: list[tuple[Path, float]]) -> Compone
     `sample`; `components.unet.device` says where)."""
     components = load_components(ModelConfig(base=base))
     if adapters:
-        apply_adapters(components, adapters, base=base)
+        apply_adapters(components, adapters)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for module in (components.unet, components.vae, components.text_encoder):
         module.to(device).eval()
@@ -191,15 +183,13 @@ def merge_into_folder(
 ) -> list[Path]:
     """Load the base, fold the adapters in and save the whole pipeline (the CLI's and UI's `merge`)."""
     components = load_components(ModelConfig(base=base))
-    merge_adapters(components, adapters, dtype, base=base)
+    merge_adapters(components, adapters, dtype)
     return save_merged(components, out_dir, single_file, overwrite)
 
 
-def merge_adapters(
-    components: Components, adapters: list[tuple[Path, float]], dtype: str = "fp32", base: str | None = None
-) -> None:
+def merge_adapters(components: Components, adapters: list[tuple[Path, float]], dtype: str = "fp32") -> None:
     """Fold the scaled adapters into the base weights (peft's merge: exact for LoRA and DoRA)."""
-    apply_adapters(components, adapters, base)
+    apply_adapters(components, adapters)
     pipeline = assemble_pipeline(components)
     pipeline.fuse_lora(components=["unet", "text_encoder"], lora_scale=1.0)
     pipeline.unload_lora_weights()

@@ -9,8 +9,9 @@ DoRA magnitudes are written as `.dora_scale` with one value per output row, shap
 a linear layer and `[out, 1, 1, 1]` for a convolution (peft keeps `[out]` and `[1, out, 1, 1]`), the
 output-axis orientation kohya/LyCORIS (`wd_on_out`) write and ComfyUI/Forge detect by shape. Readers:
 difftune reads it exactly; diffusers drops `dora_scale` (with a log line) and loads the rest as plain LoRA;
-ComfyUI normalises output-axis DoRA by the base weight's norm instead of the merged weight's, so it
-reproduces peft's DoRA only approximately (closely while the adapter's change is small).
+ComfyUI normalises output-axis DoRA by the norm of the base weight's rows instead of the adapted weight's, so
+it reproduces peft's DoRA only approximately (`COMFYUI_DORA_NOTE`). The file keeps the DoRA formula's values:
+they are what every exact reader needs.
 
 Reading back needs the module names of the model the adapter was made for (a `_`-joined name
 cannot be split unambiguously): they come from the base model's UNet and text encoder.
@@ -23,7 +24,7 @@ import tomllib
 
 import torch
 
-from difftune.adapters import DORA_MAGNITUDE
+from difftune.adapters import DORA_MAGNITUDE, derived_lora_configs
 
 UNET_PREFIX, TEXT_ENCODER_PREFIX = "lora_unet_", "lora_te_"
 _PARTS = {"unet": UNET_PREFIX, "text_encoder": TEXT_ENCODER_PREFIX}
@@ -34,7 +35,7 @@ def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict) -> dict[str, 
     out = {}
     for key, value in tensors.items():
         part, _, rest = key.partition(".")
-        module, kind = _split_module(rest)
+        module, kind = split_adapter_key(rest)
         if part == "text_encoder" and not module.startswith("text_model."):
             module = f"text_model.{module}"
         name = _PARTS[part] + module.replace(".", "_")
@@ -82,45 +83,48 @@ def from_kohya(
             dora[part] = True
         else:
             raise ValueError(f"{key}: unknown kohya key kind {kind!r} (known: lora_down, lora_up, alpha, dora_scale)")
-    lora_configs = {}
-    for part, part_ranks in ranks.items():
-        rank = max(set(part_ranks.values()), key=list(part_ranks.values()).count)
-        part_alphas = {m: alphas.get(part, {}).get(m, float(r)) for m, r in part_ranks.items()}
-        alpha = max(set(part_alphas.values()), key=list(part_alphas.values()).count)
-        config = {
-            "r": rank,
-            "lora_alpha": alpha,
-            "target_modules": sorted(part_ranks),
-            "use_dora": dora.get(part, False),
-            "rank_pattern": {m: r for m, r in part_ranks.items() if r != rank},
-            "alpha_pattern": {m: a for m, a in part_alphas.items() if a != alpha},
-        }
-        lora_configs.update({f"{part}.{field}": value for field, value in config.items()})
-    return tensors, lora_configs
+    return tensors, derived_lora_configs(ranks, alphas, dora)
 
 
-def kohya_metadata(config_toml: str, lora_configs: dict, base_model_version: str = "sd_v1") -> dict[str, str]:
-    """The `ss_*` fields kohya's scripts write and A1111's UI shows."""
-    config = tomllib.loads(config_toml)
-    is_dora = bool(lora_configs.get("unet.use_dora"))
-    return {
+COMFYUI_DORA_NOTE = (
+    "note: ComfyUI applies a kohya-layout DoRA file approximately: it divides by the norm of the base weight's "
+    "rows where DoRA divides by the norm of the adapted weight's (base + change), so its images differ from "
+    "difftune's and diffusers'. For exact DoRA there, merge first (difftune merge --single-file) and load the "
+    "merged checkpoint; in diffusers, load the diffusers-layout file."
+)
+
+
+def kohya_metadata(config_toml: str, lora_configs: dict, base: str = "", base_model_version: str = "sd_v1") -> dict[str, str]:
+    """The `ss_*` fields kohya's scripts write and A1111's UI shows. The training fields come from the difftune
+    config when the adapter has one (an adapter from another tool has only its network's shape)."""
+    config = tomllib.loads(config_toml) if config_toml else {}
+    part = "unet" if "unet.r" in lora_configs else "text_encoder"  # a text-encoder-only adapter has no UNet part
+    is_dora = bool(lora_configs.get(f"{part}.use_dora"))
+    metadata = {
         "ss_network_module": "lycoris.kohya" if is_dora else "networks.lora",
         "ss_network_args": json.dumps({"algo": "lora", "dora_wd": "True"} if is_dora else {}),
-        "ss_network_dim": str(lora_configs["unet.r"]),
-        "ss_network_alpha": str(lora_configs["unet.lora_alpha"]),
+        "ss_network_dim": str(lora_configs[f"{part}.r"]),
+        "ss_network_alpha": str(lora_configs[f"{part}.lora_alpha"]),
         "ss_base_model_version": base_model_version,
-        "ss_sd_model_name": config["model"]["base"],
-        "ss_resolution": f"({config['data']['resolution']}, {config['data']['resolution']})",
-        "ss_max_train_steps": str(config["train"]["max_steps"]),
-        "ss_learning_rate": str(config["optim"]["learning_rate"]),
-        "ss_seed": str(config["train"]["seed"]),
-        "ss_train_text_encoder": str(config["adapter"]["text_encoder"]),
         "ss_output_name": "difftune",
-        "ss_training_comment": f"trained with difftune ({config['adapter']['kind']})",
     }
+    if base or config:
+        metadata["ss_sd_model_name"] = config["model"]["base"] if config else base
+    if config:
+        metadata |= {
+            "ss_resolution": f"({config['data']['resolution']}, {config['data']['resolution']})",
+            "ss_max_train_steps": str(config["train"]["max_steps"]),
+            "ss_learning_rate": str(config["optim"]["learning_rate"]),
+            "ss_seed": str(config["train"]["seed"]),
+            "ss_train_text_encoder": str(config["adapter"]["text_encoder"]),
+            "ss_training_comment": f"trained with difftune ({config['adapter']['kind']})",
+        }
+    else:
+        metadata["ss_training_comment"] = "converted by difftune"
+    return metadata
 
 
-def _split_module(key: str) -> tuple[str, str]:
+def split_adapter_key(key: str) -> tuple[str, str]:
     # The magnitude with `.weight` (as difftune writes it) or bare (as diffusers/peft write it).
     for kind in ("lora_A.weight", "lora_B.weight", f"{DORA_MAGNITUDE}.weight", DORA_MAGNITUDE):
         if key.endswith("." + kind):

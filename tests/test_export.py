@@ -10,6 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from difftune import export
+from difftune.adapter_files import is_kohya
 from difftune.adapters import adapter_state_dict, add_adapters
 from difftune.cli import main
 from difftune.config import ModelConfig, load_config
@@ -205,7 +206,7 @@ def test_kohya_dora_scale_follows_the_dora_formula(tiny_base, tmp_path):
     _make_adapter(tiny_base, path, "dora", layout="kohya")
     kohya = load_file(path)
     merged = load_components(ModelConfig(base=str(tiny_base)))
-    export.merge_adapters(merged, [(path, 1.0)], base=str(tiny_base))
+    export.merge_adapters(merged, [(path, 1.0)])
     base = load_components(ModelConfig(base=str(tiny_base)))
     name = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
     key = "lora_unet_" + name.replace(".", "_")
@@ -221,7 +222,7 @@ def test_training_can_write_kohya_directly(make_config, tiny_base, tmp_path):
 
     result_path = train(make_config(export__format="kohya", train__output_dir=str(tmp_path / "job"))).trained_path
     assert result_path == tmp_path / "job" / "job.safetensors"
-    assert export.is_kohya(load_file(result_path))
+    assert is_kohya(load_file(result_path))
     pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None, dtype=torch.float32)
     pipeline.load_lora_weights(str(result_path.parent), weight_name=result_path.name)
     assert any("lora_A" in k for k in pipeline.unet.state_dict())

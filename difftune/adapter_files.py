@@ -1,0 +1,165 @@
+"""Reading LoRA / DoRA files from any tool into one form: difftune's diffusers layout and a peft config per part.
+
+What people share, and how each is read:
+- difftune's own files, and diffusers' with peft's `LoraConfig` in the `lora_adapter_metadata` metadata
+  (`save_lora_weights(..., unet_lora_adapter_metadata=...)`): keys `unet.<module>.lora_A.weight`, ...;
+  rank, alpha and DoRA are read from the metadata.
+- diffusers' files without that metadata, as its example training scripts write them
+  (`convert_state_dict_to_diffusers`: `unet.<module>.lora.down.weight`, text encoder
+  `...lora_linear_layer.down.weight`, older `to_q_lora.down` processor keys), and files saved from a lone
+  model (`unet.save_lora_adapter`, peft's `base_model.model.` prefix), which are the UNet's: keys go
+  through diffusers' own converters to peft's names.
+- kohya sd-scripts / A1111 / ComfyUI files (`lora_unet_*`, `lora_te_*`, `.alpha`, `.dora_scale`):
+  kohya.py, with the base model's module names.
+Without metadata, the rank of each module is its `lora_A`'s row count (the most common one is `r`, the rest
+go to `rank_pattern`) and alpha is the file's `.alpha` where it has one, else the rank (diffusers' own rule).
+A key that fits none of these stops the read, naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+from diffusers.utils.state_dict_utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from difftune.adapters import DORA_MAGNITUDE, derived_lora_configs
+from difftune.errors import DifftuneError
+from difftune.kohya import from_kohya, split_adapter_key
+
+CONFIG_METADATA_KEY = "difftune_config"
+PARTS = ("unet", "text_encoder")
+KOHYA_PREFIXES = ("lora_unet_", "lora_te_")
+# Prefixes of a file saved from one model rather than a pipeline: its keys are the UNet's.
+LONE_MODEL_PREFIXES = ("base_model.model.",)
+
+ModuleNames = Callable[[], dict[str, list[str]]]  # "unet" / "text_encoder" -> dotted names of adaptable modules
+
+
+def read_adapter(path: Path, module_names: ModuleNames | None = None) -> tuple[dict, dict, str]:
+    """An adapter file of any layout above -> (difftune-layout tensors, peft configs by part, difftune config TOML
+    or "" when another tool made it). `module_names` gives the base model's module names, needed for a kohya
+    file only (a `_`-joined name cannot be split without them), and called only then."""
+    path = Path(path)
+    if not path.is_file():
+        raise DifftuneError(f"adapter {path}: no such file")
+    try:
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        tensors = load_file(path)
+    except Exception as err:  # safetensors raises its own error kinds for a file that is not safetensors
+        raise DifftuneError(f"adapter {path}: not a readable safetensors file ({err})") from None
+    if not tensors:
+        raise DifftuneError(f"adapter {path}: holds no tensors")
+    config_toml = metadata.get(CONFIG_METADATA_KEY, "")
+    if is_kohya(tensors):
+        if module_names is None:
+            raise DifftuneError(
+                f"adapter {path}: a kohya-layout file names modules with `_` for `.`; give the base model it was "
+                f"trained on (--base) to read them"
+            )
+        try:
+            tensors, lora_configs = from_kohya(tensors, module_names())
+        except ValueError as err:
+            raise DifftuneError(f"adapter {path}: {err}") from None
+        return tensors, lora_configs, config_toml
+    tensors, alphas = _from_diffusers(tensors, path)
+    if LORA_ADAPTER_METADATA_KEY in metadata:
+        lora_configs = json.loads(metadata[LORA_ADAPTER_METADATA_KEY])
+        missing = [part for part in _parts(tensors) if f"{part}.r" not in lora_configs]
+        if missing:
+            raise DifftuneError(f"adapter {path}: its `{LORA_ADAPTER_METADATA_KEY}` metadata has no config for {missing[0]}")
+    else:
+        lora_configs = _configs_from_shapes(tensors, alphas)
+    return tensors, lora_configs, config_toml
+
+
+def is_kohya(tensors: dict) -> bool:
+    return any(key.startswith(KOHYA_PREFIXES) for key in tensors)
+
+
+def check_modules(tensors: dict, module_names: dict[str, list[str]], path: Path) -> None:
+    """Every adapted module must exist in the base: diffusers would otherwise drop the rest with a log line."""
+    known = {part: set(names) for part, names in module_names.items()}
+    for key in tensors:
+        part, _, rest = key.partition(".")
+        module, _ = split_adapter_key(rest)
+        if module not in known.get(part, ()):
+            raise DifftuneError(
+                f"adapter {path}: {key}: the base model's {part} has no module {module!r}; is this adapter for this model?"
+            )
+
+
+def _from_diffusers(tensors: dict, path: Path) -> tuple[dict, dict]:
+    """diffusers/peft keys (any generation) -> `<part>.<module>.lora_A.weight`, ...; and `.alpha` values by part."""
+    by_part: dict[str, dict] = {}
+    for key, value in tensors.items():
+        for prefix in LONE_MODEL_PREFIXES:
+            key = key.removeprefix(prefix)
+        part, _, rest = key.partition(".")
+        if part not in PARTS:
+            part, rest = "unet", key  # a lone model's file
+        by_part.setdefault(part, {})[rest] = value
+    out, alphas = {}, {}
+    for part, state in by_part.items():
+        for rest, value in _to_peft_names(part, state).items():
+            if rest.endswith(".alpha"):
+                alphas.setdefault(part, {})[_text_module(part, rest.removesuffix(".alpha"))] = float(value)
+                continue
+            try:
+                module, kind = split_adapter_key(rest)
+            except ValueError:
+                raise DifftuneError(
+                    f"adapter {path}: cannot place key {part}.{rest}: not a LoRA/DoRA tensor of a known layout "
+                    f"(diffusers/peft lora_A/lora_B, lora.down/lora.up, kohya lora_down/lora_up)"
+                ) from None
+            kind = f"{DORA_MAGNITUDE}.weight" if kind.startswith(DORA_MAGNITUDE) else kind
+            out[f"{part}.{_text_module(part, module)}.{kind}"] = value
+    return out, alphas
+
+
+def _to_peft_names(part: str, state: dict) -> dict:
+    """diffusers' own converters: older diffusers names -> peft's (peft names pass through unchanged)."""
+    if part == "unet":
+        return convert_unet_state_dict_to_peft(state)
+    try:
+        return convert_state_dict_to_peft(state)
+    except ValueError:  # "could not infer the type": already peft names
+        return state
+
+
+def _text_module(part: str, module: str) -> str:
+    # transformers 5's CLIPTextModel has no `text_model.` level; files from older versions carry it.
+    return module.removeprefix("text_model.") if part == "text_encoder" else module
+
+
+def _parts(tensors: dict) -> list[str]:
+    return sorted({key.partition(".")[0] for key in tensors})
+
+
+def _configs_from_shapes(tensors: dict, alphas: dict) -> dict:
+    ranks: dict[str, dict[str, int]] = {}
+    dora: dict[str, bool] = {}
+    for key, value in tensors.items():
+        part, _, rest = key.partition(".")
+        module, kind = split_adapter_key(rest)
+        if kind == "lora_A.weight":
+            ranks.setdefault(part, {})[module] = value.shape[0]
+        elif kind.startswith(DORA_MAGNITUDE):
+            dora[part] = True
+    return derived_lora_configs(ranks, alphas, dora)
+
+
+def module_names_of(components) -> dict[str, list[str]]:
+    """The adaptable (linear and convolution) modules of a base's UNet and text encoder, by part. A module that
+    already carries a peft adapter is named as in the base (peft moves the original to `<name>.base_layer`)."""
+    names = {}
+    for part, model in (("unet", components.unet), ("text_encoder", components.text_encoder)):
+        layers = [name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))]
+        names[part] = [name.removesuffix(".base_layer") for name in layers if ".lora_" not in name]
+    return names

@@ -1,0 +1,190 @@
+"""Adapters made by other tools: diffusers' own save functions, kohya-style files; read, converted, merged, sampled."""
+
+import json
+
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline
+from diffusers.utils.state_dict_utils import convert_state_dict_to_diffusers
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from difftune import export
+from difftune.adapter_files import read_adapter
+from difftune.cli import main
+from difftune.config import ModelConfig
+from difftune.errors import DifftuneError
+from difftune.models import load_components
+
+from conftest import unet_inputs
+
+RANK, ALPHA = 4, 8.0
+
+
+def _randomized_lora(tiny_base, seed=0):
+    """The tiny base with random (non-identity) LoRAs on the UNet and text encoder, as a diffusers user makes them."""
+    components = load_components(ModelConfig(base=str(tiny_base)))
+    unet_config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["to_q", "to_k", "to_v", "to_out.0", "conv1"])
+    # All four projections: diffusers' kohya reader tells the text encoder's key style by `out_proj` being there.
+    text_config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["q_proj", "k_proj", "v_proj", "out_proj"])
+    components.unet.add_adapter(unet_config)
+    components.text_encoder.add_adapter(text_config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in [*components.unet.named_parameters(), *components.text_encoder.named_parameters()]:
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return components, unet_config, text_config
+
+
+def _save_as_diffusers_example(components, folder, unet_config=None, text_config=None):
+    """What diffusers' LoRA training examples write: `convert_state_dict_to_diffusers` keys, `save_lora_weights`."""
+    StableDiffusionPipeline.save_lora_weights(
+        folder,
+        unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(components.unet)),
+        text_encoder_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(components.text_encoder)),
+        unet_lora_adapter_metadata=unet_config.to_dict() if unet_config else None,
+        text_encoder_lora_adapter_metadata=text_config.to_dict() if text_config else None,
+        safe_serialization=True,
+    )
+    return folder / "pytorch_lora_weights.safetensors"
+
+
+def _outputs(unet, text_encoder, tokenizer):
+    latents, timesteps, states = unet_inputs(unet)
+    ids = tokenizer(["a red circle"], padding="max_length", return_tensors="pt").input_ids
+    with torch.no_grad():
+        return unet(latents, timesteps, states).sample, text_encoder(ids)[0]
+
+
+def _diffusers_reference(tiny_base, path):
+    """diffusers' own reader of `path`: the independent check of what the file means."""
+    pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None, dtype=torch.float32)
+    pipeline.load_lora_weights(str(path.parent), weight_name=path.name)
+    return _outputs(pipeline.unet, pipeline.text_encoder, pipeline.tokenizer)
+
+
+def _difftune_outputs(tiny_base, path):
+    components = load_components(ModelConfig(base=str(tiny_base)))
+    export.apply_adapters(components, [(path, 1.0)])
+    return _outputs(components.unet, components.text_encoder, components.tokenizer)
+
+
+def _assert_close(a, b, atol=1e-5):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=atol)
+
+
+@pytest.mark.parametrize("with_metadata", [False, True])
+def test_diffusers_saved_lora_reads_as_diffusers_reads_it(tiny_base, tmp_path, with_metadata):
+    adapted, unet_config, text_config = _randomized_lora(tiny_base)
+    configs = (unet_config, text_config) if with_metadata else ()
+    path = _save_as_diffusers_example(adapted, tmp_path, *configs)
+    tensors, lora_configs, config_toml = read_adapter(path)
+    assert config_toml == ""
+    assert lora_configs["unet.r"] == RANK and lora_configs["text_encoder.r"] == RANK
+    # Without metadata diffusers takes alpha = rank, and so do we; with it, the file's alpha.
+    assert lora_configs["unet.lora_alpha"] == (ALPHA if with_metadata else RANK)
+    assert all(k.endswith(("lora_A.weight", "lora_B.weight")) for k in tensors)
+    _assert_close(_difftune_outputs(tiny_base, path), _diffusers_reference(tiny_base, path))
+    if with_metadata:  # the file says what the trained model was: both readers reproduce it
+        _assert_close(_difftune_outputs(tiny_base, path), _outputs(adapted.unet, adapted.text_encoder, adapted.tokenizer))
+
+
+def test_diffusers_saved_lora_converts_to_kohya_and_back_losslessly(tiny_base, tmp_path):
+    adapted, unet_config, text_config = _randomized_lora(tiny_base)
+    original = _save_as_diffusers_example(adapted, tmp_path, unet_config, text_config)
+    kohya, back = tmp_path / "kohya.safetensors", tmp_path / "back.safetensors"
+    assert main(["convert", str(original), str(kohya), "--to", "kohya", "--base", str(tiny_base)]) == 0
+    assert main(["convert", str(kohya), str(back), "--to", "diffusers", "--base", str(tiny_base)]) == 0
+    before, before_configs, _ = read_adapter(original)
+    after, after_configs, _ = read_adapter(back)
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    for field in ("r", "lora_alpha", "use_dora"):
+        assert before_configs[f"unet.{field}"] == after_configs[f"unet.{field}"]
+    with safe_open(kohya, framework="pt") as handle:
+        metadata = handle.metadata()
+    assert metadata["ss_network_dim"] == str(RANK) and metadata["ss_network_alpha"] == str(ALPHA)
+    assert metadata["ss_sd_model_name"] == str(tiny_base) and "ss_max_train_steps" not in metadata
+    # diffusers' own kohya reader, on our kohya file, gives what the original file gives.
+    _assert_close(_diffusers_reference(tiny_base, kohya), _diffusers_reference(tiny_base, original))
+
+
+def _hand_built_kohya(tiny_base, path, dtype=torch.float16):
+    """A kohya sd-scripts style file built key by key: fp16, `.alpha` != rank, text encoder `lora_te_text_model_*`,
+    no metadata at all."""
+    components = load_components(ModelConfig(base=str(tiny_base)))
+    generator = torch.Generator().manual_seed(5)
+    tensors = {}
+    unet_linears = [n for n, m in components.unet.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(("to_k", "to_out.0"))]
+    text_linears = [n for n, m in components.text_encoder.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(("k_proj", "out_proj"))]
+    for prefix, model, names in (("lora_unet_", components.unet, unet_linears), ("lora_te_text_model_", components.text_encoder, text_linears)):
+        for name in names:
+            layer = model.get_submodule(name)
+            key = prefix + name.replace(".", "_")
+            tensors[f"{key}.lora_down.weight"] = (torch.randn(RANK, layer.in_features, generator=generator) * 0.3).to(dtype)
+            tensors[f"{key}.lora_up.weight"] = (torch.randn(layer.out_features, RANK, generator=generator) * 0.3).to(dtype)
+            tensors[f"{key}.alpha"] = torch.tensor(2.0, dtype=dtype)
+    save_file(tensors, path)
+    return path
+
+
+def test_hand_built_kohya_file_reads_as_diffusers_reads_it(tiny_base, tmp_path):
+    path = _hand_built_kohya(tiny_base, tmp_path / "shared.safetensors")
+    with pytest.raises(DifftuneError, match=r"needs --base"):
+        export.convert_adapter(path, tmp_path / "x.safetensors", "diffusers")
+    tensors, lora_configs, _ = export.read_any_adapter(path, str(tiny_base))
+    assert lora_configs["unet.r"] == RANK and lora_configs["unet.lora_alpha"] == 2.0
+    assert lora_configs["text_encoder.lora_alpha"] == 2.0
+    _assert_close(_difftune_outputs(tiny_base, path), _diffusers_reference(tiny_base, path), atol=1e-3)
+
+
+def test_merge_sample_average_and_eval_take_other_tools_files(tiny_base, tmp_path):
+    adapted, _, _ = _randomized_lora(tiny_base)
+    diffusers_file = _save_as_diffusers_example(adapted, tmp_path)
+    kohya_file = _hand_built_kohya(tiny_base, tmp_path / "kohya.safetensors")
+    base = str(tiny_base)
+    assert main(["merge", "--base", base, "--adapter", str(diffusers_file), "--adapter", f"{kohya_file}:0.5",
+                 "--out", str(tmp_path / "merged")]) == 0
+    merged = StableDiffusionPipeline.from_pretrained(tmp_path / "merged", safety_checker=None)
+    reference = load_components(ModelConfig(base=base))
+    export.apply_adapters(reference, [(diffusers_file, 1.0), (kohya_file, 0.5)])
+    _assert_close(_outputs(merged.unet, merged.text_encoder, merged.tokenizer),
+                  _outputs(reference.unet, reference.text_encoder, reference.tokenizer), atol=1e-4)
+    assert main(["sample", "--base", base, "--adapter", str(kohya_file), "--prompt", "a red circle", "--steps", "2",
+                 "--resolution", "32", "--out", str(tmp_path / "samples")]) == 0
+    assert (tmp_path / "samples" / "000.png").is_file()
+    second = _save_as_diffusers_example(_randomized_lora(tiny_base, seed=1)[0], tmp_path / "second")
+    assert main(["average", str(diffusers_file), str(second), "--out", str(tmp_path / "avg.safetensors")]) == 0
+    averaged = load_file(tmp_path / "avg.safetensors")
+    first_tensors, second_tensors = read_adapter(diffusers_file)[0], read_adapter(second)[0]
+    for key, value in averaged.items():
+        torch.testing.assert_close(value, (first_tensors[key] + second_tensors[key]) / 2)
+    report = tmp_path / "eval.json"
+    assert main(["eval", "--base", base, "--adapter", str(kohya_file), "--samples-per-prompt", "1", "--steps", "2",
+                 "--out", str(report)]) == 0
+    assert "after" in json.loads(report.read_text())
+
+
+def test_keys_that_cannot_be_placed_are_named(tiny_base, tmp_path):
+    unknown_kind = tmp_path / "loha.safetensors"
+    save_file({"unet.down_blocks.0.attentions.0.proj_in.hada_w1_a": torch.ones(2, 2)}, unknown_kind)
+    with pytest.raises(DifftuneError, match=r"cannot place key unet\.down_blocks\.0\.attentions\.0\.proj_in\.hada_w1_a"):
+        read_adapter(unknown_kind)
+    other_model = tmp_path / "other.safetensors"
+    save_file({"unet.mid_block.no_such.to_q.lora_A.weight": torch.ones(4, 8),
+               "unet.mid_block.no_such.to_q.lora_B.weight": torch.zeros(8, 4)}, other_model)
+    with pytest.raises(DifftuneError, match=r"unet\.mid_block\.no_such\.to_q\.lora_A\.weight: the base model's unet has no module"):
+        export.apply_adapters(load_components(ModelConfig(base=str(tiny_base))), [(other_model, 1.0)])
+    kohya_other = tmp_path / "kohya_other.safetensors"
+    save_file({"lora_unet_no_such_block_to_q.lora_down.weight": torch.ones(4, 8)}, kohya_other)
+    with pytest.raises(DifftuneError, match=r"lora_unet_no_such_block_to_q\.lora_down\.weight: no module"):
+        export.read_any_adapter(kohya_other, str(tiny_base))
+    not_safetensors = tmp_path / "adapter.safetensors"
+    not_safetensors.write_bytes(b"PK\x03\x04 a zip, not safetensors")
+    with pytest.raises(DifftuneError, match=r"not a readable safetensors file"):
+        read_adapter(not_safetensors)
