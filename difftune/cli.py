@@ -23,7 +23,7 @@ def _keys_help() -> str:
 
 
 # `[sample]` fields that only mean something inside a training run: not offered by `difftune sample`.
-TRAINING_ONLY_SAMPLE_FIELDS = ("every_steps", "before")
+TRAINING_ONLY_SAMPLE_FIELDS = ("every_steps", "before", "parity")
 
 
 def _parse_bool(text: str) -> bool:

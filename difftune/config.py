@@ -17,6 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from difftune.errors import DifftuneError
 
 
+# Which fields are paths. In a config file, a relative path is relative to that file; on the command line (and
+# in defaults), to the working directory; the resolved config holds absolute paths. A `model` path that does not
+# exist there is left as it is: a Hugging Face hub id.
+PATH_LOCAL = {"path": "local"}
+PATH_MODEL = {"path": "model"}
+
+
 class Section(BaseModel):
     # strict: a TOML string "100" for an integer is a mistake worth reporting, not coercing.
     model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
@@ -25,14 +32,14 @@ class Section(BaseModel):
 class ModelConfig(Section):
     base: str = Field(
         "models/tiny-sd",
-        description="Base model: a local diffusers folder, a Hugging Face hub id (needs network), "
+        json_schema_extra=PATH_MODEL, description="Base model: a local diffusers folder, a Hugging Face hub id (needs network), "
         "or a single-file .safetensors checkpoint.",
     )
     revision: str = Field("", description="Hub revision (branch, tag or commit) of `base`; empty for the default.")
     variant: str = Field("", description="Weight variant to load from a diffusers folder, e.g. `fp16`; empty for the default.")
     single_file_config: str = Field(
         "",
-        description="For a single-file `base`: a diffusers folder or hub id whose configs describe its "
+        json_schema_extra=PATH_MODEL, description="For a single-file `base`: a diffusers folder or hub id whose configs describe its "
         "architecture. Offline, pass a local folder here.",
     )
     allow_pickled_checkpoint: bool = Field(
@@ -42,7 +49,7 @@ class ModelConfig(Section):
     )
     vae: str = Field(
         "",
-        description="Autoencoder that turns images into latents: empty for the base model's own KL VAE, or "
+        json_schema_extra=PATH_MODEL, description="Autoencoder that turns images into latents: empty for the base model's own KL VAE, or "
         "a folder/hub id of another `AutoencoderKL` or of TAESD (`AutoencoderTiny`).",
     )
     weight_dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
@@ -55,7 +62,7 @@ class ModelConfig(Section):
 class DataConfig(Section):
     path: str = Field(
         "examples/purple",
-        description="Image folder: images with same-stem caption files, or a `metadata.jsonl` with "
+        json_schema_extra=PATH_LOCAL, description="Image folder: images with same-stem caption files, or a `metadata.jsonl` with "
         "`file_name` and `text`. Subfolders named `N_name` are repeated N times per epoch (kohya).",
     )
     resolution: int = Field(512, ge=8, description="Training size in pixels: images are resized (shorter side) and cropped to a square.")
@@ -189,7 +196,7 @@ class OptimConfig(Section):
 
 
 class TrainConfig(Section):
-    output_dir: str = Field("output/run", description="Where the adapter, resolved config, metrics and samples are written.")
+    output_dir: str = Field("output/run", json_schema_extra=PATH_LOCAL, description="Where the adapter, resolved config, metrics and samples are written.")
     overwrite: bool = Field(False, description="Allow writing into an output_dir that already holds a finished run.")
     max_steps: int = Field(1000, ge=1, description="Optimizer steps to train.")
     batch_size: int = Field(1, ge=1, description="Images per process per micro-step.")
@@ -256,7 +263,7 @@ class GuardConfig(Section):
 
 class ValidationConfig(Section):
     path: str = Field(
-        "", description="Held-out image folder (same layouts as `data.path`); empty disables validation loss."
+        "", json_schema_extra=PATH_LOCAL, description="Held-out image folder (same layouts as `data.path`); empty disables validation loss."
     )
     every_steps: int = Field(100, ge=1, description="Compute the validation loss every N optimizer steps, and at the end.")
     timesteps: list[int] = Field(
@@ -282,8 +289,14 @@ class SampleConfig(Section):
     )
     decoder: str = Field(
         "",
-        description="Autoencoder that decodes samples: empty for the model's own; a folder/hub id of TAESD "
+        json_schema_extra=PATH_MODEL, description="Autoencoder that decodes samples: empty for the model's own; a folder/hub id of TAESD "
         "(`AutoencoderTiny`) for fast previews.",
+    )
+    parity: bool = Field(
+        True,
+        description="After the final save, reload the saved result into a fresh pipeline (each adapter layout), draw "
+        "the first prompt's first image again and record its largest pixel difference from the in-training sample "
+        "in parity.json; warn above 2/255.",
     )
 
 
@@ -297,7 +310,7 @@ class CacheConfig(Section):
         False, description="Encode each caption once and reuse it. Needs the text encoder frozen (`adapter.text_encoder = false`)."
     )
     dir: str = Field(
-        "", description="Cache folder, shared by runs and processes; empty: $XDG_CACHE_HOME/difftune or ~/.cache/difftune."
+        "", json_schema_extra=PATH_LOCAL, description="Cache folder, shared by runs and processes; empty: $XDG_CACHE_HOME/difftune or ~/.cache/difftune."
     )
     memory_mb: int = Field(
         1024, ge=0, description="Keep cache entries in RAM once read, up to this many MB per data-loader process, so "
@@ -379,7 +392,8 @@ class Config(Section):
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Read a TOML file (or start from defaults), apply `section.key=value` overrides, validate."""
+    """Read a TOML file (or start from defaults), apply `section.key=value` overrides, validate. Paths in the
+    file are taken relative to the file, the rest relative to the working directory; all come back absolute."""
     source = str(path) if path else "defaults"
     data: dict[str, Any] = {}
     if path:
@@ -389,14 +403,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise DifftuneError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as err:
             raise DifftuneError(f"{path}: not valid TOML: {err}") from None
+        _resolve_path_values(data, Path(path).resolve().parent)
     for override in overrides:
         key, value = _parse_override(override)
         section, _, name = key.partition(".")
         data.setdefault(section, {})[name] = value
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as err:
         raise DifftuneError(describe_errors(source, err)) from None
+    return absolute_paths(config, Path.cwd())
+
+
+def absolute_paths(config: Config, base_dir: Path) -> Config:
+    """A copy whose relative paths are made absolute against `base_dir` (what a job file written elsewhere needs)."""
+    data = config.model_dump(mode="json")
+    _resolve_path_values(data, base_dir)
+    return Config.model_validate(data)
+
+
+def _resolve_path_values(data: dict, base_dir: Path) -> None:
+    """Rewrite, in place, the relative path values of raw config data against `base_dir` (see PATH_LOCAL)."""
+    for section, section_field in Config.model_fields.items():
+        values = data.get(section)
+        if not isinstance(values, dict):
+            continue
+        for name, field in section_field.annotation.model_fields.items():
+            kind = (field.json_schema_extra or {}).get("path")
+            value = values.get(name)
+            if not kind or not isinstance(value, str) or not value or Path(value).is_absolute():
+                continue
+            candidate = (base_dir / Path(value).expanduser()).resolve()
+            if kind == "local" or candidate.exists():
+                values[name] = str(candidate)
 
 
 def _parse_override(override: str) -> tuple[str, Any]:

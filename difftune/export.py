@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import tomllib
 from pathlib import Path
 
 import torch
@@ -92,8 +93,13 @@ def read_any_adapter(path: Path, base: str | None = None, components: Components
 
 
 def _kohya_base_name(path: Path) -> str:
+    """The base a kohya file was trained on: difftune's own config in it names it in full (kohya's
+    `ss_sd_model_name` holds only a local base's folder name), else `ss_sd_model_name`."""
     with safe_open(path, framework="pt") as handle:
-        return (handle.metadata() or {}).get("ss_sd_model_name", "")
+        metadata = handle.metadata() or {}
+    if CONFIG_METADATA_KEY in metadata:
+        return tomllib.loads(metadata[CONFIG_METADATA_KEY])["model"]["base"]
+    return metadata.get("ss_sd_model_name", "")
 
 
 def convert_adapter(source: Path, target: Path, layout: str, base: str | None = None) -> Path:

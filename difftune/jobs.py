@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 
 from difftune.checkpoint import StopRequest, complete_checkpoints
-from difftune.config import Config, load_config
+from difftune.config import Config, absolute_paths, load_config
 from difftune.errors import DifftuneError
 from difftune.export import trained_path
 from difftune.metrics import METRICS_FILE
@@ -81,7 +81,7 @@ def launch_job(config: Config, jobs_dir: Path, name: str) -> Job:
     if job_dir.exists():
         raise DifftuneError(f"job folder {job_dir} already exists; wait a second or choose another name")
     job_dir.mkdir(parents=True)
-    config = config.model_copy(deep=True)
+    config = absolute_paths(config, Path.cwd())  # job.toml lives in the job folder: its paths must not move with it
     config.train.output_dir = str(job_dir)
     (job_dir / JOB_CONFIG).write_text(config.to_toml(), encoding="utf-8")
     return _start(Job(job_dir), resume=False, cwd=Path.cwd())
@@ -119,6 +119,22 @@ def log_tail(job: Job, max_chars: int = 6000) -> str:
         log.seek(max(0, path.stat().st_size - max_chars))
         text = log.read().decode("utf-8", errors="replace")
     return "\n".join(line.rstrip("\r").split("\r")[-1] for line in text.split("\n"))
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")
+
+
+def failure_reason(job: Job) -> str:
+    """Why a failed job stopped, from its log: difftune's own error line, else the exception a traceback ends
+    with, else the log's last line."""
+    lines = [line.strip() for line in log_tail(job, max_chars=20000).splitlines() if line.strip()]
+    for prefix in ("difftune: error: ", None):
+        for line in reversed(lines):
+            if prefix and line.startswith(prefix):
+                return line.removeprefix(prefix)
+            if not prefix and _EXCEPTION_LINE.match(line):
+                return line
+    return lines[-1] if lines else "no log was written"
 
 
 def read_progress(job: Job) -> list[dict]:

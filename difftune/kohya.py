@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from pathlib import Path
 
 import torch
 
@@ -109,7 +110,10 @@ def kohya_metadata(config_toml: str, lora_configs: dict, base: str = "", base_mo
         "ss_output_name": "difftune",
     }
     if base or config:
-        metadata["ss_sd_model_name"] = config["model"]["base"] if config else base
+        # As kohya's scripts write it: a local base by its folder or file name (no one's home path in a shared
+        # file), a hub id as it is.
+        name = config["model"]["base"] if config else base
+        metadata["ss_sd_model_name"] = Path(name).name if Path(name).exists() else name
     if config:
         metadata |= {
             "ss_resolution": f"({config['data']['resolution']}, {config['data']['resolution']})",

@@ -12,9 +12,11 @@ The same factors, inverted, decode: `decoded = vae.decode(latents / scaling_fact
 from __future__ import annotations
 
 import importlib.util
+import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
@@ -25,6 +27,8 @@ from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 
 VAE_CLASSES = {"AutoencoderKL": AutoencoderKL, "AutoencoderTiny": AutoencoderTiny}
+PICKLED_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+SINGLE_FILE_SUFFIXES = (".safetensors", *PICKLED_SUFFIXES)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -41,14 +45,14 @@ class Components:
 def load_components(config: ModelConfig) -> Components:
     """Everything training needs from `config.base` (and `config.vae`), in fp32 on the CPU."""
     base = config.base
-    pickled = base.endswith((".ckpt", ".pt", ".pth", ".bin"))
+    pickled = base.endswith(PICKLED_SUFFIXES)
     if pickled and not config.allow_pickled_checkpoint:
         raise DifftuneError(
             f"model.base {base}: a pickle-based checkpoint is not read by default (pickles can run code); convert it "
             f"to .safetensors or a diffusers folder, or set model.allow_pickled_checkpoint = true (read tensors-only)"
         )
     with _explained_load_errors("model.base", base), _quiet_loading():
-        if pickled or base.endswith(".safetensors"):
+        if base.endswith(SINGLE_FILE_SUFFIXES):
             components = _load_single_file(config)
         else:
             options = {"revision": config.revision or None, "variant": config.variant or None}
@@ -133,10 +137,36 @@ def _quiet_loading():
             diffusers_logging.enable_progress_bar()
 
 
+def hub_unavailable(name: str) -> str | None:
+    """Why `name`, not a local path, cannot come from the Hugging Face hub now (offline mode on, or the hub
+    unreachable), or None. Asked once, at once: the hub client would otherwise retry for about 30 s before
+    failing. A copy already in the local hub cache needs no hub."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        if any(isinstance(try_to_load_from_cache(name, f), str) for f in ("model_index.json", "config.json")):
+            return None
+    except HFValidationError:
+        return None  # not a hub id at all: the loader's own error says so
+    if constants.HF_HUB_OFFLINE:
+        return "offline mode is on (HF_HUB_OFFLINE)"
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=5).close()
+    except OSError as err:
+        return f"{constants.ENDPOINT} is unreachable ({err})"
+    return None
+
+
 @contextmanager
 def _explained_load_errors(key: str, name: str):
     """Turn a failed load into a message that says what was tried and what to pass instead."""
     try:
+        if not Path(name).exists() and not name.endswith(SINGLE_FILE_SUFFIXES):
+            reason = hub_unavailable(name)
+            if reason:
+                raise OSError(reason)
         yield
     except DifftuneError:
         raise

@@ -61,6 +61,7 @@ from difftune.models import (
     weight_dtype,
 )
 from difftune.optim import build_lr_scheduler, build_optimizer
+from difftune.parity import check_parity, write_report
 from difftune.sample import generate_images, save_images
 from difftune.validation import Validator
 
@@ -363,7 +364,13 @@ def _save_results(components, parameters, ema, config: Config, output_dir: Path,
         export.write_adapter(export.trained_path(config, output_dir, "_avg"), tensors, lora_configs, config_toml, config.export.format)
     if config.sample.prompts:
         with accelerator.autocast():
-            save_images(generate_images(components, config.sample, accelerator.device), config.sample, output_dir / "samples")
+            samples = generate_images(components, config.sample, accelerator.device)
+        save_images(samples, config.sample, output_dir / "samples")
+        if config.sample.parity:
+            dtype = weight_dtype(config.model.weight_dtype, config.train.mixed_precision)
+            report = check_parity(config, trained_path, samples[0], accelerator.device, dtype, accelerator.autocast)
+            for warning in write_report(report, output_dir):
+                accelerator.print(f"difftune: warning: {warning}")
     if ema:
         with ema_weights(ema, parameters):
             export.save_trained(components, config, export.trained_path(config, output_dir, "_ema"))

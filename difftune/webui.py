@@ -98,7 +98,7 @@ def build_app(jobs_dir: Path, configs_dir: Path) -> gr.Blocks:
             return f"Launched **{job.name}**", gr.update(choices=_job_names(jobs_dir), value=job.name), gr.Tabs(selected="train")
 
         launch.click(launch_job, [job_name, *widgets], [launch_message, job_picker, tabs])
-        app.load(lambda: gr.update(choices=_job_names(jobs_dir)), None, job_picker)
+        app.load(lambda: _job_choices(jobs_dir), None, job_picker)
     return app
 
 
@@ -191,9 +191,12 @@ def _train_tab(jobs_dir: Path):
             return [_error(err)] + [None] * len(PLOTTED) + [[], ""]
         rows = jobs.read_progress(job)
         step = rows[-1]["step"] if rows else 0
-        summary = f"**{job.status()}** · step {step} / {max_steps} ({100 * step // max_steps}%)"
+        status = job.status()
+        summary = f"**{status}** · step {step} / {max_steps} ({100 * step // max_steps}%)"
         if rows:
             summary += f" · loss {rows[-1]['loss']:.4f} · {1 / rows[-1]['seconds']:.2f} steps/s"
+        if status == "failed":
+            summary += f"\n\n{jobs.failure_reason(job)}"
         frame = pd.DataFrame(rows, columns=["step", *PLOTTED]) if rows else None
         frames = [frame[["step", column]] if frame is not None else None for column in PLOTTED]
         grids = [(str(path), str(path.parent.relative_to(job.dir))) for path in jobs.preview_grids(job)]
@@ -210,7 +213,7 @@ def _train_tab(jobs_dir: Path):
     outputs = [status, *plots, previews, log]
     job_picker.change(show, job_picker, outputs)
     gr.Timer(2.0).tick(show, job_picker, outputs)
-    refresh.click(lambda: gr.update(choices=_job_names(jobs_dir)), None, job_picker)
+    refresh.click(lambda name: gr.update(choices=_job_names(jobs_dir), value=name), job_picker, job_picker)
     stop.click(lambda name: act(jobs.stop_job, name), job_picker, None)
     resume.click(lambda name: act(jobs.resume_job, name), job_picker, None)
     return job_picker
@@ -218,6 +221,12 @@ def _train_tab(jobs_dir: Path):
 
 def _job_names(jobs_dir: Path) -> list[str]:
     return [job.name for job in jobs.find_jobs(jobs_dir)]
+
+
+def _job_choices(jobs_dir: Path):
+    """The job list as the page opens: every job, the newest selected."""
+    names = _job_names(jobs_dir)
+    return gr.update(choices=names, value=names[0] if names else None)
 
 
 def _job_adapters(jobs_dir: Path) -> list[str]:

@@ -1,3 +1,5 @@
+import socket
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -69,7 +71,7 @@ def test_overrides_are_read_as_the_field_type():
         ],
     )
     assert config.adapter.rank == 8
-    assert config.train.output_dir == "123"
+    assert config.train.output_dir == str(Path.cwd() / "123")  # text, not the number 123; a path, so absolute
     assert config.sample.prompts == ["a cat", "a dog"]
     assert config.adapter.kind == "dora"
     assert config.optim.learning_rate == pytest.approx(3e-4)
@@ -182,3 +184,53 @@ def test_device_switches_read_old_booleans_and_default_to_auto(tmp_path, value, 
     path.write_text(f"[train]\ntf32 = {value}\ncudnn_benchmark = {value}\n")
     config = load_config(path)
     assert config.train.tf32 == expected and config.train.cudnn_benchmark == expected
+
+
+def test_paths_in_a_file_are_relative_to_the_file_and_overrides_to_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "project" / "models" / "base").mkdir(parents=True)
+    (tmp_path / "project" / "jobs").mkdir()
+    job = tmp_path / "project" / "jobs" / "job.toml"
+    job.write_text(
+        '[model]\nbase = "../models/base"\nvae = "madebyollin/taesd"\n'
+        '[data]\npath = "../images"\n[train]\noutput_dir = "out"\n[cache]\ndir = "~/cache-here"\n'
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_config(job, ["validation.path=held_out"])
+    assert config.model.base == str(tmp_path / "project" / "models" / "base")
+    assert config.model.vae == "madebyollin/taesd"  # no such path beside the file: a hub id, kept as written
+    assert config.data.path == str(tmp_path / "project" / "images")  # a folder to be, still relative to the file
+    assert config.train.output_dir == str(tmp_path / "project" / "jobs" / "out")
+    assert config.cache.dir == str(Path.home() / "cache-here")
+    assert config.validation.path == str(elsewhere / "held_out")
+    # The resolved config, written anywhere, reads back the same.
+    (tmp_path / "copy.toml").write_text(config.to_toml())
+    assert load_config(tmp_path / "copy.toml") == config
+
+
+def test_the_default_job_resolves_from_any_working_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", "--config", str(REPO / "configs" / "tiny_lora.toml")]) == 0
+    resolved = tomllib.loads(capsys.readouterr().out)
+    assert resolved["model"]["base"] == str(REPO / "models" / "tiny-sd")
+    assert resolved["data"]["path"] == str(REPO / "examples" / "purple")
+    assert resolved["train"]["output_dir"] == str(REPO / "output" / "tiny_lora")
+
+
+def test_a_hub_id_fails_at_once_offline_or_unreachable(monkeypatch):
+    from huggingface_hub import constants
+
+    from difftune.config import ModelConfig
+    from difftune.models import load_components
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DifftuneError, match=r"model.base someone/no-such-model: not a local folder or file .*offline mode is on"):
+        load_components(ModelConfig(base="someone/no-such-model"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with socket.socket() as closed:  # a loopback port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(DifftuneError, match=rf"model.base someone/no-such-model: .*Cause: http://127.0.0.1:{port} is unreachable"):
+        load_components(ModelConfig(base="someone/no-such-model"))

@@ -190,3 +190,35 @@ def test_bucketed_batches_never_mix_buckets_and_repeat_under_a_seed():
     wide = [b for _, b in zip(range(6), TrainingOrder(len(buckets), 4, 1, buckets=buckets))]
     halves = [batches(seed=1, rank=r, world=2, count=6) for r in range(2)]
     assert [a + b for a, b in zip(*halves)] == wide
+
+
+def _batches(dataset, order, num_workers, count):
+    from difftune.data import build_dataloader
+
+    batches = iter(build_dataloader(dataset, order, num_workers, pin_memory=False))
+    return [next(batches) for _ in range(count)]
+
+
+def test_worker_processes_give_the_same_batches_as_none(shapes):
+    """Every random draw comes from the sample's seed, so 2 loader workers (the default) read exactly what the
+    training process alone reads: pixels after random crop and flip, captions after dropout, seeds, order."""
+    config = DataConfig(path=str(shapes), resolution=24, crop="random", random_flip=True, caption_dropout=0.5)
+    examples, _ = scan_examples(config)
+    dataset = CaptionedImages(examples, config, build_tokenizer(), train_seed=7)
+    count = 2 * len(examples) // 3 + 1  # past an epoch boundary
+    alone = _batches(dataset, TrainingOrder(len(examples), 3, seed=7), 0, count)
+    workers = _batches(dataset, TrainingOrder(len(examples), 3, seed=7), 2, count)
+    for a, b in zip(alone, workers, strict=True):
+        assert a["seed"].tolist() == b["seed"].tolist() and a["path"] == b["path"] and a["epoch"].tolist() == b["epoch"].tolist()
+        assert torch.equal(a["pixel_values"], b["pixel_values"]) and torch.equal(a["input_ids"], b["input_ids"])
+
+
+def test_training_with_workers_matches_training_without(make_config, tmp_path):
+    from difftune.metrics import read_metrics
+    from difftune.train import train
+
+    common = {"train__max_steps": 5, "data__random_flip": True, "data__caption_dropout": 0.3}
+    train(make_config(train__output_dir=str(tmp_path / "alone"), data__num_workers=0, **common))
+    train(make_config(train__output_dir=str(tmp_path / "workers"), data__num_workers=2, **common))
+    losses = [[row["loss"] for row in read_metrics(tmp_path / name)] for name in ("alone", "workers")]
+    assert losses[0] == losses[1]

@@ -267,3 +267,33 @@ def test_sample_with_a_taesd_decoder(tiny_base, tmp_path):
         assert fast.size == full.size == (32, 32)
         assert f"decoder={tmp_path / 'taesd'}" in fast.text["parameters"]
         assert list(fast.getdata()) != list(full.getdata())  # decoded by the other autoencoder
+
+
+@pytest.mark.parametrize(("kind", "layout"), [("lora", "diffusers"), ("dora", "kohya"), ("none", "diffusers")])
+def test_saved_result_reloads_to_the_in_training_sample(make_config, tmp_path, kind, layout, capsys):
+    from difftune.train import train
+
+    config = make_config(
+        adapter__kind=kind, adapter__text_encoder=True, export__format=layout, train__max_steps=4,
+        sample__prompts=["a red circle"], sample__steps=3,
+    )
+    train(config)
+    report = json.loads((tmp_path / "run" / "parity.json").read_text())
+    expected = {"model"} if kind == "none" else {"diffusers", "kohya"}
+    assert set(report["layouts"]) == expected
+    assert report["prompt"] == "a red circle" and report["seed"] == 0
+    assert all(result["max_pixel_difference"] <= report["warn_above_levels"] for result in report["layouts"].values())
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_a_reload_that_loses_the_adapter_is_reported(make_config, tmp_path, monkeypatch, capsys):
+    from difftune import parity
+    from difftune.train import train
+
+    real_apply = export.apply_adapters
+    monkeypatch.setattr(parity.export, "apply_adapters", lambda components, adapters: real_apply(components, [(p, 0.0) for p, _ in adapters]))
+    config = make_config(train__max_steps=6, sample__prompts=["a red circle"], sample__steps=3, optim__learning_rate=1e-2)
+    train(config)
+    report = json.loads((tmp_path / "run" / "parity.json").read_text())
+    assert report["layouts"]["diffusers"]["max_pixel_difference"] > report["warn_above_levels"]
+    assert "difftune: warning: the diffusers file reloaded in a fresh pipeline draws sample 000" in capsys.readouterr().out

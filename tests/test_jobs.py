@@ -60,6 +60,18 @@ def test_a_job_that_cannot_start_is_failed_with_its_error_in_the_log(make_config
     _wait_for(lambda: not job.is_running(), 120, job)
     assert job.status() == "failed" and not job.resumable()
     assert "no-such-folder" in jobs.log_tail(job)
+    assert jobs.failure_reason(job) == f"data.path {tmp_path / 'no-such-folder'} is not a folder; point it at a folder of captioned images"
+
+
+def test_a_crash_is_explained_by_the_exception_it_ended_with(tmp_path):
+    job = jobs.Job(tmp_path)
+    (tmp_path / jobs.JOB_LOG).write_text(
+        "difftune: 16 images, 1 trained parameters (lora), 1 process(es) on cpu\n"
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+        "train:  40%|####      | 4/10 [00:01<00:01]\n"
+    )
+    assert jobs.failure_reason(job) == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
 
 
 def test_job_names_are_plain(make_config, tmp_path):

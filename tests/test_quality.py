@@ -12,7 +12,7 @@ from difftune.config import ModelConfig, load_config
 from difftune.evaluate import EvalSettings, accuracy, judge, judged_samples, prompts_for
 from difftune.models import load_components
 from difftune.tiny import COLORS, SHAPES, shape_images
-from difftune.tiny_base import HELD_OUT_COLOR, SEEN_COLORS, Recipe, build_base, psnr, render_tensors, train_vae
+from difftune.tiny_base import SEEN_COLORS, Recipe, build_base, psnr, render_tensors, train_vae
 from difftune.train import train
 
 from conftest import REPO
@@ -79,17 +79,21 @@ def test_committed_base_draws_the_seen_prompts():
 
 @pytest.mark.slow
 def test_fine_tuning_teaches_the_held_out_color(tmp_path, capsys):
+    """The default job against the targets BENCHMARKS.md publishes, scored as published (8 samples per prompt):
+    base seen prompts >= 0.95 color and shape, purple <= 0.15 before and >= 0.90 for every shape after, forgetting
+    <= 0.05. The UNet-only LoRA that BENCHMARKS.md measured (forgetting 0.25) fails here."""
     config = load_config(REPO / "configs" / "tiny_lora.toml", [
         f"train.output_dir={tmp_path / 'run'}", "log.progress_bar=false", "log.tensorboard=false", "sample.prompts=[]",
-        f"data.path={REPO / 'examples' / HELD_OUT_COLOR}", f"model.base={BASE}",
     ])
     result = train(config)
     capsys.readouterr()  # the training's own messages
-    assert main(["eval", "--base", str(BASE), "--adapter", str(result.trained_path), "--samples-per-prompt", "2",
+    assert main(["eval", "--base", str(BASE), "--adapter", str(result.trained_path), "--samples-per-prompt", "8",
                  "--out", str(tmp_path / "eval.json")]) == 0
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report == json.loads(capsys.readouterr().out)
-    assert report["before"]["concept"]["both"] <= 0.2
-    assert report["after"]["concept"]["both"] >= 0.5, report["after"]["concept_by_shape"]  # measured 1.00 at 8
-    assert report["forgetting"] <= 0.25
-    assert set(report["after"]["concept_by_shape"]) == set(SHAPES) and set(COLORS) > set(SEEN_COLORS)
+    before, after = report["before"], report["after"]
+    assert before["seen"]["color"] >= 0.95 and before["seen"]["shape"] >= 0.95, before["seen"]
+    assert before["concept"]["both"] <= 0.15
+    assert all(after["concept_by_shape"][shape]["both"] >= 0.90 for shape in SHAPES), after["concept_by_shape"]
+    assert report["forgetting"] <= 0.05, report["forgetting"]
+    assert set(COLORS) > set(SEEN_COLORS)

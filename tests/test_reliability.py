@@ -82,6 +82,55 @@ def test_a_crash_while_writing_a_checkpoint_loses_nothing(make_config, tmp_path,
     assert _same_files(whole / "pytorch_lora_weights.safetensors", out / "pytorch_lora_weights.safetensors")
 
 
+# Run in a child process: training whose step-6 checkpoint write stops half-way through the trained weights and
+# waits there (announcing it in a flag file) to be killed.
+_SLOW_CHECKPOINT_WRITER = """
+import sys, time
+from pathlib import Path
+from difftune import checkpoint
+from difftune.config import load_config
+from difftune.train import train
+
+real_save_file = checkpoint.save_file
+
+def half_written_then_wait(tensors, path, *args, **kwargs):
+    real_save_file(tensors, path, *args, **kwargs)
+    if "step-000006" in str(path):
+        data = Path(path).read_bytes()
+        Path(path).write_bytes(data[: len(data) // 2])
+        Path(sys.argv[2]).write_text("writing")
+        time.sleep(600)
+
+checkpoint.save_file = half_written_then_wait
+train(load_config(sys.argv[1]))
+"""
+
+
+def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_resumable(make_config, tmp_path):
+    whole = tmp_path / "whole"
+    train(_job(make_config, whole))
+    killed = tmp_path / "killed"
+    job = tmp_path / "job.toml"
+    job.write_text(_job(make_config, killed).to_toml())
+    flag = tmp_path / "writing"
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CHECKPOINT_WRITER, str(job), str(flag)], cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 300
+    while not flag.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert flag.exists(), process.stderr.read().decode()[-2000:] if process.poll() is not None else "no checkpoint write seen"
+    os.kill(process.pid, signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL
+    assert (killed / "checkpoints" / ".tmp-step-000006" / "trained.safetensors").is_file()  # the half-written one
+    assert find_checkpoint(killed, "auto").name == "step-000004"
+    train(_job(make_config, killed), resume="auto")
+    assert _losses(killed) == _losses(whole)
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors"):
+        assert _same_files(whole / name, killed / name), name
+
+
 def test_a_checkpoint_without_its_marker_is_ignored(make_config, tmp_path):
     out = tmp_path / "run"
     train(_job(make_config, out, train__max_steps=6, ema__enabled=False))

@@ -176,6 +176,32 @@ def test_warmup_and_clipping_show_in_the_metrics(make_config):
     assert all(row["grad_norm"] > 1e-6 for row in rows)  # the norm before clipping is what is logged
 
 
+@pytest.mark.parametrize("max_grad_norm", [1e-3, 0.0])
+def test_clipping_scales_the_gradient_the_optimizer_steps_with(make_config, monkeypatch, max_grad_norm):
+    """The optimizer must see the clipped gradient: norm <= the limit when the raw norm exceeds it, the raw norm
+    when clipping is off. (The loss alone cannot show it: Adam's first steps barely depend on the gradient's scale.)"""
+    from difftune import train as train_module
+
+    seen, real_build = [], train_module.build_optimizer
+
+    def recording_optimizer(*args, **kwargs):
+        optimizer = real_build(*args, **kwargs)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        optimizer.register_step_pre_hook(
+            lambda *_: seen.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])).item())
+        )
+        return optimizer
+
+    monkeypatch.setattr(train_module, "build_optimizer", recording_optimizer)
+    result = train(make_config(train__max_steps=3, optim__max_grad_norm=max_grad_norm))
+    logged = [row["grad_norm"] for row in read_metrics(result.trained_path.parent)]
+    assert len(seen) == 3 and all(norm > 1e-3 for norm in logged)
+    if max_grad_norm:
+        assert all(norm == pytest.approx(max_grad_norm, rel=1e-3) for norm in seen), (seen, logged)
+    else:
+        assert seen == pytest.approx(logged, rel=1e-5)
+
+
 def test_refuses_to_overwrite_a_finished_run(make_config):
     config = make_config(train__max_steps=1)
     train(config)

@@ -37,15 +37,17 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`python ui/app.py` on a free port, in the repo (presets, bundled base), jobs in a temporary folder."""
+    """`python ui/app.py` on a free port, started outside the repository (presets from its configs/, whose paths
+    resolve against their own folder), jobs in a temporary folder."""
     root = tmp_path_factory.mktemp("ui")
     jobs_dir = root / "jobs"
     (root / "secret.txt").write_text(SECRET)  # next to the jobs folder: must never be served
     port = _free_port()
     log = open(root / "server.log", "wb")
     process = subprocess.Popen(
-        [sys.executable, "ui/app.py", "--port", str(port), "--jobs-dir", str(jobs_dir)],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        [sys.executable, str(REPO / "ui" / "app.py"), "--port", str(port), "--jobs-dir", str(jobs_dir),
+         "--configs-dir", str(REPO / "configs")],
+        cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     deadline = time.monotonic() + 120
     while True:
@@ -118,7 +120,8 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         page.locator("#preset input").click()
         page.get_by_role("option", name="tiny_lora").click()
         expect(page.locator("#config-message")).to_contain_text("Loaded tiny_lora.toml")
-        expect(page.locator("#field-data-path textarea, #field-data-path input").first).to_have_value("examples/purple")
+        data_path = page.locator("#field-data-path textarea, #field-data-path input").first
+        expect(data_path).to_have_value(str(REPO / "examples" / "purple"))  # the preset's path, from its own folder
         max_steps = page.locator("#field-train-max_steps input")
         max_steps.fill("0")
         max_steps.press("Tab")
@@ -180,6 +183,20 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         page.locator("#merge").click()
         expect(page.locator("#merge-message")).to_contain_text("Wrote", timeout=120_000)
         page.screenshot(path=str(shots / "ui_export.png"))
+
+        # Reopened, the page shows the newest job at once; a job that fails says why in its status line.
+        page.goto(server["url"])
+        page.get_by_role("tab", name="Train").click()
+        expect(page.locator("#job-status")).to_contain_text("finished · step 40 / 40", timeout=30_000)
+        page.get_by_role("tab", name="Configure").click()
+        page.locator("#preset input").click()
+        page.get_by_role("option", name="tiny_lora").click()
+        expect(page.locator("#config-message")).to_contain_text("Loaded tiny_lora.toml")
+        page.locator("#field-data-path textarea, #field-data-path input").first.fill(str(tmp_path / "no-such-folder"))
+        page.locator("#job-name input, #job-name textarea").first.fill("broken")
+        page.locator("#launch").click()
+        expect(page.locator("#job-status")).to_contain_text("failed", timeout=120_000)
+        expect(page.locator("#job-status")).to_contain_text(f"data.path {tmp_path / 'no-such-folder'} is not a folder")
         browser.close()
 
     merged_dir = jobs / "exports" / "purple-merged"
