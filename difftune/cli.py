@@ -9,7 +9,7 @@ from typing import Literal, get_args, get_origin
 
 from pydantic import ValidationError
 
-from difftune.config import Config, SampleConfig, describe_errors, load_config
+from difftune.config import TRAINING_ONLY_SAMPLE_FIELDS, Config, SampleConfig, describe_errors, load_config
 from difftune.errors import DifftuneError
 from difftune.form import parse_adapter_spec
 
@@ -20,10 +20,6 @@ def _keys_help() -> str:
         for name, field in section_field.annotation.model_fields.items():
             lines.append(f"  {section}.{name}: {field.description}")
     return "\n".join(lines)
-
-
-# `[sample]` fields that only mean something inside a training run: not offered by `difftune sample`.
-TRAINING_ONLY_SAMPLE_FIELDS = ("every_steps", "before", "parity")
 
 
 def _parse_bool(text: str) -> bool:

@@ -32,14 +32,16 @@ class Section(BaseModel):
 class ModelConfig(Section):
     base: str = Field(
         "models/tiny-sd",
-        json_schema_extra=PATH_MODEL, description="Base model: a local diffusers folder, a Hugging Face hub id (needs network), "
+        json_schema_extra=PATH_MODEL,
+        description="Base model: a local diffusers folder, a Hugging Face hub id (needs network), "
         "or a single-file .safetensors checkpoint.",
     )
     revision: str = Field("", description="Hub revision (branch, tag or commit) of `base`; empty for the default.")
     variant: str = Field("", description="Weight variant to load from a diffusers folder, e.g. `fp16`; empty for the default.")
     single_file_config: str = Field(
         "",
-        json_schema_extra=PATH_MODEL, description="For a single-file `base`: a diffusers folder or hub id whose configs describe its "
+        json_schema_extra=PATH_MODEL,
+        description="For a single-file `base`: a diffusers folder or hub id whose configs describe its "
         "architecture. Offline, pass a local folder here.",
     )
     allow_pickled_checkpoint: bool = Field(
@@ -49,7 +51,8 @@ class ModelConfig(Section):
     )
     vae: str = Field(
         "",
-        json_schema_extra=PATH_MODEL, description="Autoencoder that turns images into latents: empty for the base model's own KL VAE, or "
+        json_schema_extra=PATH_MODEL,
+        description="Autoencoder that turns images into latents: empty for the base model's own KL VAE, or "
         "a folder/hub id of another `AutoencoderKL` or of TAESD (`AutoencoderTiny`).",
     )
     weight_dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
@@ -62,7 +65,8 @@ class ModelConfig(Section):
 class DataConfig(Section):
     path: str = Field(
         "examples/purple",
-        json_schema_extra=PATH_LOCAL, description="Image folder: images with same-stem caption files, or a `metadata.jsonl` with "
+        json_schema_extra=PATH_LOCAL,
+        description="Image folder: images with same-stem caption files, or a `metadata.jsonl` with "
         "`file_name` and `text`. Subfolders named `N_name` are repeated N times per epoch (kohya).",
     )
     resolution: int = Field(512, ge=8, description="Training size in pixels: images are resized (shorter side) and cropped to a square.")
@@ -196,7 +200,11 @@ class OptimConfig(Section):
 
 
 class TrainConfig(Section):
-    output_dir: str = Field("output/run", json_schema_extra=PATH_LOCAL, description="Where the adapter, resolved config, metrics and samples are written.")
+    output_dir: str = Field(
+        "output/run",
+        json_schema_extra=PATH_LOCAL,
+        description="Where the adapter, resolved config, metrics and samples are written.",
+    )
     overwrite: bool = Field(False, description="Allow writing into an output_dir that already holds a finished run.")
     max_steps: int = Field(1000, ge=1, description="Optimizer steps to train.")
     batch_size: int = Field(1, ge=1, description="Images per process per micro-step.")
@@ -263,7 +271,9 @@ class GuardConfig(Section):
 
 class ValidationConfig(Section):
     path: str = Field(
-        "", json_schema_extra=PATH_LOCAL, description="Held-out image folder (same layouts as `data.path`); empty disables validation loss."
+        "",
+        json_schema_extra=PATH_LOCAL,
+        description="Held-out image folder (same layouts as `data.path`); empty disables validation loss."
     )
     every_steps: int = Field(100, ge=1, description="Compute the validation loss every N optimizer steps, and at the end.")
     timesteps: list[int] = Field(
@@ -289,7 +299,8 @@ class SampleConfig(Section):
     )
     decoder: str = Field(
         "",
-        json_schema_extra=PATH_MODEL, description="Autoencoder that decodes samples: empty for the model's own; a folder/hub id of TAESD "
+        json_schema_extra=PATH_MODEL,
+        description="Autoencoder that decodes samples: empty for the model's own; a folder/hub id of TAESD "
         "(`AutoencoderTiny`) for fast previews.",
     )
     parity: bool = Field(
@@ -298,6 +309,11 @@ class SampleConfig(Section):
         "the first prompt's first image again and record its largest pixel difference from the in-training sample "
         "in parity.json; warn above 2/255.",
     )
+
+
+# `[sample]` fields that mean something only inside a training run: `difftune sample` and the UI's Sample tab
+# leave them out.
+TRAINING_ONLY_SAMPLE_FIELDS = ("every_steps", "before", "parity")
 
 
 class CacheConfig(Section):
@@ -310,7 +326,9 @@ class CacheConfig(Section):
         False, description="Encode each caption once and reuse it. Needs the text encoder frozen (`adapter.text_encoder = false`)."
     )
     dir: str = Field(
-        "", json_schema_extra=PATH_LOCAL, description="Cache folder, shared by runs and processes; empty: $XDG_CACHE_HOME/difftune or ~/.cache/difftune."
+        "",
+        json_schema_extra=PATH_LOCAL,
+        description="Cache folder, shared by runs and processes; empty: $XDG_CACHE_HOME/difftune or ~/.cache/difftune."
     )
     memory_mb: int = Field(
         1024, ge=0, description="Keep cache entries in RAM once read, up to this many MB per data-loader process, so "

@@ -25,7 +25,7 @@ from difftune.adapters import adapter_state_dict
 from difftune.config import Config, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.kohya import kohya_metadata, to_kohya
-from difftune.models import DTYPES, Components, assemble_pipeline, load_components
+from difftune.models import DTYPES, Components, assemble_pipeline, load_components, quiet_loading
 from difftune.sample import sampling_scheduler
 from difftune.single_file import pipeline_to_ldm
 
@@ -167,7 +167,8 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
             _refuse_non_finite(tensors, f"adapter {path}")
             names.append(f"adapter_{i}")
             staged = write_adapter(Path(tmp) / f"{names[-1]}.safetensors", tensors, lora_configs, config_toml, "diffusers")
-            pipeline.load_lora_weights(tmp, weight_name=staged.name, adapter_name=names[-1])
+            with quiet_loading():
+                pipeline.load_lora_weights(tmp, weight_name=staged.name, adapter_name=names[-1])
     pipeline.set_adapters(names, adapter_weights=[scale for _, scale in adapters])
 
 

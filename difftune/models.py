@@ -51,7 +51,7 @@ def load_components(config: ModelConfig) -> Components:
             f"model.base {base}: a pickle-based checkpoint is not read by default (pickles can run code); convert it "
             f"to .safetensors or a diffusers folder, or set model.allow_pickled_checkpoint = true (read tensors-only)"
         )
-    with _explained_load_errors("model.base", base), _quiet_loading():
+    with _explained_load_errors("model.base", base), quiet_loading():
         if base.endswith(SINGLE_FILE_SUFFIXES):
             components = _load_single_file(config)
         else:
@@ -120,7 +120,7 @@ def load_vae(name: str) -> AutoencoderKL | AutoencoderTiny:
 
 
 @contextmanager
-def _quiet_loading():
+def quiet_loading():
     """No per-file "Loading weights" bars from transformers and diffusers: a run's screen is difftune's own."""
     import diffusers.utils.logging as diffusers_logging
     import transformers.utils.logging as transformers_logging
@@ -179,6 +179,17 @@ def _explained_load_errors(key: str, name: str):
             f"fetched from the Hugging Face hub (offline, or no such id). Pass a local diffusers folder or a "
             f".safetensors file. Cause: {cause}"
         ) from error
+
+
+def place_frozen(components: Components, device: torch.device, dtype: torch.dtype) -> None:
+    """Every loaded model on `device` in `dtype` (released encoders stay away). SD's KL VAE overflows to NaN in
+    fp16 on some images: it stays fp32 unless bf16 was asked for."""
+    vae_dtype = torch.float32 if dtype == torch.float16 else dtype
+    placed = [(components.vae, vae_dtype), (components.text_encoder, dtype), (components.unet, dtype)]
+    for module, module_dtype in [(m, d) for m, d in placed if m is not None]:
+        module.to(device)
+        if module_dtype != torch.float32:  # loaded as fp32; diffusers warns on every dtype cast
+            module.to(dtype=module_dtype)
 
 
 def weight_dtype(config_dtype: str, mixed_precision: str) -> torch.dtype:

@@ -19,7 +19,7 @@ import torch
 
 from difftune import export
 from difftune.config import Config
-from difftune.models import load_components
+from difftune.models import load_components, place_frozen
 from difftune.sample import Sample, generate_images
 
 PARITY_FILE = "parity.json"
@@ -35,8 +35,7 @@ def check_parity(config: Config, trained_path: Path, reference: Sample, device: 
     with tempfile.TemporaryDirectory() as tmp:
         for layout, path, source in _saved_layouts(config, trained_path, Path(tmp)):
             components = _fresh_components(config, path)
-            for module in (components.unet, components.vae, components.text_encoder):
-                module.to(device, dtype if module is not components.vae or dtype != torch.float16 else torch.float32)
+            place_frozen(components, device, dtype)
             with autocast():
                 image = generate_images(components, sample_config, device)[0].image
             difference = np.abs(np.asarray(image, np.int16) - np.asarray(reference.image, np.int16)).max()

@@ -7,7 +7,8 @@ gradient accumulation; global-norm clipping; AdamW / AdamW 8-bit / Lion / Adafac
 constant, linear, cosine or cosine-with-restarts schedule; a guard that skips NaN/inf and spiking
 steps; EMA weights; validation loss at fixed noise; preview samples; adapter snapshots and their
 average; channels-last UNet; SDPA or xformers attention; gradient checkpointing; TF32; a JSONL
-metrics line per optimizer step (and TensorBoard when installed).
+metrics line per optimizer step (and TensorBoard when installed); after the final save, a parity check that
+the saved file, reloaded as users load it, redraws the in-training sample.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from difftune.models import (
     encode_posterior,
     encode_prompts,
     load_components,
+    place_frozen,
     sample_latents,
     set_attention,
     weight_dtype,
@@ -392,15 +394,10 @@ def _unwrapped(components: Components, accelerator: Accelerator) -> Components:
 
 def _place_models(components: Components, config: Config, accelerator: Accelerator) -> None:
     """Frozen weights in the configured dtype, trained ones in fp32, all on the device."""
-    dtype = weight_dtype(config.model.weight_dtype, config.train.mixed_precision)
-    # SD's KL VAE overflows to NaN in fp16 on some images: keep it fp32 unless bf16 was asked for.
-    vae_dtype = torch.float32 if dtype == torch.float16 else dtype
-    placed = [(components.vae, vae_dtype), (components.text_encoder, dtype), (components.unet, dtype)]
-    for module, module_dtype in [(m, d) for m, d in placed if m is not None]:  # released encoders stay away
-        module.to(accelerator.device)
-        if module_dtype != torch.float32:  # loaded as fp32; diffusers warns on every dtype cast
-            module.to(dtype=module_dtype)
-        module.train(module is components.unet or (module is components.text_encoder and config.adapter.text_encoder))
+    place_frozen(components, accelerator.device, weight_dtype(config.model.weight_dtype, config.train.mixed_precision))
+    for module in (components.unet, components.text_encoder, components.vae):
+        if module is not None:
+            module.train(module is components.unet or (module is components.text_encoder and config.adapter.text_encoder))
     cast_training_params([m for m in (components.unet, components.text_encoder) if m is not None], dtype=torch.float32)
     if config.train.gradient_checkpointing and config.adapter.text_encoder:
         components.text_encoder.gradient_checkpointing_enable()

@@ -16,7 +16,7 @@ import gradio as gr
 import pandas as pd
 
 from difftune import jobs
-from difftune.config import Config, ModelConfig, SampleConfig, load_config
+from difftune.config import TRAINING_ONLY_SAMPLE_FIELDS, Config, ModelConfig, SampleConfig, load_config
 from difftune.errors import DifftuneError
 from difftune.form import FormField, config_from_widgets, form_fields, parse_adapter_lines, widget_values
 from difftune.models import DTYPES
@@ -25,8 +25,6 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 EXPORTS_DIR = "exports"
 CONFIGS_DIR = "configs"  # configs saved from the form, under the jobs folder so they can be downloaded
 MAX_UPLOAD = "1mb"  # config files are a few KB
-# Sample fields that only mean something during training.
-TRAINING_ONLY_SAMPLE_FIELDS = ("every_steps", "before")
 PLOTTED = ("loss", "grad_norm", "lr")
 
 
@@ -234,14 +232,26 @@ def _job_adapters(jobs_dir: Path) -> list[str]:
     return [str(path) for job in jobs.find_jobs(jobs_dir) for path in sorted(job.dir.glob("*.safetensors"))]
 
 
-def _adapter_inputs(jobs_dir: Path, id_prefix: str):
+def _adapter_inputs(jobs_dir: Path, id_prefix: str, base: gr.Textbox):
+    """The adapters box and a picker of the jobs' adapters. An adapter from a job brings the base that job trained
+    on into `base` (whatever folder the UI was started in)."""
     picker = gr.Dropdown(_job_adapters(jobs_dir), label="Adapter from a job", value=None)
     adapters = gr.Textbox(
-        label="Adapters", lines=2, info="one per line: FILE or FILE:SCALE (either layout)", elem_id=f"{id_prefix}-adapters"
+        label="Adapters", lines=2, info="one per line: FILE or FILE:SCALE (any tool's layout)", elem_id=f"{id_prefix}-adapters"
     )
     picker.focus(lambda: gr.update(choices=_job_adapters(jobs_dir)), None, picker)
     picker.change(lambda path, text: text if not path else "\n".join(filter(None, [text.strip(), path + ":1.0"])), [picker, adapters], adapters)
+    adapters.change(lambda text, current: _trained_base(text) or current, [adapters, base], base)
     return adapters
+
+
+def _trained_base(adapter_text: str) -> str | None:
+    """The `model.base` of the job that wrote the first adapter listed, when it comes from a job folder."""
+    try:
+        first = parse_adapter_lines(adapter_text)[0][0]
+        return jobs.Job(first.parent).config().model.base if (first.parent / jobs.JOB_CONFIG).is_file() else None
+    except (IndexError, DifftuneError):
+        return None
 
 
 def _sample_tab(jobs_dir: Path):
@@ -249,7 +259,7 @@ def _sample_tab(jobs_dir: Path):
 
     fields = [field for field in form_fields(["sample"]) if field.name not in TRAINING_ONLY_SAMPLE_FIELDS]
     base = gr.Textbox(ModelConfig().base, label="Base model", info=ModelConfig.model_fields["base"].description, elem_id="sample-base")
-    adapters = _adapter_inputs(jobs_dir, "sample")
+    adapters = _adapter_inputs(jobs_dir, "sample", base)
     with gr.Row():  # resolution left empty: the model's native size
         widgets = [_widget(field, getattr(SampleConfig(), field.name), "sample") for field in fields]
     compare_ema = gr.Checkbox(False, label="Also sample each adapter's EMA weights (its `_ema` file) side by side")
@@ -290,7 +300,7 @@ def _export_tab(jobs_dir: Path):
     with gr.Group():
         gr.Markdown("### Merge adapters into the base")
         base = gr.Textbox(ModelConfig().base, label="Base model", elem_id="merge-base")
-        adapters = _adapter_inputs(jobs_dir, "merge")
+        adapters = _adapter_inputs(jobs_dir, "merge", base)
         with gr.Row():
             out_name = gr.Textbox("merged", label="Output folder name", elem_id="merge-out")
             dtype = gr.Dropdown(list(DTYPES), value="fp16", label="Saved dtype")

@@ -126,3 +126,13 @@ def test_adapter_lines():
         (Path("b.safetensors"), 0.5),
         (Path("C:/x/c.safetensors"), 1.0),
     ]
+
+
+def test_the_sample_tab_offers_only_fields_that_apply_outside_training():
+    from difftune.config import TRAINING_ONLY_SAMPLE_FIELDS, SampleConfig
+    from difftune.webui import build_app
+
+    app = build_app(Path("jobs-that-do-not-exist"), REPO / "configs")
+    ids = {block.elem_id for block in app.blocks.values() if getattr(block, "elem_id", None)}
+    offered = {name for name in SampleConfig.model_fields if f"sample-sample-{name}" in ids}
+    assert offered == set(SampleConfig.model_fields) - set(TRAINING_ONLY_SAMPLE_FIELDS)

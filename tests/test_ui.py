@@ -165,6 +165,8 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         # Sample: base + the trained adapter -> a gallery, and its EMA weights beside it.
         page.get_by_role("tab", name="Sample").click()
         page.locator("#sample-adapters textarea").fill(f"{adapter}:1.0")
+        # The UI runs outside the repository: the adapter's job brings its base, absolute.
+        expect(page.locator("#sample-base textarea, #sample-base input").first).to_have_value(str(REPO / "models" / "tiny-sd"))
         page.locator("#sample-sample-prompts textarea").fill("a purple circle\na red square")
         steps = page.locator("#sample-sample-steps input")
         steps.fill("10")
