@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from difftune.config import Config
+from difftune.config import Config, resolve_path_values
 from difftune.errors import DifftuneError
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -161,6 +161,8 @@ LOCKED = {
 def check_resumable(saved_toml: str, config: Config, saved_processes: int, num_processes: int, print_fn=print) -> None:
     """Fail naming every setting that makes resuming meaningless; log the changes that are safe."""
     saved, current = tomllib.loads(saved_toml), tomllib.loads(config.to_toml())
+    # Checkpoints written before paths were recorded absolute hold them relative to the working directory.
+    resolve_path_values(saved, Path.cwd())
     locked, changed = [], []
     for section in sorted(set(saved) | set(current)):
         old, new = saved.get(section, {}), current.get(section, {})

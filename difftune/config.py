@@ -421,7 +421,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise DifftuneError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as err:
             raise DifftuneError(f"{path}: not valid TOML: {err}") from None
-        _resolve_path_values(data, Path(path).resolve().parent)
+        resolve_path_values(data, Path(path).resolve().parent)
     for override in overrides:
         key, value = _parse_override(override)
         section, _, name = key.partition(".")
@@ -436,11 +436,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 def absolute_paths(config: Config, base_dir: Path) -> Config:
     """A copy whose relative paths are made absolute against `base_dir` (what a job file written elsewhere needs)."""
     data = config.model_dump(mode="json")
-    _resolve_path_values(data, base_dir)
+    resolve_path_values(data, base_dir)
     return Config.model_validate(data)
 
 
-def _resolve_path_values(data: dict, base_dir: Path) -> None:
+def resolve_path_values(data: dict, base_dir: Path) -> None:
     """Rewrite, in place, the relative path values of raw config data against `base_dir` (see PATH_LOCAL)."""
     for section, section_field in Config.model_fields.items():
         values = data.get(section)

@@ -314,3 +314,18 @@ def test_an_all_bad_dataset_fails_before_training(make_config, tmp_path):
     with pytest.raises(DifftuneError, match=r"no usable image \(2 left out: a\.png: cannot be decoded"):
         train(make_config(data__path=str(folder)))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_checkpoint_with_relative_paths_from_before_resumes(make_config, tmp_path, monkeypatch):
+    """Checkpoints written before paths were recorded absolute hold them relative to the working directory."""
+    out = tmp_path / "run"
+    config = _job(make_config, out, train__max_steps=4, ema__enabled=False)
+    train(config)
+    state_file = find_checkpoint(out, "auto") / checkpoint_module.STATE_FILE
+    state = json.loads(state_file.read_text())
+    monkeypatch.chdir(Path(config.model.base).parent)
+    state["config"] = state["config"].replace(f'"{config.model.base}"', f'"{Path(config.model.base).name}"')
+    assert Path(config.model.base).name in state["config"]
+    state_file.write_text(json.dumps(state))
+    train(_job(make_config, out, train__max_steps=6, ema__enabled=False), resume="auto")
+    assert [row["step"] for row in read_metrics(out)] == list(range(1, 7))
