@@ -26,7 +26,6 @@ import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from diffusers.utils.state_dict_utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from difftune.adapters import DORA_MAGNITUDE, derived_lora_configs
 from difftune.errors import DifftuneError
@@ -38,20 +37,22 @@ KOHYA_PREFIXES = ("lora_unet_", "lora_te_")
 # Prefixes of a file saved from one model rather than a pipeline: its keys are the UNet's.
 LONE_MODEL_PREFIXES = ("base_model.model.",)
 
-ModuleNames = Callable[[], dict[str, list[str]]]  # "unet" / "text_encoder" -> dotted names of adaptable modules
+# The file's metadata -> "unet" / "text_encoder" -> dotted names of the base's adaptable modules.
+ModuleNames = Callable[[dict[str, str]], dict[str, list[str]]]
 
 
 def read_adapter(path: Path, module_names: ModuleNames | None = None) -> tuple[dict, dict, str]:
     """An adapter file of any layout above -> (difftune-layout tensors, peft configs by part, difftune config TOML
     or "" when another tool made it). `module_names` gives the base model's module names, needed for a kohya
-    file only (a `_`-joined name cannot be split without them), and called only then."""
+    file only (a `_`-joined name cannot be split without them), and called only then, with the file's metadata
+    (which may name the base)."""
     path = Path(path)
     if not path.is_file():
         raise DifftuneError(f"adapter {path}: no such file")
     try:
         with safe_open(path, framework="pt") as handle:
             metadata = handle.metadata() or {}
-        tensors = load_file(path)
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     except Exception as err:  # safetensors raises its own error kinds for a file that is not safetensors
         raise DifftuneError(f"adapter {path}: not a readable safetensors file ({err})") from None
     if not tensors:
@@ -64,7 +65,7 @@ def read_adapter(path: Path, module_names: ModuleNames | None = None) -> tuple[d
                 f"trained on (--base) to read them"
             )
         try:
-            tensors, lora_configs = from_kohya(tensors, module_names())
+            tensors, lora_configs = from_kohya(tensors, module_names(metadata))
         except ValueError as err:
             raise DifftuneError(f"adapter {path}: {err}") from None
         return tensors, lora_configs, config_toml

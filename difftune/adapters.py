@@ -72,7 +72,6 @@ def adapter_state_dict(components: Components, config: AdapterConfig) -> tuple[d
     return tensors, lora_configs
 
 
-
 def derived_lora_configs(ranks: dict[str, dict[str, int]], alphas: dict[str, dict[str, float]], dora: dict[str, bool]) -> dict:
     """Each part's peft config from what a file without one shows: its modules' ranks, the alphas it stores
     (a module without one gets alpha = rank, diffusers' rule) and whether it has DoRA magnitudes. The most

@@ -10,7 +10,7 @@ from typing import Literal, get_args, get_origin
 from pydantic import ValidationError
 
 from difftune.config import TRAINING_ONLY_SAMPLE_FIELDS, Config, SampleConfig, describe_errors, load_config
-from difftune.errors import DifftuneError
+from difftune.errors import ERROR_PREFIX, DifftuneError
 from difftune.form import parse_adapter_spec
 
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _run(args)
     except DifftuneError as err:
-        print(f"difftune: error: {err}", file=sys.stderr)
+        print(f"{ERROR_PREFIX}{err}", file=sys.stderr)
         return 2
     return 0
 
@@ -197,8 +197,10 @@ def _note_comfyui_dora(written: Path, layout: str) -> None:
 
     from difftune.kohya import COMFYUI_DORA_NOTE
 
+    if layout != "kohya":
+        return
     with safe_open(written, framework="pt") as handle:
-        if layout == "kohya" and any(key.endswith(".dora_scale") for key in handle.keys()):
+        if any(key.endswith(".dora_scale") for key in handle.keys()):
             print(f"difftune: {COMFYUI_DORA_NOTE}")
 
 

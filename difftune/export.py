@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from difftune.adapter_files import CONFIG_METADATA_KEY, check_modules, module_names_of, read_adapter
@@ -77,14 +76,12 @@ def write_adapter(path: Path, tensors: dict, lora_configs: dict, config_toml: st
     return path
 
 
-def read_any_adapter(path: Path, base: str | None = None, components: Components | None = None) -> tuple[dict, dict, str]:
-    """`adapter_files.read_adapter`, with a kohya file's module names from `components`, else from loading
-    `base`, else the base its metadata names (`ss_sd_model_name`)."""
+def read_any_adapter(path: Path, base: str | None = None) -> tuple[dict, dict, str]:
+    """`adapter_files.read_adapter`, with a kohya file's module names from loading `base`, else the base its
+    metadata names."""
 
-    def module_names() -> dict[str, list[str]]:
-        if components is not None:
-            return module_names_of(components)
-        name = base or _kohya_base_name(path)
+    def module_names(metadata: dict[str, str]) -> dict[str, list[str]]:
+        name = base or _kohya_base_name(metadata)
         if not name:
             raise DifftuneError(f"adapter {path}: a kohya-layout file needs --base (the model it was trained on)")
         return module_names_of(load_components(ModelConfig(base=name)))
@@ -92,11 +89,9 @@ def read_any_adapter(path: Path, base: str | None = None, components: Components
     return read_adapter(path, module_names)
 
 
-def _kohya_base_name(path: Path) -> str:
+def _kohya_base_name(metadata: dict[str, str]) -> str:
     """The base a kohya file was trained on: difftune's own config in it names it in full (kohya's
     `ss_sd_model_name` holds only a local base's folder name), else `ss_sd_model_name`."""
-    with safe_open(path, framework="pt") as handle:
-        metadata = handle.metadata() or {}
     if CONFIG_METADATA_KEY in metadata:
         return tomllib.loads(metadata[CONFIG_METADATA_KEY])["model"]["base"]
     return metadata.get("ss_sd_model_name", "")
@@ -110,10 +105,6 @@ def convert_adapter(source: Path, target: Path, layout: str, base: str | None = 
     tensors, lora_configs, config_toml = read_any_adapter(source, base)
     target.parent.mkdir(parents=True, exist_ok=True)
     return write_adapter(target, tensors, lora_configs, config_toml, layout, base or "")
-
-
-def has_dora(lora_configs: dict) -> bool:
-    return any(lora_configs.get(f"{part}.use_dora") for part in ("unet", "text_encoder"))
 
 
 AVERAGE_WEIGHTS = {
@@ -159,11 +150,12 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
     `dora_scale`'s shape, which peft then rejects, and it drops keys of modules the model lacks with a log line.
     """
     pipeline = assemble_pipeline(components)
+    module_names = module_names_of(components)
     names = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (path, _) in enumerate(adapters):
-            tensors, lora_configs, config_toml = read_any_adapter(path, components=components)
-            check_modules(tensors, module_names_of(components), path)
+            tensors, lora_configs, config_toml = read_adapter(path, lambda metadata: module_names)
+            check_modules(tensors, module_names, path)
             _refuse_non_finite(tensors, f"adapter {path}")
             names.append(f"adapter_{i}")
             staged = write_adapter(Path(tmp) / f"{names[-1]}.safetensors", tensors, lora_configs, config_toml, "diffusers")

@@ -22,7 +22,7 @@ import psutil
 
 from difftune.checkpoint import StopRequest, complete_checkpoints
 from difftune.config import Config, absolute_paths, load_config
-from difftune.errors import DifftuneError
+from difftune.errors import ERROR_PREFIX, DifftuneError
 from difftune.export import trained_path
 from difftune.metrics import METRICS_FILE
 
@@ -127,14 +127,10 @@ _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\
 def failure_reason(job: Job) -> str:
     """Why a failed job stopped, from its log: difftune's own error line, else the exception a traceback ends
     with, else the log's last line."""
-    lines = [line.strip() for line in log_tail(job, max_chars=20000).splitlines() if line.strip()]
-    for prefix in ("difftune: error: ", None):
-        for line in reversed(lines):
-            if prefix and line.startswith(prefix):
-                return line.removeprefix(prefix)
-            if not prefix and _EXCEPTION_LINE.match(line):
-                return line
-    return lines[-1] if lines else "no log was written"
+    lines = [line.strip() for line in reversed(log_tail(job, max_chars=20000).splitlines()) if line.strip()]
+    said = next((line.removeprefix(ERROR_PREFIX) for line in lines if line.startswith(ERROR_PREFIX)), None)
+    raised = next((line for line in lines if _EXCEPTION_LINE.match(line)), None)
+    return said or raised or (lines[0] if lines else "no log was written")
 
 
 def read_progress(job: Job) -> list[dict]:
