@@ -9,8 +9,8 @@ What people share, and how each is read:
   `...lora_linear_layer.down.weight`, older `to_q_lora.down` processor keys), and files saved from a lone
   model (`unet.save_lora_adapter`, peft's `base_model.model.` prefix), which are the UNet's: keys go
   through diffusers' own converters to peft's names.
-- kohya sd-scripts / A1111 / ComfyUI files (`lora_unet_*`, `lora_te_*`, `.alpha`, `.dora_scale`):
-  kohya.py, with the base model's module names.
+- kohya sd-scripts / A1111 / ComfyUI files (`lora_unet_*`, `lora_te_*` / `lora_te1_*` / `lora_te2_*`,
+  `.alpha`, `.dora_scale`): kohya.py, with the base model's module names and its family's prefixes.
 Without metadata, the rank of each module is its `lora_A`'s row count (the most common one is `r`, the rest
 go to `rank_pattern`) and alpha is the file's `.alpha` where it has one, else the rank (diffusers' own rule).
 A key that fits none of these stops the read, naming the key.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,23 +30,31 @@ from safetensors import safe_open
 
 from difftune.adapters import DORA_MAGNITUDE, derived_lora_configs
 from difftune.errors import DifftuneError
+from difftune.families import FAMILIES
 from difftune.kohya import from_kohya, split_adapter_key
 
 CONFIG_METADATA_KEY = "difftune_config"
-PARTS = ("unet", "text_encoder")
-KOHYA_PREFIXES = ("lora_unet_", "lora_te_")
-# Prefixes of a file saved from one model rather than a pipeline: its keys are the UNet's.
+KOHYA_PREFIXES = tuple({prefix for family in FAMILIES.values() for prefix in family.kohya_prefixes.values()})
+# Prefixes of a file saved from one model rather than a pipeline: its keys are the denoiser's.
 LONE_MODEL_PREFIXES = ("base_model.model.",)
 
-# The file's metadata -> "unet" / "text_encoder" -> dotted names of the base's adaptable modules.
-ModuleNames = Callable[[dict[str, str]], dict[str, list[str]]]
+
+@dataclass
+class BaseModules:
+    """What reading a kohya file needs from the base it was made for."""
+
+    names: dict[str, list[str]]  # part -> dotted names of its adaptable modules
+    kohya_prefixes: dict[str, str]  # part -> kohya key prefix (the family's)
 
 
-def read_adapter(path: Path, module_names: ModuleNames | None = None) -> tuple[dict, dict, str]:
+# The file's metadata -> the base's modules (the metadata may name the base).
+FindBaseModules = Callable[[dict[str, str]], BaseModules]
+
+
+def read_adapter(path: Path, base_modules: FindBaseModules | None = None) -> tuple[dict, dict, str]:
     """An adapter file of any layout above -> (difftune-layout tensors, peft configs by part, difftune config TOML
-    or "" when another tool made it). `module_names` gives the base model's module names, needed for a kohya
-    file only (a `_`-joined name cannot be split without them), and called only then, with the file's metadata
-    (which may name the base)."""
+    or "" when another tool made it). `base_modules` gives the base model's modules, needed for a kohya file only
+    (a `_`-joined name cannot be split without them), and called only then, with the file's metadata."""
     path = Path(path)
     if not path.is_file():
         raise DifftuneError(f"adapter {path}: no such file")
@@ -59,17 +68,18 @@ def read_adapter(path: Path, module_names: ModuleNames | None = None) -> tuple[d
         raise DifftuneError(f"adapter {path}: holds no tensors")
     config_toml = metadata.get(CONFIG_METADATA_KEY, "")
     if is_kohya(tensors):
-        if module_names is None:
+        if base_modules is None:
             raise DifftuneError(
                 f"adapter {path}: a kohya-layout file names modules with `_` for `.`; give the base model it was "
                 f"trained on (--base) to read them"
             )
+        modules = base_modules(metadata)
         try:
-            tensors, lora_configs = from_kohya(tensors, module_names(metadata))
+            tensors, lora_configs = from_kohya(tensors, modules.names, modules.kohya_prefixes)
         except ValueError as err:
             raise DifftuneError(f"adapter {path}: {err}") from None
         return tensors, lora_configs, config_toml
-    tensors, alphas = _from_diffusers(tensors, path)
+    tensors, alphas = _from_diffusers(tensors, path, _known_parts())
     if LORA_ADAPTER_METADATA_KEY in metadata:
         lora_configs = json.loads(metadata[LORA_ADAPTER_METADATA_KEY])
         missing = [part for part in _parts(tensors) if f"{part}.r" not in lora_configs]
@@ -96,15 +106,20 @@ def check_modules(tensors: dict, module_names: dict[str, list[str]], path: Path)
             )
 
 
-def _from_diffusers(tensors: dict, path: Path) -> tuple[dict, dict]:
-    """diffusers/peft keys (any generation) -> `<part>.<module>.lora_A.weight`, ...; and `.alpha` values by part."""
+def _known_parts() -> set[str]:
+    return {part for family in FAMILIES.values() for part in family.parts()}
+
+
+def _from_diffusers(tensors: dict, path: Path, parts: set[str]) -> tuple[dict, dict]:
+    """diffusers/peft keys (any generation) -> `<part>.<module>.lora_A.weight`, ...; and `.alpha` values by part.
+    A key under no known part is a lone model's: a UNet's (files saved from other denoisers name their part)."""
     by_part: dict[str, dict] = {}
     for key, value in tensors.items():
         for prefix in LONE_MODEL_PREFIXES:
             key = key.removeprefix(prefix)
         part, _, rest = key.partition(".")
-        if part not in PARTS:
-            part, rest = "unet", key  # a lone model's file
+        if part not in parts:
+            part, rest = "unet", key
         by_part.setdefault(part, {})[rest] = value
     out, alphas = {}, {}
     for part, state in by_part.items():
@@ -136,6 +151,7 @@ def _to_peft_names(part: str, state: dict) -> dict:
 
 def _text_module(part: str, module: str) -> str:
     # transformers 5's CLIPTextModel has no `text_model.` level; files from older versions carry it.
+    # (SDXL's CLIPTextModelWithProjection keeps it: `module_names_of` lists both forms' owner.)
     return module.removeprefix("text_model.") if part == "text_encoder" else module
 
 
@@ -156,11 +172,11 @@ def _configs_from_shapes(tensors: dict, alphas: dict) -> dict:
     return derived_lora_configs(ranks, alphas, dora)
 
 
-def module_names_of(components) -> dict[str, list[str]]:
-    """The adaptable (linear and convolution) modules of a base's UNet and text encoder, by part. A module that
-    already carries a peft adapter is named as in the base (peft moves the original to `<name>.base_layer`)."""
+def module_names_of(components) -> BaseModules:
+    """The adaptable (linear and convolution) modules of a base's parts. A module that already carries a peft
+    adapter is named as in the base (peft moves the original to `<name>.base_layer`)."""
     names = {}
-    for part, model in (("unet", components.unet), ("text_encoder", components.text_encoder)):
+    for part, model in components.parts().items():
         layers = [name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))]
         names[part] = [name.removesuffix(".base_layer") for name in layers if ".lora_" not in name]
-    return names
+    return BaseModules(names, components.family.kohya_prefixes)

@@ -1,4 +1,8 @@
-"""What is trained: LoRA / DoRA adapters injected by peft, or all weights (`kind = "none"`)."""
+"""What is trained: LoRA / DoRA adapters injected by peft, or all weights (`kind = "none"`).
+
+Parts are the family's: its denoiser and, with `adapter.text_encoder`, each text encoder, named as diffusers
+names them (`unet`, `text_encoder`, `text_encoder_2`). A trained parameter's name is `<part>.<name in part>`.
+"""
 
 from __future__ import annotations
 
@@ -12,29 +16,43 @@ from difftune.models import Components
 DORA_MAGNITUDE = "lora_magnitude_vector"
 
 
+def trained_parts(components: Components, config: AdapterConfig) -> dict[str, torch.nn.Module]:
+    """The parts `config` trains, by name: the denoiser, and the text encoders with `adapter.text_encoder`."""
+    parts = components.parts()
+    names = components.family.parts() if config.text_encoder else components.family.parts()[:1]
+    return {name: parts[name] for name in names}
+
+
+def target_modules(components: Components, config: AdapterConfig) -> dict[str, list[str]]:
+    """Each trained part's adapter targets: the config's list, or the family's default where it is empty."""
+    family = components.family
+    configured = {
+        family.denoiser_name: config.target_modules,
+        "text_encoder": config.text_encoder_target_modules,
+        "text_encoder_2": config.text_encoder_2_target_modules,
+    }
+    return {part: configured.get(part) or family.default_targets[part] for part in trained_parts(components, config)}
+
+
 def add_adapters(components: Components, config: AdapterConfig) -> None:
     """Freeze the base and attach what `config` trains."""
-    for module in (components.unet, components.vae, components.text_encoder):
-        if module is not None:  # an encoder may be released (its outputs cached)
-            module.requires_grad_(False)
-    trained = [components.unet]
-    if config.text_encoder:
-        trained.append(components.text_encoder)
+    for module in components.modules():  # an encoder may be released (its outputs cached)
+        module.requires_grad_(False)
+    trained = trained_parts(components, config)
     if config.kind == "none":
-        for module in trained:
+        for module in trained.values():
             module.requires_grad_(True)
         return
-    components.unet.add_adapter(_lora_config(config, config.target_modules))
-    if config.text_encoder:
-        components.text_encoder.add_adapter(_lora_config(config, config.text_encoder_target_modules))
+    for part, targets in target_modules(components, config).items():
+        trained[part].add_adapter(_lora_config(config, targets))
 
 
-def _lora_config(config: AdapterConfig, target_modules: list[str]) -> LoraConfig:
+def _lora_config(config: AdapterConfig, targets: list[str]) -> LoraConfig:
     return LoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
-        target_modules=target_modules,
+        target_modules=targets,
         use_dora=config.kind == "dora",
         # A ~ N(0, 1/r), B = 0: the adapter starts as the identity, as in diffusers' LoRA scripts.
         init_lora_weights="gaussian",
@@ -42,11 +60,10 @@ def _lora_config(config: AdapterConfig, target_modules: list[str]) -> LoraConfig
 
 
 def trainable_parameters(components: Components, config: AdapterConfig) -> dict[str, torch.nn.Parameter]:
-    """Every trained parameter under a stable name (`unet.` / `text_encoder.` + its name in the module)."""
-    parts = {"unet": components.unet, **({"text_encoder": components.text_encoder} if config.text_encoder else {})}
+    """Every trained parameter under a stable name (`<part>.` + its name in the part)."""
     return {
-        f"{prefix}.{name}": param
-        for prefix, module in parts.items()
+        f"{part}.{name}": param
+        for part, module in trained_parts(components, config).items()
         for name, param in module.named_parameters()
         if param.requires_grad
     }
@@ -54,11 +71,8 @@ def trainable_parameters(components: Components, config: AdapterConfig) -> dict[
 
 def adapter_state_dict(components: Components, config: AdapterConfig) -> tuple[dict[str, torch.Tensor], dict]:
     """The trained adapter weights with diffusers' prefixes, and each part's peft config."""
-    parts = {"unet": components.unet}
-    if config.text_encoder:
-        parts["text_encoder"] = components.text_encoder
     tensors, lora_configs = {}, {}
-    for prefix, module in parts.items():
+    for part, module in trained_parts(components, config).items():
         # save_embedding_layers=False: embeddings are never adapted here, and `auto` probes the hub for a config.
         for key, value in get_peft_model_state_dict(module, save_embedding_layers=False).items():
             if key.endswith(DORA_MAGNITUDE):
@@ -66,9 +80,9 @@ def adapter_state_dict(components: Components, config: AdapterConfig) -> tuple[d
                 # `.weight` and silently drops the bare magnitude key; peft reads both forms.
                 key += ".weight"
             # copy=True: on CPU in fp32 `.to` would return the live parameter, which later steps change.
-            tensors[f"{prefix}.{key}"] = value.detach().to("cpu", torch.float32, copy=True).contiguous()
+            tensors[f"{part}.{key}"] = value.detach().to("cpu", torch.float32, copy=True).contiguous()
         for field, value in module.peft_config["default"].to_dict().items():
-            lora_configs[f"{prefix}.{field}"] = sorted(value) if isinstance(value, set) else value
+            lora_configs[f"{part}.{field}"] = sorted(value) if isinstance(value, set) else value
     return tensors, lora_configs
 
 

@@ -1,10 +1,12 @@
 """Training-speed benchmark: the real `train()` on a generated model and synthetic images.
 
-Model specs have random weights (a weight's value does not change speed): `tiny` is the test model,
-`sd15` has Stable Diffusion 1.5's shapes (UNet 860M, VAE 84M, CLIP ViT-L/14 text encoder 123M).
+Model specs have random weights (a weight's value does not change speed): `tiny` and `tiny-sdxl` are the
+test models, `sd15` has Stable Diffusion 1.5's shapes (UNet 860M, VAE 84M, CLIP ViT-L/14 text encoder 123M),
+`sdxl` SDXL base 1.0's (UNet 2.6B, the same VAE, CLIP ViT-L/14 and OpenCLIP ViT-bigG/14 text encoders 123M
+and 695M).
 Seconds per step are the median over the steps after warm-up, read from the run's metrics.jsonl.
 Peak memory is the process's peak RSS on CPU, `torch.cuda.max_memory_allocated` on GPU. On GPU the
-model FLOPs utilisation (MFU) is the UNet's training FLOPs per step (counted by
+model FLOPs utilisation (MFU) is the denoiser's training FLOPs per step (counted by
 `torch.utils.flop_counter` on one step's forward and backward) over the step time and the device's
 dense peak for the precision.
 """
@@ -18,14 +20,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel
+from diffusers import AutoencoderKL, StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 from difftune import tiny
 from difftune.adapters import add_adapters
 from difftune.config import load_config
 from difftune.metrics import read_metrics
-from difftune.models import Components, assemble_pipeline, load_components
+from difftune.families import load_components
 from difftune.train import train
 
 # Dense tensor-core peaks (FLOP/s) by device name and precision, from the vendors' data sheets.
@@ -40,7 +42,7 @@ PEAK_FLOPS = {
 
 @dataclass
 class BenchOptions:
-    model: str = "tiny"  # tiny | sd15
+    model: str = "tiny"  # tiny | tiny-sdxl | sd15 | sdxl
     resolution: int = 32
     batch: int = 1
     steps: int = 3
@@ -56,29 +58,54 @@ class BenchOptions:
     workdir: str = ""
 
 
-def build_pipeline(model: str) -> StableDiffusionPipeline:
-    if model == "tiny":
-        return tiny.build_pipeline()
+def _clip(hidden: int, layers: int, heads: int, act: str, projection: int | None = None):
+    config = CLIPTextConfig(
+        vocab_size=49408, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, max_position_embeddings=77, hidden_act=act, projection_dim=projection or 512,
+    )
+    return CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)
+
+
+def _sd_vae(scaling_factor: float) -> AutoencoderKL:
+    return AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4, sample_size=512,
+        scaling_factor=scaling_factor,
+    )
+
+
+def _tokenizer():
+    tokenizer = tiny.build_tokenizer()
+    tokenizer.model_max_length = 77
+    return tokenizer
+
+
+def build_pipeline(model: str):
+    torch.manual_seed(0)
+    if model in ("tiny", "tiny-sdxl"):
+        return tiny.build_pipeline(sdxl=model == "tiny-sdxl")
     if model == "sd15":
-        torch.manual_seed(0)
-        text_config = CLIPTextConfig(
-            vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-            max_position_embeddings=77, hidden_act="quick_gelu",
-        )
-        tokenizer = tiny.build_tokenizer()
-        tokenizer.model_max_length = 77
-        return assemble_pipeline(Components(
-            vae=AutoencoderKL(
-                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4, sample_size=512,
-                scaling_factor=0.18215,
-            ),
-            text_encoder=CLIPTextModel(text_config),
-            tokenizer=tokenizer,
+        return StableDiffusionPipeline(
+            vae=_sd_vae(0.18215), text_encoder=_clip(768, 12, 12, "quick_gelu"), tokenizer=_tokenizer(),
             unet=UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8),
-            noise_scheduler=tiny.build_noise_scheduler(),
-        ))
-    raise ValueError(f"unknown model spec {model!r}; known: tiny, sd15")
+            scheduler=tiny.build_noise_scheduler(), safety_checker=None, feature_extractor=None,
+            requires_safety_checker=False,
+        )
+    if model == "sdxl":
+        unet = UNet2DConditionModel(
+            sample_size=128, layers_per_block=2, block_out_channels=(320, 640, 1280),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
+            use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+            projection_class_embeddings_input_dim=2816,
+        )
+        return StableDiffusionXLPipeline(
+            vae=_sd_vae(0.13025), text_encoder=_clip(768, 12, 12, "quick_gelu"), tokenizer=_tokenizer(),
+            text_encoder_2=_clip(1280, 32, 20, "gelu", projection=1280), tokenizer_2=_tokenizer(), unet=unet,
+            scheduler=tiny.build_noise_scheduler(), add_watermarker=False,
+        )
+    raise ValueError(f"unknown model spec {model!r}; known: tiny, tiny-sdxl, sd15, sdxl")
 
 
 def prepare_workspace(options: BenchOptions) -> tuple[Path, Path, Path]:
@@ -110,19 +137,25 @@ def _config(options: BenchOptions, model_dir: Path, data_dir: Path, output_dir: 
     return load_config(None, [f"{key}={value}" for key, value in overrides.items()])
 
 
-def unet_training_flops(options: BenchOptions, model_dir: Path, device: torch.device) -> float:
-    """FLOPs of one training step of the UNet (forward and backward, adapters attached), counted by torch."""
+def denoiser_training_flops(options: BenchOptions, model_dir: Path, device: torch.device) -> float:
+    """FLOPs of one training step of the denoiser (forward and backward, adapters attached), counted by torch."""
     from torch.utils.flop_counter import FlopCounterMode
 
     config = _config(options, model_dir, model_dir, model_dir, model_dir, 1)
     components = load_components(config.model)
     add_adapters(components, config.adapter)
-    unet = components.unet.to(device)
+    for module in components.modules():
+        module.to(device)
+    family, batch = components.family, options.batch
     size = options.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1)
-    latents = torch.randn(options.batch, 4, size, size, device=device)
-    states = torch.randn(options.batch, components.tokenizer.model_max_length, unet.config.cross_attention_dim, device=device)
+    latents = torch.randn(batch, 4, size, size, device=device)
+    token_ids = family.tokenize(components.tokenizers, ["a red circle"] * batch)
+    with torch.no_grad():
+        conditioning = family.encode_prompts(components, {name: ids.to(device) for name, ids in token_ids.items()})
+    geometry = torch.tensor([[options.resolution, options.resolution, 0, 0, options.resolution, options.resolution]] * batch)
+    timesteps = torch.full((batch,), 500, device=device)
     with FlopCounterMode(display=False) as counter:
-        unet(latents, torch.full((options.batch,), 500, device=device), states).sample.square().mean().backward()
+        family.denoise(components, latents, timesteps, conditioning, geometry).square().mean().backward()
     return float(counter.get_total_flops())
 
 
@@ -146,9 +179,9 @@ def measure(options: BenchOptions) -> dict:
     }
     if device.type == "cuda":
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
-        flops = unet_training_flops(options, model_dir, device)
+        flops = denoiser_training_flops(options, model_dir, device)
         peak = next((p[options.precision] for name, p in PEAK_FLOPS.items() if name in result["device"]), None)
-        result["unet_tflops_per_step"] = flops / 1e12
+        result["denoiser_tflops_per_step"] = flops / 1e12
         result["mfu"] = flops / seconds / peak if peak else None
     else:
         result["peak_memory_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -4,8 +4,9 @@ An entry's file name is the SHA-256 of everything its content depends on, and of
 an entry holds changes):
 - latents: the image file's bytes, the VAE's weights and config, the training size, the crop, the color
   transparent pixels are composited onto (`data.alpha_background`) and the view (as is, or mirrored);
-- text: the token ids the encoder reads (so the tokenizer and its max length are covered too), the text
-  encoder's weights and config.
+- text: the token ids each text encoder reads (so the tokenizers and their max lengths are covered too), the
+  text encoders' weights and configs; an entry holds the family's whole text conditioning (SDXL: both
+  encoders' states and the pooled embedding).
 A changed image, another VAE or another setting therefore misses and is encoded again, and an entry made
 under other settings can never be read. Each entry is one
 safetensors file, written under a temporary name and renamed into place, so processes sharing a cache
@@ -24,6 +25,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,7 +35,7 @@ from tqdm.auto import tqdm
 
 from difftune.config import Config
 from difftune.data import Example, image_to_tensor, open_image, resize_and_crop
-from difftune.models import encode_posterior, encode_prompts, tokenize
+from difftune.models import Components, encode_posterior
 
 
 def cache_root(config: Config) -> Path:
@@ -52,7 +54,8 @@ def model_identity(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-FORMAT = "2"  # 1: one latent entry per image, with `mean_flip`/`std_flip` inside when flips were on
+FORMAT = "3"  # 1: one latent entry per image, with `mean_flip`/`std_flip` inside when flips were on; 2: text
+# entries held `states` alone
 VIEWS = ("plain", "flipped")
 
 
@@ -118,22 +121,33 @@ def fill_latents(
     return sum(len(group) for group in missing.values())
 
 
-def text_entries(captions: set[str], text_encoder_identity: str, config: Config, tokenizer) -> dict[str, Path]:
-    """Each caption's cache file, keyed by its token ids: what the encoder reads, whatever the tokenizer."""
+def text_identity(components: Components) -> str:
+    """What every text entry of these encoders depends on: each encoder's weights and config."""
+    return "+".join(model_identity(encoder) for encoder in components.text_encoders.values())
+
+
+def text_entries(
+    captions: set[str], identity: str, config: Config, tokenize: Callable[[list[str]], dict[str, torch.Tensor]]
+) -> dict[str, Path]:
+    """Each caption's cache file, keyed by its token ids (`tokenize`: the family's, over the base's tokenizers):
+    what the encoders read, whatever the tokenizers."""
     root = cache_root(config)
-    return {
-        caption: _entry(root, "text", tokenize(tokenizer, [caption])[0].numpy().tobytes(), text_encoder_identity)
-        for caption in sorted(captions)
-    }
+    entries = {}
+    for caption in sorted(captions):
+        token_ids = tokenize([caption])
+        entries[caption] = _entry(root, "text", *(ids[0].numpy().tobytes() for ids in token_ids.values()), identity)
+    return entries
 
 
-def fill_text(entries: dict[str, Path], text_encoder, tokenizer, batch_size: int) -> int:
+def fill_text(entries: dict[str, Path], components: Components, device: torch.device, batch_size: int) -> int:
+    """Encode the captions whose entries are missing (the text encoders on `device`); returns how many."""
+    family = components.family
     todo = [(caption, path) for caption, path in entries.items() if not path.exists()]
     for start in tqdm(range(0, len(todo), batch_size), desc="caching captions", disable=not todo):
         chunk = todo[start : start + batch_size]
-        ids = tokenize(tokenizer, [caption for caption, _ in chunk])
+        token_ids = family.tokenize(components.tokenizers, [caption for caption, _ in chunk])
         with torch.no_grad():
-            states = encode_prompts(text_encoder, ids.to(text_encoder.device))
+            conditioning = family.encode_prompts(components, {name: ids.to(device) for name, ids in token_ids.items()})
         for i, (_, path) in enumerate(chunk):
-            _write(path, {"states": states[i]})
+            _write(path, {name: value[i] for name, value in conditioning.items()})
     return len(todo)

@@ -87,41 +87,87 @@ def keep_models_out_of_accelerate_state(accelerator) -> None:
     accelerator.register_load_state_pre_hook(lambda models, input_dir: models.clear())
 
 
-def save_checkpoint(accelerator, output_dir: Path, progress: Progress, named: dict, ema, guard, config: Config) -> Path:
-    """Write to `.tmp-step-N`, flush, rename to `step-N`, then mark it complete; prune beyond `keep_last`."""
-    final = output_dir / CHECKPOINTS_DIR / f"step-{progress.global_step:06d}"
-    staging = final.with_name(f".tmp-{final.name}")
-    if accelerator.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging / "accelerate"))  # every process writes its own RNG state
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        tensors = {name: param.detach().to("cpu", copy=True).contiguous() for name, param in named.items()}
-        if ema:
-            for name, shadow in zip(named, ema.shadow_params):
-                tensors[EMA_PREFIX + name] = shadow.detach().to("cpu", copy=True).contiguous()
-        bad = [name for name, value in tensors.items() if not torch.isfinite(value).all()]
-        if bad:
-            raise DifftuneError(f"checkpoint at step {progress.global_step}: NaN or inf in {bad[0]}; not saved")
-        save_file(tensors, staging / TRAINED_FILE)
-        state = {
-            "progress": asdict(progress),
-            "num_processes": accelerator.num_processes,
-            "guard": guard.state_dict(),
-            "ema_updates": ema.optimization_step if ema else None,  # drives the EMA's decay ramp
-            "config": config.to_toml(),
-        }
-        (staging / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
-        _fsync_tree(staging)
-        if final.exists():
-            shutil.rmtree(final)
-        staging.rename(final)
-        _write_synced(final / MARKER, f"step {progress.global_step}\n")
-        for old in complete_checkpoints(output_dir)[: -config.checkpoint.keep_last]:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-    return final
+class Checkpointer:
+    """Saves and loads one run's checkpoints: `save` and `load` take the same objects (the trained parameters by
+    name, the EMA, the guard) and `load` puts back into them what `save` took out of them."""
+
+    def __init__(self, accelerator, output_dir: Path, config: Config):
+        self.accelerator = accelerator
+        self.output_dir = Path(output_dir)
+        self.config = config
+
+    def path(self, step: int) -> Path:
+        return self.output_dir / CHECKPOINTS_DIR / f"step-{step:06d}"
+
+    def is_complete(self, step: int) -> bool:
+        return (self.path(step) / MARKER).is_file()
+
+    def save(self, progress: Progress, named: dict, ema, guard) -> Path:
+        """Write to `.tmp-step-N`, flush, rename to `step-N`, then mark it complete; prune beyond `keep_last`."""
+        accelerator, final = self.accelerator, self.path(progress.global_step)
+        staging = final.with_name(f".tmp-{final.name}")
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(staging / "accelerate"))  # every process writes its own RNG state
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            tensors = {name: param.detach().to("cpu", copy=True).contiguous() for name, param in named.items()}
+            if ema:
+                for name, shadow in zip(named, ema.shadow_params):
+                    tensors[EMA_PREFIX + name] = shadow.detach().to("cpu", copy=True).contiguous()
+            bad = [name for name, value in tensors.items() if not torch.isfinite(value).all()]
+            if bad:
+                raise DifftuneError(f"checkpoint at step {progress.global_step}: NaN or inf in {bad[0]}; not saved")
+            save_file(tensors, staging / TRAINED_FILE)
+            state = {
+                "progress": asdict(progress),
+                "num_processes": accelerator.num_processes,
+                "guard": guard.state_dict(),
+                "ema_updates": ema.optimization_step if ema else None,  # drives the EMA's decay ramp
+                "config": self.config.to_toml(),
+            }
+            (staging / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
+            _fsync_tree(staging)
+            if final.exists():
+                shutil.rmtree(final)
+            staging.rename(final)
+            _write_synced(final / MARKER, f"step {progress.global_step}\n")
+            for old in complete_checkpoints(self.output_dir)[: -self.config.checkpoint.keep_last]:
+                shutil.rmtree(old)
+        accelerator.wait_for_everyone()
+        return final
+
+    def load(self, path: Path, named: dict, ema, guard) -> Progress:
+        """Restore trained weights, EMA, guard, optimizer, scheduler and RNG from `path`; where to continue."""
+        accelerator = self.accelerator
+        missing = [name for name in (TRAINED_FILE, STATE_FILE, "accelerate") if not (path / name).exists()]
+        if missing:
+            raise DifftuneError(f"checkpoint {path} is missing {', '.join(missing)}; it cannot be resumed")
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        check_resumable(state["config"], self.config, state["num_processes"], accelerator.num_processes, accelerator.print)
+        tensors = load_file(path / TRAINED_FILE)
+        weights = {k: v for k, v in tensors.items() if not k.startswith(EMA_PREFIX)}
+        if weights.keys() != named.keys():
+            difference = sorted(weights.keys() ^ named.keys())
+            raise DifftuneError(f"checkpoint {path}: its trained parameters do not match this model (e.g. {difference[0]})")
+        with torch.no_grad():
+            for name, param in named.items():
+                param.copy_(weights[name])
+            if ema:
+                saved = [tensors.get(EMA_PREFIX + name) for name in named]
+                if all(t is not None for t in saved):
+                    for shadow, value in zip(ema.shadow_params, saved):
+                        shadow.copy_(value)
+                    ema.optimization_step = state["ema_updates"]
+                else:
+                    accelerator.print("difftune: the checkpoint has no EMA; the EMA starts from the resumed weights")
+                    ema.shadow_params = [param.detach().clone() for param in named.values()]
+        guard.load_state_dict(state["guard"])
+        accelerator.load_state(str(path / "accelerate"))
+        progress = Progress(**state["progress"])
+        accelerator.print(f"difftune: resumed from {path} at step {progress.global_step}")
+        return progress
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
@@ -161,8 +207,10 @@ LOCKED = {
 def check_resumable(saved_toml: str, config: Config, saved_processes: int, num_processes: int, print_fn=print) -> None:
     """Fail naming every setting that makes resuming meaningless; log the changes that are safe."""
     saved, current = tomllib.loads(saved_toml), tomllib.loads(config.to_toml())
-    # Checkpoints written before paths were recorded absolute hold them relative to the working directory.
+    # Checkpoints written before paths were recorded absolute hold them relative to the working directory, and
+    # those written before families existed name none (they were SD's).
     resolve_path_values(saved, Path.cwd())
+    saved.setdefault("model", {}).setdefault("family", "sd")
     locked, changed = [], []
     for section in sorted(set(saved) | set(current)):
         old, new = saved.get(section, {}), current.get(section, {})
@@ -182,36 +230,6 @@ def check_resumable(saved_toml: str, config: Config, saved_processes: int, num_p
         )
     for line in changed:
         print_fn(f"difftune: resuming with a changed setting: {line}")
-
-
-def load_checkpoint(accelerator, path: Path, named: dict, ema, config: Config) -> tuple[Progress, dict]:
-    """Restore trained weights, EMA, optimizer, scheduler and RNG; return where to continue and the guard's state."""
-    missing = [name for name in (TRAINED_FILE, STATE_FILE, "accelerate") if not (path / name).exists()]
-    if missing:
-        raise DifftuneError(f"checkpoint {path} is missing {', '.join(missing)}; it cannot be resumed")
-    state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    check_resumable(state["config"], config, state["num_processes"], accelerator.num_processes, accelerator.print)
-    tensors = load_file(path / TRAINED_FILE)
-    weights = {k: v for k, v in tensors.items() if not k.startswith(EMA_PREFIX)}
-    if weights.keys() != named.keys():
-        difference = sorted(weights.keys() ^ named.keys())
-        raise DifftuneError(f"checkpoint {path}: its trained parameters do not match this model (e.g. {difference[0]})")
-    with torch.no_grad():
-        for name, param in named.items():
-            param.copy_(weights[name])
-        if ema:
-            saved = [tensors.get(EMA_PREFIX + name) for name in named]
-            if all(t is not None for t in saved):
-                for shadow, value in zip(ema.shadow_params, saved):
-                    shadow.copy_(value)
-                ema.optimization_step = state["ema_updates"]
-            else:
-                accelerator.print("difftune: the checkpoint has no EMA; the EMA starts from the resumed weights")
-                ema.shadow_params = [param.detach().clone() for param in named.values()]
-    accelerator.load_state(str(path / "accelerate"))
-    progress = Progress(**state["progress"])
-    accelerator.print(f"difftune: resumed from {path} at step {progress.global_step}")
-    return progress, state["guard"]
 
 
 def _write_synced(path: Path, text: str) -> None:

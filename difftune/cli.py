@@ -188,7 +188,7 @@ def _run(args: argparse.Namespace) -> None:
         if not config.prompts:
             raise DifftuneError("difftune sample: give at least one --prompt")
         components = export.load_with_adapters(args.base, args.adapter)
-        paths = save_images(generate_images(components, config, components.unet.device), config, args.out)
+        paths = save_images(generate_images(components, config, components.denoiser.device), config, args.out)
         print(f"difftune: wrote {len(paths)} images and grid.png to {args.out}")
 
 

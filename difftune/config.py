@@ -36,6 +36,11 @@ class ModelConfig(Section):
         description="Base model: a local diffusers folder, a Hugging Face hub id (needs network), "
         "or a single-file .safetensors checkpoint.",
     )
+    family: Literal["auto", "sd", "sdxl"] = Field(
+        "auto",
+        description="Model family: `auto` reads it from the base (a pipeline folder's model_index.json, a single "
+        "file's keys); `sd` is Stable Diffusion 1.x/2.x, `sdxl` SDXL and models built on it.",
+    )
     revision: str = Field("", description="Hub revision (branch, tag or commit) of `base`; empty for the default.")
     variant: str = Field("", description="Weight variant to load from a diffusers folder, e.g. `fp16`; empty for the default.")
     single_file_config: str = Field(
@@ -125,17 +130,24 @@ class AdapterConfig(Section):
     alpha: float | None = Field(None, gt=0, description="Adapter alpha (scale = alpha / rank); defaults to the rank.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
     target_modules: list[str] = Field(
-        ["to_q", "to_k", "to_v", "to_out.0"],
-        min_length=1,
-        description="UNet modules that get an adapter (names or name suffixes); default: attention projections.",
+        [],
+        description="Denoiser (UNet) modules that get an adapter (names or name suffixes); empty: the family's "
+        "default (SD, SDXL: the attention projections to_q, to_k, to_v, to_out.0).",
     )
     text_encoder: bool = Field(
-        False, description="Also train the text encoder: an adapter on it, or all its weights when `kind = none`."
+        False,
+        description="Also train the text encoders (both of SDXL's): an adapter on each, or all their weights when "
+        "`kind = none`.",
     )
     text_encoder_target_modules: list[str] = Field(
-        ["q_proj", "k_proj", "v_proj", "out_proj"],
-        min_length=1,
-        description="Text-encoder modules that get an adapter when `text_encoder = true`.",
+        [],
+        description="Modules of the (first) text encoder that get an adapter when `text_encoder = true`; empty: the "
+        "family's default (CLIP's q_proj, k_proj, v_proj, out_proj).",
+    )
+    text_encoder_2_target_modules: list[str] = Field(
+        [],
+        description="Modules of SDXL's second text encoder that get an adapter when `text_encoder = true`; empty: "
+        "the family's default (q_proj, k_proj, v_proj, out_proj).",
     )
 
     @model_validator(mode="after")
@@ -171,9 +183,9 @@ class OptimConfig(Section):
         description="AdamW (fused on CUDA, foreach elsewhere), AdamW 8-bit (needs the `bnb` extra), Lion, or Adafactor "
         "(fixed learning rate, no relative steps).",
     )
-    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate of the UNet's parameters.")
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate of the denoiser's (UNet's) parameters.")
     text_encoder_learning_rate: float | None = Field(
-        None, gt=0, description="Peak learning rate of the text encoder's parameters; defaults to `learning_rate`."
+        None, gt=0, description="Peak learning rate of the text encoders' parameters; defaults to `learning_rate`."
     )
     betas: tuple[float, float] = Field((0.9, 0.999), strict=False, description="Betas of AdamW and Lion (Lion: 0.9, 0.99 is usual).")
     weight_decay: float = Field(1e-2, ge=0, description="Decoupled weight decay.")

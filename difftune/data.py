@@ -15,7 +15,7 @@ import json
 import os
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 
 from difftune.config import DataConfig
 from difftune.errors import DifftuneError
-from difftune.models import tokenize
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")
@@ -205,18 +204,44 @@ def sample_seed(train_seed: int, epoch: int, index: int) -> int:
     return derive_seed(SAMPLE_STREAM, train_seed, epoch, index)
 
 
+@dataclass(frozen=True)
+class Crop:
+    """Where a training image comes from in its source: the source is resized to `scaled` (width, height) to cover
+    the training size, and the training size is cut out at (`left`, `top`), in resized pixels."""
+
+    scaled: tuple[int, int]
+    left: int
+    top: int
+
+
+def place_crop(original: tuple[int, int], size: tuple[int, int], crop: str, rng: random.Random | None = None) -> Crop:
+    """The crop of an `original` (width, height) image for training `size` (width, height): at random (from `rng`)
+    for `random`, else centered."""
+    width, height = size
+    scale = max(width / original[0], height / original[1])
+    scaled = (max(width, round(original[0] * scale)), max(height, round(original[1] * scale)))
+    spare_x, spare_y = scaled[0] - width, scaled[1] - height
+    if crop == "random":
+        return Crop(scaled, rng.randint(0, spare_x), rng.randint(0, spare_y))
+    return Crop(scaled, spare_x // 2, spare_y // 2)
+
+
+def cut(image: Image.Image, crop: Crop, size: tuple[int, int]) -> Image.Image:
+    image = image.resize(crop.scaled, Image.Resampling.BICUBIC)
+    return image.crop((crop.left, crop.top, crop.left + size[0], crop.top + size[1]))
+
+
 def resize_and_crop(image: Image.Image, size: tuple[int, int], crop: str, rng: random.Random | None = None) -> Image.Image:
     """Resize to cover `size` (width, height) and crop it out (at random, from `rng`, for `random`)."""
-    width, height = size
-    scale = max(width / image.width, height / image.height)
-    scaled = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
-    image = image.resize(scaled, Image.Resampling.BICUBIC)
-    spare_x, spare_y = image.width - width, image.height - height
-    if crop == "random":
-        left, top = rng.randint(0, spare_x), rng.randint(0, spare_y)
-    else:
-        left, top = spare_x // 2, spare_y // 2
-    return image.crop((left, top, left + width, top + height))
+    return cut(image, place_crop(image.size, size, crop, rng), size)
+
+
+def image_geometry(original: tuple[int, int], crop: Crop, size: tuple[int, int], flipped: bool) -> torch.Tensor:
+    """A training image's micro-conditioning facts (6,): original height and width (before resizing), the crop's
+    top and left in resized pixels, and the training height and width: SDXL's "time ids", in its order. Under a
+    flip the crop's left is mirrored (the image's left edge is what was the crop's right), as kohya computes it."""
+    left = crop.scaled[0] - crop.left - size[0] if flipped else crop.left
+    return torch.tensor([original[1], original[0], crop.top, left, size[1], size[0]])
 
 
 def bucket_sizes(config: DataConfig) -> list[tuple[int, int]]:
@@ -256,13 +281,19 @@ def draw_flip(config: DataConfig, rng: random.Random) -> bool:
     return config.random_flip and rng.random() < 0.5
 
 
-def load_image(path: Path, config: DataConfig, rng: random.Random, size: tuple[int, int] | None = None) -> torch.Tensor:
-    """Decode, resize, crop to `size` (default: the square resolution), maybe flip -> (3, H, W) in [-1, 1]."""
+def load_image(
+    path: Path, config: DataConfig, rng: random.Random, size: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode, resize, crop to `size` (default: the square resolution), maybe flip -> (3, H, W) in [-1, 1], and
+    its geometry (`image_geometry`)."""
     size = size or (config.resolution, config.resolution)
-    image = resize_and_crop(open_image(path, config), size, config.crop, rng)
-    if draw_flip(config, rng):
+    source = open_image(path, config)
+    crop = place_crop(source.size, size, config.crop, rng)
+    image = cut(source, crop, size)
+    flipped = draw_flip(config, rng)
+    if flipped:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return image_to_tensor(image)
+    return image_to_tensor(image), image_geometry(source.size, crop, size, flipped)
 
 
 def image_to_tensor(image: Image.Image) -> torch.Tensor:
@@ -272,11 +303,13 @@ def image_to_tensor(image: Image.Image) -> torch.Tensor:
 
 
 class CaptionedImages(Dataset):
-    """Indexed by (epoch, index) keys from `TrainingOrder`; returns one sample with its seed.
+    """Indexed by (epoch, index) keys from `TrainingOrder`; returns one sample with its seed and its geometry
+    (`image_geometry`, what SDXL's size and crop conditioning reads).
 
     With `latent_entries` (each example's cache file per view) it returns the cached posterior instead of pixels,
-    and with `text_entries` (caption -> cache file) the cached text states instead of token ids. The
-    per-sample random draws happen in the same order either way, so cached and uncached runs match.
+    and with `text_entries` (caption -> cache file) the cached text conditioning instead of token ids
+    (`tokenize`: captions -> token ids per text encoder, the family's). The per-sample random draws happen in
+    the same order either way, so cached and uncached runs match.
     Cache entries read once stay in RAM up to `memory_bytes`, and each caption is tokenized once: on a small
     model those reads and tokenizer calls were 13% of a training step (measured on the tiny base).
     """
@@ -285,7 +318,7 @@ class CaptionedImages(Dataset):
         self,
         examples: list[Example],
         config: DataConfig,
-        tokenizer,
+        tokenize: Callable[[list[str]], dict[str, torch.Tensor]],
         train_seed: int,
         latent_entries: list[dict[str, Path]] | None = None,
         text_entries: dict[str, Path] | None = None,
@@ -294,14 +327,15 @@ class CaptionedImages(Dataset):
     ):
         self.examples = examples
         self.config = config
-        self.tokenizer = tokenizer
+        self.tokenize = tokenize
         self.train_seed = train_seed
         self.latent_entries = latent_entries
         self.text_entries = text_entries
         self.sizes = sizes if sizes is not None else training_sizes(examples, config)
         self._memory_left = memory_bytes
         self._in_memory: dict[Path, dict[str, torch.Tensor]] = {}
-        self._token_ids: dict[str, torch.Tensor] = {}
+        self._token_ids: dict[str, dict[str, torch.Tensor]] = {}
+        self._original_sizes: dict[Path, tuple[int, int]] = {}
 
     def _read(self, entry: Path) -> dict[str, torch.Tensor]:
         """A cache entry's tensors, from RAM when read before and the budget allowed keeping them."""
@@ -314,10 +348,17 @@ class CaptionedImages(Dataset):
                 self._memory_left -= size
         return tensors
 
-    def _tokenize(self, caption: str) -> torch.Tensor:
+    def _token_ids_of(self, caption: str) -> dict[str, torch.Tensor]:
         if caption not in self._token_ids:
-            self._token_ids[caption] = tokenize(self.tokenizer, [caption])[0]  # (tokenizer.model_max_length,)
+            self._token_ids[caption] = {name: ids[0] for name, ids in self.tokenize([caption]).items()}  # (L,) each
         return self._token_ids[caption]
+
+    def _cached_geometry(self, path: Path, size: tuple[int, int], flipped: bool) -> torch.Tensor:
+        """A cached view's geometry: cached images are center-cropped, so the header's size says it all."""
+        if path not in self._original_sizes:
+            self._original_sizes[path] = image_size(path)
+        original = self._original_sizes[path]
+        return image_geometry(original, place_crop(original, size, "center"), size, flipped)
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -330,16 +371,17 @@ class CaptionedImages(Dataset):
         item = {"seed": seed, "epoch": epoch, "path": str(example.image_path)}
         if self.latent_entries:
             # Cached images were center-cropped: the only image draw left is the flip, as in load_image.
-            view = "flipped" if draw_flip(self.config, rng) else "plain"
-            posterior = self._read(self.latent_entries[index][view])
+            flipped = draw_flip(self.config, rng)
+            posterior = self._read(self.latent_entries[index]["flipped" if flipped else "plain"])
             item["latent_mean"], item["latent_std"] = posterior["mean"], posterior["std"]  # (C, h, w)
+            item["geometry"] = self._cached_geometry(example.image_path, self.sizes[index], flipped)  # (6,)
         else:
-            item["pixel_values"] = load_image(example.image_path, self.config, rng, self.sizes[index])  # (3, H, W)
+            item["pixel_values"], item["geometry"] = load_image(example.image_path, self.config, rng, self.sizes[index])
         caption = "" if rng.random() < self.config.caption_dropout else example.caption
         if self.text_entries:
-            item["encoder_hidden_states"] = self._read(self.text_entries[caption])["states"]  # (L, D)
+            item["conditioning"] = self._read(self.text_entries[caption])  # name -> (L, D) or (P,)
         else:
-            item["input_ids"] = self._tokenize(caption)
+            item["token_ids"] = self._token_ids_of(caption)  # text encoder -> (L,)
         return item
 
 

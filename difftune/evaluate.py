@@ -19,7 +19,8 @@ import torch
 from PIL import Image
 
 from difftune.config import ModelConfig
-from difftune.models import Components, assemble_pipeline, load_components
+from difftune.families import load_components
+from difftune.models import Components
 from difftune.sample import sampling_scheduler
 from difftune.tiny import COLORS, SHAPES
 
@@ -103,9 +104,9 @@ class EvalSettings:
 @torch.no_grad()
 def judged_samples(components: Components, prompts: list[str], settings: EvalSettings) -> list[dict]:
     """Each prompt's samples (fixed seeds), judged: one row per image."""
-    pipeline = assemble_pipeline(components, sampling_scheduler(settings.scheduler, components))
+    pipeline = components.pipeline(sampling_scheduler(settings.scheduler, components))
     pipeline.set_progress_bar_config(disable=True)
-    for module in (components.unet, components.text_encoder, components.vae):
+    for module in components.modules():
         module.eval()
     rows = []
     for prompt in prompts:

@@ -1,7 +1,7 @@
 """Writing what training produced, in the formats other tools load; merging adapters into the base.
 
 The diffusers-layout adapter file is one safetensors file that diffusers' `load_lora_weights` reads:
-peft keys prefixed `unet.` / `text_encoder.`, each part's peft `LoraConfig` under the metadata key
+peft keys prefixed by their part (`unet.`, `text_encoder.`, SDXL's `text_encoder_2.`), each part's peft `LoraConfig` under the metadata key
 `lora_adapter_metadata` (so rank, alpha and DoRA are read, not guessed from shapes), and the resolved
 difftune config under `difftune_config`. Weights are kept in fp32: lossless, and small. The kohya
 layout (kohya.py) is the same tensors under A1111/ComfyUI names, with `ss_*` metadata.
@@ -23,10 +23,11 @@ from difftune.adapter_files import CONFIG_METADATA_KEY, check_modules, module_na
 from difftune.adapters import adapter_state_dict
 from difftune.config import Config, ModelConfig
 from difftune.errors import DifftuneError
+from difftune.families import FAMILIES, family_of, load_components
+from difftune.families.family import Family
 from difftune.kohya import kohya_metadata, to_kohya
-from difftune.models import DTYPES, Components, assemble_pipeline, load_components, quiet_loading
+from difftune.models import DTYPES, Components, quiet_loading
 from difftune.sample import sampling_scheduler
-from difftune.single_file import pipeline_to_ldm
 
 ADAPTER_FILE = LORA_WEIGHT_NAME_SAFE  # the name `pipeline.load_lora_weights(output_dir)` looks for
 FULL_MODEL_DIR = "model"
@@ -51,24 +52,32 @@ def save_trained(components: Components, config: Config, path: Path, layout: str
     """The adapter file (in `layout`, default `export.format`), or with `adapter.kind = "none"` a complete
     diffusers pipeline folder."""
     if config.adapter.kind == "none":
-        pipeline = assemble_pipeline(components, sampling_scheduler(config.sample.scheduler, components))
-        _refuse_non_finite(components.unet.state_dict(), f"{path}")
+        pipeline = components.pipeline(sampling_scheduler(config.sample.scheduler, components))
+        _refuse_non_finite(components.denoiser.state_dict(), f"{path}")
         pipeline.save_pretrained(path, safe_serialization=True)
         return path
     tensors, lora_configs = adapter_state_dict(components, config.adapter)
-    return write_adapter(path, tensors, lora_configs, config.to_toml(), layout or config.export.format)
+    return write_adapter(path, tensors, lora_configs, config.to_toml(), layout or config.export.format, components.family)
 
 
-def write_adapter(path: Path, tensors: dict, lora_configs: dict, config_toml: str, layout: str, base: str = "") -> Path:
-    """Write an adapter file; a NaN or inf tensor is refused before anything is written. `base` names the base
-    model in a kohya file's metadata when there is no difftune config (an adapter from another tool)."""
+def write_adapter(
+    path: Path, tensors: dict, lora_configs: dict, config_toml: str, layout: str, family: Family | None = None,
+    base: str = "",
+) -> Path:
+    """Write an adapter file; a NaN or inf tensor is refused before anything is written. `family` gives the kohya
+    layout's prefixes (default: `adapter_family`); `base` names the base model in a kohya file's metadata when
+    there is no difftune config (an adapter from another tool)."""
     _refuse_non_finite(tensors, f"adapter {path}")
     metadata = {"format": "pt"}
     if config_toml:
         metadata[CONFIG_METADATA_KEY] = config_toml
     if layout == "kohya":
-        tensors = to_kohya(tensors, lora_configs)
-        metadata.update(kohya_metadata(config_toml, lora_configs, base))
+        family = family or adapter_family(lora_configs, config_toml, base)
+        try:
+            tensors = to_kohya(tensors, lora_configs, family.kohya_prefixes)
+        except ValueError as err:
+            raise DifftuneError(f"adapter {path}: {err}") from None
+        metadata.update(kohya_metadata(config_toml, lora_configs, base, family.kohya_model_version))
     else:
         metadata[LORA_ADAPTER_METADATA_KEY] = json.dumps(lora_configs, sort_keys=True)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,17 +85,28 @@ def write_adapter(path: Path, tensors: dict, lora_configs: dict, config_toml: st
     return path
 
 
+def adapter_family(lora_configs: dict, config_toml: str, base: str = "") -> Family:
+    """The family an adapter is for: its `base`'s when given, the one its difftune config records, else the only
+    family with all its parts (a UNet-only file is named alike by SD and SDXL: SD's layout is taken)."""
+    if base:
+        return family_of(ModelConfig(base=base))
+    if config_toml:
+        return family_of(ModelConfig.model_validate(tomllib.loads(config_toml)["model"]))
+    parts = {key.rsplit(".", 1)[0] for key in lora_configs if key.endswith(".r")}
+    return next(family for family in FAMILIES.values() if parts <= set(family.parts()))
+
+
 def read_any_adapter(path: Path, base: str | None = None) -> tuple[dict, dict, str]:
     """`adapter_files.read_adapter`, with a kohya file's module names from loading `base`, else the base its
     metadata names."""
 
-    def module_names(metadata: dict[str, str]) -> dict[str, list[str]]:
+    def base_modules(metadata: dict[str, str]):
         name = base or _kohya_base_name(metadata)
         if not name:
             raise DifftuneError(f"adapter {path}: a kohya-layout file needs --base (the model it was trained on)")
         return module_names_of(load_components(ModelConfig(base=name)))
 
-    return read_adapter(path, module_names)
+    return read_adapter(path, base_modules)
 
 
 def _kohya_base_name(metadata: dict[str, str]) -> str:
@@ -104,7 +124,7 @@ def convert_adapter(source: Path, target: Path, layout: str, base: str | None = 
         raise DifftuneError(f"--to {layout}: allowed: {', '.join(FORMATS)}")
     tensors, lora_configs, config_toml = read_any_adapter(source, base)
     target.parent.mkdir(parents=True, exist_ok=True)
-    return write_adapter(target, tensors, lora_configs, config_toml, layout, base or "")
+    return write_adapter(target, tensors, lora_configs, config_toml, layout, base=base or "")
 
 
 AVERAGE_WEIGHTS = {
@@ -130,7 +150,7 @@ def average_adapters(paths: list[Path], weighting: str = "uniform", base: str | 
         mismatched = [k for k in first_tensors if k not in tensors or tensors[k].shape != first_tensors[k].shape]
         if mismatched or tensors.keys() != first_tensors.keys():
             raise DifftuneError(f"adapter {path}: its tensors differ from {paths[0]} (first: {(mismatched or ['?'])[0]})")
-        for field in ("unet.r", "unet.lora_alpha", "unet.use_dora"):
+        for field in [key for key in first_configs if key.endswith((".r", ".lora_alpha", ".use_dora"))]:
             if configs.get(field) != first_configs.get(field):
                 raise DifftuneError(f"adapter {path}: {field} = {configs.get(field)} but {paths[0]} has {first_configs.get(field)}")
     weights = AVERAGE_WEIGHTS[weighting](len(paths))
@@ -143,22 +163,24 @@ def average_adapters(paths: list[Path], weighting: str = "uniform", base: str | 
 
 
 def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -> None:
-    """Attach adapter files (either layout) to the UNet/text encoder with their scales.
+    """Attach adapter files (either layout) to the denoiser / text encoders with their scales.
 
     Each is read by `adapter_files` (any tool's layout), checked against the model's modules, and handed to
     diffusers' own loader in the diffusers layout with its peft config: diffusers' kohya reader would keep
     `dora_scale`'s shape, which peft then rejects, and it drops keys of modules the model lacks with a log line.
     """
-    pipeline = assemble_pipeline(components)
-    module_names = module_names_of(components)
+    pipeline = components.pipeline()
+    modules = module_names_of(components)
     names = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (path, _) in enumerate(adapters):
-            tensors, lora_configs, config_toml = read_adapter(path, lambda metadata: module_names)
-            check_modules(tensors, module_names, path)
+            tensors, lora_configs, config_toml = read_adapter(path, lambda metadata: modules)
+            check_modules(tensors, modules.names, path)
             _refuse_non_finite(tensors, f"adapter {path}")
             names.append(f"adapter_{i}")
-            staged = write_adapter(Path(tmp) / f"{names[-1]}.safetensors", tensors, lora_configs, config_toml, "diffusers")
+            staged = write_adapter(
+                Path(tmp) / f"{names[-1]}.safetensors", tensors, lora_configs, config_toml, "diffusers", components.family
+            )
             with quiet_loading():
                 pipeline.load_lora_weights(tmp, weight_name=staged.name, adapter_name=names[-1])
     pipeline.set_adapters(names, adapter_weights=[scale for _, scale in adapters])
@@ -166,12 +188,12 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
 
 def load_with_adapters(base: str, adapters: list[tuple[Path, float]]) -> Components:
     """A base model with scaled adapters attached, on CUDA when there is one, ready to sample (the CLI's and UI's
-    `sample`; `components.unet.device` says where)."""
+    `sample`; `components.denoiser.device` says where)."""
     components = load_components(ModelConfig(base=base))
     if adapters:
         apply_adapters(components, adapters)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    for module in (components.unet, components.vae, components.text_encoder):
+    for module in components.modules():
         module.to(device).eval()
     return components
 
@@ -187,28 +209,29 @@ def merge_into_folder(
 
 
 def merge_adapters(components: Components, adapters: list[tuple[Path, float]], dtype: str = "fp32") -> None:
-    """Fold the scaled adapters into the base weights (peft's merge: exact for LoRA and DoRA)."""
-    apply_adapters(components, adapters)
-    pipeline = assemble_pipeline(components)
-    pipeline.fuse_lora(components=["unet", "text_encoder"], lora_scale=1.0)
-    pipeline.unload_lora_weights()
-    for module in (components.unet, components.text_encoder, components.vae):
+    """Fold the scaled adapters into the base weights (peft's merge: exact for LoRA and DoRA). With none, the
+    base is only cast: a merge without adapters converts a model (to a single file, or another dtype)."""
+    if adapters:
+        apply_adapters(components, adapters)
+        pipeline = components.pipeline()
+        pipeline.fuse_lora(components=list(components.family.parts()), lora_scale=1.0)
+        pipeline.unload_lora_weights()
+    for module in components.modules():
         module.to(DTYPES[dtype])
         _refuse_non_finite(module.state_dict(), f"the merged model in {dtype}")
 
 
 def save_merged(components: Components, out_dir: Path, single_file: bool, overwrite: bool = False) -> list[Path]:
-    """A complete diffusers pipeline folder (and, on request, `model.safetensors` in the original single-file
-    layout inside it). Written to a temporary folder first and moved into place whole."""
+    """A complete diffusers pipeline folder (and, on request, `model.safetensors` in the family's original
+    single-file layout inside it). Written to a temporary folder first and moved into place whole."""
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise DifftuneError(f"--out {out_dir}: already exists and is not empty; choose another folder or pass --overwrite")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    pipeline = assemble_pipeline(components, sampling_scheduler("ddim", components))
-    pipeline.save_pretrained(staging, safe_serialization=True)
+    components.pipeline(sampling_scheduler("ddim", components)).save_pretrained(staging, safe_serialization=True)
     written = [out_dir]
     if single_file:
-        ldm = {key: value.contiguous() for key, value in pipeline_to_ldm(pipeline).items()}
+        ldm = {key: value.contiguous() for key, value in components.family.to_single_file(components).items()}
         save_file(ldm, staging / SINGLE_FILE, metadata={"format": "pt"})
         written.append(out_dir / SINGLE_FILE)
     if out_dir.exists():

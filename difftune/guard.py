@@ -21,18 +21,20 @@ SKIPPED_FILE = "skipped_steps.jsonl"
 
 
 class Guard:
-    def __init__(self, config: GuardConfig, output_dir: Path | None, resumed_at_step: int | None = None):
+    def __init__(self, config: GuardConfig, output_dir: Path | None):
         self.config = config
         self.log_path = output_dir / SKIPPED_FILE if output_dir else None
-        if self.log_path:
-            # A fresh run starts a fresh list; a resumed one keeps what happened up to its checkpoint.
-            keep_lines_up_to_step(self.log_path, resumed_at_step or 0)
         # Running means over the last accepted steps (a window, so one old outlier ages out).
         self.losses: deque[float] = deque(maxlen=config.spike_warmup_steps)
         self.grad_norms: deque[float] = deque(maxlen=config.spike_warmup_steps)
         self.consecutive = 0
         self.skipped = 0
         self.rollbacks = 0
+
+    def start_at(self, step: int) -> None:
+        """A fresh run (step 0) starts a fresh list of skips; a resumed one keeps what happened up to its checkpoint."""
+        if self.log_path:
+            keep_lines_up_to_step(self.log_path, step)
 
     def judge(self, step: int, loss: float, grad_norm: float, grad_overflow_is_expected: bool = False) -> str | None:
         """The reason to skip this step, or None to apply it.

@@ -1,9 +1,10 @@
 """The kohya / A1111 / ComfyUI adapter layout, both ways, lossless.
 
-Keys: `lora_unet_<module>` and `lora_te_<module>` with the module's dotted path joined by `_`,
-each with `.lora_down.weight` (peft's lora_A), `.lora_up.weight` (lora_B) and a scalar `.alpha`.
-The text encoder's path always starts `text_model_`: transformers 5 dropped that level from
-CLIPTextModel, and A1111/ComfyUI skip keys without it, silently.
+Keys: a part's prefix (the family's: `lora_unet_` and `lora_te_` for SD; `lora_unet_`, `lora_te1_` and
+`lora_te2_` for SDXL) and the module's dotted path joined by `_`, each with `.lora_down.weight` (peft's
+lora_A), `.lora_up.weight` (lora_B) and a scalar `.alpha`. A text encoder's path always starts
+`text_model_`: transformers 5 dropped that level from CLIPTextModel, and A1111/ComfyUI skip keys without
+it, silently.
 
 DoRA magnitudes are written as `.dora_scale` with one value per output row, shaped `[out, 1]` for
 a linear layer and `[out, 1, 1, 1]` for a convolution (peft keeps `[out]` and `[1, out, 1, 1]`), the
@@ -14,7 +15,7 @@ it reproduces peft's DoRA only approximately (`COMFYUI_DORA_NOTE`). The file kee
 they are what every exact reader needs.
 
 Reading back needs the module names of the model the adapter was made for (a `_`-joined name
-cannot be split unambiguously): they come from the base model's UNet and text encoder.
+cannot be split unambiguously): they come from the base model's parts.
 """
 
 from __future__ import annotations
@@ -27,19 +28,29 @@ import torch
 
 from difftune.adapters import DORA_MAGNITUDE, derived_lora_configs
 
-UNET_PREFIX, TEXT_ENCODER_PREFIX = "lora_unet_", "lora_te_"
-_PARTS = {"unet": UNET_PREFIX, "text_encoder": TEXT_ENCODER_PREFIX}
+TEXT_MODEL = "text_model."
 
 
-def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict) -> dict[str, torch.Tensor]:
-    """difftune/diffusers adapter tensors (`unet.<path>.lora_A.weight`, ...) -> kohya keys."""
+def _kohya_module(part: str, module: str) -> str:
+    if is_text_part(part) and not module.startswith(TEXT_MODEL):
+        return TEXT_MODEL + module
+    return module
+
+
+def is_text_part(part: str) -> bool:
+    return part.startswith("text_encoder")
+
+
+def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict, prefixes: dict[str, str]) -> dict[str, torch.Tensor]:
+    """difftune/diffusers adapter tensors (`unet.<path>.lora_A.weight`, ...) -> kohya keys, with the family's
+    `prefixes` (part -> key prefix)."""
     out = {}
     for key, value in tensors.items():
         part, _, rest = key.partition(".")
         module, kind = split_adapter_key(rest)
-        if part == "text_encoder" and not module.startswith("text_model."):
-            module = f"text_model.{module}"
-        name = _PARTS[part] + module.replace(".", "_")
+        if part not in prefixes:
+            raise ValueError(f"{key}: this model family has no part {part!r} (it has {', '.join(prefixes)})")
+        name = prefixes[part] + _kohya_module(part, module).replace(".", "_")
         if kind == "lora_A.weight":
             out[f"{name}.lora_down.weight"] = value
             out[f"{name}.alpha"] = torch.tensor(float(_alpha(lora_configs, part, rest.rsplit(".lora_A", 1)[0])))
@@ -51,18 +62,18 @@ def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict) -> dict[str, 
 
 
 def from_kohya(
-    kohya: dict[str, torch.Tensor], module_names: dict[str, list[str]]
+    kohya: dict[str, torch.Tensor], module_names: dict[str, list[str]], prefixes: dict[str, str]
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """kohya keys -> difftune/diffusers adapter tensors and each part's peft config (rank, alpha, DoRA).
 
-    `module_names` maps "unet" / "text_encoder" to the dotted module names of the model to load into.
+    `module_names` maps each part ("unet", "text_encoder", ...) to the dotted module names of the model to load
+    into; `prefixes` maps it to its kohya key prefix.
     """
     lookup = {}
     for part, names in module_names.items():
         for name in names:
-            lookup[_PARTS[part] + name.replace(".", "_")] = (part, name)
-            if part == "text_encoder" and not name.startswith("text_model."):
-                lookup[_PARTS[part] + "text_model_" + name.replace(".", "_")] = (part, name)
+            lookup[prefixes[part] + name.replace(".", "_")] = (part, name)
+            lookup[prefixes[part] + _kohya_module(part, name).replace(".", "_")] = (part, name)
     tensors, ranks, alphas, dora = {}, {}, {}, {}
     for key, value in kohya.items():
         name, _, kind = key.partition(".")
@@ -95,11 +106,11 @@ COMFYUI_DORA_NOTE = (
 )
 
 
-def kohya_metadata(config_toml: str, lora_configs: dict, base: str = "", base_model_version: str = "sd_v1") -> dict[str, str]:
+def kohya_metadata(config_toml: str, lora_configs: dict, base: str, base_model_version: str) -> dict[str, str]:
     """The `ss_*` fields kohya's scripts write and A1111's UI shows. The training fields come from the difftune
     config when the adapter has one (an adapter from another tool has only its network's shape)."""
     config = tomllib.loads(config_toml) if config_toml else {}
-    part = "unet" if "unet.r" in lora_configs else "text_encoder"  # a text-encoder-only adapter has no UNet part
+    part = next(key for key in lora_configs if key.endswith(".r")).removesuffix(".r")  # the first part with an adapter
     is_dora = bool(lora_configs.get(f"{part}.use_dora"))
     metadata = {
         "ss_network_module": "lycoris.kohya" if is_dora else "networks.lora",

@@ -9,6 +9,8 @@ x0-space weight is truncated at gamma either way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler
@@ -56,29 +58,41 @@ def min_snr_weights(snr: torch.Tensor, gamma: float, prediction: str) -> torch.T
     return torch.where(snr > 0, clipped / snr.clamp(min=torch.finfo(snr.dtype).tiny), torch.ones_like(snr))
 
 
+# What the denoiser learns to predict: (scheduler, clean latents, noise, timesteps) -> target.
+TARGETS = {
+    "epsilon": lambda scheduler, latents, noise, timesteps: noise,
+    "v_prediction": lambda scheduler, latents, noise, timesteps: scheduler.get_velocity(latents, noise, timesteps),
+}
+
+# Per-sample loss weights: (scheduler, timesteps, config, prediction type) -> (B,).
+WEIGHTINGS = {
+    "min_snr": lambda scheduler, timesteps, config, prediction: min_snr_weights(
+        compute_snr(scheduler, timesteps), config.snr_gamma, prediction
+    ),
+    "uniform": lambda scheduler, timesteps, config, prediction: torch.ones(len(timesteps)),
+}
+
+# The denoiser's prediction for noisy latents at timesteps: (noisy (B, C, h, w), timesteps (B,)) -> (B, C, h, w).
+Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def diffusion_loss(
-    unet,
+    predict: Predict,
     noise_scheduler: DDPMScheduler,
     latents: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
     timesteps: torch.Tensor,
     noise: torch.Tensor,
     config: LossConfig,
     input_noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weighted MSE between the UNet's prediction and the target, per sample: shape (B,). The target is made
-    from `noise`; the UNet's input from `input_noise` when given (input perturbation)."""
+    """Weighted MSE between the denoiser's prediction and the target, per sample: shape (B,). The target is made
+    from `noise`; the denoiser's input from `input_noise` when given (input perturbation)."""
     prediction = prediction_type(config, noise_scheduler)
+    if prediction not in TARGETS:
+        raise ValueError(f"prediction type {prediction!r} is not trainable here; use {' or '.join(TARGETS)}")
     noisy = noise_scheduler.add_noise(latents, noise if input_noise is None else input_noise, timesteps)
-    if prediction == "epsilon":
-        target = noise
-    elif prediction == "v_prediction":
-        target = noise_scheduler.get_velocity(latents, noise, timesteps)
-    else:
-        raise ValueError(f"prediction type {prediction!r} is not trainable here; use epsilon or v_prediction")
-    model_output = unet(noisy, timesteps, encoder_hidden_states, return_dict=False)[0]
+    target = TARGETS[prediction](noise_scheduler, latents, noise, timesteps)
+    model_output = predict(noisy, timesteps)
     per_sample = F.mse_loss(model_output.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
-    if config.weighting == "min_snr":
-        snr = compute_snr(noise_scheduler, timesteps).to(per_sample.device)
-        per_sample = per_sample * min_snr_weights(snr, config.snr_gamma, prediction)
-    return per_sample
+    weights = WEIGHTINGS[config.weighting](noise_scheduler, timesteps, config, prediction)
+    return per_sample * weights.to(per_sample.device)

@@ -1,4 +1,4 @@
-"""Load a Stable Diffusion base and turn images and captions into the UNet's inputs.
+"""The parts of a base model, its autoencoder, and latents: what every family shares.
 
 Latent scaling, for every autoencoder kind: `latents = (encoded - shift_factor) * scaling_factor`,
 with both factors read from the autoencoder's own config (shift 0 where it has none).
@@ -14,17 +14,19 @@ from __future__ import annotations
 import importlib.util
 import socket
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import torch
-from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler
 from diffusers.utils.torch_utils import randn_tensor
-from transformers import CLIPTextModel, CLIPTokenizer
 
-from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
+
+if TYPE_CHECKING:
+    from difftune.families.family import Family
 
 VAE_CLASSES = {"AutoencoderKL": AutoencoderKL, "AutoencoderTiny": AutoencoderTiny}
 PICKLED_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
@@ -34,80 +36,31 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 @dataclass
 class Components:
-    unet: UNet2DConditionModel
+    """A base model's parts. Parts are named as in its diffusers pipeline (and in diffusers' LoRA files)."""
+
+    family: Family
+    denoiser: torch.nn.Module  # the UNet (SD, SDXL)
     vae: AutoencoderKL | AutoencoderTiny | None  # None while released (its latents are cached)
-    text_encoder: CLIPTextModel | None  # None while released (its outputs are cached)
-    tokenizer: CLIPTokenizer
+    text_encoders: dict[str, torch.nn.Module | None]  # "text_encoder"[, "text_encoder_2"]; None while released
+    tokenizers: dict[str, Any]  # "tokenizer"[, "tokenizer_2"]
     noise_scheduler: DDPMScheduler
+    pipeline_options: dict = field(default_factory=dict)  # the family's `pipeline_options` values
     latent_scaling: tuple[float, float] = (1.0, 0.0)  # the VAE's (scaling_factor, shift_factor)
 
+    def parts(self) -> dict[str, torch.nn.Module | None]:
+        """The denoiser and the text encoders by part name: what adapters attach to."""
+        return {self.family.denoiser_name: self.denoiser, **self.text_encoders}
 
-def load_components(config: ModelConfig) -> Components:
-    """Everything training needs from `config.base` (and `config.vae`), in fp32 on the CPU."""
-    base = config.base
-    pickled = base.endswith(PICKLED_SUFFIXES)
-    if pickled and not config.allow_pickled_checkpoint:
-        raise DifftuneError(
-            f"model.base {base}: a pickle-based checkpoint is not read by default (pickles can run code); convert it "
-            f"to .safetensors or a diffusers folder, or set model.allow_pickled_checkpoint = true (read tensors-only)"
-        )
-    with _explained_load_errors("model.base", base), quiet_loading():
-        if base.endswith(SINGLE_FILE_SUFFIXES):
-            components = _load_single_file(config)
-        else:
-            options = {"revision": config.revision or None, "variant": config.variant or None}
-            fp32 = {"dtype": torch.float32}  # not the saved dtype: placement casts later, on purpose
-            components = Components(
-                unet=UNet2DConditionModel.from_pretrained(base, subfolder="unet", **options, **fp32),
-                vae=AutoencoderKL.from_pretrained(base, subfolder="vae", **options, **fp32),
-                text_encoder=CLIPTextModel.from_pretrained(base, subfolder="text_encoder", **options, dtype=torch.float32),
-                tokenizer=CLIPTokenizer.from_pretrained(base, subfolder="tokenizer", revision=options["revision"]),
-                noise_scheduler=DDPMScheduler.from_pretrained(base, subfolder="scheduler", revision=options["revision"]),
-            )
-    if config.vae:
-        with _explained_load_errors("model.vae", config.vae):
-            components.vae = load_vae(config.vae)
-    components.latent_scaling = latent_scaling(components.vae.config)
-    latent_channels = components.vae.config.latent_channels
-    if latent_channels != components.unet.config.in_channels:
-        raise DifftuneError(
-            f"model.vae {config.vae or base}: makes {latent_channels}-channel latents but the UNet takes "
-            f"{components.unet.config.in_channels}; use an autoencoder made for this base"
-        )
-    return components
+    def modules(self) -> list[torch.nn.Module]:
+        """Every loaded model (released encoders left out)."""
+        return [m for m in (self.denoiser, self.vae, *self.text_encoders.values()) if m is not None]
 
+    def encoders_loaded(self) -> bool:
+        return self.vae is not None and all(m is not None for m in self.text_encoders.values())
 
-def _load_single_file(config: ModelConfig) -> Components:
-    if not Path(config.base).is_file():
-        raise DifftuneError(f"model.base {config.base}: no such file")
-    pipeline = StableDiffusionPipeline.from_single_file(
-        config.base,
-        config=config.single_file_config or None,
-        safety_checker=None,
-        requires_safety_checker=False,
-        dtype=torch.float32,
-    )
-    return Components(
-        unet=pipeline.unet,
-        vae=pipeline.vae,
-        text_encoder=pipeline.text_encoder,
-        tokenizer=pipeline.tokenizer,
-        noise_scheduler=DDPMScheduler.from_config(pipeline.scheduler.config),
-    )
-
-
-def assemble_pipeline(components: Components, scheduler=None) -> StableDiffusionPipeline:
-    """A text-to-image pipeline over the (possibly adapted) components; no safety checker."""
-    return StableDiffusionPipeline(
-        vae=components.vae,
-        text_encoder=components.text_encoder,
-        tokenizer=components.tokenizer,
-        unet=components.unet,
-        scheduler=scheduler or components.noise_scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    def pipeline(self, scheduler=None):
+        """A text-to-image pipeline of the family over these components."""
+        return self.family.assemble_pipeline(self, scheduler)
 
 
 def load_vae(name: str) -> AutoencoderKL | AutoencoderTiny:
@@ -160,7 +113,7 @@ def hub_unavailable(name: str) -> str | None:
 
 
 @contextmanager
-def _explained_load_errors(key: str, name: str):
+def explained_load_errors(key: str, name: str):
     """Turn a failed load into a message that says what was tried and what to pass instead."""
     try:
         if not Path(name).exists() and not name.endswith(SINGLE_FILE_SUFFIXES):
@@ -182,12 +135,14 @@ def _explained_load_errors(key: str, name: str):
 
 
 def place_frozen(components: Components, device: torch.device, dtype: torch.dtype) -> None:
-    """Every loaded model on `device` in `dtype` (released encoders stay away). SD's KL VAE overflows to NaN in
-    fp16 on some images: it stays fp32 unless bf16 was asked for."""
-    vae_dtype = torch.float32 if dtype == torch.float16 else dtype
-    placed = [(components.vae, vae_dtype), (components.text_encoder, dtype), (components.unet, dtype)]
-    for module, module_dtype in [(m, d) for m, d in placed if m is not None]:
+    """Every loaded model on `device` in `dtype` (released encoders stay away). A KL VAE whose config asks for
+    `force_upcast` (SD's and SDXL's own: they overflow to NaN in fp16 on some images) stays fp32 under fp16;
+    an fp16-safe one (`force_upcast = false`, e.g. the SDXL fp16 fix, or TAESD) follows `dtype`."""
+    vae = components.vae
+    vae_dtype = torch.float32 if dtype == torch.float16 and getattr(vae.config if vae else None, "force_upcast", True) else dtype
+    for module in components.modules():
         module.to(device)
+        module_dtype = vae_dtype if module is vae else dtype
         if module_dtype != torch.float32:  # loaded as fp32; diffusers warns on every dtype cast
             module.to(dtype=module_dtype)
 
@@ -242,13 +197,7 @@ def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:
     ).input_ids
 
 
-def encode_prompts(text_encoder: CLIPTextModel, input_ids: torch.Tensor) -> torch.Tensor:
-    """Token ids (B, L), on the encoder's device -> the UNet's cross-attention states (B, L, D): CLIP's last
-    hidden state, as SD 1.x uses it."""
-    return text_encoder(input_ids, return_dict=False)[0]
-
-
-def set_attention(unet: UNet2DConditionModel, kind: str) -> None:
+def set_attention(denoiser: torch.nn.Module, kind: str) -> None:
     """`sdpa` is diffusers' default processor (PyTorch scaled-dot-product attention); `xformers` swaps it."""
     if kind == "xformers":
         if importlib.util.find_spec("xformers") is None:
@@ -256,4 +205,4 @@ def set_attention(unet: UNet2DConditionModel, kind: str) -> None:
                 "train.attention = \"xformers\" but xformers is not installed; `pip install difftune[xformers]` "
                 "(CUDA only) or use \"sdpa\""
             )
-        unet.enable_xformers_memory_efficient_attention()
+        denoiser.enable_xformers_memory_efficient_attention()

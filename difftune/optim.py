@@ -46,10 +46,10 @@ OPTIMIZERS = {"adamw": _adamw, "adamw_8bit": _adamw_8bit, "lion": _lion, "adafac
 
 
 def build_optimizer(
-    unet_params: list[torch.nn.Parameter], text_encoder_params: list[torch.nn.Parameter], config: OptimConfig, device
+    denoiser_params: list[torch.nn.Parameter], text_encoder_params: list[torch.nn.Parameter], config: OptimConfig, device
 ) -> torch.optim.Optimizer:
-    """One parameter group per model, each at its own peak learning rate."""
-    groups = [{"params": unet_params, "lr": config.learning_rate}]
+    """One parameter group for the denoiser and one for the text encoders, each at its own peak learning rate."""
+    groups = [{"params": denoiser_params, "lr": config.learning_rate}]
     if text_encoder_params:
         groups.append({"params": text_encoder_params, "lr": config.text_encoder_learning_rate})
     return OPTIMIZERS[config.optimizer](groups, config, device)

@@ -19,7 +19,8 @@ import torch
 
 from difftune import export
 from difftune.config import Config
-from difftune.models import load_components, place_frozen
+from difftune.families import load_components
+from difftune.models import place_frozen
 from difftune.sample import Sample, generate_images
 
 PARITY_FILE = "parity.json"

@@ -18,7 +18,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from difftune.config import SampleConfig
-from difftune.models import Components, assemble_pipeline, load_vae
+from difftune.models import Components, load_vae
 
 SCHEDULERS = {
     "ddim": DDIMScheduler,
@@ -45,9 +45,9 @@ def generate_images(components: Components, config: SampleConfig, device: torch.
     """`images_per_prompt` images per prompt; image k (counting across prompts) uses seed `config.seed + k`,
     so any image can be re-made alone. No `resolution`: the model's native size."""
     decoder = load_vae(config.decoder).to(device, components.vae.dtype) if config.decoder else components.vae
-    pipeline = assemble_pipeline(replace(components, vae=decoder), sampling_scheduler(config.scheduler, components))
+    pipeline = replace(components, vae=decoder).pipeline(sampling_scheduler(config.scheduler, components))
     pipeline.set_progress_bar_config(disable=True)
-    with _eval_mode(components.unet, components.text_encoder):
+    with _eval_mode(components.denoiser, *components.text_encoders.values()):
         return _sample_all(pipeline, config)
 
 

@@ -1,19 +1,24 @@
-"""The original single-file Stable Diffusion (LDM) checkpoint layout, written from diffusers models.
+"""The original single-file checkpoint layouts (LDM for SD 1.x/2.x, SGM for SDXL), written from diffusers models.
 
-A1111, ComfyUI and `StableDiffusionPipeline.from_single_file` read one `.safetensors` with
-`model.diffusion_model.*` (UNet), `first_stage_model.*` (VAE) and `cond_stage_model.transformer.*`
-(CLIP text encoder) keys. diffusers ships only the reading direction (`single_file_utils`); this is
-the writing one, derived from each model's config (levels, layers per block, attention placement),
-so it serves any SD 1.x/2.x-shaped UNet, the tiny test model included.
+A1111, ComfyUI and `from_single_file` read one `.safetensors` with `model.diffusion_model.*` (UNet) and
+`first_stage_model.*` (VAE) keys, and the text encoders under `cond_stage_model.transformer.*` (SD's CLIP) or
+`conditioner.embedders.0.transformer.*` and `conditioner.embedders.1.model.*` (SDXL's CLIP and OpenCLIP).
+diffusers ships only the reading direction (`single_file_utils`); this is the writing one, derived from each
+model's config (levels, layers per block, attention placement), so it serves any SD- or SDXL-shaped UNet, the
+tiny ones included. A family module says which pieces its file has.
 """
 
 from __future__ import annotations
 
+import torch
 from diffusers import AutoencoderKL, UNet2DConditionModel
 
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
 TEXT_ENCODER_PREFIX = "cond_stage_model.transformer."
+SDXL_CONDITIONER_PREFIX = "conditioner."
+SDXL_TEXT_ENCODER_PREFIX = "conditioner.embedders.0.transformer."
+SDXL_TEXT_ENCODER_2_PREFIX = "conditioner.embedders.1.model."
 
 _UNET_TOP_LEVEL = {
     "time_embedding.linear_1.": "time_embed.0.",
@@ -21,6 +26,8 @@ _UNET_TOP_LEVEL = {
     "conv_in.": "input_blocks.0.0.",
     "conv_norm_out.": "out.0.",
     "conv_out.": "out.2.",
+    "add_embedding.linear_1.": "label_emb.0.0.",  # SDXL's size/crop and pooled-text embedding
+    "add_embedding.linear_2.": "label_emb.0.2.",
 }
 _UNET_RESNET = {
     "norm1.": "in_layers.0.",
@@ -98,22 +105,52 @@ def vae_to_ldm(vae: AutoencoderKL) -> dict:
     return out
 
 
-def text_encoder_to_ldm(text_encoder) -> dict:
-    """CLIP text encoder -> `cond_stage_model.transformer.text_model.*` keys. transformers 5 dropped the
-    `text_model` level from CLIPTextModel; the original layout (and every reader of it) keeps it."""
+def clip_to_ldm(text_encoder, prefix: str) -> dict:
+    """A CLIP text encoder in Hugging Face's layout under `prefix` (`...transformer.text_model.*`). transformers 5
+    dropped the `text_model` level from CLIPTextModel; the original layout (and every reader of it) keeps it."""
     out = {}
     for key, value in text_encoder.state_dict().items():
         key = key if key.startswith("text_model.") else f"text_model.{key}"
-        out[TEXT_ENCODER_PREFIX + key] = value
+        out[prefix + key] = value
     return out
 
 
-def pipeline_to_ldm(pipeline) -> dict:
-    return {
-        **unet_to_ldm(pipeline.unet),
-        **vae_to_ldm(pipeline.vae),
-        **text_encoder_to_ldm(pipeline.text_encoder),
-    }
+_OPEN_CLIP_LAYERS = {
+    "text_model.embeddings.position_embedding.weight": "positional_embedding",
+    "text_model.embeddings.token_embedding.weight": "token_embedding.weight",
+    "text_model.final_layer_norm.weight": "ln_final.weight",
+    "text_model.final_layer_norm.bias": "ln_final.bias",
+}
+_OPEN_CLIP_BLOCK = {
+    "layer_norm1.": "ln_1.",
+    "layer_norm2.": "ln_2.",
+    "mlp.fc1.": "mlp.c_fc.",
+    "mlp.fc2.": "mlp.c_proj.",
+    "self_attn.out_proj.": "attn.out_proj.",
+}
+
+
+def open_clip_to_ldm(text_encoder, prefix: str) -> dict:
+    """A `CLIPTextModelWithProjection` in OpenCLIP's layout under `prefix`, as SDXL's second encoder is stored:
+    `transformer.resblocks.N.*`, the attention's q/k/v stacked into one `in_proj`, and `text_projection`
+    transposed (OpenCLIP multiplies by it from the right)."""
+    state = {key if key.startswith(("text_model.", "text_projection")) else f"text_model.{key}": value
+             for key, value in text_encoder.state_dict().items()}
+    out = {prefix + "text_projection": state.pop("text_projection.weight").T.contiguous()}
+    for key, name in _OPEN_CLIP_LAYERS.items():
+        out[prefix + name] = state.pop(key)
+    layers = {key.split(".")[3] for key in state if key.startswith("text_model.encoder.layers.")}
+    for layer in sorted(layers, key=int):
+        source, target = f"text_model.encoder.layers.{layer}.", f"{prefix}transformer.resblocks.{layer}."
+        for kind in ("weight", "bias"):
+            out[f"{target}attn.in_proj_{kind}"] = torch.cat(
+                [state.pop(f"{source}self_attn.{p}_proj.{kind}") for p in "qkv"]
+            )
+        for key in [k for k in state if k.startswith(source)]:
+            out[target + _replace_prefix(key[len(source) :], _OPEN_CLIP_BLOCK)] = state.pop(key)
+    if state:
+        raise ValueError(f"open_clip_to_ldm: no OpenCLIP name for {sorted(state)[0]}")
+    return out
 
 
 def _replace_prefix(key: str, prefixes: dict[str, str]) -> str:

@@ -1,7 +1,8 @@
-"""A tiny Stable-Diffusion-architecture model and synthetic captioned images, built with no downloads.
+"""Tiny Stable-Diffusion- and SDXL-architecture models and synthetic captioned images, built with no downloads.
 
 The same diffusers/transformers classes as SD 1.x (UNet2DConditionModel, AutoencoderKL,
-CLIPTextModel + CLIPTokenizer), shrunk so that CPU tests and the bundled default job run in seconds.
+CLIPTextModel + CLIPTokenizer) and SDXL (a second, projecting text encoder, a UNet with `text_time`
+size/crop conditioning), shrunk so that CPU tests and the bundled default jobs run in seconds.
 The tokenizer is character level with a vocabulary written here, so nothing is fetched.
 """
 
@@ -14,16 +15,27 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderTiny,
+    DDPMScheduler,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
 from PIL import Image, ImageDraw
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from difftune.data import image_to_tensor
-from difftune.models import Components, assemble_pipeline
 
 IMAGE_SIZE = 32
 TOKENIZER_MAX_LENGTH = 32
 TEXT_HIDDEN_SIZE = 64
+# SDXL's second encoder is wider than its first (1280 vs 768); diffusers' single-file reader tells the two
+# apart by that width, so the tiny pair differs too.
+TEXT_2_HIDDEN_SIZE = 96
+TEXT_2_PROJECTION_SIZE = 64
+TIME_EMBED_SIZE = 8  # per micro-conditioning number (SDXL: 256)
 
 COLORS = {
     "red": (220, 40, 40),
@@ -51,12 +63,14 @@ def build_tokenizer() -> CLIPTokenizer:
         return CLIPTokenizer(str(vocab_file), str(merges_file), model_max_length=TOKENIZER_MAX_LENGTH)
 
 
-def build_text_encoder() -> CLIPTextModel:
+def build_text_encoder(hidden_size: int = TEXT_HIDDEN_SIZE, projection_size: int | None = None):
+    """A 2-layer CLIP text encoder; with `projection_size`, a `CLIPTextModelWithProjection` (SDXL's second)."""
     vocab = character_vocabulary()
     config = CLIPTextConfig(
         vocab_size=len(vocab),
-        hidden_size=TEXT_HIDDEN_SIZE,
-        intermediate_size=2 * TEXT_HIDDEN_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        projection_dim=projection_size or 512,
         num_hidden_layers=2,
         num_attention_heads=2,
         max_position_embeddings=TOKENIZER_MAX_LENGTH,
@@ -64,7 +78,7 @@ def build_text_encoder() -> CLIPTextModel:
         eos_token_id=vocab["<|endoftext|>"],
         pad_token_id=vocab["<|endoftext|>"],
     )
-    return CLIPTextModel(config)
+    return CLIPTextModelWithProjection(config) if projection_size else CLIPTextModel(config)
 
 
 def build_vae(scaling_factor: float = 1.0) -> AutoencoderKL:
@@ -95,10 +109,20 @@ def build_taesd() -> AutoencoderTiny:
     )
 
 
-def build_unet(block_out_channels: tuple[int, ...] = (32, 64)) -> UNet2DConditionModel:
+def build_unet(block_out_channels: tuple[int, ...] = (32, 64), sdxl: bool = False) -> UNet2DConditionModel:
     """Cross-attention in every block but the lowest, as in SD's UNet. (32, 64): the test model;
-    (32, 64, 64): the bundled base (1.5M parameters, the size that learned best in the prototype)."""
+    (32, 64, 64): the bundled base (1.5M parameters, the size that learned best in the prototype). With `sdxl`,
+    SDXL's conditioning: cross-attention on both encoders' states, and the `text_time` embedding of the pooled
+    text and the six size/crop numbers; linear projections in the transformers, as SDXL has. (The attention
+    stays where tiny-sd has it: SDXL's own layout puts none at the top level, which at 8x8 latents leaves
+    attention only at 4x4 and below.)"""
     depth = len(block_out_channels)
+    sdxl_conditioning = {
+        "addition_embed_type": "text_time",
+        "addition_time_embed_dim": TIME_EMBED_SIZE,
+        "projection_class_embeddings_input_dim": 6 * TIME_EMBED_SIZE + TEXT_2_PROJECTION_SIZE,
+        "use_linear_projection": True,
+    }
     return UNet2DConditionModel(
         sample_size=IMAGE_SIZE // 4,
         in_channels=4,
@@ -107,9 +131,10 @@ def build_unet(block_out_channels: tuple[int, ...] = (32, 64)) -> UNet2DConditio
         block_out_channels=block_out_channels,
         down_block_types=("CrossAttnDownBlock2D",) * (depth - 1) + ("DownBlock2D",),
         up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (depth - 1),
-        cross_attention_dim=TEXT_HIDDEN_SIZE,
+        cross_attention_dim=TEXT_HIDDEN_SIZE + TEXT_2_HIDDEN_SIZE if sdxl else TEXT_HIDDEN_SIZE,
         attention_head_dim=4,
         norm_num_groups=32,
+        **(sdxl_conditioning if sdxl else {}),
     )
 
 
@@ -126,19 +151,33 @@ def build_noise_scheduler() -> DDPMScheduler:
     )
 
 
-def build_pipeline(seed: int = 0) -> StableDiffusionPipeline:
-    """A random-init tiny SD pipeline; its VAE's scaling factor is 1/std of the latents of `shape_images`,
-    the way SD's 0.18215 was chosen."""
+def build_pipeline(seed: int = 0, sdxl: bool = False) -> StableDiffusionPipeline | StableDiffusionXLPipeline:
+    """A random-init tiny SD (or SDXL) pipeline; its VAE's scaling factor is 1/std of the latents of
+    `shape_images`, the way SD's 0.18215 was chosen."""
     torch.manual_seed(seed)
     vae = build_vae()
     with torch.no_grad():
         pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
         latents = vae.encode(pixels).latent_dist.mean  # (64, 4, 8, 8)
     vae.register_to_config(scaling_factor=float(1.0 / latents.std()))
-    return assemble_pipeline(Components(  # built in this order: the seed's random draws depend on it
-        vae=vae, text_encoder=build_text_encoder(), tokenizer=build_tokenizer(), unet=build_unet(),
-        noise_scheduler=build_noise_scheduler(),
-    ))
+    return assemble_tiny_pipeline(vae, sdxl)
+
+
+def assemble_tiny_pipeline(vae: AutoencoderKL, sdxl: bool, unet_block_out_channels: tuple[int, ...] = (32, 64)):
+    """Random text encoders and UNet around `vae` (built in this order: the seed's random draws depend on it)."""
+    text_encoder, tokenizer = build_text_encoder(), build_tokenizer()
+    if not sdxl:
+        return StableDiffusionPipeline(
+            vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=build_unet(unet_block_out_channels),
+            scheduler=build_noise_scheduler(), safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        )
+    return StableDiffusionXLPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=build_text_encoder(TEXT_2_HIDDEN_SIZE, TEXT_2_PROJECTION_SIZE), tokenizer_2=build_tokenizer(),
+        unet=build_unet(unet_block_out_channels, sdxl=True), scheduler=build_noise_scheduler(),
+        # Trained with empty-caption dropout, not SDXL's zeroed embeddings: "" is what an empty prompt means.
+        force_zeros_for_empty_prompt=False, add_watermarker=False,
+    )
 
 
 def render_shape(shape: str, color: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Image.Image:

@@ -1,5 +1,7 @@
-"""Building the bundled tiny base: a KL autoencoder, a TAESD distilled to its latent space, then the UNet
-and text encoder trained by difftune's own trainer (full fine-tune) on synthetic shapes.
+"""Building the bundled tiny bases: a KL autoencoder, a TAESD distilled to its latent space, then the UNet
+and text encoder(s) trained by difftune's own trainer (full fine-tune) on synthetic shapes. tiny-sdxl
+reuses tiny-sd's autoencoders (SDXL keeps SD's VAE architecture; a new latent space would teach nothing new)
+and trains an SDXL-conditioned UNet and two text encoders the same way.
 
 The autoencoders are trained here with a plain reconstruction loop: difftune's trainer is for the
 diffusion model, and an autoencoder needs none of its machinery. One color (`HELD_OUT_COLOR`) is never
@@ -19,20 +21,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL, AutoencoderTiny, StableDiffusionPipeline
+from diffusers import AutoencoderKL, AutoencoderTiny, DiffusionPipeline
 from tqdm.auto import tqdm
 
 from difftune.data import image_to_tensor
 from difftune.config import load_config
 from difftune.metrics import read_metrics
-from difftune.models import Components, assemble_pipeline
 from difftune.tiny import (
     COLORS,
+    assemble_tiny_pipeline,
     build_noise_scheduler,
     build_taesd,
-    build_text_encoder,
-    build_tokenizer,
-    build_unet,
     build_vae,
     shape_images,
     write_caption_folder,
@@ -179,6 +178,7 @@ class Recipe:
     weighting: str = "min_snr"  # or "uniform"
     noise_offset: float = 0.1  # see base_training_overrides
     ema_decay: float = 0.999
+    sdxl: bool = False  # tiny-sdxl: SDXL's conditioning and two text encoders, tiny-sd's autoencoders
 
 
 def write_renders(folder: Path, images_per_prompt: int, seed: int, colors=SEEN_COLORS) -> Path:
@@ -208,36 +208,43 @@ def base_training_overrides(recipe: Recipe, init_dir: Path, data_dir: Path, vali
     return [f"{key}={value}" for key, value in values.items()]
 
 
-def build_base(out_dir: Path, work_dir: Path, recipe: Recipe = Recipe()) -> dict:
-    """Train everything and write the pipeline folder (fp16) with `taesd/` beside `vae/`; returns the facts
-    for the model card (scores of the autoencoders, seconds per stage, the recipe)."""
+def train_autoencoders(recipe: Recipe) -> tuple[AutoencoderKL, AutoencoderTiny]:
+    torch.manual_seed(recipe.seed)
+    images = render_tensors(recipe.autoencoder_images, recipe.seed + 100)
+    vae = train_vae(images, recipe.vae_steps, recipe.autoencoder_batch, seed=recipe.seed)
+    latents = posterior_means(vae, images)
+    vae = finetune_decoder(vae, images, latents, recipe.vae_decoder_steps, recipe.autoencoder_batch,
+                           recipe.vae_decoder_lr, recipe.seed)
+    taesd = distill_taesd(images, latents * vae.config.scaling_factor, recipe.taesd_steps, recipe.autoencoder_batch,
+                          seed=recipe.seed)
+    return vae, taesd
+
+
+def build_base(out_dir: Path, work_dir: Path, recipe: Recipe = Recipe(), autoencoders_from: Path | None = None) -> dict:
+    """Train everything (the autoencoders: unless `autoencoders_from`, a built base folder, lends its `vae/` and
+    `taesd/`) and write the pipeline folder (fp16) with `taesd/` beside `vae/`; returns the facts for the model
+    card (scores of the autoencoders, seconds per stage, the recipe)."""
     from difftune.train import train
 
     seconds: dict[str, float] = {}
     work_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(recipe.seed)
     with timed(seconds, "autoencoders"):
-        images = render_tensors(recipe.autoencoder_images, recipe.seed + 100)
-        vae = train_vae(images, recipe.vae_steps, recipe.autoencoder_batch, seed=recipe.seed)
-        latents = posterior_means(vae, images)
-        vae = finetune_decoder(vae, images, latents, recipe.vae_decoder_steps, recipe.autoencoder_batch,
-                               recipe.vae_decoder_lr, recipe.seed)
-        taesd = distill_taesd(images, latents * vae.config.scaling_factor, recipe.taesd_steps, recipe.autoencoder_batch,
-                              seed=recipe.seed)
+        if autoencoders_from:
+            vae = AutoencoderKL.from_pretrained(autoencoders_from / "vae", dtype=torch.float32)
+            taesd = AutoencoderTiny.from_pretrained(autoencoders_from / "taesd", dtype=torch.float32)
+        else:
+            vae, taesd = train_autoencoders(recipe)
         scores = autoencoder_scores(vae, taesd, render_tensors(300, recipe.seed + 999))
     init_dir = work_dir / "init"
     torch.manual_seed(recipe.seed)
-    assemble_pipeline(Components(  # built in this order: the seed's random draws depend on it
-        vae=vae, text_encoder=build_text_encoder(), tokenizer=build_tokenizer(),
-        unet=build_unet(recipe.unet_block_out_channels), noise_scheduler=build_noise_scheduler(),
-    )).save_pretrained(init_dir, safe_serialization=True)
+    assemble_tiny_pipeline(vae, recipe.sdxl, recipe.unet_block_out_channels).save_pretrained(init_dir, safe_serialization=True)
     data_dir = write_renders(work_dir / "train", recipe.train_images_per_prompt, recipe.seed + 1)
     validation_dir = write_renders(work_dir / "validation", recipe.validation_images_per_prompt, recipe.seed + 2)
     run_dir = work_dir / "run"
     with timed(seconds, "unet_and_text_encoder"):
         overrides = base_training_overrides(recipe, init_dir, data_dir, validation_dir, run_dir, work_dir / "cache")
         train(load_config(None, overrides))
-    pipeline = StableDiffusionPipeline.from_pretrained(run_dir / "model_ema", safety_checker=None, dtype=torch.float32)
+    pipeline = DiffusionPipeline.from_pretrained(run_dir / "model_ema", dtype=torch.float32)
     pipeline.scheduler = build_noise_scheduler()  # the training schedule; samplers are chosen at sampling time
     shutil.rmtree(out_dir, ignore_errors=True)
     pipeline.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)

@@ -7,12 +7,14 @@ of the model's prediction target, whatever weighting training uses.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from difftune.config import Config
 from difftune.data import CaptionedImages, derive_seed, report_bad_files, scan_examples
 from difftune.loss import diffusion_loss
-from difftune.models import Components, encode_latents, encode_prompts
+from difftune.models import Components, encode_latents
 
 VALIDATION_STREAM = 2
 
@@ -27,7 +29,8 @@ class Validator:
         )
         examples, bad_files = scan_examples(data)
         report_bad_files(bad_files, None)
-        dataset = CaptionedImages(examples, data, components.tokenizer, config.validation.seed)
+        family = components.family
+        dataset = CaptionedImages(examples, data, partial(family.tokenize, components.tokenizers), config.validation.seed)
         items = [dataset[(0, i)] for i in range(len(examples))]
         seed, timesteps = config.validation.seed, config.validation.timesteps
         noise_generator = torch.Generator().manual_seed(derive_seed(VALIDATION_STREAM, seed, len(items)))
@@ -41,9 +44,11 @@ class Validator:
             pixels = torch.stack([items[i]["pixel_values"] for i in indices]).to(device)
             with torch.no_grad():
                 latents = encode_latents(components.vae, pixels, generators).float().repeat_interleave(len(timesteps), dim=0)
+            repeat = lambda tensors: torch.stack(tensors).to(device).repeat_interleave(len(timesteps), dim=0)  # noqa: E731
             self.groups.append({
                 "latents": latents,
-                "input_ids": torch.stack([items[i]["input_ids"] for i in indices]).to(device).repeat_interleave(len(timesteps), dim=0),
+                "token_ids": {name: repeat([items[i]["token_ids"][name] for i in indices]) for name in items[0]["token_ids"]},
+                "geometry": repeat([items[i]["geometry"] for i in indices]),
                 "timesteps": torch.tensor(timesteps * len(indices), device=device),
                 "noise": torch.randn(latents.shape, generator=noise_generator).to(device),
             })
@@ -54,20 +59,23 @@ class Validator:
     @torch.no_grad()
     def loss(self, components: Components) -> float:
         """Mean loss over every (image, timestep) pair, with the components' current weights."""
-        was_training = components.unet.training, components.text_encoder.training
-        components.unet.eval()
-        components.text_encoder.eval()
+        family, modules = components.family, [components.denoiser, *components.text_encoders.values()]
+        was_training = [module.training for module in modules]
+        for module in modules:
+            module.eval()
         total, count = 0.0, 0
         for group in self.groups:
             for start in range(0, len(group["latents"]), self.batch_size):
                 part = slice(start, start + self.batch_size)
-                states = encode_prompts(components.text_encoder, group["input_ids"][part])
+                conditioning = family.encode_prompts(components, {name: ids[part] for name, ids in group["token_ids"].items()})
+                geometry = group["geometry"][part]
                 per_sample = diffusion_loss(
-                    components.unet, components.noise_scheduler, group["latents"][part], states, group["timesteps"][part],
-                    group["noise"][part], self.loss_config,
+                    lambda noisy, t: family.denoise(components, noisy, t, conditioning, geometry),
+                    components.noise_scheduler, group["latents"][part], group["timesteps"][part], group["noise"][part],
+                    self.loss_config,
                 )
                 total += per_sample.sum().item()
                 count += len(per_sample)
-        components.unet.train(was_training[0])
-        components.text_encoder.train(was_training[1])
+        for module, mode in zip(modules, was_training):
+            module.train(mode)
         return total / count

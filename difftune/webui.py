@@ -283,7 +283,7 @@ def _sample_tab(jobs_dir: Path):
             galleries = []
             for run_adapters in runs:
                 components = load_with_adapters(base_name, run_adapters)
-                samples = generate_images(components, config, components.unet.device)
+                samples = generate_images(components, config, components.denoiser.device)
                 galleries.append([(sample.image, f"{sample.prompt} · seed {sample.seed}") for sample in samples])
         except (DifftuneError, OSError) as err:
             return _error(err), [], []

@@ -16,7 +16,7 @@ from pathlib import Path
 from difftune.config import load_config
 from difftune.evaluate import EvalSettings, score
 from difftune.export import apply_adapters, variant_of
-from difftune.models import load_components
+from difftune.families import load_components
 from difftune.tiny import shape_images, write_caption_folder
 from difftune.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
 from difftune.train import train

@@ -1,9 +1,11 @@
-"""Build the bundled tiny base (models/tiny-sd) and the default job's images: `python scripts/make_tiny_base.py`.
+"""Build a bundled tiny base: `python scripts/make_tiny_base.py` (models/tiny-sd and the default job's images)
+or `python scripts/make_tiny_base.py --family sdxl` (models/tiny-sdxl, from tiny-sd's autoencoders).
 
-Trains a KL autoencoder and a TAESD on synthetic shapes, then the UNet and text encoder with difftune's own
-trainer (full fine-tune, EMA), never showing them the held-out color; scores the result with the judge
-(and an untrained control) and writes the model card. Deterministic by seed; about 20 minutes on 2 CPU
-cores. The default job's images (examples/purple: renders of the held-out color) are written too.
+Trains a KL autoencoder and a TAESD on synthetic shapes (SD only), then the UNet and text encoder(s) with
+difftune's own trainer (full fine-tune, EMA), never showing them the held-out color; scores the result with
+the judge (and an untrained control) and writes the model card. Deterministic by seed; about 20 minutes on 2
+CPU cores for tiny-sd. The default jobs' images (examples/purple: renders of the held-out color) are written
+with tiny-sd.
 """
 
 import argparse
@@ -13,7 +15,7 @@ from pathlib import Path
 
 from difftune.evaluate import EvalSettings, score
 from difftune.config import ModelConfig
-from difftune.models import load_components
+from difftune.families import load_components
 from difftune.tiny import shape_images, write_caption_folder
 from difftune.tiny_base import HELD_OUT_COLOR, SEEN_COLORS, Recipe, build_base
 
@@ -22,28 +24,27 @@ library_name: diffusers
 pipeline_tag: text-to-image
 tags: [difftune, tiny, synthetic]
 ---
-# tiny-sd: a 32 px text-to-image model of colored shapes, trained by difftune
+# {name}: a 32 px text-to-image model of colored shapes, trained by difftune
 
-Stable Diffusion 1.x's architecture at toy size, from the same classes (`UNet2DConditionModel`,
-`AutoencoderKL`, `CLIPTextModel` with a character-level `CLIPTokenizer`), trained on synthetic renders
+{architecture}, trained on synthetic renders
 captioned `a <color> <shape>` for colors {seen} and shapes circle, square, triangle. The color
 `{held_out}` was never shown to the UNet or the text encoder: it is the concept the default fine-tuning
 job teaches. `taesd/` is an `AutoencoderTiny` distilled to the same latent space (encode for training
 with `model.vae = "models/tiny-sd/taesd"`, or decode previews with `sample.decoder`).
 
-Weights are fp16; on a CPU load them as fp32: `StableDiffusionPipeline.from_pretrained(path, dtype=torch.float32)`.
+Weights are fp16; on a CPU load them as fp32: `{pipeline}.from_pretrained(path, dtype=torch.float32)`.
 
 ## Recipe (`python scripts/make_tiny_base.py`, seed {seed})
 
-- autoencoders: {autoencoder_images} renders of every color; KL VAE (MSE + 1e-6 KL, {vae_steps} steps at batch
+- autoencoders{autoencoders_note}: {autoencoder_images} renders of every color; KL VAE (MSE + 1e-6 KL, {vae_steps} steps at batch
   {autoencoder_batch}, then {vae_decoder_steps} steps at lr {vae_decoder_lr} of the decoder alone on the posterior means, as SD's ft-MSE
   VAE), scaling factor {scaling_factor:.4f} = 1/std of its latents; TAESD distilled for {taesd_steps}
   steps (encoder -> the VAE's scaled latents, decoder <- them)
-- UNet (block channels {channels}, {unet_params:,} parameters) and text encoder ({text_params:,}) trained jointly
+- UNet (block channels {channels}, {unet_params:,} parameters) and text encoder(s) ({text_params:,}) trained jointly
   by `difftune train` with `adapter.kind = "none"`, `adapter.text_encoder = true`: {steps} steps at batch
   {batch_size}, AdamW lr {learning_rate} cosine, {weighting} loss weighting, noise offset {noise_offset}, caption dropout 0.1, cached latents,
   EMA {ema_decay} (the EMA weights are what is saved)
-- time on 2 CPU cores: autoencoders {t_ae:.0f} s, UNet + text encoder {t_unet:.0f} s
+- time on 2 CPU cores: autoencoders {t_ae:.0f} s, UNet + text encoder(s) {t_unet:.0f} s
 
 ## Scores
 
@@ -55,7 +56,7 @@ Weights are fp16; on a CPU load them as fp32: `StableDiffusionPipeline.from_pret
 | seen prompts, color accuracy ({n} samples per prompt, fixed seeds) | {seen_color:.3f} |
 | seen prompts, shape accuracy | {seen_shape:.3f} |
 | held-out color before fine-tuning (both right) | {concept_both:.3f} |
-| untrained control (random UNet and text encoder), color / shape | {control_color:.3f} / {control_shape:.3f} |
+| untrained control (random UNet and text encoders), color / shape | {control_color:.3f} / {control_shape:.3f} |
 
 Judged by `difftune.evaluate.judge` (pixel statistics: on a plain background the foreground must be one
 blob of one palette color, else nothing is named; the nearest palette color; where the blob fills its
@@ -64,18 +65,33 @@ Full numbers: `scores.json`.
 """
 
 
+ARCHITECTURES = {
+    "sd": ("Stable Diffusion 1.x's architecture at toy size, from the same classes (`UNet2DConditionModel`,\n"
+           "`AutoencoderKL`, `CLIPTextModel` with a character-level `CLIPTokenizer`)", "StableDiffusionPipeline"),
+    "sdxl": ("Stable Diffusion XL's architecture at toy size, from the same classes (`UNet2DConditionModel` with\n"
+             "`addition_embed_type = \"text_time\"` size/crop conditioning, `AutoencoderKL`, `CLIPTextModel` and\n"
+             "`CLIPTextModelWithProjection` with character-level `CLIPTokenizer`s; the UNet keeps tiny-sd's attention\n"
+             "placement)", "StableDiffusionXLPipeline"),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", type=Path, default=Path("models/tiny-sd"))
+    parser.add_argument("--family", choices=("sd", "sdxl"), default="sd")
+    parser.add_argument("--model-dir", type=Path, help="default: models/tiny-sd or models/tiny-sdxl")
+    parser.add_argument("--autoencoders-from", type=Path, default=Path("models/tiny-sd"),
+                        help="with --family sdxl: the built base whose vae/ and taesd/ are reused")
     parser.add_argument("--examples-dir", type=Path, default=Path("examples/purple"))
-    parser.add_argument("--work-dir", type=Path, default=Path("output/tiny-base-build"))
+    parser.add_argument("--work-dir", type=Path, help="default: output/tiny-<family>-build")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=Recipe.steps, help="UNet/text-encoder training steps")
     parser.add_argument("--weighting", choices=("min_snr", "uniform"), default=Recipe.weighting)
     args = parser.parse_args()
-
-    recipe = Recipe(seed=args.seed, steps=args.steps, weighting=args.weighting)
-    finish(args, recipe, build_base(args.model_dir, args.work_dir, recipe))
+    args.model_dir = args.model_dir or Path(f"models/tiny-{args.family}")
+    args.work_dir = args.work_dir or Path(f"output/tiny-{args.family}-build")
+    sdxl = args.family == "sdxl"
+    recipe = Recipe(seed=args.seed, steps=args.steps, weighting=args.weighting, sdxl=sdxl)
+    finish(args, recipe, build_base(args.model_dir, args.work_dir, recipe, args.autoencoders_from if sdxl else None))
 
 
 def finish(args, recipe: Recipe, facts: dict) -> None:
@@ -86,13 +102,16 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
     control = score(load_components(ModelConfig(base=str(args.work_dir / "init"))), SEEN_COLORS, HELD_OUT_COLOR, settings)
     facts |= {"base": base, "untrained_control": control, "eval_settings": vars(settings)}
     (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
+    architecture, pipeline = ARCHITECTURES[args.family]
     (args.model_dir / "README.md").write_text(CARD.format(
+        name=args.model_dir.name, architecture=architecture, pipeline=pipeline,
+        autoencoders_note=f" (reused from {args.autoencoders_from.name})" if recipe.sdxl else "",
         seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR, seed=recipe.seed,
         autoencoder_images=recipe.autoencoder_images, vae_steps=recipe.vae_steps,
         vae_decoder_steps=recipe.vae_decoder_steps, vae_decoder_lr=recipe.vae_decoder_lr, taesd_steps=recipe.taesd_steps,
         autoencoder_batch=recipe.autoencoder_batch, scaling_factor=components.vae.config.scaling_factor,
-        channels=recipe.unet_block_out_channels, unet_params=sum(p.numel() for p in components.unet.parameters()),
-        text_params=sum(p.numel() for p in components.text_encoder.parameters()), steps=recipe.steps,
+        channels=recipe.unet_block_out_channels, unet_params=sum(p.numel() for p in components.denoiser.parameters()),
+        text_params=sum(p.numel() for e in components.text_encoders.values() for p in e.parameters()), steps=recipe.steps,
         batch_size=recipe.batch_size, learning_rate=recipe.learning_rate, weighting=recipe.weighting, noise_offset=recipe.noise_offset,
         ema_decay=recipe.ema_decay, t_ae=facts["seconds"]["autoencoders"], t_unet=facts["seconds"]["unet_and_text_encoder"],
         vae_psnr=facts["autoencoders"]["vae_psnr_db"], taesd_psnr=facts["autoencoders"]["taesd_psnr_db"],
@@ -100,8 +119,9 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
         seen_color=base["seen"]["color"], seen_shape=base["seen"]["shape"], concept_both=base["concept"]["both"],
         control_color=control["seen"]["color"], control_shape=control["seen"]["shape"],
     ))
-    shutil.rmtree(args.examples_dir, ignore_errors=True)
-    write_caption_folder(args.examples_dir, shape_images(16, seed=args.seed + 7, colors=(HELD_OUT_COLOR,)))
+    if not recipe.sdxl:  # the default jobs share these images
+        shutil.rmtree(args.examples_dir, ignore_errors=True)
+        write_caption_folder(args.examples_dir, shape_images(16, seed=args.seed + 7, colors=(HELD_OUT_COLOR,)))
     print(json.dumps({k: facts[k] for k in ("seconds", "autoencoders")} | {"base_seen": base["seen"],
                      "base_concept": base["concept"], "control_seen": control["seen"]}))
 

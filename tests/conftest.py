@@ -1,4 +1,4 @@
-"""Fixtures: a tiny SD pipeline and captioned images built here, on the CPU, with no downloads."""
+"""Fixtures: tiny SD and SDXL pipelines and captioned images built here, on the CPU, with no downloads."""
 
 from __future__ import annotations
 
@@ -19,6 +19,14 @@ def tiny_base(tmp_path_factory) -> Path:
     """A random-init tiny SD 1.x pipeline folder (fp32)."""
     path = tmp_path_factory.mktemp("tiny-base")
     build_pipeline(seed=1).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl_base(tmp_path_factory) -> Path:
+    """A random-init tiny SDXL pipeline folder (fp32)."""
+    path = tmp_path_factory.mktemp("tiny-sdxl-base")
+    build_pipeline(seed=1, sdxl=True).save_pretrained(path, safe_serialization=True)
     return path
 
 

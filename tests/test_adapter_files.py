@@ -16,7 +16,7 @@ from difftune.adapter_files import read_adapter
 from difftune.cli import main
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
-from difftune.models import load_components
+from difftune.families import load_components
 
 from conftest import unet_inputs
 
@@ -29,11 +29,11 @@ def _randomized_lora(tiny_base, seed=0):
     unet_config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["to_q", "to_k", "to_v", "to_out.0", "conv1"])
     # All four projections: diffusers' kohya reader tells the text encoder's key style by `out_proj` being there.
     text_config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["q_proj", "k_proj", "v_proj", "out_proj"])
-    components.unet.add_adapter(unet_config)
-    components.text_encoder.add_adapter(text_config)
+    components.denoiser.add_adapter(unet_config)
+    components.text_encoders["text_encoder"].add_adapter(text_config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in [*components.unet.named_parameters(), *components.text_encoder.named_parameters()]:
+        for name, param in [*components.denoiser.named_parameters(), *components.text_encoders["text_encoder"].named_parameters()]:
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     return components, unet_config, text_config
@@ -43,8 +43,8 @@ def _save_as_diffusers_example(components, folder, unet_config=None, text_config
     """What diffusers' LoRA training examples write: `convert_state_dict_to_diffusers` keys, `save_lora_weights`."""
     StableDiffusionPipeline.save_lora_weights(
         folder,
-        unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(components.unet)),
-        text_encoder_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(components.text_encoder)),
+        unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(components.denoiser)),
+        text_encoder_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(components.text_encoders["text_encoder"])),
         unet_lora_adapter_metadata=unet_config.to_dict() if unet_config else None,
         text_encoder_lora_adapter_metadata=text_config.to_dict() if text_config else None,
         safe_serialization=True,
@@ -69,7 +69,7 @@ def _diffusers_reference(tiny_base, path):
 def _difftune_outputs(tiny_base, path):
     components = load_components(ModelConfig(base=str(tiny_base)))
     export.apply_adapters(components, [(path, 1.0)])
-    return _outputs(components.unet, components.text_encoder, components.tokenizer)
+    return _outputs(components.denoiser, components.text_encoders["text_encoder"], components.tokenizers["tokenizer"])
 
 
 def _assert_close(a, b, atol=1e-5):
@@ -90,7 +90,7 @@ def test_diffusers_saved_lora_reads_as_diffusers_reads_it(tiny_base, tmp_path, w
     assert all(k.endswith(("lora_A.weight", "lora_B.weight")) for k in tensors)
     _assert_close(_difftune_outputs(tiny_base, path), _diffusers_reference(tiny_base, path))
     if with_metadata:  # the file says what the trained model was: both readers reproduce it
-        _assert_close(_difftune_outputs(tiny_base, path), _outputs(adapted.unet, adapted.text_encoder, adapted.tokenizer))
+        _assert_close(_difftune_outputs(tiny_base, path), _outputs(adapted.denoiser, adapted.text_encoders["text_encoder"], adapted.tokenizers["tokenizer"]))
 
 
 def test_diffusers_saved_lora_converts_to_kohya_and_back_losslessly(tiny_base, tmp_path):
@@ -120,9 +120,9 @@ def _hand_built_kohya(tiny_base, path, dtype=torch.float16):
     components = load_components(ModelConfig(base=str(tiny_base)))
     generator = torch.Generator().manual_seed(5)
     tensors = {}
-    unet_linears = [n for n, m in components.unet.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(("to_k", "to_out.0"))]
-    text_linears = [n for n, m in components.text_encoder.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(("k_proj", "out_proj"))]
-    for prefix, model, names in (("lora_unet_", components.unet, unet_linears), ("lora_te_text_model_", components.text_encoder, text_linears)):
+    unet_linears = [n for n, m in components.denoiser.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(("to_k", "to_out.0"))]
+    text_linears = [n for n, m in components.text_encoders["text_encoder"].named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(("k_proj", "out_proj"))]
+    for prefix, model, names in (("lora_unet_", components.denoiser, unet_linears), ("lora_te_text_model_", components.text_encoders["text_encoder"], text_linears)):
         for name in names:
             layer = model.get_submodule(name)
             key = prefix + name.replace(".", "_")
@@ -154,7 +154,7 @@ def test_merge_sample_average_and_eval_take_other_tools_files(tiny_base, tmp_pat
     reference = load_components(ModelConfig(base=base))
     export.apply_adapters(reference, [(diffusers_file, 1.0), (kohya_file, 0.5)])
     _assert_close(_outputs(merged.unet, merged.text_encoder, merged.tokenizer),
-                  _outputs(reference.unet, reference.text_encoder, reference.tokenizer), atol=1e-4)
+                  _outputs(reference.denoiser, reference.text_encoders["text_encoder"], reference.tokenizers["tokenizer"]), atol=1e-4)
     assert main(["sample", "--base", base, "--adapter", str(kohya_file), "--prompt", "a red circle", "--steps", "2",
                  "--resolution", "32", "--out", str(tmp_path / "samples")]) == 0
     assert (tmp_path / "samples" / "000.png").is_file()

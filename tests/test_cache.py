@@ -1,6 +1,8 @@
 """Latent and text caches: the same run, faster; invalidated by content, never stale."""
 
 import pytest
+from functools import partial
+
 import torch
 from PIL import Image
 
@@ -9,7 +11,7 @@ from difftune.config import load_config
 from difftune.data import scan_examples, training_sizes
 from difftune.errors import DifftuneError
 from difftune.metrics import read_metrics
-from difftune.models import load_components
+from difftune.families import FAMILIES, load_components
 from difftune.tiny import build_vae
 from difftune.train import train
 
@@ -28,7 +30,7 @@ def test_a_cached_run_trains_like_an_uncached_one(make_config, tmp_path, flip):
     assert any((tmp_path / "cache" / "latents").rglob("*.safetensors"))
     assert any((tmp_path / "cache" / "text").rglob("*.safetensors"))
     # Nothing needed the encoders during the run, so they were released.
-    assert cached.components.vae is None and cached.components.text_encoder is None
+    assert cached.components.vae is None and cached.components.text_encoders == {"text_encoder": None}
 
 
 def test_a_warm_cache_encodes_nothing_and_changes_invalidate(make_config, tmp_path, shapes):
@@ -89,8 +91,9 @@ def test_entries_read_once_stay_in_ram_up_to_the_budget(make_config, tmp_path):
     config, components, examples, sizes, entries = _filled_latent_cache(make_config, tmp_path)
     entry_bytes = 2 * 4 * 8 * 8 * 4  # mean and std, (4, 8, 8) float32
     keys = [(0, index) for index in range(len(examples))]
-    from_disk = CaptionedImages(examples, config.data, components.tokenizer, 0, entries, sizes=sizes)
-    in_ram = CaptionedImages(examples, config.data, components.tokenizer, 0, entries, sizes=sizes, memory_bytes=3 * entry_bytes)
+    tokenize = partial(components.family.tokenize, components.tokenizers)
+    from_disk = CaptionedImages(examples, config.data, tokenize, 0, entries, sizes=sizes)
+    in_ram = CaptionedImages(examples, config.data, tokenize, 0, entries, sizes=sizes, memory_bytes=3 * entry_bytes)
     expected, first_read = [from_disk[key] for key in keys], [in_ram[key] for key in keys]
     for entry in entries:
         entry["plain"].unlink()
@@ -103,7 +106,7 @@ def test_entries_read_once_stay_in_ram_up_to_the_budget(make_config, tmp_path):
                 in_ram[key]
     for want, got in zip(expected, first_read + served):
         torch.testing.assert_close(got["latent_mean"], want["latent_mean"], rtol=0, atol=0)
-        torch.testing.assert_close(got["input_ids"], want["input_ids"], rtol=0, atol=0)
+        torch.testing.assert_close(got["token_ids"], want["token_ids"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("first_flip", [False, True])
@@ -145,11 +148,12 @@ def test_text_entries_follow_the_token_ids(make_config, tmp_path):
 
     config = make_config(cache__text=True, cache__dir=str(tmp_path / "cache"))
     tokenizer = build_tokenizer()
-    full = text_entries({"a red circle"}, "encoder", config, tokenizer)
+    tokenize = partial(FAMILIES["sd"].tokenize, {"tokenizer": tokenizer})
+    full = text_entries({"a red circle"}, "encoder", config, tokenize)
     tokenizer.model_max_length = 4  # a shorter context: other ids, another entry
-    short = text_entries({"a red circle"}, "encoder", config, tokenizer)
+    short = text_entries({"a red circle"}, "encoder", config, tokenize)
     assert full["a red circle"] != short["a red circle"]
-    assert text_entries({"a red circle"}, "other encoder", config, tokenizer)["a red circle"] != short["a red circle"]
+    assert text_entries({"a red circle"}, "other encoder", config, tokenize)["a red circle"] != short["a red circle"]
 
 
 def test_cache_settings_that_cannot_work_are_refused():
@@ -166,7 +170,7 @@ def test_released_encoders_come_back_for_the_final_samples(make_config, tmp_path
     )
     result = train(config)
     assert (tmp_path / "run" / "samples" / "000.png").is_file()
-    assert result.components.vae is not None and result.components.text_encoder is not None
+    assert result.components.vae is not None and result.components.text_encoders["text_encoder"] is not None
 
 
 def test_buckets_train_cached_and_uncached_alike(make_config, tmp_path):

@@ -13,7 +13,7 @@ CONFIG_FILES = sorted((REPO / "configs").glob("*.toml"))
 
 
 def test_configs_exist():
-    assert {"tiny_lora.toml", "tiny_dora.toml", "sd15_lora.toml"} <= {p.name for p in CONFIG_FILES}
+    assert {"tiny_lora.toml", "tiny_dora.toml", "sd15_lora.toml", "sdxl_lora.toml"} <= {p.name for p in CONFIG_FILES}
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
@@ -222,7 +222,7 @@ def test_a_hub_id_fails_at_once_offline_or_unreachable(monkeypatch):
     from huggingface_hub import constants
 
     from difftune.config import ModelConfig
-    from difftune.models import load_components
+    from difftune.families import load_components
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(DifftuneError, match=r"model.base someone/no-such-model: not a local folder or file .*offline mode is on"):

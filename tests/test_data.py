@@ -6,6 +6,7 @@ import torch
 from PIL import Image
 
 from difftune.config import DataConfig
+from difftune.families import FAMILIES
 from difftune.data import CaptionedImages, TrainingOrder, load_image, sample_seed, scan_examples
 from difftune.errors import DifftuneError
 from difftune.tiny import build_tokenizer
@@ -78,41 +79,47 @@ def _crop(resolution, crop, flip):
     return DataConfig(path=".", resolution=resolution, crop=crop, random_flip=flip)
 
 
+def _tokenize(captions):
+    return FAMILIES["sd"].tokenize({"tokenizer": build_tokenizer()}, captions)
+
+
 def test_resize_and_crop(tmp_path):
     # Left half black, right half white, 64x32: resized to 32 high -> 64x32; center crop keeps both halves.
     image = Image.new("RGB", (64, 32), (0, 0, 0))
     image.paste((255, 255, 255), (32, 0, 64, 32))
     image.save(tmp_path / "halves.png")
-    center = load_image(tmp_path / "halves.png", _crop(16, "center", False), random.Random(0))
+    center, geometry = load_image(tmp_path / "halves.png", _crop(16, "center", False), random.Random(0))
+    assert geometry.tolist() == [32, 64, 0, 8, 16, 16]  # 64x32 -> 32x16 resized, 16x16 cut at x = 8
     assert center.shape == (3, 16, 16)
     assert center[:, :, 0].mean() == pytest.approx(-1.0, abs=0.05)  # left column black
     assert center[:, :, -1].mean() == pytest.approx(1.0, abs=0.05)  # right column white
     assert center.min() >= -1.0 and center.max() <= 1.0
 
-    crops = {load_image(tmp_path / "halves.png", _crop(16, "random", False), random.Random(s)).mean().item() for s in range(8)}
+    crops = {load_image(tmp_path / "halves.png", _crop(16, "random", False), random.Random(s))[0].mean().item() for s in range(8)}
     assert len(crops) > 1  # random crops move
-    again = load_image(tmp_path / "halves.png", _crop(16, "random", False), random.Random(3))
-    assert torch.equal(again, load_image(tmp_path / "halves.png", _crop(16, "random", False), random.Random(3)))
+    again = load_image(tmp_path / "halves.png", _crop(16, "random", False), random.Random(3))[0]
+    assert torch.equal(again, load_image(tmp_path / "halves.png", _crop(16, "random", False), random.Random(3))[0])
 
-    flips = [load_image(tmp_path / "halves.png", _crop(16, "center", True), random.Random(s)) for s in range(16)]
+    flips = [load_image(tmp_path / "halves.png", _crop(16, "center", True), random.Random(s))[0] for s in range(16)]
     assert any(torch.equal(f, center.flip(-1)) for f in flips) and any(torch.equal(f, center) for f in flips)
 
 
 def test_samples_are_deterministic_and_carry_their_seed(shapes):
     config = DataConfig(path=str(shapes), resolution=32, crop="random", random_flip=True, caption_dropout=0.5)
-    dataset = CaptionedImages(scan_examples(config)[0], config, build_tokenizer(), train_seed=7)
+    dataset = CaptionedImages(scan_examples(config)[0], config, _tokenize, train_seed=7)
     first, again, other_epoch = dataset[(0, 3)], dataset[(0, 3)], dataset[(1, 3)]
     assert torch.equal(first["pixel_values"], again["pixel_values"])
-    assert torch.equal(first["input_ids"], again["input_ids"])
+    assert torch.equal(first["token_ids"]["text_encoder"], again["token_ids"]["text_encoder"])
+    assert torch.equal(first["geometry"], again["geometry"])
     assert first["seed"] == sample_seed(7, 0, 3) != other_epoch["seed"]
-    assert first["input_ids"].shape == (dataset.tokenizer.model_max_length,)
+    assert first["token_ids"]["text_encoder"].shape == (build_tokenizer().model_max_length,)
 
 
 def test_caption_dropout_rate(shapes):
     config = DataConfig(path=str(shapes), resolution=32, caption_dropout=0.3)
-    dataset = CaptionedImages(scan_examples(config)[0], config, build_tokenizer(), train_seed=0)
-    empty = dataset.tokenizer("", padding="max_length", max_length=dataset.tokenizer.model_max_length).input_ids
-    dropped = [dataset[(epoch, 0)]["input_ids"].tolist() == empty for epoch in range(400)]
+    dataset = CaptionedImages(scan_examples(config)[0], config, _tokenize, train_seed=0)
+    empty = _tokenize([""])["text_encoder"][0].tolist()
+    dropped = [dataset[(epoch, 0)]["token_ids"]["text_encoder"].tolist() == empty for epoch in range(400)]
     assert sum(dropped) / len(dropped) == pytest.approx(0.3, abs=0.07)
 
 
@@ -204,13 +211,14 @@ def test_worker_processes_give_the_same_batches_as_none(shapes):
     training process alone reads: pixels after random crop and flip, captions after dropout, seeds, order."""
     config = DataConfig(path=str(shapes), resolution=24, crop="random", random_flip=True, caption_dropout=0.5)
     examples, _ = scan_examples(config)
-    dataset = CaptionedImages(examples, config, build_tokenizer(), train_seed=7)
+    dataset = CaptionedImages(examples, config, _tokenize, train_seed=7)
     count = 2 * len(examples) // 3 + 1  # past an epoch boundary
     alone = _batches(dataset, TrainingOrder(len(examples), 3, seed=7), 0, count)
     workers = _batches(dataset, TrainingOrder(len(examples), 3, seed=7), 2, count)
     for a, b in zip(alone, workers, strict=True):
         assert a["seed"].tolist() == b["seed"].tolist() and a["path"] == b["path"] and a["epoch"].tolist() == b["epoch"].tolist()
-        assert torch.equal(a["pixel_values"], b["pixel_values"]) and torch.equal(a["input_ids"], b["input_ids"])
+        assert torch.equal(a["pixel_values"], b["pixel_values"]) and torch.equal(a["geometry"], b["geometry"])
+        assert torch.equal(a["token_ids"]["text_encoder"], b["token_ids"]["text_encoder"])
 
 
 def test_training_with_workers_matches_training_without(make_config, tmp_path):

@@ -15,7 +15,7 @@ from difftune.adapters import adapter_state_dict, add_adapters
 from difftune.cli import main
 from difftune.config import ModelConfig, load_config
 from difftune.errors import DifftuneError
-from difftune.models import load_components
+from difftune.families import load_components
 
 from conftest import unet_inputs
 
@@ -33,7 +33,7 @@ def _make_adapter(tiny_base, path, kind, layout="diffusers", seed=0):
     add_adapters(components, config.adapter)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in [*components.unet.named_parameters(), *components.text_encoder.named_parameters()]:
+        for name, param in [*components.denoiser.named_parameters(), *components.text_encoders["text_encoder"].named_parameters()]:
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
             elif "lora_magnitude" in name:
@@ -45,10 +45,10 @@ def _make_adapter(tiny_base, path, kind, layout="diffusers", seed=0):
 
 def _outputs(components):
     """UNet and text-encoder outputs on fixed inputs."""
-    latents, timesteps, states = unet_inputs(components.unet)
-    ids = components.tokenizer(["a red circle", "a blue square"], padding="max_length", return_tensors="pt").input_ids
+    latents, timesteps, states = unet_inputs(components.denoiser)
+    ids = components.tokenizers["tokenizer"](["a red circle", "a blue square"], padding="max_length", return_tensors="pt").input_ids
     with torch.no_grad():
-        return components.unet(latents, timesteps, states).sample, components.text_encoder(ids)[0]
+        return components.denoiser(latents, timesteps, states).sample, components.text_encoders["text_encoder"](ids)[0]
 
 
 def _assert_same_outputs(a, b, atol=1e-5):
@@ -73,7 +73,7 @@ def test_merged_model_equals_the_adapted_model(tiny_base, tmp_path, kind, scale)
     export.apply_adapters(adapted, [(adapter, scale)])
     merged = load_components(ModelConfig(base=str(tiny_base)))
     export.merge_adapters(merged, [(adapter, scale)])
-    assert not any("lora" in key for key in merged.unet.state_dict())
+    assert not any("lora" in key for key in merged.denoiser.state_dict())
     _assert_same_outputs(adapted, merged, atol=2e-5)
     base = load_components(ModelConfig(base=str(tiny_base)))
     assert (_outputs(merged)[0] - _outputs(base)[0]).abs().max() > 1e-3
@@ -96,7 +96,7 @@ def test_merge_command_writes_a_pipeline_and_a_single_file(tiny_base, tmp_path):
         str(out / "model.safetensors"), config=str(tiny_base), safety_checker=None, dtype=torch.float32
     )
     single_parts = load_components(ModelConfig(base=str(out)))
-    single_parts.unet, single_parts.text_encoder, single_parts.vae = single.unet, single.text_encoder, single.vae
+    single_parts.denoiser, single_parts.text_encoders["text_encoder"], single_parts.vae = single.unet, single.text_encoder, single.vae
     _assert_same_outputs(folder, single_parts, atol=0)
     # A pickled copy loads only when allowed, and then tensors-only.
     torch.save({"state_dict": load_file(out / "model.safetensors")}, tmp_path / "model.ckpt")
@@ -114,13 +114,13 @@ def test_merge_command_writes_a_pipeline_and_a_single_file(tiny_base, tmp_path):
     with safe_open(out / "model.safetensors", framework="pt") as handle:
         keys = set(handle.keys())
     # Every tensor of the folder is in the single file, under the original names A1111/ComfyUI expect.
-    assert len(keys) == sum(len(m.state_dict()) for m in (folder.unet, folder.vae, folder.text_encoder))
+    assert len(keys) == sum(len(m.state_dict()) for m in (folder.denoiser, folder.vae, folder.text_encoders["text_encoder"]))
     assert any(k.startswith("cond_stage_model.transformer.text_model.encoder.layers.") for k in keys)
     assert "model.diffusion_model.input_blocks.0.0.weight" in keys and "first_stage_model.decoder.up.0.block.0.conv1.weight" in keys
 
     assert main(args) == 2  # refuses to overwrite what is there
     assert main([*args, "--dtype", "fp16", "--overwrite"]) == 0
-    assert load_components(ModelConfig(base=str(out))).unet.conv_in.weight.dtype == torch.float32  # loads as fp32
+    assert load_components(ModelConfig(base=str(out))).denoiser.conv_in.weight.dtype == torch.float32  # loads as fp32
     with safe_open(out / "unet" / "diffusion_pytorch_model.safetensors", framework="pt") as handle:
         assert handle.get_tensor("conv_in.weight").dtype == torch.float16
 
@@ -193,7 +193,7 @@ def test_kohya_lora_loads_in_diffusers_own_reader(tiny_base, tmp_path):
     pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None, dtype=torch.float32)
     pipeline.load_lora_weights(str(tmp_path), weight_name="kohya.safetensors")
     theirs = load_components(ModelConfig(base=str(tiny_base)))
-    theirs.unet, theirs.text_encoder = pipeline.unet, pipeline.text_encoder
+    theirs.denoiser, theirs.text_encoders["text_encoder"] = pipeline.unet, pipeline.text_encoder
     _assert_same_outputs(ours, theirs)
     written = load_file(tmp_path / "kohya.safetensors")
     loaded_pairs = sum("lora_A" in k for m in (pipeline.unet, pipeline.text_encoder) for k in m.state_dict())
@@ -210,11 +210,11 @@ def test_kohya_dora_scale_follows_the_dora_formula(tiny_base, tmp_path):
     base = load_components(ModelConfig(base=str(tiny_base)))
     name = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
     key = "lora_unet_" + name.replace(".", "_")
-    weight = base.unet.get_submodule(name).weight
+    weight = base.denoiser.get_submodule(name).weight
     down, up, alpha = kohya[f"{key}.lora_down.weight"], kohya[f"{key}.lora_up.weight"], kohya[f"{key}.alpha"]
     direction = weight + alpha / down.shape[0] * up @ down
     expected = kohya[f"{key}.dora_scale"] * direction / direction.norm(dim=1, keepdim=True)
-    torch.testing.assert_close(merged.unet.get_submodule(name).weight, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged.denoiser.get_submodule(name).weight, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_training_can_write_kohya_directly(make_config, tiny_base, tmp_path):

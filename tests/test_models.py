@@ -9,7 +9,8 @@ from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler
 
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
-from difftune.models import decode_latents, encode_latents, load_components, set_attention
+from difftune.families import load_components
+from difftune.models import decode_latents, encode_latents, set_attention
 from difftune.tiny import build_taesd, build_unet, build_vae
 
 from conftest import REPO
@@ -19,9 +20,9 @@ def test_loads_a_local_diffusers_folder(tiny_base):
     components = load_components(ModelConfig(base=str(tiny_base)))
     assert isinstance(components.vae, AutoencoderKL)
     assert isinstance(components.noise_scheduler, DDPMScheduler)
-    assert components.unet.config.cross_attention_dim == components.text_encoder.config.hidden_size
-    ids = components.tokenizer("a red circle").input_ids
-    assert ids[0] == components.tokenizer.bos_token_id and ids[-1] == components.tokenizer.eos_token_id
+    assert components.denoiser.config.cross_attention_dim == components.text_encoders["text_encoder"].config.hidden_size
+    ids = components.tokenizers["tokenizer"]("a red circle").input_ids
+    assert ids[0] == components.tokenizers["tokenizer"].bos_token_id and ids[-1] == components.tokenizers["tokenizer"].eos_token_id
 
 
 def test_pickled_checkpoints_are_refused(tmp_path):
@@ -63,7 +64,7 @@ def test_vae_override_with_taesd(tiny_base, tmp_path):
 def test_vae_with_the_wrong_latent_channels_is_refused(tiny_base, tmp_path):
     vae_dir = tmp_path / "vae16"
     AutoencoderKL(block_out_channels=(32,), latent_channels=16, norm_num_groups=32).save_pretrained(vae_dir)
-    with pytest.raises(DifftuneError, match=r"makes 16-channel latents but the UNet takes 4"):
+    with pytest.raises(DifftuneError, match=r"makes 16-channel latents but the unet takes 4"):
         load_components(ModelConfig(base=str(tiny_base), vae=str(vae_dir)))
 
 

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from difftune.cli import main
 from difftune.config import ModelConfig, load_config
 from difftune.evaluate import EvalSettings, accuracy, judge, judged_samples, prompts_for
-from difftune.models import load_components
+from difftune.families import load_components
 from difftune.tiny import COLORS, SHAPES, shape_images
 from difftune.tiny_base import SEEN_COLORS, Recipe, build_base, psnr, render_tensors, train_vae
 from difftune.train import train

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from difftune.config import load_config
 from difftune.errors import DifftuneError
 from difftune.metrics import read_metrics
-from difftune.models import load_components
+from difftune.families import load_components
 from difftune.tiny import shape_images, write_caption_folder
 from difftune.train import train
 from difftune.validation import Validator
@@ -47,8 +47,8 @@ def test_adapter_training_lowers_the_loss_and_keeps_the_base(make_config, tmp_pa
     assert metrics[-1]["val_loss"] == pytest.approx(after, rel=1e-6)  # the loop's validation is the same number
     assert after < 0.85 * before, (before, after)
 
-    trained = _base_weights(result.components.unet)
-    original = base.unet.state_dict()
+    trained = _base_weights(result.components.denoiser)
+    original = base.denoiser.state_dict()
     assert trained.keys() == original.keys()
     for name, value in original.items():
         assert torch.equal(trained[name], value), f"base weight {name} changed"
@@ -102,11 +102,11 @@ def test_saved_adapter_reloads_in_diffusers(make_config, tiny_base, kind):
     states = states[:, :, : pipeline.unet.config.cross_attention_dim]
     ids = pipeline.tokenizer(["a red circle", "a blue square"], padding="max_length", return_tensors="pt").input_ids
     ours = result.components
-    ours.unet.eval()
-    ours.text_encoder.eval()
+    ours.denoiser.eval()
+    ours.text_encoders["text_encoder"].eval()
     with torch.no_grad():
-        expected_unet = ours.unet(latents, timesteps, states).sample
-        expected_text = ours.text_encoder(ids)[0]
+        expected_unet = ours.denoiser(latents, timesteps, states).sample
+        expected_text = ours.text_encoders["text_encoder"](ids)[0]
         base_unet = UNet2DConditionModel.from_pretrained(tiny_base, subfolder="unet")(latents, timesteps, states).sample
         torch.testing.assert_close(pipeline.unet(latents, timesteps, states).sample, expected_unet, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(pipeline.text_encoder(ids)[0], expected_text, rtol=1e-4, atol=1e-5)
@@ -114,7 +114,9 @@ def test_saved_adapter_reloads_in_diffusers(make_config, tiny_base, kind):
 
     with safe_open(result.trained_path, framework="pt") as handle:
         metadata = handle.metadata()
-    assert tomllib.loads(metadata["difftune_config"]) == json.loads(config.model_dump_json(exclude_none=True))
+    resolved = json.loads(config.model_dump_json(exclude_none=True))
+    resolved["model"]["family"] = "sd"  # the run records the family it found
+    assert tomllib.loads(metadata["difftune_config"]) == resolved
     lora_metadata = json.loads(metadata["lora_adapter_metadata"])
     assert lora_metadata["unet.r"] == 4 and lora_metadata["unet.use_dora"] == (kind == "dora")
     assert lora_metadata["text_encoder.r"] == 4
@@ -130,9 +132,9 @@ def test_full_fine_tune_writes_a_loadable_pipeline(make_config, tiny_base, tmp_p
     saved = StableDiffusionPipeline.from_pretrained(result.trained_path, safety_checker=None)
     base_unet = UNet2DConditionModel.from_pretrained(tiny_base, subfolder="unet")
     latents, timesteps, states = unet_inputs(base_unet)
-    result.components.unet.eval()
+    result.components.denoiser.eval()
     with torch.no_grad():
-        expected = result.components.unet(latents, timesteps, states).sample
+        expected = result.components.denoiser(latents, timesteps, states).sample
         torch.testing.assert_close(saved.unet(latents, timesteps, states).sample, expected, rtol=1e-5, atol=1e-6)
         assert (expected - base_unet(latents, timesteps, states).sample).abs().max() > 1e-4
     assert not any("lora" in key for key in saved.unet.state_dict())
@@ -147,7 +149,7 @@ def test_run_outputs_and_metrics(make_config, tmp_path):
     )
     train(config)
     out = tmp_path / "run"
-    assert load_config(out / "config.toml") == config
+    assert load_config(out / "config.toml") == config.model_copy(update={"model": config.model.model_copy(update={"family": "sd"})})
     rows = read_metrics(out)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     for row in rows:

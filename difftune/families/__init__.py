@@ -1,0 +1,101 @@
+"""Model families, and which one a base is.
+
+`load_components` is how every command gets a model: it asks which family the base belongs to (from
+`model.family`, a pipeline folder's `model_index.json`, or a single file's keys) and lets that family load it.
+Adding a family is a module here and an entry in `FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from difftune.config import ModelConfig
+from difftune.errors import DifftuneError
+from difftune.families.family import Family
+from difftune.families.sd import StableDiffusion
+from difftune.families.sdxl import StableDiffusionXL
+from difftune.models import (
+    PICKLED_SUFFIXES,
+    SINGLE_FILE_SUFFIXES,
+    Components,
+    explained_load_errors,
+    latent_scaling,
+    load_vae,
+    quiet_loading,
+)
+
+FAMILIES: dict[str, Family] = {family.name: family for family in (StableDiffusion(), StableDiffusionXL())}
+
+
+def load_components(config: ModelConfig) -> Components:
+    """Everything training needs from `config.base` (and `config.vae`), in fp32 on the CPU."""
+    base = config.base
+    if base.endswith(PICKLED_SUFFIXES) and not config.allow_pickled_checkpoint:
+        raise DifftuneError(
+            f"model.base {base}: a pickle-based checkpoint is not read by default (pickles can run code); convert it "
+            f"to .safetensors or a diffusers folder, or set model.allow_pickled_checkpoint = true (read tensors-only)"
+        )
+    with explained_load_errors("model.base", base), quiet_loading():
+        components = family_of(config).load(config)
+    if config.vae:
+        with explained_load_errors("model.vae", config.vae):
+            components.vae = load_vae(config.vae)
+    components.latent_scaling = latent_scaling(components.vae.config)
+    latent_channels = components.vae.config.latent_channels
+    if latent_channels != components.denoiser.config.in_channels:
+        raise DifftuneError(
+            f"model.vae {config.vae or base}: makes {latent_channels}-channel latents but the "
+            f"{components.family.denoiser_name} takes {components.denoiser.config.in_channels}; use an autoencoder "
+            f"made for this base"
+        )
+    return components
+
+
+def family_of(config: ModelConfig) -> Family:
+    """`model.family`, or the family `model.base` shows."""
+    if config.family != "auto":
+        return FAMILIES[config.family]
+    base = config.base
+    if base.endswith(SINGLE_FILE_SUFFIXES):
+        keys = _single_file_keys(base)
+        found = [family for family in FAMILIES.values() if family.reads_single_file(keys)]
+        what = f"a single file whose keys match no known family ({', '.join(FAMILIES)})"
+    else:
+        with explained_load_errors("model.base", base):
+            class_name = _pipeline_class_name(config)
+        found = [family for family in FAMILIES.values() if class_name in family.pipeline_classes]
+        what = f"a {class_name}"
+    if not found:
+        raise DifftuneError(
+            f"model.base {base}: is {what}; difftune trains {', '.join(f.description for f in FAMILIES.values())}. "
+            f"Set model.family if this model is one of them"
+        )
+    return found[0]
+
+
+def _pipeline_class_name(config: ModelConfig) -> str:
+    index = Path(config.base) / "model_index.json"
+    if index.is_file():
+        return json.loads(index.read_text(encoding="utf-8")).get("_class_name", "?")
+    if Path(config.base).exists():
+        raise DifftuneError(f"model.base {config.base}: has no model_index.json; pass a diffusers pipeline folder")
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.load_config(config.base, revision=config.revision or None).get("_class_name", "?")
+
+
+def _single_file_keys(path: str) -> set[str]:
+    if not Path(path).is_file():
+        raise DifftuneError(f"model.base {path}: no such file")
+    try:
+        if path.endswith(".safetensors"):
+            with safe_open(path, framework="pt") as handle:
+                return set(handle.keys())
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same explanation
+        raise DifftuneError(f"model.base {path}: not a readable checkpoint ({type(err).__name__}: {err})") from None
+    return set(state.get("state_dict", state))

@@ -1,0 +1,113 @@
+"""What a model family is to the rest of difftune: the one place that knows SD from SDXL (and what comes next).
+
+A family names its pipeline class and its parts (the denoiser and the text encoders, by the names diffusers'
+pipelines and LoRA files use), and does what differs between families: loading, tokenizing and encoding
+prompts, calling the denoiser with its conditioning, its kohya key prefixes and its single-file layout. The
+loop, data, caches, checkpoints, export, eval and UI ask it and never branch on which it is. `Family` holds
+what SD-like families share; a family module overrides the rest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import DDPMScheduler
+
+from difftune.config import ModelConfig
+from difftune.errors import DifftuneError
+from difftune.models import SINGLE_FILE_SUFFIXES, Components, tokenize
+
+FP32 = {"dtype": torch.float32}  # not the saved dtype: placement casts later, on purpose
+
+
+class Family:
+    name: str
+    description: str
+    pipeline_class: type
+    pipeline_classes: tuple[str, ...]  # model_index.json `_class_name`s this family reads
+    denoiser_name = "unet"  # its pipeline argument and its prefix in diffusers' LoRA files
+    text_encoder_names: tuple[str, ...] = ("text_encoder",)
+    tokenizer_names: tuple[str, ...] = ("tokenizer",)
+    kohya_prefixes: dict[str, str]  # part -> key prefix in kohya / A1111 / ComfyUI files
+    kohya_model_version: str  # kohya's `ss_base_model_version`
+    default_targets: dict[str, list[str]]  # part -> modules that get an adapter unless the config lists others
+    pipeline_options: tuple[str, ...] = ()  # pipeline config values a reassembled pipeline keeps
+    fixed_pipeline_arguments: dict = {}  # what every pipeline of the family is built with
+
+    # Detection and loading.
+
+    def reads_single_file(self, keys: set[str]) -> bool:
+        raise NotImplementedError
+
+    def load(self, config: ModelConfig) -> Components:
+        """Every part of `config.base` (a pipeline folder, hub id or single file), in fp32 on the CPU."""
+        if config.base.endswith(SINGLE_FILE_SUFFIXES):
+            if not Path(config.base).is_file():
+                raise DifftuneError(f"model.base {config.base}: no such file")
+            pipeline = self.pipeline_class.from_single_file(
+                config.base, config=config.single_file_config or None, **self.fixed_pipeline_arguments, **FP32
+            )
+        else:
+            pipeline = self.pipeline_class.from_pretrained(
+                config.base, revision=config.revision or None, variant=config.variant or None,
+                **self.fixed_pipeline_arguments, **FP32,
+            )
+        return self.components_of(pipeline)
+
+    def components_of(self, pipeline) -> Components:
+        return Components(
+            family=self,
+            denoiser=getattr(pipeline, self.denoiser_name),
+            vae=pipeline.vae,
+            text_encoders={name: getattr(pipeline, name) for name in self.text_encoder_names},
+            tokenizers={name: getattr(pipeline, name) for name in self.tokenizer_names},
+            # Training adds noise as DDPM defines it, whichever sampler the pipeline was saved with.
+            noise_scheduler=DDPMScheduler.from_config(pipeline.scheduler.config),
+            pipeline_options={key: pipeline.config[key] for key in self.pipeline_options if key in pipeline.config},
+        )
+
+    def assemble_pipeline(self, components: Components, scheduler=None):
+        """A text-to-image pipeline over the (possibly adapted) components."""
+        return self.pipeline_class(
+            **{self.denoiser_name: components.denoiser},
+            vae=components.vae,
+            **components.text_encoders,
+            **components.tokenizers,
+            scheduler=scheduler or components.noise_scheduler,
+            **self.fixed_pipeline_arguments,
+            **components.pipeline_options,
+        )
+
+    # Prompts and the denoiser.
+
+    def tokenize(self, tokenizers: dict, captions: list[str]) -> dict[str, torch.Tensor]:
+        """Captions -> token ids per text encoder (name -> (B, L)), padded and truncated as its pipeline does.
+        Takes the tokenizers alone: data-loader workers call it."""
+        return {
+            encoder: tokenize(tokenizers[tokenizer], captions)
+            for encoder, tokenizer in zip(self.text_encoder_names, self.tokenizer_names)
+        }
+
+    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Token ids (on the encoders' device) -> the denoiser's text conditioning, by name; each tensor has the
+        batch first. This is what the text cache stores."""
+        raise NotImplementedError
+
+    def denoise(self, components: Components, noisy: torch.Tensor, timesteps: torch.Tensor, conditioning: dict,
+                geometry: torch.Tensor) -> torch.Tensor:
+        """The denoiser's prediction for noisy latents (B, C, h, w). `geometry` (B, 6) holds each sample's
+        (original height, width, crop top, left, target height, width) in pixels (`data.image_geometry`)."""
+        raise NotImplementedError
+
+    # Files.
+
+    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
+        """Every weight under the original (LDM / SGM) single-file keys that A1111, ComfyUI and
+        `from_single_file` read."""
+        raise NotImplementedError
+
+    def parts(self) -> tuple[str, ...]:
+        """Adapter parts: the denoiser, then the text encoders, as diffusers' LoRA files prefix their keys."""
+        return (self.denoiser_name, *self.text_encoder_names)
+
