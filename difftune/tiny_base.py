@@ -38,6 +38,9 @@ from difftune.tiny import (
 )
 
 HELD_OUT_COLOR = "purple"
+# tiny-sdxl at tiny-sd's 1300 steps drew seen shapes at 0.927 (8 samples per prompt), under the 0.95 target;
+# it trains its two text encoders and wider cross-attention for longer.
+SDXL_STEPS = 1700
 SEEN_COLORS = tuple(color for color in COLORS if color != HELD_OUT_COLOR)
 
 

@@ -44,7 +44,7 @@ from difftune.ema import build_ema, ema_weights, update_ema
 from difftune.errors import DifftuneError
 from difftune.families import family_of, load_components
 from difftune.guard import Guard
-from difftune.loss import diffusion_loss, draw_timesteps_and_noise, training_noise_scheduler
+from difftune.loss import training_noise_scheduler
 from difftune.metrics import METRICS_FILE, MetricsLog
 from difftune.models import Components, encode_posterior, place_frozen, sample_latents, set_attention, weight_dtype
 from difftune.optim import build_lr_scheduler, build_optimizer
@@ -307,14 +307,8 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
     else:
         with torch.set_grad_enabled(config.adapter.text_encoder):
             conditioning = family.encode_prompts(components, {name: ids.to(device) for name, ids in batch["token_ids"].items()})
-    timesteps, noise, input_noise = draw_timesteps_and_noise(
-        generators, latents, components.noise_scheduler.config.num_train_timesteps, config.loss
-    )
-    geometry = batch["geometry"]
-    return diffusion_loss(
-        lambda noisy, t: family.denoise(components, noisy, t, conditioning, geometry),
-        components.noise_scheduler, latents, timesteps, noise, config.loss, input_noise,
-    )
+    timesteps, noise, input_noise = family.draw_timesteps_and_noise(components, generators, latents, config.loss)
+    return family.loss(components, latents, timesteps, noise, conditioning, batch["geometry"], config.loss, input_noise)
 
 
 def _fill_caches(components: Components, examples, sizes, config: Config, accelerator) -> tuple[list | None, dict | None]:

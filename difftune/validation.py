@@ -13,7 +13,6 @@ import torch
 
 from difftune.config import Config
 from difftune.data import CaptionedImages, derive_seed, report_bad_files, scan_examples
-from difftune.loss import diffusion_loss
 from difftune.models import Components, encode_latents
 
 VALIDATION_STREAM = 2
@@ -39,16 +38,20 @@ class Validator:
             by_size.setdefault(tuple(item["pixel_values"].shape), []).append(i)
         # One group per image size, each with every (image, timestep) pair and its own fixed noise: (N * T, C, h, w).
         self.groups = []
+
+        def per_pair(tensors: list[torch.Tensor]) -> torch.Tensor:
+            """One image's tensors -> one row per (image, timestep) pair, on the device."""
+            return torch.stack(tensors).to(device).repeat_interleave(len(timesteps), dim=0)
+
         for indices in by_size.values():
             generators = [torch.Generator().manual_seed(derive_seed(VALIDATION_STREAM, seed, i)) for i in indices]
             pixels = torch.stack([items[i]["pixel_values"] for i in indices]).to(device)
             with torch.no_grad():
                 latents = encode_latents(components.vae, pixels, generators).float().repeat_interleave(len(timesteps), dim=0)
-            repeat = lambda tensors: torch.stack(tensors).to(device).repeat_interleave(len(timesteps), dim=0)  # noqa: E731
             self.groups.append({
                 "latents": latents,
-                "token_ids": {name: repeat([items[i]["token_ids"][name] for i in indices]) for name in items[0]["token_ids"]},
-                "geometry": repeat([items[i]["geometry"] for i in indices]),
+                "token_ids": {name: per_pair([items[i]["token_ids"][name] for i in indices]) for name in items[0]["token_ids"]},
+                "geometry": per_pair([items[i]["geometry"] for i in indices]),
                 "timesteps": torch.tensor(timesteps * len(indices), device=device),
                 "noise": torch.randn(latents.shape, generator=noise_generator).to(device),
             })
@@ -68,11 +71,9 @@ class Validator:
             for start in range(0, len(group["latents"]), self.batch_size):
                 part = slice(start, start + self.batch_size)
                 conditioning = family.encode_prompts(components, {name: ids[part] for name, ids in group["token_ids"].items()})
-                geometry = group["geometry"][part]
-                per_sample = diffusion_loss(
-                    lambda noisy, t: family.denoise(components, noisy, t, conditioning, geometry),
-                    components.noise_scheduler, group["latents"][part], group["timesteps"][part], group["noise"][part],
-                    self.loss_config,
+                per_sample = family.loss(
+                    components, group["latents"][part], group["timesteps"][part], group["noise"][part], conditioning,
+                    group["geometry"][part], self.loss_config,
                 )
                 total += per_sample.sum().item()
                 count += len(per_sample)

@@ -1,9 +1,11 @@
-"""Fine-tuning quality on the bundled tiny base: the default job and its variants, each trained and judged.
+"""Fine-tuning quality on a bundled tiny base: a default job and its variants, each trained and judged.
 
-    python scripts/bench_quality.py [--only NAME ...] [--out benchmarks/quality-finetune.jsonl]
-    python scripts/bench_quality.py --table   # BENCHMARKS.md's table from those lines
+    python scripts/bench_quality.py [--job sdxl_lora] [--only NAME ...] [--out FILE]
+    python scripts/bench_quality.py --table [--job sdxl_lora]   # BENCHMARKS.md's table from those lines
 
-Each variant is `difftune train --config configs/tiny_lora.toml <overrides>`, then `difftune eval` of its
+Each variant is `difftune train --config configs/<job>.toml <overrides>` (job tiny_lora: lines in
+benchmarks/quality-finetune.jsonl; sdxl_lora: benchmarks/quality-finetune-sdxl_lora.jsonl), then
+`difftune eval` of its
 adapter (the base is scored once): one JSON line per variant with the held-out concept's accuracy before
 and after (overall and per shape) and the forgetting of the seen prompts. BENCHMARKS.md's table is these lines.
 """
@@ -21,8 +23,8 @@ from difftune.tiny import shape_images, write_caption_folder
 from difftune.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
 from difftune.train import train
 
-CONFIG = "configs/tiny_lora.toml"
-VARIANTS = {  # overrides of the default job; `{renders_32}` is 32 renders of the concept written by this script
+# Overrides of each default job; `{renders_32}` is 32 renders of the concept written by this script.
+VARIANTS = {"tiny_lora": {
     "lora_r16_te": [],
     "lora_r16_unet_only": ["adapter.text_encoder=false"],
     "lora_r4_te": ["adapter.rank=4"],
@@ -40,32 +42,43 @@ VARIANTS = {  # overrides of the default job; `{renders_32}` is 32 renders of th
     "text_encoder_lr_3e-3": ["optim.text_encoder_learning_rate=3e-3"],
     "no_caption_dropout": ["data.caption_dropout=0.0"],
     "32_renders": ["data.path={renders_32}"],
-}
+}, "sdxl_lora": {
+    "dora_r4_te": [],
+    "lora_r4_te": ["adapter.kind=lora"],
+    "lora_r8_te": ["adapter.kind=lora", "adapter.rank=8"],
+    "lora_r16_te": ["adapter.kind=lora", "adapter.rank=16"],
+    "lora_r16_unet_only": ["adapter.kind=lora", "adapter.rank=16", "adapter.text_encoder=false"],
+    "dora_r16_te": ["adapter.rank=16"],
+    "600_steps": ["train.max_steps=600"],
+}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", choices=VARIANTS, default="tiny_lora", help="the default job the variants change")
     parser.add_argument("--only", nargs="*", help="variant names (default: all)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/quality-finetune.jsonl"))
+    parser.add_argument("--out", type=Path, help="default: benchmarks/quality-finetune[-<job>].jsonl")
     parser.add_argument("--work-dir", type=Path, default=Path("output/bench-quality"))
     parser.add_argument("--table", action="store_true", help="print the --out lines as a Markdown table and exit")
     args = parser.parse_args()
+    config_file = Path("configs") / f"{args.job}.toml"
+    args.out = args.out or Path("benchmarks") / ("quality-finetune.jsonl" if args.job == "tiny_lora" else f"quality-finetune-{args.job}.jsonl")
     if args.table:
         print(markdown_table([json.loads(line) for line in args.out.read_text().splitlines()]))
         return
 
     settings = EvalSettings()
-    base_config = load_config(CONFIG)
+    base_config = load_config(config_file)
     before = score(load_components(base_config.model), SEEN_COLORS, HELD_OUT_COLOR, settings)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     renders_32 = args.work_dir / "renders_32"
     write_caption_folder(renders_32, shape_images(32, seed=7, colors=(HELD_OUT_COLOR,)))
-    for name, overrides in VARIANTS.items():
+    for name, overrides in VARIANTS[args.job].items():
         if args.only and name not in args.only:
             continue
-        out_dir = args.work_dir / name
+        out_dir = args.work_dir / args.job / name
         overrides = [override.format(renders_32=renders_32) for override in overrides]
-        config = load_config(CONFIG, [*overrides, f"train.output_dir={out_dir}", "train.overwrite=true", "sample.prompts=[]"])
+        config = load_config(config_file, [*overrides, f"train.output_dir={out_dir}", "train.overwrite=true", "sample.prompts=[]"])
         started = time.perf_counter()
         result = train(config)
         seconds = time.perf_counter() - started

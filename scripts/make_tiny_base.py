@@ -17,7 +17,7 @@ from difftune.evaluate import EvalSettings, score
 from difftune.config import ModelConfig
 from difftune.families import load_components
 from difftune.tiny import shape_images, write_caption_folder
-from difftune.tiny_base import HELD_OUT_COLOR, SEEN_COLORS, Recipe, build_base
+from difftune.tiny_base import HELD_OUT_COLOR, SDXL_STEPS, SEEN_COLORS, Recipe, build_base
 
 CARD = """---
 library_name: diffusers
@@ -28,13 +28,13 @@ tags: [difftune, tiny, synthetic]
 
 {architecture}, trained on synthetic renders
 captioned `a <color> <shape>` for colors {seen} and shapes circle, square, triangle. The color
-`{held_out}` was never shown to the UNet or the text encoder: it is the concept the default fine-tuning
+`{held_out}` was never shown to the UNet or the text encoder(s): it is the concept the default fine-tuning
 job teaches. `taesd/` is an `AutoencoderTiny` distilled to the same latent space (encode for training
-with `model.vae = "models/tiny-sd/taesd"`, or decode previews with `sample.decoder`).
+with `model.vae = "models/{name}/taesd"`, or decode previews with `sample.decoder`).
 
 Weights are fp16; on a CPU load them as fp32: `{pipeline}.from_pretrained(path, dtype=torch.float32)`.
 
-## Recipe (`python scripts/make_tiny_base.py`, seed {seed})
+## Recipe (`{command}`, seed {seed})
 
 - autoencoders{autoencoders_note}: {autoencoder_images} renders of every color; KL VAE (MSE + 1e-6 KL, {vae_steps} steps at batch
   {autoencoder_batch}, then {vae_decoder_steps} steps at lr {vae_decoder_lr} of the decoder alone on the posterior means, as SD's ft-MSE
@@ -84,13 +84,15 @@ def main() -> None:
     parser.add_argument("--examples-dir", type=Path, default=Path("examples/purple"))
     parser.add_argument("--work-dir", type=Path, help="default: output/tiny-<family>-build")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=Recipe.steps, help="UNet/text-encoder training steps")
+    parser.add_argument("--steps", type=int, help=f"UNet/text-encoder training steps (default: {Recipe.steps} for sd, "
+                        f"{SDXL_STEPS} for sdxl)")
     parser.add_argument("--weighting", choices=("min_snr", "uniform"), default=Recipe.weighting)
     args = parser.parse_args()
     args.model_dir = args.model_dir or Path(f"models/tiny-{args.family}")
     args.work_dir = args.work_dir or Path(f"output/tiny-{args.family}-build")
     sdxl = args.family == "sdxl"
-    recipe = Recipe(seed=args.seed, steps=args.steps, weighting=args.weighting, sdxl=sdxl)
+    steps = args.steps or (SDXL_STEPS if sdxl else Recipe.steps)
+    recipe = Recipe(seed=args.seed, steps=steps, weighting=args.weighting, sdxl=sdxl)
     finish(args, recipe, build_base(args.model_dir, args.work_dir, recipe, args.autoencoders_from if sdxl else None))
 
 
@@ -105,6 +107,7 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
     architecture, pipeline = ARCHITECTURES[args.family]
     (args.model_dir / "README.md").write_text(CARD.format(
         name=args.model_dir.name, architecture=architecture, pipeline=pipeline,
+        command="python scripts/make_tiny_base.py" + (" --family sdxl" if recipe.sdxl else ""),
         autoencoders_note=f" (reused from {args.autoencoders_from.name})" if recipe.sdxl else "",
         seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR, seed=recipe.seed,
         autoencoder_images=recipe.autoencoder_images, vae_steps=recipe.vae_steps,

@@ -156,12 +156,13 @@ def test_two_process_run_resumes_exactly(tmp_path):
         torch.testing.assert_close(weights_two[key], value, rtol=0, atol=1e-6)
 
 
-def test_bench_prints_one_json_line_with_every_field(tmp_path):
-    run = _run([sys.executable, "scripts/bench.py", "--model", "tiny", "--steps", "3", "--workdir", str(tmp_path)])
+@pytest.mark.parametrize("model", ["tiny", "tiny-sdxl"])
+def test_bench_prints_one_json_line_with_every_field(tmp_path, model):
+    run = _run([sys.executable, "scripts/bench.py", "--model", model, "--steps", "3", "--workdir", str(tmp_path)])
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     for field in ("seconds_per_step", "samples_per_second", "peak_memory_bytes", "mfu", "device", "model", "batch"):
         assert field in result
     assert result["seconds_per_step"] > 0 and result["peak_memory_bytes"] > 10_000_000
     assert result["samples_per_second"] == pytest.approx(result["batch"] / result["seconds_per_step"])
-    assert result["model"] == "tiny" and result["device"] == "cpu" and result["mfu"] is None
+    assert result["model"] == model and result["device"] == "cpu" and result["mfu"] is None

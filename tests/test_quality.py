@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from diffusers import AutoencoderTiny, StableDiffusionPipeline
+from diffusers import AutoencoderTiny, StableDiffusionPipeline, StableDiffusionXLPipeline
 from safetensors import safe_open
 
 from difftune.cli import main
@@ -18,6 +18,7 @@ from difftune.train import train
 from conftest import REPO
 
 BASE = REPO / "models" / "tiny-sd"
+SDXL_BASE = REPO / "models" / "tiny-sdxl"
 
 
 def test_the_judge_names_color_and_shape_of_renders():
@@ -67,27 +68,42 @@ def test_build_base_writes_an_fp16_pipeline_with_taesd(tmp_path):
     assert taesd.config.latent_channels == pipeline.vae.config.latent_channels
 
 
-def test_committed_base_draws_the_seen_prompts():
-    # Measured at 8 samples per prompt in models/tiny-sd/scores.json; the floors sit well under it.
-    pipeline = StableDiffusionPipeline.from_pretrained(BASE, safety_checker=None, dtype=torch.float32)
-    assert pipeline.unet.dtype == torch.float32
-    components = load_components(ModelConfig(base=str(BASE)))
+@pytest.mark.slow
+def test_build_sdxl_base_reuses_the_autoencoders(tmp_path):
+    recipe = Recipe(train_images_per_prompt=1, validation_images_per_prompt=1, steps=2, batch_size=4, sdxl=True)
+    facts = build_base(tmp_path / "base", tmp_path / "work", recipe, autoencoders_from=BASE)
+    assert facts["seconds"]["autoencoders"] < 60  # loaded, not trained
+    pipeline = StableDiffusionXLPipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    assert pipeline.unet.config.addition_embed_type == "text_time"
+    assert pipeline.config.force_zeros_for_empty_prompt is False  # trained with empty-caption dropout
+    for name in ("vae", "taesd"):
+        with safe_open(tmp_path / "base" / name / "diffusion_pytorch_model.safetensors", "pt") as ours, \
+                safe_open(BASE / name / "diffusion_pytorch_model.safetensors", "pt") as theirs:
+            assert all(torch.equal(ours.get_tensor(k), theirs.get_tensor(k)) for k in theirs.keys())
+
+
+@pytest.mark.parametrize("base", [BASE, SDXL_BASE], ids=["tiny-sd", "tiny-sdxl"])
+def test_committed_base_draws_the_seen_prompts(base):
+    # Measured at 8 samples per prompt in each base's scores.json; the floors sit well under it.
+    components = load_components(ModelConfig(base=str(base)))
+    assert components.denoiser.dtype == torch.float32  # fp16 files, loaded as fp32
     rows = judged_samples(components, prompts_for(SEEN_COLORS), EvalSettings(samples_per_prompt=2))
     scores = accuracy(rows)
-    assert scores["color"] >= 0.75 and scores["shape"] >= 0.6, scores  # measured 1.000 and 0.958 at 8 per prompt
+    assert scores["color"] >= 0.75 and scores["shape"] >= 0.6, scores  # tiny-sd: 1.000 and 0.958 at 8 per prompt
 
 
 @pytest.mark.slow
-def test_fine_tuning_teaches_the_held_out_color(tmp_path, capsys):
-    """The default job against the targets BENCHMARKS.md publishes, scored as published (8 samples per prompt):
+@pytest.mark.parametrize("job, base", [("tiny_lora", BASE), ("sdxl_lora", SDXL_BASE)], ids=["tiny-sd", "tiny-sdxl"])
+def test_fine_tuning_teaches_the_held_out_color(tmp_path, capsys, job, base):
+    """Each default job against the targets BENCHMARKS.md publishes, scored as published (8 samples per prompt):
     base seen prompts >= 0.95 color and shape, purple <= 0.15 before and >= 0.90 for every shape after, forgetting
     <= 0.05. The UNet-only LoRA that BENCHMARKS.md measured (forgetting 0.25) fails here."""
-    config = load_config(REPO / "configs" / "tiny_lora.toml", [
+    config = load_config(REPO / "configs" / f"{job}.toml", [
         f"train.output_dir={tmp_path / 'run'}", "log.progress_bar=false", "log.tensorboard=false", "sample.prompts=[]",
     ])
     result = train(config)
     capsys.readouterr()  # the training's own messages
-    assert main(["eval", "--base", str(BASE), "--adapter", str(result.trained_path), "--samples-per-prompt", "8",
+    assert main(["eval", "--base", str(base), "--adapter", str(result.trained_path), "--samples-per-prompt", "8",
                  "--out", str(tmp_path / "eval.json")]) == 0
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report == json.loads(capsys.readouterr().out)

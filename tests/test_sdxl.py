@@ -216,3 +216,16 @@ def test_the_vae_stays_fp32_under_fp16_unless_it_is_fp16_safe(tiny_sdxl_base, tm
     tiny = load_components(ModelConfig(base=str(tiny_sdxl_base), vae=str(tmp_path / "taesd")))
     place_frozen(tiny, torch.device("cpu"), torch.float16)
     assert tiny.vae.dtype == torch.float16
+
+
+def test_cached_latents_and_text_train_exactly_as_encoding_each_step(make_config, tiny_sdxl_base, tmp_path):
+    """The text cache holds SDXL's whole conditioning (both encoders' states and the pooled embedding), the latent
+    cache both views with their time ids: cached and uncached runs give the same losses."""
+    settings = {"model__base": str(tiny_sdxl_base), "data__random_flip": True, "train__max_steps": 3}
+    plain = train(make_config(train__output_dir=str(tmp_path / "plain"), **settings))
+    cached = train(make_config(train__output_dir=str(tmp_path / "cached"), cache__latents=True, cache__text=True,
+                               cache__dir=str(tmp_path / "cache"), **settings))
+    assert cached.components.text_encoders == {"text_encoder": None, "text_encoder_2": None}  # released
+    entry = next((tmp_path / "cache" / "text").rglob("*.safetensors"))
+    assert set(load_file(entry)) == {"encoder_hidden_states", "pooled_prompt_embeds"}
+    assert cached.losses == pytest.approx(plain.losses, rel=1e-5)

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from diffusers import DDPMScheduler
 
-from difftune.config import ModelConfig
+from difftune.config import LossConfig, ModelConfig
 from difftune.errors import DifftuneError
+from difftune.loss import diffusion_loss, draw_timesteps_and_noise
 from difftune.models import SINGLE_FILE_SUFFIXES, Components, tokenize
 
 FP32 = {"dtype": torch.float32}  # not the saved dtype: placement casts later, on purpose
@@ -99,6 +100,23 @@ class Family:
         """The denoiser's prediction for noisy latents (B, C, h, w). `geometry` (B, 6) holds each sample's
         (original height, width, crop top, left, target height, width) in pixels (`data.image_geometry`)."""
         raise NotImplementedError
+
+    # The training objective: DDPM's noise process with epsilon / v targets (loss.py) for the UNet families; a
+    # flow-matching family draws its own times and noise and computes its own loss here.
+
+    def draw_timesteps_and_noise(self, components: Components, generators: list[torch.Generator], latents: torch.Tensor,
+                                 config: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per sample, from its own generator: timesteps (B,), the target noise and the input noise (B, C, h, w)."""
+        return draw_timesteps_and_noise(generators, latents, components.noise_scheduler.config.num_train_timesteps, config)
+
+    def loss(self, components: Components, latents: torch.Tensor, timesteps: torch.Tensor, noise: torch.Tensor,
+             conditioning: dict, geometry: torch.Tensor, config: LossConfig, input_noise: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """The per-sample loss (B,) of the denoiser on `latents` noised at `timesteps`."""
+        return diffusion_loss(
+            lambda noisy, t: self.denoise(components, noisy, t, conditioning, geometry),
+            components.noise_scheduler, latents, timesteps, noise, config, input_noise,
+        )
 
     # Files.
 
