@@ -29,6 +29,13 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
 
 
+# The model families: one module each in difftune/families/, named as the family (families/__init__.py loads
+# them). Read from the file names here, because the families import this schema.
+FAMILY_NAMES = tuple(
+    sorted(path.stem for path in (Path(__file__).parent / "families").glob("*.py") if path.stem not in ("__init__", "family"))
+)
+
+
 class ModelConfig(Section):
     base: str = Field(
         "models/tiny-sd",
@@ -36,7 +43,7 @@ class ModelConfig(Section):
         description="Base model: a local diffusers folder, a Hugging Face hub id (needs network), "
         "or a single-file .safetensors checkpoint.",
     )
-    family: Literal["auto", "sd", "sdxl"] = Field(
+    family: Literal[("auto", *FAMILY_NAMES)] = Field(
         "auto",
         description="Model family: `auto` reads it from the base (a pipeline folder's model_index.json, a single "
         "file's keys); `sd` is Stable Diffusion 1.x/2.x, `sdxl` SDXL and models built on it.",

@@ -229,3 +229,18 @@ def test_cached_latents_and_text_train_exactly_as_encoding_each_step(make_config
     entry = next((tmp_path / "cache" / "text").rglob("*.safetensors"))
     assert set(load_file(entry)) == {"encoder_hidden_states", "pooled_prompt_embeds"}
     assert cached.losses == pytest.approx(plain.losses, rel=1e-5)
+
+
+def test_every_family_module_is_registered_and_complete():
+    """A family is one module in difftune/families/: found by its file name, accepted as `model.family`, and
+    naming everything the rest of difftune asks of it for each of its parts."""
+    from difftune.config import FAMILY_NAMES
+
+    modules = {p.stem for p in (Path(__file__).parents[1] / "difftune" / "families").glob("*.py")} - {"__init__", "family"}
+    assert set(FAMILIES) == set(FAMILY_NAMES) == modules
+    for name, family in FAMILIES.items():
+        ModelConfig(family=name)  # accepted by the schema
+        assert set(family.kohya_prefixes) == set(family.parts()) == set(family.default_targets), name
+        assert len(set(family.kohya_prefixes.values())) == len(family.parts()), name
+        assert len(family.text_encoder_names) == len(family.tokenizer_names), name
+        assert family.pipeline_class.__name__ in family.pipeline_classes, name

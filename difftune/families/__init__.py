@@ -2,22 +2,23 @@
 
 `load_components` is how every command gets a model: it asks which family the base belongs to (from
 `model.family`, a pipeline folder's `model_index.json`, or a single file's keys) and lets that family load it.
-Adding a family is a module here and an entry in `FAMILIES`.
+Adding a family is a module here, named as the family, that defines one `Family` subclass: it is found by
+its file name (`config.FAMILY_NAMES`, which `model.family` accepts) and registered below.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from difftune.config import ModelConfig
+from difftune.config import FAMILY_NAMES, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families.family import Family
-from difftune.families.sd import StableDiffusion
-from difftune.families.sdxl import StableDiffusionXL
 from difftune.models import (
     PICKLED_SUFFIXES,
     SINGLE_FILE_SUFFIXES,
@@ -28,7 +29,22 @@ from difftune.models import (
     quiet_loading,
 )
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (StableDiffusion(), StableDiffusionXL())}
+
+
+def _discover() -> dict[str, Family]:
+    """Each family module's own `Family` subclass, instantiated, by name."""
+    families = {}
+    for name in FAMILY_NAMES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        [family] = [cls() for _, cls in inspect.getmembers(module, inspect.isclass)
+                    if issubclass(cls, Family) and cls is not Family and cls.__module__ == module.__name__]
+        if family.name != name:
+            raise RuntimeError(f"families/{name}.py defines family {family.name!r}: name the module after its family")
+        families[name] = family
+    return families
+
+
+FAMILIES: dict[str, Family] = _discover()
 
 
 def load_components(config: ModelConfig) -> Components:
