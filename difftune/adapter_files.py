@@ -35,6 +35,7 @@ from difftune.kohya import from_kohya, split_adapter_key
 
 CONFIG_METADATA_KEY = "difftune_config"
 KOHYA_PREFIXES = tuple({prefix for family in FAMILIES.values() for prefix in family.kohya_prefixes.values()})
+KNOWN_PARTS = {part for family in FAMILIES.values() for part in family.parts()}  # diffusers-layout key prefixes
 # Prefixes of a file saved from one model rather than a pipeline: its keys are the denoiser's.
 LONE_MODEL_PREFIXES = ("base_model.model.",)
 
@@ -79,7 +80,7 @@ def read_adapter(path: Path, base_modules: FindBaseModules | None = None) -> tup
         except ValueError as err:
             raise DifftuneError(f"adapter {path}: {err}") from None
         return tensors, lora_configs, config_toml
-    tensors, alphas = _from_diffusers(tensors, path, _known_parts())
+    tensors, alphas = _from_diffusers(tensors, path)
     if LORA_ADAPTER_METADATA_KEY in metadata:
         lora_configs = json.loads(metadata[LORA_ADAPTER_METADATA_KEY])
         missing = [part for part in _parts(tensors) if f"{part}.r" not in lora_configs]
@@ -106,11 +107,7 @@ def check_modules(tensors: dict, module_names: dict[str, list[str]], path: Path)
             )
 
 
-def _known_parts() -> set[str]:
-    return {part for family in FAMILIES.values() for part in family.parts()}
-
-
-def _from_diffusers(tensors: dict, path: Path, parts: set[str]) -> tuple[dict, dict]:
+def _from_diffusers(tensors: dict, path: Path) -> tuple[dict, dict]:
     """diffusers/peft keys (any generation) -> `<part>.<module>.lora_A.weight`, ...; and `.alpha` values by part.
     A key under no known part is a lone model's: a UNet's (files saved from other denoisers name their part)."""
     by_part: dict[str, dict] = {}
@@ -118,7 +115,7 @@ def _from_diffusers(tensors: dict, path: Path, parts: set[str]) -> tuple[dict, d
         for prefix in LONE_MODEL_PREFIXES:
             key = key.removeprefix(prefix)
         part, _, rest = key.partition(".")
-        if part not in parts:
+        if part not in KNOWN_PARTS:
             part, rest = "unet", key
         by_part.setdefault(part, {})[rest] = value
     out, alphas = {}, {}
@@ -150,8 +147,8 @@ def _to_peft_names(part: str, state: dict) -> dict:
 
 
 def _text_module(part: str, module: str) -> str:
-    # transformers 5's CLIPTextModel has no `text_model.` level; files from older versions carry it.
-    # (SDXL's CLIPTextModelWithProjection keeps it: `module_names_of` lists both forms' owner.)
+    # transformers 5's CLIPTextModel has no `text_model.` level; files from older versions carry it. (SDXL's
+    # second encoder, a CLIPTextModelWithProjection, still has the level: its keys keep it.)
     return module.removeprefix("text_model.") if part == "text_encoder" else module
 
 

@@ -32,13 +32,10 @@ TEXT_MODEL = "text_model."
 
 
 def _kohya_module(part: str, module: str) -> str:
-    if is_text_part(part) and not module.startswith(TEXT_MODEL):
+    """A text encoder's module path as kohya names it: always under `text_model.`."""
+    if part.startswith("text_encoder") and not module.startswith(TEXT_MODEL):
         return TEXT_MODEL + module
     return module
-
-
-def is_text_part(part: str) -> bool:
-    return part.startswith("text_encoder")
 
 
 def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict, prefixes: dict[str, str]) -> dict[str, torch.Tensor]:

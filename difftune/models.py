@@ -139,12 +139,26 @@ def place_frozen(components: Components, device: torch.device, dtype: torch.dtyp
     `force_upcast` (SD's and SDXL's own: they overflow to NaN in fp16 on some images) stays fp32 under fp16;
     an fp16-safe one (`force_upcast = false`, e.g. the SDXL fp16 fix, or TAESD) follows `dtype`."""
     vae = components.vae
-    vae_dtype = torch.float32 if dtype == torch.float16 and getattr(vae.config if vae else None, "force_upcast", True) else dtype
+    upcast_vae = vae is not None and getattr(vae.config, "force_upcast", True)
+    vae_dtype = torch.float32 if dtype == torch.float16 and upcast_vae else dtype
     for module in components.modules():
         module.to(device)
         module_dtype = vae_dtype if module is vae else dtype
         if module_dtype != torch.float32:  # loaded as fp32; diffusers warns on every dtype cast
             module.to(dtype=module_dtype)
+
+
+@contextmanager
+def eval_mode(*modules: torch.nn.Module):
+    """Run without dropout (adapter dropout included), then put the modules' training modes back."""
+    modes = [module.training for module in modules]
+    for module in modules:
+        module.eval()
+    try:
+        yield
+    finally:
+        for module, mode in zip(modules, modes):
+            module.train(mode)
 
 
 def weight_dtype(config_dtype: str, mixed_precision: str) -> torch.dtype:

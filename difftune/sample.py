@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from difftune.config import SampleConfig
-from difftune.models import Components, load_vae
+from difftune.models import Components, eval_mode, load_vae
 
 SCHEDULERS = {
     "ddim": DDIMScheduler,
@@ -47,7 +46,7 @@ def generate_images(components: Components, config: SampleConfig, device: torch.
     decoder = load_vae(config.decoder).to(device, components.vae.dtype) if config.decoder else components.vae
     pipeline = replace(components, vae=decoder).pipeline(sampling_scheduler(config.scheduler, components))
     pipeline.set_progress_bar_config(disable=True)
-    with _eval_mode(components.denoiser, *components.text_encoders.values()):
+    with eval_mode(components.denoiser, *components.text_encoders.values()):
         return _sample_all(pipeline, config)
 
 
@@ -67,19 +66,6 @@ def _sample_all(pipeline, config: SampleConfig) -> list[Sample]:
             ).images[0]
             samples.append(Sample(image, prompt, seed))
     return samples
-
-
-@contextmanager
-def _eval_mode(*modules: torch.nn.Module):
-    """Sample without dropout (adapter dropout included), then put training modes back."""
-    modes = [module.training for module in modules]
-    for module in modules:
-        module.eval()
-    try:
-        yield
-    finally:
-        for module, mode in zip(modules, modes):
-            module.train(mode)
 
 
 def save_images(samples: list[Sample], config: SampleConfig, out_dir: Path) -> list[Path]:

@@ -42,7 +42,7 @@ from difftune.data import (
 )
 from difftune.ema import build_ema, ema_weights, update_ema
 from difftune.errors import DifftuneError
-from difftune.families import family_of, load_components
+from difftune.families import load_components
 from difftune.guard import Guard
 from difftune.loss import training_noise_scheduler
 from difftune.metrics import METRICS_FILE, MetricsLog
@@ -111,21 +111,22 @@ def setup(config: Config, resume: str | None = None) -> Run:
     """Models, data, caches, adapters, optimizer and the place to start from (a checkpoint when resuming)."""
     output_dir = _check_output_dir(config, resume)
     accelerator = _accelerator(config, output_dir)
+    components = load_components(config.model)
     # The resolved config names the family: a file written now says what it was trained on.
-    config = config.model_copy(update={"model": config.model.model_copy(update={"family": family_of(config.model).name})})
+    config = config.model_copy(update={"model": config.model.model_copy(update={"family": components.family.name})})
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RESOLVED_CONFIG_FILE).write_text(config.to_toml(), encoding="utf-8")
     _set_device_flags(config, accelerator)
     set_seed(config.train.seed)  # the adapters' random init
 
-    components = load_components(config.model)
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
     examples, bad_files = scan_examples(config.data)
     main = accelerator.is_main_process
     report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
     sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
-    latent_files, text_files = _fill_caches(components, examples, sizes, config, accelerator)
+    tokenize = partial(components.family.tokenize, components.tokenizers)  # picklable for loader workers
+    latent_files, text_files = _fill_caches(components, tokenize, examples, sizes, config, accelerator)
     validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
     if config.sample.before and config.sample.prompts and main and not resume:
         _sample_before_training(components, config, output_dir, accelerator.device)
@@ -158,7 +159,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     progress = checkpointer.load(checkpoint, named, ema, guard) if checkpoint else Progress()
     guard.start_at(progress.global_step)
     dataset = CaptionedImages(
-        examples, config.data, partial(components.family.tokenize, components.tokenizers), config.train.seed,
+        examples, config.data, tokenize, config.train.seed,
         latent_files, text_files, sizes, memory_bytes=config.cache.memory_mb * 2**20,
     )
     order = TrainingOrder(
@@ -311,14 +312,13 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
     return family.loss(components, latents, timesteps, noise, conditioning, batch["geometry"], config.loss, input_noise)
 
 
-def _fill_caches(components: Components, examples, sizes, config: Config, accelerator) -> tuple[list | None, dict | None]:
+def _fill_caches(components: Components, tokenize, examples, sizes, config: Config, accelerator) -> tuple[list | None, dict | None]:
     """Cache files for the examples' latents and captions, encoding what is missing (main process first)."""
     latent_files = text_files = None
     if config.cache.latents:
         latent_files = latent_entries(examples, sizes, model_identity(components.vae), config)
     if config.cache.text:
         captions = {example.caption for example in examples} | {""}  # "" for caption dropout
-        tokenize = partial(components.family.tokenize, components.tokenizers)
         text_files = text_entries(captions, text_identity(components), config, tokenize)
     if accelerator.is_main_process:
         device = accelerator.device

@@ -13,7 +13,7 @@ import torch
 
 from difftune.config import Config
 from difftune.data import CaptionedImages, derive_seed, report_bad_files, scan_examples
-from difftune.models import Components, encode_latents
+from difftune.models import Components, encode_latents, eval_mode
 
 VALIDATION_STREAM = 2
 
@@ -62,21 +62,16 @@ class Validator:
     @torch.no_grad()
     def loss(self, components: Components) -> float:
         """Mean loss over every (image, timestep) pair, with the components' current weights."""
-        family, modules = components.family, [components.denoiser, *components.text_encoders.values()]
-        was_training = [module.training for module in modules]
-        for module in modules:
-            module.eval()
-        total, count = 0.0, 0
-        for group in self.groups:
-            for start in range(0, len(group["latents"]), self.batch_size):
-                part = slice(start, start + self.batch_size)
-                conditioning = family.encode_prompts(components, {name: ids[part] for name, ids in group["token_ids"].items()})
-                per_sample = family.loss(
-                    components, group["latents"][part], group["timesteps"][part], group["noise"][part], conditioning,
-                    group["geometry"][part], self.loss_config,
-                )
-                total += per_sample.sum().item()
-                count += len(per_sample)
-        for module, mode in zip(modules, was_training):
-            module.train(mode)
+        family, total, count = components.family, 0.0, 0
+        with eval_mode(components.denoiser, *components.text_encoders.values()):
+            for group in self.groups:
+                for start in range(0, len(group["latents"]), self.batch_size):
+                    part = slice(start, start + self.batch_size)
+                    token_ids = {name: ids[part] for name, ids in group["token_ids"].items()}
+                    per_sample = family.loss(
+                        components, group["latents"][part], group["timesteps"][part], group["noise"][part],
+                        family.encode_prompts(components, token_ids), group["geometry"][part], self.loss_config,
+                    )
+                    total += per_sample.sum().item()
+                    count += len(per_sample)
         return total / count

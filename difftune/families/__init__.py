@@ -30,7 +30,6 @@ from difftune.models import (
 )
 
 
-
 def _discover() -> dict[str, Family]:
     """Each family module's own `Family` subclass, instantiated, by name."""
     families = {}
