@@ -51,7 +51,7 @@ class BenchOptions:
     rank: int = 4
     precision: str = "fp32"  # fp32 | bf16 | fp16
     cache: bool = False
-    channels_last: bool = True
+    channels_last: bool = torch.cuda.is_available()  # the trainer's `auto`
     gradient_checkpointing: bool = False
     compile: bool = False
     attention: str = "sdpa"

@@ -4,7 +4,8 @@
 - `accelerate/`: accelerate's `save_state` (optimizer, LR scheduler, loss scaler, every process's RNG
   states); models are left out by hooks, since a LoRA run would otherwise save the frozen base each time.
   accelerate reads these back with `torch.load(weights_only=True)` and an allowlist.
-- `trained.safetensors`: the trained parameters by name, and the EMA's as `ema.<name>`.
+- `trained.safetensors`: the trained parameters by name, and the EMA's as `ema.<name>`; full tensors even under
+  FSDP (gathered from every process's shard, and sliced back into shards on load).
 - `state.json`: the position (optimizer steps, micro-batches consumed), the guard's history, the config.
 - `COMPLETE`: written last. A folder without it, or a `.tmp-` folder, is never loaded.
 
@@ -28,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from difftune.config import Config, resolve_path_values
 from difftune.errors import DifftuneError
+from difftune.sharding import gather, load_full
 
 CHECKPOINTS_DIR = "checkpoints"
 MARKER = "COMPLETE"
@@ -110,12 +112,12 @@ class Checkpointer:
             shutil.rmtree(staging, ignore_errors=True)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(staging / "accelerate"))  # every process writes its own RNG state
+        main = accelerator.is_main_process
+        tensors = gather(named, keep=main)  # under FSDP every process holds a shard
+        if ema:
+            tensors |= gather({EMA_PREFIX + name: shadow for name, shadow in zip(named, ema.shadow_params)}, keep=main)
         accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            tensors = {name: param.detach().to("cpu", copy=True).contiguous() for name, param in named.items()}
-            if ema:
-                for name, shadow in zip(named, ema.shadow_params):
-                    tensors[EMA_PREFIX + name] = shadow.detach().to("cpu", copy=True).contiguous()
+        if main:
             bad = [name for name, value in tensors.items() if not torch.isfinite(value).all()]
             if bad:
                 raise DifftuneError(f"checkpoint at step {progress.global_step}: NaN or inf in {bad[0]}; not saved")
@@ -153,12 +155,12 @@ class Checkpointer:
             raise DifftuneError(f"checkpoint {path}: its trained parameters do not match this model (e.g. {difference[0]})")
         with torch.no_grad():
             for name, param in named.items():
-                param.copy_(weights[name])
+                load_full(param, weights[name])
             if ema:
                 saved = [tensors.get(EMA_PREFIX + name) for name in named]
                 if all(t is not None for t in saved):
                     for shadow, value in zip(ema.shadow_params, saved):
-                        shadow.copy_(value)
+                        load_full(shadow, value)
                     ema.optimization_step = state["ema_updates"]
                 else:
                     accelerator.print("difftune: the checkpoint has no EMA; the EMA starts from the resumed weights")

@@ -134,15 +134,18 @@ def explained_load_errors(key: str, name: str):
         ) from error
 
 
-def place_frozen(components: Components, device: torch.device, dtype: torch.dtype) -> None:
+def place_frozen(components: Components, device: torch.device, dtype: torch.dtype, trained_whole=()) -> None:
     """Every loaded model on `device` in `dtype` (released encoders stay away). A KL VAE whose config asks for
     `force_upcast` (SD's and SDXL's own: they overflow to NaN in fp16 on some images) stays fp32 under fp16;
-    an fp16-safe one (`force_upcast = false`, e.g. the SDXL fp16 fix, or TAESD) follows `dtype`."""
+    an fp16-safe one (`force_upcast = false`, e.g. the SDXL fp16 fix, or TAESD) follows `dtype`. Modules in
+    `trained_whole` (a full fine-tune's) stay fp32: a round trip through `dtype` would round the base's weights."""
     vae = components.vae
     upcast_vae = vae is not None and getattr(vae.config, "force_upcast", True)
     vae_dtype = torch.float32 if dtype == torch.float16 and upcast_vae else dtype
     for module in components.modules():
         module.to(device)
+        if any(module is trained for trained in trained_whole):
+            continue
         module_dtype = vae_dtype if module is vae else dtype
         if module_dtype != torch.float32:  # loaded as fp32; diffusers warns on every dtype cast
             module.to(dtype=module_dtype)

@@ -55,6 +55,9 @@ def make_config(tiny_base, shapes, tmp_path):
             "optim.learning_rate": 1e-3,
             "log.progress_bar": False,
             "log.tensorboard": False,
+            # Encoded every step unless a test turns a cache on: what most tests check is the uncached path.
+            "cache.latents": False,
+            "cache.text": False,
         }
         base.update({key.replace("__", "."): value for key, value in overrides.items()})
         return load_config(None, [f"{key}={_toml_value(value)}" for key, value in base.items()])

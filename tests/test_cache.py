@@ -163,6 +163,30 @@ def test_cache_settings_that_cannot_work_are_refused():
         load_config(None, ["cache.text=true", "adapter.text_encoder=true"])
 
 
+def test_caches_are_on_by_default_where_the_settings_allow():
+    defaults = load_config(None, [])
+    assert (defaults.cache.latents, defaults.cache.text) == ("on", "on")
+    # A random crop has no single cached view; a trained text encoder's outputs change: those stay uncached.
+    assert load_config(None, ["data.crop=random"]).cache.latents == "off"
+    assert load_config(None, ["adapter.text_encoder=true"]).cache.text == "off"
+    # Files written when the switches were booleans still read.
+    old = load_config(None, ["cache.latents=false", "cache.text=true"])
+    assert (old.cache.latents, old.cache.text) == ("off", "on")
+
+
+def test_a_default_run_caches_and_trains_without_its_encoders(make_config, tmp_path):
+    """`auto` resolves in the run's saved config, the caches are written, and with nothing to preview the VAE and
+    the text encoder leave memory for the whole run (the result's components come back without them)."""
+    config = make_config(cache__latents="auto", cache__text="auto", cache__dir=str(tmp_path / "cache"), train__max_steps=2)
+    result = train(config)
+    saved = load_config(tmp_path / "run" / "config.toml")
+    assert (saved.cache.latents, saved.cache.text) == ("on", "on")
+    assert any((tmp_path / "cache" / "latents").rglob("*.safetensors"))
+    assert any((tmp_path / "cache" / "text").rglob("*.safetensors"))
+    assert result.components.vae is None
+    assert all(encoder is None for encoder in result.components.text_encoders.values())
+
+
 def test_released_encoders_come_back_for_the_final_samples(make_config, tmp_path):
     config = make_config(
         cache__latents=True, cache__text=True, cache__dir=str(tmp_path / "cache"), train__max_steps=2,

@@ -147,7 +147,9 @@ def test_shipped_accelerate_configs_are_valid(path):
     from accelerate.commands.config.config_args import ClusterConfig
 
     config = ClusterConfig.from_yaml_file(path)
-    assert config.distributed_type.value == "MULTI_GPU" and config.num_processes >= 2
+    assert config.distributed_type.value in ("MULTI_GPU", "FSDP") and config.num_processes >= 2
+    if config.distributed_type.value == "FSDP":
+        assert config.fsdp_config["fsdp_version"] == 2
 
 
 def test_sample_command_offers_only_flags_that_apply():

@@ -1,0 +1,54 @@
+"""Time SD1.5's typical layers forward + backward in fp32, bf16 and fp16 on this machine's CPU: one JSON line.
+
+    python scripts/bench_dtypes.py
+
+Why: whether 16-bit frozen weights (half the memory) are a speed option on a CPU depends on its kernels. On an
+AVX2-only CPU torch's 16-bit convolutions fall back to slow paths (tens of times fp32's time), so difftune
+trains fp32 there; on CPUs with avx512_bf16 or AMX, and on GPUs, bf16 is the fast path. Shapes: the UNet's
+first block at 256 px (320 channels, 32x32 latents, 8 heads of 40).
+"""
+
+import json
+import platform
+import time
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def seconds(step, repeats: int = 3) -> float:
+    step()  # warm-up: kernel selection and allocations
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return (time.perf_counter() - start) / repeats
+
+
+def layer_steps(dtype: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(320, 320, 3, padding=1).to(dtype).requires_grad_(False)
+    image = torch.randn(1, 320, 32, 32, dtype=dtype, requires_grad=True)
+    linear = torch.nn.Linear(320, 320).to(dtype).requires_grad_(False)
+    tokens = torch.randn(1, 1024, 320, dtype=dtype, requires_grad=True)
+    heads = torch.randn(1, 8, 1024, 40, dtype=dtype, requires_grad=True)
+    attention = torch.nn.functional.scaled_dot_product_attention
+    return {
+        "conv3x3_320ch_32x32": lambda: conv(image).sum().backward(),
+        "linear_1024x320": lambda: linear(tokens).sum().backward(),
+        "sdpa_8x1024x40": lambda: attention(heads, heads, heads).sum().backward(),
+    }
+
+
+def main() -> None:
+    timings = {name: {layer: round(seconds(step), 4) for layer, step in layer_steps(dtype).items()} for name, dtype in DTYPES.items()}
+    ratios = {name: {layer: round(t / timings["fp32"][layer], 1) for layer, t in layers.items()} for name, layers in timings.items()}
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    print(json.dumps({
+        "cpu": cpu, "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "seconds_fwd_bwd": timings, "ratio_to_fp32": ratios,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""difftune side by side with diffusers' LoRA example, through the shared harness (../shared/peer-bench).
+
+    python scripts/bench_peer.py --peer-script PEER_DIR/train_text_to_image_lora.py [--scenario NAME ...]
+    python scripts/bench_peer.py --table        # only rewrite BENCHMARKS.md's table from the JSONL
+
+Each scenario runs the harness's `run_peer.py` and `run_difftune.py` one after the other (peer first, so the
+two trainers alternate across scenarios), appends both JSON lines to benchmarks/peer.jsonl, and rewrites the
+table between BENCHMARKS.md's `peer-bench` markers from the newest line of each scenario and trainer: the
+numbers are never typed by hand. The harness README says how to get the peer script; it is never copied here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS = ROOT.parent / "shared" / "peer-bench"
+RESULTS = ROOT / "benchmarks" / "peer.jsonl"
+MARKERS = ("<!-- peer-bench:start -->", "<!-- peer-bench:end -->")
+# The harness spells the peer's settings for difftune; caches `off` makes the work per step identical (the
+# peer encodes every image and caption every step). The `recommended` pair is each trainer's own way to the
+# same job: the peer's README command (its flags that run on a CPU), difftune's defaults (caches on).
+IDENTICAL = ["cache.latents=off", "cache.text=off"]
+SCENARIOS = {
+    "identical-sd15-fp32": dict(
+        what="identical settings, SD1.5-shaped, 256 px, batch 1, fp32",
+        common=["--size", "sd15", "--resolution", "256", "--batch", "1", "--steps", "3", "12"],
+        peer=[], difftune=IDENTICAL,
+    ),
+    "identical-sd15-bf16": dict(
+        what="identical settings, SD1.5-shaped, 256 px, batch 1, bf16 autocast",
+        common=["--size", "sd15", "--resolution", "256", "--batch", "1", "--steps", "3", "12", "--mixed-precision", "bf16"],
+        peer=[], difftune=IDENTICAL,
+    ),
+    "identical-tiny-fp32": dict(
+        what="identical settings, tiny model, 64 px, batch 2, fp32",
+        common=["--size", "tiny", "--resolution", "64", "--batch", "2", "--steps", "20", "120", "--repeats", "2"],
+        peer=[], difftune=IDENTICAL,
+    ),
+    "recommended-sd15": dict(
+        what="each trainer's recommended LoRA job (random flips), SD1.5-shaped, 256 px, batch 1",
+        common=["--size", "sd15", "--resolution", "256", "--batch", "1", "--steps", "3", "12"],
+        peer=["--peer-arg=--random_flip"], difftune=["data.random_flip=true"],
+    ),
+}
+
+
+def run_pair(name: str, peer_script: str) -> list[dict]:
+    scenario = SCENARIOS[name]
+    sides = {  # trainer -> (harness command, its own arguments)
+        "diffusers-example": ([str(HARNESS / "run_peer.py"), "--peer-script", peer_script], scenario["peer"]),
+        "difftune": ([str(HARNESS / "run_difftune.py"), "--difftune", str(Path(sys.executable).with_name("difftune"))],
+                     scenario["difftune"]),
+    }
+    records = []
+    for trainer, (command, own) in sides.items():
+        print(f"{name}: {trainer}", file=sys.stderr, flush=True)
+        done = subprocess.run([sys.executable, *command, *scenario["common"], *own], stdout=subprocess.PIPE, text=True,
+                              check=True)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        records.append({"scenario": name, "trainer": trainer, "what": scenario["what"], "args": scenario["common"] + own,
+                        "date": time.strftime("%Y-%m-%d %H:%M"), **result})
+    return records
+
+
+def markdown_table(records: list[dict]) -> str:
+    newest = {(r["scenario"], r["trainer"]): r for r in records}
+    lines = [
+        "| scenario | peer s/step (in-run) | difftune s/step (in-run) | speed ratio | peer peak RSS MB | "
+        "difftune peak RSS MB | RSS ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, scenario in SCENARIOS.items():
+        peer, ours = newest.get((name, "diffusers-example")), newest.get((name, "difftune"))
+        if not (peer and ours):
+            continue
+        # Steps per second, difftune over peer (>1: difftune faster), from the in-run timing (the start-up
+        # noise of two whole processes is ±20% here); RSS difftune over peer (<1: difftune leaner).
+        speed = peer["sec_per_step_inrun"] / ours["sec_per_step_inrun"]
+        lines.append(
+            f"| {scenario['what']} | {peer['sec_per_step']:.2f} ({peer['sec_per_step_inrun']:.2f}) | "
+            f"{ours['sec_per_step']:.2f} ({ours['sec_per_step_inrun']:.2f}) | {speed:.2f}x | "
+            f"{peer['peak_rss_mb']:.0f} | {ours['peak_rss_mb']:.0f} | {ours['peak_rss_mb'] / peer['peak_rss_mb']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def write_table(benchmarks: Path = ROOT / "BENCHMARKS.md") -> None:
+    records = [json.loads(line) for line in RESULTS.read_text(encoding="utf-8").splitlines() if line.strip()]
+    text = benchmarks.read_text(encoding="utf-8")
+    start, end = (text.index(marker) for marker in MARKERS)
+    table = f"{MARKERS[0]}\n{markdown_table(records)}\n"
+    benchmarks.write_text(text[:start] + table + text[end:], encoding="utf-8")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peer-script", help="your copy of diffusers' train_text_to_image_lora.py")
+    parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="default: all, in order")
+    parser.add_argument("--table", action="store_true", help="only rewrite BENCHMARKS.md's table from the JSONL")
+    args = parser.parse_args()
+    if not args.table:
+        if not args.peer_script or not os.path.isfile(args.peer_script):
+            parser.error(f"--peer-script {args.peer_script!r} is not a file; {HARNESS / 'README.md'} says how to get it")
+        for name in args.scenario or SCENARIOS:
+            records = run_pair(name, os.path.abspath(args.peer_script))
+            with open(RESULTS, "a", encoding="utf-8") as out:
+                out.writelines(json.dumps(record) + "\n" for record in records)
+    write_table()
+
+
+if __name__ == "__main__":
+    main()

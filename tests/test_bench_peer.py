@@ -1,0 +1,48 @@
+"""scripts/bench_peer.py's table: computed from the JSONL, newest run per scenario and trainer, and the copy in
+BENCHMARKS.md is the one the committed JSONL gives (never typed by hand)."""
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def bench_peer():
+    spec = importlib.util.spec_from_file_location("bench_peer", REPO / "scripts" / "bench_peer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(scenario, trainer, sec, inrun, rss):
+    return {"scenario": scenario, "trainer": trainer, "sec_per_step": sec, "sec_per_step_inrun": inrun, "peak_rss_mb": rss}
+
+
+def test_the_table_takes_the_newest_runs_and_computes_the_ratios(bench_peer, tmp_path, monkeypatch):
+    results = tmp_path / "peer.jsonl"
+    records = [
+        _record("recommended-sd15", "diffusers-example", 9.0, 9.0, 9000),  # superseded by the next peer line
+        _record("recommended-sd15", "diffusers-example", 8.0, 6.0, 5000),
+        _record("recommended-sd15", "difftune", 4.0, 4.0, 4000),
+        _record("identical-tiny-fp32", "difftune", 1.0, 1.0, 100),  # no peer line: no row
+    ]
+    results.write_text("".join(json.dumps(r) + "\n" for r in records))
+    benchmarks = tmp_path / "BENCHMARKS.md"
+    benchmarks.write_text(f"before\n{bench_peer.MARKERS[0]}\nold table\n{bench_peer.MARKERS[1]}\nafter\n")
+    monkeypatch.setattr(bench_peer, "RESULTS", results)
+    bench_peer.write_table(benchmarks)
+    text = benchmarks.read_text()
+    assert text.startswith("before\n") and text.endswith(f"{bench_peer.MARKERS[1]}\nafter\n") and "old table" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| each trainer")]
+    assert rows == [f"| {bench_peer.SCENARIOS['recommended-sd15']['what']} | 8.00 (6.00) | 4.00 (4.00) | 1.50x | 5000 | 4000 | 0.80x |"]
+    assert "tiny model" not in text
+
+
+def test_benchmarks_md_holds_the_table_of_the_committed_results(bench_peer):
+    records = [json.loads(line) for line in bench_peer.RESULTS.read_text().splitlines() if line.strip()]
+    text = (REPO / "BENCHMARKS.md").read_text()
+    start, end = (text.index(marker) for marker in bench_peer.MARKERS)
+    assert text[start + len(bench_peer.MARKERS[0]):end].strip() == bench_peer.markdown_table(records)
