@@ -361,7 +361,6 @@ class CacheConfig(Section):
         "later epochs skip the file reads; 0: read from disk every time.",
     )
 
-
     _switches_from_bool = field_validator("latents", "text", mode="before")(switch_from_bool)
 
 

@@ -290,13 +290,12 @@ def _unsharded_copy(run: Run) -> tuple[Components, EMAModel | None, list[torch.n
     _shape_for_training(components, config, run.accelerator)
     named = trainable_parameters(components, config.adapter)
     ema = build_ema(list(named.values()), config.ema)
-    with torch.no_grad():
-        for name, param in named.items():
-            param.copy_(weights[name])
-        if ema:
-            for name, shadow in zip(named, ema.shadow_params):
-                shadow.copy_(shadows[name])
-            ema.optimization_step = run.ema.optimization_step
+    for name, param in named.items():
+        sharding.load_full(param, weights[name])
+    if ema:
+        for name, shadow in zip(named, ema.shadow_params):
+            sharding.load_full(shadow, shadows[name])
+        ema.optimization_step = run.ema.optimization_step
     return components, ema, list(named.values())
 
 

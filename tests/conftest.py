@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,12 @@ from difftune.config import load_config
 from difftune.tiny import build_pipeline, shape_images, write_caption_folder
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def run_in_repo(args, extra_env=None) -> subprocess.CompletedProcess:
+    """A command run from the repository root, offline (the default jobs need no network), output captured."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -17,14 +16,9 @@ from safetensors.torch import load_file
 
 from difftune.metrics import read_metrics
 
-from conftest import REPO
+from conftest import REPO, run_in_repo
 
 pytestmark = pytest.mark.slow
-
-
-def _run(args, extra_env=None):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}  # the default job needs no network
-    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
 
 
 def _check_run_files(out, max_steps, images, before=False):
@@ -41,7 +35,7 @@ def _check_run_files(out, max_steps, images, before=False):
 def test_accelerate_launch_runs_the_default_job(tmp_path):
     """`accelerate launch scripts/train.py --config configs/tiny_lora.toml`, as the README says, unchanged."""
     out = tmp_path / "tiny_lora"
-    run = _run(
+    run = run_in_repo(
         [
             shutil.which("accelerate") or "accelerate",
             "launch",
@@ -83,7 +77,7 @@ def test_accelerate_launch_runs_the_default_job(tmp_path):
 
 def test_difftune_command_with_overrides(tmp_path):
     out = tmp_path / "dora"
-    run = _run(
+    run = run_in_repo(
         [
             sys.executable,
             "-m",
@@ -115,10 +109,10 @@ def test_console_script_is_installed():
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     """DDP through accelerate (gloo on CPU): 2 x batch 4 trains exactly like 1 x batch 8."""
     common = ["--config", "configs/tiny_lora.toml", "train.max_steps=4", "sample.prompts=[]", "log.progress_bar=false"]
-    one = _run([sys.executable, "scripts/train.py", *common, f"train.output_dir={tmp_path / 'one'}", "train.batch_size=8"])
+    one = run_in_repo([sys.executable, "scripts/train.py", *common, f"train.output_dir={tmp_path / 'one'}", "train.batch_size=8"])
     assert one.returncode == 0, one.stderr[-3000:]
     torchrun = [shutil.which("torchrun") or "torchrun", "--nproc_per_node=2", "scripts/train.py"]
-    two = _run(
+    two = run_in_repo(
         [*torchrun, *common, f"train.output_dir={tmp_path / 'two'}", "train.batch_size=4"],
         extra_env={"ACCELERATE_USE_CPU": "true"},
     )
@@ -136,15 +130,15 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
 def test_two_process_run_resumes_exactly(tmp_path):
     """Killed after its step-4 checkpoint (simulated by a shorter run), a 2-process run resumes where it stopped."""
     common = ["--config", "configs/tiny_lora.toml", "sample.prompts=[]", "log.progress_bar=false", "checkpoint.every_steps=2"]
-    one = _run([sys.executable, "scripts/train.py", *common, f"train.output_dir={tmp_path / 'one'}", "train.batch_size=8",
+    one = run_in_repo([sys.executable, "scripts/train.py", *common, f"train.output_dir={tmp_path / 'one'}", "train.batch_size=8",
                 "train.max_steps=6"])
     assert one.returncode == 0, one.stderr[-3000:]
     torchrun = [shutil.which("torchrun") or "torchrun", "--nproc_per_node=2", "scripts/train.py", *common,
                 f"train.output_dir={tmp_path / 'two'}", "train.batch_size=4"]
     cpu = {"ACCELERATE_USE_CPU": "true"}
-    first = _run([*torchrun, "train.max_steps=4"], extra_env=cpu)
+    first = run_in_repo([*torchrun, "train.max_steps=4"], extra_env=cpu)
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = _run([*torchrun, "train.max_steps=6", "--resume", "auto"], extra_env=cpu)
+    resumed = run_in_repo([*torchrun, "train.max_steps=6", "--resume", "auto"], extra_env=cpu)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
     assert [row["loss"] for row in read_metrics(tmp_path / "two")] == pytest.approx(
@@ -158,7 +152,7 @@ def test_two_process_run_resumes_exactly(tmp_path):
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-sdxl"])
 def test_bench_prints_one_json_line_with_every_field(tmp_path, model):
-    run = _run([sys.executable, "scripts/bench.py", "--model", model, "--steps", "3", "--workdir", str(tmp_path)])
+    run = run_in_repo([sys.executable, "scripts/bench.py", "--model", model, "--steps", "3", "--workdir", str(tmp_path)])
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     for field in ("seconds_per_step", "samples_per_second", "peak_memory_bytes", "mfu", "device", "model", "batch"):

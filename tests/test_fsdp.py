@@ -2,9 +2,7 @@
 global batch, write gathered checkpoints and exports, and resume exactly. accelerate enables FSDP only on
 accelerator devices, so the runs go through tests/fsdp_cpu_launch.py (its docstring says what it switches)."""
 
-import os
 import shutil
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -18,15 +16,14 @@ from difftune.errors import DifftuneError
 from difftune.metrics import read_metrics
 from difftune.sharding import check_accelerator, check_config
 
-from conftest import REPO
+from conftest import run_in_repo
 
 COMMON = ["--config", "configs/tiny_lora.toml", "sample.prompts=[]", "sample.before=false", "log.progress_bar=false",
           "data.num_workers=0", "adapter.text_encoder=false"]
 
 
 def _run(args, extra_env=None):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
-    run = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    run = run_in_repo(args, extra_env)
     assert run.returncode == 0, run.stderr[-4000:]
     return run
 
