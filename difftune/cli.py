@@ -59,18 +59,45 @@ def _sample_config(args: argparse.Namespace) -> SampleConfig:
         raise DifftuneError(describe_errors("difftune sample", err, section="sample")) from None
 
 
+def _job_command(commands, name: str, summary: str) -> argparse.ArgumentParser:
+    """A command that takes a job: --config and section.key=value overrides."""
+    command = commands.add_parser(
+        name, help=summary, description=summary, epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    command.add_argument("--config", help="TOML job file; omitted: all defaults")
+    command.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides, e.g. train.max_steps=200")
+    return command
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="difftune", description="Fine-tune Stable Diffusion with LoRA, DoRA or fully.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, summary in (("train", "train a job"), ("config", "print the resolved config of a job as TOML")):
-        command = commands.add_parser(
-            name, help=summary, description=summary, epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter
-        )
-        command.add_argument("--config", help="TOML job file; omitted: all defaults")
-        command.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides, e.g. train.max_steps=200")
+        _job_command(commands, name, summary)
     commands.choices["train"].add_argument(
         "--resume", metavar="auto|PATH", help="continue from the latest complete checkpoint in train.output_dir (auto) or a given one"
     )
+    find_batch = _job_command(
+        commands, "find-batch", "find the largest batch size that fits in memory, and the accumulation for "
+        "train.global_batch_size; prints one JSON line",
+    )
+    find_batch.add_argument("--max-memory-gb", type=float, help="memory budget (default: free CUDA memory, or available "
+                            "RAM on the CPU, less --margin)")
+    find_batch.add_argument("--margin", type=float, default=0.1, help="fraction of the free memory left unused (default 0.1)")
+    find_batch.add_argument("--max-batch", type=int, default=64, help="largest batch size tried (default 64)")
+    find_batch.add_argument("--steps", type=int, default=2, help="optimizer steps per trial (default 2)")
+    find_batch.add_argument("--num-processes", type=int, default=1, help="processes the job will train on (default 1)")
+    find_batch.add_argument("--write", action="store_true", help="save the batch size (and global batch) into --config")
+    find_lr = _job_command(
+        commands, "find-lr", "learning-rate range test on a throwaway copy of the job: writes a plot and a suggested "
+        "rate; prints one JSON line",
+    )
+    find_lr.add_argument("--start-lr", type=float, default=1e-7, help="first rate of the sweep (default 1e-7)")
+    find_lr.add_argument("--end-lr", type=float, default=1.0, help="last rate of the sweep (default 1)")
+    find_lr.add_argument("--steps", type=int, default=100, help="optimizer steps of the sweep (default 100)")
+    find_lr.add_argument("--out", type=Path, help="folder for lr_range.png and lr_range.json (default: "
+                         "<train.output_dir>/find-lr)")
+    find_lr.add_argument("--write", action="store_true", help="save the suggested optim.learning_rate into --config")
 
     adapter_help = "an adapter file (diffusers or kohya layout), optionally with a scale: FILE[:SCALE]; repeatable"
     merge = commands.add_parser("merge", help="merge adapters into the base model and save it")
@@ -147,6 +174,10 @@ def _run(args: argparse.Namespace) -> None:
             print(f"difftune: wrote {result.trained_path}")
         return
 
+    if args.command in ("find-batch", "find-lr"):
+        _find(args)
+        return
+
     if args.command == "ui":
         from difftune import webui
 
@@ -190,6 +221,45 @@ def _run(args: argparse.Namespace) -> None:
         components = export.load_with_adapters(args.base, args.adapter)
         paths = save_images(generate_images(components, config, components.denoiser.device), config, args.out)
         print(f"difftune: wrote {len(paths)} images and grid.png to {args.out}")
+
+
+def _find(args: argparse.Namespace) -> None:
+    """find-batch / find-lr: the result as one JSON line on stdout (progress goes to stderr), optionally saved."""
+    import contextlib
+    import json
+
+    from difftune.config import write_settings
+
+    if args.write and not args.config:
+        raise DifftuneError(f"difftune {args.command} --write needs --config (the file to write into)")
+    config = load_config(args.config, args.overrides)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON result alone
+        result, settings = _found(args, config)
+    if args.write:
+        write_settings(args.config, settings)
+        print(f"difftune {args.command}: wrote {', '.join(f'{k} = {v:g}' for k, v in settings.items())} into {args.config}",
+              file=sys.stderr)
+    print(json.dumps(result))
+
+
+def _found(args: argparse.Namespace, config: Config) -> tuple[dict, dict]:
+    from difftune import finders
+
+    if args.command == "find-batch":
+        result = finders.find_batch(
+            config, args.max_memory_gb, args.max_batch, args.steps, args.margin, args.num_processes,
+            report=lambda line: print(line, file=sys.stderr),
+        )
+        settings = {"train.batch_size": result["batch_size"]}
+        if config.train.global_batch_size:
+            settings["train.global_batch_size"] = result["global_batch_size"]
+    else:
+        out = args.out or Path(config.train.output_dir) / "find-lr"
+        result = finders.find_lr(config, out, args.start_lr, args.end_lr, args.steps)
+        print(f"difftune find-lr: wrote {out / finders.LR_PLOT_FILE}", file=sys.stderr)
+        settings = {"optim.learning_rate": result["learning_rate"]}
+        result = {key: value for key, value in result.items() if key not in ("lrs", "losses", "smoothed_losses")}
+    return result, settings
 
 
 def _note_comfyui_dora(written: Path, layout: str) -> None:

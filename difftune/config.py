@@ -209,6 +209,12 @@ class OptimConfig(Section):
     )
     lr_cycles: int = Field(1, ge=1, description="Number of cosine cycles for `cosine_with_restarts`.")
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0.")
+    scale_lr: Literal["none", "linear", "sqrt"] = Field(
+        "none",
+        description="Scale the learning rates by the global batch (batch_size x processes x accumulation steps): "
+        "`linear` multiplies them by it, `sqrt` by its square root, so `learning_rate` is the rate for one image per "
+        "step; `none` uses them as given. The scaled rates are printed and logged as `lr`.",
+    )
 
     @model_validator(mode="after")
     def _text_encoder_lr_defaults(self) -> OptimConfig:
@@ -234,6 +240,13 @@ class TrainConfig(Section):
     max_steps: int = Field(1000, ge=1, description="Optimizer steps to train.")
     batch_size: int = Field(1, ge=1, description="Images per process per micro-step.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
+    global_batch_size: int = Field(
+        0,
+        ge=0,
+        description="Images per optimizer step over all processes; when set, the accumulation steps are derived as "
+        "global_batch_size / (batch_size x processes), which must be a whole number. 0: use "
+        "gradient_accumulation_steps.",
+    )
     mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="Autocast precision (fp16 needs CUDA).")
     seed: int = Field(0, ge=0, description="Seed for the data order, augmentations, timesteps and noise.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory, slower.")
@@ -291,6 +304,12 @@ class GuardConfig(Section):
         "instead of stopping (needs checkpoint.every_steps).",
     )
     max_rollbacks: int = Field(3, ge=1, description="Stop after this many rollbacks.")
+    activation_spike_factor: float = Field(
+        10.0,
+        ge=0,
+        description="With `log.activations_every_steps`: warn when a block's largest output exceeds this times its "
+        "running mean, often the first sign of a coming divergence; 0 is off.",
+    )
 
 
 class ValidationConfig(Section):
@@ -389,6 +408,13 @@ class ExportConfig(Section):
 class LogConfig(Section):
     tensorboard: bool = Field(True, description="Also log to TensorBoard (under output_dir/logs) when it is installed.")
     progress_bar: bool = Field(True, description="Show a progress bar with loss, learning rate and speed.")
+    activations_every_steps: int = Field(
+        0,
+        ge=0,
+        description="Every N optimizer steps, record the RMS and largest absolute value of each denoiser block's "
+        "outputs (attention and resnet blocks too) as `act_rms/<block>` and `act_max/<block>`; 0 is off. Hooks are "
+        "attached on those steps only, so other steps run at full speed.",
+    )
 
 
 class Config(Section):
@@ -425,6 +451,17 @@ class Config(Section):
             raise ValueError("cache.latents needs data.crop = \"center\" (a cached image has one crop)")
         if self.cache.text == "on" and self.adapter.text_encoder:
             raise ValueError("cache.text needs adapter.text_encoder = false (a trained encoder's outputs change)")
+        if self.train.global_batch_size:
+            if self.train.gradient_accumulation_steps != 1:
+                raise ValueError(
+                    "train.global_batch_size derives the accumulation steps: leave train.gradient_accumulation_steps "
+                    "at 1, or set global_batch_size = 0"
+                )
+            if self.train.global_batch_size % self.train.batch_size:
+                raise ValueError(
+                    f"train.global_batch_size {self.train.global_batch_size} is not a multiple of train.batch_size "
+                    f"{self.train.batch_size}"
+                )
         if self.guard.rollback and not self.checkpoint.every_steps:
             raise ValueError("guard.rollback needs checkpoint.every_steps > 0 (checkpoints to roll back to)")
         if self.export.average_last == 1:
@@ -464,6 +501,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     except ValidationError as err:
         raise DifftuneError(describe_errors(source, err)) from None
     return absolute_paths(config, Path.cwd())
+
+
+def write_settings(path: str | Path, values: dict[str, Any]) -> Config:
+    """Set `section.key` values in a TOML job file, keeping its comments and layout (tomlkit), then check that it
+    still loads; the file is left as it was if it would not."""
+    import tomlkit
+
+    path = Path(path)
+    original = path.read_text(encoding="utf-8")
+    document = tomlkit.parse(original)
+    for key, value in values.items():
+        section, name = key.split(".")
+        _field(section, name, where=f"write_settings({path})")
+        document.setdefault(section, tomlkit.table())[name] = value
+    path.write_text(tomlkit.dumps(document), encoding="utf-8")
+    try:
+        return load_config(path)
+    except DifftuneError:
+        path.write_text(original, encoding="utf-8")
+        raise
 
 
 def absolute_paths(config: Config, base_dir: Path) -> Config:

@@ -18,6 +18,9 @@ from difftune.errors import DifftuneError
 from difftune.metrics import keep_lines_up_to_step
 
 SKIPPED_FILE = "skipped_steps.jsonl"
+# Activation records are sparse (every `log.activations_every_steps`): a short window of them, judged once a few exist.
+ACTIVATION_WINDOW = 8
+ACTIVATION_WARMUP = 3
 
 
 class Guard:
@@ -30,6 +33,7 @@ class Guard:
         self.consecutive = 0
         self.skipped = 0
         self.rollbacks = 0
+        self.activation_maxima: dict[str, deque[float]] = {}  # block -> its last recorded largest outputs
 
     def start_at(self, step: int) -> None:
         """A fresh run (step 0) starts a fresh list of skips; a resumed one keeps what happened up to its checkpoint."""
@@ -64,6 +68,24 @@ class Guard:
             self.skipped += 1
         return reason
 
+    def watch_activations(self, maxima: dict[str, float]) -> list[str]:
+        """Warnings for blocks whose largest output is non-finite or over `activation_spike_factor` times its
+        running mean. A warning, not a skip: growing activations precede a divergence by many steps, and the
+        step itself may still be sound."""
+        factor, warnings = self.config.activation_spike_factor, []
+        for name, value in maxima.items():
+            history = self.activation_maxima.setdefault(name, deque(maxlen=ACTIVATION_WINDOW))
+            if not math.isfinite(value):
+                warnings.append(f"block {name} output a non-finite value")
+                continue
+            if factor and len(history) >= ACTIVATION_WARMUP and value > factor * _mean(history):
+                warnings.append(
+                    f"block {name}'s largest output {value:.4g} is over {factor:g} x its running mean {_mean(history):.4g} "
+                    "(activations growing: lower optim.learning_rate or watch for a divergence)"
+                )
+            history.append(value)
+        return warnings
+
     def state_dict(self) -> dict:
         return {
             "losses": list(self.losses),
@@ -71,6 +93,7 @@ class Guard:
             "consecutive": self.consecutive,
             "skipped": self.skipped,
             "rollbacks": self.rollbacks,
+            "activation_maxima": {name: list(values) for name, values in self.activation_maxima.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -79,6 +102,10 @@ class Guard:
         self.grad_norms.clear()
         self.grad_norms.extend(state["grad_norms"])
         self.consecutive, self.skipped, self.rollbacks = state["consecutive"], state["skipped"], state["rollbacks"]
+        # Checkpoints written before activation monitoring hold no maxima.
+        self.activation_maxima = {
+            name: deque(values, maxlen=ACTIVATION_WINDOW) for name, values in state.get("activation_maxima", {}).items()
+        }
 
     def record(self, step: int, reason: str, loss: float, grad_norm: float, paths: list[str]) -> None:
         """Append the skip to skipped_steps.jsonl."""

@@ -29,6 +29,7 @@ from difftune.metrics import METRICS_FILE
 JOB_CONFIG = "job.toml"
 JOB_STATE = "job.json"
 JOB_LOG = "train.log"
+FINDERS_DIR = "finders"  # under the jobs folder: the finders' configs, logs and plots
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 # Children started by this process, so their exit is collected (no zombies) and their exit code known.
@@ -75,16 +76,41 @@ class Job:
 
 def launch_job(config: Config, jobs_dir: Path, name: str) -> Job:
     """A new folder `<jobs_dir>/<time>-<name>` and a `difftune train` process writing into it."""
-    if not _NAME.fullmatch(name):
-        raise DifftuneError(f"job name {name!r}: use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit")
-    job_dir = Path(jobs_dir).resolve() / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
-    if job_dir.exists():
-        raise DifftuneError(f"job folder {job_dir} already exists; wait a second or choose another name")
-    job_dir.mkdir(parents=True)
+    job_dir = _new_folder(jobs_dir, name)
     config = absolute_paths(config, Path.cwd())  # job.toml lives in the job folder: its paths must not move with it
     config.train.output_dir = str(job_dir)
     (job_dir / JOB_CONFIG).write_text(config.to_toml(), encoding="utf-8")
     return _start(Job(job_dir), resume=False, cwd=Path.cwd())
+
+
+def run_finder(config: Config, jobs_dir: Path, name: str, finder: str, options: list[str]) -> tuple[dict, Path]:
+    """`difftune find-batch` or `find-lr` (`finder`) on a config, as the CLI runs it, in a child process that
+    works in `<jobs_dir>/finders/<time>-<name>/` (the range test's plot is written there). Waits for it; returns
+    its JSON result and that folder."""
+    if finder not in ("find-batch", "find-lr"):
+        raise DifftuneError(f"unknown finder {finder!r}")
+    folder = _new_folder(Path(jobs_dir) / FINDERS_DIR, f"{name}-{finder}")
+    (folder / JOB_CONFIG).write_text(absolute_paths(config, Path.cwd()).to_toml(), encoding="utf-8")
+    command = [sys.executable, "-m", "difftune.cli", finder, "--config", str(folder / JOB_CONFIG), *options]
+    if finder == "find-lr":
+        command += ["--out", str(folder)]
+    done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    (folder / JOB_LOG).write_text(done.stderr, encoding="utf-8")
+    if done.returncode:
+        said = [line for line in done.stderr.splitlines() if line.startswith(ERROR_PREFIX)]
+        raise DifftuneError(said[-1][len(ERROR_PREFIX):] if said else f"{finder} failed: see {folder / JOB_LOG}")
+    return json.loads(done.stdout.strip().splitlines()[-1]), folder
+
+
+def _new_folder(parent: Path, name: str) -> Path:
+    """`<parent>/<time>-<name>`, created; the name checked first, since it becomes part of a path."""
+    if not _NAME.fullmatch(name):
+        raise DifftuneError(f"job name {name!r}: use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit")
+    folder = Path(parent).resolve() / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+    if folder.exists():
+        raise DifftuneError(f"job folder {folder} already exists; wait a second or choose another name")
+    folder.mkdir(parents=True)
+    return folder
 
 
 def resume_job(job: Job) -> Job:

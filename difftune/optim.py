@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import torch
 from diffusers.optimization import get_scheduler
@@ -47,13 +48,21 @@ OPTIMIZERS = {"adamw": _adamw, "adamw_8bit": _adamw_8bit, "lion": _lion, "adafac
 
 
 def build_optimizer(
-    denoiser_params: list[torch.nn.Parameter], text_encoder_params: list[torch.nn.Parameter], config: OptimConfig, device
+    denoiser_params: list[torch.nn.Parameter], text_encoder_params: list[torch.nn.Parameter], config: OptimConfig, device,
+    lr_scale: float = 1.0,
 ) -> torch.optim.Optimizer:
-    """One parameter group for the denoiser and one for the text encoders, each at its own peak learning rate."""
-    groups = [{"params": denoiser_params, "lr": config.learning_rate}]
+    """One parameter group for the denoiser and one for the text encoders, each at its own peak learning rate
+    times `lr_scale` (`learning_rate_scale`)."""
+    groups = [{"params": denoiser_params, "lr": config.learning_rate * lr_scale}]
     if text_encoder_params:
-        groups.append({"params": text_encoder_params, "lr": config.text_encoder_learning_rate})
+        groups.append({"params": text_encoder_params, "lr": config.text_encoder_learning_rate * lr_scale})
     return OPTIMIZERS[config.optimizer](groups, config, device)
+
+
+def learning_rate_scale(rule: str, global_batch: int) -> float:
+    """`optim.scale_lr`: the factor on the configured rates for this many images per optimizer step (linear: Goyal
+    et al. 2017, as diffusers' and kohya's --scale_lr; sqrt: Krizhevsky 2014, the usual rule for Adam)."""
+    return {"none": 1.0, "linear": float(global_batch), "sqrt": math.sqrt(global_batch)}[rule]
 
 
 def build_lr_scheduler(optimizer, config: OptimConfig, max_steps: int, num_processes: int):

@@ -16,17 +16,19 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import gather_object, is_tensorboard_available, set_seed
 from diffusers.training_utils import EMAModel, cast_training_params
 from tqdm.auto import tqdm
 
 from difftune import export, sharding
+from difftune.activations import BlockActivations
 from difftune.adapters import add_adapters, trainable_parameters, trained_parts
 from difftune.cache import fill_latents, fill_text, latent_entries, model_identity, text_entries, text_identity
 from difftune.checkpoint import Checkpointer, Progress, StopRequest, find_checkpoint, keep_models_out_of_accelerate_state
@@ -47,7 +49,7 @@ from difftune.guard import Guard
 from difftune.loss import training_noise_scheduler
 from difftune.metrics import METRICS_FILE, MetricsLog
 from difftune.models import Components, encode_posterior, place_frozen, sample_latents, set_attention, weight_dtype
-from difftune.optim import build_lr_scheduler, build_optimizer
+from difftune.optim import build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.parity import check_parity, write_report
 from difftune.sample import generate_images, save_images
 from difftune.validation import Validator
@@ -114,6 +116,7 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
 def setup(config: Config, resume: str | None = None) -> Run:
     """Models, data, caches, adapters, optimizer and the place to start from (a checkpoint when resuming)."""
     output_dir = _check_output_dir(config, resume)
+    config = with_accumulation(config, PartialState().num_processes)
     accelerator = _accelerator(config, output_dir)
     components = load_components(config.model)
     # The resolved config names the family: a file written now says what it was trained on.
@@ -143,7 +146,9 @@ def setup(config: Config, resume: str | None = None) -> Run:
     denoiser_part = components.family.denoiser_name
     denoiser_params = [p for name, p in named.items() if name.startswith(f"{denoiser_part}.")]
     text_params = [p for name, p in named.items() if not name.startswith(f"{denoiser_part}.")]
-    optimizer = build_optimizer(denoiser_params, text_params, config.optim, accelerator.device)
+    global_batch = config.train.batch_size * accelerator.num_processes * config.train.gradient_accumulation_steps
+    lr_scale = learning_rate_scale(config.optim.scale_lr, global_batch)
+    optimizer = build_optimizer(denoiser_params, text_params, config.optim, accelerator.device, lr_scale)
     lr_scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps, accelerator.num_processes)
     # Only trained modules are prepared: DDP refuses a module with nothing to train.
     trained = trained_parts(components, config.adapter)
@@ -175,7 +180,8 @@ def setup(config: Config, resume: str | None = None) -> Run:
     accelerator.print(
         f"difftune: {components.family.description}, {len(examples)} images, "
         f"{sum(p.numel() for p in named.values()):,} trained parameters ({config.adapter.kind}), "
-        f"{accelerator.num_processes} process(es) on {accelerator.device}"
+        f"{accelerator.num_processes} process(es) on {accelerator.device}, global batch {global_batch}"
+        + (f", learning rates x {lr_scale:.4g} (optim.scale_lr = {config.optim.scale_lr})" if lr_scale != 1 else "")
     )
     metrics = MetricsLog(output_dir, accelerator, resumed_at_step=progress.global_step)
     return Run(
@@ -199,17 +205,12 @@ def loop(run: Run) -> None:
         while run.progress.global_step < config.train.max_steps and not stop.agreed(accelerator):
             global_step = run.progress.global_step + 1
             started = time.perf_counter()
-            step_loss, paths = torch.zeros((), device=accelerator.device), []
-            for _ in range(accumulation):
-                batch = next(run.batches)
-                with accelerator.accumulate(*run.trained_modules):
-                    loss = _training_loss(run.components, batch, config, accelerator.device).mean()
-                    accelerator.backward(loss)
-                step_loss += loss.detach() / accumulation
-                paths += batch["path"]
+            watch = config.log.activations_every_steps and global_step % config.log.activations_every_steps == 0
+            activations = BlockActivations(run.components.family, run.unwrapped().denoiser) if watch else nullcontext()
+            with activations:
+                step_loss, paths, batch = accumulate_gradients(run)
             # The last micro-step synced the gradients: clip, judge, then step (or skip) on every process alike.
             grad_norm = float(accelerator.clip_grad_norm_(run.parameters, max_norm))
-            step_loss = accelerator.reduce(step_loss, reduction="mean").item()
             skip = run.guard.judge(global_step, step_loss, grad_norm, grad_overflow_is_expected=accelerator.scaler is not None)
             if skip:
                 run.guard.record(global_step, skip, step_loss, grad_norm, gather_object(paths))
@@ -233,6 +234,8 @@ def loop(run: Run) -> None:
                 "seconds": seconds,
                 "samples_per_second": global_batch / seconds,
             }
+            if watch:
+                values |= _activation_values(run, global_step, activations)
             diverged = run.guard.divergence(step_loss)
             if diverged:  # before any snapshot, validation or checkpoint of this step
                 run.metrics.write(global_step, values)
@@ -248,6 +251,49 @@ def loop(run: Run) -> None:
                 run.checkpointer.save(run.progress, run.named, run.ema, run.guard)
         bar.close()
         run.metrics.close()
+
+
+def accumulate_gradients(run: Run) -> tuple[float, list[str], dict]:
+    """One optimizer step's micro-batches through forward and backward: the process-averaged loss, the images'
+    paths on this process and the last batch. Gradients are synced after the last micro-step."""
+    config, accelerator = run.config, run.accelerator
+    accumulation = config.train.gradient_accumulation_steps
+    step_loss, paths = torch.zeros((), device=accelerator.device), []
+    for _ in range(accumulation):
+        batch = next(run.batches)
+        with accelerator.accumulate(*run.trained_modules):
+            loss = _training_loss(run.components, batch, config, accelerator.device).mean()
+            accelerator.backward(loss)
+        step_loss += loss.detach() / accumulation
+        paths += batch["path"]
+    return accelerator.reduce(step_loss, reduction="mean").item(), paths, batch
+
+
+def with_accumulation(config: Config, num_processes: int) -> Config:
+    """`train.global_batch_size`, when set, turns into the accumulation steps that reach it with this many
+    processes; the result says what runs (its global_batch_size is 0 again, so the saved config re-runs)."""
+    train_config, target = config.train, config.train.global_batch_size
+    if not target:
+        return config
+    per_step = train_config.batch_size * num_processes
+    if target % per_step:
+        raise DifftuneError(
+            f"train.global_batch_size {target} is not a multiple of train.batch_size {train_config.batch_size} x "
+            f"{num_processes} process(es) = {per_step}; change either, or set gradient_accumulation_steps instead"
+        )
+    train_config = train_config.model_copy(update={"gradient_accumulation_steps": target // per_step, "global_batch_size": 0})
+    return config.model_copy(update={"train": train_config})
+
+
+def _activation_values(run: Run, step: int, activations: BlockActivations) -> dict:
+    """The recorded statistics as metrics, and the guard's warnings about blocks whose outputs are growing."""
+    values = activations.values()
+    warnings = run.guard.watch_activations(activations.maxima())
+    for warning in warnings:
+        run.accelerator.print(f"difftune: warning: step {step}: {warning}")
+    if warnings:
+        values["activation_warnings"] = warnings
+    return values
 
 
 def finish(run: Run) -> TrainResult:

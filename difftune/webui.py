@@ -146,11 +146,68 @@ def _configure_tab(fields: list[FormField], presets: dict[str, Path], jobs_dir: 
         path.write_text(config.to_toml(), encoding="utf-8")
         return gr.update(value=str(path), visible=True), f"Saved `{path}`"
 
+    _finders(fields, widgets, job_name, jobs_dir)
     preset.change(lambda name: load_file(presets.get(name)), preset, [*widgets, message])
     upload.upload(load_file, upload, [*widgets, message])
     validate.click(check, widgets, message)
     save.click(save_toml, [job_name, *widgets], [saved, message])
     return widgets, job_name, launch
+
+
+def _finders(fields: list[FormField], widgets: list, job_name: gr.Textbox, jobs_dir: Path) -> None:
+    """`difftune find-batch` and `find-lr` on the form's config; their answer can be applied to the form."""
+    with gr.Accordion("Finders: the batch size that fits, a learning rate", open=False, elem_id="finders"):
+        with gr.Row():
+            max_memory = gr.Number(0, label="Memory budget, GB", info="0: free memory less 10%", elem_id="find-memory")
+            max_batch = gr.Number(64, precision=0, label="Largest batch size tried", elem_id="find-max-batch")
+            find_batch = gr.Button("Find batch size", elem_id="find-batch")
+        with gr.Row():
+            lr_steps = gr.Number(100, precision=0, label="Range-test steps", elem_id="find-lr-steps")
+            start_lr = gr.Number(1e-7, label="Start learning rate", elem_id="find-start-lr")
+            end_lr = gr.Number(1.0, label="End learning rate", elem_id="find-end-lr")
+            find_lr = gr.Button("Find learning rate", elem_id="find-lr")
+        found = gr.Markdown(elem_id="finder-message")
+        plot = gr.Image(label="Learning-rate range test", visible=False, elem_id="lr-plot")
+        apply = gr.Button("Apply to the form", visible=False, elem_id="apply-found")
+        settings = gr.State({})
+
+    def run(finder, name, options, values):
+        try:
+            config = config_from_widgets(fields, list(values))
+            result, folder = jobs.run_finder(config, jobs_dir, name, finder, [str(option) for option in options])
+        except DifftuneError as err:
+            return _error(err), gr.update(visible=False), gr.update(visible=False), {}
+        if finder == "find-batch":
+            chosen = {"train.batch_size": result["batch_size"]}
+            if config.train.global_batch_size:
+                chosen["train.global_batch_size"] = result["global_batch_size"]
+            text = (f"Largest batch size that fits: **{result['largest_batch_size']}** "
+                    f"(peak {result['trials'][-1].get('peak_bytes', 0) / 2**30:.2f} GiB in the last trial); train with "
+                    f"batch size {result['batch_size']} x {result['gradient_accumulation_steps']} accumulation steps.")
+            return text, gr.update(visible=False), gr.update(visible=True), chosen
+        text = f"Suggested learning rate: **{result['suggested_lr']:.3g}** (a tenth of the rate at the lowest smoothed loss)."
+        if result["note"]:
+            text += f" Note: {result['note']}."
+        image = gr.update(value=str(folder / "lr_range.png"), visible=True)
+        return text, image, gr.update(visible=True), {"optim.learning_rate": result["learning_rate"]}
+
+    outputs = [found, plot, apply, settings]
+    find_batch.click(
+        lambda name, memory, largest, *values: run(
+            "find-batch", name, (["--max-memory-gb", memory] if memory else []) + ["--max-batch", int(largest)], values
+        ),
+        [job_name, max_memory, max_batch, *widgets], outputs,
+    )
+    find_lr.click(
+        lambda name, steps, start, end, *values: run(
+            "find-lr", name, ["--steps", int(steps), "--start-lr", start, "--end-lr", end], values
+        ),
+        [job_name, lr_steps, start_lr, end_lr, *widgets], outputs,
+    )
+    apply.click(
+        lambda chosen: [gr.update(value=chosen[field.key]) if field.key in chosen else gr.update() for field in fields],
+        settings, widgets,
+    )
 
 
 def _widget(field: FormField, default, id_prefix: str = "field"):

@@ -12,11 +12,12 @@ from safetensors.torch import load_file
 from difftune import export, train as train_module
 from difftune.adapters import adapter_state_dict, trainable_parameters
 from difftune.cli import main
-from difftune.config import EmaConfig, LossConfig, OptimConfig, load_config
+from difftune.activations import BlockActivations
+from difftune.config import EmaConfig, GuardConfig, LossConfig, ModelConfig, OptimConfig, load_config
 from difftune.data import scan_examples, training_sizes
 from difftune.ema import build_ema, ema_weights, update_ema
 from difftune.errors import DifftuneError
-from difftune.guard import SKIPPED_FILE
+from difftune.guard import SKIPPED_FILE, Guard
 from difftune.loss import draw_timesteps_and_noise, training_noise_scheduler
 from difftune.metrics import read_metrics
 from difftune.families import load_components
@@ -315,3 +316,56 @@ def test_validation_scores_each_bucket_at_its_own_size(make_config, tmp_path):
 def test_average_of_one_adapter_is_refused():
     with pytest.raises(DifftuneError, match=r"export.average_last = 1 averages one adapter with itself"):
         load_config(None, ["export.average_last=1", "export.every_steps=10"])
+
+
+class _OneBlockFamily:
+    def monitored_blocks(self, model):
+        return {"first": model[0]}
+
+
+def test_block_activations_record_the_first_forward_of_each_block():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    inputs = torch.randn(5, 4)
+    with BlockActivations(_OneBlockFamily(), model) as activations:
+        output = model[0](inputs)
+        model(inputs * 100)  # a recomputation (checkpointing) or a later micro-step: not recorded
+    values = activations.values()
+    assert values["act_rms/first"] == pytest.approx(output.square().mean().sqrt().item(), rel=1e-6)
+    assert values["act_max/first"] == pytest.approx(output.abs().max().item(), rel=1e-6)
+    assert not model[0]._forward_hooks  # removed on exit
+
+
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+def test_unet_blocks_are_monitored(tiny_base, tiny_sdxl_base, family):
+    components = load_components(ModelConfig(base=str(tiny_base if family == "sd" else tiny_sdxl_base)))
+    blocks = components.family.monitored_blocks(components.denoiser)
+    assert {"down_blocks.0", "mid_block", "mid_block.attentions.0", "up_blocks.0.resnets.0"} <= set(blocks)
+    assert blocks["mid_block"] is components.denoiser.mid_block
+
+
+def test_the_guard_warns_when_a_block_grows():
+    guard = Guard(GuardConfig(activation_spike_factor=10), None)
+    for value in (1.0, 1.2, 0.8):
+        assert guard.watch_activations({"mid_block": value, "up_blocks.0": 2.0}) == []
+    warnings = guard.watch_activations({"mid_block": 11.0, "up_blocks.0": 2.0})
+    assert len(warnings) == 1 and "mid_block" in warnings[0] and "10 x" in warnings[0]
+    assert "non-finite" in guard.watch_activations({"up_blocks.0": float("inf")})[0]
+    restored = Guard(GuardConfig(), None)
+    restored.load_state_dict(json.loads(json.dumps(guard.state_dict())))  # checkpoints keep the history as JSON
+    assert list(restored.activation_maxima["mid_block"]) == [1.0, 1.2, 0.8, 11.0]
+
+
+def test_activation_statistics_are_logged_on_their_steps_only(make_config, tmp_path):
+    # A factor under 1 makes every record after the warmup a warning: the wiring, not the threshold, is tested.
+    config = make_config(
+        train__max_steps=5, log__activations_every_steps=1, guard__activation_spike_factor=0.5,
+        train__gradient_checkpointing=True,
+    )
+    result = train(config)
+    metrics = read_metrics(tmp_path / "run")
+    assert all("act_rms/mid_block" in line and line["act_max/down_blocks.0"] > 0 for line in metrics)
+    assert [bool(line.get("activation_warnings")) for line in metrics] == [False, False, False, True, True]
+    assert not any(module._forward_hooks for module in result.components.denoiser.modules())
+    quiet = make_config(train__max_steps=3, log__activations_every_steps=2, train__output_dir=str(tmp_path / "every-2"))
+    train(quiet)
+    assert ["act_rms/mid_block" in line for line in read_metrics(tmp_path / "every-2")] == [False, True, False]

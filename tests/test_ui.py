@@ -8,6 +8,7 @@ folder, or to $DIFFTUNE_SCREENSHOTS (docs/ keeps them).
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import shutil
 import socket
@@ -122,6 +123,24 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         expect(page.locator("#config-message")).to_contain_text("Loaded tiny_lora.toml")
         data_path = page.locator("#field-data-path textarea, #field-data-path input").first
         expect(data_path).to_have_value(str(REPO / "examples" / "purple"))  # the preset's path, from its own folder
+
+        # The finders run on the form's config; their answers go into the form.
+        page.get_by_text("Finders: the batch size that fits, a learning rate").click()
+        page.locator("#find-lr-steps input").fill("20")
+        page.locator("#find-end-lr input").fill("100")
+        page.locator("#find-lr").click()
+        expect(page.locator("#finder-message")).to_contain_text("Suggested learning rate", timeout=120_000)
+        expect(page.locator("#lr-plot img")).to_be_visible()
+        found_lr = json.loads(next((jobs / "finders").glob("*-job-find-lr/lr_range.json")).read_text())["learning_rate"]
+        page.locator("#apply-found").click()
+        page.get_by_text("[optim]", exact=True).click()  # a closed section: its fields render on opening
+        expect(page.locator("#field-optim-learning_rate input")).not_to_have_value("0.001", timeout=10_000)  # the preset's
+        page.locator("#find-max-batch input").fill("2")
+        page.locator("#find-batch").click()
+        expect(page.locator("#finder-message")).to_contain_text("Largest batch size that fits: 2", timeout=120_000)
+        page.screenshot(path=str(shots / "ui_finders.png"), full_page=True)
+        page.locator("#apply-found").click()
+        expect(page.locator("#field-train-batch_size input")).to_have_value("2", timeout=10_000)
         max_steps = page.locator("#field-train-max_steps input")
         max_steps.fill("0")
         max_steps.press("Tab")
@@ -148,6 +167,11 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         expect(page.locator("#config-message")).to_contain_text("Saved")
         saved = load_config(jobs / "configs" / "browser.toml")
         assert (saved.train.max_steps, saved.sample.every_steps, saved.ema.enabled) == (40, 20, True)
+        assert (saved.train.batch_size, saved.optim.learning_rate) == (2, pytest.approx(found_lr))
+        # A 20-step sweep's suggestion is a test of the wiring, not a rate to train the 40 steps below with.
+        learning_rate = page.locator("#field-optim-learning_rate input")
+        learning_rate.fill("0.001")
+        learning_rate.press("Tab")
         page.screenshot(path=str(shots / "ui_configure.png"))
         page.locator("#launch").click()
 

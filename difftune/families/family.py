@@ -9,6 +9,7 @@ what SD-like families share; a family module overrides the rest.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -19,6 +20,9 @@ from difftune.errors import DifftuneError
 from difftune.loss import diffusion_loss, draw_timesteps_and_noise
 from difftune.models import SINGLE_FILE_SUFFIXES, Components, tokenize
 
+# A UNet block's name, wherever the UNet sits (peft and compile may wrap it): `down_blocks.1`, `mid_block`,
+# `up_blocks.0.attentions.2`, `down_blocks.0.resnets.1`...
+UNET_BLOCK = re.compile(r"(?:^|\.)((?:down_blocks\.\d+|up_blocks\.\d+|mid_block)(?:\.(?:attentions|resnets)\.\d+)?)$")
 FP32 = {"dtype": torch.float32}  # not the saved dtype: placement casts later, on purpose
 
 
@@ -100,6 +104,16 @@ class Family:
         """The denoiser's prediction for noisy latents (B, C, h, w). `geometry` (B, 6) holds each sample's
         (original height, width, crop top, left, target height, width) in pixels (`data.image_geometry`)."""
         raise NotImplementedError
+
+    def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """The blocks whose outputs `log.activations_every_steps` records, by their name in the denoiser: a UNet's
+        down, mid and up blocks and the attention and resnet blocks inside them."""
+        blocks = {}
+        for name, module in denoiser.named_modules():
+            match = UNET_BLOCK.search(name)
+            if match:
+                blocks[match.group(1)] = module
+        return blocks
 
     # The training objective: DDPM's noise process with epsilon / v targets (loss.py) for the UNet families; a
     # flow-matching family draws its own times and noise and computes its own loss here.
