@@ -213,7 +213,7 @@ def find_lr(
             best = min(best, value)
         run.metrics.close()
         run.accelerator.end_training()
-    result = suggest_learning_rate(rates, smoothed, diverge_factor)
+    result = suggest_learning_rate(rates, smoothed, diverged=len(rates) < steps)
     global_batch = run.config.train.batch_size * run.accelerator.num_processes * run.config.train.gradient_accumulation_steps
     # The sweep set the rates themselves; optim.learning_rate is that rate before optim.scale_lr scales it.
     result["learning_rate"] = result["suggested_lr"] / learning_rate_scale(config.optim.scale_lr, global_batch)
@@ -225,23 +225,17 @@ def find_lr(
     return result
 
 
-def suggest_learning_rate(rates: list[float], smoothed: list[float], diverge_factor: float) -> dict:
-    """A tenth of the rate at the smoothed minimum; also the steepest descent before it, for reference."""
+def suggest_learning_rate(rates: list[float], smoothed: list[float], diverged: bool) -> dict:
+    """A tenth of the rate at the smoothed minimum. `diverged`: whether the sweep stopped on divergence."""
     finite = [i for i, value in enumerate(smoothed) if math.isfinite(value)]
     if len(finite) < 3:
         raise DifftuneError("find-lr: the loss was not finite from the first steps: lower --start-lr")
     # The first tenth is left out of the search: a running mean of a handful of diffusion losses (each at a random
     # timestep) is mostly noise, and a lucky early value would pin the suggestion to the sweep's start.
     lowest = min(finite[len(rates) // 10 :] or finite, key=lambda i: smoothed[i])
-    slopes = [
-        (smoothed[i + 1] - smoothed[i - 1]) / (math.log(rates[i + 1]) - math.log(rates[i - 1])) for i in range(1, max(lowest, 2))
-    ]
-    steepest = 1 + min(range(len(slopes)), key=lambda i: slopes[i])
-    diverged = finite[-1] != len(smoothed) - 1 or smoothed[-1] > diverge_factor * smoothed[lowest]
     return {
         "suggested_lr": rates[lowest] / 10,
         "min_loss_lr": rates[lowest],
-        "steepest_lr": rates[steepest],
         "diverged": diverged,
         # No divergence: the minimum may lie past the sweep, and the suggestion is a lower bound.
         "note": "" if diverged else "the loss did not diverge within the sweep: raise --end-lr for a sharper suggestion",

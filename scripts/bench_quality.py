@@ -42,6 +42,8 @@ VARIANTS = {"tiny_lora": {
     "text_encoder_lr_3e-3": ["optim.text_encoder_learning_rate=3e-3"],
     "no_caption_dropout": ["data.caption_dropout=0.0"],
     "32_renders": ["data.path={renders_32}"],
+    "lr_from_find_lr": ["optim.learning_rate=1.79e-3"],  # find-lr's suggestion at train.seed=2 (benchmarks/find-lr-*)
+    "activations_every_10": ["log.activations_every_steps=10"],
 }, "sdxl_lora": {
     "dora_r4_te": [],
     "lora_r4_te": ["adapter.kind=lora"],
