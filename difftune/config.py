@@ -73,6 +73,13 @@ class ModelConfig(Section):
         description="Autoencoder that turns images into latents: empty for the base model's own KL VAE, or "
         "a folder/hub id of another `AutoencoderKL` or of TAESD (`AutoencoderTiny`).",
     )
+    quantize: Literal["none", "int8", "nf4"] = Field(
+        "none",
+        description="QLoRA: keep the frozen denoiser's linear layers quantized while the adapters on them train in "
+        "fp32 (convolutions stay as they are). `int8`: weight-only int8 through torchao (the `torchao` extra); "
+        "`nf4`: 4-bit NormalFloat with double quantization through bitsandbytes, as QLoRA (the `bnb` extra). Needs "
+        "an adapter; the saved adapter loads on the unquantized base.",
+    )
     weight_dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
         "auto",
         description="Dtype of the frozen weights. `auto` follows `train.mixed_precision`. Trained parameters "
@@ -462,6 +469,11 @@ class Config(Section):
                     f"train.global_batch_size {self.train.global_batch_size} is not a multiple of train.batch_size "
                     f"{self.train.batch_size}"
                 )
+        if self.model.quantize != "none" and self.adapter.kind == "none":
+            raise ValueError(
+                f"model.quantize = \"{self.model.quantize}\" needs an adapter (adapter.kind lora or dora): a full "
+                "fine-tune cannot train quantized weights"
+            )
         if self.guard.rollback and not self.checkpoint.every_steps:
             raise ValueError("guard.rollback needs checkpoint.every_steps > 0 (checkpoints to roll back to)")
         if self.export.average_last == 1:

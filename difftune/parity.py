@@ -21,6 +21,7 @@ from difftune import export
 from difftune.config import Config
 from difftune.families import load_components
 from difftune.models import place_frozen
+from difftune.quantize import quantize_linear_layers
 from difftune.sample import Sample, generate_images
 
 PARITY_FILE = "parity.json"
@@ -35,7 +36,7 @@ def check_parity(config: Config, trained_path: Path, reference: Sample, device: 
     report = {"prompt": reference.prompt, "seed": reference.seed, "warn_above_levels": WARN_ABOVE_LEVELS, "layouts": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for layout, path, source in _saved_layouts(config, trained_path, Path(tmp)):
-            components = _fresh_components(config, path)
+            components = _fresh_components(config, path, device, dtype)
             place_frozen(components, device, dtype)
             with autocast():
                 image = generate_images(components, sample_config, device)[0].image
@@ -66,9 +67,11 @@ def _saved_layouts(config: Config, trained_path: Path, tmp: Path) -> list[tuple[
     return [(written, trained_path, trained_path.name), (other, converted, f"{trained_path.name} converted to {other}")]
 
 
-def _fresh_components(config: Config, path: Path):
+def _fresh_components(config: Config, path: Path, device: torch.device, dtype: torch.dtype):
     if config.adapter.kind == "none":  # the saved pipeline folder holds every part, its autoencoder included
         return load_components(config.model.model_copy(update={"base": str(path), "vae": "", "revision": "", "variant": ""}))
     components = load_components(config.model)
+    if config.model.quantize != "none":  # the file is checked on the base it was trained on
+        quantize_linear_layers(components.denoiser, config.model.quantize, device, dtype)
     export.apply_adapters(components, [(path, 1.0)])
     return components

@@ -51,6 +51,11 @@ def check_config(config: Config) -> None:
             f"{', '.join(refused)}: not supported with FSDP yet (that work runs on the main process alone, and a "
             f"sharded model runs forward on all processes together); leave it unset, or train with DDP"
         )
+    if config.model.quantize != "none":
+        raise DifftuneError(
+            f"model.quantize = \"{config.model.quantize}\": not supported with FSDP (sharding quantized weights is "
+            "untested here); set it to \"none\", or train on one process"
+        )
     if config.adapter.text_encoder:
         raise DifftuneError(
             "adapter.text_encoder = true: not supported with FSDP (accelerate's FSDP2 prepares one model, the "

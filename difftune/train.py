@@ -51,6 +51,7 @@ from difftune.metrics import METRICS_FILE, MetricsLog
 from difftune.models import Components, encode_posterior, place_frozen, sample_latents, set_attention, weight_dtype
 from difftune.optim import build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.parity import check_parity, write_report
+from difftune.quantize import quantize_linear_layers
 from difftune.sample import generate_images, save_images
 from difftune.validation import Validator
 
@@ -507,8 +508,12 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
 
 
 def _shape_for_training(components: Components, config: Config, accelerator: Accelerator) -> None:
-    """The trained model as the config wants it: memory format, attention kernel, adapters, dtypes, device."""
+    """The trained model as the config wants it: memory format, attention kernel, quantized frozen layers,
+    adapters, dtypes, device."""
     _configure_denoiser(components.denoiser, config, accelerator.device)
+    if config.model.quantize != "none":
+        dtype = weight_dtype(config.model.weight_dtype, config.train.mixed_precision)
+        quantize_linear_layers(components.denoiser, config.model.quantize, accelerator.device, dtype)
     add_adapters(components, config.adapter)
     _place_models(components, config, accelerator)
 
