@@ -198,10 +198,11 @@ class LossConfig(Section):
 
 
 class OptimConfig(Section):
-    optimizer: Literal["adamw", "adamw_8bit", "lion", "adafactor"] = Field(
+    optimizer: Literal["adamw", "adamw_8bit", "lion", "adafactor", "adamw_cpu_offload", "galore_adamw"] = Field(
         "adamw",
-        description="AdamW (fused on CUDA, foreach elsewhere), AdamW 8-bit (needs the `bnb` extra), Lion, or Adafactor "
-        "(fixed learning rate, no relative steps).",
+        description="AdamW (fused), AdamW 8-bit (the `bnb` extra), Lion, Adafactor (fixed learning rate, no relative "
+        "steps), AdamW with its state offloaded to the CPU (torchao; CUDA only; the `torchao` extra), or GaLore AdamW "
+        "(low-rank moments of each weight matrix; full fine-tunes only; the `galore` extra).",
     )
     learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate of the denoiser's (UNet's) parameters.")
     text_encoder_learning_rate: float | None = Field(
@@ -222,6 +223,12 @@ class OptimConfig(Section):
         "`linear` multiplies them by it, `sqrt` by its square root, so `learning_rate` is the rate for one image per "
         "step; `none` uses them as given. The scaled rates are printed and logged as `lr`.",
     )
+
+    galore_rank: int = Field(128, ge=1, description="`galore_adamw`: rank of each weight matrix's gradient projection.")
+    galore_update_proj_gap: int = Field(
+        200, ge=1, description="`galore_adamw`: optimizer steps between refreshes of the projections (an SVD each)."
+    )
+    galore_scale: float = Field(0.25, gt=0, description="`galore_adamw`: scale of the projected update.")
 
     @model_validator(mode="after")
     def _text_encoder_lr_defaults(self) -> OptimConfig:
@@ -254,7 +261,12 @@ class TrainConfig(Section):
         "global_batch_size / (batch_size x processes), which must be a whole number. 0: use "
         "gradient_accumulation_steps.",
     )
-    mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="Autocast precision (fp16 needs CUDA).")
+    mixed_precision: Literal["no", "fp16", "bf16", "fp8"] = Field(
+        "no",
+        description="Autocast precision (fp16 needs CUDA). `fp8`: linear layers compute in FP8 through torchao (via "
+        "accelerate), the rest in bf16; needs a GPU with FP8 tensor cores (compute capability 8.9+, e.g. H100) and the "
+        "`torchao` extra.",
+    )
     seed: int = Field(0, ge=0, description="Seed for the data order, augmentations, timesteps and noise.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory, slower.")
     channels_last: Switch = Field(
@@ -469,6 +481,11 @@ class Config(Section):
                     f"train.global_batch_size {self.train.global_batch_size} is not a multiple of train.batch_size "
                     f"{self.train.batch_size}"
                 )
+        if self.optim.optimizer == "galore_adamw" and self.adapter.kind != "none":
+            raise ValueError(
+                "optim.optimizer = \"galore_adamw\" is for full fine-tunes (adapter.kind = \"none\"): an adapter's "
+                "matrices are low-rank already, so projecting their gradients saves nothing"
+            )
         if self.model.quantize != "none" and self.adapter.kind == "none":
             raise ValueError(
                 f"model.quantize = \"{self.model.quantize}\" needs an adapter (adapter.kind lora or dora): a full "

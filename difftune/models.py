@@ -167,7 +167,8 @@ def eval_mode(*modules: torch.nn.Module):
 def weight_dtype(config_dtype: str, mixed_precision: str) -> torch.dtype:
     if config_dtype != "auto":
         return DTYPES[config_dtype]
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision, torch.float32)
+    # FP8 training keeps bf16 weights: torchao casts them to FP8 per matmul, with fresh scales.
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(mixed_precision, torch.float32)
 
 
 def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

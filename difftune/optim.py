@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 
@@ -22,10 +23,7 @@ def _adamw(groups, config: OptimConfig, device: torch.device):
 
 
 def _adamw_8bit(groups, config: OptimConfig, device: torch.device):
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise DifftuneError(
-            'optim.optimizer = "adamw_8bit" needs bitsandbytes: `pip install difftune[bnb]` (CUDA), or use "adamw"'
-        )
+    _require("bitsandbytes", "bnb", "adamw_8bit")
     import bitsandbytes
 
     return bitsandbytes.optim.AdamW8bit(groups, betas=config.betas, weight_decay=config.weight_decay, eps=config.eps)
@@ -44,7 +42,79 @@ def _adafactor(groups, config: OptimConfig, device: torch.device):
     return Adafactor(groups, scale_parameter=False, relative_step=False, warmup_init=False, weight_decay=config.weight_decay)
 
 
-OPTIMIZERS = {"adamw": _adamw, "adamw_8bit": _adamw_8bit, "lion": _lion, "adafactor": _adafactor}
+def _adamw_cpu_offload(groups, config: OptimConfig, device: torch.device):
+    # torchao keeps the optimizer state (2x the trained weights for AdamW) in CPU memory and steps there, overlapped
+    # with the GPU's work: a full fine-tune then needs about the weights and gradients alone on the device.
+    if device.type != "cuda":
+        raise DifftuneError(
+            f'optim.optimizer = "adamw_cpu_offload" moves the optimizer state from a CUDA device to the CPU; this run is '
+            f'on {device}, where it would move nothing: use "adamw"'
+        )
+    _require("torchao", "torchao", "adamw_cpu_offload")
+    from torchao.optim import CPUOffloadOptimizer
+
+    return CPUOffloadOptimizer(
+        groups, torch.optim.AdamW, offload_gradients=False, fused=True, betas=config.betas,
+        weight_decay=config.weight_decay, eps=config.eps,
+    )
+
+
+def _galore_adamw(groups, config: OptimConfig, device: torch.device):
+    # GaLore (Zhao et al. 2024) keeps AdamW's moments in a rank-r projection of each weight matrix's gradient,
+    # refreshed by SVD every `galore_update_proj_gap` steps; other tensors (convolutions, norms, biases) step as usual.
+    _require("galore_torch", "galore", "galore_adamw")
+    projected = {"rank": config.galore_rank, "update_proj_gap": config.galore_update_proj_gap,
+                 "scale": config.galore_scale, "proj_type": "std"}
+    split = []
+    for group in groups:
+        matrices = [p for p in group["params"] if p.dim() == 2]
+        others = [p for p in group["params"] if p.dim() != 2]
+        split += [{**group, "params": others}, {**group, "params": matrices, **projected}]
+    return _resumable_galore()([group for group in split if group["params"]], betas=config.betas,
+                               weight_decay=config.weight_decay, eps=config.eps, no_deprecation_warning=True)
+
+
+@functools.cache
+def _resumable_galore():
+    """galore_torch's GaLoreAdamW, whose state keeps each matrix's projector as a Python object: checkpoints hold
+    its matrix alone (the rest is the parameter group's settings), so they load with `torch.load(weights_only=True)`
+    and resume exactly."""
+    from galore_torch import GaLoreAdamW
+    from galore_torch.galore_projector import GaLoreProjector
+
+    class ResumableGaLoreAdamW(GaLoreAdamW):
+        def state_dict(self):
+            state = super().state_dict()
+            for key, entry in state["state"].items():
+                if isinstance(entry.get("projector"), GaLoreProjector):
+                    state["state"][key] = {**entry, "projector": {"ortho_matrix": entry["projector"].ortho_matrix}}
+            return state
+
+        def load_state_dict(self, state_dict):
+            super().load_state_dict(state_dict)
+            for group in self.param_groups:
+                for param in group["params"]:
+                    saved = self.state.get(param, {}).get("projector")
+                    if isinstance(saved, dict):
+                        projector = GaLoreProjector(
+                            group["rank"], update_proj_gap=group["update_proj_gap"], scale=group["scale"],
+                            proj_type=group["proj_type"],
+                        )
+                        projector.ortho_matrix = saved["ortho_matrix"]
+                        self.state[param]["projector"] = projector
+
+    return ResumableGaLoreAdamW
+
+
+def _require(module: str, extra: str, optimizer: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise DifftuneError(f'optim.optimizer = "{optimizer}" needs {module}: `pip install difftune[{extra}]`, or use "adamw"')
+
+
+OPTIMIZERS = {
+    "adamw": _adamw, "adamw_8bit": _adamw_8bit, "lion": _lion, "adafactor": _adafactor,
+    "adamw_cpu_offload": _adamw_cpu_offload, "galore_adamw": _galore_adamw,
+}
 
 
 def build_optimizer(

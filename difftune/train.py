@@ -13,6 +13,7 @@ the saved file, reloaded as users load it, redraws the in-training sample.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from collections.abc import Iterator
@@ -349,8 +350,12 @@ def _unsharded_copy(run: Run) -> tuple[Components, EMAModel | None, list[torch.n
 def _accelerator(config: Config, output_dir: Path) -> Accelerator:
     if config.train.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise DifftuneError('train.mixed_precision = "fp16" needs a CUDA device; use "bf16" or "no" here')
+    fp8 = config.train.mixed_precision == "fp8"
+    if fp8:
+        _check_fp8_device()
     accelerator = Accelerator(
         mixed_precision=config.train.mixed_precision,
+        kwargs_handlers=[_fp8_recipe()] if fp8 else None,
         gradient_accumulation_steps=config.train.gradient_accumulation_steps,
         log_with="tensorboard" if config.log.tensorboard and is_tensorboard_available() else None,
         project_dir=output_dir / "logs",
@@ -540,6 +545,32 @@ def _configure_denoiser(denoiser, config: Config, device: torch.device) -> None:
     set_attention(denoiser, config.train.attention)
     if config.train.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
+
+
+def _check_fp8_device() -> None:
+    """FP8 matmuls need tensor cores that have them (Ada, Hopper and newer: compute capability 8.9+) and torchao."""
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if capability is None or capability < (8, 9):
+        where = f"this GPU has compute capability {capability[0]}.{capability[1]}" if capability else "this run has no CUDA device"
+        raise DifftuneError(
+            f'train.mixed_precision = "fp8" needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: L4, '
+            f'L40S, RTX 40xx, H100); {where}. Use "bf16"'
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise DifftuneError('train.mixed_precision = "fp8" needs torchao: `pip install difftune[torchao]`, or use "bf16"')
+
+
+def _fp8_recipe():
+    """torchao's float8 training, through accelerate, for the frozen and trained linear layers of the prepared
+    models, but not the adapters' own small matrices (a rank-16 matmul gains nothing and loses precision in FP8)
+    and not layers whose sides are not multiples of 16 (FP8 matmuls need those)."""
+    from accelerate.utils import AORecipeKwargs
+
+    def convertible(module: torch.nn.Module, name: str) -> bool:
+        return (isinstance(module, torch.nn.Linear) and "lora_" not in name
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+    return AORecipeKwargs(module_filter_func=convertible)
 
 
 def _check_compile_device(device: torch.device) -> None:

@@ -59,6 +59,21 @@ def test_resume_continues_exactly(make_config, tmp_path, request, family):
     assert [p.name for p in complete_checkpoints(parts)] == ["step-000004", "step-000006", "step-000008"]  # keep_last 3
 
 
+def test_galore_full_fine_tune_resumes_exactly(make_config, tmp_path):
+    """GaLore's projections live in its optimizer state: checkpoints keep them as tensors (loaded without
+    pickle code), so a resumed run refreshes and projects as the uninterrupted one does."""
+    pytest.importorskip("galore_torch")
+    settings = {"adapter__kind": "none", "optim__optimizer": "galore_adamw", "optim__galore_rank": 4,
+                "optim__galore_update_proj_gap": 3, "ema__enabled": False, "adapter__dropout": 0.0}
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    train(_job(make_config, whole, train__max_steps=6, **settings))
+    train(_job(make_config, parts, train__max_steps=4, **settings))
+    train(_job(make_config, parts, train__max_steps=6, **settings), resume="auto")
+    assert _losses(parts) == _losses(whole)
+    name = "unet/diffusion_pytorch_model.safetensors"
+    assert _same_files(whole / "model" / name, parts / "model" / name)
+
+
 def test_a_crash_while_writing_a_checkpoint_loses_nothing(make_config, tmp_path, monkeypatch):
     """Dying after the files are written but before the rename: the half-written checkpoint is never used."""
     whole = tmp_path / "whole"

@@ -188,8 +188,13 @@ def test_a_loss_spike_is_skipped_only_with_the_guard_on(make_config, tmp_path, m
 def test_every_optimizer_builds_and_steps(name):
     unet_param, text_param = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4))
     config = OptimConfig(optimizer=name, learning_rate=1e-2, text_encoder_learning_rate=1e-3)
-    if name == "adamw_8bit" and importlib.util.find_spec("bitsandbytes") is None:
-        with pytest.raises(DifftuneError, match=r"needs bitsandbytes: `pip install difftune\[bnb\]`"):
+    needs = {"adamw_8bit": ("bitsandbytes", "bnb"), "galore_adamw": ("galore_torch", "galore")}.get(name)
+    if needs and importlib.util.find_spec(needs[0]) is None:
+        with pytest.raises(DifftuneError, match=rf"needs {needs[0]}: `pip install difftune\[{needs[1]}\]`"):
+            build_optimizer([unet_param], [text_param], config, torch.device("cpu"))
+        return
+    if name == "adamw_cpu_offload":  # CUDA only: on the CPU there is nothing to offload from
+        with pytest.raises(DifftuneError, match="from a CUDA device to the CPU; this run is on cpu"):
             build_optimizer([unet_param], [text_param], config, torch.device("cpu"))
         return
     optimizer = build_optimizer([unet_param], [text_param], config, torch.device("cpu"))
@@ -369,3 +374,13 @@ def test_activation_statistics_are_logged_on_their_steps_only(make_config, tmp_p
     quiet = make_config(train__max_steps=3, log__activations_every_steps=2, train__output_dir=str(tmp_path / "every-2"))
     train(quiet)
     assert ["act_rms/mid_block" in line for line in read_metrics(tmp_path / "every-2")] == [False, True, False]
+
+
+def test_fp8_is_refused_without_fp8_tensor_cores(make_config):
+    with pytest.raises(DifftuneError, match=r"needs a GPU with FP8 tensor cores .* this run has no CUDA device"):
+        train(make_config(train__mixed_precision="fp8"))
+
+
+def test_galore_is_for_full_fine_tunes(make_config):
+    with pytest.raises(DifftuneError, match="galore_adamw.*is for full fine-tunes"):
+        make_config(optim__optimizer="galore_adamw")
