@@ -1,14 +1,16 @@
 """The training recipe: `setup` -> `loop` -> `finish`, over one `Run`.
 
 Features: any model family (families/): LoRA / DoRA (peft) or full fine-tuning of the denoiser, optionally the
-text encoders too (their own learning rate); epsilon or v-prediction with Min-SNR-gamma weighting, noise
-offset, input perturbation and zero-terminal-SNR; accelerate for devices, DDP/FSDP/DeepSpeed, mixed precision
-and gradient accumulation; global-norm clipping; AdamW / AdamW 8-bit / Lion / Adafactor with warmup and a
-constant, linear, cosine or cosine-with-restarts schedule; a guard that skips NaN/inf and spiking
-steps; EMA weights; validation loss at fixed noise; preview samples; adapter snapshots and their
-average; channels-last denoiser; SDPA or xformers attention; gradient checkpointing; TF32; a JSONL
-metrics line per optimizer step (and TensorBoard when installed); after the final save, a parity check that
-the saved file, reloaded as users load it, redraws the in-training sample.
+text encoders too (their own learning rate), optionally on a quantized frozen denoiser (QLoRA); epsilon or
+v-prediction with Min-SNR-gamma weighting, noise offset, input perturbation and zero-terminal-SNR; accelerate
+for devices, DDP/FSDP, mixed precision (FP8 where the GPU has it) and gradient accumulation, or a global batch
+size it is derived from; learning rates optionally scaled with the global batch; global-norm clipping; AdamW /
+AdamW 8-bit / Lion / Adafactor / CPU-offloaded AdamW / GaLore with warmup and a constant, linear, cosine or
+cosine-with-restarts schedule; a guard that skips NaN/inf and spiking steps and warns of growing
+activations; per-block activation statistics on chosen steps; EMA weights; validation loss at fixed noise;
+preview samples; adapter snapshots and their average; channels-last denoiser; SDPA or xformers attention;
+gradient checkpointing; TF32; a JSONL metrics line per optimizer step (and TensorBoard when installed); after
+the final save, a parity check that the saved file, reloaded as users load it, redraws the in-training sample.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.utils import gather_object, is_tensorboard_available, set_seed
 from diffusers.training_utils import EMAModel, cast_training_params
 from tqdm.auto import tqdm
@@ -118,8 +120,9 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
 def setup(config: Config, resume: str | None = None) -> Run:
     """Models, data, caches, adapters, optimizer and the place to start from (a checkpoint when resuming)."""
     output_dir = _check_output_dir(config, resume)
-    config = with_accumulation(config, PartialState().num_processes)
     accelerator = _accelerator(config, output_dir)
+    config = with_accumulation(config, accelerator.num_processes)
+    accelerator.gradient_accumulation_steps = config.train.gradient_accumulation_steps
     components = load_components(config.model)
     # The resolved config names the family: a file written now says what it was trained on.
     config = config.model_copy(update={"model": config.model.model_copy(update={"family": components.family.name})})
