@@ -3,13 +3,24 @@
 import logging
 
 
-class _TorchvisionFallbackNotice(logging.Filter):
-    """diffusers imports CLIP's and SigLIP's image processors (for IP-Adapter) on every start; without torchvision,
-    transformers then announces that it falls back to their PIL versions. difftune never uses them, so the
-    notice is dropped; every other transformers message is kept."""
+class _DropNotice(logging.Filter):
+    """Drops one start-up notice of a library that difftune's use makes moot; its other messages are kept."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "requires torchvision (not installed); falling back" not in record.getMessage()
+        return self.text not in record.getMessage()
 
 
-logging.getLogger("transformers.utils.import_utils").addFilter(_TorchvisionFallbackNotice())
+# diffusers imports CLIP's and SigLIP's image processors (for IP-Adapter) on every start; without torchvision,
+# transformers then announces that it falls back to their PIL versions, which difftune never uses.
+logging.getLogger("transformers.utils.import_utils").addFilter(_DropNotice("requires torchvision (not installed); falling back"))
+# With torchao (the QLoRA / FP8 extra) installed, diffusers and peft import it on every start: diffusers says it
+# cannot register tensor types of older torchao releases (for loading checkpoints serialized with torchao, which
+# difftune never reads), torchao that its GPU-only kernels did not load, and torch that torchao registers enums
+# the old way. None of it is actionable here; torchao's errors still show.
+logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").addFilter(_DropNotice("Unable to import `torchao` Tensor"))
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)

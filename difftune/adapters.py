@@ -1,4 +1,5 @@
-"""What is trained: LoRA / DoRA adapters injected by peft, or all weights (`kind = "none"`).
+"""What is trained: LoRA / DoRA adapters injected by peft, all weights (`kind = "none"`), or new token
+embeddings (`kind = "embedding"`, embeddings.py).
 
 Parts are the family's: its denoiser and, with `adapter.text_encoder`, each text encoder, named as diffusers
 names them (`unet`, `text_encoder`, `text_encoder_2`). A trained parameter's name is `<part>.<name in part>`.
@@ -11,15 +12,20 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
 from difftune.config import AdapterConfig
+from difftune.embeddings import add_tokens
 from difftune.models import Components
 
 DORA_MAGNITUDE = "lora_magnitude_vector"
 
 
 def trained_parts(components: Components, config: AdapterConfig) -> dict[str, torch.nn.Module]:
-    """The parts `config` trains, by name: the denoiser, and the text encoders with `adapter.text_encoder`."""
-    parts = components.parts()
-    names = components.family.parts() if config.text_encoder else components.family.parts()[:1]
+    """The parts `config` trains, by name: the denoiser, and the text encoders with `adapter.text_encoder`; an
+    embedding's text encoders alone."""
+    parts, family = components.parts(), components.family
+    if config.kind == "embedding":
+        names = family.text_encoder_names
+    else:
+        names = family.parts() if config.text_encoder else family.parts()[:1]
     return {name: parts[name] for name in names}
 
 
@@ -42,6 +48,9 @@ def add_adapters(components: Components, config: AdapterConfig) -> None:
     if config.kind == "none":
         for module in trained.values():
             module.requires_grad_(True)
+        return
+    if config.kind == "embedding":
+        add_tokens(components, config)
         return
     for part, targets in target_modules(components, config).items():
         trained[part].add_adapter(_lora_config(config, targets))

@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--base", default="models/tiny-sd", help="a base trained on the shapes (default: the bundled one)")
     evaluate.add_argument("--adapter", type=Path, help="adapter to score after the base (either layout)")
     evaluate.add_argument("--concept", default="purple", help="the held-out color the adapter teaches")
+    evaluate.add_argument("--concept-word", default="", help="what the adapted model's concept prompts say instead of "
+                          "the color, e.g. an embedding's token (default: the color)")
     evaluate.add_argument("--samples-per-prompt", type=int, default=8)
     evaluate.add_argument("--seed", type=int, default=1000, help="sample k of every prompt uses seed + k")
     evaluate.add_argument("--steps", type=int, default=20, help="denoising steps")
@@ -197,7 +199,7 @@ def _run(args: argparse.Namespace) -> None:
             raise DifftuneError(f"difftune eval --concept {args.concept!r}: not a shapes color; one of {', '.join(COLORS)}")
         settings = EvalSettings(args.samples_per_prompt, args.seed, args.steps, args.guidance_scale)
         seen = [color for color in COLORS if color != args.concept]
-        text = json.dumps(evaluate(args.base, args.adapter, seen, args.concept, settings), indent=2)
+        text = json.dumps(evaluate(args.base, args.adapter, seen, args.concept, settings, args.concept_word), indent=2)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text + "\n")

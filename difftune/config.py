@@ -143,8 +143,10 @@ class DataConfig(Section):
 
 
 class AdapterConfig(Section):
-    kind: Literal["lora", "dora", "none"] = Field(
-        "lora", description="`lora` or `dora` train an adapter through peft; `none` trains all UNet weights."
+    kind: Literal["lora", "dora", "none", "embedding"] = Field(
+        "lora",
+        description="`lora` or `dora` train an adapter through peft; `none` trains all UNet weights; `embedding` "
+        "learns new token embeddings and nothing else (textual inversion; see the `embedding_*` keys).",
     )
     rank: int = Field(16, ge=1, description="Adapter rank.")
     alpha: float | None = Field(None, gt=0, description="Adapter alpha (scale = alpha / rank); defaults to the rank.")
@@ -169,6 +171,27 @@ class AdapterConfig(Section):
         description="Modules of SDXL's second text encoder that get an adapter when `text_encoder = true`; empty: "
         "the family's default (q_proj, k_proj, v_proj, out_proj).",
     )
+
+    embedding_token: str = Field(
+        "<concept>",
+        description="`kind = embedding`: the new token (it must not be a word the tokenizer knows). With more than one "
+        "vector it stands for `<token> <token>_1 ...`, as diffusers' loader expands it.",
+    )
+    embedding_vectors: int = Field(1, ge=1, description="`kind = embedding`: vectors (tokens) the concept is learned in.")
+    embedding_init_word: str = Field(
+        "", description="`kind = embedding`: a word whose embedding starts each vector (the mean of its tokens'); empty: "
+        "random, with the vocabulary's mean and covariance.",
+    )
+    embedding_caption_word: str = Field(
+        "",
+        description="`kind = embedding`: this word in the captions is replaced by the token (so a folder captioned "
+        "`a purple circle` trains the token for purple); empty: the captions hold the token themselves.",
+    )
+
+    @property
+    def trains_text_encoders(self) -> bool:
+        """Whether the text encoders' outputs change in training: adapted, or learning an embedding."""
+        return self.text_encoder or self.kind == "embedding"
 
     @model_validator(mode="after")
     def _alpha_defaults_to_rank(self) -> AdapterConfig:
@@ -464,12 +487,20 @@ class Config(Section):
         # `auto` caches resolve here, so the run's resolved config says what was cached.
         if self.cache.latents == "auto":
             self.cache.latents = "on" if self.data.crop == "center" else "off"
+        text_trained = self.adapter.trains_text_encoders
         if self.cache.text == "auto":
-            self.cache.text = "off" if self.adapter.text_encoder else "on"
+            self.cache.text = "off" if text_trained else "on"
         if self.cache.latents == "on" and self.data.crop != "center":
             raise ValueError("cache.latents needs data.crop = \"center\" (a cached image has one crop)")
-        if self.cache.text == "on" and self.adapter.text_encoder:
-            raise ValueError("cache.text needs adapter.text_encoder = false (a trained encoder's outputs change)")
+        if self.cache.text == "on" and text_trained:
+            raise ValueError(
+                "cache.text needs adapter.text_encoder = false and adapter.kind other than \"embedding\" (a trained "
+                "encoder's outputs change)"
+            )
+        if self.adapter.kind == "embedding" and self.validation.path:
+            raise ValueError("validation.path is not supported with adapter.kind = \"embedding\" yet; leave it empty")
+        if self.adapter.kind == "embedding" and self.export.average_last:
+            raise ValueError("export.average_last averages adapters, not embeddings: set it to 0 with adapter.kind = \"embedding\"")
         if self.train.global_batch_size:
             if self.train.gradient_accumulation_steps != 1:
                 raise ValueError(

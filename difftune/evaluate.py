@@ -139,10 +139,13 @@ def prompts_for(colors) -> list[str]:
     return [f"a {color} {shape}" for color in colors for shape in SHAPES]
 
 
-def score(components: Components, seen_colors, concept_color: str, settings: EvalSettings) -> dict:
-    """Accuracies on the seen prompts and on the concept's prompts (overall and per shape)."""
+def score(components: Components, seen_colors, concept_color: str, settings: EvalSettings, concept_word: str = "") -> dict:
+    """Accuracies on the seen prompts and on the concept's prompts (overall and per shape). `concept_word` is what
+    the concept's prompts say instead of its color (a textual-inversion token); they are judged by the color."""
     seen = judged_samples(components, prompts_for(seen_colors), settings)
-    concept = judged_samples(components, prompts_for([concept_color]), settings)
+    concept = judged_samples(components, prompts_for([concept_word or concept_color]), settings)
+    for row in concept:
+        row["prompt"] = row["prompt"].replace(concept_word or concept_color, concept_color)
     return {
         "seen": accuracy(seen),
         "concept": accuracy(concept),
@@ -150,8 +153,10 @@ def score(components: Components, seen_colors, concept_color: str, settings: Eva
     }
 
 
-def evaluate(base: str, adapter: Path | None, seen_colors, concept_color: str, settings: EvalSettings) -> dict:
-    """The base's scores, and with `adapter`, the adapted model's and the forgetting between them."""
+def evaluate(base: str, adapter: Path | None, seen_colors, concept_color: str, settings: EvalSettings,
+             concept_word: str = "") -> dict:
+    """The base's scores, and with `adapter`, the adapted model's and the forgetting between them; `concept_word`
+    (see `score`) in the adapted model's concept prompts."""
     from difftune.export import apply_adapters  # export imports sampling; keep this module light to import
 
     report = {"settings": vars(settings) | {"base": base, "concept_color": concept_color}}
@@ -160,6 +165,7 @@ def evaluate(base: str, adapter: Path | None, seen_colors, concept_color: str, s
     if adapter:
         apply_adapters(components, [(adapter, 1.0)])  # onto the same base, in place
         report["adapter"] = str(adapter)
-        report["after"] = score(components, seen_colors, concept_color, settings)
+        report["after"] = score(components, seen_colors, concept_color, settings, concept_word)
+        report["settings"]["concept_word"] = concept_word or concept_color
         report["forgetting"] = report["before"]["seen"]["both"] - report["after"]["seen"]["both"]
     return report

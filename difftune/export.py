@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from difftune.adapter_files import CONFIG_METADATA_KEY, check_modules, module_names_of, read_adapter
 from difftune.adapters import adapter_state_dict
 from difftune.config import Config, ModelConfig
+from difftune.embeddings import embedding_file_name, is_embedding_file, load_embedding, write_embedding
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.families.family import Family
@@ -29,6 +30,7 @@ from difftune.kohya import kohya_metadata, to_kohya
 from difftune.models import DTYPES, Components, quiet_loading
 from difftune.sample import sampling_scheduler
 
+EMBEDDING_KEYS = {key for family in FAMILIES.values() for key in family.embedding_keys}
 ADAPTER_FILE = LORA_WEIGHT_NAME_SAFE  # the name `pipeline.load_lora_weights(output_dir)` looks for
 FULL_MODEL_DIR = "model"
 SINGLE_FILE = "model.safetensors"
@@ -39,6 +41,8 @@ def trained_path(config: Config, output_dir: Path, variant: str = "") -> Path:
     """Where a run's result goes: `variant` is "" (raw weights), "_ema" or "_avg"."""
     if config.adapter.kind == "none":
         return variant_of(output_dir / FULL_MODEL_DIR, variant)
+    if config.adapter.kind == "embedding":
+        return variant_of(output_dir / f"{embedding_file_name(config.adapter)}.safetensors", variant)
     stem = ADAPTER_FILE.removesuffix(".safetensors") if config.export.format == "diffusers" else output_dir.resolve().name
     return variant_of(output_dir / f"{stem}.safetensors", variant)
 
@@ -49,13 +53,15 @@ def variant_of(path: Path, variant: str) -> Path:
 
 
 def save_trained(components: Components, config: Config, path: Path, layout: str | None = None) -> Path:
-    """The adapter file (in `layout`, default `export.format`), or with `adapter.kind = "none"` a complete
-    diffusers pipeline folder."""
+    """The adapter file (in `layout`, default `export.format`); with `adapter.kind = "none"` a complete diffusers
+    pipeline folder; with `"embedding"` the textual-inversion file."""
     if config.adapter.kind == "none":
         pipeline = components.pipeline(sampling_scheduler(config.sample.scheduler, components))
         _refuse_non_finite(components.denoiser.state_dict(), f"{path}")
         pipeline.save_pretrained(path, safe_serialization=True)
         return path
+    if config.adapter.kind == "embedding":  # one layout: the one every tool reads
+        return write_embedding(path, components, config.to_toml(), config.adapter)
     tensors, lora_configs = adapter_state_dict(components, config.adapter)
     return write_adapter(path, tensors, lora_configs, config.to_toml(), layout or config.export.format, components.family)
 
@@ -163,12 +169,19 @@ def average_adapters(paths: list[Path], weighting: str = "uniform", base: str | 
 
 
 def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -> None:
-    """Attach adapter files (either layout) to the denoiser / text encoders with their scales.
+    """Attach adapter files (either layout) to the denoiser / text encoders with their scales; textual-inversion
+    files teach the tokenizers and text encoders their token.
 
     Each is read by `adapter_files` (any tool's layout), checked against the model's modules, and handed to
     diffusers' own loader in the diffusers layout with its peft config: diffusers' kohya reader would keep
     `dora_scale`'s shape, which peft then rejects, and it drops keys of modules the model lacks with a log line.
     """
+    embeddings = [path for path, _ in adapters if is_embedding_file(path, EMBEDDING_KEYS)]
+    for path in embeddings:  # a token's vectors have no scale
+        load_embedding(components, path)
+    adapters = [(path, scale) for path, scale in adapters if path not in embeddings]
+    if not adapters:
+        return
     pipeline = components.pipeline()
     modules = module_names_of(components)
     names = []

@@ -123,10 +123,12 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """One parameter group for the denoiser and one for the text encoders, each at its own peak learning rate
     times `lr_scale` (`learning_rate_scale`)."""
-    groups = [{"params": denoiser_params, "lr": config.learning_rate * lr_scale}]
-    if text_encoder_params:
-        groups.append({"params": text_encoder_params, "lr": config.text_encoder_learning_rate * lr_scale})
-    return OPTIMIZERS[config.optimizer](groups, config, device)
+    groups = [
+        {"params": denoiser_params, "lr": config.learning_rate * lr_scale},
+        {"params": text_encoder_params, "lr": config.text_encoder_learning_rate * lr_scale},
+    ]
+    # A LoRA of the denoiser alone trains no text encoder; an embedding trains nothing in the denoiser.
+    return OPTIMIZERS[config.optimizer]([group for group in groups if group["params"]], config, device)
 
 
 def learning_rate_scale(rule: str, global_batch: int) -> float:

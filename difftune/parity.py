@@ -58,9 +58,9 @@ def write_report(report: dict, output_dir: Path) -> list[str]:
 
 def _saved_layouts(config: Config, trained_path: Path, tmp: Path) -> list[tuple[str, Path, str]]:
     """(layout, file to load, what the report calls it): the written file, and the same converted to the other
-    layout (as `difftune convert` would); a full model is its one folder."""
-    if config.adapter.kind == "none":
-        return [("model", trained_path, trained_path.name)]
+    layout (as `difftune convert` would); a full model is its one folder, an embedding its one file."""
+    if config.adapter.kind in ("none", "embedding"):
+        return [(config.adapter.kind if config.adapter.kind == "embedding" else "model", trained_path, trained_path.name)]
     written = config.export.format
     other = next(layout for layout in export.FORMATS if layout != written)
     converted = export.convert_adapter(trained_path, tmp / f"{other}.safetensors", other, config.model.base)

@@ -56,10 +56,10 @@ def check_config(config: Config) -> None:
             f"model.quantize = \"{config.model.quantize}\": not supported with FSDP (sharding quantized weights is "
             "untested here); set it to \"none\", or train on one process"
         )
-    if config.adapter.text_encoder:
+    if config.adapter.trains_text_encoders:
         raise DifftuneError(
-            "adapter.text_encoder = true: not supported with FSDP (accelerate's FSDP2 prepares one model, the "
-            "denoiser); set it to false, or train the text encoders with DDP"
+            "adapter.text_encoder = true and adapter.kind = \"embedding\" are not supported with FSDP (accelerate's "
+            "FSDP2 prepares one model, the denoiser); train the text encoders with DDP"
         )
 
 

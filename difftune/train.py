@@ -46,6 +46,7 @@ from difftune.data import (
     training_sizes,
 )
 from difftune.ema import build_ema, ema_weights, update_ema
+from difftune.embeddings import caption_with_token, check_captions
 from difftune.errors import DifftuneError
 from difftune.families import load_components
 from difftune.guard import Guard
@@ -134,6 +135,9 @@ def setup(config: Config, resume: str | None = None) -> Run:
 
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
     examples, bad_files = scan_examples(config.data)
+    if config.adapter.kind == "embedding":  # the captions say the new token where they said its word
+        examples = [replace(example, caption=caption_with_token(example.caption, config.adapter)) for example in examples]
+        check_captions([example.caption for example in examples], config.adapter)
     main = accelerator.is_main_process
     report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
     sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
@@ -386,7 +390,7 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
     if "conditioning" in batch:
         conditioning = {name: value.to(device) for name, value in batch["conditioning"].items()}
     else:
-        with torch.set_grad_enabled(config.adapter.text_encoder):
+        with torch.set_grad_enabled(config.adapter.trains_text_encoders):
             conditioning = family.encode_prompts(components, {name: ids.to(device) for name, ids in batch["token_ids"].items()})
     timesteps, noise, input_noise = family.draw_timesteps_and_noise(components, generators, latents, config.loss)
     return family.loss(components, latents, timesteps, noise, conditioning, batch["geometry"], config.loss, input_noise)

@@ -44,6 +44,10 @@ VARIANTS = {"tiny_lora": {
     "32_renders": ["data.path={renders_32}"],
     "lr_from_find_lr": ["optim.learning_rate=1.79e-3"],  # find-lr's suggestion at train.seed=2 (benchmarks/find-lr-*)
     "activations_every_10": ["log.activations_every_steps=10"],
+}, "tiny_embedding": {
+    "embedding_init_red": [],
+    "embedding_random_init": ["adapter.embedding_init_word="],
+    "embedding_2_vectors": ["adapter.embedding_vectors=2"],
 }, "sdxl_lora": {
     "dora_r4_te": [],
     "lora_r4_te": ["adapter.kind=lora"],
@@ -88,7 +92,9 @@ def main() -> None:
         for adapter in adapters:
             components = load_components(base_config.model)
             apply_adapters(components, [(adapter, 1.0)])
-            after = score(components, SEEN_COLORS, HELD_OUT_COLOR, settings)
+            # An embedding's concept prompts say its token where the others say the color.
+            word = config.adapter.embedding_token if config.adapter.kind == "embedding" else ""
+            after = score(components, SEEN_COLORS, HELD_OUT_COLOR, settings, word)
             line = {
                 "run": name + (" (EMA weights)" if adapter.stem.endswith("_ema") else ""),
                 "overrides": overrides,

@@ -92,6 +92,8 @@ def test_what_fsdp_cannot_do_yet_is_refused_by_name():
     config = load_config(None, ["validation.path=/data/val", "sample.every_steps=50"])
     with pytest.raises(DifftuneError, match=r"validation\.path, sample\.every_steps: not supported with FSDP"):
         check_config(config)
-    with pytest.raises(DifftuneError, match=r"adapter\.text_encoder = true: not supported with FSDP"):
+    with pytest.raises(DifftuneError, match=r"adapter\.text_encoder = true and adapter\.kind = \"embedding\" are not supported"):
         check_config(load_config(None, ["adapter.text_encoder=true"]))
+    with pytest.raises(DifftuneError, match=r"adapter\.kind = \"embedding\" are not supported with FSDP"):
+        check_config(load_config(None, ["adapter.kind=embedding"]))
     check_config(load_config(None, []))  # the defaults train under FSDP

@@ -36,6 +36,7 @@ class Family:
     tokenizer_names: tuple[str, ...] = ("tokenizer",)
     kohya_prefixes: dict[str, str]  # part -> key prefix in kohya / A1111 / ComfyUI files
     kohya_model_version: str  # kohya's `ss_base_model_version`
+    embedding_keys: tuple[str, ...] = ("emb_params",)  # per text encoder: its key in A1111 / ComfyUI embedding files
     default_targets: dict[str, list[str]]  # part -> modules that get an adapter unless the config lists others
     pipeline_options: tuple[str, ...] = ()  # pipeline config values a reassembled pipeline keeps
     fixed_pipeline_arguments: dict = {}  # what every pipeline of the family is built with
@@ -89,10 +90,7 @@ class Family:
     def tokenize(self, tokenizers: dict, captions: list[str]) -> dict[str, torch.Tensor]:
         """Captions -> token ids per text encoder (name -> (B, L)), padded and truncated as its pipeline does.
         Takes the tokenizers alone: data-loader workers call it."""
-        return {
-            encoder: tokenize(tokenizers[tokenizer], captions)
-            for encoder, tokenizer in zip(self.text_encoder_names, self.tokenizer_names)
-        }
+        return {encoder: tokenize(tokenizers[tokenizer], captions) for encoder, tokenizer in self.encoder_tokenizers()}
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Token ids (on the encoders' device) -> the denoiser's text conditioning, by name; each tensor has the
@@ -138,6 +136,10 @@ class Family:
         """Every weight under the original (LDM / SGM) single-file keys that A1111, ComfyUI and
         `from_single_file` read."""
         raise NotImplementedError
+
+    def encoder_tokenizers(self) -> list[tuple[str, str]]:
+        """(text encoder, its tokenizer) names, in order."""
+        return list(zip(self.text_encoder_names, self.tokenizer_names))
 
     def parts(self) -> tuple[str, ...]:
         """Adapter parts: the denoiser, then the text encoders, as diffusers' LoRA files prefix their keys."""

@@ -31,6 +31,7 @@ class StableDiffusionXL(Family):
     tokenizer_names = ("tokenizer", "tokenizer_2")
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
     kohya_model_version = "sdxl_base_v1-0"
+    embedding_keys = ("clip_l", "clip_g")
     default_targets = {"unet": ATTENTION_PROJECTIONS, "text_encoder": CLIP_ATTENTION, "text_encoder_2": CLIP_ATTENTION}
     # Whether an empty negative prompt is zeros (SDXL base) or the encoded "" (a model trained with
     # empty-caption dropout, like the tiny base): a reassembled pipeline must keep what the model says.

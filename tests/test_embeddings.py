@@ -1,0 +1,89 @@
+"""Textual inversion (`adapter.kind = "embedding"`): new tokens learned alone, written as A1111/ComfyUI embeddings
+that diffusers' `load_textual_inversion` reads."""
+
+import json
+
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from difftune.config import AdapterConfig
+from difftune.embeddings import TOKEN_METADATA_KEY, caption_with_token
+from difftune.errors import DifftuneError
+from difftune.families import load_components
+from difftune.config import ModelConfig
+from difftune.metrics import read_metrics
+from difftune.train import train
+
+TOKEN = "<shade>"
+
+
+def _job(make_config, **overrides):
+    settings = {
+        "adapter__kind": "embedding", "adapter__embedding_token": TOKEN, "adapter__embedding_caption_word": "red",
+        "adapter__embedding_vectors": 2, "adapter__embedding_init_word": "blue", "optim__learning_rate": 5e-2,
+        "sample__prompts": [f"a {TOKEN} circle"], "sample__steps": 4,
+    }
+    return make_config(**(settings | overrides))
+
+
+def test_captions_say_the_token_in_all_its_vectors():
+    config = AdapterConfig(kind="embedding", embedding_token="<p>", embedding_vectors=3, embedding_caption_word="purple")
+    assert caption_with_token("a purple circle, purpleish", config) == "a <p> <p>_1 <p>_2 circle, purpleish"
+    assert caption_with_token("<p> on white", config.model_copy(update={"embedding_caption_word": ""})) == "<p> <p>_1 <p>_2 on white"
+
+
+def test_only_the_new_tokens_train_and_diffusers_loads_them(make_config, tiny_base, tmp_path):
+    result = train(_job(make_config))
+    path = tmp_path / "run" / "shade.safetensors"
+    assert result.trained_path == path
+    with safe_open(path, framework="pt") as handle:
+        assert handle.metadata()[TOKEN_METADATA_KEY] == TOKEN
+    vectors = load_file(path)["emb_params"]
+    base = load_components(ModelConfig(base=str(tiny_base)))
+    tokenizer, table = base.tokenizers["tokenizer"], base.text_encoders["text_encoder"].get_input_embeddings().weight
+    blue = table[tokenizer("blue", add_special_tokens=False).input_ids].mean(dim=0)
+    assert vectors.shape == (2, table.shape[1])
+    assert not torch.allclose(vectors, blue.expand_as(vectors), atol=1e-4)  # trained away from the init word
+    # The rest of the vocabulary is untouched, and nothing else was trained.
+    trained_table = result.components.text_encoders["text_encoder"].get_input_embeddings()
+    old_ids = torch.arange(table.shape[0])
+    torch.testing.assert_close(trained_table(old_ids), table, rtol=0, atol=0)
+    assert sum(p.numel() for p in result.optimizer.param_groups[0]["params"]) == 2 * table.shape[1]
+    # diffusers reads the file as users load it, to the same vectors.
+    pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None, dtype=torch.float32)
+    pipeline.load_textual_inversion(str(path), token=TOKEN)
+    ids = pipeline.tokenizer.convert_tokens_to_ids([TOKEN, f"{TOKEN}_1"])
+    torch.testing.assert_close(pipeline.text_encoder.get_input_embeddings().weight[ids], vectors)
+    parity = json.loads((tmp_path / "run" / "parity.json").read_text())
+    assert parity["layouts"]["embedding"]["max_pixel_difference"] == 0
+
+
+def test_sdxl_embeddings_have_both_encoders_vectors(make_config, tiny_sdxl_base, tmp_path):
+    train(_job(make_config, model__base=str(tiny_sdxl_base), adapter__embedding_vectors=1, sample__prompts=[]))
+    tensors = load_file(tmp_path / "run" / "shade.safetensors")
+    components = load_components(ModelConfig(base=str(tiny_sdxl_base)))
+    widths = [components.text_encoders[name].get_input_embeddings().weight.shape[1] for name in ("text_encoder", "text_encoder_2")]
+    assert {key: tuple(value.shape) for key, value in tensors.items()} == {"clip_l": (1, widths[0]), "clip_g": (1, widths[1])}
+
+
+def test_an_embedding_run_resumes_exactly(make_config, tmp_path):
+    settings = {"checkpoint__every_steps": 2, "sample__prompts": [], "adapter__embedding_init_word": ""}
+    train(_job(make_config, train__max_steps=4, train__output_dir=str(tmp_path / "whole"), **settings))
+    train(_job(make_config, train__max_steps=2, train__output_dir=str(tmp_path / "parts"), **settings))
+    train(_job(make_config, train__max_steps=4, train__output_dir=str(tmp_path / "parts"), **settings), resume="auto")
+    assert [r["loss"] for r in read_metrics(tmp_path / "parts")] == [r["loss"] for r in read_metrics(tmp_path / "whole")]
+    assert torch.equal(load_file(tmp_path / "parts" / "shade.safetensors")["emb_params"],
+                       load_file(tmp_path / "whole" / "shade.safetensors")["emb_params"])
+
+
+def test_embedding_mistakes_are_named(make_config):
+    # The tiny tokenizer spells words by characters: a letter is a token it knows.
+    with pytest.raises(DifftuneError, match="'a' is already a token of tokenizer"):
+        train(_job(make_config, adapter__embedding_token="a"))
+    with pytest.raises(DifftuneError, match="embedding_caption_word 'mauve' is in none of them"):
+        train(_job(make_config, adapter__embedding_caption_word="mauve"))
+    with pytest.raises(DifftuneError, match="cache.text needs"):
+        _job(make_config, cache__text=True)
