@@ -45,7 +45,7 @@ def test_bad_files_fail_naming_the_file_and_key(tmp_path, content, message):
 
 
 def test_bad_choice_lists_the_allowed_values():
-    with pytest.raises(DifftuneError, match=r"adapter\.kind: Input should be 'lora', 'dora' or 'none'"):
+    with pytest.raises(DifftuneError, match=r"adapter\.kind: Input should be 'lora', 'dora', 'none' or 'embedding'"):
         load_config(None, ["adapter.kind=loha"])
 
 
