@@ -84,13 +84,14 @@ def embedding_vectors(components: Components, config: AdapterConfig) -> dict[str
     return vectors
 
 
-def write_embedding(path: Path, components: Components, config_toml: str, config: AdapterConfig) -> Path:
+def write_embedding(path: Path, components: Components, config: AdapterConfig, metadata: dict[str, str]) -> Path:
+    """The learned vectors, with the token and `metadata` (the run's config) in the file's metadata."""
     vectors = embedding_vectors(components, config)
     bad = [key for key, value in vectors.items() if not torch.isfinite(value).all()]
     if bad:
         raise DifftuneError(f"embedding {path}: NaN or inf in {bad[0]}; not written")
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(vectors, path, metadata={"format": "pt", TOKEN_METADATA_KEY: config.embedding_token, "difftune_config": config_toml})
+    save_file(vectors, path, metadata={"format": "pt", TOKEN_METADATA_KEY: config.embedding_token, **metadata})
     return path
 
 

@@ -61,7 +61,7 @@ def save_trained(components: Components, config: Config, path: Path, layout: str
         pipeline.save_pretrained(path, safe_serialization=True)
         return path
     if config.adapter.kind == "embedding":  # one layout: the one every tool reads
-        return write_embedding(path, components, config.to_toml(), config.adapter)
+        return write_embedding(path, components, config.adapter, {CONFIG_METADATA_KEY: config.to_toml()})
     tensors, lora_configs = adapter_state_dict(components, config.adapter)
     return write_adapter(path, tensors, lora_configs, config.to_toml(), layout or config.export.format, components.family)
 
