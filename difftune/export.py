@@ -19,7 +19,7 @@ import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
 from safetensors.torch import save_file
 
-from difftune.adapter_files import CONFIG_METADATA_KEY, check_modules, module_names_of, read_adapter
+from difftune.adapter_files import CONFIG_METADATA_KEY, EMBEDDING_KEYS, check_modules, module_names_of, read_adapter
 from difftune.adapters import adapter_state_dict
 from difftune.config import Config, ModelConfig
 from difftune.embeddings import embedding_file_name, is_embedding_file, load_embedding, write_embedding
@@ -30,7 +30,6 @@ from difftune.kohya import kohya_metadata, to_kohya
 from difftune.models import DTYPES, Components, quiet_loading
 from difftune.sample import sampling_scheduler
 
-EMBEDDING_KEYS = {key for family in FAMILIES.values() for key in family.embedding_keys}
 ADAPTER_FILE = LORA_WEIGHT_NAME_SAFE  # the name `pipeline.load_lora_weights(output_dir)` looks for
 FULL_MODEL_DIR = "model"
 SINGLE_FILE = "model.safetensors"

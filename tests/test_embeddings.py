@@ -87,3 +87,17 @@ def test_embedding_mistakes_are_named(make_config):
         train(_job(make_config, adapter__embedding_caption_word="mauve"))
     with pytest.raises(DifftuneError, match="cache.text needs"):
         _job(make_config, cache__text=True)
+
+
+def test_merging_an_embedding_teaches_the_saved_model_its_token(make_config, tiny_base, tmp_path, capsys):
+    from difftune.cli import main
+
+    train(_job(make_config, sample__prompts=[]))
+    embedding = tmp_path / "run" / "shade.safetensors"
+    assert main(["merge", "--base", str(tiny_base), "--adapter", str(embedding), "--out", str(tmp_path / "merged")]) == 0
+    merged = load_components(ModelConfig(base=str(tmp_path / "merged")))
+    ids = merged.tokenizers["tokenizer"].convert_tokens_to_ids([TOKEN, f"{TOKEN}_1"])
+    torch.testing.assert_close(merged.text_encoders["text_encoder"].get_input_embeddings().weight[ids], load_file(embedding)["emb_params"])
+    # There is no other layout to convert it to; the error says what the file is.
+    assert main(["convert", str(embedding), str(tmp_path / "x.safetensors"), "--to", "kohya"]) == 2
+    assert "a textual-inversion embedding (emb_params), not a LoRA" in capsys.readouterr().err
