@@ -49,8 +49,8 @@ def check_captions(captions: list[str], config: AdapterConfig) -> None:
 def add_tokens(components: Components, config: AdapterConfig) -> None:
     """The new tokens in every tokenizer, their rows in every text encoder (initialised), and peft's trainable-tokens
     layer on each encoder's input embedding, so that only those rows train."""
-    family, names = components.family, token_names(config)
-    for encoder_name, tokenizer_name in zip(family.text_encoder_names, family.tokenizer_names):
+    names = token_names(config)
+    for encoder_name, tokenizer_name in components.family.encoder_tokenizers():
         tokenizer, encoder = components.tokenizers[tokenizer_name], components.text_encoders[encoder_name]
         # Known: one token already (CLIP spells a word `red</w>` in its vocabulary, so ask the tokenizer itself).
         known = [name for name in names if len(tokenizer(name, add_special_tokens=False).input_ids) == 1]

@@ -52,6 +52,8 @@ def find_batch(
     and the first failure is bisected (as Lightning's batch-size finder does)."""
     import psutil
 
+    if max_batch < 1 or steps < 1:
+        raise DifftuneError(f"find-batch: --max-batch and --steps must be 1 or more, got {max_batch} and {steps}")
     budget = max_memory_gb * GIB if max_memory_gb else None
     cpu_budget = budget or psutil.virtual_memory().available * (1 - margin)
     trials: list[dict] = []

@@ -78,6 +78,11 @@ def test_find_batch_reports_a_trial_that_fails_for_another_reason(make_config, t
     assert "trial at batch size 1 failed" in err and "model.base" in err
 
 
+def test_find_batch_needs_a_size_to_try(capsys):
+    assert main(["find-batch", "--max-batch", "0"]) == 2
+    assert "--max-batch and --steps must be 1 or more, got 0 and 2" in capsys.readouterr().err
+
+
 def test_write_needs_a_config_file(capsys):
     assert main(["find-lr", "--write"]) == 2
     assert "--write needs --config" in capsys.readouterr().err
