@@ -29,12 +29,12 @@ from diffusers.utils.state_dict_utils import convert_state_dict_to_peft, convert
 from safetensors import safe_open
 
 from difftune.adapters import DORA_MAGNITUDE, derived_lora_configs
+from difftune.embeddings import is_embedding
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES
 from difftune.kohya import from_kohya, split_adapter_key
 
 CONFIG_METADATA_KEY = "difftune_config"
-EMBEDDING_KEYS = {key for family in FAMILIES.values() for key in family.embedding_keys}  # textual-inversion files
 KOHYA_PREFIXES = tuple({prefix for family in FAMILIES.values() for prefix in family.kohya_prefixes.values()})
 KNOWN_PARTS = {part for family in FAMILIES.values() for part in family.parts()}  # diffusers-layout key prefixes
 # Prefixes of a file saved from one model rather than a pipeline: its keys are the denoiser's.
@@ -68,7 +68,7 @@ def read_adapter(path: Path, base_modules: FindBaseModules | None = None) -> tup
         raise DifftuneError(f"adapter {path}: not a readable safetensors file ({err})") from None
     if not tensors:
         raise DifftuneError(f"adapter {path}: holds no tensors")
-    if set(tensors) <= EMBEDDING_KEYS:
+    if is_embedding(tensors):
         raise DifftuneError(
             f"adapter {path}: a textual-inversion embedding ({', '.join(sorted(tensors))}), not a LoRA: it has one "
             f"layout, which A1111, ComfyUI and diffusers all read, so there is nothing to convert or average; "

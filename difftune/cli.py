@@ -236,32 +236,27 @@ def _find(args: argparse.Namespace) -> None:
         raise DifftuneError(f"difftune {args.command} --write needs --config (the file to write into)")
     config = load_config(args.config, args.overrides)
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON result alone
-        result, settings = _found(args, config)
+        result = _found(args, config)
     if args.write:
+        settings = result["settings"]
         write_settings(args.config, settings)
         print(f"difftune {args.command}: wrote {', '.join(f'{k} = {v:g}' for k, v in settings.items())} into {args.config}",
               file=sys.stderr)
     print(json.dumps(result))
 
 
-def _found(args: argparse.Namespace, config: Config) -> tuple[dict, dict]:
+def _found(args: argparse.Namespace, config: Config) -> dict:
     from difftune import finders
 
     if args.command == "find-batch":
-        result = finders.find_batch(
+        return finders.find_batch(
             config, args.max_memory_gb, args.max_batch, args.steps, args.margin, args.num_processes,
             report=lambda line: print(line, file=sys.stderr),
         )
-        settings = {"train.batch_size": result["batch_size"]}
-        if config.train.global_batch_size:
-            settings["train.global_batch_size"] = result["global_batch_size"]
-    else:
-        out = args.out or Path(config.train.output_dir) / "find-lr"
-        result = finders.find_lr(config, out, args.start_lr, args.end_lr, args.steps)
-        print(f"difftune find-lr: wrote {out / finders.LR_PLOT_FILE}", file=sys.stderr)
-        settings = {"optim.learning_rate": result["learning_rate"]}
-        result = {key: value for key, value in result.items() if key not in ("lrs", "losses", "smoothed_losses")}
-    return result, settings
+    out = args.out or Path(config.train.output_dir) / "find-lr"
+    result = finders.find_lr(config, out, args.start_lr, args.end_lr, args.steps)
+    print(f"difftune find-lr: wrote {out / finders.LR_PLOT_FILE}", file=sys.stderr)
+    return {key: value for key, value in result.items() if key not in ("lrs", "losses", "smoothed_losses")}
 
 
 def _note_comfyui_dora(written: Path, layout: str) -> None:

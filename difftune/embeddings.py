@@ -20,9 +20,11 @@ from safetensors.torch import save_file
 
 from difftune.config import AdapterConfig
 from difftune.errors import DifftuneError
+from difftune.families import FAMILIES
 from difftune.models import Components
 
 TOKEN_METADATA_KEY = "difftune_embedding_token"
+EMBEDDING_KEYS = {key for family in FAMILIES.values() for key in family.embedding_keys}  # every family's file keys
 
 
 def token_names(config: AdapterConfig) -> list[str]:
@@ -95,11 +97,15 @@ def write_embedding(path: Path, components: Components, config: AdapterConfig, m
     return path
 
 
-def is_embedding_file(path: Path, known_keys: set[str]) -> bool:
-    """A textual-inversion file: every key is an embedding key some family writes."""
+def is_embedding(keys) -> bool:
+    """A textual-inversion file's keys: every one is an embedding key some family writes."""
+    keys = set(keys)
+    return bool(keys) and keys <= EMBEDDING_KEYS
+
+
+def is_embedding_file(path: Path) -> bool:
     with safe_open(path, framework="pt") as handle:
-        keys = set(handle.keys())
-    return bool(keys) and keys <= known_keys
+        return is_embedding(handle.keys())
 
 
 def load_embedding(components: Components, path: Path) -> str:

@@ -19,7 +19,7 @@ import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
 from safetensors.torch import save_file
 
-from difftune.adapter_files import CONFIG_METADATA_KEY, EMBEDDING_KEYS, check_modules, module_names_of, read_adapter
+from difftune.adapter_files import CONFIG_METADATA_KEY, check_modules, module_names_of, read_adapter
 from difftune.adapters import adapter_state_dict
 from difftune.config import Config, ModelConfig
 from difftune.embeddings import embedding_file_name, is_embedding_file, load_embedding, write_embedding
@@ -175,7 +175,7 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
     diffusers' own loader in the diffusers layout with its peft config: diffusers' kohya reader would keep
     `dora_scale`'s shape, which peft then rejects, and it drops keys of modules the model lacks with a log line.
     """
-    embeddings = [path for path, _ in adapters if is_embedding_file(path, EMBEDDING_KEYS)]
+    embeddings = [path for path, _ in adapters if is_embedding_file(path)]
     for path in embeddings:  # a token's vectors have no scale
         load_embedding(components, path)
     adapters = [(path, scale) for path, scale in adapters if path not in embeddings]

@@ -24,16 +24,19 @@ LR_PLOT_FILE = "lr_range.png"
 GIB = 2**30
 
 
-def probe_config(config: Config, output_dir: Path, **train_changes) -> Config:
-    """The job as a probe: trains like it, writes nothing but its scratch folder, and sets `train_changes`."""
+def probe_config(config: Config, output_dir: Path, **changes: dict) -> Config:
+    """The job as a probe: trains like it, writes nothing but its scratch folder, and takes `changes` (section ->
+    values, e.g. `train={"max_steps": 2}`)."""
     data = config.model_dump(mode="json")
-    data["train"] |= {"output_dir": str(output_dir), "overwrite": True, **train_changes}
+    data["train"] |= {"output_dir": str(output_dir), "overwrite": True}
     data["validation"]["path"] = ""
     data["sample"] |= {"prompts": [], "before": False, "every_steps": 0}
     data["checkpoint"]["every_steps"] = 0
     data["export"] |= {"every_steps": 0, "average_last": 0}
     data["guard"]["rollback"] = False
     data["log"] |= {"tensorboard": False, "progress_bar": False, "activations_every_steps": 0}
+    for section, values in changes.items():
+        data[section] |= values
     return Config.model_validate(data)
 
 
@@ -80,8 +83,11 @@ def find_batch(
             f"model.weight_dtype = \"bf16\", or raise --max-memory-gb"
         )
     result = {"largest_batch_size": largest, **batch_and_accumulation(largest, config.train.global_batch_size, num_processes)}
-    result |= {"device": trials[-1]["device"], "steps_per_trial": steps, "trials": trials}
-    return result
+    # What `--write` and the UI put into the job: the global batch too when the job sets one.
+    settings = {"train.batch_size": result["batch_size"]}
+    if config.train.global_batch_size:
+        settings["train.global_batch_size"] = result["global_batch_size"]
+    return result | {"settings": settings, "device": trials[-1]["device"], "steps_per_trial": steps, "trials": trials}
 
 
 def largest_fitting(fits: Callable[[int], bool], max_batch: int) -> int:
@@ -143,8 +149,8 @@ def _batch_trial(config_data: dict, batch_size: int, steps: int, scratch: str, r
 
     from difftune.train import loop, setup
 
-    changes = {"batch_size": batch_size, "max_steps": steps, "gradient_accumulation_steps": 1, "global_batch_size": 0}
-    config = probe_config(Config.model_validate(config_data), Path(scratch) / "run", **changes)
+    batch = {"batch_size": batch_size, "max_steps": steps, "gradient_accumulation_steps": 1, "global_batch_size": 0}
+    config = probe_config(Config.model_validate(config_data), Path(scratch) / "run", train=batch)
     cuda = torch.cuda.is_available()
     result = {"batch_size": batch_size, "device": "cuda" if cuda else "cpu"}
     if cuda:
@@ -187,12 +193,10 @@ def find_lr(
         raise DifftuneError(f"find-lr: --steps {steps} is too few for a smoothed curve; use 10 or more (100 is usual)")
     with tempfile.TemporaryDirectory(prefix="difftune-find-lr-") as scratch:
         # Warmup, schedule, EMA and the guard would each bend the curve: the sweep is the schedule.
-        probe = probe_config(config, Path(scratch) / "run", max_steps=steps)
-        data = probe.model_dump(mode="json")
-        data["optim"] |= {"warmup_steps": 0, "lr_schedule": "constant"}
-        data["ema"]["enabled"] = False
-        data["guard"]["enabled"] = False
-        run = setup(Config.model_validate(data))
+        run = setup(probe_config(
+            config, Path(scratch) / "run", train={"max_steps": steps}, optim={"warmup_steps": 0, "lr_schedule": "constant"},
+            ema={"enabled": False}, guard={"enabled": False},
+        ))
         groups = run.optimizer.param_groups
         ratios = [group["lr"] / groups[0]["lr"] for group in groups]  # the text encoders keep their relative rate
         max_norm = config.optim.max_grad_norm or float("inf")
@@ -219,6 +223,7 @@ def find_lr(
     global_batch = run.config.train.batch_size * run.accelerator.num_processes * run.config.train.gradient_accumulation_steps
     # The sweep set the rates themselves; optim.learning_rate is that rate before optim.scale_lr scales it.
     result["learning_rate"] = result["suggested_lr"] / learning_rate_scale(config.optim.scale_lr, global_batch)
+    result["settings"] = {"optim.learning_rate": result["learning_rate"]}  # what `--write` and the UI apply
     result |= {"start_lr": start_lr, "end_lr": end_lr, "steps_run": len(rates), "lrs": rates, "losses": losses,
                "smoothed_losses": smoothed}
     out_dir.mkdir(parents=True, exist_ok=True)

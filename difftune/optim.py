@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 
 import torch
 from diffusers.optimization import get_scheduler
 
 from difftune.config import OptimConfig
-from difftune.errors import DifftuneError
+from difftune.errors import DifftuneError, require_extra
 
 
 def _adamw(groups, config: OptimConfig, device: torch.device):
@@ -107,8 +106,7 @@ def _resumable_galore():
 
 
 def _require(module: str, extra: str, optimizer: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        raise DifftuneError(f'optim.optimizer = "{optimizer}" needs {module}: `pip install difftune[{extra}]`, or use "adamw"')
+    require_extra(module, extra, f'optim.optimizer = "{optimizer}"', 'use "adamw"')
 
 
 OPTIMIZERS = {

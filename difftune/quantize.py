@@ -8,12 +8,11 @@ Only the adapters are saved, so the files load on the unquantized base like any 
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 
 import torch
 
-from difftune.errors import DifftuneError
+from difftune.errors import require_extra
 
 # peft says a torchao-quantized layer cannot merge its adapter: nothing here merges into a quantized base (merging
 # and exports load the unquantized one), so the warning would only alarm.
@@ -22,12 +21,10 @@ warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated wi
 NEEDS = {"int8": ("torchao", "torchao"), "nf4": ("bitsandbytes", "bnb")}
 
 
-def quantize_linear_layers(model: torch.nn.Module, method: str, device: torch.device, compute_dtype: torch.dtype) -> int:
+def quantize_linear_layers(model: torch.nn.Module, method: str, device: torch.device, compute_dtype: torch.dtype) -> None:
     """Replace `model`'s linear weights by their `method` quantization, made on `device` (where the layers are
-    moved; nf4 layers compute in `compute_dtype`); the number of layers quantized."""
-    library, extra = NEEDS[method]
-    if importlib.util.find_spec(library) is None:
-        raise DifftuneError(f'model.quantize = "{method}" needs {library}: `pip install difftune[{extra}]`, or set "none"')
+    moved; nf4 layers compute in `compute_dtype`)."""
+    require_extra(*NEEDS[method], f'model.quantize = "{method}"', 'set "none"')
     linear = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear]
     for name in linear:
         model.get_submodule(name).to(device)
@@ -40,7 +37,6 @@ def quantize_linear_layers(model: torch.nn.Module, method: str, device: torch.de
             parent, _, child = name.rpartition(".")
             layer = model.get_submodule(name)
             model.get_submodule(parent).register_module(child, _nf4_layer(layer, device, compute_dtype))
-    return len(linear)
 
 
 def _nf4_layer(layer: torch.nn.Linear, device: torch.device, compute_dtype: torch.dtype) -> torch.nn.Module:

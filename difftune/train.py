@@ -15,7 +15,6 @@ the final save, a parity check that the saved file, reloaded as users load it, r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from collections.abc import Iterator
@@ -47,7 +46,7 @@ from difftune.data import (
 )
 from difftune.ema import build_ema, ema_weights, update_ema
 from difftune.embeddings import caption_with_token, check_captions
-from difftune.errors import DifftuneError
+from difftune.errors import DifftuneError, require_extra
 from difftune.families import load_components
 from difftune.guard import Guard
 from difftune.loss import training_noise_scheduler
@@ -563,8 +562,7 @@ def _check_fp8_device() -> None:
             f'train.mixed_precision = "fp8" needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: L4, '
             f'L40S, RTX 40xx, H100); {where}. Use "bf16"'
         )
-    if importlib.util.find_spec("torchao") is None:
-        raise DifftuneError('train.mixed_precision = "fp8" needs torchao: `pip install difftune[torchao]`, or use "bf16"')
+    require_extra("torchao", "torchao", 'train.mixed_precision = "fp8"', 'use "bf16"')
 
 
 def _fp8_recipe():

@@ -18,6 +18,7 @@ import pandas as pd
 from difftune import jobs
 from difftune.config import TRAINING_ONLY_SAMPLE_FIELDS, Config, ModelConfig, SampleConfig, load_config
 from difftune.errors import DifftuneError
+from difftune.finders import LR_PLOT_FILE
 from difftune.form import FormField, config_from_widgets, form_fields, parse_adapter_lines, widget_values
 from difftune.models import DTYPES
 
@@ -178,18 +179,15 @@ def _finders(fields: list[FormField], widgets: list, job_name: gr.Textbox, jobs_
         except DifftuneError as err:
             return _error(err), gr.update(visible=False), gr.update(visible=False), {}
         if finder == "find-batch":
-            chosen = {"train.batch_size": result["batch_size"]}
-            if config.train.global_batch_size:
-                chosen["train.global_batch_size"] = result["global_batch_size"]
             text = (f"Largest batch size that fits: **{result['largest_batch_size']}** "
                     f"(peak {result['trials'][-1].get('peak_bytes', 0) / 2**30:.2f} GiB in the last trial); train with "
                     f"batch size {result['batch_size']} x {result['gradient_accumulation_steps']} accumulation steps.")
-            return text, gr.update(visible=False), gr.update(visible=True), chosen
+            return text, gr.update(visible=False), gr.update(visible=True), result["settings"]
         text = f"Suggested learning rate: **{result['suggested_lr']:.3g}** (a tenth of the rate at the lowest smoothed loss)."
         if result["note"]:
             text += f" Note: {result['note']}."
-        image = gr.update(value=str(folder / "lr_range.png"), visible=True)
-        return text, image, gr.update(visible=True), {"optim.learning_rate": result["learning_rate"]}
+        image = gr.update(value=str(folder / LR_PLOT_FILE), visible=True)
+        return text, image, gr.update(visible=True), result["settings"]
 
     outputs = [found, plot, apply, settings]
     find_batch.click(

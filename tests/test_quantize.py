@@ -8,7 +8,7 @@ import torch
 from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file
 
-from difftune import quantize, sharding
+from difftune import errors, quantize, sharding
 from difftune.errors import DifftuneError
 from difftune.train import train
 
@@ -42,7 +42,7 @@ def test_adapters_train_on_a_quantized_base_and_load_on_the_plain_one(make_confi
 
 
 def test_a_missing_quantization_library_is_named(make_config, monkeypatch):
-    monkeypatch.setattr(quantize.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(errors.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DifftuneError, match=r"needs torchao: `pip install difftune\[torchao\]`"):
         quantize.quantize_linear_layers(torch.nn.Linear(2, 2), "int8", torch.device("cpu"), torch.float32)
     with pytest.raises(DifftuneError, match=r"needs bitsandbytes: `pip install difftune\[bnb\]`"):
