@@ -32,7 +32,8 @@ from difftune.adapters import DORA_MAGNITUDE, derived_lora_configs
 from difftune.embeddings import is_embedding
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES
-from difftune.kohya import from_kohya, split_adapter_key
+from difftune.families.family import Family
+from difftune.kohya import split_adapter_key
 
 CONFIG_METADATA_KEY = "difftune_config"
 KOHYA_PREFIXES = tuple({prefix for family in FAMILIES.values() for prefix in family.kohya_prefixes.values()})
@@ -46,7 +47,7 @@ class BaseModules:
     """What reading a kohya file needs from the base it was made for."""
 
     names: dict[str, list[str]]  # part -> dotted names of its adaptable modules
-    kohya_prefixes: dict[str, str]  # part -> kohya key prefix (the family's)
+    family: Family  # its kohya layout
 
 
 # The file's metadata -> the base's modules (the metadata may name the base).
@@ -83,7 +84,7 @@ def read_adapter(path: Path, base_modules: FindBaseModules | None = None) -> tup
             )
         modules = base_modules(metadata)
         try:
-            tensors, lora_configs = from_kohya(tensors, modules.names, modules.kohya_prefixes)
+            tensors, lora_configs = modules.family.from_kohya(tensors, modules.names)
         except ValueError as err:
             raise DifftuneError(f"adapter {path}: {err}") from None
         return tensors, lora_configs, config_toml
@@ -183,4 +184,4 @@ def module_names_of(components) -> BaseModules:
     for part, model in components.parts().items():
         layers = [name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))]
         names[part] = [name.removesuffix(".base_layer") for name in layers if ".lora_" not in name]
-    return BaseModules(names, components.family.kohya_prefixes)
+    return BaseModules(names, components.family)

@@ -19,13 +19,13 @@ DORA_MAGNITUDE = "lora_magnitude_vector"
 
 
 def trained_parts(components: Components, config: AdapterConfig) -> dict[str, torch.nn.Module]:
-    """The parts `config` trains, by name: the denoiser, and the text encoders with `adapter.text_encoder`; an
-    embedding's text encoders alone."""
+    """The parts `config` trains, by name: the denoiser, and the family's adapted text encoders with
+    `adapter.text_encoder`; an embedding's text encoders alone."""
     parts, family = components.parts(), components.family
     if config.kind == "embedding":
         names = family.text_encoder_names
     else:
-        names = family.parts() if config.text_encoder else family.parts()[:1]
+        names = family.adapter_parts() if config.text_encoder else (family.denoiser_name,)
     return {name: parts[name] for name in names}
 
 

@@ -83,7 +83,7 @@ def _tokenizer():
 def build_pipeline(model: str):
     torch.manual_seed(0)
     if model in ("tiny", "tiny-sdxl"):
-        return tiny.build_pipeline(sdxl=model == "tiny-sdxl")
+        return tiny.build_pipeline(family={"tiny": "sd", "tiny-sdxl": "sdxl"}[model])
     if model == "sd15":
         return StableDiffusionPipeline(
             vae=_sd_vae(0.18215), text_encoder=_clip(768, 12, 12, "quick_gelu"), tokenizer=_tokenizer(),

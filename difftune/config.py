@@ -52,7 +52,8 @@ class ModelConfig(Section):
     family: Literal[("auto", *FAMILY_NAMES)] = Field(
         "auto",
         description="Model family: `auto` reads it from the base (a pipeline folder's model_index.json, a single "
-        "file's keys); `sd` is Stable Diffusion 1.x/2.x, `sdxl` SDXL and models built on it.",
+        "file's keys); `sd` is Stable Diffusion 1.x/2.x, `sdxl` SDXL and models built on it, `flux` Flux.1-class "
+        "flow-matching transformers.",
     )
     revision: str = Field("", description="Hub revision (branch, tag or commit) of `base`; empty for the default.")
     variant: str = Field("", description="Weight variant to load from a diffusers folder, e.g. `fp16`; empty for the default.")
@@ -79,6 +80,18 @@ class ModelConfig(Section):
         "fp32 (convolutions stay as they are). `int8`: weight-only int8 through torchao (the `torchao` extra); "
         "`nf4`: 4-bit NormalFloat with double quantization through bitsandbytes, as QLoRA (the `bnb` extra). Needs "
         "an adapter; the saved adapter loads on the unquantized base.",
+    )
+    guidance: float = Field(
+        1.0,
+        ge=0,
+        description="Flux-class bases with a guidance embedding (guidance-distilled, as FLUX.1-dev): the guidance value "
+        "training conditions on (1, as diffusers' and kohya's Flux scripts). Bases without one ignore it.",
+    )
+    text_padding_mask: bool = Field(
+        False,
+        description="Flux-class bases: keep the T5 padding tokens out of the joint attention in training (SimpleTuner's "
+        "masked training). Off by default, as Flux.1 was trained and as FluxPipeline samples (it passes no mask, so "
+        "in-training samples and other tools see the padding either way).",
     )
     weight_dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
         "auto",
@@ -202,12 +215,37 @@ class AdapterConfig(Section):
 
 class LossConfig(Section):
     prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
-        "auto", description="What the UNet predicts; `auto` takes it from the model's scheduler config."
+        "auto",
+        description="What the UNet predicts; `auto` takes it from the model's scheduler config. Flow-matching families "
+        "(Flux) always predict the velocity noise - x0 and take `auto` only.",
     )
-    weighting: Literal["min_snr", "uniform"] = Field(
-        "min_snr", description="Per-timestep loss weight: Min-SNR-gamma (Hang et al. 2023) or none."
+    weighting: Literal["auto", "min_snr", "uniform", "sigma_sqrt", "cosmap"] = Field(
+        "auto",
+        description="Per-timestep loss weight. `auto`: the family's usual, Min-SNR-gamma (Hang et al. 2023) for the UNet "
+        "families, none for flow matching. `uniform` is none; `sigma_sqrt` and `cosmap` (Esser et al. 2024, as "
+        "diffusers' SD3/Flux scripts) are for flow matching.",
     )
     snr_gamma: float = Field(5.0, gt=0, description="Gamma of Min-SNR weighting.")
+    timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
+        "uniform",
+        description="How training draws each sample's point on the noise schedule: uniformly, logit-normal (more weight "
+        "mid-schedule, SD3's choice), or SD3's `mode` density. For the UNet families it picks the timestep.",
+    )
+    logit_mean: float = Field(0.0, description="`timestep_sampling = \"logit_normal\"`: mean of the normal.")
+    logit_std: float = Field(1.0, gt=0, description="`timestep_sampling = \"logit_normal\"`: standard deviation of the normal.")
+    mode_scale: float = Field(1.29, description="`timestep_sampling = \"mode\"`: its scale (SD3's 1.29).")
+    flow_shift: float = Field(
+        1.0,
+        gt=0,
+        description="Flow-matching families: shift the drawn noise levels toward noise, sigma <- s*sigma / (1 + (s-1)*sigma) "
+        "(SD3's shift; kohya's `discrete_flow_shift`, e.g. 3.0); 1 is none.",
+    )
+    flow_shift_by_resolution: bool = Field(
+        False,
+        description="Flow-matching families: shift by the image's size instead, as the base's scheduler does when "
+        "sampling (Flux.1: exp(mu), mu linear in the latent token count from `base_shift` to `max_shift`); overrides "
+        "`flow_shift`.",
+    )
     noise_offset: float = Field(
         0.0, ge=0, description="Add this times a per-channel constant to the noise (darker darks, brighter brights); 0 is off."
     )
@@ -216,7 +254,8 @@ class LossConfig(Section):
     )
     zero_terminal_snr: bool = Field(
         False,
-        description="Rescale the noise schedule so its last step is pure noise (Lin et al. 2023); needs v-prediction.",
+        description="Rescale the noise schedule so its last step is pure noise (Lin et al. 2023); needs v-prediction. "
+        "UNet families only: flow matching reaches pure noise already.",
     )
 
 
@@ -373,8 +412,17 @@ class SampleConfig(Section):
     prompts: list[str] = Field([], description="Prompts to sample at the end of training; empty skips sampling.")
     negative_prompt: str = Field("", description="Negative prompt for every sample.")
     steps: int = Field(30, ge=1, description="Denoising steps per image.")
-    guidance_scale: float = Field(7.5, ge=1.0, description="Classifier-free guidance scale (1 disables it).")
-    scheduler: Literal["ddim", "euler", "euler_a", "dpmpp_2m"] = Field("ddim", description="Sampling scheduler.")
+    guidance_scale: float = Field(
+        7.5,
+        ge=1.0,
+        description="Classifier-free guidance scale (1 disables it). A guidance-distilled Flux base takes it as its "
+        "guidance embedding (FLUX.1-dev: about 3.5) and runs one pass.",
+    )
+    scheduler: Literal["auto", "ddim", "euler", "euler_a", "dpmpp_2m"] = Field(
+        "auto",
+        description="Sampling scheduler; `auto`: the family's usual (DDIM for the UNet families, flow-matching Euler for "
+        "Flux, the only one Flux takes).",
+    )
     seed: int = Field(0, ge=0, description="Seed of the first image; image i uses seed + i.")
     resolution: int | None = Field(None, ge=8, description="Sample size in pixels; defaults to `data.resolution`.")
     images_per_prompt: int = Field(1, ge=1, description="Images per prompt, each with the next seed.")

@@ -20,11 +20,9 @@ from safetensors.torch import save_file
 
 from difftune.config import AdapterConfig
 from difftune.errors import DifftuneError
-from difftune.families import FAMILIES
 from difftune.models import Components
 
 TOKEN_METADATA_KEY = "difftune_embedding_token"
-EMBEDDING_KEYS = {key for family in FAMILIES.values() for key in family.embedding_keys}  # every family's file keys
 
 
 def token_names(config: AdapterConfig) -> list[str]:
@@ -99,8 +97,10 @@ def write_embedding(path: Path, components: Components, config: AdapterConfig, m
 
 def is_embedding(keys) -> bool:
     """A textual-inversion file's keys: every one is an embedding key some family writes."""
+    from difftune.families import FAMILIES  # not at the top: the families import adapters.py, which imports this
+
     keys = set(keys)
-    return bool(keys) and keys <= EMBEDDING_KEYS
+    return bool(keys) and keys <= {key for family in FAMILIES.values() for key in family.embedding_keys}
 
 
 def is_embedding_file(path: Path) -> bool:

@@ -98,7 +98,7 @@ class EvalSettings:
     seed: int = 1000  # sample k of a prompt uses seed + k, for every prompt and every model
     steps: int = 20
     guidance_scale: float = 3.0
-    scheduler: str = "ddim"
+    scheduler: str = "auto"  # the family's default sampler
 
 
 @torch.no_grad()
@@ -106,6 +106,7 @@ def judged_samples(components: Components, prompts: list[str], settings: EvalSet
     """Each prompt's samples (fixed seeds), judged: one row per image."""
     pipeline = components.pipeline(sampling_scheduler(settings.scheduler, components))
     pipeline.set_progress_bar_config(disable=True)
+    guidance = components.family.sampling_arguments(components, settings.guidance_scale, "")
     for module in components.modules():
         module.eval()
     rows = []
@@ -114,7 +115,7 @@ def judged_samples(components: Components, prompts: list[str], settings: EvalSet
         images = pipeline(
             [prompt] * len(seeds),
             num_inference_steps=settings.steps,
-            guidance_scale=settings.guidance_scale,
+            **guidance,
             generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
         ).images
         for seed, image in zip(seeds, images):

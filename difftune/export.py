@@ -26,7 +26,7 @@ from difftune.embeddings import embedding_file_name, is_embedding_file, load_emb
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.families.family import Family
-from difftune.kohya import kohya_metadata, to_kohya
+from difftune.kohya import kohya_metadata
 from difftune.models import DTYPES, Components, quiet_loading
 from difftune.sample import sampling_scheduler
 
@@ -65,6 +65,17 @@ def save_trained(components: Components, config: Config, path: Path, layout: str
     return write_adapter(path, tensors, lora_configs, config.to_toml(), layout or config.export.format, components.family)
 
 
+def check_layout(components: Components, config: Config) -> None:
+    """Before training: the freshly attached adapter can be written in `export.format`, so a run cannot end
+    unable to save what it trained (the kohya Flux layout fuses modules that must be adapted together)."""
+    if config.adapter.kind in ("lora", "dora") and config.export.format == "kohya":
+        tensors, lora_configs = adapter_state_dict(components, config.adapter)
+        try:
+            components.family.to_kohya(tensors, lora_configs)
+        except ValueError as err:
+            raise DifftuneError(f"export.format = \"kohya\": {err}") from None
+
+
 def write_adapter(
     path: Path, tensors: dict, lora_configs: dict, config_toml: str, layout: str, family: Family | None = None,
     base: str = "",
@@ -79,7 +90,7 @@ def write_adapter(
     if layout == "kohya":
         family = family or adapter_family(lora_configs, config_toml, base)
         try:
-            tensors = to_kohya(tensors, lora_configs, family.kohya_prefixes)
+            tensors = family.to_kohya(tensors, lora_configs)
         except ValueError as err:
             raise DifftuneError(f"adapter {path}: {err}") from None
         metadata.update(kohya_metadata(config_toml, lora_configs, base, family.kohya_model_version))
@@ -91,14 +102,14 @@ def write_adapter(
 
 
 def adapter_family(lora_configs: dict, config_toml: str, base: str = "") -> Family:
-    """The family an adapter is for: its `base`'s when given, the one its difftune config records, else the only
-    family with all its parts (a UNet-only file is named alike by SD and SDXL: SD's layout is taken)."""
+    """The family an adapter is for: its `base`'s when given, the one its difftune config records, else the
+    smallest family with all its parts (a UNet-only file is named alike by SD and SDXL: SD's layout is taken)."""
     if base:
         return family_of(ModelConfig(base=base))
     if config_toml:
         return family_of(ModelConfig.model_validate(tomllib.loads(config_toml)["model"]))
     parts = {key.rsplit(".", 1)[0] for key in lora_configs if key.endswith(".r")}
-    return next(family for family in FAMILIES.values() if parts <= set(family.parts()))
+    return min((family for family in FAMILIES.values() if parts <= set(family.parts())), key=lambda f: len(f.parts()))
 
 
 def read_any_adapter(path: Path, base: str | None = None) -> tuple[dict, dict, str]:
@@ -188,6 +199,7 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
         for i, (path, _) in enumerate(adapters):
             tensors, lora_configs, config_toml = read_adapter(path, lambda metadata: modules)
             check_modules(tensors, modules.names, path)
+            _refuse_unloadable_parts(tensors, components.family, path)
             _refuse_non_finite(tensors, f"adapter {path}")
             names.append(f"adapter_{i}")
             staged = write_adapter(
@@ -226,7 +238,7 @@ def merge_adapters(components: Components, adapters: list[tuple[Path, float]], d
     if adapters:
         apply_adapters(components, adapters)
         pipeline = components.pipeline()
-        pipeline.fuse_lora(components=list(components.family.parts()), lora_scale=1.0)
+        pipeline.fuse_lora(components=list(components.family.adapter_parts()), lora_scale=1.0)
         pipeline.unload_lora_weights()
     for module in components.modules():
         module.to(DTYPES[dtype])
@@ -239,17 +251,29 @@ def save_merged(components: Components, out_dir: Path, single_file: bool, overwr
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise DifftuneError(f"--out {out_dir}: already exists and is not empty; choose another folder or pass --overwrite")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # The single file's keys first: a family without that layout refuses before anything is written.
+    ldm = {key: value.contiguous() for key, value in components.family.to_single_file(components).items()} if single_file else {}
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    components.pipeline(sampling_scheduler("ddim", components)).save_pretrained(staging, safe_serialization=True)
+    components.pipeline(sampling_scheduler("auto", components)).save_pretrained(staging, safe_serialization=True)
     written = [out_dir]
     if single_file:
-        ldm = {key: value.contiguous() for key, value in components.family.to_single_file(components).items()}
         save_file(ldm, staging / SINGLE_FILE, metadata={"format": "pt"})
         written.append(out_dir / SINGLE_FILE)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     staging.rename(out_dir)
     return written
+
+
+def _refuse_unloadable_parts(tensors: dict, family: Family, path: Path) -> None:
+    """A part diffusers' loader of this family would drop without a word (Flux's T5) stops the load instead."""
+    loadable = family.adapter_parts()
+    unloadable = sorted({key.partition(".")[0] for key in tensors} - set(loadable))
+    if unloadable:
+        raise DifftuneError(
+            f"adapter {path}: has weights for {', '.join(unloadable)}, which {family.description} pipelines do not load "
+            f"adapters into (they read {', '.join(loadable)}); merge that part into the base with the tool that made it"
+        )
 
 
 def _refuse_non_finite(tensors: dict, what: str) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,23 +32,24 @@ from difftune.adapters import DORA_MAGNITUDE, derived_lora_configs
 TEXT_MODEL = "text_model."
 
 
-def _kohya_module(part: str, module: str) -> str:
-    """A text encoder's module path as kohya names it: always under `text_model.`."""
-    if part.startswith("text_encoder") and not module.startswith(TEXT_MODEL):
+def _kohya_module(part: str, module: str, text_model_parts) -> str:
+    """A CLIP text encoder's module path as kohya names it: always under `text_model.`."""
+    if part in text_model_parts and not module.startswith(TEXT_MODEL):
         return TEXT_MODEL + module
     return module
 
 
-def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict, prefixes: dict[str, str]) -> dict[str, torch.Tensor]:
+def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict, prefixes: dict[str, str],
+             text_model_parts=()) -> dict[str, torch.Tensor]:
     """difftune/diffusers adapter tensors (`unet.<path>.lora_A.weight`, ...) -> kohya keys, with the family's
-    `prefixes` (part -> key prefix)."""
+    `prefixes` (part -> key prefix); `text_model_parts` are its CLIP encoders."""
     out = {}
     for key, value in tensors.items():
         part, _, rest = key.partition(".")
         module, kind = split_adapter_key(rest)
         if part not in prefixes:
             raise ValueError(f"{key}: this model family has no part {part!r} (it has {', '.join(prefixes)})")
-        name = prefixes[part] + _kohya_module(part, module).replace(".", "_")
+        name = prefixes[part] + _kohya_module(part, module, text_model_parts).replace(".", "_")
         if kind == "lora_A.weight":
             out[f"{name}.lora_down.weight"] = value
             out[f"{name}.alpha"] = torch.tensor(float(_alpha(lora_configs, part, rest.rsplit(".lora_A", 1)[0])))
@@ -59,7 +61,7 @@ def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict, prefixes: dic
 
 
 def from_kohya(
-    kohya: dict[str, torch.Tensor], module_names: dict[str, list[str]], prefixes: dict[str, str]
+    kohya: dict[str, torch.Tensor], module_names: dict[str, list[str]], prefixes: dict[str, str], text_model_parts=()
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """kohya keys -> difftune/diffusers adapter tensors and each part's peft config (rank, alpha, DoRA).
 
@@ -70,7 +72,7 @@ def from_kohya(
     for part, names in module_names.items():
         for name in names:
             lookup[prefixes[part] + name.replace(".", "_")] = (part, name)
-            lookup[prefixes[part] + _kohya_module(part, name).replace(".", "_")] = (part, name)
+            lookup[prefixes[part] + _kohya_module(part, name, text_model_parts).replace(".", "_")] = (part, name)
     tensors, ranks, alphas, dora = {}, {}, {}, {}
     for key, value in kohya.items():
         name, _, kind = key.partition(".")
@@ -93,6 +95,62 @@ def from_kohya(
         else:
             raise ValueError(f"{key}: unknown kohya key kind {kind!r} (known: lora_down, lora_up, alpha, dora_scale)")
     return tensors, derived_lora_configs(ranks, alphas, dora)
+
+
+def fuse(tensors: dict[str, torch.Tensor], lora_configs: dict, part: str, modules: list[str]) -> dict[str, torch.Tensor]:
+    """The adapters of `modules` (of `part`) as one adapter of the layer that stacks their output rows (a fused qkv):
+    downs stacked, ups block-diagonal, so the fused change is exactly the stacked changes. Alpha keeps the first
+    module's scale (alpha / rank); another module's scale is folded into its up. DoRA magnitudes, being per output
+    row, stack as they are. One module: its adapter unchanged."""
+    downs = [tensors[f"{part}.{module}.lora_A.weight"] for module in modules]
+    ups = [tensors[f"{part}.{module}.lora_B.weight"] for module in modules]
+    scales = [_alpha(lora_configs, part, module) / down.shape[0] for module, down in zip(modules, downs)]
+    rank = sum(down.shape[0] for down in downs)
+    fused = {
+        "lora_down.weight": torch.cat(downs),
+        "lora_up.weight": torch.block_diag(*[up * (scale / scales[0]) for up, scale in zip(ups, scales)]),
+        "alpha": torch.tensor(scales[0] * rank),
+    }
+    magnitudes = [tensors.get(f"{part}.{module}.{DORA_MAGNITUDE}.weight", tensors.get(f"{part}.{module}.{DORA_MAGNITUDE}"))
+                  for module in modules]
+    if any(magnitude is not None for magnitude in magnitudes):
+        fused["dora_scale"] = torch.cat([magnitude.reshape(-1) for magnitude in magnitudes]).reshape(-1, 1)
+    return fused
+
+
+@dataclass
+class Split:
+    tensors: dict[str, torch.Tensor]  # lora_A.weight, lora_B.weight (and the DoRA magnitude)
+    rank: int
+    alpha: float
+
+
+def split(fused: dict[str, torch.Tensor], row_sizes: list[int]) -> list[Split]:
+    """Inverse of `fuse`: one fused layer's adapter (kohya kinds) -> one adapter per module, `row_sizes` its output
+    rows each. An up that is block-diagonal (what `fuse` writes, or a fresh zero one) gives each module its own
+    rank-r/n slice back, exactly; any other (trained fused, as kohya trains it) gives every module the whole
+    down with its rows of the up: the same change."""
+    down, up = fused["lora_down.weight"], fused["lora_up.weight"]
+    rank, count = down.shape[0], len(row_sizes)
+    alpha = float(fused.get("alpha", rank))
+    blocks = up.split(row_sizes)
+    width = rank // count
+    diagonal = rank % count == 0 and all(
+        not block[:, j * width : (j + 1) * width].any() for i, block in enumerate(blocks) for j in range(count) if i != j
+    )
+    magnitudes = fused["dora_scale"].reshape(-1).split(row_sizes) if "dora_scale" in fused else [None] * count
+    out = []
+    for i, (block, magnitude) in enumerate(zip(blocks, magnitudes)):
+        if diagonal:
+            tensors = {"lora_A.weight": down[i * width : (i + 1) * width], "lora_B.weight": block[:, i * width : (i + 1) * width]}
+        else:
+            tensors = {"lora_A.weight": down, "lora_B.weight": block}
+        if magnitude is not None:
+            tensors[f"{DORA_MAGNITUDE}.weight"] = magnitude
+        sub_rank = width if diagonal else rank
+        # Copies: a shared down would make the modules' tensors share memory, which safetensors refuses to write.
+        out.append(Split({key: value.clone() for key, value in tensors.items()}, sub_rank, alpha * sub_rank / rank))
+    return out
 
 
 COMFYUI_DORA_NOTE = (

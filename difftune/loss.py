@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler
-from diffusers.training_utils import compute_snr
+from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
 from diffusers.utils.torch_utils import randn_tensor
 
 from difftune.config import LossConfig
@@ -32,12 +32,22 @@ def training_noise_scheduler(noise_scheduler: DDPMScheduler, config: LossConfig)
     return DDPMScheduler.from_config(noise_scheduler.config, rescale_betas_zero_snr=True, timestep_spacing="trailing")
 
 
-def draw_timesteps_and_noise(
-    generators: list[torch.Generator], latents: torch.Tensor, num_train_timesteps: int, config: LossConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per sample, each from its own generator: a uniform timestep (B,), the target noise (B, C, h, w) with the
-    configured offset, and the noise the UNet's input is made with (the target perturbed, if configured)."""
-    timesteps = torch.cat([torch.randint(0, num_train_timesteps, (1,), generator=g) for g in generators])
+def draw_fractions(generators: list[torch.Generator], config: LossConfig) -> torch.Tensor:
+    """Per sample, from its own generator, a point u in (0, 1) of the noise schedule, drawn as `timestep_sampling`
+    says: uniform, logit-normal (sigmoid of a normal) or SD3's "mode" density (Esser et al. 2024 sec. 3.1),
+    through diffusers' own sampler."""
+    return torch.cat([
+        compute_density_for_timestep_sampling(
+            config.timestep_sampling, 1, logit_mean=config.logit_mean, logit_std=config.logit_std,
+            mode_scale=config.mode_scale, generator=generator,
+        )
+        for generator in generators
+    ])
+
+
+def draw_noise(generators: list[torch.Generator], latents: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample, from its own generator: the target noise (B, C, h, w) with the configured offset, and the noise
+    the denoiser's input is made with (the target perturbed, if configured)."""
     noise = randn_tensor(latents.shape, generator=generators, device=latents.device, dtype=latents.dtype)
     if config.noise_offset:
         offset = randn_tensor((*latents.shape[:2], 1, 1), generator=generators, device=latents.device, dtype=latents.dtype)
@@ -46,7 +56,19 @@ def draw_timesteps_and_noise(
     if config.input_perturbation:
         extra = randn_tensor(latents.shape, generator=generators, device=latents.device, dtype=latents.dtype)
         input_noise = noise + config.input_perturbation * extra
-    return timesteps.to(latents.device), noise, input_noise
+    return noise, input_noise
+
+
+def draw_timesteps_and_noise(
+    generators: list[torch.Generator], latents: torch.Tensor, num_train_timesteps: int, config: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sample, each from its own generator: a timestep (B,) in [0, num_train_timesteps), then `draw_noise`'s
+    target and input noise."""
+    if config.timestep_sampling == "uniform":
+        timesteps = torch.cat([torch.randint(0, num_train_timesteps, (1,), generator=g) for g in generators])
+    else:
+        timesteps = (draw_fractions(generators, config) * num_train_timesteps).long().clamp(max=num_train_timesteps - 1)
+    return timesteps.to(latents.device), *draw_noise(generators, latents, config)
 
 
 def min_snr_weights(snr: torch.Tensor, gamma: float, prediction: str) -> torch.Tensor:
@@ -71,6 +93,7 @@ WEIGHTINGS = {
     ),
     "uniform": lambda scheduler, timesteps, config, prediction: torch.ones(len(timesteps)),
 }
+WEIGHTING_BY_DEFAULT = "min_snr"  # what `loss.weighting = "auto"` means for these (DDPM) families
 
 # The denoiser's prediction for noisy latents at timesteps: (noisy (B, C, h, w), timesteps (B,)) -> (B, C, h, w).
 Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -94,5 +117,6 @@ def diffusion_loss(
     target = TARGETS[prediction](noise_scheduler, latents, noise, timesteps)
     model_output = predict(noisy, timesteps)
     per_sample = F.mse_loss(model_output.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
-    weights = WEIGHTINGS[config.weighting](noise_scheduler, timesteps, config, prediction)
+    weighting = WEIGHTING_BY_DEFAULT if config.weighting == "auto" else config.weighting
+    weights = WEIGHTINGS[weighting](noise_scheduler, timesteps, config, prediction)
     return per_sample * weights.to(per_sample.device)

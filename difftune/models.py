@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import torch
-from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler
+from diffusers import AutoencoderKL, AutoencoderTiny
 from diffusers.utils.torch_utils import randn_tensor
 
 from difftune.errors import DifftuneError
@@ -39,13 +39,14 @@ class Components:
     """A base model's parts. Parts are named as in its diffusers pipeline (and in diffusers' LoRA files)."""
 
     family: Family
-    denoiser: torch.nn.Module  # the UNet (SD, SDXL)
+    denoiser: torch.nn.Module  # the UNet (SD, SDXL) or transformer (Flux)
     vae: AutoencoderKL | AutoencoderTiny | None  # None while released (its latents are cached)
     text_encoders: dict[str, torch.nn.Module | None]  # "text_encoder"[, "text_encoder_2"]; None while released
     tokenizers: dict[str, Any]  # "tokenizer"[, "tokenizer_2"]
-    noise_scheduler: DDPMScheduler
+    noise_scheduler: Any  # the schedule training follows (the family's `training_scheduler`)
     pipeline_options: dict = field(default_factory=dict)  # the family's `pipeline_options` values
     latent_scaling: tuple[float, float] = (1.0, 0.0)  # the VAE's (scaling_factor, shift_factor)
+    conditioning_options: dict = field(default_factory=dict)  # `model` settings the family's `denoise` reads
 
     def parts(self) -> dict[str, torch.nn.Module | None]:
         """The denoiser and the text encoders by part name: what adapters attach to."""

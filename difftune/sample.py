@@ -7,29 +7,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from diffusers import (
-    DDIMScheduler,
-    DPMSolverMultistepScheduler,
-    EulerAncestralDiscreteScheduler,
-    EulerDiscreteScheduler,
-)
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from difftune.config import SampleConfig
+from difftune.errors import DifftuneError
 from difftune.models import Components, eval_mode, load_vae
-
-SCHEDULERS = {
-    "ddim": DDIMScheduler,
-    "euler": EulerDiscreteScheduler,
-    "euler_a": EulerAncestralDiscreteScheduler,
-    "dpmpp_2m": DPMSolverMultistepScheduler,
-}
 
 
 def sampling_scheduler(name: str, components: Components):
-    """The named sampler over the model's own noise schedule."""
-    return SCHEDULERS[name].from_config(components.noise_scheduler.config)
+    """The named sampler (`auto`: the family's default) over the model's own noise schedule."""
+    family = components.family
+    name = family.default_sampler if name == "auto" else name
+    if name not in family.samplers:
+        raise DifftuneError(
+            f"sample.scheduler = \"{name}\": not a sampler for {family.description}; use auto or {', '.join(family.samplers)}"
+        )
+    return family.samplers[name].from_config(components.noise_scheduler.config)
 
 
 @dataclass
@@ -46,20 +40,20 @@ def generate_images(components: Components, config: SampleConfig, device: torch.
     decoder = load_vae(config.decoder).to(device, components.vae.dtype) if config.decoder else components.vae
     pipeline = replace(components, vae=decoder).pipeline(sampling_scheduler(config.scheduler, components))
     pipeline.set_progress_bar_config(disable=True)
+    guidance = components.family.sampling_arguments(components, config.guidance_scale, config.negative_prompt)
     with eval_mode(components.denoiser, *components.text_encoders.values()):
-        return _sample_all(pipeline, config)
+        return _sample_all(pipeline, config, guidance)
 
 
-def _sample_all(pipeline, config: SampleConfig) -> list[Sample]:
+def _sample_all(pipeline, config: SampleConfig, guidance: dict) -> list[Sample]:
     samples = []
     for prompt in config.prompts:
         for _ in range(config.images_per_prompt):
             seed = config.seed + len(samples)
             image = pipeline(
                 prompt,
-                negative_prompt=config.negative_prompt or None,
                 num_inference_steps=config.steps,
-                guidance_scale=config.guidance_scale,
+                **guidance,
                 height=config.resolution,
                 width=config.resolution,
                 generator=torch.Generator("cpu").manual_seed(seed),

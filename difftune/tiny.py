@@ -1,9 +1,11 @@
-"""Tiny Stable-Diffusion- and SDXL-architecture models and synthetic captioned images, built with no downloads.
+"""Tiny Stable-Diffusion-, SDXL- and Flux-architecture models and synthetic captioned images, built with no downloads.
 
 The same diffusers/transformers classes as SD 1.x (UNet2DConditionModel, AutoencoderKL,
-CLIPTextModel + CLIPTokenizer) and SDXL (a second, projecting text encoder, a UNet with `text_time`
-size/crop conditioning), shrunk so that CPU tests and the bundled default jobs run in seconds.
-The tokenizer is character level with a vocabulary written here, so nothing is fetched.
+CLIPTextModel + CLIPTokenizer), SDXL (a second, projecting text encoder, a UNet with `text_time`
+size/crop conditioning) and Flux.1 (FluxTransformer2DModel, a 16-channel AutoencoderKL with a shift factor,
+CLIP for the pooled embedding and T5EncoderModel + T5TokenizerFast for the token states), shrunk so that CPU
+tests and the bundled default jobs run in seconds. The tokenizers are character level with vocabularies
+written here, so nothing is fetched.
 """
 
 from __future__ import annotations
@@ -19,12 +21,24 @@ from diffusers import (
     AutoencoderKL,
     AutoencoderTiny,
     DDPMScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
 from PIL import Image, ImageDraw
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
 
 from difftune.data import image_to_tensor
 
@@ -36,6 +50,8 @@ TEXT_HIDDEN_SIZE = 64
 TEXT_2_HIDDEN_SIZE = 96
 TEXT_2_PROJECTION_SIZE = 64
 TIME_EMBED_SIZE = 8  # per micro-conditioning number (SDXL: 256)
+T5_HIDDEN_SIZE = 64
+FLUX_LATENT_CHANNELS = 16  # as Flux.1's autoencoder; packed 2x2 into 64-wide tokens
 
 COLORS = {
     "red": (220, 40, 40),
@@ -49,9 +65,13 @@ SHAPES = ("circle", "square", "triangle")
 
 def character_vocabulary() -> dict[str, int]:
     """CLIP-style BPE vocabulary with no merges: each character, plain and word-final, plus the specials."""
-    chars = [c for c in string.ascii_lowercase + string.digits + ",.!?'-_:;()<>" if c != " "]
+    chars = _characters()
     tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
     return {token: i for i, token in enumerate(tokens)}
+
+
+def _characters() -> list[str]:
+    return [c for c in string.ascii_lowercase + string.digits + ",.!?'-_:;()<>" if c != " "]
 
 
 def build_tokenizer() -> CLIPTokenizer:
@@ -81,8 +101,54 @@ def build_text_encoder(hidden_size: int = TEXT_HIDDEN_SIZE, projection_size: int
     return CLIPTextModelWithProjection(config) if projection_size else CLIPTextModel(config)
 
 
-def build_vae(scaling_factor: float = 1.0) -> AutoencoderKL:
-    # Three blocks: 32 px images -> 8x8x4 latents (downsampling 4, where SD's VAE has 8).
+def build_t5_tokenizer() -> T5TokenizerFast:
+    """T5's layout (a SentencePiece-style unigram model: `<pad>` 0, `</s>` 1 appended to every text, `<unk>` 2,
+    word starts marked by `▁`), over single characters."""
+    chars = _characters()
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)]
+    pieces += [(c, -2.0) for c in chars] + [("▁" + c, -2.0) for c in chars]
+    backend = Tokenizer(models.Unigram(pieces, unk_id=2))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return T5TokenizerFast(
+        tokenizer_object=backend, model_max_length=TOKENIZER_MAX_LENGTH, pad_token="<pad>", eos_token="</s>",
+        unk_token="<unk>", extra_ids=0,
+    )
+
+
+def build_t5_encoder(vocab_size: int) -> T5EncoderModel:
+    """A 2-layer T5 encoder (Flux's `text_encoder_2`: its last hidden state is the token conditioning)."""
+    return T5EncoderModel(T5Config(
+        vocab_size=vocab_size, d_model=T5_HIDDEN_SIZE, d_kv=16, d_ff=2 * T5_HIDDEN_SIZE, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False, use_cache=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    ))
+
+
+def build_flux_transformer(layers: tuple[int, int] = (1, 1), heads: int = 2, head_dim: int = 16,
+                           guidance: bool = False) -> FluxTransformer2DModel:
+    """`layers` (double-stream, single-stream) blocks over packed 2x2 latent patches; the rotary axes split the
+    head dimension 1:2.5:2.5 (text index, row, column) as Flux.1's 16:56:56. `guidance`: a guidance embedding,
+    as guidance-distilled bases (FLUX.1-dev) have."""
+    axes = (head_dim // 8 * 2, head_dim * 3 // 8, head_dim * 3 // 8)
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * FLUX_LATENT_CHANNELS, num_layers=layers[0], num_single_layers=layers[1],
+        attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=T5_HIDDEN_SIZE,
+        pooled_projection_dim=TEXT_HIDDEN_SIZE, guidance_embeds=guidance, axes_dims_rope=axes,
+    )
+
+
+def build_flow_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """FLUX.1-dev's scheduler config: a shift that grows with the image's token count."""
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+
+
+def build_vae(scaling_factor: float = 1.0, latent_channels: int = 4) -> AutoencoderKL:
+    # Three blocks: 32 px images -> 8x8 latents (downsampling 4, where SD's VAE has 8).
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
@@ -90,21 +156,21 @@ def build_vae(scaling_factor: float = 1.0) -> AutoencoderKL:
         up_block_types=("UpDecoderBlock2D",) * 3,
         block_out_channels=(32, 64, 64),
         layers_per_block=1,
-        latent_channels=4,
+        latent_channels=latent_channels,
         norm_num_groups=32,
         sample_size=IMAGE_SIZE,
         scaling_factor=scaling_factor,
     )
 
 
-def build_taesd() -> AutoencoderTiny:
+def build_taesd(latent_channels: int = 4) -> AutoencoderTiny:
     """A TAESD-shaped autoencoder with the tiny VAE's downsampling (4) and latent channels."""
     return AutoencoderTiny(
         encoder_block_out_channels=(32, 32, 32),
         decoder_block_out_channels=(32, 32, 32),
         num_encoder_blocks=(1, 1, 1),
         num_decoder_blocks=(1, 1, 1),
-        latent_channels=4,
+        latent_channels=latent_channels,
         upsampling_scaling_factor=2,
     )
 
@@ -151,22 +217,40 @@ def build_noise_scheduler() -> DDPMScheduler:
     )
 
 
-def build_pipeline(seed: int = 0, sdxl: bool = False) -> StableDiffusionPipeline | StableDiffusionXLPipeline:
-    """A random-init tiny SD (or SDXL) pipeline; its VAE's scaling factor is 1/std of the latents of
-    `shape_images`, the way SD's 0.18215 was chosen."""
+def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
+    """A random-init tiny SD, SDXL or Flux pipeline; its VAE's scaling factor is 1/std of the latents of
+    `shape_images`, the way SD's 0.18215 was chosen (Flux: its shift factor their mean, as Flux.1's 0.1159).
+    `guidance`: Flux with a guidance embedding."""
     torch.manual_seed(seed)
-    vae = build_vae()
+    vae = build_vae(latent_channels=FLUX_LATENT_CHANNELS if family == "flux" else 4)
     with torch.no_grad():
         pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
-        latents = vae.encode(pixels).latent_dist.mean  # (64, 4, 8, 8)
-    vae.register_to_config(scaling_factor=float(1.0 / latents.std()))
-    return assemble_tiny_pipeline(vae, sdxl)
+        latents = vae.encode(pixels).latent_dist.mean  # (64, C, 8, 8)
+    set_latent_scaling(vae, latents, shift=family == "flux")
+    return assemble_tiny_pipeline(vae, family, guidance=guidance)
 
 
-def assemble_tiny_pipeline(vae: AutoencoderKL, sdxl: bool, unet_block_out_channels: tuple[int, ...] = (32, 64)):
-    """Random text encoders and UNet around `vae` (built in this order: the seed's random draws depend on it)."""
+def set_latent_scaling(vae: AutoencoderKL, latents: torch.Tensor, shift: bool) -> None:
+    """Scaling factor 1/std of `latents` (unscaled posterior means); with `shift`, the shift factor their mean."""
+    shift_factor = float(latents.mean()) if shift else 0.0
+    vae.register_to_config(scaling_factor=float(1.0 / (latents - shift_factor).std()))
+    if shift:
+        vae.register_to_config(shift_factor=shift_factor)
+
+
+def assemble_tiny_pipeline(vae: AutoencoderKL, family: str, unet_block_out_channels: tuple[int, ...] = (32, 64),
+                           flux_layers: tuple[int, int] = (1, 1), flux_heads: int = 2, guidance: bool = False):
+    """Random text encoders and denoiser around `vae` (built in this order: the seed's random draws depend on it)."""
     text_encoder, tokenizer = build_text_encoder(), build_tokenizer()
-    if not sdxl:
+    if family == "flux":
+        t5_tokenizer = build_t5_tokenizer()
+        return FluxPipeline(
+            vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+            text_encoder_2=build_t5_encoder(len(t5_tokenizer)), tokenizer_2=t5_tokenizer,
+            transformer=build_flux_transformer(flux_layers, flux_heads, guidance=guidance),
+            scheduler=build_flow_scheduler(),
+        )
+    if family == "sd":
         return StableDiffusionPipeline(
             vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=build_unet(unet_block_out_channels),
             scheduler=build_noise_scheduler(), safety_checker=None, feature_extractor=None, requires_safety_checker=False,

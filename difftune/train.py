@@ -124,6 +124,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     config = with_accumulation(config, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = config.train.gradient_accumulation_steps
     components = load_components(config.model)
+    components.family.check_config(config)
     # The resolved config names the family: a file written now says what it was trained on.
     config = config.model_copy(update={"model": config.model.model_copy(update={"family": components.family.name})})
     if accelerator.is_main_process:
@@ -147,6 +148,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
         _sample_before_training(components, config, output_dir, accelerator.device)
     _release_unneeded(components, config)
     _shape_for_training(components, config, accelerator)
+    export.check_layout(components, config)
     if config.train.compile:  # after the adapters, so the compiled graph includes them
         components.denoiser.compile()
 

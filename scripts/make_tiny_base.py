@@ -1,11 +1,11 @@
-"""Build a bundled tiny base: `python scripts/make_tiny_base.py` (models/tiny-sd and the default job's images)
-or `python scripts/make_tiny_base.py --family sdxl` (models/tiny-sdxl, from tiny-sd's autoencoders).
+"""Build a bundled tiny base: `python scripts/make_tiny_base.py` (models/tiny-sd and the default job's images),
+`--family sdxl` (models/tiny-sdxl, from tiny-sd's autoencoders) or `--family flux` (models/tiny-flux).
 
-Trains a KL autoencoder and a TAESD on synthetic shapes (SD only), then the UNet and text encoder(s) with
+Trains a KL autoencoder and a TAESD on synthetic shapes (not for SDXL), then the denoiser and text encoder(s) with
 difftune's own trainer (full fine-tune, EMA), never showing them the held-out color; scores the result with
 the judge (and an untrained control) and writes the model card. Deterministic by seed; about 20 minutes on 2
-CPU cores for tiny-sd. The default jobs' images (examples/purple: renders of the held-out color) are written
-with tiny-sd.
+CPU cores for tiny-sd, 17 for tiny-flux. The default jobs' images (examples/purple: renders of the held-out color)
+are written with tiny-sd.
 """
 
 import argparse
@@ -17,7 +17,7 @@ from difftune.evaluate import EvalSettings, score
 from difftune.config import ModelConfig
 from difftune.families import load_components
 from difftune.tiny import shape_images, write_caption_folder
-from difftune.tiny_base import HELD_OUT_COLOR, SDXL_STEPS, SEEN_COLORS, Recipe, build_base
+from difftune.tiny_base import FLUX_RECIPE, HELD_OUT_COLOR, SDXL_STEPS, SEEN_COLORS, Recipe, build_base
 
 CARD = """---
 library_name: diffusers
@@ -40,11 +40,11 @@ Weights are fp16; on a CPU load them as fp32: `{pipeline}.from_pretrained(path, 
   {autoencoder_batch}, then {vae_decoder_steps} steps at lr {vae_decoder_lr} of the decoder alone on the posterior means, as SD's ft-MSE
   VAE), scaling factor {scaling_factor:.4f} = 1/std of its latents; TAESD distilled for {taesd_steps}
   steps (encoder -> the VAE's scaled latents, decoder <- them)
-- UNet (block channels {channels}, {unet_params:,} parameters) and text encoder(s) ({text_params:,}) trained jointly
+- {denoiser} ({denoiser_params:,} parameters) and text encoder(s) ({text_params:,}) trained jointly
   by `difftune train` with `adapter.kind = "none"`, `adapter.text_encoder = true`: {steps} steps at batch
-  {batch_size}, AdamW lr {learning_rate} cosine, {weighting} loss weighting, noise offset {noise_offset}, caption dropout 0.1, cached latents,
+  {batch_size}, AdamW lr {learning_rate} cosine, {objective}, noise offset {noise_offset}, caption dropout 0.1, cached latents,
   EMA {ema_decay} (the EMA weights are what is saved)
-- time on 2 CPU cores: autoencoders {t_ae:.0f} s, UNet + text encoder(s) {t_unet:.0f} s
+- time on 2 CPU cores: autoencoders {t_ae:.0f} s, {denoiser_short} + text encoder(s) {t_unet:.0f} s
 
 ## Scores
 
@@ -56,7 +56,7 @@ Weights are fp16; on a CPU load them as fp32: `{pipeline}.from_pretrained(path, 
 | seen prompts, color accuracy ({n} samples per prompt, fixed seeds) | {seen_color:.3f} |
 | seen prompts, shape accuracy | {seen_shape:.3f} |
 | held-out color before fine-tuning (both right) | {concept_both:.3f} |
-| untrained control (random UNet and text encoders), color / shape | {control_color:.3f} / {control_shape:.3f} |
+| untrained control (random {denoiser_short} and text encoders), color / shape | {control_color:.3f} / {control_shape:.3f} |
 
 Judged by `difftune.evaluate.judge` (pixel statistics: on a plain background the foreground must be one
 blob of one palette color, else nothing is named; the nearest palette color; where the blob fills its
@@ -72,27 +72,30 @@ ARCHITECTURES = {
              "`addition_embed_type = \"text_time\"` size/crop conditioning, `AutoencoderKL`, `CLIPTextModel` and\n"
              "`CLIPTextModelWithProjection` with character-level `CLIPTokenizer`s; the UNet keeps tiny-sd's attention\n"
              "placement)", "StableDiffusionXLPipeline"),
+    "flux": ("Flux.1's architecture at toy size, from the same classes (`FluxTransformer2DModel` over 2x2-packed\n"
+             "latents, a 16-channel `AutoencoderKL` with a shift factor, `CLIPTextModel` for the pooled embedding and\n"
+             "`T5EncoderModel` for the token states, with character-level `CLIPTokenizer` and `T5TokenizerFast`; no\n"
+             "guidance embedding: sample with true classifier-free guidance)", "FluxPipeline"),
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=("sd", "sdxl"), default="sd")
-    parser.add_argument("--model-dir", type=Path, help="default: models/tiny-sd or models/tiny-sdxl")
+    parser.add_argument("--family", choices=("sd", "sdxl", "flux"), default="sd")
+    parser.add_argument("--model-dir", type=Path, help="default: models/tiny-<family>")
     parser.add_argument("--autoencoders-from", type=Path, default=Path("models/tiny-sd"),
                         help="with --family sdxl: the built base whose vae/ and taesd/ are reused")
     parser.add_argument("--examples-dir", type=Path, default=Path("examples/purple"))
     parser.add_argument("--work-dir", type=Path, help="default: output/tiny-<family>-build")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, help=f"UNet/text-encoder training steps (default: {Recipe.steps} for sd, "
-                        f"{SDXL_STEPS} for sdxl)")
-    parser.add_argument("--weighting", choices=("min_snr", "uniform"), default=Recipe.weighting)
+    parser.add_argument("--steps", type=int, help=f"denoiser/text-encoder training steps (default: {Recipe.steps} for sd, "
+                        f"{SDXL_STEPS} for sdxl, {FLUX_RECIPE['steps']} for flux)")
     args = parser.parse_args()
     args.model_dir = args.model_dir or Path(f"models/tiny-{args.family}")
     args.work_dir = args.work_dir or Path(f"output/tiny-{args.family}-build")
     sdxl = args.family == "sdxl"
-    steps = args.steps or (SDXL_STEPS if sdxl else Recipe.steps)
-    recipe = Recipe(seed=args.seed, steps=steps, weighting=args.weighting, sdxl=sdxl)
+    recipe = Recipe(seed=args.seed, family=args.family, **(FLUX_RECIPE if args.family == "flux" else {}))
+    recipe.steps = args.steps or (SDXL_STEPS if sdxl else recipe.steps)
     finish(args, recipe, build_base(args.model_dir, args.work_dir, recipe, args.autoencoders_from if sdxl else None))
 
 
@@ -105,15 +108,20 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
     facts |= {"base": base, "untrained_control": control, "eval_settings": vars(settings)}
     (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
     architecture, pipeline = ARCHITECTURES[args.family]
+    denoiser = (f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, width "
+                f"{recipe.flux_heads * 16})" if recipe.family == "flux" else f"UNet (block channels {recipe.unet_block_out_channels})")
     (args.model_dir / "README.md").write_text(CARD.format(
         name=args.model_dir.name, architecture=architecture, pipeline=pipeline,
-        command="python scripts/make_tiny_base.py" + (" --family sdxl" if recipe.sdxl else ""),
-        autoencoders_note=f" (reused from {args.autoencoders_from.name})" if recipe.sdxl else "",
+        command="python scripts/make_tiny_base.py" + (f" --family {recipe.family}" if recipe.family != "sd" else ""),
+        autoencoders_note=f" (reused from {args.autoencoders_from.name})" if recipe.family == "sdxl" else "",
         seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR, seed=recipe.seed,
         autoencoder_images=recipe.autoencoder_images, vae_steps=recipe.vae_steps,
         vae_decoder_steps=recipe.vae_decoder_steps, vae_decoder_lr=recipe.vae_decoder_lr, taesd_steps=recipe.taesd_steps,
         autoencoder_batch=recipe.autoencoder_batch, scaling_factor=components.vae.config.scaling_factor,
-        channels=recipe.unet_block_out_channels, unet_params=sum(p.numel() for p in components.denoiser.parameters()),
+        denoiser=denoiser, denoiser_short=denoiser.split(" (")[0],
+        denoiser_params=sum(p.numel() for p in components.denoiser.parameters()),
+        objective="flow matching (rectified flow), uniform noise levels with the sampler's resolution shift"
+        if recipe.family == "flux" else f"{recipe.weighting} loss weighting",
         text_params=sum(p.numel() for e in components.text_encoders.values() for p in e.parameters()), steps=recipe.steps,
         batch_size=recipe.batch_size, learning_rate=recipe.learning_rate, weighting=recipe.weighting, noise_offset=recipe.noise_offset,
         ema_decay=recipe.ema_decay, t_ae=facts["seconds"]["autoencoders"], t_unet=facts["seconds"]["unet_and_text_encoder"],
@@ -122,7 +130,7 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
         seen_color=base["seen"]["color"], seen_shape=base["seen"]["shape"], concept_both=base["concept"]["both"],
         control_color=control["seen"]["color"], control_shape=control["seen"]["shape"],
     ))
-    if not recipe.sdxl:  # the default jobs share these images
+    if recipe.family == "sd":  # the default jobs share these images
         shutil.rmtree(args.examples_dir, ignore_errors=True)
         write_caption_folder(args.examples_dir, shape_images(16, seed=args.seed + 7, colors=(HELD_OUT_COLOR,)))
     print(json.dumps({k: facts[k] for k in ("seconds", "autoencoders")} | {"base_seen": base["seen"],

@@ -1,4 +1,4 @@
-"""Fixtures: tiny SD and SDXL pipelines and captioned images built here, on the CPU, with no downloads."""
+"""Fixtures: tiny SD, SDXL and Flux pipelines and captioned images built here, on the CPU, with no downloads."""
 
 from __future__ import annotations
 
@@ -34,7 +34,15 @@ def tiny_base(tmp_path_factory) -> Path:
 def tiny_sdxl_base(tmp_path_factory) -> Path:
     """A random-init tiny SDXL pipeline folder (fp32)."""
     path = tmp_path_factory.mktemp("tiny-sdxl-base")
-    build_pipeline(seed=1, sdxl=True).save_pretrained(path, safe_serialization=True)
+    build_pipeline(seed=1, family="sdxl").save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_base(tmp_path_factory) -> Path:
+    """A random-init tiny Flux pipeline folder (fp32), no guidance embedding."""
+    path = tmp_path_factory.mktemp("tiny-flux-base")
+    build_pipeline(seed=1, family="flux").save_pretrained(path, safe_serialization=True)
     return path
 
 

@@ -70,7 +70,7 @@ def test_build_base_writes_an_fp16_pipeline_with_taesd(tmp_path):
 
 @pytest.mark.slow
 def test_build_sdxl_base_reuses_the_autoencoders(tmp_path):
-    recipe = Recipe(train_images_per_prompt=1, validation_images_per_prompt=1, steps=2, batch_size=4, sdxl=True)
+    recipe = Recipe(train_images_per_prompt=1, validation_images_per_prompt=1, steps=2, batch_size=4, family="sdxl")
     facts = build_base(tmp_path / "base", tmp_path / "work", recipe, autoencoders_from=BASE)
     assert facts["seconds"]["autoencoders"] < 60  # loaded, not trained
     pipeline = StableDiffusionXLPipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)

@@ -60,12 +60,11 @@ def load_components(config: ModelConfig) -> Components:
         with explained_load_errors("model.vae", config.vae):
             components.vae = load_vae(config.vae)
     components.latent_scaling = latent_scaling(components.vae.config)
-    latent_channels = components.vae.config.latent_channels
-    if latent_channels != components.denoiser.config.in_channels:
+    latent_channels, takes = components.vae.config.latent_channels, components.family.latent_channels(components.denoiser)
+    if latent_channels != takes:
         raise DifftuneError(
             f"model.vae {config.vae or base}: makes {latent_channels}-channel latents but the "
-            f"{components.family.denoiser_name} takes {components.denoiser.config.in_channels}; use an autoencoder "
-            f"made for this base"
+            f"{components.family.denoiser_name} takes {takes}; use an autoencoder made for this base"
         )
     return components
 

@@ -13,9 +13,16 @@ import re
 from pathlib import Path
 
 import torch
-from diffusers import DDPMScheduler
+from diffusers import (
+    DDIMScheduler,
+    DDPMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+)
 
-from difftune.config import LossConfig, ModelConfig
+from difftune import kohya
+from difftune.config import Config, LossConfig, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.loss import diffusion_loss, draw_timesteps_and_noise
 from difftune.models import SINGLE_FILE_SUFFIXES, Components, tokenize
@@ -23,6 +30,8 @@ from difftune.models import SINGLE_FILE_SUFFIXES, Components, tokenize
 # A UNet block's name, wherever the UNet sits (peft and compile may wrap it): `down_blocks.1`, `mid_block`,
 # `up_blocks.0.attentions.2`, `down_blocks.0.resnets.1`...
 UNET_BLOCK = re.compile(r"(?:^|\.)((?:down_blocks\.\d+|up_blocks\.\d+|mid_block)(?:\.(?:attentions|resnets)\.\d+)?)$")
+SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler, "euler_a": EulerAncestralDiscreteScheduler,
+            "dpmpp_2m": DPMSolverMultistepScheduler}
 FP32 = {"dtype": torch.float32}  # not the saved dtype: placement casts later, on purpose
 
 
@@ -35,11 +44,14 @@ class Family:
     text_encoder_names: tuple[str, ...] = ("text_encoder",)
     tokenizer_names: tuple[str, ...] = ("tokenizer",)
     kohya_prefixes: dict[str, str]  # part -> key prefix in kohya / A1111 / ComfyUI files
+    kohya_text_model_parts: tuple[str, ...] = ("text_encoder",)  # CLIP encoders: kohya names their modules `text_model_*`
     kohya_model_version: str  # kohya's `ss_base_model_version`
     embedding_keys: tuple[str, ...] = ("emb_params",)  # per text encoder: its key in A1111 / ComfyUI embedding files
     default_targets: dict[str, list[str]]  # part -> modules that get an adapter unless the config lists others
     pipeline_options: tuple[str, ...] = ()  # pipeline config values a reassembled pipeline keeps
     fixed_pipeline_arguments: dict = {}  # what every pipeline of the family is built with
+    default_sampler = "ddim"  # what `sample.scheduler = "auto"` means
+    samplers = SAMPLERS  # sampler name -> scheduler class, built over the model's own schedule config
 
     # Detection and loading.
 
@@ -68,10 +80,24 @@ class Family:
             vae=pipeline.vae,
             text_encoders={name: getattr(pipeline, name) for name in self.text_encoder_names},
             tokenizers={name: getattr(pipeline, name) for name in self.tokenizer_names},
-            # Training adds noise as DDPM defines it, whichever sampler the pipeline was saved with.
-            noise_scheduler=DDPMScheduler.from_config(pipeline.scheduler.config),
+            noise_scheduler=self.training_scheduler(pipeline.scheduler),
             pipeline_options={key: pipeline.config[key] for key in self.pipeline_options if key in pipeline.config},
         )
+
+    def training_scheduler(self, scheduler):
+        """The noise schedule training follows, from the pipeline's scheduler: DDPM's, whichever sampler the
+        pipeline was saved with."""
+        return DDPMScheduler.from_config(scheduler.config)
+
+    def check_config(self, config: Config) -> None:
+        """Refuse settings this family cannot train with (a `DifftuneError` naming them); before any work."""
+        flow_only = {"loss.weighting": config.loss.weighting in ("sigma_sqrt", "cosmap"),
+                     "loss.flow_shift": config.loss.flow_shift != 1.0,
+                     "loss.flow_shift_by_resolution": config.loss.flow_shift_by_resolution}
+        refused = [key for key, set_ in flow_only.items() if set_]
+        if refused:
+            raise DifftuneError(f"{', '.join(refused)}: for flow-matching families; {config.model.base} is a "
+                                f"{self.description} base (a DDPM UNet): leave it at its default")
 
     def assemble_pipeline(self, components: Components, scheduler=None):
         """A text-to-image pipeline over the (possibly adapted) components."""
@@ -96,6 +122,10 @@ class Family:
         """Token ids (on the encoders' device) -> the denoiser's text conditioning, by name; each tensor has the
         batch first. This is what the text cache stores."""
         raise NotImplementedError
+
+    def latent_channels(self, denoiser: torch.nn.Module) -> int:
+        """Channels of the latents the denoiser takes (unpacked, as the autoencoder makes them)."""
+        return denoiser.config.in_channels
 
     def denoise(self, components: Components, noisy: torch.Tensor, timesteps: torch.Tensor, conditioning: dict,
                 geometry: torch.Tensor) -> torch.Tensor:
@@ -130,7 +160,21 @@ class Family:
             components.noise_scheduler, latents, timesteps, noise, config, input_noise,
         )
 
+    # Sampling.
+
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """The pipeline call's guidance arguments (and anything else the family's pipelines need)."""
+        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None}
+
     # Files.
+
+    def to_kohya(self, tensors: dict, lora_configs: dict) -> dict[str, torch.Tensor]:
+        """difftune-layout adapter tensors -> the kohya / A1111 / ComfyUI layout (kohya.py)."""
+        return kohya.to_kohya(tensors, lora_configs, self.kohya_prefixes, self.kohya_text_model_parts)
+
+    def from_kohya(self, tensors: dict, module_names: dict[str, list[str]]) -> tuple[dict, dict]:
+        """Inverse of `to_kohya`, with the base's module names (part -> names): tensors and peft configs."""
+        return kohya.from_kohya(tensors, module_names, self.kohya_prefixes, self.kohya_text_model_parts)
 
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
         """Every weight under the original (LDM / SGM) single-file keys that A1111, ComfyUI and
@@ -140,6 +184,14 @@ class Family:
     def encoder_tokenizers(self) -> list[tuple[str, str]]:
         """(text encoder, its tokenizer) names, in order."""
         return list(zip(self.text_encoder_names, self.tokenizer_names))
+
+    def adapted_text_encoders(self) -> tuple[str, ...]:
+        """The text encoders `adapter.text_encoder` trains: the ones diffusers' LoRA loader of this family reads."""
+        return self.text_encoder_names
+
+    def adapter_parts(self) -> tuple[str, ...]:
+        """The parts an adapter file may hold: the denoiser and the adapted text encoders."""
+        return (self.denoiser_name, *self.adapted_text_encoders())
 
     def parts(self) -> tuple[str, ...]:
         """Adapter parts: the denoiser, then the text encoders, as diffusers' LoRA files prefix their keys."""

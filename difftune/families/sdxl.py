@@ -30,6 +30,7 @@ class StableDiffusionXL(Family):
     text_encoder_names = ("text_encoder", "text_encoder_2")
     tokenizer_names = ("tokenizer", "tokenizer_2")
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
+    kohya_text_model_parts = ("text_encoder", "text_encoder_2")
     kohya_model_version = "sdxl_base_v1-0"
     embedding_keys = ("clip_l", "clip_g")
     default_targets = {"unet": ATTENTION_PROJECTIONS, "text_encoder": CLIP_ATTENTION, "text_encoder_2": CLIP_ATTENTION}

@@ -1,0 +1,295 @@
+"""Flux.1-class flow-matching transformers: a `FluxTransformer2DModel` over 2x2-packed 16-channel latents,
+conditioned on T5's token states and CLIP's pooled embedding (and, in guidance-distilled bases, a guidance
+value).
+
+- Text: T5's last hidden state (B, L, D) is the token conditioning and CLIP's pooled output (B, P) the pooled
+  one, as `FluxPipeline.encode_prompt` makes them; T5's padding mask (B, L) is cached beside them, used when
+  `model.text_padding_mask` asks for it.
+- Latents (B, 16, h, w) stay unpacked everywhere else in difftune: `denoise` packs each 2x2 patch into one
+  64-wide token with its (0, row, column) position id, calls the transformer, and unpacks the prediction.
+- Objective: rectified flow (Esser et al. 2024): x_t = (1 - sigma) x0 + sigma noise, the target is the velocity
+  noise - x0. sigma is drawn by `loss.timestep_sampling`, shifted by `loss.flow_shift` or by the image size
+  (`loss.flow_shift_by_resolution`, the base scheduler's own rule). Timesteps outside this module are
+  sigma x 1000, the scale diffusers' flow-matching schedulers use, so fixed validation timesteps and the
+  benchmark's mean the same points as for the UNet families.
+- Files: diffusers' LoRA layout is the transformer's own module names; kohya / ComfyUI name the original
+  (BFL) model's modules, whose attention projections are fused (`qkv`; a single block's `linear1` is q, k, v
+  and the MLP's input together): `KOHYA_TRANSFORMER` maps them and `kohya.fuse` / `kohya.split` convert.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+from difftune import kohya
+from difftune.adapters import derived_lora_configs
+from difftune.config import Config, LossConfig
+from difftune.errors import DifftuneError
+from difftune.families.family import Family
+from difftune.families.sd import CLIP_ATTENTION
+from difftune.loss import draw_fractions, draw_noise
+from difftune.models import Components
+
+# diffusers' Flux LoRA script's default targets, plus the single blocks' MLP input, so that a single block's fused
+# `linear1` (q, k, v, MLP) is adapted whole: the kohya layout can then carry DoRA there too.
+TRANSFORMER_TARGETS = [
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
+]
+T5_ATTENTION = ["q", "k", "v", "o"]
+WEIGHTINGS = ("uniform", "sigma_sqrt", "cosmap")  # flow-matching weightings (diffusers' SD3 ones)
+
+# The original (BFL) model's modules, as kohya and ComfyUI name them after `lora_unet_`, -> the diffusers modules
+# each holds, in the order of its output rows. `{i}` is the block index.
+KOHYA_DOUBLE_BLOCK = {
+    "double_blocks_{i}_img_attn_qkv": ["attn.to_q", "attn.to_k", "attn.to_v"],
+    "double_blocks_{i}_img_attn_proj": ["attn.to_out.0"],
+    "double_blocks_{i}_img_mlp_0": ["ff.net.0.proj"],
+    "double_blocks_{i}_img_mlp_2": ["ff.net.2"],
+    "double_blocks_{i}_img_mod_lin": ["norm1.linear"],
+    "double_blocks_{i}_txt_attn_qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
+    "double_blocks_{i}_txt_attn_proj": ["attn.to_add_out"],
+    "double_blocks_{i}_txt_mlp_0": ["ff_context.net.0.proj"],
+    "double_blocks_{i}_txt_mlp_2": ["ff_context.net.2"],
+    "double_blocks_{i}_txt_mod_lin": ["norm1_context.linear"],
+}
+KOHYA_SINGLE_BLOCK = {
+    "single_blocks_{i}_linear1": ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"],
+    "single_blocks_{i}_linear2": ["proj_out"],
+    "single_blocks_{i}_modulation_lin": ["norm.linear"],
+}
+KOHYA_GLOBAL = {
+    "img_in": ["x_embedder"],
+    "txt_in": ["context_embedder"],
+    "time_in_in_layer": ["time_text_embed.timestep_embedder.linear_1"],
+    "time_in_out_layer": ["time_text_embed.timestep_embedder.linear_2"],
+    "vector_in_in_layer": ["time_text_embed.text_embedder.linear_1"],
+    "vector_in_out_layer": ["time_text_embed.text_embedder.linear_2"],
+    "guidance_in_in_layer": ["time_text_embed.guidance_embedder.linear_1"],
+    "guidance_in_out_layer": ["time_text_embed.guidance_embedder.linear_2"],
+    "final_layer_linear": ["proj_out"],
+}
+MLP_RATIO = 4  # a single block's MLP is this times wider than its attention (FluxSingleTransformerBlock's default)
+BLOCK = re.compile(r"^((?:single_)?transformer_blocks)\.(\d+)\.(.+)$")
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, h/2 * w/2, 4C): each 2x2 patch one token, as `FluxPipeline._pack_latents`."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Inverse of `pack`."""
+    b, _, channels = tokens.shape
+    return tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, channels // 4, h, w)
+
+
+def image_position_ids(h: int, w: int, device, dtype) -> torch.Tensor:
+    """(h/2 * w/2, 3) ids (0, row, column) of the packed tokens, as `FluxPipeline._prepare_latent_image_ids`."""
+    rows = torch.arange(h // 2, device=device, dtype=dtype)[:, None].expand(h // 2, w // 2)
+    columns = torch.arange(w // 2, device=device, dtype=dtype)[None, :].expand(h // 2, w // 2)
+    return torch.stack([torch.zeros_like(rows), rows, columns], dim=-1).reshape(-1, 3)
+
+
+def shifted(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3's time shift, sigma -> s sigma / (1 + (s - 1) sigma); at s = exp(mu) it is Flux's resolution shift."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def resolution_shift(scheduler_config, image_tokens: int) -> float:
+    """exp(mu), mu linear in the token count between the scheduler's (base, max) sequence lengths and shifts:
+    what `FluxPipeline` asks its scheduler for at this size."""
+    base_len, max_len = scheduler_config.get("base_image_seq_len", 256), scheduler_config.get("max_image_seq_len", 4096)
+    base_shift, max_shift = scheduler_config.get("base_shift", 0.5), scheduler_config.get("max_shift", 1.15)
+    mu = base_shift + (max_shift - base_shift) * (image_tokens - base_len) / (max_len - base_len)
+    return math.exp(mu)
+
+
+class Flux(Family):
+    name = "flux"
+    description = "Flux.1-class flow-matching transformers"
+    pipeline_class = FluxPipeline
+    pipeline_classes = ("FluxPipeline",)
+    denoiser_name = "transformer"
+    text_encoder_names = ("text_encoder", "text_encoder_2")
+    tokenizer_names = ("tokenizer", "tokenizer_2")
+    # kohya's Flux LoRA names T5 `lora_te3_`, the prefix ComfyUI gives T5 beside two CLIPs (SD3).
+    kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te3_"}
+    kohya_text_model_parts = ("text_encoder",)
+    kohya_model_version = "flux1"
+    embedding_keys = ("clip_l", "t5")
+    default_targets = {"transformer": TRANSFORMER_TARGETS, "text_encoder": CLIP_ATTENTION, "text_encoder_2": T5_ATTENTION}
+    default_sampler = "euler"
+    samplers = {"euler": FlowMatchEulerDiscreteScheduler}
+
+    def adapted_text_encoders(self) -> tuple[str, ...]:
+        # CLIP only: FluxPipeline's LoRA loader reads transformer and CLIP adapters (T5's would be dropped), and
+        # kohya trains T5 only on request. T5's states are what the transformer's adapter learns to read.
+        return ("text_encoder",)
+
+    def reads_single_file(self, keys: set[str]) -> bool:
+        return False  # BFL's original checkpoints: load a diffusers folder (FluxPipeline.from_single_file converts)
+
+    def load(self, config):
+        components = super().load(config)
+        components.conditioning_options = {"guidance": config.guidance, "text_padding_mask": config.text_padding_mask}
+        return components
+
+    def training_scheduler(self, scheduler):
+        # Kept as saved: its config holds the resolution-shift constants that sampling and `loss` both use.
+        return FlowMatchEulerDiscreteScheduler.from_config(scheduler.config)
+
+    def check_config(self, config: Config) -> None:
+        loss, problems = config.loss, []
+        if loss.prediction_type != "auto":
+            problems.append(f"loss.prediction_type = \"{loss.prediction_type}\": flow matching predicts the velocity; use \"auto\"")
+        if loss.weighting not in ("auto", *WEIGHTINGS):
+            problems.append(f"loss.weighting = \"{loss.weighting}\": is for the UNet families; use auto, {', '.join(WEIGHTINGS)}")
+        if loss.zero_terminal_snr:
+            problems.append("loss.zero_terminal_snr: flow matching reaches pure noise at sigma = 1 already; leave it off")
+        if config.adapter.kind == "embedding":
+            problems.append("adapter.kind = \"embedding\": textual inversion is not built for Flux yet; train a LoRA")
+        if problems:
+            raise DifftuneError(f"{config.model.base} is a {self.description} base: " + "; ".join(problems))
+
+    # Prompts and the transformer.
+
+    def latent_channels(self, denoiser: torch.nn.Module) -> int:
+        return denoiser.config.in_channels // 4  # a token is a 2x2 patch
+
+    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        clip = components.text_encoders["text_encoder"](token_ids["text_encoder"], output_hidden_states=False)
+        t5_ids = token_ids["text_encoder_2"]
+        t5_states = components.text_encoders["text_encoder_2"](t5_ids, output_hidden_states=False)[0]
+        pad = components.tokenizers["tokenizer_2"].pad_token_id
+        return {"encoder_hidden_states": t5_states, "pooled_prompt_embeds": clip.pooler_output, "text_mask": t5_ids != pad}
+
+    def denoise(self, components, noisy, timesteps, conditioning, geometry):
+        transformer = components.denoiser
+        states = conditioning["encoder_hidden_states"]
+        b, _, h, w = noisy.shape
+        image_ids = image_position_ids(h, w, noisy.device, states.dtype)
+        text_ids = torch.zeros(states.shape[1], 3, device=noisy.device, dtype=states.dtype)
+        options = components.conditioning_options
+        guidance = None
+        if transformer.config.guidance_embeds:
+            guidance = torch.full((b,), float(options.get("guidance", 1.0)), device=noisy.device)
+        attention = None
+        if options.get("text_padding_mask"):  # text tokens, then image tokens: the joint sequence's order
+            keep = torch.cat([conditioning["text_mask"].bool(), torch.ones(b, image_ids.shape[0], dtype=torch.bool,
+                                                                          device=noisy.device)], dim=1)
+            attention = {"attention_mask": keep[:, None, None, :]}
+        prediction = transformer(
+            hidden_states=pack(noisy).to(states.dtype), timestep=(timesteps / 1000).to(states.dtype), guidance=guidance,
+            pooled_projections=conditioning["pooled_prompt_embeds"], encoder_hidden_states=states, txt_ids=text_ids,
+            img_ids=image_ids, joint_attention_kwargs=attention, return_dict=False,
+        )[0]
+        return unpack(prediction, h, w)
+
+    def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        return {match.group(0): module for name, module in denoiser.named_modules()
+                if (match := re.search(r"(?:single_)?transformer_blocks\.\d+$", name))}
+
+    # The objective.
+
+    def draw_timesteps_and_noise(self, components, generators, latents, config: LossConfig):
+        sigmas = draw_fractions(generators, config).to(latents.device)
+        if config.flow_shift_by_resolution:
+            image_tokens = latents.shape[-2] * latents.shape[-1] // 4
+            sigmas = shifted(sigmas, resolution_shift(components.noise_scheduler.config, image_tokens))
+        elif config.flow_shift != 1.0:
+            sigmas = shifted(sigmas, config.flow_shift)
+        return sigmas * 1000, *draw_noise(generators, latents, config)
+
+    def loss(self, components, latents, timesteps, noise, conditioning, geometry, config: LossConfig, input_noise=None):
+        sigmas = (timesteps.float() / 1000).view(-1, 1, 1, 1)
+        noisy = (1 - sigmas) * latents + sigmas * (noise if input_noise is None else input_noise)
+        prediction = self.denoise(components, noisy, timesteps, conditioning, geometry)
+        per_sample = F.mse_loss(prediction.float(), (noise - latents).float(), reduction="none").mean(dim=(1, 2, 3))
+        weighting = "uniform" if config.weighting == "auto" else config.weighting
+        return per_sample * compute_loss_weighting_for_sd3(weighting, sigmas.flatten()).to(per_sample.device)
+
+    # Sampling.
+
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """A guidance-distilled base takes the scale as its guidance embedding; one without that gets true
+        classifier-free guidance (a second, negative pass) when the scale is above 1."""
+        arguments = {"max_sequence_length": components.tokenizers["tokenizer_2"].model_max_length}
+        if components.denoiser.config.guidance_embeds:
+            return arguments | {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None}
+        if guidance_scale > 1:
+            return arguments | {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt or ""}
+        return arguments
+
+    # Files.
+
+    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
+        raise DifftuneError(
+            "merge --single-file: not written for Flux yet; the merged diffusers folder loads in diffusers, and "
+            "ComfyUI reads the adapter's kohya layout"
+        )
+
+    def to_kohya(self, tensors: dict, lora_configs: dict) -> dict[str, torch.Tensor]:
+        transformer = {key: value for key, value in tensors.items() if key.startswith("transformer.")}
+        out = super().to_kohya({key: value for key, value in tensors.items() if key not in transformer}, lora_configs)
+        adapted = {kohya.split_adapter_key(key.removeprefix("transformer."))[0] for key in transformer}
+        table = kohya_table(adapted)
+        for name, modules in table.items():
+            present = [module in adapted for module in modules]
+            if not any(present):
+                continue
+            if not all(present):
+                raise ValueError(
+                    f"the kohya Flux layout fuses {', '.join(modules)} into {name}: adapt all of them (or none), or "
+                    f"write the diffusers layout"
+                )
+            fused = kohya.fuse(transformer, lora_configs, "transformer", modules)
+            out |= {f"lora_unet_{name}.{kind}": value for kind, value in fused.items()}
+        unnamed = adapted - {module for modules in table.values() for module in modules}
+        if unnamed:
+            raise ValueError(f"transformer.{sorted(unnamed)[0]}: has no name in the kohya Flux layout; write the diffusers layout")
+        return out
+
+    def from_kohya(self, tensors: dict, module_names: dict[str, list[str]]) -> tuple[dict, dict]:
+        fused = {key: value for key, value in tensors.items() if key.startswith("lora_unet_")}
+        out, configs = super().from_kohya({key: value for key, value in tensors.items() if key not in fused}, module_names)
+        table = kohya_table(module_names["transformer"])
+        by_name: dict[str, dict] = {}
+        for key, value in fused.items():
+            name, _, kind = key.removeprefix("lora_unet_").partition(".")
+            if name not in table:
+                raise ValueError(f"{key}: no module of this Flux transformer is named {name!r}; is this adapter for this model?")
+            by_name.setdefault(name, {})[kind] = value
+        ranks, alphas, dora = {}, {}, {}
+        for name, found in by_name.items():
+            modules = table[name]
+            rows = found["lora_up.weight"].shape[0]
+            width = rows // (3 + MLP_RATIO) if "proj_mlp" in modules[-1] else rows // len(modules)
+            sizes = [width] * (len(modules) - 1) + [rows - width * (len(modules) - 1)]
+            for module, split in zip(modules, kohya.split(found, sizes)):
+                out |= {f"transformer.{module}.{kind}": value for kind, value in split.tensors.items()}
+                ranks[module], alphas[module] = split.rank, split.alpha
+                dora["transformer"] = "dora_scale" in found
+        if ranks:
+            configs |= derived_lora_configs({"transformer": ranks}, {"transformer": alphas}, dora)
+        return out, configs
+
+
+def kohya_table(transformer_modules) -> dict[str, list[str]]:
+    """kohya name -> the transformer modules (diffusers names) it holds, for every block `transformer_modules`
+    (module names or adapted module names) mention."""
+    blocks = {match.groups()[:2] for module in transformer_modules if (match := BLOCK.match(module))}
+    table = {}
+    for kind, index in sorted(blocks):
+        patterns = KOHYA_DOUBLE_BLOCK if kind == "transformer_blocks" else KOHYA_SINGLE_BLOCK
+        table |= {pattern.format(i=index): [f"{kind}.{index}.{member}" for member in members]
+                  for pattern, members in patterns.items()}
+    return table | KOHYA_GLOBAL
