@@ -1,9 +1,13 @@
 """Training-speed benchmark: the real `train()` on a generated model and synthetic images.
 
-Model specs have random weights (a weight's value does not change speed): `tiny` and `tiny-sdxl` are the
-test models, `sd15` has Stable Diffusion 1.5's shapes (UNet 860M, VAE 84M, CLIP ViT-L/14 text encoder 123M),
+Model specs have random weights (a weight's value does not change speed): `tiny`, `tiny-sdxl` and `tiny-flux`
+are the test models, `sd15` has Stable Diffusion 1.5's shapes (UNet 860M, VAE 84M, CLIP ViT-L/14 text encoder 123M),
 `sdxl` SDXL base 1.0's (UNet 2.6B, the same VAE, CLIP ViT-L/14 and OpenCLIP ViT-bigG/14 text encoders 123M
-and 695M).
+and 695M). `flux` has FLUX.1-dev's widths with fewer blocks, so that a CPU can step it: 1 double- and 2
+single-stream blocks of its 19 and 38 (width 3072, 24 heads, guidance embedding; 0.64B of its 11.9B), its
+16-channel VAE, CLIP ViT-L/14 and T5-XXL's widths in 2 of its 24 layers, 512 T5 tokens. A step's transformer
+time grows about linearly in the blocks: the full model is about (19 x double + 38 x single) / (1 x double +
+2 x single) times slower per step.
 Seconds per step are the median over the steps after warm-up, read from the run's metrics.jsonl.
 Peak memory is the process's peak RSS on CPU, `torch.cuda.max_memory_allocated` on GPU. On GPU the
 model FLOPs utilisation (MFU) is the denoiser's training FLOPs per step (counted by
@@ -20,8 +24,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+from diffusers import (
+    AutoencoderKL,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
 from difftune import tiny
 from difftune.adapters import add_adapters
@@ -42,7 +53,7 @@ PEAK_FLOPS = {
 
 @dataclass
 class BenchOptions:
-    model: str = "tiny"  # tiny | tiny-sdxl | sd15 | sdxl
+    model: str = "tiny"  # tiny | tiny-sdxl | tiny-flux | sd15 | sdxl | flux
     resolution: int = 32
     batch: int = 1
     steps: int = 3
@@ -66,11 +77,11 @@ def _clip(hidden: int, layers: int, heads: int, act: str, projection: int | None
     return CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)
 
 
-def _sd_vae(scaling_factor: float) -> AutoencoderKL:
+def _sd_vae(scaling_factor: float, latent_channels: int = 4, **config) -> AutoencoderKL:
     return AutoencoderKL(
         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4, sample_size=512,
-        scaling_factor=scaling_factor,
+        block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=latent_channels, sample_size=512,
+        scaling_factor=scaling_factor, **config,
     )
 
 
@@ -82,8 +93,22 @@ def _tokenizer():
 
 def build_pipeline(model: str):
     torch.manual_seed(0)
-    if model in ("tiny", "tiny-sdxl"):
-        return tiny.build_pipeline(family={"tiny": "sd", "tiny-sdxl": "sdxl"}[model])
+    if model in ("tiny", "tiny-sdxl", "tiny-flux"):
+        return tiny.build_pipeline(family={"tiny": "sd", "tiny-sdxl": "sdxl", "tiny-flux": "flux"}[model])
+    if model == "flux":
+        t5_tokenizer = tiny.build_t5_tokenizer()
+        t5_tokenizer.model_max_length = 512  # FLUX.1-dev's max_sequence_length
+        return FluxPipeline(
+            vae=_sd_vae(0.3611, latent_channels=16, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False),
+            text_encoder=_clip(768, 12, 12, "quick_gelu"), tokenizer=_tokenizer(),
+            text_encoder_2=T5EncoderModel(T5Config(
+                vocab_size=len(t5_tokenizer), d_model=4096, d_kv=64, d_ff=10240, num_layers=2, num_heads=64,
+                feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+            )),
+            tokenizer_2=t5_tokenizer,
+            transformer=FluxTransformer2DModel(num_layers=1, num_single_layers=2, guidance_embeds=True),
+            scheduler=tiny.build_flow_scheduler(),
+        )
     if model == "sd15":
         return StableDiffusionPipeline(
             vae=_sd_vae(0.18215), text_encoder=_clip(768, 12, 12, "quick_gelu"), tokenizer=_tokenizer(),
@@ -105,7 +130,7 @@ def build_pipeline(model: str):
             text_encoder_2=_clip(1280, 32, 20, "gelu", projection=1280), tokenizer_2=_tokenizer(), unet=unet,
             scheduler=tiny.build_noise_scheduler(), add_watermarker=False,
         )
-    raise ValueError(f"unknown model spec {model!r}; known: tiny, tiny-sdxl, sd15, sdxl")
+    raise ValueError(f"unknown model spec {model!r}; known: tiny, tiny-sdxl, tiny-flux, sd15, sdxl, flux")
 
 
 def prepare_workspace(options: BenchOptions) -> tuple[Path, Path, Path]:
@@ -148,7 +173,7 @@ def denoiser_training_flops(options: BenchOptions, model_dir: Path, device: torc
         module.to(device)
     family, batch = components.family, options.batch
     size = options.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1)
-    latents = torch.randn(batch, 4, size, size, device=device)
+    latents = torch.randn(batch, components.vae.config.latent_channels, size, size, device=device)
     token_ids = family.tokenize(components.tokenizers, ["a red circle"] * batch)
     with torch.no_grad():
         conditioning = family.encode_prompts(components, {name: ids.to(device) for name, ids in token_ids.items()})

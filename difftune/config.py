@@ -166,13 +166,14 @@ class AdapterConfig(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
     target_modules: list[str] = Field(
         [],
-        description="Denoiser (UNet) modules that get an adapter (names or name suffixes); empty: the family's "
-        "default (SD, SDXL: the attention projections to_q, to_k, to_v, to_out.0).",
+        description="Denoiser (UNet or transformer) modules that get an adapter (names or name suffixes); empty: the "
+        "family's default (SD, SDXL: the attention projections to_q, to_k, to_v, to_out.0; Flux: every block's "
+        "attention and MLP projections, as diffusers' Flux script, plus the single blocks' proj_mlp).",
     )
     text_encoder: bool = Field(
         False,
-        description="Also train the text encoders (both of SDXL's): an adapter on each, or all their weights when "
-        "`kind = none`.",
+        description="Also train the text encoders (both of SDXL's; Flux's CLIP, not T5, as FluxPipeline's LoRA loader "
+        "reads): an adapter on each, or all their weights when `kind = none`.",
     )
     text_encoder_target_modules: list[str] = Field(
         [],

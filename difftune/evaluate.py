@@ -22,7 +22,7 @@ from difftune.config import ModelConfig
 from difftune.families import load_components
 from difftune.models import Components
 from difftune.sample import sampling_scheduler
-from difftune.tiny import COLORS, SHAPES
+from difftune.tiny import COLORS, IMAGE_SIZE, SHAPES
 
 FOREGROUND_DISTANCE = 60.0  # RGB distance from the background; backgrounds vary by < 35 per channel
 MIN_FOREGROUND_FRACTION = 0.03
@@ -99,6 +99,7 @@ class EvalSettings:
     steps: int = 20
     guidance_scale: float = 3.0
     scheduler: str = "auto"  # the family's default sampler
+    resolution: int = IMAGE_SIZE  # the judge's: a pipeline's own default may be another (FluxPipeline's is 1024 px)
 
 
 @torch.no_grad()
@@ -115,6 +116,8 @@ def judged_samples(components: Components, prompts: list[str], settings: EvalSet
         images = pipeline(
             [prompt] * len(seeds),
             num_inference_steps=settings.steps,
+            height=settings.resolution,
+            width=settings.resolution,
             **guidance,
             generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
         ).images

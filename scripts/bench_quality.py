@@ -4,7 +4,7 @@
     python scripts/bench_quality.py --table [--job sdxl_lora]   # BENCHMARKS.md's table from those lines
 
 Each variant is `difftune train --config configs/<job>.toml <overrides>` (job tiny_lora: lines in
-benchmarks/quality-finetune.jsonl; sdxl_lora: benchmarks/quality-finetune-sdxl_lora.jsonl), then
+benchmarks/quality-finetune.jsonl; another job: benchmarks/quality-finetune-<job>.jsonl), then
 `difftune eval` of its
 adapter (the base is scored once): one JSON line per variant with the held-out concept's accuracy before
 and after (overall and per shape) and the forgetting of the seen prompts. BENCHMARKS.md's table is these lines.
@@ -55,6 +55,16 @@ VARIANTS = {"tiny_lora": {
     "lora_r16_te": ["adapter.kind=lora", "adapter.rank=16"],
     "lora_r16_unet_only": ["adapter.kind=lora", "adapter.rank=16", "adapter.text_encoder=false"],
     "dora_r16_te": ["adapter.rank=16"],
+    "600_steps": ["train.max_steps=600"],
+}, "flux_lora": {
+    "lora_r16_te": [],
+    "lora_r4_te": ["adapter.rank=4"],
+    "dora_r4_te": ["adapter.kind=dora", "adapter.rank=4"],
+    "dora_r16_te": ["adapter.kind=dora"],
+    "lora_r16_transformer_only": ["adapter.text_encoder=false"],
+    "no_shift": ["loss.flow_shift_by_resolution=false"],
+    "logit_normal": ["loss.timestep_sampling=logit_normal"],
+    "shift_3": ["loss.flow_shift_by_resolution=false", "loss.flow_shift=3.0"],
     "600_steps": ["train.max_steps=600"],
 }}
 

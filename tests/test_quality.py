@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from diffusers import AutoencoderTiny, StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import AutoencoderTiny, FluxPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
 from safetensors import safe_open
 
 from difftune.cli import main
@@ -12,13 +12,14 @@ from difftune.config import ModelConfig, load_config
 from difftune.evaluate import EvalSettings, accuracy, judge, judged_samples, prompts_for
 from difftune.families import load_components
 from difftune.tiny import COLORS, SHAPES, shape_images
-from difftune.tiny_base import SEEN_COLORS, Recipe, build_base, psnr, render_tensors, train_vae
+from difftune.tiny_base import FLUX_RECIPE, SEEN_COLORS, Recipe, build_base, psnr, render_tensors, train_vae
 from difftune.train import train
 
 from conftest import REPO
 
 BASE = REPO / "models" / "tiny-sd"
 SDXL_BASE = REPO / "models" / "tiny-sdxl"
+FLUX_BASE = REPO / "models" / "tiny-flux"
 
 
 def test_the_judge_names_color_and_shape_of_renders():
@@ -82,7 +83,20 @@ def test_build_sdxl_base_reuses_the_autoencoders(tmp_path):
             assert all(torch.equal(ours.get_tensor(k), theirs.get_tensor(k)) for k in theirs.keys())
 
 
-@pytest.mark.parametrize("base", [BASE, SDXL_BASE], ids=["tiny-sd", "tiny-sdxl"])
+@pytest.mark.slow
+def test_build_flux_base_trains_its_own_shifted_16_channel_autoencoders(tmp_path):
+    small = {"steps": 2, "vae_steps": 3, "vae_decoder_steps": 3, "taesd_steps": 3}
+    recipe = Recipe(autoencoder_images=64, autoencoder_batch=8, train_images_per_prompt=1, validation_images_per_prompt=1,
+                    batch_size=4, family="flux", **FLUX_RECIPE | small)
+    build_base(tmp_path / "base", tmp_path / "work", recipe)
+    pipeline = FluxPipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    assert pipeline.vae.config.latent_channels == 16 and pipeline.vae.config.shift_factor != 0
+    assert pipeline.transformer.config.num_layers == 2 and not pipeline.transformer.config.guidance_embeds
+    assert AutoencoderTiny.from_pretrained(tmp_path / "base" / "taesd").config.latent_channels == 16
+    assert type(pipeline.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
+
+
+@pytest.mark.parametrize("base", [BASE, SDXL_BASE, FLUX_BASE], ids=["tiny-sd", "tiny-sdxl", "tiny-flux"])
 def test_committed_base_draws_the_seen_prompts(base):
     # Measured at 8 samples per prompt in each base's scores.json; the floors sit well under it.
     components = load_components(ModelConfig(base=str(base)))
@@ -93,7 +107,8 @@ def test_committed_base_draws_the_seen_prompts(base):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job, base", [("tiny_lora", BASE), ("sdxl_lora", SDXL_BASE)], ids=["tiny-sd", "tiny-sdxl"])
+@pytest.mark.parametrize("job, base", [("tiny_lora", BASE), ("sdxl_lora", SDXL_BASE), ("flux_lora", FLUX_BASE)],
+                         ids=["tiny-sd", "tiny-sdxl", "tiny-flux"])
 def test_fine_tuning_teaches_the_held_out_color(tmp_path, capsys, job, base):
     """Each default job against the targets BENCHMARKS.md publishes, scored as published (8 samples per prompt):
     base seen prompts >= 0.95 color and shape, purple <= 0.15 before and >= 0.90 for every shape after, forgetting
