@@ -66,6 +66,12 @@ VARIANTS = {"tiny_lora": {
     "logit_normal": ["loss.timestep_sampling=logit_normal"],
     "shift_3": ["loss.flow_shift_by_resolution=false", "loss.flow_shift=3.0"],
     "600_steps": ["train.max_steps=600"],
+    "lr_5e-4": ["optim.learning_rate=5e-4"],
+    "dora_r4_te_lr_5e-4": ["adapter.kind=dora", "adapter.rank=4", "optim.learning_rate=5e-4"],
+    "no_caption_dropout": ["data.caption_dropout=0.0"],
+    "200_steps": ["train.max_steps=200"],
+    "text_encoder_lr_5e-3": ["optim.text_encoder_learning_rate=5e-3"],
+    "image_stream_only": ["adapter.target_modules=['attn.to_q','attn.to_k','attn.to_v','attn.to_out.0','ff.net.0.proj','ff.net.2','proj_mlp']"],
 }}
 
 

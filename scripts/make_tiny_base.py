@@ -5,7 +5,8 @@ Trains a KL autoencoder and a TAESD on synthetic shapes (not for SDXL), then the
 difftune's own trainer (full fine-tune, EMA), never showing them the held-out color; scores the result with
 the judge (and an untrained control) and writes the model card. Deterministic by seed; about 20 minutes on 2
 CPU cores for tiny-sd, 17 for tiny-flux. The default jobs' images (examples/purple: renders of the held-out color)
-are written with tiny-sd.
+are written with tiny-sd; the Flux job's (examples/purple_with_seen: the same renders repeated 3 times per epoch
+and 12 renders of the seen colors) with tiny-flux.
 """
 
 import argparse
@@ -85,7 +86,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, help="default: models/tiny-<family>")
     parser.add_argument("--autoencoders-from", type=Path, default=Path("models/tiny-sd"),
                         help="with --family sdxl: the built base whose vae/ and taesd/ are reused")
-    parser.add_argument("--examples-dir", type=Path, default=Path("examples/purple"))
+    parser.add_argument("--examples-dir", type=Path, default=Path("examples"))
     parser.add_argument("--work-dir", type=Path, help="default: output/tiny-<family>-build")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, help=f"denoiser/text-encoder training steps (default: {Recipe.steps} for sd, "
@@ -97,6 +98,11 @@ def main() -> None:
     recipe = Recipe(seed=args.seed, family=args.family, **(FLUX_RECIPE if args.family == "flux" else {}))
     recipe.steps = args.steps or (SDXL_STEPS if sdxl else recipe.steps)
     finish(args, recipe, build_base(args.model_dir, args.work_dir, recipe, args.autoencoders_from if sdxl else None))
+
+
+def concept_renders(seed: int):
+    """The default jobs' 16 renders of the held-out color."""
+    return shape_images(16, seed=seed + 7, colors=(HELD_OUT_COLOR,))
 
 
 def finish(args, recipe: Recipe, facts: dict) -> None:
@@ -131,8 +137,16 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
         control_color=control["seen"]["color"], control_shape=control["seen"]["shape"],
     ))
     if recipe.family == "sd":  # the default jobs share these images
-        shutil.rmtree(args.examples_dir, ignore_errors=True)
-        write_caption_folder(args.examples_dir, shape_images(16, seed=args.seed + 7, colors=(HELD_OUT_COLOR,)))
+        shutil.rmtree(args.examples_dir / "purple", ignore_errors=True)
+        write_caption_folder(args.examples_dir / "purple", concept_renders(args.seed))
+    if recipe.family == "flux":
+        # Flux's T5 is frozen (its adapters do not load in FluxPipeline), and its states for the unseen word sit
+        # near "green"'s: taught on purple alone, the LoRA turned green prompts purple (forgetting 0.28-0.34 at
+        # every rank, learning rate and target set tried). Seen colors beside it hold them in place (0.04).
+        folder = args.examples_dir / "purple_with_seen"
+        shutil.rmtree(folder, ignore_errors=True)
+        write_caption_folder(folder / "3_purple", concept_renders(args.seed))
+        write_caption_folder(folder / "1_seen", shape_images(12, seed=args.seed + 21, colors=SEEN_COLORS))
     print(json.dumps({k: facts[k] for k in ("seconds", "autoencoders")} | {"base_seen": base["seen"],
                      "base_concept": base["concept"], "control_seen": control["seen"]}))
 

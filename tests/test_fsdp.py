@@ -70,16 +70,19 @@ def test_fsdp_lora_trains_like_one_process_and_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_full_fine_tune_saves_the_whole_model(tmp_path):
-    """A full fine-tune's UNet is sharded while training; the saved pipeline holds the gathered weights."""
-    settings = ["adapter.kind=none", "adapter.text_encoder=false", "optim.learning_rate=1e-4", "train.max_steps=3"]
+@pytest.mark.parametrize("job, denoiser", [("tiny_lora", "unet"), ("flux_lora", "transformer")], ids=["sd", "flux"])
+def test_fsdp_full_fine_tune_saves_the_whole_model(tmp_path, job, denoiser):
+    """A full fine-tune's denoiser (a UNet; Flux's transformer, wrapped per double and single block) is sharded
+    while training; the saved pipeline holds the gathered weights."""
+    settings = ["adapter.kind=none", "adapter.text_encoder=false", "optim.learning_rate=1e-4", "train.max_steps=3",
+                "--config", f"configs/{job}.toml"]
     _one_process(tmp_path / "one", *settings)
     _fsdp(tmp_path / "fsdp", *settings)
     assert _losses(tmp_path / "fsdp") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
     # Reduce-scatter sums gradients in another order than one process does; Adam turns that rounding into up to
     # 3.3e-6 in a few biases after 3 steps (measured), a tenth of one step's 1e-4 change. A missing shard or an
     # unsynced gradient would differ by whole steps.
-    weights = "unet/diffusion_pytorch_model.safetensors"
+    weights = f"{denoiser}/diffusion_pytorch_model.safetensors"
     _assert_same_tensors(load_file(tmp_path / "one" / "model" / weights), load_file(tmp_path / "fsdp" / "model" / weights),
                          atol=1e-5)
 
