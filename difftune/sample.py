@@ -11,19 +11,12 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from difftune.config import SampleConfig
-from difftune.errors import DifftuneError
 from difftune.models import Components, eval_mode, load_vae
 
 
 def sampling_scheduler(name: str, components: Components):
     """The named sampler (`auto`: the family's default) over the model's own noise schedule."""
-    family = components.family
-    name = family.default_sampler if name == "auto" else name
-    if name not in family.samplers:
-        raise DifftuneError(
-            f"sample.scheduler = \"{name}\": not a sampler for {family.description}; use auto or {', '.join(family.samplers)}"
-        )
-    return family.samplers[name].from_config(components.noise_scheduler.config)
+    return components.family.sampler(name).from_config(components.noise_scheduler.config)
 
 
 @dataclass

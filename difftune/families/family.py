@@ -24,7 +24,7 @@ from diffusers import (
 from difftune import kohya
 from difftune.config import Config, LossConfig, ModelConfig
 from difftune.errors import DifftuneError
-from difftune.loss import diffusion_loss, draw_timesteps_and_noise
+from difftune.loss import WEIGHTINGS, diffusion_loss, draw_timesteps_and_noise
 from difftune.models import SINGLE_FILE_SUFFIXES, Components, tokenize
 
 # A UNet block's name, wherever the UNet sits (peft and compile may wrap it): `down_blocks.1`, `mid_block`,
@@ -90,14 +90,31 @@ class Family:
         return DDPMScheduler.from_config(scheduler.config)
 
     def check_config(self, config: Config) -> None:
-        """Refuse settings this family cannot train with (a `DifftuneError` naming them); before any work."""
-        flow_only = {"loss.weighting": config.loss.weighting in ("sigma_sqrt", "cosmap"),
+        """Refuse settings this family cannot train with (a `DifftuneError` naming them all), before any work: a
+        sampler it lacks would otherwise stop the run at its end-of-run samples."""
+        problems = self.unsupported_settings(config)
+        try:
+            self.sampler(config.sample.scheduler)
+        except DifftuneError as err:
+            problems.append(str(err))
+        if problems:
+            raise DifftuneError(f"{config.model.base} is a {self.description} base: " + "; ".join(problems))
+
+    def unsupported_settings(self, config: Config) -> list[str]:
+        """What `check_config` refuses besides the sampler: here, the flow-matching settings (a DDPM UNet)."""
+        flow_only = {"loss.weighting": config.loss.weighting not in ("auto", *WEIGHTINGS),
                      "loss.flow_shift": config.loss.flow_shift != 1.0,
                      "loss.flow_shift_by_resolution": config.loss.flow_shift_by_resolution}
-        refused = [key for key, set_ in flow_only.items() if set_]
-        if refused:
-            raise DifftuneError(f"{', '.join(refused)}: for flow-matching families; {config.model.base} is a "
-                                f"{self.description} base (a DDPM UNet): leave it at its default")
+        return [f"{key}: for flow-matching families, leave it at its default" for key, set_ in flow_only.items() if set_]
+
+    def sampler(self, name: str) -> type:
+        """The scheduler class of sampler `name` (`auto`: the family's default)."""
+        name = self.default_sampler if name == "auto" else name
+        if name not in self.samplers:
+            raise DifftuneError(
+                f"sample.scheduler = \"{name}\": not a sampler for {self.description}; use auto or {', '.join(self.samplers)}"
+            )
+        return self.samplers[name]
 
     def assemble_pipeline(self, components: Components, scheduler=None):
         """A text-to-image pipeline over the (possibly adapted) components."""

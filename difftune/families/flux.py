@@ -44,7 +44,7 @@ TRANSFORMER_TARGETS = [
     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
 ]
 T5_ATTENTION = ["q", "k", "v", "o"]
-WEIGHTINGS = ("uniform", "sigma_sqrt", "cosmap")  # flow-matching weightings (diffusers' SD3 ones)
+FLOW_WEIGHTINGS = ("uniform", "sigma_sqrt", "cosmap")  # flow-matching weightings (diffusers' SD3 ones)
 
 # The original (BFL) model's modules, as kohya and ComfyUI name them after `lora_unet_`, -> the diffusers modules
 # each holds, in the order of its output rows. `{i}` is the block index.
@@ -147,18 +147,17 @@ class Flux(Family):
         # Kept as saved: its config holds the resolution-shift constants that sampling and `loss` both use.
         return FlowMatchEulerDiscreteScheduler.from_config(scheduler.config)
 
-    def check_config(self, config: Config) -> None:
+    def unsupported_settings(self, config: Config) -> list[str]:
         loss, problems = config.loss, []
         if loss.prediction_type != "auto":
             problems.append(f"loss.prediction_type = \"{loss.prediction_type}\": flow matching predicts the velocity; use \"auto\"")
-        if loss.weighting not in ("auto", *WEIGHTINGS):
-            problems.append(f"loss.weighting = \"{loss.weighting}\": is for the UNet families; use auto, {', '.join(WEIGHTINGS)}")
+        if loss.weighting not in ("auto", *FLOW_WEIGHTINGS):
+            problems.append(f"loss.weighting = \"{loss.weighting}\": is for the UNet families; use auto, {', '.join(FLOW_WEIGHTINGS)}")
         if loss.zero_terminal_snr:
             problems.append("loss.zero_terminal_snr: flow matching reaches pure noise at sigma = 1 already; leave it off")
         if config.adapter.kind == "embedding":
             problems.append("adapter.kind = \"embedding\": textual inversion is not built for Flux yet; train a LoRA")
-        if problems:
-            raise DifftuneError(f"{config.model.base} is a {self.description} base: " + "; ".join(problems))
+        return problems
 
     # Prompts and the transformer.
 
@@ -181,9 +180,9 @@ class Flux(Family):
         options = components.conditioning_options
         guidance = None
         if transformer.config.guidance_embeds:
-            guidance = torch.full((b,), float(options.get("guidance", 1.0)), device=noisy.device)
+            guidance = torch.full((b,), float(options["guidance"]), device=noisy.device)
         attention = None
-        if options.get("text_padding_mask"):  # text tokens, then image tokens: the joint sequence's order
+        if options["text_padding_mask"]:  # text tokens, then image tokens: the joint sequence's order
             keep = torch.cat([conditioning["text_mask"].bool(), torch.ones(b, image_ids.shape[0], dtype=torch.bool,
                                                                           device=noisy.device)], dim=1)
             attention = {"attention_mask": keep[:, None, None, :]}
@@ -268,7 +267,7 @@ class Flux(Family):
             if name not in table:
                 raise ValueError(f"{key}: no module of this Flux transformer is named {name!r}; is this adapter for this model?")
             by_name.setdefault(name, {})[kind] = value
-        ranks, alphas, dora = {}, {}, {}
+        ranks, alphas = {}, {}
         for name, found in by_name.items():
             modules = table[name]
             rows = found["lora_up.weight"].shape[0]
@@ -277,8 +276,8 @@ class Flux(Family):
             for module, split in zip(modules, kohya.split(found, sizes)):
                 out |= {f"transformer.{module}.{kind}": value for kind, value in split.tensors.items()}
                 ranks[module], alphas[module] = split.rank, split.alpha
-                dora["transformer"] = "dora_scale" in found
         if ranks:
+            dora = {"transformer": any("dora_scale" in found for found in by_name.values())}
             configs |= derived_lora_configs({"transformer": ranks}, {"transformer": alphas}, dora)
         return out, configs
 
