@@ -3,6 +3,11 @@ embeddings (`kind = "embedding"`, embeddings.py).
 
 Parts are the family's: its denoiser and, with `adapter.text_encoder`, each text encoder, named as diffusers
 names them (`unet`, `text_encoder`, `text_encoder_2`). A trained parameter's name is `<part>.<name in part>`.
+
+PiSSA and OLoRA start each adapter from the base weight's principal (SVD) or QR factors and take them out of the
+base, so the base in memory is no longer the base users have. What is saved is therefore the change from the
+start, B A - B0 A0, as a LoRA of twice the rank on the untouched base ([B, -B0] and [A; A0]; peft's
+`path_initial_model_for_weight_conversion` does the same): every loader reads it as a plain LoRA.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from difftune.embeddings import add_tokens
 from difftune.models import Components
 
 DORA_MAGNITUDE = "lora_magnitude_vector"
+MUTATED_BASE_INITS = ("pissa", "olora")  # adapter inits that change the base weights (see the module's docstring)
+INITIAL_ADAPTER = "_difftune_initial_adapter"  # a part's adapter tensors as initialized, for those inits
 
 
 def trained_parts(components: Components, config: AdapterConfig) -> dict[str, torch.nn.Module]:
@@ -54,6 +61,8 @@ def add_adapters(components: Components, config: AdapterConfig) -> None:
         return
     for part, targets in target_modules(components, config).items():
         trained[part].add_adapter(_lora_config(config, targets))
+        if config.init in MUTATED_BASE_INITS:
+            setattr(trained[part], INITIAL_ADAPTER, _peft_state(trained[part]))
 
 
 def _lora_config(config: AdapterConfig, targets: list[str]) -> LoraConfig:
@@ -63,9 +72,30 @@ def _lora_config(config: AdapterConfig, targets: list[str]) -> LoraConfig:
         lora_dropout=config.dropout,
         target_modules=targets,
         use_dora=config.kind == "dora",
-        # A ~ N(0, 1/r), B = 0: the adapter starts as the identity, as in diffusers' LoRA scripts.
-        init_lora_weights="gaussian",
+        use_rslora=config.rank_stabilized,
+        # gaussian: A ~ N(0, 1/r), B = 0, so the adapter starts as the identity, as in diffusers' LoRA scripts.
+        init_lora_weights=config.init,
     )
+
+
+def _peft_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # save_embedding_layers=False: embeddings are never adapted here, and `auto` probes the hub for a config.
+    state = get_peft_model_state_dict(module, save_embedding_layers=False)
+    # copy=True: on CPU in fp32 `.to` would return the live parameter, which later steps change.
+    return {key: value.detach().to("cpu", torch.float32, copy=True).contiguous() for key, value in state.items()}
+
+
+def _change_from_initial(state: dict[str, torch.Tensor], initial: dict[str, torch.Tensor], configs: dict) -> None:
+    """Turn a PiSSA/OLoRA adapter (B A on a base with B0 A0 taken out) into the plain LoRA of its change on the
+    untouched base, in place: rank 2r, alpha chosen so the scale stays alpha / r (or alpha / sqrt(r) with rsLoRA)."""
+    for key, value in state.items():
+        if key.endswith("lora_A.weight"):
+            state[key] = torch.cat([value, initial[key]], dim=0)
+        elif key.endswith("lora_B.weight"):
+            state[key] = torch.cat([value, -initial[key]], dim=1)
+    configs["lora_alpha"] *= 2**0.5 if configs.get("use_rslora") else 2
+    configs["r"] *= 2
+    configs["init_lora_weights"] = True  # a loader must not run PiSSA on the untouched base again
 
 
 def trainable_parameters(components: Components, config: AdapterConfig) -> dict[str, torch.nn.Parameter]:
@@ -82,16 +112,18 @@ def adapter_state_dict(components: Components, config: AdapterConfig) -> tuple[d
     """The trained adapter weights with diffusers' prefixes, and each part's peft config."""
     tensors, lora_configs = {}, {}
     for part, module in trained_parts(components, config).items():
-        # save_embedding_layers=False: embeddings are never adapted here, and `auto` probes the hub for a config.
-        for key, value in get_peft_model_state_dict(module, save_embedding_layers=False).items():
+        state = _peft_state(module)
+        part_configs = {field: sorted(value) if isinstance(value, set) else value
+                        for field, value in module.peft_config["default"].to_dict().items()}
+        if hasattr(module, INITIAL_ADAPTER):
+            _change_from_initial(state, getattr(module, INITIAL_ADAPTER), part_configs)
+        for key, value in state.items():
             if key.endswith(DORA_MAGNITUDE):
                 # transformers 5's adapter loader (diffusers' text-encoder path) maps only keys ending in
                 # `.weight` and silently drops the bare magnitude key; peft reads both forms.
                 key += ".weight"
-            # copy=True: on CPU in fp32 `.to` would return the live parameter, which later steps change.
-            tensors[f"{part}.{key}"] = value.detach().to("cpu", torch.float32, copy=True).contiguous()
-        for field, value in module.peft_config["default"].to_dict().items():
-            lora_configs[f"{part}.{field}"] = sorted(value) if isinstance(value, set) else value
+            tensors[f"{part}.{key}"] = value
+        lora_configs |= {f"{part}.{field}": value for field, value in part_configs.items()}
     return tensors, lora_configs
 
 

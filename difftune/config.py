@@ -164,6 +164,18 @@ class AdapterConfig(Section):
     rank: int = Field(16, ge=1, description="Adapter rank.")
     alpha: float | None = Field(None, gt=0, description="Adapter alpha (scale = alpha / rank); defaults to the rank.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+    rank_stabilized: bool = Field(
+        False,
+        description="rsLoRA (Kalajdzievski 2023): scale the adapter by alpha / sqrt(rank) instead of alpha / rank, so "
+        "higher ranks keep learning; saved files say so (diffusers/peft), or carry the equivalent alpha (kohya).",
+    )
+    init: Literal["gaussian", "pissa", "olora"] = Field(
+        "gaussian",
+        description="How a LoRA starts: `gaussian` (B = 0, as diffusers' scripts), `pissa` (the base weight's principal "
+        "singular vectors, taken out of the base; Meng et al. 2024) or `olora` (its QR factors; Buyukakyuz 2024). Both "
+        "train faster early on; the saved file is the change from the start, a plain LoRA of twice the rank that "
+        "loads on the untouched base anywhere. Linear layers only; not with DoRA or `model.quantize`.",
+    )
     target_modules: list[str] = Field(
         [],
         description="Denoiser (UNet or transformer) modules that get an adapter (names or name suffixes); empty: the "
@@ -220,13 +232,15 @@ class LossConfig(Section):
         description="What the UNet predicts; `auto` takes it from the model's scheduler config. Flow-matching families "
         "(Flux) always predict the velocity noise - x0 and take `auto` only.",
     )
-    weighting: Literal["auto", "min_snr", "uniform", "sigma_sqrt", "cosmap"] = Field(
+    weighting: Literal["auto", "min_snr", "soft_min_snr", "debiased", "uniform", "sigma_sqrt", "cosmap"] = Field(
         "auto",
         description="Per-timestep loss weight. `auto`: the family's usual, Min-SNR-gamma (Hang et al. 2023) for the UNet "
-        "families, none for flow matching. `uniform` is none; `sigma_sqrt` and `cosmap` (Esser et al. 2024, as "
-        "diffusers' SD3/Flux scripts) are for flow matching.",
+        "families, none for flow matching. `soft_min_snr`: its smooth form, SNR*gamma/(SNR+gamma) (Crowson et al. 2024); "
+        "`debiased`: debiased estimation, 1/sqrt(SNR) (Yu et al. 2024, kohya's `debiased_estimation_loss`); these three "
+        "are for the UNet families. `uniform` is none; `sigma_sqrt` and `cosmap` (Esser et al. 2024, as diffusers' "
+        "SD3/Flux scripts) are for flow matching.",
     )
-    snr_gamma: float = Field(5.0, gt=0, description="Gamma of Min-SNR weighting.")
+    snr_gamma: float = Field(5.0, gt=0, description="Gamma of Min-SNR and soft-min-SNR weighting.")
     timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
         "uniform",
         description="How training draws each sample's point on the noise schedule: uniformly, logit-normal (more weight "
@@ -261,11 +275,16 @@ class LossConfig(Section):
 
 
 class OptimConfig(Section):
-    optimizer: Literal["adamw", "adamw_8bit", "lion", "adafactor", "adamw_cpu_offload", "galore_adamw"] = Field(
+    optimizer: Literal[
+        "adamw", "adamw_8bit", "lion", "adafactor", "adamw_cpu_offload", "galore_adamw", "prodigy", "adamw_schedule_free"
+    ] = Field(
         "adamw",
         description="AdamW (fused), AdamW 8-bit (the `bnb` extra), Lion, Adafactor (fixed learning rate, no relative "
-        "steps), AdamW with its state offloaded to the CPU (torchao; CUDA only; the `torchao` extra), or GaLore AdamW "
-        "(low-rank moments of each weight matrix; full fine-tunes only; the `galore` extra).",
+        "steps), AdamW with its state offloaded to the CPU (torchao; CUDA only; the `torchao` extra), GaLore AdamW "
+        "(low-rank moments of each weight matrix; full fine-tunes only; the `galore` extra), Prodigy (finds its own step "
+        "size: set `learning_rate = 1`, its multiplier; the `prodigy` extra) or schedule-free AdamW (no schedule: "
+        "`lr_schedule` stays `constant` and `warmup_steps` is its own warmup; its averaged weights are what is "
+        "validated, sampled and saved; the `schedulefree` extra).",
     )
     learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate of the denoiser's (UNet's) parameters.")
     text_encoder_learning_rate: float | None = Field(
@@ -287,6 +306,13 @@ class OptimConfig(Section):
         "step; `none` uses them as given. The scaled rates are printed and logged as `lr`.",
     )
 
+    loraplus_ratio: float = Field(
+        0.0,
+        ge=0,
+        description="LoRA+ (Hayou et al. 2024): train each adapter's B (up) matrices, and DoRA's magnitudes, at this "
+        "many times the learning rate (the paper: 16); 0 is off.",
+    )
+    prodigy_d_coef: float = Field(1.0, gt=0, description="`prodigy`: multiplier of its estimated step size D.")
     galore_rank: int = Field(128, ge=1, description="`galore_adamw`: rank of each weight matrix's gradient projection.")
     galore_update_proj_gap: int = Field(
         200, ge=1, description="`galore_adamw`: optimizer steps between refreshes of the projections (an SVD each)."
@@ -560,6 +586,40 @@ class Config(Section):
                 raise ValueError(
                     f"train.global_batch_size {self.train.global_batch_size} is not a multiple of train.batch_size "
                     f"{self.train.batch_size}"
+                )
+        if self.adapter.init != "gaussian":
+            if self.adapter.kind != "lora":
+                raise ValueError(
+                    f"adapter.init = \"{self.adapter.init}\" starts a LoRA; adapter.kind = \"{self.adapter.kind}\" "
+                    "needs init = \"gaussian\""
+                )
+            if self.model.quantize != "none":
+                raise ValueError(
+                    f"adapter.init = \"{self.adapter.init}\" rewrites the base weights it factors, which "
+                    "model.quantize keeps quantized: use one or the other"
+                )
+        if self.optim.loraplus_ratio and self.adapter.kind not in ("lora", "dora"):
+            raise ValueError(
+                f"optim.loraplus_ratio speeds up adapters' B matrices; adapter.kind = \"{self.adapter.kind}\" has none: "
+                "set it to 0"
+            )
+        if self.optim.optimizer == "prodigy" and (
+            self.optim.text_encoder_learning_rate != self.optim.learning_rate or self.optim.loraplus_ratio
+        ):
+            raise ValueError(
+                "optim.optimizer = \"prodigy\" estimates one step size for all parameters and refuses groups at other "
+                "rates: leave optim.text_encoder_learning_rate unset (or equal to learning_rate) and loraplus_ratio at 0"
+            )
+        if self.optim.optimizer == "adamw_schedule_free":
+            if self.optim.lr_schedule != "constant":
+                raise ValueError(
+                    f"optim.optimizer = \"adamw_schedule_free\" replaces the schedule (its averaging does what decay "
+                    f"does): set optim.lr_schedule = \"constant\", not \"{self.optim.lr_schedule}\" (warmup_steps still apply)"
+                )
+            if self.ema.enabled:
+                raise ValueError(
+                    "ema.enabled with optim.optimizer = \"adamw_schedule_free\": its saved weights are an average "
+                    "already; turn the EMA off"
                 )
         if self.optim.optimizer == "galore_adamw" and self.adapter.kind != "none":
             raise ValueError(

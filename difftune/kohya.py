@@ -52,7 +52,7 @@ def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict, prefixes: dic
         name = prefixes[part] + _kohya_module(part, module, text_model_parts).replace(".", "_")
         if kind == "lora_A.weight":
             out[f"{name}.lora_down.weight"] = value
-            out[f"{name}.alpha"] = torch.tensor(float(_alpha(lora_configs, part, rest.rsplit(".lora_A", 1)[0])))
+            out[f"{name}.alpha"] = torch.tensor(float(_scale(lora_configs, part, module, value.shape[0]) * value.shape[0]))
         elif kind == "lora_B.weight":
             out[f"{name}.lora_up.weight"] = value
         else:  # DoRA magnitude: one value per output row
@@ -104,7 +104,7 @@ def fuse(tensors: dict[str, torch.Tensor], lora_configs: dict, part: str, module
     row, stack as they are. One module: its adapter unchanged."""
     downs = [tensors[f"{part}.{module}.lora_A.weight"] for module in modules]
     ups = [tensors[f"{part}.{module}.lora_B.weight"] for module in modules]
-    scales = [_alpha(lora_configs, part, module) / down.shape[0] for module, down in zip(modules, downs)]
+    scales = [_scale(lora_configs, part, module, down.shape[0]) for module, down in zip(modules, downs)]
     rank = sum(down.shape[0] for down in downs)
     fused = {
         "lora_down.weight": torch.cat(downs),
@@ -202,6 +202,9 @@ def split_adapter_key(key: str) -> tuple[str, str]:
     raise ValueError(f"{key}: not a LoRA/DoRA tensor (lora_A, lora_B or {DORA_MAGNITUDE})")
 
 
-def _alpha(lora_configs: dict, part: str, module: str) -> float:
+def _scale(lora_configs: dict, part: str, module: str, rank: int) -> float:
+    """A module's adapter scale: alpha / rank, or alpha / sqrt(rank) with rsLoRA. kohya files know only the first,
+    so an rsLoRA module is written with the alpha that gives its scale."""
     pattern = lora_configs.get(f"{part}.alpha_pattern") or {}
-    return pattern.get(module, lora_configs[f"{part}.lora_alpha"])
+    alpha = pattern.get(module, lora_configs[f"{part}.lora_alpha"])
+    return alpha / (rank**0.5 if lora_configs.get(f"{part}.use_rslora") else rank)

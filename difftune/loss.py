@@ -4,7 +4,10 @@ Timesteps, noise, noisy latents and targets all come from the model's own schedu
 (`add_noise`, `get_velocity`). Min-SNR-gamma (Hang et al. 2023) weights a sample at timestep t by
 min(SNR(t), gamma) / SNR(t) for epsilon prediction and min(SNR(t), gamma) / (SNR(t) + 1) for
 v-prediction: both are min(SNR, gamma) over the SNR-weighting implied by the target, so the
-x0-space weight is truncated at gamma either way.
+x0-space weight is truncated at gamma either way. Soft-min-SNR (Crowson et al. 2024) swaps the hard
+minimum for the smooth one, SNR * gamma / (SNR + gamma), over the same implied weighting. Debiased
+estimation (Yu et al. 2024, as kohya's `--debiased_estimation_loss`) weights by 1 / sqrt(SNR) for epsilon
+and 1 / (SNR + 1) for v-prediction, SNR capped at 1000 as kohya does.
 """
 
 from __future__ import annotations
@@ -71,13 +74,34 @@ def draw_timesteps_and_noise(
     return timesteps.to(latents.device), *draw_noise(generators, latents, config)
 
 
+def over_implied_weighting(x0_weight: torch.Tensor, snr: torch.Tensor, prediction: str) -> torch.Tensor:
+    """A weight meant in x0 space (a function of SNR) as a weight on the target's MSE: epsilon's MSE is SNR times
+    x0's, v's is SNR + 1 times."""
+    if prediction == "v_prediction":
+        return x0_weight / (snr + 1)
+    # SNR -> 0 (a zero-terminal-SNR schedule's last step): both weightings here tend to SNR there, so 1, not 0/0.
+    return torch.where(snr > 0, x0_weight / snr.clamp(min=torch.finfo(snr.dtype).tiny), torch.ones_like(snr))
+
+
 def min_snr_weights(snr: torch.Tensor, gamma: float, prediction: str) -> torch.Tensor:
     """Per-sample Min-SNR-gamma weights for a batch of SNR values."""
-    clipped = torch.clamp(snr, max=gamma)
+    return over_implied_weighting(torch.clamp(snr, max=gamma), snr, prediction)
+
+
+def soft_min_snr_weights(snr: torch.Tensor, gamma: float, prediction: str) -> torch.Tensor:
+    """Per-sample soft-min-SNR weights: the harmonic soft minimum of SNR and gamma, SNR * gamma / (SNR + gamma)."""
+    return over_implied_weighting(snr * gamma / (snr + gamma), snr, prediction)
+
+
+DEBIASED_SNR_CAP = 1000.0  # kohya's: SNR at t = 0 is huge (inf on some schedules)
+
+
+def debiased_weights(snr: torch.Tensor, prediction: str) -> torch.Tensor:
+    """Per-sample debiased-estimation weights."""
+    snr = snr.clamp(max=DEBIASED_SNR_CAP)
     if prediction == "v_prediction":
-        return clipped / (snr + 1)
-    # SNR -> 0 (a zero-terminal-SNR schedule's last step) has weight -> 1 for epsilon, not 0/0.
-    return torch.where(snr > 0, clipped / snr.clamp(min=torch.finfo(snr.dtype).tiny), torch.ones_like(snr))
+        return 1 / (snr + 1)
+    return 1 / snr.clamp(min=1 / DEBIASED_SNR_CAP).sqrt()
 
 
 # What the denoiser learns to predict: (scheduler, clean latents, noise, timesteps) -> target.
@@ -91,12 +115,27 @@ WEIGHTINGS = {
     "min_snr": lambda scheduler, timesteps, config, prediction: min_snr_weights(
         compute_snr(scheduler, timesteps), config.snr_gamma, prediction
     ),
+    "soft_min_snr": lambda scheduler, timesteps, config, prediction: soft_min_snr_weights(
+        compute_snr(scheduler, timesteps), config.snr_gamma, prediction
+    ),
+    "debiased": lambda scheduler, timesteps, config, prediction: debiased_weights(compute_snr(scheduler, timesteps), prediction),
     "uniform": lambda scheduler, timesteps, config, prediction: torch.ones(len(timesteps)),
 }
 WEIGHTING_BY_DEFAULT = "min_snr"  # what `loss.weighting = "auto"` means for these (DDPM) families
 
 # The denoiser's prediction for noisy latents at timesteps: (noisy (B, C, h, w), timesteps (B,)) -> (B, C, h, w).
 Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error per sample (B,). With `mask` (B, 1, h, w) each latent pixel's error counts by its weight,
+    and the result is divided by the mask's mean: a sample's loss is the mean over what it trains on, so a small
+    mask does not scale its learning rate down (an all-zero mask trains nothing)."""
+    error = F.mse_loss(prediction.float(), target.float(), reduction="none")
+    if mask is None:
+        return error.mean(dim=(1, 2, 3))
+    mask = mask.to(error)
+    return (error * mask).mean(dim=(1, 2, 3)) / mask.mean(dim=(1, 2, 3)).clamp(min=1e-6)
 
 
 def diffusion_loss(
@@ -107,16 +146,18 @@ def diffusion_loss(
     noise: torch.Tensor,
     config: LossConfig,
     input_noise: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted MSE between the denoiser's prediction and the target, per sample: shape (B,). The target is made
-    from `noise`; the denoiser's input from `input_noise` when given (input perturbation)."""
+    from `noise`; the denoiser's input from `input_noise` when given (input perturbation); `mask` as in
+    `per_sample_mse`."""
     prediction = prediction_type(config, noise_scheduler)
     if prediction not in TARGETS:
         raise ValueError(f"prediction type {prediction!r} is not trainable here; use {' or '.join(TARGETS)}")
     noisy = noise_scheduler.add_noise(latents, noise if input_noise is None else input_noise, timesteps)
     target = TARGETS[prediction](noise_scheduler, latents, noise, timesteps)
     model_output = predict(noisy, timesteps)
-    per_sample = F.mse_loss(model_output.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+    per_sample = per_sample_mse(model_output, target, mask)
     weighting = WEIGHTING_BY_DEFAULT if config.weighting == "auto" else config.weighting
     weights = WEIGHTINGS[weighting](noise_scheduler, timesteps, config, prediction)
     return per_sample * weights.to(per_sample.device)

@@ -1,9 +1,15 @@
-"""Optimizers by name from one table, and learning-rate schedules (diffusers' `get_scheduler`)."""
+"""Optimizers by name from one table, their parameter groups (per part, and LoRA+'s faster B matrices), and
+learning-rate schedules (diffusers' `get_scheduler`).
+
+Prodigy and schedule-free AdamW come from their authors' packages (extras). Schedule-free AdamW has no schedule:
+it warms up itself, and the weights to evaluate and save are its averaged ones, which `averaged_weights` swaps in.
+"""
 
 from __future__ import annotations
 
 import functools
 import math
+from contextlib import contextmanager
 
 import torch
 from diffusers.optimization import get_scheduler
@@ -105,28 +111,82 @@ def _resumable_galore():
     return ResumableGaLoreAdamW
 
 
+def _prodigy(groups, config: OptimConfig, device: torch.device):
+    # Prodigy (Mishchenko & Defazio 2024) estimates the step size D itself; `learning_rate` multiplies it (1 is
+    # the authors' advice). Bias correction and the warmup safeguard are what kohya's and OneTrainer's guides set.
+    _require("prodigyopt", "prodigy", "prodigy")
+    from prodigyopt import Prodigy
+
+    return Prodigy(
+        groups, betas=config.betas, weight_decay=config.weight_decay, eps=config.eps, decouple=True,
+        use_bias_correction=True, safeguard_warmup=config.warmup_steps > 0, d_coef=config.prodigy_d_coef,
+    )
+
+
+def _adamw_schedule_free(groups, config: OptimConfig, device: torch.device):
+    # Schedule-free AdamW (Defazio et al. 2024): its own warmup, no decay; its train/eval modes swap between the
+    # point gradients are taken at and the average that is evaluated and saved (`averaged_weights`).
+    _require("schedulefree", "schedulefree", "adamw_schedule_free")
+    from schedulefree import AdamWScheduleFree
+
+    optimizer = AdamWScheduleFree(
+        groups, betas=config.betas, weight_decay=config.weight_decay, eps=config.eps, warmup_steps=config.warmup_steps,
+    )
+    optimizer.train()
+    return optimizer
+
+
 def _require(module: str, extra: str, optimizer: str) -> None:
     require_extra(module, extra, f'optim.optimizer = "{optimizer}"', 'use "adamw"')
 
 
 OPTIMIZERS = {
     "adamw": _adamw, "adamw_8bit": _adamw_8bit, "lion": _lion, "adafactor": _adafactor,
-    "adamw_cpu_offload": _adamw_cpu_offload, "galore_adamw": _galore_adamw,
+    "adamw_cpu_offload": _adamw_cpu_offload, "galore_adamw": _galore_adamw, "prodigy": _prodigy,
+    "adamw_schedule_free": _adamw_schedule_free,
 }
+SCHEDULE_FREE = ("adamw_schedule_free",)
+
+
+def is_loraplus_b(name: str, param: torch.nn.Parameter) -> bool:
+    """What LoRA+ (Hayou et al. 2024) steps faster: the B (up) matrices, and the vectors beside them (DoRA's
+    magnitudes), as peft's `create_loraplus_optimizer` groups them."""
+    return "lora_B" in name or param.dim() == 1
 
 
 def build_optimizer(
-    denoiser_params: list[torch.nn.Parameter], text_encoder_params: list[torch.nn.Parameter], config: OptimConfig, device,
-    lr_scale: float = 1.0,
+    named: dict[str, torch.nn.Parameter], denoiser_part: str, config: OptimConfig, device, lr_scale: float = 1.0
 ) -> torch.optim.Optimizer:
-    """One parameter group for the denoiser and one for the text encoders, each at its own peak learning rate
-    times `lr_scale` (`learning_rate_scale`)."""
-    groups = [
-        {"params": denoiser_params, "lr": config.learning_rate * lr_scale},
-        {"params": text_encoder_params, "lr": config.text_encoder_learning_rate * lr_scale},
-    ]
+    """One parameter group for the denoiser and one for the text encoders (named `<part>.<name>`), each at its own
+    peak learning rate times `lr_scale` (`learning_rate_scale`); with `optim.loraplus_ratio`, each split in two,
+    the B matrices at that many times the rate. (peft's LoRA+ helper builds one model's optimizer; here two parts
+    with their own rates share one.)"""
+    groups = []
+    for in_denoiser, lr in ((True, config.learning_rate), (False, config.text_encoder_learning_rate)):
+        part = {name: p for name, p in named.items() if name.startswith(f"{denoiser_part}.") == in_denoiser}
+        if config.loraplus_ratio:
+            b_side = {name for name, p in part.items() if is_loraplus_b(name, p)}
+            groups.append({"params": [p for name, p in part.items() if name not in b_side], "lr": lr * lr_scale})
+            groups.append({"params": [part[name] for name in b_side], "lr": lr * lr_scale * config.loraplus_ratio})
+        else:
+            groups.append({"params": list(part.values()), "lr": lr * lr_scale})
     # A LoRA of the denoiser alone trains no text encoder; an embedding trains nothing in the denoiser.
     return OPTIMIZERS[config.optimizer]([group for group in groups if group["params"]], config, device)
+
+
+@contextmanager
+def averaged_weights(optimizer):
+    """The weights to evaluate and save in place for the block: a schedule-free optimizer's average (its eval
+    mode); any other optimizer's parameters as they are. Accelerate's wrapper passes `eval`/`train` on, or
+    ignores them for optimizers without."""
+    switch = callable(getattr(optimizer, "eval", None))
+    if switch:
+        optimizer.eval()
+    try:
+        yield
+    finally:
+        if switch:
+            optimizer.train()
 
 
 def learning_rate_scale(rule: str, global_batch: int) -> float:
@@ -136,6 +196,8 @@ def learning_rate_scale(rule: str, global_batch: int) -> float:
 
 
 def build_lr_scheduler(optimizer, config: OptimConfig, max_steps: int, num_processes: int):
+    if config.optimizer in SCHEDULE_FREE:  # it warms up itself (config.py allows no other schedule)
+        return get_scheduler("constant", optimizer)
     # diffusers' "constant" ignores warmup steps; its "constant_with_warmup" is warmup then constant.
     name = "constant_with_warmup" if config.lr_schedule == "constant" else config.lr_schedule
     # accelerate steps a prepared scheduler once per process each optimizer step.

@@ -52,7 +52,7 @@ from difftune.guard import Guard
 from difftune.loss import training_noise_scheduler
 from difftune.metrics import METRICS_FILE, MetricsLog
 from difftune.models import Components, encode_posterior, place_frozen, sample_latents, set_attention, weight_dtype
-from difftune.optim import build_lr_scheduler, build_optimizer, learning_rate_scale
+from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.parity import check_parity, write_report
 from difftune.quantize import quantize_linear_layers
 from difftune.sample import generate_images, save_images
@@ -154,11 +154,9 @@ def setup(config: Config, resume: str | None = None) -> Run:
 
     named = trainable_parameters(components, config.adapter)
     denoiser_part = components.family.denoiser_name
-    denoiser_params = [p for name, p in named.items() if name.startswith(f"{denoiser_part}.")]
-    text_params = [p for name, p in named.items() if not name.startswith(f"{denoiser_part}.")]
     global_batch = config.train.batch_size * accelerator.num_processes * config.train.gradient_accumulation_steps
     lr_scale = learning_rate_scale(config.optim.scale_lr, global_batch)
-    optimizer = build_optimizer(denoiser_params, text_params, config.optim, accelerator.device, lr_scale)
+    optimizer = build_optimizer(named, denoiser_part, config.optim, accelerator.device, lr_scale)
     lr_scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps, accelerator.num_processes)
     # Only trained modules are prepared: DDP refuses a module with nothing to train.
     trained = trained_parts(components, config.adapter)
@@ -320,6 +318,7 @@ def finish(run: Run) -> TrainResult:
         return TrainResult(run.unwrapped(), None, run.losses, run.optimizer, run.ema)
 
     accelerator.wait_for_everyone()
+    run.optimizer.eval()  # from here on, a schedule-free optimizer's averaged weights: what the run produced
     if sharding.is_sharded(accelerator):
         components, ema, parameters = _unsharded_copy(run)
     else:
@@ -468,7 +467,12 @@ def _periodic_work(run: Run, step: int) -> dict:
     snapshot = config.export.every_steps and (step % config.export.every_steps == 0 or last)
     if not (validate or preview or snapshot):
         return values  # most steps: unwrapping the models costs 5 ms (a 64 px tiny-model step is 70)
-    components = run.unwrapped()
+    with averaged_weights(run.optimizer):
+        return values | _validate_preview_snapshot(run, step, validate, preview, snapshot)
+
+
+def _validate_preview_snapshot(run: Run, step: int, validate: bool, preview: bool, snapshot: bool) -> dict:
+    config, values, components = run.config, {}, run.unwrapped()
     if validate:
         values["val_loss"] = run.validator.loss(components)
         if run.ema:

@@ -269,13 +269,17 @@ def test_sample_with_a_taesd_decoder(tiny_base, tmp_path):
         assert list(fast.getdata()) != list(full.getdata())  # decoded by the other autoencoder
 
 
-@pytest.mark.parametrize(("kind", "layout"), [("lora", "diffusers"), ("dora", "kohya"), ("none", "diffusers")])
-def test_saved_result_reloads_to_the_in_training_sample(make_config, tmp_path, kind, layout, capsys):
+@pytest.mark.parametrize(("kind", "layout", "extra"), [
+    ("lora", "diffusers", {}), ("dora", "kohya", {}), ("none", "diffusers", {}),
+    # trained on a base with its principal part taken out, saved as the change on the untouched one
+    ("lora", "kohya", {"adapter__init": "pissa", "adapter__rank_stabilized": True}),
+])
+def test_saved_result_reloads_to_the_in_training_sample(make_config, tmp_path, kind, layout, extra, capsys):
     from difftune.train import train
 
     config = make_config(
         adapter__kind=kind, adapter__text_encoder=True, export__format=layout, train__max_steps=4,
-        sample__prompts=["a red circle"], sample__steps=3,
+        sample__prompts=["a red circle"], sample__steps=3, **extra,
     )
     train(config)
     report = json.loads((tmp_path / "run" / "parity.json").read_text())

@@ -3,7 +3,14 @@ import torch
 from diffusers.training_utils import compute_snr
 
 from difftune.config import LossConfig
-from difftune.loss import diffusion_loss, draw_timesteps_and_noise, min_snr_weights
+from difftune.loss import (
+    debiased_weights,
+    diffusion_loss,
+    draw_timesteps_and_noise,
+    min_snr_weights,
+    per_sample_mse,
+    soft_min_snr_weights,
+)
 from difftune.tiny import build_noise_scheduler
 
 
@@ -17,6 +24,47 @@ def test_min_snr_weights_closed_form():
     torch.testing.assert_close(min_snr_weights(snr, 5.0, "v_prediction"), expected_v)
     # zero SNR (zero-terminal schedules): the epsilon weight's limit, 1, not 0/0
     assert min_snr_weights(torch.tensor([0.0]), 5.0, "epsilon").item() == 1.0
+
+
+def test_soft_min_snr_and_debiased_weights_closed_form():
+    snr = torch.tensor([0.01, 1.0, 5.0, 100.0, 1e6])
+    # soft-min-SNR: x0 weight snr*g/(snr+g), over snr (epsilon) or snr + 1 (v)
+    soft_x0 = snr * 5 / (snr + 5)
+    torch.testing.assert_close(soft_min_snr_weights(snr, 5.0, "epsilon"), soft_x0 / snr)
+    torch.testing.assert_close(soft_min_snr_weights(snr, 5.0, "v_prediction"), soft_x0 / (snr + 1))
+    # it lies below the hard minimum and meets it far from gamma
+    hard = min_snr_weights(snr, 5.0, "epsilon")
+    assert torch.all(soft_min_snr_weights(snr, 5.0, "epsilon") <= hard + 1e-6)
+    assert soft_min_snr_weights(torch.tensor([1e-4]), 5.0, "epsilon").item() == pytest.approx(1.0, abs=1e-4)
+    assert soft_min_snr_weights(torch.tensor([0.0]), 5.0, "epsilon").item() == 1.0
+    # debiased: 1/sqrt(snr) and 1/(snr+1), snr capped at 1000 (kohya)
+    capped = snr.clamp(max=1000)
+    torch.testing.assert_close(debiased_weights(snr, "epsilon"), 1 / capped.sqrt())
+    torch.testing.assert_close(debiased_weights(snr, "v_prediction"), 1 / (capped + 1))
+    assert torch.isfinite(debiased_weights(torch.tensor([0.0]), "epsilon")).all()
+
+
+@pytest.mark.parametrize("weighting", ["soft_min_snr", "debiased"])
+def test_weightings_reach_the_loss(weighting):
+    scheduler = build_noise_scheduler()
+    latents, noise = torch.randn(3, 4, 8, 8), torch.randn(3, 4, 8, 8)
+    timesteps = torch.tensor([10, 500, 990])
+    config = LossConfig(prediction_type="epsilon", weighting=weighting)
+    loss = diffusion_loss(_oracle(torch.zeros_like(noise)), scheduler, latents, timesteps, noise, config)
+    snr = compute_snr(scheduler, timesteps)
+    weights = soft_min_snr_weights(snr, 5.0, "epsilon") if weighting == "soft_min_snr" else debiased_weights(snr, "epsilon")
+    torch.testing.assert_close(loss, noise.pow(2).mean(dim=(1, 2, 3)) * weights)
+
+
+def test_masked_mse_is_the_mean_over_the_mask():
+    prediction, target = torch.zeros(2, 4, 4, 4), torch.ones(2, 4, 4, 4)
+    target[:, :, :, 2:] = 3.0  # right half: error 9, left half: error 1
+    mask = torch.zeros(2, 1, 4, 4)
+    mask[0, :, :, :2] = 1.0  # sample 0 trains on the left half alone
+    mask[1] = 0.5  # sample 1: everywhere, at half weight
+    torch.testing.assert_close(per_sample_mse(prediction, target, mask), torch.tensor([1.0, 5.0]))
+    torch.testing.assert_close(per_sample_mse(prediction, target), torch.tensor([5.0, 5.0]))
+    assert per_sample_mse(prediction, target, torch.zeros(2, 1, 4, 4)).abs().max() == 0
 
 
 def test_snr_from_the_scheduler():

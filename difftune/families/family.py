@@ -169,12 +169,13 @@ class Family:
         return draw_timesteps_and_noise(generators, latents, components.noise_scheduler.config.num_train_timesteps, config)
 
     def loss(self, components: Components, latents: torch.Tensor, timesteps: torch.Tensor, noise: torch.Tensor,
-             conditioning: dict, geometry: torch.Tensor, config: LossConfig, input_noise: torch.Tensor | None = None
-             ) -> torch.Tensor:
-        """The per-sample loss (B,) of the denoiser on `latents` noised at `timesteps`."""
+             conditioning: dict, geometry: torch.Tensor, config: LossConfig, input_noise: torch.Tensor | None = None,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The per-sample loss (B,) of the denoiser on `latents` noised at `timesteps`; `mask` (B, 1, h, w) weights
+        each latent pixel (`loss.per_sample_mse`)."""
         return diffusion_loss(
             lambda noisy, t: self.denoise(components, noisy, t, conditioning, geometry),
-            components.noise_scheduler, latents, timesteps, noise, config, input_noise,
+            components.noise_scheduler, latents, timesteps, noise, config, input_noise, mask,
         )
 
     # Sampling.

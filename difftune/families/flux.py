@@ -23,7 +23,6 @@ import math
 import re
 
 import torch
-import torch.nn.functional as F
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3
 
@@ -33,7 +32,7 @@ from difftune.config import Config, LossConfig
 from difftune.errors import DifftuneError
 from difftune.families.family import Family
 from difftune.families.sd import CLIP_ATTENTION
-from difftune.loss import draw_fractions, draw_noise
+from difftune.loss import draw_fractions, draw_noise, per_sample_mse
 from difftune.models import Components
 
 # diffusers' Flux LoRA script's default targets, plus the single blocks' MLP input, so that a single block's fused
@@ -208,11 +207,12 @@ class Flux(Family):
             sigmas = shifted(sigmas, config.flow_shift)
         return sigmas * 1000, *draw_noise(generators, latents, config)
 
-    def loss(self, components, latents, timesteps, noise, conditioning, geometry, config: LossConfig, input_noise=None):
+    def loss(self, components, latents, timesteps, noise, conditioning, geometry, config: LossConfig, input_noise=None,
+             mask=None):
         sigmas = (timesteps.float() / 1000).view(-1, 1, 1, 1)
         noisy = (1 - sigmas) * latents + sigmas * (noise if input_noise is None else input_noise)
         prediction = self.denoise(components, noisy, timesteps, conditioning, geometry)
-        per_sample = F.mse_loss(prediction.float(), (noise - latents).float(), reduction="none").mean(dim=(1, 2, 3))
+        per_sample = per_sample_mse(prediction, noise - latents, mask)
         weighting = "uniform" if config.weighting == "auto" else config.weighting
         return per_sample * compute_loss_weighting_for_sd3(weighting, sigmas.flatten()).to(per_sample.device)
 
