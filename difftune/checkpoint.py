@@ -6,7 +6,8 @@
   accelerate reads these back with `torch.load(weights_only=True)` and an allowlist.
 - `trained.safetensors`: the trained parameters by name, and the EMA's as `ema.<name>`; full tensors even under
   FSDP (gathered from every process's shard, and sliced back into shards on load).
-- `state.json`: the position (optimizer steps, micro-batches consumed), the guard's history, the config.
+- `state.json`: the position (optimizer steps, micro-batches consumed), the guard's history, the best validation
+  results so far, the config.
 - `COMPLETE`: written last. A folder without it, or a `.tmp-` folder, is never loaded.
 
 Data order and per-sample noise are functions of (seed, position), so the position is all the data
@@ -67,9 +68,12 @@ class StopRequest:
             signal.raise_signal(signum)
         self.requested = True
 
-    def agreed(self, accelerator) -> bool:
-        flag = torch.tensor(float(self.requested), device=accelerator.device)
-        return bool(accelerator.reduce(flag, reduction="sum").item())
+    def agreed(self, accelerator, early_stop: bool = False) -> str | None:
+        """Why every process stops now: "request" (a signal on any process), "early_stop" (`early_stop` on any: the
+        main process validates), or None to go on. One collective either way."""
+        flags = torch.tensor([float(self.requested), float(early_stop)], device=accelerator.device)
+        requested, early = accelerator.reduce(flags, reduction="sum").tolist()
+        return "request" if requested else "early_stop" if early else None
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -104,7 +108,7 @@ class Checkpointer:
     def is_complete(self, step: int) -> bool:
         return (self.path(step) / MARKER).is_file()
 
-    def save(self, progress: Progress, named: dict, ema, guard) -> Path:
+    def save(self, progress: Progress, named: dict, ema, guard, best=None) -> Path:
         """Write to `.tmp-step-N`, flush, rename to `step-N`, then mark it complete; prune beyond `keep_last`."""
         accelerator, final = self.accelerator, self.path(progress.global_step)
         staging = final.with_name(f".tmp-{final.name}")
@@ -126,6 +130,7 @@ class Checkpointer:
                 "progress": asdict(progress),
                 "num_processes": accelerator.num_processes,
                 "guard": guard.state_dict(),
+                "best": best.state_dict() if best else None,
                 "ema_updates": ema.optimization_step if ema else None,  # drives the EMA's decay ramp
                 "config": self.config.to_toml(),
             }
@@ -140,8 +145,9 @@ class Checkpointer:
         accelerator.wait_for_everyone()
         return final
 
-    def load(self, path: Path, named: dict, ema, guard) -> Progress:
-        """Restore trained weights, EMA, guard, optimizer, scheduler and RNG from `path`; where to continue."""
+    def load(self, path: Path, named: dict, ema, guard, best=None) -> Progress:
+        """Restore trained weights, EMA, guard, best results, optimizer, scheduler and RNG from `path`; where to
+        continue."""
         accelerator = self.accelerator
         missing = [name for name in (TRAINED_FILE, STATE_FILE, "accelerate") if not (path / name).exists()]
         if missing:
@@ -166,6 +172,8 @@ class Checkpointer:
                     accelerator.print("difftune: the checkpoint has no EMA; the EMA starts from the resumed weights")
                     ema.shadow_params = [param.detach().clone() for param in named.values()]
         guard.load_state_dict(state["guard"])
+        if best and state.get("best"):
+            best.load_state_dict(state["best"])
         accelerator.load_state(str(path / "accelerate"))
         progress = Progress(**state["progress"])
         accelerator.print(f"difftune: resumed from {path} at step {progress.global_step}")

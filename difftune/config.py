@@ -433,6 +433,25 @@ class ValidationConfig(Section):
         description="Fixed timesteps at which each held-out image is scored (with fixed noise): comparable across runs.",
     )
     seed: int = Field(0, ge=0, description="Seed of the validation noise.")
+    keep_best: bool = Field(
+        True,
+        description="Keep the result of the lowest validation loss so far as `<result>_best` (the adapter file, or "
+        "`model_best/`), written whenever it improves; best.json and the end of the log name its step.",
+    )
+    min_delta: float = Field(0.0, ge=0, description="A validation loss counts as an improvement when lower than the best by more than this.")
+    early_stop_patience: int = Field(
+        0,
+        ge=0,
+        description="Stop after this many validations in a row without an improvement; the end-of-run files are "
+        "written as usual and `_best` holds the best. 0 is off.",
+    )
+    eval_concept: str = Field(
+        "",
+        description="For the bundled shapes bases (models/tiny-*): also judge samples at each validation as `difftune "
+        "eval` does, for this held-out color (logged as `eval_concept`, `eval_seen` and their mean `eval_score`), and "
+        "keep the best-scoring result as `<result>_best_eval`. Empty is off.",
+    )
+    eval_samples_per_prompt: int = Field(2, ge=1, description="`eval_concept`: samples per prompt (fixed seeds).")
 
 
 class SampleConfig(Section):

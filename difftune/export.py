@@ -37,7 +37,8 @@ FORMATS = ("diffusers", "kohya")
 
 
 def trained_path(config: Config, output_dir: Path, variant: str = "") -> Path:
-    """Where a run's result goes: `variant` is "" (raw weights), "_ema" or "_avg"."""
+    """Where a run's result goes: `variant` is "" (raw weights), "_ema", "_avg", or "_best" / "_best_eval" (the
+    lowest validation loss / highest judged score so far)."""
     if config.adapter.kind == "none":
         return variant_of(output_dir / FULL_MODEL_DIR, variant)
     if config.adapter.kind == "embedding":

@@ -56,7 +56,7 @@ from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer
 from difftune.parity import check_parity, write_report
 from difftune.quantize import quantize_linear_layers
 from difftune.sample import generate_images, save_images
-from difftune.validation import Validator
+from difftune.validation import BestResults, Validator
 
 RESOLVED_CONFIG_FILE = "config.toml"
 ROLLBACKS_FILE = "rollbacks.jsonl"
@@ -89,8 +89,10 @@ class Run:
     progress: Progress
     batches: Iterator[dict]
     validator: Validator | None
+    best: BestResults | None  # with a validator
     metrics: MetricsLog
     losses: list[float] = field(default_factory=list)
+    stop_reason: str | None = None  # `StopRequest.agreed`'s, when the loop ended before train.max_steps
 
     @property
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -172,8 +174,9 @@ def setup(config: Config, resume: str | None = None) -> Run:
     ema = build_ema(list(named.values()), config.ema)
     checkpointer = Checkpointer(accelerator, output_dir, config)
     guard = Guard(config.guard, output_dir if main else None)
+    best = BestResults(config.validation, output_dir) if validator else None
     checkpoint = find_checkpoint(output_dir, resume) if resume else None
-    progress = checkpointer.load(checkpoint, named, ema, guard) if checkpoint else Progress()
+    progress = checkpointer.load(checkpoint, named, ema, guard, best) if checkpoint else Progress()
     guard.start_at(progress.global_step)
     dataset = CaptionedImages(
         examples, config.data, tokenize, config.train.seed,
@@ -194,7 +197,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     metrics = MetricsLog(output_dir, accelerator, resumed_at_step=progress.global_step)
     return Run(
         config, accelerator, output_dir, components, named, list(prepared), optimizer, lr_scheduler, ema, guard,
-        checkpointer, progress, batches, validator, metrics,
+        checkpointer, progress, batches, validator, best, metrics,
     )
 
 
@@ -210,7 +213,10 @@ def loop(run: Run) -> None:
         desc="train",
     )
     with StopRequest() as stop:
-        while run.progress.global_step < config.train.max_steps and not stop.agreed(accelerator):
+        while run.progress.global_step < config.train.max_steps:
+            run.stop_reason = stop.agreed(accelerator, early_stop=bool(run.best and run.best.exhausted))
+            if run.stop_reason:
+                break
             global_step = run.progress.global_step + 1
             started = time.perf_counter()
             watch = config.log.activations_every_steps and global_step % config.log.activations_every_steps == 0
@@ -256,7 +262,7 @@ def loop(run: Run) -> None:
             bar.update(1)
             bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", skipped=run.guard.skipped)
             if config.checkpoint.every_steps and global_step % config.checkpoint.every_steps == 0:
-                run.checkpointer.save(run.progress, run.named, run.ema, run.guard)
+                run.checkpointer.save(run.progress, run.named, run.ema, run.guard, run.best)
         bar.close()
         run.metrics.close()
 
@@ -308,8 +314,8 @@ def finish(run: Run) -> TrainResult:
     """The last checkpoint; then, unless stopped early, the result files, samples and parity report."""
     config, accelerator, progress = run.config, run.accelerator, run.progress
     if not run.checkpointer.is_complete(progress.global_step):
-        run.checkpointer.save(progress, run.named, run.ema, run.guard)
-    if progress.global_step < config.train.max_steps:
+        run.checkpointer.save(progress, run.named, run.ema, run.guard, run.best)
+    if run.stop_reason == "request":
         accelerator.print(
             f"{StopRequest.MESSAGE} {progress.global_step} of {config.train.max_steps} on request; "
             f"checkpoint written: continue with --resume auto"
@@ -328,6 +334,13 @@ def finish(run: Run) -> TrainResult:
         _reload_released(components, config, accelerator.device)
     components.denoiser.eval()
     trained_path = _save_results(run, components, ema, parameters) if run.main else None
+    if run.stop_reason == "early_stop":
+        accelerator.print(
+            f"difftune: stopped early at step {progress.global_step}: {config.validation.early_stop_patience} "
+            "validations without a lower validation loss"
+        )
+    for line in run.best.summary() if run.best else ():
+        accelerator.print(f"difftune: {line}")
     accelerator.end_training()
     return TrainResult(components, trained_path, run.losses, run.optimizer, ema)
 
@@ -419,7 +432,7 @@ def _fill_caches(components: Components, tokenize, examples, sizes, config: Conf
 def _release_unneeded(components: Components, config: Config) -> None:
     """Drop the encoders whose outputs are all cached and that nothing else needs until the end of the run."""
     previews = bool(config.sample.every_steps and config.sample.prompts)
-    if config.cache.latents == "on" and not previews:
+    if config.cache.latents == "on" and not (previews or config.validation.eval_concept):
         components.vae = None
     if config.cache.text == "on" and not (previews or config.validation.path):
         components.text_encoders = dict.fromkeys(components.text_encoders)
@@ -442,7 +455,7 @@ def _roll_back(run: Run, why: str) -> None:
         limit = f"; {guard.rollbacks} rollbacks already" if config.guard.rollback and checkpoint else ""
         raise guard.stop(progress.global_step, why + limit)
     rollbacks = guard.rollbacks + 1
-    restored = run.checkpointer.load(checkpoint, run.named, run.ema, guard)
+    restored = run.checkpointer.load(checkpoint, run.named, run.ema, guard, run.best)
     guard.rollbacks = rollbacks
     run.metrics.rewind(restored.global_step)
     record = {
@@ -475,6 +488,13 @@ def _validate_preview_snapshot(run: Run, step: int, validate: bool, preview: boo
     config, values, components = run.config, {}, run.unwrapped()
     if validate:
         values["val_loss"] = run.validator.loss(components)
+        with run.accelerator.autocast():
+            values |= run.validator.judged_scores(components)
+
+        def save(variant: str) -> Path:
+            return export.save_trained(components, config, export.trained_path(config, run.output_dir, variant))
+
+        run.best.observe(step, values, save)
         if run.ema:
             with ema_weights(run.ema, run.parameters):
                 values["val_loss_ema"] = run.validator.loss(components)

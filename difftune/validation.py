@@ -1,18 +1,28 @@
-"""Validation loss: a fixed held-out set scored at fixed timesteps with fixed noise.
+"""Validation loss: a fixed held-out set scored at fixed timesteps with fixed noise; and the run's best results.
 
 Everything random is drawn once, so two evaluations of the same weights give the same number and
 runs with different settings are scored on the same problem. The loss is the plain (unweighted) MSE
-of the model's prediction target, whatever weighting training uses.
+of the model's prediction target, whatever weighting training uses. On the bundled shapes bases each
+validation can also judge samples (`validation.eval_concept`), as `difftune eval` does.
+
+`BestResults` keeps the result of the lowest validation loss (and of the highest judged score) as the run goes,
+so a run too long for its data still leaves its best point behind, and counts validations without an
+improvement for early stopping. Its record travels in checkpoints, so a resumed run knows its best so far.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 
-from difftune.config import Config
+from difftune.config import Config, ValidationConfig
 from difftune.data import CaptionedImages, derive_seed, report_bad_files, scan_examples
+from difftune.errors import DifftuneError
 from difftune.models import Components, encode_latents, eval_mode
 
 VALIDATION_STREAM = 2
@@ -23,6 +33,15 @@ class Validator:
     of one size are batched together."""
 
     def __init__(self, components: Components, config: Config, device: torch.device):
+        self.eval_concept, self.eval_samples = config.validation.eval_concept, config.validation.eval_samples_per_prompt
+        if self.eval_concept:
+            from difftune.tiny import COLORS
+
+            if self.eval_concept not in COLORS:
+                raise DifftuneError(
+                    f"validation.eval_concept = {self.eval_concept!r}: not a color of the shapes bases; one of "
+                    f"{', '.join(COLORS)} (or empty: no judged samples)"
+                )
         data = config.data.model_copy(
             update={"path": config.validation.path, "crop": "center", "random_flip": False, "caption_dropout": 0.0}
         )
@@ -75,3 +94,80 @@ class Validator:
                     total += per_sample.sum().item()
                     count += len(per_sample)
         return total / count
+
+    def judged_scores(self, components: Components) -> dict[str, float]:
+        """With `validation.eval_concept`: the fractions of judged samples right in color and shape, for the
+        concept's prompts and for the seen colors' (forgetting), and their mean, the score kept at its best."""
+        if not self.eval_concept:
+            return {}
+        from difftune.evaluate import EvalSettings, score
+        from difftune.tiny import COLORS
+
+        seen = [color for color in COLORS if color != self.eval_concept]
+        with eval_mode(components.denoiser, *components.text_encoders.values()):
+            report = score(components, seen, self.eval_concept, EvalSettings(samples_per_prompt=self.eval_samples))
+        concept, seen_right = report["concept"]["both"], report["seen"]["both"]
+        return {"eval_concept": concept, "eval_seen": seen_right, "eval_score": (concept + seen_right) / 2}
+
+
+BEST_FILE = "best.json"
+# metric -> (the result's variant suffix, whether higher is better)
+KEPT = {"val_loss": ("_best", False), "eval_score": ("_best_eval", True)}
+
+
+class BestResults:
+    """The best value of each kept metric so far, its step and the file written for it; and the validations since
+    the validation loss last improved. `save(variant)` writes the current result as that variant, returns its path."""
+
+    def __init__(self, config: ValidationConfig, output_dir: Path):
+        self.config = config
+        self.path = Path(output_dir) / BEST_FILE
+        self.records: dict[str, dict] = {}  # metric -> {"step", "value", "file"}
+        self.since_improved = 0
+
+    def observe(self, step: int, values: dict, save: Callable[[str], Path]) -> None:
+        for metric, (variant, higher) in KEPT.items():
+            if metric not in values:
+                continue
+            value, best = values[metric], self.records.get(metric)
+            margin = self.config.min_delta if metric == "val_loss" else 0.0
+            better = best is None or (value > best["value"] if higher else value < best["value"] - margin)
+            if metric == "val_loss":
+                self.since_improved = 0 if better else self.since_improved + 1
+            if better:
+                written = save(variant) if self.config.keep_best else None
+                self.records[metric] = {"step": step, "value": value, "file": written.name if written else None}
+        self._write()
+
+    @property
+    def exhausted(self) -> bool:
+        """Early stopping's verdict: `early_stop_patience` validations in a row without an improvement."""
+        patience = self.config.early_stop_patience
+        return bool(patience) and self.since_improved >= patience
+
+    def summary(self) -> list[str]:
+        return describe_best(self.records)
+
+    def state_dict(self) -> dict:
+        return {"records": self.records, "since_improved": self.since_improved}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.records, self.since_improved = state["records"], state["since_improved"]
+        self._write()
+
+    def _write(self) -> None:
+        staging = self.path.with_suffix(".tmp")
+        staging.write_text(json.dumps(self.state_dict() | {"early_stopped": self.exhausted}, indent=1), encoding="utf-8")
+        os.replace(staging, self.path)
+
+
+def describe_best(records: dict[str, dict]) -> list[str]:
+    """One line per kept metric: its best value, the step and the file kept for it."""
+    return [f"best {metric} {record['value']:.6g} at step {record['step']}" + (f": {record['file']}" if record["file"] else "")
+            for metric, record in records.items()]
+
+
+def read_best(output_dir: Path) -> dict[str, dict]:
+    """A run's best records so far (best.json); empty before its first validation."""
+    path = Path(output_dir) / BEST_FILE
+    return json.loads(path.read_text(encoding="utf-8"))["records"] if path.exists() else {}

@@ -21,6 +21,7 @@ from difftune.errors import DifftuneError
 from difftune.finders import LR_PLOT_FILE
 from difftune.form import FormField, config_from_widgets, form_fields, parse_adapter_lines, widget_values
 from difftune.models import DTYPES
+from difftune.validation import describe_best, read_best
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 EXPORTS_DIR = "exports"
@@ -231,27 +232,31 @@ def _train_tab(jobs_dir: Path):
     status = gr.Markdown(elem_id="job-status")
     with gr.Row():
         plots = [gr.LinePlot(x="step", y=name, title=name, height=220, elem_id=f"plot-{name}") for name in PLOTTED]
+        # Validation loss, with the kept best point as a series of its own.
+        plots.append(gr.ScatterPlot(x="step", y="val_loss", color="series", title="val_loss", height=220, elem_id="plot-val_loss"))
     previews = gr.Gallery(label="Samples (newest first)", columns=4, height=280, object_fit="contain", elem_id="previews")
     log = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, elem_id="job-log")
 
     def show(name):
         if not name:
-            return ["No job selected."] + [None] * len(PLOTTED) + [[], ""]
+            return ["No job selected."] + [None] * len(plots) + [[], ""]
         job = jobs.Job(jobs_dir / name)
         try:
             max_steps = job.config().train.max_steps
         except DifftuneError as err:  # a folder deleted or edited by hand since the list was made
-            return [_error(err)] + [None] * len(PLOTTED) + [[], ""]
+            return [_error(err)] + [None] * len(plots) + [[], ""]
         rows = jobs.read_progress(job)
         step = rows[-1]["step"] if rows else 0
         status = job.status()
         summary = f"**{status}** · step {step} / {max_steps} ({100 * step // max_steps}%)"
         if rows:
             summary += f" · loss {rows[-1]['loss']:.4f} · {1 / rows[-1]['seconds']:.2f} steps/s"
+        summary += "".join(f" · {line}" for line in describe_best(read_best(job.dir)))
         if status == "failed":
             summary += f"\n\n{jobs.failure_reason(job)}"
         frame = pd.DataFrame(rows, columns=["step", *PLOTTED]) if rows else None
         frames = [frame[["step", column]] if frame is not None else None for column in PLOTTED]
+        frames.append(jobs.validation_frame(rows, job))
         grids = [(str(path), str(path.parent.relative_to(job.dir))) for path in jobs.preview_grids(job)]
         return [summary, *frames, grids, jobs.log_tail(job)]
 

@@ -139,3 +139,76 @@ def test_prodigy_trains(make_config):
     d = result.optimizer.param_groups[0]["d"]
     assert d > 1.5e-6  # it raised its step size from d0 = 1e-6 (2.1e-6 after 20 steps here)
     assert all(torch.isfinite(t).all() for t in load_file(result.trained_path).values())
+
+
+def _scripted_validation(monkeypatch, losses_by_step: dict[int, float]):
+    """The validation loss as a function of the step, so which validation is best is known in advance."""
+    from difftune import validation
+
+    calls = []
+
+    def loss(self, components):
+        calls.append(None)
+        return losses_by_step[len(calls)]
+
+    monkeypatch.setattr(validation.Validator, "loss", loss)
+
+
+def test_the_lowest_validation_loss_is_kept_as_best(make_config, tmp_path, shapes):
+    """`_best` is the adapter of the step with the lowest validation loss: the snapshot of that step, bit for bit."""
+    run = train(make_config(validation__path=str(shapes), validation__every_steps=1, train__max_steps=5,
+                            export__every_steps=1, optim__learning_rate=1e-2))
+    rows = read_metrics(tmp_path / "run")
+    best_step = min(rows, key=lambda row: row["val_loss"])["step"]
+    best = json.loads((tmp_path / "run" / "best.json").read_text())
+    assert best["records"]["val_loss"] == {"step": best_step, "value": min(r["val_loss"] for r in rows),
+                                           "file": "pytorch_lora_weights_best.safetensors"}
+    kept = load_file(run.trained_path.with_name("pytorch_lora_weights_best.safetensors"))
+    snapshot = load_file(tmp_path / "run" / "snapshots" / f"step-{best_step:06d}.safetensors")
+    assert kept.keys() == snapshot.keys() and all(torch.equal(kept[k], snapshot[k]) for k in kept)
+
+
+def test_early_stopping_ends_the_run_with_its_files_and_resumes_knowing_its_best(make_config, tmp_path, shapes, monkeypatch, capsys):
+    scripted = {1: 1.0, 2: 0.5, 3: 0.6, 4: 0.7, 5: 0.8, 6: 0.9}
+    _scripted_validation(monkeypatch, scripted)
+    settings = {"validation__path": str(shapes), "validation__every_steps": 1, "validation__early_stop_patience": 2,
+                "train__max_steps": 6, "checkpoint__every_steps": 1}
+    result = train(make_config(**settings))
+    rows = read_metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]  # two validations (3, 4) without beating step 2's
+    assert result.trained_path.exists() and result.trained_path.with_name("pytorch_lora_weights_best.safetensors").exists()
+    out = capsys.readouterr().out
+    assert "stopped early at step 4: 2 validations without a lower validation loss" in out
+    assert "best val_loss 0.5 at step 2: pytorch_lora_weights_best.safetensors" in out
+    best = json.loads((tmp_path / "run" / "best.json").read_text())
+    assert best["early_stopped"] and best["since_improved"] == 2
+
+    # A run stopped by max_steps at step 3, resumed: its best so far came back from the checkpoint.
+    _scripted_validation(monkeypatch, scripted)
+    train(make_config(**{**settings, "train__max_steps": 3, "train__output_dir": str(tmp_path / "parts")}))
+    _scripted_validation(monkeypatch, {1: 0.7, 2: 0.8, 3: 0.9})  # steps 4, 5, 6 after the resume
+    train(make_config(**{**settings, "train__output_dir": str(tmp_path / "parts")}), resume="auto")
+    assert [row["step"] for row in read_metrics(tmp_path / "parts")] == [1, 2, 3, 4]
+    assert json.loads((tmp_path / "parts" / "best.json").read_text())["records"]["val_loss"]["step"] == 2
+
+
+def test_judged_scores_at_validation_keep_the_best_scoring_result(make_config, tmp_path, shapes):
+    train(make_config(validation__path=str(shapes), validation__every_steps=2, validation__eval_concept="purple",
+                      validation__eval_samples_per_prompt=1, train__max_steps=2, sample__steps=2))
+    [row] = [row for row in read_metrics(tmp_path / "run") if "eval_score" in row]
+    assert 0 <= row["eval_concept"] <= 1 and 0 <= row["eval_seen"] <= 1
+    assert row["eval_score"] == pytest.approx((row["eval_concept"] + row["eval_seen"]) / 2)
+    assert (tmp_path / "run" / "pytorch_lora_weights_best_eval.safetensors").exists()
+    with pytest.raises(DifftuneError, match="validation.eval_concept = 'teal': not a color of the shapes bases"):
+        train(make_config(validation__path=str(shapes), validation__eval_concept="teal", train__overwrite=True))
+
+
+def test_the_ui_plots_validation_with_its_best_point(tmp_path):
+    from difftune import jobs
+
+    job = jobs.Job(tmp_path)
+    rows = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.9, "val_loss": 0.5}, {"step": 4, "loss": 0.8, "val_loss": 0.4}]
+    assert jobs.validation_frame(rows[:1], job) is None
+    (tmp_path / "best.json").write_text(json.dumps({"records": {"val_loss": {"step": 4, "value": 0.4, "file": "x"}}}))
+    frame = jobs.validation_frame(rows, job)
+    assert frame.values.tolist() == [[2, 0.5, "validation"], [4, 0.4, "validation"], [4, 0.4, "best"]]
