@@ -211,6 +211,7 @@ LOCKED = {
     "adapter": _keys("adapter"),
     "train": {"gradient_accumulation_steps", "seed"},
     "optim": {"optimizer"},
+    "prior": _keys("prior") - {"loss_weight", "batch_size"},  # which class images, and so the data order
 }
 
 

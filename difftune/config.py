@@ -111,13 +111,29 @@ class DataConfig(Section):
     crop: Literal["center", "random"] = Field("center", description="Where to crop after resizing.")
     random_flip: bool = Field(False, description="Flip images horizontally with probability 0.5.")
     caption_extension: str = Field(".txt", description="Extension of caption files next to the images.")
-    missing_caption: Literal["error", "empty"] = Field(
+    missing_caption: Literal["error", "empty", "folder"] = Field(
         "error",
         description="An image with no caption: `error` stops before training and names it; `empty` trains it "
-        "with an empty caption.",
+        "with an empty caption; `folder` captions it with its `N_name` folder's name (kohya's DreamBooth folders: "
+        "`10_sks dog` gives `sks dog`).",
     )
     caption_dropout: float = Field(
         0.0, ge=0.0, le=1.0, description="Probability of replacing a caption with an empty one (teaches classifier-free guidance)."
+    )
+    caption_prefix: str = Field("", description="Text put before every caption as it is (e.g. `sks, `), after tag shuffling.")
+    caption_suffix: str = Field("", description="Text put after every caption as it is, after tag shuffling.")
+    tag_separator: str = Field(",", min_length=1, description="What separates a caption's tags, for shuffling and tag dropout.")
+    shuffle_tags: bool = Field(False, description="Shuffle each caption's tags (after the first `keep_tokens`) every time it is drawn.")
+    keep_tokens: int = Field(0, ge=0, description="Leading tags that shuffling and tag dropout leave in place (a trigger word).")
+    tag_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Probability of leaving out each tag after the first `keep_tokens`, each time a caption is drawn."
+    )
+    caption_variants: int = Field(
+        0,
+        ge=0,
+        description="With `shuffle_tags` or `tag_dropout`: draw this many fixed variants of each caption, and pick one "
+        "each time, so the text cache can hold them (kohya cannot cache shuffled captions). 0: a fresh draw every "
+        "time, which needs the text encoded every step (`cache.text = \"auto\"` turns the cache off).",
     )
     num_workers: int = Field(2, ge=0, description="Data loader worker processes; 0 loads in the training process.")
     buckets: bool = Field(
@@ -134,6 +150,17 @@ class DataConfig(Section):
         ge=1,
         description="Images with more pixels are skipped as possible decompression bombs (PIL's default limit).",
     )
+    masks: Literal["off", "alpha", "folder"] = Field(
+        "off",
+        description="Masked loss: weight each pixel's loss by a mask that follows the image through resize, crop, flip "
+        "and buckets (white trains, black does not; gray in between). `alpha`: the image's own transparency; `folder`: a "
+        "same-stem grayscale image in `mask_path` (kohya's conditioning folder). An image without a mask trains whole. "
+        "Validation loss stays unmasked.",
+    )
+    mask_path: str = Field("", json_schema_extra=PATH_LOCAL, description="`masks = \"folder\"`: the folder of mask images.")
+    unmasked_weight: float = Field(
+        0.0, ge=0.0, le=1.0, description="Loss weight of what a mask leaves out (OneTrainer's); 0 ignores it, 1 ignores the mask."
+    )
     alpha_background: tuple[int, int, int] = Field(
         (255, 255, 255), strict=False, description="RGB color that transparent pixels are composited onto."
     )
@@ -144,6 +171,17 @@ class DataConfig(Section):
         if value % 8:
             raise ValueError(f"must be a multiple of 8 (the VAE's downsampling), got {value}")
         return value
+
+    @property
+    def varies_captions(self) -> bool:
+        """Whether a caption's text changes from draw to draw (besides caption dropout)."""
+        return self.shuffle_tags or self.tag_dropout > 0
+
+    @model_validator(mode="after")
+    def _mask_folder_given(self) -> DataConfig:
+        if self.masks == "folder" and not self.mask_path:
+            raise ValueError("data.masks = \"folder\" needs data.mask_path, the folder of same-stem mask images")
+        return self
 
     @model_validator(mode="after")
     def _buckets_around_resolution(self) -> DataConfig:
@@ -420,6 +458,39 @@ class GuardConfig(Section):
     )
 
 
+class PriorConfig(Section):
+    class_path: str = Field(
+        "",
+        json_schema_extra=PATH_LOCAL,
+        description="DreamBooth prior preservation: a folder of class images (same layouts as `data.path`; uncaptioned "
+        "ones take `class_prompt`), trained beside the instance images at `loss_weight`, as many per epoch as there are "
+        "instance images (cycled or cut). Empty with `num_class_images` > 0: drawn into the cache folder and reused.",
+    )
+    class_prompt: str = Field("", description="What the class images show, e.g. `a photo of a dog`: their caption, and the prompt drawn ones come from.")
+    num_class_images: int = Field(
+        0,
+        ge=0,
+        description="When the class folder holds fewer images, draw the rest with the untouched base before training "
+        "(resumable: each is written as it is finished). 0 draws none; with no `class_path` either, prior preservation is off.",
+    )
+    loss_weight: float = Field(1.0, ge=0, description="Loss weight of the class images (diffusers' and kohya's `prior_loss_weight`).")
+    negative_prompt: str = Field("", description="Negative prompt of the drawn class images.")
+    steps: int = Field(30, ge=1, description="Denoising steps of each drawn class image.")
+    guidance_scale: float = Field(7.5, ge=1.0, description="Guidance scale of the drawn class images.")
+    seed: int = Field(0, ge=0, description="Seed of the drawn class images; image i's is a function of it and i.")
+    batch_size: int = Field(4, ge=1, description="Class images drawn per pipeline call.")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.class_path or self.num_class_images)
+
+    @model_validator(mode="after")
+    def _prompt_to_draw_from(self) -> PriorConfig:
+        if self.num_class_images and not self.class_prompt:
+            raise ValueError("prior.num_class_images needs prior.class_prompt, the prompt the class images are drawn from")
+        return self
+
+
 class ValidationConfig(Section):
     path: str = Field(
         "",
@@ -562,6 +633,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     ema: EmaConfig = Field(default_factory=EmaConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
+    prior: PriorConfig = Field(default_factory=PriorConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
@@ -582,14 +654,25 @@ class Config(Section):
         if self.cache.latents == "auto":
             self.cache.latents = "on" if self.data.crop == "center" else "off"
         text_trained = self.adapter.trains_text_encoders
+        fresh_captions = self.data.varies_captions and not self.data.caption_variants
         if self.cache.text == "auto":
-            self.cache.text = "off" if text_trained else "on"
+            self.cache.text = "off" if text_trained or fresh_captions else "on"
+        if self.cache.text == "on" and fresh_captions:
+            raise ValueError(
+                "cache.text with data.shuffle_tags or data.tag_dropout needs data.caption_variants > 0 (fixed variants "
+                "per caption to cache), or cache.text = \"off\" (a fresh draw every step)"
+            )
         if self.cache.latents == "on" and self.data.crop != "center":
             raise ValueError("cache.latents needs data.crop = \"center\" (a cached image has one crop)")
         if self.cache.text == "on" and text_trained:
             raise ValueError(
                 "cache.text needs adapter.text_encoder = false and adapter.kind other than \"embedding\" (a trained "
                 "encoder's outputs change)"
+            )
+        if self.adapter.kind == "embedding" and self.prior.enabled:
+            raise ValueError(
+                "prior preservation (prior.class_path / num_class_images) keeps a fine-tuned model's class; an embedding "
+                "(adapter.kind = \"embedding\") changes no model weights: turn it off"
             )
         if self.adapter.kind == "embedding" and self.validation.path:
             raise ValueError("validation.path is not supported with adapter.kind = \"embedding\" yet; leave it empty")

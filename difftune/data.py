@@ -3,7 +3,10 @@
 Two folder layouts: images with same-stem caption files (kohya), or a `metadata.jsonl` with
 `file_name` and `text` (Hugging Face imagefolder). Subfolders named `N_name` repeat N times.
 
-Every sample's randomness (crop, flip, caption dropout here; timestep and noise in the loop) comes
+Captions can be dressed (a prefix and suffix), varied per draw (tag shuffle and tag dropout, kohya's), and
+dropped (caption dropout); `CaptionDrawer` does all three.
+
+Every sample's randomness (crop, flip, caption draws here; timestep and noise in the loop) comes
 from a seed derived from (train seed, epoch, index). A run is then the same whatever the batch split,
 gradient accumulation, worker count or number of processes, and resuming means starting the sampler
 at a position: nothing else needs restoring.
@@ -11,6 +14,7 @@ at a position: nothing else needs restoring.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -38,6 +42,7 @@ REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")
 class Example:
     image_path: Path
     caption: str
+    loss_weight: float = 1.0  # prior preservation's class images train at `prior.loss_weight`
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,7 @@ def scan_examples(config: DataConfig) -> tuple[list[Example], list[BadFile]]:
     for sub in sorted(p for p in root.iterdir() if p.is_dir()):
         match = REPEATS_FOLDER.match(sub.name)
         if match:
-            examples += _scan_folder(sub, config, bad) * int(match.group(1))
+            examples += _scan_folder(sub, config, bad, folder_caption=match.group(2)) * int(match.group(1))
     if not examples and not bad:
         raise DifftuneError(
             f"data.path {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) directly or in "
@@ -89,7 +94,8 @@ def report_bad_files(bad: list[BadFile], report: Path | None, print_fn=print) ->
         report.write_text("".join(json.dumps({"file": str(b.path), "reason": b.reason}) + "\n" for b in bad), encoding="utf-8")
 
 
-def _scan_folder(folder: Path, config: DataConfig, bad: list[BadFile]) -> list[Example]:
+def _scan_folder(folder: Path, config: DataConfig, bad: list[BadFile], folder_caption: str | None = None) -> list[Example]:
+    """The folder's images and captions; `folder_caption` (an `N_name` folder's name) for `missing_caption = "folder"`."""
     metadata = folder / "metadata.jsonl"
     if metadata.is_file():
         return _read_metadata(metadata)
@@ -104,6 +110,13 @@ def _scan_folder(folder: Path, config: DataConfig, bad: list[BadFile]) -> list[E
                 continue
         elif config.missing_caption == "empty":
             caption = ""
+        elif config.missing_caption == "folder" and folder_caption is not None:
+            caption = folder_caption
+        elif config.missing_caption == "folder":
+            raise DifftuneError(
+                f"{image_path} has no caption file {caption_path.name} and is not in an `N_name` folder to take its "
+                f"caption from (data.missing_caption = \"folder\"); add a caption file or move it into one"
+            )
         else:
             raise DifftuneError(
                 f"{image_path} has no caption file {caption_path.name}; add one, or set "
@@ -119,6 +132,8 @@ def _find_unusable_images(paths: set[Path], config: DataConfig) -> list[BadFile]
     def check(path: Path) -> BadFile | None:
         try:
             open_image(path, config)
+            if config.masks != "off":
+                open_mask(path, config)
         except BadImage as err:
             return BadFile(path, str(err))
         return None
@@ -156,6 +171,50 @@ def open_image(path: Path, config: DataConfig) -> Image.Image:
     return _to_rgb(image, config.alpha_background)
 
 
+def mask_file(path: Path, config: DataConfig) -> Path | None:
+    """An image's mask in `data.mask_path`: the same stem, any image extension; None without one."""
+    for candidate in sorted(Path(config.mask_path).glob(f"{path.stem}.*")):
+        if candidate.suffix.lower() in IMAGE_EXTENSIONS:
+            return candidate
+    return None
+
+
+def open_mask(path: Path, config: DataConfig) -> Image.Image | None:
+    """The image's mask as 8-bit grayscale of the image's size (EXIF orientation applied): its alpha channel, or its
+    file in `mask_path`; None where it has none (it trains whole). Raises BadImage for one that cannot be used."""
+    if config.masks == "alpha":
+        with Image.open(path) as raw:
+            image = ImageOps.exif_transpose(raw)
+            if image.mode == "P" and "transparency" in image.info:
+                image = image.convert("RGBA")
+            return image.getchannel("A").copy() if "A" in image.getbands() else None
+    source = mask_file(path, config)
+    if source is None:
+        return None
+    try:
+        with Image.open(source) as raw:
+            mask = ImageOps.exif_transpose(raw).convert("L")
+    except Exception as err:  # as in open_image: PIL raises many kinds for corrupt data
+        raise BadImage(f"mask {source.name} cannot be decoded: {type(err).__name__}: {err}") from None
+    with Image.open(path) as image:
+        size = ImageOps.exif_transpose(image).size
+    if mask.size != size:
+        raise BadImage(f"mask {source} is {mask.width}x{mask.height}, the image {size[0]}x{size[1]}; masks must match their image")
+    if not mask.getbbox():
+        raise BadImage(f"mask {source} is all black: nothing of the image would train")
+    return mask
+
+
+def mask_view(mask: Image.Image | None, crop: Crop, size: tuple[int, int], flipped: bool) -> torch.Tensor:
+    """A mask cut and flipped as its image was: (1, H, W) in [0, 1]; all ones for an image without a mask."""
+    if mask is None:
+        return torch.ones(1, size[1], size[0])
+    view = mask.resize(crop.scaled, Image.Resampling.BILINEAR).crop((crop.left, crop.top, crop.left + size[0], crop.top + size[1]))
+    if flipped:
+        view = view.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return torch.from_numpy(np.asarray(view, dtype=np.float32) / 255.0)[None]
+
+
 def _to_rgb(image: Image.Image, background: tuple[int, int, int]) -> Image.Image:
     if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
         # 16-bit (and 32-bit) grayscale: PIL's own convert("L") clips at 255; scale the range instead.
@@ -191,7 +250,7 @@ def _read_metadata(path: Path) -> list[Example]:
     return examples
 
 
-SAMPLE_STREAM, ORDER_STREAM = 0, 1
+SAMPLE_STREAM, ORDER_STREAM, CAPTION_STREAM = 0, 1, 3  # validation.py's is 2
 
 
 def derive_seed(stream: int, *words: int) -> int:
@@ -283,9 +342,9 @@ def draw_flip(config: DataConfig, rng: random.Random) -> bool:
 
 def load_image(
     path: Path, config: DataConfig, rng: random.Random, size: tuple[int, int] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode, resize, crop to `size` (default: the square resolution), maybe flip -> (3, H, W) in [-1, 1], and
-    its geometry (`image_geometry`)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Decode, resize, crop to `size` (default: the square resolution), maybe flip -> (3, H, W) in [-1, 1], its
+    geometry (`image_geometry`), and with `data.masks` its mask cut the same way (`mask_view`), else None."""
     size = size or (config.resolution, config.resolution)
     source = open_image(path, config)
     crop = place_crop(source.size, size, config.crop, rng)
@@ -293,7 +352,8 @@ def load_image(
     flipped = draw_flip(config, rng)
     if flipped:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return image_to_tensor(image), image_geometry(source.size, crop, size, flipped)
+    mask = mask_view(open_mask(path, config), crop, size, flipped) if config.masks != "off" else None
+    return image_to_tensor(image), image_geometry(source.size, crop, size, flipped), mask
 
 
 def image_to_tensor(image: Image.Image) -> torch.Tensor:
@@ -302,9 +362,64 @@ def image_to_tensor(image: Image.Image) -> torch.Tensor:
     return torch.from_numpy(array).permute(2, 0, 1) / 127.5 - 1.0
 
 
+def vary_caption(caption: str, config: DataConfig, rng: random.Random) -> str:
+    """One draw of a caption's tags: the first `keep_tokens` in place, each later one left out with probability
+    `tag_dropout`, the rest shuffled with `shuffle_tags`; rejoined with the separator (and a space after a comma)."""
+    tags = [tag.strip() for tag in caption.split(config.tag_separator) if tag.strip()]
+    kept, rest = tags[: config.keep_tokens], tags[config.keep_tokens :]
+    if config.tag_dropout:
+        rest = [tag for tag in rest if rng.random() >= config.tag_dropout]
+    if config.shuffle_tags:
+        rng.shuffle(rest)
+    joiner = config.tag_separator + " " if config.tag_separator.strip() else config.tag_separator
+    return joiner.join(kept + rest)
+
+
+class CaptionDrawer:
+    """What a caption becomes each time a sample is drawn, from the sample's own generator: empty (caption dropout),
+    or dressed in `caption_prefix`/`caption_suffix` after its tags are varied. With `caption_variants` the varied
+    forms are a fixed set per caption (seeded by the train seed and the caption's text), which `possible` lists for
+    the text cache; without it each draw varies afresh."""
+
+    def __init__(self, config: DataConfig, train_seed: int):
+        self.config = config
+        self.train_seed = train_seed
+        self._variants: dict[str, list[str]] = {}
+
+    def dress(self, caption: str) -> str:
+        return self.config.caption_prefix + caption + self.config.caption_suffix
+
+    def variants(self, caption: str) -> list[str]:
+        if caption not in self._variants:
+            text_id = int(hashlib.sha256(caption.encode()).hexdigest()[:15], 16)
+            self._variants[caption] = [
+                self.dress(vary_caption(caption, self.config, random.Random(derive_seed(CAPTION_STREAM, self.train_seed, text_id, k))))
+                for k in range(self.config.caption_variants)
+            ]
+        return self._variants[caption]
+
+    def draw(self, caption: str, rng: random.Random) -> str:
+        # The dropout draw comes first, as it did before captions varied: runs without tag options are unchanged.
+        if rng.random() < self.config.caption_dropout:
+            return ""
+        if not self.config.varies_captions:
+            return self.dress(caption)
+        if self.config.caption_variants:
+            return self.variants(caption)[rng.randrange(self.config.caption_variants)]
+        return self.dress(vary_caption(caption, self.config, rng))
+
+    def possible(self, captions: set[str]) -> set[str]:
+        """Every text `draw` can give for these captions (`caption_variants` or no varying: a finite set)."""
+        if self.config.varies_captions:
+            drawn = {variant for caption in captions for variant in self.variants(caption)}
+        else:
+            drawn = {self.dress(caption) for caption in captions}
+        return drawn | {""}
+
+
 class CaptionedImages(Dataset):
-    """Indexed by (epoch, index) keys from `TrainingOrder`; returns one sample with its seed and its geometry
-    (`image_geometry`, what SDXL's size and crop conditioning reads).
+    """Indexed by (epoch, index) keys from `TrainingOrder`; returns one sample with its seed, its geometry
+    (`image_geometry`, what SDXL's size and crop conditioning reads) and, with `data.masks`, its loss mask.
 
     With `latent_entries` (each example's cache file per view) it returns the cached posterior instead of pixels,
     and with `text_entries` (caption -> cache file) the cached text conditioning instead of token ids
@@ -332,10 +447,12 @@ class CaptionedImages(Dataset):
         self.latent_entries = latent_entries
         self.text_entries = text_entries
         self.sizes = sizes if sizes is not None else training_sizes(examples, config)
+        self.captions = CaptionDrawer(config, train_seed)
         self._memory_left = memory_bytes
         self._in_memory: dict[Path, dict[str, torch.Tensor]] = {}
         self._token_ids: dict[str, dict[str, torch.Tensor]] = {}
         self._original_sizes: dict[Path, tuple[int, int]] = {}
+        self._masks: dict[tuple[Path, tuple[int, int], bool], torch.Tensor] = {}  # cached views' masks, cut once
 
     def _read(self, entry: Path) -> dict[str, torch.Tensor]:
         """A cache entry's tensors, from RAM when read before and the budget allowed keeping them."""
@@ -355,10 +472,22 @@ class CaptionedImages(Dataset):
 
     def _cached_geometry(self, path: Path, size: tuple[int, int], flipped: bool) -> torch.Tensor:
         """A cached view's geometry: cached images are center-cropped, so the header's size says it all."""
+        original = self._original_size(path)
+        return image_geometry(original, place_crop(original, size, "center"), size, flipped)
+
+    def _original_size(self, path: Path) -> tuple[int, int]:
         if path not in self._original_sizes:
             self._original_sizes[path] = image_size(path)
-        original = self._original_sizes[path]
-        return image_geometry(original, place_crop(original, size, "center"), size, flipped)
+        return self._original_sizes[path]
+
+    def _cached_mask(self, path: Path, size: tuple[int, int], flipped: bool) -> torch.Tensor:
+        """A cached view's mask, center-cropped as the view was; decoded once per view (as uint8: a quarter of the
+        floats' memory)."""
+        key = (path, size, flipped)
+        if key not in self._masks:
+            crop = place_crop(self._original_size(path), size, "center")
+            self._masks[key] = (mask_view(open_mask(path, self.config), crop, size, flipped) * 255).round().to(torch.uint8)
+        return self._masks[key].float() / 255
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -368,16 +497,20 @@ class CaptionedImages(Dataset):
         example = self.examples[index]
         seed = sample_seed(self.train_seed, epoch, index)
         rng = random.Random(seed)
-        item = {"seed": seed, "epoch": epoch, "path": str(example.image_path)}
+        item = {"seed": seed, "epoch": epoch, "path": str(example.image_path), "loss_weight": example.loss_weight}
         if self.latent_entries:
             # Cached images were center-cropped: the only image draw left is the flip, as in load_image.
             flipped = draw_flip(self.config, rng)
             posterior = self._read(self.latent_entries[index]["flipped" if flipped else "plain"])
             item["latent_mean"], item["latent_std"] = posterior["mean"], posterior["std"]  # (C, h, w)
             item["geometry"] = self._cached_geometry(example.image_path, self.sizes[index], flipped)  # (6,)
+            if self.config.masks != "off":
+                item["mask"] = self._cached_mask(example.image_path, self.sizes[index], flipped)  # (1, H, W)
         else:
-            item["pixel_values"], item["geometry"] = load_image(example.image_path, self.config, rng, self.sizes[index])
-        caption = "" if rng.random() < self.config.caption_dropout else example.caption
+            item["pixel_values"], item["geometry"], mask = load_image(example.image_path, self.config, rng, self.sizes[index])
+            if mask is not None:
+                item["mask"] = mask
+        caption = self.captions.draw(example.caption, rng)
         if self.text_entries:
             item["conditioning"] = self._read(self.text_entries[caption])  # name -> (L, D) or (P,)
         else:

@@ -37,6 +37,7 @@ from difftune.checkpoint import Checkpointer, Progress, StopRequest, find_checkp
 from difftune.config import Config
 from difftune.data import (
     BAD_FILES_REPORT,
+    CaptionDrawer,
     CaptionedImages,
     TrainingOrder,
     build_dataloader,
@@ -54,6 +55,7 @@ from difftune.metrics import METRICS_FILE, MetricsLog
 from difftune.models import Components, encode_posterior, place_frozen, sample_latents, set_attention, weight_dtype
 from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.parity import check_parity, write_report
+from difftune.prior import class_examples, fill_class_images
 from difftune.quantize import quantize_linear_layers
 from difftune.sample import generate_images, save_images
 from difftune.validation import BestResults, Validator
@@ -133,14 +135,21 @@ def setup(config: Config, resume: str | None = None) -> Run:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RESOLVED_CONFIG_FILE).write_text(config.to_toml(), encoding="utf-8")
     _set_device_flags(config, accelerator)
+    main = accelerator.is_main_process
+    if config.prior.num_class_images:  # drawn by the untouched base, before anything is attached to it
+        if main:
+            fill_class_images(config, components, accelerator.device)
+        accelerator.wait_for_everyone()
     set_seed(config.train.seed)  # the adapters' random init
 
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
     examples, bad_files = scan_examples(config.data)
+    if config.prior.enabled:
+        class_images, bad_class_files = class_examples(config, components, len(examples))
+        examples, bad_files = examples + class_images, bad_files + bad_class_files
     if config.adapter.kind == "embedding":  # the captions say the new token where they said its word
         examples = [replace(example, caption=caption_with_token(example.caption, config.adapter)) for example in examples]
         check_captions([example.caption for example in examples], config.adapter)
-    main = accelerator.is_main_process
     report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
     sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
     tokenize = partial(components.family.tokenize, components.tokenizers)  # picklable for loader workers
@@ -406,7 +415,16 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
         with torch.set_grad_enabled(config.adapter.trains_text_encoders):
             conditioning = family.encode_prompts(components, {name: ids.to(device) for name, ids in batch["token_ids"].items()})
     timesteps, noise, input_noise = family.draw_timesteps_and_noise(components, generators, latents, config.loss)
-    return family.loss(components, latents, timesteps, noise, conditioning, batch["geometry"], config.loss, input_noise)
+    mask = latent_mask(batch["mask"].to(device), latents.shape[-2:], config.data.unmasked_weight) if "mask" in batch else None
+    loss = family.loss(components, latents, timesteps, noise, conditioning, batch["geometry"], config.loss, input_noise, mask)
+    return loss * batch["loss_weight"].to(device, loss.dtype)  # prior preservation's class images: prior.loss_weight
+
+
+def latent_mask(mask: torch.Tensor, size: tuple[int, int], unmasked_weight: float) -> torch.Tensor:
+    """Pixel masks (B, 1, H, W) -> loss weights per latent pixel (B, 1, h, w): each latent pixel's share of its
+    patch's mask (area averaging), raised to `unmasked_weight` where the mask is 0."""
+    weights = torch.nn.functional.interpolate(mask.float(), size=tuple(size), mode="area")
+    return unmasked_weight + (1 - unmasked_weight) * weights
 
 
 def _fill_caches(components: Components, tokenize, examples, sizes, config: Config, accelerator) -> tuple[list | None, dict | None]:
@@ -415,7 +433,7 @@ def _fill_caches(components: Components, tokenize, examples, sizes, config: Conf
     if config.cache.latents == "on":
         latent_files = latent_entries(examples, sizes, model_identity(components.vae), config)
     if config.cache.text == "on":
-        captions = {example.caption for example in examples} | {""}  # "" for caption dropout
+        captions = CaptionDrawer(config.data, config.train.seed).possible({example.caption for example in examples})
         text_files = text_entries(captions, text_identity(components), config, tokenize)
     if accelerator.is_main_process:
         device = accelerator.device

@@ -43,7 +43,8 @@ class Validator:
                     f"{', '.join(COLORS)} (or empty: no judged samples)"
                 )
         data = config.data.model_copy(
-            update={"path": config.validation.path, "crop": "center", "random_flip": False, "caption_dropout": 0.0}
+            update={"path": config.validation.path, "crop": "center", "random_flip": False, "caption_dropout": 0.0,
+                    "shuffle_tags": False, "tag_dropout": 0.0, "masks": "off"}  # prefix and suffix stay: the captions as trained
         )
         examples, bad_files = scan_examples(data)
         report_bad_files(bad_files, None)

@@ -212,3 +212,270 @@ def test_the_ui_plots_validation_with_its_best_point(tmp_path):
     (tmp_path / "best.json").write_text(json.dumps({"records": {"val_loss": {"step": 4, "value": 0.4, "file": "x"}}}))
     frame = jobs.validation_frame(rows, job)
     assert frame.values.tolist() == [[2, 0.5, "validation"], [4, 0.4, "validation"], [4, 0.4, "best"]]
+
+
+# Caption tools.
+
+def _tagged_folder(shapes, path):
+    """The shapes images captioned with comma-separated tags, a trigger word first."""
+    import shutil
+
+    path.mkdir()
+    for image in sorted(shapes.glob("*.png")):
+        shutil.copy(image, path / image.name)
+        words = (shapes / f"{image.stem}.txt").read_text().split()
+        (path / f"{image.stem}.txt").write_text(", ".join(["sks", *words[1:], "plain background", "centered"]))
+    return path
+
+
+def test_tag_shuffle_and_dropout_keep_the_leading_tags():
+    import random
+
+    from difftune.config import DataConfig
+    from difftune.data import vary_caption
+
+    caption = "sks, red, circle, small, bright, plain"
+    shuffled = DataConfig(shuffle_tags=True, keep_tokens=1)
+    draws = [vary_caption(caption, shuffled, random.Random(seed)) for seed in range(50)]
+    assert all(draw.startswith("sks, ") for draw in draws)
+    assert all(sorted(draw.split(", ")) == sorted(caption.split(", ")) for draw in draws)  # a permutation
+    assert len(set(draws)) > 20  # of the 120 orders of the other five, many are drawn
+    dropped = DataConfig(tag_dropout=0.5, keep_tokens=2)
+    counts = [len(vary_caption(caption, dropped, random.Random(seed)).split(", ")) - 2 for seed in range(400)]
+    assert sum(counts) / len(counts) == pytest.approx(4 * 0.5, abs=0.25)  # each of the 4 others kept half the time
+    assert all(vary_caption(caption, dropped, random.Random(s)).startswith("sks, red") for s in range(20))
+    spaced = DataConfig(shuffle_tags=True, tag_separator=" ")
+    assert sorted(vary_caption("a b c", spaced, random.Random(0)).split(" ")) == ["a", "b", "c"]
+
+
+def test_caption_variants_are_fixed_per_caption_and_listed_for_the_cache():
+    import random
+
+    from difftune.config import DataConfig
+    from difftune.data import CaptionDrawer
+
+    config = DataConfig(shuffle_tags=True, caption_variants=3, caption_prefix="photo of ", caption_suffix=".")
+    drawer = CaptionDrawer(config, train_seed=7)
+    caption = "red, circle, small, bright, plain, centered"
+    variants = drawer.variants(caption)
+    assert variants == CaptionDrawer(config, train_seed=7).variants(caption) and len(set(variants)) == 3  # of 720 orders
+    assert all(v.startswith("photo of ") and v.endswith(".") for v in variants)
+    drawn = {drawer.draw(caption, random.Random(seed)) for seed in range(60)}
+    assert drawn == set(variants) and drawer.possible({caption}) == set(variants) | {""}
+    plain = CaptionDrawer(DataConfig(caption_prefix="sks, "), 0)
+    assert plain.draw("a red circle", random.Random(0)) == "sks, a red circle"
+    assert plain.possible({"a red circle"}) == {"sks, a red circle", ""}
+
+
+def test_shuffled_captions_train_cached_like_uncached(make_config, tmp_path, shapes):
+    """With caption variants the text cache holds each variant once, and the run is the uncached run."""
+    tagged = _tagged_folder(shapes, tmp_path / "tagged")
+    common = {"data__path": str(tagged), "data__shuffle_tags": True, "data__keep_tokens": 1, "data__tag_dropout": 0.2,
+              "data__caption_variants": 3, "data__caption_dropout": 0.2, "train__max_steps": 4,
+              "cache__dir": str(tmp_path / "cache")}
+    train(make_config(train__output_dir=str(tmp_path / "plain"), **common))
+    train(make_config(train__output_dir=str(tmp_path / "cached"), cache__text=True, **common))
+    losses = [[row["loss"] for row in read_metrics(tmp_path / name)] for name in ("plain", "cached")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    from difftune.data import CaptionDrawer
+
+    captions = {path.read_text() for path in tagged.glob("*.txt")}
+    config = make_config(**common)
+    cached = CaptionDrawer(config.data, 0).possible(captions)
+    assert len(cached) > 2 * len(captions)  # most captions' 3 variants differ
+    # one entry per token sequence: the tiny tokenizer's short context makes some variants the same tokens
+    components = load_components(config.model)
+    tokens = {tuple(ids[0].tolist()) for caption in cached
+              for ids in components.family.tokenize(components.tokenizers, [caption]).values()}
+    assert len(list((tmp_path / "cache" / "text").rglob("*.safetensors"))) == len(tokens)
+
+
+def test_fresh_caption_draws_turn_the_text_cache_off(make_config):
+    assert make_config(data__shuffle_tags=True, cache__text="auto").cache.text == "off"
+    assert make_config(data__shuffle_tags=True, data__caption_variants=4, cache__text="auto").cache.text == "on"
+    with pytest.raises(DifftuneError, match="needs data.caption_variants > 0"):
+        make_config(data__tag_dropout=0.1, cache__text=True)
+
+
+def test_folder_names_caption_uncaptioned_images(tmp_path, shapes):
+    import shutil
+
+    from difftune.config import DataConfig
+    from difftune.data import scan_examples
+
+    folder = tmp_path / "data" / "3_sks dog"
+    folder.mkdir(parents=True)
+    for image in sorted(shapes.glob("*.png"))[:2]:
+        shutil.copy(image, folder / image.name)
+    (folder / f"{sorted(shapes.glob('*.png'))[0].stem}.txt").write_text("its own caption")
+    examples, _ = scan_examples(DataConfig(path=str(tmp_path / "data"), missing_caption="folder"))
+    assert sorted(e.caption for e in examples) == ["its own caption"] * 3 + ["sks dog"] * 3
+    shutil.copy(sorted(shapes.glob("*.png"))[2], tmp_path / "data" / "loose.png")
+    with pytest.raises(DifftuneError, match="loose.png has no caption file .* not in an `N_name` folder"):
+        scan_examples(DataConfig(path=str(tmp_path / "data"), missing_caption="folder"))
+
+
+# Masked loss.
+
+def _halves(path, alpha=False):
+    """A 48x32 image, red on the left half and blue on the right; with `alpha`, the right half transparent."""
+    from PIL import Image
+
+    pixels = torch.zeros(32, 48, 4, dtype=torch.uint8)
+    pixels[:, :24, 0] = 255
+    pixels[:, 24:, 2] = 255
+    pixels[..., 3] = 255
+    if alpha:
+        pixels[:, 24:, 3] = 0
+    Image.fromarray(pixels.numpy(), "RGBA").convert("RGBA" if alpha else "RGB").save(path)
+
+
+def _left_mask(path):
+    from PIL import Image
+
+    mask = torch.zeros(32, 48, dtype=torch.uint8)
+    mask[:, :24] = 255
+    Image.fromarray(mask.numpy(), "L").save(path)
+
+
+@pytest.mark.parametrize("source", ["folder", "alpha"])
+def test_a_mask_follows_its_image_through_crop_flip_and_buckets(tmp_path, source):
+    import random
+
+    from difftune.config import DataConfig
+    from difftune.data import load_image
+
+    _halves(tmp_path / "img.png", alpha=source == "alpha")
+    (tmp_path / "masks").mkdir()
+    _left_mask(tmp_path / "masks" / "img.png")
+    config = DataConfig(path=str(tmp_path), resolution=16, crop="random", random_flip=True, masks=source,
+                        mask_path=str(tmp_path / "masks"), alpha_background=(0, 0, 255))
+    for seed in range(12):
+        for size in ((16, 16), (24, 16), (16, 24)):
+            pixels, _, mask = load_image(tmp_path / "img.png", config, random.Random(seed), size)
+            assert mask.shape == (1, size[1], size[0])
+            red = pixels[0] > 0  # red channel: where the left half landed
+            assert torch.equal(mask[0] > 0.5, red), (seed, size)
+
+
+def test_masks_that_cannot_work_are_reported_and_missing_ones_train_whole(tmp_path, shapes):
+    import shutil
+
+    from PIL import Image
+
+    from difftune.config import DataConfig
+    from difftune.data import scan_examples
+
+    data, masks = tmp_path / "data", tmp_path / "masks"
+    shutil.copytree(shapes, data)
+    masks.mkdir()
+    images = sorted(data.glob("*.png"))
+    Image.new("L", (32, 32), 0).save(masks / images[0].name)  # all black
+    Image.new("L", (16, 16), 255).save(masks / images[1].name)  # wrong size
+    examples, bad = scan_examples(DataConfig(path=str(data), masks="folder", mask_path=str(masks)))
+    reasons = {b.path.name: b.reason for b in bad}
+    assert "all black" in reasons[images[0].name] and "masks must match their image" in reasons[images[1].name]
+    assert len(examples) == len(images) - 2  # the rest have no mask: they train whole
+    with pytest.raises(DifftuneError, match="needs data.mask_path"):
+        load_config(None, ["data.masks=folder"])
+
+
+def test_masked_loss_trains_cached_like_uncached_and_white_masks_change_nothing(make_config, tmp_path, shapes):
+    from PIL import Image
+
+    masks, white = tmp_path / "masks", tmp_path / "white"
+    masks.mkdir(), white.mkdir()
+    for image in shapes.glob("*.png"):
+        mask = Image.new("L", (32, 32), 0)
+        mask.paste(255, (0, 0, 20, 32))
+        mask.save(masks / image.name)
+        Image.new("L", (32, 32), 255).save(white / image.name)
+    common = {"train__max_steps": 3, "data__random_flip": True, "cache__dir": str(tmp_path / "cache")}
+
+    def losses(name, **settings):
+        train(make_config(train__output_dir=str(tmp_path / name), **common, **settings))
+        return [row["loss"] for row in read_metrics(tmp_path / name)]
+
+    plain = losses("plain")
+    masked = losses("masked", data__masks="folder", data__mask_path=str(masks))
+    assert losses("cached", data__masks="folder", data__mask_path=str(masks), cache__latents=True) == pytest.approx(masked, rel=1e-5)
+    assert losses("white", data__masks="folder", data__mask_path=str(white)) == pytest.approx(plain, rel=1e-5)
+    assert losses("ignored", data__masks="folder", data__mask_path=str(masks), data__unmasked_weight=1.0) == pytest.approx(plain, rel=1e-5)
+    assert masked != pytest.approx(plain, rel=1e-3)
+
+
+def test_latent_mask_averages_each_patch_and_lifts_the_unmasked():
+    from difftune.train import latent_mask
+
+    mask = torch.zeros(1, 1, 16, 16)
+    mask[..., :, :4] = 1.0  # half of the first 8-pixel column of patches
+    weights = latent_mask(mask, (2, 2), 0.0)
+    torch.testing.assert_close(weights, torch.tensor([[[[0.5, 0.0], [0.5, 0.0]]]]))
+    torch.testing.assert_close(latent_mask(mask, (2, 2), 0.2), 0.2 + 0.8 * weights)
+
+
+# Prior preservation.
+
+def test_class_images_are_drawn_once_resumably_and_reproducibly(make_config, tmp_path, monkeypatch):
+    from difftune import prior
+
+    settings = {"prior__class_path": str(tmp_path / "class"), "prior__class_prompt": "a red circle",
+                "prior__num_class_images": 3, "prior__steps": 2, "prior__batch_size": 2}
+    config = make_config(**settings)
+    components = load_components(config.model)
+    assert prior.fill_class_images(config, components, torch.device("cpu")) == 3
+    images = sorted((tmp_path / "class").glob("*.png"))
+    assert [p.name for p in images] == ["class_00000.png", "class_00001.png", "class_00002.png"]
+    assert all(p.with_suffix(".txt").read_text() == "a red circle" for p in images)
+    first = {p.name: p.read_bytes() for p in images}
+    assert prior.fill_class_images(config, components, torch.device("cpu")) == 0  # all there: nothing drawn
+    images[1].unlink()  # an interrupted fill: drawn again, the same image
+    assert prior.fill_class_images(config, components, torch.device("cpu")) == 1
+    assert (tmp_path / "class" / "class_00001.png").read_bytes() == first["class_00001.png"]
+    # Images of the user's own count toward the number.
+    (tmp_path / "own").mkdir()
+    (tmp_path / "own" / "mine.png").write_bytes(first["class_00000.png"])
+    own = make_config(**{**settings, "prior__class_path": str(tmp_path / "own")})
+    assert prior.fill_class_images(own, components, torch.device("cpu")) == 2
+
+
+def test_prior_preservation_mixes_class_images_at_their_weight(make_config, tmp_path, shapes, monkeypatch):
+    from difftune import train as train_module
+
+    weights = []
+    original = train_module._training_loss
+
+    def recording(components, batch, config, device):
+        weights.extend(zip(batch["path"], batch["loss_weight"].tolist()))
+        return original(components, batch, config, device)
+
+    monkeypatch.setattr(train_module, "_training_loss", recording)
+    result = train(make_config(prior__class_prompt="a blue square", prior__num_class_images=2, prior__steps=2,
+                               prior__loss_weight=0.5, cache__dir=str(tmp_path / "cache"), train__max_steps=8))
+    assert result.trained_path.exists()
+    drawn = [(path, weight) for path, weight in weights if "class_images" in path]
+    own = [(path, weight) for path, weight in weights if "class_images" not in path]
+    assert drawn and own and {w for _, w in drawn} == {0.5} and {w for _, w in own} == {1.0}
+    assert len(drawn) == pytest.approx(len(own), abs=4)  # as many class as instance images per epoch
+    # The drawn images are kept in the cache folder and reused by the next run.
+    folders = list((tmp_path / "cache" / "class_images").iterdir())
+    assert len(folders) == 1 and len(list(folders[0].glob("*.png"))) == 2
+
+
+def test_prior_loss_weight_scales_each_class_sample(make_config, tmp_path, shapes, monkeypatch):
+    """A class sample's loss is the plain loss times prior.loss_weight: weight 0 trains on the instances alone."""
+    from difftune import train as train_module
+
+    losses = []
+    original_loss = train_module._training_loss
+
+    def recording(components, batch, config, device):
+        loss = original_loss(components, batch, config, device)
+        losses.append((batch["loss_weight"].clone(), loss.detach().clone()))
+        return loss
+
+    monkeypatch.setattr(train_module, "_training_loss", recording)
+    train(make_config(prior__class_path=str(shapes), prior__loss_weight=0.0, train__max_steps=4, train__batch_size=4))
+    weights = torch.cat([w for w, _ in losses])
+    values = torch.cat([v for _, v in losses])
+    assert (weights == 0).any() and (values[weights == 0] == 0).all() and (values[weights == 1] > 0).all()
