@@ -1,5 +1,5 @@
-"""What is trained: LoRA / DoRA adapters injected by peft, all weights (`kind = "none"`), or new token
-embeddings (`kind = "embedding"`, embeddings.py).
+"""What is trained: LoRA / DoRA / LoHa / LoKr adapters injected by peft, all weights (`kind = "none"`), or new
+token embeddings (`kind = "embedding"`, embeddings.py).
 
 Parts are the family's: its denoiser and, with `adapter.text_encoder`, each text encoder, named as diffusers
 names them (`unet`, `text_encoder`, `text_encoder_2`). A trained parameter's name is `<part>.<name in part>`.
@@ -13,7 +13,7 @@ start, B A - B0 A0, as a LoRA of twice the rank on the untouched base ([B, -B0] 
 from __future__ import annotations
 
 import torch
-from peft import LoraConfig
+from peft import LoHaConfig, LoKrConfig, LoraConfig, PeftConfig
 from peft.utils import get_peft_model_state_dict
 
 from difftune.config import AdapterConfig
@@ -21,6 +21,10 @@ from difftune.embeddings import add_tokens
 from difftune.models import Components
 
 DORA_MAGNITUDE = "lora_magnitude_vector"
+# LoHa's and LoKr's tensors: the same names in peft's state dicts and in LyCORIS files.
+LYCORIS_TENSORS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2",
+                   "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
+LYCORIS_CONFIGS = {"LOHA": LoHaConfig, "LOKR": LoKrConfig}  # peft_type -> its config class
 MUTATED_BASE_INITS = ("pissa", "olora")  # adapter inits that change the base weights (see the module's docstring)
 INITIAL_ADAPTER = "_difftune_initial_adapter"  # a part's adapter tensors as initialized, for those inits
 
@@ -60,12 +64,17 @@ def add_adapters(components: Components, config: AdapterConfig) -> None:
         add_tokens(components, config)
         return
     for part, targets in target_modules(components, config).items():
-        trained[part].add_adapter(_lora_config(config, targets))
+        trained[part].add_adapter(_adapter_config(config, targets))
         if config.init in MUTATED_BASE_INITS:
             setattr(trained[part], INITIAL_ADAPTER, _peft_state(trained[part]))
 
 
-def _lora_config(config: AdapterConfig, targets: list[str]) -> LoraConfig:
+def _adapter_config(config: AdapterConfig, targets: list[str]) -> PeftConfig:
+    if config.kind in ("loha", "lokr"):
+        # LyCORIS's defaults, as peft has them: no Tucker decomposition of convolutions (ComfyUI and A1111 read it, but
+        # the plain form is what every loader reads), LoKr's factor chosen from the layer's shape.
+        lycoris = LoHaConfig if config.kind == "loha" else LoKrConfig
+        return lycoris(r=config.rank, alpha=config.alpha, rank_dropout=config.dropout, target_modules=targets)
     return LoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
@@ -127,10 +136,25 @@ def adapter_state_dict(components: Components, config: AdapterConfig) -> tuple[d
     return tensors, lora_configs
 
 
-def derived_lora_configs(ranks: dict[str, dict[str, int]], alphas: dict[str, dict[str, float]], dora: dict[str, bool]) -> dict:
+def adapter_kind(lora_configs: dict, part: str) -> str:
+    """A part's adapter kind in an adapter file's configs: "lora" (DoRA included), "loha" or "lokr"."""
+    return str(lora_configs.get(f"{part}.peft_type", "LORA")).rsplit(".", 1)[-1].lower()
+
+
+def config_alpha(lora_configs: dict, part: str, module: str | None = None) -> float:
+    """A part's alpha (a module's, given one): peft calls it `lora_alpha` in a LoRA's config, `alpha` in LyCORIS's."""
+    key = "lora_alpha" if adapter_kind(lora_configs, part) == "lora" else "alpha"
+    pattern = lora_configs.get(f"{part}.alpha_pattern") or {}
+    return pattern.get(module, lora_configs[f"{part}.{key}"])
+
+
+def derived_lora_configs(ranks: dict[str, dict[str, int]], alphas: dict[str, dict[str, float]], dora: dict[str, bool],
+                         lycoris: dict[str, str] | None = None, decompose_both: set[str] = frozenset()) -> dict:
     """Each part's peft config from what a file without one shows: its modules' ranks, the alphas it stores
-    (a module without one gets alpha = rank, diffusers' rule) and whether it has DoRA magnitudes. The most
-    common rank and alpha become `r` and `lora_alpha`; the others go to `rank_pattern` / `alpha_pattern`."""
+    (a module without one gets alpha = rank, diffusers' rule) and whether it has DoRA magnitudes, or which LyCORIS
+    kind it is (`lycoris`: part -> peft type; `decompose_both`: LoKr parts with low-rank first factors). The most
+    common rank and alpha become `r` and `lora_alpha` (LyCORIS: `alpha`); the others go to `rank_pattern` /
+    `alpha_pattern`."""
     lora_configs = {}
     for part, part_ranks in ranks.items():
         rank = max(set(part_ranks.values()), key=list(part_ranks.values()).count)
@@ -138,11 +162,16 @@ def derived_lora_configs(ranks: dict[str, dict[str, int]], alphas: dict[str, dic
         alpha = max(set(part_alphas.values()), key=list(part_alphas.values()).count)
         config = {
             "r": rank,
-            "lora_alpha": alpha,
             "target_modules": sorted(part_ranks),
-            "use_dora": dora.get(part, False),
             "rank_pattern": {m: r for m, r in part_ranks.items() if r != rank},
             "alpha_pattern": {m: a for m, a in part_alphas.items() if a != alpha},
         }
+        kind = (lycoris or {}).get(part)
+        if kind:
+            config |= {"peft_type": kind, "alpha": alpha}
+            if kind == "LOKR":
+                config["decompose_both"] = part in decompose_both
+        else:
+            config |= {"lora_alpha": alpha, "use_dora": dora.get(part, False)}
         lora_configs.update({f"{part}.{field}": value for field, value in config.items()})
     return lora_configs

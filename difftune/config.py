@@ -193,15 +193,21 @@ class DataConfig(Section):
         return self
 
 
+ADAPTER_KINDS = ("lora", "dora", "loha", "lokr")
+
+
 class AdapterConfig(Section):
-    kind: Literal["lora", "dora", "none", "embedding"] = Field(
+    kind: Literal["lora", "dora", "loha", "lokr", "none", "embedding"] = Field(
         "lora",
-        description="`lora` or `dora` train an adapter through peft; `none` trains all UNet weights; `embedding` "
-        "learns new token embeddings and nothing else (textual inversion; see the `embedding_*` keys).",
+        description="`lora` or `dora` train an adapter through peft; `loha` and `lokr` are LyCORIS's Hadamard- and "
+        "Kronecker-product adapters, through peft (saved in the LyCORIS keys ComfyUI and A1111 read with `export.format "
+        "= \"kohya\"`; diffusers' LoRA loader reads neither, so their diffusers layout is peft's, for peft and difftune); "
+        "`none` trains all denoiser weights; `embedding` learns new token embeddings and nothing else (textual "
+        "inversion; see the `embedding_*` keys).",
     )
     rank: int = Field(16, ge=1, description="Adapter rank.")
     alpha: float | None = Field(None, gt=0, description="Adapter alpha (scale = alpha / rank); defaults to the rank.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input (LoHa, LoKr: peft's rank dropout).")
     rank_stabilized: bool = Field(
         False,
         description="rsLoRA (Kalajdzievski 2023): scale the adapter by alpha / sqrt(rank) instead of alpha / rank, so "
@@ -251,6 +257,11 @@ class AdapterConfig(Section):
         description="`kind = embedding`: this word in the captions is replaced by the token (so a folder captioned "
         "`a purple circle` trains the token for purple); empty: the captions hold the token themselves.",
     )
+
+    @property
+    def is_adapter(self) -> bool:
+        """Whether it trains a low-rank adapter (LoRA, DoRA, LoHa or LoKr) on frozen weights."""
+        return self.kind in ADAPTER_KINDS
 
     @property
     def trains_text_encoders(self) -> bool:
@@ -700,6 +711,16 @@ class Config(Section):
                     f"adapter.init = \"{self.adapter.init}\" rewrites the base weights it factors, which "
                     "model.quantize keeps quantized: use one or the other"
                 )
+        if self.adapter.rank_stabilized and self.adapter.kind not in ("lora", "dora"):
+            raise ValueError(
+                f"adapter.rank_stabilized scales a LoRA or DoRA; adapter.kind = \"{self.adapter.kind}\" has no such "
+                "scale in peft: turn it off"
+            )
+        if self.adapter.kind in ("loha", "lokr") and self.model.quantize != "none":
+            raise ValueError(
+                f"model.quantize keeps LoRA/DoRA's base layers quantized; adapter.kind = \"{self.adapter.kind}\" has no "
+                "quantized layers in peft: use lora or dora, or model.quantize = \"none\""
+            )
         if self.optim.loraplus_ratio and self.adapter.kind not in ("lora", "dora"):
             raise ValueError(
                 f"optim.loraplus_ratio speeds up adapters' B matrices; adapter.kind = \"{self.adapter.kind}\" has none: "

@@ -5,6 +5,10 @@ peft keys prefixed by their part (`unet.`, `text_encoder.`, SDXL's `text_encoder
 `lora_adapter_metadata` (so rank, alpha and DoRA are read, not guessed from shapes), and the resolved
 difftune config under `difftune_config`. Weights are kept in fp32: lossless, and small. The kohya
 layout (kohya.py) is the same tensors under A1111/ComfyUI names, with `ss_*` metadata.
+
+LoHa and LoKr files in the diffusers layout hold peft's tensors and configs the same way; diffusers' LoRA loader
+reads neither kind, so difftune attaches them with peft itself (`_attach_lycoris`), and their kohya layout is the
+LyCORIS one ComfyUI and A1111 read.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_N
 from safetensors.torch import save_file
 
 from difftune.adapter_files import CONFIG_METADATA_KEY, check_modules, module_names_of, read_adapter
-from difftune.adapters import adapter_state_dict
+from difftune.adapters import LYCORIS_CONFIGS, adapter_kind, adapter_state_dict
 from difftune.config import Config, ModelConfig
 from difftune.embeddings import embedding_file_name, is_embedding_file, load_embedding, write_embedding
 from difftune.errors import DifftuneError
@@ -69,7 +73,7 @@ def save_trained(components: Components, config: Config, path: Path, layout: str
 def check_layout(components: Components, config: Config) -> None:
     """Before training: the freshly attached adapter can be written in `export.format`, so a run cannot end
     unable to save what it trained (the kohya Flux layout fuses modules that must be adapted together)."""
-    if config.adapter.kind in ("lora", "dora") and config.export.format == "kohya":
+    if config.adapter.is_adapter and config.export.format == "kohya":
         tensors, lora_configs = adapter_state_dict(components, config.adapter)
         try:
             components.family.to_kohya(tensors, lora_configs)
@@ -186,6 +190,8 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
     Each is read by `adapter_files` (any tool's layout), checked against the model's modules, and handed to
     diffusers' own loader in the diffusers layout with its peft config: diffusers' kohya reader would keep
     `dora_scale`'s shape, which peft then rejects, and it drops keys of modules the model lacks with a log line.
+    LoHa and LoKr files are attached with peft (diffusers' loader reads LoRA only), under the same adapter names, so
+    `set_adapters` scales and `fuse_lora` merges them all alike.
     """
     embeddings = [path for path, _ in adapters if is_embedding_file(path)]
     for path in embeddings:  # a token's vectors have no scale
@@ -203,12 +209,40 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
             _refuse_unloadable_parts(tensors, components.family, path)
             _refuse_non_finite(tensors, f"adapter {path}")
             names.append(f"adapter_{i}")
+            if any(adapter_kind(lora_configs, part) != "lora" for part in _parts_of(tensors)):
+                _attach_lycoris(components, tensors, lora_configs, names[-1], path)
+                continue
             staged = write_adapter(
                 Path(tmp) / f"{names[-1]}.safetensors", tensors, lora_configs, config_toml, "diffusers", components.family
             )
             with quiet_loading():
                 pipeline.load_lora_weights(tmp, weight_name=staged.name, adapter_name=names[-1])
     pipeline.set_adapters(names, adapter_weights=[scale for _, scale in adapters])
+
+
+def _parts_of(tensors: dict) -> list[str]:
+    return sorted({key.partition(".")[0] for key in tensors})
+
+
+def _attach_lycoris(components: Components, tensors: dict, lora_configs: dict, name: str, path: Path) -> None:
+    """A LoHa / LoKr file's parts, each injected by peft from its config and loaded with its tensors; every tensor
+    must land (peft would skip one it has no place for)."""
+    from peft import set_peft_model_state_dict
+
+    parts = components.parts()
+    for part in _parts_of(tensors):
+        prefix = f"{part}."
+        fields = {key.removeprefix(prefix): value for key, value in lora_configs.items() if key.startswith(prefix)}
+        kind = str(fields.pop("peft_type", "LORA")).rsplit(".", 1)[-1]
+        config_class = LYCORIS_CONFIGS[kind]
+        known = set(config_class.__dataclass_fields__)
+        config = config_class(**{key: value for key, value in fields.items() if key in known and key != "task_type"})
+        parts[part].add_adapter(config, adapter_name=name)
+        state = {key.removeprefix(prefix): value for key, value in tensors.items() if key.startswith(prefix)}
+        result = set_peft_model_state_dict(parts[part], state, adapter_name=name)
+        unexpected = [key for key in result.unexpected_keys if name in key or "hada_" in key or "lokr_" in key]
+        if unexpected:
+            raise DifftuneError(f"adapter {path}: {part} has no place for {unexpected[0]}; is this adapter for this model?")
 
 
 def load_with_adapters(base: str, adapters: list[tuple[Path, float]]) -> Components:

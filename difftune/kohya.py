@@ -14,6 +14,11 @@ ComfyUI normalises output-axis DoRA by the norm of the base weight's rows instea
 it reproduces peft's DoRA only approximately (`COMFYUI_DORA_NOTE`). The file keeps the DoRA formula's values:
 they are what every exact reader needs.
 
+LoHa and LoKr (LyCORIS) keep their own tensor names, the same in peft and in LyCORIS files (`.hada_w1_a`, ...,
+`.lokr_w1`, `.lokr_w2_a`, ...), with `.alpha`. Readers scale a LoHa by alpha / rank and a LoKr by alpha / rank when
+one of its factors is low-rank, else not at all (ComfyUI, A1111, LyCORIS); peft scales a LoKr by alpha / rank always,
+so a LoKr with both factors full is written with that scale folded into `lokr_w1`.
+
 Reading back needs the module names of the model the adapter was made for (a `_`-joined name
 cannot be split unambiguously): they come from the base model's parts.
 """
@@ -27,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from difftune.adapters import DORA_MAGNITUDE, derived_lora_configs
+from difftune.adapters import DORA_MAGNITUDE, LYCORIS_TENSORS, adapter_kind, config_alpha, derived_lora_configs
 
 TEXT_MODEL = "text_model."
 
@@ -43,20 +48,29 @@ def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict, prefixes: dic
              text_model_parts=()) -> dict[str, torch.Tensor]:
     """difftune/diffusers adapter tensors (`unet.<path>.lora_A.weight`, ...) -> kohya keys, with the family's
     `prefixes` (part -> key prefix); `text_model_parts` are its CLIP encoders."""
-    out = {}
+    out, lycoris = {}, {}
     for key, value in tensors.items():
         part, _, rest = key.partition(".")
         module, kind = split_adapter_key(rest)
         if part not in prefixes:
             raise ValueError(f"{key}: this model family has no part {part!r} (it has {', '.join(prefixes)})")
         name = prefixes[part] + _kohya_module(part, module, text_model_parts).replace(".", "_")
-        if kind == "lora_A.weight":
+        if kind in LYCORIS_TENSORS:
+            out[f"{name}.{kind}"] = value
+            lycoris[name] = (part, module)
+        elif kind == "lora_A.weight":
             out[f"{name}.lora_down.weight"] = value
             out[f"{name}.alpha"] = torch.tensor(float(_scale(lora_configs, part, module, value.shape[0]) * value.shape[0]))
         elif kind == "lora_B.weight":
             out[f"{name}.lora_up.weight"] = value
         else:  # DoRA magnitude: one value per output row
             out[f"{name}.dora_scale"] = value.reshape(-1, 1, 1, 1) if value.ndim == 4 else value.reshape(-1, 1)
+    for name, (part, module) in lycoris.items():
+        alpha = config_alpha(lora_configs, part, module)
+        if f"{name}.lokr_w1" in out and f"{name}.lokr_w2" in out:  # no low-rank factor: readers apply no scale
+            out[f"{name}.lokr_w1"] = out[f"{name}.lokr_w1"] * (alpha / _rank(lora_configs, part, module))
+        else:
+            out[f"{name}.alpha"] = torch.tensor(float(alpha))
     return out
 
 
@@ -73,14 +87,22 @@ def from_kohya(
         for name in names:
             lookup[prefixes[part] + name.replace(".", "_")] = (part, name)
             lookup[prefixes[part] + _kohya_module(part, name, text_model_parts).replace(".", "_")] = (part, name)
-    tensors, ranks, alphas, dora = {}, {}, {}, {}
+    tensors, ranks, alphas, dora, kinds, decompose_both = {}, {}, {}, {}, {}, set()
     for key, value in kohya.items():
         name, _, kind = key.partition(".")
         if name not in lookup:
             raise ValueError(f"{key}: no module of the base model is named {name!r}; is this adapter for this model?")
         part, module = lookup[name]
         prefix = f"{part}.{module}"
-        if kind == "lora_down.weight":
+        if kind in LYCORIS_TENSORS:
+            tensors[f"{prefix}.{kind}"] = value
+            kinds[part] = "LOHA" if kind.startswith("hada_") else "LOKR"
+            if kind == "lokr_w1_a":
+                decompose_both.add(part)
+            rank = _lycoris_rank(kohya, name)
+            if rank:
+                ranks.setdefault(part, {})[module] = rank
+        elif kind == "lora_down.weight":
             tensors[f"{prefix}.lora_A.weight"] = value
             ranks.setdefault(part, {})[module] = value.shape[0]
         elif kind == "lora_up.weight":
@@ -93,8 +115,20 @@ def from_kohya(
             tensors[f"{prefix}.{DORA_MAGNITUDE}.weight"] = magnitude
             dora[part] = True
         else:
-            raise ValueError(f"{key}: unknown kohya key kind {kind!r} (known: lora_down, lora_up, alpha, dora_scale)")
-    return tensors, derived_lora_configs(ranks, alphas, dora)
+            raise ValueError(
+                f"{key}: unknown kohya key kind {kind!r} (known: lora_down, lora_up, alpha, dora_scale, and LyCORIS's "
+                f"{', '.join(LYCORIS_TENSORS)})"
+            )
+    return tensors, derived_lora_configs(ranks, alphas, dora, kinds, decompose_both)
+
+
+def _lycoris_rank(kohya: dict[str, torch.Tensor], name: str) -> int:
+    """A LyCORIS module's rank as peft configures it: a low-rank factor's inner size; for a LoKr of full factors, a
+    rank at which peft keeps them full (half their largest side or more), its scale being 1 there (alpha = rank)."""
+    for inner in ("hada_w1_b", "lokr_w2_b", "lokr_w1_b"):
+        if f"{name}.{inner}" in kohya:
+            return kohya[f"{name}.{inner}"].shape[0]
+    return max(kohya[f"{name}.lokr_w2"].shape[:2])
 
 
 def fuse(tensors: dict[str, torch.Tensor], lora_configs: dict, part: str, modules: list[str]) -> dict[str, torch.Tensor]:
@@ -166,12 +200,13 @@ def kohya_metadata(config_toml: str, lora_configs: dict, base: str, base_model_v
     config when the adapter has one (an adapter from another tool has only its network's shape)."""
     config = tomllib.loads(config_toml) if config_toml else {}
     part = next(key for key in lora_configs if key.endswith(".r")).removesuffix(".r")  # the first part with an adapter
-    is_dora = bool(lora_configs.get(f"{part}.use_dora"))
+    is_dora, kind = bool(lora_configs.get(f"{part}.use_dora")), adapter_kind(lora_configs, part)
+    network_args = {"algo": kind} if kind != "lora" else {"algo": "lora", "dora_wd": "True"} if is_dora else {}
     metadata = {
-        "ss_network_module": "lycoris.kohya" if is_dora else "networks.lora",
-        "ss_network_args": json.dumps({"algo": "lora", "dora_wd": "True"} if is_dora else {}),
+        "ss_network_module": "lycoris.kohya" if network_args else "networks.lora",
+        "ss_network_args": json.dumps(network_args),
         "ss_network_dim": str(lora_configs[f"{part}.r"]),
-        "ss_network_alpha": str(lora_configs[f"{part}.lora_alpha"]),
+        "ss_network_alpha": str(config_alpha(lora_configs, part)),
         "ss_base_model_version": base_model_version,
         "ss_output_name": "difftune",
     }
@@ -196,15 +231,18 @@ def kohya_metadata(config_toml: str, lora_configs: dict, base: str, base_model_v
 
 def split_adapter_key(key: str) -> tuple[str, str]:
     # The magnitude with `.weight` (as difftune writes it) or bare (as diffusers/peft write it).
-    for kind in ("lora_A.weight", "lora_B.weight", f"{DORA_MAGNITUDE}.weight", DORA_MAGNITUDE):
+    for kind in ("lora_A.weight", "lora_B.weight", f"{DORA_MAGNITUDE}.weight", DORA_MAGNITUDE, *LYCORIS_TENSORS):
         if key.endswith("." + kind):
             return key[: -len(kind) - 1], kind
-    raise ValueError(f"{key}: not a LoRA/DoRA tensor (lora_A, lora_B or {DORA_MAGNITUDE})")
+    raise ValueError(f"{key}: not a LoRA/DoRA/LoHa/LoKr tensor (lora_A, lora_B, {DORA_MAGNITUDE}, hada_*, lokr_*)")
 
 
 def _scale(lora_configs: dict, part: str, module: str, rank: int) -> float:
     """A module's adapter scale: alpha / rank, or alpha / sqrt(rank) with rsLoRA. kohya files know only the first,
     so an rsLoRA module is written with the alpha that gives its scale."""
-    pattern = lora_configs.get(f"{part}.alpha_pattern") or {}
-    alpha = pattern.get(module, lora_configs[f"{part}.lora_alpha"])
+    alpha = config_alpha(lora_configs, part, module)
     return alpha / (rank**0.5 if lora_configs.get(f"{part}.use_rslora") else rank)
+
+
+def _rank(lora_configs: dict, part: str, module: str) -> int:
+    return (lora_configs.get(f"{part}.rank_pattern") or {}).get(module, lora_configs[f"{part}.r"])

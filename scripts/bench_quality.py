@@ -2,6 +2,12 @@
 
     python scripts/bench_quality.py [--job sdxl_lora] [--only NAME ...] [--out FILE]
     python scripts/bench_quality.py --table [--job sdxl_lora]   # BENCHMARKS.md's table from those lines
+    python scripts/bench_quality.py --convergence --only min_snr soft_min_snr debiased uniform_weighting
+    python scripts/bench_quality.py --convergence --table       # steps to a validation-loss target
+
+With `--convergence` each variant also scores a held-out set of 24 concept renders every 20 steps
+(`validation.path`); its lines (benchmarks/convergence-<job>.jsonl) hold the validation curve, and the table says
+at which step each run first reached the target: the default job's (Min-SNR's) best validation loss x 1.05.
 
 Each variant is `difftune train --config configs/<job>.toml <overrides>` (job tiny_lora: lines in
 benchmarks/quality-finetune.jsonl; another job: benchmarks/quality-finetune-<job>.jsonl), then
@@ -15,10 +21,14 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
+from PIL import Image, ImageFilter
+
 from difftune.config import load_config
 from difftune.evaluate import EvalSettings, score
 from difftune.export import apply_adapters, variant_of
 from difftune.families import load_components
+from difftune.metrics import read_metrics
 from difftune.tiny import shape_images, write_caption_folder
 from difftune.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
 from difftune.train import train
@@ -26,6 +36,7 @@ from difftune.train import train
 # Overrides of each default job; `{renders_32}` is 32 renders of the concept written by this script.
 VARIANTS = {"tiny_lora": {
     "lora_r16_te": [],
+    "min_snr": [],  # the default again, named for the weighting comparison (--convergence)
     "lora_r16_unet_only": ["adapter.text_encoder=false"],
     "lora_r4_te": ["adapter.rank=4"],
     "lora_r8_te": ["adapter.rank=8"],
@@ -44,6 +55,21 @@ VARIANTS = {"tiny_lora": {
     "32_renders": ["data.path={renders_32}"],
     "lr_from_find_lr": ["optim.learning_rate=1.79e-3"],  # find-lr's suggestion at train.seed=2 (benchmarks/find-lr-*)
     "activations_every_10": ["log.activations_every_steps=10"],
+    # Issue 19's techniques.
+    "soft_min_snr": ["loss.weighting=soft_min_snr"],
+    "debiased": ["loss.weighting=debiased"],
+    "loha_r8_te": ["adapter.kind=loha", "adapter.rank=8"],
+    "lokr_r8_te": ["adapter.kind=lokr", "adapter.rank=8"],
+    "prodigy": ["optim.optimizer=prodigy", "optim.learning_rate=1.0"],
+    "schedule_free": ["optim.optimizer=adamw_schedule_free", "optim.lr_schedule=constant"],
+    "loraplus_16": ["optim.loraplus_ratio=16"],
+    "rslora": ["adapter.rank_stabilized=true"],
+    "pissa": ["adapter.init=pissa"],
+    "masked_loss": ["data.masks=folder", "data.mask_path={purple_masks}"],
+    "prior_red_circles": ["prior.class_prompt=a red circle", "prior.num_class_images=16", "prior.steps=20",
+                          "prior.guidance_scale=3.0", "prior.class_path={class_images}"],
+    "tag_shuffle_variants": ["data.caption_prefix=sks ", "data.shuffle_tags=true", "data.tag_separator= ",
+                             "data.keep_tokens=1", "data.caption_variants=4"],
 }, "tiny_embedding": {
     "embedding_init_red": [],
     "embedding_random_init": ["adapter.embedding_init_word="],
@@ -82,25 +108,34 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="default: benchmarks/quality-finetune[-<job>].jsonl")
     parser.add_argument("--work-dir", type=Path, default=Path("output/bench-quality"))
     parser.add_argument("--table", action="store_true", help="print the --out lines as a Markdown table and exit")
+    parser.add_argument("--convergence", action="store_true", help="also score a held-out set every 20 steps")
     args = parser.parse_args()
     config_file = Path("configs") / f"{args.job}.toml"
-    args.out = args.out or Path("benchmarks") / ("quality-finetune.jsonl" if args.job == "tiny_lora" else f"quality-finetune-{args.job}.jsonl")
+    default_out = "quality-finetune.jsonl" if args.job == "tiny_lora" else f"quality-finetune-{args.job}.jsonl"
+    args.out = args.out or Path("benchmarks") / (f"convergence-{args.job}.jsonl" if args.convergence else default_out)
     if args.table:
-        print(markdown_table([json.loads(line) for line in args.out.read_text().splitlines()]))
+        lines = [json.loads(line) for line in args.out.read_text().splitlines()]
+        print(convergence_table(lines) if args.convergence else markdown_table(lines))
         return
 
     settings = EvalSettings()
     base_config = load_config(config_file)
     before = score(load_components(base_config.model), SEEN_COLORS, HELD_OUT_COLOR, settings)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    renders_32 = args.work_dir / "renders_32"
-    write_caption_folder(renders_32, shape_images(32, seed=7, colors=(HELD_OUT_COLOR,)))
+    folders = {"renders_32": args.work_dir / "renders_32", "purple_masks": args.work_dir / "purple_masks",
+               "class_images": args.work_dir / "class_images", "held_out": args.work_dir / "held_out"}
+    write_caption_folder(folders["renders_32"], shape_images(32, seed=7, colors=(HELD_OUT_COLOR,)))
+    write_caption_folder(folders["held_out"], shape_images(24, seed=11, colors=(HELD_OUT_COLOR,)))
+    write_foreground_masks(Path(base_config.data.path), folders["purple_masks"])
+    watch = ["validation.path=" + str(folders["held_out"]), "validation.every_steps=20"] if args.convergence else []
     for name, overrides in VARIANTS[args.job].items():
         if args.only and name not in args.only:
             continue
         out_dir = args.work_dir / args.job / name
-        overrides = [override.format(renders_32=renders_32) for override in overrides]
-        config = load_config(config_file, [*overrides, f"train.output_dir={out_dir}", "train.overwrite=true", "sample.prompts=[]"])
+        overrides = [override.format(**folders) for override in overrides]
+        config = load_config(
+            config_file, [*overrides, *watch, f"train.output_dir={out_dir}", "train.overwrite=true", "sample.prompts=[]"]
+        )
         started = time.perf_counter()
         result = train(config)
         seconds = time.perf_counter() - started
@@ -122,9 +157,40 @@ def main() -> None:
                 "seen_both_after": after["seen"]["both"],
                 "forgetting": round(before["seen"]["both"] - after["seen"]["both"], 3),
             }
+            if args.convergence:
+                line["val_loss"] = {row["step"]: row["val_loss"] for row in read_metrics(out_dir) if "val_loss" in row}
             print(json.dumps(line), flush=True)
             with open(args.out, "a", encoding="utf-8") as out:
                 out.write(json.dumps(line) + "\n")
+
+
+def write_foreground_masks(images: Path, out: Path) -> None:
+    """A mask per render: its shape (pixels far from the border's color) grown by 2 pixels, the background black."""
+    out.mkdir(parents=True, exist_ok=True)
+    for path in sorted(images.glob("*.png")):
+        pixels = np.asarray(Image.open(path).convert("RGB"), dtype=np.float32)
+        border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
+        shape = np.linalg.norm(pixels - np.median(border, axis=0), axis=-1) > 60
+        grown = Image.fromarray((shape * 255).astype(np.uint8)).filter(ImageFilter.MaxFilter(5))
+        grown.save(out / path.name)
+
+
+def convergence_table(lines: list[dict]) -> str:
+    """Steps to the target validation loss: the default run's best x 1.05 (the first line without overrides)."""
+    default = next(line for line in lines if not line["overrides"])
+    target = min(default["val_loss"].values()) * 1.05
+    rows = [f"Target: validation loss <= {target:.4f} (the default job's best x 1.05).", "",
+            "| run | overrides | steps to target | best validation loss (step) | final | purple both after | forgetting |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for line in lines:
+        curve = {int(step): value for step, value in line["val_loss"].items()}
+        reached = next((step for step, value in sorted(curve.items()) if value <= target), None)
+        best_step = min(curve, key=curve.get)
+        final = curve[max(curve)]
+        overrides = f"`{' '.join(line['overrides'])}`" if line["overrides"] else "(default: Min-SNR)"
+        rows.append(f"| {line['run']} | {overrides} | {reached or 'not reached'} | {curve[best_step]:.4f} ({best_step}) "
+                    f"| {final:.4f} | {line['concept_after']:.2f} | {line['forgetting']:.3f} |")
+    return "\n".join(rows)
 
 
 def markdown_table(lines: list[dict]) -> str:

@@ -479,3 +479,65 @@ def test_prior_loss_weight_scales_each_class_sample(make_config, tmp_path, shape
     weights = torch.cat([w for w, _ in losses])
     values = torch.cat([v for _, v in losses])
     assert (weights == 0).any() and (values[weights == 0] == 0).all() and (values[weights == 1] > 0).all()
+
+
+# LyCORIS: LoHa and LoKr.
+
+def _lycoris_delta(kohya: dict, name: str, shape) -> torch.Tensor:
+    """A LyCORIS module's weight change as ComfyUI's and A1111's loaders compute it from the file alone (their
+    documented formulas, written out here independently of difftune's reader)."""
+    if f"{name}.hada_w1_a" in kohya:
+        w1 = kohya[f"{name}.hada_w1_a"] @ kohya[f"{name}.hada_w1_b"]
+        w2 = kohya[f"{name}.hada_w2_a"] @ kohya[f"{name}.hada_w2_b"]
+        return (w1 * w2).reshape(shape) * kohya[f"{name}.alpha"] / kohya[f"{name}.hada_w1_b"].shape[0]
+    dim = None
+    w1 = kohya.get(f"{name}.lokr_w1")
+    if w1 is None:
+        dim = kohya[f"{name}.lokr_w1_b"].shape[0]
+        w1 = kohya[f"{name}.lokr_w1_a"] @ kohya[f"{name}.lokr_w1_b"]
+    w2 = kohya.get(f"{name}.lokr_w2")
+    if w2 is None:
+        dim = kohya[f"{name}.lokr_w2_b"].shape[0]
+        w2 = kohya[f"{name}.lokr_w2_a"] @ kohya[f"{name}.lokr_w2_b"]
+    scale = kohya[f"{name}.alpha"] / dim if dim is not None and f"{name}.alpha" in kohya else 1.0
+    return torch.kron(w1, w2).reshape(shape) * scale
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+@pytest.mark.parametrize("rank", [2, 8])  # LoKr: rank 8 keeps its second factor full on these 32-wide layers
+def test_lycoris_files_load_back_merge_and_read_as_comfyui_reads_them(tiny_base, tmp_path, kind, rank):
+    adapted, config = _adapted(tiny_base, kind=kind, rank=rank)
+    tensors, lora_configs = adapter_state_dict(adapted, config.adapter)
+    assert all(key.split(".")[-1].startswith({"loha": "hada_", "lokr": "lokr_"}[kind]) for key in tensors)
+    for layout in ("diffusers", "kohya"):
+        path = export.write_adapter(tmp_path / f"{layout}.safetensors", tensors, lora_configs, config.to_toml(), layout)
+        loaded = load_components(ModelConfig(base=str(tiny_base)))
+        export.apply_adapters(loaded, [(path, 1.0)])
+        for ours, theirs in zip(_outputs(adapted), _outputs(loaded)):
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    merged = load_components(ModelConfig(base=str(tiny_base)))
+    export.merge_adapters(merged, [(tmp_path / "kohya.safetensors", 1.0)])
+    assert not any("hada_" in key or "lokr_" in key for key in merged.denoiser.state_dict())
+    for ours, theirs in zip(_outputs(adapted), _outputs(merged)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=2e-5)
+
+    # ComfyUI's / A1111's reading of the kohya file: base weight + the change their formula gives.
+    kohya = load_file(tmp_path / "kohya.safetensors")
+    base = load_components(ModelConfig(base=str(tiny_base)))
+    q = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+    weight = dict(base.denoiser.named_parameters())[f"{q}.weight"]
+    expected = dict(merged.denoiser.named_parameters())[f"{q}.weight"]
+    name = "lora_unet_" + q.replace(".", "_")
+    torch.testing.assert_close(weight + _lycoris_delta(kohya, name, weight.shape), expected, rtol=1e-4, atol=1e-6)
+    metadata = json.loads(__import__("safetensors").safe_open(tmp_path / "kohya.safetensors", "pt").metadata()["ss_network_args"])
+    assert metadata == {"algo": kind}
+
+
+def test_a_lycoris_run_trains_saves_and_redraws_its_sample(make_config, tmp_path):
+    for kind, layout in (("loha", "kohya"), ("lokr", "diffusers")):
+        out = tmp_path / kind
+        train(make_config(adapter__kind=kind, adapter__text_encoder=True, export__format=layout, train__max_steps=3,
+                          sample__prompts=["a red circle"], sample__steps=3, train__output_dir=str(out)))
+        report = json.loads((out / "parity.json").read_text())
+        assert set(report["layouts"]) == {"diffusers", "kohya"}
+        assert all(r["max_pixel_difference"] <= report["warn_above_levels"] for r in report["layouts"].values()), report

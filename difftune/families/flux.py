@@ -156,6 +156,11 @@ class Flux(Family):
             problems.append("loss.zero_terminal_snr: flow matching reaches pure noise at sigma = 1 already; leave it off")
         if config.adapter.kind == "embedding":
             problems.append("adapter.kind = \"embedding\": textual inversion is not built for Flux yet; train a LoRA")
+        if config.adapter.kind in ("loha", "lokr") and config.export.format == "kohya":
+            problems.append(
+                f"adapter.kind = \"{config.adapter.kind}\" with export.format = \"kohya\": the BFL layout fuses q, k and v "
+                "into one layer, and separate LoHa/LoKr factors have no fused form; use export.format = \"diffusers\""
+            )
         return problems
 
     # Prompts and the transformer.
