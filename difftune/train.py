@@ -1,14 +1,16 @@
 """The training recipe: `setup` -> `loop` -> `finish`, over one `Run`.
 
-Features: any model family (families/): LoRA / DoRA (peft) or full fine-tuning of the denoiser, optionally the
-text encoders too (their own learning rate), optionally on a quantized frozen denoiser (QLoRA); epsilon or
-v-prediction with Min-SNR-gamma weighting, noise offset, input perturbation and zero-terminal-SNR; accelerate
-for devices, DDP/FSDP, mixed precision (FP8 where the GPU has it) and gradient accumulation, or a global batch
-size it is derived from; learning rates optionally scaled with the global batch; global-norm clipping; AdamW /
-AdamW 8-bit / Lion / Adafactor / CPU-offloaded AdamW / GaLore with warmup and a constant, linear, cosine or
-cosine-with-restarts schedule; a guard that skips NaN/inf and spiking steps and warns of growing
-activations; per-block activation statistics on chosen steps; EMA weights; validation loss at fixed noise;
-preview samples; adapter snapshots and their average; channels-last denoiser; SDPA or xformers attention;
+Features: any model family (families/): LoRA / DoRA / LoHa / LoKr (peft; LoRA also with rsLoRA, PiSSA or OLoRA
+init) or full fine-tuning of the denoiser, optionally the text encoders too (their own learning rate), optionally
+on a quantized frozen denoiser (QLoRA); epsilon or v-prediction with Min-SNR-gamma, soft-min-SNR or debiased
+weighting, noise offset, input perturbation and zero-terminal-SNR; masked loss and DreamBooth prior preservation
+(per-sample weights); accelerate for devices, DDP/FSDP, mixed precision (FP8 where the GPU has it) and gradient
+accumulation, or a global batch size it is derived from; learning rates optionally scaled with the global batch;
+global-norm clipping; AdamW / AdamW 8-bit / Lion / Adafactor / CPU-offloaded AdamW / GaLore / Prodigy /
+schedule-free AdamW (LoRA+ rates for B) with warmup and a constant, linear, cosine or cosine-with-restarts
+schedule; a guard that skips NaN/inf and spiking steps and warns of growing activations; per-block activation
+statistics on chosen steps; EMA weights; validation loss at fixed noise, keeping the best result and stopping
+early; preview samples; adapter snapshots and their average; channels-last denoiser; SDPA or xformers attention;
 gradient checkpointing; TF32; a JSONL metrics line per optimizer step (and TensorBoard when installed); after
 the final save, a parity check that the saved file, reloaded as users load it, redraws the in-training sample.
 """
