@@ -10,7 +10,9 @@ What people share, and how each is read:
   model (`unet.save_lora_adapter`, peft's `base_model.model.` prefix), which are the UNet's: keys go
   through diffusers' own converters to peft's names.
 - kohya sd-scripts / A1111 / ComfyUI files (`lora_unet_*`, `lora_te_*` / `lora_te1_*` / `lora_te2_*`,
-  `.alpha`, `.dora_scale`): kohya.py, with the base model's module names and its family's prefixes.
+  `.alpha`, `.dora_scale`, and LyCORIS's LoHa/LoKr tensors): kohya.py, with the base model's module names and its
+  family's prefixes.
+- LoHa/LoKr files in peft's layout with their configs in the metadata, as difftune writes them.
 Without metadata, the rank of each module is its `lora_A`'s row count (the most common one is `r`, the rest
 go to `rank_pattern`) and alpha is the file's `.alpha` where it has one, else the rank (diffusers' own rule).
 A key that fits none of these stops the read, naming the key.
@@ -28,7 +30,7 @@ from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from diffusers.utils.state_dict_utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
 from safetensors import safe_open
 
-from difftune.adapters import DORA_MAGNITUDE, derived_lora_configs
+from difftune.adapters import DORA_MAGNITUDE, LYCORIS_TENSORS, derived_lora_configs
 from difftune.embeddings import is_embedding
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES
@@ -95,6 +97,12 @@ def read_adapter(path: Path, base_modules: FindBaseModules | None = None) -> tup
         if missing:
             raise DifftuneError(f"adapter {path}: its `{LORA_ADAPTER_METADATA_KEY}` metadata has no config for {missing[0]}")
     else:
+        lycoris = next((key for key in tensors if split_adapter_key(key.partition(".")[2])[1] in LYCORIS_TENSORS), None)
+        if lycoris:
+            raise DifftuneError(
+                f"adapter {path}: {lycoris} is a LoHa/LoKr tensor in peft's layout without its `{LORA_ADAPTER_METADATA_KEY}` "
+                "metadata, which its factors' shapes do not determine; convert it from the kohya/LyCORIS layout instead"
+            )
         lora_configs = _configs_from_shapes(tensors, alphas)
     return tensors, lora_configs, config_toml
 
@@ -137,7 +145,7 @@ def _from_diffusers(tensors: dict, path: Path) -> tuple[dict, dict]:
             except ValueError:
                 raise DifftuneError(
                     f"adapter {path}: cannot place key {part}.{rest}: not a LoRA/DoRA tensor of a known layout "
-                    f"(diffusers/peft lora_A/lora_B, lora.down/lora.up, kohya lora_down/lora_up)"
+                    f"(diffusers/peft lora_A/lora_B, lora.down/lora.up, kohya lora_down/lora_up, LyCORIS hada_*/lokr_*)"
                 ) from None
             kind = f"{DORA_MAGNITUDE}.weight" if kind.startswith(DORA_MAGNITUDE) else kind
             out[f"{part}.{_text_module(part, module)}.{kind}"] = value

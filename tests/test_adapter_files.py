@@ -171,10 +171,14 @@ def test_merge_sample_average_and_eval_take_other_tools_files(tiny_base, tmp_pat
 
 
 def test_keys_that_cannot_be_placed_are_named(tiny_base, tmp_path):
-    unknown_kind = tmp_path / "loha.safetensors"
-    save_file({"unet.down_blocks.0.attentions.0.proj_in.hada_w1_a": torch.ones(2, 2)}, unknown_kind)
-    with pytest.raises(DifftuneError, match=r"cannot place key unet\.down_blocks\.0\.attentions\.0\.proj_in\.hada_w1_a"):
+    unknown_kind = tmp_path / "ia3.safetensors"
+    save_file({"unet.down_blocks.0.attentions.0.proj_in.ia3_l": torch.ones(2, 2)}, unknown_kind)
+    with pytest.raises(DifftuneError, match=r"cannot place key unet\.down_blocks\.0\.attentions\.0\.proj_in\.ia3_l"):
         read_adapter(unknown_kind)
+    loha_without_config = tmp_path / "loha.safetensors"
+    save_file({"unet.down_blocks.0.attentions.0.proj_in.hada_w1_a": torch.ones(2, 2)}, loha_without_config)
+    with pytest.raises(DifftuneError, match=r"hada_w1_a is a LoHa/LoKr tensor in peft's layout without its"):
+        read_adapter(loha_without_config)
     other_model = tmp_path / "other.safetensors"
     save_file({"unet.mid_block.no_such.to_q.lora_A.weight": torch.ones(4, 8),
                "unet.mid_block.no_such.to_q.lora_B.weight": torch.zeros(8, 4)}, other_model)

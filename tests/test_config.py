@@ -45,8 +45,8 @@ def test_bad_files_fail_naming_the_file_and_key(tmp_path, content, message):
 
 
 def test_bad_choice_lists_the_allowed_values():
-    with pytest.raises(DifftuneError, match=r"adapter\.kind: Input should be 'lora', 'dora', 'none' or 'embedding'"):
-        load_config(None, ["adapter.kind=loha"])
+    with pytest.raises(DifftuneError, match=r"adapter\.kind: Input should be 'lora', 'dora', 'loha', 'lokr', 'none' or 'embedding'"):
+        load_config(None, ["adapter.kind=ia3"])
 
 
 def test_range_and_cross_section_checks():
