@@ -685,6 +685,11 @@ class Config(Section):
                 "prior preservation (prior.class_path / num_class_images) keeps a fine-tuned model's class; an embedding "
                 "(adapter.kind = \"embedding\") changes no model weights: turn it off"
             )
+        watching = {"validation.early_stop_patience": self.validation.early_stop_patience,
+                    "validation.eval_concept": self.validation.eval_concept}
+        unwatched = [name for name, value in watching.items() if value and not self.validation.path]
+        if unwatched:
+            raise ValueError(f"{', '.join(unwatched)} needs validation.path (the held-out images each validation scores)")
         if self.adapter.kind == "embedding" and self.validation.path:
             raise ValueError("validation.path is not supported with adapter.kind = \"embedding\" yet; leave it empty")
         if self.adapter.kind == "embedding" and self.export.average_last:
