@@ -93,7 +93,7 @@ def read_adapter(path: Path, base_modules: FindBaseModules | None = None) -> tup
     tensors, alphas = _from_diffusers(tensors, path)
     if LORA_ADAPTER_METADATA_KEY in metadata:
         lora_configs = json.loads(metadata[LORA_ADAPTER_METADATA_KEY])
-        missing = [part for part in _parts(tensors) if f"{part}.r" not in lora_configs]
+        missing = [part for part in parts_of(tensors) if f"{part}.r" not in lora_configs]
         if missing:
             raise DifftuneError(f"adapter {path}: its `{LORA_ADAPTER_METADATA_KEY}` metadata has no config for {missing[0]}")
     else:
@@ -168,7 +168,8 @@ def _text_module(part: str, module: str) -> str:
     return module.removeprefix("text_model.") if part == "text_encoder" else module
 
 
-def _parts(tensors: dict) -> list[str]:
+def parts_of(tensors: dict) -> list[str]:
+    """The parts (`unet`, `text_encoder`, ...) a difftune-layout adapter has tensors for."""
     return sorted({key.partition(".")[0] for key in tensors})
 
 

@@ -24,7 +24,7 @@ DORA_MAGNITUDE = "lora_magnitude_vector"
 # LoHa's and LoKr's tensors: the same names in peft's state dicts and in LyCORIS files.
 LYCORIS_TENSORS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2",
                    "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
-LYCORIS_CONFIGS = {"LOHA": LoHaConfig, "LOKR": LoKrConfig}  # peft_type -> its config class
+LYCORIS_CONFIGS = {"loha": LoHaConfig, "lokr": LoKrConfig}  # adapter.kind (and `adapter_kind`) -> its peft config
 MUTATED_BASE_INITS = ("pissa", "olora")  # adapter inits that change the base weights (see the module's docstring)
 INITIAL_ADAPTER = "_difftune_initial_adapter"  # a part's adapter tensors as initialized, for those inits
 
@@ -70,11 +70,10 @@ def add_adapters(components: Components, config: AdapterConfig) -> None:
 
 
 def _adapter_config(config: AdapterConfig, targets: list[str]) -> PeftConfig:
-    if config.kind in ("loha", "lokr"):
+    if config.kind in LYCORIS_CONFIGS:
         # LyCORIS's defaults, as peft has them: no Tucker decomposition of convolutions (ComfyUI and A1111 read it, but
         # the plain form is what every loader reads), LoKr's factor chosen from the layer's shape.
-        lycoris = LoHaConfig if config.kind == "loha" else LoKrConfig
-        return lycoris(r=config.rank, alpha=config.alpha, rank_dropout=config.dropout, target_modules=targets)
+        return LYCORIS_CONFIGS[config.kind](r=config.rank, alpha=config.alpha, rank_dropout=config.dropout, target_modules=targets)
     return LoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,

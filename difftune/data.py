@@ -179,9 +179,10 @@ def mask_file(path: Path, config: DataConfig) -> Path | None:
     return None
 
 
-def open_mask(path: Path, config: DataConfig) -> Image.Image | None:
+def open_mask(path: Path, config: DataConfig, known_size: tuple[int, int] | None = None) -> Image.Image | None:
     """The image's mask as 8-bit grayscale of the image's size (EXIF orientation applied): its alpha channel, or its
-    file in `mask_path`; None where it has none (it trains whole). Raises BadImage for one that cannot be used."""
+    file in `mask_path`; None where it has none (it trains whole). Raises BadImage for one that cannot be used.
+    `known_size`: the image's (width, height) when the caller has it, else `image_size` reads the header."""
     if config.masks == "alpha":
         with Image.open(path) as raw:
             image = ImageOps.exif_transpose(raw)
@@ -196,8 +197,7 @@ def open_mask(path: Path, config: DataConfig) -> Image.Image | None:
             mask = ImageOps.exif_transpose(raw).convert("L")
     except Exception as err:  # as in open_image: PIL raises many kinds for corrupt data
         raise BadImage(f"mask {source.name} cannot be decoded: {type(err).__name__}: {err}") from None
-    with Image.open(path) as image:
-        size = ImageOps.exif_transpose(image).size
+    size = known_size or image_size(path)
     if mask.size != size:
         raise BadImage(f"mask {source} is {mask.width}x{mask.height}, the image {size[0]}x{size[1]}; masks must match their image")
     if not mask.getbbox():
@@ -352,7 +352,7 @@ def load_image(
     flipped = draw_flip(config, rng)
     if flipped:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    mask = mask_view(open_mask(path, config), crop, size, flipped) if config.masks != "off" else None
+    mask = mask_view(open_mask(path, config, source.size), crop, size, flipped) if config.masks != "off" else None
     return image_to_tensor(image), image_geometry(source.size, crop, size, flipped), mask
 
 
@@ -485,8 +485,9 @@ class CaptionedImages(Dataset):
         floats' memory)."""
         key = (path, size, flipped)
         if key not in self._masks:
-            crop = place_crop(self._original_size(path), size, "center")
-            self._masks[key] = (mask_view(open_mask(path, self.config), crop, size, flipped) * 255).round().to(torch.uint8)
+            original = self._original_size(path)
+            crop = place_crop(original, size, "center")
+            self._masks[key] = (mask_view(open_mask(path, self.config, original), crop, size, flipped) * 255).round().to(torch.uint8)
         return self._masks[key].float() / 255
 
     def __len__(self) -> int:

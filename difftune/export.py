@@ -23,7 +23,7 @@ import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
 from safetensors.torch import save_file
 
-from difftune.adapter_files import CONFIG_METADATA_KEY, check_modules, module_names_of, read_adapter
+from difftune.adapter_files import CONFIG_METADATA_KEY, check_modules, module_names_of, parts_of, read_adapter
 from difftune.adapters import LYCORIS_CONFIGS, adapter_kind, adapter_state_dict
 from difftune.config import Config, ModelConfig
 from difftune.embeddings import embedding_file_name, is_embedding_file, load_embedding, write_embedding
@@ -209,7 +209,7 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
             _refuse_unloadable_parts(tensors, components.family, path)
             _refuse_non_finite(tensors, f"adapter {path}")
             names.append(f"adapter_{i}")
-            if any(adapter_kind(lora_configs, part) != "lora" for part in _parts_of(tensors)):
+            if any(adapter_kind(lora_configs, part) != "lora" for part in parts_of(tensors)):
                 _attach_lycoris(components, tensors, lora_configs, names[-1], path)
                 continue
             staged = write_adapter(
@@ -220,27 +220,20 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
     pipeline.set_adapters(names, adapter_weights=[scale for _, scale in adapters])
 
 
-def _parts_of(tensors: dict) -> list[str]:
-    return sorted({key.partition(".")[0] for key in tensors})
-
-
 def _attach_lycoris(components: Components, tensors: dict, lora_configs: dict, name: str, path: Path) -> None:
     """A LoHa / LoKr file's parts, each injected by peft from its config and loaded with its tensors; every tensor
     must land (peft would skip one it has no place for)."""
     from peft import set_peft_model_state_dict
 
     parts = components.parts()
-    for part in _parts_of(tensors):
+    for part in parts_of(tensors):
         prefix = f"{part}."
+        config_class = LYCORIS_CONFIGS[adapter_kind(lora_configs, part)]
+        known = set(config_class.__dataclass_fields__) - {"peft_type", "task_type"}  # set by the class itself
         fields = {key.removeprefix(prefix): value for key, value in lora_configs.items() if key.startswith(prefix)}
-        kind = str(fields.pop("peft_type", "LORA")).rsplit(".", 1)[-1]
-        config_class = LYCORIS_CONFIGS[kind]
-        known = set(config_class.__dataclass_fields__)
-        config = config_class(**{key: value for key, value in fields.items() if key in known and key != "task_type"})
-        parts[part].add_adapter(config, adapter_name=name)
+        parts[part].add_adapter(config_class(**{key: value for key, value in fields.items() if key in known}), adapter_name=name)
         state = {key.removeprefix(prefix): value for key, value in tensors.items() if key.startswith(prefix)}
-        result = set_peft_model_state_dict(parts[part], state, adapter_name=name)
-        unexpected = [key for key in result.unexpected_keys if name in key or "hada_" in key or "lokr_" in key]
+        unexpected = set_peft_model_state_dict(parts[part], state, adapter_name=name).unexpected_keys
         if unexpected:
             raise DifftuneError(f"adapter {path}: {part} has no place for {unexpected[0]}; is this adapter for this model?")
 

@@ -25,7 +25,6 @@ from difftune.config import Config, absolute_paths, load_config
 from difftune.errors import ERROR_PREFIX, DifftuneError
 from difftune.export import trained_path
 from difftune.metrics import METRICS_FILE
-from difftune.validation import read_best
 
 JOB_CONFIG = "job.toml"
 JOB_STATE = "job.json"
@@ -170,15 +169,16 @@ def read_progress(job: Job) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip().endswith("}")]
 
 
-def validation_frame(rows: list[dict], job: Job):
-    """The validation losses logged so far as (step, val_loss, series) rows, the kept best as series "best": what
-    the UI's validation plot shows. None before the first validation."""
+def validation_frame(rows: list[dict], best: dict[str, dict]):
+    """The validation losses logged so far as (step, val_loss, series) rows, and the kept best (`best`: the run's
+    `validation.read_best` records) as series "best": what the UI's validation plot shows. None before the first
+    validation."""
     import pandas as pd
 
     points = [(row["step"], row["val_loss"], "validation") for row in rows if "val_loss" in row]
     if not points:
         return None
-    record = read_best(job.dir).get("val_loss")
+    record = best.get("val_loss")
     if record:
         points.append((record["step"], record["value"], "best"))
     return pd.DataFrame(points, columns=["step", "val_loss", "series"])

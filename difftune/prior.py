@@ -47,9 +47,10 @@ def class_folder(config: Config, components: Components) -> Path:
     return cache_root(config) / "class_images" / digest.hexdigest()[:32]
 
 
-def fill_class_images(config: Config, components: Components, device: torch.device) -> int:
-    """Draw the class images the folder lacks (up to `num_class_images`) with the untouched base; returns how many."""
-    prior, folder = config.prior, class_folder(config, components)
+def fill_class_images(config: Config, components: Components, device: torch.device, folder: Path) -> int:
+    """Draw the class images `folder` (`class_folder`'s) lacks, up to `num_class_images`, with the untouched base;
+    returns how many."""
+    prior = config.prior
     folder.mkdir(parents=True, exist_ok=True)
     have = [p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS]
     drawn = {p.stem for p in have if p.stem.startswith(DRAWN_PREFIX)}
@@ -84,10 +85,9 @@ def _write_class_image(stem: Path, image, caption: str, caption_extension: str) 
     os.replace(staging, stem.with_suffix(".png"))
 
 
-def class_examples(config: Config, components: Components, instances: int) -> tuple[list[Example], list]:
-    """The class images as examples with the prior's loss weight, cycled or cut to `instances` per epoch; an image
-    without a caption file is captioned with `class_prompt`. Also the files left out, with their reasons."""
-    folder = class_folder(config, components)
+def class_examples(config: Config, folder: Path, instances: int) -> tuple[list[Example], list]:
+    """The class images in `folder` as examples with the prior's loss weight, cycled or cut to `instances` per epoch;
+    an image without a caption file is captioned with `class_prompt`. Also the files left out, with their reasons."""
     missing = "empty" if config.prior.class_prompt else "error"  # uncaptioned images take the class prompt
     data = config.data.model_copy(update={"path": str(folder), "missing_caption": missing, "masks": "off"})
     found, bad = scan_examples(data)

@@ -57,7 +57,7 @@ from difftune.metrics import METRICS_FILE, MetricsLog
 from difftune.models import Components, encode_posterior, place_frozen, sample_latents, set_attention, weight_dtype
 from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.parity import check_parity, write_report
-from difftune.prior import class_examples, fill_class_images
+from difftune.prior import class_examples, class_folder, fill_class_images
 from difftune.quantize import quantize_linear_layers
 from difftune.sample import generate_images, save_images
 from difftune.validation import BestResults, Validator
@@ -138,16 +138,17 @@ def setup(config: Config, resume: str | None = None) -> Run:
         (output_dir / RESOLVED_CONFIG_FILE).write_text(config.to_toml(), encoding="utf-8")
     _set_device_flags(config, accelerator)
     main = accelerator.is_main_process
+    class_dir = class_folder(config, components) if config.prior.enabled else None  # may hash the denoiser: once
     if config.prior.num_class_images:  # drawn by the untouched base, before anything is attached to it
         if main:
-            fill_class_images(config, components, accelerator.device)
+            fill_class_images(config, components, accelerator.device, class_dir)
         accelerator.wait_for_everyone()
     set_seed(config.train.seed)  # the adapters' random init
 
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
     examples, bad_files = scan_examples(config.data)
     if config.prior.enabled:
-        class_images, bad_class_files = class_examples(config, components, len(examples))
+        class_images, bad_class_files = class_examples(config, class_dir, len(examples))
         examples, bad_files = examples + class_images, bad_files + bad_class_files
     if config.adapter.kind == "embedding":  # the captions say the new token where they said its word
         examples = [replace(example, caption=caption_with_token(example.caption, config.adapter)) for example in examples]

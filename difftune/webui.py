@@ -251,12 +251,13 @@ def _train_tab(jobs_dir: Path):
         summary = f"**{status}** · step {step} / {max_steps} ({100 * step // max_steps}%)"
         if rows:
             summary += f" · loss {rows[-1]['loss']:.4f} · {1 / rows[-1]['seconds']:.2f} steps/s"
-        summary += "".join(f" · {line}" for line in describe_best(read_best(job.dir)))
+        best = read_best(job.dir)
+        summary += "".join(f" · {line}" for line in describe_best(best))
         if status == "failed":
             summary += f"\n\n{jobs.failure_reason(job)}"
         frame = pd.DataFrame(rows, columns=["step", *PLOTTED]) if rows else None
         frames = [frame[["step", column]] if frame is not None else None for column in PLOTTED]
-        frames.append(jobs.validation_frame(rows, job))
+        frames.append(jobs.validation_frame(rows, best))
         grids = [(str(path), str(path.parent.relative_to(job.dir))) for path in jobs.preview_grids(job)]
         return [summary, *frames, grids, jobs.log_tail(job)]
 

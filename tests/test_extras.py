@@ -210,12 +210,12 @@ def test_judged_scores_at_validation_keep_the_best_scoring_result(make_config, t
 
 def test_the_ui_plots_validation_with_its_best_point(tmp_path):
     from difftune import jobs
+    from difftune.validation import read_best
 
-    job = jobs.Job(tmp_path)
     rows = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.9, "val_loss": 0.5}, {"step": 4, "loss": 0.8, "val_loss": 0.4}]
-    assert jobs.validation_frame(rows[:1], job) is None
+    assert jobs.validation_frame(rows[:1], read_best(tmp_path)) is None
     (tmp_path / "best.json").write_text(json.dumps({"records": {"val_loss": {"step": 4, "value": 0.4, "file": "x"}}}))
-    frame = jobs.validation_frame(rows, job)
+    frame = jobs.validation_frame(rows, read_best(tmp_path))
     assert frame.values.tolist() == [[2, 0.5, "validation"], [4, 0.4, "validation"], [4, 0.4, "best"]]
 
 
@@ -426,20 +426,25 @@ def test_class_images_are_drawn_once_resumably_and_reproducibly(make_config, tmp
                 "prior__num_class_images": 3, "prior__steps": 2, "prior__batch_size": 2}
     config = make_config(**settings)
     components = load_components(config.model)
-    assert prior.fill_class_images(config, components, torch.device("cpu")) == 3
+    folder = prior.class_folder(config, components)
+
+    def fill(config):
+        return prior.fill_class_images(config, components, torch.device("cpu"), prior.class_folder(config, components))
+
+    assert prior.fill_class_images(config, components, torch.device("cpu"), folder) == 3
     images = sorted((tmp_path / "class").glob("*.png"))
     assert [p.name for p in images] == ["class_00000.png", "class_00001.png", "class_00002.png"]
     assert all(p.with_suffix(".txt").read_text() == "a red circle" for p in images)
     first = {p.name: p.read_bytes() for p in images}
-    assert prior.fill_class_images(config, components, torch.device("cpu")) == 0  # all there: nothing drawn
+    assert fill(config) == 0  # all there: nothing drawn
     images[1].unlink()  # an interrupted fill: drawn again, the same image
-    assert prior.fill_class_images(config, components, torch.device("cpu")) == 1
+    assert fill(config) == 1
     assert (tmp_path / "class" / "class_00001.png").read_bytes() == first["class_00001.png"]
     # Images of the user's own count toward the number.
     (tmp_path / "own").mkdir()
     (tmp_path / "own" / "mine.png").write_bytes(first["class_00000.png"])
     own = make_config(**{**settings, "prior__class_path": str(tmp_path / "own")})
-    assert prior.fill_class_images(own, components, torch.device("cpu")) == 2
+    assert fill(own) == 2
 
 
 def test_prior_preservation_mixes_class_images_at_their_weight(make_config, tmp_path, shapes, monkeypatch):
