@@ -40,7 +40,7 @@ SCENARIOS = {
     ),
     "identical-tiny-fp32": dict(
         what="identical settings, tiny model, 64 px, batch 2, fp32",
-        common=["--size", "tiny", "--resolution", "64", "--batch", "2", "--steps", "20", "120", "--repeats", "2"],
+        common=["--size", "tiny", "--resolution", "64", "--batch", "2", "--steps", "20", "520", "--repeats", "2"],
         peer=[], difftune=IDENTICAL,
     ),
     "recommended-sd15": dict(
