@@ -5,8 +5,9 @@
 
 Each scenario runs the harness's `run_peer.py` and `run_difftune.py` one after the other (peer first, so the
 two trainers alternate across scenarios), appends both JSON lines to benchmarks/peer.jsonl, and rewrites the
-table between BENCHMARKS.md's `peer-bench` markers from the newest line of each scenario and trainer: the
-numbers are never typed by hand. The harness README says how to get the peer script; it is never copied here.
+table between BENCHMARKS.md's `peer-bench` markers: per scenario, the medians over its sittings at the newest
+sitting's settings, and the spread of the speed ratio between sittings. The numbers are never typed by hand.
+The harness README says how to get the peer script; it is never copied here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -69,24 +71,44 @@ def run_pair(name: str, peer_script: str) -> list[dict]:
     return records
 
 
+def sittings(records: list[dict]) -> dict[str, list[tuple[dict, dict]]]:
+    """Per scenario, its sittings as (peer, difftune) pairs: each difftune line with the peer line run just before
+    it. Only the sittings with the newest sitting's settings count (the steps of a scenario may change)."""
+    pairs: dict[str, list[tuple[dict, dict]]] = {}
+    waiting: dict[str, dict] = {}
+    for record in records:
+        if record["trainer"] == "diffusers-example":
+            waiting[record["scenario"]] = record
+        elif (peer := waiting.pop(record["scenario"], None)) is not None:
+            pairs.setdefault(record["scenario"], []).append((peer, record))
+    return {name: [pair for pair in found if pair[0].get("args") == found[-1][0].get("args")] for name, found in pairs.items()}
+
+
 def markdown_table(records: list[dict]) -> str:
-    newest = {(r["scenario"], r["trainer"]): r for r in records}
     lines = [
-        "| scenario | peer s/step (in-run) | difftune s/step (in-run) | speed ratio | peer peak RSS MB | "
+        "| scenario | sittings | peer s/step (in-run) | difftune s/step (in-run) | speed ratio (range) | peer peak RSS MB | "
         "difftune peak RSS MB | RSS ratio |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    found = sittings(records)
     for name, scenario in SCENARIOS.items():
-        peer, ours = newest.get((name, "diffusers-example")), newest.get((name, "difftune"))
-        if not (peer and ours):
+        if name not in found:
             continue
+        pairs = found[name]
         # Steps per second, difftune over peer (>1: difftune faster), from the in-run timing (the start-up
-        # noise of two whole processes is ±20% here); RSS difftune over peer (<1: difftune leaner).
-        speed = peer["sec_per_step_inrun"] / ours["sec_per_step_inrun"]
+        # noise of two whole processes is ±20% here), per sitting; the median and the spread over sittings
+        # say how far one sitting can be trusted. RSS difftune over peer (<1: difftune leaner).
+        speed = sorted(peer["sec_per_step_inrun"] / ours["sec_per_step_inrun"] for peer, ours in pairs)
+        rss = statistics.median(ours["peak_rss_mb"] / peer["peak_rss_mb"] for peer, ours in pairs)
+
+        def median(trainer: int, key: str) -> float:
+            return statistics.median(pair[trainer][key] for pair in pairs)
+
         lines.append(
-            f"| {scenario['what']} | {peer['sec_per_step']:.2f} ({peer['sec_per_step_inrun']:.2f}) | "
-            f"{ours['sec_per_step']:.2f} ({ours['sec_per_step_inrun']:.2f}) | {speed:.2f}x | "
-            f"{peer['peak_rss_mb']:.0f} | {ours['peak_rss_mb']:.0f} | {ours['peak_rss_mb'] / peer['peak_rss_mb']:.2f}x |"
+            f"| {scenario['what']} | {len(pairs)} | {median(0, 'sec_per_step'):.3g} ({median(0, 'sec_per_step_inrun'):.3g}) | "
+            f"{median(1, 'sec_per_step'):.3g} ({median(1, 'sec_per_step_inrun'):.3g}) | "
+            f"{statistics.median(speed):.2f}x ({speed[0]:.2f}-{speed[-1]:.2f}) | "
+            f"{median(0, 'peak_rss_mb'):.0f} | {median(1, 'peak_rss_mb'):.0f} | {rss:.2f}x |"
         )
     return "\n".join(lines)
 

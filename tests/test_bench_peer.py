@@ -1,5 +1,5 @@
-"""scripts/bench_peer.py's table: computed from the JSONL, newest run per scenario and trainer, and the copy in
-BENCHMARKS.md is the one the committed JSONL gives (never typed by hand)."""
+"""scripts/bench_peer.py's table: computed from the JSONL, medians over each scenario's sittings at its newest
+settings, and the copy in BENCHMARKS.md is the one the committed JSONL gives (never typed by hand)."""
 
 import importlib.util
 import json
@@ -17,17 +17,25 @@ def bench_peer():
     return module
 
 
-def _record(scenario, trainer, sec, inrun, rss):
-    return {"scenario": scenario, "trainer": trainer, "sec_per_step": sec, "sec_per_step_inrun": inrun, "peak_rss_mb": rss}
+def _record(scenario, trainer, sec, inrun, rss, steps=("3", "12")):
+    return {"scenario": scenario, "trainer": trainer, "sec_per_step": sec, "sec_per_step_inrun": inrun, "peak_rss_mb": rss,
+            "args": ["--steps", *steps]}
 
 
-def test_the_table_takes_the_newest_runs_and_computes_the_ratios(bench_peer, tmp_path, monkeypatch):
+def test_the_table_gives_medians_over_sittings_at_the_newest_settings(bench_peer, tmp_path, monkeypatch):
     results = tmp_path / "peer.jsonl"
     records = [
-        _record("recommended-sd15", "diffusers-example", 9.0, 9.0, 9000),  # superseded by the next peer line
-        _record("recommended-sd15", "diffusers-example", 8.0, 6.0, 5000),
+        # An older setting of the scenario (other steps): left out of the row.
+        _record("recommended-sd15", "diffusers-example", 90.0, 90.0, 9000, steps=("2", "5")),
+        _record("recommended-sd15", "difftune", 1.0, 1.0, 100, steps=("2", "5")),
+        # Three sittings at the newest settings: speed ratios 2.0, 1.5 and 1.0 (peer in-run over difftune's).
+        _record("recommended-sd15", "diffusers-example", 8.0, 8.0, 5000),
         _record("recommended-sd15", "difftune", 4.0, 4.0, 4000),
-        _record("identical-tiny-fp32", "difftune", 1.0, 1.0, 100),  # no peer line: no row
+        _record("recommended-sd15", "diffusers-example", 7.0, 6.0, 5000),
+        _record("recommended-sd15", "difftune", 5.0, 4.0, 4500),
+        _record("recommended-sd15", "diffusers-example", 6.0, 5.0, 6000),
+        _record("recommended-sd15", "difftune", 6.0, 5.0, 3000),
+        _record("identical-tiny-fp32", "difftune", 1.0, 1.0, 100),  # no peer line before it: no sitting, no row
     ]
     results.write_text("".join(json.dumps(r) + "\n" for r in records))
     benchmarks = tmp_path / "BENCHMARKS.md"
@@ -37,7 +45,8 @@ def test_the_table_takes_the_newest_runs_and_computes_the_ratios(bench_peer, tmp
     text = benchmarks.read_text()
     assert text.startswith("before\n") and text.endswith(f"{bench_peer.MARKERS[1]}\nafter\n") and "old table" not in text
     rows = [line for line in text.splitlines() if line.startswith("| each trainer")]
-    assert rows == [f"| {bench_peer.SCENARIOS['recommended-sd15']['what']} | 8.00 (6.00) | 4.00 (4.00) | 1.50x | 5000 | 4000 | 0.80x |"]
+    # RSS ratios per sitting 0.8, 0.9, 0.5: median 0.8.
+    assert rows == [f"| {bench_peer.SCENARIOS['recommended-sd15']['what']} | 3 | 7 (6) | 5 (4) | 1.50x (1.00-2.00) | 5000 | 4000 | 0.80x |"]
     assert "tiny model" not in text
 
 
