@@ -95,8 +95,10 @@ class ModelConfig(Section):
     )
     weight_dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
         "auto",
-        description="Dtype of the frozen weights. `auto` follows `train.mixed_precision`. Trained parameters "
-        "are always fp32.",
+        description="Dtype of the frozen weights. `auto` follows `train.mixed_precision`. `fp16`/`bf16` with "
+        "mixed precision `no` keeps the denoiser's frozen layers in 16 bits but computes in fp32: half their memory "
+        "without 16-bit arithmetic (slow on CPUs without AVX512-BF16/AMX), for two weight casts per step. Trained "
+        "parameters are always fp32.",
     )
 
 
@@ -766,10 +768,14 @@ class Config(Section):
         if self.export.average_last > 1 and not self.export.every_steps:
             raise ValueError("export.average_last needs export.every_steps > 0 (snapshots to average)")
         if self.model.weight_dtype in ("fp16", "bf16") and self.train.mixed_precision == "no":
-            raise ValueError(
-                f"model.weight_dtype = \"{self.model.weight_dtype}\" needs train.mixed_precision = \"fp16\" or "
-                f"\"bf16\" (half-precision weights without autocast mix dtypes); or use weight_dtype = \"auto\""
-            )
+            # 16-bit storage, fp32 compute (storage.py): for the denoiser's frozen layers.
+            storage = f"model.weight_dtype = \"{self.model.weight_dtype}\" with train.mixed_precision = \"no\" keeps the denoiser's frozen weights in 16 bits"
+            if self.adapter.kind == "none":
+                raise ValueError(f"{storage}, and a full fine-tune has none; use weight_dtype = \"auto\"")
+            if self.model.quantize != "none":
+                raise ValueError(f"{storage}, and model.quantize stores them quantized: choose one")
+            if self.train.compile:
+                raise ValueError(f"{storage}, which train.compile does not support yet; turn one off")
         return self
 
     def to_toml(self) -> str:

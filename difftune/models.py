@@ -24,6 +24,7 @@ from diffusers import AutoencoderKL, AutoencoderTiny
 from diffusers.utils.torch_utils import randn_tensor
 
 from difftune.errors import DifftuneError
+from difftune.storage import store_frozen_layers
 
 if TYPE_CHECKING:
     from difftune.families.family import Family
@@ -135,11 +136,17 @@ def explained_load_errors(key: str, name: str):
         ) from error
 
 
-def place_frozen(components: Components, device: torch.device, dtype: torch.dtype, trained_whole=()) -> None:
+def place_frozen(
+    components: Components, device: torch.device, dtype: torch.dtype, trained_whole=(), stored: torch.dtype | None = None
+) -> None:
     """Every loaded model on `device` in `dtype` (released encoders stay away). A KL VAE whose config asks for
     `force_upcast` (SD's and SDXL's own: they overflow to NaN in fp16 on some images) stays fp32 under fp16;
     an fp16-safe one (`force_upcast = false`, e.g. the SDXL fp16 fix, or TAESD) follows `dtype`. Modules in
-    `trained_whole` (a full fine-tune's) stay fp32: a round trip through `dtype` would round the base's weights."""
+    `trained_whole` (a full fine-tune's) stay fp32: a round trip through `dtype` would round the base's weights.
+    `stored`: the denoiser's frozen layers are kept in this 16-bit dtype and computed in `dtype` (storage.py);
+    converted before the move, so a GPU receives half the bytes."""
+    if stored is not None:
+        store_frozen_layers(components.denoiser, stored)
     vae = components.vae
     upcast_vae = vae is not None and getattr(vae.config, "force_upcast", True)
     vae_dtype = torch.float32 if dtype == torch.float16 and upcast_vae else dtype
@@ -166,10 +173,18 @@ def eval_mode(*modules: torch.nn.Module):
 
 
 def weight_dtype(config_dtype: str, mixed_precision: str) -> torch.dtype:
+    """The dtype frozen weights compute in (with `stored_dtype`'s storage, fp32)."""
+    if stored_dtype(config_dtype, mixed_precision) is not None:
+        return torch.float32
     if config_dtype != "auto":
         return DTYPES[config_dtype]
     # FP8 training keeps bf16 weights: torchao casts them to FP8 per matmul, with fresh scales.
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(mixed_precision, torch.float32)
+
+
+def stored_dtype(config_dtype: str, mixed_precision: str) -> torch.dtype | None:
+    """16-bit frozen weights without 16-bit arithmetic: stored in this dtype, computed in fp32 (storage.py)."""
+    return DTYPES[config_dtype] if config_dtype in ("fp16", "bf16") and mixed_precision == "no" else None
 
 
 def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,6 +51,11 @@ def check_config(config: Config) -> None:
             f"{', '.join(refused)}: not supported with FSDP yet (that work runs on the main process alone, and a "
             f"sharded model runs forward on all processes together); leave it unset, or train with DDP"
         )
+    if config.model.weight_dtype in ("fp16", "bf16") and config.train.mixed_precision == "no":
+        raise DifftuneError(
+            f"model.weight_dtype = \"{config.model.weight_dtype}\" with train.mixed_precision = \"no\" (16-bit storage, "
+            "fp32 compute): not supported with FSDP (untested with sharded layers); use mixed precision, or DDP"
+        )
     if config.model.quantize != "none":
         raise DifftuneError(
             f"model.quantize = \"{config.model.quantize}\": not supported with FSDP (sharding quantized weights is "

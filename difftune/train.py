@@ -54,12 +54,15 @@ from difftune.families import load_components
 from difftune.guard import Guard
 from difftune.loss import training_noise_scheduler
 from difftune.metrics import METRICS_FILE, MetricsLog
-from difftune.models import Components, encode_posterior, place_frozen, sample_latents, set_attention, weight_dtype
+from difftune.models import (
+    Components, encode_posterior, place_frozen, sample_latents, set_attention, stored_dtype, weight_dtype,
+)
 from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.parity import check_parity, write_report
 from difftune.prior import class_examples, class_folder, fill_class_images
 from difftune.quantize import quantize_linear_layers
 from difftune.sample import generate_images, save_images
+from difftune.storage import fp32_copies_saved_as_stored
 from difftune.validation import BestResults, Validator
 
 RESOLVED_CONFIG_FILE = "config.toml"
@@ -285,9 +288,10 @@ def accumulate_gradients(run: Run) -> tuple[float, list[str], dict]:
     config, accelerator = run.config, run.accelerator
     accumulation = config.train.gradient_accumulation_steps
     step_loss, paths = torch.zeros((), device=accelerator.device), []
+    stored = stored_dtype(config.model.weight_dtype, config.train.mixed_precision) is not None
     for _ in range(accumulation):
         batch = next(run.batches)
-        with accelerator.accumulate(*run.trained_modules):
+        with accelerator.accumulate(*run.trained_modules), fp32_copies_saved_as_stored() if stored else nullcontext():
             loss = _training_loss(run.components, batch, config, accelerator.device).mean()
             accelerator.backward(loss)
         step_loss += loss.detach() / accumulation
@@ -551,8 +555,11 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
             samples = generate_images(components, config.sample, accelerator.device)
         save_images(samples, config.sample, output_dir / "samples")
         if config.sample.parity:
-            dtype = weight_dtype(config.model.weight_dtype, config.train.mixed_precision)
-            report = check_parity(config, trained_path, samples[0], accelerator.device, dtype, accelerator.autocast)
+            precision = config.model.weight_dtype, config.train.mixed_precision
+            report = check_parity(
+                config, trained_path, samples[0], accelerator.device, weight_dtype(*precision), accelerator.autocast,
+                stored_dtype(*precision),
+            )
             for warning in write_report(report, output_dir):
                 accelerator.print(f"difftune: warning: {warning}")
     if ema:
@@ -580,7 +587,8 @@ def _place_models(components: Components, config: Config, accelerator: Accelerat
     """Frozen weights in the configured dtype, trained ones in fp32, all on the device."""
     trained = trained_parts(components, config.adapter)
     trained_whole = trained.values() if config.adapter.kind == "none" else ()
-    place_frozen(components, accelerator.device, weight_dtype(config.model.weight_dtype, config.train.mixed_precision), trained_whole)
+    precision = config.model.weight_dtype, config.train.mixed_precision
+    place_frozen(components, accelerator.device, weight_dtype(*precision), trained_whole, stored=stored_dtype(*precision))
     for module in components.modules():
         module.train(any(module is part for part in trained.values()))
     cast_training_params(list(trained.values()), dtype=torch.float32)

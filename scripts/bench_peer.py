@@ -27,7 +27,8 @@ RESULTS = ROOT / "benchmarks" / "peer.jsonl"
 MARKERS = ("<!-- peer-bench:start -->", "<!-- peer-bench:end -->")
 # The harness spells the peer's settings for difftune; caches `off` makes the work per step identical (the
 # peer encodes every image and caption every step). The `recommended` pair is each trainer's own way to the
-# same job: the peer's README command (its flags that run on a CPU), difftune's defaults (caches on).
+# same job: the peer's README command (its flags that run on a CPU), difftune's defaults (caches on); and the
+# same with difftune's frozen UNet stored in fp16 and computed in fp32, its low-memory setting on a CPU.
 IDENTICAL = ["cache.latents=off", "cache.text=off"]
 SCENARIOS = {
     "identical-sd15-fp32": dict(
@@ -49,6 +50,11 @@ SCENARIOS = {
         what="each trainer's recommended LoRA job (random flips), SD1.5-shaped, 256 px, batch 1",
         common=["--size", "sd15", "--resolution", "256", "--batch", "1", "--steps", "3", "12"],
         peer=["--peer-arg=--random_flip"], difftune=["data.random_flip=true"],
+    ),
+    "recommended-sd15-fp16-stored": dict(
+        what="the same, difftune's UNet stored in fp16 and computed in fp32 (less memory, slower)",
+        common=["--size", "sd15", "--resolution", "256", "--batch", "1", "--steps", "3", "12"],
+        peer=["--peer-arg=--random_flip"], difftune=["data.random_flip=true", "model.weight_dtype=fp16"],
     ),
 }
 
@@ -81,7 +87,10 @@ def sittings(records: list[dict]) -> dict[str, list[tuple[dict, dict]]]:
             waiting[record["scenario"]] = record
         elif (peer := waiting.pop(record["scenario"], None)) is not None:
             pairs.setdefault(record["scenario"], []).append((peer, record))
-    return {name: [pair for pair in found if pair[0].get("args") == found[-1][0].get("args")] for name, found in pairs.items()}
+    def settings(pair: tuple[dict, dict]) -> tuple:
+        return tuple(record.get("args") for record in pair)
+
+    return {name: [pair for pair in found if settings(pair) == settings(found[-1])] for name, found in pairs.items()}
 
 
 def markdown_table(records: list[dict]) -> str:

@@ -55,6 +55,7 @@ VARIANTS = {"tiny_lora": {
     "32_renders": ["data.path={renders_32}"],
     "lr_from_find_lr": ["optim.learning_rate=1.79e-3"],  # find-lr's suggestion at train.seed=2 (benchmarks/find-lr-*)
     "activations_every_10": ["log.activations_every_steps=10"],
+    "unet_stored_fp16": ["model.weight_dtype=fp16"],  # frozen UNet kept in fp16, computed in fp32 (README: on a CPU)
     # Issue 19's techniques.
     "soft_min_snr": ["loss.weighting=soft_min_snr"],
     "debiased": ["loss.weighting=debiased"],

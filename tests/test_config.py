@@ -54,8 +54,14 @@ def test_range_and_cross_section_checks():
         load_config(None, ["data.resolution=500"])
     with pytest.raises(DifftuneError, match=r"optim\.betas: .*each beta must be in \[0, 1\)"):
         load_config(None, ["optim.betas=[0.9, 1.5]"])
-    with pytest.raises(DifftuneError, match=r"weight_dtype = \"fp16\" needs train\.mixed_precision"):
-        load_config(None, ["model.weight_dtype=fp16"])
+    # 16-bit storage with fp32 compute is for the denoiser's frozen layers, alone.
+    assert load_config(None, ["model.weight_dtype=fp16"]).model.weight_dtype == "fp16"
+    with pytest.raises(DifftuneError, match=r"weight_dtype = \"bf16\" with train\.mixed_precision = \"no\" .*a full fine-tune has none"):
+        load_config(None, ["model.weight_dtype=bf16", "adapter.kind=none"])
+    with pytest.raises(DifftuneError, match=r"model\.quantize stores them quantized: choose one"):
+        load_config(None, ["model.weight_dtype=fp16", "model.quantize=int8"])
+    with pytest.raises(DifftuneError, match=r"train\.compile does not support yet"):
+        load_config(None, ["model.weight_dtype=fp16", "train.compile=true"])
 
 
 def test_overrides_are_read_as_the_field_type():
