@@ -767,8 +767,7 @@ class Config(Section):
             raise ValueError("export.average_last = 1 averages one adapter with itself; set 0 (off), or 2 or more")
         if self.export.average_last > 1 and not self.export.every_steps:
             raise ValueError("export.average_last needs export.every_steps > 0 (snapshots to average)")
-        if self.model.weight_dtype in ("fp16", "bf16") and self.train.mixed_precision == "no":
-            # 16-bit storage, fp32 compute (storage.py): for the denoiser's frozen layers.
+        if self.stores_frozen_in_16_bits:
             storage = f"model.weight_dtype = \"{self.model.weight_dtype}\" with train.mixed_precision = \"no\" keeps the denoiser's frozen weights in 16 bits"
             if self.adapter.kind == "none":
                 raise ValueError(f"{storage}, and a full fine-tune has none; use weight_dtype = \"auto\"")
@@ -777,6 +776,12 @@ class Config(Section):
             if self.train.compile:
                 raise ValueError(f"{storage}, which train.compile does not support yet; turn one off")
         return self
+
+    @property
+    def stores_frozen_in_16_bits(self) -> bool:
+        """16-bit frozen weights without 16-bit arithmetic: the denoiser's frozen layers stored in
+        `model.weight_dtype`, computed in fp32 (storage.py)."""
+        return self.model.weight_dtype in ("fp16", "bf16") and self.train.mixed_precision == "no"
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))

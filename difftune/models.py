@@ -27,6 +27,7 @@ from difftune.errors import DifftuneError
 from difftune.storage import store_frozen_layers
 
 if TYPE_CHECKING:
+    from difftune.config import Config
     from difftune.families.family import Family
 
 VAE_CLASSES = {"AutoencoderKL": AutoencoderKL, "AutoencoderTiny": AutoencoderTiny}
@@ -172,19 +173,19 @@ def eval_mode(*modules: torch.nn.Module):
             module.train(mode)
 
 
-def weight_dtype(config_dtype: str, mixed_precision: str) -> torch.dtype:
-    """The dtype frozen weights compute in (with `stored_dtype`'s storage, fp32)."""
-    if stored_dtype(config_dtype, mixed_precision) is not None:
+def weight_dtype(config: Config) -> torch.dtype:
+    """The dtype frozen weights compute in (fp32 where `stored_dtype` stores them)."""
+    if config.stores_frozen_in_16_bits:
         return torch.float32
-    if config_dtype != "auto":
-        return DTYPES[config_dtype]
+    if config.model.weight_dtype != "auto":
+        return DTYPES[config.model.weight_dtype]
     # FP8 training keeps bf16 weights: torchao casts them to FP8 per matmul, with fresh scales.
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(mixed_precision, torch.float32)
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(config.train.mixed_precision, torch.float32)
 
 
-def stored_dtype(config_dtype: str, mixed_precision: str) -> torch.dtype | None:
-    """16-bit frozen weights without 16-bit arithmetic: stored in this dtype, computed in fp32 (storage.py)."""
-    return DTYPES[config_dtype] if config_dtype in ("fp16", "bf16") and mixed_precision == "no" else None
+def stored_dtype(config: Config) -> torch.dtype | None:
+    """The 16-bit dtype the denoiser's frozen layers are stored in while computing in fp32 (storage.py), or None."""
+    return DTYPES[config.model.weight_dtype] if config.stores_frozen_in_16_bits else None
 
 
 def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

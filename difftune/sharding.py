@@ -51,7 +51,7 @@ def check_config(config: Config) -> None:
             f"{', '.join(refused)}: not supported with FSDP yet (that work runs on the main process alone, and a "
             f"sharded model runs forward on all processes together); leave it unset, or train with DDP"
         )
-    if config.model.weight_dtype in ("fp16", "bf16") and config.train.mixed_precision == "no":
+    if config.stores_frozen_in_16_bits:
         raise DifftuneError(
             f"model.weight_dtype = \"{config.model.weight_dtype}\" with train.mixed_precision = \"no\" (16-bit storage, "
             "fp32 compute): not supported with FSDP (untested with sharded layers); use mixed precision, or DDP"

@@ -288,10 +288,10 @@ def accumulate_gradients(run: Run) -> tuple[float, list[str], dict]:
     config, accelerator = run.config, run.accelerator
     accumulation = config.train.gradient_accumulation_steps
     step_loss, paths = torch.zeros((), device=accelerator.device), []
-    stored = stored_dtype(config.model.weight_dtype, config.train.mixed_precision) is not None
     for _ in range(accumulation):
         batch = next(run.batches)
-        with accelerator.accumulate(*run.trained_modules), fp32_copies_saved_as_stored() if stored else nullcontext():
+        recasting = fp32_copies_saved_as_stored() if config.stores_frozen_in_16_bits else nullcontext()
+        with accelerator.accumulate(*run.trained_modules), recasting:
             loss = _training_loss(run.components, batch, config, accelerator.device).mean()
             accelerator.backward(loss)
         step_loss += loss.detach() / accumulation
@@ -555,11 +555,7 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
             samples = generate_images(components, config.sample, accelerator.device)
         save_images(samples, config.sample, output_dir / "samples")
         if config.sample.parity:
-            precision = config.model.weight_dtype, config.train.mixed_precision
-            report = check_parity(
-                config, trained_path, samples[0], accelerator.device, weight_dtype(*precision), accelerator.autocast,
-                stored_dtype(*precision),
-            )
+            report = check_parity(config, trained_path, samples[0], accelerator.device, weight_dtype(config), accelerator.autocast)
             for warning in write_report(report, output_dir):
                 accelerator.print(f"difftune: warning: {warning}")
     if ema:
@@ -577,7 +573,7 @@ def _shape_for_training(components: Components, config: Config, accelerator: Acc
     adapters, dtypes, device."""
     _configure_denoiser(components.denoiser, config, accelerator.device)
     if config.model.quantize != "none":
-        dtype = weight_dtype(config.model.weight_dtype, config.train.mixed_precision)
+        dtype = weight_dtype(config)
         quantize_linear_layers(components.denoiser, config.model.quantize, accelerator.device, dtype)
     add_adapters(components, config.adapter)
     _place_models(components, config, accelerator)
@@ -587,8 +583,7 @@ def _place_models(components: Components, config: Config, accelerator: Accelerat
     """Frozen weights in the configured dtype, trained ones in fp32, all on the device."""
     trained = trained_parts(components, config.adapter)
     trained_whole = trained.values() if config.adapter.kind == "none" else ()
-    precision = config.model.weight_dtype, config.train.mixed_precision
-    place_frozen(components, accelerator.device, weight_dtype(*precision), trained_whole, stored=stored_dtype(*precision))
+    place_frozen(components, accelerator.device, weight_dtype(config), trained_whole, stored=stored_dtype(config))
     for module in components.modules():
         module.train(any(module is part for part in trained.values()))
     cast_training_params(list(trained.values()), dtype=torch.float32)

@@ -18,14 +18,19 @@ from difftune.train import train
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _rounded_base(tiny_base, tmp_path, dtype):
-    """The tiny base with its UNet's linear and convolution weights and biases rounded to `dtype`, kept fp32."""
-    pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None)
-    for layer in pipeline.unet.modules():
-        if type(layer) in storage.STORED_LAYERS:
+def _round_frozen_layers(model, dtype):
+    """What storage keeps of `model`, as fp32: its frozen linear and convolution weights and biases rounded to `dtype`."""
+    for layer in model.modules():
+        if type(layer) in storage.STORED_LAYERS and not layer.weight.requires_grad:
             for tensor in (layer.weight, layer.bias):
                 if tensor is not None:
                     tensor.data = tensor.data.to(dtype).float()
+
+
+def _rounded_base(tiny_base, tmp_path, dtype):
+    """The tiny base with its UNet's linear and convolution weights and biases rounded to `dtype`, kept fp32."""
+    pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None)
+    _round_frozen_layers(pipeline.unet.requires_grad_(False), dtype)
     path = tmp_path / "rounded-base"
     pipeline.save_pretrained(path, safe_serialization=True)
     return path
@@ -79,11 +84,7 @@ def test_autograd_keeps_16_bit_sources_not_fp32_copies(tiny_base):
     del unheld
 
     # The same numbers as fp32 layers holding the rounded weights.
-    for layer in reference.modules():
-        if type(layer) in storage.STORED_LAYERS and not layer.weight.requires_grad:
-            for tensor in (layer.weight, layer.bias):
-                if tensor is not None:
-                    tensor.data = tensor.data.half().float()
+    _round_frozen_layers(reference, torch.float16)
     reference(*inputs).sample.square().mean().backward()
     for name, param in reference.named_parameters():
         if param.requires_grad:
