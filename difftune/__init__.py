@@ -24,3 +24,7 @@ logging.getLogger("transformers.utils.import_utils").addFilter(_DropNotice("requ
 logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").addFilter(_DropNotice("Unable to import `torchao` Tensor"))
 logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+# bitsandbytes (the QLoRA / 8-bit Adam extra) is imported by peft on every start; on CPUs with AVX-512 BF16 it says
+# a Hub kernel for its CPU inference layout did not load. difftune never uses that layout (quantize.py), so the
+# notice would be the first line of every job, nf4 or not.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropNotice("Failed to load CPU gemm_4bit_forward"))

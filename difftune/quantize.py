@@ -52,4 +52,10 @@ def _nf4_layer(layer: torch.nn.Linear, device: torch.device, compute_dtype: torc
     ).to(device)
     if layer.bias is not None:
         quantized.bias = torch.nn.Parameter(layer.bias.data, requires_grad=False)
+    # On a CPU with AVX-512 BF16, bitsandbytes repacks a layer's weight at its first no-grad forward in eval mode
+    # (validation, samples, parity) into a layout that needs in_features a multiple of its 64-wide blocks and
+    # out_features of 32, and fails on any other layer ("shape '[128, 0]' is invalid"). That layout also rounds the
+    # block scales to bf16, so evaluation would compute another model than training does. Every layer keeps the
+    # layout training uses: the same numbers in training and evaluation, on every x86-64 CPU.
+    quantized.support_avx512bf16_for_cpu = False
     return quantized

@@ -54,3 +54,34 @@ def test_quantizing_needs_an_adapter_and_one_process(make_config):
         make_config(model__quantize="int8", adapter__kind="none")
     with pytest.raises(DifftuneError, match="not supported with FSDP"):
         sharding.check_config(make_config(model__quantize="nf4"))
+
+
+def test_nf4_layers_compute_alike_in_training_and_evaluation_on_any_cpu(monkeypatch):
+    """bitsandbytes repacks nf4 weights for AVX-512 BF16 CPUs at the first no-grad eval forward, which fails for layers
+    narrower than its blocks and rounds the scales to bf16. Forced on here, so every x86-64 CPU checks that path."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed")
+    import bitsandbytes
+
+    monkeypatch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.GELU(), torch.nn.Linear(40, 96))
+    quantize.quantize_linear_layers(model, "nf4", torch.device("cpu"), torch.float32)
+    inputs = torch.randn(3, 48)
+    training = model.train()(inputs.requires_grad_())
+    with torch.no_grad():
+        evaluation = model.eval()(inputs.detach())
+    torch.testing.assert_close(evaluation, training.detach(), rtol=0, atol=0)
+    assert not any(getattr(layer.weight.quant_state, "packing_format_for_cpu", False) for layer in (model[0], model[2]))
+
+
+def test_bitsandbytes_cpu_kernel_notice_stays_off_the_screen(caplog):
+    import logging
+
+    import difftune  # noqa: F401 - installs the filter
+
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING):
+        logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'.")
+        logger.warning("another bitsandbytes warning")
+    assert [record.getMessage() for record in caplog.records] == ["another bitsandbytes warning"]
