@@ -30,7 +30,7 @@ from difftune.embeddings import embedding_file_name, is_embedding_file, load_emb
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.families.family import Family
-from difftune.kohya import kohya_metadata
+from difftune.kohya import kohya_metadata, split_adapter_key
 from difftune.models import DTYPES, Components, quiet_loading
 from difftune.sample import sampling_scheduler
 
@@ -221,9 +221,14 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
 
 
 def _attach_lycoris(components: Components, tensors: dict, lora_configs: dict, name: str, path: Path) -> None:
-    """A LoHa / LoKr file's parts, each injected by peft from its config and loaded with its tensors; every tensor
-    must land (peft would skip one it has no place for)."""
-    from peft import set_peft_model_state_dict
+    """A LoHa / LoKr file's parts, each injected by peft from its config (rank and alpha per module: the scale), with
+    every module's factors then put in as the file has them.
+
+    peft shapes a LoKr's factors by its own factorization of the layer, which knows no per-module factor and differs
+    from LyCORIS's for some layers (`factor` near a side's size) and kinds (Tucker without `use_effective_conv2d`),
+    while its forward and merge only ask which factors a module has: the file's factors, placed as they are, give the
+    change LyCORIS, ComfyUI and A1111 compute, for every variant LyCORIS writes."""
+    from peft.tuners.lycoris_utils import LycorisLayer
 
     parts = components.parts()
     for part in parts_of(tensors):
@@ -232,10 +237,21 @@ def _attach_lycoris(components: Components, tensors: dict, lora_configs: dict, n
         known = set(config_class.__dataclass_fields__) - {"peft_type", "task_type"}  # set by the class itself
         fields = {key.removeprefix(prefix): value for key, value in lora_configs.items() if key.startswith(prefix)}
         parts[part].add_adapter(config_class(**{key: value for key, value in fields.items() if key in known}), adapter_name=name)
-        state = {key.removeprefix(prefix): value for key, value in tensors.items() if key.startswith(prefix)}
-        unexpected = set_peft_model_state_dict(parts[part], state, adapter_name=name).unexpected_keys
-        if unexpected:
-            raise DifftuneError(f"adapter {path}: {part} has no place for {unexpected[0]}; is this adapter for this model?")
+        factors: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            if key.startswith(prefix):
+                module, kind = split_adapter_key(key.removeprefix(prefix))
+                factors.setdefault(module, {})[kind] = value
+        for module, found in factors.items():
+            layer = parts[part].get_submodule(module)
+            if not isinstance(layer, LycorisLayer):
+                raise DifftuneError(f"adapter {path}: {part} has no place for {module}'s {', '.join(found)}; is this adapter for this model?")
+            weight = layer.get_base_layer().weight
+            for kind in layer.adapter_layer_names:
+                if name in getattr(layer, kind):
+                    del getattr(layer, kind)[name]
+            for kind, value in found.items():
+                getattr(layer, kind)[name] = torch.nn.Parameter(value.to(weight.device, weight.dtype), requires_grad=False)
 
 
 def load_with_adapters(base: str, adapters: list[tuple[Path, float]]) -> Components:

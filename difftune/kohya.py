@@ -17,7 +17,8 @@ they are what every exact reader needs.
 LoHa and LoKr (LyCORIS) keep their own tensor names, the same in peft and in LyCORIS files (`.hada_w1_a`, ...,
 `.lokr_w1`, `.lokr_w2_a`, ...), with `.alpha`. Readers scale a LoHa by alpha / rank and a LoKr by alpha / rank when
 one of its factors is low-rank, else not at all (ComfyUI, A1111, LyCORIS); peft scales a LoKr by alpha / rank always,
-so a LoKr with both factors full is written with that scale folded into `lokr_w1`.
+so a LoKr with both factors full is written with that scale folded into `lokr_w1`, and read with alpha = rank
+whatever its `.alpha` holds. Factors are placed as the file shapes them (export.py), whatever LyCORIS option made them.
 
 Reading back needs the module names of the model the adapter was made for (a `_`-joined name
 cannot be split unambiguously): they come from the base model's parts.
@@ -87,11 +88,11 @@ def from_kohya(
         for name in names:
             lookup[prefixes[part] + name.replace(".", "_")] = (part, name)
             lookup[prefixes[part] + _kohya_module(part, name, text_model_parts).replace(".", "_")] = (part, name)
-    tensors, ranks, alphas, dora, kinds, decompose_both = {}, {}, {}, {}, {}, set()
+    tensors, ranks, alphas, dora, kinds, decompose_both, lycoris = {}, {}, {}, {}, {}, set(), {}
     for key, value in kohya.items():
         name, _, kind = key.partition(".")
         if name not in lookup:
-            raise ValueError(f"{key}: no module of the base model is named {name!r}; is this adapter for this model?")
+            raise ValueError(_foreign_module_message(key, kohya, lookup, prefixes))
         part, module = lookup[name]
         prefix = f"{part}.{module}"
         if kind in LYCORIS_TENSORS:
@@ -99,9 +100,7 @@ def from_kohya(
             kinds[part] = "LOHA" if kind.startswith("hada_") else "LOKR"
             if kind == "lokr_w1_a":
                 decompose_both.add(part)
-            rank = _lycoris_rank(kohya, name)
-            if rank:
-                ranks.setdefault(part, {})[module] = rank
+            lycoris[name] = (part, module)
         elif kind == "lora_down.weight":
             tensors[f"{prefix}.lora_A.weight"] = value
             ranks.setdefault(part, {})[module] = value.shape[0]
@@ -110,6 +109,11 @@ def from_kohya(
         elif kind == "alpha":
             alphas.setdefault(part, {})[module] = float(value)
         elif kind == "dora_scale":
+            if f"{name}.lora_down.weight" not in kohya:
+                raise ValueError(
+                    f"{key}: a LoHa/LoKr with weight decomposition (LyCORIS dora_wd), which peft's LoHa and LoKr cannot "
+                    "hold; merge it into the base with the tool that made it"
+                )
             is_conv = kohya[f"{name}.lora_down.weight"].ndim == 4
             magnitude = value.reshape(1, -1, 1, 1) if is_conv else value.reshape(-1)
             tensors[f"{prefix}.{DORA_MAGNITUDE}.weight"] = magnitude
@@ -119,16 +123,39 @@ def from_kohya(
                 f"{key}: unknown kohya key kind {kind!r} (known: lora_down, lora_up, alpha, dora_scale, and LyCORIS's "
                 f"{', '.join(LYCORIS_TENSORS)})"
             )
+    for name, (part, module) in lycoris.items():
+        ranks.setdefault(part, {})[module], alpha = _lycoris_rank_and_alpha(kohya, name)
+        if alpha is not None:
+            alphas.setdefault(part, {})[module] = alpha
     return tensors, derived_lora_configs(ranks, alphas, dora, kinds, decompose_both)
 
 
-def _lycoris_rank(kohya: dict[str, torch.Tensor], name: str) -> int:
-    """A LyCORIS module's rank as peft configures it: a low-rank factor's inner size; for a LoKr of full factors, a
-    rank at which peft keeps them full (half their largest side or more), its scale being 1 there (alpha = rank)."""
+def _lycoris_rank_and_alpha(kohya: dict[str, torch.Tensor], name: str) -> tuple[int, float | None]:
+    """A LyCORIS module's rank as peft configures it, and the alpha that gives the scale LyCORIS, ComfyUI and A1111
+    apply (None: the file has none, so alpha = rank). With a low-rank factor the rank is its inner size and the scale
+    alpha / rank, the file's alpha. A LoKr of two full factors has scale 1 whatever its `.alpha` says (LyCORIS stores
+    its network's dim there, 10000 under the full-matrix preset): its rank is one at which peft keeps both factors
+    full (half their largest side or more), and its alpha that rank."""
     for inner in ("hada_w1_b", "lokr_w2_b", "lokr_w1_b"):
         if f"{name}.{inner}" in kohya:
-            return kohya[f"{name}.{inner}"].shape[0]
-    return max(kohya[f"{name}.lokr_w2"].shape[:2])
+            alpha = kohya.get(f"{name}.alpha")
+            return kohya[f"{name}.{inner}"].shape[0], None if alpha is None else float(alpha)
+    rank = max(kohya[f"{name}.lokr_w2"].shape[:2])
+    return rank, float(rank)
+
+
+def _foreign_module_message(key: str, kohya: dict, lookup: dict, prefixes: dict[str, str]) -> str:
+    """Why a kohya key has no place in the base: a part the base lacks, or modules its parts lack (how many of the
+    file's), both naming the file as made for another model rather than the base as wrong."""
+    names = {k.partition(".")[0] for k in kohya}
+    unknown = sorted(names - lookup.keys())
+    name = key.partition(".")[0]
+    if not name.startswith(tuple(prefixes.values())):
+        return (f"{key}: its prefix names a part this model family does not have (its prefixes: "
+                f"{', '.join(prefixes.values())}); the file is for another kind of model")
+    return (f"{key}: {name!r} is not a module of the base, in diffusers' names or the original (SGM/LDM) ones; "
+            f"{len(unknown)} of the file's {len(names)} modules are not (first: {unknown[0]}), so the file was made "
+            f"for a model of another architecture than this base")
 
 
 def fuse(tensors: dict[str, torch.Tensor], lora_configs: dict, part: str, modules: list[str]) -> dict[str, torch.Tensor]:

@@ -494,10 +494,16 @@ def test_prior_loss_weight_scales_each_class_sample(make_config, tmp_path, shape
 def _lycoris_delta(kohya: dict, name: str, shape) -> torch.Tensor:
     """A LyCORIS module's weight change as ComfyUI's and A1111's loaders compute it from the file alone (their
     documented formulas, written out here independently of difftune's reader)."""
+    def tucker(core, a, b):  # a Tucker core `core` (r, r, k, k) with its out (a) and in (b) factors, (r, out/in) each
+        return torch.einsum("i j k l, j r, i p -> p r k l", core, b, a).contiguous()
+
     if f"{name}.hada_w1_a" in kohya:
-        w1 = kohya[f"{name}.hada_w1_a"] @ kohya[f"{name}.hada_w1_b"]
-        w2 = kohya[f"{name}.hada_w2_a"] @ kohya[f"{name}.hada_w2_b"]
-        return (w1 * w2).reshape(shape) * kohya[f"{name}.alpha"] / kohya[f"{name}.hada_w1_b"].shape[0]
+        factors = []
+        for i in (1, 2):
+            a, b = kohya[f"{name}.hada_w{i}_a"], kohya[f"{name}.hada_w{i}_b"]
+            core = kohya.get(f"{name}.hada_t{i}")
+            factors.append(a @ b if core is None else tucker(core, a, b))
+        return (factors[0] * factors[1]).reshape(shape) * kohya[f"{name}.alpha"] / kohya[f"{name}.hada_w1_b"].shape[0]
     dim = None
     w1 = kohya.get(f"{name}.lokr_w1")
     if w1 is None:
@@ -506,9 +512,98 @@ def _lycoris_delta(kohya: dict, name: str, shape) -> torch.Tensor:
     w2 = kohya.get(f"{name}.lokr_w2")
     if w2 is None:
         dim = kohya[f"{name}.lokr_w2_b"].shape[0]
-        w2 = kohya[f"{name}.lokr_w2_a"] @ kohya[f"{name}.lokr_w2_b"]
+        a, b, core = kohya[f"{name}.lokr_w2_a"], kohya[f"{name}.lokr_w2_b"], kohya.get(f"{name}.lokr_t2")
+        w2 = a @ b if core is None else tucker(core, a, b)
+    if w2.ndim == 4:
+        w1 = w1[:, :, None, None]
     scale = kohya[f"{name}.alpha"] / dim if dim is not None and f"{name}.alpha" in kohya else 1.0
     return torch.kron(w1, w2).reshape(shape) * scale
+
+
+# What the lycoris-lora library writes for each network option: (algo, dim, alpha, further create_network options).
+LYCORIS_VARIANTS = {
+    "lokr-full-matrix-preset": ("lokr", 10000, 1, {}),  # dim 10000: every factor full, alpha stored = 10000
+    "lokr-dim4": ("lokr", 4, 2, {}),  # full factors on small layers (alpha stored = 4), low-rank on larger ones
+    "lokr-decompose-both": ("lokr", 2, 1, {"decompose_both": True}),
+    "lokr-tucker": ("lokr", 2, 1, {"use_tucker": True}),
+    "lokr-factor-4": ("lokr", 2, 1, {"factor": 4}),
+    "lokr-full-matrix": ("lokr", 4, 1, {"full_matrix": True}),
+    "lokr-rs-lora": ("lokr", 2, 1, {"rs_lora": True}),
+    "lokr-unbalanced": ("lokr", 2, 1, {"unbalanced_factorization": True, "decompose_both": True}),
+    "loha": ("loha", 4, 2, {}),
+    "loha-tucker": ("loha", 2, 1, {"use_tucker": True}),
+}
+# Attention, MLP, resnets, samplers and the UNet's own convolutions: layers of every shape the tiny base has.
+LYCORIS_PRESET = """
+enable_conv = true
+unet_target_module = ["Transformer2DModel", "ResnetBlock2D", "Downsample2D", "Upsample2D"]
+unet_target_name = ["conv_in", "conv_out", "time_embedding.linear_1", "time_embedding.linear_2"]
+text_encoder_target_module = ["CLIPAttention", "CLIPMLP"]
+text_encoder_target_name = []
+"""
+
+
+def _lycoris_network(tiny_base, tmp_path, algo: str, dim: int, alpha: float, **options):
+    """A network made and saved by the lycoris-lora library itself, its factors moved from their start at random;
+    the file and each module's weight change as LyCORIS computes it in its forward (by kohya module name)."""
+    lycoris_kohya = pytest.importorskip("lycoris.kohya")
+    from diffusers import StableDiffusionPipeline
+
+    pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None, dtype=torch.float32)
+    preset = tmp_path / "preset.toml"
+    preset.write_text(LYCORIS_PRESET)
+    torch.manual_seed(0)
+    network = lycoris_kohya.create_network(
+        1.0, dim, alpha, pipeline.vae, pipeline.text_encoder, pipeline.unet, algo=algo, preset=str(preset),
+        conv_dim=dim, conv_alpha=alpha, **options,
+    )
+    network.apply_to(pipeline.text_encoder, pipeline.unet, True, True)
+    with torch.no_grad():
+        for param in network.parameters():
+            param.normal_(std=0.1)
+    path = tmp_path / "lycoris.safetensors"
+    network.save_weights(str(path), torch.float32, None)
+    with torch.no_grad():
+        deltas = {module.lora_name: module.get_weight(module.shape) * module.scalar for module in network.loras}
+    return path, deltas
+
+
+def _kohya_weights(components) -> dict[str, torch.Tensor]:
+    """Every adaptable layer's weight by its kohya module name."""
+    prefixes = components.family.kohya_prefixes
+    return {prefixes[part] + name.replace(".", "_"): module.weight.detach().clone()
+            for part, model in components.parts().items() if part in prefixes
+            for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))}
+
+
+@pytest.mark.parametrize("variant", list(LYCORIS_VARIANTS))
+def test_files_the_lycoris_library_writes_merge_as_its_math_says(tiny_base, tmp_path, variant):
+    """Each LoKr/LoHa variant LyCORIS writes: difftune's merge (straight from the file, and after converting it to the
+    diffusers layout) changes every layer by what LyCORIS's own forward computes, which is also ComfyUI's formula.
+    The full-factor LoKr scale was read as alpha / its factor's size (1250x under the full-matrix preset)."""
+    algo, dim, alpha, options = LYCORIS_VARIANTS[variant]
+    path, deltas = _lycoris_network(tiny_base, tmp_path, algo, dim, alpha, **options)
+    kohya = load_file(path)
+    base = _kohya_weights(load_components(ModelConfig(base=str(tiny_base))))
+    for name, delta in deltas.items():  # the two references agree with each other
+        torch.testing.assert_close(_lycoris_delta(kohya, name, base[name].shape), delta.reshape(base[name].shape),
+                                   rtol=1e-4, atol=1e-6)
+    converted = export.convert_adapter(path, tmp_path / "converted.safetensors", "diffusers", str(tiny_base))
+    for source in (path, converted):
+        merged = load_components(ModelConfig(base=str(tiny_base)))
+        export.merge_adapters(merged, [(source, 1.0)])
+        weights = _kohya_weights(merged)
+        worst = max((weights[name] - base[name] - delta.reshape(base[name].shape)).abs().max().item()
+                    for name, delta in deltas.items())
+        assert worst < 1e-5, (source.name, worst)
+        assert sum(not torch.equal(weights[name], base[name]) for name in deltas) == len(deltas)
+
+
+def test_a_lycoris_file_with_weight_decomposition_is_refused_by_name(tiny_base, tmp_path):
+    path, _ = _lycoris_network(tiny_base, tmp_path, "lokr", 2, 1, dora_wd=True)
+    merged = load_components(ModelConfig(base=str(tiny_base)))
+    with pytest.raises(DifftuneError, match=r"dora_scale: a LoHa/LoKr with weight decomposition \(LyCORIS dora_wd\)"):
+        export.merge_adapters(merged, [(path, 1.0)])
 
 
 @pytest.mark.parametrize("kind", ["loha", "lokr"])
