@@ -21,7 +21,10 @@ so a LoKr with both factors full is written with that scale folded into `lokr_w1
 whatever its `.alpha` holds. Factors are placed as the file shapes them (export.py), whatever LyCORIS option made them.
 
 Reading back needs the module names of the model the adapter was made for (a `_`-joined name
-cannot be split unambiguously): they come from the base model's parts.
+cannot be split unambiguously): they come from the base model's parts. A UNet's modules are found under either
+naming kohya files use: diffusers' (`lora_unet_down_blocks_1_attentions_0_...`, sd-scripts' SD 1.x LoRAs) or the
+original SGM/LDM one (`lora_unet_input_blocks_4_1_...`, sd-scripts' SDXL LoRAs), as diffusers' and ComfyUI's
+loaders do.
 """
 
 from __future__ import annotations
@@ -76,18 +79,22 @@ def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict, prefixes: dic
 
 
 def from_kohya(
-    kohya: dict[str, torch.Tensor], module_names: dict[str, list[str]], prefixes: dict[str, str], text_model_parts=()
+    kohya: dict[str, torch.Tensor], module_names: dict[str, list[str]], prefixes: dict[str, str], text_model_parts=(),
+    other_names: dict[str, dict[str, str]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """kohya keys -> difftune/diffusers adapter tensors and each part's peft config (rank, alpha, DoRA).
 
     `module_names` maps each part ("unet", "text_encoder", ...) to the dotted module names of the model to load
-    into; `prefixes` maps it to its kohya key prefix.
+    into; `prefixes` maps it to its kohya key prefix; `other_names` gives a part's modules by the other names files
+    use for them (the original SGM names of a UNet: kohya sd-scripts writes SDXL LoRAs that way).
     """
     lookup = {}
     for part, names in module_names.items():
         for name in names:
             lookup[prefixes[part] + name.replace(".", "_")] = (part, name)
             lookup[prefixes[part] + _kohya_module(part, name, text_model_parts).replace(".", "_")] = (part, name)
+    for part, names in (other_names or {}).items():
+        lookup |= {prefixes[part] + other.replace(".", "_"): (part, name) for other, name in names.items()}
     tensors, ranks, alphas, dora, kinds, decompose_both, lycoris = {}, {}, {}, {}, {}, set(), {}
     for key, value in kohya.items():
         name, _, kind = key.partition(".")

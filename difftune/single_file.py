@@ -10,6 +10,8 @@ tiny ones included. A family module says which pieces its file has.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from diffusers import AutoencoderKL, UNet2DConditionModel
 
@@ -48,11 +50,33 @@ _VAE_ATTENTION = {
 
 def unet_to_ldm(unet: UNet2DConditionModel) -> dict:
     """UNet state dict -> LDM keys (`model.diffusion_model.` prefix)."""
-    config = unet.config
-    per_level = config.layers_per_block + 1  # LDM puts each level's downsampler in its own input block
+    prefixes = _unet_prefixes(
+        unet.config.layers_per_block, len(unet.down_blocks), [bool(getattr(block, "attentions", None)) for block in unet.up_blocks]
+    )
+    return {UNET_PREFIX + _ldm_name(key, prefixes): value for key, value in unet.state_dict().items()}
+
+
+def unet_ldm_module_names(module_names: list[str]) -> dict[str, str]:
+    """A UNet's modules by their original LDM / SGM names (`input_blocks.4.1.proj_in` -> `down_blocks.1.attentions.0.
+    proj_in`), the names kohya's SDXL LoRAs use; the layout is read from the diffusers `module_names` themselves. Names
+    of no UNet (a transformer's) give none."""
+    def indices(pattern: str) -> set[int]:
+        return {int(match.group(1)) for name in module_names if (match := re.match(pattern, name))}
+
+    layers, down, up = indices(r"down_blocks\.0\.resnets\.(\d+)\."), indices(r"down_blocks\.(\d+)\."), indices(r"up_blocks\.(\d+)\.")
+    if not (layers and down and up):
+        return {}
+    with_attention = indices(r"up_blocks\.(\d+)\.attentions\.")
+    prefixes = _unet_prefixes(max(layers) + 1, max(down) + 1, [level in with_attention for level in range(max(up) + 1)])
+    return {_ldm_name(f"{name}.", prefixes).removesuffix("."): name for name in module_names}
+
+
+def _unet_prefixes(layers_per_block: int, down_levels: int, up_has_attention: list[bool]) -> dict[str, str]:
+    """diffusers name prefixes -> LDM ones, for a UNet of this layout."""
+    per_level = layers_per_block + 1  # LDM puts each level's downsampler in its own input block
     prefixes = dict(_UNET_TOP_LEVEL)
-    for level, block in enumerate(unet.down_blocks):
-        for layer in range(config.layers_per_block):
+    for level in range(down_levels):
+        for layer in range(layers_per_block):
             index = per_level * level + layer + 1
             prefixes[f"down_blocks.{level}.resnets.{layer}."] = f"input_blocks.{index}.0."
             prefixes[f"down_blocks.{level}.attentions.{layer}."] = f"input_blocks.{index}.1."
@@ -60,20 +84,20 @@ def unet_to_ldm(unet: UNet2DConditionModel) -> dict:
     prefixes["mid_block.resnets.0."] = "middle_block.0."
     prefixes["mid_block.attentions.0."] = "middle_block.1."
     prefixes["mid_block.resnets.1."] = "middle_block.2."
-    for level, block in enumerate(unet.up_blocks):
+    for level, has_attention in enumerate(up_has_attention):
         for layer in range(per_level):
             index = per_level * level + layer
             prefixes[f"up_blocks.{level}.resnets.{layer}."] = f"output_blocks.{index}.0."
             prefixes[f"up_blocks.{level}.attentions.{layer}."] = f"output_blocks.{index}.1."
-        upsampler_slot = 2 if getattr(block, "attentions", None) else 1
+        upsampler_slot = 2 if has_attention else 1
         prefixes[f"up_blocks.{level}.upsamplers.0."] = f"output_blocks.{per_level * level + per_level - 1}.{upsampler_slot}."
-    out = {}
-    for key, value in unet.state_dict().items():
-        new_key = _replace_prefix(key, prefixes)
-        if ".resnets." in key:
-            new_key = _replace_inner(new_key, _UNET_RESNET)
-        out[UNET_PREFIX + new_key] = value
-    return out
+    return prefixes
+
+
+def _ldm_name(key: str, prefixes: dict[str, str]) -> str:
+    """A UNet weight's (or module's, with a trailing `.`) diffusers name -> its LDM name."""
+    new_key = _replace_prefix(key, prefixes)
+    return _replace_inner(new_key, _UNET_RESNET) if ".resnets." in key else new_key
 
 
 def vae_to_ldm(vae: AutoencoderKL) -> dict:

@@ -185,10 +185,105 @@ def test_keys_that_cannot_be_placed_are_named(tiny_base, tmp_path):
     with pytest.raises(DifftuneError, match=r"unet\.mid_block\.no_such\.to_q\.lora_A\.weight: the base model's unet has no module"):
         export.apply_adapters(load_components(ModelConfig(base=str(tiny_base))), [(other_model, 1.0)])
     kohya_other = tmp_path / "kohya_other.safetensors"
-    save_file({"lora_unet_no_such_block_to_q.lora_down.weight": torch.ones(4, 8)}, kohya_other)
-    with pytest.raises(DifftuneError, match=r"lora_unet_no_such_block_to_q\.lora_down\.weight: no module"):
+    save_file({"lora_unet_no_such_block_to_q.lora_down.weight": torch.ones(4, 8),
+               "lora_unet_conv_in.lora_down.weight": torch.ones(4, 4, 3, 3)}, kohya_other)
+    with pytest.raises(DifftuneError, match=r"lora_unet_no_such_block_to_q\.lora_down\.weight: 'lora_unet_no_such_block_to_q' "
+                                            r"is not a module of the base, in diffusers' names or the original \(SGM/LDM\) ones; "
+                                            r"1 of the file's 2 modules are not .* made for a model of another architecture"):
         export.read_any_adapter(kohya_other, str(tiny_base))
+    other_part = tmp_path / "kohya_te2.safetensors"
+    save_file({"lora_te2_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.ones(4, 8)}, other_part)
+    with pytest.raises(DifftuneError, match=r"its prefix names a part this model family does not have \(its prefixes: "
+                                            r"lora_unet_, lora_te_\); the file is for another kind of model"):
+        export.read_any_adapter(other_part, str(tiny_base))
     not_safetensors = tmp_path / "adapter.safetensors"
     not_safetensors.write_bytes(b"PK\x03\x04 a zip, not safetensors")
     with pytest.raises(DifftuneError, match=r"not a readable safetensors file"):
         read_adapter(not_safetensors)
+
+
+# kohya sd-scripts trains SDXL on its own copy of the original (SGM) UNet, and names its LoRA modules after it.
+
+def _sdxl_unet_outputs(unet):
+    latents, timesteps, states = unet_inputs(unet)
+    pooled = torch.randn(latents.shape[0], unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim,
+                         generator=torch.Generator().manual_seed(1))
+    time_ids = torch.tensor([[32.0, 32.0, 0.0, 0.0, 32.0, 32.0]]).repeat(latents.shape[0], 1)
+    with torch.no_grad():
+        return unet(latents, timesteps, states, added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
+
+
+def test_a_kohya_sdxl_lora_in_original_block_names_reads_as_diffusers_reads_it(tiny_sdxl_base, tmp_path):
+    """`lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_k`-style keys (attention and resnet layers): difftune
+    applies them where diffusers' own loader does, and reads the same adapter as from diffusers-named keys."""
+    from diffusers import StableDiffusionXLPipeline
+
+    from difftune import single_file
+
+    adapted = load_components(ModelConfig(base=str(tiny_sdxl_base)))
+    adapted.denoiser.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=[
+        "to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.2", "conv1", "conv2", "time_emb_proj"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in adapted.denoiser.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    tensors = {f"unet.{key}": value for key, value in get_peft_model_state_dict(adapted.denoiser).items()}
+    configs = {f"unet.{field}": value for field, value in adapted.denoiser.peft_config["default"].to_dict().items()}
+    diffusers_named = adapted.family.to_kohya(tensors, configs)
+    original = {diffusers: sgm for sgm, diffusers in single_file.unet_ldm_module_names(
+        [name for name, _ in adapted.denoiser.named_modules()]).items()}
+    renamed = {}
+    for key, value in diffusers_named.items():
+        module, _, kind = key.removeprefix("lora_unet_").partition(".")
+        diffusers_module = next(name for name in original if name.replace(".", "_") == module)
+        renamed[f"lora_unet_{original[diffusers_module].replace('.', '_')}.{kind}"] = value
+    assert "lora_unet_input_blocks_1_1_transformer_blocks_0_attn1_to_k.lora_down.weight" in renamed
+    assert "lora_unet_output_blocks_0_0_in_layers_2.lora_down.weight" in renamed
+    path = tmp_path / "sgm.safetensors"
+    save_file({key: value.contiguous() for key, value in renamed.items()}, path)
+
+    ours = load_components(ModelConfig(base=str(tiny_sdxl_base)))
+    export.apply_adapters(ours, [(path, 1.0)])
+    pipeline = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_base, dtype=torch.float32)
+    pipeline.load_lora_weights(str(tmp_path), weight_name=path.name)
+    expected = _sdxl_unet_outputs(adapted.denoiser)
+    torch.testing.assert_close(_sdxl_unet_outputs(pipeline.unet), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(_sdxl_unet_outputs(ours.denoiser), expected, rtol=1e-4, atol=1e-5)
+    save_file(diffusers_named, tmp_path / "diffusers_named.safetensors")
+    read_sgm, configs_sgm, _ = export.read_any_adapter(path, str(tiny_sdxl_base))
+    read_diffusers, configs_diffusers, _ = export.read_any_adapter(tmp_path / "diffusers_named.safetensors", str(tiny_sdxl_base))
+    assert configs_sgm == configs_diffusers and read_sgm.keys() == read_diffusers.keys()
+    assert all(torch.equal(read_sgm[key], read_diffusers[key]) for key in read_sgm)
+
+
+def test_original_unet_names_are_those_diffusers_maps_for_every_layer_of_an_sdxl_unet():
+    """Every linear and convolution layer of an SDXL-shaped UNet (two layers per block, attention in the lower two
+    levels, SDXL's conditioning): the original name difftune gives it is the one diffusers' own kohya reader maps back
+    to that layer, pair by pair."""
+    from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+    from diffusers.utils.state_dict_utils import convert_unet_state_dict_to_peft
+
+    from difftune import single_file
+
+    unet = UNet2DConditionModel(
+        sample_size=8, layers_per_block=2, block_out_channels=(32, 64, 64), cross_attention_dim=32, attention_head_dim=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"), transformer_layers_per_block=(1, 2, 2),
+        addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=6 * 8 + 32,
+        use_linear_projection=True, norm_num_groups=32,
+    )
+    layers = {name: module for name, module in unet.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))}
+    original = single_file.unet_ldm_module_names(list(layers))
+    assert original["input_blocks.4.1.transformer_blocks.0.attn1.to_k"] == "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_k"
+    assert original["middle_block.1.transformer_blocks.1.attn2.to_v"] == "mid_block.attentions.0.transformer_blocks.1.attn2.to_v"
+    kohya = {}
+    for index, (sgm, name) in enumerate(original.items()):  # each layer's lora_down holds its index: pairs, not only sets
+        weight, spatial = layers[name].weight, (1, 1) if layers[name].weight.ndim == 4 else ()
+        kohya[f"lora_unet_{sgm.replace('.', '_')}.lora_down.weight"] = torch.full((1, weight.shape[1], *spatial), float(index))
+        kohya[f"lora_unet_{sgm.replace('.', '_')}.lora_up.weight"] = torch.zeros(weight.shape[0], 1, *spatial)
+    state, _ = StableDiffusionXLPipeline.lora_state_dict(kohya, unet_config=unet.config)
+    peft = convert_unet_state_dict_to_peft({key.removeprefix("unet."): value for key, value in state.items()})
+    diffusers_reads = {key.removesuffix(".lora_A.weight"): int(value.flatten()[0]) for key, value in peft.items()
+                       if key.endswith(".lora_A.weight")}
+    assert diffusers_reads == {name: index for index, name in enumerate(original.values())}

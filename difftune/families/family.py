@@ -21,7 +21,7 @@ from diffusers import (
     EulerDiscreteScheduler,
 )
 
-from difftune import kohya
+from difftune import kohya, single_file
 from difftune.config import Config, LossConfig, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.loss import WEIGHTINGS, diffusion_loss, draw_timesteps_and_noise
@@ -191,8 +191,15 @@ class Family:
         return kohya.to_kohya(tensors, lora_configs, self.kohya_prefixes, self.kohya_text_model_parts)
 
     def from_kohya(self, tensors: dict, module_names: dict[str, list[str]]) -> tuple[dict, dict]:
-        """Inverse of `to_kohya`, with the base's module names (part -> names): tensors and peft configs."""
-        return kohya.from_kohya(tensors, module_names, self.kohya_prefixes, self.kohya_text_model_parts)
+        """Inverse of `to_kohya`, with the base's module names (part -> names): tensors and peft configs. The
+        denoiser's modules are found under their original names too (`original_module_names`)."""
+        other_names = {self.denoiser_name: self.original_module_names(module_names.get(self.denoiser_name, []))}
+        return kohya.from_kohya(tensors, module_names, self.kohya_prefixes, self.kohya_text_model_parts, other_names)
+
+    def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
+        """The denoiser's modules by their names in the original (non-diffusers) model, as kohya files may use them:
+        a UNet's LDM/SGM names (none for a transformer, whose original names Flux's `from_kohya` reads itself)."""
+        return single_file.unet_ldm_module_names(denoiser_modules)
 
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
         """Every weight under the original (LDM / SGM) single-file keys that A1111, ComfyUI and
