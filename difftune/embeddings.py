@@ -96,11 +96,18 @@ def write_embedding(path: Path, components: Components, config: AdapterConfig, m
 
 
 def is_embedding(keys) -> bool:
-    """A textual-inversion file's keys: every one is an embedding key some family writes."""
+    """A textual-inversion file's keys: every one is an embedding key some family writes (A1111 / ComfyUI), or the one
+    key is the token itself (diffusers' layout). Adapter keys always name a module path, so never a lone dotless key."""
     from difftune.families import FAMILIES  # not at the top: the families import adapters.py, which imports this
 
     keys = set(keys)
-    return bool(keys) and keys <= {key for family in FAMILIES.values() for key in family.embedding_keys}
+    return bool(keys) and (keys <= {key for family in FAMILIES.values() for key in family.embedding_keys}
+                           or _is_token_keyed(keys))
+
+
+def _is_token_keyed(keys: set[str]) -> bool:
+    """diffusers' textual-inversion layout (its training script, `load_textual_inversion`): `{token: (n, dim)}`."""
+    return len(keys) == 1 and "." not in next(iter(keys))
 
 
 def is_embedding_file(path: Path) -> bool:
@@ -110,14 +117,31 @@ def is_embedding_file(path: Path) -> bool:
 
 def load_embedding(components: Components, path: Path) -> str:
     """Teach the components' tokenizers and encoders the file's token (diffusers' `load_textual_inversion`, one
-    encoder at a time); the token, from the file's metadata or else its name (A1111's rule)."""
+    encoder at a time); the token, from the file's metadata, else its key in diffusers' layout, else the file's name
+    (A1111's rule)."""
     with safe_open(path, framework="pt") as handle:
-        token = (handle.metadata() or {}).get(TOKEN_METADATA_KEY) or path.stem
+        token = (handle.metadata() or {}).get(TOKEN_METADATA_KEY)
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     family, pipeline = components.family, components.pipeline()
+    if _is_token_keyed(set(tensors)):
+        [(token, vectors)] = tensors.items()
+        tensors = {family.embedding_keys[0]: vectors}
+        if len(family.text_encoder_names) > 1:
+            raise DifftuneError(
+                f"embedding {path}: diffusers' layout ({{token: vectors}}) holds one text encoder's vectors, and this "
+                f"{family.description} base has {len(family.text_encoder_names)} text encoders; use a file with "
+                f"{' and '.join(family.embedding_keys)} vectors (the layout A1111, ComfyUI and difftune write)"
+            )
+    token = token or path.stem
     for (encoder_name, tokenizer_name), key in zip(family.encoder_tokenizers(), family.embedding_keys):
         if key not in tensors:
             raise DifftuneError(f"embedding {path}: no {key!r} vectors for the {encoder_name} of this {family.description} base")
+        width = components.text_encoders[encoder_name].get_input_embeddings().weight.shape[1]
+        if tensors[key].shape[-1] != width:
+            raise DifftuneError(
+                f"embedding {path}: its {key!r} vectors are {tensors[key].shape[-1]} wide, but this base's {encoder_name} "
+                f"embeds tokens in {width}: the embedding was made for another model"
+            )
         pipeline.load_textual_inversion(
             {token: tensors[key]}, token=token, text_encoder=components.text_encoders[encoder_name],
             tokenizer=components.tokenizers[tokenizer_name],

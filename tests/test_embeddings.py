@@ -7,7 +7,7 @@ import pytest
 import torch
 from diffusers import StableDiffusionPipeline
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from difftune.config import AdapterConfig
 from difftune.embeddings import TOKEN_METADATA_KEY, caption_with_token
@@ -101,3 +101,38 @@ def test_merging_an_embedding_teaches_the_saved_model_its_token(make_config, tin
     # There is no other layout to convert it to; the error says what the file is.
     assert main(["convert", str(embedding), str(tmp_path / "x.safetensors"), "--to", "kohya"]) == 2
     assert "a textual-inversion embedding (emb_params), not a LoRA" in capsys.readouterr().err
+
+
+def test_diffusers_layout_embeddings_merge_sample_and_eval(tiny_base, tiny_sdxl_base, tmp_path, capsys):
+    """`{token: vectors}`, what diffusers' textual-inversion script saves: the token is the key. Checked against
+    diffusers' own `load_textual_inversion` of the same file; it went down the LoRA path before ("cannot place key")."""
+    from difftune.cli import main
+
+    path = tmp_path / "learned_embeds.safetensors"
+    vectors = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    save_file({"<cat-toy>": vectors}, path, metadata={"format": "pt"})
+    pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None, dtype=torch.float32)
+    pipeline.load_textual_inversion(str(path))
+    tokens = ["<cat-toy>", "<cat-toy>_1"]
+    theirs = pipeline.text_encoder.get_input_embeddings().weight[pipeline.tokenizer.convert_tokens_to_ids(tokens)]
+
+    assert main(["merge", "--base", str(tiny_base), "--adapter", str(path), "--out", str(tmp_path / "merged")]) == 0
+    merged = load_components(ModelConfig(base=str(tmp_path / "merged")))
+    ours = merged.text_encoders["text_encoder"].get_input_embeddings().weight[merged.tokenizers["tokenizer"].convert_tokens_to_ids(tokens)]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    torch.testing.assert_close(ours, vectors, rtol=0, atol=0)
+    assert main(["sample", "--base", str(tiny_base), "--adapter", str(path), "--prompt", "a <cat-toy> circle", "--steps", "2",
+                 "--resolution", "32", "--out", str(tmp_path / "samples")]) == 0
+    assert (tmp_path / "samples" / "000.png").is_file()
+    report = tmp_path / "eval.json"
+    assert main(["eval", "--base", str(tiny_base), "--adapter", str(path), "--concept-word", "<cat-toy>",
+                 "--samples-per-prompt", "1", "--steps", "2", "--out", str(report)]) == 0
+    assert "after" in json.loads(report.read_text())
+
+    capsys.readouterr()
+    assert main(["merge", "--base", str(tiny_sdxl_base), "--adapter", str(path), "--out", str(tmp_path / "xl")]) == 2
+    assert "holds one text encoder's vectors, and this Stable Diffusion XL base has 2 text encoders" in capsys.readouterr().err
+    wide = tmp_path / "wide.safetensors"
+    save_file({"<wide>": torch.zeros(1, 768)}, wide)
+    assert main(["merge", "--base", str(tiny_base), "--adapter", str(wide), "--out", str(tmp_path / "w")]) == 2
+    assert "'emb_params' vectors are 768 wide, but this base's text_encoder embeds tokens in 64" in capsys.readouterr().err
