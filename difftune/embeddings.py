@@ -98,16 +98,22 @@ def write_embedding(path: Path, components: Components, config: AdapterConfig, m
 def is_embedding(keys) -> bool:
     """A textual-inversion file's keys: every one is an embedding key some family writes (A1111 / ComfyUI), or the one
     key is the token itself (diffusers' layout). Adapter keys always name a module path, so never a lone dotless key."""
+    keys = set(keys)
+    return bool(keys) and (keys <= _family_embedding_keys() or _is_token_keyed(keys))
+
+
+def _family_embedding_keys() -> set[str]:
     from difftune.families import FAMILIES  # not at the top: the families import adapters.py, which imports this
 
-    keys = set(keys)
-    return bool(keys) and (keys <= {key for family in FAMILIES.values() for key in family.embedding_keys}
-                           or _is_token_keyed(keys))
+    return {key for family in FAMILIES.values() for key in family.embedding_keys}
 
 
 def _is_token_keyed(keys: set[str]) -> bool:
     """diffusers' textual-inversion layout (its training script, `load_textual_inversion`): `{token: (n, dim)}`."""
-    return len(keys) == 1 and "." not in next(iter(keys))
+    if len(keys) != 1:
+        return False
+    key = next(iter(keys))
+    return "." not in key and key not in _family_embedding_keys()
 
 
 def is_embedding_file(path: Path) -> bool:
