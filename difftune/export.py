@@ -98,7 +98,8 @@ def write_adapter(
             tensors = family.to_kohya(tensors, lora_configs)
         except ValueError as err:
             raise DifftuneError(f"adapter {path}: {err}") from None
-        metadata.update(kohya_metadata(config_toml, lora_configs, base, family.kohya_model_version))
+        version = family.base_model_version(_adapter_base(config_toml, base))
+        metadata.update(kohya_metadata(config_toml, lora_configs, base, version))
     else:
         metadata[LORA_ADAPTER_METADATA_KEY] = json.dumps(lora_configs, sort_keys=True)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,12 +110,20 @@ def write_adapter(
 def adapter_family(lora_configs: dict, config_toml: str, base: str = "") -> Family:
     """The family an adapter is for: its `base`'s when given, the one its difftune config records, else the
     smallest family with all its parts (a UNet-only file is named alike by SD and SDXL: SD's layout is taken)."""
-    if base:
-        return family_of(ModelConfig(base=base))
-    if config_toml:
-        return family_of(ModelConfig.model_validate(tomllib.loads(config_toml)["model"]))
+    model = _adapter_base(config_toml, base)
+    if model:
+        return family_of(model)
     parts = {key.rsplit(".", 1)[0] for key in lora_configs if key.endswith(".r")}
     return min((family for family in FAMILIES.values() if parts <= set(family.parts())), key=lambda f: len(f.parts()))
+
+
+def _adapter_base(config_toml: str, base: str = "") -> ModelConfig | None:
+    """The base an adapter is for: `base` when given, else the one its difftune config records (None: unknown)."""
+    if base:
+        return ModelConfig(base=base)
+    if config_toml:
+        return ModelConfig.model_validate(tomllib.loads(config_toml)["model"])
+    return None
 
 
 def read_any_adapter(path: Path, base: str | None = None) -> tuple[dict, dict, str]:

@@ -229,9 +229,10 @@ COMFYUI_DORA_NOTE = (
 )
 
 
-def kohya_metadata(config_toml: str, lora_configs: dict, base: str, base_model_version: str) -> dict[str, str]:
+def kohya_metadata(config_toml: str, lora_configs: dict, base: str, base_model_version: str | None) -> dict[str, str]:
     """The `ss_*` fields kohya's scripts write and A1111's UI shows. The training fields come from the difftune
-    config when the adapter has one (an adapter from another tool has only its network's shape)."""
+    config when the adapter has one (an adapter from another tool has only its network's shape);
+    `ss_base_model_version` (A1111 lists a LoRA under the model versions it names) is left out when unknown."""
     config = tomllib.loads(config_toml) if config_toml else {}
     part = next(key for key in lora_configs if key.endswith(".r")).removesuffix(".r")  # the first part with an adapter
     is_dora, kind = bool(lora_configs.get(f"{part}.use_dora")), adapter_kind(lora_configs, part)
@@ -241,9 +242,10 @@ def kohya_metadata(config_toml: str, lora_configs: dict, base: str, base_model_v
         "ss_network_args": json.dumps(network_args),
         "ss_network_dim": str(lora_configs[f"{part}.r"]),
         "ss_network_alpha": str(config_alpha(lora_configs, part)),
-        "ss_base_model_version": base_model_version,
         "ss_output_name": "difftune",
     }
+    if base_model_version:
+        metadata["ss_base_model_version"] = base_model_version
     if base or config:
         # As kohya's scripts write it: a local base by its folder or file name (no one's home path in a shared
         # file), a hub id as it is.

@@ -228,6 +228,37 @@ def test_training_can_write_kohya_directly(make_config, tiny_base, tmp_path):
     assert any("lora_A" in k for k in pipeline.unet.state_dict())
 
 
+def test_kohya_files_name_the_version_of_their_base(make_config, tiny_base, tmp_path):
+    """`ss_base_model_version` (A1111 lists a LoRA under the versions it names) is the base's: an SD 2.x-shaped base
+    (1024-wide text states, OpenCLIP-H's, and a v-prediction schedule) trains `sd_v2_v` adapters, not `sd_v1` ones."""
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+
+    from difftune.families import FAMILIES
+    from difftune.tiny import build_pipeline, build_text_encoder
+    from difftune.train import train
+
+    pipeline = build_pipeline(seed=1)
+    pipeline.text_encoder = build_text_encoder(hidden_size=1024)
+    pipeline.unet = UNet2DConditionModel.from_config(pipeline.unet.config, cross_attention_dim=1024, use_linear_projection=True)
+    pipeline.scheduler = DDPMScheduler.from_config(pipeline.scheduler.config, prediction_type="v_prediction")
+    pipeline.register_modules(text_encoder=pipeline.text_encoder, unet=pipeline.unet, scheduler=pipeline.scheduler)
+    sd2 = tmp_path / "tiny-sd2"
+    pipeline.save_pretrained(sd2, safe_serialization=True)
+    result = train(make_config(model__base=str(sd2), export__format="kohya", train__max_steps=1,
+                               train__output_dir=str(tmp_path / "sd2-job")))
+    with safe_open(result.trained_path, framework="pt") as handle:
+        assert handle.metadata()["ss_base_model_version"] == "sd_v2_v"
+    sd1 = tmp_path / "sd1.safetensors"
+    _make_adapter(tiny_base, sd1, "lora")  # a diffusers-layout file whose config names tiny_base
+    export.convert_adapter(sd1, tmp_path / "sd1_kohya.safetensors", "kohya")
+    with safe_open(tmp_path / "sd1_kohya.safetensors", framework="pt") as handle:
+        assert handle.metadata()["ss_base_model_version"] == "sd_v1"
+    assert main(["merge", "--base", str(sd2), "--adapter", str(result.trained_path), "--out", str(tmp_path / "merged"),
+                 "--single-file"]) == 0
+    assert FAMILIES["sd"].base_model_version(ModelConfig(base=str(tmp_path / "merged" / "model.safetensors"))) == "sd_v2"
+    assert FAMILIES["sd"].base_model_version(ModelConfig(base=str(tmp_path / "no-such-base"))) is None
+
+
 def test_sample_command_writes_reproducible_images(tiny_base, tmp_path):
     adapter = tmp_path / "a.safetensors"
     _make_adapter(tiny_base, adapter, "lora")

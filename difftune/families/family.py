@@ -45,7 +45,7 @@ class Family:
     tokenizer_names: tuple[str, ...] = ("tokenizer",)
     kohya_prefixes: dict[str, str]  # part -> key prefix in kohya / A1111 / ComfyUI files
     kohya_text_model_parts: tuple[str, ...] = ("text_encoder",)  # CLIP encoders: kohya names their modules `text_model_*`
-    kohya_model_version: str  # kohya's `ss_base_model_version`
+    kohya_model_version: str  # kohya's `ss_base_model_version`, where one name covers the family's bases
     embedding_keys: tuple[str, ...] = ("emb_params",)  # per text encoder: its key in A1111 / ComfyUI embedding files
     default_targets: dict[str, list[str]]  # part -> modules that get an adapter unless the config lists others
     pipeline_options: tuple[str, ...] = ()  # pipeline config values a reassembled pipeline keeps
@@ -200,6 +200,11 @@ class Family:
         """The denoiser's modules by their names in the original (non-diffusers) model, as kohya files may use them:
         a UNet's LDM/SGM names (none for a transformer, whose original names Flux's `from_kohya` reads itself)."""
         return single_file.unet_ldm_module_names(denoiser_modules)
+
+    def base_model_version(self, model: ModelConfig | None) -> str | None:
+        """kohya's `ss_base_model_version` of adapters for `model` (None: unknown): the family's, where one version
+        name covers all its bases."""
+        return self.kohya_model_version
 
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
         """Every weight under the original (LDM / SGM) single-file keys that A1111, ComfyUI and

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import torch
-from diffusers import StableDiffusionPipeline
+from diffusers import DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from safetensors import safe_open
 
 from difftune import single_file
+from difftune.config import ModelConfig
 from difftune.families.family import Family
-from difftune.models import Components
+from difftune.models import SINGLE_FILE_SUFFIXES, Components
 
 ATTENTION_PROJECTIONS = ["to_q", "to_k", "to_v", "to_out.0"]
 CLIP_ATTENTION = ["q_proj", "k_proj", "v_proj", "out_proj"]
@@ -19,9 +21,26 @@ class StableDiffusion(Family):
     pipeline_class = StableDiffusionPipeline
     pipeline_classes = ("StableDiffusionPipeline",)
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
-    kohya_model_version = "sd_v1"
     default_targets = {"unet": ATTENTION_PROJECTIONS, "text_encoder": CLIP_ATTENTION}
     fixed_pipeline_arguments = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+
+    def base_model_version(self, model: ModelConfig | None) -> str | None:
+        """`sd_v1` or `sd_v2` by the width of the text states the UNet reads (SD 2.x's OpenCLIP-H: 1024; diffusers'
+        single-file reader and ComfyUI tell 2.x apart the same way), `_v` added for a v-prediction schedule, as
+        kohya's scripts write it. A single file carries no schedule: its version has no `_v` (kohya's default too).
+        None where the base cannot be read."""
+        try:
+            if model.base.endswith(SINGLE_FILE_SUFFIXES):
+                with safe_open(model.base, framework="pt") as handle:
+                    key = next(key for key in handle.keys() if key.startswith(single_file.UNET_PREFIX) and key.endswith("attn2.to_k.weight"))
+                    width, prediction = handle.get_slice(key).get_shape()[-1], "epsilon"
+            else:
+                width = UNet2DConditionModel.load_config(model.base, subfolder="unet", revision=model.revision or None)["cross_attention_dim"]
+                scheduler = DDPMScheduler.load_config(model.base, subfolder="scheduler", revision=model.revision or None)
+                prediction = scheduler.get("prediction_type", "epsilon")
+        except Exception:  # noqa: BLE001 - no base (None), a hub id offline, a pickle or a file without a UNet: unknown
+            return None
+        return ("sd_v2" if width == 1024 else "sd_v1") + ("_v" if prediction == "v_prediction" else "")
 
     def reads_single_file(self, keys: set[str]) -> bool:
         has_unet = any(key.startswith(single_file.UNET_PREFIX) for key in keys)
