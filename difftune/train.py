@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, is_tensorboard_available, set_seed
+from accelerate.utils import broadcast_object_list, gather_object, is_tensorboard_available, set_seed
 from diffusers.training_utils import EMAModel, cast_training_params
 from tqdm.auto import tqdm
 
@@ -35,7 +35,10 @@ from difftune import export, sharding
 from difftune.activations import BlockActivations
 from difftune.adapters import add_adapters, trainable_parameters, trained_parts
 from difftune.cache import fill_latents, fill_text, latent_entries, model_identity, text_entries, text_identity
-from difftune.checkpoint import Checkpointer, Progress, StopRequest, find_checkpoint, keep_models_out_of_accelerate_state
+from difftune.checkpoint import (
+    CHECKPOINTS_DIR, Checkpointer, Progress, StopRequest, find_checkpoint, keep_models_out_of_accelerate_state, retire_after,
+    step_of,
+)
 from difftune.config import Config
 from difftune.data import (
     BAD_FILES_REPORT,
@@ -58,6 +61,7 @@ from difftune.models import (
     Components, encode_posterior, place_frozen, sample_latents, set_attention, stored_dtype, weight_dtype,
 )
 from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
+from difftune.output_lock import hold_output_dir
 from difftune.parity import check_parity, write_report
 from difftune.prior import class_examples, class_folder, fill_class_images
 from difftune.quantize import quantize_linear_layers
@@ -120,10 +124,12 @@ def _unwrapped(components: Components, accelerator: Accelerator) -> Components:
 
 
 def train(config: Config, resume: str | None = None) -> TrainResult:
-    """Run the job; `resume` is "auto" (the latest complete checkpoint in output_dir, if any) or a checkpoint folder."""
-    run = setup(config, resume)
-    loop(run)
-    return finish(run)
+    """Run the job; `resume` is "auto" (the latest complete checkpoint in output_dir, if any) or a checkpoint folder.
+    The run holds its output folder throughout: a second run there is refused (output_lock.py)."""
+    with hold_output_dir(Path(config.train.output_dir)):
+        run = setup(config, resume)
+        loop(run)
+        return finish(run)
 
 
 def setup(config: Config, resume: str | None = None) -> Run:
@@ -190,7 +196,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     checkpointer = Checkpointer(accelerator, output_dir, config)
     guard = Guard(config.guard, output_dir if main else None)
     best = BestResults(config.validation, output_dir) if validator else None
-    checkpoint = find_checkpoint(output_dir, resume) if resume else None
+    checkpoint = _resume_point(accelerator, output_dir, resume) if resume else None
     progress = checkpointer.load(checkpoint, named, ema, guard, best) if checkpoint else Progress()
     guard.start_at(progress.global_step)
     dataset = CaptionedImages(
@@ -475,7 +481,7 @@ def _roll_back(run: Run, why: str) -> None:
     """Reload the last complete checkpoint but keep reading the data from here on, so the batches that led to
     the divergence are skipped rather than replayed. Without `guard.rollback` (or past its limit): stop."""
     config, guard, progress = run.config, run.guard, run.progress
-    checkpoint = find_checkpoint(run.output_dir, "auto") if config.guard.rollback else None
+    checkpoint = _resume_point(run.accelerator, run.output_dir, "auto") if config.guard.rollback else None
     if checkpoint is None or guard.rollbacks >= config.guard.max_rollbacks:
         limit = f"; {guard.rollbacks} rollbacks already" if config.guard.rollback and checkpoint else ""
         raise guard.stop(progress.global_step, why + limit)
@@ -647,6 +653,25 @@ def _set_device_flags(config: Config, accelerator: Accelerator) -> None:
         torch.backends.cudnn.benchmark = config.train.cudnn_benchmark != "off"
     elif "on" in (config.train.tf32, config.train.cudnn_benchmark):
         accelerator.print(f"difftune: train.tf32 and train.cudnn_benchmark apply to CUDA only; no effect on {accelerator.device}")
+
+
+def _resume_point(accelerator: Accelerator, output_dir: Path, resume: str) -> Path | None:
+    """The checkpoint to continue from (`checkpoint.find_checkpoint`: checked against its manifest), chosen by the
+    main process, which sets apart what the run wrote after it (a new branch starts there); every process gets the
+    same answer, or the same error."""
+    chosen = [None, None]  # the checkpoint, or why there is none
+    if accelerator.is_main_process:
+        try:
+            path = find_checkpoint(output_dir, resume, accelerator.print)
+            if path and path.parent.resolve() == (output_dir / CHECKPOINTS_DIR).resolve():
+                retire_after(output_dir, step_of(path), accelerator.print)
+            chosen[0] = str(path) if path else None
+        except DifftuneError as err:
+            chosen[1] = str(err)
+    broadcast_object_list(chosen)
+    if chosen[1]:
+        raise DifftuneError(chosen[1])
+    return Path(chosen[0]) if chosen[0] else None
 
 
 def _check_output_dir(config: Config, resume: str | None) -> Path:

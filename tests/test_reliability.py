@@ -79,7 +79,7 @@ def test_a_crash_while_writing_a_checkpoint_loses_nothing(make_config, tmp_path,
     whole = tmp_path / "whole"
     train(_job(make_config, whole, ema__enabled=False))
     out = tmp_path / "crash"
-    real = checkpoint_module._fsync_tree
+    real = checkpoint_module._seal
     calls = {"n": 0}
 
     def die_on_third_checkpoint(root):
@@ -88,10 +88,10 @@ def test_a_crash_while_writing_a_checkpoint_loses_nothing(make_config, tmp_path,
         if calls["n"] == 3:
             raise KeyboardInterrupt("killed while writing the step-6 checkpoint")
 
-    monkeypatch.setattr(checkpoint_module, "_fsync_tree", die_on_third_checkpoint)
+    monkeypatch.setattr(checkpoint_module, "_seal", die_on_third_checkpoint)
     with pytest.raises(KeyboardInterrupt):
         train(_job(make_config, out, ema__enabled=False))
-    monkeypatch.setattr(checkpoint_module, "_fsync_tree", real)
+    monkeypatch.setattr(checkpoint_module, "_seal", real)
     assert (out / "checkpoints" / ".tmp-step-000006").is_dir()
     assert find_checkpoint(out, "auto").name == "step-000004"
     train(_job(make_config, out, ema__enabled=False), resume="auto")
@@ -176,7 +176,7 @@ def test_resume_fails_loudly_when_a_part_is_missing(make_config, tmp_path):
     out = tmp_path / "run"
     train(_job(make_config, out, train__max_steps=2))
     (out / "checkpoints" / "step-000002" / "trained.safetensors").unlink()
-    with pytest.raises(DifftuneError, match=r"step-000002 is missing trained\.safetensors"):
+    with pytest.raises(DifftuneError, match=r"no checkpoint in .* passes its check \(step-000002: trained\.safetensors is missing\)"):
         train(_job(make_config, out, train__max_steps=4), resume="auto")
 
 
@@ -346,3 +346,129 @@ def test_a_checkpoint_with_relative_paths_from_before_resumes(make_config, tmp_p
     state_file.write_text(json.dumps(state))
     train(_job(make_config, out, train__max_steps=6, ema__enabled=False), resume="auto")
     assert [row["step"] for row in read_metrics(out)] == list(range(1, 7))
+
+
+# Corrupt checkpoints, two runs in one folder, resuming an older checkpoint.
+
+def _flip_bytes(path: Path, count: int = 64) -> None:
+    """`count` bytes inverted in the middle of the file: its size stays, its contents do not."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + count] = bytes(255 - byte for byte in data[middle : middle + count])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flipped optimizer state", "flipped weights", "truncated", "empty", "garbage state"])
+def test_a_damaged_checkpoint_is_never_trained_on(make_config, tmp_path, capsys, damage):
+    """The newest checkpoint damaged: `--resume auto` names it and why, goes back to the one before and ends as the
+    uninterrupted run does; the damaged one is set apart. Flipped bytes used to be trained on silently."""
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    settings = {"checkpoint__keep_last": 5}
+    train(_job(make_config, whole, **settings))
+    train(_job(make_config, out, train__max_steps=6, **settings))
+    newest = out / "checkpoints" / "step-000006"
+    target = {"flipped optimizer state": newest / "accelerate" / "optimizer.bin", "flipped weights": newest / "trained.safetensors",
+              "truncated": newest / "trained.safetensors", "empty": newest / "accelerate" / "optimizer.bin",
+              "garbage state": newest / "state.json"}[damage]
+    if damage.startswith("flipped"):
+        _flip_bytes(target)
+    elif damage == "truncated":
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    elif damage == "empty":
+        target.write_bytes(b"")
+    else:
+        target.write_text("{not json")
+    capsys.readouterr()
+    with pytest.raises(DifftuneError, match=rf"--resume {re.escape(str(newest))}: the checkpoint fails its check \({target.relative_to(newest)}"):
+        find_checkpoint(out, str(newest))
+    train(_job(make_config, out, **settings), resume="auto")
+    said = capsys.readouterr().out
+    assert f"checkpoint {newest} fails its check ({target.relative_to(newest)}" in said
+    assert "resumed from" in said and "step-000004 at step 4" in said
+    assert _losses(out) == _losses(whole)
+    assert _same_files(whole / "pytorch_lora_weights.safetensors", out / "pytorch_lora_weights.safetensors")
+    [retired] = (out / "retired").iterdir()
+    assert (retired / "checkpoints" / "step-000006" / target.relative_to(newest)).is_file()
+
+
+def test_when_no_checkpoint_passes_resume_stops_with_one_line(make_config, tmp_path):
+    out = tmp_path / "run"
+    train(_job(make_config, out, train__max_steps=4, ema__enabled=False))
+    for checkpoint in complete_checkpoints(out):
+        _flip_bytes(checkpoint / "trained.safetensors", 8)
+    job = tmp_path / "job.toml"
+    job.write_text(_job(make_config, out, ema__enabled=False).to_toml())
+    run = subprocess.run([sys.executable, "-m", "difftune.cli", "train", "--config", str(job), "--resume", "auto"],
+                         cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    [line] = [line for line in run.stderr.splitlines() if line.startswith("difftune: error:")]
+    assert re.search(r"no checkpoint in .*checkpoints passes its check \(step-000004: trained\.safetensors's contents differ "
+                     r"from when it was written \(SHA-256\); step-000002: .*\); start anew", line), line
+
+
+def test_checkpoints_from_before_manifests_still_resume(make_config, tmp_path):
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    train(_job(make_config, whole, ema__enabled=False))
+    train(_job(make_config, out, train__max_steps=4, ema__enabled=False))
+    for checkpoint in complete_checkpoints(out):  # as difftune wrote them before checkpoints were sealed
+        (checkpoint / checkpoint_module.MANIFEST).unlink()
+        (checkpoint / MARKER).write_text("step 4\n")
+    train(_job(make_config, out, ema__enabled=False), resume="auto")
+    assert _losses(out) == _losses(whole)
+
+
+_HOLD_THE_FOLDER = """
+import sys
+from difftune.config import load_config
+from difftune.train import train
+
+train(load_config(sys.argv[1]))
+"""
+
+
+def test_two_runs_never_share_a_folder(make_config, tmp_path):
+    """A running job holds its folder: a second fresh run and a `--resume auto` are refused naming it, and once the
+    holder is SIGKILLed the folder is free again (the kernel drops the lock with the process)."""
+    out = tmp_path / "run"
+    job = tmp_path / "job.toml"
+    job.write_text(_job(make_config, out, train__max_steps=100000, checkpoint__every_steps=5, ema__enabled=False).to_toml())
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_THE_FOLDER, str(job)], cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.time() + 300
+        while not complete_checkpoints(out) and holder.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert complete_checkpoints(out), "the holding run wrote no checkpoint"
+        for resume in (None, "auto"):
+            with pytest.raises(DifftuneError, match=rf"train.output_dir {re.escape(str(out))}: another run is using this "
+                                                    rf"folder \(pid {holder.pid} on "):
+                train(_job(make_config, out, train__overwrite=True, ema__enabled=False), resume=resume)
+    finally:
+        holder.kill()
+        holder.wait()
+    reached = checkpoint_module.step_of(find_checkpoint(out, "auto"))
+    result = train(_job(make_config, out, train__max_steps=reached + 2, checkpoint__every_steps=5, ema__enabled=False),
+                   resume="auto")
+    assert len(result.losses) == 2
+
+
+def test_resuming_an_older_checkpoint_starts_a_branch_that_auto_resume_follows(make_config, tmp_path):
+    """From step 8 of a 12-step run with another learning rate: the old branch's later checkpoints, snapshots and
+    metrics lines are set apart, so `--resume auto` afterwards takes the new branch's step 10, not the old step 12."""
+    out = tmp_path / "run"
+    settings = {"checkpoint__keep_last": 10, "ema__enabled": False, "export__every_steps": 2}
+    train(_job(make_config, out, train__max_steps=12, **settings))
+    first = _losses(out)
+    branch = _job(make_config, out, train__max_steps=10, optim__learning_rate=5e-4, **settings)
+    train(branch, resume=str(out / "checkpoints" / "step-000008"))
+    assert [path.name for path in complete_checkpoints(out)][-2:] == ["step-000008", "step-000010"]
+    newest = find_checkpoint(out, "auto")
+    assert newest.name == "step-000010" and "learning_rate = 0.0005" in json.loads((newest / "state.json").read_text())["config"]
+    assert sorted(path.name for path in (out / "snapshots").glob("step-*"))[-1] == "step-000010.safetensors"
+    [retired] = (out / "retired").iterdir()
+    assert sorted(path.name for path in (retired / "checkpoints").iterdir()) == ["step-000010", "step-000012"]
+    assert sorted(path.name for path in (retired / "snapshots").iterdir()) == ["step-000010.safetensors", "step-000012.safetensors"]
+    assert [row["step"] for row in read_metrics(retired)] == [9, 10, 11, 12]
+    assert [read_metrics(retired)[0]["loss"]] == [first[9]]
+    losses = _losses(out)
+    assert list(losses) == list(range(1, 11)) and all(losses[step] == first[step] for step in range(1, 9))
