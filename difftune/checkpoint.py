@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from difftune.config import Config, resolve_path_values
 from difftune.errors import DifftuneError
+from difftune.files import out_of_space
 from difftune.metrics import METRICS_FILE
 from difftune.sharding import gather, load_full
 
@@ -126,9 +127,27 @@ class Checkpointer:
         return (self.path(step) / MARKER).is_file()
 
     def save(self, progress: Progress, named: dict, ema, guard, best=None) -> Path:
-        """Write to `.tmp-step-N`, flush, rename to `step-N`, then mark it complete; prune beyond `keep_last`."""
+        """Write to `.tmp-step-N`, flush, seal, rename to `step-N`, then mark it complete; prune beyond `keep_last`.
+        A full disk stops the run with one line saying which checkpoint is intact (the partial one is removed)."""
+        staging = self.path(progress.global_step).with_name(f".tmp-step-{progress.global_step:06d}")
+        try:
+            return self._write(staging, progress, named, ema, guard, best)
+        except DifftuneError:
+            raise
+        except Exception as err:
+            if not out_of_space(err, self.output_dir):
+                raise
+            shutil.rmtree(staging, ignore_errors=True)
+            intact = complete_checkpoints(self.output_dir)
+            what = (f"the checkpoint at step {step_of(intact[-1])} is intact: free some space, then continue with "
+                    "--resume auto" if intact else "no earlier checkpoint was written")
+            raise DifftuneError(
+                f"no space left on {self.output_dir}: the checkpoint at step {progress.global_step} could not be "
+                f"written (its partial files are removed); {what}"
+            ) from None
+
+    def _write(self, staging: Path, progress: Progress, named: dict, ema, guard, best) -> Path:
         accelerator, final = self.accelerator, self.path(progress.global_step)
-        staging = final.with_name(f".tmp-{final.name}")
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
         accelerator.wait_for_everyone()

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from difftune.config import AdapterConfig
 from difftune.errors import DifftuneError
+from difftune.files import replace_atomically
 from difftune.models import Components
 
 TOKEN_METADATA_KEY = "difftune_embedding_token"
@@ -91,8 +92,8 @@ def write_embedding(path: Path, components: Components, config: AdapterConfig, m
     if bad:
         raise DifftuneError(f"embedding {path}: NaN or inf in {bad[0]}; not written")
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(vectors, path, metadata={"format": "pt", TOKEN_METADATA_KEY: config.embedding_token, **metadata})
-    return path
+    metadata = {"format": "pt", TOKEN_METADATA_KEY: config.embedding_token, **metadata}
+    return replace_atomically(path, lambda staging: save_file(vectors, staging, metadata=metadata))
 
 
 def is_embedding(keys) -> bool:

@@ -14,7 +14,6 @@ LyCORIS one ComfyUI and A1111 read.
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 import tomllib
 from pathlib import Path
@@ -30,6 +29,7 @@ from difftune.embeddings import embedding_file_name, is_embedding_file, load_emb
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.families.family import Family
+from difftune.files import replace_atomically
 from difftune.kohya import kohya_metadata, split_adapter_key
 from difftune.models import DTYPES, Components, quiet_loading
 from difftune.sample import sampling_scheduler
@@ -62,8 +62,7 @@ def save_trained(components: Components, config: Config, path: Path, layout: str
     if config.adapter.kind == "none":
         pipeline = components.pipeline(sampling_scheduler(config.sample.scheduler, components))
         _refuse_non_finite(components.denoiser.state_dict(), f"{path}")
-        pipeline.save_pretrained(path, safe_serialization=True)
-        return path
+        return replace_atomically(path, lambda staging: pipeline.save_pretrained(staging, safe_serialization=True))
     if config.adapter.kind == "embedding":  # one layout: the one every tool reads
         return write_embedding(path, components, config.adapter, {CONFIG_METADATA_KEY: config.to_toml()})
     tensors, lora_configs = adapter_state_dict(components, config.adapter)
@@ -103,8 +102,7 @@ def write_adapter(
     else:
         metadata[LORA_ADAPTER_METADATA_KEY] = json.dumps(lora_configs, sort_keys=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path, metadata=metadata)
-    return path
+    return replace_atomically(path, lambda staging: save_file(tensors, staging, metadata=metadata))
 
 
 def adapter_family(lora_configs: dict, config_toml: str, base: str = "") -> Family:
@@ -306,16 +304,14 @@ def save_merged(components: Components, out_dir: Path, single_file: bool, overwr
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # The single file's keys first: a family without that layout refuses before anything is written.
     ldm = {key: value.contiguous() for key, value in components.family.to_single_file(components).items()} if single_file else {}
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    components.pipeline(sampling_scheduler("auto", components)).save_pretrained(staging, safe_serialization=True)
-    written = [out_dir]
-    if single_file:
-        save_file(ldm, staging / SINGLE_FILE, metadata={"format": "pt"})
-        written.append(out_dir / SINGLE_FILE)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    staging.rename(out_dir)
-    return written
+
+    def write(staging: Path) -> None:
+        components.pipeline(sampling_scheduler("auto", components)).save_pretrained(staging, safe_serialization=True)
+        if single_file:
+            save_file(ldm, staging / SINGLE_FILE, metadata={"format": "pt"})
+
+    replace_atomically(out_dir, write)
+    return [out_dir, out_dir / SINGLE_FILE] if single_file else [out_dir]
 
 
 def _refuse_unloadable_parts(tensors: dict, family: Family, path: Path) -> None:

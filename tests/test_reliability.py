@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -472,3 +473,66 @@ def test_resuming_an_older_checkpoint_starts_a_branch_that_auto_resume_follows(m
     assert [read_metrics(retired)[0]["loss"]] == [first[9]]
     losses = _losses(out)
     assert list(losses) == list(range(1, 11)) and all(losses[step] == first[step] for step in range(1, 9))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs (mounting needs root; CI runs as root): a real full disk, not a mocked error."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): the full-disk test needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_mid_checkpoint_says_so_and_what_is_intact(make_config, tmp_path, small_disk, monkeypatch):
+    """The disk fills while the step-4 checkpoint is written: one line says so and that step 2's is intact (it used
+    to be "RuntimeError: basic_ios::clear: iostream error"); the partial checkpoint is removed, and once there is
+    room again the run resumes and ends as the uninterrupted one."""
+    whole, out = tmp_path / "whole", small_disk / "run"
+    settings = {"train__max_steps": 6, "ema__enabled": False, "sample__prompts": []}
+    train(_job(make_config, whole, **settings))
+    filler = small_disk / "filler"
+    real_save = checkpoint_module.Checkpointer.save
+
+    def fill_the_disk_first(self, progress, *args):
+        if progress.global_step == 4:
+            free = shutil.disk_usage(small_disk).free
+            filler.write_bytes(b"\0" * (free - 16 * 1024))
+        return real_save(self, progress, *args)
+
+    monkeypatch.setattr(checkpoint_module.Checkpointer, "save", fill_the_disk_first)
+    with pytest.raises(DifftuneError, match=rf"^no space left on {re.escape(str(out))}: the checkpoint at step 4 could not be "
+                                            r"written \(its partial files are removed\); the checkpoint at step 2 is intact: "
+                                            r"free some space, then continue with --resume auto$"):
+        train(_job(make_config, out, **settings))
+    assert [path.name for path in (out / "checkpoints").iterdir()] == ["step-000002"]
+    filler.unlink()
+    monkeypatch.setattr(checkpoint_module.Checkpointer, "save", real_save)
+    train(_job(make_config, out, **settings), resume="auto")
+    assert _losses(out) == _losses(whole)
+    assert _same_files(whole / "pytorch_lora_weights.safetensors", out / "pytorch_lora_weights.safetensors")
+
+
+def test_results_are_written_whole_or_not_at_all(make_config, tmp_path, monkeypatch):
+    """The final adapter goes to a temporary name and is renamed into place: a write that dies half-way leaves the
+    previous file (or none), never a truncated one under the final name."""
+    from difftune import export
+
+    out = tmp_path / "run"
+    first = train(_job(make_config, out, train__max_steps=2, ema__enabled=False)).trained_path
+    before = first.read_bytes()
+    real_save_file = export.save_file
+
+    def dies_half_way(tensors, path, *args, **kwargs):
+        real_save_file(tensors, path, *args, **kwargs)
+        Path(path).write_bytes(Path(path).read_bytes()[:100])
+        raise OSError("killed half-way")
+
+    monkeypatch.setattr(export, "save_file", dies_half_way)
+    with pytest.raises(OSError, match="killed half-way"):
+        train(_job(make_config, out, train__max_steps=4, ema__enabled=False), resume="auto")
+    assert first.read_bytes() == before
+    assert not list(out.glob(".*.tmp"))
