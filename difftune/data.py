@@ -14,6 +14,7 @@ at a position: nothing else needs restoring.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -34,7 +35,7 @@ from tqdm.auto import tqdm
 from difftune.config import DataConfig
 from difftune.errors import DifftuneError
 
-IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")
 
 
@@ -147,7 +148,13 @@ def _find_unusable_images(paths: set[Path], config: DataConfig) -> list[BadFile]
 def open_image(path: Path, config: DataConfig) -> Image.Image:
     """Decode an image fully into 8-bit RGB: EXIF orientation applied, 16-bit scaled down, palette and
     transparency composited onto `alpha_background`. Raises BadImage for anything that cannot be trained on."""
-    if path.stat().st_size == 0:
+    try:
+        size = path.stat().st_size
+    except OSError as err:  # a dangling symlink, a symlink loop, a file gone since the folder was listed
+        target = f"a symbolic link to {os.readlink(path)}, which " if path.is_symlink() else ""
+        reason = {errno.ENOENT: "does not exist", errno.ELOOP: "leads back to itself (a loop)"}.get(err.errno, err.strerror)
+        raise BadImage(f"cannot be read: {target}{reason}") from None
+    if size == 0:
         raise BadImage("empty file (0 bytes)")
     too_large = BadImage(f"more than data.max_image_pixels = {config.max_image_pixels} pixels")
     # PIL refuses images over twice its module-wide limit as it opens them; the size check below, made before
@@ -158,6 +165,9 @@ def open_image(path: Path, config: DataConfig) -> Image.Image:
         with Image.open(path) as raw:
             if raw.width * raw.height > config.max_image_pixels:
                 raise too_large
+            frames = getattr(raw, "n_frames", 1)
+            if frames > 1:  # PIL would hand over the first frame, as if the file were that still image
+                raise BadImage(f"animated ({frames} frames): difftune trains still images; save the frame to train as a PNG")
             raw.load()  # a truncated file fails here; it is never padded (LOAD_TRUNCATED_IMAGES stays off)
             image = ImageOps.exif_transpose(raw)
     except BadImage:
@@ -243,6 +253,11 @@ def _read_metadata(path: Path) -> list[Example]:
             raise DifftuneError(
                 f"{path}:{line_number}: each line must be a JSON object with `file_name` and `text` ({err!r})"
             ) from None
+        if Path(file_name).is_absolute() or ".." in Path(file_name).parts:
+            raise DifftuneError(
+                f"{path}:{line_number}: file_name {file_name!r} leads outside {path.parent}; data.path must hold its "
+                f"images (copy or link them into it and name them relative to it)"
+            )
         image_path = path.parent / file_name
         if not image_path.is_file():
             raise DifftuneError(f"{path}:{line_number}: image {file_name} does not exist next to it")

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from difftune import checkpoint as checkpoint_module
 from difftune.checkpoint import MARKER, complete_checkpoints, find_checkpoint
+from difftune.data import scan_examples
 from difftune.errors import DifftuneError
 from difftune.metrics import read_metrics
 from difftune.train import train
@@ -267,10 +268,17 @@ def _bad_image_folder(folder: Path) -> dict[str, str]:
     (folder / "whole.png").unlink()
     Image.new("RGB", (8, 8)).save(folder / "tiny.png")
     Image.new("RGB", (120, 120)).save(folder / "bomb.png")
+    (folder / "gone.png").symlink_to(folder / "deleted-since.png")
+    (folder / "loop.png").symlink_to(folder / "loop.png")
+    frames = [Image.new("RGB", (32, 32), (120 * i, 0, 0)) for i in range(3)]
+    for animated in ("animated.gif", "animated.webp"):
+        frames[0].save(folder / animated, save_all=True, append_images=frames[1:])
+    frames[0].save(folder / "still.gif")  # a GIF of one frame is an image like any other: trained
     for image in folder.iterdir():
         image.with_suffix(".txt").write_text(f"a {image.stem}")
     return {"empty.png": "empty", "corrupt.png": "decoded", "truncated.png": "truncated", "tiny.png": "smaller",
-            "bomb.png": "max_image_pixels"}
+            "bomb.png": "max_image_pixels", "gone.png": "a symbolic link to", "loop.png": "leads back to itself",
+            "animated.gif": "animated (3 frames)", "animated.webp": "animated (3 frames)"}
 
 
 def test_bad_images_are_left_out_and_reported(make_config, tmp_path):
@@ -282,6 +290,22 @@ def test_bad_images_are_left_out_and_reported(make_config, tmp_path):
     assert sorted(Path(r["file"]).name for r in report) == sorted(expected_bad)
     for record in report:
         assert expected_bad[Path(record["file"]).name] in record["reason"], record
+    trained = {example.image_path.name for example in scan_examples(config.data)[0]}
+    assert {"still.gif", "good.png", "cmyk.jpg"} <= trained
+
+
+@pytest.mark.parametrize("file_name", ["../outside.png", "/etc/outside.png", "sub/../../outside.png"])
+def test_metadata_file_names_stay_inside_the_data_folder(make_config, tmp_path, file_name):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    (folder / "metadata.jsonl").write_text(json.dumps({"file_name": "ok.png", "text": "a"}) + "\n"
+                                           + json.dumps({"file_name": file_name, "text": "b"}) + "\n")
+    from PIL import Image
+
+    Image.new("RGB", (32, 32)).save(folder / "ok.png")
+    Image.new("RGB", (32, 32)).save(tmp_path / "outside.png")
+    with pytest.raises(DifftuneError, match=rf"metadata\.jsonl:2: file_name '{re.escape(file_name)}' leads outside "):
+        scan_examples(make_config(data__path=str(folder)).data)
 
 
 def test_every_oversized_image_is_refused_when_checked_in_parallel(tmp_path):
