@@ -18,6 +18,7 @@ from peft.utils import get_peft_model_state_dict
 
 from difftune.config import AdapterConfig
 from difftune.embeddings import add_tokens
+from difftune.errors import DifftuneError
 from difftune.models import Components
 
 DORA_MAGNITUDE = "lora_magnitude_vector"
@@ -40,6 +41,9 @@ def trained_parts(components: Components, config: AdapterConfig) -> dict[str, to
     return {name: parts[name] for name in names}
 
 
+TARGET_KEYS = {"text_encoder": "adapter.text_encoder_target_modules", "text_encoder_2": "adapter.text_encoder_2_target_modules"}
+
+
 def target_modules(components: Components, config: AdapterConfig) -> dict[str, list[str]]:
     """Each trained part's adapter targets: the config's list, or the family's default where it is empty."""
     family = components.family
@@ -49,6 +53,35 @@ def target_modules(components: Components, config: AdapterConfig) -> dict[str, l
         "text_encoder_2": config.text_encoder_2_target_modules,
     }
     return {part: configured.get(part) or family.default_targets[part] for part in trained_parts(components, config)}
+
+
+def check_targets(components: Components, config: AdapterConfig) -> None:
+    """Every configured target names modules of its part (as peft matches them: the name or its `.`-suffix);
+    otherwise stop naming the setting and the names its part has."""
+    if not config.is_adapter:
+        return
+    parts = components.parts()
+    for part, targets in target_modules(components, config).items():
+        names = [name for name, _ in parts[part].named_modules()]
+        missing = [target for target in targets if not any(name == target or name.endswith("." + target) for name in names)]
+        if missing:
+            key = TARGET_KEYS.get(part, "adapter.target_modules")
+            raise DifftuneError(
+                f"{key}: {', '.join(map(repr, missing))} names no module of the {part}; its layers are named "
+                f"{', '.join(_layer_suffixes(parts[part]))}"
+            )
+
+
+def _layer_suffixes(model: torch.nn.Module) -> list[str]:
+    """The short names by which peft targets a model's linear and convolution layers: each one's name after its
+    last block index (`attn1.to_q`, `conv1`), or its last two parts when it ends in one (`to_out.0`)."""
+    suffixes = set()
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d)):
+            parts = name.split(".")
+            last_index = max((i for i, part in enumerate(parts) if part.isdigit()), default=-1)
+            suffixes.add(".".join(parts[last_index + 1 :] if last_index < len(parts) - 1 else parts[-2:]))
+    return sorted(suffixes)
 
 
 def add_adapters(components: Components, config: AdapterConfig) -> None:
@@ -63,6 +96,7 @@ def add_adapters(components: Components, config: AdapterConfig) -> None:
     if config.kind == "embedding":
         add_tokens(components, config)
         return
+    check_targets(components, config)
     for part, targets in target_modules(components, config).items():
         trained[part].add_adapter(_adapter_config(config, targets))
         if config.init in MUTATED_BASE_INITS:

@@ -9,7 +9,9 @@ from typing import Literal, get_args, get_origin
 
 from pydantic import ValidationError
 
-from difftune.config import TRAINING_ONLY_SAMPLE_FIELDS, Config, SampleConfig, describe_errors, load_config
+from difftune.config import (
+    TRAINING_ONLY_SAMPLE_FIELDS, Config, SampleConfig, check_before_start, describe_errors, load_config,
+)
 from difftune.errors import ERROR_PREFIX, DifftuneError
 from difftune.form import parse_adapter_spec
 
@@ -169,6 +171,7 @@ def _run(args: argparse.Namespace) -> None:
         if args.command == "config":
             print(config.to_toml(), end="")
             return
+        check_before_start(config)  # train() checks too; here it comes before the seconds of heavy imports
         from difftune.train import train  # heavy imports only when needed
 
         result = train(config, resume=args.resume)

@@ -35,6 +35,8 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
 
 
+MAX_SIDE = 16384  # pixels: a side past this is a typo (2147483648 overflowed after the model had loaded)
+
 # The model families: one module each in difftune/families/, named as the family (families/__init__.py loads
 # them). Read from the file names here, because the families import this schema.
 FAMILY_NAMES = tuple(
@@ -109,7 +111,7 @@ class DataConfig(Section):
         description="Image folder: images with same-stem caption files, or a `metadata.jsonl` with "
         "`file_name` and `text`. Subfolders named `N_name` are repeated N times per epoch (kohya).",
     )
-    resolution: int = Field(512, ge=8, description="Training size in pixels: images are resized (shorter side) and cropped to a square.")
+    resolution: int = Field(512, ge=8, le=MAX_SIDE, description="Training size in pixels: images are resized (shorter side) and cropped to a square.")
     crop: Literal["center", "random"] = Field("center", description="Where to crop after resizing.")
     random_flip: bool = Field(False, description="Flip images horizontally with probability 0.5.")
     caption_extension: str = Field(".txt", description="Extension of caption files next to the images.")
@@ -143,9 +145,9 @@ class DataConfig(Section):
         description="Aspect-ratio buckets (kohya): each image is trained at the bucket size closest to its aspect "
         "ratio, with about resolution^2 pixels; each batch comes from one bucket.",
     )
-    bucket_step: int = Field(64, ge=8, description="Bucket sides are multiples of this.")
-    bucket_min_side: int = Field(256, ge=8, description="Shortest bucket side.")
-    bucket_max_side: int = Field(1024, ge=8, description="Longest bucket side.")
+    bucket_step: int = Field(64, ge=8, le=MAX_SIDE, description="Bucket sides are multiples of this.")
+    bucket_min_side: int = Field(256, ge=8, le=MAX_SIDE, description="Shortest bucket side.")
+    bucket_max_side: int = Field(1024, ge=8, le=MAX_SIDE, description="Longest bucket side.")
     min_image_size: int = Field(16, ge=1, description="Images whose shorter side is smaller than this are skipped and reported.")
     max_image_pixels: int = Field(
         89_478_485,
@@ -554,7 +556,7 @@ class SampleConfig(Section):
         "Flux, the only one Flux takes).",
     )
     seed: int = Field(0, ge=0, description="Seed of the first image; image i uses seed + i.")
-    resolution: int | None = Field(None, ge=8, description="Sample size in pixels; defaults to `data.resolution`.")
+    resolution: int | None = Field(None, ge=8, le=MAX_SIDE, description="Sample size in pixels; defaults to `data.resolution`.")
     images_per_prompt: int = Field(1, ge=1, description="Images per prompt, each with the next seed.")
     every_steps: int = Field(0, ge=0, description="Also sample (a preview grid) every N optimizer steps; 0 only at the end.")
     before: bool = Field(
@@ -794,7 +796,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     data: dict[str, Any] = {}
     if path:
         try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))  # Windows editors may start with a BOM
         except FileNotFoundError:
             raise DifftuneError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as err:
@@ -809,6 +811,37 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     except ValidationError as err:
         raise DifftuneError(describe_errors(source, err)) from None
     return absolute_paths(config, Path.cwd())
+
+
+def check_before_start(config: Config) -> None:
+    """What the file system says against a run, checked before the seconds of imports and model loading: the
+    folders it reads must be folders, and those it writes into must not be files."""
+    folders = {"data.path": (config.data.path, "captioned images"), "validation.path": (config.validation.path, "captioned images"),
+               "data.mask_path": (config.data.mask_path if config.data.masks == "folder" else "", "mask images")}
+    for key, (folder, holding) in folders.items():
+        if folder and not Path(folder).is_dir():
+            what = "does not exist" if not Path(folder).exists() else "is a file"
+            raise DifftuneError(f"{key} {folder}: {what}; point it at a folder of {holding}")
+    for key, folder in {"train.output_dir": config.train.output_dir, "cache.dir": config.cache.dir}.items():
+        blocking = next((path for path in (Path(folder), *Path(folder).parents) if path.exists() and not path.is_dir()), None)
+        if blocking:
+            raise DifftuneError(f"{key} {folder}: {blocking} is a file, not a folder; choose a folder")
+    _check_batch_fits(config)
+
+
+def _check_batch_fits(config: Config) -> None:
+    """Refuse a batch whose images alone (fp32 RGB at the training size) outgrow this machine's memory: it would
+    grow until killed (a batch size of 1e9 took 6 GB and counting), never training."""
+    import psutil
+
+    side = config.data.bucket_max_side if config.data.buckets else config.data.resolution
+    batch_bytes = config.train.batch_size * 3 * side * side * 4
+    total = psutil.virtual_memory().total
+    if batch_bytes > total:
+        raise DifftuneError(
+            f"train.batch_size {config.train.batch_size}: one batch of images at {side} px is {batch_bytes / 2**30:,.0f} GiB, "
+            f"more than this machine's {total / 2**30:,.0f} GiB of memory; `difftune find-batch` finds one that fits"
+        )
 
 
 def write_settings(path: str | Path, values: dict[str, Any]) -> Config:
@@ -901,6 +934,8 @@ def describe_errors(source: str, err: ValidationError, section: str | None = Non
                 section_model = Config.model_fields[loc[0]].annotation
                 allowed = f"allowed in [{loc[0]}]: {', '.join(section_model.model_fields)}"
             lines.append(f"  {key}: unknown key; {allowed}")
+        elif not key:  # a check across sections: its message names the keys; its input would be the whole config
+            lines.append(f"  {error['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {key}: {error['msg']} (got {error.get('input')!r})")
     return "\n".join(lines)

@@ -56,13 +56,13 @@ class BadImage(Exception):
     """An image that cannot be trained on; the message is the reason."""
 
 
-def scan_examples(config: DataConfig) -> tuple[list[Example], list[BadFile]]:
+def scan_examples(config: DataConfig, key: str = "data.path") -> tuple[list[Example], list[BadFile]]:
     """Every usable (image, caption) pair under `config.path`, each listed as often as its folder repeats,
     and the files left out with their reasons. Every image is decoded once here, so a bad one is found
-    before the first step, not at step 9,000."""
+    before the first step, not at step 9,000. `key`: the setting the folder came from, as messages name it."""
     root = Path(config.path)
     if not root.is_dir():
-        raise DifftuneError(f"data.path {root} is not a folder; point it at a folder of captioned images")
+        raise DifftuneError(f"{key} {root} is not a folder; point it at a folder of captioned images")
     bad: list[BadFile] = []
     examples = _scan_folder(root, config, bad)
     for sub in sorted(p for p in root.iterdir() if p.is_dir()):
@@ -71,7 +71,7 @@ def scan_examples(config: DataConfig) -> tuple[list[Example], list[BadFile]]:
             examples += _scan_folder(sub, config, bad, folder_caption=match.group(2)) * int(match.group(1))
     if not examples and not bad:
         raise DifftuneError(
-            f"data.path {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) directly or in "
+            f"{key} {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) directly or in "
             f"`N_name` subfolders"
         )
     unusable = _find_unusable_images({e.image_path for e in examples}, config)
@@ -80,7 +80,7 @@ def scan_examples(config: DataConfig) -> tuple[list[Example], list[BadFile]]:
     examples = [e for e in examples if e.image_path not in broken]
     if not examples:
         reasons = "; ".join(f"{b.path.name}: {b.reason}" for b in bad[:5])
-        raise DifftuneError(f"data.path {root}: no usable image ({len(bad)} left out: {reasons})")
+        raise DifftuneError(f"{key} {root}: no usable image ({len(bad)} left out: {reasons})")
     return examples, bad
 
 

@@ -27,8 +27,6 @@ LOCK_FILE = ".difftune.lock"
 def hold_output_dir(output_dir: Path) -> Iterator[None]:
     """Hold `output_dir` (created if missing) for the duration of the block, or refuse, naming the holder."""
     output_dir = Path(output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise DifftuneError(f"train.output_dir {output_dir}: is a file, not a folder; choose a folder for the run's outputs")
     try:
         import fcntl
     except ImportError:

@@ -33,13 +33,13 @@ from tqdm.auto import tqdm
 
 from difftune import export, sharding
 from difftune.activations import BlockActivations
-from difftune.adapters import add_adapters, trainable_parameters, trained_parts
+from difftune.adapters import add_adapters, check_targets, trainable_parameters, trained_parts
 from difftune.cache import fill_latents, fill_text, latent_entries, model_identity, text_entries, text_identity
 from difftune.checkpoint import (
     CHECKPOINTS_DIR, Checkpointer, Progress, StopRequest, find_checkpoint, keep_models_out_of_accelerate_state, retire_after,
     step_of,
 )
-from difftune.config import Config
+from difftune.config import Config, check_before_start
 from difftune.data import (
     BAD_FILES_REPORT,
     CaptionDrawer,
@@ -126,6 +126,7 @@ def _unwrapped(components: Components, accelerator: Accelerator) -> Components:
 def train(config: Config, resume: str | None = None) -> TrainResult:
     """Run the job; `resume` is "auto" (the latest complete checkpoint in output_dir, if any) or a checkpoint folder.
     The run holds its output folder throughout: a second run there is refused (output_lock.py)."""
+    check_before_start(config)
     with hold_output_dir(Path(config.train.output_dir)):
         run = setup(config, resume)
         loop(run)
@@ -140,6 +141,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     accelerator.gradient_accumulation_steps = config.train.gradient_accumulation_steps
     components = load_components(config.model)
     components.family.check_config(config)
+    check_targets(components, config.adapter)  # before the caches are filled: add_adapters checks again, later
     # The resolved config names the family: a file written now says what it was trained on.
     config = config.model_copy(update={"model": config.model.model_copy(update={"family": components.family.name})})
     if accelerator.is_main_process:

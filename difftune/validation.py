@@ -46,7 +46,7 @@ class Validator:
             update={"path": config.validation.path, "crop": "center", "random_flip": False, "caption_dropout": 0.0,
                     "shuffle_tags": False, "tag_dropout": 0.0, "masks": "off"}  # prefix and suffix stay: the captions as trained
         )
-        examples, bad_files = scan_examples(data)
+        examples, bad_files = scan_examples(data, "validation.path")
         report_bad_files(bad_files, None)
         family = components.family
         dataset = CaptionedImages(examples, data, partial(family.tokenize, components.tokenizers), config.validation.seed)

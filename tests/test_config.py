@@ -1,3 +1,4 @@
+import re
 import socket
 import tomllib
 from pathlib import Path
@@ -242,3 +243,65 @@ def test_a_hub_id_fails_at_once_offline_or_unreachable(monkeypatch):
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
     with pytest.raises(DifftuneError, match=rf"model.base someone/no-such-model: .*Cause: http://127.0.0.1:{port} is unreachable"):
         load_components(ModelConfig(base="someone/no-such-model"))
+
+
+# Configs that used to crash or fail late: each fails with one line naming its key, before the work it would spoil.
+
+def _refused_before(monkeypatch, capsys, overrides: list[str], stage: str) -> str:
+    """`difftune train` with `overrides` on the tiny default job: exit 2 and the one error line, with the run stopped
+    before `stage` (loading the model, or filling the caches) could start."""
+    import difftune.train as train_module
+
+    def not_reached(*args, **kwargs):
+        raise AssertionError(f"{stage} started before the config was refused")
+
+    monkeypatch.setattr(train_module, {"model load": "load_components", "caches": "_fill_caches"}[stage], not_reached)
+    capsys.readouterr()
+    assert main(["train", "--config", str(REPO / "configs" / "tiny_lora.toml"), *overrides]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and lines[0].startswith("difftune: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.resolution=2147483648"], r"data\.resolution: Input should be less than or equal to 16384"),
+    (["train.output_dir={file}"], r"train\.output_dir .*afile: .*afile is a file, not a folder"),
+    (["cache.dir={file}/latents"], r"cache\.dir .*afile/latents: .*afile is a file, not a folder"),
+    (["data.path={tmp}/missing"], r"data\.path .*missing: does not exist"),
+    (["validation.path={tmp}/missing"], r"validation\.path .*missing: does not exist"),
+    (["train.batch_size=1000000000"], r"train\.batch_size 1000000000: one batch of images at 32 px is 11,444 GiB, more than"),
+    (["adapter.kind=none", "model.quantize=int8"], r"^difftune: error: .*: invalid config\n  model\.quantize = \"int8\" needs an adapter"),
+], ids=["huge-resolution", "output-dir-a-file", "cache-dir-under-a-file", "missing-data", "missing-validation",
+        "batch-that-cannot-fit", "cross-section"])
+def test_bad_configs_fail_before_the_model_loads(tmp_path, monkeypatch, capsys, overrides, message):
+    (tmp_path / "afile").write_text("")
+    overrides = [o.format(file=tmp_path / "afile", tmp=tmp_path) for o in overrides]
+    err = _refused_before(monkeypatch, capsys, [f"train.output_dir={tmp_path / 'run'}", *overrides], "model load")
+    assert re.search(message, err, re.MULTILINE), err
+    assert "{'model'" not in err  # a check across sections no longer prints the whole config
+
+
+def test_a_family_that_does_not_fit_the_base_and_unknown_targets_fail_before_any_work(tmp_path, monkeypatch, capsys):
+    from diffusers import StableDiffusionXLPipeline
+
+    def not_loaded(*args, **kwargs):
+        raise AssertionError("the SDXL pipeline was loaded")
+
+    monkeypatch.setattr(StableDiffusionXLPipeline, "from_pretrained", not_loaded)
+    err = _refused_before(monkeypatch, capsys, [f"train.output_dir={tmp_path / 'a'}", "model.family=sdxl"], "caches")
+    assert re.search(r"model\.family = \"sdxl\": model\.base .*tiny-sd is a StableDiffusionPipeline of the sd family "
+                     r"\(Stable Diffusion 1\.x / 2\.x\); set model\.family = \"auto\" or \"sd\"", err), err
+    err = _refused_before(monkeypatch, capsys, [f"train.output_dir={tmp_path / 'b'}", 'adapter.target_modules=["nope_proj"]'], "caches")
+    assert re.search(r"adapter\.target_modules: 'nope_proj' names no module of the unet; its layers are named .*attn1\.to_q, .*"
+                     r"conv1, .*to_out\.0", err), err
+    err = _refused_before(monkeypatch, capsys, [f"train.output_dir={tmp_path / 'c'}", "adapter.text_encoder=true",
+                                                'adapter.text_encoder_target_modules=["to_q"]'], "caches")
+    assert "adapter.text_encoder_target_modules: 'to_q' names no module of the text_encoder; its layers are named" in err
+    assert "self_attn.q_proj" in err
+
+
+def test_a_config_file_with_a_byte_order_mark_loads(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + b"[train]\nmax_steps = 7\n")
+    assert load_config(path).train.max_steps == 7

@@ -60,7 +60,7 @@ def test_a_job_that_cannot_start_is_failed_with_its_error_in_the_log(make_config
     _wait_for(lambda: not job.is_running(), 120, job)
     assert job.status() == "failed" and not job.resumable()
     assert "no-such-folder" in jobs.log_tail(job)
-    assert jobs.failure_reason(job) == f"data.path {tmp_path / 'no-such-folder'} is not a folder; point it at a folder of captioned images"
+    assert jobs.failure_reason(job) == f"data.path {tmp_path / 'no-such-folder'}: does not exist; point it at a folder of captioned images"
 
 
 def test_a_crash_is_explained_by_the_exception_it_ended_with(tmp_path):

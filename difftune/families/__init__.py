@@ -72,6 +72,7 @@ def load_components(config: ModelConfig) -> Components:
 def family_of(config: ModelConfig) -> Family:
     """`model.family`, or the family `model.base` shows."""
     if config.family != "auto":
+        _check_family_fits(FAMILIES[config.family], config)
         return FAMILIES[config.family]
     base = config.base
     if base.endswith(SINGLE_FILE_SUFFIXES):
@@ -89,6 +90,27 @@ def family_of(config: ModelConfig) -> Family:
             f"Set model.family if this model is one of them"
         )
     return found[0]
+
+
+def _check_family_fits(family: Family, config: ModelConfig) -> None:
+    """`model.family` set by hand may name a family for a base that no known family reads (a custom pipeline class),
+    never one that another family reads: that base would half-load and fail later (an SD base as `sdxl`)."""
+    base = config.base
+    if base.endswith(SINGLE_FILE_SUFFIXES) and Path(base).is_file():
+        keys = _single_file_keys(base)
+        readers = [other for other in FAMILIES.values() if other.reads_single_file(keys)]
+        what = "a single file"
+    elif (Path(base) / "model_index.json").is_file():
+        class_name = _pipeline_class_name(config)
+        readers = [other for other in FAMILIES.values() if class_name in other.pipeline_classes]
+        what = f"a {class_name}"
+    else:
+        return  # a hub id: not fetched to check
+    if readers and family not in readers:
+        raise DifftuneError(
+            f"model.family = \"{family.name}\": model.base {base} is {what} of the {readers[0].name} family "
+            f"({readers[0].description}); set model.family = \"auto\" or \"{readers[0].name}\""
+        )
 
 
 def _pipeline_class_name(config: ModelConfig) -> str:
