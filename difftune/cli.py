@@ -149,9 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--port", type=int, default=7860)
     ui.add_argument("--jobs-dir", type=Path, default=Path("jobs"), help="one folder per job; the only folder the UI serves")
     ui.add_argument("--configs-dir", type=Path, default=Path("configs"), help="presets offered in the form")
-    ui.add_argument("--auth", metavar="USER:PASSWORD", help="require this login")
+    ui.add_argument("--auth", metavar="USER:PASSWORD", help="require this login (visible in `ps`: prefer --auth-file)")
     ui.add_argument("--auth-file", type=Path, help="require a login from this file (one user:password per line)")
     ui.add_argument("--share", action="store_true", help="also open a public share link (needs --auth)")
+    ui.add_argument("--ssl-certfile", type=Path, help="serve HTTPS with this certificate (with --ssl-keyfile)")
+    ui.add_argument("--ssl-keyfile", type=Path, help="the certificate's private key")
     return parser
 
 
@@ -187,7 +189,9 @@ def _run(args: argparse.Namespace) -> None:
         from difftune import webui
 
         auth = webui.read_auth(args.auth, args.auth_file)
-        webui.serve(args.jobs_dir, args.host, args.port, auth, args.share, args.configs_dir)
+        for warning in webui.exposure_warnings(args.host, bool(args.auth), bool(args.ssl_certfile)):
+            print(f"difftune: warning: {warning}", file=sys.stderr)
+        webui.serve(args.jobs_dir, args.host, args.port, auth, args.share, args.configs_dir, args.ssl_certfile, args.ssl_keyfile)
         return
 
     from difftune import export

@@ -118,8 +118,14 @@ def _is_token_keyed(keys: set[str]) -> bool:
 
 
 def is_embedding_file(path: Path) -> bool:
-    with safe_open(path, framework="pt") as handle:
-        return is_embedding(handle.keys())
+    if not Path(path).is_file():
+        raise DifftuneError(f"adapter {path}: no such file")
+    try:
+        with safe_open(path, framework="pt") as handle:
+            keys = list(handle.keys())
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own kinds for a file that is not safetensors
+        raise DifftuneError(f"adapter {path}: not a readable safetensors file ({err})") from None
+    return is_embedding(keys)
 
 
 def load_embedding(components: Components, path: Path) -> str:

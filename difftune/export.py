@@ -300,7 +300,10 @@ def save_merged(components: Components, out_dir: Path, single_file: bool, overwr
     """A complete diffusers pipeline folder (and, on request, `model.safetensors` in the family's original
     single-file layout inside it). Written to a temporary folder first and moved into place whole."""
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise DifftuneError(f"--out {out_dir}: already exists and is not empty; choose another folder or pass --overwrite")
+        raise DifftuneError(
+            f"{out_dir}: already exists and is not empty; choose another folder, or replace it (the CLI's --overwrite, "
+            "the UI's \"Replace an existing folder\")"
+        )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # The single file's keys first: a family without that layout refuses before anything is written.
     ldm = {key: value.contiguous() for key, value in components.family.to_single_file(components).items()} if single_file else {}

@@ -6,15 +6,17 @@ values go back through `Config` itself, so the form shows the schema's own valid
 
 from __future__ import annotations
 
+import tomllib
 import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
+import tomli_w
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from difftune.config import Config, describe_errors
+from difftune.config import Config, describe_errors, load_config
 from difftune.errors import DifftuneError
 
 
@@ -116,6 +118,26 @@ def form_fields(sections: list[str] | None = None) -> list[FormField]:
 
 def widget_values(config: Config, fields: list[FormField]) -> list[Any]:
     return [field.to_widget(getattr(getattr(config, field.section), field.name)) for field in fields]
+
+
+def file_widget_values(path: Path, fields: list[FormField]) -> list[Any]:
+    """A config file's values for the form: what the file sets, and empty where it leaves a field to follow another
+    (`adapter.alpha` the rank, `sample.resolution` the training size...). Filled with the resolved value instead,
+    such a field would stay put when the one it follows is edited, and the form would send another job than the CLI
+    does with the same edits."""
+    config = load_config(path)
+    raw = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))
+    return [field.to_widget(None) if field.optional and field.name not in raw.get(field.section, {})
+            else field.to_widget(getattr(getattr(config, field.section), field.name)) for field in fields]
+
+
+def form_toml(fields: list[FormField], values: list[Any]) -> str:
+    """The form as a config file: validated and resolved, less the fields left empty to follow others."""
+    data = config_from_widgets(fields, values).model_dump(mode="json", exclude_none=True)
+    for field, value in zip(fields, values, strict=True):
+        if field.optional and field.from_widget(value) is None:
+            data[field.section].pop(field.name, None)
+    return tomli_w.dumps(data)
 
 
 def config_from_widgets(fields: list[FormField], values: list[Any], source: str = "form", section: str | None = None):

@@ -50,16 +50,24 @@ class Job:
     def state(self) -> dict:
         return json.loads((self.dir / JOB_STATE).read_text(encoding="utf-8"))
 
-    def is_running(self) -> bool:
+    def process(self) -> psutil.Process | None:
+        """The job's trainer while it runs, else None. `job.json` names a pid, which is trusted only when that
+        process is this job's own `difftune train` (its command line, on this folder's job.toml) and started when
+        the job did: a reused pid, or a job.json written to point elsewhere, never gets a signal."""
         state = self.state()
         child = _children.get(state["pid"])
-        if child is not None:
-            return child.poll() is None
-        try:  # started by an earlier UI: the pid must still be that process, not a reused number
+        if child is not None and child.poll() is not None:
+            return None
+        try:
             process = psutil.Process(state["pid"])
-            return abs(process.create_time() - state["started"]) < 1 and process.status() != psutil.STATUS_ZOMBIE
+            if process.status() == psutil.STATUS_ZOMBIE or abs(process.create_time() - state["started"]) >= 1:
+                return None
+            return process if process.cmdline()[1:] == _command(self, resume="--resume" in process.cmdline())[1:] else None
         except psutil.Error:
-            return False
+            return None
+
+    def is_running(self) -> bool:
+        return self.process() is not None
 
     def status(self) -> str:
         """`running`, `finished` (the trained result exists), `stopped` (on request, resumable) or `failed`."""
@@ -115,17 +123,26 @@ def _new_folder(parent: Path, name: str) -> Path:
 
 def resume_job(job: Job) -> Job:
     """Continue a stopped or failed job from its latest complete checkpoint, in the same folder."""
+    status = job.status()
+    if status == "running":
+        raise DifftuneError(f"job {job.name} is running; stop it first to resume it later")
+    if status == "finished":
+        raise DifftuneError(
+            f"job {job.name} has finished: its result is written. To train it further, load its job.toml in Configure "
+            "with more train.max_steps and launch it as a new job"
+        )
     if not job.resumable():
-        raise DifftuneError(f"job {job.name} is {job.status()} and has no checkpoint to resume from")
+        raise DifftuneError(f"job {job.name} is {status} and wrote no checkpoint to resume from; launch it again")
     return _start(job, resume=True, cwd=Path(job.state()["cwd"]))
 
 
 def stop_job(job: Job) -> None:
     """Ask the job to stop: SIGTERM to the trainer, which finishes its step and writes a checkpoint. Not to the
     process group: data-loader workers killed under the trainer would make it fail instead."""
-    if not job.is_running():
+    process = job.process()
+    if process is None:
         raise DifftuneError(f"job {job.name} is not running")
-    os.kill(job.state()["pid"], signal.SIGTERM)
+    process.send_signal(signal.SIGTERM)
 
 
 def find_jobs(jobs_dir: Path) -> list[Job]:
@@ -136,10 +153,17 @@ def find_jobs(jobs_dir: Path) -> list[Job]:
     return [Job(folder) for folder in sorted(folders, key=lambda path: path.name, reverse=True)]
 
 
+def own_file(job: Job, path: Path) -> bool:
+    """A regular file of the job's own folder: what the UI shows or serves from it. A symlink (a train.log linked to
+    /etc/passwd, a grid.png to anywhere) is not one, nor anything that resolves outside the folder."""
+    path = Path(path)
+    return path.is_file() and not path.is_symlink() and path.resolve().is_relative_to(job.dir.resolve())
+
+
 def log_tail(job: Job, max_chars: int = 6000) -> str:
     """The end of the job's log, with progress-bar redraws (carriage returns) collapsed to their last state."""
     path = job.dir / JOB_LOG
-    if not path.exists():
+    if not own_file(job, path):
         return ""
     with open(path, "rb") as log:
         log.seek(max(0, path.stat().st_size - max_chars))
@@ -162,7 +186,7 @@ def failure_reason(job: Job) -> str:
 def read_progress(job: Job) -> list[dict]:
     """The metrics lines written so far (one per optimizer step)."""
     path = job.dir / METRICS_FILE
-    if not path.exists():
+    if not own_file(job, path):
         return []
     lines = path.read_text(encoding="utf-8").splitlines()
     # The last line may be half-written while the trainer runs.
@@ -186,14 +210,19 @@ def validation_frame(rows: list[dict], best: dict[str, dict]):
 
 def preview_grids(job: Job) -> list[Path]:
     """Sample grids of the job, newest first: previews during training, before/after, EMA."""
-    return sorted(job.dir.glob("samples*/**/grid.png"), key=lambda path: path.stat().st_mtime, reverse=True)
+    grids = [path for path in job.dir.glob("samples*/**/grid.png") if own_file(job, path)]
+    return sorted(grids, key=lambda path: path.stat().st_mtime, reverse=True)
+
+
+def _command(job: Job, resume: bool) -> list[str]:
+    """The trainer's command line: an argument list, never a shell string."""
+    return [sys.executable, "-m", "difftune.cli", "train", "--config", str(job.dir / JOB_CONFIG)] + (
+        ["--resume", "auto"] if resume else [])
 
 
 def _start(job: Job, resume: bool, cwd: Path) -> Job:
-    # An argument list, never a shell string; the child gets its own session so closing the UI leaves it running.
-    command = [sys.executable, "-m", "difftune.cli", "train", "--config", str(job.dir / JOB_CONFIG)]
-    if resume:
-        command += ["--resume", "auto"]
+    # The child gets its own session so closing the UI leaves it running.
+    command = _command(job, resume)
     with open(job.dir / JOB_LOG, "ab") as log:
         child = subprocess.Popen(
             command,

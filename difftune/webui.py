@@ -10,16 +10,18 @@ from the jobs folder only; uploads are capped; exports are written under `<jobs>
 
 from __future__ import annotations
 
+import hmac
+import time
 from pathlib import Path
 
 import gradio as gr
 import pandas as pd
 
 from difftune import jobs
-from difftune.config import TRAINING_ONLY_SAMPLE_FIELDS, Config, ModelConfig, SampleConfig, load_config
+from difftune.config import TRAINING_ONLY_SAMPLE_FIELDS, Config, ModelConfig, SampleConfig
 from difftune.errors import DifftuneError
 from difftune.finders import LR_PLOT_FILE
-from difftune.form import FormField, config_from_widgets, form_fields, parse_adapter_lines, widget_values
+from difftune.form import FormField, config_from_widgets, file_widget_values, form_fields, form_toml, parse_adapter_lines
 from difftune.models import DTYPES
 from difftune.validation import describe_best, read_best
 
@@ -57,18 +59,59 @@ def read_auth(auth: str | None, auth_file: Path | None) -> list[tuple[str, str]]
     return pairs or None
 
 
-def serve(jobs_dir: Path, host: str, port: int, auth: list[tuple[str, str]] | None, share: bool, configs_dir: Path) -> None:
+class LoginGuard:
+    """Gradio's login check with a limit on guessing: after `max_failures` wrong passwords for a user (or
+    `max_failures` x 4 for all users together) within `window_seconds`, every login of that user (of everyone) is
+    refused, the right password too, until the window has passed. Passwords are compared in constant time."""
+
+    def __init__(self, logins: list[tuple[str, str]], max_failures: int = 5, window_seconds: float = 300.0):
+        self.logins = dict(logins)
+        self.max_failures, self.window_seconds = max_failures, window_seconds
+        self.failures: dict[str | None, list[float]] = {}  # user (None: everyone) -> times of recent failures
+
+    def __call__(self, user: str, password: str) -> bool:
+        now = time.monotonic()
+        for who in (user, None):
+            self.failures[who] = [t for t in self.failures.get(who, []) if now - t < self.window_seconds]
+        if len(self.failures[user]) >= self.max_failures or len(self.failures[None]) >= 4 * self.max_failures:
+            return False
+        expected = self.logins.get(user)
+        if expected is not None and hmac.compare_digest(expected.encode(), password.encode()):
+            return True
+        self.failures[user].append(now)
+        self.failures[None].append(now)
+        return False
+
+
+def exposure_warnings(host: str, auth_on_command_line: bool, tls: bool) -> list[str]:
+    """What the chosen way of serving leaves open, to say at start-up."""
+    warnings = []
+    if auth_on_command_line:
+        warnings.append("--auth puts the password on the command line, where `ps` shows it to every user of this "
+                        "machine; use --auth-file (one user:password per line, readable by you alone)")
+    if host not in LOCAL_HOSTS and not tls:
+        warnings.append(f"--host {host} serves plain HTTP: logins and everything else cross the network unencrypted; "
+                        "give --ssl-certfile and --ssl-keyfile, or serve it behind a TLS reverse proxy (README)")
+    return warnings
+
+
+def serve(jobs_dir: Path, host: str, port: int, auth: list[tuple[str, str]] | None, share: bool, configs_dir: Path,
+          ssl_certfile: Path | None = None, ssl_keyfile: Path | None = None) -> None:
     check_exposure(host, auth, share)
+    if bool(ssl_certfile) != bool(ssl_keyfile):
+        raise DifftuneError("--ssl-certfile and --ssl-keyfile go together: give both, or neither")
     jobs_dir = jobs_dir.resolve()
     jobs_dir.mkdir(parents=True, exist_ok=True)
     build_app(jobs_dir, configs_dir).queue().launch(
         server_name=host,
         server_port=port,
-        auth=auth,
+        auth=LoginGuard(auth) if auth else None,
         share=share,
         allowed_paths=[str(jobs_dir)],
         max_file_size=MAX_UPLOAD,
         footer_links=[],
+        ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
+        ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,
     )
 
 
@@ -126,10 +169,10 @@ def _configure_tab(fields: list[FormField], presets: dict[str, Path], jobs_dir: 
         if not path:
             return [gr.update()] * len(widgets) + [""]
         try:
-            config = load_config(path)
+            values = file_widget_values(Path(path), fields)
         except DifftuneError as err:
             return [gr.update()] * len(widgets) + [_error(err)]
-        return widget_values(config, fields) + [f"Loaded {Path(path).name}"]
+        return values + [f"Loaded {Path(path).name}"]
 
     def check(*values):
         try:
@@ -140,12 +183,12 @@ def _configure_tab(fields: list[FormField], presets: dict[str, Path], jobs_dir: 
 
     def save_toml(name, *values):
         try:
-            config = config_from_widgets(fields, list(values))
+            text = form_toml(fields, list(values))
             path = _inside(jobs_dir / CONFIGS_DIR, f"{name}.toml")
         except DifftuneError as err:
             return gr.update(visible=False), _error(err)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(config.to_toml(), encoding="utf-8")
+        path.write_text(text, encoding="utf-8")
         return gr.update(value=str(path), visible=True), f"Saved `{path}`"
 
     _finders(fields, widgets, job_name, jobs_dir)
@@ -234,7 +277,8 @@ def _train_tab(jobs_dir: Path):
         plots = [gr.LinePlot(x="step", y=name, title=name, height=220, elem_id=f"plot-{name}") for name in PLOTTED]
         # Validation loss, with the kept best point as a series of its own.
         plots.append(gr.ScatterPlot(x="step", y="val_loss", color="series", title="val_loss", height=220, elem_id="plot-val_loss"))
-    previews = gr.Gallery(label="Samples (newest first)", columns=4, height=280, object_fit="contain", elem_id="previews")
+    # Sample grids at their own size or smaller, whole: a tiny model's 128 px grid is not blown up, a wide one not cut.
+    previews = gr.Gallery(label="Samples (newest first)", columns=4, height="auto", object_fit="scale-down", elem_id="previews")
     log = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, elem_id="job-log")
 
     def show(name):
@@ -242,9 +286,10 @@ def _train_tab(jobs_dir: Path):
             return ["No job selected."] + [None] * len(plots) + [[], ""]
         job = jobs.Job(jobs_dir / name)
         try:
-            max_steps = job.config().train.max_steps
+            config = job.config()
         except DifftuneError as err:  # a folder deleted or edited by hand since the list was made
             return [_error(err)] + [None] * len(plots) + [[], ""]
+        max_steps = config.train.max_steps
         rows = jobs.read_progress(job)
         step = rows[-1]["step"] if rows else 0
         status = job.status()
@@ -257,7 +302,8 @@ def _train_tab(jobs_dir: Path):
             summary += f"\n\n{jobs.failure_reason(job)}"
         frame = pd.DataFrame(rows, columns=["step", *PLOTTED]) if rows else None
         frames = [frame[["step", column]] if frame is not None else None for column in PLOTTED]
-        frames.append(jobs.validation_frame(rows, best))
+        # A run without validation has no validation loss to plot: no empty frame for it.
+        frames.append(gr.update(value=jobs.validation_frame(rows, best), visible=bool(config.validation.path)))
         grids = [(str(path), str(path.parent.relative_to(job.dir))) for path in jobs.preview_grids(job)]
         return [summary, *frames, grids, jobs.log_tail(job)]
 
@@ -346,7 +392,7 @@ def _sample_tab(jobs_dir: Path):
                 components = load_with_adapters(base_name, run_adapters)
                 samples = generate_images(components, config, components.denoiser.device)
                 galleries.append([(sample.image, f"{sample.prompt} · seed {sample.seed}") for sample in samples])
-        except (DifftuneError, OSError) as err:
+        except Exception as err:  # noqa: BLE001 - whatever went wrong is said on the page, not as a bare "Error"
             return _error(err), [], []
         return f"{len(galleries[0])} images per gallery.", galleries[0], galleries[1] if ema else []
 
@@ -383,14 +429,14 @@ def _export_tab(jobs_dir: Path):
             written = export.merge_into_folder(
                 base_name, parse_adapter_lines(adapter_text), _inside(exports, name), dtype_name, single, replace
             )
-        except (DifftuneError, OSError) as err:
+        except Exception as err:  # noqa: BLE001 - as in Sample
             return _error(err)
         return "Wrote " + ", ".join(f"`{path}`" for path in written)
 
     def do_convert(source_path, layout_name, name):
         try:
             written = export.convert_adapter(Path(source_path.strip()), _inside(exports, name), layout_name)
-        except (DifftuneError, OSError) as err:
+        except Exception as err:  # noqa: BLE001 - as in Sample
             return _error(err)
         return f"Wrote `{written}`"
 
@@ -407,4 +453,6 @@ def _inside(folder: Path, name: str) -> Path:
 
 
 def _error(err: Exception) -> str:
-    return f"**Error**\n\n```\n{err}\n```"
+    """A failure as the page shows it: difftune's own message, or an unexpected exception with its kind."""
+    text = str(err) if isinstance(err, DifftuneError) else f"{type(err).__name__}: {err}"
+    return f"**Error**\n\n```\n{text}\n```"

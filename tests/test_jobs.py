@@ -3,9 +3,14 @@ resumed; and the form that turns the config schema into widgets and back."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from difftune import jobs
@@ -136,3 +141,76 @@ def test_the_sample_tab_offers_only_fields_that_apply_outside_training():
     ids = {block.elem_id for block in app.blocks.values() if getattr(block, "elem_id", None)}
     offered = {name for name in SampleConfig.model_fields if f"sample-sample-{name}" in ids}
     assert offered == set(SampleConfig.model_fields) - set(TRAINING_ONLY_SAMPLE_FIELDS)
+
+
+# The UI's trust in its jobs folder, and what it says.
+
+def test_a_preset_edited_in_the_form_makes_the_job_the_cli_makes(tmp_path):
+    """Loaded from `tiny_lora.toml` and edited (rank, learning rate, resolution), the form's job is the CLI's job
+    with the same edits: alpha, the text encoders' rate and the sample size follow the edits (they stayed at the
+    preset's resolved 16, 1e-3 and 32 before, training the adapter at 4x the scale). Saved and reloaded: the same."""
+    from difftune.form import file_widget_values, form_toml
+
+    preset = REPO / "configs" / "tiny_lora.toml"
+    fields = form_fields()
+    values = file_widget_values(preset, fields)
+    edits = {"adapter.rank": 4, "optim.learning_rate": 2e-4, "data.resolution": 64}
+    for i, field in enumerate(fields):
+        if field.key in edits:
+            values[i] = edits[field.key]
+    ui = config_from_widgets(fields, values)
+    cli = load_config(preset, [f"{key}={value}" for key, value in edits.items()])
+    assert (ui.adapter.alpha, ui.optim.text_encoder_learning_rate, ui.sample.resolution) == (4.0, 2e-4, 64)
+    assert ui == cli
+    saved = tmp_path / "saved.toml"
+    saved.write_text(form_toml(fields, values))
+    assert load_config(saved) == cli
+    assert file_widget_values(saved, fields)[[field.key for field in fields].index("adapter.alpha")] == ""
+
+
+def _fake_job(folder: Path, pid: int, started: float, command: list[str]) -> jobs.Job:
+    folder.mkdir(parents=True)
+    (folder / jobs.JOB_CONFIG).write_text(Config().to_toml())
+    (folder / jobs.JOB_STATE).write_text(json.dumps({"pid": pid, "started": started, "command": command, "cwd": str(folder)}))
+    return jobs.Job(folder)
+
+
+def test_the_ui_shows_and_signals_only_what_is_the_jobs_own(tmp_path):
+    """A jobs folder written by someone else: a train.log or grid.png that links out of the job folder is not shown,
+    and a job.json naming another process (its pid, its start time, even our command) gets it no signal."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the log box")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        started = psutil.Process(other.pid).create_time()
+        job = _fake_job(tmp_path / "jobs" / "20260101-000000-fake", other.pid, started,
+                        [sys.executable, "-m", "difftune.cli", "train", "--config", str(tmp_path / "jobs" / "x" / "job.toml")])
+        (job.dir / jobs.JOB_LOG).symlink_to(secret)
+        (job.dir / "metrics.jsonl").symlink_to(secret)
+        (job.dir / "samples").mkdir()
+        (job.dir / "samples" / "grid.png").symlink_to(secret)
+        assert jobs.log_tail(job) == "" and jobs.read_progress(job) == [] and jobs.preview_grids(job) == []
+        assert not job.is_running()
+        with pytest.raises(DifftuneError, match="is not running"):
+            jobs.stop_job(job)
+        assert other.poll() is None  # never signalled
+        (job.dir / jobs.JOB_LOG).unlink()
+        (job.dir / jobs.JOB_LOG).write_text("difftune: the job's own log\n")
+        assert "the job's own log" in jobs.log_tail(job)
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_resume_says_why_it_cannot(make_config, tmp_path):
+    jobs_dir = tmp_path / "jobs"
+    job = jobs.launch_job(make_config(train__max_steps=2), jobs_dir, "short")
+    _wait_for(lambda: not job.is_running(), 120, job)
+    assert job.status() == "finished"
+    with pytest.raises(DifftuneError, match=r"has finished: its result is written\. To train it further"):
+        jobs.resume_job(job)
+    (job.dir / "pytorch_lora_weights.safetensors").unlink()
+    for checkpoint in complete_checkpoints(job.dir):
+        shutil.rmtree(checkpoint)
+    with pytest.raises(DifftuneError, match=r"is failed and wrote no checkpoint to resume from; launch it again"):
+        jobs.resume_job(job)

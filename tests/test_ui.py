@@ -183,6 +183,10 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         expect(status).to_contain_text("step 40 / 40")
         expect(page.locator("#plot-loss canvas, #plot-loss svg").first).to_be_visible(timeout=30_000)
         expect(page.locator("#previews img").first).to_be_visible(timeout=30_000)
+        expect(page.locator("#plot-val_loss")).to_be_hidden()  # no validation in this job: no empty plot
+        # Each sample grid drawn whole (not cropped) and never past its own size (not blown up): `scale-down`.
+        fits = page.locator("#previews img").evaluate_all("images => images.map(i => getComputedStyle(i).objectFit)")
+        assert fits and set(fits) == {"scale-down"}, fits
         page.screenshot(path=str(shots / "ui_train.png"))
         adapter = next(jobs.glob("*-browser/pytorch_lora_weights.safetensors"))
 
@@ -222,7 +226,7 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         page.locator("#job-name input, #job-name textarea").first.fill("broken")
         page.locator("#launch").click()
         expect(page.locator("#job-status")).to_contain_text("failed", timeout=120_000)
-        expect(page.locator("#job-status")).to_contain_text(f"data.path {tmp_path / 'no-such-folder'} is not a folder")
+        expect(page.locator("#job-status")).to_contain_text(f"data.path {tmp_path / 'no-such-folder'}: does not exist")
         browser.close()
 
     merged_dir = jobs / "exports" / "purple-merged"
@@ -276,3 +280,72 @@ def test_outputs_stay_inside_their_folder(tmp_path):
     for name in ("../escape", "/etc/x", "a/../../b", "", "."):
         with pytest.raises(DifftuneError, match="plain name"):
             _inside(tmp_path, name)
+
+
+def test_logins_are_limited_after_wrong_passwords(monkeypatch):
+    """50 wrong passwords, then the right one: refused while the window lasts (it was accepted), then accepted."""
+    from difftune import webui
+
+    now = [1000.0]
+    monkeypatch.setattr(webui.time, "monotonic", lambda: now[0])
+    guard = webui.LoginGuard([("ann", "right"), ("bob", "other")], max_failures=5, window_seconds=300)
+    assert guard("ann", "right")
+    for attempt in range(50):
+        assert not guard("ann", f"guess-{attempt}")
+    assert not guard("ann", "right")
+    now[0] += 301
+    assert guard("ann", "right")
+    for user in [f"user-{i}" for i in range(20)]:  # guesses spread over many names lock everyone for the window
+        assert not guard(user, "x")
+    assert not guard("bob", "other")
+    now[0] += 301
+    assert guard("bob", "other")
+
+
+def test_the_served_ui_checks_logins_through_the_guard_and_warns_what_it_leaves_open(tmp_path, monkeypatch, capsys):
+    import gradio as gr
+
+    from difftune import webui
+    from difftune.cli import main
+
+    launched = {}
+    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: launched.update(kwargs))
+    logins = tmp_path / "logins"
+    logins.write_text("ann:right\n")
+    assert main(["ui", "--host", "0.0.0.0", "--auth", "cy:pw", "--jobs-dir", str(tmp_path / "jobs"),
+                 "--configs-dir", str(REPO / "configs")]) == 0
+    err = capsys.readouterr().err
+    assert "--auth puts the password on the command line, where `ps` shows it" in err
+    assert "--host 0.0.0.0 serves plain HTTP" in err and "--ssl-certfile" in err
+    assert isinstance(launched["auth"], webui.LoginGuard) and launched["ssl_certfile"] is None
+    assert main(["ui", "--host", "0.0.0.0", "--auth-file", str(logins), "--ssl-certfile", str(tmp_path / "c.pem"),
+                 "--ssl-keyfile", str(tmp_path / "k.pem"), "--jobs-dir", str(tmp_path / "jobs")]) == 0
+    assert capsys.readouterr().err == ""
+    assert launched["ssl_certfile"] == str(tmp_path / "c.pem") and launched["auth"]("ann", "right")
+    assert main(["ui", "--ssl-certfile", str(tmp_path / "c.pem"), "--jobs-dir", str(tmp_path / "jobs")]) == 2
+    assert "--ssl-certfile and --ssl-keyfile go together" in capsys.readouterr().err
+
+
+def test_a_file_that_is_no_adapter_is_named_as_such(tmp_path, capsys):
+    """Sample and merge with a file that is not safetensors: one line (the CLI printed a traceback, the UI a bare
+    "Error"); the UI's page shows unexpected failures with their kind."""
+    from difftune import webui
+    from difftune.cli import main
+
+    notes = tmp_path / "notes.safetensors"
+    notes.write_text("a text file")
+    assert main(["sample", "--base", str(REPO / "models" / "tiny-sd"), "--adapter", str(notes), "--prompt", "a red circle",
+                 "--out", str(tmp_path / "samples")]) == 2
+    assert f"adapter {notes}: not a readable safetensors file" in capsys.readouterr().err
+    assert webui._error(ValueError("boom")) == "**Error**\n\n```\nValueError: boom\n```"
+
+
+def test_a_merge_into_a_used_folder_says_how_to_replace_it_in_either_tool(tmp_path):
+    from difftune import export
+
+    (tmp_path / "merged").mkdir()
+    (tmp_path / "merged" / "keep.txt").write_text("earlier work")
+    with pytest.raises(DifftuneError, match=r"merged: already exists and is not empty; choose another folder, or replace it "
+                                            r"\(the CLI's --overwrite, the UI's \"Replace an existing folder\"\)"):
+        export.merge_into_folder(str(REPO / "models" / "tiny-sd"), [], tmp_path / "merged")
+    assert (tmp_path / "merged" / "keep.txt").read_text() == "earlier work"
