@@ -15,4 +15,3 @@ def require_extra(module: str, extra: str, setting: str, instead: str) -> None:
     """Stop, with the command that installs it, when the optional package a setting needs is missing."""
     if importlib.util.find_spec(module) is None:
         raise DifftuneError(f"{setting} needs {module}: `pip install difftune[{extra}]`, or {instead}")
-

@@ -83,11 +83,16 @@ def test_family_detection(tiny_base, tiny_sdxl_base, tmp_path):
     assert family_of(ModelConfig(base=str(merged))).name == "sdxl"
     sd_file = export.merge_into_folder(str(tiny_base), [], tmp_path / "sd", single_file=True)[1]
     assert family_of(ModelConfig(base=str(sd_file))).name == "sd"
-    assert family_of(ModelConfig(base=str(tiny_sdxl_base), family="sd")).name == "sd"  # the config's word wins
+    # The config's word wins for a pipeline class no family reads, never against the family that reads it.
+    with pytest.raises(DifftuneError, match=r"model\.family = \"sd\": model\.base .* is a StableDiffusionXLPipeline of the sdxl"):
+        family_of(ModelConfig(base=str(tiny_sdxl_base), family="sd"))
+    with pytest.raises(DifftuneError, match=r"model\.family = \"sdxl\": model\.base .*\.safetensors is a single file of the sd"):
+        family_of(ModelConfig(base=str(sd_file), family="sdxl"))
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "model_index.json").write_text('{"_class_name": "KandinskyPipeline"}')
     with pytest.raises(DifftuneError, match=r"is a KandinskyPipeline; difftune trains .*Stable Diffusion XL"):
         family_of(ModelConfig(base=str(tmp_path / "other")))
+    assert family_of(ModelConfig(base=str(tmp_path / "other"), family="sd")).name == "sd"
     save_file({"x": torch.zeros(1)}, tmp_path / "odd.safetensors")
     with pytest.raises(DifftuneError, match="keys match no known family"):
         family_of(ModelConfig(base=str(tmp_path / "odd.safetensors")))
