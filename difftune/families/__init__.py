@@ -70,47 +70,39 @@ def load_components(config: ModelConfig) -> Components:
 
 
 def family_of(config: ModelConfig) -> Family:
-    """`model.family`, or the family `model.base` shows."""
-    if config.family != "auto":
-        _check_family_fits(FAMILIES[config.family], config)
-        return FAMILIES[config.family]
+    """`model.family`, or the family `model.base` shows. A family set by hand may name one for a base that no family
+    reads (a custom pipeline class), never one that another family reads: that base would half-load and fail later
+    (an SD base as `sdxl`). A hub id is not fetched to check it."""
     base = config.base
-    if base.endswith(SINGLE_FILE_SUFFIXES):
-        keys = _single_file_keys(base)
-        found = [family for family in FAMILIES.values() if family.reads_single_file(keys)]
-        what = f"a single file whose keys match no known family ({', '.join(FAMILIES)})"
-    else:
-        with explained_load_errors("model.base", base):
-            class_name = _pipeline_class_name(config)
-        found = [family for family in FAMILIES.values() if class_name in family.pipeline_classes]
-        what = f"a {class_name}"
-    if not found:
+    if config.family != "auto":
+        family = FAMILIES[config.family]
+        readers, what = _readers(config) if Path(base).exists() else ([], "")
+        if readers and family not in readers:
+            raise DifftuneError(
+                f"model.family = \"{family.name}\": model.base {base} is {what} of the {readers[0].name} family "
+                f"({readers[0].description}); set model.family = \"auto\" or \"{readers[0].name}\""
+            )
+        return family
+    readers, what = _readers(config)
+    if not readers:
+        if base.endswith(SINGLE_FILE_SUFFIXES):
+            what += f" whose keys match no known family ({', '.join(FAMILIES)})"
         raise DifftuneError(
             f"model.base {base}: is {what}; difftune trains {', '.join(f.description for f in FAMILIES.values())}. "
             f"Set model.family if this model is one of them"
         )
-    return found[0]
+    return readers[0]
 
 
-def _check_family_fits(family: Family, config: ModelConfig) -> None:
-    """`model.family` set by hand may name a family for a base that no known family reads (a custom pipeline class),
-    never one that another family reads: that base would half-load and fail later (an SD base as `sdxl`)."""
+def _readers(config: ModelConfig) -> tuple[list[Family], str]:
+    """The families that read `model.base` (by a single file's keys, or a pipeline's class), and what the base is."""
     base = config.base
-    if base.endswith(SINGLE_FILE_SUFFIXES) and Path(base).is_file():
+    if base.endswith(SINGLE_FILE_SUFFIXES):
         keys = _single_file_keys(base)
-        readers = [other for other in FAMILIES.values() if other.reads_single_file(keys)]
-        what = "a single file"
-    elif (Path(base) / "model_index.json").is_file():
+        return [family for family in FAMILIES.values() if family.reads_single_file(keys)], "a single file"
+    with explained_load_errors("model.base", base):
         class_name = _pipeline_class_name(config)
-        readers = [other for other in FAMILIES.values() if class_name in other.pipeline_classes]
-        what = f"a {class_name}"
-    else:
-        return  # a hub id: not fetched to check
-    if readers and family not in readers:
-        raise DifftuneError(
-            f"model.family = \"{family.name}\": model.base {base} is {what} of the {readers[0].name} family "
-            f"({readers[0].description}); set model.family = \"auto\" or \"{readers[0].name}\""
-        )
+    return [family for family in FAMILIES.values() if class_name in family.pipeline_classes], f"a {class_name}"
 
 
 def _pipeline_class_name(config: ModelConfig) -> str:
