@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from diffusers.utils.state_dict_utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
-from safetensors import safe_open
 
 from difftune.adapters import DORA_MAGNITUDE, LYCORIS_TENSORS, derived_lora_configs
 from difftune.embeddings import is_embedding
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES
 from difftune.families.family import Family
+from difftune.files import open_safetensors
 from difftune.kohya import split_adapter_key
 
 CONFIG_METADATA_KEY = "difftune_config"
@@ -61,14 +61,9 @@ def read_adapter(path: Path, base_modules: FindBaseModules | None = None) -> tup
     or "" when another tool made it). `base_modules` gives the base model's modules, needed for a kohya file only
     (a `_`-joined name cannot be split without them), and called only then, with the file's metadata."""
     path = Path(path)
-    if not path.is_file():
-        raise DifftuneError(f"adapter {path}: no such file")
-    try:
-        with safe_open(path, framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-    except Exception as err:  # safetensors raises its own error kinds for a file that is not safetensors
-        raise DifftuneError(f"adapter {path}: not a readable safetensors file ({err})") from None
+    with open_safetensors(path) as handle:
+        metadata = handle.metadata() or {}
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     if not tensors:
         raise DifftuneError(f"adapter {path}: holds no tensors")
     if is_embedding(tensors):

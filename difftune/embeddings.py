@@ -15,12 +15,11 @@ from pathlib import Path
 
 import torch
 from peft import TrainableTokensConfig
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from difftune.config import AdapterConfig
 from difftune.errors import DifftuneError
-from difftune.files import replace_atomically
+from difftune.files import open_safetensors, replace_atomically
 from difftune.models import Components
 
 TOKEN_METADATA_KEY = "difftune_embedding_token"
@@ -118,21 +117,15 @@ def _is_token_keyed(keys: set[str]) -> bool:
 
 
 def is_embedding_file(path: Path) -> bool:
-    if not Path(path).is_file():
-        raise DifftuneError(f"adapter {path}: no such file")
-    try:
-        with safe_open(path, framework="pt") as handle:
-            keys = list(handle.keys())
-    except Exception as err:  # noqa: BLE001 - safetensors raises its own kinds for a file that is not safetensors
-        raise DifftuneError(f"adapter {path}: not a readable safetensors file ({err})") from None
-    return is_embedding(keys)
+    with open_safetensors(path) as handle:
+        return is_embedding(handle.keys())
 
 
 def load_embedding(components: Components, path: Path) -> str:
     """Teach the components' tokenizers and encoders the file's token (diffusers' `load_textual_inversion`, one
     encoder at a time); the token, from the file's metadata, else its key in diffusers' layout, else the file's name
     (A1111's rule)."""
-    with safe_open(path, framework="pt") as handle:
+    with open_safetensors(path, "embedding") as handle:
         token = (handle.metadata() or {}).get(TOKEN_METADATA_KEY)
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     family, pipeline = components.family, components.pipeline()

@@ -1,13 +1,34 @@
-"""Writing results safely: a file or folder replaced whole or not at all, and telling a full disk from other
-write errors (so the message can say what is intact)."""
+"""Files in and out: a safetensors file someone hands difftune opened with a one-line error when it is missing or
+not safetensors; results written whole or not at all; a full disk told from other write errors (so the message
+can say what is intact)."""
 
 from __future__ import annotations
 
 import errno
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from safetensors import safe_open
+
+from difftune.errors import DifftuneError
+
+
+@contextmanager
+def open_safetensors(path: Path, what: str = "adapter") -> Iterator:
+    """`safe_open` of `path` (a `what`: adapter, embedding...), refusing a missing file or one that is not
+    safetensors with one line instead of safetensors' own exception kinds."""
+    path = Path(path)
+    if not path.is_file():
+        raise DifftuneError(f"{what} {path}: no such file")
+    try:
+        handle = safe_open(path, framework="pt")
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own kinds for a file that is not safetensors
+        raise DifftuneError(f"{what} {path}: not a readable safetensors file ({err})") from None
+    with handle:
+        yield handle
 
 
 def out_of_space(err: BaseException, folder: Path) -> bool:
