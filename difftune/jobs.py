@@ -62,7 +62,8 @@ class Job:
             process = psutil.Process(state["pid"])
             if process.status() == psutil.STATUS_ZOMBIE or abs(process.create_time() - state["started"]) >= 1:
                 return None
-            return process if process.cmdline()[1:] == _command(self, resume="--resume" in process.cmdline())[1:] else None
+            command = process.cmdline()
+            return process if command[1:] == _command(self, resume="--resume" in command)[1:] else None
         except psutil.Error:
             return None
 
