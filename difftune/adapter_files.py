@@ -7,8 +7,8 @@ What people share, and how each is read:
 - diffusers' files without that metadata, as its example training scripts write them
   (`convert_state_dict_to_diffusers`: `unet.<module>.lora.down.weight`, text encoder
   `...lora_linear_layer.down.weight`, older `to_q_lora.down` processor keys), and files saved from a lone
-  model (`unet.save_lora_adapter`, peft's `base_model.model.` prefix), which are the UNet's: keys go
-  through diffusers' own converters to peft's names.
+  model (`unet.save_lora_adapter`, peft's `base_model.model.` prefix, ai-toolkit's and ComfyUI's
+  `diffusion_model.` one), which are the denoiser's: keys go through diffusers' own converters to peft's names.
 - kohya sd-scripts / A1111 / ComfyUI files (`lora_unet_*`, `lora_te_*` / `lora_te1_*` / `lora_te2_*`,
   `.alpha`, `.dora_scale`, and LyCORIS's LoHa/LoKr tensors): kohya.py, with the base model's module names and its
   family's prefixes.
@@ -21,6 +21,7 @@ A key that fits none of these stops the read, naming the key.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +41,10 @@ from difftune.kohya import split_adapter_key
 CONFIG_METADATA_KEY = "difftune_config"
 KOHYA_PREFIXES = tuple({prefix for family in FAMILIES.values() for prefix in family.kohya_prefixes.values()})
 KNOWN_PARTS = {part for family in FAMILIES.values() for part in family.parts()}  # diffusers-layout key prefixes
-# Prefixes of a file saved from one model rather than a pipeline: its keys are the denoiser's.
-LONE_MODEL_PREFIXES = ("base_model.model.",)
+# Prefixes of a file saved from one model rather than a pipeline (peft's; ComfyUI's and ai-toolkit's name the
+# denoiser `diffusion_model.`): its keys are the denoiser's.
+LONE_MODEL_PREFIXES = ("base_model.model.", "diffusion_model.")
+UNET_MODULE = re.compile(r"(down_blocks|up_blocks|mid_block|conv_in|conv_out|conv_norm_out|time_embedding|add_embedding)\.")
 
 
 @dataclass
@@ -120,14 +123,14 @@ def check_modules(tensors: dict, module_names: dict[str, list[str]], path: Path)
 
 def _from_diffusers(tensors: dict, path: Path) -> tuple[dict, dict]:
     """diffusers/peft keys (any generation) -> `<part>.<module>.lora_A.weight`, ...; and `.alpha` values by part.
-    A key under no known part is a lone model's: a UNet's (files saved from other denoisers name their part)."""
+    A key under no known part is a lone denoiser's: a UNet's or a transformer's, by its module names."""
     by_part: dict[str, dict] = {}
     for key, value in tensors.items():
         for prefix in LONE_MODEL_PREFIXES:
             key = key.removeprefix(prefix)
         part, _, rest = key.partition(".")
-        if part not in KNOWN_PARTS:
-            part, rest = "unet", key
+        if part not in KNOWN_PARTS:  # a lone denoiser's keys: a UNet's modules, or else a transformer's
+            part, rest = ("unet" if UNET_MODULE.match(key) else "transformer"), key
         by_part.setdefault(part, {})[rest] = value
     out, alphas = {}, {}
     for part, state in by_part.items():

@@ -7,7 +7,10 @@ and 695M). `flux` has FLUX.1-dev's widths with fewer blocks, so that a CPU can s
 single-stream blocks of its 19 and 38 (width 3072, 24 heads, guidance embedding; 0.64B of its 11.9B), its
 16-channel VAE, CLIP ViT-L/14 and T5-XXL's widths in 2 of its 24 layers, 512 T5 tokens. A step's transformer
 time grows about linearly in the blocks: the full model is about (19 x double + 38 x single) / (1 x double +
-2 x single) times slower per step.
+2 x single) times slower per step. `qwen_image` has Qwen-Image's widths with 1 of its 60 blocks (width 3072, 24
+heads, 3584-wide text states; 0.34B of its 20.4B), its autoencoder (Wan 2.1's) whole, and Qwen2.5-VL-7B's widths in
+2 of its 28 language-model layers (over the byte-level tokenizer built here, so a small vocabulary); the full
+transformer is about 60 times slower per step. `tiny-qwen_image` is its test model.
 Seconds per step are the median over the steps after warm-up, read from the run's metrics.jsonl.
 Peak memory is the process's peak RSS on CPU, `torch.cuda.max_memory_allocated` on GPU. On GPU the
 model FLOPs utilisation (MFU) is the denoiser's training FLOPs per step (counted by
@@ -26,16 +29,28 @@ from pathlib import Path
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLQwenImage,
     FluxPipeline,
     FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    T5Config,
+    T5EncoderModel,
+)
 
 from difftune import tiny
 from difftune.adapters import add_adapters
+from difftune.autoencoders import downsampling, latent_channels
 from difftune.config import load_config
 from difftune.metrics import read_metrics
 from difftune.families import load_components
@@ -53,7 +68,7 @@ PEAK_FLOPS = {
 
 @dataclass
 class BenchOptions:
-    model: str = "tiny"  # tiny | tiny-sdxl | tiny-flux | sd15 | sdxl | flux
+    model: str = "tiny"  # tiny | tiny-sdxl | tiny-flux | tiny-qwen_image | sd15 | sdxl | flux | qwen_image
     resolution: int = 32
     batch: int = 1
     steps: int = 3
@@ -67,6 +82,9 @@ class BenchOptions:
     compile: bool = False
     attention: str = "sdpa"
     workdir: str = ""
+
+
+TINY_FAMILIES = {"tiny": "sd", "tiny-sdxl": "sdxl", "tiny-flux": "flux", "tiny-qwen_image": "qwen_image"}
 
 
 def _clip(hidden: int, layers: int, heads: int, act: str, projection: int | None = None):
@@ -93,8 +111,21 @@ def _tokenizer():
 
 def build_pipeline(model: str):
     torch.manual_seed(0)
-    if model in ("tiny", "tiny-sdxl", "tiny-flux"):
-        return tiny.build_pipeline(family={"tiny": "sd", "tiny-sdxl": "sdxl", "tiny-flux": "flux"}[model])
+    if model in TINY_FAMILIES:
+        return tiny.build_pipeline(family=TINY_FAMILIES[model])
+    if model == "qwen_image":
+        tokenizer = tiny.build_qwen_tokenizer()
+        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config={"vocab_size": len(tokenizer), "hidden_size": 3584, "intermediate_size": 18944,
+                         "num_hidden_layers": 2, "num_attention_heads": 28, "num_key_value_heads": 4,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}},
+            vision_config={"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
+                           "out_hidden_size": 3584, "fullatt_block_indexes": [0]},
+        ))
+        return QwenImagePipeline(
+            vae=AutoencoderKLQwenImage(), text_encoder=text_encoder, tokenizer=tokenizer,
+            transformer=QwenImageTransformer2DModel(num_layers=1), scheduler=tiny.build_flow_scheduler(),
+        )
     if model == "flux":
         t5_tokenizer = tiny.build_t5_tokenizer()
         t5_tokenizer.model_max_length = 512  # FLUX.1-dev's max_sequence_length
@@ -130,7 +161,7 @@ def build_pipeline(model: str):
             text_encoder_2=_clip(1280, 32, 20, "gelu", projection=1280), tokenizer_2=_tokenizer(), unet=unet,
             scheduler=tiny.build_noise_scheduler(), add_watermarker=False,
         )
-    raise ValueError(f"unknown model spec {model!r}; known: tiny, tiny-sdxl, tiny-flux, sd15, sdxl, flux")
+    raise ValueError(f"unknown model spec {model!r}; known: {', '.join(TINY_FAMILIES)}, sd15, sdxl, flux, qwen_image")
 
 
 def prepare_workspace(options: BenchOptions) -> tuple[Path, Path, Path]:
@@ -172,8 +203,8 @@ def denoiser_training_flops(options: BenchOptions, model_dir: Path, device: torc
     for module in components.modules():
         module.to(device)
     family, batch = components.family, options.batch
-    size = options.resolution // 2 ** (len(components.vae.config.block_out_channels) - 1)
-    latents = torch.randn(batch, components.vae.config.latent_channels, size, size, device=device)
+    size = options.resolution // downsampling(components.vae)
+    latents = torch.randn(batch, latent_channels(components.vae), size, size, device=device)
     token_ids = family.tokenize(components.tokenizers, ["a red circle"] * batch)
     with torch.no_grad():
         conditioning = family.encode_prompts(components, {name: ids.to(device) for name, ids in token_ids.items()})

@@ -35,7 +35,8 @@ from tqdm.auto import tqdm
 
 from difftune.config import Config
 from difftune.data import Example, image_to_tensor, open_image, resize_and_crop
-from difftune.models import Components, encode_posterior
+from difftune.autoencoders import encode_posterior
+from difftune.models import Components
 
 
 def cache_root(config: Config) -> Path:

@@ -38,9 +38,11 @@ class Section(BaseModel):
 MAX_SIDE = 16384  # pixels: a side past this is a typo (2147483648 overflowed after the model had loaded)
 
 # The model families: one module each in difftune/families/, named as the family (families/__init__.py loads
-# them). Read from the file names here, because the families import this schema.
+# them), beside the pieces several families share. Read from the file names here, because the families import
+# this schema.
+SHARED_FAMILY_MODULES = ("__init__", "family", "flow")
 FAMILY_NAMES = tuple(
-    sorted(path.stem for path in (Path(__file__).parent / "families").glob("*.py") if path.stem not in ("__init__", "family"))
+    sorted(path.stem for path in (Path(__file__).parent / "families").glob("*.py") if path.stem not in SHARED_FAMILY_MODULES)
 )
 
 
@@ -55,7 +57,7 @@ class ModelConfig(Section):
         "auto",
         description="Model family: `auto` reads it from the base (a pipeline folder's model_index.json, a single "
         "file's keys); `sd` is Stable Diffusion 1.x/2.x, `sdxl` SDXL and models built on it, `flux` Flux.1-class "
-        "flow-matching transformers.",
+        "flow-matching transformers, `qwen_image` Qwen-Image.",
     )
     revision: str = Field("", description="Hub revision (branch, tag or commit) of `base`; empty for the default.")
     variant: str = Field("", description="Weight variant to load from a diffusers folder, e.g. `fp16`; empty for the default.")
@@ -63,7 +65,8 @@ class ModelConfig(Section):
         "",
         json_schema_extra=PATH_MODEL,
         description="For a single-file `base`: a diffusers folder or hub id whose configs describe its "
-        "architecture. Offline, pass a local folder here.",
+        "architecture. Offline, pass a local folder here. A Qwen-Image single file holds the transformer alone "
+        "(as ComfyUI ships it): the text encoder and autoencoder come from this folder.",
     )
     allow_pickled_checkpoint: bool = Field(
         False,
@@ -73,8 +76,8 @@ class ModelConfig(Section):
     vae: str = Field(
         "",
         json_schema_extra=PATH_MODEL,
-        description="Autoencoder that turns images into latents: empty for the base model's own KL VAE, or "
-        "a folder/hub id of another `AutoencoderKL` or of TAESD (`AutoencoderTiny`).",
+        description="Autoencoder that turns images into latents: empty for the base model's own, or a folder/hub "
+        "id of another `AutoencoderKL`, of TAESD (`AutoencoderTiny`) or of Wan's `AutoencoderKLQwenImage`.",
     )
     quantize: Literal["none", "int8", "nf4"] = Field(
         "none",
@@ -86,7 +89,7 @@ class ModelConfig(Section):
     guidance: float = Field(
         1.0,
         ge=0,
-        description="Flux-class bases with a guidance embedding (guidance-distilled, as FLUX.1-dev): the guidance value "
+        description="Flux-class and Qwen-Image bases with a guidance embedding (guidance-distilled, as FLUX.1-dev): the guidance value "
         "training conditions on (1, as diffusers' and kohya's Flux scripts). Bases without one ignore it.",
     )
     text_padding_mask: bool = Field(

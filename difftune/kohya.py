@@ -90,6 +90,8 @@ def from_kohya(
     """
     lookup = {}
     for part, names in module_names.items():
+        if part not in prefixes:
+            continue  # a part the family's files never adapt (Qwen-Image's text encoder)
         for name in names:
             lookup[prefixes[part] + name.replace(".", "_")] = (part, name)
             lookup[prefixes[part] + _kohya_module(part, name, text_model_parts).replace(".", "_")] = (part, name)

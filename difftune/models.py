@@ -1,13 +1,5 @@
-"""The parts of a base model, its autoencoder, and latents: what every family shares.
-
-Latent scaling, for every autoencoder kind: `latents = (encoded - shift_factor) * scaling_factor`,
-with both factors read from the autoencoder's own config (shift 0 where it has none).
-- `AutoencoderKL` (SD's VAE): `encoded` is a sample of the posterior; SD 1.x/2.x's config says
-  `scaling_factor = 0.18215` (SDXL's 0.13025), chosen so that latents have unit variance.
-- `AutoencoderTiny` (TAESD): its encoder was distilled to output SD's *already scaled* latents, so its
-  config says `scaling_factor = 1.0` and `encoded` is the encoder's output as it is.
-The same factors, inverted, decode: `decoded = vae.decode(latents / scaling_factor + shift_factor)`.
-"""
+"""The parts of a base model and how they are loaded and placed: what every family shares (the autoencoder's
+latents: autoencoders.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +12,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import torch
-from diffusers import AutoencoderKL, AutoencoderTiny
-from diffusers.utils.torch_utils import randn_tensor
 
+from difftune.autoencoders import LatentNormalization
 from difftune.errors import DifftuneError
 from difftune.storage import store_frozen_layers
 
@@ -30,7 +21,6 @@ if TYPE_CHECKING:
     from difftune.config import Config
     from difftune.families.family import Family
 
-VAE_CLASSES = {"AutoencoderKL": AutoencoderKL, "AutoencoderTiny": AutoencoderTiny}
 PICKLED_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 SINGLE_FILE_SUFFIXES = (".safetensors", *PICKLED_SUFFIXES)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -42,12 +32,12 @@ class Components:
 
     family: Family
     denoiser: torch.nn.Module  # the UNet (SD, SDXL) or transformer (Flux)
-    vae: AutoencoderKL | AutoencoderTiny | None  # None while released (its latents are cached)
+    vae: torch.nn.Module | None  # an autoencoder of a kind autoencoders.py reads; None while released (latents cached)
     text_encoders: dict[str, torch.nn.Module | None]  # "text_encoder"[, "text_encoder_2"]; None while released
     tokenizers: dict[str, Any]  # "tokenizer"[, "tokenizer_2"]
     noise_scheduler: Any  # the schedule training follows (the family's `training_scheduler`)
     pipeline_options: dict = field(default_factory=dict)  # the family's `pipeline_options` values
-    latent_scaling: tuple[float, float] = (1.0, 0.0)  # the VAE's (scaling_factor, shift_factor)
+    latent_normalization: LatentNormalization = LatentNormalization()  # the autoencoder's (autoencoders.py)
     conditioning_options: dict = field(default_factory=dict)  # `model` settings the family's `denoise` reads
 
     def parts(self) -> dict[str, torch.nn.Module | None]:
@@ -64,15 +54,6 @@ class Components:
     def pipeline(self, scheduler=None):
         """A text-to-image pipeline of the family over these components."""
         return self.family.assemble_pipeline(self, scheduler)
-
-
-def load_vae(name: str) -> AutoencoderKL | AutoencoderTiny:
-    """An `AutoencoderKL` or `AutoencoderTiny` from a folder (or a pipeline folder's `vae/`) or hub id."""
-    subfolder = "vae" if (Path(name) / "vae" / "config.json").is_file() else None
-    class_name = AutoencoderKL.load_config(name, subfolder=subfolder).get("_class_name")
-    if class_name not in VAE_CLASSES:
-        raise DifftuneError(f"model.vae {name}: is a {class_name}; allowed kinds: {', '.join(VAE_CLASSES)}")
-    return VAE_CLASSES[class_name].from_pretrained(name, subfolder=subfolder, dtype=torch.float32)
 
 
 @contextmanager
@@ -186,44 +167,6 @@ def weight_dtype(config: Config) -> torch.dtype:
 def stored_dtype(config: Config) -> torch.dtype | None:
     """The 16-bit dtype the denoiser's frozen layers are stored in while computing in fp32 (storage.py), or None."""
     return DTYPES[config.model.weight_dtype] if config.stores_frozen_in_16_bits else None
-
-
-def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, 3, H, W) in [-1, 1] -> the posterior's mean and std (B, C, H/f, W/f), unscaled. TAESD is
-    deterministic: its std is 0. This is what the latent cache stores."""
-    weight = next(vae.parameters())  # not vae.device / vae.dtype: each walks every module, 1.6 ms a step
-    pixels = pixels.to(weight.device, weight.dtype)
-    if isinstance(vae, AutoencoderTiny):
-        mean = vae.encode(pixels).latents
-        return mean, torch.zeros_like(mean)
-    posterior = vae.encode(pixels).latent_dist
-    return posterior.mean, posterior.std
-
-
-def sample_latents(
-    mean: torch.Tensor, std: torch.Tensor, generators: list[torch.Generator], scaling_factor: float, shift_factor: float
-) -> torch.Tensor:
-    """One posterior sample per image, each from its own generator (so a sample's latents do not depend on the
-    rest of its batch), scaled for the UNet: `(sample - shift_factor) * scaling_factor`."""
-    eps = randn_tensor(mean.shape, generator=generators, device=mean.device, dtype=mean.dtype)
-    return (mean + std * eps - shift_factor) * scaling_factor
-
-
-def latent_scaling(vae_config) -> tuple[float, float]:
-    """(scaling_factor, shift_factor) from an autoencoder's config (shift 0 where it has none)."""
-    return vae_config.scaling_factor, getattr(vae_config, "shift_factor", None) or 0.0
-
-
-def encode_latents(vae, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """(B, 3, H, W) in [-1, 1] -> scaled latents (B, C, H/f, W/f), one posterior sample per image."""
-    mean, std = encode_posterior(vae, pixels)
-    return sample_latents(mean, std, generators, *latent_scaling(vae.config))
-
-
-def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
-    """Inverse of `encode_latents` (up to the autoencoder's loss): scaled latents -> pixels in [-1, 1]."""
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    return vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor + shift).sample
 
 
 def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:

@@ -11,7 +11,8 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from difftune.config import SampleConfig
-from difftune.models import Components, eval_mode, load_vae
+from difftune.autoencoders import load_vae
+from difftune.models import Components, eval_mode
 
 
 def sampling_scheduler(name: str, components: Components):

@@ -1,11 +1,14 @@
-"""Tiny Stable-Diffusion-, SDXL- and Flux-architecture models and synthetic captioned images, built with no downloads.
+"""Tiny Stable-Diffusion-, SDXL-, Flux- and Qwen-Image-architecture models and synthetic captioned images, built
+with no downloads.
 
 The same diffusers/transformers classes as SD 1.x (UNet2DConditionModel, AutoencoderKL,
 CLIPTextModel + CLIPTokenizer), SDXL (a second, projecting text encoder, a UNet with `text_time`
 size/crop conditioning) and Flux.1 (FluxTransformer2DModel, a 16-channel AutoencoderKL with a shift factor,
-CLIP for the pooled embedding and T5EncoderModel + T5TokenizerFast for the token states), shrunk so that CPU
-tests and the bundled default jobs run in seconds. The tokenizers are character level with vocabularies
-written here, so nothing is fetched.
+CLIP for the pooled embedding and T5EncoderModel + T5TokenizerFast for the token states) and Qwen-Image
+(QwenImageTransformer2DModel, Wan's video autoencoder `AutoencoderKLQwenImage` with per-channel statistics, a
+Qwen2.5-VL language model and a byte-level BPE Qwen2Tokenizer), shrunk so that CPU tests and the bundled default
+jobs run in seconds. The tokenizers are (nearly) character level with vocabularies written here, so nothing is
+fetched.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ import numpy as np
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLQwenImage,
     AutoencoderTiny,
     DDPMScheduler,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
@@ -35,6 +41,9 @@ from transformers import (
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
@@ -52,6 +61,8 @@ TEXT_2_PROJECTION_SIZE = 64
 TIME_EMBED_SIZE = 8  # per micro-conditioning number (SDXL: 256)
 T5_HIDDEN_SIZE = 64
 FLUX_LATENT_CHANNELS = 16  # as Flux.1's autoencoder; packed 2x2 into 64-wide tokens
+QWEN_HIDDEN_SIZE = 32  # the tiny Qwen2.5-VL's width (Qwen-Image's: 3584)
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 COLORS = {
     "red": (220, 40, 40),
@@ -147,6 +158,75 @@ def build_flow_scheduler() -> FlowMatchEulerDiscreteScheduler:
     )
 
 
+def build_qwen_tokenizer() -> Qwen2Tokenizer:
+    """Qwen2's layout (byte-level BPE; `<|endoftext|>` pads, `<|im_start|>` / `<|im_end|>` frame chat turns) with
+    no merges but those that spell the words of Qwen-Image's prompt template: the template's system prompt is 34
+    tokens, as in Qwen2.5-VL's own vocabulary (the pipeline drops that many), and captions are byte level."""
+    from difftune.families.qwen_image import PROMPT_TEMPLATE
+
+    pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    vocab = {byte: i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = []
+    template = PROMPT_TEMPLATE.replace("{}", "")
+    for special in QWEN_SPECIAL_TOKENS:
+        template = template.replace(special, "\0")
+    words = {word for chunk in template.split("\0") for word, _ in pre_tokenizer.pre_tokenize_str(chunk)}
+    for word in sorted(words):
+        for end in range(1, len(word)):
+            if (word[:end], word[end]) not in merges:
+                merges.append((word[:end], word[end]))
+            vocab.setdefault(word[: end + 1], len(vocab))
+    vocab |= {special: len(vocab) + i for i, special in enumerate(QWEN_SPECIAL_TOKENS)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = Qwen2Tokenizer(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                               unk_token=None, bos_token=None, padding_side="right")
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    return tokenizer
+
+
+def build_qwen_text_encoder(vocab_size: int) -> Qwen2_5_VLForConditionalGeneration:
+    """A 2-layer Qwen2.5-VL language model (and a 1-block vision tower the pipeline never runs), with Qwen2.5-VL's
+    multimodal rotary sections scaled to its head size."""
+    heads, head_dim = 2, QWEN_HIDDEN_SIZE // 2
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": vocab_size, "hidden_size": QWEN_HIDDEN_SIZE, "intermediate_size": 2 * QWEN_HIDDEN_SIZE,
+            "num_hidden_layers": 2, "num_attention_heads": heads, "num_key_value_heads": 1,
+            "max_position_embeddings": 1024, "rope_parameters": {
+                "rope_type": "default", "rope_theta": 1000000.0,
+                "mrope_section": [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16],
+            },
+            "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None,  # Qwen's ids are past this vocabulary
+        },
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                       "out_hidden_size": QWEN_HIDDEN_SIZE, "fullatt_block_indexes": [0]},
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def build_qwen_vae(latents_mean=(0.0,) * FLUX_LATENT_CHANNELS, latents_std=(1.0,) * FLUX_LATENT_CHANNELS,
+                   base_dim: int = 16) -> AutoencoderKLQwenImage:
+    """Wan's causal video autoencoder with two downsamplings (32 px -> 8x8 latents, like the other tiny
+    autoencoders), 16 channels and per-channel statistics."""
+    return AutoencoderKLQwenImage(
+        base_dim=base_dim, z_dim=FLUX_LATENT_CHANNELS, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
+        temperal_downsample=[False, True], latents_mean=list(latents_mean), latents_std=list(latents_std),
+    )
+
+
+def build_qwen_transformer(layers: int = 1, heads: int = 2, head_dim: int = 16) -> QwenImageTransformer2DModel:
+    """`layers` MMDiT blocks over packed 2x2 latent patches; rotary axes split the head 1:1.5:1.5 (frame, row,
+    column) as Qwen-Image's 16:56:56 roughly does."""
+    axes = (head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8)
+    return QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * FLUX_LATENT_CHANNELS, out_channels=FLUX_LATENT_CHANNELS, num_layers=layers,
+        attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=QWEN_HIDDEN_SIZE,
+        axes_dims_rope=axes,
+    )
+
+
 def build_vae(scaling_factor: float = 1.0, latent_channels: int = 4) -> AutoencoderKL:
     # Three blocks: 32 px images -> 8x8 latents (downsampling 4, where SD's VAE has 8).
     return AutoencoderKL(
@@ -222,12 +302,22 @@ def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
     `shape_images`, the way SD's 0.18215 was chosen (Flux: its shift factor their mean, as Flux.1's 0.1159).
     `guidance`: Flux with a guidance embedding."""
     torch.manual_seed(seed)
-    vae = build_vae(latent_channels=FLUX_LATENT_CHANNELS if family == "flux" else 4)
-    with torch.no_grad():
-        pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
-        latents = vae.encode(pixels).latent_dist.mean  # (64, C, 8, 8)
-    set_latent_scaling(vae, latents, shift=family == "flux")
+    pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
+    if family == "qwen_image":
+        vae = build_qwen_vae()
+        with torch.no_grad():
+            set_latent_statistics(vae, vae.encode(pixels[:, :, None]).latent_dist.mean[:, :, 0])
+    else:
+        vae = build_vae(latent_channels=FLUX_LATENT_CHANNELS if family == "flux" else 4)
+        with torch.no_grad():
+            latents = vae.encode(pixels).latent_dist.mean  # (64, C, 8, 8)
+        set_latent_scaling(vae, latents, shift=family == "flux")
     return assemble_tiny_pipeline(vae, family, guidance=guidance)
+
+
+def set_latent_statistics(vae: AutoencoderKLQwenImage, latents: torch.Tensor) -> None:
+    """Per-channel `latents_mean` / `latents_std` of `latents` (B, C, h, w), as Wan's autoencoder states them."""
+    vae.register_to_config(latents_mean=latents.mean(dim=(0, 2, 3)).tolist(), latents_std=latents.std(dim=(0, 2, 3)).tolist())
 
 
 def set_latent_scaling(vae: AutoencoderKL, latents: torch.Tensor, shift: bool) -> None:
@@ -241,6 +331,12 @@ def set_latent_scaling(vae: AutoencoderKL, latents: torch.Tensor, shift: bool) -
 def assemble_tiny_pipeline(vae: AutoencoderKL, family: str, unet_block_out_channels: tuple[int, ...] = (32, 64),
                            flux_layers: tuple[int, int] = (1, 1), flux_heads: int = 2, guidance: bool = False):
     """Random text encoders and denoiser around `vae` (built in this order: the seed's random draws depend on it)."""
+    if family == "qwen_image":
+        tokenizer = build_qwen_tokenizer()
+        return QwenImagePipeline(
+            vae=vae, text_encoder=build_qwen_text_encoder(len(tokenizer)), tokenizer=tokenizer,
+            transformer=build_qwen_transformer(), scheduler=build_flow_scheduler(),
+        )
     text_encoder, tokenizer = build_text_encoder(), build_tokenizer()
     if family == "flux":
         t5_tokenizer = build_t5_tokenizer()

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from difftune import export, sharding
 from difftune.activations import BlockActivations
+from difftune.autoencoders import encode_posterior, sample_latents
 from difftune.adapters import add_adapters, check_targets, trainable_parameters, trained_parts
 from difftune.cache import fill_latents, fill_text, latent_entries, model_identity, text_entries, text_identity
 from difftune.checkpoint import (
@@ -57,9 +58,7 @@ from difftune.families import load_components
 from difftune.guard import Guard
 from difftune.loss import training_noise_scheduler
 from difftune.metrics import METRICS_FILE, MetricsLog
-from difftune.models import (
-    Components, encode_posterior, place_frozen, sample_latents, set_attention, stored_dtype, weight_dtype,
-)
+from difftune.models import Components, place_frozen, set_attention, stored_dtype, weight_dtype
 from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.output_lock import hold_output_dir
 from difftune.parity import check_parity, write_report
@@ -423,7 +422,7 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
     else:
         with torch.no_grad():
             mean, std = encode_posterior(components.vae, batch["pixel_values"].to(device))
-    latents = sample_latents(mean, std, generators, *components.latent_scaling).float()
+    latents = sample_latents(mean, std, generators, components.latent_normalization).float()
     if "conditioning" in batch:
         conditioning = {name: value.to(device) for name, value in batch["conditioning"].items()}
     else:

@@ -23,7 +23,8 @@ import torch
 from difftune.config import Config, ValidationConfig
 from difftune.data import CaptionedImages, derive_seed, report_bad_files, scan_examples
 from difftune.errors import DifftuneError
-from difftune.models import Components, encode_latents, eval_mode
+from difftune.autoencoders import encode_latents
+from difftune.models import Components, eval_mode
 
 VALIDATION_STREAM = 2
 

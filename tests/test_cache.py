@@ -74,7 +74,7 @@ def test_a_cached_latent_is_the_posterior_of_its_image(make_config, tmp_path):
     from safetensors.torch import load_file
 
     from difftune.data import image_to_tensor, open_image, resize_and_crop
-    from difftune.models import encode_posterior
+    from difftune.autoencoders import encode_posterior
 
     config, components, examples, sizes, entries = _filled_latent_cache(make_config, tmp_path)
     image = resize_and_crop(open_image(examples[0].image_path, config.data), (32, 32), "center")

@@ -14,7 +14,7 @@ CONFIG_FILES = sorted((REPO / "configs").glob("*.toml"))
 
 
 def test_configs_exist():
-    assert {"tiny_lora.toml", "tiny_dora.toml", "sd15_lora.toml", "sdxl_lora.toml", "flux_lora.toml"} <= {p.name for p in CONFIG_FILES}
+    assert {"tiny_lora.toml", "tiny_dora.toml", "sd15_lora.toml", "sdxl_lora.toml", "flux_lora.toml", "qwen_image_lora.toml"} <= {p.name for p in CONFIG_FILES}
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)

@@ -10,7 +10,8 @@ from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import load_components
-from difftune.models import decode_latents, encode_latents, place_frozen, set_attention
+from difftune.autoencoders import decode_latents, encode_latents
+from difftune.models import place_frozen, set_attention
 from difftune.tiny import build_taesd, build_unet, build_vae
 
 from conftest import REPO

@@ -42,12 +42,11 @@ def _job(make_config, out, **overrides):
     return make_config(**settings)
 
 
-@pytest.mark.parametrize("family", ["sd", "sdxl"])
-def test_resume_continues_exactly(make_config, tmp_path, request, family):
-    """Stopped at step 4 then resumed (twice), the run matches an uninterrupted one bit for bit, for every family.
-
-    Adapter dropout is on, so the resumed run must also restore the global torch RNG state."""
-    base = request.getfixturevalue({"sd": "tiny_base", "sdxl": "tiny_sdxl_base"}[family])
+def test_resume_continues_exactly_with_ema_and_keeps_the_last_checkpoints(make_config, tmp_path, tiny_base):
+    """Stopped at step 4 then resumed (twice), the run matches an uninterrupted one bit for bit, its EMA weights too.
+    (Every family resumes exactly: tests/test_families.py.) Adapter dropout is on, so the resumed run must also
+    restore the global torch RNG state."""
+    base = tiny_base
     whole = tmp_path / "whole"
     train(_job(make_config, whole, model__base=str(base)))
     parts = tmp_path / "parts"

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from difftune.autoencoders import latent_channels, latent_normalization, load_vae
 from difftune.config import FAMILY_NAMES, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families.family import Family
@@ -24,8 +25,6 @@ from difftune.models import (
     SINGLE_FILE_SUFFIXES,
     Components,
     explained_load_errors,
-    latent_scaling,
-    load_vae,
     quiet_loading,
 )
 
@@ -59,11 +58,11 @@ def load_components(config: ModelConfig) -> Components:
     if config.vae:
         with explained_load_errors("model.vae", config.vae):
             components.vae = load_vae(config.vae)
-    components.latent_scaling = latent_scaling(components.vae.config)
-    latent_channels, takes = components.vae.config.latent_channels, components.family.latent_channels(components.denoiser)
-    if latent_channels != takes:
+    components.latent_normalization = latent_normalization(components.vae.config)
+    makes, takes = latent_channels(components.vae), components.family.latent_channels(components.denoiser)
+    if makes != takes:
         raise DifftuneError(
-            f"model.vae {config.vae or base}: makes {latent_channels}-channel latents but the "
+            f"model.vae {config.vae or base}: makes {makes}-channel latents but the "
             f"{components.family.denoiser_name} takes {takes}; use an autoencoder made for this base"
         )
     return components

@@ -7,11 +7,7 @@ value).
   `model.text_padding_mask` asks for it.
 - Latents (B, 16, h, w) stay unpacked everywhere else in difftune: `denoise` packs each 2x2 patch into one
   64-wide token with its (0, row, column) position id, calls the transformer, and unpacks the prediction.
-- Objective: rectified flow (Esser et al. 2024): x_t = (1 - sigma) x0 + sigma noise, the target is the velocity
-  noise - x0. sigma is drawn by `loss.timestep_sampling`, shifted by `loss.flow_shift` or by the image size
-  (`loss.flow_shift_by_resolution`, the base scheduler's own rule). Timesteps outside this module are
-  sigma x 1000, the scale diffusers' flow-matching schedulers use, so fixed validation timesteps and the
-  benchmark's mean the same points as for the UNet families.
+- Objective: rectified flow, shared with the other flow families (flow.py).
 - Files: diffusers' LoRA layout is the transformer's own module names; kohya / ComfyUI name the original
   (BFL) model's modules, whose attention projections are fused (`qkv`; a single block's `linear1` is q, k, v
   and the MLP's input together): `KOHYA_TRANSFORMER` maps them and `kohya.fuse` / `kohya.split` convert.
@@ -19,20 +15,17 @@ value).
 
 from __future__ import annotations
 
-import math
 import re
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-from diffusers.training_utils import compute_loss_weighting_for_sd3
+from diffusers import FluxPipeline
 
 from difftune import kohya
 from difftune.adapters import derived_lora_configs
-from difftune.config import Config, LossConfig
+from difftune.config import Config
 from difftune.errors import DifftuneError
-from difftune.families.family import Family
+from difftune.families.flow import FlowMatchingFamily, pack, unpack
 from difftune.families.sd import CLIP_ATTENTION
-from difftune.loss import draw_fractions, draw_noise, per_sample_mse
 from difftune.models import Components
 
 # diffusers' Flux LoRA script's default targets, plus the single blocks' MLP input, so that a single block's fused
@@ -43,7 +36,6 @@ TRANSFORMER_TARGETS = [
     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
 ]
 T5_ATTENTION = ["q", "k", "v", "o"]
-FLOW_WEIGHTINGS = ("uniform", "sigma_sqrt", "cosmap")  # flow-matching weightings (diffusers' SD3 ones)
 
 # The original (BFL) model's modules, as kohya and ComfyUI name them after `lora_unet_`, -> the diffusers modules
 # each holds, in the order of its output rows. `{i}` is the block index.
@@ -79,18 +71,6 @@ MLP_RATIO = 4  # a single block's MLP is this times wider than its attention (Fl
 BLOCK = re.compile(r"^((?:single_)?transformer_blocks)\.(\d+)\.(.+)$")
 
 
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) -> (B, h/2 * w/2, 4C): each 2x2 patch one token, as `FluxPipeline._pack_latents`."""
-    b, c, h, w = latents.shape
-    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """Inverse of `pack`."""
-    b, _, channels = tokens.shape
-    return tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, channels // 4, h, w)
-
-
 def image_position_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     """(h/2 * w/2, 3) ids (0, row, column) of the packed tokens, as `FluxPipeline._prepare_latent_image_ids`."""
     rows = torch.arange(h // 2, device=device, dtype=dtype)[:, None].expand(h // 2, w // 2)
@@ -98,21 +78,8 @@ def image_position_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     return torch.stack([torch.zeros_like(rows), rows, columns], dim=-1).reshape(-1, 3)
 
 
-def shifted(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
-    """SD3's time shift, sigma -> s sigma / (1 + (s - 1) sigma); at s = exp(mu) it is Flux's resolution shift."""
-    return shift * sigmas / (1 + (shift - 1) * sigmas)
 
-
-def resolution_shift(scheduler_config, image_tokens: int) -> float:
-    """exp(mu), mu linear in the token count between the scheduler's (base, max) sequence lengths and shifts:
-    what `FluxPipeline` asks its scheduler for at this size."""
-    base_len, max_len = scheduler_config.get("base_image_seq_len", 256), scheduler_config.get("max_image_seq_len", 4096)
-    base_shift, max_shift = scheduler_config.get("base_shift", 0.5), scheduler_config.get("max_shift", 1.15)
-    mu = base_shift + (max_shift - base_shift) * (image_tokens - base_len) / (max_len - base_len)
-    return math.exp(mu)
-
-
-class Flux(Family):
+class Flux(FlowMatchingFamily):
     name = "flux"
     description = "Flux.1-class flow-matching transformers"
     pipeline_class = FluxPipeline
@@ -126,8 +93,6 @@ class Flux(Family):
     kohya_model_version = "flux1"
     embedding_keys = ("clip_l", "t5")
     default_targets = {"transformer": TRANSFORMER_TARGETS, "text_encoder": CLIP_ATTENTION, "text_encoder_2": T5_ATTENTION}
-    default_sampler = "euler"
-    samplers = {"euler": FlowMatchEulerDiscreteScheduler}
 
     def adapted_text_encoders(self) -> tuple[str, ...]:
         # CLIP only: FluxPipeline's LoRA loader reads transformer and CLIP adapters (T5's would be dropped), and
@@ -142,18 +107,8 @@ class Flux(Family):
         components.conditioning_options = {"guidance": config.guidance, "text_padding_mask": config.text_padding_mask}
         return components
 
-    def training_scheduler(self, scheduler):
-        # Kept as saved: its config holds the resolution-shift constants that sampling and `loss` both use.
-        return FlowMatchEulerDiscreteScheduler.from_config(scheduler.config)
-
     def unsupported_settings(self, config: Config) -> list[str]:
-        loss, problems = config.loss, []
-        if loss.prediction_type != "auto":
-            problems.append(f"loss.prediction_type = \"{loss.prediction_type}\": flow matching predicts the velocity; use \"auto\"")
-        if loss.weighting not in ("auto", *FLOW_WEIGHTINGS):
-            problems.append(f"loss.weighting = \"{loss.weighting}\": is for the UNet families; use auto, {', '.join(FLOW_WEIGHTINGS)}")
-        if loss.zero_terminal_snr:
-            problems.append("loss.zero_terminal_snr: flow matching reaches pure noise at sigma = 1 already; leave it off")
+        problems = super().unsupported_settings(config)
         if config.adapter.kind == "embedding":
             problems.append("adapter.kind = \"embedding\": textual inversion is not built for Flux yet; train a LoRA")
         if config.adapter.kind in ("loha", "lokr") and config.export.format == "kohya":
@@ -164,9 +119,6 @@ class Flux(Family):
         return problems
 
     # Prompts and the transformer.
-
-    def latent_channels(self, denoiser: torch.nn.Module) -> int:
-        return denoiser.config.in_channels // 4  # a token is a 2x2 patch
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         clip = components.text_encoders["text_encoder"](token_ids["text_encoder"], output_hidden_states=False)
@@ -197,41 +149,10 @@ class Flux(Family):
         )[0]
         return unpack(prediction, h, w)
 
-    def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
-        return {match.group(0): module for name, module in denoiser.named_modules()
-                if (match := re.search(r"(?:single_)?transformer_blocks\.\d+$", name))}
-
-    # The objective.
-
-    def draw_timesteps_and_noise(self, components, generators, latents, config: LossConfig):
-        sigmas = draw_fractions(generators, config).to(latents.device)
-        if config.flow_shift_by_resolution:
-            image_tokens = latents.shape[-2] * latents.shape[-1] // 4
-            sigmas = shifted(sigmas, resolution_shift(components.noise_scheduler.config, image_tokens))
-        elif config.flow_shift != 1.0:
-            sigmas = shifted(sigmas, config.flow_shift)
-        return sigmas * 1000, *draw_noise(generators, latents, config)
-
-    def loss(self, components, latents, timesteps, noise, conditioning, geometry, config: LossConfig, input_noise=None,
-             mask=None):
-        sigmas = (timesteps.float() / 1000).view(-1, 1, 1, 1)
-        noisy = (1 - sigmas) * latents + sigmas * (noise if input_noise is None else input_noise)
-        prediction = self.denoise(components, noisy, timesteps, conditioning, geometry)
-        per_sample = per_sample_mse(prediction, noise - latents, mask)
-        weighting = "uniform" if config.weighting == "auto" else config.weighting
-        return per_sample * compute_loss_weighting_for_sd3(weighting, sigmas.flatten()).to(per_sample.device)
-
     # Sampling.
 
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """A guidance-distilled base takes the scale as its guidance embedding; one without that gets true
-        classifier-free guidance (a second, negative pass) when the scale is above 1."""
-        arguments = {"max_sequence_length": components.tokenizers["tokenizer_2"].model_max_length}
-        if components.denoiser.config.guidance_embeds:
-            return arguments | {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None}
-        if guidance_scale > 1:
-            return arguments | {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt or ""}
-        return arguments
+    def max_sequence_length(self, components: Components) -> int:
+        return components.tokenizers["tokenizer_2"].model_max_length
 
     # Files.
 

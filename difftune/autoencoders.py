@@ -1,0 +1,118 @@
+"""Autoencoders: images to the latents a denoiser trains on, and back. One piece every family shares, because the
+kind of autoencoder decides this, not the family (Wan's autoencoder serves Qwen-Image and Wan alike).
+
+Latent normalisation, for every kind: `latents = (encoded - shift) * scale`, per channel or for all channels
+alike, read from the autoencoder's own config; `decoded = decode(latents / scale + shift)` inverts it.
+- `AutoencoderKL` (SD, SDXL, Flux): `encoded` is a sample of the posterior; one `scaling_factor` (SD 1.x/2.x
+  0.18215, SDXL 0.13025, chosen so that latents have unit variance) and one `shift_factor` (Flux; 0 where none).
+- `AutoencoderTiny` (TAESD): its encoder was distilled to output already scaled latents: its config says
+  `scaling_factor = 1.0`, and `encoded` is the encoder's output as it is (a posterior of std 0).
+- `AutoencoderKLQwenImage` (Qwen-Image; Wan 2.1's video autoencoder): a causal video autoencoder whose latents
+  have a time axis (B, C, T, h, w), T = 1 for an image, and per-channel statistics: shift = `latents_mean`,
+  scale = 1 / `latents_std`, as `QwenImagePipeline` inverts them. Images pass as one-frame clips; everything
+  outside this module sees (B, C, h, w).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderTiny
+from diffusers.utils.torch_utils import randn_tensor
+
+from difftune.errors import DifftuneError
+
+VAE_CLASSES = {"AutoencoderKL": AutoencoderKL, "AutoencoderTiny": AutoencoderTiny,
+               "AutoencoderKLQwenImage": AutoencoderKLQwenImage}
+VIDEO_AUTOENCODERS = (AutoencoderKLQwenImage,)  # latents with a time axis
+
+
+@dataclass(frozen=True)
+class LatentNormalization:
+    """`latents = (encoded - shift) * scale`: floats (every channel alike) or per-channel tuples."""
+
+    scale: float | tuple[float, ...] = 1.0
+    shift: float | tuple[float, ...] = 0.0
+
+    def apply(self, encoded: torch.Tensor) -> torch.Tensor:
+        return (encoded - _per_channel(self.shift, encoded)) * _per_channel(self.scale, encoded)
+
+    def invert(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents / _per_channel(self.scale, latents) + _per_channel(self.shift, latents)
+
+
+def _per_channel(value: float | tuple[float, ...], like: torch.Tensor) -> float | torch.Tensor:
+    if isinstance(value, float):
+        return value
+    return torch.tensor(value, device=like.device, dtype=like.dtype).view(1, -1, *([1] * (like.dim() - 2)))
+
+
+def latent_normalization(vae_config) -> LatentNormalization:
+    """The normalisation an autoencoder's config asks for (see the module's docstring)."""
+    if getattr(vae_config, "latents_std", None) is not None:
+        scale = (1.0 / torch.tensor(vae_config.latents_std)).tolist()  # fp32, as the pipelines compute it
+        return LatentNormalization(tuple(scale), tuple(float(m) for m in vae_config.latents_mean))
+    return LatentNormalization(float(vae_config.scaling_factor), float(getattr(vae_config, "shift_factor", None) or 0.0))
+
+
+def latent_channels(vae) -> int:
+    """Channels of the latents `vae` makes (`z_dim` in the video autoencoders' configs)."""
+    config = vae.config
+    return config.latent_channels if "latent_channels" in config else config.z_dim
+
+
+def downsampling(vae) -> int:
+    """Image pixels per latent pixel, along each side."""
+    if isinstance(vae, VIDEO_AUTOENCODERS):
+        return 2 ** len(vae.config.temperal_downsample)
+    blocks = vae.config.encoder_block_out_channels if isinstance(vae, AutoencoderTiny) else vae.config.block_out_channels
+    return 2 ** (len(blocks) - 1)
+
+
+def load_vae(name: str):
+    """An autoencoder of a kind above from a folder (or a pipeline folder's `vae/`) or hub id."""
+    subfolder = "vae" if (Path(name) / "vae" / "config.json").is_file() else None
+    class_name = AutoencoderKL.load_config(name, subfolder=subfolder).get("_class_name")
+    if class_name not in VAE_CLASSES:
+        raise DifftuneError(f"model.vae {name}: is a {class_name}; allowed kinds: {', '.join(VAE_CLASSES)}")
+    return VAE_CLASSES[class_name].from_pretrained(name, subfolder=subfolder, dtype=torch.float32)
+
+
+def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, 3, H, W) in [-1, 1] -> the posterior's mean and std (B, C, H/f, W/f), not normalised. TAESD is
+    deterministic: its std is 0. This is what the latent cache stores."""
+    weight = next(vae.parameters())  # not vae.device / vae.dtype: each walks every module, 1.6 ms a step
+    pixels = pixels.to(weight.device, weight.dtype)
+    if isinstance(vae, AutoencoderTiny):
+        mean = vae.encode(pixels).latents
+        return mean, torch.zeros_like(mean)
+    if isinstance(vae, VIDEO_AUTOENCODERS):
+        posterior = vae.encode(pixels[:, :, None]).latent_dist  # one frame
+        return posterior.mean[:, :, 0], posterior.std[:, :, 0]
+    posterior = vae.encode(pixels).latent_dist
+    return posterior.mean, posterior.std
+
+
+def sample_latents(
+    mean: torch.Tensor, std: torch.Tensor, generators: list[torch.Generator], normalization: LatentNormalization
+) -> torch.Tensor:
+    """One posterior sample per image, each from its own generator (so a sample's latents do not depend on the
+    rest of its batch), normalised for the denoiser."""
+    eps = randn_tensor(mean.shape, generator=generators, device=mean.device, dtype=mean.dtype)
+    return normalization.apply(mean + std * eps)
+
+
+def encode_latents(vae, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """(B, 3, H, W) in [-1, 1] -> normalised latents (B, C, H/f, W/f), one posterior sample per image."""
+    mean, std = encode_posterior(vae, pixels)
+    return sample_latents(mean, std, generators, latent_normalization(vae.config))
+
+
+def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Inverse of `encode_latents` (up to the autoencoder's loss): normalised latents -> pixels in [-1, 1]."""
+    encoded = latent_normalization(vae.config).invert(latents.to(vae.dtype))
+    if isinstance(vae, VIDEO_AUTOENCODERS):
+        return vae.decode(encoded[:, :, None]).sample[:, :, 0]
+    return vae.decode(encoded).sample

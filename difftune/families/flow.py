@@ -1,0 +1,118 @@
+"""Flow matching, the objective every flow family shares (Flux.1, Qwen-Image, and the families after them).
+
+Rectified flow (Esser et al. 2024): x_t = (1 - sigma) x0 + sigma noise, and the denoiser predicts the velocity
+noise - x0. sigma is drawn per sample by `loss.timestep_sampling`, then shifted by `loss.flow_shift` or by the
+image size (`loss.flow_shift_by_resolution`: the base scheduler's own rule, what its pipeline asks for at that
+size). The loss is weighted by diffusers' SD3 weightings. Timesteps outside this module are sigma x 1000, the
+scale diffusers' flow-matching schedulers use, so fixed validation timesteps and the benchmark mean the same
+points as for the UNet families.
+
+`FlowMatchingFamily` is a `Family` whose objective is this: a flow family writes its prompts, its `denoise`
+(packing latents into its tokens) and its files, and inherits the rest, in the way k-diffusion's `Denoiser`
+wraps any model. Its pipelines share the flow families' guidance convention too (`sampling_arguments`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+from difftune.config import Config, LossConfig
+from difftune.families.family import Family
+from difftune.loss import draw_fractions, draw_noise, per_sample_mse
+from difftune.models import Components
+
+FLOW_WEIGHTINGS = ("uniform", "sigma_sqrt", "cosmap")  # flow-matching weightings (diffusers' SD3 ones)
+
+
+def shifted(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3's time shift, sigma -> s sigma / (1 + (s - 1) sigma); at s = exp(mu) it is Flux's resolution shift."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def resolution_shift(scheduler_config, image_tokens: int) -> float:
+    """exp(mu), mu linear in the token count between the scheduler's (base, max) sequence lengths and shifts:
+    what `FluxPipeline` and `QwenImagePipeline` ask their scheduler for at this size."""
+    base_len, max_len = scheduler_config.get("base_image_seq_len", 256), scheduler_config.get("max_image_seq_len", 4096)
+    base_shift, max_shift = scheduler_config.get("base_shift", 0.5), scheduler_config.get("max_shift", 1.15)
+    mu = base_shift + (max_shift - base_shift) * (image_tokens - base_len) / (max_len - base_len)
+    return math.exp(mu)
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, h/2 * w/2, 4C): each 2x2 patch one token, as `FluxPipeline._pack_latents` and `QwenImagePipeline._pack_latents`."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Inverse of `pack`."""
+    b, _, channels = tokens.shape
+    return tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, channels // 4, h, w)
+
+
+class FlowMatchingFamily(Family):
+    """A family trained by rectified flow, over latents its denoiser reads as 2x2 patches (`patch_size`)."""
+
+    patch_size = 2  # latent pixels per token side: what the resolution shift counts tokens by
+    default_sampler = "euler"
+    samplers = {"euler": FlowMatchEulerDiscreteScheduler}
+
+    def training_scheduler(self, scheduler):
+        # Kept as saved: its config holds the resolution-shift constants that sampling and `loss` both use.
+        return FlowMatchEulerDiscreteScheduler.from_config(scheduler.config)
+
+    def unsupported_settings(self, config: Config) -> list[str]:
+        loss, problems = config.loss, []
+        if loss.prediction_type != "auto":
+            problems.append(f"loss.prediction_type = \"{loss.prediction_type}\": flow matching predicts the velocity; use \"auto\"")
+        if loss.weighting not in ("auto", *FLOW_WEIGHTINGS):
+            problems.append(f"loss.weighting = \"{loss.weighting}\": is for the UNet families; use auto, {', '.join(FLOW_WEIGHTINGS)}")
+        if loss.zero_terminal_snr:
+            problems.append("loss.zero_terminal_snr: flow matching reaches pure noise at sigma = 1 already; leave it off")
+        return problems
+
+    def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """The transformer's blocks (double- and single-stream)."""
+        return {match.group(0): module for name, module in denoiser.named_modules()
+                if (match := re.search(r"(?:single_)?transformer_blocks\.\d+$", name))}
+
+    def latent_channels(self, denoiser: torch.nn.Module) -> int:
+        return denoiser.config.in_channels // self.patch_size**2  # a token is a patch
+
+    def draw_timesteps_and_noise(self, components, generators, latents, config: LossConfig):
+        sigmas = draw_fractions(generators, config).to(latents.device)
+        if config.flow_shift_by_resolution:
+            image_tokens = latents.shape[-2] * latents.shape[-1] // self.patch_size**2
+            sigmas = shifted(sigmas, resolution_shift(components.noise_scheduler.config, image_tokens))
+        elif config.flow_shift != 1.0:
+            sigmas = shifted(sigmas, config.flow_shift)
+        return sigmas * 1000, *draw_noise(generators, latents, config)
+
+    def loss(self, components, latents, timesteps, noise, conditioning, geometry, config: LossConfig, input_noise=None,
+             mask=None):
+        sigmas = (timesteps.float() / 1000).view(-1, 1, 1, 1)
+        noisy = (1 - sigmas) * latents + sigmas * (noise if input_noise is None else input_noise)
+        prediction = self.denoise(components, noisy, timesteps, conditioning, geometry)
+        per_sample = per_sample_mse(prediction, noise - latents, mask)
+        weighting = "uniform" if config.weighting == "auto" else config.weighting
+        return per_sample * compute_loss_weighting_for_sd3(weighting, sigmas.flatten()).to(per_sample.device)
+
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """A guidance-distilled base takes the scale as its guidance embedding; one without that gets true
+        classifier-free guidance (a second, negative pass) when the scale is above 1. Both the Flux and the
+        Qwen-Image pipelines name these arguments so."""
+        arguments = {"max_sequence_length": self.max_sequence_length(components)}
+        if components.denoiser.config.guidance_embeds:
+            return arguments | {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None}
+        if guidance_scale > 1:
+            return arguments | {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt or ""}
+        return arguments
+
+    def max_sequence_length(self, components: Components) -> int:
+        """The text tokens the pipeline reads (its `max_sequence_length`): the tokens training reads."""
+        raise NotImplementedError

@@ -1,0 +1,162 @@
+"""Qwen-Image: a 60-block MMDiT (`QwenImageTransformer2DModel`) over 2x2-packed 16-channel latents of Wan's video
+autoencoder, conditioned on the last hidden state of a Qwen2.5-VL language model. Trained by flow matching
+(flow.py).
+
+- Text, exactly as `QwenImagePipeline.encode_prompt`: each caption is put in the pipeline's chat template, and
+  the language model reads it (with its padding mask); of its last hidden state, each caption keeps its valid
+  tokens after the template's first `TEMPLATE_TOKENS` (the system prompt), zero-padded. Token ids are padded
+  to a fixed `TEXT_TOKENS` + `TEMPLATE_TOKENS` so that a caption's ids (and cache key) do not depend on its
+  batch; the model reads them cut to the batch's longest caption, the length the pipeline pads to, and the
+  transformer reads the states cut so too (the mask keeps padding out of its attention).
+- Latents (B, 16, h, w) from the autoencoder's one-frame clips, normalised per channel (autoencoders.py).
+  `denoise` packs each 2x2 patch into one 64-wide token; the transformer places them by `img_shapes`.
+- Files: Qwen-Image was published in diffusers' layout, so the original module names are diffusers' names:
+  diffusers' LoRA files key them `transformer.<module>`, kohya's layout (musubi-tuner's files, which ComfyUI
+  and `QwenImagePipeline.load_lora_weights` read) `lora_unet_<module with _>`. diffusers' Qwen loader reads
+  transformer adapters alone: the text encoder is not adapted. A single file is the transformer alone (how
+  ComfyUI ships it: `diffusion_models/qwen_image_*.safetensors`); the other parts come from
+  `model.single_file_config`.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate import init_empty_weights
+from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+from safetensors.torch import load_file
+
+from difftune.config import Config, ModelConfig
+from difftune.errors import DifftuneError
+from difftune.families.flow import FlowMatchingFamily, pack, unpack
+from difftune.models import SINGLE_FILE_SUFFIXES, Components
+
+# QwenImagePipeline's prompt template and the number of its tokens before the caption that it drops
+# (`prompt_template_encode`, `prompt_template_encode_start_idx`; tests/test_families.py checks them against it).
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+TEMPLATE_TOKENS = 34
+TEXT_TOKENS = 512  # text states the transformer reads at most: the pipeline's default `max_sequence_length`
+
+# Attention (image and text streams) and both streams' MLPs: what musubi-tuner and ai-toolkit adapt in a block.
+TRANSFORMER_TARGETS = [
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+]
+# A key every Qwen-Image transformer file has (ComfyUI's files may prefix it).
+SINGLE_FILE_KEY = "transformer_blocks.0.img_mod.1.weight"
+SINGLE_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+
+class QwenImage(FlowMatchingFamily):
+    name = "qwen_image"
+    description = "Qwen-Image"
+    pipeline_class = QwenImagePipeline
+    pipeline_classes = ("QwenImagePipeline",)
+    denoiser_name = "transformer"
+    kohya_prefixes = {"transformer": "lora_unet_"}
+    kohya_text_model_parts = ()
+    kohya_model_version = "qwen_image"
+    default_targets = {"transformer": TRANSFORMER_TARGETS}
+
+    def adapted_text_encoders(self) -> tuple[str, ...]:
+        return ()  # QwenImagePipeline's LoRA loader reads the transformer's adapters alone
+
+    def reads_single_file(self, keys: set[str]) -> bool:
+        return any(prefix + SINGLE_FILE_KEY in keys for prefix in ("", *SINGLE_FILE_PREFIXES))
+
+    def load(self, config: ModelConfig) -> Components:
+        components = self._load_single_file(config) if config.base.endswith(SINGLE_FILE_SUFFIXES) else super().load(config)
+        components.conditioning_options = {"guidance": config.guidance}  # guidance-distilled bases' embedding
+        return components
+
+    def _load_single_file(self, config: ModelConfig) -> Components:
+        if not config.single_file_config:
+            raise DifftuneError(
+                f"model.base {config.base}: a Qwen-Image single file holds the transformer alone; set "
+                "model.single_file_config to a Qwen-Image diffusers folder or hub id for its text encoder, autoencoder "
+                "and configs"
+            )
+        if not config.base.endswith(".safetensors"):
+            raise DifftuneError(f"model.base {config.base}: read as .safetensors only for Qwen-Image; convert the file")
+        weights = {}
+        for key, tensor in load_file(config.base).items():
+            for prefix in SINGLE_FILE_PREFIXES:
+                key = key.removeprefix(prefix)
+            weights[key] = tensor.float()
+        transformer_config = QwenImageTransformer2DModel.load_config(config.single_file_config, subfolder="transformer")
+        with init_empty_weights():
+            transformer = QwenImageTransformer2DModel.from_config(transformer_config)
+        transformer.load_state_dict(weights, strict=True, assign=True)
+        pipeline = QwenImagePipeline.from_pretrained(
+            config.single_file_config, transformer=transformer, revision=config.revision or None, dtype=torch.float32,
+        )
+        return self.components_of(pipeline)
+
+    def unsupported_settings(self, config: Config) -> list[str]:
+        problems = super().unsupported_settings(config)
+        if config.adapter.text_encoder:
+            problems.append(
+                "adapter.text_encoder: QwenImagePipeline's LoRA loader reads transformer adapters alone (a text encoder "
+                "adapter would be dropped where the file is used); set it to false"
+            )
+        if config.adapter.kind == "embedding":
+            problems.append("adapter.kind = \"embedding\": textual inversion is not built for Qwen-Image; train a LoRA")
+        return problems
+
+    # Prompts and the transformer.
+
+    def tokenize(self, tokenizers: dict, captions: list[str]) -> dict[str, torch.Tensor]:
+        ids = tokenizers["tokenizer"](
+            [PROMPT_TEMPLATE.format(caption) for caption in captions], padding="max_length",
+            max_length=TEMPLATE_TOKENS + TEXT_TOKENS, truncation=True, return_tensors="pt",
+        ).input_ids
+        return {"text_encoder": ids}
+
+    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        tokenizer = components.tokenizers["tokenizer"]
+        ids = token_ids["text_encoder"]
+        mask = ids != tokenizer.pad_token_id
+        longest = int(mask.sum(dim=1).max())
+        cut = slice(None, longest) if tokenizer.padding_side == "right" else slice(ids.shape[1] - longest, None)
+        ids, mask = ids[:, cut], mask[:, cut]
+        states = components.text_encoders["text_encoder"](
+            input_ids=ids, attention_mask=mask.long(), output_hidden_states=True
+        ).hidden_states[-1]
+        padded = states.new_zeros(len(ids), TEXT_TOKENS, states.shape[-1])
+        text_mask = torch.zeros(len(ids), TEXT_TOKENS, dtype=torch.long, device=ids.device)
+        for i in range(len(ids)):
+            kept = states[i][mask[i]][TEMPLATE_TOKENS:][:TEXT_TOKENS]
+            padded[i, : len(kept)] = kept
+            text_mask[i, : len(kept)] = 1
+        return {"encoder_hidden_states": padded, "text_mask": text_mask}
+
+    def denoise(self, components, noisy, timesteps, conditioning, geometry):
+        mask = conditioning["text_mask"].bool()
+        longest = int(mask.sum(dim=1).max())
+        states, mask = conditioning["encoder_hidden_states"][:, :longest], mask[:, :longest]
+        b, _, h, w = noisy.shape
+        guidance = None
+        if components.denoiser.config.guidance_embeds:
+            guidance = torch.full((b,), float(components.conditioning_options["guidance"]), device=noisy.device)
+        prediction = components.denoiser(
+            hidden_states=pack(noisy).to(states.dtype), timestep=(timesteps / 1000).to(states.dtype), guidance=guidance,
+            encoder_hidden_states=states, encoder_hidden_states_mask=None if mask.all() else mask,
+            img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False,
+        )[0]
+        return unpack(prediction, h, w)
+
+    def max_sequence_length(self, components: Components) -> int:
+        return TEXT_TOKENS
+
+    # Files.
+
+    def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
+        return {}  # the original names are diffusers' names
+
+    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
+        """The transformer's weights under their own names: the file ComfyUI loads as a diffusion model (the text
+        encoder and autoencoder are files of their own there)."""
+        return {key: value.contiguous() for key, value in components.denoiser.state_dict().items()}

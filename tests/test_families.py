@@ -1,0 +1,254 @@
+"""The conformance suite: every registered family, on its random-init micro model (`tiny.build_pipeline`), passes
+the same checks. A new family is a module in difftune/families/ plus its micro-model builder; these tests then
+run it, checked against its own diffusers pipeline wherever one can be asked:
+
+- a pipeline folder is read as its family, and a single file where the family has one;
+- prompts are encoded exactly (bit for bit) as the family's diffusers pipeline encodes them;
+- one training step of LoRA, DoRA and a full fine-tune each changes the model, with a finite loss;
+- cached latents and text train as encoding each step does; a stopped run resumes exactly;
+- the adapter, loaded by the family's own pipeline (`load_lora_weights`), renders what difftune's merged model
+  renders, and `difftune sample` redraws the in-training sample;
+- the kohya / ComfyUI layout round-trips bit for bit, and diffusers reads it as the same change.
+
+What differs between families here is only how their pipelines are asked (`PIPELINE_PROMPTS`, `render`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from difftune import export
+from difftune.autoencoders import downsampling, latent_channels
+from difftune.checkpoint import complete_checkpoints
+from difftune.cli import main
+from difftune.config import FAMILY_NAMES, SHARED_FAMILY_MODULES, ModelConfig
+from difftune.families import FAMILIES, family_of, load_components
+from difftune.metrics import read_metrics
+from difftune.tiny import build_pipeline
+from difftune.train import train
+
+NAMES = sorted(FAMILIES)
+
+
+@pytest.fixture(scope="session")
+def micro_bases(tmp_path_factory) -> dict[str, Path]:
+    """Each family's micro pipeline folder, built on first use."""
+    built = {}
+
+    class Bases(dict):
+        def __missing__(self, name):
+            path = tmp_path_factory.mktemp(f"micro-{name}")
+            build_pipeline(seed=1, family=name).save_pretrained(path, safe_serialization=True)
+            built[name] = path
+            return path
+
+    return Bases()
+
+
+def _settings(name: str, base: Path, out: Path, **overrides) -> dict:
+    family = FAMILIES[name]
+    return {"model__base": str(base), "train__output_dir": str(out),
+            "adapter__text_encoder": bool(family.adapted_text_encoders()), **overrides}
+
+
+# How each family's pipeline encodes prompts: -> the conditioning `encode_prompts` must equal, by name.
+def _sd_prompts(pipeline, prompts):
+    states, _ = pipeline.encode_prompt(prompts, "cpu", 1, False)
+    return {"encoder_hidden_states": states}
+
+
+def _sdxl_prompts(pipeline, prompts):
+    states, _, pooled, _ = pipeline.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False)
+    return {"encoder_hidden_states": states, "pooled_prompt_embeds": pooled}
+
+
+def _flux_prompts(pipeline, prompts):
+    states, pooled, _ = pipeline.encode_prompt(prompts, prompts, device="cpu", max_sequence_length=32)
+    return {"encoder_hidden_states": states, "pooled_prompt_embeds": pooled}
+
+
+def _qwen_prompts(pipeline, prompts):
+    states, mask = pipeline.encode_prompt(prompts, device="cpu")
+    mask = torch.ones(states.shape[:2], dtype=torch.long) if mask is None else mask
+    return {"encoder_hidden_states": states, "text_mask": mask}
+
+
+# Whose pipelines read a micro model's kohya file: diffusers' Flux reader assumes FLUX.1's widths for a single
+# block's fused linear1 (tests/test_flux.py checks its double blocks).
+KOHYA_READ_BY_PIPELINE = {"sd", "sdxl", "qwen_image"}
+PIPELINE_PROMPTS = {"sd": _sd_prompts, "sdxl": _sdxl_prompts, "flux": _flux_prompts, "qwen_image": _qwen_prompts}
+
+
+def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
+    """The latents of a 4-step 32 px image with classifier-free guidance 3, as each family's pipeline is asked for
+    one: what the denoiser draws, before a random micro autoencoder's decoder blurs differences away."""
+    pipeline.set_progress_bar_config(disable=True)
+    # One sampler for all: a merged folder is saved with the family's default, a base keeps its own.
+    pipeline.scheduler = FAMILIES[name].sampler("auto").from_config(pipeline.scheduler.config)
+    arguments = {"num_inference_steps": 4, "height": 32, "width": 32, "output_type": "latent",
+                 "generator": torch.Generator().manual_seed(0)}
+    if name in ("flux", "qwen_image"):
+        arguments |= {"true_cfg_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
+    else:
+        arguments |= {"guidance_scale": 3.0}
+    return pipeline(prompt, **arguments).images[0].numpy()
+
+
+def test_every_family_module_has_a_micro_model_and_a_pipeline_reference():
+    assert set(PIPELINE_PROMPTS) == set(FAMILIES)
+
+
+def test_every_family_module_is_registered_and_complete():
+    """A family is one module in difftune/families/: found by its file name, accepted as `model.family`, and
+    naming everything the rest of difftune asks of it for each of its parts."""
+    modules = {p.stem for p in (Path(__file__).parents[1] / "difftune" / "families").glob("*.py")}
+    assert set(FAMILIES) == set(FAMILY_NAMES) == modules - set(SHARED_FAMILY_MODULES)
+    for name, family in FAMILIES.items():
+        ModelConfig(family=name)  # accepted by the schema
+        # Files name every part an adapter can hold (a text encoder no loader reads may have none).
+        assert set(family.adapter_parts()) <= set(family.kohya_prefixes) == set(family.default_targets) <= set(family.parts())
+        assert len(set(family.kohya_prefixes.values())) == len(family.kohya_prefixes), name
+        assert len(family.text_encoder_names) == len(family.tokenizer_names), name
+        assert family.pipeline_class.__name__ in family.pipeline_classes, name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_folder_and_a_single_file_are_read_as_the_family(name, micro_bases, tmp_path):
+    family, base = FAMILIES[name], micro_bases[name]
+    assert family_of(ModelConfig(base=str(base))) is family
+    components = load_components(ModelConfig(base=str(base)))
+    try:
+        tensors = family.to_single_file(components)
+    except Exception:  # noqa: BLE001 - the family writes no single file (Flux): nothing to read back
+        pytest.skip(f"{name} has no single-file layout")
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path)
+    assert family_of(ModelConfig(base=str(path))) is family
+    again = load_components(ModelConfig(base=str(path), single_file_config=str(base)))
+    for (key, value), other in zip(components.denoiser.state_dict().items(), again.denoiser.state_dict().values()):
+        assert torch.equal(value, other), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_autoencoder_is_read_as_the_pipeline_reads_it(name, micro_bases):
+    components = load_components(ModelConfig(base=str(micro_bases[name])))
+    pipeline = components.pipeline()
+    assert downsampling(components.vae) == pipeline.vae_scale_factor
+    assert latent_channels(components.vae) == FAMILIES[name].latent_channels(components.denoiser)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prompts_are_encoded_as_the_family_pipeline_encodes_them(name, micro_bases):
+    family = FAMILIES[name]
+    components = load_components(ModelConfig(base=str(micro_bases[name])))
+    prompts = ["a red circle", "a blue square with a longer caption"]
+    with torch.no_grad():
+        expected = PIPELINE_PROMPTS[name](components.pipeline(), prompts)
+        ours = family.encode_prompts(components, family.tokenize(components.tokenizers, prompts))
+    for key, value in expected.items():
+        # Padded to the family's fixed text length where the pipeline pads to the batch's longest: the rest is padding.
+        got = ours[key][:, : value.shape[1]]
+        assert torch.equal(got, value.to(got.dtype)), key
+        assert not ours[key][:, value.shape[1]:].any(), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("kind", ["lora", "dora", "none"])  # none: a full fine-tune
+def test_one_training_step_of_each_kind_changes_the_model(name, kind, micro_bases, make_config, tmp_path):
+    settings = _settings(name, micro_bases[name], tmp_path / kind, adapter__kind=kind, train__max_steps=1,
+                         sample__prompts=[])
+    result = train(make_config(**settings))
+    assert len(result.losses) == 1 and np.isfinite(result.losses[0])
+    base = load_components(ModelConfig(base=str(micro_bases[name]))).denoiser.state_dict()
+    trained = result.components.denoiser
+    if kind == "none":
+        changed = [key for key, value in trained.state_dict().items() if not torch.equal(value, base[key])]
+    else:
+        changed = [n for n, p in trained.named_parameters() if "lora_B" in n and p.abs().sum() > 0]
+    assert changed
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cached_latents_and_text_train_as_encoding_each_step(name, micro_bases, make_config, tmp_path):
+    settings = _settings(name, micro_bases[name], tmp_path, train__max_steps=3, adapter__text_encoder=False)
+    plain = train(make_config(**settings | {"train__output_dir": str(tmp_path / "plain")}))
+    cached = train(make_config(**settings | {"train__output_dir": str(tmp_path / "cached"), "cache__latents": True,
+                                             "cache__text": True, "cache__dir": str(tmp_path / "cache")}))
+    assert all(encoder is None for encoder in cached.components.text_encoders.values())  # released
+    assert cached.losses == pytest.approx(plain.losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_stopped_run_resumes_exactly(name, micro_bases, make_config, tmp_path):
+    """Stopped at step 2, resumed to 4: the same losses and weights as an uninterrupted run, bit for bit (adapter
+    dropout on, so the global RNG state must come back too)."""
+    settings = _settings(name, micro_bases[name], tmp_path, train__max_steps=4, checkpoint__every_steps=2,
+                         adapter__dropout=0.1, sample__prompts=[])
+    train(make_config(**settings | {"train__output_dir": str(tmp_path / "whole")}))
+    parts = str(tmp_path / "parts")
+    train(make_config(**settings | {"train__output_dir": parts, "train__max_steps": 2}))
+    train(make_config(**settings | {"train__output_dir": parts}), resume="auto")
+    losses = [{row["step"]: row["loss"] for row in read_metrics(tmp_path / run)} for run in ("whole", "parts")]
+    assert losses[0] == losses[1] and list(losses[1]) == [1, 2, 3, 4]
+    whole, resumed = (load_file(tmp_path / run / "pytorch_lora_weights.safetensors") for run in ("whole", "parts"))
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[key], resumed[key]) for key in whole)
+    assert [p.name for p in complete_checkpoints(tmp_path / "parts")] == ["step-000002", "step-000004"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind, micro_bases, make_config, tmp_path):
+    """Trained on every part the family's LoRA loader reads: its pipeline's own `load_lora_weights` renders what the
+    base merged by difftune renders; the parity check agrees for both layouts; `difftune sample` redraws the
+    in-training sample. A LoRA's kohya layout loads in the pipeline too, as the same change (diffusers drops a
+    kohya file's DoRA magnitudes, saying so)."""
+    family, base = FAMILIES[name], micro_bases[name]
+    settings = _settings(name, base, tmp_path / "run", adapter__kind=kind, train__max_steps=4,
+                         optim__learning_rate=2e-2, sample__prompts=["a purple circle"], sample__steps=4,
+                         sample__guidance_scale=3.0)
+    result = train(make_config(**settings))
+    assert {key.split(".")[0] for key in load_file(result.trained_path)} == set(family.adapter_parts())
+    parity = json.loads((result.trained_path.parent / "parity.json").read_text())
+    assert all(layout["max_pixel_difference"] <= 2 for layout in parity["layouts"].values()), parity
+
+    pipeline_class = family.pipeline_class
+    theirs = pipeline_class.from_pretrained(base, dtype=torch.float32)
+    theirs.load_lora_weights(str(result.trained_path.parent), weight_name=result.trained_path.name)
+    export.merge_into_folder(str(base), [(result.trained_path, 1.0)], tmp_path / "merged")
+    merged = pipeline_class.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    untouched = pipeline_class.from_pretrained(base, dtype=torch.float32)
+    ours = render(name, merged)
+    assert np.abs(ours - render(name, theirs)).max() < 2e-3
+    if kind == "lora" and name in KOHYA_READ_BY_PIPELINE:
+        kohya = export.convert_adapter(result.trained_path, tmp_path / "kohya.safetensors", "kohya")
+        theirs_kohya = pipeline_class.from_pretrained(base, dtype=torch.float32)
+        theirs_kohya.load_lora_weights(str(kohya))
+        assert np.abs(ours - render(name, theirs_kohya)).max() < 2e-3
+    assert np.abs(ours - render(name, untouched)).max() > 0.05  # the adapter changes the image
+
+    assert main(["sample", "--base", str(base), "--adapter", str(result.trained_path), "--prompt", "a purple circle",
+                 "--steps", "4", "--guidance-scale", "3.0", "--resolution", "32", "--out", str(tmp_path / "cli")]) == 0
+    drawn = np.asarray(Image.open(tmp_path / "cli" / "000.png"), dtype=np.int16)
+    in_training = np.asarray(Image.open(result.trained_path.parent / "samples" / "000.png"), dtype=np.int16)
+    assert np.abs(drawn - in_training).max() <= 2
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_kohya_layout_round_trips_bit_for_bit(name, micro_bases, make_config, tmp_path):
+    settings = _settings(name, micro_bases[name], tmp_path / "run", adapter__kind="dora", train__max_steps=2,
+                         sample__prompts=[])
+    trained = train(make_config(**settings)).trained_path
+    kohya = export.convert_adapter(trained, tmp_path / "kohya.safetensors", "kohya")
+    back = export.convert_adapter(kohya, tmp_path / "back.safetensors", "diffusers")
+    prefixes = tuple(FAMILIES[name].kohya_prefixes.values())
+    assert all(key.startswith(prefixes) for key in load_file(kohya))
+    original, again = load_file(trained), load_file(back)
+    assert original.keys() == again.keys()
+    assert all(torch.equal(original[key], again[key]) for key in original)

@@ -1,0 +1,84 @@
+"""Qwen-Image beyond the conformance suite (tests/test_families.py): its template, its autoencoder's per-channel
+latents, its refusals, and the LoRA layouts other trainers share."""
+
+import pytest
+import torch
+from diffusers import QwenImagePipeline
+from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_qwen_lora_to_diffusers
+from safetensors.torch import load_file, save_file
+
+from difftune import export
+from difftune.autoencoders import decode_latents, encode_latents, latent_normalization
+from difftune.config import ModelConfig
+from difftune.errors import DifftuneError
+from difftune.families import FAMILIES, load_components
+from difftune.families.qwen_image import PROMPT_TEMPLATE, TEMPLATE_TOKENS
+from difftune.tiny import build_pipeline, build_qwen_tokenizer
+from difftune.train import train
+
+QWEN = FAMILIES["qwen_image"]
+
+
+@pytest.fixture(scope="module")
+def qwen_base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("micro-qwen")
+    build_pipeline(seed=1, family="qwen_image").save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_the_template_is_the_pipelines_and_its_system_prompt_is_dropped(qwen_base):
+    pipeline = QwenImagePipeline.from_pretrained(qwen_base)
+    assert (pipeline.prompt_template_encode, pipeline.prompt_template_encode_start_idx) == (PROMPT_TEMPLATE, TEMPLATE_TOKENS)
+    tokenizer = build_qwen_tokenizer()
+    tokens = tokenizer.convert_ids_to_tokens(tokenizer(PROMPT_TEMPLATE.format("a red circle")).input_ids)
+    # The micro tokenizer spells the system prompt in 34 tokens as Qwen2.5-VL's does: what is kept starts at the caption.
+    assert tokens[TEMPLATE_TOKENS - 3 : TEMPLATE_TOKENS] == ["<|im_start|>", "user", "Ċ"]
+    assert tokens[TEMPLATE_TOKENS] == "a"
+
+
+def test_latents_are_normalised_per_channel_as_the_pipeline_inverts_them(qwen_base):
+    vae = load_components(ModelConfig(base=str(qwen_base))).vae
+    pixels = torch.rand(2, 3, 32, 32) * 2 - 1
+    generators = [torch.Generator().manual_seed(i) for i in range(2)]
+    latents = encode_latents(vae, pixels, generators)
+    mean, std = (torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1), torch.tensor(vae.config.latents_std).view(1, -1, 1, 1))
+    posterior = vae.encode(pixels[:, :, None]).latent_dist
+    eps = torch.stack([torch.randn(posterior.mean.shape[1:], generator=torch.Generator().manual_seed(i)) for i in range(2)])
+    sample = (posterior.mean + posterior.std * eps)[:, :, 0]
+    torch.testing.assert_close(latents, (sample - mean) / std, rtol=1e-5, atol=1e-5)
+    assert latent_normalization(vae.config).scale != latent_normalization(vae.config).scale[:1] * 16  # per channel
+    # QwenImagePipeline's own decoding of the same latents (`latents / latents_std + latents_mean`, one frame).
+    theirs = vae.decode((latents * std + mean)[:, :, None]).sample[:, :, 0]
+    torch.testing.assert_close(decode_latents(vae, latents), theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_settings_qwen_image_cannot_train_with_are_refused(make_config, qwen_base, tmp_path):
+    with pytest.raises(DifftuneError, match=r"adapter.text_encoder: QwenImagePipeline's LoRA loader reads transformer"):
+        train(make_config(model__base=str(qwen_base), adapter__text_encoder=True))
+    with pytest.raises(DifftuneError, match=r"loss.weighting = \"min_snr\""):
+        train(make_config(model__base=str(qwen_base), adapter__text_encoder=False, loss__weighting="min_snr"))
+    single = tmp_path / "qwen_image_transformer.safetensors"
+    save_file({"model.diffusion_model.transformer_blocks.0.img_mod.1.weight": torch.zeros(1)}, single)
+    with pytest.raises(DifftuneError, match=r"holds the transformer alone; set model.single_file_config"):
+        load_components(ModelConfig(base=str(single)))
+
+
+def test_the_layouts_other_trainers_share_are_read_as_ours(make_config, qwen_base, tmp_path):
+    """Our kohya file is musubi-tuner's layout (`lora_unet_<module>`, what ComfyUI maps), and diffusers' own reader of
+    it names exactly our diffusers keys; ai-toolkit's and ComfyUI's `diffusion_model.` files read as the same adapter."""
+    result = train(make_config(model__base=str(qwen_base), adapter__text_encoder=False, train__max_steps=2,
+                               adapter__rank=4, adapter__alpha=8, sample__prompts=[]))
+    ours = load_file(result.trained_path)
+    kohya = load_file(export.convert_adapter(result.trained_path, tmp_path / "kohya.safetensors", "kohya"))
+    assert "lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight" in kohya
+    assert "lora_unet_transformer_blocks_0_img_mlp_net_0_proj.lora_up.weight" in kohya
+    assert float(kohya["lora_unet_transformer_blocks_0_attn_to_q.alpha"]) == 8.0
+    theirs = _convert_non_diffusers_qwen_lora_to_diffusers(dict(kohya))
+    # diffusers folds alpha / rank into the factors; the keys are ours.
+    assert set(theirs) == set(ours)
+
+    ai_toolkit = {key.replace("transformer.", "diffusion_model.", 1): value for key, value in ours.items()}
+    save_file(ai_toolkit, tmp_path / "ai_toolkit.safetensors")
+    tensors, configs, _ = export.read_any_adapter(tmp_path / "ai_toolkit.safetensors", str(qwen_base))
+    assert tensors.keys() == ours.keys() and all(torch.equal(tensors[key], ours[key]) for key in ours)
+    assert configs["transformer.r"] == 4
