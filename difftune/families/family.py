@@ -63,15 +63,19 @@ class Family:
         if config.base.endswith(SINGLE_FILE_SUFFIXES):
             if not Path(config.base).is_file():
                 raise DifftuneError(f"model.base {config.base}: no such file")
-            pipeline = self.pipeline_class.from_single_file(
-                config.base, config=config.single_file_config or None, **self.fixed_pipeline_arguments, **FP32
-            )
+            pipeline = self.single_file_pipeline(config)
         else:
             pipeline = self.pipeline_class.from_pretrained(
                 config.base, revision=config.revision or None, variant=config.variant or None,
                 **self.fixed_pipeline_arguments, **FP32,
             )
         return self.components_of(pipeline)
+
+    def single_file_pipeline(self, config: ModelConfig):
+        """The pipeline of a single-file `config.base` (there, an existing file), through diffusers' reader."""
+        return self.pipeline_class.from_single_file(
+            config.base, config=config.single_file_config or None, **self.fixed_pipeline_arguments, **FP32
+        )
 
     def components_of(self, pipeline) -> Components:
         return Components(

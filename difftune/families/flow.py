@@ -62,6 +62,17 @@ class FlowMatchingFamily(Family):
     default_sampler = "euler"
     samplers = {"euler": FlowMatchEulerDiscreteScheduler}
 
+    def load(self, config):
+        components = super().load(config)
+        components.conditioning_options["guidance"] = config.guidance  # a guidance-distilled base's embedding
+        return components
+
+    def guidance(self, components: Components, batch: int, device) -> torch.Tensor | None:
+        """The guidance embedding's input (B,) for a guidance-distilled transformer (`model.guidance`), else None."""
+        if not components.denoiser.config.guidance_embeds:
+            return None
+        return torch.full((batch,), float(components.conditioning_options["guidance"]), device=device)
+
     def training_scheduler(self, scheduler):
         # Kept as saved: its config holds the resolution-shift constants that sampling and `loss` both use.
         return FlowMatchEulerDiscreteScheduler.from_config(scheduler.config)

@@ -104,7 +104,7 @@ class Flux(FlowMatchingFamily):
 
     def load(self, config):
         components = super().load(config)
-        components.conditioning_options = {"guidance": config.guidance, "text_padding_mask": config.text_padding_mask}
+        components.conditioning_options["text_padding_mask"] = config.text_padding_mask
         return components
 
     def unsupported_settings(self, config: Config) -> list[str]:
@@ -128,24 +128,20 @@ class Flux(FlowMatchingFamily):
         return {"encoder_hidden_states": t5_states, "pooled_prompt_embeds": clip.pooler_output, "text_mask": t5_ids != pad}
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
-        transformer = components.denoiser
         states = conditioning["encoder_hidden_states"]
         b, _, h, w = noisy.shape
         image_ids = image_position_ids(h, w, noisy.device, states.dtype)
         text_ids = torch.zeros(states.shape[1], 3, device=noisy.device, dtype=states.dtype)
-        options = components.conditioning_options
-        guidance = None
-        if transformer.config.guidance_embeds:
-            guidance = torch.full((b,), float(options["guidance"]), device=noisy.device)
         attention = None
-        if options["text_padding_mask"]:  # text tokens, then image tokens: the joint sequence's order
+        if components.conditioning_options["text_padding_mask"]:  # text tokens, then image tokens: the joint sequence's order
             keep = torch.cat([conditioning["text_mask"].bool(), torch.ones(b, image_ids.shape[0], dtype=torch.bool,
                                                                           device=noisy.device)], dim=1)
             attention = {"attention_mask": keep[:, None, None, :]}
-        prediction = transformer(
-            hidden_states=pack(noisy).to(states.dtype), timestep=(timesteps / 1000).to(states.dtype), guidance=guidance,
-            pooled_projections=conditioning["pooled_prompt_embeds"], encoder_hidden_states=states, txt_ids=text_ids,
-            img_ids=image_ids, joint_attention_kwargs=attention, return_dict=False,
+        prediction = components.denoiser(
+            hidden_states=pack(noisy).to(states.dtype), timestep=(timesteps / 1000).to(states.dtype),
+            guidance=self.guidance(components, b, noisy.device), pooled_projections=conditioning["pooled_prompt_embeds"],
+            encoder_hidden_states=states, txt_ids=text_ids, img_ids=image_ids, joint_attention_kwargs=attention,
+            return_dict=False,
         )[0]
         return unpack(prediction, h, w)
 

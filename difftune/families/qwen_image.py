@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from difftune.config import Config, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families.flow import FlowMatchingFamily, pack, unpack
-from difftune.models import SINGLE_FILE_SUFFIXES, Components
+from difftune.models import Components
 
 # QwenImagePipeline's prompt template and the number of its tokens before the caption that it drops
 # (`prompt_template_encode`, `prompt_template_encode_start_idx`; tests/test_families.py checks them against it).
@@ -67,12 +67,7 @@ class QwenImage(FlowMatchingFamily):
     def reads_single_file(self, keys: set[str]) -> bool:
         return any(prefix + SINGLE_FILE_KEY in keys for prefix in ("", *SINGLE_FILE_PREFIXES))
 
-    def load(self, config: ModelConfig) -> Components:
-        components = self._load_single_file(config) if config.base.endswith(SINGLE_FILE_SUFFIXES) else super().load(config)
-        components.conditioning_options = {"guidance": config.guidance}  # guidance-distilled bases' embedding
-        return components
-
-    def _load_single_file(self, config: ModelConfig) -> Components:
+    def single_file_pipeline(self, config: ModelConfig) -> QwenImagePipeline:
         if not config.single_file_config:
             raise DifftuneError(
                 f"model.base {config.base}: a Qwen-Image single file holds the transformer alone; set "
@@ -90,10 +85,9 @@ class QwenImage(FlowMatchingFamily):
         with init_empty_weights():
             transformer = QwenImageTransformer2DModel.from_config(transformer_config)
         transformer.load_state_dict(weights, strict=True, assign=True)
-        pipeline = QwenImagePipeline.from_pretrained(
+        return QwenImagePipeline.from_pretrained(
             config.single_file_config, transformer=transformer, revision=config.revision or None, dtype=torch.float32,
         )
-        return self.components_of(pipeline)
 
     def unsupported_settings(self, config: Config) -> list[str]:
         problems = super().unsupported_settings(config)
@@ -138,12 +132,9 @@ class QwenImage(FlowMatchingFamily):
         longest = int(mask.sum(dim=1).max())
         states, mask = conditioning["encoder_hidden_states"][:, :longest], mask[:, :longest]
         b, _, h, w = noisy.shape
-        guidance = None
-        if components.denoiser.config.guidance_embeds:
-            guidance = torch.full((b,), float(components.conditioning_options["guidance"]), device=noisy.device)
         prediction = components.denoiser(
-            hidden_states=pack(noisy).to(states.dtype), timestep=(timesteps / 1000).to(states.dtype), guidance=guidance,
-            encoder_hidden_states=states, encoder_hidden_states_mask=None if mask.all() else mask,
+            hidden_states=pack(noisy).to(states.dtype), timestep=(timesteps / 1000).to(states.dtype),
+            guidance=self.guidance(components, b, noisy.device), encoder_hidden_states=states, encoder_hidden_states_mask=None if mask.all() else mask,
             img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False,
         )[0]
         return unpack(prediction, h, w)
