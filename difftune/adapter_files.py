@@ -31,16 +31,17 @@ from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from diffusers.utils.state_dict_utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
 
 from difftune.adapters import DORA_MAGNITUDE, LYCORIS_TENSORS, derived_lora_configs
-from difftune.embeddings import is_embedding
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES
 from difftune.families.family import Family
 from difftune.files import open_safetensors
-from difftune.kohya import split_adapter_key
+from difftune.kohya import SIMPLETUNER_PREFIX, split_adapter_key
 
 CONFIG_METADATA_KEY = "difftune_config"
-KOHYA_PREFIXES = tuple({prefix for family in FAMILIES.values() for prefix in family.kohya_prefixes.values()})
+KOHYA_PREFIXES = (*{prefix for family in FAMILIES.values() for prefix in family.kohya_prefixes.values()}, SIMPLETUNER_PREFIX)
 KNOWN_PARTS = {part for family in FAMILIES.values() for part in family.parts()}  # diffusers-layout key prefixes
+# Keys of textual-inversion files, as each family writes them (A1111 / ComfyUI layouts).
+EMBEDDING_KEYS = {key for family in FAMILIES.values() for key in family.embedding_keys}
 # Prefixes of a file saved from one model rather than a pipeline (peft's; ComfyUI's and ai-toolkit's name the
 # denoiser `diffusion_model.`): its keys are the denoiser's.
 LONE_MODEL_PREFIXES = ("base_model.model.", "diffusion_model.")
@@ -57,6 +58,22 @@ class BaseModules:
 
 # The file's metadata -> the base's modules (the metadata may name the base).
 FindBaseModules = Callable[[dict[str, str]], BaseModules]
+
+
+
+def is_embedding(keys) -> bool:
+    """A textual-inversion file's keys: every one is an embedding key some family writes (A1111 / ComfyUI), or the one
+    key is the token itself (diffusers' layout, from its training script and `load_textual_inversion`:
+    `{token: (n, dim)}`). Adapter keys always name a module path, so never a lone dotless key."""
+    keys = set(keys)
+    if not keys:
+        return False
+    return keys <= EMBEDDING_KEYS or (len(keys) == 1 and "." not in next(iter(keys)))
+
+
+def is_embedding_file(path: Path) -> bool:
+    with open_safetensors(path) as handle:
+        return is_embedding(handle.keys())
 
 
 def read_adapter(path: Path, base_modules: FindBaseModules | None = None) -> tuple[dict, dict, str]:

@@ -31,28 +31,30 @@ INITIAL_ADAPTER = "_difftune_initial_adapter"  # a part's adapter tensors as ini
 
 
 def trained_parts(components: Components, config: AdapterConfig) -> dict[str, torch.nn.Module]:
-    """The parts `config` trains, by name: the denoiser, and the family's adapted text encoders with
-    `adapter.text_encoder`; an embedding's text encoders alone."""
+    """The parts `config` trains, by name: the denoiser, and with `adapter.text_encoder` the family's adapted text
+    encoders (its fine-tuned ones in a full fine-tune); an embedding's text encoders alone."""
     parts, family = components.parts(), components.family
     if config.kind == "embedding":
         names = family.text_encoder_names
+    elif not config.text_encoder:
+        names = (family.denoiser_name,)
+    elif config.kind == "none":
+        names = (family.denoiser_name, *family.fine_tuned_text_encoders())
     else:
-        names = family.adapter_parts() if config.text_encoder else (family.denoiser_name,)
+        names = family.adapter_parts()
     return {name: parts[name] for name in names}
 
 
-TARGET_KEYS = {"text_encoder": "adapter.text_encoder_target_modules", "text_encoder_2": "adapter.text_encoder_2_target_modules"}
-
-
 def target_modules(components: Components, config: AdapterConfig) -> dict[str, list[str]]:
-    """Each trained part's adapter targets: the config's list, or the family's default where it is empty."""
+    """Each trained part's adapter targets: the config's list (`target_modules` for the denoiser,
+    `text_encoder_targets` by part for the text encoders), or the family's default where there is none."""
     family = components.family
-    configured = {
-        family.denoiser_name: config.target_modules,
-        "text_encoder": config.text_encoder_target_modules,
-        "text_encoder_2": config.text_encoder_2_target_modules,
-    }
+    configured = {family.denoiser_name: config.target_modules, **config.text_encoder_targets}
     return {part: configured.get(part) or family.default_targets[part] for part in trained_parts(components, config)}
+
+
+def _targets_key(components: Components, part: str) -> str:
+    return "adapter.target_modules" if part == components.family.denoiser_name else f"adapter.text_encoder_targets.{part}"
 
 
 def check_targets(components: Components, config: AdapterConfig) -> None:
@@ -60,14 +62,20 @@ def check_targets(components: Components, config: AdapterConfig) -> None:
     otherwise stop naming the setting and the names its part has."""
     if not config.is_adapter:
         return
-    parts = components.parts()
+    parts, family = components.parts(), components.family
+    for part in config.text_encoder_targets:
+        if part not in family.adapted_text_encoders():
+            adapted = ", ".join(family.adapted_text_encoders()) or "none: its adapters are the denoiser's alone"
+            raise DifftuneError(
+                f"adapter.text_encoder_targets.{part}: not a text encoder {family.description} adapters train; "
+                f"theirs: {adapted}"
+            )
     for part, targets in target_modules(components, config).items():
         names = [name for name, _ in parts[part].named_modules()]
         missing = [target for target in targets if not any(name == target or name.endswith("." + target) for name in names)]
         if missing:
-            key = TARGET_KEYS.get(part, "adapter.target_modules")
             raise DifftuneError(
-                f"{key}: {', '.join(map(repr, missing))} names no module of the {part}; its layers are named "
+                f"{_targets_key(components, part)}: {', '.join(map(repr, missing))} names no module of the {part}; its layers are named "
                 f"{', '.join(_layer_suffixes(parts[part]))}"
             )
 

@@ -150,5 +150,5 @@ def fill_text(entries: dict[str, Path], components: Components, device: torch.de
         with torch.no_grad():
             conditioning = family.encode_prompts(components, {name: ids.to(device) for name, ids in token_ids.items()})
         for i, (_, path) in enumerate(chunk):
-            _write(path, {name: value[i] for name, value in conditioning.items()})
+            _write(path, family.cached_conditioning({name: value[i] for name, value in conditioning.items()}))
     return len(todo)

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from difftune.config import Config, resolve_path_values
+from difftune.config import Config, resolve_path_values, upgrade_moved_keys
 from difftune.errors import DifftuneError
 from difftune.files import out_of_space
 from difftune.metrics import METRICS_FILE
@@ -320,7 +320,7 @@ LOCKED = {
 
 def check_resumable(saved_toml: str, config: Config, saved_processes: int, num_processes: int, print_fn=print) -> None:
     """Fail naming every setting that makes resuming meaningless; log the changes that are safe."""
-    saved, current = tomllib.loads(saved_toml), tomllib.loads(config.to_toml())
+    saved, current = upgrade_moved_keys(tomllib.loads(saved_toml)), tomllib.loads(config.to_toml())
     # Checkpoints written before paths were recorded absolute hold them relative to the working directory, and
     # those written before families existed name none (they were SD's).
     resolve_path_values(saved, Path.cwd())

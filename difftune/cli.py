@@ -199,8 +199,8 @@ def _run(args: argparse.Namespace) -> None:
     if args.command == "eval":
         import json
 
-        from difftune.evaluate import EvalSettings, evaluate
-        from difftune.tiny import COLORS
+        from difftune.toy.judge import EvalSettings, evaluate
+        from difftune.toy.tiny import COLORS
 
         if args.concept not in COLORS:
             raise DifftuneError(f"difftune eval --concept {args.concept!r}: not a shapes color; one of {', '.join(COLORS)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -86,17 +86,11 @@ class ModelConfig(Section):
         "`nf4`: 4-bit NormalFloat with double quantization through bitsandbytes, as QLoRA (the `bnb` extra). Needs "
         "an adapter; the saved adapter loads on the unquantized base.",
     )
-    guidance: float = Field(
-        1.0,
-        ge=0,
-        description="Flux-class and Qwen-Image bases with a guidance embedding (guidance-distilled, as FLUX.1-dev): the guidance value "
-        "training conditions on (1, as diffusers' and kohya's Flux scripts). Bases without one ignore it.",
-    )
-    text_padding_mask: bool = Field(
-        False,
-        description="Flux-class bases: keep the T5 padding tokens out of the joint attention in training (SimpleTuner's "
-        "masked training). Off by default, as Flux.1 was trained and as FluxPipeline samples (it passes no mask, so "
-        "in-training samples and other tools see the padding either way).",
+    family_options: dict[str, bool | int | float | str] = Field(
+        {},
+        description="Settings of the base's family, checked by the family (each family's are listed below the "
+        "reference): e.g. `model.family_options = { guidance = 3.5 }` for a guidance-distilled Flux. A setting the "
+        "family does not have is refused by name.",
     )
     weight_dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
         "auto",
@@ -238,15 +232,11 @@ class AdapterConfig(Section):
         description="Also train the text encoders (both of SDXL's; Flux's CLIP, not T5, as FluxPipeline's LoRA loader "
         "reads): an adapter on each, or all their weights when `kind = none`.",
     )
-    text_encoder_target_modules: list[str] = Field(
-        [],
-        description="Modules of the (first) text encoder that get an adapter when `text_encoder = true`; empty: the "
-        "family's default (CLIP's q_proj, k_proj, v_proj, out_proj).",
-    )
-    text_encoder_2_target_modules: list[str] = Field(
-        [],
-        description="Modules of SDXL's second text encoder that get an adapter when `text_encoder = true`; empty: "
-        "the family's default (q_proj, k_proj, v_proj, out_proj).",
+    text_encoder_targets: dict[str, list[str]] = Field(
+        {},
+        description="Text-encoder modules that get an adapter when `text_encoder = true`, by the encoder's part name "
+        "(`{ text_encoder = [\"q_proj\", \"v_proj\"], text_encoder_2 = [...] }`, as diffusers names a family's "
+        "encoders); an encoder left out gets the family's default (CLIP's q_proj, k_proj, v_proj, out_proj).",
     )
 
     embedding_token: str = Field(
@@ -807,10 +797,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         resolve_path_values(data, Path(path).resolve().parent)
     for override in overrides:
         key, value = _parse_override(override)
-        section, _, name = key.partition(".")
-        data.setdefault(section, {})[name] = value
+        section, name, *entry = key.split(".")
+        if entry:
+            data.setdefault(section, {}).setdefault(name, {})[entry[0]] = value
+        else:
+            data.setdefault(section, {})[name] = value
     try:
-        config = Config.model_validate(data)
+        config = Config.model_validate(upgrade_moved_keys(data))
     except ValidationError as err:
         raise DifftuneError(describe_errors(source, err)) from None
     return absolute_paths(config, Path.cwd())
@@ -891,20 +884,48 @@ def resolve_path_values(data: dict, base_dir: Path) -> None:
 
 
 def _parse_override(override: str) -> tuple[str, Any]:
-    """`adapter.rank=8` -> ("adapter.rank", 8): the value is read as the field's type expects."""
+    """`adapter.rank=8` -> ("adapter.rank", 8): the value is read as the field's type expects. A table field takes
+    one entry at a time: `model.family_options.guidance=3.5`."""
     key, sep, text = override.partition("=")
     key = key.strip()
-    if not sep or key.count(".") != 1:
+    if not sep or key.count(".") not in (1, 2):
         raise DifftuneError(f"override {override!r} must look like section.key=value, e.g. train.max_steps=100")
-    section, name = key.split(".")
+    key = MOVED_KEYS.get(key, (key,))[0]
+    section, name, *entry = key.split(".")
     field = _field(section, name, where=f"override {override!r}")
+    if entry and get_origin(field.annotation) is not dict:
+        raise DifftuneError(f"override {override!r}: {section}.{name} is not a table; use {section}.{name}=value")
     if _is_text(field.annotation):
         return key, text
     try:
         return key, tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        # A bare word for a non-text field: let validation report it against the field's type.
+        # A bare word (a text entry of a table, or a mistake for a typed field that validation reports).
         return key, text
+
+
+# Keys that moved into the tables of family-owned settings (0.x): where each is now, and its old default, which
+# every run and adapter file written before then records.
+MOVED_KEYS = {
+    "model.guidance": ("model.family_options.guidance", 1.0),
+    "model.text_padding_mask": ("model.family_options.text_padding_mask", False),
+    "adapter.text_encoder_target_modules": ("adapter.text_encoder_targets.text_encoder", []),
+    "adapter.text_encoder_2_target_modules": ("adapter.text_encoder_targets.text_encoder_2", []),
+}
+
+
+def upgrade_moved_keys(data: dict) -> dict:
+    """A config's sections (parsed TOML) with each moved key in its new place; at its old default it is dropped
+    (a family without the setting would refuse it). Old config files, checkpoints and adapter metadata read so."""
+    for old, (new, default) in MOVED_KEYS.items():
+        section, name = old.split(".")
+        if name not in data.get(section, {}):
+            continue
+        value = data[section].pop(name)
+        if value != default:
+            new_section, table, entry = new.split(".")
+            data.setdefault(new_section, {}).setdefault(table, {}).setdefault(entry, value)
+    return data
 
 
 def _field(section: str, name: str, where: str):
@@ -944,17 +965,25 @@ def describe_errors(source: str, err: ValidationError, section: str | None = Non
     return "\n".join(lines)
 
 
-def reference_markdown() -> str:
-    """The config reference table in the README, generated from the schema (a test keeps it in sync)."""
+def reference_markdown(family_options: dict[str, type[BaseModel]] | None = None) -> str:
+    """The config reference tables in the README, generated from the schema (a test keeps it in sync); with
+    `family_options` (family name -> its options model), a table of `model.family_options` per family."""
     lines = []
     for section, section_field in Config.model_fields.items():
-        lines += [f"### [{section}]", "", "| key | default | description |", "| --- | --- | --- |"]
-        for name, field in section_field.annotation.model_fields.items():
-            default = field.default
-            shown = "(see description)" if default is None else tomli_w.dumps({"v": default})[4:].strip()
-            choices = ""
-            if getattr(field.annotation, "__origin__", None) is Literal:
-                choices = " One of: " + ", ".join(f"`{a}`" for a in field.annotation.__args__) + "."
-            lines.append(f"| `{name}` | `{shown}` | {field.description}{choices} |")
-        lines.append("")
+        lines += [f"### [{section}]", "", *_field_table(section_field.annotation)]
+    for family, options in (family_options or {}).items():
+        if options.model_fields:
+            lines += [f"### `model.family_options` of `{family}` bases", "", *_field_table(options)]
     return "\n".join(lines)
+
+
+def _field_table(model: type[BaseModel]) -> list[str]:
+    lines = ["| key | default | description |", "| --- | --- | --- |"]
+    for name, field in model.model_fields.items():
+        default = field.default
+        shown = "(see description)" if default is None else "{}" if default == {} else tomli_w.dumps({"v": default})[4:].strip()
+        choices = ""
+        if getattr(field.annotation, "__origin__", None) is Literal:
+            choices = " One of: " + ", ".join(f"`{a}`" for a in field.annotation.__args__) + "."
+        lines.append(f"| `{name}` | `{shown}` | {field.description}{choices} |")
+    return [*lines, ""]

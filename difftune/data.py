@@ -438,7 +438,8 @@ class CaptionedImages(Dataset):
 
     With `latent_entries` (each example's cache file per view) it returns the cached posterior instead of pixels,
     and with `text_entries` (caption -> cache file) the cached text conditioning instead of token ids
-    (`tokenize`: captions -> token ids per text encoder, the family's). The per-sample random draws happen in
+    (`tokenize`: captions -> token ids per text encoder, the family's; `uncached_conditioning`: a stored entry as
+    the family's encoder made it). The per-sample random draws happen in
     the same order either way, so cached and uncached runs match.
     Cache entries read once stay in RAM up to `memory_bytes`, and each caption is tokenized once: on a small
     model those reads and tokenizer calls were 13% of a training step (measured on the tiny base).
@@ -454,6 +455,7 @@ class CaptionedImages(Dataset):
         text_entries: dict[str, Path] | None = None,
         sizes: list[tuple[int, int]] | None = None,  # `training_sizes`, when the caller has them already
         memory_bytes: int = 0,
+        uncached_conditioning: Callable[[dict], dict] | None = None,  # the family's: a text entry as encoded
     ):
         self.examples = examples
         self.config = config
@@ -461,6 +463,7 @@ class CaptionedImages(Dataset):
         self.train_seed = train_seed
         self.latent_entries = latent_entries
         self.text_entries = text_entries
+        self.uncached_conditioning = uncached_conditioning
         self.sizes = sizes if sizes is not None else training_sizes(examples, config)
         self.captions = CaptionDrawer(config, train_seed)
         self._memory_left = memory_bytes
@@ -528,7 +531,8 @@ class CaptionedImages(Dataset):
                 item["mask"] = mask
         caption = self.captions.draw(example.caption, rng)
         if self.text_entries:
-            item["conditioning"] = self._read(self.text_entries[caption])  # name -> (L, D) or (P,)
+            stored = self._read(self.text_entries[caption])  # name -> (L, D) or (P,)
+            item["conditioning"] = self.uncached_conditioning(stored) if self.uncached_conditioning else stored
         else:
             item["token_ids"] = self._token_ids_of(caption)  # text encoder -> (L,)
         return item

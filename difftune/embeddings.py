@@ -95,32 +95,6 @@ def write_embedding(path: Path, components: Components, config: AdapterConfig, m
     return replace_atomically(path, lambda staging: save_file(vectors, staging, metadata=metadata))
 
 
-def is_embedding(keys) -> bool:
-    """A textual-inversion file's keys: every one is an embedding key some family writes (A1111 / ComfyUI), or the one
-    key is the token itself (diffusers' layout). Adapter keys always name a module path, so never a lone dotless key."""
-    keys = set(keys)
-    return bool(keys) and (keys <= _family_embedding_keys() or _is_token_keyed(keys))
-
-
-def _family_embedding_keys() -> set[str]:
-    from difftune.families import FAMILIES  # not at the top: the families import adapters.py, which imports this
-
-    return {key for family in FAMILIES.values() for key in family.embedding_keys}
-
-
-def _is_token_keyed(keys: set[str]) -> bool:
-    """diffusers' textual-inversion layout (its training script, `load_textual_inversion`): `{token: (n, dim)}`."""
-    if len(keys) != 1:
-        return False
-    key = next(iter(keys))
-    return "." not in key and key not in _family_embedding_keys()
-
-
-def is_embedding_file(path: Path) -> bool:
-    with open_safetensors(path) as handle:
-        return is_embedding(handle.keys())
-
-
 def load_embedding(components: Components, path: Path) -> str:
     """Teach the components' tokenizers and encoders the file's token (diffusers' `load_textual_inversion`, one
     encoder at a time); the token, from the file's metadata, else its key in diffusers' layout, else the file's name
@@ -129,7 +103,8 @@ def load_embedding(components: Components, path: Path) -> str:
         token = (handle.metadata() or {}).get(TOKEN_METADATA_KEY)
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     family, pipeline = components.family, components.pipeline()
-    if _is_token_keyed(set(tensors)):
+    # diffusers' layout (its training script, `load_textual_inversion`): `{token: (n, dim)}`, one dotless key.
+    if len(tensors) == 1 and not set(tensors) & {*family.embedding_keys} and "." not in next(iter(tensors)):
         [(token, vectors)] = tensors.items()
         tensors = {family.embedding_keys[0]: vectors}
         if len(family.text_encoder_names) > 1:

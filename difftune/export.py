@@ -22,10 +22,10 @@ import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
 from safetensors.torch import save_file
 
-from difftune.adapter_files import CONFIG_METADATA_KEY, check_modules, module_names_of, parts_of, read_adapter
+from difftune.adapter_files import CONFIG_METADATA_KEY, check_modules, is_embedding_file, module_names_of, parts_of, read_adapter
 from difftune.adapters import LYCORIS_CONFIGS, adapter_kind, adapter_state_dict
-from difftune.config import Config, ModelConfig
-from difftune.embeddings import embedding_file_name, is_embedding_file, load_embedding, write_embedding
+from difftune.config import Config, ModelConfig, upgrade_moved_keys
+from difftune.embeddings import embedding_file_name, load_embedding, write_embedding
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.families.family import Family
@@ -120,7 +120,7 @@ def _adapter_base(config_toml: str, base: str = "") -> ModelConfig | None:
     if base:
         return ModelConfig(base=base)
     if config_toml:
-        return ModelConfig.model_validate(tomllib.loads(config_toml)["model"])
+        return ModelConfig.model_validate(upgrade_moved_keys(tomllib.loads(config_toml))["model"])
     return None
 
 

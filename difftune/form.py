@@ -60,8 +60,9 @@ class FormField:
 
     @property
     def kind(self) -> str:
-        """One of: bool, choice, int, float, text, list (one item per line), pair (comma-separated), and
-        `optional` for a number that may be left empty (a browser number box cannot be empty)."""
+        """One of: bool, choice, int, float, text, list (one item per line), pair (comma-separated), table (TOML
+        `key = value` lines), and `optional` for a number that may be left empty (a browser number box cannot be
+        empty)."""
         value_type = self.value_type
         origin = get_origin(value_type)
         if self.optional and value_type in (int, float):
@@ -70,6 +71,8 @@ class FormField:
             return "choice"
         if origin is list:
             return "list"
+        if origin is dict:
+            return "table"
         if origin is tuple:
             return "pair"
         return {bool: "bool", int: "int", float: "float", str: "text"}[value_type]
@@ -85,6 +88,8 @@ class FormField:
             return "\n".join(str(item) for item in value)
         if self.kind == "pair":
             return ", ".join(str(item) for item in value)
+        if self.kind == "table":
+            return tomli_w.dumps(value or {})
         return value
 
     def from_widget(self, value: Any) -> Any:
@@ -95,6 +100,11 @@ class FormField:
             return [_as_type(item.strip(), item_types[0]) for item in items if item.strip()]
         if self.kind == "optional":
             return None if not (value or "").strip() else _as_type(value.strip(), self.value_type)
+        if self.kind == "table":
+            try:
+                return tomllib.loads(value or "")
+            except tomllib.TOMLDecodeError:
+                return value  # validation names the field
         if self.kind == "int" and isinstance(value, float) and value.is_integer():
             return int(value)  # a browser number box gives 100.0 for 100
         return value

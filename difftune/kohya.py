@@ -78,15 +78,20 @@ def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict, prefixes: dic
     return out
 
 
+SIMPLETUNER_PREFIX = "lycoris_"  # SimpleTuner's LyCORIS files: the denoiser's modules, diffusers' names
+
+
 def from_kohya(
     kohya: dict[str, torch.Tensor], module_names: dict[str, list[str]], prefixes: dict[str, str], text_model_parts=(),
-    other_names: dict[str, dict[str, str]] | None = None,
+    other_names: dict[str, dict[str, str]] | None = None, denoiser: str | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """kohya keys -> difftune/diffusers adapter tensors and each part's peft config (rank, alpha, DoRA).
 
     `module_names` maps each part ("unet", "text_encoder", ...) to the dotted module names of the model to load
     into; `prefixes` maps it to its kohya key prefix; `other_names` gives a part's modules by the other names files
-    use for them (the original SGM names of a UNet: kohya sd-scripts writes SDXL LoRAs that way).
+    use for them (the original SGM names of a UNet: kohya sd-scripts writes SDXL LoRAs that way). The `denoiser`
+    part's modules are read under `lycoris_` too: SimpleTuner's LyCORIS files name them so, with diffusers' names
+    (ComfyUI maps `lycoris_<module>` beside `lora_unet_<module>`).
     """
     lookup = {}
     for part, names in module_names.items():
@@ -97,6 +102,8 @@ def from_kohya(
             lookup[prefixes[part] + _kohya_module(part, name, text_model_parts).replace(".", "_")] = (part, name)
     for part, names in (other_names or {}).items():
         lookup |= {prefixes[part] + other.replace(".", "_"): (part, name) for other, name in names.items()}
+    if denoiser:
+        lookup |= {SIMPLETUNER_PREFIX + name.replace(".", "_"): (denoiser, name) for name in module_names.get(denoiser, [])}
     tensors, ranks, alphas, dora, kinds, decompose_both, lycoris = {}, {}, {}, {}, {}, set(), {}
     for key, value in kohya.items():
         name, _, kind = key.partition(".")

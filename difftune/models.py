@@ -38,7 +38,7 @@ class Components:
     noise_scheduler: Any  # the schedule training follows (the family's `training_scheduler`)
     pipeline_options: dict = field(default_factory=dict)  # the family's `pipeline_options` values
     latent_normalization: LatentNormalization = LatentNormalization()  # the autoencoder's (autoencoders.py)
-    conditioning_options: dict = field(default_factory=dict)  # `model` settings the family's `denoise` reads
+    family_options: Any = None  # `model.family_options`, checked by the family (its `options_model`)
 
     def parts(self) -> dict[str, torch.nn.Module | None]:
         """The denoiser and the text encoders by part name: what adapters attach to."""

@@ -203,6 +203,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     dataset = CaptionedImages(
         examples, config.data, tokenize, config.train.seed,
         latent_files, text_files, sizes, memory_bytes=config.cache.memory_mb * 2**20,
+        uncached_conditioning=components.family.uncached_conditioning,
     )
     order = TrainingOrder(
         len(examples), config.train.batch_size, config.train.seed, accelerator.process_index, accelerator.num_processes,

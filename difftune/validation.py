@@ -36,7 +36,7 @@ class Validator:
     def __init__(self, components: Components, config: Config, device: torch.device):
         self.eval_concept, self.eval_samples = config.validation.eval_concept, config.validation.eval_samples_per_prompt
         if self.eval_concept:
-            from difftune.tiny import COLORS
+            from difftune.toy.tiny import COLORS
 
             if self.eval_concept not in COLORS:
                 raise DifftuneError(
@@ -102,8 +102,8 @@ class Validator:
         concept's prompts and for the seen colors' (forgetting), and their mean, the score kept at its best."""
         if not self.eval_concept:
             return {}
-        from difftune.evaluate import EvalSettings, score
-        from difftune.tiny import COLORS
+        from difftune.toy.judge import EvalSettings, score
+        from difftune.toy.tiny import COLORS
 
         seen = [color for color in COLORS if color != self.eval_concept]
         with eval_mode(components.denoiser, *components.text_encoders.values()):

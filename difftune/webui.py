@@ -261,8 +261,9 @@ def _widget(field: FormField, default, id_prefix: str = "field"):
         return gr.Dropdown(field.choices, value=value, label=label, info=info, elem_id=elem_id)
     if field.kind in ("int", "float"):
         return gr.Number(value, label=label, info=info, precision=0 if field.kind == "int" else None, elem_id=elem_id)
-    lines = 3 if field.kind == "list" else 1
-    hint = {"list": " (one per line)", "pair": " (comma-separated)", "optional": " (empty: the default described)"}.get(field.kind, "")
+    lines = 3 if field.kind in ("list", "table") else 1
+    hint = {"list": " (one per line)", "pair": " (comma-separated)", "table": " (TOML: one `key = value` per line)",
+            "optional": " (empty: the default described)"}.get(field.kind, "")
     return gr.Textbox(value, label=label, info=info + hint, lines=lines, elem_id=elem_id)
 
 

@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 
-from difftune.bench import BenchOptions, measure
+from difftune.toy.bench import BenchOptions, measure
 
 TOGGLES = ("cache", "channels_last", "compile", "gradient_checkpointing")  # compile: CUDA only
 

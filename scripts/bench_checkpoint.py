@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from difftune import checkpoint
-from difftune.bench import BenchOptions, _config, prepare_workspace
+from difftune.toy.bench import BenchOptions, _config, prepare_workspace
 from difftune.train import train
 
 

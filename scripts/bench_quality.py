@@ -25,12 +25,12 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from difftune.config import load_config
-from difftune.evaluate import EvalSettings, score
+from difftune.toy.judge import EvalSettings, score
 from difftune.export import apply_adapters, variant_of
 from difftune.families import load_components
 from difftune.metrics import read_metrics
-from difftune.tiny import shape_images, write_caption_folder
-from difftune.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
+from difftune.toy.tiny import shape_images, write_caption_folder
+from difftune.toy.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
 from difftune.train import train
 
 # Overrides of each default job; `{renders_32}` is 32 renders of the concept written by this script.
@@ -103,6 +103,13 @@ VARIANTS = {"tiny_lora": {
     "200_steps": ["train.max_steps=200"],
     "text_encoder_lr_5e-3": ["optim.text_encoder_learning_rate=5e-3"],
     "image_stream_only": ["adapter.target_modules=['attn.to_q','attn.to_k','attn.to_v','attn.to_out.0','ff.net.0.proj','ff.net.2','proj_mlp']"],
+}, "qwen_image_lora": {
+    "lora_r16": [],
+    "lora_r4": ["adapter.rank=4"],
+    "dora_r4": ["adapter.kind=dora", "adapter.rank=4"],
+    "lokr_r8": ["adapter.kind=lokr", "adapter.rank=8"],
+    "purple_only": ["data.path=examples/purple"],
+    "200_steps": ["train.max_steps=200"],
 }}
 
 

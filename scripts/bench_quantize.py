@@ -76,7 +76,7 @@ def main() -> None:
         print(json.dumps(measure(args.child, args.model_dir, args.batch, args.resolution)))
         return
 
-    from difftune.bench import BenchOptions, prepare_workspace
+    from difftune.toy.bench import BenchOptions, prepare_workspace
 
     _, model_dir, _ = prepare_workspace(BenchOptions(model=args.model, resolution=args.resolution))
     for method in ("none", "int8", "nf4"):

@@ -14,11 +14,11 @@ import json
 import shutil
 from pathlib import Path
 
-from difftune.evaluate import EvalSettings, score
+from difftune.toy.judge import EvalSettings, score
 from difftune.config import ModelConfig
 from difftune.families import load_components
-from difftune.tiny import shape_images, write_caption_folder
-from difftune.tiny_base import FLUX_RECIPE, HELD_OUT_COLOR, SDXL_STEPS, SEEN_COLORS, Recipe, build_base
+from difftune.toy.tiny import shape_images, write_caption_folder
+from difftune.toy.tiny_base import HELD_OUT_COLOR, RECIPES, SDXL_STEPS, SEEN_COLORS, Recipe, build_base
 
 CARD = """---
 library_name: diffusers
@@ -39,7 +39,7 @@ Weights are fp16; on a CPU load them as fp32: `{pipeline}.from_pretrained(path, 
 
 - autoencoders{autoencoders_note}: {autoencoder_images} renders of every color; KL VAE (MSE + 1e-6 KL, {vae_steps} steps at batch
   {autoencoder_batch}, then {vae_decoder_steps} steps at lr {vae_decoder_lr} of the decoder alone on the posterior means, as SD's ft-MSE
-  VAE), scaling factor {scaling_factor:.4f} = 1/std of its latents; TAESD distilled for {taesd_steps}
+  VAE), {normalization}; TAESD distilled for {taesd_steps}
   steps (encoder -> the VAE's scaled latents, decoder <- them)
 - {denoiser} ({denoiser_params:,} parameters) and text encoder(s) ({text_params:,}) trained jointly
   by `difftune train` with `adapter.kind = "none"`, `adapter.text_encoder = true`: {steps} steps at batch
@@ -59,7 +59,7 @@ Weights are fp16; on a CPU load them as fp32: `{pipeline}.from_pretrained(path, 
 | held-out color before fine-tuning (both right) | {concept_both:.3f} |
 | untrained control (random {denoiser_short} and text encoders), color / shape | {control_color:.3f} / {control_shape:.3f} |
 
-Judged by `difftune.evaluate.judge` (pixel statistics: on a plain background the foreground must be one
+Judged by `difftune.toy.judge.judge` (pixel statistics: on a plain background the foreground must be one
 blob of one palette color, else nothing is named; the nearest palette color; where the blob fills its
 bounding box for the shape).
 Full numbers: `scores.json`.
@@ -77,12 +77,17 @@ ARCHITECTURES = {
              "latents, a 16-channel `AutoencoderKL` with a shift factor, `CLIPTextModel` for the pooled embedding and\n"
              "`T5EncoderModel` for the token states, with character-level `CLIPTokenizer` and `T5TokenizerFast`; no\n"
              "guidance embedding: sample with true classifier-free guidance)", "FluxPipeline"),
+    "qwen_image": ("Qwen-Image's architecture at toy size, from the same classes (`QwenImageTransformer2DModel` over\n"
+                   "2x2-packed latents, Wan's causal video autoencoder `AutoencoderKLQwenImage` with per-channel\n"
+                   "`latents_mean` / `latents_std`, a `Qwen2_5_VLForConditionalGeneration` language model read through the\n"
+                   "pipeline's chat template, with a byte-level `Qwen2Tokenizer` built here; sample with true\n"
+                   "classifier-free guidance, `true_cfg_scale`)", "QwenImagePipeline"),
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=("sd", "sdxl", "flux"), default="sd")
+    parser.add_argument("--family", choices=("sd", "sdxl", "flux", "qwen_image"), default="sd")
     parser.add_argument("--model-dir", type=Path, help="default: models/tiny-<family>")
     parser.add_argument("--autoencoders-from", type=Path, default=Path("models/tiny-sd"),
                         help="with --family sdxl: the built base whose vae/ and taesd/ are reused")
@@ -90,14 +95,20 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, help="default: output/tiny-<family>-build")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, help=f"denoiser/text-encoder training steps (default: {Recipe.steps} for sd, "
-                        f"{SDXL_STEPS} for sdxl, {FLUX_RECIPE['steps']} for flux)")
+                        f"{SDXL_STEPS} for sdxl, {RECIPES['flux']['steps']} for flux, {RECIPES['qwen_image']['steps']} for qwen_image)")
     args = parser.parse_args()
     args.model_dir = args.model_dir or Path(f"models/tiny-{args.family}")
     args.work_dir = args.work_dir or Path(f"output/tiny-{args.family}-build")
     sdxl = args.family == "sdxl"
-    recipe = Recipe(seed=args.seed, family=args.family, **(FLUX_RECIPE if args.family == "flux" else {}))
+    recipe = Recipe(seed=args.seed, family=args.family, **RECIPES.get(args.family, {}))
     recipe.steps = args.steps or (SDXL_STEPS if sdxl else recipe.steps)
     finish(args, recipe, build_base(args.model_dir, args.work_dir, recipe, args.autoencoders_from if sdxl else None))
+
+
+def normalization_note(vae_config) -> str:
+    if "latents_std" in vae_config:
+        return "per-channel `latents_mean` / `latents_std` of its latents"
+    return f"scaling factor {vae_config.scaling_factor:.4f} = 1/std of its latents"
 
 
 def concept_renders(seed: int):
@@ -114,8 +125,11 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
     facts |= {"base": base, "untrained_control": control, "eval_settings": vars(settings)}
     (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
     architecture, pipeline = ARCHITECTURES[args.family]
-    denoiser = (f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, width "
-                f"{recipe.flux_heads * 16})" if recipe.family == "flux" else f"UNet (block channels {recipe.unet_block_out_channels})")
+    denoiser = {
+        "flux": f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, width "
+                f"{recipe.flux_heads * 16})",
+        "qwen_image": f"transformer ({recipe.qwen_layers} MMDiT blocks, width {recipe.qwen_heads * 16})",
+    }.get(recipe.family, f"UNet (block channels {recipe.unet_block_out_channels})")
     (args.model_dir / "README.md").write_text(CARD.format(
         name=args.model_dir.name, architecture=architecture, pipeline=pipeline,
         command="python scripts/make_tiny_base.py" + (f" --family {recipe.family}" if recipe.family != "sd" else ""),
@@ -123,11 +137,11 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
         seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR, seed=recipe.seed,
         autoencoder_images=recipe.autoencoder_images, vae_steps=recipe.vae_steps,
         vae_decoder_steps=recipe.vae_decoder_steps, vae_decoder_lr=recipe.vae_decoder_lr, taesd_steps=recipe.taesd_steps,
-        autoencoder_batch=recipe.autoencoder_batch, scaling_factor=components.vae.config.scaling_factor,
+        autoencoder_batch=recipe.autoencoder_batch, normalization=normalization_note(components.vae.config),
         denoiser=denoiser, denoiser_short=denoiser.split(" (")[0],
         denoiser_params=sum(p.numel() for p in components.denoiser.parameters()),
         objective="flow matching (rectified flow), uniform noise levels with the sampler's resolution shift"
-        if recipe.family == "flux" else f"{recipe.weighting} loss weighting",
+        if recipe.family in ("flux", "qwen_image") else f"{recipe.weighting} loss weighting",
         text_params=sum(p.numel() for e in components.text_encoders.values() for p in e.parameters()), steps=recipe.steps,
         batch_size=recipe.batch_size, learning_rate=recipe.learning_rate, weighting=recipe.weighting, noise_offset=recipe.noise_offset,
         ema_decay=recipe.ema_decay, t_ae=facts["seconds"]["autoencoders"], t_unet=facts["seconds"]["unet_and_text_encoder"],
@@ -139,7 +153,7 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
     if recipe.family == "sd":  # the default jobs share these images
         shutil.rmtree(args.examples_dir / "purple", ignore_errors=True)
         write_caption_folder(args.examples_dir / "purple", concept_renders(args.seed))
-    if recipe.family == "flux":
+    if recipe.family == "flux":  # the Qwen-Image job uses these images too
         # Flux's T5 is frozen (its adapters do not load in FluxPipeline), and its states for the unseen word sit
         # near "green"'s: taught on purple alone, the LoRA turned green prompts purple (forgetting 0.28-0.34 at
         # every rank, learning rate and target set tried). Seen colors beside it hold them in place (0.04).

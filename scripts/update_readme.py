@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from difftune.config import reference_markdown
+from difftune.families import FAMILY_OPTIONS
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
@@ -12,7 +13,7 @@ def main() -> None:
     text = readme.read_text(encoding="utf-8")
     head, rest = text.split(START)
     _, tail = rest.split(END)
-    readme.write_text(f"{head}{START}\n{reference_markdown().strip()}\n{END}{tail}", encoding="utf-8")
+    readme.write_text(f"{head}{START}\n{reference_markdown(FAMILY_OPTIONS).strip()}\n{END}{tail}", encoding="utf-8")
     print(f"updated {readme}")
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from difftune.config import load_config
-from difftune.tiny import build_pipeline, shape_images, write_caption_folder
+from difftune.toy.tiny import build_pipeline, shape_images, write_caption_folder
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ from difftune.data import scan_examples, training_sizes
 from difftune.errors import DifftuneError
 from difftune.metrics import read_metrics
 from difftune.families import FAMILIES, load_components
-from difftune.tiny import build_vae
+from difftune.toy.tiny import build_vae
 from difftune.train import train
 
 
@@ -144,7 +144,7 @@ def test_alpha_background_is_part_of_a_latent_entry(make_config, tmp_path):
 
 def test_text_entries_follow_the_token_ids(make_config, tmp_path):
     from difftune.cache import text_entries
-    from difftune.tiny import build_tokenizer
+    from difftune.toy.tiny import build_tokenizer
 
     config = make_config(cache__text=True, cache__dir=str(tmp_path / "cache"))
     tokenizer = build_tokenizer()

@@ -4,17 +4,20 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from difftune.cli import main
 from difftune.config import Config, load_config, reference_markdown
 from difftune.errors import DifftuneError
+from difftune.families import FAMILY_OPTIONS
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted((REPO / "configs").glob("*.toml"))
 
 
 def test_configs_exist():
-    assert {"tiny_lora.toml", "tiny_dora.toml", "sd15_lora.toml", "sdxl_lora.toml", "flux_lora.toml", "qwen_image_lora.toml"} <= {p.name for p in CONFIG_FILES}
+    assert {"tiny_lora.toml", "tiny_dora.toml", "sd15_lora.toml", "sdxl_lora.toml", "flux_lora.toml", "qwen_image_lora.toml",
+            "qwen_image_1024_lora.toml"} <= {p.name for p in CONFIG_FILES}
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
@@ -132,7 +135,7 @@ def test_readme_config_reference_is_in_sync():
     start, end = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
     assert start in readme and end in readme
     documented = readme.split(start)[1].split(end)[0].strip()
-    assert documented == reference_markdown().strip(), "run `python scripts/update_readme.py`"
+    assert documented == reference_markdown(FAMILY_OPTIONS).strip(), "run `python scripts/update_readme.py`"
 
 
 def test_every_field_has_a_description():
@@ -296,8 +299,8 @@ def test_a_family_that_does_not_fit_the_base_and_unknown_targets_fail_before_any
     assert re.search(r"adapter\.target_modules: 'nope_proj' names no module of the unet; its layers are named .*attn1\.to_q, .*"
                      r"conv1, .*to_out\.0", err), err
     err = _refused_before(monkeypatch, capsys, [f"train.output_dir={tmp_path / 'c'}", "adapter.text_encoder=true",
-                                                'adapter.text_encoder_target_modules=["to_q"]'], "caches")
-    assert "adapter.text_encoder_target_modules: 'to_q' names no module of the text_encoder; its layers are named" in err
+                                                'adapter.text_encoder_targets.text_encoder=["to_q"]'], "caches")
+    assert "adapter.text_encoder_targets.text_encoder: 'to_q' names no module of the text_encoder; its layers are named" in err
     assert "self_attn.q_proj" in err
 
 
@@ -305,3 +308,55 @@ def test_a_config_file_with_a_byte_order_mark_loads(tmp_path):
     path = tmp_path / "job.toml"
     path.write_bytes(b"\xef\xbb\xbf" + b"[train]\nmax_steps = 7\n")
     assert load_config(path).train.max_steps == 7
+
+
+def test_family_options_are_checked_by_the_family(tiny_base, tiny_flux_base):
+    from difftune.config import ModelConfig
+    from difftune.families import load_components
+
+    with pytest.raises(DifftuneError, match=r"model.family_options.guidance: not a setting of Stable Diffusion 1.x / 2.x "
+                                            r"bases \(theirs: none\)"):
+        load_components(ModelConfig(base=str(tiny_base), family_options={"guidance": 3.5}))
+    with pytest.raises(DifftuneError) as err:
+        load_components(ModelConfig(base=str(tiny_flux_base), family_options={"guidance": -1.0, "shift": 3}))
+    assert "model.family_options.guidance: Input should be greater than or equal to 0 (got -1.0)" in str(err.value)
+    assert "model.family_options.shift: not a setting of Flux.1-class flow-matching transformers bases (theirs: " \
+           "guidance, text_padding_mask)" in str(err.value)
+    components = load_components(ModelConfig(base=str(tiny_flux_base), family_options={"guidance": 3.5}))
+    assert components.family_options.guidance == 3.5 and components.family_options.text_padding_mask is False
+
+
+def test_keys_that_moved_into_family_tables_are_read_from_old_files_runs_and_overrides(tmp_path):
+    """Configs, checkpoints and adapter metadata written before the family-owned tables record the old keys (mostly at
+    their defaults, which a family without the setting would refuse): defaults are dropped, other values moved."""
+    from difftune.checkpoint import check_resumable
+
+    old = tmp_path / "old.toml"
+    old.write_text('[model]\nguidance = 3.5\ntext_padding_mask = false\n[adapter]\ntext_encoder_target_modules = []\n'
+                   'text_encoder_2_target_modules = ["q_proj"]\n')
+    config = load_config(old)
+    assert config.model.family_options == {"guidance": 3.5}
+    assert config.adapter.text_encoder_targets == {"text_encoder_2": ["q_proj"]}
+    assert load_config(None, ["model.guidance=2.0"]).model.family_options == {"guidance": 2.0}
+    assert load_config(None, ['adapter.text_encoder_targets.text_encoder=["q_proj"]']).adapter.text_encoder_targets == {
+        "text_encoder": ["q_proj"]}
+    with pytest.raises(DifftuneError, match=r"model.base is not a table; use model.base=value"):
+        load_config(None, ["model.base.x=1"])
+
+    current = load_config(None)
+    saved = tomllib.loads(current.to_toml())
+    saved["model"] |= {"guidance": 1.0, "text_padding_mask": False}
+    saved["adapter"] |= {"text_encoder_target_modules": [], "text_encoder_2_target_modules": []}
+    check_resumable(tomli_w.dumps(saved), current, 1, 1, print_fn=lambda *_: None)  # the same run: resumable
+    saved["model"]["guidance"] = 4.0
+    with pytest.raises(DifftuneError, match=r"model.family_options: \{'guidance': 4.0\} -> \{\}"):
+        check_resumable(tomli_w.dumps(saved), current, 1, 1, print_fn=lambda *_: None)
+
+
+def test_text_encoder_targets_name_a_text_encoder_the_family_adapts(make_config, tiny_flux_base):
+    from difftune.train import train
+
+    with pytest.raises(DifftuneError, match=r"adapter.text_encoder_targets.text_encoder_2: not a text encoder "
+                                            r"Flux.1-class flow-matching transformers adapters train; theirs: text_encoder"):
+        train(make_config(model__base=str(tiny_flux_base), adapter__text_encoder=True,
+                          **{"adapter__text_encoder_targets__text_encoder_2": ["q"]}))

@@ -9,7 +9,7 @@ from difftune.config import DataConfig
 from difftune.families import FAMILIES
 from difftune.data import CaptionedImages, TrainingOrder, load_image, sample_seed, scan_examples
 from difftune.errors import DifftuneError
-from difftune.tiny import build_tokenizer
+from difftune.toy.tiny import build_tokenizer
 
 
 def _image(path, size=(40, 32), color=(255, 0, 0)):

@@ -234,7 +234,7 @@ def test_kohya_files_name_the_version_of_their_base(make_config, tiny_base, tmp_
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
     from difftune.families import FAMILIES
-    from difftune.tiny import build_pipeline, build_text_encoder
+    from difftune.toy.tiny import build_pipeline, build_text_encoder
     from difftune.train import train
 
     pipeline = build_pipeline(seed=1)
@@ -287,7 +287,7 @@ def test_sample_command_errors(tiny_base, tmp_path, capsys):
 
 
 def test_sample_with_a_taesd_decoder(tiny_base, tmp_path):
-    from difftune.tiny import build_taesd
+    from difftune.toy.tiny import build_taesd
 
     torch.manual_seed(0)
     build_taesd().save_pretrained(tmp_path / "taesd")

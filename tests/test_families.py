@@ -32,7 +32,7 @@ from difftune.config import FAMILY_NAMES, SHARED_FAMILY_MODULES, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.metrics import read_metrics
-from difftune.tiny import build_pipeline
+from difftune.toy.tiny import build_pipeline
 from difftune.train import train
 
 NAMES = sorted(FAMILIES)

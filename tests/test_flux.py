@@ -15,7 +15,7 @@ from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.families.flow import pack, resolution_shift, shifted, unpack
 from difftune.families.flux import image_position_ids
-from difftune.tiny import build_pipeline
+from difftune.toy.tiny import build_pipeline
 from difftune.train import train
 
 FLUX = FAMILIES["flux"]
@@ -92,13 +92,13 @@ def test_noise_levels_are_drawn_per_sample_and_shifted_as_the_scheduler_shifts(t
 
 
 def test_guidance_embedding_and_padding_mask_condition_the_transformer(tmp_path):
-    """A guidance-distilled base conditions on `model.guidance`; with `model.text_padding_mask` the T5 padding's
-    states no longer reach the image tokens, without it they do."""
+    """A guidance-distilled base conditions on `model.family_options.guidance`; with its `text_padding_mask` the T5
+    padding's states no longer reach the image tokens, without it they do."""
     build_pipeline(seed=2, family="flux", guidance=True).save_pretrained(tmp_path / "guided", safe_serialization=True)
     noisy, timesteps = torch.randn(1, 16, 8, 8), torch.tensor([600.0])
 
-    def predict(padding_states, **model):
-        components = load_components(ModelConfig(base=str(tmp_path / "guided"), **model))
+    def predict(padding_states, **options):
+        components = load_components(ModelConfig(base=str(tmp_path / "guided"), family_options=options))
         with torch.no_grad():
             conditioning = FLUX.encode_prompts(components, FLUX.tokenize(components.tokenizers, ["a red circle"]))
             pad = ~conditioning["text_mask"][0]
@@ -211,7 +211,7 @@ def test_settings_a_family_cannot_train_with_are_refused(make_config, tiny_flux_
 
 
 def test_cached_latents_and_text_train_exactly_as_encoding_each_step(make_config, tiny_flux_base, tmp_path):
-    settings = {"model__base": str(tiny_flux_base), "train__max_steps": 3, "model__text_padding_mask": True,
+    settings = {"model__base": str(tiny_flux_base), "train__max_steps": 3, "model__family_options__text_padding_mask": True,
                 "loss__timestep_sampling": "logit_normal", "loss__flow_shift_by_resolution": True}
     plain = train(make_config(train__output_dir=str(tmp_path / "plain"), **settings))
     cached = train(make_config(train__output_dir=str(tmp_path / "cached"), cache__latents=True, cache__text=True,
@@ -221,4 +221,4 @@ def test_cached_latents_and_text_train_exactly_as_encoding_each_step(make_config
     assert set(load_file(entry)) == {"encoder_hidden_states", "pooled_prompt_embeds", "text_mask"}
     assert cached.losses == pytest.approx(plain.losses, rel=1e-5)
     resolved = load_config(tmp_path / "cached" / "config.toml")
-    assert resolved.model.family == "flux" and resolved.model.text_padding_mask
+    assert resolved.model.family == "flux" and resolved.model.family_options == {"text_padding_mask": True}

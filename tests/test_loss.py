@@ -11,7 +11,7 @@ from difftune.loss import (
     per_sample_mse,
     soft_min_snr_weights,
 )
-from difftune.tiny import build_noise_scheduler
+from difftune.toy.tiny import build_noise_scheduler
 
 
 def test_min_snr_weights_closed_form():

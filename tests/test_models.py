@@ -12,7 +12,7 @@ from difftune.errors import DifftuneError
 from difftune.families import load_components
 from difftune.autoencoders import decode_latents, encode_latents
 from difftune.models import place_frozen, set_attention
-from difftune.tiny import build_taesd, build_unet, build_vae
+from difftune.toy.tiny import build_taesd, build_unet, build_vae
 
 from conftest import REPO
 

@@ -4,15 +4,25 @@ import json
 
 import pytest
 import torch
-from diffusers import AutoencoderTiny, FluxPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import AutoencoderTiny, FluxPipeline, QwenImagePipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
 from safetensors import safe_open
 
 from difftune.cli import main
 from difftune.config import ModelConfig, load_config
-from difftune.evaluate import EvalSettings, accuracy, judge, judged_samples, prompts_for
+from difftune.toy.judge import EvalSettings, accuracy, judge, judged_samples, prompts_for
 from difftune.families import load_components
-from difftune.tiny import COLORS, SHAPES, shape_images
-from difftune.tiny_base import FLUX_RECIPE, SEEN_COLORS, Recipe, build_base, psnr, render_tensors, train_vae
+from difftune.toy.tiny import COLORS, SHAPES, shape_images
+from difftune.toy.tiny_base import (
+    FLUX_RECIPE,
+    QWEN_RECIPE,
+    SEEN_COLORS,
+    Recipe,
+    build_base,
+    posterior_means,
+    psnr,
+    render_tensors,
+    train_vae,
+)
 from difftune.train import train
 
 from conftest import REPO
@@ -20,6 +30,7 @@ from conftest import REPO
 BASE = REPO / "models" / "tiny-sd"
 SDXL_BASE = REPO / "models" / "tiny-sdxl"
 FLUX_BASE = REPO / "models" / "tiny-flux"
+QWEN_BASE = REPO / "models" / "tiny-qwen_image"
 
 
 def test_the_judge_names_color_and_shape_of_renders():
@@ -96,7 +107,28 @@ def test_build_flux_base_trains_its_own_shifted_16_channel_autoencoders(tmp_path
     assert type(pipeline.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
 
 
-@pytest.mark.parametrize("base", [BASE, SDXL_BASE, FLUX_BASE], ids=["tiny-sd", "tiny-sdxl", "tiny-flux"])
+@pytest.mark.slow
+def test_build_qwen_image_base_trains_its_own_wan_autoencoder_and_language_model(tmp_path):
+    small = {"steps": 2, "vae_steps": 3, "vae_decoder_steps": 3, "taesd_steps": 3}
+    recipe = Recipe(autoencoder_images=64, autoencoder_batch=8, train_images_per_prompt=1, validation_images_per_prompt=1,
+                    batch_size=4, family="qwen_image", **QWEN_RECIPE | small)
+    build_base(tmp_path / "base", tmp_path / "work", recipe)
+    pipeline = QwenImagePipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    init = QwenImagePipeline.from_pretrained(tmp_path / "work" / "init", dtype=torch.float32)
+    # Per-channel statistics of its own latents, as Wan's autoencoder states them.
+    latents = posterior_means(pipeline.vae, render_tensors(64, seed=100))
+    assert len(pipeline.vae.config.latents_mean) == 16 and pipeline.transformer.config.num_layers == 3
+    torch.testing.assert_close(torch.tensor(pipeline.vae.config.latents_std), latents.std(dim=(0, 2, 3)), rtol=0.05, atol=0.02)
+    # The language model is trained with the transformer (a full fine-tune with adapter.text_encoder; the EMA weights
+    # saved as the base barely move in 2 steps, the trained ones do).
+    trained = QwenImagePipeline.from_pretrained(tmp_path / "work" / "run" / "model", dtype=torch.float32)
+    weight = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(trained.text_encoder.state_dict()[weight], init.text_encoder.state_dict()[weight])
+    assert AutoencoderTiny.from_pretrained(tmp_path / "base" / "taesd").config.latent_channels == 16
+    assert pipeline.scheduler.config.shift_terminal == 0.02  # Qwen-Image's own scheduler config
+
+
+@pytest.mark.parametrize("base", [BASE, SDXL_BASE, FLUX_BASE, QWEN_BASE], ids=["tiny-sd", "tiny-sdxl", "tiny-flux", "tiny-qwen_image"])
 def test_committed_base_draws_the_seen_prompts(base):
     # Measured at 8 samples per prompt in each base's scores.json; the floors sit well under it.
     components = load_components(ModelConfig(base=str(base)))
@@ -107,6 +139,7 @@ def test_committed_base_draws_the_seen_prompts(base):
 
 
 @pytest.mark.slow
+# tiny-qwen_image is not here yet: its base draws seen shapes at 0.78, under the 0.95 the test asks (BENCHMARKS.md).
 @pytest.mark.parametrize("job, base", [("tiny_lora", BASE), ("sdxl_lora", SDXL_BASE), ("flux_lora", FLUX_BASE)],
                          ids=["tiny-sd", "tiny-sdxl", "tiny-flux"])
 def test_fine_tuning_teaches_the_held_out_color(tmp_path, capsys, job, base):

@@ -13,7 +13,7 @@ from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.families.qwen_image import PROMPT_TEMPLATE, TEMPLATE_TOKENS
-from difftune.tiny import build_pipeline, build_qwen_tokenizer
+from difftune.toy.tiny import build_pipeline, build_qwen_tokenizer
 from difftune.train import train
 
 QWEN = FAMILIES["qwen_image"]
@@ -65,7 +65,8 @@ def test_settings_qwen_image_cannot_train_with_are_refused(make_config, qwen_bas
 
 def test_the_layouts_other_trainers_share_are_read_as_ours(make_config, qwen_base, tmp_path):
     """Our kohya file is musubi-tuner's layout (`lora_unet_<module>`, what ComfyUI maps), and diffusers' own reader of
-    it names exactly our diffusers keys; ai-toolkit's and ComfyUI's `diffusion_model.` files read as the same adapter."""
+    it names exactly our diffusers keys; ai-toolkit's and ComfyUI's `diffusion_model.` files and SimpleTuner's
+    `lycoris_` ones read as the same adapter."""
     result = train(make_config(model__base=str(qwen_base), adapter__text_encoder=False, train__max_steps=2,
                                adapter__rank=4, adapter__alpha=8, sample__prompts=[]))
     ours = load_file(result.trained_path)
@@ -82,3 +83,45 @@ def test_the_layouts_other_trainers_share_are_read_as_ours(make_config, qwen_bas
     tensors, configs, _ = export.read_any_adapter(tmp_path / "ai_toolkit.safetensors", str(qwen_base))
     assert tensors.keys() == ours.keys() and all(torch.equal(tensors[key], ours[key]) for key in ours)
     assert configs["transformer.r"] == 4
+
+    # SimpleTuner's LyCORIS files name the same modules `lycoris_<module>` (ComfyUI maps them beside lora_unet_).
+    simpletuner = {key.replace("lora_unet_", "lycoris_", 1): value for key, value in kohya.items()}
+    save_file(simpletuner, tmp_path / "simpletuner.safetensors")
+    tensors, configs, _ = export.read_any_adapter(tmp_path / "simpletuner.safetensors", str(qwen_base))
+    assert tensors.keys() == ours.keys() and all(torch.equal(tensors[key], ours[key]) for key in ours)
+    assert (configs["transformer.r"], configs["transformer.lora_alpha"]) == (4, 8)
+
+
+def test_text_cache_entries_keep_the_caption_and_read_back_as_encoded(make_config, qwen_base):
+    """An entry holds the caption's valid states alone (not 512 padded rows: 7 MB each on the real model); read
+    back, it is what `encode_prompts` made, padding and mask included."""
+    from difftune.cache import fill_text, text_entries, text_identity
+
+    config = make_config(model__base=str(qwen_base), adapter__text_encoder=False, cache__text=True)
+    components = load_components(config.model)
+    captions = {"a red circle", "a blue square with a long caption that runs on"}
+    tokenize = lambda captions: QWEN.tokenize(components.tokenizers, captions)  # noqa: E731
+    entries = text_entries(captions, text_identity(components), config, tokenize)
+    assert fill_text(entries, components, torch.device("cpu"), batch_size=2) == 2
+    for caption, path in entries.items():
+        stored = load_file(path)
+        with torch.no_grad():
+            encoded = QWEN.encode_prompts(components, tokenize([caption]))
+        valid = int(encoded["text_mask"].sum())
+        assert stored["encoder_hidden_states"].shape[0] == stored["text_mask"].shape[0] == valid < 100  # of 512
+        restored = QWEN.uncached_conditioning(stored)
+        assert restored.keys() == encoded.keys()
+        for name in encoded:
+            torch.testing.assert_close(restored[name], encoded[name][0].to(restored[name].dtype), rtol=1e-6, atol=1e-6)
+
+
+def test_a_full_fine_tune_trains_the_text_encoder_it_saves(make_config, qwen_base):
+    """`adapter.text_encoder` is refused for adapters (their loader drops it) but trains the language model in a full
+    fine-tune, whose pipeline folder keeps it (how the tiny base was trained)."""
+    result = train(make_config(model__base=str(qwen_base), adapter__kind="none", adapter__text_encoder=True,
+                               train__max_steps=2, sample__prompts=[]))
+    before = QwenImagePipeline.from_pretrained(qwen_base).text_encoder.state_dict()
+    after = QwenImagePipeline.from_pretrained(result.trained_path).text_encoder.state_dict()
+    changed = [key for key in before if not torch.equal(before[key], after[key])]
+    assert any("language_model.layers.0" in key for key in changed)
+    assert not any("visual" in key for key in changed)  # the vision tower never runs for text

@@ -17,7 +17,7 @@ from difftune.data import CaptionedImages, sample_seed, scan_examples, training_
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.models import place_frozen
-from difftune.tiny import build_taesd
+from difftune.toy.tiny import build_taesd
 from difftune.train import train
 
 SDXL = FAMILIES["sdxl"]

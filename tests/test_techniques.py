@@ -22,7 +22,7 @@ from difftune.loss import draw_timesteps_and_noise, training_noise_scheduler
 from difftune.metrics import read_metrics
 from difftune.families import load_components
 from difftune.optim import OPTIMIZERS, build_lr_scheduler, build_optimizer
-from difftune.tiny import build_noise_scheduler
+from difftune.toy.tiny import build_noise_scheduler
 from difftune.train import train
 from difftune.validation import Validator
 

@@ -11,7 +11,7 @@ from difftune.config import load_config
 from difftune.errors import DifftuneError
 from difftune.metrics import read_metrics
 from difftune.families import load_components
-from difftune.tiny import shape_images, write_caption_folder
+from difftune.toy.tiny import shape_images, write_caption_folder
 from difftune.train import train
 from difftune.validation import Validator
 

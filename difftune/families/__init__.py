@@ -43,6 +43,7 @@ def _discover() -> dict[str, Family]:
 
 
 FAMILIES: dict[str, Family] = _discover()
+FAMILY_OPTIONS = {name: family.options_model for name, family in FAMILIES.items()}  # what model.family_options may set
 
 
 def load_components(config: ModelConfig) -> Components:

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from diffusers import (
     DDIMScheduler,
     DDPMScheduler,
@@ -22,7 +23,7 @@ from diffusers import (
 )
 
 from difftune import kohya, single_file
-from difftune.config import Config, LossConfig, ModelConfig
+from difftune.config import Config, LossConfig, ModelConfig, Section
 from difftune.errors import DifftuneError
 from difftune.loss import WEIGHTINGS, diffusion_loss, draw_timesteps_and_noise
 from difftune.models import SINGLE_FILE_SUFFIXES, Components, tokenize
@@ -33,6 +34,10 @@ UNET_BLOCK = re.compile(r"(?:^|\.)((?:down_blocks\.\d+|up_blocks\.\d+|mid_block)
 SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler, "euler_a": EulerAncestralDiscreteScheduler,
             "dpmpp_2m": DPMSolverMultistepScheduler}
 FP32 = {"dtype": torch.float32}  # not the saved dtype: placement casts later, on purpose
+
+
+class FamilyOptions(Section):
+    """A family's own settings (`model.family_options`); a family with some declares them in a subclass."""
 
 
 class Family:
@@ -52,14 +57,31 @@ class Family:
     fixed_pipeline_arguments: dict = {}  # what every pipeline of the family is built with
     default_sampler = "ddim"  # what `sample.scheduler = "auto"` means
     samplers = SAMPLERS  # sampler name -> scheduler class, built over the model's own schedule config
+    options_model: type[FamilyOptions] = FamilyOptions  # what `model.family_options` may set
 
     # Detection and loading.
 
     def reads_single_file(self, keys: set[str]) -> bool:
         raise NotImplementedError
 
+    def options(self, config: ModelConfig) -> FamilyOptions:
+        """`model.family_options` checked against the family's own `options_model`: each wrong or unknown setting
+        named (those another family has are refused too: on this base they would do nothing)."""
+        try:
+            return self.options_model.model_validate(config.family_options)
+        except ValidationError as err:
+            known = ", ".join(self.options_model.model_fields) or "none"
+            problems = [
+                f"model.family_options.{'.'.join(map(str, error['loc']))}: "
+                + (f"not a setting of {self.description} bases (theirs: {known})" if error["type"] == "extra_forbidden"
+                   else f"{error['msg']} (got {error.get('input')!r})")
+                for error in err.errors()
+            ]
+            raise DifftuneError("\n".join(problems)) from None
+
     def load(self, config: ModelConfig) -> Components:
         """Every part of `config.base` (a pipeline folder, hub id or single file), in fp32 on the CPU."""
+        options = self.options(config)  # before the minutes a large base takes to load
         if config.base.endswith(SINGLE_FILE_SUFFIXES):
             if not Path(config.base).is_file():
                 raise DifftuneError(f"model.base {config.base}: no such file")
@@ -69,7 +91,9 @@ class Family:
                 config.base, revision=config.revision or None, variant=config.variant or None,
                 **self.fixed_pipeline_arguments, **FP32,
             )
-        return self.components_of(pipeline)
+        components = self.components_of(pipeline)
+        components.family_options = options
+        return components
 
     def single_file_pipeline(self, config: ModelConfig):
         """The pipeline of a single-file `config.base` (there, an existing file), through diffusers' reader."""
@@ -86,6 +110,7 @@ class Family:
             tokenizers={name: getattr(pipeline, name) for name in self.tokenizer_names},
             noise_scheduler=self.training_scheduler(pipeline.scheduler),
             pipeline_options={key: pipeline.config[key] for key in self.pipeline_options if key in pipeline.config},
+            family_options=self.options_model(),
         )
 
     def training_scheduler(self, scheduler):
@@ -144,6 +169,15 @@ class Family:
         batch first. This is what the text cache stores."""
         raise NotImplementedError
 
+    def cached_conditioning(self, conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One caption's conditioning (no batch axis) as the text cache stores it: as it is, unless the family can
+        drop what `uncached_conditioning` restores (padding)."""
+        return conditioning
+
+    def uncached_conditioning(self, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Inverse of `cached_conditioning`: a stored entry as `encode_prompts` made it."""
+        return stored
+
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         """Channels of the latents the denoiser takes (unpacked, as the autoencoder makes them)."""
         return denoiser.config.in_channels
@@ -198,7 +232,8 @@ class Family:
         """Inverse of `to_kohya`, with the base's module names (part -> names): tensors and peft configs. The
         denoiser's modules are found under their original names too (`original_module_names`)."""
         other_names = {self.denoiser_name: self.original_module_names(module_names.get(self.denoiser_name, []))}
-        return kohya.from_kohya(tensors, module_names, self.kohya_prefixes, self.kohya_text_model_parts, other_names)
+        return kohya.from_kohya(tensors, module_names, self.kohya_prefixes, self.kohya_text_model_parts, other_names,
+                                denoiser=self.denoiser_name)
 
     def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
         """The denoiser's modules by their names in the original (non-diffusers) model, as kohya files may use them:
@@ -222,6 +257,11 @@ class Family:
     def adapted_text_encoders(self) -> tuple[str, ...]:
         """The text encoders `adapter.text_encoder` trains: the ones diffusers' LoRA loader of this family reads."""
         return self.text_encoder_names
+
+    def fine_tuned_text_encoders(self) -> tuple[str, ...]:
+        """The text encoders a full fine-tune trains with `adapter.text_encoder` (saved in the pipeline folder, which
+        the family's pipeline loads whole): the adapted ones, unless the family says otherwise."""
+        return self.adapted_text_encoders()
 
     def adapter_parts(self) -> tuple[str, ...]:
         """The parts an adapter file may hold: the denoiser and the adapted text encoders."""

@@ -19,10 +19,11 @@ import re
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
+from pydantic import Field
 from diffusers.training_utils import compute_loss_weighting_for_sd3
 
 from difftune.config import Config, LossConfig
-from difftune.families.family import Family
+from difftune.families.family import Family, FamilyOptions
 from difftune.loss import draw_fractions, draw_noise, per_sample_mse
 from difftune.models import Components
 
@@ -55,6 +56,13 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, channels // 4, h, w)
 
 
+class FlowOptions(FamilyOptions):
+    guidance: float = Field(
+        1.0, ge=0, description="Bases with a guidance embedding (guidance-distilled, as FLUX.1-dev): the guidance value "
+        "training conditions on (1, as diffusers' and kohya's Flux scripts). Bases without one ignore it.",
+    )
+
+
 class FlowMatchingFamily(Family):
     """A family trained by rectified flow, over latents its denoiser reads as 2x2 patches (`patch_size`)."""
 
@@ -62,16 +70,14 @@ class FlowMatchingFamily(Family):
     default_sampler = "euler"
     samplers = {"euler": FlowMatchEulerDiscreteScheduler}
 
-    def load(self, config):
-        components = super().load(config)
-        components.conditioning_options["guidance"] = config.guidance  # a guidance-distilled base's embedding
-        return components
+    options_model = FlowOptions
 
     def guidance(self, components: Components, batch: int, device) -> torch.Tensor | None:
-        """The guidance embedding's input (B,) for a guidance-distilled transformer (`model.guidance`), else None."""
+        """The guidance embedding's input (B,) for a guidance-distilled transformer (`model.family_options.guidance`),
+        else None."""
         if not components.denoiser.config.guidance_embeds:
             return None
-        return torch.full((batch,), float(components.conditioning_options["guidance"]), device=device)
+        return torch.full((batch,), float(components.family_options.guidance), device=device)
 
     def training_scheduler(self, scheduler):
         # Kept as saved: its config holds the resolution-shift constants that sampling and `loss` both use.

@@ -4,7 +4,7 @@ value).
 
 - Text: T5's last hidden state (B, L, D) is the token conditioning and CLIP's pooled output (B, P) the pooled
   one, as `FluxPipeline.encode_prompt` makes them; T5's padding mask (B, L) is cached beside them, used when
-  `model.text_padding_mask` asks for it.
+  `model.family_options.text_padding_mask` asks for it.
 - Latents (B, 16, h, w) stay unpacked everywhere else in difftune: `denoise` packs each 2x2 patch into one
   64-wide token with its (0, row, column) position id, calls the transformer, and unpacks the prediction.
 - Objective: rectified flow, shared with the other flow families (flow.py).
@@ -18,13 +18,14 @@ from __future__ import annotations
 import re
 
 import torch
+from pydantic import Field
 from diffusers import FluxPipeline
 
 from difftune import kohya
 from difftune.adapters import derived_lora_configs
 from difftune.config import Config
 from difftune.errors import DifftuneError
-from difftune.families.flow import FlowMatchingFamily, pack, unpack
+from difftune.families.flow import FlowMatchingFamily, FlowOptions, pack, unpack
 from difftune.families.sd import CLIP_ATTENTION
 from difftune.models import Components
 
@@ -79,9 +80,18 @@ def image_position_ids(h: int, w: int, device, dtype) -> torch.Tensor:
 
 
 
+class FluxOptions(FlowOptions):
+    text_padding_mask: bool = Field(
+        False, description="Keep the T5 padding tokens out of the joint attention in training (SimpleTuner's masked "
+        "training). Off by default, as Flux.1 was trained and as FluxPipeline samples (it passes no mask, so "
+        "in-training samples and other tools see the padding either way).",
+    )
+
+
 class Flux(FlowMatchingFamily):
     name = "flux"
     description = "Flux.1-class flow-matching transformers"
+    options_model = FluxOptions
     pipeline_class = FluxPipeline
     pipeline_classes = ("FluxPipeline",)
     denoiser_name = "transformer"
@@ -101,11 +111,6 @@ class Flux(FlowMatchingFamily):
 
     def reads_single_file(self, keys: set[str]) -> bool:
         return False  # BFL's original checkpoints: load a diffusers folder (FluxPipeline.from_single_file converts)
-
-    def load(self, config):
-        components = super().load(config)
-        components.conditioning_options["text_padding_mask"] = config.text_padding_mask
-        return components
 
     def unsupported_settings(self, config: Config) -> list[str]:
         problems = super().unsupported_settings(config)
@@ -133,7 +138,7 @@ class Flux(FlowMatchingFamily):
         image_ids = image_position_ids(h, w, noisy.device, states.dtype)
         text_ids = torch.zeros(states.shape[1], 3, device=noisy.device, dtype=states.dtype)
         attention = None
-        if components.conditioning_options["text_padding_mask"]:  # text tokens, then image tokens: the joint sequence's order
+        if components.family_options.text_padding_mask:  # text tokens, then image tokens: the joint sequence's order
             keep = torch.cat([conditioning["text_mask"].bool(), torch.ones(b, image_ids.shape[0], dtype=torch.bool,
                                                                           device=noisy.device)], dim=1)
             attention = {"attention_mask": keep[:, None, None, :]}

@@ -21,6 +21,7 @@ autoencoder, conditioned on the last hidden state of a Qwen2.5-VL language model
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from accelerate import init_empty_weights
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 from safetensors.torch import load_file
@@ -64,6 +65,9 @@ class QwenImage(FlowMatchingFamily):
     def adapted_text_encoders(self) -> tuple[str, ...]:
         return ()  # QwenImagePipeline's LoRA loader reads the transformer's adapters alone
 
+    def fine_tuned_text_encoders(self) -> tuple[str, ...]:
+        return self.text_encoder_names  # a full fine-tune's pipeline folder holds the text encoder
+
     def reads_single_file(self, keys: set[str]) -> bool:
         return any(prefix + SINGLE_FILE_KEY in keys for prefix in ("", *SINGLE_FILE_PREFIXES))
 
@@ -91,10 +95,11 @@ class QwenImage(FlowMatchingFamily):
 
     def unsupported_settings(self, config: Config) -> list[str]:
         problems = super().unsupported_settings(config)
-        if config.adapter.text_encoder:
+        if config.adapter.text_encoder and config.adapter.is_adapter:
             problems.append(
                 "adapter.text_encoder: QwenImagePipeline's LoRA loader reads transformer adapters alone (a text encoder "
-                "adapter would be dropped where the file is used); set it to false"
+                "adapter would be dropped where the file is used); set it to false, or fine-tune in full "
+                "(adapter.kind = \"none\"), which saves the text encoder in the pipeline folder"
             )
         if config.adapter.kind == "embedding":
             problems.append("adapter.kind = \"embedding\": textual inversion is not built for Qwen-Image; train a LoRA")
@@ -126,6 +131,14 @@ class QwenImage(FlowMatchingFamily):
             padded[i, : len(kept)] = kept
             text_mask[i, : len(kept)] = 1
         return {"encoder_hidden_states": padded, "text_mask": text_mask}
+
+    def cached_conditioning(self, conditioning):
+        # The states past the caption are zeros: 512 x 3584 fp32 is 7 MB an entry, a short caption's ~0.3 MB.
+        valid = int(conditioning["text_mask"].sum())
+        return {name: tensor[:valid] for name, tensor in conditioning.items()}
+
+    def uncached_conditioning(self, stored):
+        return {name: F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, TEXT_TOKENS - len(tensor))) for name, tensor in stored.items()}
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         mask = conditioning["text_mask"].bool()

@@ -158,6 +158,15 @@ def build_flow_scheduler() -> FlowMatchEulerDiscreteScheduler:
     )
 
 
+def build_qwen_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """Qwen-Image's scheduler config: a gentler resolution shift than Flux's, and sampling sigmas stretched to end
+    at 0.02."""
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+
+
 def build_qwen_tokenizer() -> Qwen2Tokenizer:
     """Qwen2's layout (byte-level BPE; `<|endoftext|>` pads, `<|im_start|>` / `<|im_end|>` frame chat turns) with
     no merges but those that spell the words of Qwen-Image's prompt template: the template's system prompt is 34
@@ -186,13 +195,13 @@ def build_qwen_tokenizer() -> Qwen2Tokenizer:
     return tokenizer
 
 
-def build_qwen_text_encoder(vocab_size: int) -> Qwen2_5_VLForConditionalGeneration:
+def build_qwen_text_encoder(vocab_size: int, hidden_size: int = QWEN_HIDDEN_SIZE) -> Qwen2_5_VLForConditionalGeneration:
     """A 2-layer Qwen2.5-VL language model (and a 1-block vision tower the pipeline never runs), with Qwen2.5-VL's
     multimodal rotary sections scaled to its head size."""
-    heads, head_dim = 2, QWEN_HIDDEN_SIZE // 2
+    heads, head_dim = 2, hidden_size // 2
     config = Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": vocab_size, "hidden_size": QWEN_HIDDEN_SIZE, "intermediate_size": 2 * QWEN_HIDDEN_SIZE,
+            "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
             "num_hidden_layers": 2, "num_attention_heads": heads, "num_key_value_heads": 1,
             "max_position_embeddings": 1024, "rope_parameters": {
                 "rope_type": "default", "rope_theta": 1000000.0,
@@ -201,7 +210,7 @@ def build_qwen_text_encoder(vocab_size: int) -> Qwen2_5_VLForConditionalGenerati
             "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None,  # Qwen's ids are past this vocabulary
         },
         vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
-                       "out_hidden_size": QWEN_HIDDEN_SIZE, "fullatt_block_indexes": [0]},
+                       "out_hidden_size": hidden_size, "fullatt_block_indexes": [0]},
     )
     return Qwen2_5_VLForConditionalGeneration(config)
 
@@ -216,13 +225,14 @@ def build_qwen_vae(latents_mean=(0.0,) * FLUX_LATENT_CHANNELS, latents_std=(1.0,
     )
 
 
-def build_qwen_transformer(layers: int = 1, heads: int = 2, head_dim: int = 16) -> QwenImageTransformer2DModel:
+def build_qwen_transformer(layers: int = 1, heads: int = 2, head_dim: int = 16,
+                           text_hidden_size: int = QWEN_HIDDEN_SIZE) -> QwenImageTransformer2DModel:
     """`layers` MMDiT blocks over packed 2x2 latent patches; rotary axes split the head 1:1.5:1.5 (frame, row,
     column) as Qwen-Image's 16:56:56 roughly does."""
     axes = (head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8)
     return QwenImageTransformer2DModel(
         patch_size=2, in_channels=4 * FLUX_LATENT_CHANNELS, out_channels=FLUX_LATENT_CHANNELS, num_layers=layers,
-        attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=QWEN_HIDDEN_SIZE,
+        attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=text_hidden_size,
         axes_dims_rope=axes,
     )
 
@@ -328,14 +338,16 @@ def set_latent_scaling(vae: AutoencoderKL, latents: torch.Tensor, shift: bool) -
         vae.register_to_config(shift_factor=shift_factor)
 
 
-def assemble_tiny_pipeline(vae: AutoencoderKL, family: str, unet_block_out_channels: tuple[int, ...] = (32, 64),
-                           flux_layers: tuple[int, int] = (1, 1), flux_heads: int = 2, guidance: bool = False):
+def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int, ...] = (32, 64),
+                           flux_layers: tuple[int, int] = (1, 1), flux_heads: int = 2, guidance: bool = False,
+                           qwen_layers: int = 1, qwen_heads: int = 2, qwen_text_hidden_size: int = QWEN_HIDDEN_SIZE):
     """Random text encoders and denoiser around `vae` (built in this order: the seed's random draws depend on it)."""
     if family == "qwen_image":
         tokenizer = build_qwen_tokenizer()
         return QwenImagePipeline(
-            vae=vae, text_encoder=build_qwen_text_encoder(len(tokenizer)), tokenizer=tokenizer,
-            transformer=build_qwen_transformer(), scheduler=build_flow_scheduler(),
+            vae=vae, text_encoder=build_qwen_text_encoder(len(tokenizer), qwen_text_hidden_size), tokenizer=tokenizer,
+            transformer=build_qwen_transformer(qwen_layers, qwen_heads, text_hidden_size=qwen_text_hidden_size),
+            scheduler=build_qwen_scheduler(),
         )
     text_encoder, tokenizer = build_text_encoder(), build_tokenizer()
     if family == "flux":

@@ -22,7 +22,7 @@ from difftune.config import ModelConfig
 from difftune.families import load_components
 from difftune.models import Components
 from difftune.sample import sampling_scheduler
-from difftune.tiny import COLORS, IMAGE_SIZE, SHAPES
+from difftune.toy.tiny import COLORS, IMAGE_SIZE, SHAPES
 
 FOREGROUND_DISTANCE = 60.0  # RGB distance from the background; backgrounds vary by < 35 per channel
 MIN_FOREGROUND_FRACTION = 0.03

@@ -48,7 +48,7 @@ from transformers import (
     T5EncoderModel,
 )
 
-from difftune import tiny
+from difftune.toy import tiny
 from difftune.adapters import add_adapters
 from difftune.autoencoders import downsampling, latent_channels
 from difftune.config import load_config
