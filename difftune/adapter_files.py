@@ -38,7 +38,9 @@ from difftune.files import open_safetensors
 from difftune.kohya import SIMPLETUNER_PREFIX, split_adapter_key
 
 CONFIG_METADATA_KEY = "difftune_config"
-KOHYA_PREFIXES = (*{prefix for family in FAMILIES.values() for prefix in family.kohya_prefixes.values()}, SIMPLETUNER_PREFIX)
+KOHYA_PREFIXES = (
+    *{prefix for family in FAMILIES.values() for prefix in family.kohya_prefixes.values()}, SIMPLETUNER_PREFIX
+)
 KNOWN_PARTS = {part for family in FAMILIES.values() for part in family.parts()}  # diffusers-layout key prefixes
 # Keys of textual-inversion files, as each family writes them (A1111 / ComfyUI layouts).
 EMBEDDING_KEYS = {key for family in FAMILIES.values() for key in family.embedding_keys}

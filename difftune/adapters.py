@@ -54,7 +54,9 @@ def target_modules(components: Components, config: AdapterConfig) -> dict[str, l
 
 
 def _targets_key(components: Components, part: str) -> str:
-    return "adapter.target_modules" if part == components.family.denoiser_name else f"adapter.text_encoder_targets.{part}"
+    if part == components.family.denoiser_name:
+        return "adapter.target_modules"
+    return f"adapter.text_encoder_targets.{part}"
 
 
 def check_targets(components: Components, config: AdapterConfig) -> None:
@@ -75,8 +77,8 @@ def check_targets(components: Components, config: AdapterConfig) -> None:
         missing = [target for target in targets if not any(name == target or name.endswith("." + target) for name in names)]
         if missing:
             raise DifftuneError(
-                f"{_targets_key(components, part)}: {', '.join(map(repr, missing))} names no module of the {part}; its layers are named "
-                f"{', '.join(_layer_suffixes(parts[part]))}"
+                f"{_targets_key(components, part)}: {', '.join(map(repr, missing))} names no module of the {part}; "
+                f"its layers are named {', '.join(_layer_suffixes(parts[part]))}"
             )
 
 

@@ -981,7 +981,10 @@ def _field_table(model: type[BaseModel]) -> list[str]:
     lines = ["| key | default | description |", "| --- | --- | --- |"]
     for name, field in model.model_fields.items():
         default = field.default
-        shown = "(see description)" if default is None else "{}" if default == {} else tomli_w.dumps({"v": default})[4:].strip()
+        if default is None:
+            shown = "(see description)"
+        else:
+            shown = "{}" if default == {} else tomli_w.dumps({"v": default})[4:].strip()
         choices = ""
         if getattr(field.annotation, "__origin__", None) is Literal:
             choices = " One of: " + ", ".join(f"`{a}`" for a in field.annotation.__args__) + "."

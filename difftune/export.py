@@ -22,7 +22,14 @@ import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
 from safetensors.torch import save_file
 
-from difftune.adapter_files import CONFIG_METADATA_KEY, check_modules, is_embedding_file, module_names_of, parts_of, read_adapter
+from difftune.adapter_files import (
+    CONFIG_METADATA_KEY,
+    check_modules,
+    is_embedding_file,
+    module_names_of,
+    parts_of,
+    read_adapter,
+)
 from difftune.adapters import LYCORIS_CONFIGS, adapter_kind, adapter_state_dict
 from difftune.config import Config, ModelConfig, upgrade_moved_keys
 from difftune.embeddings import embedding_file_name, load_embedding, write_embedding

@@ -103,7 +103,8 @@ def from_kohya(
     for part, names in (other_names or {}).items():
         lookup |= {prefixes[part] + other.replace(".", "_"): (part, name) for other, name in names.items()}
     if denoiser:
-        lookup |= {SIMPLETUNER_PREFIX + name.replace(".", "_"): (denoiser, name) for name in module_names.get(denoiser, [])}
+        names = module_names.get(denoiser, [])
+        lookup |= {SIMPLETUNER_PREFIX + name.replace(".", "_"): (denoiser, name) for name in names}
     tensors, ranks, alphas, dora, kinds, decompose_both, lycoris = {}, {}, {}, {}, {}, set(), {}
     for key, value in kohya.items():
         name, _, kind = key.partition(".")

@@ -1,12 +1,14 @@
 """Build a bundled tiny base: `python scripts/make_tiny_base.py` (models/tiny-sd and the default job's images),
-`--family sdxl` (models/tiny-sdxl, from tiny-sd's autoencoders) or `--family flux` (models/tiny-flux).
+`--family sdxl` (models/tiny-sdxl, from tiny-sd's autoencoders), `--family flux` (models/tiny-flux) or
+`--family qwen_image` (models/tiny-qwen_image).
 
-Trains a KL autoencoder and a TAESD on synthetic shapes (not for SDXL), then the denoiser and text encoder(s) with
-difftune's own trainer (full fine-tune, EMA), never showing them the held-out color; scores the result with
-the judge (and an untrained control) and writes the model card. Deterministic by seed; about 20 minutes on 2
-CPU cores for tiny-sd, 17 for tiny-flux. The default jobs' images (examples/purple: renders of the held-out color)
-are written with tiny-sd; the Flux job's (examples/purple_with_seen: the same renders repeated 3 times per epoch
-and 12 renders of the seen colors) with tiny-flux.
+Trains an autoencoder (KL, or Wan's video kind for Qwen-Image) and a TAESD on synthetic shapes (not for SDXL), then
+the denoiser and text encoder(s) with difftune's own trainer (full fine-tune, EMA), never showing them the held-out
+color; scores the result with the judge (and an untrained control) and writes the model card. Deterministic by
+seed; on 2 CPU cores about 20 minutes for tiny-sd, 17 for tiny-flux, 20 for tiny-qwen_image. The default jobs'
+images (examples/purple: renders of the held-out color) are written with tiny-sd; the Flux and Qwen-Image jobs'
+(examples/purple_with_seen: the same renders repeated 3 times per epoch and 12 renders of the seen colors) with
+tiny-flux.
 """
 
 import argparse
@@ -77,11 +79,11 @@ ARCHITECTURES = {
              "latents, a 16-channel `AutoencoderKL` with a shift factor, `CLIPTextModel` for the pooled embedding and\n"
              "`T5EncoderModel` for the token states, with character-level `CLIPTokenizer` and `T5TokenizerFast`; no\n"
              "guidance embedding: sample with true classifier-free guidance)", "FluxPipeline"),
-    "qwen_image": ("Qwen-Image's architecture at toy size, from the same classes (`QwenImageTransformer2DModel` over\n"
-                   "2x2-packed latents, Wan's causal video autoencoder `AutoencoderKLQwenImage` with per-channel\n"
-                   "`latents_mean` / `latents_std`, a `Qwen2_5_VLForConditionalGeneration` language model read through the\n"
-                   "pipeline's chat template, with a byte-level `Qwen2Tokenizer` built here; sample with true\n"
-                   "classifier-free guidance, `true_cfg_scale`)", "QwenImagePipeline"),
+    "qwen_image": ("Qwen-Image's architecture at toy size, from the same classes (`QwenImageTransformer2DModel`\n"
+                   "over 2x2-packed latents, Wan's causal video autoencoder `AutoencoderKLQwenImage` with per-channel\n"
+                   "`latents_mean` / `latents_std`, a `Qwen2_5_VLForConditionalGeneration` language model read\n"
+                   "through the pipeline's chat template, with a byte-level `Qwen2Tokenizer` built here; sample with\n"
+                   "true classifier-free guidance, `true_cfg_scale`)", "QwenImagePipeline"),
 }
 
 
@@ -95,7 +97,8 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, help="default: output/tiny-<family>-build")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, help=f"denoiser/text-encoder training steps (default: {Recipe.steps} for sd, "
-                        f"{SDXL_STEPS} for sdxl, {RECIPES['flux']['steps']} for flux, {RECIPES['qwen_image']['steps']} for qwen_image)")
+                        f"{SDXL_STEPS} for sdxl, {RECIPES['flux']['steps']} for flux, "
+                        f"{RECIPES['qwen_image']['steps']} for qwen_image)")
     args = parser.parse_args()
     args.model_dir = args.model_dir or Path(f"models/tiny-{args.family}")
     args.work_dir = args.work_dir or Path(f"output/tiny-{args.family}-build")

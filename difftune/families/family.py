@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 
 import torch
-from pydantic import ValidationError
 from diffusers import (
     DDIMScheduler,
     DDPMScheduler,
@@ -21,6 +20,7 @@ from diffusers import (
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
 )
+from pydantic import ValidationError
 
 from difftune import kohya, single_file
 from difftune.config import Config, LossConfig, ModelConfig, Section

@@ -58,8 +58,8 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 class FlowOptions(FamilyOptions):
     guidance: float = Field(
-        1.0, ge=0, description="Bases with a guidance embedding (guidance-distilled, as FLUX.1-dev): the guidance value "
-        "training conditions on (1, as diffusers' and kohya's Flux scripts). Bases without one ignore it.",
+        1.0, ge=0, description="Bases with a guidance embedding (guidance-distilled, as FLUX.1-dev): the guidance "
+        "value training conditions on (1, as diffusers' and kohya's Flux scripts). Bases without one ignore it.",
     )
 
 

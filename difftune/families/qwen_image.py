@@ -138,7 +138,8 @@ class QwenImage(FlowMatchingFamily):
         return {name: tensor[:valid] for name, tensor in conditioning.items()}
 
     def uncached_conditioning(self, stored):
-        return {name: F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, TEXT_TOKENS - len(tensor))) for name, tensor in stored.items()}
+        return {name: F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, TEXT_TOKENS - len(tensor)))
+                for name, tensor in stored.items()}
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         mask = conditioning["text_mask"].bool()
