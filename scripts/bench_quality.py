@@ -115,6 +115,9 @@ VARIANTS = {"tiny_lora": {
     "1800_steps": ["adapter.rank=16", "train.max_steps=1800"],
     "lr_3e-3": ["adapter.rank=16", "optim.learning_rate=3e-3"],
     "lora_r4_lr_1e-3": ["optim.learning_rate=1e-3"],
+    "lora_r2": ["adapter.rank=2"],
+    "lora_r4_900_steps": ["train.max_steps=900"],
+    "lora_r4_logit_normal": ["loss.timestep_sampling=logit_normal"],
     "purple_only": ["adapter.rank=16", "data.path=examples/purple"],
 }}
 
