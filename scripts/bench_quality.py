@@ -118,6 +118,7 @@ VARIANTS = {"tiny_lora": {
     "lora_r2": ["adapter.rank=2"],
     "lora_r4_900_steps": ["train.max_steps=900"],
     "lora_r4_logit_normal": ["loss.timestep_sampling=logit_normal"],
+    "lora_r4_image_stream_only": ["adapter.target_modules=['attn.to_q','attn.to_k','attn.to_v','attn.to_out.0','img_mlp.net.0.proj','img_mlp.net.2']"],
     "purple_only": ["adapter.rank=16", "data.path=examples/purple"],
 }}
 
