@@ -31,6 +31,7 @@ from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from diffusers.utils.state_dict_utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
 
 from difftune.adapters import DORA_MAGNITUDE, LYCORIS_TENSORS, derived_lora_configs
+from difftune.embeddings import is_token_keyed
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES
 from difftune.families.family import Family
@@ -62,15 +63,11 @@ class BaseModules:
 FindBaseModules = Callable[[dict[str, str]], BaseModules]
 
 
-
 def is_embedding(keys) -> bool:
     """A textual-inversion file's keys: every one is an embedding key some family writes (A1111 / ComfyUI), or the one
-    key is the token itself (diffusers' layout, from its training script and `load_textual_inversion`:
-    `{token: (n, dim)}`). Adapter keys always name a module path, so never a lone dotless key."""
+    key is the token itself (diffusers' layout)."""
     keys = set(keys)
-    if not keys:
-        return False
-    return keys <= EMBEDDING_KEYS or (len(keys) == 1 and "." not in next(iter(keys)))
+    return bool(keys) and (keys <= EMBEDDING_KEYS or is_token_keyed(keys, EMBEDDING_KEYS))
 
 
 def is_embedding_file(path: Path) -> bool:

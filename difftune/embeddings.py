@@ -95,6 +95,13 @@ def write_embedding(path: Path, components: Components, config: AdapterConfig, m
     return replace_atomically(path, lambda staging: save_file(vectors, staging, metadata=metadata))
 
 
+def is_token_keyed(keys, embedding_keys) -> bool:
+    """diffusers' textual-inversion layout (its training script, `load_textual_inversion`): `{token: (n, dim)}`, one
+    dotless key that is none of the layouts' `embedding_keys` (adapter keys always name a module path)."""
+    keys = set(keys)
+    return len(keys) == 1 and not keys & set(embedding_keys) and "." not in next(iter(keys))
+
+
 def load_embedding(components: Components, path: Path) -> str:
     """Teach the components' tokenizers and encoders the file's token (diffusers' `load_textual_inversion`, one
     encoder at a time); the token, from the file's metadata, else its key in diffusers' layout, else the file's name
@@ -103,8 +110,7 @@ def load_embedding(components: Components, path: Path) -> str:
         token = (handle.metadata() or {}).get(TOKEN_METADATA_KEY)
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     family, pipeline = components.family, components.pipeline()
-    # diffusers' layout (its training script, `load_textual_inversion`): `{token: (n, dim)}`, one dotless key.
-    if len(tensors) == 1 and not set(tensors) & {*family.embedding_keys} and "." not in next(iter(tensors)):
+    if is_token_keyed(tensors, family.embedding_keys):
         [(token, vectors)] = tensors.items()
         tensors = {family.embedding_keys[0]: vectors}
         if len(family.text_encoder_names) > 1:

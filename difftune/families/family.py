@@ -91,9 +91,7 @@ class Family:
                 config.base, revision=config.revision or None, variant=config.variant or None,
                 **self.fixed_pipeline_arguments, **FP32,
             )
-        components = self.components_of(pipeline)
-        components.family_options = options
-        return components
+        return self.components_of(pipeline, options)
 
     def single_file_pipeline(self, config: ModelConfig):
         """The pipeline of a single-file `config.base` (there, an existing file), through diffusers' reader."""
@@ -101,7 +99,7 @@ class Family:
             config.base, config=config.single_file_config or None, **self.fixed_pipeline_arguments, **FP32
         )
 
-    def components_of(self, pipeline) -> Components:
+    def components_of(self, pipeline, options: FamilyOptions) -> Components:
         return Components(
             family=self,
             denoiser=getattr(pipeline, self.denoiser_name),
@@ -110,7 +108,7 @@ class Family:
             tokenizers={name: getattr(pipeline, name) for name in self.tokenizer_names},
             noise_scheduler=self.training_scheduler(pipeline.scheduler),
             pipeline_options={key: pipeline.config[key] for key in self.pipeline_options if key in pipeline.config},
-            family_options=self.options_model(),
+            family_options=options,
         )
 
     def training_scheduler(self, scheduler):

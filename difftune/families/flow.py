@@ -19,8 +19,8 @@ import re
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from pydantic import Field
 from diffusers.training_utils import compute_loss_weighting_for_sd3
+from pydantic import Field
 
 from difftune.config import Config, LossConfig
 from difftune.families.family import Family, FamilyOptions

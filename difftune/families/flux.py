@@ -18,8 +18,8 @@ from __future__ import annotations
 import re
 
 import torch
-from pydantic import Field
 from diffusers import FluxPipeline
+from pydantic import Field
 
 from difftune import kohya
 from difftune.adapters import derived_lora_configs
@@ -77,7 +77,6 @@ def image_position_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     rows = torch.arange(h // 2, device=device, dtype=dtype)[:, None].expand(h // 2, w // 2)
     columns = torch.arange(w // 2, device=device, dtype=dtype)[None, :].expand(h // 2, w // 2)
     return torch.stack([torch.zeros_like(rows), rows, columns], dim=-1).reshape(-1, 3)
-
 
 
 class FluxOptions(FlowOptions):

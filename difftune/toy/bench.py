@@ -124,7 +124,7 @@ def build_pipeline(model: str):
         ))
         return QwenImagePipeline(
             vae=AutoencoderKLQwenImage(), text_encoder=text_encoder, tokenizer=tokenizer,
-            transformer=QwenImageTransformer2DModel(num_layers=1), scheduler=tiny.build_flow_scheduler(),
+            transformer=QwenImageTransformer2DModel(num_layers=1), scheduler=tiny.build_qwen_scheduler(),
         )
     if model == "flux":
         t5_tokenizer = tiny.build_t5_tokenizer()

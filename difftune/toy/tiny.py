@@ -49,6 +49,7 @@ from transformers import (
     T5TokenizerFast,
 )
 
+from difftune.autoencoders import encode_posterior
 from difftune.data import image_to_tensor
 
 IMAGE_SIZE = 32
@@ -316,11 +317,11 @@ def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
     if family == "qwen_image":
         vae = build_qwen_vae()
         with torch.no_grad():
-            set_latent_statistics(vae, vae.encode(pixels[:, :, None]).latent_dist.mean[:, :, 0])
+            set_latent_statistics(vae, encode_posterior(vae, pixels)[0])
     else:
         vae = build_vae(latent_channels=FLUX_LATENT_CHANNELS if family == "flux" else 4)
         with torch.no_grad():
-            latents = vae.encode(pixels).latent_dist.mean  # (64, C, 8, 8)
+            latents = encode_posterior(vae, pixels)[0]  # (64, C, 8, 8)
         set_latent_scaling(vae, latents, shift=family == "flux")
     return assemble_tiny_pipeline(vae, family, guidance=guidance)
 

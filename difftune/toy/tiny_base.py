@@ -27,7 +27,13 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderTiny, DiffusionPipeline
 from tqdm.auto import tqdm
 
-from difftune.autoencoders import VIDEO_AUTOENCODERS, latent_normalization
+from difftune.autoencoders import (
+    VIDEO_AUTOENCODERS,
+    decode_latents,
+    encode_posterior,
+    latent_normalization,
+)
+from difftune.autoencoders import latent_channels as latent_channels_of
 from difftune.config import load_config
 from difftune.data import image_to_tensor
 from difftune.metrics import read_metrics
@@ -106,8 +112,8 @@ def _fit(parameters, batch_loss, tensors: tuple[torch.Tensor, ...], steps: int, 
 
 
 def _posterior(vae, images: torch.Tensor):
-    """The posterior of (B, 3, H, W) images; Wan's video autoencoder reads them as one-frame clips (its latents
-    keep the time axis, which `_decode` takes back)."""
+    """The posterior of (B, 3, H, W) images, to train on; Wan's video autoencoder reads them as one-frame clips (its
+    latents keep the time axis, which `_decode` takes back)."""
     return vae.encode(images[:, :, None] if isinstance(vae, VIDEO_AUTOENCODERS) else images).latent_dist
 
 
@@ -128,9 +134,8 @@ def train_vae(images: torch.Tensor, steps: int, batch_size: int = 64, lr: float 
     Flux.1's autoencoder has); Wan's kind gets per-channel `latents_mean` / `latents_std`, as Wan's has."""
     torch.manual_seed(seed)
     vae = build_qwen_vae() if kind == "wan" else build_vae(latent_channels=latent_channels)
-    channels = FLUX_LATENT_CHANNELS if kind == "wan" else latent_channels
     with torch.no_grad():  # start with a narrow posterior (log-variance -6): +1 dB at 300 steps, measured
-        vae.quant_conv.bias[channels:].fill_(-6.0)
+        vae.quant_conv.bias[latent_channels_of(vae) :].fill_(-6.0)
 
     def loss(batch):
         posterior = _posterior(vae, batch)
@@ -149,8 +154,7 @@ def train_vae(images: torch.Tensor, steps: int, batch_size: int = 64, lr: float 
 @torch.no_grad()
 def posterior_means(vae, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
     """The encoder's latents (unnormalised, (B, C, h, w)), in batches."""
-    means = [_posterior(vae, batch).mean for batch in images.split(batch_size)]
-    return torch.cat([mean[:, :, 0] if mean.dim() == 5 else mean for mean in means])
+    return torch.cat([encode_posterior(vae, batch)[0] for batch in images.split(batch_size)])
 
 
 def finetune_decoder(vae, images: torch.Tensor, latents: torch.Tensor, steps: int, batch_size: int = 32,
@@ -191,7 +195,7 @@ def autoencoder_scores(vae, taesd: AutoencoderTiny, images: torch.Tensor) -> dic
     kl_latents = normalization.apply(posterior_means(vae, images))
     taesd_latents = taesd.encode(images).latents
     return {
-        "vae_psnr_db": psnr(_decode(vae, normalization.invert(kl_latents)), images),
+        "vae_psnr_db": psnr(decode_latents(vae, kl_latents), images),
         "taesd_psnr_db": psnr(taesd.decode(taesd_latents).sample, images),
         "taesd_decoder_psnr_db": psnr(taesd.decode(kl_latents).sample, images),
         "taesd_latent_rmse": F.mse_loss(taesd_latents, kl_latents).sqrt().item(),
