@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import broadcast_object_list, gather_object, is_tensorboard_available, set_seed
 from diffusers.training_utils import EMAModel, cast_training_params
 from tqdm.auto import tqdm
@@ -397,6 +398,10 @@ def _accelerator(config: Config, output_dir: Path) -> Accelerator:
     fp8 = config.train.mixed_precision == "fp8"
     if fp8:
         _check_fp8_device()
+    # accelerate keeps one AcceleratorState per process and refuses an Accelerator of another precision after
+    # the first; a second train() in one process (a notebook, find-lr then train) is a new run with its own.
+    # The process group (PartialState) stays.
+    AcceleratorState._reset_state()
     accelerator = Accelerator(
         mixed_precision=config.train.mixed_precision,
         kwargs_handlers=[_fp8_recipe()] if fp8 else None,
@@ -653,6 +658,10 @@ def _set_device_flags(config: Config, accelerator: Accelerator) -> None:
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32
         torch.backends.cudnn.benchmark = config.train.cudnn_benchmark != "off"
+        # SDPA's cuDNN kernel gave NaN gradients from the first step on the tiny Flux job in bf16 on an H100
+        # (torch 2.11, cu130) while its loss was finite, and the flash, memory-efficient and math kernels trained
+        # it finitely, to the same losses (BENCHMARKS.md, "GPU"): training does without it.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     elif "on" in (config.train.tf32, config.train.cudnn_benchmark):
         accelerator.print(f"difftune: train.tf32 and train.cudnn_benchmark apply to CUDA only; no effect on {accelerator.device}")
 

@@ -217,6 +217,16 @@ def test_fp16_on_cpu_is_a_clear_error(make_config):
         train(make_config(train__mixed_precision="fp16"))
 
 
+def test_runs_of_different_precision_follow_one_another_in_a_process(make_config, tmp_path):
+    # accelerate keeps one AcceleratorState per process and refused the second run's precision (seen on an H100
+    # in tests/test_cuda.py, and here on the CPU); each run now sets its own.
+    full = train(make_config(train__output_dir=str(tmp_path / "fp32"), train__max_steps=2))
+    half = train(make_config(train__output_dir=str(tmp_path / "bf16"), train__max_steps=2, train__mixed_precision="bf16"))
+    again = train(make_config(train__output_dir=str(tmp_path / "fp32-again"), train__max_steps=2))
+    assert again.losses == full.losses  # the fp32 run after the bf16 one computes in fp32 again
+    assert half.losses != full.losses and half.losses == pytest.approx(full.losses, rel=5e-2)
+
+
 BEFORE_FAMILIES = {  # what the trainer did at commit cc70728, before model families existed (4 steps on tiny-sd)
     "lora_te": ["adapter.text_encoder=true", "data.random_flip=true", "cache.latents=false"],
     "dora_cache": ["adapter.kind=dora", "adapter.text_encoder=false", "cache.latents=true", "cache.text=true",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import resource
 import statistics
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -58,11 +59,11 @@ from difftune.train import train
 
 # Dense tensor-core peaks (FLOP/s) by device name and precision, from the vendors' data sheets.
 PEAK_FLOPS = {
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},  # SXM; fp32 = TF32
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
+    "H100": {"fp8": 1979e12, "bf16": 989e12, "fp16": 989e12, "fp32": 494e12},  # SXM; fp32 = TF32
+    "H200": {"fp8": 1979e12, "bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
     "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12},
-    "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 83e12},
+    "L40S": {"fp8": 733e12, "bf16": 362e12, "fp16": 362e12, "fp32": 183e12},
+    "RTX 4090": {"fp8": 330e12, "bf16": 165e12, "fp16": 165e12, "fp32": 83e12},
 }
 
 
@@ -75,12 +76,16 @@ class BenchOptions:
     warmup: int = 1
     adapter: str = "lora"
     rank: int = 4
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8
+    optimizer: str = "adamw"
+    quantize: str = "none"  # none | int8 | nf4
     cache: bool = False
     channels_last: bool = torch.cuda.is_available()  # the trainer's `auto`
     gradient_checkpointing: bool = False
     compile: bool = False
     attention: str = "sdpa"
+    num_workers: int = 2 if torch.cuda.is_available() else 0  # the trainer's 2 where a GPU waits for the data
+    profile: str = ""  # a path: torch.profiler's table of the measured run's operators, by device time
     workdir: str = ""
 
 
@@ -180,13 +185,15 @@ def prepare_workspace(options: BenchOptions) -> tuple[Path, Path, Path]:
 
 def _config(options: BenchOptions, model_dir: Path, data_dir: Path, output_dir: Path, cache_dir: Path, steps: int):
     overrides = {
-        "model.base": model_dir, "data.path": data_dir, "data.resolution": options.resolution, "data.num_workers": 0,
+        "model.base": model_dir, "data.path": data_dir, "data.resolution": options.resolution,
+        "data.num_workers": options.num_workers,
         "adapter.kind": options.adapter, "adapter.rank": options.rank, "train.output_dir": output_dir,
         "train.max_steps": steps, "train.batch_size": options.batch, "train.overwrite": "true",
         "train.mixed_precision": {"fp32": "no"}.get(options.precision, options.precision),
         "train.channels_last": str(options.channels_last).lower(), "train.attention": options.attention,
         "train.gradient_checkpointing": str(options.gradient_checkpointing).lower(),
-        "train.compile": str(options.compile).lower(),
+        "train.compile": str(options.compile).lower(), "optim.optimizer": options.optimizer,
+        "model.quantize": options.quantize,
         "cache.latents": str(options.cache).lower(), "cache.text": str(options.cache).lower(), "cache.dir": cache_dir,
         "log.progress_bar": "false", "log.tensorboard": "false", "guard.enabled": "false",
     }
@@ -215,6 +222,27 @@ def denoiser_training_flops(options: BenchOptions, model_dir: Path, device: torc
     return float(counter.get_total_flops())
 
 
+@contextmanager
+def _profiled(path: str, device: torch.device):
+    """torch.profiler around the measured run when `path` is set: operators by host time and, on a GPU, by device
+    time, with the device's busy time to set beside the run's wall time (how long the device waits for the host)."""
+    if not path:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        yield
+    events = profiler.key_averages()
+    tables = [events.table(sort_by="self_cpu_time_total", row_limit=50)]
+    if device.type == "cuda":
+        # Kernels' own rows; the operators that launched them carry the same time again.
+        busy = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+        tables = [f"device busy: {busy:.3f} s over the whole run", events.table(sort_by="self_cuda_time_total", row_limit=50), *tables]
+    Path(path).write_text("\n".join(tables))
+
+
 def measure(options: BenchOptions) -> dict:
     """One benchmark run in this process: JSON-ready results."""
     root, model_dir, data_dir = prepare_workspace(options)
@@ -225,7 +253,8 @@ def measure(options: BenchOptions) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     output_dir = root / "run"
-    train(_config(options, model_dir, data_dir, output_dir, cache_dir, options.warmup + options.steps))
+    with _profiled(options.profile, device):
+        train(_config(options, model_dir, data_dir, output_dir, cache_dir, options.warmup + options.steps))
     seconds = statistics.median(row["seconds"] for row in read_metrics(output_dir)[options.warmup :])
     result = {
         **asdict(options),
@@ -236,7 +265,7 @@ def measure(options: BenchOptions) -> dict:
     if device.type == "cuda":
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
         flops = denoiser_training_flops(options, model_dir, device)
-        peak = next((p[options.precision] for name, p in PEAK_FLOPS.items() if name in result["device"]), None)
+        peak = next((p.get(options.precision) for name, p in PEAK_FLOPS.items() if name in result["device"]), None)
         result["denoiser_tflops_per_step"] = flops / 1e12
         result["mfu"] = flops / seconds / peak if peak else None
     else:
