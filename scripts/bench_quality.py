@@ -27,11 +27,15 @@ from PIL import Image, ImageFilter
 from difftune.config import load_config
 from difftune.toy.judge import EvalSettings, score
 from difftune.export import apply_adapters, variant_of
+from difftune.families.qwen_image import TRANSFORMER_TARGETS
 from difftune.families import load_components
 from difftune.metrics import read_metrics
 from difftune.toy.tiny import shape_images, write_caption_folder
 from difftune.toy.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
 from difftune.train import train
+
+QWEN_TARGETS_WITH_TXT_IN = "adapter.target_modules=" + str([*TRANSFORMER_TARGETS, "txt_in"]).replace(" ", "")
+SEEDS = {"": [], "_seed_1": ["train.seed=1"], "_seed_2": ["train.seed=2"]}
 
 # Overrides of each default job; `{renders_32}` is 32 renders of the concept written by this script.
 VARIANTS = {"tiny_lora": {
@@ -75,6 +79,8 @@ VARIANTS = {"tiny_lora": {
     "loraplus_16_lr_2.5e-4": ["optim.loraplus_ratio=16", "optim.learning_rate=2.5e-4"],
     "tag_shuffle_variants": ["data.caption_prefix=sks ", "data.shuffle_tags=true", "data.tag_separator= ",
                              "data.keep_tokens=1", "data.caption_variants=4"],
+    "seed_1": ["train.seed=1"],
+    "seed_2": ["train.seed=2"],
 }, "tiny_embedding": {
     "embedding_init_red": [],
     "embedding_random_init": ["adapter.embedding_init_word="],
@@ -103,6 +109,8 @@ VARIANTS = {"tiny_lora": {
     "200_steps": ["train.max_steps=200"],
     "text_encoder_lr_5e-3": ["optim.text_encoder_learning_rate=5e-3"],
     "image_stream_only": ["adapter.target_modules=['attn.to_q','attn.to_k','attn.to_v','attn.to_out.0','ff.net.0.proj','ff.net.2','proj_mlp']"],
+    "seed_1": ["train.seed=1"],
+    "seed_2": ["train.seed=2"],
 }, "qwen_image_lora": {
     # The lines in benchmarks/ were measured when the job's default was rank 16 (`lora_r16` had no overrides).
     "lora_r4": [],
@@ -120,6 +128,20 @@ VARIANTS = {"tiny_lora": {
     "lora_r4_logit_normal": ["loss.timestep_sampling=logit_normal"],
     "lora_r4_image_stream_only": ["adapter.target_modules=['attn.to_q','attn.to_k','attn.to_v','attn.to_out.0','img_mlp.net.0.proj','img_mlp.net.2']"],
     "purple_only": ["adapter.rank=16", "data.path=examples/purple"],
+    "lora_r4_seed_1": ["train.seed=1"],
+    "lora_r4_seed_2": ["train.seed=2"],
+    "lora_r4_ema": ["ema.enabled=true", "ema.decay=0.99"],
+    "lora_r4_no_caption_dropout": ["data.caption_dropout=0.0"],
+    "lora_r4_caption_dropout_0.2": ["data.caption_dropout=0.2"],
+    "lora_r4_mode_timesteps": ["loss.timestep_sampling=mode"],
+    # The text states enter the transformer through txt_in (after txt_norm): an adapter there can move what the
+    # frozen language model says for "purple", as the Flux job's text-encoder LoRA does for its CLIP.
+    **{f"lora_r4_txt_in{suffix}": [QWEN_TARGETS_WITH_TXT_IN, *seed] for suffix, seed in SEEDS.items()},
+    **{f"lora_r4_txt_in_dropout_0.2{suffix}": [QWEN_TARGETS_WITH_TXT_IN, "data.caption_dropout=0.2", *seed]
+       for suffix, seed in SEEDS.items()},
+    **{f"lora_r4_batch_16{suffix}": ["train.batch_size=16", *seed] for suffix, seed in SEEDS.items()},
+    **{f"lora_r4_2400_steps_lr_1e-3{suffix}": ["train.max_steps=2400", "optim.learning_rate=1e-3", *seed]
+       for suffix, seed in SEEDS.items()},
 }}
 
 
