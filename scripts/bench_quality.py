@@ -142,6 +142,8 @@ VARIANTS = {"tiny_lora": {
     **{f"lora_r4_batch_16{suffix}": ["train.batch_size=16", *seed] for suffix, seed in SEEDS.items()},
     **{f"lora_r4_2400_steps_lr_1e-3{suffix}": ["train.max_steps=2400", "optim.learning_rate=1e-3", *seed]
        for suffix, seed in SEEDS.items()},
+    **{f"lora_r4_loraplus_16_lr_5e-4{suffix}": ["optim.loraplus_ratio=16", "optim.learning_rate=5e-4", *seed]
+       for suffix, seed in SEEDS.items()},
 }}
 
 
