@@ -37,6 +37,12 @@ from difftune.train import train
 QWEN_TARGETS_WITH_TXT_IN = "adapter.target_modules=" + str([*TRANSFORMER_TARGETS, "txt_in"]).replace(" ", "")
 SEEDS = {"": [], "_seed_1": ["train.seed=1"], "_seed_2": ["train.seed=2"]}
 
+
+def at_seeds(name: str, *overrides: str) -> dict[str, list[str]]:
+    """A variant at the job's seed (0) and at train.seed 1 and 2: name, name_seed_1, name_seed_2."""
+    return {name + suffix: [*overrides, *seed] for suffix, seed in SEEDS.items()}
+
+
 # Overrides of each default job; `{renders_32}` is 32 renders of the concept written by this script.
 VARIANTS = {"tiny_lora": {
     "lora_r16_te": [],
@@ -136,14 +142,11 @@ VARIANTS = {"tiny_lora": {
     "lora_r4_mode_timesteps": ["loss.timestep_sampling=mode"],
     # The text states enter the transformer through txt_in (after txt_norm): an adapter there can move what the
     # frozen language model says for "purple", as the Flux job's text-encoder LoRA does for its CLIP.
-    **{f"lora_r4_txt_in{suffix}": [QWEN_TARGETS_WITH_TXT_IN, *seed] for suffix, seed in SEEDS.items()},
-    **{f"lora_r4_txt_in_dropout_0.2{suffix}": [QWEN_TARGETS_WITH_TXT_IN, "data.caption_dropout=0.2", *seed]
-       for suffix, seed in SEEDS.items()},
-    **{f"lora_r4_batch_16{suffix}": ["train.batch_size=16", *seed] for suffix, seed in SEEDS.items()},
-    **{f"lora_r4_2400_steps_lr_1e-3{suffix}": ["train.max_steps=2400", "optim.learning_rate=1e-3", *seed]
-       for suffix, seed in SEEDS.items()},
-    **{f"lora_r4_loraplus_16_lr_5e-4{suffix}": ["optim.loraplus_ratio=16", "optim.learning_rate=5e-4", *seed]
-       for suffix, seed in SEEDS.items()},
+    **at_seeds("lora_r4_txt_in", QWEN_TARGETS_WITH_TXT_IN),
+    **at_seeds("lora_r4_txt_in_dropout_0.2", QWEN_TARGETS_WITH_TXT_IN, "data.caption_dropout=0.2"),
+    **at_seeds("lora_r4_batch_16", "train.batch_size=16"),
+    **at_seeds("lora_r4_2400_steps_lr_1e-3", "train.max_steps=2400", "optim.learning_rate=1e-3"),
+    **at_seeds("lora_r4_loraplus_16_lr_5e-4", "optim.loraplus_ratio=16", "optim.learning_rate=5e-4"),
 }}
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite: what only a CUDA machine can tell us, in as few device calls as a lease allows.
 #
-#   bash scripts/gpu_suite.sh [SECTION ...]     sections: tests sd15 profile compile sdxl flux qwen memory suite (default: all)
+#   bash scripts/gpu_suite.sh [SECTION ...]     sections: tests sd15 profile compile sdxl flux qwen memory suite
+#                                               (default: all but profile)
 #
 # Run from the repository root on a GPU machine (the device tool's `run`, or your own). Results go to
 # $OUT (default ./gpu-out): gpu.jsonl (one scripts/bench.py line per run), one log per step, env.txt.

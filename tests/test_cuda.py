@@ -15,6 +15,8 @@ from difftune.config import load_config
 from difftune.metrics import read_metrics
 from difftune.train import train
 
+from conftest import REPO
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -60,7 +62,7 @@ def test_bf16_training_is_finite_and_learns_what_fp32_learns(make_config, tmp_pa
 def test_flux_trains_in_bf16_with_finite_gradients(tmp_path):
     # SDPA's cuDNN kernel gave NaN gradients from the first step of this job on an H100 (torch 2.11); the
     # trainer turns that kernel off. The guard would skip such steps: none may be skipped.
-    config = load_config("configs/flux_lora.toml", [
+    config = load_config(REPO / "configs" / "flux_lora.toml", [
         f"train.output_dir={tmp_path}", "train.max_steps=10", "train.mixed_precision=bf16", "log.progress_bar=false",
         "sample.every_steps=0",
     ])

@@ -221,7 +221,8 @@ def test_runs_of_different_precision_follow_one_another_in_a_process(make_config
     # accelerate keeps one AcceleratorState per process and refused the second run's precision (seen on an H100
     # in tests/test_cuda.py, and here on the CPU); each run now sets its own.
     full = train(make_config(train__output_dir=str(tmp_path / "fp32"), train__max_steps=2))
-    half = train(make_config(train__output_dir=str(tmp_path / "bf16"), train__max_steps=2, train__mixed_precision="bf16"))
+    half = train(make_config(train__output_dir=str(tmp_path / "bf16"), train__max_steps=2,
+                             train__mixed_precision="bf16"))
     again = train(make_config(train__output_dir=str(tmp_path / "fp32-again"), train__max_steps=2))
     assert again.losses == full.losses  # the fp32 run after the bf16 one computes in fp32 again
     assert half.losses != full.losses and half.losses == pytest.approx(full.losses, rel=5e-2)

@@ -239,7 +239,8 @@ def _profiled(path: str, device: torch.device):
     if device.type == "cuda":
         # Kernels' own rows; the operators that launched them carry the same time again.
         busy = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
-        tables = [f"device busy: {busy:.3f} s over the whole run", events.table(sort_by="self_cuda_time_total", row_limit=50), *tables]
+        by_device = events.table(sort_by="self_cuda_time_total", row_limit=50)
+        tables = [f"device busy: {busy:.3f} s over the whole run", by_device, *tables]
     Path(path).write_text("\n".join(tables))
 
 
