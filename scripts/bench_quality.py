@@ -18,6 +18,7 @@ and after (overall and per shape) and the forgetting of the seen prompts. BENCHM
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -147,6 +148,8 @@ VARIANTS = {"tiny_lora": {
     **at_seeds("lora_r4_batch_16", "train.batch_size=16"),
     **at_seeds("lora_r4_2400_steps_lr_1e-3", "train.max_steps=2400", "optim.learning_rate=1e-3"),
     **at_seeds("lora_r4_loraplus_16_lr_5e-4", "optim.loraplus_ratio=16", "optim.learning_rate=5e-4"),
+    **at_seeds("lora_r4_32_renders_with_seen", "data.path={renders_32_with_seen}"),
+    **at_seeds("lora_r4_shift_3", "loss.flow_shift_by_resolution=false", "loss.flow_shift=3.0"),
 }}
 
 
@@ -172,8 +175,12 @@ def main() -> None:
     before = score(load_components(base_config.model), SEEN_COLORS, HELD_OUT_COLOR, settings)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     folders = {"renders_32": args.work_dir / "renders_32", "purple_masks": args.work_dir / "purple_masks",
-               "class_images": args.work_dir / "class_images", "held_out": args.work_dir / "held_out"}
+               "class_images": args.work_dir / "class_images", "held_out": args.work_dir / "held_out",
+               "renders_32_with_seen": args.work_dir / "renders_32_with_seen"}
     write_caption_folder(folders["renders_32"], shape_images(32, seed=7, colors=(HELD_OUT_COLOR,)))
+    # The same 32 renders twice an epoch beside the 12 seen renders of examples/purple_with_seen, once.
+    write_caption_folder(folders["renders_32_with_seen"] / "2_purple", shape_images(32, seed=7, colors=(HELD_OUT_COLOR,)))
+    shutil.copytree("examples/purple_with_seen/1_seen", folders["renders_32_with_seen"] / "1_seen", dirs_exist_ok=True)
     write_caption_folder(folders["held_out"], shape_images(24, seed=11, colors=(HELD_OUT_COLOR,)))
     write_foreground_masks(Path(base_config.data.path), folders["purple_masks"])
     watch = ["validation.path=" + str(folders["held_out"]), "validation.every_steps=20"] if args.convergence else []
