@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 PICKLED_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 SINGLE_FILE_SUFFIXES = (".safetensors", *PICKLED_SUFFIXES)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+STORED_DTYPES = DTYPES | {"fp8": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -125,10 +126,10 @@ def place_frozen(
     `force_upcast` (SD's and SDXL's own: they overflow to NaN in fp16 on some images) stays fp32 under fp16;
     an fp16-safe one (`force_upcast = false`, e.g. the SDXL fp16 fix, or TAESD) follows `dtype`. Modules in
     `trained_whole` (a full fine-tune's) stay fp32: a round trip through `dtype` would round the base's weights.
-    `stored`: the denoiser's frozen layers are kept in this 16-bit dtype and computed in `dtype` (storage.py);
-    converted before the move, so a GPU receives half the bytes."""
+    `stored`: the denoiser's frozen layers are kept in this dtype and computed in `dtype` (storage.py); converted
+    before the move, so a GPU receives the stored bytes alone."""
     if stored is not None:
-        store_frozen_layers(components.denoiser, stored)
+        store_frozen_layers(components.denoiser, stored, dtype)
     vae = components.vae
     upcast_vae = vae is not None and getattr(vae.config, "force_upcast", True)
     vae_dtype = torch.float32 if dtype == torch.float16 and upcast_vae else dtype
@@ -155,18 +156,16 @@ def eval_mode(*modules: torch.nn.Module):
 
 
 def weight_dtype(config: Config) -> torch.dtype:
-    """The dtype frozen weights compute in (fp32 where `stored_dtype` stores them)."""
-    if config.stores_frozen_in_16_bits:
-        return torch.float32
-    if config.model.weight_dtype != "auto":
+    """The dtype frozen weights compute in (also where `stored_dtype` stores them in another)."""
+    if config.model.weight_dtype not in ("auto", "fp8") and not config.stores_frozen_weights:
         return DTYPES[config.model.weight_dtype]
     # FP8 training keeps bf16 weights: torchao casts them to FP8 per matmul, with fresh scales.
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(config.train.mixed_precision, torch.float32)
 
 
 def stored_dtype(config: Config) -> torch.dtype | None:
-    """The 16-bit dtype the denoiser's frozen layers are stored in while computing in fp32 (storage.py), or None."""
-    return DTYPES[config.model.weight_dtype] if config.stores_frozen_in_16_bits else None
+    """The dtype the denoiser's frozen layers are stored in while computing in `weight_dtype` (storage.py), or None."""
+    return STORED_DTYPES[config.model.weight_dtype] if config.stores_frozen_weights else None
 
 
 def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:

@@ -1,20 +1,30 @@
-"""Frozen weights kept in 16 bits and computed in fp32: half the memory of fp32 weights, without 16-bit arithmetic,
-which CPUs lacking AVX512-BF16 or AMX run up to 100x slower than fp32 (BENCHMARKS.md). Set by
-`model.weight_dtype = "fp16" | "bf16"` with `train.mixed_precision = "no"`; it applies to the denoiser.
+"""Frozen weights stored in fewer bits than they are computed in: 16 bits computed in fp32 (`model.weight_dtype =
+"fp16" | "bf16"` with `train.mixed_precision = "no"`: half the memory of fp32 weights, without 16-bit arithmetic,
+which CPUs lacking AVX512-BF16 or AMX run up to 100x slower than fp32, BENCHMARKS.md), or fp8 (e4m3) computed in the
+run's compute dtype (`model.weight_dtype = "fp8"`, any mixed precision: a quarter of fp32's memory, half of bf16's,
+as kohya's `--fp8_base` and musubi-tuner's `--fp8_base`). It applies to the denoiser.
 
-Each frozen linear or convolution layer holds its weight and bias in 16 bits, and a parametrization hands the
-layer an fp32 copy each time it runs. The input's gradient needs that weight again in backward, and autograd
-would keep every fp32 copy until then: both precisions at once, more memory than fp32 alone. So while
-training's forward runs under `fp32_copies_saved_as_stored()`, each copy autograd saves is saved as its 16-bit
-source and cast again in backward. The price is two casts of every frozen weight per step, at memory bandwidth:
-on 2 CPU cores the SD1.5 UNet's 256 px LoRA step went from 4.69 to 6.06 s while peak RSS went from 4684 to
-3430 MB (BENCHMARKS.md). diffusers' `enable_layerwise_casting` does the forward half only, and its backward
-fails on the SD1.5 UNet ("expected scalar type Float but found Half").
+Each frozen linear or convolution layer holds its weight (and, in 16 bits, its bias) in the stored dtype, and a
+parametrization hands the layer a copy in the compute dtype each time it runs. The input's gradient needs that
+weight again in backward, and autograd would keep every computed copy until then: both precisions at once, more
+memory than the compute dtype alone. So while training's forward runs under `computed_copies_saved_as_stored()`,
+each copy autograd saves is saved as its stored source and cast again in backward. The price is two casts of every
+frozen weight per step, at memory bandwidth: on 2 CPU cores the SD1.5 UNet's 256 px LoRA step went from 4.69 to
+6.06 s while peak RSS went from 4684 to 3430 MB with 16-bit storage (BENCHMARKS.md). diffusers'
+`enable_layerwise_casting` does the forward half only, and its backward fails on the SD1.5 UNet ("expected scalar
+type Float but found Half").
+
+fp8 weights are stored divided by a per-tensor power of two that brings the largest magnitude to within e4m3's
+range (448): plain casting rounds the typical weight (|w| ~ 0.01-0.05) into e4m3's subnormals, below 2^-6, with one
+to three significant bits, or to zero (BENCHMARKS.md measures both). A power of two, unlike ComfyUI's float scales,
+multiplies back exactly in any compute dtype, so training on fp8 storage is exactly training on the base rounded
+the same way.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import sys
 import weakref
@@ -27,28 +37,31 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch.nn.utils import parametrize
 
 STORED_LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+FP8 = torch.float8_e4m3fn
 MADV_DONTNEED = 4
 
-# Storage address of each live fp32 copy -> the 16-bit tensor it was cast from. An entry leaves with its copy.
-_SOURCES: dict[int, torch.Tensor] = {}
+# Storage address of each live computed copy -> (its stored source, the parametrization that cast it). An entry
+# leaves with its copy.
+_SOURCES: dict[int, tuple[torch.Tensor, "ComputedFromStored"]] = {}
 
 
 class _CastBuffers:
-    """fp32 buffers the casts reuse, by element count. A fresh buffer costs a page fault per 4 KiB: casting a
+    """Buffers the casts reuse, by element count and dtype. A fresh buffer costs a page fault per 4 KiB: casting a
     118 MB convolution weight took 116 ms into new memory and 10 ms into a used buffer. A buffer is free when
     nothing but this pool holds its storage (counted by torch, so a copy that autograd or anything else still
     holds is never overwritten); the pool holds about one buffer per weight shape (580 MiB for SD1.5's UNet)."""
 
     def __init__(self):
-        self.by_size: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
+        self.by_size: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
 
-    def cast(self, stored: torch.Tensor) -> torch.Tensor:
-        buffers = self.by_size.setdefault((stored.numel(), stored.device), [])
+    def cast(self, stored: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+        buffers = self.by_size.setdefault((stored.numel(), stored.device, dtype), [])
         free = next((buffer for buffer in buffers if _holders(buffer) == 1), None)
         if free is None:
-            free = torch.empty(stored.numel(), dtype=torch.float32, device=stored.device)
+            free = torch.empty(stored.numel(), dtype=dtype, device=stored.device)
             buffers.append(free)
-        return free.view(stored.shape).copy_(stored)
+        computed = free.view(stored.shape).copy_(stored)
+        return computed.mul_(scale) if scale != 1 else computed
 
 
 def _holders(tensor: torch.Tensor) -> int:
@@ -60,21 +73,48 @@ def _holders(tensor: torch.Tensor) -> int:
 _BUFFERS = _CastBuffers()
 
 
-class ComputedInFP32(torch.nn.Module):
-    """Parametrization: a layer's 16-bit stored tensor, as the fp32 tensor the layer computes with."""
+class ComputedFromStored(torch.nn.Module):
+    """Parametrization: a layer's stored tensor as the `dtype` tensor the layer computes with. An fp8 tensor is
+    held as its raw bytes (uint8) divided by `scale`: `Module.to(dtype)`, which the run applies to the whole
+    denoiser, casts every floating-point tensor, fp8 included, and leaves bytes alone."""
+
+    def __init__(self, dtype: torch.dtype, scale: float = 1.0, fp8: bool = False):
+        super().__init__()
+        self.dtype, self.scale, self.fp8 = dtype, scale, fp8
+
+    def source(self, stored: torch.Tensor) -> torch.Tensor:
+        return stored.view(FP8) if self.fp8 else stored
+
+    def cast(self, stored: torch.Tensor) -> torch.Tensor:
+        return _BUFFERS.cast(self.source(stored), self.dtype, self.scale)
 
     def forward(self, stored: torch.Tensor) -> torch.Tensor:
-        computed = _BUFFERS.cast(stored)
+        computed = self.cast(stored)
         address = computed.untyped_storage().data_ptr()
-        _SOURCES[address] = stored
+        _SOURCES[address] = (stored, self)
         weakref.finalize(computed, _SOURCES.pop, address, None)
         return computed
 
 
-def store_frozen_layers(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Keep the weight and bias of every frozen linear and convolution layer of `model` in `dtype`, computed in
-    fp32. Left alone: trained layers, adapters' own layers (frozen too when an adapter is loaded to sample) and
-    quantized layers (other classes). Returns how many layers are stored."""
+def fp8_scale(tensor: torch.Tensor) -> float:
+    """The power of two `tensor` is divided by to be stored in e4m3: its largest magnitude lands in (224, 448]."""
+    largest = tensor.abs().max().item()
+    return 2.0 ** math.ceil(math.log2(largest / torch.finfo(FP8).max)) if largest > 0 else 1.0
+
+
+def _stored(tensor: torch.Tensor, dtype: torch.dtype, compute_dtype: torch.dtype) -> tuple[torch.Tensor, ComputedFromStored]:
+    if dtype != FP8:
+        return tensor.to(dtype), ComputedFromStored(compute_dtype)
+    scale = fp8_scale(tensor)
+    return (tensor / scale).to(FP8).view(torch.uint8), ComputedFromStored(compute_dtype, scale, fp8=True)
+
+
+def store_frozen_layers(model: torch.nn.Module, dtype: torch.dtype, compute_dtype: torch.dtype = torch.float32) -> int:
+    """Keep every frozen linear and convolution layer of `model` in `dtype`, computed in `compute_dtype`: weight
+    and bias in 16 bits; in fp8 the weight alone (a bias is a thousandth of a layer's bytes and would lose the most
+    to e4m3's 3-bit mantissa), the bias following the model's dtype. Left alone: trained layers, adapters' own
+    layers (frozen too when an adapter is loaded to sample) and quantized layers (other classes). Returns how many
+    layers are stored."""
     adapters = {id(sub) for layer in model.modules() if isinstance(layer, BaseTunerLayer)
                 for name in layer.adapter_layer_names for sub in getattr(layer, name).modules()}
     file_ranges = _file_mappings()
@@ -82,35 +122,37 @@ def store_frozen_layers(model: torch.nn.Module, dtype: torch.dtype) -> int:
     for layer in list(model.modules()):
         if type(layer) not in STORED_LAYERS or layer.weight.requires_grad or id(layer) in adapters:
             continue
-        for name in ("weight", "bias"):
+        for name in ("weight",) if dtype == FP8 else ("weight", "bias"):
             full = layer._parameters.get(name)
             if full is None:
                 continue
-            layer._parameters[name] = torch.nn.Parameter(full.detach().to(dtype), requires_grad=False)
-            if sys.getrefcount(full) == 2:  # this loop holds the fp32 tensor alone: nothing reads it again
+            kept, parametrization = _stored(full.detach(), dtype, compute_dtype)
+            layer._parameters[name] = torch.nn.Parameter(kept, requires_grad=False)
+            if sys.getrefcount(full) == 2:  # this loop holds the full tensor alone: nothing reads it again
                 _drop_file_pages(full, file_ranges)
-            parametrize.register_parametrization(layer, name, ComputedInFP32(), unsafe=True)
+            parametrize.register_parametrization(layer, name, parametrization, unsafe=True)
         stored += 1
     return stored
 
 
 class _Recast(NamedTuple):
-    """A saved fp32 copy, held as its 16-bit source and the view autograd saved of the copy."""
+    """A saved computed copy, held as its stored source, its parametrization and the view autograd saved of it."""
 
     source: torch.Tensor
+    parametrization: ComputedFromStored
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
 
     def tensor(self) -> torch.Tensor:
-        return _BUFFERS.cast(self.source).as_strided(self.size, self.stride, self.offset)
+        return self.parametrization.cast(self.source).as_strided(self.size, self.stride, self.offset)
 
 
 def _pack(saved: torch.Tensor):
-    if saved.dtype == torch.float32 and saved.layout == torch.strided:
-        source = _SOURCES.get(saved.untyped_storage().data_ptr())
-        if source is not None:
-            return _Recast(source, saved.size(), saved.stride(), saved.storage_offset())
+    if saved.layout == torch.strided:
+        source, parametrization = _SOURCES.get(saved.untyped_storage().data_ptr(), (None, None))
+        if source is not None and saved.dtype == parametrization.dtype:
+            return _Recast(source, parametrization, saved.size(), saved.stride(), saved.storage_offset())
     return saved
 
 
@@ -119,8 +161,8 @@ def _unpack(packed):
 
 
 @contextmanager
-def fp32_copies_saved_as_stored():
-    """Around a forward pass whose backward will run: stored layers' fp32 copies are saved as 16 bits."""
+def computed_copies_saved_as_stored():
+    """Around a forward pass whose backward will run: stored layers' computed copies are saved as stored."""
     with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
         yield
 

@@ -66,7 +66,7 @@ from difftune.parity import check_parity, write_report
 from difftune.prior import class_examples, class_folder, fill_class_images
 from difftune.quantize import quantize_linear_layers
 from difftune.sample import generate_images, save_images
-from difftune.storage import fp32_copies_saved_as_stored
+from difftune.storage import computed_copies_saved_as_stored
 from difftune.validation import BestResults, Validator
 
 RESOLVED_CONFIG_FILE = "config.toml"
@@ -299,7 +299,7 @@ def accumulate_gradients(run: Run) -> tuple[float, list[str], dict]:
     step_loss, paths = torch.zeros((), device=accelerator.device), []
     for _ in range(accumulation):
         batch = next(run.batches)
-        recasting = fp32_copies_saved_as_stored() if config.stores_frozen_in_16_bits else nullcontext()
+        recasting = computed_copies_saved_as_stored() if config.stores_frozen_weights else nullcontext()
         with accelerator.accumulate(*run.trained_modules), recasting:
             loss = _training_loss(run.components, batch, config, accelerator.device).mean()
             accelerator.backward(loss)

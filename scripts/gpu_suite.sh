@@ -77,8 +77,10 @@ for section in $sections; do
   qwen)  # Qwen-Image's widths in 1 of its 60 blocks
     bench qwen-1024-b1 400 --model qwen_image --resolution 1024 --batch 1 --rank 16 --precision bf16 --steps 20 --warmup 5 --cache
     ;;
-  memory)  # what fits a smaller card: FP8 compute, quantized frozen weights, optimizer state on the CPU
+  memory)  # what fits a smaller card: FP8 compute, fp8 frozen weights, quantized ones, optimizer state on the CPU
     bench sd15-fp8 300 --model sd15 --resolution 512 --batch 16 --precision fp8 --steps 20 --warmup 5 --cache
+    bench flux-1024-b1-fp8-weights 400 --model flux --resolution 1024 --batch 1 --rank 16 --precision bf16 --steps 20 --warmup 5 --cache --weight-dtype fp8
+    bench qwen-1024-b1-fp8-weights 400 --model qwen_image --resolution 1024 --batch 1 --rank 16 --precision bf16 --steps 20 --warmup 5 --cache --weight-dtype fp8
     for method in int8 nf4; do
       bench "sdxl-1024-$method" 500 --model sdxl --resolution 1024 --batch 4 --rank 16 --precision bf16 --steps 10 --warmup 3 --cache --quantize "$method"
     done

@@ -66,6 +66,12 @@ def test_range_and_cross_section_checks():
         load_config(None, ["model.weight_dtype=fp16", "model.quantize=int8"])
     with pytest.raises(DifftuneError, match=r"train\.compile does not support yet"):
         load_config(None, ["model.weight_dtype=fp16", "train.compile=true"])
+    # fp8 storage computes in any mixed precision but torchao's FP8 training, which wants bf16 weights to cast.
+    assert load_config(None, ["model.weight_dtype=fp8", "train.mixed_precision=bf16"]).stores_frozen_weights
+    with pytest.raises(DifftuneError, match=r"weight_dtype = \"fp8\" keeps the denoiser's frozen weights in fp8, and a full fine-tune"):
+        load_config(None, ["model.weight_dtype=fp8", "adapter.kind=none"])
+    with pytest.raises(DifftuneError, match=r"in fp8, and train\.mixed_precision = \"fp8\" casts bf16 weights .*use one or the other"):
+        load_config(None, ["model.weight_dtype=fp8", "train.mixed_precision=fp8"])
 
 
 def test_overrides_are_read_as_the_field_type():

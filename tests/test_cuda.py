@@ -1,7 +1,8 @@
 """Checks that need a CUDA device: skipped elsewhere (CI and this project's CPU machine), run on the device tool's
 GPU machine when one is lent (`pytest tests/test_cuda.py`). The issue asks that `train.compile` be verified
 against eager on CUDA before it is recommended: same losses and same trained adapter. bf16 training is checked
-against fp32, and the Flux job's gradients for the cuDNN attention kernel's NaNs (scripts/gpu_suite.sh runs this)."""
+against fp32, fp8 frozen weights against bf16 ones, and the Flux job's gradients for the cuDNN attention kernel's
+NaNs (scripts/gpu_suite.sh runs this)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,15 @@ def test_flux_trains_in_bf16_with_finite_gradients(tmp_path):
     rows = read_metrics(tmp_path)
     assert [row["skipped"] for row in rows] == [False] * 10
     assert all(math.isfinite(row["grad_norm"]) for row in rows) and all(math.isfinite(x) for x in result.losses)
+
+
+def test_fp8_frozen_weights_train_on_the_device_as_bf16_ones(make_config, tmp_path):
+    # On the CPU fp8 storage trains exactly as the fp8-rounded base (test_storage.py); here: the stored bytes go
+    # to the device as bytes, the casts run there, and the losses stay within fp8's rounding of bf16 weights'.
+    settings = dict(train__max_steps=4, optim__learning_rate=1e-2, train__mixed_precision="bf16")
+    plain = train(make_config(train__output_dir=str(tmp_path / "bf16"), **settings))
+    stored = train(make_config(train__output_dir=str(tmp_path / "fp8"), model__weight_dtype="fp8", **settings))
+    assert all(math.isfinite(x) for x in stored.losses)
+    assert stored.losses == pytest.approx(plain.losses, rel=5e-2)
+    originals = [p for n, p in stored.components.denoiser.named_parameters() if n.endswith("weight.original")]
+    assert originals and all(p.dtype == torch.uint8 and p.is_cuda for p in originals)

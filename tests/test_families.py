@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from difftune import export
+from difftune import export, storage
 from difftune.autoencoders import downsampling, latent_channels
 from difftune.checkpoint import complete_checkpoints
 from difftune.cli import main
@@ -135,6 +135,31 @@ def test_a_folder_and_a_single_file_are_read_as_the_family(name, micro_bases, tm
     again = load_components(ModelConfig(base=str(path), single_file_config=str(base)))
     for (key, value), other in zip(components.denoiser.state_dict().items(), again.denoiser.state_dict().values()):
         assert torch.equal(value, other), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_fp8_single_file_is_read_as_a_base(name, micro_bases, tmp_path):
+    """ComfyUI's and kohya's `*_fp8_e4m3fn.safetensors`: every weight cast to e4m3. Read as the fp8 values, which
+    `model.weight_dtype = "fp8"` stores again without loss; ComfyUI's scaled fp8 files are refused by name."""
+    family, base = FAMILIES[name], micro_bases[name]
+    components = load_components(ModelConfig(base=str(base)))
+    try:
+        tensors = family.to_single_file(components)
+    except DifftuneError:
+        pytest.skip(f"{name} has no single-file layout")
+    path = tmp_path / "model_fp8_e4m3fn.safetensors"
+    save_file({key: value.to(torch.float8_e4m3fn) if value.is_floating_point() else value for key, value in tensors.items()}, path)
+    again = load_components(ModelConfig(base=str(path), single_file_config=str(base)))
+    for (key, value), other in zip(components.denoiser.state_dict().items(), again.denoiser.state_dict().values()):
+        assert other.dtype == torch.float32 and torch.equal(other, value.to(torch.float8_e4m3fn).float()), key
+    linear = next(m for m in again.denoiser.modules() if type(m) is torch.nn.Linear)
+    weight = linear.weight.detach().clone()
+    storage.store_frozen_layers(linear.requires_grad_(False), torch.float8_e4m3fn)
+    assert torch.equal(linear.weight, weight)
+
+    save_file({**tensors, "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, tmp_path / "scaled.safetensors")
+    with pytest.raises(DifftuneError, match=r"scaled\.safetensors: a ComfyUI scaled fp8 file .*weight_dtype = \"fp8\""):
+        load_components(ModelConfig(base=str(tmp_path / "scaled.safetensors"), single_file_config=str(base)))
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -99,6 +99,12 @@ def _readers(config: ModelConfig) -> tuple[list[Family], str]:
     base = config.base
     if base.endswith(SINGLE_FILE_SUFFIXES):
         keys = _single_file_keys(base)
+        if "scaled_fp8" in keys or any(key.endswith(".scale_weight") for key in keys):
+            raise DifftuneError(
+                f"model.base {base}: a ComfyUI scaled fp8 file (`scaled_fp8`, `.scale_weight` keys): its weights are "
+                "stored divided by per-tensor scales that diffusers' loader would not apply. Pass the bf16/fp16 file or "
+                "a plain `_fp8_e4m3fn` one, and set model.weight_dtype = \"fp8\" to keep the weights in fp8 while training"
+            )
         return [family for family in FAMILIES.values() if family.reads_single_file(keys)], "a single file"
     with explained_load_errors("model.base", base):
         class_name = _pipeline_class_name(config)

@@ -79,6 +79,7 @@ class BenchOptions:
     precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8
     optimizer: str = "adamw"
     quantize: str = "none"  # none | int8 | nf4
+    weight_dtype: str = "auto"  # model.weight_dtype: fp8 stores the frozen weights in fp8
     cache: bool = False
     channels_last: bool = torch.cuda.is_available()  # the trainer's `auto`
     gradient_checkpointing: bool = False
@@ -193,7 +194,7 @@ def _config(options: BenchOptions, model_dir: Path, data_dir: Path, output_dir: 
         "train.channels_last": str(options.channels_last).lower(), "train.attention": options.attention,
         "train.gradient_checkpointing": str(options.gradient_checkpointing).lower(),
         "train.compile": str(options.compile).lower(), "optim.optimizer": options.optimizer,
-        "model.quantize": options.quantize,
+        "model.quantize": options.quantize, "model.weight_dtype": options.weight_dtype,
         "cache.latents": str(options.cache).lower(), "cache.text": str(options.cache).lower(), "cache.dir": cache_dir,
         "log.progress_bar": "false", "log.tensorboard": "false", "guard.enabled": "false",
     }
