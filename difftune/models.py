@@ -157,7 +157,7 @@ def eval_mode(*modules: torch.nn.Module):
 
 def weight_dtype(config: Config) -> torch.dtype:
     """The dtype frozen weights compute in (also where `stored_dtype` stores them in another)."""
-    if config.model.weight_dtype not in ("auto", "fp8") and not config.stores_frozen_weights:
+    if config.model.weight_dtype != "auto" and not config.stores_frozen_weights:
         return DTYPES[config.model.weight_dtype]
     # FP8 training keeps bf16 weights: torchao casts them to FP8 per matmul, with fresh scales.
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(config.train.mixed_precision, torch.float32)

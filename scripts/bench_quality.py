@@ -177,9 +177,10 @@ def main() -> None:
     folders = {"renders_32": args.work_dir / "renders_32", "purple_masks": args.work_dir / "purple_masks",
                "class_images": args.work_dir / "class_images", "held_out": args.work_dir / "held_out",
                "renders_32_with_seen": args.work_dir / "renders_32_with_seen"}
-    write_caption_folder(folders["renders_32"], shape_images(32, seed=7, colors=(HELD_OUT_COLOR,)))
+    renders_32 = shape_images(32, seed=7, colors=(HELD_OUT_COLOR,))
+    write_caption_folder(folders["renders_32"], renders_32)
     # The same 32 renders twice an epoch beside the 12 seen renders of examples/purple_with_seen, once.
-    write_caption_folder(folders["renders_32_with_seen"] / "2_purple", shape_images(32, seed=7, colors=(HELD_OUT_COLOR,)))
+    write_caption_folder(folders["renders_32_with_seen"] / "2_purple", renders_32)
     shutil.copytree("examples/purple_with_seen/1_seen", folders["renders_32_with_seen"] / "1_seen", dirs_exist_ok=True)
     write_caption_folder(folders["held_out"], shape_images(24, seed=11, colors=(HELD_OUT_COLOR,)))
     write_foreground_masks(Path(base_config.data.path), folders["purple_masks"])

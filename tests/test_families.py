@@ -120,15 +120,21 @@ def test_every_family_module_is_registered_and_complete():
         assert family.pipeline_class.__name__ in family.pipeline_classes, name
 
 
+def _single_file(name: str, base: Path):
+    """The micro base's components and its single file's tensors; the test is skipped for a family that writes no
+    single file (Flux): nothing to read back."""
+    components = load_components(ModelConfig(base=str(base)))
+    try:
+        return components, FAMILIES[name].to_single_file(components)
+    except DifftuneError:
+        pytest.skip(f"{name} has no single-file layout")
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_a_folder_and_a_single_file_are_read_as_the_family(name, micro_bases, tmp_path):
     family, base = FAMILIES[name], micro_bases[name]
     assert family_of(ModelConfig(base=str(base))) is family
-    components = load_components(ModelConfig(base=str(base)))
-    try:
-        tensors = family.to_single_file(components)
-    except DifftuneError:  # the family writes no single file (Flux): nothing to read back
-        pytest.skip(f"{name} has no single-file layout")
+    components, tensors = _single_file(name, base)
     path = tmp_path / "model.safetensors"
     save_file(tensors, path)
     assert family_of(ModelConfig(base=str(path))) is family
@@ -141,12 +147,8 @@ def test_a_folder_and_a_single_file_are_read_as_the_family(name, micro_bases, tm
 def test_an_fp8_single_file_is_read_as_a_base(name, micro_bases, tmp_path):
     """ComfyUI's and kohya's `*_fp8_e4m3fn.safetensors`: every weight cast to e4m3. Read as the fp8 values, which
     `model.weight_dtype = "fp8"` stores again without loss; ComfyUI's scaled fp8 files are refused by name."""
-    family, base = FAMILIES[name], micro_bases[name]
-    components = load_components(ModelConfig(base=str(base)))
-    try:
-        tensors = family.to_single_file(components)
-    except DifftuneError:
-        pytest.skip(f"{name} has no single-file layout")
+    base = micro_bases[name]
+    components, tensors = _single_file(name, base)
     path = tmp_path / "model_fp8_e4m3fn.safetensors"
     save_file({key: value.to(torch.float8_e4m3fn) if value.is_floating_point() else value for key, value in tensors.items()}, path)
     again = load_components(ModelConfig(base=str(path), single_file_config=str(base)))
