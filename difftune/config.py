@@ -102,6 +102,16 @@ class ModelConfig(Section):
         "as kohya's and musubi-tuner's `--fp8_base`; needs an adapter, and the adapter loads on the original base. "
         "Trained parameters are always fp32.",
     )
+    offload_blocks: int = Field(
+        0,
+        ge=0,
+        description="Keep the frozen weights of this many of the denoiser's blocks in host memory (pinned on CUDA) "
+        "and copy each layer's to the device as it runs, in forward and in backward: the device holds the other "
+        "blocks and a block or two in flight, as kohya's and musubi-tuner's `--blocks_to_swap`. On CUDA the next "
+        "block's copy runs on its own stream while the current block computes. The offloaded blocks are spread "
+        "evenly over the denoiser's (`difftune plan` says how many fit a budget). Exact: the same losses as without. "
+        "Needs an adapter; combines with `weight_dtype` (fp8 halves the bytes copied).",
+    )
 
 
 class DataConfig(Section):
@@ -765,24 +775,37 @@ class Config(Section):
             raise ValueError("export.average_last = 1 averages one adapter with itself; set 0 (off), or 2 or more")
         if self.export.average_last > 1 and not self.export.every_steps:
             raise ValueError("export.average_last needs export.every_steps > 0 (snapshots to average)")
-        if self.stores_frozen_weights:
-            storage = (
-                'model.weight_dtype = "fp8" keeps the denoiser\'s frozen weights in fp8' if self.model.weight_dtype == "fp8"
-                else f"model.weight_dtype = \"{self.model.weight_dtype}\" with train.mixed_precision = \"no\" keeps the "
-                "denoiser's frozen weights in 16 bits"
-            )
+        storage = self.frozen_weights_kept_apart
+        if storage:
             if self.train.mixed_precision == "fp8":
                 raise ValueError(
                     f"{storage}, and train.mixed_precision = \"fp8\" casts bf16 weights to FP8 per matmul with fresh "
                     "scales: use one or the other"
                 )
             if self.adapter.kind == "none":
-                raise ValueError(f"{storage}, and a full fine-tune has none; use weight_dtype = \"auto\"")
+                raise ValueError(
+                    f"{storage}, and a full fine-tune has none (its weights train): leave weight_dtype \"auto\" and "
+                    "offload_blocks 0"
+                )
             if self.model.quantize != "none":
                 raise ValueError(f"{storage}, and model.quantize stores them quantized: choose one")
             if self.train.compile:
                 raise ValueError(f"{storage}, which train.compile does not support yet; turn one off")
         return self
+
+    @property
+    def frozen_weights_kept_apart(self) -> str:
+        """Which settings keep the denoiser's frozen weights apart from the tensors its layers compute with (in
+        another dtype, or in host memory: storage.py), as a phrase for messages; empty if none does."""
+        kept = []
+        if self.model.weight_dtype == "fp8":
+            kept.append('model.weight_dtype = "fp8" keeps the denoiser\'s frozen weights in fp8')
+        elif self.stores_frozen_weights:
+            kept.append(f'model.weight_dtype = "{self.model.weight_dtype}" with train.mixed_precision = "no" keeps '
+                        "the denoiser's frozen weights in 16 bits")
+        if self.model.offload_blocks:
+            kept.append(f"model.offload_blocks = {self.model.offload_blocks} keeps frozen weights in host memory")
+        return " and ".join(kept)
 
     @property
     def stores_frozen_weights(self) -> bool:

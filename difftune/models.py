@@ -15,6 +15,7 @@ import torch
 
 from difftune.autoencoders import LatentNormalization
 from difftune.errors import DifftuneError
+from difftune.offload import Offloader, offload_blocks, spread
 from difftune.storage import store_frozen_layers
 
 if TYPE_CHECKING:
@@ -120,16 +121,30 @@ def explained_load_errors(key: str, name: str):
 
 
 def place_frozen(
-    components: Components, device: torch.device, dtype: torch.dtype, trained_whole=(), stored: torch.dtype | None = None
-) -> None:
+    components: Components, device: torch.device, dtype: torch.dtype, trained_whole=(), stored: torch.dtype | None = None,
+    offloaded: int = 0,
+) -> Offloader | None:
     """Every loaded model on `device` in `dtype` (released encoders stay away). A KL VAE whose config asks for
     `force_upcast` (SD's and SDXL's own: they overflow to NaN in fp16 on some images) stays fp32 under fp16;
     an fp16-safe one (`force_upcast = false`, e.g. the SDXL fp16 fix, or TAESD) follows `dtype`. Modules in
     `trained_whole` (a full fine-tune's) stay fp32: a round trip through `dtype` would round the base's weights.
-    `stored`: the denoiser's frozen layers are kept in this dtype and computed in `dtype` (storage.py); converted
-    before the move, so a GPU receives the stored bytes alone."""
+    `stored`: the denoiser's frozen layers are kept in this dtype and computed in `dtype` (storage.py). `offloaded`:
+    this many of the denoiser's blocks keep their frozen layers (in `stored`, else in `dtype`) in host memory, copied
+    to the device as they compute (offload.py); returns their offloader. Both are done before the move, so a GPU
+    receives the stored bytes of the kept blocks alone."""
+    denoiser = components.denoiser
+    blocks = components.family.offloadable_blocks(denoiser)
+    if offloaded > len(blocks):
+        raise DifftuneError(
+            f"model.offload_blocks = {offloaded}, and this {type(denoiser).__name__} has {len(blocks)} blocks: set at "
+            f"most {len(blocks)}"
+        )
+    blocks = [blocks[index] for index in spread(offloaded, len(blocks))] if offloaded else []
     if stored is not None:
-        store_frozen_layers(components.denoiser, stored, dtype)
+        store_frozen_layers(denoiser, stored, dtype)
+    for block in blocks if stored is None else ():
+        store_frozen_layers(block, dtype, dtype)
+    offloader = offload_blocks(blocks, device) if blocks else None
     vae = components.vae
     upcast_vae = vae is not None and getattr(vae.config, "force_upcast", True)
     vae_dtype = torch.float32 if dtype == torch.float16 and upcast_vae else dtype
@@ -140,6 +155,7 @@ def place_frozen(
         module_dtype = vae_dtype if module is vae else dtype
         if module_dtype != torch.float32:  # loaded as fp32; diffusers warns on every dtype cast
             module.to(dtype=module_dtype)
+    return offloader
 
 
 @contextmanager

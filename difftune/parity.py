@@ -32,13 +32,13 @@ WARN_ABOVE_LEVELS = 2
 
 def check_parity(config: Config, trained_path: Path, reference: Sample, device: torch.device, dtype: torch.dtype, autocast) -> dict:
     """Re-draw `reference` from `trained_path` in a fresh pipeline, for each adapter layout, its frozen weights
-    placed as training placed them (kept in 16 bits where the config stores them so); the report."""
+    placed as training placed them (stored in another dtype, offloaded, as the config says); the report."""
     sample_config = config.sample.model_copy(update={"prompts": [reference.prompt], "images_per_prompt": 1, "seed": reference.seed})
     report = {"prompt": reference.prompt, "seed": reference.seed, "warn_above_levels": WARN_ABOVE_LEVELS, "layouts": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for layout, path, source in _saved_layouts(config, trained_path, Path(tmp)):
             components = _fresh_components(config, path, device, dtype)
-            place_frozen(components, device, dtype, stored=stored_dtype(config))
+            place_frozen(components, device, dtype, stored=stored_dtype(config), offloaded=config.model.offload_blocks)
             with autocast():
                 image = generate_images(components, sample_config, device)[0].image
             difference = np.abs(np.asarray(image, np.int16) - np.asarray(reference.image, np.int16)).max()

@@ -51,11 +51,10 @@ def check_config(config: Config) -> None:
             f"{', '.join(refused)}: not supported with FSDP yet (that work runs on the main process alone, and a "
             f"sharded model runs forward on all processes together); leave it unset, or train with DDP"
         )
-    if config.stores_frozen_weights:
+    if config.frozen_weights_kept_apart:
         raise DifftuneError(
-            f"model.weight_dtype = \"{config.model.weight_dtype}\" with train.mixed_precision = "
-            f"\"{config.train.mixed_precision}\" stores the frozen weights apart from the dtype they compute in: not "
-            "supported with FSDP (untested with sharded layers); use weight_dtype \"auto\", or DDP"
+            f"{config.frozen_weights_kept_apart}: not supported with FSDP (untested with sharded layers); leave "
+            "weight_dtype \"auto\" and offload_blocks 0, or train with DDP"
         )
     if config.model.quantize != "none":
         raise DifftuneError(

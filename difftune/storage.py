@@ -19,6 +19,9 @@ range (448): plain casting rounds the typical weight (|w| ~ 0.01-0.05) into e4m3
 to three significant bits, or to zero (BENCHMARKS.md measures both). A power of two, unlike ComfyUI's float scales,
 multiplies back exactly in any compute dtype, so training on fp8 storage is exactly training on the base rounded
 the same way.
+
+Block offloading (offload.py) keeps some of these layers' stored tensors in host memory, through the same
+parametrization and the same saved-tensor hooks.
 """
 
 from __future__ import annotations
@@ -81,8 +84,13 @@ class ComputedFromStored(torch.nn.Module):
     def __init__(self, dtype: torch.dtype, scale: float = 1.0, fp8: bool = False):
         super().__init__()
         self.dtype, self.scale, self.fp8 = dtype, scale, fp8
+        # Set by offload.py when the stored tensor lives in host memory: the layer then holds an empty placeholder
+        # on the device, and the offloader hands over the stored tensor's copy on the device.
+        self.offloader = None
 
     def source(self, stored: torch.Tensor) -> torch.Tensor:
+        if self.offloader is not None:
+            stored = self.offloader.on_device(self)
         return stored.view(FP8) if self.fp8 else stored
 
     def cast(self, stored: torch.Tensor) -> torch.Tensor:

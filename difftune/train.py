@@ -299,7 +299,7 @@ def accumulate_gradients(run: Run) -> tuple[float, list[str], dict]:
     step_loss, paths = torch.zeros((), device=accelerator.device), []
     for _ in range(accumulation):
         batch = next(run.batches)
-        recasting = computed_copies_saved_as_stored() if config.stores_frozen_weights else nullcontext()
+        recasting = computed_copies_saved_as_stored() if config.frozen_weights_kept_apart else nullcontext()
         with accelerator.accumulate(*run.trained_modules), recasting:
             loss = _training_loss(run.components, batch, config, accelerator.device).mean()
             accelerator.backward(loss)
@@ -596,7 +596,11 @@ def _place_models(components: Components, config: Config, accelerator: Accelerat
     """Frozen weights in the configured dtype, trained ones in fp32, all on the device."""
     trained = trained_parts(components, config.adapter)
     trained_whole = trained.values() if config.adapter.kind == "none" else ()
-    place_frozen(components, accelerator.device, weight_dtype(config), trained_whole, stored=stored_dtype(config))
+    offloader = place_frozen(components, accelerator.device, weight_dtype(config), trained_whole,
+                             stored=stored_dtype(config), offloaded=config.model.offload_blocks)
+    if offloader is not None:
+        accelerator.print(f"model.offload_blocks: {config.model.offload_blocks} blocks' frozen weights in host memory "
+                          f"({offloader.host_bytes / 2**20:.0f} MiB)")
     for module in components.modules():
         module.train(any(module is part for part in trained.values()))
     cast_training_params(list(trained.values()), dtype=torch.float32)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite: what only a CUDA machine can tell us, in as few device calls as a lease allows.
 #
-#   bash scripts/gpu_suite.sh [SECTION ...]     sections: tests sd15 profile compile sdxl flux qwen memory suite
+#   bash scripts/gpu_suite.sh [SECTION ...]     sections: tests sd15 profile compile sdxl flux qwen memory offload suite
 #                                               (default: all but profile)
 #
 # Run from the repository root on a GPU machine (the device tool's `run`, or your own). Results go to
@@ -45,7 +45,7 @@ bench() {  # bench NAME LIMIT [bench.py arguments]
   step "$name" "$limit" python3 scripts/bench.py --workdir /tmp/difftune-bench "$@"
 }
 
-sections=${*:-tests sd15 compile sdxl flux qwen memory suite}
+sections=${*:-tests sd15 compile sdxl flux qwen memory offload suite}
 for section in $sections; do
   case $section in
   tests)
@@ -86,6 +86,16 @@ for section in $sections; do
     done
     bench sd15-full-cpu-offload 400 --model sd15 --resolution 512 --batch 8 --precision bf16 --steps 10 --warmup 3 --cache --adapter none --optimizer adamw_cpu_offload
     bench sd15-full-adamw 400 --model sd15 --resolution 512 --batch 8 --precision bf16 --steps 10 --warmup 3 --cache --adapter none
+    ;;
+  offload)  # whole FLUX.1 (19 double, 38 single blocks) and Qwen-Image (60) transformers, fp8 frozen weights,
+    # checkpointed: all on the device, then with blocks in host memory (targets: FLUX.1 within 12 GB at >= 0.8x
+    # the speed of all on the device, Qwen-Image within 16 GB)
+    for offload in 0 24 40; do
+      bench "flux-whole-1024-fp8-offload-$offload" 580 --model flux --blocks 19,38 --resolution 1024 --batch 1 --rank 16 --precision bf16 --steps 10 --warmup 3 --cache --weight-dtype fp8 --gradient-checkpointing --offload-blocks "$offload"
+    done
+    for offload in 0 30 45; do
+      bench "qwen-whole-1024-fp8-offload-$offload" 580 --model qwen_image --blocks 60 --resolution 1024 --batch 1 --rank 16 --precision bf16 --steps 10 --warmup 3 --cache --weight-dtype fp8 --gradient-checkpointing --offload-blocks "$offload"
+    done
     ;;
   suite)  # the whole test suite with the GPU visible: the CPU-only assumptions it finds are bugs to fix
     step pytest-all 580 python3 -m pytest -q -rf -p no:cacheprovider -n 8 --timeout 300 --junitxml "$OUT/junit.xml" tests

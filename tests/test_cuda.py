@@ -1,8 +1,8 @@
 """Checks that need a CUDA device: skipped elsewhere (CI and this project's CPU machine), run on the device tool's
 GPU machine when one is lent (`pytest tests/test_cuda.py`). The issue asks that `train.compile` be verified
 against eager on CUDA before it is recommended: same losses and same trained adapter. bf16 training is checked
-against fp32, fp8 frozen weights against bf16 ones, and the Flux job's gradients for the cuDNN attention kernel's
-NaNs (scripts/gpu_suite.sh runs this)."""
+against fp32, fp8 frozen weights against bf16 ones, offloaded blocks against kept ones, and the Flux job's
+gradients for the cuDNN attention kernel's NaNs (scripts/gpu_suite.sh runs this)."""
 
 from __future__ import annotations
 
@@ -83,3 +83,15 @@ def test_fp8_frozen_weights_train_on_the_device_as_bf16_ones(make_config, tmp_pa
     assert stored.losses == pytest.approx(plain.losses, rel=5e-2)
     originals = [p for n, p in stored.components.denoiser.named_parameters() if n.endswith("weight.original")]
     assert originals and all(p.dtype == torch.uint8 and p.is_cuda for p in originals)
+
+
+def test_offloaded_blocks_train_on_the_device_as_kept_ones(make_config, tmp_path):
+    # On the CPU the copies run in line and training is exact (test_offload.py); here they come from page-locked
+    # host memory on a stream of their own, each ahead of its use, and must still give the same losses.
+    settings = dict(train__max_steps=4, optim__learning_rate=1e-2, train__mixed_precision="bf16", model__weight_dtype="fp8")
+    in_place = train(make_config(train__output_dir=str(tmp_path / "in-place"), **settings))
+    offloaded = train(make_config(train__output_dir=str(tmp_path / "offloaded"), model__offload_blocks=4, **settings))
+    assert offloaded.losses == pytest.approx(in_place.losses, rel=1e-3)
+    offloader = next(m.offloader for m in offloaded.components.denoiser.modules() if getattr(m, "offloader", None))
+    assert all(host.is_pinned() and not host.is_cuda for host in offloader.hosts.values())
+    assert offloader.copies["prefetched"] > 3 * offloader.copies["in_line"]  # in line: the first step's forward

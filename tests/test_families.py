@@ -214,6 +214,21 @@ def test_cached_latents_and_text_train_as_encoding_each_step(name, micro_bases, 
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_offloaded_blocks_train_as_kept_ones(name, micro_bases, make_config, tmp_path):
+    """`model.offload_blocks`: the family names its denoiser's blocks, and training with half of them (at least one)
+    in host memory is training with all of them in place, bit for bit."""
+    blocks = FAMILIES[name].offloadable_blocks(load_components(ModelConfig(base=str(micro_bases[name]))).denoiser)
+    assert blocks
+    settings = _settings(name, micro_bases[name], tmp_path, train__max_steps=2, sample__prompts=[])
+    in_place = train(make_config(**settings | {"train__output_dir": str(tmp_path / "in-place")}))
+    offloaded = train(make_config(**settings | {"train__output_dir": str(tmp_path / "offloaded"),
+                                                "model__offload_blocks": max(1, len(blocks) // 2)}))
+    assert offloaded.losses == in_place.losses
+    expected = load_file(in_place.trained_path)
+    assert all(torch.equal(value, expected[key]) for key, value in load_file(offloaded.trained_path).items())
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_a_stopped_run_resumes_exactly(name, micro_bases, make_config, tmp_path):
     """Stopped at step 2, resumed to 4: the same losses and weights as an uninterrupted run, bit for bit (adapter
     dropout on, so the global RNG state must come back too)."""

@@ -31,6 +31,7 @@ from difftune.models import SINGLE_FILE_SUFFIXES, Components, tokenize
 # A UNet block's name, wherever the UNet sits (peft and compile may wrap it): `down_blocks.1`, `mid_block`,
 # `up_blocks.0.attentions.2`, `down_blocks.0.resnets.1`...
 UNET_BLOCK = re.compile(r"(?:^|\.)((?:down_blocks\.\d+|up_blocks\.\d+|mid_block)(?:\.(?:attentions|resnets)\.\d+)?)$")
+UNET_TOP_BLOCK = re.compile(r"(?:^|\.)(?:down_blocks\.\d+|mid_block|up_blocks\.\d+)$")
 SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler, "euler_a": EulerAncestralDiscreteScheduler,
             "dpmpp_2m": DPMSolverMultistepScheduler}
 FP32 = {"dtype": torch.float32}  # not the saved dtype: placement casts later, on purpose
@@ -195,6 +196,11 @@ class Family:
             if match:
                 blocks[match.group(1)] = module
         return blocks
+
+    def offloadable_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """The blocks `model.offload_blocks` counts and keeps in host memory, in the order the denoiser
+        holds them: a UNet's down blocks, up blocks and mid block."""
+        return [module for name, module in denoiser.named_modules() if UNET_TOP_BLOCK.search(name)]
 
     # The training objective: DDPM's noise process with epsilon / v targets (loss.py) for the UNet families; a
     # flow-matching family draws its own times and noise and computes its own loss here.

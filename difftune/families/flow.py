@@ -98,6 +98,10 @@ class FlowMatchingFamily(Family):
         return {match.group(0): module for name, module in denoiser.named_modules()
                 if (match := re.search(r"(?:single_)?transformer_blocks\.\d+$", name))}
 
+    def offloadable_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """The transformer's blocks, double-stream then single-stream."""
+        return list(self.monitored_blocks(denoiser).values())
+
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels // self.patch_size**2  # a token is a patch
 

@@ -11,6 +11,8 @@ time grows about linearly in the blocks: the full model is about (19 x double + 
 heads, 3584-wide text states; 0.34B of its 20.4B), its autoencoder (Wan 2.1's) whole, and Qwen2.5-VL-7B's widths in
 2 of its 28 language-model layers (over the byte-level tokenizer built here, so a small vocabulary); the full
 transformer is about 60 times slower per step. `tiny-qwen_image` is its test model.
+`blocks` gives the flow transformers their own block counts (`19,38` is a whole FLUX.1, `60` a whole Qwen-Image:
+what block offloading is measured on); those are saved in bf16 and their MFU is not counted.
 Seconds per step are the median over the steps after warm-up, read from the run's metrics.jsonl.
 Peak memory is the process's peak RSS on CPU, `torch.cuda.max_memory_allocated` on GPU. On GPU the
 model FLOPs utilisation (MFU) is the denoiser's training FLOPs per step (counted by
@@ -80,6 +82,8 @@ class BenchOptions:
     optimizer: str = "adamw"
     quantize: str = "none"  # none | int8 | nf4
     weight_dtype: str = "auto"  # model.weight_dtype: fp8 stores the frozen weights in fp8
+    offload_blocks: int = 0  # model.offload_blocks: blocks whose frozen weights stay in host memory
+    blocks: str = ""  # flux: "double,single" (FLUX.1's own: "19,38"); qwen_image: "60"; empty: the few above
     cache: bool = False
     channels_last: bool = torch.cuda.is_available()  # the trainer's `auto`
     gradient_checkpointing: bool = False
@@ -115,7 +119,8 @@ def _tokenizer():
     return tokenizer
 
 
-def build_pipeline(model: str):
+def build_pipeline(model: str, blocks: tuple[int, ...] = ()):
+    """The model spec's pipeline; `blocks` sets the flow transformers' block counts (Flux: double, single)."""
     torch.manual_seed(0)
     if model in TINY_FAMILIES:
         return tiny.build_pipeline(family=TINY_FAMILIES[model])
@@ -130,7 +135,7 @@ def build_pipeline(model: str):
         ))
         return QwenImagePipeline(
             vae=AutoencoderKLQwenImage(), text_encoder=text_encoder, tokenizer=tokenizer,
-            transformer=QwenImageTransformer2DModel(num_layers=1), scheduler=tiny.build_qwen_scheduler(),
+            transformer=QwenImageTransformer2DModel(num_layers=blocks[0] if blocks else 1), scheduler=tiny.build_qwen_scheduler(),
         )
     if model == "flux":
         t5_tokenizer = tiny.build_t5_tokenizer()
@@ -143,7 +148,8 @@ def build_pipeline(model: str):
                 feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
             )),
             tokenizer_2=t5_tokenizer,
-            transformer=FluxTransformer2DModel(num_layers=1, num_single_layers=2, guidance_embeds=True),
+            transformer=FluxTransformer2DModel(num_layers=blocks[0] if blocks else 1,
+                                              num_single_layers=blocks[1] if blocks else 2, guidance_embeds=True),
             scheduler=tiny.build_flow_scheduler(),
         )
     if model == "sd15":
@@ -173,9 +179,13 @@ def build_pipeline(model: str):
 def prepare_workspace(options: BenchOptions) -> tuple[Path, Path, Path]:
     """The generated model (saved once per spec) and synthetic images, under the workdir."""
     root = Path(options.workdir or Path(tempfile.gettempdir()) / "difftune-bench")
-    model_dir = root / f"model-{options.model}"
+    blocks = tuple(int(count) for count in options.blocks.split(",")) if options.blocks else ()
+    model_dir = root / "-".join(["model", options.model, *map(str, blocks)])
     if not (model_dir / "model_index.json").exists():
-        build_pipeline(options.model).save_pretrained(model_dir, safe_serialization=True)
+        pipeline = build_pipeline(options.model, blocks)
+        if blocks:  # a whole FLUX.1 is 48 GB in fp32: saved in bf16 (loaded as fp32 all the same)
+            pipeline.to(torch.bfloat16)
+        pipeline.save_pretrained(model_dir, safe_serialization=True)
     data_dir = root / f"data-{options.resolution}-{options.batch * (options.steps + options.warmup)}"
     if not data_dir.exists():
         count = options.batch * (options.steps + options.warmup)
@@ -195,6 +205,7 @@ def _config(options: BenchOptions, model_dir: Path, data_dir: Path, output_dir: 
         "train.gradient_checkpointing": str(options.gradient_checkpointing).lower(),
         "train.compile": str(options.compile).lower(), "optim.optimizer": options.optimizer,
         "model.quantize": options.quantize, "model.weight_dtype": options.weight_dtype,
+        "model.offload_blocks": options.offload_blocks,
         "cache.latents": str(options.cache).lower(), "cache.text": str(options.cache).lower(), "cache.dir": cache_dir,
         "log.progress_bar": "false", "log.tensorboard": "false", "guard.enabled": "false",
     }
@@ -263,14 +274,16 @@ def measure(options: BenchOptions) -> dict:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "seconds_per_step": seconds,
         "samples_per_second": options.batch / seconds,
+        "peak_host_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     if device.type == "cuda":
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
-        flops = denoiser_training_flops(options, model_dir, device)
+        # Counting FLOPs places the whole denoiser on the device in fp32: not for the offloaded ones' sizes.
+        flops = None if options.blocks else denoiser_training_flops(options, model_dir, device)
         peak = next((p.get(options.precision) for name, p in PEAK_FLOPS.items() if name in result["device"]), None)
-        result["denoiser_tflops_per_step"] = flops / 1e12
-        result["mfu"] = flops / seconds / peak if peak else None
+        result["denoiser_tflops_per_step"] = flops / 1e12 if flops else None
+        result["mfu"] = flops / seconds / peak if peak and flops else None
     else:
-        result["peak_memory_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result["peak_memory_bytes"] = result["peak_host_memory_bytes"]
         result["mfu"] = None  # no meaningful dense peak for a CPU
     return result
