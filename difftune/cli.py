@@ -101,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "<train.output_dir>/find-lr)")
     find_lr.add_argument("--write", action="store_true", help="save the suggested optim.learning_rate into --config")
 
+    plan = _job_command(
+        commands, "plan", "predict the job's peak device memory and host RAM before loading any weight, by what holds "
+        "them; with budgets, the settings that fit, as overrides",
+    )
+    plan.add_argument("--device-memory", metavar="SIZE", help="the GPU memory to fit, e.g. 12GB or 24GiB")
+    plan.add_argument("--host-memory", metavar="SIZE", help="the RAM to fit, e.g. 32GB")
+    plan.add_argument("--device", choices=["cuda", "cpu"], help="where the job will train (default: CUDA if this "
+                      "machine has it, else the CPU)")
+    plan.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+
     adapter_help = "an adapter file (diffusers or kohya layout), optionally with a scale: FILE[:SCALE]; repeatable"
     merge = commands.add_parser("merge", help="merge adapters into the base model and save it")
     merge.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
@@ -185,6 +195,10 @@ def _run(args: argparse.Namespace) -> None:
         _find(args)
         return
 
+    if args.command == "plan":
+        _plan(args)
+        return
+
     if args.command == "ui":
         from difftune import webui
 
@@ -264,6 +278,35 @@ def _found(args: argparse.Namespace, config: Config) -> dict:
     result = finders.find_lr(config, out, args.start_lr, args.end_lr, args.steps)
     print(f"difftune find-lr: wrote {out / finders.LR_PLOT_FILE}", file=sys.stderr)
     return {key: value for key, value in result.items() if key not in ("lrs", "losses", "smoothed_losses")}
+
+
+def _plan(args: argparse.Namespace) -> None:
+    import json
+
+    from difftune import plan
+
+    config = load_config(args.config, args.overrides)
+    device_memory = plan.parse_size(args.device_memory) if args.device_memory else None
+    host_memory = plan.parse_size(args.host_memory) if args.host_memory else None
+    predicted = plan.plan_memory(config, args.device)
+    fitting = plan.fitting_overrides(config, device_memory, host_memory, args.device) \
+        if device_memory or host_memory else None
+    if args.json:
+        result = {"device_type": predicted.device_type, "device_peak": predicted.device_peak,
+                  "host_peak": predicted.host_peak, "device": predicted.device, "host": predicted.host}
+        if device_memory or host_memory:
+            result["fits_with"] = fitting[0] if fitting else None
+        print(json.dumps(result))
+        return
+    print(predicted.report())
+    if not (device_memory or host_memory):
+        return
+    if fitting is None:
+        print("difftune plan: no setting tried fits (checkpointing, fp8 weights, offloaded blocks, smaller batches)")
+    elif not fitting[0]:
+        print("difftune plan: fits as it is")
+    else:
+        print(f"difftune plan: fits with {' '.join(fitting[0])}\n{fitting[1].report()}")
 
 
 def _note_comfyui_dora(written: Path, layout: str) -> None:

@@ -424,6 +424,11 @@ class TrainConfig(Section):
     attention: Literal["sdpa", "xformers"] = Field(
         "sdpa", description="Attention kernel: PyTorch SDPA, or xformers (needs the `xformers` extra)."
     )
+    check_memory: bool = Field(
+        True,
+        description="Before loading any weight, predict the run's peak device memory and host RAM (`difftune plan`) "
+        "and warn when they exceed the GPU's memory or the RAM available.",
+    )
     compile: bool = Field(
         False,
         description="torch.compile the UNet (in place, so checkpoints keep their keys): slow first steps, faster after. "

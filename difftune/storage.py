@@ -43,8 +43,8 @@ STORED_LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Con
 FP8 = torch.float8_e4m3fn
 MADV_DONTNEED = 4
 
-# Storage address of each live computed copy -> (its stored source, the parametrization that cast it). An entry
-# leaves with its copy.
+# Each live computed copy's storage (`_storage_key`) -> (its stored source, the parametrization that cast it). An
+# entry leaves with its copy.
 _SOURCES: dict[int, tuple[torch.Tensor, "ComputedFromStored"]] = {}
 
 
@@ -65,6 +65,12 @@ class _CastBuffers:
             buffers.append(free)
         computed = free.view(stored.shape).copy_(stored)
         return computed.mul_(scale) if scale != 1 else computed
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """The address of `tensor`'s storage object, shared by its views: unique on any device, where the data's
+    address is not (every meta tensor's is 0, and plan.py runs training steps on the meta device)."""
+    return tensor.untyped_storage()._cdata
 
 
 def _holders(tensor: torch.Tensor) -> int:
@@ -98,7 +104,7 @@ class ComputedFromStored(torch.nn.Module):
 
     def forward(self, stored: torch.Tensor) -> torch.Tensor:
         computed = self.cast(stored)
-        address = computed.untyped_storage().data_ptr()
+        address = _storage_key(computed)
         _SOURCES[address] = (stored, self)
         weakref.finalize(computed, _SOURCES.pop, address, None)
         return computed
@@ -158,7 +164,7 @@ class _Recast(NamedTuple):
 
 def _pack(saved: torch.Tensor):
     if saved.layout == torch.strided:
-        source, parametrization = _SOURCES.get(saved.untyped_storage().data_ptr(), (None, None))
+        source, parametrization = _SOURCES.get(_storage_key(saved), (None, None))
         if source is not None and saved.dtype == parametrization.dtype:
             return _Recast(source, parametrization, saved.size(), saved.stride(), saved.storage_offset())
     return saved

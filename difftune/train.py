@@ -62,6 +62,7 @@ from difftune.metrics import METRICS_FILE, MetricsLog
 from difftune.models import Components, place_frozen, set_attention, stored_dtype, weight_dtype
 from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.output_lock import hold_output_dir
+from difftune.plan import memory_warning
 from difftune.parity import check_parity, write_report
 from difftune.prior import class_examples, class_folder, fill_class_images
 from difftune.quantize import quantize_linear_layers
@@ -139,6 +140,8 @@ def setup(config: Config, resume: str | None = None) -> Run:
     accelerator = _accelerator(config, output_dir)
     config = with_accumulation(config, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = config.train.gradient_accumulation_steps
+    if config.train.check_memory and accelerator.is_main_process:
+        _warn_if_unfitting(config, accelerator)
     components = load_components(config.model)
     components.family.check_config(config)
     check_targets(components, config.adapter)  # before the caches are filled: add_adapters checks again, later
@@ -465,6 +468,18 @@ def _fill_caches(components: Components, tokenize, examples, sizes, config: Conf
             fill_text(text_files, components, device, config.train.batch_size)
     accelerator.wait_for_everyone()
     return latent_files, text_files
+
+
+def _warn_if_unfitting(config: Config, accelerator: Accelerator) -> None:
+    """The memory plan (plan.py) before any weight loads: a warning when it exceeds this machine. Advice only: a
+    plan that fails (a base it cannot read from configs alone, such as a hub id offline) leaves the run to go on."""
+    try:
+        warning = memory_warning(config, accelerator.device.type)
+    except Exception as error:  # noqa: BLE001 - the plan advises; the run decides
+        warning = None
+        accelerator.print(f"difftune: no memory plan ({type(error).__name__}: {error})")
+    if warning:
+        accelerator.print(f"difftune: warning: {warning}")
 
 
 def _release_unneeded(components: Components, config: Config) -> None:

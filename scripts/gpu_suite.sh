@@ -85,6 +85,7 @@ for section in $sections; do
       bench "sdxl-1024-$method" 500 --model sdxl --resolution 1024 --batch 4 --rank 16 --precision bf16 --steps 10 --warmup 3 --cache --quantize "$method"
     done
     bench sd15-full-cpu-offload 400 --model sd15 --resolution 512 --batch 8 --precision bf16 --steps 10 --warmup 3 --cache --adapter none --optimizer adamw_cpu_offload
+    step plan-vs-measured 580 python3 scripts/bench_plan.py --workdir /tmp/difftune-bench --out "$OUT/plan.jsonl"
     bench sd15-full-adamw 400 --model sd15 --resolution 512 --batch 8 --precision bf16 --steps 10 --warmup 3 --cache --adapter none
     ;;
   offload)  # whole FLUX.1 (19 double, 38 single blocks) and Qwen-Image (60) transformers, fp8 frozen weights,

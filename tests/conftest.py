@@ -71,6 +71,7 @@ def make_config(tiny_base, shapes, tmp_path):
             "optim.learning_rate": 1e-3,
             "log.progress_bar": False,
             "log.tensorboard": False,
+            "train.check_memory": False,  # the memory plan is tested on its own (test_plan.py)
             # Encoded every step unless a test turns a cache on: what most tests check is the uncached path.
             "cache.latents": False,
             "cache.text": False,

@@ -1,0 +1,429 @@
+"""`difftune plan`: a job's peak device memory and host RAM, predicted from its config before any weight is read.
+
+The model is built from its config files on PyTorch's meta device (shapes and dtypes, no data), and the run's own
+code shapes it: adapters attached, frozen layers stored and blocks offloaded as the config says (models.py). Then
+one training step's forward and backward runs on the meta device, with the text encoders' and the autoencoder's
+passes before it, under a dispatch mode that adds up the bytes of every tensor storage made and freed: the peak
+is what the run's code would hold, by construction, for every family. Two things the meta device cannot say are
+modelled: attention (the meta device takes the math path, which keeps the L x S weights; a fused kernel, flash,
+memory-efficient, cuDNN or PyTorch's own CPU one, keeps a row statistic instead) and data-dependent sizes (a
+mask's count is taken as full: the longest caption, so the plan is an upper bound there).
+
+Host RAM is this process's own (the same libraries imported) plus the weights as the run holds them: safetensors
+files in the loading dtype are mapped, not read, so a part occupies RAM only once it runs or is converted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors import safe_open
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from difftune.config import Config
+from difftune.errors import DifftuneError
+from difftune.models import Components
+
+META = torch.device("meta")
+# Optimizer state per trained (fp32) parameter, in bytes: two fp32 moments (AdamW, schedule-free's z and second
+# moment), one (Lion), two 8-bit ones (bitsandbytes), factored rows and columns (Adafactor: about nothing), four
+# (Prodigy). adamw_cpu_offload keeps AdamW's in host memory; galore's projected state is counted as AdamW's.
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw_8bit": 2, "lion": 4, "adafactor": 0, "adamw_cpu_offload": 8,
+                         "galore_adamw": 8, "prodigy": 16, "adamw_schedule_free": 8}
+UNITS = {"GB": 10**9, "GIB": 2**30, "MB": 10**6, "MIB": 2**20}
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted peaks in bytes, each split by what holds it at that peak."""
+
+    device_type: str  # where training runs: "cuda" or "cpu" (then device and host are the same memory)
+    device: dict[str, int]
+    host: dict[str, int]
+
+    @property
+    def device_peak(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_peak(self) -> int:
+        return sum(self.host.values())
+
+    def report(self) -> str:
+        lines = []
+        for title, split in ((f"device ({self.device_type}) peak", self.device), ("host RAM peak", self.host)):
+            lines.append(f"{title}: {_gib(sum(split.values()))}")
+            lines += [f"  {holder:<28} {_gib(size)}" for holder, size in split.items() if size]
+        return "\n".join(lines)
+
+
+def plan_memory(config: Config, device_type: str | None = None) -> MemoryPlan:
+    """The plan of `config` training on `device_type` (default: CUDA where there is one)."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    with _errors_only():  # diffusers warns on each dtype cast of its models, which placing them does
+        return _plan_memory(config, device_type)
+
+
+@contextmanager
+def _errors_only():
+    import diffusers.utils.logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+
+
+def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
+    from difftune.adapters import add_adapters
+    from difftune.models import place_frozen, stored_dtype, weight_dtype
+    from difftune.storage import computed_copies_saved_as_stored
+
+    baseline = _resident_bytes()
+    components = empty_components(config)
+    loaded = {name: _bytes(module) for name, module in _named_modules(components).items()}
+    mapped = _mapped_at_load(config, components)
+    encoders = [module for module in (components.vae, *components.text_encoders.values()) if module is not None]
+    dtype = weight_dtype(config)
+    encoding = _encoding_peak(components, config, dtype)
+
+    add_adapters(components, config.adapter)
+    if config.train.gradient_checkpointing:
+        components.denoiser.enable_gradient_checkpointing()
+    trained = [p for module in components.modules() for p in module.parameters() if p.requires_grad]
+    for param in trained:
+        param.data = param.data.float()
+    # On the meta device: the offloaded blocks' host buffers too (counted from the offloader); fp8 scales are 1.
+    with torch.device(META), _counting(1):
+        offloader = place_frozen(components, META, dtype, stored=stored_dtype(config),
+                                 offloaded=config.model.offload_blocks)
+    released = _released(config)
+    kept_encoders = [m for m in encoders if not (m is components.vae and released["vae"])
+                     and not (m is not components.vae and released["text"])]
+    frozen = _bytes(components.denoiser) - sum(p.numel() * 4 for p in trained if _is_in(p, components.denoiser))
+    trained_bytes = sum(p.numel() * 4 for p in trained)
+    optimizer = OPTIMIZER_STATE_BYTES.get(config.optim.optimizer, 8) * sum(p.numel() for p in trained)
+    with computed_copies_saved_as_stored():
+        step = _step_peak(components, config, dtype)
+
+    on_device = {
+        "frozen denoiser weights": frozen,
+        "encoders kept on the device": sum(_bytes(m) for m in kept_encoders),
+        "trained weights": trained_bytes,
+        "optimizer state": 0 if config.optim.optimizer == "adamw_cpu_offload" else optimizer,
+        "activations and gradients": step,
+    }
+    caching = {"encoders (caching)": sum(_bytes(m) for m in encoders), "encoding activations": encoding}
+    device = on_device if sum(on_device.values()) >= sum(caching.values()) else caching
+    offloaded = offloader.host_bytes if offloader is not None else 0
+    if device_type == "cpu":  # one memory: the training step's, or at load the encoders run and the parts converted
+        at_load = {"weights read at load": sum(loaded.values()) - mapped.get(components.family.denoiser_name, 0),
+                   "encoding activations": encoding}
+        peak = device if sum(device.values()) >= sum(at_load.values()) else at_load
+        device = {**peak, "offloaded blocks": offloaded}
+        return MemoryPlan(device_type, device, {"python and libraries": baseline, **device})
+    host = {"python and libraries": baseline, "weights read at load": sum(loaded.values()) - sum(mapped.values()),
+            "offloaded blocks": offloaded,
+            "optimizer state (offloaded)": optimizer if config.optim.optimizer == "adamw_cpu_offload" else 0}
+    return MemoryPlan(device_type, device, host)
+
+
+def fitting_overrides(config: Config, device_memory: int | None, host_memory: int | None,
+                      device_type: str | None = None) -> tuple[list[str], MemoryPlan] | None:
+    """The first settings, in the order other trainers' users reach for them, whose plan fits the budgets:
+    gradient checkpointing, then fp8 frozen weights (with an adapter), then offloaded blocks (the fewest that fit),
+    then a smaller batch with accumulation keeping the global batch. Returns the overrides (empty: fits as it is)
+    and their plan, or None when nothing fits."""
+    from difftune.families import family_of
+
+    def fits(plan: MemoryPlan) -> bool:
+        device_fits = device_memory is None or plan.device_type == "cpu" or plan.device_peak <= device_memory
+        return device_fits and (host_memory is None or plan.host_peak <= host_memory)
+
+    def planned(overrides: list[str]) -> MemoryPlan:
+        return plan_memory(_with(config, overrides), device_type)
+
+    ladder: list[list[str]] = [[]]
+    if not config.train.gradient_checkpointing:
+        ladder.append(ladder[-1] + ["train.gradient_checkpointing=true"])
+    if config.adapter.kind != "none" and config.model.quantize == "none" and config.model.weight_dtype != "fp8" \
+            and config.train.mixed_precision != "fp8" and not config.train.compile:
+        ladder.append(ladder[-1] + ["model.weight_dtype=fp8"])
+    for overrides in ladder:
+        plan = planned(overrides)
+        if fits(plan):
+            return overrides, plan
+    if config.adapter.kind != "none" and config.model.quantize == "none" and not config.train.compile:
+        blocks = len(family_of(config.model).offloadable_blocks(empty_components(config).denoiser))
+        low, high, found = config.model.offload_blocks + 1, blocks, None
+        while low <= high:  # more blocks offloaded never needs more device memory
+            middle = (low + high) // 2
+            plan = planned(ladder[-1] + [f"model.offload_blocks={middle}"])
+            if fits(plan):
+                found, high = (middle, plan), middle - 1
+            else:
+                low = middle + 1
+        if found:
+            return ladder[-1] + [f"model.offload_blocks={found[0]}"], found[1]
+    batch = config.train.batch_size
+    while batch > 1:
+        batch //= 2
+        accumulation = config.train.gradient_accumulation_steps * config.train.batch_size // batch
+        overrides = ladder[-1] + [f"train.batch_size={batch}"] + (
+            [] if config.train.global_batch_size else [f"train.gradient_accumulation_steps={accumulation}"])
+        plan = planned(overrides)
+        if fits(plan):
+            return overrides, plan
+    return None
+
+
+def memory_warning(config: Config, device_type: str) -> str | None:
+    """What `difftune train` says before loading when the plan exceeds this machine's memory: the device's
+    total, or the host's available RAM (plus what this process holds already, which the plan counts)."""
+    plan = plan_memory(config, device_type)
+    over = []
+    if device_type == "cuda" and plan.device_peak > (total := torch.cuda.mem_get_info()[1]):
+        over.append(f"device memory {_gib(plan.device_peak).strip()} of the GPU's {_gib(total).strip()}")
+    host = _available_bytes()
+    if host and plan.host_peak > host:
+        over.append(f"host RAM {_gib(plan.host_peak).strip()} of {_gib(host).strip()} available")
+    if not over:
+        return None
+    return (f"the memory plan predicts a peak of {' and '.join(over)}; `difftune plan` with the same config and "
+            "--device-memory/--host-memory says which settings fit")
+
+
+def empty_components(config: Config) -> Components:
+    """The base's parts on the meta device, built from its config files (a local pipeline folder, or for a single
+    file its `model.single_file_config`); tokenizers and scheduler loaded (small files)."""
+    from diffusers import ModelMixin
+    from transformers import AutoConfig
+
+    from difftune.families import family_of
+    from difftune.models import SINGLE_FILE_SUFFIXES
+
+    model = config.model
+    folder = Path(model.single_file_config if model.base.endswith(SINGLE_FILE_SUFFIXES) else model.base)
+    if not (folder / "model_index.json").is_file():
+        raise DifftuneError(
+            f"difftune plan reads the model's config files from a local pipeline folder; {folder} has no "
+            "model_index.json (for a single-file base, set model.single_file_config to a diffusers folder)"
+        )
+    family = family_of(model)
+    index = json.loads((folder / "model_index.json").read_text())
+    parts = {}
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
+            continue
+        part_class = getattr(importlib.import_module(spec[0]), spec[1])
+        if not issubclass(part_class, torch.nn.Module):
+            parts[name] = part_class.from_pretrained(folder, subfolder=name)
+            continue
+        with torch.device(META):
+            if issubclass(part_class, ModelMixin):
+                parts[name] = part_class.from_config(part_class.load_config(folder / name))
+            else:  # transformers builds in the config's dtype; the run loads fp32
+                parts[name] = part_class._from_config(AutoConfig.from_pretrained(folder / name)).float()
+    if model.vae:
+        from difftune.autoencoders import VAE_CLASSES
+
+        vae_folder = Path(model.vae) / "vae" if (Path(model.vae) / "vae" / "config.json").is_file() else Path(model.vae)
+        vae_config = json.loads((vae_folder / "config.json").read_text())
+        with torch.device(META):
+            parts["vae"] = VAE_CLASSES[vae_config["_class_name"]].from_config(vae_config)
+    return family.components_of(SimpleNamespace(**parts, config=index), family.options(model))
+
+
+def _with(config: Config, overrides: list[str]) -> Config:
+    """`config` with `section.key=value` overrides (values as JSON where they parse, else strings), validated."""
+    data = config.model_dump()
+    for override in overrides:
+        key, value = override.split("=", 1)
+        section, name = key.split(".")
+        try:
+            data[section][name] = json.loads(value)
+        except json.JSONDecodeError:
+            data[section][name] = value
+    return type(config).model_validate(data)
+
+
+def parse_size(text: str) -> int:
+    """"12GB", "24 GiB", "512MB" -> bytes."""
+    number = text.strip().upper().replace(" ", "")
+    for unit, size in UNITS.items():
+        if number.endswith(unit):
+            return int(float(number[: -len(unit)]) * size)
+    raise DifftuneError(f"{text!r}: a size is a number and a unit, e.g. 12GB, 24GiB or 512MB")
+
+
+class _PeakBytes(TorchDispatchMode):
+    """The bytes of the tensor storages made inside this mode and still alive, and their peak. A data-dependent
+    scalar of a meta tensor answers `full` (an integer: a mask's count taken as all of it) or 1.0."""
+
+    def __init__(self, full: int):
+        super().__init__()
+        self.full, self.live, self.now, self.peak = full, WeakIdKeyDictionary(), 0, 0
+
+    def _freed(self, size: int) -> None:
+        self.now -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return 1.0 if args[0].is_floating_point() else self.full
+        result = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(result)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage() not in self.live:
+                storage = tensor.untyped_storage()
+                self.live[storage] = size = storage.nbytes()
+                weakref.finalize(storage, self._freed, size)
+                self.now += size
+                self.peak = max(self.peak, self.now)
+        return result
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel keeps for backward: inputs, output and a float32 statistic a query row."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        output = query.new_empty(*query.shape[:-1], value.shape[-1])
+        ctx.save_for_backward(query, key, value, output, query.new_empty(query.shape[:-1], dtype=torch.float32))
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, *_ = ctx.saved_tensors
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+@contextmanager
+def _fused_attention():
+    functional = torch.nn.functional
+    plain = functional.scaled_dot_product_attention
+    functional.scaled_dot_product_attention = lambda query, key, value, *args, **kwargs: _FusedAttention.apply(query, key, value)
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = plain
+
+
+@contextmanager
+def _counting(full: int):
+    import torch.fx.experimental._config as fx_config
+
+    assumed = fx_config.meta_nonzero_assume_all_nonzero
+    fx_config.meta_nonzero_assume_all_nonzero = True  # a boolean mask selects all it could
+    try:
+        with _fused_attention(), _PeakBytes(full) as counter:
+            yield counter
+    finally:
+        fx_config.meta_nonzero_assume_all_nonzero = assumed
+
+
+def _inputs(components: Components, config: Config, dtype: torch.dtype):
+    """Token ids (the longest caption the tokenizers allow) and latents of a batch at the configured size."""
+    from difftune.autoencoders import downsampling, latent_channels
+
+    family, batch, side = components.family, config.train.batch_size, config.data.resolution
+    ids = {name: value.to(META) for name, value in family.tokenize(components.tokenizers, [""] * batch).items()}
+    size = side // downsampling(components.vae)
+    latents = torch.zeros(batch, latent_channels(components.vae), size, size, device=META, dtype=dtype)
+    return ids, latents, max(value.shape[1] for value in ids.values())
+
+
+def _encoding_peak(components: Components, config: Config, dtype: torch.dtype) -> int:
+    """The activations of encoding a batch: the text encoders' and the autoencoder's, without gradients."""
+    from difftune.autoencoders import encode_posterior
+
+    ids, latents, full = _inputs(components, config, dtype)
+    side = config.data.resolution
+    with torch.no_grad(), _counting(full) as counter:
+        components.family.encode_prompts(components, ids)
+        encode_posterior(components.vae, torch.zeros(config.train.batch_size, 3, side, side, device=META))
+    return counter.peak
+
+
+def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> int:
+    """The peak of one training step's forward and backward (activations, gradients, temporaries)."""
+    ids, latents, full = _inputs(components, config, dtype)
+    side, batch = config.data.resolution, config.train.batch_size
+    with torch.no_grad(), _counting(full):
+        conditioning = components.family.encode_prompts(components, ids)
+    conditioning = {name: value.to(dtype) if value.is_floating_point() else value for name, value in conditioning.items()}
+    geometry = torch.tensor([[side, side, 0, 0, side, side]] * batch, device=META)
+    timesteps = torch.full((batch,), 500, device=META)
+    with _counting(full) as counter:
+        prediction = components.family.denoise(components, latents, timesteps, conditioning, geometry)
+        prediction.float().square().mean().backward()
+    return counter.peak
+
+
+def _released(config: Config) -> dict[str, bool]:
+    """Which encoders the run drops after caching (train.py's `_release_unneeded`)."""
+    previews = bool(config.sample.every_steps and config.sample.prompts)
+    return {"vae": config.cache.latents == "on" and not (previews or config.validation.eval_concept),
+            "text": config.cache.text == "on" and not (previews or config.validation.path)}
+
+
+def _mapped_at_load(config: Config, components: Components) -> dict[str, int]:
+    """Bytes of each part whose files hold fp32: mapped at load, not read, until the part runs. Parts in other
+    dtypes are converted to fp32 as they load: read whole."""
+    base = Path(config.model.base)
+    mapped = {}
+    for name, module in _named_modules(components).items():
+        files = list((base / name).glob("*.safetensors")) if base.is_dir() else []
+        if files and all(_holds_fp32(path) for path in files):
+            mapped[name] = _bytes(module)
+    return mapped
+
+
+def _holds_fp32(path: Path) -> bool:
+    with safe_open(path, framework="pt") as file:
+        keys = list(file.keys())
+        return bool(keys) and file.get_slice(keys[0]).get_dtype() == "F32"
+
+
+def _named_modules(components: Components) -> dict[str, torch.nn.Module]:
+    named = {components.family.denoiser_name: components.denoiser, "vae": components.vae, **components.text_encoders}
+    return {name: module for name, module in named.items() if module is not None}
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def _is_in(param: torch.nn.Parameter, module: torch.nn.Module) -> bool:
+    return any(param is other for other in module.parameters())
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now (Linux), or 0."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return 0
+    line = next((line for line in status.read_text().splitlines() if line.startswith("VmRSS:")), "")
+    return int(line.split()[1]) * 1024 if line else 0
+
+
+def _available_bytes() -> int:
+    """RAM available to this process (Linux): what the kernel could give it now, plus what it holds."""
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.exists():
+        return 0
+    line = next((line for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable:")), "")
+    return int(line.split()[1]) * 1024 + _resident_bytes() if line else 0
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:6.2f} GiB"

@@ -1,0 +1,79 @@
+"""`difftune plan`: the memory plan follows the settings that change memory, the settings it suggests fit and are
+the fewest that do, and `difftune train` warns before loading when the plan exceeds the machine. How close the plan
+comes to measured peaks is a benchmark (scripts/bench_plan.py, BENCHMARKS.md), not a test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from difftune import plan
+from difftune.cli import main
+from difftune.errors import DifftuneError
+from difftune.train import train
+
+
+def _plan(make_config, **overrides) -> plan.MemoryPlan:
+    return plan.plan_memory(make_config(**overrides), "cuda")
+
+
+def test_the_plan_follows_the_settings_that_change_memory(make_config):
+    full = _plan(make_config)
+    fp8 = _plan(make_config, model__weight_dtype="fp8")
+    # The frozen denoiser: fp8 holds its linear and convolution weights in a byte instead of four.
+    assert 0.2 < fp8.device["frozen denoiser weights"] / full.device["frozen denoiser weights"] < 0.35
+    assert fp8.device["trained weights"] == full.device["trained weights"] > 0
+    assert full.device["optimizer state"] == 2 * full.device["trained weights"]  # AdamW's two moments
+    # Offloaded blocks leave the device for the host, byte for byte.
+    offloaded = _plan(make_config, model__offload_blocks=5)
+    moved = full.device["frozen denoiser weights"] - offloaded.device["frozen denoiser weights"]
+    assert moved == offloaded.host["offloaded blocks"] > 0
+    # Activations grow with the batch and the resolution; checkpointing keeps fewer.
+    step = "activations and gradients"
+    assert 1.6 < _plan(make_config, train__batch_size=4).device[step] / full.device[step] < 2.4
+    assert _plan(make_config, data__resolution=64).device[step] > 2 * full.device[step]
+    assert _plan(make_config, train__gradient_checkpointing=True).device[step] < full.device[step]
+
+
+def test_the_suggested_settings_fit_and_are_the_fewest(make_config):
+    config = make_config(data__resolution=64)
+    full = plan.plan_memory(config, "cuda")
+    fits_as_is = plan.fitting_overrides(config, full.device_peak, None, "cuda")
+    assert fits_as_is is not None and fits_as_is[0] == []
+    # Just below the full plan: checkpointing alone is the first thing tried, and enough.
+    overrides, fitted = plan.fitting_overrides(config, full.device_peak - 1, None, "cuda")
+    assert overrides == ["train.gradient_checkpointing=true"] and fitted.device_peak < full.device_peak
+    # A budget that needs offloaded blocks: the fewest that fit.
+    fp8 = plan.plan_memory(make_config(data__resolution=64, train__gradient_checkpointing=True,
+                                       model__weight_dtype="fp8"), "cuda")
+    overrides, fitted = plan.fitting_overrides(config, fp8.device_peak - 1, None, "cuda")
+    assert overrides[:2] == ["train.gradient_checkpointing=true", "model.weight_dtype=fp8"]
+    count = int(overrides[2].removeprefix("model.offload_blocks="))
+    assert fitted.device_peak <= fp8.device_peak - 1
+    fewer = plan.plan_memory(make_config(data__resolution=64, train__gradient_checkpointing=True,
+                                         model__weight_dtype="fp8", model__offload_blocks=count - 1), "cuda")
+    assert fewer.device_peak > fp8.device_peak - 1
+    assert plan.fitting_overrides(config, 1000, None, "cuda") is None  # a kilobyte fits nothing
+
+
+def test_plan_command_prints_the_plan_and_what_fits(tiny_base, shapes, capsys):
+    job = [f"model.base={tiny_base}", f"data.path={shapes}", "data.resolution=32"]
+    assert main(["plan", "--device", "cuda", "--json", *job]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["device_peak"] == sum(result["device"].values()) > 0
+    assert result["host"]["python and libraries"] > 0
+    assert main(["plan", "--device", "cuda", "--device-memory", "1KB", *job]) == 2
+    assert "1KB" in capsys.readouterr().err
+    assert main(["plan", "--device", "cuda", "--device-memory", "1MB", *job]) == 0
+    assert "no setting tried fits" in capsys.readouterr().out
+    with pytest.raises(DifftuneError, match=r"'12 apples': a size is a number and a unit"):
+        plan.parse_size("12 apples")
+    assert plan.parse_size("12GB") == 12 * 10**9 and plan.parse_size("1.5 GiB") == 3 * 2**29
+
+
+def test_train_warns_before_loading_when_the_plan_exceeds_the_ram(make_config, monkeypatch, capsys):
+    monkeypatch.setattr(plan, "_available_bytes", lambda: 10**6)
+    result = train(make_config(train__check_memory=True, train__max_steps=1))
+    assert len(result.losses) == 1  # a warning, not a refusal
+    assert "warning: the memory plan predicts a peak of host RAM" in capsys.readouterr().out
