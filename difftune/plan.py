@@ -86,6 +86,8 @@ def _errors_only():
 
 
 def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
+    from diffusers.training_utils import cast_training_params
+
     from difftune.adapters import add_adapters
     from difftune.models import place_frozen, stored_dtype, weight_dtype
     from difftune.storage import computed_copies_saved_as_stored
@@ -102,8 +104,7 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     if config.train.gradient_checkpointing:
         components.denoiser.enable_gradient_checkpointing()
     trained = [p for module in components.modules() for p in module.parameters() if p.requires_grad]
-    for param in trained:
-        param.data = param.data.float()
+    cast_training_params(components.modules(), dtype=torch.float32)
     # On the meta device: the offloaded blocks' host buffers too (counted from the offloader); fp8 scales are 1.
     with torch.device(META), _counting(1):
         offloader = place_frozen(components, META, dtype, stored=stored_dtype(config),
@@ -111,7 +112,7 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     released = _released(config)
     kept_encoders = [m for m in encoders if not (m is components.vae and released["vae"])
                      and not (m is not components.vae and released["text"])]
-    frozen = _bytes(components.denoiser) - sum(p.numel() * 4 for p in trained if _is_in(p, components.denoiser))
+    frozen = _bytes(components.denoiser, frozen_only=True)
     trained_bytes = sum(p.numel() * 4 for p in trained)
     optimizer = OPTIMIZER_STATE_BYTES.get(config.optim.optimizer, 8) * sum(p.numel() for p in trained)
     with computed_copies_saved_as_stored():
@@ -142,9 +143,10 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
 def fitting_overrides(config: Config, device_memory: int | None, host_memory: int | None,
                       device_type: str | None = None) -> tuple[list[str], MemoryPlan] | None:
     """The first settings, in the order other trainers' users reach for them, whose plan fits the budgets:
-    gradient checkpointing, then fp8 frozen weights (with an adapter), then offloaded blocks (the fewest that fit),
-    then a smaller batch with accumulation keeping the global batch. Returns the overrides (empty: fits as it is)
-    and their plan, or None when nothing fits."""
+    gradient checkpointing, then fp8 frozen weights, then offloaded blocks (the fewest that fit), then a smaller
+    batch with accumulation keeping the global batch. A setting the config refuses with the job's others (fp8 or
+    offloading in a full fine-tune...) or that changes nothing is skipped. Returns the overrides (empty: fits as
+    it is) and their plan, or None when nothing fits."""
     from difftune.families import family_of
 
     def fits(plan: MemoryPlan) -> bool:
@@ -155,27 +157,24 @@ def fitting_overrides(config: Config, device_memory: int | None, host_memory: in
         return plan_memory(_with(config, overrides), device_type)
 
     ladder: list[list[str]] = [[]]
-    if not config.train.gradient_checkpointing:
-        ladder.append(ladder[-1] + ["train.gradient_checkpointing=true"])
-    if config.adapter.kind != "none" and config.model.quantize == "none" and config.model.weight_dtype != "fp8" \
-            and config.train.mixed_precision != "fp8" and not config.train.compile:
-        ladder.append(ladder[-1] + ["model.weight_dtype=fp8"])
+    for setting in ("train.gradient_checkpointing=true", "model.weight_dtype=fp8"):
+        if _changes(config, ladder[-1], setting):
+            ladder.append(ladder[-1] + [setting])
     for overrides in ladder:
         plan = planned(overrides)
         if fits(plan):
             return overrides, plan
-    if config.adapter.kind != "none" and config.model.quantize == "none" and not config.train.compile:
-        blocks = len(family_of(config.model).offloadable_blocks(empty_components(config).denoiser))
-        low, high, found = config.model.offload_blocks + 1, blocks, None
-        while low <= high:  # more blocks offloaded never needs more device memory
-            middle = (low + high) // 2
-            plan = planned(ladder[-1] + [f"model.offload_blocks={middle}"])
-            if fits(plan):
-                found, high = (middle, plan), middle - 1
-            else:
-                low = middle + 1
-        if found:
-            return ladder[-1] + [f"model.offload_blocks={found[0]}"], found[1]
+    blocks = len(family_of(config.model).offloadable_blocks(empty_components(config).denoiser))
+    low, high, found = config.model.offload_blocks + 1, blocks, None
+    while low <= high and _changes(config, ladder[-1], f"model.offload_blocks={low}"):
+        middle = (low + high) // 2  # more blocks offloaded never needs more device memory
+        plan = planned(ladder[-1] + [f"model.offload_blocks={middle}"])
+        if fits(plan):
+            found, high = (middle, plan), middle - 1
+        else:
+            low = middle + 1
+    if found:
+        return ladder[-1] + [f"model.offload_blocks={found[0]}"], found[1]
     batch = config.train.batch_size
     while batch > 1:
         batch //= 2
@@ -186,6 +185,14 @@ def fitting_overrides(config: Config, device_memory: int | None, host_memory: in
         if fits(plan):
             return overrides, plan
     return None
+
+
+def _changes(config: Config, overrides: list[str], setting: str) -> bool:
+    """Whether `setting` on top of `overrides` gives a config that differs and that the config's checks accept."""
+    try:
+        return _with(config, overrides + [setting]) != _with(config, overrides)
+    except ValueError:  # pydantic's ValidationError: the job's other settings refuse it
+        return False
 
 
 def memory_warning(config: Config, device_type: str) -> str | None:
@@ -399,12 +406,10 @@ def _named_modules(components: Components) -> dict[str, torch.nn.Module]:
     return {name: module for name, module in named.items() if module is not None}
 
 
-def _bytes(module: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-
-
-def _is_in(param: torch.nn.Parameter, module: torch.nn.Module) -> bool:
-    return any(param is other for other in module.parameters())
+def _bytes(module: torch.nn.Module, frozen_only: bool = False) -> int:
+    """The bytes of `module`'s parameters and buffers (with `frozen_only`, less its trained parameters)."""
+    tensors = (*(p for p in module.parameters() if not (frozen_only and p.requires_grad)), *module.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _resident_bytes() -> int:
