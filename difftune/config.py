@@ -35,6 +35,21 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
 
 
+UNITS = {"GB": 10**9, "GIB": 2**30, "MB": 10**6, "MIB": 2**20}
+
+
+def parse_size(text: str) -> int:
+    """"12GB", "24 GiB", "512MB" -> bytes."""
+    number = text.strip().upper().replace(" ", "")
+    for unit, size in UNITS.items():
+        if number.endswith(unit):
+            try:
+                return int(float(number[: -len(unit)]) * size)
+            except ValueError:
+                break
+    raise DifftuneError(f"{text!r}: a size is a number and a unit, e.g. 12GB, 24GiB or 512MB")
+
+
 MAX_SIDE = 16384  # pixels: a side past this is a typo (2147483648 overflowed after the model had loaded)
 
 # The model families: one module each in difftune/families/, named as the family (families/__init__.py loads
@@ -112,6 +127,23 @@ class ModelConfig(Section):
         "evenly over the denoiser's (`difftune plan` says how many fit a budget). Exact: the same losses as without. "
         "Needs an adapter; combines with `weight_dtype` (fp8 halves the bytes copied).",
     )
+    offload_budget: str = Field(
+        "",
+        description="Instead of a count: the device memory the run may use, e.g. `12GB` or `16GiB`. Before loading, "
+        "the memory plan (`difftune plan`) picks the fewest blocks to offload whose predicted peak fits it (none "
+        "when the job fits whole); the run prints the count and its resolved config records it. Empty: "
+        "`offload_blocks` decides.",
+    )
+
+    @field_validator("offload_budget")
+    @classmethod
+    def _budget_is_a_size(cls, value: str) -> str:
+        if value:
+            try:
+                parse_size(value)
+            except DifftuneError as error:
+                raise ValueError(str(error)) from None
+        return value
 
 
 class DataConfig(Section):
@@ -780,6 +812,11 @@ class Config(Section):
             raise ValueError("export.average_last = 1 averages one adapter with itself; set 0 (off), or 2 or more")
         if self.export.average_last > 1 and not self.export.every_steps:
             raise ValueError("export.average_last needs export.every_steps > 0 (snapshots to average)")
+        if self.model.offload_budget and self.model.offload_blocks:
+            raise ValueError(
+                f"model.offload_blocks = {self.model.offload_blocks} and model.offload_budget = "
+                f"\"{self.model.offload_budget}\" both say how many blocks to offload: set one"
+            )
         storage = self.frozen_weights_kept_apart
         if storage:
             if self.train.mixed_precision == "fp8":
@@ -789,8 +826,8 @@ class Config(Section):
                 )
             if self.adapter.kind == "none":
                 raise ValueError(
-                    f"{storage}, and a full fine-tune has none (its weights train): leave weight_dtype \"auto\" and "
-                    "offload_blocks 0"
+                    f"{storage}, and a full fine-tune has none (its weights train): leave weight_dtype \"auto\", "
+                    "offload_blocks 0 and offload_budget empty"
                 )
             if self.model.quantize != "none":
                 raise ValueError(f"{storage}, and model.quantize stores them quantized: choose one")
@@ -810,6 +847,8 @@ class Config(Section):
                         "the denoiser's frozen weights in 16 bits")
         if self.model.offload_blocks:
             kept.append(f"model.offload_blocks = {self.model.offload_blocks} keeps frozen weights in host memory")
+        elif self.model.offload_budget:
+            kept.append(f'model.offload_budget = "{self.model.offload_budget}" may keep frozen weights in host memory')
         return " and ".join(kept)
 
     @property

@@ -120,11 +120,46 @@ def explained_load_errors(key: str, name: str):
         ) from error
 
 
+def encoder_placement(config: Config) -> dict[str, str]:
+    """Where a training run keeps the autoencoder ("vae") and the text encoders ("text"): `device` where they
+    encode every step; `released` where the cache holds all they give and nothing else needs them (dropped, and
+    loaded again at the end of the run); `host` where the cache holds what training needs but previews or validation
+    use them now and then (in host memory, on the device only while those run: `encoders_on`)."""
+    previews = bool(config.sample.every_steps and config.sample.prompts)
+
+    def where(cached: bool, needed: bool) -> str:
+        return "device" if not cached else "host" if needed else "released"
+
+    return {"vae": where(config.cache.latents == "on", previews or bool(config.validation.eval_concept)),
+            "text": where(config.cache.text == "on", previews or bool(config.validation.path))}
+
+
+def host_kept_encoders(components: Components, config: Config) -> list[torch.nn.Module]:
+    """The loaded encoders `encoder_placement` keeps in host memory."""
+    placement = encoder_placement(config)
+    kept = ([components.vae] if placement["vae"] == "host" else []) + (
+        list(components.text_encoders.values()) if placement["text"] == "host" else [])
+    return [module for module in kept if module is not None]
+
+
+@contextmanager
+def encoders_on(device: torch.device, encoders: list[torch.nn.Module]):
+    """The encoders kept in host memory on `device` while the block runs (previews, validation), then back."""
+    for module in encoders:
+        module.to(device)
+    try:
+        yield
+    finally:
+        for module in encoders:
+            module.to("cpu")
+
+
 def place_frozen(
     components: Components, device: torch.device, dtype: torch.dtype, trained_whole=(), stored: torch.dtype | None = None,
-    offloaded: int = 0,
+    offloaded: int = 0, on_host=(),
 ) -> Offloader | None:
-    """Every loaded model on `device` in `dtype` (released encoders stay away). A KL VAE whose config asks for
+    """Every loaded model on `device` in `dtype` (released encoders stay away, those `on_host` stay in host memory:
+    `host_kept_encoders`). A KL VAE whose config asks for
     `force_upcast` (SD's and SDXL's own: they overflow to NaN in fp16 on some images) stays fp32 under fp16;
     an fp16-safe one (`force_upcast = false`, e.g. the SDXL fp16 fix, or TAESD) follows `dtype`. Modules in
     `trained_whole` (a full fine-tune's) stay fp32: a round trip through `dtype` would round the base's weights.
@@ -149,7 +184,8 @@ def place_frozen(
     upcast_vae = vae is not None and getattr(vae.config, "force_upcast", True)
     vae_dtype = torch.float32 if dtype == torch.float16 and upcast_vae else dtype
     for module in components.modules():
-        module.to(device)
+        if not any(module is kept for kept in on_host):
+            module.to(device)
         if any(module is trained for trained in trained_whole):
             continue
         module_dtype = vae_dtype if module is vae else dtype

@@ -29,17 +29,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from difftune.config import Config
+from difftune.config import Config, parse_size
 from difftune.errors import DifftuneError
 from difftune.models import Components
+from difftune.storage import own_cast_buffers
 
 META = torch.device("meta")
+# A CPU run's resident memory grows by about twice the bytes a training step allocates and frees again: glibc's
+# heap serves a request only from a freed chunk it fits in, so freed activations between live ones leave holes and
+# the heap grows past the bytes in use, and each thread's arena grows on its own. Measured on SD1.5-shaped 256 px
+# jobs (fp32, fp16 and fp8 weights: 1.96 to 2.0) against malloc's own count of bytes in use (BENCHMARKS.md). A
+# GPU's caching allocator is compared by the bytes it hands out, `max_memory_allocated`: no growth there.
+CPU_HEAP_GROWTH = 2.0
+FEW_BLOCKS = 16  # fewer block counts to try than this: each is planned (a UNet's), else bisected (a transformer's)
 # Optimizer state per trained (fp32) parameter, in bytes: two fp32 moments (AdamW, schedule-free's z and second
 # moment), one (Lion), two 8-bit ones (bitsandbytes), factored rows and columns (Adafactor: about nothing), four
 # (Prodigy). adamw_cpu_offload keeps AdamW's in host memory; galore's projected state is counted as AdamW's.
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw_8bit": 2, "lion": 4, "adafactor": 0, "adamw_cpu_offload": 8,
                          "galore_adamw": 8, "prodigy": 16, "adamw_schedule_free": 8}
-UNITS = {"GB": 10**9, "GIB": 2**30, "MB": 10**6, "MIB": 2**20}
 
 
 @dataclass
@@ -69,8 +76,27 @@ class MemoryPlan:
 def plan_memory(config: Config, device_type: str | None = None) -> MemoryPlan:
     """The plan of `config` training on `device_type` (default: CUDA where there is one)."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    with _errors_only():  # diffusers warns on each dtype cast of its models, which placing them does
-        return _plan_memory(config, device_type)
+    with _errors_only(), own_cast_buffers():  # diffusers warns on each dtype cast of its models, which placing does
+        return _plan_memory(with_offload_budget(config), device_type)
+
+
+def with_offload_budget(config: Config) -> Config:
+    """`config` with its `model.offload_budget` turned into `model.offload_blocks`: the fewest blocks whose planned
+    device peak fits the budget (on a CPU as on a GPU: the budget is the accelerator's memory). Unchanged without
+    a budget."""
+    if not config.model.offload_budget:
+        return config
+    budget = parse_size(config.model.offload_budget)
+    counted = _with(config, ['model.offload_budget=""'])
+    found = _fewest_offloaded_blocks(counted, lambda plan: plan.device_peak <= budget, "cuda")
+    if found is None:
+        everything = plan_memory(_with(counted, [f"model.offload_blocks={_block_count(counted)}"]), "cuda")
+        raise DifftuneError(
+            f"model.offload_budget = \"{config.model.offload_budget}\": with all {_block_count(counted)} blocks "
+            f"offloaded the plan's device peak is {_gib(everything.device_peak).strip()}, over the budget; "
+            "`difftune plan --device-memory` with the same config says which other settings fit it"
+        )
+    return _with(counted, [f"model.offload_blocks={found[0]}"])
 
 
 @contextmanager
@@ -89,7 +115,7 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     from diffusers.training_utils import cast_training_params
 
     from difftune.adapters import add_adapters
-    from difftune.models import place_frozen, stored_dtype, weight_dtype
+    from difftune.models import encoder_placement, place_frozen, stored_dtype, weight_dtype
     from difftune.storage import computed_copies_saved_as_stored
 
     baseline = _resident_bytes()
@@ -109,33 +135,38 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     with torch.device(META), _counting(1):
         offloader = place_frozen(components, META, dtype, stored=stored_dtype(config),
                                  offloaded=config.model.offload_blocks)
-    released = _released(config)
-    kept_encoders = [m for m in encoders if not (m is components.vae and released["vae"])
-                     and not (m is not components.vae and released["text"])]
+    placement = encoder_placement(config)
+    kept_at = {where: [m for m in encoders if placement["vae" if m is components.vae else "text"] == where]
+               for where in ("device", "host")}
     frozen = _bytes(components.denoiser, frozen_only=True)
     trained_bytes = sum(p.numel() * 4 for p in trained)
     optimizer = OPTIMIZER_STATE_BYTES.get(config.optim.optimizer, 8) * sum(p.numel() for p in trained)
     with computed_copies_saved_as_stored():
-        step = _step_peak(components, config, dtype)
+        step, kept = _step_peak(components, config, dtype)
 
     on_device = {
         "frozen denoiser weights": frozen,
-        "encoders kept on the device": sum(_bytes(m) for m in kept_encoders),
+        "encoders kept on the device": sum(_bytes(m) for m in kept_at["device"]),
         "trained weights": trained_bytes,
         "optimizer state": 0 if config.optim.optimizer == "adamw_cpu_offload" else optimizer,
-        "activations and gradients": step,
+        # An encoder that runs every step does so before the denoiser, its activations gone when the step's come.
+        "activations and gradients": max(step, encoding) if "device" in placement.values() else step,
     }
-    caching = {"encoders (caching)": sum(_bytes(m) for m in encoders), "encoding activations": encoding}
+    if device_type == "cpu":
+        on_device["heap growth (CPU allocator)"] = round((step - kept) * (CPU_HEAP_GROWTH - 1))
+    # Filling a cache: the encoders and their activations on the device, the denoiser not yet.
+    caches = set(placement.values()) != {"device"}
+    caching = {"encoders (caching)": sum(_bytes(m) for m in encoders), "encoding activations": encoding} if caches else {}
     device = on_device if sum(on_device.values()) >= sum(caching.values()) else caching
     offloaded = offloader.host_bytes if offloader is not None else 0
     if device_type == "cpu":  # one memory: the training step's, or at load the encoders run and the parts converted
         at_load = {"weights read at load": sum(loaded.values()) - mapped.get(components.family.denoiser_name, 0),
-                   "encoding activations": encoding}
+                   "encoding activations": encoding if caches else 0}
         peak = device if sum(device.values()) >= sum(at_load.values()) else at_load
-        device = {**peak, "offloaded blocks": offloaded}
+        device = {**peak, "offloaded blocks": offloaded, "encoders kept for previews": sum(map(_bytes, kept_at["host"]))}
         return MemoryPlan(device_type, device, {"python and libraries": baseline, **device})
     host = {"python and libraries": baseline, "weights read at load": sum(loaded.values()) - sum(mapped.values()),
-            "offloaded blocks": offloaded,
+            "offloaded blocks": offloaded, "encoders kept for previews": sum(map(_bytes, kept_at["host"])),
             "optimizer state (offloaded)": optimizer if config.optim.optimizer == "adamw_cpu_offload" else 0}
     return MemoryPlan(device_type, device, host)
 
@@ -147,8 +178,6 @@ def fitting_overrides(config: Config, device_memory: int | None, host_memory: in
     batch with accumulation keeping the global batch. A setting the config refuses with the job's others (fp8 or
     offloading in a full fine-tune...) or that changes nothing is skipped. Returns the overrides (empty: fits as
     it is) and their plan, or None when nothing fits."""
-    from difftune.families import family_of
-
     def fits(plan: MemoryPlan) -> bool:
         device_fits = device_memory is None or plan.device_type == "cpu" or plan.device_peak <= device_memory
         return device_fits and (host_memory is None or plan.host_peak <= host_memory)
@@ -164,17 +193,11 @@ def fitting_overrides(config: Config, device_memory: int | None, host_memory: in
         plan = planned(overrides)
         if fits(plan):
             return overrides, plan
-    blocks = len(family_of(config.model).offloadable_blocks(empty_components(config).denoiser))
-    low, high, found = config.model.offload_blocks + 1, blocks, None
-    while low <= high and _changes(config, ladder[-1], f"model.offload_blocks={low}"):
-        middle = (low + high) // 2  # more blocks offloaded never needs more device memory
-        plan = planned(ladder[-1] + [f"model.offload_blocks={middle}"])
-        if fits(plan):
-            found, high = (middle, plan), middle - 1
-        else:
-            low = middle + 1
-    if found:
-        return ladder[-1] + [f"model.offload_blocks={found[0]}"], found[1]
+    more = config.model.offload_blocks + 1
+    if _changes(config, ladder[-1], f"model.offload_blocks={more}"):
+        found = _fewest_offloaded_blocks(_with(config, ladder[-1]), fits, device_type, start=more)
+        if found:
+            return ladder[-1] + [f"model.offload_blocks={found[0]}"], found[1]
     batch = config.train.batch_size
     while batch > 1:
         batch //= 2
@@ -185,6 +208,33 @@ def fitting_overrides(config: Config, device_memory: int | None, host_memory: in
         if fits(plan):
             return overrides, plan
     return None
+
+
+def _fewest_offloaded_blocks(config: Config, fits, device_type: str | None,
+                             start: int = 0) -> tuple[int, MemoryPlan] | None:
+    """The fewest offloaded blocks, from `start` on, whose plan `fits`, with that plan; None when all do not.
+    Alike blocks (a transformer's) need less device memory the more are offloaded: bisected. A UNet's few blocks
+    differ in size, and two large ones staged together can outweigh one kept: each count is tried in turn."""
+    def planned(count: int) -> MemoryPlan:
+        return plan_memory(_with(config, [f"model.offload_blocks={count}"]), device_type)
+
+    low, high = start, _block_count(config)
+    if high - low < FEW_BLOCKS:
+        return next(((count, plan) for count in range(low, high + 1) if fits(plan := planned(count))), None)
+    found = None
+    while low <= high:
+        middle = (low + high) // 2
+        if fits(plan := planned(middle)):
+            found, high = (middle, plan), middle - 1
+        else:
+            low = middle + 1
+    return found
+
+
+def _block_count(config: Config) -> int:
+    from difftune.families import family_of
+
+    return len(family_of(config.model).offloadable_blocks(empty_components(config).denoiser))
 
 
 def _changes(config: Config, overrides: list[str], setting: str) -> bool:
@@ -265,18 +315,11 @@ def _with(config: Config, overrides: list[str]) -> Config:
     return type(config).model_validate(data)
 
 
-def parse_size(text: str) -> int:
-    """"12GB", "24 GiB", "512MB" -> bytes."""
-    number = text.strip().upper().replace(" ", "")
-    for unit, size in UNITS.items():
-        if number.endswith(unit):
-            return int(float(number[: -len(unit)]) * size)
-    raise DifftuneError(f"{text!r}: a size is a number and a unit, e.g. 12GB, 24GiB or 512MB")
-
-
 class _PeakBytes(TorchDispatchMode):
-    """The bytes of the tensor storages made inside this mode and still alive, and their peak. A data-dependent
-    scalar of a meta tensor answers `full` (an integer: a mask's count taken as all of it) or 1.0."""
+    """The bytes of the tensor storages made inside this mode and still alive, and their peak. A storage is made
+    by an operation whose result does not share an argument's (a view or an in-place result shares it: a weight's
+    transpose is not a new weight). A data-dependent scalar of a meta tensor answers `full` (an integer: a
+    mask's count taken as all of it) or 1.0."""
 
     def __init__(self, full: int):
         super().__init__()
@@ -289,8 +332,10 @@ class _PeakBytes(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             return 1.0 if args[0].is_floating_point() else self.full
         result = func(*args, **(kwargs or {}))
+        arguments = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(result)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage() not in self.live:
+            if (isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in arguments
+                    and tensor.untyped_storage() not in self.live):
                 storage = tensor.untyped_storage()
                 self.live[storage] = size = storage.nbytes()
                 weakref.finalize(storage, self._freed, size)
@@ -361,8 +406,9 @@ def _encoding_peak(components: Components, config: Config, dtype: torch.dtype) -
     return counter.peak
 
 
-def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> int:
-    """The peak of one training step's forward and backward (activations, gradients, temporaries)."""
+def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tuple[int, int]:
+    """The peak of one training step's forward and backward (activations, gradients, temporaries), and the part
+    of it still held after the step (gradients, buffers kept for the next step)."""
     ids, latents, full = _inputs(components, config, dtype)
     side, batch = config.data.resolution, config.train.batch_size
     with torch.no_grad(), _counting(full):
@@ -371,16 +417,8 @@ def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> in
     geometry = torch.tensor([[side, side, 0, 0, side, side]] * batch, device=META)
     timesteps = torch.full((batch,), 500, device=META)
     with _counting(full) as counter:
-        prediction = components.family.denoise(components, latents, timesteps, conditioning, geometry)
-        prediction.float().square().mean().backward()
-    return counter.peak
-
-
-def _released(config: Config) -> dict[str, bool]:
-    """Which encoders the run drops after caching (train.py's `_release_unneeded`)."""
-    previews = bool(config.sample.every_steps and config.sample.prompts)
-    return {"vae": config.cache.latents == "on" and not (previews or config.validation.eval_concept),
-            "text": config.cache.text == "on" and not (previews or config.validation.path)}
+        components.family.denoise(components, latents, timesteps, conditioning, geometry).float().square().mean().backward()
+        return counter.peak, counter.now
 
 
 def _mapped_at_load(config: Config, components: Components) -> dict[str, int]:

@@ -82,6 +82,17 @@ def _holders(tensor: torch.Tensor) -> int:
 _BUFFERS = _CastBuffers()
 
 
+@contextmanager
+def own_cast_buffers():
+    """A pool of cast buffers of the block's own (plan.py: each plan counts the buffers its run would make)."""
+    global _BUFFERS
+    kept, _BUFFERS = _BUFFERS, _CastBuffers()
+    try:
+        yield
+    finally:
+        _BUFFERS = kept
+
+
 class ComputedFromStored(torch.nn.Module):
     """Parametrization: a layer's stored tensor as the `dtype` tensor the layer computes with. An fp8 tensor is
     held as its raw bytes (uint8) divided by `scale`: `Module.to(dtype)`, which the run applies to the whole
@@ -100,7 +111,10 @@ class ComputedFromStored(torch.nn.Module):
         return stored.view(FP8) if self.fp8 else stored
 
     def cast(self, stored: torch.Tensor) -> torch.Tensor:
-        return _BUFFERS.cast(self.source(stored), self.dtype, self.scale)
+        source = self.source(stored)
+        if source.dtype == self.dtype and self.scale == 1:  # an offloaded block kept in the compute dtype: its copy
+            return source  # on the device is already what the layer computes with, and a cast buffer would stay
+        return _BUFFERS.cast(source, self.dtype, self.scale)
 
     def forward(self, stored: torch.Tensor) -> torch.Tensor:
         computed = self.cast(stored)

@@ -59,10 +59,13 @@ from difftune.families import load_components
 from difftune.guard import Guard
 from difftune.loss import training_noise_scheduler
 from difftune.metrics import METRICS_FILE, MetricsLog
-from difftune.models import Components, place_frozen, set_attention, stored_dtype, weight_dtype
+from difftune.models import (
+    Components, encoder_placement, encoders_on, host_kept_encoders, place_frozen, set_attention, stored_dtype,
+    weight_dtype,
+)
 from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.output_lock import hold_output_dir
-from difftune.plan import memory_warning
+from difftune.plan import memory_warning, with_offload_budget
 from difftune.parity import check_parity, write_report
 from difftune.prior import class_examples, class_folder, fill_class_images
 from difftune.quantize import quantize_linear_layers
@@ -140,6 +143,9 @@ def setup(config: Config, resume: str | None = None) -> Run:
     accelerator = _accelerator(config, output_dir)
     config = with_accumulation(config, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = config.train.gradient_accumulation_steps
+    if config.model.offload_budget:  # every process plans the same count: no weights read, no communication
+        budget, config = config.model.offload_budget, with_offload_budget(config)
+        accelerator.print(f"model.offload_budget {budget}: the memory plan offloads {config.model.offload_blocks} blocks")
     if config.train.check_memory and accelerator.is_main_process:
         _warn_if_unfitting(config, accelerator)
     components = load_components(config.model)
@@ -360,6 +366,8 @@ def finish(run: Run) -> TrainResult:
     needs_encoders = config.sample.prompts or config.adapter.kind == "none"  # a full model is saved whole
     if run.main and needs_encoders and not components.encoders_loaded():
         _reload_released(components, config, accelerator.device)
+    for module in host_kept_encoders(components, config) if run.main else ():
+        module.to(accelerator.device)
     components.denoiser.eval()
     trained_path = _save_results(run, components, ema, parameters) if run.main else None
     if run.stop_reason == "early_stop":
@@ -417,6 +425,13 @@ def _accelerator(config: Config, output_dir: Path) -> Accelerator:
         sharding.check_config(config)
     if config.train.compile:
         _check_compile_device(accelerator.device)
+    if config.model.quantize != "none" and config.train.mixed_precision == "bf16" and accelerator.device.type == "cpu":
+        # Found by gpu_suite.sh's dry run: a quantized layer's fp32 output meets bf16 norm weights, which CPU
+        # autocast leaves to a group norm that refuses mixed dtypes (CUDA's autocast runs norms in fp32).
+        raise DifftuneError(
+            f'model.quantize = "{config.model.quantize}" with train.mixed_precision = "bf16" fails on a CPU (PyTorch\'s '
+            'CPU group norm refuses the mixed dtypes): use mixed_precision "no" here, or a CUDA device'
+        )
     keep_models_out_of_accelerate_state(accelerator)
     return accelerator
 
@@ -483,12 +498,15 @@ def _warn_if_unfitting(config: Config, accelerator: Accelerator) -> None:
 
 
 def _release_unneeded(components: Components, config: Config) -> None:
-    """Drop the encoders whose outputs are all cached and that nothing else needs until the end of the run."""
-    previews = bool(config.sample.every_steps and config.sample.prompts)
-    if config.cache.latents == "on" and not (previews or config.validation.eval_concept):
+    """Drop the encoders whose outputs are all cached and that nothing else needs until the end of the run, and
+    move those that previews or validation need now and then to host memory (`encoder_placement`)."""
+    placement = encoder_placement(config)
+    if placement["vae"] == "released":
         components.vae = None
-    if config.cache.text == "on" and not (previews or config.validation.path):
+    if placement["text"] == "released":
         components.text_encoders = dict.fromkeys(components.text_encoders)
+    for module in host_kept_encoders(components, config):
+        module.to("cpu")
 
 
 def _reload_released(components: Components, config: Config, device) -> None:
@@ -539,22 +557,23 @@ def _periodic_work(run: Run, step: int) -> dict:
 
 def _validate_preview_snapshot(run: Run, step: int, validate: bool, preview: bool, snapshot: bool) -> dict:
     config, values, components = run.config, {}, run.unwrapped()
-    if validate:
-        values["val_loss"] = run.validator.loss(components)
-        with run.accelerator.autocast():
-            values |= run.validator.judged_scores(components)
+    with encoders_on(run.accelerator.device, host_kept_encoders(components, config)):
+        if validate:
+            values["val_loss"] = run.validator.loss(components)
+            with run.accelerator.autocast():
+                values |= run.validator.judged_scores(components)
 
-        def save(variant: str) -> Path:
-            return export.save_trained(components, config, export.trained_path(config, run.output_dir, variant))
+            def save(variant: str) -> Path:
+                return export.save_trained(components, config, export.trained_path(config, run.output_dir, variant))
 
-        run.best.observe(step, values, save)
-        if run.ema:
-            with ema_weights(run.ema, run.parameters):
-                values["val_loss_ema"] = run.validator.loss(components)
-    if preview:
-        with run.accelerator.autocast():
-            samples = generate_images(components, config.sample, run.accelerator.device)
-        save_images(samples, config.sample, run.output_dir / "samples" / f"step-{step:06d}")
+            run.best.observe(step, values, save)
+            if run.ema:
+                with ema_weights(run.ema, run.parameters):
+                    values["val_loss_ema"] = run.validator.loss(components)
+        if preview:
+            with run.accelerator.autocast():
+                samples = generate_images(components, config.sample, run.accelerator.device)
+            save_images(samples, config.sample, run.output_dir / "samples" / f"step-{step:06d}")
     if snapshot:
         export.save_trained(components, config, run.output_dir / "snapshots" / f"step-{step:06d}.safetensors", "diffusers")
     return values
@@ -612,7 +631,8 @@ def _place_models(components: Components, config: Config, accelerator: Accelerat
     trained = trained_parts(components, config.adapter)
     trained_whole = trained.values() if config.adapter.kind == "none" else ()
     offloader = place_frozen(components, accelerator.device, weight_dtype(config), trained_whole,
-                             stored=stored_dtype(config), offloaded=config.model.offload_blocks)
+                             stored=stored_dtype(config), offloaded=config.model.offload_blocks,
+                             on_host=host_kept_encoders(components, config))
     if offloader is not None:
         accelerator.print(f"model.offload_blocks: {config.model.offload_blocks} blocks' frozen weights in host memory "
                           f"({offloader.host_bytes / 2**20:.0f} MiB)")

@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
 # The GPU suite: what only a CUDA machine can tell us, in as few device calls as a lease allows.
 #
-#   bash scripts/gpu_suite.sh [SECTION ...]     sections: tests sd15 profile compile sdxl flux qwen memory offload suite
-#                                               (default: all but profile)
+#   bash scripts/gpu_suite.sh [--dry-run] [SECTION ...]
+#       sections: tests sd15 profile compile sdxl flux qwen memory offload suite (default: all but profile)
 #
 # Run from the repository root on a GPU machine (the device tool's `run`, or your own). Results go to
 # $OUT (default ./gpu-out): gpu.jsonl (one scripts/bench.py line per run), one log per step, env.txt.
 # Wheels the machine lacks may travel in .whl/ (see BENCHMARKS.md, "GPU"): they are installed first.
+# --dry-run checks the suite itself on a machine without a GPU, in minutes: every step runs, each benchmark
+# shrunk to its tiny model on the CPU (bench.py --dry-run), the test suite only collected, no wheels installed,
+# results in ./gpu-out-dry. Its numbers mean nothing; its table says whether every step would run.
 # Each step has its own time limit and a failed step does not stop the others; the last lines printed
 # are a table of every step's outcome, since a device call returns only the end of the output.
 set -u
-OUT=${OUT:-gpu-out}
+PYTHON=${PYTHON:-python3}  # the interpreter with torch: the machine's own by default
+DRY_RUN=()
+if [ "${1:-}" = --dry-run ]; then
+  DRY_RUN=(--dry-run)
+  shift
+fi
+OUT=${OUT:-gpu-out${DRY_RUN:+-dry}}
+WORKDIR=/tmp/difftune-bench${DRY_RUN:+-dry}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+if [ -n "${DRY_RUN:-}" ]; then  # this machine's own packages
+  export PYTHONPATH=$PWD
+elif compgen -G ".whl/*.whl" >/dev/null; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing .whl/ failed"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
 else
@@ -22,7 +34,7 @@ else
 fi
 if ! command -v difftune >/dev/null; then  # the tests' subprocesses call the command; it is not installed here
   mkdir -p /tmp/difftune-bin
-  printf '#!/usr/bin/env python3\nimport sys\nfrom difftune.cli import main\nsys.exit(main())\n' >/tmp/difftune-bin/difftune
+  printf '#!%s\nimport sys\nfrom difftune.cli import main\nsys.exit(main())\n' "$(command -v "$PYTHON")" >/tmp/difftune-bin/difftune
   chmod +x /tmp/difftune-bin/difftune
   export PATH=/tmp/difftune-bin:$PATH
 fi
@@ -42,7 +54,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...: stdout's JSON lines to gpu.jsonl
 bench() {  # bench NAME LIMIT [bench.py arguments]
   local name=$1 limit=$2
   shift 2
-  step "$name" "$limit" python3 scripts/bench.py --workdir /tmp/difftune-bench "$@"
+  step "$name" "$limit" "$PYTHON" scripts/bench.py --workdir "$WORKDIR" "$@" ${DRY_RUN[@]+"${DRY_RUN[@]}"}
 }
 
 sections=${*:-tests sd15 compile sdxl flux qwen memory offload suite}
@@ -50,10 +62,10 @@ for section in $sections; do
   case $section in
   tests)
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-      python3 -c 'import torch, diffusers, transformers, peft, accelerate; print("torch", torch.__version__, "diffusers", diffusers.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "accelerate", accelerate.__version__)'
+      "$PYTHON" -c 'import torch, diffusers, transformers, peft, accelerate; print("torch", torch.__version__, "diffusers", diffusers.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "accelerate", accelerate.__version__)'
     } >"$OUT/env.txt" 2>&1
     cat "$OUT/env.txt"
-    step cuda-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+    step cuda-tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py
     ;;
   sd15)  # the issue's MFU target: SD 1.5-shaped, 512 px, LoRA, bf16, batch 16, >= 35% on an H100
     for batch in 1 8 16; do
@@ -85,7 +97,7 @@ for section in $sections; do
       bench "sdxl-1024-$method" 500 --model sdxl --resolution 1024 --batch 4 --rank 16 --precision bf16 --steps 10 --warmup 3 --cache --quantize "$method"
     done
     bench sd15-full-cpu-offload 400 --model sd15 --resolution 512 --batch 8 --precision bf16 --steps 10 --warmup 3 --cache --adapter none --optimizer adamw_cpu_offload
-    step plan-vs-measured 580 python3 scripts/bench_plan.py --workdir /tmp/difftune-bench --out "$OUT/plan.jsonl"
+    step plan-vs-measured 580 "$PYTHON" scripts/bench_plan.py --jobs tiny-64 sd15-256 sd15-256-fp8-weights sd15-256-fp16-weights --workdir "$WORKDIR" --out "$OUT/plan.jsonl" ${DRY_RUN[@]+"${DRY_RUN[@]}"}
     bench sd15-full-adamw 400 --model sd15 --resolution 512 --batch 8 --precision bf16 --steps 10 --warmup 3 --cache --adapter none
     ;;
   offload)  # whole FLUX.1 (19 double, 38 single blocks) and Qwen-Image (60) transformers, fp8 frozen weights,
@@ -99,7 +111,11 @@ for section in $sections; do
     done
     ;;
   suite)  # the whole test suite with the GPU visible: the CPU-only assumptions it finds are bugs to fix
-    step pytest-all 580 python3 -m pytest -q -rf -p no:cacheprovider -n 8 --timeout 300 --junitxml "$OUT/junit.xml" tests
+    if [ -n "${DRY_RUN:-}" ]; then
+      step pytest-all 300 "$PYTHON" -m pytest -q -p no:cacheprovider --collect-only tests
+    else
+      step pytest-all 580 "$PYTHON" -m pytest -q -rf -p no:cacheprovider -n 8 --timeout 300 --junitxml "$OUT/junit.xml" tests
+    fi
     ;;
   *) echo "unknown section $section"; exit 2 ;;
   esac

@@ -95,3 +95,30 @@ def test_offloaded_blocks_train_on_the_device_as_kept_ones(make_config, tmp_path
     offloader = next(m.offloader for m in offloaded.components.denoiser.modules() if getattr(m, "offloader", None))
     assert all(host.is_pinned() and not host.is_cuda for host in offloader.hosts.values())
     assert offloader.copies["prefetched"] > 3 * offloader.copies["in_line"]  # in line: the first step's forward
+
+
+def test_cached_encoders_wait_in_host_memory_between_previews(make_config, tmp_path, monkeypatch):
+    import difftune.train as training
+
+    seen = []
+    preview = training.generate_images
+
+    def watched(components, config, device):  # where the encoders are while a preview runs, and between
+        seen.append((components.vae.device.type, components.text_encoders["text_encoder"].device.type))
+        return preview(components, config, device)
+
+    def stepped(run):  # where they are while the denoiser trains
+        seen.append((run.components.vae.device.type, run.components.text_encoders["text_encoder"].device.type))
+        return step(run)
+
+    step = training.accumulate_gradients
+    monkeypatch.setattr(training, "generate_images", watched)
+    monkeypatch.setattr(training, "accumulate_gradients", stepped)
+    settings = dict(cache__latents=True, cache__text=True, sample__prompts=["a red circle"], sample__every_steps=2,
+                    sample__steps=2, sample__resolution=32, sample__before=False, sample__parity=False,
+                    train__max_steps=3)
+    result = train(make_config(train__output_dir=str(tmp_path / "run"), **settings))
+    # Steps 1 and 2 in host memory, the preview after step 2 on the device, step 3 in host memory again, and the
+    # end-of-run samples on the device.
+    assert seen == [("cpu", "cpu")] * 2 + [("cuda", "cuda"), ("cpu", "cpu"), ("cuda", "cuda")]
+    assert (tmp_path / "run" / "samples" / "step-000002").is_dir() and len(result.losses) == 3

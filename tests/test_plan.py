@@ -5,13 +5,17 @@ comes to measured peaks is a benchmark (scripts/bench_plan.py, BENCHMARKS.md), n
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from difftune import plan
 from difftune.cli import main
+from difftune.config import load_config
 from difftune.errors import DifftuneError
 from difftune.train import train
+
+from conftest import REPO
 
 
 def _plan(make_config, **overrides) -> plan.MemoryPlan:
@@ -77,3 +81,60 @@ def test_train_warns_before_loading_when_the_plan_exceeds_the_ram(make_config, m
     result = train(make_config(train__check_memory=True, train__max_steps=1))
     assert len(result.losses) == 1  # a warning, not a refusal
     assert "warning: the memory plan predicts a peak of host RAM" in capsys.readouterr().out
+
+
+def test_an_offload_budget_offloads_the_fewest_blocks_that_fit(make_config, capsys):
+    count = plan._block_count(make_config())
+    whole, everything = _plan(make_config), _plan(make_config, model__offload_blocks=count)
+    text = f"{(whole.device_peak + everything.device_peak) / 2 / 10**6}MB"
+    budget = plan.parse_size(text)
+    blocks = plan.with_offload_budget(make_config(model__offload_budget=text)).model.offload_blocks
+    assert 0 < blocks < count
+    assert _plan(make_config, model__offload_blocks=blocks).device_peak <= budget
+    assert _plan(make_config, model__offload_blocks=blocks - 1).device_peak > budget
+    # The plan of a budgeted job is the plan of the count it resolves to.
+    assert _plan(make_config, model__offload_budget=text).device == _plan(make_config, model__offload_blocks=blocks).device
+    fits_whole = f"{whole.device_peak / 10**6 + 1}MB"
+    assert plan.with_offload_budget(make_config(model__offload_budget=fits_whole)).model.offload_blocks == 0
+    with pytest.raises(DifftuneError, match=rf'offload_budget = "1MB": with all {count} blocks offloaded the plan'):
+        plan.with_offload_budget(make_config(model__offload_budget="1MB"))
+    # The run offloads what the plan said, and its resolved config records the count.
+    config = make_config(model__offload_budget=text, train__max_steps=1)
+    train(config)
+    assert f"model.offload_budget {text}: the memory plan offloads {blocks} blocks" in capsys.readouterr().out
+    resolved = load_config(Path(config.train.output_dir) / "config.toml")
+    assert (resolved.model.offload_blocks, resolved.model.offload_budget) == (blocks, "")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"model__offload_budget": "12 apples"}, r"offload_budget[\s\S]*'12 apples': a size is a number and a unit"),
+    ({"model__offload_budget": "12GB", "model__offload_blocks": 2}, "both say how many blocks to offload: set one"),
+    ({"model__offload_budget": "12GB", "adapter__kind": "none"},
+     r'offload_budget = "12GB" may keep frozen weights in host memory, and a full fine-tune has none'),
+])
+def test_an_offload_budget_that_cannot_apply_is_refused(make_config, overrides, message):
+    with pytest.raises(DifftuneError, match=message):
+        make_config(**overrides)
+
+
+def test_cached_encoders_leave_the_device(make_config):
+    previews = dict(sample__prompts=["a red circle"], sample__every_steps=2)
+    cached = dict(cache__latents=True, cache__text=True)
+    every_step = _plan(make_config, **previews)  # encoded every step: on the device
+    waiting = _plan(make_config, **previews, **cached)  # cached, needed by the previews: in host memory
+    released = _plan(make_config, **cached)  # cached, needed by nothing: dropped until the end of the run
+    encoders = every_step.device["encoders kept on the device"]
+    assert encoders > 0 and every_step.host["encoders kept for previews"] == 0
+    assert waiting.device["encoders kept on the device"] == 0 and waiting.host["encoders kept for previews"] == encoders
+    assert released.device["encoders kept on the device"] == released.host["encoders kept for previews"] == 0
+
+
+def test_alike_blocks_are_bisected_to_the_count_each_count_tried_finds(make_config, monkeypatch):
+    job = dict(model__base=str(REPO / "models" / "tiny-qwen_image"), data__resolution=64)
+    peaks = [_plan(make_config, **job, model__offload_blocks=count).device_peak for count in range(5)]
+    assert peaks == sorted(peaks, reverse=True)  # a transformer's alike blocks: fewer bytes for each one offloaded
+    budget = f"{(peaks[2] + peaks[3]) / 2 / 10**6}MB"
+    tried = plan.with_offload_budget(make_config(**job, model__offload_budget=budget)).model.offload_blocks
+    monkeypatch.setattr(plan, "FEW_BLOCKS", 0)
+    bisected = plan.with_offload_budget(make_config(**job, model__offload_budget=budget)).model.offload_blocks
+    assert tried == bisected == 3

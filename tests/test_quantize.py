@@ -9,6 +9,7 @@ from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file
 
 from difftune import errors, quantize, sharding
+from difftune import train as train_module
 from difftune.errors import DifftuneError
 from difftune.train import train
 
@@ -54,6 +55,13 @@ def test_quantizing_needs_an_adapter_and_one_process(make_config):
         make_config(model__quantize="int8", adapter__kind="none")
     with pytest.raises(DifftuneError, match="not supported with FSDP"):
         sharding.check_config(make_config(model__quantize="nf4"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is a CPU's")
+def test_a_quantized_base_in_bf16_is_refused_on_a_cpu_before_loading(make_config, monkeypatch):
+    monkeypatch.setattr(train_module, "load_components", lambda *args: pytest.fail("loaded before refusing"))
+    with pytest.raises(DifftuneError, match=r'quantize = "int8" with train.mixed_precision = "bf16" fails on a CPU'):
+        train_module.train(make_config(model__quantize="int8", train__mixed_precision="bf16"))
 
 
 def test_nf4_layers_compute_alike_in_training_and_evaluation_on_any_cpu(monkeypatch):

@@ -14,7 +14,8 @@ transformer is about 60 times slower per step. `tiny-qwen_image` is its test mod
 `blocks` gives the flow transformers their own block counts (`19,38` is a whole FLUX.1, `60` a whole Qwen-Image:
 what block offloading is measured on); those are saved in bf16 and their MFU is not counted.
 Seconds per step are the median over the steps after warm-up, read from the run's metrics.jsonl.
-Peak memory is the process's peak RSS on CPU, `torch.cuda.max_memory_allocated` on GPU. On GPU the
+Peak memory is the measured run's peak RSS on CPU (the cache is filled in another process), and
+`torch.cuda.max_memory_allocated` on GPU. On GPU the
 model FLOPs utilisation (MFU) is the denoiser's training FLOPs per step (counted by
 `torch.utils.flop_counter` on one step's forward and backward) over the step time and the device's
 dense peak for the precision.
@@ -22,11 +23,12 @@ dense peak for the precision.
 
 from __future__ import annotations
 
+import multiprocessing
 import resource
 import statistics
 import tempfile
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -92,9 +94,22 @@ class BenchOptions:
     num_workers: int = 2 if torch.cuda.is_available() else 0  # the trainer's 2 where a GPU waits for the data
     profile: str = ""  # a path: torch.profiler's table of the measured run's operators, by device time
     workdir: str = ""
+    dry_run: bool = False  # the same job shrunk to run on a CPU in seconds (dry_run_of): plumbing, not numbers
+
+    def dry_run_of(self) -> BenchOptions:
+        """This job as a CPU checks its plumbing (gpu_suite.sh --dry-run): the spec's tiny test model at 64 px,
+        batch 2 at most, 1 warm-up and 2 measured steps, one offloaded block where any were, and what a CPU refuses
+        as it allows: FP8 compute as bf16, a quantized denoiser in fp32, compile off, AdamW's state where it is."""
+        precision = "fp32" if self.quantize != "none" else "bf16" if self.precision == "fp8" else self.precision
+        return replace(
+            self, model=DRY_RUN_MODELS.get(self.model, self.model), resolution=64, batch=min(self.batch, 2), steps=2,
+            warmup=1, blocks="", offload_blocks=min(self.offload_blocks, 1), precision=precision, compile=False,
+            optimizer="adamw" if self.optimizer == "adamw_cpu_offload" else self.optimizer,
+        )
 
 
 TINY_FAMILIES = {"tiny": "sd", "tiny-sdxl": "sdxl", "tiny-flux": "flux", "tiny-qwen_image": "qwen_image"}
+DRY_RUN_MODELS = {"sd15": "tiny", "sdxl": "tiny-sdxl", "flux": "tiny-flux", "qwen_image": "tiny-qwen_image"}
 
 
 def _clip(hidden: int, layers: int, heads: int, act: str, projection: int | None = None):
@@ -257,11 +272,19 @@ def _profiled(path: str, device: torch.device):
 
 
 def measure(options: BenchOptions) -> dict:
-    """One benchmark run in this process: JSON-ready results."""
+    """One benchmark run in this process: JSON-ready results (with the options as run: a dry run's shrunk ones)."""
+    if options.dry_run:
+        options = options.dry_run_of()
     root, model_dir, data_dir = prepare_workspace(options)
     cache_dir = root / "cache"
-    if options.cache:  # a warm cache, as a second run over the same data sees it
-        train(_config(options, model_dir, data_dir, root / "prefill", cache_dir, 1))
+    if options.cache:  # a warm cache, as a second run over the same data sees it, filled in a process of its own
+        # so that the peak RSS is the measured run's alone (memory freed by one run is not all returned to the OS)
+        prefill = multiprocessing.get_context("spawn").Process(
+            target=train, args=(_config(options, model_dir, data_dir, root / "prefill", cache_dir, 1),))
+        prefill.start()
+        prefill.join()
+        if prefill.exitcode:
+            raise RuntimeError(f"filling the cache failed (exit code {prefill.exitcode})")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
