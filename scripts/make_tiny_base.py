@@ -91,8 +91,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=("sd", "sdxl", "flux", "qwen_image"), default="sd")
     parser.add_argument("--model-dir", type=Path, help="default: models/tiny-<family>")
-    parser.add_argument("--autoencoders-from", type=Path, default=Path("models/tiny-sd"),
-                        help="with --family sdxl: the built base whose vae/ and taesd/ are reused")
+    parser.add_argument("--autoencoders-from", type=Path,
+                        help="a built base whose vae/ and taesd/ are reused instead of trained (default with --family "
+                        "sdxl: models/tiny-sd; for another family, its own earlier build of the same recipe)")
     parser.add_argument("--examples-dir", type=Path, default=Path("examples"))
     parser.add_argument("--work-dir", type=Path, help="default: output/tiny-<family>-build")
     parser.add_argument("--seed", type=int, default=0)
@@ -103,9 +104,10 @@ def main() -> None:
     args.model_dir = args.model_dir or Path(f"models/tiny-{args.family}")
     args.work_dir = args.work_dir or Path(f"output/tiny-{args.family}-build")
     sdxl = args.family == "sdxl"
+    args.autoencoders_from = args.autoencoders_from or (Path("models/tiny-sd") if sdxl else None)
     recipe = Recipe(seed=args.seed, family=args.family, **RECIPES.get(args.family, {}))
     recipe.steps = args.steps or (SDXL_STEPS if sdxl else recipe.steps)
-    finish(args, recipe, build_base(args.model_dir, args.work_dir, recipe, args.autoencoders_from if sdxl else None))
+    finish(args, recipe, build_base(args.model_dir, args.work_dir, recipe, args.autoencoders_from))
 
 
 def normalization_note(vae_config) -> str:
@@ -136,7 +138,7 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
     (args.model_dir / "README.md").write_text(CARD.format(
         name=args.model_dir.name, architecture=architecture, pipeline=pipeline,
         command="python scripts/make_tiny_base.py" + (f" --family {recipe.family}" if recipe.family != "sd" else ""),
-        autoencoders_note=f" (reused from {args.autoencoders_from.name})" if recipe.family == "sdxl" else "",
+        autoencoders_note=f" (reused from {args.autoencoders_from.name})" if args.autoencoders_from else "",
         seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR, seed=recipe.seed,
         autoencoder_images=recipe.autoencoder_images, vae_steps=recipe.vae_steps,
         vae_decoder_steps=recipe.vae_decoder_steps, vae_decoder_lr=recipe.vae_decoder_lr, taesd_steps=recipe.taesd_steps,

@@ -295,7 +295,8 @@ def build_base(out_dir: Path, work_dir: Path, recipe: Recipe = Recipe(), autoenc
     work_dir.mkdir(parents=True, exist_ok=True)
     with timed(seconds, "autoencoders"):
         if autoencoders_from:
-            vae = AutoencoderKL.from_pretrained(autoencoders_from / "vae", dtype=torch.float32)
+            vae_class = AutoencoderKLQwenImage if recipe.family == "qwen_image" else AutoencoderKL
+            vae = vae_class.from_pretrained(autoencoders_from / "vae", dtype=torch.float32)
             taesd = AutoencoderTiny.from_pretrained(autoencoders_from / "taesd", dtype=torch.float32)
         else:
             vae, taesd = train_autoencoders(recipe)
