@@ -159,9 +159,9 @@ def place_frozen(
     offloaded: int = 0, on_host=(),
 ) -> Offloader | None:
     """Every loaded model on `device` in `dtype` (released encoders stay away, those `on_host` stay in host memory:
-    `host_kept_encoders`). A KL VAE whose config asks for
-    `force_upcast` (SD's and SDXL's own: they overflow to NaN in fp16 on some images) stays fp32 under fp16;
-    an fp16-safe one (`force_upcast = false`, e.g. the SDXL fp16 fix, or TAESD) follows `dtype`. Modules in
+    `host_kept_encoders`). A KL VAE whose config asks for `force_upcast` (SD's and SDXL's own: they overflow to NaN
+    in fp16 on some images) stays fp32 under fp16; an fp16-safe one (`force_upcast = false`, e.g. the SDXL fp16
+    fix, or TAESD) follows `dtype`. Modules in
     `trained_whole` (a full fine-tune's) stay fp32: a round trip through `dtype` would round the base's weights.
     `stored`: the denoiser's frozen layers are kept in this dtype and computed in `dtype` (storage.py). `offloaded`:
     this many of the denoiser's blocks keep their frozen layers (in `stored`, else in `dtype`) in host memory, copied
