@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from difftune.config import Config, parse_size
 from difftune.errors import DifftuneError
 from difftune.models import Components
-from difftune.storage import own_cast_buffers
+from difftune.storage import own_cast_buffers, storage_key
 
 META = torch.device("meta")
 # A CPU run's resident memory grows by about twice the bytes a training step allocates and frees again: glibc's
@@ -90,9 +90,10 @@ def with_offload_budget(config: Config) -> Config:
     counted = _with(config, ['model.offload_budget=""'])
     found = _fewest_offloaded_blocks(counted, lambda plan: plan.device_peak <= budget, "cuda")
     if found is None:
-        everything = plan_memory(_with(counted, [f"model.offload_blocks={_block_count(counted)}"]), "cuda")
+        blocks = _block_count(counted)
+        everything = plan_memory(_with(counted, [f"model.offload_blocks={blocks}"]), "cuda")
         raise DifftuneError(
-            f"model.offload_budget = \"{config.model.offload_budget}\": with all {_block_count(counted)} blocks "
+            f"model.offload_budget = \"{config.model.offload_budget}\": with all {blocks} blocks "
             f"offloaded the plan's device peak is {_gib(everything.device_peak).strip()}, over the budget; "
             "`difftune plan --device-memory` with the same config says which other settings fit it"
         )
@@ -332,11 +333,12 @@ class _PeakBytes(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             return 1.0 if args[0].is_floating_point() else self.full
         result = func(*args, **(kwargs or {}))
-        arguments = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        arguments = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(result)[0]:
-            if (isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in arguments
-                    and tensor.untyped_storage() not in self.live):
-                storage = tensor.untyped_storage()
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if storage_key(tensor) not in arguments and storage not in self.live:
                 self.live[storage] = size = storage.nbytes()
                 weakref.finalize(storage, self._freed, size)
                 self.now += size

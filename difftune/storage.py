@@ -43,7 +43,7 @@ STORED_LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Con
 FP8 = torch.float8_e4m3fn
 MADV_DONTNEED = 4
 
-# Each live computed copy's storage (`_storage_key`) -> (its stored source, the parametrization that cast it). An
+# Each live computed copy's storage (`storage_key`) -> (its stored source, the parametrization that cast it). An
 # entry leaves with its copy.
 _SOURCES: dict[int, tuple[torch.Tensor, "ComputedFromStored"]] = {}
 
@@ -67,7 +67,7 @@ class _CastBuffers:
         return computed.mul_(scale) if scale != 1 else computed
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
+def storage_key(tensor: torch.Tensor) -> int:
     """The address of `tensor`'s storage object, shared by its views: unique on any device, where the data's
     address is not (every meta tensor's is 0, and plan.py runs training steps on the meta device)."""
     return tensor.untyped_storage()._cdata
@@ -118,7 +118,7 @@ class ComputedFromStored(torch.nn.Module):
 
     def forward(self, stored: torch.Tensor) -> torch.Tensor:
         computed = self.cast(stored)
-        address = _storage_key(computed)
+        address = storage_key(computed)
         _SOURCES[address] = (stored, self)
         weakref.finalize(computed, _SOURCES.pop, address, None)
         return computed
@@ -178,7 +178,7 @@ class _Recast(NamedTuple):
 
 def _pack(saved: torch.Tensor):
     if saved.layout == torch.strided:
-        source, parametrization = _SOURCES.get(_storage_key(saved), (None, None))
+        source, parametrization = _SOURCES.get(storage_key(saved), (None, None))
         if source is not None and saved.dtype == parametrization.dtype:
             return _Recast(source, parametrization, saved.size(), saved.stride(), saved.storage_offset())
     return saved

@@ -17,6 +17,7 @@ from difftune.metrics import read_metrics
 from difftune.train import train
 
 from conftest import REPO
+from test_offload import offloader_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -92,7 +93,7 @@ def test_offloaded_blocks_train_on_the_device_as_kept_ones(make_config, tmp_path
     in_place = train(make_config(train__output_dir=str(tmp_path / "in-place"), **settings))
     offloaded = train(make_config(train__output_dir=str(tmp_path / "offloaded"), model__offload_blocks=4, **settings))
     assert offloaded.losses == pytest.approx(in_place.losses, rel=1e-3)
-    offloader = next(m.offloader for m in offloaded.components.denoiser.modules() if getattr(m, "offloader", None))
+    offloader = offloader_of(offloaded.components.denoiser)
     assert all(host.is_pinned() and not host.is_cuda for host in offloader.hosts.values())
     assert offloader.copies["prefetched"] > 3 * offloader.copies["in_line"]  # in line: the first step's forward
 
