@@ -110,6 +110,12 @@ def encode_latents(vae, pixels: torch.Tensor, generators: list[torch.Generator])
     return sample_latents(mean, std, generators, latent_normalization(vae.config))
 
 
+def reference_latents(mean: torch.Tensor, normalization: LatentNormalization) -> torch.Tensor:
+    """A control (reference) image's latents for an edit base: its posterior's mode, normalised, never a draw (as
+    diffusers' Kontext and Qwen-Image-Edit pipelines encode the image they edit: `sample_mode="argmax"`)."""
+    return normalization.apply(mean).float()
+
+
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """Inverse of `encode_latents` (up to the autoencoder's loss): normalised latents -> pixels in [-1, 1]."""
     encoded = latent_normalization(vae.config).invert(latents.to(vae.dtype))

@@ -13,6 +13,9 @@ safetensors file, written under a temporary name and renamed into place, so proc
 never see half an entry (two writing the same entry write the same bytes). Files are spread over 256
 subfolders by the first two hex digits of their name.
 
+An edit pair's control images are entries of the same kind, at the control's training size (an image trained as
+a target and as a control at one size shares its entries).
+
 A latent entry holds the posterior's `mean` and `std` of one view of an image, not one sample: the training
 step samples it with the sample's own generator, exactly as an uncached run does, so caching changes the
 speed and nothing else. The mirrored view is an entry of its own: turning `data.random_flip` on later
@@ -34,7 +37,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from difftune.config import Config
-from difftune.data import Example, image_to_tensor, open_image, resize_and_crop
+from difftune.data import Example, Size, image_to_tensor, open_image, resize_and_crop
 from difftune.autoencoders import encode_posterior
 from difftune.models import Components
 
@@ -78,33 +81,49 @@ def _write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def latent_entries(
-    examples: list[Example], sizes: list[tuple[int, int]], vae_identity: str, config: Config
+    examples: list[Example], sizes: list[Size], vae_identity: str, config: Config
 ) -> list[dict[str, Path]]:
     """Each example's cache files, one per view it can be trained in (`plain`, and `flipped` with
     `data.random_flip`); repeats of an image share them. Keyed by its training size (`data.training_sizes`)."""
+    views = _views(config, vae_identity)
+    return [views(example.image_path, size) for example, size in zip(examples, sizes)]
+
+
+def control_latent_entries(
+    examples: list[Example], control_sizes: list[tuple[Size, ...]], vae_identity: str, config: Config
+) -> list[list[dict[str, Path]]]:
+    """Each example's controls' cache files (as `latent_entries`), at their training sizes (`data.control_sizes`)."""
+    views = _views(config, vae_identity)
+    return [[views(path, size) for path, size in zip(example.control_paths, sizes)]
+            for example, sizes in zip(examples, control_sizes)]
+
+
+def _views(config: Config, vae_identity: str) -> Callable[[Path, Size], dict[str, Path]]:
+    """(image file, training size) -> its entry per view; each file's bytes are hashed once."""
     root, data = cache_root(config), config.data
     views = VIEWS if data.random_flip else VIEWS[:1]
     settings = f"crop={data.crop} alpha_background={','.join(map(str, data.alpha_background))}"
-    by_image = {}
-    for example, (width, height) in zip(examples, sizes):
-        if example.image_path not in by_image:
-            content = hashlib.sha256(example.image_path.read_bytes()).hexdigest()
-            by_image[example.image_path] = {
-                view: _entry(root, "latents", content, vae_identity, f"{width}x{height}", settings, view) for view in views
-            }
-    return [by_image[e.image_path] for e in examples]
+    contents: dict[Path, str] = {}
+
+    def entries(path: Path, size: Size) -> dict[str, Path]:
+        if path not in contents:
+            contents[path] = hashlib.sha256(path.read_bytes()).hexdigest()
+        width, height = size
+        return {view: _entry(root, "latents", contents[path], vae_identity, f"{width}x{height}", settings, view) for view in views}
+
+    return entries
 
 
 def fill_latents(
-    examples: list[Example], sizes: list[tuple[int, int]], entries: list[dict[str, Path]], vae, config: Config,
-    batch_size: int,
+    paths: list[Path], sizes: list[Size], entries: list[dict[str, Path]], vae, config: Config, batch_size: int,
 ) -> int:
-    """Encode the views whose entries are missing, in batches of one training size; returns how many."""
-    missing: dict[tuple[int, int], dict[Path, tuple[Path, str]]] = {}
-    for example, views, size in zip(examples, entries, sizes):
+    """Encode the views whose entries are missing (image `paths[i]` at `sizes[i]`, its views' files `entries[i]`), in
+    batches of one training size; returns how many."""
+    missing: dict[Size, dict[Path, tuple[Path, str]]] = {}
+    for path, views, size in zip(paths, entries, sizes):
         for view, entry in views.items():
             if not entry.exists():
-                missing.setdefault(size, {})[entry] = (example.image_path, view)
+                missing.setdefault(size, {})[entry] = (path, view)
     chunks = [
         (size, list(group.items())[start : start + batch_size])
         for size, group in sorted(missing.items())

@@ -55,6 +55,8 @@ def _add_sample_options(parser: argparse.ArgumentParser) -> None:
 
 def _sample_config(args: argparse.Namespace) -> SampleConfig:
     values = {name: getattr(args, f"sample_{name}") for name in _sample_fields()}
+    if getattr(args, "control", None) and values["prompts"]:
+        values["prompts"] = [{"prompt": prompt, "controls": args.control} for prompt in values["prompts"]]
     try:
         return SampleConfig.model_validate({k: v for k, v in values.items() if v is not None})
     except ValidationError as err:
@@ -138,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
     sample.add_argument("--adapter", action="append", default=[], type=parse_adapter_spec, help=adapter_help)
     sample.add_argument("--out", required=True, type=Path, help="folder for the PNGs and grid.png")
+    sample.add_argument("--control", action="append", default=[],
+                        help="an edit base's control image, for every prompt (repeat for several, in order)")
     _add_sample_options(sample)
 
     evaluate = commands.add_parser(

@@ -204,6 +204,14 @@ class DataConfig(Section):
         "Validation loss stays unmasked.",
     )
     mask_path: str = Field("", json_schema_extra=PATH_LOCAL, description="`masks = \"folder\"`: the folder of mask images.")
+    control_path: str = Field(
+        "",
+        json_schema_extra=PATH_LOCAL,
+        description="Edit bases (FLUX.1 Kontext, Qwen-Image-Edit): the folder of control (source) images, each named as "
+        "its target image's stem (`cat.png`), or numbered for several (`cat_0.png`, `cat_1.png`); empty: a `control` "
+        "folder inside each image folder. A `metadata.jsonl` lists them per line as `control_files` instead. Targets "
+        "without controls train as text-to-image in the same run.",
+    )
     unmasked_weight: float = Field(
         0.0, ge=0.0, le=1.0, description="Loss weight of what a mask leaves out (OneTrainer's); 0 ignores it, 1 ignores the mask."
     )
@@ -583,8 +591,20 @@ class ValidationConfig(Section):
     eval_samples_per_prompt: int = Field(2, ge=1, description="`eval_concept`: samples per prompt (fixed seeds).")
 
 
+class PromptWithControls(Section):
+    """A sample prompt for an edit base: the instruction and the control images it edits."""
+
+    prompt: str = Field(description="The instruction, e.g. `make it purple`.")
+    controls: list[str] = Field(min_length=1, description="Control image files, in the order the base reads them.")
+
+
 class SampleConfig(Section):
-    prompts: list[str] = Field([], description="Prompts to sample at the end of training; empty skips sampling.")
+    prompts: list[str | PromptWithControls] = Field(
+        [],
+        description="Prompts to sample at the end of training; empty skips sampling. For an edit base an entry may "
+        "carry its control images: `{prompt = \"make it purple\", controls = [\"source.png\"]}` (in the form, one "
+        "such JSON object a line).",
+    )
     negative_prompt: str = Field("", description="Negative prompt for every sample.")
     steps: int = Field(30, ge=1, description="Denoising steps per image.")
     guidance_scale: float = Field(
@@ -894,11 +914,16 @@ def check_before_start(config: Config) -> None:
     """What the file system says against a run, checked before the seconds of imports and model loading: the
     folders it reads must be folders, and those it writes into must not be files."""
     folders = {"data.path": (config.data.path, "captioned images"), "validation.path": (config.validation.path, "captioned images"),
-               "data.mask_path": (config.data.mask_path if config.data.masks == "folder" else "", "mask images")}
+               "data.mask_path": (config.data.mask_path if config.data.masks == "folder" else "", "mask images"),
+               "data.control_path": (config.data.control_path, "control images")}
     for key, (folder, holding) in folders.items():
         if folder and not Path(folder).is_dir():
             what = "does not exist" if not Path(folder).exists() else "is a file"
             raise DifftuneError(f"{key} {folder}: {what}; point it at a folder of {holding}")
+    for entry in config.sample.prompts:
+        missing = [control for control in getattr(entry, "controls", []) if not Path(control).is_file()]
+        if missing:
+            raise DifftuneError(f"sample.prompts: control image {missing[0]} of {entry.prompt!r} does not exist")
     for key, folder in {"train.output_dir": config.train.output_dir, "cache.dir": config.cache.dir}.items():
         blocking = next((path for path in (Path(folder), *Path(folder).parents) if path.exists() and not path.is_dir()), None)
         if blocking:
@@ -962,6 +987,10 @@ def resolve_path_values(data: dict, base_dir: Path) -> None:
             candidate = (base_dir / Path(value).expanduser()).resolve()
             if kind == "local" or candidate.exists():
                 values[name] = str(candidate)
+    for entry in (data.get("sample") or {}).get("prompts") or []:  # an edit prompt's control images (PromptWithControls)
+        if isinstance(entry, dict) and isinstance(entry.get("controls"), list):
+            entry["controls"] = [str((base_dir / Path(c).expanduser()).resolve()) if isinstance(c, str) else c
+                                 for c in entry["controls"]]
 
 
 def _parse_override(override: str) -> tuple[str, Any]:

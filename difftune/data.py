@@ -3,6 +3,12 @@
 Two folder layouts: images with same-stem caption files (kohya), or a `metadata.jsonl` with
 `file_name` and `text` (Hugging Face imagefolder). Subfolders named `N_name` repeat N times.
 
+Edit bases train on pairs: a target image, its instruction caption and one or more control (source) images, found
+in a `control` folder beside the images (`data.control_path` for another) by the target's stem (`cat.png`), or
+numbered for several (`cat_0.png`, `cat_1.png`: musubi-tuner's and ai-toolkit's layout), or listed as a
+metadata line's `control_files`. A control is cut at the same relative place as its target and flipped with it,
+at the size the family's rule gives (`Family.control_size`). Targets without controls train in the same run.
+
 Captions can be dressed (a prefix and suffix), varied per draw (tag shuffle and tag dropout, kohya's), and
 dropped (caption dropout); `CaptionDrawer` does all three.
 
@@ -20,10 +26,11 @@ import json
 import os
 import random
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +44,8 @@ from difftune.errors import DifftuneError
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")
+NUMBERED_CONTROL = re.compile(r"^(.+)_(\d+)$")
+CONTROL_FOLDER = "control"
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,7 @@ class Example:
     image_path: Path
     caption: str
     loss_weight: float = 1.0  # prior preservation's class images train at `prior.loss_weight`
+    control_paths: tuple[Path, ...] = ()  # an edit pair's control images, in the order the base reads them
 
 
 @dataclass(frozen=True)
@@ -74,10 +84,17 @@ def scan_examples(config: DataConfig, key: str = "data.path") -> tuple[list[Exam
             f"{key} {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) directly or in "
             f"`N_name` subfolders"
         )
-    unusable = _find_unusable_images({e.image_path for e in examples}, config)
-    bad += unusable
-    broken = {b.path for b in unusable}
-    examples = [e for e in examples if e.image_path not in broken]
+    controls = {c for e in examples for c in e.control_paths}
+    reasons = {b.path: b.reason for b in _find_unusable_images({e.image_path for e in examples} | controls, config, controls)}
+    left_out: dict[Path, str] = {}  # a pair with a bad control is left out whole, under its target's name
+    for example in examples:
+        control = next((c for c in example.control_paths if c in reasons), None)
+        if example.image_path in reasons:
+            left_out[example.image_path] = reasons[example.image_path]
+        elif control is not None:
+            left_out[example.image_path] = f"control {control}: {reasons[control]}"
+    bad += [BadFile(path, reason) for path, reason in sorted(left_out.items())]
+    examples = [e for e in examples if e.image_path not in left_out]
     if not examples:
         reasons = "; ".join(f"{b.path.name}: {b.reason}" for b in bad[:5])
         raise DifftuneError(f"{key} {root}: no usable image ({len(bad)} left out: {reasons})")
@@ -99,7 +116,7 @@ def _scan_folder(folder: Path, config: DataConfig, bad: list[BadFile], folder_ca
     """The folder's images and captions; `folder_caption` (an `N_name` folder's name) for `missing_caption = "folder"`."""
     metadata = folder / "metadata.jsonl"
     if metadata.is_file():
-        return _read_metadata(metadata)
+        return _read_metadata(metadata, bad)
     examples = []
     for image_path in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS):
         caption_path = image_path.with_suffix(config.caption_extension)
@@ -124,16 +141,42 @@ def _scan_folder(folder: Path, config: DataConfig, bad: list[BadFile], folder_ca
                 f"data.missing_caption = \"empty\" to train it uncaptioned"
             )
         examples.append(Example(image_path, caption))
-    return examples
+    return _with_controls(examples, Path(config.control_path) if config.control_path else folder / CONTROL_FOLDER, bad)
 
 
-def _find_unusable_images(paths: set[Path], config: DataConfig) -> list[BadFile]:
-    """Decode each image once (in threads: PIL releases the GIL while decoding)."""
+def _with_controls(examples: list[Example], control_folder: Path, bad: list[BadFile]) -> list[Example]:
+    """The examples with their control images from `control_folder` (same stem, or `stem_0`, `stem_1`...); an
+    example whose controls are ambiguous or numbered with a gap is left out and reported."""
+    if not control_folder.is_dir():
+        return examples
+    stems = {example.image_path.stem for example in examples}
+    found: dict[str, list[tuple[int, Path]]] = {}  # target stem -> (number, file); -1 for an unnumbered one
+    for path in sorted(p for p in control_folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS):
+        numbered = NUMBERED_CONTROL.match(path.stem)
+        if path.stem in stems:
+            found.setdefault(path.stem, []).append((-1, path))
+        elif numbered and numbered.group(1) in stems:
+            found.setdefault(numbered.group(1), []).append((int(numbered.group(2)), path))
+    paired = []
+    for example in examples:
+        controls = sorted(found.get(example.image_path.stem, []))
+        numbers = [number for number, _ in controls]
+        if numbers and numbers != [-1] and numbers != list(range(len(numbers))):
+            names = ", ".join(path.name for _, path in controls)
+            bad.append(BadFile(example.image_path, f"its controls in {control_folder} ({names}) must be one file named "
+                                                   f"{example.image_path.stem}.* or files numbered _0, _1... without gaps"))
+            continue
+        paired.append(replace(example, control_paths=tuple(path for _, path in controls)))
+    return paired
+
+
+def _find_unusable_images(paths: set[Path], config: DataConfig, controls: set[Path] = frozenset()) -> list[BadFile]:
+    """Decode each image once (in threads: PIL releases the GIL while decoding); `controls` have no masks."""
 
     def check(path: Path) -> BadFile | None:
         try:
             open_image(path, config)
-            if config.masks != "off":
+            if config.masks != "off" and path not in controls:
                 open_mask(path, config)
         except BadImage as err:
             return BadFile(path, str(err))
@@ -241,7 +284,7 @@ def _to_rgb(image: Image.Image, background: tuple[int, int, int]) -> Image.Image
     return image.convert("RGB")
 
 
-def _read_metadata(path: Path) -> list[Example]:
+def _read_metadata(path: Path, bad: list[BadFile]) -> list[Example]:
     examples = []
     for line_number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
         if not line.strip():
@@ -261,7 +304,19 @@ def _read_metadata(path: Path) -> list[Example]:
         image_path = path.parent / file_name
         if not image_path.is_file():
             raise DifftuneError(f"{path}:{line_number}: image {file_name} does not exist next to it")
-        examples.append(Example(image_path, str(text).strip()))
+        control_files = record.get("control_files", [])
+        control_files = [control_files] if isinstance(control_files, str) else control_files
+        if not isinstance(control_files, list) or not all(isinstance(name, str) for name in control_files):
+            raise DifftuneError(f"{path}:{line_number}: control_files must be a file name or a list of them, got {control_files!r}")
+        outside = [name for name in control_files if Path(name).is_absolute() or ".." in Path(name).parts]
+        if outside:
+            raise DifftuneError(f"{path}:{line_number}: control file {outside[0]!r} leads outside {path.parent}; name it "
+                                f"relative to the folder, as file_name")
+        missing = [name for name in control_files if not (path.parent / name).is_file()]
+        if missing:
+            bad.append(BadFile(image_path, f"control {missing[0]} (line {line_number} of {path.name}) does not exist"))
+            continue
+        examples.append(Example(image_path, str(text).strip(), control_paths=tuple(path.parent / n for n in control_files)))
     return examples
 
 
@@ -355,11 +410,54 @@ def draw_flip(config: DataConfig, rng: random.Random) -> bool:
     return config.random_flip and rng.random() < 0.5
 
 
-def load_image(
-    path: Path, config: DataConfig, rng: random.Random, size: tuple[int, int] | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Decode, resize, crop to `size` (default: the square resolution), maybe flip -> (3, H, W) in [-1, 1], its
-    geometry (`image_geometry`), and with `data.masks` its mask cut the same way (`mask_view`), else None."""
+Size = tuple[int, int]  # (width, height)
+
+
+def control_sizes(examples: list[Example], sizes: list[Size], rule: Callable[[Size, Size], Size]) -> list[tuple[Size, ...]]:
+    """Each example's controls' training sizes: `rule(target's training size, control's own size)`, the family's
+    (`Family.control_size`). Reads each control's header once."""
+    originals: dict[Path, Size] = {}
+    for path in {c for example in examples for c in example.control_paths}:
+        originals[path] = image_size(path)
+    return [tuple(rule(size, originals[c]) for c in example.control_paths) for example, size in zip(examples, sizes)]
+
+
+def batch_groups(sizes: list[Size], controls: list[tuple[Size, ...]], buckets: bool) -> list | None:
+    """What a batch must share (`TrainingOrder`'s buckets): with buckets, the training size; with controls, also the
+    count and sizes of the controls (their tensors stack); None: any samples batch together."""
+    if any(controls):
+        return list(zip(sizes, controls))
+    return sizes if buckets else None
+
+
+def place_like(crop: Crop, size: Size, control_original: Size, control_size: Size, mode: str) -> Crop:
+    """A control's crop at the place its target's `crop` (at training `size`) takes: the same fractions of the spare
+    width and height, so that a pair stays aligned under random crops; centered for center crops."""
+    centered = place_crop(control_original, control_size, "center")
+    if mode == "center":
+        return centered
+
+    def at(offset: int, spare: int, control_spare: int) -> int:
+        return round(control_spare * offset / spare) if spare else control_spare // 2
+
+    return Crop(centered.scaled, at(crop.left, crop.scaled[0] - size[0], centered.scaled[0] - control_size[0]),
+                at(crop.top, crop.scaled[1] - size[1], centered.scaled[1] - control_size[1]))
+
+
+class View(NamedTuple):
+    """One sample's pixels as training sees them."""
+
+    pixels: torch.Tensor  # (3, H, W) in [-1, 1]
+    geometry: torch.Tensor  # (6,): `image_geometry`
+    mask: torch.Tensor | None  # (1, H, W) with `data.masks`, else None
+    controls: list[torch.Tensor]  # each control (3, h, w), cut and flipped as the image was
+
+
+def load_image(path: Path, config: DataConfig, rng: random.Random, size: Size | None = None,
+               controls: Sequence[tuple[Path, Size]] = ()) -> View:
+    """Decode, resize, crop to `size` (default: the square resolution), maybe flip; with `data.masks` the mask cut
+    the same way (`mask_view`); `controls` ((file, training size) pairs) cut at the same place (`place_like`) and
+    flipped with it. The controls draw nothing from `rng`: a run's other draws are the same with or without them."""
     size = size or (config.resolution, config.resolution)
     source = open_image(path, config)
     crop = place_crop(source.size, size, config.crop, rng)
@@ -368,7 +466,16 @@ def load_image(
     if flipped:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     mask = mask_view(open_mask(path, config, source.size), crop, size, flipped) if config.masks != "off" else None
-    return image_to_tensor(image), image_geometry(source.size, crop, size, flipped), mask
+    return View(image_to_tensor(image), image_geometry(source.size, crop, size, flipped), mask,
+                [image_to_tensor(load_control(control, config, control_size, crop, size, flipped))
+                 for control, control_size in controls])
+
+
+def load_control(path: Path, config: DataConfig, control_size: Size, crop: Crop, size: Size, flipped: bool) -> Image.Image:
+    """A control image at `control_size`, cut where its target's `crop` (at `size`) was and flipped with it."""
+    source = open_image(path, config)
+    image = cut(source, place_like(crop, size, source.size, control_size, config.crop), control_size)
+    return image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flipped else image
 
 
 def image_to_tensor(image: Image.Image) -> torch.Tensor:
@@ -436,6 +543,8 @@ class CaptionedImages(Dataset):
     """Indexed by (epoch, index) keys from `TrainingOrder`; returns one sample with its seed, its geometry
     (`image_geometry`, what SDXL's size and crop conditioning reads) and, with `data.masks`, its loss mask.
 
+    An edit pair's controls come as pixels (`control_pixels`), or with the cache as their posteriors' means
+    (`control_latents`), each a list with one (C, ...) tensor per control.
     With `latent_entries` (each example's cache file per view) it returns the cached posterior instead of pixels,
     and with `text_entries` (caption -> cache file) the cached text conditioning instead of token ids
     (`tokenize`: captions -> token ids per text encoder, the family's; `uncached_conditioning`: a stored entry as
@@ -456,6 +565,8 @@ class CaptionedImages(Dataset):
         sizes: list[tuple[int, int]] | None = None,  # `training_sizes`, when the caller has them already
         memory_bytes: int = 0,
         uncached_conditioning: Callable[[dict], dict] | None = None,  # the family's: a text entry as encoded
+        control_sizes: list[tuple[Size, ...]] | None = None,  # each example's controls' training sizes (`control_sizes`)
+        control_entries: list[list[dict[str, Path]]] | None = None,  # with `latent_entries`: each control's cache files
     ):
         self.examples = examples
         self.config = config
@@ -465,6 +576,8 @@ class CaptionedImages(Dataset):
         self.text_entries = text_entries
         self.uncached_conditioning = uncached_conditioning
         self.sizes = sizes if sizes is not None else training_sizes(examples, config)
+        self.control_sizes = control_sizes or [()] * len(examples)
+        self.control_entries = control_entries
         self.captions = CaptionDrawer(config, train_seed)
         self._memory_left = memory_bytes
         self._in_memory: dict[Path, dict[str, torch.Tensor]] = {}
@@ -525,10 +638,17 @@ class CaptionedImages(Dataset):
             item["geometry"] = self._cached_geometry(example.image_path, self.sizes[index], flipped)  # (6,)
             if self.config.masks != "off":
                 item["mask"] = self._cached_mask(example.image_path, self.sizes[index], flipped)  # (1, H, W)
+            if example.control_paths:  # their posteriors' means: edit bases read a control's mode, never a draw
+                item["control_latents"] = [self._read(views["flipped" if flipped else "plain"])["mean"]
+                                           for views in self.control_entries[index]]
         else:
-            item["pixel_values"], item["geometry"], mask = load_image(example.image_path, self.config, rng, self.sizes[index])
-            if mask is not None:
-                item["mask"] = mask
+            view = load_image(example.image_path, self.config, rng, self.sizes[index],
+                              list(zip(example.control_paths, self.control_sizes[index])))
+            item["pixel_values"], item["geometry"] = view.pixels, view.geometry
+            if view.mask is not None:
+                item["mask"] = view.mask
+            if view.controls:
+                item["control_pixels"] = view.controls  # each (3, h, w)
         caption = self.captions.draw(example.caption, rng)
         if self.text_entries:
             stored = self._read(self.text_entries[caption])  # name -> (L, D) or (P,)

@@ -6,6 +6,7 @@ values go back through `Config` itself, so the form shows the schema's own valid
 
 from __future__ import annotations
 
+import json
 import tomllib
 import types
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import tomli_w
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from difftune.config import Config, describe_errors, load_config
@@ -84,8 +85,8 @@ class FormField:
     def to_widget(self, value: Any) -> Any:
         if self.kind == "optional":
             return "" if value is None else str(value)
-        if self.kind == "list":
-            return "\n".join(str(item) for item in value)
+        if self.kind == "list":  # a table entry (a prompt with controls) as one JSON object a line
+            return "\n".join(json.dumps(item.model_dump()) if isinstance(item, BaseModel) else str(item) for item in value)
         if self.kind == "pair":
             return ", ".join(str(item) for item in value)
         if self.kind == "table":
@@ -111,6 +112,11 @@ class FormField:
 
 
 def _as_type(text: str, item_type: type) -> Any:
+    if text.startswith("{"):  # a table entry, as `to_widget` writes it
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text  # validation names the field
     try:
         return item_type(text) if item_type in (int, float) else text
     except ValueError:

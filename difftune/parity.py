@@ -33,7 +33,7 @@ WARN_ABOVE_LEVELS = 2
 def check_parity(config: Config, trained_path: Path, reference: Sample, device: torch.device, dtype: torch.dtype, autocast) -> dict:
     """Re-draw `reference` from `trained_path` in a fresh pipeline, for each adapter layout, its frozen weights
     placed as training placed them (stored in another dtype, offloaded, as the config says); the report."""
-    sample_config = config.sample.model_copy(update={"prompts": [reference.prompt], "images_per_prompt": 1, "seed": reference.seed})
+    sample_config = config.sample.model_copy(update={"prompts": [reference.entry], "images_per_prompt": 1, "seed": reference.seed})
     report = {"prompt": reference.prompt, "seed": reference.seed, "warn_above_levels": WARN_ABOVE_LEVELS, "layouts": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for layout, path, source in _saved_layouts(config, trained_path, Path(tmp)):

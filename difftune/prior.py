@@ -67,8 +67,8 @@ def fill_class_images(config: Config, components: Components, device: torch.devi
     with eval_mode(components.denoiser, *components.text_encoders.values()), torch.no_grad():
         for chunk in tqdm(chunks, desc="drawing class images"):
             images = pipeline(
-                [prior.class_prompt] * len(chunk), num_inference_steps=prior.steps, height=config.data.resolution,
-                width=config.data.resolution, **guidance,
+                prompt=[prior.class_prompt] * len(chunk), num_inference_steps=prior.steps, height=config.data.resolution,
+                width=config.data.resolution, **guidance, **components.family.image_arguments([], *[config.data.resolution] * 2),
                 generator=[torch.Generator("cpu").manual_seed(derive_seed(PRIOR_STREAM, prior.seed, i)) for i in chunk],
             ).images
             for index, image in zip(chunk, images):

@@ -1,17 +1,20 @@
-"""Text-to-image sampling: one function that training (end-of-run samples) and later tools share."""
+"""Sampling: one function that training (previews, end-of-run samples) and later tools share. A prompt with control
+images (an edit base's) draws its edit of them, and its grid cell shows the controls before the result."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
-from difftune.config import SampleConfig
+from difftune.config import DataConfig, PromptWithControls, SampleConfig
 from difftune.autoencoders import load_vae
+from difftune.data import BadImage, open_image
+from difftune.errors import DifftuneError
 from difftune.models import Components, eval_mode
 
 
@@ -23,8 +26,13 @@ def sampling_scheduler(name: str, components: Components):
 @dataclass
 class Sample:
     image: Image.Image
-    prompt: str
+    entry: str | PromptWithControls  # the `sample.prompts` entry it was drawn for
     seed: int
+    controls: list[Image.Image] = field(default_factory=list)  # as the pipeline was given them
+
+    @property
+    def prompt(self) -> str:
+        return self.entry if isinstance(self.entry, str) else self.entry.prompt
 
 
 @torch.no_grad()
@@ -36,28 +44,39 @@ def generate_images(components: Components, config: SampleConfig, device: torch.
     pipeline.set_progress_bar_config(disable=True)
     guidance = components.family.sampling_arguments(components, config.guidance_scale, config.negative_prompt)
     with eval_mode(components.denoiser, *components.text_encoders.values()):
-        return _sample_all(pipeline, config, guidance)
+        return _sample_all(pipeline, config, guidance, components.family)
 
 
-def _sample_all(pipeline, config: SampleConfig, guidance: dict) -> list[Sample]:
+def _sample_all(pipeline, config: SampleConfig, guidance: dict, family) -> list[Sample]:
     samples = []
-    for prompt in config.prompts:
+    for entry in config.prompts:
+        prompt, controls = (entry, []) if isinstance(entry, str) else (entry.prompt, [_open_control(c) for c in entry.controls])
+        edit = family.image_arguments(controls, config.resolution, config.resolution)
         for _ in range(config.images_per_prompt):
             seed = config.seed + len(samples)
             image = pipeline(
-                prompt,
+                prompt=prompt,  # by name: an edit pipeline's first argument is the image
                 num_inference_steps=config.steps,
                 **guidance,
+                **edit,
                 height=config.resolution,
                 width=config.resolution,
                 generator=torch.Generator("cpu").manual_seed(seed),
             ).images[0]
-            samples.append(Sample(image, prompt, seed))
+            samples.append(Sample(image, entry, seed, [c.resize(image.size) for c in controls]))
     return samples
 
 
-def save_images(samples: list[Sample], config: SampleConfig, out_dir: Path) -> list[Path]:
-    """Each image as a PNG with its prompt and settings in the text chunk, plus `grid.png`."""
+def _open_control(path: str) -> Image.Image:
+    try:
+        return open_image(Path(path), DataConfig())
+    except BadImage as err:
+        raise DifftuneError(f"sample.prompts: control image {path}: {err}") from None
+
+
+def save_images(samples: list[Sample], config: SampleConfig, out_dir: Path, before_dir: Path | None = None) -> list[Path]:
+    """Each image as a PNG with its prompt and settings in the text chunk, plus `grid.png`: a cell per image, after its
+    controls (an edit's) and, where `before_dir` holds the base's sample of the same number, after that."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, sample in enumerate(samples):
@@ -69,11 +88,23 @@ def save_images(samples: list[Sample], config: SampleConfig, out_dir: Path) -> l
             f"scheduler={config.scheduler} seed={sample.seed} size={sample.image.width}x{sample.image.height} "
             f"decoder={config.decoder or 'model'}",
         )
+        if sample.controls:
+            info.add_text("controls", "\n".join(sample.entry.controls))
         path = out_dir / f"{i:03d}.png"
         sample.image.save(path, pnginfo=info)
         paths.append(path)
-    make_grid([sample.image for sample in samples]).save(out_dir / "grid.png")
+    befores = [before_dir / path.name if before_dir and (before_dir / path.name).is_file() else None for path in paths]
+    make_grid([side_by_side([*sample.controls, *([Image.open(before).convert("RGB")] if before else []), sample.image])
+               for sample, before in zip(samples, befores)]).save(out_dir / "grid.png")
     return paths
+
+
+def side_by_side(images: list[Image.Image]) -> Image.Image:
+    """Images of one height in a row, left to right: an edit's controls, then what was drawn."""
+    row = Image.new("RGB", (sum(image.width for image in images), images[0].height), "white")
+    for i, image in enumerate(images):
+        row.paste(image, (sum(other.width for other in images[:i]), 0))
+    return row
 
 
 def make_grid(images: list[Image.Image]) -> Image.Image:

@@ -34,9 +34,11 @@ from tqdm.auto import tqdm
 
 from difftune import export, sharding
 from difftune.activations import BlockActivations
-from difftune.autoencoders import encode_posterior, sample_latents
+from difftune.autoencoders import encode_posterior, reference_latents, sample_latents
 from difftune.adapters import add_adapters, check_targets, trainable_parameters, trained_parts
-from difftune.cache import fill_latents, fill_text, latent_entries, model_identity, text_entries, text_identity
+from difftune.cache import (
+    control_latent_entries, fill_latents, fill_text, latent_entries, model_identity, text_entries, text_identity,
+)
 from difftune.checkpoint import (
     CHECKPOINTS_DIR, Checkpointer, Progress, StopRequest, find_checkpoint, keep_models_out_of_accelerate_state, retire_after,
     step_of,
@@ -47,7 +49,9 @@ from difftune.data import (
     CaptionDrawer,
     CaptionedImages,
     TrainingOrder,
+    batch_groups,
     build_dataloader,
+    control_sizes,
     report_bad_files,
     scan_examples,
     training_sizes,
@@ -174,9 +178,11 @@ def setup(config: Config, resume: str | None = None) -> Run:
         examples = [replace(example, caption=caption_with_token(example.caption, config.adapter)) for example in examples]
         check_captions([example.caption for example in examples], config.adapter)
     report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
+    components.family.check_controls(examples, "data.path")
     sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
+    controls = control_sizes(examples, sizes, components.family.control_size)
     tokenize = partial(components.family.tokenize, components.tokenizers)  # picklable for loader workers
-    latent_files, text_files = _fill_caches(components, tokenize, examples, sizes, config, accelerator)
+    latent_files, control_files, text_files = _fill_caches(components, tokenize, examples, sizes, controls, config, accelerator)
     validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
     if config.sample.before and config.sample.prompts and main and not resume:
         _sample_before_training(components, config, output_dir, accelerator.device)
@@ -213,11 +219,11 @@ def setup(config: Config, resume: str | None = None) -> Run:
     dataset = CaptionedImages(
         examples, config.data, tokenize, config.train.seed,
         latent_files, text_files, sizes, memory_bytes=config.cache.memory_mb * 2**20,
-        uncached_conditioning=components.family.uncached_conditioning,
+        uncached_conditioning=components.family.uncached_conditioning, control_sizes=controls, control_entries=control_files,
     )
     order = TrainingOrder(
         len(examples), config.train.batch_size, config.train.seed, accelerator.process_index, accelerator.num_processes,
-        start_batch=progress.micro_batches, buckets=sizes if config.data.buckets else None,
+        start_batch=progress.micro_batches, buckets=batch_groups(sizes, controls, config.data.buckets),
     )
     batches = iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
     accelerator.init_trackers("difftune", config=_flat_hparams(config))
@@ -452,6 +458,13 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
     else:
         with torch.set_grad_enabled(config.adapter.trains_text_encoders):
             conditioning = family.encode_prompts(components, {name: ids.to(device) for name, ids in batch["token_ids"].items()})
+    control_means = batch.get("control_latents")  # an edit pair: its controls' latents join the conditioning
+    if "control_pixels" in batch:
+        with torch.no_grad():
+            control_means = [encode_posterior(components.vae, pixels.to(device))[0] for pixels in batch["control_pixels"]]
+    if control_means:
+        conditioning["control_latents"] = [reference_latents(mean.to(device), components.latent_normalization)
+                                           for mean in control_means]
     timesteps, noise, input_noise = family.draw_timesteps_and_noise(components, generators, latents, config.loss)
     mask = latent_mask(batch["mask"].to(device), latents.shape[-2:], config.data.unmasked_weight) if "mask" in batch else None
     loss = family.loss(components, latents, timesteps, noise, conditioning, batch["geometry"], config.loss, input_noise, mask)
@@ -465,24 +478,30 @@ def latent_mask(mask: torch.Tensor, size: tuple[int, int], unmasked_weight: floa
     return unmasked_weight + (1 - unmasked_weight) * weights
 
 
-def _fill_caches(components: Components, tokenize, examples, sizes, config: Config, accelerator) -> tuple[list | None, dict | None]:
-    """Cache files for the examples' latents and captions, encoding what is missing (main process first)."""
-    latent_files = text_files = None
+def _fill_caches(components: Components, tokenize, examples, sizes, controls, config: Config, accelerator) -> tuple:
+    """Cache files for the examples' latents, their controls' latents and captions (None where that cache is off),
+    encoding what is missing (main process first)."""
+    latent_files = control_files = text_files = None
     if config.cache.latents == "on":
-        latent_files = latent_entries(examples, sizes, model_identity(components.vae), config)
+        vae_identity = model_identity(components.vae)
+        latent_files = latent_entries(examples, sizes, vae_identity, config)
+        control_files = control_latent_entries(examples, controls, vae_identity, config)
     if config.cache.text == "on":
         captions = CaptionDrawer(config.data, config.train.seed).possible({example.caption for example in examples})
         text_files = text_entries(captions, text_identity(components), config, tokenize)
     if accelerator.is_main_process:
         device = accelerator.device
         if latent_files:
-            fill_latents(examples, sizes, latent_files, components.vae.to(device), config, config.train.batch_size)
+            paths = [e.image_path for e in examples] + [c for e in examples for c in e.control_paths]
+            all_sizes = sizes + [size for example_sizes in controls for size in example_sizes]
+            all_files = latent_files + [views for example_files in control_files for views in example_files]
+            fill_latents(paths, all_sizes, all_files, components.vae.to(device), config, config.train.batch_size)
         if text_files:
             for encoder in components.text_encoders.values():
                 encoder.to(device)
             fill_text(text_files, components, device, config.train.batch_size)
     accelerator.wait_for_everyone()
-    return latent_files, text_files
+    return latent_files, control_files, text_files
 
 
 def _warn_if_unfitting(config: Config, accelerator: Accelerator) -> None:
@@ -600,7 +619,7 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
     if config.sample.prompts:
         with accelerator.autocast():
             samples = generate_images(components, config.sample, accelerator.device)
-        save_images(samples, config.sample, output_dir / "samples")
+        save_images(samples, config.sample, output_dir / "samples", output_dir / "samples" / "before")
         if config.sample.parity:
             report = check_parity(config, trained_path, samples[0], accelerator.device, weight_dtype(config), accelerator.autocast)
             for warning in write_report(report, output_dir):
@@ -611,7 +630,7 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
             if config.sample.prompts:
                 with accelerator.autocast():
                     samples = generate_images(components, config.sample, accelerator.device)
-                save_images(samples, config.sample, output_dir / "samples_ema")
+                save_images(samples, config.sample, output_dir / "samples_ema", output_dir / "samples" / "before")
     return trained_path
 
 

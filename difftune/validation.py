@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from difftune.config import Config, ValidationConfig
-from difftune.data import CaptionedImages, derive_seed, report_bad_files, scan_examples
+from difftune.data import CaptionedImages, control_sizes, derive_seed, report_bad_files, scan_examples, training_sizes
 from difftune.errors import DifftuneError
-from difftune.autoencoders import encode_latents
+from difftune.autoencoders import encode_latents, encode_posterior, reference_latents
 from difftune.models import Components, eval_mode
 
 VALIDATION_STREAM = 2
@@ -31,7 +31,7 @@ VALIDATION_STREAM = 2
 
 class Validator:
     """With `data.buckets`, each held-out image is scored at its own bucket size, as training would see it; images
-    of one size are batched together."""
+    of one size (and, for edit pairs, one count and size of controls) are batched together."""
 
     def __init__(self, components: Components, config: Config, device: torch.device):
         self.eval_concept, self.eval_samples = config.validation.eval_concept, config.validation.eval_samples_per_prompt
@@ -45,18 +45,23 @@ class Validator:
                 )
         data = config.data.model_copy(
             update={"path": config.validation.path, "crop": "center", "random_flip": False, "caption_dropout": 0.0,
-                    "shuffle_tags": False, "tag_dropout": 0.0, "masks": "off"}  # prefix and suffix stay: the captions as trained
+                    "shuffle_tags": False, "tag_dropout": 0.0, "masks": "off",
+                    "control_path": ""}  # prefix and suffix stay: the captions as trained; controls in its own `control`
         )
         examples, bad_files = scan_examples(data, "validation.path")
         report_bad_files(bad_files, None)
         family = components.family
-        dataset = CaptionedImages(examples, data, partial(family.tokenize, components.tokenizers), config.validation.seed)
+        family.check_controls(examples, "validation.path")
+        sizes = training_sizes(examples, data)
+        dataset = CaptionedImages(examples, data, partial(family.tokenize, components.tokenizers), config.validation.seed,
+                                  sizes=sizes, control_sizes=control_sizes(examples, sizes, family.control_size))
         items = [dataset[(0, i)] for i in range(len(examples))]
         seed, timesteps = config.validation.seed, config.validation.timesteps
         noise_generator = torch.Generator().manual_seed(derive_seed(VALIDATION_STREAM, seed, len(items)))
         by_size: dict[tuple, list[int]] = {}
         for i, item in enumerate(items):
-            by_size.setdefault(tuple(item["pixel_values"].shape), []).append(i)
+            shapes = (item["pixel_values"].shape, *(control.shape for control in item.get("control_pixels", [])))
+            by_size.setdefault(tuple(map(tuple, shapes)), []).append(i)
         # One group per image size, each with every (image, timestep) pair and its own fixed noise: (N * T, C, h, w).
         self.groups = []
 
@@ -67,14 +72,19 @@ class Validator:
         for indices in by_size.values():
             generators = [torch.Generator().manual_seed(derive_seed(VALIDATION_STREAM, seed, i)) for i in indices]
             pixels = torch.stack([items[i]["pixel_values"] for i in indices]).to(device)
+            controls = [torch.stack([items[i]["control_pixels"][k] for i in indices]).to(device)
+                        for k in range(len(items[indices[0]].get("control_pixels", [])))]  # per control: (N, 3, h, w)
             with torch.no_grad():
                 latents = encode_latents(components.vae, pixels, generators).float().repeat_interleave(len(timesteps), dim=0)
+                control_latents = [reference_latents(encode_posterior(components.vae, control)[0], components.latent_normalization)
+                                   .repeat_interleave(len(timesteps), dim=0) for control in controls]
             self.groups.append({
                 "latents": latents,
                 "token_ids": {name: per_pair([items[i]["token_ids"][name] for i in indices]) for name in items[0]["token_ids"]},
                 "geometry": per_pair([items[i]["geometry"] for i in indices]),
                 "timesteps": torch.tensor(timesteps * len(indices), device=device),
                 "noise": torch.randn(latents.shape, generator=noise_generator).to(device),
+                "control_latents": control_latents,
             })
         self.loss_config = config.loss.model_copy(update={"weighting": "uniform", "noise_offset": 0.0, "input_perturbation": 0.0})
         self.batch_size = config.train.batch_size
@@ -89,9 +99,12 @@ class Validator:
                 for start in range(0, len(group["latents"]), self.batch_size):
                     part = slice(start, start + self.batch_size)
                     token_ids = {name: ids[part] for name, ids in group["token_ids"].items()}
+                    conditioning = family.encode_prompts(components, token_ids)
+                    if group["control_latents"]:
+                        conditioning["control_latents"] = [controls[part] for controls in group["control_latents"]]
                     per_sample = family.loss(
                         components, group["latents"][part], group["timesteps"][part], group["noise"][part],
-                        family.encode_prompts(components, token_ids), group["geometry"][part], self.loss_config,
+                        conditioning, group["geometry"][part], self.loss_config,
                     )
                     total += per_sample.sum().item()
                     count += len(per_sample)

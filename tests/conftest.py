@@ -85,8 +85,10 @@ def make_config(tiny_base, shapes, tmp_path):
 def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, list):
-        return json.dumps(value)  # a JSON array of strings or numbers is a TOML array
+    if isinstance(value, list):  # JSON strings, numbers and arrays of them are TOML; tables go inline
+        return "[" + ", ".join(_toml_value(item) if isinstance(item, dict) else json.dumps(item) for item in value) + "]"
+    if isinstance(value, dict):  # a prompt with controls
+        return "{" + ", ".join(f"{key} = {json.dumps(item)}" for key, item in value.items()) + "}"
     return str(value)
 
 

@@ -84,7 +84,8 @@ def _qwen_prompts(pipeline, prompts):
 # Whose pipelines read a micro model's kohya file: diffusers' Flux reader assumes FLUX.1's widths for a single
 # block's fused linear1 (tests/test_flux.py checks its double blocks).
 KOHYA_READ_BY_PIPELINE = {"sd", "sdxl", "qwen_image"}
-PIPELINE_PROMPTS = {"sd": _sd_prompts, "sdxl": _sdxl_prompts, "flux": _flux_prompts, "qwen_image": _qwen_prompts}
+PIPELINE_PROMPTS = {"sd": _sd_prompts, "sdxl": _sdxl_prompts, "flux": _flux_prompts, "flux_kontext": _flux_prompts,
+                    "qwen_image": _qwen_prompts}
 
 
 def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
@@ -97,9 +98,11 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
                  "generator": torch.Generator().manual_seed(0)}
     if name in ("flux", "qwen_image"):
         arguments |= {"true_cfg_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
+    elif name == "flux_kontext":  # guidance-distilled, as Kontext [dev]: the scale is its guidance embedding's input
+        arguments |= {"guidance_scale": 3.0, "max_sequence_length": 32, "max_area": 32 * 32}
     else:
         arguments |= {"guidance_scale": 3.0}
-    return pipeline(prompt, **arguments).images[0].numpy()
+    return pipeline(prompt=prompt, **arguments).images[0].numpy()
 
 
 def test_every_family_module_has_a_micro_model_and_a_pipeline_reference():

@@ -59,6 +59,7 @@ class Family:
     default_sampler = "ddim"  # what `sample.scheduler = "auto"` means
     samplers = SAMPLERS  # sampler name -> scheduler class, built over the model's own schedule config
     options_model: type[FamilyOptions] = FamilyOptions  # what `model.family_options` may set
+    max_controls = 0  # control (source) images an edit pair may have: 0 for a text-to-image family
 
     # Detection and loading.
 
@@ -121,6 +122,9 @@ class Family:
         """Refuse settings this family cannot train with (a `DifftuneError` naming them all), before any work: a
         sampler it lacks would otherwise stop the run at its end-of-run samples."""
         problems = self.unsupported_settings(config)
+        problems += [f"sample.prompts: {entry.prompt!r} has {len(entry.controls)} control images; these bases read "
+                     f"{'none (they edit no image)' if not self.max_controls else f'at most {self.max_controls}'}"
+                     for entry in config.sample.prompts if not isinstance(entry, str) and len(entry.controls) > self.max_controls]
         try:
             self.sampler(config.sample.scheduler)
         except DifftuneError as err:
@@ -155,6 +159,37 @@ class Family:
             **self.fixed_pipeline_arguments,
             **components.pipeline_options,
         )
+
+    # Edit pairs.
+
+    def check_controls(self, examples: list, key: str) -> None:
+        """Refuse a data set whose pairs have more control images than this family reads (a `DifftuneError` naming
+        one such image): a text-to-image base would train as if the controls were not there."""
+        over = next((e for e in examples if len(e.control_paths) > self.max_controls), None)
+        if over is None:
+            return
+        if not self.max_controls:
+            raise DifftuneError(
+                f"{key}: {over.image_path.name} has control images ({', '.join(str(c) for c in over.control_paths)}), but "
+                f"{self.description} bases edit no image; train an edit base (FLUX.1 Kontext, Qwen-Image-Edit) on pairs, "
+                f"or move the control folder away"
+            )
+        raise DifftuneError(
+            f"{key}: {over.image_path.name} has {len(over.control_paths)} control images; {self.description} bases read "
+            f"at most {self.max_controls}"
+        )
+
+    def control_size(self, target_size: tuple[int, int], control_size: tuple[int, int]) -> tuple[int, int]:
+        """The (width, height) a control image of `control_size` trains at beside a target trained at `target_size`:
+        the target's (as diffusers' Kontext training script pairs them), unless the family says otherwise."""
+        return target_size
+
+    def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
+        """The pipeline call's arguments for drawing at `height` x `width` (None: the pipeline's default size) from an
+        edit prompt's control images (PIL; none for a text-to-image prompt)."""
+        if controls:
+            raise DifftuneError(f"sample.prompts: a prompt with control images, but {self.description} bases edit no image")
+        return {}
 
     # Prompts and the denoiser.
 

@@ -72,11 +72,12 @@ MLP_RATIO = 4  # a single block's MLP is this times wider than its attention (Fl
 BLOCK = re.compile(r"^((?:single_)?transformer_blocks)\.(\d+)\.(.+)$")
 
 
-def image_position_ids(h: int, w: int, device, dtype) -> torch.Tensor:
-    """(h/2 * w/2, 3) ids (0, row, column) of the packed tokens, as `FluxPipeline._prepare_latent_image_ids`."""
+def image_position_ids(h: int, w: int, device, dtype, index: int = 0) -> torch.Tensor:
+    """(h/2 * w/2, 3) ids (index, row, column) of the packed tokens, as `FluxPipeline._prepare_latent_image_ids`:
+    index 0 for the image drawn, 1 for FLUX.1 Kontext's reference image (`FluxKontextPipeline.prepare_latents`)."""
     rows = torch.arange(h // 2, device=device, dtype=dtype)[:, None].expand(h // 2, w // 2)
     columns = torch.arange(w // 2, device=device, dtype=dtype)[None, :].expand(h // 2, w // 2)
-    return torch.stack([torch.zeros_like(rows), rows, columns], dim=-1).reshape(-1, 3)
+    return torch.stack([torch.full_like(rows, index), rows, columns], dim=-1).reshape(-1, 3)
 
 
 class FluxOptions(FlowOptions):
@@ -132,9 +133,13 @@ class Flux(FlowMatchingFamily):
         return {"encoder_hidden_states": t5_states, "pooled_prompt_embeds": clip.pooler_output, "text_mask": t5_ids != pad}
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
+        """Reference images (an edit base's `control_latents`) follow the image's tokens, each with its own index in
+        the position ids, and their predictions are dropped, as `FluxKontextPipeline` does."""
         states = conditioning["encoder_hidden_states"]
         b, _, h, w = noisy.shape
-        image_ids = image_position_ids(h, w, noisy.device, states.dtype)
+        images = [noisy, *conditioning.get("control_latents", [])]
+        image_ids = torch.cat([image_position_ids(*image.shape[-2:], noisy.device, states.dtype, index)
+                               for index, image in enumerate(images)])
         text_ids = torch.zeros(states.shape[1], 3, device=noisy.device, dtype=states.dtype)
         attention = None
         if components.family_options.text_padding_mask:  # text tokens, then image tokens: the joint sequence's order
@@ -142,12 +147,12 @@ class Flux(FlowMatchingFamily):
                                                                           device=noisy.device)], dim=1)
             attention = {"attention_mask": keep[:, None, None, :]}
         prediction = components.denoiser(
-            hidden_states=pack(noisy).to(states.dtype), timestep=(timesteps / 1000).to(states.dtype),
-            guidance=self.guidance(components, b, noisy.device), pooled_projections=conditioning["pooled_prompt_embeds"],
-            encoder_hidden_states=states, txt_ids=text_ids, img_ids=image_ids, joint_attention_kwargs=attention,
-            return_dict=False,
+            hidden_states=torch.cat([pack(image) for image in images], dim=1).to(states.dtype),
+            timestep=(timesteps / 1000).to(states.dtype), guidance=self.guidance(components, b, noisy.device),
+            pooled_projections=conditioning["pooled_prompt_embeds"], encoder_hidden_states=states, txt_ids=text_ids,
+            img_ids=image_ids, joint_attention_kwargs=attention, return_dict=False,
         )[0]
-        return unpack(prediction, h, w)
+        return unpack(prediction[:, : (h // 2) * (w // 2)], h, w)
 
     # Sampling.
 

@@ -7,6 +7,10 @@ untrained model's colored noise). The color is the
 palette entry nearest the blob's median; the shape comes from where the blob fills its bounding box: an
 apex-up triangle has little in its top half and empty top corners, a square fills all four corners, a
 circle none. `evaluate` samples fixed seeds per prompt and reports accuracies as JSON.
+
+An edit base is scored on edits instead: fixed recolor pairs (`tiny.recolor_pairs`) asked "make it <color>", each
+output judged for the asked color, the control's shape kept, and the shape kept in place (the overlap of the
+control's and the output's shape masks).
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import torch
 from PIL import Image
 
 from difftune.config import ModelConfig
+from difftune.errors import DifftuneError
 from difftune.families import load_components
 from difftune.models import Components
 from difftune.sample import sampling_scheduler
-from difftune.toy.tiny import COLORS, IMAGE_SIZE, SHAPES
+from difftune.toy.tiny import COLORS, IMAGE_SIZE, SHAPES, recolor_pairs
+
+MIN_PLACE_OVERLAP = 0.5  # intersection over union of the control's and the edit's shape masks: "in place"
 
 FOREGROUND_DISTANCE = 60.0  # RGB distance from the background; backgrounds vary by < 35 per channel
 MIN_FOREGROUND_FRACTION = 0.03
@@ -38,21 +45,33 @@ TRIANGLE_TOP_SHARE, TRIANGLE_TOP_CORNERS = 0.4, 0.3  # an apex-up triangle has 1
 def judge(image: Image.Image) -> tuple[str | None, str | None]:
     """(color, shape) of a shapes image; (None, None) where no shape is visible; shape None where it is none
     of the three."""
+    found = _shape_blob(image)
+    return (None, None) if found is None else (found[1], _shape(found[0]))
+
+
+def shape_mask(image: Image.Image) -> np.ndarray | None:
+    """The pixels of the shape `judge` sees (H, W) bool, or None where it sees none."""
+    found = _shape_blob(image)
+    return None if found is None else found[0]
+
+
+def _shape_blob(image: Image.Image) -> tuple[np.ndarray, str] | None:
+    """The shape's blob and its palette color, or None where no shape is visible."""
     pixels = np.asarray(image.convert("RGB"), dtype=np.float32)
     border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
     background = np.median(border, axis=0)
     plain_border = (np.linalg.norm(border - background, axis=-1) <= FOREGROUND_DISTANCE).mean()
     mask = np.linalg.norm(pixels - background, axis=-1) > FOREGROUND_DISTANCE
     if mask.mean() < MIN_FOREGROUND_FRACTION or plain_border < MIN_PLAIN_BORDER:
-        return None, None
+        return None
     blob = _largest_blob(mask)
     foreground = np.median(pixels[blob], axis=0)
     spread = np.median(np.linalg.norm(pixels[blob] - foreground, axis=-1))
     distances = {name: np.linalg.norm(foreground - np.array(rgb, dtype=np.float32)) for name, rgb in COLORS.items()}
     color = min(distances, key=distances.get)
     if blob.sum() < MIN_BLOB_SHARE * mask.sum() or spread > MAX_BLOB_SPREAD or distances[color] > MAX_COLOR_DISTANCE:
-        return None, None
-    return color, _shape(blob)
+        return None
+    return blob, color
 
 
 def _shape(blob: np.ndarray) -> str | None:
@@ -102,23 +121,29 @@ class EvalSettings:
     resolution: int = IMAGE_SIZE  # the judge's: a pipeline's own default may be another (FluxPipeline's is 1024 px)
 
 
+def _eval_pipeline(components: Components, settings: EvalSettings) -> tuple:
+    """The components' pipeline with the eval's sampler, in eval mode, and its guidance arguments."""
+    pipeline = components.pipeline(sampling_scheduler(settings.scheduler, components))
+    pipeline.set_progress_bar_config(disable=True)
+    for module in components.modules():
+        module.eval()
+    return pipeline, components.family.sampling_arguments(components, settings.guidance_scale, "")
+
+
 @torch.no_grad()
 def judged_samples(components: Components, prompts: list[str], settings: EvalSettings) -> list[dict]:
     """Each prompt's samples (fixed seeds), judged: one row per image."""
-    pipeline = components.pipeline(sampling_scheduler(settings.scheduler, components))
-    pipeline.set_progress_bar_config(disable=True)
-    guidance = components.family.sampling_arguments(components, settings.guidance_scale, "")
-    for module in components.modules():
-        module.eval()
+    pipeline, guidance = _eval_pipeline(components, settings)
     rows = []
     for prompt in prompts:
         seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
         images = pipeline(
-            [prompt] * len(seeds),
+            prompt=[prompt] * len(seeds),  # by name: an edit pipeline's first argument is the image
             num_inference_steps=settings.steps,
             height=settings.resolution,
             width=settings.resolution,
             **guidance,
+            **components.family.image_arguments([], settings.resolution, settings.resolution),
             generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
         ).images
         for seed, image in zip(seeds, images):
@@ -157,6 +182,53 @@ def score(components: Components, seen_colors, concept_color: str, settings: Eva
     }
 
 
+@torch.no_grad()
+def judged_edits(components: Components, colors, source_colors, settings: EvalSettings) -> list[dict]:
+    """`samples_per_prompt` fixed recolor pairs per (asked color, shape), each control drawn from `source_colors`,
+    edited with the instruction (sample k of a prompt with seed + k), judged: one row per edit."""
+    pipeline, guidance = _eval_pipeline(components, settings)
+    rows = []
+    for color in colors:
+        for shape in SHAPES:
+            pair_seed = settings.seed + 1000 * list(COLORS).index(color) + 100 * SHAPES.index(shape)
+            for k, (control, _, instruction) in enumerate(recolor_pairs(settings.samples_per_prompt, pair_seed, (color,),
+                                                                        source_colors, (shape,))):
+                image = pipeline(
+                    prompt=instruction, num_inference_steps=settings.steps, height=settings.resolution,
+                    width=settings.resolution, **guidance,
+                    **components.family.image_arguments([control], settings.resolution, settings.resolution),
+                    generator=torch.Generator("cpu").manual_seed(settings.seed + k),
+                ).images[0]
+                drawn_color, drawn_shape = judge(image)
+                before, after = shape_mask(control), shape_mask(image)
+                overlap = float((before & after).sum() / (before | after).sum()) if after is not None else 0.0
+                rows.append({"asked": color, "shape": shape, "color": drawn_color, "drawn_shape": drawn_shape,
+                             "overlap": overlap, "image": image})
+    return rows
+
+
+def edit_accuracy(rows: list[dict]) -> dict:
+    """Fractions of edits in the asked color, with the control's shape, in its place, color and shape both, and all."""
+    color = [row["color"] == row["asked"] for row in rows]
+    shape = [row["drawn_shape"] == row["shape"] for row in rows]
+    place = [row["overlap"] >= MIN_PLACE_OVERLAP for row in rows]
+    return {"color": float(np.mean(color)), "shape": float(np.mean(shape)), "place": float(np.mean(place)),
+            "both": float(np.mean(np.logical_and(color, shape))), "all": float(np.mean(np.logical_and.reduce([color, shape, place]))),
+            "edits": len(rows)}
+
+
+def edit_score(components: Components, seen_colors, concept_color: str, settings: EvalSettings) -> dict:
+    """An edit base's accuracies on the seen colors' edits and on the concept's (overall and per shape); every
+    control is of a seen color."""
+    seen = judged_edits(components, seen_colors, seen_colors, settings)
+    concept = judged_edits(components, [concept_color], seen_colors, settings)
+    return {
+        "seen": edit_accuracy(seen),
+        "concept": edit_accuracy(concept),
+        "concept_by_shape": {shape: edit_accuracy([r for r in concept if r["shape"] == shape]) for shape in SHAPES},
+    }
+
+
 def evaluate(base: str, adapter: Path | None, seen_colors, concept_color: str, settings: EvalSettings,
              concept_word: str = "") -> dict:
     """The base's scores, and with `adapter`, the adapted model's and the forgetting between them; `concept_word`
@@ -165,11 +237,20 @@ def evaluate(base: str, adapter: Path | None, seen_colors, concept_color: str, s
 
     report = {"settings": vars(settings) | {"base": base, "concept_color": concept_color}}
     components = load_components(ModelConfig(base=base))
-    report["before"] = score(components, seen_colors, concept_color, settings)
+    edits = bool(components.family.max_controls)
+    if edits and concept_word:
+        raise DifftuneError(f"--concept-word: {base} is an edit base, scored on edits that name the color")
+
+    def scored(word: str = "") -> dict:
+        return edit_score(components, seen_colors, concept_color, settings) if edits else score(
+            components, seen_colors, concept_color, settings, word)
+
+    report["scored"] = "edits" if edits else "prompts"
+    report["before"] = scored()
     if adapter:
         apply_adapters(components, [(adapter, 1.0)])  # onto the same base, in place
         report["adapter"] = str(adapter)
-        report["after"] = score(components, seen_colors, concept_color, settings, concept_word)
+        report["after"] = scored(concept_word)
         report["settings"]["concept_word"] = concept_word or concept_color
         report["forgetting"] = report["before"]["seen"]["both"] - report["after"]["seen"]["both"]
     return report

@@ -26,6 +26,7 @@ from diffusers import (
     AutoencoderTiny,
     DDPMScheduler,
     FlowMatchEulerDiscreteScheduler,
+    FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     QwenImagePipeline,
@@ -309,9 +310,9 @@ def build_noise_scheduler() -> DDPMScheduler:
 
 
 def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
-    """A random-init tiny SD, SDXL or Flux pipeline; its VAE's scaling factor is 1/std of the latents of
+    """A random-init tiny pipeline of `family`; its VAE's scaling factor is 1/std of the latents of
     `shape_images`, the way SD's 0.18215 was chosen (Flux: its shift factor their mean, as Flux.1's 0.1159).
-    `guidance`: Flux with a guidance embedding."""
+    `guidance`: Flux with a guidance embedding (FLUX.1 Kontext always has one, as Kontext [dev])."""
     torch.manual_seed(seed)
     pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
     if family == "qwen_image":
@@ -319,10 +320,11 @@ def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
         with torch.no_grad():
             set_latent_statistics(vae, encode_posterior(vae, pixels)[0])
     else:
-        vae = build_vae(latent_channels=FLUX_LATENT_CHANNELS if family == "flux" else 4)
+        flux = family in ("flux", "flux_kontext")
+        vae = build_vae(latent_channels=FLUX_LATENT_CHANNELS if flux else 4)
         with torch.no_grad():
             latents = encode_posterior(vae, pixels)[0]  # (64, C, 8, 8)
-        set_latent_scaling(vae, latents, shift=family == "flux")
+        set_latent_scaling(vae, latents, shift=flux)
     return assemble_tiny_pipeline(vae, family, guidance=guidance)
 
 
@@ -351,12 +353,13 @@ def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int,
             scheduler=build_qwen_scheduler(),
         )
     text_encoder, tokenizer = build_text_encoder(), build_tokenizer()
-    if family == "flux":
+    if family in ("flux", "flux_kontext"):
         t5_tokenizer = build_t5_tokenizer()
-        return FluxPipeline(
+        pipeline_class = FluxKontextPipeline if family == "flux_kontext" else FluxPipeline
+        return pipeline_class(
             vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
             text_encoder_2=build_t5_encoder(len(t5_tokenizer)), tokenizer_2=t5_tokenizer,
-            transformer=build_flux_transformer(flux_layers, flux_heads, guidance=guidance),
+            transformer=build_flux_transformer(flux_layers, flux_heads, guidance=guidance or family == "flux_kontext"),
             scheduler=build_flow_scheduler(),
         )
     if family == "sd":
@@ -410,3 +413,28 @@ def write_caption_folder(folder: Path, examples: list[tuple[Image.Image, str]]) 
     for i, (image, caption) in enumerate(examples):
         image.save(folder / f"{i:04d}.png")
         (folder / f"{i:04d}.txt").write_text(caption + "\n", encoding="utf-8")
+
+
+def recolor_pairs(count: int, seed: int, colors=tuple(COLORS), source_colors=tuple(COLORS),
+                  shapes=SHAPES) -> list[tuple[Image.Image, Image.Image, str]]:
+    """`count` edit pairs (control, target, instruction): a shape in a color of `source_colors`, and the same shape at
+    the same place on the same background in the asked color of `colors` ("make it red"), never the color it had.
+    Deterministic by seed; the asked colors and shapes cycle."""
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for i in range(count):
+        color, shape = colors[i % len(colors)], shapes[(i // len(colors)) % len(shapes)]
+        source = str(rng.choice([c for c in source_colors if c != color]))
+        place = int(rng.integers(2**31))  # the same draws place both images' shapes
+        pairs.append((render_shape(shape, source, np.random.default_rng(place)),
+                      render_shape(shape, color, np.random.default_rng(place)), f"make it {color}"))
+    return pairs
+
+
+def write_pair_folder(folder: Path, pairs: list[tuple[Image.Image, Image.Image, str]]) -> None:
+    """The edit layout: target `NNNN.png` with its instruction in `NNNN.txt`, its control in `control/NNNN.png`."""
+    write_caption_folder(folder, [(target, instruction) for _, target, instruction in pairs])
+    (folder / "control").mkdir(exist_ok=True)
+    for i, (control, _, _) in enumerate(pairs):
+        control.save(folder / "control" / f"{i:04d}.png")
+

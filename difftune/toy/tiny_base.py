@@ -326,3 +326,47 @@ def build_base(out_dir: Path, work_dir: Path, recipe: Recipe = Recipe(), autoenc
         {key: row[key] for key in ("step", "val_loss", "val_loss_ema")} for row in read_metrics(run_dir) if "val_loss" in row
     ]
     return {"recipe": asdict(recipe), "seconds": seconds, "autoencoders": scores, "validation_loss": validation}
+
+
+# tiny-flux_kontext: tiny-flux's transformer taught to edit by a full fine-tune on recolor pairs of the seen colors
+# (its text encoders and autoencoders kept: FLUX.1 Kontext is FLUX.1's components with an edit-trained transformer).
+EDIT_RECIPE = {"steps": 600, "batch_size": 64, "learning_rate": 1e-3, "pairs_per_prompt": 40, "ema_decay": 0.99}
+
+
+def build_edit_base(out_dir: Path, work_dir: Path, source: Path, recipe: dict = EDIT_RECIPE, seed: int = 0) -> dict:
+    """A FLUX.1 Kontext pipeline folder from the text-to-image base `source` (tiny-flux), its transformer trained
+    by `difftune train` on "make it <color>" pairs of the seen colors; returns the facts for the model card."""
+    from diffusers import FluxKontextPipeline
+
+    from difftune.toy.tiny import recolor_pairs, write_pair_folder
+    from difftune.train import train
+
+    seconds: dict[str, float] = {}
+    flux = DiffusionPipeline.from_pretrained(source, dtype=torch.float32)
+    init_dir = work_dir / "init"
+    FluxKontextPipeline(**flux.components).save_pretrained(init_dir, safe_serialization=True)
+    count = recipe["pairs_per_prompt"] * len(SEEN_COLORS) * 3
+    for folder, pairs, pair_seed in (("train", count, seed + 1), ("validation", len(SEEN_COLORS) * 3 * 2, seed + 2)):
+        shutil.rmtree(work_dir / folder, ignore_errors=True)
+        write_pair_folder(work_dir / folder, recolor_pairs(pairs, pair_seed, SEEN_COLORS, SEEN_COLORS))
+    values = {
+        "model.base": init_dir, "data.path": work_dir / "train", "data.resolution": 32, "data.num_workers": 0,
+        "data.caption_dropout": 0.1, "adapter.kind": "none", "adapter.text_encoder": "false",
+        "loss.flow_shift_by_resolution": "true", "optim.learning_rate": recipe["learning_rate"],
+        "optim.lr_schedule": "cosine", "optim.warmup_steps": 50, "optim.weight_decay": 0.0,
+        "train.output_dir": work_dir / "run", "train.overwrite": "true", "train.max_steps": recipe["steps"],
+        "train.batch_size": recipe["batch_size"], "train.seed": seed, "ema.enabled": "true", "ema.decay": recipe["ema_decay"],
+        "validation.path": work_dir / "validation", "validation.every_steps": 100, "cache.latents": "true",
+        "cache.dir": work_dir / "cache", "checkpoint.every_steps": 0, "log.tensorboard": "false",
+    }
+    with timed(seconds, "transformer"):
+        train(load_config(None, [f"{key}={value}" for key, value in values.items()]))
+    pipeline = FluxKontextPipeline.from_pretrained(work_dir / "run" / "model_ema", dtype=torch.float32)
+    pipeline.scheduler = build_flow_scheduler()
+    shutil.rmtree(out_dir, ignore_errors=True)
+    pipeline.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)
+    shutil.copytree(source / "taesd", out_dir / "taesd")
+    validation = [{key: row[key] for key in ("step", "val_loss", "val_loss_ema")}
+                  for row in read_metrics(work_dir / "run") if "val_loss" in row]
+    return {"recipe": recipe | {"seed": seed, "source": str(source)}, "seconds": seconds, "validation_loss": validation}
+
