@@ -70,9 +70,10 @@ def test_accelerate_launch_runs_the_default_job(tmp_path):
     after = pipeline("a purple circle", num_inference_steps=3, generator=generator, output_type="np").images
     assert abs(before - after).max() > 1e-3
     columns = math.ceil(math.sqrt(images))
-    for grid_path in (out / "samples" / "grid.png", out / "samples" / "before" / "grid.png"):
+    # The end-of-run grid's cells are before | after (the base's sample of the same number beside each).
+    for grid_path, cell_width in ((out / "samples" / "grid.png", 64), (out / "samples" / "before" / "grid.png", 32)):
         with Image.open(grid_path) as grid:
-            assert grid.size == (32 * columns, 32 * math.ceil(images / columns))
+            assert grid.size == (cell_width * columns, 32 * math.ceil(images / columns))
 
 
 def test_difftune_command_with_overrides(tmp_path):
