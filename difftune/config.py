@@ -984,13 +984,16 @@ def resolve_path_values(data: dict, base_dir: Path) -> None:
             value = values.get(name)
             if not kind or not isinstance(value, str) or not value or Path(value).is_absolute():
                 continue
-            candidate = (base_dir / Path(value).expanduser()).resolve()
+            candidate = _resolved(value, base_dir)
             if kind == "local" or candidate.exists():
                 values[name] = str(candidate)
     for entry in (data.get("sample") or {}).get("prompts") or []:  # an edit prompt's control images (PromptWithControls)
         if isinstance(entry, dict) and isinstance(entry.get("controls"), list):
-            entry["controls"] = [str((base_dir / Path(c).expanduser()).resolve()) if isinstance(c, str) else c
-                                 for c in entry["controls"]]
+            entry["controls"] = [str(_resolved(c, base_dir)) if isinstance(c, str) else c for c in entry["controls"]]
+
+
+def _resolved(value: str, base_dir: Path) -> Path:
+    return (base_dir / Path(value).expanduser()).resolve()
 
 
 def _parse_override(override: str) -> tuple[str, Any]:

@@ -416,9 +416,7 @@ Size = tuple[int, int]  # (width, height)
 def control_sizes(examples: list[Example], sizes: list[Size], rule: Callable[[Size, Size], Size]) -> list[tuple[Size, ...]]:
     """Each example's controls' training sizes: `rule(target's training size, control's own size)`, the family's
     (`Family.control_size`). Reads each control's header once."""
-    originals: dict[Path, Size] = {}
-    for path in {c for example in examples for c in example.control_paths}:
-        originals[path] = image_size(path)
+    originals = {path: image_size(path) for path in {c for example in examples for c in example.control_paths}}
     return [tuple(rule(size, originals[c]) for c in example.control_paths) for example, size in zip(examples, sizes)]
 
 

@@ -28,7 +28,7 @@ class Sample:
     image: Image.Image
     entry: str | PromptWithControls  # the `sample.prompts` entry it was drawn for
     seed: int
-    controls: list[Image.Image] = field(default_factory=list)  # as the pipeline was given them
+    controls: list[Image.Image] = field(default_factory=list)  # an edit's control images, at the image's size (for the grid)
 
     @property
     def prompt(self) -> str:
@@ -39,6 +39,9 @@ class Sample:
 def generate_images(components: Components, config: SampleConfig, device: torch.device) -> list[Sample]:
     """`images_per_prompt` images per prompt; image k (counting across prompts) uses seed `config.seed + k`,
     so any image can be re-made alone. No `resolution`: the model's native size."""
+    problems = components.family.prompt_control_problems(config.prompts)
+    if problems:
+        raise DifftuneError("; ".join(problems))
     decoder = load_vae(config.decoder).to(device, components.vae.dtype) if config.decoder else components.vae
     pipeline = replace(components, vae=decoder).pipeline(sampling_scheduler(config.scheduler, components))
     pipeline.set_progress_bar_config(disable=True)

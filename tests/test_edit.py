@@ -193,7 +193,11 @@ def test_text_to_image_bases_refuse_pairs_and_edit_prompts(tiny_flux_base, pairs
         train(make_config(**_kontext_settings(tiny_flux_base, pairs, tmp_path / "run", sample__prompts=[missing])))
 
 
-def test_kontext_refuses_a_second_control(kontext_base, pairs, make_config, tmp_path):
+def test_kontext_refuses_a_second_control(kontext_base, pairs, make_config, tmp_path, capsys):
+    control = str(pairs / "control" / "0002.png")
+    assert main(["sample", "--base", str(kontext_base), "--prompt", "make it red", "--control", control, "--control",
+                 control, "--steps", "1", "--resolution", "32", "--out", str(tmp_path / "cli")]) != 0
+    assert "'make it red' has 2 control images; these bases read at most 1" in capsys.readouterr().err
     shutil.copy(pairs / "control" / "0002.png", pairs / "control" / "0002_1.png")
     (pairs / "control" / "0002.png").rename(pairs / "control" / "0002_0.png")
     with pytest.raises(DifftuneError, match="0002.png has 2 control images; FLUX.1 Kontext edit transformers bases read at most 1"):

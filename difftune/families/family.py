@@ -121,10 +121,7 @@ class Family:
     def check_config(self, config: Config) -> None:
         """Refuse settings this family cannot train with (a `DifftuneError` naming them all), before any work: a
         sampler it lacks would otherwise stop the run at its end-of-run samples."""
-        problems = self.unsupported_settings(config)
-        problems += [f"sample.prompts: {entry.prompt!r} has {len(entry.controls)} control images; these bases read "
-                     f"{'none (they edit no image)' if not self.max_controls else f'at most {self.max_controls}'}"
-                     for entry in config.sample.prompts if not isinstance(entry, str) and len(entry.controls) > self.max_controls]
+        problems = self.unsupported_settings(config) + self.prompt_control_problems(config.sample.prompts)
         try:
             self.sampler(config.sample.scheduler)
         except DifftuneError as err:
@@ -184,11 +181,16 @@ class Family:
         the target's (as diffusers' Kontext training script pairs them), unless the family says otherwise."""
         return target_size
 
+    def prompt_control_problems(self, prompts: list) -> list[str]:
+        """The `sample.prompts` entries with more control images than this family reads, each named."""
+        return [f"sample.prompts: {entry.prompt!r} has {len(entry.controls)} control images; these bases read "
+                f"{'none (they edit no image)' if not self.max_controls else f'at most {self.max_controls}'}"
+                for entry in prompts if not isinstance(entry, str) and len(entry.controls) > self.max_controls]
+
     def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
         """The pipeline call's arguments for drawing at `height` x `width` (None: the pipeline's default size) from an
-        edit prompt's control images (PIL; none for a text-to-image prompt)."""
-        if controls:
-            raise DifftuneError(f"sample.prompts: a prompt with control images, but {self.description} bases edit no image")
+        edit prompt's control images (PIL; none for a text-to-image prompt, at most `max_controls`: callers check
+        `prompt_control_problems` first)."""
         return {}
 
     # Prompts and the denoiser.

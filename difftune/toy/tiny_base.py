@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderTiny, DiffusionPipeline
+from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderTiny, DiffusionPipeline, FluxKontextPipeline
 from tqdm.auto import tqdm
 
 from difftune.autoencoders import (
@@ -47,10 +47,12 @@ from difftune.toy.tiny import (
     build_qwen_vae,
     build_taesd,
     build_vae,
+    recolor_pairs,
     set_latent_scaling,
     set_latent_statistics,
     shape_images,
     write_caption_folder,
+    write_pair_folder,
 )
 
 HELD_OUT_COLOR = "purple"
@@ -336,9 +338,6 @@ EDIT_RECIPE = {"steps": 600, "batch_size": 64, "learning_rate": 1e-3, "pairs_per
 def build_edit_base(out_dir: Path, work_dir: Path, source: Path, recipe: dict = EDIT_RECIPE, seed: int = 0) -> dict:
     """A FLUX.1 Kontext pipeline folder from the text-to-image base `source` (tiny-flux), its transformer trained
     by `difftune train` on "make it <color>" pairs of the seen colors; returns the facts for the model card."""
-    from diffusers import FluxKontextPipeline
-
-    from difftune.toy.tiny import recolor_pairs, write_pair_folder
     from difftune.train import train
 
     seconds: dict[str, float] = {}
