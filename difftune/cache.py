@@ -4,9 +4,10 @@ An entry's file name is the SHA-256 of everything its content depends on, and of
 an entry holds changes):
 - latents: the image file's bytes, the VAE's weights and config, the training size, the crop, the color
   transparent pixels are composited onto (`data.alpha_background`) and the view (as is, or mirrored);
-- text: the token ids each text encoder reads (so the tokenizers and their max lengths are covered too), the
-  text encoders' weights and configs; an entry holds the family's whole text conditioning (SDXL: both
-  encoders' states and the pooled embedding).
+- text: the token ids each text encoder reads (so the tokenizers and their max lengths are covered too), and
+  where the text encoder sees an edit pair's controls (Qwen-Image-Edit), their patches; the text encoders'
+  weights and configs; an entry holds the family's whole text conditioning (SDXL: both encoders' states and the
+  pooled embedding).
 A changed image, another VAE or another setting therefore misses and is encoded again, and an entry made
 under other settings can never be read. Each entry is one
 safetensors file, written under a temporary name and renamed into place, so processes sharing a cache
@@ -29,6 +30,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,7 +39,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from difftune.config import Config
-from difftune.data import Example, Size, image_to_tensor, open_image, resize_and_crop
+from difftune.data import Example, Prompt, Size, image_to_tensor, open_image, prompt_controls, resize_and_crop
 from difftune.autoencoders import encode_posterior
 from difftune.models import Components
 
@@ -147,27 +149,41 @@ def text_identity(components: Components) -> str:
 
 
 def text_entries(
-    captions: set[str], identity: str, config: Config, tokenize: Callable[[list[str]], dict[str, torch.Tensor]]
-) -> dict[str, Path]:
-    """Each caption's cache file, keyed by its token ids (`tokenize`: the family's, over the base's tokenizers):
-    what the encoders read, whatever the tokenizers."""
+    prompts: set[Prompt], identity: str, config: Config, tokenize: Callable[..., dict[str, torch.Tensor]]
+) -> dict[Prompt, Path]:
+    """Each prompt's cache file, keyed by what its encoders read (`tokenize`: the family's, over the base's
+    tokenizers): its token ids, whatever the tokenizers, and where the text encoder sees an edit pair's controls,
+    their patches as it sees them (so a changed control file, size or view is another entry)."""
     root = cache_root(config)
     entries = {}
-    for caption in sorted(captions):
-        token_ids = tokenize([caption])
-        entries[caption] = _entry(root, "text", *(ids[0].numpy().tobytes() for ids in token_ids.values()), identity)
+    for prompt in sorted(prompts):
+        inputs = _tokenized([prompt], tokenize, config)
+        entries[prompt] = _entry(root, "text", *(value[0].numpy().tobytes() for value in inputs.values()), identity)
     return entries
 
 
-def fill_text(entries: dict[str, Path], components: Components, device: torch.device, batch_size: int) -> int:
-    """Encode the captions whose entries are missing (the text encoders on `device`); returns how many."""
+def _tokenized(prompts: list[Prompt], tokenize: Callable[..., dict[str, torch.Tensor]], config: Config) -> dict:
+    captions = [prompt.caption for prompt in prompts]
+    if not prompts[0].controls:
+        return tokenize(captions)
+    return tokenize(captions, [prompt_controls(prompt, config.data) for prompt in prompts])
+
+
+def fill_text(entries: dict[Prompt, Path], components: Components, device: torch.device, config: Config) -> int:
+    """Encode the prompts whose entries are missing (the text encoders on `device`), in batches of prompts whose
+    controls share their sizes; returns how many."""
     family = components.family
-    todo = [(caption, path) for caption, path in entries.items() if not path.exists()]
-    for start in tqdm(range(0, len(todo), batch_size), desc="caching captions", disable=not todo):
-        chunk = todo[start : start + batch_size]
-        token_ids = family.tokenize(components.tokenizers, [caption for caption, _ in chunk])
+    tokenize = partial(family.tokenize, components.tokenizers)
+    todo = sorted((prompt, path) for prompt, path in entries.items() if not path.exists())
+    by_sizes: dict[tuple, list] = {}
+    for prompt, path in todo:
+        by_sizes.setdefault(tuple(size for _, size in prompt.controls), []).append((prompt, path))
+    batch_size = config.train.batch_size
+    chunks = [group[start : start + batch_size] for group in by_sizes.values() for start in range(0, len(group), batch_size)]
+    for chunk in tqdm(chunks, desc="caching captions", disable=not chunks):
+        inputs = _tokenized([prompt for prompt, _ in chunk], tokenize, config)
         with torch.no_grad():
-            conditioning = family.encode_prompts(components, {name: ids.to(device) for name, ids in token_ids.items()})
+            conditioning = family.encode_prompts(components, {name: value.to(device) for name, value in inputs.items()})
         for i, (_, path) in enumerate(chunk):
             _write(path, family.cached_conditioning({name: value[i] for name, value in conditioning.items()}))
     return len(todo)

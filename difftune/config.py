@@ -72,7 +72,8 @@ class ModelConfig(Section):
         "auto",
         description="Model family: `auto` reads it from the base (a pipeline folder's model_index.json, a single "
         "file's keys); `sd` is Stable Diffusion 1.x/2.x, `sdxl` SDXL and models built on it, `flux` Flux.1-class "
-        "flow-matching transformers, `qwen_image` Qwen-Image.",
+        "flow-matching transformers, `flux_kontext` FLUX.1 Kontext, `qwen_image` Qwen-Image, `qwen_image_edit` and "
+        "`qwen_image_edit_plus` Qwen-Image-Edit and its multi-image 2509 / 2511.",
     )
     revision: str = Field("", description="Hub revision (branch, tag or commit) of `base`; empty for the default.")
     variant: str = Field("", description="Weight variant to load from a diffusers folder, e.g. `fp16`; empty for the default.")

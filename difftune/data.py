@@ -449,6 +449,7 @@ class View(NamedTuple):
     geometry: torch.Tensor  # (6,): `image_geometry`
     mask: torch.Tensor | None  # (1, H, W) with `data.masks`, else None
     controls: list[torch.Tensor]  # each control (3, h, w), cut and flipped as the image was
+    flipped: bool
 
 
 def load_image(path: Path, config: DataConfig, rng: random.Random, size: Size | None = None,
@@ -466,7 +467,7 @@ def load_image(path: Path, config: DataConfig, rng: random.Random, size: Size | 
     mask = mask_view(open_mask(path, config, source.size), crop, size, flipped) if config.masks != "off" else None
     return View(image_to_tensor(image), image_geometry(source.size, crop, size, flipped), mask,
                 [image_to_tensor(load_control(control, config, control_size, crop, size, flipped))
-                 for control, control_size in controls])
+                 for control, control_size in controls], flipped)
 
 
 def load_control(path: Path, config: DataConfig, control_size: Size, crop: Crop, size: Size, flipped: bool) -> Image.Image:
@@ -474,6 +475,41 @@ def load_control(path: Path, config: DataConfig, control_size: Size, crop: Crop,
     source = open_image(path, config)
     image = cut(source, place_like(crop, size, source.size, control_size, config.crop), control_size)
     return image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flipped else image
+
+
+class Prompt(NamedTuple):
+    """What a sample's text conditioning depends on (a text-cache entry's key): its caption and, where the base's text
+    encoder reads an edit pair's controls (`Family.prompts_see_controls`), those controls (file, training size) and
+    whether the pair was flipped."""
+
+    caption: str
+    controls: tuple[tuple[Path, Size], ...] = ()
+    flipped: bool = False
+
+
+def prompt_of(example: Example, control_sizes: tuple[Size, ...], caption: str, flipped: bool, sees_controls: bool) -> Prompt:
+    """The `Prompt` of a draw of `example` (its controls' training sizes `control_sizes`)."""
+    if not (sees_controls and example.control_paths):
+        return Prompt(caption)
+    return Prompt(caption, tuple(zip(example.control_paths, control_sizes)), flipped)
+
+
+def prompt_controls(prompt: Prompt, config: DataConfig) -> list[Image.Image]:
+    """The controls as the text encoder sees them: each at its training size, cut at the center (whatever
+    `data.crop`: the text encoder sees the whole picture, so its states can be cached) and flipped with the pair."""
+    images = [resize_and_crop(open_image(path, config), size, "center") for path, size in prompt.controls]
+    return [image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) for image in images] if prompt.flipped else images
+
+
+def possible_prompts(examples: list[Example], control_sizes: list[tuple[Size, ...]], config: DataConfig, train_seed: int,
+                     sees_controls: bool) -> set[Prompt]:
+    """Every `Prompt` training can draw (what the text cache holds): each example's possible captions, with its controls
+    in each view where the text encoder sees them."""
+    drawer = CaptionDrawer(config, train_seed)
+    flips = (False, True) if config.random_flip and sees_controls else (False,)
+    return {prompt_of(example, sizes, caption, flipped, sees_controls)
+            for example, sizes in zip(examples, control_sizes)
+            for caption in drawer.possible({example.caption}) for flipped in flips}
 
 
 def image_to_tensor(image: Image.Image) -> torch.Tensor:
@@ -544,9 +580,10 @@ class CaptionedImages(Dataset):
     An edit pair's controls come as pixels (`control_pixels`), or with the cache as their posteriors' means
     (`control_latents`), each a list with one (C, ...) tensor per control.
     With `latent_entries` (each example's cache file per view) it returns the cached posterior instead of pixels,
-    and with `text_entries` (caption -> cache file) the cached text conditioning instead of token ids
-    (`tokenize`: captions -> token ids per text encoder, the family's; `uncached_conditioning`: a stored entry as
-    the family's encoder made it). The per-sample random draws happen in
+    and with `text_entries` (`Prompt` -> cache file) the cached text conditioning instead of token ids
+    (`tokenize`: captions [and their controls] -> token ids per text encoder, the family's; `uncached_conditioning`: a
+    stored entry as the family's encoder made it; `sees_controls`: the family's `prompts_see_controls`, whose token
+    inputs hold the controls as `prompt_controls` shows them). The per-sample random draws happen in
     the same order either way, so cached and uncached runs match.
     Cache entries read once stay in RAM up to `memory_bytes`, and each caption is tokenized once: on a small
     model those reads and tokenizer calls were 13% of a training step (measured on the tiny base).
@@ -565,6 +602,7 @@ class CaptionedImages(Dataset):
         uncached_conditioning: Callable[[dict], dict] | None = None,  # the family's: a text entry as encoded
         control_sizes: list[tuple[Size, ...]] | None = None,  # each example's controls' training sizes (`control_sizes`)
         control_entries: list[list[dict[str, Path]]] | None = None,  # with `latent_entries`: each control's cache files
+        sees_controls: bool = False,
     ):
         self.examples = examples
         self.config = config
@@ -576,6 +614,7 @@ class CaptionedImages(Dataset):
         self.sizes = sizes if sizes is not None else training_sizes(examples, config)
         self.control_sizes = control_sizes or [()] * len(examples)
         self.control_entries = control_entries
+        self.sees_controls = sees_controls
         self.captions = CaptionDrawer(config, train_seed)
         self._memory_left = memory_bytes
         self._in_memory: dict[Path, dict[str, torch.Tensor]] = {}
@@ -594,10 +633,12 @@ class CaptionedImages(Dataset):
                 self._memory_left -= size
         return tensors
 
-    def _token_ids_of(self, caption: str) -> dict[str, torch.Tensor]:
-        if caption not in self._token_ids:
-            self._token_ids[caption] = {name: ids[0] for name, ids in self.tokenize([caption]).items()}  # (L,) each
-        return self._token_ids[caption]
+    def _token_ids_of(self, prompt: Prompt) -> dict[str, torch.Tensor]:
+        if prompt.controls:  # a control's patches are large and its views many: tokenized each time
+            return {name: ids[0] for name, ids in self.tokenize([prompt.caption], [prompt_controls(prompt, self.config)]).items()}
+        if prompt.caption not in self._token_ids:
+            self._token_ids[prompt.caption] = {name: ids[0] for name, ids in self.tokenize([prompt.caption]).items()}  # (L,) each
+        return self._token_ids[prompt.caption]
 
     def _cached_geometry(self, path: Path, size: tuple[int, int], flipped: bool) -> torch.Tensor:
         """A cached view's geometry: cached images are center-cropped, so the header's size says it all."""
@@ -642,17 +683,18 @@ class CaptionedImages(Dataset):
         else:
             view = load_image(example.image_path, self.config, rng, self.sizes[index],
                               list(zip(example.control_paths, self.control_sizes[index])))
-            item["pixel_values"], item["geometry"] = view.pixels, view.geometry
+            item["pixel_values"], item["geometry"], flipped = view.pixels, view.geometry, view.flipped
             if view.mask is not None:
                 item["mask"] = view.mask
             if view.controls:
                 item["control_pixels"] = view.controls  # each (3, h, w)
         caption = self.captions.draw(example.caption, rng)
+        prompt = prompt_of(example, self.control_sizes[index], caption, flipped, self.sees_controls)
         if self.text_entries:
-            stored = self._read(self.text_entries[caption])  # name -> (L, D) or (P,)
+            stored = self._read(self.text_entries[prompt])  # name -> (L, D) or (P,)
             item["conditioning"] = self.uncached_conditioning(stored) if self.uncached_conditioning else stored
         else:
-            item["token_ids"] = self._token_ids_of(caption)  # text encoder -> (L,)
+            item["token_ids"] = self._token_ids_of(prompt)  # text encoder -> (L,), and an edit's patches
         return item
 
 

@@ -66,11 +66,11 @@ def fill_class_images(config: Config, components: Components, device: torch.devi
     chunks = [todo[start : start + prior.batch_size] for start in range(0, len(todo), prior.batch_size)]
     with eval_mode(components.denoiser, *components.text_encoders.values()), torch.no_grad():
         for chunk in tqdm(chunks, desc="drawing class images"):
-            images = pipeline(
-                prompt=[prior.class_prompt] * len(chunk), num_inference_steps=prior.steps, height=config.data.resolution,
-                width=config.data.resolution, **guidance, **components.family.image_arguments([], *[config.data.resolution] * 2),
+            images = components.family.draw(
+                pipeline, components.family_options, [prior.class_prompt] * len(chunk), [], config.data.resolution,
+                config.data.resolution, num_inference_steps=prior.steps, **guidance,
                 generator=[torch.Generator("cpu").manual_seed(derive_seed(PRIOR_STREAM, prior.seed, i)) for i in chunk],
-            ).images
+            )
             for index, image in zip(chunk, images):
                 _write_class_image(folder / f"{DRAWN_PREFIX}{index:05d}", image, prior.class_prompt, config.data.caption_extension)
     return len(todo)

@@ -47,25 +47,19 @@ def generate_images(components: Components, config: SampleConfig, device: torch.
     pipeline.set_progress_bar_config(disable=True)
     guidance = components.family.sampling_arguments(components, config.guidance_scale, config.negative_prompt)
     with eval_mode(components.denoiser, *components.text_encoders.values()):
-        return _sample_all(pipeline, config, guidance, components.family)
+        return _sample_all(pipeline, config, guidance, components)
 
 
-def _sample_all(pipeline, config: SampleConfig, guidance: dict, family) -> list[Sample]:
+def _sample_all(pipeline, config: SampleConfig, guidance: dict, components: Components) -> list[Sample]:
     samples = []
     for entry in config.prompts:
         prompt, controls = (entry, []) if isinstance(entry, str) else (entry.prompt, [_open_control(c) for c in entry.controls])
-        edit = family.image_arguments(controls, config.resolution, config.resolution)
         for _ in range(config.images_per_prompt):
             seed = config.seed + len(samples)
-            image = pipeline(
-                prompt=prompt,  # by name: an edit pipeline's first argument is the image
-                num_inference_steps=config.steps,
-                **guidance,
-                **edit,
-                height=config.resolution,
-                width=config.resolution,
-                generator=torch.Generator("cpu").manual_seed(seed),
-            ).images[0]
+            [image] = components.family.draw(
+                pipeline, components.family_options, prompt, controls, config.resolution, config.resolution,
+                num_inference_steps=config.steps, generator=torch.Generator("cpu").manual_seed(seed), **guidance,
+            )
             samples.append(Sample(image, entry, seed, [c.resize(image.size) for c in controls]))
     return samples
 

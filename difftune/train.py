@@ -46,12 +46,12 @@ from difftune.checkpoint import (
 from difftune.config import Config, check_before_start
 from difftune.data import (
     BAD_FILES_REPORT,
-    CaptionDrawer,
     CaptionedImages,
     TrainingOrder,
     batch_groups,
     build_dataloader,
     control_sizes,
+    possible_prompts,
     report_bad_files,
     scan_examples,
     training_sizes,
@@ -180,7 +180,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
     components.family.check_controls(examples, "data.path")
     sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
-    controls = control_sizes(examples, sizes, components.family.control_size)
+    controls = control_sizes(examples, sizes, partial(components.family.control_size, options=components.family_options))
     tokenize = partial(components.family.tokenize, components.tokenizers)  # picklable for loader workers
     latent_files, control_files, text_files = _fill_caches(components, tokenize, examples, sizes, controls, config, accelerator)
     validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
@@ -220,6 +220,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
         examples, config.data, tokenize, config.train.seed,
         latent_files, text_files, sizes, memory_bytes=config.cache.memory_mb * 2**20,
         uncached_conditioning=components.family.uncached_conditioning, control_sizes=controls, control_entries=control_files,
+        sees_controls=components.family.prompts_see_controls,
     )
     order = TrainingOrder(
         len(examples), config.train.batch_size, config.train.seed, accelerator.process_index, accelerator.num_processes,
@@ -487,8 +488,8 @@ def _fill_caches(components: Components, tokenize, examples, sizes, controls, co
         latent_files = latent_entries(examples, sizes, vae_identity, config)
         control_files = control_latent_entries(examples, controls, vae_identity, config)
     if config.cache.text == "on":
-        captions = CaptionDrawer(config.data, config.train.seed).possible({example.caption for example in examples})
-        text_files = text_entries(captions, text_identity(components), config, tokenize)
+        prompts = possible_prompts(examples, controls, config.data, config.train.seed, components.family.prompts_see_controls)
+        text_files = text_entries(prompts, text_identity(components), config, tokenize)
     if accelerator.is_main_process:
         device = accelerator.device
         if latent_files:
@@ -499,7 +500,7 @@ def _fill_caches(components: Components, tokenize, examples, sizes, controls, co
         if text_files:
             for encoder in components.text_encoders.values():
                 encoder.to(device)
-            fill_text(text_files, components, device, config.train.batch_size)
+            fill_text(text_files, components, device, config)
     accelerator.wait_for_everyone()
     return latent_files, control_files, text_files
 

@@ -53,8 +53,10 @@ class Validator:
         family = components.family
         family.check_controls(examples, "validation.path")
         sizes = training_sizes(examples, data)
+        rule = partial(family.control_size, options=components.family_options)
         dataset = CaptionedImages(examples, data, partial(family.tokenize, components.tokenizers), config.validation.seed,
-                                  sizes=sizes, control_sizes=control_sizes(examples, sizes, family.control_size))
+                                  sizes=sizes, control_sizes=control_sizes(examples, sizes, rule),
+                                  sees_controls=family.prompts_see_controls)
         items = [dataset[(0, i)] for i in range(len(examples))]
         seed, timesteps = config.validation.seed, config.validation.timesteps
         noise_generator = torch.Generator().manual_seed(derive_seed(VALIDATION_STREAM, seed, len(items)))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from difftune.config import load_config
-from difftune.toy.tiny import build_pipeline, shape_images, write_caption_folder
+from difftune.toy.tiny import build_pipeline, recolor_pairs, shape_images, write_caption_folder, write_pair_folder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,6 +52,19 @@ def shapes(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("shapes")
     write_caption_folder(path, shape_images(8, seed=3))
     return path
+
+
+@pytest.fixture
+def pairs(tmp_path) -> Path:
+    """Six recolor pairs (32 px) in the control-folder layout."""
+    write_pair_folder(tmp_path / "pairs", recolor_pairs(6, seed=0))
+    return tmp_path / "pairs"
+
+
+def edit_settings(base: Path, data: Path, out: Path, **overrides) -> dict:
+    """`make_config` overrides of an edit job: `base` trained on the pairs in `data`, transformer only, no samples."""
+    return {"model__base": str(base), "data__path": str(data), "train__output_dir": str(out),
+            "adapter__text_encoder": False, "sample__prompts": [], **overrides}
 
 
 @pytest.fixture

@@ -144,16 +144,18 @@ def test_alpha_background_is_part_of_a_latent_entry(make_config, tmp_path):
 
 def test_text_entries_follow_the_token_ids(make_config, tmp_path):
     from difftune.cache import text_entries
+    from difftune.data import Prompt
     from difftune.toy.tiny import build_tokenizer
 
     config = make_config(cache__text=True, cache__dir=str(tmp_path / "cache"))
     tokenizer = build_tokenizer()
     tokenize = partial(FAMILIES["sd"].tokenize, {"tokenizer": tokenizer})
-    full = text_entries({"a red circle"}, "encoder", config, tokenize)
+    prompt = Prompt("a red circle")
+    full = text_entries({prompt}, "encoder", config, tokenize)
     tokenizer.model_max_length = 4  # a shorter context: other ids, another entry
-    short = text_entries({"a red circle"}, "encoder", config, tokenize)
-    assert full["a red circle"] != short["a red circle"]
-    assert text_entries({"a red circle"}, "other encoder", config, tokenize)["a red circle"] != short["a red circle"]
+    short = text_entries({prompt}, "encoder", config, tokenize)
+    assert full[prompt] != short[prompt]
+    assert text_entries({prompt}, "other encoder", config, tokenize)[prompt] != short[prompt]
 
 
 def test_cache_settings_that_cannot_work_are_refused():

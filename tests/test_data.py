@@ -88,7 +88,7 @@ def test_resize_and_crop(tmp_path):
     image = Image.new("RGB", (64, 32), (0, 0, 0))
     image.paste((255, 255, 255), (32, 0, 64, 32))
     image.save(tmp_path / "halves.png")
-    center, geometry, _, _ = load_image(tmp_path / "halves.png", _crop(16, "center", False), random.Random(0))
+    center, geometry, *_ = load_image(tmp_path / "halves.png", _crop(16, "center", False), random.Random(0))
     assert geometry.tolist() == [32, 64, 0, 8, 16, 16]  # 64x32 -> 32x16 resized, 16x16 cut at x = 8
     assert center.shape == (3, 16, 16)
     assert center[:, :, 0].mean() == pytest.approx(-1.0, abs=0.05)  # left column black

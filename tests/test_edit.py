@@ -25,6 +25,8 @@ from difftune.metrics import read_metrics
 from difftune.toy.tiny import build_pipeline, recolor_pairs, write_pair_folder
 from difftune.train import train
 
+from conftest import edit_settings
+
 
 @pytest.fixture(scope="module")
 def kontext_base(tmp_path_factory) -> Path:
@@ -33,16 +35,6 @@ def kontext_base(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture
-def pairs(tmp_path) -> Path:
-    """Six recolor pairs (32 px) in the control-folder layout."""
-    write_pair_folder(tmp_path / "pairs", recolor_pairs(6, seed=0))
-    return tmp_path / "pairs"
-
-
-def _kontext_settings(base: Path, data: Path, out: Path, **overrides) -> dict:
-    return {"model__base": str(base), "data__path": str(data), "train__output_dir": str(out),
-            "adapter__text_encoder": False, "sample__prompts": [], **overrides}
 
 
 def test_controls_are_found_by_stem_numbered_or_listed_and_bad_ones_reported(tmp_path):
@@ -100,7 +92,7 @@ def test_a_control_is_cut_and_flipped_with_its_target(tmp_path):
 def test_pairs_train_cached_as_uncached_and_a_changed_control_is_encoded_again(kontext_base, pairs, make_config, tmp_path):
     losses = {}
     for cached in (False, True):
-        settings = _kontext_settings(kontext_base, pairs, tmp_path / f"run-{cached}", cache__latents=cached,
+        settings = edit_settings(kontext_base, pairs, tmp_path / f"run-{cached}", cache__latents=cached,
                                      cache__text=cached, cache__dir=str(tmp_path / "cache"), train__max_steps=3)
         train(make_config(**settings))
         losses[cached] = [row["loss"] for row in read_metrics(tmp_path / f"run-{cached}")]
@@ -108,7 +100,7 @@ def test_pairs_train_cached_as_uncached_and_a_changed_control_is_encoded_again(k
     entries = set((tmp_path / "cache" / "latents").rglob("*.safetensors"))
     assert len(entries) == 12  # six targets and six controls
     Image.open(pairs / "control" / "0001.png").transpose(Image.Transpose.ROTATE_90).save(pairs / "control" / "0001.png")
-    train(make_config(**_kontext_settings(kontext_base, pairs, tmp_path / "again", cache__latents=True,
+    train(make_config(**edit_settings(kontext_base, pairs, tmp_path / "again", cache__latents=True,
                                           cache__dir=str(tmp_path / "cache"), train__max_steps=1)))
     assert len(set((tmp_path / "cache" / "latents").rglob("*.safetensors")) - entries) == 1
 
@@ -147,7 +139,7 @@ def test_a_kontext_adapter_edits_in_its_pipeline_as_in_ours(kontext_base, pairs,
     samples draw; the grid shows control | before | after."""
     write_pair_folder(tmp_path / "held-out", recolor_pairs(2, seed=9))
     control = str(pairs / "control" / "0000.png")
-    settings = _kontext_settings(
+    settings = edit_settings(
         kontext_base, pairs, tmp_path / "run", train__max_steps=4, optim__learning_rate=2e-2,
         sample__prompts=[{"prompt": "make it purple", "controls": [control]}], sample__steps=4, sample__guidance_scale=3.0,
         sample__before=True, validation__path=str(tmp_path / "held-out"), validation__every_steps=2)
@@ -183,14 +175,14 @@ def test_a_kontext_adapter_edits_in_its_pipeline_as_in_ours(kontext_base, pairs,
 
 def test_text_to_image_bases_refuse_pairs_and_edit_prompts(tiny_flux_base, pairs, make_config, tmp_path):
     with pytest.raises(DifftuneError, match=r"0000.png has control images .* bases edit no image"):
-        train(make_config(**_kontext_settings(tiny_flux_base, pairs, tmp_path / "run")))
+        train(make_config(**edit_settings(tiny_flux_base, pairs, tmp_path / "run")))
     (pairs / "control").rename(tmp_path / "elsewhere")
     prompt = {"prompt": "make it red", "controls": [str(tmp_path / "elsewhere" / "0000.png")]}
     with pytest.raises(DifftuneError, match="sample.prompts: 'make it red' has 1 control images; these bases read none"):
-        train(make_config(**_kontext_settings(tiny_flux_base, pairs, tmp_path / "run", sample__prompts=[prompt])))
+        train(make_config(**edit_settings(tiny_flux_base, pairs, tmp_path / "run", sample__prompts=[prompt])))
     missing = {"prompt": "make it red", "controls": [str(tmp_path / "gone.png")]}
     with pytest.raises(DifftuneError, match="control image .*gone.png of 'make it red' does not exist"):
-        train(make_config(**_kontext_settings(tiny_flux_base, pairs, tmp_path / "run", sample__prompts=[missing])))
+        train(make_config(**edit_settings(tiny_flux_base, pairs, tmp_path / "run", sample__prompts=[missing])))
 
 
 def test_kontext_refuses_a_second_control(kontext_base, pairs, make_config, tmp_path, capsys):
@@ -201,7 +193,7 @@ def test_kontext_refuses_a_second_control(kontext_base, pairs, make_config, tmp_
     shutil.copy(pairs / "control" / "0002.png", pairs / "control" / "0002_1.png")
     (pairs / "control" / "0002.png").rename(pairs / "control" / "0002_0.png")
     with pytest.raises(DifftuneError, match="0002.png has 2 control images; FLUX.1 Kontext edit transformers bases read at most 1"):
-        train(make_config(**_kontext_settings(kontext_base, pairs, tmp_path / "run")))
+        train(make_config(**edit_settings(kontext_base, pairs, tmp_path / "run")))
     assert not (tmp_path / "run" / BAD_FILES_REPORT).read_text()
 
 
@@ -210,7 +202,7 @@ def test_mixed_runs_batch_pairs_apart_from_plain_images(kontext_base, pairs, mak
         (pairs / "control" / f"{name}.png").unlink()
     examples, _ = scan_examples(DataConfig(path=str(pairs)))
     assert [len(e.control_paths) for e in examples] == [1, 1, 1, 1, 0, 0]
-    settings = _kontext_settings(kontext_base, pairs, tmp_path / "run", train__max_steps=4, train__batch_size=2)
+    settings = edit_settings(kontext_base, pairs, tmp_path / "run", train__max_steps=4, train__batch_size=2)
     train(make_config(**settings))
     assert len(read_metrics(tmp_path / "run")) >= 4
     dataset = CaptionedImages(examples, DataConfig(path=str(pairs), resolution=32), lambda c: {}, 0,

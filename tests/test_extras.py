@@ -357,7 +357,7 @@ def test_a_mask_follows_its_image_through_crop_flip_and_buckets(tmp_path, source
                         mask_path=str(tmp_path / "masks"), alpha_background=(0, 0, 255))
     for seed in range(12):
         for size in ((16, 16), (24, 16), (16, 24)):
-            pixels, _, mask, _ = load_image(tmp_path / "img.png", config, random.Random(seed), size)
+            pixels, _, mask, *_ = load_image(tmp_path / "img.png", config, random.Random(seed), size)
             assert mask.shape == (1, size[1], size[0])
             red = pixels[0] > 0  # red channel: where the left half landed
             assert torch.equal(mask[0] > 0.5, red), (seed, size)

@@ -32,7 +32,7 @@ from difftune.config import FAMILY_NAMES, SHARED_FAMILY_MODULES, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.metrics import read_metrics
-from difftune.toy.tiny import build_pipeline
+from difftune.toy.tiny import build_pipeline, recolor_pairs
 from difftune.train import train
 
 NAMES = sorted(FAMILIES)
@@ -81,11 +81,22 @@ def _qwen_prompts(pipeline, prompts):
     return {"encoder_hidden_states": states, "text_mask": mask}
 
 
+def _qwen_edit_prompts(pipeline, prompts, image):
+    """One prompt at a time (the edit pipelines take one), each with the control: padded as one batch."""
+    states = [pipeline.encode_prompt(prompt, image=image, device="cpu")[0][0] for prompt in prompts]
+    longest = max(len(state) for state in states)
+    return {"encoder_hidden_states": torch.stack([torch.nn.functional.pad(s, (0, 0, 0, longest - len(s))) for s in states]),
+            "text_mask": torch.stack([torch.arange(longest) < len(s) for s in states]).long()}
+
+
 # Whose pipelines read a micro model's kohya file: diffusers' Flux reader assumes FLUX.1's widths for a single
 # block's fused linear1 (tests/test_flux.py checks its double blocks).
 KOHYA_READ_BY_PIPELINE = {"sd", "sdxl", "qwen_image"}
 PIPELINE_PROMPTS = {"sd": _sd_prompts, "sdxl": _sdxl_prompts, "flux": _flux_prompts, "flux_kontext": _flux_prompts,
-                    "qwen_image": _qwen_prompts}
+                    "qwen_image": _qwen_prompts, "qwen_image_edit": _qwen_edit_prompts,
+                    "qwen_image_edit_plus": lambda pipeline, prompts, image: _qwen_edit_prompts(
+                        pipeline, prompts, [FAMILIES["qwen_image_edit_plus"].prompt_image(image)])}  # at its 384^2
+CONTROL = recolor_pairs(1, seed=4)[0][0]  # what the families whose pipelines draw only edits edit (32 px)
 
 
 def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
@@ -93,13 +104,18 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
     one: what the denoiser draws, before a random micro autoencoder's decoder blurs differences away."""
     pipeline.set_progress_bar_config(disable=True)
     # One sampler for all: a merged folder is saved with the family's default, a base keeps its own.
-    pipeline.scheduler = FAMILIES[name].sampler("auto").from_config(pipeline.scheduler.config)
+    family = FAMILIES[name]
+    pipeline.scheduler = family.sampler("auto").from_config(pipeline.scheduler.config)
     arguments = {"num_inference_steps": 4, "height": 32, "width": 32, "output_type": "latent",
                  "generator": torch.Generator().manual_seed(0)}
     if name in ("flux", "qwen_image"):
         arguments |= {"true_cfg_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
     elif name == "flux_kontext":  # guidance-distilled, as Kontext [dev]: the scale is its guidance embedding's input
         arguments |= {"guidance_scale": 3.0, "max_sequence_length": 32, "max_area": 32 * 32}
+    elif family.needs_controls_to_draw:  # the control at the drawn size, as difftune trains and samples it
+        with family.sized_controls(32 * 32):
+            return pipeline(prompt=prompt, image=CONTROL, true_cfg_scale=3.0, negative_prompt=" ",
+                            **arguments).images[0].numpy()
     else:
         arguments |= {"guidance_scale": 3.0}
     return pipeline(prompt=prompt, **arguments).images[0].numpy()
@@ -119,7 +135,8 @@ def test_every_family_module_is_registered_and_complete():
         # Files name every part an adapter can hold (a text encoder no loader reads may have none).
         assert set(family.adapter_parts()) <= set(family.kohya_prefixes) == set(family.default_targets) <= set(family.parts())
         assert len(set(family.kohya_prefixes.values())) == len(family.kohya_prefixes), name
-        assert len(family.text_encoder_names) == len(family.tokenizer_names), name
+        assert [encoder for encoder, _ in family.encoder_tokenizers()] == list(family.text_encoder_names), name
+        assert {tokenizer for _, tokenizer in family.encoder_tokenizers()} <= set(family.tokenizer_names), name
         assert family.pipeline_class.__name__ in family.pipeline_classes, name
 
 
@@ -140,7 +157,8 @@ def test_a_folder_and_a_single_file_are_read_as_the_family(name, micro_bases, tm
     components, tensors = _single_file(name, base)
     path = tmp_path / "model.safetensors"
     save_file(tensors, path)
-    assert family_of(ModelConfig(base=str(path))) is family
+    # The folder it came from names the pipeline where one transformer's keys serve several (Qwen-Image and its edits).
+    assert family_of(ModelConfig(base=str(path), single_file_config=str(base))) is family
     again = load_components(ModelConfig(base=str(path), single_file_config=str(base)))
     for (key, value), other in zip(components.denoiser.state_dict().items(), again.denoiser.state_dict().values()):
         assert torch.equal(value, other), key
@@ -180,13 +198,17 @@ def test_prompts_are_encoded_as_the_family_pipeline_encodes_them(name, micro_bas
     family = FAMILIES[name]
     components = load_components(ModelConfig(base=str(micro_bases[name])))
     prompts = ["a red circle", "a blue square with a longer caption"]
+    controls = [[CONTROL]] * len(prompts) if family.prompts_see_controls else None
     with torch.no_grad():
-        expected = PIPELINE_PROMPTS[name](components.pipeline(), prompts)
-        ours = family.encode_prompts(components, family.tokenize(components.tokenizers, prompts))
+        expected = PIPELINE_PROMPTS[name](components.pipeline(), prompts, *([CONTROL] if controls else []))
+        ours = family.encode_prompts(components, family.tokenize(components.tokenizers, prompts, controls))
     for key, value in expected.items():
         # Padded to the family's fixed text length where the pipeline pads to the batch's longest: the rest is padding.
         got = ours[key][:, : value.shape[1]]
-        assert torch.equal(got, value.to(got.dtype)), key
+        if controls:  # the pipeline encoded each prompt alone: a batch's products round otherwise
+            torch.testing.assert_close(got, value.to(got.dtype), rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(got, value.to(got.dtype)), key
         assert not ours[key][:, value.shape[1]:].any(), key
 
 
@@ -256,9 +278,12 @@ def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind,
     in-training sample. A LoRA's kohya layout loads in the pipeline too, as the same change (diffusers drops a
     kohya file's DoRA magnitudes, saying so)."""
     family, base = FAMILIES[name], micro_bases[name]
-    settings = _settings(name, base, tmp_path / "run", adapter__kind=kind, train__max_steps=4,
-                         optim__learning_rate=2e-2, sample__prompts=["a purple circle"], sample__steps=4,
-                         sample__guidance_scale=3.0)
+    control = tmp_path / "control.png"
+    CONTROL.save(control)
+    edit = family.needs_controls_to_draw  # its samples edit the control, with a blank negative prompt as its pipeline's
+    settings = _settings(name, base, tmp_path / "run", adapter__kind=kind, train__max_steps=4, optim__learning_rate=2e-2,
+                         sample__prompts=[{"prompt": "a purple circle", "controls": [str(control)]} if edit else "a purple circle"],
+                         sample__steps=4, sample__guidance_scale=3.0, sample__negative_prompt=" " if edit else "")
     result = train(make_config(**settings))
     assert {key.split(".")[0] for key in load_file(result.trained_path)} == set(family.adapter_parts())
     parity = json.loads((result.trained_path.parent / "parity.json").read_text())
@@ -279,8 +304,10 @@ def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind,
         assert np.abs(ours - render(name, theirs_kohya)).max() < 2e-3
     assert np.abs(ours - render(name, untouched)).max() > 0.05  # the adapter changes the image
 
+    edit_arguments = ["--control", str(control), "--negative-prompt", " "] if edit else []
     assert main(["sample", "--base", str(base), "--adapter", str(result.trained_path), "--prompt", "a purple circle",
-                 "--steps", "4", "--guidance-scale", "3.0", "--resolution", "32", "--out", str(tmp_path / "cli")]) == 0
+                 "--steps", "4", "--guidance-scale", "3.0", "--resolution", "32", "--out", str(tmp_path / "cli"),
+                 *edit_arguments]) == 0
     drawn = np.asarray(Image.open(tmp_path / "cli" / "000.png"), dtype=np.int16)
     in_training = np.asarray(Image.open(result.trained_path.parent / "samples" / "000.png"), dtype=np.int16)
     assert np.abs(drawn - in_training).max() <= 2

@@ -96,14 +96,15 @@ def test_text_cache_entries_keep_the_caption_and_read_back_as_encoded(make_confi
     """An entry holds the caption's valid states alone (not 512 padded rows: 7 MB each on the real model); read
     back, it is what `encode_prompts` made, padding and mask included."""
     from difftune.cache import fill_text, text_entries, text_identity
+    from difftune.data import Prompt
 
     config = make_config(model__base=str(qwen_base), adapter__text_encoder=False, cache__text=True)
     components = load_components(config.model)
-    captions = {"a red circle", "a blue square with a long caption that runs on"}
+    prompts = {Prompt("a red circle"), Prompt("a blue square with a long caption that runs on")}
     tokenize = lambda captions: QWEN.tokenize(components.tokenizers, captions)  # noqa: E731
-    entries = text_entries(captions, text_identity(components), config, tokenize)
-    assert fill_text(entries, components, torch.device("cpu"), batch_size=2) == 2
-    for caption, path in entries.items():
+    entries = text_entries(prompts, text_identity(components), config, tokenize)
+    assert fill_text(entries, components, torch.device("cpu"), config) == 2
+    for (caption, *_), path in entries.items():
         stored = load_file(path)
         with torch.no_grad():
             encoded = QWEN.encode_prompts(components, tokenize([caption]))

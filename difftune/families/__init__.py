@@ -105,7 +105,11 @@ def _readers(config: ModelConfig) -> tuple[list[Family], str]:
                 "stored divided by per-tensor scales that diffusers' loader would not apply. Pass the bf16/fp16 file or "
                 "a plain `_fp8_e4m3fn` one, and set model.weight_dtype = \"fp8\" to keep the weights in fp8 while training"
             )
-        return [family for family in FAMILIES.values() if family.reads_single_file(keys)], "a single file"
+        readers = [family for family in FAMILIES.values() if family.reads_single_file(keys)]
+        if len(readers) > 1 and config.single_file_config:  # one transformer's keys, several pipelines (Qwen-Image's edits)
+            class_name = _pipeline_class_name(config.model_copy(update={"base": config.single_file_config}))
+            readers = [family for family in readers if class_name in family.pipeline_classes] or readers
+        return readers, "a single file"
     with explained_load_errors("model.base", base):
         class_name = _pipeline_class_name(config)
     return [family for family in FAMILIES.values() if class_name in family.pipeline_classes], f"a {class_name}"

@@ -60,6 +60,8 @@ class Family:
     samplers = SAMPLERS  # sampler name -> scheduler class, built over the model's own schedule config
     options_model: type[FamilyOptions] = FamilyOptions  # what `model.family_options` may set
     max_controls = 0  # control (source) images an edit pair may have: 0 for a text-to-image family
+    needs_controls_to_draw = False  # its pipeline draws only edits (a sample prompt without controls is refused)
+    prompts_see_controls = False  # its text encoder reads an edit pair's controls (`tokenize` takes them)
 
     # Detection and loading.
 
@@ -176,28 +178,47 @@ class Family:
             f"at most {self.max_controls}"
         )
 
-    def control_size(self, target_size: tuple[int, int], control_size: tuple[int, int]) -> tuple[int, int]:
-        """The (width, height) a control image of `control_size` trains at beside a target trained at `target_size`:
-        the target's (as diffusers' Kontext training script pairs them), unless the family says otherwise."""
+    def control_size(self, target_size: tuple[int, int], control_size: tuple[int, int],
+                     options: FamilyOptions | None = None) -> tuple[int, int]:
+        """The (width, height) a control image of `control_size` trains at beside a target trained at `target_size`
+        (under the base's `options`): the target's (as diffusers' Kontext training script pairs them), unless the
+        family says otherwise."""
         return target_size
 
     def prompt_control_problems(self, prompts: list) -> list[str]:
-        """The `sample.prompts` entries with more control images than this family reads, each named."""
-        return [f"sample.prompts: {entry.prompt!r} has {len(entry.controls)} control images; these bases read "
-                f"{'none (they edit no image)' if not self.max_controls else f'at most {self.max_controls}'}"
-                for entry in prompts if not isinstance(entry, str) and len(entry.controls) > self.max_controls]
+        """The `sample.prompts` entries with more control images than this family reads (or none, where its pipeline
+        draws only edits), each named."""
+        problems = []
+        for entry in prompts:
+            controls = [] if isinstance(entry, str) else entry.controls
+            text = entry if isinstance(entry, str) else entry.prompt
+            if len(controls) > self.max_controls:
+                problems.append(f"sample.prompts: {text!r} has {len(controls)} control images; these bases read "
+                                f"{'none (they edit no image)' if not self.max_controls else f'at most {self.max_controls}'}")
+            elif self.needs_controls_to_draw and not controls:
+                problems.append(f"sample.prompts: {text!r} has no control image; {self.description} pipelines draw only "
+                                f"edits: write it as {{prompt = {text!r}, controls = [\"image.png\"]}}")
+        return problems
+
+    def draw(self, pipeline, options: FamilyOptions, prompt: str | list[str], controls: list, height: int | None,
+             width: int | None, **arguments) -> list:
+        """The images the family's `pipeline` draws for `prompt` at `height` x `width` (None: the pipeline's default
+        size) from an edit prompt's control images (PIL; none for a text-to-image prompt, at most `max_controls`:
+        callers check `prompt_control_problems` first), under the base's `options`; `arguments`: the rest of the call
+        (steps, guidance, generators)."""
+        return pipeline(prompt=prompt, height=height, width=width,  # by name: an edit pipeline's first argument is the image
+                        **self.image_arguments(controls, height, width), **arguments).images
 
     def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
-        """The pipeline call's arguments for drawing at `height` x `width` (None: the pipeline's default size) from an
-        edit prompt's control images (PIL; none for a text-to-image prompt, at most `max_controls`: callers check
-        `prompt_control_problems` first)."""
+        """`draw`'s arguments for the controls and size: none for a text-to-image family."""
         return {}
 
     # Prompts and the denoiser.
 
-    def tokenize(self, tokenizers: dict, captions: list[str]) -> dict[str, torch.Tensor]:
-        """Captions -> token ids per text encoder (name -> (B, L)), padded and truncated as its pipeline does.
-        Takes the tokenizers alone: data-loader workers call it."""
+    def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
+        """Captions -> token ids per text encoder (name -> (B, L)), padded and truncated as its pipeline does; where
+        `prompts_see_controls`, each caption's control images (a list of PIL images each) join them. Takes the
+        tokenizers alone: data-loader workers call it."""
         return {encoder: tokenize(tokenizers[tokenizer], captions) for encoder, tokenizer in self.encoder_tokenizers()}
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -61,6 +61,9 @@ class QwenImage(FlowMatchingFamily):
     kohya_text_model_parts = ()
     kohya_model_version = "qwen_image"
     default_targets = {"transformer": TRANSFORMER_TARGETS}
+    prompt_template = PROMPT_TEMPLATE  # the pipeline's `prompt_template_encode`
+    template_tokens = TEMPLATE_TOKENS  # its `prompt_template_encode_start_idx`
+    text_tokens = TEXT_TOKENS
 
     def adapted_text_encoders(self) -> tuple[str, ...]:
         return ()  # QwenImagePipeline's LoRA loader reads the transformer's adapters alone
@@ -71,7 +74,7 @@ class QwenImage(FlowMatchingFamily):
     def reads_single_file(self, keys: set[str]) -> bool:
         return any(prefix + SINGLE_FILE_KEY in keys for prefix in ("", *SINGLE_FILE_PREFIXES))
 
-    def single_file_pipeline(self, config: ModelConfig) -> QwenImagePipeline:
+    def single_file_pipeline(self, config: ModelConfig):
         if not config.single_file_config:
             raise DifftuneError(
                 f"model.base {config.base}: a Qwen-Image single file holds the transformer alone; set "
@@ -89,7 +92,7 @@ class QwenImage(FlowMatchingFamily):
         with init_empty_weights():
             transformer = QwenImageTransformer2DModel.from_config(transformer_config)
         transformer.load_state_dict(weights, strict=True, assign=True)
-        return QwenImagePipeline.from_pretrained(
+        return self.pipeline_class.from_pretrained(
             config.single_file_config, transformer=transformer, revision=config.revision or None, dtype=torch.float32,
         )
 
@@ -107,10 +110,10 @@ class QwenImage(FlowMatchingFamily):
 
     # Prompts and the transformer.
 
-    def tokenize(self, tokenizers: dict, captions: list[str]) -> dict[str, torch.Tensor]:
+    def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         ids = tokenizers["tokenizer"](
-            [PROMPT_TEMPLATE.format(caption) for caption in captions], padding="max_length",
-            max_length=TEMPLATE_TOKENS + TEXT_TOKENS, truncation=True, return_tensors="pt",
+            [self.prompt_template.format(caption) for caption in captions], padding="max_length",
+            max_length=self.template_tokens + self.text_tokens, truncation=True, return_tensors="pt",
         ).input_ids
         return {"text_encoder": ids}
 
@@ -121,13 +124,15 @@ class QwenImage(FlowMatchingFamily):
         longest = int(mask.sum(dim=1).max())
         cut = slice(None, longest) if tokenizer.padding_side == "right" else slice(ids.shape[1] - longest, None)
         ids, mask = ids[:, cut], mask[:, cut]
+        # An edit base's prompts show the language model the control images too: (B, patches, D) per sample.
+        images = {name: token_ids[name].flatten(0, 1) for name in ("pixel_values", "image_grid_thw") if name in token_ids}
         states = components.text_encoders["text_encoder"](
-            input_ids=ids, attention_mask=mask.long(), output_hidden_states=True
+            input_ids=ids, attention_mask=mask.long(), output_hidden_states=True, **images
         ).hidden_states[-1]
-        padded = states.new_zeros(len(ids), TEXT_TOKENS, states.shape[-1])
-        text_mask = torch.zeros(len(ids), TEXT_TOKENS, dtype=torch.long, device=ids.device)
+        padded = states.new_zeros(len(ids), self.text_tokens, states.shape[-1])
+        text_mask = torch.zeros(len(ids), self.text_tokens, dtype=torch.long, device=ids.device)
         for i in range(len(ids)):
-            kept = states[i][mask[i]][TEMPLATE_TOKENS:][:TEXT_TOKENS]
+            kept = states[i][mask[i]][self.template_tokens:][: self.text_tokens]
             padded[i, : len(kept)] = kept
             text_mask[i, : len(kept)] = 1
         return {"encoder_hidden_states": padded, "text_mask": text_mask}
@@ -138,23 +143,27 @@ class QwenImage(FlowMatchingFamily):
         return {name: tensor[:valid] for name, tensor in conditioning.items()}
 
     def uncached_conditioning(self, stored):
-        return {name: F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, TEXT_TOKENS - len(tensor)))
+        return {name: F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, self.text_tokens - len(tensor)))
                 for name, tensor in stored.items()}
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
+        """Reference images (an edit base's `control_latents`) follow the image's tokens, each placed by its own
+        entry in `img_shapes`, and their predictions are dropped, as the Qwen-Image-Edit pipelines do."""
         mask = conditioning["text_mask"].bool()
         longest = int(mask.sum(dim=1).max())
         states, mask = conditioning["encoder_hidden_states"][:, :longest], mask[:, :longest]
         b, _, h, w = noisy.shape
+        images = [noisy, *conditioning.get("control_latents", [])]
         prediction = components.denoiser(
-            hidden_states=pack(noisy).to(states.dtype), timestep=(timesteps / 1000).to(states.dtype),
-            guidance=self.guidance(components, b, noisy.device), encoder_hidden_states=states, encoder_hidden_states_mask=None if mask.all() else mask,
-            img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False,
+            hidden_states=torch.cat([pack(image) for image in images], dim=1).to(states.dtype),
+            timestep=(timesteps / 1000).to(states.dtype), guidance=self.guidance(components, b, noisy.device),
+            encoder_hidden_states=states, encoder_hidden_states_mask=None if mask.all() else mask,
+            img_shapes=[[(1, image.shape[-2] // 2, image.shape[-1] // 2) for image in images]] * b, return_dict=False,
         )[0]
-        return unpack(prediction, h, w)
+        return unpack(prediction[:, : (h // 2) * (w // 2)], h, w)
 
     def max_sequence_length(self, components: Components) -> int:
-        return TEXT_TOKENS
+        return self.text_tokens
 
     # Files.
 

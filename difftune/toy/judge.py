@@ -137,15 +137,11 @@ def judged_samples(components: Components, prompts: list[str], settings: EvalSet
     rows = []
     for prompt in prompts:
         seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
-        images = pipeline(
-            prompt=[prompt] * len(seeds),  # by name: an edit pipeline's first argument is the image
-            num_inference_steps=settings.steps,
-            height=settings.resolution,
-            width=settings.resolution,
+        images = components.family.draw(
+            pipeline, components.family_options, [prompt] * len(seeds), [], settings.resolution, settings.resolution,
+            num_inference_steps=settings.steps, generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
             **guidance,
-            **components.family.image_arguments([], settings.resolution, settings.resolution),
-            generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
-        ).images
+        )
         for seed, image in zip(seeds, images):
             color, shape = judge(image)
             rows.append({"prompt": prompt, "seed": seed, "color": color, "shape": shape, "image": image})
@@ -193,12 +189,11 @@ def judged_edits(components: Components, colors, source_colors, settings: EvalSe
             pair_seed = settings.seed + 1000 * list(COLORS).index(color) + 100 * SHAPES.index(shape)
             for k, (control, _, instruction) in enumerate(recolor_pairs(settings.samples_per_prompt, pair_seed, (color,),
                                                                         source_colors, (shape,))):
-                image = pipeline(
-                    prompt=instruction, num_inference_steps=settings.steps, height=settings.resolution,
-                    width=settings.resolution, **guidance,
-                    **components.family.image_arguments([control], settings.resolution, settings.resolution),
+                [image] = components.family.draw(
+                    pipeline, components.family_options, instruction, [control], settings.resolution,
+                    settings.resolution, num_inference_steps=settings.steps, **guidance,
                     generator=torch.Generator("cpu").manual_seed(settings.seed + k),
-                ).images[0]
+                )
                 drawn_color, drawn_shape = judge(image)
                 before, after = shape_mask(control), shape_mask(image)
                 overlap = float((before & after).sum() / (before | after).sum()) if after is not None else 0.0

@@ -29,6 +29,8 @@ from diffusers import (
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     StableDiffusionPipeline,
@@ -45,6 +47,8 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
+    Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
@@ -65,6 +69,10 @@ T5_HIDDEN_SIZE = 64
 FLUX_LATENT_CHANNELS = 16  # as Flux.1's autoencoder; packed 2x2 into 64-wide tokens
 QWEN_HIDDEN_SIZE = 32  # the tiny Qwen2.5-VL's width (Qwen-Image's: 3584)
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # an edit base's prompts show images
+QWEN_EDIT_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus")
+# The tiny language model sees a control as at most 56 x 56 pixels: 4 x 4 patches of 14, merged 2 x 2 into 4 tokens.
+QWEN_VISION_PIXELS = (28 * 28, 56 * 56)
 
 COLORS = {
     "red": (220, 40, 40),
@@ -169,17 +177,20 @@ def build_qwen_scheduler() -> FlowMatchEulerDiscreteScheduler:
     )
 
 
-def build_qwen_tokenizer() -> Qwen2Tokenizer:
+def build_qwen_tokenizer(edit: bool = False) -> Qwen2Tokenizer:
     """Qwen2's layout (byte-level BPE; `<|endoftext|>` pads, `<|im_start|>` / `<|im_end|>` frame chat turns) with
     no merges but those that spell the words of Qwen-Image's prompt template: the template's system prompt is 34
-    tokens, as in Qwen2.5-VL's own vocabulary (the pipeline drops that many), and captions are byte level."""
+    tokens, as in Qwen2.5-VL's own vocabulary (the pipeline drops that many), and captions are byte level. `edit`:
+    the edit pipelines' template too (64 tokens, as theirs) and the vision tokens that place an image in a prompt."""
     from difftune.families.qwen_image import PROMPT_TEMPLATE
+    from difftune.families.qwen_image_edit import EDIT_PROMPT_TEMPLATE
 
+    specials = QWEN_SPECIAL_TOKENS + (QWEN_VISION_TOKENS if edit else ())
     pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     vocab = {byte: i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     merges = []
-    template = PROMPT_TEMPLATE.replace("{}", "")
-    for special in QWEN_SPECIAL_TOKENS:
+    template = "".join((PROMPT_TEMPLATE, EDIT_PROMPT_TEMPLATE) if edit else (PROMPT_TEMPLATE,)).replace("{}", "")
+    for special in specials:
         template = template.replace(special, "\0")
     words = {word for chunk in template.split("\0") for word, _ in pre_tokenizer.pre_tokenize_str(chunk)}
     for word in sorted(words):
@@ -187,23 +198,32 @@ def build_qwen_tokenizer() -> Qwen2Tokenizer:
             if (word[:end], word[end]) not in merges:
                 merges.append((word[:end], word[end]))
             vocab.setdefault(word[: end + 1], len(vocab))
-    vocab |= {special: len(vocab) + i for i, special in enumerate(QWEN_SPECIAL_TOKENS)}
+    vocab |= {special: len(vocab) + i for i, special in enumerate(specials)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
     tokenizer = Qwen2Tokenizer(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                unk_token=None, bos_token=None, padding_side="right")
-    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    tokenizer.add_special_tokens({"additional_special_tokens": list(specials[1:])})
     return tokenizer
 
 
-def build_qwen_text_encoder(vocab_size: int, hidden_size: int = QWEN_HIDDEN_SIZE) -> Qwen2_5_VLForConditionalGeneration:
-    """A 2-layer Qwen2.5-VL language model (and a 1-block vision tower the pipeline never runs), with Qwen2.5-VL's
-    multimodal rotary sections scaled to its head size."""
+def build_qwen_processor(tokenizer: Qwen2Tokenizer) -> Qwen2VLProcessor:
+    """The edit pipelines' processor: Qwen2-VL's image processor (14 px patches, 2 x 2 merged) over images of at most
+    `QWEN_VISION_PIXELS`, and `tokenizer`."""
+    low, high = QWEN_VISION_PIXELS
+    return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=low, max_pixels=high), tokenizer=tokenizer)
+
+
+def build_qwen_text_encoder(tokenizer: Qwen2Tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE) -> Qwen2_5_VLForConditionalGeneration:
+    """A 2-layer Qwen2.5-VL language model with Qwen2.5-VL's multimodal rotary sections scaled to its head size, and a
+    1-block vision tower (run by the edit pipelines, whose prompts show images: the image tokens are `tokenizer`'s)."""
     heads, head_dim = 2, hidden_size // 2
+    vision_ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in
+                  zip(("vision_start", "vision_end", "image"), QWEN_VISION_TOKENS) if token in tokenizer.get_vocab()}
     config = Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
+            "vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
             "num_hidden_layers": 2, "num_attention_heads": heads, "num_key_value_heads": 1,
             "max_position_embeddings": 1024, "rope_parameters": {
                 "rope_type": "default", "rope_theta": 1000000.0,
@@ -213,6 +233,7 @@ def build_qwen_text_encoder(vocab_size: int, hidden_size: int = QWEN_HIDDEN_SIZE
         },
         vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
                        "out_hidden_size": hidden_size, "fullatt_block_indexes": [0]},
+        **vision_ids,
     )
     return Qwen2_5_VLForConditionalGeneration(config)
 
@@ -227,15 +248,16 @@ def build_qwen_vae(latents_mean=(0.0,) * FLUX_LATENT_CHANNELS, latents_std=(1.0,
     )
 
 
-def build_qwen_transformer(layers: int = 1, heads: int = 2, head_dim: int = 16,
-                           text_hidden_size: int = QWEN_HIDDEN_SIZE) -> QwenImageTransformer2DModel:
+def build_qwen_transformer(layers: int = 1, heads: int = 2, head_dim: int = 16, text_hidden_size: int = QWEN_HIDDEN_SIZE,
+                           zero_cond_t: bool = False) -> QwenImageTransformer2DModel:
     """`layers` MMDiT blocks over packed 2x2 latent patches; rotary axes split the head 1:1.5:1.5 (frame, row,
-    column) as Qwen-Image's 16:56:56 roughly does."""
+    column) as Qwen-Image's 16:56:56 roughly does. `zero_cond_t`: reference tokens modulated at time 0, as
+    Qwen-Image-Edit-2511's."""
     axes = (head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8)
     return QwenImageTransformer2DModel(
         patch_size=2, in_channels=4 * FLUX_LATENT_CHANNELS, out_channels=FLUX_LATENT_CHANNELS, num_layers=layers,
         attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=text_hidden_size,
-        axes_dims_rope=axes,
+        axes_dims_rope=axes, zero_cond_t=zero_cond_t,
     )
 
 
@@ -315,7 +337,7 @@ def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
     `guidance`: Flux with a guidance embedding (FLUX.1 Kontext always has one, as Kontext [dev])."""
     torch.manual_seed(seed)
     pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
-    if family == "qwen_image":
+    if family.startswith("qwen_image"):
         vae = build_qwen_vae()
         with torch.no_grad():
             set_latent_statistics(vae, encode_posterior(vae, pixels)[0])
@@ -345,13 +367,17 @@ def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int,
                            flux_layers: tuple[int, int] = (1, 1), flux_heads: int = 2, guidance: bool = False,
                            qwen_layers: int = 1, qwen_heads: int = 2, qwen_text_hidden_size: int = QWEN_HIDDEN_SIZE):
     """Random text encoders and denoiser around `vae` (built in this order: the seed's random draws depend on it)."""
-    if family == "qwen_image":
-        tokenizer = build_qwen_tokenizer()
-        return QwenImagePipeline(
-            vae=vae, text_encoder=build_qwen_text_encoder(len(tokenizer), qwen_text_hidden_size), tokenizer=tokenizer,
-            transformer=build_qwen_transformer(qwen_layers, qwen_heads, text_hidden_size=qwen_text_hidden_size),
-            scheduler=build_qwen_scheduler(),
-        )
+    if family.startswith("qwen_image"):
+        edit = family in QWEN_EDIT_FAMILIES
+        tokenizer = build_qwen_tokenizer(edit)
+        parts = {"vae": vae, "text_encoder": build_qwen_text_encoder(tokenizer, qwen_text_hidden_size), "tokenizer": tokenizer,
+                 "transformer": build_qwen_transformer(qwen_layers, qwen_heads, text_hidden_size=qwen_text_hidden_size,
+                                                       zero_cond_t=family == "qwen_image_edit_plus"),  # as 2511
+                 "scheduler": build_qwen_scheduler()}
+        if not edit:
+            return QwenImagePipeline(**parts)
+        pipeline_class = QwenImageEditPlusPipeline if family == "qwen_image_edit_plus" else QwenImageEditPipeline
+        return pipeline_class(**parts, processor=build_qwen_processor(tokenizer))
     text_encoder, tokenizer = build_text_encoder(), build_tokenizer()
     if family in ("flux", "flux_kontext"):
         t5_tokenizer = build_t5_tokenizer()
