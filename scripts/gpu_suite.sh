@@ -2,7 +2,9 @@
 # The GPU suite: what only a CUDA machine can tell us, in as few device calls as a lease allows.
 #
 #   bash scripts/gpu_suite.sh [--dry-run] [SECTION ...]
-#       sections: tests sd15 profile compile sdxl flux qwen memory offload suite (default: all but profile)
+#       sections: tests sd15 profile compile sdxl flux qwen fp8 memory offload_flux offload_qwen suite
+#       (default: all but profile; `offload` is offload_flux and offload_qwen)
+# A 15-minute lease fits about 9 minutes of commands: `tests fp8 offload_flux` first, the rest in later leases.
 #
 # Run from the repository root on a GPU machine (the device tool's `run`, or your own). Results go to
 # $OUT (default ./gpu-out): gpu.jsonl (one scripts/bench.py line per run), one log per step, env.txt.
@@ -57,8 +59,14 @@ bench() {  # bench NAME LIMIT [bench.py arguments]
   step "$name" "$limit" "$PYTHON" scripts/bench.py --workdir "$WORKDIR" "$@" ${DRY_RUN[@]+"${DRY_RUN[@]}"}
 }
 
-sections=${*:-tests sd15 compile sdxl flux qwen memory offload suite}
-for section in $sections; do
+sections=()
+for section in ${*:-tests sd15 compile sdxl flux qwen fp8 memory offload suite}; do
+  case $section in  # `offload` names both of its sections
+  offload) sections+=(offload_flux offload_qwen) ;;
+  *) sections+=("$section") ;;
+  esac
+done
+for section in "${sections[@]}"; do
   case $section in
   tests)
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -89,10 +97,12 @@ for section in $sections; do
   qwen)  # Qwen-Image's widths in 1 of its 60 blocks
     bench qwen-1024-b1 400 --model qwen_image --resolution 1024 --batch 1 --rank 16 --precision bf16 --steps 20 --warmup 5 --cache
     ;;
-  memory)  # what fits a smaller card: FP8 compute, fp8 frozen weights, quantized ones, optimizer state on the CPU
+  fp8)  # FP8 compute, and fp8 frozen weights on the one-block transformers
     bench sd15-fp8 300 --model sd15 --resolution 512 --batch 16 --precision fp8 --steps 20 --warmup 5 --cache
     bench flux-1024-b1-fp8-weights 400 --model flux --resolution 1024 --batch 1 --rank 16 --precision bf16 --steps 20 --warmup 5 --cache --weight-dtype fp8
     bench qwen-1024-b1-fp8-weights 400 --model qwen_image --resolution 1024 --batch 1 --rank 16 --precision bf16 --steps 20 --warmup 5 --cache --weight-dtype fp8
+    ;;
+  memory)  # what fits a smaller card: quantized frozen weights, optimizer state on the CPU, the plan
     for method in int8 nf4; do
       bench "sdxl-1024-$method" 500 --model sdxl --resolution 1024 --batch 4 --rank 16 --precision bf16 --steps 10 --warmup 3 --cache --quantize "$method"
     done
@@ -100,12 +110,13 @@ for section in $sections; do
     step plan-vs-measured 580 "$PYTHON" scripts/bench_plan.py --jobs tiny-64 sd15-256 sd15-256-fp8-weights sd15-256-fp16-weights --workdir "$WORKDIR" --out "$OUT/plan.jsonl" ${DRY_RUN[@]+"${DRY_RUN[@]}"}
     bench sd15-full-adamw 400 --model sd15 --resolution 512 --batch 8 --precision bf16 --steps 10 --warmup 3 --cache --adapter none
     ;;
-  offload)  # whole FLUX.1 (19 double, 38 single blocks) and Qwen-Image (60) transformers, fp8 frozen weights,
-    # checkpointed: all on the device, then with blocks in host memory (targets: FLUX.1 within 12 GB at >= 0.8x
-    # the speed of all on the device, Qwen-Image within 16 GB)
+  offload_flux)  # a whole FLUX.1 (19 double, 38 single blocks), fp8 frozen weights, checkpointed: all on the
+    # device, then with blocks in host memory (target: within 12 GB at >= 0.8x the speed of all on the device)
     for offload in 0 24 40; do
       bench "flux-whole-1024-fp8-offload-$offload" 580 --model flux --blocks 19,38 --resolution 1024 --batch 1 --rank 16 --precision bf16 --steps 10 --warmup 3 --cache --weight-dtype fp8 --gradient-checkpointing --offload-blocks "$offload"
     done
+    ;;
+  offload_qwen)  # a whole Qwen-Image (60 blocks), likewise (target: within 16 GB)
     for offload in 0 30 45; do
       bench "qwen-whole-1024-fp8-offload-$offload" 580 --model qwen_image --blocks 60 --resolution 1024 --batch 1 --rank 16 --precision bf16 --steps 10 --warmup 3 --cache --weight-dtype fp8 --gradient-checkpointing --offload-blocks "$offload"
     done
