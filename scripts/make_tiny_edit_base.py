@@ -1,9 +1,11 @@
-"""Build the bundled tiny edit base: `python scripts/make_tiny_edit_base.py` (models/tiny-flux_kontext, from
-models/tiny-flux) and the default edit job's pairs (examples/purple_edits).
+"""Build a bundled tiny edit base: `python scripts/make_tiny_edit_base.py [--family flux|qwen_image]`
+(models/tiny-flux_kontext from models/tiny-flux; models/tiny-qwen_image_edit_plus from models/tiny-qwen_image)
+and the default edit jobs' pairs (examples/purple_edits).
 
-tiny-flux's components in a FluxKontextPipeline, its transformer fully fine-tuned by difftune on "make it <color>"
-recolor pairs of the seen colors (the held-out color never asked for and never shown); scored with the edit judge
-against the same transformer before edit training, and the model card written. Deterministic by seed.
+The text-to-image base's components in its edit pipeline (`edit_pipeline_of`), its transformer fully fine-tuned by
+difftune on "make it <color>" recolor pairs of the seen colors (the held-out color never asked for and never shown),
+with Qwen's language model, which learns to read the control; scored with the edit judge against the same model
+before edit training, and the model card written. Deterministic by seed.
 """
 
 import argparse
@@ -15,26 +17,24 @@ from difftune.config import ModelConfig
 from difftune.families import load_components
 from difftune.toy.judge import EvalSettings, edit_score
 from difftune.toy.tiny import recolor_pairs, write_pair_folder
-from difftune.toy.tiny_base import EDIT_RECIPE, HELD_OUT_COLOR, SEEN_COLORS, build_edit_base
+from difftune.toy.tiny_base import EDIT_RECIPES, HELD_OUT_COLOR, SEEN_COLORS, build_edit_base
 
 CARD = """---
 library_name: diffusers
 pipeline_tag: image-to-image
 tags: [difftune, tiny, synthetic, edit]
 ---
-# {name}: a 32 px FLUX.1 Kontext-style edit model of colored shapes, trained by difftune
+# {name}: a 32 px {kind} edit model of colored shapes, trained by difftune
 
-`{source}`'s components (autoencoders, CLIP, T5, a {params:,}-parameter `FluxTransformer2DModel`) in a
-`FluxKontextPipeline`, its transformer fully fine-tuned by `difftune train` on recolor pairs: a control image of a
-shape in one of the colors {seen}, the instruction `make it <color>` (another of them), and the target: the same
-shape at the same place in that color. `{held_out}` is never asked for nor shown: it is the edit the default edit job
-teaches (`configs/flux_kontext_edit.toml`).
+`{source}`'s components ({components}, a {params:,}-parameter `{transformer}`) in a `{pipeline}`, {trained} by
+`difftune train` on recolor pairs: a control image of a shape in one of the colors {seen}, the instruction
+`make it <color>` (another of them), and the target: the same shape at the same place in that color. `{held_out}` is
+never asked for nor shown: it is the edit the default edit job teaches (`configs/{job}.toml`).
 
-Weights are fp16; on a CPU load them as fp32: `FluxKontextPipeline.from_pretrained(path, dtype=torch.float32)`.
-Sample with the control at the output's size: `pipeline(image=control, prompt="make it red", height=32, width=32,
-max_area=32 * 32, _auto_resize=False, true_cfg_scale=3.0, negative_prompt="")` (no guidance embedding).
+Weights are fp16; on a CPU load them as fp32: `{pipeline}.from_pretrained(path, dtype=torch.float32)`.
+{sampling}
 
-## Recipe (`python scripts/make_tiny_edit_base.py`, seed {seed})
+## Recipe (`python scripts/make_tiny_edit_base.py --family {family}`, seed {seed})
 
 {pairs} pairs, {steps} steps at batch {batch_size}, AdamW lr {learning_rate} cosine, rectified flow with the sampler's
 resolution shift, caption dropout 0.1, cached latents, EMA {ema_decay} (what is saved); {seconds:.0f} s on 2 CPU cores.
@@ -53,16 +53,44 @@ Full numbers: `scores.json`.
 """
 
 
+# What each family's card says (the edit base's name, its job, how to sample it).
+FAMILIES = {
+    "flux": {
+        "name": "tiny-flux_kontext", "kind": "FLUX.1 Kontext-style", "job": "flux_kontext_edit",
+        "components": "autoencoders, CLIP, T5", "transformer": "FluxTransformer2DModel", "pipeline": "FluxKontextPipeline",
+        "trained": "its transformer fully fine-tuned",
+        "sampling": "Sample with the control at the output's size: `pipeline(image=control, prompt=\"make it red\", "
+                    "height=32, width=32,\nmax_area=32 * 32, _auto_resize=False, true_cfg_scale=3.0, negative_prompt=\"\")` "
+                    "(no guidance embedding).",
+    },
+    "qwen_image": {
+        "name": "tiny-qwen_image_edit_plus", "kind": "Qwen-Image-Edit-2509-style", "job": "qwen_image_edit",
+        "components": "autoencoders, a Qwen2.5-VL language model with a vision tower, its tokenizer extended by the edit "
+                      "template's words and the vision tokens",
+        "transformer": "QwenImageTransformer2DModel", "pipeline": "QwenImageEditPlusPipeline",
+        "trained": "its transformer and language model fully fine-tuned",
+        "sampling": "The pipeline resizes every control to about 1 MP; `difftune sample --base models/"
+                    "tiny-qwen_image_edit_plus --control\ncontrol.png --prompt \"make it red\" --resolution 32 "
+                    "--guidance-scale 3 --out samples` sizes it to the output's area.",
+    },
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", type=Path, default=Path("models/tiny-flux"))
-    parser.add_argument("--model-dir", type=Path, default=Path("models/tiny-flux_kontext"))
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="flux", help="the text-to-image base's family")
+    parser.add_argument("--source", type=Path, help="the text-to-image base (default: models/tiny-<family>)")
+    parser.add_argument("--model-dir", type=Path, help="where the edit base goes (default: models/<its name>)")
     parser.add_argument("--examples-dir", type=Path, default=Path("examples"))
-    parser.add_argument("--work-dir", type=Path, default=Path("output/tiny-flux_kontext-build"))
+    parser.add_argument("--work-dir", type=Path, help="default: output/<its name>-build")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=EDIT_RECIPE["steps"])
+    parser.add_argument("--steps", type=int, help="default: the family's recipe's")
     args = parser.parse_args()
-    recipe = EDIT_RECIPE | {"steps": args.steps}
+    card = FAMILIES[args.family]
+    args.source = args.source or Path(f"models/tiny-{args.family}")
+    args.model_dir = args.model_dir or Path("models") / card["name"]
+    args.work_dir = args.work_dir or Path("output") / f"{card['name']}-build"
+    recipe = EDIT_RECIPES[args.family] | ({"steps": args.steps} if args.steps else {})
     facts = build_edit_base(args.model_dir, args.work_dir, args.source, recipe, args.seed)
     settings = EvalSettings()
     scores = edit_score(load_components(ModelConfig(base=str(args.model_dir))), SEEN_COLORS, HELD_OUT_COLOR, settings)
@@ -71,7 +99,7 @@ def main() -> None:
     (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
     components = load_components(ModelConfig(base=str(args.model_dir)))
     (args.model_dir / "README.md").write_text(CARD.format(
-        name=args.model_dir.name, source=args.source.name, seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR,
+        **card | {"name": args.model_dir.name}, family=args.family, source=args.source.name, seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR,
         params=sum(p.numel() for p in components.denoiser.parameters()), seed=args.seed,
         pairs=recipe["pairs_per_prompt"] * len(SEEN_COLORS) * 3, seconds=facts["seconds"]["transformer"],
         n=settings.samples_per_prompt, **{key: recipe[key] for key in ("steps", "batch_size", "learning_rate", "ema_decay")},

@@ -32,6 +32,7 @@ SDXL_BASE = REPO / "models" / "tiny-sdxl"
 FLUX_BASE = REPO / "models" / "tiny-flux"
 QWEN_BASE = REPO / "models" / "tiny-qwen_image"
 KONTEXT_BASE = REPO / "models" / "tiny-flux_kontext"
+QWEN_EDIT_BASE = REPO / "models" / "tiny-qwen_image_edit_plus"
 
 
 def test_the_judge_names_color_and_shape_of_renders():
@@ -166,16 +167,17 @@ def test_fine_tuning_teaches_the_held_out_color(tmp_path, capsys, job, base):
 
 
 @pytest.mark.slow
-def test_fine_tuning_teaches_the_held_out_edit(tmp_path, capsys):
-    """The edit default job against the issue's targets, scored as published (8 fixed pairs per color and shape):
+@pytest.mark.parametrize("job, base", [("flux_kontext_edit", KONTEXT_BASE), ("qwen_image_edit", QWEN_EDIT_BASE)])
+def test_fine_tuning_teaches_the_held_out_edit(job, base, tmp_path, capsys):
+    """Each edit default job against the issue's targets, scored as published (8 fixed pairs per color and shape):
     the edit base does the seen edits >= 0.90 and never the held-out one; after the job the held-out edit >= 0.90
     with the shape kept >= 0.90 and in place, and the seen edits drop <= 0.05."""
-    config = load_config(REPO / "configs" / "flux_kontext_edit.toml", [
+    config = load_config(REPO / "configs" / f"{job}.toml", [
         f"train.output_dir={tmp_path / 'run'}", "log.progress_bar=false", "log.tensorboard=false", "sample.prompts=[]",
     ])
     result = train(config)
     capsys.readouterr()
-    assert main(["eval", "--base", str(KONTEXT_BASE), "--adapter", str(result.trained_path), "--out", str(tmp_path / "eval.json")]) == 0
+    assert main(["eval", "--base", str(base), "--adapter", str(result.trained_path), "--out", str(tmp_path / "eval.json")]) == 0
     report = json.loads((tmp_path / "eval.json").read_text())
     before, after = report["before"], report["after"]
     assert report["scored"] == "edits" and after["concept"]["edits"] == 8 * len(SHAPES)

@@ -21,7 +21,14 @@ from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.families.qwen_image_edit import EDIT_PROMPT_TEMPLATE, EDIT_TEMPLATE_TOKENS, VISION_TOKENS, control_dimensions
 from difftune.metrics import read_metrics
-from difftune.toy.tiny import build_pipeline, recolor_pairs, write_pair_folder
+from difftune.toy.tiny import (
+    build_pipeline,
+    build_qwen_tokenizer,
+    edit_pipeline_of,
+    extend_qwen_tokenizer,
+    recolor_pairs,
+    write_pair_folder,
+)
 from difftune.train import train
 
 from conftest import edit_settings
@@ -51,6 +58,41 @@ def test_the_templates_are_the_pipelines(name, edit_bases):
     assert pipeline.prompt_template_encode == EDIT_PROMPT_TEMPLATE.replace("{}", vision + "{}")
     assert pipeline.prompt_template_encode_start_idx == EDIT_TEMPLATE_TOKENS
     assert FAMILIES[name].text_tokens == pipeline.tokenizer_max_length
+    # The part the pipeline drops is all of the template before the vision tokens and the instruction, as with
+    # Qwen2.5-VL's own vocabulary: no template token reaches the transformer.
+    prefix = pipeline.prompt_template_encode.split("{}")[0].removesuffix(vision)
+    assert len(pipeline.tokenizer(prefix)["input_ids"]) == EDIT_TEMPLATE_TOKENS
+
+
+def test_the_edit_tokenizer_extends_a_text_to_image_one_keeping_its_ids():
+    """An edit base made from a Qwen-Image base (scripts/make_tiny_edit_base.py) keeps every token's id, so its
+    language model's embeddings only grow (text may split into the new, longer tokens)."""
+    from difftune.families.qwen_image import PROMPT_TEMPLATE
+
+    plain = build_qwen_tokenizer()
+    extended = extend_qwen_tokenizer(plain)
+    vocab = extended.get_vocab()
+    assert len(extended) > len(plain) and all(vocab[token] == i for token, i in plain.get_vocab().items())
+    assert len(extended(PROMPT_TEMPLATE.split("{}")[0])["input_ids"]) == 34  # what QwenImagePipeline drops
+    assert extended.get_vocab() == build_qwen_tokenizer(edit=True).get_vocab()
+
+
+def test_an_edit_pipeline_made_of_a_text_to_image_one_reads_controls(tmp_path):
+    """`edit_pipeline_of` (how models/tiny-qwen_image_edit_plus was made): the language model keeps its embedding rows,
+    and the saved pipeline, loaded as its family, states a prompt with a control as the pipeline does."""
+    source = build_pipeline(seed=3, family="qwen_image")
+    before = source.text_encoder.get_input_embeddings().weight.detach().clone()
+    edit = edit_pipeline_of(source)
+    after = edit.text_encoder.get_input_embeddings().weight
+    assert after.shape[0] == len(edit.tokenizer) > before.shape[0] and torch.equal(after[: before.shape[0]], before)
+    edit.save_pretrained(tmp_path, safe_serialization=True)
+    components = load_components(ModelConfig(base=str(tmp_path)))
+    family, control = components.family, _controls(1)[0]
+    assert family.name == "qwen_image_edit_plus"
+    with torch.no_grad():
+        ours = family.encode_prompts(components, family.tokenize(components.tokenizers, ["make it red"], [[control]]))
+        states, _ = components.pipeline().encode_prompt("make it red", image=[family.prompt_image(control)], device="cpu")
+    assert torch.equal(ours["encoder_hidden_states"][0, : states.shape[1]], states[0])
 
 
 @pytest.mark.parametrize("name", EDIT_FAMILIES)

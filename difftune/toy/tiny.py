@@ -181,24 +181,50 @@ def build_qwen_tokenizer(edit: bool = False) -> Qwen2Tokenizer:
     """Qwen2's layout (byte-level BPE; `<|endoftext|>` pads, `<|im_start|>` / `<|im_end|>` frame chat turns) with
     no merges but those that spell the words of Qwen-Image's prompt template: the template's system prompt is 34
     tokens, as in Qwen2.5-VL's own vocabulary (the pipeline drops that many), and captions are byte level. `edit`:
-    the edit pipelines' template too (64 tokens, as theirs) and the vision tokens that place an image in a prompt."""
+    extended for the edit pipelines (`extend_qwen_tokenizer`)."""
     from difftune.families.qwen_image import PROMPT_TEMPLATE
+
+    bytes_vocab = {byte: i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tokenizer = _qwen_bpe_tokenizer(bytes_vocab, [], PROMPT_TEMPLATE, QWEN_SPECIAL_TOKENS)
+    return extend_qwen_tokenizer(tokenizer) if edit else tokenizer
+
+
+def extend_qwen_tokenizer(tokenizer: Qwen2Tokenizer) -> Qwen2Tokenizer:
+    """`tokenizer` as the edit pipelines need it: merges that spell the words of their template (64 tokens, as
+    theirs) and the vision tokens that place an image in a prompt, appended: every token keeps its id, so a language
+    model trained on `tokenizer` keeps its embeddings and grows new rows (text may split into the new, longer tokens)."""
     from difftune.families.qwen_image_edit import EDIT_PROMPT_TEMPLATE
 
-    specials = QWEN_SPECIAL_TOKENS + (QWEN_VISION_TOKENS if edit else ())
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    merges = [tuple(merge) if isinstance(merge, list) else tuple(merge.split(" ")) for merge in model["merges"]]
+    return _qwen_bpe_tokenizer(model["vocab"], merges, EDIT_PROMPT_TEMPLATE, QWEN_SPECIAL_TOKENS + QWEN_VISION_TOKENS)
+
+
+def _qwen_bpe_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]], template: str,
+                        specials: tuple[str, ...]) -> Qwen2Tokenizer:
+    """A byte-level BPE tokenizer of `vocab` and `merges`, plus merges (and ids after the last) that spell each word of
+    `template` whole, and `specials` after them where missing."""
+    vocab, merges = dict(vocab), list(merges)
     pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    vocab = {byte: i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    merges = []
-    template = "".join((PROMPT_TEMPLATE, EDIT_PROMPT_TEMPLATE) if edit else (PROMPT_TEMPLATE,)).replace("{}", "")
+    template = template.replace("{}", "")
     for special in specials:
         template = template.replace(special, "\0")
     words = {word for chunk in template.split("\0") for word, _ in pre_tokenizer.pre_tokenize_str(chunk)}
+    known = set(merges)
     for word in sorted(words):
         for end in range(1, len(word)):
-            if (word[:end], word[end]) not in merges:
+            if (word[:end], word[end]) not in known:
+                known.add((word[:end], word[end]))
                 merges.append((word[:end], word[end]))
             vocab.setdefault(word[: end + 1], len(vocab))
-    vocab |= {special: len(vocab) + i for i, special in enumerate(specials)}
+    for word in sorted(words):  # a word whose pieces merged first by older merges ("user" in " user") is joined
+        pieces = [token.value for token in models.BPE(vocab=vocab, merges=merges).tokenize(word)]
+        while len(pieces) > 1:
+            merges.append((pieces[0], pieces[1]))
+            vocab.setdefault(pieces[0] + pieces[1], len(vocab))
+            pieces[:2] = [pieces[0] + pieces[1]]
+    for special in specials:
+        vocab.setdefault(special, len(vocab))
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
@@ -219,8 +245,6 @@ def build_qwen_text_encoder(tokenizer: Qwen2Tokenizer, hidden_size: int = QWEN_H
     """A 2-layer Qwen2.5-VL language model with Qwen2.5-VL's multimodal rotary sections scaled to its head size, and a
     1-block vision tower (run by the edit pipelines, whose prompts show images: the image tokens are `tokenizer`'s)."""
     heads, head_dim = 2, hidden_size // 2
-    vision_ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in
-                  zip(("vision_start", "vision_end", "image"), QWEN_VISION_TOKENS) if token in tokenizer.get_vocab()}
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
@@ -233,9 +257,34 @@ def build_qwen_text_encoder(tokenizer: Qwen2Tokenizer, hidden_size: int = QWEN_H
         },
         vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
                        "out_hidden_size": hidden_size, "fullatt_block_indexes": [0]},
-        **vision_ids,
+        **_vision_token_ids(tokenizer),
     )
     return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _vision_token_ids(tokenizer: Qwen2Tokenizer) -> dict[str, int]:
+    """The language model's config fields that name the tokens placing an image, for those `tokenizer` has."""
+    return {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in
+            zip(("vision_start", "vision_end", "image"), QWEN_VISION_TOKENS) if token in tokenizer.get_vocab()}
+
+
+def edit_pipeline_of(pipeline):
+    """The edit pipeline of a text-to-image one's components: FLUX.1 Kontext of FLUX.1 (the same parts), and
+    Qwen-Image-Edit-Plus (2509) of Qwen-Image, whose language model learns to read images: its tokenizer extended
+    (`extend_qwen_tokenizer`), new embedding rows drawn about the old ones' mean (transformers' resizing), the vision
+    tokens' ids in its config, and a processor that turns controls into patches for its vision tower."""
+    if isinstance(pipeline, FluxPipeline):
+        return FluxKontextPipeline(**pipeline.components)
+    if not isinstance(pipeline, QwenImagePipeline):
+        raise ValueError(f"no edit pipeline of {type(pipeline).__name__}: FluxPipeline or QwenImagePipeline")
+    tokenizer = extend_qwen_tokenizer(pipeline.tokenizer)
+    text_encoder = pipeline.text_encoder
+    text_encoder.resize_token_embeddings(len(tokenizer))
+    for field, token_id in _vision_token_ids(tokenizer).items():
+        setattr(text_encoder.config, field, token_id)
+    parts = {name: getattr(pipeline, name) for name in ("vae", "transformer", "scheduler")}
+    return QwenImageEditPlusPipeline(**parts, text_encoder=text_encoder, tokenizer=tokenizer,
+                                     processor=build_qwen_processor(tokenizer))
 
 
 def build_qwen_vae(latents_mean=(0.0,) * FLUX_LATENT_CHANNELS, latents_std=(1.0,) * FLUX_LATENT_CHANNELS,
