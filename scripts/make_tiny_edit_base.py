@@ -53,8 +53,8 @@ Full numbers: `scores.json`.
 """
 
 
-# What each family's card says (the edit base's name, its job, how to sample it).
-FAMILIES = {
+# What each source family's edit base card says (the edit base's name, its job, how to sample it).
+CARDS = {
     "flux": {
         "name": "tiny-flux_kontext", "kind": "FLUX.1 Kontext-style", "job": "flux_kontext_edit",
         "components": "autoencoders, CLIP, T5", "transformer": "FluxTransformer2DModel", "pipeline": "FluxKontextPipeline",
@@ -78,7 +78,7 @@ FAMILIES = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=sorted(FAMILIES), default="flux", help="the text-to-image base's family")
+    parser.add_argument("--family", choices=sorted(CARDS), default="flux", help="the text-to-image base's family")
     parser.add_argument("--source", type=Path, help="the text-to-image base (default: models/tiny-<family>)")
     parser.add_argument("--model-dir", type=Path, help="where the edit base goes (default: models/<its name>)")
     parser.add_argument("--examples-dir", type=Path, default=Path("examples"))
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, help="default: the family's recipe's")
     args = parser.parse_args()
-    card = FAMILIES[args.family]
+    card = CARDS[args.family]
     args.source = args.source or Path(f"models/tiny-{args.family}")
     args.model_dir = args.model_dir or Path("models") / card["name"]
     args.work_dir = args.work_dir or Path("output") / f"{card['name']}-build"
@@ -99,7 +99,8 @@ def main() -> None:
     (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
     components = load_components(ModelConfig(base=str(args.model_dir)))
     (args.model_dir / "README.md").write_text(CARD.format(
-        **card | {"name": args.model_dir.name}, family=args.family, source=args.source.name, seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR,
+        **card | {"name": args.model_dir.name}, family=args.family, source=args.source.name,
+        seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR,
         params=sum(p.numel() for p in components.denoiser.parameters()), seed=args.seed,
         pairs=recipe["pairs_per_prompt"] * len(SEEN_COLORS) * 3, seconds=facts["seconds"]["transformer"],
         n=settings.samples_per_prompt, **{key: recipe[key] for key in ("steps", "batch_size", "learning_rate", "ema_decay")},

@@ -211,6 +211,7 @@ def _qwen_bpe_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]], te
         template = template.replace(special, "\0")
     words = {word for chunk in template.split("\0") for word, _ in pre_tokenizer.pre_tokenize_str(chunk)}
     known = set(merges)
+    # Each word's prefix chain first: that is how the bundled bases' vocabularies were made, and their ids must hold.
     for word in sorted(words):
         for end in range(1, len(word)):
             if (word[:end], word[end]) not in known:
