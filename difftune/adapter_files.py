@@ -125,16 +125,23 @@ def is_kohya(tensors: dict) -> bool:
     return any(key.startswith(KOHYA_PREFIXES) for key in tensors)
 
 
-def check_modules(tensors: dict, module_names: dict[str, list[str]], path: Path) -> None:
-    """Every adapted module must exist in the base: diffusers would otherwise drop the rest with a log line."""
+def placed_on_base(tensors: dict, module_names: dict[str, list[str]], path: Path) -> dict:
+    """`tensors` under the base's module names: a `text_encoder` that is a CLIPTextModelWithProjection (SD3's) keeps
+    the `text_model.` level that reading drops for CLIPTextModel (`_text_module`), and gets it back here. Every
+    adapted module must exist in the base: diffusers would otherwise drop the rest with a log line."""
     known = {part: set(names) for part, names in module_names.items()}
-    for key in tensors:
+    placed = {}
+    for key, value in tensors.items():
         part, _, rest = key.partition(".")
-        module, _ = split_adapter_key(rest)
+        module, kind = split_adapter_key(rest)
+        if module not in known.get(part, ()) and f"text_model.{module}" in known.get(part, ()):
+            module = f"text_model.{module}"
         if module not in known.get(part, ()):
             raise DifftuneError(
                 f"adapter {path}: {key}: the base model's {part} has no module {module!r}; is this adapter for this model?"
             )
+        placed[f"{part}.{module}.{kind}"] = value
+    return placed
 
 
 def _from_diffusers(tensors: dict, path: Path) -> tuple[dict, dict]:

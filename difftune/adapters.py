@@ -50,7 +50,8 @@ def target_modules(components: Components, config: AdapterConfig) -> dict[str, l
     `text_encoder_targets` by part for the text encoders), or the family's default where there is none."""
     family = components.family
     configured = {family.denoiser_name: config.target_modules, **config.text_encoder_targets}
-    return {part: configured.get(part) or family.default_targets[part] for part in trained_parts(components, config)}
+    parts = components.parts()
+    return {part: configured.get(part) or family.targets_of(part, parts[part]) for part in trained_parts(components, config)}
 
 
 def _targets_key(components: Components, part: str) -> str:

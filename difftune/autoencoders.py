@@ -11,6 +11,10 @@ alike, read from the autoencoder's own config; `decoded = decode(latents / scale
   have a time axis (B, C, T, h, w), T = 1 for an image, and per-channel statistics: shift = `latents_mean`,
   scale = 1 / `latents_std`, as `QwenImagePipeline` inverts them. Images pass as one-frame clips; everything
   outside this module sees (B, C, h, w).
+- `AutoencoderKLFlux2` (FLUX.2): 32-channel latents at 8x, which the denoiser reads patched 2x2 into 128 channels
+  (`patched`, as `Flux2Pipeline._patchify_latents`), normalised per patched channel by the autoencoder's own batch
+  norm statistics (shift = `bn.running_mean`, scale = 1 / sqrt(`bn.running_var` + eps)). Everything outside this
+  module sees the patched (B, 128, h/2, w/2): the posterior, the caches, the noise.
 """
 
 from __future__ import annotations
@@ -19,14 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderTiny
+from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLQwenImage, AutoencoderTiny
 from diffusers.utils.torch_utils import randn_tensor
 
 from difftune.errors import DifftuneError
 
 VAE_CLASSES = {"AutoencoderKL": AutoencoderKL, "AutoencoderTiny": AutoencoderTiny,
-               "AutoencoderKLQwenImage": AutoencoderKLQwenImage}
+               "AutoencoderKLQwenImage": AutoencoderKLQwenImage, "AutoencoderKLFlux2": AutoencoderKLFlux2}
 VIDEO_AUTOENCODERS = (AutoencoderKLQwenImage,)  # latents with a time axis
+PATCHED_AUTOENCODERS = (AutoencoderKLFlux2,)  # latents read patched 2x2 into channels
 
 
 @dataclass(frozen=True)
@@ -49,8 +54,12 @@ def _per_channel(value: float | tuple[float, ...], like: torch.Tensor) -> float 
     return torch.tensor(value, device=like.device, dtype=like.dtype).view(1, -1, *([1] * (like.dim() - 2)))
 
 
-def latent_normalization(vae_config) -> LatentNormalization:
-    """The normalisation an autoencoder's config asks for (see the module's docstring)."""
+def latent_normalization(vae) -> LatentNormalization:
+    """The normalisation an autoencoder asks for, in its config or its batch norm (see the module's docstring)."""
+    if isinstance(vae, PATCHED_AUTOENCODERS):
+        std = torch.sqrt(vae.bn.running_var.float() + vae.config.batch_norm_eps)
+        return LatentNormalization(tuple((1.0 / std).tolist()), tuple(vae.bn.running_mean.float().tolist()))
+    vae_config = vae.config
     if getattr(vae_config, "latents_std", None) is not None:
         scale = (1.0 / torch.tensor(vae_config.latents_std)).tolist()  # fp32, as the pipelines compute it
         return LatentNormalization(tuple(scale), tuple(float(m) for m in vae_config.latents_mean))
@@ -60,6 +69,8 @@ def latent_normalization(vae_config) -> LatentNormalization:
 def latent_channels(vae) -> int:
     """Channels of the latents `vae` makes (`z_dim` in the video autoencoders' configs)."""
     config = vae.config
+    if isinstance(vae, PATCHED_AUTOENCODERS):
+        return config.latent_channels * 4
     return config.latent_channels if "latent_channels" in config else config.z_dim
 
 
@@ -68,7 +79,7 @@ def downsampling(vae) -> int:
     if isinstance(vae, VIDEO_AUTOENCODERS):
         return 2 ** len(vae.config.temperal_downsample)
     blocks = vae.config.encoder_block_out_channels if isinstance(vae, AutoencoderTiny) else vae.config.block_out_channels
-    return 2 ** (len(blocks) - 1)
+    return 2 ** (len(blocks) - 1) * (2 if isinstance(vae, PATCHED_AUTOENCODERS) else 1)
 
 
 def load_vae(name: str):
@@ -92,7 +103,21 @@ def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         posterior = vae.encode(pixels[:, :, None]).latent_dist  # one frame
         return posterior.mean[:, :, 0], posterior.std[:, :, 0]
     posterior = vae.encode(pixels).latent_dist
+    if isinstance(vae, PATCHED_AUTOENCODERS):
+        return patched(posterior.mean), patched(posterior.std)
     return posterior.mean, posterior.std
+
+
+def patched(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, 4C, h/2, w/2), each 2x2 patch's values as channels, as `Flux2Pipeline._patchify_latents`."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, c * 4, h // 2, w // 2)
+
+
+def unpatched(latents: torch.Tensor) -> torch.Tensor:
+    """Inverse of `patched`."""
+    b, c, h, w = latents.shape
+    return latents.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, h * 2, w * 2)
 
 
 def sample_latents(
@@ -107,7 +132,7 @@ def sample_latents(
 def encode_latents(vae, pixels: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """(B, 3, H, W) in [-1, 1] -> normalised latents (B, C, H/f, W/f), one posterior sample per image."""
     mean, std = encode_posterior(vae, pixels)
-    return sample_latents(mean, std, generators, latent_normalization(vae.config))
+    return sample_latents(mean, std, generators, latent_normalization(vae))
 
 
 def reference_latents(mean: torch.Tensor, normalization: LatentNormalization) -> torch.Tensor:
@@ -118,7 +143,9 @@ def reference_latents(mean: torch.Tensor, normalization: LatentNormalization) ->
 
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """Inverse of `encode_latents` (up to the autoencoder's loss): normalised latents -> pixels in [-1, 1]."""
-    encoded = latent_normalization(vae.config).invert(latents.to(vae.dtype))
+    encoded = latent_normalization(vae).invert(latents.to(vae.dtype))
     if isinstance(vae, VIDEO_AUTOENCODERS):
         return vae.decode(encoded[:, :, None]).sample[:, :, 0]
+    if isinstance(vae, PATCHED_AUTOENCODERS):
+        return vae.decode(unpatched(encoded)).sample
     return vae.decode(encoded).sample

@@ -55,7 +55,7 @@ MAX_SIDE = 16384  # pixels: a side past this is a typo (2147483648 overflowed af
 # The model families: one module each in difftune/families/, named as the family (families/__init__.py loads
 # them), beside the pieces several families share. Read from the file names here, because the families import
 # this schema.
-SHARED_FAMILY_MODULES = ("__init__", "family", "flow")
+SHARED_FAMILY_MODULES = ("__init__", "family", "flow", "fused")
 FAMILY_NAMES = tuple(
     sorted(path.stem for path in (Path(__file__).parent / "families").glob("*.py") if path.stem not in SHARED_FAMILY_MODULES)
 )
@@ -358,8 +358,8 @@ class LossConfig(Section):
     flow_shift_by_resolution: bool = Field(
         False,
         description="Flow-matching families: shift by the image's size instead, as the base's scheduler does when "
-        "sampling (Flux.1: exp(mu), mu linear in the latent token count from `base_shift` to `max_shift`); overrides "
-        "`flow_shift`.",
+        "sampling (Flux.1, Qwen-Image: exp(mu), mu linear in the latent token count from `base_shift` to `max_shift`; "
+        "a scheduler without dynamic shifting, Z-Image's: its one `shift`); overrides `flow_shift`.",
     )
     noise_offset: float = Field(
         0.0, ge=0, description="Add this times a per-channel constant to the noise (darker darks, brighter brights); 0 is off."

@@ -24,10 +24,10 @@ from safetensors.torch import save_file
 
 from difftune.adapter_files import (
     CONFIG_METADATA_KEY,
-    check_modules,
     is_embedding_file,
     module_names_of,
     parts_of,
+    placed_on_base,
     read_adapter,
 )
 from difftune.adapters import LYCORIS_CONFIGS, adapter_kind, adapter_state_dict
@@ -219,7 +219,7 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
     with tempfile.TemporaryDirectory() as tmp:
         for i, (path, _) in enumerate(adapters):
             tensors, lora_configs, config_toml = read_adapter(path, lambda metadata: modules)
-            check_modules(tensors, modules.names, path)
+            tensors = placed_on_base(tensors, modules.names, path)
             _refuse_unloadable_parts(tensors, components.family, path)
             _refuse_non_finite(tensors, f"adapter {path}")
             names.append(f"adapter_{i}")

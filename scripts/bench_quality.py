@@ -150,6 +150,14 @@ VARIANTS = {"tiny_lora": {
     **at_seeds("lora_r4_loraplus_16_lr_5e-4", "optim.loraplus_ratio=16", "optim.learning_rate=5e-4"),
     **at_seeds("lora_r4_32_renders_with_seen", "data.path={renders_32_with_seen}"),
     **at_seeds("lora_r4_shift_3", "loss.flow_shift_by_resolution=false", "loss.flow_shift=3.0"),
+}, "z_image_lora": {
+    # The 900_steps, dora_r4 and caption_dropout_0.2 lines were measured when the job's learning rate was 2e-3.
+    **at_seeds("lora_r4"),
+    **at_seeds("lora_r4_lr_2e-3", "optim.learning_rate=2e-3"),
+    **at_seeds("lora_r4_lr_1e-3", "optim.learning_rate=1e-3"),
+    **at_seeds("lora_r4_900_steps", "train.max_steps=900"),
+    **at_seeds("dora_r4", "adapter.kind=dora"),
+    **at_seeds("lora_r4_caption_dropout_0.2", "data.caption_dropout=0.2"),
 }}
 
 

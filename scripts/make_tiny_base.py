@@ -1,6 +1,7 @@
 """Build a bundled tiny base: `python scripts/make_tiny_base.py` (models/tiny-sd and the default job's images),
 `--family sdxl` (models/tiny-sdxl, from tiny-sd's autoencoders), `--family flux` (models/tiny-flux) or
-`--family qwen_image` (models/tiny-qwen_image).
+`--family qwen_image` (models/tiny-qwen_image), `--family z_image` (models/tiny-z_image, from tiny-flux's
+autoencoders) or `--family flux2_klein` (models/tiny-flux2_klein).
 
 Trains an autoencoder (KL, or Wan's video kind for Qwen-Image) and a TAESD on synthetic shapes (not for SDXL), then
 the denoiser and text encoder(s) with difftune's own trainer (full fine-tune, EMA), never showing them the held-out
@@ -16,6 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
+from difftune.autoencoders import PATCHED_AUTOENCODERS
 from difftune.toy.judge import EvalSettings, score
 from difftune.config import ModelConfig
 from difftune.families import load_components
@@ -43,8 +45,8 @@ Weights are fp16; on a CPU load them as fp32: `{pipeline}.from_pretrained(path, 
   {autoencoder_batch}, then {vae_decoder_steps} steps at lr {vae_decoder_lr} of the decoder alone on the posterior means, as SD's ft-MSE
   VAE), {normalization}; TAESD distilled for {taesd_steps}
   steps (encoder -> the VAE's scaled latents, decoder <- them)
-- {denoiser} ({denoiser_params:,} parameters) and text encoder(s) ({text_params:,}) trained jointly
-  by `difftune train` with `adapter.kind = "none"`, `adapter.text_encoder = true`: {steps} steps at batch
+- {denoiser} ({denoiser_params:,} parameters){text_encoder_note}
+  by `difftune train` with `adapter.kind = "none"`, `adapter.text_encoder = {train_text_encoder}`: {steps} steps at batch
   {batch_size}, AdamW lr {learning_rate} cosine, {objective}, noise offset {noise_offset}, caption dropout 0.1, cached latents,
   EMA {ema_decay} (the EMA weights are what is saved)
 - time on 2 CPU cores: autoencoders {t_ae:.0f} s, {denoiser_short} + text encoder(s) {t_unet:.0f} s
@@ -84,33 +86,48 @@ ARCHITECTURES = {
                    "`latents_mean` / `latents_std`, a `Qwen2_5_VLForConditionalGeneration` language model read\n"
                    "through the pipeline's chat template, with a byte-level `Qwen2Tokenizer` built here; sample with\n"
                    "true classifier-free guidance, `true_cfg_scale`)", "QwenImagePipeline"),
+    "flux2_klein": ("FLUX.2 [klein]'s architecture at toy size, from the same classes (`Flux2Transformer2DModel`,\n"
+                    "FLUX.2's `AutoencoderKLFlux2` with its batch norm over 2x2-patched latents, a 27-layer\n"
+                    "`Qwen3ForCausalLM` read at layers 9, 18 and 27 through its chat template, with a byte-level\n"
+                    "`Qwen2Tokenizer` built here whose `model_max_length` (48) is the caption length read: pass\n"
+                    "`max_sequence_length=48` to `Flux2KleinPipeline`)", "Flux2KleinPipeline"),
+    "z_image": ("Z-Image's architecture at toy size, from the same classes (`ZImageTransformer2DModel`, a\n"
+                "single-stream DiT with image and caption refiner blocks, over Flux.1's kind of 16-channel\n"
+                "`AutoencoderKL` (tiny-flux's), a `Qwen3Model` language model read through its chat template, with a\n"
+                "byte-level `Qwen2Tokenizer` built here)", "ZImagePipeline"),
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=("sd", "sdxl", "flux", "qwen_image"), default="sd")
+    parser.add_argument("--family", choices=("sd", "sdxl", "flux", "flux2_klein", "qwen_image", "z_image"), default="sd")
     parser.add_argument("--model-dir", type=Path, help="default: models/tiny-<family>")
     parser.add_argument("--autoencoders-from", type=Path,
                         help="a built base whose vae/ and taesd/ are reused instead of trained (default with --family "
-                        "sdxl: models/tiny-sd; for another family, its own earlier build of the same recipe)")
+                        "sdxl: models/tiny-sd; z_image: models/tiny-flux; for another family, its own earlier build of "
+                        "the same recipe)")
     parser.add_argument("--examples-dir", type=Path, default=Path("examples"))
     parser.add_argument("--work-dir", type=Path, help="default: output/tiny-<family>-build")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, help=f"denoiser/text-encoder training steps (default: {Recipe.steps} for sd, "
                         f"{SDXL_STEPS} for sdxl, {RECIPES['flux']['steps']} for flux, "
-                        f"{RECIPES['qwen_image']['steps']} for qwen_image)")
+                        f"{RECIPES['qwen_image']['steps']} for qwen_image, {RECIPES['z_image']['steps']} for z_image, "
+                        f"{RECIPES['flux2_klein']['steps']} for flux2_klein)")
     args = parser.parse_args()
     args.model_dir = args.model_dir or Path(f"models/tiny-{args.family}")
     args.work_dir = args.work_dir or Path(f"output/tiny-{args.family}-build")
     sdxl = args.family == "sdxl"
-    args.autoencoders_from = args.autoencoders_from or (Path("models/tiny-sd") if sdxl else None)
+    lenders = {"sdxl": Path("models/tiny-sd"), "z_image": Path("models/tiny-flux")}  # the same autoencoder kinds
+    args.autoencoders_from = args.autoencoders_from or lenders.get(args.family)
     recipe = Recipe(seed=args.seed, family=args.family, **RECIPES.get(args.family, {}))
     recipe.steps = args.steps or (SDXL_STEPS if sdxl else recipe.steps)
     finish(args, recipe, build_base(args.model_dir, args.work_dir, recipe, args.autoencoders_from))
 
 
-def normalization_note(vae_config) -> str:
+def normalization_note(vae) -> str:
+    vae_config = vae.config
+    if isinstance(vae, PATCHED_AUTOENCODERS):
+        return "batch-norm statistics (`bn.running_mean` / `running_var`) of its 2x2-patched latents"
     if "latents_std" in vae_config:
         return "per-channel `latents_mean` / `latents_std` of its latents"
     return f"scaling factor {vae_config.scaling_factor:.4f} = 1/std of its latents"
@@ -130,10 +147,15 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
     facts |= {"base": base, "untrained_control": control, "eval_settings": vars(settings)}
     (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
     architecture, pipeline = ARCHITECTURES[args.family]
+    text_params = sum(p.numel() for e in components.text_encoders.values() for p in e.parameters())
     denoiser = {
         "flux": f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, width "
                 f"{recipe.flux_heads * 16})",
-        "qwen_image": f"transformer ({recipe.qwen_layers} MMDiT blocks, width {recipe.qwen_heads * 16})",
+        "qwen_image": f"transformer ({recipe.dit_layers} MMDiT blocks, width {recipe.dit_heads * 16})",
+        "flux2_klein": f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, "
+                       f"width {recipe.flux_heads * 16})",
+        "z_image": f"transformer ({recipe.dit_layers} single-stream blocks after 1 image and 1 caption refiner block, "
+                   f"width {recipe.dit_heads * 16})",
     }.get(recipe.family, f"UNet (block channels {recipe.unet_block_out_channels})")
     (args.model_dir / "README.md").write_text(CARD.format(
         name=args.model_dir.name, architecture=architecture, pipeline=pipeline,
@@ -142,12 +164,14 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
         seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR, seed=recipe.seed,
         autoencoder_images=recipe.autoencoder_images, vae_steps=recipe.vae_steps,
         vae_decoder_steps=recipe.vae_decoder_steps, vae_decoder_lr=recipe.vae_decoder_lr, taesd_steps=recipe.taesd_steps,
-        autoencoder_batch=recipe.autoencoder_batch, normalization=normalization_note(components.vae.config),
+        autoencoder_batch=recipe.autoencoder_batch, normalization=normalization_note(components.vae),
         denoiser=denoiser, denoiser_short=denoiser.split(" (")[0],
         denoiser_params=sum(p.numel() for p in components.denoiser.parameters()),
         objective="flow matching (rectified flow), uniform noise levels with the sampler's resolution shift"
-        if recipe.family in ("flux", "qwen_image") else f"{recipe.weighting} loss weighting",
-        text_params=sum(p.numel() for e in components.text_encoders.values() for p in e.parameters()), steps=recipe.steps,
+        if recipe.family in ("flux", "flux2_klein", "qwen_image", "z_image") else f"{recipe.weighting} loss weighting",
+        text_encoder_note=f" and text encoder(s) ({text_params:,}) trained jointly" if recipe.train_text_encoder else
+        f" trained (its text encoder, {text_params:,} parameters, kept at its random init, its states cached)",
+        train_text_encoder=str(recipe.train_text_encoder).lower(), steps=recipe.steps,
         batch_size=recipe.batch_size, learning_rate=recipe.learning_rate, weighting=recipe.weighting, noise_offset=recipe.noise_offset,
         ema_decay=recipe.ema_decay, t_ae=facts["seconds"]["autoencoders"], t_unet=facts["seconds"]["unet_and_text_encoder"],
         vae_psnr=facts["autoencoders"]["vae_psnr_db"], taesd_psnr=facts["autoencoders"]["taesd_psnr_db"],

@@ -1,19 +1,29 @@
-"""Regenerate the README's config reference from the schema: `python scripts/update_readme.py`."""
+"""Regenerate the README's generated parts: the families table from the family registry and the bundled bases'
+scores, and the config reference from the schema: `python scripts/update_readme.py`."""
 
 from pathlib import Path
 
 from difftune.config import reference_markdown
-from difftune.families import FAMILY_OPTIONS
+from difftune.families import FAMILY_OPTIONS, family_table_markdown
 
-START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+REPO = Path(__file__).resolve().parents[1]
+SECTIONS = {"config-reference": lambda: reference_markdown(FAMILY_OPTIONS),
+            "families": lambda: family_table_markdown(REPO / "models")}
+
+
+def replaced(text: str, section: str, content: str) -> str:
+    start, end = f"<!-- {section}:start -->", f"<!-- {section}:end -->"
+    head, rest = text.split(start)
+    _, tail = rest.split(end)
+    return f"{head}{start}\n{content.strip()}\n{end}{tail}"
 
 
 def main() -> None:
-    readme = Path(__file__).resolve().parents[1] / "README.md"
+    readme = REPO / "README.md"
     text = readme.read_text(encoding="utf-8")
-    head, rest = text.split(START)
-    _, tail = rest.split(END)
-    readme.write_text(f"{head}{START}\n{reference_markdown(FAMILY_OPTIONS).strip()}\n{END}{tail}", encoding="utf-8")
+    for section, content in SECTIONS.items():
+        text = replaced(text, section, content())
+    readme.write_text(text, encoding="utf-8")
     print(f"updated {readme}")
 
 

@@ -46,7 +46,7 @@ def test_latents_are_normalised_per_channel_as_the_pipeline_inverts_them(qwen_ba
     eps = torch.stack([torch.randn(posterior.mean.shape[1:], generator=torch.Generator().manual_seed(i)) for i in range(2)])
     sample = (posterior.mean + posterior.std * eps)[:, :, 0]
     torch.testing.assert_close(latents, (sample - mean) / std, rtol=1e-5, atol=1e-5)
-    assert latent_normalization(vae.config).scale != latent_normalization(vae.config).scale[:1] * 16  # per channel
+    assert latent_normalization(vae).scale != latent_normalization(vae).scale[:1] * 16  # per channel
     # QwenImagePipeline's own decoding of the same latents (`latents / latents_std + latents_mean`, one frame).
     theirs = vae.decode((latents * std + mean)[:, :, None]).sample[:, :, 0]
     torch.testing.assert_close(decode_latents(vae, latents), theirs, rtol=1e-5, atol=1e-5)

@@ -46,6 +46,40 @@ FAMILIES: dict[str, Family] = _discover()
 FAMILY_OPTIONS = {name: family.options_model for name, family in FAMILIES.items()}  # what model.family_options may set
 
 
+ADAPTER_KINDS = {"lora": "LoRA", "dora": "DoRA", "loha": "LoHa", "lokr": "LoKr", "none": "full",
+                 "embedding": "textual inversion"}
+
+
+def family_table_markdown(models_dir: Path) -> str:
+    """The README's table of families, from the registry (what each trains and writes) and the bundled tiny bases'
+    `scores.json` in `models_dir` (a test keeps the README in sync)."""
+    from difftune.config import Config
+
+    rows = ["| `model.family` | pipelines | trains | text encoders adapted | kohya / ComfyUI prefixes | single file | "
+            "edits | tiny base (its own scores) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, family in FAMILIES.items():
+        kinds = [label for kind, label in ADAPTER_KINDS.items()
+                 if not family.unsupported_settings(Config(adapter={"kind": kind, "text_encoder": False}))]
+        encoders = ", ".join(f"`{e}`" for e in family.adapted_text_encoders()) or "none"
+        prefixes = ", ".join(f"`{prefix}`" for prefix in family.kohya_prefixes.values())
+        edits = {0: "no", 1: "1 control"}.get(family.max_controls, f"up to {family.max_controls} controls")
+        rows.append(f"| `{name}` | {', '.join(f'`{c}`' for c in family.pipeline_classes)} | {', '.join(kinds)} | "
+                    f"{encoders} | {prefixes} | {family.single_file_layout or 'not read'} | {edits} | "
+                    f"{_tiny_base_scores(models_dir / f'tiny-{name}')} |")
+    return "\n".join(rows)
+
+
+def _tiny_base_scores(folder: Path) -> str:
+    scores = folder / "scores.json"
+    if not scores.is_file():
+        return "none bundled"
+    base = json.loads(scores.read_text(encoding="utf-8"))["base"]
+    if "edits" in base["seen"]:
+        return f"`{folder.name}`: seen edits right {base['seen']['all']:.2f}"
+    return (f"`{folder.name}`: seen color {base['seen']['color']:.2f}, shape {base['seen']['shape']:.2f}; purple before "
+            f"{base['concept']['both']:.2f}")
+
+
 def load_components(config: ModelConfig) -> Components:
     """Everything training needs from `config.base` (and `config.vae`), in fp32 on the CPU."""
     base = config.base
@@ -59,7 +93,7 @@ def load_components(config: ModelConfig) -> Components:
     if config.vae:
         with explained_load_errors("model.vae", config.vae):
             components.vae = load_vae(config.vae)
-    components.latent_normalization = latent_normalization(components.vae.config)
+    components.latent_normalization = latent_normalization(components.vae)
     makes, takes = latent_channels(components.vae), components.family.latent_channels(components.denoiser)
     if makes != takes:
         raise DifftuneError(

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from diffusers import (
     DDIMScheduler,
     DDPMScheduler,
@@ -46,6 +47,8 @@ class Family:
     description: str
     pipeline_class: type
     pipeline_classes: tuple[str, ...]  # model_index.json `_class_name`s this family reads
+    denoiser_class: type  # where a single file holds the denoiser alone (`pipeline_around_denoiser_file`)
+    single_file_layout: str | None = None  # what its single files (read and written) hold; None: not read
     denoiser_name = "unet"  # its pipeline argument and its prefix in diffusers' LoRA files
     text_encoder_names: tuple[str, ...] = ("text_encoder",)
     tokenizer_names: tuple[str, ...] = ("tokenizer",)
@@ -102,6 +105,32 @@ class Family:
         return self.pipeline_class.from_single_file(
             config.base, config=config.single_file_config or None, **self.fixed_pipeline_arguments, **FP32
         )
+
+    def pipeline_around_denoiser_file(self, config: ModelConfig):
+        """For a single file that holds the denoiser alone (how ComfyUI ships the newer families: their text encoder
+        and autoencoder are files of their own): the pipeline of `model.single_file_config` around the denoiser
+        (`denoiser_class`) with the file's weights (`denoiser_file_weights`), in fp32. A family whose single files
+        are so sets `single_file_pipeline = pipeline_around_denoiser_file`."""
+        folder, revision = config.single_file_config, config.revision or None
+        if not folder:
+            raise DifftuneError(
+                f"model.base {config.base}: a {self.description} single file holds the {self.denoiser_name} alone; set "
+                f"model.single_file_config to a {self.description} diffusers folder or hub id for its text encoder, "
+                "autoencoder and configs"
+            )
+        if not config.base.endswith(".safetensors"):
+            raise DifftuneError(f"model.base {config.base}: read as .safetensors only for {self.description}; convert the file")
+        denoiser_config = self.denoiser_class.load_config(folder, subfolder=self.denoiser_name, revision=revision)
+        with init_empty_weights():
+            denoiser = self.denoiser_class.from_config(denoiser_config)
+        weights = self.denoiser_file_weights(config.base)
+        denoiser.load_state_dict({key: value.float() for key, value in weights.items()}, strict=True, assign=True)
+        return self.pipeline_class.from_pretrained(folder, **{self.denoiser_name: denoiser}, revision=revision,
+                                                   **self.fixed_pipeline_arguments, **FP32)
+
+    def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
+        """A denoiser-alone single file's weights under diffusers' names (`pipeline_around_denoiser_file`)."""
+        raise NotImplementedError
 
     def components_of(self, pipeline, options: FamilyOptions) -> Components:
         return Components(
@@ -311,6 +340,11 @@ class Family:
         """Every weight under the original (LDM / SGM) single-file keys that A1111, ComfyUI and
         `from_single_file` read."""
         raise NotImplementedError
+
+    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
+        """The modules of `part` (the loaded `model`) an adapter goes on unless the config lists others: the
+        family's `default_targets`, unless its names depend on the model's size."""
+        return self.default_targets[part]
 
     def encoder_tokenizers(self) -> list[tuple[str, str]]:
         """(text encoder, its tokenizer) names, in order."""

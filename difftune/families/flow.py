@@ -36,8 +36,11 @@ def shifted(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
 
 
 def resolution_shift(scheduler_config, image_tokens: int) -> float:
-    """exp(mu), mu linear in the token count between the scheduler's (base, max) sequence lengths and shifts:
-    what `FluxPipeline` and `QwenImagePipeline` ask their scheduler for at this size."""
+    """The shift the base's scheduler samples `image_tokens` with: exp(mu), mu linear in the token count between
+    its (base, max) sequence lengths and shifts, what `FluxPipeline` and `QwenImagePipeline` ask their scheduler
+    for at this size; a scheduler without dynamic shifting (Z-Image's, SD3's) has one `shift` for every size."""
+    if not scheduler_config.get("use_dynamic_shifting", False):
+        return float(scheduler_config.get("shift", 1.0))
     base_len, max_len = scheduler_config.get("base_image_seq_len", 256), scheduler_config.get("max_image_seq_len", 4096)
     base_shift, max_shift = scheduler_config.get("base_shift", 0.5), scheduler_config.get("max_shift", 1.15)
     mu = base_shift + (max_shift - base_shift) * (image_tokens - base_len) / (max_len - base_len)
@@ -93,6 +96,11 @@ class FlowMatchingFamily(Family):
             problems.append("loss.zero_terminal_snr: flow matching reaches pure noise at sigma = 1 already; leave it off")
         return problems
 
+    def resolution_shift(self, components: Components, image_tokens: int) -> float:
+        """The shift `loss.flow_shift_by_resolution` draws `image_tokens`' noise levels with: the base scheduler's
+        (`resolution_shift`), unless the family's pipeline asks for another."""
+        return resolution_shift(components.noise_scheduler.config, image_tokens)
+
     def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
         """The transformer's blocks (double- and single-stream)."""
         return {match.group(0): module for name, module in denoiser.named_modules()
@@ -109,7 +117,7 @@ class FlowMatchingFamily(Family):
         sigmas = draw_fractions(generators, config).to(latents.device)
         if config.flow_shift_by_resolution:
             image_tokens = latents.shape[-2] * latents.shape[-1] // self.patch_size**2
-            sigmas = shifted(sigmas, resolution_shift(components.noise_scheduler.config, image_tokens))
+            sigmas = shifted(sigmas, self.resolution_shift(components, image_tokens))
         elif config.flow_shift != 1.0:
             sigmas = shifted(sigmas, config.flow_shift)
         return sigmas * 1000, *draw_noise(generators, latents, config)

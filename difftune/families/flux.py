@@ -21,11 +21,10 @@ import torch
 from diffusers import FluxPipeline
 from pydantic import Field
 
-from difftune import kohya
-from difftune.adapters import derived_lora_configs
 from difftune.config import Config
 from difftune.errors import DifftuneError
 from difftune.families.flow import FlowMatchingFamily, FlowOptions, pack, unpack
+from difftune.families.fused import FusedKohyaLayout
 from difftune.families.sd import CLIP_ATTENTION
 from difftune.models import Components
 
@@ -88,7 +87,7 @@ class FluxOptions(FlowOptions):
     )
 
 
-class Flux(FlowMatchingFamily):
+class Flux(FusedKohyaLayout, FlowMatchingFamily):
     name = "flux"
     description = "Flux.1-class flow-matching transformers"
     options_model = FluxOptions
@@ -101,6 +100,7 @@ class Flux(FlowMatchingFamily):
     kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te3_"}
     kohya_text_model_parts = ("text_encoder",)
     kohya_model_version = "flux1"
+    kohya_layout_name = "Flux"
     embedding_keys = ("clip_l", "t5")
     default_targets = {"transformer": TRANSFORMER_TARGETS, "text_encoder": CLIP_ATTENTION, "text_encoder_2": T5_ATTENTION}
 
@@ -167,59 +167,18 @@ class Flux(FlowMatchingFamily):
             "ComfyUI reads the adapter's kohya layout"
         )
 
-    def to_kohya(self, tensors: dict, lora_configs: dict) -> dict[str, torch.Tensor]:
-        transformer = {key: value for key, value in tensors.items() if key.startswith("transformer.")}
-        out = super().to_kohya({key: value for key, value in tensors.items() if key not in transformer}, lora_configs)
-        adapted = {kohya.split_adapter_key(key.removeprefix("transformer."))[0] for key in transformer}
-        table = kohya_table(adapted)
-        for name, modules in table.items():
-            present = [module in adapted for module in modules]
-            if not any(present):
-                continue
-            if not all(present):
-                raise ValueError(
-                    f"the kohya Flux layout fuses {', '.join(modules)} into {name}: adapt all of them (or none), or "
-                    f"write the diffusers layout"
-                )
-            fused = kohya.fuse(transformer, lora_configs, "transformer", modules)
-            out |= {f"lora_unet_{name}.{kind}": value for kind, value in fused.items()}
-        unnamed = adapted - {module for modules in table.values() for module in modules}
-        if unnamed:
-            raise ValueError(f"transformer.{sorted(unnamed)[0]}: has no name in the kohya Flux layout; write the diffusers layout")
-        return out
+    def kohya_table(self, denoiser_modules) -> dict[str, list[str]]:
+        blocks = {match.groups()[:2] for module in denoiser_modules if (match := BLOCK.match(module))}
+        table = {}
+        for kind, index in sorted(blocks):
+            patterns = KOHYA_DOUBLE_BLOCK if kind == "transformer_blocks" else KOHYA_SINGLE_BLOCK
+            table |= {pattern.format(i=index): [f"{kind}.{index}.{member}" for member in members]
+                      for pattern, members in patterns.items()}
+        return table | KOHYA_GLOBAL
 
-    def from_kohya(self, tensors: dict, module_names: dict[str, list[str]]) -> tuple[dict, dict]:
-        fused = {key: value for key, value in tensors.items() if key.startswith("lora_unet_")}
-        out, configs = super().from_kohya({key: value for key, value in tensors.items() if key not in fused}, module_names)
-        table = kohya_table(module_names["transformer"])
-        by_name: dict[str, dict] = {}
-        for key, value in fused.items():
-            name, _, kind = key.removeprefix("lora_unet_").partition(".")
-            if name not in table:
-                raise ValueError(f"{key}: no module of this Flux transformer is named {name!r}; is this adapter for this model?")
-            by_name.setdefault(name, {})[kind] = value
-        ranks, alphas = {}, {}
-        for name, found in by_name.items():
-            modules = table[name]
-            rows = found["lora_up.weight"].shape[0]
-            width = rows // (3 + MLP_RATIO) if "proj_mlp" in modules[-1] else rows // len(modules)
-            sizes = [width] * (len(modules) - 1) + [rows - width * (len(modules) - 1)]
-            for module, split in zip(modules, kohya.split(found, sizes)):
-                out |= {f"transformer.{module}.{kind}": value for kind, value in split.tensors.items()}
-                ranks[module], alphas[module] = split.rank, split.alpha
-        if ranks:
-            dora = {"transformer": any("dora_scale" in found for found in by_name.values())}
-            configs |= derived_lora_configs({"transformer": ranks}, {"transformer": alphas}, dora)
-        return out, configs
-
-
-def kohya_table(transformer_modules) -> dict[str, list[str]]:
-    """kohya name -> the transformer modules (diffusers names) it holds, for every block `transformer_modules`
-    (module names or adapted module names) mention."""
-    blocks = {match.groups()[:2] for module in transformer_modules if (match := BLOCK.match(module))}
-    table = {}
-    for kind, index in sorted(blocks):
-        patterns = KOHYA_DOUBLE_BLOCK if kind == "transformer_blocks" else KOHYA_SINGLE_BLOCK
-        table |= {pattern.format(i=index): [f"{kind}.{index}.{member}" for member in members]
-                  for pattern, members in patterns.items()}
-    return table | KOHYA_GLOBAL
+    def fused_row_sizes(self, modules: list[str], rows: int) -> list[int]:
+        """A single block's `linear1` holds q, k, v and the MLP input, which is `MLP_RATIO` times as wide."""
+        if not modules[-1].endswith("proj_mlp"):
+            return super().fused_row_sizes(modules, rows)
+        width = rows // (3 + MLP_RATIO)
+        return [width] * 3 + [rows - 3 * width]

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from accelerate import init_empty_weights
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 from safetensors.torch import load_file
 
-from difftune.config import Config, ModelConfig
-from difftune.errors import DifftuneError
+from difftune.config import Config
 from difftune.families.flow import FlowMatchingFamily, pack, unpack
 from difftune.models import Components
 
@@ -51,11 +49,43 @@ SINGLE_FILE_KEY = "transformer_blocks.0.img_mod.1.weight"
 SINGLE_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 
+def valid_token_states(states: torch.Tensor, mask: torch.Tensor, skip: int, length: int) -> dict[str, torch.Tensor]:
+    """A language model's states (B, L, D) kept at each caption's valid tokens (`mask`, (B, L)) after its first
+    `skip` (a template's), at most `length` of them, zero-padded to `length`; with the mask of those kept."""
+    kept_states = states.new_zeros(len(states), length, states.shape[-1])
+    text_mask = torch.zeros(len(states), length, dtype=torch.long, device=states.device)
+    for i in range(len(states)):
+        kept = states[i][mask[i]][skip:][:length]
+        kept_states[i, : len(kept)] = kept
+        text_mask[i, : len(kept)] = 1
+    return {"encoder_hidden_states": kept_states, "text_mask": text_mask}
+
+
+def trimmed(conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One caption's `valid_token_states` without the padding past its text, as the text cache stores it: at full
+    length (512 x 3584 fp32 for Qwen-Image) an entry is 7 MB, a short caption's ~0.3 MB."""
+    valid = int(conditioning["text_mask"].sum())
+    return {name: tensor[:valid] for name, tensor in conditioning.items()}
+
+
+def padded(stored: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """Inverse of `trimmed`."""
+    return {name: F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, length - len(tensor))) for name, tensor in stored.items()}
+
+
+def strip_prefixes(key: str, prefixes: tuple[str, ...]) -> str:
+    for prefix in prefixes:
+        key = key.removeprefix(prefix)
+    return key
+
+
 class QwenImage(FlowMatchingFamily):
     name = "qwen_image"
     description = "Qwen-Image"
+    single_file_layout = "transformer alone (diffusers names)"
     pipeline_class = QwenImagePipeline
     pipeline_classes = ("QwenImagePipeline",)
+    denoiser_class = QwenImageTransformer2DModel
     denoiser_name = "transformer"
     kohya_prefixes = {"transformer": "lora_unet_"}
     kohya_text_model_parts = ()
@@ -74,27 +104,10 @@ class QwenImage(FlowMatchingFamily):
     def reads_single_file(self, keys: set[str]) -> bool:
         return any(prefix + SINGLE_FILE_KEY in keys for prefix in ("", *SINGLE_FILE_PREFIXES))
 
-    def single_file_pipeline(self, config: ModelConfig):
-        if not config.single_file_config:
-            raise DifftuneError(
-                f"model.base {config.base}: a Qwen-Image single file holds the transformer alone; set "
-                "model.single_file_config to a Qwen-Image diffusers folder or hub id for its text encoder, autoencoder "
-                "and configs"
-            )
-        if not config.base.endswith(".safetensors"):
-            raise DifftuneError(f"model.base {config.base}: read as .safetensors only for Qwen-Image; convert the file")
-        weights = {}
-        for key, tensor in load_file(config.base).items():
-            for prefix in SINGLE_FILE_PREFIXES:
-                key = key.removeprefix(prefix)
-            weights[key] = tensor.float()
-        transformer_config = QwenImageTransformer2DModel.load_config(config.single_file_config, subfolder="transformer")
-        with init_empty_weights():
-            transformer = QwenImageTransformer2DModel.from_config(transformer_config)
-        transformer.load_state_dict(weights, strict=True, assign=True)
-        return self.pipeline_class.from_pretrained(
-            config.single_file_config, transformer=transformer, revision=config.revision or None, dtype=torch.float32,
-        )
+    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
+
+    def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
+        return {strip_prefixes(key, SINGLE_FILE_PREFIXES): tensor for key, tensor in load_file(path).items()}
 
     def unsupported_settings(self, config: Config) -> list[str]:
         problems = super().unsupported_settings(config)
@@ -129,22 +142,13 @@ class QwenImage(FlowMatchingFamily):
         states = components.text_encoders["text_encoder"](
             input_ids=ids, attention_mask=mask.long(), output_hidden_states=True, **images
         ).hidden_states[-1]
-        padded = states.new_zeros(len(ids), self.text_tokens, states.shape[-1])
-        text_mask = torch.zeros(len(ids), self.text_tokens, dtype=torch.long, device=ids.device)
-        for i in range(len(ids)):
-            kept = states[i][mask[i]][self.template_tokens:][: self.text_tokens]
-            padded[i, : len(kept)] = kept
-            text_mask[i, : len(kept)] = 1
-        return {"encoder_hidden_states": padded, "text_mask": text_mask}
+        return valid_token_states(states, mask, self.template_tokens, self.text_tokens)
 
     def cached_conditioning(self, conditioning):
-        # The states past the caption are zeros: 512 x 3584 fp32 is 7 MB an entry, a short caption's ~0.3 MB.
-        valid = int(conditioning["text_mask"].sum())
-        return {name: tensor[:valid] for name, tensor in conditioning.items()}
+        return trimmed(conditioning)
 
     def uncached_conditioning(self, stored):
-        return {name: F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, self.text_tokens - len(tensor)))
-                for name, tensor in stored.items()}
+        return padded(stored, self.text_tokens)
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """Reference images (an edit base's `control_latents`) follow the image's tokens, each placed by its own

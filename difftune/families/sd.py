@@ -18,6 +18,7 @@ CLIP_ATTENTION = ["q_proj", "k_proj", "v_proj", "out_proj"]
 class StableDiffusion(Family):
     name = "sd"
     description = "Stable Diffusion 1.x / 2.x"
+    single_file_layout = "whole checkpoint (LDM layout)"
     pipeline_class = StableDiffusionPipeline
     pipeline_classes = ("StableDiffusionPipeline",)
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te_"}

@@ -25,6 +25,7 @@ OPEN_CLIP_KEY = f"{single_file.SDXL_TEXT_ENCODER_2_PREFIX}positional_embedding"
 class StableDiffusionXL(Family):
     name = "sdxl"
     description = "Stable Diffusion XL"
+    single_file_layout = "whole checkpoint (SGM layout)"
     pipeline_class = StableDiffusionXLPipeline
     pipeline_classes = ("StableDiffusionXLPipeline",)
     text_encoder_names = ("text_encoder", "text_encoder_2")

@@ -14,6 +14,7 @@ fetched.
 from __future__ import annotations
 
 import json
+import math
 import string
 import tempfile
 from pathlib import Path
@@ -22,10 +23,15 @@ import numpy as np
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLFlux2,
     AutoencoderKLQwenImage,
     AutoencoderTiny,
+    ChromaPipeline,
+    ChromaTransformer2DModel,
     DDPMScheduler,
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Transformer2DModel,
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -33,6 +39,10 @@ from diffusers import (
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
@@ -49,6 +59,9 @@ from transformers import (
     Qwen2Tokenizer,
     Qwen2VLImageProcessor,
     Qwen2VLProcessor,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
@@ -68,9 +81,17 @@ TIME_EMBED_SIZE = 8  # per micro-conditioning number (SDXL: 256)
 T5_HIDDEN_SIZE = 64
 FLUX_LATENT_CHANNELS = 16  # as Flux.1's autoencoder; packed 2x2 into 64-wide tokens
 QWEN_HIDDEN_SIZE = 32  # the tiny Qwen2.5-VL's width (Qwen-Image's: 3584)
+FLUX2_LATENT_CHANNELS = 8  # FLUX.2's autoencoder makes 32; patched 2x2 into 4x as many
+FLUX2_TEXT_HIDDEN_SIZE = 16  # the tiny Qwen3 of FLUX.2 [klein] is deep (27 layers), so narrow
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # an edit base's prompts show images
 QWEN_EDIT_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus")
+# Qwen3's chat template as Z-Image's tokenizer applies it to one user turn: thinking enabled adds nothing.
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
 # The tiny language model sees a control as at most 56 x 56 pixels: 4 x 4 patches of 14, merged 2 x 2 into 4 tokens.
 QWEN_VISION_PIXELS = (28 * 28, 56 * 56)
 
@@ -158,6 +179,34 @@ def build_flux_transformer(layers: tuple[int, int] = (1, 1), heads: int = 2, hea
         attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=T5_HIDDEN_SIZE,
         pooled_projection_dim=TEXT_HIDDEN_SIZE, guidance_embeds=guidance, axes_dims_rope=axes,
     )
+
+
+def build_chroma_transformer(layers: tuple[int, int] = (1, 1), heads: int = 2, head_dim: int = 16):
+    """Flux's micro transformer (`build_flux_transformer`) pruned as Chroma's is: a one-layer approximator makes
+    every block's modulation."""
+    axes = (head_dim // 8 * 2, head_dim * 3 // 8, head_dim * 3 // 8)
+    return ChromaTransformer2DModel(
+        patch_size=1, in_channels=4 * FLUX_LATENT_CHANNELS, num_layers=layers[0], num_single_layers=layers[1],
+        attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=T5_HIDDEN_SIZE,
+        axes_dims_rope=axes, approximator_num_channels=16, approximator_hidden_dim=32, approximator_layers=1,
+    )
+
+
+def build_sd3_transformer(layers: int = 2, heads: int = 2, head_dim: int = 16,
+                          pooled_size: int = 2 * TEXT_HIDDEN_SIZE // 2) -> SD3Transformer2DModel:
+    """`layers` MMDiT blocks over 2x2 patches of 16-channel latents, the first with SD3.5's second image attention
+    and both with its q/k RMS norms; caption states as wide as T5's."""
+    return SD3Transformer2DModel(
+        sample_size=IMAGE_SIZE // 4, patch_size=2, in_channels=FLUX_LATENT_CHANNELS, num_layers=layers,
+        attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=T5_HIDDEN_SIZE,
+        caption_projection_dim=heads * head_dim, pooled_projection_dim=pooled_size, out_channels=FLUX_LATENT_CHANNELS,
+        pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm",
+    )
+
+
+def build_sd3_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """SD3's and SD3.5's scheduler config: one shift (3) at every size."""
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
 
 
 def build_flow_scheduler() -> FlowMatchEulerDiscreteScheduler:
@@ -311,6 +360,71 @@ def build_qwen_transformer(layers: int = 1, heads: int = 2, head_dim: int = 16, 
     )
 
 
+def build_qwen3_tokenizer(think_block: bool = False) -> Qwen2Tokenizer:
+    """Qwen3's layout (byte-level BPE, Qwen2Tokenizer) with merges that spell the chat template's words, and the chat
+    template (`QWEN3_CHAT_TEMPLATE`) that `ZImagePipeline` and `Flux2KleinPipeline` apply; `think_block`: merges for
+    the empty think block too, which FLUX.2 [klein]'s prompts end with (thinking disabled)."""
+    bytes_vocab = {byte: i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    template = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" * think_block)
+    tokenizer = _qwen_bpe_tokenizer(bytes_vocab, [], template, QWEN_SPECIAL_TOKENS)
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_qwen3_text_encoder(tokenizer: Qwen2Tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 3,
+                             causal_lm: bool = False) -> Qwen3Model | Qwen3ForCausalLM:
+    """A Qwen3 language model: 3 layers for Z-Image (which reads the second-to-last layer's states), 27 with its
+    language-model head for FLUX.2 [klein] (which reads layers 9, 18 and 27)."""
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=hidden_size // 2, max_position_embeddings=1024,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+    )
+    return Qwen3ForCausalLM(config) if causal_lm else Qwen3Model(config)
+
+
+def build_flux2_vae(latent_channels: int = FLUX2_LATENT_CHANNELS) -> AutoencoderKLFlux2:
+    """FLUX.2's autoencoder with two downsamplings (32 px -> 8x8 latents, patched 2x2 into 4x4 tokens of
+    4 x `latent_channels`) and its batch norm over the patched channels."""
+    return AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(32, 64, 64), layers_per_block=1, latent_channels=latent_channels, norm_num_groups=32,
+    )
+
+
+def set_batch_norm_statistics(vae: AutoencoderKLFlux2, patched_latents: torch.Tensor) -> None:
+    """FLUX.2's autoencoder's running statistics of its patched latents (B, C, h, w), as training it leaves them."""
+    vae.bn.running_mean.copy_(patched_latents.mean(dim=(0, 2, 3)))
+    vae.bn.running_var.copy_(patched_latents.var(dim=(0, 2, 3)))
+
+
+def build_flux2_transformer(layers: tuple[int, int] = (1, 1), heads: int = 2, head_dim: int = 16,
+                            text_hidden_size: int = 3 * FLUX2_TEXT_HIDDEN_SIZE) -> Flux2Transformer2DModel:
+    """`layers` (double-stream, single-stream) FLUX.2 blocks over patched latents, reading the stacked states of
+    three language-model layers; 4-D rotary axes (time, row, column, text position) of equal width."""
+    return Flux2Transformer2DModel(
+        patch_size=1, in_channels=4 * FLUX2_LATENT_CHANNELS, num_layers=layers[0], num_single_layers=layers[1],
+        attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=text_hidden_size,
+        timestep_guidance_channels=32, axes_dims_rope=(head_dim // 4,) * 4, guidance_embeds=False,
+    )
+
+
+def build_z_image_transformer(layers: int = 1, refiner_layers: int = 1, heads: int = 2, head_dim: int = 16,
+                              text_hidden_size: int = QWEN_HIDDEN_SIZE) -> ZImageTransformer2DModel:
+    """`layers` single-stream blocks after `refiner_layers` image and caption refiner blocks each, over 2x2 patches of
+    16-channel latents; rotary axes split the head 1:1.5:1.5 (caption position, row, column) as Z-Image's 32:48:48."""
+    return ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=FLUX_LATENT_CHANNELS, dim=heads * head_dim,
+        n_layers=layers, n_refiner_layers=refiner_layers, n_heads=heads, n_kv_heads=heads, cap_feat_dim=text_hidden_size,
+        axes_dims=[head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8], axes_lens=[1024, 64, 64],
+    )
+
+
+def build_z_image_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """Z-Image's scheduler config: one shift (3) at every size."""
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+
+
 def build_vae(scaling_factor: float = 1.0, latent_channels: int = 4) -> AutoencoderKL:
     # Three blocks: 32 px images -> 8x8 latents (downsampling 4, where SD's VAE has 8).
     return AutoencoderKL(
@@ -327,13 +441,15 @@ def build_vae(scaling_factor: float = 1.0, latent_channels: int = 4) -> Autoenco
     )
 
 
-def build_taesd(latent_channels: int = 4) -> AutoencoderTiny:
-    """A TAESD-shaped autoencoder with the tiny VAE's downsampling (4) and latent channels."""
+def build_taesd(latent_channels: int = 4, downsampling: int = 4) -> AutoencoderTiny:
+    """A TAESD-shaped autoencoder with the tiny VAE's downsampling (4; 8 for FLUX.2's patched latents) and latent
+    channels."""
+    blocks = int(math.log2(downsampling)) + 1
     return AutoencoderTiny(
-        encoder_block_out_channels=(32, 32, 32),
-        decoder_block_out_channels=(32, 32, 32),
-        num_encoder_blocks=(1, 1, 1),
-        num_decoder_blocks=(1, 1, 1),
+        encoder_block_out_channels=(32,) * blocks,
+        decoder_block_out_channels=(32,) * blocks,
+        num_encoder_blocks=(1,) * blocks,
+        num_decoder_blocks=(1,) * blocks,
         latent_channels=latent_channels,
         upsampling_scaling_factor=2,
     )
@@ -387,12 +503,16 @@ def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
     `guidance`: Flux with a guidance embedding (FLUX.1 Kontext always has one, as Kontext [dev])."""
     torch.manual_seed(seed)
     pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
-    if family.startswith("qwen_image"):
+    if family == "flux2_klein":
+        vae = build_flux2_vae()
+        with torch.no_grad():
+            set_batch_norm_statistics(vae, encode_posterior(vae, pixels)[0])  # patched
+    elif family.startswith("qwen_image"):
         vae = build_qwen_vae()
         with torch.no_grad():
             set_latent_statistics(vae, encode_posterior(vae, pixels)[0])
     else:
-        flux = family in ("flux", "flux_kontext")
+        flux = family in ("flux", "flux_kontext", "chroma", "sd3", "z_image")  # 16 channels with a shift factor
         vae = build_vae(latent_channels=FLUX_LATENT_CHANNELS if flux else 4)
         with torch.no_grad():
             latents = encode_posterior(vae, pixels)[0]  # (64, C, 8, 8)
@@ -415,19 +535,49 @@ def set_latent_scaling(vae: AutoencoderKL, latents: torch.Tensor, shift: bool) -
 
 def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int, ...] = (32, 64),
                            flux_layers: tuple[int, int] = (1, 1), flux_heads: int = 2, guidance: bool = False,
-                           qwen_layers: int = 1, qwen_heads: int = 2, qwen_text_hidden_size: int = QWEN_HIDDEN_SIZE):
-    """Random text encoders and denoiser around `vae` (built in this order: the seed's random draws depend on it)."""
+                           dit_layers: int = 1, dit_heads: int = 2, language_model_width: int = QWEN_HIDDEN_SIZE,
+                           text_tokens: int | None = None):
+    """Random text encoders and denoiser around `vae` (built in this order: the seed's random draws depend on it).
+    `text_tokens`: FLUX.2 [klein]'s tokenizer's `model_max_length`, the caption length difftune reads (the
+    pipeline's 512 by default)."""
+    if family == "z_image":
+        tokenizer = build_qwen3_tokenizer()
+        return ZImagePipeline(vae=vae, text_encoder=build_qwen3_text_encoder(tokenizer, language_model_width),
+                              tokenizer=tokenizer, scheduler=build_z_image_scheduler(), transformer=build_z_image_transformer(
+                                  dit_layers, heads=dit_heads, text_hidden_size=language_model_width))
     if family.startswith("qwen_image"):
         edit = family in QWEN_EDIT_FAMILIES
         tokenizer = build_qwen_tokenizer(edit)
-        parts = {"vae": vae, "text_encoder": build_qwen_text_encoder(tokenizer, qwen_text_hidden_size), "tokenizer": tokenizer,
-                 "transformer": build_qwen_transformer(qwen_layers, qwen_heads, text_hidden_size=qwen_text_hidden_size,
+        parts = {"vae": vae, "text_encoder": build_qwen_text_encoder(tokenizer, language_model_width), "tokenizer": tokenizer,
+                 "transformer": build_qwen_transformer(dit_layers, dit_heads, text_hidden_size=language_model_width,
                                                        zero_cond_t=family == "qwen_image_edit_plus"),  # as 2511
                  "scheduler": build_qwen_scheduler()}
         if not edit:
             return QwenImagePipeline(**parts)
         pipeline_class = QwenImageEditPlusPipeline if family == "qwen_image_edit_plus" else QwenImageEditPipeline
         return pipeline_class(**parts, processor=build_qwen_processor(tokenizer))
+    if family == "flux2_klein":
+        tokenizer = build_qwen3_tokenizer(think_block=True)
+        width = FLUX2_TEXT_HIDDEN_SIZE if language_model_width == QWEN_HIDDEN_SIZE else language_model_width
+        if text_tokens:
+            tokenizer.model_max_length = text_tokens
+        return Flux2KleinPipeline(
+            vae=vae, text_encoder=build_qwen3_text_encoder(tokenizer, width, layers=27, causal_lm=True),
+            tokenizer=tokenizer, scheduler=build_flow_scheduler(),
+            transformer=build_flux2_transformer(flux_layers, flux_heads, text_hidden_size=3 * width),
+        )
+    if family == "sd3":  # CLIP-L and CLIP-G (narrower here), whose widths side by side are under T5's
+        t5_tokenizer = build_t5_tokenizer()
+        return StableDiffusion3Pipeline(
+            vae=vae, text_encoder=build_text_encoder(32, 32), tokenizer=build_tokenizer(),
+            text_encoder_2=build_text_encoder(24, 24), tokenizer_2=build_tokenizer(),
+            text_encoder_3=build_t5_encoder(len(t5_tokenizer)), tokenizer_3=t5_tokenizer,
+            transformer=build_sd3_transformer(pooled_size=32 + 24), scheduler=build_sd3_scheduler(),
+        )
+    if family == "chroma":
+        tokenizer = build_t5_tokenizer()
+        return ChromaPipeline(vae=vae, text_encoder=build_t5_encoder(len(tokenizer)), tokenizer=tokenizer,
+                              transformer=build_chroma_transformer(), scheduler=build_flow_scheduler())
     text_encoder, tokenizer = build_text_encoder(), build_tokenizer()
     if family in ("flux", "flux_kontext"):
         t5_tokenizer = build_t5_tokenizer()

@@ -28,27 +28,33 @@ from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderTiny, Di
 from tqdm.auto import tqdm
 
 from difftune.autoencoders import (
+    PATCHED_AUTOENCODERS,
     VIDEO_AUTOENCODERS,
     decode_latents,
+    downsampling,
     encode_posterior,
     latent_normalization,
+    unpatched,
 )
-from difftune.autoencoders import latent_channels as latent_channels_of
 from difftune.config import load_config
 from difftune.data import image_to_tensor
 from difftune.metrics import read_metrics
 from difftune.toy.tiny import (
     COLORS,
+    FLUX2_LATENT_CHANNELS,
     FLUX_LATENT_CHANNELS,
     assemble_tiny_pipeline,
     build_flow_scheduler,
+    build_flux2_vae,
     build_noise_scheduler,
     build_qwen_scheduler,
     build_qwen_vae,
+    build_z_image_scheduler,
     build_taesd,
     build_vae,
     edit_pipeline_of,
     recolor_pairs,
+    set_batch_norm_statistics,
     set_latent_scaling,
     set_latent_statistics,
     shape_images,
@@ -72,8 +78,19 @@ FLUX_RECIPE = {"steps": 1200, "learning_rate": 4e-3, "flux_layers": (2, 2), "flu
 # 1200 steps, 0.78 after 2400. 600-step pilots from the same start (validation loss at 600, seconds): 3 x 96 0.404
 # in 213 s, 4 x 96 0.388 in 202, 3 x 128 0.381 in 216, 4 x 128 0.370 in 266, 6 x 128 0.365 in 347.
 QWEN_RECIPE = {key: value for key, value in FLUX_RECIPE.items() if not key.startswith("flux_")} | {
-    "steps": 2400, "qwen_layers": 4, "qwen_heads": 8}
-RECIPES = {"flux": FLUX_RECIPE, "qwen_image": QWEN_RECIPE}
+    "steps": 2400, "dit_layers": 4, "dit_heads": 8}
+# tiny-z_image: Qwen-Image's recipe for a Z-Image DiT (4 single-stream blocks after one image and one caption refiner
+# block) reading a 3-layer Qwen3, over tiny-flux's autoencoders (Z-Image's is Flux.1's). Its blocks see ~2x Qwen's
+# tokens (image and caption each padded to a multiple of 32), so it is narrower (96) and trains 2000 steps to fit
+# 25 minutes: 20-step pilots at batch 128 took 0.90 s a step at width 128, 0.68 at 96.
+Z_IMAGE_RECIPE = QWEN_RECIPE | {"dit_heads": 6, "steps": 2000}
+# tiny-flux2_klein: Flux's recipe for FLUX.2's transformer (2 double- and 2 single-stream blocks, width 96) over its own
+# FLUX.2 autoencoder (8 channels, patched 2x2 into 32), reading a 27-layer Qwen3 of width 32 (layers 9, 18 and 27)
+# that stays at its random init: 27 layers over every caption token each step would not fit the build's time, and
+# its states, cached once, tell the captions apart. Captions are read at 48 tokens (the tokenizer's
+# `model_max_length`), not the pipeline's 512: the transformer attends to every one of them.
+FLUX2_KLEIN_RECIPE = FLUX_RECIPE | {"language_model_width": 32, "train_text_encoder": False, "text_tokens": 48}
+RECIPES = {"flux": FLUX_RECIPE, "flux2_klein": FLUX2_KLEIN_RECIPE, "qwen_image": QWEN_RECIPE, "z_image": Z_IMAGE_RECIPE}
 SEEN_COLORS = tuple(color for color in COLORS if color != HELD_OUT_COLOR)
 
 
@@ -121,24 +138,28 @@ def _posterior(vae, images: torch.Tensor):
 
 
 def _decode(vae, latents: torch.Tensor) -> torch.Tensor:
-    """Unnormalised latents (with the time axis for Wan's autoencoder) -> (B, 3, H, W)."""
+    """Unnormalised latents (with the time axis for Wan's autoencoder; patched or not for FLUX.2's) -> (B, 3, H, W)."""
     if isinstance(vae, VIDEO_AUTOENCODERS) and latents.dim() == 4:
         latents = latents[:, :, None]
+    if isinstance(vae, PATCHED_AUTOENCODERS) and latents.shape[1] != vae.config.latent_channels:
+        latents = unpatched(latents)
     decoded = vae.decode(latents).sample
     return decoded[:, :, 0] if decoded.dim() == 5 else decoded
 
 
 def train_vae(images: torch.Tensor, steps: int, batch_size: int = 64, lr: float = 2e-3, kl_weight: float = 1e-6,
               seed: int = 0, latent_channels: int = 4, kind: str = "kl", shift: bool = False):
-    """The KL autoencoder (`kind` "kl": SD's and Flux's AutoencoderKL; "wan": Wan's video autoencoder, Qwen-Image's):
+    """The KL autoencoder (`kind` "kl": SD's and Flux's AutoencoderKL; "wan": Wan's video autoencoder, Qwen-Image's;
+    "flux2": FLUX.2's, whose batch norm then holds its patched latents' statistics, as training it leaves them):
     MSE on reconstructions of posterior samples plus a small KL term (SD's VAE recipe without its perceptual and GAN
     losses, which 32 px flat shapes do not need). Its normalisation is set from the latents afterwards: SD's kind
     gets scaling factor 1/std, the way SD's 0.18215 was chosen, and with `shift` a shift factor (their mean, as
     Flux.1's autoencoder has); Wan's kind gets per-channel `latents_mean` / `latents_std`, as Wan's has."""
     torch.manual_seed(seed)
-    vae = build_qwen_vae() if kind == "wan" else build_vae(latent_channels=latent_channels)
+    builders = {"wan": build_qwen_vae, "flux2": lambda: build_flux2_vae(latent_channels)}
+    vae = builders.get(kind, lambda: build_vae(latent_channels=latent_channels))()
     with torch.no_grad():  # start with a narrow posterior (log-variance -6): +1 dB at 300 steps, measured
-        vae.quant_conv.bias[latent_channels_of(vae) :].fill_(-6.0)
+        vae.quant_conv.bias[vae.quant_conv.out_channels // 2 :].fill_(-6.0)
 
     def loss(batch):
         posterior = _posterior(vae, batch)
@@ -149,6 +170,8 @@ def train_vae(images: torch.Tensor, steps: int, batch_size: int = 64, lr: float 
     latents = posterior_means(vae, images[:512])
     if kind == "wan":
         set_latent_statistics(vae, latents)
+    elif kind == "flux2":
+        set_batch_norm_statistics(vae, latents)
     else:
         set_latent_scaling(vae, latents, shift)
     return vae
@@ -175,12 +198,12 @@ def finetune_decoder(vae, images: torch.Tensor, latents: torch.Tensor, steps: in
 
 
 def distill_taesd(images: torch.Tensor, scaled_latents: torch.Tensor, steps: int, batch_size: int = 64,
-                  lr: float = 2e-3, seed: int = 0) -> AutoencoderTiny:
+                  lr: float = 2e-3, seed: int = 0, downsampling: int = 4) -> AutoencoderTiny:
     """A TAESD whose encoder outputs the KL VAE's normalised latents (of the posterior mean) and whose
     decoder reconstructs the image from them, as TAESD does for SD: either autoencoder can encode for
     training and either can decode a sample."""
     torch.manual_seed(seed)
-    taesd = build_taesd(scaled_latents.shape[1])
+    taesd = build_taesd(scaled_latents.shape[1], downsampling)
 
     def loss(batch, target):
         latent_loss = F.mse_loss(taesd.encode(batch).latents, target)
@@ -194,7 +217,7 @@ def distill_taesd(images: torch.Tensor, scaled_latents: torch.Tensor, steps: int
 @torch.no_grad()
 def autoencoder_scores(vae, taesd: AutoencoderTiny, images: torch.Tensor) -> dict:
     """Held-out reconstruction PSNR of both autoencoders, and TAESD's latent error relative to the KL latents."""
-    normalization = latent_normalization(vae.config)
+    normalization = latent_normalization(vae)
     kl_latents = normalization.apply(posterior_means(vae, images))
     taesd_latents = taesd.encode(images).latents
     return {
@@ -234,13 +257,15 @@ class Recipe:
     weighting: str = "min_snr"  # or "uniform"
     noise_offset: float = 0.1  # see base_training_overrides
     ema_decay: float = 0.999
-    # sdxl: SDXL's conditioning and two text encoders, tiny-sd's autoencoders; flux, qwen_image: their own
+    # sdxl: SDXL's conditioning and two text encoders, tiny-sd's autoencoders; z_image: tiny-flux's; flux, qwen_image: their own
     family: str = "sd"
     flux_layers: tuple[int, int] = (2, 4)  # double- and single-stream blocks
     flux_heads: int = 6  # of 16 dimensions each
-    qwen_layers: int = 3  # MMDiT blocks
-    qwen_heads: int = 6  # of 16 dimensions each
-    qwen_text_hidden_size: int = 64  # the Qwen2.5-VL language model's width
+    dit_layers: int = 3  # Qwen-Image's MMDiT blocks, Z-Image's single-stream ones
+    dit_heads: int = 6  # of 16 dimensions each
+    language_model_width: int = 64  # the Qwen2.5-VL / Qwen3 language model's width
+    train_text_encoder: bool = True  # trained with the denoiser; else kept at its random init (its states cached)
+    text_tokens: int | None = None  # FLUX.2 [klein]: the caption length its tokenizer states
     timestep_sampling: str = "uniform"
     flow_shift_by_resolution: bool = False  # flow matching: draw noise levels with the sampler's own shift
 
@@ -260,7 +285,8 @@ def base_training_overrides(recipe: Recipe, init_dir: Path, data_dir: Path, vali
     turned 5 of 12 prompts red or purple); with 0.1 seen-prompt color went 0.93 -> 1.00, shape 0.92 -> 0.96."""
     values = {
         "model.base": init_dir, "data.path": data_dir, "data.resolution": 32, "data.random_flip": "false",
-        "data.caption_dropout": 0.1, "data.num_workers": 0, "adapter.kind": "none", "adapter.text_encoder": "true",
+        "data.caption_dropout": 0.1, "data.num_workers": 0, "adapter.kind": "none",
+        "adapter.text_encoder": str(recipe.train_text_encoder).lower(), "cache.text": str(not recipe.train_text_encoder).lower(),
         "loss.weighting": recipe.weighting, "loss.noise_offset": recipe.noise_offset,
         "loss.timestep_sampling": recipe.timestep_sampling,
         "loss.flow_shift_by_resolution": str(recipe.flow_shift_by_resolution).lower(),
@@ -277,14 +303,16 @@ def base_training_overrides(recipe: Recipe, init_dir: Path, data_dir: Path, vali
 def train_autoencoders(recipe: Recipe) -> tuple[AutoencoderKL | AutoencoderKLQwenImage, AutoencoderTiny]:
     torch.manual_seed(recipe.seed)
     images = render_tensors(recipe.autoencoder_images, recipe.seed + 100)
-    flux, qwen = recipe.family == "flux", recipe.family == "qwen_image"
+    flux = recipe.family in ("flux", "z_image")
+    kind = {"qwen_image": "wan", "flux2_klein": "flux2"}.get(recipe.family, "kl")
     vae = train_vae(images, recipe.vae_steps, recipe.autoencoder_batch, seed=recipe.seed,
-                    latent_channels=FLUX_LATENT_CHANNELS if flux else 4, kind="wan" if qwen else "kl", shift=flux)
+                    latent_channels=FLUX_LATENT_CHANNELS if flux else FLUX2_LATENT_CHANNELS if kind == "flux2" else 4,
+                    kind=kind, shift=flux)
     latents = posterior_means(vae, images)
     vae = finetune_decoder(vae, images, latents, recipe.vae_decoder_steps, recipe.autoencoder_batch,
                            recipe.vae_decoder_lr, recipe.seed)
-    taesd = distill_taesd(images, latent_normalization(vae.config).apply(latents), recipe.taesd_steps,
-                          recipe.autoencoder_batch, seed=recipe.seed)
+    taesd = distill_taesd(images, latent_normalization(vae).apply(latents), recipe.taesd_steps,
+                          recipe.autoencoder_batch, seed=recipe.seed, downsampling=downsampling(vae))
     return vae, taesd
 
 
@@ -308,8 +336,8 @@ def build_base(out_dir: Path, work_dir: Path, recipe: Recipe = Recipe(), autoenc
     torch.manual_seed(recipe.seed)
     init = assemble_tiny_pipeline(
         vae, recipe.family, recipe.unet_block_out_channels, recipe.flux_layers, recipe.flux_heads,
-        qwen_layers=recipe.qwen_layers, qwen_heads=recipe.qwen_heads,
-        qwen_text_hidden_size=recipe.qwen_text_hidden_size,
+        dit_layers=recipe.dit_layers, dit_heads=recipe.dit_heads,
+        language_model_width=recipe.language_model_width, text_tokens=recipe.text_tokens,
     )
     init.save_pretrained(init_dir, safe_serialization=True)
     data_dir = write_renders(work_dir / "train", recipe.train_images_per_prompt, recipe.seed + 1)
@@ -320,7 +348,8 @@ def build_base(out_dir: Path, work_dir: Path, recipe: Recipe = Recipe(), autoenc
         train(load_config(None, overrides))
     pipeline = DiffusionPipeline.from_pretrained(run_dir / "model_ema", dtype=torch.float32)
     # The training schedule; samplers are chosen at sampling time.
-    schedulers = {"flux": build_flow_scheduler, "qwen_image": build_qwen_scheduler}
+    schedulers = {"flux": build_flow_scheduler, "flux2_klein": build_flow_scheduler, "qwen_image": build_qwen_scheduler,
+                  "z_image": build_z_image_scheduler}
     pipeline.scheduler = schedulers.get(recipe.family, build_noise_scheduler)()
     shutil.rmtree(out_dir, ignore_errors=True)
     pipeline.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)

@@ -1,0 +1,84 @@
+"""Chroma (lodestones' Chroma1, `ChromaPipeline`): FLUX.1-schnell's transformer pruned of its per-block modulation
+(one small "distilled guidance" network makes every block's modulation from the time) and conditioned on T5 alone.
+Everything else is Flux.1's (flux.py): the 16-channel autoencoder, 2x2-packed latents, the objective, and the
+kohya / ComfyUI layout of the original (BFL-style) module names with fused q, k, v.
+
+- Text: T5 reads each caption with its padding mask (Flux.1's pipeline reads it unmasked), exactly as
+  `ChromaPipeline.encode_prompt`; there is no CLIP and no pooled embedding.
+- The transformer attends to the caption's tokens and the first padding token, never the rest: the mask Chroma
+  was trained with and its pipeline samples with.
+- No guidance embedding: samples use true classifier-free guidance (the pipeline's `guidance_scale`, above 1).
+- Only the transformer is adapted: the pipeline's LoRA loader (Flux's) would put `text_encoder` adapters into T5,
+  which Chroma's trainers leave frozen.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import ChromaPipeline
+
+from difftune.config import Config
+from difftune.families.family import FamilyOptions
+from difftune.families.flow import pack, unpack
+from difftune.families.flux import TRANSFORMER_TARGETS, Flux, image_position_ids
+from difftune.models import Components
+
+
+class Chroma(Flux):
+    name = "chroma"
+    description = "Chroma"
+    options_model = FamilyOptions  # no guidance embedding, and the padding mask is Chroma's own
+    pipeline_class = ChromaPipeline
+    pipeline_classes = ("ChromaPipeline",)
+    text_encoder_names = ("text_encoder",)
+    tokenizer_names = ("tokenizer",)
+    kohya_prefixes = {"transformer": "lora_unet_"}
+    kohya_text_model_parts = ()
+    kohya_model_version = "chroma"
+    kohya_layout_name = "Chroma"
+    embedding_keys = ("t5",)
+    default_targets = {"transformer": TRANSFORMER_TARGETS}
+
+    def adapted_text_encoders(self) -> tuple[str, ...]:
+        return ()
+
+    def fine_tuned_text_encoders(self) -> tuple[str, ...]:
+        return self.text_encoder_names  # a full fine-tune's pipeline folder holds T5
+
+    def unsupported_settings(self, config: Config) -> list[str]:
+        problems = super().unsupported_settings(config)
+        if config.adapter.text_encoder and config.adapter.is_adapter:
+            problems.append(
+                "adapter.text_encoder: ChromaPipeline's LoRA loader would put a text encoder adapter into T5, which "
+                "Chroma's trainers keep frozen; set it to false, or fine-tune in full"
+            )
+        return problems
+
+    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids = token_ids["text_encoder"]
+        mask = ids != components.tokenizers["tokenizer"].pad_token_id
+        states = components.text_encoders["text_encoder"](ids, output_hidden_states=False, attention_mask=mask.long())[0]
+        return {"encoder_hidden_states": states, "text_mask": mask}
+
+    def denoise(self, components, noisy, timesteps, conditioning, geometry):
+        states = conditioning["encoder_hidden_states"]
+        b, _, h, w = noisy.shape
+        lengths = conditioning["text_mask"].bool().sum(dim=1, keepdim=True)
+        # The caption's tokens and the first padding token, then every image token (ChromaPipeline's mask).
+        text_keep = torch.arange(states.shape[1], device=noisy.device)[None] <= lengths
+        keep = torch.cat([text_keep, torch.ones(b, (h // 2) * (w // 2), dtype=torch.bool, device=noisy.device)], dim=1)
+        prediction = components.denoiser(
+            hidden_states=pack(noisy).to(states.dtype), timestep=(timesteps / 1000).to(states.dtype),
+            encoder_hidden_states=states, txt_ids=torch.zeros(states.shape[1], 3, device=noisy.device, dtype=states.dtype),
+            img_ids=image_position_ids(h, w, noisy.device, states.dtype), attention_mask=keep.to(states.dtype),
+            return_dict=False,
+        )[0]
+        return unpack(prediction, h, w)
+
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """True classifier-free guidance above 1, in the pipeline's own `guidance_scale` (neg + w (pos - neg))."""
+        return {"max_sequence_length": self.max_sequence_length(components), "guidance_scale": guidance_scale,
+                "negative_prompt": negative_prompt or None}
+
+    def max_sequence_length(self, components: Components) -> int:
+        return components.tokenizers["tokenizer"].model_max_length

@@ -1,0 +1,172 @@
+"""Z-Image (Tongyi-MAI's Z-Image and Z-Image-Turbo, `ZImagePipeline`): a single-stream DiT
+(`ZImageTransformer2DModel`) over 2x2 patches of Flux.1's 16-channel autoencoder latents, conditioned on a Qwen3
+language model's second-to-last hidden states. Trained by flow matching (flow.py).
+
+- Text, exactly as `ZImagePipeline.encode_prompt`: each caption goes through the tokenizer's own chat template
+  (a user turn, the generation prompt, thinking enabled), padded to `TEXT_TOKENS`; the language model's
+  second-to-last hidden state is kept at the valid tokens, template included. The transformer takes each
+  caption's states at their own length (it pads them itself), so they are stored zero-padded with a mask.
+- The transformer reads a list of one-frame latents (C, 1, h, w) and the time as 1 - sigma, and predicts the
+  negative of the velocity: `denoise` turns both round, as the pipeline and diffusers' Z-Image LoRA script do.
+- Guidance: the pipeline's `guidance_scale` s means pos + s (pos - neg); difftune's `sample.guidance_scale` w
+  means what it means for every family (neg + w (pos - neg)), so the pipeline is asked for s = w - 1. Turbo
+  bases are sampled without guidance: w = 1 or less.
+- Z-Image-Turbo is a few-step distilled model; a LoRA trained on it as on the base model (what ai-toolkit's
+  and musubi-tuner's Turbo jobs do, ai-toolkit adding a de-distillation adapter at sampling time) drifts from
+  the distillation with long runs: keep Turbo runs short, or train the base model.
+- Files: diffusers' LoRA layout is the transformer's module names (which ComfyUI maps, `transformer.` keys and
+  all, onto its fused model); the kohya layout is sd-scripts' / musubi-tuner's (`lora_unet_` + the module name
+  with `_`, which `ZImagePipeline.load_lora_weights` reads). A single file is the transformer alone in the
+  original layout (fused `attention.qkv`, `attention.out`...), as ComfyUI ships it; the other parts come from
+  `model.single_file_config`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from diffusers import ZImagePipeline, ZImageTransformer2DModel
+from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+from safetensors.torch import load_file
+
+from difftune.config import Config
+from difftune.families.flow import FlowMatchingFamily
+from difftune.families.qwen_image import padded, strip_prefixes, trimmed, valid_token_states
+from difftune.models import Components
+
+TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
+# Attention and the SwiGLU MLP of every block (refiners included): musubi-tuner's and ai-toolkit's Z-Image targets.
+TRANSFORMER_TARGETS = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
+                       "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+BLOCK_LISTS = ("noise_refiner", "context_refiner", "layers")  # in the order the transformer runs them
+SINGLE_FILE_KEY = "noise_refiner.0.attention_norm1.weight"  # in the original layout and diffusers' alike
+SINGLE_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+# diffusers name -> original name, for the weights whose names differ (besides the fused q, k, v).
+ORIGINAL_NAMES = {"all_final_layer.2-1.": "final_layer.", "all_x_embedder.2-1.": "x_embedder.",
+                  ".attention.to_out.0.": ".attention.out.", ".attention.norm_q.": ".attention.q_norm.",
+                  ".attention.norm_k.": ".attention.k_norm."}
+
+
+class ZImage(FlowMatchingFamily):
+    name = "z_image"
+    description = "Z-Image"
+    single_file_layout = "transformer alone (original layout)"
+    pipeline_class = ZImagePipeline
+    pipeline_classes = ("ZImagePipeline",)
+    denoiser_class = ZImageTransformer2DModel
+    denoiser_name = "transformer"
+    kohya_prefixes = {"transformer": "lora_unet_"}
+    kohya_text_model_parts = ()
+    kohya_model_version = "z_image"
+    default_targets = {"transformer": TRANSFORMER_TARGETS}
+
+    def adapted_text_encoders(self) -> tuple[str, ...]:
+        return ()  # ZImagePipeline's LoRA loader reads the transformer's adapters alone
+
+    def fine_tuned_text_encoders(self) -> tuple[str, ...]:
+        return self.text_encoder_names  # a full fine-tune's pipeline folder holds the text encoder
+
+    def unsupported_settings(self, config: Config) -> list[str]:
+        problems = super().unsupported_settings(config)
+        if config.adapter.text_encoder and config.adapter.is_adapter:
+            problems.append(
+                "adapter.text_encoder: ZImagePipeline's LoRA loader reads transformer adapters alone (a text encoder "
+                "adapter would be dropped where the file is used); set it to false, or fine-tune in full"
+            )
+        if config.adapter.kind == "embedding":
+            problems.append("adapter.kind = \"embedding\": textual inversion is not built for Z-Image; train a LoRA")
+        return problems
+
+    # Detection and single files.
+
+    def reads_single_file(self, keys: set[str]) -> bool:
+        return any(prefix + SINGLE_FILE_KEY in keys for prefix in ("", *SINGLE_FILE_PREFIXES))
+
+    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
+
+    def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
+        """The original layout (Tongyi's and ComfyUI's files) through diffusers' converter; diffusers' names as
+        they are."""
+        weights = {strip_prefixes(key, SINGLE_FILE_PREFIXES): tensor for key, tensor in load_file(path).items()}
+        if any(key.endswith(".attention.qkv.weight") for key in weights):
+            weights = convert_z_image_transformer_checkpoint_to_diffusers(weights)
+        return weights
+
+    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
+        """The transformer in the original layout: q, k and v fused into `attention.qkv`, and the original names;
+        `norm_final`, which the original model holds but never applies (diffusers' converter drops it), is written
+        at its initial value so that readers expecting every original key find it."""
+        weights, out = components.denoiser.state_dict(), {}
+        for key, value in weights.items():
+            if re.search(r"\.attention\.to_[kv]\.weight$", key):
+                continue
+            if key.endswith(".attention.to_q.weight"):
+                stem = key.removesuffix("to_q.weight")
+                key, value = stem + "qkv.weight", torch.cat([weights[stem + f"to_{p}.weight"] for p in "qkv"])
+            for diffusers_name, original in ORIGINAL_NAMES.items():
+                key = key.replace(diffusers_name, original)
+            out[key] = value.contiguous()
+        out["norm_final.weight"] = torch.ones(components.denoiser.config.dim)
+        return out
+
+    def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
+        return {}  # kohya files name diffusers' modules
+
+    # Prompts and the transformer.
+
+    def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
+        tokenizer = tokenizers["tokenizer"]
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
+                                               add_generation_prompt=True, enable_thinking=True) for caption in captions]
+        ids = tokenizer(texts, padding="max_length", max_length=TEXT_TOKENS, truncation=True, return_tensors="pt").input_ids
+        return {"text_encoder": ids}
+
+    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids = token_ids["text_encoder"]
+        mask = ids != components.tokenizers["tokenizer"].pad_token_id
+        # Read up to the batch's longest caption: the causal model's states there do not depend on the padding after
+        # them, and 512 tokens a caption is ~10x the work of a 50-token one.
+        longest = int(mask.sum(dim=1).max())
+        states = components.text_encoders["text_encoder"](
+            input_ids=ids[:, :longest], attention_mask=mask[:, :longest], output_hidden_states=True
+        ).hidden_states[-2]
+        return valid_token_states(states, mask[:, :longest], 0, TEXT_TOKENS)
+
+    def cached_conditioning(self, conditioning):
+        return trimmed(conditioning)
+
+    def uncached_conditioning(self, stored):
+        return padded(stored, TEXT_TOKENS)
+
+    def latent_channels(self, denoiser: torch.nn.Module) -> int:
+        return denoiser.config.in_channels  # the transformer patches the latents itself
+
+    def guidance(self, components: Components, batch: int, device) -> None:
+        return None  # no guidance embedding
+
+    def denoise(self, components, noisy, timesteps, conditioning, geometry):
+        lengths = conditioning["text_mask"].bool().sum(dim=1).tolist()
+        states = conditioning["encoder_hidden_states"]
+        prediction = components.denoiser(
+            list(noisy.to(states.dtype).unsqueeze(2).unbind(0)), ((1000 - timesteps) / 1000).to(states.dtype),
+            [state[:length] for state, length in zip(states, lengths)], return_dict=False,
+        )[0]
+        return -torch.stack(prediction).squeeze(2)
+
+    def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """The refiners' blocks and the main ones, in the order the transformer runs them."""
+        blocks = {}
+        for blocks_name in BLOCK_LISTS:
+            blocks |= {match.group(1): module for name, module in denoiser.named_modules()
+                       if (match := re.search(rf"(?:^|\.)({blocks_name}\.\d+)$", name))}
+        return blocks
+
+    # Sampling.
+
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        arguments = {"max_sequence_length": TEXT_TOKENS, "guidance_scale": max(guidance_scale - 1, 0.0)}
+        return arguments | ({"negative_prompt": negative_prompt} if guidance_scale > 1 and negative_prompt else {})
+
+    def max_sequence_length(self, components: Components) -> int:
+        return TEXT_TOKENS

@@ -1,0 +1,225 @@
+"""Each family's training loss against diffusers' own training script for it, on the same micro model, images,
+noise, timesteps and prompts: the check that difftune's objective (latent normalisation, noising, the denoiser's
+inputs, the target, the weighting) is the reference trainers' and not just self-consistent.
+
+The scripts are not copied here: each `*_script_loss` below writes the formula its script uses, read from
+huggingface/diffusers at commit 58eb52c0 (examples/dreambooth/; sha256 of each file in `SCRIPTS`), with the
+lines it follows named. What the scripts draw at random (noise, timesteps: `compute_density_for_timestep_sampling`
+then the scheduler's `timesteps[indices]`) is fixed here and given to both sides; the scripts' posterior
+`sample()` is taken at its mode on both sides (Z-Image's script takes the mode itself).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers import DDPMScheduler, Flux2KleinPipeline, FluxPipeline, QwenImagePipeline
+from diffusers.training_utils import compute_loss_weighting_for_sd3, compute_snr
+
+from difftune.autoencoders import encode_posterior, reference_latents
+from difftune.config import LossConfig, ModelConfig
+from difftune.data import image_to_tensor
+from difftune.families import FAMILIES, load_components
+from difftune.toy.tiny import build_pipeline, shape_images
+
+# examples/dreambooth/<script> at diffusers 58eb52c0 -> sha256 of the file read.
+SCRIPTS = {
+    "sd": ("train_dreambooth_lora.py", "89cd066f65b2c5d4e8ab578f4050f485a880a9c8fc100ddf18c6b0c74eadb5d2"),
+    "sdxl": ("train_dreambooth_lora_sdxl.py", "ab3165d44c29115028c18933bcf12bb583fd0e868c3d8dd426dec5209eb6d6d1"),
+    "flux": ("train_dreambooth_lora_flux.py", "1e7862bbfb16f2d5fa6f3424a93c2d8383ba4b5f1509c6265777e1eb84d070ef"),
+    "flux2_klein": ("train_dreambooth_lora_flux2_klein.py", "2c746004af6d4aa569d9bff3d32fce70afcb885cf00c7e00ab6abf9beda42225"),
+    "qwen_image": ("train_dreambooth_lora_qwen_image.py", "7c06f0297e5ddc909efa897736be58ca0b743fbef93a9681d35cbe9a74e29cb2"),
+    "sd3": ("train_dreambooth_lora_sd3.py", "74f4cfd22527673c10f4e7a7b2a2b117ef554a0190bfa5876210f7d365e393bb"),
+    "z_image": ("train_dreambooth_lora_z_image.py", "7111596fe60ac7f016e662acb08ab7874bb51d1ef855d63f30eea3e5b731585a"),
+}
+PROMPTS = ["a red circle", "a blue square with a longer caption"]
+TIMESTEP_INDICES = torch.tensor([150, 700])  # the scripts' `indices = (u * num_train_timesteps).long()`
+
+
+def _pixels() -> torch.Tensor:
+    return torch.stack([image_to_tensor(image) for image, _ in shape_images(len(PROMPTS), seed=3)])
+
+
+def _mse(prediction: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """The flow scripts' reduction: `torch.mean((weighting * (pred - target) ** 2).reshape(bsz, -1), 1).mean()`."""
+    per_sample = (weighting * (prediction.float() - target.float()) ** 2).reshape(len(target), -1)
+    return torch.mean(per_sample, 1).mean()
+
+
+def _flow_sigmas(pipeline, latents):
+    """`get_sigmas(timesteps)`: the scheduler's sigma at each timestep drawn from its own `timesteps`."""
+    scheduler = pipeline.scheduler.__class__.from_config(pipeline.scheduler.config)
+    timesteps = scheduler.timesteps[TIMESTEP_INDICES]
+    sigmas = scheduler.sigmas[TIMESTEP_INDICES].view(-1, *[1] * (latents.dim() - 1))
+    return timesteps, sigmas
+
+
+def sd_script_loss(pipeline, latents, noise, weighting):
+    """train_dreambooth_lora.py: `noise_scheduler.add_noise`, the UNet on the first text encoder's states, target
+    `noise` (epsilon) or `get_velocity`; `--snr_gamma`: each sample's MSE times min(SNR, gamma) / SNR (epsilon) or
+    / (SNR + 1) (v), else `F.mse_loss(..., reduction="mean")`."""
+    scheduler = DDPMScheduler.from_config(pipeline.scheduler.config)
+    timesteps = TIMESTEP_INDICES.long()
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    states = pipeline.encode_prompt(PROMPTS, "cpu", 1, False)[0]
+    prediction = pipeline.unet(noisy, timesteps, states, return_dict=False)[0]
+    epsilon = scheduler.config.prediction_type == "epsilon"
+    target = noise if epsilon else scheduler.get_velocity(latents, noise, timesteps)
+    if weighting == "uniform":
+        return F.mse_loss(prediction.float(), target.float(), reduction="mean"), timesteps
+    snr = compute_snr(scheduler, timesteps)
+    weights = torch.stack([snr, 5.0 * torch.ones_like(timesteps)], dim=1).min(dim=1)[0]
+    weights = weights / snr if epsilon else weights / (snr + 1)
+    loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=[1, 2, 3]) * weights
+    return loss.mean(), timesteps
+
+
+def sdxl_script_loss(pipeline, latents, noise, weighting):
+    """train_dreambooth_lora_sdxl.py: as SD, the UNet also given `time_ids` (original size, crop's top left, target
+    size) and the pooled embedding as `text_embeds`."""
+    scheduler = DDPMScheduler.from_config(pipeline.scheduler.config)
+    timesteps = TIMESTEP_INDICES.long()
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    states, _, pooled, _ = pipeline.encode_prompt(PROMPTS, device="cpu", do_classifier_free_guidance=False)
+    size = 8 * pipeline.vae_scale_factor
+    time_ids = torch.tensor([[size, size, 0, 0, size, size]] * len(PROMPTS), dtype=states.dtype)
+    prediction = pipeline.unet(noisy, timesteps, states, added_cond_kwargs={"time_ids": time_ids, "text_embeds": pooled},
+                               return_dict=False)[0]
+    assert weighting == "uniform"
+    return F.mse_loss(prediction.float(), noise.float(), reduction="mean"), timesteps
+
+
+def flux_script_loss(pipeline, latents, noise, weighting):
+    """train_dreambooth_lora_flux.py: latents (x - shift) * scale, `(1 - sigma) x + sigma noise`, packed with
+    `_pack_latents`, image ids from `_prepare_latent_image_ids`, the transformer at `timesteps / 1000` (no guidance
+    input without a guidance embedding), unpacked, target `noise - x`, `compute_loss_weighting_for_sd3`. The prompt
+    is encoded at the T5 tokenizer's length (the script's `--max_sequence_length`)."""
+    timesteps, sigmas = _flow_sigmas(pipeline, latents)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    b, c, h, w = latents.shape
+    packed = FluxPipeline._pack_latents(noisy, b, c, h, w)
+    image_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, "cpu", latents.dtype)
+    states, pooled, text_ids = pipeline.encode_prompt(PROMPTS, PROMPTS, device="cpu",
+                                                      max_sequence_length=pipeline.tokenizer_2.model_max_length)
+    prediction = pipeline.transformer(hidden_states=packed, timestep=timesteps / 1000, guidance=None,
+                                      pooled_projections=pooled, encoder_hidden_states=states, txt_ids=text_ids,
+                                      img_ids=image_ids, return_dict=False)[0]
+    factor = pipeline.vae_scale_factor
+    prediction = FluxPipeline._unpack_latents(prediction, h * factor, w * factor, factor)
+    return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
+
+
+def flux2_klein_script_loss(pipeline, latents, noise, weighting):
+    """train_dreambooth_lora_flux2_klein.py: latents patched 2x2 (`_patchify_latents`) and batch-normalised by the
+    autoencoder's `bn` statistics, `(1 - sigma) x + sigma noise`, packed (`_pack_latents`), ids from
+    `_prepare_latent_ids` and the prompt's, the transformer at `timesteps / 1000` (no guidance input without a guidance
+    embedding), its image tokens unpacked by their ids, target `noise - x`."""
+    timesteps, sigmas = _flow_sigmas(pipeline, latents)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    image_ids = Flux2KleinPipeline._prepare_latent_ids(latents)
+    packed = Flux2KleinPipeline._pack_latents(noisy)
+    states, text_ids = pipeline.encode_prompt(PROMPTS, device="cpu")
+    prediction = pipeline.transformer(hidden_states=packed, timestep=timesteps / 1000, guidance=None,
+                                      encoder_hidden_states=states, txt_ids=text_ids, img_ids=image_ids,
+                                      return_dict=False)[0]
+    prediction = Flux2KleinPipeline._unpack_latents_with_ids(prediction[:, : packed.size(1)], image_ids)
+    return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
+
+
+def qwen_image_script_loss(pipeline, latents, noise, weighting):
+    """train_dreambooth_lora_qwen_image.py: one-frame latents (x - latents_mean) / latents_std, `(1 - sigma) x +
+    sigma noise`, permuted and packed with `_pack_latents`, the transformer at `timesteps / 1000` with the prompt's
+    mask and `img_shapes`, unpacked with `_unpack_latents`, target `noise - x`."""
+    latents, noise = latents[:, :, None], noise[:, :, None]  # the script's (B, C, 1, h, w)
+    timesteps, sigmas = _flow_sigmas(pipeline, latents)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    b, c, _, h, w = latents.shape
+    packed = QwenImagePipeline._pack_latents(noisy.permute(0, 2, 1, 3, 4), b, c, h, w)
+    states, mask = pipeline.encode_prompt(PROMPTS, device="cpu")
+    prediction = pipeline.transformer(hidden_states=packed, encoder_hidden_states=states,
+                                      encoder_hidden_states_mask=mask, timestep=timesteps / 1000,
+                                      img_shapes=[(1, h // 2, w // 2)] * b, return_dict=False)[0]
+    factor = pipeline.vae_scale_factor
+    prediction = QwenImagePipeline._unpack_latents(prediction, h * factor, w * factor, factor)
+    return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
+
+
+def sd3_script_loss(pipeline, latents, noise, weighting):
+    """train_dreambooth_lora_sd3.py with `--precondition_outputs 0`: latents (x - shift) * scale, `(1 - sigma) x +
+    sigma noise`, the transformer on the unpacked latents at `timesteps` (not divided), target `noise - x`. The
+    script's `encode_prompt` is the pipeline's formula (CLIPs' penultimate states side by side, zero-padded to T5's
+    width, T5's states after them; pooled: both projections): the pipeline encodes here, at the micro T5's length."""
+    timesteps, sigmas = _flow_sigmas(pipeline, latents)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    states, _, pooled, _ = pipeline.encode_prompt(PROMPTS, PROMPTS, PROMPTS, device="cpu", do_classifier_free_guidance=False,
+                                                  max_sequence_length=pipeline.tokenizer_3.model_max_length)
+    prediction = pipeline.transformer(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=states,
+                                      pooled_projections=pooled, return_dict=False)[0]
+    return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
+
+
+def z_image_script_loss(pipeline, latents, noise, weighting):
+    """train_dreambooth_lora_z_image.py: latents (x - shift) * scale, `(1 - sigma) x + sigma noise`, the transformer
+    on a list of one-frame latents at `(1000 - timesteps) / 1000` with each prompt's states (a list), its output
+    stacked and negated, target `noise - x`."""
+    timesteps, sigmas = _flow_sigmas(pipeline, latents)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    states, _ = pipeline.encode_prompt(list(PROMPTS), device="cpu", do_classifier_free_guidance=False)
+    predictions = pipeline.transformer(list(noisy.unsqueeze(2).unbind(dim=0)), (1000 - timesteps) / 1000, states,
+                                       return_dict=False)[0]
+    prediction = -torch.stack(predictions, dim=0).squeeze(2)
+    return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
+
+
+def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
+    """The scripts' latents (at the posterior's mode): SD and SDXL `x * scaling_factor`; Flux, Z-Image and SD3
+    `(x - shift_factor) * scaling_factor`; Qwen-Image `(x - latents_mean) * (1 / latents_std)` per channel; FLUX.2
+    patched, then `(x - bn.running_mean) / sqrt(bn.running_var + eps)` per patched channel."""
+    if name == "flux2_klein":
+        patched = Flux2KleinPipeline._patchify_latents(vae.encode(pixels).latent_dist.mode())
+        mean, var = (statistic.view(1, -1, 1, 1) for statistic in (vae.bn.running_mean, vae.bn.running_var))
+        return (patched - mean) / torch.sqrt(var + vae.config.batch_norm_eps)
+    if name == "qwen_image":
+        mean = vae.encode(pixels[:, :, None]).latent_dist.mode()[:, :, 0]
+        channels = vae.config.z_dim
+        return (mean - torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1)) * (
+            1.0 / torch.tensor(vae.config.latents_std).view(1, channels, 1, 1))
+    mean = vae.encode(pixels).latent_dist.mode()
+    return (mean - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
+
+
+SCRIPT_LOSSES = {"sd": sd_script_loss, "sdxl": sdxl_script_loss, "flux": flux_script_loss,
+                 "flux2_klein": flux2_klein_script_loss,
+                 "qwen_image": qwen_image_script_loss, "sd3": sd3_script_loss, "z_image": z_image_script_loss}
+CASES = [("sd", "uniform"), ("sd", "min_snr"), ("sdxl", "uniform"), ("flux", "uniform"), ("flux", "cosmap"),
+         ("flux2_klein", "uniform"), ("flux2_klein", "sigma_sqrt"),
+         ("qwen_image", "uniform"), ("qwen_image", "sigma_sqrt"), ("sd3", "uniform"), ("sd3", "sigma_sqrt"),
+         ("z_image", "uniform"), ("z_image", "cosmap")]
+
+
+def test_every_family_with_a_diffusers_script_is_checked():
+    """The families diffusers ships a DreamBooth LoRA script for; those without one (FLUX.1 Kontext's script trains
+    the same objective as Flux's with a reference image, the Qwen edit models have none) are checked against
+    their pipelines by the conformance suite."""
+    assert set(SCRIPT_LOSSES) == {name for name, _ in CASES} == set(SCRIPTS) <= set(FAMILIES)
+
+
+@pytest.mark.parametrize(("name", "weighting"), CASES)
+def test_the_loss_is_the_diffusers_training_script_loss(name, weighting, tmp_path):
+    build_pipeline(seed=1, family=name).save_pretrained(tmp_path, safe_serialization=True)
+    components = load_components(ModelConfig(base=str(tmp_path)))
+    family, pipeline = FAMILIES[name], components.pipeline()
+    pixels = _pixels()
+    with torch.no_grad():
+        theirs_latents = script_latents(name, pipeline.vae, pixels)
+        latents = reference_latents(encode_posterior(components.vae, pixels)[0], components.latent_normalization)
+        torch.testing.assert_close(latents, theirs_latents, rtol=1e-5, atol=1e-6)
+        noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
+        theirs, timesteps = SCRIPT_LOSSES[name](pipeline, latents, noise, weighting)
+        conditioning = family.encode_prompts(components, family.tokenize(components.tokenizers, PROMPTS))
+        geometry = torch.tensor([[32, 32, 0, 0, 32, 32]] * len(PROMPTS))
+        ours = family.loss(components, latents, timesteps.float() if name not in ("sd", "sdxl") else timesteps, noise,
+                           conditioning, geometry, LossConfig(weighting=weighting, snr_gamma=5.0)).mean()
+    assert theirs > 0
+    torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=1e-5, atol=1e-7)
