@@ -150,6 +150,13 @@ VARIANTS = {"tiny_lora": {
     **at_seeds("lora_r4_loraplus_16_lr_5e-4", "optim.loraplus_ratio=16", "optim.learning_rate=5e-4"),
     **at_seeds("lora_r4_32_renders_with_seen", "data.path={renders_32_with_seen}"),
     **at_seeds("lora_r4_shift_3", "loss.flow_shift_by_resolution=false", "loss.flow_shift=3.0"),
+}, "flux2_klein_lora": {
+    # The lora_r4 lines were measured when the job's default was rank 4 (`lora_r4` had no overrides).
+    **at_seeds("lora_r8"),
+    **at_seeds("lora_r8_1800_steps", "train.max_steps=1800"),
+    **at_seeds("lora_r4", "adapter.rank=4"),
+    **at_seeds("lora_r4_lr_2e-3", "adapter.rank=4", "optim.learning_rate=2e-3"),
+    **at_seeds("lora_r4_2400_steps", "adapter.rank=4", "train.max_steps=2400"),
 }, "z_image_lora": {
     # The 900_steps, dora_r4 and caption_dropout_0.2 lines were measured when the job's learning rate was 2e-3.
     **at_seeds("lora_r4"),

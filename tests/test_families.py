@@ -28,9 +28,10 @@ from difftune import export, storage
 from difftune.autoencoders import PATCHED_AUTOENCODERS, downsampling, latent_channels
 from difftune.checkpoint import complete_checkpoints
 from difftune.cli import main
-from difftune.config import FAMILY_NAMES, SHARED_FAMILY_MODULES, ModelConfig
+from difftune.config import FAMILY_NAMES, SHARED_FAMILY_MODULES, Config, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, family_table_markdown, load_components
+from difftune.families.fused import FusedKohyaLayout
 from difftune.metrics import read_metrics
 from difftune.toy.tiny import build_pipeline, recolor_pairs
 from difftune.train import train
@@ -170,6 +171,27 @@ def test_the_readme_family_table_is_the_registrys():
     documented = readme.split("<!-- families:start -->")[1].split("<!-- families:end -->")[0].strip()
     assert documented == family_table_markdown(Path(__file__).parents[1] / "models"), "run `python scripts/update_readme.py`"
     assert all(f"| `{name}` |" in documented for name in FAMILIES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_adapters_a_family_cannot_use_are_refused_before_any_work(name):
+    """Text-encoder adapters its pipeline's LoRA loader would drop, textual inversion where it is not built, and
+    LoHa/LoKr in a kohya layout that fuses q, k and v: refused by name, and only there."""
+    family = FAMILIES[name]
+
+    def problems(**adapter) -> str:
+        export = {"format": "kohya"} if adapter.get("kind") in ("loha", "lokr") else {}
+        try:
+            family.check_config(Config(adapter=adapter, export=export))
+        except DifftuneError as err:
+            return str(err)
+        return ""
+
+    dropped = "adapter.text_encoder: " in problems(kind="lora", text_encoder=True)
+    assert dropped == (not family.adapted_text_encoders())
+    assert ("textual inversion is not built" in problems(kind="embedding", text_encoder=False)) != family.trains_embeddings
+    assert ("have no fused form" in problems(kind="loha", text_encoder=False)) == isinstance(family, FusedKohyaLayout)
+    assert problems(kind="lora", text_encoder=False) == ""
 
 
 def test_every_family_module_is_registered_and_complete():

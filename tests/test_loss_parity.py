@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from diffusers import DDPMScheduler, Flux2KleinPipeline, FluxPipeline, QwenImagePipeline
+from diffusers import DDPMScheduler, Flux2KleinPipeline, FluxKontextPipeline, FluxPipeline, QwenImagePipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3, compute_snr
 
 from difftune.autoencoders import encode_posterior, reference_latents
@@ -28,6 +28,7 @@ SCRIPTS = {
     "sd": ("train_dreambooth_lora.py", "89cd066f65b2c5d4e8ab578f4050f485a880a9c8fc100ddf18c6b0c74eadb5d2"),
     "sdxl": ("train_dreambooth_lora_sdxl.py", "ab3165d44c29115028c18933bcf12bb583fd0e868c3d8dd426dec5209eb6d6d1"),
     "flux": ("train_dreambooth_lora_flux.py", "1e7862bbfb16f2d5fa6f3424a93c2d8383ba4b5f1509c6265777e1eb84d070ef"),
+    "flux_kontext": ("train_dreambooth_lora_flux_kontext.py", "821f168bf4b8a38af53d128e0711e13b11c8784f618225502b5f542bdc47f1df"),
     "flux2_klein": ("train_dreambooth_lora_flux2_klein.py", "2c746004af6d4aa569d9bff3d32fce70afcb885cf00c7e00ab6abf9beda42225"),
     "qwen_image": ("train_dreambooth_lora_qwen_image.py", "7c06f0297e5ddc909efa897736be58ca0b743fbef93a9681d35cbe9a74e29cb2"),
     "sd3": ("train_dreambooth_lora_sd3.py", "74f4cfd22527673c10f4e7a7b2a2b117ef554a0190bfa5876210f7d365e393bb"),
@@ -35,6 +36,7 @@ SCRIPTS = {
 }
 PROMPTS = ["a red circle", "a blue square with a longer caption"]
 TIMESTEP_INDICES = torch.tensor([150, 700])  # the scripts' `indices = (u * num_train_timesteps).long()`
+GUIDANCE = 3.5  # the Kontext script's default `--guidance_scale`
 
 
 def _pixels() -> torch.Tensor:
@@ -107,6 +109,30 @@ def flux_script_loss(pipeline, latents, noise, weighting):
                                       img_ids=image_ids, return_dict=False)[0]
     factor = pipeline.vae_scale_factor
     prediction = FluxPipeline._unpack_latents(prediction, h * factor, w * factor, factor)
+    return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
+
+
+def flux_kontext_script_loss(pipeline, latents, noise, weighting, control_latents):
+    """train_dreambooth_lora_flux_kontext.py: as Flux, the control's latents packed after the noisy ones with position
+    ids whose first coordinate is 1, the transformer given `--guidance_scale` (Kontext has a guidance embedding:
+    `GUIDANCE` here, difftune's `model.family_options.guidance` on the other side), its prediction cut to the noisy
+    tokens."""
+    timesteps, sigmas = _flow_sigmas(pipeline, latents)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    b, c, h, w = latents.shape
+    image_ids = FluxKontextPipeline._prepare_latent_image_ids(b, h // 2, w // 2, "cpu", latents.dtype)
+    control_ids = FluxKontextPipeline._prepare_latent_image_ids(b, h // 2, w // 2, "cpu", latents.dtype)
+    control_ids[..., 0] = 1
+    packed = FluxKontextPipeline._pack_latents(noisy, b, c, h, w)
+    packed_all = torch.cat([packed, FluxKontextPipeline._pack_latents(control_latents, b, c, h, w)], dim=1)
+    states, pooled, text_ids = pipeline.encode_prompt(PROMPTS, PROMPTS, device="cpu",
+                                                      max_sequence_length=pipeline.tokenizer_2.model_max_length)
+    prediction = pipeline.transformer(hidden_states=packed_all, timestep=timesteps / 1000,
+                                      guidance=torch.tensor([GUIDANCE]).expand(b), pooled_projections=pooled,
+                                      encoder_hidden_states=states, txt_ids=text_ids,
+                                      img_ids=torch.cat([image_ids, control_ids]), return_dict=False)[0]
+    factor = pipeline.vae_scale_factor
+    prediction = FluxKontextPipeline._unpack_latents(prediction[:, : packed.shape[1]], h * factor, w * factor, factor)
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
 
@@ -190,18 +216,17 @@ def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
 
 
 SCRIPT_LOSSES = {"sd": sd_script_loss, "sdxl": sdxl_script_loss, "flux": flux_script_loss,
-                 "flux2_klein": flux2_klein_script_loss,
+                 "flux_kontext": flux_kontext_script_loss, "flux2_klein": flux2_klein_script_loss,
                  "qwen_image": qwen_image_script_loss, "sd3": sd3_script_loss, "z_image": z_image_script_loss}
 CASES = [("sd", "uniform"), ("sd", "min_snr"), ("sdxl", "uniform"), ("flux", "uniform"), ("flux", "cosmap"),
-         ("flux2_klein", "uniform"), ("flux2_klein", "sigma_sqrt"),
+         ("flux_kontext", "uniform"), ("flux2_klein", "uniform"), ("flux2_klein", "sigma_sqrt"),
          ("qwen_image", "uniform"), ("qwen_image", "sigma_sqrt"), ("sd3", "uniform"), ("sd3", "sigma_sqrt"),
          ("z_image", "uniform"), ("z_image", "cosmap")]
 
 
 def test_every_family_with_a_diffusers_script_is_checked():
-    """The families diffusers ships a DreamBooth LoRA script for; those without one (FLUX.1 Kontext's script trains
-    the same objective as Flux's with a reference image, the Qwen edit models have none) are checked against
-    their pipelines by the conformance suite."""
+    """The families diffusers ships a DreamBooth LoRA script for; those without one (Chroma, the Qwen edit models) are
+    checked against their pipelines by the conformance suite."""
     assert set(SCRIPT_LOSSES) == {name for name, _ in CASES} == set(SCRIPTS) <= set(FAMILIES)
 
 
@@ -216,8 +241,13 @@ def test_the_loss_is_the_diffusers_training_script_loss(name, weighting, tmp_pat
         latents = reference_latents(encode_posterior(components.vae, pixels)[0], components.latent_normalization)
         torch.testing.assert_close(latents, theirs_latents, rtol=1e-5, atol=1e-6)
         noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
-        theirs, timesteps = SCRIPT_LOSSES[name](pipeline, latents, noise, weighting)
         conditioning = family.encode_prompts(components, family.tokenize(components.tokenizers, PROMPTS))
+        controls = ()
+        if family.max_controls:  # an edit family: the other images' latents are the controls
+            control = reference_latents(encode_posterior(components.vae, pixels.flip(0))[0], components.latent_normalization)
+            conditioning["control_latents"], controls = [control], (control,)
+            components.family_options = components.family_options.model_copy(update={"guidance": GUIDANCE})
+        theirs, timesteps = SCRIPT_LOSSES[name](pipeline, latents, noise, weighting, *controls)
         geometry = torch.tensor([[32, 32, 0, 0, 32, 32]] * len(PROMPTS))
         ours = family.loss(components, latents, timesteps.float() if name not in ("sd", "sdxl") else timesteps, noise,
                            conditioning, geometry, LossConfig(weighting=weighting, snr_gamma=5.0)).mean()

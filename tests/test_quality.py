@@ -40,6 +40,7 @@ SDXL_BASE = REPO / "models" / "tiny-sdxl"
 FLUX_BASE = REPO / "models" / "tiny-flux"
 QWEN_BASE = REPO / "models" / "tiny-qwen_image"
 Z_IMAGE_BASE = REPO / "models" / "tiny-z_image"
+KLEIN_BASE = REPO / "models" / "tiny-flux2_klein"
 KONTEXT_BASE = REPO / "models" / "tiny-flux_kontext"
 QWEN_EDIT_BASE = REPO / "models" / "tiny-qwen_image_edit_plus"
 
@@ -159,8 +160,8 @@ def test_build_qwen_image_base_trains_its_own_wan_autoencoder_and_language_model
     assert pipeline.scheduler.config.shift_terminal == 0.02  # Qwen-Image's own scheduler config
 
 
-@pytest.mark.parametrize("base", [BASE, SDXL_BASE, FLUX_BASE, QWEN_BASE, Z_IMAGE_BASE],
-                         ids=["tiny-sd", "tiny-sdxl", "tiny-flux", "tiny-qwen_image", "tiny-z_image"])
+@pytest.mark.parametrize("base", [BASE, SDXL_BASE, FLUX_BASE, QWEN_BASE, Z_IMAGE_BASE, KLEIN_BASE],
+                         ids=["tiny-sd", "tiny-sdxl", "tiny-flux", "tiny-qwen_image", "tiny-z_image", "tiny-flux2_klein"])
 def test_committed_base_draws_the_seen_prompts(base):
     # Measured at 8 samples per prompt in each base's scores.json; the floors sit well under it.
     components = load_components(ModelConfig(base=str(base)))
@@ -172,7 +173,8 @@ def test_committed_base_draws_the_seen_prompts(base):
 
 @pytest.mark.slow
 # tiny-qwen_image is not here yet: its job draws purple squares at 0.88 (0.62 and 0.25 at seeds 1 and 2), under the
-# 0.90 the test asks (BENCHMARKS.md).
+# 0.90 the test asks (BENCHMARKS.md). Nor tiny-flux2_klein: its job meets every target at seeds 0 and 1 with no
+# sample to spare, and draws purple squares at 0.875 at seed 2.
 @pytest.mark.parametrize("job, base", [("tiny_lora", BASE), ("sdxl_lora", SDXL_BASE), ("flux_lora", FLUX_BASE),
                                        ("z_image_lora", Z_IMAGE_BASE)], ids=["tiny-sd", "tiny-sdxl", "tiny-flux", "tiny-z_image"])
 def test_fine_tuning_teaches_the_held_out_color(tmp_path, capsys, job, base):

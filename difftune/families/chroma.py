@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from diffusers import ChromaPipeline
 
-from difftune.config import Config
 from difftune.families.family import FamilyOptions
 from difftune.families.flow import pack, unpack
 from difftune.families.flux import TRANSFORMER_TARGETS, Flux, image_position_ids
@@ -44,15 +43,6 @@ class Chroma(Flux):
 
     def fine_tuned_text_encoders(self) -> tuple[str, ...]:
         return self.text_encoder_names  # a full fine-tune's pipeline folder holds T5
-
-    def unsupported_settings(self, config: Config) -> list[str]:
-        problems = super().unsupported_settings(config)
-        if config.adapter.text_encoder and config.adapter.is_adapter:
-            problems.append(
-                "adapter.text_encoder: ChromaPipeline's LoRA loader would put a text encoder adapter into T5, which "
-                "Chroma's trainers keep frozen; set it to false, or fine-tune in full"
-            )
-        return problems
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ids = token_ids["text_encoder"]

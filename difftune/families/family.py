@@ -62,6 +62,7 @@ class Family:
     default_sampler = "ddim"  # what `sample.scheduler = "auto"` means
     samplers = SAMPLERS  # sampler name -> scheduler class, built over the model's own schedule config
     options_model: type[FamilyOptions] = FamilyOptions  # what `model.family_options` may set
+    trains_embeddings = False  # textual inversion is built for it (`adapter.kind = "embedding"`)
     max_controls = 0  # control (source) images an edit pair may have: 0 for a text-to-image family
     needs_controls_to_draw = False  # its pipeline draws only edits (a sample prompt without controls is refused)
     prompts_see_controls = False  # its text encoder reads an edit pair's controls (`tokenize` takes them)
@@ -152,7 +153,8 @@ class Family:
     def check_config(self, config: Config) -> None:
         """Refuse settings this family cannot train with (a `DifftuneError` naming them all), before any work: a
         sampler it lacks would otherwise stop the run at its end-of-run samples."""
-        problems = self.unsupported_settings(config) + self.prompt_control_problems(config.sample.prompts)
+        problems = (self.unsupported_settings(config) + self.adapter_problems(config)
+                    + self.prompt_control_problems(config.sample.prompts))
         try:
             self.sampler(config.sample.scheduler)
         except DifftuneError as err:
@@ -166,6 +168,21 @@ class Family:
                      "loss.flow_shift": config.loss.flow_shift != 1.0,
                      "loss.flow_shift_by_resolution": config.loss.flow_shift_by_resolution}
         return [f"{key}: for flow-matching families, leave it at its default" for key, set_ in flow_only.items() if set_]
+
+    def adapter_problems(self, config: Config) -> list[str]:
+        """What `check_config` refuses of the adapter for any family: text-encoder adapters its pipeline's LoRA
+        loader would drop, and textual inversion where it is not built."""
+        problems = []
+        if config.adapter.text_encoder and config.adapter.is_adapter and not self.adapted_text_encoders():
+            problems.append(
+                f"adapter.text_encoder: {self.pipeline_class.__name__}'s LoRA loader reads {self.denoiser_name} adapters "
+                "alone (a text encoder adapter would be dropped where the file is used); set it to false, or fine-tune in "
+                "full (adapter.kind = \"none\"), which saves the text encoder in the pipeline folder"
+            )
+        if config.adapter.kind == "embedding" and not self.trains_embeddings:
+            problems.append(f"adapter.kind = \"embedding\": textual inversion is not built for {self.description}; "
+                            "train a LoRA")
+        return problems
 
     def sampler(self, name: str) -> type:
         """The scheduler class of sampler `name` (`auto`: the family's default)."""

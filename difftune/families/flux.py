@@ -21,7 +21,6 @@ import torch
 from diffusers import FluxPipeline
 from pydantic import Field
 
-from difftune.config import Config
 from difftune.errors import DifftuneError
 from difftune.families.flow import FlowMatchingFamily, FlowOptions, pack, unpack
 from difftune.families.fused import FusedKohyaLayout
@@ -111,17 +110,6 @@ class Flux(FusedKohyaLayout, FlowMatchingFamily):
 
     def reads_single_file(self, keys: set[str]) -> bool:
         return False  # BFL's original checkpoints: load a diffusers folder (FluxPipeline.from_single_file converts)
-
-    def unsupported_settings(self, config: Config) -> list[str]:
-        problems = super().unsupported_settings(config)
-        if config.adapter.kind == "embedding":
-            problems.append("adapter.kind = \"embedding\": textual inversion is not built for Flux yet; train a LoRA")
-        if config.adapter.kind in ("loha", "lokr") and config.export.format == "kohya":
-            problems.append(
-                f"adapter.kind = \"{config.adapter.kind}\" with export.format = \"kohya\": the BFL layout fuses q, k and v "
-                "into one layer, and separate LoHa/LoKr factors have no fused form; use export.format = \"diffusers\""
-            )
-        return problems
 
     # Prompts and the transformer.
 

@@ -95,11 +95,6 @@ class Flux2Klein(FusedKohyaLayout, FlowMatchingFamily):
 
     def unsupported_settings(self, config: Config) -> list[str]:
         problems = super().unsupported_settings(config)
-        if config.adapter.text_encoder and config.adapter.is_adapter:
-            problems.append("adapter.text_encoder: Flux2KleinPipeline's LoRA loader reads transformer adapters alone; set it "
-                            "to false, or fine-tune in full")
-        if config.adapter.kind == "embedding":
-            problems.append("adapter.kind = \"embedding\": textual inversion is not built for FLUX.2; train a LoRA")
         if config.sample.negative_prompt:
             problems.append("sample.negative_prompt: Flux2KleinPipeline guides with an empty negative prompt and takes no "
                             "other; leave it empty")

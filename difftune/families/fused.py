@@ -27,6 +27,16 @@ class FusedKohyaLayout:
         `denoiser_modules` (module names, or adapted module names) mention."""
         raise NotImplementedError
 
+    def adapter_problems(self, config) -> list[str]:
+        problems = super().adapter_problems(config)
+        if config.adapter.kind in ("loha", "lokr") and config.export.format == "kohya":
+            problems.append(
+                f"adapter.kind = \"{config.adapter.kind}\" with export.format = \"kohya\": the {self.kohya_layout_name} "
+                "layout fuses q, k and v into one layer, and separate LoHa/LoKr factors have no fused form; use "
+                "export.format = \"diffusers\""
+            )
+        return problems
+
     def fused_row_sizes(self, modules: list[str], rows: int) -> list[int]:
         """How a fused layer's `rows` output rows split among its `modules`: evenly, unless the family says
         otherwise."""

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 from safetensors.torch import load_file
 
-from difftune.config import Config
 from difftune.families.flow import FlowMatchingFamily, pack, unpack
 from difftune.models import Components
 
@@ -108,18 +107,6 @@ class QwenImage(FlowMatchingFamily):
 
     def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
         return {strip_prefixes(key, SINGLE_FILE_PREFIXES): tensor for key, tensor in load_file(path).items()}
-
-    def unsupported_settings(self, config: Config) -> list[str]:
-        problems = super().unsupported_settings(config)
-        if config.adapter.text_encoder and config.adapter.is_adapter:
-            problems.append(
-                "adapter.text_encoder: QwenImagePipeline's LoRA loader reads transformer adapters alone (a text encoder "
-                "adapter would be dropped where the file is used); set it to false, or fine-tune in full "
-                "(adapter.kind = \"none\"), which saves the text encoder in the pipeline folder"
-            )
-        if config.adapter.kind == "embedding":
-            problems.append("adapter.kind = \"embedding\": textual inversion is not built for Qwen-Image; train a LoRA")
-        return problems
 
     # Prompts and the transformer.
 

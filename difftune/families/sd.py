@@ -19,6 +19,7 @@ class StableDiffusion(Family):
     name = "sd"
     description = "Stable Diffusion 1.x / 2.x"
     single_file_layout = "whole checkpoint (LDM layout)"
+    trains_embeddings = True
     pipeline_class = StableDiffusionPipeline
     pipeline_classes = ("StableDiffusionPipeline",)
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te_"}

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from diffusers import StableDiffusion3Pipeline
 
-from difftune.config import Config
 from difftune.errors import DifftuneError
 from difftune.families.family import FamilyOptions
 from difftune.families.flow import FlowMatchingFamily
@@ -82,18 +81,6 @@ class StableDiffusion3(FusedKohyaLayout, FlowMatchingFamily):
 
     def reads_single_file(self, keys: set[str]) -> bool:
         return False  # Stability's files: load a diffusers folder (StableDiffusion3Pipeline.from_single_file converts)
-
-    def unsupported_settings(self, config: Config) -> list[str]:
-        problems = super().unsupported_settings(config)
-        if config.adapter.kind == "embedding":
-            problems.append("adapter.kind = \"embedding\": textual inversion is not built for SD3; train a LoRA")
-        if config.adapter.kind in ("loha", "lokr") and config.export.format == "kohya":
-            problems.append(
-                f"adapter.kind = \"{config.adapter.kind}\" with export.format = \"kohya\": SD3's original layout fuses "
-                "q, k and v into one layer, and separate LoHa/LoKr factors have no fused form; use export.format = "
-                "\"diffusers\""
-            )
-        return problems
 
     # Prompts and the transformer.
 

@@ -26,6 +26,7 @@ class StableDiffusionXL(Family):
     name = "sdxl"
     description = "Stable Diffusion XL"
     single_file_layout = "whole checkpoint (SGM layout)"
+    trains_embeddings = True
     pipeline_class = StableDiffusionXLPipeline
     pipeline_classes = ("StableDiffusionXLPipeline",)
     text_encoder_names = ("text_encoder", "text_encoder_2")

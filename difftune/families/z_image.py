@@ -30,7 +30,6 @@ from diffusers import ZImagePipeline, ZImageTransformer2DModel
 from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
 from safetensors.torch import load_file
 
-from difftune.config import Config
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.qwen_image import padded, strip_prefixes, trimmed, valid_token_states
 from difftune.models import Components
@@ -66,17 +65,6 @@ class ZImage(FlowMatchingFamily):
 
     def fine_tuned_text_encoders(self) -> tuple[str, ...]:
         return self.text_encoder_names  # a full fine-tune's pipeline folder holds the text encoder
-
-    def unsupported_settings(self, config: Config) -> list[str]:
-        problems = super().unsupported_settings(config)
-        if config.adapter.text_encoder and config.adapter.is_adapter:
-            problems.append(
-                "adapter.text_encoder: ZImagePipeline's LoRA loader reads transformer adapters alone (a text encoder "
-                "adapter would be dropped where the file is used); set it to false, or fine-tune in full"
-            )
-        if config.adapter.kind == "embedding":
-            problems.append("adapter.kind = \"embedding\": textual inversion is not built for Z-Image; train a LoRA")
-        return problems
 
     # Detection and single files.
 
