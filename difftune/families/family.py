@@ -22,6 +22,7 @@ from diffusers import (
     EulerDiscreteScheduler,
 )
 from pydantic import ValidationError
+from safetensors.torch import load_file
 
 from difftune import kohya, single_file
 from difftune.config import Config, LossConfig, ModelConfig, Section
@@ -35,6 +36,8 @@ UNET_BLOCK = re.compile(r"(?:^|\.)((?:down_blocks\.\d+|up_blocks\.\d+|mid_block)
 UNET_TOP_BLOCK = re.compile(r"(?:^|\.)(?:down_blocks\.\d+|mid_block|up_blocks\.\d+)$")
 SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler, "euler_a": EulerAncestralDiscreteScheduler,
             "dpmpp_2m": DPMSolverMultistepScheduler}
+# What ComfyUI's and ai-toolkit's denoiser-alone files may put before the denoiser's own keys.
+DENOISER_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 FP32 = {"dtype": torch.float32}  # not the saved dtype: placement casts later, on purpose
 
 
@@ -49,6 +52,7 @@ class Family:
     pipeline_classes: tuple[str, ...]  # model_index.json `_class_name`s this family reads
     denoiser_class: type  # where a single file holds the denoiser alone (`pipeline_around_denoiser_file`)
     single_file_layout: str | None = None  # what its single files (read and written) hold; None: not read
+    denoiser_file_key: str | None = None  # a key every denoiser-alone single file of the family has
     denoiser_name = "unet"  # its pipeline argument and its prefix in diffusers' LoRA files
     text_encoder_names: tuple[str, ...] = ("text_encoder",)
     tokenizer_names: tuple[str, ...] = ("tokenizer",)
@@ -70,7 +74,11 @@ class Family:
     # Detection and loading.
 
     def reads_single_file(self, keys: set[str]) -> bool:
-        raise NotImplementedError
+        """Whether a single file with these keys is this family's: where its single files hold the denoiser alone,
+        they have `denoiser_file_key` (ComfyUI's files may prefix it); families without single files read none (a
+        diffusers folder of theirs is what to pass)."""
+        return self.denoiser_file_key is not None and any(
+            prefix + self.denoiser_file_key in keys for prefix in ("", *DENOISER_FILE_PREFIXES))
 
     def options(self, config: ModelConfig) -> FamilyOptions:
         """`model.family_options` checked against the family's own `options_model`: each wrong or unknown setting
@@ -130,8 +138,14 @@ class Family:
                                                    **self.fixed_pipeline_arguments, **FP32)
 
     def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
-        """A denoiser-alone single file's weights under diffusers' names (`pipeline_around_denoiser_file`)."""
-        raise NotImplementedError
+        """A denoiser-alone single file's weights under diffusers' names (`pipeline_around_denoiser_file`): its keys
+        without ComfyUI's prefixes, unless the family converts another layout."""
+        weights = {}
+        for key, tensor in load_file(path).items():
+            for prefix in DENOISER_FILE_PREFIXES:
+                key = key.removeprefix(prefix)
+            weights[key] = tensor
+        return weights
 
     def components_of(self, pipeline, options: FamilyOptions) -> Components:
         return Components(

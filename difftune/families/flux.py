@@ -108,9 +108,6 @@ class Flux(FusedKohyaLayout, FlowMatchingFamily):
         # kohya trains T5 only on request. T5's states are what the transformer's adapter learns to read.
         return ("text_encoder",)
 
-    def reads_single_file(self, keys: set[str]) -> bool:
-        return False  # BFL's original checkpoints: load a diffusers folder (FluxPipeline.from_single_file converts)
-
     # Prompts and the transformer.
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

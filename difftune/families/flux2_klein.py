@@ -90,9 +90,6 @@ class Flux2Klein(FusedKohyaLayout, FlowMatchingFamily):
     def fine_tuned_text_encoders(self) -> tuple[str, ...]:
         return self.text_encoder_names
 
-    def reads_single_file(self, keys: set[str]) -> bool:
-        return False  # BFL's files: load a diffusers folder
-
     def unsupported_settings(self, config: Config) -> list[str]:
         problems = super().unsupported_settings(config)
         if config.sample.negative_prompt:

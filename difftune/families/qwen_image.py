@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
-from safetensors.torch import load_file
 
 from difftune.families.flow import FlowMatchingFamily, pack, unpack
 from difftune.models import Components
@@ -43,9 +42,6 @@ TRANSFORMER_TARGETS = [
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
     "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
 ]
-# A key every Qwen-Image transformer file has (ComfyUI's files may prefix it).
-SINGLE_FILE_KEY = "transformer_blocks.0.img_mod.1.weight"
-SINGLE_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 
 def valid_token_states(states: torch.Tensor, mask: torch.Tensor, skip: int, length: int) -> dict[str, torch.Tensor]:
@@ -72,16 +68,11 @@ def padded(stored: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tens
     return {name: F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, length - len(tensor))) for name, tensor in stored.items()}
 
 
-def strip_prefixes(key: str, prefixes: tuple[str, ...]) -> str:
-    for prefix in prefixes:
-        key = key.removeprefix(prefix)
-    return key
-
-
 class QwenImage(FlowMatchingFamily):
     name = "qwen_image"
     description = "Qwen-Image"
     single_file_layout = "transformer alone (diffusers names)"
+    denoiser_file_key = "transformer_blocks.0.img_mod.1.weight"  # a key every Qwen-Image transformer file has
     pipeline_class = QwenImagePipeline
     pipeline_classes = ("QwenImagePipeline",)
     denoiser_class = QwenImageTransformer2DModel
@@ -100,13 +91,7 @@ class QwenImage(FlowMatchingFamily):
     def fine_tuned_text_encoders(self) -> tuple[str, ...]:
         return self.text_encoder_names  # a full fine-tune's pipeline folder holds the text encoder
 
-    def reads_single_file(self, keys: set[str]) -> bool:
-        return any(prefix + SINGLE_FILE_KEY in keys for prefix in ("", *SINGLE_FILE_PREFIXES))
-
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
-
-    def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
-        return {strip_prefixes(key, SINGLE_FILE_PREFIXES): tensor for key, tensor in load_file(path).items()}
 
     # Prompts and the transformer.
 

@@ -79,9 +79,6 @@ class StableDiffusion3(FusedKohyaLayout, FlowMatchingFamily):
     def adapted_text_encoders(self) -> tuple[str, ...]:
         return ("text_encoder", "text_encoder_2")  # StableDiffusion3Pipeline's LoRA loader reads the CLIPs, not T5
 
-    def reads_single_file(self, keys: set[str]) -> bool:
-        return False  # Stability's files: load a diffusers folder (StableDiffusion3Pipeline.from_single_file converts)
-
     # Prompts and the transformer.
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:

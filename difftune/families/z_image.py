@@ -28,10 +28,9 @@ import re
 import torch
 from diffusers import ZImagePipeline, ZImageTransformer2DModel
 from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
-from safetensors.torch import load_file
 
 from difftune.families.flow import FlowMatchingFamily
-from difftune.families.qwen_image import padded, strip_prefixes, trimmed, valid_token_states
+from difftune.families.qwen_image import padded, trimmed, valid_token_states
 from difftune.models import Components
 
 TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
@@ -39,8 +38,6 @@ TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
 TRANSFORMER_TARGETS = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
                        "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
 BLOCK_LISTS = ("noise_refiner", "context_refiner", "layers")  # in the order the transformer runs them
-SINGLE_FILE_KEY = "noise_refiner.0.attention_norm1.weight"  # in the original layout and diffusers' alike
-SINGLE_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 # diffusers name -> original name, for the weights whose names differ (besides the fused q, k, v).
 ORIGINAL_NAMES = {"all_final_layer.2-1.": "final_layer.", "all_x_embedder.2-1.": "x_embedder.",
                   ".attention.to_out.0.": ".attention.out.", ".attention.norm_q.": ".attention.q_norm.",
@@ -51,6 +48,7 @@ class ZImage(FlowMatchingFamily):
     name = "z_image"
     description = "Z-Image"
     single_file_layout = "transformer alone (original layout)"
+    denoiser_file_key = "noise_refiner.0.attention_norm1.weight"  # in the original layout and diffusers' alike
     pipeline_class = ZImagePipeline
     pipeline_classes = ("ZImagePipeline",)
     denoiser_class = ZImageTransformer2DModel
@@ -68,15 +66,12 @@ class ZImage(FlowMatchingFamily):
 
     # Detection and single files.
 
-    def reads_single_file(self, keys: set[str]) -> bool:
-        return any(prefix + SINGLE_FILE_KEY in keys for prefix in ("", *SINGLE_FILE_PREFIXES))
-
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
     def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
         """The original layout (Tongyi's and ComfyUI's files) through diffusers' converter; diffusers' names as
         they are."""
-        weights = {strip_prefixes(key, SINGLE_FILE_PREFIXES): tensor for key, tensor in load_file(path).items()}
+        weights = super().denoiser_file_weights(path)
         if any(key.endswith(".attention.qkv.weight") for key in weights):
             weights = convert_z_image_transformer_checkpoint_to_diffusers(weights)
         return weights
