@@ -171,6 +171,8 @@ def test_the_readme_family_table_is_the_registrys():
     documented = readme.split("<!-- families:start -->")[1].split("<!-- families:end -->")[0].strip()
     assert documented == family_table_markdown(Path(__file__).parents[1] / "models"), "run `python scripts/update_readme.py`"
     assert all(f"| `{name}` |" in documented for name in FAMILIES)
+    rows = {name: next(row for row in documented.splitlines() if row.startswith(f"| `{name}` |")) for name in FAMILIES}
+    assert all(("textual inversion" in rows[name]) == family.trains_embeddings for name, family in FAMILIES.items())
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -59,7 +59,7 @@ def family_table_markdown(models_dir: Path) -> str:
             "edits | tiny base (its own scores) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, family in FAMILIES.items():
         kinds = [label for kind, label in ADAPTER_KINDS.items()
-                 if not family.unsupported_settings(Config(adapter={"kind": kind, "text_encoder": False}))]
+                 if not family.config_problems(Config(adapter={"kind": kind, "text_encoder": False}))]
         encoders = ", ".join(f"`{e}`" for e in family.adapted_text_encoders()) or "none"
         prefixes = ", ".join(f"`{prefix}`" for prefix in family.kohya_prefixes.values())
         edits = {0: "no", 1: "1 control"}.get(family.max_controls, f"up to {family.max_controls} controls")

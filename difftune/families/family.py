@@ -167,14 +167,19 @@ class Family:
     def check_config(self, config: Config) -> None:
         """Refuse settings this family cannot train with (a `DifftuneError` naming them all), before any work: a
         sampler it lacks would otherwise stop the run at its end-of-run samples."""
+        problems = self.config_problems(config)
+        if problems:
+            raise DifftuneError(f"{config.model.base} is a {self.description} base: " + "; ".join(problems))
+
+    def config_problems(self, config: Config) -> list[str]:
+        """Every setting of `config` this family cannot train with, each named (what `check_config` refuses)."""
         problems = (self.unsupported_settings(config) + self.adapter_problems(config)
                     + self.prompt_control_problems(config.sample.prompts))
         try:
             self.sampler(config.sample.scheduler)
         except DifftuneError as err:
             problems.append(str(err))
-        if problems:
-            raise DifftuneError(f"{config.model.base} is a {self.description} base: " + "; ".join(problems))
+        return problems
 
     def unsupported_settings(self, config: Config) -> list[str]:
         """What `check_config` refuses besides the sampler: here, the flow-matching settings (a DDPM UNet)."""
