@@ -364,7 +364,8 @@ class Family:
 
     def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
         """The denoiser's modules by their names in the original (non-diffusers) model, as kohya files may use them:
-        a UNet's LDM/SGM names (none for a transformer, whose original names Flux's `from_kohya` reads itself)."""
+        a UNet's LDM/SGM names (none for a transformer: where its original layout fuses layers, `fused.py`'s table
+        names them)."""
         return single_file.unet_ldm_module_names(denoiser_modules)
 
     def base_model_version(self, model: ModelConfig | None) -> str | None:

@@ -15,7 +15,6 @@ value).
 
 from __future__ import annotations
 
-import re
 
 import torch
 from diffusers import FluxPipeline
@@ -67,7 +66,6 @@ KOHYA_GLOBAL = {
     "final_layer_linear": ["proj_out"],
 }
 MLP_RATIO = 4  # a single block's MLP is this times wider than its attention (FluxSingleTransformerBlock's default)
-BLOCK = re.compile(r"^((?:single_)?transformer_blocks)\.(\d+)\.(.+)$")
 
 
 def image_position_ids(h: int, w: int, device, dtype, index: int = 0) -> torch.Tensor:
@@ -100,6 +98,8 @@ class Flux(FusedKohyaLayout, FlowMatchingFamily):
     kohya_text_model_parts = ("text_encoder",)
     kohya_model_version = "flux1"
     kohya_layout_name = "Flux"
+    kohya_blocks = {"transformer_blocks": KOHYA_DOUBLE_BLOCK, "single_transformer_blocks": KOHYA_SINGLE_BLOCK}
+    kohya_globals = KOHYA_GLOBAL
     embedding_keys = ("clip_l", "t5")
     default_targets = {"transformer": TRANSFORMER_TARGETS, "text_encoder": CLIP_ATTENTION, "text_encoder_2": T5_ATTENTION}
 
@@ -151,15 +151,6 @@ class Flux(FusedKohyaLayout, FlowMatchingFamily):
             "merge --single-file: not written for Flux yet; the merged diffusers folder loads in diffusers, and "
             "ComfyUI reads the adapter's kohya layout"
         )
-
-    def kohya_table(self, denoiser_modules) -> dict[str, list[str]]:
-        blocks = {match.groups()[:2] for module in denoiser_modules if (match := BLOCK.match(module))}
-        table = {}
-        for kind, index in sorted(blocks):
-            patterns = KOHYA_DOUBLE_BLOCK if kind == "transformer_blocks" else KOHYA_SINGLE_BLOCK
-            table |= {pattern.format(i=index): [f"{kind}.{index}.{member}" for member in members]
-                      for pattern, members in patterns.items()}
-        return table | KOHYA_GLOBAL
 
     def fused_row_sizes(self, modules: list[str], rows: int) -> list[int]:
         """A single block's `linear1` holds q, k, v and the MLP input, which is `MLP_RATIO` times as wide."""

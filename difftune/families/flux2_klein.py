@@ -25,7 +25,6 @@ language model. Trained by flow matching (flow.py).
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
@@ -57,7 +56,6 @@ KOHYA_DOUBLE_BLOCK = {
     "double_blocks_{i}_txt_mlp_2": ["ff_context.linear_out"],
 }
 KOHYA_SINGLE_BLOCK = {"single_blocks_{i}_linear1": ["attn.to_qkv_mlp_proj"], "single_blocks_{i}_linear2": ["attn.to_out"]}
-BLOCK = re.compile(r"^((?:single_)?transformer_blocks)\.(\d+)\.")
 
 
 def text_tokens(tokenizer) -> int:
@@ -78,6 +76,7 @@ class Flux2Klein(FusedKohyaLayout, FlowMatchingFamily):
     kohya_text_model_parts = ()
     kohya_model_version = "flux2_klein"
     kohya_layout_name = "FLUX.2"
+    kohya_blocks = {"transformer_blocks": KOHYA_DOUBLE_BLOCK, "single_transformer_blocks": KOHYA_SINGLE_BLOCK}
     default_targets = {"transformer": DOUBLE_TARGETS + SINGLE_TARGETS}
 
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
@@ -146,15 +145,3 @@ class Flux2Klein(FusedKohyaLayout, FlowMatchingFamily):
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
         raise DifftuneError("merge --single-file: not written for FLUX.2 yet; the merged diffusers folder loads in "
                             "diffusers, and ComfyUI reads the adapter's kohya layout")
-
-    def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
-        return {}
-
-    def kohya_table(self, denoiser_modules) -> dict[str, list[str]]:
-        blocks = sorted({match.groups() for module in denoiser_modules if (match := BLOCK.match(module))})
-        table = {}
-        for kind, index in blocks:
-            patterns = KOHYA_DOUBLE_BLOCK if kind == "transformer_blocks" else KOHYA_SINGLE_BLOCK
-            table |= {pattern.format(i=index): [f"{kind}.{index}.{member}" for member in members]
-                      for pattern, members in patterns.items()}
-        return table

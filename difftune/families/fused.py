@@ -2,14 +2,16 @@
 and SD3's attention `qkv`, Flux's single-block `linear1`): one adapter per original layer, named by the original
 model (`lora_unet_<original name with _>`), over the diffusers modules it holds.
 
-`FusedKohyaLayout` is mixed into such a family before its `Family` base; the family gives `kohya_table` (original
-name -> the diffusers modules it holds, in the order of its output rows) and, where the modules' widths differ,
-`fused_row_sizes`. Writing stacks the modules' downs and puts their ups block-diagonal (`kohya.fuse`), so the
+`FusedKohyaLayout` is mixed into such a family before its `Family` base; the family gives `kohya_blocks` (per list
+of blocks, each original name with the block's index as `{i}` -> the diffusers modules it holds, in the order of its
+output rows), `kohya_globals` for layers outside the blocks and, where the modules' widths differ, `fused_row_sizes`. Writing stacks the modules' downs and puts their ups block-diagonal (`kohya.fuse`), so the
 fused change is exactly the modules' changes; reading splits them back, or shares a trained fused down
 (`kohya.split`).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -17,15 +19,24 @@ from difftune import kohya
 from difftune.adapters import derived_lora_configs
 
 KOHYA_DENOISER_PREFIX = "lora_unet_"
+BLOCK = re.compile(r"^(\w+)\.(\d+)\.")  # a block's list and index: `single_transformer_blocks.3.`
 
 
 class FusedKohyaLayout:
     kohya_layout_name: str  # the original model's name, as messages name its layout ("Flux", "SD3")
+    kohya_blocks: dict[str, dict[str, list[str]]]  # block list -> {original name with `{i}`: its modules in the block}
+    kohya_globals: dict[str, list[str]] = {}  # original name -> the modules it holds, outside the blocks
 
     def kohya_table(self, denoiser_modules) -> dict[str, list[str]]:
         """Original (kohya) name -> the denoiser's modules (diffusers names) it holds, for every block that
         `denoiser_modules` (module names, or adapted module names) mention."""
-        raise NotImplementedError
+        blocks = sorted({(match.group(1), int(match.group(2))) for module in denoiser_modules
+                         if (match := BLOCK.match(module)) and match.group(1) in self.kohya_blocks})
+        table = {}
+        for kind, index in blocks:
+            table |= {pattern.format(i=index): [f"{kind}.{index}.{member}" for member in members]
+                      for pattern, members in self.kohya_blocks[kind].items()}
+        return table | self.kohya_globals
 
     def adapter_problems(self, config) -> list[str]:
         problems = super().adapter_problems(config)

@@ -143,9 +143,6 @@ class QwenImage(FlowMatchingFamily):
 
     # Files.
 
-    def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
-        return {}  # the original names are diffusers' names
-
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
         """The transformer's weights under their own names: the file ComfyUI loads as a diffusion model (the text
         encoder and autoencoder are files of their own there)."""

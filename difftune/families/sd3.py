@@ -19,7 +19,6 @@ conditioned on two CLIPs and T5. Trained by flow matching (flow.py).
 
 from __future__ import annotations
 
-import re
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +54,6 @@ KOHYA_BLOCK = {
     "joint_blocks_{i}_context_block_mlp_fc1": ["ff_context.net.0.proj"],
     "joint_blocks_{i}_context_block_mlp_fc2": ["ff_context.net.2"],
 }
-BLOCK = re.compile(r"^transformer_blocks\.(\d+)\.")
 
 
 class StableDiffusion3(FusedKohyaLayout, FlowMatchingFamily):
@@ -72,6 +70,7 @@ class StableDiffusion3(FusedKohyaLayout, FlowMatchingFamily):
     kohya_text_model_parts = ("text_encoder", "text_encoder_2")
     kohya_model_version = "sd3"
     kohya_layout_name = "SD3"
+    kohya_blocks = {"transformer_blocks": KOHYA_BLOCK}
     embedding_keys = ("clip_l", "clip_g", "t5")
     default_targets = {"transformer": TRANSFORMER_TARGETS, "text_encoder": CLIP_ATTENTION,
                        "text_encoder_2": CLIP_ATTENTION, "text_encoder_3": T5_ATTENTION}
@@ -127,11 +126,3 @@ class StableDiffusion3(FusedKohyaLayout, FlowMatchingFamily):
             "merge --single-file: not written for SD3 yet; the merged diffusers folder loads in diffusers, and "
             "ComfyUI reads the adapter's kohya layout"
         )
-
-    def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
-        return {}  # the transformer's kohya names are the fused table's (`kohya_table`)
-
-    def kohya_table(self, denoiser_modules) -> dict[str, list[str]]:
-        blocks = sorted({int(match.group(1)) for module in denoiser_modules if (match := BLOCK.match(module))})
-        return {pattern.format(i=i): [f"transformer_blocks.{i}.{member}" for member in members]
-                for i in blocks for pattern, members in KOHYA_BLOCK.items()}

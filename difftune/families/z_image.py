@@ -93,9 +93,6 @@ class ZImage(FlowMatchingFamily):
         out["norm_final.weight"] = torch.ones(components.denoiser.config.dim)
         return out
 
-    def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
-        return {}  # kohya files name diffusers' modules
-
     # Prompts and the transformer.
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
