@@ -535,21 +535,23 @@ def set_latent_scaling(vae: AutoencoderKL, latents: torch.Tensor, shift: bool) -
 
 def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int, ...] = (32, 64),
                            flux_layers: tuple[int, int] = (1, 1), flux_heads: int = 2, guidance: bool = False,
-                           dit_layers: int = 1, dit_heads: int = 2, language_model_width: int = QWEN_HIDDEN_SIZE,
+                           dit_layers: int = 1, dit_heads: int = 2, language_model_width: int | None = None,
                            text_tokens: int | None = None):
     """Random text encoders and denoiser around `vae` (built in this order: the seed's random draws depend on it).
-    `text_tokens`: FLUX.2 [klein]'s tokenizer's `model_max_length`, the caption length difftune reads (the
-    pipeline's 512 by default)."""
+    `language_model_width`: the Qwen language model's (default: `QWEN_HIDDEN_SIZE`, FLUX.2 [klein]'s deep one
+    `FLUX2_TEXT_HIDDEN_SIZE`); `text_tokens`: FLUX.2 [klein]'s tokenizer's `model_max_length`, the caption length
+    difftune reads (the pipeline's 512 by default)."""
+    width = language_model_width or (FLUX2_TEXT_HIDDEN_SIZE if family == "flux2_klein" else QWEN_HIDDEN_SIZE)
     if family == "z_image":
         tokenizer = build_qwen3_tokenizer()
-        return ZImagePipeline(vae=vae, text_encoder=build_qwen3_text_encoder(tokenizer, language_model_width),
+        return ZImagePipeline(vae=vae, text_encoder=build_qwen3_text_encoder(tokenizer, width),
                               tokenizer=tokenizer, scheduler=build_z_image_scheduler(), transformer=build_z_image_transformer(
-                                  dit_layers, heads=dit_heads, text_hidden_size=language_model_width))
+                                  dit_layers, heads=dit_heads, text_hidden_size=width))
     if family.startswith("qwen_image"):
         edit = family in QWEN_EDIT_FAMILIES
         tokenizer = build_qwen_tokenizer(edit)
-        parts = {"vae": vae, "text_encoder": build_qwen_text_encoder(tokenizer, language_model_width), "tokenizer": tokenizer,
-                 "transformer": build_qwen_transformer(dit_layers, dit_heads, text_hidden_size=language_model_width,
+        parts = {"vae": vae, "text_encoder": build_qwen_text_encoder(tokenizer, width), "tokenizer": tokenizer,
+                 "transformer": build_qwen_transformer(dit_layers, dit_heads, text_hidden_size=width,
                                                        zero_cond_t=family == "qwen_image_edit_plus"),  # as 2511
                  "scheduler": build_qwen_scheduler()}
         if not edit:
@@ -558,7 +560,6 @@ def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int,
         return pipeline_class(**parts, processor=build_qwen_processor(tokenizer))
     if family == "flux2_klein":
         tokenizer = build_qwen3_tokenizer(think_block=True)
-        width = FLUX2_TEXT_HIDDEN_SIZE if language_model_width == QWEN_HIDDEN_SIZE else language_model_width
         if text_tokens:
             tokenizer.model_max_length = text_tokens
         return Flux2KleinPipeline(
