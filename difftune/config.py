@@ -72,8 +72,9 @@ class ModelConfig(Section):
         "auto",
         description="Model family: `auto` reads it from the base (a pipeline folder's model_index.json, a single "
         "file's keys); `sd` is Stable Diffusion 1.x/2.x, `sdxl` SDXL and models built on it, `flux` Flux.1-class "
-        "flow-matching transformers, `flux_kontext` FLUX.1 Kontext, `qwen_image` Qwen-Image, `qwen_image_edit` and "
-        "`qwen_image_edit_plus` Qwen-Image-Edit and its multi-image 2509 / 2511.",
+        "flow-matching transformers, `flux_kontext` FLUX.1 Kontext, `flux2` FLUX.2 [dev], `flux2_klein` FLUX.2 "
+        "[klein], `sd3` SD3 / SD3.5, `chroma` Chroma, `z_image` Z-Image, `qwen_image` Qwen-Image, `qwen_image_edit` "
+        "and `qwen_image_edit_plus` Qwen-Image-Edit and its multi-image 2509 / 2511.",
     )
     revision: str = Field("", description="Hub revision (branch, tag or commit) of `base`; empty for the default.")
     variant: str = Field("", description="Weight variant to load from a diffusers folder, e.g. `fp16`; empty for the default.")
@@ -81,8 +82,8 @@ class ModelConfig(Section):
         "",
         json_schema_extra=PATH_MODEL,
         description="For a single-file `base`: a diffusers folder or hub id whose configs describe its "
-        "architecture. Offline, pass a local folder here. A Qwen-Image single file holds the transformer alone "
-        "(as ComfyUI ships it): the text encoder and autoencoder come from this folder.",
+        "architecture. Offline, pass a local folder here. Qwen-Image, Z-Image and FLUX.2 single files hold the "
+        "transformer alone (as ComfyUI and BFL ship them): the text encoder and autoencoder come from this folder.",
     )
     allow_pickled_checkpoint: bool = Field(
         False,

@@ -96,7 +96,7 @@ def _sd3_prompts(pipeline, prompts):
     return {"encoder_hidden_states": states, "pooled_prompt_embeds": pooled}
 
 
-def _flux2_klein_prompts(pipeline, prompts):
+def _flux2_prompts(pipeline, prompts):
     states, _ = pipeline.encode_prompt(prompts, device="cpu")
     return {"encoder_hidden_states": states}
 
@@ -127,11 +127,11 @@ PIPELINE_PROMPTS = {"sd": _sd_prompts, "sdxl": _sdxl_prompts, "flux": _flux_prom
                     "qwen_image_edit_plus": lambda pipeline, prompts, image: _qwen_edit_prompts(
                         pipeline, prompts, [FAMILIES["qwen_image_edit_plus"].prompt_image(image)]),  # at its 384^2
                     "z_image": _z_image_prompts, "chroma": _chroma_prompts,
-                    "sd3": _sd3_prompts, "flux2_klein": _flux2_klein_prompts}
+                    "sd3": _sd3_prompts, "flux2": _flux2_prompts, "flux2_klein": _flux2_prompts}
 CONTROL = recolor_pairs(1, seed=4)[0][0]
 # The micro FLUX.2 transformer's 4-step render moves little with its conditioning (another prompt: 0.0065), so a
 # 4-step adapter's change is smaller than the other families' too.
-MIN_ADAPTER_EFFECT = {"flux2_klein": 0.003}  # what the families whose pipelines draw only edits edit (32 px)
+MIN_ADAPTER_EFFECT = {"flux2": 0.003, "flux2_klein": 0.003}  # what the families whose pipelines draw only edits edit (32 px)
 
 
 def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:

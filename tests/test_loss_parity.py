@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from diffusers import DDPMScheduler, Flux2KleinPipeline, FluxKontextPipeline, FluxPipeline, QwenImagePipeline
+from diffusers import DDPMScheduler, Flux2Pipeline, FluxKontextPipeline, FluxPipeline, QwenImagePipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3, compute_snr
 
 from difftune.autoencoders import encode_posterior, reference_latents
@@ -29,6 +29,7 @@ SCRIPTS = {
     "sdxl": ("train_dreambooth_lora_sdxl.py", "ab3165d44c29115028c18933bcf12bb583fd0e868c3d8dd426dec5209eb6d6d1"),
     "flux": ("train_dreambooth_lora_flux.py", "1e7862bbfb16f2d5fa6f3424a93c2d8383ba4b5f1509c6265777e1eb84d070ef"),
     "flux_kontext": ("train_dreambooth_lora_flux_kontext.py", "821f168bf4b8a38af53d128e0711e13b11c8784f618225502b5f542bdc47f1df"),
+    "flux2": ("train_dreambooth_lora_flux2.py", "f487a423f5873a1da99295803e7105b272c5ccdc9bd3b5961af47fec6259278b"),
     "flux2_klein": ("train_dreambooth_lora_flux2_klein.py", "2c746004af6d4aa569d9bff3d32fce70afcb885cf00c7e00ab6abf9beda42225"),
     "qwen_image": ("train_dreambooth_lora_qwen_image.py", "7c06f0297e5ddc909efa897736be58ca0b743fbef93a9681d35cbe9a74e29cb2"),
     "sd3": ("train_dreambooth_lora_sd3.py", "74f4cfd22527673c10f4e7a7b2a2b117ef554a0190bfa5876210f7d365e393bb"),
@@ -36,7 +37,7 @@ SCRIPTS = {
 }
 PROMPTS = ["a red circle", "a blue square with a longer caption"]
 TIMESTEP_INDICES = torch.tensor([150, 700])  # the scripts' `indices = (u * num_train_timesteps).long()`
-GUIDANCE = 3.5  # the Kontext script's default `--guidance_scale`
+GUIDANCE = 3.5  # the Kontext and FLUX.2 scripts' default `--guidance_scale`
 
 
 def _pixels() -> torch.Tensor:
@@ -136,20 +137,22 @@ def flux_kontext_script_loss(pipeline, latents, noise, weighting, control_latent
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
 
-def flux2_klein_script_loss(pipeline, latents, noise, weighting):
-    """train_dreambooth_lora_flux2_klein.py: latents patched 2x2 (`_patchify_latents`) and batch-normalised by the
-    autoencoder's `bn` statistics, `(1 - sigma) x + sigma noise`, packed (`_pack_latents`), ids from
-    `_prepare_latent_ids` and the prompt's, the transformer at `timesteps / 1000` (no guidance input without a guidance
-    embedding), its image tokens unpacked by their ids, target `noise - x`."""
+def flux2_script_loss(pipeline, latents, noise, weighting):
+    """train_dreambooth_lora_flux2.py and train_dreambooth_lora_flux2_klein.py: latents patched 2x2
+    (`_patchify_latents`) and batch-normalised by the autoencoder's `bn` statistics, `(1 - sigma) x + sigma noise`,
+    packed (`_pack_latents`), ids from `_prepare_latent_ids` and the prompt's, the transformer at `timesteps / 1000`
+    with `--guidance_scale` where it has a guidance embedding ([dev]; klein's script passes None without one), its
+    image tokens unpacked by their ids, target `noise - x`."""
     timesteps, sigmas = _flow_sigmas(pipeline, latents)
     noisy = (1.0 - sigmas) * latents + sigmas * noise
-    image_ids = Flux2KleinPipeline._prepare_latent_ids(latents)
-    packed = Flux2KleinPipeline._pack_latents(noisy)
+    image_ids = Flux2Pipeline._prepare_latent_ids(latents)
+    packed = Flux2Pipeline._pack_latents(noisy)
     states, text_ids = pipeline.encode_prompt(PROMPTS, device="cpu")
-    prediction = pipeline.transformer(hidden_states=packed, timestep=timesteps / 1000, guidance=None,
+    guidance = torch.full([len(latents)], GUIDANCE) if pipeline.transformer.config.guidance_embeds else None
+    prediction = pipeline.transformer(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
                                       encoder_hidden_states=states, txt_ids=text_ids, img_ids=image_ids,
                                       return_dict=False)[0]
-    prediction = Flux2KleinPipeline._unpack_latents_with_ids(prediction[:, : packed.size(1)], image_ids)
+    prediction = Flux2Pipeline._unpack_latents_with_ids(prediction[:, : packed.size(1)], image_ids)
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
 
@@ -202,8 +205,8 @@ def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
     """The scripts' latents (at the posterior's mode): SD and SDXL `x * scaling_factor`; Flux, Z-Image and SD3
     `(x - shift_factor) * scaling_factor`; Qwen-Image `(x - latents_mean) * (1 / latents_std)` per channel; FLUX.2
     patched, then `(x - bn.running_mean) / sqrt(bn.running_var + eps)` per patched channel."""
-    if name == "flux2_klein":
-        patched = Flux2KleinPipeline._patchify_latents(vae.encode(pixels).latent_dist.mode())
+    if name.startswith("flux2"):
+        patched = Flux2Pipeline._patchify_latents(vae.encode(pixels).latent_dist.mode())
         mean, var = (statistic.view(1, -1, 1, 1) for statistic in (vae.bn.running_mean, vae.bn.running_var))
         return (patched - mean) / torch.sqrt(var + vae.config.batch_norm_eps)
     if name == "qwen_image":
@@ -216,10 +219,11 @@ def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
 
 
 SCRIPT_LOSSES = {"sd": sd_script_loss, "sdxl": sdxl_script_loss, "flux": flux_script_loss,
-                 "flux_kontext": flux_kontext_script_loss, "flux2_klein": flux2_klein_script_loss,
+                 "flux_kontext": flux_kontext_script_loss, "flux2": flux2_script_loss, "flux2_klein": flux2_script_loss,
                  "qwen_image": qwen_image_script_loss, "sd3": sd3_script_loss, "z_image": z_image_script_loss}
 CASES = [("sd", "uniform"), ("sd", "min_snr"), ("sdxl", "uniform"), ("flux", "uniform"), ("flux", "cosmap"),
-         ("flux_kontext", "uniform"), ("flux2_klein", "uniform"), ("flux2_klein", "sigma_sqrt"),
+         ("flux_kontext", "uniform"), ("flux2", "uniform"), ("flux2", "cosmap"), ("flux2_klein", "uniform"),
+         ("flux2_klein", "sigma_sqrt"),
          ("qwen_image", "uniform"), ("qwen_image", "sigma_sqrt"), ("sd3", "uniform"), ("sd3", "sigma_sqrt"),
          ("z_image", "uniform"), ("z_image", "cosmap")]
 
@@ -246,6 +250,7 @@ def test_the_loss_is_the_diffusers_training_script_loss(name, weighting, tmp_pat
         if family.max_controls:  # an edit family: the other images' latents are the controls
             control = reference_latents(encode_posterior(components.vae, pixels.flip(0))[0], components.latent_normalization)
             conditioning["control_latents"], controls = [control], (control,)
+        if getattr(components.denoiser.config, "guidance_embeds", False):  # the scripts' `--guidance_scale`
             components.family_options = components.family_options.model_copy(update={"guidance": GUIDANCE})
         theirs, timesteps = SCRIPT_LOSSES[name](pipeline, latents, noise, weighting, *controls)
         geometry = torch.tensor([[32, 32, 0, 0, 32, 32]] * len(PROMPTS))

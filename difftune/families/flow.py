@@ -61,8 +61,9 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 class FlowOptions(FamilyOptions):
     guidance: float = Field(
-        1.0, ge=0, description="Bases with a guidance embedding (guidance-distilled, as FLUX.1-dev): the guidance "
-        "value training conditions on (1, as diffusers' and kohya's Flux scripts). Bases without one ignore it.",
+        1.0, ge=0, description="Bases with a guidance embedding (guidance-distilled, as FLUX.1-dev and FLUX.2-dev): the "
+        "guidance value training conditions on. 1 is what kohya's FLUX.1 LoRA examples pass (`--guidance_scale 1.0`); "
+        "diffusers' Flux, Kontext and FLUX.2 scripts default to 3.5. Bases without one ignore it.",
     )
 
 

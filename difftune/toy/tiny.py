@@ -31,6 +31,7 @@ from diffusers import (
     DDPMScheduler,
     FlowMatchEulerDiscreteScheduler,
     Flux2KleinPipeline,
+    Flux2Pipeline,
     Flux2Transformer2DModel,
     FluxKontextPipeline,
     FluxPipeline,
@@ -54,6 +55,9 @@ from transformers import (
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+    PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
@@ -82,7 +86,18 @@ T5_HIDDEN_SIZE = 64
 FLUX_LATENT_CHANNELS = 16  # as Flux.1's autoencoder; packed 2x2 into 64-wide tokens
 QWEN_HIDDEN_SIZE = 32  # the tiny Qwen2.5-VL's width (Qwen-Image's: 3584)
 FLUX2_LATENT_CHANNELS = 8  # FLUX.2's autoencoder makes 32; patched 2x2 into 4x as many
-FLUX2_TEXT_HIDDEN_SIZE = 16  # the tiny Qwen3 of FLUX.2 [klein] is deep (27 layers), so narrow
+FLUX2_TEXT_HIDDEN_SIZE = 16  # the tiny language models of FLUX.2 are deep (27 and 30 layers), so narrow
+# Mistral's control tokens, as FLUX.2 [dev]'s tokenizer has them (the image ones name the vision tower's inputs).
+MISTRAL_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                          "[IMG]", "[IMG_BREAK]", "[IMG_END]")
+# Mistral Small 3.1's chat template in short: the system turn, then user turns, message contents as text or as lists
+# of typed parts (how `Flux2Pipeline`'s `format_input` writes them).
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['content'] is string %}{% set text = message['content'] %}"
+    "{% else %}{% set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{% endif %}{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif message['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}"
+)
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # an edit base's prompts show images
 QWEN_EDIT_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus")
@@ -399,14 +414,45 @@ def set_batch_norm_statistics(vae: AutoencoderKLFlux2, patched_latents: torch.Te
 
 
 def build_flux2_transformer(layers: tuple[int, int] = (1, 1), heads: int = 2, head_dim: int = 16,
-                            text_hidden_size: int = 3 * FLUX2_TEXT_HIDDEN_SIZE) -> Flux2Transformer2DModel:
+                            text_hidden_size: int = 3 * FLUX2_TEXT_HIDDEN_SIZE, guidance: bool = False) -> Flux2Transformer2DModel:
     """`layers` (double-stream, single-stream) FLUX.2 blocks over patched latents, reading the stacked states of
-    three language-model layers; 4-D rotary axes (time, row, column, text position) of equal width."""
+    three language-model layers; 4-D rotary axes (time, row, column, text position) of equal width. `guidance`: with
+    a guidance embedding, as FLUX.2 [dev]."""
     return Flux2Transformer2DModel(
         patch_size=1, in_channels=4 * FLUX2_LATENT_CHANNELS, num_layers=layers[0], num_single_layers=layers[1],
         attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=text_hidden_size,
-        timestep_guidance_channels=32, axes_dims_rope=(head_dim // 4,) * 4, guidance_embeds=False,
+        timestep_guidance_channels=32, axes_dims_rope=(head_dim // 4,) * 4, guidance_embeds=guidance,
     )
+
+
+def build_mistral_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE with no merges, Mistral's control tokens and a chat template that frames a system and a user
+    turn as Mistral Small 3.1's does. FLUX.2 [dev] keeps a Pixtral processor as its tokenizer; the pipeline asks it
+    only for `apply_chat_template`, which a tokenizer answers alike (and a processor would need torchvision)."""
+    vocab = {token: i for i, token in enumerate(MISTRAL_SPECIAL_TOKENS)}
+    vocab |= {byte: len(vocab) + i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>", additional_special_tokens=list(MISTRAL_SPECIAL_TOKENS[4:]))
+    tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_mistral3_text_encoder(tokenizer, hidden_size: int = FLUX2_TEXT_HIDDEN_SIZE,
+                                layers: int = 30) -> Mistral3ForConditionalGeneration:
+    """A Mistral 3 language model (with a 1-layer Pixtral vision tower, which text prompts never run) deep enough for
+    the layers FLUX.2 [dev] reads (10, 20 and 30)."""
+    config = Mistral3Config(
+        text_config={"model_type": "mistral", "vocab_size": len(tokenizer), "hidden_size": hidden_size,
+                     "intermediate_size": 2 * hidden_size, "num_hidden_layers": layers, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "head_dim": hidden_size // 2, "max_position_embeddings": 1024},
+        vision_config={"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "head_dim": 16, "patch_size": 16, "image_size": 64},
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=1,
+    )
+    return Mistral3ForConditionalGeneration(config)
 
 
 def build_z_image_transformer(layers: int = 1, refiner_layers: int = 1, heads: int = 2, head_dim: int = 16,
@@ -503,7 +549,7 @@ def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
     `guidance`: Flux with a guidance embedding (FLUX.1 Kontext always has one, as Kontext [dev])."""
     torch.manual_seed(seed)
     pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
-    if family == "flux2_klein":
+    if family.startswith("flux2"):
         vae = build_flux2_vae()
         with torch.no_grad():
             set_batch_norm_statistics(vae, encode_posterior(vae, pixels)[0])  # patched
@@ -541,7 +587,7 @@ def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int,
     `language_model_width`: the Qwen language model's (default: `QWEN_HIDDEN_SIZE`, FLUX.2 [klein]'s deep one
     `FLUX2_TEXT_HIDDEN_SIZE`); `text_tokens`: FLUX.2 [klein]'s tokenizer's `model_max_length`, the caption length
     difftune reads (the pipeline's 512 by default)."""
-    width = language_model_width or (FLUX2_TEXT_HIDDEN_SIZE if family == "flux2_klein" else QWEN_HIDDEN_SIZE)
+    width = language_model_width or (FLUX2_TEXT_HIDDEN_SIZE if family.startswith("flux2") else QWEN_HIDDEN_SIZE)
     if family == "z_image":
         tokenizer = build_qwen3_tokenizer()
         return ZImagePipeline(vae=vae, text_encoder=build_qwen3_text_encoder(tokenizer, width),
@@ -566,6 +612,13 @@ def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int,
             vae=vae, text_encoder=build_qwen3_text_encoder(tokenizer, width, layers=27, causal_lm=True),
             tokenizer=tokenizer, scheduler=build_flow_scheduler(),
             transformer=build_flux2_transformer(flux_layers, flux_heads, text_hidden_size=3 * width),
+        )
+    if family == "flux2":
+        tokenizer = build_mistral_tokenizer()
+        return Flux2Pipeline(
+            vae=vae, text_encoder=build_mistral3_text_encoder(tokenizer, width), tokenizer=tokenizer,
+            scheduler=build_flow_scheduler(),
+            transformer=build_flux2_transformer(flux_layers, flux_heads, text_hidden_size=3 * width, guidance=True),
         )
     if family == "sd3":  # CLIP-L and CLIP-G (narrower here), whose widths side by side are under T5's
         t5_tokenizer = build_t5_tokenizer()
