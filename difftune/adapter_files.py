@@ -125,17 +125,23 @@ def is_kohya(tensors: dict) -> bool:
     return any(key.startswith(KOHYA_PREFIXES) for key in tensors)
 
 
-def placed_on_base(tensors: dict, module_names: dict[str, list[str]], path: Path) -> dict:
+def placed_on_base(tensors: dict, modules: BaseModules, path: Path) -> dict:
     """`tensors` under the base's module names: a `text_encoder` that is a CLIPTextModelWithProjection (SD3's) keeps
-    the `text_model.` level that reading drops for CLIPTextModel (`_text_module`), and gets it back here. Every
-    adapted module must exist in the base: diffusers would otherwise drop the rest with a log line."""
-    known = {part: set(names) for part, names in module_names.items()}
+    the `text_model.` level that reading drops for CLIPTextModel (`_text_module`), and gets it back here; a lone
+    denoiser's file in the original model's names (Krea 2's reference trainer's and ComfyUI's `diffusion_model.`
+    files) is placed by the family's `original_module_names`. Every adapted module must exist in the base: diffusers
+    would otherwise drop the rest with a log line."""
+    known = {part: set(names) for part, names in modules.names.items()}
+    denoiser = modules.family.denoiser_name
+    originals = modules.family.original_module_names(modules.names.get(denoiser, []))
     placed = {}
     for key, value in tensors.items():
         part, _, rest = key.partition(".")
         module, kind = split_adapter_key(rest)
         if module not in known.get(part, ()) and f"text_model.{module}" in known.get(part, ()):
             module = f"text_model.{module}"
+        if part == denoiser and module not in known[part] and module in originals:
+            module = originals[module]
         if module not in known.get(part, ()):
             raise DifftuneError(
                 f"adapter {path}: {key}: the base model's {part} has no module {module!r}; is this adapter for this model?"

@@ -219,7 +219,7 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
     with tempfile.TemporaryDirectory() as tmp:
         for i, (path, _) in enumerate(adapters):
             tensors, lora_configs, config_toml = read_adapter(path, lambda metadata: modules)
-            tensors = placed_on_base(tensors, modules.names, path)
+            tensors = placed_on_base(tensors, modules, path)
             _refuse_unloadable_parts(tensors, components.family, path)
             _refuse_non_finite(tensors, f"adapter {path}")
             names.append(f"adapter_{i}")

@@ -101,6 +101,11 @@ def _flux2_prompts(pipeline, prompts):
     return {"encoder_hidden_states": states}
 
 
+def _krea2_prompts(pipeline, prompts):
+    states, mask = pipeline.encode_prompt(prompts, device="cpu")
+    return {"encoder_hidden_states": states, "text_mask": mask.long()}
+
+
 def _chroma_prompts(pipeline, prompts):
     states, _, mask, *_ = pipeline.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False,
                                                  max_sequence_length=32)
@@ -127,7 +132,7 @@ PIPELINE_PROMPTS = {"sd": _sd_prompts, "sdxl": _sdxl_prompts, "flux": _flux_prom
                     "qwen_image_edit_plus": lambda pipeline, prompts, image: _qwen_edit_prompts(
                         pipeline, prompts, [FAMILIES["qwen_image_edit_plus"].prompt_image(image)]),  # at its 384^2
                     "z_image": _z_image_prompts, "chroma": _chroma_prompts,
-                    "sd3": _sd3_prompts, "flux2": _flux2_prompts, "flux2_klein": _flux2_prompts}
+                    "sd3": _sd3_prompts, "flux2": _flux2_prompts, "flux2_klein": _flux2_prompts, "krea2": _krea2_prompts}
 CONTROL = recolor_pairs(1, seed=4)[0][0]
 # The micro FLUX.2 transformer's 4-step render moves little with its conditioning (another prompt: 0.0065), so a
 # 4-step adapter's change is smaller than the other families' too.
@@ -149,7 +154,7 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         arguments |= {"guidance_scale": 3.0}
     elif name in ("chroma", "sd3"):  # no guidance embedding: the pipeline's own scale is classifier-free guidance
         arguments |= {"guidance_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
-    elif name == "z_image":  # its own guidance convention: pos + s (pos - neg)
+    elif name in ("z_image", "krea2"):  # their own guidance convention: pos + s (pos - neg)
         arguments |= {"guidance_scale": 2.0, "negative_prompt": "", "max_sequence_length": 32}
     elif name == "flux_kontext":  # guidance-distilled, as Kontext [dev]: the scale is its guidance embedding's input
         arguments |= {"guidance_scale": 3.0, "max_sequence_length": 32, "max_area": 32 * 32}

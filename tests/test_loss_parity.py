@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from diffusers import DDPMScheduler, Flux2Pipeline, FluxKontextPipeline, FluxPipeline, QwenImagePipeline
+from diffusers import DDPMScheduler, Flux2Pipeline, FluxKontextPipeline, FluxPipeline, Krea2Pipeline, QwenImagePipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3, compute_snr
 
 from difftune.autoencoders import encode_posterior, reference_latents
@@ -31,6 +31,7 @@ SCRIPTS = {
     "flux_kontext": ("train_dreambooth_lora_flux_kontext.py", "821f168bf4b8a38af53d128e0711e13b11c8784f618225502b5f542bdc47f1df"),
     "flux2": ("train_dreambooth_lora_flux2.py", "f487a423f5873a1da99295803e7105b272c5ccdc9bd3b5961af47fec6259278b"),
     "flux2_klein": ("train_dreambooth_lora_flux2_klein.py", "2c746004af6d4aa569d9bff3d32fce70afcb885cf00c7e00ab6abf9beda42225"),
+    "krea2": ("train_dreambooth_lora_krea2.py", "e88d55cb8bf6f1a0d672330661752b982ab7c0a1623980e1673b8b2d303ef948"),
     "qwen_image": ("train_dreambooth_lora_qwen_image.py", "7c06f0297e5ddc909efa897736be58ca0b743fbef93a9681d35cbe9a74e29cb2"),
     "sd3": ("train_dreambooth_lora_sd3.py", "74f4cfd22527673c10f4e7a7b2a2b117ef554a0190bfa5876210f7d365e393bb"),
     "z_image": ("train_dreambooth_lora_z_image.py", "7111596fe60ac7f016e662acb08ab7874bb51d1ef855d63f30eea3e5b731585a"),
@@ -174,6 +175,23 @@ def qwen_image_script_loss(pipeline, latents, noise, weighting):
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
 
+def krea2_script_loss(pipeline, latents, noise, weighting):
+    """train_dreambooth_lora_krea2.py: one-frame latents (x - latents_mean) * (1 / latents_std), `(1 - sigma) x +
+    sigma noise`, packed 2x2 (the pipeline's `_pack_latents`, inlined there), `prepare_position_ids` for the prompt's
+    length and the latent grid, the transformer at `timesteps / 1000` with the prompt's mask, unpacked, target
+    `noise - x`."""
+    timesteps, sigmas = _flow_sigmas(pipeline, latents)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    b, c, h, w = latents.shape
+    packed = pipeline._pack_latents(noisy, b, c, h, w)
+    states, mask = pipeline.encode_prompt(PROMPTS, device="cpu")
+    prediction = pipeline.transformer(hidden_states=packed, encoder_hidden_states=states, timestep=timesteps / 1000,
+                                      position_ids=Krea2Pipeline.prepare_position_ids(states.shape[1], h // 2, w // 2, "cpu"),
+                                      encoder_attention_mask=mask, return_dict=False)[0]
+    prediction = pipeline._unpack_latents(prediction, h * pipeline.vae_scale_factor, w * pipeline.vae_scale_factor)[:, :, 0]
+    return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
+
+
 def sd3_script_loss(pipeline, latents, noise, weighting):
     """train_dreambooth_lora_sd3.py with `--precondition_outputs 0`: latents (x - shift) * scale, `(1 - sigma) x +
     sigma noise`, the transformer on the unpacked latents at `timesteps` (not divided), target `noise - x`. The
@@ -203,13 +221,13 @@ def z_image_script_loss(pipeline, latents, noise, weighting):
 
 def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
     """The scripts' latents (at the posterior's mode): SD and SDXL `x * scaling_factor`; Flux, Z-Image and SD3
-    `(x - shift_factor) * scaling_factor`; Qwen-Image `(x - latents_mean) * (1 / latents_std)` per channel; FLUX.2
+    `(x - shift_factor) * scaling_factor`; Qwen-Image and Krea 2 `(x - latents_mean) * (1 / latents_std)` per channel; FLUX.2
     patched, then `(x - bn.running_mean) / sqrt(bn.running_var + eps)` per patched channel."""
     if name.startswith("flux2"):
         patched = Flux2Pipeline._patchify_latents(vae.encode(pixels).latent_dist.mode())
         mean, var = (statistic.view(1, -1, 1, 1) for statistic in (vae.bn.running_mean, vae.bn.running_var))
         return (patched - mean) / torch.sqrt(var + vae.config.batch_norm_eps)
-    if name == "qwen_image":
+    if name in ("qwen_image", "krea2"):
         mean = vae.encode(pixels[:, :, None]).latent_dist.mode()[:, :, 0]
         channels = vae.config.z_dim
         return (mean - torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1)) * (
@@ -220,11 +238,11 @@ def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
 
 SCRIPT_LOSSES = {"sd": sd_script_loss, "sdxl": sdxl_script_loss, "flux": flux_script_loss,
                  "flux_kontext": flux_kontext_script_loss, "flux2": flux2_script_loss, "flux2_klein": flux2_script_loss,
-                 "qwen_image": qwen_image_script_loss, "sd3": sd3_script_loss, "z_image": z_image_script_loss}
+                 "krea2": krea2_script_loss, "qwen_image": qwen_image_script_loss, "sd3": sd3_script_loss, "z_image": z_image_script_loss}
 CASES = [("sd", "uniform"), ("sd", "min_snr"), ("sdxl", "uniform"), ("flux", "uniform"), ("flux", "cosmap"),
          ("flux_kontext", "uniform"), ("flux2", "uniform"), ("flux2", "cosmap"), ("flux2_klein", "uniform"),
          ("flux2_klein", "sigma_sqrt"),
-         ("qwen_image", "uniform"), ("qwen_image", "sigma_sqrt"), ("sd3", "uniform"), ("sd3", "sigma_sqrt"),
+         ("krea2", "uniform"), ("krea2", "cosmap"), ("qwen_image", "uniform"), ("qwen_image", "sigma_sqrt"), ("sd3", "uniform"), ("sd3", "sigma_sqrt"),
          ("z_image", "uniform"), ("z_image", "cosmap")]
 
 

@@ -59,6 +59,13 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, channels // 4, h, w)
 
 
+def anchored_guidance(guidance_scale: float, negative_prompt: str) -> dict:
+    """The guidance arguments of pipelines that guide as pos + s (pos - neg) (Z-Image's, Krea 2's): difftune's
+    `sample.guidance_scale` w means neg + w (pos - neg) for every family, which is s = w - 1 (none at w <= 1)."""
+    arguments = {"guidance_scale": max(guidance_scale - 1, 0.0)}
+    return arguments | ({"negative_prompt": negative_prompt} if guidance_scale > 1 and negative_prompt else {})
+
+
 class FlowOptions(FamilyOptions):
     guidance: float = Field(
         1.0, ge=0, description="Bases with a guidance embedding (guidance-distilled, as FLUX.1-dev and FLUX.2-dev): the "
@@ -79,7 +86,7 @@ class FlowMatchingFamily(Family):
     def guidance(self, components: Components, batch: int, device) -> torch.Tensor | None:
         """The guidance embedding's input (B,) for a guidance-distilled transformer (`model.family_options.guidance`),
         else None."""
-        if not components.denoiser.config.guidance_embeds:
+        if not components.denoiser.config.get("guidance_embeds"):
             return None
         return torch.full((batch,), float(components.family_options.guidance), device=device)
 

@@ -29,7 +29,7 @@ import torch
 from diffusers import ZImagePipeline, ZImageTransformer2DModel
 from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
 
-from difftune.families.flow import FlowMatchingFamily
+from difftune.families.flow import FlowMatchingFamily, anchored_guidance
 from difftune.families.qwen_image import padded, trimmed, valid_token_states
 from difftune.models import Components
 
@@ -122,9 +122,6 @@ class ZImage(FlowMatchingFamily):
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the transformer patches the latents itself
 
-    def guidance(self, components: Components, batch: int, device) -> None:
-        return None  # no guidance embedding
-
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         lengths = conditioning["text_mask"].bool().sum(dim=1).tolist()
         states = conditioning["encoder_hidden_states"]
@@ -145,8 +142,7 @@ class ZImage(FlowMatchingFamily):
     # Sampling.
 
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        arguments = {"max_sequence_length": TEXT_TOKENS, "guidance_scale": max(guidance_scale - 1, 0.0)}
-        return arguments | ({"negative_prompt": negative_prompt} if guidance_scale > 1 and negative_prompt else {})
+        return {"max_sequence_length": TEXT_TOKENS} | anchored_guidance(guidance_scale, negative_prompt)
 
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS

@@ -36,6 +36,8 @@ from diffusers import (
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
+    Krea2Pipeline,
+    Krea2Transformer2DModel,
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
@@ -66,6 +68,8 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3Model,
+    Qwen3VLConfig,
+    Qwen3VLModel,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
@@ -98,6 +102,7 @@ MISTRAL_CHAT_TEMPLATE = (
     "{% endif %}{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
     "{% elif message['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}"
 )
+KREA2_TEXT_LAYERS = 3  # the tiny Qwen3-VL's depth; Krea 2 stacks 12 of its 36 layers, the micro model all 3
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # an edit base's prompts show images
 QWEN_EDIT_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus")
@@ -398,6 +403,43 @@ def build_qwen3_text_encoder(tokenizer: Qwen2Tokenizer, hidden_size: int = QWEN_
     return Qwen3ForCausalLM(config) if causal_lm else Qwen3Model(config)
 
 
+def build_qwen3_vl_text_encoder(tokenizer: Qwen2Tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE,
+                                layers: int = KREA2_TEXT_LAYERS) -> Qwen3VLModel:
+    """A Qwen3-VL language model (Krea 2's text encoder) with its interleaved multimodal rotary sections scaled to its
+    head size, and a 1-block vision tower that text prompts never run."""
+    head_dim = hidden_size // 2
+    config = Qwen3VLConfig(
+        text_config={"vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
+                     "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": head_dim,
+                     "max_position_embeddings": 1024,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+                                         "mrope_section": [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16]}},
+        vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": hidden_size,
+                       "patch_size": 14, "spatial_merge_size": 2, "num_position_embeddings": 16, "deepstack_visual_indexes": []},
+    )
+    return Qwen3VLModel(config)
+
+
+def build_krea2_transformer(layers: int = 1, heads: int = 2, head_dim: int = 16, text_hidden_size: int = QWEN_HIDDEN_SIZE,
+                            text_layers: int = KREA2_TEXT_LAYERS) -> Krea2Transformer2DModel:
+    """`layers` single-stream blocks over 2x2 patches of 16-channel latents, after a text fusion of one layer-wise and
+    one refiner block over the stacked states of `text_layers` language-model layers; rotary axes split the head
+    1:1.5:1.5 (time, row, column) as Krea 2's 32:48:48."""
+    return Krea2Transformer2DModel(
+        in_channels=4 * FLUX_LATENT_CHANNELS, num_layers=layers, attention_head_dim=head_dim, num_attention_heads=heads,
+        num_key_value_heads=1, intermediate_size=2 * heads * head_dim, timestep_embed_dim=32, text_hidden_dim=text_hidden_size,
+        num_text_layers=text_layers, text_num_attention_heads=2, text_num_key_value_heads=2,
+        text_intermediate_size=2 * text_hidden_size, num_layerwise_text_blocks=1, num_refiner_text_blocks=1,
+        axes_dims_rope=(head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8),
+    )
+
+
+def build_krea2_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """Krea 2's scheduler config: the shift follows the image's token count (the pipeline computes mu)."""
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, use_dynamic_shifting=True, base_image_seq_len=256,
+                                           max_image_seq_len=6400, base_shift=0.5, max_shift=1.15)
+
+
 def build_flux2_vae(latent_channels: int = FLUX2_LATENT_CHANNELS) -> AutoencoderKLFlux2:
     """FLUX.2's autoencoder with two downsamplings (32 px -> 8x8 latents, patched 2x2 into 4x4 tokens of
     4 x `latent_channels`) and its batch norm over the patched channels."""
@@ -553,7 +595,7 @@ def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
         vae = build_flux2_vae()
         with torch.no_grad():
             set_batch_norm_statistics(vae, encode_posterior(vae, pixels)[0])  # patched
-    elif family.startswith("qwen_image"):
+    elif family.startswith("qwen_image") or family == "krea2":  # Krea 2's autoencoder is Qwen-Image's
         vae = build_qwen_vae()
         with torch.no_grad():
             set_latent_statistics(vae, encode_posterior(vae, pixels)[0])
@@ -612,6 +654,14 @@ def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int,
             vae=vae, text_encoder=build_qwen3_text_encoder(tokenizer, width, layers=27, causal_lm=True),
             tokenizer=tokenizer, scheduler=build_flow_scheduler(),
             transformer=build_flux2_transformer(flux_layers, flux_heads, text_hidden_size=3 * width),
+        )
+    if family == "krea2":  # the tokenizer spells Qwen-Image's template, which Krea 2's prompts use
+        tokenizer = build_qwen_tokenizer()
+        return Krea2Pipeline(
+            vae=vae, text_encoder=build_qwen3_vl_text_encoder(tokenizer, width), tokenizer=tokenizer,
+            scheduler=build_krea2_scheduler(),
+            transformer=build_krea2_transformer(dit_layers, dit_heads, text_hidden_size=width),
+            text_encoder_select_layers=tuple(range(1, KREA2_TEXT_LAYERS + 1)),
         )
     if family == "flux2":
         tokenizer = build_mistral_tokenizer()
