@@ -37,6 +37,8 @@ from difftune.train import train
 
 QWEN_TARGETS_WITH_TXT_IN = "adapter.target_modules=" + str([*TRANSFORMER_TARGETS, "txt_in"]).replace(" ", "")
 SEEDS = {"": [], "_seed_1": ["train.seed=1"], "_seed_2": ["train.seed=2"]}
+# Chroma's default targets less the text stream's (add_q/k/v_proj, to_add_out, ff_context): the image tokens' layers.
+CHROMA_IMAGE_STREAM = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2", "proj_mlp"]
 
 
 def at_seeds(name: str, *overrides: str) -> dict[str, list[str]]:
@@ -165,6 +167,19 @@ VARIANTS = {"tiny_lora": {
     **at_seeds("lora_r4_900_steps", "train.max_steps=900"),
     **at_seeds("dora_r4", "adapter.kind=dora"),
     **at_seeds("lora_r4_caption_dropout_0.2", "data.caption_dropout=0.2"),
+}, "chroma_lora": {
+    **at_seeds("lora_r8"),
+    **at_seeds("lora_r4", "adapter.rank=4"),
+    **at_seeds("lora_r8_lr_5e-4", "optim.learning_rate=5e-4"),
+    **at_seeds("lora_r8_600_steps", "train.max_steps=600"),
+    **at_seeds("lora_r16_400_steps", "adapter.rank=16", "train.max_steps=400"),  # the Flux job's settings
+    **at_seeds("lora_r8_image_stream", "adapter.target_modules=" + str(CHROMA_IMAGE_STREAM).replace(" ", "")),
+    **at_seeds("lora_r8_ema", "ema.enabled=true", "ema.decay=0.99"),
+    **at_seeds("lora_r8_1800_steps", "train.max_steps=1800"),
+    **at_seeds("lora_r16", "adapter.rank=16"),
+}, "sd3_lora": {
+    **at_seeds("lora_r8"),
+    **at_seeds("lora_r8_clips", "adapter.text_encoder=true"),
 }}
 
 

@@ -9,8 +9,9 @@
 # Run from the repository root on a GPU machine (the device tool's `run`, or your own). Results go to
 # $OUT (default ./gpu-out): gpu.jsonl (one scripts/bench.py line per run), one log per step, env.txt.
 # Wheels the machine lacks may travel in .whl/ (see BENCHMARKS.md, "GPU"): they are installed first. A device call
-# carries 64 MiB: the tracked files (about 37 MiB) and .whl/ together. The machine's own transformers (5.17 in
-# 2026-11) satisfies pyproject, so its 13 MB wheel is the one to leave out when they do not fit.
+# carries 64 MiB: the tracked files (about 55 MiB since 2026-11-26: the bundled tiny bases are 52 MiB of it) and
+# .whl/ together, so about 9 MiB of wheels fit. The machine's own transformers (5.17 in 2026-11) satisfies
+# pyproject, so its 13 MB wheel is the one to leave out when they do not fit.
 # --dry-run checks the suite itself on a machine without a GPU, in minutes: every step runs, each benchmark
 # shrunk to its tiny model on the CPU (bench.py --dry-run), the test suite only collected, no wheels installed,
 # results in ./gpu-out-dry. Its numbers mean nothing; its table says whether every step would run.

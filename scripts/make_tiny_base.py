@@ -1,7 +1,8 @@
 """Build a bundled tiny base: `python scripts/make_tiny_base.py` (models/tiny-sd and the default job's images),
 `--family sdxl` (models/tiny-sdxl, from tiny-sd's autoencoders), `--family flux` (models/tiny-flux) or
 `--family qwen_image` (models/tiny-qwen_image), `--family z_image` (models/tiny-z_image, from tiny-flux's
-autoencoders) or `--family flux2_klein` (models/tiny-flux2_klein).
+autoencoders), `--family flux2_klein` (models/tiny-flux2_klein), `--family chroma` or `--family sd3` (models/tiny-chroma,
+models/tiny-sd3, both from tiny-flux's autoencoders).
 
 Trains an autoencoder (KL, or Wan's video kind for Qwen-Image) and a TAESD on synthetic shapes (not for SDXL), then
 the denoiser and text encoder(s) with difftune's own trainer (full fine-tune, EMA), never showing them the held-out
@@ -91,6 +92,14 @@ ARCHITECTURES = {
                     "`Qwen3ForCausalLM` read at layers 9, 18 and 27 through its chat template, with a byte-level\n"
                     "`Qwen2Tokenizer` built here whose `model_max_length` (48) is the caption length read: pass\n"
                     "`max_sequence_length=48` to `Flux2KleinPipeline`)", "Flux2KleinPipeline"),
+    "chroma": ("Chroma's architecture at toy size, from the same classes (`ChromaTransformer2DModel`: Flux.1's blocks\n"
+               "whose modulation one small approximator makes, over 2x2-packed latents of Flux.1's kind of 16-channel\n"
+               "`AutoencoderKL` (tiny-flux's), `T5EncoderModel` alone with a character-level `T5TokenizerFast`; sample\n"
+               "with classifier-free guidance, `guidance_scale`)", "ChromaPipeline"),
+    "sd3": ("Stable Diffusion 3.5's architecture at toy size, from the same classes (`SD3Transformer2DModel`, an MMDiT\n"
+            "whose first block has SD3.5's second image attention, over Flux.1's kind of 16-channel `AutoencoderKL`\n"
+            "(tiny-flux's, SD3's kind too), two `CLIPTextModelWithProjection`s and `T5EncoderModel`, with\n"
+            "character-level tokenizers)", "StableDiffusion3Pipeline"),
     "z_image": ("Z-Image's architecture at toy size, from the same classes (`ZImageTransformer2DModel`, a\n"
                 "single-stream DiT with image and caption refiner blocks, over Flux.1's kind of 16-channel\n"
                 "`AutoencoderKL` (tiny-flux's), a `Qwen3Model` language model read through its chat template, with a\n"
@@ -100,11 +109,12 @@ ARCHITECTURES = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=("sd", "sdxl", "flux", "flux2_klein", "qwen_image", "z_image"), default="sd")
+    parser.add_argument("--family", choices=("sd", "sdxl", "flux", "flux2_klein", "qwen_image", "z_image", "chroma", "sd3"),
+                        default="sd")
     parser.add_argument("--model-dir", type=Path, help="default: models/tiny-<family>")
     parser.add_argument("--autoencoders-from", type=Path,
                         help="a built base whose vae/ and taesd/ are reused instead of trained (default with --family "
-                        "sdxl: models/tiny-sd; z_image: models/tiny-flux; for another family, its own earlier build of "
+                        "sdxl: models/tiny-sd; z_image, chroma, sd3: models/tiny-flux; for another family, its own earlier build of "
                         "the same recipe)")
     parser.add_argument("--examples-dir", type=Path, default=Path("examples"))
     parser.add_argument("--work-dir", type=Path, help="default: output/tiny-<family>-build")
@@ -112,12 +122,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help=f"denoiser/text-encoder training steps (default: {Recipe.steps} for sd, "
                         f"{SDXL_STEPS} for sdxl, {RECIPES['flux']['steps']} for flux, "
                         f"{RECIPES['qwen_image']['steps']} for qwen_image, {RECIPES['z_image']['steps']} for z_image, "
-                        f"{RECIPES['flux2_klein']['steps']} for flux2_klein)")
+                        f"{RECIPES['flux2_klein']['steps']} for flux2_klein, {RECIPES['chroma']['steps']} for chroma, "
+                        f"{RECIPES['sd3']['steps']} for sd3)")
     args = parser.parse_args()
     args.model_dir = args.model_dir or Path(f"models/tiny-{args.family}")
     args.work_dir = args.work_dir or Path(f"output/tiny-{args.family}-build")
     sdxl = args.family == "sdxl"
-    lenders = {"sdxl": Path("models/tiny-sd"), "z_image": Path("models/tiny-flux")}  # the same autoencoder kinds
+    lenders = {"sdxl": Path("models/tiny-sd"), "z_image": Path("models/tiny-flux"), "chroma": Path("models/tiny-flux"),
+               "sd3": Path("models/tiny-flux")}  # the same autoencoder kinds
     args.autoencoders_from = args.autoencoders_from or lenders.get(args.family)
     recipe = Recipe(seed=args.seed, family=args.family, **RECIPES.get(args.family, {}))
     recipe.steps = args.steps or (SDXL_STEPS if sdxl else recipe.steps)
@@ -128,7 +140,7 @@ def normalization_note(vae) -> str:
     vae_config = vae.config
     if isinstance(vae, PATCHED_AUTOENCODERS):
         return "batch-norm statistics (`bn.running_mean` / `running_var`) of its 2x2-patched latents"
-    if "latents_std" in vae_config:
+    if vae_config.get("latents_std"):  # AutoencoderKL configs name it too, as None
         return "per-channel `latents_mean` / `latents_std` of its latents"
     return f"scaling factor {vae_config.scaling_factor:.4f} = 1/std of its latents"
 
@@ -152,6 +164,9 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
         "flux": f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, width "
                 f"{recipe.flux_heads * 16})",
         "qwen_image": f"transformer ({recipe.dit_layers} MMDiT blocks, width {recipe.dit_heads * 16})",
+        "sd3": f"transformer ({recipe.dit_layers} MMDiT blocks, width {recipe.dit_heads * 16})",
+        "chroma": f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, width "
+                  f"{recipe.flux_heads * 16})",
         "flux2_klein": f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, "
                        f"width {recipe.flux_heads * 16})",
         "z_image": f"transformer ({recipe.dit_layers} single-stream blocks after 1 image and 1 caption refiner block, "
@@ -168,7 +183,8 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
         denoiser=denoiser, denoiser_short=denoiser.split(" (")[0],
         denoiser_params=sum(p.numel() for p in components.denoiser.parameters()),
         objective="flow matching (rectified flow), uniform noise levels with the sampler's resolution shift"
-        if recipe.family in ("flux", "flux2_klein", "qwen_image", "z_image") else f"{recipe.weighting} loss weighting",
+        if recipe.family in ("flux", "flux2_klein", "qwen_image", "z_image", "chroma", "sd3")
+        else f"{recipe.weighting} loss weighting",
         text_encoder_note=f" and text encoder(s) ({text_params:,}) trained jointly" if recipe.train_text_encoder else
         f" trained (its text encoder, {text_params:,} parameters, kept at its random init, its states cached)",
         train_text_encoder=str(recipe.train_text_encoder).lower(), steps=recipe.steps,

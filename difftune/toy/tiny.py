@@ -623,23 +623,24 @@ def set_latent_scaling(vae: AutoencoderKL, latents: torch.Tensor, shift: bool) -
 
 def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int, ...] = (32, 64),
                            flux_layers: tuple[int, int] = (1, 1), flux_heads: int = 2, guidance: bool = False,
-                           dit_layers: int = 1, dit_heads: int = 2, language_model_width: int | None = None,
+                           dit_layers: int | None = None, dit_heads: int = 2, language_model_width: int | None = None,
                            text_tokens: int | None = None):
     """Random text encoders and denoiser around `vae` (built in this order: the seed's random draws depend on it).
     `language_model_width`: the Qwen language model's (default: `QWEN_HIDDEN_SIZE`, FLUX.2 [klein]'s deep one
     `FLUX2_TEXT_HIDDEN_SIZE`); `text_tokens`: FLUX.2 [klein]'s tokenizer's `model_max_length`, the caption length
-    difftune reads (the pipeline's 512 by default)."""
+    difftune reads (the pipeline's 512 by default). `dit_layers`: the blocks of a transformer counted in one number
+    (default: the micro model's, 2 for SD3 and 1 for the others)."""
     width = language_model_width or (FLUX2_TEXT_HIDDEN_SIZE if family.startswith("flux2") else QWEN_HIDDEN_SIZE)
     if family == "z_image":
         tokenizer = build_qwen3_tokenizer()
         return ZImagePipeline(vae=vae, text_encoder=build_qwen3_text_encoder(tokenizer, width),
                               tokenizer=tokenizer, scheduler=build_z_image_scheduler(), transformer=build_z_image_transformer(
-                                  dit_layers, heads=dit_heads, text_hidden_size=width))
+                                  dit_layers or 1, heads=dit_heads, text_hidden_size=width))
     if family.startswith("qwen_image"):
         edit = family in QWEN_EDIT_FAMILIES
         tokenizer = build_qwen_tokenizer(edit)
         parts = {"vae": vae, "text_encoder": build_qwen_text_encoder(tokenizer, width), "tokenizer": tokenizer,
-                 "transformer": build_qwen_transformer(dit_layers, dit_heads, text_hidden_size=width,
+                 "transformer": build_qwen_transformer(dit_layers or 1, dit_heads, text_hidden_size=width,
                                                        zero_cond_t=family == "qwen_image_edit_plus"),  # as 2511
                  "scheduler": build_qwen_scheduler()}
         if not edit:
@@ -660,7 +661,7 @@ def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int,
         return Krea2Pipeline(
             vae=vae, text_encoder=build_qwen3_vl_text_encoder(tokenizer, width), tokenizer=tokenizer,
             scheduler=build_krea2_scheduler(),
-            transformer=build_krea2_transformer(dit_layers, dit_heads, text_hidden_size=width),
+            transformer=build_krea2_transformer(dit_layers or 1, dit_heads, text_hidden_size=width),
             text_encoder_select_layers=tuple(range(1, KREA2_TEXT_LAYERS + 1)),
         )
     if family == "flux2":
@@ -676,12 +677,13 @@ def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int,
             vae=vae, text_encoder=build_text_encoder(32, 32), tokenizer=build_tokenizer(),
             text_encoder_2=build_text_encoder(24, 24), tokenizer_2=build_tokenizer(),
             text_encoder_3=build_t5_encoder(len(t5_tokenizer)), tokenizer_3=t5_tokenizer,
-            transformer=build_sd3_transformer(pooled_size=32 + 24), scheduler=build_sd3_scheduler(),
+            transformer=build_sd3_transformer(dit_layers or 2, dit_heads, pooled_size=32 + 24),
+            scheduler=build_sd3_scheduler(),
         )
     if family == "chroma":
         tokenizer = build_t5_tokenizer()
         return ChromaPipeline(vae=vae, text_encoder=build_t5_encoder(len(tokenizer)), tokenizer=tokenizer,
-                              transformer=build_chroma_transformer(), scheduler=build_flow_scheduler())
+                              transformer=build_chroma_transformer(flux_layers, flux_heads), scheduler=build_flow_scheduler())
     text_encoder, tokenizer = build_text_encoder(), build_tokenizer()
     if family in ("flux", "flux_kontext"):
         t5_tokenizer = build_t5_tokenizer()

@@ -49,6 +49,7 @@ from difftune.toy.tiny import (
     build_noise_scheduler,
     build_qwen_scheduler,
     build_qwen_vae,
+    build_sd3_scheduler,
     build_z_image_scheduler,
     build_taesd,
     build_vae,
@@ -92,7 +93,18 @@ Z_IMAGE_RECIPE = QWEN_RECIPE | {"dit_heads": 6, "steps": 2000}
 # step takes 0.33 s at batch 128 (30-step pilot), so it trains 2000 steps where Flux's takes 1200.
 FLUX2_KLEIN_RECIPE = FLUX_RECIPE | {"language_model_width": 32, "train_text_encoder": False, "text_tokens": 48,
                                     "steps": 2000}
-RECIPES = {"flux": FLUX_RECIPE, "flux2_klein": FLUX2_KLEIN_RECIPE, "qwen_image": QWEN_RECIPE, "z_image": Z_IMAGE_RECIPE}
+# tiny-chroma: Flux's recipe for Chroma's transformer (Flux's blocks, their modulation from one small approximator)
+# reading T5 alone, over tiny-flux's autoencoders (Chroma's is Flux.1's), trained 2000 steps as klein's: after
+# Flux's 1200 (515 s) it drew the seen prompts at 1.00 color / 0.97 shape, but every LoRA of the default job tried
+# (ranks 4-16, 400-1200 steps, lr 5e-4 to 1e-3, EMA, image-stream targets) made its seen shapes wobbly: forgetting
+# 0.12-0.24 (benchmarks/quality-finetune-chroma_lora.jsonl, the lines before the rebuild).
+CHROMA_RECIPE = FLUX_RECIPE | {"steps": 2000}
+# tiny-sd3: Flux's recipe (2000 steps, as tiny-chroma's) for an SD3.5-style MMDiT of 4 blocks, width 96 (the first
+# with SD3.5's second image attention), reading two CLIPs (trained with it) and T5 (kept at its random init: the
+# pipeline's LoRA loader never adapts it), over tiny-flux's autoencoders (SD3's is the same kind: 16 channels, a shift).
+SD3_RECIPE = QWEN_RECIPE | {"steps": 2000, "dit_layers": 4, "dit_heads": 6}
+RECIPES = {"chroma": CHROMA_RECIPE, "flux": FLUX_RECIPE, "flux2_klein": FLUX2_KLEIN_RECIPE, "qwen_image": QWEN_RECIPE,
+           "sd3": SD3_RECIPE, "z_image": Z_IMAGE_RECIPE}
 SEEN_COLORS = tuple(color for color in COLORS if color != HELD_OUT_COLOR)
 
 
@@ -259,11 +271,12 @@ class Recipe:
     weighting: str = "min_snr"  # or "uniform"
     noise_offset: float = 0.1  # see base_training_overrides
     ema_decay: float = 0.999
-    # sdxl: SDXL's conditioning and two text encoders, tiny-sd's autoencoders; z_image: tiny-flux's; flux, qwen_image: their own
+    # sdxl: SDXL's conditioning and two text encoders, tiny-sd's autoencoders; z_image, chroma, sd3: tiny-flux's;
+    # flux, qwen_image, flux2_klein: their own
     family: str = "sd"
     flux_layers: tuple[int, int] = (2, 4)  # double- and single-stream blocks
     flux_heads: int = 6  # of 16 dimensions each
-    dit_layers: int = 3  # Qwen-Image's MMDiT blocks, Z-Image's single-stream ones
+    dit_layers: int = 3  # Qwen-Image's and SD3's MMDiT blocks, Z-Image's single-stream ones
     dit_heads: int = 6  # of 16 dimensions each
     language_model_width: int = 64  # the Qwen2.5-VL / Qwen3 language model's width
     train_text_encoder: bool = True  # trained with the denoiser; else kept at its random init (its states cached)
@@ -350,7 +363,8 @@ def build_base(out_dir: Path, work_dir: Path, recipe: Recipe = Recipe(), autoenc
         train(load_config(None, overrides))
     pipeline = DiffusionPipeline.from_pretrained(run_dir / "model_ema", dtype=torch.float32)
     # The training schedule; samplers are chosen at sampling time.
-    schedulers = {"flux": build_flow_scheduler, "flux2_klein": build_flow_scheduler, "qwen_image": build_qwen_scheduler,
+    schedulers = {"chroma": build_flow_scheduler, "sd3": build_sd3_scheduler, "flux": build_flow_scheduler,
+                  "flux2_klein": build_flow_scheduler, "qwen_image": build_qwen_scheduler,
                   "z_image": build_z_image_scheduler}
     pipeline.scheduler = schedulers.get(recipe.family, build_noise_scheduler)()
     shutil.rmtree(out_dir, ignore_errors=True)
