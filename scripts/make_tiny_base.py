@@ -109,8 +109,7 @@ ARCHITECTURES = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=("sd", "sdxl", "flux", "flux2_klein", "qwen_image", "z_image", "chroma", "sd3"),
-                        default="sd")
+    parser.add_argument("--family", choices=("sd", "sdxl", *RECIPES), default="sd")
     parser.add_argument("--model-dir", type=Path, help="default: models/tiny-<family>")
     parser.add_argument("--autoencoders-from", type=Path,
                         help="a built base whose vae/ and taesd/ are reused instead of trained (default with --family "
@@ -160,15 +159,11 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
     (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
     architecture, pipeline = ARCHITECTURES[args.family]
     text_params = sum(p.numel() for e in components.text_encoders.values() for p in e.parameters())
+    two_streams = (f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, "
+                   f"width {recipe.flux_heads * 16})")
+    mmdit = f"transformer ({recipe.dit_layers} MMDiT blocks, width {recipe.dit_heads * 16})"
     denoiser = {
-        "flux": f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, width "
-                f"{recipe.flux_heads * 16})",
-        "qwen_image": f"transformer ({recipe.dit_layers} MMDiT blocks, width {recipe.dit_heads * 16})",
-        "sd3": f"transformer ({recipe.dit_layers} MMDiT blocks, width {recipe.dit_heads * 16})",
-        "chroma": f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, width "
-                  f"{recipe.flux_heads * 16})",
-        "flux2_klein": f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, "
-                       f"width {recipe.flux_heads * 16})",
+        "flux": two_streams, "flux2_klein": two_streams, "chroma": two_streams, "qwen_image": mmdit, "sd3": mmdit,
         "z_image": f"transformer ({recipe.dit_layers} single-stream blocks after 1 image and 1 caption refiner block, "
                    f"width {recipe.dit_heads * 16})",
     }.get(recipe.family, f"UNet (block channels {recipe.unet_block_out_channels})")
@@ -183,8 +178,7 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
         denoiser=denoiser, denoiser_short=denoiser.split(" (")[0],
         denoiser_params=sum(p.numel() for p in components.denoiser.parameters()),
         objective="flow matching (rectified flow), uniform noise levels with the sampler's resolution shift"
-        if recipe.family in ("flux", "flux2_klein", "qwen_image", "z_image", "chroma", "sd3")
-        else f"{recipe.weighting} loss weighting",
+        if recipe.family in RECIPES else f"{recipe.weighting} loss weighting",  # the flow families have recipes
         text_encoder_note=f" and text encoder(s) ({text_params:,}) trained jointly" if recipe.train_text_encoder else
         f" trained (its text encoder, {text_params:,} parameters, kept at its random init, its states cached)",
         train_text_encoder=str(recipe.train_text_encoder).lower(), steps=recipe.steps,

@@ -158,12 +158,12 @@ class Krea2(FlowMatchingFamily):
 
     def to_kohya(self, tensors: dict, lora_configs: dict) -> dict[str, torch.Tensor]:
         """kohya's keys with the original model's module names: what ComfyUI maps from its own weights' names."""
-        originals = {}
+        prefix, originals = self.kohya_prefixes[self.denoiser_name], {}
         for key in tensors:
             module = split_adapter_key(key.partition(".")[2])[0]
-            if original_name(module) is None:
+            if (original := original_name(module)) is None:
                 raise ValueError(f"transformer.{module}: has no name in Krea 2's original layout; write the diffusers layout")
-            originals["lora_unet_" + module.replace(".", "_")] = "lora_unet_" + original_name(module).replace(".", "_")
+            originals[prefix + module.replace(".", "_")] = prefix + original.replace(".", "_")
         renamed = {}
         for key, value in super().to_kohya(tensors, lora_configs).items():
             name, _, kind = key.partition(".")
