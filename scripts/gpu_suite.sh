@@ -4,14 +4,16 @@
 #   bash scripts/gpu_suite.sh [--dry-run] [SECTION ...]
 #       sections: tests sd15 profile compile sdxl flux qwen fp8 memory offload_flux offload_qwen suite
 #       (default: all but profile; `offload` is offload_flux and offload_qwen)
-# A 15-minute lease fits about 9 minutes of commands: `tests fp8 offload_flux` first, the rest in later leases.
+# A 30-minute lease fits about three 10-minute calls: `tests offload_flux` (590 s in 2026-11), then each whole
+# Qwen-Image run alone (building and saving its random 20B-parameter model takes 3-4 minutes), the rest in later leases.
 #
 # Run from the repository root on a GPU machine (the device tool's `run`, or your own). Results go to
 # $OUT (default ./gpu-out): gpu.jsonl (one scripts/bench.py line per run), one log per step, env.txt.
 # Wheels the machine lacks may travel in .whl/ (see BENCHMARKS.md, "GPU"): they are installed first. A device call
-# carries 64 MiB: the tracked files (about 55 MiB since 2026-11-26: the bundled tiny bases are 52 MiB of it) and
-# .whl/ together, so about 9 MiB of wheels fit. The machine's own transformers (5.17 in 2026-11) satisfies
-# pyproject, so its 13 MB wheel is the one to leave out when they do not fit.
+# carries 64 MiB: the tracked files (about 42 MiB since 2026-11-26, when the bundled bases' shared autoencoders
+# became links to one copy) and .whl/ together, so about 22 MiB of wheels fit: diffusers, peft, pydantic, torchao
+# and bitsandbytes' CUDA 13 library alone (17 MB). The machine's own transformers (5.17 in 2026-11) satisfies
+# pyproject, so its 13 MB wheel stays behind.
 # --dry-run checks the suite itself on a machine without a GPU, in minutes: every step runs, each benchmark
 # shrunk to its tiny model on the CPU (bench.py --dry-run), the test suite only collected, no wheels installed,
 # results in ./gpu-out-dry. Its numbers mean nothing; its table says whether every step would run.
@@ -113,6 +115,7 @@ for section in "${sections[@]}"; do
     step plan-vs-measured 580 "$PYTHON" scripts/bench_plan.py --jobs tiny-64 sd15-256 sd15-256-fp8-weights sd15-256-fp16-weights --workdir "$WORKDIR" --out "$OUT/plan.jsonl" ${DRY_RUN[@]+"${DRY_RUN[@]}"}
     bench sd15-full-adamw 400 --model sd15 --resolution 512 --batch 8 --precision bf16 --steps 10 --warmup 3 --cache --adapter none
     ;;
+  offload_flux | offload_qwen) rm -rf "$WORKDIR" ;;&  # a whole model's random weights fill most of a 64 GB disk
   offload_flux)  # a whole FLUX.1 (19 double, 38 single blocks), fp8 frozen weights, checkpointed: all on the
     # device, then with blocks in host memory (target: within 12 GB at >= 0.8x the speed of all on the device)
     for offload in 0 24 40; do

@@ -23,7 +23,9 @@ from difftune.toy.judge import EvalSettings, score
 from difftune.config import ModelConfig
 from difftune.families import load_components
 from difftune.toy.tiny import shape_images, write_caption_folder
-from difftune.toy.tiny_base import HELD_OUT_COLOR, RECIPES, SDXL_STEPS, SEEN_COLORS, Recipe, build_base
+from difftune.toy.tiny_base import (
+    HELD_OUT_COLOR, RECIPES, SDXL_STEPS, SEEN_COLORS, Recipe, build_base, copy_into_borrowers, link_borrowed_files,
+)
 
 CARD = """---
 library_name: diffusers
@@ -132,6 +134,7 @@ def main() -> None:
     args.autoencoders_from = args.autoencoders_from or lenders.get(args.family)
     recipe = Recipe(seed=args.seed, family=args.family, **RECIPES.get(args.family, {}))
     recipe.steps = args.steps or (SDXL_STEPS if sdxl else recipe.steps)
+    copy_into_borrowers(args.model_dir)
     finish(args, recipe, build_base(args.model_dir, args.work_dir, recipe, args.autoencoders_from))
 
 
@@ -189,6 +192,7 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
         seen_color=base["seen"]["color"], seen_shape=base["seen"]["shape"], concept_both=base["concept"]["both"],
         control_color=control["seen"]["color"], control_shape=control["seen"]["shape"],
     ))
+    link_borrowed_files(args.model_dir)
     if recipe.family == "sd":  # the default jobs share these images
         shutil.rmtree(args.examples_dir / "purple", ignore_errors=True)
         write_caption_folder(args.examples_dir / "purple", concept_renders(args.seed))

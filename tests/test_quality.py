@@ -15,6 +15,7 @@ from diffusers import (
     StableDiffusionXLPipeline,
 )
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from difftune.cli import main
 from difftune.config import ModelConfig, load_config
@@ -29,6 +30,8 @@ from difftune.toy.tiny_base import (
     SEEN_COLORS,
     Recipe,
     build_base,
+    copy_into_borrowers,
+    link_borrowed_files,
     posterior_means,
     psnr,
     render_tensors,
@@ -246,3 +249,18 @@ def test_fine_tuning_teaches_the_held_out_edit(job, base, tmp_path, capsys):
     assert after["concept"]["place"] >= 0.90, after["concept"]
     assert report["forgetting"] <= 0.05, report["forgetting"]
 
+
+def test_bundled_bases_link_the_files_they_share_and_rebuilds_leave_borrowers_their_copy(tmp_path):
+    lender, borrower = tmp_path / "tiny-a", tmp_path / "tiny-b"
+    for base in (lender, borrower):
+        (base / "vae").mkdir(parents=True)
+        save_file({"w": torch.arange(4.0)}, base / "vae" / "model.safetensors")
+        save_file({"w": torch.full((4,), float(base.name == "tiny-b"))}, base / "unet.safetensors")
+    link_borrowed_files(borrower, tmp_path)
+    shared = borrower / "vae" / "model.safetensors"
+    assert shared.is_symlink() and shared.resolve() == (lender / "vae" / "model.safetensors").resolve()
+    assert not (borrower / "unet.safetensors").is_symlink()  # its own bytes
+    assert torch.equal(load_file(shared)["w"], torch.arange(4.0))
+    copy_into_borrowers(lender, tmp_path)  # what a rebuild of the lender does first
+    save_file({"w": torch.zeros(4)}, lender / "vae" / "model.safetensors")
+    assert not shared.is_symlink() and torch.equal(load_file(shared)["w"], torch.arange(4.0))

@@ -14,7 +14,9 @@ the autoencoders see every color, as SD's VAE saw every kind of image.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import random
 import shutil
 import time
@@ -427,3 +429,32 @@ def build_edit_base(out_dir: Path, work_dir: Path, source: Path, recipe: dict, s
                   for row in read_metrics(work_dir / "run") if "val_loss" in row]
     return {"recipe": recipe | {"seed": seed, "source": str(source)}, "seconds": seconds, "validation_loss": validation}
 
+
+def link_borrowed_files(model_dir: Path, models_root: Path = Path("models")) -> None:
+    """Replace each file of model_dir that another bundled base already holds byte for byte (a lent autoencoder,
+    TAESD, a shared text encoder) with a relative symbolic link to that copy: a GPU call carries the whole tracked tree
+    in 64 MiB, and the duplicates were 14 MB of it."""
+    def digest(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    others = {}
+    for other in sorted(models_root.glob("*/**/*.safetensors")):
+        if not other.is_symlink() and model_dir.resolve() not in other.resolve().parents:
+            others.setdefault((other.stat().st_size, digest(other)), other)
+    for path in sorted(model_dir.glob("**/*.safetensors")):
+        if path.is_symlink():
+            continue
+        original = others.get((path.stat().st_size, digest(path)))
+        if original is not None:
+            path.unlink()
+            path.symlink_to(os.path.relpath(original.resolve(), path.parent.resolve()))
+
+
+def copy_into_borrowers(model_dir: Path, models_root: Path = Path("models")) -> None:
+    """Before model_dir is rebuilt, give every base whose links point into it its own copy of those files: they were
+    trained with the old ones."""
+    for link in sorted(models_root.glob("*/**/*.safetensors")):
+        if link.is_symlink() and model_dir.resolve() in link.resolve().parents:
+            target = link.resolve()
+            link.unlink()
+            shutil.copyfile(target, link)
