@@ -17,7 +17,9 @@ from difftune.config import ModelConfig
 from difftune.families import load_components
 from difftune.toy.judge import EvalSettings, edit_score
 from difftune.toy.tiny import recolor_pairs, write_pair_folder
-from difftune.toy.tiny_base import EDIT_RECIPES, HELD_OUT_COLOR, SEEN_COLORS, build_edit_base
+from difftune.toy.tiny_base import (
+    EDIT_RECIPES, HELD_OUT_COLOR, SEEN_COLORS, build_edit_base, copy_into_borrowers, link_borrowed_files,
+)
 
 CARD = """---
 library_name: diffusers
@@ -91,7 +93,9 @@ def main() -> None:
     args.model_dir = args.model_dir or Path("models") / card["name"]
     args.work_dir = args.work_dir or Path("output") / f"{card['name']}-build"
     recipe = EDIT_RECIPES[args.family] | ({"steps": args.steps} if args.steps else {})
+    copy_into_borrowers(args.model_dir)
     facts = build_edit_base(args.model_dir, args.work_dir, args.source, recipe, args.seed)
+    link_borrowed_files(args.model_dir)
     settings = EvalSettings()
     scores = edit_score(load_components(ModelConfig(base=str(args.model_dir))), SEEN_COLORS, HELD_OUT_COLOR, settings)
     before = edit_score(load_components(ModelConfig(base=str(args.work_dir / "init"))), SEEN_COLORS, HELD_OUT_COLOR, settings)
