@@ -82,8 +82,9 @@ class ModelConfig(Section):
         "",
         json_schema_extra=PATH_MODEL,
         description="For a single-file `base`: a diffusers folder or hub id whose configs describe its "
-        "architecture. Offline, pass a local folder here. Qwen-Image, Z-Image and FLUX.2 single files hold the "
-        "transformer alone (as ComfyUI and BFL ship them): the text encoder and autoencoder come from this folder.",
+        "architecture. Offline, pass a local folder here. FLUX.1, FLUX.2, Chroma, SD3, Qwen-Image and Z-Image single "
+        "files hold the transformer alone (as ComfyUI, BFL and Stability ship them): the text encoders and "
+        "autoencoder come from this folder.",
     )
     allow_pickled_checkpoint: bool = Field(
         False,

@@ -218,7 +218,7 @@ def test_every_family_module_is_registered_and_complete():
 
 def _single_file(name: str, base: Path):
     """The micro base's components and its single file's tensors; the test is skipped for a family that writes no
-    single file (Flux): nothing to read back."""
+    single file (SD3, Krea 2): nothing to read back."""
     components = load_components(ModelConfig(base=str(base)))
     try:
         return components, FAMILIES[name].to_single_file(components)
@@ -236,6 +236,19 @@ def test_a_folder_and_a_single_file_are_read_as_the_family(name, micro_bases, tm
     # The folder it came from names the pipeline where one transformer's keys serve several (Qwen-Image and its edits).
     assert family_of(ModelConfig(base=str(path), single_file_config=str(base))) is family
     again = load_components(ModelConfig(base=str(path), single_file_config=str(base)))
+    for (key, value), other in zip(components.denoiser.state_dict().items(), again.denoiser.state_dict().values()):
+        assert torch.equal(value, other), key
+
+
+@pytest.mark.parametrize("name", [name for name in NAMES if FAMILIES[name].denoiser_file_key])
+def test_an_all_in_one_files_denoiser_is_read_and_its_other_parts_left_out(name, micro_bases, tmp_path):
+    """ComfyUI's checkpoints put the denoiser under `model.diffusion_model.` beside the text encoders and autoencoder."""
+    base = micro_bases[name]
+    components, tensors = _single_file(name, base)
+    others = {"text_encoders.clip_l.transformer.text_model.final_layer_norm.weight": torch.ones(4),
+              "first_stage_model.decoder.conv_in.bias": torch.zeros(4)}
+    save_file({f"model.diffusion_model.{key}": value for key, value in tensors.items()} | others, tmp_path / "all.safetensors")
+    again = load_components(ModelConfig(base=str(tmp_path / "all.safetensors"), single_file_config=str(base)))
     for (key, value), other in zip(components.denoiser.state_dict().items(), again.denoiser.state_dict().values()):
         assert torch.equal(value, other), key
 

@@ -5,7 +5,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+from diffusers import ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers.loaders.single_file_utils import (
+    convert_chroma_transformer_checkpoint_to_diffusers,
+    convert_flux_transformer_checkpoint_to_diffusers,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -206,8 +210,6 @@ def test_settings_a_family_cannot_train_with_are_refused(make_config, tiny_flux_
                "text_encoder_2.encoder.block.0.layer.0.SelfAttention.q.lora_B.weight": torch.zeros(64, 2)}, t5_adapter)
     with pytest.raises(DifftuneError, match=r"has weights for text_encoder_2, which Flux.* do not load"):
         export.apply_adapters(load_components(ModelConfig(base=str(tiny_flux_base))), [(t5_adapter, 1.0)])
-    with pytest.raises(DifftuneError, match=r"not written for Flux"):
-        export.merge_into_folder(str(tiny_flux_base), [], tiny_flux_base.parent / "merged-single", single_file=True)
 
 
 def test_cached_latents_and_text_train_exactly_as_encoding_each_step(make_config, tiny_flux_base, tmp_path):
@@ -222,3 +224,27 @@ def test_cached_latents_and_text_train_exactly_as_encoding_each_step(make_config
     assert cached.losses == pytest.approx(plain.losses, rel=1e-5)
     resolved = load_config(tmp_path / "cached" / "config.toml")
     assert resolved.model.family == "flux" and resolved.model.family_options == {"text_padding_mask": True}
+
+
+@pytest.mark.parametrize("name", ["flux", "chroma"])
+def test_single_files_are_bfls_layout_as_diffusers_converters_read_it(name):
+    """diffusers' FLUX.1 and Chroma converters (what `from_single_file` reads BFL's and lodestones' files with) assume
+    FLUX.1's widths, 3072 and a 4x MLP: one block of each kind at those widths, built on the meta device, its
+    weights random bytes read as fp8 (every value compared bit for bit, half a GB a copy)."""
+    model_class, convert, settings = {
+        "flux": (FluxTransformer2DModel, convert_flux_transformer_checkpoint_to_diffusers, {"guidance_embeds": True}),
+        "chroma": (ChromaTransformer2DModel, convert_chroma_transformer_checkpoint_to_diffusers,
+                   {"approximator_hidden_dim": 64, "approximator_layers": 2}),
+    }[name]
+    with torch.device("meta"):
+        model = model_class(num_layers=1, num_single_layers=1, joint_attention_dim=64, **settings)
+    ours = {key: torch.randint(0, 256, value.shape, dtype=torch.uint8).view(torch.float8_e4m3fn)
+            for key, value in model.state_dict().items()}
+    original = FAMILIES[name].original_state_dict(ours)
+    assert {"double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight", "final_layer.linear.weight"} <= set(original)
+    theirs = convert({f"model.diffusion_model.{key}": value for key, value in original.items()})  # ComfyUI's prefix
+    back = FAMILIES[name].diffusers_state_dict(original)
+    assert theirs.keys() == ours.keys() == back.keys()
+    for key, value in ours.items():
+        assert torch.equal(theirs[key].view(torch.uint8), value.view(torch.uint8)), key
+        assert torch.equal(back[key].view(torch.uint8), value.view(torch.uint8)), key

@@ -33,7 +33,7 @@ def test_a_single_file_is_bfls_layout_and_diffusers_reads_it_as_the_same_weights
             "double_blocks.0.txt_attn.norm.key_norm.scale"} <= set(tensors)
     assert ("guidance_in.in_layer.weight" in tensors) == (name == "flux2")  # [dev] is guidance-distilled
     assert not any(".to_q." in key or "_embedder" in key for key in tensors)
-    # ComfyUI's prefix is read too (difftune strips it before diffusers' converter, which does not).
+    # difftune reads it back from the same table it wrote it with, ComfyUI's prefix too (diffusers' converter reads none).
     save_file({f"model.diffusion_model.{key}": value for key, value in tensors.items()}, tmp_path / "comfy.safetensors")
     again = load_components(ModelConfig(base=str(tmp_path / "comfy.safetensors"), single_file_config=str(path)))
     assert again.family is FAMILIES[name]

@@ -10,17 +10,32 @@ kohya / ComfyUI layout of the original (BFL-style) module names with fused q, k,
 - No guidance embedding: samples use true classifier-free guidance (the pipeline's `guidance_scale`, above 1).
 - Only the transformer is adapted: the pipeline's LoRA loader (Flux's) would put `text_encoder` adapters into T5,
   which Chroma's trainers leave frozen.
+- Single files (`Chroma1-HD.safetensors`, the transformer alone): Flux.1's original layout without the blocks'
+  modulation, plus the approximator under its own names (`distilled_guidance_layer.layers.0.in_layer`).
 """
 
 from __future__ import annotations
 
 import torch
-from diffusers import ChromaPipeline
+from diffusers import ChromaPipeline, ChromaTransformer2DModel
 
 from difftune.families.family import FamilyOptions
 from difftune.families.flow import pack, unpack
-from difftune.families.flux import TRANSFORMER_TARGETS, Flux, image_position_ids
+from difftune.families.flux import ORIGINAL_GLOBALS, TRANSFORMER_TARGETS, Flux, image_position_ids
 from difftune.models import Components
+
+APPROXIMATOR = "distilled_guidance_layer."  # the network that makes every block's modulation from the time
+APPROXIMATOR_LAYERS = ((".linear_1.", ".in_layer."), (".linear_2.", ".out_layer."))  # diffusers' -> the original's
+
+
+def approximator_key(key: str, to_original: bool) -> str:
+    """An approximator weight's name in the other layout: its layers' `linear_1` are `in_layer`, its norms' `weight`
+    a `scale` (`in_proj` and `out_proj` keep their names)."""
+    for diffusers_name, original in APPROXIMATOR_LAYERS:
+        key = key.replace(*((diffusers_name, original) if to_original else (original, diffusers_name)))
+    if ".norms." in key:
+        key = f"{key.rsplit('.', 1)[0]}.{'scale' if to_original else 'weight'}"
+    return key
 
 
 class Chroma(Flux):
@@ -29,6 +44,11 @@ class Chroma(Flux):
     options_model = FamilyOptions  # no guidance embedding, and the padding mask is Chroma's own
     pipeline_class = ChromaPipeline
     pipeline_classes = ("ChromaPipeline",)
+    denoiser_class = ChromaTransformer2DModel
+    denoiser_file_key = "distilled_guidance_layer.layers.0.in_layer.weight"  # the original layout's name alone
+    original_globals = {module: original for module, original in ORIGINAL_GLOBALS.items()
+                        if not module.startswith(("time_text_embed.", "norm_out."))}
+    swapped_halves = ()
     text_encoder_names = ("text_encoder",)
     tokenizer_names = ("tokenizer",)
     kohya_prefixes = {"transformer": "lora_unet_"}
@@ -72,3 +92,15 @@ class Chroma(Flux):
 
     def max_sequence_length(self, components: Components) -> int:
         return components.tokenizers["tokenizer"].model_max_length
+
+    # Single files.
+
+    def original_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        approximator = {key: value for key, value in weights.items() if key.startswith(APPROXIMATOR)}
+        rest = super().original_state_dict({key: value for key, value in weights.items() if key not in approximator})
+        return rest | {approximator_key(key, to_original=True): value.contiguous() for key, value in approximator.items()}
+
+    def diffusers_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        approximator = {key: value for key, value in weights.items() if key.startswith(APPROXIMATOR)}
+        rest = super().diffusers_state_dict({key: value for key, value in weights.items() if key not in approximator})
+        return rest | {approximator_key(key, to_original=False): value for key, value in approximator.items()}

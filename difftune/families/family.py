@@ -139,12 +139,16 @@ class Family:
 
     def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
         """A denoiser-alone single file's weights under diffusers' names (`pipeline_around_denoiser_file`): its keys
-        without ComfyUI's prefixes, unless the family converts another layout."""
+        without ComfyUI's prefixes, unless the family converts another layout. Where keys carry a prefix, those
+        alone: an all-in-one file's others are its text encoders and autoencoder."""
+        file = load_file(path)
+        prefixed = [key for key in file if key.startswith(DENOISER_FILE_PREFIXES)]
         weights = {}
-        for key, tensor in load_file(path).items():
+        for key in prefixed or file:
+            name = key
             for prefix in DENOISER_FILE_PREFIXES:
-                key = key.removeprefix(prefix)
-            weights[key] = tensor
+                name = name.removeprefix(prefix)
+            weights[name] = file[key]
         return weights
 
     def components_of(self, pipeline, options: FamilyOptions) -> Components:

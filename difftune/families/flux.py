@@ -10,19 +10,19 @@ value).
 - Objective: rectified flow, shared with the other flow families (flow.py).
 - Files: diffusers' LoRA layout is the transformer's own module names; kohya / ComfyUI name the original
   (BFL) model's modules, whose attention projections are fused (`qkv`; a single block's `linear1` is q, k, v
-  and the MLP's input together): `KOHYA_TRANSFORMER` maps them and `kohya.fuse` / `kohya.split` convert.
+  and the MLP's input together): `ORIGINAL_BLOCKS` maps them and `kohya.fuse` / `kohya.split` convert. Single files
+  (the transformer alone, as BFL and ComfyUI ship it) are read and written from the same tables (fused.py).
 """
 
 from __future__ import annotations
 
 
 import torch
-from diffusers import FluxPipeline
+from diffusers import FluxPipeline, FluxTransformer2DModel
 from pydantic import Field
 
-from difftune.errors import DifftuneError
 from difftune.families.flow import FlowMatchingFamily, FlowOptions, pack, unpack
-from difftune.families.fused import FusedKohyaLayout
+from difftune.families.fused import FusedKohyaLayout, kohya_blocks_of, kohya_globals_of
 from difftune.families.sd import CLIP_ATTENTION
 from difftune.models import Components
 
@@ -35,36 +35,38 @@ TRANSFORMER_TARGETS = [
 ]
 T5_ATTENTION = ["q", "k", "v", "o"]
 
-# The original (BFL) model's modules, as kohya and ComfyUI name them after `lora_unet_`, -> the diffusers modules
-# each holds, in the order of its output rows. `{i}` is the block index.
-KOHYA_DOUBLE_BLOCK = {
-    "double_blocks_{i}_img_attn_qkv": ["attn.to_q", "attn.to_k", "attn.to_v"],
-    "double_blocks_{i}_img_attn_proj": ["attn.to_out.0"],
-    "double_blocks_{i}_img_mlp_0": ["ff.net.0.proj"],
-    "double_blocks_{i}_img_mlp_2": ["ff.net.2"],
-    "double_blocks_{i}_img_mod_lin": ["norm1.linear"],
-    "double_blocks_{i}_txt_attn_qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
-    "double_blocks_{i}_txt_attn_proj": ["attn.to_add_out"],
-    "double_blocks_{i}_txt_mlp_0": ["ff_context.net.0.proj"],
-    "double_blocks_{i}_txt_mlp_2": ["ff_context.net.2"],
-    "double_blocks_{i}_txt_mod_lin": ["norm1_context.linear"],
+# The original (BFL) model's layers in a block -> the diffusers modules each holds, in the order of its output rows
+# (q, k and v fused; a single block's `linear1` is q, k, v and the MLP's input); its norms keep their weight as
+# `scale`. Single files and the kohya layout (`lora_unet_double_blocks_0_img_attn_qkv`) both name them.
+ORIGINAL_DOUBLE_BLOCK = {
+    "img_mod.lin": ["norm1.linear"],
+    "img_attn.qkv": ["attn.to_q", "attn.to_k", "attn.to_v"], "img_attn.proj": ["attn.to_out.0"],
+    "img_attn.norm.query_norm": ["attn.norm_q"], "img_attn.norm.key_norm": ["attn.norm_k"],
+    "img_mlp.0": ["ff.net.0.proj"], "img_mlp.2": ["ff.net.2"],
+    "txt_mod.lin": ["norm1_context.linear"],
+    "txt_attn.qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"], "txt_attn.proj": ["attn.to_add_out"],
+    "txt_attn.norm.query_norm": ["attn.norm_added_q"], "txt_attn.norm.key_norm": ["attn.norm_added_k"],
+    "txt_mlp.0": ["ff_context.net.0.proj"], "txt_mlp.2": ["ff_context.net.2"],
 }
-KOHYA_SINGLE_BLOCK = {
-    "single_blocks_{i}_linear1": ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"],
-    "single_blocks_{i}_linear2": ["proj_out"],
-    "single_blocks_{i}_modulation_lin": ["norm.linear"],
+ORIGINAL_SINGLE_BLOCK = {
+    "linear1": ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"], "linear2": ["proj_out"],
+    "modulation.lin": ["norm.linear"], "norm.query_norm": ["attn.norm_q"], "norm.key_norm": ["attn.norm_k"],
 }
-KOHYA_GLOBAL = {
-    "img_in": ["x_embedder"],
-    "txt_in": ["context_embedder"],
-    "time_in_in_layer": ["time_text_embed.timestep_embedder.linear_1"],
-    "time_in_out_layer": ["time_text_embed.timestep_embedder.linear_2"],
-    "vector_in_in_layer": ["time_text_embed.text_embedder.linear_1"],
-    "vector_in_out_layer": ["time_text_embed.text_embedder.linear_2"],
-    "guidance_in_in_layer": ["time_text_embed.guidance_embedder.linear_1"],
-    "guidance_in_out_layer": ["time_text_embed.guidance_embedder.linear_2"],
-    "final_layer_linear": ["proj_out"],
+ORIGINAL_BLOCKS = {"transformer_blocks": ("double_blocks", ORIGINAL_DOUBLE_BLOCK),
+                   "single_transformer_blocks": ("single_blocks", ORIGINAL_SINGLE_BLOCK)}
+# Outside the blocks: diffusers module -> original layer. The final layer's modulation is (shift, scale) in the
+# original model, (scale, shift) in diffusers'.
+ORIGINAL_GLOBALS = {
+    "x_embedder": "img_in", "context_embedder": "txt_in",
+    "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+    "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+    "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+    "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+    "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+    "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+    "proj_out": "final_layer.linear", "norm_out.linear": "final_layer.adaLN_modulation.1",
 }
+SWAPPED_HALVES = ("norm_out.linear.weight", "norm_out.linear.bias")
 MLP_RATIO = 4  # a single block's MLP is this times wider than its attention (FluxSingleTransformerBlock's default)
 
 
@@ -90,7 +92,10 @@ class Flux(FusedKohyaLayout, FlowMatchingFamily):
     options_model = FluxOptions
     pipeline_class = FluxPipeline
     pipeline_classes = ("FluxPipeline",)
+    denoiser_class = FluxTransformer2DModel
     denoiser_name = "transformer"
+    single_file_layout = "transformer alone (BFL layout)"
+    denoiser_file_key = "double_blocks.0.img_mod.lin.weight"  # FLUX.2's blocks share one modulation, Chroma's have none
     text_encoder_names = ("text_encoder", "text_encoder_2")
     tokenizer_names = ("tokenizer", "tokenizer_2")
     # kohya's Flux LoRA names T5 `lora_te3_`, the prefix ComfyUI gives T5 beside two CLIPs (SD3).
@@ -98,8 +103,9 @@ class Flux(FusedKohyaLayout, FlowMatchingFamily):
     kohya_text_model_parts = ("text_encoder",)
     kohya_model_version = "flux1"
     kohya_layout_name = "Flux"
-    kohya_blocks = {"transformer_blocks": KOHYA_DOUBLE_BLOCK, "single_transformer_blocks": KOHYA_SINGLE_BLOCK}
-    kohya_globals = KOHYA_GLOBAL
+    original_blocks, original_globals, swapped_halves = ORIGINAL_BLOCKS, ORIGINAL_GLOBALS, SWAPPED_HALVES
+    kohya_blocks = kohya_blocks_of(ORIGINAL_BLOCKS)
+    kohya_globals = kohya_globals_of(ORIGINAL_GLOBALS, SWAPPED_HALVES)
     embedding_keys = ("clip_l", "t5")
     default_targets = {"transformer": TRANSFORMER_TARGETS, "text_encoder": CLIP_ATTENTION, "text_encoder_2": T5_ATTENTION}
 
@@ -146,11 +152,11 @@ class Flux(FusedKohyaLayout, FlowMatchingFamily):
 
     # Files.
 
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        raise DifftuneError(
-            "merge --single-file: not written for Flux yet; the merged diffusers folder loads in diffusers, and "
-            "ComfyUI reads the adapter's kohya layout"
-        )
+    # Single files: the transformer alone, in BFL's layout (`flux1-dev.safetensors`, ComfyUI's `diffusion_models/`
+    # files; an all-in-one file's autoencoder and text encoders are left out); the other parts come from
+    # `model.single_file_config`.
+
+    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
     def fused_row_sizes(self, modules: list[str], rows: int) -> list[int]:
         """A single block's `linear1` holds q, k, v and the MLP input, which is `MLP_RATIO` times as wide."""

@@ -27,13 +27,11 @@ import math
 
 import torch
 from diffusers import Flux2Pipeline, Flux2Transformer2DModel
-from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
 from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE, compute_empirical_mu, format_input
 
 from difftune.config import Config
-from difftune.errors import DifftuneError
 from difftune.families.flow import FlowMatchingFamily
-from difftune.families.fused import FusedKohyaLayout
+from difftune.families.fused import FusedKohyaLayout, kohya_blocks_of, kohya_globals_of
 from difftune.models import Components
 
 TEXT_TOKENS = 512  # the pipelines' default `max_sequence_length`: the most `text_tokens` reads
@@ -74,12 +72,6 @@ ORIGINAL_GLOBALS = {
 SWAPPED_HALVES = ("norm_out.linear.weight",)
 
 
-def kohya_block(original_block: dict[str, list[str]], kind: str) -> dict[str, list[str]]:
-    """A block's adaptable original layers as the kohya layout names them (`double_blocks_{i}_img_attn_qkv`)."""
-    return {f"{kind}_{{i}}_{name.replace('.', '_')}": modules for name, modules in original_block.items()
-            if ".norm." not in f".{name}"}
-
-
 def text_tokenizer(tokenizer):
     """The tokenizer itself of a pipeline's `tokenizer`, which for FLUX.2 [dev] is a processor holding one."""
     return getattr(tokenizer, "tokenizer", tokenizer)
@@ -104,7 +96,9 @@ class Flux2(FusedKohyaLayout, FlowMatchingFamily):
     kohya_text_model_parts = ()
     kohya_model_version = "flux2_dev"
     kohya_layout_name = "FLUX.2"
-    kohya_blocks = {blocks: kohya_block(layers, kind) for blocks, (kind, layers) in ORIGINAL_BLOCKS.items()}
+    original_blocks, original_globals, swapped_halves = ORIGINAL_BLOCKS, ORIGINAL_GLOBALS, SWAPPED_HALVES
+    kohya_blocks = kohya_blocks_of(ORIGINAL_BLOCKS)
+    kohya_globals = kohya_globals_of(ORIGINAL_GLOBALS, SWAPPED_HALVES)
     default_targets = {"transformer": DOUBLE_TARGETS + SINGLE_TARGETS}
     text_layers = (10, 20, 30)  # the pipeline's default `text_encoder_out_layers`
     negative_prompt_refusal = "Flux2Pipeline is guidance-distilled and takes no negative prompt"
@@ -175,31 +169,3 @@ class Flux2(FusedKohyaLayout, FlowMatchingFamily):
     # `diffusion_models/flux-2-*.safetensors`); the other parts come from `model.single_file_config`.
 
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
-
-    def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
-        """BFL's layout through diffusers' converter; diffusers' names as they are."""
-        weights = super().denoiser_file_weights(path)
-        if self.denoiser_file_key in weights:
-            weights = convert_flux2_transformer_checkpoint_to_diffusers(weights)
-        return weights
-
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        """The transformer in BFL's layout: each block's q, k and v fused (`img_attn.qkv`), the original names, norm
-        weights as `scale`, the final modulation's halves in BFL's order. Every weight is written once."""
-        weights, out = dict(components.denoiser.state_dict()), {}
-        for blocks, (kind, layers) in ORIGINAL_BLOCKS.items():
-            for i in range(len(getattr(components.denoiser, blocks))):
-                for original, modules in layers.items():
-                    for parameter in ("weight", "bias"):
-                        keys = [f"{blocks}.{i}.{module}.{parameter}" for module in modules]
-                        if keys[0] in weights:
-                            saved = "scale" if ".norm." in f".{original}" else parameter
-                            out[f"{kind}.{i}.{original}.{saved}"] = torch.cat([weights.pop(key) for key in keys])
-        for key, value in weights.items():
-            module, parameter = key.rsplit(".", 1)
-            if module not in ORIGINAL_GLOBALS:
-                raise DifftuneError(f"merge --single-file: {key} has no name in FLUX.2's original layout")
-            if key in SWAPPED_HALVES:
-                value = torch.cat(value.chunk(2)[::-1])
-            out[f"{ORIGINAL_GLOBALS[module]}.{parameter}"] = value
-        return {key: value.contiguous() for key, value in out.items()}

@@ -1,6 +1,8 @@
 """The kohya / ComfyUI layout of denoisers whose original model fuses layers that diffusers keeps apart (Flux.1's
 and SD3's attention `qkv`, Flux's single-block `linear1`): one adapter per original layer, named by the original
-model (`lora_unet_<original name with _>`), over the diffusers modules it holds.
+model (`lora_unet_<original name with _>`), over the diffusers modules it holds; and, for families that give the
+original layout's tables (`original_blocks`, `original_globals`), their single files: the denoiser alone in the
+original layout, written and read from the same tables (`original_state_dict`, `diffusers_state_dict`).
 
 `FusedKohyaLayout` is mixed into such a family before its `Family` base; the family gives `kohya_blocks` (per list
 of blocks, each original name with the block's index as `{i}` -> the diffusers modules it holds, in the order of its
@@ -17,15 +19,46 @@ import torch
 
 from difftune import kohya
 from difftune.adapters import derived_lora_configs
+from difftune.errors import DifftuneError
 
 KOHYA_DENOISER_PREFIX = "lora_unet_"
 BLOCK = re.compile(r"^(\w+)\.(\d+)\.")  # a block's list and index: `single_transformer_blocks.3.`
+
+OriginalBlocks = dict[str, tuple[str, dict[str, list[str]]]]
+
+
+def swap_halves(value: torch.Tensor) -> torch.Tensor:
+    """A modulation's two halves in the other order: (scale, shift) in diffusers, (shift, scale) in the originals."""
+    return torch.cat(value.chunk(2)[::-1])
+
+
+def kohya_blocks_of(original_blocks: OriginalBlocks) -> dict[str, dict[str, list[str]]]:
+    """Each block list's adaptable original layers as the kohya layout names them (`double_blocks_{i}_img_attn_qkv`):
+    every layer but the norms."""
+    return {blocks: {f"{kind}_{{i}}_{name.replace('.', '_')}": modules for name, modules in layers.items()
+                     if ".norm." not in f".{name}"}
+            for blocks, (kind, layers) in original_blocks.items()}
+
+
+def kohya_globals_of(original_globals: dict[str, str], swapped_halves: tuple[str, ...]) -> dict[str, list[str]]:
+    """The layers outside the blocks as the kohya layout names them (`img_in`), but those whose halves the original
+    model swaps (an adapter's rows would have to be swapped too)."""
+    return {original.replace(".", "_"): [module] for module, original in original_globals.items()
+            if f"{module}.weight" not in swapped_halves}
 
 
 class FusedKohyaLayout:
     kohya_layout_name: str  # the original model's name, as messages name its layout ("Flux", "SD3")
     kohya_blocks: dict[str, dict[str, list[str]]]  # block list -> {original name with `{i}`: its modules in the block}
     kohya_globals: dict[str, list[str]] = {}  # original name -> the modules it holds, outside the blocks
+    # The original layout, where the family's single files use it: diffusers block list -> (the original block list,
+    # {original layer: the diffusers modules it holds, in the order of its output rows}); outside the blocks,
+    # diffusers module -> original layer; the weights whose two halves the original model holds in the other order
+    # (a final modulation's shift and scale). A layer named `.norm.` (BFL's query and key norms) keeps its weight as
+    # `scale` there.
+    original_blocks: OriginalBlocks = {}
+    original_globals: dict[str, str] = {}
+    swapped_halves: tuple[str, ...] = ()
 
     def kohya_table(self, denoiser_modules) -> dict[str, list[str]]:
         """Original (kohya) name -> the denoiser's modules (diffusers names) it holds, for every block that
@@ -98,3 +131,64 @@ class FusedKohyaLayout:
             dora = {self.denoiser_name: any("dora_scale" in found for found in by_name.values())}
             configs |= derived_lora_configs({self.denoiser_name: ranks}, {self.denoiser_name: alphas}, dora)
         return out, configs
+
+    # Single files in the original layout.
+
+    def to_single_file(self, components) -> dict[str, torch.Tensor]:
+        if not self.original_blocks:
+            return super().to_single_file(components)
+        return self.original_state_dict(components.denoiser.state_dict())
+
+    def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
+        """A file in the original layout (it has `denoiser_file_key`) converted; diffusers' names as they are."""
+        weights = super().denoiser_file_weights(path)
+        return self.diffusers_state_dict(weights) if self.denoiser_file_key in weights else weights
+
+    def original_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The denoiser's weights in the original layout: each original layer's modules stacked by rows (q, k and v
+        fused), norm weights as `scale`, swapped halves in the original's order. Every weight is written once."""
+        weights, out = dict(weights), {}
+        for blocks, (kind, layers) in self.original_blocks.items():
+            indices = sorted({int(match.group(2)) for key in weights
+                              if (match := BLOCK.match(key)) and match.group(1) == blocks})
+            for i in indices:
+                for original, modules in layers.items():
+                    for parameter in ("weight", "bias"):
+                        keys = [f"{blocks}.{i}.{module}.{parameter}" for module in modules]
+                        if keys[0] in weights:
+                            saved = "scale" if ".norm." in f".{original}" else parameter
+                            out[f"{kind}.{i}.{original}.{saved}"] = torch.cat([weights.pop(key) for key in keys])
+        for key, value in weights.items():
+            module, parameter = key.rsplit(".", 1)
+            if module not in self.original_globals:
+                raise DifftuneError(f"merge --single-file: {key} has no name in {self.kohya_layout_name}'s original layout")
+            if key in self.swapped_halves:
+                value = swap_halves(value)
+            out[f"{self.original_globals[module]}.{parameter}"] = value
+        return {key: value.contiguous() for key, value in out.items()}
+
+    def diffusers_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`original_state_dict` undone: a single file's original-layout weights under diffusers' names, each fused
+        layer split by rows as `fused_row_sizes` says."""
+        blocks_of = {kind: (blocks, layers) for blocks, (kind, layers) in self.original_blocks.items()}
+        module_of = {original: module for module, original in self.original_globals.items()}
+        out = {}
+        for key, value in weights.items():
+            layer, parameter = key.rsplit(".", 1)
+            match = BLOCK.match(key)
+            if match and match.group(1) in blocks_of:
+                blocks, layers = blocks_of[match.group(1)]
+                modules = layers.get(layer[match.end():])
+                if modules is None:
+                    raise DifftuneError(f"{key}: no layer of a {self.kohya_layout_name} {match.group(1)} block has this name; "
+                                        "is this file of another model?")
+                parameter = "weight" if parameter == "scale" else parameter
+                for module, rows in zip(modules, value.split(self.fused_row_sizes(modules, value.shape[0]))):
+                    out[f"{blocks}.{match.group(2)}.{module}.{parameter}"] = rows
+            elif layer in module_of:
+                name = f"{module_of[layer]}.{parameter}"
+                out[name] = swap_halves(value) if name in self.swapped_halves else value
+            else:
+                raise DifftuneError(f"{key}: not a layer of {self.kohya_layout_name}'s original layout; is this file of "
+                                    "another model?")
+        return out

@@ -10,6 +10,8 @@ conditioned on two CLIPs and T5. Trained by flow matching (flow.py).
   (`loss.flow_shift_by_resolution` draws that shift).
 - The loss is the velocity one (diffusers' SD3 script with `--precondition_outputs 0`; its default, 1, predicts x0
   as `noisy - sigma v`, which is this loss weighted by sigma^2: `loss.weighting` has no such weighting).
+- Single files: the MMDiT alone in its original layout, written from this module's tables and read through
+  diffusers' converter.
 - Files: diffusers' layout (`transformer.`, `text_encoder.`, `text_encoder_2.`, which
   `StableDiffusion3Pipeline.load_lora_weights` reads); kohya's SD3 layout names the original MMDiT's modules, with
   q, k and v fused (`lora_unet_joint_blocks_0_x_block_attn_qkv`, `..._context_block_attn_qkv`,
@@ -22,13 +24,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from diffusers import StableDiffusion3Pipeline
+from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
 
-from difftune.errors import DifftuneError
 from difftune.families.family import FamilyOptions
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.flux import T5_ATTENTION
-from difftune.families.fused import FusedKohyaLayout
+from difftune.families.fused import BLOCK, FusedKohyaLayout, swap_halves
 from difftune.families.sd import CLIP_ATTENTION
 from difftune.models import Components, tokenize
 
@@ -56,13 +58,42 @@ KOHYA_BLOCK = {
 }
 
 
+# The original MMDiT's layers in a block -> the diffusers modules each holds (single files; the kohya layout above
+# leaves the context modulation out: the last block's is (shift, scale), which an adapter's rows would follow).
+ORIGINAL_BLOCK = {
+    **{f"x_block.{attention}.{layer}": [f"{attention}.{module}" for module in modules]
+       for attention in ("attn", "attn2") for layer, modules in {
+           "qkv": ["to_q", "to_k", "to_v"], "proj": ["to_out.0"], "ln_q": ["norm_q"], "ln_k": ["norm_k"]}.items()},
+    "x_block.mlp.fc1": ["ff.net.0.proj"], "x_block.mlp.fc2": ["ff.net.2"], "x_block.adaLN_modulation.1": ["norm1.linear"],
+    "context_block.attn.qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
+    "context_block.attn.proj": ["attn.to_add_out"],
+    "context_block.attn.ln_q": ["attn.norm_added_q"], "context_block.attn.ln_k": ["attn.norm_added_k"],
+    "context_block.mlp.fc1": ["ff_context.net.0.proj"], "context_block.mlp.fc2": ["ff_context.net.2"],
+    "context_block.adaLN_modulation.1": ["norm1_context.linear"],
+}
+ORIGINAL_GLOBALS = {
+    "pos_embed.proj": "x_embedder.proj", "context_embedder": "context_embedder",
+    "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
+    "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
+    "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+    "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2",
+    "proj_out": "final_layer.linear", "norm_out.linear": "final_layer.adaLN_modulation.1",
+}
+
+
 class StableDiffusion3(FusedKohyaLayout, FlowMatchingFamily):
     name = "sd3"
     description = "Stable Diffusion 3 / 3.5"
     options_model = FamilyOptions  # no guidance embedding
     pipeline_class = StableDiffusion3Pipeline
     pipeline_classes = ("StableDiffusion3Pipeline",)
+    denoiser_class = SD3Transformer2DModel
     denoiser_name = "transformer"
+    single_file_layout = "transformer alone (original MMDiT layout)"
+    denoiser_file_key = "joint_blocks.0.x_block.attn.qkv.weight"
+    original_blocks = {"transformer_blocks": ("joint_blocks", ORIGINAL_BLOCK)}
+    original_globals = ORIGINAL_GLOBALS
+    swapped_halves = ("norm_out.linear.weight", "norm_out.linear.bias")
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
     tokenizer_names = ("tokenizer", "tokenizer_2", "tokenizer_3")
     kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_",
@@ -121,8 +152,22 @@ class StableDiffusion3(FusedKohyaLayout, FlowMatchingFamily):
 
     # Files.
 
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        raise DifftuneError(
-            "merge --single-file: not written for SD3 yet; the merged diffusers folder loads in diffusers, and "
-            "ComfyUI reads the adapter's kohya layout"
-        )
+    # Single files: the MMDiT alone (Stability's `sd3.5_large.safetensors`; an all-in-one file's text encoders and
+    # autoencoder are left out), read through diffusers' converter; the other parts come from
+    # `model.single_file_config`.
+
+    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
+
+    def diffusers_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return convert_sd3_transformer_checkpoint_to_diffusers(dict(weights))
+
+    def original_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tables' layout, with the position embedding under its own name and the last block's context
+        modulation (a final-layer kind of norm there) in the original's order."""
+        weights = dict(weights)
+        last = max(int(match.group(2)) for key in weights if (match := BLOCK.match(key)))
+        for parameter in ("weight", "bias"):
+            key = f"transformer_blocks.{last}.norm1_context.linear.{parameter}"
+            weights[key] = swap_halves(weights[key])
+        position = weights.pop("pos_embed.pos_embed")
+        return super().original_state_dict(weights) | {"pos_embed": position.contiguous()}
