@@ -17,7 +17,8 @@ itself (`text_fusion`). Trained by flow matching (flow.py).
 - Files: diffusers' layout (`transformer.`, which `Krea2Pipeline.load_lora_weights` reads: transformer adapters
   alone); the kohya layout names the original model's modules (`lora_unet_blocks_0_attn_wq`), which ComfyUI maps
   for any model from its own weight names; diffusers' reader of the original layout is the reference for those
-  names (`ORIGINAL_NAMES`, tested against it).
+  names (`ORIGINAL_NAMES`, tested against it). A single file is the transformer alone in the original layout (the
+  authors' and ComfyUI's), read through diffusers' converter and written as its inverse (`ORIGINAL_WEIGHT_NAMES`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import re
 
 import torch
 from diffusers import Krea2Pipeline, Krea2Transformer2DModel
+from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkpoint_to_diffusers
 from diffusers.pipelines.krea2.pipeline_krea2 import calculate_shift
 
-from difftune.errors import DifftuneError
 from difftune.families.flow import FlowMatchingFamily, anchored_guidance, pack, unpack
 from difftune.kohya import split_adapter_key
 from difftune.models import Components
@@ -61,6 +62,33 @@ BLOCK = re.compile(r"^(transformer_blocks|text_fusion\.layerwise_blocks|text_fus
 ORIGINAL_BLOCKS = {"transformer_blocks": "blocks", "text_fusion.layerwise_blocks": "txtfusion.layerwise_blocks",
                    "text_fusion.refiner_blocks": "txtfusion.refiner_blocks"}
 
+# For single files: the inverse of diffusers' reader (`convert_krea2_transformer_checkpoint_to_diffusers`) on weight
+# names, outside the blocks by prefix, then within every block; a block's six modulation vectors are one flat
+# vector in the original.
+ORIGINAL_WEIGHT_PREFIXES = {
+    "img_in.": "first.", "time_embed.linear_1.": "tmlp.0.", "time_embed.linear_2.": "tmlp.2.",
+    "time_mod_proj.": "tproj.1.", "txt_in.norm.weight": "txtmlp.0.scale", "txt_in.linear_1.": "txtmlp.1.",
+    "txt_in.linear_2.": "txtmlp.3.", "text_fusion.": "txtfusion.", "transformer_blocks.": "blocks.",
+    "final_layer.linear.": "last.linear.", "final_layer.norm.weight": "last.norm.scale",
+    "final_layer.scale_shift_table": "last.modulation.lin",
+}
+ORIGINAL_WEIGHT_NAMES = {
+    ".attn.to_q.": ".attn.wq.", ".attn.to_k.": ".attn.wk.", ".attn.to_v.": ".attn.wv.", ".attn.to_out.0.": ".attn.wo.",
+    ".attn.to_gate.": ".attn.gate.", ".attn.norm_q.weight": ".attn.qknorm.qnorm.scale",
+    ".attn.norm_k.weight": ".attn.qknorm.knorm.scale", ".ff.": ".mlp.", ".norm1.weight": ".prenorm.scale",
+    ".norm2.weight": ".postnorm.scale", ".scale_shift_table": ".mod.lin",
+}
+
+
+def original_weight_name(key: str) -> str:
+    for diffusers_name, original in ORIGINAL_WEIGHT_PREFIXES.items():
+        if key.startswith(diffusers_name):
+            key = original + key[len(diffusers_name):]
+            break
+    for diffusers_name, original in ORIGINAL_WEIGHT_NAMES.items():
+        key = key.replace(diffusers_name, original)
+    return key
+
 
 def original_name(module: str) -> str | None:
     """A transformer module's name in the original model (None: it has no adaptable counterpart there)."""
@@ -77,6 +105,8 @@ class Krea2(FlowMatchingFamily):
     pipeline_classes = ("Krea2Pipeline",)
     denoiser_class = Krea2Transformer2DModel
     denoiser_name = "transformer"
+    single_file_layout = "transformer alone (original layout)"
+    denoiser_file_key = "txtfusion.projector.weight"  # what diffusers' reader detects Krea 2 files by
     pipeline_options = ("text_encoder_select_layers", "is_distilled", "patch_size")
     kohya_prefixes = {"transformer": "lora_unet_"}
     kohya_text_model_parts = ()
@@ -170,7 +200,19 @@ class Krea2(FlowMatchingFamily):
             renamed[f"{originals[name]}.{kind}"] = value
         return renamed
 
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        raise DifftuneError("merge --single-file: not written for Krea 2 yet; the merged diffusers folder loads in "
-                            "diffusers, and ComfyUI reads the adapter's kohya layout")
+    # Single files: the transformer alone (`diffusion_models/krea-2*.safetensors`); the other parts come from
+    # `model.single_file_config`.
 
+    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
+
+    def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
+        weights = super().denoiser_file_weights(path)
+        return convert_krea2_transformer_checkpoint_to_diffusers(weights) if self.denoiser_file_key in weights else weights
+
+    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, value in components.denoiser.state_dict().items():
+            if key.startswith("transformer_blocks.") and key.endswith(".scale_shift_table"):
+                value = value.flatten()
+            out[original_weight_name(key)] = value.contiguous()
+        return out
