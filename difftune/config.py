@@ -130,6 +130,19 @@ class ModelConfig(Section):
         "evenly over the denoiser's (`difftune plan` says how many fit a budget). Exact: the same losses as without. "
         "Needs an adapter; combines with `weight_dtype` (fp8 halves the bytes copied).",
     )
+    training_adapter: str = Field(
+        "",
+        json_schema_extra=PATH_MODEL,
+        description="An adapter file (any layout difftune reads) merged into the base for training only, never into "
+        "what the run saves: the de-distilling \"training adapter\" of a step-distilled base, as ai-toolkit's "
+        "`assistant_lora_path` and musubi-tuner's `--base_weights` (`ostris/zimage_turbo_training_adapter` for Z-Image "
+        "Turbo, "
+        "`ostris/FLUX.1-schnell-training-adapter` for FLUX.1 [schnell]). The adapter trained over it then applies to "
+        "the distilled base alone and keeps its few-step sampling. Samples during and after the run take its change "
+        "off again (ai-toolkit's previews invert it): they show the saved adapter on the distilled base. "
+        "A local file, or `owner/repo/file.safetensors` on the hub. Needs an adapter (a full fine-tune would save "
+        "it merged in).",
+    )
     offload_budget: str = Field(
         "",
         description="Instead of a count: the device memory the run may use, e.g. `12GB` or `16GiB`. Before loading, "
@@ -749,6 +762,11 @@ class Config(Section):
             raise ValueError(
                 "cache.text needs adapter.text_encoder = false and adapter.kind other than \"embedding\" (a trained "
                 "encoder's outputs change)"
+            )
+        if self.model.training_adapter and not self.adapter.is_adapter:
+            raise ValueError(
+                "model.training_adapter needs an adapter (adapter.kind lora, dora, loha or lokr): a full fine-tune or an "
+                "embedding would be saved for the base with the training adapter merged in"
             )
         if self.adapter.kind == "embedding" and self.prior.enabled:
             raise ValueError(

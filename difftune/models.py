@@ -41,6 +41,7 @@ class Components:
     pipeline_options: dict = field(default_factory=dict)  # the family's `pipeline_options` values
     latent_normalization: LatentNormalization = LatentNormalization()  # the autoencoder's (autoencoders.py)
     family_options: Any = None  # `model.family_options`, checked by the family (its `options_model`)
+    merged_changes: dict = field(default_factory=dict)  # a merged training adapter's, by layer (training_adapter.py)
 
     def parts(self) -> dict[str, torch.nn.Module | None]:
         """The denoiser and the text encoders by part name: what adapters attach to."""

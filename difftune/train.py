@@ -43,7 +43,7 @@ from difftune.checkpoint import (
     CHECKPOINTS_DIR, Checkpointer, Progress, StopRequest, find_checkpoint, keep_models_out_of_accelerate_state, retire_after,
     step_of,
 )
-from difftune.config import Config, check_before_start
+from difftune.config import Config, ModelConfig, check_before_start
 from difftune.data import (
     BAD_FILES_REPORT,
     CaptionedImages,
@@ -75,6 +75,7 @@ from difftune.prior import class_examples, class_folder, fill_class_images
 from difftune.quantize import quantize_linear_layers
 from difftune.sample import generate_images, save_images
 from difftune.storage import computed_copies_saved_as_stored
+from difftune.training_adapter import merge_training_adapter, removed
 from difftune.validation import BestResults, Validator
 
 RESOLVED_CONFIG_FILE = "config.toml"
@@ -152,7 +153,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
         accelerator.print(f"model.offload_budget {budget}: the memory plan offloads {config.model.offload_blocks} blocks")
     if config.train.check_memory and accelerator.is_main_process:
         _warn_if_unfitting(config, accelerator)
-    components = load_components(config.model)
+    components = load_training_base(config.model)
     components.family.check_config(config)
     check_targets(components, config.adapter)  # before the caches are filled: add_adapters checks again, later
     # The resolved config names the family: a file written now says what it was trained on.
@@ -396,7 +397,7 @@ def _unsharded_copy(run: Run) -> tuple[Components, EMAModel | None, list[torch.n
     shadows = sharding.gather(dict(zip(run.named, run.ema.shadow_params)), keep=main) if run.ema else {}
     if not main:
         return run.unwrapped(), run.ema, run.parameters
-    components = load_components(config.model)
+    components = load_training_base(config.model)
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
     _shape_for_training(components, config, run.accelerator)
     named = trainable_parameters(components, config.adapter)
@@ -591,7 +592,7 @@ def _validate_preview_snapshot(run: Run, step: int, validate: bool, preview: boo
                 with ema_weights(run.ema, run.parameters):
                     values["val_loss_ema"] = run.validator.loss(components)
         if preview:
-            with run.accelerator.autocast():
+            with run.accelerator.autocast(), previewing(components):
                 samples = generate_images(components, config.sample, run.accelerator.device)
             save_images(samples, config.sample, run.output_dir / "samples" / f"step-{step:06d}")
     if snapshot:
@@ -603,7 +604,8 @@ def _sample_before_training(components: Components, config: Config, output_dir: 
     """The base's own samples, with the seeds the end-of-run samples use; before any adapter exists."""
     for module in components.modules():
         module.to(device)
-    save_images(generate_images(components, config.sample, device), config.sample, output_dir / "samples" / "before")
+    with previewing(components):
+        save_images(generate_images(components, config.sample, device), config.sample, output_dir / "samples" / "before")
 
 
 def _save_results(run: Run, components: Components, ema: EMAModel | None, parameters: list) -> Path:
@@ -618,7 +620,7 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
             components.family,
         )
     if config.sample.prompts:
-        with accelerator.autocast():
+        with accelerator.autocast(), previewing(components):
             samples = generate_images(components, config.sample, accelerator.device)
         save_images(samples, config.sample, output_dir / "samples", output_dir / "samples" / "before")
         if config.sample.parity:
@@ -629,10 +631,24 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
         with ema_weights(ema, parameters):
             export.save_trained(components, config, export.trained_path(config, output_dir, "_ema"))
             if config.sample.prompts:
-                with accelerator.autocast():
+                with accelerator.autocast(), previewing(components):
                     samples = generate_images(components, config.sample, accelerator.device)
                 save_images(samples, config.sample, output_dir / "samples_ema", output_dir / "samples" / "before")
     return trained_path
+
+
+def load_training_base(model: ModelConfig) -> Components:
+    """The base as training sees it: with `model.training_adapter` merged in (what the run saves leaves it out, and
+    previews take off again: `previewing`)."""
+    components = load_components(model)
+    if model.training_adapter:
+        components.merged_changes = merge_training_adapter(components, model.training_adapter)
+    return components
+
+
+def previewing(components: Components):
+    """Samples show what the saved adapter does on the base: without a merged training adapter's change."""
+    return removed(components.denoiser, components.merged_changes)
 
 
 def _shape_for_training(components: Components, config: Config, accelerator: Accelerator) -> None:

@@ -4,15 +4,21 @@ musubi-tuner LoRA layout (a file written as those trainers name it, read as the 
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from diffusers import ZImageTransformer2DModel
 from safetensors.torch import load_file, save_file
 
 from difftune import export
 from difftune.config import LossConfig, ModelConfig
+from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.families.flow import shifted
+from difftune.parity import PARITY_FILE
 from difftune.toy.tiny import build_pipeline
 from difftune.train import train
 
@@ -75,3 +81,52 @@ def test_a_musubi_tuner_file_is_read_as_the_same_adapter(base, make_config, tmp_
     assert "lora_unet_noise_refiner_0_feed_forward_w1.lora_up.weight" in kohya
     assert torch.equal(kohya["lora_unet_layers_0_attention_to_out_0.lora_down.weight"],
                        trained["transformer.layers.0.attention.to_out.0.lora_A.weight"])
+
+
+def test_a_training_adapter_is_trained_over_and_left_out_of_what_is_saved(make_config, base, tmp_path):
+    """Z-Image Turbo's way, ai-toolkit's `assistant_lora_path`: the de-distilling adapter merged into the base for
+    training only. Training over it is training on the merged base, loss for loss; the file saved is the new
+    adapter alone, for the distilled base; samples show the base without it, as ai-toolkit's previews do. The
+    assistant here is named as ai-toolkit's are (`diffusion_model.`)."""
+    denoiser = load_components(ModelConfig(base=str(base))).denoiser
+    generator, assistant = torch.Generator().manual_seed(0), {}
+    for module in ("layers.0.attention.to_q", "layers.0.attention.to_v"):
+        weight = denoiser.get_submodule(module).weight
+        assistant[f"diffusion_model.{module}.lora_A.weight"] = torch.randn(2, weight.shape[1], generator=generator)
+        assistant[f"diffusion_model.{module}.lora_B.weight"] = torch.randn(weight.shape[0], 2, generator=generator)
+    save_file(assistant, tmp_path / "assistant.safetensors")
+    merged = tmp_path / "merged"
+    export.merge_into_folder(str(base), [(tmp_path / "assistant.safetensors", 1.0)], merged)
+    change = load_components(ModelConfig(base=str(merged))).denoiser.get_submodule("layers.0.attention.to_q").weight \
+        - denoiser.get_submodule("layers.0.attention.to_q").weight
+    prefix = "diffusion_model.layers.0.attention.to_q"
+    torch.testing.assert_close(change, assistant[f"{prefix}.lora_B.weight"] @ assistant[f"{prefix}.lora_A.weight"])
+
+    def run(name: str, **overrides):
+        return train(make_config(**{"train__output_dir": str(tmp_path / name), "model__base": str(base)} | overrides))
+
+    previews = {"sample__prompts": ["a red circle"], "sample__steps": 2, "sample__before": True, "sample__parity": True}
+    over = run("over", model__training_adapter=str(tmp_path / "assistant.safetensors"), **previews)
+    premerged = run("premerged", model__base=str(merged), **previews)
+    plain = run("plain", **previews)
+    assert over.losses == pytest.approx(premerged.losses, rel=1e-6)
+    assert over.losses != pytest.approx(plain.losses, rel=1e-4)  # the assistant changes the model
+    saved, expected = load_file(over.trained_path), load_file(premerged.trained_path)
+    assert saved.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(saved[key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+    def image(name: str, folder: str = "samples/before") -> np.ndarray:
+        return np.asarray(Image.open(next((tmp_path / name / folder).glob("*.png"))), dtype=np.int16)
+
+    # The base's samples, the assistant's change taken off at each of its layers (up to rounding: one 8-bit level).
+    assert np.abs(image("over") - image("plain")).max() <= 1
+    assert np.abs(image("premerged") - image("plain")).mean() > 5  # what previews would show with it merged
+    # The saved adapter, reloaded on the base alone (no training adapter), draws what the run's last samples showed.
+    parity = json.loads((tmp_path / "over" / PARITY_FILE).read_text())
+    assert all(result["max_pixel_difference"] <= 1 for result in parity["layouts"].values()), parity
+
+    with pytest.raises(DifftuneError, match=r"model.training_adapter nowhere/adapter.bin: not an adapter file; give a local"):
+        run("missing", model__training_adapter="nowhere/adapter.bin")
+    with pytest.raises(DifftuneError, match=r"model.training_adapter needs an adapter \(adapter.kind lora"):
+        make_config(model__training_adapter=str(tmp_path / "assistant.safetensors"), adapter__kind="none")

@@ -11,9 +11,10 @@ language model's second-to-last hidden states. Trained by flow matching (flow.py
 - Guidance: the pipeline's `guidance_scale` s means pos + s (pos - neg); difftune's `sample.guidance_scale` w
   means what it means for every family (neg + w (pos - neg)), so the pipeline is asked for s = w - 1. Turbo
   bases are sampled without guidance: w = 1 or less.
-- Z-Image-Turbo is a few-step distilled model; a LoRA trained on it as on the base model (what ai-toolkit's
-  and musubi-tuner's Turbo jobs do, ai-toolkit adding a de-distillation adapter at sampling time) drifts from
-  the distillation with long runs: keep Turbo runs short, or train the base model.
+- Z-Image-Turbo is a few-step distilled model; a LoRA trained on it as on the base model drifts from the
+  distillation with long runs. `model.training_adapter` merges a de-distilling LoRA into the base for training
+  only (ai-toolkit's `assistant_lora_path`, musubi-tuner's `--base_weights`; train.py), so that what is saved
+  applies to Turbo and keeps its few-step sampling; without one, keep Turbo runs short, or train the base model.
 - Files: diffusers' LoRA layout is the transformer's module names (which ComfyUI maps, `transformer.` keys and
   all, onto its fused model); the kohya layout is sd-scripts' / musubi-tuner's (`lora_unet_` + the module name
   with `_`, which `ZImagePipeline.load_lora_weights` reads). A single file is the transformer alone in the
