@@ -32,6 +32,7 @@ from difftune.config import FAMILY_NAMES, SHARED_FAMILY_MODULES, Config, ModelCo
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, family_table_markdown, load_components
 from difftune.families.fused import FusedKohyaLayout
+from difftune.families.lumina2 import SYSTEM_PROMPT
 from difftune.metrics import read_metrics
 from difftune.toy.tiny import build_pipeline, recolor_pairs
 from difftune.train import train
@@ -121,6 +122,13 @@ def _z_image_prompts(pipeline, prompts):
             "text_mask": torch.stack([torch.arange(longest) < len(s) for s in states]).long()}
 
 
+def _lumina2_prompts(pipeline, prompts):
+    """The pipeline pads every caption to 256 tokens, whose states the transformer never reads: zeros on both sides."""
+    assert pipeline.system_prompt == SYSTEM_PROMPT
+    states, mask, *_ = pipeline.encode_prompt(prompts, do_classifier_free_guidance=False, device="cpu")
+    return {"encoder_hidden_states": states * mask[..., None], "text_mask": mask.long()}
+
+
 # Z-Image's pipeline has its language model read every caption padded to 512 tokens; difftune reads to the batch's
 # longest (the causal model's states at the caption are the same, for a tenth of the work).
 READS_FEWER_TOKENS = {"z_image"}
@@ -132,7 +140,8 @@ PIPELINE_PROMPTS = {"sd": _sd_prompts, "sdxl": _sdxl_prompts, "flux": _flux_prom
                     "qwen_image_edit_plus": lambda pipeline, prompts, image: _qwen_edit_prompts(
                         pipeline, prompts, [FAMILIES["qwen_image_edit_plus"].prompt_image(image)]),  # at its 384^2
                     "z_image": _z_image_prompts, "chroma": _chroma_prompts,
-                    "sd3": _sd3_prompts, "flux2": _flux2_prompts, "flux2_klein": _flux2_prompts, "krea2": _krea2_prompts}
+                    "sd3": _sd3_prompts, "flux2": _flux2_prompts, "flux2_klein": _flux2_prompts, "krea2": _krea2_prompts,
+                    "lumina2": _lumina2_prompts}
 CONTROL = recolor_pairs(1, seed=4)[0][0]
 # The micro FLUX.2 transformer's 4-step render moves little with its conditioning (another prompt: 0.0065), so a
 # 4-step adapter's change is smaller than the other families' too.

@@ -31,6 +31,7 @@ SCRIPTS = {
     "flux_kontext": ("train_dreambooth_lora_flux_kontext.py", "821f168bf4b8a38af53d128e0711e13b11c8784f618225502b5f542bdc47f1df"),
     "flux2": ("train_dreambooth_lora_flux2.py", "f487a423f5873a1da99295803e7105b272c5ccdc9bd3b5961af47fec6259278b"),
     "flux2_klein": ("train_dreambooth_lora_flux2_klein.py", "2c746004af6d4aa569d9bff3d32fce70afcb885cf00c7e00ab6abf9beda42225"),
+    "lumina2": ("train_dreambooth_lora_lumina2.py", "0cd38a84e95d0a3331c4f12e6bd02fe7dab0bc56d31c22cc9edaa308c0ddd670"),
     "krea2": ("train_dreambooth_lora_krea2.py", "e88d55cb8bf6f1a0d672330661752b982ab7c0a1623980e1673b8b2d303ef948"),
     "qwen_image": ("train_dreambooth_lora_qwen_image.py", "7c06f0297e5ddc909efa897736be58ca0b743fbef93a9681d35cbe9a74e29cb2"),
     "sd3": ("train_dreambooth_lora_sd3.py", "74f4cfd22527673c10f4e7a7b2a2b117ef554a0190bfa5876210f7d365e393bb"),
@@ -219,6 +220,20 @@ def z_image_script_loss(pipeline, latents, noise, weighting):
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
 
+def lumina2_script_loss(pipeline, latents, noise, weighting):
+    """train_dreambooth_lora_lumina2.py: latents (x - shift) * scale, the scheduler's sigma s drawn as Flux's but
+    used as the clean fraction, `(1 - s) noise + s x` (its "reverse lerp"), the transformer at `s` with the prompt's
+    padded states and mask (`encode_prompt` with the pipeline's system prompt), target `x - noise`. difftune's noise
+    level for the same input is 1 - s, returned as its timesteps."""
+    _, clean = _flow_sigmas(pipeline, latents)
+    noisy = (1.0 - clean) * noise + clean * latents
+    states, mask, *_ = pipeline.encode_prompt(PROMPTS, do_classifier_free_guidance=False, device="cpu")
+    prediction = pipeline.transformer(hidden_states=noisy, encoder_hidden_states=states, encoder_attention_mask=mask,
+                                      timestep=clean.flatten(), return_dict=False)[0]
+    assert weighting == "uniform"  # its other weightings read the reflected s as a noise level
+    return _mse(prediction, latents - noise), (1.0 - clean.flatten()) * 1000
+
+
 def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
     """The scripts' latents (at the posterior's mode): SD and SDXL `x * scaling_factor`; Flux, Z-Image and SD3
     `(x - shift_factor) * scaling_factor`; Qwen-Image and Krea 2 `(x - latents_mean) * (1 / latents_std)` per channel; FLUX.2
@@ -238,8 +253,9 @@ def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
 
 SCRIPT_LOSSES = {"sd": sd_script_loss, "sdxl": sdxl_script_loss, "flux": flux_script_loss,
                  "flux_kontext": flux_kontext_script_loss, "flux2": flux2_script_loss, "flux2_klein": flux2_script_loss,
-                 "krea2": krea2_script_loss, "qwen_image": qwen_image_script_loss, "sd3": sd3_script_loss, "z_image": z_image_script_loss}
-CASES = [("sd", "uniform"), ("sd", "min_snr"), ("sdxl", "uniform"), ("flux", "uniform"), ("flux", "cosmap"),
+                 "krea2": krea2_script_loss, "qwen_image": qwen_image_script_loss, "sd3": sd3_script_loss, "z_image": z_image_script_loss,
+                 "lumina2": lumina2_script_loss}
+CASES = [("lumina2", "uniform"), ("sd", "uniform"), ("sd", "min_snr"), ("sdxl", "uniform"), ("flux", "uniform"), ("flux", "cosmap"),
          ("flux_kontext", "uniform"), ("flux2", "uniform"), ("flux2", "cosmap"), ("flux2_klein", "uniform"),
          ("flux2_klein", "sigma_sqrt"),
          ("krea2", "uniform"), ("krea2", "cosmap"), ("qwen_image", "uniform"), ("qwen_image", "sigma_sqrt"), ("sd3", "uniform"), ("sd3", "sigma_sqrt"),

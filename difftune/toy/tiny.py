@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers import (
+    Lumina2Pipeline,
+    Lumina2Transformer2DModel,
     AutoencoderKL,
     AutoencoderKLFlux2,
     AutoencoderKLQwenImage,
@@ -53,6 +55,8 @@ from diffusers import (
 from PIL import Image, ImageDraw
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
+    Gemma2Config,
+    Gemma2Model,
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
@@ -508,19 +512,43 @@ def build_z_image_transformer(layers: int = 1, refiner_layers: int = 1, heads: i
     )
 
 
+def build_gemma2_text_encoder(tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 3) -> Gemma2Model:
+    """A Gemma 2 language model (Lumina 2's text encoder, which reads the second-to-last layer's states)."""
+    config = Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=hidden_size // 2, max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=None,
+    )
+    return Gemma2Model(config)
+
+
+def build_lumina2_transformer(layers: int = 1, refiner_layers: int = 1, heads: int = 2, head_dim: int = 16,
+                              text_hidden_size: int = QWEN_HIDDEN_SIZE) -> Lumina2Transformer2DModel:
+    """`layers` joint blocks after `refiner_layers` image and caption refiner blocks each, over 2x2 patches of
+    16-channel latents; rotary axes split the head 1:1.5:1.5 (caption position, row, column)."""
+    return Lumina2Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=FLUX_LATENT_CHANNELS, hidden_size=heads * head_dim, num_layers=layers,
+        num_refiner_layers=refiner_layers, num_attention_heads=heads, num_kv_heads=heads, multiple_of=16,
+        axes_dim_rope=(head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8), axes_lens=(300, 64, 64),
+        cap_feat_dim=text_hidden_size,
+    )
+
+
 def build_z_image_scheduler() -> FlowMatchEulerDiscreteScheduler:
     """Z-Image's scheduler config: one shift (3) at every size."""
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 
 
-def build_vae(scaling_factor: float = 1.0, latent_channels: int = 4) -> AutoencoderKL:
-    # Three blocks: 32 px images -> 8x8 latents (downsampling 4, where SD's VAE has 8).
+def build_vae(scaling_factor: float = 1.0, latent_channels: int = 4, downsampling: int = 4) -> AutoencoderKL:
+    # Three blocks: 32 px images -> 8x8 latents (downsampling 4, where SD's VAE has 8); four for Lumina 2, whose
+    # pipeline assumes the real 8.
+    blocks = int(math.log2(downsampling)) + 1
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(32, 64, 64),
+        down_block_types=("DownEncoderBlock2D",) * blocks,
+        up_block_types=("UpDecoderBlock2D",) * blocks,
+        block_out_channels=(32,) + (64,) * (blocks - 1),
         layers_per_block=1,
         latent_channels=latent_channels,
         norm_num_groups=32,
@@ -600,8 +628,8 @@ def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
         with torch.no_grad():
             set_latent_statistics(vae, encode_posterior(vae, pixels)[0])
     else:
-        flux = family in ("flux", "flux_kontext", "chroma", "sd3", "z_image")  # 16 channels with a shift factor
-        vae = build_vae(latent_channels=FLUX_LATENT_CHANNELS if flux else 4)
+        flux = family in ("flux", "flux_kontext", "chroma", "sd3", "z_image", "lumina2")  # 16 channels with a shift factor
+        vae = build_vae(latent_channels=FLUX_LATENT_CHANNELS if flux else 4, downsampling=8 if family == "lumina2" else 4)
         with torch.no_grad():
             latents = encode_posterior(vae, pixels)[0]  # (64, C, 8, 8)
         set_latent_scaling(vae, latents, shift=flux)
@@ -636,6 +664,13 @@ def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int,
         return ZImagePipeline(vae=vae, text_encoder=build_qwen3_text_encoder(tokenizer, width),
                               tokenizer=tokenizer, scheduler=build_z_image_scheduler(), transformer=build_z_image_transformer(
                                   dit_layers or 1, heads=dit_heads, text_hidden_size=width))
+    if family == "lumina2":  # Lumina-Image 2.0's scheduler: one shift (6) at every size
+        tokenizer = build_t5_tokenizer()
+        return Lumina2Pipeline(
+            vae=vae, text_encoder=build_gemma2_text_encoder(tokenizer, width), tokenizer=tokenizer,
+            scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=6.0, use_dynamic_shifting=False),
+            transformer=build_lumina2_transformer(dit_layers or 1, heads=dit_heads, text_hidden_size=width),
+        )
     if family.startswith("qwen_image"):
         edit = family in QWEN_EDIT_FAMILIES
         tokenizer = build_qwen_tokenizer(edit)
