@@ -14,8 +14,8 @@ language model. Trained by flow matching (flow.py).
   read without the system prompt, as the pipeline reads it.
 - Files: diffusers' layout (`transformer.`, which `Lumina2Pipeline.load_lora_weights` reads: transformer adapters
   alone) with the script's default targets (attention q, k, v, out); the kohya layout is diffusers' module names
-  after `lora_unet_` (the reference trainers' Lumina 2 files), read back by the same table. Single files are not
-  read yet.
+  after `lora_unet_` (the reference trainers' Lumina 2 files), read back by the same table. A single file is the
+  transformer alone in the original layout (`ORIGINAL_NAMES`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import re
 import torch
 from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
 
-from difftune.errors import DifftuneError
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.qwen_image import padded, trimmed, valid_token_states
 from difftune.models import Components
@@ -37,6 +36,38 @@ SYSTEM_PROMPT = ("You are an assistant designed to generate superior images with
 PROMPT_START = " <Prompt Start> "
 TRANSFORMER_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]  # diffusers' Lumina 2 script's
 BLOCK_LISTS = ("noise_refiner", "context_refiner", "layers")
+# Single files: diffusers' weight names <-> the original model's (Alpha-VLLM's and ComfyUI's), the first rule that
+# matches; `{i}` and `{n}` are numbers, `{blocks}` a block list. q, k and v are one `attention.qkv` there. A caption
+# refiner's norms are plain, a modulated block's first norm sits beside its modulation.
+ORIGINAL_NAMES = [
+    ("time_caption_embed.caption_embedder.", "cap_embedder."),
+    ("time_caption_embed.timestep_embedder.linear_1.", "t_embedder.mlp.0."),
+    ("time_caption_embed.timestep_embedder.linear_2.", "t_embedder.mlp.2."),
+    ("norm_out.linear_1.", "final_layer.adaLN_modulation.1."), ("norm_out.linear_2.", "final_layer.linear."),
+    ("context_refiner.{i}.norm1.", "context_refiner.{i}.attention_norm1."),
+    ("context_refiner.{i}.norm2.", "context_refiner.{i}.attention_norm2."),
+    ("{blocks}.{i}.norm1.norm.", "{blocks}.{i}.attention_norm1."), ("{blocks}.{i}.norm2.", "{blocks}.{i}.attention_norm2."),
+    ("{blocks}.{i}.norm1.linear.", "{blocks}.{i}.adaLN_modulation.1."),
+    ("{blocks}.{i}.attn.to_out.0.", "{blocks}.{i}.attention.out."),
+    ("{blocks}.{i}.attn.norm_q.", "{blocks}.{i}.attention.q_norm."), ("{blocks}.{i}.attn.norm_k.", "{blocks}.{i}.attention.k_norm."),
+    ("{blocks}.{i}.feed_forward.linear_{n}.", "{blocks}.{i}.feed_forward.w{n}."),
+    ("{blocks}.{i}.attn.to_qkv.", "{blocks}.{i}.attention.qkv."),
+]
+
+
+def _pattern(template: str) -> re.Pattern:
+    """A name template as a regular expression of its start: `{blocks}` a word, any other `{x}` a number."""
+    escaped = re.escape(template).replace(r"\{blocks\}", r"(?P<blocks>\w+)")
+    return re.compile("^" + re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>\\d+)", escaped))
+
+
+def renamed(key: str, to_original: bool) -> str:
+    """`key` in the other layout, by the first `ORIGINAL_NAMES` rule whose side it matches (else as it is)."""
+    for diffusers_name, original in ORIGINAL_NAMES:
+        source, target = (diffusers_name, original) if to_original else (original, diffusers_name)
+        if match := _pattern(source).match(key):
+            return target.format(**match.groupdict()) + key[match.end():]
+    return key
 
 
 class Lumina2(FlowMatchingFamily):
@@ -46,6 +77,8 @@ class Lumina2(FlowMatchingFamily):
     pipeline_classes = ("Lumina2Pipeline", "Lumina2Text2ImgPipeline")  # and its earlier name, in folders saved then
     denoiser_class = Lumina2Transformer2DModel
     denoiser_name = "transformer"
+    single_file_layout = "transformer alone (original layout)"
+    denoiser_file_key = "cap_embedder.1.weight"  # what diffusers' reader detects Lumina 2 files by
     kohya_prefixes = {"transformer": "lora_unet_"}
     kohya_text_model_parts = ()
     kohya_model_version = "lumina2"
@@ -107,8 +140,37 @@ class Lumina2(FlowMatchingFamily):
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS
 
-    # Files.
+    # Single files: the transformer alone in the original layout (Alpha-VLLM's `consolidated.00-of-01.pth` saved as
+    # safetensors, ComfyUI's `lumina_2_model_bf16.safetensors`); the other parts come from `model.single_file_config`.
+    # Read and written from one table at any width (diffusers' reader assumes Lumina-Image 2.0's: 2304, 768).
+
+    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        raise DifftuneError("merge --single-file: not written for Lumina 2 yet (diffusers' reader of its files assumes "
-                            "Lumina-Image 2.0's widths); the merged diffusers folder loads in diffusers")
+        weights, out = components.denoiser.state_dict(), {}
+        for key, value in weights.items():
+            if re.search(r"\.attn\.to_[kv]\.weight$", key):
+                continue
+            if key.endswith(".attn.to_q.weight"):
+                stem = key.removesuffix("to_q.weight")
+                key, value = stem + "to_qkv.weight", torch.cat([weights[stem + f"to_{p}.weight"] for p in "qkv"])
+            out[renamed(key, to_original=True)] = value.contiguous()
+        # The original model holds a final norm it never applies (diffusers' reader drops it): at its initial value,
+        # for readers that expect every original key.
+        out["norm_final.weight"] = torch.ones(components.denoiser.config.hidden_size)
+        return out
+
+    def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
+        weights, out = super().denoiser_file_weights(path), {}
+        if self.denoiser_file_key not in weights:  # diffusers' names
+            return weights
+        weights.pop("norm_final.weight", None)  # the original model holds it and never applies it
+        for key, value in weights.items():
+            key = renamed(key, to_original=False)
+            if key.endswith(".attn.to_qkv.weight"):  # q is as wide as the block, k and v share the rest
+                q_rows = value.shape[1]
+                parts = value.split([q_rows, (len(value) - q_rows) // 2, (len(value) - q_rows) // 2])
+                out |= {key.replace("to_qkv", f"to_{p}"): part for p, part in zip("qkv", parts)}
+            else:
+                out[key] = value
+        return out
