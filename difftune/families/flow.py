@@ -78,6 +78,7 @@ class FlowMatchingFamily(Family):
     """A family trained by rectified flow, over latents its denoiser reads as 2x2 patches (`patch_size`)."""
 
     patch_size = 2  # latent pixels per token side: what the resolution shift counts tokens by
+    block_lists = ("transformer_blocks", "single_transformer_blocks")  # double-stream, then single-stream
     default_sampler = "euler"
     samplers = {"euler": FlowMatchEulerDiscreteScheduler}
 
@@ -110,9 +111,12 @@ class FlowMatchingFamily(Family):
         return resolution_shift(components.noise_scheduler.config, image_tokens)
 
     def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
-        """The transformer's blocks (double- and single-stream)."""
-        return {match.group(0): module for name, module in denoiser.named_modules()
-                if (match := re.search(r"(?:single_)?transformer_blocks\.\d+$", name))}
+        """The transformer's blocks, list by list in `block_lists`' order (the order it runs them)."""
+        blocks = {}
+        for blocks_name in self.block_lists:
+            blocks |= {match.group(1): module for name, module in denoiser.named_modules()
+                       if (match := re.search(rf"(?:^|\.)({blocks_name}\.\d+)$", name))}
+        return blocks
 
     def offloadable_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """The transformer's blocks, double-stream then single-stream."""

@@ -27,6 +27,7 @@ from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
 
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.qwen_image import padded, trimmed, valid_token_states
+from difftune.families.z_image import fused_qkv
 from difftune.models import Components
 
 TEXT_TOKENS = 256  # Lumina2Pipeline's default `max_sequence_length`
@@ -35,7 +36,6 @@ SYSTEM_PROMPT = ("You are an assistant designed to generate superior images with
                  "alignment based on textual prompts or user prompts.")
 PROMPT_START = " <Prompt Start> "
 TRANSFORMER_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]  # diffusers' Lumina 2 script's
-BLOCK_LISTS = ("noise_refiner", "context_refiner", "layers")
 # Single files: diffusers' weight names <-> the original model's (Alpha-VLLM's and ComfyUI's), the first rule that
 # matches; `{i}` and `{n}` are numbers, `{blocks}` a block list. q, k and v are one `attention.qkv` there. A caption
 # refiner's norms are plain, a modulated block's first norm sits beside its modulation.
@@ -51,7 +51,7 @@ ORIGINAL_NAMES = [
     ("{blocks}.{i}.attn.to_out.0.", "{blocks}.{i}.attention.out."),
     ("{blocks}.{i}.attn.norm_q.", "{blocks}.{i}.attention.q_norm."), ("{blocks}.{i}.attn.norm_k.", "{blocks}.{i}.attention.k_norm."),
     ("{blocks}.{i}.feed_forward.linear_{n}.", "{blocks}.{i}.feed_forward.w{n}."),
-    ("{blocks}.{i}.attn.to_qkv.", "{blocks}.{i}.attention.qkv."),
+    ("{blocks}.{i}.attn.qkv.", "{blocks}.{i}.attention.qkv."),
 ]
 
 
@@ -77,6 +77,7 @@ class Lumina2(FlowMatchingFamily):
     pipeline_classes = ("Lumina2Pipeline", "Lumina2Text2ImgPipeline")  # and its earlier name, in folders saved then
     denoiser_class = Lumina2Transformer2DModel
     denoiser_name = "transformer"
+    block_lists = ("noise_refiner", "context_refiner", "layers")  # the refiners' blocks, then the joint ones
     single_file_layout = "transformer alone (original layout)"
     denoiser_file_key = "cap_embedder.1.weight"  # what diffusers' reader detects Lumina 2 files by
     kohya_prefixes = {"transformer": "lora_unet_"}
@@ -122,14 +123,6 @@ class Lumina2(FlowMatchingFamily):
         )[0]
         return -prediction
 
-    def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
-        """The refiners' blocks and the joint ones, in the order the transformer runs them."""
-        blocks = {}
-        for blocks_name in BLOCK_LISTS:
-            blocks |= {match.group(1): module for name, module in denoiser.named_modules()
-                       if (match := re.search(rf"(?:^|\.)({blocks_name}\.\d+)$", name))}
-        return blocks
-
     # Sampling.
 
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
@@ -147,14 +140,8 @@ class Lumina2(FlowMatchingFamily):
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        weights, out = components.denoiser.state_dict(), {}
-        for key, value in weights.items():
-            if re.search(r"\.attn\.to_[kv]\.weight$", key):
-                continue
-            if key.endswith(".attn.to_q.weight"):
-                stem = key.removesuffix("to_q.weight")
-                key, value = stem + "to_qkv.weight", torch.cat([weights[stem + f"to_{p}.weight"] for p in "qkv"])
-            out[renamed(key, to_original=True)] = value.contiguous()
+        out = {renamed(key, to_original=True): value.contiguous()
+               for key, value in fused_qkv(components.denoiser.state_dict(), "attn").items()}
         # The original model holds a final norm it never applies (diffusers' reader drops it): at its initial value,
         # for readers that expect every original key.
         out["norm_final.weight"] = torch.ones(components.denoiser.config.hidden_size)
@@ -167,10 +154,10 @@ class Lumina2(FlowMatchingFamily):
         weights.pop("norm_final.weight", None)  # the original model holds it and never applies it
         for key, value in weights.items():
             key = renamed(key, to_original=False)
-            if key.endswith(".attn.to_qkv.weight"):  # q is as wide as the block, k and v share the rest
+            if key.endswith(".attn.qkv.weight"):  # q is as wide as the block, k and v share the rest
                 q_rows = value.shape[1]
                 parts = value.split([q_rows, (len(value) - q_rows) // 2, (len(value) - q_rows) // 2])
-                out |= {key.replace("to_qkv", f"to_{p}"): part for p, part in zip("qkv", parts)}
+                out |= {key.replace(".qkv.", f".to_{p}."): part for p, part in zip("qkv", parts)}
             else:
                 out[key] = value
         return out

@@ -38,11 +38,24 @@ TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
 # Attention and the SwiGLU MLP of every block (refiners included): musubi-tuner's and ai-toolkit's Z-Image targets.
 TRANSFORMER_TARGETS = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
                        "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
-BLOCK_LISTS = ("noise_refiner", "context_refiner", "layers")  # in the order the transformer runs them
 # diffusers name -> original name, for the weights whose names differ (besides the fused q, k, v).
 ORIGINAL_NAMES = {"all_final_layer.2-1.": "final_layer.", "all_x_embedder.2-1.": "x_embedder.",
                   ".attention.to_out.0.": ".attention.out.", ".attention.norm_q.": ".attention.q_norm.",
                   ".attention.norm_k.": ".attention.k_norm."}
+
+
+def fused_qkv(weights: dict[str, torch.Tensor], attention: str) -> dict[str, torch.Tensor]:
+    """`weights` with each `{attention}.to_q` / `to_k` / `to_v` weight stacked by rows into one `{attention}.qkv`, as
+    the Lumina-lineage originals (Z-Image, Lumina 2) hold them; the rest as they are."""
+    out = {}
+    for key, value in weights.items():
+        if re.search(rf"\.{attention}\.to_[kv]\.weight$", key):
+            continue
+        if key.endswith(f".{attention}.to_q.weight"):
+            stem = key.removesuffix("to_q.weight")
+            key, value = stem + "qkv.weight", torch.cat([weights[stem + f"to_{p}.weight"] for p in "qkv"])
+        out[key] = value
+    return out
 
 
 class ZImage(FlowMatchingFamily):
@@ -54,6 +67,7 @@ class ZImage(FlowMatchingFamily):
     pipeline_classes = ("ZImagePipeline",)
     denoiser_class = ZImageTransformer2DModel
     denoiser_name = "transformer"
+    block_lists = ("noise_refiner", "context_refiner", "layers")  # the refiners' blocks, then the main ones
     kohya_prefixes = {"transformer": "lora_unet_"}
     kohya_text_model_parts = ()
     kohya_model_version = "z_image"
@@ -81,13 +95,8 @@ class ZImage(FlowMatchingFamily):
         """The transformer in the original layout: q, k and v fused into `attention.qkv`, and the original names;
         `norm_final`, which the original model holds but never applies (diffusers' converter drops it), is written
         at its initial value so that readers expecting every original key find it."""
-        weights, out = components.denoiser.state_dict(), {}
-        for key, value in weights.items():
-            if re.search(r"\.attention\.to_[kv]\.weight$", key):
-                continue
-            if key.endswith(".attention.to_q.weight"):
-                stem = key.removesuffix("to_q.weight")
-                key, value = stem + "qkv.weight", torch.cat([weights[stem + f"to_{p}.weight"] for p in "qkv"])
+        out = {}
+        for key, value in fused_qkv(components.denoiser.state_dict(), "attention").items():
             for diffusers_name, original in ORIGINAL_NAMES.items():
                 key = key.replace(diffusers_name, original)
             out[key] = value.contiguous()
@@ -131,14 +140,6 @@ class ZImage(FlowMatchingFamily):
             [state[:length] for state, length in zip(states, lengths)], return_dict=False,
         )[0]
         return -torch.stack(prediction).squeeze(2)
-
-    def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
-        """The refiners' blocks and the main ones, in the order the transformer runs them."""
-        blocks = {}
-        for blocks_name in BLOCK_LISTS:
-            blocks |= {match.group(1): module for name, module in denoiser.named_modules()
-                       if (match := re.search(rf"(?:^|\.)({blocks_name}\.\d+)$", name))}
-        return blocks
 
     # Sampling.
 
