@@ -42,17 +42,22 @@ class Components:
     latent_normalization: LatentNormalization = LatentNormalization()  # the autoencoder's (autoencoders.py)
     family_options: Any = None  # `model.family_options`, checked by the family (its `options_model`)
     merged_changes: dict = field(default_factory=dict)  # a merged training adapter's, by layer (training_adapter.py)
+    # Frozen parts only the family's pipeline draws with (Ideogram 4's unconditional transformer), by their pipeline
+    # names; None while released. Training never runs them: they wait in host memory for previews, or are released.
+    drawing_parts: dict[str, torch.nn.Module | None] = field(default_factory=dict)
 
     def parts(self) -> dict[str, torch.nn.Module | None]:
         """The denoiser and the text encoders by part name: what adapters attach to."""
         return {self.family.denoiser_name: self.denoiser, **self.text_encoders}
 
     def modules(self) -> list[torch.nn.Module]:
-        """Every loaded model (released encoders left out)."""
-        return [m for m in (self.denoiser, self.vae, *self.text_encoders.values()) if m is not None]
+        """Every loaded model (released encoders and drawing parts left out)."""
+        return [m for m in (self.denoiser, self.vae, *self.text_encoders.values(), *self.drawing_parts.values())
+                if m is not None]
 
     def encoders_loaded(self) -> bool:
-        return self.vae is not None and all(m is not None for m in self.text_encoders.values())
+        """Whether every part a pipeline needs is loaded (none released)."""
+        return self.vae is not None and all(m is not None for m in (*self.text_encoders.values(), *self.drawing_parts.values()))
 
     def pipeline(self, scheduler=None):
         """A text-to-image pipeline of the family over these components."""
@@ -122,24 +127,27 @@ def explained_load_errors(key: str, name: str):
 
 
 def encoder_placement(config: Config) -> dict[str, str]:
-    """Where a training run keeps the autoencoder ("vae") and the text encoders ("text"): `device` where they
-    encode every step; `released` where the cache holds all they give and nothing else needs them (dropped, and
-    loaded again at the end of the run); `host` where the cache holds what training needs but previews or validation
-    use them now and then (in host memory, on the device only while those run: `encoders_on`)."""
+    """Where a training run keeps the autoencoder ("vae"), the text encoders ("text") and the family's drawing parts
+    ("drawing"): `device` where they encode every step; `released` where the cache holds all they give and nothing
+    else needs them (dropped, and loaded again at the end of the run); `host` where the cache holds what training needs
+    but previews or validation use them now and then (in host memory, on the device only while those run:
+    `encoders_on`). Drawing parts are never needed to train: `host` for previews, else `released`."""
     previews = bool(config.sample.every_steps and config.sample.prompts)
 
     def where(cached: bool, needed: bool) -> str:
         return "device" if not cached else "host" if needed else "released"
 
     return {"vae": where(config.cache.latents == "on", previews or bool(config.validation.eval_concept)),
-            "text": where(config.cache.text == "on", previews or bool(config.validation.path))}
+            "text": where(config.cache.text == "on", previews or bool(config.validation.path)),
+            "drawing": where(True, previews)}
 
 
 def host_kept_encoders(components: Components, config: Config) -> list[torch.nn.Module]:
     """The loaded encoders `encoder_placement` keeps in host memory."""
     placement = encoder_placement(config)
     kept = ([components.vae] if placement["vae"] == "host" else []) + (
-        list(components.text_encoders.values()) if placement["text"] == "host" else [])
+        list(components.text_encoders.values()) if placement["text"] == "host" else []) + (
+        list(components.drawing_parts.values()) if placement["drawing"] == "host" else [])
     return [module for module in kept if module is not None]
 
 

@@ -139,6 +139,8 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     placement = encoder_placement(config)
     kept_at = {where: [m for m in encoders if placement["vae" if m is components.vae else "text"] == where]
                for where in ("device", "host")}
+    # Drawing parts (Ideogram 4's unconditional transformer) never train: in host memory for previews, else released.
+    kept_at["host"] += [m for m in components.drawing_parts.values() if m is not None and placement["drawing"] == "host"]
     frozen = _bytes(components.denoiser, frozen_only=True)
     trained_bytes = sum(p.numel() * 4 for p in trained)
     optimizer = OPTIMIZER_STATE_BYTES.get(config.optim.optimizer, 8) * sum(p.numel() for p in trained)
@@ -418,9 +420,27 @@ def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tu
     conditioning = {name: value.to(dtype) if value.is_floating_point() else value for name, value in conditioning.items()}
     geometry = torch.tensor([[side, side, 0, 0, side, side]] * batch, device=META)
     timesteps = torch.full((batch,), 500, device=META)
-    with _counting(full) as counter:
+    with _counting(full) as counter, _meta_autocast_as_cpu():
         components.family.denoise(components, latents, timesteps, conditioning, geometry).float().square().mean().backward()
         return counter.peak, counter.now
+
+
+@contextmanager
+def _meta_autocast_as_cpu():
+    """`torch.autocast` for the meta device as for the CPU: a model that turns autocast off around a computation
+    names its tensors' device (Ideogram 4's rotary embedding), and autocast knows no "meta" (the CPU's, off, is a
+    null context, which is what the model asks for)."""
+    autocast = torch.autocast
+
+    class MetaAsCpu(autocast):
+        def __init__(self, device_type: str, *args, **kwargs):
+            super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    torch.autocast = MetaAsCpu
+    try:
+        yield
+    finally:
+        torch.autocast = autocast
 
 
 def _mapped_at_load(config: Config, components: Components) -> dict[str, int]:
@@ -442,7 +462,8 @@ def _holds_fp32(path: Path) -> bool:
 
 
 def _named_modules(components: Components) -> dict[str, torch.nn.Module]:
-    named = {components.family.denoiser_name: components.denoiser, "vae": components.vae, **components.text_encoders}
+    named = {components.family.denoiser_name: components.denoiser, "vae": components.vae, **components.text_encoders,
+             **components.drawing_parts}
     return {name: module for name, module in named.items() if module is not None}
 
 

@@ -526,16 +526,20 @@ def _release_unneeded(components: Components, config: Config) -> None:
         components.vae = None
     if placement["text"] == "released":
         components.text_encoders = dict.fromkeys(components.text_encoders)
+    if placement["drawing"] == "released":
+        components.drawing_parts = dict.fromkeys(components.drawing_parts)
     for module in host_kept_encoders(components, config):
         module.to("cpu")
 
 
 def _reload_released(components: Components, config: Config, device) -> None:
-    """Bring the released encoders back for the end-of-run samples and the saved full model."""
+    """Bring the released encoders (and drawing parts) back for the end-of-run samples and the saved full model."""
     loaded = load_components(config.model)
     components.vae = components.vae or loaded.vae.to(device).eval()
     for name, encoder in components.text_encoders.items():
         components.text_encoders[name] = encoder or loaded.text_encoders[name].to(device).eval()
+    for name, part in components.drawing_parts.items():
+        components.drawing_parts[name] = part or loaded.drawing_parts[name].to(device).eval()
 
 
 def _roll_back(run: Run, why: str) -> None:

@@ -129,9 +129,22 @@ def _lumina2_prompts(pipeline, prompts):
     return {"encoder_hidden_states": states * mask[..., None], "text_mask": mask.long()}
 
 
-# Z-Image's pipeline has its language model read every caption padded to 512 tokens; difftune reads to the batch's
-# longest (the causal model's states at the caption are the same, for a tenth of the work).
-READS_FEWER_TOKENS = {"z_image"}
+def _ideogram4_prompts(pipeline, prompts):
+    """The pipeline left-pads every caption to `max_sequence_length` in its packed sequence (`indicator` marks the
+    text): its text features left-aligned, each caption's own."""
+    features, _, _, indicator = pipeline.encode_prompt(prompts, 1, 1, 64, "cpu")
+    mask = indicator[:, :64] == 3  # LLM_TOKEN_INDICATOR
+    longest = int(mask.sum(dim=1).max())
+    states = torch.zeros(len(prompts), longest, features.shape[-1])
+    for i in range(len(prompts)):
+        states[i, : int(mask[i].sum())] = features[i, :64][mask[i]]
+    return {"encoder_hidden_states": states, "text_mask": torch.stack([torch.arange(longest) < m.sum() for m in mask]).long()}
+
+
+# Z-Image's pipeline has its language model read every caption padded to 512 tokens, Ideogram 4's left-padded to its
+# `max_sequence_length`; difftune reads to the batch's longest (the causal model's states at the caption are the
+# same, for a fraction of the work).
+READS_FEWER_TOKENS = {"z_image", "ideogram4"}
 # Whose pipelines read a micro model's kohya file: diffusers' Flux reader assumes FLUX.1's widths for a single
 # block's fused linear1 (tests/test_flux.py checks its double blocks).
 KOHYA_READ_BY_PIPELINE = {"sd", "sdxl", "qwen_image", "z_image"}
@@ -141,7 +154,7 @@ PIPELINE_PROMPTS = {"sd": _sd_prompts, "sdxl": _sdxl_prompts, "flux": _flux_prom
                         pipeline, prompts, [FAMILIES["qwen_image_edit_plus"].prompt_image(image)]),  # at its 384^2
                     "z_image": _z_image_prompts, "chroma": _chroma_prompts,
                     "sd3": _sd3_prompts, "flux2": _flux2_prompts, "flux2_klein": _flux2_prompts, "krea2": _krea2_prompts,
-                    "lumina2": _lumina2_prompts}
+                    "lumina2": _lumina2_prompts, "ideogram4": _ideogram4_prompts}
 CONTROL = recolor_pairs(1, seed=4)[0][0]
 # The micro FLUX.2 transformer's 4-step render moves little with its conditioning (another prompt: 0.0065), so a
 # 4-step adapter's change is smaller than the other families' too.
@@ -165,6 +178,8 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         arguments |= {"guidance_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
     elif name in ("z_image", "krea2"):  # their own guidance convention: pos + s (pos - neg)
         arguments |= {"guidance_scale": 2.0, "negative_prompt": "", "max_sequence_length": 32}
+    elif name == "ideogram4":  # asymmetric guidance: w pos + (1 - w) neg, neg from its unconditional transformer
+        arguments |= {"guidance_scale": 3.0, "guidance_schedule": None, "max_sequence_length": 64}
     elif name == "flux_kontext":  # guidance-distilled, as Kontext [dev]: the scale is its guidance embedding's input
         arguments |= {"guidance_scale": 3.0, "max_sequence_length": 32, "max_area": 32 * 32}
     elif family.needs_controls_to_draw:  # the control at the drawn size, as difftune trains and samples it

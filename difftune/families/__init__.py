@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from difftune.autoencoders import latent_channels, latent_normalization, load_vae
+from difftune.autoencoders import latent_channels, load_vae
 from difftune.config import FAMILY_NAMES, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families.family import Family
@@ -93,7 +93,7 @@ def load_components(config: ModelConfig) -> Components:
     if config.vae:
         with explained_load_errors("model.vae", config.vae):
             components.vae = load_vae(config.vae)
-    components.latent_normalization = latent_normalization(components.vae)
+    components.latent_normalization = components.family.latent_normalization(components.vae)
     makes, takes = latent_channels(components.vae), components.family.latent_channels(components.denoiser)
     if makes != takes:
         raise DifftuneError(

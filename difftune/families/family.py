@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from difftune import kohya, single_file
+from difftune.autoencoders import LatentNormalization, latent_normalization
 from difftune.config import Config, LossConfig, ModelConfig, Section
 from difftune.errors import DifftuneError
 from difftune.loss import WEIGHTINGS, diffusion_loss, draw_timesteps_and_noise
@@ -56,6 +57,7 @@ class Family:
     denoiser_name = "unet"  # its pipeline argument and its prefix in diffusers' LoRA files
     text_encoder_names: tuple[str, ...] = ("text_encoder",)
     tokenizer_names: tuple[str, ...] = ("tokenizer",)
+    drawing_part_names: tuple[str, ...] = ()  # frozen pipeline parts that drawing alone uses (`Components.drawing_parts`)
     kohya_prefixes: dict[str, str]  # part -> key prefix in kohya / A1111 / ComfyUI files
     kohya_text_model_parts: tuple[str, ...] = ("text_encoder",)  # CLIP encoders: kohya names their modules `text_model_*`
     kohya_model_version: str  # kohya's `ss_base_model_version`, where one name covers the family's bases
@@ -158,6 +160,7 @@ class Family:
             vae=pipeline.vae,
             text_encoders={name: getattr(pipeline, name) for name in self.text_encoder_names},
             tokenizers={name: getattr(pipeline, name) for name in self.tokenizer_names},
+            drawing_parts={name: getattr(pipeline, name) for name in self.drawing_part_names},
             noise_scheduler=self.training_scheduler(pipeline.scheduler),
             pipeline_options={key: pipeline.config[key] for key in self.pipeline_options if key in pipeline.config},
             family_options=options,
@@ -223,6 +226,7 @@ class Family:
             vae=components.vae,
             **components.text_encoders,
             **components.tokenizers,
+            **components.drawing_parts,
             scheduler=scheduler or components.noise_scheduler,
             **self.fixed_pipeline_arguments,
             **components.pipeline_options,
@@ -304,6 +308,11 @@ class Family:
         """Inverse of `cached_conditioning`: a stored entry as `encode_prompts` made it."""
         return stored
 
+    def latent_normalization(self, vae) -> LatentNormalization:
+        """How latents are normalised for the denoiser: as the autoencoder asks (autoencoders.py), unless the family's
+        pipeline reads them otherwise."""
+        return latent_normalization(vae)
+
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         """Channels of the latents the denoiser takes (unpacked, as the autoencoder makes them)."""
         return denoiser.config.in_channels
@@ -379,8 +388,9 @@ class Family:
 
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
         """Every weight under the original (LDM / SGM) single-file keys that A1111, ComfyUI and
-        `from_single_file` read."""
-        raise NotImplementedError
+        `from_single_file` read; a family without a single-file layout (`single_file_layout` None) refuses."""
+        raise DifftuneError(f"merge --single-file: no single-file layout is built for {self.description}; merge into a "
+                            "diffusers folder (without --single-file), which its pipeline loads")
 
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         """The modules of `part` (the loaded `model`) an adapter goes on unless the config lists others: the

@@ -38,6 +38,8 @@ from diffusers import (
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
+    Ideogram4Pipeline,
+    Ideogram4Transformer2DModel,
     Krea2Pipeline,
     Krea2Transformer2DModel,
     QwenImageEditPipeline,
@@ -108,6 +110,13 @@ MISTRAL_CHAT_TEMPLATE = (
 )
 KREA2_TEXT_LAYERS = 3  # the tiny Qwen3-VL's depth; Krea 2 stacks 12 of its 36 layers, the micro model all 3
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+IDEOGRAM4_TEXT_LAYERS = 36  # Qwen3-VL 8B's depth: Ideogram 4 reads 13 of its layers, up to the 36th
+# Qwen3-VL's chat template for text turns (a message's content a list of parts), as Ideogram 4's prompts use it.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{% if message.content is string %}{{ message.content }}"
+    "{% else %}{% for part in message.content %}{{ part.text }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # an edit base's prompts show images
 QWEN_EDIT_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus")
 # Qwen3's chat template as Z-Image's tokenizer applies it to one user turn: thinking enabled adds nothing.
@@ -438,6 +447,24 @@ def build_krea2_transformer(layers: int = 1, heads: int = 2, head_dim: int = 16,
     )
 
 
+def build_ideogram4_transformer(layers: int = 1, heads: int = 2, head_dim: int = 16,
+                                text_hidden_size: int = QWEN_HIDDEN_SIZE) -> Ideogram4Transformer2DModel:
+    """`layers` blocks over FLUX.2's patched latents, reading 13 language-model layers' states side by side; the
+    rotary frequencies split (time, row, column) 4:2:2, interleaved as Ideogram 4's 24:20:20."""
+    return Ideogram4Transformer2DModel(
+        in_channels=4 * FLUX2_LATENT_CHANNELS, num_layers=layers, attention_head_dim=head_dim, num_attention_heads=heads,
+        intermediate_size=2 * heads * head_dim, adaln_dim=16, llm_features_dim=13 * text_hidden_size, rope_theta=10000,
+        mrope_section=(head_dim // 4, head_dim // 8, head_dim // 8),
+    )
+
+
+def ideogram4_token_channels(patched_latents: torch.Tensor) -> torch.Tensor:
+    """FLUX.2-patched latents (B, 4C, h, w), channel c * 4 + p, with their channels in Ideogram 4's token order
+    (p * C + c): the order its batch-norm statistics are kept in."""
+    b, channels, h, w = patched_latents.shape
+    return patched_latents.view(b, channels // 4, 4, h, w).transpose(1, 2).reshape(b, channels, h, w)
+
+
 def build_krea2_scheduler() -> FlowMatchEulerDiscreteScheduler:
     """Krea 2's scheduler config: the shift follows the image's token count (the pipeline computes mu)."""
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, use_dynamic_shifting=True, base_image_seq_len=256,
@@ -623,6 +650,10 @@ def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
         vae = build_flux2_vae()
         with torch.no_grad():
             set_batch_norm_statistics(vae, encode_posterior(vae, pixels)[0])  # patched
+    elif family == "ideogram4":  # FLUX.2's autoencoder, its statistics in Ideogram 4's token order
+        vae = build_flux2_vae()
+        with torch.no_grad():
+            set_batch_norm_statistics(vae, ideogram4_token_channels(encode_posterior(vae, pixels)[0]))
     elif family.startswith("qwen_image") or family == "krea2":  # Krea 2's autoencoder is Qwen-Image's
         vae = build_qwen_vae()
         with torch.no_grad():
@@ -682,6 +713,15 @@ def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int,
             return QwenImagePipeline(**parts)
         pipeline_class = QwenImageEditPlusPipeline if family == "qwen_image_edit_plus" else QwenImageEditPipeline
         return pipeline_class(**parts, processor=build_qwen_processor(tokenizer))
+    if family == "ideogram4":  # two transformers: the second, reading no text, guides (asymmetric guidance)
+        tokenizer = build_qwen3_tokenizer()
+        tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
+        return Ideogram4Pipeline(
+            vae=vae, text_encoder=build_qwen3_vl_text_encoder(tokenizer, width, layers=IDEOGRAM4_TEXT_LAYERS),
+            tokenizer=tokenizer, scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000),
+            transformer=build_ideogram4_transformer(dit_layers or 1, dit_heads, text_hidden_size=width),
+            unconditional_transformer=build_ideogram4_transformer(dit_layers or 1, dit_heads, text_hidden_size=width),
+        )
     if family == "flux2_klein":
         tokenizer = build_qwen3_tokenizer(think_block=True)
         if text_tokens:
