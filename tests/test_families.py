@@ -129,6 +129,12 @@ def _lumina2_prompts(pipeline, prompts):
     return {"encoder_hidden_states": states * mask[..., None], "text_mask": mask.long()}
 
 
+def _hidream_prompts(pipeline, prompts):
+    t5, _, llama, _, pooled, _ = pipeline.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False)
+    return {"encoder_hidden_states_t5": t5, "encoder_hidden_states_llama3": llama.transpose(0, 1),
+            "pooled_prompt_embeds": pooled}
+
+
 def _ideogram4_prompts(pipeline, prompts):
     """The pipeline left-pads every caption to `max_sequence_length` in its packed sequence (`indicator` marks the
     text): its text features left-aligned, each caption's own."""
@@ -154,7 +160,8 @@ PIPELINE_PROMPTS = {"sd": _sd_prompts, "sdxl": _sdxl_prompts, "flux": _flux_prom
                         pipeline, prompts, [FAMILIES["qwen_image_edit_plus"].prompt_image(image)]),  # at its 384^2
                     "z_image": _z_image_prompts, "chroma": _chroma_prompts,
                     "sd3": _sd3_prompts, "flux2": _flux2_prompts, "flux2_klein": _flux2_prompts, "krea2": _krea2_prompts,
-                    "lumina2": _lumina2_prompts, "ideogram4": _ideogram4_prompts}
+                    "lumina2": _lumina2_prompts, "ideogram4": _ideogram4_prompts,
+                    "hidream": _hidream_prompts}
 CONTROL = recolor_pairs(1, seed=4)[0][0]
 # The micro FLUX.2 transformer's 4-step render moves little with its conditioning (another prompt: 0.0065), so a
 # 4-step adapter's change is smaller than the other families' too.
@@ -174,7 +181,7 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         arguments |= {"true_cfg_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
     elif name == "flux2_klein":  # classifier-free guidance, with the empty negative prompt it always uses
         arguments |= {"guidance_scale": 3.0}
-    elif name in ("chroma", "sd3"):  # no guidance embedding: the pipeline's own scale is classifier-free guidance
+    elif name in ("chroma", "sd3", "hidream"):  # no guidance embedding: the pipeline's own scale is classifier-free guidance
         arguments |= {"guidance_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
     elif name in ("z_image", "krea2"):  # their own guidance convention: pos + s (pos - neg)
         arguments |= {"guidance_scale": 2.0, "negative_prompt": "", "max_sequence_length": 32}

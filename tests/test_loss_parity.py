@@ -32,6 +32,7 @@ SCRIPTS = {
     "flux2": ("train_dreambooth_lora_flux2.py", "f487a423f5873a1da99295803e7105b272c5ccdc9bd3b5961af47fec6259278b"),
     "flux2_klein": ("train_dreambooth_lora_flux2_klein.py", "2c746004af6d4aa569d9bff3d32fce70afcb885cf00c7e00ab6abf9beda42225"),
     "lumina2": ("train_dreambooth_lora_lumina2.py", "0cd38a84e95d0a3331c4f12e6bd02fe7dab0bc56d31c22cc9edaa308c0ddd670"),
+    "hidream": ("train_dreambooth_lora_hidream.py", "5415a0cf050054532b94926e132533e6e00cc94b43995b472b6885ac9e2bb649"),
     "krea2": ("train_dreambooth_lora_krea2.py", "e88d55cb8bf6f1a0d672330661752b982ab7c0a1623980e1673b8b2d303ef948"),
     "qwen_image": ("train_dreambooth_lora_qwen_image.py", "7c06f0297e5ddc909efa897736be58ca0b743fbef93a9681d35cbe9a74e29cb2"),
     "sd3": ("train_dreambooth_lora_sd3.py", "74f4cfd22527673c10f4e7a7b2a2b117ef554a0190bfa5876210f7d365e393bb"),
@@ -234,6 +235,20 @@ def lumina2_script_loss(pipeline, latents, noise, weighting):
     return _mse(prediction, latents - noise), (1.0 - clean.flatten()) * 1000
 
 
+def hidream_script_loss(pipeline, latents, noise, weighting):
+    """train_dreambooth_lora_hidream.py: latents (x - shift) * scale, the scheduler loaded with `shift=3.0` (the micro
+    base's own), `(1 - sigma) x + sigma noise`, the transformer on the latents at `timesteps` (not divided) with the
+    pipeline's `encode_prompt` at `--max_sequence_length` 128 (T5's and every Llama layer's states, the CLIPs' pooled
+    side by side), `model_pred * -1`, target `noise - x`, `compute_loss_weighting_for_sd3`."""
+    timesteps, sigmas = _flow_sigmas(pipeline, latents)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    t5, _, llama, _, pooled, _ = pipeline.encode_prompt(PROMPTS, device="cpu", do_classifier_free_guidance=False,
+                                                        max_sequence_length=128)
+    prediction = pipeline.transformer(hidden_states=noisy, encoder_hidden_states_t5=t5, encoder_hidden_states_llama3=llama,
+                                      pooled_embeds=pooled, timesteps=timesteps, return_dict=False)[0] * -1
+    return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
+
+
 def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
     """The scripts' latents (at the posterior's mode): SD and SDXL `x * scaling_factor`; Flux, Z-Image and SD3
     `(x - shift_factor) * scaling_factor`; Qwen-Image and Krea 2 `(x - latents_mean) * (1 / latents_std)` per channel; FLUX.2
@@ -254,12 +269,12 @@ def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
 SCRIPT_LOSSES = {"sd": sd_script_loss, "sdxl": sdxl_script_loss, "flux": flux_script_loss,
                  "flux_kontext": flux_kontext_script_loss, "flux2": flux2_script_loss, "flux2_klein": flux2_script_loss,
                  "krea2": krea2_script_loss, "qwen_image": qwen_image_script_loss, "sd3": sd3_script_loss, "z_image": z_image_script_loss,
-                 "lumina2": lumina2_script_loss}
+                 "lumina2": lumina2_script_loss, "hidream": hidream_script_loss}
 CASES = [("lumina2", "uniform"), ("sd", "uniform"), ("sd", "min_snr"), ("sdxl", "uniform"), ("flux", "uniform"), ("flux", "cosmap"),
          ("flux_kontext", "uniform"), ("flux2", "uniform"), ("flux2", "cosmap"), ("flux2_klein", "uniform"),
          ("flux2_klein", "sigma_sqrt"),
          ("krea2", "uniform"), ("krea2", "cosmap"), ("qwen_image", "uniform"), ("qwen_image", "sigma_sqrt"), ("sd3", "uniform"), ("sd3", "sigma_sqrt"),
-         ("z_image", "uniform"), ("z_image", "cosmap")]
+         ("z_image", "uniform"), ("z_image", "cosmap"), ("hidream", "uniform"), ("hidream", "sigma_sqrt")]
 
 
 def test_every_family_with_a_diffusers_script_is_checked():

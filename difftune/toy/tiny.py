@@ -38,6 +38,8 @@ from diffusers import (
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
+    HiDreamImagePipeline,
+    HiDreamImageTransformer2DModel,
     Ideogram4Pipeline,
     Ideogram4Transformer2DModel,
     Krea2Pipeline,
@@ -59,6 +61,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     Gemma2Config,
     Gemma2Model,
+    LlamaConfig,
+    LlamaForCausalLM,
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
@@ -158,8 +162,10 @@ def build_tokenizer() -> CLIPTokenizer:
         return CLIPTokenizer(str(vocab_file), str(merges_file), model_max_length=TOKENIZER_MAX_LENGTH)
 
 
-def build_text_encoder(hidden_size: int = TEXT_HIDDEN_SIZE, projection_size: int | None = None):
-    """A 2-layer CLIP text encoder; with `projection_size`, a `CLIPTextModelWithProjection` (SDXL's second)."""
+def build_text_encoder(hidden_size: int = TEXT_HIDDEN_SIZE, projection_size: int | None = None,
+                       positions: int = TOKENIZER_MAX_LENGTH):
+    """A 2-layer CLIP text encoder; with `projection_size`, a `CLIPTextModelWithProjection` (SDXL's second).
+    `positions`: more than the tokenizer's length for HiDream, whose long-context CLIP encoders read 128 tokens."""
     vocab = character_vocabulary()
     config = CLIPTextConfig(
         vocab_size=len(vocab),
@@ -168,7 +174,7 @@ def build_text_encoder(hidden_size: int = TEXT_HIDDEN_SIZE, projection_size: int
         projection_dim=projection_size or 512,
         num_hidden_layers=2,
         num_attention_heads=2,
-        max_position_embeddings=TOKENIZER_MAX_LENGTH,
+        max_position_embeddings=positions,
         bos_token_id=vocab["<|startoftext|>"],
         eos_token_id=vocab["<|endoftext|>"],
         pad_token_id=vocab["<|endoftext|>"],
@@ -539,6 +545,43 @@ def build_z_image_transformer(layers: int = 1, refiner_layers: int = 1, heads: i
     )
 
 
+def build_llama_tokenizer() -> PreTrainedTokenizerFast:
+    """Llama 3's layout (byte-level BPE with no merges here; `<|begin_of_text|>` before every text, `<|end_of_text|>`,
+    which HiDream's pipeline pads with)."""
+    special = ("<|begin_of_text|>", "<|end_of_text|>")
+    vocab = {token: i for i, token in enumerate(special)}
+    vocab |= {byte: len(vocab) + i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[(special[0], 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=special[0], eos_token=special[1])
+
+
+def build_llama_text_encoder(tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 2) -> LlamaForCausalLM:
+    """A Llama 3.1-style language model (HiDream's fourth text encoder: every layer's states are its text)."""
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    ))
+
+
+def build_hidream_transformer(layers: tuple[int, int] = (1, 1), heads: int = 2, head_dim: int = 16,
+                              pooled_size: int = 2 * 32, llama_layers: int = 2) -> HiDreamImageTransformer2DModel:
+    """`layers` (double-stream, single-stream) HiDream blocks whose feed-forwards are a mixture of 2 experts (1 chosen
+    per token) beside a shared one, over 2x2 patches of 16-channel latents; each block reads its own language-model
+    layer (`llama_layers` of them, in turn), the T5 states and the pooled CLIP embeddings; rotary axes split the head
+    2:1:1 (time, row, column) as HiDream's 64:32:32."""
+    return HiDreamImageTransformer2DModel(
+        patch_size=2, in_channels=FLUX_LATENT_CHANNELS, num_layers=layers[0], num_single_layers=layers[1],
+        attention_head_dim=head_dim, num_attention_heads=heads, caption_channels=[T5_HIDDEN_SIZE, QWEN_HIDDEN_SIZE],
+        text_emb_dim=pooled_size, num_routed_experts=2, num_activated_experts=1,
+        axes_dims_rope=(head_dim // 2, head_dim // 4, head_dim // 4), max_resolution=(32, 32),
+        llama_layers=[i % llama_layers for i in range(sum(layers))],
+    )
+
+
 def build_gemma2_text_encoder(tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 3) -> Gemma2Model:
     """A Gemma 2 language model (Lumina 2's text encoder, which reads the second-to-last layer's states)."""
     config = Gemma2Config(
@@ -659,7 +702,7 @@ def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
         with torch.no_grad():
             set_latent_statistics(vae, encode_posterior(vae, pixels)[0])
     else:
-        flux = family in ("flux", "flux_kontext", "chroma", "sd3", "z_image", "lumina2")  # 16 channels with a shift factor
+        flux = family in ("flux", "flux_kontext", "chroma", "sd3", "z_image", "lumina2", "hidream")  # 16 channels, a shift
         vae = build_vae(latent_channels=FLUX_LATENT_CHANNELS if flux else 4, downsampling=8 if family == "lumina2" else 4)
         with torch.no_grad():
             latents = encode_posterior(vae, pixels)[0]  # (64, C, 8, 8)
@@ -754,6 +797,16 @@ def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int,
             text_encoder_3=build_t5_encoder(len(t5_tokenizer)), tokenizer_3=t5_tokenizer,
             transformer=build_sd3_transformer(dit_layers or 2, dit_heads, pooled_size=32 + 24),
             scheduler=build_sd3_scheduler(),
+        )
+    if family == "hidream":  # long-context CLIP-L and CLIP-G (pooled), T5 and Llama 3.1 (every layer's states)
+        t5_tokenizer, llama_tokenizer = build_t5_tokenizer(), build_llama_tokenizer()
+        return HiDreamImagePipeline(
+            vae=vae, text_encoder=build_text_encoder(32, 32, positions=128), tokenizer=build_tokenizer(),
+            text_encoder_2=build_text_encoder(24, 32, positions=128), tokenizer_2=build_tokenizer(),
+            text_encoder_3=build_t5_encoder(len(t5_tokenizer)), tokenizer_3=t5_tokenizer,
+            text_encoder_4=build_llama_text_encoder(llama_tokenizer, width), tokenizer_4=llama_tokenizer,
+            transformer=build_hidream_transformer(flux_layers, flux_heads, pooled_size=2 * 32),
+            scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),  # HiDream-I1-Full's
         )
     if family == "chroma":
         tokenizer = build_t5_tokenizer()
