@@ -57,12 +57,7 @@ class Chroma(Flux):
     kohya_layout_name = "Chroma"
     embedding_keys = ("t5",)
     default_targets = {"transformer": TRANSFORMER_TARGETS}
-
-    def adapted_text_encoders(self) -> tuple[str, ...]:
-        return ()
-
-    def fine_tuned_text_encoders(self) -> tuple[str, ...]:
-        return self.text_encoder_names  # a full fine-tune's pipeline folder holds T5
+    lora_text_encoders = ()  # ChromaPipeline's LoRA loader reads the transformer's adapters alone
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ids = token_ids["text_encoder"]

@@ -57,6 +57,7 @@ class Family:
     denoiser_name = "unet"  # its pipeline argument and its prefix in diffusers' LoRA files
     text_encoder_names: tuple[str, ...] = ("text_encoder",)
     tokenizer_names: tuple[str, ...] = ("tokenizer",)
+    lora_text_encoders: tuple[str, ...] | None = None  # those its pipeline's LoRA loader reads adapters of (None: all)
     drawing_part_names: tuple[str, ...] = ()  # frozen pipeline parts that drawing alone uses (`Components.drawing_parts`)
     kohya_prefixes: dict[str, str]  # part -> key prefix in kohya / A1111 / ComfyUI files
     kohya_text_model_parts: tuple[str, ...] = ("text_encoder",)  # CLIP encoders: kohya names their modules `text_model_*`
@@ -402,13 +403,15 @@ class Family:
         return list(zip(self.text_encoder_names, self.tokenizer_names))
 
     def adapted_text_encoders(self) -> tuple[str, ...]:
-        """The text encoders `adapter.text_encoder` trains: the ones diffusers' LoRA loader of this family reads."""
-        return self.text_encoder_names
+        """The text encoders `adapter.text_encoder` trains: the ones diffusers' LoRA loader of this family reads
+        (`lora_text_encoders`)."""
+        return self.text_encoder_names if self.lora_text_encoders is None else self.lora_text_encoders
 
     def fine_tuned_text_encoders(self) -> tuple[str, ...]:
         """The text encoders a full fine-tune trains with `adapter.text_encoder` (saved in the pipeline folder, which
-        the family's pipeline loads whole): the adapted ones, unless the family says otherwise."""
-        return self.adapted_text_encoders()
+        the family's pipeline loads whole): the adapted ones, or all of them where the LoRA loader reads the denoiser's
+        adapters alone."""
+        return self.adapted_text_encoders() or self.text_encoder_names
 
     def adapter_parts(self) -> tuple[str, ...]:
         """The parts an adapter file may hold: the denoiser and the adapted text encoders."""

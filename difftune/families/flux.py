@@ -108,11 +108,9 @@ class Flux(FusedKohyaLayout, FlowMatchingFamily):
     kohya_globals = kohya_globals_of(ORIGINAL_GLOBALS, SWAPPED_HALVES)
     embedding_keys = ("clip_l", "t5")
     default_targets = {"transformer": TRANSFORMER_TARGETS, "text_encoder": CLIP_ATTENTION, "text_encoder_2": T5_ATTENTION}
-
-    def adapted_text_encoders(self) -> tuple[str, ...]:
-        # CLIP only: FluxPipeline's LoRA loader reads transformer and CLIP adapters (T5's would be dropped), and
-        # kohya trains T5 only on request. T5's states are what the transformer's adapter learns to read.
-        return ("text_encoder",)
+    # CLIP only: FluxPipeline's LoRA loader reads transformer and CLIP adapters (T5's would be dropped), and kohya
+    # trains T5 only on request. T5's states are what the transformer's adapter learns to read.
+    lora_text_encoders = ("text_encoder",)
 
     # Prompts and the transformer.
 

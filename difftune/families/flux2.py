@@ -100,18 +100,13 @@ class Flux2(FusedKohyaLayout, FlowMatchingFamily):
     kohya_blocks = kohya_blocks_of(ORIGINAL_BLOCKS)
     kohya_globals = kohya_globals_of(ORIGINAL_GLOBALS, SWAPPED_HALVES)
     default_targets = {"transformer": DOUBLE_TARGETS + SINGLE_TARGETS}
+    lora_text_encoders = ()  # the FLUX.2 pipelines' LoRA loader reads the transformer's adapters alone
     text_layers = (10, 20, 30)  # the pipeline's default `text_encoder_out_layers`
     negative_prompt_refusal = "Flux2Pipeline is guidance-distilled and takes no negative prompt"
 
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         single_outputs = [f"single_transformer_blocks.{i}.attn.to_out" for i in range(model.config.num_single_layers)]
         return self.default_targets[part] + single_outputs
-
-    def adapted_text_encoders(self) -> tuple[str, ...]:
-        return ()  # the FLUX.2 pipelines' LoRA loader reads the transformer's adapters alone
-
-    def fine_tuned_text_encoders(self) -> tuple[str, ...]:
-        return self.text_encoder_names
 
     def unsupported_settings(self, config: Config) -> list[str]:
         problems = super().unsupported_settings(config)

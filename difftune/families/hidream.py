@@ -52,12 +52,7 @@ class HiDream(FlowMatchingFamily):
     kohya_text_model_parts = ()
     kohya_model_version = "hidream"
     default_targets = {"transformer": TRANSFORMER_TARGETS}
-
-    def adapted_text_encoders(self) -> tuple[str, ...]:
-        return ()  # HiDreamImagePipeline's LoRA loader reads the transformer's adapters alone
-
-    def fine_tuned_text_encoders(self) -> tuple[str, ...]:
-        return self.text_encoder_names  # a full fine-tune's pipeline folder holds the text encoders
+    lora_text_encoders = ()  # HiDreamImagePipeline's LoRA loader reads the transformer's adapters alone
 
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 

@@ -94,12 +94,7 @@ class Ideogram4(FusedKohyaLayout, FlowMatchingFamily):
     kohya_layout_name = "Ideogram 4"
     kohya_blocks = kohya_blocks_of(ORIGINAL_BLOCKS)
     default_targets = {"transformer": TRANSFORMER_TARGETS}
-
-    def adapted_text_encoders(self) -> tuple[str, ...]:
-        return ()  # Ideogram4Pipeline's LoRA loader reads the (conditional) transformer's adapters alone
-
-    def fine_tuned_text_encoders(self) -> tuple[str, ...]:
-        return self.text_encoder_names  # a full fine-tune's pipeline folder holds the text encoder
+    lora_text_encoders = ()  # Ideogram4Pipeline's LoRA loader reads the (conditional) transformer's adapters alone
 
     def unsupported_settings(self, config: Config) -> list[str]:
         problems = super().unsupported_settings(config)

@@ -84,12 +84,7 @@ class Lumina2(FlowMatchingFamily):
     kohya_text_model_parts = ()
     kohya_model_version = "lumina2"
     default_targets = {"transformer": TRANSFORMER_TARGETS}
-
-    def adapted_text_encoders(self) -> tuple[str, ...]:
-        return ()  # Lumina2Pipeline's LoRA loader reads the transformer's adapters alone
-
-    def fine_tuned_text_encoders(self) -> tuple[str, ...]:
-        return self.text_encoder_names  # a full fine-tune's pipeline folder holds the text encoder
+    lora_text_encoders = ()  # Lumina2Pipeline's LoRA loader reads the transformer's adapters alone
 
     # Prompts and the transformer.
 

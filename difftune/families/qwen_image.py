@@ -81,15 +81,10 @@ class QwenImage(FlowMatchingFamily):
     kohya_text_model_parts = ()
     kohya_model_version = "qwen_image"
     default_targets = {"transformer": TRANSFORMER_TARGETS}
+    lora_text_encoders = ()  # QwenImagePipeline's LoRA loader reads the transformer's adapters alone
     prompt_template = PROMPT_TEMPLATE  # the pipeline's `prompt_template_encode`
     template_tokens = TEMPLATE_TOKENS  # its `prompt_template_encode_start_idx`
     text_tokens = TEXT_TOKENS
-
-    def adapted_text_encoders(self) -> tuple[str, ...]:
-        return ()  # QwenImagePipeline's LoRA loader reads the transformer's adapters alone
-
-    def fine_tuned_text_encoders(self) -> tuple[str, ...]:
-        return self.text_encoder_names  # a full fine-tune's pipeline folder holds the text encoder
 
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 

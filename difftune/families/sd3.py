@@ -105,9 +105,7 @@ class StableDiffusion3(FusedKohyaLayout, FlowMatchingFamily):
     embedding_keys = ("clip_l", "clip_g", "t5")
     default_targets = {"transformer": TRANSFORMER_TARGETS, "text_encoder": CLIP_ATTENTION,
                        "text_encoder_2": CLIP_ATTENTION, "text_encoder_3": T5_ATTENTION}
-
-    def adapted_text_encoders(self) -> tuple[str, ...]:
-        return ("text_encoder", "text_encoder_2")  # StableDiffusion3Pipeline's LoRA loader reads the CLIPs, not T5
+    lora_text_encoders = ("text_encoder", "text_encoder_2")  # StableDiffusion3Pipeline's LoRA loader reads the CLIPs, not T5
 
     # Prompts and the transformer.
 

@@ -72,12 +72,7 @@ class ZImage(FlowMatchingFamily):
     kohya_text_model_parts = ()
     kohya_model_version = "z_image"
     default_targets = {"transformer": TRANSFORMER_TARGETS}
-
-    def adapted_text_encoders(self) -> tuple[str, ...]:
-        return ()  # ZImagePipeline's LoRA loader reads the transformer's adapters alone
-
-    def fine_tuned_text_encoders(self) -> tuple[str, ...]:
-        return self.text_encoder_names  # a full fine-tune's pipeline folder holds the text encoder
+    lora_text_encoders = ()  # ZImagePipeline's LoRA loader reads the transformer's adapters alone
 
     # Detection and single files.
 
