@@ -21,6 +21,7 @@ from difftune.autoencoders import encode_posterior, reference_latents
 from difftune.config import LossConfig, ModelConfig
 from difftune.data import image_to_tensor
 from difftune.families import FAMILIES, load_components
+from difftune.families.ideogram4 import patched_order, token_order
 from difftune.toy.tiny import build_pipeline, shape_images
 
 # examples/dreambooth/<script> at diffusers 58eb52c0 -> sha256 of the file read.
@@ -33,6 +34,7 @@ SCRIPTS = {
     "flux2_klein": ("train_dreambooth_lora_flux2_klein.py", "2c746004af6d4aa569d9bff3d32fce70afcb885cf00c7e00ab6abf9beda42225"),
     "lumina2": ("train_dreambooth_lora_lumina2.py", "0cd38a84e95d0a3331c4f12e6bd02fe7dab0bc56d31c22cc9edaa308c0ddd670"),
     "hidream": ("train_dreambooth_lora_hidream.py", "5415a0cf050054532b94926e132533e6e00cc94b43995b472b6885ac9e2bb649"),
+    "ideogram4": ("train_dreambooth_lora_ideogram4.py", "4130139d734fbc3e0b1aeac7d06a735e2bbe0734200655f1dd178f8314ad3ba5"),
     "krea2": ("train_dreambooth_lora_krea2.py", "e88d55cb8bf6f1a0d672330661752b982ab7c0a1623980e1673b8b2d303ef948"),
     "qwen_image": ("train_dreambooth_lora_qwen_image.py", "7c06f0297e5ddc909efa897736be58ca0b743fbef93a9681d35cbe9a74e29cb2"),
     "sd3": ("train_dreambooth_lora_sd3.py", "74f4cfd22527673c10f4e7a7b2a2b117ef554a0190bfa5876210f7d365e393bb"),
@@ -249,10 +251,42 @@ def hidream_script_loss(pipeline, latents, noise, weighting):
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
 
+def _ideogram4_tokens(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """train_dreambooth_lora_ideogram4.py's latents: the posterior's mode, `patchify_latents` (a patch's values
+    channel last: (p_h, p_w, C)), then `(x - bn.running_mean) / sqrt(bn.running_var + eps)` per token channel."""
+    z = vae.encode(pixels).latent_dist.mode()
+    b, c, h, w = z.shape
+    tokens = z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 3, 5, 1).reshape(b, (h // 2) * (w // 2), 4 * c)
+    return (tokens - vae.bn.running_mean.view(1, 1, -1)) / torch.sqrt(vae.bn.running_var + vae.config.batch_norm_eps).view(1, 1, -1)
+
+
+def ideogram4_script_loss(pipeline, latents, noise, weighting):
+    """train_dreambooth_lora_ideogram4.py: its tokens (`_ideogram4_tokens`; difftune's latents are the same values
+    with their channels in FLUX.2's patch order, so both sides' latents and noise are read in token order here), sigma
+    used as drawn (here the scheduler's at the fixed indices), `(1 - sigma) x + sigma noise` behind `max_sequence_length`
+    (2048) zeroed text positions, the transformer at model time `1 - sigma` with the pipeline's `encode_prompt` for
+    that grid, its prediction at the image positions, target `x - noise`, `compute_loss_weighting_for_sd3`."""
+    timesteps, sigmas = _flow_sigmas(pipeline, latents)
+    sigmas = sigmas.view(-1, 1, 1)
+    x, noise = token_order(latents), token_order(noise)
+    noisy = (1.0 - sigmas) * x + sigmas * noise
+    h, w = latents.shape[-2:]
+    features, position_ids, segment_ids, indicator = pipeline.encode_prompt(PROMPTS, h, w, 2048, "cpu")
+    packed = torch.cat([torch.zeros(len(PROMPTS), 2048, x.shape[-1]), noisy], dim=1)
+    prediction = pipeline.transformer(hidden_states=packed, timestep=(1.0 - sigmas).reshape(-1), encoder_hidden_states=features,
+                                      position_ids=position_ids, segment_ids=segment_ids, indicator=indicator,
+                                      return_dict=False)[0][:, 2048:]
+    return _mse(prediction, x - noise, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
+
+
 def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
     """The scripts' latents (at the posterior's mode): SD and SDXL `x * scaling_factor`; Flux, Z-Image and SD3
     `(x - shift_factor) * scaling_factor`; Qwen-Image and Krea 2 `(x - latents_mean) * (1 / latents_std)` per channel; FLUX.2
     patched, then `(x - bn.running_mean) / sqrt(bn.running_var + eps)` per patched channel."""
+    if name == "ideogram4":  # in difftune's channel order (FLUX.2's patches), as `ideogram4_script_loss` reads them
+        tokens = _ideogram4_tokens(vae, pixels)
+        side = int(tokens.shape[1] ** 0.5)
+        return patched_order(tokens, side, side)
     if name.startswith("flux2"):
         patched = Flux2Pipeline._patchify_latents(vae.encode(pixels).latent_dist.mode())
         mean, var = (statistic.view(1, -1, 1, 1) for statistic in (vae.bn.running_mean, vae.bn.running_var))
@@ -269,12 +303,14 @@ def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
 SCRIPT_LOSSES = {"sd": sd_script_loss, "sdxl": sdxl_script_loss, "flux": flux_script_loss,
                  "flux_kontext": flux_kontext_script_loss, "flux2": flux2_script_loss, "flux2_klein": flux2_script_loss,
                  "krea2": krea2_script_loss, "qwen_image": qwen_image_script_loss, "sd3": sd3_script_loss, "z_image": z_image_script_loss,
-                 "lumina2": lumina2_script_loss, "hidream": hidream_script_loss}
+                 "lumina2": lumina2_script_loss, "hidream": hidream_script_loss,
+                 "ideogram4": ideogram4_script_loss}
 CASES = [("lumina2", "uniform"), ("sd", "uniform"), ("sd", "min_snr"), ("sdxl", "uniform"), ("flux", "uniform"), ("flux", "cosmap"),
          ("flux_kontext", "uniform"), ("flux2", "uniform"), ("flux2", "cosmap"), ("flux2_klein", "uniform"),
          ("flux2_klein", "sigma_sqrt"),
          ("krea2", "uniform"), ("krea2", "cosmap"), ("qwen_image", "uniform"), ("qwen_image", "sigma_sqrt"), ("sd3", "uniform"), ("sd3", "sigma_sqrt"),
-         ("z_image", "uniform"), ("z_image", "cosmap"), ("hidream", "uniform"), ("hidream", "sigma_sqrt")]
+         ("z_image", "uniform"), ("z_image", "cosmap"), ("hidream", "uniform"), ("hidream", "sigma_sqrt"),
+         ("ideogram4", "uniform"), ("ideogram4", "cosmap")]
 
 
 def test_every_family_with_a_diffusers_script_is_checked():

@@ -23,7 +23,8 @@ layers are its text. Trained by flow matching (flow.py).
   turns both round, as the pipeline does (`1 - t / 1000`, `scheduler.step(-v)`).
 - Noise levels: the pipeline samples a logit-normal schedule (std 1.5) whose mean grows by half the log of the
   image's area over 512^2; with `loss.timestep_sampling = "logit_normal"`, `loss.logit_std = 1.5` and
-  `loss.flow_shift_by_resolution`, training draws the same law (a logit-normal shifted by exp(mu) is one of mean mu).
+  `loss.flow_shift_by_resolution`, training draws the same law (a logit-normal shifted by exp(mu) is one of mean mu),
+  as diffusers' Ideogram 4 script draws it; the loss equals that script's (tested).
 - Files: diffusers' layout (`transformer.`); the kohya layout names the original modules, q, k and v fused, as
   ai-toolkit's Ideogram 4 files and diffusers' reader of them do (`layers.0.attention.qkv`, `attention.o`,
   `feed_forward.w1`, `adaln_modulation`): `lora_unet_layers_0_attention_qkv`. No single file is read or written: no
