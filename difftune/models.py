@@ -189,18 +189,21 @@ def place_frozen(
     for block in blocks if stored is None else ():
         store_frozen_layers(block, dtype, dtype)
     offloader = offload_blocks(blocks, device) if blocks else None
-    vae = components.vae
-    upcast_vae = vae is not None and getattr(vae.config, "force_upcast", True)
-    vae_dtype = torch.float32 if dtype == torch.float16 and upcast_vae else dtype
     for module in components.modules():
         if not any(module is kept for kept in on_host):
             module.to(device)
-        if any(module is trained for trained in trained_whole):
-            continue
-        module_dtype = vae_dtype if module is vae else dtype
-        if module_dtype != torch.float32:  # loaded as fp32; diffusers warns on every dtype cast
-            module.to(dtype=module_dtype)
+        if not any(module is trained for trained in trained_whole):
+            cast_frozen(module, dtype, is_vae=module is components.vae)
     return offloader
+
+
+def cast_frozen(module: torch.nn.Module, dtype: torch.dtype, is_vae: bool = False) -> None:
+    """A frozen model (loaded in fp32) in `dtype`, but a KL VAE that asks for `force_upcast` under fp16
+    (`place_frozen`)."""
+    if is_vae and dtype == torch.float16 and getattr(module.config, "force_upcast", True):
+        return
+    if dtype != torch.float32:  # loaded as fp32; diffusers warns on every dtype cast
+        module.to(dtype=dtype)
 
 
 @contextmanager

@@ -64,7 +64,7 @@ from difftune.guard import Guard
 from difftune.loss import training_noise_scheduler
 from difftune.metrics import METRICS_FILE, MetricsLog
 from difftune.models import (
-    Components, encoder_placement, encoders_on, host_kept_encoders, place_frozen, set_attention, stored_dtype,
+    Components, cast_frozen, encoder_placement, encoders_on, host_kept_encoders, place_frozen, set_attention, stored_dtype,
     weight_dtype,
 )
 from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
@@ -317,12 +317,19 @@ def accumulate_gradients(run: Run) -> tuple[float, list[str], dict]:
     for _ in range(accumulation):
         batch = next(run.batches)
         recasting = computed_copies_saved_as_stored() if config.frozen_weights_kept_apart else nullcontext()
-        with accelerator.accumulate(*run.trained_modules), recasting:
+        with accelerator.accumulate(*run.trained_modules), recasting, _denoiser_autocast(run):
             loss = _training_loss(run.components, batch, config, accelerator.device).mean()
             accelerator.backward(loss)
         step_loss += loss.detach() / accumulation
         paths += batch["path"]
     return accelerator.reduce(step_loss, reduction="mean").item(), paths, batch
+
+
+def _denoiser_autocast(run: Run):
+    """Accelerate's autocast, where the denoiser runs outside it: Accelerate puts the modules it prepares (the trained
+    ones) under autocast, and textual inversion trains the text encoders alone, so its frozen half-precision denoiser
+    would meet fp32 inputs (a dtype error on every bf16 run)."""
+    return run.accelerator.autocast() if run.config.adapter.kind == "embedding" else nullcontext()
 
 
 def with_accumulation(config: Config, num_processes: int) -> Config:
@@ -533,13 +540,19 @@ def _release_unneeded(components: Components, config: Config) -> None:
 
 
 def _reload_released(components: Components, config: Config, device) -> None:
-    """Bring the released encoders (and drawing parts) back for the end-of-run samples and the saved full model."""
-    loaded = load_components(config.model)
-    components.vae = components.vae or loaded.vae.to(device).eval()
+    """Bring the released encoders (and drawing parts) back for the end-of-run samples and the saved full model,
+    placed as the run placed them (in its frozen weights' dtype: the parity check reloads them so too)."""
+    loaded, dtype = load_components(config.model), weight_dtype(config)
+
+    def placed(module: torch.nn.Module, is_vae: bool = False) -> torch.nn.Module:
+        cast_frozen(module.to(device).eval(), dtype, is_vae)
+        return module
+
+    components.vae = components.vae or placed(loaded.vae, is_vae=True)
     for name, encoder in components.text_encoders.items():
-        components.text_encoders[name] = encoder or loaded.text_encoders[name].to(device).eval()
+        components.text_encoders[name] = encoder or placed(loaded.text_encoders[name])
     for name, part in components.drawing_parts.items():
-        components.drawing_parts[name] = part or loaded.drawing_parts[name].to(device).eval()
+        components.drawing_parts[name] = part or placed(loaded.drawing_parts[name])
 
 
 def _roll_back(run: Run, why: str) -> None:
@@ -628,7 +641,8 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
             samples = generate_images(components, config.sample, accelerator.device)
         save_images(samples, config.sample, output_dir / "samples", output_dir / "samples" / "before")
         if config.sample.parity:
-            report = check_parity(config, trained_path, samples[0], accelerator.device, weight_dtype(config), accelerator.autocast)
+            report = check_parity(config, trained_path, samples[0], accelerator.device, weight_dtype(config), accelerator.autocast,
+                                  outputs_in_fp32=accelerator.native_amp)
             for warning in write_report(report, output_dir):
                 accelerator.print(f"difftune: warning: {warning}")
     if ema:

@@ -1,0 +1,68 @@
+"""Each family's shipped job, run as shipped on its micro model: for the families without a bundled tiny base, issue
+33's "default job on the purple set whose validation loss falls and whose adapter loads and renders in the family's
+pipeline" (`scripts/family_jobs.py`; BENCHMARKS.md has the rows).
+
+A job is the family's own config file from `configs/` (its adapter, loss, optimizer, precision, frozen-weight dtype and
+cache settings kept) pointed at the family's random-init micro model (`tiny.build_pipeline`), the purple renders
+(`examples/purple`) at 32 px and a held-out set of other purple renders for validation, for a few hundred steps. What
+a row says: the validation loss before and after (the job moves the model towards the set, through every setting the
+config ships); and the run's parity check, which loads the saved adapter the way users do, through the family's own
+diffusers pipeline (`load_lora_weights`), and redraws the in-training sample (0: the file draws exactly what was
+trained). A random micro model knows no colour, so these rows say the job runs and learns, not how well (the tiny
+bases' scores say that).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from difftune.config import load_config
+from difftune.metrics import read_metrics
+from difftune.parity import PARITY_FILE
+from difftune.toy.tiny import build_pipeline, shape_images, write_caption_folder
+from difftune.toy.tiny_base import HELD_OUT_COLOR
+
+REPO = Path(__file__).resolve().parents[2]
+# The job each family ships (configs/), for the families without a bundled tiny base.
+FAMILY_CONFIGS = {"flux2": "flux2_dev_1024_lora.toml", "krea2": "krea2_1024_lora.toml",
+                  "lumina2": "lumina2_1024_lora.toml", "ideogram4": "ideogram4_1024_lora.toml",
+                  "hidream": "hidream_1024_lora.toml"}
+
+
+def job_overrides(base: Path, data: Path, validation: Path, output_dir: Path, steps: int) -> list[str]:
+    """What changes from the shipped job: the micro base and the purple sets at 32 px (no buckets), fewer steps, a
+    validation pass every quarter, one purple sample drawn in few steps (the parity check redraws it)."""
+    values = {
+        "model.base": base, "data.path": data, "data.resolution": 32, "data.buckets": "false", "data.num_workers": 0,
+        "train.output_dir": output_dir, "train.overwrite": "true", "train.max_steps": steps, "train.batch_size": 4,
+        "cache.dir": output_dir / "cache", "validation.path": validation, "validation.every_steps": max(1, steps // 4),
+        "sample.prompts": '["a purple circle"]', "sample.steps": 8, "sample.every_steps": 0, "sample.before": "false",
+        "checkpoint.every_steps": 0, "log.tensorboard": "false", "log.progress_bar": "false",
+    }
+    return [f"{key}={value}" for key, value in values.items()]
+
+
+def run_family_job(family: str, work_dir: Path, steps: int = 200, seed: int = 1) -> dict:
+    """The family's shipped job on its micro model (built in `work_dir`); its row."""
+    from difftune.train import train
+
+    base, validation = work_dir / f"micro-{family}", work_dir / "purple-validation"
+    build_pipeline(seed=seed, family=family).save_pretrained(base, safe_serialization=True)
+    if not validation.is_dir():  # purple renders the job never sees
+        write_caption_folder(validation, shape_images(12, seed=seed + 100, colors=(HELD_OUT_COLOR,)))
+    output_dir = work_dir / f"job-{family}"
+    config_file = REPO / "configs" / FAMILY_CONFIGS[family]
+    config = load_config(config_file, job_overrides(base, REPO / "examples" / "purple", validation, output_dir, steps))
+    started = time.perf_counter()
+    result = train(config)
+    seconds = time.perf_counter() - started
+    losses = [(row["step"], row["val_loss"]) for row in read_metrics(output_dir) if "val_loss" in row]
+    parity = json.loads((result.trained_path.parent / PARITY_FILE).read_text())
+    return {
+        "family": family, "config": f"configs/{config_file.name}", "steps": steps, "batch_size": 4, "resolution": 32,
+        "validation_loss": losses, "validation_loss_fell": losses[-1][1] < losses[0][1],
+        "parity_max_pixel_difference": {layout: row["max_pixel_difference"] for layout, row in parity["layouts"].items()},
+        "seconds": round(seconds, 1),
+    }
