@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from difftune.metrics import read_metrics
+from difftune.toy.family_jobs import FAMILY_CONFIGS, run_family_job
 
 from conftest import REPO, run_in_repo
 
@@ -161,3 +162,14 @@ def test_bench_prints_one_json_line_with_every_field(tmp_path, model):
     assert result["seconds_per_step"] > 0 and result["peak_memory_bytes"] > 10_000_000
     assert result["samples_per_second"] == pytest.approx(result["batch"] / result["seconds_per_step"])
     assert result["model"] == model and result["device"] == "cpu" and result["mfu"] is None
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_each_familys_shipped_job_runs_on_its_micro_model(family, tmp_path):
+    """The config a family ships (configs/), as shipped but for the base, data, size and steps, trains its micro model
+    on the purple set: validation rows at each quarter, and the adapter reloaded through the family's own pipeline
+    draws the in-training sample exactly (bf16 and fp8 where the config sets them)."""
+    row = run_family_job(family, tmp_path, steps=8)
+    assert [step for step, _ in row["validation_loss"]] == [2, 4, 6, 8]
+    assert all(math.isfinite(loss) for _, loss in row["validation_loss"])
+    assert row["parity_max_pixel_difference"] == {"diffusers": 0, "kohya": 0}
