@@ -13,6 +13,8 @@ What people share, and how each is read:
   `.alpha`, `.dora_scale`, and LyCORIS's LoHa/LoKr tensors): kohya.py, with the base model's module names and its
   family's prefixes.
 - LoHa/LoKr files in peft's layout with their configs in the metadata, as difftune writes them.
+- A family's original-layout files that only diffusers' reader for it converts (Ideogram 4's fused `qkv`, as
+  ai-toolkit writes it): the family recognises them by their keys (`Family.read_original_layout`).
 Without metadata, the rank of each module is its `lora_A`'s row count (the most common one is `r`, the rest
 go to `rank_pattern`) and alpha is the file's `.alpha` where it has one, else the rank (diffusers' own rule).
 A key that fits none of these stops the read, naming the key.
@@ -104,6 +106,7 @@ def read_adapter(path: Path, base_modules: FindBaseModules | None = None) -> tup
         except ValueError as err:
             raise DifftuneError(f"adapter {path}: {err}") from None
         return tensors, lora_configs, config_toml
+    tensors = next(filter(None, (family.read_original_layout(tensors) for family in FAMILIES.values())), tensors)
     tensors, alphas = _from_diffusers(tensors, path)
     if LORA_ADAPTER_METADATA_KEY in metadata:
         lora_configs = json.loads(metadata[LORA_ADAPTER_METADATA_KEY])

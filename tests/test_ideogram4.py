@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import Ideogram4Pipeline
 from diffusers.pipelines.ideogram4.pipeline_ideogram4 import _resolution_aware_mu
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from difftune import export
 
@@ -97,7 +97,8 @@ def test_the_unconditional_transformer_waits_in_host_memory_only_for_previews(ma
 def test_the_kohya_layout_is_ai_toolkits_as_diffusers_reads_it(make_config, base, tmp_path):
     """The kohya layout names the original modules (q, k and v fused): the same file under ai-toolkit's prefix and
     dots (`diffusion_model.layers.0.attention.qkv`), read by `Ideogram4Pipeline.load_lora_weights` (diffusers' own
-    reader of those files), draws what difftune's diffusers-layout file draws."""
+    reader of those files), draws what difftune's diffusers-layout file draws; and difftune reads that ai-toolkit
+    file too (`difftune sample` / `merge` / `convert`), as the same change."""
     trained = train(make_config(model__base=base, train__output_dir=str(tmp_path / "run"), train__max_steps=2,
                                 optim__learning_rate=2e-2, sample__prompts=[])).trained_path
     kohya = load_file(export.convert_adapter(trained, tmp_path / "kohya.safetensors", "kohya"))
@@ -119,4 +120,11 @@ def test_the_kohya_layout_is_ai_toolkits_as_diffusers_reads_it(make_config, base
 
     ours = drawn(str(trained))
     torch.testing.assert_close(drawn(ai_toolkit), ours, rtol=0, atol=1e-4)
+    save_file(ai_toolkit, tmp_path / "ai_toolkit.safetensors")
+    read_by_difftune = export.load_with_adapters(base, [(tmp_path / "ai_toolkit.safetensors", 1.0)]).pipeline()
+    read_by_difftune.set_progress_bar_config(disable=True)
+    theirs = read_by_difftune("a purple circle", height=32, width=32, num_inference_steps=4, guidance_scale=3.0,
+                              guidance_schedule=None, max_sequence_length=64, output_type="latent",
+                              generator=torch.Generator().manual_seed(0)).images
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
     assert (ours - drawn(None)).abs().max() > 1e-2  # the adapter changes the drawing, far beyond that agreement

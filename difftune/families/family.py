@@ -376,6 +376,12 @@ class Family:
         return kohya.from_kohya(tensors, module_names, self.kohya_prefixes, self.kohya_text_model_parts, other_names,
                                 denoiser=self.denoiser_name)
 
+    def read_original_layout(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """An adapter file in the family's original layout that only diffusers' reader for the family converts (fused
+        layers split, as other trainers write them), recognised by its keys alone: its tensors in diffusers' layout
+        (`transformer.<module>.lora_A.weight`, ...), or None for any other file (the generic readers take it)."""
+        return None
+
     def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
         """The denoiser's modules by their names in the original (non-diffusers) model, as kohya files may use them:
         a UNet's LDM/SGM names (none for a transformer: where its original layout fuses layers, `fused.py`'s table

@@ -27,7 +27,8 @@ layers are its text. Trained by flow matching (flow.py).
   as diffusers' Ideogram 4 script draws it; the loss equals that script's (tested).
 - Files: diffusers' layout (`transformer.`); the kohya layout names the original modules, q, k and v fused, as
   ai-toolkit's Ideogram 4 files and diffusers' reader of them do (`layers.0.attention.qkv`, `attention.o`,
-  `feed_forward.w1`, `adaln_modulation`): `lora_unet_layers_0_attention_qkv`. No single file is read or written: no
+  `feed_forward.w1`, `adaln_modulation`): `lora_unet_layers_0_attention_qkv`. ai-toolkit's own files (those names
+  after `diffusion_model.`) are read through diffusers' reader of them. No single file is read or written: no
   reader of Ideogram 4's original checkpoint exists to check one against.
 """
 
@@ -37,6 +38,7 @@ import math
 
 import torch
 from diffusers import Ideogram4Pipeline, Ideogram4Transformer2DModel
+from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ideogram4_lora_to_diffusers
 
 from difftune.autoencoders import LatentNormalization, latent_normalization
 from difftune.config import Config
@@ -96,6 +98,14 @@ class Ideogram4(FusedKohyaLayout, FlowMatchingFamily):
     kohya_blocks = kohya_blocks_of(ORIGINAL_BLOCKS)
     default_targets = {"transformer": TRANSFORMER_TARGETS}
     lora_text_encoders = ()  # Ideogram4Pipeline's LoRA loader reads the (conditional) transformer's adapters alone
+
+    def read_original_layout(self, tensors):
+        """ai-toolkit's Ideogram 4 files (`diffusion_model.layers.0.attention.qkv.lora_A.weight`, `attention.o`) and the
+        reference trainer's (`conditional_transformer.`), through diffusers' own reader of them (`qkv` split in thirds
+        over a shared down, `.alpha` folded into the weights)."""
+        if not any(".attention.o." in key or key.startswith("conditional_transformer.") for key in tensors):
+            return None
+        return _convert_non_diffusers_ideogram4_lora_to_diffusers(dict(tensors))
 
     def unsupported_settings(self, config: Config) -> list[str]:
         problems = super().unsupported_settings(config)
