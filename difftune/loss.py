@@ -49,11 +49,13 @@ def draw_fractions(generators: list[torch.Generator], config: LossConfig) -> tor
 
 
 def draw_noise(generators: list[torch.Generator], latents: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sample, from its own generator: the target noise (B, C, h, w) with the configured offset, and the noise
-    the denoiser's input is made with (the target perturbed, if configured)."""
+    """Per sample, from its own generator: the target noise (B, C, h, w), or (B, C, T, h, w) for a clip, with the
+    configured offset (one value per sample and channel, over every frame and pixel), and the noise the denoiser's
+    input is made with (the target perturbed, if configured)."""
     noise = randn_tensor(latents.shape, generator=generators, device=latents.device, dtype=latents.dtype)
     if config.noise_offset:
-        offset = randn_tensor((*latents.shape[:2], 1, 1), generator=generators, device=latents.device, dtype=latents.dtype)
+        per_channel = (*latents.shape[:2], *[1] * (latents.dim() - 2))
+        offset = randn_tensor(per_channel, generator=generators, device=latents.device, dtype=latents.dtype)
         noise = noise + config.noise_offset * offset
     input_noise = noise
     if config.input_perturbation:
@@ -128,14 +130,16 @@ Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean squared error per sample (B,). With `mask` (B, 1, h, w) each latent pixel's error counts by its weight,
-    and the result is divided by the mask's mean: a sample's loss is the mean over what it trains on, so a small
-    mask does not scale its learning rate down (an all-zero mask trains nothing)."""
+    """Mean squared error per sample (B,), over every other axis (an image's C, h, w; a clip's C, T, h, w). With
+    `mask` (B, 1, h, w), or (B, 1, T, h, w), each latent pixel's error counts by its weight, and the result is divided
+    by the mask's mean: a sample's loss is the mean over what it trains on, so a small mask does not scale its
+    learning rate down (an all-zero mask trains nothing)."""
     error = F.mse_loss(prediction.float(), target.float(), reduction="none")
+    axes = tuple(range(1, error.dim()))
     if mask is None:
-        return error.mean(dim=(1, 2, 3))
+        return error.mean(dim=axes)
     mask = mask.to(error)
-    return (error * mask).mean(dim=(1, 2, 3)) / mask.mean(dim=(1, 2, 3)).clamp(min=1e-6)
+    return (error * mask).mean(dim=axes) / mask.mean(dim=axes).clamp(min=1e-6)
 
 
 def diffusion_loss(

@@ -475,14 +475,17 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
         conditioning["control_latents"] = [reference_latents(mean.to(device), components.latent_normalization)
                                            for mean in control_means]
     timesteps, noise, input_noise = family.draw_timesteps_and_noise(components, generators, latents, config.loss)
-    mask = latent_mask(batch["mask"].to(device), latents.shape[-2:], config.data.unmasked_weight) if "mask" in batch else None
+    mask = latent_mask(batch["mask"].to(device), latents.shape[2:], config.data.unmasked_weight) if "mask" in batch else None
     loss = family.loss(components, latents, timesteps, noise, conditioning, batch["geometry"], config.loss, input_noise, mask)
     return loss * batch["loss_weight"].to(device, loss.dtype)  # prior preservation's class images: prior.loss_weight
 
 
-def latent_mask(mask: torch.Tensor, size: tuple[int, int], unmasked_weight: float) -> torch.Tensor:
-    """Pixel masks (B, 1, H, W) -> loss weights per latent pixel (B, 1, h, w): each latent pixel's share of its
-    patch's mask (area averaging), raised to `unmasked_weight` where the mask is 0."""
+def latent_mask(mask: torch.Tensor, size: tuple[int, ...], unmasked_weight: float) -> torch.Tensor:
+    """Pixel masks (B, 1, H, W), or a clip's (B, 1, T, H, W) -> loss weights per latent pixel at the latents' `size`
+    ((h, w), or a clip's (t, h, w)): each latent pixel's share of its patch's mask (area averaging), raised to
+    `unmasked_weight` where the mask is 0. An image's mask over a clip's latents covers every frame."""
+    if mask.dim() - 2 < len(size):
+        mask = mask.unsqueeze(2)
     weights = torch.nn.functional.interpolate(mask.float(), size=tuple(size), mode="area")
     return unmasked_weight + (1 - unmasked_weight) * weights
 

@@ -6,6 +6,7 @@ from difftune.config import LossConfig
 from difftune.loss import (
     debiased_weights,
     diffusion_loss,
+    draw_noise,
     draw_timesteps_and_noise,
     min_snr_weights,
     per_sample_mse,
@@ -123,3 +124,59 @@ def test_noise_is_per_sample_whatever_the_batch():
         assert torch.equal(alone[1], together[1][i : i + 1])
         assert torch.equal(alone[2], together[2][i : i + 1])
     assert together[0].min() >= 0 and together[0].max() < 1000
+
+
+# Clips: latents (B, C, T, h, w). Every piece of the objective works on them as on an image's (B, C, h, w).
+
+
+def test_a_clips_noise_offset_is_one_value_per_sample_and_channel_over_every_frame():
+    latents = torch.zeros(2, 3, 4, 5, 6)
+    generators = [torch.Generator().manual_seed(s) for s in (0, 1)]
+    plain, _ = draw_noise(generators, latents, LossConfig())
+    generators = [torch.Generator().manual_seed(s) for s in (0, 1)]
+    offset, _ = draw_noise(generators, latents, LossConfig(noise_offset=0.5))
+    shift = offset - plain
+    assert shift.shape == latents.shape and shift.abs().sum() > 0
+    torch.testing.assert_close(shift, shift[:, :, :1, :1, :1].expand_as(shift))  # constant over T, h, w
+    assert not torch.allclose(shift[:, 0], shift[:, 1])  # per channel
+    # A sample's clip noise does not depend on the batch it is in.
+    alone, _ = draw_noise([torch.Generator().manual_seed(1)], latents[:1], LossConfig(noise_offset=0.5))
+    torch.testing.assert_close(alone[0], offset[1])
+
+
+def test_a_clips_mse_and_mask_reduce_over_frames_too():
+    prediction, target = torch.randn(2, 3, 4, 5, 6), torch.randn(2, 3, 4, 5, 6)
+    torch.testing.assert_close(per_sample_mse(prediction, target), ((prediction - target) ** 2).flatten(1).mean(1))
+    mask = torch.zeros(2, 1, 4, 5, 6)
+    mask[:, :, 1:3] = 1  # two frames of four count
+    expected = ((prediction - target) ** 2)[:, :, 1:3].flatten(1).mean(1)
+    torch.testing.assert_close(per_sample_mse(prediction, target, mask), expected)
+
+
+def test_an_image_mask_covers_every_frame_of_a_clips_latents():
+    from difftune.train import latent_mask
+
+    mask = torch.zeros(1, 1, 8, 8)
+    mask[..., :4, :] = 1
+    weights = latent_mask(mask, (3, 4, 4), 0.0)
+    assert weights.shape == (1, 1, 3, 4, 4)
+    torch.testing.assert_close(weights, latent_mask(mask, (4, 4), 0.0)[:, :, None].expand(1, 1, 3, 4, 4))
+    clip_mask = torch.ones(1, 1, 4, 8, 8)
+    clip_mask[:, :, 2:] = 0
+    torch.testing.assert_close(latent_mask(clip_mask, (2, 4, 4), 0.25)[0, 0, :, 0, 0], torch.tensor([1.0, 0.25]))
+
+
+def test_the_flow_matching_loss_on_a_clip_is_the_formula():
+    """`FlowMatchingFamily.loss` on (B, C, T, h, w): (1 - s) x + s noise in, noise - x the target, per sample."""
+    from difftune.families.flow import FlowMatchingFamily
+
+    class Identity(FlowMatchingFamily):
+        def denoise(self, components, noisy, timesteps, conditioning, geometry):
+            return noisy * 2
+
+    latents, noise = torch.randn(2, 4, 3, 4, 4), torch.randn(2, 4, 3, 4, 4)
+    timesteps = torch.tensor([250.0, 900.0])
+    loss = Identity().loss(None, latents, timesteps, noise, {}, None, LossConfig())
+    sigmas = (timesteps / 1000).view(-1, 1, 1, 1, 1)
+    expected = ((2 * ((1 - sigmas) * latents + sigmas * noise) - (noise - latents)) ** 2).flatten(1).mean(1)
+    torch.testing.assert_close(loss, expected)

@@ -136,7 +136,7 @@ class FlowMatchingFamily(Family):
 
     def loss(self, components, latents, timesteps, noise, conditioning, geometry, config: LossConfig, input_noise=None,
              mask=None):
-        sigmas = (timesteps.float() / 1000).view(-1, 1, 1, 1)
+        sigmas = (timesteps.float() / 1000).view(-1, *[1] * (latents.dim() - 1))  # an image's or a clip's latents
         noisy = (1 - sigmas) * latents + sigmas * (noise if input_noise is None else input_noise)
         prediction = self.denoise(components, noisy, timesteps, conditioning, geometry)
         per_sample = per_sample_mse(prediction, noise - latents, mask)
