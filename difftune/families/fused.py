@@ -1,8 +1,12 @@
-"""The kohya / ComfyUI layout of denoisers whose original model fuses layers that diffusers keeps apart (Flux.1's
+"""The kohya / ComfyUI layouts of denoisers whose original model names or fuses layers otherwise than diffusers does.
+
+Fused (`FusedKohyaLayout`): the original model fuses layers that diffusers keeps apart (Flux.1's
 and SD3's attention `qkv`, Flux's single-block `linear1`): one adapter per original layer, named by the original
 model (`lora_unet_<original name with _>`), over the diffusers modules it holds; and, for families that give the
 original layout's tables (`original_blocks`, `original_globals`), their single files: the denoiser alone in the
 original layout, written and read from the same tables (`original_state_dict`, `diffusers_state_dict`).
+
+Renamed one for one (`OriginalNamesKohyaLayout`: Krea 2's, Wan's): each module under its original name.
 
 `FusedKohyaLayout` is mixed into such a family before its `Family` base; the family gives `kohya_blocks` (per list
 of blocks, each original name with the block's index as `{i}` -> the diffusers modules it holds, in the order of its
@@ -192,3 +196,33 @@ class FusedKohyaLayout:
                 raise DifftuneError(f"{key}: not a layer of {self.kohya_layout_name}'s original layout; is this file of "
                                     "another model?")
         return out
+
+
+class OriginalNamesKohyaLayout:
+    """The kohya / ComfyUI layout of a denoiser whose original model names its modules otherwise, one for one (Krea 2,
+    Wan): `lora_unet_<original name with _>`, what ComfyUI maps from its own weights' names and the reference trainers
+    write; read back through `original_module_names`. Mixed in before the family's `Family` base; the family gives
+    `original_name`."""
+
+    kohya_layout_name: str  # the original model's name, as messages name its layout
+
+    def original_name(self, module: str) -> str | None:
+        """A denoiser module's name in the original model (None: it has no adaptable counterpart there)."""
+        raise NotImplementedError
+
+    def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
+        return {original: module for module in denoiser_modules if (original := self.original_name(module))}
+
+    def to_kohya(self, tensors: dict, lora_configs: dict) -> dict[str, torch.Tensor]:
+        prefix, originals = self.kohya_prefixes[self.denoiser_name], {}
+        for key in tensors:
+            module = kohya.split_adapter_key(key.partition(".")[2])[0]
+            if (original := self.original_name(module)) is None:
+                raise ValueError(f"{self.denoiser_name}.{module}: has no name in {self.kohya_layout_name}'s original layout; "
+                                 "write the diffusers layout")
+            originals[prefix + module.replace(".", "_")] = prefix + original.replace(".", "_")
+        renamed = {}
+        for key, value in super().to_kohya(tensors, lora_configs).items():
+            name, _, kind = key.partition(".")
+            renamed[f"{originals[name]}.{kind}"] = value
+        return renamed

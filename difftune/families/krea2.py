@@ -32,7 +32,7 @@ from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkp
 from diffusers.pipelines.krea2.pipeline_krea2 import calculate_shift
 
 from difftune.families.flow import FlowMatchingFamily, anchored_guidance, pack, unpack
-from difftune.kohya import split_adapter_key
+from difftune.families.fused import OriginalNamesKohyaLayout
 from difftune.models import Components
 
 # Krea2Pipeline's prompt layout (`prompt_template_encode_prefix` / `_suffix`, `_start_idx`, `_num_suffix_tokens`;
@@ -98,7 +98,7 @@ def original_name(module: str) -> str | None:
     return ORIGINAL_NAMES.get(module)
 
 
-class Krea2(FlowMatchingFamily):
+class Krea2(OriginalNamesKohyaLayout, FlowMatchingFamily):
     name = "krea2"
     description = "Krea 2"
     pipeline_class = Krea2Pipeline
@@ -111,6 +111,7 @@ class Krea2(FlowMatchingFamily):
     kohya_prefixes = {"transformer": "lora_unet_"}
     kohya_text_model_parts = ()
     kohya_model_version = "krea2"
+    kohya_layout_name = "Krea 2"
     default_targets = {"transformer": TRANSFORMER_TARGETS}
     lora_text_encoders = ()  # Krea2Pipeline's LoRA loader reads the transformer's adapters alone
 
@@ -178,22 +179,8 @@ class Krea2(FlowMatchingFamily):
 
     # Files.
 
-    def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
-        return {original: module for module in denoiser_modules if (original := original_name(module))}
-
-    def to_kohya(self, tensors: dict, lora_configs: dict) -> dict[str, torch.Tensor]:
-        """kohya's keys with the original model's module names: what ComfyUI maps from its own weights' names."""
-        prefix, originals = self.kohya_prefixes[self.denoiser_name], {}
-        for key in tensors:
-            module = split_adapter_key(key.partition(".")[2])[0]
-            if (original := original_name(module)) is None:
-                raise ValueError(f"transformer.{module}: has no name in Krea 2's original layout; write the diffusers layout")
-            originals[prefix + module.replace(".", "_")] = prefix + original.replace(".", "_")
-        renamed = {}
-        for key, value in super().to_kohya(tensors, lora_configs).items():
-            name, _, kind = key.partition(".")
-            renamed[f"{originals[name]}.{kind}"] = value
-        return renamed
+    def original_name(self, module: str) -> str | None:
+        return original_name(module)
 
     # Single files: the transformer alone (`diffusion_models/krea-2*.safetensors`); the other parts come from
     # `model.single_file_config`.
