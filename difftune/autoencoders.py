@@ -7,7 +7,7 @@ alike, read from the autoencoder's own config; `decoded = decode(latents / scale
   0.18215, SDXL 0.13025, chosen so that latents have unit variance) and one `shift_factor` (Flux; 0 where none).
 - `AutoencoderTiny` (TAESD): its encoder was distilled to output already scaled latents: its config says
   `scaling_factor = 1.0`, and `encoded` is the encoder's output as it is (a posterior of std 0).
-- `AutoencoderKLQwenImage` (Qwen-Image; Wan 2.1's video autoencoder): a causal video autoencoder whose latents
+- `AutoencoderKLQwenImage` (Qwen-Image) and `AutoencoderKLWan` (Wan 2.1; the same autoencoder): a causal video autoencoder whose latents
   have a time axis (B, C, T, h, w), T = 1 for an image, and per-channel statistics: shift = `latents_mean`,
   scale = 1 / `latents_std`, as `QwenImagePipeline` inverts them. Images pass as one-frame clips; everything
   outside this module sees (B, C, h, w).
@@ -23,14 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLQwenImage, AutoencoderTiny
+from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLQwenImage, AutoencoderKLWan, AutoencoderTiny
 from diffusers.utils.torch_utils import randn_tensor
 
 from difftune.errors import DifftuneError
 
 VAE_CLASSES = {"AutoencoderKL": AutoencoderKL, "AutoencoderTiny": AutoencoderTiny,
-               "AutoencoderKLQwenImage": AutoencoderKLQwenImage, "AutoencoderKLFlux2": AutoencoderKLFlux2}
-VIDEO_AUTOENCODERS = (AutoencoderKLQwenImage,)  # latents with a time axis
+               "AutoencoderKLQwenImage": AutoencoderKLQwenImage, "AutoencoderKLFlux2": AutoencoderKLFlux2,
+               "AutoencoderKLWan": AutoencoderKLWan}
+VIDEO_AUTOENCODERS = (AutoencoderKLQwenImage, AutoencoderKLWan)  # latents with a time axis
 PATCHED_AUTOENCODERS = (AutoencoderKLFlux2,)  # latents read patched 2x2 into channels
 
 

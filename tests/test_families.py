@@ -129,6 +129,12 @@ def _lumina2_prompts(pipeline, prompts):
     return {"encoder_hidden_states": states * mask[..., None], "text_mask": mask.long()}
 
 
+def _wan_prompts(pipeline, prompts):
+    """The pipeline pads every caption's states to `max_sequence_length` with zeros."""
+    states, _ = pipeline.encode_prompt(prompts, do_classifier_free_guidance=False, device="cpu")
+    return {"encoder_hidden_states": states}
+
+
 def _hidream_prompts(pipeline, prompts):
     t5, _, llama, _, pooled, _ = pipeline.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False)
     return {"encoder_hidden_states_t5": t5, "encoder_hidden_states_llama3": llama.transpose(0, 1),
@@ -153,7 +159,7 @@ def _ideogram4_prompts(pipeline, prompts):
 READS_FEWER_TOKENS = {"z_image", "ideogram4"}
 # Whose pipelines read a micro model's kohya file: diffusers' Flux reader assumes FLUX.1's widths for a single
 # block's fused linear1 (tests/test_flux.py checks its double blocks).
-KOHYA_READ_BY_PIPELINE = {"sd", "sdxl", "qwen_image", "z_image"}
+KOHYA_READ_BY_PIPELINE = {"sd", "sdxl", "qwen_image", "z_image", "wan"}
 PIPELINE_PROMPTS = {"sd": _sd_prompts, "sdxl": _sdxl_prompts, "flux": _flux_prompts, "flux_kontext": _flux_prompts,
                     "qwen_image": _qwen_prompts, "qwen_image_edit": _qwen_edit_prompts,
                     "qwen_image_edit_plus": lambda pipeline, prompts, image: _qwen_edit_prompts(
@@ -161,7 +167,7 @@ PIPELINE_PROMPTS = {"sd": _sd_prompts, "sdxl": _sdxl_prompts, "flux": _flux_prom
                     "z_image": _z_image_prompts, "chroma": _chroma_prompts,
                     "sd3": _sd3_prompts, "flux2": _flux2_prompts, "flux2_klein": _flux2_prompts, "krea2": _krea2_prompts,
                     "lumina2": _lumina2_prompts, "ideogram4": _ideogram4_prompts,
-                    "hidream": _hidream_prompts}
+                    "hidream": _hidream_prompts, "wan": _wan_prompts}
 CONTROL = recolor_pairs(1, seed=4)[0][0]
 # The micro FLUX.2 transformer's 4-step render moves little with its conditioning (another prompt: 0.0065), so a
 # 4-step adapter's change is smaller than the other families' too.
@@ -172,9 +178,10 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
     """The latents of a 4-step 32 px image with classifier-free guidance 3, as each family's pipeline is asked for
     one: what the denoiser draws, before a random micro autoencoder's decoder blurs differences away."""
     pipeline.set_progress_bar_config(disable=True)
-    # One sampler for all: a merged folder is saved with the family's default, a base keeps its own.
+    # One sampler for all, as difftune samples: a merged folder is saved with the family's default, a base keeps its own
+    # (Wan's UniPC names its shift `flow_shift`; the family's training schedule reads it).
     family = FAMILIES[name]
-    pipeline.scheduler = family.sampler("auto").from_config(pipeline.scheduler.config)
+    pipeline.scheduler = family.sampler("auto").from_config(family.training_scheduler(pipeline.scheduler).config)
     arguments = {"num_inference_steps": 4, "height": 32, "width": 32, "output_type": "latent",
                  "generator": torch.Generator().manual_seed(0)}
     if name in ("flux", "qwen_image"):
@@ -185,6 +192,9 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         arguments |= {"guidance_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
     elif name in ("z_image", "krea2"):  # their own guidance convention: pos + s (pos - neg)
         arguments |= {"guidance_scale": 2.0, "negative_prompt": "", "max_sequence_length": 32}
+    elif name == "wan":  # a one-frame clip: its latents (C, 1, h, w) without the time axis
+        return pipeline(prompt=prompt, num_frames=1, guidance_scale=3.0, negative_prompt="", max_sequence_length=32,
+                        **arguments).frames[0][:, 0].numpy()
     elif name == "ideogram4":  # asymmetric guidance: w pos + (1 - w) neg, neg from its unconditional transformer
         arguments |= {"guidance_scale": 3.0, "guidance_schedule": None, "max_sequence_length": 64}
     elif name == "flux_kontext":  # guidance-distilled, as Kontext [dev]: the scale is its guidance embedding's input
@@ -311,7 +321,9 @@ def test_the_autoencoder_is_read_as_the_pipeline_reads_it(name, micro_bases):
     pipeline = components.pipeline()
     # FLUX.2's latents are read patched 2x2: a patched latent pixel is twice the autoencoder's own factor.
     patched = 2 if isinstance(components.vae, PATCHED_AUTOENCODERS) else 1
-    assert downsampling(components.vae) == pipeline.vae_scale_factor * patched
+    # The video pipelines (Wan's) name their spatial factor apart from the temporal one.
+    spatial = getattr(pipeline, "vae_scale_factor_spatial", None) or pipeline.vae_scale_factor
+    assert downsampling(components.vae) == spatial * patched
     assert latent_channels(components.vae) == FAMILIES[name].latent_channels(components.denoiser)
 
 

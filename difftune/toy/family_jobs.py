@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 # The job each family ships (configs/), for the families without a bundled tiny base.
 FAMILY_CONFIGS = {"flux2": "flux2_dev_1024_lora.toml", "krea2": "krea2_1024_lora.toml",
                   "lumina2": "lumina2_1024_lora.toml", "ideogram4": "ideogram4_1024_lora.toml",
-                  "hidream": "hidream_1024_lora.toml"}
+                  "hidream": "hidream_1024_lora.toml", "wan": "wan_image_lora.toml"}
 
 
 def job_overrides(base: Path, data: Path, validation: Path, output_dir: Path, steps: int) -> list[str]:

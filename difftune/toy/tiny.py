@@ -27,6 +27,7 @@ from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
     AutoencoderKLQwenImage,
+    AutoencoderKLWan,
     AutoencoderTiny,
     ChromaPipeline,
     ChromaTransformer2DModel,
@@ -55,6 +56,9 @@ from diffusers import (
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
+    UniPCMultistepScheduler,
+    WanPipeline,
+    WanTransformer3DModel,
 )
 from PIL import Image, ImageDraw
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
@@ -83,6 +87,8 @@ from transformers import (
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 
 from difftune.autoencoders import encode_posterior
@@ -384,6 +390,42 @@ def build_qwen_vae(latents_mean=(0.0,) * FLUX_LATENT_CHANNELS, latents_std=(1.0,
         base_dim=base_dim, z_dim=FLUX_LATENT_CHANNELS, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
         temperal_downsample=[False, True], latents_mean=list(latents_mean), latents_std=list(latents_std),
     )
+
+
+def build_wan_vae(latents_mean=(0.0,) * FLUX_LATENT_CHANNELS, latents_std=(1.0,) * FLUX_LATENT_CHANNELS,
+                  base_dim: int = 16) -> AutoencoderKLWan:
+    """Wan 2.1's causal video autoencoder (Qwen-Image's kind, `build_qwen_vae`) as `WanPipeline` reads it: its
+    spatial and temporal factors stated (4 and 2 here) for the pipeline's latent shapes."""
+    return AutoencoderKLWan(
+        base_dim=base_dim, z_dim=FLUX_LATENT_CHANNELS, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
+        temperal_downsample=[False, True], latents_mean=list(latents_mean), latents_std=list(latents_std),
+        scale_factor_spatial=4, scale_factor_temporal=2,
+    )
+
+
+def build_umt5_encoder(vocab_size: int) -> UMT5EncoderModel:
+    """A 2-layer UMT5 encoder (Wan's text encoder: its last hidden state is the conditioning)."""
+    return UMT5EncoderModel(UMT5Config(
+        vocab_size=vocab_size, d_model=T5_HIDDEN_SIZE, d_kv=16, d_ff=2 * T5_HIDDEN_SIZE, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False, use_cache=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    ))
+
+
+def build_wan_transformer(layers: int = 2, heads: int = 2, head_dim: int = 16) -> WanTransformer3DModel:
+    """`layers` Wan blocks (self-attention over 1x2x2 patches of 16-channel latents, cross-attention to UMT5's states,
+    an MLP) with their rotary axes split over (time, row, column) from the head's width, as Wan's."""
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=FLUX_LATENT_CHANNELS,
+        out_channels=FLUX_LATENT_CHANNELS, text_dim=T5_HIDDEN_SIZE, freq_dim=32, ffn_dim=2 * heads * head_dim,
+        num_layers=layers, rope_max_seq_len=64,
+    )
+
+
+def build_wan_scheduler() -> UniPCMultistepScheduler:
+    """Wan 2.1 (480p)'s sampler config: UniPC on flow sigmas shifted by 3, the prediction the flow velocity."""
+    return UniPCMultistepScheduler(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True,
+                                   flow_shift=3.0)
 
 
 def build_qwen_transformer(layers: int = 1, heads: int = 2, head_dim: int = 16, text_hidden_size: int = QWEN_HIDDEN_SIZE,
@@ -697,8 +739,8 @@ def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
         vae = build_flux2_vae()
         with torch.no_grad():
             set_batch_norm_statistics(vae, ideogram4_token_channels(encode_posterior(vae, pixels)[0]))
-    elif family.startswith("qwen_image") or family == "krea2":  # Krea 2's autoencoder is Qwen-Image's
-        vae = build_qwen_vae()
+    elif family.startswith("qwen_image") or family in ("krea2", "wan"):  # Krea 2's autoencoder is Qwen-Image's, Wan's too
+        vae = build_wan_vae() if family == "wan" else build_qwen_vae()
         with torch.no_grad():
             set_latent_statistics(vae, encode_posterior(vae, pixels)[0])
     else:
@@ -808,6 +850,10 @@ def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int,
             transformer=build_hidream_transformer(flux_layers, flux_heads, pooled_size=2 * 32),
             scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),  # HiDream-I1-Full's
         )
+    if family == "wan":
+        tokenizer = build_t5_tokenizer()
+        return WanPipeline(vae=vae, text_encoder=build_umt5_encoder(len(tokenizer)), tokenizer=tokenizer,
+                           transformer=build_wan_transformer(dit_layers or 2, dit_heads), scheduler=build_wan_scheduler())
     if family == "chroma":
         tokenizer = build_t5_tokenizer()
         return ChromaPipeline(vae=vae, text_encoder=build_t5_encoder(len(tokenizer)), tokenizer=tokenizer,

@@ -1,0 +1,126 @@
+"""Wan 2.1 (`WanPipeline`): a video DiT (`WanTransformer3DModel`: self-attention over the clip's patches, cross-attention
+to UMT5's states) over Wan's causal video autoencoder, trained by flow matching (flow.py). This module trains it on
+images, each a one-frame clip, as musubi-tuner and diffusion-pipe let Wan train on stills (clips are issue 34's next
+part).
+
+- Latents: Wan's autoencoder (`AutoencoderKLWan`, Qwen-Image's kind: autoencoders.py) encodes an image as a one-frame
+  clip, normalised per channel; `denoise` gives the transformer (B, C, 1, h, w), which patches it 1x2x2 itself.
+- Text, exactly as `WanPipeline.encode_prompt`: the caption cleaned as the pipeline cleans it (`prompt_clean`), UMT5's
+  last states at its tokens, zero past them, 512 positions (the pipeline's `max_sequence_length`): the transformer
+  reads every position, the zeros too, so the cache keeps the caption's tokens and pads the zeros back.
+- The prediction is the flow velocity (noise minus image), read as `flow_prediction` by the pipeline's UniPC sampler
+  (tested against it); its time is the noise level x 1000. Noise levels: the pipeline's scheduler shifts every size by
+  one `flow_shift` (3.0 for 480p checkpoints, 5.0 for 720p), which training draws with
+  (`loss.flow_shift_by_resolution`) through an Euler flow scheduler of that shift, which also samples.
+- Guidance: classifier-free, with the pipeline's own `guidance_scale` and negative prompt.
+- Files: diffusers' layout (`transformer.`, which `WanPipeline.load_lora_weights` reads: transformer adapters alone)
+  with musubi-tuner's default targets (every block's self- and cross-attention and MLP); the kohya layout names the
+  original modules (`lora_unet_blocks_0_self_attn_q`), musubi-tuner's files, which ComfyUI maps and diffusers reads
+  (`_convert_musubi_wan_lora_to_diffusers`, tested); the original model's `diffusion_model.` files (ComfyUI's, other
+  trainers') are read by the same names.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+from difftune.families.flow import FlowMatchingFamily
+from difftune.families.fused import OriginalNamesKohyaLayout
+from difftune.families.qwen_image import padded, trimmed, valid_token_states
+from difftune.models import Components
+
+TEXT_TOKENS = 512  # WanPipeline's default `max_sequence_length`: every caption's states are padded to it
+TRANSFORMER_TARGETS = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
+                       "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+# diffusers' module in a block -> the original model's (Wan-AI's, ComfyUI's, musubi-tuner's), as diffusers' readers of
+# those files map them back (`_convert_non_diffusers_wan_lora_to_diffusers`, `_convert_musubi_wan_lora_to_diffusers`).
+ORIGINAL_IN_BLOCK = {
+    "attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v", "attn1.to_out.0": "self_attn.o",
+    "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o",
+    "attn2.add_k_proj": "cross_attn.k_img", "attn2.add_v_proj": "cross_attn.v_img",
+    "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
+}
+ORIGINAL_NAMES = {
+    "condition_embedder.time_proj": "time_projection.1", "proj_out": "head.head",
+    "condition_embedder.text_embedder.linear_1": "text_embedding.0", "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+    "condition_embedder.time_embedder.linear_1": "time_embedding.0", "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1", "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+}
+BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
+
+
+class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
+    name = "wan"
+    description = "Wan 2.1"
+    pipeline_class = WanPipeline
+    pipeline_classes = ("WanPipeline",)
+    denoiser_class = WanTransformer3DModel
+    denoiser_name = "transformer"
+    block_lists = ("blocks",)
+    kohya_prefixes = {"transformer": "lora_unet_"}
+    kohya_text_model_parts = ()
+    kohya_model_version = "wan"
+    kohya_layout_name = "Wan"
+    default_targets = {"transformer": TRANSFORMER_TARGETS}
+    lora_text_encoders = ()  # WanPipeline's LoRA loader reads the transformer's adapters alone
+    samplers = {"euler": FlowMatchEulerDiscreteScheduler}
+
+    def original_name(self, module: str) -> str | None:
+        if match := BLOCK.match(module):
+            member = ORIGINAL_IN_BLOCK.get(match.group(2))
+            return f"blocks.{match.group(1)}.{member}" if member else None
+        return ORIGINAL_NAMES.get(module)
+
+    def training_scheduler(self, scheduler):
+        """An Euler flow scheduler with the pipeline's one shift (its UniPC sampler names it `flow_shift`)."""
+        shift = scheduler.config.get("flow_shift") or scheduler.config.get("shift", 1.0)
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=scheduler.config.num_train_timesteps, shift=shift)
+
+    # Prompts and the transformer.
+
+    def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
+        ids = tokenizers["tokenizer"]([prompt_clean(caption) for caption in captions], padding="max_length",
+                                      max_length=TEXT_TOKENS, truncation=True, add_special_tokens=True, return_tensors="pt")
+        return {"text_encoder": ids.input_ids}
+
+    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids = token_ids["text_encoder"]
+        mask = ids != components.tokenizers["tokenizer"].pad_token_id
+        states = components.text_encoders["text_encoder"](ids, mask.long()).last_hidden_state
+        return valid_token_states(states, mask, 0, TEXT_TOKENS)
+
+    def cached_conditioning(self, conditioning):
+        return trimmed(conditioning)
+
+    def uncached_conditioning(self, stored):
+        return padded(stored, TEXT_TOKENS)
+
+    def latent_channels(self, denoiser: torch.nn.Module) -> int:
+        return denoiser.config.in_channels  # the transformer patches the latents itself
+
+    def denoise(self, components, noisy, timesteps, conditioning, geometry):
+        """An image's latents (B, C, h, w) as one-frame clips; a clip's (B, C, T, h, w) as they are."""
+        states = conditioning["encoder_hidden_states"]
+        clip = noisy if noisy.dim() == 5 else noisy[:, :, None]
+        prediction = components.denoiser(hidden_states=clip.to(states.dtype), timestep=timesteps.to(states.dtype),
+                                         encoder_hidden_states=states, return_dict=False)[0]
+        return prediction if noisy.dim() == 5 else prediction[:, :, 0]
+
+    # Sampling.
+
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """The pipeline's `guidance_scale` is classifier-free guidance (neg + w (pos - neg)) above 1."""
+        return {"max_sequence_length": TEXT_TOKENS, "guidance_scale": guidance_scale,
+                "negative_prompt": negative_prompt or None}
+
+    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
+        """Each prompt's one-frame clip, as an image."""
+        clips = pipeline(prompt=prompt, height=height, width=width, num_frames=1, output_type="pil", **arguments).frames
+        return [clip[0] for clip in clips]
+
+    def max_sequence_length(self, components: Components) -> int:
+        return TEXT_TOKENS
