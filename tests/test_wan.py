@@ -69,3 +69,19 @@ def test_original_names_are_diffusers_readers(make_config, base, tmp_path):
     tensors, _, _ = read_adapter(tmp_path / "original.safetensors", lambda metadata: modules)
     tensors = placed_on_base(tensors, modules, tmp_path / "original.safetensors")  # as `sample` and `merge` place it
     assert tensors.keys() == ours.keys() and all(torch.equal(tensors[key], ours[key]) for key in ours)
+
+
+def test_a_single_file_has_the_original_checkpoints_names(base):
+    """`merge --single-file` writes Wan-AI's names (those of `Wan2.1-T2V-1.3B/diffusion_pytorch_model.safetensors`
+    and ComfyUI's `wan2.1_t2v_1.3B_fp16.safetensors`): per block its self- and cross-attention with q/k norms, the
+    cross-attention's norm as `norm3`, `ffn.0` / `ffn.2`, `modulation`; the head's `head.head` and `head.modulation`;
+    diffusers' reader takes them back (the conformance suite reads the file as the same weights)."""
+    keys = set(FAMILY.to_single_file(load_components(ModelConfig(base=base))))
+    block = {f"blocks.0.{attn}.{layer}.{kind}" for attn in ("self_attn", "cross_attn") for layer in "qkvo"
+             for kind in ("weight", "bias")}
+    block |= {f"blocks.0.{attn}.{norm}.weight" for attn in ("self_attn", "cross_attn") for norm in ("norm_q", "norm_k")}
+    block |= {f"blocks.0.{layer}.{kind}" for layer in ("norm3", "ffn.0", "ffn.2") for kind in ("weight", "bias")}
+    block |= {"blocks.0.modulation"}
+    outside = {f"{layer}.{kind}" for layer in ("patch_embedding", "text_embedding.0", "text_embedding.2", "time_embedding.0",
+                                               "time_embedding.2", "time_projection.1", "head.head") for kind in ("weight", "bias")}
+    assert {key for key in keys if not key.startswith("blocks.1.")} == block | outside | {"head.modulation"}

@@ -17,7 +17,8 @@ part).
   with musubi-tuner's default targets (every block's self- and cross-attention and MLP); the kohya layout names the
   original modules (`lora_unet_blocks_0_self_attn_q`), musubi-tuner's files, which ComfyUI maps and diffusers reads
   (`_convert_musubi_wan_lora_to_diffusers`, tested); the original model's `diffusion_model.` files (ComfyUI's, other
-  trainers') are read by the same names.
+  trainers') are read by the same names. A single file is the transformer alone in the original layout, read through
+  diffusers' reader and written as its inverse.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import re
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
 from difftune.families.flow import FlowMatchingFamily
@@ -51,6 +53,27 @@ ORIGINAL_NAMES = {
     "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1", "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
 }
 BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
+# For single files: diffusers' weight names -> the original model's, in this order, the inverse of diffusers' reader
+# (`convert_wan_transformer_to_diffusers`); a block's norm2 and norm3 trade names, the modulations are `scale_shift_table`.
+ORIGINAL_WEIGHT_RENAMES = [
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"), ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"), ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"), ("condition_embedder.image_embedder.norm1", "img_emb.proj.0"),
+    ("condition_embedder.image_embedder.ff.net.0.proj", "img_emb.proj.1"), ("condition_embedder.image_embedder.ff.net.2", "img_emb.proj.3"),
+    ("condition_embedder.image_embedder.norm2", "img_emb.proj.4"), (".attn1.", ".self_attn."), (".attn2.", ".cross_attn."),
+    (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), (".add_k_proj.", ".k_img."),
+    (".add_v_proj.", ".v_img."), (".norm_added_k.", ".norm_k_img."), (".ffn.net.0.proj.", ".ffn.0."), (".ffn.net.2.", ".ffn.2."),
+    (".norm2.", ".norm_swapped."), (".norm3.", ".norm2."), (".norm_swapped.", ".norm3."), ("proj_out.", "head.head."),
+    (".scale_shift_table", ".modulation"),
+]
+
+
+def original_weight_name(key: str) -> str:
+    if key == "scale_shift_table":  # the output head's
+        return "head.modulation"
+    for diffusers_name, original in ORIGINAL_WEIGHT_RENAMES:
+        key = key.replace(diffusers_name, original)
+    return key
 
 
 class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
@@ -68,6 +91,8 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
     default_targets = {"transformer": TRANSFORMER_TARGETS}
     lora_text_encoders = ()  # WanPipeline's LoRA loader reads the transformer's adapters alone
     samplers = {"euler": FlowMatchEulerDiscreteScheduler}
+    single_file_layout = "transformer alone (original layout)"
+    denoiser_file_key = "head.modulation"  # what diffusers' reader detects Wan files by
 
     def original_name(self, module: str) -> str | None:
         if match := BLOCK.match(module):
@@ -124,3 +149,16 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
 
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS
+
+    # Single files: the transformer alone in the original layout (Wan-AI's, ComfyUI's
+    # `diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors`), read through diffusers' reader and written as its inverse;
+    # the other parts come from `model.single_file_config`.
+
+    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
+
+    def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
+        weights = super().denoiser_file_weights(path)
+        return convert_wan_transformer_to_diffusers(weights) if self.denoiser_file_key in weights else weights
+
+    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
+        return {original_weight_name(key): value.contiguous() for key, value in components.denoiser.state_dict().items()}
