@@ -24,6 +24,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from difftune import export
 from difftune.adapters import trained_parts
 from difftune.config import Config
+from difftune.errors import DifftuneError
 from difftune.families import load_components
 from difftune.models import place_frozen, stored_dtype
 from difftune.quantize import quantize_linear_layers
@@ -44,7 +45,10 @@ def check_parity(config: Config, trained_path: Path, reference: Sample, device: 
     sample_config = config.sample.model_copy(update={"prompts": [reference.entry], "images_per_prompt": 1, "seed": reference.seed})
     report = {"prompt": reference.prompt, "seed": reference.seed, "warn_above_levels": WARN_ABOVE_LEVELS, "layouts": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for layout, path, source in _saved_layouts(config, trained_path, Path(tmp)):
+        layouts, not_checked = _saved_layouts(config, trained_path, Path(tmp))
+        if not_checked:
+            report["not_checked"] = not_checked
+        for layout, path, source in layouts:
             components = _fresh_components(config, path, device, dtype)
             trained = trained_parts(components, config.adapter)
             whole = trained.values() if config.adapter.kind == "none" else ()  # a full fine-tune's stay fp32, as trained
@@ -84,15 +88,20 @@ def adapters_kept_in_fp32(components):
         parameter.data = value.to(parameter.device)
 
 
-def _saved_layouts(config: Config, trained_path: Path, tmp: Path) -> list[tuple[str, Path, str]]:
+def _saved_layouts(config: Config, trained_path: Path, tmp: Path) -> tuple[list[tuple[str, Path, str]], dict[str, str]]:
     """(layout, file to load, what the report calls it): the written file, and the same converted to the other
-    layout (as `difftune convert` would); a full model is its one folder, an embedding its one file."""
+    layout (as `difftune convert` would); a full model is its one folder, an embedding its one file. And the layouts
+    that cannot hold this adapter, with why (LoHa / LoKr in a kohya layout that fuses q, k and v)."""
     if config.adapter.kind in ("none", "embedding"):
-        return [(config.adapter.kind if config.adapter.kind == "embedding" else "model", trained_path, trained_path.name)]
+        return [(config.adapter.kind if config.adapter.kind == "embedding" else "model", trained_path, trained_path.name)], {}
     written = config.export.format
     other = next(layout for layout in export.FORMATS if layout != written)
-    converted = export.convert_adapter(trained_path, tmp / f"{other}.safetensors", other, config.model.base)
-    return [(written, trained_path, trained_path.name), (other, converted, f"{trained_path.name} converted to {other}")]
+    layouts = [(written, trained_path, trained_path.name)]
+    try:
+        converted = export.convert_adapter(trained_path, tmp / f"{other}.safetensors", other, config.model.base)
+    except DifftuneError as err:
+        return layouts, {other: str(err)}
+    return [*layouts, (other, converted, f"{trained_path.name} converted to {other}")], {}
 
 
 def _fresh_components(config: Config, path: Path, device: torch.device, dtype: torch.dtype):

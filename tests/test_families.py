@@ -461,3 +461,18 @@ def test_the_kohya_layout_round_trips_bit_for_bit(name, micro_bases, make_config
     original, again = load_file(trained), load_file(back)
     assert original.keys() == again.keys()
     assert all(torch.equal(original[key], again[key]) for key in original)
+
+
+@pytest.mark.parametrize("name", [name for name in NAMES if isinstance(FAMILIES[name], FusedKohyaLayout)])
+def test_a_lycoris_run_on_a_fused_layout_family_ends_with_the_layout_it_can_write(name, micro_bases, make_config, tmp_path):
+    """LoHa in the diffusers layout trains and saves on a family whose kohya layout fuses q, k and v: the end-of-run
+    parity check draws the file it wrote and says why the kohya layout was not checked (it crashed the run's end
+    before), and converting the file to kohya is refused by name."""
+    settings = _settings(name, micro_bases[name], tmp_path / "run", adapter__kind="loha", train__max_steps=2,
+                         sample__prompts=["a purple circle"], sample__steps=2)
+    trained = train(make_config(**settings)).trained_path
+    parity = json.loads((trained.parent / "parity.json").read_text())
+    assert set(parity["layouts"]) == {"diffusers"} and parity["layouts"]["diffusers"]["max_pixel_difference"] <= 2
+    assert "separate LoHa/LoKr factors have no fused form" in parity["not_checked"]["kohya"]
+    with pytest.raises(DifftuneError, match="no fused form; write the diffusers layout"):
+        export.convert_adapter(trained, tmp_path / "kohya.safetensors", "kohya")

@@ -22,7 +22,7 @@ import re
 import torch
 
 from difftune import kohya
-from difftune.adapters import derived_lora_configs
+from difftune.adapters import LYCORIS_TENSORS, derived_lora_configs
 from difftune.errors import DifftuneError
 
 KOHYA_DENOISER_PREFIX = "lora_unet_"
@@ -78,12 +78,13 @@ class FusedKohyaLayout:
     def adapter_problems(self, config) -> list[str]:
         problems = super().adapter_problems(config)
         if config.adapter.kind in ("loha", "lokr") and config.export.format == "kohya":
-            problems.append(
-                f"adapter.kind = \"{config.adapter.kind}\" with export.format = \"kohya\": the {self.kohya_layout_name} "
-                "layout fuses q, k and v into one layer, and separate LoHa/LoKr factors have no fused form; use "
-                "export.format = \"diffusers\""
-            )
+            problems.append(f"adapter.kind = \"{config.adapter.kind}\" with export.format = \"kohya\": "
+                            f"{self.no_fused_lycoris()}; use export.format = \"diffusers\"")
         return problems
+
+    def no_fused_lycoris(self) -> str:
+        return (f"the {self.kohya_layout_name} layout fuses q, k and v into one layer, and separate LoHa/LoKr factors "
+                "have no fused form")
 
     def fused_row_sizes(self, modules: list[str], rows: int) -> list[int]:
         """How a fused layer's `rows` output rows split among its `modules`: evenly, unless the family says
@@ -94,6 +95,9 @@ class FusedKohyaLayout:
         prefix = f"{self.denoiser_name}."
         denoiser = {key: value for key, value in tensors.items() if key.startswith(prefix)}
         out = super().to_kohya({key: value for key, value in tensors.items() if key not in denoiser}, lora_configs)
+        kinds = {kohya.split_adapter_key(key.removeprefix(prefix))[1] for key in denoiser}
+        if kinds & set(LYCORIS_TENSORS):
+            raise ValueError(f"a LoHa/LoKr adapter: {self.no_fused_lycoris()}; write the diffusers layout")
         adapted = {kohya.split_adapter_key(key.removeprefix(prefix))[0] for key in denoiser}
         table = self.kohya_table(adapted)
         for name, modules in table.items():
