@@ -29,6 +29,12 @@ REPO = Path(__file__).resolve().parents[2]
 FAMILY_CONFIGS = {"flux2": "flux2_dev_1024_lora.toml", "krea2": "krea2_1024_lora.toml",
                   "lumina2": "lumina2_1024_lora.toml", "ideogram4": "ideogram4_1024_lora.toml",
                   "hidream": "hidream_1024_lora.toml", "wan": "wan_image_lora.toml"}
+# And those with one (their text-to-image jobs), for sweeping settings over every family (`overrides`).
+ALL_FAMILY_CONFIGS = FAMILY_CONFIGS | {
+    "sd": "sd15_lora.toml", "sdxl": "sdxl_lora.toml", "flux": "flux_lora.toml", "chroma": "chroma_lora.toml",
+    "sd3": "sd3_lora.toml", "z_image": "z_image_lora.toml", "flux2_klein": "flux2_klein_lora.toml",
+    "qwen_image": "qwen_image_1024_lora.toml",
+}
 
 
 def job_overrides(base: Path, data: Path, validation: Path, output_dir: Path, steps: int) -> list[str]:
@@ -44,25 +50,29 @@ def job_overrides(base: Path, data: Path, validation: Path, output_dir: Path, st
     return [f"{key}={value}" for key, value in values.items()]
 
 
-def run_family_job(family: str, work_dir: Path, steps: int = 200, seed: int = 1) -> dict:
-    """The family's shipped job on its micro model (built in `work_dir`); its row."""
+def run_family_job(family: str, work_dir: Path, steps: int = 200, seed: int = 1, overrides: list[str] = ()) -> dict:
+    """The family's shipped job on its micro model (built in `work_dir`), with `overrides` (`section.key=value`) on top;
+    its row."""
     from difftune.train import train
 
     base, validation = work_dir / f"micro-{family}", work_dir / "purple-validation"
-    build_pipeline(seed=seed, family=family).save_pretrained(base, safe_serialization=True)
+    if not base.is_dir():
+        build_pipeline(seed=seed, family=family).save_pretrained(base, safe_serialization=True)
     if not validation.is_dir():  # purple renders the job never sees
         write_caption_folder(validation, shape_images(12, seed=seed + 100, colors=(HELD_OUT_COLOR,)))
     output_dir = work_dir / f"job-{family}"
-    config_file = REPO / "configs" / FAMILY_CONFIGS[family]
-    config = load_config(config_file, job_overrides(base, REPO / "examples" / "purple", validation, output_dir, steps))
+    config_file = REPO / "configs" / ALL_FAMILY_CONFIGS[family]
+    config = load_config(config_file, job_overrides(base, REPO / "examples" / "purple", validation, output_dir, steps)
+                         + list(overrides))
     started = time.perf_counter()
     result = train(config)
     seconds = time.perf_counter() - started
     losses = [(row["step"], row["val_loss"]) for row in read_metrics(output_dir) if "val_loss" in row]
     parity = json.loads((result.trained_path.parent / PARITY_FILE).read_text())
     return {
-        "family": family, "config": f"configs/{config_file.name}", "steps": steps, "batch_size": 4, "resolution": 32,
+        "family": family, "config": f"configs/{config_file.name}", "overrides": list(overrides), "steps": steps, "batch_size": 4, "resolution": 32,
         "validation_loss": losses, "validation_loss_fell": losses[-1][1] < losses[0][1],
         "parity_max_pixel_difference": {layout: row["max_pixel_difference"] for layout, row in parity["layouts"].items()},
+        "parity_not_checked": sorted(parity.get("not_checked", {})),
         "seconds": round(seconds, 1),
     }
