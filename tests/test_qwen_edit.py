@@ -57,7 +57,7 @@ def test_the_templates_are_the_pipelines(name, edit_bases):
     vision = VISION_TOKENS if name == "qwen_image_edit" else ""  # the first edit pipeline writes them into its template
     assert pipeline.prompt_template_encode == EDIT_PROMPT_TEMPLATE.replace("{}", vision + "{}")
     assert pipeline.prompt_template_encode_start_idx == EDIT_TEMPLATE_TOKENS
-    assert FAMILIES[name].text_tokens == pipeline.tokenizer_max_length
+    assert FAMILIES[name].padded_text_tokens == pipeline.tokenizer_max_length
     # The part the pipeline drops is all of the template before the vision tokens and the instruction, as with
     # Qwen2.5-VL's own vocabulary: no template token reaches the transformer.
     prefix = pipeline.prompt_template_encode.split("{}")[0].removesuffix(vision)

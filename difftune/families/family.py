@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from accelerate import init_empty_weights
 from diffusers import (
     DDIMScheduler,
@@ -42,6 +43,30 @@ DENOISER_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 FP32 = {"dtype": torch.float32}  # not the saved dtype: placement casts later, on purpose
 
 
+def valid_token_states(states: torch.Tensor, mask: torch.Tensor, skip: int, length: int) -> dict[str, torch.Tensor]:
+    """A language model's states (B, L, D) kept at each caption's valid tokens (`mask`, (B, L)) after its first
+    `skip` (a template's), at most `length` of them, zero-padded to `length`; with the mask of those kept."""
+    kept_states = states.new_zeros(len(states), length, states.shape[-1])
+    text_mask = torch.zeros(len(states), length, dtype=torch.long, device=states.device)
+    for i in range(len(states)):
+        kept = states[i][mask[i]][skip:][:length]
+        kept_states[i, : len(kept)] = kept
+        text_mask[i, : len(kept)] = 1
+    return {"encoder_hidden_states": kept_states, "text_mask": text_mask}
+
+
+def trimmed(conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One caption's `valid_token_states` without the padding past its text, as the text cache stores it: at full
+    length (512 x 3584 fp32 for Qwen-Image) an entry is 7 MB, a short caption's ~0.3 MB."""
+    valid = int(conditioning["text_mask"].sum())
+    return {name: tensor[:valid] for name, tensor in conditioning.items()}
+
+
+def padded(stored: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """Inverse of `trimmed`."""
+    return {name: F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, length - len(tensor))) for name, tensor in stored.items()}
+
+
 class FamilyOptions(Section):
     """A family's own settings (`model.family_options`); a family with some declares them in a subclass."""
 
@@ -58,6 +83,10 @@ class Family:
     text_encoder_names: tuple[str, ...] = ("text_encoder",)
     tokenizer_names: tuple[str, ...] = ("tokenizer",)
     lora_text_encoders: tuple[str, ...] | None = None  # those its pipeline's LoRA loader reads adapters of (None: all)
+    # Where its text states are a language model's at each caption's tokens, zero-padded to this length with their
+    # `text_mask` (`valid_token_states`): the text cache keeps the caption's tokens alone and pads them back. None:
+    # stored as encoded.
+    padded_text_tokens: int | None = None
     drawing_part_names: tuple[str, ...] = ()  # frozen pipeline parts that drawing alone uses (`Components.drawing_parts`)
     kohya_prefixes: dict[str, str]  # part -> key prefix in kohya / A1111 / ComfyUI files
     kohya_text_model_parts: tuple[str, ...] = ("text_encoder",)  # CLIP encoders: kohya names their modules `text_model_*`
@@ -302,12 +331,12 @@ class Family:
 
     def cached_conditioning(self, conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One caption's conditioning (no batch axis) as the text cache stores it: as it is, unless the family can
-        drop what `uncached_conditioning` restores (padding)."""
-        return conditioning
+        drop what `uncached_conditioning` restores (padding: `padded_text_tokens`)."""
+        return trimmed(conditioning) if self.padded_text_tokens else conditioning
 
     def uncached_conditioning(self, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Inverse of `cached_conditioning`: a stored entry as `encode_prompts` made it."""
-        return stored
+        return padded(stored, self.padded_text_tokens) if self.padded_text_tokens else stored
 
     def latent_normalization(self, vae) -> LatentNormalization:
         """How latents are normalised for the denoiser: as the autoencoder asks (autoencoders.py), unless the family's

@@ -44,7 +44,7 @@ from difftune.autoencoders import LatentNormalization, latent_normalization
 from difftune.config import Config
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.fused import FusedKohyaLayout, kohya_blocks_of
-from difftune.families.qwen_image import padded, trimmed, valid_token_states
+from difftune.families.family import valid_token_states
 from difftune.models import Components
 
 TEXT_TOKENS = 512  # tokens of a templated caption read at most
@@ -97,6 +97,7 @@ class Ideogram4(FusedKohyaLayout, FlowMatchingFamily):
     kohya_layout_name = "Ideogram 4"
     kohya_blocks = kohya_blocks_of(ORIGINAL_BLOCKS)
     default_targets = {"transformer": TRANSFORMER_TARGETS}
+    padded_text_tokens = TEXT_TOKENS
     lora_text_encoders = ()  # Ideogram4Pipeline's LoRA loader reads the (conditional) transformer's adapters alone
 
     def read_original_layout(self, tensors):
@@ -140,12 +141,6 @@ class Ideogram4(FusedKohyaLayout, FlowMatchingFamily):
             components.text_encoders["text_encoder"], ids, mask.long(), positions)
         states = torch.stack(layers, dim=-1).flatten(2) * mask[..., None]  # (B, L, D * layers), layer fastest
         return valid_token_states(states, mask, 0, TEXT_TOKENS)
-
-    def cached_conditioning(self, conditioning):
-        return trimmed(conditioning)
-
-    def uncached_conditioning(self, stored):
-        return padded(stored, TEXT_TOKENS)
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the autoencoder's latents are patched already: one token a latent pixel

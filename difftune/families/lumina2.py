@@ -26,7 +26,7 @@ import torch
 from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
 
 from difftune.families.flow import FlowMatchingFamily
-from difftune.families.qwen_image import padded, trimmed, valid_token_states
+from difftune.families.family import valid_token_states
 from difftune.families.z_image import fused_qkv
 from difftune.models import Components
 
@@ -84,6 +84,7 @@ class Lumina2(FlowMatchingFamily):
     kohya_text_model_parts = ()
     kohya_model_version = "lumina2"
     default_targets = {"transformer": TRANSFORMER_TARGETS}
+    padded_text_tokens = TEXT_TOKENS
     lora_text_encoders = ()  # Lumina2Pipeline's LoRA loader reads the transformer's adapters alone
 
     # Prompts and the transformer.
@@ -100,12 +101,6 @@ class Lumina2(FlowMatchingFamily):
             ids, attention_mask=mask.long(), output_hidden_states=True
         ).hidden_states[-2]
         return valid_token_states(states, mask, 0, TEXT_TOKENS)
-
-    def cached_conditioning(self, conditioning):
-        return trimmed(conditioning)
-
-    def uncached_conditioning(self, stored):
-        return padded(stored, TEXT_TOKENS)
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the transformer patches the latents itself

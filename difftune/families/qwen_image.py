@@ -21,9 +21,9 @@ autoencoder, conditioned on the last hidden state of a Qwen2.5-VL language model
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
+from difftune.families.family import valid_token_states
 from difftune.families.flow import FlowMatchingFamily, pack, unpack
 from difftune.models import Components
 
@@ -44,30 +44,6 @@ TRANSFORMER_TARGETS = [
 ]
 
 
-def valid_token_states(states: torch.Tensor, mask: torch.Tensor, skip: int, length: int) -> dict[str, torch.Tensor]:
-    """A language model's states (B, L, D) kept at each caption's valid tokens (`mask`, (B, L)) after its first
-    `skip` (a template's), at most `length` of them, zero-padded to `length`; with the mask of those kept."""
-    kept_states = states.new_zeros(len(states), length, states.shape[-1])
-    text_mask = torch.zeros(len(states), length, dtype=torch.long, device=states.device)
-    for i in range(len(states)):
-        kept = states[i][mask[i]][skip:][:length]
-        kept_states[i, : len(kept)] = kept
-        text_mask[i, : len(kept)] = 1
-    return {"encoder_hidden_states": kept_states, "text_mask": text_mask}
-
-
-def trimmed(conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One caption's `valid_token_states` without the padding past its text, as the text cache stores it: at full
-    length (512 x 3584 fp32 for Qwen-Image) an entry is 7 MB, a short caption's ~0.3 MB."""
-    valid = int(conditioning["text_mask"].sum())
-    return {name: tensor[:valid] for name, tensor in conditioning.items()}
-
-
-def padded(stored: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-    """Inverse of `trimmed`."""
-    return {name: F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, length - len(tensor))) for name, tensor in stored.items()}
-
-
 class QwenImage(FlowMatchingFamily):
     name = "qwen_image"
     description = "Qwen-Image"
@@ -84,7 +60,7 @@ class QwenImage(FlowMatchingFamily):
     lora_text_encoders = ()  # QwenImagePipeline's LoRA loader reads the transformer's adapters alone
     prompt_template = PROMPT_TEMPLATE  # the pipeline's `prompt_template_encode`
     template_tokens = TEMPLATE_TOKENS  # its `prompt_template_encode_start_idx`
-    text_tokens = TEXT_TOKENS
+    padded_text_tokens = TEXT_TOKENS
 
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
@@ -93,7 +69,7 @@ class QwenImage(FlowMatchingFamily):
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         ids = tokenizers["tokenizer"](
             [self.prompt_template.format(caption) for caption in captions], padding="max_length",
-            max_length=self.template_tokens + self.text_tokens, truncation=True, return_tensors="pt",
+            max_length=self.template_tokens + self.padded_text_tokens, truncation=True, return_tensors="pt",
         ).input_ids
         return {"text_encoder": ids}
 
@@ -109,13 +85,7 @@ class QwenImage(FlowMatchingFamily):
         states = components.text_encoders["text_encoder"](
             input_ids=ids, attention_mask=mask.long(), output_hidden_states=True, **images
         ).hidden_states[-1]
-        return valid_token_states(states, mask, self.template_tokens, self.text_tokens)
-
-    def cached_conditioning(self, conditioning):
-        return trimmed(conditioning)
-
-    def uncached_conditioning(self, stored):
-        return padded(stored, self.text_tokens)
+        return valid_token_states(states, mask, self.template_tokens, self.padded_text_tokens)
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """Reference images (an edit base's `control_latents`) follow the image's tokens, each placed by its own
@@ -134,7 +104,7 @@ class QwenImage(FlowMatchingFamily):
         return unpack(prediction[:, : (h // 2) * (w // 2)], h, w)
 
     def max_sequence_length(self, components: Components) -> int:
-        return self.text_tokens
+        return self.padded_text_tokens
 
     # Files.
 

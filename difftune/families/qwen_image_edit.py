@@ -77,7 +77,7 @@ class QwenImageEdit(QwenImage):
     prompts_see_controls = True
     prompt_template = EDIT_PROMPT_TEMPLATE
     template_tokens = EDIT_TEMPLATE_TOKENS
-    text_tokens = EDIT_TEXT_TOKENS
+    padded_text_tokens = EDIT_TEXT_TOKENS
 
     def encoder_tokenizers(self) -> list[tuple[str, str]]:
         return [("text_encoder", "tokenizer")]
@@ -105,7 +105,7 @@ class QwenImageEdit(QwenImage):
         return control
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict:
-        """Token ids (padded to the fixed `template_tokens + text_tokens`) and, for captions with controls (PIL, one
+        """Token ids (padded to the fixed `template_tokens + padded_text_tokens`) and, for captions with controls (PIL, one
         list per caption; every caption of a call with controls of the same sizes), the processor's patches per caption
         (B, patches, D) and their grids (B, images, 3)."""
         controls = controls or [[] for _ in captions]
@@ -113,13 +113,13 @@ class QwenImageEdit(QwenImage):
         inputs = tokenizers["processor"](
             text=[self.prompt_template.format(self.vision_prompt(len(images)) + caption)
                   for caption, images in zip(captions, controls)],
-            images=images or None, padding="max_length", max_length=self.template_tokens + self.text_tokens,
+            images=images or None, padding="max_length", max_length=self.template_tokens + self.padded_text_tokens,
             return_tensors="pt",
         )
         ids = inputs["input_ids"]
-        if ids.shape[1] > self.template_tokens + self.text_tokens:
+        if ids.shape[1] > self.template_tokens + self.padded_text_tokens:
             raise DifftuneError(f"{captions[0]!r} and its control images make {ids.shape[1] - self.template_tokens} prompt "
-                             f"tokens; {self.description} reads at most {self.text_tokens}: shorten it")
+                             f"tokens; {self.description} reads at most {self.padded_text_tokens}: shorten it")
         if not images:
             return {"text_encoder": ids}
         return {"text_encoder": ids, "pixel_values": inputs["pixel_values"].view(len(captions), -1, inputs["pixel_values"].shape[-1]),

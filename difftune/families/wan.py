@@ -32,7 +32,7 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.fused import OriginalNamesKohyaLayout
-from difftune.families.qwen_image import padded, trimmed, valid_token_states
+from difftune.families.family import valid_token_states
 from difftune.models import Components
 
 TEXT_TOKENS = 512  # WanPipeline's default `max_sequence_length`: every caption's states are padded to it
@@ -89,8 +89,8 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
     kohya_model_version = "wan"
     kohya_layout_name = "Wan"
     default_targets = {"transformer": TRANSFORMER_TARGETS}
+    padded_text_tokens = TEXT_TOKENS
     lora_text_encoders = ()  # WanPipeline's LoRA loader reads the transformer's adapters alone
-    samplers = {"euler": FlowMatchEulerDiscreteScheduler}
     single_file_layout = "transformer alone (original layout)"
     denoiser_file_key = "head.modulation"  # what diffusers' reader detects Wan files by
 
@@ -117,12 +117,6 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
         mask = ids != components.tokenizers["tokenizer"].pad_token_id
         states = components.text_encoders["text_encoder"](ids, mask.long()).last_hidden_state
         return valid_token_states(states, mask, 0, TEXT_TOKENS)
-
-    def cached_conditioning(self, conditioning):
-        return trimmed(conditioning)
-
-    def uncached_conditioning(self, stored):
-        return padded(stored, TEXT_TOKENS)
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the transformer patches the latents itself

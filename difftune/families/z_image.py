@@ -31,7 +31,7 @@ from diffusers import ZImagePipeline, ZImageTransformer2DModel
 from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
 
 from difftune.families.flow import FlowMatchingFamily, anchored_guidance
-from difftune.families.qwen_image import padded, trimmed, valid_token_states
+from difftune.families.family import valid_token_states
 from difftune.models import Components
 
 TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
@@ -72,6 +72,7 @@ class ZImage(FlowMatchingFamily):
     kohya_text_model_parts = ()
     kohya_model_version = "z_image"
     default_targets = {"transformer": TRANSFORMER_TARGETS}
+    padded_text_tokens = TEXT_TOKENS
     lora_text_encoders = ()  # ZImagePipeline's LoRA loader reads the transformer's adapters alone
 
     # Detection and single files.
@@ -117,12 +118,6 @@ class ZImage(FlowMatchingFamily):
             input_ids=ids[:, :longest], attention_mask=mask[:, :longest], output_hidden_states=True
         ).hidden_states[-2]
         return valid_token_states(states, mask[:, :longest], 0, TEXT_TOKENS)
-
-    def cached_conditioning(self, conditioning):
-        return trimmed(conditioning)
-
-    def uncached_conditioning(self, stored):
-        return padded(stored, TEXT_TOKENS)
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the transformer patches the latents itself
