@@ -10,7 +10,8 @@ alike, read from the autoencoder's own config; `decoded = decode(latents / scale
 - `AutoencoderKLQwenImage` (Qwen-Image) and `AutoencoderKLWan` (Wan 2.1; the same autoencoder): a causal video autoencoder whose latents
   have a time axis (B, C, T, h, w), T = 1 for an image, and per-channel statistics: shift = `latents_mean`,
   scale = 1 / `latents_std`, as `QwenImagePipeline` inverts them. Images pass as one-frame clips; everything
-  outside this module sees (B, C, h, w).
+  outside this module sees an image's latents as (B, C, h, w), and a clip's (video bases) as (B, C, t, h, w), t =
+  (T - 1) / `frames_per_latent` + 1.
 - `AutoencoderKLFlux2` (FLUX.2): 32-channel latents at 8x, which the denoiser reads patched 2x2 into 128 channels
   (`patched`, as `Flux2Pipeline._patchify_latents`), normalised per patched channel by the autoencoder's own batch
   norm statistics (shift = `bn.running_mean`, scale = 1 / sqrt(`bn.running_var` + eps)). Everything outside this
@@ -83,6 +84,14 @@ def downsampling(vae) -> int:
     return 2 ** (len(blocks) - 1) * (2 if isinstance(vae, PATCHED_AUTOENCODERS) else 1)
 
 
+def frames_per_latent(vae) -> int:
+    """Clip frames per latent frame after the first (a causal video autoencoder's temporal factor: Wan's 4), so clips
+    take 4k + 1 frames; 1 for an image autoencoder."""
+    if not isinstance(vae, VIDEO_AUTOENCODERS):
+        return 1
+    return vae.config.get("scale_factor_temporal") or 2 ** sum(vae.config.temperal_downsample)
+
+
 def load_vae(name: str):
     """An autoencoder of a kind above from a folder (or a pipeline folder's `vae/`) or hub id."""
     subfolder = "vae" if (Path(name) / "vae" / "config.json").is_file() else None
@@ -93,10 +102,16 @@ def load_vae(name: str):
 
 
 def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, 3, H, W) in [-1, 1] -> the posterior's mean and std (B, C, H/f, W/f), not normalised. TAESD is
-    deterministic: its std is 0. This is what the latent cache stores."""
+    """(B, 3, H, W) in [-1, 1] -> the posterior's mean and std (B, C, H/f, W/f), not normalised; a video
+    autoencoder's clips (B, 3, T, H, W) -> (B, C, t, H/f, W/f). TAESD is deterministic: its std is 0. This is what the
+    latent cache stores."""
     weight = next(vae.parameters())  # not vae.device / vae.dtype: each walks every module, 1.6 ms a step
     pixels = pixels.to(weight.device, weight.dtype)
+    if pixels.dim() == 5:
+        if not isinstance(vae, VIDEO_AUTOENCODERS):
+            raise DifftuneError(f"a {type(vae).__name__} encodes images, not clips")
+        posterior = vae.encode(pixels).latent_dist
+        return posterior.mean, posterior.std
     if isinstance(vae, AutoencoderTiny):
         mean = vae.encode(pixels).latents
         return mean, torch.zeros_like(mean)
@@ -145,6 +160,8 @@ def reference_latents(mean: torch.Tensor, normalization: LatentNormalization) ->
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """Inverse of `encode_latents` (up to the autoencoder's loss): normalised latents -> pixels in [-1, 1]."""
     encoded = latent_normalization(vae).invert(latents.to(vae.dtype))
+    if latents.dim() == 5:  # a clip's
+        return vae.decode(encoded).sample
     if isinstance(vae, VIDEO_AUTOENCODERS):
         return vae.decode(encoded[:, :, None]).sample[:, :, 0]
     if isinstance(vae, PATCHED_AUTOENCODERS):

@@ -3,7 +3,8 @@
 An entry's file name is the SHA-256 of everything its content depends on, and of `FORMAT` (bumped when what
 an entry holds changes):
 - latents: the image file's bytes, the VAE's weights and config, the training size, the crop, the color
-  transparent pixels are composited onto (`data.alpha_background`) and the view (as is, or mirrored);
+  transparent pixels are composited onto (`data.alpha_background`) and the view (as is, or mirrored); for a clip,
+  also its window of frames (first frame and count), so another `data.target_frames` or extraction is another entry;
 - text: the token ids each text encoder reads (so the tokenizers and their max lengths are covered too), and
   where the text encoder sees an edit pair's controls (Qwen-Image-Edit), their patches; the text encoders'
   weights and configs; an entry holds the family's whole text conditioning (SDXL: both encoders' states and the
@@ -39,7 +40,10 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from difftune.config import Config
-from difftune.data import Example, Prompt, Size, image_to_tensor, open_image, prompt_controls, resize_and_crop
+from difftune.clips import read_frames
+from difftune.data import (
+    Example, Prompt, Size, clip_to_tensor, image_to_tensor, open_image, place_crop, prompt_controls, resize_and_crop,
+)
 from difftune.autoencoders import encode_posterior
 from difftune.models import Components
 
@@ -88,7 +92,7 @@ def latent_entries(
     """Each example's cache files, one per view it can be trained in (`plain`, and `flipped` with
     `data.random_flip`); repeats of an image share them. Keyed by its training size (`data.training_sizes`)."""
     views = _views(config, vae_identity)
-    return [views(example.image_path, size) for example, size in zip(examples, sizes)]
+    return [views(example.path, size, example.frames) for example, size in zip(examples, sizes)]
 
 
 def control_latent_entries(
@@ -100,44 +104,61 @@ def control_latent_entries(
             for example, sizes in zip(examples, control_sizes)]
 
 
-def _views(config: Config, vae_identity: str) -> Callable[[Path, Size], dict[str, Path]]:
-    """(image file, training size) -> its entry per view; each file's bytes are hashed once."""
+def _views(config: Config, vae_identity: str) -> Callable[..., dict[str, Path]]:
+    """(image or clip file, training size[, a clip's window]) -> its entry per view; each file's bytes are hashed once."""
     root, data = cache_root(config), config.data
     views = VIEWS if data.random_flip else VIEWS[:1]
     settings = f"crop={data.crop} alpha_background={','.join(map(str, data.alpha_background))}"
     contents: dict[Path, str] = {}
 
-    def entries(path: Path, size: Size) -> dict[str, Path]:
+    def entries(path: Path, size: Size, window: tuple[int, int] | None = None) -> dict[str, Path]:
         if path not in contents:
-            contents[path] = hashlib.sha256(path.read_bytes()).hexdigest()
+            contents[path] = _file_digest(path)
         width, height = size
-        return {view: _entry(root, "latents", contents[path], vae_identity, f"{width}x{height}", settings, view) for view in views}
+        where = (f"frames={window[0]}+{window[1]}",) if window else ()  # images' keys as before clips were read
+        return {view: _entry(root, "latents", contents[path], vae_identity, f"{width}x{height}", settings, *where, view)
+                for view in views}
 
     return entries
 
 
+def _file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in pieces (a clip can be larger than memory is spare)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while piece := file.read(1 << 24):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
 def fill_latents(
     paths: list[Path], sizes: list[Size], entries: list[dict[str, Path]], vae, config: Config, batch_size: int,
+    windows: list[tuple[int, int] | None] | None = None,
 ) -> int:
-    """Encode the views whose entries are missing (image `paths[i]` at `sizes[i]`, its views' files `entries[i]`), in
-    batches of one training size; returns how many."""
-    missing: dict[Size, dict[Path, tuple[Path, str]]] = {}
-    for path, views, size in zip(paths, entries, sizes):
+    """Encode the views whose entries are missing (image `paths[i]` at `sizes[i]`, or a clip's window `windows[i]` of
+    it, its views' files `entries[i]`), in batches of one training size and frame count; returns how many."""
+    windows = windows or [None] * len(paths)
+    missing: dict[tuple, dict[Path, tuple[Path, tuple[int, int] | None, str]]] = {}
+    for path, views, size, window in zip(paths, entries, sizes, windows):
         for view, entry in views.items():
             if not entry.exists():
-                missing.setdefault(size, {})[entry] = (path, view)
+                missing.setdefault((size, window[1] if window else 0), {})[entry] = (path, window, view)
     chunks = [
         (size, list(group.items())[start : start + batch_size])
-        for size, group in sorted(missing.items())
+        for (size, _), group in sorted(missing.items())
         for start in range(0, len(group), batch_size)
     ]
     for size, chunk in tqdm(chunks, desc="caching latents", disable=not chunks):
-        images = []
-        for _, (path, view) in chunk:
+        pixels = []
+        for _, (path, window, view) in chunk:
+            if window:
+                frames = read_frames(path, *window)
+                pixels.append(clip_to_tensor(frames, place_crop(frames[0].size, size, "center"), size, view == "flipped"))
+                continue
             image = resize_and_crop(open_image(path, config.data), size, config.data.crop)
-            images.append(image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if view == "flipped" else image)
+            pixels.append(image_to_tensor(image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if view == "flipped" else image))
         with torch.no_grad():
-            mean, std = encode_posterior(vae, torch.stack([image_to_tensor(image) for image in images]))
+            mean, std = encode_posterior(vae, torch.stack(pixels))
         for i, (entry, _) in enumerate(chunk):
             _write(entry, {"mean": mean[i], "std": std[i]})
     return sum(len(group) for group in missing.values())

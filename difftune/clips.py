@@ -10,6 +10,9 @@ Which windows a clip gives, as musubi-tuner's dataset config names them (`FrameW
 lengths, each rounded down to what the model's autoencoder takes (Wan's: 4k + 1 frames); `extraction` says where the
 windows sit: `head` (one at the start per length), `chunk` (back to back), `slide` (every `stride` frames), `uniform`
 (`samples` of them spread evenly over the clip) or `full` (the whole clip, at most `max_frames`, as one window).
+Windows count decoded frames whatever the clip's frame rate (as musubi-tuner's and diffusion-pipe's readers do).
+
+An animated GIF is not read as a clip: `.gif` files are images, and an animated one is reported (data.py).
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from typing import Literal
 import numpy as np
 from PIL import Image
 
+from difftune.config import DataConfig
 from difftune.errors import DifftuneError
 
-CLIP_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi", ".gif")
+CLIP_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi")
 Extraction = Literal["head", "chunk", "slide", "uniform", "full"]
 
 
@@ -51,6 +55,12 @@ class FrameWindows:
     max_frames: int = 129  # `full`: the longest window
     frame_multiple: int = 4  # lengths are k * frame_multiple + 1 (the autoencoder's temporal factor)
 
+    @classmethod
+    def of(cls, data: DataConfig, frame_multiple: int) -> FrameWindows:
+        """The windows `data`'s frame settings ask for, for an autoencoder of temporal factor `frame_multiple`."""
+        return cls(tuple(data.target_frames), data.frame_extraction, data.frame_stride, data.frame_samples,
+                   data.max_frames, frame_multiple)
+
     def rounded(self, frames: int) -> int:
         """`frames` rounded down to a length the autoencoder takes (at least 1)."""
         return max(1, (frames - 1) // self.frame_multiple * self.frame_multiple + 1)
@@ -74,6 +84,10 @@ class FrameWindows:
                 starts = sorted(set(np.linspace(0, last, self.samples, dtype=int).tolist()))  # floored, as musubi-tuner
             out += [(int(start), length) for start in starts]
         return out
+
+
+def is_clip(path: Path) -> bool:
+    return path.suffix.lower() in CLIP_SUFFIXES
 
 
 def _av():
@@ -105,6 +119,17 @@ def probe(path: Path) -> ClipInfo:
     if not frames:
         raise BadClip("has no frames")
     return ClipInfo(frames, fps, *size)
+
+
+def frame_size(path: Path) -> tuple[int, int]:
+    """A clip's (width, height), from its header alone."""
+    av = _av()
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            return stream.codec_context.width, stream.codec_context.height
+    except (av.FFmpegError, OSError, ValueError, IndexError) as err:
+        raise BadClip(f"cannot be decoded as a video: {err}") from None
 
 
 def read_frames(path: Path, start: int, length: int) -> list[Image.Image]:

@@ -234,12 +234,36 @@ class DataConfig(Section):
     alpha_background: tuple[int, int, int] = Field(
         (255, 255, 255), strict=False, description="RGB color that transparent pixels are composited onto."
     )
+    target_frames: list[int] = Field(
+        [17],
+        min_length=1,
+        description="Clips (`.mp4`, `.mov`, `.mkv`, `.webm`, `.avi` beside the images, for bases that read them: Wan): "
+        "the frame counts of the windows cut from each clip, each rounded down to what the autoencoder takes (Wan: 4k + "
+        "1), as musubi-tuner's dataset config names them. A clip shorter than every window is skipped and reported. "
+        "Images in the same folder train as one-frame clips.",
+    )
+    frame_extraction: Literal["head", "chunk", "slide", "uniform", "full"] = Field(
+        "head",
+        description="Where a clip's windows sit: `head` one at the start per length; `chunk` back to back; `slide` "
+        "every `frame_stride` frames; `uniform` `frame_samples` of them spread evenly; `full` the whole clip (at most "
+        "`max_frames`) as one window.",
+    )
+    frame_stride: int = Field(1, ge=1, description="`frame_extraction = \"slide\"`: frames between window starts.")
+    frame_samples: int = Field(1, ge=1, description="`frame_extraction = \"uniform\"`: windows per clip and length.")
+    max_frames: int = Field(129, ge=1, description="`frame_extraction = \"full\"`: the longest window.")
 
     @field_validator("resolution", "bucket_step", "bucket_min_side", "bucket_max_side")
     @classmethod
     def _multiple_of_8(cls, value: int) -> int:
         if value % 8:
             raise ValueError(f"must be a multiple of 8 (the VAE's downsampling), got {value}")
+        return value
+
+    @field_validator("target_frames")
+    @classmethod
+    def _frames_positive(cls, value: list[int]) -> list[int]:
+        if any(frames < 1 for frames in value):
+            raise ValueError(f"each window needs at least 1 frame, got {value}")
         return value
 
     @property

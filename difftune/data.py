@@ -9,6 +9,11 @@ numbered for several (`cat_0.png`, `cat_1.png`: musubi-tuner's and ai-toolkit's 
 metadata line's `control_files`. A control is cut at the same relative place as its target and flipped with it,
 at the size the family's rule gives (`Family.control_size`). Targets without controls train in the same run.
 
+Video bases (`Family.reads_clips`: Wan) also train on clips, captioned as images are: each clip gives windows of
+frames (clips.py, `data.target_frames` and `data.frame_extraction`), each window an example whose pixels are
+(3, T, H, W), all its frames cut at one place and flipped together; images in the same run train as they are (the
+family reads them as one-frame clips), and a batch never mixes frame counts.
+
 Captions can be dressed (a prefix and suffix), varied per draw (tag shuffle and tag dropout, kohya's), and
 dropped (caption dropout); `CaptionDrawer` does all three.
 
@@ -39,6 +44,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
+from difftune.clips import CLIP_SUFFIXES, BadClip, FrameWindows, frame_size, is_clip, probe, read_frames
 from difftune.config import DataConfig
 from difftune.errors import DifftuneError
 
@@ -50,10 +56,11 @@ CONTROL_FOLDER = "control"
 
 @dataclass(frozen=True)
 class Example:
-    image_path: Path
+    path: Path  # the image, or the clip a window of frames is cut from
     caption: str
     loss_weight: float = 1.0  # prior preservation's class images train at `prior.loss_weight`
     control_paths: tuple[Path, ...] = ()  # an edit pair's control images, in the order the base reads them
+    frames: tuple[int, int] | None = None  # a clip's window: (first frame, frame count); None for an image
 
 
 @dataclass(frozen=True)
@@ -66,10 +73,13 @@ class BadImage(Exception):
     """An image that cannot be trained on; the message is the reason."""
 
 
-def scan_examples(config: DataConfig, key: str = "data.path") -> tuple[list[Example], list[BadFile]]:
+def scan_examples(config: DataConfig, key: str = "data.path",
+                  windows: FrameWindows | None = None) -> tuple[list[Example], list[BadFile]]:
     """Every usable (image, caption) pair under `config.path`, each listed as often as its folder repeats,
     and the files left out with their reasons. Every image is decoded once here, so a bad one is found
-    before the first step, not at step 9,000. `key`: the setting the folder came from, as messages name it."""
+    before the first step, not at step 9,000. `key`: the setting the folder came from, as messages name it.
+    `windows`: how a base that reads clips cuts them (`Family.frame_windows`): each window of a clip is an example,
+    every clip decoded once here too; None: clips are left out and reported."""
     root = Path(config.path)
     if not root.is_dir():
         raise DifftuneError(f"{key} {root} is not a folder; point it at a folder of captioned images")
@@ -81,20 +91,22 @@ def scan_examples(config: DataConfig, key: str = "data.path") -> tuple[list[Exam
             examples += _scan_folder(sub, config, bad, folder_caption=match.group(2)) * int(match.group(1))
     if not examples and not bad:
         raise DifftuneError(
-            f"{key} {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) directly or in "
-            f"`N_name` subfolders"
+            f"{key} {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) or clips ({', '.join(CLIP_SUFFIXES)}) "
+            f"directly or in `N_name` subfolders"
         )
+    examples = _cut_clips(examples, windows, bad)
     controls = {c for e in examples for c in e.control_paths}
-    reasons = {b.path: b.reason for b in _find_unusable_images({e.image_path for e in examples} | controls, config, controls)}
+    images = {e.path for e in examples if e.frames is None}
+    reasons = {b.path: b.reason for b in _find_unusable_images(images | controls, config, controls)}
     left_out: dict[Path, str] = {}  # a pair with a bad control is left out whole, under its target's name
     for example in examples:
         control = next((c for c in example.control_paths if c in reasons), None)
-        if example.image_path in reasons:
-            left_out[example.image_path] = reasons[example.image_path]
+        if example.path in reasons:
+            left_out[example.path] = reasons[example.path]
         elif control is not None:
-            left_out[example.image_path] = f"control {control}: {reasons[control]}"
+            left_out[example.path] = f"control {control}: {reasons[control]}"
     bad += [BadFile(path, reason) for path, reason in sorted(left_out.items())]
-    examples = [e for e in examples if e.image_path not in left_out]
+    examples = [e for e in examples if e.path not in left_out]
     if not examples:
         reasons = "; ".join(f"{b.path.name}: {b.reason}" for b in bad[:5])
         raise DifftuneError(f"{key} {root}: no usable image ({len(bad)} left out: {reasons})")
@@ -118,8 +130,8 @@ def _scan_folder(folder: Path, config: DataConfig, bad: list[BadFile], folder_ca
     if metadata.is_file():
         return _read_metadata(metadata, bad)
     examples = []
-    for image_path in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS):
-        caption_path = image_path.with_suffix(config.caption_extension)
+    for source in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS or is_clip(p)):
+        caption_path = source.with_suffix(config.caption_extension)
         if caption_path.is_file():
             try:
                 caption = caption_path.read_text(encoding="utf-8-sig").strip()
@@ -132,15 +144,15 @@ def _scan_folder(folder: Path, config: DataConfig, bad: list[BadFile], folder_ca
             caption = folder_caption
         elif config.missing_caption == "folder":
             raise DifftuneError(
-                f"{image_path} has no caption file {caption_path.name} and is not in an `N_name` folder to take its "
+                f"{source} has no caption file {caption_path.name} and is not in an `N_name` folder to take its "
                 f"caption from (data.missing_caption = \"folder\"); add a caption file or move it into one"
             )
         else:
             raise DifftuneError(
-                f"{image_path} has no caption file {caption_path.name}; add one, or set "
+                f"{source} has no caption file {caption_path.name}; add one, or set "
                 f"data.missing_caption = \"empty\" to train it uncaptioned"
             )
-        examples.append(Example(image_path, caption))
+        examples.append(Example(source, caption))
     return _with_controls(examples, Path(config.control_path) if config.control_path else folder / CONTROL_FOLDER, bad)
 
 
@@ -149,7 +161,7 @@ def _with_controls(examples: list[Example], control_folder: Path, bad: list[BadF
     example whose controls are ambiguous or numbered with a gap is left out and reported."""
     if not control_folder.is_dir():
         return examples
-    stems = {example.image_path.stem for example in examples}
+    stems = {example.path.stem for example in examples}
     found: dict[str, list[tuple[int, Path]]] = {}  # target stem -> (number, file); -1 for an unnumbered one
     for path in sorted(p for p in control_folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS):
         numbered = NUMBERED_CONTROL.match(path.stem)
@@ -159,15 +171,47 @@ def _with_controls(examples: list[Example], control_folder: Path, bad: list[BadF
             found.setdefault(numbered.group(1), []).append((int(numbered.group(2)), path))
     paired = []
     for example in examples:
-        controls = sorted(found.get(example.image_path.stem, []))
+        controls = sorted(found.get(example.path.stem, []))
         numbers = [number for number, _ in controls]
         if numbers and numbers != [-1] and numbers != list(range(len(numbers))):
             names = ", ".join(path.name for _, path in controls)
-            bad.append(BadFile(example.image_path, f"its controls in {control_folder} ({names}) must be one file named "
-                                                   f"{example.image_path.stem}.* or files numbered _0, _1... without gaps"))
+            bad.append(BadFile(example.path, f"its controls in {control_folder} ({names}) must be one file named "
+                                             f"{example.path.stem}.* or files numbered _0, _1... without gaps"))
             continue
         paired.append(replace(example, control_paths=tuple(path for _, path in controls)))
     return paired
+
+
+def _cut_clips(examples: list[Example], windows: FrameWindows | None, bad: list[BadFile]) -> list[Example]:
+    """The examples with each clip's replaced by one per window; clips that cannot be read, are shorter than every
+    window or meet a base that trains images (`windows` None) are reported. Each clip is decoded once (in threads:
+    FFmpeg releases the GIL)."""
+    clips = sorted({example.path for example in examples if is_clip(example.path)})
+    if not clips:
+        return examples
+    if windows is None:
+        bad += [BadFile(clip, "a clip: this base trains still images (a video base such as Wan reads clips)") for clip in clips]
+        return [example for example in examples if not is_clip(example.path)]
+
+    def cut(clip: Path) -> list[tuple[int, int]] | str:
+        try:
+            frames = probe(clip).frames
+        except BadClip as err:
+            return str(err)
+        found = windows.windows(frames)
+        lengths = ", ".join(str(windows.rounded(length)) for length in windows.target_frames)
+        return found or f"{frames} frames: shorter than every window of data.target_frames ({lengths} frames)"
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        cuts = dict(zip(clips, tqdm(pool.map(cut, clips), total=len(clips), desc="reading clips", disable=len(clips) < 50)))
+    bad += [BadFile(clip, reason) for clip, reason in cuts.items() if isinstance(reason, str)]
+    out = []
+    for example in examples:
+        if not is_clip(example.path):
+            out.append(example)
+        elif not isinstance(cuts[example.path], str):
+            out += [replace(example, frames=window) for window in cuts[example.path]]
+    return out
 
 
 def _find_unusable_images(paths: set[Path], config: DataConfig, controls: set[Path] = frozenset()) -> list[BadFile]:
@@ -301,8 +345,8 @@ def _read_metadata(path: Path, bad: list[BadFile]) -> list[Example]:
                 f"{path}:{line_number}: file_name {file_name!r} leads outside {path.parent}; data.path must hold its "
                 f"images (copy or link them into it and name them relative to it)"
             )
-        image_path = path.parent / file_name
-        if not image_path.is_file():
+        source = path.parent / file_name
+        if not source.is_file():
             raise DifftuneError(f"{path}:{line_number}: image {file_name} does not exist next to it")
         control_files = record.get("control_files", [])
         control_files = [control_files] if isinstance(control_files, str) else control_files
@@ -314,9 +358,9 @@ def _read_metadata(path: Path, bad: list[BadFile]) -> list[Example]:
                                 f"relative to the folder, as file_name")
         missing = [name for name in control_files if not (path.parent / name).is_file()]
         if missing:
-            bad.append(BadFile(image_path, f"control {missing[0]} (line {line_number} of {path.name}) does not exist"))
+            bad.append(BadFile(source, f"control {missing[0]} (line {line_number} of {path.name}) does not exist"))
             continue
-        examples.append(Example(image_path, str(text).strip(), control_paths=tuple(path.parent / n for n in control_files)))
+        examples.append(Example(source, str(text).strip(), control_paths=tuple(path.parent / n for n in control_files)))
     return examples
 
 
@@ -386,7 +430,9 @@ def bucket_sizes(config: DataConfig) -> list[tuple[int, int]]:
 
 
 def image_size(path: Path) -> tuple[int, int]:
-    """(width, height) as displayed (EXIF orientation applied), from the header alone."""
+    """(width, height) as displayed (EXIF orientation applied), or a clip's frames', from the header alone."""
+    if is_clip(path):
+        return frame_size(path)
     with Image.open(path) as image:
         width, height = image.size
         return (height, width) if image.getexif().get(0x0112) in (5, 6, 7, 8) else (width, height)
@@ -400,10 +446,10 @@ def training_sizes(examples: list[Example], config: DataConfig) -> list[tuple[in
     ratios = np.log([w / h for w, h in sizes])
     by_image = {}
     for example in examples:
-        if example.image_path not in by_image:
-            width, height = image_size(example.image_path)
-            by_image[example.image_path] = sizes[int(np.argmin(np.abs(ratios - np.log(width / height))))]
-    return [by_image[e.image_path] for e in examples]
+        if example.path not in by_image:
+            width, height = image_size(example.path)
+            by_image[example.path] = sizes[int(np.argmin(np.abs(ratios - np.log(width / height))))]
+    return [by_image[e.path] for e in examples]
 
 
 def draw_flip(config: DataConfig, rng: random.Random) -> bool:
@@ -420,12 +466,21 @@ def control_sizes(examples: list[Example], sizes: list[Size], rule: Callable[[Si
     return [tuple(rule(size, originals[c]) for c in example.control_paths) for example, size in zip(examples, sizes)]
 
 
-def batch_groups(sizes: list[Size], controls: list[tuple[Size, ...]], buckets: bool) -> list | None:
+def batch_groups(sizes: list[Size], controls: list[tuple[Size, ...]], buckets: bool,
+                 frame_counts: list[int] | None = None) -> list | None:
     """What a batch must share (`TrainingOrder`'s buckets): with buckets, the training size; with controls, also the
-    count and sizes of the controls (their tensors stack); None: any samples batch together."""
+    count and sizes of the controls (their tensors stack); where clips of several lengths (or clips and images: 0
+    frames) train, also the frame count (frame-count buckets); None: any samples batch together."""
     if any(controls):
         return list(zip(sizes, controls))
+    if frame_counts and len(set(frame_counts)) > 1:
+        return list(zip(sizes, frame_counts))
     return sizes if buckets else None
+
+
+def frame_counts(examples: list[Example]) -> list[int]:
+    """Each example's frame count (`batch_groups`): its window's, or 0 for an image (whose tensors have no time axis)."""
+    return [example.frames[1] if example.frames else 0 for example in examples]
 
 
 def place_like(crop: Crop, size: Size, control_original: Size, control_size: Size, mode: str) -> Crop:
@@ -445,7 +500,7 @@ def place_like(crop: Crop, size: Size, control_original: Size, control_size: Siz
 class View(NamedTuple):
     """One sample's pixels as training sees them."""
 
-    pixels: torch.Tensor  # (3, H, W) in [-1, 1]
+    pixels: torch.Tensor  # (3, H, W) in [-1, 1]; a clip's (3, T, H, W)
     geometry: torch.Tensor  # (6,): `image_geometry`
     mask: torch.Tensor | None  # (1, H, W) with `data.masks`, else None
     controls: list[torch.Tensor]  # each control (3, h, w), cut and flipped as the image was
@@ -468,6 +523,22 @@ def load_image(path: Path, config: DataConfig, rng: random.Random, size: Size | 
     return View(image_to_tensor(image), image_geometry(source.size, crop, size, flipped), mask,
                 [image_to_tensor(load_control(control, config, control_size, crop, size, flipped))
                  for control, control_size in controls], flipped)
+
+
+def load_clip(path: Path, window: tuple[int, int], config: DataConfig, rng: random.Random, size: Size) -> View:
+    """A clip's window of frames as `load_image` loads an image: every frame resized and cut at one place (drawn from
+    the first frame's size) and flipped together. Clips train whole (masks are images'), with no controls."""
+    frames = read_frames(path, *window)
+    crop = place_crop(frames[0].size, size, config.crop, rng)
+    flipped = draw_flip(config, rng)
+    return View(clip_to_tensor(frames, crop, size, flipped), image_geometry(frames[0].size, crop, size, flipped), None, [],
+                flipped)
+
+
+def clip_to_tensor(frames: list[Image.Image], crop: Crop, size: Size, flipped: bool) -> torch.Tensor:
+    """A clip's frames cut at `crop` to `size` (and mirrored) -> (3, T, H, W) in [-1, 1]."""
+    cuts = [cut(frame, crop, size) for frame in frames]
+    return torch.stack([image_to_tensor(c.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flipped else c) for c in cuts], dim=1)
 
 
 def load_control(path: Path, config: DataConfig, control_size: Size, crop: Crop, size: Size, flipped: bool) -> Image.Image:
@@ -668,22 +739,23 @@ class CaptionedImages(Dataset):
         example = self.examples[index]
         seed = sample_seed(self.train_seed, epoch, index)
         rng = random.Random(seed)
-        item = {"seed": seed, "epoch": epoch, "path": str(example.image_path), "loss_weight": example.loss_weight}
+        item = {"seed": seed, "epoch": epoch, "path": str(example.path), "loss_weight": example.loss_weight}
         if self.latent_entries:
             # Cached images were center-cropped: the only image draw left is the flip, as in load_image.
             flipped = draw_flip(self.config, rng)
             posterior = self._read(self.latent_entries[index]["flipped" if flipped else "plain"])
-            item["latent_mean"], item["latent_std"] = posterior["mean"], posterior["std"]  # (C, h, w)
-            item["geometry"] = self._cached_geometry(example.image_path, self.sizes[index], flipped)  # (6,)
-            if self.config.masks != "off":
-                item["mask"] = self._cached_mask(example.image_path, self.sizes[index], flipped)  # (1, H, W)
+            item["latent_mean"], item["latent_std"] = posterior["mean"], posterior["std"]  # (C, [t,] h, w)
+            item["geometry"] = self._cached_geometry(example.path, self.sizes[index], flipped)  # (6,)
+            if self.config.masks != "off" and example.frames is None:
+                item["mask"] = self._cached_mask(example.path, self.sizes[index], flipped)  # (1, H, W)
             if example.control_paths:  # their posteriors' means: edit bases read a control's mode, never a draw
                 item["control_latents"] = [self._read(views["flipped" if flipped else "plain"])["mean"]
                                            for views in self.control_entries[index]]
         else:
-            view = load_image(example.image_path, self.config, rng, self.sizes[index],
-                              list(zip(example.control_paths, self.control_sizes[index])))
-            item["pixel_values"], item["geometry"], flipped = view.pixels, view.geometry, view.flipped
+            view = (load_clip(example.path, example.frames, self.config, rng, self.sizes[index]) if example.frames else
+                    load_image(example.path, self.config, rng, self.sizes[index],
+                               list(zip(example.control_paths, self.control_sizes[index]))))
+            item["pixel_values"], item["geometry"], flipped = view.pixels, view.geometry, view.flipped  # (3, [T,] H, W)
             if view.mask is not None:
                 item["mask"] = view.mask
             if view.controls:

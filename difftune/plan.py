@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from difftune.clips import is_clip
 from difftune.config import Config, parse_size
 from difftune.errors import DifftuneError
 from difftune.models import Components
@@ -388,14 +389,28 @@ def _counting(full: int):
 
 
 def _inputs(components: Components, config: Config, dtype: torch.dtype):
-    """Token ids (the longest caption the tokenizers allow) and latents of a batch at the configured size."""
-    from difftune.autoencoders import downsampling, latent_channels
+    """Token ids (the longest caption the tokenizers allow) and latents of a batch at the configured size (a clip's
+    of the longest window, `_planned_frames`)."""
+    from difftune.autoencoders import downsampling, frames_per_latent, latent_channels
 
     family, batch, side = components.family, config.train.batch_size, config.data.resolution
     ids = {name: value.to(META) for name, value in family.tokenize(components.tokenizers, [""] * batch).items()}
     size = side // downsampling(components.vae)
-    latents = torch.zeros(batch, latent_channels(components.vae), size, size, device=META, dtype=dtype)
+    frames = _planned_frames(components, config)
+    time = ((frames - 1) // frames_per_latent(components.vae) + 1,) if frames else ()
+    latents = torch.zeros(batch, latent_channels(components.vae), *time, size, size, device=META, dtype=dtype)
     return ids, latents, max(value.shape[1] for value in ids.values())
+
+
+def _planned_frames(components: Components, config: Config) -> int:
+    """The frames of the longest clip window training can draw, where the family reads clips and `data.path` holds
+    any (0: images alone)."""
+    windows = components.family.frame_windows(config.data, components.vae)
+    if windows is None or not any(is_clip(path) for path in Path(config.data.path).rglob("*")):
+        return 0
+    if windows.extraction == "full":
+        return windows.rounded(windows.max_frames)
+    return max(windows.rounded(frames) for frames in windows.target_frames)
 
 
 def _encoding_peak(components: Components, config: Config, dtype: torch.dtype) -> int:
@@ -404,9 +419,11 @@ def _encoding_peak(components: Components, config: Config, dtype: torch.dtype) -
 
     ids, latents, full = _inputs(components, config, dtype)
     side = config.data.resolution
+    frames = _planned_frames(components, config)
     with torch.no_grad(), _counting(full) as counter:
         components.family.encode_prompts(components, ids)
-        encode_posterior(components.vae, torch.zeros(config.train.batch_size, 3, side, side, device=META))
+        encode_posterior(components.vae, torch.zeros(config.train.batch_size, 3, *((frames,) if frames else ()), side, side,
+                                                     device=META))
     return counter.peak
 
 

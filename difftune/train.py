@@ -49,6 +49,7 @@ from difftune.data import (
     CaptionedImages,
     TrainingOrder,
     batch_groups,
+    frame_counts,
     build_dataloader,
     control_sizes,
     possible_prompts,
@@ -171,7 +172,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     set_seed(config.train.seed)  # the adapters' random init
 
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
-    examples, bad_files = scan_examples(config.data)
+    examples, bad_files = scan_examples(config.data, windows=components.family.frame_windows(config.data, components.vae))
     if config.prior.enabled:
         class_images, bad_class_files = class_examples(config, class_dir, len(examples))
         examples, bad_files = examples + class_images, bad_files + bad_class_files
@@ -225,12 +226,13 @@ def setup(config: Config, resume: str | None = None) -> Run:
     )
     order = TrainingOrder(
         len(examples), config.train.batch_size, config.train.seed, accelerator.process_index, accelerator.num_processes,
-        start_batch=progress.micro_batches, buckets=batch_groups(sizes, controls, config.data.buckets),
+        start_batch=progress.micro_batches,
+        buckets=batch_groups(sizes, controls, config.data.buckets, frame_counts(examples)),
     )
     batches = iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
     accelerator.init_trackers("difftune", config=_flat_hparams(config))
     accelerator.print(
-        f"difftune: {components.family.description}, {len(examples)} images, "
+        f"difftune: {components.family.description}, {_media_count(examples)}, "
         f"{sum(p.numel() for p in named.values()):,} trained parameters ({config.adapter.kind}), "
         f"{accelerator.num_processes} process(es) on {accelerator.device}, global batch {global_batch}"
         + (f", learning rates x {lr_scale:.4g} (optim.scale_lr = {config.optim.scale_lr})" if lr_scale != 1 else "")
@@ -480,6 +482,11 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
     return loss * batch["loss_weight"].to(device, loss.dtype)  # prior preservation's class images: prior.loss_weight
 
 
+def _media_count(examples: list) -> str:
+    windows = sum(1 for example in examples if example.frames)
+    return f"{len(examples) - windows} images" + (f", {windows} clip windows" if windows else "")
+
+
 def latent_mask(mask: torch.Tensor, size: tuple[int, ...], unmasked_weight: float) -> torch.Tensor:
     """Pixel masks (B, 1, H, W), or a clip's (B, 1, T, H, W) -> loss weights per latent pixel at the latents' `size`
     ((h, w), or a clip's (t, h, w)): each latent pixel's share of its patch's mask (area averaging), raised to
@@ -504,10 +511,11 @@ def _fill_caches(components: Components, tokenize, examples, sizes, controls, co
     if accelerator.is_main_process:
         device = accelerator.device
         if latent_files:
-            paths = [e.image_path for e in examples] + [c for e in examples for c in e.control_paths]
+            paths = [e.path for e in examples] + [c for e in examples for c in e.control_paths]
             all_sizes = sizes + [size for example_sizes in controls for size in example_sizes]
             all_files = latent_files + [views for example_files in control_files for views in example_files]
-            fill_latents(paths, all_sizes, all_files, components.vae.to(device), config, config.train.batch_size)
+            windows = [e.frames for e in examples] + [None] * (len(paths) - len(examples))
+            fill_latents(paths, all_sizes, all_files, components.vae.to(device), config, config.train.batch_size, windows)
         if text_files:
             for encoder in components.text_encoders.values():
                 encoder.to(device)

@@ -48,9 +48,9 @@ class Validator:
                     "shuffle_tags": False, "tag_dropout": 0.0, "masks": "off",
                     "control_path": ""}  # prefix and suffix stay: the captions as trained; controls in its own `control`
         )
-        examples, bad_files = scan_examples(data, "validation.path")
-        report_bad_files(bad_files, None)
         family = components.family
+        examples, bad_files = scan_examples(data, "validation.path", family.frame_windows(data, components.vae))
+        report_bad_files(bad_files, None)
         family.check_controls(examples, "validation.path")
         sizes = training_sizes(examples, data)
         rule = partial(family.control_size, options=components.family_options)

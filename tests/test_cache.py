@@ -44,19 +44,19 @@ def test_a_warm_cache_encodes_nothing_and_changes_invalidate(make_config, tmp_pa
     sizes = training_sizes(examples, config.data)
     identity = model_identity(components.vae)
     entries = latent_entries(examples, sizes, identity, config)
-    assert fill_latents([e.image_path for e in examples], sizes, entries, components.vae, config, 4) == 8
-    assert fill_latents([e.image_path for e in examples], sizes, latent_entries(examples, sizes, identity, config), components.vae, config, 4) == 0
+    assert fill_latents([e.path for e in examples], sizes, entries, components.vae, config, 4) == 8
+    assert fill_latents([e.path for e in examples], sizes, latent_entries(examples, sizes, identity, config), components.vae, config, 4) == 0
 
     Image.new("RGB", (32, 32), (1, 2, 3)).save(images / "0003.png")  # one image changes
     changed = latent_entries(examples, sizes, identity, config)
-    assert [a["plain"] != b["plain"] for a, b in zip(entries, changed)] == [e.image_path.name == "0003.png" for e in examples]
-    assert fill_latents([e.image_path for e in examples], sizes, changed, components.vae, config, 4) == 1
+    assert [a["plain"] != b["plain"] for a, b in zip(entries, changed)] == [e.path.name == "0003.png" for e in examples]
+    assert fill_latents([e.path for e in examples], sizes, changed, components.vae, config, 4) == 1
 
     torch.manual_seed(123)
     other_vae = build_vae(scaling_factor=components.vae.config.scaling_factor)  # another VAE: everything misses
     other = latent_entries(examples, sizes, model_identity(other_vae), config)
     assert not {e["plain"] for e in other} & {e["plain"] for e in changed}
-    assert fill_latents([e.image_path for e in examples], sizes, other, other_vae, config, 4) == 8
+    assert fill_latents([e.path for e in examples], sizes, other, other_vae, config, 4) == 8
 
 
 def _filled_latent_cache(make_config, tmp_path):
@@ -66,7 +66,7 @@ def _filled_latent_cache(make_config, tmp_path):
     examples, _ = scan_examples(config.data)
     sizes = training_sizes(examples, config.data)
     entries = latent_entries(examples, sizes, model_identity(components.vae), config)
-    fill_latents([e.image_path for e in examples], sizes, entries, components.vae, config, 3)
+    fill_latents([e.path for e in examples], sizes, entries, components.vae, config, 3)
     return config, components, examples, sizes, entries
 
 
@@ -77,7 +77,7 @@ def test_a_cached_latent_is_the_posterior_of_its_image(make_config, tmp_path):
     from difftune.autoencoders import encode_posterior
 
     config, components, examples, sizes, entries = _filled_latent_cache(make_config, tmp_path)
-    image = resize_and_crop(open_image(examples[0].image_path, config.data), (32, 32), "center")
+    image = resize_and_crop(open_image(examples[0].path, config.data), (32, 32), "center")
     with torch.no_grad():
         mean, std = encode_posterior(components.vae, image_to_tensor(image)[None])
     entry = load_file(entries[0]["plain"])

@@ -28,7 +28,7 @@ def test_kohya_layout_with_repeat_folders(tmp_path):
 
     examples = scan_examples(DataConfig(path=str(tmp_path)))[0]
     assert [e.caption for e in examples] == ["a red thing"] + ["sks thing"] * 3
-    assert examples[1].image_path == concept / "b.jpg"
+    assert examples[1].path == concept / "b.jpg"
 
 
 def test_metadata_jsonl_layout(tmp_path):
@@ -37,7 +37,7 @@ def test_metadata_jsonl_layout(tmp_path):
     lines = [{"file_name": "x.png", "text": "first"}, {"file_name": "y.webp", "text": " second "}]
     (tmp_path / "metadata.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
     examples = scan_examples(DataConfig(path=str(tmp_path)))[0]
-    assert [(e.image_path.name, e.caption) for e in examples] == [("x.png", "first"), ("y.webp", "second")]
+    assert [(e.path.name, e.caption) for e in examples] == [("x.png", "first"), ("y.webp", "second")]
 
 
 def test_metadata_errors_name_the_line(tmp_path):
@@ -64,7 +64,7 @@ def test_non_utf8_caption_is_reported_and_skipped(tmp_path):
     _image(tmp_path / "b.png")
     (tmp_path / "b.txt").write_text("fine")
     examples, bad = scan_examples(DataConfig(path=str(tmp_path)))
-    assert [e.image_path.name for e in examples] == ["b.png"]
+    assert [e.path.name for e in examples] == ["b.png"]
     assert [(b.path.name, b.reason.split(" (")[0]) for b in bad] == [("a.txt", "caption is not UTF-8")]
 
 
@@ -174,8 +174,8 @@ def test_every_image_lands_in_its_closest_bucket(tmp_path):
     ratios = sorted(math.log(w / h) for w, h in bucket_sizes(config))
     tolerance = max(b - a for a, b in zip(ratios, ratios[1:])) / 2
     for example, (bw, bh) in zip(examples, training_sizes(examples, config)):
-        w, h = Image.open(example.image_path).size
-        assert abs(math.log(w / h) - math.log(bw / bh)) <= tolerance + 1e-9, (example.image_path.name, (bw, bh))
+        w, h = Image.open(example.path).size
+        assert abs(math.log(w / h) - math.log(bw / bh)) <= tolerance + 1e-9, (example.path.name, (bw, bh))
     assert training_sizes(examples, config)[0] == (32, 32)
 
 

@@ -52,7 +52,7 @@ def test_controls_are_found_by_stem_numbered_or_listed_and_bad_ones_reported(tmp
     (folder / "control" / "3.png").write_bytes(b"not an image")  # a bad control: its pair left out, reported
     # 4.png has no control: it trains as text-to-image beside the pairs
     examples, bad = scan_examples(DataConfig(path=str(folder)))
-    found = {e.image_path.name: [c.name for c in e.control_paths] for e in examples}
+    found = {e.path.name: [c.name for c in e.control_paths] for e in examples}
     assert found == {"0.png": ["0.png"], "1.png": ["1_0.png", "1_1.jpg"], "4.png": []}
     reasons = {b.path.name: b.reason for b in bad}
     assert set(reasons) == {"2.png", "3.png"}
@@ -67,7 +67,7 @@ def test_controls_are_found_by_stem_numbered_or_listed_and_bad_ones_reported(tmp
              {"file_name": "4.png", "text": "make it red", "control_files": ["control/gone.png"]}]
     (listed / "metadata.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     examples, bad = scan_examples(DataConfig(path=str(listed)))
-    assert {e.image_path.name: [c.name for c in e.control_paths] for e in examples} == {"0.png": ["0.png", "1_1.jpg"],
+    assert {e.path.name: [c.name for c in e.control_paths] for e in examples} == {"0.png": ["0.png", "1_1.jpg"],
                                                                                          "1.png": ["1_0.png"]}
     assert [(b.path.name, b.reason) for b in bad] == [("4.png", "control control/gone.png (line 3 of metadata.jsonl) does not exist")]
     (listed / "metadata.jsonl").write_text(json.dumps({"file_name": "0.png", "text": "x", "control_files": ["../0.png"]}))

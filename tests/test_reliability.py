@@ -289,7 +289,7 @@ def test_bad_images_are_left_out_and_reported(make_config, tmp_path):
     assert sorted(Path(r["file"]).name for r in report) == sorted(expected_bad)
     for record in report:
         assert expected_bad[Path(record["file"]).name] in record["reason"], record
-    trained = {example.image_path.name for example in scan_examples(config.data)[0]}
+    trained = {example.path.name for example in scan_examples(config.data)[0]}
     assert {"still.gif", "good.png", "cmyk.jpg"} <= trained
 
 
@@ -321,7 +321,7 @@ def test_every_oversized_image_is_refused_when_checked_in_parallel(tmp_path):
     examples, bad = scan_examples(DataConfig(path=str(tmp_path), max_image_pixels=10_000))
     assert sorted(int(b.path.stem) for b in bad) == list(range(1, 40, 2))
     assert all("max_image_pixels" in b.reason for b in bad)
-    assert sorted(int(e.image_path.stem) for e in examples) == list(range(0, 40, 2))
+    assert sorted(int(e.path.stem) for e in examples) == list(range(0, 40, 2))
 
 
 def test_awkward_images_are_decoded_correctly(tmp_path):

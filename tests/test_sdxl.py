@@ -51,7 +51,7 @@ def test_time_ids_of_a_flipped_randomly_cropped_bucketed_image(tmp_path):
         expected_left = 21 - left - 16 if flipped else left
         assert item["geometry"].tolist() == [90, 40, top, expected_left, 48, 16], (epoch, left, flipped)
         # The pixels agree: the crop's right edge is at x = left + 16 of the 21 px wide resize.
-        resized = Image.open(examples[0].image_path).convert("RGB").resize((21, 48), Image.Resampling.BICUBIC)
+        resized = Image.open(examples[0].path).convert("RGB").resize((21, 48), Image.Resampling.BICUBIC)
         window = resized.crop((left, 0, left + 16, 48))
         if flipped:
             window = window.transpose(Image.Transpose.FLIP_LEFT_RIGHT)

@@ -1,20 +1,25 @@
 """Wan 2.1 beyond the conformance suite: its prediction read as the pipeline's sampler reads it, images trained as
-one-frame clips, its schedule's shift, and its original module names against diffusers' readers of the original
+one-frame clips and clips beside them, its schedule's shift, and its original module names against diffusers' readers of the original
 layout (musubi-tuner's `lora_unet_` files, ComfyUI's and other trainers' `diffusion_model.` ones)."""
 
 from __future__ import annotations
 
+import json
+from unittest.mock import patch
+
 import pytest
 import torch
+from PIL import Image
 from diffusers import UniPCMultistepScheduler
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_wan_lora_to_diffusers
 from safetensors.torch import load_file, save_file
 
-from difftune import export
+from difftune import export, plan
 from difftune.adapter_files import module_names_of, placed_on_base, read_adapter
 from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components
-from difftune.toy.tiny import build_pipeline
+from difftune.data import CaptionedImages
+from difftune.toy.tiny import build_pipeline, write_clip
 from difftune.train import train
 
 FAMILY = FAMILIES["wan"]
@@ -85,3 +90,56 @@ def test_a_single_file_has_the_original_checkpoints_names(base):
     outside = {f"{layer}.{kind}" for layer in ("patch_embedding", "text_embedding.0", "text_embedding.2", "time_embedding.0",
                                                "time_embedding.2", "time_projection.1", "head.head") for kind in ("weight", "bias")}
     assert {key for key in keys if not key.startswith("blocks.1.")} == block | outside | {"head.modulation"}
+
+
+def test_clips_and_images_train_in_one_run_cached_as_uncached(make_config, base, tmp_path):
+    """A folder of clips and a still: each clip's windows train as (C, t, h, w) latents beside the image's (C, h, w),
+    never in one batch, and the latent and text caches (keyed by each window) change nothing: the losses are the same."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, count, size in (("left", 12, (40, 32)), ("up", 7, (32, 32))):
+        frames = [Image.new("RGB", size, (10 * i, 200 - 10 * i, 90)) for i in range(count)]
+        write_clip(data / f"{name}.mkv", frames)
+        (data / f"{name}.txt").write_text(f"a square moving {name}")
+    Image.new("RGB", (32, 32), (250, 20, 20)).save(data / "still.png")
+    (data / "still.txt").write_text("a red square")
+    losses, seen = {}, []
+    original = CaptionedImages.__getitem__
+
+    def recording(self, key):
+        item = original(self, key)
+        seen.append(tuple((item.get("latent_mean", item.get("pixel_values"))).shape))
+        return item
+
+    for cached in (False, True):
+        config = make_config(model__base=base, data__path=str(data), data__target_frames=[5], data__frame_extraction="chunk",
+                             train__batch_size=2, train__max_steps=4, train__output_dir=str(tmp_path / f"run-{cached}"),
+                             cache__latents=cached, cache__text=cached, cache__dir=str(tmp_path / "cache"),
+                             sample__prompts=[])
+        with patch.object(CaptionedImages, "__getitem__", recording):
+            train(config)
+        metrics = [json.loads(line) for line in (tmp_path / f"run-{cached}" / "metrics.jsonl").read_text().splitlines()]
+        losses[cached] = [row["loss"] for row in metrics if "loss" in row]
+    # As for images (test_cache.py): equal up to float rounding, the cache having encoded other batches.
+    assert len(losses[False]) == 4 and losses[True] == pytest.approx(losses[False], rel=1e-5)
+    assert set(seen) == {(3, 5, 32, 32), (3, 32, 32), (16, 3, 8, 8), (16, 8, 8)}  # pixels uncached, posteriors cached
+
+
+def test_the_memory_plan_is_for_the_longest_clip_window(make_config, base, tmp_path):
+    """With clips in the data the plan's training step holds the longest window's latents (9 frames: 5 latent frames
+    on the micro autoencoder); with images alone the frame settings change nothing. (The micro transformer is small
+    beside its 512 text positions, so a clip's step is a fraction more than an image's, not a multiple; and its
+    text encoder's peak, larger, hides the step's in the plan's total: the step's own peak is compared.)"""
+    images, clips = tmp_path / "images", tmp_path / "clips"
+    for folder in (images, clips):
+        folder.mkdir()
+        Image.new("RGB", (32, 32)).save(folder / "still.png")
+    write_clip(clips / "clip.mkv", [Image.new("RGB", (32, 32), (9 * i, 0, 0)) for i in range(12)])
+
+    def planned(folder, frames):
+        config = make_config(model__base=base, data__path=str(folder), data__target_frames=frames)
+        return plan._step_peak(plan.empty_components(config), config, torch.float32)[0]
+
+    assert planned(images, [9]) == planned(images, [1])
+    image, five, nine = planned(images, [9]), planned(clips, [5]), planned(clips, [9, 5])
+    assert image < five < nine and nine - image > 2 * (five - image)

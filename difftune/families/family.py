@@ -26,7 +26,8 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from difftune import kohya, single_file
-from difftune.autoencoders import LatentNormalization, latent_normalization
+from difftune.autoencoders import LatentNormalization, frames_per_latent, latent_normalization
+from difftune.clips import FrameWindows
 from difftune.config import Config, LossConfig, ModelConfig, Section
 from difftune.errors import DifftuneError
 from difftune.loss import WEIGHTINGS, diffusion_loss, draw_timesteps_and_noise
@@ -102,6 +103,7 @@ class Family:
     max_controls = 0  # control (source) images an edit pair may have: 0 for a text-to-image family
     needs_controls_to_draw = False  # its pipeline draws only edits (a sample prompt without controls is refused)
     prompts_see_controls = False  # its text encoder reads an edit pair's controls (`tokenize` takes them)
+    reads_clips = False  # a video base: trains on clips (`frame_windows`) and images alike
 
     # Detection and loading.
 
@@ -272,14 +274,19 @@ class Family:
             return
         if not self.max_controls:
             raise DifftuneError(
-                f"{key}: {over.image_path.name} has control images ({', '.join(str(c) for c in over.control_paths)}), but "
+                f"{key}: {over.path.name} has control images ({', '.join(str(c) for c in over.control_paths)}), but "
                 f"{self.description} bases edit no image; train an edit base (FLUX.1 Kontext, Qwen-Image-Edit) on pairs, "
                 f"or move the control folder away"
             )
         raise DifftuneError(
-            f"{key}: {over.image_path.name} has {len(over.control_paths)} control images; {self.description} bases read "
+            f"{key}: {over.path.name} has {len(over.control_paths)} control images; {self.description} bases read "
             f"at most {self.max_controls}"
         )
+
+    def frame_windows(self, data, vae) -> FrameWindows | None:
+        """How this family's data cuts clips into windows (`data`'s frame settings, lengths the autoencoder `vae`
+        takes); None for an image family, whose data leaves clips out and reports them."""
+        return FrameWindows.of(data, frames_per_latent(vae)) if self.reads_clips else None
 
     def control_size(self, target_size: tuple[int, int], control_size: tuple[int, int],
                      options: FamilyOptions | None = None) -> tuple[int, int]:

@@ -93,6 +93,7 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
     lora_text_encoders = ()  # WanPipeline's LoRA loader reads the transformer's adapters alone
     single_file_layout = "transformer alone (original layout)"
     denoiser_file_key = "head.modulation"  # what diffusers' reader detects Wan files by
+    reads_clips = True
 
     def original_name(self, module: str) -> str | None:
         if match := BLOCK.match(module):
