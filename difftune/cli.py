@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample = commands.add_parser("sample", help="text-to-image samples from a base model and adapters")
     sample.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
     sample.add_argument("--adapter", action="append", default=[], type=parse_adapter_spec, help=adapter_help)
-    sample.add_argument("--out", required=True, type=Path, help="folder for the PNGs and grid.png")
+    sample.add_argument("--out", required=True, type=Path, help="folder for the PNGs (clips: MP4) and grid.png")
     sample.add_argument("--control", action="append", default=[],
                         help="an edit base's control image, for every prompt (repeat for several, in order)")
     _add_sample_options(sample)
@@ -247,7 +247,7 @@ def _run(args: argparse.Namespace) -> None:
             raise DifftuneError("difftune sample: give at least one --prompt")
         components = export.load_with_adapters(args.base, args.adapter)
         paths = save_images(generate_images(components, config, components.denoiser.device), config, args.out)
-        print(f"difftune: wrote {len(paths)} images and grid.png to {args.out}")
+        print(f"difftune: wrote {len(paths)} {'clips' if config.frames > 1 else 'images'} and grid.png to {args.out}")
 
 
 def _find(args: argparse.Namespace) -> None:

@@ -132,6 +132,28 @@ def frame_size(path: Path) -> tuple[int, int]:
         raise BadClip(f"cannot be decoded as a video: {err}") from None
 
 
+def write_clip(path: Path, frames: list[Image.Image], fps: float = 16, lossless: bool = False,
+               tags: dict[str, str] | None = None) -> Path:
+    """Frames as a video file, with PyAV: H.264 (yuv420p, which every player and browser reads; sides cut down to even
+    numbers, as it needs) or, `lossless`, FFV1 (every pixel decodes back as written; Matroska). `tags`: the container's
+    metadata, kept under their own names (MP4's `use_metadata_tags`)."""
+    av = _av()
+    width, height = frames[0].size
+    if not lossless:
+        width, height = width - width % 2, height - height % 2
+    with av.open(str(path), "w", options={} if lossless else {"movflags": "use_metadata_tags"}) as container:
+        container.metadata.update(tags or {})
+        stream = container.add_stream("ffv1" if lossless else "libx264", rate=round(fps))
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "bgr0" if lossless else "yuv420p"
+        if not lossless:
+            stream.options = {"crf": "16"}  # visually lossless for samples
+        for image in frames:
+            container.mux(stream.encode(av.VideoFrame.from_image(image.convert("RGB").crop((0, 0, width, height)))))
+        container.mux(stream.encode())
+    return path
+
+
 def read_frames(path: Path, start: int, length: int) -> list[Image.Image]:
     """Frames `start` to `start + length` (exclusive) as RGB images, decoding no further than the window's end."""
     av = _av()

@@ -73,7 +73,7 @@ class ModelConfig(Section):
         description="Model family: `auto` reads it from the base (a pipeline folder's model_index.json, a single "
         "file's keys); `sd` is Stable Diffusion 1.x/2.x, `sdxl` SDXL and models built on it, `flux` Flux.1-class "
         "flow-matching transformers, `flux_kontext` FLUX.1 Kontext, `flux2` FLUX.2 [dev], `flux2_klein` FLUX.2 "
-        "[klein], `sd3` SD3 / SD3.5, `chroma` Chroma, `z_image` Z-Image, `krea2` Krea 2, `lumina2` Lumina 2, `ideogram4` Ideogram 4, `hidream` HiDream-I1, `wan` Wan 2.1 (images, as one-frame clips), `qwen_image` Qwen-Image, `qwen_image_edit` "
+        "[klein], `sd3` SD3 / SD3.5, `chroma` Chroma, `z_image` Z-Image, `krea2` Krea 2, `lumina2` Lumina 2, `ideogram4` Ideogram 4, `hidream` HiDream-I1, `wan` Wan 2.1 (clips and images), `qwen_image` Qwen-Image, `qwen_image_edit` "
         "and `qwen_image_edit_plus` Qwen-Image-Edit and its multi-image 2509 / 2511.",
     )
     revision: str = Field("", description="Hub revision (branch, tag or commit) of `base`; empty for the default.")
@@ -661,6 +661,14 @@ class SampleConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of the first image; image i uses seed + i.")
     resolution: int | None = Field(None, ge=8, le=MAX_SIDE, description="Sample size in pixels; defaults to `data.resolution`.")
     images_per_prompt: int = Field(1, ge=1, description="Images per prompt, each with the next seed.")
+    frames: int = Field(
+        1,
+        ge=1,
+        description="Video bases (Wan): frames per sample, 4k + 1 (Wan 2.1 draws 81 at 16 fps); each sample is written "
+        "as an MP4 with its prompt in the metadata (an animated WebP where PyAV is not installed), its first frame in "
+        "the grid. 1: images.",
+    )
+    fps: int = Field(16, ge=1, le=120, description="Frame rate of sample clips (`frames` > 1); Wan 2.1's is 16.")
     every_steps: int = Field(0, ge=0, description="Also sample (a preview grid) every N optimizer steps; 0 only at the end.")
     before: bool = Field(
         False, description="Also sample the prompts with the untouched base before training (`samples/before/`), for a before/after comparison."
@@ -674,7 +682,7 @@ class SampleConfig(Section):
     parity: bool = Field(
         True,
         description="After the final save, reload the saved result into a fresh pipeline (each adapter layout), draw "
-        "the first prompt's first image again and record its largest pixel difference from the in-training sample "
+        "the first prompt's first image (a clip: every frame) again and record its largest pixel difference from the in-training sample "
         "in parity.json; warn above 2/255.",
     )
 

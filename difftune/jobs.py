@@ -209,10 +209,14 @@ def validation_frame(rows: list[dict], best: dict[str, dict]):
     return pd.DataFrame(points, columns=["step", "val_loss", "series"])
 
 
+SAMPLE_CLIPS = ("[0-9][0-9][0-9].mp4", "[0-9][0-9][0-9].webp")  # a video base's samples (sample.py), beside its grid
+
+
 def preview_grids(job: Job) -> list[Path]:
-    """Sample grids of the job, newest first: previews during training, before/after, EMA."""
-    grids = [path for path in job.dir.glob("samples*/**/grid.png") if own_file(job, path)]
-    return sorted(grids, key=lambda path: path.stat().st_mtime, reverse=True)
+    """Sample grids of the job and a video base's sample clips, newest first: previews during training, before/after,
+    EMA."""
+    found = [path for pattern in ("grid.png", *SAMPLE_CLIPS) for path in job.dir.glob(f"samples*/**/{pattern}")]
+    return sorted((path for path in found if own_file(job, path)), key=lambda path: path.stat().st_mtime, reverse=True)
 
 
 def _command(job: Job, resume: bool) -> list[str]:

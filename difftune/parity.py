@@ -58,8 +58,9 @@ def check_parity(config: Config, trained_path: Path, reference: Sample, device: 
                 for module in trained.values():
                     module.forward = MethodType(convert_outputs_to_fp32(module.forward.__func__), module)
             with autocast():
-                image = generate_images(components, sample_config, device)[0].image
-            difference = np.abs(np.asarray(image, np.int16) - np.asarray(reference.image, np.int16)).max()
+                drawn = generate_images(components, sample_config, device)[0]
+            frames = zip(drawn.clip or [drawn.image], reference.clip or [reference.image])  # a clip's every frame
+            difference = max(np.abs(np.asarray(ours, np.int16) - np.asarray(theirs, np.int16)).max() for ours, theirs in frames)
             report["layouts"][layout] = {"file": source, "max_pixel_difference": int(difference)}
     return report
 

@@ -1,8 +1,11 @@
 """Sampling: one function that training (previews, end-of-run samples) and later tools share. A prompt with control
-images (an edit base's) draws its edit of them, and its grid cell shows the controls before the result."""
+images (an edit base's) draws its edit of them, and its grid cell shows the controls before the result. A video base
+with `sample.frames` > 1 draws clips, written as MP4 (H.264, through PyAV) or, where PyAV is not installed, as
+animated WebP (Pillow's), each with its prompt and settings in its metadata as a PNG has them in its text chunks."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -11,8 +14,9 @@ import torch
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
-from difftune.config import DataConfig, PromptWithControls, SampleConfig
 from difftune.autoencoders import load_vae
+from difftune.clips import is_clip, read_frames, write_clip
+from difftune.config import DataConfig, PromptWithControls, SampleConfig
 from difftune.data import BadImage, open_image
 from difftune.errors import DifftuneError
 from difftune.models import Components, eval_mode
@@ -29,6 +33,7 @@ class Sample:
     entry: str | PromptWithControls  # the `sample.prompts` entry it was drawn for
     seed: int
     controls: list[Image.Image] = field(default_factory=list)  # an edit's control images, at the image's size (for the grid)
+    clip: list[Image.Image] = field(default_factory=list)  # a video base's frames (`image` is the first)
 
     @property
     def prompt(self) -> str:
@@ -39,7 +44,10 @@ class Sample:
 def generate_images(components: Components, config: SampleConfig, device: torch.device) -> list[Sample]:
     """`images_per_prompt` images per prompt; image k (counting across prompts) uses seed `config.seed + k`,
     so any image can be re-made alone. No `resolution`: the model's native size."""
-    problems = components.family.prompt_control_problems(config.prompts)
+    family = components.family
+    problems = family.prompt_control_problems(config.prompts)
+    if config.frames > 1 and not family.reads_clips:
+        problems.append(f"sample.frames = {config.frames}: {family.description} bases draw images; set it to 1")
     if problems:
         raise DifftuneError("; ".join(problems))
     decoder = load_vae(config.decoder).to(device, components.vae.dtype) if config.decoder else components.vae
@@ -56,10 +64,14 @@ def _sample_all(pipeline, config: SampleConfig, guidance: dict, components: Comp
         prompt, controls = (entry, []) if isinstance(entry, str) else (entry.prompt, [_open_control(c) for c in entry.controls])
         for _ in range(config.images_per_prompt):
             seed = config.seed + len(samples)
-            [image] = components.family.draw(
-                pipeline, components.family_options, prompt, controls, config.resolution, config.resolution,
-                num_inference_steps=config.steps, generator=torch.Generator("cpu").manual_seed(seed), **guidance,
-            )
+            arguments = {"num_inference_steps": config.steps, "generator": torch.Generator("cpu").manual_seed(seed), **guidance}
+            if config.frames > 1:
+                [clip] = components.family.draw_clips(pipeline, prompt, config.resolution, config.resolution, config.frames,
+                                                      **arguments)
+                samples.append(Sample(clip[0], entry, seed, clip=clip))
+                continue
+            [image] = components.family.draw(pipeline, components.family_options, prompt, controls, config.resolution,
+                                             config.resolution, **arguments)
             samples.append(Sample(image, entry, seed, [c.resize(image.size) for c in controls]))
     return samples
 
@@ -72,28 +84,65 @@ def _open_control(path: str) -> Image.Image:
 
 
 def save_images(samples: list[Sample], config: SampleConfig, out_dir: Path, before_dir: Path | None = None) -> list[Path]:
-    """Each image as a PNG with its prompt and settings in the text chunk, plus `grid.png`: a cell per image, after its
-    controls (an edit's) and, where `before_dir` holds the base's sample of the same number, after that."""
+    """Each image as a PNG with its prompt and settings in the text chunk (a clip as `save_clip` writes it), plus
+    `grid.png`: a cell per image (a clip's first frame), after its controls (an edit's) and, where `before_dir` holds
+    the base's sample of the same number, after that."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, sample in enumerate(samples):
+        tags = sample_tags(sample, config)
+        if sample.clip:
+            paths.append(save_clip(sample.clip, out_dir / f"{i:03d}", config.fps, tags))
+            continue
         info = PngInfo()
-        info.add_text("prompt", sample.prompt)
-        info.add_text(
-            "parameters",
-            f"negative_prompt={config.negative_prompt!r} steps={config.steps} guidance_scale={config.guidance_scale} "
-            f"scheduler={config.scheduler} seed={sample.seed} size={sample.image.width}x{sample.image.height} "
-            f"decoder={config.decoder or 'model'}",
-        )
-        if sample.controls:
-            info.add_text("controls", "\n".join(sample.entry.controls))
+        for name, text in tags.items():
+            info.add_text(name, text)
         path = out_dir / f"{i:03d}.png"
         sample.image.save(path, pnginfo=info)
         paths.append(path)
-    befores = [before_dir / path.name if before_dir and (before_dir / path.name).is_file() else None for path in paths]
-    make_grid([side_by_side([*sample.controls, *([Image.open(before).convert("RGB")] if before else []), sample.image])
+    befores = [_before(before_dir, i) for i in range(len(samples))]
+    make_grid([side_by_side([*sample.controls, *([before] if before else []), sample.image])
                for sample, before in zip(samples, befores)]).save(out_dir / "grid.png")
     return paths
+
+
+def _before(before_dir: Path | None, number: int) -> Image.Image | None:
+    """The base's sample `number` in `before_dir` (an image, or a clip's first frame), if it is there."""
+    found = sorted(before_dir.glob(f"{number:03d}.*")) if before_dir else []
+    if not found:
+        return None
+    if is_clip(found[0]):
+        return read_frames(found[0], 0, 1)[0]
+    with Image.open(found[0]) as image:  # an animated WebP opens at its first frame
+        return image.convert("RGB")
+
+
+def sample_tags(sample: Sample, config: SampleConfig) -> dict[str, str]:
+    """What a sample file says of itself: its prompt, the settings it was drawn with and an edit's control files."""
+    size = f"{sample.image.width}x{sample.image.height}" + (f"x{len(sample.clip)} fps={config.fps}" if sample.clip else "")
+    tags = {"prompt": sample.prompt,
+            "parameters": f"negative_prompt={config.negative_prompt!r} steps={config.steps} guidance_scale={config.guidance_scale} "
+                          f"scheduler={config.scheduler} seed={sample.seed} size={size} decoder={config.decoder or 'model'}"}
+    if sample.controls:
+        tags["controls"] = "\n".join(sample.entry.controls)
+    return tags
+
+
+def video_encoder_installed() -> bool:
+    return importlib.util.find_spec("av") is not None
+
+
+def save_clip(frames: list[Image.Image], stem: Path, fps: int, tags: dict[str, str]) -> Path:
+    """A clip as `stem`.mp4 with `tags` as its metadata, or without PyAV `stem`.webp (animated, lossless) with them as
+    its EXIF image description (one `name: text` line each)."""
+    if video_encoder_installed():
+        return write_clip(stem.with_suffix(".mp4"), frames, fps, tags=tags)
+    path = stem.with_suffix(".webp")
+    exif = Image.Exif()
+    exif[0x010E] = "\n".join(f"{name}: {text}" for name, text in tags.items())  # ImageDescription
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0, lossless=True,
+                   exif=exif)
+    return path
 
 
 def side_by_side(images: list[Image.Image]) -> Image.Image:

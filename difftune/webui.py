@@ -11,6 +11,7 @@ from the jobs folder only; uploads are capped; exports are written under `<jobs>
 from __future__ import annotations
 
 import hmac
+import tempfile
 import time
 from pathlib import Path
 
@@ -362,6 +363,16 @@ def _trained_base(adapter_text: str) -> str | None:
         return None
 
 
+def _shown(sample, config: SampleConfig):
+    """What the gallery shows of a sample: its image, or its clip written as `save_clip` writes it (a file)."""
+    if not sample.clip:
+        return sample.image
+    from difftune.sample import sample_tags, save_clip
+
+    folder = Path(tempfile.mkdtemp(prefix="difftune-sample-"))
+    return str(save_clip(sample.clip, folder / f"{sample.seed:03d}", config.fps, sample_tags(sample, config)))
+
+
 def _sample_tab(jobs_dir: Path):
     from difftune.sample import generate_images
 
@@ -392,7 +403,7 @@ def _sample_tab(jobs_dir: Path):
             for run_adapters in runs:
                 components = load_with_adapters(base_name, run_adapters)
                 samples = generate_images(components, config, components.denoiser.device)
-                galleries.append([(sample.image, f"{sample.prompt} · seed {sample.seed}") for sample in samples])
+                galleries.append([(_shown(sample, config), f"{sample.prompt} · seed {sample.seed}") for sample in samples])
         except Exception as err:  # noqa: BLE001 - whatever went wrong is said on the page, not as a bare "Error"
             return _error(err), [], []
         return f"{len(galleries[0])} images per gallery.", galleries[0], galleries[1] if ema else []

@@ -12,12 +12,12 @@ import torch
 from PIL import Image
 
 from difftune.autoencoders import decode_latents, encode_posterior, frames_per_latent
-from difftune.clips import BadClip, FrameWindows, probe, read_frames
+from difftune.clips import BadClip, FrameWindows, probe, read_frames, write_clip
 from difftune.cache import latent_entries
 from difftune.config import DataConfig, load_config
 from difftune.data import TrainingOrder, batch_groups, frame_counts, load_clip, scan_examples
 from difftune.errors import DifftuneError
-from difftune.toy.tiny import build_vae, build_wan_vae, write_clip
+from difftune.toy.tiny import build_vae, build_wan_vae
 
 
 def numbered_frames(count: int, size: tuple[int, int] = (24, 16)) -> list[Image.Image]:
@@ -45,7 +45,7 @@ def test_windows_are_musubi_tuners(windows, frame_count, expected):
 
 
 def test_a_window_decodes_its_own_frames(tmp_path):
-    clip = write_clip(tmp_path / "clip.mkv", numbered_frames(30), fps=12)
+    clip = write_clip(tmp_path / "clip.mkv", numbered_frames(30), fps=12, lossless=True)
     info = probe(clip)
     assert (info.frames, info.width, info.height) == (30, 24, 16) and info.fps == pytest.approx(12)
     for start, length in FrameWindows((9,), "chunk").windows(info.frames):
@@ -60,7 +60,7 @@ def test_bad_clips_are_named_with_their_reason(tmp_path):
     for name in ("text.mp4", "empty.mp4"):
         with pytest.raises(BadClip, match="cannot be decoded as a video"):
             probe(tmp_path / name)
-    clip = write_clip(tmp_path / "short.mkv", numbered_frames(5))
+    clip = write_clip(tmp_path / "short.mkv", numbered_frames(5), lossless=True)
     with pytest.raises(BadClip, match=r"has 5 frames; the window 0\.\.9 needs 9"):
         read_frames(clip, 0, 9)
     image = tmp_path / "still.png"
@@ -77,7 +77,7 @@ def clip_folder(root, frame_counts=(12, 7, 3)):
     """Clips `clip_<n>.mkv` of n numbered frames (24x16) with captions, a still image, an undecodable clip."""
     root.mkdir(parents=True, exist_ok=True)
     for count in frame_counts:
-        write_clip(root / f"clip_{count}.mkv", numbered_frames(count))
+        write_clip(root / f"clip_{count}.mkv", numbered_frames(count), lossless=True)
         (root / f"clip_{count}.txt").write_text(f"a clip of {count} frames")
     numbered_frames(1)[0].save(root / "still.png")
     (root / "still.txt").write_text("a still")
@@ -110,7 +110,7 @@ def test_a_clips_window_is_cut_and_flipped_as_one(tmp_path):
     frames = [Image.new("RGB", (24, 16), (8 * i, 0, 0)) for i in range(7)]
     for frame in frames:
         frame.paste((0, 0, 255), (0, 0, 12, 16))  # the left half blue
-    clip = write_clip(tmp_path / "clip.mkv", frames)
+    clip = write_clip(tmp_path / "clip.mkv", frames, lossless=True)
     config = DataConfig(path=str(tmp_path), random_flip=True)
     seen = set()
     for seed in range(8):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from unittest.mock import patch
 
+import av
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -14,12 +16,15 @@ from diffusers import UniPCMultistepScheduler
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_wan_lora_to_diffusers
 from safetensors.torch import load_file, save_file
 
-from difftune import export, plan
+from difftune import export, jobs, plan, sample
 from difftune.adapter_files import module_names_of, placed_on_base, read_adapter
-from difftune.config import ModelConfig
+from difftune.config import ModelConfig, SampleConfig
+from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.data import CaptionedImages
-from difftune.toy.tiny import build_pipeline, write_clip
+from difftune.sample import generate_images, sampling_scheduler, save_images
+from difftune.clips import write_clip
+from difftune.toy.tiny import build_pipeline
 from difftune.train import train
 
 FAMILY = FAMILIES["wan"]
@@ -99,7 +104,7 @@ def test_clips_and_images_train_in_one_run_cached_as_uncached(make_config, base,
     data.mkdir()
     for name, count, size in (("left", 12, (40, 32)), ("up", 7, (32, 32))):
         frames = [Image.new("RGB", size, (10 * i, 200 - 10 * i, 90)) for i in range(count)]
-        write_clip(data / f"{name}.mkv", frames)
+        write_clip(data / f"{name}.mkv", frames, lossless=True)
         (data / f"{name}.txt").write_text(f"a square moving {name}")
     Image.new("RGB", (32, 32), (250, 20, 20)).save(data / "still.png")
     (data / "still.txt").write_text("a red square")
@@ -134,7 +139,7 @@ def test_the_memory_plan_is_for_the_longest_clip_window(make_config, base, tmp_p
     for folder in (images, clips):
         folder.mkdir()
         Image.new("RGB", (32, 32)).save(folder / "still.png")
-    write_clip(clips / "clip.mkv", [Image.new("RGB", (32, 32), (9 * i, 0, 0)) for i in range(12)])
+    write_clip(clips / "clip.mkv", [Image.new("RGB", (32, 32), (9 * i, 0, 0)) for i in range(12)], lossless=True)
 
     def planned(folder, frames):
         config = make_config(model__base=base, data__path=str(folder), data__target_frames=frames)
@@ -143,3 +148,60 @@ def test_the_memory_plan_is_for_the_longest_clip_window(make_config, base, tmp_p
     assert planned(images, [9]) == planned(images, [1])
     image, five, nine = planned(images, [9]), planned(clips, [5]), planned(clips, [9, 5])
     assert image < five < nine and nine - image > 2 * (five - image)
+
+
+def test_samples_are_clips_written_as_mp4_with_their_prompt(base, tiny_base, tmp_path, monkeypatch):
+    """`sample.frames` > 1: WanPipeline's own clip for the prompt and seed (the pipeline called directly gives the same
+    frames), written as H.264 MP4 that decodes back within the encoder's loss (measured: luma 1.8 levels on average), the prompt and settings in its metadata,
+    its first frame in the grid; the job page lists it. Without PyAV: an animated WebP, lossless, the same tags in its
+    EXIF description. An image family refuses frames by name."""
+    components = load_components(ModelConfig(base=base))
+    config = SampleConfig(prompts=["a red square moving left"], frames=5, steps=2, resolution=32, fps=8, seed=3)
+    [drawn] = generate_images(components, config, torch.device("cpu"))
+    assert len(drawn.clip) == 5 and drawn.image is drawn.clip[0] and drawn.image.size == (32, 32)
+    pipeline = components.pipeline(sampling_scheduler("auto", components))
+    pipeline.set_progress_bar_config(disable=True)
+    theirs = pipeline(prompt="a red square moving left", height=32, width=32, num_frames=5, num_inference_steps=2,
+                      guidance_scale=7.5, generator=torch.Generator().manual_seed(3), output_type="np").frames[0]
+    ours = np.stack([np.asarray(frame, dtype=np.float32) for frame in drawn.clip])
+    assert np.abs(ours - np.round(theirs * 255)).max() <= 1
+
+    out = tmp_path / "samples"
+    [path] = save_images([drawn], config, out)
+    assert path == out / "000.mp4"
+    with av.open(str(path)) as container:
+        assert container.metadata["prompt"] == "a red square moving left"
+        assert "seed=3 size=32x32x5 fps=8" in container.metadata["parameters"]
+        decoded = np.stack([frame.to_ndarray(format="rgb24").astype(np.float32) for frame in container.decode(video=0)])
+    luma = np.array([0.299, 0.587, 0.114], dtype=np.float32)  # H.264 (yuv420p) keeps the luma; the colors at half size
+    assert decoded.shape == ours.shape and np.abs(decoded @ luma - ours @ luma).mean() < 3
+    assert np.array_equal(np.asarray(Image.open(out / "grid.png")), np.asarray(drawn.image))
+    assert set(jobs.preview_grids(jobs.Job(tmp_path))) == {path, out / "grid.png"}
+
+    monkeypatch.setattr(sample, "video_encoder_installed", lambda: False)
+    [webp] = save_images([drawn], config, tmp_path / "webp")
+    with Image.open(webp) as animated:
+        assert webp.suffix == ".webp" and animated.n_frames == 5
+        for k in range(5):
+            animated.seek(k)
+            assert np.array_equal(np.asarray(animated.convert("RGB")), ours[k].astype(np.uint8))
+        assert "prompt: a red square moving left" in animated.getexif()[0x010E]
+
+    image_family = load_components(ModelConfig(base=str(tiny_base)))
+    with pytest.raises(DifftuneError, match="sample.frames = 5: .* bases draw images; set it to 1"):
+        generate_images(image_family, config, torch.device("cpu"))
+
+
+def test_a_runs_samples_are_clips_and_its_parity_check_compares_every_frame(make_config, base, tmp_path):
+    """With `sample.frames`, the base's clips before training, the previews and the end-of-run samples are MP4s beside
+    their grids; the reloaded adapter redraws the whole clip, every frame within 0 levels in both layouts."""
+    run = tmp_path / "run"
+    train(make_config(model__base=base, train__output_dir=str(run), train__max_steps=2, optim__learning_rate=2e-2,
+                      sample__prompts=["a square moving left"], sample__frames=5, sample__steps=2, sample__before=True,
+                      sample__every_steps=1))
+    for folder in ("samples", "samples/before", "samples/step-000001"):
+        assert (run / folder / "000.mp4").is_file() and (run / folder / "grid.png").is_file()
+    with av.open(str(run / "samples" / "000.mp4")) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 5
+    parity = json.loads((run / "parity.json").read_text())
+    assert {layout: result["max_pixel_difference"] for layout, result in parity["layouts"].items()} == {"diffusers": 0, "kohya": 0}

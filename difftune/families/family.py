@@ -319,6 +319,12 @@ class Family:
         return pipeline(prompt=prompt, height=height, width=width,  # by name: an edit pipeline's first argument is the image
                         **self.image_arguments(controls, height, width), **arguments).images
 
+    def draw_clips(self, pipeline, prompt: str | list[str], height: int | None, width: int | None, frames: int,
+                   **arguments) -> list[list]:
+        """A video family's clips (each a list of PIL frames) of `frames` frames for `prompt`, as `draw` draws images;
+        refused by an image family (callers check `reads_clips` first)."""
+        raise DifftuneError(f"{self.description} bases draw images, not clips")
+
     def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
         """`draw`'s arguments for the controls and size: none for a text-to-image family."""
         return {}

@@ -139,8 +139,10 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
 
     def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
         """Each prompt's one-frame clip, as an image."""
-        clips = pipeline(prompt=prompt, height=height, width=width, num_frames=1, output_type="pil", **arguments).frames
-        return [clip[0] for clip in clips]
+        return [clip[0] for clip in self.draw_clips(pipeline, prompt, height, width, 1, **arguments)]
+
+    def draw_clips(self, pipeline, prompt, height, width, frames, **arguments) -> list[list]:
+        return pipeline(prompt=prompt, height=height, width=width, num_frames=frames, output_type="pil", **arguments).frames
 
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS

@@ -913,20 +913,6 @@ def shape_images(count: int, seed: int, colors=tuple(COLORS), shapes=SHAPES) -> 
     return out
 
 
-def write_clip(path: Path, frames: list[Image.Image], fps: int = 16) -> Path:
-    """Frames as a lossless clip (FFV1 in Matroska: every pixel decodes back as written), with PyAV."""
-    import av
-
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("ffv1", rate=fps)
-        stream.width, stream.height = frames[0].size
-        stream.pix_fmt = "bgr0"
-        for image in frames:
-            container.mux(stream.encode(av.VideoFrame.from_image(image)))
-        container.mux(stream.encode())
-    return path
-
-
 def write_caption_folder(folder: Path, examples: list[tuple[Image.Image, str]]) -> None:
     """Kohya layout: `NNNN.png` with its caption in `NNNN.txt`."""
     folder.mkdir(parents=True, exist_ok=True)
