@@ -78,8 +78,8 @@ def latent_channels(vae) -> int:
 
 def downsampling(vae) -> int:
     """Image pixels per latent pixel, along each side."""
-    if isinstance(vae, VIDEO_AUTOENCODERS):
-        return 2 ** len(vae.config.temperal_downsample)
+    if isinstance(vae, VIDEO_AUTOENCODERS):  # Wan 2.2's states 16: 8x by its blocks, 2x by its own patching
+        return vae.config.get("scale_factor_spatial") or 2 ** len(vae.config.temperal_downsample)
     blocks = vae.config.encoder_block_out_channels if isinstance(vae, AutoencoderTiny) else vae.config.block_out_channels
     return 2 ** (len(blocks) - 1) * (2 if isinstance(vae, PATCHED_AUTOENCODERS) else 1)
 

@@ -36,7 +36,7 @@ from difftune.embeddings import embedding_file_name, load_embedding, write_embed
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.families.family import Family
-from difftune.files import replace_atomically
+from difftune.files import open_safetensors, replace_atomically
 from difftune.kohya import kohya_metadata, split_adapter_key
 from difftune.models import DTYPES, Components, quiet_loading
 from difftune.sample import sampling_scheduler
@@ -230,7 +230,8 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
                 Path(tmp) / f"{names[-1]}.safetensors", tensors, lora_configs, config_toml, "diffusers", components.family
             )
             with quiet_loading():
-                pipeline.load_lora_weights(tmp, weight_name=staged.name, adapter_name=names[-1])
+                pipeline.load_lora_weights(tmp, weight_name=staged.name, adapter_name=names[-1],
+                                           **components.family.lora_loading_arguments(components.family_options))
     pipeline.set_adapters(names, adapter_weights=[scale for _, scale in adapters])
 
 
@@ -268,10 +269,33 @@ def _attach_lycoris(components: Components, tensors: dict, lora_configs: dict, n
                 getattr(layer, kind)[name] = torch.nn.Parameter(value.to(weight.device, weight.dtype), requires_grad=False)
 
 
+def base_for_adapters(base: str, adapters: list[tuple[Path, float]]) -> ModelConfig:
+    """`base` as `adapters` need it loaded: with the family options that say where a difftune file's adapters go
+    (`Family.placement_options`: a Wan 2.2 expert's file onto that expert), as each file's recorded config has them.
+    Files recording different ones are refused by name; other tools' files record none (the family's default)."""
+    config = ModelConfig(base=base)
+    names = family_of(config).placement_options
+    chosen: dict[str, tuple[object, Path]] = {}
+    for path, _ in adapters if names else ():
+        with open_safetensors(Path(path)) as handle:
+            recorded = (handle.metadata() or {}).get(CONFIG_METADATA_KEY, "")
+        options = tomllib.loads(recorded).get("model", {}).get("family_options", {}) if recorded else {}
+        for name in names:
+            if name not in options:
+                continue
+            value, first = chosen.setdefault(name, (options[name], path))
+            if value != options[name]:
+                raise DifftuneError(
+                    f"adapters {first} and {path} were trained with model.family_options.{name} = {value!r} and "
+                    f"{options[name]!r}: they go on different parts; load them one at a time"
+                )
+    return config.model_copy(update={"family_options": {name: value for name, (value, _) in chosen.items()}})
+
+
 def load_with_adapters(base: str, adapters: list[tuple[Path, float]]) -> Components:
     """A base model with scaled adapters attached, on CUDA when there is one, ready to sample (the CLI's and UI's
     `sample`; `components.denoiser.device` says where)."""
-    components = load_components(ModelConfig(base=base))
+    components = load_components(base_for_adapters(base, adapters))
     if adapters:
         apply_adapters(components, adapters)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -285,7 +309,7 @@ def merge_into_folder(
     overwrite: bool = False,
 ) -> list[Path]:
     """Load the base, fold the adapters in and save the whole pipeline (the CLI's and UI's `merge`)."""
-    components = load_components(ModelConfig(base=base))
+    components = load_components(base_for_adapters(base, adapters))
     merge_adapters(components, adapters, dtype)
     return save_merged(components, out_dir, single_file, overwrite)
 
@@ -296,7 +320,10 @@ def merge_adapters(components: Components, adapters: list[tuple[Path, float]], d
     if adapters:
         apply_adapters(components, adapters)
         pipeline = components.pipeline()
-        pipeline.fuse_lora(components=list(components.family.adapter_parts()), lora_scale=1.0)
+        family = components.family
+        parts = [family.denoiser_part(components.family_options) if part == family.denoiser_name else part
+                 for part in family.adapter_parts()]  # as the pipeline names them
+        pipeline.fuse_lora(components=parts, lora_scale=1.0)
         pipeline.unload_lora_weights()
     for module in components.modules():
         module.to(DTYPES[dtype])

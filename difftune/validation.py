@@ -58,7 +58,13 @@ class Validator:
                                   sizes=sizes, control_sizes=control_sizes(examples, sizes, rule),
                                   sees_controls=family.prompts_see_controls)
         items = [dataset[(0, i)] for i in range(len(examples))]
-        seed, timesteps = config.validation.seed, config.validation.timesteps
+        seed = config.validation.seed
+        timesteps = [t for t in config.validation.timesteps if family.trains_noise_level(components, t / 1000)]
+        if not timesteps:
+            raise DifftuneError(
+                f"validation.timesteps {config.validation.timesteps}: none is a noise level this run trains (a Wan 2.2 "
+                "expert serves part of the schedule); list some of its own"
+            )
         noise_generator = torch.Generator().manual_seed(derive_seed(VALIDATION_STREAM, seed, len(items)))
         by_size: dict[tuple, list[int]] = {}
         for i, item in enumerate(items):

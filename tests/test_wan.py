@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from diffusers import UniPCMultistepScheduler
+from diffusers import UniPCMultistepScheduler, WanPipeline
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_wan_lora_to_diffusers
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from difftune import export, jobs, plan, sample
+from difftune.autoencoders import downsampling
 from difftune.adapter_files import module_names_of, placed_on_base, read_adapter
 from difftune.config import ModelConfig, SampleConfig
 from difftune.errors import DifftuneError
@@ -24,8 +26,10 @@ from difftune.families import FAMILIES, load_components
 from difftune.data import CaptionedImages
 from difftune.sample import generate_images, sampling_scheduler, save_images
 from difftune.clips import write_clip
-from difftune.toy.tiny import build_pipeline
+from difftune.toy.tiny import build_pipeline, build_wan22_pipeline
 from difftune.train import train
+
+from conftest import REPO
 
 FAMILY = FAMILIES["wan"]
 
@@ -204,4 +208,106 @@ def test_a_runs_samples_are_clips_and_its_parity_check_compares_every_frame(make
     with av.open(str(run / "samples" / "000.mp4")) as container:
         assert sum(1 for _ in container.decode(video=0)) == 5
     parity = json.loads((run / "parity.json").read_text())
+    assert {layout: result["max_pixel_difference"] for layout, result in parity["layouts"].items()} == {"diffusers": 0, "kohya": 0}
+
+
+@pytest.fixture(scope="module")
+def a14b(tmp_path_factory):
+    path = tmp_path_factory.mktemp("micro-wan22-a14b")
+    build_wan22_pipeline(seed=2, kind="a14b").save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.mark.parametrize("expert", ["high_noise", "low_noise"])
+def test_a_wan22_expert_trains_on_its_side_of_the_boundary_and_loads_where_diffusers_puts_it(make_config, a14b, tmp_path,
+                                                                                              expert):
+    """Wan 2.2 A14B, one expert a run (musubi-tuner's way): every noise level drawn is on the expert's side of the
+    pipeline's boundary (0.875: `transformer` at time >= 875, `transformer_2` below), the other expert is never
+    changed, validation scores the expert's own timesteps, and diffusers' WanPipeline, given the file as its docs say
+    (`load_into_transformer_2=True` for the low-noise one), draws what difftune draws with it."""
+    drawn = []
+    denoise = FAMILY.denoise
+
+    def recording(components, noisy, timesteps, conditioning, geometry):
+        drawn.extend(timesteps.flatten().tolist())
+        return denoise(components, noisy, timesteps, conditioning, geometry)
+
+    options = {"expert": expert}
+    config = make_config(model__base=a14b, model__family_options=options, train__max_steps=6, optim__learning_rate=5e-2,
+                         train__output_dir=str(tmp_path / "run"), sample__prompts=["a red square"], sample__steps=4,
+                         validation__path=str(REPO / "examples" / "purple"), validation__every_steps=6)
+    with patch.object(FAMILY, "denoise", side_effect=recording, autospec=False):
+        trained = train(config).trained_path
+    training = drawn[: 6 * 2]  # the steps' (the validation's and the samples' come after)
+    low = expert == "low_noise"
+    assert training and all((t < 875) == low for t in training), training
+    assert all((t < 875) == low for t in drawn if t in (100, 300, 500, 700, 900))  # validation's fixed timesteps
+
+    base = WanPipeline.from_pretrained(a14b, dtype=torch.float32)
+    ours = load_components(ModelConfig(base=a14b, family_options=options))
+    other = base.transformer if low else base.transformer_2
+    export.apply_adapters(ours, [(trained, 1.0)])
+    pipeline = ours.pipeline(UniPCMultistepScheduler.from_config(base.scheduler.config))  # the pipeline's own sampler
+    untouched = pipeline.transformer if low else pipeline.transformer_2
+    assert all(torch.equal(a, b) for a, b in zip(untouched.state_dict().values(), other.state_dict().values()))
+    theirs = WanPipeline.from_pretrained(a14b, dtype=torch.float32)
+    theirs.load_lora_weights(str(trained), **({"load_into_transformer_2": True} if low else {}))
+    arguments = {"prompt": "a red square", "height": 32, "width": 32, "num_frames": 1, "num_inference_steps": 4,
+                 "output_type": "np"}
+    drawn_ours = pipeline(**arguments, generator=torch.Generator().manual_seed(0)).frames
+    drawn_theirs = theirs(**arguments, generator=torch.Generator().manual_seed(0)).frames
+    assert np.abs(drawn_ours - drawn_theirs).max() * 255 <= 1
+    # `difftune sample` and `merge` put the file on the expert its recorded config names, as diffusers does.
+    sampled = export.load_with_adapters(a14b, [(trained, 1.0)])
+    assert sampled.family_options.expert == expert
+    merged = export.merge_into_folder(a14b, [(trained, 1.0)], tmp_path / "merged")[0]
+    merged_pipeline = WanPipeline.from_pretrained(merged, dtype=torch.float32)
+    merged_pipeline.scheduler = UniPCMultistepScheduler.from_config(base.scheduler.config)  # saved with difftune's Euler
+    drawn_merged = merged_pipeline(**arguments, generator=torch.Generator().manual_seed(0)).frames
+    assert np.abs(drawn_merged - drawn_theirs).max() * 255 <= 1
+    tensors, metadata = load_file(trained), safe_open(str(trained), "pt").metadata()
+    other_expert = metadata["difftune_config"].replace(f'expert = "{expert}"', f'expert = "{"high_noise" if low else "low_noise"}"')
+    save_file(tensors, tmp_path / "other.safetensors", metadata | {"difftune_config": other_expert})
+    with pytest.raises(DifftuneError, match="they go on different parts; load them one at a time"):
+        export.base_for_adapters(a14b, [(trained, 1.0), (tmp_path / "other.safetensors", 1.0)])
+    trained_expert, before = (pipeline.transformer_2, base.transformer_2) if low else (pipeline.transformer, base.transformer)
+    inputs = {"hidden_states": torch.randn(1, 16, 1, 8, 8, generator=torch.Generator().manual_seed(1)),
+              "timestep": torch.tensor([500.0]), "encoder_hidden_states": torch.randn(1, 512, 64), "return_dict": False}
+    with torch.no_grad():  # the adapter is on the trained expert
+        assert (trained_expert(**inputs)[0] - before(**inputs)[0]).abs().max() > 1e-3
+
+
+def test_an_expert_needs_a_two_expert_base_and_validation_timesteps_on_its_side(make_config, base, a14b, tmp_path):
+    with pytest.raises(DifftuneError, match='expert = "low_noise": this base has one transformer'):
+        load_components(ModelConfig(base=base, family_options={"expert": "low_noise"}))
+    config = make_config(model__base=a14b, model__family_options={"expert": "high_noise"}, train__output_dir=str(tmp_path),
+                         validation__path=str(REPO / "examples" / "purple"), validation__timesteps=[100, 500])
+    with pytest.raises(DifftuneError, match=r"validation.timesteps \[100, 500\]: none is a noise level this run trains"):
+        train(config)
+
+
+def test_wan22_ti2v_reads_a_time_per_token_over_its_own_patching_autoencoder(make_config, tmp_path):
+    """TI2V-5B's kind: its autoencoder patches 2x2 itself (8x on the micro one), its transformer reads a time per latent
+    token, as its pipeline passes it (`expand_timesteps`): the prediction equals the pipeline's own call's; clips train
+    and the saved adapter redraws what training drew (parity 0 in both layouts)."""
+    path = tmp_path / "ti2v"
+    build_wan22_pipeline(seed=3, kind="ti2v").save_pretrained(path, safe_serialization=True)
+    components = load_components(ModelConfig(base=str(path)))
+    assert components.pipeline_options["expand_timesteps"] and downsampling(components.vae) == 8
+    noisy = torch.randn(2, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    states = torch.randn(2, 512, components.text_encoders["text_encoder"].config.d_model, generator=torch.Generator().manual_seed(1))
+    t = torch.tensor([700.0, 300.0])
+    with torch.no_grad():
+        ours = FAMILY.denoise(components, noisy, t, {"encoder_hidden_states": states}, None)
+        per_token = t[:, None].expand(-1, 3 * 2 * 2)  # the pipeline's `temp_ts` for a text-to-video call: every token at t
+        theirs = components.denoiser(hidden_states=noisy, timestep=per_token, encoder_hidden_states=states, return_dict=False)[0]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    data = tmp_path / "data"
+    data.mkdir()
+    write_clip(data / "clip.mkv", [Image.new("RGB", (32, 32), (20 * i, 90, 200 - 20 * i)) for i in range(5)], lossless=True)
+    (data / "clip.txt").write_text("a square moving left")
+    train(make_config(model__base=str(path), data__path=str(data), data__target_frames=[5], train__max_steps=2,
+                      optim__learning_rate=2e-2, train__output_dir=str(tmp_path / "run"), sample__prompts=["a square"],
+                      sample__steps=2))
+    parity = json.loads((tmp_path / "run" / "parity.json").read_text())
     assert {layout: result["max_pixel_difference"] for layout, result in parity["layouts"].items()} == {"diffusers": 0, "kohya": 0}

@@ -104,6 +104,7 @@ class Family:
     needs_controls_to_draw = False  # its pipeline draws only edits (a sample prompt without controls is refused)
     prompts_see_controls = False  # its text encoder reads an edit pair's controls (`tokenize` takes them)
     reads_clips = False  # a video base: trains on clips (`frame_windows`) and images alike
+    placement_options: tuple[str, ...] = ()  # family options that say which part a file adapts (`denoiser_part`)
 
     # Detection and loading.
 
@@ -163,12 +164,13 @@ class Family:
             )
         if not config.base.endswith(".safetensors"):
             raise DifftuneError(f"model.base {config.base}: read as .safetensors only for {self.description}; convert the file")
-        denoiser_config = self.denoiser_class.load_config(folder, subfolder=self.denoiser_name, revision=revision)
+        part = self.denoiser_part(self.options(config))
+        denoiser_config = self.denoiser_class.load_config(folder, subfolder=part, revision=revision)
         with init_empty_weights():
             denoiser = self.denoiser_class.from_config(denoiser_config)
         weights = self.denoiser_file_weights(config.base)
         denoiser.load_state_dict({key: value.float() for key, value in weights.items()}, strict=True, assign=True)
-        return self.pipeline_class.from_pretrained(folder, **{self.denoiser_name: denoiser}, revision=revision,
+        return self.pipeline_class.from_pretrained(folder, **{part: denoiser}, revision=revision,
                                                    **self.fixed_pipeline_arguments, **FP32)
 
     def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
@@ -185,10 +187,25 @@ class Family:
             weights[name] = file[key]
         return weights
 
+    def denoiser_part(self, options: FamilyOptions) -> str:
+        """The pipeline part that holds the denoiser this run trains: `denoiser_name`, unless the base has several
+        (Wan 2.2's low-noise expert is `transformer_2`; its adapter files still say `transformer.`, as diffusers
+        writes and loads them)."""
+        return self.denoiser_name
+
+    def lora_loading_arguments(self, options: FamilyOptions) -> dict:
+        """What the pipeline's `load_lora_weights` needs to put a file's denoiser adapter on `denoiser_part`."""
+        return {}
+
+    def trains_noise_level(self, components: Components, sigma: float) -> bool:
+        """Whether this run trains the denoiser at noise level `sigma` (timestep / 1000): all of them, unless the
+        denoiser serves part of the schedule (a Wan 2.2 expert); validation leaves the others out."""
+        return True
+
     def components_of(self, pipeline, options: FamilyOptions) -> Components:
         return Components(
             family=self,
-            denoiser=getattr(pipeline, self.denoiser_name),
+            denoiser=getattr(pipeline, self.denoiser_part(options)),
             vae=pipeline.vae,
             text_encoders={name: getattr(pipeline, name) for name in self.text_encoder_names},
             tokenizers={name: getattr(pipeline, name) for name in self.tokenizer_names},
@@ -254,7 +271,7 @@ class Family:
     def assemble_pipeline(self, components: Components, scheduler=None):
         """A text-to-image pipeline over the (possibly adapted) components."""
         return self.pipeline_class(
-            **{self.denoiser_name: components.denoiser},
+            **{self.denoiser_part(components.family_options): components.denoiser},
             vae=components.vae,
             **components.text_encoders,
             **components.tokenizers,

@@ -126,13 +126,18 @@ class FlowMatchingFamily(Family):
         return denoiser.config.in_channels // self.patch_size**2  # a token is a patch
 
     def draw_timesteps_and_noise(self, components, generators, latents, config: LossConfig):
-        sigmas = draw_fractions(generators, config).to(latents.device)
         if config.flow_shift_by_resolution:
-            image_tokens = latents.shape[-2] * latents.shape[-1] // self.patch_size**2
-            sigmas = shifted(sigmas, self.resolution_shift(components, image_tokens))
-        elif config.flow_shift != 1.0:
-            sigmas = shifted(sigmas, config.flow_shift)
-        return sigmas * 1000, *draw_noise(generators, latents, config)
+            shift = self.resolution_shift(components, latents.shape[-2] * latents.shape[-1] // self.patch_size**2)
+        else:
+            shift = config.flow_shift
+        sigmas = shifted(draw_fractions(generators, config), shift)
+        for i, generator in enumerate(generators):
+            # A denoiser that serves part of the schedule (a Wan 2.2 expert) redraws outside it, from the sample's own
+            # generator: the drawn distribution cut to its range, its shape kept (musubi-tuner's
+            # `--preserve_distribution_shape`), not squeezed into it.
+            while not self.trains_noise_level(components, float(sigmas[i])):
+                sigmas[i] = shifted(draw_fractions([generator], config), shift)[0]
+        return sigmas.to(latents.device) * 1000, *draw_noise(generators, latents, config)
 
     def loss(self, components, latents, timesteps, noise, conditioning, geometry, config: LossConfig, input_noise=None,
              mask=None):

@@ -1,4 +1,4 @@
-"""Wan 2.1 (`WanPipeline`): a video DiT (`WanTransformer3DModel`: self-attention over the clip's patches, cross-attention
+"""Wan 2.1 and 2.2 (`WanPipeline`): a video DiT (`WanTransformer3DModel`: self-attention over the clip's patches, cross-attention
 to UMT5's states) over Wan's causal video autoencoder, trained by flow matching (flow.py). This module trains it on
 images, each a one-frame clip, as musubi-tuner and diffusion-pipe let Wan train on stills (clips are issue 34's next
 part).
@@ -13,6 +13,12 @@ part).
   one `flow_shift` (3.0 for 480p checkpoints, 5.0 for 720p), which training draws with
   (`loss.flow_shift_by_resolution`) through an Euler flow scheduler of that shift, which also samples.
 - Guidance: classifier-free, with the pipeline's own `guidance_scale` and negative prompt.
+- Wan 2.2 A14B: two experts, `transformer` for the noise levels at or above the pipeline's `boundary_ratio` (0.875 for
+  T2V, 0.9 for I2V) and `transformer_2` below. A run trains one (`model.family_options.expert`), as musubi-tuner does:
+  its noise levels are drawn from the expert's range (the drawn distribution cut to it), the other expert waits in
+  host memory to draw samples with it, and the file is a Wan LoRA of that expert (`load_into_transformer_2=True` puts
+  a low-noise one in diffusers; ComfyUI's two LoRA loaders, one per expert). Wan 2.2 TI2V-5B: its autoencoder patches
+  2x2 itself (16x in all) and its transformer reads a time per latent token (`expand_timesteps`), as its pipeline passes.
 - Files: diffusers' layout (`transformer.`, which `WanPipeline.load_lora_weights` reads: transformer adapters alone)
   with musubi-tuner's default targets (every block's self- and cross-attention and MLP); the kohya layout names the
   original modules (`lora_unet_blocks_0_self_attn_q`), musubi-tuner's files, which ComfyUI maps and diffusers reads
@@ -24,13 +30,16 @@ part).
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from pydantic import Field
 
-from difftune.families.flow import FlowMatchingFamily
+from difftune.errors import DifftuneError
+from difftune.families.flow import FlowMatchingFamily, FlowOptions
 from difftune.families.fused import OriginalNamesKohyaLayout
 from difftune.families.family import valid_token_states
 from difftune.models import Components
@@ -68,6 +77,16 @@ ORIGINAL_WEIGHT_RENAMES = [
 ]
 
 
+class WanOptions(FlowOptions):
+    expert: Literal["auto", "high_noise", "low_noise"] = Field(
+        "auto",
+        description="Wan 2.2 A14B bases (two experts: `transformer` for noise levels at or above the pipeline's "
+        "`boundary_ratio`, `transformer_2` below): the one this run trains, one at a time as musubi-tuner does; its "
+        "noise levels are drawn from its range only, and the other expert draws the samples with it. `auto`: the one "
+        "transformer of a Wan 2.1 base, the high-noise expert of a Wan 2.2 one.",
+    )
+
+
 def original_weight_name(key: str) -> str:
     if key == "scale_shift_table":  # the output head's
         return "head.modulation"
@@ -78,7 +97,7 @@ def original_weight_name(key: str) -> str:
 
 class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
     name = "wan"
-    description = "Wan 2.1"
+    description = "Wan 2.1 / 2.2"
     pipeline_class = WanPipeline
     pipeline_classes = ("WanPipeline",)
     denoiser_class = WanTransformer3DModel
@@ -94,12 +113,42 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
     single_file_layout = "transformer alone (original layout)"
     denoiser_file_key = "head.modulation"  # what diffusers' reader detects Wan files by
     reads_clips = True
+    options_model = WanOptions
+    placement_options = ("expert",)  # a file of each expert goes onto it (export.base_for_adapters)
+    pipeline_options = ("boundary_ratio", "expand_timesteps")
 
     def original_name(self, module: str) -> str | None:
         if match := BLOCK.match(module):
             member = ORIGINAL_IN_BLOCK.get(match.group(2))
             return f"blocks.{match.group(1)}.{member}" if member else None
         return ORIGINAL_NAMES.get(module)
+
+    # Wan 2.2's experts.
+
+    def denoiser_part(self, options: WanOptions) -> str:
+        return "transformer_2" if options.expert == "low_noise" else "transformer"
+
+    def lora_loading_arguments(self, options: WanOptions) -> dict:
+        return {"load_into_transformer_2": True} if options.expert == "low_noise" else {}
+
+    def components_of(self, pipeline, options: WanOptions) -> Components:
+        """The expert this run trains as the denoiser, the other one a drawing part (`Components.drawing_parts`)."""
+        if getattr(pipeline, "transformer_2", None) is None:
+            if options.expert != "auto":
+                raise DifftuneError(f"model.family_options.expert = \"{options.expert}\": this base has one transformer "
+                                    "(Wan 2.1, Wan 2.2 TI2V-5B); leave it at \"auto\"")
+            return super().components_of(pipeline, options)
+        components = super().components_of(pipeline, options)
+        other = "transformer" if self.denoiser_part(options) == "transformer_2" else "transformer_2"
+        components.drawing_parts[other] = getattr(pipeline, other)
+        return components
+
+    def trains_noise_level(self, components: Components, sigma: float) -> bool:
+        """An expert trains its side of the boundary, as the pipeline picks it: `transformer` at time >= boundary x 1000."""
+        boundary = components.pipeline_options.get("boundary_ratio")
+        if boundary is None:
+            return True
+        return (sigma < boundary) == (self.denoiser_part(components.family_options) == "transformer_2")
 
     def training_scheduler(self, scheduler):
         """An Euler flow scheduler with the pipeline's one shift (its UniPC sampler names it `flow_shift`)."""
@@ -126,6 +175,10 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
         """An image's latents (B, C, h, w) as one-frame clips; a clip's (B, C, T, h, w) as they are."""
         states = conditioning["encoder_hidden_states"]
         clip = noisy if noisy.dim() == 5 else noisy[:, :, None]
+        if components.pipeline_options.get("expand_timesteps"):  # TI2V-5B: a time per latent token, as its pipeline
+            p_t, p_h, p_w = components.denoiser.config.patch_size
+            tokens = clip.shape[2] // p_t * (clip.shape[3] // p_h) * (clip.shape[4] // p_w)
+            timesteps = timesteps[:, None].expand(-1, tokens)
         prediction = components.denoiser(hidden_states=clip.to(states.dtype), timestep=timesteps.to(states.dtype),
                                          encoder_hidden_states=states, return_dict=False)[0]
         return prediction if noisy.dim() == 5 else prediction[:, :, 0]
