@@ -2,7 +2,8 @@
 `--family sdxl` (models/tiny-sdxl, from tiny-sd's autoencoders), `--family flux` (models/tiny-flux) or
 `--family qwen_image` (models/tiny-qwen_image), `--family z_image` (models/tiny-z_image, from tiny-flux's
 autoencoders), `--family flux2_klein` (models/tiny-flux2_klein), `--family chroma` or `--family sd3` (models/tiny-chroma,
-models/tiny-sd3, both from tiny-flux's autoencoders).
+models/tiny-sd3, both from tiny-flux's autoencoders), `--family wan` (models/tiny-wan, a video base of moving shapes, its
+autoencoder tiny-qwen_image's taught time on clips).
 
 Trains an autoencoder (KL, or Wan's video kind for Qwen-Image) and a TAESD on synthetic shapes (not for SDXL), then
 the denoiser and text encoder(s) with difftune's own trainer (full fine-tune, EMA), never showing them the held-out
@@ -10,19 +11,20 @@ color; scores the result with the judge (and an untrained control) and writes th
 seed; on 2 CPU cores about 20 minutes for tiny-sd, 17 for tiny-flux, 20 for tiny-qwen_image. The default jobs'
 images (examples/purple: renders of the held-out color) are written with tiny-sd; the Flux and Qwen-Image jobs'
 (examples/purple_with_seen: the same renders repeated 3 times per epoch and 12 renders of the seen colors) with
-tiny-flux.
+tiny-flux; the Wan job's clips (examples/purple_clips) with tiny-wan.
 """
 
 import argparse
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 from difftune.autoencoders import PATCHED_AUTOENCODERS
-from difftune.toy.judge import EvalSettings, score
+from difftune.toy.judge import EvalSettings, clip_score, score
 from difftune.config import ModelConfig
 from difftune.families import load_components
-from difftune.toy.tiny import shape_images, write_caption_folder
+from difftune.toy.tiny import CLIP_FRAMES, CLIP_SPEED, moving_shape_clips, shape_images, write_caption_folder, write_clip_folder
 from difftune.toy.tiny_base import (
     HELD_OUT_COLOR, RECIPES, SDXL_STEPS, SEEN_COLORS, Recipe, build_base, copy_into_borrowers, link_borrowed_files,
 )
@@ -72,6 +74,47 @@ bounding box for the shape).
 Full numbers: `scores.json`.
 """
 
+CLIP_CARD = """---
+library_name: diffusers
+pipeline_tag: text-to-video
+tags: [difftune, tiny, synthetic]
+---
+# {name}: a 32 px text-to-video model of moving colored shapes, trained by difftune
+
+{architecture}, trained on synthetic clips of {frames} frames captioned `a <color> <shape> moving <direction>`
+(a shape sliding {travel} px left, right, up or down) for colors {seen} and shapes circle, square, triangle. The color
+`{held_out}` was never shown to the transformer: it is the concept the default fine-tuning job (`configs/wan_lora.toml`)
+teaches. The text encoder is UMT5 at its random init (its states tell the captions apart; training caches them).
+
+Weights are fp16; on a CPU load them as fp32: `WanPipeline.from_pretrained(path, dtype=torch.float32)`, and draw
+`num_frames={frames}` at `height=width=32`.
+
+## Recipe (`{command}`, seed {seed})
+
+- autoencoder: tiny-qwen_image's (`AutoencoderKLQwenImage`, the same causal video autoencoder, trained on still
+  renders) as `AutoencoderKLWan` (temporal factor 2: clips of 2k + 1 frames), trained on {vae_clips} moving-shape clips of
+  every color for {vae_steps} steps (MSE + 1e-6 KL), per-channel `latents_mean` / `latents_std` of its clip latents
+- {denoiser} ({denoiser_params:,} parameters) trained by `difftune train` with `adapter.kind = "none"`, the text encoder
+  ({text_params:,} parameters) frozen: {steps} steps at batch {batch_size} over {train_clips} clips, AdamW lr {learning_rate}
+  cosine, flow matching with the sampler's shift, noise offset {noise_offset}, caption dropout 0.1, cached latents and
+  captions, EMA {ema_decay} (the EMA weights are what is saved)
+- time on 2 CPU cores: autoencoder {t_ae:.0f} s, transformer {t_unet:.0f} s
+
+## Scores
+
+| | value |
+| --- | ---: |
+| autoencoder reconstruction PSNR (100 held-out clips): whole clip / first frame / later frames | {vae_psnr:.1f} / {first_psnr:.1f} / {later_psnr:.1f} dB |
+| seen prompts ({n} clips per color and shape, fixed seeds): color / shape of each frame | {seen_color:.3f} / {seen_shape:.3f} |
+| seen prompts: clips moving the asked way | {seen_direction:.3f} |
+| held-out color before fine-tuning (color and shape right, per frame) | {concept_both:.3f} |
+| untrained control (random transformer): color / shape / direction | {control_color:.3f} / {control_shape:.3f} / {control_direction:.3f} |
+
+Judged by `difftune.toy.judge.judge_clip`: each frame by the shapes judge (pixel statistics: one blob of one palette
+color on a plain background, where it fills its bounding box for the shape), the motion by the shape's centre from
+the first frame it is seen in to the last (at least 3 px, mostly the asked way). Full numbers: `scores.json`.
+"""
+
 
 ARCHITECTURES = {
     "sd": ("Stable Diffusion 1.x's architecture at toy size, from the same classes (`UNet2DConditionModel`,\n"
@@ -106,6 +149,9 @@ ARCHITECTURES = {
                 "single-stream DiT with image and caption refiner blocks, over Flux.1's kind of 16-channel\n"
                 "`AutoencoderKL` (tiny-flux's), a `Qwen3Model` language model read through its chat template, with a\n"
                 "byte-level `Qwen2Tokenizer` built here)", "ZImagePipeline"),
+    "wan": ("Wan 2.1's architecture at toy size, from the same classes (`WanTransformer3DModel` over 1x2x2 patches of\n"
+            "clip latents, Wan's causal video autoencoder `AutoencoderKLWan` with per-channel statistics, a\n"
+            "`UMT5EncoderModel` with a character-level `T5TokenizerFast`)", "WanPipeline"),
 }
 
 
@@ -124,13 +170,13 @@ def main() -> None:
                         f"{SDXL_STEPS} for sdxl, {RECIPES['flux']['steps']} for flux, "
                         f"{RECIPES['qwen_image']['steps']} for qwen_image, {RECIPES['z_image']['steps']} for z_image, "
                         f"{RECIPES['flux2_klein']['steps']} for flux2_klein, {RECIPES['chroma']['steps']} for chroma, "
-                        f"{RECIPES['sd3']['steps']} for sd3)")
+                        f"{RECIPES['sd3']['steps']} for sd3, {RECIPES['wan']['steps']} for wan)")
     args = parser.parse_args()
     args.model_dir = args.model_dir or Path(f"models/tiny-{args.family}")
     args.work_dir = args.work_dir or Path(f"output/tiny-{args.family}-build")
     sdxl = args.family == "sdxl"
     lenders = {"sdxl": Path("models/tiny-sd"), "z_image": Path("models/tiny-flux"), "chroma": Path("models/tiny-flux"),
-               "sd3": Path("models/tiny-flux")}  # the same autoencoder kinds
+               "sd3": Path("models/tiny-flux"), "wan": Path("models/tiny-qwen_image")}  # the same autoencoder kinds
     args.autoencoders_from = args.autoencoders_from or lenders.get(args.family)
     recipe = Recipe(seed=args.seed, family=args.family, **RECIPES.get(args.family, {}))
     recipe.steps = args.steps or (SDXL_STEPS if sdxl else recipe.steps)
@@ -152,14 +198,53 @@ def concept_renders(seed: int):
     return shape_images(16, seed=seed + 7, colors=(HELD_OUT_COLOR,))
 
 
+def concept_clips(seed: int):
+    """The Wan job's clips of the held-out color: 2 of every shape and direction."""
+    return moving_shape_clips(24, seed=seed + 7, colors=(HELD_OUT_COLOR,))
+
+
+def seen_clips(seed: int):
+    """12 clips of the seen colors, one per color and shape, the directions taking turns."""
+    clips = moving_shape_clips(48, seed=seed + 21, colors=SEEN_COLORS)
+    return [clips[4 * i + i % 4] for i in range(12)]
+
+
 def finish(args, recipe: Recipe, facts: dict) -> None:
-    """Score the base and an untrained control, write scores.json, the model card and the default job's images."""
+    """Score the base and an untrained control (on clips, for a video base), write scores.json, the model card and the
+    default job's images (or clips)."""
     settings = EvalSettings()
+    clips = recipe.family == "wan"
+    scored = partial(clip_score, frames=CLIP_FRAMES) if clips else score
     components = load_components(ModelConfig(base=str(args.model_dir)))
-    base = score(components, SEEN_COLORS, HELD_OUT_COLOR, settings)
-    control = score(load_components(ModelConfig(base=str(args.work_dir / "init"))), SEEN_COLORS, HELD_OUT_COLOR, settings)
+    base = scored(components, SEEN_COLORS, HELD_OUT_COLOR, settings)
+    control = scored(load_components(ModelConfig(base=str(args.work_dir / "init"))), SEEN_COLORS, HELD_OUT_COLOR, settings)
     facts |= {"base": base, "untrained_control": control, "eval_settings": vars(settings)}
     (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
+    card = clip_card if clips else image_card
+    (args.model_dir / "README.md").write_text(card(args, recipe, facts, components, settings))
+    link_borrowed_files(args.model_dir)
+    if recipe.family == "sd":  # the default jobs share these images
+        shutil.rmtree(args.examples_dir / "purple", ignore_errors=True)
+        write_caption_folder(args.examples_dir / "purple", concept_renders(args.seed))
+    if recipe.family == "flux":  # the Qwen-Image job uses these images too
+        # Flux's T5 is frozen (its adapters do not load in FluxPipeline), and its states for the unseen word sit
+        # near "green"'s: taught on purple alone, the LoRA turned green prompts purple (forgetting 0.28-0.34 at
+        # every rank, learning rate and target set tried). Seen colors beside it hold them in place (0.04).
+        folder = args.examples_dir / "purple_with_seen"
+        shutil.rmtree(folder, ignore_errors=True)
+        write_caption_folder(folder / "3_purple", concept_renders(args.seed))
+        write_caption_folder(folder / "1_seen", shape_images(12, seed=args.seed + 21, colors=SEEN_COLORS))
+    if clips:  # as the Flux job's: UMT5 stays frozen, so seen clips beside the purple ones hold the seen colors
+        folder = args.examples_dir / "purple_clips"
+        shutil.rmtree(folder, ignore_errors=True)
+        write_clip_folder(folder / "3_purple", concept_clips(args.seed))
+        write_clip_folder(folder / "1_seen", seen_clips(args.seed))
+    print(json.dumps({k: facts[k] for k in ("seconds", "autoencoders")} | {"base_seen": base["seen"],
+                     "base_concept": base["concept"], "control_seen": control["seen"]}))
+
+
+def image_card(args, recipe: Recipe, facts: dict, components, settings: EvalSettings) -> str:
+    base, control = facts["base"], facts["untrained_control"]
     architecture, pipeline = ARCHITECTURES[args.family]
     text_params = sum(p.numel() for e in components.text_encoders.values() for p in e.parameters())
     two_streams = (f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, "
@@ -170,7 +255,7 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
         "z_image": f"transformer ({recipe.dit_layers} single-stream blocks after 1 image and 1 caption refiner block, "
                    f"width {recipe.dit_heads * 16})",
     }.get(recipe.family, f"UNet (block channels {recipe.unet_block_out_channels})")
-    (args.model_dir / "README.md").write_text(CARD.format(
+    return CARD.format(
         name=args.model_dir.name, architecture=architecture, pipeline=pipeline,
         command="python scripts/make_tiny_base.py" + (f" --family {recipe.family}" if recipe.family != "sd" else ""),
         autoencoders_note=f" (reused from {args.autoencoders_from.name})" if args.autoencoders_from else "",
@@ -191,21 +276,28 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
         taesd_rmse=facts["autoencoders"]["taesd_latent_rmse"], n=settings.samples_per_prompt,
         seen_color=base["seen"]["color"], seen_shape=base["seen"]["shape"], concept_both=base["concept"]["both"],
         control_color=control["seen"]["color"], control_shape=control["seen"]["shape"],
-    ))
-    link_borrowed_files(args.model_dir)
-    if recipe.family == "sd":  # the default jobs share these images
-        shutil.rmtree(args.examples_dir / "purple", ignore_errors=True)
-        write_caption_folder(args.examples_dir / "purple", concept_renders(args.seed))
-    if recipe.family == "flux":  # the Qwen-Image job uses these images too
-        # Flux's T5 is frozen (its adapters do not load in FluxPipeline), and its states for the unseen word sit
-        # near "green"'s: taught on purple alone, the LoRA turned green prompts purple (forgetting 0.28-0.34 at
-        # every rank, learning rate and target set tried). Seen colors beside it hold them in place (0.04).
-        folder = args.examples_dir / "purple_with_seen"
-        shutil.rmtree(folder, ignore_errors=True)
-        write_caption_folder(folder / "3_purple", concept_renders(args.seed))
-        write_caption_folder(folder / "1_seen", shape_images(12, seed=args.seed + 21, colors=SEEN_COLORS))
-    print(json.dumps({k: facts[k] for k in ("seconds", "autoencoders")} | {"base_seen": base["seen"],
-                     "base_concept": base["concept"], "control_seen": control["seen"]}))
+    )
+
+
+def clip_card(args, recipe: Recipe, facts: dict, components, settings: EvalSettings) -> str:
+    base, control, scores = facts["base"], facts["untrained_control"], facts["autoencoders"]
+    return CLIP_CARD.format(
+        name=args.model_dir.name, architecture=ARCHITECTURES[args.family][0], frames=CLIP_FRAMES,
+        travel=CLIP_SPEED * (CLIP_FRAMES - 1), seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR,
+        command=f"python scripts/make_tiny_base.py --family {recipe.family}", seed=recipe.seed,
+        vae_clips=recipe.autoencoder_images // 2, vae_steps=recipe.vae_steps,
+        denoiser=f"transformer ({recipe.dit_layers} Wan blocks, width {recipe.dit_heads * 16})",
+        denoiser_params=sum(p.numel() for p in components.denoiser.parameters()),
+        text_params=sum(p.numel() for e in components.text_encoders.values() for p in e.parameters()),
+        steps=recipe.steps, batch_size=recipe.batch_size, train_clips=len(list((args.work_dir / "train").glob("*.mkv"))),
+        learning_rate=recipe.learning_rate, noise_offset=recipe.noise_offset, ema_decay=recipe.ema_decay,
+        t_ae=facts["seconds"]["autoencoders"], t_unet=facts["seconds"]["unet_and_text_encoder"],
+        vae_psnr=scores["vae_psnr_db"], first_psnr=scores["first_frame_psnr_db"], later_psnr=scores["later_frames_psnr_db"],
+        n=settings.samples_per_prompt, seen_color=base["seen"]["color"], seen_shape=base["seen"]["shape"],
+        seen_direction=base["seen"]["direction"], concept_both=base["concept"]["both"],
+        control_color=control["seen"]["color"], control_shape=control["seen"]["shape"],
+        control_direction=control["seen"]["direction"],
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from diffusers import (
+    AutoencoderKLQwenImage,
     AutoencoderTiny,
     ChromaPipeline,
     Flux2KleinPipeline,
@@ -13,23 +14,27 @@ from diffusers import (
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
+    UniPCMultistepScheduler,
+    WanPipeline,
 )
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from difftune.cli import main
 from difftune.config import ModelConfig, load_config
-from difftune.toy.judge import EvalSettings, accuracy, judge, judged_samples, prompts_for
+from difftune.toy.judge import EvalSettings, accuracy, clip_accuracy, judge, judge_clip, judged_samples, prompts_for
 from difftune.families import load_components
-from difftune.toy.tiny import COLORS, SHAPES, shape_images
+from difftune.toy.tiny import COLORS, DIRECTIONS, SHAPES, moving_shape_clips, shape_images
 from difftune.toy.tiny_base import (
     FLUX2_KLEIN_RECIPE,
     FLUX_RECIPE,
     QWEN_RECIPE,
     RECIPES,
     SEEN_COLORS,
+    WAN_RECIPE,
     Recipe,
     build_base,
+    clip_tensors,
     copy_into_borrowers,
     link_borrowed_files,
     posterior_means,
@@ -58,6 +63,17 @@ def test_the_judge_names_color_and_shape_of_renders():
     rows = [dict(zip(("color", "shape"), judge(image)), prompt=caption) for image, caption in renders]
     scores = accuracy(rows)
     assert scores["color"] >= 0.99 and scores["shape"] >= 0.99, scores
+
+
+def test_the_clip_judge_names_each_frame_and_the_motion_of_renders():
+    """Every frame of the moving-shape clips (tiny.moving_shape_clips: 12 px over 5 frames) judged as a still, and the
+    way it moves named; a clip that stands still moves no way."""
+    clips = moving_shape_clips(240, seed=12)  # 4 of every color/shape/direction
+    rows = [dict(zip(("colors", "shapes", "direction"), judge_clip(frames)), prompt=caption) for frames, caption in clips]
+    scores = clip_accuracy(rows)
+    assert scores["color"] >= 0.99 and scores["shape"] >= 0.99 and scores["direction"] == 1.0, scores
+    still = [clips[0][0][0]] * 5
+    assert judge_clip(still) == (["red"] * 5, ["circle"] * 5, None)
 
 
 def test_the_judge_sees_no_shape_on_a_blank_image():
@@ -187,6 +203,30 @@ def test_build_qwen_image_base_trains_its_own_wan_autoencoder_and_language_model
     assert not torch.equal(trained.text_encoder.state_dict()[weight], init.text_encoder.state_dict()[weight])
     assert AutoencoderTiny.from_pretrained(tmp_path / "base" / "taesd").config.latent_channels == 16
     assert pipeline.scheduler.config.shift_terminal == 0.02  # Qwen-Image's own scheduler config
+
+
+def test_build_wan_base_teaches_tiny_qwen_images_autoencoder_time_and_trains_on_clips(tmp_path):
+    """tiny-wan's autoencoder starts from tiny-qwen_image's (stills) and trains on moving-shape clips; its statistics
+    are its clip latents' per channel; no TAESD (AutoencoderTiny reads images alone); its transformer learns from
+    5-frame clips (a training window's latents have 3 frames) with UMT5 frozen, sampled by Wan's UniPC."""
+    small = {"steps": 2, "vae_steps": 2, "batch_size": 4, "train_images_per_prompt": 1, "validation_images_per_prompt": 1}
+    recipe = Recipe(autoencoder_images=32, autoencoder_batch=8, family="wan", **WAN_RECIPE | small)
+    facts = build_base(tmp_path / "base", tmp_path / "work", recipe, QWEN_BASE)
+    pipeline = WanPipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    lender = AutoencoderKLQwenImage.from_pretrained(QWEN_BASE / "vae", dtype=torch.float32)
+    assert pipeline.vae.state_dict().keys() == lender.state_dict().keys()
+    latents = posterior_means(pipeline.vae, clip_tensors(16, seed=100), batch_size=16)
+    assert latents.shape == (16, 16, 3, 8, 8)
+    torch.testing.assert_close(torch.tensor(pipeline.vae.config.latents_std), latents.std(dim=(0, 2, 3, 4)), rtol=0.1, atol=0.05)
+    assert set(facts["autoencoders"]) == {"vae_psnr_db", "first_frame_psnr_db", "later_frames_psnr_db"}
+    assert not (tmp_path / "base" / "taesd").exists() and pipeline.transformer.config.num_layers == 4
+    assert isinstance(pipeline.scheduler, UniPCMultistepScheduler) and pipeline.scheduler.config.flow_shift == 3.0
+    clips = sorted((tmp_path / "work" / "train").glob("*.mkv"))
+    assert len(clips) == len(SEEN_COLORS) * len(SHAPES) * len(DIRECTIONS)
+    trained = WanPipeline.from_pretrained(tmp_path / "work" / "run" / "model", dtype=torch.float32)
+    init = WanPipeline.from_pretrained(tmp_path / "work" / "init", dtype=torch.float32)
+    weight = "encoder.block.0.layer.0.SelfAttention.q.weight"
+    assert torch.equal(trained.text_encoder.state_dict()[weight], init.text_encoder.state_dict()[weight])  # frozen
 
 
 @pytest.mark.parametrize("base", [BASE, SDXL_BASE, FLUX_BASE, QWEN_BASE, Z_IMAGE_BASE, KLEIN_BASE, CHROMA_BASE, SD3_BASE],

@@ -8,6 +8,10 @@ palette entry nearest the blob's median; the shape comes from where the blob fil
 apex-up triangle has little in its top half and empty top corners, a square fills all four corners, a
 circle none. `evaluate` samples fixed seeds per prompt and reports accuracies as JSON.
 
+A video base is scored on clips of "a <color> <shape> moving <direction>": each frame judged for color and shape,
+and the clip for its motion: the shape's centre (the mean of its mask) from the first frame it is seen in to the
+last must move at least `MIN_MOTION` pixels, and mostly the asked way.
+
 An edit base is scored on edits instead: fixed recolor pairs (`tiny.recolor_pairs`) asked "make it <color>", each
 output judged for the asked color, the control's shape kept, and the shape kept in place (the overlap of the
 control's and the output's shape masks).
@@ -15,7 +19,7 @@ control's and the output's shape masks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +31,10 @@ from difftune.errors import DifftuneError
 from difftune.families import load_components
 from difftune.models import Components
 from difftune.sample import sampling_scheduler
-from difftune.toy.tiny import COLORS, IMAGE_SIZE, SHAPES, recolor_pairs
+from difftune.toy.tiny import CLIP_FRAMES, COLORS, DIRECTIONS, IMAGE_SIZE, SHAPES, recolor_pairs
 
 MIN_PLACE_OVERLAP = 0.5  # intersection over union of the control's and the edit's shape masks: "in place"
+MIN_MOTION = 3.0  # pixels the shape's centre moves over a clip to count as moving (the clips it learns from: 12)
 
 FOREGROUND_DISTANCE = 60.0  # RGB distance from the background; backgrounds vary by < 35 per channel
 MIN_FOREGROUND_FRACTION = 0.03
@@ -90,6 +95,19 @@ def _shape(blob: np.ndarray) -> str | None:
     return None
 
 
+def judge_clip(frames: list[Image.Image]) -> tuple[list[str | None], list[str | None], str | None]:
+    """Each frame's (color, shape) by `judge`, and the clip's direction (a key of `DIRECTIONS`), None where the shape
+    is seen in fewer than two frames or moves less than `MIN_MOTION` pixels."""
+    judged = [_shape_blob(frame) for frame in frames]
+    colors = [found[1] if found else None for found in judged]
+    shapes = [_shape(found[0]) if found else None for found in judged]
+    centres = [np.argwhere(found[0]).mean(axis=0)[::-1] for found in judged if found]  # (x, y)
+    if len(centres) < 2 or np.linalg.norm(centres[-1] - centres[0]) < MIN_MOTION:
+        return colors, shapes, None
+    moved = centres[-1] - centres[0]
+    return colors, shapes, max(DIRECTIONS, key=lambda name: float(np.dot(moved, DIRECTIONS[name])))
+
+
 def _largest_blob(mask: np.ndarray) -> np.ndarray:
     """The largest 4-connected region of `mask` (a flood fill; 32 px images need nothing faster)."""
     labels = np.zeros(mask.shape, dtype=np.int32)
@@ -146,6 +164,61 @@ def judged_samples(components: Components, prompts: list[str], settings: EvalSet
             color, shape = judge(image)
             rows.append({"prompt": prompt, "seed": seed, "color": color, "shape": shape, "image": image})
     return rows
+
+
+@torch.no_grad()
+def judged_clips(components: Components, prompts: list[str], settings: EvalSettings, frames: int) -> list[dict]:
+    """Each prompt's clips (fixed seeds, as `judged_samples`), judged: one row per clip."""
+    pipeline, guidance = _eval_pipeline(components, settings)
+    rows = []
+    for prompt in prompts:
+        seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
+        clips = components.family.draw_clips(
+            pipeline, [prompt] * len(seeds), settings.resolution, settings.resolution, frames,
+            num_inference_steps=settings.steps, generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
+            **guidance,
+        )
+        for seed, clip in zip(seeds, clips):
+            colors, shapes, direction = judge_clip(clip)
+            rows.append({"prompt": prompt, "seed": seed, "colors": colors, "shapes": shapes, "direction": direction,
+                         "clip": clip})
+    return rows
+
+
+def clip_accuracy(rows: list[dict]) -> dict:
+    """Fractions of frames in the asked color, of the asked shape, and both; of clips moving the asked way; and of
+    clips with all of it in every frame (`a <color> <shape> moving <direction>`)."""
+    def asked(row):
+        *_, color, shape, _, direction = row["prompt"].split()
+        return color, shape, direction
+
+    color = [[c == asked(row)[0] for c in row["colors"]] for row in rows]
+    shape = [[s == asked(row)[1] for s in row["shapes"]] for row in rows]
+    direction = [row["direction"] == asked(row)[2] for row in rows]
+    both = [np.logical_and(c, s) for c, s in zip(color, shape)]
+    return {"color": float(np.mean(color)), "shape": float(np.mean(shape)), "both": float(np.mean(both)),
+            "direction": float(np.mean(direction)),
+            "all": float(np.mean([b.all() and d for b, d in zip(both, direction)])), "clips": len(rows)}
+
+
+def clip_prompts_for(colors) -> list[str]:
+    return [f"a {color} {shape} moving {direction}" for color in colors for shape in SHAPES for direction in DIRECTIONS]
+
+
+def clip_score(components: Components, seen_colors, concept_color: str, settings: EvalSettings, frames: int,
+               concept_word: str = "") -> dict:
+    """`score` for a video base: clip accuracies on the seen prompts and the concept's (overall and per shape), each
+    prompt naming a direction; `samples_per_prompt` clips per (color, shape), spread over the directions."""
+    per_direction = replace(settings, samples_per_prompt=max(1, settings.samples_per_prompt // len(DIRECTIONS)))
+    seen = judged_clips(components, clip_prompts_for(seen_colors), per_direction, frames)
+    concept = judged_clips(components, clip_prompts_for([concept_word or concept_color]), per_direction, frames)
+    for row in concept:
+        row["prompt"] = row["prompt"].replace(concept_word or concept_color, concept_color)
+    return {
+        "seen": clip_accuracy(seen),
+        "concept": clip_accuracy(concept),
+        "concept_by_shape": {shape: clip_accuracy([r for r in concept if f" {shape} " in r["prompt"]]) for shape in SHAPES},
+    }
 
 
 def accuracy(rows: list[dict]) -> dict:
@@ -237,10 +310,13 @@ def evaluate(base: str, adapter: Path | None, seen_colors, concept_color: str, s
         raise DifftuneError(f"--concept-word: {base} is an edit base, scored on edits that name the color")
 
     def scored(word: str = "") -> dict:
-        return edit_score(components, seen_colors, concept_color, settings) if edits else score(
-            components, seen_colors, concept_color, settings, word)
+        if edits:
+            return edit_score(components, seen_colors, concept_color, settings)
+        if components.family.reads_clips:
+            return clip_score(components, seen_colors, concept_color, settings, CLIP_FRAMES, word)
+        return score(components, seen_colors, concept_color, settings, word)
 
-    report["scored"] = "edits" if edits else "prompts"
+    report["scored"] = "edits" if edits else "clips" if components.family.reads_clips else "prompts"
     report["before"] = scored()
     if adapter:
         apply_adapters(components, [(adapter, 1.0)])  # onto the same base, in place

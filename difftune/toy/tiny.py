@@ -752,9 +752,33 @@ def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
     return assemble_tiny_pipeline(vae, family, guidance=guidance)
 
 
+def build_wan22_pipeline(seed: int = 0, kind: str = "a14b") -> WanPipeline:
+    """A micro Wan 2.2 pipeline: `a14b`, two experts (`transformer` for high noise levels, `transformer_2` below the
+    T2V `boundary_ratio` 0.875, as Wan2.2-T2V-A14B's); `ti2v`, TI2V-5B's kind: one transformer reading a time per
+    latent token (`expand_timesteps`) over Wan 2.2's autoencoder, which patches 2x2 itself (8x here: 4x by its blocks)."""
+    wan = build_pipeline(seed, "wan")
+    if kind == "a14b":
+        torch.manual_seed(seed + 1)
+        return WanPipeline(vae=wan.vae, text_encoder=wan.text_encoder, tokenizer=wan.tokenizer, scheduler=wan.scheduler,
+                           transformer=wan.transformer, transformer_2=build_wan_transformer(2, 2), boundary_ratio=0.875)
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLWan(
+        base_dim=16, z_dim=FLUX_LATENT_CHANNELS, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
+        temperal_downsample=[False, True], is_residual=True, patch_size=2, in_channels=12, out_channels=12,
+        scale_factor_spatial=8, scale_factor_temporal=2,
+    )
+    pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
+    with torch.no_grad():
+        set_latent_statistics(vae, encode_posterior(vae, pixels)[0])
+    return WanPipeline(vae=vae, text_encoder=wan.text_encoder, tokenizer=wan.tokenizer, scheduler=wan.scheduler,
+                       transformer=wan.transformer, expand_timesteps=True)
+
+
 def set_latent_statistics(vae: AutoencoderKLQwenImage, latents: torch.Tensor) -> None:
-    """Per-channel `latents_mean` / `latents_std` of `latents` (B, C, h, w), as Wan's autoencoder states them."""
-    vae.register_to_config(latents_mean=latents.mean(dim=(0, 2, 3)).tolist(), latents_std=latents.std(dim=(0, 2, 3)).tolist())
+    """Per-channel `latents_mean` / `latents_std` of `latents` (B, C, h, w), or clips' (B, C, t, h, w), as Wan's
+    autoencoder states them."""
+    dims = (0, *range(2, latents.dim()))
+    vae.register_to_config(latents_mean=latents.mean(dim=dims).tolist(), latents_std=latents.std(dim=dims).tolist())
 
 
 def set_latent_scaling(vae: AutoencoderKL, latents: torch.Tensor, shift: bool) -> None:
@@ -889,8 +913,13 @@ def render_shape(shape: str, color: str, rng: np.random.Generator, size: int = I
     draw = ImageDraw.Draw(image)
     extent = rng.uniform(0.45, 0.75) * size
     cx, cy = rng.uniform(extent / 2, size - extent / 2, size=2)
+    _draw_shape(draw, shape, COLORS[color], cx, cy, extent)
+    return image
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, fill: tuple[int, int, int], cx: float, cy: float,
+                extent: float) -> None:
     left, top, right, bottom = cx - extent / 2, cy - extent / 2, cx + extent / 2, cy + extent / 2
-    fill = COLORS[color]
     if shape == "circle":
         draw.ellipse((left, top, right, bottom), fill=fill)
     elif shape == "square":
@@ -899,7 +928,6 @@ def render_shape(shape: str, color: str, rng: np.random.Generator, size: int = I
         draw.polygon([(cx, top), (right, bottom), (left, bottom)], fill=fill)
     else:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-    return image
 
 
 def shape_images(count: int, seed: int, colors=tuple(COLORS), shapes=SHAPES) -> list[tuple[Image.Image, str]]:
@@ -911,6 +939,54 @@ def shape_images(count: int, seed: int, colors=tuple(COLORS), shapes=SHAPES) -> 
         color, shape = pairs[i % len(pairs)]
         out.append((render_shape(shape, color, rng), f"a {color} {shape}"))
     return out
+
+
+DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}  # (x, y) per frame, y down
+CLIP_FRAMES = 5  # the tiny Wan autoencoder's 2k + 1
+CLIP_SPEED = 3  # pixels per frame: 12 px from the first frame to the fifth
+
+
+def render_moving_shape(shape: str, color: str, direction: str, rng: np.random.Generator, frames: int = CLIP_FRAMES,
+                        size: int = IMAGE_SIZE, speed: int = CLIP_SPEED) -> list[Image.Image]:
+    """A shape of one color sliding `speed` px a frame towards `direction` over one plain light background, from a
+    random start that keeps it whole in every frame; its size random, smaller than a still's so that it has room."""
+    background = tuple(int(v) for v in rng.integers(200, 256, size=3))
+    extent = rng.uniform(0.3, 0.45) * size
+    travel = speed * (frames - 1)
+    dx, dy = DIRECTIONS[direction]
+    low = [extent / 2 + travel * max(0, -d) for d in (dx, dy)]
+    high = [size - extent / 2 - travel * max(0, d) for d in (dx, dy)]
+    cx, cy = (rng.uniform(lo, hi) for lo, hi in zip(low, high))
+    clip = []
+    for k in range(frames):
+        image = Image.new("RGB", (size, size), background)
+        x, y = cx + dx * speed * k, cy + dy * speed * k
+        _draw_shape(ImageDraw.Draw(image), shape, COLORS[color], x, y, extent)
+        clip.append(image)
+    return clip
+
+
+def moving_shape_clips(count: int, seed: int, colors=tuple(COLORS), shapes=SHAPES, directions=tuple(DIRECTIONS),
+                       frames: int = CLIP_FRAMES) -> list[tuple[list[Image.Image], str]]:
+    """`count` (frames, caption) pairs cycling through every color/shape/direction, deterministic by seed:
+    "a red circle moving left"."""
+    rng = np.random.default_rng(seed)
+    kinds = [(color, shape, direction) for color in colors for shape in shapes for direction in directions]
+    out = []
+    for i in range(count):
+        color, shape, direction = kinds[i % len(kinds)]
+        out.append((render_moving_shape(shape, color, direction, rng, frames), f"a {color} {shape} moving {direction}"))
+    return out
+
+
+def write_clip_folder(folder: Path, clips: list[tuple[list[Image.Image], str]]) -> None:
+    """`NNNN.mkv` (lossless) with its caption in `NNNN.txt`."""
+    from difftune.clips import write_clip
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, (frames, caption) in enumerate(clips):
+        write_clip(folder / f"{i:04d}.mkv", frames, lossless=True)
+        (folder / f"{i:04d}.txt").write_text(caption + "\n", encoding="utf-8")
 
 
 def write_caption_folder(folder: Path, examples: list[tuple[Image.Image, str]]) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderTiny, DiffusionPipeline
+from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan, AutoencoderTiny, DiffusionPipeline
 from tqdm.auto import tqdm
 
 from difftune.autoencoders import (
@@ -42,7 +42,10 @@ from difftune.config import load_config
 from difftune.data import image_to_tensor
 from difftune.metrics import read_metrics
 from difftune.toy.tiny import (
+    CLIP_FRAMES,
     COLORS,
+    DIRECTIONS,
+    SHAPES,
     FLUX2_LATENT_CHANNELS,
     FLUX_LATENT_CHANNELS,
     assemble_tiny_pipeline,
@@ -55,13 +58,17 @@ from difftune.toy.tiny import (
     build_z_image_scheduler,
     build_taesd,
     build_vae,
+    build_wan_scheduler,
+    build_wan_vae,
     edit_pipeline_of,
+    moving_shape_clips,
     recolor_pairs,
     set_batch_norm_statistics,
     set_latent_scaling,
     set_latent_statistics,
     shape_images,
     write_caption_folder,
+    write_clip_folder,
     write_pair_folder,
 )
 
@@ -105,14 +112,28 @@ CHROMA_RECIPE = FLUX_RECIPE | {"steps": 2000}
 # with SD3.5's second image attention), reading two CLIPs (trained with it) and T5 (kept at its random init: the
 # pipeline's LoRA loader never adapts it), over tiny-flux's autoencoders (SD3's is the same kind: 16 channels, a shift).
 SD3_RECIPE = QWEN_RECIPE | {"steps": 2000, "dit_layers": 4, "dit_heads": 6}
+# tiny-wan: Wan 2.1's architecture over 32 px clips of 5 frames (tiny.moving_shape_clips: a shape sliding 12 px left,
+# right, up or down). Its autoencoder is tiny-qwen_image's (the same causal video autoencoder, trained there on still
+# renders), which drew a clip's first frame at 24.6 dB but the later ones at 12 (it had never seen time); trained on
+# clips for 300 steps (232 s) every frame came to 23 dB. Its transformer has 4 blocks of width 128 (0.65 s a step at
+# batch 64 over 5-frame clips, 3x an image's tokens), and UMT5 stays at its random init, its states cached, as
+# tiny-flux2_klein's text encoder. Clips per (color, shape, direction): 40 to train on, 2 to validate.
+WAN_RECIPE = QWEN_RECIPE | {"steps": 1500, "batch_size": 64, "dit_layers": 4, "dit_heads": 8, "train_text_encoder": False,
+                            "vae_steps": 300, "train_images_per_prompt": 40, "validation_images_per_prompt": 2}
 RECIPES = {"chroma": CHROMA_RECIPE, "flux": FLUX_RECIPE, "flux2_klein": FLUX2_KLEIN_RECIPE, "qwen_image": QWEN_RECIPE,
-           "sd3": SD3_RECIPE, "z_image": Z_IMAGE_RECIPE}
+           "sd3": SD3_RECIPE, "wan": WAN_RECIPE, "z_image": Z_IMAGE_RECIPE}
 SEEN_COLORS = tuple(color for color in COLORS if color != HELD_OUT_COLOR)
 
 
 def render_tensors(count: int, seed: int, colors=tuple(COLORS)) -> torch.Tensor:
     """(count, 3, 32, 32) renders in [-1, 1]."""
     return torch.stack([image_to_tensor(image) for image, _ in shape_images(count, seed, colors=colors)])
+
+
+def clip_tensors(count: int, seed: int, colors=tuple(COLORS)) -> torch.Tensor:
+    """(count, 3, 5, 32, 32) moving-shape clips in [-1, 1]."""
+    return torch.stack([torch.stack([image_to_tensor(frame) for frame in frames], dim=1)
+                        for frames, _ in moving_shape_clips(count, seed, colors=colors)])
 
 
 def psnr(reconstructed: torch.Tensor, reference: torch.Tensor) -> float:
@@ -293,6 +314,13 @@ def write_renders(folder: Path, images_per_prompt: int, seed: int, colors=SEEN_C
     return folder
 
 
+def write_clips(folder: Path, clips_per_prompt: int, seed: int, colors=SEEN_COLORS) -> Path:
+    shutil.rmtree(folder, ignore_errors=True)
+    write_clip_folder(folder, moving_shape_clips(clips_per_prompt * len(colors) * len(SHAPES) * len(DIRECTIONS), seed,
+                                                 colors=colors))
+    return folder
+
+
 def base_training_overrides(recipe: Recipe, init_dir: Path, data_dir: Path, validation_dir: Path, output_dir: Path,
                             cache_dir: Path) -> list[str]:
     """The difftune job that trains the UNet and text encoder from scratch (full fine-tune of a random init).
@@ -315,6 +343,34 @@ def base_training_overrides(recipe: Recipe, init_dir: Path, data_dir: Path, vali
         "log.tensorboard": "false",
     }
     return [f"{key}={value}" for key, value in values.items()]
+
+
+def train_clip_vae(lender: Path, recipe: Recipe) -> AutoencoderKLWan:
+    """Wan's autoencoder from `lender`'s (an `AutoencoderKLQwenImage` of the same shape, trained on stills), trained
+    on moving-shape clips of every color as `train_vae` trains (MSE on reconstructions of posterior samples plus a
+    small KL term), its per-channel statistics then set from clips' latents."""
+    torch.manual_seed(recipe.seed)
+    stills = AutoencoderKLQwenImage.from_pretrained(lender / "vae", dtype=torch.float32)
+    vae = build_wan_vae()
+    vae.load_state_dict(stills.state_dict())
+    clips = clip_tensors(recipe.autoencoder_images // 2, recipe.seed + 100)
+
+    def loss(batch):
+        posterior = vae.encode(batch).latent_dist
+        return F.mse_loss(vae.decode(posterior.sample()).sample, batch) + 1e-6 * posterior.kl().mean()
+
+    _fit(vae.parameters(), loss, (clips,), recipe.vae_steps, recipe.autoencoder_batch // 2, 1e-3, recipe.seed, "clip vae")
+    vae.eval()
+    set_latent_statistics(vae, posterior_means(vae, clips[:256], batch_size=64))
+    return vae
+
+
+@torch.no_grad()
+def clip_autoencoder_scores(vae, clips: torch.Tensor) -> dict:
+    """Held-out reconstruction PSNR of a video autoencoder: the whole clip, its first frame, and its later frames."""
+    reconstructed = decode_latents(vae, latent_normalization(vae).apply(posterior_means(vae, clips, batch_size=64)))
+    return {"vae_psnr_db": psnr(reconstructed, clips), "first_frame_psnr_db": psnr(reconstructed[:, :, 0], clips[:, :, 0]),
+            "later_frames_psnr_db": psnr(reconstructed[:, :, 1:], clips[:, :, 1:])}
 
 
 def train_autoencoders(recipe: Recipe) -> tuple[AutoencoderKL | AutoencoderKLQwenImage, AutoencoderTiny]:
@@ -341,14 +397,19 @@ def build_base(out_dir: Path, work_dir: Path, recipe: Recipe = Recipe(), autoenc
 
     seconds: dict[str, float] = {}
     work_dir.mkdir(parents=True, exist_ok=True)
+    clips = recipe.family == "wan"  # a video base: its autoencoder learns time, its transformer motion
     with timed(seconds, "autoencoders"):
-        if autoencoders_from:
-            vae_class = AutoencoderKLQwenImage if recipe.family == "qwen_image" else AutoencoderKL
-            vae = vae_class.from_pretrained(autoencoders_from / "vae", dtype=torch.float32)
-            taesd = AutoencoderTiny.from_pretrained(autoencoders_from / "taesd", dtype=torch.float32)
+        if clips:  # no TAESD: AutoencoderTiny reads images alone
+            vae, taesd = train_clip_vae(autoencoders_from, recipe), None
+            scores = clip_autoencoder_scores(vae, clip_tensors(100, recipe.seed + 999))
         else:
-            vae, taesd = train_autoencoders(recipe)
-        scores = autoencoder_scores(vae, taesd, render_tensors(300, recipe.seed + 999))
+            if autoencoders_from:
+                vae_class = AutoencoderKLQwenImage if recipe.family == "qwen_image" else AutoencoderKL
+                vae = vae_class.from_pretrained(autoencoders_from / "vae", dtype=torch.float32)
+                taesd = AutoencoderTiny.from_pretrained(autoencoders_from / "taesd", dtype=torch.float32)
+            else:
+                vae, taesd = train_autoencoders(recipe)
+            scores = autoencoder_scores(vae, taesd, render_tensors(300, recipe.seed + 999))
     init_dir = work_dir / "init"
     torch.manual_seed(recipe.seed)
     init = assemble_tiny_pipeline(
@@ -357,21 +418,23 @@ def build_base(out_dir: Path, work_dir: Path, recipe: Recipe = Recipe(), autoenc
         language_model_width=recipe.language_model_width, text_tokens=recipe.text_tokens,
     )
     init.save_pretrained(init_dir, safe_serialization=True)
-    data_dir = write_renders(work_dir / "train", recipe.train_images_per_prompt, recipe.seed + 1)
-    validation_dir = write_renders(work_dir / "validation", recipe.validation_images_per_prompt, recipe.seed + 2)
+    write = write_clips if clips else write_renders
+    data_dir = write(work_dir / "train", recipe.train_images_per_prompt, recipe.seed + 1)
+    validation_dir = write(work_dir / "validation", recipe.validation_images_per_prompt, recipe.seed + 2)
     run_dir = work_dir / "run"
     with timed(seconds, "unet_and_text_encoder"):
         overrides = base_training_overrides(recipe, init_dir, data_dir, validation_dir, run_dir, work_dir / "cache")
-        train(load_config(None, overrides))
+        train(load_config(None, overrides + ([f"data.target_frames=[{CLIP_FRAMES}]"] if clips else [])))
     pipeline = DiffusionPipeline.from_pretrained(run_dir / "model_ema", dtype=torch.float32)
     # The training schedule; samplers are chosen at sampling time.
     schedulers = {"chroma": build_flow_scheduler, "sd3": build_sd3_scheduler, "flux": build_flow_scheduler,
-                  "flux2_klein": build_flow_scheduler, "qwen_image": build_qwen_scheduler,
+                  "flux2_klein": build_flow_scheduler, "qwen_image": build_qwen_scheduler, "wan": build_wan_scheduler,
                   "z_image": build_z_image_scheduler}
     pipeline.scheduler = schedulers.get(recipe.family, build_noise_scheduler)()
     shutil.rmtree(out_dir, ignore_errors=True)
     pipeline.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)
-    taesd.to(torch.float16).save_pretrained(out_dir / "taesd", safe_serialization=True)
+    if taesd is not None:
+        taesd.to(torch.float16).save_pretrained(out_dir / "taesd", safe_serialization=True)
     validation = [
         {key: row[key] for key in ("step", "val_loss", "val_loss_ema")} for row in read_metrics(run_dir) if "val_loss" in row
     ]
