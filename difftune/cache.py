@@ -134,9 +134,12 @@ def _file_digest(path: Path) -> str:
 def fill_latents(
     paths: list[Path], sizes: list[Size], entries: list[dict[str, Path]], vae, config: Config, batch_size: int,
     windows: list[tuple[int, int] | None] | None = None,
+    from_pixels: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
 ) -> int:
     """Encode the views whose entries are missing (image `paths[i]` at `sizes[i]`, or a clip's window `windows[i]` of
-    it, its views' files `entries[i]`), in batches of one training size and frame count; returns how many."""
+    it, its views' files `entries[i]`), in batches of one training size and frame count; returns how many. An entry
+    holds the posterior's `mean` and `std` and what `from_pixels` (the family's `pixel_conditioning`) makes of the
+    same pixels."""
     windows = windows or [None] * len(paths)
     missing: dict[tuple, dict[Path, tuple[Path, tuple[int, int] | None, str]]] = {}
     for path, views, size, window in zip(paths, entries, sizes, windows):
@@ -159,8 +162,9 @@ def fill_latents(
             pixels.append(image_to_tensor(image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if view == "flipped" else image))
         with torch.no_grad():
             mean, std = encode_posterior(vae, torch.stack(pixels))
+            extra = from_pixels(torch.stack(pixels)) if from_pixels else {}
         for i, (entry, _) in enumerate(chunk):
-            _write(entry, {"mean": mean[i], "std": std[i]})
+            _write(entry, {"mean": mean[i], "std": std[i]} | {name: value[i] for name, value in extra.items()})
     return sum(len(group) for group in missing.values())
 
 

@@ -66,9 +66,9 @@ def _sample_all(pipeline, config: SampleConfig, guidance: dict, components: Comp
             seed = config.seed + len(samples)
             arguments = {"num_inference_steps": config.steps, "generator": torch.Generator("cpu").manual_seed(seed), **guidance}
             if config.frames > 1:
-                [clip] = components.family.draw_clips(pipeline, prompt, config.resolution, config.resolution, config.frames,
-                                                      **arguments)
-                samples.append(Sample(clip[0], entry, seed, clip=clip))
+                [clip] = components.family.draw_clips(pipeline, prompt, controls, config.resolution, config.resolution,
+                                                      config.frames, **arguments)
+                samples.append(Sample(clip[0], entry, seed, [c.resize(clip[0].size) for c in controls], clip))
                 continue
             [image] = components.family.draw(pipeline, components.family_options, prompt, controls, config.resolution,
                                              config.resolution, **arguments)

@@ -460,15 +460,18 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
     generators = [torch.Generator().manual_seed(int(seed)) for seed in batch["seed"]]
     if "latent_mean" in batch:
         mean, std = batch["latent_mean"].to(device), batch["latent_std"].to(device)
+        from_pixels = batch.get("pixel_conditioning", {})
     else:
         with torch.no_grad():
             mean, std = encode_posterior(components.vae, batch["pixel_values"].to(device))
+            from_pixels = family.pixel_conditioning(components, batch["pixel_values"].to(device))
     latents = sample_latents(mean, std, generators, components.latent_normalization).float()
     if "conditioning" in batch:
         conditioning = {name: value.to(device) for name, value in batch["conditioning"].items()}
     else:
         with torch.set_grad_enabled(config.adapter.trains_text_encoders):
             conditioning = family.encode_prompts(components, {name: ids.to(device) for name, ids in batch["token_ids"].items()})
+    conditioning |= {name: value.to(device) for name, value in from_pixels.items()}  # an image-to-video first frame
     control_means = batch.get("control_latents")  # an edit pair: its controls' latents join the conditioning
     if "control_pixels" in batch:
         with torch.no_grad():
@@ -515,7 +518,9 @@ def _fill_caches(components: Components, tokenize, examples, sizes, controls, co
             all_sizes = sizes + [size for example_sizes in controls for size in example_sizes]
             all_files = latent_files + [views for example_files in control_files for views in example_files]
             windows = [e.frames for e in examples] + [None] * (len(paths) - len(examples))
-            fill_latents(paths, all_sizes, all_files, components.vae.to(device), config, config.train.batch_size, windows)
+            components.vae.to(device)
+            fill_latents(paths, all_sizes, all_files, components.vae, config, config.train.batch_size, windows,
+                         partial(components.family.pixel_conditioning, components))
         if text_files:
             for encoder in components.text_encoders.values():
                 encoder.to(device)

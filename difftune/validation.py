@@ -84,6 +84,8 @@ class Validator:
                         for k in range(len(items[indices[0]].get("control_pixels", [])))]  # per control: (N, 3, h, w)
             with torch.no_grad():
                 latents = encode_latents(components.vae, pixels, generators).float().repeat_interleave(len(timesteps), dim=0)
+                from_pixels = {name: value.repeat_interleave(len(timesteps), dim=0)
+                               for name, value in family.pixel_conditioning(components, pixels).items()}
                 control_latents = [reference_latents(encode_posterior(components.vae, control)[0], components.latent_normalization)
                                    .repeat_interleave(len(timesteps), dim=0) for control in controls]
             self.groups.append({
@@ -93,6 +95,7 @@ class Validator:
                 "timesteps": torch.tensor(timesteps * len(indices), device=device),
                 "noise": torch.randn(latents.shape, generator=noise_generator).to(device),
                 "control_latents": control_latents,
+                "from_pixels": from_pixels,
             })
         self.loss_config = config.loss.model_copy(update={"weighting": "uniform", "noise_offset": 0.0, "input_perturbation": 0.0})
         self.batch_size = config.train.batch_size
@@ -108,6 +111,7 @@ class Validator:
                     part = slice(start, start + self.batch_size)
                     token_ids = {name: ids[part] for name, ids in group["token_ids"].items()}
                     conditioning = family.encode_prompts(components, token_ids)
+                    conditioning |= {name: value[part] for name, value in group["from_pixels"].items()}
                     if group["control_latents"]:
                         conditioning["control_latents"] = [controls[part] for controls in group["control_latents"]]
                     per_sample = family.loss(

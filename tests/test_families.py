@@ -159,7 +159,7 @@ def _ideogram4_prompts(pipeline, prompts):
 READS_FEWER_TOKENS = {"z_image", "ideogram4"}
 # Whose pipelines read a micro model's kohya file: diffusers' Flux reader assumes FLUX.1's widths for a single
 # block's fused linear1 (tests/test_flux.py checks its double blocks).
-KOHYA_READ_BY_PIPELINE = {"sd", "sdxl", "qwen_image", "z_image", "wan"}
+KOHYA_READ_BY_PIPELINE = {"sd", "sdxl", "qwen_image", "z_image", "wan", "wan_i2v"}
 PIPELINE_PROMPTS = {"sd": _sd_prompts, "sdxl": _sdxl_prompts, "flux": _flux_prompts, "flux_kontext": _flux_prompts,
                     "qwen_image": _qwen_prompts, "qwen_image_edit": _qwen_edit_prompts,
                     "qwen_image_edit_plus": lambda pipeline, prompts, image: _qwen_edit_prompts(
@@ -167,7 +167,7 @@ PIPELINE_PROMPTS = {"sd": _sd_prompts, "sdxl": _sdxl_prompts, "flux": _flux_prom
                     "z_image": _z_image_prompts, "chroma": _chroma_prompts,
                     "sd3": _sd3_prompts, "flux2": _flux2_prompts, "flux2_klein": _flux2_prompts, "krea2": _krea2_prompts,
                     "lumina2": _lumina2_prompts, "ideogram4": _ideogram4_prompts,
-                    "hidream": _hidream_prompts, "wan": _wan_prompts}
+                    "hidream": _hidream_prompts, "wan": _wan_prompts, "wan_i2v": _wan_prompts}
 CONTROL = recolor_pairs(1, seed=4)[0][0]
 # The micro FLUX.2 transformer's 4-step render moves little with its conditioning (another prompt: 0.0065), so a
 # 4-step adapter's change is smaller than the other families' too.
@@ -192,9 +192,10 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         arguments |= {"guidance_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
     elif name in ("z_image", "krea2"):  # their own guidance convention: pos + s (pos - neg)
         arguments |= {"guidance_scale": 2.0, "negative_prompt": "", "max_sequence_length": 32}
-    elif name == "wan":  # a one-frame clip: its latents (C, 1, h, w) without the time axis
+    elif name.startswith("wan"):  # a one-frame clip: its latents (C, 1, h, w) without the time axis
+        image = {"image": CONTROL} if name == "wan_i2v" else {}  # the image it animates
         return pipeline(prompt=prompt, num_frames=1, guidance_scale=3.0, negative_prompt="", max_sequence_length=32,
-                        **arguments).frames[0][:, 0].numpy()
+                        **image, **arguments).frames[0][:, 0].numpy()
     elif name == "ideogram4":  # asymmetric guidance: w pos + (1 - w) neg, neg from its unconditional transformer
         arguments |= {"guidance_scale": 3.0, "guidance_schedule": None, "max_sequence_length": 64}
     elif name == "flux_kontext":  # guidance-distilled, as Kontext [dev]: the scale is its guidance embedding's input

@@ -76,8 +76,9 @@ def _tiny_base_scores(folder: Path) -> str:
     base = json.loads(scores.read_text(encoding="utf-8"))["base"]
     if "edits" in base["seen"]:
         return f"`{folder.name}`: seen edits right {base['seen']['all']:.2f}"
-    return (f"`{folder.name}`: seen color {base['seen']['color']:.2f}, shape {base['seen']['shape']:.2f}; purple before "
-            f"{base['concept']['both']:.2f}")
+    direction = f", direction {base['seen']['direction']:.2f}" if "direction" in base["seen"] else ""  # a video base's
+    return (f"`{folder.name}`: seen color {base['seen']['color']:.2f}, shape {base['seen']['shape']:.2f}{direction}; "
+            f"purple before {base['concept']['both']:.2f}")
 
 
 def load_components(config: ModelConfig) -> Components:

@@ -336,10 +336,11 @@ class Family:
         return pipeline(prompt=prompt, height=height, width=width,  # by name: an edit pipeline's first argument is the image
                         **self.image_arguments(controls, height, width), **arguments).images
 
-    def draw_clips(self, pipeline, prompt: str | list[str], height: int | None, width: int | None, frames: int,
-                   **arguments) -> list[list]:
-        """A video family's clips (each a list of PIL frames) of `frames` frames for `prompt`, as `draw` draws images;
-        refused by an image family (callers check `reads_clips` first)."""
+    def draw_clips(self, pipeline, prompt: str | list[str], controls: list, height: int | None, width: int | None,
+                   frames: int, **arguments) -> list[list]:
+        """A video family's clips (each a list of PIL frames) of `frames` frames for `prompt` (from `controls`: an
+        image-to-video base's first frame), as `draw` draws images; refused by an image family (callers check
+        `reads_clips` first)."""
         raise DifftuneError(f"{self.description} bases draw images, not clips")
 
     def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
@@ -347,6 +348,13 @@ class Family:
         return {}
 
     # Prompts and the denoiser.
+
+    def pixel_conditioning(self, components: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the denoiser reads of a sample's own pixels (B, 3, [T,] H, W) besides its latents, by name (an
+        image-to-video base's first frame, encoded as its pipeline encodes the image it animates): computed from the
+        training view with the frozen autoencoder, cached beside its posterior, joined to the text conditioning.
+        Nothing, for a base that reads text alone."""
+        return {}
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         """Captions -> token ids per text encoder (name -> (B, L)), padded and truncated as its pipeline does; where

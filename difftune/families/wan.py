@@ -169,7 +169,7 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
         return valid_token_states(states, mask, 0, TEXT_TOKENS)
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
-        return denoiser.config.in_channels  # the transformer patches the latents itself
+        return denoiser.config.out_channels  # it patches them itself (an image-to-video one reads more channels in)
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """An image's latents (B, C, h, w) as one-frame clips; a clip's (B, C, T, h, w) as they are."""
@@ -192,9 +192,9 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
 
     def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
         """Each prompt's one-frame clip, as an image."""
-        return [clip[0] for clip in self.draw_clips(pipeline, prompt, height, width, 1, **arguments)]
+        return [clip[0] for clip in self.draw_clips(pipeline, prompt, controls, height, width, 1, **arguments)]
 
-    def draw_clips(self, pipeline, prompt, height, width, frames, **arguments) -> list[list]:
+    def draw_clips(self, pipeline, prompt, controls, height, width, frames, **arguments) -> list[list]:
         return pipeline(prompt=prompt, height=height, width=width, num_frames=frames, output_type="pil", **arguments).frames
 
     def max_sequence_length(self, components: Components) -> int:

@@ -34,7 +34,7 @@ from difftune.sample import sampling_scheduler
 from difftune.toy.tiny import CLIP_FRAMES, COLORS, DIRECTIONS, IMAGE_SIZE, SHAPES, recolor_pairs
 
 MIN_PLACE_OVERLAP = 0.5  # intersection over union of the control's and the edit's shape masks: "in place"
-MIN_MOTION = 3.0  # pixels the shape's centre moves over a clip to count as moving (the clips it learns from: 12)
+MIN_MOTION = 3.0  # pixels the shape's centre moves over a clip to count as moving (the clips it learns from: 8)
 
 FOREGROUND_DISTANCE = 60.0  # RGB distance from the background; backgrounds vary by < 35 per channel
 MIN_FOREGROUND_FRACTION = 0.03
@@ -174,7 +174,7 @@ def judged_clips(components: Components, prompts: list[str], settings: EvalSetti
     for prompt in prompts:
         seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
         clips = components.family.draw_clips(
-            pipeline, [prompt] * len(seeds), settings.resolution, settings.resolution, frames,
+            pipeline, [prompt] * len(seeds), [], settings.resolution, settings.resolution, frames,
             num_inference_steps=settings.steps, generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
             **guidance,
         )

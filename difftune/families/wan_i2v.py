@@ -1,0 +1,76 @@
+"""Wan image-to-video (`WanImageToVideoPipeline`): Wan's transformer reading, beside the noisy clip, the clip's first
+frame as its pipeline gives it the image to animate. Everything else is Wan's (wan.py): text, files, experts.
+
+- The condition, exactly as the pipeline's `prepare_latents` makes it from the image: the first frame followed by
+  black frames, encoded by the autoencoder (its posterior's mode) and normalised per channel; and a mask of
+  `scale_factor_temporal` channels, 1 over the first latent frame and 0 after. The transformer reads
+  [noisy latents, mask, condition] along the channels (16 + 4 + 16 = 36 for Wan's). In training the first frame is the
+  training window's own (flipped and cut with it), encoded with the same frozen autoencoder as the clip
+  (`pixel_conditioning`): cached beside the clip's posterior, so a cached run trains as an uncached one. The loss covers
+  every frame, the first too, as musubi-tuner's does.
+- Wan 2.2 I2V A14B: two experts (wan.py), switching at its `boundary_ratio` (0.9). Wan 2.1 I2V also reads CLIP image
+  states of the frame (`image_encoder`); that is refused by name for now, as is TI2V-5B's image-to-video mode (its first
+  frame replaces the latents' own, with a time of 0 there): TI2V-5B trains as text-to-video (wan.py).
+- Samples animate the image each prompt names: `{prompt = "...", controls = ["first_frame.png"]}`.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import WanImageToVideoPipeline
+
+from difftune.autoencoders import encode_posterior
+from difftune.errors import DifftuneError
+from difftune.families.wan import Wan
+from difftune.models import Components
+
+
+class WanImageToVideo(Wan):
+    name = "wan_i2v"
+    description = "Wan 2.1 / 2.2 image-to-video"
+    pipeline_class = WanImageToVideoPipeline
+    pipeline_classes = ("WanImageToVideoPipeline",)
+    needs_controls_to_draw = True  # the image it animates
+
+    def components_of(self, pipeline, options) -> Components:
+        if getattr(pipeline, "image_encoder", None) is not None:
+            raise DifftuneError(
+                "a Wan 2.1 image-to-video base: its transformer also reads CLIP image states of the first frame "
+                "(`image_encoder`), which difftune does not train with yet; Wan 2.2 I2V A14B (no image encoder) trains"
+            )
+        if pipeline.config.get("expand_timesteps"):
+            raise DifftuneError("Wan 2.2 TI2V-5B's image-to-video mode is not trained yet; train it as text-to-video "
+                                "(a WanPipeline folder of the same model)")
+        return super().components_of(pipeline, options)
+
+    def prompt_control_problems(self, prompts: list) -> list[str]:
+        """Every sample prompt names the one image it animates."""
+        problems = []
+        for entry in prompts:
+            controls = [] if isinstance(entry, str) else entry.controls
+            text = entry if isinstance(entry, str) else entry.prompt
+            if len(controls) != 1:
+                problems.append(f"sample.prompts: {text!r} has {len(controls)} images; {self.description} pipelines "
+                                f"animate one: write it as {{prompt = {text!r}, controls = [\"first_frame.png\"]}}")
+        return problems
+
+    def pixel_conditioning(self, components: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The first frame followed by black ones, as the pipeline's `prepare_latents`, encoded to its posterior's mode
+        (unnormalised, as the cache keeps posteriors): (B, C, t, h, w)."""
+        clip = pixels if pixels.dim() == 5 else pixels[:, :, None]
+        video = torch.cat([clip[:, :, :1], torch.zeros_like(clip[:, :, 1:])], dim=2)
+        return {"first_frame_latents": encode_posterior(components.vae, video)[0]}
+
+    def denoise(self, components, noisy, timesteps, conditioning, geometry):
+        condition = components.latent_normalization.apply(conditioning["first_frame_latents"].float())
+        clip = noisy if noisy.dim() == 5 else noisy[:, :, None]
+        mask_channels = components.denoiser.config.in_channels - 2 * clip.shape[1]  # the autoencoder's temporal factor
+        mask = torch.zeros(clip.shape[0], mask_channels, *clip.shape[2:], device=clip.device, dtype=clip.dtype)
+        mask[:, :, 0] = 1  # the first latent frame is given
+        prediction = super().denoise(components, torch.cat([clip, mask, condition.to(clip.dtype)], dim=1), timesteps,
+                                     conditioning, geometry)
+        return prediction if noisy.dim() == 5 else prediction[:, :, 0]
+
+    def draw_clips(self, pipeline, prompt, controls, height, width, frames, **arguments) -> list[list]:
+        return pipeline(image=controls[0], prompt=prompt, height=height, width=width, num_frames=frames,
+                        output_type="pil", **arguments).frames
