@@ -1,10 +1,10 @@
-"""Wan 2.1 and 2.2 (`WanPipeline`): a video DiT (`WanTransformer3DModel`: self-attention over the clip's patches, cross-attention
-to UMT5's states) over Wan's causal video autoencoder, trained by flow matching (flow.py). This module trains it on
-images, each a one-frame clip, as musubi-tuner and diffusion-pipe let Wan train on stills (clips are issue 34's next
-part).
+"""Wan 2.1 and 2.2 (`WanPipeline`): a video DiT (`WanTransformer3DModel`: self-attention over the clip's patches,
+cross-attention to UMT5's states) over Wan's causal video autoencoder, trained by flow matching (flow.py), on clips
+(data.py cuts them into windows of frames) and images, each a one-frame clip, as musubi-tuner and diffusion-pipe let
+Wan train on stills.
 
-- Latents: Wan's autoencoder (`AutoencoderKLWan`, Qwen-Image's kind: autoencoders.py) encodes an image as a one-frame
-  clip, normalised per channel; `denoise` gives the transformer (B, C, 1, h, w), which patches it 1x2x2 itself.
+- Latents: Wan's autoencoder (`AutoencoderKLWan`, Qwen-Image's kind: autoencoders.py), normalised per channel: a
+  clip's (B, C, t, h, w), an image's as a one-frame clip; the transformer patches them 1x2x2 itself.
 - Text, exactly as `WanPipeline.encode_prompt`: the caption cleaned as the pipeline cleans it (`prompt_clean`), UMT5's
   last states at its tokens, zero past them, 512 positions (the pipeline's `max_sequence_length`): the transformer
   reads every position, the zeros too, so the cache keeps the caption's tokens and pads the zeros back.
