@@ -160,9 +160,10 @@ def fill_latents(
                 continue
             image = resize_and_crop(open_image(path, config.data), size, config.data.crop)
             pixels.append(image_to_tensor(image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if view == "flipped" else image))
+        batch = torch.stack(pixels)
         with torch.no_grad():
-            mean, std = encode_posterior(vae, torch.stack(pixels))
-            extra = from_pixels(torch.stack(pixels)) if from_pixels else {}
+            mean, std = encode_posterior(vae, batch)
+            extra = from_pixels(batch) if from_pixels else {}
         for i, (entry, _) in enumerate(chunk):
             _write(entry, {"mean": mean[i], "std": std[i]} | {name: value[i] for name, value in extra.items()})
     return sum(len(group) for group in missing.values())

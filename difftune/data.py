@@ -745,8 +745,9 @@ class CaptionedImages(Dataset):
             flipped = draw_flip(self.config, rng)
             posterior = self._read(self.latent_entries[index]["flipped" if flipped else "plain"])
             item["latent_mean"], item["latent_std"] = posterior["mean"], posterior["std"]  # (C, [t,] h, w)
-            if len(posterior) > 2:  # the family's `pixel_conditioning`, made with it
-                item["pixel_conditioning"] = {name: value for name, value in posterior.items() if name not in ("mean", "std")}
+            from_pixels = {name: value for name, value in posterior.items() if name not in ("mean", "std")}
+            if from_pixels:  # the family's `pixel_conditioning`, made with it
+                item["pixel_conditioning"] = from_pixels
             item["geometry"] = self._cached_geometry(example.path, self.sizes[index], flipped)  # (6,)
             if self.config.masks != "off" and example.frames is None:
                 item["mask"] = self._cached_mask(example.path, self.sizes[index], flipped)  # (1, H, W)

@@ -389,8 +389,8 @@ def _counting(full: int):
 
 
 def _inputs(components: Components, config: Config, dtype: torch.dtype):
-    """Token ids (the longest caption the tokenizers allow) and latents of a batch at the configured size (a clip's
-    of the longest window, `_planned_frames`)."""
+    """Token ids (the longest caption the tokenizers allow), latents of a batch at the configured size (a clip's of
+    the longest window), the longest caption's length and that window's frames (`_planned_frames`; 0: images)."""
     from difftune.autoencoders import downsampling, frames_per_latent, latent_channels
 
     family, batch, side = components.family, config.train.batch_size, config.data.resolution
@@ -399,7 +399,7 @@ def _inputs(components: Components, config: Config, dtype: torch.dtype):
     frames = _planned_frames(components, config)
     time = ((frames - 1) // frames_per_latent(components.vae) + 1,) if frames else ()
     latents = torch.zeros(batch, latent_channels(components.vae), *time, size, size, device=META, dtype=dtype)
-    return ids, latents, max(value.shape[1] for value in ids.values())
+    return ids, latents, max(value.shape[1] for value in ids.values()), frames
 
 
 def _planned_frames(components: Components, config: Config) -> int:
@@ -417,9 +417,8 @@ def _encoding_peak(components: Components, config: Config, dtype: torch.dtype) -
     """The activations of encoding a batch: the text encoders' and the autoencoder's, without gradients."""
     from difftune.autoencoders import encode_posterior
 
-    ids, latents, full = _inputs(components, config, dtype)
+    ids, latents, full, frames = _inputs(components, config, dtype)
     side = config.data.resolution
-    frames = _planned_frames(components, config)
     with torch.no_grad(), _counting(full) as counter:
         components.family.encode_prompts(components, ids)
         encode_posterior(components.vae, torch.zeros(config.train.batch_size, 3, *((frames,) if frames else ()), side, side,
@@ -430,7 +429,7 @@ def _encoding_peak(components: Components, config: Config, dtype: torch.dtype) -
 def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tuple[int, int]:
     """The peak of one training step's forward and backward (activations, gradients, temporaries), and the part
     of it still held after the step (gradients, buffers kept for the next step)."""
-    ids, latents, full = _inputs(components, config, dtype)
+    ids, latents, full, _ = _inputs(components, config, dtype)
     side, batch = config.data.resolution, config.train.batch_size
     with torch.no_grad(), _counting(full):
         conditioning = components.family.encode_prompts(components, ids)

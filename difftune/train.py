@@ -462,9 +462,10 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
         mean, std = batch["latent_mean"].to(device), batch["latent_std"].to(device)
         from_pixels = batch.get("pixel_conditioning", {})
     else:
+        pixels = batch["pixel_values"].to(device)
         with torch.no_grad():
-            mean, std = encode_posterior(components.vae, batch["pixel_values"].to(device))
-            from_pixels = family.pixel_conditioning(components, batch["pixel_values"].to(device))
+            mean, std = encode_posterior(components.vae, pixels)
+            from_pixels = family.pixel_conditioning(components, pixels)
     latents = sample_latents(mean, std, generators, components.latent_normalization).float()
     if "conditioning" in batch:
         conditioning = {name: value.to(device) for name, value in batch["conditioning"].items()}

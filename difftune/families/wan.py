@@ -133,14 +133,14 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
 
     def components_of(self, pipeline, options: WanOptions) -> Components:
         """The expert this run trains as the denoiser, the other one a drawing part (`Components.drawing_parts`)."""
-        if getattr(pipeline, "transformer_2", None) is None:
-            if options.expert != "auto":
-                raise DifftuneError(f"model.family_options.expert = \"{options.expert}\": this base has one transformer "
-                                    "(Wan 2.1, Wan 2.2 TI2V-5B); leave it at \"auto\"")
-            return super().components_of(pipeline, options)
+        experts = getattr(pipeline, "transformer_2", None) is not None
+        if not experts and options.expert != "auto":
+            raise DifftuneError(f"model.family_options.expert = \"{options.expert}\": this base has one transformer "
+                                "(Wan 2.1, Wan 2.2 TI2V-5B); leave it at \"auto\"")
         components = super().components_of(pipeline, options)
-        other = "transformer" if self.denoiser_part(options) == "transformer_2" else "transformer_2"
-        components.drawing_parts[other] = getattr(pipeline, other)
+        if experts:
+            other = "transformer" if self.denoiser_part(options) == "transformer_2" else "transformer_2"
+            components.drawing_parts[other] = getattr(pipeline, other)
         return components
 
     def trains_noise_level(self, components: Components, sigma: float) -> bool:
