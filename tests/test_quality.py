@@ -297,17 +297,16 @@ def test_committed_wan_base_draws_the_seen_clips():
 
 @pytest.mark.slow
 def test_the_wan_job_teaches_purple_from_clips(tmp_path, capsys):
-    """The Wan default job, scored as published (8 clips per color and shape, 2 per direction; BENCHMARKS.md). Met and
-    asserted, the issue's targets: the base draws the seen colors and directions >= 0.90 and purple <= 0.15; after the
-    job purple >= 0.90 in every frame and clip on average, the direction kept >= 0.90, forgetting (seen color and shape
-    per frame, and seen directions) <= 0.05. Not met yet, so not asserted: shapes >= 0.90 (the base draws seen shapes
-    at 0.89, the job purple ones at 0.82; measured 0.97 on its autoencoder's own reconstructions)."""
+    """The Wan default job against the issue's targets, scored as published (8 clips per color and shape, 2 per
+    direction; BENCHMARKS.md): the base draws the seen colors, shapes and directions >= 0.90 and purple <= 0.15; after
+    the job purple (color and shape, every frame) >= 0.90 on average over the shapes, the direction kept >= 0.90,
+    forgetting (seen color and shape per frame, and seen directions) <= 0.05."""
     report = job_report("wan_lora", WAN_BASE, tmp_path, capsys)
     before, after = report["before"], report["after"]
     assert report["scored"] == "clips" and after["concept"]["clips"] == 2 * len(DIRECTIONS) * len(SHAPES)
-    assert before["seen"]["color"] >= 0.90 and before["seen"]["direction"] >= 0.90, before["seen"]
+    assert min(before["seen"][score] for score in ("color", "shape", "direction")) >= 0.90, before["seen"]
     assert before["concept"]["both"] <= 0.15, before["concept"]
-    assert after["concept"]["color"] >= 0.90 and after["concept"]["direction"] >= 0.90, after["concept"]
+    assert after["concept"]["both"] >= 0.90 and after["concept"]["direction"] >= 0.90, after["concept"]
     assert report["forgetting"] <= 0.05 and after["seen"]["direction"] >= before["seen"]["direction"] - 0.05, after["seen"]
 
 
