@@ -46,6 +46,7 @@ from difftune.data import (
 )
 from difftune.autoencoders import encode_posterior
 from difftune.models import Components
+from difftune.sources import Stored
 
 
 def cache_root(config: Config) -> Path:
@@ -112,8 +113,8 @@ def _views(config: Config, vae_identity: str) -> Callable[..., dict[str, Path]]:
     contents: dict[Path, str] = {}
 
     def entries(path: Path, size: Size, window: tuple[int, int] | None = None) -> dict[str, Path]:
-        if path not in contents:
-            contents[path] = _file_digest(path)
+        if path not in contents:  # a stored record was hashed as its source was read
+            contents[path] = path.digest if isinstance(path, Stored) else _file_digest(path)
         width, height = size
         where = (f"frames={window[0]}+{window[1]}",) if window else ()  # images' keys as before clips were read
         return {view: _entry(root, "latents", contents[path], vae_identity, f"{width}x{height}", settings, *where, view)

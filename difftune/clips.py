@@ -27,6 +27,7 @@ from PIL import Image
 
 from difftune.config import DataConfig
 from difftune.errors import DifftuneError
+from difftune.sources import readable
 
 CLIP_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi")
 Extraction = Literal["head", "chunk", "slide", "uniform", "full"]
@@ -103,7 +104,7 @@ def probe(path: Path) -> ClipInfo:
     wrong); raises BadClip for anything that cannot be trained on."""
     av = _av()
     try:
-        with av.open(str(path)) as container:
+        with av.open(readable(path)) as container:
             if not container.streams.video:
                 raise BadClip("has no video stream")
             stream = container.streams.video[0]
@@ -125,7 +126,7 @@ def frame_size(path: Path) -> tuple[int, int]:
     """A clip's (width, height), from its header alone."""
     av = _av()
     try:
-        with av.open(str(path)) as container:
+        with av.open(readable(path)) as container:
             stream = container.streams.video[0]
             return stream.codec_context.width, stream.codec_context.height
     except (av.FFmpegError, OSError, ValueError, IndexError) as err:
@@ -159,7 +160,7 @@ def read_frames(path: Path, start: int, length: int) -> list[Image.Image]:
     av = _av()
     frames = []
     try:
-        with av.open(str(path)) as container:
+        with av.open(readable(path)) as container:
             for index, frame in enumerate(container.decode(container.streams.video[0])):
                 if index >= start + length:
                     break

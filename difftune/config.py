@@ -15,6 +15,7 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from difftune.errors import DifftuneError
+from difftune.sources import is_stored_source, is_url
 
 
 # Which fields are paths. In a config file, a relative path is relative to that file; on the command line (and
@@ -167,7 +168,18 @@ class DataConfig(Section):
         "examples/purple",
         json_schema_extra=PATH_LOCAL,
         description="Image folder: images with same-stem caption files, or a `metadata.jsonl` with "
-        "`file_name` and `text`. Subfolders named `N_name` are repeated N times per epoch (kohya).",
+        "`file_name` and `text`. Subfolders named `N_name` are repeated N times per epoch (kohya). Or stored records, "
+        "on local disk or at a URL (`s3://bucket/train-*.tar`; the `storage` extra): webdataset tar shards or parquet "
+        "files (a file, a glob or a folder of them; a hub dataset's parquet at `hf://datasets/...`), or a folder "
+        "`datasets`' `save_to_disk` wrote.",
+    )
+    image_column: str = Field(
+        "", description="Parquet and saved datasets: the image column (bytes, or the datasets library's Image "
+        "feature); empty: the first of image, img, jpg, png, webp.",
+    )
+    caption_column: str = Field(
+        "", description="Parquet and saved datasets: the caption column; empty: the first of text, caption, txt, "
+        "prompt (none: records are uncaptioned, as `missing_caption` says).",
     )
     resolution: int = Field(512, ge=8, le=MAX_SIDE, description="Training size in pixels: images are resized (shorter side) and cropped to a square.")
     crop: Literal["center", "random"] = Field("center", description="Where to crop after resizing.")
@@ -970,6 +982,8 @@ def check_before_start(config: Config) -> None:
                "data.mask_path": (config.data.mask_path if config.data.masks == "folder" else "", "mask images"),
                "data.control_path": (config.data.control_path, "control images")}
     for key, (folder, holding) in folders.items():
+        if folder and key in ("data.path", "validation.path") and is_stored_source(folder):
+            continue  # shards, parquet files, a saved dataset: listed, and any missing named, as the data is read
         if folder and not Path(folder).is_dir():
             what = "does not exist" if not Path(folder).exists() else "is a file"
             raise DifftuneError(f"{key} {folder}: {what}; point it at a folder of {holding}")
@@ -1035,7 +1049,7 @@ def resolve_path_values(data: dict, base_dir: Path) -> None:
         for name, field in section_field.annotation.model_fields.items():
             kind = (field.json_schema_extra or {}).get("path")
             value = values.get(name)
-            if not kind or not isinstance(value, str) or not value or Path(value).is_absolute():
+            if not kind or not isinstance(value, str) or not value or Path(value).is_absolute() or is_url(value):
                 continue
             candidate = _resolved(value, base_dir)
             if kind == "local" or candidate.exists():

@@ -1,7 +1,9 @@
 """Captioned images -> training batches.
 
 Two folder layouts: images with same-stem caption files (kohya), or a `metadata.jsonl` with
-`file_name` and `text` (Hugging Face imagefolder). Subfolders named `N_name` repeat N times.
+`file_name` and `text` (Hugging Face imagefolder). Subfolders named `N_name` repeat N times. Or stored records, local
+or on object storage (sources.py): webdataset tar shards, parquet files, a saved `datasets` folder; each record's
+image or clip a `Stored` locator, standing where a file's path stands here.
 
 Edit bases train on pairs: a target image, its instruction caption and one or more control (source) images, found
 in a `control` folder beside the images (`data.control_path` for another) by the target's stem (`cat.png`), or
@@ -47,6 +49,7 @@ from tqdm.auto import tqdm
 from difftune.clips import CLIP_SUFFIXES, BadClip, FrameWindows, frame_size, is_clip, probe, read_frames
 from difftune.config import DataConfig
 from difftune.errors import DifftuneError
+from difftune.sources import Stored, is_stored_source, read_source, readable
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")
@@ -56,7 +59,7 @@ CONTROL_FOLDER = "control"
 
 @dataclass(frozen=True)
 class Example:
-    path: Path  # the image, or the clip a window of frames is cut from
+    path: Path | Stored  # the image, or the clip a window of frames is cut from
     caption: str
     loss_weight: float = 1.0  # prior preservation's class images train at `prior.loss_weight`
     control_paths: tuple[Path, ...] = ()  # an edit pair's control images, in the order the base reads them
@@ -65,7 +68,7 @@ class Example:
 
 @dataclass(frozen=True)
 class BadFile:
-    path: Path
+    path: Path | Stored | str  # a file, a stored record's media, or a file or record of a source (`file:key`)
     reason: str
 
 
@@ -80,15 +83,18 @@ def scan_examples(config: DataConfig, key: str = "data.path",
     before the first step, not at step 9,000. `key`: the setting the folder came from, as messages name it.
     `windows`: how a base that reads clips cuts them (`Family.frame_windows`): each window of a clip is an example,
     every clip decoded once here too; None: clips are left out and reported."""
-    root = Path(config.path)
-    if not root.is_dir():
-        raise DifftuneError(f"{key} {root} is not a folder; point it at a folder of captioned images")
+    root = config.path
     bad: list[BadFile] = []
-    examples = _scan_folder(root, config, bad)
-    for sub in sorted(p for p in root.iterdir() if p.is_dir()):
-        match = REPEATS_FOLDER.match(sub.name)
-        if match:
-            examples += _scan_folder(sub, config, bad, folder_caption=match.group(2)) * int(match.group(1))
+    if is_stored_source(root):
+        examples = _scan_stored(config, key, bad)
+    elif not Path(root).is_dir():
+        raise DifftuneError(f"{key} {root} is not a folder; point it at a folder of captioned images, shards or parquet files")
+    else:
+        examples = _scan_folder(Path(root), config, bad)
+        for sub in sorted(p for p in Path(root).iterdir() if p.is_dir()):
+            match = REPEATS_FOLDER.match(sub.name)
+            if match:
+                examples += _scan_folder(sub, config, bad, folder_caption=match.group(2)) * int(match.group(1))
     if not examples and not bad:
         raise DifftuneError(
             f"{key} {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) or clips ({', '.join(CLIP_SUFFIXES)}) "
@@ -97,7 +103,8 @@ def scan_examples(config: DataConfig, key: str = "data.path",
     examples = _cut_clips(examples, windows, bad)
     controls = {c for e in examples for c in e.control_paths}
     images = {e.path for e in examples if e.frames is None}
-    reasons = {b.path: b.reason for b in _find_unusable_images(images | controls, config, controls)}
+    unusable, sizes = _find_unusable_images(images | controls, config, controls)
+    reasons = {b.path: b.reason for b in unusable}
     left_out: dict[Path, str] = {}  # a pair with a bad control is left out whole, under its target's name
     for example in examples:
         control = next((c for c in example.control_paths if c in reasons), None)
@@ -107,8 +114,11 @@ def scan_examples(config: DataConfig, key: str = "data.path",
             left_out[example.path] = f"control {control}: {reasons[control]}"
     bad += [BadFile(path, reason) for path, reason in sorted(left_out.items())]
     examples = [e for e in examples if e.path not in left_out]
+    # A stored image's size, known from its decode, spares fetching it again for its header (buckets, geometry).
+    examples = [replace(e, path=replace(e.path, displayed=sizes[e.path])) if isinstance(e.path, Stored) and e.path in sizes
+                else e for e in examples]
     if not examples:
-        reasons = "; ".join(f"{b.path.name}: {b.reason}" for b in bad[:5])
+        reasons = "; ".join(f"{getattr(b.path, 'name', b.path)}: {b.reason}" for b in bad[:5])
         raise DifftuneError(f"{key} {root}: no usable image ({len(bad)} left out: {reasons})")
     return examples, bad
 
@@ -154,6 +164,20 @@ def _scan_folder(folder: Path, config: DataConfig, bad: list[BadFile], folder_ca
             )
         examples.append(Example(source, caption))
     return _with_controls(examples, Path(config.control_path) if config.control_path else folder / CONTROL_FOLDER, bad)
+
+
+def _scan_stored(config: DataConfig, key: str, bad: list[BadFile]) -> list[Example]:
+    """Every record of the shards, parquet files or saved dataset `config.path` names, in file order (sources.py)."""
+    records, left_out = read_source(config.path, IMAGE_EXTENSIONS | set(CLIP_SUFFIXES), config.caption_extension,
+                                    config.image_column, config.caption_column, key)
+    bad += [BadFile(where, reason) for where, reason in left_out]
+    uncaptioned = next((record for record in records if record.caption is None), None)
+    if uncaptioned is not None and config.missing_caption != "empty":
+        raise DifftuneError(
+            f"{uncaptioned.media} has no caption (a {config.caption_extension} member or a .json member's `text` in a "
+            f"shard, a caption column in a table); add one, or set data.missing_caption = \"empty\" to train it uncaptioned"
+        )
+    return [Example(record.media, record.caption or "") for record in records]
 
 
 def _with_controls(examples: list[Example], control_folder: Path, bad: list[BadFile]) -> list[Example]:
@@ -214,34 +238,42 @@ def _cut_clips(examples: list[Example], windows: FrameWindows | None, bad: list[
     return out
 
 
-def _find_unusable_images(paths: set[Path], config: DataConfig, controls: set[Path] = frozenset()) -> list[BadFile]:
-    """Decode each image once (in threads: PIL releases the GIL while decoding); `controls` have no masks."""
+def _find_unusable_images(paths: set[Path], config: DataConfig,
+                          controls: set[Path] = frozenset()) -> tuple[list[BadFile], dict[Path, tuple[int, int]]]:
+    """Decode each image once (in threads: PIL releases the GIL while decoding); `controls` have no masks. Returns
+    those left out, and the others' (width, height) as displayed."""
 
-    def check(path: Path) -> BadFile | None:
+    def check(path: Path) -> BadFile | tuple[int, int]:
         try:
-            open_image(path, config)
+            size = open_image(path, config).size
             if config.masks != "off" and path not in controls:
-                open_mask(path, config)
+                open_mask(path, config, size)
         except BadImage as err:
             return BadFile(path, str(err))
-        return None
+        return size
 
     ordered = sorted(paths)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         results = list(tqdm(pool.map(check, ordered), total=len(ordered), desc="checking images", disable=len(ordered) < 500))
-    return [result for result in results if result is not None]
+    return ([result for result in results if isinstance(result, BadFile)],
+            {path: result for path, result in zip(ordered, results) if not isinstance(result, BadFile)})
 
 
-def open_image(path: Path, config: DataConfig) -> Image.Image:
-    """Decode an image fully into 8-bit RGB: EXIF orientation applied, 16-bit scaled down, palette and
-    transparency composited onto `alpha_background`. Raises BadImage for anything that cannot be trained on."""
+def _byte_count(path: Path | Stored) -> int:
+    if isinstance(path, Stored):
+        return path.size
     try:
-        size = path.stat().st_size
+        return path.stat().st_size
     except OSError as err:  # a dangling symlink, a symlink loop, a file gone since the folder was listed
         target = f"a symbolic link to {os.readlink(path)}, which " if path.is_symlink() else ""
         reason = {errno.ENOENT: "does not exist", errno.ELOOP: "leads back to itself (a loop)"}.get(err.errno, err.strerror)
         raise BadImage(f"cannot be read: {target}{reason}") from None
-    if size == 0:
+
+
+def open_image(path: Path | Stored, config: DataConfig) -> Image.Image:
+    """Decode an image fully into 8-bit RGB: EXIF orientation applied, 16-bit scaled down, palette and
+    transparency composited onto `alpha_background`. Raises BadImage for anything that cannot be trained on."""
+    if _byte_count(path) == 0:
         raise BadImage("empty file (0 bytes)")
     too_large = BadImage(f"more than data.max_image_pixels = {config.max_image_pixels} pixels")
     # PIL refuses images over twice its module-wide limit as it opens them; the size check below, made before
@@ -249,7 +281,7 @@ def open_image(path: Path, config: DataConfig) -> Image.Image:
     # is not thread-safe: images are checked by a thread pool, and a bomb got through.)
     Image.MAX_IMAGE_PIXELS = config.max_image_pixels
     try:
-        with Image.open(path) as raw:
+        with Image.open(readable(path)) as raw:
             if raw.width * raw.height > config.max_image_pixels:
                 raise too_large
             frames = getattr(raw, "n_frames", 1)
@@ -281,7 +313,7 @@ def open_mask(path: Path, config: DataConfig, known_size: tuple[int, int] | None
     file in `mask_path`; None where it has none (it trains whole). Raises BadImage for one that cannot be used.
     `known_size`: the image's (width, height) when the caller has it, else `image_size` reads the header."""
     if config.masks == "alpha":
-        with Image.open(path) as raw:
+        with Image.open(readable(path)) as raw:
             image = ImageOps.exif_transpose(raw)
             if image.mode == "P" and "transparency" in image.info:
                 image = image.convert("RGBA")
@@ -431,9 +463,11 @@ def bucket_sizes(config: DataConfig) -> list[tuple[int, int]]:
 
 def image_size(path: Path) -> tuple[int, int]:
     """(width, height) as displayed (EXIF orientation applied), or a clip's frames', from the header alone."""
+    if isinstance(path, Stored) and path.displayed:
+        return path.displayed
     if is_clip(path):
         return frame_size(path)
-    with Image.open(path) as image:
+    with Image.open(readable(path)) as image:
         width, height = image.size
         return (height, width) if image.getexif().get(0x0112) in (5, 6, 7, 8) else (width, height)
 

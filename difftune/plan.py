@@ -33,6 +33,7 @@ from difftune.clips import is_clip
 from difftune.config import Config, parse_size
 from difftune.errors import DifftuneError
 from difftune.models import Components
+from difftune.sources import is_stored_source
 from difftune.storage import own_cast_buffers, storage_key
 
 META = torch.device("meta")
@@ -404,9 +405,11 @@ def _inputs(components: Components, config: Config, dtype: torch.dtype):
 
 def _planned_frames(components: Components, config: Config) -> int:
     """The frames of the longest clip window training can draw, where the family reads clips and `data.path` holds
-    any (0: images alone)."""
+    any (0: images alone). Stored sources are not searched (that would read them): a video base plans for clips in them."""
     windows = components.family.frame_windows(config.data, components.vae)
-    if windows is None or not any(is_clip(path) for path in Path(config.data.path).rglob("*")):
+    if windows is None:
+        return 0
+    if not is_stored_source(config.data.path) and not any(is_clip(path) for path in Path(config.data.path).rglob("*")):
         return 0
     if windows.extraction == "full":
         return windows.rounded(windows.max_frames)

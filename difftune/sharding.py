@@ -31,8 +31,10 @@ def check_accelerator(accelerator) -> None:
     """FSDP2 is supported; FSDP1 and DeepSpeed are refused (their saves and resumes are not tested here)."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise DifftuneError(
-            f"DeepSpeed is not supported: difftune's checkpoints and exports are tested with DDP and FSDP2. Use "
-            f"{FSDP_CONFIG} for sharded training, or configs/accelerate/ddp.yaml"
+            f"DeepSpeed is not supported: its ZeRO engine saves and resumes through its own torch.save'd files "
+            f"(mp_rank_*_model_states.pt, zero_pp_rank_*_optim_states.pt: pickles, which difftune never loads), and "
+            f"exact resume is tested with DDP and FSDP2 only. FSDP2 shards what ZeRO-2/3 shard: use {FSDP_CONFIG} (or "
+            f"configs/accelerate/multi_node_fsdp.yaml), or configs/accelerate/ddp.yaml"
         )
     if is_sharded(accelerator) and not accelerator.is_fsdp2:
         raise DifftuneError(f"FSDP version 1 is not supported: set `fsdp_version: 2` in the accelerate config (see {FSDP_CONFIG})")

@@ -18,6 +18,7 @@ the final save, a parity check that the saved file, reloaded as users load it, r
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -503,7 +504,7 @@ def latent_mask(mask: torch.Tensor, size: tuple[int, ...], unmasked_weight: floa
 
 def _fill_caches(components: Components, tokenize, examples, sizes, controls, config: Config, accelerator) -> tuple:
     """Cache files for the examples' latents, their controls' latents and captions (None where that cache is off),
-    encoding what is missing (main process first)."""
+    encoding what is missing, shared out among the processes (`_cache_shares`)."""
     latent_files = control_files = text_files = None
     if config.cache.latents == "on":
         vae_identity = model_identity(components.vae)
@@ -512,22 +513,38 @@ def _fill_caches(components: Components, tokenize, examples, sizes, controls, co
     if config.cache.text == "on":
         prompts = possible_prompts(examples, controls, config.data, config.train.seed, components.family.prompts_see_controls)
         text_files = text_entries(prompts, text_identity(components), config, tokenize)
-    if accelerator.is_main_process:
-        device = accelerator.device
-        if latent_files:
-            paths = [e.path for e in examples] + [c for e in examples for c in e.control_paths]
-            all_sizes = sizes + [size for example_sizes in controls for size in example_sizes]
-            all_files = latent_files + [views for example_files in control_files for views in example_files]
-            windows = [e.frames for e in examples] + [None] * (len(paths) - len(examples))
+    device = accelerator.device
+    paths = [e.path for e in examples] + [c for e in examples for c in e.control_paths]
+    all_sizes = sizes + [size for example_sizes in controls for size in example_sizes]
+    windows = [e.frames for e in examples] + [None] * (len(paths) - len(examples))
+    all_files = latent_files + [views for example_files in control_files for views in example_files] if latent_files else []
+    prompt_files = sorted(text_files.items()) if text_files else []
+    for share, shares in _cache_shares(accelerator):
+        mine = [i for i in range(len(all_files)) if i % shares == share]
+        if mine:
             components.vae.to(device)
-            fill_latents(paths, all_sizes, all_files, components.vae, config, config.train.batch_size, windows,
+            fill_latents([paths[i] for i in mine], [all_sizes[i] for i in mine], [all_files[i] for i in mine], components.vae,
+                         config, config.train.batch_size, [windows[i] for i in mine],
                          partial(components.family.pixel_conditioning, components))
-        if text_files:
+        my_prompts = dict(prompt_files[share::shares])
+        if my_prompts:
             for encoder in components.text_encoders.values():
                 encoder.to(device)
-            fill_text(text_files, components, device, config)
-    accelerator.wait_for_everyone()
+            fill_text(my_prompts, components, device, config)
+        accelerator.wait_for_everyone()
     return latent_files, control_files, text_files
+
+
+def _cache_shares(accelerator) -> list[tuple[int, int]]:
+    """(this process's share, shares) of each round of cache filling. First every process encodes the missing ones
+    of every n-th entry into the cache folder, which every machine may share (written once, by one process); then each
+    machine's processes encode what their own folder still lacks, where each machine has its own (local disk).
+    Entries are written atomically, so a folder both rounds write ends the same. One process: one round, as before."""
+    rounds = [(accelerator.process_index, accelerator.num_processes)]
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if local_processes < accelerator.num_processes:  # more than one machine
+        rounds.append((accelerator.local_process_index, local_processes))
+    return rounds
 
 
 def _warn_if_unfitting(config: Config, accelerator: Accelerator) -> None:

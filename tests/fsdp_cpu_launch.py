@@ -20,7 +20,8 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
 from difftune.cli import main
 
-FSDP_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "fsdp.yaml"
+# The shipped config whose fsdp_config it applies; the multi-node tests name configs/accelerate/multi_node_fsdp.yaml.
+FSDP_CONFIG = Path(os.environ.get("DIFFTUNE_FSDP_CONFIG", Path(__file__).resolve().parents[1] / "configs/accelerate/fsdp.yaml"))
 
 _accelerator_state_init = AcceleratorState.__init__
 
