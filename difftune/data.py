@@ -49,7 +49,9 @@ from tqdm.auto import tqdm
 from difftune.clips import CLIP_SUFFIXES, BadClip, FrameWindows, frame_size, is_clip, probe, read_frames
 from difftune.config import DataConfig
 from difftune.errors import DifftuneError
-from difftune.sources import Stored, is_stored_source, read_source, readable
+from difftune.sources import (
+    Stored, is_stored_source, read_source, readable, source_identity, stored_fields, stored_from_fields,
+)
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")
@@ -76,13 +78,40 @@ class BadImage(Exception):
     """An image that cannot be trained on; the message is the reason."""
 
 
-def scan_examples(config: DataConfig, key: str = "data.path",
-                  windows: FrameWindows | None = None) -> tuple[list[Example], list[BadFile]]:
+def scan_examples(config: DataConfig, key: str = "data.path", windows: FrameWindows | None = None,
+                  index_folder: Path | None = None) -> tuple[list[Example], list[BadFile]]:
     """Every usable (image, caption) pair under `config.path`, each listed as often as its folder repeats,
     and the files left out with their reasons. Every image is decoded once here, so a bad one is found
     before the first step, not at step 9,000. `key`: the setting the folder came from, as messages name it.
     `windows`: how a base that reads clips cuts them (`Family.frame_windows`): each window of a clip is an example,
-    every clip decoded once here too; None: clips are left out and reported."""
+    every clip decoded once here too; None: clips are left out and reported.
+
+    `index_folder`: where the scan of stored records (sources.py) is kept, keyed by every file's size and version and
+    the data settings: the first process to scan writes it, and later runs and processes read it instead of reading
+    every record again (N processes on object storage would fetch the dataset N times)."""
+    if index_folder is None or not is_stored_source(config.path):
+        return _scan(config, key, windows)
+    identity = {"format": SCAN_INDEX_FORMAT, "data": config.model_dump(mode="json"), "windows": repr(windows),
+                "files": source_identity(config.path, key)}
+    index = index_folder / f"{hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()}.json"
+    if index.is_file():
+        kept = json.loads(index.read_text(encoding="utf-8"))
+        return ([Example(stored_from_fields(e["path"]), e["caption"], frames=tuple(e["frames"]) if e["frames"] else None)
+                 for e in kept["examples"]], [BadFile(b["path"], b["reason"]) for b in kept["bad"]])
+    examples, bad = _scan(config, key, windows)
+    index.parent.mkdir(parents=True, exist_ok=True)
+    staging = index.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: readers never see half of it
+    staging.write_text(json.dumps({
+        "examples": [{"path": stored_fields(e.path), "caption": e.caption, "frames": e.frames} for e in examples],
+        "bad": [{"path": str(b.path), "reason": b.reason} for b in bad]}), encoding="utf-8")
+    os.replace(staging, index)
+    return examples, bad
+
+
+SCAN_INDEX_FORMAT = "1"
+
+
+def _scan(config: DataConfig, key: str, windows: FrameWindows | None) -> tuple[list[Example], list[BadFile]]:
     root = config.path
     bad: list[BadFile] = []
     if is_stored_source(root):

@@ -107,6 +107,36 @@ def source_files(path: str, key: str = "data.path") -> tuple[str, list[str]]:
     return present[0], kinds[present[0]]
 
 
+def source_identity(path: str, key: str = "data.path") -> list[list[str]]:
+    """Each file `path` holds, with its size and version (an object store's ETag, a file's modification time, a hub
+    file's blob id): what a scan of it depends on, listed without reading it."""
+    kind, files = source_files(path, key)
+    fs, _ = _filesystem(path, key)
+    identity = []
+    for url in files:
+        _, root = fsspec.core.url_to_fs(url)
+        infos = fs.find(root, detail=True) if kind == "dataset" else {root: fs.info(root)}
+        for name, info in sorted(infos.items()):
+            version = next((info[field] for field in ("ETag", "etag", "blob_id", "mtime", "LastModified", "last_modified")
+                            if info.get(field) is not None), "")
+            identity.append([name, str(info.get("size")), str(version)])
+    return identity
+
+
+def stored_fields(item: Stored) -> dict:
+    """A locator as JSON, for the scan's index."""
+    return {"kind": type(item).__name__} | {name: getattr(item, name) for name in item.__dataclass_fields__}
+
+
+def stored_from_fields(fields: dict) -> Stored:
+    kinds = {kind.__name__: kind for kind in (Member, Row, DatasetRow)}
+    fields = dict(fields)
+    kind = kinds[fields.pop("kind")]
+    if fields.get("displayed") is not None:
+        fields["displayed"] = tuple(fields["displayed"])
+    return kind(**fields)
+
+
 @dataclass(frozen=True, order=True)
 class Stored:
     """A record's media read from storage, standing where a file's Path stands in data.py (`name`, `stem`,

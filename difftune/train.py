@@ -38,7 +38,7 @@ from difftune.activations import BlockActivations
 from difftune.autoencoders import encode_posterior, reference_latents, sample_latents
 from difftune.adapters import add_adapters, check_targets, trainable_parameters, trained_parts
 from difftune.cache import (
-    control_latent_entries, fill_latents, fill_text, latent_entries, model_identity, text_entries, text_identity,
+    cache_root, control_latent_entries, fill_latents, fill_text, latent_entries, model_identity, text_entries, text_identity,
 )
 from difftune.checkpoint import (
     CHECKPOINTS_DIR, Checkpointer, Progress, StopRequest, find_checkpoint, keep_models_out_of_accelerate_state, retire_after,
@@ -76,6 +76,7 @@ from difftune.parity import check_parity, write_report
 from difftune.prior import class_examples, class_folder, fill_class_images
 from difftune.quantize import quantize_linear_layers
 from difftune.sample import generate_images, save_images
+from difftune.sources import is_stored_source
 from difftune.storage import computed_copies_saved_as_stored
 from difftune.training_adapter import merge_training_adapter, removed
 from difftune.validation import BestResults, Validator
@@ -173,7 +174,10 @@ def setup(config: Config, resume: str | None = None) -> Run:
     set_seed(config.train.seed)  # the adapters' random init
 
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
-    examples, bad_files = scan_examples(config.data, windows=components.family.frame_windows(config.data, components.vae))
+    # Stored records are scanned once a machine (the first process writes the scan's index, the others read it).
+    with accelerator.local_main_process_first() if is_stored_source(config.data.path) else nullcontext():
+        examples, bad_files = scan_examples(config.data, windows=components.family.frame_windows(config.data, components.vae),
+                                            index_folder=cache_root(config) / "scans")
     if config.prior.enabled:
         class_images, bad_class_files = class_examples(config, class_dir, len(examples))
         examples, bad_files = examples + class_images, bad_files + bad_class_files
