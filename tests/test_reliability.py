@@ -22,7 +22,7 @@ from difftune.errors import DifftuneError
 from difftune.metrics import read_metrics
 from difftune.train import train
 
-from conftest import REPO
+from conftest import REPO, run_whole_killed_and_resumed
 
 
 def _same_files(a: Path, b: Path) -> bool:
@@ -217,27 +217,9 @@ def test_sigkill_mid_run_then_resume_is_bit_identical(tmp_path):
         sys.executable, "-m", "difftune.cli", "train", "--config", "configs/tiny_lora.toml", "train.max_steps=60",
         "checkpoint.every_steps=5", "sample.prompts=[]", "log.progress_bar=false", "log.tensorboard=false",
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    whole = subprocess.run([*common, f"train.output_dir={tmp_path / 'whole'}"], cwd=REPO, env=env, capture_output=True, timeout=600)
-    assert whole.returncode == 0, whole.stderr[-2000:]
-
-    killed = tmp_path / "killed"
-    process = subprocess.Popen([*common, f"train.output_dir={killed}"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
-        if (killed / "metrics.jsonl").exists() and len((killed / "metrics.jsonl").read_text().splitlines()) >= 22:
-            break
-        time.sleep(0.02)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    rows = read_metrics(killed)
-    assert 22 <= len(rows) < 60, "the run was not killed mid-way"
-    resume_point = find_checkpoint(killed, "auto").name
-    resumed = subprocess.run([*common, f"train.output_dir={killed}", "--resume", "auto"], cwd=REPO, env=env, capture_output=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resumed from {killed / 'checkpoints' / resume_point}" in resumed.stdout.decode()
-    assert _losses(killed) == _losses(tmp_path / "whole")
-    assert _same_files(tmp_path / "whole" / "pytorch_lora_weights.safetensors", killed / "pytorch_lora_weights.safetensors")
+    whole, killed = run_whole_killed_and_resumed(common, tmp_path, kill_at_rows=22, steps=60)
+    assert _losses(killed) == _losses(whole)
+    assert _same_files(whole / "pytorch_lora_weights.safetensors", killed / "pytorch_lora_weights.safetensors")
 
 
 def _bad_image_folder(folder: Path) -> dict[str, str]:

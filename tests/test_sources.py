@@ -3,11 +3,8 @@
 import io
 import json
 import os
-import signal
-import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import fsspec
@@ -16,7 +13,6 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from difftune.checkpoint import find_checkpoint
 from difftune.clips import FrameWindows
 from difftune.config import DataConfig
 from difftune.data import CaptionedImages, scan_examples, training_sizes
@@ -26,7 +22,7 @@ from difftune.sources import Member
 from difftune.toy.tiny import moving_shape_clips, write_clip_folder
 from difftune.train import train
 
-from conftest import REPO
+from conftest import REPO, run_whole_killed_and_resumed
 
 
 def write_shards(folder: Path, out: Path, per_shard: int) -> Path:
@@ -318,26 +314,6 @@ def test_a_run_from_s3_shards_killed_and_resumed_is_bit_identical(tmp_path, s3):
         "log.tensorboard=false", f"cache.dir={tmp_path / 'cache'}",
         "cache.latents=off", "data.num_workers=2",  # each draw read from the server, in loader worker processes
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    whole = subprocess.run([*common, f"train.output_dir={tmp_path / 'whole'}"], cwd=REPO, env=env, capture_output=True,
-                           timeout=600)
-    assert whole.returncode == 0, whole.stderr[-2000:]
-
-    killed = tmp_path / "killed"
-    process = subprocess.Popen([*common, f"train.output_dir={killed}"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
-        if (killed / "metrics.jsonl").exists() and len((killed / "metrics.jsonl").read_text().splitlines()) >= 17:
-            break
-        time.sleep(0.02)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    assert 17 <= len(read_metrics(killed)) < 40, "the run was not killed mid-way"
-    resume_point = find_checkpoint(killed, "auto").name
-    resumed = subprocess.run([*common, f"train.output_dir={killed}", "--resume", "auto"], cwd=REPO, env=env,
-                             capture_output=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resumed from {killed / 'checkpoints' / resume_point}" in resumed.stdout.decode()
-    assert _losses(killed) == _losses(tmp_path / "whole")
-    assert _same_adapters(killed, tmp_path / "whole")
+    whole, killed = run_whole_killed_and_resumed(common, tmp_path, kill_at_rows=17, steps=40)
+    assert _losses(killed) == _losses(whole)
+    assert _same_adapters(killed, whole)
