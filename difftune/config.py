@@ -224,11 +224,12 @@ class DataConfig(Section):
         ge=1,
         description="Images with more pixels are skipped as possible decompression bombs (PIL's default limit).",
     )
-    masks: Literal["off", "alpha", "folder"] = Field(
+    masks: Literal["off", "alpha", "folder", "record"] = Field(
         "off",
         description="Masked loss: weight each pixel's loss by a mask that follows the image through resize, crop, flip "
         "and buckets (white trains, black does not; gray in between). `alpha`: the image's own transparency; `folder`: a "
-        "same-stem grayscale image in `mask_path` (kohya's conditioning folder). An image without a mask trains whole. "
+        "same-stem grayscale image in `mask_path` (kohya's conditioning folder); `record`: in tar shards, the record's "
+        "`mask.*` member (`0001.mask.png` beside `0001.jpg`). An image without a mask trains whole. "
         "Validation loss stays unmasked.",
     )
     mask_path: str = Field("", json_schema_extra=PATH_LOCAL, description="`masks = \"folder\"`: the folder of mask images.")

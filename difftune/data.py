@@ -96,19 +96,21 @@ def scan_examples(config: DataConfig, key: str = "data.path", windows: FrameWind
     index = index_folder / f"{hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()}.json"
     if index.is_file():
         kept = json.loads(index.read_text(encoding="utf-8"))
-        return ([Example(stored_from_fields(e["path"]), e["caption"], frames=tuple(e["frames"]) if e["frames"] else None)
-                 for e in kept["examples"]], [BadFile(b["path"], b["reason"]) for b in kept["bad"]])
+        return ([Example(stored_from_fields(e["path"]), e["caption"], frames=tuple(e["frames"]) if e["frames"] else None,
+                         control_paths=tuple(stored_from_fields(c) for c in e["controls"])) for e in kept["examples"]],
+                [BadFile(b["path"], b["reason"]) for b in kept["bad"]])
     examples, bad = _scan(config, key, windows)
     index.parent.mkdir(parents=True, exist_ok=True)
     staging = index.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: readers never see half of it
     staging.write_text(json.dumps({
-        "examples": [{"path": stored_fields(e.path), "caption": e.caption, "frames": e.frames} for e in examples],
+        "examples": [{"path": stored_fields(e.path), "caption": e.caption, "frames": e.frames,
+                      "controls": [stored_fields(c) for c in e.control_paths]} for e in examples],
         "bad": [{"path": str(b.path), "reason": b.reason} for b in bad]}), encoding="utf-8")
     os.replace(staging, index)
     return examples, bad
 
 
-SCAN_INDEX_FORMAT = "1"
+SCAN_INDEX_FORMAT = "1"  # bumped when what the index holds changes
 
 
 def _scan(config: DataConfig, key: str, windows: FrameWindows | None) -> tuple[list[Example], list[BadFile]]:
@@ -144,8 +146,9 @@ def _scan(config: DataConfig, key: str, windows: FrameWindows | None) -> tuple[l
     bad += [BadFile(path, reason) for path, reason in sorted(left_out.items())]
     examples = [e for e in examples if e.path not in left_out]
     # A stored image's size, known from its decode, spares fetching it again for its header (buckets, geometry).
-    examples = [replace(e, path=replace(e.path, displayed=sizes[e.path])) if isinstance(e.path, Stored) and e.path in sizes
-                else e for e in examples]
+    examples = [replace(e, path=replace(e.path, displayed=sizes[e.path]),
+                        control_paths=tuple(replace(c, displayed=sizes[c]) for c in e.control_paths))
+                if isinstance(e.path, Stored) and e.path in sizes else e for e in examples]
     if not examples:
         reasons = "; ".join(f"{getattr(b.path, 'name', b.path)}: {b.reason}" for b in bad[:5])
         raise DifftuneError(f"{key} {root}: no usable image ({len(bad)} left out: {reasons})")
@@ -206,7 +209,7 @@ def _scan_stored(config: DataConfig, key: str, bad: list[BadFile]) -> list[Examp
             f"{uncaptioned.media} has no caption (a {config.caption_extension} member or a .json member's `text` in a "
             f"shard, a caption column in a table); add one, or set data.missing_caption = \"empty\" to train it uncaptioned"
         )
-    return [Example(record.media, record.caption or "") for record in records]
+    return [Example(record.media, record.caption or "", control_paths=record.controls) for record in records]
 
 
 def _with_controls(examples: list[Example], control_folder: Path, bad: list[BadFile]) -> list[Example]:
@@ -329,15 +332,18 @@ def open_image(path: Path | Stored, config: DataConfig) -> Image.Image:
     return _to_rgb(image, config.alpha_background)
 
 
-def mask_file(path: Path, config: DataConfig) -> Path | None:
-    """An image's mask in `data.mask_path`: the same stem, any image extension; None without one."""
+def mask_file(path: Path | Stored, config: DataConfig) -> Path | Stored | None:
+    """An image's mask: its shard record's mask member (`data.masks = "record"`), or in `data.mask_path` the file of the
+    same stem, any image extension; None without one."""
+    if config.masks == "record":
+        return path.mask if isinstance(path, Stored) else None
     for candidate in sorted(Path(config.mask_path).glob(f"{path.stem}.*")):
         if candidate.suffix.lower() in IMAGE_EXTENSIONS:
             return candidate
     return None
 
 
-def open_mask(path: Path, config: DataConfig, known_size: tuple[int, int] | None = None) -> Image.Image | None:
+def open_mask(path: Path | Stored, config: DataConfig, known_size: tuple[int, int] | None = None) -> Image.Image | None:
     """The image's mask as 8-bit grayscale of the image's size (EXIF orientation applied): its alpha channel, or its
     file in `mask_path`; None where it has none (it trains whole). Raises BadImage for one that cannot be used.
     `known_size`: the image's (width, height) when the caller has it, else `image_size` reads the header."""
@@ -351,7 +357,7 @@ def open_mask(path: Path, config: DataConfig, known_size: tuple[int, int] | None
     if source is None:
         return None
     try:
-        with Image.open(source) as raw:
+        with Image.open(readable(source)) as raw:
             mask = ImageOps.exif_transpose(raw).convert("L")
     except Exception as err:  # as in open_image: PIL raises many kinds for corrupt data
         raise BadImage(f"mask {source.name} cannot be decoded: {type(err).__name__}: {err}") from None

@@ -30,10 +30,11 @@ import functools
 import hashlib
 import io
 import json
+import re
 import tarfile
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
 import fsspec
@@ -125,15 +126,16 @@ def source_identity(path: str, key: str = "data.path") -> list[list[str]]:
 
 def stored_fields(item: Stored) -> dict:
     """A locator as JSON, for the scan's index."""
-    return {"kind": type(item).__name__} | {name: getattr(item, name) for name in item.__dataclass_fields__}
+    fields = {name: getattr(item, name) for name in item.__dataclass_fields__}
+    return {"kind": type(item).__name__} | fields | {"mask": stored_fields(item.mask) if item.mask else None}
 
 
 def stored_from_fields(fields: dict) -> Stored:
     kinds = {kind.__name__: kind for kind in (Member, Row, DatasetRow)}
     fields = dict(fields)
     kind = kinds[fields.pop("kind")]
-    if fields.get("displayed") is not None:
-        fields["displayed"] = tuple(fields["displayed"])
+    fields["displayed"] = tuple(fields["displayed"]) if fields.get("displayed") else None
+    fields["mask"] = stored_from_fields(fields["mask"]) if fields.get("mask") else None
     return kind(**fields)
 
 
@@ -147,6 +149,7 @@ class Stored:
     size: int  # bytes
     digest: str  # SHA-256 of its bytes
     displayed: tuple[int, int] | None = field(default=None, compare=False)  # (width, height), once decoded
+    mask: Stored | None = field(default=None, compare=False)  # a shard record's mask member
 
     @property
     def stem(self) -> str:
@@ -269,10 +272,11 @@ def readable(path: Path | Stored) -> Path | io.BytesIO:
 
 @dataclass(frozen=True)
 class Record:
-    """A record's media (an image or clip) and its caption, None where it has none."""
+    """A record's media (an image or clip) and its caption, None where it has none; in a shard, its edit controls."""
 
     media: Stored
     caption: str | None
+    controls: tuple[Stored, ...] = ()
 
 
 def record_key(name: str) -> tuple[str, str]:
@@ -330,16 +334,33 @@ def read_shard(url: str, media_suffixes: set[str], caption_extension: str) -> tu
                          f"{err}); those train"))
     records = []
     for key, members in groups.items():
-        media = [member for member in members.values() if isinstance(member, Member)]
-        if len(media) != 1:
-            what = "no image or clip" if not media else "more than one image or clip"
-            bad.append((f"{url}:{key}", f"has {what} (members: {', '.join(sorted(members))})"))
-            continue
         try:
-            records.append(Record(media[0], _caption(members, caption_kind)))
+            records.append(_record(members, caption_kind))
         except ValueError as err:
             bad.append((f"{url}:{key}", str(err)))
     return records, bad
+
+
+CONTROL_MEMBER = re.compile(r"^control(?:_(\d+))?\.")  # `control.png`, or numbered `control_0.png`, `control_1.png`...
+
+
+def _record(members: dict[str, Member | bytes | None], caption_kind: str) -> Record:
+    """A shard record from its members by extension: one image or clip, a `mask.*` member (`data.masks = "record"`),
+    edit controls (`control.*`, or `control_0.*`, `control_1.*`... in the order the base reads them) and a caption.
+    Raises ValueError saying what is wrong with it."""
+    found = {extension: member for extension, member in members.items() if isinstance(member, Member)}
+    masks = [member for extension, member in found.items() if extension.startswith("mask.")]
+    numbered = sorted((int(match.group(1) or 0), member) for extension, member in found.items()
+                      if (match := CONTROL_MEMBER.match(extension)))
+    media = [member for extension, member in found.items() if not extension.startswith("mask.")
+             and not CONTROL_MEMBER.match(extension)]
+    if len(media) != 1:
+        what = "no image or clip" if not media else "more than one image or clip"
+        raise ValueError(f"has {what} (members: {', '.join(sorted(members))})")
+    if len(masks) > 1 or [number for number, _ in numbered] != list(range(len(numbered))):
+        raise ValueError(f"its masks or controls ({', '.join(sorted(members))}) must be one `mask.*` member and one "
+                         f"`control.*` member or members numbered control_0, control_1... without gaps")
+    return Record(replace(media[0], mask=masks[0] if masks else None), _caption(members, caption_kind), tuple(member for _, member in numbered))
 
 
 def _caption(members: dict[str, Member | bytes | None], caption_kind: str) -> str | None:

@@ -202,6 +202,67 @@ def test_the_scan_is_kept_and_made_again_when_a_file_changes(shapes, tmp_path, m
     assert len(reads) == 8 + 5 and len(list(index.iterdir())) == 2
 
 
+def shard_records(out: Path, records: list[list[tuple[str, bytes]]]) -> Path:
+    """One shard of the given records, each a list of (member name, bytes)."""
+    out.mkdir(parents=True)
+    with tarfile.open(out / "train-0000.tar", "w") as tar:
+        for members in records:
+            for name, data in members:
+                add_member(tar, name, data)
+    return out
+
+
+@pytest.fixture(scope="module")
+def kontext_base(tmp_path_factory) -> Path:
+    from difftune.toy.tiny import build_pipeline
+
+    path = tmp_path_factory.mktemp("micro-kontext")
+    build_pipeline(seed=1, family="flux_kontext").save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_masks_and_controls_in_shard_records_train_as_their_folders(make_config, shapes, pairs, kontext_base, tmp_path):
+    from conftest import edit_settings
+
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    images = sorted(path for path in shapes.iterdir() if path.suffix == ".png")
+    for path in images:
+        mask = Image.new("L", Image.open(path).size, 0)
+        mask.paste(255, (0, 0, mask.width // 2, mask.height))
+        mask.save(masks / path.name)
+    masked = shard_records(tmp_path / "masked", [
+        [(path.name, path.read_bytes()), (f"{path.stem}.mask.png", (masks / path.name).read_bytes()),
+         (f"{path.stem}.txt", path.with_suffix(".txt").read_bytes())] for path in images])
+    common = {"cache__dir": str(tmp_path / "cache"), "train__max_steps": 3}
+    train(make_config(data__masks="folder", data__mask_path=str(masks), train__output_dir=str(tmp_path / "m1"), **common))
+    train(make_config(data__path=str(masked), data__masks="record", train__output_dir=str(tmp_path / "m2"), **common))
+    assert _losses(tmp_path / "m2") == _losses(tmp_path / "m1")
+    unmasked = tmp_path / "m3"
+    train(make_config(data__path=str(masked), train__output_dir=str(unmasked), **common))
+    assert _losses(unmasked) != _losses(tmp_path / "m1")  # the masks were read, not ignored
+
+    targets = sorted(path for path in pairs.iterdir() if path.suffix == ".png")
+    paired = shard_records(tmp_path / "paired", [
+        [(path.name, path.read_bytes()), (f"{path.stem}.control.png", (pairs / "control" / path.name).read_bytes()),
+         (f"{path.stem}.txt", path.with_suffix(".txt").read_bytes())] for path in targets])
+    train(make_config(**edit_settings(kontext_base, pairs, tmp_path / "p1", **common)))
+    train(make_config(**edit_settings(kontext_base, paired, tmp_path / "p2", **common)))
+    assert _losses(tmp_path / "p2") == _losses(tmp_path / "p1")
+
+
+def test_a_record_with_controls_numbered_with_a_gap_is_left_out(tmp_path):
+    shard = shard_records(tmp_path / "gap", [
+        [("0001.png", png((200, 0, 0))), ("0001.control_0.png", png((0, 0, 200))),
+         ("0001.control_2.png", png((0, 200, 0))), ("0001.txt", b"make it red")],
+        [("0002.png", png((200, 0, 0))), ("0002.control_1.png", png((0, 200, 0))),
+         ("0002.control_0.png", png((0, 0, 200))), ("0002.txt", b"make it red")]])
+    examples, bad = scan_examples(DataConfig(path=str(shard)))
+    assert [[c.name for c in e.control_paths] for e in examples] == [["0002.control_0.png", "0002.control_1.png"]]
+    assert [str(b.path) for b in bad] == [f"{shard / 'train-0000.tar'}:0001"]
+    assert "numbered control_0, control_1... without gaps" in bad[0].reason
+
+
 def test_shard_members_are_keyed_and_read_by_their_byte_range(tmp_path):
     shard = tmp_path / "train-0000.tar"
     with tarfile.open(shard, "w") as tar:
