@@ -29,14 +29,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 from PIL import Image
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from difftune.config import Config
@@ -46,12 +44,14 @@ from difftune.data import (
 )
 from difftune.autoencoders import encode_posterior
 from difftune.models import Components
+from difftune.places import existing, folder, write_tensors
 from difftune.sources import Stored
 
 
 def cache_root(config: Config) -> Path:
+    """The cache folder: local, or on object storage (places.py)."""
     if config.cache.dir:
-        return Path(config.cache.dir)
+        return folder(config.cache.dir)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "difftune"
 
 
@@ -77,14 +77,6 @@ def _entry(root: Path, kind: str, *parts: str | bytes) -> Path:
         digest.update(b"\0")
     name = digest.hexdigest()
     return root / kind / name[:2] / f"{name}.safetensors"
-
-
-def _write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(handle)
-    save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}, staging)
-    os.replace(staging, path)
 
 
 def latent_entries(
@@ -143,9 +135,10 @@ def fill_latents(
     same pixels."""
     windows = windows or [None] * len(paths)
     missing: dict[tuple, dict[Path, tuple[Path, tuple[int, int] | None, str]]] = {}
+    present = existing([entry for views in entries for entry in views.values()])
     for path, views, size, window in zip(paths, entries, sizes, windows):
         for view, entry in views.items():
-            if not entry.exists():
+            if entry not in present:
                 missing.setdefault((size, window[1] if window else 0), {})[entry] = (path, window, view)
     chunks = [
         (size, list(group.items())[start : start + batch_size])
@@ -166,7 +159,7 @@ def fill_latents(
             mean, std = encode_posterior(vae, batch)
             extra = from_pixels(batch) if from_pixels else {}
         for i, (entry, _) in enumerate(chunk):
-            _write(entry, {"mean": mean[i], "std": std[i]} | {name: value[i] for name, value in extra.items()})
+            write_tensors(entry, {"mean": mean[i], "std": std[i]} | {name: value[i] for name, value in extra.items()})
     return sum(len(group) for group in missing.values())
 
 
@@ -201,7 +194,8 @@ def fill_text(entries: dict[Prompt, Path], components: Components, device: torch
     controls share their sizes; returns how many."""
     family = components.family
     tokenize = partial(family.tokenize, components.tokenizers)
-    todo = sorted((prompt, path) for prompt, path in entries.items() if not path.exists())
+    present = existing(list(entries.values()))
+    todo = sorted((prompt, path) for prompt, path in entries.items() if path not in present)
     by_sizes: dict[tuple, list] = {}
     for prompt, path in todo:
         by_sizes.setdefault(tuple(size for _, size in prompt.controls), []).append((prompt, path))
@@ -212,5 +206,5 @@ def fill_text(entries: dict[Prompt, Path], components: Components, device: torch
         with torch.no_grad():
             conditioning = family.encode_prompts(components, {name: value.to(device) for name, value in inputs.items()})
         for i, (_, path) in enumerate(chunk):
-            _write(path, family.cached_conditioning({name: value[i] for name, value in conditioning.items()}))
+            write_tensors(path, family.cached_conditioning({name: value[i] for name, value in conditioning.items()}))
     return len(todo)

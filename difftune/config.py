@@ -719,7 +719,9 @@ class CacheConfig(Section):
     dir: str = Field(
         "",
         json_schema_extra=PATH_LOCAL,
-        description="Cache folder, shared by runs and processes; empty: $XDG_CACHE_HOME/difftune or ~/.cache/difftune."
+        description="Cache folder, shared by runs and processes; empty: $XDG_CACHE_HOME/difftune or ~/.cache/difftune. "
+        "A URL keeps it on object storage (`s3://bucket/difftune-cache`; the storage extra), one cache for machines "
+        "without a shared file system."
     )
     memory_mb: int = Field(
         1024, ge=0, description="Keep cache entries in RAM once read, up to this many MB per data-loader process, so "

@@ -42,13 +42,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from PIL import Image, ImageOps
-from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
 from difftune.clips import CLIP_SUFFIXES, BadClip, FrameWindows, frame_size, is_clip, probe, read_frames
 from difftune.config import DataConfig
 from difftune.errors import DifftuneError
+from difftune.places import read_tensors, write_text
 from difftune.sources import (
     Stored, is_stored_source, read_source, readable, source_identity, stored_fields, stored_from_fields,
 )
@@ -100,13 +100,10 @@ def scan_examples(config: DataConfig, key: str = "data.path", windows: FrameWind
                          control_paths=tuple(stored_from_fields(c) for c in e["controls"])) for e in kept["examples"]],
                 [BadFile(b["path"], b["reason"]) for b in kept["bad"]])
     examples, bad = _scan(config, key, windows)
-    index.parent.mkdir(parents=True, exist_ok=True)
-    staging = index.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: readers never see half of it
-    staging.write_text(json.dumps({
+    write_text(index, json.dumps({  # whole or not at all: readers never see half of it
         "examples": [{"path": stored_fields(e.path), "caption": e.caption, "frames": e.frames,
                       "controls": [stored_fields(c) for c in e.control_paths]} for e in examples],
-        "bad": [{"path": str(b.path), "reason": b.reason} for b in bad]}), encoding="utf-8")
-    os.replace(staging, index)
+        "bad": [{"path": str(b.path), "reason": b.reason} for b in bad]}))
     return examples, bad
 
 
@@ -766,7 +763,7 @@ class CaptionedImages(Dataset):
         """A cache entry's tensors, from RAM when read before and the budget allowed keeping them."""
         tensors = self._in_memory.get(entry)
         if tensors is None:
-            tensors = load_file(entry)
+            tensors = read_tensors(entry)
             size = sum(t.nbytes for t in tensors.values())
             if size <= self._memory_left:
                 self._in_memory[entry] = tensors

@@ -29,6 +29,7 @@ from difftune.config import Config
 from difftune.data import IMAGE_EXTENSIONS, Example, derive_seed, scan_examples
 from difftune.errors import DifftuneError
 from difftune.models import Components, eval_mode
+from difftune.places import is_remote
 from difftune.sample import sampling_scheduler
 
 PRIOR_STREAM = 4  # data.py's seed streams are 0, 1 and 3; validation.py's is 2
@@ -44,6 +45,9 @@ def class_folder(config: Config, components: Components) -> Path:
                 "resolution": config.data.resolution, "seed": config.prior.seed, "scheduler": config.sample.scheduler}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     digest.update(model_identity(components.denoiser).encode())
+    if is_remote(cache_root(config)):
+        raise DifftuneError(f"prior preservation draws its class images into cache.dir, and {config.cache.dir} is on object "
+                            f"storage; set prior.class_path to a local folder for them")
     return cache_root(config) / "class_images" / digest.hexdigest()[:32]
 
 

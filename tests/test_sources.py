@@ -365,6 +365,23 @@ def test_shards_on_s3_train_as_on_disk(make_config, shapes, tmp_path, s3):
     assert _same_adapters(tmp_path / "s3", tmp_path / "disk")
 
 
+def test_a_cache_on_s3_serves_as_a_local_one(make_config, shapes, tmp_path, s3):
+    shards = write_shards(shapes, tmp_path / "shards", per_shard=4)
+    s3.put(f"{shards}/", "shards/cached/", recursive=True)
+    settings = {"data__path": "s3://shards/cached", "cache__latents": True, "cache__text": True, "train__max_steps": 4}
+    train(make_config(**settings, cache__dir=str(tmp_path / "cache"), train__output_dir=str(tmp_path / "local")))
+    train(make_config(**settings, cache__dir="s3://shards/cache", train__output_dir=str(tmp_path / "remote")))
+    local = sorted(str(path.relative_to(tmp_path / "cache")) for path in (tmp_path / "cache").rglob("*") if path.is_file())
+    assert sorted(name.removeprefix("shards/cache/") for name in s3.find("shards/cache")) == local
+    reads = []
+    original = Member.read
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Member, "read", lambda self: reads.append(self) or original(self))
+        train(make_config(**settings, cache__dir="s3://shards/cache", train__output_dir=str(tmp_path / "again")))
+    assert reads == []  # the scan's index and every entry came from the bucket
+    assert _losses(tmp_path / "remote") == _losses(tmp_path / "local") == _losses(tmp_path / "again")
+
+
 @pytest.mark.slow
 def test_a_run_from_s3_shards_killed_and_resumed_is_bit_identical(tmp_path, s3):
     shards = write_shards(REPO / "examples" / "purple", tmp_path / "shards", per_shard=5)
