@@ -1,4 +1,5 @@
-"""On-disk caches of VAE posteriors and text-encoder states: encode once, reuse across runs and processes.
+"""Caches of VAE posteriors and text-encoder states, in a folder or on object storage (places.py): encode once, reuse
+across runs, processes and machines.
 
 An entry's file name is the SHA-256 of everything its content depends on, and of `FORMAT` (bumped when what
 an entry holds changes):
@@ -11,8 +12,8 @@ an entry holds changes):
   pooled embedding).
 A changed image, another VAE or another setting therefore misses and is encoded again, and an entry made
 under other settings can never be read. Each entry is one
-safetensors file, written under a temporary name and renamed into place, so processes sharing a cache
-never see half an entry (two writing the same entry write the same bytes). Files are spread over 256
+safetensors file, written under a temporary name and renamed into place (an object is put whole), so processes
+sharing a cache never see half an entry (two writing the same entry write the same bytes). Files are spread over 256
 subfolders by the first two hex digits of their name.
 
 An edit pair's control images are entries of the same kind, at the control's training size (an image trained as
