@@ -79,6 +79,14 @@ def tiny_flux_base(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def kontext_base(tmp_path_factory) -> Path:
+    """A random-init micro FLUX.1 Kontext pipeline folder (fp32), an edit base."""
+    path = tmp_path_factory.mktemp("micro-kontext")
+    build_pipeline(seed=1, family="flux_kontext").save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
 def shapes(tmp_path_factory) -> Path:
     """Eight captioned 32 px images in kohya layout."""
     path = tmp_path_factory.mktemp("shapes")

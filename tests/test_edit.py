@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,19 +21,10 @@ from difftune.data import BAD_FILES_REPORT, CaptionedImages, load_image, scan_ex
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.metrics import read_metrics
-from difftune.toy.tiny import build_pipeline, recolor_pairs, write_pair_folder
+from difftune.toy.tiny import recolor_pairs, write_pair_folder
 from difftune.train import train
 
 from conftest import edit_settings
-
-
-@pytest.fixture(scope="module")
-def kontext_base(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("micro-kontext")
-    build_pipeline(seed=1, family="flux_kontext").save_pretrained(path, safe_serialization=True)
-    return path
-
-
 
 
 def test_controls_are_found_by_stem_numbered_or_listed_and_bad_ones_reported(tmp_path):

@@ -212,15 +212,6 @@ def shard_records(out: Path, records: list[list[tuple[str, bytes]]]) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def kontext_base(tmp_path_factory) -> Path:
-    from difftune.toy.tiny import build_pipeline
-
-    path = tmp_path_factory.mktemp("micro-kontext")
-    build_pipeline(seed=1, family="flux_kontext").save_pretrained(path, safe_serialization=True)
-    return path
-
-
 def test_masks_and_controls_in_shard_records_train_as_their_folders(make_config, shapes, pairs, kontext_base, tmp_path):
     from conftest import edit_settings
 
