@@ -28,13 +28,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import io
 import json
 import re
 import tarfile
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from pathlib import Path, PurePosixPath
 
 import fsspec
@@ -60,10 +64,12 @@ def is_stored_source(path: str) -> bool:
     folder = Path(path)
     if not folder.is_dir():
         return False
-    entries = [entry for entry in folder.iterdir() if not entry.name.startswith(".")]
     if all((folder / name).is_file() for name in DATASET_FILES) or (folder / "dataset_dict.json").is_file():
         return True
-    return bool(entries) and all(entry.suffix in (SHARD_SUFFIX, PARQUET_SUFFIX) for entry in entries)
+    # Lazily: an image folder (asked about at each step of start-up) answers at its first image, unlisted.
+    entries = (entry for entry in folder.iterdir() if not entry.name.startswith("."))
+    first = next(entries, None)
+    return first is not None and all(entry.suffix in (SHARD_SUFFIX, PARQUET_SUFFIX) for entry in chain([first], entries))
 
 
 def _filesystem(path: str, key: str):
@@ -76,6 +82,13 @@ def _filesystem(path: str, key: str):
 def source_files(path: str, key: str = "data.path") -> tuple[str, list[str]]:
     """What `path` holds, and its files sorted: ("shards", tars), ("parquet", files) or ("dataset", [the folder]).
     `path` is one file, a glob (`s3://bucket/train-*.tar`), or a folder or prefix holding them."""
+    kind, files, _ = _listing(path, key)
+    return kind, files
+
+
+def _listing(path: str, key: str) -> tuple[str, list[str], dict[str, dict]]:
+    """`source_files`, and what the store says of each file it reads (size, version: a saved dataset's every file),
+    from one listing."""
     fs, root = _filesystem(path, key)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
 
@@ -84,43 +97,38 @@ def source_files(path: str, key: str = "data.path") -> tuple[str, list[str]]:
 
     try:
         if any(char in root for char in "*?["):
-            found = fs.glob(root)
+            found = fs.glob(root, detail=True)
         elif fs.isdir(root):
             if all(fs.isfile(f"{root.rstrip('/')}/{name}") for name in DATASET_FILES):
-                return "dataset", [url(root)]
+                return "dataset", [url(root)], {url(name): info for name, info in fs.find(root, detail=True).items()}
             if fs.isfile(f"{root.rstrip('/')}/dataset_dict.json"):
                 raise DifftuneError(f"{key} {path}: a DatasetDict (several splits); point it at one split's folder, "
                                     f"e.g. {path.rstrip('/')}/train")
-            found = fs.find(root)
+            found = fs.find(root, detail=True)
         elif fs.isfile(root):
-            found = [root]
+            found = {root: fs.info(root)}
         else:
             raise DifftuneError(f"{key} {path}: not found; point it at a folder of captioned images, .tar shards, "
                                 f".parquet files (a file, a glob or a folder of them) or a saved `datasets` folder")
     except (OSError, PermissionError) as err:
         raise DifftuneError(f"{key} {path}: cannot be listed: {err}") from None
-    kinds = {"shards": sorted(url(f) for f in found if f.endswith(SHARD_SUFFIX)),
-             "parquet": sorted(url(f) for f in found if f.endswith(PARQUET_SUFFIX))}
+    kinds = {kind: {url(name): found[name] for name in sorted(found) if name.endswith(suffix)}
+             for kind, suffix in (("shards", SHARD_SUFFIX), ("parquet", PARQUET_SUFFIX))}
     present = [kind for kind, files in kinds.items() if files]
     if len(present) != 1:
         what = "both .tar shards and .parquet files: keep one kind" if present else "no .tar shards or .parquet files"
         raise DifftuneError(f"{key} {path}: holds {what}")
-    return present[0], kinds[present[0]]
+    return present[0], list(kinds[present[0]]), kinds[present[0]]
 
 
 def source_identity(path: str, key: str = "data.path") -> list[list[str]]:
-    """Each file `path` holds, with its size and version (an object store's ETag, a file's modification time, a hub
-    file's blob id): what a scan of it depends on, listed without reading it."""
-    kind, files = source_files(path, key)
-    fs, _ = _filesystem(path, key)
+    """Each file `path` holds (a saved dataset: every file in its folder), with its size and version (an object
+    store's ETag, a file's modification time, a hub file's blob id): what a scan of it depends on, from one listing."""
     identity = []
-    for url in files:
-        _, root = fsspec.core.url_to_fs(url)
-        infos = fs.find(root, detail=True) if kind == "dataset" else {root: fs.info(root)}
-        for name, info in sorted(infos.items()):
-            version = next((info[field] for field in ("ETag", "etag", "blob_id", "mtime", "LastModified", "last_modified")
-                            if info.get(field) is not None), "")
-            identity.append([name, str(info.get("size")), str(version)])
+    for name, info in sorted(_listing(path, key)[2].items()):
+        version = next((info[field] for field in ("ETag", "etag", "blob_id", "mtime", "LastModified", "last_modified")
+                        if info.get(field) is not None), "")
+        identity.append([name, str(info.get("size")), str(version)])
     return identity
 
 
@@ -207,8 +215,6 @@ class DatasetRow(Stored):
 
 def _library(name: str):
     """An optional library the source needs, or a message saying how to install it."""
-    import importlib
-
     try:
         return importlib.import_module(name)
     except ImportError:
@@ -291,8 +297,6 @@ def read_source(path: str, media_suffixes: set[str], caption_extension: str, ima
                 key: str = "data.path") -> tuple[list[Record], list[tuple[str, str]]]:
     """Every record `path` holds, in file order, and the (where, reason) of those left out; each file read once, in
     threads (reading is I/O, and hashing releases the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     kind, files = source_files(path, key)
     if kind == "shards":
         read = functools.partial(read_shard, media_suffixes=media_suffixes, caption_extension=caption_extension)
@@ -381,21 +385,26 @@ def _caption(members: dict[str, Member | bytes | None], caption_kind: str) -> st
     return None
 
 
-
 def read_table(url: str, image_column: str, caption_column: str, saved: bool, key: str) -> tuple[list[Record], list[tuple[str, str]]]:
     """A parquet file's records (`saved`: a `Dataset.save_to_disk` folder's), row by row; a row without image bytes
     is reported as `file:row N`."""
-    if saved:
-        table = _saved_table(url)
-        names, groups = table.column_names, None
-    else:
-        fs, path = fsspec.core.url_to_fs(url)
-        parquet = _library("pyarrow.parquet").ParquetFile(fs.open(path, "rb"))
-        names, groups = parquet.schema_arrow.names, range(parquet.num_row_groups)
-    image = _column(url, names, image_column, IMAGE_COLUMNS, "data.image_column", key)
-    caption = _column(url, names, caption_column, CAPTION_COLUMNS, "data.caption_column", key)
-    columns = [image, caption] if caption else [image]
-    parts = [(0, table.select(columns))] if saved else ((g, parquet.read_row_group(g, columns=columns)) for g in groups)
+    with ExitStack() as opened:
+        if saved:
+            table = _saved_table(url)
+            names, groups = table.column_names, None
+        else:
+            fs, path = fsspec.core.url_to_fs(url)
+            parquet = _library("pyarrow.parquet").ParquetFile(opened.enter_context(fs.open(path, "rb")))
+            names, groups = parquet.schema_arrow.names, range(parquet.num_row_groups)
+        image = _column(url, names, image_column, IMAGE_COLUMNS, "data.image_column", key)
+        caption = _column(url, names, caption_column, CAPTION_COLUMNS, "data.caption_column", key)
+        columns = [image, caption] if caption else [image]
+        parts = [(0, table.select(columns))] if saved else ((g, parquet.read_row_group(g, columns=columns)) for g in groups)
+        return _table_records(url, parts, image, caption, saved)
+
+
+def _table_records(url: str, parts, image: str, caption: str | None, saved: bool) -> tuple[list[Record], list[tuple[str, str]]]:
+    """The records of a table's parts ((row group, its rows) in order; a saved dataset is one part)."""
     records, bad, row = [], [], 0
     for group, part in parts:
         captions = part.column(caption).to_pylist() if caption else [None] * part.num_rows
