@@ -8,7 +8,7 @@ autoencoder tiny-qwen_image's taught time on clips).
 Trains an autoencoder (KL, or Wan's video kind for Qwen-Image) and a TAESD on synthetic shapes (not for SDXL), then
 the denoiser and text encoder(s) with difftune's own trainer (full fine-tune, EMA), never showing them the held-out
 color; scores the result with the judge (and an untrained control) and writes the model card. Deterministic by
-seed; on 2 CPU cores about 20 minutes for tiny-sd, 17 for tiny-flux, 20 for tiny-qwen_image. The default jobs'
+seed; on 2 CPU cores about 20 minutes for tiny-sd, 17 for tiny-flux, 21 for tiny-qwen_image. The default jobs'
 images (examples/purple: renders of the held-out color) are written with tiny-sd; the Flux and Qwen-Image jobs'
 (examples/purple_with_seen: the same renders repeated 3 times per epoch and 12 renders of the seen colors) with
 tiny-flux; the Wan job's clips (examples/purple_clips) with tiny-wan.
@@ -46,7 +46,7 @@ Weights are fp16; on a CPU load them as fp32: `{pipeline}.from_pretrained(path, 
 
 ## Recipe (`{command}`, seed {seed})
 
-- autoencoders{autoencoders_note}: {autoencoder_images} renders of every color; KL VAE (MSE + 1e-6 KL, {vae_steps} steps at batch
+- autoencoders{autoencoders_note}: {autoencoder_images} renders of every color; KL VAE ({vae_loss}, {vae_steps} steps at batch
   {autoencoder_batch}, then {vae_decoder_steps} steps at lr {vae_decoder_lr} of the decoder alone on the posterior means, as SD's ft-MSE
   VAE), {normalization}; TAESD distilled for {taesd_steps}
   steps (encoder -> the VAE's scaled latents, decoder <- them)
@@ -63,6 +63,7 @@ Weights are fp16; on a CPU load them as fp32: `{pipeline}.from_pretrained(path, 
 | VAE reconstruction PSNR (300 held-out renders) | {vae_psnr:.1f} dB |
 | TAESD reconstruction PSNR | {taesd_psnr:.1f} dB |
 | TAESD latent RMSE vs the VAE's scaled latents (latents have std ~1) | {taesd_rmse:.3f} |
+| the closest two colors in the VAE's normalised latents (RMS distance, same renders) | {closest_colors} |
 | seen prompts, color accuracy ({n} samples per prompt, fixed seeds) | {seen_color:.3f} |
 | seen prompts, shape accuracy | {seen_shape:.3f} |
 | held-out color before fine-tuning (both right) | {concept_both:.3f} |
@@ -130,8 +131,9 @@ ARCHITECTURES = {
     "qwen_image": ("Qwen-Image's architecture at toy size, from the same classes (`QwenImageTransformer2DModel`\n"
                    "over 2x2-packed latents, Wan's causal video autoencoder `AutoencoderKLQwenImage` with per-channel\n"
                    "`latents_mean` / `latents_std`, a `Qwen2_5_VLForConditionalGeneration` language model read\n"
-                   "through the pipeline's chat template, with a byte-level `Qwen2Tokenizer` built here; sample with\n"
-                   "true classifier-free guidance, `true_cfg_scale`)", "QwenImagePipeline"),
+                   "through the pipeline's chat template, with a byte-level `Qwen2Tokenizer` built here that spells\n"
+                   "each caption word in one token; sample with true classifier-free guidance, `true_cfg_scale`)",
+                   "QwenImagePipeline"),
     "flux2_klein": ("FLUX.2 [klein]'s architecture at toy size, from the same classes (`Flux2Transformer2DModel`,\n"
                     "FLUX.2's `AutoencoderKLFlux2` with its batch norm over 2x2-patched latents, a 27-layer\n"
                     "`Qwen3ForCausalLM` read at layers 9, 18 and 27 through its chat template, with a byte-level\n"
@@ -263,6 +265,9 @@ def image_card(args, recipe: Recipe, facts: dict, components, settings: EvalSett
         autoencoder_images=recipe.autoencoder_images, vae_steps=recipe.vae_steps,
         vae_decoder_steps=recipe.vae_decoder_steps, vae_decoder_lr=recipe.vae_decoder_lr, taesd_steps=recipe.taesd_steps,
         autoencoder_batch=recipe.autoencoder_batch, normalization=normalization_note(components.vae),
+        vae_loss="MSE + 1e-6 KL" + (f" + {recipe.vae_color_weight} x MSE of its posterior means' first three channels "
+                                    "to the colors pooled to their size" if recipe.vae_color_weight else ""),
+        closest_colors=closest_colors(facts["autoencoders"]),
         denoiser=denoiser, denoiser_short=denoiser.split(" (")[0],
         denoiser_params=sum(p.numel() for p in components.denoiser.parameters()),
         objective="flow matching (rectified flow), uniform noise levels with the sampler's resolution shift"
@@ -277,6 +282,12 @@ def image_card(args, recipe: Recipe, facts: dict, components, settings: EvalSett
         seen_color=base["seen"]["color"], seen_shape=base["seen"]["shape"], concept_both=base["concept"]["both"],
         control_color=control["seen"]["color"], control_shape=control["seen"]["shape"],
     )
+
+
+def closest_colors(autoencoder_scores: dict) -> str:
+    distances = autoencoder_scores["color_distances"]
+    pair = min(distances, key=distances.get)
+    return f"{pair} {distances[pair]:.3f} (the others {min(v for k, v in distances.items() if k != pair):.3f} and over)"
 
 
 def clip_card(args, recipe: Recipe, facts: dict, components, settings: EvalSettings) -> str:

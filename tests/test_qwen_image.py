@@ -13,7 +13,7 @@ from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.families.qwen_image import PROMPT_TEMPLATE, TEMPLATE_TOKENS
-from difftune.toy.tiny import build_pipeline, build_qwen_tokenizer
+from difftune.toy.tiny import COLORS, build_pipeline, build_qwen_tokenizer
 from difftune.train import train
 
 QWEN = FAMILIES["qwen_image"]
@@ -34,6 +34,19 @@ def test_the_template_is_the_pipelines_and_its_system_prompt_is_dropped(qwen_bas
     # The micro tokenizer spells the system prompt in 34 tokens as Qwen2.5-VL's does: what is kept starts at the caption.
     assert tokens[TEMPLATE_TOKENS - 3 : TEMPLATE_TOKENS] == ["<|im_start|>", "user", "Ċ"]
     assert tokens[TEMPLATE_TOKENS] == "a"
+
+
+def test_the_tiny_bases_tokenizer_spells_each_caption_word_in_one_token_keeping_every_id():
+    """models/tiny-qwen_image's tokenizer (`caption_words`): a token per caption word, the held-out color's too, as a
+    real vocabulary has; the byte-level one spells "purple" ending in the "e" that "blue" ends in. Appended: the
+    template's words and the bytes keep their ids, and the system prompt is still the 34 tokens the pipeline drops."""
+    plain, words = build_qwen_tokenizer(), build_qwen_tokenizer(caption_words=True)
+    vocab = words.get_vocab()
+    assert all(vocab[token] == i for token, i in plain.get_vocab().items())
+    assert len(words(PROMPT_TEMPLATE.split("{}")[0]).input_ids) == TEMPLATE_TOKENS
+    assert words.tokenize("a purple square") == ["a", "Ġpurple", "Ġsquare"]
+    assert plain.tokenize("a purple square")[-6:] == ["Ġs", "q", "u", "a", "r", "e"]
+    assert {words.tokenize(f"a {color} circle")[1] for color in COLORS} == {f"Ġ{color}" for color in COLORS}
 
 
 def test_latents_are_normalised_per_channel_as_the_pipeline_inverts_them(qwen_base):

@@ -147,6 +147,7 @@ COLORS = {
     "purple": (140, 50, 180),
 }
 SHAPES = ("circle", "square", "triangle")
+CAPTION_WORDS = (*COLORS, *SHAPES)  # `a <color> <shape>`: "a" is one byte already
 
 
 def character_vocabulary() -> dict[str, int]:
@@ -272,15 +273,20 @@ def build_qwen_scheduler() -> FlowMatchEulerDiscreteScheduler:
     )
 
 
-def build_qwen_tokenizer(edit: bool = False) -> Qwen2Tokenizer:
+def build_qwen_tokenizer(edit: bool = False, caption_words: bool = False) -> Qwen2Tokenizer:
     """Qwen2's layout (byte-level BPE; `<|endoftext|>` pads, `<|im_start|>` / `<|im_end|>` frame chat turns) with
     no merges but those that spell the words of Qwen-Image's prompt template: the template's system prompt is 34
     tokens, as in Qwen2.5-VL's own vocabulary (the pipeline drops that many), and captions are byte level. `edit`:
-    extended for the edit pipelines (`extend_qwen_tokenizer`)."""
+    extended for the edit pipelines (`extend_qwen_tokenizer`). `caption_words`: extended with a token for each word
+    the captions use (`CAPTION_WORDS`, the held-out color's too), as a real vocabulary spells " purple" in one token:
+    spelt in bytes, the held-out word ends in the same letter as a seen one ("purple", "blue"), and a small language
+    model trained on the seen captions alone states that letter as the seen color."""
     from difftune.families.qwen_image import PROMPT_TEMPLATE
 
     bytes_vocab = {byte: i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     tokenizer = _qwen_bpe_tokenizer(bytes_vocab, [], PROMPT_TEMPLATE, QWEN_SPECIAL_TOKENS)
+    if caption_words:
+        tokenizer = _extended(tokenizer, "".join(f" {word}" for word in CAPTION_WORDS), QWEN_SPECIAL_TOKENS)
     return extend_qwen_tokenizer(tokenizer) if edit else tokenizer
 
 
@@ -290,9 +296,14 @@ def extend_qwen_tokenizer(tokenizer: Qwen2Tokenizer) -> Qwen2Tokenizer:
     model trained on `tokenizer` keeps its embeddings and grows new rows (text may split into the new, longer tokens)."""
     from difftune.families.qwen_image_edit import EDIT_PROMPT_TEMPLATE
 
+    return _extended(tokenizer, EDIT_PROMPT_TEMPLATE, QWEN_SPECIAL_TOKENS + QWEN_VISION_TOKENS)
+
+
+def _extended(tokenizer: Qwen2Tokenizer, text: str, specials: tuple[str, ...]) -> Qwen2Tokenizer:
+    """`tokenizer` with merges that spell each word of `text` whole, and `specials`, appended (every id kept)."""
     model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     merges = [tuple(merge) if isinstance(merge, list) else tuple(merge.split(" ")) for merge in model["merges"]]
-    return _qwen_bpe_tokenizer(model["vocab"], merges, EDIT_PROMPT_TEMPLATE, QWEN_SPECIAL_TOKENS + QWEN_VISION_TOKENS)
+    return _qwen_bpe_tokenizer(model["vocab"], merges, text, specials)
 
 
 def _qwen_bpe_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]], template: str,
@@ -795,12 +806,13 @@ def set_latent_scaling(vae: AutoencoderKL, latents: torch.Tensor, shift: bool) -
 def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int, ...] = (32, 64),
                            flux_layers: tuple[int, int] = (1, 1), flux_heads: int = 2, guidance: bool = False,
                            dit_layers: int | None = None, dit_heads: int = 2, language_model_width: int | None = None,
-                           text_tokens: int | None = None):
+                           text_tokens: int | None = None, caption_words: bool = False):
     """Random text encoders and denoiser around `vae` (built in this order: the seed's random draws depend on it).
     `language_model_width`: the Qwen language model's (default: `QWEN_HIDDEN_SIZE`, FLUX.2 [klein]'s deep one
     `FLUX2_TEXT_HIDDEN_SIZE`); `text_tokens`: FLUX.2 [klein]'s tokenizer's `model_max_length`, the caption length
     difftune reads (the pipeline's 512 by default). `dit_layers`: the blocks of a transformer counted in one number
-    (default: the micro model's, 2 for SD3 and 1 for the others)."""
+    (default: the micro model's, 2 for SD3 and 1 for the others). `caption_words`: Qwen-Image's tokenizer spells each
+    caption word in one token (`build_qwen_tokenizer`)."""
     width = language_model_width or (FLUX2_TEXT_HIDDEN_SIZE if family.startswith("flux2") else QWEN_HIDDEN_SIZE)
     if family == "z_image":
         tokenizer = build_qwen3_tokenizer()
@@ -816,7 +828,7 @@ def assemble_tiny_pipeline(vae, family: str, unet_block_out_channels: tuple[int,
         )
     if family.startswith("qwen_image"):
         edit = family in QWEN_EDIT_FAMILIES
-        tokenizer = build_qwen_tokenizer(edit)
+        tokenizer = build_qwen_tokenizer(edit, caption_words)
         parts = {"vae": vae, "text_encoder": build_qwen_text_encoder(tokenizer, width), "tokenizer": tokenizer,
                  "transformer": build_qwen_transformer(dit_layers or 1, dit_heads, text_hidden_size=width,
                                                        zero_cond_t=family == "qwen_image_edit_plus"),  # as 2511

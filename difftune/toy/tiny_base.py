@@ -15,6 +15,7 @@ the autoencoders see every color, as SD's VAE saw every kind of image.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 import random
@@ -24,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan, AutoencoderTiny, DiffusionPipeline
@@ -63,6 +65,7 @@ from difftune.toy.tiny import (
     edit_pipeline_of,
     moving_shape_clips,
     recolor_pairs,
+    render_shape,
     set_batch_norm_statistics,
     set_latent_scaling,
     set_latent_statistics,
@@ -124,7 +127,16 @@ SD3_RECIPE = QWEN_RECIPE | {"steps": 2000, "dit_layers": 4, "dit_heads": 6}
 # still falling (0.3316; 0.3218 at 3000, where the shapes reached 0.96): 3000 here.
 WAN_RECIPE = QWEN_RECIPE | {"steps": 3000, "batch_size": 64, "dit_layers": 4, "dit_heads": 8, "train_text_encoder": False,
                             "vae_steps": 300, "train_images_per_prompt": 40, "validation_images_per_prompt": 2}
-RECIPES = {"chroma": CHROMA_RECIPE, "flux": FLUX_RECIPE, "flux2_klein": FLUX2_KLEIN_RECIPE, "qwen_image": QWEN_RECIPE,
+# tiny-qwen_image: its first autoencoder put purple and blue squares 0.079 apart in its normalised latents (red and
+# blue 1.08; tiny-flux's purple and blue 0.53), within its posterior's own noise, and the default job drew purple
+# squares blue at some seeds (0.25 at train.seed 2): its latents now learn the colors too (train_vae's color_weight).
+# Its tokenizer spells each caption word in one token, as Qwen2.5-VL's spells " purple": spelt in bytes, "purple"
+# ends in the "e" that "blue" ends in, and the language model trained on the seen captions stated that "e" as blue
+# (cosine 0.999 between the two words' last states). Words alone (the first autoencoder) drew purple squares 0.50,
+# 0.50 and 0.75 at seeds 0-2, blue. 4000 steps: at 2400 over the new latents the seen squares were the weak shape
+# (0.88 at 32 samples a prompt), and the job's purple squares' shapes missed (0.62-0.75).
+RECIPES = {"chroma": CHROMA_RECIPE, "flux": FLUX_RECIPE, "flux2_klein": FLUX2_KLEIN_RECIPE,
+           "qwen_image": QWEN_RECIPE | {"caption_words": True, "vae_color_weight": 1.0, "steps": 4000},
            "sd3": SD3_RECIPE, "wan": WAN_RECIPE, "z_image": Z_IMAGE_RECIPE}
 SEEN_COLORS = tuple(color for color in COLORS if color != HELD_OUT_COLOR)
 
@@ -189,13 +201,18 @@ def _decode(vae, latents: torch.Tensor) -> torch.Tensor:
 
 
 def train_vae(images: torch.Tensor, steps: int, batch_size: int = 64, lr: float = 2e-3, kl_weight: float = 1e-6,
-              seed: int = 0, latent_channels: int = 4, kind: str = "kl", shift: bool = False):
+              seed: int = 0, latent_channels: int = 4, kind: str = "kl", shift: bool = False, color_weight: float = 0.0):
     """The KL autoencoder (`kind` "kl": SD's and Flux's AutoencoderKL; "wan": Wan's video autoencoder, Qwen-Image's;
     "flux2": FLUX.2's, whose batch norm then holds its patched latents' statistics, as training it leaves them):
     MSE on reconstructions of posterior samples plus a small KL term (SD's VAE recipe without its perceptual and GAN
     losses, which 32 px flat shapes do not need). Its normalisation is set from the latents afterwards: SD's kind
     gets scaling factor 1/std, the way SD's 0.18215 was chosen, and with `shift` a shift factor (their mean, as
-    Flux.1's autoencoder has); Wan's kind gets per-channel `latents_mean` / `latents_std`, as Wan's has."""
+    Flux.1's autoencoder has); Wan's kind gets per-channel `latents_mean` / `latents_std`, as Wan's has.
+
+    `color_weight`: the posterior means' first three channels also learn the image's colors at the latents'
+    resolution (MSE to the average-pooled pixels), as a real autoencoder's latents hold colors near linearly (the
+    latent-to-RGB factors previews decode with): with reconstruction alone, Wan's kind put purple and blue squares
+    0.079 apart in its normalised latents (red and blue: 1.08), under its own posterior's noise."""
     torch.manual_seed(seed)
     builders = {"wan": build_qwen_vae, "flux2": lambda: build_flux2_vae(latent_channels)}
     vae = builders.get(kind, lambda: build_vae(latent_channels=latent_channels))()
@@ -204,7 +221,11 @@ def train_vae(images: torch.Tensor, steps: int, batch_size: int = 64, lr: float 
 
     def loss(batch):
         posterior = _posterior(vae, batch)
-        return F.mse_loss(_decode(vae, posterior.sample()), batch) + kl_weight * posterior.kl().mean()
+        loss = F.mse_loss(_decode(vae, posterior.sample()), batch) + kl_weight * posterior.kl().mean()
+        if color_weight:
+            means = posterior.mean[:, :3, 0] if posterior.mean.dim() == 5 else posterior.mean[:, :3]
+            loss = loss + color_weight * F.mse_loss(means, F.avg_pool2d(batch, batch.shape[-1] // means.shape[-1]))
+        return loss
 
     _fit(vae.parameters(), loss, (images,), steps, batch_size, lr, seed, "vae")
     vae.eval()
@@ -267,7 +288,23 @@ def autoencoder_scores(vae, taesd: AutoencoderTiny, images: torch.Tensor) -> dic
         "taesd_decoder_psnr_db": psnr(taesd.decode(kl_latents).sample, images),
         "taesd_latent_rmse": F.mse_loss(taesd_latents, kl_latents).sqrt().item(),
         "latent_std": kl_latents.std().item(),
+        "color_distances": color_distances(vae),
     }
+
+
+@torch.no_grad()
+def color_distances(vae, layouts: int = 12, seed: int = 0) -> dict[str, float]:
+    """How far apart each pair of colors lies in the normalised latents the denoiser learns: the RMS distance between
+    the posterior means of the same render (shape, size, place, background) in the two colors, averaged over
+    `layouts` renders. A pair much closer than the others is one the denoiser can barely tell apart."""
+    normalization = latent_normalization(vae)
+    by_color = {}
+    for color in COLORS:
+        rng = np.random.default_rng(seed)  # the same layouts for every color
+        renders = [render_shape(SHAPES[i % len(SHAPES)], color, rng) for i in range(layouts)]
+        by_color[color] = normalization.apply(posterior_means(vae, torch.stack([image_to_tensor(r) for r in renders])))
+    return {f"{a}-{b}": (by_color[a] - by_color[b]).pow(2).mean(dim=(1, 2, 3)).sqrt().mean().item()
+            for a, b in itertools.combinations(COLORS, 2)}
 
 
 @contextmanager
@@ -287,6 +324,7 @@ class Recipe:
     vae_steps: int = 1000
     vae_decoder_steps: int = 1000
     vae_decoder_lr: float = 1e-3
+    vae_color_weight: float = 0.0  # Qwen-Image's: its latents' first three channels learn the colors (train_vae)
     taesd_steps: int = 450
     autoencoder_batch: int = 32
     unet_block_out_channels: tuple[int, ...] = (32, 64, 64)
@@ -308,6 +346,7 @@ class Recipe:
     language_model_width: int = 64  # the Qwen2.5-VL / Qwen3 language model's width
     train_text_encoder: bool = True  # trained with the denoiser; else kept at its random init (its states cached)
     text_tokens: int | None = None  # FLUX.2 [klein]: the caption length its tokenizer states
+    caption_words: bool = False  # Qwen-Image: a token for each caption word (tiny.build_qwen_tokenizer), not bytes
     timestep_sampling: str = "uniform"
     flow_shift_by_resolution: bool = False  # flow matching: draw noise levels with the sampler's own shift
 
@@ -384,7 +423,7 @@ def train_autoencoders(recipe: Recipe) -> tuple[AutoencoderKL | AutoencoderKLQwe
     kind = {"qwen_image": "wan", "flux2_klein": "flux2"}.get(recipe.family, "kl")
     vae = train_vae(images, recipe.vae_steps, recipe.autoencoder_batch, seed=recipe.seed,
                     latent_channels=FLUX_LATENT_CHANNELS if flux else FLUX2_LATENT_CHANNELS if kind == "flux2" else 4,
-                    kind=kind, shift=flux)
+                    kind=kind, shift=flux, color_weight=recipe.vae_color_weight)
     latents = posterior_means(vae, images)
     vae = finetune_decoder(vae, images, latents, recipe.vae_decoder_steps, recipe.autoencoder_batch,
                            recipe.vae_decoder_lr, recipe.seed)
@@ -420,6 +459,7 @@ def build_base(out_dir: Path, work_dir: Path, recipe: Recipe = Recipe(), autoenc
         vae, recipe.family, recipe.unet_block_out_channels, recipe.flux_layers, recipe.flux_heads,
         dit_layers=recipe.dit_layers, dit_heads=recipe.dit_heads,
         language_model_width=recipe.language_model_width, text_tokens=recipe.text_tokens,
+        caption_words=recipe.caption_words,
     )
     init.save_pretrained(init_dir, safe_serialization=True)
     write = write_clips if clips else write_renders
