@@ -20,6 +20,7 @@ from difftune.checkpoint import MARKER, complete_checkpoints, find_checkpoint
 from difftune.data import scan_examples
 from difftune.errors import DifftuneError
 from difftune.metrics import read_metrics
+from difftune.output_lock import hold_output_dir
 from difftune.train import train
 
 from conftest import REPO, run_whole_killed_and_resumed
@@ -456,6 +457,32 @@ def test_two_runs_never_share_a_folder(make_config, tmp_path):
     result = train(_job(make_config, out, train__max_steps=reached + 2, checkpoint__every_steps=5, ema__enabled=False),
                    resume="auto")
     assert len(result.losses) == 2
+
+
+_HOLD_AND_FORK = """
+import os, sys, time
+from difftune.output_lock import hold_output_dir
+
+with hold_output_dir(sys.argv[1]):
+    if os.fork() == 0:  # as a data-loader worker: forked while the folder is held, outliving its parent a while
+        time.sleep(3)
+        os._exit(0)
+    os._exit(0)  # the holder dies at once, without letting go
+"""
+
+
+def test_a_killed_runs_forked_workers_delay_the_next_run_instead_of_refusing_it(tmp_path, capsys):
+    """A flock belongs to the open file, which a run's forked loader workers share: after the run dies they hold the
+    folder until they exit. The next run waits for them (the holder's pid is gone), where it used to be refused."""
+    import fcntl
+
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-c", _HOLD_AND_FORK, str(out)], cwd=REPO, check=True, timeout=60)
+    with open(out / ".difftune.lock", "a+") as handle, pytest.raises(BlockingIOError):
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # still held by the orphaned child
+    with hold_output_dir(out):
+        assert json.loads((out / ".difftune.lock").read_text())["pid"] == os.getpid()
+    assert "has ended; waiting for the processes it started" in capsys.readouterr().out
 
 
 def test_resuming_an_older_checkpoint_starts_a_branch_that_auto_resume_follows(make_config, tmp_path):
