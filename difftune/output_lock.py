@@ -6,9 +6,10 @@ however it exits: a SIGKILLed or crashed run cannot leave the folder locked. The
 host, start time and command, to name it; left behind after a run, it locks nothing. Under several processes
 (DDP, FSDP) the global main process (RANK 0) holds it. Where `fcntl` does not exist (Windows), no hold is taken.
 
-A flock belongs to the open file, which data-loader workers forked during the run share: after a SIGKILL they keep
-the folder locked until they notice their parent is gone and exit (seconds). A run that finds the lock held by a
-holder that no longer exists on this machine waits for them, up to `ORPHANS_WAIT_S`, instead of refusing.
+A flock belongs to the open file, and a forked process shares it: data-loader workers forked during the run would
+keep the folder locked after a SIGKILL until they noticed their parent was gone (seconds), and a resume started at
+once was refused. So every process forked while the folder is held drops its copy of the lock file at once
+(`_release_in_forked_child`): the holder alone holds it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from difftune.errors import DifftuneError
 
 LOCK_FILE = ".difftune.lock"
-ORPHANS_WAIT_S = 60.0  # a dead holder's loader workers poll their parent every 5 s (torch's MP_STATUS_CHECK_INTERVAL)
+_held_descriptors: set[int] = set()  # the lock files' descriptors this process holds the folder through
 
 
 @contextmanager
@@ -42,65 +43,46 @@ def hold_output_dir(output_dir: Path) -> Iterator[None]:
         return
     output_dir.mkdir(parents=True, exist_ok=True)
     with open(output_dir / LOCK_FILE, "a+", encoding="utf-8") as handle:
-        if not _locked(handle, fcntl):
-            raise DifftuneError(f"train.output_dir {output_dir}: {_holder(handle)}")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DifftuneError(f"train.output_dir {output_dir}: {_holder(handle)}") from None
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
                                  "command": " ".join(sys.argv)}))
         handle.flush()
+        _held_descriptors.add(handle.fileno())
         try:
             yield
         finally:
+            _held_descriptors.discard(handle.fileno())
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _locked(handle, fcntl) -> bool:
-    """Take the lock; False where a live run holds it. Held by a holder that has exited (its forked workers still
-    share the open file), wait for them to exit too."""
-    deadline, said = time.monotonic() + ORPHANS_WAIT_S, False
-    while True:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            holder = _read_holder(handle)
-            if holder is None or _alive(holder) or time.monotonic() > deadline:
-                return False
-            if not said:
-                print(f"difftune: the run that held this folder (pid {holder['pid']}) has ended; waiting for the processes "
-                      "it started (data-loader workers) to exit", flush=True)
-                said = True
-            time.sleep(0.2)
+def _release_in_forked_child() -> None:
+    """In a forked child, point each held lock file's descriptor at /dev/null: the child no longer shares the open
+    file (closing the descriptor instead would let the child's file object close whatever took its number later)."""
+    if not _held_descriptors:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    for descriptor in _held_descriptors:
+        os.dup2(null, descriptor)
+    os.close(null)
+    _held_descriptors.clear()
 
 
-def _read_holder(handle) -> dict | None:
-    handle.seek(0)
-    try:
-        holder = json.loads(handle.read())
-        named = isinstance(holder.get("pid"), int) and isinstance(holder.get("started"), (int, float))
-        return holder if named and {"host", "command"} <= set(holder) else None
-    except (ValueError, AttributeError):
-        return None
-
-
-def _alive(holder: dict) -> bool:
-    """Whether the holder may still run: always on another machine (it cannot be asked)."""
-    if holder["host"] != socket.gethostname():
-        return True
-    try:
-        os.kill(holder["pid"], 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+if hasattr(os, "register_at_fork"):  # POSIX, where fcntl's flock is
+    os.register_at_fork(after_in_child=_release_in_forked_child)
 
 
 def _holder(handle) -> str:
-    holder = _read_holder(handle)
-    who = (f"pid {holder['pid']} on {holder['host']}, started "
-           f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder['started']))}: `{holder['command']}`"
-           if holder else "a process that has not said which yet")
+    handle.seek(0)
+    try:
+        holder = json.loads(handle.read())
+        who = (f"pid {holder['pid']} on {holder['host']}, started "
+               f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder['started']))}: `{holder['command']}`")
+    except (ValueError, KeyError, TypeError):
+        who = "a process that has not said which yet"
     return (f"another run is using this folder ({who}); wait for it to end, stop it, or choose another "
             "train.output_dir")

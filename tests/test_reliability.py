@@ -467,22 +467,24 @@ with hold_output_dir(sys.argv[1]):
     if os.fork() == 0:  # as a data-loader worker: forked while the folder is held, outliving its parent a while
         time.sleep(3)
         os._exit(0)
-    os._exit(0)  # the holder dies at once, without letting go
+    os._exit(0)  # the holder dies at once, without letting go; the child lives on
 """
 
 
-def test_a_killed_runs_forked_workers_delay_the_next_run_instead_of_refusing_it(tmp_path, capsys):
-    """A flock belongs to the open file, which a run's forked loader workers share: after the run dies they hold the
-    folder until they exit. The next run waits for them (the holder's pid is gone), where it used to be refused."""
+def test_a_killed_runs_forked_workers_do_not_keep_its_folder_locked(tmp_path):
+    """A flock belongs to the open file, which a process forked during the run (a loader worker) would share: the
+    child drops its copy, so the folder is free the moment the holder dies, while the child still runs."""
     import fcntl
 
     out = tmp_path / "run"
     subprocess.run([sys.executable, "-c", _HOLD_AND_FORK, str(out)], cwd=REPO, check=True, timeout=60)
-    with open(out / ".difftune.lock", "a+") as handle, pytest.raises(BlockingIOError):
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # still held by the orphaned child
+    with open(out / ".difftune.lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free at once: no BlockingIOError
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    started = time.monotonic()
     with hold_output_dir(out):
         assert json.loads((out / ".difftune.lock").read_text())["pid"] == os.getpid()
-    assert "has ended; waiting for the processes it started" in capsys.readouterr().out
+    assert time.monotonic() - started < 2  # the child sleeps 3 s: nothing waited for it
 
 
 def test_resuming_an_older_checkpoint_starts_a_branch_that_auto_resume_follows(make_config, tmp_path):
