@@ -10,7 +10,8 @@
   results so far, the config.
 - `manifest.json`: every file's size and SHA-256, taken as the checkpoint is sealed; a checkpoint is checked
   against it before it is loaded, so a flipped byte or a cut file is reported (and `--resume auto` falls back to
-  the newest checkpoint that passes) instead of trained on. An SD1.5-shaped full fine-tune's 10.3 GB checkpoint
+  the newest checkpoint that passes) instead of trained on. A manifest must name every file in the folder and be
+  well formed itself; a checkpoint without one is never resumed from. An SD1.5-shaped full fine-tune's 10.3 GB checkpoint
   is checked in 4.4 s on 2 cores (BENCHMARKS.md), hashed per 256 MiB block on every core.
 - `COMPLETE`: written last. A folder without it, or a `.tmp-` folder, is never loaded.
 
@@ -27,12 +28,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import threading
 import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,6 +52,7 @@ CHECKPOINTS_DIR = "checkpoints"
 MARKER = "COMPLETE"
 TRAINED_FILE = "trained.safetensors"
 STATE_FILE = "state.json"
+RESUME_READS = (TRAINED_FILE, STATE_FILE)  # besides accelerate/'s files, which a manifest must cover like any file
 MANIFEST = "manifest.json"
 HASH_BLOCK = 256 << 20  # the manifest holds one SHA-256 per block of a file, so blocks hash in parallel
 EMA_PREFIX = "ema."
@@ -138,12 +142,9 @@ class Checkpointer:
             if not out_of_space(err, self.output_dir):
                 raise
             shutil.rmtree(staging, ignore_errors=True)
-            intact = complete_checkpoints(self.output_dir)
-            what = (f"the checkpoint at step {step_of(intact[-1])} is intact: free some space, then continue with "
-                    "--resume auto" if intact else "no earlier checkpoint was written")
             raise DifftuneError(
                 f"no space left on {self.output_dir}: the checkpoint at step {progress.global_step} could not be "
-                f"written (its partial files are removed); {what}"
+                f"written (its partial files are removed); {_what_is_intact(self.output_dir)}"
             ) from None
 
     def _write(self, staging: Path, progress: Progress, named: dict, ema, guard, best) -> Path:
@@ -216,12 +217,38 @@ class Checkpointer:
         return progress
 
 
+@contextmanager
+def full_disk_said_plainly(output_dir: Path):
+    """A write into the run's folder that finds the disk full (a metrics line, a sample, a snapshot) stops the run
+    with one line saying what is intact, as a full disk during a checkpoint does, instead of a traceback."""
+    try:
+        yield
+    except DifftuneError:
+        raise
+    except Exception as err:
+        if not out_of_space(err, output_dir):
+            raise
+        written = f" ({err.filename} could not be written)" if getattr(err, "filename", None) else ""
+        raise DifftuneError(f"no space left on {output_dir}{written}; {_what_is_intact(output_dir)}") from None
+
+
+def _what_is_intact(output_dir: Path) -> str:
+    intact = complete_checkpoints(output_dir)
+    if not intact:
+        return "no earlier checkpoint was written"
+    return f"the checkpoint at step {step_of(intact[-1])} is intact: free some space, then continue with --resume auto"
+
+
 def complete_checkpoints(output_dir: Path) -> list[Path]:
-    """Checkpoints with their completion marker, oldest first."""
+    """Checkpoints with their completion marker, oldest first. Only the run's own `step-N` folders count: a symbolic
+    link among them (to another step, or out of the run) is never resumed from, pruned through or deleted."""
     folder = Path(output_dir) / CHECKPOINTS_DIR
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.glob("step-*") if (p / MARKER).is_file())
+    return sorted(
+        path for path in folder.glob("step-*")
+        if re.fullmatch(r"step-\d+", path.name) and not path.is_symlink() and path.is_dir() and (path / MARKER).is_file()
+    )
 
 
 def find_checkpoint(output_dir: Path, resume: str, print_fn=print) -> Path | None:
@@ -251,16 +278,23 @@ def find_checkpoint(output_dir: Path, resume: str, print_fn=print) -> Path | Non
 
 
 def verify(path: Path) -> str | None:
-    """Why the checkpoint at `path` cannot be trusted (a file missing, or of another size or content than when it
-    was sealed), or None. Checkpoints sealed before manifests existed say nothing and pass."""
+    """Why the checkpoint at `path` cannot be trusted, or None. It must have a manifest naming every file in it,
+    what the resume reads among them, and each file of the size and content it had when it was sealed; a missing,
+    partial or malformed manifest is a damaged checkpoint like a changed file."""
     path = Path(path)
-    if not (path / MANIFEST).is_file():
-        return f"{MANIFEST} is missing" if MANIFEST in (path / MARKER).read_text(encoding="utf-8") else None
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-        expected, block = manifest["files"], int(manifest["block_bytes"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing"
+    except (OSError, ValueError) as err:
         return f"{MANIFEST} is unreadable ({type(err).__name__})"
+    expected, block = _manifest_records(manifest)
+    if expected is None:
+        return f"{MANIFEST} is malformed ({block})"
+    present = {str(file.relative_to(path)) for file in path.rglob("*") if file.is_file()} - {MANIFEST, MARKER}
+    unlisted = sorted(present - expected.keys()) + [name for name in RESUME_READS if name not in expected]
+    if unlisted:
+        return f"{MANIFEST} does not cover {unlisted[0]}"
     for name, record in expected.items():
         file = path / name
         if not file.is_file():
@@ -271,6 +305,32 @@ def verify(path: Path) -> str | None:
     digests = _block_digests([path / name for name in expected], block)  # sizes first (free), then contents
     changed = [name for name, record in expected.items() if digests[path / name] != record["sha256"]]
     return f"{changed[0]}'s contents differ from when it was written (SHA-256)" if changed else None
+
+
+def _manifest_records(manifest) -> tuple[dict | None, int | str]:
+    """A manifest's file records and block size, or (None, what is wrong with it): the manifest is checked as data
+    before any of it is trusted."""
+    if not isinstance(manifest, dict) or set(manifest) != {"block_bytes", "files"}:
+        keys = sorted(manifest) if isinstance(manifest, dict) else type(manifest).__name__
+        return None, f"keys {keys}, not block_bytes and files"
+    block, files = manifest["block_bytes"], manifest["files"]
+    if type(block) is not int or block <= 0:
+        return None, f"block_bytes is {block!r}"
+    if not isinstance(files, dict):
+        return None, f"files is a {type(files).__name__}, not a mapping"
+    for name, record in files.items():
+        parts = Path(name).parts
+        if not parts or Path(name).is_absolute() or ".." in parts:
+            return None, f"file name {name!r}"
+        if not isinstance(record, dict) or set(record) != {"bytes", "sha256"}:
+            return None, f"the record of {name}"
+        size, digests = record["bytes"], record["sha256"]
+        if type(size) is not int or size < 0:
+            return None, f"the size of {name} is {size!r}"
+        if not isinstance(digests, list) or len(digests) != max(-(-size // block), 1) or not all(
+                isinstance(digest, str) for digest in digests):
+            return None, f"the SHA-256s of {name}"
+    return files, block
 
 
 def step_of(path: Path) -> int:

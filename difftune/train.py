@@ -41,8 +41,8 @@ from difftune.cache import (
     cache_root, control_latent_entries, fill_latents, fill_text, latent_entries, model_identity, text_entries, text_identity,
 )
 from difftune.checkpoint import (
-    CHECKPOINTS_DIR, Checkpointer, Progress, StopRequest, find_checkpoint, keep_models_out_of_accelerate_state, retire_after,
-    step_of,
+    CHECKPOINTS_DIR, Checkpointer, Progress, StopRequest, find_checkpoint, full_disk_said_plainly,
+    keep_models_out_of_accelerate_state, retire_after, step_of,
 )
 from difftune.config import Config, ModelConfig, check_before_start
 from difftune.data import (
@@ -139,7 +139,8 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
     """Run the job; `resume` is "auto" (the latest complete checkpoint in output_dir, if any) or a checkpoint folder.
     The run holds its output folder throughout: a second run there is refused (output_lock.py)."""
     check_before_start(config)
-    with hold_output_dir(Path(config.train.output_dir)):
+    output_dir = Path(config.train.output_dir)
+    with hold_output_dir(output_dir), full_disk_said_plainly(output_dir):
         run = setup(config, resume)
         loop(run)
         return finish(run)

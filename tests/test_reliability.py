@@ -413,15 +413,114 @@ def test_when_no_checkpoint_passes_resume_stops_with_one_line(make_config, tmp_p
                      r"from when it was written \(SHA-256\); step-000002: .*\); start anew", line), line
 
 
-def test_checkpoints_from_before_manifests_still_resume(make_config, tmp_path):
+def _manifest(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / checkpoint_module.MANIFEST).read_text())
+
+
+def _rewrite_manifest(checkpoint: Path, change) -> None:
+    manifest = _manifest(checkpoint)
+    change(manifest)
+    (checkpoint / checkpoint_module.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _drop_manifest(checkpoint: Path) -> None:
+    """As difftune wrote checkpoints before they were sealed, or one whose manifest was lost: an empty marker."""
+    (checkpoint / checkpoint_module.MANIFEST).unlink()
+    (checkpoint / MARKER).write_text("")
+
+
+_MANIFEST_DAMAGE = {  # what a held-back pass did to manifests -> the problem `verify` names
+    "no files listed": (lambda c: _rewrite_manifest(c, lambda m: m.update(files={})),
+                        "manifest.json does not cover accelerate/"),
+    "one file left out": (lambda c: _rewrite_manifest(c, lambda m: m["files"].pop("trained.safetensors")),
+                          "manifest.json does not cover trained.safetensors"),
+    "no manifest, empty marker": (_drop_manifest, "manifest.json is missing"),
+    "files a list": (lambda c: _rewrite_manifest(c, lambda m: m.update(files=list(m["files"]))),
+                     "manifest.json is malformed (files is a list, not a mapping)"),
+    "a size as a string": (lambda c: _rewrite_manifest(c, lambda m: m["files"]["state.json"].update(bytes="12")),
+                           "manifest.json is malformed (the size of state.json is '12')"),
+    "a zero block size": (lambda c: _rewrite_manifest(c, lambda m: m.update(block_bytes=0)),
+                          "manifest.json is malformed (block_bytes is 0)"),
+    "a misspelt key": (lambda c: _rewrite_manifest(c, lambda m: m["files"]["state.json"].update(
+        sha265=m["files"]["state.json"].pop("sha256"))), "manifest.json is malformed (the record of state.json)"),
+    "a name out of the folder": (lambda c: _rewrite_manifest(c, lambda m: m["files"].update(
+        {"../../x": m["files"]["state.json"]})), "manifest.json is malformed (file name '../../x')"),
+    "not an object": (lambda c: (c / checkpoint_module.MANIFEST).write_text("[1, 2]"),
+                      "manifest.json is malformed (keys list, not block_bytes and files)"),
+}
+
+
+@pytest.fixture(scope="module")
+def sealed_checkpoint(tmp_path_factory, tiny_base, shapes):
+    """One real checkpoint, copied for each damage (training once for all of them)."""
+    from difftune.config import load_config
+
+    out = tmp_path_factory.mktemp("sealed") / "run"
+    train(load_config(None, [f'model.base={tiny_base}', f'data.path={shapes}', "data.resolution=32",
+                             "data.num_workers=0", f'train.output_dir={out}', "train.max_steps=2",
+                             "train.batch_size=2", "adapter.rank=4", "log.progress_bar=false",
+                             "log.tensorboard=false", "train.check_memory=false", "cache.latents=false",
+                             "cache.text=false", "sample.prompts=[]"]))
+    return complete_checkpoints(out)[-1]
+
+
+@pytest.mark.parametrize("damage", list(_MANIFEST_DAMAGE))
+def test_a_checkpoint_whose_manifest_lies_fails_its_check(sealed_checkpoint, tmp_path, damage):
+    """Every way a held-back pass broke a manifest is named as a damaged checkpoint (it used to be resumed from, the
+    damaged weights trained on, or a traceback); the intact copy passes."""
+    checkpoint = tmp_path / "step-000002"
+    shutil.copytree(sealed_checkpoint, checkpoint)
+    assert checkpoint_module.verify(checkpoint) is None
+    spoil, problem = _MANIFEST_DAMAGE[damage]
+    spoil(checkpoint)
+    assert (checkpoint_module.verify(checkpoint) or "").startswith(problem), checkpoint_module.verify(checkpoint)
+    with pytest.raises(DifftuneError, match=rf"the checkpoint fails its check \({re.escape(problem)}"):
+        find_checkpoint(tmp_path, str(checkpoint))
+
+
+@pytest.mark.parametrize("damage", ["no files listed", "no manifest, empty marker"])
+def test_a_checkpoint_without_a_covering_manifest_is_passed_over(make_config, tmp_path, capsys, damage):
+    """The newest checkpoint's manifest covers nothing (or is gone) and its weights are damaged: `--resume auto`
+    falls back to the one before and ends as the uninterrupted run (it used to train on the damaged weights)."""
     whole, out = tmp_path / "whole", tmp_path / "run"
     train(_job(make_config, whole, ema__enabled=False))
-    train(_job(make_config, out, train__max_steps=4, ema__enabled=False))
-    for checkpoint in complete_checkpoints(out):  # as difftune wrote them before checkpoints were sealed
-        (checkpoint / checkpoint_module.MANIFEST).unlink()
-        (checkpoint / MARKER).write_text("step 4\n")
+    train(_job(make_config, out, train__max_steps=6, ema__enabled=False))
+    newest = out / "checkpoints" / "step-000006"
+    _flip_bytes(newest / "trained.safetensors")
+    _MANIFEST_DAMAGE[damage][0](newest)
+    capsys.readouterr()
     train(_job(make_config, out, ema__enabled=False), resume="auto")
+    said = capsys.readouterr().out
+    assert f"checkpoint {newest} fails its check ({_MANIFEST_DAMAGE[damage][1]}" in said
+    assert "step-000004 at step 4" in said
     assert _losses(out) == _losses(whole)
+    assert _same_files(whole / "pytorch_lora_weights.safetensors", out / "pytorch_lora_weights.safetensors")
+
+
+@pytest.mark.parametrize("points_to", ["another step", "outside the run"])
+def test_a_linked_checkpoint_folder_is_neither_resumed_nor_pruned(make_config, tmp_path, points_to):
+    """A `step-N` that is a symbolic link: the pruning of old checkpoints used to crash on it (`Cannot call rmtree on
+    a symbolic link`), on that resume and the next. It is not a checkpoint of this run: never taken, never deleted
+    through, and what it points to is untouched."""
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    settings = {"ema__enabled": False, "checkpoint__keep_last": 1}
+    train(_job(make_config, whole, **settings))
+    train(_job(make_config, out, train__max_steps=4, **settings))
+    target = out / "checkpoints" / "step-000004"
+    if points_to == "outside the run":
+        target = shutil.copytree(target, tmp_path / "elsewhere")
+    link = out / "checkpoints" / "step-000100"
+    link.symlink_to(target)
+    assert find_checkpoint(out, "auto").name == "step-000004"
+    train(_job(make_config, out, train__max_steps=6, **settings), resume="auto")
+    train(_job(make_config, out, **settings), resume="auto")
+    [retired] = (out / "retired").iterdir()  # the link is set apart with what came after step 4, as its name says
+    moved = retired / "checkpoints" / "step-000100"
+    assert moved.is_symlink() and os.readlink(moved) == str(target)
+    if points_to == "outside the run":
+        assert checkpoint_module.verify(target) is None
+    assert _losses(out) == _losses(whole)
+    assert [path.name for path in complete_checkpoints(out)] == ["step-000008"]
 
 
 _HOLD_THE_FOLDER = """
@@ -545,6 +644,39 @@ def test_a_full_disk_mid_checkpoint_says_so_and_what_is_intact(make_config, tmp_
     assert [path.name for path in (out / "checkpoints").iterdir()] == ["step-000002"]
     filler.unlink()
     monkeypatch.setattr(checkpoint_module.Checkpointer, "save", real_save)
+    train(_job(make_config, out, **settings), resume="auto")
+    assert _losses(out) == _losses(whole)
+    assert _same_files(whole / "pytorch_lora_weights.safetensors", out / "pytorch_lora_weights.safetensors")
+
+
+@pytest.mark.parametrize("write", ["preview samples", "adapter snapshot"])
+def test_a_full_disk_between_checkpoints_says_so_and_what_is_intact(make_config, tmp_path, small_disk, monkeypatch, write):
+    """The disk fills while a preview sample or a snapshot is written, no checkpoint due: one line says so and
+    that step 2's checkpoint is intact (it used to be a traceback, `OSError: [Errno 28]`); once there is room again
+    the run resumes and ends as the uninterrupted one."""
+    from difftune import export
+    from difftune import train as train_module
+
+    whole, out = tmp_path / "whole", small_disk / "run"
+    settings = {"train__max_steps": 6, "ema__enabled": False, "sample__prompts": ["a red circle"],
+                "sample__every_steps": 3, "sample__before": False, "sample__steps": 2, "sample__parity": False,
+                "sample__images_per_prompt": 1, "export__every_steps": 3}
+    train(_job(make_config, whole, **settings))
+    filler = small_disk / "filler"
+    owner, name = {"preview samples": (train_module, "save_images"), "adapter snapshot": (export, "save_trained")}[write]
+    real = getattr(owner, name)
+
+    def fill_the_disk_first(*args, **kwargs):
+        if args[2].name.startswith("step-000003") and not filler.exists():
+            filler.write_bytes(b"\0" * shutil.disk_usage(small_disk).free)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, fill_the_disk_first)
+    with pytest.raises(DifftuneError, match=rf"^no space left on {re.escape(str(out))}( \(.* could not be written\))?; the "
+                                            r"checkpoint at step 2 is intact: free some space, then continue with --resume auto$"):
+        train(_job(make_config, out, **settings))
+    filler.unlink()
+    monkeypatch.setattr(owner, name, real)
     train(_job(make_config, out, **settings), resume="auto")
     assert _losses(out) == _losses(whole)
     assert _same_files(whole / "pytorch_lora_weights.safetensors", out / "pytorch_lora_weights.safetensors")
