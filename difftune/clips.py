@@ -1,7 +1,7 @@
 """Clips: video files read as training items, each a window of frames (issue 34's media type; a still image is a
 one-frame clip).
 
-Decoding is PyAV's (`pip install difftune[video]`): FFmpeg's own libraries in a wheel for every platform, so nothing
+Decoding is PyAV's (a core dependency): FFmpeg's own libraries in a wheel for every platform, so nothing
 else to install, and frame by frame, so a window at the start of a long clip costs its own frames, not the file (what
 musubi-tuner's and diffusion-pipe's OpenCV / decord readers also do; decord has no wheels for recent Pythons or macOS
 arm64, and OpenCV's video reader depends on how its wheel was built).
@@ -93,7 +93,7 @@ def is_clip(path: Path) -> bool:
 
 def _av():
     if importlib.util.find_spec("av") is None:
-        raise DifftuneError("reading clips needs PyAV: pip install difftune[video] (or pip install av)")
+        raise DifftuneError("reading clips needs PyAV, which difftune installs: pip install av")
     import av
 
     return av

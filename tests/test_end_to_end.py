@@ -2,10 +2,13 @@
 
 import json
 import math
+import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,3 +176,52 @@ def test_each_familys_shipped_job_runs_on_its_micro_model(family, tmp_path):
     assert [step for step, _ in row["validation_loss"]] == [2, 4, 6, 8]
     assert all(math.isfinite(loss) for _, loss in row["validation_loss"])
     assert row["parity_max_pixel_difference"] == {"diffusers": 0, "kohya": 0}
+
+
+def _readme_train_commands() -> list[list[str]]:
+    """Every `difftune train ...` in the README's shell blocks, as its words."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for command in line.split("&&"):
+                if "difftune train" not in command:
+                    continue
+                words = shlex.split(command, comments=True)
+                if words[:2] == ["difftune", "train"]:
+                    commands.append(words[2:])
+    return commands
+
+
+README_TRAIN_COMMANDS = _readme_train_commands()
+
+
+def test_the_readme_shows_train_commands_and_video_needs_no_extra():
+    """The README's Wan command read clips after the README's plain install only with an extra: PyAV (and ftfy,
+    which Wan's image-to-video pipeline calls) are core dependencies now."""
+    assert any("configs/wan_lora.toml" in words for words in README_TRAIN_COMMANDS)
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert {re.split(r"[<>=;\s]", dependency)[0] for dependency in dependencies} >= {"av", "ftfy"}
+
+
+@pytest.mark.parametrize("words", README_TRAIN_COMMANDS, ids=lambda words: " ".join(words))
+def test_every_readme_train_command_runs_as_written(words, tmp_path, monkeypatch, capsys):
+    """Each `difftune train` line of the README through the CLI's own entry, in the repository as a user runs it:
+    on a bundled base a 2-step run of it (the line's own flags and overrides, a folder of its own), on a base or data
+    to download (the lines showing s3:// or a user's folder) its config resolved."""
+    from difftune.cli import main
+    from difftune.config import load_config
+
+    monkeypatch.chdir(REPO)
+    config_path = words[words.index("--config") + 1]
+    config = load_config(config_path, [word for word in words if "=" in word and not word.startswith("-")])
+    on_this_machine = Path(config.model.base).is_dir() and Path(config.data.path).is_dir()
+    if not on_this_machine:
+        assert main(["config", *words]) == 0
+        return
+    few_steps = ["train.max_steps=2", "checkpoint.every_steps=0", f"train.output_dir={tmp_path / 'run'}",
+                 "sample.prompts=[]", "sample.before=false", "sample.parity=false", "validation.path=",
+                 "log.progress_bar=false", "log.tensorboard=false", "data.num_workers=0", "train.check_memory=false"]
+    after_config = words.index("--config") + 2  # overrides before any later flag, as argparse takes them
+    assert main(["train", *words[:after_config], *few_steps, *words[after_config:]]) == 0, capsys.readouterr().err
+    assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1, 2]
