@@ -192,6 +192,13 @@ def config_alpha(lora_configs: dict, part: str, module: str | None = None) -> fl
     return pattern.get(module, lora_configs[f"{part}.{key}"])
 
 
+def adapter_scale(lora_configs: dict, part: str, module: str, rank: int) -> float:
+    """A module's adapter scale: alpha / rank, or alpha / sqrt(rank) with rsLoRA. kohya files know only the first,
+    so an rsLoRA module is written there with the alpha that gives its scale."""
+    alpha = config_alpha(lora_configs, part, module)
+    return alpha / (rank**0.5 if lora_configs.get(f"{part}.use_rslora") else rank)
+
+
 def derived_lora_configs(ranks: dict[str, dict[str, int]], alphas: dict[str, dict[str, float]], dora: dict[str, bool],
                          lycoris: dict[str, str] | None = None, decompose_both: set[str] = frozenset()) -> dict:
     """Each part's peft config from what a file without one shows: its modules' ranks, the alphas it stores

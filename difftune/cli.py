@@ -190,9 +190,7 @@ def _run(args: argparse.Namespace) -> None:
         check_before_start(config)  # train() checks too; here it comes before the seconds of heavy imports
         from difftune.train import train  # heavy imports only when needed
 
-        result = train(config, resume=args.resume)
-        if result.trained_path:
-            print(f"difftune: wrote {result.trained_path}")
+        train(config, resume=args.resume)  # its last lines say what it wrote, and for which tool
         return
 
     if args.command in ("find-batch", "find-lr"):

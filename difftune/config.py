@@ -741,8 +741,9 @@ class CheckpointConfig(Section):
 class ExportConfig(Section):
     format: Literal["diffusers", "kohya"] = Field(
         "diffusers",
-        description="Adapter file layout: `diffusers` (pytorch_lora_weights.safetensors, for diffusers/peft) or "
-        "`kohya` (<output_dir name>.safetensors, for A1111, ComfyUI, kohya; `difftune convert` turns one into the other).",
+        description="The primary adapter file's layout (the run's result, its `_ema` / `_avg` variants): `diffusers` "
+        "(pytorch_lora_weights.safetensors, for diffusers/peft) or `kohya` (<output_dir name>.safetensors, for ComfyUI, "
+        "A1111, kohya). Every adapter run writes the other layout beside it too, where it can hold the adapter.",
     )
     every_steps: int = Field(0, ge=0, description="Also save the adapter every N steps under snapshots/; 0 only at the end.")
     average_last: int = Field(

@@ -30,7 +30,7 @@ from difftune.adapter_files import (
     placed_on_base,
     read_adapter,
 )
-from difftune.adapters import LYCORIS_CONFIGS, adapter_kind, adapter_state_dict
+from difftune.adapters import LYCORIS_CONFIGS, adapter_kind, adapter_scale, adapter_state_dict
 from difftune.config import Config, ModelConfig, upgrade_moved_keys
 from difftune.embeddings import embedding_file_name, load_embedding, write_embedding
 from difftune.errors import DifftuneError
@@ -45,17 +45,29 @@ ADAPTER_FILE = LORA_WEIGHT_NAME_SAFE  # the name `pipeline.load_lora_weights(out
 FULL_MODEL_DIR = "model"
 SINGLE_FILE = "model.safetensors"
 FORMATS = ("diffusers", "kohya")
+FOLDED_ALPHA_KEY = "difftune_folded_alpha"  # the alpha settings a diffusers-layout file has in its tensors
 
 
 def trained_path(config: Config, output_dir: Path, variant: str = "") -> Path:
     """Where a run's result goes: `variant` is "" (raw weights), "_ema", "_avg", or "_best" / "_best_eval" (the
-    lowest validation loss / highest judged score so far)."""
+    lowest validation loss / highest judged score so far). An adapter's is its `export.format` file."""
     if config.adapter.kind == "none":
         return variant_of(output_dir / FULL_MODEL_DIR, variant)
     if config.adapter.kind == "embedding":
         return variant_of(output_dir / f"{embedding_file_name(config.adapter)}.safetensors", variant)
-    stem = ADAPTER_FILE.removesuffix(".safetensors") if config.export.format == "diffusers" else output_dir.resolve().name
-    return variant_of(output_dir / f"{stem}.safetensors", variant)
+    return layout_path(output_dir, config.export.format, variant)
+
+
+def layout_path(output_dir: Path, layout: str, variant: str = "") -> Path:
+    """An adapter file of a run in `layout`: the diffusers layout under the name `load_lora_weights(folder)` looks
+    for; the kohya layout, the one ComfyUI, A1111 and kohya read, named after the run, as kohya's and the other
+    trainers' files are (the name those tools list it by)."""
+    stem = ADAPTER_FILE.removesuffix(".safetensors") if layout == "diffusers" else Path(output_dir).resolve().name
+    return variant_of(Path(output_dir) / f"{stem}.safetensors", variant)
+
+
+def other_layout(layout: str) -> str:
+    return next(other for other in FORMATS if other != layout)
 
 
 def variant_of(path: Path, variant: str) -> Path:
@@ -74,6 +86,39 @@ def save_trained(components: Components, config: Config, path: Path, layout: str
         return write_embedding(path, components, config.adapter, {CONFIG_METADATA_KEY: config.to_toml()})
     tensors, lora_configs = adapter_state_dict(components, config.adapter)
     return write_adapter(path, tensors, lora_configs, config.to_toml(), layout or config.export.format, components.family)
+
+
+def save_adapter_layouts(components: Components, config: Config, output_dir: Path, variant: str = "") -> dict[str, Path | str]:
+    """An adapter run's result in both layouts, whichever `export.format` chose (it names the primary file): one for
+    diffusers and peft, one for ComfyUI, A1111 and kohya, so the folder holds a file each tool applies (ComfyUI maps
+    none of a Wan file's diffusers keys). {layout: the file, or why the layout cannot hold this adapter (LoHa/LoKr on
+    a family whose kohya layout fuses q, k and v)}; the primary layout must be written."""
+    tensors, lora_configs = adapter_state_dict(components, config.adapter)
+    written: dict[str, Path | str] = {}
+    for layout in (config.export.format, other_layout(config.export.format)):
+        path = layout_path(output_dir, layout, variant)
+        try:
+            written[layout] = write_adapter(path, tensors, lora_configs, config.to_toml(), layout, components.family)
+        except DifftuneError as err:
+            if layout == config.export.format:
+                raise
+            written[layout] = str(err)
+    return written
+
+
+def where_files_go(files: dict[str, Path | str]) -> list[str]:
+    """The run's last lines: which of its files goes to which tool."""
+    uses = {"diffusers": "diffusers and peft (`pipeline.load_lora_weights`), difftune sample / merge",
+            "kohya": "ComfyUI (its models/loras folder), A1111 / Forge, kohya",
+            "model": "a diffusers pipeline folder (`from_pretrained`), difftune sample",
+            "embedding": "A1111, ComfyUI (its models/embeddings folder) and diffusers (`load_textual_inversion`)"}
+    lines = []
+    for layout, file in files.items():
+        if isinstance(file, Path):
+            lines.append(f"wrote {file}: for {uses[layout]}")
+        else:
+            lines.append(f"no {layout}-layout file: {file}")
+    return lines
 
 
 def check_layout(components: Components, config: Config) -> None:
@@ -107,9 +152,37 @@ def write_adapter(
         version = family.base_model_version(_adapter_base(config_toml, base))
         metadata.update(kohya_metadata(config_toml, lora_configs, base, version))
     else:
+        tensors, lora_configs, folded = folded_alpha(tensors, lora_configs)
         metadata[LORA_ADAPTER_METADATA_KEY] = json.dumps(lora_configs, sort_keys=True)
+        if folded:
+            metadata[FOLDED_ALPHA_KEY] = json.dumps(folded, sort_keys=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     return replace_atomically(path, lambda staging: save_file(tensors, staging, metadata=metadata))
+
+
+def folded_alpha(tensors: dict, lora_configs: dict) -> tuple[dict, dict, dict]:
+    """A LoRA / DoRA whose scale (alpha / rank, or alpha / sqrt(rank) with rsLoRA) is not 1 has it multiplied into
+    its `lora_B`, and its config says alpha = rank: the diffusers layout holds alpha only in its metadata, which
+    ComfyUI and A1111 do not read (they applied a rank-8 alpha-4 Qwen-Image LoRA at 2x), so the file's tensors must
+    mean the change alone. DoRA's direction is the same either way, and diffusers applies both files alike. The
+    tensors, the configs, and per folded part the alpha settings folded in (recorded in the file). LoHa / LoKr keep
+    theirs: no reader but peft (difftune's) takes them in this layout, and it reads the metadata."""
+    tensors, lora_configs, folded = dict(tensors), dict(lora_configs), {}
+    for part in parts_of(tensors):
+        if adapter_kind(lora_configs, part) != "lora":
+            continue
+        ranks = {module: value.shape[0] for key, value in tensors.items() if key.startswith(f"{part}.")
+                 for module, kind in [split_adapter_key(key.partition(".")[2])] if kind == "lora_A.weight"}
+        scales = {module: adapter_scale(lora_configs, part, module, rank) for module, rank in ranks.items()}
+        if all(scale == 1 for scale in scales.values()):
+            continue
+        for module, scale in scales.items():
+            key = f"{part}.{module}.lora_B.weight"
+            tensors[key] = tensors[key] * scale
+        folded[part] = {field: lora_configs.get(f"{part}.{field}") for field in ("lora_alpha", "alpha_pattern", "use_rslora")}
+        lora_configs |= {f"{part}.lora_alpha": lora_configs[f"{part}.r"], f"{part}.use_rslora": False,
+                         f"{part}.alpha_pattern": dict(lora_configs.get(f"{part}.rank_pattern") or {})}
+    return tensors, lora_configs, folded
 
 
 def adapter_family(lora_configs: dict, config_toml: str, base: str = "") -> Family:

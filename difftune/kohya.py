@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from difftune.adapters import DORA_MAGNITUDE, LYCORIS_TENSORS, adapter_kind, config_alpha, derived_lora_configs
+from difftune.adapters import DORA_MAGNITUDE, LYCORIS_TENSORS, adapter_kind, adapter_scale, config_alpha, derived_lora_configs
 
 TEXT_MODEL = "text_model."
 
@@ -64,7 +64,7 @@ def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict, prefixes: dic
             lycoris[name] = (part, module)
         elif kind == "lora_A.weight":
             out[f"{name}.lora_down.weight"] = value
-            out[f"{name}.alpha"] = torch.tensor(float(_scale(lora_configs, part, module, value.shape[0]) * value.shape[0]))
+            out[f"{name}.alpha"] = torch.tensor(float(adapter_scale(lora_configs, part, module, value.shape[0]) * value.shape[0]))
         elif kind == "lora_B.weight":
             out[f"{name}.lora_up.weight"] = value
         else:  # DoRA magnitude: one value per output row
@@ -182,7 +182,7 @@ def fuse(tensors: dict[str, torch.Tensor], lora_configs: dict, part: str, module
     row, stack as they are. One module: its adapter unchanged."""
     downs = [tensors[f"{part}.{module}.lora_A.weight"] for module in modules]
     ups = [tensors[f"{part}.{module}.lora_B.weight"] for module in modules]
-    scales = [_scale(lora_configs, part, module, down.shape[0]) for module, down in zip(modules, downs)]
+    scales = [adapter_scale(lora_configs, part, module, down.shape[0]) for module, down in zip(modules, downs)]
     rank = sum(down.shape[0] for down in downs)
     fused = {
         "lora_down.weight": torch.cat(downs),
@@ -281,13 +281,6 @@ def split_adapter_key(key: str) -> tuple[str, str]:
         if key.endswith("." + kind):
             return key[: -len(kind) - 1], kind
     raise ValueError(f"{key}: not a LoRA/DoRA/LoHa/LoKr tensor (lora_A, lora_B, {DORA_MAGNITUDE}, hada_*, lokr_*)")
-
-
-def _scale(lora_configs: dict, part: str, module: str, rank: int) -> float:
-    """A module's adapter scale: alpha / rank, or alpha / sqrt(rank) with rsLoRA. kohya files know only the first,
-    so an rsLoRA module is written with the alpha that gives its scale."""
-    alpha = config_alpha(lora_configs, part, module)
-    return alpha / (rank**0.5 if lora_configs.get(f"{part}.use_rslora") else rank)
 
 
 def _rank(lora_configs: dict, part: str, module: str) -> int:

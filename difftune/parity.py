@@ -1,7 +1,7 @@
 """Trainer-vs-inference parity: the saved result, reloaded as a user loads it, draws what training drew.
 
-After the final save, the base is loaded afresh, the saved adapter is attached through the same reader
-`merge` / `sample` use (in the layout written and in the other one), and the first end-of-run prompt is drawn
+After the final save, the base is loaded afresh, each saved adapter file is attached through the same reader
+`merge` / `sample` use (the diffusers layout and the kohya / ComfyUI one), and the first end-of-run prompt is drawn
 with its seed, precision and sampler. The largest pixel difference from the in-training sample goes to
 `parity.json`. Zero means the file holds exactly what was trained; anything else means something was lost
 between the trainer's modules and the file (a key, a scale, DoRA's magnitude), which users otherwise meet as
@@ -11,7 +11,6 @@ between the trainer's modules and the file (a key, a scale, DoRA's magnitude), w
 from __future__ import annotations
 
 import json
-import tempfile
 from contextlib import contextmanager
 from types import MethodType
 from pathlib import Path
@@ -24,7 +23,6 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from difftune import export
 from difftune.adapters import trained_parts
 from difftune.config import Config
-from difftune.errors import DifftuneError
 from difftune.families import load_components
 from difftune.models import place_frozen, stored_dtype
 from difftune.quantize import quantize_linear_layers
@@ -36,19 +34,20 @@ PARITY_FILE = "parity.json"
 WARN_ABOVE_LEVELS = 2
 
 
-def check_parity(config: Config, trained_path: Path, reference: Sample, device: torch.device, dtype: torch.dtype, autocast,
-                 outputs_in_fp32: bool = False) -> dict:
-    """Re-draw `reference` from `trained_path` in a fresh pipeline, for each adapter layout, its frozen weights
-    placed as training placed them (stored in another dtype, offloaded, as the config says), its adapters' weights in
-    fp32 and, with `outputs_in_fp32` (Accelerate's mixed precision, whose prepared modules return fp32: the sampler
-    then steps in fp32), the trained parts' outputs in fp32 too; the report."""
+def check_parity(config: Config, files: dict[str, Path | str], reference: Sample, device: torch.device, dtype: torch.dtype,
+                 autocast, outputs_in_fp32: bool = False) -> dict:
+    """Re-draw `reference` from each file the run wrote (`files`: layout -> the file, or why that layout could not
+    hold the adapter) in a fresh pipeline, its frozen weights placed as training placed them (stored in another
+    dtype, offloaded, as the config says), its adapters' weights in fp32 and, with `outputs_in_fp32` (Accelerate's
+    mixed precision, whose prepared modules return fp32: the sampler then steps in fp32), the trained parts'
+    outputs in fp32 too; the report."""
     sample_config = config.sample.model_copy(update={"prompts": [reference.entry], "images_per_prompt": 1, "seed": reference.seed})
     report = {"prompt": reference.prompt, "seed": reference.seed, "warn_above_levels": WARN_ABOVE_LEVELS, "layouts": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        layouts, not_checked = _saved_layouts(config, trained_path, Path(tmp))
-        if not_checked:
-            report["not_checked"] = not_checked
-        for layout, path, source in layouts:
+    not_checked = {layout: why for layout, why in files.items() if isinstance(why, str)}
+    if not_checked:
+        report["not_checked"] = not_checked
+    for layout, path in files.items():
+        if isinstance(path, Path):
             components = _fresh_components(config, path, device, dtype)
             trained = trained_parts(components, config.adapter)
             whole = trained.values() if config.adapter.kind == "none" else ()  # a full fine-tune's stay fp32, as trained
@@ -61,8 +60,19 @@ def check_parity(config: Config, trained_path: Path, reference: Sample, device: 
                 drawn = generate_images(components, sample_config, device)[0]
             frames = zip(drawn.clip or [drawn.image], reference.clip or [reference.image])  # a clip's every frame
             difference = max(np.abs(np.asarray(ours, np.int16) - np.asarray(theirs, np.int16)).max() for ours, theirs in frames)
-            report["layouts"][layout] = {"file": source, "max_pixel_difference": int(difference)}
+            report["layouts"][layout] = {"file": path.name, "max_pixel_difference": int(difference)}
     return report
+
+
+def parity_line(report: dict) -> str:
+    """The report in one line: "parity: 0 levels in both layouts", or each layout's levels."""
+    levels = {layout: result["max_pixel_difference"] for layout, result in report["layouts"].items()}
+    if len(levels) == 2 and len(set(levels.values())) == 1:
+        said = f"{next(iter(levels.values()))} levels in both layouts"
+    else:
+        said = ", ".join(f"{value} levels in the {layout} file" for layout, value in levels.items())
+    unchecked = "".join(f"; the {layout} layout not checked" for layout in report.get("not_checked", {}))
+    return f"parity: {said} (the saved files redrawn in a fresh pipeline against sample 000; see {PARITY_FILE}){unchecked}"
 
 
 def write_report(report: dict, output_dir: Path) -> list[str]:
@@ -87,22 +97,6 @@ def adapters_kept_in_fp32(components):
     yield
     for parameter, value in zip(adapters, values):
         parameter.data = value.to(parameter.device)
-
-
-def _saved_layouts(config: Config, trained_path: Path, tmp: Path) -> tuple[list[tuple[str, Path, str]], dict[str, str]]:
-    """(layout, file to load, what the report calls it): the written file, and the same converted to the other
-    layout (as `difftune convert` would); a full model is its one folder, an embedding its one file. And the layouts
-    that cannot hold this adapter, with why (LoHa / LoKr in a kohya layout that fuses q, k and v)."""
-    if config.adapter.kind in ("none", "embedding"):
-        return [(config.adapter.kind if config.adapter.kind == "embedding" else "model", trained_path, trained_path.name)], {}
-    written = config.export.format
-    other = next(layout for layout in export.FORMATS if layout != written)
-    layouts = [(written, trained_path, trained_path.name)]
-    try:
-        converted = export.convert_adapter(trained_path, tmp / f"{other}.safetensors", other, config.model.base)
-    except DifftuneError as err:
-        return layouts, {other: str(err)}
-    return [*layouts, (other, converted, f"{trained_path.name} converted to {other}")], {}
 
 
 def _fresh_components(config: Config, path: Path, device: torch.device, dtype: torch.dtype):

@@ -72,7 +72,7 @@ from difftune.models import (
 from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.output_lock import hold_output_dir
 from difftune.plan import memory_warning, with_offload_budget
-from difftune.parity import check_parity, write_report
+from difftune.parity import check_parity, parity_line, write_report
 from difftune.prior import class_examples, class_folder, fill_class_images
 from difftune.quantize import quantize_linear_layers
 from difftune.sample import generate_images, save_images
@@ -667,7 +667,12 @@ def _sample_before_training(components: Components, config: Config, output_dir: 
 def _save_results(run: Run, components: Components, ema: EMAModel | None, parameters: list) -> Path:
     """The raw result, its EMA and the average of the last snapshots, then the end-of-run samples."""
     config, output_dir, accelerator = run.config, run.output_dir, run.accelerator
-    trained_path = export.save_trained(components, config, export.trained_path(config, output_dir))
+    if config.adapter.is_adapter:
+        files = export.save_adapter_layouts(components, config, output_dir)
+        trained_path = files[config.export.format]
+    else:
+        trained_path = export.save_trained(components, config, export.trained_path(config, output_dir))
+        files = {"model" if config.adapter.kind == "none" else config.adapter.kind: trained_path}
     if config.export.average_last > 1:
         snapshots = sorted((output_dir / "snapshots").glob("step-*.safetensors"))[-config.export.average_last :]
         tensors, lora_configs, config_toml = export.average_adapters(snapshots, config.export.average_weights)
@@ -680,17 +685,23 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
             samples = generate_images(components, config.sample, accelerator.device)
         save_images(samples, config.sample, output_dir / "samples", output_dir / "samples" / "before")
         if config.sample.parity:
-            report = check_parity(config, trained_path, samples[0], accelerator.device, weight_dtype(config), accelerator.autocast,
+            report = check_parity(config, files, samples[0], accelerator.device, weight_dtype(config), accelerator.autocast,
                                   outputs_in_fp32=accelerator.native_amp)
+            accelerator.print(f"difftune: {parity_line(report)}")
             for warning in write_report(report, output_dir):
                 accelerator.print(f"difftune: warning: {warning}")
     if ema:
         with ema_weights(ema, parameters):
-            export.save_trained(components, config, export.trained_path(config, output_dir, "_ema"))
+            if config.adapter.is_adapter:
+                export.save_adapter_layouts(components, config, output_dir, "_ema")
+            else:
+                export.save_trained(components, config, export.trained_path(config, output_dir, "_ema"))
             if config.sample.prompts:
                 with accelerator.autocast(), previewing(components):
                     samples = generate_images(components, config.sample, accelerator.device)
                 save_images(samples, config.sample, output_dir / "samples_ema", output_dir / "samples" / "before")
+    for line in export.where_files_go(files):
+        accelerator.print(f"difftune: {line}")
     return trained_path
 
 

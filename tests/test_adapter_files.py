@@ -102,10 +102,15 @@ def test_diffusers_saved_lora_converts_to_kohya_and_back_losslessly(tiny_base, t
     before, before_configs, _ = read_adapter(original)
     after, after_configs, _ = read_adapter(back)
     assert before.keys() == after.keys()
+    # The diffusers layout holds the change in its tensors: alpha / rank (2, exact in fp32) folded into lora_B.
     for key in before:
-        assert torch.equal(before[key], after[key]), key
-    for field in ("r", "lora_alpha", "use_dora"):
-        assert before_configs[f"unet.{field}"] == after_configs[f"unet.{field}"]
+        expected = before[key] * (ALPHA / RANK) if key.endswith("lora_B.weight") else before[key]
+        assert torch.equal(expected, after[key]), key
+    for part in ("unet", "text_encoder"):
+        assert (after_configs[f"{part}.r"], after_configs[f"{part}.lora_alpha"]) == (RANK, RANK)
+        assert before_configs[f"{part}.use_dora"] == after_configs[f"{part}.use_dora"]
+    with safe_open(back, framework="pt") as handle:
+        assert json.loads(handle.metadata()[export.FOLDED_ALPHA_KEY])["unet"]["lora_alpha"] == ALPHA
     with safe_open(kohya, framework="pt") as handle:
         metadata = handle.metadata()
     assert metadata["ss_network_dim"] == str(RANK) and metadata["ss_network_alpha"] == str(ALPHA)

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from difftune import export, storage
@@ -477,3 +478,91 @@ def test_a_lycoris_run_on_a_fused_layout_family_ends_with_the_layout_it_can_writ
     assert "separate LoHa/LoKr factors have no fused form" in parity["not_checked"]["kohya"]
     with pytest.raises(DifftuneError, match="no fused form; write the diffusers layout"):
         export.convert_adapter(trained, tmp_path / "kohya.safetensors", "kohya")
+
+
+def _text_encoders_as_comfyui_holds_them(components, parts) -> dict:
+    kinds = {"CLIP": "clip", "T5": "t5"}
+    found = {}
+    for part in parts:
+        model = components.text_encoders[part]
+        kind = next((kind for marker, kind in kinds.items() if type(model).__name__.startswith(marker)), None)
+        if kind:
+            found[part] = (kind, {key: value for key, value in model.state_dict().items()})
+    return found
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_run_writes_a_file_comfyui_applies_as_our_merge(name, micro_bases, make_config, tmp_path):
+    """Beside `pytorch_lora_weights.safetensors` every adapter run writes the kohya / ComfyUI layout (ComfyUI mapped
+    none of a Wan diffusers-layout file's keys). ComfyUI's key maps, over the original layout diffusers' single-file
+    reader reads (`comfyui_lora.py`), reach every key of it, and its formula gives each weight difftune's merge of the
+    run's diffusers-layout file; alpha differs from the rank, so a scale lost on the way would show."""
+    from comfyui_lora import apply_lora, denoiser_weights, text_key_map, unet_key_map
+
+    family, base, out = FAMILIES[name], micro_bases[name], tmp_path / "run"
+    text = family.adapted_text_encoders()
+    settings = _settings(name, base, out, adapter__kind="lora", adapter__rank=4, adapter__alpha=2.0,
+                         adapter__text_encoder=bool(text), train__max_steps=2, optim__learning_rate=2e-2,
+                         sample__prompts=[])
+    result = train(make_config(**settings))
+    comfy_file = export.layout_path(out, "kohya")
+    assert result.trained_path == out / "pytorch_lora_weights.safetensors" and comfy_file == out / "run.safetensors"
+    lora = load_file(comfy_file)
+    assert all(key.startswith(tuple(family.kohya_prefixes.values())) for key in lora)
+
+    components = load_components(ModelConfig(base=str(base)))
+    try:
+        weights = denoiser_weights(family.to_single_file(components))
+    except DifftuneError:
+        pytest.skip(f"{name} has no single-file layout to hold ComfyUI's names (its kohya layout round-trips: above)")
+    is_unet = family.denoiser_name == "unet"
+    modules = [key.removesuffix(".weight") for key in components.denoiser.state_dict() if key.endswith(".weight")]
+    diffusers_names = {diffusers: original for original, diffusers in family.original_module_names(modules).items()} if is_unet else {}
+    encoders = _text_encoders_as_comfyui_holds_them(components, text)
+    texts = {(part, key): value for part, (_, state) in encoders.items() for key, value in state.items()}
+    patched, not_in_denoiser = apply_lora(lora, unet_key_map(weights, diffusers_names), weights)
+    patched_text, not_in_text = apply_lora(lora, text_key_map(encoders), texts)
+    assert set(not_in_denoiser) & set(not_in_text) == set(), "lora key not loaded"
+
+    export.merge_into_folder(str(base), [(result.trained_path, 1.0)], tmp_path / "merged")
+    merged = load_components(ModelConfig(base=str(tmp_path / "merged")))
+    ours = denoiser_weights(family.to_single_file(merged))
+    changed = [key for key in weights if not torch.equal(patched[key], weights[key])]
+    assert changed
+    for key in weights:
+        torch.testing.assert_close(patched[key], ours[key], rtol=1e-5, atol=1e-6, msg=key)
+    for (part, key), value in patched_text.items():
+        torch.testing.assert_close(value, merged.text_encoders[part].state_dict()[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_diffusers_layout_file_means_the_same_to_a_reader_that_ignores_its_metadata(name, micro_bases, make_config, tmp_path):
+    """Rank 8, alpha 4: the scale (0.5) used to live only in the file's metadata, and ComfyUI applied such a Qwen-Image
+    LoRA at 2x. Now the tensors alone (`lora_B @ lora_A`, what a reader without the metadata applies) are the trained
+    change, module for module, and the family's own pipeline (`load_lora_weights`, which reads the metadata) applies
+    that same change."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    family, base = FAMILIES[name], micro_bases[name]
+    settings = _settings(name, base, tmp_path / "run", adapter__kind="lora", adapter__rank=8, adapter__alpha=4.0,
+                         train__max_steps=2, optim__learning_rate=2e-2, sample__prompts=[])
+    result = train(make_config(**settings))
+    blind = load_file(result.trained_path)
+    with safe_open(result.trained_path, framework="pt") as handle:
+        assert json.loads(handle.metadata()[export.FOLDED_ALPHA_KEY])[family.denoiser_name]["lora_alpha"] == 4.0
+
+    def changes(denoiser) -> dict[str, torch.Tensor]:
+        return {name: module.get_delta_weight("default") for name, module in denoiser.named_modules()
+                if isinstance(module, BaseTunerLayer) and "default" in getattr(module, "lora_A", {})}
+
+    trained = changes(result.components.denoiser)
+    assert trained
+    theirs = family.pipeline_class.from_pretrained(base, dtype=torch.float32)
+    theirs.load_lora_weights(str(result.trained_path.parent), weight_name=result.trained_path.name, adapter_name="default")
+    loaded = changes(getattr(theirs, family.denoiser_name))
+    assert loaded.keys() == trained.keys()
+    for module, change in trained.items():
+        key = f"{family.denoiser_name}.{module}"
+        from_tensors = blind[f"{key}.lora_B.weight"].flatten(1) @ blind[f"{key}.lora_A.weight"].flatten(1)
+        torch.testing.assert_close(from_tensors.reshape(change.shape), change, rtol=1e-5, atol=1e-7, msg=module)
+        torch.testing.assert_close(loaded[module], change, rtol=1e-5, atol=1e-7, msg=module)

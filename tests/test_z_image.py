@@ -69,18 +69,35 @@ def test_sample_guidance_means_what_it_means_for_every_family(base):
     assert FAMILY.sampling_arguments(components, 1.0, "blurry") == {"max_sequence_length": 512, "guidance_scale": 0.0}
 
 
-def test_a_musubi_tuner_file_is_read_as_the_same_adapter(base, make_config, tmp_path):
-    """sd-scripts / musubi-tuner name Z-Image's LoRA modules `lora_unet_` + the module's name with `_` (their
-    `lora_zimage.py` targets the blocks' linear layers); difftune's kohya layout is that, and reads it back."""
+def test_the_kohya_layout_is_comfyuis_and_musubi_tuners_files_are_read(base, make_config, tmp_path):
+    """The kohya layout is what ComfyUI maps onto its fused model and musubi-tuner's `convert_z_image_lora_to_comfy`
+    writes: `lora_unet_<original name>`, q, k and v one `attention_qkv` layer (downs stacked, ups block-diagonal,
+    alpha x 3 with the rank), `attention_out`. sd-scripts' / musubi-tuner's own files name each diffusers module
+    (`lora_unet_layers_0_attention_to_q`): read as the same adapter."""
     settings = {"model__base": str(base), "train__output_dir": str(tmp_path / "run"), "train__max_steps": 2,
                 "sample__prompts": [], "adapter__text_encoder": False}
     trained_path = train(make_config(**settings)).trained_path
     trained = load_file(trained_path)
     kohya = load_file(export.convert_adapter(trained_path, tmp_path / "kohya.safetensors", "kohya"))
-    assert "lora_unet_layers_0_attention_to_q.lora_down.weight" in kohya
+    module = "transformer.layers.0.attention"
+    assert torch.equal(kohya["lora_unet_layers_0_attention_qkv.lora_down.weight"],
+                       torch.cat([trained[f"{module}.to_{p}.lora_A.weight"] for p in "qkv"]))
+    assert torch.equal(kohya["lora_unet_layers_0_attention_qkv.lora_up.weight"],
+                       torch.block_diag(*[trained[f"{module}.to_{p}.lora_B.weight"] for p in "qkv"]))
+    rank = trained[f"{module}.to_q.lora_A.weight"].shape[0]
+    assert kohya["lora_unet_layers_0_attention_qkv.alpha"].item() == 3 * rank
+    assert torch.equal(kohya["lora_unet_layers_0_attention_out.lora_down.weight"], trained[f"{module}.to_out.0.lora_A.weight"])
     assert "lora_unet_noise_refiner_0_feed_forward_w1.lora_up.weight" in kohya
-    assert torch.equal(kohya["lora_unet_layers_0_attention_to_out_0.lora_down.weight"],
-                       trained["transformer.layers.0.attention.to_out.0.lora_A.weight"])
+
+    musubi = {}
+    for key, value in trained.items():
+        name = "lora_unet_" + key.removeprefix("transformer.").rsplit(".lora_", 1)[0].replace(".", "_")
+        musubi[f"{name}.{'lora_down' if '.lora_A.' in key else 'lora_up'}.weight"] = value
+        musubi[f"{name}.alpha"] = torch.tensor(float(rank))
+    save_file(musubi, tmp_path / "musubi.safetensors")
+    tensors, configs, _ = export.read_any_adapter(tmp_path / "musubi.safetensors", str(base))
+    assert tensors.keys() == trained.keys() and all(torch.equal(tensors[key], trained[key]) for key in trained)
+    assert (configs["transformer.r"], configs["transformer.lora_alpha"]) == (rank, rank)
 
 
 def test_a_training_adapter_is_trained_over_and_left_out_of_what_is_saved(make_config, base, tmp_path):

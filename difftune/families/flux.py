@@ -156,9 +156,9 @@ class Flux(FusedKohyaLayout, FlowMatchingFamily):
 
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
-    def fused_row_sizes(self, modules: list[str], rows: int) -> list[int]:
+    def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
         """A single block's `linear1` holds q, k, v and the MLP input, which is `MLP_RATIO` times as wide."""
         if not modules[-1].endswith("proj_mlp"):
-            return super().fused_row_sizes(modules, rows)
+            return super().fused_row_sizes(modules, rows, columns)
         width = rows // (3 + MLP_RATIO)
         return [width] * 3 + [rows - 3 * width]

@@ -86,9 +86,9 @@ class FusedKohyaLayout:
         return (f"the {self.kohya_layout_name} layout fuses q, k and v into one layer, and separate LoHa/LoKr factors "
                 "have no fused form")
 
-    def fused_row_sizes(self, modules: list[str], rows: int) -> list[int]:
-        """How a fused layer's `rows` output rows split among its `modules`: evenly, unless the family says
-        otherwise."""
+    def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
+        """How a fused layer's `rows` output rows split among its `modules` (`columns`: its input width): evenly,
+        unless the family says otherwise."""
         return [rows // len(modules)] * len(modules)
 
     def to_kohya(self, tensors: dict, lora_configs: dict) -> dict[str, torch.Tensor]:
@@ -118,20 +118,24 @@ class FusedKohyaLayout:
         return out
 
     def from_kohya(self, tensors: dict, module_names: dict[str, list[str]]) -> tuple[dict, dict]:
-        fused = {key: value for key, value in tensors.items() if key.startswith(KOHYA_DENOISER_PREFIX)}
-        out, configs = super().from_kohya({key: value for key, value in tensors.items() if key not in fused}, module_names)
+        """The original layout's layers split back into the diffusers modules they hold; a key named after one
+        diffusers module (as sd-scripts' and musubi-tuner's Z-Image and Lumina files are) is read as any family's."""
         table = self.kohya_table(module_names[self.denoiser_name])
+
+        def original_layer(key: str) -> str | None:
+            name = key.partition(".")[0].removeprefix(KOHYA_DENOISER_PREFIX)
+            return name if key.startswith(KOHYA_DENOISER_PREFIX) and name in table else None
+
+        fused = {key: value for key, value in tensors.items() if original_layer(key)}
+        out, configs = super().from_kohya({key: value for key, value in tensors.items() if key not in fused}, module_names)
         by_name: dict[str, dict] = {}
         for key, value in fused.items():
             name, _, kind = key.removeprefix(KOHYA_DENOISER_PREFIX).partition(".")
-            if name not in table:
-                raise ValueError(f"{key}: no module of this {self.kohya_layout_name} {self.denoiser_name} is named {name!r}; "
-                                 "is this adapter for this model?")
             by_name.setdefault(name, {})[kind] = value
         ranks, alphas = {}, {}
         for name, found in by_name.items():
             modules = table[name]
-            sizes = self.fused_row_sizes(modules, found["lora_up.weight"].shape[0])
+            sizes = self.fused_row_sizes(modules, found["lora_up.weight"].shape[0], found["lora_down.weight"].shape[1])
             for module, split in zip(modules, kohya.split(found, sizes)):
                 out |= {f"{self.denoiser_name}.{module}.{kind}": value for kind, value in split.tensors.items()}
                 ranks[module], alphas[module] = split.rank, split.alpha
@@ -150,7 +154,7 @@ class FusedKohyaLayout:
     def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
         """A file in the original layout (it has `denoiser_file_key`) converted; diffusers' names as they are."""
         weights = super().denoiser_file_weights(path)
-        return self.diffusers_state_dict(weights) if self.denoiser_file_key in weights else weights
+        return self.diffusers_state_dict(weights) if self.original_blocks and self.denoiser_file_key in weights else weights
 
     def original_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The denoiser's weights in the original layout: each original layer's modules stacked by rows (q, k and v
@@ -191,7 +195,8 @@ class FusedKohyaLayout:
                     raise DifftuneError(f"{key}: no layer of a {self.kohya_layout_name} {match.group(1)} block has this name; "
                                         "is this file of another model?")
                 parameter = "weight" if parameter == "scale" else parameter
-                for module, rows in zip(modules, value.split(self.fused_row_sizes(modules, value.shape[0]))):
+                sizes = self.fused_row_sizes(modules, value.shape[0], value.shape[-1] if value.ndim > 1 else 0)
+                for module, rows in zip(modules, value.split(sizes)):
                     out[f"{blocks}.{match.group(2)}.{module}.{parameter}"] = rows
             elif layer in module_of:
                 name = f"{module_of[layer]}.{parameter}"

@@ -13,9 +13,10 @@ language model. Trained by flow matching (flow.py).
   renormalisation to the conditional prediction's norm (`cfg_normalization`, on by default); the negative prompt is
   read without the system prompt, as the pipeline reads it.
 - Files: diffusers' layout (`transformer.`, which `Lumina2Pipeline.load_lora_weights` reads: transformer adapters
-  alone) with the script's default targets (attention q, k, v, out); the kohya layout is diffusers' module names
-  after `lora_unet_` (the reference trainers' Lumina 2 files), read back by the same table. A single file is the
-  transformer alone in the original layout (`ORIGINAL_NAMES`).
+  alone) with the script's default targets (attention q, k, v, out); the kohya layout is the one ComfyUI maps, the
+  original names with q, k and v fused (`lora_unet_layers_0_attention_qkv`), and files naming diffusers' modules
+  after `lora_unet_` (the reference trainers') are read too. A single file is the transformer alone in the original
+  layout (`ORIGINAL_NAMES`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
 
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.family import valid_token_states
-from difftune.families.z_image import fused_qkv
+from difftune.families.fused import FusedKohyaLayout
+from difftune.families.z_image import fused_qkv, lumina_kohya_blocks
 from difftune.models import Components
 
 TEXT_TOKENS = 256  # Lumina2Pipeline's default `max_sequence_length`
@@ -70,7 +72,7 @@ def renamed(key: str, to_original: bool) -> str:
     return key
 
 
-class Lumina2(FlowMatchingFamily):
+class Lumina2(FusedKohyaLayout, FlowMatchingFamily):
     name = "lumina2"
     description = "Lumina 2"
     pipeline_class = Lumina2Pipeline
@@ -83,9 +85,17 @@ class Lumina2(FlowMatchingFamily):
     kohya_prefixes = {"transformer": "lora_unet_"}
     kohya_text_model_parts = ()
     kohya_model_version = "lumina2"
+    kohya_layout_name = "Lumina 2"
+    kohya_blocks = lumina_kohya_blocks(block_lists, "attn", {f"w{n}": f"feed_forward.linear_{n}" for n in (1, 2, 3)})
     default_targets = {"transformer": TRANSFORMER_TARGETS}
     padded_text_tokens = TEXT_TOKENS
     lora_text_encoders = ()  # Lumina2Pipeline's LoRA loader reads the transformer's adapters alone
+
+    def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
+        """q is as wide as the block (the layer's input); k and v share the rest (grouped-query heads)."""
+        if len(modules) == 1:
+            return [rows]
+        return [columns, (rows - columns) // 2, (rows - columns) // 2]
 
     # Prompts and the transformer.
 

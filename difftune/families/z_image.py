@@ -15,11 +15,11 @@ language model's second-to-last hidden states. Trained by flow matching (flow.py
   distillation with long runs. `model.training_adapter` merges a de-distilling LoRA into the base for training
   only (ai-toolkit's `assistant_lora_path`, musubi-tuner's `--base_weights`; train.py), so that what is saved
   applies to Turbo and keeps its few-step sampling; without one, keep Turbo runs short, or train the base model.
-- Files: diffusers' LoRA layout is the transformer's module names (which ComfyUI maps, `transformer.` keys and
-  all, onto its fused model); the kohya layout is sd-scripts' / musubi-tuner's (`lora_unet_` + the module name
-  with `_`, which `ZImagePipeline.load_lora_weights` reads). A single file is the transformer alone in the
-  original layout (fused `attention.qkv`, `attention.out`...), as ComfyUI ships it; the other parts come from
-  `model.single_file_config`.
+- Files: diffusers' LoRA layout is the transformer's module names; the kohya layout is the one ComfyUI maps onto
+  its model, the original names with q, k and v fused (`lora_unet_layers_0_attention_qkv`, `..._attention_out`), as
+  musubi-tuner's converter to ComfyUI writes it. sd-scripts' / musubi-tuner's own files (`lora_unet_` + a diffusers
+  module name with `_`) are read too. A single file is the transformer alone in the original layout (fused
+  `attention.qkv`, `attention.out`...), as ComfyUI ships it; the other parts come from `model.single_file_config`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from diffusers import ZImagePipeline, ZImageTransformer2DModel
 from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
 
 from difftune.families.flow import FlowMatchingFamily, anchored_guidance
+from difftune.families.fused import FusedKohyaLayout
 from difftune.families.family import valid_token_states
 from difftune.models import Components
 
@@ -58,7 +59,17 @@ def fused_qkv(weights: dict[str, torch.Tensor], attention: str) -> dict[str, tor
     return out
 
 
-class ZImage(FlowMatchingFamily):
+def lumina_kohya_blocks(block_lists: tuple[str, ...], attention: str, feed_forward: dict[str, str]) -> dict:
+    """The kohya layout ComfyUI maps for a Lumina-lineage DiT (Z-Image, Lumina 2): its original names, q, k and v
+    one `attention_qkv` layer per block (what musubi-tuner's Z-Image converter to ComfyUI writes); `feed_forward`:
+    the original MLP layer -> the diffusers module."""
+    return {blocks: {f"{blocks}_{{i}}_attention_qkv": [f"{attention}.to_q", f"{attention}.to_k", f"{attention}.to_v"],
+                     f"{blocks}_{{i}}_attention_out": [f"{attention}.to_out.0"],
+                     **{f"{blocks}_{{i}}_feed_forward_{original}": [module] for original, module in feed_forward.items()}}
+            for blocks in block_lists}
+
+
+class ZImage(FusedKohyaLayout, FlowMatchingFamily):
     name = "z_image"
     description = "Z-Image"
     single_file_layout = "transformer alone (original layout)"
@@ -71,6 +82,8 @@ class ZImage(FlowMatchingFamily):
     kohya_prefixes = {"transformer": "lora_unet_"}
     kohya_text_model_parts = ()
     kohya_model_version = "z_image"
+    kohya_layout_name = "Z-Image"
+    kohya_blocks = lumina_kohya_blocks(block_lists, "attention", {f"w{n}": f"feed_forward.w{n}" for n in (1, 2, 3)})
     default_targets = {"transformer": TRANSFORMER_TARGETS}
     padded_text_tokens = TEXT_TOKENS
     lora_text_encoders = ()  # ZImagePipeline's LoRA loader reads the transformer's adapters alone
