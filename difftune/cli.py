@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device-memory", metavar="SIZE", help="the GPU memory to fit, e.g. 12GB or 24GiB")
     plan.add_argument("--host-memory", metavar="SIZE", help="the RAM to fit, e.g. 32GB")
     plan.add_argument("--device", choices=["cuda", "cpu"], help="where the job will train (default: CUDA if this "
-                      "machine has it, else the CPU)")
+                      "machine has it or --device-memory names a GPU's, else the CPU)")
     plan.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
 
     adapter_help = "an adapter file (diffusers or kohya layout), optionally with a scale: FILE[:SCALE]; repeatable"
@@ -290,11 +290,12 @@ def _plan(args: argparse.Namespace) -> None:
     config = load_config(args.config, args.overrides)
     device_memory = plan.parse_size(args.device_memory) if args.device_memory else None
     host_memory = plan.parse_size(args.host_memory) if args.host_memory else None
-    predicted = plan.plan_memory(config, args.device)
-    fitting = plan.fitting_overrides(config, device_memory, host_memory, args.device) \
+    device = args.device or ("cuda" if device_memory else None)  # a GPU's memory asked about: plan for one
+    predicted = plan.plan_memory(config, device)
+    fitting = plan.fitting_overrides(config, device_memory, host_memory, device) \
         if device_memory or host_memory else None
     if args.json:
-        result = {"device_type": predicted.device_type, "device_peak": predicted.device_peak,
+        result = {"configs": predicted.configs, "device_type": predicted.device_type, "device_peak": predicted.device_peak,
                   "host_peak": predicted.host_peak, "device": predicted.device, "host": predicted.host}
         if device_memory or host_memory:
             result["fits_with"] = fitting[0] if fitting else None

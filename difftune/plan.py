@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from difftune import published as kept_configs
 from difftune.clips import is_clip
 from difftune.config import Config, parse_size
 from difftune.errors import DifftuneError
@@ -58,6 +59,7 @@ class MemoryPlan:
     device_type: str  # where training runs: "cuda" or "cpu" (then device and host are the same memory)
     device: dict[str, int]
     host: dict[str, int]
+    configs: str = ""  # where the model's configs were read: a local folder, or the published base kept in difftune
 
     @property
     def device_peak(self) -> int:
@@ -68,7 +70,7 @@ class MemoryPlan:
         return sum(self.host.values())
 
     def report(self) -> str:
-        lines = []
+        lines = [f"configs: {self.configs}"] if self.configs else []
         for title, split in ((f"device ({self.device_type}) peak", self.device), ("host RAM peak", self.host)):
             lines.append(f"{title}: {_gib(sum(split.values()))}")
             lines += [f"  {holder:<28} {_gib(size)}" for holder, size in split.items() if size]
@@ -169,11 +171,11 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
                    "encoding activations": encoding if caches else 0}
         peak = device if sum(device.values()) >= sum(at_load.values()) else at_load
         device = {**peak, "offloaded blocks": offloaded, "encoders kept for previews": sum(map(_bytes, kept_at["host"]))}
-        return MemoryPlan(device_type, device, {"python and libraries": baseline, **device})
+        return MemoryPlan(device_type, device, {"python and libraries": baseline, **device}, configs_read(config.model))
     host = {"python and libraries": baseline, "weights read at load": sum(loaded.values()) - sum(mapped.values()),
             "offloaded blocks": offloaded, "encoders kept for previews": sum(map(_bytes, kept_at["host"])),
             "optimizer state (offloaded)": optimizer if config.optim.optimizer == "adamw_cpu_offload" else 0}
-    return MemoryPlan(device_type, device, host)
+    return MemoryPlan(device_type, device, host, configs_read(config.model))
 
 
 def fitting_overrides(config: Config, device_memory: int | None, host_memory: int | None,
@@ -267,30 +269,26 @@ def memory_warning(config: Config, device_type: str) -> str | None:
 
 
 def empty_components(config: Config) -> Components:
-    """The base's parts on the meta device, built from its config files (a local pipeline folder, or for a single
-    file its `model.single_file_config`); tokenizers and scheduler loaded (small files)."""
+    """The base's parts on the meta device, built from its config files (`config_source`); tokenizers and scheduler
+    loaded (small files), or, from configs alone, a tokenizer that gives the published length."""
     from diffusers import ModelMixin
     from transformers import AutoConfig
 
     from difftune.families import family_of
-    from difftune.models import SINGLE_FILE_SUFFIXES
 
     model = config.model
-    folder = Path(model.single_file_config if model.base.endswith(SINGLE_FILE_SUFFIXES) else model.base)
-    if not (folder / "model_index.json").is_file():
-        raise DifftuneError(
-            f"difftune plan reads the model's config files from a local pipeline folder; {folder} has no "
-            "model_index.json (for a single-file base, set model.single_file_config to a diffusers folder)"
-        )
-    family = family_of(model)
+    folder, published = config_source(model)
+    family = family_of(model.model_copy(update={"base": str(folder), "family": model.family}) if published else model)
     index = json.loads((folder / "model_index.json").read_text())
     parts = {}
     for name, spec in index.items():
-        if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
-            continue
+        if name.startswith("_") or not (isinstance(spec, list) and len(spec) == 2 and all(isinstance(x, str) for x in spec)):
+            continue  # a setting (Krea 2's `text_encoder_select_layers`), or a part left out
         part_class = getattr(importlib.import_module(spec[0]), spec[1])
         if not issubclass(part_class, torch.nn.Module):
-            parts[name] = part_class.from_pretrained(folder, subfolder=name)
+            holds_text = published and not (folder / name / "scheduler_config.json").is_file()
+            parts[name] = (LengthOnlyTokenizer(**kept_configs.tokenizer_settings(published, name)) if holds_text
+                           else part_class.from_pretrained(folder, subfolder=name))
             continue
         with torch.device(META):
             if issubclass(part_class, ModelMixin):
@@ -305,6 +303,81 @@ def empty_components(config: Config) -> Components:
         with torch.device(META):
             parts["vae"] = VAE_CLASSES[vae_config["_class_name"]].from_config(vae_config)
     return family.components_of(SimpleNamespace(**parts, config=index), family.options(model))
+
+
+def config_source(model) -> tuple[Path, str]:
+    """Where the plan reads `model.base`'s configs: (a folder laid out as a pipeline's, the published base whose
+    configs difftune keeps when it read those, else ""). A local pipeline folder, a single file's
+    `model.single_file_config`, a hub id whose configs are kept (`difftune/published`), or else the family's
+    reference base where the base is not on this machine (a single file without a config folder, a folder still
+    to be made)."""
+    from difftune.families import FAMILIES, family_of
+    from difftune.models import SINGLE_FILE_SUFFIXES
+
+    base = model.base
+    single_file = base.endswith(SINGLE_FILE_SUFFIXES)
+    folder = Path(model.single_file_config if single_file and model.single_file_config else base)
+    if (folder / "model_index.json").is_file():
+        return folder, ""
+    if kept_configs.is_published(base):
+        return kept_configs.config_folder(base), base
+    if single_file and Path(base).is_file():
+        name = family_of(model).name  # by the file's keys
+    elif model.family != "auto" and not Path(base).exists():
+        name = model.family
+    else:
+        raise DifftuneError(
+            f"difftune plan reads the model's config files: {base} is neither a local pipeline folder nor a base "
+            f"whose configs difftune keeps ({', '.join(kept_configs.published_bases())}); set model.family to plan it "
+            "as its family's reference base, or model.single_file_config to a diffusers folder"
+        )
+    reference = kept_configs.REFERENCE_BASES[FAMILIES[name].name]
+    return kept_configs.config_folder(reference), reference
+
+
+def configs_read(model) -> str:
+    """What the plan says of where its configs came from."""
+    from difftune.models import SINGLE_FILE_SUFFIXES
+
+    folder, published = config_source(model)
+    if not published:
+        return f"the pipeline folder {folder}"
+    if published == model.base:
+        return f"{published}'s, kept in difftune (nothing downloaded)"
+    family = next(name for name, base in kept_configs.REFERENCE_BASES.items() if base == published)
+    why = ("a single file holds no configs; model.single_file_config names its own" if model.base.endswith(SINGLE_FILE_SUFFIXES)
+           else f"model.base {model.base} is not on this machine")
+    return f"{published}'s, kept in difftune: the {family} family's reference base ({why})"
+
+
+class LengthOnlyTokenizer:
+    """A tokenizer for a plan made from configs alone. The plan asks a tokenizer for the ids of the longest caption
+    it allows (every position a token: the plan's upper bound), padded to the published tokenizer's length or the one
+    the family asks for, and its pad id; this one gives exactly that, a chat template as the caption itself, and,
+    unpadded (a fixed suffix), a token per 4 characters."""
+
+    pad_token_id = eos_token_id = 0
+
+    def __init__(self, model_max_length: int, padding_side: str = "right"):
+        self.model_max_length, self.padding_side = model_max_length, padding_side
+        self.tokenizer = self  # a processor's tokenizer is itself here
+
+    def __call__(self, text=None, padding=None, max_length=None, **kwargs):
+        from transformers import BatchEncoding
+
+        texts = [text] if isinstance(text, str) else list(text)
+        length = (max_length or self.model_max_length) if padding == "max_length" else max(
+            1, max(len(piece) for piece in texts) // 4)
+        ids = torch.ones(len(texts), length, dtype=torch.long)
+        return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+    def apply_chat_template(self, conversation, tokenize=False, return_dict=False, **kwargs):
+        batched = bool(conversation) and isinstance(conversation[0], list)
+        texts = [" " * 4] * (len(conversation) if batched else 1)
+        if not tokenize:
+            return texts if batched else texts[0]
+        encoded = self(texts, **{key: value for key, value in kwargs.items() if key in ("padding", "max_length")})
+        return encoded if return_dict else encoded["input_ids"]
 
 
 def _with(config: Config, overrides: list[str]) -> Config:
@@ -336,6 +409,10 @@ class _PeakBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             return 1.0 if args[0].is_floating_point() else self.full
+        if func is torch.ops.aten._to_copy.default and args[0].is_meta and (kwargs or {}).get("device", META) != META:
+            # A meta tensor's values read out (`tolist()`: Z-Image's and Lumina's per-caption lengths): as above.
+            source = args[0]
+            return torch.full(source.shape, 1.0 if source.is_floating_point() else self.full, dtype=source.dtype)
         result = func(*args, **(kwargs or {}))
         arguments = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(result)[0]:
@@ -432,10 +509,12 @@ def _encoding_peak(components: Components, config: Config, dtype: torch.dtype) -
 def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tuple[int, int]:
     """The peak of one training step's forward and backward (activations, gradients, temporaries), and the part
     of it still held after the step (gradients, buffers kept for the next step)."""
-    ids, latents, full, _ = _inputs(components, config, dtype)
+    ids, latents, full, frames = _inputs(components, config, dtype)
     side, batch = config.data.resolution, config.train.batch_size
+    pixels = torch.zeros(batch, 3, *((frames,) if frames else ()), side, side, device=META)
     with torch.no_grad(), _counting(full):
         conditioning = components.family.encode_prompts(components, ids)
+        conditioning |= components.family.pixel_conditioning(components, pixels)  # an image-to-video model's first frame
     conditioning = {name: value.to(dtype) if value.is_floating_point() else value for name, value in conditioning.items()}
     geometry = torch.tensor([[side, side, 0, 0, side, side]] * batch, device=META)
     timesteps = torch.full((batch,), 500, device=META)

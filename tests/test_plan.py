@@ -138,3 +138,113 @@ def test_alike_blocks_are_bisected_to_the_count_each_count_tried_finds(make_conf
     monkeypatch.setattr(plan, "FEW_BLOCKS", 0)
     bisected = plan.with_offload_budget(make_config(**job, model__offload_budget=budget)).model.offload_blocks
     assert tried == bisected == 3
+
+
+# Plans before the download: the published bases' configs kept in difftune (difftune/published).
+
+# Parameters of the published models, as their model cards and papers give them (billions, within 2%, or with the
+# tolerance their rounding needs: "14B", "4B"): a kept config that differs from the published one builds another size.
+PUBLISHED_SIZES = {
+    "stable-diffusion-v1-5/stable-diffusion-v1-5": {"unet": 0.86, "text_encoder": 0.123},
+    "stabilityai/stable-diffusion-xl-base-1.0": {"unet": 2.567, "text_encoder_2": 0.695},
+    "stabilityai/stable-diffusion-3.5-large": {"transformer": 8.1},
+    "black-forest-labs/FLUX.1-dev": {"transformer": 11.9, "text_encoder_2": 4.76},
+    "lodestones/Chroma1-HD": {"transformer": 8.9},
+    "black-forest-labs/FLUX.2-dev": {"transformer": 32.0, "text_encoder": 24.0},
+    "black-forest-labs/FLUX.2-klein-4B": {"transformer": (4.0, 0.04), "text_encoder": 4.0},
+    "Qwen/Qwen-Image": {"transformer": 20.4, "text_encoder": 8.29},
+    "Tongyi-MAI/Z-Image-Turbo": {"transformer": 6.15},
+    "Alpha-VLLM/Lumina-Image-2.0": {"transformer": 2.6, "text_encoder": 2.61},
+    "HiDream-ai/HiDream-I1-Full": {"transformer": 17.1, "text_encoder_4": 8.03},
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": {"transformer": (14.0, 0.03)},
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {"transformer": 1.4},
+}
+
+
+@pytest.mark.parametrize("base", sorted(PUBLISHED_SIZES))
+def test_a_kept_base_builds_the_published_model(base):
+    """Each part built from the kept configs on the meta device has the published model's size (within 2%), and the
+    base is read as its family without asking the hub."""
+    from difftune import published
+    from difftune.config import Config, ModelConfig
+
+    components = plan.empty_components(Config(model=ModelConfig(base=base)))
+    parts = {components.family.denoiser_name: components.denoiser, **components.text_encoders}
+    for part, published_size in PUBLISHED_SIZES[base].items():
+        billions, tolerance = published_size if isinstance(published_size, tuple) else (published_size, 0.02)
+        size = sum(p.numel() for p in parts[part].parameters()) / 1e9
+        assert size == pytest.approx(billions, rel=tolerance), (part, size)
+    assert published.REFERENCE_BASES[components.family.name] in published.published_bases()
+
+
+def test_every_family_has_a_kept_reference_base():
+    from difftune import published
+    from difftune.families import FAMILIES
+
+    assert set(published.REFERENCE_BASES) == set(FAMILIES)
+    assert set(published.REFERENCE_BASES.values()) <= set(published.published_bases())
+
+
+def _configs_naming_bases_not_here() -> list[Path]:
+    """The shipped configs whose base is not on this machine: a hub id, or a folder still to be made."""
+    found = []
+    for path in sorted((REPO / "configs").glob("*.toml")):
+        config = load_config(path)
+        if not Path(config.model.base).exists():
+            found.append(path)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", _configs_naming_bases_not_here(), ids=lambda path: path.name)
+def test_every_shipped_config_is_planned_offline(path, monkeypatch):
+    """Every shipped config for a base not here (the 1024 px ones among them) is planned with the hub unreachable:
+    from the base's kept configs, or its family's reference base for a folder still to be made; the plan says which."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = load_config(path)
+    predicted = plan.plan_memory(config, "cuda")
+    assert predicted.device_peak > 2**30 and predicted.host_peak > predicted.host["python and libraries"]
+    from difftune import published
+
+    base = config.model.base
+    kept = base if published.is_published(base) else published.REFERENCE_BASES[config.model.family]
+    assert predicted.configs.startswith(f"{kept}'s, kept in difftune")
+
+
+@pytest.mark.slow
+def test_the_plan_command_answers_for_qwen_image_before_the_download(monkeypatch, capsys):
+    """`difftune plan --config configs/qwen_image_1024_lora.toml --device-memory 24GB --host-memory 64GB`, offline: it
+    used to stop on "Qwen/Qwen-Image has no model_index.json". A GPU's memory asked about, it plans for a GPU."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["plan", "--config", str(REPO / "configs/qwen_image_1024_lora.toml"), "--device-memory", "24GB",
+                 "--host-memory", "64GB", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert answer["configs"] == "Qwen/Qwen-Image's, kept in difftune (nothing downloaded)"
+    assert answer["device_type"] == "cuda"
+    # The transformer's 20.4B weights in bf16 are what the device holds most of (fp8 halves them).
+    assert answer["device"]["frozen denoiser weights"] == pytest.approx(20.43e9 * 2, rel=0.01)
+    assert "fits_with" in answer
+
+
+def test_a_base_neither_here_nor_kept_is_refused_naming_what_to_do(make_config):
+    config = make_config(model__base="someone/some-model")
+    with pytest.raises(DifftuneError, match=r"someone/some-model is neither a local pipeline folder nor a base whose "
+                                            r"configs difftune keeps \(.*Qwen/Qwen-Image.*\); set model.family"):
+        plan.empty_components(config)
+
+
+def test_a_single_file_without_its_folder_is_planned_as_its_familys_published_model(tmp_path, make_config):
+    """A FLUX.1 single file (BFL's layout, as ComfyUI's users have it) and no config folder: the plan reads the file's
+    keys for its family and plans FLUX.1-dev's published configs, saying so (it used to stop, asking for a folder)."""
+    from safetensors.torch import save_file
+
+    from difftune.config import ModelConfig
+    from difftune.families import FAMILIES, load_components
+
+    tiny = REPO / "models" / "tiny-flux"
+    save_file(FAMILIES["flux"].to_single_file(load_components(ModelConfig(base=str(tiny)))), tmp_path / "flux.safetensors")
+    config = make_config(model__base=str(tmp_path / "flux.safetensors"))
+    assert plan.configs_read(config.model).startswith("black-forest-labs/FLUX.1-dev's, kept in difftune: the flux family's "
+                                                      "reference base")
+    components = plan.empty_components(config)
+    assert sum(p.numel() for p in components.denoiser.parameters()) == pytest.approx(11.9e9, rel=0.01)

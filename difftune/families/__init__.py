@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from difftune import published
 from difftune.autoencoders import latent_channels, load_vae
 from difftune.config import FAMILY_NAMES, ModelConfig
 from difftune.errors import DifftuneError
@@ -145,8 +146,11 @@ def _readers(config: ModelConfig) -> tuple[list[Family], str]:
             class_name = _pipeline_class_name(config.model_copy(update={"base": config.single_file_config}))
             readers = [family for family in readers if class_name in family.pipeline_classes] or readers
         return readers, "a single file"
-    with explained_load_errors("model.base", base):
-        class_name = _pipeline_class_name(config)
+    if published.is_published(base) and not Path(base).exists():  # known without asking the hub (offline too)
+        class_name = published.model_index(base)["_class_name"]
+    else:
+        with explained_load_errors("model.base", base):
+            class_name = _pipeline_class_name(config)
     return [family for family in FAMILIES.values() if class_name in family.pipeline_classes], f"a {class_name}"
 
 
