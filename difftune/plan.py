@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from difftune import published as kept_configs
+from difftune import published
 from difftune.clips import is_clip
 from difftune.config import Config, parse_size
 from difftune.errors import DifftuneError
@@ -277,8 +277,8 @@ def empty_components(config: Config) -> Components:
     from difftune.families import family_of
 
     model = config.model
-    folder, published = config_source(model)
-    family = family_of(model.model_copy(update={"base": str(folder), "family": model.family}) if published else model)
+    folder, kept = config_source(model)
+    family = family_of(model.model_copy(update={"base": str(folder), "family": model.family}) if kept else model)
     index = json.loads((folder / "model_index.json").read_text())
     parts = {}
     for name, spec in index.items():
@@ -286,8 +286,8 @@ def empty_components(config: Config) -> Components:
             continue  # a setting (Krea 2's `text_encoder_select_layers`), or a part left out
         part_class = getattr(importlib.import_module(spec[0]), spec[1])
         if not issubclass(part_class, torch.nn.Module):
-            holds_text = published and not (folder / name / "scheduler_config.json").is_file()
-            parts[name] = (LengthOnlyTokenizer(**kept_configs.tokenizer_settings(published, name)) if holds_text
+            holds_text = kept and not (folder / name / "scheduler_config.json").is_file()
+            parts[name] = (LengthOnlyTokenizer(**published.tokenizer_settings(kept, name)) if holds_text
                            else part_class.from_pretrained(folder, subfolder=name))
             continue
         with torch.device(META):
@@ -319,8 +319,8 @@ def config_source(model) -> tuple[Path, str]:
     folder = Path(model.single_file_config if single_file and model.single_file_config else base)
     if (folder / "model_index.json").is_file():
         return folder, ""
-    if kept_configs.is_published(base):
-        return kept_configs.config_folder(base), base
+    if published.is_published(base):
+        return published.config_folder(base), base
     if single_file and Path(base).is_file():
         name = family_of(model).name  # by the file's keys
     elif model.family != "auto" and not Path(base).exists():
@@ -328,26 +328,26 @@ def config_source(model) -> tuple[Path, str]:
     else:
         raise DifftuneError(
             f"difftune plan reads the model's config files: {base} is neither a local pipeline folder nor a base "
-            f"whose configs difftune keeps ({', '.join(kept_configs.published_bases())}); set model.family to plan it "
+            f"whose configs difftune keeps ({', '.join(published.published_bases())}); set model.family to plan it "
             "as its family's reference base, or model.single_file_config to a diffusers folder"
         )
-    reference = kept_configs.REFERENCE_BASES[FAMILIES[name].name]
-    return kept_configs.config_folder(reference), reference
+    reference = published.REFERENCE_BASES[FAMILIES[name].name]
+    return published.config_folder(reference), reference
 
 
 def configs_read(model) -> str:
     """What the plan says of where its configs came from."""
     from difftune.models import SINGLE_FILE_SUFFIXES
 
-    folder, published = config_source(model)
-    if not published:
+    folder, kept = config_source(model)
+    if not kept:
         return f"the pipeline folder {folder}"
-    if published == model.base:
-        return f"{published}'s, kept in difftune (nothing downloaded)"
-    family = next(name for name, base in kept_configs.REFERENCE_BASES.items() if base == published)
+    if kept == model.base:
+        return f"{kept}'s, kept in difftune (nothing downloaded)"
+    family = next(name for name, base in published.REFERENCE_BASES.items() if base == kept)
     why = ("a single file holds no configs; model.single_file_config names its own" if model.base.endswith(SINGLE_FILE_SUFFIXES)
            else f"model.base {model.base} is not on this machine")
-    return f"{published}'s, kept in difftune: the {family} family's reference base ({why})"
+    return f"{kept}'s, kept in difftune: the {family} family's reference base ({why})"
 
 
 class LengthOnlyTokenizer:

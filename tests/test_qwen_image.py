@@ -86,7 +86,10 @@ def test_the_layouts_other_trainers_share_are_read_as_ours(make_config, qwen_bas
     kohya = load_file(export.convert_adapter(result.trained_path, tmp_path / "kohya.safetensors", "kohya"))
     assert "lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight" in kohya
     assert "lora_unet_transformer_blocks_0_img_mlp_net_0_proj.lora_up.weight" in kohya
-    assert float(kohya["lora_unet_transformer_blocks_0_attn_to_q.alpha"]) == 8.0
+    # The diffusers-layout file holds alpha / rank (2) in its lora_B and says alpha = rank: so does its conversion.
+    assert float(kohya["lora_unet_transformer_blocks_0_attn_to_q.alpha"]) == 4.0
+    assert torch.equal(kohya["lora_unet_transformer_blocks_0_attn_to_q.lora_up.weight"],
+                       ours["transformer.transformer_blocks.0.attn.to_q.lora_B.weight"])
     theirs = _convert_non_diffusers_qwen_lora_to_diffusers(dict(kohya))
     # diffusers folds alpha / rank into the factors; the keys are ours.
     assert set(theirs) == set(ours)
@@ -102,7 +105,7 @@ def test_the_layouts_other_trainers_share_are_read_as_ours(make_config, qwen_bas
     save_file(simpletuner, tmp_path / "simpletuner.safetensors")
     tensors, configs, _ = export.read_any_adapter(tmp_path / "simpletuner.safetensors", str(qwen_base))
     assert tensors.keys() == ours.keys() and all(torch.equal(tensors[key], ours[key]) for key in ours)
-    assert (configs["transformer.r"], configs["transformer.lora_alpha"]) == (4, 8)
+    assert (configs["transformer.r"], configs["transformer.lora_alpha"]) == (4, 4)
 
 
 def test_text_cache_entries_keep_the_caption_and_read_back_as_encoded(make_config, qwen_base):
