@@ -1,10 +1,12 @@
 """One run per output folder: a training run holds `train.output_dir` while it runs, and a second one is refused
 with who holds it (two runs in one folder overwrite each other's checkpoints and metrics).
 
-The hold is an advisory `flock` on `<output_dir>/.difftune.lock`, which the kernel releases when the holder exits,
-however it exits: a SIGKILLed or crashed run cannot leave the folder locked. The file keeps the holder's pid,
-host, start time and command, to name it; left behind after a run, it locks nothing. Under several processes
-(DDP, FSDP) the global main process (RANK 0) holds it. Where `fcntl` does not exist (Windows), no hold is taken.
+The hold is an advisory `flock` on the folder itself, which the kernel releases when the holder exits, however it
+exits: a SIGKILLed or crashed run cannot leave the folder locked. It locks the folder's own inode, not a file in it:
+a lock file deleted or replaced while a run trained let a second run lock the new file and train beside the first.
+`<output_dir>/.difftune.lock` keeps the holder's pid, host, start time and command, to name it; it locks nothing.
+Under several processes (DDP, FSDP) the global main process (RANK 0) holds it. Where `fcntl` does not exist
+(Windows), no hold is taken.
 
 A flock belongs to the open file, and a forked process shares it: data-loader workers forked during the run would
 keep the folder locked after a SIGKILL until they noticed their parent was gone (seconds), and a resume started at
@@ -26,7 +28,7 @@ from pathlib import Path
 from difftune.errors import DifftuneError
 
 LOCK_FILE = ".difftune.lock"
-_held_descriptors: set[int] = set()  # the lock files' descriptors this process holds the folder through
+_held_descriptors: set[int] = set()  # the folders' descriptors this process holds them through
 
 
 @contextmanager
@@ -42,27 +44,28 @@ def hold_output_dir(output_dir: Path) -> Iterator[None]:
         yield
         return
     output_dir.mkdir(parents=True, exist_ok=True)
-    with open(output_dir / LOCK_FILE, "a+", encoding="utf-8") as handle:
+    folder = os.open(output_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise DifftuneError(f"train.output_dir {output_dir}: {_holder(handle)}") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                                 "command": " ".join(sys.argv)}))
-        handle.flush()
-        _held_descriptors.add(handle.fileno())
+            raise DifftuneError(f"train.output_dir {output_dir}: {_holder(output_dir / LOCK_FILE)}") from None
+        (output_dir / LOCK_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                         "started": time.time(), "command": " ".join(sys.argv)}),
+                                            encoding="utf-8")
+        _held_descriptors.add(folder)
         try:
             yield
         finally:
-            _held_descriptors.discard(handle.fileno())
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            _held_descriptors.discard(folder)
+            fcntl.flock(folder, fcntl.LOCK_UN)
+    finally:
+        os.close(folder)
 
 
 def _release_in_forked_child() -> None:
-    """In a forked child, point each held lock file's descriptor at /dev/null: the child no longer shares the open
-    file (closing the descriptor instead would let the child's file object close whatever took its number later)."""
+    """In a forked child, point each held folder's descriptor at /dev/null: the child no longer shares the open file
+    (closing the descriptor instead could close, in the parent's code the child runs, whatever took its number)."""
     if not _held_descriptors:
         return
     null = os.open(os.devnull, os.O_RDWR)
@@ -76,13 +79,12 @@ if hasattr(os, "register_at_fork"):  # POSIX, where fcntl's flock is
     os.register_at_fork(after_in_child=_release_in_forked_child)
 
 
-def _holder(handle) -> str:
-    handle.seek(0)
+def _holder(record: Path) -> str:
     try:
-        holder = json.loads(handle.read())
+        holder = json.loads(record.read_text(encoding="utf-8"))
         who = (f"pid {holder['pid']} on {holder['host']}, started "
                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder['started']))}: `{holder['command']}`")
-    except (ValueError, KeyError, TypeError):
-        who = "a process that has not said which yet"
+    except (OSError, ValueError, KeyError, TypeError):
+        who = f"a process whose {LOCK_FILE} record is missing or unreadable"
     return (f"another run is using this folder ({who}); wait for it to end, stop it, or choose another "
             "train.output_dir")

@@ -577,13 +577,50 @@ def test_a_killed_runs_forked_workers_do_not_keep_its_folder_locked(tmp_path):
 
     out = tmp_path / "run"
     subprocess.run([sys.executable, "-c", _HOLD_AND_FORK, str(out)], cwd=REPO, check=True, timeout=60)
-    with open(out / ".difftune.lock", "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free at once: no BlockingIOError
-        fcntl.flock(handle, fcntl.LOCK_UN)
+    folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free at once: no BlockingIOError
+        fcntl.flock(folder, fcntl.LOCK_UN)
+    finally:
+        os.close(folder)
     started = time.monotonic()
     with hold_output_dir(out):
         assert json.loads((out / ".difftune.lock").read_text())["pid"] == os.getpid()
     assert time.monotonic() - started < 2  # the child sleeps 3 s: nothing waited for it
+
+
+_HOLD_A_WHILE = """
+import sys, time
+from difftune.output_lock import hold_output_dir
+
+with hold_output_dir(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_the_folder_stays_held_when_its_lock_record_is_deleted_or_replaced(tmp_path):
+    """The hold is on the folder itself: with `.difftune.lock` deleted (or replaced by another file) while a run holds
+    the folder, a second run is still refused. Locking the file let the second run lock its new one and train beside
+    the first, retiring its newest metrics line."""
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_A_WHILE, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (out / ".difftune.lock").unlink()
+        with pytest.raises(DifftuneError, match=r"another run is using this folder \(a process whose \.difftune\.lock "
+                                                r"record is missing or unreadable\)"):
+            with hold_output_dir(out):
+                pass
+        (out / ".difftune.lock").write_text("{}")
+        with pytest.raises(DifftuneError, match="another run is using this folder"):
+            with hold_output_dir(out):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with hold_output_dir(out):  # free once the holder is gone
+        assert json.loads((out / ".difftune.lock").read_text())["pid"] == os.getpid()
 
 
 def test_resuming_an_older_checkpoint_starts_a_branch_that_auto_resume_follows(make_config, tmp_path):
