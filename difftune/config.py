@@ -7,6 +7,7 @@ before any work, with one message naming the key and what is allowed.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, get_origin
@@ -52,6 +53,9 @@ def parse_size(text: str) -> int:
 
 
 MAX_SIDE = 16384  # pixels: a side past this is a typo (2147483648 overflowed after the model had loaded)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # `owner/name`, what a base not on this machine must look like
+# Past this a learning rate is a typo (1e30 trained NaNs): adaptive optimizers that take a scale instead (Prodigy) use 1.
+MAX_LEARNING_RATE = 10.0
 
 # The model families: one module each in difftune/families/, named as the family (families/__init__.py loads
 # them), beside the pieces several families share. Read from the file names here, because the families import
@@ -163,6 +167,14 @@ class ModelConfig(Section):
         return value
 
 
+def not_empty(value: str, info) -> str:
+    """An empty path resolves to the working directory: a scan of it (data.path took 51 s), or a run's files written
+    among the user's own (train.output_dir)."""
+    if not str(value).strip():
+        raise ValueError("is empty; name a folder (an empty path would mean the working directory)")
+    return value
+
+
 class DataConfig(Section):
     path: str = Field(
         "examples/purple",
@@ -173,6 +185,7 @@ class DataConfig(Section):
         "files (a file, a glob or a folder of them; a hub dataset's parquet at `hf://datasets/...`), or a folder "
         "`datasets`' `save_to_disk` wrote.",
     )
+    _path_not_empty = field_validator("path")(not_empty)
     image_column: str = Field(
         "", description="Parquet and saved datasets: the image column (bytes, or the datasets library's Image "
         "feature); empty: the first of image, img, jpg, png, webp.",
@@ -438,9 +451,10 @@ class OptimConfig(Section):
         "`lr_schedule` stays `constant` and `warmup_steps` is its own warmup; its averaged weights are what is "
         "validated, sampled and saved; the `schedulefree` extra).",
     )
-    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate of the denoiser's (UNet's) parameters.")
+    learning_rate: float = Field(1e-4, gt=0, le=MAX_LEARNING_RATE,
+                                 description="Peak learning rate of the denoiser's (UNet's) parameters.")
     text_encoder_learning_rate: float | None = Field(
-        None, gt=0, description="Peak learning rate of the text encoders' parameters; defaults to `learning_rate`."
+        None, gt=0, le=MAX_LEARNING_RATE, description="Peak learning rate of the text encoders' parameters; defaults to `learning_rate`."
     )
     betas: tuple[float, float] = Field((0.9, 0.999), strict=False, description="Betas of AdamW and Lion (Lion: 0.9, 0.99 is usual).")
     weight_decay: float = Field(1e-2, ge=0, description="Decoupled weight decay.")
@@ -491,6 +505,7 @@ class TrainConfig(Section):
         json_schema_extra=PATH_LOCAL,
         description="Where the adapter, resolved config, metrics and samples are written.",
     )
+    _output_dir_not_empty = field_validator("output_dir")(not_empty)
     overwrite: bool = Field(False, description="Allow writing into an output_dir that already holds a finished run.")
     max_steps: int = Field(1000, ge=1, description="Optimizer steps to train.")
     batch_size: int = Field(1, ge=1, description="Images per process per micro-step.")
@@ -508,7 +523,7 @@ class TrainConfig(Section):
         "accelerate), the rest in bf16; needs a GPU with FP8 tensor cores (compute capability 8.9+, e.g. H100) and the "
         "`torchao` extra.",
     )
-    seed: int = Field(0, ge=0, description="Seed for the data order, augmentations, timesteps and noise.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed for the data order, augmentations, timesteps and noise.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory, slower.")
     channels_last: Switch = Field(
         "auto", description="Channels-last memory format for the denoiser; `auto`: on with CUDA (faster convolutions "
@@ -596,7 +611,7 @@ class PriorConfig(Section):
     negative_prompt: str = Field("", description="Negative prompt of the drawn class images.")
     steps: int = Field(30, ge=1, description="Denoising steps of each drawn class image.")
     guidance_scale: float = Field(7.5, ge=1.0, description="Guidance scale of the drawn class images.")
-    seed: int = Field(0, ge=0, description="Seed of the drawn class images; image i's is a function of it and i.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the drawn class images; image i's is a function of it and i.")
     batch_size: int = Field(4, ge=1, description="Class images drawn per pipeline call.")
 
     @property
@@ -958,12 +973,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     source = str(path) if path else "defaults"
     data: dict[str, Any] = {}
     if path:
-        try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))  # Windows editors may start with a BOM
-        except FileNotFoundError:
-            raise DifftuneError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as err:
-            raise DifftuneError(f"{path}: not valid TOML: {err}") from None
+        data = tomllib.loads(_config_text(Path(path)))
+        if not data:
+            raise DifftuneError(
+                f"config file {path} sets nothing: a job names at least its base and its data (model.base, data.path); "
+                "`difftune config` prints every key with its default"
+            )
         resolve_path_values(data, Path(path).resolve().parent)
     for override in overrides:
         key, value = _parse_override(override)
@@ -979,9 +994,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return absolute_paths(config, Path.cwd())
 
 
+def _config_text(path: Path) -> str:
+    """A config file's text: UTF-8 (with or without the BOM Windows editors write), or UTF-16 with its BOM (Notepad's
+    "Unicode"); anything else is refused naming the file, as is a folder or a file that is not valid TOML."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DifftuneError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise DifftuneError(f"config file {path} is a folder; pass a .toml file (configs/ holds examples)") from None
+    encoding = "utf-16" if raw.startswith((b"\xff\xfe", b"\xfe\xff")) else "utf-8-sig"
+    try:
+        text = raw.decode(encoding)
+    except UnicodeDecodeError as err:
+        raise DifftuneError(f"config file {path}: not text (byte {err.start} is no {'UTF-16' if encoding == 'utf-16' else 'UTF-8'} character); "
+                            "save it as UTF-8 TOML") from None
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise DifftuneError(f"{path}: not valid TOML: {err}") from None
+    return text
+
+
 def check_before_start(config: Config) -> None:
     """What the file system says against a run, checked before the seconds of imports and model loading: the
     folders it reads must be folders, and those it writes into must not be files."""
+    base = config.model.base
+    if not Path(base).exists() and not HUB_ID.fullmatch(base):
+        raise DifftuneError(f"model.base {base}: no such folder or file here, and not a hub id (owner/name); point it at "
+                            "a diffusers folder, a .safetensors file, or a Hugging Face hub id")
     folders = {"data.path": (config.data.path, "captioned images"), "validation.path": (config.validation.path, "captioned images"),
                "data.mask_path": (config.data.mask_path if config.data.masks == "folder" else "", "mask images"),
                "data.control_path": (config.data.control_path, "control images")}
@@ -1079,8 +1120,9 @@ def _parse_override(override: str) -> tuple[str, Any]:
     field = _field(section, name, where=f"override {override!r}")
     if entry and get_origin(field.annotation) is not dict:
         raise DifftuneError(f"override {override!r}: {section}.{name} is not a table; use {section}.{name}=value")
-    if _is_text(field.annotation):
-        return key, text
+    if _is_text(field.annotation):  # as typed; a quoted one (`'train.output_dir=""'`) is the TOML string it spells
+        quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'"
+        return key, tomllib.loads(f"v = {text}")["v"] if quoted else text
     try:
         return key, tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -1145,7 +1187,7 @@ def describe_errors(source: str, err: ValidationError, section: str | None = Non
         elif not key:  # a check across sections: its message names the keys; its input would be the whole config
             lines.append(f"  {error['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"  {key}: {error['msg']} (got {error.get('input')!r})")
+            lines.append(f"  {key}: {error['msg'].removeprefix('Value error, ')} (got {error.get('input')!r})")
     return "\n".join(lines)
 
 

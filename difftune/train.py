@@ -186,6 +186,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
         examples = [replace(example, caption=caption_with_token(example.caption, config.adapter)) for example in examples]
         check_captions([example.caption for example in examples], config.adapter)
     report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
+    _check_batch_within_data(config, len(examples), accelerator.num_processes, _media_count(examples))
     components.family.check_controls(examples, "data.path")
     sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
     controls = control_sizes(examples, sizes, partial(components.family.control_size, options=components.family_options))
@@ -494,7 +495,20 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
 
 def _media_count(examples: list) -> str:
     windows = sum(1 for example in examples if example.frames)
-    return f"{len(examples) - windows} images" + (f", {windows} clip windows" if windows else "")
+    images = len(examples) - windows
+    return ", ".join([*([f"{images} images"] if images or not windows else []), *([f"{windows} clip windows"] if windows else [])])
+
+
+def _check_batch_within_data(config: Config, examples: int, processes: int, what: str) -> None:
+    """A batch larger than the data would hold each image several times in every batch: a typo (600,000 over 16
+    images trained), refused before anything is cached. Repeats (`N_name` folders) count as the data."""
+    batch = config.train.batch_size * processes
+    if batch > examples:
+        per_process = f" ({config.train.batch_size} x {processes} processes)" if processes > 1 else ""
+        raise DifftuneError(
+            f"train.batch_size {config.train.batch_size}{per_process}: a batch of {batch} is more than the data holds "
+            f"({what} in {config.data.path}); use at most {examples // processes}, or repeat the folder (N_name)"
+        )
 
 
 def latent_mask(mask: torch.Tensor, size: tuple[int, ...], unmasked_weight: float) -> torch.Tensor:

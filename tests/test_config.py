@@ -366,3 +366,81 @@ def test_text_encoder_targets_name_a_text_encoder_the_family_adapts(make_config,
                                             r"Flux.1-class flow-matching transformers adapters train; theirs: text_encoder"):
         train(make_config(model__base=str(tiny_flux_base), adapter__text_encoder=True,
                           **{"adapter__text_encoder_targets__text_encoder_2": ["q"]}))
+
+
+# What a held-back pass fed the config reader (issue 59): each used to crash with a traceback, or to run.
+
+def _config_file(tmp_path, content: bytes) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (bytes(range(256)), r"config file .*job\.toml: not text \(byte 128 is no UTF-8 character\); save it as UTF-8 TOML"),
+    (b"", r"config file .*job\.toml sets nothing: a job names at least its base and its data \(model\.base, data\.path\)"),
+    (b"# only a comment\n", r"sets nothing"),
+    (b'[train]\noutput_dir = ""\n', r"train\.output_dir: is empty; name a folder \(an empty path would mean the working "
+                                     r"directory\) \(got ''\)"),
+])
+def test_config_files_that_cannot_be_a_job_are_refused_naming_why(tmp_path, content, message):
+    with pytest.raises(DifftuneError, match=message):
+        load_config(_config_file(tmp_path, content))
+
+
+def test_a_utf16_config_with_its_bom_is_read(tmp_path):
+    """Windows Notepad's "Unicode" is UTF-16 with a BOM: it used to stop on a UnicodeDecodeError."""
+    path = tmp_path / "job.toml"
+    path.write_text("[train]\nmax_steps = 7\n", encoding="utf-16")
+    assert load_config(path).train.max_steps == 7
+
+
+def test_a_folder_as_the_config_is_refused(tmp_path):
+    with pytest.raises(DifftuneError, match=rf"config file {re.escape(str(tmp_path))} is a folder; pass a \.toml file"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.seed=99999999999999999999999", r"train\.seed: Input should be less than or equal to 4294967295"),
+    ("prior.seed=-1", r"prior\.seed: Input should be greater than or equal to 0"),
+    ("optim.learning_rate=1e30", r"optim\.learning_rate: Input should be less than or equal to 10"),
+    ("optim.text_encoder_learning_rate=1e30", r"optim\.text_encoder_learning_rate: Input should be less than or equal"),
+    ('train.output_dir=""', r"train\.output_dir: is empty"),
+    ("train.output_dir=", r"train\.output_dir: is empty"),
+    ('data.path=""', r"data\.path: is empty"),
+])
+def test_overrides_that_would_crash_late_or_run_wild_are_refused(override, message):
+    """A seed numpy refuses (it stopped after 37 s of loading), a learning rate of 1e30, an empty output folder (the
+    run's files went into the working directory) or data path (51 s scanning it): refused by the reader, naming the key."""
+    with pytest.raises(DifftuneError, match=message):
+        load_config(None, [override])
+
+
+REFUSE_BEFORE_IMPORTS = """
+import sys
+from difftune.cli import main
+
+code = main(["train", *sys.argv[1:]])
+print(code, "torch" in sys.modules, "diffusers" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["model.base=../models/nothing-here"], "model.base ../models/nothing-here: no such folder or file here, and not a hub id"),
+    (["model.base=my_model.safetensors"], "model.base my_model.safetensors: no such folder or file here"),
+    (['data.path=""'], "data.path: is empty"),
+    (["train.seed=-1"], "train.seed: Input should be greater than or equal to 0"),
+    (["--config", "/"], "config file / is a folder"),
+])
+def test_refusals_that_need_no_weights_come_before_the_heavy_imports(arguments, message):
+    """A config error that needs no weights is said before torch or diffusers is imported (the seconds of imports
+    and loading came first: 27-34 s under load for a missing base); checked by what the process imported, not timed."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    run = subprocess.run([sys.executable, "-c", REFUSE_BEFORE_IMPORTS, *arguments], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert run.stdout.split() == ["2", "False", "False"], run.stdout + run.stderr
+    assert message in run.stderr and "Traceback" not in run.stderr

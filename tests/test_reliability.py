@@ -340,6 +340,18 @@ def test_an_all_bad_dataset_fails_before_training(make_config, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_a_batch_larger_than_the_data_is_refused_before_caching(make_config, tmp_path):
+    """600,000 over 16 images trained (each image thousands of times in every batch): refused naming the key, the
+    data and what fits, before any cache entry is written."""
+    config = make_config(train__batch_size=600000, cache__latents=True, cache__dir=str(tmp_path / "cache"))
+    with pytest.raises(DifftuneError, match=rf"^train\.batch_size 600000: a batch of 600000 is more than the data holds "
+                                            rf"\(8 images in {re.escape(config.data.path)}\); use at most 8, or repeat "
+                                            rf"the folder \(N_name\)$"):
+        train(config)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))
+    assert train(make_config(train__batch_size=8, train__max_steps=1)).losses  # the whole data in one batch trains
+
+
 def test_a_checkpoint_with_relative_paths_from_before_resumes(make_config, tmp_path, monkeypatch):
     """Checkpoints written before paths were recorded absolute hold them relative to the working directory."""
     out = tmp_path / "run"
