@@ -134,7 +134,9 @@ def resume_job(job: Job) -> Job:
         )
     if not job.resumable():
         raise DifftuneError(f"job {job.name} is {status} and wrote no checkpoint to resume from; launch it again")
-    return _start(job, resume=True, cwd=Path(job.state()["cwd"]))
+    # Its job.toml holds absolute paths: a working folder gone since (a deleted checkout) changes nothing it reads.
+    recorded = Path(job.state()["cwd"])
+    return _start(job, resume=True, cwd=recorded if recorded.is_dir() else job.dir)
 
 
 def stop_job(job: Job) -> None:
@@ -150,15 +152,19 @@ def find_jobs(jobs_dir: Path) -> list[Job]:
     """The job folders under `jobs_dir`, newest first."""
     if not Path(jobs_dir).is_dir():
         return []
-    folders = [path.parent for path in Path(jobs_dir).resolve().glob(f"*/{JOB_STATE}")]
+    root = Path(jobs_dir).resolve()
+    # A folder linked in from elsewhere is not a job of this folder: listing it would show and serve what it holds.
+    folders = [path.parent for path in root.glob(f"*/{JOB_STATE}") if not path.parent.is_symlink()]
     return [Job(folder) for folder in sorted(folders, key=lambda path: path.name, reverse=True)]
 
 
 def own_file(job: Job, path: Path) -> bool:
     """A regular file of the job's own folder: what the UI shows or serves from it. A symlink (a train.log linked to
-    /etc/passwd, a grid.png to anywhere) is not one, nor anything that resolves outside the folder."""
+    /etc/passwd, a grid.png to anywhere) is not one, nor anything that resolves outside the folder, nor a file with
+    another name elsewhere (a hard link: a file outside the jobs folder linked in)."""
     path = Path(path)
-    return path.is_file() and not path.is_symlink() and path.resolve().is_relative_to(job.dir.resolve())
+    return (path.is_file() and not path.is_symlink() and path.stat().st_nlink == 1
+            and path.resolve().is_relative_to(job.dir.resolve()))
 
 
 def log_tail(job: Job, max_chars: int = 6000) -> str:
@@ -225,10 +231,26 @@ def _command(job: Job, resume: bool) -> list[str]:
         ["--resume", "auto"] if resume else [])
 
 
+def _own_log(job: Job):
+    """The job's log opened to append, refusing a symbolic link (a resumed job's output landed in the file it pointed
+    to) or a hard-linked file: the log is written in the job's folder only."""
+    path = job.dir / JOB_LOG
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError:
+        raise DifftuneError(f"job {job.name}: its {JOB_LOG} is a symbolic link, not the job's own log; remove it to "
+                            "resume") from None
+    if os.fstat(descriptor).st_nlink != 1:
+        os.close(descriptor)
+        raise DifftuneError(f"job {job.name}: its {JOB_LOG} is a hard link to another file, not the job's own log; "
+                            "remove it to resume")
+    return os.fdopen(descriptor, "ab")
+
+
 def _start(job: Job, resume: bool, cwd: Path) -> Job:
     # The child gets its own session so closing the UI leaves it running.
     command = _command(job, resume)
-    with open(job.dir / JOB_LOG, "ab") as log:
+    with _own_log(job) as log:
         child = subprocess.Popen(
             command,
             cwd=cwd,

@@ -214,3 +214,60 @@ def test_resume_says_why_it_cannot(make_config, tmp_path):
         shutil.rmtree(checkpoint)
     with pytest.raises(DifftuneError, match=r"is failed and wrote no checkpoint to resume from; launch it again"):
         jobs.resume_job(job)
+
+
+def _interrupted_job(make_config, jobs_dir: Path) -> jobs.Job:
+    """A job that stopped with a checkpoint at step 2 of 4 (as a killed one leaves its folder), never running now."""
+    from difftune.train import train
+
+    folder = jobs_dir / "20260101-000000-interrupted"
+    config = make_config(train__max_steps=2, checkpoint__every_steps=2, train__output_dir=str(folder))
+    train(config)
+    for result in folder.glob("*.safetensors"):
+        result.unlink()
+    config.train.max_steps = 4
+    (folder / jobs.JOB_CONFIG).write_text(config.to_toml())
+    (folder / jobs.JOB_STATE).write_text(json.dumps({"pid": 0, "started": 0, "command": [], "cwd": str(REPO)}))
+    (folder / jobs.JOB_LOG).write_text("difftune: the job's own log\n")
+    job = jobs.Job(folder)
+    assert job.status() == "failed" and job.resumable()
+    return job
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_resume_never_writes_through_a_linked_log(make_config, tmp_path, link):
+    """Resume appended the trainer's output to a train.log that was a symbolic link (the text landed in the file it
+    pointed to); a hard-linked one (a file outside the jobs folder) is refused too, and neither is shown."""
+    job = _interrupted_job(make_config, tmp_path / "jobs")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("someone else's file\n")
+    (job.dir / jobs.JOB_LOG).unlink()
+    if link == "symbolic":
+        (job.dir / jobs.JOB_LOG).symlink_to(outside)
+    else:
+        (job.dir / jobs.JOB_LOG).hardlink_to(outside)
+    assert jobs.log_tail(job) == ""
+    with pytest.raises(DifftuneError, match=rf"its train\.log is a {link}"):
+        jobs.resume_job(job)
+    assert outside.read_text() == "someone else's file\n" and not job.is_running()
+
+
+@pytest.mark.slow
+def test_a_job_whose_working_folder_is_gone_resumes_in_its_own(make_config, tmp_path):
+    """The recorded working folder deleted since: Resume failed with an unhandled FileNotFoundError. The job's config
+    holds absolute paths, so it resumes in the job's folder and finishes."""
+    job = _interrupted_job(make_config, tmp_path / "jobs")
+    state = job.state() | {"cwd": str(tmp_path / "deleted-checkout")}
+    (job.dir / jobs.JOB_STATE).write_text(json.dumps(state))
+    jobs.resume_job(job)
+    _wait_for(lambda: not job.is_running(), 300, job)
+    assert job.status() == "finished", jobs.log_tail(job)
+    assert job.state()["cwd"] == str(job.dir)
+
+
+def test_a_job_folder_linked_in_from_elsewhere_is_not_listed(make_config, tmp_path):
+    elsewhere = _fake_job(tmp_path / "elsewhere" / "20260101-000000-theirs", 0, 0, [])
+    jobs_dir = tmp_path / "jobs"
+    mine = _fake_job(jobs_dir / "20260101-000001-mine", 0, 0, [])
+    (jobs_dir / "20260101-000002-link").symlink_to(elsewhere.dir)
+    assert jobs.find_jobs(jobs_dir) == [jobs.Job(mine.dir.resolve())]
