@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--share", action="store_true", help="also open a public share link (needs --auth)")
     ui.add_argument("--ssl-certfile", type=Path, help="serve HTTPS with this certificate (with --ssl-keyfile)")
     ui.add_argument("--ssl-keyfile", type=Path, help="the certificate's private key")
+    ui.add_argument("--public-name", action="append", default=[], metavar="HOST",
+                    help="a name the UI is reached by besides the address it binds (a reverse proxy's); requests "
+                         "naming any other host are refused (DNS rebinding)")
     return parser
 
 
@@ -207,7 +210,8 @@ def _run(args: argparse.Namespace) -> None:
         auth = webui.read_auth(args.auth, args.auth_file)
         for warning in webui.exposure_warnings(args.host, bool(args.auth), bool(args.ssl_certfile)):
             print(f"difftune: warning: {warning}", file=sys.stderr)
-        webui.serve(args.jobs_dir, args.host, args.port, auth, args.share, args.configs_dir, args.ssl_certfile, args.ssl_keyfile)
+        webui.serve(args.jobs_dir, args.host, args.port, auth, args.share, args.configs_dir, args.ssl_certfile,
+                    args.ssl_keyfile, tuple(args.public_name))
         return
 
     from difftune import export

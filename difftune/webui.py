@@ -11,6 +11,7 @@ from the jobs folder only; uploads are capped; exports are written under `<jobs>
 from __future__ import annotations
 
 import hmac
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 EXPORTS_DIR = "exports"
 CONFIGS_DIR = "configs"  # configs saved from the form, under the jobs folder so they can be downloaded
 MAX_UPLOAD = "1mb"  # config files are a few KB
+MAX_UPLOAD_BYTES = 2**20 + 2**16  # a whole upload request: the 1 MB, and its multipart envelope
 PLOTTED = ("loss", "grad_norm", "lr")
 
 
@@ -97,7 +99,7 @@ def exposure_warnings(host: str, auth_on_command_line: bool, tls: bool) -> list[
 
 
 def serve(jobs_dir: Path, host: str, port: int, auth: list[tuple[str, str]] | None, share: bool, configs_dir: Path,
-          ssl_certfile: Path | None = None, ssl_keyfile: Path | None = None) -> None:
+          ssl_certfile: Path | None = None, ssl_keyfile: Path | None = None, public_names: tuple[str, ...] = ()) -> None:
     check_exposure(host, auth, share)
     if bool(ssl_certfile) != bool(ssl_keyfile):
         raise DifftuneError("--ssl-certfile and --ssl-keyfile go together: give both, or neither")
@@ -113,7 +115,18 @@ def serve(jobs_dir: Path, host: str, port: int, auth: list[tuple[str, str]] | No
         footer_links=[],
         ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
         ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,
+        app_kwargs={"middleware": guards(host, share, public_names)},
     )
+
+
+def guards(host: str, share: bool, public_names: tuple[str, ...] = ()) -> list:
+    """The server's own checks before Gradio's (ui_guards.py): the hosts it serves, the upload cap per request."""
+    from starlette.middleware import Middleware
+
+    from difftune.ui_guards import AllowedHosts, UploadLimit
+
+    served = (host, socket.gethostname(), socket.getfqdn(), *public_names) if host in ("0.0.0.0", "::") else (host, *public_names)
+    return [Middleware(AllowedHosts, names=served, share=share), Middleware(UploadLimit, max_bytes=MAX_UPLOAD_BYTES)]
 
 
 def build_app(jobs_dir: Path, configs_dir: Path) -> gr.Blocks:
@@ -457,9 +470,11 @@ def _export_tab(jobs_dir: Path):
 
 
 def _inside(folder: Path, name: str) -> Path:
-    """`folder/name`, refusing names that lead out of `folder` (`..`, absolute paths)."""
+    """`folder/name`, refusing names that lead out of `folder` (`..`, absolute paths) or hold control characters (a
+    newline in a file name breaks every listing and log that names it)."""
     path = (folder / name.strip()).resolve()
-    if not name.strip() or not path.is_relative_to(folder.resolve()) or path == folder.resolve():
+    plain = name.strip() and name.isprintable()
+    if not plain or not path.is_relative_to(folder.resolve()) or path == folder.resolve():
         raise DifftuneError(f"output name {name!r}: give a plain name; outputs are written under {folder}")
     return path
 

@@ -249,6 +249,53 @@ def test_uploads_are_capped(server):
     assert response.status == 413, response.read()[:200]
 
 
+def _post(port: int, path: str, body: bytes, headers: dict) -> tuple[int, bytes, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("POST", path, body, headers)
+    response = connection.getresponse()
+    return response.status, response.read(), dict(response.getheaders())
+
+
+def test_requests_for_another_host_are_refused(server):
+    """DNS rebinding: a page of evil.example resolved to 127.0.0.1 sends `Host: evil.example` and its own `Origin`. A
+    POST so was answered 200 with that origin echoed in Access-Control-Allow-Origin; now 403 before Gradio sees it (its
+    CORS layer, outside ours, may still echo the origin on the refusal: nothing ran), as is a foreign Origin under our
+    own Host. The UI's own requests (its host, by name or address) are answered."""
+    port = server["port"]
+    call = json.dumps({"data": [], "fn_index": 0}).encode()
+    for headers in ({"Host": "evil.example", "Origin": "http://evil.example"},
+                    {"Host": f"127.0.0.1:{port}", "Origin": "http://evil.example"},
+                    {"Host": f"evil.example:{port}"}):
+        status, body, _ = _post(port, "/gradio_api/queue/join", call, {"Content-Type": "application/json", **headers})
+        assert status == 403 and b"this host is not served here" in body, (headers, status)
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}"):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.request("GET", "/", headers={"Host": host, "Origin": f"http://{host}"})
+        assert connection.getresponse().status == 200, host
+
+
+def test_uploads_are_capped_per_request_not_only_per_file(server):
+    """Gradio's cap is per file: three 0.9 MB files in one request passed a 1 MB cap."""
+    boundary = "difftuneboundary"
+    part = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"part.toml\"\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n").encode() + b"#" * 900_000 + b"\r\n"
+    body = part * 3 + f"--{boundary}--\r\n".encode()
+    status, answer, _ = _post(server["port"], "/gradio_api/upload", body,
+                              {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert status == 413 and b"capped" in answer
+
+
+def test_guards_name_the_hosts_served():
+    from difftune.ui_guards import AllowedHosts, host_name
+
+    guard = AllowedHosts(None, names=("studio.example.com",), share=False)
+    assert host_name("http://[::1]:7860") == "::1" and host_name("LocalHost:7860") == "localhost"
+    assert all(guard.allows(host_name(value)) for value in ("127.0.0.1:7860", "localhost", "studio.example.com",
+                                                             "http://10.1.2.3:7860", "[::1]:7860"))
+    assert not any(guard.allows(host_name(value)) for value in ("evil.example", "", "null", "abc.gradio.live"))
+    assert AllowedHosts(None, share=True).allows("abc.gradio.live")
+
+
 def test_exposure_beyond_this_machine_needs_a_login():
     check_exposure("127.0.0.1", None, share=False)
     check_exposure("0.0.0.0", [("ann", "pw")], share=False)
@@ -277,7 +324,7 @@ def test_cli_refuses_an_open_host_without_login():
 
 def test_outputs_stay_inside_their_folder(tmp_path):
     assert _inside(tmp_path, "merged") == (tmp_path / "merged").resolve()
-    for name in ("../escape", "/etc/x", "a/../../b", "", "."):
+    for name in ("../escape", "/etc/x", "a/../../b", "", ".", "merged\nline", "tab\there"):
         with pytest.raises(DifftuneError, match="plain name"):
             _inside(tmp_path, name)
 
