@@ -177,6 +177,9 @@ def _scan_folder(folder: Path, config: DataConfig, bad: list[BadFile], folder_ca
             except UnicodeDecodeError as err:
                 bad.append(BadFile(caption_path, f"caption is not UTF-8 ({err.reason} at byte {err.start}); re-save it as UTF-8"))
                 continue
+        elif caption_path.exists():  # a folder (or a device) where its caption file should be: not "no caption"
+            bad.append(BadFile(caption_path, "its caption is not a file (a folder?); make it the image's caption file"))
+            continue
         elif config.missing_caption == "empty":
             caption = ""
         elif config.missing_caption == "folder" and folder_caption is not None:

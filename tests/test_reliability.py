@@ -329,6 +329,18 @@ def test_awkward_images_are_decoded_correctly(tmp_path):
     assert open_image(folder / "exif.jpg", config).size == (32, 48)  # orientation applied
 
 
+def test_a_caption_that_is_a_folder_is_named_not_trained_uncaptioned(make_config, shapes, tmp_path):
+    """With `missing_caption = "empty"` an image whose caption "file" was a folder trained as uncaptioned, silently; it
+    is left out and named in bad_files.jsonl."""
+    folder = shutil.copytree(shapes, tmp_path / "images")
+    first = sorted(folder.glob("*.txt"))[0]
+    first.unlink()
+    first.mkdir()
+    examples, bad = scan_examples(make_config(data__path=str(folder), data__missing_caption="empty").data)
+    assert [item.path for item in bad] == [first] and "its caption is not a file" in bad[0].reason
+    assert first.with_suffix(".png") not in [example.path for example in examples] and len(examples) == 7
+
+
 def test_an_all_bad_dataset_fails_before_training(make_config, tmp_path):
     folder = tmp_path / "images"
     folder.mkdir()
