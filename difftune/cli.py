@@ -74,7 +74,10 @@ def _job_command(commands, name: str, summary: str) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="difftune", description="Fine-tune Stable Diffusion with LoRA, DoRA or fully.")
+    parser = argparse.ArgumentParser(
+        prog="difftune", description="Fine-tune diffusion models (images and video: SD, SDXL, SD3, Flux, "
+        "FLUX.2, Qwen-Image, Z-Image, Wan and more) with LoRA, DoRA, LoHa/LoKr, textual inversion or fully. "
+        "Several GPUs: accelerate launch scripts/train.py with the same arguments.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, summary in (("train", "train a job"), ("config", "print the resolved config of a job as TOML")):
         _job_command(commands, name, summary)
