@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 from typing import Literal, get_args, get_origin
 
@@ -17,11 +18,29 @@ from difftune.form import parse_adapter_spec
 
 
 def _keys_help() -> str:
-    lines = ["config keys (set in the TOML file, or override as section.key=value):"]
+    """The config's keys by section, one short paragraph each; their meanings and defaults are in the README's config
+    reference (generated from the same schema), and `difftune config` prints them resolved."""
+    lines = ["config keys, set in the TOML file or as section.key=value overrides (what each means, and its default: the "
+             "README's \"Config reference\"; `difftune config --config FILE` prints every key as resolved):"]
     for section, section_field in Config.model_fields.items():
-        for name, field in section_field.annotation.model_fields.items():
-            lines.append(f"  {section}.{name}: {field.description}")
+        keys = ", ".join(section_field.annotation.model_fields)
+        lines.append(textwrap.fill(f"[{section}] {keys}", width=110, initial_indent="  ", subsequent_indent="      "))
     return "\n".join(lines)
+
+
+def _with_detected_family(config: Config) -> Config:
+    """`config` with `model.family = "auto"` resolved to the family its base is read as (a pipeline folder's class, a
+    single file's keys, a kept hub id), as a run records it; left `auto` where the base cannot be read here."""
+    if config.model.family != "auto":
+        return config
+    from difftune.families import family_of
+
+    try:
+        family = family_of(config.model).name
+    except DifftuneError as err:
+        print(f"# model.family stays \"auto\": {err}", file=sys.stderr)
+        return config
+    return config.model_copy(update={"model": config.model.model_copy(update={"family": family})})
 
 
 def _parse_bool(text: str) -> bool:
@@ -191,7 +210,7 @@ def _run(args: argparse.Namespace) -> None:
     if args.command in ("train", "config"):
         config = load_config(args.config, args.overrides)
         if args.command == "config":
-            print(config.to_toml(), end="")
+            print(_with_detected_family(config).to_toml(), end="")
             return
         check_before_start(config)  # train() checks too; here it comes before the seconds of heavy imports
         from difftune.train import train  # heavy imports only when needed

@@ -444,3 +444,11 @@ def test_refusals_that_need_no_weights_come_before_the_heavy_imports(arguments, 
                          text=True, timeout=120)
     assert run.stdout.split() == ["2", "False", "False"], run.stdout + run.stderr
     assert message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_config_command_shows_the_family_it_detects(capsys):
+    """`difftune config` printed `family = "auto"`; it prints the family the base is read as, as a run records it."""
+    assert main(["config", "--config", str(REPO / "configs" / "flux_lora.toml")]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["model"]["family"] == "flux"
+    assert main(["config", "model.base=Qwen/Qwen-Image"]) == 0  # a kept hub id: known offline
+    assert tomllib.loads(capsys.readouterr().out)["model"]["family"] == "qwen_image"
