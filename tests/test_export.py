@@ -302,6 +302,7 @@ def test_sample_with_a_taesd_decoder(tiny_base, tmp_path):
 
 @pytest.mark.parametrize(("kind", "layout", "extra"), [
     ("lora", "diffusers", {}), ("dora", "kohya", {}), ("none", "diffusers", {}),
+    ("dora", "diffusers", {"adapter__alpha": 2.0}),  # alpha / rank (0.5) folded into a DoRA's lora_B: the same weights
     # trained on a base with its principal part taken out, saved as the change on the untouched one
     ("lora", "kohya", {"adapter__init": "pissa", "adapter__rank_stabilized": True}),
 ])
