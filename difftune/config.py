@@ -973,7 +973,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     source = str(path) if path else "defaults"
     data: dict[str, Any] = {}
     if path:
-        data = tomllib.loads(_config_text(Path(path)))
+        data = _read_config_file(Path(path))
         if not data:
             raise DifftuneError(
                 f"config file {path} sets nothing: a job names at least its base and its data (model.base, data.path); "
@@ -994,8 +994,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return absolute_paths(config, Path.cwd())
 
 
-def _config_text(path: Path) -> str:
-    """A config file's text: UTF-8 (with or without the BOM Windows editors write), or UTF-16 with its BOM (Notepad's
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """A config file's TOML: UTF-8 (with or without the BOM Windows editors write), or UTF-16 with its BOM (Notepad's
     "Unicode"); anything else is refused naming the file, as is a folder or a file that is not valid TOML."""
     try:
         raw = path.read_bytes()
@@ -1010,10 +1010,9 @@ def _config_text(path: Path) -> str:
         raise DifftuneError(f"config file {path}: not text (byte {err.start} is no {'UTF-16' if encoding == 'utf-16' else 'UTF-8'} character); "
                             "save it as UTF-8 TOML") from None
     try:
-        tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise DifftuneError(f"{path}: not valid TOML: {err}") from None
-    return text
 
 
 def check_before_start(config: Config) -> None:

@@ -106,6 +106,15 @@ def save_adapter_layouts(components: Components, config: Config, output_dir: Pat
     return written
 
 
+def save_result_files(components: Components, config: Config, output_dir: Path, variant: str = "") -> dict[str, Path | str]:
+    """What a run saves as its result: an adapter in both layouts (`save_adapter_layouts`), else its one full model
+    folder ("model") or embedding file ("embedding"), by what `where_files_go` calls them."""
+    if config.adapter.is_adapter:
+        return save_adapter_layouts(components, config, output_dir, variant)
+    label = "model" if config.adapter.kind == "none" else config.adapter.kind
+    return {label: save_trained(components, config, trained_path(config, output_dir, variant))}
+
+
 def where_files_go(files: dict[str, Path | str]) -> list[str]:
     """The run's last lines: which of its files goes to which tool."""
     uses = {"diffusers": "diffusers and peft (`pipeline.load_lora_weights`), difftune sample / merge",

@@ -8,6 +8,7 @@ the browser tab or the UI closes, and a restarted UI finds it again, running or 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -237,7 +238,9 @@ def _own_log(job: Job):
     path = job.dir / JOB_LOG
     try:
         descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError:
+    except OSError as err:
+        if err.errno != errno.ELOOP:  # O_NOFOLLOW's refusal; anything else is what it says
+            raise
         raise DifftuneError(f"job {job.name}: its {JOB_LOG} is a symbolic link, not the job's own log; remove it to "
                             "resume") from None
     if os.fstat(descriptor).st_nlink != 1:

@@ -124,7 +124,8 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     from difftune.storage import computed_copies_saved_as_stored
 
     baseline = _resident_bytes()
-    components = empty_components(config)
+    source = config_source(config.model)  # once: a single file's keys are read to find it
+    components = empty_components(config, source)
     loaded = {name: _bytes(module) for name, module in _named_modules(components).items()}
     mapped = _mapped_at_load(config, components)
     encoders = [module for module in (components.vae, *components.text_encoders.values()) if module is not None]
@@ -171,11 +172,11 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
                    "encoding activations": encoding if caches else 0}
         peak = device if sum(device.values()) >= sum(at_load.values()) else at_load
         device = {**peak, "offloaded blocks": offloaded, "encoders kept for previews": sum(map(_bytes, kept_at["host"]))}
-        return MemoryPlan(device_type, device, {"python and libraries": baseline, **device}, configs_read(config.model))
+        return MemoryPlan(device_type, device, {"python and libraries": baseline, **device}, configs_read(config.model, source))
     host = {"python and libraries": baseline, "weights read at load": sum(loaded.values()) - sum(mapped.values()),
             "offloaded blocks": offloaded, "encoders kept for previews": sum(map(_bytes, kept_at["host"])),
             "optimizer state (offloaded)": optimizer if config.optim.optimizer == "adamw_cpu_offload" else 0}
-    return MemoryPlan(device_type, device, host, configs_read(config.model))
+    return MemoryPlan(device_type, device, host, configs_read(config.model, source))
 
 
 def fitting_overrides(config: Config, device_memory: int | None, host_memory: int | None,
@@ -268,16 +269,16 @@ def memory_warning(config: Config, device_type: str) -> str | None:
             "--device-memory/--host-memory says which settings fit")
 
 
-def empty_components(config: Config) -> Components:
-    """The base's parts on the meta device, built from its config files (`config_source`); tokenizers and scheduler
-    loaded (small files), or, from configs alone, a tokenizer that gives the published length."""
+def empty_components(config: Config, source: tuple[Path, str] | None = None) -> Components:
+    """The base's parts on the meta device, built from its config files (`source`, else `config_source`'s);
+    tokenizers and scheduler loaded (small files), or, from configs alone, a tokenizer that gives the published length."""
     from diffusers import ModelMixin
     from transformers import AutoConfig
 
     from difftune.families import family_of
 
     model = config.model
-    folder, kept = config_source(model)
+    folder, kept = source or config_source(model)
     family = family_of(model.model_copy(update={"base": str(folder), "family": model.family}) if kept else model)
     index = json.loads((folder / "model_index.json").read_text())
     parts = {}
@@ -335,11 +336,11 @@ def config_source(model) -> tuple[Path, str]:
     return published.config_folder(reference), reference
 
 
-def configs_read(model) -> str:
-    """What the plan says of where its configs came from."""
+def configs_read(model, source: tuple[Path, str] | None = None) -> str:
+    """What the plan says of where its configs came from (`source`: `config_source`'s answer, when known)."""
     from difftune.models import SINGLE_FILE_SUFFIXES
 
-    folder, kept = config_source(model)
+    folder, kept = source or config_source(model)
     if not kept:
         return f"the pipeline folder {folder}"
     if kept == model.base:

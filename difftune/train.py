@@ -186,7 +186,8 @@ def setup(config: Config, resume: str | None = None) -> Run:
         examples = [replace(example, caption=caption_with_token(example.caption, config.adapter)) for example in examples]
         check_captions([example.caption for example in examples], config.adapter)
     report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
-    _check_batch_within_data(config, len(examples), accelerator.num_processes, _media_count(examples))
+    media = _media_count(examples)
+    _check_batch_within_data(config, len(examples), accelerator.num_processes, media)
     components.family.check_controls(examples, "data.path")
     sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
     controls = control_sizes(examples, sizes, partial(components.family.control_size, options=components.family_options))
@@ -239,7 +240,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     batches = iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
     accelerator.init_trackers("difftune", config=_flat_hparams(config))
     accelerator.print(
-        f"difftune: {components.family.description}, {_media_count(examples)}, "
+        f"difftune: {components.family.description}, {media}, "
         f"{sum(p.numel() for p in named.values()):,} trained parameters ({config.adapter.kind}), "
         f"{accelerator.num_processes} process(es) on {accelerator.device}, global batch {global_batch}"
         + (f", learning rates x {lr_scale:.4g} (optim.scale_lr = {config.optim.scale_lr})" if lr_scale != 1 else "")
@@ -681,12 +682,8 @@ def _sample_before_training(components: Components, config: Config, output_dir: 
 def _save_results(run: Run, components: Components, ema: EMAModel | None, parameters: list) -> Path:
     """The raw result, its EMA and the average of the last snapshots, then the end-of-run samples."""
     config, output_dir, accelerator = run.config, run.output_dir, run.accelerator
-    if config.adapter.is_adapter:
-        files = export.save_adapter_layouts(components, config, output_dir)
-        trained_path = files[config.export.format]
-    else:
-        trained_path = export.save_trained(components, config, export.trained_path(config, output_dir))
-        files = {"model" if config.adapter.kind == "none" else config.adapter.kind: trained_path}
+    files = export.save_result_files(components, config, output_dir)
+    trained_path = export.trained_path(config, output_dir)
     if config.export.average_last > 1:
         snapshots = sorted((output_dir / "snapshots").glob("step-*.safetensors"))[-config.export.average_last :]
         tensors, lora_configs, config_toml = export.average_adapters(snapshots, config.export.average_weights)
@@ -706,10 +703,7 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
                 accelerator.print(f"difftune: warning: {warning}")
     if ema:
         with ema_weights(ema, parameters):
-            if config.adapter.is_adapter:
-                export.save_adapter_layouts(components, config, output_dir, "_ema")
-            else:
-                export.save_trained(components, config, export.trained_path(config, output_dir, "_ema"))
+            export.save_result_files(components, config, output_dir, "_ema")
             if config.sample.prompts:
                 with accelerator.autocast(), previewing(components):
                     samples = generate_images(components, config.sample, accelerator.device)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import gradio as gr
 import pandas as pd
+from starlette.middleware import Middleware
 
 from difftune import jobs
 from difftune.config import TRAINING_ONLY_SAMPLE_FIELDS, Config, ModelConfig, SampleConfig
@@ -25,9 +26,10 @@ from difftune.errors import DifftuneError
 from difftune.finders import LR_PLOT_FILE
 from difftune.form import FormField, config_from_widgets, file_widget_values, form_fields, form_toml, parse_adapter_lines
 from difftune.models import DTYPES
+from difftune.ui_guards import LOOPBACK_NAMES, AllowedHosts, UploadLimit
 from difftune.validation import describe_best, read_best
 
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+LOCAL_HOSTS = LOOPBACK_NAMES
 EXPORTS_DIR = "exports"
 CONFIGS_DIR = "configs"  # configs saved from the form, under the jobs folder so they can be downloaded
 MAX_UPLOAD = "1mb"  # config files are a few KB
@@ -121,10 +123,6 @@ def serve(jobs_dir: Path, host: str, port: int, auth: list[tuple[str, str]] | No
 
 def guards(host: str, share: bool, public_names: tuple[str, ...] = ()) -> list:
     """The server's own checks before Gradio's (ui_guards.py): the hosts it serves, the upload cap per request."""
-    from starlette.middleware import Middleware
-
-    from difftune.ui_guards import AllowedHosts, UploadLimit
-
     served = (host, socket.gethostname(), socket.getfqdn(), *public_names) if host in ("0.0.0.0", "::") else (host, *public_names)
     return [Middleware(AllowedHosts, names=served, share=share), Middleware(UploadLimit, max_bytes=MAX_UPLOAD_BYTES)]
 
