@@ -20,6 +20,7 @@ from difftune.config import AdapterConfig
 from difftune.embeddings import add_tokens
 from difftune.errors import DifftuneError
 from difftune.models import Components
+from difftune.preflight import layer_suffixes, missing_targets, unmatched_targets
 
 DORA_MAGNITUDE = "lora_magnitude_vector"
 # LoHa's and LoKr's tensors: the same names in peft's state dicts and in LyCORIS files.
@@ -74,25 +75,11 @@ def check_targets(components: Components, config: AdapterConfig) -> None:
                 f"theirs: {adapted}"
             )
     for part, targets in target_modules(components, config).items():
-        names = [name for name, _ in parts[part].named_modules()]
-        missing = [target for target in targets if not any(name == target or name.endswith("." + target) for name in names)]
+        missing = missing_targets(targets, (name for name, _ in parts[part].named_modules()))
         if missing:
-            raise DifftuneError(
-                f"{_targets_key(components, part)}: {', '.join(map(repr, missing))} names no module of the {part}; "
-                f"its layers are named {', '.join(_layer_suffixes(parts[part]))}"
-            )
-
-
-def _layer_suffixes(model: torch.nn.Module) -> list[str]:
-    """The short names by which peft targets a model's linear and convolution layers: each one's name after its
-    last block index (`attn1.to_q`, `conv1`), or its last two parts when it ends in one (`to_out.0`)."""
-    suffixes = set()
-    for name, module in model.named_modules():
-        if isinstance(module, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d)):
-            parts = name.split(".")
-            last_index = max((i for i, part in enumerate(parts) if part.isdigit()), default=-1)
-            suffixes.add(".".join(parts[last_index + 1 :] if last_index < len(parts) - 1 else parts[-2:]))
-    return sorted(suffixes)
+            layers = (name for name, module in parts[part].named_modules()
+                      if isinstance(module, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d)))
+            raise unmatched_targets(_targets_key(components, part), part, missing, layer_suffixes(layers))
 
 
 def add_adapters(components: Components, config: AdapterConfig) -> None:

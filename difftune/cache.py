@@ -146,7 +146,7 @@ def fill_latents(
         for (size, _), group in sorted(missing.items())
         for start in range(0, len(group), batch_size)
     ]
-    for size, chunk in tqdm(chunks, desc="caching latents", disable=not chunks):
+    for size, chunk in tqdm(chunks, desc="caching latents", disable=not chunks or config.log.quiet):
         pixels = []
         for _, (path, window, view) in chunk:
             if window:
@@ -202,7 +202,7 @@ def fill_text(entries: dict[Prompt, Path], components: Components, device: torch
         by_sizes.setdefault(tuple(size for _, size in prompt.controls), []).append((prompt, path))
     batch_size = config.train.batch_size
     chunks = [group[start : start + batch_size] for group in by_sizes.values() for start in range(0, len(group), batch_size)]
-    for chunk in tqdm(chunks, desc="caching captions", disable=not chunks):
+    for chunk in tqdm(chunks, desc="caching captions", disable=not chunks or config.log.quiet):
         inputs = _tokenized([prompt for prompt, _ in chunk], tokenize, config)
         with torch.no_grad():
             conditioning = family.encode_prompts(components, {name: value.to(device) for name, value in inputs.items()})

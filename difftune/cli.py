@@ -11,10 +11,11 @@ from typing import Literal, get_args, get_origin
 from pydantic import ValidationError
 
 from difftune.config import (
-    TRAINING_ONLY_SAMPLE_FIELDS, Config, SampleConfig, check_before_start, describe_errors, load_config,
+    TRAINING_ONLY_SAMPLE_FIELDS, Config, SampleConfig, describe_errors, load_config,
 )
 from difftune.errors import ERROR_PREFIX, DifftuneError
 from difftune.form import parse_adapter_spec
+from difftune.preflight import check_before_start
 
 
 def _keys_help() -> str:
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.choices["train"].add_argument(
         "--resume", metavar="auto|PATH", help="continue from the latest complete checkpoint in train.output_dir (auto) or a given one"
     )
+    commands.choices["train"].add_argument(
+        "--quiet", action="store_true", help="no line per long step and no bars: warnings, errors and the last lines (log.quiet)"
+    )
     find_batch = _job_command(
         commands, "find-batch", "find the largest batch size that fits in memory, and the accumulation for "
         "train.global_batch_size; prints one JSON line",
@@ -179,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--steps", type=int, default=20, help="denoising steps")
     evaluate.add_argument("--guidance-scale", type=float, default=3.0)
     evaluate.add_argument("--out", type=Path, help="also write the JSON report here")
+    evaluate.add_argument("--quiet", action="store_true", help="no line on stderr as each prompt starts")
 
     ui = commands.add_parser("ui", help="the web UI: configure, launch and watch jobs, sample, export")
     ui.add_argument("--host", default="127.0.0.1", help="address to bind; anything but this machine needs --auth")
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> None:
     if args.command in ("train", "config"):
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, [*args.overrides, *(["log.quiet=true"] if getattr(args, "quiet", False) else [])])
         if args.command == "config":
             print(_with_detected_family(config).to_toml(), end="")
             return
@@ -248,7 +253,11 @@ def _run(args: argparse.Namespace) -> None:
             raise DifftuneError(f"difftune eval --concept {args.concept!r}: not a shapes color; one of {', '.join(COLORS)}")
         settings = EvalSettings(args.samples_per_prompt, args.seed, args.steps, args.guidance_scale)
         seen = [color for color in COLORS if color != args.concept]
-        text = json.dumps(evaluate(args.base, args.adapter, seen, args.concept, settings, args.concept_word), indent=2)
+        def say(line: str) -> None:  # stderr: stdout is the report
+            print(f"difftune eval: {line}", file=sys.stderr, flush=True)
+
+        report = evaluate(args.base, args.adapter, seen, args.concept, settings, args.concept_word, None if args.quiet else say)
+        text = json.dumps(report, indent=2)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text + "\n")

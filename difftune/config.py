@@ -16,7 +16,7 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from difftune.errors import DifftuneError
-from difftune.sources import is_stored_source, is_url
+from difftune.sources import is_url
 
 
 # Which fields are paths. In a config file, a relative path is relative to that file; on the command line (and
@@ -772,6 +772,10 @@ class ExportConfig(Section):
 class LogConfig(Section):
     tensorboard: bool = Field(True, description="Also log to TensorBoard (under output_dir/logs) when it is installed.")
     progress_bar: bool = Field(True, description="Show a progress bar with loss, learning rate and speed.")
+    quiet: bool = Field(
+        False, description="Print warnings, errors and the run's last lines only: no line as each long step (loading, "
+        "caching, samples, parity) starts and ends, and no bars. `difftune train --quiet` sets it.",
+    )
     activations_every_steps: int = Field(
         0,
         ge=0,
@@ -1013,48 +1017,6 @@ def _read_config_file(path: Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise DifftuneError(f"{path}: not valid TOML: {err}") from None
-
-
-def check_before_start(config: Config) -> None:
-    """What the file system says against a run, checked before the seconds of imports and model loading: the
-    folders it reads must be folders, and those it writes into must not be files."""
-    base = config.model.base
-    if not Path(base).exists() and not HUB_ID.fullmatch(base):
-        raise DifftuneError(f"model.base {base}: no such folder or file here, and not a hub id (owner/name); point it at "
-                            "a diffusers folder, a .safetensors file, or a Hugging Face hub id")
-    folders = {"data.path": (config.data.path, "captioned images"), "validation.path": (config.validation.path, "captioned images"),
-               "data.mask_path": (config.data.mask_path if config.data.masks == "folder" else "", "mask images"),
-               "data.control_path": (config.data.control_path, "control images")}
-    for key, (folder, holding) in folders.items():
-        if folder and key in ("data.path", "validation.path") and is_stored_source(folder):
-            continue  # shards, parquet files, a saved dataset: listed, and any missing named, as the data is read
-        if folder and not Path(folder).is_dir():
-            what = "does not exist" if not Path(folder).exists() else "is a file"
-            raise DifftuneError(f"{key} {folder}: {what}; point it at a folder of {holding}")
-    for entry in config.sample.prompts:
-        missing = [control for control in getattr(entry, "controls", []) if not Path(control).is_file()]
-        if missing:
-            raise DifftuneError(f"sample.prompts: control image {missing[0]} of {entry.prompt!r} does not exist")
-    for key, folder in {"train.output_dir": config.train.output_dir, "cache.dir": config.cache.dir}.items():
-        blocking = next((path for path in (Path(folder), *Path(folder).parents) if path.exists() and not path.is_dir()), None)
-        if blocking:
-            raise DifftuneError(f"{key} {folder}: {blocking} is a file, not a folder; choose a folder")
-    _check_batch_fits(config)
-
-
-def _check_batch_fits(config: Config) -> None:
-    """Refuse a batch whose images alone (fp32 RGB at the training size) outgrow this machine's memory: it would
-    grow until killed (a batch size of 1e9 took 6 GB and counting), never training."""
-    import psutil
-
-    side = config.data.bucket_max_side if config.data.buckets else config.data.resolution
-    batch_bytes = config.train.batch_size * 3 * side * side * 4
-    total = psutil.virtual_memory().total
-    if batch_bytes > total:
-        raise DifftuneError(
-            f"train.batch_size {config.train.batch_size}: one batch of images at {side} px is {batch_bytes / 2**30:,.0f} GiB, "
-            f"more than this machine's {total / 2**30:,.0f} GiB of memory; `difftune find-batch` finds one that fits"
-        )
 
 
 def write_settings(path: str | Path, values: dict[str, Any]) -> Config:

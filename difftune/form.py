@@ -167,3 +167,49 @@ def config_from_widgets(fields: list[FormField], values: list[Any], source: str 
         return model.model_validate(data[section] if section else data)
     except ValidationError as err:
         raise DifftuneError(describe_errors(source, err, section)) from None
+
+
+DEFAULT_PRESET = "tiny_lora"  # the README's default job: runs here, on the bundled tiny base
+SUMMARY_LENGTH = 110
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A config file offered in the form: its name, the first sentence of its leading comment, and whether its base
+    is on this machine (else the job downloads it, and is sized for a GPU)."""
+
+    name: str
+    path: Path
+    summary: str
+    base_is_here: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}{'' if self.base_is_here else ' [GPU, downloads its base]'}: {self.summary}"
+
+
+def presets(configs_dir: Path) -> list[Preset]:
+    """The folder's config files: the default job first, then those whose base is here, then the rest, by name."""
+    found = []
+    for path in sorted(Path(configs_dir).glob("*.toml")):
+        text = path.read_text(encoding="utf-8-sig")
+        try:
+            base = tomllib.loads(text).get("model", {}).get("base", Config().model.base)
+        except tomllib.TOMLDecodeError:
+            continue  # not offered: the form would refuse it (loading it by hand says why)
+        found.append(Preset(path.stem, path, _first_sentence(text), (path.parent / base).exists() or Path(base).exists()))
+    return sorted(found, key=lambda preset: (preset.name != DEFAULT_PRESET, not preset.base_is_here, preset.name))
+
+
+def _first_sentence(text: str) -> str:
+    """The leading comment's first sentence, shortened at a word to `SUMMARY_LENGTH` characters."""
+    comment = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        comment.append(line.lstrip("#").strip())
+    words = " ".join(comment)
+    sentence = words.split(". ")[0].removesuffix(".")
+    if len(sentence) <= SUMMARY_LENGTH:
+        return sentence
+    return sentence[: SUMMARY_LENGTH].rsplit(" ", 1)[0] + "…"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 from PIL.PngImagePlugin import PngInfo
 
 from difftune.autoencoders import load_vae
@@ -20,6 +20,7 @@ from difftune.config import DataConfig, PromptWithControls, SampleConfig
 from difftune.data import BadImage, open_image
 from difftune.errors import DifftuneError
 from difftune.models import Components, eval_mode
+from difftune.progress import bar
 
 
 def sampling_scheduler(name: str, components: Components):
@@ -41,9 +42,10 @@ class Sample:
 
 
 @torch.no_grad()
-def generate_images(components: Components, config: SampleConfig, device: torch.device) -> list[Sample]:
+def generate_images(components: Components, config: SampleConfig, device: torch.device, shown_as: str = "") -> list[Sample]:
     """`images_per_prompt` images per prompt; image k (counting across prompts) uses seed `config.seed + k`,
-    so any image can be re-made alone. No `resolution`: the model's native size."""
+    so any image can be re-made alone. No `resolution`: the model's native size. `shown_as`: the bar's words over
+    the images drawn (on a terminal), none if empty."""
     family = components.family
     problems = family.prompt_control_problems(config.prompts)
     if config.frames > 1 and not family.reads_clips:
@@ -55,11 +57,12 @@ def generate_images(components: Components, config: SampleConfig, device: torch.
     pipeline.set_progress_bar_config(disable=True)
     guidance = components.family.sampling_arguments(components, config.guidance_scale, config.negative_prompt)
     with eval_mode(components.denoiser, *components.text_encoders.values()):
-        return _sample_all(pipeline, config, guidance, components)
+        return _sample_all(pipeline, config, guidance, components, shown_as)
 
 
-def _sample_all(pipeline, config: SampleConfig, guidance: dict, components: Components) -> list[Sample]:
+def _sample_all(pipeline, config: SampleConfig, guidance: dict, components: Components, shown_as: str) -> list[Sample]:
     samples = []
+    drawn = bar(None, shown_as, quiet=not shown_as, total=len(config.prompts) * config.images_per_prompt)
     for entry in config.prompts:
         prompt, controls = (entry, []) if isinstance(entry, str) else (entry.prompt, [_open_control(c) for c in entry.controls])
         for _ in range(config.images_per_prompt):
@@ -69,10 +72,12 @@ def _sample_all(pipeline, config: SampleConfig, guidance: dict, components: Comp
                 [clip] = components.family.draw_clips(pipeline, prompt, controls, config.resolution, config.resolution,
                                                       config.frames, **arguments)
                 samples.append(Sample(clip[0], entry, seed, [c.resize(clip[0].size) for c in controls], clip))
-                continue
-            [image] = components.family.draw(pipeline, components.family_options, prompt, controls, config.resolution,
-                                             config.resolution, **arguments)
-            samples.append(Sample(image, entry, seed, [c.resize(image.size) for c in controls]))
+            else:
+                [image] = components.family.draw(pipeline, components.family_options, prompt, controls, config.resolution,
+                                                 config.resolution, **arguments)
+                samples.append(Sample(image, entry, seed, [c.resize(image.size) for c in controls]))
+            drawn.update()
+    drawn.close()
     return samples
 
 
@@ -86,7 +91,7 @@ def _open_control(path: str) -> Image.Image:
 def save_images(samples: list[Sample], config: SampleConfig, out_dir: Path, before_dir: Path | None = None) -> list[Path]:
     """Each image as a PNG with its prompt and settings in the text chunk (a clip as `save_clip` writes it), plus
     `grid.png`: a cell per image (a clip's first frame), after its controls (an edit's) and, where `before_dir` holds
-    the base's sample of the same number, after that."""
+    the base's sample of the same number, after that; a cell of several panels names each above it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, sample in enumerate(samples):
@@ -100,10 +105,20 @@ def save_images(samples: list[Sample], config: SampleConfig, out_dir: Path, befo
         path = out_dir / f"{i:03d}.png"
         sample.image.save(path, pnginfo=info)
         paths.append(path)
-    befores = [_before(before_dir, i) for i in range(len(samples))]
-    make_grid([side_by_side([*sample.controls, *([before] if before else []), sample.image])
-               for sample, before in zip(samples, befores)]).save(out_dir / "grid.png")
+    cells = []
+    for number, sample in enumerate(samples):
+        before = _before(before_dir, number)
+        panels = [*_control_panels(sample.controls), *([("before", before)] if before else []),
+                  ("after" if before else "edited", sample.image)]
+        cells.append(labelled_row(panels) if len(panels) > 1 else sample.image)
+    make_grid(cells).save(out_dir / "grid.png")
     return paths
+
+
+def _control_panels(controls: list[Image.Image]) -> list[tuple[str, Image.Image]]:
+    if len(controls) == 1:
+        return [("control", controls[0])]
+    return [(f"control {number}", control) for number, control in enumerate(controls, 1)]
 
 
 def _before(before_dir: Path | None, number: int) -> Image.Image | None:
@@ -151,6 +166,26 @@ def side_by_side(images: list[Image.Image]) -> Image.Image:
     for i, image in enumerate(images):
         row.paste(image, (sum(other.width for other in images[:i]), 0))
     return row
+
+
+LABELLED_PANEL_WIDTH = 64  # narrower panels are scaled up (nearest) by a whole factor: "control 2" is 40 px wide
+
+
+def labelled_row(panels: list[tuple[str, Image.Image]]) -> Image.Image:
+    """Panels side by side under a white band that names each (`before`, `after`, `control`), so a grid of pairs
+    reads without a legend."""
+    font = ImageFont.load_default()
+    band = font.getbbox("Ag")[3] + 4
+    scale = max(1, math.ceil(LABELLED_PANEL_WIDTH / min(image.width for _, image in panels)))
+    images = [image.resize((image.width * scale, image.height * scale), Image.NEAREST) for _, image in panels]
+    row = side_by_side(images)
+    labelled = Image.new("RGB", (row.width, row.height + band), "white")
+    labelled.paste(row, (0, band))
+    draw, left = ImageDraw.Draw(labelled), 0
+    for (label, _), image in zip(panels, images):
+        draw.text((left + (image.width - draw.textlength(label, font=font)) / 2, 1), label, fill="black", font=font)
+        left += image.width
+    return labelled
 
 
 def make_grid(images: list[Image.Image]) -> Image.Image:

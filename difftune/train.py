@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -44,7 +44,7 @@ from difftune.checkpoint import (
     CHECKPOINTS_DIR, Checkpointer, Progress, StopRequest, find_checkpoint, full_disk_said_plainly,
     keep_models_out_of_accelerate_state, retire_after, step_of,
 )
-from difftune.config import Config, ModelConfig, check_before_start
+from difftune.config import Config, ModelConfig
 from difftune.data import (
     BAD_FILES_REPORT,
     CaptionedImages,
@@ -60,7 +60,7 @@ from difftune.data import (
 )
 from difftune.ema import build_ema, ema_weights, update_ema
 from difftune.embeddings import caption_with_token, check_captions
-from difftune.errors import DifftuneError, require_extra
+from difftune.errors import DifftuneError
 from difftune.families import load_components
 from difftune.guard import Guard
 from difftune.loss import training_noise_scheduler
@@ -73,6 +73,8 @@ from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer
 from difftune.output_lock import hold_output_dir
 from difftune.plan import memory_warning, with_offload_budget
 from difftune.parity import check_parity, parity_line, write_report
+from difftune.preflight import check_before_start
+from difftune.progress import phase
 from difftune.prior import class_examples, class_folder, fill_class_images
 from difftune.quantize import quantize_linear_layers
 from difftune.sample import generate_images, save_images
@@ -125,6 +127,11 @@ class Run:
     def main(self) -> bool:
         return self.accelerator.is_main_process
 
+    @property
+    def say(self) -> Callable[[str], None] | None:
+        """Where phase lines go (`progress.phase`): the main process's print, above the training bar; quiet: none."""
+        return None if self.config.log.quiet or not self.main else tqdm.write
+
     def unwrapped(self) -> Components:
         return _unwrapped(self.components, self.accelerator)
 
@@ -157,7 +164,9 @@ def setup(config: Config, resume: str | None = None) -> Run:
         accelerator.print(f"model.offload_budget {budget}: the memory plan offloads {config.model.offload_blocks} blocks")
     if config.train.check_memory and accelerator.is_main_process:
         _warn_if_unfitting(config, accelerator)
-    components = load_training_base(config.model)
+    say = None if config.log.quiet else accelerator.print
+    with phase(f"loading the base {config.model.base}", say):
+        components = load_training_base(config.model)
     components.family.check_config(config)
     check_targets(components, config.adapter)  # before the caches are filled: add_adapters checks again, later
     # The resolved config names the family: a file written now says what it was trained on.
@@ -177,8 +186,9 @@ def setup(config: Config, resume: str | None = None) -> Run:
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
     # Stored records are scanned once a machine (the first process writes the scan's index, the others read it).
     with accelerator.local_main_process_first() if is_stored_source(config.data.path) else nullcontext():
-        examples, bad_files = scan_examples(config.data, windows=components.family.frame_windows(config.data, components.vae),
-                                            index_folder=cache_root(config) / "scans")
+        with phase(f"reading the data in {config.data.path}", say):
+            examples, bad_files = scan_examples(config.data, windows=components.family.frame_windows(config.data, components.vae),
+                                                index_folder=cache_root(config) / "scans")
     if config.prior.enabled:
         class_images, bad_class_files = class_examples(config, class_dir, len(examples))
         examples, bad_files = examples + class_images, bad_files + bad_class_files
@@ -192,12 +202,15 @@ def setup(config: Config, resume: str | None = None) -> Run:
     sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
     controls = control_sizes(examples, sizes, partial(components.family.control_size, options=components.family_options))
     tokenize = partial(components.family.tokenize, components.tokenizers)  # picklable for loader workers
-    latent_files, control_files, text_files = _fill_caches(components, tokenize, examples, sizes, controls, config, accelerator)
+    with phase("filling the caches", say if config.cache.latents == "on" or config.cache.text == "on" else None):
+        latent_files, control_files, text_files = _fill_caches(components, tokenize, examples, sizes, controls, config, accelerator)
     validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
     if config.sample.before and config.sample.prompts and main and not resume:
-        _sample_before_training(components, config, output_dir, accelerator.device)
-    _release_unneeded(components, config)
-    _shape_for_training(components, config, accelerator)
+        with phase("drawing the base's samples (before training)", say):
+            _sample_before_training(components, config, output_dir, accelerator.device)
+    with phase("preparing the model for training", say):
+        _release_unneeded(components, config)
+        _shape_for_training(components, config, accelerator)
     export.check_layout(components, config)
     if config.train.compile:  # after the adapters, so the compiled graph includes them
         components.denoiser.compile()
@@ -260,7 +273,7 @@ def loop(run: Run) -> None:
     accumulation = config.train.gradient_accumulation_steps
     global_batch = config.train.batch_size * accelerator.num_processes * accumulation
     bar = tqdm(
-        initial=run.progress.global_step, total=config.train.max_steps, disable=not (run.main and config.log.progress_bar),
+        initial=run.progress.global_step, total=config.train.max_steps, disable=not (run.main and config.log.progress_bar) or config.log.quiet,
         desc="train",
     )
     with StopRequest() as stop:
@@ -390,7 +403,8 @@ def finish(run: Run) -> TrainResult:
         components, ema, parameters = run.unwrapped(), run.ema, run.parameters
     needs_encoders = config.sample.prompts or config.adapter.kind == "none"  # a full model is saved whole
     if run.main and needs_encoders and not components.encoders_loaded():
-        _reload_released(components, config, accelerator.device)
+        with phase("loading the encoders again for the end of the run", run.say):
+            _reload_released(components, config, accelerator.device)
     for module in host_kept_encoders(components, config) if run.main else ():
         module.to(accelerator.device)
     components.denoiser.eval()
@@ -429,11 +443,7 @@ def _unsharded_copy(run: Run) -> tuple[Components, EMAModel | None, list[torch.n
 
 
 def _accelerator(config: Config, output_dir: Path) -> Accelerator:
-    if config.train.mixed_precision == "fp16" and not torch.cuda.is_available():
-        raise DifftuneError('train.mixed_precision = "fp16" needs a CUDA device; use "bf16" or "no" here')
-    fp8 = config.train.mixed_precision == "fp8"
-    if fp8:
-        _check_fp8_device()
+    fp8 = config.train.mixed_precision == "fp8"  # its device and torchao are checked before start (preflight)
     # accelerate keeps one AcceleratorState per process and refuses an Accelerator of another precision after
     # the first; a second train() in one process (a notebook, find-lr then train) is a new run with its own.
     # The process group (PartialState) stays.
@@ -651,23 +661,30 @@ def _validate_preview_snapshot(run: Run, step: int, validate: bool, preview: boo
     config, values, components = run.config, {}, run.unwrapped()
     with encoders_on(run.accelerator.device, host_kept_encoders(components, config)):
         if validate:
-            values["val_loss"] = run.validator.loss(components)
-            with run.accelerator.autocast():
-                values |= run.validator.judged_scores(components)
-
-            def save(variant: str) -> Path:
-                return export.save_trained(components, config, export.trained_path(config, run.output_dir, variant))
-
-            run.best.observe(step, values, save)
-            if run.ema:
-                with ema_weights(run.ema, run.parameters):
-                    values["val_loss_ema"] = run.validator.loss(components)
+            with phase(f"step {step}: validation", run.say):
+                values |= _validate(run, components, step)
         if preview:
-            with run.accelerator.autocast(), previewing(components):
+            with phase(f"step {step}: preview samples", run.say), run.accelerator.autocast(), previewing(components):
                 samples = generate_images(components, config.sample, run.accelerator.device)
             save_images(samples, config.sample, run.output_dir / "samples" / f"step-{step:06d}")
     if snapshot:
         export.save_trained(components, config, run.output_dir / "snapshots" / f"step-{step:06d}.safetensors", "diffusers")
+    return values
+
+
+def _validate(run: Run, components: Components, step: int) -> dict:
+    """The validation loss and scores (the EMA's loss too), kept as the best result when they are."""
+    values = {"val_loss": run.validator.loss(components)}
+    with run.accelerator.autocast():
+        values |= run.validator.judged_scores(components)
+
+    def save(variant: str) -> Path:
+        return export.save_trained(components, run.config, export.trained_path(run.config, run.output_dir, variant))
+
+    run.best.observe(step, values, save)
+    if run.ema:
+        with ema_weights(run.ema, run.parameters):
+            values["val_loss_ema"] = run.validator.loss(components)
     return values
 
 
@@ -676,13 +693,14 @@ def _sample_before_training(components: Components, config: Config, output_dir: 
     for module in components.modules():
         module.to(device)
     with previewing(components):
-        save_images(generate_images(components, config.sample, device), config.sample, output_dir / "samples" / "before")
+        save_images(generate_images(components, config.sample, device, "before"), config.sample, output_dir / "samples" / "before")
 
 
 def _save_results(run: Run, components: Components, ema: EMAModel | None, parameters: list) -> Path:
     """The raw result, its EMA and the average of the last snapshots, then the end-of-run samples."""
-    config, output_dir, accelerator = run.config, run.output_dir, run.accelerator
-    files = export.save_result_files(components, config, output_dir)
+    config, output_dir, accelerator, say = run.config, run.output_dir, run.accelerator, run.say
+    with phase("saving the result", say):
+        files = export.save_result_files(components, config, output_dir)
     trained_path = export.trained_path(config, output_dir)
     if config.export.average_last > 1:
         snapshots = sorted((output_dir / "snapshots").glob("step-*.safetensors"))[-config.export.average_last :]
@@ -692,12 +710,13 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
             components.family,
         )
     if config.sample.prompts:
-        with accelerator.autocast(), previewing(components):
-            samples = generate_images(components, config.sample, accelerator.device)
+        with phase("drawing the end samples", say), accelerator.autocast(), previewing(components):
+            samples = generate_images(components, config.sample, accelerator.device, "end samples")
         save_images(samples, config.sample, output_dir / "samples", output_dir / "samples" / "before")
         if config.sample.parity:
-            report = check_parity(config, files, samples[0], accelerator.device, weight_dtype(config), accelerator.autocast,
-                                  outputs_in_fp32=accelerator.native_amp)
+            with phase("checking parity: the first sample redrawn with each written file", say):
+                report = check_parity(config, files, samples[0], accelerator.device, weight_dtype(config),
+                                      accelerator.autocast, outputs_in_fp32=accelerator.native_amp)
             accelerator.print(f"difftune: {parity_line(report)}")
             for warning in write_report(report, output_dir):
                 accelerator.print(f"difftune: warning: {warning}")
@@ -705,8 +724,8 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
         with ema_weights(ema, parameters):
             export.save_result_files(components, config, output_dir, "_ema")
             if config.sample.prompts:
-                with accelerator.autocast(), previewing(components):
-                    samples = generate_images(components, config.sample, accelerator.device)
+                with phase("drawing the EMA's end samples", say), accelerator.autocast(), previewing(components):
+                    samples = generate_images(components, config.sample, accelerator.device, "EMA samples")
                 save_images(samples, config.sample, output_dir / "samples_ema", output_dir / "samples" / "before")
     for line in export.where_files_go(files):
         accelerator.print(f"difftune: {line}")
@@ -765,18 +784,6 @@ def _configure_denoiser(denoiser, config: Config, device: torch.device) -> None:
     set_attention(denoiser, config.train.attention)
     if config.train.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
-
-
-def _check_fp8_device() -> None:
-    """FP8 matmuls need tensor cores that have them (Ada, Hopper and newer: compute capability 8.9+) and torchao."""
-    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    if capability is None or capability < (8, 9):
-        where = f"this GPU has compute capability {capability[0]}.{capability[1]}" if capability else "this run has no CUDA device"
-        raise DifftuneError(
-            f'train.mixed_precision = "fp8" needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: L4, '
-            f'L40S, RTX 40xx, H100); {where}. Use "bf16"'
-        )
-    require_extra("torchao", "torchao", 'train.mixed_precision = "fp8"', 'use "bf16"')
 
 
 def _fp8_recipe():

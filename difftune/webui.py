@@ -24,7 +24,10 @@ from difftune import jobs
 from difftune.config import TRAINING_ONLY_SAMPLE_FIELDS, Config, ModelConfig, SampleConfig
 from difftune.errors import DifftuneError
 from difftune.finders import LR_PLOT_FILE
-from difftune.form import FormField, config_from_widgets, file_widget_values, form_fields, form_toml, parse_adapter_lines
+from difftune.form import (
+    DEFAULT_PRESET, FormField, Preset, config_from_widgets, file_widget_values, form_fields, form_toml, parse_adapter_lines,
+    presets,
+)
 from difftune.models import DTYPES
 from difftune.ui_guards import LOOPBACK_NAMES, AllowedHosts, UploadLimit
 from difftune.validation import describe_best, read_best
@@ -107,7 +110,12 @@ def serve(jobs_dir: Path, host: str, port: int, auth: list[tuple[str, str]] | No
         raise DifftuneError("--ssl-certfile and --ssl-keyfile go together: give both, or neither")
     jobs_dir = jobs_dir.resolve()
     jobs_dir.mkdir(parents=True, exist_ok=True)
-    build_app(jobs_dir, configs_dir).queue().launch(
+    app = build_app(jobs_dir, configs_dir).queue()
+    if not share:  # Gradio's own lines would say "set share=True in launch()": ours names the flag
+        print(f"difftune ui: http{'s' if ssl_certfile else ''}://{host}:{port} (jobs in {jobs_dir}); a public link: "
+              "difftune ui --share --auth-file FILE", flush=True)
+    app.launch(
+        quiet=not share,  # sharing: Gradio prints the public link
         server_name=host,
         server_port=port,
         auth=LoginGuard(auth) if auth else None,
@@ -130,12 +138,12 @@ def guards(host: str, share: bool, public_names: tuple[str, ...] = ()) -> list:
 def build_app(jobs_dir: Path, configs_dir: Path) -> gr.Blocks:
     jobs_dir = Path(jobs_dir).resolve()
     fields = form_fields()
-    presets = {path.stem: path for path in sorted(Path(configs_dir).glob("*.toml"))}
+    offered = presets(configs_dir)
     with gr.Blocks(title="difftune") as app:
         gr.Markdown("# difftune")
         with gr.Tabs() as tabs:
             with gr.Tab("Configure", id="configure"):
-                widgets, job_name, launch = _configure_tab(fields, presets, jobs_dir)
+                widgets, job_name, launch = _configure_tab(fields, offered, jobs_dir)
             with gr.Tab("Train", id="train"):
                 job_picker = _train_tab(jobs_dir)
             with gr.Tab("Sample", id="sample"):
@@ -157,25 +165,32 @@ def build_app(jobs_dir: Path, configs_dir: Path) -> gr.Blocks:
     return app
 
 
-def _configure_tab(fields: list[FormField], presets: dict[str, Path], jobs_dir: Path):
+def _configure_tab(fields: list[FormField], offered: list[Preset], jobs_dir: Path):
+    """The form, filled from the default job's preset where the configs folder has it (the first preset offered)."""
+    paths = {preset.name: preset.path for preset in offered}
+    first = DEFAULT_PRESET if DEFAULT_PRESET in paths else None
     with gr.Row():
-        preset = gr.Dropdown(list(presets), label="Preset (configs/)", value=None, elem_id="preset")
+        preset = gr.Dropdown([(preset.label, preset.name) for preset in offered], label="Preset (configs/)", value=first,
+                             elem_id="preset", scale=3)
         upload = gr.UploadButton("Load a config file (.toml)", file_types=[".toml"], type="filepath", elem_id="upload")
-        job_name = gr.Textbox("job", label="Job name", elem_id="job-name")
+        job_name = gr.Textbox(first or "job", label="Job name", elem_id="job-name")
     with gr.Row():
         validate = gr.Button("Validate", elem_id="validate")
         save = gr.Button("Save config", elem_id="save-config")
         launch = gr.Button("Launch training", variant="primary", elem_id="launch")
     message = gr.Markdown(elem_id="config-message")
     saved = gr.File(label="Saved config", visible=False, elem_id="saved-config")
-    widgets, defaults = [], Config()
+    defaults = Config()
+    values = dict(zip((field.key for field in fields), file_widget_values(paths[first], fields) if first else
+                      [field.to_widget(getattr(getattr(defaults, field.section), field.name)) for field in fields]))
+    widgets = []
     for section in Config.model_fields:
         section_fields = [field for field in fields if field.section == section]
         with gr.Accordion(f"[{section}]", open=section in ("model", "data", "adapter", "train")):
             for row in range(0, len(section_fields), 3):
                 with gr.Row(equal_height=False):
                     for field in section_fields[row : row + 3]:
-                        widgets.append(_widget(field, getattr(getattr(defaults, section), field.name)))
+                        widgets.append(_widget(field, values[field.key]))
 
     def load_file(path):
         if not path:
@@ -204,8 +219,11 @@ def _configure_tab(fields: list[FormField], presets: dict[str, Path], jobs_dir: 
         return gr.update(value=str(path), visible=True), f"Saved `{path}`"
 
     _finders(fields, widgets, job_name, jobs_dir)
-    preset.change(lambda name: load_file(presets.get(name)), preset, [*widgets, message])
-    upload.upload(load_file, upload, [*widgets, message])
+    # A preset names the job after itself; a loaded file leaves the preset list (the form is no longer a preset).
+    preset.change(lambda name: [*load_file(paths[name]), name] if name else [gr.update()] * (len(widgets) + 2), preset,
+                  [*widgets, message, job_name])
+    upload.upload(lambda path: [*load_file(path), None, Path(path).stem if path else gr.update()], upload,
+                  [*widgets, message, preset, job_name])
     validate.click(check, widgets, message)
     save.click(save_toml, [job_name, *widgets], [saved, message])
     return widgets, job_name, launch
@@ -264,9 +282,9 @@ def _finders(fields: list[FormField], widgets: list, job_name: gr.Textbox, jobs_
     )
 
 
-def _widget(field: FormField, default, id_prefix: str = "field"):
+def _widget(field: FormField, value, id_prefix: str = "field"):
+    """`field`'s input, showing `value` (as `FormField.to_widget` gives it)."""
     label, info, elem_id = field.key, field.info.description, f"{id_prefix}-{field.section}-{field.name}"
-    value = field.to_widget(default)
     if field.kind == "bool":
         return gr.Checkbox(value, label=label, info=info, elem_id=elem_id)
     if field.kind == "choice":
@@ -283,8 +301,9 @@ def _train_tab(jobs_dir: Path):
     with gr.Row():
         job_picker = gr.Dropdown([], label="Job", elem_id="job-picker", scale=3)
         refresh = gr.Button("Refresh list", scale=1)
-        stop = gr.Button("Stop (checkpoint)", variant="stop", scale=1, elem_id="stop")
-        resume = gr.Button("Resume", scale=1, elem_id="resume")
+        # Shown when they apply to the job picked: Stop to a running one, Resume to one stopped or failed.
+        stop = gr.Button("Stop (checkpoint)", variant="stop", scale=1, elem_id="stop", visible=False)
+        resume = gr.Button("Resume", scale=1, elem_id="resume", visible=False)
     status = gr.Markdown(elem_id="job-status")
     with gr.Row():
         plots = [gr.LinePlot(x="step", y=name, title=name, height=220, elem_id=f"plot-{name}") for name in PLOTTED]
@@ -295,13 +314,14 @@ def _train_tab(jobs_dir: Path):
     log = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, elem_id="job-log")
 
     def show(name):
+        hidden = [gr.update(visible=False)] * 2
         if not name:
-            return ["No job selected."] + [None] * len(plots) + [[], ""]
+            return ["No job selected."] + [None] * len(plots) + [[], "", *hidden]
         job = jobs.Job(jobs_dir / name)
         try:
             config = job.config()
         except DifftuneError as err:  # a folder deleted or edited by hand since the list was made
-            return [_error(err)] + [None] * len(plots) + [[], ""]
+            return [_error(err)] + [None] * len(plots) + [[], "", *hidden]
         max_steps = config.train.max_steps
         rows = jobs.read_progress(job)
         step = rows[-1]["step"] if rows else 0
@@ -318,7 +338,8 @@ def _train_tab(jobs_dir: Path):
         # A run without validation has no validation loss to plot: no empty frame for it.
         frames.append(gr.update(value=jobs.validation_frame(rows, best), visible=bool(config.validation.path)))
         grids = [(str(path), str(path.parent.relative_to(job.dir))) for path in jobs.preview_grids(job)]
-        return [summary, *frames, grids, jobs.log_tail(job)]
+        buttons = [gr.update(visible=status == "running"), gr.update(visible=status in ("stopped", "failed"))]
+        return [summary, *frames, grids, jobs.log_tail(job), *buttons]
 
     def act(action, name):
         try:
@@ -328,7 +349,7 @@ def _train_tab(jobs_dir: Path):
         except DifftuneError as err:
             gr.Warning(str(err))
 
-    outputs = [status, *plots, previews, log]
+    outputs = [status, *plots, previews, log, stop, resume]
     job_picker.change(show, job_picker, outputs)
     gr.Timer(2.0).tick(show, job_picker, outputs)
     refresh.click(lambda name: gr.update(choices=_job_names(jobs_dir), value=name), job_picker, job_picker)
@@ -391,7 +412,7 @@ def _sample_tab(jobs_dir: Path):
     base = gr.Textbox(ModelConfig().base, label="Base model", info=ModelConfig.model_fields["base"].description, elem_id="sample-base")
     adapters = _adapter_inputs(jobs_dir, "sample", base)
     with gr.Row():  # resolution left empty: the model's native size
-        widgets = [_widget(field, getattr(SampleConfig(), field.name), "sample") for field in fields]
+        widgets = [_widget(field, field.to_widget(getattr(SampleConfig(), field.name)), "sample") for field in fields]
     compare_ema = gr.Checkbox(False, label="Also sample each adapter's EMA weights (its `_ema` file) side by side")
     generate = gr.Button("Generate", variant="primary", elem_id="generate")
     message = gr.Markdown(elem_id="sample-message")

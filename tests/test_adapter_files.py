@@ -148,7 +148,7 @@ def test_hand_built_kohya_file_reads_as_diffusers_reads_it(tiny_base, tmp_path):
     _assert_close(_difftune_outputs(tiny_base, path), _diffusers_reference(tiny_base, path), atol=1e-3)
 
 
-def test_merge_sample_average_and_eval_take_other_tools_files(tiny_base, tmp_path):
+def test_merge_sample_average_and_eval_take_other_tools_files(tiny_base, tmp_path, capsys):
     adapted, _, _ = _randomized_lora(tiny_base)
     diffusers_file = _save_as_diffusers_example(adapted, tmp_path)
     kohya_file = _hand_built_kohya(tiny_base, tmp_path / "kohya.safetensors")
@@ -170,9 +170,16 @@ def test_merge_sample_average_and_eval_take_other_tools_files(tiny_base, tmp_pat
     for key, value in averaged.items():
         torch.testing.assert_close(value, (first_tensors[key] + second_tensors[key]) / 2)
     report = tmp_path / "eval.json"
+    capsys.readouterr()
     assert main(["eval", "--base", base, "--adapter", str(kohya_file), "--samples-per-prompt", "1", "--steps", "2",
                  "--out", str(report)]) == 0
     assert "after" in json.loads(report.read_text())
+    # Each prompt is said on stderr as it starts (an eval ran 36 minutes without a word); stdout is the report alone.
+    said = capsys.readouterr()
+    assert json.loads(said.out) == json.loads(report.read_text())
+    lines = said.err.splitlines()
+    assert lines[0] == "difftune eval: base: seen 1/12 a red circle" and "difftune eval: adapted: concept 3/3 a purple triangle" in lines
+    assert len([line for line in lines if line.startswith("difftune eval: ")]) == 2 * (12 + 3)
 
 
 def test_keys_that_cannot_be_placed_are_named(tiny_base, tmp_path):

@@ -298,16 +298,35 @@ def test_a_family_that_does_not_fit_the_base_and_unknown_targets_fail_before_any
         raise AssertionError("the SDXL pipeline was loaded")
 
     monkeypatch.setattr(StableDiffusionXLPipeline, "from_pretrained", not_loaded)
-    err = _refused_before(monkeypatch, capsys, [f"train.output_dir={tmp_path / 'a'}", "model.family=sdxl"], "caches")
-    assert re.search(r"model\.family = \"sdxl\": model\.base .*tiny-sd is a StableDiffusionPipeline of the sd family "
-                     r"\(Stable Diffusion 1\.x / 2\.x\); set model\.family = \"auto\" or \"sd\"", err), err
-    err = _refused_before(monkeypatch, capsys, [f"train.output_dir={tmp_path / 'b'}", 'adapter.target_modules=["nope_proj"]'], "caches")
+    err = _refused_before(monkeypatch, capsys, [f"train.output_dir={tmp_path / 'a'}", "model.family=sdxl"], "model load")
+    assert re.search(r"model\.family = \"sdxl\": model\.base .*tiny-sd is a StableDiffusionPipeline of the sd family; "
+                     r"set model\.family = \"auto\" or \"sd\"", err), err
+    err = _refused_before(monkeypatch, capsys, [f"train.output_dir={tmp_path / 'b'}", 'adapter.target_modules=["nope_proj"]'],
+                          "model load")
     assert re.search(r"adapter\.target_modules: 'nope_proj' names no module of the unet; its layers are named .*attn1\.to_q, .*"
                      r"conv1, .*to_out\.0", err), err
     err = _refused_before(monkeypatch, capsys, [f"train.output_dir={tmp_path / 'c'}", "adapter.text_encoder=true",
-                                                'adapter.text_encoder_targets.text_encoder=["to_q"]'], "caches")
+                                                'adapter.text_encoder_targets.text_encoder=["to_q"]'], "model load")
     assert "adapter.text_encoder_targets.text_encoder: 'to_q' names no module of the text_encoder; its layers are named" in err
     assert "self_attn.q_proj" in err
+
+
+def test_targets_checked_on_disk_and_once_loaded_say_the_same():
+    """The targets a run names are checked in the base folder's safetensors headers before any import, and again on
+    the loaded model (a hub id, a single file): one refusal, in the same words, for the same target."""
+    from difftune.adapters import check_targets
+    from difftune.families import load_components
+    from difftune.preflight import check_before_start
+
+    config = load_config(REPO / "configs" / "tiny_lora.toml", ['adapter.target_modules=["to_q", "nope_proj"]'])
+    with pytest.raises(DifftuneError) as on_disk:
+        check_before_start(config)
+    with pytest.raises(DifftuneError) as loaded:
+        check_targets(load_components(config.model), config.adapter)
+    said, listed = str(on_disk.value).split("; its layers are named ")
+    assert said == "adapter.target_modules: 'nope_proj' names no module of the unet"
+    assert str(loaded.value).startswith(said + "; its layers are named ")
+    assert {"attn1.to_q", "conv1", "to_out.0", "proj_in"} <= set(listed.split(", "))
 
 
 def test_a_config_file_with_a_byte_order_mark_loads(tmp_path):
@@ -431,6 +450,10 @@ print(code, "torch" in sys.modules, "diffusers" in sys.modules)
     (['data.path=""'], "data.path: is empty"),
     (["train.seed=-1"], "train.seed: Input should be greater than or equal to 0"),
     (["--config", "/"], "config file / is a folder"),
+    (["model.family=flux"], 'models/tiny-sd is a StableDiffusionPipeline of the sd family; set model.family = "auto" or "sd"'),
+    (['adapter.target_modules=["nope_proj"]'], "adapter.target_modules: 'nope_proj' names no module of the unet"),
+    (["adapter.text_encoder=true", 'adapter.text_encoder_targets.text_encoder=["to_q"]'],
+     "adapter.text_encoder_targets.text_encoder: 'to_q' names no module of the text_encoder"),
 ])
 def test_refusals_that_need_no_weights_come_before_the_heavy_imports(arguments, message):
     """A config error that needs no weights is said before torch or diffusers is imported (the seconds of imports
@@ -443,6 +466,24 @@ def test_refusals_that_need_no_weights_come_before_the_heavy_imports(arguments, 
     run = subprocess.run([sys.executable, "-c", REFUSE_BEFORE_IMPORTS, *arguments], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert run.stdout.split() == ["2", "False", "False"], run.stdout + run.stderr
+    assert message in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device may have FP8 tensor cores")
+@pytest.mark.parametrize(("precision", "message"), [
+    ("fp8", 'train.mixed_precision = "fp8" needs a GPU with FP8 tensor cores (compute capability 8.9 or newer'),
+    ("fp16", 'train.mixed_precision = "fp16" needs a CUDA device; use "bf16" or "no" here'),
+])
+def test_a_precision_the_device_lacks_is_refused_before_diffusers_is_imported(precision, message):
+    """Asking the device needs torch (a second), not diffusers and the families (5 s idle, 30 s under load)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    run = subprocess.run([sys.executable, "-c", REFUSE_BEFORE_IMPORTS, f"train.mixed_precision={precision}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["2", "True", "False"], run.stdout + run.stderr
     assert message in run.stderr and "Traceback" not in run.stderr
 
 

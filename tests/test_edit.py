@@ -138,8 +138,10 @@ def test_a_kontext_adapter_edits_in_its_pipeline_as_in_ours(kontext_base, pairs,
     parity = json.loads((result.trained_path.parent / "parity.json").read_text())
     assert all(layout["max_pixel_difference"] <= 2 for layout in parity["layouts"].values()), parity
     grid = Image.open(tmp_path / "run" / "samples" / "grid.png")
-    assert grid.size == (3 * 32, 32)  # control | before | after
-    assert np.array_equal(np.asarray(grid)[:, :32], np.asarray(Image.open(control).convert("RGB").resize((32, 32))))
+    band = grid.height - 64  # the labels over the panels, scaled up to 64 px so the words fit
+    assert grid.size == (3 * 64, 64 + band) and band > 0  # control | before | after
+    shown = Image.open(control).convert("RGB").resize((32, 32)).resize((64, 64), Image.NEAREST)
+    assert np.array_equal(np.asarray(grid)[band:, :64], np.asarray(shown))
 
     assert main(["sample", "--base", str(kontext_base), "--adapter", str(result.trained_path), "--prompt", "make it purple",
                  "--control", control, "--steps", "4", "--guidance-scale", "3.0", "--resolution", "32",

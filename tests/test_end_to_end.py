@@ -10,6 +10,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline
@@ -54,6 +55,23 @@ def test_accelerate_launch_runs_the_default_job(tmp_path):
         ]
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    # Every long step says when it starts and how long it took, in order, and the parity check says its result.
+    lines = run.stdout.replace(f"{REPO}/", "").splitlines()
+    done = [line.removeprefix("difftune: ").split(": done in ")[0] for line in lines if ": done in " in line]
+    assert done == ["loading the base models/tiny-sd", "reading the data in examples/purple", "filling the caches",
+                    "drawing the base's samples (before training)", "preparing the model for training",
+                    "loading the encoders again for the end of the run", "saving the result", "drawing the end samples",
+                    "checking parity: the first sample redrawn with each written file"], run.stdout
+    assert [line.removesuffix(" ...") for line in lines if line.endswith(" ...")] == [f"difftune: {what}" for what in done]
+    assert re.search(r"^difftune: parity: \d+ levels in both layouts", run.stdout, re.MULTILINE), run.stdout
+    assert "train: 100%" in run.stderr and "end samples" not in run.stderr  # the step bar in the log; no other bars
+    # The README's quick start shows this screen: the same lines, but for the times, paths and trained numbers.
+    def shape(text: str) -> list[str]:
+        text = text.replace(str(out), "/home/you/difftune/output/tiny_lora").replace(str(REPO), "/home/you/difftune")
+        return [re.sub(r"\d", "#", re.sub(r"done in .*", "done in", line)) for line in text.splitlines()
+                if line.startswith("difftune: ")]
+    shown = re.search(r"\$ difftune train --config configs/tiny_lora\.toml\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    assert shape(shown.group(1)) == shape(run.stdout)
     config = tomllib.loads((REPO / "configs/tiny_lora.toml").read_text())
     images = len(config["sample"]["prompts"]) * config["sample"]["images_per_prompt"]
     _check_run_files(out, config["train"]["max_steps"], images, before=True)
@@ -73,11 +91,20 @@ def test_accelerate_launch_runs_the_default_job(tmp_path):
     generator = torch.Generator().manual_seed(0)
     after = pipeline("a purple circle", num_inference_steps=3, generator=generator, output_type="np").images
     assert abs(before - after).max() > 1e-3
-    columns = math.ceil(math.sqrt(images))
-    # The end-of-run grid's cells are before | after (the base's sample of the same number beside each).
-    for grid_path, cell_width in ((out / "samples" / "grid.png", 64), (out / "samples" / "before" / "grid.png", 32)):
-        with Image.open(grid_path) as grid:
-            assert grid.size == (cell_width * columns, 32 * math.ceil(images / columns))
+    columns, rows = math.ceil(math.sqrt(images)), math.ceil(images / math.ceil(math.sqrt(images)))
+    # The end-of-run grid's cells are before | after (the base's sample of the same number beside each), scaled to
+    # 64 px panels under a band that names them; the base's own grid is its samples alone.
+    with Image.open(out / "samples" / "before" / "grid.png") as grid:
+        assert grid.size == (32 * columns, 32 * rows)
+    with Image.open(out / "samples" / "grid.png") as grid, Image.open(REPO / "docs" / "tiny_lora_grid.png") as shown:
+        band = grid.height // rows - 64
+        assert grid.size == (128 * columns, (64 + band) * rows) and 10 <= band <= 20
+        # The README shows this grid as the run writes it: its labels are these (the samples differ by CPU).
+        assert shown.size == grid.size
+        for row in range(rows):
+            labels = (0, row * (64 + band), grid.width, row * (64 + band) + band)
+            assert np.array_equal(np.asarray(grid.crop(labels)), np.asarray(shown.crop(labels)))
+            assert np.asarray(grid.crop(labels)).min() < 100  # dark text on the white band
 
 
 def test_difftune_command_with_overrides(tmp_path):
@@ -98,11 +125,21 @@ def test_difftune_command_with_overrides(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"wrote {out / 'pytorch_lora_weights.safetensors'}" in run.stdout
+    assert run.stdout.count(": done in ") == 9, run.stdout
     _check_run_files(out, 5, 1, before=True)
     with safe_open(out / "pytorch_lora_weights.safetensors", framework="pt") as handle:
         keys = list(handle.keys())
     assert any(k.startswith("text_encoder.") and k.endswith("lora_magnitude_vector.weight") for k in keys)
     assert any(k.startswith("unet.") and k.endswith("lora_magnitude_vector.weight") for k in keys)
+
+
+def test_quiet_runs_say_only_warnings_errors_and_the_last_lines(tmp_path):
+    out = tmp_path / "quiet"
+    run = run_in_repo([sys.executable, "-m", "difftune.cli", "train", "--quiet", "--config", "configs/tiny_lora.toml",
+                       f"train.output_dir={out}", "train.max_steps=2", "sample.steps=2", 'sample.prompts=["a red circle"]'])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert " ..." not in run.stdout and "done in" not in run.stdout and "train:" not in run.stderr, run.stdout + run.stderr
+    assert "difftune: parity: " in run.stdout and f"wrote {out / 'pytorch_lora_weights.safetensors'}" in run.stdout
 
 
 def test_console_script_is_installed():

@@ -197,7 +197,8 @@ def test_an_edit_plus_adapter_edits_in_its_pipeline_as_in_ours(edit_bases, pairs
         validation__every_steps=2)
     result = train(make_config(**settings))
     assert all(np.isfinite(row["val_loss"]) for row in read_metrics(tmp_path / "run") if "val_loss" in row)
-    assert Image.open(tmp_path / "run" / "samples" / "grid.png").size == (4 * 32, 32)  # control, control | before | after
+    grid = Image.open(tmp_path / "run" / "samples" / "grid.png")
+    assert grid.width == 4 * 64 and grid.height > 64  # control 1, control 2 | before | after, labelled above
 
     assert main(["sample", "--base", str(base), "--adapter", str(result.trained_path), "--prompt", "make it purple",
                  "--control", controls[0], "--control", controls[1], "--steps", "4", "--guidance-scale", "3.0",

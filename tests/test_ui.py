@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -111,15 +112,32 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         browser = playwright.chromium.launch(executable_path=CHROMIUM)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(server["url"])
+        job_name = page.locator("#job-name input, #job-name textarea").first
 
-        # Configure: a config file or a preset fills the form; a bad value is reported by the schema, then fixed.
+        # No job yet: no Stop or Resume to press.
+        page.get_by_role("tab", name="Train").click()
+        expect(page.locator("#job-status")).to_contain_text("No job selected")
+        expect(page.locator("#stop")).to_be_hidden()
+        expect(page.locator("#resume")).to_be_hidden()
+        page.get_by_role("tab", name="Configure").click()
+
+        # Configure: the form opens on the default job's preset, named after it; a config file or another preset
+        # fills it (the job name follows); a bad value is reported by the schema, then fixed.
+        expect(page.locator("#preset input")).to_have_value(re.compile(r"^tiny_lora: The default job"))
+        expect(job_name).to_have_value("tiny_lora")
+        expect(page.locator("#field-train-max_steps input")).to_have_value("400")
         uploaded = tmp_path / "mine.toml"
         uploaded.write_text("[train]\nmax_steps = 7\n")
         page.locator("#upload input[type=file], input[type=file]").first.set_input_files(str(uploaded))
         expect(page.locator("#config-message")).to_contain_text("Loaded mine.toml")
         expect(page.locator("#field-train-max_steps input")).to_have_value("7")
+        expect(job_name).to_have_value("mine")
         page.locator("#preset input").click()
-        page.get_by_role("option", name="tiny_lora").click()
+        page.get_by_role("option", name="tiny_dora").click()
+        expect(page.locator("#config-message")).to_contain_text("Loaded tiny_dora.toml")
+        expect(job_name).to_have_value("tiny_dora")
+        page.locator("#preset input").click()
+        page.get_by_role("option", name="tiny_lora:").click()
         expect(page.locator("#config-message")).to_contain_text("Loaded tiny_lora.toml")
         data_path = page.locator("#field-data-path textarea, #field-data-path input").first
         expect(data_path).to_have_value(str(REPO / "examples" / "purple"))  # the preset's path, from its own folder
@@ -131,7 +149,7 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         page.locator("#find-lr").click()
         expect(page.locator("#finder-message")).to_contain_text("Suggested learning rate", timeout=120_000)
         expect(page.locator("#lr-plot img")).to_be_visible()
-        found_lr = json.loads(next((jobs / "finders").glob("*-job-find-lr/lr_range.json")).read_text())["learning_rate"]
+        found_lr = json.loads(next((jobs / "finders").glob("*-tiny_lora-find-lr/lr_range.json")).read_text())["learning_rate"]
         page.locator("#apply-found").click()
         page.get_by_text("[optim]", exact=True).click()  # a closed section: its fields render on opening
         expect(page.locator("#field-optim-learning_rate input")).not_to_have_value("0.001", timeout=10_000)  # the preset's
@@ -181,6 +199,8 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         expect(status).to_contain_text("step", timeout=30_000)
         expect(status).to_contain_text("finished", timeout=240_000)
         expect(status).to_contain_text("step 40 / 40")
+        expect(page.locator("#stop")).to_be_hidden()  # a finished job: nothing to stop, nothing to resume
+        expect(page.locator("#resume")).to_be_hidden()
         expect(page.locator("#plot-loss canvas, #plot-loss svg").first).to_be_visible(timeout=30_000)
         expect(page.locator("#previews img").first).to_be_visible(timeout=30_000)
         expect(page.locator("#plot-val_loss")).to_be_hidden()  # no validation in this job: no empty plot
@@ -220,13 +240,15 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         expect(page.locator("#job-status")).to_contain_text("finished · step 40 / 40", timeout=30_000)
         page.get_by_role("tab", name="Configure").click()
         page.locator("#preset input").click()
-        page.get_by_role("option", name="tiny_lora").click()
-        expect(page.locator("#config-message")).to_contain_text("Loaded tiny_lora.toml")
+        page.get_by_role("option", name="tiny_dora").click()
+        expect(page.locator("#config-message")).to_contain_text("Loaded tiny_dora.toml")
         page.locator("#field-data-path textarea, #field-data-path input").first.fill(str(tmp_path / "no-such-folder"))
         page.locator("#job-name input, #job-name textarea").first.fill("broken")
         page.locator("#launch").click()
         expect(page.locator("#job-status")).to_contain_text("failed", timeout=120_000)
         expect(page.locator("#job-status")).to_contain_text(f"data.path {tmp_path / 'no-such-folder'}: does not exist")
+        expect(page.locator("#resume")).to_be_visible()  # a failed job may be resumed (and says why it cannot)
+        expect(page.locator("#stop")).to_be_hidden()
         browser.close()
 
     merged_dir = jobs / "exports" / "purple-merged"
@@ -235,6 +257,28 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
     merged = load_file(merged_dir / "unet/diffusion_pytorch_model.safetensors")
     changed = [key for key in merged if "to_q" in key and not (merged[key].float() - base_unet[key].float()).abs().max() < 1e-3]
     assert changed, "merging the adapter changed no attention weight"
+
+
+def test_the_server_says_where_it_serves_with_its_own_flags(server):
+    """Gradio's start-up lines told a CLI user to "set `share=True` in `launch()`"; the UI says its address and flag."""
+    log = (server["root"] / "server.log").read_text()
+    assert f"difftune ui: http://127.0.0.1:{server['port']} (jobs in {server['jobs']})" in log, log
+    assert "share=True" not in log and "launch()" not in log
+
+
+def test_presets_come_default_first_described_and_marked_when_they_need_a_gpu(tmp_path):
+    from difftune.form import presets
+
+    offered = presets(REPO / "configs")
+    assert offered[0].name == "tiny_lora" and offered[0].summary.startswith("The default job: teach the bundled tiny base")
+    here = [preset.base_is_here for preset in offered]
+    assert here == sorted(here, reverse=True) and any(here) and not all(here)  # those that run here, then the rest
+    qwen = next(preset for preset in offered if preset.name == "qwen_image_1024_lora")
+    assert qwen.label.startswith("qwen_image_1024_lora [GPU, downloads its base]: A LoRA on Qwen-Image (the 20B MMDiT")
+    assert all(len(preset.summary) <= 111 and "\n" not in preset.summary for preset in offered)
+    (tmp_path / "broken.toml").write_text("[model\n")
+    (tmp_path / "plain.toml").write_text("# Mine. More words.\n[train]\nmax_steps = 3\n")
+    assert [(preset.name, preset.summary) for preset in presets(tmp_path)] == [("plain", "Mine")]
 
 
 def test_uploads_are_capped(server):

@@ -28,6 +28,7 @@ from difftune.models import (
     explained_load_errors,
     quiet_loading,
 )
+from difftune.preflight import wrong_family
 
 
 def _discover() -> dict[str, Family]:
@@ -114,10 +115,7 @@ def family_of(config: ModelConfig) -> Family:
         family = FAMILIES[config.family]
         readers, what = _readers(config) if Path(base).exists() else ([], "")
         if readers and family not in readers:
-            raise DifftuneError(
-                f"model.family = \"{family.name}\": model.base {base} is {what} of the {readers[0].name} family "
-                f"({readers[0].description}); set model.family = \"auto\" or \"{readers[0].name}\""
-            )
+            raise wrong_family(family.name, base, what, readers[0].name)
         return family
     readers, what = _readers(config)
     if not readers:

@@ -19,6 +19,7 @@ control's and the output's shape masks).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -139,6 +140,21 @@ class EvalSettings:
     resolution: int = IMAGE_SIZE  # the judge's: a pipeline's own default may be another (FluxPipeline's is 1024 px)
 
 
+Say = Callable[[str], None] | None  # where a long evaluation says how far it is (None: nowhere)
+
+
+def _counted(prompts: list[str], say: Say):
+    """The prompts, each said as it starts: `3/24 a red circle`."""
+    for number, prompt in enumerate(prompts, 1):
+        if say:
+            say(f"{number}/{len(prompts)} {prompt}")
+        yield prompt
+
+
+def _within(say: Say, what: str) -> Say:
+    return (lambda line: say(f"{what} {line}")) if say else None
+
+
 def _eval_pipeline(components: Components, settings: EvalSettings) -> tuple:
     """The components' pipeline with the eval's sampler, in eval mode, and its guidance arguments."""
     pipeline = components.pipeline(sampling_scheduler(settings.scheduler, components))
@@ -149,11 +165,11 @@ def _eval_pipeline(components: Components, settings: EvalSettings) -> tuple:
 
 
 @torch.no_grad()
-def judged_samples(components: Components, prompts: list[str], settings: EvalSettings) -> list[dict]:
+def judged_samples(components: Components, prompts: list[str], settings: EvalSettings, say: Say = None) -> list[dict]:
     """Each prompt's samples (fixed seeds), judged: one row per image."""
     pipeline, guidance = _eval_pipeline(components, settings)
     rows = []
-    for prompt in prompts:
+    for prompt in _counted(prompts, say):
         seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
         images = components.family.draw(
             pipeline, components.family_options, [prompt] * len(seeds), [], settings.resolution, settings.resolution,
@@ -167,11 +183,12 @@ def judged_samples(components: Components, prompts: list[str], settings: EvalSet
 
 
 @torch.no_grad()
-def judged_clips(components: Components, prompts: list[str], settings: EvalSettings, frames: int) -> list[dict]:
+def judged_clips(components: Components, prompts: list[str], settings: EvalSettings, frames: int,
+                 say: Say = None) -> list[dict]:
     """Each prompt's clips (fixed seeds, as `judged_samples`), judged: one row per clip."""
     pipeline, guidance = _eval_pipeline(components, settings)
     rows = []
-    for prompt in prompts:
+    for prompt in _counted(prompts, say):
         seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
         clips = components.family.draw_clips(
             pipeline, [prompt] * len(seeds), [], settings.resolution, settings.resolution, frames,
@@ -206,12 +223,13 @@ def clip_prompts_for(colors) -> list[str]:
 
 
 def clip_score(components: Components, seen_colors, concept_color: str, settings: EvalSettings, frames: int,
-               concept_word: str = "") -> dict:
+               concept_word: str = "", say: Say = None) -> dict:
     """`score` for a video base: clip accuracies on the seen prompts and the concept's (overall and per shape), each
     prompt naming a direction; `samples_per_prompt` clips per (color, shape), spread over the directions."""
     per_direction = replace(settings, samples_per_prompt=max(1, settings.samples_per_prompt // len(DIRECTIONS)))
-    seen = judged_clips(components, clip_prompts_for(seen_colors), per_direction, frames)
-    concept = judged_clips(components, clip_prompts_for([concept_word or concept_color]), per_direction, frames)
+    seen = judged_clips(components, clip_prompts_for(seen_colors), per_direction, frames, _within(say, "seen"))
+    concept = judged_clips(components, clip_prompts_for([concept_word or concept_color]), per_direction, frames,
+                           _within(say, "concept"))
     for row in concept:
         row["prompt"] = row["prompt"].replace(concept_word or concept_color, concept_color)
     return {
@@ -237,11 +255,12 @@ def prompts_for(colors) -> list[str]:
     return [f"a {color} {shape}" for color in colors for shape in SHAPES]
 
 
-def score(components: Components, seen_colors, concept_color: str, settings: EvalSettings, concept_word: str = "") -> dict:
+def score(components: Components, seen_colors, concept_color: str, settings: EvalSettings, concept_word: str = "",
+          say: Say = None) -> dict:
     """Accuracies on the seen prompts and on the concept's prompts (overall and per shape). `concept_word` is what
     the concept's prompts say instead of its color (a textual-inversion token); they are judged by the color."""
-    seen = judged_samples(components, prompts_for(seen_colors), settings)
-    concept = judged_samples(components, prompts_for([concept_word or concept_color]), settings)
+    seen = judged_samples(components, prompts_for(seen_colors), settings, _within(say, "seen"))
+    concept = judged_samples(components, prompts_for([concept_word or concept_color]), settings, _within(say, "concept"))
     for row in concept:
         row["prompt"] = row["prompt"].replace(concept_word or concept_color, concept_color)
     return {
@@ -252,26 +271,26 @@ def score(components: Components, seen_colors, concept_color: str, settings: Eva
 
 
 @torch.no_grad()
-def judged_edits(components: Components, colors, source_colors, settings: EvalSettings) -> list[dict]:
+def judged_edits(components: Components, colors, source_colors, settings: EvalSettings, say: Say = None) -> list[dict]:
     """`samples_per_prompt` fixed recolor pairs per (asked color, shape), each control drawn from `source_colors`,
     edited with the instruction (sample k of a prompt with seed + k), judged: one row per edit."""
     pipeline, guidance = _eval_pipeline(components, settings)
     rows = []
-    for color in colors:
-        for shape in SHAPES:
-            pair_seed = settings.seed + 1000 * list(COLORS).index(color) + 100 * SHAPES.index(shape)
-            for k, (control, _, instruction) in enumerate(recolor_pairs(settings.samples_per_prompt, pair_seed, (color,),
-                                                                        source_colors, (shape,))):
-                [image] = components.family.draw(
-                    pipeline, components.family_options, instruction, [control], settings.resolution,
-                    settings.resolution, num_inference_steps=settings.steps, **guidance,
-                    generator=torch.Generator("cpu").manual_seed(settings.seed + k),
-                )
-                drawn_color, drawn_shape = judge(image)
-                before, after = shape_mask(control), shape_mask(image)
-                overlap = float((before & after).sum() / (before | after).sum()) if after is not None else 0.0
-                rows.append({"asked": color, "shape": shape, "color": drawn_color, "drawn_shape": drawn_shape,
-                             "overlap": overlap, "image": image})
+    for prompt in _counted([f"{color} {shape}" for color in colors for shape in SHAPES], say):
+        color, shape = prompt.split()
+        pair_seed = settings.seed + 1000 * list(COLORS).index(color) + 100 * SHAPES.index(shape)
+        for k, (control, _, instruction) in enumerate(recolor_pairs(settings.samples_per_prompt, pair_seed, (color,),
+                                                                    source_colors, (shape,))):
+            [image] = components.family.draw(
+                pipeline, components.family_options, instruction, [control], settings.resolution,
+                settings.resolution, num_inference_steps=settings.steps, **guidance,
+                generator=torch.Generator("cpu").manual_seed(settings.seed + k),
+            )
+            drawn_color, drawn_shape = judge(image)
+            before, after = shape_mask(control), shape_mask(image)
+            overlap = float((before & after).sum() / (before | after).sum()) if after is not None else 0.0
+            rows.append({"asked": color, "shape": shape, "color": drawn_color, "drawn_shape": drawn_shape,
+                         "overlap": overlap, "image": image})
     return rows
 
 
@@ -285,11 +304,11 @@ def edit_accuracy(rows: list[dict]) -> dict:
             "edits": len(rows)}
 
 
-def edit_score(components: Components, seen_colors, concept_color: str, settings: EvalSettings) -> dict:
+def edit_score(components: Components, seen_colors, concept_color: str, settings: EvalSettings, say: Say = None) -> dict:
     """An edit base's accuracies on the seen colors' edits and on the concept's (overall and per shape); every
     control is of a seen color."""
-    seen = judged_edits(components, seen_colors, seen_colors, settings)
-    concept = judged_edits(components, [concept_color], seen_colors, settings)
+    seen = judged_edits(components, seen_colors, seen_colors, settings, _within(say, "seen edits"))
+    concept = judged_edits(components, [concept_color], seen_colors, settings, _within(say, "concept edits"))
     return {
         "seen": edit_accuracy(seen),
         "concept": edit_accuracy(concept),
@@ -298,9 +317,9 @@ def edit_score(components: Components, seen_colors, concept_color: str, settings
 
 
 def evaluate(base: str, adapter: Path | None, seen_colors, concept_color: str, settings: EvalSettings,
-             concept_word: str = "") -> dict:
+             concept_word: str = "", say: Say = None) -> dict:
     """The base's scores, and with `adapter`, the adapted model's and the forgetting between them; `concept_word`
-    (see `score`) in the adapted model's concept prompts."""
+    (see `score`) in the adapted model's concept prompts. `say` hears each prompt as it starts."""
     from difftune.export import apply_adapters  # export imports sampling; keep this module light to import
 
     report = {"settings": vars(settings) | {"base": base, "concept_color": concept_color}}
@@ -309,19 +328,20 @@ def evaluate(base: str, adapter: Path | None, seen_colors, concept_color: str, s
     if edits and concept_word:
         raise DifftuneError(f"--concept-word: {base} is an edit base, scored on edits that name the color")
 
-    def scored(word: str = "") -> dict:
+    def scored(model: str, word: str = "") -> dict:
+        said = _within(say, f"{model}:")
         if edits:
-            return edit_score(components, seen_colors, concept_color, settings)
+            return edit_score(components, seen_colors, concept_color, settings, said)
         if components.family.reads_clips:
-            return clip_score(components, seen_colors, concept_color, settings, CLIP_FRAMES, word)
-        return score(components, seen_colors, concept_color, settings, word)
+            return clip_score(components, seen_colors, concept_color, settings, CLIP_FRAMES, word, said)
+        return score(components, seen_colors, concept_color, settings, word, said)
 
     report["scored"] = "edits" if edits else "clips" if components.family.reads_clips else "prompts"
-    report["before"] = scored()
+    report["before"] = scored("base")
     if adapter:
         apply_adapters(components, [(adapter, 1.0)])  # onto the same base, in place
         report["adapter"] = str(adapter)
-        report["after"] = scored(concept_word)
+        report["after"] = scored("adapted", concept_word)
         report["settings"]["concept_word"] = concept_word or concept_color
         report["forgetting"] = report["before"]["seen"]["both"] - report["after"]["seen"]["both"]
     return report
