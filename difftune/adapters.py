@@ -20,6 +20,7 @@ from difftune.config import AdapterConfig
 from difftune.embeddings import add_tokens
 from difftune.errors import DifftuneError
 from difftune.models import Components
+from difftune.storage import casts_reused
 from difftune.preflight import layer_suffixes, missing_targets, unmatched_targets
 
 DORA_MAGNITUDE = "lora_magnitude_vector"
@@ -96,7 +97,8 @@ def add_adapters(components: Components, config: AdapterConfig) -> None:
         return
     check_targets(components, config)
     for part, targets in target_modules(components, config).items():
-        trained[part].add_adapter(_adapter_config(config, targets))
+        with casts_reused():  # the denoiser's layers may be stored in fewer bits already (storage.py)
+            trained[part].add_adapter(_adapter_config(config, targets))
         if config.init in MUTATED_BASE_INITS:
             setattr(trained[part], INITIAL_ADAPTER, _peft_state(trained[part]))
 

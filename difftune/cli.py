@@ -16,6 +16,7 @@ from difftune.config import (
 from difftune.errors import ERROR_PREFIX, DifftuneError
 from difftune.form import parse_adapter_spec
 from difftune.preflight import check_before_start
+from difftune.progress import phase
 
 
 def _keys_help() -> str:
@@ -270,7 +271,9 @@ def _run(args: argparse.Namespace) -> None:
         print(f"difftune: wrote {export.write_adapter(args.out, tensors, lora_configs, config_toml, args.to, args.base or '')}")
         _note_comfyui_dora(args.out, args.to)
     elif args.command == "merge":
-        for path in export.merge_into_folder(args.base, args.adapter, args.out, args.dtype, args.single_file, args.overwrite):
+        with phase(f"merging {len(args.adapter)} adapter(s) into {args.base} (loading, merging, writing {args.out})", print):
+            written = export.merge_into_folder(args.base, args.adapter, args.out, args.dtype, args.single_file, args.overwrite)
+        for path in written:
             print(f"difftune: wrote {path}")
     elif args.command == "sample":
         from difftune.sample import generate_images, save_images
@@ -278,8 +281,10 @@ def _run(args: argparse.Namespace) -> None:
         config = _sample_config(args)
         if not config.prompts:
             raise DifftuneError("difftune sample: give at least one --prompt")
-        components = export.load_with_adapters(args.base, args.adapter)
-        paths = save_images(generate_images(components, config, components.denoiser.device), config, args.out)
+        with phase(f"loading {args.base} with {len(args.adapter)} adapter(s)", print):
+            components = export.load_with_adapters(args.base, args.adapter)
+        samples = generate_images(components, config, components.denoiser.device, "samples")
+        paths = save_images(samples, config, args.out)
         print(f"difftune: wrote {len(paths)} {'clips' if config.frames > 1 else 'images'} and grid.png to {args.out}")
 
 
@@ -331,7 +336,8 @@ def _plan(args: argparse.Namespace) -> None:
         if device_memory or host_memory else None
     if args.json:
         result = {"configs": predicted.configs, "device_type": predicted.device_type, "device_peak": predicted.device_peak,
-                  "host_peak": predicted.host_peak, "device": predicted.device, "host": predicted.host}
+                  "host_peak": predicted.host_peak, "device": predicted.device, "host": predicted.host,
+                  "host_phases": predicted.host_phases}
         if device_memory or host_memory:
             result["fits_with"] = fitting[0] if fitting else None
         print(json.dumps(result))

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import torch
+from torch.nn.utils import parametrize
 
 from difftune.autoencoders import LatentNormalization
 from difftune.errors import DifftuneError
@@ -26,6 +27,20 @@ PICKLED_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 SINGLE_FILE_SUFFIXES = (".safetensors", *PICKLED_SUFFIXES)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 STORED_DTYPES = DTYPES | {"fp8": torch.float8_e4m3fn}
+AS_STORED = "as stored"  # a part loaded in its files' own dtype: memory-mapped, no copy (`PartDtypes.denoiser`)
+
+
+@dataclass(frozen=True)
+class PartDtypes:
+    """The dtype each part of a base is loaded in (`Family.load`). `denoiser`: a dtype, `AS_STORED`, or None to
+    leave it out (the encoders loaded again at the end of a run)."""
+
+    denoiser: torch.dtype | str | None = torch.float32
+    vae: torch.dtype = torch.float32
+    others: torch.dtype = torch.float32  # the text encoders and drawing parts
+
+
+FP32_PARTS = PartDtypes()
 
 
 @dataclass
@@ -198,11 +213,12 @@ def place_frozen(
 
 
 def cast_frozen(module: torch.nn.Module, dtype: torch.dtype, is_vae: bool = False) -> None:
-    """A frozen model (loaded in fp32) in `dtype`, but a KL VAE that asks for `force_upcast` under fp16
-    (`place_frozen`)."""
+    """A frozen model in `dtype`, but a KL VAE that asks for `force_upcast` under fp16 (`place_frozen`)."""
     if is_vae and dtype == torch.float16 and getattr(module.config, "force_upcast", True):
         return
-    if dtype != torch.float32:  # loaded as fp32; diffusers warns on every dtype cast
+    tensors = (*module.parameters(), *module.buffers())
+    # Parts load in fp32 or in the dtype they are kept in already (`part_dtypes`); diffusers warns on every cast.
+    if dtype != torch.float32 and any(t.is_floating_point() and t.dtype != dtype for t in tensors):
         module.to(dtype=dtype)
 
 
@@ -217,6 +233,76 @@ def eval_mode(*modules: torch.nn.Module):
     finally:
         for module, mode in zip(modules, modes):
             module.train(mode)
+
+
+def part_dtypes(config: Config) -> PartDtypes:
+    """What a run loads each part in: the dtype it keeps it in, so no frozen weight is held in fp32 on the host
+    unless the run computes with it in fp32 (a 12B transformer shipped in bf16 took 48 GB as fp32 before training
+    started). A full fine-tune loads in fp32, its trained weights' dtype. A denoiser whose frozen layers are stored
+    apart (storage.py) loads as its files hold it, memory-mapped without a copy, and is stored layer by layer at once
+    (`store_loaded_denoiser`): its host peak is the stored bytes, not a 16-bit or fp32 copy of the whole. A KL VAE
+    under fp16 loads in fp32 (`cast_frozen` keeps one that asks for `force_upcast` there)."""
+    if config.adapter.kind == "none":
+        return FP32_PARTS
+    compute = weight_dtype(config)
+    denoiser = torch.float32 if _rewrites_base(config) else AS_STORED if config.stores_frozen_weights else compute
+    return PartDtypes(denoiser=denoiser,
+                      vae=torch.float32 if compute == torch.float16 else compute, others=compute)
+
+
+def _rewrites_base(config: Config) -> bool:
+    """A LoRA init that rewrites the base weights it factors (PiSSA, OLoRA): it factors the fp32 weights, and the
+    run casts or stores them after (`place_frozen`), as before."""
+    return config.adapter.init in ("pissa", "olora")
+
+
+def loads_encoders_first(config: Config, resume: str | None = None) -> bool:
+    """Whether the run loads the encoders, fills the caches with them and lets go of them before the denoiser loads
+    (train.py's `setup`): the host then holds the text encoders or the denoiser, not both (T5-XXL's 9.5 GB beside FLUX.1's
+    12 GB in fp8 outgrow a 24 GB machine). Where both caches are on, the base is a pipeline folder or hub id, and
+    nothing draws with the whole base before training: no "before" samples, no class images, no training adapter
+    (merged into the whole base)."""
+    draws_before = config.sample.before and config.sample.prompts and not resume
+    return (config.cache.latents == "on" and config.cache.text == "on" and not draws_before and not config.prior.enabled
+            and not config.model.training_adapter and not config.model.base.endswith(SINGLE_FILE_SUFFIXES))
+
+
+def store_loaded_denoiser(components: Components, config: Config) -> None:
+    """Right after loading: the frozen denoiser's linear and convolution layers in the run's storage dtype, each as
+    it is converted (the file's pages it was read from dropped: storage.py), and the rest of it in the compute dtype.
+    Adapters attach to the stored layers as they did to 16-bit ones (peft gives them the compute dtype)."""
+    stored = stored_dtype(config)
+    if stored is None or _rewrites_base(config):
+        return  # stored as it is placed (`place_frozen`), after the adapters are attached
+    compute = weight_dtype(config)
+    components.denoiser.requires_grad_(False)
+    store_frozen_layers(components.denoiser, stored, compute)
+    for module in components.denoiser.modules():  # what is not stored (norms, an fp8 layer's bias), in `compute`
+        if isinstance(module, parametrize.ParametrizationList):
+            continue  # a stored layer's tensor, kept as stored
+        for tensors in (module._parameters, module._buffers):
+            for name, tensor in tensors.items():
+                if tensor is not None and tensor.is_floating_point() and tensor.dtype != compute:
+                    cast = tensor.detach().to(compute)
+                    tensors[name] = torch.nn.Parameter(cast, requires_grad=False) if name in module._parameters else cast
+
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def files_dtype(base: str, part: str, variant: str = "") -> torch.dtype | None:
+    """The dtype a local pipeline folder's part is saved in (its first floating-point tensor's, from a safetensors
+    header), or None where that is not on this machine to read (a hub id is not fetched to see)."""
+    from safetensors import safe_open
+
+    pattern = f"*.{variant}.safetensors" if variant else "*.safetensors"
+    for file in sorted((Path(base) / part).glob(pattern)):
+        with safe_open(file, "pt") as weights:
+            for key in weights.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                dtype = SAFETENSORS_DTYPES.get(weights.get_slice(key).get_dtype())
+                if dtype is not None:
+                    return dtype
+    return None
 
 
 def weight_dtype(config: Config) -> torch.dtype:

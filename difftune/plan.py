@@ -19,12 +19,11 @@ import importlib
 import json
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from safetensors import safe_open
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -58,8 +57,9 @@ class MemoryPlan:
 
     device_type: str  # where training runs: "cuda" or "cpu" (then device and host are the same memory)
     device: dict[str, int]
-    host: dict[str, int]
+    host: dict[str, int]  # at the host's highest phase
     configs: str = ""  # where the model's configs were read: a local folder, or the published base kept in difftune
+    host_phases: dict[str, dict[str, int]] = field(default_factory=dict)  # each phase's, in the run's order
 
     @property
     def device_peak(self) -> int:
@@ -74,6 +74,8 @@ class MemoryPlan:
         for title, split in ((f"device ({self.device_type}) peak", self.device), ("host RAM peak", self.host)):
             lines.append(f"{title}: {_gib(sum(split.values()))}")
             lines += [f"  {holder:<28} {_gib(size)}" for holder, size in split.items() if size]
+        lines.append("host RAM peak by phase:")
+        lines += [f"  {phase:<28} {_gib(sum(held.values()))}" for phase, held in self.host_phases.items()]
         return "\n".join(lines)
 
 
@@ -120,15 +122,19 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     from diffusers.training_utils import cast_training_params
 
     from difftune.adapters import add_adapters
-    from difftune.models import encoder_placement, place_frozen, stored_dtype, weight_dtype
+    from difftune.models import (
+        AS_STORED, encoder_placement, loads_encoders_first, part_dtypes, place_frozen, stored_dtype, weight_dtype,
+    )
     from difftune.storage import computed_copies_saved_as_stored
 
     baseline = _resident_bytes()
     source = config_source(config.model)  # once: a single file's keys are read to find it
     components = empty_components(config, source)
-    loaded = {name: _bytes(module) for name, module in _named_modules(components).items()}
-    mapped = _mapped_at_load(config, components)
+    dtypes = part_dtypes(config)
     encoders = [module for module in (components.vae, *components.text_encoders.values()) if module is not None]
+    drawing = [module for module in components.drawing_parts.values() if module is not None]
+    # The encoders as they load: each part in the dtype the run keeps it in (`part_dtypes`).
+    encoders_loaded = sum(_bytes(m, dtypes.vae if m is components.vae else dtypes.others) for m in (*encoders, *drawing))
     dtype = weight_dtype(config)
     encoding = _encoding_peak(components, config, dtype)
 
@@ -147,6 +153,8 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     # Drawing parts (Ideogram 4's unconditional transformer) never train: in host memory for previews, else released.
     kept_at["host"] += [m for m in components.drawing_parts.values() if m is not None and placement["drawing"] == "host"]
     frozen = _bytes(components.denoiser, frozen_only=True)
+    # Stored or cast as it loads (a full fine-tune's in fp32, with its trained weights).
+    denoiser_loaded = frozen if dtypes.denoiser in (AS_STORED, dtype) else _bytes(components.denoiser, dtypes.denoiser)
     trained_bytes = sum(p.numel() * 4 for p in trained)
     optimizer = OPTIMIZER_STATE_BYTES.get(config.optim.optimizer, 8) * sum(p.numel() for p in trained)
     with computed_copies_saved_as_stored():
@@ -167,16 +175,26 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     caching = {"encoders (caching)": sum(_bytes(m) for m in encoders), "encoding activations": encoding} if caches else {}
     device = on_device if sum(on_device.values()) >= sum(caching.values()) else caching
     offloaded = offloader.host_bytes if offloader is not None else 0
-    if device_type == "cpu":  # one memory: the training step's, or at load the encoders run and the parts converted
-        at_load = {"weights read at load": sum(loaded.values()) - mapped.get(components.family.denoiser_name, 0),
-                   "encoding activations": encoding if caches else 0}
-        peak = device if sum(device.values()) >= sum(at_load.values()) else at_load
-        device = {**peak, "offloaded blocks": offloaded, "encoders kept for previews": sum(map(_bytes, kept_at["host"]))}
-        return MemoryPlan(device_type, device, {"python and libraries": baseline, **device}, configs_read(config.model, source))
-    host = {"python and libraries": baseline, "weights read at load": sum(loaded.values()) - sum(mapped.values()),
-            "offloaded blocks": offloaded, "encoders kept for previews": sum(map(_bytes, kept_at["host"])),
-            "optimizer state (offloaded)": optimizer if config.optim.optimizer == "adamw_cpu_offload" else 0}
-    return MemoryPlan(device_type, device, host, configs_read(config.model, source))
+    previews = sum(map(_bytes, kept_at["host"]))
+    encoding_on_host = encoding if caches and device_type == "cpu" else 0
+    # The host's phases: loading (the encoders alone, when they fill the caches and go first: `loads_encoders_first`;
+    # else the whole base) and caching, then the denoiser loading beside the encoders kept for previews, then training.
+    if loads_encoders_first(config):
+        phases = {"loading and caching": {"encoders": encoders_loaded, "encoding activations": encoding_on_host},
+                  "loading the denoiser": {"denoiser": denoiser_loaded, "encoders kept for previews": previews}}
+    else:
+        phases = {"loading and caching": {"whole base": encoders_loaded + denoiser_loaded,
+                                          "encoding activations": encoding_on_host}}
+    if device_type == "cpu":  # one memory: the training step's, with the encoders kept for previews
+        phases["training"] = {**on_device, "offloaded blocks": offloaded, "encoders kept for previews": previews}
+    else:
+        phases["training"] = {"offloaded blocks": offloaded, "encoders kept for previews": previews,
+                              "optimizer state (offloaded)": optimizer if config.optim.optimizer == "adamw_cpu_offload" else 0}
+    if device_type == "cpu":
+        device = max(phases.values(), key=lambda held: sum(held.values()))
+    phases = {phase: {"python and libraries": baseline, **held} for phase, held in phases.items()}
+    host = max(phases.values(), key=lambda held: sum(held.values()))
+    return MemoryPlan(device_type, device, host, configs_read(config.model, source), phases)
 
 
 def fitting_overrides(config: Config, device_memory: int | None, host_memory: int | None,
@@ -253,20 +271,30 @@ def _changes(config: Config, overrides: list[str], setting: str) -> bool:
         return False
 
 
-def memory_warning(config: Config, device_type: str) -> str | None:
-    """What `difftune train` says before loading when the plan exceeds this machine's memory: the device's
-    total, or the host's available RAM (plus what this process holds already, which the plan counts)."""
+class DoesNotFit(DifftuneError):
+    """A run the memory plan says this machine cannot hold (`check_fits`)."""
+
+
+def check_fits(config: Config, device_type: str) -> str | None:
+    """Before loading: refuse a run whose planned host peak outgrows the RAM available (plus what this process holds
+    already, which the plan counts), naming the phase and the settings that would fit: the kernel's OOM killer would
+    end it without a word, minutes into loading. A device peak over the GPU's total is a warning (returned): the
+    offloading settings that fit it are for the user to weigh."""
     plan = plan_memory(config, device_type)
-    over = []
-    if device_type == "cuda" and plan.device_peak > (total := torch.cuda.mem_get_info()[1]):
-        over.append(f"device memory {_gib(plan.device_peak).strip()} of the GPU's {_gib(total).strip()}")
     host = _available_bytes()
     if host and plan.host_peak > host:
-        over.append(f"host RAM {_gib(plan.host_peak).strip()} of {_gib(host).strip()} available")
-    if not over:
-        return None
-    return (f"the memory plan predicts a peak of {' and '.join(over)}; `difftune plan` with the same config and "
-            "--device-memory/--host-memory says which settings fit")
+        phase, peak = max(((phase, sum(held.values())) for phase, held in plan.host_phases.items()), key=lambda item: item[1])
+        fitting = fitting_overrides(config, None, host, device_type)
+        advice = (f"it would fit with {' '.join(fitting[0])}" if fitting and fitting[0] else
+                  "no setting tried fits it (checkpointing, fp8 weights, offloaded blocks, smaller batches)")
+        raise DoesNotFit(
+            f"the memory plan needs {_gib(peak).strip()} of host RAM while {phase}, and this machine has "
+            f"{_gib(host).strip()} available: {advice}; train.check_memory = false tries anyway"
+        )
+    if device_type == "cuda" and plan.device_peak > (total := torch.cuda.mem_get_info()[1]):
+        return (f"the memory plan predicts a peak of device memory {_gib(plan.device_peak).strip()} of the GPU's "
+                f"{_gib(total).strip()}; `difftune plan` with the same config and --device-memory says which settings fit")
+    return None
 
 
 def empty_components(config: Config, source: tuple[Path, str] | None = None) -> Components:
@@ -542,34 +570,17 @@ def _meta_autocast_as_cpu():
         torch.autocast = autocast
 
 
-def _mapped_at_load(config: Config, components: Components) -> dict[str, int]:
-    """Bytes of each part whose files hold fp32: mapped at load, not read, until the part runs. Parts in other
-    dtypes are converted to fp32 as they load: read whole."""
-    base = Path(config.model.base)
-    mapped = {}
-    for name, module in _named_modules(components).items():
-        files = list((base / name).glob("*.safetensors")) if base.is_dir() else []
-        if files and all(_holds_fp32(path) for path in files):
-            mapped[name] = _bytes(module)
-    return mapped
-
-
-def _holds_fp32(path: Path) -> bool:
-    with safe_open(path, framework="pt") as file:
-        keys = list(file.keys())
-        return bool(keys) and file.get_slice(keys[0]).get_dtype() == "F32"
-
-
 def _named_modules(components: Components) -> dict[str, torch.nn.Module]:
     named = {components.family.denoiser_name: components.denoiser, "vae": components.vae, **components.text_encoders,
              **components.drawing_parts}
     return {name: module for name, module in named.items() if module is not None}
 
 
-def _bytes(module: torch.nn.Module, frozen_only: bool = False) -> int:
-    """The bytes of `module`'s parameters and buffers (with `frozen_only`, less its trained parameters)."""
+def _bytes(module: torch.nn.Module, dtype: torch.dtype | None = None, frozen_only: bool = False) -> int:
+    """The bytes of `module`'s parameters and buffers, its floating-point ones in `dtype` if given (with
+    `frozen_only`, less its trained parameters)."""
     tensors = (*(p for p in module.parameters() if not (frozen_only and p.requires_grad)), *module.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * (dtype.itemsize if dtype and t.is_floating_point() else t.element_size()) for t in tensors)
 
 
 def _resident_bytes() -> int:

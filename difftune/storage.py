@@ -93,6 +93,22 @@ def own_cast_buffers():
         _BUFFERS = kept
 
 
+_LAST_CAST: list | None = None  # while `casts_reused`: [parametrization, stored tensor, its computed copy]
+
+
+@contextmanager
+def casts_reused():
+    """While adapters are attached to stored layers: a layer's computed copy is made once and handed out again for
+    as long as that layer is the one asked for. peft reads a layer's weight about eight times as it wraps it (its
+    device, its dtype), each read a cast of the whole weight: minutes for a 12B model. One copy is held at a time."""
+    global _LAST_CAST
+    _LAST_CAST = [None, None, None]
+    try:
+        yield
+    finally:
+        _LAST_CAST = None
+
+
 class ComputedFromStored(torch.nn.Module):
     """Parametrization: a layer's stored tensor as the `dtype` tensor the layer computes with. An fp8 tensor is
     held as its raw bytes (uint8) divided by `scale`: `Module.to(dtype)`, which the run applies to the whole
@@ -111,10 +127,15 @@ class ComputedFromStored(torch.nn.Module):
         return stored.view(FP8) if self.fp8 else stored
 
     def cast(self, stored: torch.Tensor) -> torch.Tensor:
+        if _LAST_CAST is not None and _LAST_CAST[0] is self and _LAST_CAST[1] is stored:
+            return _LAST_CAST[2]
         source = self.source(stored)
         if source.dtype == self.dtype and self.scale == 1:  # an offloaded block kept in the compute dtype: its copy
             return source  # on the device is already what the layer computes with, and a cast buffer would stay
-        return _BUFFERS.cast(source, self.dtype, self.scale)
+        computed = _BUFFERS.cast(source, self.dtype, self.scale)
+        if _LAST_CAST is not None:
+            _LAST_CAST[:] = [self, stored, computed]
+        return computed
 
     def forward(self, stored: torch.Tensor) -> torch.Tensor:
         computed = self.cast(stored)
@@ -134,7 +155,8 @@ def _stored(tensor: torch.Tensor, dtype: torch.dtype, compute_dtype: torch.dtype
     if dtype != FP8:
         return tensor.to(dtype), ComputedFromStored(compute_dtype)
     scale = fp8_scale(tensor)
-    return (tensor / scale).to(FP8).view(torch.uint8), ComputedFromStored(compute_dtype, scale, fp8=True)
+    # Divided in fp32 whatever the loaded dtype: the bytes are those of the fp32-loaded base's, bit for bit.
+    return (tensor.float() / scale).to(FP8).view(torch.uint8), ComputedFromStored(compute_dtype, scale, fp8=True)
 
 
 def store_frozen_layers(model: torch.nn.Module, dtype: torch.dtype, compute_dtype: torch.dtype = torch.float32) -> int:
@@ -156,7 +178,9 @@ def store_frozen_layers(model: torch.nn.Module, dtype: torch.dtype, compute_dtyp
                 continue
             kept, parametrization = _stored(full.detach(), dtype, compute_dtype)
             layer._parameters[name] = torch.nn.Parameter(kept, requires_grad=False)
-            if sys.getrefcount(full) == 2:  # this loop holds the full tensor alone: nothing reads it again
+            # Only where this loop holds the full tensor alone (nothing reads it again) and the kept one is a copy:
+            # a layer loaded in its storage dtype keeps the file's pages themselves.
+            if sys.getrefcount(full) == 2 and kept.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
                 _drop_file_pages(full, file_ranges)
             parametrize.register_parametrization(layer, name, parametrization, unsafe=True)
         stored += 1

@@ -44,7 +44,7 @@ from difftune.checkpoint import (
     CHECKPOINTS_DIR, Checkpointer, Progress, StopRequest, find_checkpoint, full_disk_said_plainly,
     keep_models_out_of_accelerate_state, retire_after, step_of,
 )
-from difftune.config import Config, ModelConfig
+from difftune.config import Config
 from difftune.data import (
     BAD_FILES_REPORT,
     CaptionedImages,
@@ -61,17 +61,17 @@ from difftune.data import (
 from difftune.ema import build_ema, ema_weights, update_ema
 from difftune.embeddings import caption_with_token, check_captions
 from difftune.errors import DifftuneError
-from difftune.families import load_components
+from difftune.families import load_components, load_denoiser
 from difftune.guard import Guard
 from difftune.loss import training_noise_scheduler
 from difftune.metrics import METRICS_FILE, MetricsLog
 from difftune.models import (
-    Components, cast_frozen, encoder_placement, encoders_on, host_kept_encoders, place_frozen, set_attention, stored_dtype,
-    weight_dtype,
+    Components, cast_frozen, encoder_placement, encoders_on, host_kept_encoders, loads_encoders_first, part_dtypes, place_frozen, set_attention,
+    store_loaded_denoiser, stored_dtype, weight_dtype,
 )
 from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.output_lock import hold_output_dir
-from difftune.plan import memory_warning, with_offload_budget
+from difftune.plan import DoesNotFit, check_fits, with_offload_budget
 from difftune.parity import check_parity, parity_line, write_report
 from difftune.preflight import check_before_start
 from difftune.progress import phase
@@ -149,7 +149,8 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
     output_dir = Path(config.train.output_dir)
     with hold_output_dir(output_dir), full_disk_said_plainly(output_dir):
         run = setup(config, resume)
-        loop(run)
+        with phase("training", run.say):
+            loop(run)
         return finish(run)
 
 
@@ -162,13 +163,15 @@ def setup(config: Config, resume: str | None = None) -> Run:
     if config.model.offload_budget:  # every process plans the same count: no weights read, no communication
         budget, config = config.model.offload_budget, with_offload_budget(config)
         accelerator.print(f"model.offload_budget {budget}: the memory plan offloads {config.model.offload_blocks} blocks")
-    if config.train.check_memory and accelerator.is_main_process:
-        _warn_if_unfitting(config, accelerator)
+    if config.train.check_memory:  # every process: each would load
+        _check_memory(config, accelerator)
     say = None if config.log.quiet else accelerator.print
-    with phase(f"loading the base {config.model.base}", say):
-        components = load_training_base(config.model)
+    encoders_first = loads_encoders_first(config, resume)
+    with phase(f"loading {'the encoders of ' if encoders_first else ''}the base {config.model.base}", say):
+        components = load_training_base(config, with_denoiser=not encoders_first)
     components.family.check_config(config)
-    check_targets(components, config.adapter)  # before the caches are filled: add_adapters checks again, later
+    if not encoders_first:
+        check_targets(components, config.adapter)  # before the caches are filled: add_adapters checks again, later
     # The resolved config names the family: a file written now says what it was trained on.
     config = config.model_copy(update={"model": config.model.model_copy(update={"family": components.family.name})})
     if accelerator.is_main_process:
@@ -204,6 +207,10 @@ def setup(config: Config, resume: str | None = None) -> Run:
     tokenize = partial(components.family.tokenize, components.tokenizers)  # picklable for loader workers
     with phase("filling the caches", say if config.cache.latents == "on" or config.cache.text == "on" else None):
         latent_files, control_files, text_files = _fill_caches(components, tokenize, examples, sizes, controls, config, accelerator)
+    if encoders_first:  # the encoders the caches replace go before the denoiser comes: never resident beside it
+        _release_unneeded(components, config)
+        with phase(f"loading the {components.family.denoiser_name}", say):
+            load_training_denoiser(components, config)
     validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
     if config.sample.before and config.sample.prompts and main and not resume:
         with phase("drawing the base's samples (before training)", say):
@@ -428,7 +435,7 @@ def _unsharded_copy(run: Run) -> tuple[Components, EMAModel | None, list[torch.n
     shadows = sharding.gather(dict(zip(run.named, run.ema.shadow_params)), keep=main) if run.ema else {}
     if not main:
         return run.unwrapped(), run.ema, run.parameters
-    components = load_training_base(config.model)
+    components = load_training_base(config)
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
     _shape_for_training(components, config, run.accelerator)
     named = trainable_parameters(components, config.adapter)
@@ -577,12 +584,15 @@ def _cache_shares(accelerator) -> list[tuple[int, int]]:
     return rounds
 
 
-def _warn_if_unfitting(config: Config, accelerator: Accelerator) -> None:
-    """The memory plan (plan.py) before any weight loads: a warning when it exceeds this machine. Advice only: a
-    plan that fails (a base it cannot read from configs alone, such as a hub id offline) leaves the run to go on."""
+def _check_memory(config: Config, accelerator: Accelerator) -> None:
+    """The memory plan (plan.py) before any weight loads: a refusal when the host cannot hold a phase of the run, a
+    warning when the device may not. A plan that fails (a base it cannot read from configs alone, such as a hub id
+    offline) leaves the run to go on."""
     try:
-        warning = memory_warning(config, accelerator.device.type)
-    except Exception as error:  # noqa: BLE001 - the plan advises; the run decides
+        warning = check_fits(config, accelerator.device.type)
+    except DoesNotFit:
+        raise
+    except Exception as error:  # noqa: BLE001 - a plan that cannot be made leaves the run to go on
         warning = None
         accelerator.print(f"difftune: no memory plan ({type(error).__name__}: {error})")
     if warning:
@@ -606,7 +616,8 @@ def _release_unneeded(components: Components, config: Config) -> None:
 def _reload_released(components: Components, config: Config, device) -> None:
     """Bring the released encoders (and drawing parts) back for the end-of-run samples and the saved full model,
     placed as the run placed them (in its frozen weights' dtype: the parity check reloads them so too)."""
-    loaded, dtype = load_components(config.model), weight_dtype(config)
+    loaded = load_components(config.model, replace(part_dtypes(config), denoiser=None))
+    dtype = weight_dtype(config)
 
     def placed(module: torch.nn.Module, is_vae: bool = False) -> torch.nn.Module:
         cast_frozen(module.to(device).eval(), dtype, is_vae)
@@ -732,13 +743,24 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
     return trained_path
 
 
-def load_training_base(model: ModelConfig) -> Components:
-    """The base as training sees it: with `model.training_adapter` merged in (what the run saves leaves it out, and
-    previews take off again: `previewing`)."""
-    components = load_components(model)
+def load_training_base(config: Config, with_denoiser: bool = True) -> Components:
+    """The base as training sees it, each part in the dtype the run keeps it in (`part_dtypes`): with
+    `model.training_adapter` merged in (what the run saves leaves it out, and previews take off again: `previewing`),
+    then the denoiser's frozen layers stored as the run stores them. Without the denoiser, `load_training_denoiser`
+    brings it later."""
+    model, dtypes = config.model, part_dtypes(config)
+    components = load_components(model, dtypes if with_denoiser else replace(dtypes, denoiser=None))
     if model.training_adapter:
         components.merged_changes = merge_training_adapter(components, model.training_adapter)
+    if with_denoiser:
+        store_loaded_denoiser(components, config)
     return components
+
+
+def load_training_denoiser(components: Components, config: Config) -> None:
+    load_denoiser(components, config.model, part_dtypes(config))
+    store_loaded_denoiser(components, config)
+    check_targets(components, config.adapter)
 
 
 def previewing(components: Components):

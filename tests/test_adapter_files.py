@@ -1,6 +1,7 @@
 """Adapters made by other tools: diffusers' own save functions, kohya-style files; read, converted, merged, sampled."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -163,6 +164,9 @@ def test_merge_sample_average_and_eval_take_other_tools_files(tiny_base, tmp_pat
     assert main(["sample", "--base", base, "--adapter", str(kohya_file), "--prompt", "a red circle", "--steps", "2",
                  "--resolution", "32", "--out", str(tmp_path / "samples")]) == 0
     assert (tmp_path / "samples" / "000.png").is_file()
+    said = capsys.readouterr().out  # the merge and the sampling each say what they do, then how long it took
+    assert re.search(r"^difftune: merging 2 adapter\(s\) into .*: done in \d", said, re.M), said
+    assert re.search(r"^difftune: loading .* with 1 adapter\(s\): done in \d", said, re.M), said
     second = _save_as_diffusers_example(_randomized_lora(tiny_base, seed=1)[0], tmp_path / "second")
     assert main(["average", str(diffusers_file), str(second), "--out", str(tmp_path / "avg.safetensors")]) == 0
     averaged = load_file(tmp_path / "avg.safetensors")

@@ -59,7 +59,7 @@ def test_accelerate_launch_runs_the_default_job(tmp_path):
     lines = run.stdout.replace(f"{REPO}/", "").splitlines()
     done = [line.removeprefix("difftune: ").split(": done in ")[0] for line in lines if ": done in " in line]
     assert done == ["loading the base models/tiny-sd", "reading the data in examples/purple", "filling the caches",
-                    "drawing the base's samples (before training)", "preparing the model for training",
+                    "drawing the base's samples (before training)", "preparing the model for training", "training",
                     "loading the encoders again for the end of the run", "saving the result", "drawing the end samples",
                     "checking parity: the first sample redrawn with each written file"], run.stdout
     assert [line.removesuffix(" ...") for line in lines if line.endswith(" ...")] == [f"difftune: {what}" for what in done]
@@ -125,7 +125,7 @@ def test_difftune_command_with_overrides(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"wrote {out / 'pytorch_lora_weights.safetensors'}" in run.stdout
-    assert run.stdout.count(": done in ") == 9, run.stdout
+    assert run.stdout.count(": done in ") == 10, run.stdout
     _check_run_files(out, 5, 1, before=True)
     with safe_open(out / "pytorch_lora_weights.safetensors", framework="pt") as handle:
         keys = list(handle.keys())

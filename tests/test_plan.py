@@ -32,7 +32,7 @@ def test_the_plan_follows_the_settings_that_change_memory(make_config):
     # Offloaded blocks leave the device for the host, byte for byte.
     offloaded = _plan(make_config, model__offload_blocks=5)
     moved = full.device["frozen denoiser weights"] - offloaded.device["frozen denoiser weights"]
-    assert moved == offloaded.host["offloaded blocks"] > 0
+    assert moved == offloaded.host_phases["training"]["offloaded blocks"] > 0
     # Activations grow with the batch and the resolution; checkpointing keeps fewer.
     step = "activations and gradients"
     assert 1.6 < _plan(make_config, train__batch_size=4).device[step] / full.device[step] < 2.4
@@ -76,11 +76,30 @@ def test_plan_command_prints_the_plan_and_what_fits(tiny_base, shapes, capsys):
     assert plan.parse_size("12GB") == 12 * 10**9 and plan.parse_size("1.5 GiB") == 3 * 2**29
 
 
-def test_train_warns_before_loading_when_the_plan_exceeds_the_ram(make_config, monkeypatch, capsys):
+def test_train_refuses_before_loading_a_run_the_ram_cannot_hold(make_config, monkeypatch):
+    """The OOM killer ended such runs without a word, minutes into loading; the plan refuses them first, naming the
+    phase, and the settings that fit where some do; `train.check_memory = false` tries anyway."""
+    import difftune.train as train_module
+
+    def not_loaded(*args, **kwargs):
+        raise AssertionError("the base was loaded")
+
+    config = make_config(train__check_memory=True, train__max_steps=1)
+    needed = plan.plan_memory(config, "cpu")
+    monkeypatch.setattr(train_module, "load_components", not_loaded)
     monkeypatch.setattr(plan, "_available_bytes", lambda: 10**6)
-    result = train(make_config(train__check_memory=True, train__max_steps=1))
-    assert len(result.losses) == 1  # a warning, not a refusal
-    assert "warning: the memory plan predicts a peak of host RAM" in capsys.readouterr().out
+    with pytest.raises(DifftuneError, match=r"the memory plan needs [\d.]+ GiB of host RAM while (loading and caching|"
+                                            r"training), and this machine has 0\.00 GiB available: no setting tried "
+                                            r"fits it .*; train\.check_memory = false tries anyway"):
+        train(config)
+    # With room for the job less its training step, the refusal names the setting that brings the step within it.
+    room = needed.host_peak - needed.host["activations and gradients"] // 2
+    monkeypatch.setattr(plan, "_available_bytes", lambda: room)
+    with pytest.raises(DifftuneError, match=r"while training, .*: it would fit with train\.gradient_checkpointing=true"):
+        train(config)
+    monkeypatch.undo()
+    monkeypatch.setattr(plan, "_available_bytes", lambda: 10**6)
+    assert len(train(make_config(train__check_memory=False, train__max_steps=1)).losses) == 1
 
 
 def test_an_offload_budget_offloads_the_fewest_blocks_that_fit(make_config, capsys):
@@ -124,9 +143,13 @@ def test_cached_encoders_leave_the_device(make_config):
     waiting = _plan(make_config, **previews, **cached)  # cached, needed by the previews: in host memory
     released = _plan(make_config, **cached)  # cached, needed by nothing: dropped until the end of the run
     encoders = every_step.device["encoders kept on the device"]
-    assert encoders > 0 and every_step.host["encoders kept for previews"] == 0
-    assert waiting.device["encoders kept on the device"] == 0 and waiting.host["encoders kept for previews"] == encoders
-    assert released.device["encoders kept on the device"] == released.host["encoders kept for previews"] == 0
+
+    def kept_on_host(planned: plan.MemoryPlan) -> int:
+        return planned.host_phases["training"]["encoders kept for previews"]
+
+    assert encoders > 0 and kept_on_host(every_step) == 0
+    assert waiting.device["encoders kept on the device"] == 0 and kept_on_host(waiting) == encoders
+    assert released.device["encoders kept on the device"] == kept_on_host(released) == 0
 
 
 def test_alike_blocks_are_bisected_to_the_count_each_count_tried_finds(make_config, monkeypatch):
@@ -248,3 +271,21 @@ def test_a_single_file_without_its_folder_is_planned_as_its_familys_published_mo
                                                       "reference base")
     components = plan.empty_components(config)
     assert sum(p.numel() for p in components.denoiser.parameters()) == pytest.approx(11.9e9, rel=0.01)
+
+
+def test_the_host_plan_follows_the_runs_phases(make_config):
+    """Filling the caches first, the run never holds the encoders beside the denoiser: the plan's loading phase holds
+    the encoders alone, and the denoiser loads in a phase of its own, stored as the run stores it (fp8: a byte a
+    weight). Drawing "before" samples needs the whole base at once: one loading phase holds it all."""
+    cached = dict(cache__latents=True, cache__text=True, adapter__text_encoder=False, sample__prompts=["a red circle"])
+    first = _plan(make_config, sample__before=False, **cached)
+    whole = _plan(make_config, sample__before=True, **cached)
+    assert list(first.host_phases) == ["loading and caching", "loading the denoiser", "training"]
+    assert list(whole.host_phases) == ["loading and caching", "training"]
+    denoiser = first.host_phases["loading the denoiser"]["denoiser"]
+    assert whole.host_phases["loading and caching"]["whole base"] - first.host_phases["loading and caching"]["encoders"] \
+        == denoiser > 0
+    assert first.host_peak == max(sum(held.values()) for held in first.host_phases.values())
+    fp8 = _plan(make_config, sample__before=False, model__weight_dtype="fp8", **cached)
+    stored = fp8.host_phases["loading the denoiser"]["denoiser"]
+    assert denoiser / 4 < stored < denoiser / 2  # fp32 weights, a quarter in fp8 (norms and biases as they were)

@@ -248,3 +248,48 @@ def test_sd_trains_the_same_weights_as_before_families(name, tmp_path):
     assert trained.keys() == before.keys()
     for key, value in before.items():
         torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-6, msg=key)
+
+
+def test_encoders_fill_the_caches_and_go_before_the_denoiser_loads(make_config, tmp_path, monkeypatch):
+    """With both caches on and nothing drawn before training, the run loads the base without its denoiser, fills the
+    caches, lets go of the encoders, then loads the denoiser: never both resident (FLUX.1's T5 and transformer). It
+    trains the same weights as the run that loads everything at once (its "before" samples need the whole base)."""
+    import difftune.train as train_module
+
+    seen = {}
+    load_denoiser = train_module.load_denoiser
+
+    def watched(components, *args):
+        seen["encoders"] = [components.vae, *components.text_encoders.values()]
+        load_denoiser(components, *args)
+
+    monkeypatch.setattr(train_module, "load_denoiser", watched)
+    settings = dict(cache__latents=True, cache__text=True, adapter__text_encoder=False, sample__prompts=["a red circle"],
+                    sample__steps=2, train__max_steps=3)
+    first = train(make_config(train__output_dir=str(tmp_path / "first"), sample__before=False, **settings))
+    assert seen.pop("encoders") == [None, None]
+    whole = train(make_config(train__output_dir=str(tmp_path / "whole"), sample__before=True, **settings))
+    assert "encoders" not in seen  # the "before" samples draw with the whole base: loaded at once
+    assert first.losses == whole.losses
+    expected = load_file(whole.trained_path)
+    assert load_file(first.trained_path).keys() == expected.keys()
+    for key, value in load_file(first.trained_path).items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_parts_load_in_the_dtype_the_run_keeps_them_in(tiny_base, make_config):
+    """No frozen part is read into fp32 first: under bf16 the encoders load in bf16, and a denoiser whose layers are
+    stored apart loads as its files hold it, mapped from them without a copy, then is stored layer by layer."""
+    from difftune.models import AS_STORED, PartDtypes, part_dtypes
+    from difftune.storage import _file_mappings
+
+    config = make_config(train__mixed_precision="bf16", model__weight_dtype="fp8")
+    assert part_dtypes(config) == PartDtypes(denoiser=AS_STORED, vae=torch.bfloat16, others=torch.bfloat16)
+    assert part_dtypes(make_config(adapter__kind="none", train__mixed_precision="bf16")) == PartDtypes()
+    loaded = load_components(config.model, part_dtypes(config))
+    assert {p.dtype for p in loaded.text_encoders["text_encoder"].parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in loaded.vae.parameters()} == {torch.bfloat16}
+    weights = [p for p in loaded.denoiser.parameters() if p.dim() > 1]
+    assert {p.dtype for p in weights} == {torch.float32}  # the tiny base's files are fp32
+    mapped = _file_mappings()
+    assert all(any(low <= p.data_ptr() < high for low, high in mapped) for p in weights)  # the file's pages, not a copy

@@ -126,6 +126,7 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         expect(page.locator("#preset input")).to_have_value(re.compile(r"^tiny_lora: The default job"))
         expect(job_name).to_have_value("tiny_lora")
         expect(page.locator("#field-train-max_steps input")).to_have_value("400")
+        page.screenshot(path=str(shots / "ui_configure.png"))
         uploaded = tmp_path / "mine.toml"
         uploaded.write_text("[train]\nmax_steps = 7\n")
         page.locator("#upload input[type=file], input[type=file]").first.set_input_files(str(uploaded))
@@ -190,7 +191,6 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         learning_rate = page.locator("#field-optim-learning_rate input")
         learning_rate.fill("0.001")
         learning_rate.press("Tab")
-        page.screenshot(path=str(shots / "ui_configure.png"))
         page.locator("#launch").click()
 
         # Train: the job appears, progresses, plots its loss, shows previews and finishes.

@@ -22,9 +22,11 @@ from difftune.config import FAMILY_NAMES, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families.family import Family
 from difftune.models import (
+    FP32_PARTS,
     PICKLED_SUFFIXES,
     SINGLE_FILE_SUFFIXES,
     Components,
+    PartDtypes,
     explained_load_errors,
     quiet_loading,
 )
@@ -83,8 +85,9 @@ def _tiny_base_scores(folder: Path) -> str:
             f"purple before {base['concept']['both']:.2f}")
 
 
-def load_components(config: ModelConfig) -> Components:
-    """Everything training needs from `config.base` (and `config.vae`), in fp32 on the CPU."""
+def load_components(config: ModelConfig, dtypes: PartDtypes = FP32_PARTS) -> Components:
+    """Everything training needs from `config.base` (and `config.vae`) on the CPU, each part in its `dtypes` (fp32
+    unless told: merging, converting and sampling tools work in fp32); the denoiser left out where `dtypes` says."""
     base = config.base
     if base.endswith(PICKLED_SUFFIXES) and not config.allow_pickled_checkpoint:
         raise DifftuneError(
@@ -92,18 +95,27 @@ def load_components(config: ModelConfig) -> Components:
             f"to .safetensors or a diffusers folder, or set model.allow_pickled_checkpoint = true (read tensors-only)"
         )
     with explained_load_errors("model.base", base), quiet_loading():
-        components = family_of(config).load(config)
+        components = family_of(config).load(config, dtypes)
     if config.vae:
         with explained_load_errors("model.vae", config.vae):
-            components.vae = load_vae(config.vae)
+            components.vae = load_vae(config.vae).to(dtypes.vae)
     components.latent_normalization = components.family.latent_normalization(components.vae)
-    makes, takes = latent_channels(components.vae), components.family.latent_channels(components.denoiser)
+    # Left out, the denoiser's shape is read from its config.
+    denoiser = components.denoiser if components.denoiser is not None else components.family.empty_denoiser(config)
+    makes, takes = latent_channels(components.vae), components.family.latent_channels(denoiser)
     if makes != takes:
         raise DifftuneError(
-            f"model.vae {config.vae or base}: makes {makes}-channel latents but the "
+            f"model.vae {config.vae or config.base}: makes {makes}-channel latents but the "
             f"{components.family.denoiser_name} takes {takes}; use an autoencoder made for this base"
         )
     return components
+
+
+def load_denoiser(components: Components, config: ModelConfig, dtypes: PartDtypes) -> None:
+    """The denoiser of a base whose other parts `components` holds (loaded without it, `dtypes.denoiser` None then):
+    a pipeline folder's or hub id's part alone, in `dtypes.denoiser`."""
+    with explained_load_errors("model.base", config.base), quiet_loading():
+        components.denoiser = components.family.load_denoiser(config, dtypes)
 
 
 def family_of(config: ModelConfig) -> Family:

@@ -9,6 +9,8 @@ what SD-like families share; a family module overrides the rest.
 
 from __future__ import annotations
 
+import importlib
+
 import re
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from difftune.clips import FrameWindows
 from difftune.config import Config, LossConfig, ModelConfig, Section
 from difftune.errors import DifftuneError
 from difftune.loss import WEIGHTINGS, diffusion_loss, draw_timesteps_and_noise
-from difftune.models import SINGLE_FILE_SUFFIXES, Components, tokenize
+from difftune.models import AS_STORED, FP32_PARTS, SINGLE_FILE_SUFFIXES, Components, PartDtypes, files_dtype, tokenize
 
 # A UNet block's name, wherever the UNet sits (peft and compile may wrap it): `down_blocks.1`, `mid_block`,
 # `up_blocks.0.attentions.2`, `down_blocks.0.resnets.1`...
@@ -130,8 +132,9 @@ class Family:
             ]
             raise DifftuneError("\n".join(problems)) from None
 
-    def load(self, config: ModelConfig) -> Components:
-        """Every part of `config.base` (a pipeline folder, hub id or single file), in fp32 on the CPU."""
+    def load(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS) -> Components:
+        """Every part of `config.base` (a pipeline folder, hub id or single file) on the CPU, each in its `dtypes`
+        (diffusers' per-part `dtype`; a single file's parts in fp32)."""
         options = self.options(config)  # before the minutes a large base takes to load
         if config.base.endswith(SINGLE_FILE_SUFFIXES):
             if not Path(config.base).is_file():
@@ -140,9 +143,39 @@ class Family:
         else:
             pipeline = self.pipeline_class.from_pretrained(
                 config.base, revision=config.revision or None, variant=config.variant or None,
-                **self.fixed_pipeline_arguments, **FP32,
+                **self.fixed_pipeline_arguments, **self._loading_arguments(config, options, dtypes),
             )
         return self.components_of(pipeline, options)
+
+    def _loading_arguments(self, config: ModelConfig, options: FamilyOptions, dtypes: PartDtypes) -> dict:
+        part = self.denoiser_part(options)
+        if dtypes.denoiser is None:
+            return {part: None, "dtype": {"default": dtypes.others, "vae": dtypes.vae}}
+        return {"dtype": {"default": dtypes.others, "vae": dtypes.vae, part: self._denoiser_dtype(config, part, dtypes)}}
+
+    def _denoiser_dtype(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.dtype:
+        if dtypes.denoiser == AS_STORED:
+            return files_dtype(config.base, part, config.variant) or dtypes.others
+        return dtypes.denoiser
+
+    def load_denoiser(self, config: ModelConfig, dtypes: PartDtypes) -> torch.nn.Module:
+        """The denoiser alone (`denoiser_part` of a pipeline folder or hub id), in `dtypes.denoiser`."""
+        part, part_class = self._denoiser_class(config)
+        return part_class.from_pretrained(
+            config.base, subfolder=part, revision=config.revision or None, variant=config.variant or None,
+            dtype=self._denoiser_dtype(config, part, dtypes),
+        )
+
+    def empty_denoiser(self, config: ModelConfig) -> torch.nn.Module:
+        """The denoiser built from its config alone, without weights (its shape: latent channels, blocks)."""
+        part, part_class = self._denoiser_class(config)
+        with init_empty_weights():
+            return part_class.from_config(part_class.load_config(config.base, subfolder=part, revision=config.revision or None))
+
+    def _denoiser_class(self, config: ModelConfig) -> tuple[str, type]:
+        part = self.denoiser_part(self.options(config))
+        library, class_name = self.pipeline_class.load_config(config.base, revision=config.revision or None)[part]
+        return part, getattr(importlib.import_module(library), class_name)  # as the pipeline would load it
 
     def single_file_pipeline(self, config: ModelConfig):
         """The pipeline of a single-file `config.base` (there, an existing file), through diffusers' reader."""

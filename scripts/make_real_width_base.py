@@ -1,0 +1,125 @@
+"""A random-weight base at a published model's real widths, saved in bf16 in its published layout (sharded
+safetensors with the hub's index files), for measuring host and device memory on real sizes: weights' values do not
+change memory. Its configs are the ones difftune keeps (`difftune/published`); its tokenizers are the family's tiny
+base's (character-level, 32 tokens: real token ids would need files this machine cannot download, and short
+captions keep a CPU step of a 12B model to a minute).
+
+    python scripts/make_real_width_base.py --base black-forest-labs/FLUX.1-dev --out /data/flux1-dev-random
+    python scripts/make_real_width_base.py --base Qwen/Qwen-Image --out /data/qwen-40 --blocks 40
+
+`--blocks N` keeps the first N blocks of the denoiser (a base larger than this machine's disk or memory allows).
+Weights: matrices N(0, 0.02), norms' scales 1, biases 0, in bf16; written a shard (<= 5 GB) at a time, so building
+holds one shard in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from difftune import published
+
+REPO = Path(__file__).resolve().parents[1]
+SHARD_BYTES = 5 * 10**9
+# The denoiser's block counts in its config, by the key each family's config names them with.
+BLOCK_KEYS = ("num_layers", "num_single_layers")
+WEIGHT_FILES = {"diffusers": "diffusion_pytorch_model", "transformers": "model"}
+
+
+def meta_model(library: str, class_name: str, folder: Path) -> torch.nn.Module:
+    part_class = getattr(importlib.import_module(library), class_name)
+    with torch.device("meta"):
+        if library == "diffusers":
+            return part_class.from_config(part_class.load_config(folder))
+        from transformers import AutoConfig
+
+        return part_class._from_config(AutoConfig.from_pretrained(folder))
+
+
+def random_like(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    if name.endswith("bias"):
+        return torch.zeros(shape, dtype=torch.bfloat16)
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=torch.bfloat16)
+    return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+
+
+def write_part(model: torch.nn.Module, library: str, folder: Path, generator: torch.Generator) -> int:
+    """The part's state dict, random, in shards of at most SHARD_BYTES with the hub's index; returns its bytes."""
+    shapes = {name: tensor.shape for name, tensor in model.state_dict().items() if tensor.is_floating_point()}
+    stem = WEIGHT_FILES[library]
+    shards, current, size = [], [], 0
+    for name, shape in shapes.items():
+        nbytes = shape.numel() * 2
+        if current and size + nbytes > SHARD_BYTES:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    shards.append(current)
+    weight_map, total = {}, 0
+    for number, names in enumerate(shards, 1):
+        file = f"{stem}.safetensors" if len(shards) == 1 else f"{stem}-{number:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: random_like(name, shapes[name], generator) for name in names}
+        total += sum(tensor.numel() * 2 for tensor in tensors.values())
+        save_file(tensors, folder / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(names, file)
+        del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, choices=published.published_bases(), help="the published base")
+    parser.add_argument("--out", type=Path, required=True, help="folder to write (must not exist)")
+    parser.add_argument("--blocks", type=int, help="keep the denoiser's first N blocks (each kind: double, single)")
+    parser.add_argument("--tokenizers-from", type=Path, help="tiny base whose tokenizers to copy (default: the family's)")
+    args = parser.parse_args()
+
+    from difftune.config import ModelConfig
+    from difftune.families import family_of
+
+    configs = published.config_folder(args.base)
+    family = family_of(ModelConfig(base=str(configs)))
+    tokenizers = args.tokenizers_from or REPO / "models" / f"tiny-{family.name}"
+    args.out.mkdir(parents=True)
+    index = json.loads((configs / "model_index.json").read_text())
+    (args.out / "model_index.json").write_text(json.dumps(index, indent=1))
+    generator = torch.Generator().manual_seed(0)
+    written = {}
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or None in spec:
+            continue
+        if not (configs / name).is_dir():  # a tokenizer: the tiny base's
+            shutil.copytree(tokenizers / name, args.out / name)
+            continue
+        shutil.copytree(configs / name, args.out / name)
+        if name == "scheduler":
+            continue
+        config_path = args.out / name / "config.json"
+        if name == family.denoiser_name and args.blocks:
+            config = json.loads(config_path.read_text())
+            config |= {key: min(config[key], args.blocks) for key in BLOCK_KEYS if key in config}
+            config_path.write_text(json.dumps(config, indent=1))
+        started = time.perf_counter()
+        model = meta_model(*spec, args.out / name)
+        written[name] = write_part(model, spec[0], args.out / name, generator)
+        print(f"{name}: {written[name] / 2**30:.2f} GiB in {time.perf_counter() - started:.0f} s", flush=True)
+    (args.out / "README.md").write_text(
+        f"# {args.base} at its real widths, random weights (bf16)\n\nBuilt by `python scripts/make_real_width_base.py "
+        f"--base {args.base}{f' --blocks {args.blocks}' if args.blocks else ''}`: not a model, a size. Parts' bytes: "
+        + ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in written.items()) + ".\n")
+
+
+if __name__ == "__main__":
+    main()
