@@ -534,8 +534,9 @@ class TrainConfig(Section):
     )
     check_memory: bool = Field(
         True,
-        description="Before loading any weight, predict the run's peak device memory and host RAM (`difftune plan`) "
-        "and warn when they exceed the GPU's memory or the RAM available.",
+        description="Before loading any weight, predict the run's peak device memory and host RAM in each phase "
+        "(`difftune plan`): refuse a run whose host peak exceeds the RAM available, naming the phase and the settings "
+        "that fit; warn when the device peak exceeds the GPU's memory.",
     )
     compile: bool = Field(
         False,

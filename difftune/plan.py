@@ -190,6 +190,10 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     else:
         phases["training"] = {"offloaded blocks": offloaded, "encoders kept for previews": previews,
                               "optimizer state (offloaded)": optimizer if config.optim.optimizer == "adamw_cpu_offload" else 0}
+    if config.sample.prompts:  # the end-of-run samples: the released encoders loaded again beside the trained model
+        phases["end of run samples"] = {"encoders": encoders_loaded, "offloaded blocks": offloaded} if device_type == "cuda" \
+            else {"denoiser": frozen, "trained weights": trained_bytes, "optimizer state": optimizer,
+                  "encoders": encoders_loaded, "drawing activations": encoding}
     if device_type == "cpu":
         device = max(phases.values(), key=lambda held: sum(held.values()))
     phases = {phase: {"python and libraries": baseline, **held} for phase, held in phases.items()}

@@ -207,11 +207,11 @@ def setup(config: Config, resume: str | None = None) -> Run:
     tokenize = partial(components.family.tokenize, components.tokenizers)  # picklable for loader workers
     with phase("filling the caches", say if config.cache.latents == "on" or config.cache.text == "on" else None):
         latent_files, control_files, text_files = _fill_caches(components, tokenize, examples, sizes, controls, config, accelerator)
+    validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
     if encoders_first:  # the encoders the caches replace go before the denoiser comes: never resident beside it
         _release_unneeded(components, config)
         with phase(f"loading the {components.family.denoiser_name}", say):
             load_training_denoiser(components, config)
-    validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
     if config.sample.before and config.sample.prompts and main and not resume:
         with phase("drawing the base's samples (before training)", say):
             _sample_before_training(components, config, output_dir, accelerator.device)

@@ -280,8 +280,10 @@ def test_the_host_plan_follows_the_runs_phases(make_config):
     cached = dict(cache__latents=True, cache__text=True, adapter__text_encoder=False, sample__prompts=["a red circle"])
     first = _plan(make_config, sample__before=False, **cached)
     whole = _plan(make_config, sample__before=True, **cached)
-    assert list(first.host_phases) == ["loading and caching", "loading the denoiser", "training"]
-    assert list(whole.host_phases) == ["loading and caching", "training"]
+    assert list(first.host_phases) == ["loading and caching", "loading the denoiser", "training", "end of run samples"]
+    assert list(whole.host_phases) == ["loading and caching", "training", "end of run samples"]
+    # At the end, the released encoders come back for the samples (on a GPU they pass through the host).
+    assert first.host_phases["end of run samples"]["encoders"] == first.host_phases["loading and caching"]["encoders"]
     denoiser = first.host_phases["loading the denoiser"]["denoiser"]
     assert whole.host_phases["loading and caching"]["whole base"] - first.host_phases["loading and caching"]["encoders"] \
         == denoiser > 0
@@ -289,3 +291,24 @@ def test_the_host_plan_follows_the_runs_phases(make_config):
     fp8 = _plan(make_config, sample__before=False, model__weight_dtype="fp8", **cached)
     stored = fp8.host_phases["loading the denoiser"]["denoiser"]
     assert denoiser / 4 < stored < denoiser / 2  # fp32 weights, a quarter in fp8 (norms and biases as they were)
+
+
+def test_the_host_memory_bench_reads_each_phase_from_the_runs_lines():
+    """scripts/bench_host_memory.py compares the plan's phases with the run's own phase lines: each plan phase takes
+    the highest peak among the lines that make it up (the last checkpoint's write, between training and saving, is
+    in the training phase)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_host_memory", REPO / "scripts" / "bench_host_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lines = """difftune: loading the encoders of the base /x: done in 1.7 s, host peak 612 MiB
+difftune: reading the data in /d: done in 0.0 s, host peak 612 MiB
+difftune: filling the caches: done in 20.9 s, host peak 10.3 GiB
+difftune: loading the transformer: done in 1 min 34 s, host peak 12.0 GiB
+difftune: preparing the model for training: done in 29.8 s, host peak 12.0 GiB
+difftune: training: done in 6 min 08 s, host peak 13.3 GiB
+difftune: saving the result: done in 1.2 s, host peak 13.8 GiB
+difftune: parity: 0 levels in both layouts"""
+    assert bench.measured_phases(lines) == {"loading and caching": round(10.3 * 2**30),
+                                            "loading the denoiser": round(12.0 * 2**30), "training": round(13.8 * 2**30)}
