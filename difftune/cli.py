@@ -264,7 +264,9 @@ def _run(args: argparse.Namespace) -> None:
             args.out.write_text(text + "\n")
         print(text)
     elif args.command == "convert":
-        print(f"difftune: wrote {export.convert_adapter(args.source, args.target, args.to, args.base)}")
+        with phase(f"converting {args.source} to the {args.to} layout", print):
+            written = export.convert_adapter(args.source, args.target, args.to, args.base)
+        print(f"difftune: wrote {written}")
         _note_comfyui_dora(args.target, args.to)
     elif args.command == "average":
         tensors, lora_configs, config_toml = export.average_adapters(args.adapters, args.weights, args.base)
@@ -331,9 +333,14 @@ def _plan(args: argparse.Namespace) -> None:
     device_memory = plan.parse_size(args.device_memory) if args.device_memory else None
     host_memory = plan.parse_size(args.host_memory) if args.host_memory else None
     device = args.device or ("cuda" if device_memory else None)  # a GPU's memory asked about: plan for one
-    predicted = plan.plan_memory(config, device)
-    fitting = plan.fitting_overrides(config, device_memory, host_memory, device) \
-        if device_memory or host_memory else None
+    def say(line: str) -> None:  # stderr: stdout is the plan (or its JSON line)
+        print(line, file=sys.stderr)
+
+    with phase("planning the run's memory (its model built without weights, one step counted)", say):
+        predicted = plan.plan_memory(config, device)
+    with phase("trying the settings that fit", say if device_memory or host_memory else None):
+        fitting = plan.fitting_overrides(config, device_memory, host_memory, device) \
+            if device_memory or host_memory else None
     if args.json:
         result = {"configs": predicted.configs, "device_type": predicted.device_type, "device_peak": predicted.device_peak,
                   "host_peak": predicted.host_peak, "device": predicted.device, "host": predicted.host,

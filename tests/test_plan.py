@@ -5,6 +5,7 @@ comes to measured peaks is a benchmark (scripts/bench_plan.py, BENCHMARKS.md), n
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -64,9 +65,12 @@ def test_the_suggested_settings_fit_and_are_the_fewest(make_config):
 def test_plan_command_prints_the_plan_and_what_fits(tiny_base, shapes, capsys):
     job = [f"model.base={tiny_base}", f"data.path={shapes}", "data.resolution=32"]
     assert main(["plan", "--device", "cuda", "--json", *job]) == 0
-    result = json.loads(capsys.readouterr().out)
+    said = capsys.readouterr()
+    result = json.loads(said.out)  # stdout is the JSON line alone; what the plan is doing goes to stderr
     assert result["device_peak"] == sum(result["device"].values()) > 0
     assert result["host"]["python and libraries"] > 0
+    assert result["host_peak"] == max(sum(held.values()) for held in result["host_phases"].values())
+    assert re.search(r"^difftune: planning the run's memory .*: done in [\d.]+ s", said.err, re.M), said.err
     assert main(["plan", "--device", "cuda", "--device-memory", "1KB", *job]) == 2
     assert "1KB" in capsys.readouterr().err
     assert main(["plan", "--device", "cuda", "--device-memory", "1MB", *job]) == 0

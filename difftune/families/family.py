@@ -43,7 +43,14 @@ SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler, "euler_a": E
             "dpmpp_2m": DPMSolverMultistepScheduler}
 # What ComfyUI's and ai-toolkit's denoiser-alone files may put before the denoiser's own keys.
 DENOISER_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-FP32 = {"dtype": torch.float32}  # not the saved dtype: placement casts later, on purpose
+KEPT_AS_STORED = (torch.float32, torch.bfloat16, torch.float16)  # what a layer can compute with: fp8 files' are cast
+
+
+def _loaded_as(tensor: torch.Tensor, dtypes: PartDtypes) -> torch.Tensor:
+    """A denoiser file's tensor as `dtypes.denoiser` asks (`pipeline_around_denoiser_file`)."""
+    if not tensor.is_floating_point() or (dtypes.denoiser == AS_STORED and tensor.dtype in KEPT_AS_STORED):
+        return tensor
+    return tensor.to(dtypes.others if dtypes.denoiser == AS_STORED else dtypes.denoiser)
 
 
 def valid_token_states(states: torch.Tensor, mask: torch.Tensor, skip: int, length: int) -> dict[str, torch.Tensor]:
@@ -134,12 +141,12 @@ class Family:
 
     def load(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS) -> Components:
         """Every part of `config.base` (a pipeline folder, hub id or single file) on the CPU, each in its `dtypes`
-        (diffusers' per-part `dtype`; a single file's parts in fp32)."""
+        (diffusers' per-part `dtype`)."""
         options = self.options(config)  # before the minutes a large base takes to load
         if config.base.endswith(SINGLE_FILE_SUFFIXES):
             if not Path(config.base).is_file():
                 raise DifftuneError(f"model.base {config.base}: no such file")
-            pipeline = self.single_file_pipeline(config)
+            pipeline = self.single_file_pipeline(config, dtypes)
         else:
             pipeline = self.pipeline_class.from_pretrained(
                 config.base, revision=config.revision or None, variant=config.variant or None,
@@ -177,17 +184,21 @@ class Family:
         library, class_name = self.pipeline_class.load_config(config.base, revision=config.revision or None)[part]
         return part, getattr(importlib.import_module(library), class_name)  # as the pipeline would load it
 
-    def single_file_pipeline(self, config: ModelConfig):
-        """The pipeline of a single-file `config.base` (there, an existing file), through diffusers' reader."""
+    def single_file_pipeline(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
+        """The pipeline of a single-file `config.base` (there, an existing file), through diffusers' reader, which
+        takes one dtype for every part: the run's where its parts agree on one, else fp32."""
+        agree = dtypes.vae == dtypes.others and dtypes.denoiser in (AS_STORED, None, dtypes.others)
         return self.pipeline_class.from_single_file(
-            config.base, config=config.single_file_config or None, **self.fixed_pipeline_arguments, **FP32
+            config.base, config=config.single_file_config or None, **self.fixed_pipeline_arguments,
+            dtype=dtypes.others if agree else torch.float32,
         )
 
-    def pipeline_around_denoiser_file(self, config: ModelConfig):
+    def pipeline_around_denoiser_file(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
         """For a single file that holds the denoiser alone (how ComfyUI ships the newer families: their text encoder
         and autoencoder are files of their own): the pipeline of `model.single_file_config` around the denoiser
-        (`denoiser_class`) with the file's weights (`denoiser_file_weights`), in fp32. A family whose single files
-        are so sets `single_file_pipeline = pipeline_around_denoiser_file`."""
+        (`denoiser_class`) with the file's weights (`denoiser_file_weights`), each part in its `dtypes` (the
+        denoiser `AS_STORED`: as the file holds it, fp8 files' weights in the compute dtype; None: left out). A
+        family whose single files are so sets `single_file_pipeline = pipeline_around_denoiser_file`."""
         folder, revision = config.single_file_config, config.revision or None
         if not folder:
             raise DifftuneError(
@@ -198,13 +209,14 @@ class Family:
         if not config.base.endswith(".safetensors"):
             raise DifftuneError(f"model.base {config.base}: read as .safetensors only for {self.description}; convert the file")
         part = self.denoiser_part(self.options(config))
-        denoiser_config = self.denoiser_class.load_config(folder, subfolder=part, revision=revision)
-        with init_empty_weights():
-            denoiser = self.denoiser_class.from_config(denoiser_config)
-        weights = self.denoiser_file_weights(config.base)
-        denoiser.load_state_dict({key: value.float() for key, value in weights.items()}, strict=True, assign=True)
-        return self.pipeline_class.from_pretrained(folder, **{part: denoiser}, revision=revision,
-                                                   **self.fixed_pipeline_arguments, **FP32)
+        parts = {"dtype": {"default": dtypes.others, "vae": dtypes.vae}, part: None}
+        if dtypes.denoiser is not None:
+            denoiser_config = self.denoiser_class.load_config(folder, subfolder=part, revision=revision)
+            with init_empty_weights():
+                parts[part] = self.denoiser_class.from_config(denoiser_config)
+            weights = {key: _loaded_as(value, dtypes) for key, value in self.denoiser_file_weights(config.base).items()}
+            parts[part].load_state_dict(weights, strict=True, assign=True)
+        return self.pipeline_class.from_pretrained(folder, **parts, revision=revision, **self.fixed_pipeline_arguments)
 
     def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
         """A denoiser-alone single file's weights under diffusers' names (`pipeline_around_denoiser_file`): its keys
