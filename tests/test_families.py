@@ -312,9 +312,36 @@ def test_an_fp8_single_file_is_read_as_a_base(name, micro_bases, tmp_path):
     storage.store_frozen_layers(linear.requires_grad_(False), torch.float8_e4m3fn)
     assert torch.equal(linear.weight, weight)
 
-    save_file({**tensors, "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, tmp_path / "scaled.safetensors")
-    with pytest.raises(DifftuneError, match=r"scaled\.safetensors: a ComfyUI scaled fp8 file .*weight_dtype = \"fp8\""):
-        load_components(ModelConfig(base=str(tmp_path / "scaled.safetensors"), single_file_config=str(base)))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_comfyui_scaled_fp8_file_is_read_with_its_scales(name, micro_bases, tmp_path):
+    """ComfyUI's `*_fp8_scaled.safetensors`: each weight stored in e4m3 divided by its `.scale_weight`, a `scaled_fp8`
+    marker key. Read as ComfyUI reads it (the e4m3 values times their scale): the same model as the file holding
+    those products, in bf16. A family whose single files diffusers reads whole (all-in-one checkpoints) refuses it
+    by name: diffusers' reader would leave the scales out."""
+    base = micro_bases[name]
+    _, tensors = _single_file(name, base)
+    scaled, products = {"scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, {}
+    for key, value in tensors.items():
+        if key.endswith(".weight") and value.dim() >= 2:
+            scale = value.abs().max().float() / 448  # ComfyUI's scales are any float, not a power of two
+            scaled[key], scaled[key.removesuffix(".weight") + ".scale_weight"] = (value / scale).to(torch.float8_e4m3fn), scale
+            products[key] = (scaled[key].float() * scale).to(torch.bfloat16)  # comfy's weight * scale_weight
+        else:
+            scaled[key] = products[key] = value
+    save_file(scaled, tmp_path / "model_fp8_scaled.safetensors")
+    save_file(products, tmp_path / "products.safetensors")
+    if not FAMILIES[name].reads_scaled_fp8:
+        with pytest.raises(DifftuneError, match=r"fp8_scaled\.safetensors: a ComfyUI scaled fp8 file .*whole, .*weight_dtype = \"fp8\""):
+            load_components(ModelConfig(base=str(tmp_path / "model_fp8_scaled.safetensors"), single_file_config=str(base)))
+        return
+    read = load_components(ModelConfig(base=str(tmp_path / "model_fp8_scaled.safetensors"), single_file_config=str(base)))
+    expected = load_components(ModelConfig(base=str(tmp_path / "products.safetensors"), single_file_config=str(base)))
+    pairs = zip(read.denoiser.state_dict().items(), expected.denoiser.state_dict().values(), strict=True)
+    for (key, value), other in pairs:
+        assert torch.equal(value, other), key
+    assert any(key.endswith(".scale_weight") for key in scaled)
 
 
 @pytest.mark.parametrize("name", NAMES)

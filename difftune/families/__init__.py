@@ -20,7 +20,7 @@ from difftune import published
 from difftune.autoencoders import latent_channels, load_vae
 from difftune.config import FAMILY_NAMES, ModelConfig
 from difftune.errors import DifftuneError
-from difftune.families.family import Family
+from difftune.families.family import Family, is_scaled_fp8
 from difftune.models import (
     FP32_PARTS,
     PICKLED_SUFFIXES,
@@ -145,13 +145,13 @@ def _readers(config: ModelConfig) -> tuple[list[Family], str]:
     base = config.base
     if base.endswith(SINGLE_FILE_SUFFIXES):
         keys = _single_file_keys(base)
-        if "scaled_fp8" in keys or any(key.endswith(".scale_weight") for key in keys):
-            raise DifftuneError(
-                f"model.base {base}: a ComfyUI scaled fp8 file (`scaled_fp8`, `.scale_weight` keys): its weights are "
-                "stored divided by per-tensor scales that diffusers' loader would not apply. Pass the bf16/fp16 file or "
-                "a plain `_fp8_e4m3fn` one, and set model.weight_dtype = \"fp8\" to keep the weights in fp8 while training"
-            )
         readers = [family for family in FAMILIES.values() if family.reads_single_file(keys)]
+        if is_scaled_fp8(keys) and not all(family.reads_scaled_fp8 for family in readers):
+            raise DifftuneError(
+                f"model.base {base}: a ComfyUI scaled fp8 file (`scaled_fp8`, `.scale_weight` keys) of a family whose "
+                "single files diffusers reads whole, and diffusers' reader would not apply its per-tensor scales. Pass "
+                "the bf16/fp16 file, and set model.weight_dtype = \"fp8\" to keep the weights in fp8 while training"
+            )
         if len(readers) > 1 and config.single_file_config:  # one transformer's keys, several pipelines (Qwen-Image's edits)
             class_name = _pipeline_class_name(config.model_copy(update={"base": config.single_file_config}))
             readers = [family for family in readers if class_name in family.pipeline_classes] or readers

@@ -43,6 +43,29 @@ SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler, "euler_a": E
             "dpmpp_2m": DPMSolverMultistepScheduler}
 # What ComfyUI's and ai-toolkit's denoiser-alone files may put before the denoiser's own keys.
 DENOISER_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+SCALED_FP8_MARKER = "scaled_fp8"  # ComfyUI's key for a file whose fp8 weights carry per-tensor `.scale_weight`s
+
+
+def is_scaled_fp8(keys) -> bool:
+    return SCALED_FP8_MARKER in keys or any(key.endswith(".scale_weight") for key in keys)
+
+
+def unscaled_fp8(file: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ComfyUI scaled fp8 file's tensors as the model's weights: each `X.weight` (e4m3) times its `X.scale_weight`,
+    as ComfyUI computes it, in bf16 (the models these files are made from are bf16; fp32 would be twice the bytes),
+    one tensor at a time; the marker and the inputs' scales (`.scale_input`, for ComfyUI's fp8 matmuls) left out.
+    Other files as they are."""
+    if not is_scaled_fp8(file):
+        return file
+    weights = {}
+    for key, tensor in file.items():
+        if key == SCALED_FP8_MARKER or key.endswith((".scale_weight", ".scale_input")):
+            continue
+        scale = file.get(key.removesuffix(".weight") + ".scale_weight") if key.endswith(".weight") else None
+        weights[key] = (tensor.float() * scale.float()).to(torch.bfloat16) if scale is not None else tensor
+    return weights
+
+
 KEPT_AS_STORED = (torch.float32, torch.bfloat16, torch.float16)  # what a layer can compute with: fp8 files' are cast
 
 
@@ -218,11 +241,18 @@ class Family:
             parts[part].load_state_dict(weights, strict=True, assign=True)
         return self.pipeline_class.from_pretrained(folder, **parts, revision=revision, **self.fixed_pipeline_arguments)
 
+    @property
+    def reads_scaled_fp8(self) -> bool:
+        """Its single files hold the denoiser alone and are read by difftune (`pipeline_around_denoiser_file`), which
+        applies ComfyUI's per-tensor fp8 scales (`denoiser_file_weights`)."""
+        return type(self).single_file_pipeline is Family.pipeline_around_denoiser_file
+
     def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
         """A denoiser-alone single file's weights under diffusers' names (`pipeline_around_denoiser_file`): its keys
         without ComfyUI's prefixes, unless the family converts another layout. Where keys carry a prefix, those
-        alone: an all-in-one file's others are its text encoders and autoencoder."""
-        file = load_file(path)
+        alone: an all-in-one file's others are its text encoders and autoencoder. A ComfyUI scaled fp8 file's
+        weights are multiplied by their scales (`unscaled_fp8`)."""
+        file = unscaled_fp8(load_file(path))
         prefixed = [key for key in file if key.startswith(DENOISER_FILE_PREFIXES)]
         weights = {}
         for key in prefixed or file:
