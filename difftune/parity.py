@@ -64,6 +64,26 @@ def check_parity(config: Config, files: dict[str, Path | str], reference: Sample
     return report
 
 
+def room_for_a_fresh_copy(components, device: torch.device) -> str | None:
+    """Why the check cannot run here, or None: it loads the base afresh in fp32 beside the trained one, and at the
+    end of a long run on a large base that copy must not be what runs the machine out of memory (FLUX.1 in fp32 is
+    63 GiB). The RAM available and, on a GPU, its free memory are compared with the copy's bytes."""
+    import psutil
+
+    from difftune.progress import bytes_said
+
+    needed = sum(t.numel() * 4 if t.is_floating_point() or t.dtype == torch.uint8 else t.numel() * t.element_size()
+                 for module in components.modules() for t in (*module.parameters(), *module.buffers()))
+    room = {"RAM available": psutil.virtual_memory().available}
+    if device.type == "cuda":
+        room["free GPU memory"] = torch.cuda.mem_get_info(device)[0]
+    short = [f"{bytes_said(free)} of {where}" for where, free in room.items() if needed > free]
+    if not short:
+        return None
+    return (f"parity: not checked: redrawing loads a fresh fp32 copy of the base ({bytes_said(needed)}), more than the "
+            f"{' and the '.join(short)}; sample.parity = false leaves the check out")
+
+
 def parity_line(report: dict) -> str:
     """The report in one line: "parity: 0 levels in both layouts", or each layout's levels."""
     levels = {layout: result["max_pixel_difference"] for layout, result in report["layouts"].items()}

@@ -72,7 +72,7 @@ from difftune.models import (
 from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.output_lock import hold_output_dir
 from difftune.plan import DoesNotFit, check_fits, with_offload_budget
-from difftune.parity import check_parity, parity_line, write_report
+from difftune.parity import check_parity, parity_line, room_for_a_fresh_copy, write_report
 from difftune.preflight import check_before_start
 from difftune.progress import phase
 from difftune.prior import class_examples, class_folder, fill_class_images
@@ -724,7 +724,9 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
         with phase("drawing the end samples", say), accelerator.autocast(), previewing(components):
             samples = generate_images(components, config.sample, accelerator.device, "end samples")
         save_images(samples, config.sample, output_dir / "samples", output_dir / "samples" / "before")
-        if config.sample.parity:
+        if config.sample.parity and (short := room_for_a_fresh_copy(components, accelerator.device)):
+            accelerator.print(f"difftune: {short}")
+        elif config.sample.parity:
             with phase("checking parity: the first sample redrawn with each written file", say):
                 report = check_parity(config, files, samples[0], accelerator.device, weight_dtype(config),
                                       accelerator.autocast, outputs_in_fp32=accelerator.native_amp)
