@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
     sample.add_argument("--adapter", action="append", default=[], type=parse_adapter_spec, help=adapter_help)
     sample.add_argument("--out", required=True, type=Path, help="folder for the PNGs (clips: MP4) and grid.png")
+    sample.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                        help="the dtype every part loads and draws in (default: bf16 on a GPU, fp32 on a CPU)")
     sample.add_argument("--control", action="append", default=[],
                         help="an edit base's control image, for every prompt (repeat for several, in order)")
     _add_sample_options(sample)
@@ -283,8 +285,13 @@ def _run(args: argparse.Namespace) -> None:
         config = _sample_config(args)
         if not config.prompts:
             raise DifftuneError("difftune sample: give at least one --prompt")
+        import torch
+
+        from difftune.models import DTYPES
+
+        dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
         with phase(f"loading {args.base} with {len(args.adapter)} adapter(s)", print):
-            components = export.load_with_adapters(args.base, args.adapter)
+            components = export.load_with_adapters(args.base, args.adapter, dtype)
         samples = generate_images(components, config, components.denoiser.device, "samples")
         paths = save_images(samples, config, args.out)
         print(f"difftune: wrote {len(paths)} {'clips' if config.frames > 1 else 'images'} and grid.png to {args.out}")

@@ -38,7 +38,7 @@ from difftune.families import FAMILIES, family_of, load_components
 from difftune.families.family import Family
 from difftune.files import open_safetensors, replace_atomically
 from difftune.kohya import kohya_metadata, split_adapter_key
-from difftune.models import DTYPES, Components, quiet_loading
+from difftune.models import DTYPES, Components, PartDtypes, quiet_loading
 from difftune.sample import sampling_scheduler
 
 ADAPTER_FILE = LORA_WEIGHT_NAME_SAFE  # the name `pipeline.load_lora_weights(output_dir)` looks for
@@ -374,10 +374,12 @@ def base_for_adapters(base: str, adapters: list[tuple[Path, float]]) -> ModelCon
     return config.model_copy(update={"family_options": {name: value for name, (value, _) in chosen.items()}})
 
 
-def load_with_adapters(base: str, adapters: list[tuple[Path, float]]) -> Components:
+def load_with_adapters(base: str, adapters: list[tuple[Path, float]], dtype: torch.dtype = torch.float32) -> Components:
     """A base model with scaled adapters attached, on CUDA when there is one, ready to sample (the CLI's and UI's
-    `sample`; `components.denoiser.device` says where)."""
-    components = load_components(base_for_adapters(base, adapters))
+    `sample`; `components.denoiser.device` says where), every part loaded in `dtype` (a KL autoencoder in fp32 under
+    fp16, where SD's overflow)."""
+    vae = torch.float32 if dtype == torch.float16 else dtype
+    components = load_components(base_for_adapters(base, adapters), PartDtypes(denoiser=dtype, vae=vae, others=dtype))
     if adapters:
         apply_adapters(components, adapters)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -3,12 +3,14 @@
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline
 from diffusers.utils.state_dict_utils import convert_state_dict_to_diffusers
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -167,6 +169,11 @@ def test_merge_sample_average_and_eval_take_other_tools_files(tiny_base, tmp_pat
     said = capsys.readouterr().out  # the merge and the sampling each say what they do, then how long it took
     assert re.search(r"^difftune: merging 2 adapter\(s\) into .*: done in \d", said, re.M), said
     assert re.search(r"^difftune: loading .* with 1 adapter\(s\): done in \d", said, re.M), said
+    # In bf16 (a GPU's default: a large base in fp32 is twice the memory) the same sample, to bf16's rounding.
+    assert main(["sample", "--base", base, "--adapter", str(kohya_file), "--prompt", "a red circle", "--steps", "2",
+                 "--resolution", "32", "--out", str(tmp_path / "samples_bf16"), "--dtype", "bf16"]) == 0
+    full, half = (np.asarray(Image.open(tmp_path / folder / "000.png"), np.int16) for folder in ("samples", "samples_bf16"))
+    assert 0 < np.abs(full - half).mean() < 4, np.abs(full - half).mean()
     second = _save_as_diffusers_example(_randomized_lora(tiny_base, seed=1)[0], tmp_path / "second")
     assert main(["average", str(diffusers_file), str(second), "--out", str(tmp_path / "avg.safetensors")]) == 0
     averaged = load_file(tmp_path / "avg.safetensors")
