@@ -133,8 +133,9 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
 
     def components_of(self, pipeline, options: WanOptions) -> Components:
         """The expert this run trains as the denoiser, the other one a drawing part (`Components.drawing_parts`)."""
-        experts = getattr(pipeline, "transformer_2", None) is not None
-        if not experts and options.expert != "auto":
+        left_out = getattr(pipeline, self.denoiser_part(options), None) is None  # the encoders loaded again: checked before
+        experts = getattr(pipeline, "transformer_2", None) is not None or (left_out and options.expert == "low_noise")
+        if not experts and options.expert != "auto" and not left_out:
             raise DifftuneError(f"model.family_options.expert = \"{options.expert}\": this base has one transformer "
                                 "(Wan 2.1, Wan 2.2 TI2V-5B); leave it at \"auto\"")
         components = super().components_of(pipeline, options)
