@@ -133,9 +133,12 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
 
     def components_of(self, pipeline, options: WanOptions) -> Components:
         """The expert this run trains as the denoiser, the other one a drawing part (`Components.drawing_parts`)."""
-        left_out = getattr(pipeline, self.denoiser_part(options), None) is None  # the encoders loaded again: checked before
-        experts = getattr(pipeline, "transformer_2", None) is not None or (left_out and options.expert == "low_noise")
-        if not experts and options.expert != "auto" and not left_out:
+        # From the base's model_index (the plan's pipeline is one): a run's end loads its encoders again without the
+        # trained expert, which leaves the pipeline's own record of it empty.
+        name = pipeline.config.get("_name_or_path")
+        index = self.pipeline_class.load_config(name) if name else pipeline.config
+        experts = (index.get("transformer_2") or [None])[0] is not None
+        if not experts and options.expert != "auto":
             raise DifftuneError(f"model.family_options.expert = \"{options.expert}\": this base has one transformer "
                                 "(Wan 2.1, Wan 2.2 TI2V-5B); leave it at \"auto\"")
         components = super().components_of(pipeline, options)
