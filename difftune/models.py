@@ -284,7 +284,7 @@ def store_loaded_denoiser(components: Components, config: Config) -> None:
             for name, tensor in tensors.items():
                 if tensor is not None and tensor.is_floating_point() and tensor.dtype != compute:
                     cast = tensor.detach().to(compute)
-                    tensors[name] = torch.nn.Parameter(cast, requires_grad=False) if name in module._parameters else cast
+                    tensors[name] = torch.nn.Parameter(cast, requires_grad=False) if tensors is module._parameters else cast
 
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -295,8 +295,9 @@ def files_dtype(base: str, part: str, variant: str = "") -> torch.dtype | None:
     header), or None where that is not on this machine to read (a hub id is not fetched to see)."""
     from safetensors import safe_open
 
-    pattern = f"*.{variant}.safetensors" if variant else "*.safetensors"
-    for file in sorted((Path(base) / part).glob(pattern)):
+    from difftune.preflight import part_weight_files
+
+    for file in part_weight_files(Path(base) / part, variant):
         with safe_open(file, "pt") as weights:
             for key in weights.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 dtype = SAFETENSORS_DTYPES.get(weights.get_slice(key).get_dtype())

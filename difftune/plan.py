@@ -33,6 +33,7 @@ from difftune.clips import is_clip
 from difftune.config import Config, parse_size
 from difftune.errors import DifftuneError
 from difftune.models import Components
+from difftune.progress import process_status_bytes
 from difftune.sources import is_stored_source
 from difftune.storage import own_cast_buffers, storage_key
 
@@ -127,7 +128,7 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     )
     from difftune.storage import computed_copies_saved_as_stored
 
-    baseline = _resident_bytes()
+    baseline = process_status_bytes("VmRSS")
     source = config_source(config.model)  # once: a single file's keys are read to find it
     components = empty_components(config, source)
     dtypes = part_dtypes(config)
@@ -587,22 +588,13 @@ def _bytes(module: torch.nn.Module, dtype: torch.dtype | None = None, frozen_onl
     return sum(t.numel() * (dtype.itemsize if dtype and t.is_floating_point() else t.element_size()) for t in tensors)
 
 
-def _resident_bytes() -> int:
-    """This process's resident memory now (Linux), or 0."""
-    status = Path("/proc/self/status")
-    if not status.exists():
-        return 0
-    line = next((line for line in status.read_text().splitlines() if line.startswith("VmRSS:")), "")
-    return int(line.split()[1]) * 1024 if line else 0
-
-
 def _available_bytes() -> int:
     """RAM available to this process (Linux): what the kernel could give it now, plus what it holds."""
     meminfo = Path("/proc/meminfo")
     if not meminfo.exists():
         return 0
     line = next((line for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable:")), "")
-    return int(line.split()[1]) * 1024 + _resident_bytes() if line else 0
+    return int(line.split()[1]) * 1024 + process_status_bytes("VmRSS") if line else 0
 
 
 def _gib(size: int) -> str:

@@ -129,17 +129,23 @@ def _stored_layers(folder: Path, variant: str) -> dict[str, int]:
     safetensors headers; empty where the folder holds none (a hub cache, pickles)."""
     from safetensors import safe_open
 
-    files = sorted(folder.glob(f"*.{variant}.safetensors" if variant else "*.safetensors"))
-    if not variant:
-        files = [file for file in files if file.name.count(".") == 1] or files  # not a variant's copy of the same weights
     layers: dict[str, int] = {}
-    for file in files:
+    for file in part_weight_files(folder, variant):
         with safe_open(file, "np") as weights:
             for key in weights.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 name, _, kind = key.rpartition(".")
                 dims = len(weights.get_slice(key).get_shape()) if kind == "weight" else 0
                 layers[name] = max(layers.get(name, 0), dims)
     return layers
+
+
+def part_weight_files(folder: Path, variant: str = "") -> list[Path]:
+    """A part folder's safetensors files as diffusers picks them: the variant's (`*.fp16.safetensors`), else the
+    plain ones, not a variant's copy of the same weights (sorted first, `fp16` before the plain name)."""
+    files = sorted(folder.glob(f"*.{variant}.safetensors" if variant else "*.safetensors"))
+    if not variant:
+        files = [file for file in files if file.name.count(".") == 1] or files
+    return files
 
 
 def _check_targets_name_layers(key: str, part: str, targets: list[str], layers: dict[str, int]) -> None:

@@ -62,14 +62,18 @@ def _reset_peaks() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def process_status_bytes(field: str) -> int:
+    """A `kB` line of this process's /proc status (`VmRSS`, `VmHWM`) in bytes; 0 where there is none (not Linux)."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return 0
+    line = next((line for line in status.read_text().splitlines() if line.startswith(f"{field}:")), "")
+    return int(line.split()[1]) * 1024 if line else 0
+
+
 def peak_memory() -> dict[str, int]:
     """Bytes at the highest since the last reset: `host` (resident set, Linux) and `device` (CUDA, when in use)."""
-    peaks = {}
-    try:
-        status = Path("/proc/self/status").read_text()
-        peaks["host"] = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
-    except (OSError, StopIteration):
-        pass
+    peaks = {"host": host} if (host := process_status_bytes("VmHWM")) else {}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         peaks["device"] = torch.cuda.max_memory_allocated()

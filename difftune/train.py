@@ -66,8 +66,8 @@ from difftune.guard import Guard
 from difftune.loss import training_noise_scheduler
 from difftune.metrics import METRICS_FILE, MetricsLog
 from difftune.models import (
-    Components, cast_frozen, encoder_placement, encoders_on, host_kept_encoders, loads_encoders_first, part_dtypes, place_frozen, set_attention,
-    store_loaded_denoiser, stored_dtype, weight_dtype,
+    Components, cast_frozen, encoder_placement, encoders_on, host_kept_encoders, loads_encoders_first, part_dtypes,
+    place_frozen, set_attention, store_loaded_denoiser, stored_dtype, weight_dtype,
 )
 from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.output_lock import hold_output_dir

@@ -309,3 +309,19 @@ def test_parity_is_left_out_with_a_line_when_a_fresh_copy_would_not_fit(make_con
     assert "difftune: parity: not checked: redrawing loads a fresh fp32 copy of the base (" in out
     assert "more than the 1 MiB of RAM available; sample.parity = false leaves the check out" in out
     assert not (tmp_path / "run" / "parity.json").exists() and result.trained_path.is_file()
+
+
+def test_a_part_is_loaded_as_the_files_diffusers_picks_hold_it(tmp_path):
+    """A folder with a variant's copy beside the plain weights (`*.fp16.safetensors` sorts first): the plain files'
+    dtype is the one diffusers loads and the run keeps, not the variant's."""
+    from safetensors.torch import save_file
+
+    from difftune.models import files_dtype
+
+    part = tmp_path / "transformer"
+    part.mkdir()
+    save_file({"w": torch.zeros(2, dtype=torch.float16)}, part / "diffusion_pytorch_model.fp16.safetensors")
+    save_file({"w": torch.zeros(2)}, part / "diffusion_pytorch_model.safetensors")
+    assert files_dtype(str(tmp_path), "transformer") == torch.float32
+    assert files_dtype(str(tmp_path), "transformer", "fp16") == torch.float16
+    assert files_dtype(str(tmp_path), "unet") is None

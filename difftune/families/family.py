@@ -10,7 +10,6 @@ what SD-like families share; a family module overrides the rest.
 from __future__ import annotations
 
 import importlib
-
 import re
 from pathlib import Path
 
