@@ -71,7 +71,7 @@ class ModelConfig(Section):
         "models/tiny-sd",
         json_schema_extra=PATH_MODEL,
         description="Base model: a local diffusers folder, a Hugging Face hub id (needs network), "
-        "or a single-file .safetensors checkpoint.",
+        "a single-file .safetensors checkpoint, or a GGUF quantization of a denoiser (`.gguf`, LoRA only).",
     )
     family: Literal[("auto", *FAMILY_NAMES)] = Field(
         "auto",
@@ -926,6 +926,7 @@ class Config(Section):
                 f"model.offload_blocks = {self.model.offload_blocks} and model.offload_budget = "
                 f"\"{self.model.offload_budget}\" both say how many blocks to offload: set one"
             )
+        self._check_gguf_base()
         storage = self.frozen_weights_kept_apart
         if storage:
             if self.train.mixed_precision == "fp8":
@@ -959,6 +960,26 @@ class Config(Section):
         elif self.model.offload_budget:
             kept.append(f'model.offload_budget = "{self.model.offload_budget}" may keep frozen weights in host memory')
         return " and ".join(kept)
+
+    def _check_gguf_base(self) -> None:
+        """A GGUF base keeps its own quantized weights (denoiser_files.py): a LoRA trains on them, as QLoRA does;
+        what would store, offload, rewrite or train those weights is refused by name."""
+        if not self.model.base.endswith(".gguf"):
+            return
+        clashes = {
+            f'adapter.kind = "{self.adapter.kind}"': self.adapter.kind != "lora",
+            f'adapter.init = "{self.adapter.init}"': self.adapter.init != "gaussian",
+            f'model.weight_dtype = "{self.model.weight_dtype}"': self.model.weight_dtype != "auto",
+            f'model.quantize = "{self.model.quantize}"': self.model.quantize != "none",
+            "model.offload_blocks / model.offload_budget": bool(self.model.offload_blocks or self.model.offload_budget),
+        }
+        named = [name for name, clash in clashes.items() if clash]
+        if named:
+            raise ValueError(
+                f"model.base {self.model.base}: a GGUF base keeps its weights in their quantized blocks, and a LoRA "
+                f"(adapter.kind = \"lora\", init = \"gaussian\") trains on them; {', '.join(named)} would store, offload, "
+                "rewrite or train those weights: leave it at its default, or train on the model's .safetensors file"
+            )
 
     @property
     def stores_frozen_weights(self) -> bool:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from difftune.families.family import Family
 
 PICKLED_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
-SINGLE_FILE_SUFFIXES = (".safetensors", *PICKLED_SUFFIXES)
+SINGLE_FILE_SUFFIXES = (".safetensors", ".gguf", *PICKLED_SUFFIXES)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 STORED_DTYPES = DTYPES | {"fp8": torch.float8_e4m3fn}
 AS_STORED = "as stored"  # a part loaded in its files' own dtype: memory-mapped, no copy (`PartDtypes.denoiser`)
@@ -38,6 +38,9 @@ class PartDtypes:
     denoiser: torch.dtype | str | None = torch.float32
     vae: torch.dtype = torch.float32
     others: torch.dtype = torch.float32  # the text encoders and drawing parts
+    # Where the run stores the denoiser's frozen layers in fp8 (storage.py), the dtype they compute in: an fp8 single
+    # file's weights are then kept as the file holds them (`Family.denoiser_from_file`).
+    stored_fp8_computes_in: torch.dtype | None = None
 
 
 FP32_PARTS = PartDtypes()
@@ -246,8 +249,9 @@ def part_dtypes(config: Config) -> PartDtypes:
         return FP32_PARTS
     compute = weight_dtype(config)
     denoiser = torch.float32 if _rewrites_base(config) else AS_STORED if config.stores_frozen_weights else compute
-    return PartDtypes(denoiser=denoiser,
-                      vae=torch.float32 if compute == torch.float16 else compute, others=compute)
+    stores_fp8 = denoiser == AS_STORED and stored_dtype(config) == STORED_DTYPES["fp8"]
+    return PartDtypes(denoiser=denoiser, vae=torch.float32 if compute == torch.float16 else compute, others=compute,
+                      stored_fp8_computes_in=compute if stores_fp8 else None)
 
 
 def _rewrites_base(config: Config) -> bool:

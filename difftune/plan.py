@@ -126,6 +126,7 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     from difftune.models import (
         AS_STORED, encoder_placement, loads_encoders_first, part_dtypes, place_frozen, stored_dtype, weight_dtype,
     )
+    from difftune.denoiser_files import gguf_tensor_bytes, is_gguf
     from difftune.storage import computed_copies_saved_as_stored
 
     baseline = process_status_bytes("VmRSS")
@@ -156,6 +157,8 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     frozen = _bytes(components.denoiser, frozen_only=True)
     # Stored or cast as it loads (a full fine-tune's in fp32, with its trained weights).
     denoiser_loaded = frozen if dtypes.denoiser in (AS_STORED, dtype) else _bytes(components.denoiser, dtypes.denoiser)
+    if is_gguf(config.model.base) and Path(config.model.base).is_file():  # its blocks as the file holds them
+        frozen = denoiser_loaded = gguf_tensor_bytes(config.model.base)
     trained_bytes = sum(p.numel() * 4 for p in trained)
     optimizer = OPTIMIZER_STATE_BYTES.get(config.optim.optimizer, 8) * sum(p.numel() for p in trained)
     with computed_copies_saved_as_stored():

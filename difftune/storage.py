@@ -167,7 +167,7 @@ def store_frozen_layers(model: torch.nn.Module, dtype: torch.dtype, compute_dtyp
     layers are stored."""
     adapters = {id(sub) for layer in model.modules() if isinstance(layer, BaseTunerLayer)
                 for name in layer.adapter_layer_names for sub in getattr(layer, name).modules()}
-    file_ranges = _file_mappings()
+    file_ranges = file_mappings()
     stored = 0
     for layer in list(model.modules()):
         if type(layer) not in STORED_LAYERS or layer.weight.requires_grad or id(layer) in adapters:
@@ -181,10 +181,19 @@ def store_frozen_layers(model: torch.nn.Module, dtype: torch.dtype, compute_dtyp
             # Only where this loop holds the full tensor alone (nothing reads it again) and the kept one is a copy:
             # a layer loaded in its storage dtype keeps the file's pages themselves.
             if sys.getrefcount(full) == 2 and kept.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
-                _drop_file_pages(full, file_ranges)
+                drop_file_pages(full, file_ranges)
             parametrize.register_parametrization(layer, name, parametrization, unsafe=True)
         stored += 1
     return stored
+
+
+def keep_fp8(layer: torch.nn.Module, scale: float, compute_dtype: torch.dtype) -> None:
+    """Store `layer`'s fp8 weight as it is (an fp8 file's tensor, memory-mapped: no copy), computed in
+    `compute_dtype` as the weight times `scale` (denoiser_files.py: a ComfyUI scaled file's own float scale; fp8
+    times a float scale, rounded once, in any compute dtype, as ComfyUI reads it)."""
+    weight = layer._parameters["weight"]
+    layer._parameters["weight"] = torch.nn.Parameter(weight.detach().view(torch.uint8), requires_grad=False)
+    parametrize.register_parametrization(layer, "weight", ComputedFromStored(compute_dtype, scale, fp8=True), unsafe=True)
 
 
 class _Recast(NamedTuple):
@@ -219,7 +228,7 @@ def computed_copies_saved_as_stored():
         yield
 
 
-def _file_mappings() -> list[tuple[int, int]]:
+def file_mappings() -> list[tuple[int, int]]:
     """Address ranges of the files this process maps (Linux), such as safetensors' zero-copy loads."""
     maps = Path("/proc/self/maps")
     if not sys.platform.startswith("linux") or not maps.exists():
@@ -233,7 +242,7 @@ def _file_mappings() -> list[tuple[int, int]]:
     return ranges
 
 
-def _drop_file_pages(tensor: torch.Tensor, file_ranges: list[tuple[int, int]]) -> None:
+def drop_file_pages(tensor: torch.Tensor, file_ranges: list[tuple[int, int]]) -> None:
     """diffusers loads safetensors by mapping the file privately and using it in place; the pages read to make
     the 16-bit copy would stay in this process's RSS until every tensor of the file is gone, so converting a
     model would peak at its fp32 size plus its 16-bit size. Telling the kernel that this tensor's pages are not

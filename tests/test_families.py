@@ -18,12 +18,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
+from diffusers import GGUFQuantizationConfig
+from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter, dequantize_gguf_tensor
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.nn.utils import parametrize
 
 from difftune import export, storage
 from difftune.autoencoders import PATCHED_AUTOENCODERS, downsampling, latent_channels
@@ -35,8 +39,12 @@ from difftune.families import FAMILIES, family_of, family_table_markdown, load_c
 from difftune.families.fused import FusedKohyaLayout
 from difftune.families.lumina2 import SYSTEM_PROMPT
 from difftune.metrics import read_metrics
+from difftune.plan import plan_memory
+from difftune.models import AS_STORED, PartDtypes
 from difftune.toy.tiny import build_pipeline, recolor_pairs
 from difftune.train import train
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 NAMES = sorted(FAMILIES)
 
@@ -318,8 +326,9 @@ def test_an_fp8_single_file_is_read_as_a_base(name, micro_bases, tmp_path):
 def test_a_comfyui_scaled_fp8_file_is_read_with_its_scales(name, micro_bases, tmp_path):
     """ComfyUI's `*_fp8_scaled.safetensors`: each weight stored in e4m3 divided by its `.scale_weight`, a `scaled_fp8`
     marker key. Read as ComfyUI reads it (the e4m3 values times their scale): the same model as the file holding
-    those products, in bf16. A family whose single files diffusers reads whole (all-in-one checkpoints) refuses it
-    by name: diffusers' reader would leave the scales out."""
+    those products. A run that stores the denoiser in fp8 keeps the file's e4m3 bytes where they lie (no copy), each
+    computed as the product rounded to the compute dtype. A family whose single files diffusers reads whole
+    (all-in-one checkpoints) refuses it by name: diffusers' reader would leave the scales out."""
     base = micro_bases[name]
     _, tensors = _single_file(name, base)
     scaled, products = {"scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, {}
@@ -327,21 +336,171 @@ def test_a_comfyui_scaled_fp8_file_is_read_with_its_scales(name, micro_bases, tm
         if key.endswith(".weight") and value.dim() >= 2:
             scale = value.abs().max().float() / 448  # ComfyUI's scales are any float, not a power of two
             scaled[key], scaled[key.removesuffix(".weight") + ".scale_weight"] = (value / scale).to(torch.float8_e4m3fn), scale
-            products[key] = (scaled[key].float() * scale).to(torch.bfloat16)  # comfy's weight * scale_weight
+            products[key] = scaled[key].float() * scale  # comfy's weight * scale_weight
         else:
             scaled[key] = products[key] = value
     save_file(scaled, tmp_path / "model_fp8_scaled.safetensors")
     save_file(products, tmp_path / "products.safetensors")
-    if not FAMILIES[name].reads_scaled_fp8:
+    scaled_file = ModelConfig(base=str(tmp_path / "model_fp8_scaled.safetensors"), single_file_config=str(base))
+    if not FAMILIES[name].reads_denoiser_files:
         with pytest.raises(DifftuneError, match=r"fp8_scaled\.safetensors: a ComfyUI scaled fp8 file .*whole, .*weight_dtype = \"fp8\""):
-            load_components(ModelConfig(base=str(tmp_path / "model_fp8_scaled.safetensors"), single_file_config=str(base)))
+            load_components(scaled_file)
         return
-    read = load_components(ModelConfig(base=str(tmp_path / "model_fp8_scaled.safetensors"), single_file_config=str(base)))
+    read = load_components(scaled_file)
     expected = load_components(ModelConfig(base=str(tmp_path / "products.safetensors"), single_file_config=str(base)))
     pairs = zip(read.denoiser.state_dict().items(), expected.denoiser.state_dict().values(), strict=True)
     for (key, value), other in pairs:
         assert torch.equal(value, other), key
     assert any(key.endswith(".scale_weight") for key in scaled)
+
+    fp8_run = PartDtypes(denoiser=AS_STORED, vae=torch.bfloat16, others=torch.bfloat16,
+                         stored_fp8_computes_in=torch.bfloat16)
+    kept = load_components(scaled_file, fp8_run).denoiser
+    file_ranges = storage.file_mappings()
+    layers = [(name, layer) for name, layer in kept.named_modules() if parametrize.is_parametrized(layer, "weight")]
+    assert len(layers) >= 4
+    in_file = 0  # layers whose bytes are the file's own
+    for layer_name, layer in layers:
+        address = layer.parametrizations.weight.original.data_ptr()
+        in_file += any(low <= address < high for low, high in file_ranges)
+        product = expected.denoiser.get_submodule(layer_name).weight.detach()
+        assert layer.weight.dtype == torch.bfloat16 and torch.equal(layer.weight, product.to(torch.bfloat16)), layer_name
+    assert in_file >= len(layers) - 2  # the final modulation, whose halves the original layout swaps, is a copy
+
+
+def test_a_scaled_fp8_file_trains_in_fp8_as_its_products_in_bf16(micro_bases, make_config, tmp_path):
+    """A run storing the denoiser in fp8 keeps a ComfyUI scaled file's e4m3 weights and scales: it trains as the
+    file's products (rounded to bf16) do without storage, loss for loss and adapter for adapter."""
+    base = micro_bases["flux"]
+    _, tensors = _single_file("flux", base)
+    scaled, products = {"scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, {}
+    for key, value in tensors.items():
+        if key.endswith(".weight") and value.dim() >= 2:
+            scale = value.abs().max().float() / 448
+            scaled[key], scaled[key.removesuffix(".weight") + ".scale_weight"] = (value / scale).to(torch.float8_e4m3fn), scale
+            products[key] = (scaled[key].float() * scale).to(torch.bfloat16)
+        else:
+            scaled[key] = products[key] = value
+    save_file(scaled, tmp_path / "model_fp8_scaled.safetensors")
+    save_file(products, tmp_path / "products.safetensors")
+    results = {}
+    for name, weight_dtype in (("model_fp8_scaled", "fp8"), ("products", "bf16")):
+        settings = _settings("flux", base, tmp_path / name, model__base=str(tmp_path / f"{name}.safetensors"),
+                             model__single_file_config=str(base), model__weight_dtype=weight_dtype,
+                             train__mixed_precision="bf16", train__max_steps=2, sample__prompts=[])
+        results[name] = train(make_config(**settings))
+    assert results["model_fp8_scaled"].losses == results["products"].losses
+    fp8, bf16 = (load_file(tmp_path / name / "pytorch_lora_weights.safetensors") for name in results)
+    assert fp8.keys() == bf16.keys() and all(torch.equal(fp8[key], bf16[key]) for key in fp8)
+
+
+def _write_gguf(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """A GGUF file as city96's converter writes one: weights whose rows hold whole Q8_0 blocks quantized, vectors in
+    f32, the rest in f16."""
+    writer = gguf.GGUFWriter(str(path), arch="difftune-test")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, value in tensors.items():
+        data = value.float().numpy()
+        if value.dim() >= 2 and value.shape[-1] % 32 == 0:
+            writer.add_tensor(key, gguf.quants.quantize(data, Q8_0), raw_dtype=Q8_0)
+        else:
+            writer.add_tensor(key, data.astype(np.float32 if value.dim() <= 1 else np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _gguf_values(path: Path) -> dict[str, torch.Tensor]:
+    """A GGUF file's weights as its layers compute with them: gguf's own dequantization, each product of an fp16
+    block scale and an int8 rounded to fp16, as diffusers' dequantization computes it."""
+    values = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        value = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        values[tensor.name] = torch.from_numpy(np.array(value.astype(np.float16) if tensor.tensor_type == Q8_0 else value)).float()
+    return values
+
+
+# Families whose published widths diffusers' GGUF reader writes into its converter (FLUX.1's 3072, Lumina 2's 2304):
+# their micro files are checked against gguf's own dequantization instead.
+READ_AT_PUBLISHED_WIDTHS_ONLY = {"flux", "flux_kontext", "chroma", "lumina2"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_gguf_file_is_read_as_diffusers_and_gguf_read_it(name, micro_bases, tmp_path):
+    """city96's GGUF quantizations as a base: each linear layer keeps its Q8_0 blocks where the file lies (mapped,
+    no copy) and computes with them dequantized, as diffusers' GGUF reader loads the file (byte for byte, where it
+    reads these widths) and as gguf's own dequantization gives; other quantized tensors dequantized. A family whose
+    single files hold the whole pipeline refuses it by name."""
+    family, base = FAMILIES[name], micro_bases[name]
+    components, tensors = _single_file(name, base)
+    path = tmp_path / "model-Q8_0.gguf"
+    _write_gguf(tensors, path)
+    config = ModelConfig(base=str(path), single_file_config=str(base))
+    if not family.reads_denoiser_files:
+        with pytest.raises(DifftuneError, match=r"Q8_0\.gguf: a GGUF file of a family whose single files hold the whole"):
+            load_components(config)
+        return
+    ours = load_components(config).denoiser
+    layers = {name: layer for name, layer in ours.named_modules() if isinstance(layer, GGUFLinear)}
+    assert len(layers) >= 10
+    file_ranges = storage.file_mappings()
+    in_file = sum(any(low <= layer.weight.data_ptr() < high for low, high in file_ranges) for layer in layers.values())
+    assert in_file >= len(layers) - 2  # the final modulation, whose halves the original layout swaps, is a copy
+
+    dequantized = family.diffusers_names(_gguf_values(path))
+    for key, value in ours.state_dict().items():
+        value = dequantize_gguf_tensor(value) if isinstance(value, GGUFParameter) else value
+        assert torch.equal(value.float(), dequantized[key]), key
+    if name in READ_AT_PUBLISHED_WIDTHS_ONLY:
+        return
+    theirs = family.denoiser_class.from_single_file(
+        str(path), config=str(base), subfolder=family.denoiser_part(family.options(config)),
+        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32), torch_dtype=torch.float32)
+    their_layers = {name for name, layer in theirs.named_modules() if isinstance(layer, GGUFLinear)}
+    assert their_layers == set(layers)
+    theirs = theirs.state_dict()
+    for key, value in ours.state_dict().items():
+        if isinstance(value, GGUFParameter):
+            assert torch.equal(value, theirs[key]) and value.quant_type == theirs[key].quant_type, key
+        else:  # where diffusers hands a layer that is not linear its blocks, their values
+            assert torch.equal(value, dequantize_gguf_tensor(theirs[key]).to(value.dtype)), key
+
+
+def test_a_gguf_base_trains_as_its_dequantized_weights(micro_bases, make_config, tmp_path):
+    """A LoRA on a GGUF base trains as on a file of the weights its blocks hold, loss for loss."""
+    base = micro_bases["flux"]
+    _, tensors = _single_file("flux", base)
+    _write_gguf(tensors, tmp_path / "model-Q8_0.gguf")
+    save_file(_gguf_values(tmp_path / "model-Q8_0.gguf"), tmp_path / "dequantized.safetensors")
+    results = {}
+    for name in ("model-Q8_0.gguf", "dequantized.safetensors"):
+        settings = _settings("flux", base, tmp_path / f"out-{name}", model__base=str(tmp_path / name),
+                             model__single_file_config=str(base), train__max_steps=2, sample__prompts=[])
+        results[name] = train(make_config(**settings))
+    torch.testing.assert_close(results["model-Q8_0.gguf"].losses, results["dequantized.safetensors"].losses,
+                               rtol=1e-5, atol=0)
+    gguf_adapter, plain = (load_file(tmp_path / f"out-{name}" / "pytorch_lora_weights.safetensors") for name in results)
+    assert gguf_adapter.keys() == plain.keys()
+    for key, value in gguf_adapter.items():
+        torch.testing.assert_close(value, plain[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_a_gguf_base_is_planned_as_its_blocks_and_what_would_rewrite_them_is_refused(micro_bases, make_config, tmp_path):
+    base = micro_bases["flux"]
+    _, tensors = _single_file("flux", base)
+    _write_gguf(tensors, tmp_path / "model-Q8_0.gguf")
+    settings = _settings("flux", base, tmp_path / "out", model__base=str(tmp_path / "model-Q8_0.gguf"),
+                         model__single_file_config=str(base))
+    planned = plan_memory(make_config(**settings), "cpu")
+    held = sum(int(tensor.n_bytes) for tensor in gguf.GGUFReader(tmp_path / "model-Q8_0.gguf").tensors)
+    assert planned.device["frozen denoiser weights"] == held
+    assert held < 0.4 * sum(value.numel() * 4 for value in tensors.values())  # Q8_0 blocks, not fp32
+    for setting, value in (("adapter__kind", "dora"), ("model__weight_dtype", "fp8"), ("model__offload_blocks", 1),
+                           ("adapter__init", "pissa")):
+        with pytest.raises(DifftuneError, match=r"model-Q8_0\.gguf: a GGUF base keeps its weights in their quantized "
+                                                  r"blocks.*would store, offload, rewrite or train those weights"):
+            make_config(**settings, **{setting: value})
 
 
 @pytest.mark.parametrize("name", NAMES)

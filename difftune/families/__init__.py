@@ -19,8 +19,9 @@ from safetensors import safe_open
 from difftune import published
 from difftune.autoencoders import latent_channels, load_vae
 from difftune.config import FAMILY_NAMES, ModelConfig
+from difftune.denoiser_files import gguf_tensor_names, is_gguf, is_scaled_fp8
 from difftune.errors import DifftuneError
-from difftune.families.family import Family, is_scaled_fp8
+from difftune.families.family import Family
 from difftune.models import (
     FP32_PARTS,
     PICKLED_SUFFIXES,
@@ -146,7 +147,13 @@ def _readers(config: ModelConfig) -> tuple[list[Family], str]:
     if base.endswith(SINGLE_FILE_SUFFIXES):
         keys = _single_file_keys(base)
         readers = [family for family in FAMILIES.values() if family.reads_single_file(keys)]
-        if is_scaled_fp8(keys) and not all(family.reads_scaled_fp8 for family in readers):
+        if is_gguf(base) and not all(family.reads_denoiser_files for family in readers):
+            raise DifftuneError(
+                f"model.base {base}: a GGUF file of a family whose single files hold the whole pipeline "
+                f"({', '.join(family.description for family in readers)}); GGUF bases are read for families whose "
+                "files hold the denoiser alone. Pass its .safetensors checkpoint"
+            )
+        if is_scaled_fp8(keys) and not all(family.reads_denoiser_files for family in readers):
             raise DifftuneError(
                 f"model.base {base}: a ComfyUI scaled fp8 file (`scaled_fp8`, `.scale_weight` keys) of a family whose "
                 "single files diffusers reads whole, and diffusers' reader would not apply its per-tensor scales. Pass "
@@ -179,6 +186,8 @@ def _single_file_keys(path: str) -> set[str]:
     if not Path(path).is_file():
         raise DifftuneError(f"model.base {path}: no such file")
     try:
+        if is_gguf(path):
+            return gguf_tensor_names(path)
         if path.endswith(".safetensors"):
             with safe_open(path, framework="pt") as handle:
                 return set(handle.keys())

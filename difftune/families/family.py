@@ -24,15 +24,16 @@ from diffusers import (
     EulerDiscreteScheduler,
 )
 from pydantic import ValidationError
-from safetensors.torch import load_file
 
 from difftune import kohya, single_file
 from difftune.autoencoders import LatentNormalization, frames_per_latent, latent_normalization
 from difftune.clips import FrameWindows
 from difftune.config import Config, LossConfig, ModelConfig, Section
+from difftune.denoiser_files import DENOISER_FILE_PREFIXES, DenoiserFile, is_gguf, read_denoiser_file, read_gguf_file
 from difftune.errors import DifftuneError
 from difftune.loss import WEIGHTINGS, diffusion_loss, draw_timesteps_and_noise
 from difftune.models import AS_STORED, FP32_PARTS, SINGLE_FILE_SUFFIXES, Components, PartDtypes, files_dtype, tokenize
+from difftune.storage import FP8, STORED_LAYERS, keep_fp8
 
 # A UNet block's name, wherever the UNet sits (peft and compile may wrap it): `down_blocks.1`, `mid_block`,
 # `up_blocks.0.attentions.2`, `down_blocks.0.resnets.1`...
@@ -40,41 +41,6 @@ UNET_BLOCK = re.compile(r"(?:^|\.)((?:down_blocks\.\d+|up_blocks\.\d+|mid_block)
 UNET_TOP_BLOCK = re.compile(r"(?:^|\.)(?:down_blocks\.\d+|mid_block|up_blocks\.\d+)$")
 SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler, "euler_a": EulerAncestralDiscreteScheduler,
             "dpmpp_2m": DPMSolverMultistepScheduler}
-# What ComfyUI's and ai-toolkit's denoiser-alone files may put before the denoiser's own keys.
-DENOISER_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-SCALED_FP8_MARKER = "scaled_fp8"  # ComfyUI's key for a file whose fp8 weights carry per-tensor `.scale_weight`s
-
-
-def is_scaled_fp8(keys) -> bool:
-    return SCALED_FP8_MARKER in keys or any(key.endswith(".scale_weight") for key in keys)
-
-
-def unscaled_fp8(file: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A ComfyUI scaled fp8 file's tensors as the model's weights: each `X.weight` (e4m3) times its `X.scale_weight`,
-    as ComfyUI computes it, in bf16 (the models these files are made from are bf16; fp32 would be twice the bytes),
-    one tensor at a time; the marker and the inputs' scales (`.scale_input`, for ComfyUI's fp8 matmuls) left out.
-    Other files as they are."""
-    if not is_scaled_fp8(file):
-        return file
-    weights = {}
-    for key, tensor in file.items():
-        if key == SCALED_FP8_MARKER or key.endswith((".scale_weight", ".scale_input")):
-            continue
-        scale = file.get(key.removesuffix(".weight") + ".scale_weight") if key.endswith(".weight") else None
-        weights[key] = (tensor.float() * scale.float()).to(torch.bfloat16) if scale is not None else tensor
-    return weights
-
-
-KEPT_AS_STORED = (torch.float32, torch.bfloat16, torch.float16)  # what a layer can compute with: fp8 files' are cast
-
-
-def _loaded_as(tensor: torch.Tensor, dtypes: PartDtypes) -> torch.Tensor:
-    """A denoiser file's tensor as `dtypes.denoiser` asks (`pipeline_around_denoiser_file`)."""
-    if not tensor.is_floating_point() or (dtypes.denoiser == AS_STORED and tensor.dtype in KEPT_AS_STORED):
-        return tensor
-    return tensor.to(dtypes.others if dtypes.denoiser == AS_STORED else dtypes.denoiser)
-
-
 def valid_token_states(states: torch.Tensor, mask: torch.Tensor, skip: int, length: int) -> dict[str, torch.Tensor]:
     """A language model's states (B, L, D) kept at each caption's valid tokens (`mask`, (B, L)) after its first
     `skip` (a template's), at most `length` of them, zero-padded to `length`; with the mask of those kept."""
@@ -218,9 +184,9 @@ class Family:
     def pipeline_around_denoiser_file(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
         """For a single file that holds the denoiser alone (how ComfyUI ships the newer families: their text encoder
         and autoencoder are files of their own): the pipeline of `model.single_file_config` around the denoiser
-        (`denoiser_class`) with the file's weights (`denoiser_file_weights`), each part in its `dtypes` (the
-        denoiser `AS_STORED`: as the file holds it, fp8 files' weights in the compute dtype; None: left out). A
-        family whose single files are so sets `single_file_pipeline = pipeline_around_denoiser_file`."""
+        (`denoiser_class`) with the file's weights, each part in its `dtypes` (None: left out). A `.safetensors`
+        file is read tensor by tensor (`denoiser_from_file`), a GGUF file by diffusers (`gguf_denoiser`). A family
+        whose single files are so sets `single_file_pipeline = pipeline_around_denoiser_file`."""
         folder, revision = config.single_file_config, config.revision or None
         if not folder:
             raise DifftuneError(
@@ -228,37 +194,92 @@ class Family:
                 f"model.single_file_config to a {self.description} diffusers folder or hub id for its text encoder, "
                 "autoencoder and configs"
             )
-        if not config.base.endswith(".safetensors"):
-            raise DifftuneError(f"model.base {config.base}: read as .safetensors only for {self.description}; convert the file")
+        if not config.base.endswith((".safetensors", ".gguf")):
+            raise DifftuneError(f"model.base {config.base}: read as .safetensors or .gguf only for {self.description}; "
+                                "convert the file")
         part = self.denoiser_part(self.options(config))
         parts = {"dtype": {"default": dtypes.others, "vae": dtypes.vae}, part: None}
         if dtypes.denoiser is not None:
-            denoiser_config = self.denoiser_class.load_config(folder, subfolder=part, revision=revision)
-            with init_empty_weights():
-                parts[part] = self.denoiser_class.from_config(denoiser_config)
-            weights = {key: _loaded_as(value, dtypes) for key, value in self.denoiser_file_weights(config.base).items()}
-            parts[part].load_state_dict(weights, strict=True, assign=True)
+            load = self.gguf_denoiser if is_gguf(config.base) else self.denoiser_from_file
+            parts[part] = load(config, part, dtypes)
         return self.pipeline_class.from_pretrained(folder, **parts, revision=revision, **self.fixed_pipeline_arguments)
 
+    def denoiser_from_file(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.nn.Module:
+        """The denoiser of a `.safetensors` file (`denoiser_file_weights`) in `dtypes.denoiser` (`AS_STORED`: as the
+        file holds it, an fp8 file's weights in the compute dtype), made one tensor at a time. Where the run stores the
+        denoiser in fp8 (`dtypes.stored_fp8_computes_in`), an fp8 file's weights are kept as the file holds them,
+        with their own scales: no copy."""
+        denoiser_config = self.denoiser_class.load_config(config.single_file_config, subfolder=part,
+                                                          revision=config.revision or None)
+        with init_empty_weights():
+            denoiser = self.denoiser_class.from_config(denoiser_config)
+        file = self.denoiser_file_weights(config.base)
+        kept = {}
+        if dtypes.stored_fp8_computes_in is not None:
+            layers = {f"{name}.weight" for name, module in denoiser.named_modules() if type(module) in STORED_LAYERS}
+            kept = {key: scale for key, scale in file.fp8_scales.items() if key in layers and isinstance(scale, float)}
+
+        def load_dtype(tensor: torch.Tensor) -> torch.dtype:
+            if dtypes.denoiser != AS_STORED:
+                return dtypes.denoiser
+            return dtypes.others if tensor.dtype == FP8 else tensor.dtype
+
+        weights = {key: tensor if key in kept else file.weight(key, load_dtype(tensor))
+                   for key, tensor in file.tensors.items()}
+        denoiser.load_state_dict(weights, strict=True, assign=True)
+        for key, scale in kept.items():
+            keep_fp8(denoiser.get_submodule(key.removesuffix(".weight")), scale, dtypes.stored_fp8_computes_in)
+        return denoiser
+
+    def gguf_denoiser(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.nn.Module:
+        """The denoiser of a GGUF file (`read_gguf_file`, its names converted as a `.safetensors` file's): each
+        quantized linear layer a diffusers `GGUFLinear` that keeps its weight in its quantized blocks and dequantizes it
+        to the compute dtype (`dtypes.others`) as it runs; the rest in the compute dtype. diffusers' own GGUF loading
+        (`from_single_file`) converts the original layout with the published models' widths written in (3072 for
+        FLUX.1), so the layers are swapped in as its quantizer does."""
+        from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter, _replace_with_gguf_linear, dequantize_gguf_tensor
+
+        denoiser_config = self.denoiser_class.load_config(config.single_file_config, subfolder=part,
+                                                          revision=config.revision or None)
+        with init_empty_weights():
+            denoiser = self.denoiser_class.from_config(denoiser_config)
+        weights = read_gguf_file(config.base, self.diffusers_names)
+        # As diffusers' GGUF loading: the modules the model keeps in fp32 are dequantized and kept so.
+        in_fp32 = list(denoiser._keep_in_fp32_modules or [])
+        _replace_with_gguf_linear(denoiser, dtypes.others, weights, modules_to_not_convert=in_fp32)
+        quantized = {f"{name}.weight" for name, layer in denoiser.named_modules() if isinstance(layer, GGUFLinear)}
+        for key in quantized:  # its blocks, not the layer's shape: set as diffusers' quantizer sets them
+            layer, name = key.rsplit(".", 1)
+            denoiser.get_submodule(layer)._parameters[name] = weights.pop(key)
+        # Quantized tensors of other layers (a modulation table, a pad token) are small: dequantized (diffusers would
+        # hand their blocks to the layer as its values).
+        weights = {key: (dequantize_gguf_tensor(value) if isinstance(value, GGUFParameter) else value).to(
+                       torch.float32 if any(module in key.split(".") for module in in_fp32) else dtypes.others)
+                   for key, value in weights.items()}
+        loaded = denoiser.load_state_dict(weights, strict=False, assign=True)
+        missing = [key for key in loaded.missing_keys if key not in quantized]
+        if missing or loaded.unexpected_keys:
+            raise DifftuneError(
+                f"model.base {config.base}: not a {self.description} {part} of the shape model.single_file_config "
+                f"gives: {', '.join((missing + loaded.unexpected_keys)[:5])} ..."
+            )
+        return denoiser.requires_grad_(False)
+
     @property
-    def reads_scaled_fp8(self) -> bool:
+    def reads_denoiser_files(self) -> bool:
         """Its single files hold the denoiser alone and are read by difftune (`pipeline_around_denoiser_file`), which
-        applies ComfyUI's per-tensor fp8 scales (`denoiser_file_weights`)."""
+        applies ComfyUI's per-tensor fp8 scales and reads GGUF files."""
         return type(self).single_file_pipeline is Family.pipeline_around_denoiser_file
 
-    def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
-        """A denoiser-alone single file's weights under diffusers' names (`pipeline_around_denoiser_file`): its keys
-        without ComfyUI's prefixes, unless the family converts another layout. Where keys carry a prefix, those
-        alone: an all-in-one file's others are its text encoders and autoencoder. A ComfyUI scaled fp8 file's
-        weights are multiplied by their scales (`unscaled_fp8`)."""
-        file = unscaled_fp8(load_file(path))
-        prefixed = [key for key in file if key.startswith(DENOISER_FILE_PREFIXES)]
-        weights = {}
-        for key in prefixed or file:
-            name = key
-            for prefix in DENOISER_FILE_PREFIXES:
-                name = name.removeprefix(prefix)
-            weights[name] = file[key]
+    def denoiser_file_weights(self, path: str) -> DenoiserFile:
+        """A denoiser-alone `.safetensors` file's tensors under diffusers' names (`diffusers_names`), as the file
+        holds them, with each fp8 tensor's scale (denoiser_files.py)."""
+        return read_denoiser_file(path, self.diffusers_names)
+
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A denoiser file's tensors (ComfyUI's prefixes gone) under diffusers' names: as they are, unless the
+        family's files have another layout. Only moves, splits and joins tensors: denoiser_files.py runs it over
+        the tensors' fp8 scales as well."""
         return weights
 
     def denoiser_part(self, options: FamilyOptions) -> str:

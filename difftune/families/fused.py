@@ -151,9 +151,8 @@ class FusedKohyaLayout:
             return super().to_single_file(components)
         return self.original_state_dict(components.denoiser.state_dict())
 
-    def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A file in the original layout (it has `denoiser_file_key`) converted; diffusers' names as they are."""
-        weights = super().denoiser_file_weights(path)
         return self.diffusers_state_dict(weights) if self.original_blocks and self.denoiser_file_key in weights else weights
 
     def original_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -187,8 +187,7 @@ class Krea2(OriginalNamesKohyaLayout, FlowMatchingFamily):
 
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
-    def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
-        weights = super().denoiser_file_weights(path)
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return convert_krea2_transformer_checkpoint_to_diffusers(weights) if self.denoiser_file_key in weights else weights
 
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:

@@ -147,8 +147,8 @@ class Lumina2(FusedKohyaLayout, FlowMatchingFamily):
         out["norm_final.weight"] = torch.ones(components.denoiser.config.hidden_size)
         return out
 
-    def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
-        weights, out = super().denoiser_file_weights(path), {}
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        weights, out = dict(weights), {}
         if self.denoiser_file_key not in weights:  # diffusers' names
             return weights
         weights.pop("norm_final.weight", None)  # the original model holds it and never applies it

@@ -92,10 +92,9 @@ class ZImage(FusedKohyaLayout, FlowMatchingFamily):
 
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
-    def denoiser_file_weights(self, path: str) -> dict[str, torch.Tensor]:
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The original layout (Tongyi's and ComfyUI's files) through diffusers' converter; diffusers' names as
         they are."""
-        weights = super().denoiser_file_weights(path)
         if any(key.endswith(".attention.qkv.weight") for key in weights):
             weights = convert_z_image_transformer_checkpoint_to_diffusers(weights)
         return weights
