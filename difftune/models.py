@@ -41,6 +41,9 @@ class PartDtypes:
     # Where the run stores the denoiser's frozen layers in fp8 (storage.py), the dtype they compute in: an fp8 single
     # file's weights are then kept as the file holds them (`Family.denoiser_from_file`).
     stored_fp8_computes_in: torch.dtype | None = None
+    # False: the family's drawing parts (Wan 2.2's other expert, Ideogram 4's unconditional transformer) are left out,
+    # where nothing draws before the run's end (train.py loads them again for its end samples).
+    drawing_parts: bool = True
 
 
 FP32_PARTS = PartDtypes()
@@ -251,7 +254,14 @@ def part_dtypes(config: Config) -> PartDtypes:
     denoiser = torch.float32 if _rewrites_base(config) else AS_STORED if config.stores_frozen_weights else compute
     stores_fp8 = denoiser == AS_STORED and stored_dtype(config) == STORED_DTYPES["fp8"]
     return PartDtypes(denoiser=denoiser, vae=torch.float32 if compute == torch.float16 else compute, others=compute,
-                      stored_fp8_computes_in=compute if stores_fp8 else None)
+                      stored_fp8_computes_in=compute if stores_fp8 else None, drawing_parts=draws_before_the_end(config))
+
+
+def draws_before_the_end(config: Config) -> bool:
+    """Whether the run draws before its end samples: before samples, previews, or prior preservation's class images
+    (the drawing parts are loaded with the base then; else only for the end samples: a Wan 2.2 expert's 28 GB twin
+    is not held while the other trains)."""
+    return bool(config.sample.prompts and (config.sample.before or config.sample.every_steps)) or config.prior.enabled
 
 
 def _rewrites_base(config: Config) -> bool:

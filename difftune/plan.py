@@ -135,8 +135,12 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     dtypes = part_dtypes(config)
     encoders = [module for module in (components.vae, *components.text_encoders.values()) if module is not None]
     drawing = [module for module in components.drawing_parts.values() if module is not None]
-    # The encoders as they load: each part in the dtype the run keeps it in (`part_dtypes`).
-    encoders_loaded = sum(_bytes(m, dtypes.vae if m is components.vae else dtypes.others) for m in (*encoders, *drawing))
+    # The encoders as they load: each part in the dtype the run keeps it in (`part_dtypes`); the drawing parts with
+    # them where the run draws before its end (else loaded for the end samples alone).
+    encoders_loaded = sum(_bytes(m, dtypes.vae if m is components.vae else dtypes.others) for m in encoders)
+    drawing_loaded = sum(_bytes(m, dtypes.others) for m in drawing)
+    if dtypes.drawing_parts:
+        encoders_loaded += drawing_loaded
     dtype = weight_dtype(config)
     encoding = _encoding_peak(components, config, dtype)
 
@@ -195,9 +199,10 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
         phases["training"] = {"offloaded blocks": offloaded, "encoders kept for previews": previews,
                               "optimizer state (offloaded)": optimizer if config.optim.optimizer == "adamw_cpu_offload" else 0}
     if config.sample.prompts:  # the end-of-run samples: the released encoders loaded again beside the trained model
-        phases["end of run samples"] = {"encoders": encoders_loaded, "offloaded blocks": offloaded} if device_type == "cuda" \
+        reloaded = encoders_loaded if dtypes.drawing_parts else encoders_loaded + drawing_loaded
+        phases["end of run samples"] = {"encoders": reloaded, "offloaded blocks": offloaded} if device_type == "cuda" \
             else {"denoiser": frozen, "trained weights": trained_bytes, "optimizer state": optimizer,
-                  "encoders": encoders_loaded, "drawing activations": encoding}
+                  "encoders": reloaded, "drawing activations": encoding}
     if device_type == "cpu":
         device = max(phases.values(), key=lambda held: sum(held.values()))
     phases = {phase: {"python and libraries": baseline, **held} for phase, held in phases.items()}

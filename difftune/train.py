@@ -616,7 +616,7 @@ def _release_unneeded(components: Components, config: Config) -> None:
 def _reload_released(components: Components, config: Config, device) -> None:
     """Bring the released encoders (and drawing parts) back for the end-of-run samples and the saved full model,
     placed as the run placed them (in its frozen weights' dtype: the parity check reloads them so too)."""
-    loaded = load_components(config.model, replace(part_dtypes(config), denoiser=None))
+    loaded = load_components(config.model, replace(part_dtypes(config), denoiser=None, drawing_parts=True))
     dtype = weight_dtype(config)
 
     def placed(module: torch.nn.Module, is_vae: bool = False) -> torch.nn.Module:

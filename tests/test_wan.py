@@ -23,6 +23,7 @@ from difftune.adapter_files import module_names_of, placed_on_base, read_adapter
 from difftune.config import ModelConfig, SampleConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
+from difftune.models import part_dtypes
 from difftune.data import CaptionedImages
 from difftune.sample import generate_images, sampling_scheduler, save_images
 from difftune.clips import write_clip
@@ -275,6 +276,24 @@ def test_a_wan22_expert_trains_on_its_side_of_the_boundary_and_loads_where_diffu
               "timestep": torch.tensor([500.0]), "encoder_hidden_states": torch.randn(1, 512, 64), "return_dict": False}
     with torch.no_grad():  # the adapter is on the trained expert
         assert (trained_expert(**inputs)[0] - before(**inputs)[0]).abs().max() > 1e-3
+
+
+def test_the_other_expert_is_loaded_only_where_the_run_draws_before_its_end(make_config, a14b, tmp_path):
+    """Training one expert holds the other (28 GB of bf16 at A14B's size) only where previews draw with it; else it
+    is loaded for the end samples alone, and the plan's loading phase leaves it out."""
+    configs = {previews: make_config(model__base=a14b, model__family_options={"expert": "low_noise"},
+                                     sample__prompts=["a red square"], sample__every_steps=2 if previews else 0,
+                                     train__output_dir=str(tmp_path / "run"))
+               for previews in (False, True)}
+    loaded = {previews: load_components(config.model, part_dtypes(config)) for previews, config in configs.items()}
+    assert loaded[False].drawing_parts["transformer"] is None and loaded[True].drawing_parts["transformer"] is not None
+    assert all(components.denoiser is not None and components.text_encoders["text_encoder"] is not None
+               for components in loaded.values())
+    expert = loaded[True].drawing_parts["transformer"]
+    other = sum(t.numel() * t.element_size() for t in (*expert.parameters(), *expert.buffers()))
+    plans = {previews: plan.plan_memory(config, "cpu").host_phases for previews, config in configs.items()}
+    assert plans[True]["loading and caching"]["whole base"] - plans[False]["loading and caching"]["whole base"] == other
+    assert plans[False]["end of run samples"]["encoders"] == plans[True]["end of run samples"]["encoders"]
 
 
 def test_an_expert_needs_a_two_expert_base_and_validation_timesteps_on_its_side(make_config, base, a14b, tmp_path):

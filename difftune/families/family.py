@@ -144,9 +144,15 @@ class Family:
 
     def _loading_arguments(self, config: ModelConfig, options: FamilyOptions, dtypes: PartDtypes) -> dict:
         part = self.denoiser_part(options)
+        left_out = {} if dtypes.drawing_parts else dict.fromkeys(self.drawing_part_names_of(config))
         if dtypes.denoiser is None:
-            return {part: None, "dtype": {"default": dtypes.others, "vae": dtypes.vae}}
-        return {"dtype": {"default": dtypes.others, "vae": dtypes.vae, part: self._denoiser_dtype(config, part, dtypes)}}
+            return {part: None, **left_out, "dtype": {"default": dtypes.others, "vae": dtypes.vae}}
+        return {**left_out,
+                "dtype": {"default": dtypes.others, "vae": dtypes.vae, part: self._denoiser_dtype(config, part, dtypes)}}
+
+    def drawing_part_names_of(self, config: ModelConfig) -> tuple[str, ...]:
+        """The drawing parts (`drawing_part_names`) base `config` has."""
+        return self.drawing_part_names
 
     def _denoiser_dtype(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.dtype:
         if dtypes.denoiser == AS_STORED:
@@ -199,6 +205,8 @@ class Family:
                                 "convert the file")
         part = self.denoiser_part(self.options(config))
         parts = {"dtype": {"default": dtypes.others, "vae": dtypes.vae}, part: None}
+        if not dtypes.drawing_parts:
+            parts |= dict.fromkeys(self.drawing_part_names_of(config))
         if dtypes.denoiser is not None:
             load = self.gguf_denoiser if is_gguf(config.base) else self.denoiser_from_file
             parts[part] = load(config, part, dtypes)

@@ -38,6 +38,7 @@ from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffu
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from pydantic import Field
 
+from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families.flow import FlowMatchingFamily, FlowOptions
 from difftune.families.fused import OriginalNamesKohyaLayout
@@ -130,6 +131,13 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
 
     def lora_loading_arguments(self, options: WanOptions) -> dict:
         return {"load_into_transformer_2": True} if options.expert == "low_noise" else {}
+
+    def drawing_part_names_of(self, config: ModelConfig) -> tuple[str, ...]:
+        """A Wan 2.2 A14B base's other expert (none for a one-transformer base)."""
+        index = self.pipeline_class.load_config(config.single_file_config or config.base, revision=config.revision or None)
+        if (index.get("transformer_2") or [None])[0] is None:
+            return ()
+        return ("transformer" if self.denoiser_part(self.options(config)) == "transformer_2" else "transformer_2",)
 
     def components_of(self, pipeline, options: WanOptions) -> Components:
         """The expert this run trains as the denoiser, the other one a drawing part (`Components.drawing_parts`)."""
