@@ -8,6 +8,15 @@ captions keep a CPU step of a 12B model to a minute).
     python scripts/make_real_width_base.py --base Qwen/Qwen-Image --out /data/qwen-40 --blocks 40
 
 `--blocks N` keeps the first N blocks of the denoiser (a base larger than this machine's disk or memory allows).
+`--config-only PART` writes a part's config without its weights, for a part the measured job never loads: Wan 2.2
+A14B's high-noise expert, where a run trains the low-noise one without previews (57 GB of the folder otherwise).
+
+    python scripts/make_real_width_base.py --base Wan-AI/Wan2.2-T2V-A14B-Diffusers --out /data/wan22 --config-only transformer
+
+`--denoiser-file fp8_scaled|Q8_0` writes the denoiser as the single file people download instead of its folder's
+weights (the folder keeps its config, for `model.single_file_config`): ComfyUI's `*_fp8_scaled.safetensors` (each
+matrix in e4m3 with its `.scale_weight`) or city96's `*-Q8_0.gguf`, in the family's single-file layout, a tensor
+at a time into the file's dtype (the file is built in memory whole, as both writers do: its own size).
 Weights: matrices N(0, 0.02), norms' scales 1, biases 0, in bf16; written a shard (<= 5 GB) at a time, so building
 holds one shard in memory.
 """
@@ -78,12 +87,54 @@ def write_part(model: torch.nn.Module, library: str, folder: Path, generator: to
     return total
 
 
+def write_denoiser_file(family, model: torch.nn.Module, kind: str, out: Path, generator: torch.Generator) -> int:
+    """The denoiser as a single file of `kind` in the family's single-file layout; returns its tensors' bytes."""
+    from difftune.models import Components
+
+    shapes = {key: tensor.shape for key, tensor in family.to_single_file(
+        Components(family=family, denoiser=model, vae=None, text_encoders={}, tokenizers={}, noise_scheduler=None)).items()}
+    if kind == "Q8_0":
+        import gguf
+
+        writer = gguf.GGUFWriter(str(out / f"{family.denoiser_name}-Q8_0.gguf"), arch=family.name)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        total = 0
+        for key, shape in shapes.items():
+            value = random_like(key, shape, generator).float().numpy()
+            if len(shape) >= 2 and shape[-1] % 32 == 0:
+                value = gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0)
+                writer.add_tensor(key, value, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            else:
+                writer.add_tensor(key, value)
+            total += value.nbytes
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return total
+    tensors = {"scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}
+    for key, shape in shapes.items():
+        value = random_like(key, shape, generator)
+        if key.endswith(".weight") and len(shape) >= 2:
+            scale = value.float().abs().max() / torch.finfo(torch.float8_e4m3fn).max
+            tensors[key] = (value.float() / scale).to(torch.float8_e4m3fn)
+            tensors[key.removesuffix(".weight") + ".scale_weight"] = scale
+        else:
+            tensors[key] = value
+    save_file(tensors, out / f"{family.denoiser_name}_fp8_scaled.safetensors")
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, choices=published.published_bases(), help="the published base")
     parser.add_argument("--out", type=Path, required=True, help="folder to write (must not exist)")
     parser.add_argument("--blocks", type=int, help="keep the denoiser's first N blocks (each kind: double, single)")
     parser.add_argument("--tokenizers-from", type=Path, help="tiny base whose tokenizers to copy (default: the family's)")
+    parser.add_argument("--denoiser-file", choices=("fp8_scaled", "Q8_0"),
+                        help="write the denoiser as a ComfyUI scaled fp8 or a GGUF Q8_0 single file")
+    parser.add_argument("--config-only", action="append", default=[], metavar="PART",
+                        help="write this part's config alone (a part the measured job never loads)")
     args = parser.parse_args()
 
     from difftune.config import ModelConfig
@@ -104,7 +155,7 @@ def main() -> None:
             shutil.copytree(tokenizers / name, args.out / name)
             continue
         shutil.copytree(configs / name, args.out / name)
-        if name == "scheduler":
+        if name == "scheduler" or name in args.config_only:
             continue
         config_path = args.out / name / "config.json"
         if name == family.denoiser_name and args.blocks:
@@ -113,11 +164,15 @@ def main() -> None:
             config_path.write_text(json.dumps(config, indent=1))
         started = time.perf_counter()
         model = meta_model(*spec, args.out / name)
-        written[name] = write_part(model, spec[0], args.out / name, generator)
+        if name == family.denoiser_name and args.denoiser_file:
+            written[name] = write_denoiser_file(family, model, args.denoiser_file, args.out, generator)
+        else:
+            written[name] = write_part(model, spec[0], args.out / name, generator)
         print(f"{name}: {written[name] / 2**30:.2f} GiB in {time.perf_counter() - started:.0f} s", flush=True)
     (args.out / "README.md").write_text(
         f"# {args.base} at its real widths, random weights (bf16)\n\nBuilt by `python scripts/make_real_width_base.py "
-        f"--base {args.base}{f' --blocks {args.blocks}' if args.blocks else ''}`: not a model, a size. Parts' bytes: "
+        f"--base {args.base}{f' --blocks {args.blocks}' if args.blocks else ''}"
+        + "".join(f" --config-only {part}" for part in args.config_only) + "`: not a model, a size. Parts' bytes: "
         + ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in written.items()) + ".\n")
 
 
