@@ -270,15 +270,16 @@ def _rewrites_base(config: Config) -> bool:
     return config.adapter.init in ("pissa", "olora")
 
 
-def loads_encoders_first(config: Config, resume: str | None = None) -> bool:
+def loads_encoders_first(config: Config, family: Family, resume: str | None = None) -> bool:
     """Whether the run loads the encoders, fills the caches with them and lets go of them before the denoiser loads
     (train.py's `setup`): the host then holds the text encoders or the denoiser, not both (T5-XXL's 9.5 GB beside FLUX.1's
-    12 GB in fp8 outgrow a 24 GB machine). Where both caches are on, the base is a pipeline folder or hub id, and
-    nothing draws with the whole base before training: no "before" samples, no class images, no training adapter
-    (merged into the whole base)."""
+    12 GB in fp8 outgrow a 24 GB machine). Where both caches are on, the base is a pipeline folder, a hub id or a file
+    of the denoiser alone (`family`'s: not a whole pipeline's file), and nothing draws with the whole base before
+    training: no "before" samples, no class images, no training adapter (merged into the whole base)."""
     draws_before = config.sample.before and config.sample.prompts and not resume
+    whole_pipeline_file = config.model.base.endswith(SINGLE_FILE_SUFFIXES) and not family.reads_denoiser_files
     return (config.cache.latents == "on" and config.cache.text == "on" and not draws_before and not config.prior.enabled
-            and not config.model.training_adapter and not config.model.base.endswith(SINGLE_FILE_SUFFIXES))
+            and not config.model.training_adapter and not whole_pipeline_file)
 
 
 def store_loaded_denoiser(components: Components, config: Config) -> None:

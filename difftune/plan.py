@@ -187,7 +187,7 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     encoding_on_host = encoding if caches and device_type == "cpu" else 0
     # The host's phases: loading (the encoders alone, when they fill the caches and go first: `loads_encoders_first`;
     # else the whole base) and caching, then the denoiser loading beside the encoders kept for previews, then training.
-    if loads_encoders_first(config):
+    if loads_encoders_first(config, components.family):
         phases = {"loading and caching": {"encoders": encoders_loaded, "encoding activations": encoding_on_host},
                   "loading the denoiser": {"denoiser": denoiser_loaded, "encoders kept for previews": previews}}
     else:

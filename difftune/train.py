@@ -61,7 +61,7 @@ from difftune.data import (
 from difftune.ema import build_ema, ema_weights, update_ema
 from difftune.embeddings import caption_with_token, check_captions
 from difftune.errors import DifftuneError
-from difftune.families import load_components, load_denoiser
+from difftune.families import family_of, load_components, load_denoiser
 from difftune.guard import Guard
 from difftune.loss import training_noise_scheduler
 from difftune.metrics import METRICS_FILE, MetricsLog
@@ -166,7 +166,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     if config.train.check_memory:  # every process: each would load
         _check_memory(config, accelerator)
     say = None if config.log.quiet else accelerator.print
-    encoders_first = loads_encoders_first(config, resume)
+    encoders_first = loads_encoders_first(config, family_of(config.model), resume)
     with phase(f"loading {'the encoders of ' if encoders_first else ''}the base {config.model.base}", say):
         components = load_training_base(config, with_denoiser=not encoders_first)
     components.family.check_config(config)

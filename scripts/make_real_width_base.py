@@ -61,8 +61,14 @@ def random_like(name: str, shape: torch.Size, generator: torch.Generator) -> tor
 
 
 def write_part(model: torch.nn.Module, library: str, folder: Path, generator: torch.Generator) -> int:
-    """The part's state dict, random, in shards of at most SHARD_BYTES with the hub's index; returns its bytes."""
-    shapes = {name: tensor.shape for name, tensor in model.state_dict().items() if tensor.is_floating_point()}
+    """The part's state dict, random, in shards of at most SHARD_BYTES with the hub's index; returns its bytes. A
+    tensor held under two names (T5's tied `shared` and `encoder.embed_tokens`) is written once, under its first, as
+    `save_pretrained` writes it."""
+    shapes, seen = {}, set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.is_floating_point() and id(tensor) not in seen:
+            shapes[name] = tensor.shape
+            seen.add(id(tensor))
     stem = WEIGHT_FILES[library]
     shards, current, size = [], [], 0
     for name, shape in shapes.items():
