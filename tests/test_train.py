@@ -281,7 +281,7 @@ def test_parts_load_in_the_dtype_the_run_keeps_them_in(tiny_base, make_config):
     """No frozen part is read into fp32 first: under bf16 the encoders load in bf16, and a denoiser whose layers are
     stored apart loads as its files hold it, mapped from them without a copy, then is stored layer by layer."""
     from difftune.models import AS_STORED, PartDtypes, part_dtypes
-    from difftune.storage import _file_mappings
+    from difftune.storage import file_mappings
 
     config = make_config(train__mixed_precision="bf16", model__weight_dtype="fp8")
     assert part_dtypes(config) == PartDtypes(denoiser=AS_STORED, vae=torch.bfloat16, others=torch.bfloat16)
@@ -291,7 +291,7 @@ def test_parts_load_in_the_dtype_the_run_keeps_them_in(tiny_base, make_config):
     assert {p.dtype for p in loaded.vae.parameters()} == {torch.bfloat16}
     weights = [p for p in loaded.denoiser.parameters() if p.dim() > 1]
     assert {p.dtype for p in weights} == {torch.float32}  # the tiny base's files are fp32
-    mapped = _file_mappings()
+    mapped = file_mappings()
     assert all(any(low <= p.data_ptr() < high for low, high in mapped) for p in weights)  # the file's pages, not a copy
 
 
