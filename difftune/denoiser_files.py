@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load_file
 
 from difftune.errors import DifftuneError
-from difftune.storage import FP8, drop_file_pages, file_mappings
+from difftune.models import AS_STORED, PartDtypes
+from difftune.storage import FP8, STORED_LAYERS, drop_file_pages, file_mappings, keep_fp8
 
 # What ComfyUI's and ai-toolkit's denoiser-alone files may put before the denoiser's own keys.
 DENOISER_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -125,6 +126,57 @@ def read_gguf_file(path: str, diffusers_names: Callable[[dict], dict]) -> dict[s
             data = _gathered(file, Rows(rows.runs, torch.Size((*rows.shape[:-1], file[rows.runs[0][0]].shape[-1]))))
             out[key] = GGUFParameter(data, quant_type=quant_type)
     return out
+
+
+def load_denoiser_file(denoiser: torch.nn.Module, file: DenoiserFile, dtypes: PartDtypes) -> torch.nn.Module:
+    """`denoiser` (built empty) with `file`'s weights in `dtypes.denoiser` (`AS_STORED`: as the file holds them, an
+    fp8 file's in the compute dtype), made one tensor at a time. Where the run stores the denoiser in fp8
+    (`dtypes.stored_fp8_computes_in`), an fp8 file's weights are kept as the file holds them, with their own scales."""
+    kept = {}
+    if dtypes.stored_fp8_computes_in is not None:
+        layers = {f"{name}.weight" for name, module in denoiser.named_modules() if type(module) in STORED_LAYERS}
+        kept = {key: scale for key, scale in file.fp8_scales.items() if key in layers and isinstance(scale, float)}
+
+    def load_dtype(tensor: torch.Tensor) -> torch.dtype:
+        if dtypes.denoiser != AS_STORED:
+            return dtypes.denoiser
+        return dtypes.others if tensor.dtype == FP8 else tensor.dtype
+
+    weights = {key: tensor if key in kept else file.weight(key, load_dtype(tensor)) for key, tensor in file.tensors.items()}
+    denoiser.load_state_dict(weights, strict=True, assign=True)
+    for key, scale in kept.items():
+        keep_fp8(denoiser.get_submodule(key.removesuffix(".weight")), scale, dtypes.stored_fp8_computes_in)
+    return denoiser
+
+
+def load_gguf_file(denoiser: torch.nn.Module, path: str, diffusers_names: Callable[[dict], dict],
+                   compute_dtype: torch.dtype) -> torch.nn.Module:
+    """`denoiser` (built empty) with the weights of the GGUF file at `path` (`read_gguf_file`): each quantized linear
+    layer a diffusers `GGUFLinear` that keeps its weight in its quantized blocks and dequantizes it to
+    `compute_dtype` as it runs; the rest in `compute_dtype`. diffusers' own GGUF loading (`from_single_file`)
+    converts the original layout with the published models' widths written in (3072 for FLUX.1), so the layers
+    are swapped in here as its quantizer swaps them."""
+    from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter, _replace_with_gguf_linear, dequantize_gguf_tensor
+
+    weights = read_gguf_file(path, diffusers_names)
+    # As diffusers' GGUF loading: the modules the model keeps in fp32 are dequantized and kept so.
+    in_fp32 = list(denoiser._keep_in_fp32_modules or [])
+    _replace_with_gguf_linear(denoiser, compute_dtype, weights, modules_to_not_convert=in_fp32)
+    quantized = {f"{name}.weight" for name, layer in denoiser.named_modules() if isinstance(layer, GGUFLinear)}
+    for key in quantized:  # its blocks, not the layer's shape: set as diffusers' quantizer sets them
+        layer, name = key.rsplit(".", 1)
+        denoiser.get_submodule(layer)._parameters[name] = weights.pop(key)
+    # Quantized tensors of other layers (a modulation table, a pad token) are small: dequantized (diffusers would
+    # hand their blocks to the layer as its values).
+    weights = {key: (dequantize_gguf_tensor(value) if isinstance(value, GGUFParameter) else value).to(
+                   torch.float32 if any(module in key.split(".") for module in in_fp32) else compute_dtype)
+               for key, value in weights.items()}
+    loaded = denoiser.load_state_dict(weights, strict=False, assign=True)
+    mismatched = [key for key in loaded.missing_keys if key not in quantized] + loaded.unexpected_keys
+    if mismatched:
+        raise DifftuneError(f"model.base {path}: not a {type(denoiser).__name__} of the shape model.single_file_config "
+                            f"gives: {', '.join(mismatched[:5])} ...")
+    return denoiser.requires_grad_(False)
 
 
 def gguf_tensor_bytes(path: str) -> int:

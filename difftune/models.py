@@ -39,7 +39,7 @@ class PartDtypes:
     vae: torch.dtype = torch.float32
     others: torch.dtype = torch.float32  # the text encoders and drawing parts
     # Where the run stores the denoiser's frozen layers in fp8 (storage.py), the dtype they compute in: an fp8 single
-    # file's weights are then kept as the file holds them (`Family.denoiser_from_file`).
+    # file's weights are then kept as the file holds them (`denoiser_files.load_denoiser_file`).
     stored_fp8_computes_in: torch.dtype | None = None
     # False: the family's drawing parts (Wan 2.2's other expert, Ideogram 4's unconditional transformer) are left out,
     # where nothing draws before the run's end (train.py loads them again for its end samples).

@@ -29,11 +29,12 @@ from difftune import kohya, single_file
 from difftune.autoencoders import LatentNormalization, frames_per_latent, latent_normalization
 from difftune.clips import FrameWindows
 from difftune.config import Config, LossConfig, ModelConfig, Section
-from difftune.denoiser_files import DENOISER_FILE_PREFIXES, DenoiserFile, is_gguf, read_denoiser_file, read_gguf_file
+from difftune.denoiser_files import (
+    DENOISER_FILE_PREFIXES, DenoiserFile, is_gguf, load_denoiser_file, load_gguf_file, read_denoiser_file,
+)
 from difftune.errors import DifftuneError
 from difftune.loss import WEIGHTINGS, diffusion_loss, draw_timesteps_and_noise
 from difftune.models import AS_STORED, FP32_PARTS, SINGLE_FILE_SUFFIXES, Components, PartDtypes, files_dtype, tokenize
-from difftune.storage import FP8, STORED_LAYERS, keep_fp8
 
 # A UNet block's name, wherever the UNet sits (peft and compile may wrap it): `down_blocks.1`, `mid_block`,
 # `up_blocks.0.attentions.2`, `down_blocks.0.resnets.1`...
@@ -169,7 +170,7 @@ class Family:
         `dtypes.denoiser`."""
         part, part_class = self._denoiser_class(config)
         if config.base.endswith(SINGLE_FILE_SUFFIXES):
-            return (self.gguf_denoiser if is_gguf(config.base) else self.denoiser_from_file)(config, part, dtypes)
+            return self.denoiser_of_file(config, part, dtypes)
         return part_class.from_pretrained(
             config.base, subfolder=part, revision=config.revision or None, variant=config.variant or None,
             dtype=self._denoiser_dtype(config, part, dtypes),
@@ -199,9 +200,8 @@ class Family:
     def pipeline_around_denoiser_file(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
         """For a single file that holds the denoiser alone (how ComfyUI ships the newer families: their text encoder
         and autoencoder are files of their own): the pipeline of `model.single_file_config` around the denoiser
-        (`denoiser_class`) with the file's weights, each part in its `dtypes` (None: left out). A `.safetensors`
-        file is read tensor by tensor (`denoiser_from_file`), a GGUF file by diffusers (`gguf_denoiser`). A family
-        whose single files are so sets `single_file_pipeline = pipeline_around_denoiser_file`."""
+        (`denoiser_of_file`), each part in its `dtypes` (None: left out). A family whose single files are so sets
+        `single_file_pipeline = pipeline_around_denoiser_file`."""
         folder, revision = config.single_file_config, config.revision or None
         if not folder:
             raise DifftuneError(
@@ -217,70 +217,19 @@ class Family:
         if not dtypes.drawing_parts:
             parts |= dict.fromkeys(self.drawing_part_names_of(config))
         if dtypes.denoiser is not None:
-            load = self.gguf_denoiser if is_gguf(config.base) else self.denoiser_from_file
-            parts[part] = load(config, part, dtypes)
+            parts[part] = self.denoiser_of_file(config, part, dtypes)
         return self.pipeline_class.from_pretrained(folder, **parts, revision=revision, **self.fixed_pipeline_arguments)
 
-    def denoiser_from_file(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.nn.Module:
-        """The denoiser of a `.safetensors` file (`denoiser_file_weights`) in `dtypes.denoiser` (`AS_STORED`: as the
-        file holds it, an fp8 file's weights in the compute dtype), made one tensor at a time. Where the run stores the
-        denoiser in fp8 (`dtypes.stored_fp8_computes_in`), an fp8 file's weights are kept as the file holds them,
-        with their own scales: no copy."""
+    def denoiser_of_file(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.nn.Module:
+        """The denoiser (`denoiser_class`, as `model.single_file_config` shapes it) of a file of it alone: a
+        `.safetensors` file tensor by tensor, a GGUF file's blocks quantized (denoiser_files.py)."""
         denoiser_config = self.denoiser_class.load_config(config.single_file_config, subfolder=part,
                                                           revision=config.revision or None)
         with init_empty_weights():
             denoiser = self.denoiser_class.from_config(denoiser_config)
-        file = self.denoiser_file_weights(config.base)
-        kept = {}
-        if dtypes.stored_fp8_computes_in is not None:
-            layers = {f"{name}.weight" for name, module in denoiser.named_modules() if type(module) in STORED_LAYERS}
-            kept = {key: scale for key, scale in file.fp8_scales.items() if key in layers and isinstance(scale, float)}
-
-        def load_dtype(tensor: torch.Tensor) -> torch.dtype:
-            if dtypes.denoiser != AS_STORED:
-                return dtypes.denoiser
-            return dtypes.others if tensor.dtype == FP8 else tensor.dtype
-
-        weights = {key: tensor if key in kept else file.weight(key, load_dtype(tensor))
-                   for key, tensor in file.tensors.items()}
-        denoiser.load_state_dict(weights, strict=True, assign=True)
-        for key, scale in kept.items():
-            keep_fp8(denoiser.get_submodule(key.removesuffix(".weight")), scale, dtypes.stored_fp8_computes_in)
-        return denoiser
-
-    def gguf_denoiser(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.nn.Module:
-        """The denoiser of a GGUF file (`read_gguf_file`, its names converted as a `.safetensors` file's): each
-        quantized linear layer a diffusers `GGUFLinear` that keeps its weight in its quantized blocks and dequantizes it
-        to the compute dtype (`dtypes.others`) as it runs; the rest in the compute dtype. diffusers' own GGUF loading
-        (`from_single_file`) converts the original layout with the published models' widths written in (3072 for
-        FLUX.1), so the layers are swapped in as its quantizer does."""
-        from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter, _replace_with_gguf_linear, dequantize_gguf_tensor
-
-        denoiser_config = self.denoiser_class.load_config(config.single_file_config, subfolder=part,
-                                                          revision=config.revision or None)
-        with init_empty_weights():
-            denoiser = self.denoiser_class.from_config(denoiser_config)
-        weights = read_gguf_file(config.base, self.diffusers_names)
-        # As diffusers' GGUF loading: the modules the model keeps in fp32 are dequantized and kept so.
-        in_fp32 = list(denoiser._keep_in_fp32_modules or [])
-        _replace_with_gguf_linear(denoiser, dtypes.others, weights, modules_to_not_convert=in_fp32)
-        quantized = {f"{name}.weight" for name, layer in denoiser.named_modules() if isinstance(layer, GGUFLinear)}
-        for key in quantized:  # its blocks, not the layer's shape: set as diffusers' quantizer sets them
-            layer, name = key.rsplit(".", 1)
-            denoiser.get_submodule(layer)._parameters[name] = weights.pop(key)
-        # Quantized tensors of other layers (a modulation table, a pad token) are small: dequantized (diffusers would
-        # hand their blocks to the layer as its values).
-        weights = {key: (dequantize_gguf_tensor(value) if isinstance(value, GGUFParameter) else value).to(
-                       torch.float32 if any(module in key.split(".") for module in in_fp32) else dtypes.others)
-                   for key, value in weights.items()}
-        loaded = denoiser.load_state_dict(weights, strict=False, assign=True)
-        missing = [key for key in loaded.missing_keys if key not in quantized]
-        if missing or loaded.unexpected_keys:
-            raise DifftuneError(
-                f"model.base {config.base}: not a {self.description} {part} of the shape model.single_file_config "
-                f"gives: {', '.join((missing + loaded.unexpected_keys)[:5])} ..."
-            )
-        return denoiser.requires_grad_(False)
+        if is_gguf(config.base):
+            return load_gguf_file(denoiser, config.base, self.diffusers_names, dtypes.others)
+        return load_denoiser_file(denoiser, self.denoiser_file_weights(config.base), dtypes)
 
     @property
     def reads_denoiser_files(self) -> bool:
@@ -295,8 +244,8 @@ class Family:
 
     def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A denoiser file's tensors (ComfyUI's prefixes gone) under diffusers' names: as they are, unless the
-        family's files have another layout. Only moves, splits and joins tensors: denoiser_files.py runs it over
-        the tensors' fp8 scales as well."""
+        family's files have another layout. Only moves, splits, joins and reshapes (vectors): denoiser_files.py runs
+        it over codes of the file's rows, never over its weights."""
         return weights
 
     def denoiser_part(self, options: FamilyOptions) -> str:
