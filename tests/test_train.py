@@ -284,7 +284,9 @@ def test_parts_load_in_the_dtype_the_run_keeps_them_in(tiny_base, make_config):
     from difftune.storage import file_mappings
 
     config = make_config(train__mixed_precision="bf16", model__weight_dtype="fp8")
-    assert part_dtypes(config) == PartDtypes(denoiser=AS_STORED, vae=torch.bfloat16, others=torch.bfloat16)
+    # Nothing drawn before the end (no sample prompts): drawing parts are left out until then.
+    assert part_dtypes(config) == PartDtypes(denoiser=AS_STORED, vae=torch.bfloat16, others=torch.bfloat16,
+                                             stored_fp8_computes_in=torch.bfloat16, drawing_parts=False)
     assert part_dtypes(make_config(adapter__kind="none", train__mixed_precision="bf16")) == PartDtypes()
     loaded = load_components(config.model, part_dtypes(config))
     assert {p.dtype for p in loaded.text_encoders["text_encoder"].parameters()} == {torch.bfloat16}
