@@ -20,8 +20,8 @@ from difftune.config import AdapterConfig
 from difftune.embeddings import add_tokens
 from difftune.errors import DifftuneError
 from difftune.models import Components
-from difftune.storage import casts_reused
 from difftune.preflight import layer_suffixes, missing_targets, unmatched_targets
+from difftune.storage import casts_reused
 
 DORA_MAGNITUDE = "lora_magnitude_vector"
 # LoHa's and LoKr's tensors: the same names in peft's state dicts and in LyCORIS files.

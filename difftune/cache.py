@@ -38,12 +38,20 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from difftune.config import Config
-from difftune.clips import read_frames
-from difftune.data import (
-    Example, Prompt, Size, clip_to_tensor, image_to_tensor, open_image, place_crop, prompt_controls, resize_and_crop,
-)
 from difftune.autoencoders import encode_posterior
+from difftune.clips import read_frames
+from difftune.config import Config
+from difftune.data import (
+    Example,
+    Prompt,
+    Size,
+    clip_to_tensor,
+    image_to_tensor,
+    open_image,
+    place_crop,
+    prompt_controls,
+    resize_and_crop,
+)
 from difftune.models import Components
 from difftune.places import existing, folder, write_tensors
 from difftune.sources import Stored

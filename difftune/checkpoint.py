@@ -33,12 +33,12 @@ import shutil
 import signal
 import threading
 import time
-import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import tomllib
 import torch
 from safetensors.torch import load_file, save_file
 

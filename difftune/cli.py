@@ -11,7 +11,11 @@ from typing import Literal, get_args, get_origin
 from pydantic import ValidationError
 
 from difftune.config import (
-    TRAINING_ONLY_SAMPLE_FIELDS, Config, SampleConfig, describe_errors, load_config,
+    TRAINING_ONLY_SAMPLE_FIELDS,
+    Config,
+    SampleConfig,
+    describe_errors,
+    load_config,
 )
 from difftune.errors import ERROR_PREFIX, DifftuneError
 from difftune.form import parse_adapter_spec

@@ -8,16 +8,15 @@ before any work, with one message naming the key and what is allowed.
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 from typing import Any, Literal, get_origin
 
 import tomli_w
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from difftune.errors import DifftuneError
 from difftune.sources import is_url
-
 
 # Which fields are paths. In a config file, a relative path is relative to that file; on the command line (and
 # in defaults), to the working directory; the resolved config holds absolute paths. A `model` path that does not

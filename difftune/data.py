@@ -50,7 +50,13 @@ from difftune.config import DataConfig
 from difftune.errors import DifftuneError
 from difftune.places import read_tensors, write_text
 from difftune.sources import (
-    Stored, is_stored_source, read_source, readable, source_identity, stored_fields, stored_from_fields,
+    Stored,
+    is_stored_source,
+    read_source,
+    readable,
+    source_identity,
+    stored_fields,
+    stored_from_fields,
 )
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}

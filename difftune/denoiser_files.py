@@ -156,7 +156,12 @@ def load_gguf_file(denoiser: torch.nn.Module, path: str, diffusers_names: Callab
     `compute_dtype` as it runs; the rest in `compute_dtype`. diffusers' own GGUF loading (`from_single_file`)
     converts the original layout with the published models' widths written in (3072 for FLUX.1), so the layers
     are swapped in here as its quantizer swaps them."""
-    from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter, _replace_with_gguf_linear, dequantize_gguf_tensor
+    from diffusers.quantizers.gguf.utils import (
+        GGUFLinear,
+        GGUFParameter,
+        _replace_with_gguf_linear,
+        dequantize_gguf_tensor,
+    )
 
     weights = read_gguf_file(path, diffusers_names)
     # As diffusers' GGUF loading: the modules the model keeps in fp32 are dequantized and kept so.

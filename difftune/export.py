@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import tempfile
-import tomllib
 from pathlib import Path
 
+import tomllib
 import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
 from safetensors.torch import save_file

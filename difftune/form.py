@@ -7,13 +7,13 @@ values go back through `Config` itself, so the form shows the schema's own valid
 from __future__ import annotations
 
 import json
-import tomllib
 import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import tomli_w
+import tomllib
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 

@@ -30,13 +30,20 @@ loaders do.
 from __future__ import annotations
 
 import json
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
 import torch
 
-from difftune.adapters import DORA_MAGNITUDE, LYCORIS_TENSORS, adapter_kind, adapter_scale, config_alpha, derived_lora_configs
+from difftune.adapters import (
+    DORA_MAGNITUDE,
+    LYCORIS_TENSORS,
+    adapter_kind,
+    adapter_scale,
+    config_alpha,
+    derived_lora_configs,
+)
 
 TEXT_MODEL = "text_model."
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from types import MethodType
 from pathlib import Path
+from types import MethodType
 
 import numpy as np
 import torch

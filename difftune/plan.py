@@ -123,10 +123,16 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     from diffusers.training_utils import cast_training_params
 
     from difftune.adapters import add_adapters
-    from difftune.models import (
-        AS_STORED, encoder_placement, loads_encoders_first, part_dtypes, place_frozen, stored_dtype, weight_dtype,
-    )
     from difftune.denoiser_files import gguf_tensor_bytes, is_gguf
+    from difftune.models import (
+        AS_STORED,
+        encoder_placement,
+        loads_encoders_first,
+        part_dtypes,
+        place_frozen,
+        stored_dtype,
+        weight_dtype,
+    )
     from difftune.storage import computed_copies_saved_as_stored
 
     baseline = process_status_bytes("VmRSS")

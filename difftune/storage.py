@@ -45,7 +45,7 @@ MADV_DONTNEED = 4
 
 # Each live computed copy's storage (`storage_key`) -> (its stored source, the parametrization that cast it). An
 # entry leaves with its copy.
-_SOURCES: dict[int, tuple[torch.Tensor, "ComputedFromStored"]] = {}
+_SOURCES: dict[int, tuple[torch.Tensor, ComputedFromStored]] = {}
 
 
 class _CastBuffers:

@@ -35,14 +35,28 @@ from tqdm.auto import tqdm
 
 from difftune import export, sharding
 from difftune.activations import BlockActivations
-from difftune.autoencoders import encode_posterior, reference_latents, sample_latents
 from difftune.adapters import add_adapters, check_targets, trainable_parameters, trained_parts
+from difftune.autoencoders import encode_posterior, reference_latents, sample_latents
 from difftune.cache import (
-    cache_root, control_latent_entries, fill_latents, fill_text, latent_entries, model_identity, text_entries, text_identity,
+    cache_root,
+    control_latent_entries,
+    fill_latents,
+    fill_text,
+    latent_entries,
+    model_identity,
+    text_entries,
+    text_identity,
 )
 from difftune.checkpoint import (
-    CHECKPOINTS_DIR, Checkpointer, Progress, StopRequest, find_checkpoint, full_disk_said_plainly,
-    keep_models_out_of_accelerate_state, retire_after, step_of,
+    CHECKPOINTS_DIR,
+    Checkpointer,
+    Progress,
+    StopRequest,
+    find_checkpoint,
+    full_disk_said_plainly,
+    keep_models_out_of_accelerate_state,
+    retire_after,
+    step_of,
 )
 from difftune.config import Config
 from difftune.data import (
@@ -50,9 +64,9 @@ from difftune.data import (
     CaptionedImages,
     TrainingOrder,
     batch_groups,
-    frame_counts,
     build_dataloader,
     control_sizes,
+    frame_counts,
     possible_prompts,
     report_bad_files,
     scan_examples,
@@ -66,16 +80,26 @@ from difftune.guard import Guard
 from difftune.loss import training_noise_scheduler
 from difftune.metrics import METRICS_FILE, MetricsLog
 from difftune.models import (
-    Components, cast_frozen, encoder_placement, encoders_on, host_kept_encoders, loads_encoders_first, part_dtypes,
-    place_frozen, set_attention, store_loaded_denoiser, stored_dtype, weight_dtype,
+    Components,
+    cast_frozen,
+    encoder_placement,
+    encoders_on,
+    host_kept_encoders,
+    loads_encoders_first,
+    part_dtypes,
+    place_frozen,
+    set_attention,
+    store_loaded_denoiser,
+    stored_dtype,
+    weight_dtype,
 )
 from difftune.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.output_lock import hold_output_dir
-from difftune.plan import DoesNotFit, check_fits, with_offload_budget
 from difftune.parity import check_parity, parity_line, room_for_a_fresh_copy, write_report
+from difftune.plan import DoesNotFit, check_fits, with_offload_budget
 from difftune.preflight import check_before_start
-from difftune.progress import phase
 from difftune.prior import class_examples, class_folder, fill_class_images
+from difftune.progress import phase
 from difftune.quantize import quantize_linear_layers
 from difftune.sample import generate_images, save_images
 from difftune.sources import is_stored_source

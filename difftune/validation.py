@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
+from difftune.autoencoders import encode_latents, encode_posterior, reference_latents
 from difftune.config import Config, ValidationConfig
 from difftune.data import CaptionedImages, control_sizes, derive_seed, report_bad_files, scan_examples, training_sizes
 from difftune.errors import DifftuneError
-from difftune.autoencoders import encode_latents, encode_posterior, reference_latents
 from difftune.models import Components, eval_mode
 
 VALIDATION_STREAM = 2

@@ -25,7 +25,14 @@ from difftune.config import TRAINING_ONLY_SAMPLE_FIELDS, Config, ModelConfig, Sa
 from difftune.errors import DifftuneError
 from difftune.finders import LR_PLOT_FILE
 from difftune.form import (
-    DEFAULT_PRESET, FormField, Preset, config_from_widgets, file_widget_values, form_fields, form_toml, parse_adapter_lines,
+    DEFAULT_PRESET,
+    FormField,
+    Preset,
+    config_from_widgets,
+    file_widget_values,
+    form_fields,
+    form_toml,
+    parse_adapter_lines,
     presets,
 )
 from difftune.models import DTYPES

@@ -110,7 +110,7 @@ def markdown_table(records: list[dict]) -> str:
         speed = sorted(peer["sec_per_step_inrun"] / ours["sec_per_step_inrun"] for peer, ours in pairs)
         rss = statistics.median(ours["peak_rss_mb"] / peer["peak_rss_mb"] for peer, ours in pairs)
 
-        def median(trainer: int, key: str) -> float:
+        def median(trainer: int, key: str, pairs: list = pairs) -> float:
             return statistics.median(pair[trainer][key] for pair in pairs)
 
         lines.append(

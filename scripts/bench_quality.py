@@ -25,10 +25,10 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from difftune.config import load_config
-from difftune.toy.judge import EvalSettings, score
 from difftune.export import apply_adapters, variant_of
 from difftune.families import load_components
 from difftune.metrics import read_metrics
+from difftune.toy.judge import EvalSettings, score
 from difftune.toy.tiny import shape_images, write_caption_folder
 from difftune.toy.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
 from difftune.train import train

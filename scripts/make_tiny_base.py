@@ -21,12 +21,26 @@ from functools import partial
 from pathlib import Path
 
 from difftune.autoencoders import PATCHED_AUTOENCODERS
-from difftune.toy.judge import EvalSettings, clip_score, score
 from difftune.config import ModelConfig
 from difftune.families import load_components
-from difftune.toy.tiny import CLIP_FRAMES, CLIP_SPEED, moving_shape_clips, shape_images, write_caption_folder, write_clip_folder
+from difftune.toy.judge import EvalSettings, clip_score, score
+from difftune.toy.tiny import (
+    CLIP_FRAMES,
+    CLIP_SPEED,
+    moving_shape_clips,
+    shape_images,
+    write_caption_folder,
+    write_clip_folder,
+)
 from difftune.toy.tiny_base import (
-    HELD_OUT_COLOR, RECIPES, SDXL_STEPS, SEEN_COLORS, Recipe, build_base, copy_into_borrowers, link_borrowed_files,
+    HELD_OUT_COLOR,
+    RECIPES,
+    SDXL_STEPS,
+    SEEN_COLORS,
+    Recipe,
+    build_base,
+    copy_into_borrowers,
+    link_borrowed_files,
 )
 
 CARD = """---

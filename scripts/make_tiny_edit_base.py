@@ -18,7 +18,12 @@ from difftune.families import load_components
 from difftune.toy.judge import EvalSettings, edit_score
 from difftune.toy.tiny import recolor_pairs, write_pair_folder
 from difftune.toy.tiny_base import (
-    EDIT_RECIPES, HELD_OUT_COLOR, SEEN_COLORS, build_edit_base, copy_into_borrowers, link_borrowed_files,
+    EDIT_RECIPES,
+    HELD_OUT_COLOR,
+    SEEN_COLORS,
+    build_edit_base,
+    copy_into_borrowers,
+    link_borrowed_files,
 )
 
 CARD = """---

@@ -1,8 +1,8 @@
 """Latent and text caches: the same run, faster; invalidated by content, never stale."""
 
-import pytest
 from functools import partial
 
+import pytest
 import torch
 from PIL import Image
 
@@ -10,8 +10,8 @@ from difftune.cache import fill_latents, latent_entries, model_identity
 from difftune.config import load_config
 from difftune.data import scan_examples, training_sizes
 from difftune.errors import DifftuneError
-from difftune.metrics import read_metrics
 from difftune.families import FAMILIES, load_components
+from difftune.metrics import read_metrics
 from difftune.toy.tiny import build_vae
 from difftune.train import train
 
@@ -73,8 +73,8 @@ def _filled_latent_cache(make_config, tmp_path):
 def test_a_cached_latent_is_the_posterior_of_its_image(make_config, tmp_path):
     from safetensors.torch import load_file
 
-    from difftune.data import image_to_tensor, open_image, resize_and_crop
     from difftune.autoencoders import encode_posterior
+    from difftune.data import image_to_tensor, open_image, resize_and_crop
 
     config, components, examples, sizes, entries = _filled_latent_cache(make_config, tmp_path)
     image = resize_and_crop(open_image(examples[0].path, config.data), (32, 32), "center")

@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 from difftune.autoencoders import decode_latents, encode_posterior, frames_per_latent
-from difftune.clips import BadClip, FrameWindows, probe, read_frames, write_clip
 from difftune.cache import latent_entries
+from difftune.clips import BadClip, FrameWindows, probe, read_frames, write_clip
 from difftune.config import DataConfig, load_config
 from difftune.data import TrainingOrder, batch_groups, frame_counts, load_clip, scan_examples
 from difftune.errors import DifftuneError

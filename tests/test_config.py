@@ -1,10 +1,10 @@
 import re
 import socket
-import tomllib
 from pathlib import Path
 
 import pytest
 import tomli_w
+import tomllib
 
 from difftune.cli import main
 from difftune.config import Config, load_config, reference_markdown

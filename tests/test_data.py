@@ -6,9 +6,9 @@ import torch
 from PIL import Image
 
 from difftune.config import DataConfig
-from difftune.families import FAMILIES
 from difftune.data import CaptionedImages, TrainingOrder, load_image, sample_seed, scan_examples
 from difftune.errors import DifftuneError
+from difftune.families import FAMILIES
 from difftune.toy.tiny import build_tokenizer
 
 

@@ -9,11 +9,10 @@ from diffusers import StableDiffusionPipeline
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from difftune.config import AdapterConfig
+from difftune.config import AdapterConfig, ModelConfig
 from difftune.embeddings import TOKEN_METADATA_KEY, caption_with_token
 from difftune.errors import DifftuneError
 from difftune.families import load_components
-from difftune.config import ModelConfig
 from difftune.metrics import read_metrics
 from difftune.train import train
 

@@ -7,11 +7,11 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 import torch
 from diffusers import StableDiffusionPipeline
 from PIL import Image

@@ -39,8 +39,8 @@ from difftune.families import FAMILIES, family_of, family_table_markdown, load_c
 from difftune.families.fused import FusedKohyaLayout
 from difftune.families.lumina2 import SYSTEM_PROMPT
 from difftune.metrics import read_metrics
-from difftune.plan import plan_memory
 from difftune.models import AS_STORED, PartDtypes, loads_encoders_first
+from difftune.plan import plan_memory
 from difftune.toy.tiny import build_pipeline, recolor_pairs
 from difftune.train import train
 

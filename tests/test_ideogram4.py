@@ -11,7 +11,6 @@ from diffusers.pipelines.ideogram4.pipeline_ideogram4 import _resolution_aware_m
 from safetensors.torch import load_file, save_file
 
 from difftune import export
-
 from difftune.autoencoders import encode_posterior
 from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components

@@ -7,10 +7,10 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler
 
+from difftune.autoencoders import decode_latents, encode_latents
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import load_components
-from difftune.autoencoders import decode_latents, encode_latents
 from difftune.models import place_frozen, set_attention
 from difftune.toy.tiny import build_taesd, build_unet, build_vae
 

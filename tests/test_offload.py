@@ -42,7 +42,7 @@ def test_offloaded_layers_compute_as_in_place_and_are_copied_ahead(tiny_base, ch
     assert kept + offloader.host_bytes // 4 == sum(p.numel() for p in in_place.parameters())
     torch.manual_seed(0)
     inputs = (torch.randn(2, 4, 16, 16), torch.tensor([10, 500]), torch.randn(2, 77, unet.config.cross_attention_dim))
-    for step in range(2):
+    for _ in range(2):
         offloader.copies = dict.fromkeys(offloader.copies, 0)
         with storage.computed_copies_saved_as_stored():
             loss = unet(*inputs).sample.square().mean()

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from difftune.cli import main
 from difftune.config import ModelConfig, load_config
+from difftune.families import load_components
 from difftune.toy.judge import (
     EvalSettings,
     accuracy,
@@ -33,7 +34,6 @@ from difftune.toy.judge import (
     judged_samples,
     prompts_for,
 )
-from difftune.families import load_components
 from difftune.toy.tiny import CLIP_FRAMES, COLORS, DIRECTIONS, SHAPES, moving_shape_clips, shape_images
 from difftune.toy.tiny_base import (
     FLUX2_KLEIN_RECIPE,

@@ -19,7 +19,12 @@ from difftune.cli import main
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
-from difftune.families.qwen_image_edit import EDIT_PROMPT_TEMPLATE, EDIT_TEMPLATE_TOKENS, VISION_TOKENS, control_dimensions
+from difftune.families.qwen_image_edit import (
+    EDIT_PROMPT_TEMPLATE,
+    EDIT_TEMPLATE_TOKENS,
+    VISION_TOKENS,
+    control_dimensions,
+)
 from difftune.metrics import read_metrics
 from difftune.toy.tiny import (
     build_pipeline,

@@ -258,7 +258,7 @@ def test_shard_members_are_keyed_and_read_by_their_byte_range(tmp_path):
     shard = tmp_path / "train-0000.tar"
     with tarfile.open(shard, "w") as tar:
         add_member(tar, "part/0001.seg.png", png((200, 0, 0)))  # webdataset's key: up to the name's first dot
-        add_member(tar, "part/0001.txt", "a red square".encode())
+        add_member(tar, "part/0001.txt", b"a red square")
         add_member(tar, "0002.png", png((0, 0, 200)))
         add_member(tar, "0002.json", json.dumps({"text": "a blue square", "width": 32}).encode())
     examples, bad = scan_examples(DataConfig(path=str(shard)))

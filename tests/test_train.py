@@ -1,7 +1,7 @@
 import json
-import tomllib
 
 import pytest
+import tomllib
 import torch
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from safetensors import safe_open
@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from difftune.config import load_config
 from difftune.errors import DifftuneError
-from difftune.metrics import read_metrics
 from difftune.families import load_components
+from difftune.metrics import read_metrics
 from difftune.toy.tiny import shape_images, write_caption_folder
 from difftune.train import train
 from difftune.validation import Validator

@@ -58,7 +58,7 @@ def server(tmp_path_factory):
                 break
         except OSError:
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the UI did not start: " + (root / "server.log").read_text())
+                raise RuntimeError("the UI did not start: " + (root / "server.log").read_text()) from None
             time.sleep(0.5)
     yield {"url": f"http://127.0.0.1:{port}", "port": port, "jobs": jobs_dir, "root": root}
     process.terminate()

@@ -11,22 +11,22 @@ import av
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from diffusers import UniPCMultistepScheduler, WanPipeline
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_wan_lora_to_diffusers
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from difftune import export, jobs, plan, sample
-from difftune.autoencoders import downsampling
 from difftune.adapter_files import module_names_of, placed_on_base, read_adapter
+from difftune.autoencoders import downsampling
+from difftune.clips import write_clip
 from difftune.config import ModelConfig, SampleConfig
+from difftune.data import CaptionedImages
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.models import part_dtypes
-from difftune.data import CaptionedImages
 from difftune.sample import generate_images, sampling_scheduler, save_images
-from difftune.clips import write_clip
 from difftune.toy.tiny import build_pipeline, build_wan22_pipeline
 from difftune.train import train
 

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from diffusers import ZImageTransformer2DModel
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from difftune import export

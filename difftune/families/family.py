@@ -30,7 +30,12 @@ from difftune.autoencoders import LatentNormalization, frames_per_latent, latent
 from difftune.clips import FrameWindows
 from difftune.config import Config, LossConfig, ModelConfig, Section
 from difftune.denoiser_files import (
-    DENOISER_FILE_PREFIXES, DenoiserFile, is_gguf, load_denoiser_file, load_gguf_file, read_denoiser_file,
+    DENOISER_FILE_PREFIXES,
+    DenoiserFile,
+    is_gguf,
+    load_denoiser_file,
+    load_gguf_file,
+    read_denoiser_file,
 )
 from difftune.errors import DifftuneError
 from difftune.loss import WEIGHTINGS, diffusion_loss, draw_timesteps_and_noise

@@ -16,7 +16,6 @@ value).
 
 from __future__ import annotations
 
-
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
 from pydantic import Field

@@ -42,9 +42,9 @@ from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ideog
 
 from difftune.autoencoders import LatentNormalization, latent_normalization
 from difftune.config import Config
+from difftune.families.family import valid_token_states
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.fused import FusedKohyaLayout, kohya_blocks_of
-from difftune.families.family import valid_token_states
 from difftune.models import Components
 
 TEXT_TOKENS = 512  # tokens of a templated caption read at most

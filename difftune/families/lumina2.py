@@ -26,8 +26,8 @@ import re
 import torch
 from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
 
-from difftune.families.flow import FlowMatchingFamily
 from difftune.families.family import valid_token_states
+from difftune.families.flow import FlowMatchingFamily
 from difftune.families.fused import FusedKohyaLayout
 from difftune.families.z_image import fused_qkv, lumina_kohya_blocks
 from difftune.models import Components

@@ -93,7 +93,8 @@ class QwenImageEdit(QwenImage):
 
     # Edit pairs.
 
-    def control_size(self, target_size, control_size, options: EditOptions = EditOptions()):
+    def control_size(self, target_size, control_size, options: EditOptions | None = None):
+        options = options or EditOptions()
         return control_dimensions(options.control_resolution**2 or target_size[0] * target_size[1], control_size)
 
     def vision_prompt(self, count: int) -> str:

@@ -21,7 +21,6 @@ conditioned on two CLIPs and T5. Trained by flow matching (flow.py).
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline

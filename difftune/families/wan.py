@@ -40,9 +40,9 @@ from pydantic import Field
 
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
+from difftune.families.family import valid_token_states
 from difftune.families.flow import FlowMatchingFamily, FlowOptions
 from difftune.families.fused import OriginalNamesKohyaLayout
-from difftune.families.family import valid_token_states
 from difftune.models import Components
 
 TEXT_TOKENS = 512  # WanPipeline's default `max_sequence_length`: every caption's states are padded to it

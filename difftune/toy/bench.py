@@ -53,12 +53,12 @@ from transformers import (
     T5EncoderModel,
 )
 
-from difftune.toy import tiny
 from difftune.adapters import add_adapters
 from difftune.autoencoders import downsampling, latent_channels
 from difftune.config import load_config
-from difftune.metrics import read_metrics
 from difftune.families import load_components
+from difftune.metrics import read_metrics
+from difftune.toy import tiny
 from difftune.train import train
 
 # Dense tensor-core peaks (FLOP/s) by device name and precision, from the vendors' data sheets.

@@ -22,8 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers import (
-    Lumina2Pipeline,
-    Lumina2Transformer2DModel,
     AutoencoderKL,
     AutoencoderKLFlux2,
     AutoencoderKLQwenImage,
@@ -45,14 +43,14 @@ from diffusers import (
     Ideogram4Transformer2DModel,
     Krea2Pipeline,
     Krea2Transformer2DModel,
+    Lumina2Pipeline,
+    Lumina2Transformer2DModel,
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
-    ZImagePipeline,
-    ZImageTransformer2DModel,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
@@ -60,18 +58,20 @@ from diffusers import (
     WanImageToVideoPipeline,
     WanPipeline,
     WanTransformer3DModel,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
 )
 from PIL import Image, ImageDraw
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
-    Gemma2Config,
-    Gemma2Model,
-    LlamaConfig,
-    LlamaForCausalLM,
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    Gemma2Config,
+    Gemma2Model,
+    LlamaConfig,
+    LlamaForCausalLM,
     Mistral3Config,
     Mistral3ForConditionalGeneration,
     PreTrainedTokenizerFast,

@@ -47,9 +47,9 @@ from difftune.toy.tiny import (
     CLIP_FRAMES,
     COLORS,
     DIRECTIONS,
-    SHAPES,
     FLUX2_LATENT_CHANNELS,
     FLUX_LATENT_CHANNELS,
+    SHAPES,
     assemble_tiny_pipeline,
     build_flow_scheduler,
     build_flux2_vae,
@@ -57,11 +57,11 @@ from difftune.toy.tiny import (
     build_qwen_scheduler,
     build_qwen_vae,
     build_sd3_scheduler,
-    build_z_image_scheduler,
     build_taesd,
     build_vae,
     build_wan_scheduler,
     build_wan_vae,
+    build_z_image_scheduler,
     edit_pipeline_of,
     moving_shape_clips,
     recolor_pairs,
@@ -432,12 +432,13 @@ def train_autoencoders(recipe: Recipe) -> tuple[AutoencoderKL | AutoencoderKLQwe
     return vae, taesd
 
 
-def build_base(out_dir: Path, work_dir: Path, recipe: Recipe = Recipe(), autoencoders_from: Path | None = None) -> dict:
+def build_base(out_dir: Path, work_dir: Path, recipe: Recipe | None = None, autoencoders_from: Path | None = None) -> dict:
     """Train everything (the autoencoders: unless `autoencoders_from`, a built base folder, lends its `vae/` and
     `taesd/`) and write the pipeline folder (fp16) with `taesd/` beside `vae/`; returns the facts for the model
     card (scores of the autoencoders, seconds per stage, the recipe)."""
     from difftune.train import train
 
+    recipe = recipe or Recipe()
     seconds: dict[str, float] = {}
     work_dir.mkdir(parents=True, exist_ok=True)
     clips = recipe.family == "wan"  # a video base: its autoencoder learns time, its transformer motion
