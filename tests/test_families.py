@@ -322,6 +322,24 @@ def test_an_fp8_single_file_is_read_as_a_base(name, micro_bases, tmp_path):
 
 
 
+def _write_scaled_fp8(tensors: dict[str, torch.Tensor], path: Path, products_path: Path,
+                      products_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """`tensors` as ComfyUI's `*_fp8_scaled.safetensors` at `path` (each matrix in e4m3 divided by its float
+    `.scale_weight`, a `scaled_fp8` marker), and at `products_path` the weights ComfyUI reads from it (e4m3 times its
+    scale, in `products_dtype`); returns the scaled file's tensors."""
+    scaled, products = {"scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, {}
+    for key, value in tensors.items():
+        if key.endswith(".weight") and value.dim() >= 2:
+            scale = value.abs().max().float() / 448  # ComfyUI's scales are any float, not a power of two
+            scaled[key], scaled[key.removesuffix(".weight") + ".scale_weight"] = (value / scale).to(torch.float8_e4m3fn), scale
+            products[key] = (scaled[key].float() * scale).to(products_dtype)  # comfy's weight * scale_weight
+        else:
+            scaled[key] = products[key] = value
+    save_file(scaled, path)
+    save_file(products, products_path)
+    return scaled
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_a_comfyui_scaled_fp8_file_is_read_with_its_scales(name, micro_bases, tmp_path):
     """ComfyUI's `*_fp8_scaled.safetensors`: each weight stored in e4m3 divided by its `.scale_weight`, a `scaled_fp8`
@@ -331,16 +349,7 @@ def test_a_comfyui_scaled_fp8_file_is_read_with_its_scales(name, micro_bases, tm
     (all-in-one checkpoints) refuses it by name: diffusers' reader would leave the scales out."""
     base = micro_bases[name]
     _, tensors = _single_file(name, base)
-    scaled, products = {"scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, {}
-    for key, value in tensors.items():
-        if key.endswith(".weight") and value.dim() >= 2:
-            scale = value.abs().max().float() / 448  # ComfyUI's scales are any float, not a power of two
-            scaled[key], scaled[key.removesuffix(".weight") + ".scale_weight"] = (value / scale).to(torch.float8_e4m3fn), scale
-            products[key] = scaled[key].float() * scale  # comfy's weight * scale_weight
-        else:
-            scaled[key] = products[key] = value
-    save_file(scaled, tmp_path / "model_fp8_scaled.safetensors")
-    save_file(products, tmp_path / "products.safetensors")
+    scaled = _write_scaled_fp8(tensors, tmp_path / "model_fp8_scaled.safetensors", tmp_path / "products.safetensors")
     scaled_file = ModelConfig(base=str(tmp_path / "model_fp8_scaled.safetensors"), single_file_config=str(base))
     if not FAMILIES[name].reads_denoiser_files:
         with pytest.raises(DifftuneError, match=r"fp8_scaled\.safetensors: a ComfyUI scaled fp8 file .*whole, .*weight_dtype = \"fp8\""):
@@ -373,16 +382,8 @@ def test_a_scaled_fp8_file_trains_in_fp8_as_its_products_in_bf16(micro_bases, ma
     file's products (rounded to bf16) do without storage, loss for loss and adapter for adapter."""
     base = micro_bases["flux"]
     _, tensors = _single_file("flux", base)
-    scaled, products = {"scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, {}
-    for key, value in tensors.items():
-        if key.endswith(".weight") and value.dim() >= 2:
-            scale = value.abs().max().float() / 448
-            scaled[key], scaled[key.removesuffix(".weight") + ".scale_weight"] = (value / scale).to(torch.float8_e4m3fn), scale
-            products[key] = (scaled[key].float() * scale).to(torch.bfloat16)
-        else:
-            scaled[key] = products[key] = value
-    save_file(scaled, tmp_path / "model_fp8_scaled.safetensors")
-    save_file(products, tmp_path / "products.safetensors")
+    _write_scaled_fp8(tensors, tmp_path / "model_fp8_scaled.safetensors", tmp_path / "products.safetensors",
+                      torch.bfloat16)
     results = {}
     for name, weight_dtype in (("model_fp8_scaled", "fp8"), ("products", "bf16")):
         settings = _settings("flux", base, tmp_path / name, model__base=str(tmp_path / f"{name}.safetensors"),

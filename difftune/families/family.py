@@ -47,7 +47,7 @@ UNET_BLOCK = re.compile(r"(?:^|\.)((?:down_blocks\.\d+|up_blocks\.\d+|mid_block)
 UNET_TOP_BLOCK = re.compile(r"(?:^|\.)(?:down_blocks\.\d+|mid_block|up_blocks\.\d+)$")
 SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler, "euler_a": EulerAncestralDiscreteScheduler,
             "dpmpp_2m": DPMSolverMultistepScheduler}
-def _config_folder(config: ModelConfig) -> str:
+def config_folder(config: ModelConfig) -> str:
     """Where `config.base`'s configs are: its own folder or hub id, a single file's `single_file_config`."""
     return config.single_file_config if config.base.endswith(SINGLE_FILE_SUFFIXES) else config.base
 
@@ -184,13 +184,13 @@ class Family:
     def empty_denoiser(self, config: ModelConfig) -> torch.nn.Module:
         """The denoiser built from its config alone, without weights (its shape: latent channels, blocks)."""
         part, part_class = self._denoiser_class(config)
-        folder = _config_folder(config)
+        folder = config_folder(config)
         with init_empty_weights():
             return part_class.from_config(part_class.load_config(folder, subfolder=part, revision=config.revision or None))
 
     def _denoiser_class(self, config: ModelConfig) -> tuple[str, type]:
         part = self.denoiser_part(self.options(config))
-        library, class_name = self.pipeline_class.load_config(_config_folder(config), revision=config.revision or None)[part]
+        library, class_name = self.pipeline_class.load_config(config_folder(config), revision=config.revision or None)[part]
         return part, getattr(importlib.import_module(library), class_name)  # as the pipeline would load it
 
     def single_file_pipeline(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):

@@ -40,7 +40,7 @@ from pydantic import Field
 
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
-from difftune.families.family import valid_token_states
+from difftune.families.family import config_folder, valid_token_states
 from difftune.families.flow import FlowMatchingFamily, FlowOptions
 from difftune.families.fused import OriginalNamesKohyaLayout
 from difftune.models import Components
@@ -76,6 +76,11 @@ ORIGINAL_WEIGHT_RENAMES = [
     (".norm2.", ".norm_swapped."), (".norm3.", ".norm2."), (".norm_swapped.", ".norm3."), ("proj_out.", "head.head."),
     (".scale_shift_table", ".modulation"),
 ]
+
+
+def _has_two_experts(index: dict) -> bool:
+    """Whether a pipeline's model_index names a second transformer (Wan 2.2 A14B's low-noise expert)."""
+    return (index.get("transformer_2") or [None])[0] is not None
 
 
 class WanOptions(FlowOptions):
@@ -134,8 +139,7 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
 
     def drawing_part_names_of(self, config: ModelConfig) -> tuple[str, ...]:
         """A Wan 2.2 A14B base's other expert (none for a one-transformer base)."""
-        index = self.pipeline_class.load_config(config.single_file_config or config.base, revision=config.revision or None)
-        if (index.get("transformer_2") or [None])[0] is None:
+        if not _has_two_experts(self.pipeline_class.load_config(config_folder(config), revision=config.revision or None)):
             return ()
         return ("transformer" if self.denoiser_part(self.options(config)) == "transformer_2" else "transformer_2",)
 
@@ -144,8 +148,7 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
         # From the base's model_index (the plan's pipeline is one): a run's end loads its encoders again without the
         # trained expert, which leaves the pipeline's own record of it empty.
         name = pipeline.config.get("_name_or_path")
-        index = self.pipeline_class.load_config(name) if name else pipeline.config
-        experts = (index.get("transformer_2") or [None])[0] is not None
+        experts = _has_two_experts(self.pipeline_class.load_config(name) if name else pipeline.config)
         if not experts and options.expert != "auto":
             raise DifftuneError(f"model.family_options.expert = \"{options.expert}\": this base has one transformer "
                                 "(Wan 2.1, Wan 2.2 TI2V-5B); leave it at \"auto\"")
