@@ -18,9 +18,9 @@ from difftune.config import (
     load_config,
 )
 from difftune.errors import ERROR_PREFIX, DifftuneError
-from difftune.form import parse_adapter_spec
-from difftune.preflight import check_before_start
 from difftune.progress import phase
+from difftune.training.preflight import check_before_start
+from difftune.webui.form import parse_adapter_spec
 
 
 def _keys_help() -> str:
@@ -225,7 +225,7 @@ def _run(args: argparse.Namespace) -> None:
             print(_with_detected_family(config).to_toml(), end="")
             return
         check_before_start(config)  # train() checks too; here it comes before the seconds of heavy imports
-        from difftune.train import train  # heavy imports only when needed
+        from difftune.training.train import train  # heavy imports only when needed
 
         train(config, resume=args.resume)  # its last lines say what it wrote, and for which tool
         return
@@ -239,7 +239,7 @@ def _run(args: argparse.Namespace) -> None:
         return
 
     if args.command == "ui":
-        from difftune import webui
+        from difftune.webui import app as webui
 
         auth = webui.read_auth(args.auth, args.auth_file)
         for warning in webui.exposure_warnings(args.host, bool(args.auth), bool(args.ssl_certfile)):
@@ -248,7 +248,7 @@ def _run(args: argparse.Namespace) -> None:
                     args.ssl_keyfile, tuple(args.public_name))
         return
 
-    from difftune import export
+    from difftune.adapters import export
 
     if args.command == "eval":
         import json
@@ -284,14 +284,14 @@ def _run(args: argparse.Namespace) -> None:
         for path in written:
             print(f"difftune: wrote {path}")
     elif args.command == "sample":
-        from difftune.sample import generate_images, save_images
+        from difftune.families.drawing import generate_images, save_images
 
         config = _sample_config(args)
         if not config.prompts:
             raise DifftuneError("difftune sample: give at least one --prompt")
         import torch
 
-        from difftune.models import DTYPES
+        from difftune.models.parts import DTYPES
 
         dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
         with phase(f"loading {args.base} with {len(args.adapter)} adapter(s)", print):
@@ -322,7 +322,7 @@ def _find(args: argparse.Namespace) -> None:
 
 
 def _found(args: argparse.Namespace, config: Config) -> dict:
-    from difftune import finders
+    from difftune.training import finders
 
     if args.command == "find-batch":
         return finders.find_batch(
@@ -338,7 +338,7 @@ def _found(args: argparse.Namespace, config: Config) -> dict:
 def _plan(args: argparse.Namespace) -> None:
     import json
 
-    from difftune import plan
+    from difftune.training import plan
 
     config = load_config(args.config, args.overrides)
     device_memory = plan.parse_size(args.device_memory) if args.device_memory else None
@@ -374,7 +374,7 @@ def _plan(args: argparse.Namespace) -> None:
 def _note_comfyui_dora(written: Path, layout: str) -> None:
     from safetensors import safe_open
 
-    from difftune.kohya import COMFYUI_DORA_NOTE
+    from difftune.adapters.kohya import COMFYUI_DORA_NOTE
 
     if layout != "kohya":
         return

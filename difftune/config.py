@@ -16,7 +16,7 @@ import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from difftune.errors import DifftuneError
-from difftune.sources import is_url
+from difftune.files import is_url
 
 # Which fields are paths. In a config file, a relative path is relative to that file; on the command line (and
 # in defaults), to the working directory; the resolved config holds absolute paths. A `model` path that does not
@@ -59,7 +59,7 @@ MAX_LEARNING_RATE = 10.0
 # The model families: one module each in difftune/families/, named as the family (families/__init__.py loads
 # them), beside the pieces several families share. Read from the file names here, because the families import
 # this schema.
-SHARED_FAMILY_MODULES = ("__init__", "family", "flow", "fused")
+SHARED_FAMILY_MODULES = ("__init__", "family", "flow", "fused", "objective", "drawing")
 FAMILY_NAMES = tuple(
     sorted(path.stem for path in (Path(__file__).parent / "families").glob("*.py") if path.stem not in SHARED_FAMILY_MODULES)
 )

@@ -66,3 +66,7 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
+
+
+def is_url(path: str) -> bool:
+    return "://" in str(path)

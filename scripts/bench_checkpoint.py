@@ -13,9 +13,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from difftune import checkpoint
 from difftune.toy.bench import BenchOptions, _config, prepare_workspace
-from difftune.train import train
+from difftune.training import checkpoint
+from difftune.training.train import train
 
 
 def _timed(function, seconds: list):

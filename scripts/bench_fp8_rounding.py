@@ -12,9 +12,9 @@ import json
 
 import torch
 
-from difftune import storage
 from difftune.config import ModelConfig
 from difftune.families import load_components
+from difftune.memory import storage
 from difftune.toy.bench import build_pipeline
 
 FP8 = torch.float8_e4m3fn

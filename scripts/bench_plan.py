@@ -23,7 +23,7 @@ COMMON = ["--batch", "1", "--steps", "3", "--warmup", "1", "--cache"]
 PLAN = """
 import json, sys
 from difftune.toy.bench import BenchOptions, _config, prepare_workspace
-from difftune.plan import plan_memory
+from difftune.training.plan import plan_memory
 options = BenchOptions(**json.loads(sys.argv[1]))
 root, model_dir, data_dir = prepare_workspace(options)
 config = _config(options, model_dir, data_dir, root / "run", root / "cache", options.warmup + options.steps)

@@ -24,14 +24,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageFilter
 
+from difftune.adapters.export import apply_adapters, variant_of
 from difftune.config import load_config
-from difftune.export import apply_adapters, variant_of
 from difftune.families import load_components
-from difftune.metrics import read_metrics
 from difftune.toy.judge import EvalSettings, score
 from difftune.toy.tiny import shape_images, write_caption_folder
 from difftune.toy.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
-from difftune.train import train
+from difftune.training.metrics import read_metrics
+from difftune.training.train import train
 
 SEEDS = {"": [], "_seed_1": ["train.seed=1"], "_seed_2": ["train.seed=2"]}
 # Chroma's default targets less the text stream's (add_q/k/v_proj, to_add_out, ff_context): the image tokens' layers.

@@ -25,7 +25,7 @@ def measure(method: str, model_dir: Path, batch: int, resolution: int) -> dict:
 
     from difftune.config import ModelConfig
     from difftune.families import load_components
-    from difftune.quantize import quantize_linear_layers
+    from difftune.memory.quantize import quantize_linear_layers
 
     components = load_components(ModelConfig(base=str(model_dir)))
     family, denoiser = components.family, components.denoiser

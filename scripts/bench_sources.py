@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 
 from difftune.config import DataConfig
-from difftune.data import CaptionedImages, scan_examples, training_sizes
+from difftune.data.dataset import CaptionedImages, scan_examples, training_sizes
 
 
 def photo_like(rng: np.random.Generator, side: int) -> bytes:

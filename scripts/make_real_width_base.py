@@ -95,7 +95,7 @@ def write_part(model: torch.nn.Module, library: str, folder: Path, generator: to
 
 def write_denoiser_file(family, model: torch.nn.Module, kind: str, out: Path, generator: torch.Generator) -> int:
     """The denoiser as a single file of `kind` in the family's single-file layout; returns its tensors' bytes."""
-    from difftune.models import Components
+    from difftune.models.parts import Components
 
     shapes = {key: tensor.shape for key, tensor in family.to_single_file(
         Components(family=family, denoiser=model, vae=None, text_encoders={}, tokenizers={}, noise_scheduler=None)).items()}

@@ -20,9 +20,9 @@ import shutil
 from functools import partial
 from pathlib import Path
 
-from difftune.autoencoders import PATCHED_AUTOENCODERS
 from difftune.config import ModelConfig
 from difftune.families import load_components
+from difftune.models.autoencoders import PATCHED_AUTOENCODERS
 from difftune.toy.judge import EvalSettings, clip_score, score
 from difftune.toy.tiny import (
     CLIP_FRAMES,

@@ -29,8 +29,8 @@ def run_whole_killed_and_resumed(command: list[str], tmp_path: Path, kill_at_row
     import signal
     import time
 
-    from difftune.checkpoint import find_checkpoint
-    from difftune.metrics import read_metrics
+    from difftune.training.checkpoint import find_checkpoint
+    from difftune.training.metrics import read_metrics
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     whole, killed = tmp_path / "whole", tmp_path / "killed"

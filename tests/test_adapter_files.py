@@ -14,8 +14,9 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from difftune import export
-from difftune.adapter_files import read_adapter
+from difftune.adapters import export
+from difftune.adapters.files import read_adapter
+from difftune.adapters.kohya import family_to_kohya
 from difftune.cli import main
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
@@ -241,7 +242,7 @@ def test_a_kohya_sdxl_lora_in_original_block_names_reads_as_diffusers_reads_it(t
     applies them where diffusers' own loader does, and reads the same adapter as from diffusers-named keys."""
     from diffusers import StableDiffusionXLPipeline
 
-    from difftune import single_file
+    from difftune.models import single_file
 
     adapted = load_components(ModelConfig(base=str(tiny_sdxl_base)))
     adapted.denoiser.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=[
@@ -253,7 +254,7 @@ def test_a_kohya_sdxl_lora_in_original_block_names_reads_as_diffusers_reads_it(t
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     tensors = {f"unet.{key}": value for key, value in get_peft_model_state_dict(adapted.denoiser).items()}
     configs = {f"unet.{field}": value for field, value in adapted.denoiser.peft_config["default"].to_dict().items()}
-    diffusers_named = adapted.family.to_kohya(tensors, configs)
+    diffusers_named = family_to_kohya(adapted.family, tensors, configs)
     original = {diffusers: sgm for sgm, diffusers in single_file.unet_ldm_module_names(
         [name for name, _ in adapted.denoiser.named_modules()]).items()}
     renamed = {}
@@ -287,7 +288,7 @@ def test_original_unet_names_are_those_diffusers_maps_for_every_layer_of_an_sdxl
     from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
     from diffusers.utils.state_dict_utils import convert_unet_state_dict_to_peft
 
-    from difftune import single_file
+    from difftune.models import single_file
 
     unet = UNet2DConditionModel(
         sample_size=8, layers_per_block=2, block_out_channels=(32, 64, 64), cross_attention_dim=32, attention_head_dim=4,

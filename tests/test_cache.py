@@ -6,14 +6,14 @@ import pytest
 import torch
 from PIL import Image
 
-from difftune.cache import fill_latents, latent_entries, model_identity
 from difftune.config import load_config
-from difftune.data import scan_examples, training_sizes
+from difftune.data.cache import fill_latents, latent_entries, model_identity
+from difftune.data.dataset import scan_examples, training_sizes
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
-from difftune.metrics import read_metrics
 from difftune.toy.tiny import build_vae
-from difftune.train import train
+from difftune.training.metrics import read_metrics
+from difftune.training.train import train
 
 
 def _losses(path):
@@ -73,8 +73,8 @@ def _filled_latent_cache(make_config, tmp_path):
 def test_a_cached_latent_is_the_posterior_of_its_image(make_config, tmp_path):
     from safetensors.torch import load_file
 
-    from difftune.autoencoders import encode_posterior
-    from difftune.data import image_to_tensor, open_image, resize_and_crop
+    from difftune.data.dataset import image_to_tensor, open_image, resize_and_crop
+    from difftune.models.autoencoders import encode_posterior
 
     config, components, examples, sizes, entries = _filled_latent_cache(make_config, tmp_path)
     image = resize_and_crop(open_image(examples[0].path, config.data), (32, 32), "center")
@@ -86,7 +86,7 @@ def test_a_cached_latent_is_the_posterior_of_its_image(make_config, tmp_path):
 
 
 def test_entries_read_once_stay_in_ram_up_to_the_budget(make_config, tmp_path):
-    from difftune.data import CaptionedImages
+    from difftune.data.dataset import CaptionedImages
 
     config, components, examples, sizes, entries = _filled_latent_cache(make_config, tmp_path)
     entry_bytes = 2 * 4 * 8 * 8 * 4  # mean and std, (4, 8, 8) float32
@@ -143,8 +143,8 @@ def test_alpha_background_is_part_of_a_latent_entry(make_config, tmp_path):
 
 
 def test_text_entries_follow_the_token_ids(make_config, tmp_path):
-    from difftune.cache import text_entries
-    from difftune.data import Prompt
+    from difftune.data.cache import text_entries
+    from difftune.data.dataset import Prompt
     from difftune.toy.tiny import build_tokenizer
 
     config = make_config(cache__text=True, cache__dir=str(tmp_path / "cache"))

@@ -1,4 +1,4 @@
-"""Clips (difftune/clips.py): which frame windows a clip gives, as musubi-tuner's dataset config names them, and the
+"""Clips (difftune/data/clips.py): which frame windows a clip gives, as musubi-tuner's dataset config names them, and the
 frames decoded for each, exactly (lossless clips written here); bad clips named with their reason. The data path
 (data.py) over them: a window per example, its frames cut as one, frame-count buckets, clips through a video
 autoencoder."""
@@ -11,12 +11,12 @@ import pytest
 import torch
 from PIL import Image
 
-from difftune.autoencoders import decode_latents, encode_posterior, frames_per_latent
-from difftune.cache import latent_entries
-from difftune.clips import BadClip, FrameWindows, probe, read_frames, write_clip
 from difftune.config import DataConfig, load_config
-from difftune.data import TrainingOrder, batch_groups, frame_counts, load_clip, scan_examples
+from difftune.data.cache import latent_entries
+from difftune.data.clips import BadClip, FrameWindows, probe, read_frames, write_clip
+from difftune.data.dataset import TrainingOrder, batch_groups, frame_counts, load_clip, scan_examples
 from difftune.errors import DifftuneError
+from difftune.models.autoencoders import decode_latents, encode_posterior, frames_per_latent
 from difftune.toy.tiny import build_vae, build_wan_vae
 
 

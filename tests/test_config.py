@@ -259,7 +259,7 @@ def test_a_hub_id_fails_at_once_offline_or_unreachable(monkeypatch):
 def _refused_before(monkeypatch, capsys, overrides: list[str], stage: str) -> str:
     """`difftune train` with `overrides` on the tiny default job: exit 2 and the one error line, with the run stopped
     before `stage` (loading the model, or filling the caches) could start."""
-    import difftune.train as train_module
+    import difftune.training.train as train_module
 
     def not_reached(*args, **kwargs):
         raise AssertionError(f"{stage} started before the config was refused")
@@ -314,9 +314,9 @@ def test_a_family_that_does_not_fit_the_base_and_unknown_targets_fail_before_any
 def test_targets_checked_on_disk_and_once_loaded_say_the_same():
     """The targets a run names are checked in the base folder's safetensors headers before any import, and again on
     the loaded model (a hub id, a single file): one refusal, in the same words, for the same target."""
-    from difftune.adapters import check_targets
+    from difftune.adapters.kinds import check_targets
     from difftune.families import load_components
-    from difftune.preflight import check_before_start
+    from difftune.training.preflight import check_before_start
 
     config = load_config(REPO / "configs" / "tiny_lora.toml", ['adapter.target_modules=["to_q", "nope_proj"]'])
     with pytest.raises(DifftuneError) as on_disk:
@@ -354,7 +354,7 @@ def test_family_options_are_checked_by_the_family(tiny_base, tiny_flux_base):
 def test_keys_that_moved_into_family_tables_are_read_from_old_files_runs_and_overrides(tmp_path):
     """Configs, checkpoints and adapter metadata written before the family-owned tables record the old keys (mostly at
     their defaults, which a family without the setting would refuse): defaults are dropped, other values moved."""
-    from difftune.checkpoint import check_resumable
+    from difftune.training.checkpoint import check_resumable
 
     old = tmp_path / "old.toml"
     old.write_text('[model]\nguidance = 3.5\ntext_padding_mask = false\n[adapter]\ntext_encoder_target_modules = []\n'
@@ -379,7 +379,7 @@ def test_keys_that_moved_into_family_tables_are_read_from_old_files_runs_and_ove
 
 
 def test_text_encoder_targets_name_a_text_encoder_the_family_adapts(make_config, tiny_flux_base):
-    from difftune.train import train
+    from difftune.training.train import train
 
     with pytest.raises(DifftuneError, match=r"adapter.text_encoder_targets.text_encoder_2: not a text encoder "
                                             r"Flux.1-class flow-matching transformers adapters train; theirs: text_encoder"):

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from difftune.config import load_config
-from difftune.metrics import read_metrics
-from difftune.train import train
+from difftune.training.metrics import read_metrics
+from difftune.training.train import train
 
 from conftest import REPO
 from test_offload import offloader_of
@@ -134,7 +134,7 @@ def test_offloaded_blocks_train_on_the_device_as_kept_ones(make_config, tmp_path
 
 
 def test_cached_encoders_wait_in_host_memory_between_previews(make_config, tmp_path, monkeypatch):
-    import difftune.train as training
+    import difftune.training.train as training
 
     seen = []
     preview = training.generate_images

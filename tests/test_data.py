@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 from difftune.config import DataConfig
-from difftune.data import CaptionedImages, TrainingOrder, load_image, sample_seed, scan_examples
+from difftune.data.dataset import CaptionedImages, TrainingOrder, load_image, sample_seed, scan_examples
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES
 from difftune.toy.tiny import build_tokenizer
@@ -149,7 +149,7 @@ def _bucket_config(tmp_path, **extra):
 
 
 def test_bucket_sizes_respect_the_budget():
-    from difftune.data import bucket_sizes
+    from difftune.data.dataset import bucket_sizes
 
     config = DataConfig(path=".", resolution=512, buckets=True)
     sizes = bucket_sizes(config)
@@ -163,7 +163,7 @@ def test_bucket_sizes_respect_the_budget():
 def test_every_image_lands_in_its_closest_bucket(tmp_path):
     import math
 
-    from difftune.data import bucket_sizes, training_sizes
+    from difftune.data.dataset import bucket_sizes, training_sizes
 
     shapes = [(32, 32), (64, 32), (32, 64), (60, 20), (45, 30), (33, 50), (100, 48)]
     for i, (w, h) in enumerate(shapes):
@@ -200,7 +200,7 @@ def test_bucketed_batches_never_mix_buckets_and_repeat_under_a_seed():
 
 
 def _batches(dataset, order, num_workers, count):
-    from difftune.data import build_dataloader
+    from difftune.data.dataset import build_dataloader
 
     batches = iter(build_dataloader(dataset, order, num_workers, pin_memory=False))
     return [next(batches) for _ in range(count)]
@@ -222,8 +222,8 @@ def test_worker_processes_give_the_same_batches_as_none(shapes):
 
 
 def test_training_with_workers_matches_training_without(make_config, tmp_path):
-    from difftune.metrics import read_metrics
-    from difftune.train import train
+    from difftune.training.metrics import read_metrics
+    from difftune.training.train import train
 
     common = {"train__max_steps": 5, "data__random_flip": True, "data__caption_dropout": 0.3}
     train(make_config(train__output_dir=str(tmp_path / "alone"), data__num_workers=0, **common))

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from difftune.denoiser_files import converted_rows, read_denoiser_file
 from difftune.errors import DifftuneError
+from difftune.models.denoiser_files import converted_rows, read_denoiser_file
 
 FP8 = torch.float8_e4m3fn
 

@@ -13,16 +13,16 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from difftune import export
-from difftune.autoencoders import encode_posterior, reference_latents
+from difftune.adapters import export
 from difftune.cli import main
 from difftune.config import DataConfig, ModelConfig
-from difftune.data import BAD_FILES_REPORT, CaptionedImages, load_image, scan_examples
+from difftune.data.dataset import BAD_FILES_REPORT, CaptionedImages, load_image, scan_examples
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
-from difftune.metrics import read_metrics
+from difftune.models.autoencoders import encode_posterior, reference_latents
 from difftune.toy.tiny import recolor_pairs, write_pair_folder
-from difftune.train import train
+from difftune.training.metrics import read_metrics
+from difftune.training.train import train
 
 from conftest import edit_settings
 

@@ -9,12 +9,12 @@ from diffusers import StableDiffusionPipeline
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from difftune.adapters.embeddings import TOKEN_METADATA_KEY, caption_with_token
 from difftune.config import AdapterConfig, ModelConfig
-from difftune.embeddings import TOKEN_METADATA_KEY, caption_with_token
 from difftune.errors import DifftuneError
 from difftune.families import load_components
-from difftune.metrics import read_metrics
-from difftune.train import train
+from difftune.training.metrics import read_metrics
+from difftune.training.train import train
 
 TOKEN = "<shade>"
 

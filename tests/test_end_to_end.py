@@ -18,8 +18,8 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from difftune.metrics import read_metrics
 from difftune.toy.family_jobs import FAMILY_CONFIGS, run_family_job
+from difftune.training.metrics import read_metrics
 
 from conftest import REPO, run_in_repo
 

@@ -9,9 +9,9 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from difftune import export
-from difftune.adapter_files import is_kohya
-from difftune.adapters import adapter_state_dict, add_adapters
+from difftune.adapters import export
+from difftune.adapters.files import is_kohya
+from difftune.adapters.kinds import adapter_state_dict, add_adapters
 from difftune.cli import main
 from difftune.config import ModelConfig, load_config
 from difftune.errors import DifftuneError
@@ -218,7 +218,7 @@ def test_kohya_dora_scale_follows_the_dora_formula(tiny_base, tmp_path):
 
 
 def test_training_can_write_kohya_directly(make_config, tiny_base, tmp_path):
-    from difftune.train import train
+    from difftune.training.train import train
 
     result_path = train(make_config(export__format="kohya", train__output_dir=str(tmp_path / "job"))).trained_path
     assert result_path == tmp_path / "job" / "job.safetensors"
@@ -235,7 +235,7 @@ def test_kohya_files_name_the_version_of_their_base(make_config, tiny_base, tmp_
 
     from difftune.families import FAMILIES
     from difftune.toy.tiny import build_pipeline, build_text_encoder
-    from difftune.train import train
+    from difftune.training.train import train
 
     pipeline = build_pipeline(seed=1)
     pipeline.text_encoder = build_text_encoder(hidden_size=1024)
@@ -307,7 +307,7 @@ def test_sample_with_a_taesd_decoder(tiny_base, tmp_path):
     ("lora", "kohya", {"adapter__init": "pissa", "adapter__rank_stabilized": True}),
 ])
 def test_saved_result_reloads_to_the_in_training_sample(make_config, tmp_path, kind, layout, extra, capsys):
-    from difftune.train import train
+    from difftune.training.train import train
 
     config = make_config(
         adapter__kind=kind, adapter__text_encoder=True, export__format=layout, train__max_steps=4,
@@ -329,7 +329,7 @@ def test_a_bf16_run_reloads_to_its_sample_exactly(make_config, tmp_path, kind, c
     dtype (the text cache releases them), a full fine-tune's trained parts in fp32. Before, every bf16 run drew 9 to 41
     levels away and warned; textual inversion in bf16 stopped at its first step (its frozen denoiser met fp32 inputs
     outside Accelerate's autocast)."""
-    from difftune.train import train
+    from difftune.training.train import train
 
     embedding = {"adapter__embedding_token": "<prp>", "adapter__embedding_caption_word": "red"} if kind == "embedding" else {}
     train(make_config(adapter__kind=kind, adapter__text_encoder=kind != "lora", train__mixed_precision="bf16",
@@ -341,8 +341,8 @@ def test_a_bf16_run_reloads_to_its_sample_exactly(make_config, tmp_path, kind, c
 
 
 def test_a_reload_that_loses_the_adapter_is_reported(make_config, tmp_path, monkeypatch, capsys):
-    from difftune import parity
-    from difftune.train import train
+    from difftune.training import parity
+    from difftune.training.train import train
 
     real_apply = export.apply_adapters
     monkeypatch.setattr(parity.export, "apply_adapters", lambda components, adapters: real_apply(components, [(p, 0.0) for p, _ in adapters]))

@@ -6,14 +6,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from difftune import export
-from difftune.adapters import adapter_state_dict, add_adapters
+from difftune.adapters import export
+from difftune.adapters.kinds import adapter_state_dict, add_adapters
 from difftune.config import ModelConfig, OptimConfig, load_config
 from difftune.errors import DifftuneError
 from difftune.families import load_components
-from difftune.metrics import read_metrics
-from difftune.optim import build_optimizer
-from difftune.train import train
+from difftune.training.metrics import read_metrics
+from difftune.training.optim import build_optimizer
+from difftune.training.train import train
 
 from conftest import unet_inputs
 
@@ -148,7 +148,7 @@ def test_prodigy_trains(make_config):
 
 def _scripted_validation(monkeypatch, losses_by_step: dict[int, float]):
     """The validation loss as a function of the step, so which validation is best is known in advance."""
-    from difftune import validation
+    from difftune.training import validation
 
     calls = []
 
@@ -204,13 +204,13 @@ def test_judged_scores_at_validation_keep_the_best_scoring_result(make_config, t
     assert 0 <= row["eval_concept"] <= 1 and 0 <= row["eval_seen"] <= 1
     assert row["eval_score"] == pytest.approx((row["eval_concept"] + row["eval_seen"]) / 2)
     assert (tmp_path / "run" / "pytorch_lora_weights_best_eval.safetensors").exists()
-    with pytest.raises(DifftuneError, match="validation.eval_concept = 'teal': not a color of the shapes bases"):
+    with pytest.raises(DifftuneError, match="validation.eval_concept = 'teal': not a concept an installed judge scores \\(the shapes bases' colors: red"):
         train(make_config(validation__path=str(shapes), validation__eval_concept="teal", train__overwrite=True))
 
 
 def test_the_ui_plots_validation_with_its_best_point(tmp_path):
-    from difftune import jobs
-    from difftune.validation import read_best
+    from difftune.training.validation import read_best
+    from difftune.webui import jobs
 
     rows = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.9, "val_loss": 0.5}, {"step": 4, "loss": 0.8, "val_loss": 0.4}]
     assert jobs.validation_frame(rows[:1], read_best(tmp_path)) is None
@@ -237,7 +237,7 @@ def test_tag_shuffle_and_dropout_keep_the_leading_tags():
     import random
 
     from difftune.config import DataConfig
-    from difftune.data import vary_caption
+    from difftune.data.dataset import vary_caption
 
     caption = "sks, red, circle, small, bright, plain"
     shuffled = DataConfig(shuffle_tags=True, keep_tokens=1)
@@ -257,7 +257,7 @@ def test_caption_variants_are_fixed_per_caption_and_listed_for_the_cache():
     import random
 
     from difftune.config import DataConfig
-    from difftune.data import CaptionDrawer
+    from difftune.data.dataset import CaptionDrawer
 
     config = DataConfig(shuffle_tags=True, caption_variants=3, caption_prefix="photo of ", caption_suffix=".")
     drawer = CaptionDrawer(config, train_seed=7)
@@ -282,7 +282,7 @@ def test_shuffled_captions_train_cached_like_uncached(make_config, tmp_path, sha
     train(make_config(train__output_dir=str(tmp_path / "cached"), cache__text=True, **common))
     losses = [[row["loss"] for row in read_metrics(tmp_path / name)] for name in ("plain", "cached")]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
-    from difftune.data import CaptionDrawer
+    from difftune.data.dataset import CaptionDrawer
 
     captions = {path.read_text() for path in tagged.glob("*.txt")}
     config = make_config(**common)
@@ -306,7 +306,7 @@ def test_folder_names_caption_uncaptioned_images(tmp_path, shapes):
     import shutil
 
     from difftune.config import DataConfig
-    from difftune.data import scan_examples
+    from difftune.data.dataset import scan_examples
 
     folder = tmp_path / "data" / "3_sks dog"
     folder.mkdir(parents=True)
@@ -348,7 +348,7 @@ def test_a_mask_follows_its_image_through_crop_flip_and_buckets(tmp_path, source
     import random
 
     from difftune.config import DataConfig
-    from difftune.data import load_image
+    from difftune.data.dataset import load_image
 
     _halves(tmp_path / "img.png", alpha=source == "alpha")
     (tmp_path / "masks").mkdir()
@@ -369,7 +369,7 @@ def test_masks_that_cannot_work_are_reported_and_missing_ones_train_whole(tmp_pa
     from PIL import Image
 
     from difftune.config import DataConfig
-    from difftune.data import scan_examples
+    from difftune.data.dataset import scan_examples
 
     data, masks = tmp_path / "data", tmp_path / "masks"
     shutil.copytree(shapes, data)
@@ -408,7 +408,7 @@ def test_masked_loss_trains_cached_like_uncached_and_white_masks_change_nothing(
 
 
 def test_latent_mask_averages_each_patch_and_lifts_the_unmasked():
-    from difftune.train import latent_mask
+    from difftune.training.train import latent_mask
 
     mask = torch.zeros(1, 1, 16, 16)
     mask[..., :, :4] = 1.0  # half of the first 8-pixel column of patches
@@ -420,7 +420,7 @@ def test_latent_mask_averages_each_patch_and_lifts_the_unmasked():
 # Prior preservation.
 
 def test_class_images_are_drawn_once_resumably_and_reproducibly(make_config, tmp_path, monkeypatch):
-    from difftune import prior
+    from difftune.training import prior
 
     settings = {"prior__class_path": str(tmp_path / "class"), "prior__class_prompt": "a red circle",
                 "prior__num_class_images": 3, "prior__steps": 2, "prior__batch_size": 2}
@@ -448,7 +448,7 @@ def test_class_images_are_drawn_once_resumably_and_reproducibly(make_config, tmp
 
 
 def test_prior_preservation_mixes_class_images_at_their_weight(make_config, tmp_path, shapes, monkeypatch):
-    from difftune import train as train_module
+    from difftune.training import train as train_module
 
     weights = []
     original = train_module._training_loss
@@ -472,7 +472,7 @@ def test_prior_preservation_mixes_class_images_at_their_weight(make_config, tmp_
 
 def test_prior_loss_weight_scales_each_class_sample(make_config, tmp_path, shapes, monkeypatch):
     """A class sample's loss is the plain loss times prior.loss_weight: weight 0 trains on the instances alone."""
-    from difftune import train as train_module
+    from difftune.training import train as train_module
 
     losses = []
     original_loss = train_module._training_loss

@@ -29,20 +29,21 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.nn.utils import parametrize
 
-from difftune import export, storage
-from difftune.autoencoders import PATCHED_AUTOENCODERS, downsampling, latent_channels
-from difftune.checkpoint import complete_checkpoints
+from difftune.adapters import export
 from difftune.cli import main
 from difftune.config import FAMILY_NAMES, SHARED_FAMILY_MODULES, Config, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, family_table_markdown, load_components
 from difftune.families.fused import FusedKohyaLayout
 from difftune.families.lumina2 import SYSTEM_PROMPT
-from difftune.metrics import read_metrics
-from difftune.models import AS_STORED, PartDtypes, loads_encoders_first
-from difftune.plan import plan_memory
+from difftune.memory import storage
+from difftune.models.autoencoders import PATCHED_AUTOENCODERS, downsampling, latent_channels
+from difftune.models.parts import AS_STORED, PartDtypes, loads_encoders_first
 from difftune.toy.tiny import build_pipeline, recolor_pairs
-from difftune.train import train
+from difftune.training.checkpoint import complete_checkpoints
+from difftune.training.metrics import read_metrics
+from difftune.training.plan import plan_memory
+from difftune.training.train import train
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 

@@ -9,10 +9,10 @@ from PIL import Image
 from difftune.cli import main
 from difftune.config import load_config
 from difftune.errors import DifftuneError
-from difftune.finders import batch_and_accumulation, largest_fitting, suggest_learning_rate
-from difftune.metrics import read_metrics
-from difftune.optim import learning_rate_scale
-from difftune.train import train, with_accumulation
+from difftune.training.finders import batch_and_accumulation, largest_fitting, suggest_learning_rate
+from difftune.training.metrics import read_metrics
+from difftune.training.optim import learning_rate_scale
+from difftune.training.train import train, with_accumulation
 
 
 def _job_file(config, tmp_path):

@@ -13,14 +13,14 @@ from diffusers.loaders.single_file_utils import (
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from difftune import export
+from difftune.adapters import export
 from difftune.config import LossConfig, ModelConfig, load_config
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.families.flow import pack, resolution_shift, shifted, unpack
 from difftune.families.flux import image_position_ids
 from difftune.toy.tiny import build_pipeline
-from difftune.train import train
+from difftune.training.train import train
 
 FLUX = FAMILIES["flux"]
 
@@ -171,7 +171,7 @@ def test_diffusers_reads_our_fused_kohya_qkv(make_config, tiny_flux_base, tmp_pa
 def test_a_kohya_trained_fused_adapter_is_read_as_the_same_change(tiny_flux_base, tmp_path):
     """kohya trains the fused qkv as one LoRA (one shared down, a dense up): read back, each of q, k, v gets that
     down and its rows of the up, and the adapted projections change by exactly scale x up @ down."""
-    from difftune.export import apply_adapters
+    from difftune.adapters.export import apply_adapters
 
     down, up = torch.randn(4, 32) * 0.1, torch.randn(96, 4) * 0.1
     name = "lora_unet_double_blocks_0_img_attn_qkv"

@@ -12,9 +12,9 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 from difftune.config import load_config
+from difftune.data.sharding import check_accelerator, check_config
 from difftune.errors import DifftuneError
-from difftune.metrics import read_metrics
-from difftune.sharding import check_accelerator, check_config
+from difftune.training.metrics import read_metrics
 
 from conftest import run_in_repo
 

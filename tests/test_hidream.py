@@ -10,12 +10,12 @@ from diffusers import HiDreamImagePipeline, HiDreamImageTransformer2DModel
 from diffusers.loaders.single_file_utils import CHECKPOINT_KEY_NAMES
 from safetensors.torch import load_file, save_file
 
-from difftune import export
-from difftune.adapter_files import module_names_of, read_adapter
+from difftune.adapters import export
+from difftune.adapters.files import module_names_of, read_adapter
 from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components
 from difftune.toy.tiny import build_pipeline
-from difftune.train import train
+from difftune.training.train import train
 
 FAMILY = FAMILIES["hidream"]
 PROMPTS = ["a red circle", "a blue square with a longer caption"]

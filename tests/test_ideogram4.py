@@ -10,14 +10,14 @@ from diffusers import Ideogram4Pipeline
 from diffusers.pipelines.ideogram4.pipeline_ideogram4 import _resolution_aware_mu
 from safetensors.torch import load_file, save_file
 
-from difftune import export
-from difftune.autoencoders import encode_posterior
+from difftune.adapters import export
 from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components
 from difftune.families.ideogram4 import ORIGINAL_BLOCKS, token_order
-from difftune.models import encoder_placement, host_kept_encoders
+from difftune.models.autoencoders import encode_posterior
+from difftune.models.parts import encoder_placement, host_kept_encoders
 from difftune.toy.tiny import build_pipeline
-from difftune.train import train
+from difftune.training.train import train
 
 FAMILY = FAMILIES["ideogram4"]
 PROMPTS = ["a red circle", "a blue square with a longer caption"]

@@ -13,11 +13,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from difftune import jobs
-from difftune.checkpoint import complete_checkpoints
 from difftune.config import Config, load_config
 from difftune.errors import DifftuneError
-from difftune.form import config_from_widgets, form_fields, parse_adapter_lines, widget_values
+from difftune.training.checkpoint import complete_checkpoints
+from difftune.webui import jobs
+from difftune.webui.form import config_from_widgets, form_fields, parse_adapter_lines, widget_values
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -135,7 +135,7 @@ def test_adapter_lines():
 
 def test_the_sample_tab_offers_only_fields_that_apply_outside_training():
     from difftune.config import TRAINING_ONLY_SAMPLE_FIELDS, SampleConfig
-    from difftune.webui import build_app
+    from difftune.webui.app import build_app
 
     app = build_app(Path("jobs-that-do-not-exist"), REPO / "configs")
     ids = {block.elem_id for block in app.blocks.values() if getattr(block, "elem_id", None)}
@@ -149,7 +149,7 @@ def test_a_preset_edited_in_the_form_makes_the_job_the_cli_makes(tmp_path):
     """Loaded from `tiny_lora.toml` and edited (rank, learning rate, resolution), the form's job is the CLI's job
     with the same edits: alpha, the text encoders' rate and the sample size follow the edits (they stayed at the
     preset's resolved 16, 1e-3 and 32 before, training the adapter at 4x the scale). Saved and reloaded: the same."""
-    from difftune.form import file_widget_values, form_toml
+    from difftune.webui.form import file_widget_values, form_toml
 
     preset = REPO / "configs" / "tiny_lora.toml"
     fields = form_fields()
@@ -218,7 +218,7 @@ def test_resume_says_why_it_cannot(make_config, tmp_path):
 
 def _interrupted_job(make_config, jobs_dir: Path) -> jobs.Job:
     """A job that stopped with a checkpoint at step 2 of 4 (as a killed one leaves its folder), never running now."""
-    from difftune.train import train
+    from difftune.training.train import train
 
     folder = jobs_dir / "20260101-000000-interrupted"
     config = make_config(train__max_steps=2, checkpoint__every_steps=2, train__output_dir=str(folder))

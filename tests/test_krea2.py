@@ -13,13 +13,13 @@ from diffusers import Krea2Pipeline
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_krea2_lora_to_diffusers
 from safetensors.torch import load_file, save_file
 
-from difftune import export
-from difftune.adapter_files import module_names_of
+from difftune.adapters import export
+from difftune.adapters.files import module_names_of
 from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components
 from difftune.families.krea2 import PROMPT_PREFIX, PROMPT_SUFFIX, SUFFIX_TOKENS, TEMPLATE_TOKENS, original_name
 from difftune.toy.tiny import build_pipeline
-from difftune.train import train
+from difftune.training.train import train
 
 FAMILY = FAMILIES["krea2"]
 PROMPTS = ["a red circle", "a blue square with a longer caption"]

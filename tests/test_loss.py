@@ -3,7 +3,7 @@ import torch
 from diffusers.training_utils import compute_snr
 
 from difftune.config import LossConfig
-from difftune.loss import (
+from difftune.families.objective import (
     debiased_weights,
     diffusion_loss,
     draw_noise,
@@ -154,7 +154,7 @@ def test_a_clips_mse_and_mask_reduce_over_frames_too():
 
 
 def test_an_image_mask_covers_every_frame_of_a_clips_latents():
-    from difftune.train import latent_mask
+    from difftune.training.train import latent_mask
 
     mask = torch.zeros(1, 1, 8, 8)
     mask[..., :4, :] = 1

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from diffusers import DDPMScheduler, Flux2Pipeline, FluxKontextPipeline, FluxPipeline, Krea2Pipeline, QwenImagePipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3, compute_snr
 
-from difftune.autoencoders import encode_posterior, reference_latents
 from difftune.config import LossConfig, ModelConfig
-from difftune.data import image_to_tensor
+from difftune.data.dataset import image_to_tensor
 from difftune.families import FAMILIES, load_components
 from difftune.families.ideogram4 import patched_order, token_order
+from difftune.models.autoencoders import encode_posterior, reference_latents
 from difftune.toy.tiny import build_pipeline, shape_images
 
 # examples/dreambooth/<script> at diffusers 58eb52c0 -> sha256 of the file read.

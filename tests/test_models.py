@@ -7,11 +7,11 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler
 
-from difftune.autoencoders import decode_latents, encode_latents
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import load_components
-from difftune.models import place_frozen, set_attention
+from difftune.models.autoencoders import decode_latents, encode_latents
+from difftune.models.parts import place_frozen, set_attention
 from difftune.toy.tiny import build_taesd, build_unet, build_vae
 
 from conftest import REPO
@@ -116,7 +116,7 @@ def test_a_wholly_trained_part_keeps_its_fp32_weights_under_half_precision(tiny_
 def test_channels_last_auto_is_off_on_cpu(make_config, setting, expected):
     """On CPU channels-last measured no faster and 2.1 GB heavier at SD1.5 size (BENCHMARKS.md), so `auto` is
     CUDA only; `on` still forces it."""
-    from difftune.train import _configure_denoiser
+    from difftune.training.train import _configure_denoiser
 
     unet = build_unet()
     _configure_denoiser(unet, make_config(train__channels_last=setting), torch.device("cpu"))

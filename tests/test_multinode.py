@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from difftune.metrics import read_metrics
+from difftune.training.metrics import read_metrics
 
 from conftest import REPO
 from test_sources import write_shards

@@ -13,11 +13,12 @@ from diffusers import StableDiffusionPipeline
 from peft import LoraConfig
 from safetensors.torch import load_file
 
-from difftune import sharding, storage
+from difftune.data import sharding
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES
-from difftune.offload import Offloader, offload_blocks, spread
-from difftune.train import train
+from difftune.memory import storage
+from difftune.memory.offload import Offloader, offload_blocks, spread
+from difftune.training.train import train
 
 
 def offloader_of(model: torch.nn.Module) -> Offloader | None:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from difftune import plan
 from difftune.cli import main
 from difftune.config import load_config
 from difftune.errors import DifftuneError
-from difftune.train import train
+from difftune.training import plan
+from difftune.training.train import train
 
 from conftest import REPO
 
@@ -83,7 +83,7 @@ def test_plan_command_prints_the_plan_and_what_fits(tiny_base, shapes, capsys):
 def test_train_refuses_before_loading_a_run_the_ram_cannot_hold(make_config, monkeypatch):
     """The OOM killer ended such runs without a word, minutes into loading; the plan refuses them first, naming the
     phase, and the settings that fit where some do; `train.check_memory = false` tries anyway."""
-    import difftune.train as train_module
+    import difftune.training.train as train_module
 
     def not_loaded(*args, **kwargs):
         raise AssertionError("the base was loaded")

@@ -52,7 +52,7 @@ from difftune.toy.tiny_base import (
     render_tensors,
     train_vae,
 )
-from difftune.train import train
+from difftune.training.train import train
 
 from conftest import REPO
 

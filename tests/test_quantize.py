@@ -8,10 +8,12 @@ import torch
 from diffusers import StableDiffusionPipeline
 from safetensors.torch import load_file
 
-from difftune import errors, quantize, sharding
-from difftune import train as train_module
+from difftune import errors
+from difftune.data import sharding
 from difftune.errors import DifftuneError
-from difftune.train import train
+from difftune.memory import quantize
+from difftune.training import train as train_module
+from difftune.training.train import train
 
 LIBRARY = {"int8": "torchao", "nf4": "bitsandbytes"}
 

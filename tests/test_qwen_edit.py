@@ -13,8 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from difftune import export
-from difftune.autoencoders import encode_posterior, reference_latents
+from difftune.adapters import export
 from difftune.cli import main
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
@@ -25,7 +24,7 @@ from difftune.families.qwen_image_edit import (
     VISION_TOKENS,
     control_dimensions,
 )
-from difftune.metrics import read_metrics
+from difftune.models.autoencoders import encode_posterior, reference_latents
 from difftune.toy.tiny import (
     build_pipeline,
     build_qwen_tokenizer,
@@ -34,7 +33,8 @@ from difftune.toy.tiny import (
     recolor_pairs,
     write_pair_folder,
 )
-from difftune.train import train
+from difftune.training.metrics import read_metrics
+from difftune.training.train import train
 
 from conftest import edit_settings
 

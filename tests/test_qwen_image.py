@@ -7,14 +7,14 @@ from diffusers import QwenImagePipeline
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_qwen_lora_to_diffusers
 from safetensors.torch import load_file, save_file
 
-from difftune import export
-from difftune.autoencoders import decode_latents, encode_latents, latent_normalization
+from difftune.adapters import export
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.families.qwen_image import PROMPT_TEMPLATE, TEMPLATE_TOKENS
+from difftune.models.autoencoders import decode_latents, encode_latents, latent_normalization
 from difftune.toy.tiny import COLORS, build_pipeline, build_qwen_tokenizer
-from difftune.train import train
+from difftune.training.train import train
 
 QWEN = FAMILIES["qwen_image"]
 
@@ -111,8 +111,8 @@ def test_the_layouts_other_trainers_share_are_read_as_ours(make_config, qwen_bas
 def test_text_cache_entries_keep_the_caption_and_read_back_as_encoded(make_config, qwen_base):
     """An entry holds the caption's valid states alone (not 512 padded rows: 7 MB each on the real model); read
     back, it is what `encode_prompts` made, padding and mask included."""
-    from difftune.cache import fill_text, text_entries, text_identity
-    from difftune.data import Prompt
+    from difftune.data.cache import fill_text, text_entries, text_identity
+    from difftune.data.dataset import Prompt
 
     config = make_config(model__base=str(qwen_base), adapter__text_encoder=False, cache__text=True)
     components = load_components(config.model)

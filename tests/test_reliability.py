@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from difftune import checkpoint as checkpoint_module
-from difftune.checkpoint import MARKER, complete_checkpoints, find_checkpoint
-from difftune.data import scan_examples
+from difftune.data.dataset import scan_examples
 from difftune.errors import DifftuneError
-from difftune.metrics import read_metrics
-from difftune.output_lock import hold_output_dir
-from difftune.train import train
+from difftune.training import checkpoint as checkpoint_module
+from difftune.training.checkpoint import MARKER, complete_checkpoints, find_checkpoint
+from difftune.training.metrics import read_metrics
+from difftune.training.output_lock import hold_output_dir
+from difftune.training.train import train
 
 from conftest import REPO, run_whole_killed_and_resumed
 
@@ -106,9 +106,9 @@ def test_a_crash_while_writing_a_checkpoint_loses_nothing(make_config, tmp_path,
 _SLOW_CHECKPOINT_WRITER = """
 import sys, time
 from pathlib import Path
-from difftune import checkpoint
+from difftune.training import checkpoint
 from difftune.config import load_config
-from difftune.train import train
+from difftune.training.train import train
 
 real_save_file = checkpoint.save_file
 
@@ -295,7 +295,7 @@ def test_every_oversized_image_is_refused_when_checked_in_parallel(tmp_path):
     from PIL import Image
 
     from difftune.config import DataConfig
-    from difftune.data import scan_examples
+    from difftune.data.dataset import scan_examples
 
     for i in range(40):
         side = 120 if i % 2 else 64  # 14,400 pixels: over the limit, under PIL's own 2x refusal
@@ -309,7 +309,7 @@ def test_every_oversized_image_is_refused_when_checked_in_parallel(tmp_path):
 
 def test_awkward_images_are_decoded_correctly(tmp_path):
     from difftune.config import DataConfig
-    from difftune.data import open_image
+    from difftune.data.dataset import open_image
 
     folder = tmp_path / "images"
     _bad_image_folder(folder)
@@ -550,7 +550,7 @@ def test_a_linked_checkpoint_folder_is_neither_resumed_nor_pruned(make_config, t
 _HOLD_THE_FOLDER = """
 import sys
 from difftune.config import load_config
-from difftune.train import train
+from difftune.training.train import train
 
 train(load_config(sys.argv[1]))
 """
@@ -584,7 +584,7 @@ def test_two_runs_never_share_a_folder(make_config, tmp_path):
 
 _HOLD_AND_FORK = """
 import os, sys, time
-from difftune.output_lock import hold_output_dir
+from difftune.training.output_lock import hold_output_dir
 
 with hold_output_dir(sys.argv[1]):
     if os.fork() == 0:  # as a data-loader worker: forked while the folder is held, outliving its parent a while
@@ -615,7 +615,7 @@ def test_a_killed_runs_forked_workers_do_not_keep_its_folder_locked(tmp_path):
 
 _HOLD_A_WHILE = """
 import sys, time
-from difftune.output_lock import hold_output_dir
+from difftune.training.output_lock import hold_output_dir
 
 with hold_output_dir(sys.argv[1]):
     print("held", flush=True)
@@ -715,8 +715,8 @@ def test_a_full_disk_between_checkpoints_says_so_and_what_is_intact(make_config,
     """The disk fills while a preview sample or a snapshot is written, no checkpoint due: one line says so and
     that step 2's checkpoint is intact (it used to be a traceback, `OSError: [Errno 28]`); once there is room again
     the run resumes and ends as the uninterrupted one."""
-    from difftune import export
-    from difftune import train as train_module
+    from difftune.adapters import export
+    from difftune.training import train as train_module
 
     whole, out = tmp_path / "whole", small_disk / "run"
     settings = {"train__max_steps": 6, "ema__enabled": False, "sample__prompts": ["a red circle"],
@@ -746,7 +746,7 @@ def test_a_full_disk_between_checkpoints_says_so_and_what_is_intact(make_config,
 def test_results_are_written_whole_or_not_at_all(make_config, tmp_path, monkeypatch):
     """The final adapter goes to a temporary name and is renamed into place: a write that dies half-way leaves the
     previous file (or none), never a truncated one under the final name."""
-    from difftune import export
+    from difftune.adapters import export
 
     out = tmp_path / "run"
     first = train(_job(make_config, out, train__max_steps=2, ema__enabled=False)).trained_path

@@ -11,14 +11,14 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from difftune import export
+from difftune.adapters import export
 from difftune.config import DataConfig, ModelConfig
-from difftune.data import CaptionedImages, sample_seed, scan_examples, training_sizes
+from difftune.data.dataset import CaptionedImages, sample_seed, scan_examples, training_sizes
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
-from difftune.models import place_frozen
+from difftune.models.parts import place_frozen
 from difftune.toy.tiny import build_taesd
-from difftune.train import train
+from difftune.training.train import train
 
 SDXL = FAMILIES["sdxl"]
 

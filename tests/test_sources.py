@@ -13,14 +13,14 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from difftune.clips import FrameWindows
 from difftune.config import DataConfig
-from difftune.data import CaptionedImages, scan_examples, training_sizes
+from difftune.data.clips import FrameWindows
+from difftune.data.dataset import CaptionedImages, scan_examples, training_sizes
+from difftune.data.sources import Member
 from difftune.errors import DifftuneError
-from difftune.metrics import read_metrics
-from difftune.sources import Member
 from difftune.toy.tiny import moving_shape_clips, write_clip_folder
-from difftune.train import train
+from difftune.training.metrics import read_metrics
+from difftune.training.train import train
 
 from conftest import REPO, run_whole_killed_and_resumed
 
@@ -154,7 +154,7 @@ def test_parquet_row_groups_are_kept_within_their_budget(tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from difftune import sources
+    from difftune.data import sources
 
     rows = [png((10 * i, 0, 0)) for i in range(9)]
     pq.write_table(pa.table({"image": rows}), tmp_path / "rows.parquet", row_group_size=3)

@@ -13,8 +13,8 @@ from diffusers import StableDiffusionPipeline
 from peft import LoraConfig
 from safetensors.torch import load_file
 
-from difftune import storage
-from difftune.train import train
+from difftune.memory import storage
+from difftune.training.train import train
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 

@@ -9,23 +9,23 @@ from diffusers import StableDiffusionPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
-from difftune import export
-from difftune import train as train_module
-from difftune.activations import BlockActivations
-from difftune.adapters import adapter_state_dict, trainable_parameters
+from difftune.adapters import export
+from difftune.adapters.kinds import adapter_state_dict, trainable_parameters
 from difftune.cli import main
 from difftune.config import EmaConfig, GuardConfig, LossConfig, ModelConfig, OptimConfig, load_config
-from difftune.data import scan_examples, training_sizes
-from difftune.ema import build_ema, ema_weights, update_ema
+from difftune.data.dataset import scan_examples, training_sizes
 from difftune.errors import DifftuneError
 from difftune.families import load_components
-from difftune.guard import SKIPPED_FILE, Guard
-from difftune.loss import draw_timesteps_and_noise, training_noise_scheduler
-from difftune.metrics import read_metrics
-from difftune.optim import OPTIMIZERS, build_lr_scheduler, build_optimizer
+from difftune.families.objective import draw_timesteps_and_noise, training_noise_scheduler
 from difftune.toy.tiny import build_noise_scheduler
-from difftune.train import train
-from difftune.validation import Validator
+from difftune.training import train as train_module
+from difftune.training.activations import BlockActivations
+from difftune.training.ema import build_ema, ema_weights, update_ema
+from difftune.training.guard import SKIPPED_FILE, Guard
+from difftune.training.metrics import read_metrics
+from difftune.training.optim import OPTIMIZERS, build_lr_scheduler, build_optimizer
+from difftune.training.train import train
+from difftune.training.validation import Validator
 
 
 def test_ema_with_constant_decay_is_the_closed_form():

@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 from difftune.config import load_config
 from difftune.errors import DifftuneError
 from difftune.families import load_components
-from difftune.metrics import read_metrics
 from difftune.toy.tiny import shape_images, write_caption_folder
-from difftune.train import train
-from difftune.validation import Validator
+from difftune.training.metrics import read_metrics
+from difftune.training.train import train
+from difftune.training.validation import Validator
 
 from conftest import REPO, unet_inputs
 
@@ -182,7 +182,7 @@ def test_warmup_and_clipping_show_in_the_metrics(make_config):
 def test_clipping_scales_the_gradient_the_optimizer_steps_with(make_config, monkeypatch, max_grad_norm):
     """The optimizer must see the clipped gradient: norm <= the limit when the raw norm exceeds it, the raw norm
     when clipping is off. (The loss alone cannot show it: Adam's first steps barely depend on the gradient's scale.)"""
-    from difftune import train as train_module
+    from difftune.training import train as train_module
 
     seen, real_build = [], train_module.build_optimizer
 
@@ -254,7 +254,7 @@ def test_encoders_fill_the_caches_and_go_before_the_denoiser_loads(make_config, 
     """With both caches on and nothing drawn before training, the run loads the base without its denoiser, fills the
     caches, lets go of the encoders, then loads the denoiser: never both resident (FLUX.1's T5 and transformer). It
     trains the same weights as the run that loads everything at once (its "before" samples need the whole base)."""
-    import difftune.train as train_module
+    import difftune.training.train as train_module
 
     seen = {}
     load_denoiser = train_module.load_denoiser
@@ -280,8 +280,8 @@ def test_encoders_fill_the_caches_and_go_before_the_denoiser_loads(make_config, 
 def test_parts_load_in_the_dtype_the_run_keeps_them_in(tiny_base, make_config):
     """No frozen part is read into fp32 first: under bf16 the encoders load in bf16, and a denoiser whose layers are
     stored apart loads as its files hold it, mapped from them without a copy, then is stored layer by layer."""
-    from difftune.models import AS_STORED, PartDtypes, part_dtypes
-    from difftune.storage import file_mappings
+    from difftune.memory.storage import file_mappings
+    from difftune.models.parts import AS_STORED, PartDtypes, part_dtypes
 
     config = make_config(train__mixed_precision="bf16", model__weight_dtype="fp8")
     # Nothing drawn before the end (no sample prompts): drawing parts are left out until then.
@@ -318,7 +318,7 @@ def test_a_part_is_loaded_as_the_files_diffusers_picks_hold_it(tmp_path):
     dtype is the one diffusers loads and the run keeps, not the variant's."""
     from safetensors.torch import save_file
 
-    from difftune.models import files_dtype
+    from difftune.models.parts import files_dtype
 
     part = tmp_path / "transformer"
     part.mkdir()

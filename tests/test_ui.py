@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from difftune.config import load_config
 from difftune.errors import DifftuneError
-from difftune.webui import _inside, check_exposure, read_auth
+from difftune.webui.app import _inside, check_exposure, read_auth
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -267,7 +267,7 @@ def test_the_server_says_where_it_serves_with_its_own_flags(server):
 
 
 def test_presets_come_default_first_described_and_marked_when_they_need_a_gpu(tmp_path):
-    from difftune.form import presets
+    from difftune.webui.form import presets
 
     offered = presets(REPO / "configs")
     assert offered[0].name == "tiny_lora" and offered[0].summary.startswith("The default job: teach the bundled tiny base")
@@ -330,7 +330,7 @@ def test_uploads_are_capped_per_request_not_only_per_file(server):
 
 
 def test_guards_name_the_hosts_served():
-    from difftune.ui_guards import AllowedHosts, host_name
+    from difftune.webui.guards import AllowedHosts, host_name
 
     guard = AllowedHosts(None, names=("studio.example.com",), share=False)
     assert host_name("http://[::1]:7860") == "::1" and host_name("LocalHost:7860") == "localhost"
@@ -375,7 +375,7 @@ def test_outputs_stay_inside_their_folder(tmp_path):
 
 def test_logins_are_limited_after_wrong_passwords(monkeypatch):
     """50 wrong passwords, then the right one: refused while the window lasts (it was accepted), then accepted."""
-    from difftune import webui
+    from difftune.webui import app as webui
 
     now = [1000.0]
     monkeypatch.setattr(webui.time, "monotonic", lambda: now[0])
@@ -396,8 +396,8 @@ def test_logins_are_limited_after_wrong_passwords(monkeypatch):
 def test_the_served_ui_checks_logins_through_the_guard_and_warns_what_it_leaves_open(tmp_path, monkeypatch, capsys):
     import gradio as gr
 
-    from difftune import webui
     from difftune.cli import main
+    from difftune.webui import app as webui
 
     launched = {}
     monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: launched.update(kwargs))
@@ -420,8 +420,8 @@ def test_the_served_ui_checks_logins_through_the_guard_and_warns_what_it_leaves_
 def test_a_file_that_is_no_adapter_is_named_as_such(tmp_path, capsys):
     """Sample and merge with a file that is not safetensors: one line (the CLI printed a traceback, the UI a bare
     "Error"); the UI's page shows unexpected failures with their kind."""
-    from difftune import webui
     from difftune.cli import main
+    from difftune.webui import app as webui
 
     notes = tmp_path / "notes.safetensors"
     notes.write_text("a text file")
@@ -432,7 +432,7 @@ def test_a_file_that_is_no_adapter_is_named_as_such(tmp_path, capsys):
 
 
 def test_a_merge_into_a_used_folder_says_how_to_replace_it_in_either_tool(tmp_path):
-    from difftune import export
+    from difftune.adapters import export
 
     (tmp_path / "merged").mkdir()
     (tmp_path / "merged" / "keep.txt").write_text("earlier work")

@@ -17,18 +17,21 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from difftune import export, jobs, plan, sample
-from difftune.adapter_files import module_names_of, placed_on_base, read_adapter
-from difftune.autoencoders import downsampling
-from difftune.clips import write_clip
+from difftune.adapters import export
+from difftune.adapters.files import module_names_of, placed_on_base, read_adapter
 from difftune.config import ModelConfig, SampleConfig
-from difftune.data import CaptionedImages
+from difftune.data.clips import write_clip
+from difftune.data.dataset import CaptionedImages
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
-from difftune.models import part_dtypes
-from difftune.sample import generate_images, sampling_scheduler, save_images
+from difftune.families import drawing as sample
+from difftune.families.drawing import generate_images, sampling_scheduler, save_images
+from difftune.models.autoencoders import downsampling
+from difftune.models.parts import part_dtypes
 from difftune.toy.tiny import build_pipeline, build_wan22_pipeline
-from difftune.train import train
+from difftune.training import plan
+from difftune.training.train import train
+from difftune.webui import jobs
 
 from conftest import REPO
 

@@ -11,13 +11,13 @@ from diffusers import WanImageToVideoPipeline
 from PIL import Image
 from transformers import CLIPVisionConfig, CLIPVisionModel
 
-from difftune.clips import write_clip
 from difftune.config import ModelConfig
-from difftune.data import image_to_tensor
+from difftune.data.clips import write_clip
+from difftune.data.dataset import image_to_tensor
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.toy.tiny import build_pipeline
-from difftune.train import train
+from difftune.training.train import train
 
 FAMILY = FAMILIES["wan_i2v"]
 

@@ -13,14 +13,14 @@ from diffusers import ZImageTransformer2DModel
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from difftune import export
+from difftune.adapters import export
 from difftune.config import LossConfig, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.families.flow import shifted
-from difftune.parity import PARITY_FILE
 from difftune.toy.tiny import build_pipeline
-from difftune.train import train
+from difftune.training.parity import PARITY_FILE
+from difftune.training.train import train
 
 FAMILY = FAMILIES["z_image"]
 

@@ -3,7 +3,13 @@
 `load_components` is how every command gets a model: it asks which family the base belongs to (from
 `model.family`, a pipeline folder's `model_index.json`, or a single file's keys) and lets that family load it.
 Adding a family is a module here, named as the family, that defines one `Family` subclass: it is found by
-its file name (`config.FAMILY_NAMES`, which `model.family` accepts) and registered below.
+its file name (`config.FAMILY_NAMES`, which `model.family` accepts) and registered below. What every family
+shares: `family` (the `Family` base), `flow` (the flow-matching families' base), `fused` (the original models' layouts
+of the families whose layers they fuse or rename), `objective` (the noise, the timesteps and the per-sample loss) and
+`drawing` (samples drawn through the family's pipeline).
+
+May import: data, models, memory, the config schema and the leaf modules. Never an adapter or the training loop: they
+ask the family.
 """
 
 from __future__ import annotations
@@ -17,12 +23,12 @@ import torch
 from safetensors import safe_open
 
 from difftune import published
-from difftune.autoencoders import latent_channels, load_vae
 from difftune.config import FAMILY_NAMES, ModelConfig
-from difftune.denoiser_files import gguf_tensor_names, is_gguf, is_scaled_fp8
 from difftune.errors import DifftuneError
 from difftune.families.family import Family
-from difftune.models import (
+from difftune.models.autoencoders import latent_channels, load_vae
+from difftune.models.denoiser_files import gguf_tensor_names, is_gguf, is_scaled_fp8
+from difftune.models.parts import (
     FP32_PARTS,
     PICKLED_SUFFIXES,
     SINGLE_FILE_SUFFIXES,
@@ -31,7 +37,12 @@ from difftune.models import (
     explained_load_errors,
     quiet_loading,
 )
-from difftune.preflight import wrong_family
+
+
+def wrong_family(named: str, base: str, what: str, reader: str) -> DifftuneError:
+    """`model.family` names one family for a base that another reads: it would half-load and fail later."""
+    return DifftuneError(f"model.family = \"{named}\": model.base {base} is {what} of the {reader} family; "
+                         f"set model.family = \"auto\" or \"{reader}\"")
 
 
 def _discover() -> dict[str, Family]:

@@ -25,11 +25,13 @@ from diffusers import (
 )
 from pydantic import ValidationError
 
-from difftune import kohya, single_file
-from difftune.autoencoders import LatentNormalization, frames_per_latent, latent_normalization
-from difftune.clips import FrameWindows
 from difftune.config import Config, LossConfig, ModelConfig, Section
-from difftune.denoiser_files import (
+from difftune.data.clips import FrameWindows
+from difftune.errors import DifftuneError
+from difftune.families.objective import WEIGHTINGS, diffusion_loss, draw_timesteps_and_noise
+from difftune.models import single_file
+from difftune.models.autoencoders import LatentNormalization, frames_per_latent, latent_normalization
+from difftune.models.denoiser_files import (
     DENOISER_FILE_PREFIXES,
     DenoiserFile,
     is_gguf,
@@ -37,9 +39,15 @@ from difftune.denoiser_files import (
     load_gguf_file,
     read_denoiser_file,
 )
-from difftune.errors import DifftuneError
-from difftune.loss import WEIGHTINGS, diffusion_loss, draw_timesteps_and_noise
-from difftune.models import AS_STORED, FP32_PARTS, SINGLE_FILE_SUFFIXES, Components, PartDtypes, files_dtype, tokenize
+from difftune.models.parts import (
+    AS_STORED,
+    FP32_PARTS,
+    SINGLE_FILE_SUFFIXES,
+    Components,
+    PartDtypes,
+    files_dtype,
+    tokenize,
+)
 
 # A UNet block's name, wherever the UNet sits (peft and compile may wrap it): `down_blocks.1`, `mid_block`,
 # `up_blocks.0.attentions.2`, `down_blocks.0.resnets.1`...
@@ -497,17 +505,6 @@ class Family:
         return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None}
 
     # Files.
-
-    def to_kohya(self, tensors: dict, lora_configs: dict) -> dict[str, torch.Tensor]:
-        """difftune-layout adapter tensors -> the kohya / A1111 / ComfyUI layout (kohya.py)."""
-        return kohya.to_kohya(tensors, lora_configs, self.kohya_prefixes, self.kohya_text_model_parts)
-
-    def from_kohya(self, tensors: dict, module_names: dict[str, list[str]]) -> tuple[dict, dict]:
-        """Inverse of `to_kohya`, with the base's module names (part -> names): tensors and peft configs. The
-        denoiser's modules are found under their original names too (`original_module_names`)."""
-        other_names = {self.denoiser_name: self.original_module_names(module_names.get(self.denoiser_name, []))}
-        return kohya.from_kohya(tensors, module_names, self.kohya_prefixes, self.kohya_text_model_parts, other_names,
-                                denoiser=self.denoiser_name)
 
     def read_original_layout(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """An adapter file in the family's original layout that only diffusers' reader for the family converts (fused

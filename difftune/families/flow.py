@@ -24,8 +24,8 @@ from pydantic import Field
 
 from difftune.config import Config, LossConfig
 from difftune.families.family import Family, FamilyOptions
-from difftune.loss import draw_fractions, draw_noise, per_sample_mse
-from difftune.models import Components
+from difftune.families.objective import draw_fractions, draw_noise, per_sample_mse
+from difftune.models.parts import Components
 
 FLOW_WEIGHTINGS = ("uniform", "sigma_sqrt", "cosmap")  # flow-matching weightings (diffusers' SD3 ones)
 

@@ -23,7 +23,7 @@ from pydantic import Field
 from difftune.families.flow import FlowMatchingFamily, FlowOptions, pack, unpack
 from difftune.families.fused import FusedKohyaLayout, kohya_blocks_of, kohya_globals_of
 from difftune.families.sd import CLIP_ATTENTION
-from difftune.models import Components
+from difftune.models.parts import Components
 
 # diffusers' Flux LoRA script's default targets, plus the single blocks' MLP input, so that a single block's fused
 # `linear1` (q, k, v, MLP) is adapted whole: the kohya layout can then carry DoRA there too.

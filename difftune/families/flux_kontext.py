@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from diffusers import FluxKontextPipeline
 
-from difftune.data import resize_and_crop
+from difftune.data.dataset import resize_and_crop
 from difftune.families.flux import Flux
 
 

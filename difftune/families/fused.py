@@ -21,8 +21,6 @@ import re
 
 import torch
 
-from difftune import kohya
-from difftune.adapters import LYCORIS_TENSORS, derived_lora_configs
 from difftune.errors import DifftuneError
 
 KOHYA_DENOISER_PREFIX = "lora_unet_"
@@ -90,59 +88,6 @@ class FusedKohyaLayout:
         """How a fused layer's `rows` output rows split among its `modules` (`columns`: its input width): evenly,
         unless the family says otherwise."""
         return [rows // len(modules)] * len(modules)
-
-    def to_kohya(self, tensors: dict, lora_configs: dict) -> dict[str, torch.Tensor]:
-        prefix = f"{self.denoiser_name}."
-        denoiser = {key: value for key, value in tensors.items() if key.startswith(prefix)}
-        out = super().to_kohya({key: value for key, value in tensors.items() if key not in denoiser}, lora_configs)
-        kinds = {kohya.split_adapter_key(key.removeprefix(prefix))[1] for key in denoiser}
-        if kinds & set(LYCORIS_TENSORS):
-            raise ValueError(f"a LoHa/LoKr adapter: {self.no_fused_lycoris()}; write the diffusers layout")
-        adapted = {kohya.split_adapter_key(key.removeprefix(prefix))[0] for key in denoiser}
-        table = self.kohya_table(adapted)
-        for name, modules in table.items():
-            present = [module in adapted for module in modules]
-            if not any(present):
-                continue
-            if not all(present):
-                raise ValueError(
-                    f"the kohya {self.kohya_layout_name} layout fuses {', '.join(modules)} into {name}: adapt all of them "
-                    "(or none), or write the diffusers layout"
-                )
-            fused = kohya.fuse(denoiser, lora_configs, self.denoiser_name, modules)
-            out |= {f"{KOHYA_DENOISER_PREFIX}{name}.{kind}": value for kind, value in fused.items()}
-        unnamed = adapted - {module for modules in table.values() for module in modules}
-        if unnamed:
-            raise ValueError(f"{prefix}{sorted(unnamed)[0]}: has no name in the kohya {self.kohya_layout_name} layout; "
-                             "write the diffusers layout")
-        return out
-
-    def from_kohya(self, tensors: dict, module_names: dict[str, list[str]]) -> tuple[dict, dict]:
-        """The original layout's layers split back into the diffusers modules they hold; a key named after one
-        diffusers module (as sd-scripts' and musubi-tuner's Z-Image and Lumina files are) is read as any family's."""
-        table = self.kohya_table(module_names[self.denoiser_name])
-
-        def original_layer(key: str) -> str | None:
-            name = key.partition(".")[0].removeprefix(KOHYA_DENOISER_PREFIX)
-            return name if key.startswith(KOHYA_DENOISER_PREFIX) and name in table else None
-
-        fused = {key: value for key, value in tensors.items() if original_layer(key)}
-        out, configs = super().from_kohya({key: value for key, value in tensors.items() if key not in fused}, module_names)
-        by_name: dict[str, dict] = {}
-        for key, value in fused.items():
-            name, _, kind = key.removeprefix(KOHYA_DENOISER_PREFIX).partition(".")
-            by_name.setdefault(name, {})[kind] = value
-        ranks, alphas = {}, {}
-        for name, found in by_name.items():
-            modules = table[name]
-            sizes = self.fused_row_sizes(modules, found["lora_up.weight"].shape[0], found["lora_down.weight"].shape[1])
-            for module, split in zip(modules, kohya.split(found, sizes)):
-                out |= {f"{self.denoiser_name}.{module}.{kind}": value for kind, value in split.tensors.items()}
-                ranks[module], alphas[module] = split.rank, split.alpha
-        if ranks:
-            dora = {self.denoiser_name: any("dora_scale" in found for found in by_name.values())}
-            configs |= derived_lora_configs({self.denoiser_name: ranks}, {self.denoiser_name: alphas}, dora)
-        return out, configs
 
     # Single files in the original layout.
 
@@ -220,17 +165,3 @@ class OriginalNamesKohyaLayout:
 
     def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
         return {original: module for module in denoiser_modules if (original := self.original_name(module))}
-
-    def to_kohya(self, tensors: dict, lora_configs: dict) -> dict[str, torch.Tensor]:
-        prefix, originals = self.kohya_prefixes[self.denoiser_name], {}
-        for key in tensors:
-            module = kohya.split_adapter_key(key.partition(".")[2])[0]
-            if (original := self.original_name(module)) is None:
-                raise ValueError(f"{self.denoiser_name}.{module}: has no name in {self.kohya_layout_name}'s original layout; "
-                                 "write the diffusers layout")
-            originals[prefix + module.replace(".", "_")] = prefix + original.replace(".", "_")
-        renamed = {}
-        for key, value in super().to_kohya(tensors, lora_configs).items():
-            name, _, kind = key.partition(".")
-            renamed[f"{originals[name]}.{kind}"] = value
-        return renamed

@@ -29,7 +29,7 @@ import torch
 from diffusers import HiDreamImagePipeline, HiDreamImageTransformer2DModel
 
 from difftune.families.flow import FlowMatchingFamily
-from difftune.models import Components
+from difftune.models.parts import Components
 
 TEXT_TOKENS = 128  # the pipeline's default `max_sequence_length`
 CLIP_TOKENS = 218  # the most the pipeline reads with its long-context CLIP encoders

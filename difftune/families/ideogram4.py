@@ -40,12 +40,12 @@ import torch
 from diffusers import Ideogram4Pipeline, Ideogram4Transformer2DModel
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ideogram4_lora_to_diffusers
 
-from difftune.autoencoders import LatentNormalization, latent_normalization
 from difftune.config import Config
 from difftune.families.family import valid_token_states
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.fused import FusedKohyaLayout, kohya_blocks_of
-from difftune.models import Components
+from difftune.models.autoencoders import LatentNormalization, latent_normalization
+from difftune.models.parts import Components
 
 TEXT_TOKENS = 512  # tokens of a templated caption read at most
 PIXELS_PER_TOKEN = 16  # the pipeline's `vae_scale_factor * patch_size`: what its resolution rule counts pixels by

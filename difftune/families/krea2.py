@@ -33,7 +33,7 @@ from diffusers.pipelines.krea2.pipeline_krea2 import calculate_shift
 
 from difftune.families.flow import FlowMatchingFamily, anchored_guidance, pack, unpack
 from difftune.families.fused import OriginalNamesKohyaLayout
-from difftune.models import Components
+from difftune.models.parts import Components
 
 # Krea2Pipeline's prompt layout (`prompt_template_encode_prefix` / `_suffix`, `_start_idx`, `_num_suffix_tokens`;
 # tests/test_families.py checks them against it).

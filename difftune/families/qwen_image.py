@@ -25,7 +25,7 @@ from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
 from difftune.families.family import valid_token_states
 from difftune.families.flow import FlowMatchingFamily, pack, unpack
-from difftune.models import Components
+from difftune.models.parts import Components
 
 # QwenImagePipeline's prompt template and the number of its tokens before the caption that it drops
 # (`prompt_template_encode`, `prompt_template_encode_start_idx`; tests/test_families.py checks them against it).

@@ -6,10 +6,10 @@ import torch
 from diffusers import DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from safetensors import safe_open
 
-from difftune import single_file
 from difftune.config import ModelConfig
 from difftune.families.family import Family
-from difftune.models import SINGLE_FILE_SUFFIXES, Components
+from difftune.models import single_file
+from difftune.models.parts import SINGLE_FILE_SUFFIXES, Components
 
 ATTENTION_PROJECTIONS = ["to_q", "to_k", "to_v", "to_out.0"]
 CLIP_ATTENTION = ["q_proj", "k_proj", "v_proj", "out_proj"]

@@ -31,7 +31,7 @@ from difftune.families.flow import FlowMatchingFamily
 from difftune.families.flux import T5_ATTENTION
 from difftune.families.fused import BLOCK, FusedKohyaLayout, swap_halves
 from difftune.families.sd import CLIP_ATTENTION
-from difftune.models import Components, tokenize
+from difftune.models.parts import Components, tokenize
 
 T5_TOKENS = 256  # StableDiffusion3Pipeline's default `max_sequence_length`
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from diffusers import StableDiffusionXLPipeline
 
-from difftune import single_file
 from difftune.families.family import Family
 from difftune.families.sd import ATTENTION_PROJECTIONS, CLIP_ATTENTION
-from difftune.models import Components
+from difftune.models import single_file
+from difftune.models.parts import Components
 
 # diffusers' own marker of the second (OpenCLIP) encoder in SDXL single files.
 OPEN_CLIP_KEY = f"{single_file.SDXL_TEXT_ENCODER_2_PREFIX}positional_embedding"

@@ -43,7 +43,7 @@ from difftune.errors import DifftuneError
 from difftune.families.family import config_folder, valid_token_states
 from difftune.families.flow import FlowMatchingFamily, FlowOptions
 from difftune.families.fused import OriginalNamesKohyaLayout
-from difftune.models import Components
+from difftune.models.parts import Components
 
 TEXT_TOKENS = 512  # WanPipeline's default `max_sequence_length`: every caption's states are padded to it
 TRANSFORMER_TARGETS = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",

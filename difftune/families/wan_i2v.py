@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from diffusers import WanImageToVideoPipeline
 
-from difftune.autoencoders import encode_posterior
 from difftune.errors import DifftuneError
 from difftune.families.wan import Wan
-from difftune.models import Components
+from difftune.models.autoencoders import encode_posterior
+from difftune.models.parts import Components
 
 
 class WanImageToVideo(Wan):

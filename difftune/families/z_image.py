@@ -33,7 +33,7 @@ from diffusers.loaders.single_file_utils import convert_z_image_transformer_chec
 from difftune.families.family import valid_token_states
 from difftune.families.flow import FlowMatchingFamily, anchored_guidance
 from difftune.families.fused import FusedKohyaLayout
-from difftune.models import Components
+from difftune.models.parts import Components
 
 TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
 # Attention and the SwiGLU MLP of every block (refiners included): musubi-tuner's and ai-toolkit's Z-Image targets.

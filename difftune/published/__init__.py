@@ -9,6 +9,8 @@ their length and padding side. Each family names the base it is planned by when 
 machine (`REFERENCE_BASES`). Where a number came from is said beside it (`_source`): the repository's config, or
 the diffusers model class's defaults where diffusers documents them as the published model's.
 
+May import nothing of difftune's: it is data.
+
 `config_folder` writes a base's configs into a folder laid out as the hub's, which the plan reads as it reads a
 local pipeline folder.
 """

@@ -53,13 +53,13 @@ from transformers import (
     T5EncoderModel,
 )
 
-from difftune.adapters import add_adapters
-from difftune.autoencoders import downsampling, latent_channels
+from difftune.adapters.kinds import add_adapters
 from difftune.config import load_config
 from difftune.families import load_components
-from difftune.metrics import read_metrics
+from difftune.models.autoencoders import downsampling, latent_channels
 from difftune.toy import tiny
-from difftune.train import train
+from difftune.training.metrics import read_metrics
+from difftune.training.train import train
 
 # Dense tensor-core peaks (FLOP/s) by device name and precision, from the vendors' data sheets.
 PEAK_FLOPS = {

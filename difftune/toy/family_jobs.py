@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 from difftune.config import load_config
-from difftune.metrics import read_metrics
-from difftune.parity import PARITY_FILE
 from difftune.toy.tiny import build_pipeline, shape_images, write_caption_folder
 from difftune.toy.tiny_base import HELD_OUT_COLOR
+from difftune.training.metrics import read_metrics
+from difftune.training.parity import PARITY_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 # The job each family ships (configs/), for the families without a bundled tiny base.
@@ -53,7 +53,7 @@ def job_overrides(base: Path, data: Path, validation: Path, output_dir: Path, st
 def run_family_job(family: str, work_dir: Path, steps: int = 200, seed: int = 1, overrides: list[str] = ()) -> dict:
     """The family's shipped job on its micro model (built in `work_dir`), with `overrides` (`section.key=value`) on top;
     its row."""
-    from difftune.train import train
+    from difftune.training.train import train
 
     base, validation = work_dir / f"micro-{family}", work_dir / "purple-validation"
     if not base.is_dir():

@@ -30,8 +30,8 @@ from PIL import Image
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import load_components
-from difftune.models import Components
-from difftune.sample import sampling_scheduler
+from difftune.families.drawing import sampling_scheduler
+from difftune.models.parts import Components
 from difftune.toy.tiny import CLIP_FRAMES, COLORS, DIRECTIONS, IMAGE_SIZE, SHAPES, recolor_pairs
 
 MIN_PLACE_OVERLAP = 0.5  # intersection over union of the control's and the edit's shape masks: "in place"
@@ -316,11 +316,26 @@ def edit_score(components: Components, seen_colors, concept_color: str, settings
     }
 
 
+class ShapesJudge:
+    """`validation.eval_concept`'s judge on the shapes bases (`training.validation.Judge`), registered in
+    pyproject.toml: a color is scored on its shapes' prompts, the other colors' prompts measure forgetting."""
+
+    concepts = tuple(COLORS)
+
+    def scores(self, components: Components, concept: str, samples_per_prompt: int) -> tuple[float, float]:
+        seen = [color for color in COLORS if color != concept]
+        report = score(components, seen, concept, EvalSettings(samples_per_prompt=samples_per_prompt))
+        return report["concept"]["both"], report["seen"]["both"]
+
+
+SHAPES_JUDGE = ShapesJudge()
+
+
 def evaluate(base: str, adapter: Path | None, seen_colors, concept_color: str, settings: EvalSettings,
              concept_word: str = "", say: Say = None) -> dict:
     """The base's scores, and with `adapter`, the adapted model's and the forgetting between them; `concept_word`
     (see `score`) in the adapted model's concept prompts. `say` hears each prompt as it starts."""
-    from difftune.export import apply_adapters  # export imports sampling; keep this module light to import
+    from difftune.adapters.export import apply_adapters  # export imports sampling; keep this module light to import
 
     report = {"settings": vars(settings) | {"base": base, "concept_color": concept_color}}
     components = load_components(ModelConfig(base=base))

@@ -92,8 +92,8 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-from difftune.autoencoders import encode_posterior
-from difftune.data import image_to_tensor
+from difftune.data.dataset import image_to_tensor
+from difftune.models.autoencoders import encode_posterior
 
 IMAGE_SIZE = 32
 TOKENIZER_MAX_LENGTH = 32
@@ -1005,7 +1005,7 @@ def moving_shape_clips(count: int, seed: int, colors=tuple(COLORS), shapes=SHAPE
 
 def write_clip_folder(folder: Path, clips: list[tuple[list[Image.Image], str]]) -> None:
     """`NNNN.mkv` (lossless) with its caption in `NNNN.txt`."""
-    from difftune.clips import write_clip
+    from difftune.data.clips import write_clip
 
     folder.mkdir(parents=True, exist_ok=True)
     for i, (frames, caption) in enumerate(clips):

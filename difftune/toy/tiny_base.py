@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan, AutoencoderTiny, DiffusionPipeline
 from tqdm.auto import tqdm
 
-from difftune.autoencoders import (
+from difftune.config import load_config
+from difftune.data.dataset import image_to_tensor
+from difftune.models.autoencoders import (
     PATCHED_AUTOENCODERS,
     VIDEO_AUTOENCODERS,
     decode_latents,
@@ -40,9 +42,6 @@ from difftune.autoencoders import (
     latent_normalization,
     unpatched,
 )
-from difftune.config import load_config
-from difftune.data import image_to_tensor
-from difftune.metrics import read_metrics
 from difftune.toy.tiny import (
     CLIP_FRAMES,
     COLORS,
@@ -74,6 +73,7 @@ from difftune.toy.tiny import (
     write_clip_folder,
     write_pair_folder,
 )
+from difftune.training.metrics import read_metrics
 
 HELD_OUT_COLOR = "purple"
 # tiny-sdxl at tiny-sd's 1300 steps drew seen shapes at 0.927 (8 samples per prompt), under the 0.95 target;
@@ -436,7 +436,7 @@ def build_base(out_dir: Path, work_dir: Path, recipe: Recipe | None = None, auto
     """Train everything (the autoencoders: unless `autoencoders_from`, a built base folder, lends its `vae/` and
     `taesd/`) and write the pipeline folder (fp16) with `taesd/` beside `vae/`; returns the facts for the model
     card (scores of the autoencoders, seconds per stage, the recipe)."""
-    from difftune.train import train
+    from difftune.training.train import train
 
     recipe = recipe or Recipe()
     seconds: dict[str, float] = {}
@@ -505,7 +505,7 @@ def build_edit_base(out_dir: Path, work_dir: Path, source: Path, recipe: dict, s
     """An edit pipeline folder (`edit_pipeline_of`) from the text-to-image base `source`, its transformer (and with
     `recipe["text_encoder"]` its language model) trained by `difftune train` on "make it <color>" pairs of the seen
     colors; returns the facts for the model card."""
-    from difftune.train import train
+    from difftune.training.train import train
 
     seconds: dict[str, float] = {}
     torch.manual_seed(seed)  # new embedding rows are drawn

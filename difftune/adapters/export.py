@@ -1,0 +1,452 @@
+"""Writing what training produced, in the formats other tools load; merging adapters into the base.
+
+The diffusers-layout adapter file is one safetensors file that diffusers' `load_lora_weights` reads:
+peft keys prefixed by their part (`unet.`, `text_encoder.`, SDXL's `text_encoder_2.`), each part's peft `LoraConfig` under the metadata key
+`lora_adapter_metadata` (so rank, alpha and DoRA are read, not guessed from shapes), and the resolved
+difftune config under `difftune_config`. Weights are kept in fp32: lossless, and small. The kohya
+layout (kohya.py) is the same tensors under A1111/ComfyUI names, with `ss_*` metadata.
+
+LoHa and LoKr files in the diffusers layout hold peft's tensors and configs the same way; diffusers' LoRA loader
+reads neither kind, so difftune attaches them with peft itself (`_attach_lycoris`), and their kohya layout is the
+LyCORIS one ComfyUI and A1111 read.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import tomllib
+import torch
+from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
+from safetensors.torch import save_file
+
+from difftune.adapters.embeddings import embedding_file_name, load_embedding, write_embedding
+from difftune.adapters.files import (
+    CONFIG_METADATA_KEY,
+    is_embedding_file,
+    module_names_of,
+    parts_of,
+    placed_on_base,
+    read_adapter,
+)
+from difftune.adapters.kinds import LYCORIS_CONFIGS, adapter_kind, adapter_scale, adapter_state_dict
+from difftune.adapters.kohya import family_to_kohya, kohya_metadata, split_adapter_key
+from difftune.config import Config, ModelConfig, upgrade_moved_keys
+from difftune.errors import DifftuneError
+from difftune.families import FAMILIES, family_of, load_components
+from difftune.families.drawing import sampling_scheduler
+from difftune.families.family import Family
+from difftune.files import open_safetensors, replace_atomically
+from difftune.models.parts import DTYPES, Components, PartDtypes, quiet_loading
+
+ADAPTER_FILE = LORA_WEIGHT_NAME_SAFE  # the name `pipeline.load_lora_weights(output_dir)` looks for
+FULL_MODEL_DIR = "model"
+SINGLE_FILE = "model.safetensors"
+FORMATS = ("diffusers", "kohya")
+FOLDED_ALPHA_KEY = "difftune_folded_alpha"  # the alpha settings a diffusers-layout file has in its tensors
+
+
+def trained_path(config: Config, output_dir: Path, variant: str = "") -> Path:
+    """Where a run's result goes: `variant` is "" (raw weights), "_ema", "_avg", or "_best" / "_best_eval" (the
+    lowest validation loss / highest judged score so far). An adapter's is its `export.format` file."""
+    if config.adapter.kind == "none":
+        return variant_of(output_dir / FULL_MODEL_DIR, variant)
+    if config.adapter.kind == "embedding":
+        return variant_of(output_dir / f"{embedding_file_name(config.adapter)}.safetensors", variant)
+    return layout_path(output_dir, config.export.format, variant)
+
+
+def layout_path(output_dir: Path, layout: str, variant: str = "") -> Path:
+    """An adapter file of a run in `layout`: the diffusers layout under the name `load_lora_weights(folder)` looks
+    for; the kohya layout, the one ComfyUI, A1111 and kohya read, named after the run, as kohya's and the other
+    trainers' files are (the name those tools list it by)."""
+    stem = ADAPTER_FILE.removesuffix(".safetensors") if layout == "diffusers" else Path(output_dir).resolve().name
+    return variant_of(Path(output_dir) / f"{stem}.safetensors", variant)
+
+
+def other_layout(layout: str) -> str:
+    return next(other for other in FORMATS if other != layout)
+
+
+def variant_of(path: Path, variant: str) -> Path:
+    """The `_ema` / `_avg` sibling of a run's result: `pytorch_lora_weights.safetensors` -> `..._ema.safetensors`."""
+    return path.with_name(f"{path.stem}{variant}{path.suffix}")
+
+
+def save_trained(components: Components, config: Config, path: Path, layout: str | None = None) -> Path:
+    """The adapter file (in `layout`, default `export.format`); with `adapter.kind = "none"` a complete diffusers
+    pipeline folder; with `"embedding"` the textual-inversion file."""
+    if config.adapter.kind == "none":
+        pipeline = components.pipeline(sampling_scheduler(config.sample.scheduler, components))
+        _refuse_non_finite(components.denoiser.state_dict(), f"{path}")
+        return replace_atomically(path, lambda staging: pipeline.save_pretrained(staging, safe_serialization=True))
+    if config.adapter.kind == "embedding":  # one layout: the one every tool reads
+        return write_embedding(path, components, config.adapter, {CONFIG_METADATA_KEY: config.to_toml()})
+    tensors, lora_configs = adapter_state_dict(components, config.adapter)
+    return write_adapter(path, tensors, lora_configs, config.to_toml(), layout or config.export.format, components.family)
+
+
+def save_adapter_layouts(components: Components, config: Config, output_dir: Path, variant: str = "") -> dict[str, Path | str]:
+    """An adapter run's result in both layouts, whichever `export.format` chose (it names the primary file): one for
+    diffusers and peft, one for ComfyUI, A1111 and kohya, so the folder holds a file each tool applies (ComfyUI maps
+    none of a Wan file's diffusers keys). {layout: the file, or why the layout cannot hold this adapter (LoHa/LoKr on
+    a family whose kohya layout fuses q, k and v)}; the primary layout must be written."""
+    tensors, lora_configs = adapter_state_dict(components, config.adapter)
+    written: dict[str, Path | str] = {}
+    for layout in (config.export.format, other_layout(config.export.format)):
+        path = layout_path(output_dir, layout, variant)
+        try:
+            written[layout] = write_adapter(path, tensors, lora_configs, config.to_toml(), layout, components.family)
+        except DifftuneError as err:
+            if layout == config.export.format:
+                raise
+            written[layout] = str(err)
+    return written
+
+
+def save_result_files(components: Components, config: Config, output_dir: Path, variant: str = "") -> dict[str, Path | str]:
+    """What a run saves as its result: an adapter in both layouts (`save_adapter_layouts`), else its one full model
+    folder ("model") or embedding file ("embedding"), by what `where_files_go` calls them."""
+    if config.adapter.is_adapter:
+        return save_adapter_layouts(components, config, output_dir, variant)
+    label = "model" if config.adapter.kind == "none" else config.adapter.kind
+    return {label: save_trained(components, config, trained_path(config, output_dir, variant))}
+
+
+def where_files_go(files: dict[str, Path | str]) -> list[str]:
+    """The run's last lines: which of its files goes to which tool."""
+    uses = {"diffusers": "diffusers and peft (`pipeline.load_lora_weights`), difftune sample / merge",
+            "kohya": "ComfyUI (its models/loras folder), A1111 / Forge, kohya",
+            "model": "a diffusers pipeline folder (`from_pretrained`), difftune sample",
+            "embedding": "A1111, ComfyUI (its models/embeddings folder) and diffusers (`load_textual_inversion`)"}
+    lines = []
+    for layout, file in files.items():
+        if isinstance(file, Path):
+            lines.append(f"wrote {file}: for {uses[layout]}")
+        else:
+            lines.append(f"no {layout}-layout file: {file}")
+    return lines
+
+
+def check_layout(components: Components, config: Config) -> None:
+    """Before training: the freshly attached adapter can be written in `export.format`, so a run cannot end
+    unable to save what it trained (the kohya Flux layout fuses modules that must be adapted together)."""
+    if config.adapter.is_adapter and config.export.format == "kohya":
+        tensors, lora_configs = adapter_state_dict(components, config.adapter)
+        try:
+            family_to_kohya(components.family, tensors, lora_configs)
+        except ValueError as err:
+            raise DifftuneError(f"export.format = \"kohya\": {err}") from None
+
+
+def write_adapter(
+    path: Path, tensors: dict, lora_configs: dict, config_toml: str, layout: str, family: Family | None = None,
+    base: str = "",
+) -> Path:
+    """Write an adapter file; a NaN or inf tensor is refused before anything is written. `family` gives the kohya
+    layout's prefixes (default: `adapter_family`); `base` names the base model in a kohya file's metadata when
+    there is no difftune config (an adapter from another tool)."""
+    _refuse_non_finite(tensors, f"adapter {path}")
+    metadata = {"format": "pt"}
+    if config_toml:
+        metadata[CONFIG_METADATA_KEY] = config_toml
+    if layout == "kohya":
+        family = family or adapter_family(lora_configs, config_toml, base)
+        try:
+            tensors = family_to_kohya(family, tensors, lora_configs)
+        except ValueError as err:
+            raise DifftuneError(f"adapter {path}: {err}") from None
+        version = family.base_model_version(_adapter_base(config_toml, base))
+        metadata.update(kohya_metadata(config_toml, lora_configs, base, version))
+    else:
+        tensors, lora_configs, folded = folded_alpha(tensors, lora_configs)
+        metadata[LORA_ADAPTER_METADATA_KEY] = json.dumps(lora_configs, sort_keys=True)
+        if folded:
+            metadata[FOLDED_ALPHA_KEY] = json.dumps(folded, sort_keys=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return replace_atomically(path, lambda staging: save_file(tensors, staging, metadata=metadata))
+
+
+def folded_alpha(tensors: dict, lora_configs: dict) -> tuple[dict, dict, dict]:
+    """A LoRA / DoRA whose scale (alpha / rank, or alpha / sqrt(rank) with rsLoRA) is not 1 has it multiplied into
+    its `lora_B`, and its config says alpha = rank: the diffusers layout holds alpha only in its metadata, which
+    ComfyUI and A1111 do not read (they applied a rank-8 alpha-4 Qwen-Image LoRA at 2x), so the file's tensors must
+    mean the change alone. DoRA's direction is the same either way, and diffusers applies both files alike. The
+    tensors, the configs, and per folded part the alpha settings folded in (recorded in the file). LoHa / LoKr keep
+    theirs: no reader but peft (difftune's) takes them in this layout, and it reads the metadata."""
+    tensors, lora_configs, folded = dict(tensors), dict(lora_configs), {}
+    for part in parts_of(tensors):
+        if adapter_kind(lora_configs, part) != "lora":
+            continue
+        ranks = {module: value.shape[0] for key, value in tensors.items() if key.startswith(f"{part}.")
+                 for module, kind in [split_adapter_key(key.partition(".")[2])] if kind == "lora_A.weight"}
+        scales = {module: adapter_scale(lora_configs, part, module, rank) for module, rank in ranks.items()}
+        if all(scale == 1 for scale in scales.values()):
+            continue
+        for module, scale in scales.items():
+            key = f"{part}.{module}.lora_B.weight"
+            tensors[key] = tensors[key] * scale
+        folded[part] = {field: lora_configs.get(f"{part}.{field}") for field in ("lora_alpha", "alpha_pattern", "use_rslora")}
+        lora_configs |= {f"{part}.lora_alpha": lora_configs[f"{part}.r"], f"{part}.use_rslora": False,
+                         f"{part}.alpha_pattern": dict(lora_configs.get(f"{part}.rank_pattern") or {})}
+    return tensors, lora_configs, folded
+
+
+def adapter_family(lora_configs: dict, config_toml: str, base: str = "") -> Family:
+    """The family an adapter is for: its `base`'s when given, the one its difftune config records, else the
+    smallest family with all its parts (a UNet-only file is named alike by SD and SDXL: SD's layout is taken)."""
+    model = _adapter_base(config_toml, base)
+    if model:
+        return family_of(model)
+    parts = {key.rsplit(".", 1)[0] for key in lora_configs if key.endswith(".r")}
+    return min((family for family in FAMILIES.values() if parts <= set(family.parts())), key=lambda f: len(f.parts()))
+
+
+def _adapter_base(config_toml: str, base: str = "") -> ModelConfig | None:
+    """The base an adapter is for: `base` when given, else the one its difftune config records (None: unknown)."""
+    if base:
+        return ModelConfig(base=base)
+    if config_toml:
+        return ModelConfig.model_validate(upgrade_moved_keys(tomllib.loads(config_toml))["model"])
+    return None
+
+
+def read_any_adapter(path: Path, base: str | None = None) -> tuple[dict, dict, str]:
+    """`adapter_files.read_adapter`, with a kohya file's module names from loading `base`, else the base its
+    metadata names."""
+
+    def base_modules(metadata: dict[str, str]):
+        name = base or _kohya_base_name(metadata)
+        if not name:
+            raise DifftuneError(f"adapter {path}: a kohya-layout file needs --base (the model it was trained on)")
+        return module_names_of(load_components(ModelConfig(base=name)))
+
+    return read_adapter(path, base_modules)
+
+
+def _kohya_base_name(metadata: dict[str, str]) -> str:
+    """The base a kohya file was trained on: difftune's own config in it names it in full (kohya's
+    `ss_sd_model_name` holds only a local base's folder name), else `ss_sd_model_name`."""
+    if CONFIG_METADATA_KEY in metadata:
+        return tomllib.loads(metadata[CONFIG_METADATA_KEY])["model"]["base"]
+    return metadata.get("ss_sd_model_name", "")
+
+
+def convert_adapter(source: Path, target: Path, layout: str, base: str | None = None) -> Path:
+    """Rewrite an adapter file (any tool's) in difftune's diffusers or kohya layout; the tensors are unchanged,
+    so difftune layout -> other -> back is lossless."""
+    if layout not in FORMATS:
+        raise DifftuneError(f"--to {layout}: allowed: {', '.join(FORMATS)}")
+    tensors, lora_configs, config_toml = read_any_adapter(source, base)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return write_adapter(target, tensors, lora_configs, config_toml, layout, base=base or "")
+
+
+AVERAGE_WEIGHTS = {
+    "uniform": lambda n: [1.0] * n,
+    "linear": lambda n: [float(i + 1) for i in range(n)],
+    "exponential": lambda n: [2.0**i for i in range(n)],
+}
+
+
+def average_adapters(paths: list[Path], weighting: str = "uniform", base: str | None = None) -> tuple[dict, dict, str]:
+    """The weighted mean of adapter files, tensor by tensor (later files weigh more under linear/exponential).
+
+    Each tensor is averaged on its own: lora_A, lora_B and, for DoRA, the magnitude. The result is a valid
+    adapter of the same rank and kind (a mean of positive magnitudes stays positive, so DoRA loads). For
+    snapshots of one run this approximates averaging the weights; it is not the mean of the products
+    B @ A, which would need a higher rank (merge each into the base and average the merged models for that).
+    """
+    if len(paths) < 2:
+        raise DifftuneError("averaging needs at least two adapter files")
+    adapters = [read_any_adapter(path, base) for path in paths]
+    first_tensors, first_configs, _ = adapters[0]
+    for path, (tensors, configs, _) in zip(paths[1:], adapters[1:]):
+        mismatched = [k for k in first_tensors if k not in tensors or tensors[k].shape != first_tensors[k].shape]
+        if mismatched or tensors.keys() != first_tensors.keys():
+            raise DifftuneError(f"adapter {path}: its tensors differ from {paths[0]} (first: {(mismatched or ['?'])[0]})")
+        for field in [key for key in first_configs if key.endswith((".r", ".lora_alpha", ".use_dora"))]:
+            if configs.get(field) != first_configs.get(field):
+                raise DifftuneError(f"adapter {path}: {field} = {configs.get(field)} but {paths[0]} has {first_configs.get(field)}")
+    weights = AVERAGE_WEIGHTS[weighting](len(paths))
+    total = sum(weights)
+    averaged = {
+        key: sum(w / total * tensors[key].double() for w, (tensors, _, _) in zip(weights, adapters)).float()
+        for key in first_tensors
+    }
+    return averaged, first_configs, adapters[-1][2]
+
+
+def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -> None:
+    """Attach adapter files (either layout) to the denoiser / text encoders with their scales; textual-inversion
+    files teach the tokenizers and text encoders their token.
+
+    Each is read by `adapter_files` (any tool's layout), checked against the model's modules, and handed to
+    diffusers' own loader in the diffusers layout with its peft config: diffusers' kohya reader would keep
+    `dora_scale`'s shape, which peft then rejects, and it drops keys of modules the model lacks with a log line.
+    LoHa and LoKr files are attached with peft (diffusers' loader reads LoRA only), under the same adapter names, so
+    `set_adapters` scales and `fuse_lora` merges them all alike.
+    """
+    embeddings = [path for path, _ in adapters if is_embedding_file(path)]
+    for path in embeddings:  # a token's vectors have no scale
+        load_embedding(components, path)
+    adapters = [(path, scale) for path, scale in adapters if path not in embeddings]
+    if not adapters:
+        return
+    pipeline = components.pipeline()
+    modules = module_names_of(components)
+    names = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (path, _) in enumerate(adapters):
+            tensors, lora_configs, config_toml = read_adapter(path, lambda metadata: modules)
+            tensors = placed_on_base(tensors, modules, path)
+            _refuse_unloadable_parts(tensors, components.family, path)
+            _refuse_non_finite(tensors, f"adapter {path}")
+            names.append(f"adapter_{i}")
+            if any(adapter_kind(lora_configs, part) != "lora" for part in parts_of(tensors)):
+                _attach_lycoris(components, tensors, lora_configs, names[-1], path)
+                continue
+            staged = write_adapter(
+                Path(tmp) / f"{names[-1]}.safetensors", tensors, lora_configs, config_toml, "diffusers", components.family
+            )
+            with quiet_loading():
+                pipeline.load_lora_weights(tmp, weight_name=staged.name, adapter_name=names[-1],
+                                           **components.family.lora_loading_arguments(components.family_options))
+    pipeline.set_adapters(names, adapter_weights=[scale for _, scale in adapters])
+
+
+def _attach_lycoris(components: Components, tensors: dict, lora_configs: dict, name: str, path: Path) -> None:
+    """A LoHa / LoKr file's parts, each injected by peft from its config (rank and alpha per module: the scale), with
+    every module's factors then put in as the file has them.
+
+    peft shapes a LoKr's factors by its own factorization of the layer, which knows no per-module factor and differs
+    from LyCORIS's for some layers (`factor` near a side's size) and kinds (Tucker without `use_effective_conv2d`),
+    while its forward and merge only ask which factors a module has: the file's factors, placed as they are, give the
+    change LyCORIS, ComfyUI and A1111 compute, for every variant LyCORIS writes."""
+    from peft.tuners.lycoris_utils import LycorisLayer
+
+    parts = components.parts()
+    for part in parts_of(tensors):
+        prefix = f"{part}."
+        config_class = LYCORIS_CONFIGS[adapter_kind(lora_configs, part)]
+        known = set(config_class.__dataclass_fields__) - {"peft_type", "task_type"}  # set by the class itself
+        fields = {key.removeprefix(prefix): value for key, value in lora_configs.items() if key.startswith(prefix)}
+        parts[part].add_adapter(config_class(**{key: value for key, value in fields.items() if key in known}), adapter_name=name)
+        factors: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            if key.startswith(prefix):
+                module, kind = split_adapter_key(key.removeprefix(prefix))
+                factors.setdefault(module, {})[kind] = value
+        for module, found in factors.items():
+            layer = parts[part].get_submodule(module)
+            if not isinstance(layer, LycorisLayer):
+                raise DifftuneError(f"adapter {path}: {part} has no place for {module}'s {', '.join(found)}; is this adapter for this model?")
+            weight = layer.get_base_layer().weight
+            for kind in layer.adapter_layer_names:
+                if name in getattr(layer, kind):
+                    del getattr(layer, kind)[name]
+            for kind, value in found.items():
+                getattr(layer, kind)[name] = torch.nn.Parameter(value.to(weight.device, weight.dtype), requires_grad=False)
+
+
+def base_for_adapters(base: str, adapters: list[tuple[Path, float]]) -> ModelConfig:
+    """`base` as `adapters` need it loaded: with the family options that say where a difftune file's adapters go
+    (`Family.placement_options`: a Wan 2.2 expert's file onto that expert), as each file's recorded config has them.
+    Files recording different ones are refused by name; other tools' files record none (the family's default)."""
+    config = ModelConfig(base=base)
+    names = family_of(config).placement_options
+    chosen: dict[str, tuple[object, Path]] = {}
+    for path, _ in adapters if names else ():
+        with open_safetensors(Path(path)) as handle:
+            recorded = (handle.metadata() or {}).get(CONFIG_METADATA_KEY, "")
+        options = tomllib.loads(recorded).get("model", {}).get("family_options", {}) if recorded else {}
+        for name in names:
+            if name not in options:
+                continue
+            value, first = chosen.setdefault(name, (options[name], path))
+            if value != options[name]:
+                raise DifftuneError(
+                    f"adapters {first} and {path} were trained with model.family_options.{name} = {value!r} and "
+                    f"{options[name]!r}: they go on different parts; load them one at a time"
+                )
+    return config.model_copy(update={"family_options": {name: value for name, (value, _) in chosen.items()}})
+
+
+def load_with_adapters(base: str, adapters: list[tuple[Path, float]], dtype: torch.dtype = torch.float32) -> Components:
+    """A base model with scaled adapters attached, on CUDA when there is one, ready to sample (the CLI's and UI's
+    `sample`; `components.denoiser.device` says where), every part loaded in `dtype` (a KL autoencoder in fp32 under
+    fp16, where SD's overflow)."""
+    vae = torch.float32 if dtype == torch.float16 else dtype
+    components = load_components(base_for_adapters(base, adapters), PartDtypes(denoiser=dtype, vae=vae, others=dtype))
+    if adapters:
+        apply_adapters(components, adapters)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for module in components.modules():
+        module.to(device).eval()
+    return components
+
+
+def merge_into_folder(
+    base: str, adapters: list[tuple[Path, float]], out_dir: Path, dtype: str = "fp32", single_file: bool = False,
+    overwrite: bool = False,
+) -> list[Path]:
+    """Load the base, fold the adapters in and save the whole pipeline (the CLI's and UI's `merge`)."""
+    components = load_components(base_for_adapters(base, adapters))
+    merge_adapters(components, adapters, dtype)
+    return save_merged(components, out_dir, single_file, overwrite)
+
+
+def merge_adapters(components: Components, adapters: list[tuple[Path, float]], dtype: str = "fp32") -> None:
+    """Fold the scaled adapters into the base weights (peft's merge: exact for LoRA and DoRA). With none, the
+    base is only cast: a merge without adapters converts a model (to a single file, or another dtype)."""
+    if adapters:
+        apply_adapters(components, adapters)
+        pipeline = components.pipeline()
+        family = components.family
+        parts = [family.denoiser_part(components.family_options) if part == family.denoiser_name else part
+                 for part in family.adapter_parts()]  # as the pipeline names them
+        pipeline.fuse_lora(components=parts, lora_scale=1.0)
+        pipeline.unload_lora_weights()
+    for module in components.modules():
+        module.to(DTYPES[dtype])
+        _refuse_non_finite(module.state_dict(), f"the merged model in {dtype}")
+
+
+def save_merged(components: Components, out_dir: Path, single_file: bool, overwrite: bool = False) -> list[Path]:
+    """A complete diffusers pipeline folder (and, on request, `model.safetensors` in the family's original
+    single-file layout inside it). Written to a temporary folder first and moved into place whole."""
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise DifftuneError(
+            f"{out_dir}: already exists and is not empty; choose another folder, or replace it (the CLI's --overwrite, "
+            "the UI's \"Replace an existing folder\")"
+        )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # The single file's keys first: a family without that layout refuses before anything is written.
+    ldm = {key: value.contiguous() for key, value in components.family.to_single_file(components).items()} if single_file else {}
+
+    def write(staging: Path) -> None:
+        components.pipeline(sampling_scheduler("auto", components)).save_pretrained(staging, safe_serialization=True)
+        if single_file:
+            save_file(ldm, staging / SINGLE_FILE, metadata={"format": "pt"})
+
+    replace_atomically(out_dir, write)
+    return [out_dir, out_dir / SINGLE_FILE] if single_file else [out_dir]
+
+
+def _refuse_unloadable_parts(tensors: dict, family: Family, path: Path) -> None:
+    """A part diffusers' loader of this family would drop without a word (Flux's T5) stops the load instead."""
+    loadable = family.adapter_parts()
+    unloadable = sorted({key.partition(".")[0] for key in tensors} - set(loadable))
+    if unloadable:
+        raise DifftuneError(
+            f"adapter {path}: has weights for {', '.join(unloadable)}, which {family.description} pipelines do not load "
+            f"adapters into (they read {', '.join(loadable)}); merge that part into the base with the tool that made it"
+        )
+
+
+def _refuse_non_finite(tensors: dict, what: str) -> None:
+    bad = [key for key, value in tensors.items() if value.is_floating_point() and not torch.isfinite(value).all()]
+    if bad:
+        raise DifftuneError(f"{what}: NaN or inf in {len(bad)} tensors (first: {bad[0]}); nothing was written")

@@ -1,0 +1,198 @@
+"""Sampling: one function that training (previews, end-of-run samples) and later tools share. A prompt with control
+images (an edit base's) draws its edit of them, and its grid cell shows the controls before the result. A video base
+with `sample.frames` > 1 draws clips, written as MP4 (H.264, through PyAV) or, where PyAV is not installed, as
+animated WebP (Pillow's), each with its prompt and settings in its metadata as a PNG has them in its text chunks."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw, ImageFont
+from PIL.PngImagePlugin import PngInfo
+
+from difftune.config import DataConfig, PromptWithControls, SampleConfig
+from difftune.data.clips import is_clip, read_frames, write_clip
+from difftune.data.dataset import BadImage, open_image
+from difftune.errors import DifftuneError
+from difftune.models.autoencoders import load_vae
+from difftune.models.parts import Components, eval_mode
+from difftune.progress import bar
+
+
+def sampling_scheduler(name: str, components: Components):
+    """The named sampler (`auto`: the family's default) over the model's own noise schedule."""
+    return components.family.sampler(name).from_config(components.noise_scheduler.config)
+
+
+@dataclass
+class Sample:
+    image: Image.Image
+    entry: str | PromptWithControls  # the `sample.prompts` entry it was drawn for
+    seed: int
+    controls: list[Image.Image] = field(default_factory=list)  # an edit's control images, at the image's size (for the grid)
+    clip: list[Image.Image] = field(default_factory=list)  # a video base's frames (`image` is the first)
+
+    @property
+    def prompt(self) -> str:
+        return self.entry if isinstance(self.entry, str) else self.entry.prompt
+
+
+@torch.no_grad()
+def generate_images(components: Components, config: SampleConfig, device: torch.device, shown_as: str = "") -> list[Sample]:
+    """`images_per_prompt` images per prompt; image k (counting across prompts) uses seed `config.seed + k`,
+    so any image can be re-made alone. No `resolution`: the model's native size. `shown_as`: the bar's words over
+    the images drawn (on a terminal), none if empty."""
+    family = components.family
+    problems = family.prompt_control_problems(config.prompts)
+    if config.frames > 1 and not family.reads_clips:
+        problems.append(f"sample.frames = {config.frames}: {family.description} bases draw images; set it to 1")
+    if problems:
+        raise DifftuneError("; ".join(problems))
+    decoder = load_vae(config.decoder).to(device, components.vae.dtype) if config.decoder else components.vae
+    pipeline = replace(components, vae=decoder).pipeline(sampling_scheduler(config.scheduler, components))
+    pipeline.set_progress_bar_config(disable=True)
+    guidance = components.family.sampling_arguments(components, config.guidance_scale, config.negative_prompt)
+    with eval_mode(components.denoiser, *components.text_encoders.values()):
+        return _sample_all(pipeline, config, guidance, components, shown_as)
+
+
+def _sample_all(pipeline, config: SampleConfig, guidance: dict, components: Components, shown_as: str) -> list[Sample]:
+    samples = []
+    drawn = bar(None, shown_as, quiet=not shown_as, total=len(config.prompts) * config.images_per_prompt)
+    for entry in config.prompts:
+        prompt, controls = (entry, []) if isinstance(entry, str) else (entry.prompt, [_open_control(c) for c in entry.controls])
+        for _ in range(config.images_per_prompt):
+            seed = config.seed + len(samples)
+            arguments = {"num_inference_steps": config.steps, "generator": torch.Generator("cpu").manual_seed(seed), **guidance}
+            if config.frames > 1:
+                [clip] = components.family.draw_clips(pipeline, prompt, controls, config.resolution, config.resolution,
+                                                      config.frames, **arguments)
+                samples.append(Sample(clip[0], entry, seed, [c.resize(clip[0].size) for c in controls], clip))
+            else:
+                [image] = components.family.draw(pipeline, components.family_options, prompt, controls, config.resolution,
+                                                 config.resolution, **arguments)
+                samples.append(Sample(image, entry, seed, [c.resize(image.size) for c in controls]))
+            drawn.update()
+    drawn.close()
+    return samples
+
+
+def _open_control(path: str) -> Image.Image:
+    try:
+        return open_image(Path(path), DataConfig())
+    except BadImage as err:
+        raise DifftuneError(f"sample.prompts: control image {path}: {err}") from None
+
+
+def save_images(samples: list[Sample], config: SampleConfig, out_dir: Path, before_dir: Path | None = None) -> list[Path]:
+    """Each image as a PNG with its prompt and settings in the text chunk (a clip as `save_clip` writes it), plus
+    `grid.png`: a cell per image (a clip's first frame), after its controls (an edit's) and, where `before_dir` holds
+    the base's sample of the same number, after that; a cell of several panels names each above it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, sample in enumerate(samples):
+        tags = sample_tags(sample, config)
+        if sample.clip:
+            paths.append(save_clip(sample.clip, out_dir / f"{i:03d}", config.fps, tags))
+            continue
+        info = PngInfo()
+        for name, text in tags.items():
+            info.add_text(name, text)
+        path = out_dir / f"{i:03d}.png"
+        sample.image.save(path, pnginfo=info)
+        paths.append(path)
+    cells = []
+    for number, sample in enumerate(samples):
+        before = _before(before_dir, number)
+        panels = [*_control_panels(sample.controls), *([("before", before)] if before else []),
+                  ("after" if before else "edited", sample.image)]
+        cells.append(labelled_row(panels) if len(panels) > 1 else sample.image)
+    make_grid(cells).save(out_dir / "grid.png")
+    return paths
+
+
+def _control_panels(controls: list[Image.Image]) -> list[tuple[str, Image.Image]]:
+    if len(controls) == 1:
+        return [("control", controls[0])]
+    return [(f"control {number}", control) for number, control in enumerate(controls, 1)]
+
+
+def _before(before_dir: Path | None, number: int) -> Image.Image | None:
+    """The base's sample `number` in `before_dir` (an image, or a clip's first frame), if it is there."""
+    found = sorted(before_dir.glob(f"{number:03d}.*")) if before_dir else []
+    if not found:
+        return None
+    if is_clip(found[0]):
+        return read_frames(found[0], 0, 1)[0]
+    with Image.open(found[0]) as image:  # an animated WebP opens at its first frame
+        return image.convert("RGB")
+
+
+def sample_tags(sample: Sample, config: SampleConfig) -> dict[str, str]:
+    """What a sample file says of itself: its prompt, the settings it was drawn with and an edit's control files."""
+    size = f"{sample.image.width}x{sample.image.height}" + (f"x{len(sample.clip)} fps={config.fps}" if sample.clip else "")
+    tags = {"prompt": sample.prompt,
+            "parameters": f"negative_prompt={config.negative_prompt!r} steps={config.steps} guidance_scale={config.guidance_scale} "
+                          f"scheduler={config.scheduler} seed={sample.seed} size={size} decoder={config.decoder or 'model'}"}
+    if sample.controls:
+        tags["controls"] = "\n".join(sample.entry.controls)
+    return tags
+
+
+def video_encoder_installed() -> bool:
+    return importlib.util.find_spec("av") is not None
+
+
+def save_clip(frames: list[Image.Image], stem: Path, fps: int, tags: dict[str, str]) -> Path:
+    """A clip as `stem`.mp4 with `tags` as its metadata, or without PyAV `stem`.webp (animated, lossless) with them as
+    its EXIF image description (one `name: text` line each)."""
+    if video_encoder_installed():
+        return write_clip(stem.with_suffix(".mp4"), frames, fps, tags=tags)
+    path = stem.with_suffix(".webp")
+    exif = Image.Exif()
+    exif[0x010E] = "\n".join(f"{name}: {text}" for name, text in tags.items())  # ImageDescription
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0, lossless=True,
+                   exif=exif)
+    return path
+
+
+def side_by_side(images: list[Image.Image]) -> Image.Image:
+    """Images of one height in a row, left to right: an edit's controls, then what was drawn."""
+    row = Image.new("RGB", (sum(image.width for image in images), images[0].height), "white")
+    for i, image in enumerate(images):
+        row.paste(image, (sum(other.width for other in images[:i]), 0))
+    return row
+
+
+LABELLED_PANEL_WIDTH = 64  # narrower panels are scaled up (nearest) by a whole factor: "control 2" is 40 px wide
+
+
+def labelled_row(panels: list[tuple[str, Image.Image]]) -> Image.Image:
+    """Panels side by side under a white band that names each (`before`, `after`, `control`), so a grid of pairs
+    reads without a legend."""
+    font = ImageFont.load_default()
+    band = font.getbbox("Ag")[3] + 4
+    scale = max(1, math.ceil(LABELLED_PANEL_WIDTH / min(image.width for _, image in panels)))
+    images = [image.resize((image.width * scale, image.height * scale), Image.NEAREST) for _, image in panels]
+    row = side_by_side(images)
+    labelled = Image.new("RGB", (row.width, row.height + band), "white")
+    labelled.paste(row, (0, band))
+    draw, left = ImageDraw.Draw(labelled), 0
+    for (label, _), image in zip(panels, images):
+        draw.text((left + (image.width - draw.textlength(label, font=font)) / 2, 1), label, fill="black", font=font)
+        left += image.width
+    return labelled
+
+
+def make_grid(images: list[Image.Image]) -> Image.Image:
+    columns = math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / columns)
+    width, height = images[0].size
+    grid = Image.new("RGB", (columns * width, rows * height), "white")
+    for i, image in enumerate(images):
+        grid.paste(image, ((i % columns) * width, (i // columns) * height))
+    return grid

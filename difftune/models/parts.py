@@ -1,0 +1,360 @@
+"""The parts of a base model and how they are loaded and placed: what every family shares (the autoencoder's
+latents: autoencoders.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+import torch
+from torch.nn.utils import parametrize
+
+from difftune.errors import DifftuneError
+from difftune.memory.offload import Offloader, offload_blocks, spread
+from difftune.memory.storage import store_frozen_layers
+from difftune.models.autoencoders import LatentNormalization
+
+if TYPE_CHECKING:
+    from difftune.config import Config
+    from difftune.families.family import Family
+
+PICKLED_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+SINGLE_FILE_SUFFIXES = (".safetensors", ".gguf", *PICKLED_SUFFIXES)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+STORED_DTYPES = DTYPES | {"fp8": torch.float8_e4m3fn}
+AS_STORED = "as stored"  # a part loaded in its files' own dtype: memory-mapped, no copy (`PartDtypes.denoiser`)
+
+
+@dataclass(frozen=True)
+class PartDtypes:
+    """The dtype each part of a base is loaded in (`Family.load`). `denoiser`: a dtype, `AS_STORED`, or None to
+    leave it out (the encoders loaded again at the end of a run)."""
+
+    denoiser: torch.dtype | str | None = torch.float32
+    vae: torch.dtype = torch.float32
+    others: torch.dtype = torch.float32  # the text encoders and drawing parts
+    # Where the run stores the denoiser's frozen layers in fp8 (storage.py), the dtype they compute in: an fp8 single
+    # file's weights are then kept as the file holds them (`denoiser_files.load_denoiser_file`).
+    stored_fp8_computes_in: torch.dtype | None = None
+    # False: the family's drawing parts (Wan 2.2's other expert, Ideogram 4's unconditional transformer) are left out,
+    # where nothing draws before the run's end (train.py loads them again for its end samples).
+    drawing_parts: bool = True
+
+
+FP32_PARTS = PartDtypes()
+
+
+@dataclass
+class Components:
+    """A base model's parts. Parts are named as in its diffusers pipeline (and in diffusers' LoRA files)."""
+
+    family: Family
+    denoiser: torch.nn.Module  # the UNet (SD, SDXL) or transformer (Flux)
+    vae: torch.nn.Module | None  # an autoencoder of a kind autoencoders.py reads; None while released (latents cached)
+    text_encoders: dict[str, torch.nn.Module | None]  # "text_encoder"[, "text_encoder_2"]; None while released
+    tokenizers: dict[str, Any]  # "tokenizer"[, "tokenizer_2"]
+    noise_scheduler: Any  # the schedule training follows (the family's `training_scheduler`)
+    pipeline_options: dict = field(default_factory=dict)  # the family's `pipeline_options` values
+    latent_normalization: LatentNormalization = LatentNormalization()  # the autoencoder's (autoencoders.py)
+    family_options: Any = None  # `model.family_options`, checked by the family (its `options_model`)
+    merged_changes: dict = field(default_factory=dict)  # a merged training adapter's, by layer (training_adapter.py)
+    # Frozen parts only the family's pipeline draws with (Ideogram 4's unconditional transformer), by their pipeline
+    # names; None while released. Training never runs them: they wait in host memory for previews, or are released.
+    drawing_parts: dict[str, torch.nn.Module | None] = field(default_factory=dict)
+
+    def parts(self) -> dict[str, torch.nn.Module | None]:
+        """The denoiser and the text encoders by part name: what adapters attach to."""
+        return {self.family.denoiser_name: self.denoiser, **self.text_encoders}
+
+    def modules(self) -> list[torch.nn.Module]:
+        """Every loaded model (released encoders and drawing parts left out)."""
+        return [m for m in (self.denoiser, self.vae, *self.text_encoders.values(), *self.drawing_parts.values())
+                if m is not None]
+
+    def encoders_loaded(self) -> bool:
+        """Whether every part a pipeline needs is loaded (none released)."""
+        return self.vae is not None and all(m is not None for m in (*self.text_encoders.values(), *self.drawing_parts.values()))
+
+    def pipeline(self, scheduler=None):
+        """A text-to-image pipeline of the family over these components."""
+        return self.family.assemble_pipeline(self, scheduler)
+
+
+@contextmanager
+def quiet_loading():
+    """No per-file "Loading weights" bars from transformers and diffusers: a run's screen is difftune's own."""
+    import diffusers.utils.logging as diffusers_logging
+    import transformers.utils.logging as transformers_logging
+
+    was_enabled = transformers_logging.is_progress_bar_enabled(), diffusers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    diffusers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled[0]:
+            transformers_logging.enable_progress_bar()
+        if was_enabled[1]:
+            diffusers_logging.enable_progress_bar()
+
+
+def hub_unavailable(name: str) -> str | None:
+    """Why `name`, not a local path, cannot come from the Hugging Face hub now (offline mode on, or the hub
+    unreachable), or None. Asked once, at once: the hub client would otherwise retry for about 30 s before
+    failing. A copy already in the local hub cache needs no hub."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        if any(isinstance(try_to_load_from_cache(name, f), str) for f in ("model_index.json", "config.json")):
+            return None
+    except HFValidationError:
+        return None  # not a hub id at all: the loader's own error says so
+    if constants.HF_HUB_OFFLINE:
+        return "offline mode is on (HF_HUB_OFFLINE)"
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=5).close()
+    except OSError as err:
+        return f"{constants.ENDPOINT} is unreachable ({err})"
+    return None
+
+
+@contextmanager
+def explained_load_errors(key: str, name: str):
+    """Turn a failed load into a message that says what was tried and what to pass instead."""
+    try:
+        if not Path(name).exists() and not name.endswith(SINGLE_FILE_SUFFIXES):
+            reason = hub_unavailable(name)
+            if reason:
+                raise OSError(reason)
+        yield
+    except DifftuneError:
+        raise
+    except (OSError, ValueError) as error:
+        cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if Path(name).exists():
+            raise DifftuneError(f"{key} {name}: could not be loaded as a diffusers model: {cause}") from error
+        raise DifftuneError(
+            f"{key} {name}: not a local folder or file (looked at {Path(name).resolve()}), and it could not be "
+            f"fetched from the Hugging Face hub (offline, or no such id). Pass a local diffusers folder or a "
+            f".safetensors file. Cause: {cause}"
+        ) from error
+
+
+def encoder_placement(config: Config) -> dict[str, str]:
+    """Where a training run keeps the autoencoder ("vae"), the text encoders ("text") and the family's drawing parts
+    ("drawing"): `device` where they encode every step; `released` where the cache holds all they give and nothing
+    else needs them (dropped, and loaded again at the end of the run); `host` where the cache holds what training needs
+    but previews or validation use them now and then (in host memory, on the device only while those run:
+    `encoders_on`). Drawing parts are never needed to train: `host` for previews, else `released`."""
+    previews = bool(config.sample.every_steps and config.sample.prompts)
+
+    def where(cached: bool, needed: bool) -> str:
+        return "device" if not cached else "host" if needed else "released"
+
+    return {"vae": where(config.cache.latents == "on", previews or bool(config.validation.eval_concept)),
+            "text": where(config.cache.text == "on", previews or bool(config.validation.path)),
+            "drawing": where(True, previews)}
+
+
+def host_kept_encoders(components: Components, config: Config) -> list[torch.nn.Module]:
+    """The loaded encoders `encoder_placement` keeps in host memory."""
+    placement = encoder_placement(config)
+    kept = ([components.vae] if placement["vae"] == "host" else []) + (
+        list(components.text_encoders.values()) if placement["text"] == "host" else []) + (
+        list(components.drawing_parts.values()) if placement["drawing"] == "host" else [])
+    return [module for module in kept if module is not None]
+
+
+@contextmanager
+def encoders_on(device: torch.device, encoders: list[torch.nn.Module]):
+    """The encoders kept in host memory on `device` while the block runs (previews, validation), then back."""
+    for module in encoders:
+        module.to(device)
+    try:
+        yield
+    finally:
+        for module in encoders:
+            module.to("cpu")
+
+
+def place_frozen(
+    components: Components, device: torch.device, dtype: torch.dtype, trained_whole=(), stored: torch.dtype | None = None,
+    offloaded: int = 0, on_host=(),
+) -> Offloader | None:
+    """Every loaded model on `device` in `dtype` (released encoders stay away, those `on_host` stay in host memory:
+    `host_kept_encoders`). A KL VAE whose config asks for `force_upcast` (SD's and SDXL's own: they overflow to NaN
+    in fp16 on some images) stays fp32 under fp16; an fp16-safe one (`force_upcast = false`, e.g. the SDXL fp16
+    fix, or TAESD) follows `dtype`. Modules in
+    `trained_whole` (a full fine-tune's) stay fp32: a round trip through `dtype` would round the base's weights.
+    `stored`: the denoiser's frozen layers are kept in this dtype and computed in `dtype` (storage.py). `offloaded`:
+    this many of the denoiser's blocks keep their frozen layers (in `stored`, else in `dtype`) in host memory, copied
+    to the device as they compute (offload.py); returns their offloader. Both are done before the move, so a GPU
+    receives the stored bytes of the kept blocks alone."""
+    denoiser = components.denoiser
+    blocks = components.family.offloadable_blocks(denoiser)
+    if offloaded > len(blocks):
+        raise DifftuneError(
+            f"model.offload_blocks = {offloaded}, and this {type(denoiser).__name__} has {len(blocks)} blocks: set at "
+            f"most {len(blocks)}"
+        )
+    blocks = [blocks[index] for index in spread(offloaded, len(blocks))] if offloaded else []
+    if stored is not None:
+        store_frozen_layers(denoiser, stored, dtype)
+    for block in blocks if stored is None else ():
+        store_frozen_layers(block, dtype, dtype)
+    offloader = offload_blocks(blocks, device) if blocks else None
+    for module in components.modules():
+        if not any(module is kept for kept in on_host):
+            module.to(device)
+        if not any(module is trained for trained in trained_whole):
+            cast_frozen(module, dtype, is_vae=module is components.vae)
+    return offloader
+
+
+def cast_frozen(module: torch.nn.Module, dtype: torch.dtype, is_vae: bool = False) -> None:
+    """A frozen model in `dtype`, but a KL VAE that asks for `force_upcast` under fp16 (`place_frozen`)."""
+    if is_vae and dtype == torch.float16 and getattr(module.config, "force_upcast", True):
+        return
+    tensors = (*module.parameters(), *module.buffers())
+    # Parts load in fp32 or in the dtype they are kept in already (`part_dtypes`); diffusers warns on every cast.
+    if dtype != torch.float32 and any(t.is_floating_point() and t.dtype != dtype for t in tensors):
+        module.to(dtype=dtype)
+
+
+@contextmanager
+def eval_mode(*modules: torch.nn.Module):
+    """Run without dropout (adapter dropout included), then put the modules' training modes back."""
+    modes = [module.training for module in modules]
+    for module in modules:
+        module.eval()
+    try:
+        yield
+    finally:
+        for module, mode in zip(modules, modes):
+            module.train(mode)
+
+
+def part_dtypes(config: Config) -> PartDtypes:
+    """What a run loads each part in: the dtype it keeps it in, so no frozen weight is held in fp32 on the host
+    unless the run computes with it in fp32 (a 12B transformer shipped in bf16 took 48 GB as fp32 before training
+    started). A full fine-tune loads in fp32, its trained weights' dtype. A denoiser whose frozen layers are stored
+    apart (storage.py) loads as its files hold it, memory-mapped without a copy, and is stored layer by layer at once
+    (`store_loaded_denoiser`): its host peak is the stored bytes, not a 16-bit or fp32 copy of the whole. A KL VAE
+    under fp16 loads in fp32 (`cast_frozen` keeps one that asks for `force_upcast` there)."""
+    if config.adapter.kind == "none":
+        return FP32_PARTS
+    compute = weight_dtype(config)
+    denoiser = torch.float32 if _rewrites_base(config) else AS_STORED if config.stores_frozen_weights else compute
+    stores_fp8 = denoiser == AS_STORED and stored_dtype(config) == STORED_DTYPES["fp8"]
+    return PartDtypes(denoiser=denoiser, vae=torch.float32 if compute == torch.float16 else compute, others=compute,
+                      stored_fp8_computes_in=compute if stores_fp8 else None, drawing_parts=draws_before_the_end(config))
+
+
+def draws_before_the_end(config: Config) -> bool:
+    """Whether the run draws before its end samples: before samples, previews, or prior preservation's class images
+    (the drawing parts are loaded with the base then; else only for the end samples: a Wan 2.2 expert's 28 GB twin
+    is not held while the other trains)."""
+    return bool(config.sample.prompts and (config.sample.before or config.sample.every_steps)) or config.prior.enabled
+
+
+def _rewrites_base(config: Config) -> bool:
+    """A LoRA init that rewrites the base weights it factors (PiSSA, OLoRA): it factors the fp32 weights, and the
+    run casts or stores them after (`place_frozen`), as before."""
+    return config.adapter.init in ("pissa", "olora")
+
+
+def loads_encoders_first(config: Config, family: Family, resume: str | None = None) -> bool:
+    """Whether the run loads the encoders, fills the caches with them and lets go of them before the denoiser loads
+    (train.py's `setup`): the host then holds the text encoders or the denoiser, not both (T5-XXL's 9.5 GB beside FLUX.1's
+    12 GB in fp8 outgrow a 24 GB machine). Where both caches are on, the base is a pipeline folder, a hub id or a file
+    of the denoiser alone (`family`'s: not a whole pipeline's file), and nothing draws with the whole base before
+    training: no "before" samples, no class images, no training adapter (merged into the whole base)."""
+    draws_before = config.sample.before and config.sample.prompts and not resume
+    whole_pipeline_file = config.model.base.endswith(SINGLE_FILE_SUFFIXES) and not family.reads_denoiser_files
+    return (config.cache.latents == "on" and config.cache.text == "on" and not draws_before and not config.prior.enabled
+            and not config.model.training_adapter and not whole_pipeline_file)
+
+
+def store_loaded_denoiser(components: Components, config: Config) -> None:
+    """Right after loading: the frozen denoiser's linear and convolution layers in the run's storage dtype, each as
+    it is converted (the file's pages it was read from dropped: storage.py), and the rest of it in the compute dtype.
+    Adapters attach to the stored layers as they did to 16-bit ones (peft gives them the compute dtype)."""
+    stored = stored_dtype(config)
+    if stored is None or _rewrites_base(config):
+        return  # stored as it is placed (`place_frozen`), after the adapters are attached
+    compute = weight_dtype(config)
+    components.denoiser.requires_grad_(False)
+    store_frozen_layers(components.denoiser, stored, compute)
+    for module in components.denoiser.modules():  # what is not stored (norms, an fp8 layer's bias), in `compute`
+        if isinstance(module, parametrize.ParametrizationList):
+            continue  # a stored layer's tensor, kept as stored
+        for tensors in (module._parameters, module._buffers):
+            for name, tensor in tensors.items():
+                if tensor is not None and tensor.is_floating_point() and tensor.dtype != compute:
+                    cast = tensor.detach().to(compute)
+                    tensors[name] = torch.nn.Parameter(cast, requires_grad=False) if tensors is module._parameters else cast
+
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def files_dtype(base: str, part: str, variant: str = "") -> torch.dtype | None:
+    """The dtype a local pipeline folder's part is saved in (its first floating-point tensor's, from a safetensors
+    header), or None where that is not on this machine to read (a hub id is not fetched to see)."""
+    from safetensors import safe_open
+
+
+    for file in part_weight_files(Path(base) / part, variant):
+        with safe_open(file, "pt") as weights:
+            for key in weights.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                dtype = SAFETENSORS_DTYPES.get(weights.get_slice(key).get_dtype())
+                if dtype is not None:
+                    return dtype
+    return None
+
+
+def weight_dtype(config: Config) -> torch.dtype:
+    """The dtype frozen weights compute in (also where `stored_dtype` stores them in another)."""
+    if config.model.weight_dtype != "auto" and not config.stores_frozen_weights:
+        return DTYPES[config.model.weight_dtype]
+    # FP8 training keeps bf16 weights: torchao casts them to FP8 per matmul, with fresh scales.
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(config.train.mixed_precision, torch.float32)
+
+
+def stored_dtype(config: Config) -> torch.dtype | None:
+    """The dtype the denoiser's frozen layers are stored in while computing in `weight_dtype` (storage.py), or None."""
+    return STORED_DTYPES[config.model.weight_dtype] if config.stores_frozen_weights else None
+
+
+def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:
+    """Captions -> token ids (B, tokenizer.model_max_length), padded and truncated as training reads them."""
+    return tokenizer(
+        captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+    ).input_ids
+
+
+def set_attention(denoiser: torch.nn.Module, kind: str) -> None:
+    """`sdpa` is diffusers' default processor (PyTorch scaled-dot-product attention); `xformers` swaps it."""
+    if kind == "xformers":
+        if importlib.util.find_spec("xformers") is None:
+            raise DifftuneError(
+                "train.attention = \"xformers\" but xformers is not installed; `pip install difftune[xformers]` "
+                "(CUDA only) or use \"sdpa\""
+            )
+        denoiser.enable_xformers_memory_efficient_attention()
+
+
+def part_weight_files(folder: Path, variant: str = "") -> list[Path]:
+    """A part folder's safetensors files as diffusers picks them: the variant's (`*.fp16.safetensors`), else the
+    plain ones, not a variant's copy of the same weights (sorted first, `fp16` before the plain name)."""
+    files = sorted(folder.glob(f"*.{variant}.safetensors" if variant else "*.safetensors"))
+    if not variant:
+        files = [file for file in files if file.name.count(".") == 1] or files
+    return files

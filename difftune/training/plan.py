@@ -1,0 +1,615 @@
+"""`difftune plan`: a job's peak device memory and host RAM, predicted from its config before any weight is read.
+
+The model is built from its config files on PyTorch's meta device (shapes and dtypes, no data), and the run's own
+code shapes it: adapters attached, frozen layers stored and blocks offloaded as the config says (models.py). Then
+one training step's forward and backward runs on the meta device, with the text encoders' and the autoencoder's
+passes before it, under a dispatch mode that adds up the bytes of every tensor storage made and freed: the peak
+is what the run's code would hold, by construction, for every family. Two things the meta device cannot say are
+modelled: attention (the meta device takes the math path, which keeps the L x S weights; a fused kernel, flash,
+memory-efficient, cuDNN or PyTorch's own CPU one, keeps a row statistic instead) and data-dependent sizes (a
+mask's count is taken as full: the longest caption, so the plan is an upper bound there).
+
+Host RAM is this process's own (the same libraries imported) plus the weights as the run holds them: safetensors
+files in the loading dtype are mapped, not read, so a part occupies RAM only once it runs or is converted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from difftune import published
+from difftune.config import Config, parse_size
+from difftune.data.clips import is_clip
+from difftune.data.sources import is_stored_source
+from difftune.errors import DifftuneError
+from difftune.memory.storage import own_cast_buffers, storage_key
+from difftune.models.parts import Components
+from difftune.progress import process_status_bytes
+
+META = torch.device("meta")
+# A CPU run's resident memory grows by about twice the bytes a training step allocates and frees again: glibc's
+# heap serves a request only from a freed chunk it fits in, so freed activations between live ones leave holes and
+# the heap grows past the bytes in use, and each thread's arena grows on its own. Measured on SD1.5-shaped 256 px
+# jobs (fp32, fp16 and fp8 weights: 1.96 to 2.0) against malloc's own count of bytes in use (BENCHMARKS.md). A
+# GPU's caching allocator is compared by the bytes it hands out, `max_memory_allocated`: no growth there.
+CPU_HEAP_GROWTH = 2.0
+FEW_BLOCKS = 16  # fewer block counts to try than this: each is planned (a UNet's), else bisected (a transformer's)
+# Optimizer state per trained (fp32) parameter, in bytes: two fp32 moments (AdamW, schedule-free's z and second
+# moment), one (Lion), two 8-bit ones (bitsandbytes), factored rows and columns (Adafactor: about nothing), four
+# (Prodigy). adamw_cpu_offload keeps AdamW's in host memory; galore's projected state is counted as AdamW's.
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw_8bit": 2, "lion": 4, "adafactor": 0, "adamw_cpu_offload": 8,
+                         "galore_adamw": 8, "prodigy": 16, "adamw_schedule_free": 8}
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted peaks in bytes, each split by what holds it at that peak."""
+
+    device_type: str  # where training runs: "cuda" or "cpu" (then device and host are the same memory)
+    device: dict[str, int]
+    host: dict[str, int]  # at the host's highest phase
+    configs: str = ""  # where the model's configs were read: a local folder, or the published base kept in difftune
+    host_phases: dict[str, dict[str, int]] = field(default_factory=dict)  # each phase's, in the run's order
+
+    @property
+    def device_peak(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_peak(self) -> int:
+        return sum(self.host.values())
+
+    def report(self) -> str:
+        lines = [f"configs: {self.configs}"] if self.configs else []
+        for title, split in ((f"device ({self.device_type}) peak", self.device), ("host RAM peak", self.host)):
+            lines.append(f"{title}: {_gib(sum(split.values()))}")
+            lines += [f"  {holder:<28} {_gib(size)}" for holder, size in split.items() if size]
+        lines.append("host RAM peak by phase:")
+        lines += [f"  {phase:<28} {_gib(sum(held.values()))}" for phase, held in self.host_phases.items()]
+        return "\n".join(lines)
+
+
+def plan_memory(config: Config, device_type: str | None = None) -> MemoryPlan:
+    """The plan of `config` training on `device_type` (default: CUDA where there is one)."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    with _errors_only(), own_cast_buffers():  # diffusers warns on each dtype cast of its models, which placing does
+        return _plan_memory(with_offload_budget(config), device_type)
+
+
+def with_offload_budget(config: Config) -> Config:
+    """`config` with its `model.offload_budget` turned into `model.offload_blocks`: the fewest blocks whose planned
+    device peak fits the budget (on a CPU as on a GPU: the budget is the accelerator's memory). Unchanged without
+    a budget."""
+    if not config.model.offload_budget:
+        return config
+    budget = parse_size(config.model.offload_budget)
+    counted = _with(config, ['model.offload_budget=""'])
+    found = _fewest_offloaded_blocks(counted, lambda plan: plan.device_peak <= budget, "cuda")
+    if found is None:
+        blocks = _block_count(counted)
+        everything = plan_memory(_with(counted, [f"model.offload_blocks={blocks}"]), "cuda")
+        raise DifftuneError(
+            f"model.offload_budget = \"{config.model.offload_budget}\": with all {blocks} blocks "
+            f"offloaded the plan's device peak is {_gib(everything.device_peak).strip()}, over the budget; "
+            "`difftune plan --device-memory` with the same config says which other settings fit it"
+        )
+    return _with(counted, [f"model.offload_blocks={found[0]}"])
+
+
+@contextmanager
+def _errors_only():
+    import diffusers.utils.logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+
+
+def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
+    from diffusers.training_utils import cast_training_params
+
+    from difftune.adapters.kinds import add_adapters
+    from difftune.memory.storage import computed_copies_saved_as_stored
+    from difftune.models.denoiser_files import gguf_tensor_bytes, is_gguf
+    from difftune.models.parts import (
+        AS_STORED,
+        encoder_placement,
+        loads_encoders_first,
+        part_dtypes,
+        place_frozen,
+        stored_dtype,
+        weight_dtype,
+    )
+
+    baseline = process_status_bytes("VmRSS")
+    source = config_source(config.model)  # once: a single file's keys are read to find it
+    components = empty_components(config, source)
+    dtypes = part_dtypes(config)
+    encoders = [module for module in (components.vae, *components.text_encoders.values()) if module is not None]
+    drawing = [module for module in components.drawing_parts.values() if module is not None]
+    # The encoders as they load: each part in the dtype the run keeps it in (`part_dtypes`); the drawing parts with
+    # them where the run draws before its end (else loaded for the end samples alone).
+    encoders_loaded = sum(_bytes(m, dtypes.vae if m is components.vae else dtypes.others) for m in encoders)
+    drawing_loaded = sum(_bytes(m, dtypes.others) for m in drawing)
+    if dtypes.drawing_parts:
+        encoders_loaded += drawing_loaded
+    dtype = weight_dtype(config)
+    encoding = _encoding_peak(components, config, dtype)
+
+    add_adapters(components, config.adapter)
+    if config.train.gradient_checkpointing:
+        components.denoiser.enable_gradient_checkpointing()
+    trained = [p for module in components.modules() for p in module.parameters() if p.requires_grad]
+    cast_training_params(components.modules(), dtype=torch.float32)
+    # On the meta device: the offloaded blocks' host buffers too (counted from the offloader); fp8 scales are 1.
+    with torch.device(META), _counting(1):
+        offloader = place_frozen(components, META, dtype, stored=stored_dtype(config),
+                                 offloaded=config.model.offload_blocks)
+    placement = encoder_placement(config)
+    kept_at = {where: [m for m in encoders if placement["vae" if m is components.vae else "text"] == where]
+               for where in ("device", "host")}
+    # Drawing parts (Ideogram 4's unconditional transformer) never train: in host memory for previews, else released.
+    kept_at["host"] += [m for m in components.drawing_parts.values() if m is not None and placement["drawing"] == "host"]
+    frozen = _bytes(components.denoiser, frozen_only=True)
+    # Stored or cast as it loads (a full fine-tune's in fp32, with its trained weights).
+    denoiser_loaded = frozen if dtypes.denoiser in (AS_STORED, dtype) else _bytes(components.denoiser, dtypes.denoiser)
+    if is_gguf(config.model.base) and Path(config.model.base).is_file():  # its blocks as the file holds them
+        frozen = denoiser_loaded = gguf_tensor_bytes(config.model.base)
+    trained_bytes = sum(p.numel() * 4 for p in trained)
+    optimizer = OPTIMIZER_STATE_BYTES.get(config.optim.optimizer, 8) * sum(p.numel() for p in trained)
+    with computed_copies_saved_as_stored():
+        step, kept = _step_peak(components, config, dtype)
+
+    on_device = {
+        "frozen denoiser weights": frozen,
+        "encoders kept on the device": sum(_bytes(m) for m in kept_at["device"]),
+        "trained weights": trained_bytes,
+        "optimizer state": 0 if config.optim.optimizer == "adamw_cpu_offload" else optimizer,
+        # An encoder that runs every step does so before the denoiser, its activations gone when the step's come.
+        "activations and gradients": max(step, encoding) if "device" in placement.values() else step,
+    }
+    if device_type == "cpu":
+        on_device["heap growth (CPU allocator)"] = round((step - kept) * (CPU_HEAP_GROWTH - 1))
+    # Filling a cache: the encoders and their activations on the device, the denoiser not yet.
+    caches = set(placement.values()) != {"device"}
+    caching = {"encoders (caching)": sum(_bytes(m) for m in encoders), "encoding activations": encoding} if caches else {}
+    device = on_device if sum(on_device.values()) >= sum(caching.values()) else caching
+    offloaded = offloader.host_bytes if offloader is not None else 0
+    previews = sum(map(_bytes, kept_at["host"]))
+    encoding_on_host = encoding if caches and device_type == "cpu" else 0
+    # The host's phases: loading (the encoders alone, when they fill the caches and go first: `loads_encoders_first`;
+    # else the whole base) and caching, then the denoiser loading beside the encoders kept for previews, then training.
+    if loads_encoders_first(config, components.family):
+        phases = {"loading and caching": {"encoders": encoders_loaded, "encoding activations": encoding_on_host},
+                  "loading the denoiser": {"denoiser": denoiser_loaded, "encoders kept for previews": previews}}
+    else:
+        phases = {"loading and caching": {"whole base": encoders_loaded + denoiser_loaded,
+                                          "encoding activations": encoding_on_host}}
+    if device_type == "cpu":  # one memory: the training step's, with the encoders kept for previews
+        phases["training"] = {**on_device, "offloaded blocks": offloaded, "encoders kept for previews": previews}
+    else:
+        phases["training"] = {"offloaded blocks": offloaded, "encoders kept for previews": previews,
+                              "optimizer state (offloaded)": optimizer if config.optim.optimizer == "adamw_cpu_offload" else 0}
+    if config.sample.prompts:  # the end-of-run samples: the released encoders loaded again beside the trained model
+        reloaded = encoders_loaded if dtypes.drawing_parts else encoders_loaded + drawing_loaded
+        phases["end of run samples"] = {"encoders": reloaded, "offloaded blocks": offloaded} if device_type == "cuda" \
+            else {"denoiser": frozen, "trained weights": trained_bytes, "optimizer state": optimizer,
+                  "encoders": reloaded, "drawing activations": encoding}
+    if device_type == "cpu":
+        device = max(phases.values(), key=lambda held: sum(held.values()))
+    phases = {phase: {"python and libraries": baseline, **held} for phase, held in phases.items()}
+    host = max(phases.values(), key=lambda held: sum(held.values()))
+    return MemoryPlan(device_type, device, host, configs_read(config.model, source), phases)
+
+
+def fitting_overrides(config: Config, device_memory: int | None, host_memory: int | None,
+                      device_type: str | None = None) -> tuple[list[str], MemoryPlan] | None:
+    """The first settings, in the order other trainers' users reach for them, whose plan fits the budgets:
+    gradient checkpointing, then fp8 frozen weights, then offloaded blocks (the fewest that fit), then a smaller
+    batch with accumulation keeping the global batch. A setting the config refuses with the job's others (fp8 or
+    offloading in a full fine-tune...) or that changes nothing is skipped. Returns the overrides (empty: fits as
+    it is) and their plan, or None when nothing fits."""
+    def fits(plan: MemoryPlan) -> bool:
+        device_fits = device_memory is None or plan.device_type == "cpu" or plan.device_peak <= device_memory
+        return device_fits and (host_memory is None or plan.host_peak <= host_memory)
+
+    def planned(overrides: list[str]) -> MemoryPlan:
+        return plan_memory(_with(config, overrides), device_type)
+
+    ladder: list[list[str]] = [[]]
+    for setting in ("train.gradient_checkpointing=true", "model.weight_dtype=fp8"):
+        if _changes(config, ladder[-1], setting):
+            ladder.append(ladder[-1] + [setting])
+    for overrides in ladder:
+        plan = planned(overrides)
+        if fits(plan):
+            return overrides, plan
+    more = config.model.offload_blocks + 1
+    if _changes(config, ladder[-1], f"model.offload_blocks={more}"):
+        found = _fewest_offloaded_blocks(_with(config, ladder[-1]), fits, device_type, start=more)
+        if found:
+            return ladder[-1] + [f"model.offload_blocks={found[0]}"], found[1]
+    batch = config.train.batch_size
+    while batch > 1:
+        batch //= 2
+        accumulation = config.train.gradient_accumulation_steps * config.train.batch_size // batch
+        overrides = ladder[-1] + [f"train.batch_size={batch}"] + (
+            [] if config.train.global_batch_size else [f"train.gradient_accumulation_steps={accumulation}"])
+        plan = planned(overrides)
+        if fits(plan):
+            return overrides, plan
+    return None
+
+
+def _fewest_offloaded_blocks(config: Config, fits, device_type: str | None,
+                             start: int = 0) -> tuple[int, MemoryPlan] | None:
+    """The fewest offloaded blocks, from `start` on, whose plan `fits`, with that plan; None when all do not.
+    Alike blocks (a transformer's) need less device memory the more are offloaded: bisected. A UNet's few blocks
+    differ in size, and two large ones staged together can outweigh one kept: each count is tried in turn."""
+    def planned(count: int) -> MemoryPlan:
+        return plan_memory(_with(config, [f"model.offload_blocks={count}"]), device_type)
+
+    low, high = start, _block_count(config)
+    if high - low < FEW_BLOCKS:
+        return next(((count, plan) for count in range(low, high + 1) if fits(plan := planned(count))), None)
+    found = None
+    while low <= high:
+        middle = (low + high) // 2
+        if fits(plan := planned(middle)):
+            found, high = (middle, plan), middle - 1
+        else:
+            low = middle + 1
+    return found
+
+
+def _block_count(config: Config) -> int:
+    from difftune.families import family_of
+
+    return len(family_of(config.model).offloadable_blocks(empty_components(config).denoiser))
+
+
+def _changes(config: Config, overrides: list[str], setting: str) -> bool:
+    """Whether `setting` on top of `overrides` gives a config that differs and that the config's checks accept."""
+    try:
+        return _with(config, overrides + [setting]) != _with(config, overrides)
+    except ValueError:  # pydantic's ValidationError: the job's other settings refuse it
+        return False
+
+
+class DoesNotFit(DifftuneError):
+    """A run the memory plan says this machine cannot hold (`check_fits`)."""
+
+
+def check_fits(config: Config, device_type: str) -> str | None:
+    """Before loading: refuse a run whose planned host peak outgrows the RAM available (plus what this process holds
+    already, which the plan counts), naming the phase and the settings that would fit: the kernel's OOM killer would
+    end it without a word, minutes into loading. A device peak over the GPU's total is a warning (returned): the
+    offloading settings that fit it are for the user to weigh."""
+    plan = plan_memory(config, device_type)
+    host = _available_bytes()
+    if host and plan.host_peak > host:
+        phase, peak = max(((phase, sum(held.values())) for phase, held in plan.host_phases.items()), key=lambda item: item[1])
+        fitting = fitting_overrides(config, None, host, device_type)
+        advice = (f"it would fit with {' '.join(fitting[0])}" if fitting and fitting[0] else
+                  "no setting tried fits it (checkpointing, fp8 weights, offloaded blocks, smaller batches)")
+        raise DoesNotFit(
+            f"the memory plan needs {_gib(peak).strip()} of host RAM while {phase}, and this machine has "
+            f"{_gib(host).strip()} available: {advice}; train.check_memory = false tries anyway"
+        )
+    if device_type == "cuda" and plan.device_peak > (total := torch.cuda.mem_get_info()[1]):
+        return (f"the memory plan predicts a peak of device memory {_gib(plan.device_peak).strip()} of the GPU's "
+                f"{_gib(total).strip()}; `difftune plan` with the same config and --device-memory says which settings fit")
+    return None
+
+
+def empty_components(config: Config, source: tuple[Path, str] | None = None) -> Components:
+    """The base's parts on the meta device, built from its config files (`source`, else `config_source`'s);
+    tokenizers and scheduler loaded (small files), or, from configs alone, a tokenizer that gives the published length."""
+    from diffusers import ModelMixin
+    from transformers import AutoConfig
+
+    from difftune.families import family_of
+
+    model = config.model
+    folder, kept = source or config_source(model)
+    family = family_of(model.model_copy(update={"base": str(folder), "family": model.family}) if kept else model)
+    index = json.loads((folder / "model_index.json").read_text())
+    parts = {}
+    for name, spec in index.items():
+        if name.startswith("_") or not (isinstance(spec, list) and len(spec) == 2 and all(isinstance(x, str) for x in spec)):
+            continue  # a setting (Krea 2's `text_encoder_select_layers`), or a part left out
+        part_class = getattr(importlib.import_module(spec[0]), spec[1])
+        if not issubclass(part_class, torch.nn.Module):
+            holds_text = kept and not (folder / name / "scheduler_config.json").is_file()
+            parts[name] = (LengthOnlyTokenizer(**published.tokenizer_settings(kept, name)) if holds_text
+                           else part_class.from_pretrained(folder, subfolder=name))
+            continue
+        with torch.device(META):
+            if issubclass(part_class, ModelMixin):
+                parts[name] = part_class.from_config(part_class.load_config(folder / name))
+            else:  # transformers builds in the config's dtype; the run loads fp32
+                parts[name] = part_class._from_config(AutoConfig.from_pretrained(folder / name)).float()
+    if model.vae:
+        from difftune.models.autoencoders import VAE_CLASSES
+
+        vae_folder = Path(model.vae) / "vae" if (Path(model.vae) / "vae" / "config.json").is_file() else Path(model.vae)
+        vae_config = json.loads((vae_folder / "config.json").read_text())
+        with torch.device(META):
+            parts["vae"] = VAE_CLASSES[vae_config["_class_name"]].from_config(vae_config)
+    return family.components_of(SimpleNamespace(**parts, config=index), family.options(model))
+
+
+def config_source(model) -> tuple[Path, str]:
+    """Where the plan reads `model.base`'s configs: (a folder laid out as a pipeline's, the published base whose
+    configs difftune keeps when it read those, else ""). A local pipeline folder, a single file's
+    `model.single_file_config`, a hub id whose configs are kept (`difftune/published`), or else the family's
+    reference base where the base is not on this machine (a single file without a config folder, a folder still
+    to be made)."""
+    from difftune.families import FAMILIES, family_of
+    from difftune.models.parts import SINGLE_FILE_SUFFIXES
+
+    base = model.base
+    single_file = base.endswith(SINGLE_FILE_SUFFIXES)
+    folder = Path(model.single_file_config if single_file and model.single_file_config else base)
+    if (folder / "model_index.json").is_file():
+        return folder, ""
+    if published.is_published(base):
+        return published.config_folder(base), base
+    if single_file and Path(base).is_file():
+        name = family_of(model).name  # by the file's keys
+    elif model.family != "auto" and not Path(base).exists():
+        name = model.family
+    else:
+        raise DifftuneError(
+            f"difftune plan reads the model's config files: {base} is neither a local pipeline folder nor a base "
+            f"whose configs difftune keeps ({', '.join(published.published_bases())}); set model.family to plan it "
+            "as its family's reference base, or model.single_file_config to a diffusers folder"
+        )
+    reference = published.REFERENCE_BASES[FAMILIES[name].name]
+    return published.config_folder(reference), reference
+
+
+def configs_read(model, source: tuple[Path, str] | None = None) -> str:
+    """What the plan says of where its configs came from (`source`: `config_source`'s answer, when known)."""
+    from difftune.models.parts import SINGLE_FILE_SUFFIXES
+
+    folder, kept = source or config_source(model)
+    if not kept:
+        return f"the pipeline folder {folder}"
+    if kept == model.base:
+        return f"{kept}'s, kept in difftune (nothing downloaded)"
+    family = next(name for name, base in published.REFERENCE_BASES.items() if base == kept)
+    why = ("a single file holds no configs; model.single_file_config names its own" if model.base.endswith(SINGLE_FILE_SUFFIXES)
+           else f"model.base {model.base} is not on this machine")
+    return f"{kept}'s, kept in difftune: the {family} family's reference base ({why})"
+
+
+class LengthOnlyTokenizer:
+    """A tokenizer for a plan made from configs alone. The plan asks a tokenizer for the ids of the longest caption
+    it allows (every position a token: the plan's upper bound), padded to the published tokenizer's length or the one
+    the family asks for, and its pad id; this one gives exactly that, a chat template as the caption itself, and,
+    unpadded (a fixed suffix), a token per 4 characters."""
+
+    pad_token_id = eos_token_id = 0
+
+    def __init__(self, model_max_length: int, padding_side: str = "right"):
+        self.model_max_length, self.padding_side = model_max_length, padding_side
+        self.tokenizer = self  # a processor's tokenizer is itself here
+
+    def __call__(self, text=None, padding=None, max_length=None, **kwargs):
+        from transformers import BatchEncoding
+
+        texts = [text] if isinstance(text, str) else list(text)
+        length = (max_length or self.model_max_length) if padding == "max_length" else max(
+            1, max(len(piece) for piece in texts) // 4)
+        ids = torch.ones(len(texts), length, dtype=torch.long)
+        return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+    def apply_chat_template(self, conversation, tokenize=False, return_dict=False, **kwargs):
+        batched = bool(conversation) and isinstance(conversation[0], list)
+        texts = [" " * 4] * (len(conversation) if batched else 1)
+        if not tokenize:
+            return texts if batched else texts[0]
+        encoded = self(texts, **{key: value for key, value in kwargs.items() if key in ("padding", "max_length")})
+        return encoded if return_dict else encoded["input_ids"]
+
+
+def _with(config: Config, overrides: list[str]) -> Config:
+    """`config` with `section.key=value` overrides (values as JSON where they parse, else strings), validated."""
+    data = config.model_dump()
+    for override in overrides:
+        key, value = override.split("=", 1)
+        section, name = key.split(".")
+        try:
+            data[section][name] = json.loads(value)
+        except json.JSONDecodeError:
+            data[section][name] = value
+    return type(config).model_validate(data)
+
+
+class _PeakBytes(TorchDispatchMode):
+    """The bytes of the tensor storages made inside this mode and still alive, and their peak. A storage is made
+    by an operation whose result does not share an argument's (a view or an in-place result shares it: a weight's
+    transpose is not a new weight). A data-dependent scalar of a meta tensor answers `full` (an integer: a
+    mask's count taken as all of it) or 1.0."""
+
+    def __init__(self, full: int):
+        super().__init__()
+        self.full, self.live, self.now, self.peak = full, WeakIdKeyDictionary(), 0, 0
+
+    def _freed(self, size: int) -> None:
+        self.now -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return 1.0 if args[0].is_floating_point() else self.full
+        if func is torch.ops.aten._to_copy.default and args[0].is_meta and (kwargs or {}).get("device", META) != META:
+            # A meta tensor's values read out (`tolist()`: Z-Image's and Lumina's per-caption lengths): as above.
+            source = args[0]
+            return torch.full(source.shape, 1.0 if source.is_floating_point() else self.full, dtype=source.dtype)
+        result = func(*args, **(kwargs or {}))
+        arguments = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(result)[0]:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if storage_key(tensor) not in arguments and storage not in self.live:
+                self.live[storage] = size = storage.nbytes()
+                weakref.finalize(storage, self._freed, size)
+                self.now += size
+                self.peak = max(self.peak, self.now)
+        return result
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel keeps for backward: inputs, output and a float32 statistic a query row."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        output = query.new_empty(*query.shape[:-1], value.shape[-1])
+        ctx.save_for_backward(query, key, value, output, query.new_empty(query.shape[:-1], dtype=torch.float32))
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, *_ = ctx.saved_tensors
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+@contextmanager
+def _fused_attention():
+    functional = torch.nn.functional
+    plain = functional.scaled_dot_product_attention
+    functional.scaled_dot_product_attention = lambda query, key, value, *args, **kwargs: _FusedAttention.apply(query, key, value)
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = plain
+
+
+@contextmanager
+def _counting(full: int):
+    import torch.fx.experimental._config as fx_config
+
+    assumed = fx_config.meta_nonzero_assume_all_nonzero
+    fx_config.meta_nonzero_assume_all_nonzero = True  # a boolean mask selects all it could
+    try:
+        with _fused_attention(), _PeakBytes(full) as counter:
+            yield counter
+    finally:
+        fx_config.meta_nonzero_assume_all_nonzero = assumed
+
+
+def _inputs(components: Components, config: Config, dtype: torch.dtype):
+    """Token ids (the longest caption the tokenizers allow), latents of a batch at the configured size (a clip's of
+    the longest window), the longest caption's length and that window's frames (`_planned_frames`; 0: images)."""
+    from difftune.models.autoencoders import downsampling, frames_per_latent, latent_channels
+
+    family, batch, side = components.family, config.train.batch_size, config.data.resolution
+    ids = {name: value.to(META) for name, value in family.tokenize(components.tokenizers, [""] * batch).items()}
+    size = side // downsampling(components.vae)
+    frames = _planned_frames(components, config)
+    time = ((frames - 1) // frames_per_latent(components.vae) + 1,) if frames else ()
+    latents = torch.zeros(batch, latent_channels(components.vae), *time, size, size, device=META, dtype=dtype)
+    return ids, latents, max(value.shape[1] for value in ids.values()), frames
+
+
+def _planned_frames(components: Components, config: Config) -> int:
+    """The frames of the longest clip window training can draw, where the family reads clips and `data.path` holds
+    any (0: images alone). Stored sources are not searched (that would read them): a video base plans for clips in them."""
+    windows = components.family.frame_windows(config.data, components.vae)
+    if windows is None:
+        return 0
+    if not is_stored_source(config.data.path) and not any(is_clip(path) for path in Path(config.data.path).rglob("*")):
+        return 0
+    if windows.extraction == "full":
+        return windows.rounded(windows.max_frames)
+    return max(windows.rounded(frames) for frames in windows.target_frames)
+
+
+def _encoding_peak(components: Components, config: Config, dtype: torch.dtype) -> int:
+    """The activations of encoding a batch: the text encoders' and the autoencoder's, without gradients."""
+    from difftune.models.autoencoders import encode_posterior
+
+    ids, latents, full, frames = _inputs(components, config, dtype)
+    side = config.data.resolution
+    with torch.no_grad(), _counting(full) as counter:
+        components.family.encode_prompts(components, ids)
+        encode_posterior(components.vae, torch.zeros(config.train.batch_size, 3, *((frames,) if frames else ()), side, side,
+                                                     device=META))
+    return counter.peak
+
+
+def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tuple[int, int]:
+    """The peak of one training step's forward and backward (activations, gradients, temporaries), and the part
+    of it still held after the step (gradients, buffers kept for the next step)."""
+    ids, latents, full, frames = _inputs(components, config, dtype)
+    side, batch = config.data.resolution, config.train.batch_size
+    pixels = torch.zeros(batch, 3, *((frames,) if frames else ()), side, side, device=META)
+    with torch.no_grad(), _counting(full):
+        conditioning = components.family.encode_prompts(components, ids)
+        conditioning |= components.family.pixel_conditioning(components, pixels)  # an image-to-video model's first frame
+    conditioning = {name: value.to(dtype) if value.is_floating_point() else value for name, value in conditioning.items()}
+    geometry = torch.tensor([[side, side, 0, 0, side, side]] * batch, device=META)
+    timesteps = torch.full((batch,), 500, device=META)
+    with _counting(full) as counter, _meta_autocast_as_cpu():
+        components.family.denoise(components, latents, timesteps, conditioning, geometry).float().square().mean().backward()
+        return counter.peak, counter.now
+
+
+@contextmanager
+def _meta_autocast_as_cpu():
+    """`torch.autocast` for the meta device as for the CPU: a model that turns autocast off around a computation
+    names its tensors' device (Ideogram 4's rotary embedding), and autocast knows no "meta" (the CPU's, off, is a
+    null context, which is what the model asks for)."""
+    autocast = torch.autocast
+
+    class MetaAsCpu(autocast):
+        def __init__(self, device_type: str, *args, **kwargs):
+            super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    torch.autocast = MetaAsCpu
+    try:
+        yield
+    finally:
+        torch.autocast = autocast
+
+
+def _named_modules(components: Components) -> dict[str, torch.nn.Module]:
+    named = {components.family.denoiser_name: components.denoiser, "vae": components.vae, **components.text_encoders,
+             **components.drawing_parts}
+    return {name: module for name, module in named.items() if module is not None}
+
+
+def _bytes(module: torch.nn.Module, dtype: torch.dtype | None = None, frozen_only: bool = False) -> int:
+    """The bytes of `module`'s parameters and buffers, its floating-point ones in `dtype` if given (with
+    `frozen_only`, less its trained parameters)."""
+    tensors = (*(p for p in module.parameters() if not (frozen_only and p.requires_grad)), *module.buffers())
+    return sum(t.numel() * (dtype.itemsize if dtype and t.is_floating_point() else t.element_size()) for t in tensors)
+
+
+def _available_bytes() -> int:
+    """RAM available to this process (Linux): what the kernel could give it now, plus what it holds."""
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.exists():
+        return 0
+    line = next((line for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable:")), "")
+    return int(line.split()[1]) * 1024 + process_status_bytes("VmRSS") if line else 0
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:6.2f} GiB"

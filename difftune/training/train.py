@@ -1,0 +1,911 @@
+"""The training recipe: `setup` -> `loop` -> `finish`, over one `Run`.
+
+Features: any model family (families/): LoRA / DoRA / LoHa / LoKr (peft; LoRA also with rsLoRA, PiSSA or OLoRA
+init) or full fine-tuning of the denoiser, optionally the text encoders too (their own learning rate), optionally
+on a quantized frozen denoiser (QLoRA); epsilon or v-prediction with Min-SNR-gamma, soft-min-SNR or debiased
+weighting, noise offset, input perturbation and zero-terminal-SNR; masked loss and DreamBooth prior preservation
+(per-sample weights); accelerate for devices, DDP/FSDP, mixed precision (FP8 where the GPU has it) and gradient
+accumulation, or a global batch size it is derived from; learning rates optionally scaled with the global batch;
+global-norm clipping; AdamW / AdamW 8-bit / Lion / Adafactor / CPU-offloaded AdamW / GaLore / Prodigy /
+schedule-free AdamW (LoRA+ rates for B) with warmup and a constant, linear, cosine or cosine-with-restarts
+schedule; a guard that skips NaN/inf and spiking steps and warns of growing activations; per-block activation
+statistics on chosen steps; EMA weights; validation loss at fixed noise, keeping the best result and stopping
+early; preview samples; adapter snapshots and their average; channels-last denoiser; SDPA or xformers attention;
+gradient checkpointing; TF32; a JSONL metrics line per optimizer step (and TensorBoard when installed); after
+the final save, a parity check that the saved file, reloaded as users load it, redraws the in-training sample.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import broadcast_object_list, gather_object, is_tensorboard_available, set_seed
+from diffusers.training_utils import EMAModel, cast_training_params
+from tqdm.auto import tqdm
+
+from difftune.adapters import export
+from difftune.adapters.embeddings import caption_with_token, check_captions
+from difftune.adapters.kinds import add_adapters, check_targets, trainable_parameters, trained_parts
+from difftune.config import Config
+from difftune.data import sharding
+from difftune.data.cache import (
+    cache_root,
+    control_latent_entries,
+    fill_latents,
+    fill_text,
+    latent_entries,
+    model_identity,
+    text_entries,
+    text_identity,
+)
+from difftune.data.dataset import (
+    BAD_FILES_REPORT,
+    CaptionedImages,
+    TrainingOrder,
+    batch_groups,
+    build_dataloader,
+    control_sizes,
+    frame_counts,
+    possible_prompts,
+    report_bad_files,
+    scan_examples,
+    training_sizes,
+)
+from difftune.data.sources import is_stored_source
+from difftune.errors import DifftuneError
+from difftune.families import family_of, load_components, load_denoiser
+from difftune.families.drawing import generate_images, save_images
+from difftune.families.objective import training_noise_scheduler
+from difftune.memory.quantize import quantize_linear_layers
+from difftune.memory.storage import computed_copies_saved_as_stored
+from difftune.models.autoencoders import encode_posterior, reference_latents, sample_latents
+from difftune.models.parts import (
+    Components,
+    cast_frozen,
+    encoder_placement,
+    encoders_on,
+    host_kept_encoders,
+    loads_encoders_first,
+    part_dtypes,
+    place_frozen,
+    set_attention,
+    store_loaded_denoiser,
+    stored_dtype,
+    weight_dtype,
+)
+from difftune.progress import phase
+from difftune.training.activations import BlockActivations
+from difftune.training.checkpoint import (
+    CHECKPOINTS_DIR,
+    Checkpointer,
+    Progress,
+    StopRequest,
+    find_checkpoint,
+    full_disk_said_plainly,
+    keep_models_out_of_accelerate_state,
+    retire_after,
+    step_of,
+)
+from difftune.training.ema import build_ema, ema_weights, update_ema
+from difftune.training.guard import Guard
+from difftune.training.metrics import METRICS_FILE, MetricsLog
+from difftune.training.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
+from difftune.training.output_lock import hold_output_dir
+from difftune.training.parity import check_parity, parity_line, room_for_a_fresh_copy, write_report
+from difftune.training.plan import DoesNotFit, check_fits, with_offload_budget
+from difftune.training.preflight import check_before_start
+from difftune.training.prior import class_examples, class_folder, fill_class_images
+from difftune.training.training_adapter import merge_training_adapter, removed
+from difftune.training.validation import BestResults, Validator
+
+RESOLVED_CONFIG_FILE = "config.toml"
+ROLLBACKS_FILE = "rollbacks.jsonl"
+
+
+@dataclass
+class TrainResult:
+    components: Components  # unwrapped, adapters attached, raw (not EMA) weights
+    trained_path: Path | None  # the adapter file or the full-model folder; None on non-main processes or after a stop
+    losses: list[float]  # one per optimizer step, averaged over processes
+    optimizer: torch.optim.Optimizer
+    ema: EMAModel | None  # when ema.enabled
+
+
+@dataclass
+class Run:
+    """Everything one training run holds, from `setup` to `finish`."""
+
+    config: Config
+    accelerator: Accelerator
+    output_dir: Path
+    components: Components  # trained parts wrapped by accelerate
+    named: dict[str, torch.nn.Parameter]  # the trained parameters by stable name (`<part>.<name>`)
+    trained_modules: list[torch.nn.Module]
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: object
+    ema: EMAModel | None
+    guard: Guard
+    checkpointer: Checkpointer
+    progress: Progress
+    batches: Iterator[dict]
+    validator: Validator | None
+    best: BestResults | None  # with a validator
+    metrics: MetricsLog
+    losses: list[float] = field(default_factory=list)
+    stop_reason: str | None = None  # `StopRequest.agreed`'s, when the loop ended before train.max_steps
+
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.named.values())
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def say(self) -> Callable[[str], None] | None:
+        """Where phase lines go (`progress.phase`): the main process's print, above the training bar; quiet: none."""
+        return None if self.config.log.quiet or not self.main else tqdm.write
+
+    def unwrapped(self) -> Components:
+        return _unwrapped(self.components, self.accelerator)
+
+
+def _unwrapped(components: Components, accelerator: Accelerator) -> Components:
+    unwrap = accelerator.unwrap_model
+    encoders = {name: unwrap(m) if m is not None else None for name, m in components.text_encoders.items()}
+    return replace(components, denoiser=unwrap(components.denoiser), text_encoders=encoders)
+
+
+def train(config: Config, resume: str | None = None) -> TrainResult:
+    """Run the job; `resume` is "auto" (the latest complete checkpoint in output_dir, if any) or a checkpoint folder.
+    The run holds its output folder throughout: a second run there is refused (output_lock.py)."""
+    check_before_start(config)
+    output_dir = Path(config.train.output_dir)
+    with hold_output_dir(output_dir), full_disk_said_plainly(output_dir):
+        run = setup(config, resume)
+        with phase("training", run.say):
+            loop(run)
+        return finish(run)
+
+
+def setup(config: Config, resume: str | None = None) -> Run:
+    """Models, data, caches, adapters, optimizer and the place to start from (a checkpoint when resuming)."""
+    output_dir = _check_output_dir(config, resume)
+    accelerator = _accelerator(config, output_dir)
+    config = with_accumulation(config, accelerator.num_processes)
+    accelerator.gradient_accumulation_steps = config.train.gradient_accumulation_steps
+    if config.model.offload_budget:  # every process plans the same count: no weights read, no communication
+        budget, config = config.model.offload_budget, with_offload_budget(config)
+        accelerator.print(f"model.offload_budget {budget}: the memory plan offloads {config.model.offload_blocks} blocks")
+    if config.train.check_memory:  # every process: each would load
+        _check_memory(config, accelerator)
+    say = None if config.log.quiet else accelerator.print
+    encoders_first = loads_encoders_first(config, family_of(config.model), resume)
+    with phase(f"loading {'the encoders of ' if encoders_first else ''}the base {config.model.base}", say):
+        components = load_training_base(config, with_denoiser=not encoders_first)
+    components.family.check_config(config)
+    if not encoders_first:
+        check_targets(components, config.adapter)  # before the caches are filled: add_adapters checks again, later
+    # The resolved config names the family: a file written now says what it was trained on.
+    config = config.model_copy(update={"model": config.model.model_copy(update={"family": components.family.name})})
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / RESOLVED_CONFIG_FILE).write_text(config.to_toml(), encoding="utf-8")
+    _set_device_flags(config, accelerator)
+    main = accelerator.is_main_process
+    class_dir = class_folder(config, components) if config.prior.enabled else None  # may hash the denoiser: once
+    if config.prior.num_class_images:  # drawn by the untouched base, before anything is attached to it
+        if main:
+            fill_class_images(config, components, accelerator.device, class_dir)
+        accelerator.wait_for_everyone()
+    set_seed(config.train.seed)  # the adapters' random init
+
+    components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
+    # Stored records are scanned once a machine (the first process writes the scan's index, the others read it).
+    with accelerator.local_main_process_first() if is_stored_source(config.data.path) else nullcontext():
+        with phase(f"reading the data in {config.data.path}", say):
+            examples, bad_files = scan_examples(config.data, windows=components.family.frame_windows(config.data, components.vae),
+                                                index_folder=cache_root(config) / "scans")
+    if config.prior.enabled:
+        class_images, bad_class_files = class_examples(config, class_dir, len(examples))
+        examples, bad_files = examples + class_images, bad_files + bad_class_files
+    if config.adapter.kind == "embedding":  # the captions say the new token where they said its word
+        examples = [replace(example, caption=caption_with_token(example.caption, config.adapter)) for example in examples]
+        check_captions([example.caption for example in examples], config.adapter)
+    report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
+    media = _media_count(examples)
+    _check_batch_within_data(config, len(examples), accelerator.num_processes, media)
+    components.family.check_controls(examples, "data.path")
+    sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
+    controls = control_sizes(examples, sizes, partial(components.family.control_size, options=components.family_options))
+    tokenize = partial(components.family.tokenize, components.tokenizers)  # picklable for loader workers
+    with phase("filling the caches", say if config.cache.latents == "on" or config.cache.text == "on" else None):
+        latent_files, control_files, text_files = _fill_caches(components, tokenize, examples, sizes, controls, config, accelerator)
+    validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
+    if encoders_first:  # the encoders the caches replace go before the denoiser comes: never resident beside it
+        _release_unneeded(components, config)
+        with phase(f"loading the {components.family.denoiser_name}", say):
+            load_training_denoiser(components, config)
+    if config.sample.before and config.sample.prompts and main and not resume:
+        with phase("drawing the base's samples (before training)", say):
+            _sample_before_training(components, config, output_dir, accelerator.device)
+    with phase("preparing the model for training", say):
+        _release_unneeded(components, config)
+        _shape_for_training(components, config, accelerator)
+    export.check_layout(components, config)
+    if config.train.compile:  # after the adapters, so the compiled graph includes them
+        components.denoiser.compile()
+
+    named = trainable_parameters(components, config.adapter)
+    denoiser_part = components.family.denoiser_name
+    global_batch = config.train.batch_size * accelerator.num_processes * config.train.gradient_accumulation_steps
+    lr_scale = learning_rate_scale(config.optim.scale_lr, global_batch)
+    optimizer = build_optimizer(named, denoiser_part, config.optim, accelerator.device, lr_scale)
+    lr_scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps, accelerator.num_processes)
+    # Only trained modules are prepared: DDP refuses a module with nothing to train.
+    trained = trained_parts(components, config.adapter)
+    *prepared, optimizer, lr_scheduler = accelerator.prepare(*trained.values(), optimizer, lr_scheduler)
+    for part, module in zip(trained, prepared):
+        if part == denoiser_part:
+            components.denoiser = module
+        else:
+            components.text_encoders[part] = module
+    # FSDP's prepare swaps the trained parameters for sharded ones (the optimizer follows): name those.
+    named = trainable_parameters(_unwrapped(components, accelerator), config.adapter)
+
+    ema = build_ema(list(named.values()), config.ema)
+    checkpointer = Checkpointer(accelerator, output_dir, config)
+    guard = Guard(config.guard, output_dir if main else None)
+    best = BestResults(config.validation, output_dir) if validator else None
+    checkpoint = _resume_point(accelerator, output_dir, resume) if resume else None
+    progress = checkpointer.load(checkpoint, named, ema, guard, best) if checkpoint else Progress()
+    guard.start_at(progress.global_step)
+    dataset = CaptionedImages(
+        examples, config.data, tokenize, config.train.seed,
+        latent_files, text_files, sizes, memory_bytes=config.cache.memory_mb * 2**20,
+        uncached_conditioning=components.family.uncached_conditioning, control_sizes=controls, control_entries=control_files,
+        sees_controls=components.family.prompts_see_controls,
+    )
+    order = TrainingOrder(
+        len(examples), config.train.batch_size, config.train.seed, accelerator.process_index, accelerator.num_processes,
+        start_batch=progress.micro_batches,
+        buckets=batch_groups(sizes, controls, config.data.buckets, frame_counts(examples)),
+    )
+    batches = iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
+    accelerator.init_trackers("difftune", config=_flat_hparams(config))
+    accelerator.print(
+        f"difftune: {components.family.description}, {media}, "
+        f"{sum(p.numel() for p in named.values()):,} trained parameters ({config.adapter.kind}), "
+        f"{accelerator.num_processes} process(es) on {accelerator.device}, global batch {global_batch}"
+        + (f", learning rates x {lr_scale:.4g} (optim.scale_lr = {config.optim.scale_lr})" if lr_scale != 1 else "")
+    )
+    metrics = MetricsLog(output_dir, accelerator, resumed_at_step=progress.global_step)
+    return Run(
+        config, accelerator, output_dir, components, named, list(prepared), optimizer, lr_scheduler, ema, guard,
+        checkpointer, progress, batches, validator, best, metrics,
+    )
+
+
+def loop(run: Run) -> None:
+    """Optimizer steps until `train.max_steps` or a stop request; each step is judged by the guard, logged, and
+    followed by whatever periodic work (validation, samples, snapshots, checkpoints) falls on it."""
+    config, accelerator = run.config, run.accelerator
+    max_norm = config.optim.max_grad_norm or float("inf")  # inf: measure the norm, clip nothing
+    accumulation = config.train.gradient_accumulation_steps
+    global_batch = config.train.batch_size * accelerator.num_processes * accumulation
+    bar = tqdm(
+        initial=run.progress.global_step, total=config.train.max_steps, disable=not (run.main and config.log.progress_bar) or config.log.quiet,
+        desc="train",
+    )
+    with StopRequest() as stop:
+        while run.progress.global_step < config.train.max_steps:
+            run.stop_reason = stop.agreed(accelerator, early_stop=bool(run.best and run.best.exhausted))
+            if run.stop_reason:
+                break
+            global_step = run.progress.global_step + 1
+            started = time.perf_counter()
+            watch = config.log.activations_every_steps and global_step % config.log.activations_every_steps == 0
+            activations = BlockActivations(run.components.family, run.unwrapped().denoiser) if watch else nullcontext()
+            with activations:
+                step_loss, paths, batch = accumulate_gradients(run)
+            # The last micro-step synced the gradients: clip, judge, then step (or skip) on every process alike.
+            grad_norm = float(accelerator.clip_grad_norm_(run.parameters, max_norm))
+            skip = run.guard.judge(global_step, step_loss, grad_norm, grad_overflow_is_expected=accelerator.scaler is not None)
+            if skip:
+                run.guard.record(global_step, skip, step_loss, grad_norm, gather_object(paths))
+            else:
+                run.optimizer.step()
+                if run.ema and global_step % config.ema.every_steps == 0:
+                    update_ema(run.ema, run.parameters, config.ema)
+            run.lr_scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.progress = Progress(global_step, run.progress.micro_batches + accumulation)
+
+            seconds = time.perf_counter() - started
+            lr = run.lr_scheduler.get_last_lr()[0]
+            run.losses.append(step_loss)
+            values = {
+                "epoch": batch["epoch"][-1].item(),
+                "loss": step_loss,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "skipped": bool(skip),
+                "seconds": seconds,
+                "samples_per_second": global_batch / seconds,
+            }
+            if watch:
+                values |= _activation_values(run, global_step, activations)
+            diverged = run.guard.divergence(step_loss)
+            if diverged:  # before any snapshot, validation or checkpoint of this step
+                run.metrics.write(global_step, values)
+                _roll_back(run, diverged)
+                bar.n = run.progress.global_step
+                continue
+            if run.main:
+                values |= _periodic_work(run, global_step)
+            run.metrics.write(global_step, values)
+            bar.update(1)
+            bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", skipped=run.guard.skipped)
+            if config.checkpoint.every_steps and global_step % config.checkpoint.every_steps == 0:
+                run.checkpointer.save(run.progress, run.named, run.ema, run.guard, run.best)
+        bar.close()
+        run.metrics.close()
+
+
+def accumulate_gradients(run: Run) -> tuple[float, list[str], dict]:
+    """One optimizer step's micro-batches through forward and backward: the process-averaged loss, the images'
+    paths on this process and the last batch. Gradients are synced after the last micro-step."""
+    config, accelerator = run.config, run.accelerator
+    accumulation = config.train.gradient_accumulation_steps
+    step_loss, paths = torch.zeros((), device=accelerator.device), []
+    for _ in range(accumulation):
+        batch = next(run.batches)
+        recasting = computed_copies_saved_as_stored() if config.frozen_weights_kept_apart else nullcontext()
+        with accelerator.accumulate(*run.trained_modules), recasting, _denoiser_autocast(run):
+            loss = _training_loss(run.components, batch, config, accelerator.device).mean()
+            accelerator.backward(loss)
+        step_loss += loss.detach() / accumulation
+        paths += batch["path"]
+    return accelerator.reduce(step_loss, reduction="mean").item(), paths, batch
+
+
+def _denoiser_autocast(run: Run):
+    """Accelerate's autocast, where the denoiser runs outside it: Accelerate puts the modules it prepares (the trained
+    ones) under autocast, and textual inversion trains the text encoders alone, so its frozen half-precision denoiser
+    would meet fp32 inputs (a dtype error on every bf16 run)."""
+    return run.accelerator.autocast() if run.config.adapter.kind == "embedding" else nullcontext()
+
+
+def with_accumulation(config: Config, num_processes: int) -> Config:
+    """`train.global_batch_size`, when set, turns into the accumulation steps that reach it with this many
+    processes; the result says what runs (its global_batch_size is 0 again, so the saved config re-runs)."""
+    train_config, target = config.train, config.train.global_batch_size
+    if not target:
+        return config
+    per_step = train_config.batch_size * num_processes
+    if target % per_step:
+        raise DifftuneError(
+            f"train.global_batch_size {target} is not a multiple of train.batch_size {train_config.batch_size} x "
+            f"{num_processes} process(es) = {per_step}; change either, or set gradient_accumulation_steps instead"
+        )
+    train_config = train_config.model_copy(update={"gradient_accumulation_steps": target // per_step, "global_batch_size": 0})
+    return config.model_copy(update={"train": train_config})
+
+
+def _activation_values(run: Run, step: int, activations: BlockActivations) -> dict:
+    """The recorded statistics as metrics, and the guard's warnings about blocks whose outputs are growing."""
+    values = activations.values()
+    warnings = run.guard.watch_activations(activations.maxima())
+    for warning in warnings:
+        run.accelerator.print(f"difftune: warning: step {step}: {warning}")
+    if warnings:
+        values["activation_warnings"] = warnings
+    return values
+
+
+def finish(run: Run) -> TrainResult:
+    """The last checkpoint; then, unless stopped early, the result files, samples and parity report."""
+    config, accelerator, progress = run.config, run.accelerator, run.progress
+    if not run.checkpointer.is_complete(progress.global_step):
+        run.checkpointer.save(progress, run.named, run.ema, run.guard, run.best)
+    if run.stop_reason == "request":
+        accelerator.print(
+            f"{StopRequest.MESSAGE} {progress.global_step} of {config.train.max_steps} on request; "
+            f"checkpoint written: continue with --resume auto"
+        )
+        accelerator.end_training()
+        return TrainResult(run.unwrapped(), None, run.losses, run.optimizer, run.ema)
+
+    accelerator.wait_for_everyone()
+    run.optimizer.eval()  # from here on, a schedule-free optimizer's averaged weights: what the run produced
+    if sharding.is_sharded(accelerator):
+        components, ema, parameters = _unsharded_copy(run)
+    else:
+        components, ema, parameters = run.unwrapped(), run.ema, run.parameters
+    needs_encoders = config.sample.prompts or config.adapter.kind == "none"  # a full model is saved whole
+    if run.main and needs_encoders and not components.encoders_loaded():
+        with phase("loading the encoders again for the end of the run", run.say):
+            _reload_released(components, config, accelerator.device)
+    for module in host_kept_encoders(components, config) if run.main else ():
+        module.to(accelerator.device)
+    components.denoiser.eval()
+    trained_path = _save_results(run, components, ema, parameters) if run.main else None
+    if run.stop_reason == "early_stop":
+        accelerator.print(
+            f"difftune: stopped early at step {progress.global_step}: {config.validation.early_stop_patience} "
+            "validations without a lower validation loss"
+        )
+    for line in run.best.summary() if run.best else ():
+        accelerator.print(f"difftune: {line}")
+    accelerator.end_training()
+    return TrainResult(components, trained_path, run.losses, run.optimizer, ema)
+
+
+def _unsharded_copy(run: Run) -> tuple[Components, EMAModel | None, list[torch.nn.Parameter]]:
+    """Under FSDP every process gathers the trained weights (and the EMA's), and the main process loads them into
+    a fresh, unsharded copy of the model: the end-of-run exports and samples then run as they do after DDP."""
+    config, main = run.config, run.main
+    weights = sharding.gather(run.named, keep=main)
+    shadows = sharding.gather(dict(zip(run.named, run.ema.shadow_params)), keep=main) if run.ema else {}
+    if not main:
+        return run.unwrapped(), run.ema, run.parameters
+    components = load_training_base(config)
+    components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
+    _shape_for_training(components, config, run.accelerator)
+    named = trainable_parameters(components, config.adapter)
+    ema = build_ema(list(named.values()), config.ema)
+    for name, param in named.items():
+        sharding.load_full(param, weights[name])
+    if ema:
+        for name, shadow in zip(named, ema.shadow_params):
+            sharding.load_full(shadow, shadows[name])
+        ema.optimization_step = run.ema.optimization_step
+    return components, ema, list(named.values())
+
+
+def _accelerator(config: Config, output_dir: Path) -> Accelerator:
+    fp8 = config.train.mixed_precision == "fp8"  # its device and torchao are checked before start (preflight)
+    # accelerate keeps one AcceleratorState per process and refuses an Accelerator of another precision after
+    # the first; a second train() in one process (a notebook, find-lr then train) is a new run with its own.
+    # The process group (PartialState) stays.
+    AcceleratorState._reset_state()
+    accelerator = Accelerator(
+        mixed_precision=config.train.mixed_precision,
+        kwargs_handlers=[_fp8_recipe()] if fp8 else None,
+        gradient_accumulation_steps=config.train.gradient_accumulation_steps,
+        log_with="tensorboard" if config.log.tensorboard and is_tensorboard_available() else None,
+        project_dir=output_dir / "logs",
+    )
+    sharding.check_accelerator(accelerator)
+    if sharding.is_sharded(accelerator):
+        sharding.check_config(config)
+    if config.train.compile:
+        _check_compile_device(accelerator.device)
+    if config.model.quantize != "none" and config.train.mixed_precision == "bf16" and accelerator.device.type == "cpu":
+        # Found by gpu_suite.sh's dry run: a quantized layer's fp32 output meets bf16 norm weights, which CPU
+        # autocast leaves to a group norm that refuses mixed dtypes (CUDA's autocast runs norms in fp32).
+        raise DifftuneError(
+            f'model.quantize = "{config.model.quantize}" with train.mixed_precision = "bf16" fails on a CPU (PyTorch\'s '
+            'CPU group norm refuses the mixed dtypes): use mixed_precision "no" here, or a CUDA device'
+        )
+    keep_models_out_of_accelerate_state(accelerator)
+    return accelerator
+
+
+def _training_loss(components: Components, batch: dict, config: Config, device: torch.device) -> torch.Tensor:
+    """Per-sample loss (B,) for one micro-batch; all randomness from the samples' own seeds. Cached posteriors
+    and text conditioning, when the batch carries them, stand in for the encoders."""
+    family = components.family
+    generators = [torch.Generator().manual_seed(int(seed)) for seed in batch["seed"]]
+    if "latent_mean" in batch:
+        mean, std = batch["latent_mean"].to(device), batch["latent_std"].to(device)
+        from_pixels = batch.get("pixel_conditioning", {})
+    else:
+        pixels = batch["pixel_values"].to(device)
+        with torch.no_grad():
+            mean, std = encode_posterior(components.vae, pixels)
+            from_pixels = family.pixel_conditioning(components, pixels)
+    latents = sample_latents(mean, std, generators, components.latent_normalization).float()
+    if "conditioning" in batch:
+        conditioning = {name: value.to(device) for name, value in batch["conditioning"].items()}
+    else:
+        with torch.set_grad_enabled(config.adapter.trains_text_encoders):
+            conditioning = family.encode_prompts(components, {name: ids.to(device) for name, ids in batch["token_ids"].items()})
+    conditioning |= {name: value.to(device) for name, value in from_pixels.items()}  # an image-to-video first frame
+    control_means = batch.get("control_latents")  # an edit pair: its controls' latents join the conditioning
+    if "control_pixels" in batch:
+        with torch.no_grad():
+            control_means = [encode_posterior(components.vae, pixels.to(device))[0] for pixels in batch["control_pixels"]]
+    if control_means:
+        conditioning["control_latents"] = [reference_latents(mean.to(device), components.latent_normalization)
+                                           for mean in control_means]
+    timesteps, noise, input_noise = family.draw_timesteps_and_noise(components, generators, latents, config.loss)
+    mask = latent_mask(batch["mask"].to(device), latents.shape[2:], config.data.unmasked_weight) if "mask" in batch else None
+    loss = family.loss(components, latents, timesteps, noise, conditioning, batch["geometry"], config.loss, input_noise, mask)
+    return loss * batch["loss_weight"].to(device, loss.dtype)  # prior preservation's class images: prior.loss_weight
+
+
+def _media_count(examples: list) -> str:
+    windows = sum(1 for example in examples if example.frames)
+    images = len(examples) - windows
+    return ", ".join([*([f"{images} images"] if images or not windows else []), *([f"{windows} clip windows"] if windows else [])])
+
+
+def _check_batch_within_data(config: Config, examples: int, processes: int, what: str) -> None:
+    """A batch larger than the data would hold each image several times in every batch: a typo (600,000 over 16
+    images trained), refused before anything is cached. Repeats (`N_name` folders) count as the data."""
+    batch = config.train.batch_size * processes
+    if batch > examples:
+        per_process = f" ({config.train.batch_size} x {processes} processes)" if processes > 1 else ""
+        raise DifftuneError(
+            f"train.batch_size {config.train.batch_size}{per_process}: a batch of {batch} is more than the data holds "
+            f"({what} in {config.data.path}); use at most {examples // processes}, or repeat the folder (N_name)"
+        )
+
+
+def latent_mask(mask: torch.Tensor, size: tuple[int, ...], unmasked_weight: float) -> torch.Tensor:
+    """Pixel masks (B, 1, H, W), or a clip's (B, 1, T, H, W) -> loss weights per latent pixel at the latents' `size`
+    ((h, w), or a clip's (t, h, w)): each latent pixel's share of its patch's mask (area averaging), raised to
+    `unmasked_weight` where the mask is 0. An image's mask over a clip's latents covers every frame."""
+    if mask.dim() - 2 < len(size):
+        mask = mask.unsqueeze(2)
+    weights = torch.nn.functional.interpolate(mask.float(), size=tuple(size), mode="area")
+    return unmasked_weight + (1 - unmasked_weight) * weights
+
+
+def _fill_caches(components: Components, tokenize, examples, sizes, controls, config: Config, accelerator) -> tuple:
+    """Cache files for the examples' latents, their controls' latents and captions (None where that cache is off),
+    encoding what is missing, shared out among the processes (`_cache_shares`)."""
+    latent_files = control_files = text_files = None
+    if config.cache.latents == "on":
+        vae_identity = model_identity(components.vae)
+        latent_files = latent_entries(examples, sizes, vae_identity, config)
+        control_files = control_latent_entries(examples, controls, vae_identity, config)
+    if config.cache.text == "on":
+        prompts = possible_prompts(examples, controls, config.data, config.train.seed, components.family.prompts_see_controls)
+        text_files = text_entries(prompts, text_identity(components), config, tokenize)
+    device = accelerator.device
+    paths = [e.path for e in examples] + [c for e in examples for c in e.control_paths]
+    all_sizes = sizes + [size for example_sizes in controls for size in example_sizes]
+    windows = [e.frames for e in examples] + [None] * (len(paths) - len(examples))
+    all_files = latent_files + [views for example_files in control_files for views in example_files] if latent_files else []
+    prompt_files = sorted(text_files.items()) if text_files else []
+    for share, shares in _cache_shares(accelerator):
+        mine = [i for i in range(len(all_files)) if i % shares == share]
+        if mine:
+            components.vae.to(device)
+            fill_latents([paths[i] for i in mine], [all_sizes[i] for i in mine], [all_files[i] for i in mine], components.vae,
+                         config, config.train.batch_size, [windows[i] for i in mine],
+                         partial(components.family.pixel_conditioning, components))
+        my_prompts = dict(prompt_files[share::shares])
+        if my_prompts:
+            for encoder in components.text_encoders.values():
+                encoder.to(device)
+            fill_text(my_prompts, components, device, config)
+        accelerator.wait_for_everyone()
+    return latent_files, control_files, text_files
+
+
+def _cache_shares(accelerator) -> list[tuple[int, int]]:
+    """(this process's share, shares) of each round of cache filling. First every process encodes the missing ones
+    of every n-th entry into the cache folder, which every machine may share (written once, by one process); then each
+    machine's processes encode what their own folder still lacks, where each machine has its own (local disk).
+    Entries are written atomically, so a folder both rounds write ends the same. One process: one round, as before."""
+    rounds = [(accelerator.process_index, accelerator.num_processes)]
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if local_processes < accelerator.num_processes:  # more than one machine
+        rounds.append((accelerator.local_process_index, local_processes))
+    return rounds
+
+
+def _check_memory(config: Config, accelerator: Accelerator) -> None:
+    """The memory plan (plan.py) before any weight loads: a refusal when the host cannot hold a phase of the run, a
+    warning when the device may not. A plan that fails (a base it cannot read from configs alone, such as a hub id
+    offline) leaves the run to go on."""
+    try:
+        warning = check_fits(config, accelerator.device.type)
+    except DoesNotFit:
+        raise
+    except Exception as error:  # noqa: BLE001 - a plan that cannot be made leaves the run to go on
+        warning = None
+        accelerator.print(f"difftune: no memory plan ({type(error).__name__}: {error})")
+    if warning:
+        accelerator.print(f"difftune: warning: {warning}")
+
+
+def _release_unneeded(components: Components, config: Config) -> None:
+    """Drop the encoders whose outputs are all cached and that nothing else needs until the end of the run, and
+    move those that previews or validation need now and then to host memory (`encoder_placement`)."""
+    placement = encoder_placement(config)
+    if placement["vae"] == "released":
+        components.vae = None
+    if placement["text"] == "released":
+        components.text_encoders = dict.fromkeys(components.text_encoders)
+    if placement["drawing"] == "released":
+        components.drawing_parts = dict.fromkeys(components.drawing_parts)
+    for module in host_kept_encoders(components, config):
+        module.to("cpu")
+
+
+def _reload_released(components: Components, config: Config, device) -> None:
+    """Bring the released encoders (and drawing parts) back for the end-of-run samples and the saved full model,
+    placed as the run placed them (in its frozen weights' dtype: the parity check reloads them so too)."""
+    loaded = load_components(config.model, replace(part_dtypes(config), denoiser=None, drawing_parts=True))
+    dtype = weight_dtype(config)
+
+    def placed(module: torch.nn.Module, is_vae: bool = False) -> torch.nn.Module:
+        cast_frozen(module.to(device).eval(), dtype, is_vae)
+        return module
+
+    components.vae = components.vae or placed(loaded.vae, is_vae=True)
+    for name, encoder in components.text_encoders.items():
+        components.text_encoders[name] = encoder or placed(loaded.text_encoders[name])
+    for name, part in components.drawing_parts.items():
+        components.drawing_parts[name] = part or placed(loaded.drawing_parts[name])
+
+
+def _roll_back(run: Run, why: str) -> None:
+    """Reload the last complete checkpoint but keep reading the data from here on, so the batches that led to
+    the divergence are skipped rather than replayed. Without `guard.rollback` (or past its limit): stop."""
+    config, guard, progress = run.config, run.guard, run.progress
+    checkpoint = _resume_point(run.accelerator, run.output_dir, "auto") if config.guard.rollback else None
+    if checkpoint is None or guard.rollbacks >= config.guard.max_rollbacks:
+        limit = f"; {guard.rollbacks} rollbacks already" if config.guard.rollback and checkpoint else ""
+        raise guard.stop(progress.global_step, why + limit)
+    rollbacks = guard.rollbacks + 1
+    restored = run.checkpointer.load(checkpoint, run.named, run.ema, guard, run.best)
+    guard.rollbacks = rollbacks
+    run.metrics.rewind(restored.global_step)
+    record = {
+        "at_step": progress.global_step,
+        "to_step": restored.global_step,
+        "reason": why,
+        "skipped_micro_batches": progress.micro_batches - restored.micro_batches,
+    }
+    if run.main:
+        with open(run.output_dir / ROLLBACKS_FILE, "a", encoding="utf-8") as file:
+            file.write(json.dumps(record) + "\n")
+    run.accelerator.print(f"difftune: rolled back from step {progress.global_step} to {restored.global_step}: {why}")
+    run.progress = Progress(restored.global_step, progress.micro_batches)
+
+
+def _periodic_work(run: Run, step: int) -> dict:
+    """Validation loss, preview samples and adapter snapshots when their step comes (main process only)."""
+    config, values = run.config, {}
+    last = step == config.train.max_steps
+    validate = run.validator and (step % config.validation.every_steps == 0 or last)
+    preview = config.sample.every_steps and step % config.sample.every_steps == 0 and config.sample.prompts and not last
+    snapshot = config.export.every_steps and (step % config.export.every_steps == 0 or last)
+    if not (validate or preview or snapshot):
+        return values  # most steps: unwrapping the models costs 5 ms (a 64 px tiny-model step is 70)
+    with averaged_weights(run.optimizer):
+        return values | _validate_preview_snapshot(run, step, validate, preview, snapshot)
+
+
+def _validate_preview_snapshot(run: Run, step: int, validate: bool, preview: bool, snapshot: bool) -> dict:
+    config, values, components = run.config, {}, run.unwrapped()
+    with encoders_on(run.accelerator.device, host_kept_encoders(components, config)):
+        if validate:
+            with phase(f"step {step}: validation", run.say):
+                values |= _validate(run, components, step)
+        if preview:
+            with phase(f"step {step}: preview samples", run.say), run.accelerator.autocast(), previewing(components):
+                samples = generate_images(components, config.sample, run.accelerator.device)
+            save_images(samples, config.sample, run.output_dir / "samples" / f"step-{step:06d}")
+    if snapshot:
+        export.save_trained(components, config, run.output_dir / "snapshots" / f"step-{step:06d}.safetensors", "diffusers")
+    return values
+
+
+def _validate(run: Run, components: Components, step: int) -> dict:
+    """The validation loss and scores (the EMA's loss too), kept as the best result when they are."""
+    values = {"val_loss": run.validator.loss(components)}
+    with run.accelerator.autocast():
+        values |= run.validator.judged_scores(components)
+
+    def save(variant: str) -> Path:
+        return export.save_trained(components, run.config, export.trained_path(run.config, run.output_dir, variant))
+
+    run.best.observe(step, values, save)
+    if run.ema:
+        with ema_weights(run.ema, run.parameters):
+            values["val_loss_ema"] = run.validator.loss(components)
+    return values
+
+
+def _sample_before_training(components: Components, config: Config, output_dir: Path, device: torch.device) -> None:
+    """The base's own samples, with the seeds the end-of-run samples use; before any adapter exists."""
+    for module in components.modules():
+        module.to(device)
+    with previewing(components):
+        save_images(generate_images(components, config.sample, device, "before"), config.sample, output_dir / "samples" / "before")
+
+
+def _save_results(run: Run, components: Components, ema: EMAModel | None, parameters: list) -> Path:
+    """The raw result, its EMA and the average of the last snapshots, then the end-of-run samples."""
+    config, output_dir, accelerator, say = run.config, run.output_dir, run.accelerator, run.say
+    with phase("saving the result", say):
+        files = export.save_result_files(components, config, output_dir)
+    trained_path = export.trained_path(config, output_dir)
+    if config.export.average_last > 1:
+        snapshots = sorted((output_dir / "snapshots").glob("step-*.safetensors"))[-config.export.average_last :]
+        tensors, lora_configs, config_toml = export.average_adapters(snapshots, config.export.average_weights)
+        export.write_adapter(
+            export.trained_path(config, output_dir, "_avg"), tensors, lora_configs, config_toml, config.export.format,
+            components.family,
+        )
+    if config.sample.prompts:
+        with phase("drawing the end samples", say), accelerator.autocast(), previewing(components):
+            samples = generate_images(components, config.sample, accelerator.device, "end samples")
+        save_images(samples, config.sample, output_dir / "samples", output_dir / "samples" / "before")
+        if config.sample.parity and (short := room_for_a_fresh_copy(components, accelerator.device)):
+            accelerator.print(f"difftune: {short}")
+        elif config.sample.parity:
+            with phase("checking parity: the first sample redrawn with each written file", say):
+                report = check_parity(config, files, samples[0], accelerator.device, weight_dtype(config),
+                                      accelerator.autocast, outputs_in_fp32=accelerator.native_amp)
+            accelerator.print(f"difftune: {parity_line(report)}")
+            for warning in write_report(report, output_dir):
+                accelerator.print(f"difftune: warning: {warning}")
+    if ema:
+        with ema_weights(ema, parameters):
+            export.save_result_files(components, config, output_dir, "_ema")
+            if config.sample.prompts:
+                with phase("drawing the EMA's end samples", say), accelerator.autocast(), previewing(components):
+                    samples = generate_images(components, config.sample, accelerator.device, "EMA samples")
+                save_images(samples, config.sample, output_dir / "samples_ema", output_dir / "samples" / "before")
+    for line in export.where_files_go(files):
+        accelerator.print(f"difftune: {line}")
+    return trained_path
+
+
+def load_training_base(config: Config, with_denoiser: bool = True) -> Components:
+    """The base as training sees it, each part in the dtype the run keeps it in (`part_dtypes`): with
+    `model.training_adapter` merged in (what the run saves leaves it out, and previews take off again: `previewing`),
+    then the denoiser's frozen layers stored as the run stores them. Without the denoiser, `load_training_denoiser`
+    brings it later."""
+    model, dtypes = config.model, part_dtypes(config)
+    components = load_components(model, dtypes if with_denoiser else replace(dtypes, denoiser=None))
+    if model.training_adapter:
+        components.merged_changes = merge_training_adapter(components, model.training_adapter)
+    if with_denoiser:
+        store_loaded_denoiser(components, config)
+    return components
+
+
+def load_training_denoiser(components: Components, config: Config) -> None:
+    load_denoiser(components, config.model, part_dtypes(config))
+    store_loaded_denoiser(components, config)
+    check_targets(components, config.adapter)
+
+
+def previewing(components: Components):
+    """Samples show what the saved adapter does on the base: without a merged training adapter's change."""
+    return removed(components.denoiser, components.merged_changes)
+
+
+def _shape_for_training(components: Components, config: Config, accelerator: Accelerator) -> None:
+    """The trained model as the config wants it: memory format, attention kernel, quantized frozen layers,
+    adapters, dtypes, device."""
+    _configure_denoiser(components.denoiser, config, accelerator.device)
+    if config.model.quantize != "none":
+        dtype = weight_dtype(config)
+        quantize_linear_layers(components.denoiser, config.model.quantize, accelerator.device, dtype)
+    add_adapters(components, config.adapter)
+    _place_models(components, config, accelerator)
+
+
+def _place_models(components: Components, config: Config, accelerator: Accelerator) -> None:
+    """Frozen weights in the configured dtype, trained ones in fp32, all on the device."""
+    trained = trained_parts(components, config.adapter)
+    trained_whole = trained.values() if config.adapter.kind == "none" else ()
+    offloader = place_frozen(components, accelerator.device, weight_dtype(config), trained_whole,
+                             stored=stored_dtype(config), offloaded=config.model.offload_blocks,
+                             on_host=host_kept_encoders(components, config))
+    if offloader is not None:
+        accelerator.print(f"model.offload_blocks: {config.model.offload_blocks} blocks' frozen weights in host memory "
+                          f"({offloader.host_bytes / 2**20:.0f} MiB)")
+    for module in components.modules():
+        module.train(any(module is part for part in trained.values()))
+    cast_training_params(list(trained.values()), dtype=torch.float32)
+    if config.train.gradient_checkpointing:
+        for part, module in trained.items():
+            if part != components.family.denoiser_name:
+                module.gradient_checkpointing_enable()
+
+
+def _configure_denoiser(denoiser, config: Config, device: torch.device) -> None:
+    """Memory format, attention kernel and checkpointing: set before adapters are injected, so that the
+    adapters' own small weights stay contiguous (peft's DoRA on convolutions `view`s them)."""
+    if config.train.channels_last == "on" or (config.train.channels_last == "auto" and device.type == "cuda"):
+        denoiser.to(memory_format=torch.channels_last)
+    set_attention(denoiser, config.train.attention)
+    if config.train.gradient_checkpointing:
+        denoiser.enable_gradient_checkpointing()
+
+
+def _fp8_recipe():
+    """torchao's float8 training, through accelerate, for the frozen and trained linear layers of the prepared
+    models, but not the adapters' own small matrices (a rank-16 matmul gains nothing and loses precision in FP8)
+    and not layers whose sides are not multiples of 16 (FP8 matmuls need those)."""
+    from accelerate.utils import AORecipeKwargs
+
+    def convertible(module: torch.nn.Module, name: str) -> bool:
+        return (isinstance(module, torch.nn.Linear) and "lora_" not in name
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+    return AORecipeKwargs(module_filter_func=convertible)
+
+
+def _check_compile_device(device: torch.device) -> None:
+    # Measured here: CPU inductor (torch 2.13) trained the tiny UNet's LoRA with zero gradients in the mid
+    # block and wrong ones in the down blocks, while the loss looked right. Refuse rather than mis-train.
+    if device.type != "cuda":
+        raise DifftuneError(
+            f"train.compile = true is supported on CUDA only (this run is on {device}): on CPU, torch's inductor "
+            "computed wrong adapter gradients for the UNet. Set train.compile = false"
+        )
+
+
+def _set_device_flags(config: Config, accelerator: Accelerator) -> None:
+    """TF32 and cuDNN autotuning: `auto` turns them on with CUDA; an explicit `on` off CUDA is said to do nothing."""
+    if accelerator.device.type == "cuda":
+        tf32 = config.train.tf32 != "off"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cudnn.benchmark = config.train.cudnn_benchmark != "off"
+        # SDPA's cuDNN kernel gave NaN gradients from the first step on the tiny Flux job in bf16 on an H100
+        # (torch 2.11, cu130) while its loss was finite, and the flash, memory-efficient and math kernels trained
+        # it finitely, to the same losses (BENCHMARKS.md, "GPU"): training does without it.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    elif "on" in (config.train.tf32, config.train.cudnn_benchmark):
+        accelerator.print(f"difftune: train.tf32 and train.cudnn_benchmark apply to CUDA only; no effect on {accelerator.device}")
+
+
+def _resume_point(accelerator: Accelerator, output_dir: Path, resume: str) -> Path | None:
+    """The checkpoint to continue from (`checkpoint.find_checkpoint`: checked against its manifest), chosen by the
+    main process, which sets apart what the run wrote after it (a new branch starts there); every process gets the
+    same answer, or the same error."""
+    chosen = [None, None]  # the checkpoint, or why there is none
+    if accelerator.is_main_process:
+        try:
+            path = find_checkpoint(output_dir, resume, accelerator.print)
+            if path and path.parent.resolve() == (output_dir / CHECKPOINTS_DIR).resolve():
+                retire_after(output_dir, step_of(path), accelerator.print)
+            chosen[0] = str(path) if path else None
+        except DifftuneError as err:
+            chosen[1] = str(err)
+    broadcast_object_list(chosen)
+    if chosen[1]:
+        raise DifftuneError(chosen[1])
+    return Path(chosen[0]) if chosen[0] else None
+
+
+def _check_output_dir(config: Config, resume: str | None) -> Path:
+    output_dir = Path(config.train.output_dir)
+    if (output_dir / METRICS_FILE).exists() and not (config.train.overwrite or resume):
+        raise DifftuneError(
+            f"train.output_dir {output_dir} already holds a run ({METRICS_FILE}); resume it with --resume auto, "
+            f"choose another folder, or set train.overwrite=true to replace it"
+        )
+    return output_dir
+
+
+def _flat_hparams(config: Config) -> dict:
+    """The config as flat scalars, the only values TensorBoard's hparams accept."""
+    flat = {}
+    for section, values in config.model_dump(mode="json").items():
+        for key, value in values.items():
+            flat[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat

@@ -1,0 +1,32 @@
+"""The architecture the folders show is the one the imports keep: `.importlinter`'s contracts, checked."""
+
+import configparser
+from pathlib import Path
+
+from importlinter.cli import lint_imports
+
+import difftune
+
+REPO = Path(__file__).resolve().parents[1]
+CONTRACTS = REPO / ".importlinter"
+
+
+def test_import_contracts_are_kept(monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert lint_imports(config_filename=str(CONTRACTS), no_cache=True) == 0  # its report, above, names each import
+
+
+def test_every_package_and_module_of_the_library_has_a_layer():
+    """A new package or top-level module must be placed in the layers (else no contract would hold it), and each
+    package says its job and what it may import."""
+    contracts = configparser.ConfigParser()
+    contracts.read(CONTRACTS)
+    layered = {name.strip() for line in contracts["importlinter:contract:layers"]["layers"].splitlines()
+               for name in line.replace("|", ":").split(":") if name.strip()}
+    root = Path(difftune.__file__).parent
+    members = {path.stem for path in root.glob("*.py") if path.stem != "__init__"}
+    packages = {path.parent.name for path in root.glob("*/__init__.py")}
+    assert members | packages == layered
+    for package in packages:
+        doc = (root / package / "__init__.py").read_text(encoding="utf-8")
+        assert doc.startswith('"""') and ("May import" in doc or "may import" in doc), package
