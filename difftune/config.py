@@ -65,6 +65,12 @@ FAMILY_NAMES = tuple(
 )
 
 
+def wrong_family(named: str, base: str, what: str, reader: str) -> DifftuneError:
+    """`model.family` names one family for a base that another reads: it would half-load and fail later."""
+    return DifftuneError(f"model.family = \"{named}\": model.base {base} is {what} of the {reader} family; "
+                         f"set model.family = \"auto\" or \"{reader}\"")
+
+
 class ModelConfig(Section):
     base: str = Field(
         "models/tiny-sd",

@@ -70,3 +70,12 @@ def _remove(path: Path) -> None:
 
 def is_url(path: str) -> bool:
     return "://" in str(path)
+
+
+def part_weight_files(folder: Path, variant: str = "") -> list[Path]:
+    """A part folder's safetensors files as diffusers picks them: the variant's (`*.fp16.safetensors`), else the
+    plain ones, not a variant's copy of the same weights (sorted first, `fp16` before the plain name)."""
+    files = sorted(folder.glob(f"*.{variant}.safetensors" if variant else "*.safetensors"))
+    if not variant:
+        files = [file for file in files if file.name.count(".") == 1] or files
+    return files

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from difftune import published
-from difftune.config import FAMILY_NAMES, ModelConfig
+from difftune.config import FAMILY_NAMES, ModelConfig, wrong_family
 from difftune.errors import DifftuneError
 from difftune.families.family import Family
 from difftune.models.autoencoders import latent_channels, load_vae
@@ -37,12 +37,6 @@ from difftune.models.parts import (
     explained_load_errors,
     quiet_loading,
 )
-
-
-def wrong_family(named: str, base: str, what: str, reader: str) -> DifftuneError:
-    """`model.family` names one family for a base that another reads: it would half-load and fail later."""
-    return DifftuneError(f"model.family = \"{named}\": model.base {base} is {what} of the {reader} family; "
-                         f"set model.family = \"auto\" or \"{reader}\"")
 
 
 def _discover() -> dict[str, Family]:

@@ -15,6 +15,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from difftune.errors import DifftuneError
+from difftune.files import part_weight_files
 from difftune.memory.offload import Offloader, offload_blocks, spread
 from difftune.memory.storage import store_frozen_layers
 from difftune.models.autoencoders import LatentNormalization
@@ -349,12 +350,3 @@ def set_attention(denoiser: torch.nn.Module, kind: str) -> None:
                 "(CUDA only) or use \"sdpa\""
             )
         denoiser.enable_xformers_memory_efficient_attention()
-
-
-def part_weight_files(folder: Path, variant: str = "") -> list[Path]:
-    """A part folder's safetensors files as diffusers picks them: the variant's (`*.fp16.safetensors`), else the
-    plain ones, not a variant's copy of the same weights (sorted first, `fp16` before the plain name)."""
-    files = sorted(folder.glob(f"*.{variant}.safetensors" if variant else "*.safetensors"))
-    if not variant:
-        files = [file for file in files if file.name.count(".") == 1] or files
-    return files

@@ -15,11 +15,10 @@ from pathlib import Path
 
 from difftune import published
 from difftune.adapters.targets import layer_suffixes, missing_targets, unmatched_targets
-from difftune.config import HUB_ID, Config
+from difftune.config import HUB_ID, Config, wrong_family
 from difftune.data.sources import is_stored_source
 from difftune.errors import DifftuneError, require_extra
-from difftune.families import wrong_family
-from difftune.models.parts import part_weight_files
+from difftune.files import part_weight_files
 
 
 def check_before_start(config: Config) -> None:
