@@ -26,8 +26,10 @@ from difftune.webui.form import parse_adapter_spec
 def _keys_help() -> str:
     """The config's keys by section, one short paragraph each; their meanings and defaults are in the README's config
     reference (generated from the same schema), and `difftune config` prints them resolved."""
-    lines = ["config keys, set in the TOML file or as section.key=value overrides (what each means, and its default: the "
-             "README's \"Config reference\"; `difftune config --config FILE` prints every key as resolved):"]
+    lines = [
+        "config keys, set in the TOML file or as section.key=value overrides (what each means, and its default: the "
+        'README\'s "Config reference"; `difftune config --config FILE` prints every key as resolved):'
+    ]
     for section, section_field in Config.model_fields.items():
         keys = ", ".join(section_field.annotation.model_fields)
         lines.append(textwrap.fill(f"[{section}] {keys}", width=110, initial_indent="  ", subsequent_indent="      "))
@@ -44,7 +46,7 @@ def _with_detected_family(config: Config) -> Config:
     try:
         family = family_of(config.model).name
     except DifftuneError as err:
-        print(f"# model.family stays \"auto\": {err}", file=sys.stderr)
+        print(f'# model.family stays "auto": {err}', file=sys.stderr)
         return config
     return config.model_copy(update={"model": config.model.model_copy(update={"family": family})})
 
@@ -91,57 +93,85 @@ def _sample_config(args: argparse.Namespace) -> SampleConfig:
 def _job_command(commands, name: str, summary: str) -> argparse.ArgumentParser:
     """A command that takes a job: --config and section.key=value overrides."""
     command = commands.add_parser(
-        name, help=summary, description=summary, epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter
+        name,
+        help=summary,
+        description=summary,
+        epilog=_keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     command.add_argument("--config", help="TOML job file; omitted: all defaults")
-    command.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides, e.g. train.max_steps=200")
+    command.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="overrides, e.g. train.max_steps=200"
+    )
     return command
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="difftune", description="Fine-tune diffusion models (images and video: SD, SDXL, SD3, Flux, "
+        prog="difftune",
+        description="Fine-tune diffusion models (images and video: SD, SDXL, SD3, Flux, "
         "FLUX.2, Qwen-Image, Z-Image, Wan and more) with LoRA, DoRA, LoHa/LoKr, textual inversion or fully. "
-        "Several GPUs: accelerate launch scripts/train.py with the same arguments.")
+        "Several GPUs: accelerate launch scripts/train.py with the same arguments.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     for name, summary in (("train", "train a job"), ("config", "print the resolved config of a job as TOML")):
         _job_command(commands, name, summary)
     commands.choices["train"].add_argument(
-        "--resume", metavar="auto|PATH", help="continue from the latest complete checkpoint in train.output_dir (auto) or a given one"
+        "--resume",
+        metavar="auto|PATH",
+        help="continue from the latest complete checkpoint in train.output_dir (auto) or a given one",
     )
     commands.choices["train"].add_argument(
-        "--quiet", action="store_true", help="no line per long step and no bars: warnings, errors and the last lines (log.quiet)"
+        "--quiet",
+        action="store_true",
+        help="no line per long step and no bars: warnings, errors and the last lines (log.quiet)",
     )
     find_batch = _job_command(
-        commands, "find-batch", "find the largest batch size that fits in memory, and the accumulation for "
+        commands,
+        "find-batch",
+        "find the largest batch size that fits in memory, and the accumulation for "
         "train.global_batch_size; prints one JSON line",
     )
-    find_batch.add_argument("--max-memory-gb", type=float, help="memory budget (default: free CUDA memory, or available "
-                            "RAM on the CPU, less --margin)")
-    find_batch.add_argument("--margin", type=float, default=0.1, help="fraction of the free memory left unused (default 0.1)")
+    find_batch.add_argument(
+        "--max-memory-gb",
+        type=float,
+        help="memory budget (default: free CUDA memory, or available RAM on the CPU, less --margin)",
+    )
+    find_batch.add_argument(
+        "--margin", type=float, default=0.1, help="fraction of the free memory left unused (default 0.1)"
+    )
     find_batch.add_argument("--max-batch", type=int, default=64, help="largest batch size tried (default 64)")
     find_batch.add_argument("--steps", type=int, default=2, help="optimizer steps per trial (default 2)")
     find_batch.add_argument("--num-processes", type=int, default=1, help="processes the job will train on (default 1)")
     find_batch.add_argument("--write", action="store_true", help="save the batch size (and global batch) into --config")
     find_lr = _job_command(
-        commands, "find-lr", "learning-rate range test on a throwaway copy of the job: writes a plot and a suggested "
+        commands,
+        "find-lr",
+        "learning-rate range test on a throwaway copy of the job: writes a plot and a suggested "
         "rate; prints one JSON line",
     )
     find_lr.add_argument("--start-lr", type=float, default=1e-7, help="first rate of the sweep (default 1e-7)")
     find_lr.add_argument("--end-lr", type=float, default=1.0, help="last rate of the sweep (default 1)")
     find_lr.add_argument("--steps", type=int, default=100, help="optimizer steps of the sweep (default 100)")
-    find_lr.add_argument("--out", type=Path, help="folder for lr_range.png and lr_range.json (default: "
-                         "<train.output_dir>/find-lr)")
+    find_lr.add_argument(
+        "--out", type=Path, help="folder for lr_range.png and lr_range.json (default: <train.output_dir>/find-lr)"
+    )
     find_lr.add_argument("--write", action="store_true", help="save the suggested optim.learning_rate into --config")
 
     plan = _job_command(
-        commands, "plan", "predict the job's peak device memory and host RAM before loading any weight, by what holds "
+        commands,
+        "plan",
+        "predict the job's peak device memory and host RAM before loading any weight, by what holds "
         "them; with budgets, the settings that fit, as overrides",
     )
     plan.add_argument("--device-memory", metavar="SIZE", help="the GPU memory to fit, e.g. 12GB or 24GiB")
     plan.add_argument("--host-memory", metavar="SIZE", help="the RAM to fit, e.g. 32GB")
-    plan.add_argument("--device", choices=["cuda", "cpu"], help="where the job will train (default: CUDA if this "
-                      "machine has it or --device-memory names a GPU's, else the CPU)")
+    plan.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        help="where the job will train (default: CUDA if this "
+        "machine has it or --device-memory names a GPU's, else the CPU)",
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
 
     adapter_help = "an adapter file (diffusers or kohya layout), optionally with a scale: FILE[:SCALE]; repeatable"
@@ -149,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
     merge.add_argument("--adapter", required=True, action="append", type=parse_adapter_spec, help=adapter_help)
     merge.add_argument("--out", required=True, type=Path, help="output diffusers pipeline folder")
-    merge.add_argument("--single-file", action="store_true", help="also write out/model.safetensors in the original layout")
+    merge.add_argument(
+        "--single-file", action="store_true", help="also write out/model.safetensors in the original layout"
+    )
     merge.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="dtype of the saved weights")
     merge.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
 
@@ -162,8 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     average = commands.add_parser("average", help="average adapter files (e.g. snapshots of one run) into one")
     average.add_argument("adapters", nargs="+", type=Path, help="adapter files, oldest first (either layout)")
     average.add_argument("--out", required=True, type=Path, help="adapter file to write")
-    average.add_argument("--weights", choices=("uniform", "linear", "exponential"), default="uniform",
-                         help="equal weights, growing linearly, or doubling with each newer file")
+    average.add_argument(
+        "--weights",
+        choices=("uniform", "linear", "exponential"),
+        default="uniform",
+        help="equal weights, growing linearly, or doubling with each newer file",
+    )
     average.add_argument("--to", choices=("diffusers", "kohya"), default="diffusers", help="layout to write")
     average.add_argument("--base", help="base model, to read kohya files' module names (default: from their metadata)")
 
@@ -171,20 +207,36 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
     sample.add_argument("--adapter", action="append", default=[], type=parse_adapter_spec, help=adapter_help)
     sample.add_argument("--out", required=True, type=Path, help="folder for the PNGs (clips: MP4) and grid.png")
-    sample.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                        help="the dtype every part loads and draws in (default: bf16 on a GPU, fp32 on a CPU)")
-    sample.add_argument("--control", action="append", default=[],
-                        help="an edit base's control image, for every prompt (repeat for several, in order)")
+    sample.add_argument(
+        "--dtype",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        default="auto",
+        help="the dtype every part loads and draws in (default: bf16 on a GPU, fp32 on a CPU)",
+    )
+    sample.add_argument(
+        "--control",
+        action="append",
+        default=[],
+        help="an edit base's control image, for every prompt (repeat for several, in order)",
+    )
     _add_sample_options(sample)
 
     evaluate = commands.add_parser(
-        "eval", help="judge samples of the tiny shapes base (and of an adapter on it): seen prompts, held-out concept, forgetting"
+        "eval",
+        help="judge samples of the tiny shapes base (and of an adapter on it): seen prompts, held-out concept, "
+        "forgetting",
     )
-    evaluate.add_argument("--base", default="models/tiny-sd", help="a base trained on the shapes (default: the bundled one)")
+    evaluate.add_argument(
+        "--base", default="models/tiny-sd", help="a base trained on the shapes (default: the bundled one)"
+    )
     evaluate.add_argument("--adapter", type=Path, help="adapter to score after the base (either layout)")
     evaluate.add_argument("--concept", default="purple", help="the held-out color the adapter teaches")
-    evaluate.add_argument("--concept-word", default="", help="what the adapted model's concept prompts say instead of "
-                          "the color, e.g. an embedding's token (default: the color)")
+    evaluate.add_argument(
+        "--concept-word",
+        default="",
+        help="what the adapted model's concept prompts say instead of "
+        "the color, e.g. an embedding's token (default: the color)",
+    )
     evaluate.add_argument("--samples-per-prompt", type=int, default=8)
     evaluate.add_argument("--seed", type=int, default=1000, help="sample k of every prompt uses seed + k")
     evaluate.add_argument("--steps", type=int, default=20, help="denoising steps")
@@ -195,16 +247,23 @@ def build_parser() -> argparse.ArgumentParser:
     ui = commands.add_parser("ui", help="the web UI: configure, launch and watch jobs, sample, export")
     ui.add_argument("--host", default="127.0.0.1", help="address to bind; anything but this machine needs --auth")
     ui.add_argument("--port", type=int, default=7860)
-    ui.add_argument("--jobs-dir", type=Path, default=Path("jobs"), help="one folder per job; the only folder the UI serves")
+    ui.add_argument(
+        "--jobs-dir", type=Path, default=Path("jobs"), help="one folder per job; the only folder the UI serves"
+    )
     ui.add_argument("--configs-dir", type=Path, default=Path("configs"), help="presets offered in the form")
     ui.add_argument("--auth", metavar="USER:PASSWORD", help="require this login (visible in `ps`: prefer --auth-file)")
     ui.add_argument("--auth-file", type=Path, help="require a login from this file (one user:password per line)")
     ui.add_argument("--share", action="store_true", help="also open a public share link (needs --auth)")
     ui.add_argument("--ssl-certfile", type=Path, help="serve HTTPS with this certificate (with --ssl-keyfile)")
     ui.add_argument("--ssl-keyfile", type=Path, help="the certificate's private key")
-    ui.add_argument("--public-name", action="append", default=[], metavar="HOST",
-                    help="a name the UI is reached by besides the address it binds (a reverse proxy's); requests "
-                         "naming any other host are refused (DNS rebinding)")
+    ui.add_argument(
+        "--public-name",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="a name the UI is reached by besides the address it binds (a reverse proxy's); requests "
+        "naming any other host are refused (DNS rebinding)",
+    )
     return parser
 
 
@@ -220,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> None:
     if args.command in ("train", "config"):
-        config = load_config(args.config, [*args.overrides, *(["log.quiet=true"] if getattr(args, "quiet", False) else [])])
+        config = load_config(
+            args.config, [*args.overrides, *(["log.quiet=true"] if getattr(args, "quiet", False) else [])]
+        )
         if args.command == "config":
             print(_with_detected_family(config).to_toml(), end="")
             return
@@ -244,8 +305,17 @@ def _run(args: argparse.Namespace) -> None:
         auth = webui.read_auth(args.auth, args.auth_file)
         for warning in webui.exposure_warnings(args.host, bool(args.auth), bool(args.ssl_certfile)):
             print(f"difftune: warning: {warning}", file=sys.stderr)
-        webui.serve(args.jobs_dir, args.host, args.port, auth, args.share, args.configs_dir, args.ssl_certfile,
-                    args.ssl_keyfile, tuple(args.public_name))
+        webui.serve(
+            args.jobs_dir,
+            args.host,
+            args.port,
+            auth,
+            args.share,
+            args.configs_dir,
+            args.ssl_certfile,
+            args.ssl_keyfile,
+            tuple(args.public_name),
+        )
         return
 
     from difftune.adapters import export
@@ -257,13 +327,18 @@ def _run(args: argparse.Namespace) -> None:
         from difftune.toy.tiny import COLORS
 
         if args.concept not in COLORS:
-            raise DifftuneError(f"difftune eval --concept {args.concept!r}: not a shapes color; one of {', '.join(COLORS)}")
+            raise DifftuneError(
+                f"difftune eval --concept {args.concept!r}: not a shapes color; one of {', '.join(COLORS)}"
+            )
         settings = EvalSettings(args.samples_per_prompt, args.seed, args.steps, args.guidance_scale)
         seen = [color for color in COLORS if color != args.concept]
+
         def say(line: str) -> None:  # stderr: stdout is the report
             print(f"difftune eval: {line}", file=sys.stderr, flush=True)
 
-        report = evaluate(args.base, args.adapter, seen, args.concept, settings, args.concept_word, None if args.quiet else say)
+        report = evaluate(
+            args.base, args.adapter, seen, args.concept, settings, args.concept_word, None if args.quiet else say
+        )
         text = json.dumps(report, indent=2)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -276,11 +351,16 @@ def _run(args: argparse.Namespace) -> None:
         _note_comfyui_dora(args.target, args.to)
     elif args.command == "average":
         tensors, lora_configs, config_toml = export.average_adapters(args.adapters, args.weights, args.base)
-        print(f"difftune: wrote {export.write_adapter(args.out, tensors, lora_configs, config_toml, args.to, args.base or '')}")
+        written = export.write_adapter(args.out, tensors, lora_configs, config_toml, args.to, args.base or "")
+        print(f"difftune: wrote {written}")
         _note_comfyui_dora(args.out, args.to)
     elif args.command == "merge":
-        with phase(f"merging {len(args.adapter)} adapter(s) into {args.base} (loading, merging, writing {args.out})", print):
-            written = export.merge_into_folder(args.base, args.adapter, args.out, args.dtype, args.single_file, args.overwrite)
+        with phase(
+            f"merging {len(args.adapter)} adapter(s) into {args.base} (loading, merging, writing {args.out})", print
+        ):
+            written = export.merge_into_folder(
+                args.base, args.adapter, args.out, args.dtype, args.single_file, args.overwrite
+            )
         for path in written:
             print(f"difftune: wrote {path}")
     elif args.command == "sample":
@@ -316,8 +396,11 @@ def _find(args: argparse.Namespace) -> None:
     if args.write:
         settings = result["settings"]
         write_settings(args.config, settings)
-        print(f"difftune {args.command}: wrote {', '.join(f'{k} = {v:g}' for k, v in settings.items())} into {args.config}",
-              file=sys.stderr)
+        print(
+            f"difftune {args.command}: wrote "
+            f"{', '.join(f'{k} = {v:g}' for k, v in settings.items())} into {args.config}",
+            file=sys.stderr,
+        )
     print(json.dumps(result))
 
 
@@ -326,7 +409,12 @@ def _found(args: argparse.Namespace, config: Config) -> dict:
 
     if args.command == "find-batch":
         return finders.find_batch(
-            config, args.max_memory_gb, args.max_batch, args.steps, args.margin, args.num_processes,
+            config,
+            args.max_memory_gb,
+            args.max_batch,
+            args.steps,
+            args.margin,
+            args.num_processes,
             report=lambda line: print(line, file=sys.stderr),
         )
     out = args.out or Path(config.train.output_dir) / "find-lr"
@@ -344,18 +432,26 @@ def _plan(args: argparse.Namespace) -> None:
     device_memory = plan.parse_size(args.device_memory) if args.device_memory else None
     host_memory = plan.parse_size(args.host_memory) if args.host_memory else None
     device = args.device or ("cuda" if device_memory else None)  # a GPU's memory asked about: plan for one
+
     def say(line: str) -> None:  # stderr: stdout is the plan (or its JSON line)
         print(line, file=sys.stderr)
 
     with phase("planning the run's memory (its model built without weights, one step counted)", say):
         predicted = plan.plan_memory(config, device)
     with phase("trying the settings that fit", say if device_memory or host_memory else None):
-        fitting = plan.fitting_overrides(config, device_memory, host_memory, device) \
-            if device_memory or host_memory else None
+        fitting = (
+            plan.fitting_overrides(config, device_memory, host_memory, device) if device_memory or host_memory else None
+        )
     if args.json:
-        result = {"configs": predicted.configs, "device_type": predicted.device_type, "device_peak": predicted.device_peak,
-                  "host_peak": predicted.host_peak, "device": predicted.device, "host": predicted.host,
-                  "host_phases": predicted.host_phases}
+        result = {
+            "configs": predicted.configs,
+            "device_type": predicted.device_type,
+            "device_peak": predicted.device_peak,
+            "host_peak": predicted.host_peak,
+            "device": predicted.device,
+            "host": predicted.host,
+            "host_phases": predicted.host_phases,
+        }
         if device_memory or host_memory:
             result["fits_with"] = fitting[0] if fitting else None
         print(json.dumps(result))

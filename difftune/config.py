@@ -28,7 +28,11 @@ Switch = Literal["auto", "on", "off"]  # `auto`: the setting decides from the de
 
 def switch_from_bool(cls, value: Any) -> Any:
     """Files written before a switch had `auto` say true/false."""
-    return {True: "on", False: "off", "true": "on", "false": "off"}.get(value, value) if isinstance(value, (bool, str)) else value
+    return (
+        {True: "on", False: "off", "true": "on", "false": "off"}.get(value, value)
+        if isinstance(value, (bool, str))
+        else value
+    )
 
 
 class Section(BaseModel):
@@ -40,7 +44,7 @@ UNITS = {"GB": 10**9, "GIB": 2**30, "MB": 10**6, "MIB": 2**20}
 
 
 def parse_size(text: str) -> int:
-    """"12GB", "24 GiB", "512MB" -> bytes."""
+    """ "12GB", "24 GiB", "512MB" -> bytes."""
     number = text.strip().upper().replace(" ", "")
     for unit, size in UNITS.items():
         if number.endswith(unit):
@@ -53,7 +57,8 @@ def parse_size(text: str) -> int:
 
 MAX_SIDE = 16384  # pixels: a side past this is a typo (2147483648 overflowed after the model had loaded)
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # `owner/name`, what a base not on this machine must look like
-# Past this a learning rate is a typo (1e30 trained NaNs): adaptive optimizers that take a scale instead (Prodigy) use 1.
+# Past this a learning rate is a typo (1e30 trained NaNs): adaptive optimizers that take a scale instead (Prodigy) use
+# 1.
 MAX_LEARNING_RATE = 10.0
 
 # The model families: one module each in difftune/families/, named as the family (families/__init__.py loads
@@ -61,14 +66,20 @@ MAX_LEARNING_RATE = 10.0
 # this schema.
 SHARED_FAMILY_MODULES = ("__init__", "family", "flow", "fused", "objective", "drawing")
 FAMILY_NAMES = tuple(
-    sorted(path.stem for path in (Path(__file__).parent / "families").glob("*.py") if path.stem not in SHARED_FAMILY_MODULES)
+    sorted(
+        path.stem
+        for path in (Path(__file__).parent / "families").glob("*.py")
+        if path.stem not in SHARED_FAMILY_MODULES
+    )
 )
 
 
 def wrong_family(named: str, base: str, what: str, reader: str) -> DifftuneError:
     """`model.family` names one family for a base that another reads: it would half-load and fail later."""
-    return DifftuneError(f"model.family = \"{named}\": model.base {base} is {what} of the {reader} family; "
-                         f"set model.family = \"auto\" or \"{reader}\"")
+    return DifftuneError(
+        f'model.family = "{named}": model.base {base} is {what} of the {reader} family; '
+        f'set model.family = "auto" or "{reader}"'
+    )
 
 
 class ModelConfig(Section):
@@ -83,11 +94,15 @@ class ModelConfig(Section):
         description="Model family: `auto` reads it from the base (a pipeline folder's model_index.json, a single "
         "file's keys); `sd` is Stable Diffusion 1.x/2.x, `sdxl` SDXL and models built on it, `flux` Flux.1-class "
         "flow-matching transformers, `flux_kontext` FLUX.1 Kontext, `flux2` FLUX.2 [dev], `flux2_klein` FLUX.2 "
-        "[klein], `sd3` SD3 / SD3.5, `chroma` Chroma, `z_image` Z-Image, `krea2` Krea 2, `lumina2` Lumina 2, `ideogram4` Ideogram 4, `hidream` HiDream-I1, `wan` Wan 2.1 and 2.2 (clips and images), `wan_i2v` their image-to-video models, `qwen_image` Qwen-Image, `qwen_image_edit` "
+        "[klein], `sd3` SD3 / SD3.5, `chroma` Chroma, `z_image` Z-Image, `krea2` Krea 2, `lumina2` Lumina 2, "
+        "`ideogram4` Ideogram 4, `hidream` HiDream-I1, `wan` Wan 2.1 and 2.2 (clips and images), `wan_i2v` their "
+        "image-to-video models, `qwen_image` Qwen-Image, `qwen_image_edit` "
         "and `qwen_image_edit_plus` Qwen-Image-Edit and its multi-image 2509 / 2511.",
     )
     revision: str = Field("", description="Hub revision (branch, tag or commit) of `base`; empty for the default.")
-    variant: str = Field("", description="Weight variant to load from a diffusers folder, e.g. `fp16`; empty for the default.")
+    variant: str = Field(
+        "", description="Weight variant to load from a diffusers folder, e.g. `fp16`; empty for the default."
+    )
     single_file_config: str = Field(
         "",
         json_schema_extra=PATH_MODEL,
@@ -144,14 +159,13 @@ class ModelConfig(Section):
         "",
         json_schema_extra=PATH_MODEL,
         description="An adapter file (any layout difftune reads) merged into the base for training only, never into "
-        "what the run saves: the de-distilling \"training adapter\" of a step-distilled base, as ai-toolkit's "
-        "`assistant_lora_path` and musubi-tuner's `--base_weights` (`ostris/zimage_turbo_training_adapter` for Z-Image "
-        "Turbo, "
-        "`ostris/FLUX.1-schnell-training-adapter` for FLUX.1 [schnell]). The adapter trained over it then applies to "
-        "the distilled base alone and keeps its few-step sampling. Samples during and after the run take its change "
-        "off again (ai-toolkit's previews invert it): they show the saved adapter on the distilled base. "
-        "A local file, or `owner/repo/file.safetensors` on the hub. Needs an adapter (a full fine-tune would save "
-        "it merged in).",
+        'what the run saves: the de-distilling "training adapter" of a step-distilled base, as ai-toolkit\'s '
+        "`assistant_lora_path` and musubi-tuner's `--base_weights` (`ostris/zimage_turbo_training_adapter` "
+        "for Z-Image Turbo, `ostris/FLUX.1-schnell-training-adapter` for FLUX.1 [schnell]). The "
+        "adapter trained over it then applies to the distilled base alone and keeps its few-step "
+        "sampling. Samples during and after the run take its change off again (ai-toolkit's previews "
+        "invert it): they show the saved adapter on the distilled base. A local file, or "
+        "`owner/repo/file.safetensors` on the hub. Needs an adapter (a full fine-tune would save it merged in).",
     )
     offload_budget: str = Field(
         "",
@@ -192,14 +206,21 @@ class DataConfig(Section):
     )
     _path_not_empty = field_validator("path")(not_empty)
     image_column: str = Field(
-        "", description="Parquet and saved datasets: the image column (bytes, or the datasets library's Image "
+        "",
+        description="Parquet and saved datasets: the image column (bytes, or the datasets library's Image "
         "feature); empty: the first of image, img, jpg, png, webp.",
     )
     caption_column: str = Field(
-        "", description="Parquet and saved datasets: the caption column; empty: the first of text, caption, txt, "
+        "",
+        description="Parquet and saved datasets: the caption column; empty: the first of text, caption, txt, "
         "prompt (none: records are uncaptioned, as `missing_caption` says).",
     )
-    resolution: int = Field(512, ge=8, le=MAX_SIDE, description="Training size in pixels: images are resized (shorter side) and cropped to a square.")
+    resolution: int = Field(
+        512,
+        ge=8,
+        le=MAX_SIDE,
+        description="Training size in pixels: images are resized (shorter side) and cropped to a square.",
+    )
     crop: Literal["center", "random"] = Field("center", description="Where to crop after resizing.")
     random_flip: bool = Field(False, description="Flip images horizontally with probability 0.5.")
     caption_extension: str = Field(".txt", description="Extension of caption files next to the images.")
@@ -210,22 +231,36 @@ class DataConfig(Section):
         "`10_sks dog` gives `sks dog`).",
     )
     caption_dropout: float = Field(
-        0.0, ge=0.0, le=1.0, description="Probability of replacing a caption with an empty one (teaches classifier-free guidance)."
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Probability of replacing a caption with an empty one (teaches classifier-free guidance).",
     )
-    caption_prefix: str = Field("", description="Text put before every caption as it is (e.g. `sks, `), after tag shuffling.")
+    caption_prefix: str = Field(
+        "", description="Text put before every caption as it is (e.g. `sks, `), after tag shuffling."
+    )
     caption_suffix: str = Field("", description="Text put after every caption as it is, after tag shuffling.")
-    tag_separator: str = Field(",", min_length=1, description="What separates a caption's tags, for shuffling and tag dropout.")
-    shuffle_tags: bool = Field(False, description="Shuffle each caption's tags (after the first `keep_tokens`) every time it is drawn.")
-    keep_tokens: int = Field(0, ge=0, description="Leading tags that shuffling and tag dropout leave in place (a trigger word).")
+    tag_separator: str = Field(
+        ",", min_length=1, description="What separates a caption's tags, for shuffling and tag dropout."
+    )
+    shuffle_tags: bool = Field(
+        False, description="Shuffle each caption's tags (after the first `keep_tokens`) every time it is drawn."
+    )
+    keep_tokens: int = Field(
+        0, ge=0, description="Leading tags that shuffling and tag dropout leave in place (a trigger word)."
+    )
     tag_dropout: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Probability of leaving out each tag after the first `keep_tokens`, each time a caption is drawn."
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Probability of leaving out each tag after the first `keep_tokens`, each time a caption is drawn.",
     )
     caption_variants: int = Field(
         0,
         ge=0,
         description="With `shuffle_tags` or `tag_dropout`: draw this many fixed variants of each caption, and pick one "
         "each time, so the text cache can hold them (kohya cannot cache shuffled captions). 0: a fresh draw every "
-        "time, which needs the text encoded every step (`cache.text = \"auto\"` turns the cache off).",
+        'time, which needs the text encoded every step (`cache.text = "auto"` turns the cache off).',
     )
     num_workers: int = Field(2, ge=0, description="Data loader worker processes; 0 loads in the training process.")
     buckets: bool = Field(
@@ -236,7 +271,9 @@ class DataConfig(Section):
     bucket_step: int = Field(64, ge=8, le=MAX_SIDE, description="Bucket sides are multiples of this.")
     bucket_min_side: int = Field(256, ge=8, le=MAX_SIDE, description="Shortest bucket side.")
     bucket_max_side: int = Field(1024, ge=8, le=MAX_SIDE, description="Longest bucket side.")
-    min_image_size: int = Field(16, ge=1, description="Images whose shorter side is smaller than this are skipped and reported.")
+    min_image_size: int = Field(
+        16, ge=1, description="Images whose shorter side is smaller than this are skipped and reported."
+    )
     max_image_pixels: int = Field(
         89_478_485,
         ge=1,
@@ -245,22 +282,27 @@ class DataConfig(Section):
     masks: Literal["off", "alpha", "folder", "record"] = Field(
         "off",
         description="Masked loss: weight each pixel's loss by a mask that follows the image through resize, crop, flip "
-        "and buckets (white trains, black does not; gray in between). `alpha`: the image's own transparency; `folder`: a "
-        "same-stem grayscale image in `mask_path` (kohya's conditioning folder); `record`: in tar shards, the record's "
-        "`mask.*` member (`0001.mask.png` beside `0001.jpg`). An image without a mask trains whole. "
-        "Validation loss stays unmasked.",
+        "and buckets (white trains, black does not; gray in between). `alpha`: the image's own "
+        "transparency; `folder`: a same-stem grayscale image in `mask_path` (kohya's conditioning "
+        "folder); `record`: in tar shards, the record's `mask.*` member (`0001.mask.png` beside "
+        "`0001.jpg`). An image without a mask trains whole. Validation loss stays unmasked.",
     )
-    mask_path: str = Field("", json_schema_extra=PATH_LOCAL, description="`masks = \"folder\"`: the folder of mask images.")
+    mask_path: str = Field(
+        "", json_schema_extra=PATH_LOCAL, description='`masks = "folder"`: the folder of mask images.'
+    )
     control_path: str = Field(
         "",
         json_schema_extra=PATH_LOCAL,
-        description="Edit bases (FLUX.1 Kontext, Qwen-Image-Edit): the folder of control (source) images, each named as "
-        "its target image's stem (`cat.png`), or numbered for several (`cat_0.png`, `cat_1.png`); empty: a `control` "
-        "folder inside each image folder. A `metadata.jsonl` lists them per line as `control_files` instead. Targets "
-        "without controls train as text-to-image in the same run.",
+        description="Edit bases (FLUX.1 Kontext, Qwen-Image-Edit): the folder of control (source) images, each named "
+        "as its target image's stem (`cat.png`), or numbered for several (`cat_0.png`, `cat_1.png`); "
+        "empty: a `control` folder inside each image folder. A `metadata.jsonl` lists them per line "
+        "as `control_files` instead. Targets without controls train as text-to-image in the same run.",
     )
     unmasked_weight: float = Field(
-        0.0, ge=0.0, le=1.0, description="Loss weight of what a mask leaves out (OneTrainer's); 0 ignores it, 1 ignores the mask."
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Loss weight of what a mask leaves out (OneTrainer's); 0 ignores it, 1 ignores the mask.",
     )
     alpha_background: tuple[int, int, int] = Field(
         (255, 255, 255), strict=False, description="RGB color that transparent pixels are composited onto."
@@ -269,9 +311,9 @@ class DataConfig(Section):
         [17],
         min_length=1,
         description="Clips (`.mp4`, `.mov`, `.mkv`, `.webm`, `.avi` beside the images, for bases that read them: Wan): "
-        "the frame counts of the windows cut from each clip, each rounded down to what the autoencoder takes (Wan: 4k + "
-        "1), as musubi-tuner's dataset config names them. A clip shorter than every window is skipped and reported. "
-        "Images in the same folder train as one-frame clips.",
+        "the frame counts of the windows cut from each clip, each rounded down to what the autoencoder "
+        "takes (Wan: 4k + 1), as musubi-tuner's dataset config names them. A clip shorter than "
+        "every window is skipped and reported. Images in the same folder train as one-frame clips.",
     )
     frame_extraction: Literal["head", "chunk", "slide", "uniform", "full"] = Field(
         "head",
@@ -279,9 +321,9 @@ class DataConfig(Section):
         "every `frame_stride` frames; `uniform` `frame_samples` of them spread evenly; `full` the whole clip (at most "
         "`max_frames`) as one window.",
     )
-    frame_stride: int = Field(1, ge=1, description="`frame_extraction = \"slide\"`: frames between window starts.")
-    frame_samples: int = Field(1, ge=1, description="`frame_extraction = \"uniform\"`: windows per clip and length.")
-    max_frames: int = Field(129, ge=1, description="`frame_extraction = \"full\"`: the longest window.")
+    frame_stride: int = Field(1, ge=1, description='`frame_extraction = "slide"`: frames between window starts.')
+    frame_samples: int = Field(1, ge=1, description='`frame_extraction = "uniform"`: windows per clip and length.')
+    max_frames: int = Field(129, ge=1, description='`frame_extraction = "full"`: the longest window.')
 
     @field_validator("resolution", "bucket_step", "bucket_min_side", "bucket_max_side")
     @classmethod
@@ -305,7 +347,7 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _mask_folder_given(self) -> DataConfig:
         if self.masks == "folder" and not self.mask_path:
-            raise ValueError("data.masks = \"folder\" needs data.mask_path, the folder of same-stem mask images")
+            raise ValueError('data.masks = "folder" needs data.mask_path, the folder of same-stem mask images')
         return self
 
     @model_validator(mode="after")
@@ -325,14 +367,16 @@ class AdapterConfig(Section):
     kind: Literal["lora", "dora", "loha", "lokr", "none", "embedding"] = Field(
         "lora",
         description="`lora` or `dora` train an adapter through peft; `loha` and `lokr` are LyCORIS's Hadamard- and "
-        "Kronecker-product adapters, through peft (saved in the LyCORIS keys ComfyUI and A1111 read with `export.format "
-        "= \"kohya\"`; diffusers' LoRA loader reads neither, so their diffusers layout is peft's, for peft and difftune); "
-        "`none` trains all denoiser weights; `embedding` learns new token embeddings and nothing else (textual "
-        "inversion; see the `embedding_*` keys).",
+        "Kronecker-product adapters, through peft (saved in the LyCORIS keys ComfyUI and A1111 read "
+        'with `export.format = "kohya"`; diffusers\' LoRA loader reads neither, so their diffusers '
+        "layout is peft's, for peft and difftune); `none` trains all denoiser weights; `embedding` "
+        "learns new token embeddings and nothing else (textual inversion; see the `embedding_*` keys).",
     )
     rank: int = Field(16, ge=1, description="Adapter rank.")
     alpha: float | None = Field(None, gt=0, description="Adapter alpha (scale = alpha / rank); defaults to the rank.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input (LoHa, LoKr: peft's rank dropout).")
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input (LoHa, LoKr: peft's rank dropout)."
+    )
     rank_stabilized: bool = Field(
         False,
         description="rsLoRA (Kalajdzievski 2023): scale the adapter by alpha / sqrt(rank) instead of alpha / rank, so "
@@ -340,10 +384,10 @@ class AdapterConfig(Section):
     )
     init: Literal["gaussian", "pissa", "olora"] = Field(
         "gaussian",
-        description="How a LoRA starts: `gaussian` (B = 0, as diffusers' scripts), `pissa` (the base weight's principal "
-        "singular vectors, taken out of the base; Meng et al. 2024) or `olora` (its QR factors; Buyukakyuz 2024). Both "
-        "train faster early on; the saved file is the change from the start, a plain LoRA of twice the rank that "
-        "loads on the untouched base anywhere. Linear layers only; not with DoRA or `model.quantize`.",
+        description="How a LoRA starts: `gaussian` (B = 0, as diffusers' scripts), `pissa` (the base weight's "
+        "principal singular vectors, taken out of the base; Meng et al. 2024) or `olora` (its QR factors; Buyukakyuz "
+        "2024). Both train faster early on; the saved file is the change from the start, a plain LoRA of twice "
+        "the rank that loads on the untouched base anywhere. Linear layers only; not with DoRA or `model.quantize`.",
     )
     target_modules: list[str] = Field(
         [],
@@ -359,7 +403,7 @@ class AdapterConfig(Section):
     text_encoder_targets: dict[str, list[str]] = Field(
         {},
         description="Text-encoder modules that get an adapter when `text_encoder = true`, by the encoder's part name "
-        "(`{ text_encoder = [\"q_proj\", \"v_proj\"], text_encoder_2 = [...] }`, as diffusers names a family's "
+        '(`{ text_encoder = ["q_proj", "v_proj"], text_encoder_2 = [...] }`, as diffusers names a family\'s '
         "encoders); an encoder left out gets the family's default (CLIP's q_proj, k_proj, v_proj, out_proj).",
     )
 
@@ -368,9 +412,12 @@ class AdapterConfig(Section):
         description="`kind = embedding`: the new token (it must not be a word the tokenizer knows). With more than one "
         "vector it stands for `<token> <token>_1 ...`, as diffusers' loader expands it.",
     )
-    embedding_vectors: int = Field(1, ge=1, description="`kind = embedding`: vectors (tokens) the concept is learned in.")
+    embedding_vectors: int = Field(
+        1, ge=1, description="`kind = embedding`: vectors (tokens) the concept is learned in."
+    )
     embedding_init_word: str = Field(
-        "", description="`kind = embedding`: a word whose embedding starts each vector (the mean of its tokens'); empty: "
+        "",
+        description="`kind = embedding`: a word whose embedding starts each vector (the mean of its tokens'); empty: "
         "random, with the vocabulary's mean and covariance.",
     )
     embedding_caption_word: str = Field(
@@ -404,26 +451,28 @@ class LossConfig(Section):
     )
     weighting: Literal["auto", "min_snr", "soft_min_snr", "debiased", "uniform", "sigma_sqrt", "cosmap"] = Field(
         "auto",
-        description="Per-timestep loss weight. `auto`: the family's usual, Min-SNR-gamma (Hang et al. 2023) for the UNet "
-        "families, none for flow matching. `soft_min_snr`: its smooth form, SNR*gamma/(SNR+gamma) (Crowson et al. 2024); "
-        "`debiased`: debiased estimation, 1/sqrt(SNR) (Yu et al. 2024, kohya's `debiased_estimation_loss`); these three "
-        "are for the UNet families. `uniform` is none; `sigma_sqrt` and `cosmap` (Esser et al. 2024, as diffusers' "
-        "SD3/Flux scripts) are for flow matching.",
+        description="Per-timestep loss weight. `auto`: the family's usual, Min-SNR-gamma (Hang et al. 2023) for the "
+        "UNet families, none for flow matching. `soft_min_snr`: its smooth form, SNR*gamma/(SNR+gamma) "
+        "(Crowson et al. 2024); `debiased`: debiased estimation, 1/sqrt(SNR) (Yu et al. 2024, kohya's "
+        "`debiased_estimation_loss`); these three are for the UNet families. `uniform` is none; `sigma_sqrt` "
+        "and `cosmap` (Esser et al. 2024, as diffusers' SD3/Flux scripts) are for flow matching.",
     )
     snr_gamma: float = Field(5.0, gt=0, description="Gamma of Min-SNR and soft-min-SNR weighting.")
     timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
         "uniform",
-        description="How training draws each sample's point on the noise schedule: uniformly, logit-normal (more weight "
-        "mid-schedule, SD3's choice), or SD3's `mode` density. For the UNet families it picks the timestep.",
+        description="How training draws each sample's point on the noise schedule: uniformly, logit-normal (more "
+        "weight mid-schedule, SD3's choice), or SD3's `mode` density. For the UNet families it picks the timestep.",
     )
-    logit_mean: float = Field(0.0, description="`timestep_sampling = \"logit_normal\"`: mean of the normal.")
-    logit_std: float = Field(1.0, gt=0, description="`timestep_sampling = \"logit_normal\"`: standard deviation of the normal.")
-    mode_scale: float = Field(1.29, description="`timestep_sampling = \"mode\"`: its scale (SD3's 1.29).")
+    logit_mean: float = Field(0.0, description='`timestep_sampling = "logit_normal"`: mean of the normal.')
+    logit_std: float = Field(
+        1.0, gt=0, description='`timestep_sampling = "logit_normal"`: standard deviation of the normal.'
+    )
+    mode_scale: float = Field(1.29, description='`timestep_sampling = "mode"`: its scale (SD3\'s 1.29).')
     flow_shift: float = Field(
         1.0,
         gt=0,
-        description="Flow-matching families: shift the drawn noise levels toward noise, sigma <- s*sigma / (1 + (s-1)*sigma) "
-        "(SD3's shift; kohya's `discrete_flow_shift`, e.g. 3.0); 1 is none.",
+        description="Flow-matching families: shift the drawn noise levels toward noise, sigma <- s*sigma / (1 + "
+        "(s-1)*sigma) (SD3's shift; kohya's `discrete_flow_shift`, e.g. 3.0); 1 is none.",
     )
     flow_shift_by_resolution: bool = Field(
         False,
@@ -432,7 +481,9 @@ class LossConfig(Section):
         "a scheduler without dynamic shifting, Z-Image's: its one `shift`); overrides `flow_shift`.",
     )
     noise_offset: float = Field(
-        0.0, ge=0, description="Add this times a per-channel constant to the noise (darker darks, brighter brights); 0 is off."
+        0.0,
+        ge=0,
+        description="Add this times a per-channel constant to the noise (darker darks, brighter brights); 0 is off.",
     )
     input_perturbation: float = Field(
         0.0, ge=0, description="Perturb the noise the UNet sees (not its target) by this times fresh noise; 0 is off."
@@ -446,22 +497,35 @@ class LossConfig(Section):
 
 class OptimConfig(Section):
     optimizer: Literal[
-        "adamw", "adamw_8bit", "lion", "adafactor", "adamw_cpu_offload", "galore_adamw", "prodigy", "adamw_schedule_free"
+        "adamw",
+        "adamw_8bit",
+        "lion",
+        "adafactor",
+        "adamw_cpu_offload",
+        "galore_adamw",
+        "prodigy",
+        "adamw_schedule_free",
     ] = Field(
         "adamw",
         description="AdamW (fused), AdamW 8-bit (the `bnb` extra), Lion, Adafactor (fixed learning rate, no relative "
-        "steps), AdamW with its state offloaded to the CPU (torchao; CUDA only; the `torchao` extra), GaLore AdamW "
-        "(low-rank moments of each weight matrix; full fine-tunes only; the `galore` extra), Prodigy (finds its own step "
-        "size: set `learning_rate = 1`, its multiplier; the `prodigy` extra) or schedule-free AdamW (no schedule: "
-        "`lr_schedule` stays `constant` and `warmup_steps` is its own warmup; its averaged weights are what is "
-        "validated, sampled and saved; the `schedulefree` extra).",
+        "steps), AdamW with its state offloaded to the CPU (torchao; CUDA only; the `torchao` extra), GaLore "
+        "AdamW (low-rank moments of each weight matrix; full fine-tunes only; the `galore` extra), Prodigy "
+        "(finds its own step size: set `learning_rate = 1`, its multiplier; the `prodigy` extra) or "
+        "schedule-free AdamW (no schedule: `lr_schedule` stays `constant` and `warmup_steps` is its own "
+        "warmup; its averaged weights are what is validated, sampled and saved; the `schedulefree` extra).",
     )
-    learning_rate: float = Field(1e-4, gt=0, le=MAX_LEARNING_RATE,
-                                 description="Peak learning rate of the denoiser's (UNet's) parameters.")
+    learning_rate: float = Field(
+        1e-4, gt=0, le=MAX_LEARNING_RATE, description="Peak learning rate of the denoiser's (UNet's) parameters."
+    )
     text_encoder_learning_rate: float | None = Field(
-        None, gt=0, le=MAX_LEARNING_RATE, description="Peak learning rate of the text encoders' parameters; defaults to `learning_rate`."
+        None,
+        gt=0,
+        le=MAX_LEARNING_RATE,
+        description="Peak learning rate of the text encoders' parameters; defaults to `learning_rate`.",
     )
-    betas: tuple[float, float] = Field((0.9, 0.999), strict=False, description="Betas of AdamW and Lion (Lion: 0.9, 0.99 is usual).")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.999), strict=False, description="Betas of AdamW and Lion (Lion: 0.9, 0.99 is usual)."
+    )
     weight_decay: float = Field(1e-2, ge=0, description="Decoupled weight decay.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
@@ -525,13 +589,14 @@ class TrainConfig(Section):
     mixed_precision: Literal["no", "fp16", "bf16", "fp8"] = Field(
         "no",
         description="Autocast precision (fp16 needs CUDA). `fp8`: linear layers compute in FP8 through torchao (via "
-        "accelerate), the rest in bf16; needs a GPU with FP8 tensor cores (compute capability 8.9+, e.g. H100) and the "
-        "`torchao` extra.",
+        "accelerate), the rest in bf16; needs a GPU with FP8 tensor cores "
+        "(compute capability 8.9+, e.g. H100) and the `torchao` extra.",
     )
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed for the data order, augmentations, timesteps and noise.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory, slower.")
     channels_last: Switch = Field(
-        "auto", description="Channels-last memory format for the denoiser; `auto`: on with CUDA (faster convolutions "
+        "auto",
+        description="Channels-last memory format for the denoiser; `auto`: on with CUDA (faster convolutions "
         "there), off elsewhere (on CPU it measured no faster and held 2.1 GB more at SD1.5 size).",
     )
     attention: Literal["sdpa", "xformers"] = Field(
@@ -545,14 +610,17 @@ class TrainConfig(Section):
     )
     compile: bool = Field(
         False,
-        description="torch.compile the UNet (in place, so checkpoints keep their keys): slow first steps, faster after. "
-        "CUDA only: on CPU, torch 2.13's inductor gave this UNet wrong LoRA gradients.",
+        description="torch.compile the UNet (in place, so checkpoints keep their keys): slow first steps, faster "
+        "after. CUDA only: on CPU, torch 2.13's inductor gave this UNet wrong LoRA gradients.",
     )
     tf32: Switch = Field(
-        "auto", description="TF32 matmuls and convolutions (Ampere and newer GPUs); `auto`: on with CUDA. Has no effect off CUDA."
+        "auto",
+        description="TF32 matmuls and convolutions (Ampere and newer GPUs); `auto`: on with CUDA. Has no effect off "
+        "CUDA.",
     )
     cudnn_benchmark: Switch = Field(
-        "auto", description="Let cuDNN pick the fastest convolution kernels for fixed shapes; `auto`: on with CUDA. Has no "
+        "auto",
+        description="Let cuDNN pick the fastest convolution kernels for fixed shapes; `auto`: on with CUDA. Has no "
         "effect off CUDA.",
     )
 
@@ -560,14 +628,22 @@ class TrainConfig(Section):
 
 
 class EmaConfig(Section):
-    enabled: bool = Field(False, description="Keep an exponential moving average of the trained parameters and save it too.")
+    enabled: bool = Field(
+        False, description="Keep an exponential moving average of the trained parameters and save it too."
+    )
     decay: float = Field(0.999, gt=0, lt=1, description="EMA decay (the largest, with warmup).")
     warmup: bool = Field(
         True, description="Ramp the decay up as 1 - (1 + step)^-power (diffusers' EMA warmup); off: constant `decay`."
     )
-    power: float = Field(2 / 3, gt=0, description="Exponent of the warmup ramp (2/3 suits runs of ~100k steps, 3/4 shorter).")
-    every_steps: int = Field(1, ge=1, description="Update the EMA every N optimizer steps (each update applies one decay).")
-    offload_to_cpu: bool = Field(False, description="Keep the EMA weights on the CPU between updates (saves GPU memory).")
+    power: float = Field(
+        2 / 3, gt=0, description="Exponent of the warmup ramp (2/3 suits runs of ~100k steps, 3/4 shorter)."
+    )
+    every_steps: int = Field(
+        1, ge=1, description="Update the EMA every N optimizer steps (each update applies one decay)."
+    )
+    offload_to_cpu: bool = Field(
+        False, description="Keep the EMA weights on the CPU between updates (saves GPU memory)."
+    )
 
 
 class GuardConfig(Section):
@@ -577,7 +653,9 @@ class GuardConfig(Section):
         "state and EMA stay as they were; each skip is logged to skipped_steps.jsonl with its images.",
     )
     spike_factor: float = Field(
-        10.0, ge=0, description="Also skip a step whose loss or gradient norm exceeds this times its running mean; 0 is off."
+        10.0,
+        ge=0,
+        description="Also skip a step whose loss or gradient norm exceeds this times its running mean; 0 is off.",
     )
     spike_warmup_steps: int = Field(20, ge=1, description="Accepted steps of history before spikes are judged.")
     max_consecutive_skips: int = Field(
@@ -603,21 +681,31 @@ class PriorConfig(Section):
         "",
         json_schema_extra=PATH_LOCAL,
         description="DreamBooth prior preservation: a folder of class images (same layouts as `data.path`; uncaptioned "
-        "ones take `class_prompt`), trained beside the instance images at `loss_weight`, as many per epoch as there are "
-        "instance images (cycled or cut). Empty with `num_class_images` > 0: drawn into the cache folder and reused.",
+        "ones take `class_prompt`), trained beside the instance images at `loss_weight`, "
+        "as many per epoch as there are instance images (cycled or cut). Empty "
+        "with `num_class_images` > 0: drawn into the cache folder and reused.",
     )
-    class_prompt: str = Field("", description="What the class images show, e.g. `a photo of a dog`: their caption, and the prompt drawn ones come from.")
+    class_prompt: str = Field(
+        "",
+        description="What the class images show, e.g. `a photo of a dog`: their caption, and the prompt drawn ones "
+        "come from.",
+    )
     num_class_images: int = Field(
         0,
         ge=0,
         description="When the class folder holds fewer images, draw the rest with the untouched base before training "
-        "(resumable: each is written as it is finished). 0 draws none; with no `class_path` either, prior preservation is off.",
+        "(resumable: each is written as it is finished). 0 draws "
+        "none; with no `class_path` either, prior preservation is off.",
     )
-    loss_weight: float = Field(1.0, ge=0, description="Loss weight of the class images (diffusers' and kohya's `prior_loss_weight`).")
+    loss_weight: float = Field(
+        1.0, ge=0, description="Loss weight of the class images (diffusers' and kohya's `prior_loss_weight`)."
+    )
     negative_prompt: str = Field("", description="Negative prompt of the drawn class images.")
     steps: int = Field(30, ge=1, description="Denoising steps of each drawn class image.")
     guidance_scale: float = Field(7.5, ge=1.0, description="Guidance scale of the drawn class images.")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the drawn class images; image i's is a function of it and i.")
+    seed: int = Field(
+        0, ge=0, le=2**32 - 1, description="Seed of the drawn class images; image i's is a function of it and i."
+    )
     batch_size: int = Field(4, ge=1, description="Class images drawn per pipeline call.")
 
     @property
@@ -627,7 +715,9 @@ class PriorConfig(Section):
     @model_validator(mode="after")
     def _prompt_to_draw_from(self) -> PriorConfig:
         if self.num_class_images and not self.class_prompt:
-            raise ValueError("prior.num_class_images needs prior.class_prompt, the prompt the class images are drawn from")
+            raise ValueError(
+                "prior.num_class_images needs prior.class_prompt, the prompt the class images are drawn from"
+            )
         return self
 
 
@@ -635,13 +725,16 @@ class ValidationConfig(Section):
     path: str = Field(
         "",
         json_schema_extra=PATH_LOCAL,
-        description="Held-out image folder (same layouts as `data.path`); empty disables validation loss."
+        description="Held-out image folder (same layouts as `data.path`); empty disables validation loss.",
     )
-    every_steps: int = Field(100, ge=1, description="Compute the validation loss every N optimizer steps, and at the end.")
+    every_steps: int = Field(
+        100, ge=1, description="Compute the validation loss every N optimizer steps, and at the end."
+    )
     timesteps: list[int] = Field(
         [100, 300, 500, 700, 900],
         min_length=1,
-        description="Fixed timesteps at which each held-out image is scored (with fixed noise): comparable across runs.",
+        description="Fixed timesteps at which each held-out image is scored (with fixed noise): comparable across "
+        "runs.",
     )
     seed: int = Field(0, ge=0, description="Seed of the validation noise.")
     keep_best: bool = Field(
@@ -649,7 +742,9 @@ class ValidationConfig(Section):
         description="Keep the result of the lowest validation loss so far as `<result>_best` (the adapter file, or "
         "`model_best/`), written whenever it improves; best.json and the end of the log name its step.",
     )
-    min_delta: float = Field(0.0, ge=0, description="A validation loss counts as an improvement when lower than the best by more than this.")
+    min_delta: float = Field(
+        0.0, ge=0, description="A validation loss counts as an improvement when lower than the best by more than this."
+    )
     early_stop_patience: int = Field(
         0,
         ge=0,
@@ -676,7 +771,7 @@ class SampleConfig(Section):
     prompts: list[str | PromptWithControls] = Field(
         [],
         description="Prompts to sample at the end of training; empty skips sampling. For an edit base an entry may "
-        "carry its control images: `{prompt = \"make it purple\", controls = [\"source.png\"]}` (in the form, one "
+        'carry its control images: `{prompt = "make it purple", controls = ["source.png"]}` (in the form, one '
         "such JSON object a line).",
     )
     negative_prompt: str = Field("", description="Negative prompt for every sample.")
@@ -689,11 +784,13 @@ class SampleConfig(Section):
     )
     scheduler: Literal["auto", "ddim", "euler", "euler_a", "dpmpp_2m"] = Field(
         "auto",
-        description="Sampling scheduler; `auto`: the family's usual (DDIM for the UNet families, flow-matching Euler for "
-        "Flux, the only one Flux takes).",
+        description="Sampling scheduler; `auto`: the family's usual (DDIM for the UNet families, flow-matching Euler "
+        "for Flux, the only one Flux takes).",
     )
     seed: int = Field(0, ge=0, description="Seed of the first image; image i uses seed + i.")
-    resolution: int | None = Field(None, ge=8, le=MAX_SIDE, description="Sample size in pixels; defaults to `data.resolution`.")
+    resolution: int | None = Field(
+        None, ge=8, le=MAX_SIDE, description="Sample size in pixels; defaults to `data.resolution`."
+    )
     images_per_prompt: int = Field(1, ge=1, description="Images per prompt, each with the next seed.")
     frames: int = Field(
         1,
@@ -703,9 +800,13 @@ class SampleConfig(Section):
         "the grid. 1: images.",
     )
     fps: int = Field(16, ge=1, le=120, description="Frame rate of sample clips (`frames` > 1); Wan 2.1's is 16.")
-    every_steps: int = Field(0, ge=0, description="Also sample (a preview grid) every N optimizer steps; 0 only at the end.")
+    every_steps: int = Field(
+        0, ge=0, description="Also sample (a preview grid) every N optimizer steps; 0 only at the end."
+    )
     before: bool = Field(
-        False, description="Also sample the prompts with the untouched base before training (`samples/before/`), for a before/after comparison."
+        False,
+        description="Also sample the prompts with the untouched base before training (`samples/before/`), for a "
+        "before/after comparison.",
     )
     decoder: str = Field(
         "",
@@ -716,8 +817,8 @@ class SampleConfig(Section):
     parity: bool = Field(
         True,
         description="After the final save, reload the saved result into a fresh pipeline (each adapter layout), draw "
-        "the first prompt's first image (a clip: every frame) again and record its largest pixel difference from the in-training sample "
-        "in parity.json; warn above 2/255.",
+        "the first prompt's first image (a clip: every frame) again and record its largest "
+        "pixel difference from the in-training sample in parity.json; warn above 2/255.",
     )
 
 
@@ -730,11 +831,12 @@ class CacheConfig(Section):
     latents: Switch = Field(
         "auto",
         description="Encode each image once and reuse it: the VAE posterior (mean and std) is cached, so runs "
-        "train exactly as uncached ones, and the VAE leaves memory while training. Needs `data.crop = \"center\"`; "
+        'train exactly as uncached ones, and the VAE leaves memory while training. Needs `data.crop = "center"`; '
         "flips are cached too. `auto`: on where the settings allow it.",
     )
     text: Switch = Field(
-        "auto", description="Encode each caption once and reuse it; the text encoders leave memory while training. "
+        "auto",
+        description="Encode each caption once and reuse it; the text encoders leave memory while training. "
         "Needs the text encoders frozen (`adapter.text_encoder = false`). `auto`: on where the settings allow it.",
     )
     dir: str = Field(
@@ -742,10 +844,12 @@ class CacheConfig(Section):
         json_schema_extra=PATH_LOCAL,
         description="Cache folder, shared by runs and processes; empty: $XDG_CACHE_HOME/difftune or ~/.cache/difftune. "
         "A URL keeps it on object storage (`s3://bucket/difftune-cache`; the storage extra), one cache for machines "
-        "without a shared file system."
+        "without a shared file system.",
     )
     memory_mb: int = Field(
-        1024, ge=0, description="Keep cache entries in RAM once read, up to this many MB per data-loader process, so "
+        1024,
+        ge=0,
+        description="Keep cache entries in RAM once read, up to this many MB per data-loader process, so "
         "later epochs skip the file reads; 0: read from disk every time.",
     )
 
@@ -756,22 +860,31 @@ class CheckpointConfig(Section):
     every_steps: int = Field(
         0, ge=0, description="Save a resumable checkpoint every N optimizer steps (and at the end); 0: only at the end."
     )
-    keep_last: int = Field(3, ge=1, description="Checkpoints kept; older ones are deleted once a newer one is complete.")
+    keep_last: int = Field(
+        3, ge=1, description="Checkpoints kept; older ones are deleted once a newer one is complete."
+    )
 
 
 class ExportConfig(Section):
     format: Literal["diffusers", "kohya"] = Field(
         "diffusers",
         description="The primary adapter file's layout (the run's result, its `_ema` / `_avg` variants): `diffusers` "
-        "(pytorch_lora_weights.safetensors, for diffusers/peft) or `kohya` (<output_dir name>.safetensors, for ComfyUI, "
-        "A1111, kohya). Every adapter run writes the other layout beside it too, where it can hold the adapter.",
+        "(pytorch_lora_weights.safetensors, for diffusers/peft) or `kohya` (<output_dir name>.safetensors, for "
+        "ComfyUI, A1111, kohya). Every adapter run writes the "
+        "other layout beside it too, where it can hold the adapter.",
     )
-    every_steps: int = Field(0, ge=0, description="Also save the adapter every N steps under snapshots/; 0 only at the end.")
+    every_steps: int = Field(
+        0, ge=0, description="Also save the adapter every N steps under snapshots/; 0 only at the end."
+    )
     average_last: int = Field(
-        0, ge=0, description="At the end, average the last K saved adapters (snapshots and final) into an `_avg` file; 0 is off."
+        0,
+        ge=0,
+        description="At the end, average the last K saved adapters (snapshots and final) into an `_avg` file; 0 is "
+        "off.",
     )
     average_weights: Literal["uniform", "linear", "exponential"] = Field(
-        "uniform", description="Weights of `average_last`: equal, growing linearly, or doubling with each newer adapter."
+        "uniform",
+        description="Weights of `average_last`: equal, growing linearly, or doubling with each newer adapter.",
     )
 
 
@@ -779,7 +892,8 @@ class LogConfig(Section):
     tensorboard: bool = Field(True, description="Also log to TensorBoard (under output_dir/logs) when it is installed.")
     progress_bar: bool = Field(True, description="Show a progress bar with loss, learning rate and speed.")
     quiet: bool = Field(
-        False, description="Print warnings, errors and the run's last lines only: no line as each long step (loading, "
+        False,
+        description="Print warnings, errors and the run's last lines only: no line as each long step (loading, "
         "caching, samples, parity) starts and ends, and no bars. `difftune train --quiet` sets it.",
     )
     activations_every_steps: int = Field(
@@ -814,7 +928,7 @@ class Config(Section):
             self.sample.resolution = self.data.resolution
         if self.loss.zero_terminal_snr and self.loss.prediction_type != "v_prediction":
             raise ValueError(
-                "loss.zero_terminal_snr = true needs loss.prediction_type = \"v_prediction\" (at zero SNR the noise "
+                'loss.zero_terminal_snr = true needs loss.prediction_type = "v_prediction" (at zero SNR the noise '
                 "cannot be predicted from a pure-noise input)"
             )
         # `auto` caches resolve here, so the run's resolved config says what was cached.
@@ -827,34 +941,40 @@ class Config(Section):
         if self.cache.text == "on" and fresh_captions:
             raise ValueError(
                 "cache.text with data.shuffle_tags or data.tag_dropout needs data.caption_variants > 0 (fixed variants "
-                "per caption to cache), or cache.text = \"off\" (a fresh draw every step)"
+                'per caption to cache), or cache.text = "off" (a fresh draw every step)'
             )
         if self.cache.latents == "on" and self.data.crop != "center":
-            raise ValueError("cache.latents needs data.crop = \"center\" (a cached image has one crop)")
+            raise ValueError('cache.latents needs data.crop = "center" (a cached image has one crop)')
         if self.cache.text == "on" and text_trained:
             raise ValueError(
-                "cache.text needs adapter.text_encoder = false and adapter.kind other than \"embedding\" (a trained "
+                'cache.text needs adapter.text_encoder = false and adapter.kind other than "embedding" (a trained '
                 "encoder's outputs change)"
             )
         if self.model.training_adapter and not self.adapter.is_adapter:
             raise ValueError(
-                "model.training_adapter needs an adapter (adapter.kind lora, dora, loha or lokr): a full fine-tune or an "
-                "embedding would be saved for the base with the training adapter merged in"
+                "model.training_adapter needs an adapter (adapter.kind lora, dora, loha or lokr): a full "
+                "fine-tune or an embedding would be saved for the base with the training adapter merged in"
             )
         if self.adapter.kind == "embedding" and self.prior.enabled:
             raise ValueError(
-                "prior preservation (prior.class_path / num_class_images) keeps a fine-tuned model's class; an embedding "
-                "(adapter.kind = \"embedding\") changes no model weights: turn it off"
+                "prior preservation (prior.class_path / num_class_images) keeps a fine-tuned model's "
+                'class; an embedding (adapter.kind = "embedding") changes no model weights: turn it off'
             )
-        watching = {"validation.early_stop_patience": self.validation.early_stop_patience,
-                    "validation.eval_concept": self.validation.eval_concept}
+        watching = {
+            "validation.early_stop_patience": self.validation.early_stop_patience,
+            "validation.eval_concept": self.validation.eval_concept,
+        }
         unwatched = [name for name, value in watching.items() if value and not self.validation.path]
         if unwatched:
-            raise ValueError(f"{', '.join(unwatched)} needs validation.path (the held-out images each validation scores)")
+            raise ValueError(
+                f"{', '.join(unwatched)} needs validation.path (the held-out images each validation scores)"
+            )
         if self.adapter.kind == "embedding" and self.validation.path:
-            raise ValueError("validation.path is not supported with adapter.kind = \"embedding\" yet; leave it empty")
+            raise ValueError('validation.path is not supported with adapter.kind = "embedding" yet; leave it empty')
         if self.adapter.kind == "embedding" and self.export.average_last:
-            raise ValueError("export.average_last averages adapters, not embeddings: set it to 0 with adapter.kind = \"embedding\"")
+            raise ValueError(
+                'export.average_last averages adapters, not embeddings: set it to 0 with adapter.kind = "embedding"'
+            )
         if self.train.global_batch_size:
             if self.train.gradient_accumulation_steps != 1:
                 raise ValueError(
@@ -869,55 +989,57 @@ class Config(Section):
         if self.adapter.init != "gaussian":
             if self.adapter.kind != "lora":
                 raise ValueError(
-                    f"adapter.init = \"{self.adapter.init}\" starts a LoRA; adapter.kind = \"{self.adapter.kind}\" "
-                    "needs init = \"gaussian\""
+                    f'adapter.init = "{self.adapter.init}" starts a LoRA; adapter.kind = "{self.adapter.kind}" '
+                    'needs init = "gaussian"'
                 )
             if self.model.quantize != "none":
                 raise ValueError(
-                    f"adapter.init = \"{self.adapter.init}\" rewrites the base weights it factors, which "
+                    f'adapter.init = "{self.adapter.init}" rewrites the base weights it factors, which '
                     "model.quantize keeps quantized: use one or the other"
                 )
         if self.adapter.rank_stabilized and self.adapter.kind not in ("lora", "dora"):
             raise ValueError(
-                f"adapter.rank_stabilized scales a LoRA or DoRA; adapter.kind = \"{self.adapter.kind}\" has no such "
+                f'adapter.rank_stabilized scales a LoRA or DoRA; adapter.kind = "{self.adapter.kind}" has no such '
                 "scale in peft: turn it off"
             )
         if self.adapter.kind in ("loha", "lokr") and self.model.quantize != "none":
             raise ValueError(
-                f"model.quantize keeps LoRA/DoRA's base layers quantized; adapter.kind = \"{self.adapter.kind}\" has no "
-                "quantized layers in peft: use lora or dora, or model.quantize = \"none\""
+                f'model.quantize keeps LoRA/DoRA\'s base layers quantized; adapter.kind = "{self.adapter.kind}" has no '
+                'quantized layers in peft: use lora or dora, or model.quantize = "none"'
             )
         if self.optim.loraplus_ratio and self.adapter.kind not in ("lora", "dora"):
             raise ValueError(
-                f"optim.loraplus_ratio speeds up adapters' B matrices; adapter.kind = \"{self.adapter.kind}\" has none: "
-                "set it to 0"
+                "optim.loraplus_ratio speeds up adapters' B matrices; "
+                f'adapter.kind = "{self.adapter.kind}" has none: set it to 0'
             )
         if self.optim.optimizer == "prodigy" and (
             self.optim.text_encoder_learning_rate != self.optim.learning_rate or self.optim.loraplus_ratio
         ):
             raise ValueError(
-                "optim.optimizer = \"prodigy\" estimates one step size for all parameters and refuses groups at other "
-                "rates: leave optim.text_encoder_learning_rate unset (or equal to learning_rate) and loraplus_ratio at 0"
+                'optim.optimizer = "prodigy" estimates one step size for all parameters and refuses groups at other '
+                "rates: leave optim.text_encoder_learning_rate unset "
+                "(or equal to learning_rate) and loraplus_ratio at 0"
             )
         if self.optim.optimizer == "adamw_schedule_free":
             if self.optim.lr_schedule != "constant":
                 raise ValueError(
-                    f"optim.optimizer = \"adamw_schedule_free\" replaces the schedule (its averaging does what decay "
-                    f"does): set optim.lr_schedule = \"constant\", not \"{self.optim.lr_schedule}\" (warmup_steps still apply)"
+                    f'optim.optimizer = "adamw_schedule_free" replaces the schedule (its averaging does what decay '
+                    'does): set optim.lr_schedule = "constant", not '
+                    f'"{self.optim.lr_schedule}" (warmup_steps still apply)'
                 )
             if self.ema.enabled:
                 raise ValueError(
-                    "ema.enabled with optim.optimizer = \"adamw_schedule_free\": its saved weights are an average "
+                    'ema.enabled with optim.optimizer = "adamw_schedule_free": its saved weights are an average '
                     "already; turn the EMA off"
                 )
         if self.optim.optimizer == "galore_adamw" and self.adapter.kind != "none":
             raise ValueError(
-                "optim.optimizer = \"galore_adamw\" is for full fine-tunes (adapter.kind = \"none\"): an adapter's "
+                'optim.optimizer = "galore_adamw" is for full fine-tunes (adapter.kind = "none"): an adapter\'s '
                 "matrices are low-rank already, so projecting their gradients saves nothing"
             )
         if self.model.quantize != "none" and self.adapter.kind == "none":
             raise ValueError(
-                f"model.quantize = \"{self.model.quantize}\" needs an adapter (adapter.kind lora or dora): a full "
+                f'model.quantize = "{self.model.quantize}" needs an adapter (adapter.kind lora or dora): a full '
                 "fine-tune cannot train quantized weights"
             )
         if self.guard.rollback and not self.checkpoint.every_steps:
@@ -929,19 +1051,19 @@ class Config(Section):
         if self.model.offload_budget and self.model.offload_blocks:
             raise ValueError(
                 f"model.offload_blocks = {self.model.offload_blocks} and model.offload_budget = "
-                f"\"{self.model.offload_budget}\" both say how many blocks to offload: set one"
+                f'"{self.model.offload_budget}" both say how many blocks to offload: set one'
             )
         self._check_gguf_base()
         storage = self.frozen_weights_kept_apart
         if storage:
             if self.train.mixed_precision == "fp8":
                 raise ValueError(
-                    f"{storage}, and train.mixed_precision = \"fp8\" casts bf16 weights to FP8 per matmul with fresh "
+                    f'{storage}, and train.mixed_precision = "fp8" casts bf16 weights to FP8 per matmul with fresh '
                     "scales: use one or the other"
                 )
             if self.adapter.kind == "none":
                 raise ValueError(
-                    f"{storage}, and a full fine-tune has none (its weights train): leave weight_dtype \"auto\", "
+                    f'{storage}, and a full fine-tune has none (its weights train): leave weight_dtype "auto", '
                     "offload_blocks 0 and offload_budget empty"
                 )
             if self.model.quantize != "none":
@@ -958,8 +1080,10 @@ class Config(Section):
         if self.model.weight_dtype == "fp8":
             kept.append('model.weight_dtype = "fp8" keeps the denoiser\'s frozen weights in fp8')
         elif self.stores_frozen_weights:
-            kept.append(f'model.weight_dtype = "{self.model.weight_dtype}" with train.mixed_precision = "no" keeps '
-                        "the denoiser's frozen weights in 16 bits")
+            kept.append(
+                f'model.weight_dtype = "{self.model.weight_dtype}" with train.mixed_precision = "no" keeps '
+                "the denoiser's frozen weights in 16 bits"
+            )
         if self.model.offload_blocks:
             kept.append(f"model.offload_blocks = {self.model.offload_blocks} keeps frozen weights in host memory")
         elif self.model.offload_budget:
@@ -982,7 +1106,7 @@ class Config(Section):
         if named:
             raise ValueError(
                 f"model.base {self.model.base}: a GGUF base keeps its weights in their quantized blocks, and a LoRA "
-                f"(adapter.kind = \"lora\", init = \"gaussian\") trains on them; {', '.join(named)} would store, offload, "
+                f'(adapter.kind = "lora", init = "gaussian") trains on them; {", ".join(named)} would store, offload, '
                 "rewrite or train those weights: leave it at its default, or train on the model's .safetensors file"
             )
 
@@ -1038,8 +1162,10 @@ def _read_config_file(path: Path) -> dict[str, Any]:
     try:
         text = raw.decode(encoding)
     except UnicodeDecodeError as err:
-        raise DifftuneError(f"config file {path}: not text (byte {err.start} is no {'UTF-16' if encoding == 'utf-16' else 'UTF-8'} character); "
-                            "save it as UTF-8 TOML") from None
+        raise DifftuneError(
+            f"config file {path}: not text (byte {err.start} is no "
+            f"{'UTF-16' if encoding == 'utf-16' else 'UTF-8'} character); save it as UTF-8 TOML"
+        ) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
@@ -1087,7 +1213,8 @@ def resolve_path_values(data: dict, base_dir: Path) -> None:
             candidate = _resolved(value, base_dir)
             if kind == "local" or candidate.exists():
                 values[name] = str(candidate)
-    for entry in (data.get("sample") or {}).get("prompts") or []:  # an edit prompt's control images (PromptWithControls)
+    # an edit prompt's control images (PromptWithControls)
+    for entry in (data.get("sample") or {}).get("prompts") or []:
         if isinstance(entry, dict) and isinstance(entry.get("controls"), list):
             entry["controls"] = [str(_resolved(c, base_dir)) if isinstance(c, str) else c for c in entry["controls"]]
 

@@ -34,17 +34,23 @@ def main() -> None:
     for value in (False, True):
         argv = [a for a in sys.argv[1:] if a not in ("--compare", args.compare)]
         flag = "--" + args.compare.replace("_", "-")
-        run = subprocess.run([sys.executable, __file__, *argv, flag if value else "--no-" + flag[2:]], capture_output=True, text=True)
+        run = subprocess.run(
+            [sys.executable, __file__, *argv, flag if value else "--no-" + flag[2:]], capture_output=True, text=True
+        )
         if run.returncode:
             sys.exit(run.stderr)
         results[value] = json.loads(run.stdout.strip().splitlines()[-1])
         print(json.dumps(results[value]))
     off, on = results[False], results[True]
-    print(json.dumps({
-        "compare": args.compare,
-        "seconds_per_step_ratio": on["seconds_per_step"] / off["seconds_per_step"],
-        "peak_memory_ratio": on["peak_memory_bytes"] / off["peak_memory_bytes"],
-    }))
+    print(
+        json.dumps(
+            {
+                "compare": args.compare,
+                "seconds_per_step_ratio": on["seconds_per_step"] / off["seconds_per_step"],
+                "peak_memory_ratio": on["peak_memory_bytes"] / off["peak_memory_bytes"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

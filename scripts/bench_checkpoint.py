@@ -44,8 +44,16 @@ def main() -> None:
     parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "difftune-bench"))
     args = parser.parse_args()
-    options = BenchOptions(model=args.model, resolution=args.resolution, batch=1, steps=1, warmup=0, adapter="none",
-                           cache=False, workdir=args.workdir)
+    options = BenchOptions(
+        model=args.model,
+        resolution=args.resolution,
+        batch=1,
+        steps=1,
+        warmup=0,
+        adapter="none",
+        cache=False,
+        workdir=args.workdir,
+    )
     root, model_dir, data_dir = prepare_workspace(options)
     output_dir = root / "checkpoint-run"
     config = _config(options, model_dir, data_dir, output_dir, root / "cache", 1)
@@ -66,12 +74,23 @@ def main() -> None:
         started = time.perf_counter()
         checkpoint.verify(written)
         cold = time.perf_counter() - started
-    print(json.dumps({
-        "model": args.model, "checkpoint_bytes": size, "files": len(json.loads((written / checkpoint.MANIFEST).read_text())["files"]),
-        "save_seconds": saves[0], "seal_seconds": seals[0], "seal_share_of_save": seals[0] / saves[0],
-        "verify_warm_seconds": warm, "verify_cold_seconds": cold, "verify_gb_per_second_warm": size / warm / 1e9,
-        "verified": problem is None, "cpu_count": os.cpu_count(),
-    }))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "checkpoint_bytes": size,
+                "files": len(json.loads((written / checkpoint.MANIFEST).read_text())["files"]),
+                "save_seconds": saves[0],
+                "seal_seconds": seals[0],
+                "seal_share_of_save": seals[0] / saves[0],
+                "verify_warm_seconds": warm,
+                "verify_cold_seconds": cold,
+                "verify_gb_per_second_warm": size / warm / 1e9,
+                "verified": problem is None,
+                "cpu_count": os.cpu_count(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

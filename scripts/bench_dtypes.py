@@ -55,14 +55,33 @@ def upcast_seconds_per_sd15_unet(dtype: torch.dtype) -> float:
 
 
 def main() -> None:
-    timings = {name: {layer: round(seconds(step), 4) for layer, step in layer_steps(dtype).items()} for name, dtype in DTYPES.items()}
-    ratios = {name: {layer: round(t / timings["fp32"][layer], 1) for layer, t in layers.items()} for name, layers in timings.items()}
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    print(json.dumps({
-        "cpu": cpu, "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "seconds_fwd_bwd": timings, "ratio_to_fp32": ratios,
-        "upcast_seconds_per_sd15_unet": {name: round(upcast_seconds_per_sd15_unet(DTYPES[name]), 2) for name in ("bf16", "fp16")},
-    }))
+    timings = {
+        name: {layer: round(seconds(step), 4) for layer, step in layer_steps(dtype).items()}
+        for name, dtype in DTYPES.items()
+    }
+    ratios = {
+        name: {layer: round(t / timings["fp32"][layer], 1) for layer, t in layers.items()}
+        for name, layers in timings.items()
+    }
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
+    print(
+        json.dumps(
+            {
+                "cpu": cpu,
+                "capability": torch.backends.cpu.get_cpu_capability(),
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "seconds_fwd_bwd": timings,
+                "ratio_to_fp32": ratios,
+                "upcast_seconds_per_sd15_unet": {
+                    name: round(upcast_seconds_per_sd15_unet(DTYPES[name]), 2) for name in ("bf16", "fp16")
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -32,11 +32,16 @@ def errors(model: torch.nn.Module) -> dict:
         energy += weight.square().sum().item()
         nonzero += int((weight != 0).sum())
         scale = storage.fp8_scale(layer.weight.detach())
-        for name, rounded in (("plain", weight.to(FP8).double()), ("scaled", (weight / scale).to(FP8).double() * scale)):
+        for name, rounded in (
+            ("plain", weight.to(FP8).double()),
+            ("scaled", (weight / scale).to(FP8).double() * scale),
+        ):
             totals[name][0] += (rounded - weight).square().sum().item()
             totals[name][1] += int(((rounded == 0) & (weight != 0)).sum())
-    return {name: {"relative_rms_error": (squared / energy) ** 0.5, "flushed_to_zero": zeros / nonzero}
-            for name, (squared, zeros) in totals.items()}
+    return {
+        name: {"relative_rms_error": (squared / energy) ** 0.5, "flushed_to_zero": zeros / nonzero}
+        for name, (squared, zeros) in totals.items()
+    }
 
 
 def main() -> None:

@@ -22,11 +22,15 @@ from pathlib import Path
 
 GIB = 2**30
 HEADROOM = 2.5 * GIB
-PHASE_LINE = re.compile(r"^difftune: (?P<phase>.+): done in (?P<took>.+?), host peak (?P<size>[\d.]+) (?P<unit>MiB|GiB)")
+PHASE_LINE = re.compile(
+    r"^difftune: (?P<phase>.+): done in (?P<took>.+?), host peak (?P<size>[\d.]+) (?P<unit>MiB|GiB)"
+)
 # The plan's phases, by the run's phase lines that make them up.
-PLANNED_AS = {"loading and caching": re.compile(r"^loading (the encoders of )?the base|^filling the caches"),
-              "loading the denoiser": re.compile(r"^loading the (transformer|unet)$"),
-              "training": re.compile(r"^training$|^saving the result")}  # the last checkpoint's write comes between
+PLANNED_AS = {
+    "loading and caching": re.compile(r"^loading (the encoders of )?the base|^filling the caches"),
+    "loading the denoiser": re.compile(r"^loading the (transformer|unet)$"),
+    "training": re.compile(r"^training$|^saving the result"),
+}  # the last checkpoint's write comes between
 
 
 def measured_phases(stdout: str) -> dict[str, int]:
@@ -50,11 +54,18 @@ def main() -> None:
     parser.add_argument("job", nargs=argparse.REMAINDER, help="difftune train's arguments, after --")
     args = parser.parse_args()
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
-    planned = json.loads(subprocess.run([sys.executable, "-m", "difftune.cli", "plan", "--json", "--device", "cpu", *job],
-                                        capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    planned = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "difftune.cli", "plan", "--json", "--device", "cpu", *job],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()[-1]
+    )
     started = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "difftune.cli", "train", *job, "log.progress_bar=false"],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "difftune.cli", "train", *job, "log.progress_bar=false"], capture_output=True, text=True
+    )
     seconds = time.perf_counter() - started
     if run.returncode:
         sys.exit(f"bench_host_memory: the run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
@@ -68,13 +79,21 @@ def main() -> None:
     if encoders:
         targets["loading and caching"] = round(1.15 * encoders + HEADROOM)
     row = {
-        "label": args.label, "job": job, "seconds": round(seconds),
-        "phases": {phase: {"measured_bytes": measured.get(phase), "planned_bytes": sum(held.values()),
-                           "planned_over_measured": round(sum(held.values()) / measured[phase], 3) if phase in measured else None,
-                           "target_bytes": targets.get(phase),
-                           "within_target": measured[phase] <= targets[phase] if phase in targets and phase in measured else None}
-                   for phase, held in phases.items()},
-        "denoiser_stored_bytes": denoiser, "encoders_loaded_bytes": encoders,
+        "label": args.label,
+        "job": job,
+        "seconds": round(seconds),
+        "phases": {
+            phase: {
+                "measured_bytes": measured.get(phase),
+                "planned_bytes": sum(held.values()),
+                "planned_over_measured": round(sum(held.values()) / measured[phase], 3) if phase in measured else None,
+                "target_bytes": targets.get(phase),
+                "within_target": measured[phase] <= targets[phase] if phase in targets and phase in measured else None,
+            }
+            for phase, held in phases.items()
+        },
+        "denoiser_stored_bytes": denoiser,
+        "encoders_loaded_bytes": encoders,
         "phase_lines": [line for line in run.stdout.splitlines() if PHASE_LINE.match(line)],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -82,8 +101,10 @@ def main() -> None:
         file.write(json.dumps(row) + "\n")
     for phase, result in row["phases"].items():
         measured_gib = f"{result['measured_bytes'] / GIB:.2f}" if result["measured_bytes"] else "-"
-        print(f"{phase:<22} measured {measured_gib} GiB, planned {result['planned_bytes'] / GIB:.2f} GiB, "
-              f"target {result['target_bytes'] / GIB if result['target_bytes'] else float('nan'):.2f} GiB")
+        print(
+            f"{phase:<22} measured {measured_gib} GiB, planned {result['planned_bytes'] / GIB:.2f} GiB, "
+            f"target {result['target_bytes'] / GIB if result['target_bytes'] else float('nan'):.2f} GiB"
+        )
 
 
 if __name__ == "__main__":

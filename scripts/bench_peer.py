@@ -34,27 +34,44 @@ SCENARIOS = {
     "identical-sd15-fp32": dict(
         what="identical settings, SD1.5-shaped, 256 px, batch 1, fp32",
         common=["--size", "sd15", "--resolution", "256", "--batch", "1", "--steps", "3", "12"],
-        peer=[], difftune=IDENTICAL,
+        peer=[],
+        difftune=IDENTICAL,
     ),
     "identical-sd15-bf16": dict(
         what="identical settings, SD1.5-shaped, 256 px, batch 1, bf16 autocast",
-        common=["--size", "sd15", "--resolution", "256", "--batch", "1", "--steps", "3", "12", "--mixed-precision", "bf16"],
-        peer=[], difftune=IDENTICAL,
+        common=[
+            "--size",
+            "sd15",
+            "--resolution",
+            "256",
+            "--batch",
+            "1",
+            "--steps",
+            "3",
+            "12",
+            "--mixed-precision",
+            "bf16",
+        ],
+        peer=[],
+        difftune=IDENTICAL,
     ),
     "identical-tiny-fp32": dict(
         what="identical settings, tiny model, 64 px, batch 2, fp32",
         common=["--size", "tiny", "--resolution", "64", "--batch", "2", "--steps", "20", "520", "--repeats", "2"],
-        peer=[], difftune=IDENTICAL,
+        peer=[],
+        difftune=IDENTICAL,
     ),
     "recommended-sd15": dict(
         what="each trainer's recommended LoRA job (random flips), SD1.5-shaped, 256 px, batch 1",
         common=["--size", "sd15", "--resolution", "256", "--batch", "1", "--steps", "3", "12"],
-        peer=["--peer-arg=--random_flip"], difftune=["data.random_flip=true"],
+        peer=["--peer-arg=--random_flip"],
+        difftune=["data.random_flip=true"],
     ),
     "recommended-sd15-fp16-stored": dict(
         what="the same, difftune's UNet stored in fp16 and computed in fp32 (less memory, slower)",
         common=["--size", "sd15", "--resolution", "256", "--batch", "1", "--steps", "3", "12"],
-        peer=["--peer-arg=--random_flip"], difftune=["data.random_flip=true", "model.weight_dtype=fp16"],
+        peer=["--peer-arg=--random_flip"],
+        difftune=["data.random_flip=true", "model.weight_dtype=fp16"],
     ),
 }
 
@@ -63,17 +80,28 @@ def run_pair(name: str, peer_script: str) -> list[dict]:
     scenario = SCENARIOS[name]
     sides = {  # trainer -> (harness command, its own arguments)
         "diffusers-example": ([str(HARNESS / "run_peer.py"), "--peer-script", peer_script], scenario["peer"]),
-        "difftune": ([str(HARNESS / "run_difftune.py"), "--difftune", str(Path(sys.executable).with_name("difftune"))],
-                     scenario["difftune"]),
+        "difftune": (
+            [str(HARNESS / "run_difftune.py"), "--difftune", str(Path(sys.executable).with_name("difftune"))],
+            scenario["difftune"],
+        ),
     }
     records = []
     for trainer, (command, own) in sides.items():
         print(f"{name}: {trainer}", file=sys.stderr, flush=True)
-        done = subprocess.run([sys.executable, *command, *scenario["common"], *own], stdout=subprocess.PIPE, text=True,
-                              check=True)
+        done = subprocess.run(
+            [sys.executable, *command, *scenario["common"], *own], stdout=subprocess.PIPE, text=True, check=True
+        )
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        records.append({"scenario": name, "trainer": trainer, "what": scenario["what"], "args": scenario["common"] + own,
-                        "date": time.strftime("%Y-%m-%d %H:%M"), **result})
+        records.append(
+            {
+                "scenario": name,
+                "trainer": trainer,
+                "what": scenario["what"],
+                "args": scenario["common"] + own,
+                "date": time.strftime("%Y-%m-%d %H:%M"),
+                **result,
+            }
+        )
     return records
 
 
@@ -87,6 +115,7 @@ def sittings(records: list[dict]) -> dict[str, list[tuple[dict, dict]]]:
             waiting[record["scenario"]] = record
         elif (peer := waiting.pop(record["scenario"], None)) is not None:
             pairs.setdefault(record["scenario"], []).append((peer, record))
+
     def settings(pair: tuple[dict, dict]) -> tuple:
         return tuple(record.get("args") for record in pair)
 
@@ -95,8 +124,8 @@ def sittings(records: list[dict]) -> dict[str, list[tuple[dict, dict]]]:
 
 def markdown_table(records: list[dict]) -> str:
     lines = [
-        "| scenario | sittings | peer s/step (in-run) | difftune s/step (in-run) | speed ratio (range) | peer peak RSS MB | "
-        "difftune peak RSS MB | RSS ratio |",
+        "| scenario | sittings | peer s/step (in-run) | difftune s/step (in-run) | "
+        "speed ratio (range) | peer peak RSS MB | difftune peak RSS MB | RSS ratio |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     found = sittings(records)
@@ -114,7 +143,8 @@ def markdown_table(records: list[dict]) -> str:
             return statistics.median(pair[trainer][key] for pair in pairs)
 
         lines.append(
-            f"| {scenario['what']} | {len(pairs)} | {median(0, 'sec_per_step'):.3g} ({median(0, 'sec_per_step_inrun'):.3g}) | "
+            f"| {scenario['what']} | {len(pairs)} | {median(0, 'sec_per_step'):.3g} "
+            f"({median(0, 'sec_per_step_inrun'):.3g}) | "
             f"{median(1, 'sec_per_step'):.3g} ({median(1, 'sec_per_step_inrun'):.3g}) | "
             f"{statistics.median(speed):.2f}x ({speed[0]:.2f}-{speed[-1]:.2f}) | "
             f"{median(0, 'peak_rss_mb'):.0f} | {median(1, 'peak_rss_mb'):.0f} | {rss:.2f}x |"
@@ -138,7 +168,9 @@ def main() -> None:
     args = parser.parse_args()
     if not args.table:
         if not args.peer_script or not os.path.isfile(args.peer_script):
-            parser.error(f"--peer-script {args.peer_script!r} is not a file; {HARNESS / 'README.md'} says how to get it")
+            parser.error(
+                f"--peer-script {args.peer_script!r} is not a file; {HARNESS / 'README.md'} says how to get it"
+            )
         for name in args.scenario or SCENARIOS:
             records = run_pair(name, os.path.abspath(args.peer_script))
             with open(RESULTS, "a", encoding="utf-8") as out:

@@ -28,7 +28,8 @@ options = BenchOptions(**json.loads(sys.argv[1]))
 root, model_dir, data_dir = prepare_workspace(options)
 config = _config(options, model_dir, data_dir, root / "run", root / "cache", options.warmup + options.steps)
 plan = plan_memory(config)
-print(json.dumps({"device_peak": plan.device_peak, "host_peak": plan.host_peak, "device": plan.device, "host": plan.host}))
+peaks = {"device_peak": plan.device_peak, "host_peak": plan.host_peak, "device": plan.device, "host": plan.host}
+print(json.dumps(peaks))
 """
 
 
@@ -41,17 +42,28 @@ def main() -> None:
     args = parser.parse_args()
     bench = Path(__file__).with_name("bench.py")
     for name in args.jobs:
-        argv = JOBS[name] + COMMON + (["--workdir", args.workdir] if args.workdir else []) + (
-            ["--dry-run"] if args.dry_run else [])
+        argv = (
+            JOBS[name]
+            + COMMON
+            + (["--workdir", args.workdir] if args.workdir else [])
+            + (["--dry-run"] if args.dry_run else [])
+        )
         measured = json.loads(_last_line([sys.executable, str(bench), *argv]))
-        options = {key: measured[key] for key in ("model", "resolution", "batch", "steps", "warmup", "cache",
-                                                  "weight_dtype", "workdir")}
+        options = {
+            key: measured[key]
+            for key in ("model", "resolution", "batch", "steps", "warmup", "cache", "weight_dtype", "workdir")
+        }
         plan = json.loads(_last_line([sys.executable, "-c", PLAN, json.dumps(options)]))
         on_gpu = measured["device"] != "cpu"
         predicted = plan["device_peak"] if on_gpu else plan["host_peak"]
-        row = {"job": name, "device": measured["device"], "measured_peak_bytes": measured["peak_memory_bytes"],
-               "predicted_peak_bytes": predicted, "predicted_over_measured": predicted / measured["peak_memory_bytes"],
-               "plan": plan}
+        row = {
+            "job": name,
+            "device": measured["device"],
+            "measured_peak_bytes": measured["peak_memory_bytes"],
+            "predicted_peak_bytes": predicted,
+            "predicted_over_measured": predicted / measured["peak_memory_bytes"],
+            "plan": plan,
+        }
         print(json.dumps(row), flush=True)
         if args.out:
             with args.out.open("a") as out:

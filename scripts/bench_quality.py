@@ -44,118 +44,153 @@ def at_seeds(name: str, *overrides: str) -> dict[str, list[str]]:
 
 
 # Overrides of each default job; `{renders_32}` is 32 renders of the concept written by this script.
-VARIANTS = {"tiny_lora": {
-    "lora_r16_te": [],
-    "min_snr": [],  # the default again, named for the weighting comparison (--convergence)
-    "lora_r16_unet_only": ["adapter.text_encoder=false"],
-    "lora_r4_te": ["adapter.rank=4"],
-    "lora_r8_te": ["adapter.rank=8"],
-    "dora_r4_te": ["adapter.kind=dora", "adapter.rank=4"],
-    "dora_r8_te": ["adapter.kind=dora", "adapter.rank=8"],
-    "dora_r16_te": ["adapter.kind=dora"],
-    "uniform_weighting": ["loss.weighting=uniform"],
-    "noise_offset_0.1": ["loss.noise_offset=0.1"],
-    "taesd_latents": ["model.vae=models/tiny-sd/taesd"],
-    "ema": ["ema.enabled=true", "ema.decay=0.99"],
-    "200_steps": ["train.max_steps=200"],
-    "600_steps": ["train.max_steps=600"],
-    "lr_2e-3": ["optim.learning_rate=2e-3"],
-    "text_encoder_lr_3e-3": ["optim.text_encoder_learning_rate=3e-3"],
-    "no_caption_dropout": ["data.caption_dropout=0.0"],
-    "32_renders": ["data.path={renders_32}"],
-    "lr_from_find_lr": ["optim.learning_rate=1.79e-3"],  # find-lr's suggestion at train.seed=2 (benchmarks/find-lr-*)
-    "activations_every_10": ["log.activations_every_steps=10"],
-    "unet_stored_fp16": ["model.weight_dtype=fp16"],  # frozen UNet kept in fp16, computed in fp32 (README: on a CPU)
-    # Issue 19's techniques.
-    "soft_min_snr": ["loss.weighting=soft_min_snr"],
-    "debiased": ["loss.weighting=debiased"],
-    "loha_r8_te": ["adapter.kind=loha", "adapter.rank=8"],
-    "lokr_r8_te": ["adapter.kind=lokr", "adapter.rank=8"],
-    "prodigy": ["optim.optimizer=prodigy", "optim.learning_rate=1.0"],
-    "schedule_free": ["optim.optimizer=adamw_schedule_free", "optim.lr_schedule=constant"],
-    "loraplus_16": ["optim.loraplus_ratio=16"],
-    "rslora": ["adapter.rank_stabilized=true"],
-    "pissa": ["adapter.init=pissa"],
-    "masked_loss": ["data.masks=folder", "data.mask_path={purple_masks}"],
-    "prior_red_circles": ["prior.class_prompt=a red circle", "prior.num_class_images=16", "prior.steps=20",
-                          "prior.guidance_scale=3.0", "prior.class_path={class_images}"],
-    "unet_only_prior_drawn": ["adapter.text_encoder=false", "prior.class_prompt=a red circle", "prior.num_class_images=16",
-                              "prior.steps=20", "prior.guidance_scale=3.0", "prior.class_path={class_images}"],
-    "unet_only_prior_seen_renders": ["adapter.text_encoder=false", "prior.class_path=examples/purple_with_seen/1_seen"],
-    "loraplus_16_lr_2.5e-4": ["optim.loraplus_ratio=16", "optim.learning_rate=2.5e-4"],
-    "tag_shuffle_variants": ["data.caption_prefix=sks ", "data.shuffle_tags=true", "data.tag_separator= ",
-                             "data.keep_tokens=1", "data.caption_variants=4"],
-    "seed_1": ["train.seed=1"],
-    "seed_2": ["train.seed=2"],
-}, "tiny_embedding": {
-    "embedding_init_red": [],
-    "embedding_random_init": ["adapter.embedding_init_word="],
-    "embedding_2_vectors": ["adapter.embedding_vectors=2"],
-}, "sdxl_lora": {
-    "dora_r4_te": [],
-    "lora_r4_te": ["adapter.kind=lora"],
-    "lora_r8_te": ["adapter.kind=lora", "adapter.rank=8"],
-    "lora_r16_te": ["adapter.kind=lora", "adapter.rank=16"],
-    "lora_r16_unet_only": ["adapter.kind=lora", "adapter.rank=16", "adapter.text_encoder=false"],
-    "dora_r16_te": ["adapter.rank=16"],
-    "600_steps": ["train.max_steps=600"],
-}, "flux_lora": {
-    "lora_r16_te": [],
-    "lora_r4_te": ["adapter.rank=4"],
-    "dora_r4_te": ["adapter.kind=dora", "adapter.rank=4"],
-    "dora_r16_te": ["adapter.kind=dora"],
-    "lora_r16_transformer_only": ["adapter.text_encoder=false"],
-    "no_shift": ["loss.flow_shift_by_resolution=false"],
-    "logit_normal": ["loss.timestep_sampling=logit_normal"],
-    "shift_3": ["loss.flow_shift_by_resolution=false", "loss.flow_shift=3.0"],
-    "600_steps": ["train.max_steps=600"],
-    "lr_5e-4": ["optim.learning_rate=5e-4"],
-    "dora_r4_te_lr_5e-4": ["adapter.kind=dora", "adapter.rank=4", "optim.learning_rate=5e-4"],
-    "no_caption_dropout": ["data.caption_dropout=0.0"],
-    "200_steps": ["train.max_steps=200"],
-    "text_encoder_lr_5e-3": ["optim.text_encoder_learning_rate=5e-3"],
-    "image_stream_only": ["adapter.target_modules=['attn.to_q','attn.to_k','attn.to_v','attn.to_out.0','ff.net.0.proj','ff.net.2','proj_mlp']"],
-    "seed_1": ["train.seed=1"],
-    "seed_2": ["train.seed=2"],
-}, "qwen_image_lora": {
-    # Measured on the rebuilt base, whose autoencoder keeps purple apart from blue (benchmarks/
-    # quality-finetune-qwen_image_lora-colors.jsonl); quality-finetune-qwen_image_lora.jsonl holds the first base's
-    # lines, whose variants are in this file's history.
-    **at_seeds("lora_r8_lr_5e-4"),
-    **at_seeds("lora_r4_lr_5e-4", "adapter.rank=4"),
-    **at_seeds("lora_r4_lr_1e-3", "adapter.rank=4", "optim.learning_rate=1e-3"),
-    **at_seeds("lora_r4_lr_2e-3", "adapter.rank=4", "optim.learning_rate=2e-3"),  # the first base's default
-    **at_seeds("lora_r4_lr_5e-4_1800_steps", "adapter.rank=4", "train.max_steps=1800"),
-    **at_seeds("lora_r4_lr_1e-3_600_steps", "adapter.rank=4", "optim.learning_rate=1e-3", "train.max_steps=600"),
-}, "flux2_klein_lora": {
-    # The lora_r4 lines were measured when the job's default was rank 4 (`lora_r4` had no overrides).
-    **at_seeds("lora_r8"),
-    **at_seeds("lora_r8_1800_steps", "train.max_steps=1800"),
-    **at_seeds("lora_r4", "adapter.rank=4"),
-    **at_seeds("lora_r4_lr_2e-3", "adapter.rank=4", "optim.learning_rate=2e-3"),
-    **at_seeds("lora_r4_2400_steps", "adapter.rank=4", "train.max_steps=2400"),
-}, "z_image_lora": {
-    # The 900_steps, dora_r4 and caption_dropout_0.2 lines were measured when the job's learning rate was 2e-3.
-    **at_seeds("lora_r4"),
-    **at_seeds("lora_r4_lr_2e-3", "optim.learning_rate=2e-3"),
-    **at_seeds("lora_r4_lr_1e-3", "optim.learning_rate=1e-3"),
-    **at_seeds("lora_r4_900_steps", "train.max_steps=900"),
-    **at_seeds("dora_r4", "adapter.kind=dora"),
-    **at_seeds("lora_r4_caption_dropout_0.2", "data.caption_dropout=0.2"),
-}, "chroma_lora": {
-    **at_seeds("lora_r8"),
-    **at_seeds("lora_r4", "adapter.rank=4"),
-    **at_seeds("lora_r8_lr_5e-4", "optim.learning_rate=5e-4"),
-    **at_seeds("lora_r8_600_steps", "train.max_steps=600"),
-    **at_seeds("lora_r16_400_steps", "adapter.rank=16", "train.max_steps=400"),  # the Flux job's settings
-    **at_seeds("lora_r8_image_stream", "adapter.target_modules=" + str(CHROMA_IMAGE_STREAM).replace(" ", "")),
-    **at_seeds("lora_r8_ema", "ema.enabled=true", "ema.decay=0.99"),
-    **at_seeds("lora_r8_1800_steps", "train.max_steps=1800"),
-    **at_seeds("lora_r16", "adapter.rank=16"),
-}, "sd3_lora": {
-    **at_seeds("lora_r8"),
-    **at_seeds("lora_r8_clips", "adapter.text_encoder=true"),
-}}
+VARIANTS = {
+    "tiny_lora": {
+        "lora_r16_te": [],
+        "min_snr": [],  # the default again, named for the weighting comparison (--convergence)
+        "lora_r16_unet_only": ["adapter.text_encoder=false"],
+        "lora_r4_te": ["adapter.rank=4"],
+        "lora_r8_te": ["adapter.rank=8"],
+        "dora_r4_te": ["adapter.kind=dora", "adapter.rank=4"],
+        "dora_r8_te": ["adapter.kind=dora", "adapter.rank=8"],
+        "dora_r16_te": ["adapter.kind=dora"],
+        "uniform_weighting": ["loss.weighting=uniform"],
+        "noise_offset_0.1": ["loss.noise_offset=0.1"],
+        "taesd_latents": ["model.vae=models/tiny-sd/taesd"],
+        "ema": ["ema.enabled=true", "ema.decay=0.99"],
+        "200_steps": ["train.max_steps=200"],
+        "600_steps": ["train.max_steps=600"],
+        "lr_2e-3": ["optim.learning_rate=2e-3"],
+        "text_encoder_lr_3e-3": ["optim.text_encoder_learning_rate=3e-3"],
+        "no_caption_dropout": ["data.caption_dropout=0.0"],
+        "32_renders": ["data.path={renders_32}"],
+        "lr_from_find_lr": [
+            "optim.learning_rate=1.79e-3"
+        ],  # find-lr's suggestion at train.seed=2 (benchmarks/find-lr-*)
+        "activations_every_10": ["log.activations_every_steps=10"],
+        "unet_stored_fp16": [
+            "model.weight_dtype=fp16"
+        ],  # frozen UNet kept in fp16, computed in fp32 (README: on a CPU)
+        # Issue 19's techniques.
+        "soft_min_snr": ["loss.weighting=soft_min_snr"],
+        "debiased": ["loss.weighting=debiased"],
+        "loha_r8_te": ["adapter.kind=loha", "adapter.rank=8"],
+        "lokr_r8_te": ["adapter.kind=lokr", "adapter.rank=8"],
+        "prodigy": ["optim.optimizer=prodigy", "optim.learning_rate=1.0"],
+        "schedule_free": ["optim.optimizer=adamw_schedule_free", "optim.lr_schedule=constant"],
+        "loraplus_16": ["optim.loraplus_ratio=16"],
+        "rslora": ["adapter.rank_stabilized=true"],
+        "pissa": ["adapter.init=pissa"],
+        "masked_loss": ["data.masks=folder", "data.mask_path={purple_masks}"],
+        "prior_red_circles": [
+            "prior.class_prompt=a red circle",
+            "prior.num_class_images=16",
+            "prior.steps=20",
+            "prior.guidance_scale=3.0",
+            "prior.class_path={class_images}",
+        ],
+        "unet_only_prior_drawn": [
+            "adapter.text_encoder=false",
+            "prior.class_prompt=a red circle",
+            "prior.num_class_images=16",
+            "prior.steps=20",
+            "prior.guidance_scale=3.0",
+            "prior.class_path={class_images}",
+        ],
+        "unet_only_prior_seen_renders": [
+            "adapter.text_encoder=false",
+            "prior.class_path=examples/purple_with_seen/1_seen",
+        ],
+        "loraplus_16_lr_2.5e-4": ["optim.loraplus_ratio=16", "optim.learning_rate=2.5e-4"],
+        "tag_shuffle_variants": [
+            "data.caption_prefix=sks ",
+            "data.shuffle_tags=true",
+            "data.tag_separator= ",
+            "data.keep_tokens=1",
+            "data.caption_variants=4",
+        ],
+        "seed_1": ["train.seed=1"],
+        "seed_2": ["train.seed=2"],
+    },
+    "tiny_embedding": {
+        "embedding_init_red": [],
+        "embedding_random_init": ["adapter.embedding_init_word="],
+        "embedding_2_vectors": ["adapter.embedding_vectors=2"],
+    },
+    "sdxl_lora": {
+        "dora_r4_te": [],
+        "lora_r4_te": ["adapter.kind=lora"],
+        "lora_r8_te": ["adapter.kind=lora", "adapter.rank=8"],
+        "lora_r16_te": ["adapter.kind=lora", "adapter.rank=16"],
+        "lora_r16_unet_only": ["adapter.kind=lora", "adapter.rank=16", "adapter.text_encoder=false"],
+        "dora_r16_te": ["adapter.rank=16"],
+        "600_steps": ["train.max_steps=600"],
+    },
+    "flux_lora": {
+        "lora_r16_te": [],
+        "lora_r4_te": ["adapter.rank=4"],
+        "dora_r4_te": ["adapter.kind=dora", "adapter.rank=4"],
+        "dora_r16_te": ["adapter.kind=dora"],
+        "lora_r16_transformer_only": ["adapter.text_encoder=false"],
+        "no_shift": ["loss.flow_shift_by_resolution=false"],
+        "logit_normal": ["loss.timestep_sampling=logit_normal"],
+        "shift_3": ["loss.flow_shift_by_resolution=false", "loss.flow_shift=3.0"],
+        "600_steps": ["train.max_steps=600"],
+        "lr_5e-4": ["optim.learning_rate=5e-4"],
+        "dora_r4_te_lr_5e-4": ["adapter.kind=dora", "adapter.rank=4", "optim.learning_rate=5e-4"],
+        "no_caption_dropout": ["data.caption_dropout=0.0"],
+        "200_steps": ["train.max_steps=200"],
+        "text_encoder_lr_5e-3": ["optim.text_encoder_learning_rate=5e-3"],
+        "image_stream_only": [
+            "adapter.target_modules=['attn.to_q','attn.to_k','attn.to_v','attn.to_out.0','ff.net.0.proj','ff.net.2','proj_mlp']"
+        ],
+        "seed_1": ["train.seed=1"],
+        "seed_2": ["train.seed=2"],
+    },
+    "qwen_image_lora": {
+        # Measured on the rebuilt base, whose autoencoder keeps purple apart from blue (benchmarks/
+        # quality-finetune-qwen_image_lora-colors.jsonl); quality-finetune-qwen_image_lora.jsonl holds the first base's
+        # lines, whose variants are in this file's history.
+        **at_seeds("lora_r8_lr_5e-4"),
+        **at_seeds("lora_r4_lr_5e-4", "adapter.rank=4"),
+        **at_seeds("lora_r4_lr_1e-3", "adapter.rank=4", "optim.learning_rate=1e-3"),
+        **at_seeds("lora_r4_lr_2e-3", "adapter.rank=4", "optim.learning_rate=2e-3"),  # the first base's default
+        **at_seeds("lora_r4_lr_5e-4_1800_steps", "adapter.rank=4", "train.max_steps=1800"),
+        **at_seeds("lora_r4_lr_1e-3_600_steps", "adapter.rank=4", "optim.learning_rate=1e-3", "train.max_steps=600"),
+    },
+    "flux2_klein_lora": {
+        # The lora_r4 lines were measured when the job's default was rank 4 (`lora_r4` had no overrides).
+        **at_seeds("lora_r8"),
+        **at_seeds("lora_r8_1800_steps", "train.max_steps=1800"),
+        **at_seeds("lora_r4", "adapter.rank=4"),
+        **at_seeds("lora_r4_lr_2e-3", "adapter.rank=4", "optim.learning_rate=2e-3"),
+        **at_seeds("lora_r4_2400_steps", "adapter.rank=4", "train.max_steps=2400"),
+    },
+    "z_image_lora": {
+        # The 900_steps, dora_r4 and caption_dropout_0.2 lines were measured when the job's learning rate was 2e-3.
+        **at_seeds("lora_r4"),
+        **at_seeds("lora_r4_lr_2e-3", "optim.learning_rate=2e-3"),
+        **at_seeds("lora_r4_lr_1e-3", "optim.learning_rate=1e-3"),
+        **at_seeds("lora_r4_900_steps", "train.max_steps=900"),
+        **at_seeds("dora_r4", "adapter.kind=dora"),
+        **at_seeds("lora_r4_caption_dropout_0.2", "data.caption_dropout=0.2"),
+    },
+    "chroma_lora": {
+        **at_seeds("lora_r8"),
+        **at_seeds("lora_r4", "adapter.rank=4"),
+        **at_seeds("lora_r8_lr_5e-4", "optim.learning_rate=5e-4"),
+        **at_seeds("lora_r8_600_steps", "train.max_steps=600"),
+        **at_seeds("lora_r16_400_steps", "adapter.rank=16", "train.max_steps=400"),  # the Flux job's settings
+        **at_seeds("lora_r8_image_stream", "adapter.target_modules=" + str(CHROMA_IMAGE_STREAM).replace(" ", "")),
+        **at_seeds("lora_r8_ema", "ema.enabled=true", "ema.decay=0.99"),
+        **at_seeds("lora_r8_1800_steps", "train.max_steps=1800"),
+        **at_seeds("lora_r16", "adapter.rank=16"),
+    },
+    "sd3_lora": {
+        **at_seeds("lora_r8"),
+        **at_seeds("lora_r8_clips", "adapter.text_encoder=true"),
+    },
+}
 
 
 def main() -> None:
@@ -179,8 +214,12 @@ def main() -> None:
     base_config = load_config(config_file)
     before = score(load_components(base_config.model), SEEN_COLORS, HELD_OUT_COLOR, settings)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    folders = {"renders_32": args.work_dir / "renders_32", "purple_masks": args.work_dir / "purple_masks",
-               "class_images": args.work_dir / "class_images", "held_out": args.work_dir / "held_out"}
+    folders = {
+        "renders_32": args.work_dir / "renders_32",
+        "purple_masks": args.work_dir / "purple_masks",
+        "class_images": args.work_dir / "class_images",
+        "held_out": args.work_dir / "held_out",
+    }
     renders_32 = shape_images(32, seed=7, colors=(HELD_OUT_COLOR,))
     write_caption_folder(folders["renders_32"], renders_32)
     write_caption_folder(folders["held_out"], shape_images(24, seed=11, colors=(HELD_OUT_COLOR,)))
@@ -192,7 +231,8 @@ def main() -> None:
         out_dir = args.work_dir / args.job / name
         overrides = [override.format(**folders) for override in overrides]
         config = load_config(
-            config_file, [*overrides, *watch, f"train.output_dir={out_dir}", "train.overwrite=true", "sample.prompts=[]"]
+            config_file,
+            [*overrides, *watch, f"train.output_dir={out_dir}", "train.overwrite=true", "sample.prompts=[]"],
         )
         started = time.perf_counter()
         result = train(config)
@@ -239,25 +279,36 @@ def convergence_table(lines: list[dict], margins=(0.05, 0.02)) -> str:
     default = next(line for line in lines if not line["overrides"])
     best = min(default["val_loss"].values())
     targets = [best * (1 + margin) for margin in margins]
-    rows = [f"Targets: validation loss <= {', '.join(f'{t:.4f}' for t in targets)} (the default job's best, {best:.4f}, "
-            f"+{' and +'.join(f'{100 * m:.0f}%' for m in margins)}); validated every 20 steps.", "",
-            "| run | overrides | " + " | ".join(f"steps to +{100 * m:.0f}%" for m in margins)
-            + " | best validation loss (step) | final | purple both after | forgetting |",
-            "| --- | --- | " + "---: | " * len(margins) + "---: | ---: | ---: | ---: |"]
+    rows = [
+        f"Targets: validation loss <= {', '.join(f'{t:.4f}' for t in targets)} (the default job's best, {best:.4f}, "
+        f"+{' and +'.join(f'{100 * m:.0f}%' for m in margins)}); validated every 20 steps.",
+        "",
+        "| run | overrides | "
+        + " | ".join(f"steps to +{100 * m:.0f}%" for m in margins)
+        + " | best validation loss (step) | final | purple both after | forgetting |",
+        "| --- | --- | " + "---: | " * len(margins) + "---: | ---: | ---: | ---: |",
+    ]
     for line in lines:
         curve = {int(step): value for step, value in line["val_loss"].items()}
-        reached = [next((step for step, value in sorted(curve.items()) if value <= target), "not reached") for target in targets]
+        reached = [
+            next((step for step, value in sorted(curve.items()) if value <= target), "not reached")
+            for target in targets
+        ]
         best_step = min(curve, key=curve.get)
         overrides = f"`{' '.join(line['overrides'])}`" if line["overrides"] else "(default: Min-SNR)"
-        rows.append(f"| {line['run']} | {overrides} | " + " | ".join(map(str, reached))
-                    + f" | {curve[best_step]:.4f} ({best_step}) | {curve[max(curve)]:.4f} | {line['concept_after']:.2f} "
-                    f"| {line['forgetting']:.3f} |")
+        rows.append(
+            f"| {line['run']} | {overrides} | "
+            + " | ".join(map(str, reached))
+            + f" | {curve[best_step]:.4f} ({best_step}) | {curve[max(curve)]:.4f} | {line['concept_after']:.2f} "
+            f"| {line['forgetting']:.3f} |"
+        )
     return "\n".join(rows)
 
 
 def markdown_table(lines: list[dict]) -> str:
     rows = [
-        "| run | overrides | train s | purple both, before -> after | circle / square / triangle | seen both, before -> after | forgetting |",
+        "| run | overrides | train s | purple both, before -> after | circle / square / triangle | seen both, before "
+        "-> after | forgetting |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for line in lines:
@@ -265,7 +316,8 @@ def markdown_table(lines: list[dict]) -> str:
         overrides = f"`{' '.join(line['overrides'])}`" if line["overrides"] else ""
         shapes = " / ".join(f"{value:.2f}" for value in line["by_shape"].values())
         rows.append(
-            f"| {name} | {overrides} | {line['train_s']:.0f} | {line['concept_before']:.2f} -> {line['concept_after']:.2f} "
+            f"| {name} | {overrides} | {line['train_s']:.0f} | {line['concept_before']:.2f} -> "
+            f"{line['concept_after']:.2f} "
             f"| {shapes} | {line['seen_both_before']:.2f} -> {line['seen_both_after']:.2f} | {line['forgetting']:.3f} |"
         )
     return "\n".join(rows)

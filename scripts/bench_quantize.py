@@ -33,7 +33,9 @@ def measure(method: str, model_dir: Path, batch: int, resolution: int) -> dict:
     if method != "none":
         quantize_linear_layers(denoiser, method, torch.device("cpu"), torch.float32)
     denoiser.requires_grad_(False)
-    denoiser.add_adapter(LoraConfig(r=4, target_modules=family.default_targets[family.denoiser_name], init_lora_weights="gaussian"))
+    denoiser.add_adapter(
+        LoraConfig(r=4, target_modules=family.default_targets[family.denoiser_name], init_lora_weights="gaussian")
+    )
     config = denoiser.config
     latents = torch.randn(batch, config.in_channels, resolution // 8, resolution // 8)
     text = torch.randn(batch, 77, config.cross_attention_dim)
@@ -80,11 +82,25 @@ def main() -> None:
 
     _, model_dir, _ = prepare_workspace(BenchOptions(model=args.model, resolution=args.resolution))
     for method in ("none", "int8", "nf4"):
-        child = [sys.executable, __file__, "--child", method, "--model-dir", str(model_dir), "--batch", str(args.batch),
-                 "--resolution", str(args.resolution)]
+        child = [
+            sys.executable,
+            __file__,
+            "--child",
+            method,
+            "--model-dir",
+            str(model_dir),
+            "--batch",
+            str(args.batch),
+            "--resolution",
+            str(args.resolution),
+        ]
         done = subprocess.run(child, capture_output=True, text=True, check=True)
-        line = {"model": args.model, "batch": args.batch, "resolution": args.resolution,
-                **json.loads(done.stdout.strip().splitlines()[-1])}
+        line = {
+            "model": args.model,
+            "batch": args.batch,
+            "resolution": args.resolution,
+            **json.loads(done.stdout.strip().splitlines()[-1]),
+        }
         print(json.dumps(line), flush=True)
         with open(args.out, "a", encoding="utf-8") as out:
             out.write(json.dumps(line) + "\n")

@@ -67,8 +67,10 @@ def write_sources(root: Path, images: int, side: int, per_shard: int = 100) -> d
     table = pa.table({"jpg": [data for _, data, _ in records], "caption": [caption for _, _, caption in records]})
     pq.write_table(table, parquet / "train-0000.parquet", row_group_size=per_shard)
     features = datasets.Features({"image": datasets.Image(), "text": datasets.Value("string")})
-    rows = {"image": [{"bytes": data, "path": f"{key}.jpg"} for key, data, _ in records],
-            "text": [caption for _, _, caption in records]}
+    rows = {
+        "image": [{"bytes": data, "path": f"{key}.jpg"} for key, data, _ in records],
+        "text": [caption for _, _, caption in records],
+    }
     datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(root / "dataset"))
     return {"folder": folder, "shards": shards, "parquet": parquet, "dataset": root / "dataset"}
 
@@ -79,16 +81,28 @@ def measure(source: str, path: str, side: int) -> dict:
     examples, bad = scan_examples(config)
     scanned = time.perf_counter() - start
     assert not bad, bad[:3]
-    dataset = CaptionedImages(examples, config, lambda captions: {"ids": torch.zeros(len(captions), 1)}, train_seed=0,
-                              sizes=training_sizes(examples, config))
+    dataset = CaptionedImages(
+        examples,
+        config,
+        lambda captions: {"ids": torch.zeros(len(captions), 1)},
+        train_seed=0,
+        sizes=training_sizes(examples, config),
+    )
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(0)).tolist()  # as training draws
     start = time.perf_counter()
     for index in order:
         dataset[0, index]
     read = time.perf_counter() - start
-    return {"source": source, "images": len(examples), "side": side, "scan_s": round(scanned, 2),
-            "scan_images_per_s": round(len(examples) / scanned, 1), "read_images_per_s": round(len(examples) / read, 1),
-            "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    return {
+        "source": source,
+        "images": len(examples),
+        "side": side,
+        "scan_s": round(scanned, 2),
+        "scan_images_per_s": round(len(examples) / scanned, 1),
+        "read_images_per_s": round(len(examples) / read, 1),
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+    }
 
 
 def main() -> None:
@@ -105,8 +119,14 @@ def main() -> None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_ENDPOINT_URL_S3": f"http://{host}:{port}"})
+    os.environ.update(
+        {
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL_S3": f"http://{host}:{port}",
+        }
+    )
     import fsspec
 
     s3 = fsspec.filesystem("s3")
@@ -115,8 +135,10 @@ def main() -> None:
         sources = write_sources(Path(work), args.images, args.side)
         s3.put(f"{sources['shards']}/", "bench/shards/", recursive=True)
         s3.put(f"{sources['parquet']}/", "bench/parquet/", recursive=True)
-        paths = {name: str(path) for name, path in sources.items()} | {"shards on S3 (moto)": "s3://bench/shards",
-                                                                         "parquet on S3 (moto)": "s3://bench/parquet"}
+        paths = {name: str(path) for name, path in sources.items()} | {
+            "shards on S3 (moto)": "s3://bench/shards",
+            "parquet on S3 (moto)": "s3://bench/parquet",
+        }
         for name, path in paths.items():
             line = json.dumps(measure(name, path, args.side))
             print(line, flush=True)

@@ -18,9 +18,13 @@ from difftune.toy.family_jobs import ALL_FAMILY_CONFIGS, FAMILY_CONFIGS, run_fam
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", action="append", choices=sorted(ALL_FAMILY_CONFIGS), help="default: those without a tiny base")
+    parser.add_argument(
+        "--family", action="append", choices=sorted(ALL_FAMILY_CONFIGS), help="default: those without a tiny base"
+    )
     parser.add_argument("--all", action="store_true", help="every family with a text-to-image job")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override on top of each job")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="an override on top of each job"
+    )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/family_jobs.jsonl"))
     args = parser.parse_args()

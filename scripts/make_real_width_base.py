@@ -11,7 +11,8 @@ captions keep a CPU step of a 12B model to a minute).
 `--config-only PART` writes a part's config without its weights, for a part the measured job never loads: Wan 2.2
 A14B's high-noise expert, where a run trains the low-noise one without previews (57 GB of the folder otherwise).
 
-    python scripts/make_real_width_base.py --base Wan-AI/Wan2.2-T2V-A14B-Diffusers --out /data/wan22 --config-only transformer
+    python scripts/make_real_width_base.py --base Wan-AI/Wan2.2-T2V-A14B-Diffusers --out /data/wan22 --config-only
+    transformer
 
 `--denoiser-file fp8_scaled|Q8_0` writes the denoiser as the single file people download instead of its folder's
 weights (the folder keeps its config, for `model.single_file_config`): ComfyUI's `*_fp8_scaled.safetensors` (each
@@ -97,8 +98,12 @@ def write_denoiser_file(family, model: torch.nn.Module, kind: str, out: Path, ge
     """The denoiser as a single file of `kind` in the family's single-file layout; returns its tensors' bytes."""
     from difftune.models.parts import Components
 
-    shapes = {key: tensor.shape for key, tensor in family.to_single_file(
-        Components(family=family, denoiser=model, vae=None, text_encoders={}, tokenizers={}, noise_scheduler=None)).items()}
+    shapes = {
+        key: tensor.shape
+        for key, tensor in family.to_single_file(
+            Components(family=family, denoiser=model, vae=None, text_encoders={}, tokenizers={}, noise_scheduler=None)
+        ).items()
+    }
     if kind == "Q8_0":
         import gguf
 
@@ -136,11 +141,21 @@ def main() -> None:
     parser.add_argument("--base", required=True, choices=published.published_bases(), help="the published base")
     parser.add_argument("--out", type=Path, required=True, help="folder to write (must not exist)")
     parser.add_argument("--blocks", type=int, help="keep the denoiser's first N blocks (each kind: double, single)")
-    parser.add_argument("--tokenizers-from", type=Path, help="tiny base whose tokenizers to copy (default: the family's)")
-    parser.add_argument("--denoiser-file", choices=("fp8_scaled", "Q8_0"),
-                        help="write the denoiser as a ComfyUI scaled fp8 or a GGUF Q8_0 single file")
-    parser.add_argument("--config-only", action="append", default=[], metavar="PART",
-                        help="write this part's config alone (a part the measured job never loads)")
+    parser.add_argument(
+        "--tokenizers-from", type=Path, help="tiny base whose tokenizers to copy (default: the family's)"
+    )
+    parser.add_argument(
+        "--denoiser-file",
+        choices=("fp8_scaled", "Q8_0"),
+        help="write the denoiser as a ComfyUI scaled fp8 or a GGUF Q8_0 single file",
+    )
+    parser.add_argument(
+        "--config-only",
+        action="append",
+        default=[],
+        metavar="PART",
+        help="write this part's config alone (a part the measured job never loads)",
+    )
     args = parser.parse_args()
 
     from difftune.config import ModelConfig
@@ -178,8 +193,11 @@ def main() -> None:
     (args.out / "README.md").write_text(
         f"# {args.base} at its real widths, random weights (bf16)\n\nBuilt by `python scripts/make_real_width_base.py "
         f"--base {args.base}{f' --blocks {args.blocks}' if args.blocks else ''}"
-        + "".join(f" --config-only {part}" for part in args.config_only) + "`: not a model, a size. Parts' bytes: "
-        + ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in written.items()) + ".\n")
+        + "".join(f" --config-only {part}" for part in args.config_only)
+        + "`: not a model, a size. Parts' bytes: "
+        + ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in written.items())
+        + ".\n"
+    )
 
 
 if __name__ == "__main__":

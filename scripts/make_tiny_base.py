@@ -1,8 +1,10 @@
 """Build a bundled tiny base: `python scripts/make_tiny_base.py` (models/tiny-sd and the default job's images),
 `--family sdxl` (models/tiny-sdxl, from tiny-sd's autoencoders), `--family flux` (models/tiny-flux) or
 `--family qwen_image` (models/tiny-qwen_image), `--family z_image` (models/tiny-z_image, from tiny-flux's
-autoencoders), `--family flux2_klein` (models/tiny-flux2_klein), `--family chroma` or `--family sd3` (models/tiny-chroma,
-models/tiny-sd3, both from tiny-flux's autoencoders), `--family wan` (models/tiny-wan, a video base of moving shapes, its
+autoencoders), `--family flux2_klein` (models/tiny-flux2_klein), `--family chroma` or `--family sd3`
+(models/tiny-chroma,
+models/tiny-sd3, both from tiny-flux's autoencoders), `--family wan` (models/tiny-wan, a video base of moving shapes,
+its
 autoencoder tiny-qwen_image's taught time on clips).
 
 Trains an autoencoder (KL, or Wan's video kind for Qwen-Image) and a TAESD on synthetic shapes (not for SDXL), then
@@ -132,42 +134,68 @@ the first frame it is seen in to the last (at least 3 px, mostly the asked way).
 
 
 ARCHITECTURES = {
-    "sd": ("Stable Diffusion 1.x's architecture at toy size, from the same classes (`UNet2DConditionModel`,\n"
-           "`AutoencoderKL`, `CLIPTextModel` with a character-level `CLIPTokenizer`)", "StableDiffusionPipeline"),
-    "sdxl": ("Stable Diffusion XL's architecture at toy size, from the same classes (`UNet2DConditionModel` with\n"
-             "`addition_embed_type = \"text_time\"` size/crop conditioning, `AutoencoderKL`, `CLIPTextModel` and\n"
-             "`CLIPTextModelWithProjection` with character-level `CLIPTokenizer`s; the UNet keeps tiny-sd's attention\n"
-             "placement)", "StableDiffusionXLPipeline"),
-    "flux": ("Flux.1's architecture at toy size, from the same classes (`FluxTransformer2DModel` over 2x2-packed\n"
-             "latents, a 16-channel `AutoencoderKL` with a shift factor, `CLIPTextModel` for the pooled embedding and\n"
-             "`T5EncoderModel` for the token states, with character-level `CLIPTokenizer` and `T5TokenizerFast`; no\n"
-             "guidance embedding: sample with true classifier-free guidance)", "FluxPipeline"),
-    "qwen_image": ("Qwen-Image's architecture at toy size, from the same classes (`QwenImageTransformer2DModel`\n"
-                   "over 2x2-packed latents, Wan's causal video autoencoder `AutoencoderKLQwenImage` with per-channel\n"
-                   "`latents_mean` / `latents_std`, a `Qwen2_5_VLForConditionalGeneration` language model read\n"
-                   "through the pipeline's chat template, with a byte-level `Qwen2Tokenizer` built here that spells\n"
-                   "each caption word in one token; sample with true classifier-free guidance, `true_cfg_scale`)",
-                   "QwenImagePipeline"),
-    "flux2_klein": ("FLUX.2 [klein]'s architecture at toy size, from the same classes (`Flux2Transformer2DModel`,\n"
-                    "FLUX.2's `AutoencoderKLFlux2` with its batch norm over 2x2-patched latents, a 27-layer\n"
-                    "`Qwen3ForCausalLM` read at layers 9, 18 and 27 through its chat template, with a byte-level\n"
-                    "`Qwen2Tokenizer` built here whose `model_max_length` (48) is the caption length read: pass\n"
-                    "`max_sequence_length=48` to `Flux2KleinPipeline`)", "Flux2KleinPipeline"),
-    "chroma": ("Chroma's architecture at toy size, from the same classes (`ChromaTransformer2DModel`: Flux.1's blocks\n"
-               "whose modulation one small approximator makes, over 2x2-packed latents of Flux.1's kind of 16-channel\n"
-               "`AutoencoderKL` (tiny-flux's), `T5EncoderModel` alone with a character-level `T5TokenizerFast`; sample\n"
-               "with classifier-free guidance, `guidance_scale`)", "ChromaPipeline"),
-    "sd3": ("Stable Diffusion 3.5's architecture at toy size, from the same classes (`SD3Transformer2DModel`, an MMDiT\n"
-            "whose first block has SD3.5's second image attention, over Flux.1's kind of 16-channel `AutoencoderKL`\n"
-            "(tiny-flux's, SD3's kind too), two `CLIPTextModelWithProjection`s and `T5EncoderModel`, with\n"
-            "character-level tokenizers)", "StableDiffusion3Pipeline"),
-    "z_image": ("Z-Image's architecture at toy size, from the same classes (`ZImageTransformer2DModel`, a\n"
-                "single-stream DiT with image and caption refiner blocks, over Flux.1's kind of 16-channel\n"
-                "`AutoencoderKL` (tiny-flux's), a `Qwen3Model` language model read through its chat template, with a\n"
-                "byte-level `Qwen2Tokenizer` built here)", "ZImagePipeline"),
-    "wan": ("Wan 2.1's architecture at toy size, from the same classes (`WanTransformer3DModel` over 1x2x2 patches of\n"
-            "clip latents, Wan's causal video autoencoder `AutoencoderKLWan` with per-channel statistics, a\n"
-            "`UMT5EncoderModel` with a character-level `T5TokenizerFast`)", "WanPipeline"),
+    "sd": (
+        "Stable Diffusion 1.x's architecture at toy size, from the same classes (`UNet2DConditionModel`,\n"
+        "`AutoencoderKL`, `CLIPTextModel` with a character-level `CLIPTokenizer`)",
+        "StableDiffusionPipeline",
+    ),
+    "sdxl": (
+        "Stable Diffusion XL's architecture at toy size, from the same classes (`UNet2DConditionModel` with\n"
+        '`addition_embed_type = "text_time"` size/crop conditioning, `AutoencoderKL`, `CLIPTextModel` and\n'
+        "`CLIPTextModelWithProjection` with character-level "
+        "`CLIPTokenizer`s; the UNet keeps tiny-sd's attention\nplacement)",
+        "StableDiffusionXLPipeline",
+    ),
+    "flux": (
+        "Flux.1's architecture at toy size, from the same classes (`FluxTransformer2DModel` over 2x2-packed\n"
+        "latents, a 16-channel `AutoencoderKL` with a shift factor, `CLIPTextModel` for the pooled embedding and\n"
+        "`T5EncoderModel` for the token states, with character-level `CLIPTokenizer` and `T5TokenizerFast`; no\n"
+        "guidance embedding: sample with true classifier-free guidance)",
+        "FluxPipeline",
+    ),
+    "qwen_image": (
+        "Qwen-Image's architecture at toy size, from the same classes (`QwenImageTransformer2DModel`\n"
+        "over 2x2-packed latents, Wan's causal video autoencoder `AutoencoderKLQwenImage` with per-channel\n"
+        "`latents_mean` / `latents_std`, a `Qwen2_5_VLForConditionalGeneration` language model read\n"
+        "through the pipeline's chat template, with a byte-level `Qwen2Tokenizer` built here that spells\n"
+        "each caption word in one token; sample with true classifier-free guidance, `true_cfg_scale`)",
+        "QwenImagePipeline",
+    ),
+    "flux2_klein": (
+        "FLUX.2 [klein]'s architecture at toy size, from the same classes (`Flux2Transformer2DModel`,\n"
+        "FLUX.2's `AutoencoderKLFlux2` with its batch norm over 2x2-patched latents, a 27-layer\n"
+        "`Qwen3ForCausalLM` read at layers 9, 18 and 27 through its chat template, with a byte-level\n"
+        "`Qwen2Tokenizer` built here whose `model_max_length` (48) is the caption length read: pass\n"
+        "`max_sequence_length=48` to `Flux2KleinPipeline`)",
+        "Flux2KleinPipeline",
+    ),
+    "chroma": (
+        "Chroma's architecture at toy size, from the same classes (`ChromaTransformer2DModel`: Flux.1's blocks\n"
+        "whose modulation one small approximator makes, over 2x2-packed latents of Flux.1's kind of 16-channel\n"
+        "`AutoencoderKL` (tiny-flux's), `T5EncoderModel` alone with a character-level `T5TokenizerFast`; sample\n"
+        "with classifier-free guidance, `guidance_scale`)",
+        "ChromaPipeline",
+    ),
+    "sd3": (
+        "Stable Diffusion 3.5's architecture at toy size, from the same classes (`SD3Transformer2DModel`, an MMDiT\n"
+        "whose first block has SD3.5's second image attention, over Flux.1's kind of 16-channel `AutoencoderKL`\n"
+        "(tiny-flux's, SD3's kind too), two `CLIPTextModelWithProjection`s and `T5EncoderModel`, with\n"
+        "character-level tokenizers)",
+        "StableDiffusion3Pipeline",
+    ),
+    "z_image": (
+        "Z-Image's architecture at toy size, from the same classes (`ZImageTransformer2DModel`, a\n"
+        "single-stream DiT with image and caption refiner blocks, over Flux.1's kind of 16-channel\n"
+        "`AutoencoderKL` (tiny-flux's), a `Qwen3Model` language model read through its chat template, with a\n"
+        "byte-level `Qwen2Tokenizer` built here)",
+        "ZImagePipeline",
+    ),
+    "wan": (
+        "Wan 2.1's architecture at toy size, from the same classes (`WanTransformer3DModel` over 1x2x2 patches of\n"
+        "clip latents, Wan's causal video autoencoder `AutoencoderKLWan` with per-channel statistics, a\n"
+        "`UMT5EncoderModel` with a character-level `T5TokenizerFast`)",
+        "WanPipeline",
+    ),
 }
 
 
@@ -175,24 +203,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=("sd", "sdxl", *RECIPES), default="sd")
     parser.add_argument("--model-dir", type=Path, help="default: models/tiny-<family>")
-    parser.add_argument("--autoencoders-from", type=Path,
-                        help="a built base whose vae/ and taesd/ are reused instead of trained (default with --family "
-                        "sdxl: models/tiny-sd; z_image, chroma, sd3: models/tiny-flux; for another family, its own earlier build of "
-                        "the same recipe)")
+    parser.add_argument(
+        "--autoencoders-from",
+        type=Path,
+        help="a built base whose vae/ and taesd/ are reused instead of trained (default with --family "
+        "sdxl: models/tiny-sd; z_image, chroma, sd3: models/tiny-flux; "
+        "for another family, its own earlier build of the same recipe)",
+    )
     parser.add_argument("--examples-dir", type=Path, default=Path("examples"))
     parser.add_argument("--work-dir", type=Path, help="default: output/tiny-<family>-build")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, help=f"denoiser/text-encoder training steps (default: {Recipe.steps} for sd, "
-                        f"{SDXL_STEPS} for sdxl, {RECIPES['flux']['steps']} for flux, "
-                        f"{RECIPES['qwen_image']['steps']} for qwen_image, {RECIPES['z_image']['steps']} for z_image, "
-                        f"{RECIPES['flux2_klein']['steps']} for flux2_klein, {RECIPES['chroma']['steps']} for chroma, "
-                        f"{RECIPES['sd3']['steps']} for sd3, {RECIPES['wan']['steps']} for wan)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help=f"denoiser/text-encoder training steps (default: {Recipe.steps} for sd, "
+        f"{SDXL_STEPS} for sdxl, {RECIPES['flux']['steps']} for flux, "
+        f"{RECIPES['qwen_image']['steps']} for qwen_image, {RECIPES['z_image']['steps']} for z_image, "
+        f"{RECIPES['flux2_klein']['steps']} for flux2_klein, {RECIPES['chroma']['steps']} for chroma, "
+        f"{RECIPES['sd3']['steps']} for sd3, {RECIPES['wan']['steps']} for wan)",
+    )
     args = parser.parse_args()
     args.model_dir = args.model_dir or Path(f"models/tiny-{args.family}")
     args.work_dir = args.work_dir or Path(f"output/tiny-{args.family}-build")
     sdxl = args.family == "sdxl"
-    lenders = {"sdxl": Path("models/tiny-sd"), "z_image": Path("models/tiny-flux"), "chroma": Path("models/tiny-flux"),
-               "sd3": Path("models/tiny-flux"), "wan": Path("models/tiny-qwen_image")}  # the same autoencoder kinds
+    lenders = {
+        "sdxl": Path("models/tiny-sd"),
+        "z_image": Path("models/tiny-flux"),
+        "chroma": Path("models/tiny-flux"),
+        "sd3": Path("models/tiny-flux"),
+        "wan": Path("models/tiny-qwen_image"),
+    }  # the same autoencoder kinds
     args.autoencoders_from = args.autoencoders_from or lenders.get(args.family)
     recipe = Recipe(seed=args.seed, family=args.family, **RECIPES.get(args.family, {}))
     recipe.steps = args.steps or (SDXL_STEPS if sdxl else recipe.steps)
@@ -233,7 +273,9 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
     scored = partial(clip_score, frames=CLIP_FRAMES) if clips else score
     components = load_components(ModelConfig(base=str(args.model_dir)))
     base = scored(components, SEEN_COLORS, HELD_OUT_COLOR, settings)
-    control = scored(load_components(ModelConfig(base=str(args.work_dir / "init"))), SEEN_COLORS, HELD_OUT_COLOR, settings)
+    control = scored(
+        load_components(ModelConfig(base=str(args.work_dir / "init"))), SEEN_COLORS, HELD_OUT_COLOR, settings
+    )
     facts |= {"base": base, "untrained_control": control, "eval_settings": vars(settings)}
     (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
     card = clip_card if clips else image_card
@@ -255,46 +297,83 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
         shutil.rmtree(folder, ignore_errors=True)
         write_clip_folder(folder / "3_purple", concept_clips(args.seed))
         write_clip_folder(folder / "1_seen", seen_clips(args.seed))
-    print(json.dumps({k: facts[k] for k in ("seconds", "autoencoders")} | {"base_seen": base["seen"],
-                     "base_concept": base["concept"], "control_seen": control["seen"]}))
+    print(
+        json.dumps(
+            {k: facts[k] for k in ("seconds", "autoencoders")}
+            | {"base_seen": base["seen"], "base_concept": base["concept"], "control_seen": control["seen"]}
+        )
+    )
 
 
 def image_card(args, recipe: Recipe, facts: dict, components, settings: EvalSettings) -> str:
     base, control = facts["base"], facts["untrained_control"]
     architecture, pipeline = ARCHITECTURES[args.family]
     text_params = sum(p.numel() for e in components.text_encoders.values() for p in e.parameters())
-    two_streams = (f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, "
-                   f"width {recipe.flux_heads * 16})")
+    two_streams = (
+        f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, "
+        f"width {recipe.flux_heads * 16})"
+    )
     mmdit = f"transformer ({recipe.dit_layers} MMDiT blocks, width {recipe.dit_heads * 16})"
     denoiser = {
-        "flux": two_streams, "flux2_klein": two_streams, "chroma": two_streams, "qwen_image": mmdit, "sd3": mmdit,
+        "flux": two_streams,
+        "flux2_klein": two_streams,
+        "chroma": two_streams,
+        "qwen_image": mmdit,
+        "sd3": mmdit,
         "z_image": f"transformer ({recipe.dit_layers} single-stream blocks after 1 image and 1 caption refiner block, "
-                   f"width {recipe.dit_heads * 16})",
+        f"width {recipe.dit_heads * 16})",
     }.get(recipe.family, f"UNet (block channels {recipe.unet_block_out_channels})")
     return CARD.format(
-        name=args.model_dir.name, architecture=architecture, pipeline=pipeline,
+        name=args.model_dir.name,
+        architecture=architecture,
+        pipeline=pipeline,
         command="python scripts/make_tiny_base.py" + (f" --family {recipe.family}" if recipe.family != "sd" else ""),
         autoencoders_note=f" (reused from {args.autoencoders_from.name})" if args.autoencoders_from else "",
-        seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR, seed=recipe.seed,
-        autoencoder_images=recipe.autoencoder_images, vae_steps=recipe.vae_steps,
-        vae_decoder_steps=recipe.vae_decoder_steps, vae_decoder_lr=recipe.vae_decoder_lr, taesd_steps=recipe.taesd_steps,
-        autoencoder_batch=recipe.autoencoder_batch, normalization=normalization_note(components.vae),
-        vae_loss="MSE + 1e-6 KL" + (f" + {recipe.vae_color_weight} x MSE of its posterior means' first three channels "
-                                    "to the colors pooled to their size" if recipe.vae_color_weight else ""),
+        seen=", ".join(SEEN_COLORS),
+        held_out=HELD_OUT_COLOR,
+        seed=recipe.seed,
+        autoencoder_images=recipe.autoencoder_images,
+        vae_steps=recipe.vae_steps,
+        vae_decoder_steps=recipe.vae_decoder_steps,
+        vae_decoder_lr=recipe.vae_decoder_lr,
+        taesd_steps=recipe.taesd_steps,
+        autoencoder_batch=recipe.autoencoder_batch,
+        normalization=normalization_note(components.vae),
+        vae_loss="MSE + 1e-6 KL"
+        + (
+            f" + {recipe.vae_color_weight} x MSE of its posterior means' first three channels "
+            "to the colors pooled to their size"
+            if recipe.vae_color_weight
+            else ""
+        ),
         closest_colors=closest_colors(facts["autoencoders"]),
-        denoiser=denoiser, denoiser_short=denoiser.split(" (")[0],
+        denoiser=denoiser,
+        denoiser_short=denoiser.split(" (")[0],
         denoiser_params=sum(p.numel() for p in components.denoiser.parameters()),
         objective="flow matching (rectified flow), uniform noise levels with the sampler's resolution shift"
-        if recipe.family in RECIPES else f"{recipe.weighting} loss weighting",  # the flow families have recipes
-        text_encoder_note=f" and text encoder(s) ({text_params:,}) trained jointly" if recipe.train_text_encoder else
-        f" trained (its text encoder, {text_params:,} parameters, kept at its random init, its states cached)",
-        train_text_encoder=str(recipe.train_text_encoder).lower(), steps=recipe.steps,
-        batch_size=recipe.batch_size, learning_rate=recipe.learning_rate, weighting=recipe.weighting, noise_offset=recipe.noise_offset,
-        ema_decay=recipe.ema_decay, t_ae=facts["seconds"]["autoencoders"], t_unet=facts["seconds"]["unet_and_text_encoder"],
-        vae_psnr=facts["autoencoders"]["vae_psnr_db"], taesd_psnr=facts["autoencoders"]["taesd_psnr_db"],
-        taesd_rmse=facts["autoencoders"]["taesd_latent_rmse"], n=settings.samples_per_prompt,
-        seen_color=base["seen"]["color"], seen_shape=base["seen"]["shape"], concept_both=base["concept"]["both"],
-        control_color=control["seen"]["color"], control_shape=control["seen"]["shape"],
+        if recipe.family in RECIPES
+        else f"{recipe.weighting} loss weighting",  # the flow families have recipes
+        text_encoder_note=f" and text encoder(s) ({text_params:,}) trained jointly"
+        if recipe.train_text_encoder
+        else f" trained (its text encoder, {text_params:,} parameters, kept at its random init, its states cached)",
+        train_text_encoder=str(recipe.train_text_encoder).lower(),
+        steps=recipe.steps,
+        batch_size=recipe.batch_size,
+        learning_rate=recipe.learning_rate,
+        weighting=recipe.weighting,
+        noise_offset=recipe.noise_offset,
+        ema_decay=recipe.ema_decay,
+        t_ae=facts["seconds"]["autoencoders"],
+        t_unet=facts["seconds"]["unet_and_text_encoder"],
+        vae_psnr=facts["autoencoders"]["vae_psnr_db"],
+        taesd_psnr=facts["autoencoders"]["taesd_psnr_db"],
+        taesd_rmse=facts["autoencoders"]["taesd_latent_rmse"],
+        n=settings.samples_per_prompt,
+        seen_color=base["seen"]["color"],
+        seen_shape=base["seen"]["shape"],
+        concept_both=base["concept"]["both"],
+        control_color=control["seen"]["color"],
+        control_shape=control["seen"]["shape"],
     )
 
 
@@ -307,20 +386,37 @@ def closest_colors(autoencoder_scores: dict) -> str:
 def clip_card(args, recipe: Recipe, facts: dict, components, settings: EvalSettings) -> str:
     base, control, scores = facts["base"], facts["untrained_control"], facts["autoencoders"]
     return CLIP_CARD.format(
-        name=args.model_dir.name, architecture=ARCHITECTURES[args.family][0], frames=CLIP_FRAMES,
-        travel=CLIP_SPEED * (CLIP_FRAMES - 1), seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR,
-        command=f"python scripts/make_tiny_base.py --family {recipe.family}", seed=recipe.seed,
-        vae_clips=recipe.autoencoder_images // 2, vae_steps=recipe.vae_steps,
+        name=args.model_dir.name,
+        architecture=ARCHITECTURES[args.family][0],
+        frames=CLIP_FRAMES,
+        travel=CLIP_SPEED * (CLIP_FRAMES - 1),
+        seen=", ".join(SEEN_COLORS),
+        held_out=HELD_OUT_COLOR,
+        command=f"python scripts/make_tiny_base.py --family {recipe.family}",
+        seed=recipe.seed,
+        vae_clips=recipe.autoencoder_images // 2,
+        vae_steps=recipe.vae_steps,
         denoiser=f"transformer ({recipe.dit_layers} Wan blocks, width {recipe.dit_heads * 16})",
         denoiser_params=sum(p.numel() for p in components.denoiser.parameters()),
         text_params=sum(p.numel() for e in components.text_encoders.values() for p in e.parameters()),
-        steps=recipe.steps, batch_size=recipe.batch_size, train_clips=len(list((args.work_dir / "train").glob("*.mkv"))),
-        learning_rate=recipe.learning_rate, noise_offset=recipe.noise_offset, ema_decay=recipe.ema_decay,
-        t_ae=facts["seconds"]["autoencoders"], t_unet=facts["seconds"]["unet_and_text_encoder"],
-        vae_psnr=scores["vae_psnr_db"], first_psnr=scores["first_frame_psnr_db"], later_psnr=scores["later_frames_psnr_db"],
-        n=settings.samples_per_prompt, seen_color=base["seen"]["color"], seen_shape=base["seen"]["shape"],
-        seen_direction=base["seen"]["direction"], concept_both=base["concept"]["both"],
-        control_color=control["seen"]["color"], control_shape=control["seen"]["shape"],
+        steps=recipe.steps,
+        batch_size=recipe.batch_size,
+        train_clips=len(list((args.work_dir / "train").glob("*.mkv"))),
+        learning_rate=recipe.learning_rate,
+        noise_offset=recipe.noise_offset,
+        ema_decay=recipe.ema_decay,
+        t_ae=facts["seconds"]["autoencoders"],
+        t_unet=facts["seconds"]["unet_and_text_encoder"],
+        vae_psnr=scores["vae_psnr_db"],
+        first_psnr=scores["first_frame_psnr_db"],
+        later_psnr=scores["later_frames_psnr_db"],
+        n=settings.samples_per_prompt,
+        seen_color=base["seen"]["color"],
+        seen_shape=base["seen"]["shape"],
+        seen_direction=base["seen"]["direction"],
+        concept_both=base["concept"]["both"],
+        control_color=control["seen"]["color"],
+        control_shape=control["seen"]["shape"],
         control_direction=control["seen"]["direction"],
     )
 

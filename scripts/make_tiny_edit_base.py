@@ -63,22 +63,29 @@ Full numbers: `scores.json`.
 # What each source family's edit base card says (the edit base's name, its job, how to sample it).
 CARDS = {
     "flux": {
-        "name": "tiny-flux_kontext", "kind": "FLUX.1 Kontext-style", "job": "flux_kontext_edit",
-        "components": "autoencoders, CLIP, T5", "transformer": "FluxTransformer2DModel", "pipeline": "FluxKontextPipeline",
+        "name": "tiny-flux_kontext",
+        "kind": "FLUX.1 Kontext-style",
+        "job": "flux_kontext_edit",
+        "components": "autoencoders, CLIP, T5",
+        "transformer": "FluxTransformer2DModel",
+        "pipeline": "FluxKontextPipeline",
         "trained": "its transformer fully fine-tuned",
-        "sampling": "Sample with the control at the output's size: `pipeline(image=control, prompt=\"make it red\", "
-                    "height=32, width=32,\nmax_area=32 * 32, _auto_resize=False, true_cfg_scale=3.0, negative_prompt=\"\")` "
-                    "(no guidance embedding).",
+        "sampling": 'Sample with the control at the output\'s size: `pipeline(image=control, prompt="make it red", '
+        'height=32, width=32,\nmax_area=32 * 32, _auto_resize=False, true_cfg_scale=3.0, negative_prompt="")` '
+        "(no guidance embedding).",
     },
     "qwen_image": {
-        "name": "tiny-qwen_image_edit_plus", "kind": "Qwen-Image-Edit-2509-style", "job": "qwen_image_edit",
-        "components": "autoencoders, a Qwen2.5-VL language model with a vision tower, its tokenizer extended by the edit "
-                      "template's words and the vision tokens",
-        "transformer": "QwenImageTransformer2DModel", "pipeline": "QwenImageEditPlusPipeline",
+        "name": "tiny-qwen_image_edit_plus",
+        "kind": "Qwen-Image-Edit-2509-style",
+        "job": "qwen_image_edit",
+        "components": "autoencoders, a Qwen2.5-VL language model with a vision tower, its tokenizer extended by the "
+        "edit template's words and the vision tokens",
+        "transformer": "QwenImageTransformer2DModel",
+        "pipeline": "QwenImageEditPlusPipeline",
         "trained": "its transformer and language model fully fine-tuned",
         "sampling": "The pipeline resizes every control to about 1 MP; `difftune sample --base models/"
-                    "tiny-qwen_image_edit_plus --control\ncontrol.png --prompt \"make it red\" --resolution 32 "
-                    "--guidance-scale 3 --out samples` sizes it to the output's area.",
+        'tiny-qwen_image_edit_plus --control\ncontrol.png --prompt "make it red" --resolution 32 '
+        "--guidance-scale 3 --out samples` sizes it to the output's area.",
     },
 }
 
@@ -103,27 +110,47 @@ def main() -> None:
     link_borrowed_files(args.model_dir)
     settings = EvalSettings()
     scores = edit_score(load_components(ModelConfig(base=str(args.model_dir))), SEEN_COLORS, HELD_OUT_COLOR, settings)
-    before = edit_score(load_components(ModelConfig(base=str(args.work_dir / "init"))), SEEN_COLORS, HELD_OUT_COLOR, settings)
+    before = edit_score(
+        load_components(ModelConfig(base=str(args.work_dir / "init"))), SEEN_COLORS, HELD_OUT_COLOR, settings
+    )
     facts |= {"base": scores, "before_edit_training": before, "eval_settings": vars(settings)}
     (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
     components = load_components(ModelConfig(base=str(args.model_dir)))
-    (args.model_dir / "README.md").write_text(CARD.format(
-        **card | {"name": args.model_dir.name}, family=args.family, source=args.source.name,
-        seen=", ".join(SEEN_COLORS), held_out=HELD_OUT_COLOR,
-        params=sum(p.numel() for p in components.denoiser.parameters()), seed=args.seed,
-        pairs=recipe["pairs_per_prompt"] * len(SEEN_COLORS) * 3, seconds=facts["seconds"]["transformer"],
-        n=settings.samples_per_prompt, **{key: recipe[key] for key in ("steps", "batch_size", "learning_rate", "ema_decay")},
-        **scores["seen"], **{f"before_{key}": value for key, value in before["seen"].items()},
-        before_concept=before["concept"]["both"], concept=scores["concept"]["both"],
-    ))
+    (args.model_dir / "README.md").write_text(
+        CARD.format(
+            **card | {"name": args.model_dir.name},
+            family=args.family,
+            source=args.source.name,
+            seen=", ".join(SEEN_COLORS),
+            held_out=HELD_OUT_COLOR,
+            params=sum(p.numel() for p in components.denoiser.parameters()),
+            seed=args.seed,
+            pairs=recipe["pairs_per_prompt"] * len(SEEN_COLORS) * 3,
+            seconds=facts["seconds"]["transformer"],
+            n=settings.samples_per_prompt,
+            **{key: recipe[key] for key in ("steps", "batch_size", "learning_rate", "ema_decay")},
+            **scores["seen"],
+            **{f"before_{key}": value for key, value in before["seen"].items()},
+            before_concept=before["concept"]["both"],
+            concept=scores["concept"]["both"],
+        )
+    )
     # The default edit job's pairs: 16 purple edits of seen-color shapes 3 times per epoch, and 15 seen edits beside
     # them (as the text-to-image jobs keep renders of the seen colors: the frozen T5 puts "purple" near "green").
     folder = args.examples_dir / "purple_edits"
     shutil.rmtree(folder, ignore_errors=True)
     write_pair_folder(folder / "3_purple", recolor_pairs(16, args.seed + 7, (HELD_OUT_COLOR,), SEEN_COLORS))
     write_pair_folder(folder / "1_seen", recolor_pairs(15, args.seed + 21, SEEN_COLORS, SEEN_COLORS))
-    print(json.dumps({"seconds": facts["seconds"], "base_seen": scores["seen"], "base_concept": scores["concept"],
-                      "before_seen": before["seen"]}))
+    print(
+        json.dumps(
+            {
+                "seconds": facts["seconds"],
+                "base_seen": scores["seen"],
+                "base_concept": scores["concept"],
+                "before_seen": before["seen"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

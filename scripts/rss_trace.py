@@ -50,8 +50,11 @@ def main() -> None:
     if process.returncode or not samples:
         sys.exit(f"rss_trace: {command[0]} exited with {process.returncode} after {len(samples)} samples")
     peak = max(samples, key=lambda s: s["anon_mib"] + s["file_mib"])
-    summary = {"peak_mib": peak["anon_mib"] + peak["file_mib"], **{f"peak_{k}": v for k, v in peak.items()},
-               "command": command}
+    summary = {
+        "peak_mib": peak["anon_mib"] + peak["file_mib"],
+        **{f"peak_{k}": v for k, v in peak.items()},
+        "command": command,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(s) + "\n" for s in [*samples, summary]))
     print(json.dumps(summary))

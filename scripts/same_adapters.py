@@ -27,9 +27,16 @@ from safetensors import safe_open
 
 REPO = Path(__file__).resolve().parents[1]
 RECORD = REPO / "benchmarks" / "same_adapters.json"
-# What the check leaves out of a shipped job: drawing (it does not change what trains) and the checkpoints (not a result).
-QUIET = ["sample.prompts=[]", "sample.before=false", "sample.every_steps=0", "checkpoint.every_steps=0",
-         "log.tensorboard=false", "log.progress_bar=false"]
+# What the check leaves out of a shipped job: drawing (it does not change what trains) and the checkpoints (not a
+# result).
+QUIET = [
+    "sample.prompts=[]",
+    "sample.before=false",
+    "sample.every_steps=0",
+    "checkpoint.every_steps=0",
+    "log.tensorboard=false",
+    "log.progress_bar=false",
+]
 
 
 def tiny_base_jobs() -> list[Path]:
@@ -49,7 +56,8 @@ def tensor_digests(folder: Path) -> dict[str, dict[str, str]]:
         with safe_open(path, framework="pt") as tensors:
             digests[str(path.relative_to(folder))] = {
                 name: hashlib.sha256(
-                    f"{tensor.dtype}{tuple(tensor.shape)}".encode() + tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                    f"{tensor.dtype}{tuple(tensor.shape)}".encode()
+                    + tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                 ).hexdigest()
                 for name in sorted(tensors.keys())
                 for tensor in (tensors.get_tensor(name),)
@@ -60,7 +68,12 @@ def tensor_digests(folder: Path) -> dict[str, dict[str, str]]:
 def run_job(config: Path, steps: int, work: Path) -> dict[str, dict[str, str]]:
     """The job's written tensors' digests, after `steps` optimizer steps (0: as shipped)."""
     output = work / config.stem
-    overrides = [f"train.output_dir={output}", "train.overwrite=true", f"cache.dir={work / 'cache' / config.stem}", *QUIET]
+    overrides = [
+        f"train.output_dir={output}",
+        "train.overwrite=true",
+        f"cache.dir={work / 'cache' / config.stem}",
+        *QUIET,
+    ]
     if steps:
         overrides.append(f"train.max_steps={steps}")
     command = [sys.executable, "-m", "difftune.cli", "train", "--config", str(config), "--quiet", *overrides]
@@ -74,7 +87,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=("record", "check"))
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per job (record; 0: as shipped)")
-    parser.add_argument("--record", type=Path, default=RECORD, help=f"the digests' file (default {RECORD.relative_to(REPO)})")
+    parser.add_argument(
+        "--record", type=Path, default=RECORD, help=f"the digests' file (default {RECORD.relative_to(REPO)})"
+    )
     parser.add_argument("--job", action="append", help="only these configs' names (e.g. tiny_lora)")
     args = parser.parse_args()
     recorded = json.loads(args.record.read_text()) if args.action == "check" else {}
@@ -89,9 +104,12 @@ def main() -> None:
                 if before is None:
                     print(f"{config.stem}: not recorded", flush=True)
                     continue
-                changed = [f"{file}:{name}" for file in sorted(set(before) | set(results[config.stem]))
-                           for name in sorted(set(before.get(file, {})) | set(results[config.stem].get(file, {})))
-                           if before.get(file, {}).get(name) != results[config.stem].get(file, {}).get(name)]
+                changed = [
+                    f"{file}:{name}"
+                    for file in sorted(set(before) | set(results[config.stem]))
+                    for name in sorted(set(before.get(file, {})) | set(results[config.stem].get(file, {})))
+                    if before.get(file, {}).get(name) != results[config.stem].get(file, {}).get(name)
+                ]
                 differ += [f"{config.stem} {item}" for item in changed]
                 print(f"{config.stem}: {'same' if not changed else f'{len(changed)} tensors differ'}", flush=True)
             else:

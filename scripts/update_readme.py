@@ -15,8 +15,10 @@ from difftune.config import reference_markdown
 from difftune.families import FAMILY_OPTIONS, family_table_markdown
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = {"config-reference": lambda: reference_markdown(FAMILY_OPTIONS),
-            "families": lambda: family_table_markdown(REPO / "models")}
+SECTIONS = {
+    "config-reference": lambda: reference_markdown(FAMILY_OPTIONS),
+    "families": lambda: family_table_markdown(REPO / "models"),
+}
 
 
 def replaced(text: str, section: str, content: str) -> str:
@@ -31,10 +33,25 @@ def first_screen() -> str:
     checkout's paths as a user's; its end-of-run grid copied to docs/tiny_lora_grid.png."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "tiny_lora"
-        run = subprocess.run([sys.executable, "-m", "difftune.cli", "train", "--config", "configs/tiny_lora.toml",
-                              f"train.output_dir={out}"], cwd=REPO, capture_output=True, text=True, check=True)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "difftune.cli",
+                "train",
+                "--config",
+                "configs/tiny_lora.toml",
+                f"train.output_dir={out}",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         shutil.copyfile(out / "samples" / "grid.png", REPO / "docs" / "tiny_lora_grid.png")
-        text = run.stdout.replace(str(out), "/home/you/difftune/output/tiny_lora").replace(str(REPO), "/home/you/difftune")
+        text = run.stdout.replace(str(out), "/home/you/difftune/output/tiny_lora").replace(
+            str(REPO), "/home/you/difftune"
+        )
     bar = re.findall(r"train: 100%[^\r\n]*", run.stderr)[-1]
     lines = text.splitlines()
     lines.insert(lines.index("difftune: training ...") + 1, bar)

@@ -16,8 +16,14 @@ from __future__ import annotations
 
 import torch
 
-CLIP_LAYER_MODULES = ("mlp.fc1", "mlp.fc2", "self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj",
-                      "self_attn.out_proj")
+CLIP_LAYER_MODULES = (
+    "mlp.fc1",
+    "mlp.fc2",
+    "self_attn.k_proj",
+    "self_attn.q_proj",
+    "self_attn.v_proj",
+    "self_attn.out_proj",
+)
 
 
 def denoiser_weights(single_file: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -54,7 +60,11 @@ def text_key_map(encoders: dict[str, tuple[str, dict[str, torch.Tensor]]]) -> di
         prefixes = ("lora_te_", "lora_te1_") if clips == 1 else ("lora_te2_",)
         for key in weights:
             module = key.removesuffix(".weight").removeprefix("text_model.")
-            if key.endswith(".weight") and module.startswith("encoder.layers.") and module.split(".", 3)[3] in CLIP_LAYER_MODULES:
+            if (
+                key.endswith(".weight")
+                and module.startswith("encoder.layers.")
+                and module.split(".", 3)[3] in CLIP_LAYER_MODULES
+            ):
                 for prefix in prefixes:
                     found[f"{prefix}text_model_{module.replace('.', '_')}"] = (part, key)
     for part, (kind, weights) in encoders.items():

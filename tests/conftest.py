@@ -22,7 +22,9 @@ def run_in_repo(args, extra_env=None) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
 
 
-def run_whole_killed_and_resumed(command: list[str], tmp_path: Path, kill_at_rows: int, steps: int) -> tuple[Path, Path]:
+def run_whole_killed_and_resumed(
+    command: list[str], tmp_path: Path, kill_at_rows: int, steps: int
+) -> tuple[Path, Path]:
     """A training command (without `train.output_dir`) run through into tmp_path/whole, and again into tmp_path/killed,
     killed with SIGKILL once its metrics log holds `kill_at_rows` rows, then resumed there with `--resume auto` (from
     the newest checkpoint, as its output says). Returns both folders."""
@@ -34,21 +36,35 @@ def run_whole_killed_and_resumed(command: list[str], tmp_path: Path, kill_at_row
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    finished = subprocess.run([*command, f"train.output_dir={whole}"], cwd=REPO, env=env, capture_output=True, timeout=600)
+    finished = subprocess.run(
+        [*command, f"train.output_dir={whole}"], cwd=REPO, env=env, capture_output=True, timeout=600
+    )
     assert finished.returncode == 0, finished.stderr[-2000:]
-    process = subprocess.Popen([*command, f"train.output_dir={killed}"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [*command, f"train.output_dir={killed}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
-        if (killed / "metrics.jsonl").exists() and len((killed / "metrics.jsonl").read_text().splitlines()) >= kill_at_rows:
+        if (killed / "metrics.jsonl").exists() and len(
+            (killed / "metrics.jsonl").read_text().splitlines()
+        ) >= kill_at_rows:
             break
         time.sleep(0.02)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     assert kill_at_rows <= len(read_metrics(killed)) < steps, "the run was not killed mid-way"
     resume_point = find_checkpoint(killed, "auto").name
-    resumed = subprocess.run([*command, f"train.output_dir={killed}", "--resume", "auto"], cwd=REPO, env=env,
-                             capture_output=True, timeout=600)
+    resumed = subprocess.run(
+        [*command, f"train.output_dir={killed}", "--resume", "auto"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from {killed / 'checkpoints' / resume_point}" in resumed.stdout.decode()
     return whole, killed
@@ -103,8 +119,14 @@ def pairs(tmp_path) -> Path:
 
 def edit_settings(base: Path, data: Path, out: Path, **overrides) -> dict:
     """`make_config` overrides of an edit job: `base` trained on the pairs in `data`, transformer only, no samples."""
-    return {"model__base": str(base), "data__path": str(data), "train__output_dir": str(out),
-            "adapter__text_encoder": False, "sample__prompts": [], **overrides}
+    return {
+        "model__base": str(base),
+        "data__path": str(data),
+        "train__output_dir": str(out),
+        "adapter__text_encoder": False,
+        "sample__prompts": [],
+        **overrides,
+    }
 
 
 @pytest.fixture
@@ -139,7 +161,9 @@ def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, list):  # JSON strings, numbers and arrays of them are TOML; tables go inline
-        return "[" + ", ".join(_toml_value(item) if isinstance(item, dict) else json.dumps(item) for item in value) + "]"
+        return (
+            "[" + ", ".join(_toml_value(item) if isinstance(item, dict) else json.dumps(item) for item in value) + "]"
+        )
     if isinstance(value, dict):  # a prompt with controls
         return "{" + ", ".join(f"{key} = {json.dumps(item)}" for key, item in value.items()) + "}"
     return str(value)

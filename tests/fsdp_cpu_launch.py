@@ -21,7 +21,9 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from difftune.cli import main
 
 # The shipped config whose fsdp_config it applies; the multi-node tests name configs/accelerate/multi_node_fsdp.yaml.
-FSDP_CONFIG = Path(os.environ.get("DIFFTUNE_FSDP_CONFIG", Path(__file__).resolve().parents[1] / "configs/accelerate/fsdp.yaml"))
+FSDP_CONFIG = Path(
+    os.environ.get("DIFFTUNE_FSDP_CONFIG", Path(__file__).resolve().parents[1] / "configs/accelerate/fsdp.yaml")
+)
 
 _accelerator_state_init = AcceleratorState.__init__
 
@@ -35,6 +37,8 @@ def _init_sharded(self, *args, **kwargs):
 
 if __name__ == "__main__":
     for key, value in yaml.safe_load(FSDP_CONFIG.read_text())["fsdp_config"].items():
-        os.environ["FSDP_" + key.removeprefix("fsdp_").upper()] = str(value).lower() if isinstance(value, bool) else str(value)
+        os.environ["FSDP_" + key.removeprefix("fsdp_").upper()] = (
+            str(value).lower() if isinstance(value, bool) else str(value)
+        )
     AcceleratorState.__init__ = _init_sharded
     sys.exit(main())

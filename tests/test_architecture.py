@@ -21,8 +21,12 @@ def test_every_package_and_module_of_the_library_has_a_layer():
     package says its job and what it may import."""
     contracts = configparser.ConfigParser()
     contracts.read(CONTRACTS)
-    layered = {name.strip() for line in contracts["importlinter:contract:layers"]["layers"].splitlines()
-               for name in line.replace("|", ":").split(":") if name.strip()}
+    layered = {
+        name.strip()
+        for line in contracts["importlinter:contract:layers"]["layers"].splitlines()
+        for name in line.replace("|", ":").split(":")
+        if name.strip()
+    }
     root = Path(difftune.__file__).parent
     members = {path.stem for path in root.glob("*.py") if path.stem != "__init__"}
     packages = {path.parent.name for path in root.glob("*/__init__.py")}
@@ -30,3 +34,14 @@ def test_every_package_and_module_of_the_library_has_a_layer():
     for package in packages:
         doc = (root / package / "__init__.py").read_text(encoding="utf-8")
         assert doc.startswith('"""') and ("May import" in doc or "may import" in doc), package
+
+
+def test_code_is_laid_out_by_the_formatter():
+    """`ruff format` lays out every file (CI's `ruff check` then holds E501: only strings and comments can run long)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "."], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -18,8 +18,14 @@ def bench_peer():
 
 
 def _record(scenario, trainer, sec, inrun, rss, steps=("3", "12")):
-    return {"scenario": scenario, "trainer": trainer, "sec_per_step": sec, "sec_per_step_inrun": inrun, "peak_rss_mb": rss,
-            "args": ["--steps", *steps]}
+    return {
+        "scenario": scenario,
+        "trainer": trainer,
+        "sec_per_step": sec,
+        "sec_per_step_inrun": inrun,
+        "peak_rss_mb": rss,
+        "args": ["--steps", *steps],
+    }
 
 
 def test_the_table_gives_medians_over_sittings_at_the_newest_settings(bench_peer, tmp_path, monkeypatch):
@@ -43,10 +49,15 @@ def test_the_table_gives_medians_over_sittings_at_the_newest_settings(bench_peer
     monkeypatch.setattr(bench_peer, "RESULTS", results)
     bench_peer.write_table(benchmarks)
     text = benchmarks.read_text()
-    assert text.startswith("before\n") and text.endswith(f"{bench_peer.MARKERS[1]}\nafter\n") and "old table" not in text
+    assert (
+        text.startswith("before\n") and text.endswith(f"{bench_peer.MARKERS[1]}\nafter\n") and "old table" not in text
+    )
     rows = [line for line in text.splitlines() if line.startswith("| each trainer")]
     # RSS ratios per sitting 0.8, 0.9, 0.5: median 0.8.
-    assert rows == [f"| {bench_peer.SCENARIOS['recommended-sd15']['what']} | 3 | 7 (6) | 5 (4) | 1.50x (1.00-2.00) | 5000 | 4000 | 0.80x |"]
+    assert rows == [
+        f"| {bench_peer.SCENARIOS['recommended-sd15']['what']} | 3 "
+        "| 7 (6) | 5 (4) | 1.50x (1.00-2.00) | 5000 | 4000 | 0.80x |"
+    ]
     assert "tiny model" not in text
 
 
@@ -54,4 +65,4 @@ def test_benchmarks_md_holds_the_table_of_the_committed_results(bench_peer):
     records = [json.loads(line) for line in bench_peer.RESULTS.read_text().splitlines() if line.strip()]
     text = (REPO / "BENCHMARKS.md").read_text()
     start, end = (text.index(marker) for marker in bench_peer.MARKERS)
-    assert text[start + len(bench_peer.MARKERS[0]):end].strip() == bench_peer.markdown_table(records)
+    assert text[start + len(bench_peer.MARKERS[0]) : end].strip() == bench_peer.markdown_table(records)

@@ -22,9 +22,16 @@ def _losses(path):
 
 @pytest.mark.parametrize("flip", [False, True])
 def test_a_cached_run_trains_like_an_uncached_one(make_config, tmp_path, flip):
-    common = {"train__max_steps": 4, "data__random_flip": flip, "data__caption_dropout": 0.5, "cache__dir": str(tmp_path / "cache")}
+    common = {
+        "train__max_steps": 4,
+        "data__random_flip": flip,
+        "data__caption_dropout": 0.5,
+        "cache__dir": str(tmp_path / "cache"),
+    }
     plain = train(make_config(train__output_dir=str(tmp_path / "plain"), **common))
-    cached = train(make_config(train__output_dir=str(tmp_path / "cached"), cache__latents=True, cache__text=True, **common))
+    cached = train(
+        make_config(train__output_dir=str(tmp_path / "cached"), cache__latents=True, cache__text=True, **common)
+    )
     assert _losses(tmp_path / "cached") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-5)
     assert plain.losses[0] == pytest.approx(cached.losses[0], rel=1e-6)
     assert any((tmp_path / "cache" / "latents").rglob("*.safetensors"))
@@ -45,11 +52,23 @@ def test_a_warm_cache_encodes_nothing_and_changes_invalidate(make_config, tmp_pa
     identity = model_identity(components.vae)
     entries = latent_entries(examples, sizes, identity, config)
     assert fill_latents([e.path for e in examples], sizes, entries, components.vae, config, 4) == 8
-    assert fill_latents([e.path for e in examples], sizes, latent_entries(examples, sizes, identity, config), components.vae, config, 4) == 0
+    assert (
+        fill_latents(
+            [e.path for e in examples],
+            sizes,
+            latent_entries(examples, sizes, identity, config),
+            components.vae,
+            config,
+            4,
+        )
+        == 0
+    )
 
     Image.new("RGB", (32, 32), (1, 2, 3)).save(images / "0003.png")  # one image changes
     changed = latent_entries(examples, sizes, identity, config)
-    assert [a["plain"] != b["plain"] for a, b in zip(entries, changed)] == [e.path.name == "0003.png" for e in examples]
+    assert [a["plain"] != b["plain"] for a, b in zip(entries, changed, strict=True)] == [
+        e.path.name == "0003.png" for e in examples
+    ]
     assert fill_latents([e.path for e in examples], sizes, changed, components.vae, config, 4) == 1
 
     torch.manual_seed(123)
@@ -104,7 +123,7 @@ def test_entries_read_once_stay_in_ram_up_to_the_budget(make_config, tmp_path):
         else:
             with pytest.raises(FileNotFoundError):
                 in_ram[key]
-    for want, got in zip(expected, first_read + served):
+    for want, got in zip(expected, first_read + served, strict=True):
         torch.testing.assert_close(got["latent_mean"], want["latent_mean"], rtol=0, atol=0)
         torch.testing.assert_close(got["token_ids"], want["token_ids"], rtol=0, atol=0)
 
@@ -136,7 +155,11 @@ def test_alpha_background_is_part_of_a_latent_entry(make_config, tmp_path):
     for color, background in (("white", "[255, 255, 255]"), ("black", "[0, 0, 0]")):
         for cached in (True, False):
             out = tmp_path / f"{color}-{'cached' if cached else 'plain'}"
-            train(make_config(train__output_dir=str(out), cache__latents=cached, data__alpha_background=background, **common))
+            train(
+                make_config(
+                    train__output_dir=str(out), cache__latents=cached, data__alpha_background=background, **common
+                )
+            )
         assert _losses(tmp_path / f"{color}-cached") == pytest.approx(_losses(tmp_path / f"{color}-plain"), rel=1e-5)
     assert _losses(tmp_path / "white-cached") != pytest.approx(_losses(tmp_path / "black-cached"), rel=1e-3)
     assert len(list((tmp_path / "cache" / "latents").rglob("*.safetensors"))) == 8
@@ -179,7 +202,9 @@ def test_caches_are_on_by_default_where_the_settings_allow():
 def test_a_default_run_caches_and_trains_without_its_encoders(make_config, tmp_path):
     """`auto` resolves in the run's saved config, the caches are written, and with nothing to preview the VAE and
     the text encoder leave memory for the whole run (the result's components come back without them)."""
-    config = make_config(cache__latents="auto", cache__text="auto", cache__dir=str(tmp_path / "cache"), train__max_steps=2)
+    config = make_config(
+        cache__latents="auto", cache__text="auto", cache__dir=str(tmp_path / "cache"), train__max_steps=2
+    )
     result = train(config)
     saved = load_config(tmp_path / "run" / "config.toml")
     assert (saved.cache.latents, saved.cache.text) == ("on", "on")
@@ -191,8 +216,12 @@ def test_a_default_run_caches_and_trains_without_its_encoders(make_config, tmp_p
 
 def test_released_encoders_come_back_for_the_final_samples(make_config, tmp_path):
     config = make_config(
-        cache__latents=True, cache__text=True, cache__dir=str(tmp_path / "cache"), train__max_steps=2,
-        sample__prompts=["a red circle"], sample__steps=2,
+        cache__latents=True,
+        cache__text=True,
+        cache__dir=str(tmp_path / "cache"),
+        train__max_steps=2,
+        sample__prompts=["a red circle"],
+        sample__steps=2,
     )
     result = train(config)
     assert (tmp_path / "run" / "samples" / "000.png").is_file()
@@ -206,8 +235,13 @@ def test_buckets_train_cached_and_uncached_alike(make_config, tmp_path):
         Image.new("RGB", size, (40 * i, 100, 200 - 30 * i)).save(images / f"{i}.png")
         (images / f"{i}.txt").write_text(f"shape {i}")
     common = {
-        "data__path": str(images), "data__buckets": True, "data__bucket_step": 8, "data__bucket_min_side": 16,
-        "data__bucket_max_side": 64, "train__max_steps": 4, "cache__dir": str(tmp_path / "cache"),
+        "data__path": str(images),
+        "data__buckets": True,
+        "data__bucket_step": 8,
+        "data__bucket_min_side": 16,
+        "data__bucket_max_side": 64,
+        "train__max_steps": 4,
+        "cache__dir": str(tmp_path / "cache"),
     }
     train(make_config(train__output_dir=str(tmp_path / "plain"), **common))
     train(make_config(train__output_dir=str(tmp_path / "cached"), cache__latents=True, **common))

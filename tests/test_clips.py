@@ -1,4 +1,5 @@
-"""Clips (difftune/data/clips.py): which frame windows a clip gives, as musubi-tuner's dataset config names them, and the
+"""Clips (difftune/data/clips.py): which frame windows a clip gives, as musubi-tuner's dataset config names them, and
+the
 frames decoded for each, exactly (lossless clips written here); bad clips named with their reason. The data path
 (data.py) over them: a window per example, its frames cut as one, frame-count buckets, clips through a video
 autoencoder."""
@@ -29,17 +30,20 @@ def number_of(frame: Image.Image) -> int:
     return frame.getpixel((0, 0))[0] // 8
 
 
-@pytest.mark.parametrize(("windows", "frame_count", "expected"), [
-    (FrameWindows((9, 17), "head"), 30, [(0, 9), (0, 17)]),
-    (FrameWindows((9,), "chunk"), 30, [(0, 9), (9, 9), (18, 9)]),
-    (FrameWindows((17,), "slide", stride=5), 30, [(0, 17), (5, 17), (10, 17)]),
-    (FrameWindows((17,), "uniform", samples=3), 30, [(0, 17), (6, 17), (13, 17)]),
-    (FrameWindows(extraction="full"), 30, [(0, 29)]),  # 4k + 1
-    (FrameWindows(extraction="full", max_frames=21), 30, [(0, 21)]),
-    (FrameWindows((10, 16), "head"), 30, [(0, 9), (0, 13)]),  # lengths rounded down to 4k + 1
-    (FrameWindows((33,), "head"), 30, []),  # shorter than every window
-    (FrameWindows((1,), "chunk", frame_multiple=1), 3, [(0, 1), (1, 1), (2, 1)]),
-])
+@pytest.mark.parametrize(
+    ("windows", "frame_count", "expected"),
+    [
+        (FrameWindows((9, 17), "head"), 30, [(0, 9), (0, 17)]),
+        (FrameWindows((9,), "chunk"), 30, [(0, 9), (9, 9), (18, 9)]),
+        (FrameWindows((17,), "slide", stride=5), 30, [(0, 17), (5, 17), (10, 17)]),
+        (FrameWindows((17,), "uniform", samples=3), 30, [(0, 17), (6, 17), (13, 17)]),
+        (FrameWindows(extraction="full"), 30, [(0, 29)]),  # 4k + 1
+        (FrameWindows(extraction="full", max_frames=21), 30, [(0, 21)]),
+        (FrameWindows((10, 16), "head"), 30, [(0, 9), (0, 13)]),  # lengths rounded down to 4k + 1
+        (FrameWindows((33,), "head"), 30, []),  # shorter than every window
+        (FrameWindows((1,), "chunk", frame_multiple=1), 3, [(0, 1), (1, 1), (2, 1)]),
+    ],
+)
 def test_windows_are_musubi_tuners(windows, frame_count, expected):
     assert windows.windows(frame_count) == expected
 
@@ -90,8 +94,11 @@ def test_each_window_of_a_clip_is_an_example_and_bad_clips_are_reported(tmp_path
     folder = clip_folder(tmp_path / "data")
     examples, bad = scan_examples(DataConfig(path=str(folder)), windows=WINDOWS)
     assert [(e.path.name, e.frames, e.caption) for e in examples] == [
-        ("clip_12.mkv", (0, 5), "a clip of 12 frames"), ("clip_12.mkv", (5, 5), "a clip of 12 frames"),
-        ("clip_7.mkv", (0, 5), "a clip of 7 frames"), ("still.png", None, "a still")]
+        ("clip_12.mkv", (0, 5), "a clip of 12 frames"),
+        ("clip_12.mkv", (5, 5), "a clip of 12 frames"),
+        ("clip_7.mkv", (0, 5), "a clip of 7 frames"),
+        ("still.png", None, "a still"),
+    ]
     reasons = {b.path.name: b.reason for b in bad}
     assert reasons.keys() == {"broken.mp4", "clip_3.mkv"}
     assert reasons["broken.mp4"].startswith("cannot be decoded as a video")
@@ -101,7 +108,8 @@ def test_each_window_of_a_clip_is_an_example_and_bad_clips_are_reported(tmp_path
     assert [(e.path.name, e.frames) for e in examples] == [("still.png", None)]
     assert {b.path.name: b.reason for b in bad} == {
         name: "a clip: this base trains still images (a video base such as Wan reads clips)"
-        for name in ("broken.mp4", "clip_12.mkv", "clip_3.mkv", "clip_7.mkv")}
+        for name in ("broken.mp4", "clip_12.mkv", "clip_3.mkv", "clip_7.mkv")
+    }
 
 
 def test_a_clips_window_is_cut_and_flipped_as_one(tmp_path):
@@ -128,7 +136,9 @@ def test_a_clips_window_is_cut_and_flipped_as_one(tmp_path):
 def test_batches_never_mix_frame_counts(tmp_path):
     """Windows of 5 frames, of 9, and images (0 frames) each batch alone: their tensors have other shapes."""
     folder = clip_folder(tmp_path / "data", frame_counts=(12, 9, 10))
-    examples, _ = scan_examples(DataConfig(path=str(folder), target_frames=[5, 9]), windows=FrameWindows((5, 9), frame_multiple=2))
+    examples, _ = scan_examples(
+        DataConfig(path=str(folder), target_frames=[5, 9]), windows=FrameWindows((5, 9), frame_multiple=2)
+    )
     counts = frame_counts(examples)
     assert sorted(counts) == [0, 5, 5, 5, 9, 9, 9]
     sizes = [(16, 16)] * len(examples)
@@ -158,14 +168,15 @@ def test_a_video_autoencoder_encodes_a_clip_causally():
 
 
 def test_a_clips_cache_entries_are_keyed_by_its_window(tmp_path):
-    """Another window of the same clip is another latent entry; an image's entries do not depend on the frame settings."""
+    """Another window of the same clip is another latent entry; an image's entries do not depend on the frame
+    settings."""
     folder = clip_folder(tmp_path / "data", frame_counts=(12,))
     config = load_config(None, [f"data.path={folder}", f"cache.dir={tmp_path / 'cache'}"])
     entries = {}
     for length in (5, 9):
         examples, _ = scan_examples(config.data, windows=FrameWindows((length,), "chunk", frame_multiple=2))
         files = latent_entries(examples, [(16, 16)] * len(examples), "vae", config)
-        entries[length] = {(e.path.name, e.frames): views["plain"] for e, views in zip(examples, files)}
+        entries[length] = {(e.path.name, e.frames): views["plain"] for e, views in zip(examples, files, strict=True)}
     assert entries[5].keys() == {("clip_12.mkv", (0, 5)), ("clip_12.mkv", (5, 5)), ("still.png", None)}
     assert entries[9].keys() == {("clip_12.mkv", (0, 9)), ("still.png", None)}
     assert entries[5][("still.png", None)] == entries[9][("still.png", None)]

@@ -16,8 +16,15 @@ CONFIG_FILES = sorted((REPO / "configs").glob("*.toml"))
 
 
 def test_configs_exist():
-    assert {"tiny_lora.toml", "tiny_dora.toml", "sd15_lora.toml", "sdxl_lora.toml", "flux_lora.toml", "qwen_image_lora.toml",
-            "qwen_image_1024_lora.toml"} <= {p.name for p in CONFIG_FILES}
+    assert {
+        "tiny_lora.toml",
+        "tiny_dora.toml",
+        "sd15_lora.toml",
+        "sdxl_lora.toml",
+        "flux_lora.toml",
+        "qwen_image_lora.toml",
+        "qwen_image_1024_lora.toml",
+    } <= {p.name for p in CONFIG_FILES}
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
@@ -49,7 +56,9 @@ def test_bad_files_fail_naming_the_file_and_key(tmp_path, content, message):
 
 
 def test_bad_choice_lists_the_allowed_values():
-    with pytest.raises(DifftuneError, match=r"adapter\.kind: Input should be 'lora', 'dora', 'loha', 'lokr', 'none' or 'embedding'"):
+    with pytest.raises(
+        DifftuneError, match=r"adapter\.kind: Input should be 'lora', 'dora', 'loha', 'lokr', 'none' or 'embedding'"
+    ):
         load_config(None, ["adapter.kind=ia3"])
 
 
@@ -60,7 +69,9 @@ def test_range_and_cross_section_checks():
         load_config(None, ["optim.betas=[0.9, 1.5]"])
     # 16-bit storage with fp32 compute is for the denoiser's frozen layers, alone.
     assert load_config(None, ["model.weight_dtype=fp16"]).model.weight_dtype == "fp16"
-    with pytest.raises(DifftuneError, match=r"weight_dtype = \"bf16\" with train\.mixed_precision = \"no\" .*a full fine-tune has none"):
+    with pytest.raises(
+        DifftuneError, match=r"weight_dtype = \"bf16\" with train\.mixed_precision = \"no\" .*a full fine-tune has none"
+    ):
         load_config(None, ["model.weight_dtype=bf16", "adapter.kind=none"])
     with pytest.raises(DifftuneError, match=r"model\.quantize stores them quantized: choose one"):
         load_config(None, ["model.weight_dtype=fp16", "model.quantize=int8"])
@@ -68,9 +79,13 @@ def test_range_and_cross_section_checks():
         load_config(None, ["model.weight_dtype=fp16", "train.compile=true"])
     # fp8 storage computes in any mixed precision but torchao's FP8 training, which wants bf16 weights to cast.
     assert load_config(None, ["model.weight_dtype=fp8", "train.mixed_precision=bf16"]).stores_frozen_weights
-    with pytest.raises(DifftuneError, match=r"weight_dtype = \"fp8\" keeps the denoiser's frozen weights in fp8, and a full fine-tune"):
+    with pytest.raises(
+        DifftuneError, match=r"weight_dtype = \"fp8\" keeps the denoiser's frozen weights in fp8, and a full fine-tune"
+    ):
         load_config(None, ["model.weight_dtype=fp8", "adapter.kind=none"])
-    with pytest.raises(DifftuneError, match=r"in fp8, and train\.mixed_precision = \"fp8\" casts bf16 weights .*use one or the other"):
+    with pytest.raises(
+        DifftuneError, match=r"in fp8, and train\.mixed_precision = \"fp8\" casts bf16 weights .*use one or the other"
+    ):
         load_config(None, ["model.weight_dtype=fp8", "train.mixed_precision=fp8"])
 
 
@@ -80,7 +95,7 @@ def test_overrides_are_read_as_the_field_type():
         [
             "adapter.rank=8",
             "train.output_dir=123",  # a text field keeps digits as text
-            "sample.prompts=[\"a cat\", \"a dog\"]",
+            'sample.prompts=["a cat", "a dog"]',
             "adapter.kind=dora",
             "optim.learning_rate=3e-4",
             "data.random_flip=true",
@@ -179,7 +194,9 @@ def test_sample_command_offers_only_flags_that_apply():
             parser.parse_args(["sample", "--base", "b", "--out", "o", "--prompt", "p", flag, "1"])
 
 
-@pytest.mark.parametrize(("text", "expected"), [("true", True), ("false", False), ("False", False), ("0", False), ("yes", True)])
+@pytest.mark.parametrize(
+    ("text", "expected"), [("true", True), ("false", False), ("False", False), ("0", False), ("yes", True)]
+)
 def test_boolean_flags_read_true_and_false(text, expected):
     from difftune.cli import _parse_bool
 
@@ -243,18 +260,23 @@ def test_a_hub_id_fails_at_once_offline_or_unreachable(monkeypatch):
     from difftune.families import load_components
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(DifftuneError, match=r"model.base someone/no-such-model: not a local folder or file .*offline mode is on"):
+    with pytest.raises(
+        DifftuneError, match=r"model.base someone/no-such-model: not a local folder or file .*offline mode is on"
+    ):
         load_components(ModelConfig(base="someone/no-such-model"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     with socket.socket() as closed:  # a loopback port nobody listens on
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
-    with pytest.raises(DifftuneError, match=rf"model.base someone/no-such-model: .*Cause: http://127.0.0.1:{port} is unreachable"):
+    with pytest.raises(
+        DifftuneError, match=rf"model.base someone/no-such-model: .*Cause: http://127.0.0.1:{port} is unreachable"
+    ):
         load_components(ModelConfig(base="someone/no-such-model"))
 
 
 # Configs that used to crash or fail late: each fails with one line naming its key, before the work it would spoil.
+
 
 def _refused_before(monkeypatch, capsys, overrides: list[str], stage: str) -> str:
     """`difftune train` with `overrides` on the tiny default job: exit 2 and the one error line, with the run stopped
@@ -273,16 +295,33 @@ def _refused_before(monkeypatch, capsys, overrides: list[str], stage: str) -> st
     return err
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["data.resolution=2147483648"], r"data\.resolution: Input should be less than or equal to 16384"),
-    (["train.output_dir={file}"], r"train\.output_dir .*afile: .*afile is a file, not a folder"),
-    (["cache.dir={file}/latents"], r"cache\.dir .*afile/latents: .*afile is a file, not a folder"),
-    (["data.path={tmp}/missing"], r"data\.path .*missing: does not exist"),
-    (["validation.path={tmp}/missing"], r"validation\.path .*missing: does not exist"),
-    (["train.batch_size=1000000000"], r"train\.batch_size 1000000000: one batch of images at 32 px is 11,444 GiB, more than"),
-    (["adapter.kind=none", "model.quantize=int8"], r"^difftune: error: .*: invalid config\n  model\.quantize = \"int8\" needs an adapter"),
-], ids=["huge-resolution", "output-dir-a-file", "cache-dir-under-a-file", "missing-data", "missing-validation",
-        "batch-that-cannot-fit", "cross-section"])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.resolution=2147483648"], r"data\.resolution: Input should be less than or equal to 16384"),
+        (["train.output_dir={file}"], r"train\.output_dir .*afile: .*afile is a file, not a folder"),
+        (["cache.dir={file}/latents"], r"cache\.dir .*afile/latents: .*afile is a file, not a folder"),
+        (["data.path={tmp}/missing"], r"data\.path .*missing: does not exist"),
+        (["validation.path={tmp}/missing"], r"validation\.path .*missing: does not exist"),
+        (
+            ["train.batch_size=1000000000"],
+            r"train\.batch_size 1000000000: one batch of images at 32 px is 11,444 GiB, more than",
+        ),
+        (
+            ["adapter.kind=none", "model.quantize=int8"],
+            r"^difftune: error: .*: invalid config\n  model\.quantize = \"int8\" needs an adapter",
+        ),
+    ],
+    ids=[
+        "huge-resolution",
+        "output-dir-a-file",
+        "cache-dir-under-a-file",
+        "missing-data",
+        "missing-validation",
+        "batch-that-cannot-fit",
+        "cross-section",
+    ],
+)
 def test_bad_configs_fail_before_the_model_loads(tmp_path, monkeypatch, capsys, overrides, message):
     (tmp_path / "afile").write_text("")
     overrides = [o.format(file=tmp_path / "afile", tmp=tmp_path) for o in overrides]
@@ -298,16 +337,39 @@ def test_a_family_that_does_not_fit_the_base_and_unknown_targets_fail_before_any
         raise AssertionError("the SDXL pipeline was loaded")
 
     monkeypatch.setattr(StableDiffusionXLPipeline, "from_pretrained", not_loaded)
-    err = _refused_before(monkeypatch, capsys, [f"train.output_dir={tmp_path / 'a'}", "model.family=sdxl"], "model load")
-    assert re.search(r"model\.family = \"sdxl\": model\.base .*tiny-sd is a StableDiffusionPipeline of the sd family; "
-                     r"set model\.family = \"auto\" or \"sd\"", err), err
-    err = _refused_before(monkeypatch, capsys, [f"train.output_dir={tmp_path / 'b'}", 'adapter.target_modules=["nope_proj"]'],
-                          "model load")
-    assert re.search(r"adapter\.target_modules: 'nope_proj' names no module of the unet; its layers are named .*attn1\.to_q, .*"
-                     r"conv1, .*to_out\.0", err), err
-    err = _refused_before(monkeypatch, capsys, [f"train.output_dir={tmp_path / 'c'}", "adapter.text_encoder=true",
-                                                'adapter.text_encoder_targets.text_encoder=["to_q"]'], "model load")
-    assert "adapter.text_encoder_targets.text_encoder: 'to_q' names no module of the text_encoder; its layers are named" in err
+    err = _refused_before(
+        monkeypatch, capsys, [f"train.output_dir={tmp_path / 'a'}", "model.family=sdxl"], "model load"
+    )
+    assert re.search(
+        r"model\.family = \"sdxl\": model\.base .*tiny-sd is a StableDiffusionPipeline of the sd family; "
+        r"set model\.family = \"auto\" or \"sd\"",
+        err,
+    ), err
+    err = _refused_before(
+        monkeypatch,
+        capsys,
+        [f"train.output_dir={tmp_path / 'b'}", 'adapter.target_modules=["nope_proj"]'],
+        "model load",
+    )
+    assert re.search(
+        r"adapter\.target_modules: 'nope_proj' names no module of the unet; its layers are named .*attn1\.to_q, .*"
+        r"conv1, .*to_out\.0",
+        err,
+    ), err
+    err = _refused_before(
+        monkeypatch,
+        capsys,
+        [
+            f"train.output_dir={tmp_path / 'c'}",
+            "adapter.text_encoder=true",
+            'adapter.text_encoder_targets.text_encoder=["to_q"]',
+        ],
+        "model load",
+    )
+    assert (
+        "adapter.text_encoder_targets.text_encoder: 'to_q' names no module of the text_encoder; its layers are named"
+        in err
+    )
     assert "self_attn.q_proj" in err
 
 
@@ -339,14 +401,19 @@ def test_family_options_are_checked_by_the_family(tiny_base, tiny_flux_base):
     from difftune.config import ModelConfig
     from difftune.families import load_components
 
-    with pytest.raises(DifftuneError, match=r"model.family_options.guidance: not a setting of Stable Diffusion 1.x / 2.x "
-                                            r"bases \(theirs: none\)"):
+    with pytest.raises(
+        DifftuneError,
+        match=r"model.family_options.guidance: not a setting of Stable Diffusion 1.x / 2.x "
+        r"bases \(theirs: none\)",
+    ):
         load_components(ModelConfig(base=str(tiny_base), family_options={"guidance": 3.5}))
     with pytest.raises(DifftuneError) as err:
         load_components(ModelConfig(base=str(tiny_flux_base), family_options={"guidance": -1.0, "shift": 3}))
     assert "model.family_options.guidance: Input should be greater than or equal to 0 (got -1.0)" in str(err.value)
-    assert "model.family_options.shift: not a setting of Flux.1-class flow-matching transformers bases (theirs: " \
-           "guidance, text_padding_mask)" in str(err.value)
+    assert (
+        "model.family_options.shift: not a setting of Flux.1-class flow-matching transformers bases (theirs: "
+        "guidance, text_padding_mask)" in str(err.value)
+    )
     components = load_components(ModelConfig(base=str(tiny_flux_base), family_options={"guidance": 3.5}))
     assert components.family_options.guidance == 3.5 and components.family_options.text_padding_mask is False
 
@@ -357,14 +424,17 @@ def test_keys_that_moved_into_family_tables_are_read_from_old_files_runs_and_ove
     from difftune.training.checkpoint import check_resumable
 
     old = tmp_path / "old.toml"
-    old.write_text('[model]\nguidance = 3.5\ntext_padding_mask = false\n[adapter]\ntext_encoder_target_modules = []\n'
-                   'text_encoder_2_target_modules = ["q_proj"]\n')
+    old.write_text(
+        "[model]\nguidance = 3.5\ntext_padding_mask = false\n[adapter]\ntext_encoder_target_modules = []\n"
+        'text_encoder_2_target_modules = ["q_proj"]\n'
+    )
     config = load_config(old)
     assert config.model.family_options == {"guidance": 3.5}
     assert config.adapter.text_encoder_targets == {"text_encoder_2": ["q_proj"]}
     assert load_config(None, ["model.guidance=2.0"]).model.family_options == {"guidance": 2.0}
     assert load_config(None, ['adapter.text_encoder_targets.text_encoder=["q_proj"]']).adapter.text_encoder_targets == {
-        "text_encoder": ["q_proj"]}
+        "text_encoder": ["q_proj"]
+    }
     with pytest.raises(DifftuneError, match=r"model.base is not a table; use model.base=value"):
         load_config(None, ["model.base.x=1"])
 
@@ -381,13 +451,22 @@ def test_keys_that_moved_into_family_tables_are_read_from_old_files_runs_and_ove
 def test_text_encoder_targets_name_a_text_encoder_the_family_adapts(make_config, tiny_flux_base):
     from difftune.training.train import train
 
-    with pytest.raises(DifftuneError, match=r"adapter.text_encoder_targets.text_encoder_2: not a text encoder "
-                                            r"Flux.1-class flow-matching transformers adapters train; theirs: text_encoder"):
-        train(make_config(model__base=str(tiny_flux_base), adapter__text_encoder=True,
-                          **{"adapter__text_encoder_targets__text_encoder_2": ["q"]}))
+    with pytest.raises(
+        DifftuneError,
+        match=r"adapter.text_encoder_targets.text_encoder_2: not a text encoder "
+        r"Flux.1-class flow-matching transformers adapters train; theirs: text_encoder",
+    ):
+        train(
+            make_config(
+                model__base=str(tiny_flux_base),
+                adapter__text_encoder=True,
+                **{"adapter__text_encoder_targets__text_encoder_2": ["q"]},
+            )
+        )
 
 
 # What a held-back pass fed the config reader (issue 59): each used to crash with a traceback, or to run.
+
 
 def _config_file(tmp_path, content: bytes) -> Path:
     path = tmp_path / "job.toml"
@@ -395,13 +474,26 @@ def _config_file(tmp_path, content: bytes) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    (bytes(range(256)), r"config file .*job\.toml: not text \(byte 128 is no UTF-8 character\); save it as UTF-8 TOML"),
-    (b"", r"config file .*job\.toml sets nothing: a job names at least its base and its data \(model\.base, data\.path\)"),
-    (b"# only a comment\n", r"sets nothing"),
-    (b'[train]\noutput_dir = ""\n', r"train\.output_dir: is empty; name a folder \(an empty path would mean the working "
-                                     r"directory\) \(got ''\)"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (
+            bytes(range(256)),
+            r"config file .*job\.toml: not text \(byte 128 is no UTF-8 character\); save it as UTF-8 TOML",
+        ),
+        (
+            b"",
+            r"config file .*job\.toml sets nothing: a job names at least its base and its data \(model\.base, "
+            r"data\.path\)",
+        ),
+        (b"# only a comment\n", r"sets nothing"),
+        (
+            b'[train]\noutput_dir = ""\n',
+            r"train\.output_dir: is empty; name a folder \(an empty path would mean the working "
+            r"directory\) \(got ''\)",
+        ),
+    ],
+)
 def test_config_files_that_cannot_be_a_job_are_refused_naming_why(tmp_path, content, message):
     with pytest.raises(DifftuneError, match=message):
         load_config(_config_file(tmp_path, content))
@@ -419,18 +511,25 @@ def test_a_folder_as_the_config_is_refused(tmp_path):
         load_config(tmp_path)
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("train.seed=99999999999999999999999", r"train\.seed: Input should be less than or equal to 4294967295"),
-    ("prior.seed=-1", r"prior\.seed: Input should be greater than or equal to 0"),
-    ("optim.learning_rate=1e30", r"optim\.learning_rate: Input should be less than or equal to 10"),
-    ("optim.text_encoder_learning_rate=1e30", r"optim\.text_encoder_learning_rate: Input should be less than or equal"),
-    ('train.output_dir=""', r"train\.output_dir: is empty"),
-    ("train.output_dir=", r"train\.output_dir: is empty"),
-    ('data.path=""', r"data\.path: is empty"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.seed=99999999999999999999999", r"train\.seed: Input should be less than or equal to 4294967295"),
+        ("prior.seed=-1", r"prior\.seed: Input should be greater than or equal to 0"),
+        ("optim.learning_rate=1e30", r"optim\.learning_rate: Input should be less than or equal to 10"),
+        (
+            "optim.text_encoder_learning_rate=1e30",
+            r"optim\.text_encoder_learning_rate: Input should be less than or equal",
+        ),
+        ('train.output_dir=""', r"train\.output_dir: is empty"),
+        ("train.output_dir=", r"train\.output_dir: is empty"),
+        ('data.path=""', r"data\.path: is empty"),
+    ],
+)
 def test_overrides_that_would_crash_late_or_run_wild_are_refused(override, message):
     """A seed numpy refuses (it stopped after 37 s of loading), a learning rate of 1e30, an empty output folder (the
-    run's files went into the working directory) or data path (51 s scanning it): refused by the reader, naming the key."""
+    run's files went into the working directory) or data path (51 s scanning it): refused by the reader, naming the
+    key."""
     with pytest.raises(DifftuneError, match=message):
         load_config(None, [override])
 
@@ -444,17 +543,28 @@ print(code, "torch" in sys.modules, "diffusers" in sys.modules)
 """
 
 
-@pytest.mark.parametrize(("arguments", "message"), [
-    (["model.base=../models/nothing-here"], "model.base ../models/nothing-here: no such folder or file here, and not a hub id"),
-    (["model.base=my_model.safetensors"], "model.base my_model.safetensors: no such folder or file here"),
-    (['data.path=""'], "data.path: is empty"),
-    (["train.seed=-1"], "train.seed: Input should be greater than or equal to 0"),
-    (["--config", "/"], "config file / is a folder"),
-    (["model.family=flux"], 'models/tiny-sd is a StableDiffusionPipeline of the sd family; set model.family = "auto" or "sd"'),
-    (['adapter.target_modules=["nope_proj"]'], "adapter.target_modules: 'nope_proj' names no module of the unet"),
-    (["adapter.text_encoder=true", 'adapter.text_encoder_targets.text_encoder=["to_q"]'],
-     "adapter.text_encoder_targets.text_encoder: 'to_q' names no module of the text_encoder"),
-])
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (
+            ["model.base=../models/nothing-here"],
+            "model.base ../models/nothing-here: no such folder or file here, and not a hub id",
+        ),
+        (["model.base=my_model.safetensors"], "model.base my_model.safetensors: no such folder or file here"),
+        (['data.path=""'], "data.path: is empty"),
+        (["train.seed=-1"], "train.seed: Input should be greater than or equal to 0"),
+        (["--config", "/"], "config file / is a folder"),
+        (
+            ["model.family=flux"],
+            'models/tiny-sd is a StableDiffusionPipeline of the sd family; set model.family = "auto" or "sd"',
+        ),
+        (['adapter.target_modules=["nope_proj"]'], "adapter.target_modules: 'nope_proj' names no module of the unet"),
+        (
+            ["adapter.text_encoder=true", 'adapter.text_encoder_targets.text_encoder=["to_q"]'],
+            "adapter.text_encoder_targets.text_encoder: 'to_q' names no module of the text_encoder",
+        ),
+    ],
+)
 def test_refusals_that_need_no_weights_come_before_the_heavy_imports(arguments, message):
     """A config error that needs no weights is said before torch or diffusers is imported (the seconds of imports
     and loading came first: 27-34 s under load for a missing base); checked by what the process imported, not timed."""
@@ -463,17 +573,21 @@ def test_refusals_that_need_no_weights_come_before_the_heavy_imports(arguments, 
 
     from conftest import REPO
 
-    run = subprocess.run([sys.executable, "-c", REFUSE_BEFORE_IMPORTS, *arguments], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", REFUSE_BEFORE_IMPORTS, *arguments], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert run.stdout.split() == ["2", "False", "False"], run.stdout + run.stderr
     assert message in run.stderr and "Traceback" not in run.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device may have FP8 tensor cores")
-@pytest.mark.parametrize(("precision", "message"), [
-    ("fp8", 'train.mixed_precision = "fp8" needs a GPU with FP8 tensor cores (compute capability 8.9 or newer'),
-    ("fp16", 'train.mixed_precision = "fp16" needs a CUDA device; use "bf16" or "no" here'),
-])
+@pytest.mark.parametrize(
+    ("precision", "message"),
+    [
+        ("fp8", 'train.mixed_precision = "fp8" needs a GPU with FP8 tensor cores (compute capability 8.9 or newer'),
+        ("fp16", 'train.mixed_precision = "fp16" needs a CUDA device; use "bf16" or "no" here'),
+    ],
+)
 def test_a_precision_the_device_lacks_is_refused_before_diffusers_is_imported(precision, message):
     """Asking the device needs torch (a second), not diffusers and the families (5 s idle, 30 s under load)."""
     import subprocess
@@ -481,8 +595,13 @@ def test_a_precision_the_device_lacks_is_refused_before_diffusers_is_imported(pr
 
     from conftest import REPO
 
-    run = subprocess.run([sys.executable, "-c", REFUSE_BEFORE_IMPORTS, f"train.mixed_precision={precision}"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", REFUSE_BEFORE_IMPORTS, f"train.mixed_precision={precision}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.stdout.split() == ["2", "True", "False"], run.stdout + run.stderr
     assert message in run.stderr and "Traceback" not in run.stderr
 

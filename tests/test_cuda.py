@@ -42,7 +42,8 @@ def _weight_changes(adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     """Each adapted layer's learned weight change, up to the scale both runs share: B @ A."""
     return {
         key: adapter[key.replace("lora_A", "lora_B")].float() @ value.float()
-        for key, value in adapter.items() if "lora_A" in key
+        for key, value in adapter.items()
+        if "lora_A" in key
     }
 
 
@@ -59,8 +60,14 @@ def _cosines(expected: dict[str, torch.Tensor], learned: dict[str, torch.Tensor]
     for key in expected:
         groups.setdefault(_group(key), []).append(key)
     return {
-        name: round(float(torch.nn.functional.cosine_similarity(
-            *(torch.cat([changes[key].flatten() for key in keys]) for changes in (expected, learned)), dim=0)), 3)
+        name: round(
+            float(
+                torch.nn.functional.cosine_similarity(
+                    *(torch.cat([changes[key].flatten() for key in keys]) for changes in (expected, learned)), dim=0
+                )
+            ),
+            3,
+        )
         for name, keys in groups.items()
     }
 
@@ -85,24 +92,39 @@ def test_bf16_training_is_finite_and_learns_what_fp32_learns(make_config, tmp_pa
     expected, learned = _weight_changes(_adapter(full)), _weight_changes(_adapter(half))
     cosines = _cosines(expected, learned)
     if cosines["all"] <= 0.9 or norms[1] != pytest.approx(norms[0], rel=5e-2):
-        plain_full = train(make_config(train__output_dir=str(tmp_path / "fp32-plain"), train__tf32="off",
-                                       **plain_kernels, **settings))
-        plain_half = train(make_config(train__output_dir=str(tmp_path / "bf16-plain"), train__mixed_precision="bf16",
-                                       **plain_kernels, **settings))
+        plain_full = train(
+            make_config(train__output_dir=str(tmp_path / "fp32-plain"), train__tf32="off", **plain_kernels, **settings)
+        )
+        plain_half = train(
+            make_config(
+                train__output_dir=str(tmp_path / "bf16-plain"),
+                train__mixed_precision="bf16",
+                **plain_kernels,
+                **settings,
+            )
+        )
         plain_expected = _weight_changes(_adapter(plain_full))
         plain_norms = _grad_norms(tmp_path, "fp32-plain", "bf16-plain")
-        pytest.fail(f"bf16 against fp32: {cosines}, gradient norms {norms}; both with channels-last and cuDNN "
-                    f"autotuning off: {_cosines(plain_expected, _weight_changes(_adapter(plain_half)))}, gradient "
-                    f"norms {plain_norms}; fp32 against fp32 with them off: {_cosines(expected, plain_expected)}")
+        pytest.fail(
+            f"bf16 against fp32: {cosines}, gradient norms {norms}; both with channels-last and cuDNN "
+            f"autotuning off: {_cosines(plain_expected, _weight_changes(_adapter(plain_half)))}, gradient "
+            f"norms {plain_norms}; fp32 against fp32 with them off: {_cosines(expected, plain_expected)}"
+        )
 
 
 def test_flux_trains_in_bf16_with_finite_gradients(tmp_path):
     # SDPA's cuDNN kernel gave NaN gradients from the first step of this job on an H100 (torch 2.11); the
     # trainer turns that kernel off. The guard would skip such steps: none may be skipped.
-    config = load_config(REPO / "configs" / "flux_lora.toml", [
-        f"train.output_dir={tmp_path}", "train.max_steps=10", "train.mixed_precision=bf16", "log.progress_bar=false",
-        "sample.every_steps=0",
-    ])
+    config = load_config(
+        REPO / "configs" / "flux_lora.toml",
+        [
+            f"train.output_dir={tmp_path}",
+            "train.max_steps=10",
+            "train.mixed_precision=bf16",
+            "log.progress_bar=false",
+            "sample.every_steps=0",
+        ],
+    )
     result = train(config)
     rows = read_metrics(tmp_path)
     assert [row["skipped"] for row in rows] == [False] * 10
@@ -124,7 +146,9 @@ def test_fp8_frozen_weights_train_on_the_device_as_bf16_ones(make_config, tmp_pa
 def test_offloaded_blocks_train_on_the_device_as_kept_ones(make_config, tmp_path):
     # On the CPU the copies run in line and training is exact (test_offload.py); here they come from page-locked
     # host memory on a stream of their own, each ahead of its use, and must still give the same losses.
-    settings = dict(train__max_steps=4, optim__learning_rate=1e-2, train__mixed_precision="bf16", model__weight_dtype="fp8")
+    settings = dict(
+        train__max_steps=4, optim__learning_rate=1e-2, train__mixed_precision="bf16", model__weight_dtype="fp8"
+    )
     in_place = train(make_config(train__output_dir=str(tmp_path / "in-place"), **settings))
     offloaded = train(make_config(train__output_dir=str(tmp_path / "offloaded"), model__offload_blocks=4, **settings))
     assert offloaded.losses == pytest.approx(in_place.losses, rel=1e-3)
@@ -150,9 +174,17 @@ def test_cached_encoders_wait_in_host_memory_between_previews(make_config, tmp_p
     step = training.accumulate_gradients
     monkeypatch.setattr(training, "generate_images", watched)
     monkeypatch.setattr(training, "accumulate_gradients", stepped)
-    settings = dict(cache__latents=True, cache__text=True, sample__prompts=["a red circle"], sample__every_steps=2,
-                    sample__steps=2, sample__resolution=32, sample__before=False, sample__parity=False,
-                    train__max_steps=3)
+    settings = dict(
+        cache__latents=True,
+        cache__text=True,
+        sample__prompts=["a red circle"],
+        sample__every_steps=2,
+        sample__steps=2,
+        sample__resolution=32,
+        sample__before=False,
+        sample__parity=False,
+        train__max_steps=3,
+    )
     result = train(make_config(train__output_dir=str(tmp_path / "run"), **settings))
     # Steps 1 and 2 in host memory, the preview after step 2 on the device, step 3 in host memory again, and the
     # end-of-run samples on the device.

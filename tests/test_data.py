@@ -1,5 +1,6 @@
 import json
 import random
+from itertools import islice, pairwise
 
 import pytest
 import torch
@@ -95,7 +96,10 @@ def test_resize_and_crop(tmp_path):
     assert center[:, :, -1].mean() == pytest.approx(1.0, abs=0.05)  # right column white
     assert center.min() >= -1.0 and center.max() <= 1.0
 
-    crops = {load_image(tmp_path / "halves.png", _crop(16, "random", False), random.Random(s))[0].mean().item() for s in range(8)}
+    crops = {
+        load_image(tmp_path / "halves.png", _crop(16, "random", False), random.Random(s))[0].mean().item()
+        for s in range(8)
+    }
     assert len(crops) > 1  # random crops move
     again = load_image(tmp_path / "halves.png", _crop(16, "random", False), random.Random(3))[0]
     assert torch.equal(again, load_image(tmp_path / "halves.png", _crop(16, "random", False), random.Random(3))[0])
@@ -127,8 +131,8 @@ def test_training_order_covers_each_epoch_and_shards_by_rank():
     size, batch = 10, 3
     single = TrainingOrder(size, batch * 2, seed=5)
     ranks = [TrainingOrder(size, batch, seed=5, rank=r, world_size=2) for r in range(2)]
-    single_batches = [b for _, b in zip(range(20), single)]
-    rank_batches = [[b for _, b in zip(range(20), order)] for order in ranks]
+    single_batches = list(islice(single, 20))
+    rank_batches = [list(islice(order, 20)) for order in ranks]
     for step in range(20):
         # Two processes together see exactly the single process's global batch, in order.
         assert rank_batches[0][step] + rank_batches[1][step] == single_batches[step]
@@ -138,14 +142,16 @@ def test_training_order_covers_each_epoch_and_shards_by_rank():
         assert {e for e, _ in keys} == {epoch}
         assert sorted(i for _, i in keys) == list(range(size))  # each epoch is a permutation
     assert [k for _, k in stream[:size]] != list(range(size))  # shuffled
-    assert [b for _, b in zip(range(20), TrainingOrder(size, batch * 2, seed=5))] == single_batches
-    assert [b for _, b in zip(range(20), TrainingOrder(size, batch * 2, seed=6))] != single_batches
+    assert list(islice(TrainingOrder(size, batch * 2, seed=5), 20)) == single_batches
+    assert list(islice(TrainingOrder(size, batch * 2, seed=6), 20)) != single_batches
     resumed = TrainingOrder(size, batch * 2, seed=5, start_batch=7)
-    assert [b for _, b in zip(range(13), resumed)] == single_batches[7:]
+    assert list(islice(resumed, 13)) == single_batches[7:]
 
 
 def _bucket_config(tmp_path, **extra):
-    return DataConfig(path=str(tmp_path), resolution=32, buckets=True, bucket_step=8, bucket_min_side=16, bucket_max_side=64, **extra)
+    return DataConfig(
+        path=str(tmp_path), resolution=32, buckets=True, bucket_step=8, bucket_min_side=16, bucket_max_side=64, **extra
+    )
 
 
 def test_bucket_sizes_respect_the_budget():
@@ -172,8 +178,8 @@ def test_every_image_lands_in_its_closest_bucket(tmp_path):
     config = _bucket_config(tmp_path)
     examples, _ = scan_examples(config)
     ratios = sorted(math.log(w / h) for w, h in bucket_sizes(config))
-    tolerance = max(b - a for a, b in zip(ratios, ratios[1:])) / 2
-    for example, (bw, bh) in zip(examples, training_sizes(examples, config)):
+    tolerance = max(b - a for a, b in pairwise(ratios)) / 2
+    for example, (bw, bh) in zip(examples, training_sizes(examples, config), strict=True):
         w, h = Image.open(example.path).size
         assert abs(math.log(w / h) - math.log(bw / bh)) <= tolerance + 1e-9, (example.path.name, (bw, bh))
     assert training_sizes(examples, config)[0] == (32, 32)
@@ -181,9 +187,10 @@ def test_every_image_lands_in_its_closest_bucket(tmp_path):
 
 def test_bucketed_batches_never_mix_buckets_and_repeat_under_a_seed():
     buckets = [(32, 32)] * 5 + [(48, 16)] * 3 + [(16, 48)] * 2
+
     def batches(seed, rank=0, world=1, start=0, count=12):
         order = TrainingOrder(len(buckets), 2, seed, rank, world, start, buckets=buckets)
-        return [b for _, b in zip(range(count), order)]
+        return list(islice(order, count))
 
     single = batches(seed=1)
     for batch in single:
@@ -194,9 +201,9 @@ def test_bucketed_batches_never_mix_buckets_and_repeat_under_a_seed():
     assert batches(seed=1) == single and batches(seed=2) != single
     assert batches(seed=1, start=4, count=8) == single[4:]
     # Two processes at batch 2 each share out the global batches of one process at batch 4.
-    wide = [b for _, b in zip(range(6), TrainingOrder(len(buckets), 4, 1, buckets=buckets))]
+    wide = list(islice(TrainingOrder(len(buckets), 4, 1, buckets=buckets), 6))
     halves = [batches(seed=1, rank=r, world=2, count=6) for r in range(2)]
-    assert [a + b for a, b in zip(*halves)] == wide
+    assert [a + b for a, b in zip(*halves, strict=True)] == wide
 
 
 def _batches(dataset, order, num_workers, count):
@@ -216,7 +223,11 @@ def test_worker_processes_give_the_same_batches_as_none(shapes):
     alone = _batches(dataset, TrainingOrder(len(examples), 3, seed=7), 0, count)
     workers = _batches(dataset, TrainingOrder(len(examples), 3, seed=7), 2, count)
     for a, b in zip(alone, workers, strict=True):
-        assert a["seed"].tolist() == b["seed"].tolist() and a["path"] == b["path"] and a["epoch"].tolist() == b["epoch"].tolist()
+        assert (
+            a["seed"].tolist() == b["seed"].tolist()
+            and a["path"] == b["path"]
+            and a["epoch"].tolist() == b["epoch"].tolist()
+        )
         assert torch.equal(a["pixel_values"], b["pixel_values"]) and torch.equal(a["geometry"], b["geometry"])
         assert torch.equal(a["token_ids"]["text_encoder"], b["token_ids"]["text_encoder"])
 

@@ -16,14 +16,22 @@ def _joined_and_split(weights: dict) -> dict:
     """A layout conversion of the kinds families do: q and k joined, a fused layer split, a vector reshaped."""
     weights = dict(weights)
     first, second = weights.pop("fused.weight").split([2, 6])
-    return {"qk.weight": torch.cat([weights.pop("q.weight"), weights.pop("k.weight")]), "first.weight": first,
-            "second.weight": second, "table": weights.pop("table").reshape(2, 3)}
+    return {
+        "qk.weight": torch.cat([weights.pop("q.weight"), weights.pop("k.weight")]),
+        "first.weight": first,
+        "second.weight": second,
+        "table": weights.pop("table").reshape(2, 3),
+    }
 
 
 def test_each_converted_tensor_is_the_files_rows_with_their_own_scales(tmp_path):
     generator = torch.Generator().manual_seed(0)
-    weights = {"q.weight": torch.randn(4, 8, generator=generator), "k.weight": torch.randn(4, 8, generator=generator) * 9,
-               "fused.weight": torch.randn(8, 8, generator=generator), "table": torch.randn(6, generator=generator)}
+    weights = {
+        "q.weight": torch.randn(4, 8, generator=generator),
+        "k.weight": torch.randn(4, 8, generator=generator) * 9,
+        "fused.weight": torch.randn(8, 8, generator=generator),
+        "table": torch.randn(6, generator=generator),
+    }
     scales = {key: value.abs().max() / 448 for key, value in weights.items() if value.dim() == 2}
     file = {"scaled_fp8": torch.zeros(0, dtype=FP8), "table": weights["table"]}
     for key, scale in scales.items():
@@ -43,5 +51,7 @@ def test_each_converted_tensor_is_the_files_rows_with_their_own_scales(tmp_path)
 
 
 def test_a_conversion_that_moves_more_than_rows_is_refused():
-    with pytest.raises(DifftuneError, match=r"proj.weight: the conversion of this file's layout does more than move whole rows"):
+    with pytest.raises(
+        DifftuneError, match=r"proj.weight: the conversion of this file's layout does more than move whole rows"
+    ):
         converted_rows({"proj.weight": torch.Size((4, 8))}, lambda weights: {"proj.weight": weights["proj.weight"].T})

@@ -21,17 +21,27 @@ TOKEN = "<shade>"
 
 def _job(make_config, **overrides):
     settings = {
-        "adapter__kind": "embedding", "adapter__embedding_token": TOKEN, "adapter__embedding_caption_word": "red",
-        "adapter__embedding_vectors": 2, "adapter__embedding_init_word": "blue", "optim__learning_rate": 5e-2,
-        "sample__prompts": [f"a {TOKEN} circle"], "sample__steps": 4,
+        "adapter__kind": "embedding",
+        "adapter__embedding_token": TOKEN,
+        "adapter__embedding_caption_word": "red",
+        "adapter__embedding_vectors": 2,
+        "adapter__embedding_init_word": "blue",
+        "optim__learning_rate": 5e-2,
+        "sample__prompts": [f"a {TOKEN} circle"],
+        "sample__steps": 4,
     }
     return make_config(**(settings | overrides))
 
 
 def test_captions_say_the_token_in_all_its_vectors():
-    config = AdapterConfig(kind="embedding", embedding_token="<p>", embedding_vectors=3, embedding_caption_word="purple")
+    config = AdapterConfig(
+        kind="embedding", embedding_token="<p>", embedding_vectors=3, embedding_caption_word="purple"
+    )
     assert caption_with_token("a purple circle, purpleish", config) == "a <p> <p>_1 <p>_2 circle, purpleish"
-    assert caption_with_token("<p> on white", config.model_copy(update={"embedding_caption_word": ""})) == "<p> <p>_1 <p>_2 on white"
+    assert (
+        caption_with_token("<p> on white", config.model_copy(update={"embedding_caption_word": ""}))
+        == "<p> <p>_1 <p>_2 on white"
+    )
 
 
 def test_only_the_new_tokens_train_and_diffusers_loads_them(make_config, tiny_base, tmp_path):
@@ -64,8 +74,14 @@ def test_sdxl_embeddings_have_both_encoders_vectors(make_config, tiny_sdxl_base,
     train(_job(make_config, model__base=str(tiny_sdxl_base), adapter__embedding_vectors=1, sample__prompts=[]))
     tensors = load_file(tmp_path / "run" / "shade.safetensors")
     components = load_components(ModelConfig(base=str(tiny_sdxl_base)))
-    widths = [components.text_encoders[name].get_input_embeddings().weight.shape[1] for name in ("text_encoder", "text_encoder_2")]
-    assert {key: tuple(value.shape) for key, value in tensors.items()} == {"clip_l": (1, widths[0]), "clip_g": (1, widths[1])}
+    widths = [
+        components.text_encoders[name].get_input_embeddings().weight.shape[1]
+        for name in ("text_encoder", "text_encoder_2")
+    ]
+    assert {key: tuple(value.shape) for key, value in tensors.items()} == {
+        "clip_l": (1, widths[0]),
+        "clip_g": (1, widths[1]),
+    }
 
 
 def test_an_embedding_run_resumes_exactly(make_config, tmp_path):
@@ -73,9 +89,13 @@ def test_an_embedding_run_resumes_exactly(make_config, tmp_path):
     train(_job(make_config, train__max_steps=4, train__output_dir=str(tmp_path / "whole"), **settings))
     train(_job(make_config, train__max_steps=2, train__output_dir=str(tmp_path / "parts"), **settings))
     train(_job(make_config, train__max_steps=4, train__output_dir=str(tmp_path / "parts"), **settings), resume="auto")
-    assert [r["loss"] for r in read_metrics(tmp_path / "parts")] == [r["loss"] for r in read_metrics(tmp_path / "whole")]
-    assert torch.equal(load_file(tmp_path / "parts" / "shade.safetensors")["emb_params"],
-                       load_file(tmp_path / "whole" / "shade.safetensors")["emb_params"])
+    assert [r["loss"] for r in read_metrics(tmp_path / "parts")] == [
+        r["loss"] for r in read_metrics(tmp_path / "whole")
+    ]
+    assert torch.equal(
+        load_file(tmp_path / "parts" / "shade.safetensors")["emb_params"],
+        load_file(tmp_path / "whole" / "shade.safetensors")["emb_params"],
+    )
 
 
 def test_embedding_mistakes_are_named(make_config):
@@ -93,10 +113,14 @@ def test_merging_an_embedding_teaches_the_saved_model_its_token(make_config, tin
 
     train(_job(make_config, sample__prompts=[]))
     embedding = tmp_path / "run" / "shade.safetensors"
-    assert main(["merge", "--base", str(tiny_base), "--adapter", str(embedding), "--out", str(tmp_path / "merged")]) == 0
+    assert (
+        main(["merge", "--base", str(tiny_base), "--adapter", str(embedding), "--out", str(tmp_path / "merged")]) == 0
+    )
     merged = load_components(ModelConfig(base=str(tmp_path / "merged")))
     ids = merged.tokenizers["tokenizer"].convert_tokens_to_ids([TOKEN, f"{TOKEN}_1"])
-    torch.testing.assert_close(merged.text_encoders["text_encoder"].get_input_embeddings().weight[ids], load_file(embedding)["emb_params"])
+    torch.testing.assert_close(
+        merged.text_encoders["text_encoder"].get_input_embeddings().weight[ids], load_file(embedding)["emb_params"]
+    )
     # There is no other layout to convert it to; the error says what the file is.
     assert main(["convert", str(embedding), str(tmp_path / "x.safetensors"), "--to", "kohya"]) == 2
     assert "a textual-inversion embedding (emb_params), not a LoRA" in capsys.readouterr().err
@@ -117,21 +141,66 @@ def test_diffusers_layout_embeddings_merge_sample_and_eval(tiny_base, tiny_sdxl_
 
     assert main(["merge", "--base", str(tiny_base), "--adapter", str(path), "--out", str(tmp_path / "merged")]) == 0
     merged = load_components(ModelConfig(base=str(tmp_path / "merged")))
-    ours = merged.text_encoders["text_encoder"].get_input_embeddings().weight[merged.tokenizers["tokenizer"].convert_tokens_to_ids(tokens)]
+    ours = (
+        merged.text_encoders["text_encoder"]
+        .get_input_embeddings()
+        .weight[merged.tokenizers["tokenizer"].convert_tokens_to_ids(tokens)]
+    )
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     torch.testing.assert_close(ours, vectors, rtol=0, atol=0)
-    assert main(["sample", "--base", str(tiny_base), "--adapter", str(path), "--prompt", "a <cat-toy> circle", "--steps", "2",
-                 "--resolution", "32", "--out", str(tmp_path / "samples")]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--base",
+                str(tiny_base),
+                "--adapter",
+                str(path),
+                "--prompt",
+                "a <cat-toy> circle",
+                "--steps",
+                "2",
+                "--resolution",
+                "32",
+                "--out",
+                str(tmp_path / "samples"),
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "samples" / "000.png").is_file()
     report = tmp_path / "eval.json"
-    assert main(["eval", "--base", str(tiny_base), "--adapter", str(path), "--concept-word", "<cat-toy>",
-                 "--samples-per-prompt", "1", "--steps", "2", "--out", str(report)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--base",
+                str(tiny_base),
+                "--adapter",
+                str(path),
+                "--concept-word",
+                "<cat-toy>",
+                "--samples-per-prompt",
+                "1",
+                "--steps",
+                "2",
+                "--out",
+                str(report),
+            ]
+        )
+        == 0
+    )
     assert "after" in json.loads(report.read_text())
 
     capsys.readouterr()
     assert main(["merge", "--base", str(tiny_sdxl_base), "--adapter", str(path), "--out", str(tmp_path / "xl")]) == 2
-    assert "holds one text encoder's vectors, and this Stable Diffusion XL base has 2 text encoders" in capsys.readouterr().err
+    assert (
+        "holds one text encoder's vectors, and this Stable Diffusion XL base has 2 text encoders"
+        in capsys.readouterr().err
+    )
     wide = tmp_path / "wide.safetensors"
     save_file({"<wide>": torch.zeros(1, 768)}, wide)
     assert main(["merge", "--base", str(tiny_base), "--adapter", str(wide), "--out", str(tmp_path / "w")]) == 2
-    assert "'emb_params' vectors are 768 wide, but this base's text_encoder embeds tokens in 64" in capsys.readouterr().err
+    assert (
+        "'emb_params' vectors are 768 wide, but this base's text_encoder embeds tokens in 64" in capsys.readouterr().err
+    )

@@ -58,19 +58,36 @@ def test_accelerate_launch_runs_the_default_job(tmp_path):
     # Every long step says when it starts and how long it took, in order, and the parity check says its result.
     lines = run.stdout.replace(f"{REPO}/", "").splitlines()
     done = [line.removeprefix("difftune: ").split(": done in ")[0] for line in lines if ": done in " in line]
-    assert done == ["loading the base models/tiny-sd", "reading the data in examples/purple", "filling the caches",
-                    "drawing the base's samples (before training)", "preparing the model for training", "training",
-                    "loading the encoders again for the end of the run", "saving the result", "drawing the end samples",
-                    "checking parity: the first sample redrawn with each written file"], run.stdout
-    assert [line.removesuffix(" ...") for line in lines if line.endswith(" ...")] == [f"difftune: {what}" for what in done]
+    assert done == [
+        "loading the base models/tiny-sd",
+        "reading the data in examples/purple",
+        "filling the caches",
+        "drawing the base's samples (before training)",
+        "preparing the model for training",
+        "training",
+        "loading the encoders again for the end of the run",
+        "saving the result",
+        "drawing the end samples",
+        "checking parity: the first sample redrawn with each written file",
+    ], run.stdout
+    assert [line.removesuffix(" ...") for line in lines if line.endswith(" ...")] == [
+        f"difftune: {what}" for what in done
+    ]
     assert re.search(r"^difftune: parity: \d+ levels in both layouts", run.stdout, re.MULTILINE), run.stdout
     assert "train: 100%" in run.stderr and "end samples" not in run.stderr  # the step bar in the log; no other bars
+
     # The README's quick start shows this screen: the same lines, but for the times, paths and trained numbers.
     def shape(text: str) -> list[str]:
         text = text.replace(str(out), "/home/you/difftune/output/tiny_lora").replace(str(REPO), "/home/you/difftune")
-        return [re.sub(r"\d", "#", re.sub(r"done in .*", "done in", line)) for line in text.splitlines()
-                if line.startswith("difftune: ")]
-    shown = re.search(r"\$ difftune train --config configs/tiny_lora\.toml\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+        return [
+            re.sub(r"\d", "#", re.sub(r"done in .*", "done in", line))
+            for line in text.splitlines()
+            if line.startswith("difftune: ")
+        ]
+
+    shown = re.search(
+        r"\$ difftune train --config configs/tiny_lora\.toml\n(.*?)```", (REPO / "README.md").read_text(), re.S
+    )
     assert shape(shown.group(1)) == shape(run.stdout)
     config = tomllib.loads((REPO / "configs/tiny_lora.toml").read_text())
     images = len(config["sample"]["prompts"]) * config["sample"]["images_per_prompt"]
@@ -135,10 +152,25 @@ def test_difftune_command_with_overrides(tmp_path):
 
 def test_quiet_runs_say_only_warnings_errors_and_the_last_lines(tmp_path):
     out = tmp_path / "quiet"
-    run = run_in_repo([sys.executable, "-m", "difftune.cli", "train", "--quiet", "--config", "configs/tiny_lora.toml",
-                       f"train.output_dir={out}", "train.max_steps=2", "sample.steps=2", 'sample.prompts=["a red circle"]'])
+    run = run_in_repo(
+        [
+            sys.executable,
+            "-m",
+            "difftune.cli",
+            "train",
+            "--quiet",
+            "--config",
+            "configs/tiny_lora.toml",
+            f"train.output_dir={out}",
+            "train.max_steps=2",
+            "sample.steps=2",
+            'sample.prompts=["a red circle"]',
+        ]
+    )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert " ..." not in run.stdout and "done in" not in run.stdout and "train:" not in run.stderr, run.stdout + run.stderr
+    assert " ..." not in run.stdout and "done in" not in run.stdout and "train:" not in run.stderr, (
+        run.stdout + run.stderr
+    )
     assert "difftune: parity: " in run.stdout and f"wrote {out / 'pytorch_lora_weights.safetensors'}" in run.stdout
 
 
@@ -154,7 +186,9 @@ def test_console_script_is_installed():
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     """DDP through accelerate (gloo on CPU): 2 x batch 4 trains exactly like 1 x batch 8."""
     common = ["--config", "configs/tiny_lora.toml", "train.max_steps=4", "sample.prompts=[]", "log.progress_bar=false"]
-    one = run_in_repo([sys.executable, "scripts/train.py", *common, f"train.output_dir={tmp_path / 'one'}", "train.batch_size=8"])
+    one = run_in_repo(
+        [sys.executable, "scripts/train.py", *common, f"train.output_dir={tmp_path / 'one'}", "train.batch_size=8"]
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     torchrun = [shutil.which("torchrun") or "torchrun", "--nproc_per_node=2", "scripts/train.py"]
     two = run_in_repo(
@@ -174,12 +208,32 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
 
 def test_two_process_run_resumes_exactly(tmp_path):
     """Killed after its step-4 checkpoint (simulated by a shorter run), a 2-process run resumes where it stopped."""
-    common = ["--config", "configs/tiny_lora.toml", "sample.prompts=[]", "log.progress_bar=false", "checkpoint.every_steps=2"]
-    one = run_in_repo([sys.executable, "scripts/train.py", *common, f"train.output_dir={tmp_path / 'one'}", "train.batch_size=8",
-                "train.max_steps=6"])
+    common = [
+        "--config",
+        "configs/tiny_lora.toml",
+        "sample.prompts=[]",
+        "log.progress_bar=false",
+        "checkpoint.every_steps=2",
+    ]
+    one = run_in_repo(
+        [
+            sys.executable,
+            "scripts/train.py",
+            *common,
+            f"train.output_dir={tmp_path / 'one'}",
+            "train.batch_size=8",
+            "train.max_steps=6",
+        ]
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    torchrun = [shutil.which("torchrun") or "torchrun", "--nproc_per_node=2", "scripts/train.py", *common,
-                f"train.output_dir={tmp_path / 'two'}", "train.batch_size=4"]
+    torchrun = [
+        shutil.which("torchrun") or "torchrun",
+        "--nproc_per_node=2",
+        "scripts/train.py",
+        *common,
+        f"train.output_dir={tmp_path / 'two'}",
+        "train.batch_size=4",
+    ]
     cpu = {"ACCELERATE_USE_CPU": "true"}
     first = run_in_repo([*torchrun, "train.max_steps=4"], extra_env=cpu)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -197,7 +251,9 @@ def test_two_process_run_resumes_exactly(tmp_path):
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-sdxl"])
 def test_bench_prints_one_json_line_with_every_field(tmp_path, model):
-    run = run_in_repo([sys.executable, "scripts/bench.py", "--model", model, "--steps", "3", "--workdir", str(tmp_path)])
+    run = run_in_repo(
+        [sys.executable, "scripts/bench.py", "--model", model, "--steps", "3", "--workdir", str(tmp_path)]
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     for field in ("seconds_per_step", "samples_per_second", "peak_memory_bytes", "mfu", "device", "model", "batch"):
@@ -259,9 +315,19 @@ def test_every_readme_train_command_runs_as_written(words, tmp_path, monkeypatch
     if not on_this_machine:
         assert main(["config", *words]) == 0
         return
-    few_steps = ["train.max_steps=2", "checkpoint.every_steps=0", f"train.output_dir={tmp_path / 'run'}",
-                 "sample.prompts=[]", "sample.before=false", "sample.parity=false", "validation.path=",
-                 "log.progress_bar=false", "log.tensorboard=false", "data.num_workers=0", "train.check_memory=false"]
+    few_steps = [
+        "train.max_steps=2",
+        "checkpoint.every_steps=0",
+        f"train.output_dir={tmp_path / 'run'}",
+        "sample.prompts=[]",
+        "sample.before=false",
+        "sample.parity=false",
+        "validation.path=",
+        "log.progress_bar=false",
+        "log.tensorboard=false",
+        "data.num_workers=0",
+        "train.check_memory=false",
+    ]
     after_config = words.index("--config") + 2  # overrides before any later flag, as argparse takes them
     assert main(["train", *words[:after_config], *few_steps, *words[after_config:]]) == 0, capsys.readouterr().err
     assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1, 2]

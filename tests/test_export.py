@@ -26,14 +26,24 @@ def _make_adapter(tiny_base, path, kind, layout="diffusers", seed=0):
     """An adapter with random (non-identity) weights on the UNet and the text encoder, written to `path`."""
     config = load_config(
         None,
-        [f"model.base={tiny_base}", f"adapter.kind={kind}", "adapter.rank=4", "adapter.alpha=8",
-         "adapter.text_encoder=true", f"adapter.target_modules={json.dumps(TARGETS)}", "data.resolution=32"],
+        [
+            f"model.base={tiny_base}",
+            f"adapter.kind={kind}",
+            "adapter.rank=4",
+            "adapter.alpha=8",
+            "adapter.text_encoder=true",
+            f"adapter.target_modules={json.dumps(TARGETS)}",
+            "data.resolution=32",
+        ],
     )
     components = load_components(config.model)
     add_adapters(components, config.adapter)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in [*components.denoiser.named_parameters(), *components.text_encoders["text_encoder"].named_parameters()]:
+        for name, param in [
+            *components.denoiser.named_parameters(),
+            *components.text_encoders["text_encoder"].named_parameters(),
+        ]:
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
             elif "lora_magnitude" in name:
@@ -46,13 +56,15 @@ def _make_adapter(tiny_base, path, kind, layout="diffusers", seed=0):
 def _outputs(components):
     """UNet and text-encoder outputs on fixed inputs."""
     latents, timesteps, states = unet_inputs(components.denoiser)
-    ids = components.tokenizers["tokenizer"](["a red circle", "a blue square"], padding="max_length", return_tensors="pt").input_ids
+    ids = components.tokenizers["tokenizer"](
+        ["a red circle", "a blue square"], padding="max_length", return_tensors="pt"
+    ).input_ids
     with torch.no_grad():
         return components.denoiser(latents, timesteps, states).sample, components.text_encoders["text_encoder"](ids)[0]
 
 
 def _assert_same_outputs(a, b, atol=1e-5):
-    for x, y in zip(_outputs(a), _outputs(b)):
+    for x, y in zip(_outputs(a), _outputs(b), strict=True):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=atol)
 
 
@@ -84,7 +96,17 @@ def test_merge_command_writes_a_pipeline_and_a_single_file(tiny_base, tmp_path):
     _make_adapter(tiny_base, first, "lora", seed=1)
     _make_adapter(tiny_base, second, "dora", seed=2)
     out = tmp_path / "merged"
-    args = ["merge", "--base", str(tiny_base), "--adapter", f"{first}:0.7", "--adapter", f"{second}:0.5", "--out", str(out)]
+    args = [
+        "merge",
+        "--base",
+        str(tiny_base),
+        "--adapter",
+        f"{first}:0.7",
+        "--adapter",
+        f"{second}:0.5",
+        "--out",
+        str(out),
+    ]
     assert main([*args, "--single-file"]) == 0
 
     expected = load_components(ModelConfig(base=str(tiny_base)))
@@ -96,17 +118,25 @@ def test_merge_command_writes_a_pipeline_and_a_single_file(tiny_base, tmp_path):
         str(out / "model.safetensors"), config=str(tiny_base), safety_checker=None, dtype=torch.float32
     )
     single_parts = load_components(ModelConfig(base=str(out)))
-    single_parts.denoiser, single_parts.text_encoders["text_encoder"], single_parts.vae = single.unet, single.text_encoder, single.vae
+    single_parts.denoiser, single_parts.text_encoders["text_encoder"], single_parts.vae = (
+        single.unet,
+        single.text_encoder,
+        single.vae,
+    )
     _assert_same_outputs(folder, single_parts, atol=0)
     # A pickled copy loads only when allowed, and then tensors-only.
     torch.save({"state_dict": load_file(out / "model.safetensors")}, tmp_path / "model.ckpt")
     with pytest.raises(DifftuneError, match="allow_pickled_checkpoint"):
         load_components(ModelConfig(base=str(tmp_path / "model.ckpt"), single_file_config=str(tiny_base)))
-    trusted = ModelConfig(base=str(tmp_path / "model.ckpt"), single_file_config=str(tiny_base), allow_pickled_checkpoint=True)
+    trusted = ModelConfig(
+        base=str(tmp_path / "model.ckpt"), single_file_config=str(tiny_base), allow_pickled_checkpoint=True
+    )
     _assert_same_outputs(folder, load_components(trusted), atol=0)
     # ...and difftune trains from it: model.base may be a single file, its architecture from a local folder.
     _assert_same_outputs(
-        folder, load_components(ModelConfig(base=str(out / "model.safetensors"), single_file_config=str(tiny_base))), atol=0
+        folder,
+        load_components(ModelConfig(base=str(out / "model.safetensors"), single_file_config=str(tiny_base))),
+        atol=0,
     )
     pixels = torch.rand(1, 3, 32, 32) * 2 - 1
     with torch.no_grad():
@@ -114,9 +144,14 @@ def test_merge_command_writes_a_pipeline_and_a_single_file(tiny_base, tmp_path):
     with safe_open(out / "model.safetensors", framework="pt") as handle:
         keys = set(handle.keys())
     # Every tensor of the folder is in the single file, under the original names A1111/ComfyUI expect.
-    assert len(keys) == sum(len(m.state_dict()) for m in (folder.denoiser, folder.vae, folder.text_encoders["text_encoder"]))
+    assert len(keys) == sum(
+        len(m.state_dict()) for m in (folder.denoiser, folder.vae, folder.text_encoders["text_encoder"])
+    )
     assert any(k.startswith("cond_stage_model.transformer.text_model.encoder.layers.") for k in keys)
-    assert "model.diffusion_model.input_blocks.0.0.weight" in keys and "first_stage_model.decoder.up.0.block.0.conv1.weight" in keys
+    assert (
+        "model.diffusion_model.input_blocks.0.0.weight" in keys
+        and "first_stage_model.decoder.up.0.block.0.conv1.weight" in keys
+    )
 
     assert main(args) == 2  # refuses to overwrite what is there
     assert main([*args, "--dtype", "fp16", "--overwrite"]) == 0
@@ -183,7 +218,10 @@ def test_kohya_keys_and_metadata(tiny_base, tmp_path):
     assert tensors[f"{conv}.dora_scale"].shape == (tensors[f"{conv}.lora_up.weight"].shape[0], 1, 1, 1)
     assert tensors[f"{linear}.alpha"].item() == 8.0
     assert metadata["ss_network_dim"] == "4" and metadata["ss_network_alpha"] == "8.0"
-    assert metadata["ss_network_module"] == "lycoris.kohya" and json.loads(metadata["ss_network_args"])["dora_wd"] == "True"
+    assert (
+        metadata["ss_network_module"] == "lycoris.kohya"
+        and json.loads(metadata["ss_network_args"])["dora_wd"] == "True"
+    )
     assert metadata["ss_base_model_version"] == "sd_v1" and metadata["ss_resolution"] == "(32, 32)"
 
 
@@ -239,13 +277,21 @@ def test_kohya_files_name_the_version_of_their_base(make_config, tiny_base, tmp_
 
     pipeline = build_pipeline(seed=1)
     pipeline.text_encoder = build_text_encoder(hidden_size=1024)
-    pipeline.unet = UNet2DConditionModel.from_config(pipeline.unet.config, cross_attention_dim=1024, use_linear_projection=True)
+    pipeline.unet = UNet2DConditionModel.from_config(
+        pipeline.unet.config, cross_attention_dim=1024, use_linear_projection=True
+    )
     pipeline.scheduler = DDPMScheduler.from_config(pipeline.scheduler.config, prediction_type="v_prediction")
     pipeline.register_modules(text_encoder=pipeline.text_encoder, unet=pipeline.unet, scheduler=pipeline.scheduler)
     sd2 = tmp_path / "tiny-sd2"
     pipeline.save_pretrained(sd2, safe_serialization=True)
-    result = train(make_config(model__base=str(sd2), export__format="kohya", train__max_steps=1,
-                               train__output_dir=str(tmp_path / "sd2-job")))
+    result = train(
+        make_config(
+            model__base=str(sd2),
+            export__format="kohya",
+            train__max_steps=1,
+            train__output_dir=str(tmp_path / "sd2-job"),
+        )
+    )
     with safe_open(result.trained_path, framework="pt") as handle:
         assert handle.metadata()["ss_base_model_version"] == "sd_v2_v"
     sd1 = tmp_path / "sd1.safetensors"
@@ -253,18 +299,53 @@ def test_kohya_files_name_the_version_of_their_base(make_config, tiny_base, tmp_
     export.convert_adapter(sd1, tmp_path / "sd1_kohya.safetensors", "kohya")
     with safe_open(tmp_path / "sd1_kohya.safetensors", framework="pt") as handle:
         assert handle.metadata()["ss_base_model_version"] == "sd_v1"
-    assert main(["merge", "--base", str(sd2), "--adapter", str(result.trained_path), "--out", str(tmp_path / "merged"),
-                 "--single-file"]) == 0
-    assert FAMILIES["sd"].base_model_version(ModelConfig(base=str(tmp_path / "merged" / "model.safetensors"))) == "sd_v2"
+    assert (
+        main(
+            [
+                "merge",
+                "--base",
+                str(sd2),
+                "--adapter",
+                str(result.trained_path),
+                "--out",
+                str(tmp_path / "merged"),
+                "--single-file",
+            ]
+        )
+        == 0
+    )
+    assert (
+        FAMILIES["sd"].base_model_version(ModelConfig(base=str(tmp_path / "merged" / "model.safetensors"))) == "sd_v2"
+    )
     assert FAMILIES["sd"].base_model_version(ModelConfig(base=str(tmp_path / "no-such-base"))) is None
 
 
 def test_sample_command_writes_reproducible_images(tiny_base, tmp_path):
     adapter = tmp_path / "a.safetensors"
     _make_adapter(tiny_base, adapter, "lora")
-    common = ["sample", "--base", str(tiny_base), "--adapter", f"{adapter}:0.8", "--prompt", "a red circle",
-              "--prompt", "a blue square", "--steps", "3", "--seed", "5", "--guidance-scale", "2",
-              "--scheduler", "euler_a", "--images-per-prompt", "2", "--negative-prompt", "blurry"]
+    common = [
+        "sample",
+        "--base",
+        str(tiny_base),
+        "--adapter",
+        f"{adapter}:0.8",
+        "--prompt",
+        "a red circle",
+        "--prompt",
+        "a blue square",
+        "--steps",
+        "3",
+        "--seed",
+        "5",
+        "--guidance-scale",
+        "2",
+        "--scheduler",
+        "euler_a",
+        "--images-per-prompt",
+        "2",
+        "--negative-prompt",
+        "blurry",
+    ]
     assert main([*common, "--out", str(tmp_path / "one")]) == 0
     assert main([*common, "--out", str(tmp_path / "two")]) == 0
     names = sorted(p.name for p in (tmp_path / "one").iterdir())
@@ -300,18 +381,32 @@ def test_sample_with_a_taesd_decoder(tiny_base, tmp_path):
         assert list(fast.getdata()) != list(full.getdata())  # decoded by the other autoencoder
 
 
-@pytest.mark.parametrize(("kind", "layout", "extra"), [
-    ("lora", "diffusers", {}), ("dora", "kohya", {}), ("none", "diffusers", {}),
-    ("dora", "diffusers", {"adapter__alpha": 2.0}),  # alpha / rank (0.5) folded into a DoRA's lora_B: the same weights
-    # trained on a base with its principal part taken out, saved as the change on the untouched one
-    ("lora", "kohya", {"adapter__init": "pissa", "adapter__rank_stabilized": True}),
-])
+@pytest.mark.parametrize(
+    ("kind", "layout", "extra"),
+    [
+        ("lora", "diffusers", {}),
+        ("dora", "kohya", {}),
+        ("none", "diffusers", {}),
+        (
+            "dora",
+            "diffusers",
+            {"adapter__alpha": 2.0},
+        ),  # alpha / rank (0.5) folded into a DoRA's lora_B: the same weights
+        # trained on a base with its principal part taken out, saved as the change on the untouched one
+        ("lora", "kohya", {"adapter__init": "pissa", "adapter__rank_stabilized": True}),
+    ],
+)
 def test_saved_result_reloads_to_the_in_training_sample(make_config, tmp_path, kind, layout, extra, capsys):
     from difftune.training.train import train
 
     config = make_config(
-        adapter__kind=kind, adapter__text_encoder=True, export__format=layout, train__max_steps=4,
-        sample__prompts=["a red circle"], sample__steps=3, **extra,
+        adapter__kind=kind,
+        adapter__text_encoder=True,
+        export__format=layout,
+        train__max_steps=4,
+        sample__prompts=["a red circle"],
+        sample__steps=3,
+        **extra,
     )
     train(config)
     report = json.loads((tmp_path / "run" / "parity.json").read_text())
@@ -331,12 +426,25 @@ def test_a_bf16_run_reloads_to_its_sample_exactly(make_config, tmp_path, kind, c
     outside Accelerate's autocast)."""
     from difftune.training.train import train
 
-    embedding = {"adapter__embedding_token": "<prp>", "adapter__embedding_caption_word": "red"} if kind == "embedding" else {}
-    train(make_config(adapter__kind=kind, adapter__text_encoder=kind != "lora", train__mixed_precision="bf16",
-                      train__max_steps=3, cache__text=kind == "lora", sample__prompts=["a purple circle"], sample__steps=3,
-                      **embedding))
+    embedding = (
+        {"adapter__embedding_token": "<prp>", "adapter__embedding_caption_word": "red"} if kind == "embedding" else {}
+    )
+    train(
+        make_config(
+            adapter__kind=kind,
+            adapter__text_encoder=kind != "lora",
+            train__mixed_precision="bf16",
+            train__max_steps=3,
+            cache__text=kind == "lora",
+            sample__prompts=["a purple circle"],
+            sample__steps=3,
+            **embedding,
+        )
+    )
     report = json.loads((tmp_path / "run" / "parity.json").read_text())
-    assert report["layouts"] and all(result["max_pixel_difference"] == 0 for result in report["layouts"].values()), report
+    assert report["layouts"] and all(result["max_pixel_difference"] == 0 for result in report["layouts"].values()), (
+        report
+    )
     assert "warning" not in capsys.readouterr().out
 
 
@@ -345,9 +453,17 @@ def test_a_reload_that_loses_the_adapter_is_reported(make_config, tmp_path, monk
     from difftune.training.train import train
 
     real_apply = export.apply_adapters
-    monkeypatch.setattr(parity.export, "apply_adapters", lambda components, adapters: real_apply(components, [(p, 0.0) for p, _ in adapters]))
-    config = make_config(train__max_steps=6, sample__prompts=["a red circle"], sample__steps=3, optim__learning_rate=1e-2)
+    monkeypatch.setattr(
+        parity.export,
+        "apply_adapters",
+        lambda components, adapters: real_apply(components, [(p, 0.0) for p, _ in adapters]),
+    )
+    config = make_config(
+        train__max_steps=6, sample__prompts=["a red circle"], sample__steps=3, optim__learning_rate=1e-2
+    )
     train(config)
     report = json.loads((tmp_path / "run" / "parity.json").read_text())
     assert report["layouts"]["diffusers"]["max_pixel_difference"] > report["warn_above_levels"]
-    assert "difftune: warning: the diffusers file reloaded in a fresh pipeline draws sample 000" in capsys.readouterr().out
+    assert (
+        "difftune: warning: the diffusers file reloaded in a fresh pipeline draws sample 000" in capsys.readouterr().out
+    )

@@ -27,9 +27,17 @@ def _overrides(settings: dict) -> list[str]:
 
 def _adapted(tiny_base, **adapter):
     """The tiny base with an adapter on the UNet and text encoder, moved away from its start at random."""
-    config = load_config(None, [f"model.base={tiny_base}", "adapter.rank=4", "adapter.alpha=8", "adapter.text_encoder=true",
-                                f"adapter.target_modules={json.dumps(ATTENTION)}",
-                                *_overrides({f"adapter.{key}": value for key, value in adapter.items()})])
+    config = load_config(
+        None,
+        [
+            f"model.base={tiny_base}",
+            "adapter.rank=4",
+            "adapter.alpha=8",
+            "adapter.text_encoder=true",
+            f"adapter.target_modules={json.dumps(ATTENTION)}",
+            *_overrides({f"adapter.{key}": value for key, value in adapter.items()}),
+        ],
+    )
     components = load_components(config.model)
     add_adapters(components, config.adapter)
     generator = torch.Generator().manual_seed(0)
@@ -49,7 +57,9 @@ def _outputs(components):
 
 
 @pytest.mark.parametrize("layout", ["diffusers", "kohya"])
-@pytest.mark.parametrize("adapter", [{"rank_stabilized": True}, {"init": "pissa"}, {"init": "olora", "rank_stabilized": True}])
+@pytest.mark.parametrize(
+    "adapter", [{"rank_stabilized": True}, {"init": "pissa"}, {"init": "olora", "rank_stabilized": True}]
+)
 def test_rslora_and_pissa_files_reproduce_the_adapted_model_on_the_untouched_base(tiny_base, tmp_path, layout, adapter):
     """rsLoRA's scale reaches both layouts (kohya's through alpha); a PiSSA/OLoRA adapter, trained on a base with its
     principal part taken out, is saved as the change from its start: on the untouched base it gives the same model."""
@@ -58,7 +68,7 @@ def test_rslora_and_pissa_files_reproduce_the_adapted_model_on_the_untouched_bas
     path = export.write_adapter(tmp_path / "a.safetensors", tensors, lora_configs, config.to_toml(), layout)
     loaded = load_components(ModelConfig(base=str(tiny_base)))
     export.apply_adapters(loaded, [(path, 1.0)])
-    for ours, theirs in zip(_outputs(adapted), _outputs(loaded)):
+    for ours, theirs in zip(_outputs(adapted), _outputs(loaded), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     untouched = _outputs(load_components(ModelConfig(base=str(tiny_base))))
     assert (untouched[0] - _outputs(loaded)[0]).abs().max() > 1e-3
@@ -76,7 +86,9 @@ def test_pissa_starts_at_the_base_model(tiny_base):
     torch.testing.assert_close(_outputs(pissa)[0], _outputs(base)[0], rtol=1e-4, atol=1e-4)
     q = pissa.denoiser.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q
     assert q.lora_B["default"].weight.abs().max() > 0  # not the zero start of a plain LoRA
-    assert not torch.allclose(q.base_layer.weight, base.denoiser.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q.weight)
+    assert not torch.allclose(
+        q.base_layer.weight, base.denoiser.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q.weight
+    )
 
 
 def test_loraplus_steps_b_at_its_ratio():
@@ -93,25 +105,31 @@ def test_loraplus_steps_b_at_its_ratio():
     ids = {name: id(param) for name, param in named.items()}
     assert groups == [
         (pytest.approx(2e-3), {ids["unet.a.lora_A.default.weight"]}),
-        (pytest.approx(32e-3), {ids["unet.a.lora_B.default.weight"], ids["unet.a.lora_magnitude_vector.default.weight"]}),
+        (
+            pytest.approx(32e-3),
+            {ids["unet.a.lora_B.default.weight"], ids["unet.a.lora_magnitude_vector.default.weight"]},
+        ),
         (pytest.approx(2e-4), {ids["text_encoder.b.lora_A.default.weight"]}),
         (pytest.approx(32e-4), {ids["text_encoder.b.lora_B.default.weight"]}),
     ]
 
 
-@pytest.mark.parametrize(("settings", "message"), [
-    ({"optim.optimizer": "adamw_schedule_free", "optim.lr_schedule": "cosine"}, "replaces the schedule"),
-    ({"optim.optimizer": "adamw_schedule_free", "ema.enabled": True}, "an average already"),
-    ({"optim.optimizer": "prodigy", "optim.text_encoder_learning_rate": 0.5}, "one step size for all parameters"),
-    ({"optim.loraplus_ratio": 16, "adapter.kind": "none"}, "has none: set it to 0"),
-    ({"adapter.init": "pissa", "adapter.kind": "dora"}, "needs init = \"gaussian\""),
-    ({"adapter.init": "olora", "model.quantize": "int8"}, "use one or the other"),
-    ({"validation.early_stop_patience": 3}, "validation.early_stop_patience needs validation.path"),
-    ({"adapter.kind": "loha", "adapter.rank_stabilized": True}, "has no such scale in peft"),
-    ({"data.masks": "folder"}, "needs data.mask_path"),
-    ({"prior.num_class_images": 4}, "needs prior.class_prompt"),
-    ({"prior.class_path": "x", "adapter.kind": "embedding"}, "changes no model weights"),
-])
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"optim.optimizer": "adamw_schedule_free", "optim.lr_schedule": "cosine"}, "replaces the schedule"),
+        ({"optim.optimizer": "adamw_schedule_free", "ema.enabled": True}, "an average already"),
+        ({"optim.optimizer": "prodigy", "optim.text_encoder_learning_rate": 0.5}, "one step size for all parameters"),
+        ({"optim.loraplus_ratio": 16, "adapter.kind": "none"}, "has none: set it to 0"),
+        ({"adapter.init": "pissa", "adapter.kind": "dora"}, 'needs init = "gaussian"'),
+        ({"adapter.init": "olora", "model.quantize": "int8"}, "use one or the other"),
+        ({"validation.early_stop_patience": 3}, "validation.early_stop_patience needs validation.path"),
+        ({"adapter.kind": "loha", "adapter.rank_stabilized": True}, "has no such scale in peft"),
+        ({"data.masks": "folder"}, "needs data.mask_path"),
+        ({"prior.num_class_images": 4}, "needs prior.class_prompt"),
+        ({"prior.class_path": "x", "adapter.kind": "embedding"}, "changes no model weights"),
+    ],
+)
 def test_settings_that_do_not_mix_are_refused(settings, message):
     with pytest.raises(DifftuneError, match=message):
         load_config(None, _overrides(settings))
@@ -121,8 +139,14 @@ def test_schedule_free_saves_its_averaged_weights_and_resumes_exactly(make_confi
     """What schedule-free AdamW saves and validates is its average x, not the point y its gradients are taken at;
     checkpoints keep y and the optimizer state, so a resumed run ends where an uninterrupted one does."""
     pytest.importorskip("schedulefree")
-    settings = {"optim__optimizer": "adamw_schedule_free", "optim__warmup_steps": 2, "checkpoint__every_steps": 2,
-                "validation__path": make_config().data.path, "validation__every_steps": 2, "train__max_steps": 4}
+    settings = {
+        "optim__optimizer": "adamw_schedule_free",
+        "optim__warmup_steps": 2,
+        "checkpoint__every_steps": 2,
+        "validation__path": make_config().data.path,
+        "validation__every_steps": 2,
+        "train__max_steps": 4,
+    }
     whole = train(make_config(train__output_dir=str(tmp_path / "whole"), **settings))
     saved = load_file(whole.trained_path)
     tensors, _ = adapter_state_dict(whole.components, whole_config := make_config(**settings).adapter)
@@ -133,8 +157,12 @@ def test_schedule_free_saves_its_averaged_weights_and_resumes_exactly(make_confi
 
     train(make_config(train__output_dir=str(tmp_path / "parts"), **{**settings, "train__max_steps": 2}))
     resumed = train(make_config(train__output_dir=str(tmp_path / "parts"), **settings), resume="auto")
-    assert [r["loss"] for r in read_metrics(tmp_path / "parts")] == [r["loss"] for r in read_metrics(tmp_path / "whole")]
-    assert [r.get("val_loss") for r in read_metrics(tmp_path / "parts")] == [r.get("val_loss") for r in read_metrics(tmp_path / "whole")]
+    assert [r["loss"] for r in read_metrics(tmp_path / "parts")] == [
+        r["loss"] for r in read_metrics(tmp_path / "whole")
+    ]
+    assert [r.get("val_loss") for r in read_metrics(tmp_path / "parts")] == [
+        r.get("val_loss") for r in read_metrics(tmp_path / "whole")
+    ]
     assert all(torch.equal(value, load_file(resumed.trained_path)[key]) for key, value in saved.items())
 
 
@@ -161,27 +189,46 @@ def _scripted_validation(monkeypatch, losses_by_step: dict[int, float]):
 
 def test_the_lowest_validation_loss_is_kept_as_best(make_config, tmp_path, shapes):
     """`_best` is the adapter of the step with the lowest validation loss: the snapshot of that step, bit for bit."""
-    run = train(make_config(validation__path=str(shapes), validation__every_steps=1, train__max_steps=5,
-                            export__every_steps=1, optim__learning_rate=1e-2))
+    run = train(
+        make_config(
+            validation__path=str(shapes),
+            validation__every_steps=1,
+            train__max_steps=5,
+            export__every_steps=1,
+            optim__learning_rate=1e-2,
+        )
+    )
     rows = read_metrics(tmp_path / "run")
     best_step = min(rows, key=lambda row: row["val_loss"])["step"]
     best = json.loads((tmp_path / "run" / "best.json").read_text())
-    assert best["records"]["val_loss"] == {"step": best_step, "value": min(r["val_loss"] for r in rows),
-                                           "file": "pytorch_lora_weights_best.safetensors"}
+    assert best["records"]["val_loss"] == {
+        "step": best_step,
+        "value": min(r["val_loss"] for r in rows),
+        "file": "pytorch_lora_weights_best.safetensors",
+    }
     kept = load_file(run.trained_path.with_name("pytorch_lora_weights_best.safetensors"))
     snapshot = load_file(tmp_path / "run" / "snapshots" / f"step-{best_step:06d}.safetensors")
     assert kept.keys() == snapshot.keys() and all(torch.equal(kept[k], snapshot[k]) for k in kept)
 
 
-def test_early_stopping_ends_the_run_with_its_files_and_resumes_knowing_its_best(make_config, tmp_path, shapes, monkeypatch, capsys):
+def test_early_stopping_ends_the_run_with_its_files_and_resumes_knowing_its_best(
+    make_config, tmp_path, shapes, monkeypatch, capsys
+):
     scripted = {1: 1.0, 2: 0.5, 3: 0.6, 4: 0.7, 5: 0.8, 6: 0.9}
     _scripted_validation(monkeypatch, scripted)
-    settings = {"validation__path": str(shapes), "validation__every_steps": 1, "validation__early_stop_patience": 2,
-                "train__max_steps": 6, "checkpoint__every_steps": 1}
+    settings = {
+        "validation__path": str(shapes),
+        "validation__every_steps": 1,
+        "validation__early_stop_patience": 2,
+        "train__max_steps": 6,
+        "checkpoint__every_steps": 1,
+    }
     result = train(make_config(**settings))
     rows = read_metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [1, 2, 3, 4]  # two validations (3, 4) without beating step 2's
-    assert result.trained_path.exists() and result.trained_path.with_name("pytorch_lora_weights_best.safetensors").exists()
+    assert (
+        result.trained_path.exists() and result.trained_path.with_name("pytorch_lora_weights_best.safetensors").exists()
+    )
     out = capsys.readouterr().out
     assert "stopped early at step 4: 2 validations without a lower validation loss" in out
     assert "best val_loss 0.5 at step 2: pytorch_lora_weights_best.safetensors" in out
@@ -198,13 +245,25 @@ def test_early_stopping_ends_the_run_with_its_files_and_resumes_knowing_its_best
 
 
 def test_judged_scores_at_validation_keep_the_best_scoring_result(make_config, tmp_path, shapes):
-    train(make_config(validation__path=str(shapes), validation__every_steps=2, validation__eval_concept="purple",
-                      validation__eval_samples_per_prompt=1, train__max_steps=2, sample__steps=2))
+    train(
+        make_config(
+            validation__path=str(shapes),
+            validation__every_steps=2,
+            validation__eval_concept="purple",
+            validation__eval_samples_per_prompt=1,
+            train__max_steps=2,
+            sample__steps=2,
+        )
+    )
     [row] = [row for row in read_metrics(tmp_path / "run") if "eval_score" in row]
     assert 0 <= row["eval_concept"] <= 1 and 0 <= row["eval_seen"] <= 1
     assert row["eval_score"] == pytest.approx((row["eval_concept"] + row["eval_seen"]) / 2)
     assert (tmp_path / "run" / "pytorch_lora_weights_best_eval.safetensors").exists()
-    with pytest.raises(DifftuneError, match="validation.eval_concept = 'teal': not a concept an installed judge scores \\(the shapes bases' colors: red"):
+    with pytest.raises(
+        DifftuneError,
+        match="validation.eval_concept = 'teal': not a concept an installed judge scores \\(the shapes bases' colors: "
+        "red",
+    ):
         train(make_config(validation__path=str(shapes), validation__eval_concept="teal", train__overwrite=True))
 
 
@@ -212,7 +271,11 @@ def test_the_ui_plots_validation_with_its_best_point(tmp_path):
     from difftune.training.validation import read_best
     from difftune.webui import jobs
 
-    rows = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.9, "val_loss": 0.5}, {"step": 4, "loss": 0.8, "val_loss": 0.4}]
+    rows = [
+        {"step": 1, "loss": 1.0},
+        {"step": 2, "loss": 0.9, "val_loss": 0.5},
+        {"step": 4, "loss": 0.8, "val_loss": 0.4},
+    ]
     assert jobs.validation_frame(rows[:1], read_best(tmp_path)) is None
     (tmp_path / "best.json").write_text(json.dumps({"records": {"val_loss": {"step": 4, "value": 0.4, "file": "x"}}}))
     frame = jobs.validation_frame(rows, read_best(tmp_path))
@@ -220,6 +283,7 @@ def test_the_ui_plots_validation_with_its_best_point(tmp_path):
 
 
 # Caption tools.
+
 
 def _tagged_folder(shapes, path):
     """The shapes images captioned with comma-separated tags, a trigger word first."""
@@ -263,7 +327,9 @@ def test_caption_variants_are_fixed_per_caption_and_listed_for_the_cache():
     drawer = CaptionDrawer(config, train_seed=7)
     caption = "red, circle, small, bright, plain, centered"
     variants = drawer.variants(caption)
-    assert variants == CaptionDrawer(config, train_seed=7).variants(caption) and len(set(variants)) == 3  # of 720 orders
+    assert (
+        variants == CaptionDrawer(config, train_seed=7).variants(caption) and len(set(variants)) == 3
+    )  # of 720 orders
     assert all(v.startswith("photo of ") and v.endswith(".") for v in variants)
     drawn = {drawer.draw(caption, random.Random(seed)) for seed in range(60)}
     assert drawn == set(variants) and drawer.possible({caption}) == set(variants) | {""}
@@ -275,9 +341,16 @@ def test_caption_variants_are_fixed_per_caption_and_listed_for_the_cache():
 def test_shuffled_captions_train_cached_like_uncached(make_config, tmp_path, shapes):
     """With caption variants the text cache holds each variant once, and the run is the uncached run."""
     tagged = _tagged_folder(shapes, tmp_path / "tagged")
-    common = {"data__path": str(tagged), "data__shuffle_tags": True, "data__keep_tokens": 1, "data__tag_dropout": 0.2,
-              "data__caption_variants": 3, "data__caption_dropout": 0.2, "train__max_steps": 4,
-              "cache__dir": str(tmp_path / "cache")}
+    common = {
+        "data__path": str(tagged),
+        "data__shuffle_tags": True,
+        "data__keep_tokens": 1,
+        "data__tag_dropout": 0.2,
+        "data__caption_variants": 3,
+        "data__caption_dropout": 0.2,
+        "train__max_steps": 4,
+        "cache__dir": str(tmp_path / "cache"),
+    }
     train(make_config(train__output_dir=str(tmp_path / "plain"), **common))
     train(make_config(train__output_dir=str(tmp_path / "cached"), cache__text=True, **common))
     losses = [[row["loss"] for row in read_metrics(tmp_path / name)] for name in ("plain", "cached")]
@@ -290,8 +363,11 @@ def test_shuffled_captions_train_cached_like_uncached(make_config, tmp_path, sha
     assert len(cached) > 2 * len(captions)  # most captions' 3 variants differ
     # one entry per token sequence: the tiny tokenizer's short context makes some variants the same tokens
     components = load_components(config.model)
-    tokens = {tuple(ids[0].tolist()) for caption in cached
-              for ids in components.family.tokenize(components.tokenizers, [caption]).values()}
+    tokens = {
+        tuple(ids[0].tolist())
+        for caption in cached
+        for ids in components.family.tokenize(components.tokenizers, [caption]).values()
+    }
     assert len(list((tmp_path / "cache" / "text").rglob("*.safetensors"))) == len(tokens)
 
 
@@ -321,6 +397,7 @@ def test_folder_names_caption_uncaptioned_images(tmp_path, shapes):
 
 
 # Masked loss.
+
 
 def _halves(path, alpha=False):
     """A 48x32 image, red on the left half and blue on the right; with `alpha`, the right half transparent."""
@@ -353,8 +430,15 @@ def test_a_mask_follows_its_image_through_crop_flip_and_buckets(tmp_path, source
     _halves(tmp_path / "img.png", alpha=source == "alpha")
     (tmp_path / "masks").mkdir()
     _left_mask(tmp_path / "masks" / "img.png")
-    config = DataConfig(path=str(tmp_path), resolution=16, crop="random", random_flip=True, masks=source,
-                        mask_path=str(tmp_path / "masks"), alpha_background=(0, 0, 255))
+    config = DataConfig(
+        path=str(tmp_path),
+        resolution=16,
+        crop="random",
+        random_flip=True,
+        masks=source,
+        mask_path=str(tmp_path / "masks"),
+        alpha_background=(0, 0, 255),
+    )
     for seed in range(12):
         for size in ((16, 16), (24, 16), (16, 24)):
             pixels, _, mask, *_ = load_image(tmp_path / "img.png", config, random.Random(seed), size)
@@ -401,9 +485,13 @@ def test_masked_loss_trains_cached_like_uncached_and_white_masks_change_nothing(
 
     plain = losses("plain")
     masked = losses("masked", data__masks="folder", data__mask_path=str(masks))
-    assert losses("cached", data__masks="folder", data__mask_path=str(masks), cache__latents=True) == pytest.approx(masked, rel=1e-5)
+    assert losses("cached", data__masks="folder", data__mask_path=str(masks), cache__latents=True) == pytest.approx(
+        masked, rel=1e-5
+    )
     assert losses("white", data__masks="folder", data__mask_path=str(white)) == pytest.approx(plain, rel=1e-5)
-    assert losses("ignored", data__masks="folder", data__mask_path=str(masks), data__unmasked_weight=1.0) == pytest.approx(plain, rel=1e-5)
+    assert losses(
+        "ignored", data__masks="folder", data__mask_path=str(masks), data__unmasked_weight=1.0
+    ) == pytest.approx(plain, rel=1e-5)
     assert masked != pytest.approx(plain, rel=1e-3)
 
 
@@ -419,11 +507,17 @@ def test_latent_mask_averages_each_patch_and_lifts_the_unmasked():
 
 # Prior preservation.
 
+
 def test_class_images_are_drawn_once_resumably_and_reproducibly(make_config, tmp_path, monkeypatch):
     from difftune.training import prior
 
-    settings = {"prior__class_path": str(tmp_path / "class"), "prior__class_prompt": "a red circle",
-                "prior__num_class_images": 3, "prior__steps": 2, "prior__batch_size": 2}
+    settings = {
+        "prior__class_path": str(tmp_path / "class"),
+        "prior__class_prompt": "a red circle",
+        "prior__num_class_images": 3,
+        "prior__steps": 2,
+        "prior__batch_size": 2,
+    }
     config = make_config(**settings)
     components = load_components(config.model)
     folder = prior.class_folder(config, components)
@@ -454,12 +548,20 @@ def test_prior_preservation_mixes_class_images_at_their_weight(make_config, tmp_
     original = train_module._training_loss
 
     def recording(components, batch, config, device):
-        weights.extend(zip(batch["path"], batch["loss_weight"].tolist()))
+        weights.extend(zip(batch["path"], batch["loss_weight"].tolist(), strict=True))
         return original(components, batch, config, device)
 
     monkeypatch.setattr(train_module, "_training_loss", recording)
-    result = train(make_config(prior__class_prompt="a blue square", prior__num_class_images=2, prior__steps=2,
-                               prior__loss_weight=0.5, cache__dir=str(tmp_path / "cache"), train__max_steps=8))
+    result = train(
+        make_config(
+            prior__class_prompt="a blue square",
+            prior__num_class_images=2,
+            prior__steps=2,
+            prior__loss_weight=0.5,
+            cache__dir=str(tmp_path / "cache"),
+            train__max_steps=8,
+        )
+    )
     assert result.trained_path.exists()
     drawn = [(path, weight) for path, weight in weights if "class_images" in path]
     own = [(path, weight) for path, weight in weights if "class_images" not in path]
@@ -491,9 +593,11 @@ def test_prior_loss_weight_scales_each_class_sample(make_config, tmp_path, shape
 
 # LyCORIS: LoHa and LoKr.
 
+
 def _lycoris_delta(kohya: dict, name: str, shape) -> torch.Tensor:
     """A LyCORIS module's weight change as ComfyUI's and A1111's loaders compute it from the file alone (their
     documented formulas, written out here independently of difftune's reader)."""
+
     def tucker(core, a, b):  # a Tucker core `core` (r, r, k, k) with its out (a) and in (b) factors, (r, out/in) each
         return torch.einsum("i j k l, j r, i p -> p r k l", core, b, a).contiguous()
 
@@ -554,8 +658,17 @@ def _lycoris_network(tiny_base, tmp_path, algo: str, dim: int, alpha: float, **o
     preset.write_text(LYCORIS_PRESET)
     torch.manual_seed(0)
     network = lycoris_kohya.create_network(
-        1.0, dim, alpha, pipeline.vae, pipeline.text_encoder, pipeline.unet, algo=algo, preset=str(preset),
-        conv_dim=dim, conv_alpha=alpha, **options,
+        1.0,
+        dim,
+        alpha,
+        pipeline.vae,
+        pipeline.text_encoder,
+        pipeline.unet,
+        algo=algo,
+        preset=str(preset),
+        conv_dim=dim,
+        conv_alpha=alpha,
+        **options,
     )
     network.apply_to(pipeline.text_encoder, pipeline.unet, True, True)
     with torch.no_grad():
@@ -571,9 +684,13 @@ def _lycoris_network(tiny_base, tmp_path, algo: str, dim: int, alpha: float, **o
 def _kohya_weights(components) -> dict[str, torch.Tensor]:
     """Every adaptable layer's weight by its kohya module name."""
     prefixes = components.family.kohya_prefixes
-    return {prefixes[part] + name.replace(".", "_"): module.weight.detach().clone()
-            for part, model in components.parts().items() if part in prefixes
-            for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))}
+    return {
+        prefixes[part] + name.replace(".", "_"): module.weight.detach().clone()
+        for part, model in components.parts().items()
+        if part in prefixes
+        for name, module in model.named_modules()
+        if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))
+    }
 
 
 @pytest.mark.parametrize("variant", list(LYCORIS_VARIANTS))
@@ -586,15 +703,18 @@ def test_files_the_lycoris_library_writes_merge_as_its_math_says(tiny_base, tmp_
     kohya = load_file(path)
     base = _kohya_weights(load_components(ModelConfig(base=str(tiny_base))))
     for name, delta in deltas.items():  # the two references agree with each other
-        torch.testing.assert_close(_lycoris_delta(kohya, name, base[name].shape), delta.reshape(base[name].shape),
-                                   rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(
+            _lycoris_delta(kohya, name, base[name].shape), delta.reshape(base[name].shape), rtol=1e-4, atol=1e-6
+        )
     converted = export.convert_adapter(path, tmp_path / "converted.safetensors", "diffusers", str(tiny_base))
     for source in (path, converted):
         merged = load_components(ModelConfig(base=str(tiny_base)))
         export.merge_adapters(merged, [(source, 1.0)])
         weights = _kohya_weights(merged)
-        worst = max((weights[name] - base[name] - delta.reshape(base[name].shape)).abs().max().item()
-                    for name, delta in deltas.items())
+        worst = max(
+            (weights[name] - base[name] - delta.reshape(base[name].shape)).abs().max().item()
+            for name, delta in deltas.items()
+        )
         assert worst < 1e-5, (source.name, worst)
         assert sum(not torch.equal(weights[name], base[name]) for name in deltas) == len(deltas)
 
@@ -616,12 +736,12 @@ def test_lycoris_files_load_back_merge_and_read_as_comfyui_reads_them(tiny_base,
         path = export.write_adapter(tmp_path / f"{layout}.safetensors", tensors, lora_configs, config.to_toml(), layout)
         loaded = load_components(ModelConfig(base=str(tiny_base)))
         export.apply_adapters(loaded, [(path, 1.0)])
-        for ours, theirs in zip(_outputs(adapted), _outputs(loaded)):
+        for ours, theirs in zip(_outputs(adapted), _outputs(loaded), strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     merged = load_components(ModelConfig(base=str(tiny_base)))
     export.merge_adapters(merged, [(tmp_path / "kohya.safetensors", 1.0)])
     assert not any("hada_" in key or "lokr_" in key for key in merged.denoiser.state_dict())
-    for ours, theirs in zip(_outputs(adapted), _outputs(merged)):
+    for ours, theirs in zip(_outputs(adapted), _outputs(merged), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=2e-5)
 
     # ComfyUI's / A1111's reading of the kohya file: base weight + the change their formula gives.
@@ -632,15 +752,26 @@ def test_lycoris_files_load_back_merge_and_read_as_comfyui_reads_them(tiny_base,
     expected = dict(merged.denoiser.named_parameters())[f"{q}.weight"]
     name = "lora_unet_" + q.replace(".", "_")
     torch.testing.assert_close(weight + _lycoris_delta(kohya, name, weight.shape), expected, rtol=1e-4, atol=1e-6)
-    metadata = json.loads(__import__("safetensors").safe_open(tmp_path / "kohya.safetensors", "pt").metadata()["ss_network_args"])
+    metadata = json.loads(
+        __import__("safetensors").safe_open(tmp_path / "kohya.safetensors", "pt").metadata()["ss_network_args"]
+    )
     assert metadata == {"algo": kind}
 
 
 def test_a_lycoris_run_trains_saves_and_redraws_its_sample(make_config, tmp_path):
     for kind, layout in (("loha", "kohya"), ("lokr", "diffusers")):
         out = tmp_path / kind
-        train(make_config(adapter__kind=kind, adapter__text_encoder=True, export__format=layout, train__max_steps=3,
-                          sample__prompts=["a red circle"], sample__steps=3, train__output_dir=str(out)))
+        train(
+            make_config(
+                adapter__kind=kind,
+                adapter__text_encoder=True,
+                export__format=layout,
+                train__max_steps=3,
+                sample__prompts=["a red circle"],
+                sample__steps=3,
+                train__output_dir=str(out),
+            )
+        )
         report = json.loads((out / "parity.json").read_text())
         assert set(report["layouts"]) == {"diffusers", "kohya"}
         assert all(r["max_pixel_difference"] <= report["warn_above_levels"] for r in report["layouts"].values()), report

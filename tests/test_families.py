@@ -67,8 +67,12 @@ def micro_bases(tmp_path_factory) -> dict[str, Path]:
 
 def _settings(name: str, base: Path, out: Path, **overrides) -> dict:
     family = FAMILIES[name]
-    return {"model__base": str(base), "train__output_dir": str(out),
-            "adapter__text_encoder": bool(family.adapted_text_encoders()), **overrides}
+    return {
+        "model__base": str(base),
+        "train__output_dir": str(out),
+        "adapter__text_encoder": bool(family.adapted_text_encoders()),
+        **overrides,
+    }
 
 
 # How each family's pipeline encodes prompts: -> the conditioning `encode_prompts` must equal, by name.
@@ -97,13 +101,16 @@ def _qwen_edit_prompts(pipeline, prompts, image):
     """One prompt at a time (the edit pipelines take one), each with the control: padded as one batch."""
     states = [pipeline.encode_prompt(prompt, image=image, device="cpu")[0][0] for prompt in prompts]
     longest = max(len(state) for state in states)
-    return {"encoder_hidden_states": torch.stack([torch.nn.functional.pad(s, (0, 0, 0, longest - len(s))) for s in states]),
-            "text_mask": torch.stack([torch.arange(longest) < len(s) for s in states]).long()}
+    return {
+        "encoder_hidden_states": torch.stack([torch.nn.functional.pad(s, (0, 0, 0, longest - len(s))) for s in states]),
+        "text_mask": torch.stack([torch.arange(longest) < len(s) for s in states]).long(),
+    }
 
 
 def _sd3_prompts(pipeline, prompts):
-    states, _, pooled, _ = pipeline.encode_prompt(prompts, prompts, prompts, device="cpu", do_classifier_free_guidance=False,
-                                                  max_sequence_length=32)
+    states, _, pooled, _ = pipeline.encode_prompt(
+        prompts, prompts, prompts, device="cpu", do_classifier_free_guidance=False, max_sequence_length=32
+    )
     return {"encoder_hidden_states": states, "pooled_prompt_embeds": pooled}
 
 
@@ -118,8 +125,9 @@ def _krea2_prompts(pipeline, prompts):
 
 
 def _chroma_prompts(pipeline, prompts):
-    states, _, mask, *_ = pipeline.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False,
-                                                 max_sequence_length=32)
+    states, _, mask, *_ = pipeline.encode_prompt(
+        prompts, device="cpu", do_classifier_free_guidance=False, max_sequence_length=32
+    )
     return {"encoder_hidden_states": states}
 
 
@@ -128,8 +136,10 @@ def _z_image_prompts(pipeline, prompts):
     prompts into the list it is given: it gets a copy.)"""
     states, _ = pipeline.encode_prompt(list(prompts), device="cpu", do_classifier_free_guidance=False)
     longest = max(len(state) for state in states)
-    return {"encoder_hidden_states": torch.stack([torch.nn.functional.pad(s, (0, 0, 0, longest - len(s))) for s in states]),
-            "text_mask": torch.stack([torch.arange(longest) < len(s) for s in states]).long()}
+    return {
+        "encoder_hidden_states": torch.stack([torch.nn.functional.pad(s, (0, 0, 0, longest - len(s))) for s in states]),
+        "text_mask": torch.stack([torch.arange(longest) < len(s) for s in states]).long(),
+    }
 
 
 def _lumina2_prompts(pipeline, prompts):
@@ -147,8 +157,11 @@ def _wan_prompts(pipeline, prompts):
 
 def _hidream_prompts(pipeline, prompts):
     t5, _, llama, _, pooled, _ = pipeline.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False)
-    return {"encoder_hidden_states_t5": t5, "encoder_hidden_states_llama3": llama.transpose(0, 1),
-            "pooled_prompt_embeds": pooled}
+    return {
+        "encoder_hidden_states_t5": t5,
+        "encoder_hidden_states_llama3": llama.transpose(0, 1),
+        "pooled_prompt_embeds": pooled,
+    }
 
 
 def _ideogram4_prompts(pipeline, prompts):
@@ -160,7 +173,10 @@ def _ideogram4_prompts(pipeline, prompts):
     states = torch.zeros(len(prompts), longest, features.shape[-1])
     for i in range(len(prompts)):
         states[i, : int(mask[i].sum())] = features[i, :64][mask[i]]
-    return {"encoder_hidden_states": states, "text_mask": torch.stack([torch.arange(longest) < m.sum() for m in mask]).long()}
+    return {
+        "encoder_hidden_states": states,
+        "text_mask": torch.stack([torch.arange(longest) < m.sum() for m in mask]).long(),
+    }
 
 
 # Z-Image's pipeline has its language model read every caption padded to 512 tokens, Ideogram 4's left-padded to its
@@ -170,18 +186,35 @@ READS_FEWER_TOKENS = {"z_image", "ideogram4"}
 # Whose pipelines read a micro model's kohya file: diffusers' Flux reader assumes FLUX.1's widths for a single
 # block's fused linear1 (tests/test_flux.py checks its double blocks).
 KOHYA_READ_BY_PIPELINE = {"sd", "sdxl", "qwen_image", "z_image", "wan", "wan_i2v"}
-PIPELINE_PROMPTS = {"sd": _sd_prompts, "sdxl": _sdxl_prompts, "flux": _flux_prompts, "flux_kontext": _flux_prompts,
-                    "qwen_image": _qwen_prompts, "qwen_image_edit": _qwen_edit_prompts,
-                    "qwen_image_edit_plus": lambda pipeline, prompts, image: _qwen_edit_prompts(
-                        pipeline, prompts, [FAMILIES["qwen_image_edit_plus"].prompt_image(image)]),  # at its 384^2
-                    "z_image": _z_image_prompts, "chroma": _chroma_prompts,
-                    "sd3": _sd3_prompts, "flux2": _flux2_prompts, "flux2_klein": _flux2_prompts, "krea2": _krea2_prompts,
-                    "lumina2": _lumina2_prompts, "ideogram4": _ideogram4_prompts,
-                    "hidream": _hidream_prompts, "wan": _wan_prompts, "wan_i2v": _wan_prompts}
+PIPELINE_PROMPTS = {
+    "sd": _sd_prompts,
+    "sdxl": _sdxl_prompts,
+    "flux": _flux_prompts,
+    "flux_kontext": _flux_prompts,
+    "qwen_image": _qwen_prompts,
+    "qwen_image_edit": _qwen_edit_prompts,
+    "qwen_image_edit_plus": lambda pipeline, prompts, image: _qwen_edit_prompts(
+        pipeline, prompts, [FAMILIES["qwen_image_edit_plus"].prompt_image(image)]
+    ),  # at its 384^2
+    "z_image": _z_image_prompts,
+    "chroma": _chroma_prompts,
+    "sd3": _sd3_prompts,
+    "flux2": _flux2_prompts,
+    "flux2_klein": _flux2_prompts,
+    "krea2": _krea2_prompts,
+    "lumina2": _lumina2_prompts,
+    "ideogram4": _ideogram4_prompts,
+    "hidream": _hidream_prompts,
+    "wan": _wan_prompts,
+    "wan_i2v": _wan_prompts,
+}
 CONTROL = recolor_pairs(1, seed=4)[0][0]
 # The micro FLUX.2 transformer's 4-step render moves little with its conditioning (another prompt: 0.0065), so a
 # 4-step adapter's change is smaller than the other families' too.
-MIN_ADAPTER_EFFECT = {"flux2": 0.003, "flux2_klein": 0.003}  # what the families whose pipelines draw only edits edit (32 px)
+MIN_ADAPTER_EFFECT = {
+    "flux2": 0.003,
+    "flux2_klein": 0.003,
+}  # what the families whose pipelines draw only edits edit (32 px)
 
 
 def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
@@ -192,28 +225,51 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
     # (Wan's UniPC names its shift `flow_shift`; the family's training schedule reads it).
     family = FAMILIES[name]
     pipeline.scheduler = family.sampler("auto").from_config(family.training_scheduler(pipeline.scheduler).config)
-    arguments = {"num_inference_steps": 4, "height": 32, "width": 32, "output_type": "latent",
-                 "generator": torch.Generator().manual_seed(0)}
+    arguments = {
+        "num_inference_steps": 4,
+        "height": 32,
+        "width": 32,
+        "output_type": "latent",
+        "generator": torch.Generator().manual_seed(0),
+    }
     if name in ("flux", "qwen_image"):
         arguments |= {"true_cfg_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
     elif name == "flux2_klein":  # classifier-free guidance, with the empty negative prompt it always uses
         arguments |= {"guidance_scale": 3.0}
-    elif name in ("chroma", "sd3", "hidream"):  # no guidance embedding: the pipeline's own scale is classifier-free guidance
+    elif name in (
+        "chroma",
+        "sd3",
+        "hidream",
+    ):  # no guidance embedding: the pipeline's own scale is classifier-free guidance
         arguments |= {"guidance_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
     elif name in ("z_image", "krea2"):  # their own guidance convention: pos + s (pos - neg)
         arguments |= {"guidance_scale": 2.0, "negative_prompt": "", "max_sequence_length": 32}
     elif name.startswith("wan"):  # a one-frame clip: its latents (C, 1, h, w) without the time axis
         image = {"image": CONTROL} if name == "wan_i2v" else {}  # the image it animates
-        return pipeline(prompt=prompt, num_frames=1, guidance_scale=3.0, negative_prompt="", max_sequence_length=32,
-                        **image, **arguments).frames[0][:, 0].numpy()
+        return (
+            pipeline(
+                prompt=prompt,
+                num_frames=1,
+                guidance_scale=3.0,
+                negative_prompt="",
+                max_sequence_length=32,
+                **image,
+                **arguments,
+            )
+            .frames[0][:, 0]
+            .numpy()
+        )
     elif name == "ideogram4":  # asymmetric guidance: w pos + (1 - w) neg, neg from its unconditional transformer
         arguments |= {"guidance_scale": 3.0, "guidance_schedule": None, "max_sequence_length": 64}
     elif name == "flux_kontext":  # guidance-distilled, as Kontext [dev]: the scale is its guidance embedding's input
         arguments |= {"guidance_scale": 3.0, "max_sequence_length": 32, "max_area": 32 * 32}
     elif family.needs_controls_to_draw:  # the control at the drawn size, as difftune trains and samples it
         with family.sized_controls(32 * 32):
-            return pipeline(prompt=prompt, image=CONTROL, true_cfg_scale=3.0, negative_prompt=" ",
-                            **arguments).images[0].numpy()
+            return (
+                pipeline(prompt=prompt, image=CONTROL, true_cfg_scale=3.0, negative_prompt=" ", **arguments)
+                .images[0]
+                .numpy()
+            )
     else:
         arguments |= {"guidance_scale": 3.0}
     return pipeline(prompt=prompt, **arguments).images[0].numpy()
@@ -226,7 +282,9 @@ def test_every_family_module_has_a_micro_model_and_a_pipeline_reference():
 def test_the_readme_family_table_is_the_registrys():
     readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
     documented = readme.split("<!-- families:start -->")[1].split("<!-- families:end -->")[0].strip()
-    assert documented == family_table_markdown(Path(__file__).parents[1] / "models"), "run `python scripts/update_readme.py`"
+    assert documented == family_table_markdown(Path(__file__).parents[1] / "models"), (
+        "run `python scripts/update_readme.py`"
+    )
     assert all(f"| `{name}` |" in documented for name in FAMILIES)
     rows = {name: next(row for row in documented.splitlines() if row.startswith(f"| `{name}` |")) for name in FAMILIES}
     assert all(("textual inversion" in rows[name]) == family.trains_embeddings for name, family in FAMILIES.items())
@@ -248,7 +306,9 @@ def test_adapters_a_family_cannot_use_are_refused_before_any_work(name):
 
     dropped = "adapter.text_encoder: " in problems(kind="lora", text_encoder=True)
     assert dropped == (not family.adapted_text_encoders())
-    assert ("textual inversion is not built" in problems(kind="embedding", text_encoder=False)) != family.trains_embeddings
+    assert (
+        "textual inversion is not built" in problems(kind="embedding", text_encoder=False)
+    ) != family.trains_embeddings
     assert ("have no fused form" in problems(kind="loha", text_encoder=False)) == isinstance(family, FusedKohyaLayout)
     assert problems(kind="lora", text_encoder=False) == ""
 
@@ -261,7 +321,12 @@ def test_every_family_module_is_registered_and_complete():
     for name, family in FAMILIES.items():
         ModelConfig(family=name)  # accepted by the schema
         # Files name every part an adapter can hold (a text encoder no loader reads may have none).
-        assert set(family.adapter_parts()) <= set(family.kohya_prefixes) == set(family.default_targets) <= set(family.parts())
+        assert (
+            set(family.adapter_parts())
+            <= set(family.kohya_prefixes)
+            == set(family.default_targets)
+            <= set(family.parts())
+        )
         assert len(set(family.kohya_prefixes.values())) == len(family.kohya_prefixes), name
         assert [encoder for encoder, _ in family.encoder_tokenizers()] == list(family.text_encoder_names), name
         assert {tokenizer for _, tokenizer in family.encoder_tokenizers()} <= set(family.tokenizer_names), name
@@ -288,20 +353,29 @@ def test_a_folder_and_a_single_file_are_read_as_the_family(name, micro_bases, tm
     # The folder it came from names the pipeline where one transformer's keys serve several (Qwen-Image and its edits).
     assert family_of(ModelConfig(base=str(path), single_file_config=str(base))) is family
     again = load_components(ModelConfig(base=str(path), single_file_config=str(base)))
-    for (key, value), other in zip(components.denoiser.state_dict().items(), again.denoiser.state_dict().values()):
+    for (key, value), other in zip(
+        components.denoiser.state_dict().items(), again.denoiser.state_dict().values(), strict=True
+    ):
         assert torch.equal(value, other), key
 
 
 @pytest.mark.parametrize("name", [name for name in NAMES if FAMILIES[name].denoiser_file_key])
 def test_an_all_in_one_files_denoiser_is_read_and_its_other_parts_left_out(name, micro_bases, tmp_path):
-    """ComfyUI's checkpoints put the denoiser under `model.diffusion_model.` beside the text encoders and autoencoder."""
+    """ComfyUI's checkpoints put the denoiser under `model.diffusion_model.` beside the text encoders and
+    autoencoder."""
     base = micro_bases[name]
     components, tensors = _single_file(name, base)
-    others = {"text_encoders.clip_l.transformer.text_model.final_layer_norm.weight": torch.ones(4),
-              "first_stage_model.decoder.conv_in.bias": torch.zeros(4)}
-    save_file({f"model.diffusion_model.{key}": value for key, value in tensors.items()} | others, tmp_path / "all.safetensors")
+    others = {
+        "text_encoders.clip_l.transformer.text_model.final_layer_norm.weight": torch.ones(4),
+        "first_stage_model.decoder.conv_in.bias": torch.zeros(4),
+    }
+    save_file(
+        {f"model.diffusion_model.{key}": value for key, value in tensors.items()} | others, tmp_path / "all.safetensors"
+    )
     again = load_components(ModelConfig(base=str(tmp_path / "all.safetensors"), single_file_config=str(base)))
-    for (key, value), other in zip(components.denoiser.state_dict().items(), again.denoiser.state_dict().values()):
+    for (key, value), other in zip(
+        components.denoiser.state_dict().items(), again.denoiser.state_dict().values(), strict=True
+    ):
         assert torch.equal(value, other), key
 
 
@@ -312,9 +386,14 @@ def test_an_fp8_single_file_is_read_as_a_base(name, micro_bases, tmp_path):
     base = micro_bases[name]
     components, tensors = _single_file(name, base)
     path = tmp_path / "model_fp8_e4m3fn.safetensors"
-    save_file({key: value.to(torch.float8_e4m3fn) if value.is_floating_point() else value for key, value in tensors.items()}, path)
+    save_file(
+        {key: value.to(torch.float8_e4m3fn) if value.is_floating_point() else value for key, value in tensors.items()},
+        path,
+    )
     again = load_components(ModelConfig(base=str(path), single_file_config=str(base)))
-    for (key, value), other in zip(components.denoiser.state_dict().items(), again.denoiser.state_dict().values()):
+    for (key, value), other in zip(
+        components.denoiser.state_dict().items(), again.denoiser.state_dict().values(), strict=True
+    ):
         assert other.dtype == torch.float32 and torch.equal(other, value.to(torch.float8_e4m3fn).float()), key
     linear = next(m for m in again.denoiser.modules() if type(m) is torch.nn.Linear)
     weight = linear.weight.detach().clone()
@@ -322,9 +401,9 @@ def test_an_fp8_single_file_is_read_as_a_base(name, micro_bases, tmp_path):
     assert torch.equal(linear.weight, weight)
 
 
-
-def _write_scaled_fp8(tensors: dict[str, torch.Tensor], path: Path, products_path: Path,
-                      products_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def _write_scaled_fp8(
+    tensors: dict[str, torch.Tensor], path: Path, products_path: Path, products_dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """`tensors` as ComfyUI's `*_fp8_scaled.safetensors` at `path` (each matrix in e4m3 divided by its float
     `.scale_weight`, a `scaled_fp8` marker), and at `products_path` the weights ComfyUI reads from it (e4m3 times its
     scale, in `products_dtype`); returns the scaled file's tensors."""
@@ -332,7 +411,10 @@ def _write_scaled_fp8(tensors: dict[str, torch.Tensor], path: Path, products_pat
     for key, value in tensors.items():
         if key.endswith(".weight") and value.dim() >= 2:
             scale = value.abs().max().float() / 448  # ComfyUI's scales are any float, not a power of two
-            scaled[key], scaled[key.removesuffix(".weight") + ".scale_weight"] = (value / scale).to(torch.float8_e4m3fn), scale
+            scaled[key], scaled[key.removesuffix(".weight") + ".scale_weight"] = (
+                (value / scale).to(torch.float8_e4m3fn),
+                scale,
+            )
             products[key] = (scaled[key].float() * scale).to(products_dtype)  # comfy's weight * scale_weight
         else:
             scaled[key] = products[key] = value
@@ -353,7 +435,9 @@ def test_a_comfyui_scaled_fp8_file_is_read_with_its_scales(name, micro_bases, tm
     scaled = _write_scaled_fp8(tensors, tmp_path / "model_fp8_scaled.safetensors", tmp_path / "products.safetensors")
     scaled_file = ModelConfig(base=str(tmp_path / "model_fp8_scaled.safetensors"), single_file_config=str(base))
     if not FAMILIES[name].reads_denoiser_files:
-        with pytest.raises(DifftuneError, match=r"fp8_scaled\.safetensors: a ComfyUI scaled fp8 file .*whole, .*weight_dtype = \"fp8\""):
+        with pytest.raises(
+            DifftuneError, match=r"fp8_scaled\.safetensors: a ComfyUI scaled fp8 file .*whole, .*weight_dtype = \"fp8\""
+        ):
             load_components(scaled_file)
         return
     read = load_components(scaled_file)
@@ -363,8 +447,9 @@ def test_a_comfyui_scaled_fp8_file_is_read_with_its_scales(name, micro_bases, tm
         assert torch.equal(value, other), key
     assert any(key.endswith(".scale_weight") for key in scaled)
 
-    fp8_run = PartDtypes(denoiser=AS_STORED, vae=torch.bfloat16, others=torch.bfloat16,
-                         stored_fp8_computes_in=torch.bfloat16)
+    fp8_run = PartDtypes(
+        denoiser=AS_STORED, vae=torch.bfloat16, others=torch.bfloat16, stored_fp8_computes_in=torch.bfloat16
+    )
     kept = load_components(scaled_file, fp8_run).denoiser
     file_ranges = storage.file_mappings()
     layers = [(name, layer) for name, layer in kept.named_modules() if parametrize.is_parametrized(layer, "weight")]
@@ -374,7 +459,9 @@ def test_a_comfyui_scaled_fp8_file_is_read_with_its_scales(name, micro_bases, tm
         address = layer.parametrizations.weight.original.data_ptr()
         in_file += any(low <= address < high for low, high in file_ranges)
         product = expected.denoiser.get_submodule(layer_name).weight.detach()
-        assert layer.weight.dtype == torch.bfloat16 and torch.equal(layer.weight, product.to(torch.bfloat16)), layer_name
+        assert layer.weight.dtype == torch.bfloat16 and torch.equal(layer.weight, product.to(torch.bfloat16)), (
+            layer_name
+        )
     assert in_file >= len(layers) - 2  # the final modulation, whose halves the original layout swaps, is a copy
 
 
@@ -383,15 +470,26 @@ def test_a_scaled_fp8_file_trains_in_fp8_as_its_products_in_bf16(micro_bases, ma
     file's products (rounded to bf16) do without storage, loss for loss and adapter for adapter."""
     base = micro_bases["flux"]
     _, tensors = _single_file("flux", base)
-    _write_scaled_fp8(tensors, tmp_path / "model_fp8_scaled.safetensors", tmp_path / "products.safetensors",
-                      torch.bfloat16)
+    _write_scaled_fp8(
+        tensors, tmp_path / "model_fp8_scaled.safetensors", tmp_path / "products.safetensors", torch.bfloat16
+    )
     results = {}
     for name, weight_dtype in (("model_fp8_scaled", "fp8"), ("products", "bf16")):
-        settings = _settings("flux", base, tmp_path / name, model__base=str(tmp_path / f"{name}.safetensors"),
-                             model__single_file_config=str(base), model__weight_dtype=weight_dtype,
-                             train__mixed_precision="bf16", train__max_steps=2, sample__prompts=[],
-                             adapter__text_encoder=False, cache__latents=True, cache__text=True,
-                             cache__dir=str(tmp_path / "cache"))
+        settings = _settings(
+            "flux",
+            base,
+            tmp_path / name,
+            model__base=str(tmp_path / f"{name}.safetensors"),
+            model__single_file_config=str(base),
+            model__weight_dtype=weight_dtype,
+            train__mixed_precision="bf16",
+            train__max_steps=2,
+            sample__prompts=[],
+            adapter__text_encoder=False,
+            cache__latents=True,
+            cache__text=True,
+            cache__dir=str(tmp_path / "cache"),
+        )
         config = make_config(**settings)
         assert loads_encoders_first(config, FAMILIES["flux"])  # a denoiser's file loads after the caches are filled
         results[name] = train(config)
@@ -423,7 +521,9 @@ def _gguf_values(path: Path) -> dict[str, torch.Tensor]:
     values = {}
     for tensor in gguf.GGUFReader(path).tensors:
         value = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        values[tensor.name] = torch.from_numpy(np.array(value.astype(np.float16) if tensor.tensor_type == Q8_0 else value)).float()
+        values[tensor.name] = torch.from_numpy(
+            np.array(value.astype(np.float16) if tensor.tensor_type == Q8_0 else value)
+        ).float()
     return values
 
 
@@ -444,7 +544,9 @@ def test_a_gguf_file_is_read_as_diffusers_and_gguf_read_it(name, micro_bases, tm
     _write_gguf(tensors, path)
     config = ModelConfig(base=str(path), single_file_config=str(base))
     if not family.reads_denoiser_files:
-        with pytest.raises(DifftuneError, match=r"Q8_0\.gguf: a GGUF file of a family whose single files hold the whole"):
+        with pytest.raises(
+            DifftuneError, match=r"Q8_0\.gguf: a GGUF file of a family whose single files hold the whole"
+        ):
             load_components(config)
         return
     ours = load_components(config).denoiser
@@ -461,8 +563,12 @@ def test_a_gguf_file_is_read_as_diffusers_and_gguf_read_it(name, micro_bases, tm
     if name in READ_AT_PUBLISHED_WIDTHS_ONLY:
         return
     theirs = family.denoiser_class.from_single_file(
-        str(path), config=str(base), subfolder=family.denoiser_part(family.options(config)),
-        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32), torch_dtype=torch.float32)
+        str(path),
+        config=str(base),
+        subfolder=family.denoiser_part(family.options(config)),
+        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32),
+        torch_dtype=torch.float32,
+    )
     their_layers = {name for name, layer in theirs.named_modules() if isinstance(layer, GGUFLinear)}
     assert their_layers == set(layers)
     theirs = theirs.state_dict()
@@ -481,35 +587,59 @@ def test_a_gguf_base_trains_as_its_dequantized_weights(micro_bases, make_config,
     save_file(_gguf_values(tmp_path / "model-Q8_0.gguf"), tmp_path / "dequantized.safetensors")
     results = {}
     for name in ("model-Q8_0.gguf", "dequantized.safetensors"):
-        settings = _settings("flux", base, tmp_path / f"out-{name}", model__base=str(tmp_path / name),
-                             model__single_file_config=str(base), train__max_steps=2, sample__prompts=[],
-                             adapter__text_encoder=False, cache__latents=True, cache__text=True,
-                             cache__dir=str(tmp_path / "cache"))
+        settings = _settings(
+            "flux",
+            base,
+            tmp_path / f"out-{name}",
+            model__base=str(tmp_path / name),
+            model__single_file_config=str(base),
+            train__max_steps=2,
+            sample__prompts=[],
+            adapter__text_encoder=False,
+            cache__latents=True,
+            cache__text=True,
+            cache__dir=str(tmp_path / "cache"),
+        )
         config = make_config(**settings)
         assert loads_encoders_first(config, FAMILIES["flux"])
         results[name] = train(config)
-    torch.testing.assert_close(results["model-Q8_0.gguf"].losses, results["dequantized.safetensors"].losses,
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        results["model-Q8_0.gguf"].losses, results["dequantized.safetensors"].losses, rtol=1e-5, atol=0
+    )
     gguf_adapter, plain = (load_file(tmp_path / f"out-{name}" / "pytorch_lora_weights.safetensors") for name in results)
     assert gguf_adapter.keys() == plain.keys()
     for key, value in gguf_adapter.items():
         torch.testing.assert_close(value, plain[key], rtol=1e-4, atol=1e-6, msg=key)
 
 
-def test_a_gguf_base_is_planned_as_its_blocks_and_what_would_rewrite_them_is_refused(micro_bases, make_config, tmp_path):
+def test_a_gguf_base_is_planned_as_its_blocks_and_what_would_rewrite_them_is_refused(
+    micro_bases, make_config, tmp_path
+):
     base = micro_bases["flux"]
     _, tensors = _single_file("flux", base)
     _write_gguf(tensors, tmp_path / "model-Q8_0.gguf")
-    settings = _settings("flux", base, tmp_path / "out", model__base=str(tmp_path / "model-Q8_0.gguf"),
-                         model__single_file_config=str(base))
+    settings = _settings(
+        "flux",
+        base,
+        tmp_path / "out",
+        model__base=str(tmp_path / "model-Q8_0.gguf"),
+        model__single_file_config=str(base),
+    )
     planned = plan_memory(make_config(**settings), "cpu")
     held = sum(int(tensor.n_bytes) for tensor in gguf.GGUFReader(tmp_path / "model-Q8_0.gguf").tensors)
     assert planned.device["frozen denoiser weights"] == held
     assert held < 0.4 * sum(value.numel() * 4 for value in tensors.values())  # Q8_0 blocks, not fp32
-    for setting, value in (("adapter__kind", "dora"), ("model__weight_dtype", "fp8"), ("model__offload_blocks", 1),
-                           ("adapter__init", "pissa")):
-        with pytest.raises(DifftuneError, match=r"model-Q8_0\.gguf: a GGUF base keeps its weights in their quantized "
-                                                  r"blocks.*would store, offload, rewrite or train those weights"):
+    for setting, value in (
+        ("adapter__kind", "dora"),
+        ("model__weight_dtype", "fp8"),
+        ("model__offload_blocks", 1),
+        ("adapter__init", "pissa"),
+    ):
+        with pytest.raises(
+            DifftuneError,
+            match=r"model-Q8_0\.gguf: a GGUF base keeps its weights in their quantized "
+            r"blocks.*would store, offload, rewrite or train those weights",
+        ):
             make_config(**settings, **{setting: value})
 
 
@@ -541,14 +671,15 @@ def test_prompts_are_encoded_as_the_family_pipeline_encodes_them(name, micro_bas
             torch.testing.assert_close(got, value.to(got.dtype), rtol=0, atol=1e-5)
         else:
             assert torch.equal(got, value.to(got.dtype)), key
-        assert not ours[key][:, value.shape[1]:].any(), key
+        assert not ours[key][:, value.shape[1] :].any(), key
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("kind", ["lora", "dora", "none"])  # none: a full fine-tune
 def test_one_training_step_of_each_kind_changes_the_model(name, kind, micro_bases, make_config, tmp_path):
-    settings = _settings(name, micro_bases[name], tmp_path / kind, adapter__kind=kind, train__max_steps=1,
-                         sample__prompts=[])
+    settings = _settings(
+        name, micro_bases[name], tmp_path / kind, adapter__kind=kind, train__max_steps=1, sample__prompts=[]
+    )
     result = train(make_config(**settings))
     assert len(result.losses) == 1 and np.isfinite(result.losses[0])
     base = load_components(ModelConfig(base=str(micro_bases[name]))).denoiser.state_dict()
@@ -564,8 +695,17 @@ def test_one_training_step_of_each_kind_changes_the_model(name, kind, micro_base
 def test_cached_latents_and_text_train_as_encoding_each_step(name, micro_bases, make_config, tmp_path):
     settings = _settings(name, micro_bases[name], tmp_path, train__max_steps=3, adapter__text_encoder=False)
     plain = train(make_config(**settings | {"train__output_dir": str(tmp_path / "plain")}))
-    cached = train(make_config(**settings | {"train__output_dir": str(tmp_path / "cached"), "cache__latents": True,
-                                             "cache__text": True, "cache__dir": str(tmp_path / "cache")}))
+    cached = train(
+        make_config(
+            **settings
+            | {
+                "train__output_dir": str(tmp_path / "cached"),
+                "cache__latents": True,
+                "cache__text": True,
+                "cache__dir": str(tmp_path / "cache"),
+            }
+        )
+    )
     assert all(encoder is None for encoder in cached.components.text_encoders.values())  # released
     assert cached.losses == pytest.approx(plain.losses, rel=1e-5)
 
@@ -578,8 +718,12 @@ def test_offloaded_blocks_train_as_kept_ones(name, micro_bases, make_config, tmp
     assert blocks
     settings = _settings(name, micro_bases[name], tmp_path, train__max_steps=2, sample__prompts=[])
     in_place = train(make_config(**settings | {"train__output_dir": str(tmp_path / "in-place")}))
-    offloaded = train(make_config(**settings | {"train__output_dir": str(tmp_path / "offloaded"),
-                                                "model__offload_blocks": max(1, len(blocks) // 2)}))
+    offloaded = train(
+        make_config(
+            **settings
+            | {"train__output_dir": str(tmp_path / "offloaded"), "model__offload_blocks": max(1, len(blocks) // 2)}
+        )
+    )
     assert offloaded.losses == in_place.losses
     expected = load_file(in_place.trained_path)
     assert all(torch.equal(value, expected[key]) for key, value in load_file(offloaded.trained_path).items())
@@ -589,8 +733,15 @@ def test_offloaded_blocks_train_as_kept_ones(name, micro_bases, make_config, tmp
 def test_a_stopped_run_resumes_exactly(name, micro_bases, make_config, tmp_path):
     """Stopped at step 2, resumed to 4: the same losses and weights as an uninterrupted run, bit for bit (adapter
     dropout on, so the global RNG state must come back too)."""
-    settings = _settings(name, micro_bases[name], tmp_path, train__max_steps=4, checkpoint__every_steps=2,
-                         adapter__dropout=0.1, sample__prompts=[])
+    settings = _settings(
+        name,
+        micro_bases[name],
+        tmp_path,
+        train__max_steps=4,
+        checkpoint__every_steps=2,
+        adapter__dropout=0.1,
+        sample__prompts=[],
+    )
     train(make_config(**settings | {"train__output_dir": str(tmp_path / "whole")}))
     parts = str(tmp_path / "parts")
     train(make_config(**settings | {"train__output_dir": parts, "train__max_steps": 2}))
@@ -613,9 +764,18 @@ def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind,
     control = tmp_path / "control.png"
     CONTROL.save(control)
     edit = family.needs_controls_to_draw  # its samples edit the control, with a blank negative prompt as its pipeline's
-    settings = _settings(name, base, tmp_path / "run", adapter__kind=kind, train__max_steps=4, optim__learning_rate=2e-2,
-                         sample__prompts=[{"prompt": "a purple circle", "controls": [str(control)]} if edit else "a purple circle"],
-                         sample__steps=4, sample__guidance_scale=3.0, sample__negative_prompt=" " if edit else "")
+    settings = _settings(
+        name,
+        base,
+        tmp_path / "run",
+        adapter__kind=kind,
+        train__max_steps=4,
+        optim__learning_rate=2e-2,
+        sample__prompts=[{"prompt": "a purple circle", "controls": [str(control)]} if edit else "a purple circle"],
+        sample__steps=4,
+        sample__guidance_scale=3.0,
+        sample__negative_prompt=" " if edit else "",
+    )
     result = train(make_config(**settings))
     assert {key.split(".")[0] for key in load_file(result.trained_path)} == set(family.adapter_parts())
     parity = json.loads((result.trained_path.parent / "parity.json").read_text())
@@ -639,9 +799,29 @@ def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind,
     assert effect > MIN_ADAPTER_EFFECT.get(name, 0.05) and effect > 20 * agreement, (effect, agreement)
 
     edit_arguments = ["--control", str(control), "--negative-prompt", " "] if edit else []
-    assert main(["sample", "--base", str(base), "--adapter", str(result.trained_path), "--prompt", "a purple circle",
-                 "--steps", "4", "--guidance-scale", "3.0", "--resolution", "32", "--out", str(tmp_path / "cli"),
-                 *edit_arguments]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--base",
+                str(base),
+                "--adapter",
+                str(result.trained_path),
+                "--prompt",
+                "a purple circle",
+                "--steps",
+                "4",
+                "--guidance-scale",
+                "3.0",
+                "--resolution",
+                "32",
+                "--out",
+                str(tmp_path / "cli"),
+                *edit_arguments,
+            ]
+        )
+        == 0
+    )
     drawn = np.asarray(Image.open(tmp_path / "cli" / "000.png"), dtype=np.int16)
     in_training = np.asarray(Image.open(result.trained_path.parent / "samples" / "000.png"), dtype=np.int16)
     assert np.abs(drawn - in_training).max() <= 2
@@ -649,8 +829,9 @@ def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind,
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_kohya_layout_round_trips_bit_for_bit(name, micro_bases, make_config, tmp_path):
-    settings = _settings(name, micro_bases[name], tmp_path / "run", adapter__kind="dora", train__max_steps=2,
-                         sample__prompts=[])
+    settings = _settings(
+        name, micro_bases[name], tmp_path / "run", adapter__kind="dora", train__max_steps=2, sample__prompts=[]
+    )
     trained = train(make_config(**settings)).trained_path
     kohya = export.convert_adapter(trained, tmp_path / "kohya.safetensors", "kohya")
     back = export.convert_adapter(kohya, tmp_path / "back.safetensors", "diffusers")
@@ -662,12 +843,21 @@ def test_the_kohya_layout_round_trips_bit_for_bit(name, micro_bases, make_config
 
 
 @pytest.mark.parametrize("name", [name for name in NAMES if isinstance(FAMILIES[name], FusedKohyaLayout)])
-def test_a_lycoris_run_on_a_fused_layout_family_ends_with_the_layout_it_can_write(name, micro_bases, make_config, tmp_path):
+def test_a_lycoris_run_on_a_fused_layout_family_ends_with_the_layout_it_can_write(
+    name, micro_bases, make_config, tmp_path
+):
     """LoHa in the diffusers layout trains and saves on a family whose kohya layout fuses q, k and v: the end-of-run
     parity check draws the file it wrote and says why the kohya layout was not checked (it crashed the run's end
     before), and converting the file to kohya is refused by name."""
-    settings = _settings(name, micro_bases[name], tmp_path / "run", adapter__kind="loha", train__max_steps=2,
-                         sample__prompts=["a purple circle"], sample__steps=2)
+    settings = _settings(
+        name,
+        micro_bases[name],
+        tmp_path / "run",
+        adapter__kind="loha",
+        train__max_steps=2,
+        sample__prompts=["a purple circle"],
+        sample__steps=2,
+    )
     trained = train(make_config(**settings)).trained_path
     parity = json.loads((trained.parent / "parity.json").read_text())
     assert set(parity["layouts"]) == {"diffusers"} and parity["layouts"]["diffusers"]["max_pixel_difference"] <= 2
@@ -697,9 +887,18 @@ def test_every_run_writes_a_file_comfyui_applies_as_our_merge(name, micro_bases,
 
     family, base, out = FAMILIES[name], micro_bases[name], tmp_path / "run"
     text = family.adapted_text_encoders()
-    settings = _settings(name, base, out, adapter__kind="lora", adapter__rank=4, adapter__alpha=2.0,
-                         adapter__text_encoder=bool(text), train__max_steps=2, optim__learning_rate=2e-2,
-                         sample__prompts=[])
+    settings = _settings(
+        name,
+        base,
+        out,
+        adapter__kind="lora",
+        adapter__rank=4,
+        adapter__alpha=2.0,
+        adapter__text_encoder=bool(text),
+        train__max_steps=2,
+        optim__learning_rate=2e-2,
+        sample__prompts=[],
+    )
     result = train(make_config(**settings))
     comfy_file = export.layout_path(out, "kohya")
     assert result.trained_path == out / "pytorch_lora_weights.safetensors" and comfy_file == out / "run.safetensors"
@@ -713,7 +912,11 @@ def test_every_run_writes_a_file_comfyui_applies_as_our_merge(name, micro_bases,
         pytest.skip(f"{name} has no single-file layout to hold ComfyUI's names (its kohya layout round-trips: above)")
     is_unet = family.denoiser_name == "unet"
     modules = [key.removesuffix(".weight") for key in components.denoiser.state_dict() if key.endswith(".weight")]
-    diffusers_names = {diffusers: original for original, diffusers in family.original_module_names(modules).items()} if is_unet else {}
+    diffusers_names = (
+        {diffusers: original for original, diffusers in family.original_module_names(modules).items()}
+        if is_unet
+        else {}
+    )
     encoders = _text_encoders_as_comfyui_holds_them(components, text)
     texts = {(part, key): value for part, (_, state) in encoders.items() for key, value in state.items()}
     patched, not_in_denoiser = apply_lora(lora, unet_key_map(weights, diffusers_names), weights)
@@ -732,7 +935,9 @@ def test_every_run_writes_a_file_comfyui_applies_as_our_merge(name, micro_bases,
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_a_diffusers_layout_file_means_the_same_to_a_reader_that_ignores_its_metadata(name, micro_bases, make_config, tmp_path):
+def test_a_diffusers_layout_file_means_the_same_to_a_reader_that_ignores_its_metadata(
+    name, micro_bases, make_config, tmp_path
+):
     """Rank 8, alpha 4: the scale (0.5) used to live only in the file's metadata, and ComfyUI applied such a Qwen-Image
     LoRA at 2x. Now the tensors alone (`lora_B @ lora_A`, what a reader without the metadata applies) are the trained
     change, module for module, and the family's own pipeline (`load_lora_weights`, which reads the metadata) applies
@@ -740,21 +945,35 @@ def test_a_diffusers_layout_file_means_the_same_to_a_reader_that_ignores_its_met
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     family, base = FAMILIES[name], micro_bases[name]
-    settings = _settings(name, base, tmp_path / "run", adapter__kind="lora", adapter__rank=8, adapter__alpha=4.0,
-                         train__max_steps=2, optim__learning_rate=2e-2, sample__prompts=[])
+    settings = _settings(
+        name,
+        base,
+        tmp_path / "run",
+        adapter__kind="lora",
+        adapter__rank=8,
+        adapter__alpha=4.0,
+        train__max_steps=2,
+        optim__learning_rate=2e-2,
+        sample__prompts=[],
+    )
     result = train(make_config(**settings))
     blind = load_file(result.trained_path)
     with safe_open(result.trained_path, framework="pt") as handle:
         assert json.loads(handle.metadata()[export.FOLDED_ALPHA_KEY])[family.denoiser_name]["lora_alpha"] == 4.0
 
     def changes(denoiser) -> dict[str, torch.Tensor]:
-        return {name: module.get_delta_weight("default") for name, module in denoiser.named_modules()
-                if isinstance(module, BaseTunerLayer) and "default" in getattr(module, "lora_A", {})}
+        return {
+            name: module.get_delta_weight("default")
+            for name, module in denoiser.named_modules()
+            if isinstance(module, BaseTunerLayer) and "default" in getattr(module, "lora_A", {})
+        }
 
     trained = changes(result.components.denoiser)
     assert trained
     theirs = family.pipeline_class.from_pretrained(base, dtype=torch.float32)
-    theirs.load_lora_weights(str(result.trained_path.parent), weight_name=result.trained_path.name, adapter_name="default")
+    theirs.load_lora_weights(
+        str(result.trained_path.parent), weight_name=result.trained_path.name, adapter_name="default"
+    )
     loaded = changes(getattr(theirs, family.denoiser_name))
     assert loaded.keys() == trained.keys()
     for module, change in trained.items():

@@ -2,6 +2,7 @@
 
 import json
 import math
+from itertools import pairwise
 
 import pytest
 from PIL import Image
@@ -38,11 +39,27 @@ def test_largest_fitting_doubles_then_bisects():
 
 
 def test_batch_and_accumulation_reach_the_global_batch():
-    assert batch_and_accumulation(12, 0, 1) == {"batch_size": 12, "gradient_accumulation_steps": 1, "global_batch_size": 12}
+    assert batch_and_accumulation(12, 0, 1) == {
+        "batch_size": 12,
+        "gradient_accumulation_steps": 1,
+        "global_batch_size": 12,
+    }
     # 12 fits, but 8 is the largest batch that divides 32 evenly.
-    assert batch_and_accumulation(12, 32, 1) == {"batch_size": 8, "gradient_accumulation_steps": 4, "global_batch_size": 32}
-    assert batch_and_accumulation(5, 24, 2) == {"batch_size": 4, "gradient_accumulation_steps": 3, "global_batch_size": 24}
-    assert batch_and_accumulation(64, 16, 1) == {"batch_size": 16, "gradient_accumulation_steps": 1, "global_batch_size": 16}
+    assert batch_and_accumulation(12, 32, 1) == {
+        "batch_size": 8,
+        "gradient_accumulation_steps": 4,
+        "global_batch_size": 32,
+    }
+    assert batch_and_accumulation(5, 24, 2) == {
+        "batch_size": 4,
+        "gradient_accumulation_steps": 3,
+        "global_batch_size": 24,
+    }
+    assert batch_and_accumulation(64, 16, 1) == {
+        "batch_size": 16,
+        "gradient_accumulation_steps": 1,
+        "global_batch_size": 16,
+    }
     with pytest.raises(DifftuneError, match="not a multiple of the 3 process"):
         batch_and_accumulation(4, 16, 3)
 
@@ -105,15 +122,32 @@ def test_find_lr_sweeps_until_divergence_and_leaves_the_job_alone(make_config, t
     config = make_config(optim__scale_lr="linear")  # batch 2: the suggestion is written halved
     job = _job_file(config, tmp_path)
     out = tmp_path / "lr"
-    assert main(["find-lr", "--config", str(job), "--steps", "40", "--start-lr", "1e-5", "--end-lr", "1000",
-                 "--out", str(out), "--write"]) == 0
+    assert (
+        main(
+            [
+                "find-lr",
+                "--config",
+                str(job),
+                "--steps",
+                "40",
+                "--start-lr",
+                "1e-5",
+                "--end-lr",
+                "1000",
+                "--out",
+                str(out),
+                "--write",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["diverged"] and result["steps_run"] < 40
     assert 1e-5 <= result["suggested_lr"] <= 1000
     assert result["suggested_lr"] == pytest.approx(result["min_loss_lr"] / 10)
     assert result["learning_rate"] == pytest.approx(result["suggested_lr"] / 2)
     curve = json.loads((out / "lr_range.json").read_text())
-    ratios = [b / a for a, b in zip(curve["lrs"], curve["lrs"][1:])]
+    ratios = [b / a for a, b in pairwise(curve["lrs"])]
     assert ratios == pytest.approx([(1000 / 1e-5) ** (1 / 39)] * len(ratios))  # exponential
     assert len(curve["losses"]) == len(curve["smoothed_losses"]) == result["steps_run"]
     with Image.open(out / "lr_range.png") as plot:

@@ -79,8 +79,12 @@ def test_noise_levels_are_drawn_per_sample_and_shifted_as_the_scheduler_shifts(t
     latents = torch.zeros(2, 16, 8, 8)
 
     def draw(seeds, **loss):
-        return FLUX.draw_timesteps_and_noise(components, [torch.Generator().manual_seed(s) for s in seeds], latents,
-                                             LossConfig(**loss))[0] / 1000
+        return (
+            FLUX.draw_timesteps_and_noise(
+                components, [torch.Generator().manual_seed(s) for s in seeds], latents, LossConfig(**loss)
+            )[0]
+            / 1000
+        )
 
     plain = draw((1, 2))
     assert torch.equal(draw((2,)), plain[1:])  # a sample's draw is its own
@@ -116,15 +120,25 @@ def test_guidance_embedding_and_padding_mask_condition_the_transformer(tmp_path)
 
 def _trained(make_config, base, tmp_path, kind, **overrides):
     settings = {"adapter__text_encoder": True, "train__max_steps": 4, "optim__learning_rate": 2e-2}
-    config = make_config(model__base=str(base), adapter__kind=kind, train__output_dir=str(tmp_path / kind),
-                         **settings | overrides)
+    config = make_config(
+        model__base=str(base), adapter__kind=kind, train__output_dir=str(tmp_path / kind), **settings | overrides
+    )
     return train(config)
 
 
 def _render(pipeline, prompt="a purple circle") -> np.ndarray:
     pipeline.set_progress_bar_config(disable=True)
-    return pipeline(prompt, negative_prompt="", true_cfg_scale=3.0, num_inference_steps=4, height=32, width=32,
-                    max_sequence_length=32, generator=torch.Generator().manual_seed(0), output_type="np").images[0]
+    return pipeline(
+        prompt,
+        negative_prompt="",
+        true_cfg_scale=3.0,
+        num_inference_steps=4,
+        height=32,
+        width=32,
+        max_sequence_length=32,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).images[0]
 
 
 def test_kohya_layout_fuses_as_the_original_model_and_round_trips_exactly(make_config, tiny_flux_base, tmp_path):
@@ -134,11 +148,17 @@ def test_kohya_layout_fuses_as_the_original_model_and_round_trips_exactly(make_c
     written = load_file(kohya)
     names = {key.split(".")[0] for key in written}
     # ComfyUI's names for the original model's modules: fused qkv per stream, a single block's linear1.
-    assert {"lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_double_blocks_0_txt_attn_qkv",
-            "lora_unet_double_blocks_0_img_mlp_2", "lora_unet_single_blocks_0_linear1",
-            "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"} <= names
-    assert all(key.startswith(("lora_unet_double_blocks_", "lora_unet_single_blocks_", "lora_te1_text_model_"))
-               for key in written)
+    assert {
+        "lora_unet_double_blocks_0_img_attn_qkv",
+        "lora_unet_double_blocks_0_txt_attn_qkv",
+        "lora_unet_double_blocks_0_img_mlp_2",
+        "lora_unet_single_blocks_0_linear1",
+        "lora_te1_text_model_encoder_layers_0_self_attn_q_proj",
+    } <= names
+    assert all(
+        key.startswith(("lora_unet_double_blocks_", "lora_unet_single_blocks_", "lora_te1_text_model_"))
+        for key in written
+    )
     qkv = "lora_unet_double_blocks_0_img_attn_qkv"
     r = load_config(result.trained_path.parent / "config.toml").adapter.rank
     assert written[f"{qkv}.lora_down.weight"].shape == (3 * r, 32)  # three rank-r adapters, stacked
@@ -156,10 +176,28 @@ def test_diffusers_reads_our_fused_kohya_qkv(make_config, tiny_flux_base, tmp_pa
     """diffusers' own kohya-Flux reader (what ai-toolkit-style files go through) splits our fused qkv back and
     renders the merged model's image. Its reader assumes FLUX.1's widths for a single block's linear1, so the
     adapter here sits in the double block only."""
-    targets = [f"transformer_blocks.0.{m}" for m in ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                                                       "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "ff.net.2")]
-    result = _trained(make_config, tiny_flux_base, tmp_path, "lora", adapter__text_encoder=False,
-                      adapter__target_modules=targets, export__format="kohya")
+    targets = [
+        f"transformer_blocks.0.{m}"
+        for m in (
+            "attn.to_q",
+            "attn.to_k",
+            "attn.to_v",
+            "attn.to_out.0",
+            "attn.add_q_proj",
+            "attn.add_k_proj",
+            "attn.add_v_proj",
+            "ff.net.2",
+        )
+    ]
+    result = _trained(
+        make_config,
+        tiny_flux_base,
+        tmp_path,
+        "lora",
+        adapter__text_encoder=False,
+        adapter__target_modules=targets,
+        export__format="kohya",
+    )
     assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in load_file(result.trained_path)
     theirs = FluxPipeline.from_pretrained(tiny_flux_base, dtype=torch.float32)
     theirs.load_lora_weights(str(result.trained_path.parent), weight_name=result.trained_path.name)
@@ -175,8 +213,11 @@ def test_a_kohya_trained_fused_adapter_is_read_as_the_same_change(tiny_flux_base
 
     down, up = torch.randn(4, 32) * 0.1, torch.randn(96, 4) * 0.1
     name = "lora_unet_double_blocks_0_img_attn_qkv"
-    save_file({f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up, f"{name}.alpha": torch.tensor(2.0)},
-              tmp_path / "kohya.safetensors", metadata={"ss_base_model_version": "flux1"})
+    save_file(
+        {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up, f"{name}.alpha": torch.tensor(2.0)},
+        tmp_path / "kohya.safetensors",
+        metadata={"ss_base_model_version": "flux1"},
+    )
     components = load_components(ModelConfig(base=str(tiny_flux_base)))
     attention = components.denoiser.transformer_blocks[0].attn
     before = {p: getattr(attention, p).weight.detach().clone() for p in ("to_q", "to_k", "to_v")}
@@ -184,16 +225,28 @@ def test_a_kohya_trained_fused_adapter_is_read_as_the_same_change(tiny_flux_base
     x = torch.randn(3, 32)
     change = (up @ down) * (2.0 / 4)
     for i, projection in enumerate(("to_q", "to_k", "to_v")):
-        expected = x @ (before[projection] + change[32 * i : 32 * (i + 1)]).T + getattr(attention, projection).base_layer.bias
+        expected = (
+            x @ (before[projection] + change[32 * i : 32 * (i + 1)]).T + getattr(attention, projection).base_layer.bias
+        )
         torch.testing.assert_close(getattr(attention, projection)(x), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_kohya_layout_refuses_a_partly_adapted_fused_layer(make_config, tiny_flux_base, tmp_path):
     """Refused before training, not after it: a run must not end unable to save."""
-    with pytest.raises(DifftuneError, match=r"export.format = \"kohya\": the kohya Flux layout fuses "
-                       r"single_transformer_blocks.0.attn.to_q, .*proj_mlp into single_blocks_0_linear1: adapt all of them"):
-        _trained(make_config, tiny_flux_base, tmp_path, "lora", adapter__text_encoder=False,
-                 adapter__target_modules=["attn.to_q"], export__format="kohya")
+    with pytest.raises(
+        DifftuneError,
+        match=r"export.format = \"kohya\": the kohya Flux layout fuses "
+        r"single_transformer_blocks.0.attn.to_q, .*proj_mlp into single_blocks_0_linear1: adapt all of them",
+    ):
+        _trained(
+            make_config,
+            tiny_flux_base,
+            tmp_path,
+            "lora",
+            adapter__text_encoder=False,
+            adapter__target_modules=["attn.to_q"],
+            export__format="kohya",
+        )
 
 
 def test_settings_a_family_cannot_train_with_are_refused(make_config, tiny_flux_base, tiny_base):
@@ -206,18 +259,35 @@ def test_settings_a_family_cannot_train_with_are_refused(make_config, tiny_flux_
     with pytest.raises(DifftuneError, match=r"sample.scheduler = \"ddim\": not a sampler for Flux"):
         train(make_config(model__base=str(tiny_flux_base), sample__scheduler="ddim", sample__prompts=["a red circle"]))
     t5_adapter = tiny_flux_base.parent / "t5.safetensors"
-    save_file({"text_encoder_2.encoder.block.0.layer.0.SelfAttention.q.lora_A.weight": torch.zeros(2, 64),
-               "text_encoder_2.encoder.block.0.layer.0.SelfAttention.q.lora_B.weight": torch.zeros(64, 2)}, t5_adapter)
+    save_file(
+        {
+            "text_encoder_2.encoder.block.0.layer.0.SelfAttention.q.lora_A.weight": torch.zeros(2, 64),
+            "text_encoder_2.encoder.block.0.layer.0.SelfAttention.q.lora_B.weight": torch.zeros(64, 2),
+        },
+        t5_adapter,
+    )
     with pytest.raises(DifftuneError, match=r"has weights for text_encoder_2, which Flux.* do not load"):
         export.apply_adapters(load_components(ModelConfig(base=str(tiny_flux_base))), [(t5_adapter, 1.0)])
 
 
 def test_cached_latents_and_text_train_exactly_as_encoding_each_step(make_config, tiny_flux_base, tmp_path):
-    settings = {"model__base": str(tiny_flux_base), "train__max_steps": 3, "model__family_options__text_padding_mask": True,
-                "loss__timestep_sampling": "logit_normal", "loss__flow_shift_by_resolution": True}
+    settings = {
+        "model__base": str(tiny_flux_base),
+        "train__max_steps": 3,
+        "model__family_options__text_padding_mask": True,
+        "loss__timestep_sampling": "logit_normal",
+        "loss__flow_shift_by_resolution": True,
+    }
     plain = train(make_config(train__output_dir=str(tmp_path / "plain"), **settings))
-    cached = train(make_config(train__output_dir=str(tmp_path / "cached"), cache__latents=True, cache__text=True,
-                               cache__dir=str(tmp_path / "cache"), **settings))
+    cached = train(
+        make_config(
+            train__output_dir=str(tmp_path / "cached"),
+            cache__latents=True,
+            cache__text=True,
+            cache__dir=str(tmp_path / "cache"),
+            **settings,
+        )
+    )
     assert cached.components.text_encoders == {"text_encoder": None, "text_encoder_2": None}  # released
     entry = next((tmp_path / "cache" / "text").rglob("*.safetensors"))
     assert set(load_file(entry)) == {"encoder_hidden_states", "pooled_prompt_embeds", "text_mask"}
@@ -233,15 +303,24 @@ def test_single_files_are_bfls_layout_as_diffusers_converters_read_it(name):
     weights random bytes read as fp8 (every value compared bit for bit, half a GB a copy)."""
     model_class, convert, settings = {
         "flux": (FluxTransformer2DModel, convert_flux_transformer_checkpoint_to_diffusers, {"guidance_embeds": True}),
-        "chroma": (ChromaTransformer2DModel, convert_chroma_transformer_checkpoint_to_diffusers,
-                   {"approximator_hidden_dim": 64, "approximator_layers": 2}),
+        "chroma": (
+            ChromaTransformer2DModel,
+            convert_chroma_transformer_checkpoint_to_diffusers,
+            {"approximator_hidden_dim": 64, "approximator_layers": 2},
+        ),
     }[name]
     with torch.device("meta"):
         model = model_class(num_layers=1, num_single_layers=1, joint_attention_dim=64, **settings)
-    ours = {key: torch.randint(0, 256, value.shape, dtype=torch.uint8).view(torch.float8_e4m3fn)
-            for key, value in model.state_dict().items()}
+    ours = {
+        key: torch.randint(0, 256, value.shape, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        for key, value in model.state_dict().items()
+    }
     original = FAMILIES[name].original_state_dict(ours)
-    assert {"double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight", "final_layer.linear.weight"} <= set(original)
+    assert {
+        "double_blocks.0.img_attn.qkv.weight",
+        "single_blocks.0.linear1.weight",
+        "final_layer.linear.weight",
+    } <= set(original)
     theirs = convert({f"model.diffusion_model.{key}": value for key, value in original.items()})  # ComfyUI's prefix
     back = FAMILIES[name].diffusers_state_dict(original)
     assert theirs.keys() == ours.keys() == back.keys()

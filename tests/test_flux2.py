@@ -29,16 +29,22 @@ def test_a_single_file_is_bfls_layout_and_diffusers_reads_it_as_the_same_weights
     file = tmp_path / "flux-2.safetensors"  # unprefixed, as BFL ships it: diffusers' FLUX.2 converter reads no prefix
     tensors = FAMILIES[name].to_single_file(components)
     save_file(tensors, file)
-    assert {"double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight", "final_layer.adaLN_modulation.1.weight",
-            "double_blocks.0.txt_attn.norm.key_norm.scale"} <= set(tensors)
+    assert {
+        "double_blocks.0.img_attn.qkv.weight",
+        "single_blocks.0.linear1.weight",
+        "final_layer.adaLN_modulation.1.weight",
+        "double_blocks.0.txt_attn.norm.key_norm.scale",
+    } <= set(tensors)
     assert ("guidance_in.in_layer.weight" in tensors) == (name == "flux2")  # [dev] is guidance-distilled
     assert not any(".to_q." in key or "_embedder" in key for key in tensors)
-    # difftune reads it back from the same table it wrote it with, ComfyUI's prefix too (diffusers' converter reads none).
+    # difftune reads it back from the same table it wrote it with, ComfyUI's prefix too (diffusers' converter reads
+    # none).
     save_file({f"model.diffusion_model.{key}": value for key, value in tensors.items()}, tmp_path / "comfy.safetensors")
     again = load_components(ModelConfig(base=str(tmp_path / "comfy.safetensors"), single_file_config=str(path)))
     assert again.family is FAMILIES[name]
-    theirs = Flux2Transformer2DModel.from_single_file(str(file), config=str(path), subfolder="transformer",
-                                                      torch_dtype=torch.float32)
+    theirs = Flux2Transformer2DModel.from_single_file(
+        str(file), config=str(path), subfolder="transformer", torch_dtype=torch.float32
+    )
     ours = components.denoiser.state_dict()
     assert theirs.state_dict().keys() == ours.keys()
     assert all(torch.equal(value, ours[key]) for key, value in theirs.state_dict().items())

@@ -18,8 +18,15 @@ from difftune.training.metrics import read_metrics
 
 from conftest import run_in_repo
 
-COMMON = ["--config", "configs/tiny_lora.toml", "sample.prompts=[]", "sample.before=false", "log.progress_bar=false",
-          "data.num_workers=0", "adapter.text_encoder=false"]
+COMMON = [
+    "--config",
+    "configs/tiny_lora.toml",
+    "sample.prompts=[]",
+    "sample.before=false",
+    "log.progress_bar=false",
+    "data.num_workers=0",
+    "adapter.text_encoder=false",
+]
 
 
 def _run(args, extra_env=None):
@@ -29,13 +36,17 @@ def _run(args, extra_env=None):
 
 
 def _one_process(out, *overrides):
-    return _run([sys.executable, "scripts/train.py", *COMMON, f"train.output_dir={out}", "train.batch_size=8", *overrides])
+    return _run(
+        [sys.executable, "scripts/train.py", *COMMON, f"train.output_dir={out}", "train.batch_size=8", *overrides]
+    )
 
 
 def _fsdp(out, *overrides):
     torchrun = [shutil.which("torchrun") or "torchrun", "--nproc_per_node=2", "tests/fsdp_cpu_launch.py", "train"]
-    run = _run([*torchrun, *COMMON, f"train.output_dir={out}", "train.batch_size=4", *overrides],
-               {"ACCELERATE_USE_CPU": "true"})
+    run = _run(
+        [*torchrun, *COMMON, f"train.output_dir={out}", "train.batch_size=4", *overrides],
+        {"ACCELERATE_USE_CPU": "true"},
+    )
     assert "2 process(es)" in run.stdout
     return run
 
@@ -74,8 +85,14 @@ def test_fsdp_lora_trains_like_one_process_and_resumes_exactly(tmp_path):
 def test_fsdp_full_fine_tune_saves_the_whole_model(tmp_path, job, denoiser):
     """A full fine-tune's denoiser (a UNet; Flux's transformer, wrapped per double and single block) is sharded
     while training; the saved pipeline holds the gathered weights."""
-    settings = ["adapter.kind=none", "adapter.text_encoder=false", "optim.learning_rate=1e-4", "train.max_steps=3",
-                "--config", f"configs/{job}.toml"]
+    settings = [
+        "adapter.kind=none",
+        "adapter.text_encoder=false",
+        "optim.learning_rate=1e-4",
+        "train.max_steps=3",
+        "--config",
+        f"configs/{job}.toml",
+    ]
     _one_process(tmp_path / "one", *settings)
     _fsdp(tmp_path / "fsdp", *settings)
     assert _losses(tmp_path / "fsdp") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
@@ -83,8 +100,9 @@ def test_fsdp_full_fine_tune_saves_the_whole_model(tmp_path, job, denoiser):
     # 3.3e-6 in a few biases after 3 steps (measured), a tenth of one step's 1e-4 change. A missing shard or an
     # unsynced gradient would differ by whole steps.
     weights = f"{denoiser}/diffusion_pytorch_model.safetensors"
-    _assert_same_tensors(load_file(tmp_path / "one" / "model" / weights), load_file(tmp_path / "fsdp" / "model" / weights),
-                         atol=1e-5)
+    _assert_same_tensors(
+        load_file(tmp_path / "one" / "model" / weights), load_file(tmp_path / "fsdp" / "model" / weights), atol=1e-5
+    )
 
 
 def test_what_fsdp_cannot_do_yet_is_refused_by_name():
@@ -95,7 +113,9 @@ def test_what_fsdp_cannot_do_yet_is_refused_by_name():
     config = load_config(None, ["validation.path=/data/val", "sample.every_steps=50"])
     with pytest.raises(DifftuneError, match=r"validation\.path, sample\.every_steps: not supported with FSDP"):
         check_config(config)
-    with pytest.raises(DifftuneError, match=r"adapter\.text_encoder = true and adapter\.kind = \"embedding\" are not supported"):
+    with pytest.raises(
+        DifftuneError, match=r"adapter\.text_encoder = true and adapter\.kind = \"embedding\" are not supported"
+    ):
         check_config(load_config(None, ["adapter.text_encoder=true"]))
     with pytest.raises(DifftuneError, match=r"adapter\.kind = \"embedding\" are not supported with FSDP"):
         check_config(load_config(None, ["adapter.kind=embedding"]))

@@ -15,8 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_gpu_suite_dry_run_runs_a_section_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     environment = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
-    run = subprocess.run(["bash", "scripts/gpu_suite.sh", "--dry-run", "flux"], cwd=ROOT, env=environment,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        ["bash", "scripts/gpu_suite.sh", "--dry-run", "flux"],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     summary = (out / "summary.txt").read_text()
     assert summary.split()[:2] == ["flux-1024-b1", "rc=0"], summary

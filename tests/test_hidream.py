@@ -49,8 +49,9 @@ def test_the_experts_train_on_their_training_path_with_the_inference_prediction(
     assert expert.grad is not None and expert.grad.abs().sum() > 0
 
     # Loaded as the script loads it: in training mode too, the image as inference returns it, and no expert gradient.
-    components.denoiser = HiDreamImageTransformer2DModel.from_pretrained(base, subfolder="transformer",
-                                                                         force_inference_output=True).train()
+    components.denoiser = HiDreamImageTransformer2DModel.from_pretrained(
+        base, subfolder="transformer", force_inference_output=True
+    ).train()
     script = FAMILY.denoise(components, noisy, timesteps, conditioning, None)
     torch.testing.assert_close(script, inference, rtol=1e-4, atol=1e-5)
     script.square().mean().backward()
@@ -64,8 +65,15 @@ def test_files_are_named_as_diffusers_and_comfyui_read_them(make_config, base, t
     components = load_components(ModelConfig(base=base))
     assert CHECKPOINT_KEY_NAMES["hidream"] in FAMILY.to_single_file(components)
 
-    trained = train(make_config(model__base=base, train__output_dir=str(tmp_path / "run"), train__max_steps=2,
-                                optim__learning_rate=2e-2, sample__prompts=[])).trained_path
+    trained = train(
+        make_config(
+            model__base=base,
+            train__output_dir=str(tmp_path / "run"),
+            train__max_steps=2,
+            optim__learning_rate=2e-2,
+            sample__prompts=[],
+        )
+    ).trained_path
     ours = load_file(trained)
     lone = {"diffusion_model." + key.removeprefix("transformer."): value for key, value in ours.items()}
     save_file(lone, tmp_path / "lone.safetensors")
@@ -76,8 +84,16 @@ def test_files_are_named_as_diffusers_and_comfyui_read_them(make_config, base, t
         pipeline = HiDreamImagePipeline.from_pretrained(base, dtype=torch.float32)
         pipeline.set_progress_bar_config(disable=True)
         pipeline.load_lora_weights(adapter)
-        return pipeline("a purple circle", height=32, width=32, num_inference_steps=2, guidance_scale=3.0,
-                        max_sequence_length=32, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+        return pipeline(
+            "a purple circle",
+            height=32,
+            width=32,
+            num_inference_steps=2,
+            guidance_scale=3.0,
+            max_sequence_length=32,
+            output_type="latent",
+            generator=torch.Generator().manual_seed(0),
+        ).images
 
     torch.testing.assert_close(drawn(str(tmp_path / "lone.safetensors")), drawn(str(trained)), rtol=0, atol=1e-5)
     assert export.convert_adapter(trained, tmp_path / "kohya.safetensors", "kohya").is_file()

@@ -36,7 +36,9 @@ def test_denoise_is_the_pipelines_conditional_prediction_turned_round(base):
     components = load_components(ModelConfig(base=base))
     pipeline = components.pipeline()
     h = w = 4
-    noisy = torch.randn(2, FAMILY.latent_channels(components.denoiser), h, w, generator=torch.Generator().manual_seed(0))
+    noisy = torch.randn(
+        2, FAMILY.latent_channels(components.denoiser), h, w, generator=torch.Generator().manual_seed(0)
+    )
     timesteps = torch.tensor([250.0, 800.0])
     with torch.no_grad():
         conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, PROMPTS))
@@ -44,8 +46,12 @@ def test_denoise_is_the_pipelines_conditional_prediction_turned_round(base):
         features, position_ids, segment_ids, indicator = pipeline.encode_prompt(PROMPTS, h, w, 64, "cpu")
         tokens = token_order(noisy)
         theirs = pipeline.transformer(
-            hidden_states=torch.cat([torch.zeros(2, 64, tokens.shape[-1]), tokens], dim=1), timestep=1 - timesteps / 1000,
-            encoder_hidden_states=features, position_ids=position_ids, segment_ids=segment_ids, indicator=indicator,
+            hidden_states=torch.cat([torch.zeros(2, 64, tokens.shape[-1]), tokens], dim=1),
+            timestep=1 - timesteps / 1000,
+            encoder_hidden_states=features,
+            position_ids=position_ids,
+            segment_ids=segment_ids,
+            indicator=indicator,
             return_dict=False,
         )[0][:, 64:]
     torch.testing.assert_close(token_order(-ours), theirs, rtol=1e-4, atol=1e-5)
@@ -68,7 +74,9 @@ def test_latents_are_what_the_pipeline_decodes(base):
         raw = vae.encode(pixels).latent_dist.mean
     torch.testing.assert_close(z, raw, rtol=1e-4, atol=1e-5)
     # The statistics are not symmetric in the two orders: read FLUX.2's way, the latents would differ.
-    assert not torch.allclose(components.latent_normalization.apply(mean), FAMILIES["flux2"].latent_normalization(vae).apply(mean))
+    assert not torch.allclose(
+        components.latent_normalization.apply(mean), FAMILIES["flux2"].latent_normalization(vae).apply(mean)
+    )
 
 
 def test_noise_levels_follow_the_pipelines_schedule_mean():
@@ -83,13 +91,17 @@ def test_the_unconditional_transformer_waits_in_host_memory_only_for_previews(ma
     """Training never runs it: kept in host memory when previews draw, released (and reloaded to draw at the end)
     otherwise; a negative prompt, which it could not read, is refused."""
     components = load_components(ModelConfig(base=base))
-    previews = make_config(model__base=base, train__output_dir=str(tmp_path), sample__every_steps=2,
-                           sample__prompts=["a purple circle"])
+    previews = make_config(
+        model__base=base, train__output_dir=str(tmp_path), sample__every_steps=2, sample__prompts=["a purple circle"]
+    )
     assert encoder_placement(previews)["drawing"] == "host"
-    assert any(m is components.drawing_parts["unconditional_transformer"] for m in host_kept_encoders(components, previews))
+    assert any(
+        m is components.drawing_parts["unconditional_transformer"] for m in host_kept_encoders(components, previews)
+    )
     assert encoder_placement(make_config(model__base=base, train__output_dir=str(tmp_path)))["drawing"] == "released"
-    problems = FAMILY.config_problems(make_config(model__base=base, train__output_dir=str(tmp_path),
-                                                  sample__negative_prompt="blurry"))
+    problems = FAMILY.config_problems(
+        make_config(model__base=base, train__output_dir=str(tmp_path), sample__negative_prompt="blurry")
+    )
     assert any("unconditional transformer" in problem for problem in problems)
 
 
@@ -98,8 +110,15 @@ def test_the_kohya_layout_is_ai_toolkits_as_diffusers_reads_it(make_config, base
     dots (`diffusion_model.layers.0.attention.qkv`), read by `Ideogram4Pipeline.load_lora_weights` (diffusers' own
     reader of those files), draws what difftune's diffusers-layout file draws; and difftune reads that ai-toolkit
     file too (`difftune sample` / `merge` / `convert`), as the same change."""
-    trained = train(make_config(model__base=base, train__output_dir=str(tmp_path / "run"), train__max_steps=2,
-                                optim__learning_rate=2e-2, sample__prompts=[])).trained_path
+    trained = train(
+        make_config(
+            model__base=base,
+            train__output_dir=str(tmp_path / "run"),
+            train__max_steps=2,
+            optim__learning_rate=2e-2,
+            sample__prompts=[],
+        )
+    ).trained_path
     kohya = load_file(export.convert_adapter(trained, tmp_path / "kohya.safetensors", "kohya"))
     dotted = {name.replace(".", "_"): name for name in ORIGINAL_BLOCKS["layers"][1]}
     ai_toolkit = {}
@@ -113,17 +132,33 @@ def test_the_kohya_layout_is_ai_toolkits_as_diffusers_reads_it(make_config, base
         pipeline.set_progress_bar_config(disable=True)
         if adapter is not None:
             pipeline.load_lora_weights(adapter)
-        return pipeline("a purple circle", height=32, width=32, num_inference_steps=4, guidance_scale=3.0,
-                        guidance_schedule=None, max_sequence_length=64, output_type="latent",
-                        generator=torch.Generator().manual_seed(0)).images
+        return pipeline(
+            "a purple circle",
+            height=32,
+            width=32,
+            num_inference_steps=4,
+            guidance_scale=3.0,
+            guidance_schedule=None,
+            max_sequence_length=64,
+            output_type="latent",
+            generator=torch.Generator().manual_seed(0),
+        ).images
 
     ours = drawn(str(trained))
     torch.testing.assert_close(drawn(ai_toolkit), ours, rtol=0, atol=1e-4)
     save_file(ai_toolkit, tmp_path / "ai_toolkit.safetensors")
     read_by_difftune = export.load_with_adapters(base, [(tmp_path / "ai_toolkit.safetensors", 1.0)]).pipeline()
     read_by_difftune.set_progress_bar_config(disable=True)
-    theirs = read_by_difftune("a purple circle", height=32, width=32, num_inference_steps=4, guidance_scale=3.0,
-                              guidance_schedule=None, max_sequence_length=64, output_type="latent",
-                              generator=torch.Generator().manual_seed(0)).images
+    theirs = read_by_difftune(
+        "a purple circle",
+        height=32,
+        width=32,
+        num_inference_steps=4,
+        guidance_scale=3.0,
+        guidance_schedule=None,
+        max_sequence_length=64,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+    ).images
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
     assert (ours - drawn(None)).abs().max() > 1e-2  # the adapter changes the drawing, far beyond that agreement

@@ -65,14 +65,17 @@ def test_a_job_that_cannot_start_is_failed_with_its_error_in_the_log(make_config
     _wait_for(lambda: not job.is_running(), 120, job)
     assert job.status() == "failed" and not job.resumable()
     assert "no-such-folder" in jobs.log_tail(job)
-    assert jobs.failure_reason(job) == f"data.path {tmp_path / 'no-such-folder'}: does not exist; point it at a folder of captioned images"
+    assert (
+        jobs.failure_reason(job)
+        == f"data.path {tmp_path / 'no-such-folder'}: does not exist; point it at a folder of captioned images"
+    )
 
 
 def test_a_crash_is_explained_by_the_exception_it_ended_with(tmp_path):
     job = jobs.Job(tmp_path)
     (tmp_path / jobs.JOB_LOG).write_text(
         "difftune: 16 images, 1 trained parameters (lora), 1 process(es) on cpu\n"
-        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+        'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n'
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
         "train:  40%|####      | 4/10 [00:01<00:01]\n"
     )
@@ -113,7 +116,9 @@ def test_the_form_has_every_schema_field_and_reports_in_schema_words():
             edited[keys.index(key.replace("__", "."))] = value
         return config_from_widgets(fields, edited)
 
-    config = with_values(train__max_steps=250.0, validation__timesteps="100\n 700\n", adapter__alpha="", optim__betas="0.9, 0.99")
+    config = with_values(
+        train__max_steps=250.0, validation__timesteps="100\n 700\n", adapter__alpha="", optim__betas="0.9, 0.99"
+    )
     assert config.train.max_steps == 250 and config.validation.timesteps == [100, 700]
     assert config.adapter.alpha == config.adapter.rank and config.optim.betas == (0.9, 0.99)
     assert with_values(adapter__alpha="4").adapter.alpha == 4.0
@@ -145,6 +150,7 @@ def test_the_sample_tab_offers_only_fields_that_apply_outside_training():
 
 # The UI's trust in its jobs folder, and what it says.
 
+
 def test_a_preset_edited_in_the_form_makes_the_job_the_cli_makes(tmp_path):
     """Loaded from `tiny_lora.toml` and edited (rank, learning rate, resolution), the form's job is the CLI's job
     with the same edits: alpha, the text encoders' rate and the sample size follow the edits (they stayed at the
@@ -171,7 +177,9 @@ def test_a_preset_edited_in_the_form_makes_the_job_the_cli_makes(tmp_path):
 def _fake_job(folder: Path, pid: int, started: float, command: list[str]) -> jobs.Job:
     folder.mkdir(parents=True)
     (folder / jobs.JOB_CONFIG).write_text(Config().to_toml())
-    (folder / jobs.JOB_STATE).write_text(json.dumps({"pid": pid, "started": started, "command": command, "cwd": str(folder)}))
+    (folder / jobs.JOB_STATE).write_text(
+        json.dumps({"pid": pid, "started": started, "command": command, "cwd": str(folder)})
+    )
     return jobs.Job(folder)
 
 
@@ -183,8 +191,12 @@ def test_the_ui_shows_and_signals_only_what_is_the_jobs_own(tmp_path):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         started = psutil.Process(other.pid).create_time()
-        job = _fake_job(tmp_path / "jobs" / "20260101-000000-fake", other.pid, started,
-                        [sys.executable, "-m", "difftune.cli", "train", "--config", str(tmp_path / "jobs" / "x" / "job.toml")])
+        job = _fake_job(
+            tmp_path / "jobs" / "20260101-000000-fake",
+            other.pid,
+            started,
+            [sys.executable, "-m", "difftune.cli", "train", "--config", str(tmp_path / "jobs" / "x" / "job.toml")],
+        )
         (job.dir / jobs.JOB_LOG).symlink_to(secret)
         (job.dir / "metrics.jsonl").symlink_to(secret)
         (job.dir / "samples").mkdir()

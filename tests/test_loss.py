@@ -53,7 +53,9 @@ def test_weightings_reach_the_loss(weighting):
     config = LossConfig(prediction_type="epsilon", weighting=weighting)
     loss = diffusion_loss(_oracle(torch.zeros_like(noise)), scheduler, latents, timesteps, noise, config)
     snr = compute_snr(scheduler, timesteps)
-    weights = soft_min_snr_weights(snr, 5.0, "epsilon") if weighting == "soft_min_snr" else debiased_weights(snr, "epsilon")
+    weights = (
+        soft_min_snr_weights(snr, 5.0, "epsilon") if weighting == "soft_min_snr" else debiased_weights(snr, "epsilon")
+    )
     torch.testing.assert_close(loss, noise.pow(2).mean(dim=(1, 2, 3)) * weights)
 
 

@@ -29,14 +29,26 @@ SCRIPTS = {
     "sd": ("train_dreambooth_lora.py", "89cd066f65b2c5d4e8ab578f4050f485a880a9c8fc100ddf18c6b0c74eadb5d2"),
     "sdxl": ("train_dreambooth_lora_sdxl.py", "ab3165d44c29115028c18933bcf12bb583fd0e868c3d8dd426dec5209eb6d6d1"),
     "flux": ("train_dreambooth_lora_flux.py", "1e7862bbfb16f2d5fa6f3424a93c2d8383ba4b5f1509c6265777e1eb84d070ef"),
-    "flux_kontext": ("train_dreambooth_lora_flux_kontext.py", "821f168bf4b8a38af53d128e0711e13b11c8784f618225502b5f542bdc47f1df"),
+    "flux_kontext": (
+        "train_dreambooth_lora_flux_kontext.py",
+        "821f168bf4b8a38af53d128e0711e13b11c8784f618225502b5f542bdc47f1df",
+    ),
     "flux2": ("train_dreambooth_lora_flux2.py", "f487a423f5873a1da99295803e7105b272c5ccdc9bd3b5961af47fec6259278b"),
-    "flux2_klein": ("train_dreambooth_lora_flux2_klein.py", "2c746004af6d4aa569d9bff3d32fce70afcb885cf00c7e00ab6abf9beda42225"),
+    "flux2_klein": (
+        "train_dreambooth_lora_flux2_klein.py",
+        "2c746004af6d4aa569d9bff3d32fce70afcb885cf00c7e00ab6abf9beda42225",
+    ),
     "lumina2": ("train_dreambooth_lora_lumina2.py", "0cd38a84e95d0a3331c4f12e6bd02fe7dab0bc56d31c22cc9edaa308c0ddd670"),
     "hidream": ("train_dreambooth_lora_hidream.py", "5415a0cf050054532b94926e132533e6e00cc94b43995b472b6885ac9e2bb649"),
-    "ideogram4": ("train_dreambooth_lora_ideogram4.py", "4130139d734fbc3e0b1aeac7d06a735e2bbe0734200655f1dd178f8314ad3ba5"),
+    "ideogram4": (
+        "train_dreambooth_lora_ideogram4.py",
+        "4130139d734fbc3e0b1aeac7d06a735e2bbe0734200655f1dd178f8314ad3ba5",
+    ),
     "krea2": ("train_dreambooth_lora_krea2.py", "e88d55cb8bf6f1a0d672330661752b982ab7c0a1623980e1673b8b2d303ef948"),
-    "qwen_image": ("train_dreambooth_lora_qwen_image.py", "7c06f0297e5ddc909efa897736be58ca0b743fbef93a9681d35cbe9a74e29cb2"),
+    "qwen_image": (
+        "train_dreambooth_lora_qwen_image.py",
+        "7c06f0297e5ddc909efa897736be58ca0b743fbef93a9681d35cbe9a74e29cb2",
+    ),
     "sd3": ("train_dreambooth_lora_sd3.py", "74f4cfd22527673c10f4e7a7b2a2b117ef554a0190bfa5876210f7d365e393bb"),
     "z_image": ("train_dreambooth_lora_z_image.py", "7111596fe60ac7f016e662acb08ab7874bb51d1ef855d63f30eea3e5b731585a"),
 }
@@ -92,8 +104,9 @@ def sdxl_script_loss(pipeline, latents, noise, weighting):
     states, _, pooled, _ = pipeline.encode_prompt(PROMPTS, device="cpu", do_classifier_free_guidance=False)
     size = 8 * pipeline.vae_scale_factor
     time_ids = torch.tensor([[size, size, 0, 0, size, size]] * len(PROMPTS), dtype=states.dtype)
-    prediction = pipeline.unet(noisy, timesteps, states, added_cond_kwargs={"time_ids": time_ids, "text_embeds": pooled},
-                               return_dict=False)[0]
+    prediction = pipeline.unet(
+        noisy, timesteps, states, added_cond_kwargs={"time_ids": time_ids, "text_embeds": pooled}, return_dict=False
+    )[0]
     assert weighting == "uniform"
     return F.mse_loss(prediction.float(), noise.float(), reduction="mean"), timesteps
 
@@ -108,11 +121,19 @@ def flux_script_loss(pipeline, latents, noise, weighting):
     b, c, h, w = latents.shape
     packed = FluxPipeline._pack_latents(noisy, b, c, h, w)
     image_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, "cpu", latents.dtype)
-    states, pooled, text_ids = pipeline.encode_prompt(PROMPTS, PROMPTS, device="cpu",
-                                                      max_sequence_length=pipeline.tokenizer_2.model_max_length)
-    prediction = pipeline.transformer(hidden_states=packed, timestep=timesteps / 1000, guidance=None,
-                                      pooled_projections=pooled, encoder_hidden_states=states, txt_ids=text_ids,
-                                      img_ids=image_ids, return_dict=False)[0]
+    states, pooled, text_ids = pipeline.encode_prompt(
+        PROMPTS, PROMPTS, device="cpu", max_sequence_length=pipeline.tokenizer_2.model_max_length
+    )
+    prediction = pipeline.transformer(
+        hidden_states=packed,
+        timestep=timesteps / 1000,
+        guidance=None,
+        pooled_projections=pooled,
+        encoder_hidden_states=states,
+        txt_ids=text_ids,
+        img_ids=image_ids,
+        return_dict=False,
+    )[0]
     factor = pipeline.vae_scale_factor
     prediction = FluxPipeline._unpack_latents(prediction, h * factor, w * factor, factor)
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
@@ -131,12 +152,19 @@ def flux_kontext_script_loss(pipeline, latents, noise, weighting, control_latent
     control_ids[..., 0] = 1
     packed = FluxKontextPipeline._pack_latents(noisy, b, c, h, w)
     packed_all = torch.cat([packed, FluxKontextPipeline._pack_latents(control_latents, b, c, h, w)], dim=1)
-    states, pooled, text_ids = pipeline.encode_prompt(PROMPTS, PROMPTS, device="cpu",
-                                                      max_sequence_length=pipeline.tokenizer_2.model_max_length)
-    prediction = pipeline.transformer(hidden_states=packed_all, timestep=timesteps / 1000,
-                                      guidance=torch.tensor([GUIDANCE]).expand(b), pooled_projections=pooled,
-                                      encoder_hidden_states=states, txt_ids=text_ids,
-                                      img_ids=torch.cat([image_ids, control_ids]), return_dict=False)[0]
+    states, pooled, text_ids = pipeline.encode_prompt(
+        PROMPTS, PROMPTS, device="cpu", max_sequence_length=pipeline.tokenizer_2.model_max_length
+    )
+    prediction = pipeline.transformer(
+        hidden_states=packed_all,
+        timestep=timesteps / 1000,
+        guidance=torch.tensor([GUIDANCE]).expand(b),
+        pooled_projections=pooled,
+        encoder_hidden_states=states,
+        txt_ids=text_ids,
+        img_ids=torch.cat([image_ids, control_ids]),
+        return_dict=False,
+    )[0]
     factor = pipeline.vae_scale_factor
     prediction = FluxKontextPipeline._unpack_latents(prediction[:, : packed.shape[1]], h * factor, w * factor, factor)
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
@@ -154,9 +182,15 @@ def flux2_script_loss(pipeline, latents, noise, weighting):
     packed = Flux2Pipeline._pack_latents(noisy)
     states, text_ids = pipeline.encode_prompt(PROMPTS, device="cpu")
     guidance = torch.full([len(latents)], GUIDANCE) if pipeline.transformer.config.guidance_embeds else None
-    prediction = pipeline.transformer(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
-                                      encoder_hidden_states=states, txt_ids=text_ids, img_ids=image_ids,
-                                      return_dict=False)[0]
+    prediction = pipeline.transformer(
+        hidden_states=packed,
+        timestep=timesteps / 1000,
+        guidance=guidance,
+        encoder_hidden_states=states,
+        txt_ids=text_ids,
+        img_ids=image_ids,
+        return_dict=False,
+    )[0]
     prediction = Flux2Pipeline._unpack_latents_with_ids(prediction[:, : packed.size(1)], image_ids)
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
@@ -171,9 +205,14 @@ def qwen_image_script_loss(pipeline, latents, noise, weighting):
     b, c, _, h, w = latents.shape
     packed = QwenImagePipeline._pack_latents(noisy.permute(0, 2, 1, 3, 4), b, c, h, w)
     states, mask = pipeline.encode_prompt(PROMPTS, device="cpu")
-    prediction = pipeline.transformer(hidden_states=packed, encoder_hidden_states=states,
-                                      encoder_hidden_states_mask=mask, timestep=timesteps / 1000,
-                                      img_shapes=[(1, h // 2, w // 2)] * b, return_dict=False)[0]
+    prediction = pipeline.transformer(
+        hidden_states=packed,
+        encoder_hidden_states=states,
+        encoder_hidden_states_mask=mask,
+        timestep=timesteps / 1000,
+        img_shapes=[(1, h // 2, w // 2)] * b,
+        return_dict=False,
+    )[0]
     factor = pipeline.vae_scale_factor
     prediction = QwenImagePipeline._unpack_latents(prediction, h * factor, w * factor, factor)
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
@@ -189,10 +228,17 @@ def krea2_script_loss(pipeline, latents, noise, weighting):
     b, c, h, w = latents.shape
     packed = pipeline._pack_latents(noisy, b, c, h, w)
     states, mask = pipeline.encode_prompt(PROMPTS, device="cpu")
-    prediction = pipeline.transformer(hidden_states=packed, encoder_hidden_states=states, timestep=timesteps / 1000,
-                                      position_ids=Krea2Pipeline.prepare_position_ids(states.shape[1], h // 2, w // 2, "cpu"),
-                                      encoder_attention_mask=mask, return_dict=False)[0]
-    prediction = pipeline._unpack_latents(prediction, h * pipeline.vae_scale_factor, w * pipeline.vae_scale_factor)[:, :, 0]
+    prediction = pipeline.transformer(
+        hidden_states=packed,
+        encoder_hidden_states=states,
+        timestep=timesteps / 1000,
+        position_ids=Krea2Pipeline.prepare_position_ids(states.shape[1], h // 2, w // 2, "cpu"),
+        encoder_attention_mask=mask,
+        return_dict=False,
+    )[0]
+    prediction = pipeline._unpack_latents(prediction, h * pipeline.vae_scale_factor, w * pipeline.vae_scale_factor)[
+        :, :, 0
+    ]
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
 
@@ -203,10 +249,21 @@ def sd3_script_loss(pipeline, latents, noise, weighting):
     width, T5's states after them; pooled: both projections): the pipeline encodes here, at the micro T5's length."""
     timesteps, sigmas = _flow_sigmas(pipeline, latents)
     noisy = (1.0 - sigmas) * latents + sigmas * noise
-    states, _, pooled, _ = pipeline.encode_prompt(PROMPTS, PROMPTS, PROMPTS, device="cpu", do_classifier_free_guidance=False,
-                                                  max_sequence_length=pipeline.tokenizer_3.model_max_length)
-    prediction = pipeline.transformer(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=states,
-                                      pooled_projections=pooled, return_dict=False)[0]
+    states, _, pooled, _ = pipeline.encode_prompt(
+        PROMPTS,
+        PROMPTS,
+        PROMPTS,
+        device="cpu",
+        do_classifier_free_guidance=False,
+        max_sequence_length=pipeline.tokenizer_3.model_max_length,
+    )
+    prediction = pipeline.transformer(
+        hidden_states=noisy,
+        timestep=timesteps,
+        encoder_hidden_states=states,
+        pooled_projections=pooled,
+        return_dict=False,
+    )[0]
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
 
@@ -217,8 +274,9 @@ def z_image_script_loss(pipeline, latents, noise, weighting):
     timesteps, sigmas = _flow_sigmas(pipeline, latents)
     noisy = (1.0 - sigmas) * latents + sigmas * noise
     states, _ = pipeline.encode_prompt(list(PROMPTS), device="cpu", do_classifier_free_guidance=False)
-    predictions = pipeline.transformer(list(noisy.unsqueeze(2).unbind(dim=0)), (1000 - timesteps) / 1000, states,
-                                       return_dict=False)[0]
+    predictions = pipeline.transformer(
+        list(noisy.unsqueeze(2).unbind(dim=0)), (1000 - timesteps) / 1000, states, return_dict=False
+    )[0]
     prediction = -torch.stack(predictions, dim=0).squeeze(2)
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
@@ -231,8 +289,13 @@ def lumina2_script_loss(pipeline, latents, noise, weighting):
     _, clean = _flow_sigmas(pipeline, latents)
     noisy = (1.0 - clean) * noise + clean * latents
     states, mask, *_ = pipeline.encode_prompt(PROMPTS, do_classifier_free_guidance=False, device="cpu")
-    prediction = pipeline.transformer(hidden_states=noisy, encoder_hidden_states=states, encoder_attention_mask=mask,
-                                      timestep=clean.flatten(), return_dict=False)[0]
+    prediction = pipeline.transformer(
+        hidden_states=noisy,
+        encoder_hidden_states=states,
+        encoder_attention_mask=mask,
+        timestep=clean.flatten(),
+        return_dict=False,
+    )[0]
     assert weighting == "uniform"  # its other weightings read the reflected s as a noise level
     return _mse(prediction, latents - noise), (1.0 - clean.flatten()) * 1000
 
@@ -244,10 +307,20 @@ def hidream_script_loss(pipeline, latents, noise, weighting):
     side by side), `model_pred * -1`, target `noise - x`, `compute_loss_weighting_for_sd3`."""
     timesteps, sigmas = _flow_sigmas(pipeline, latents)
     noisy = (1.0 - sigmas) * latents + sigmas * noise
-    t5, _, llama, _, pooled, _ = pipeline.encode_prompt(PROMPTS, device="cpu", do_classifier_free_guidance=False,
-                                                        max_sequence_length=128)
-    prediction = pipeline.transformer(hidden_states=noisy, encoder_hidden_states_t5=t5, encoder_hidden_states_llama3=llama,
-                                      pooled_embeds=pooled, timesteps=timesteps, return_dict=False)[0] * -1
+    t5, _, llama, _, pooled, _ = pipeline.encode_prompt(
+        PROMPTS, device="cpu", do_classifier_free_guidance=False, max_sequence_length=128
+    )
+    prediction = (
+        pipeline.transformer(
+            hidden_states=noisy,
+            encoder_hidden_states_t5=t5,
+            encoder_hidden_states_llama3=llama,
+            pooled_embeds=pooled,
+            timesteps=timesteps,
+            return_dict=False,
+        )[0]
+        * -1
+    )
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
 
@@ -257,13 +330,16 @@ def _ideogram4_tokens(vae, pixels: torch.Tensor) -> torch.Tensor:
     z = vae.encode(pixels).latent_dist.mode()
     b, c, h, w = z.shape
     tokens = z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 3, 5, 1).reshape(b, (h // 2) * (w // 2), 4 * c)
-    return (tokens - vae.bn.running_mean.view(1, 1, -1)) / torch.sqrt(vae.bn.running_var + vae.config.batch_norm_eps).view(1, 1, -1)
+    return (tokens - vae.bn.running_mean.view(1, 1, -1)) / torch.sqrt(
+        vae.bn.running_var + vae.config.batch_norm_eps
+    ).view(1, 1, -1)
 
 
 def ideogram4_script_loss(pipeline, latents, noise, weighting):
     """train_dreambooth_lora_ideogram4.py: its tokens (`_ideogram4_tokens`; difftune's latents are the same values
     with their channels in FLUX.2's patch order, so both sides' latents and noise are read in token order here), sigma
-    used as drawn (here the scheduler's at the fixed indices), `(1 - sigma) x + sigma noise` behind `max_sequence_length`
+    used as drawn (here the scheduler's at the fixed indices), `(1 - sigma) x + sigma noise` behind
+    `max_sequence_length`
     (2048) zeroed text positions, the transformer at model time `1 - sigma` with the pipeline's `encode_prompt` for
     that grid, its prediction at the image positions, target `x - noise`, `compute_loss_weighting_for_sd3`."""
     timesteps, sigmas = _flow_sigmas(pipeline, latents)
@@ -273,15 +349,22 @@ def ideogram4_script_loss(pipeline, latents, noise, weighting):
     h, w = latents.shape[-2:]
     features, position_ids, segment_ids, indicator = pipeline.encode_prompt(PROMPTS, h, w, 2048, "cpu")
     packed = torch.cat([torch.zeros(len(PROMPTS), 2048, x.shape[-1]), noisy], dim=1)
-    prediction = pipeline.transformer(hidden_states=packed, timestep=(1.0 - sigmas).reshape(-1), encoder_hidden_states=features,
-                                      position_ids=position_ids, segment_ids=segment_ids, indicator=indicator,
-                                      return_dict=False)[0][:, 2048:]
+    prediction = pipeline.transformer(
+        hidden_states=packed,
+        timestep=(1.0 - sigmas).reshape(-1),
+        encoder_hidden_states=features,
+        position_ids=position_ids,
+        segment_ids=segment_ids,
+        indicator=indicator,
+        return_dict=False,
+    )[0][:, 2048:]
     return _mse(prediction, x - noise, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
 
 def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
     """The scripts' latents (at the posterior's mode): SD and SDXL `x * scaling_factor`; Flux, Z-Image and SD3
-    `(x - shift_factor) * scaling_factor`; Qwen-Image and Krea 2 `(x - latents_mean) * (1 / latents_std)` per channel; FLUX.2
+    `(x - shift_factor) * scaling_factor`; Qwen-Image and Krea 2 `(x - latents_mean) * (1 / latents_std)` per channel;
+    FLUX.2
     patched, then `(x - bn.running_mean) / sqrt(bn.running_var + eps)` per patched channel."""
     if name == "ideogram4":  # in difftune's channel order (FLUX.2's patches), as `ideogram4_script_loss` reads them
         tokens = _ideogram4_tokens(vae, pixels)
@@ -295,22 +378,52 @@ def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
         mean = vae.encode(pixels[:, :, None]).latent_dist.mode()[:, :, 0]
         channels = vae.config.z_dim
         return (mean - torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1)) * (
-            1.0 / torch.tensor(vae.config.latents_std).view(1, channels, 1, 1))
+            1.0 / torch.tensor(vae.config.latents_std).view(1, channels, 1, 1)
+        )
     mean = vae.encode(pixels).latent_dist.mode()
     return (mean - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
 
 
-SCRIPT_LOSSES = {"sd": sd_script_loss, "sdxl": sdxl_script_loss, "flux": flux_script_loss,
-                 "flux_kontext": flux_kontext_script_loss, "flux2": flux2_script_loss, "flux2_klein": flux2_script_loss,
-                 "krea2": krea2_script_loss, "qwen_image": qwen_image_script_loss, "sd3": sd3_script_loss, "z_image": z_image_script_loss,
-                 "lumina2": lumina2_script_loss, "hidream": hidream_script_loss,
-                 "ideogram4": ideogram4_script_loss}
-CASES = [("lumina2", "uniform"), ("sd", "uniform"), ("sd", "min_snr"), ("sdxl", "uniform"), ("flux", "uniform"), ("flux", "cosmap"),
-         ("flux_kontext", "uniform"), ("flux2", "uniform"), ("flux2", "cosmap"), ("flux2_klein", "uniform"),
-         ("flux2_klein", "sigma_sqrt"),
-         ("krea2", "uniform"), ("krea2", "cosmap"), ("qwen_image", "uniform"), ("qwen_image", "sigma_sqrt"), ("sd3", "uniform"), ("sd3", "sigma_sqrt"),
-         ("z_image", "uniform"), ("z_image", "cosmap"), ("hidream", "uniform"), ("hidream", "sigma_sqrt"),
-         ("ideogram4", "uniform"), ("ideogram4", "cosmap")]
+SCRIPT_LOSSES = {
+    "sd": sd_script_loss,
+    "sdxl": sdxl_script_loss,
+    "flux": flux_script_loss,
+    "flux_kontext": flux_kontext_script_loss,
+    "flux2": flux2_script_loss,
+    "flux2_klein": flux2_script_loss,
+    "krea2": krea2_script_loss,
+    "qwen_image": qwen_image_script_loss,
+    "sd3": sd3_script_loss,
+    "z_image": z_image_script_loss,
+    "lumina2": lumina2_script_loss,
+    "hidream": hidream_script_loss,
+    "ideogram4": ideogram4_script_loss,
+}
+CASES = [
+    ("lumina2", "uniform"),
+    ("sd", "uniform"),
+    ("sd", "min_snr"),
+    ("sdxl", "uniform"),
+    ("flux", "uniform"),
+    ("flux", "cosmap"),
+    ("flux_kontext", "uniform"),
+    ("flux2", "uniform"),
+    ("flux2", "cosmap"),
+    ("flux2_klein", "uniform"),
+    ("flux2_klein", "sigma_sqrt"),
+    ("krea2", "uniform"),
+    ("krea2", "cosmap"),
+    ("qwen_image", "uniform"),
+    ("qwen_image", "sigma_sqrt"),
+    ("sd3", "uniform"),
+    ("sd3", "sigma_sqrt"),
+    ("z_image", "uniform"),
+    ("z_image", "cosmap"),
+    ("hidream", "uniform"),
+    ("hidream", "sigma_sqrt"),
+    ("ideogram4", "uniform"),
+    ("ideogram4", "cosmap"),
+]
 
 
 def test_every_family_with_a_diffusers_script_is_checked():
@@ -333,13 +446,22 @@ def test_the_loss_is_the_diffusers_training_script_loss(name, weighting, tmp_pat
         conditioning = family.encode_prompts(components, family.tokenize(components.tokenizers, PROMPTS))
         controls = ()
         if family.max_controls:  # an edit family: the other images' latents are the controls
-            control = reference_latents(encode_posterior(components.vae, pixels.flip(0))[0], components.latent_normalization)
+            control = reference_latents(
+                encode_posterior(components.vae, pixels.flip(0))[0], components.latent_normalization
+            )
             conditioning["control_latents"], controls = [control], (control,)
         if getattr(components.denoiser.config, "guidance_embeds", False):  # the scripts' `--guidance_scale`
             components.family_options = components.family_options.model_copy(update={"guidance": GUIDANCE})
         theirs, timesteps = SCRIPT_LOSSES[name](pipeline, latents, noise, weighting, *controls)
         geometry = torch.tensor([[32, 32, 0, 0, 32, 32]] * len(PROMPTS))
-        ours = family.loss(components, latents, timesteps.float() if name not in ("sd", "sdxl") else timesteps, noise,
-                           conditioning, geometry, LossConfig(weighting=weighting, snr_gamma=5.0)).mean()
+        ours = family.loss(
+            components,
+            latents,
+            timesteps.float() if name not in ("sd", "sdxl") else timesteps,
+            noise,
+            conditioning,
+            geometry,
+            LossConfig(weighting=weighting, snr_gamma=5.0),
+        ).mean()
     assert theirs > 0
     torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=1e-5, atol=1e-7)

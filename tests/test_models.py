@@ -23,13 +23,18 @@ def test_loads_a_local_diffusers_folder(tiny_base):
     assert isinstance(components.noise_scheduler, DDPMScheduler)
     assert components.denoiser.config.cross_attention_dim == components.text_encoders["text_encoder"].config.hidden_size
     ids = components.tokenizers["tokenizer"]("a red circle").input_ids
-    assert ids[0] == components.tokenizers["tokenizer"].bos_token_id and ids[-1] == components.tokenizers["tokenizer"].eos_token_id
+    assert (
+        ids[0] == components.tokenizers["tokenizer"].bos_token_id
+        and ids[-1] == components.tokenizers["tokenizer"].eos_token_id
+    )
 
 
 def test_pickled_checkpoints_are_refused(tmp_path):
     path = tmp_path / "model.ckpt"
     path.write_bytes(b"not read")
-    with pytest.raises(DifftuneError, match=r"model\.ckpt: a pickle-based checkpoint is not read by default.*allow_pickled"):
+    with pytest.raises(
+        DifftuneError, match=r"model\.ckpt: a pickle-based checkpoint is not read by default.*allow_pickled"
+    ):
         load_components(ModelConfig(base=str(path)))
 
 
@@ -41,7 +46,14 @@ def test_missing_single_file_is_named(tmp_path):
 def test_offline_hub_id_says_to_pass_a_local_path(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     run = subprocess.run(
-        [sys.executable, "-m", "difftune.cli", "train", "model.base=someone/some-model", f"train.output_dir={tmp_path}/o"],
+        [
+            sys.executable,
+            "-m",
+            "difftune.cli",
+            "train",
+            "model.base=someone/some-model",
+            f"train.output_dir={tmp_path}/o",
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -76,7 +88,9 @@ def test_kl_latent_scaling_uses_the_config_factor():
     latents = encode_latents(vae, pixels, [torch.Generator().manual_seed(s) for s in (1, 2)])
     with torch.no_grad():
         posterior = vae.encode(pixels).latent_dist
-        eps = torch.stack([torch.randn(posterior.mean.shape[1:], generator=torch.Generator().manual_seed(s)) for s in (1, 2)])
+        eps = torch.stack(
+            [torch.randn(posterior.mean.shape[1:], generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+        )
         expected = (posterior.mean + posterior.std * eps) * 0.5
     assert latents.shape == (2, 4, 8, 8)
     torch.testing.assert_close(latents, expected)

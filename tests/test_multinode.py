@@ -17,8 +17,16 @@ from difftune.training.metrics import read_metrics
 from conftest import REPO
 from test_sources import write_shards
 
-COMMON = ["--config", "configs/tiny_lora.toml", "sample.prompts=[]", "sample.before=false", "log.progress_bar=false",
-          "data.num_workers=0", "adapter.text_encoder=false", "train.max_steps=4"]
+COMMON = [
+    "--config",
+    "configs/tiny_lora.toml",
+    "sample.prompts=[]",
+    "sample.before=false",
+    "log.progress_bar=false",
+    "data.num_workers=0",
+    "adapter.text_encoder=false",
+    "train.max_steps=4",
+]
 
 
 def _free_port() -> int:
@@ -34,20 +42,52 @@ def _two_machines(kind: str, out, tmp_path) -> list[str]:
     processes = []
     for rank in (0, 1):
         if kind == "ddp":  # accelerate's own launcher reads the shipped config, as on real machines
-            launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                        "configs/accelerate/multi_node_ddp.yaml", "--machine_rank", str(rank), "--main_process_ip",
-                        "127.0.0.1", "--main_process_port", str(port), "--num_processes", "4", "--mixed_precision", "no",
-                        "scripts/train.py"]
-        else:  # accelerate enables FSDP on accelerator devices only: tests/fsdp_cpu_launch.py switches it on (see there)
-            launcher = [shutil.which("torchrun") or "torchrun", "--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=2",
-                        "--master_addr=127.0.0.1", f"--master_port={port}", "tests/fsdp_cpu_launch.py", "train"]
+            launcher = [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--config_file",
+                "configs/accelerate/multi_node_ddp.yaml",
+                "--machine_rank",
+                str(rank),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                str(port),
+                "--num_processes",
+                "4",
+                "--mixed_precision",
+                "no",
+                "scripts/train.py",
+            ]
+        # accelerate enables FSDP on accelerator devices only: tests/fsdp_cpu_launch.py switches it on (see there)
+        else:
+            launcher = [
+                shutil.which("torchrun") or "torchrun",
+                "--nnodes=2",
+                f"--node_rank={rank}",
+                "--nproc_per_node=2",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                "tests/fsdp_cpu_launch.py",
+                "train",
+            ]
             env["DIFFTUNE_FSDP_CONFIG"] = str(REPO / "configs/accelerate/multi_node_fsdp.yaml")
-        command = [*launcher, *COMMON, f"train.output_dir={out}", "train.batch_size=2", f"cache.dir={tmp_path / f'cache{rank}'}",
-                   f"data.path={shards}"]
-        processes.append(subprocess.Popen(command, cwd=REPO, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True))
+        command = [
+            *launcher,
+            *COMMON,
+            f"train.output_dir={out}",
+            "train.batch_size=2",
+            f"cache.dir={tmp_path / f'cache{rank}'}",
+            f"data.path={shards}",
+        ]
+        processes.append(
+            subprocess.Popen(
+                command, cwd=REPO, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     outputs = [process.communicate(timeout=600) for process in processes]
-    for process, (_, stderr) in zip(processes, outputs):
+    for process, (_, stderr) in zip(processes, outputs, strict=True):
         assert process.returncode == 0, stderr[-4000:]
     return [stdout for stdout, _ in outputs]
 
@@ -55,9 +95,21 @@ def _two_machines(kind: str, out, tmp_path) -> list[str]:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
-    run = subprocess.run([sys.executable, "scripts/train.py", *COMMON, f"train.output_dir={out / 'run'}", "train.batch_size=8",
-                          f"cache.dir={out / 'cache'}"], cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "scripts/train.py",
+            *COMMON,
+            f"train.output_dir={out / 'run'}",
+            "train.batch_size=8",
+            f"cache.dir={out / 'cache'}",
+        ],
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return out
 
@@ -68,7 +120,8 @@ def test_two_machines_of_two_processes_train_like_one_process(kind, one_process,
     outputs = _two_machines(kind, tmp_path / "run", tmp_path)
     assert "4 process(es)" in outputs[0]
     assert [row["loss"] for row in read_metrics(tmp_path / "run")] == pytest.approx(
-        [row["loss"] for row in read_metrics(one_process / "run")], rel=1e-5)
+        [row["loss"] for row in read_metrics(one_process / "run")], rel=1e-5
+    )
     expected = load_file(one_process / "run" / "pytorch_lora_weights.safetensors")
     trained = load_file(tmp_path / "run" / "pytorch_lora_weights.safetensors")
     assert trained.keys() == expected.keys()
@@ -78,5 +131,6 @@ def test_two_machines_of_two_processes_train_like_one_process(kind, one_process,
     # machine; a shard member's entry is its image file's) and the scan's index its first process wrote.
     for rank in (0, 1):
         assert sorted(p.name for p in (tmp_path / f"cache{rank}").rglob("*.safetensors")) == sorted(
-            p.name for p in (one_process / "cache").rglob("*.safetensors"))
+            p.name for p in (one_process / "cache").rglob("*.safetensors")
+        )
         assert len(list((tmp_path / f"cache{rank}" / "scans").iterdir())) == 1

@@ -22,8 +22,14 @@ from difftune.training.train import train
 
 
 def offloader_of(model: torch.nn.Module) -> Offloader | None:
-    return next((module.offloader for module in model.modules()
-                 if isinstance(module, storage.ComputedFromStored) and module.offloader is not None), None)
+    return next(
+        (
+            module.offloader
+            for module in model.modules()
+            if isinstance(module, storage.ComputedFromStored) and module.offloader is not None
+        ),
+        None,
+    )
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -51,22 +57,29 @@ def test_offloaded_layers_compute_as_in_place_and_are_copied_ahead(tiny_base, ch
         expected = in_place(*inputs).sample.square().mean()
         expected.backward()
         assert loss.item() == expected.item()
-        for (name, param), other in zip(unet.named_parameters(), in_place.parameters()):
+        for (name, param), other in zip(unet.named_parameters(), in_place.parameters(), strict=True):
             if param.requires_grad:
                 assert torch.equal(param.grad, other.grad), name
     # Forward ran the down blocks, the mid block, then the up blocks; the second step copied every weight ahead.
     names = {id(module): name for name, module in unet.named_modules()}
     assert [names[id(blocks[i])] for i in offloader.order] == [
-        *(f"down_blocks.{i}" for i in range(len(unet.down_blocks))), "mid_block",
-        *(f"up_blocks.{i}" for i in range(len(unet.up_blocks)))]
+        *(f"down_blocks.{i}" for i in range(len(unet.down_blocks))),
+        "mid_block",
+        *(f"up_blocks.{i}" for i in range(len(unet.up_blocks))),
+    ]
     assert offloader.copies["in_line"] == 0 and offloader.copies["prefetched"] > 0
     assert len(offloader.staged) <= 2
 
 
 @pytest.mark.parametrize("weight_dtype", ["auto", "fp8"])
 def test_offloaded_training_is_training_in_place(make_config, tmp_path, weight_dtype):
-    settings = dict(train__max_steps=3, optim__learning_rate=1e-2, model__weight_dtype=weight_dtype,
-                    sample__prompts=["a red circle"], sample__parity=True)
+    settings = dict(
+        train__max_steps=3,
+        optim__learning_rate=1e-2,
+        model__weight_dtype=weight_dtype,
+        sample__prompts=["a red circle"],
+        sample__parity=True,
+    )
     in_place = train(make_config(train__output_dir=str(tmp_path / "in-place"), **settings))
     offloaded = train(make_config(train__output_dir=str(tmp_path / "offloaded"), model__offload_blocks=4, **settings))
     assert offloaded.losses == in_place.losses
@@ -80,11 +93,15 @@ def test_offloaded_training_is_training_in_place(make_config, tmp_path, weight_d
 
 
 def test_offload_settings_are_checked(make_config, tiny_base):
-    with pytest.raises(DifftuneError, match=r"offload_blocks = 2 keeps frozen weights in host memory, and a full fine-tune"):
+    with pytest.raises(
+        DifftuneError, match=r"offload_blocks = 2 keeps frozen weights in host memory, and a full fine-tune"
+    ):
         make_config(model__offload_blocks=2, adapter__kind="none")
     with pytest.raises(DifftuneError, match=r"offload_blocks = 2 keeps .* with FSDP"):
         sharding.check_config(make_config(model__offload_blocks=2))
-    with pytest.raises(DifftuneError, match=r"model\.offload_blocks = 99, and this UNet2DConditionModel has 5 blocks: set at most 5"):
+    with pytest.raises(
+        DifftuneError, match=r"model\.offload_blocks = 99, and this UNet2DConditionModel has 5 blocks: set at most 5"
+    ):
         train(make_config(model__offload_blocks=99, train__max_steps=1))
 
 

@@ -50,14 +50,22 @@ def test_the_suggested_settings_fit_and_are_the_fewest(make_config):
     overrides, fitted = plan.fitting_overrides(config, full.device_peak - 1, None, "cuda")
     assert overrides == ["train.gradient_checkpointing=true"] and fitted.device_peak < full.device_peak
     # A budget that needs offloaded blocks: the fewest that fit.
-    fp8 = plan.plan_memory(make_config(data__resolution=64, train__gradient_checkpointing=True,
-                                       model__weight_dtype="fp8"), "cuda")
+    fp8 = plan.plan_memory(
+        make_config(data__resolution=64, train__gradient_checkpointing=True, model__weight_dtype="fp8"), "cuda"
+    )
     overrides, fitted = plan.fitting_overrides(config, fp8.device_peak - 1, None, "cuda")
     assert overrides[:2] == ["train.gradient_checkpointing=true", "model.weight_dtype=fp8"]
     count = int(overrides[2].removeprefix("model.offload_blocks="))
     assert fitted.device_peak <= fp8.device_peak - 1
-    fewer = plan.plan_memory(make_config(data__resolution=64, train__gradient_checkpointing=True,
-                                         model__weight_dtype="fp8", model__offload_blocks=count - 1), "cuda")
+    fewer = plan.plan_memory(
+        make_config(
+            data__resolution=64,
+            train__gradient_checkpointing=True,
+            model__weight_dtype="fp8",
+            model__offload_blocks=count - 1,
+        ),
+        "cuda",
+    )
     assert fewer.device_peak > fp8.device_peak - 1
     assert plan.fitting_overrides(config, 1000, None, "cuda") is None  # a kilobyte fits nothing
 
@@ -92,14 +100,19 @@ def test_train_refuses_before_loading_a_run_the_ram_cannot_hold(make_config, mon
     needed = plan.plan_memory(config, "cpu")
     monkeypatch.setattr(train_module, "load_components", not_loaded)
     monkeypatch.setattr(plan, "_available_bytes", lambda: 10**6)
-    with pytest.raises(DifftuneError, match=r"the memory plan needs [\d.]+ GiB of host RAM while (loading and caching|"
-                                            r"training), and this machine has 0\.00 GiB available: no setting tried "
-                                            r"fits it .*; train\.check_memory = false tries anyway"):
+    with pytest.raises(
+        DifftuneError,
+        match=r"the memory plan needs [\d.]+ GiB of host RAM while (loading and caching|"
+        r"training), and this machine has 0\.00 GiB available: no setting tried "
+        r"fits it .*; train\.check_memory = false tries anyway",
+    ):
         train(config)
     # With room for the job less its training step, the refusal names the setting that brings the step within it.
     room = needed.host_peak - needed.host["activations and gradients"] // 2
     monkeypatch.setattr(plan, "_available_bytes", lambda: room)
-    with pytest.raises(DifftuneError, match=r"while training, .*: it would fit with train\.gradient_checkpointing=true"):
+    with pytest.raises(
+        DifftuneError, match=r"while training, .*: it would fit with train\.gradient_checkpointing=true"
+    ):
         train(config)
     monkeypatch.undo()
     monkeypatch.setattr(plan, "_available_bytes", lambda: 10**6)
@@ -116,7 +129,9 @@ def test_an_offload_budget_offloads_the_fewest_blocks_that_fit(make_config, caps
     assert _plan(make_config, model__offload_blocks=blocks).device_peak <= budget
     assert _plan(make_config, model__offload_blocks=blocks - 1).device_peak > budget
     # The plan of a budgeted job is the plan of the count it resolves to.
-    assert _plan(make_config, model__offload_budget=text).device == _plan(make_config, model__offload_blocks=blocks).device
+    assert (
+        _plan(make_config, model__offload_budget=text).device == _plan(make_config, model__offload_blocks=blocks).device
+    )
     fits_whole = f"{whole.device_peak / 10**6 + 1}MB"
     assert plan.with_offload_budget(make_config(model__offload_budget=fits_whole)).model.offload_blocks == 0
     with pytest.raises(DifftuneError, match=rf'offload_budget = "1MB": with all {count} blocks offloaded the plan'):
@@ -129,12 +144,17 @@ def test_an_offload_budget_offloads_the_fewest_blocks_that_fit(make_config, caps
     assert (resolved.model.offload_blocks, resolved.model.offload_budget) == (blocks, "")
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    ({"model__offload_budget": "12 apples"}, r"offload_budget[\s\S]*'12 apples': a size is a number and a unit"),
-    ({"model__offload_budget": "12GB", "model__offload_blocks": 2}, "both say how many blocks to offload: set one"),
-    ({"model__offload_budget": "12GB", "adapter__kind": "none"},
-     r'offload_budget = "12GB" may keep frozen weights in host memory, and a full fine-tune has none'),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"model__offload_budget": "12 apples"}, r"offload_budget[\s\S]*'12 apples': a size is a number and a unit"),
+        ({"model__offload_budget": "12GB", "model__offload_blocks": 2}, "both say how many blocks to offload: set one"),
+        (
+            {"model__offload_budget": "12GB", "adapter__kind": "none"},
+            r'offload_budget = "12GB" may keep frozen weights in host memory, and a full fine-tune has none',
+        ),
+    ],
+)
 def test_an_offload_budget_that_cannot_apply_is_refused(make_config, overrides, message):
     with pytest.raises(DifftuneError, match=message):
         make_config(**overrides)
@@ -243,8 +263,21 @@ def test_the_plan_command_answers_for_qwen_image_before_the_download(monkeypatch
     """`difftune plan --config configs/qwen_image_1024_lora.toml --device-memory 24GB --host-memory 64GB`, offline: it
     used to stop on "Qwen/Qwen-Image has no model_index.json". A GPU's memory asked about, it plans for a GPU."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert main(["plan", "--config", str(REPO / "configs/qwen_image_1024_lora.toml"), "--device-memory", "24GB",
-                 "--host-memory", "64GB", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                str(REPO / "configs/qwen_image_1024_lora.toml"),
+                "--device-memory",
+                "24GB",
+                "--host-memory",
+                "64GB",
+                "--json",
+            ]
+        )
+        == 0
+    )
     answer = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert answer["configs"] == "Qwen/Qwen-Image's, kept in difftune (nothing downloaded)"
     assert answer["device_type"] == "cuda"
@@ -255,8 +288,11 @@ def test_the_plan_command_answers_for_qwen_image_before_the_download(monkeypatch
 
 def test_a_base_neither_here_nor_kept_is_refused_naming_what_to_do(make_config):
     config = make_config(model__base="someone/some-model")
-    with pytest.raises(DifftuneError, match=r"someone/some-model is neither a local pipeline folder nor a base whose "
-                                            r"configs difftune keeps \(.*Qwen/Qwen-Image.*\); set model.family"):
+    with pytest.raises(
+        DifftuneError,
+        match=r"someone/some-model is neither a local pipeline folder nor a base whose "
+        r"configs difftune keeps \(.*Qwen/Qwen-Image.*\); set model.family",
+    ):
         plan.empty_components(config)
 
 
@@ -269,10 +305,13 @@ def test_a_single_file_without_its_folder_is_planned_as_its_familys_published_mo
     from difftune.families import FAMILIES, load_components
 
     tiny = REPO / "models" / "tiny-flux"
-    save_file(FAMILIES["flux"].to_single_file(load_components(ModelConfig(base=str(tiny)))), tmp_path / "flux.safetensors")
+    save_file(
+        FAMILIES["flux"].to_single_file(load_components(ModelConfig(base=str(tiny)))), tmp_path / "flux.safetensors"
+    )
     config = make_config(model__base=str(tmp_path / "flux.safetensors"))
-    assert plan.configs_read(config.model).startswith("black-forest-labs/FLUX.1-dev's, kept in difftune: the flux family's "
-                                                      "reference base")
+    assert plan.configs_read(config.model).startswith(
+        "black-forest-labs/FLUX.1-dev's, kept in difftune: the flux family's reference base"
+    )
     components = plan.empty_components(config)
     assert sum(p.numel() for p in components.denoiser.parameters()) == pytest.approx(11.9e9, rel=0.01)
 
@@ -289,8 +328,11 @@ def test_the_host_plan_follows_the_runs_phases(make_config):
     # At the end, the released encoders come back for the samples (on a GPU they pass through the host).
     assert first.host_phases["end of run samples"]["encoders"] == first.host_phases["loading and caching"]["encoders"]
     denoiser = first.host_phases["loading the denoiser"]["denoiser"]
-    assert whole.host_phases["loading and caching"]["whole base"] - first.host_phases["loading and caching"]["encoders"] \
-        == denoiser > 0
+    assert (
+        whole.host_phases["loading and caching"]["whole base"] - first.host_phases["loading and caching"]["encoders"]
+        == denoiser
+        > 0
+    )
     assert first.host_peak == max(sum(held.values()) for held in first.host_phases.values())
     fp8 = _plan(make_config, sample__before=False, model__weight_dtype="fp8", **cached)
     stored = fp8.host_phases["loading the denoiser"]["denoiser"]
@@ -314,5 +356,8 @@ difftune: preparing the model for training: done in 29.8 s, host peak 12.0 GiB
 difftune: training: done in 6 min 08 s, host peak 13.3 GiB
 difftune: saving the result: done in 1.2 s, host peak 13.8 GiB
 difftune: parity: 0 levels in both layouts"""
-    assert bench.measured_phases(lines) == {"loading and caching": round(10.3 * 2**30),
-                                            "loading the denoiser": round(12.0 * 2**30), "training": round(13.8 * 2**30)}
+    assert bench.measured_phases(lines) == {
+        "loading and caching": round(10.3 * 2**30),
+        "loading the denoiser": round(12.0 * 2**30),
+        "training": round(13.8 * 2**30),
+    }

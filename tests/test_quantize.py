@@ -25,7 +25,10 @@ def test_adapters_train_on_a_quantized_base_and_load_on_the_plain_one(make_confi
         pytest.skip(f"{LIBRARY[method]} is not installed")
     plain = train(make_config(adapter__kind=kind, train__output_dir=str(tmp_path / "plain")))
     config = make_config(
-        adapter__kind=kind, model__quantize=method, sample__prompts=["a red circle"], sample__steps=4,
+        adapter__kind=kind,
+        model__quantize=method,
+        sample__prompts=["a red circle"],
+        sample__steps=4,
         train__output_dir=str(tmp_path / "quantized"),
     )
     result = train(config)

@@ -50,8 +50,6 @@ def edit_bases(tmp_path_factory) -> dict[str, Path]:
     return bases
 
 
-
-
 def _controls(count: int) -> list[Image.Image]:
     return [control for control, _, _ in recolor_pairs(count, seed=5)]
 
@@ -96,7 +94,9 @@ def test_an_edit_pipeline_made_of_a_text_to_image_one_reads_controls(tmp_path):
     assert family.name == "qwen_image_edit_plus"
     with torch.no_grad():
         ours = family.encode_prompts(components, family.tokenize(components.tokenizers, ["make it red"], [[control]]))
-        states, _ = components.pipeline().encode_prompt("make it red", image=[family.prompt_image(control)], device="cpu")
+        states, _ = components.pipeline().encode_prompt(
+            "make it red", image=[family.prompt_image(control)], device="cpu"
+        )
     assert torch.equal(ours["encoder_hidden_states"][0, : states.shape[1]], states[0])
 
 
@@ -116,14 +116,15 @@ def test_prompts_with_controls_are_encoded_as_the_pipeline_encodes_them(name, ed
         ours = family.encode_prompts(components, family.tokenize(components.tokenizers, captions, [controls] * 2))
         for i, caption in enumerate(captions):
             seen = [family.prompt_image(control) for control in controls]
-            states, mask = pipeline.encode_prompt(caption, image=seen if len(seen) > 1 or name.endswith("plus") else seen[0],
-                                                  device="cpu")
+            states, mask = pipeline.encode_prompt(
+                caption, image=seen if len(seen) > 1 or name.endswith("plus") else seen[0], device="cpu"
+            )
             assert mask is None  # one prompt: no padding
             alone = family.encode_prompts(components, family.tokenize(components.tokenizers, [caption], [controls]))
             assert torch.equal(alone["encoder_hidden_states"][0, : states.shape[1]], states[0])
             got = ours["encoder_hidden_states"][i]
             assert torch.allclose(got[: states.shape[1]], states[0], atol=1e-5)
-            assert not got[states.shape[1]:].any() and int(ours["text_mask"][i].sum()) == states.shape[1]
+            assert not got[states.shape[1] :].any() and int(ours["text_mask"][i].sum()) == states.shape[1]
         without = family.encode_prompts(components, family.tokenize(components.tokenizers, captions[:1]))
     assert int(without["text_mask"].sum()) < int(ours["text_mask"][0].sum())  # the images' tokens are read
 
@@ -155,36 +156,71 @@ def test_the_transformer_reads_controls_as_the_pipeline_does(name, edit_bases):
     noisy = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         packed = pipeline._pack_latents(noisy, 1, 16, 8, 8)
-        _, image_latents = pipeline.prepare_latents(pixels if name.endswith("plus") else pixels[0], 1, 16, 32, 32,
-                                                    torch.float32, "cpu", None, packed)
-        conditioning = family.encode_prompts(components, family.tokenize(components.tokenizers, ["make it red"], [controls]))
+        _, image_latents = pipeline.prepare_latents(
+            pixels if name.endswith("plus") else pixels[0], 1, 16, 32, 32, torch.float32, "cpu", None, packed
+        )
+        conditioning = family.encode_prompts(
+            components, family.tokenize(components.tokenizers, ["make it red"], [controls])
+        )
         states = conditioning["encoder_hidden_states"][:, : int(conditioning["text_mask"].sum())]
         shapes = [[(1, 4, 4), *((1, c.height // 8, c.width // 8) for c in controls)]]
-        theirs = pipeline.transformer(hidden_states=torch.cat([packed, image_latents], dim=1), timestep=torch.tensor([0.7]),
-                                      encoder_hidden_states=states, img_shapes=shapes, return_dict=False)[0][:, :16]
+        theirs = pipeline.transformer(
+            hidden_states=torch.cat([packed, image_latents], dim=1),
+            timestep=torch.tensor([0.7]),
+            encoder_hidden_states=states,
+            img_shapes=shapes,
+            return_dict=False,
+        )[0][:, :16]
         conditioning["control_latents"] = [
-            reference_latents(encode_posterior(components.vae, pipeline.image_processor.preprocess(c, c.height, c.width))[0],
-                              components.latent_normalization) for c in controls]
+            reference_latents(
+                encode_posterior(components.vae, pipeline.image_processor.preprocess(c, c.height, c.width))[0],
+                components.latent_normalization,
+            )
+            for c in controls
+        ]
         ours = family.denoise(components, noisy, torch.tensor([700.0]), conditioning, None)
         without = family.denoise(components, noisy, torch.tensor([700.0]), conditioning | {"control_latents": []}, None)
     assert torch.allclose(pipeline._unpack_latents(theirs, 32, 32, pipeline.vae_scale_factor)[:, :, 0], ours, atol=1e-5)
     assert (without - ours).abs().max() > 1e-3  # the controls are read
 
 
-def test_pairs_train_cached_as_uncached_and_the_text_cache_follows_the_controls(edit_bases, pairs, make_config, tmp_path):
+def test_pairs_train_cached_as_uncached_and_the_text_cache_follows_the_controls(
+    edit_bases, pairs, make_config, tmp_path
+):
     base = edit_bases["qwen_image_edit_plus"]
     losses = {}
     for cached in (False, True):
-        settings = edit_settings(base, pairs, tmp_path / f"run-{cached}", cache__latents=cached, cache__text=cached,
-                             cache__dir=str(tmp_path / "cache"), train__max_steps=3, data__random_flip=True)
+        settings = edit_settings(
+            base,
+            pairs,
+            tmp_path / f"run-{cached}",
+            cache__latents=cached,
+            cache__text=cached,
+            cache__dir=str(tmp_path / "cache"),
+            train__max_steps=3,
+            data__random_flip=True,
+        )
         train(make_config(**settings))
         losses[cached] = [row["loss"] for row in read_metrics(tmp_path / f"run-{cached}")]
     assert np.allclose(losses[False], losses[True], rtol=1e-5, atol=1e-7)
     text = set((tmp_path / "cache" / "text").rglob("*.safetensors"))
-    assert len(text) == 6 * 2 * 2  # each pair's instruction and the dropped caption, each with both views of its control
+    assert (
+        len(text) == 6 * 2 * 2
+    )  # each pair's instruction and the dropped caption, each with both views of its control
     Image.open(pairs / "control" / "0001.png").transpose(Image.Transpose.ROTATE_90).save(pairs / "control" / "0001.png")
-    train(make_config(**edit_settings(base, pairs, tmp_path / "again", cache__text=True, cache__dir=str(tmp_path / "cache"),
-                                  train__max_steps=1, data__random_flip=True)))
+    train(
+        make_config(
+            **edit_settings(
+                base,
+                pairs,
+                tmp_path / "again",
+                cache__text=True,
+                cache__dir=str(tmp_path / "cache"),
+                train__max_steps=1,
+                data__random_flip=True,
+            )
+        )
+    )
     assert len(set((tmp_path / "cache" / "text").rglob("*.safetensors")) - text) == 4  # that pair's, again
 
 
@@ -196,18 +232,52 @@ def test_an_edit_plus_adapter_edits_in_its_pipeline_as_in_ours(edit_bases, pairs
     write_pair_folder(tmp_path / "held-out", recolor_pairs(2, seed=9))
     controls = [str(pairs / "control" / "0000.png"), str(pairs / "control" / "0003.png")]
     settings = edit_settings(
-        base, pairs, tmp_path / "run", train__max_steps=4, optim__learning_rate=2e-2,
-        sample__prompts=[{"prompt": "make it purple", "controls": controls}], sample__steps=4, sample__guidance_scale=3.0,
-        sample__negative_prompt=" ", sample__before=True, validation__path=str(tmp_path / "held-out"),
-        validation__every_steps=2)
+        base,
+        pairs,
+        tmp_path / "run",
+        train__max_steps=4,
+        optim__learning_rate=2e-2,
+        sample__prompts=[{"prompt": "make it purple", "controls": controls}],
+        sample__steps=4,
+        sample__guidance_scale=3.0,
+        sample__negative_prompt=" ",
+        sample__before=True,
+        validation__path=str(tmp_path / "held-out"),
+        validation__every_steps=2,
+    )
     result = train(make_config(**settings))
     assert all(np.isfinite(row["val_loss"]) for row in read_metrics(tmp_path / "run") if "val_loss" in row)
     grid = Image.open(tmp_path / "run" / "samples" / "grid.png")
     assert grid.width == 4 * 64 and grid.height > 64  # control 1, control 2 | before | after, labelled above
 
-    assert main(["sample", "--base", str(base), "--adapter", str(result.trained_path), "--prompt", "make it purple",
-                 "--control", controls[0], "--control", controls[1], "--steps", "4", "--guidance-scale", "3.0",
-                 "--negative-prompt", " ", "--resolution", "32", "--out", str(tmp_path / "cli")]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--base",
+                str(base),
+                "--adapter",
+                str(result.trained_path),
+                "--prompt",
+                "make it purple",
+                "--control",
+                controls[0],
+                "--control",
+                controls[1],
+                "--steps",
+                "4",
+                "--guidance-scale",
+                "3.0",
+                "--negative-prompt",
+                " ",
+                "--resolution",
+                "32",
+                "--out",
+                str(tmp_path / "cli"),
+            ]
+        )
+        == 0
+    )
     ours = np.asarray(Image.open(tmp_path / "cli" / "000.png"), dtype=np.int16)
     assert np.abs(ours - np.asarray(Image.open(tmp_path / "run" / "samples" / "000.png"), dtype=np.int16)).max() <= 2
 
@@ -218,10 +288,19 @@ def test_an_edit_plus_adapter_edits_in_its_pipeline_as_in_ours(edit_bases, pairs
     pipeline.set_progress_bar_config(disable=True)
     plus_module.VAE_IMAGE_SIZE, kept = 32 * 32, plus_module.VAE_IMAGE_SIZE  # what control_resolution = 0 asks at 32 px
     try:
+
         def draw(**arguments):
-            return pipeline(image=[Image.open(c).convert("RGB") for c in controls], prompt="make it purple",
-                            negative_prompt=" ", true_cfg_scale=3.0, num_inference_steps=4, height=32, width=32,
-                            generator=torch.Generator("cpu").manual_seed(0), **arguments).images[0]
+            return pipeline(
+                image=[Image.open(c).convert("RGB") for c in controls],
+                prompt="make it purple",
+                negative_prompt=" ",
+                true_cfg_scale=3.0,
+                num_inference_steps=4,
+                height=32,
+                width=32,
+                generator=torch.Generator("cpu").manual_seed(0),
+                **arguments,
+            ).images[0]
 
         theirs, adapted = draw(), draw(output_type="latent")
         pipeline.unload_lora_weights()
@@ -238,12 +317,39 @@ def test_an_edit_plus_adapter_edits_in_its_pipeline_as_in_ours(edit_bases, pairs
 
 def test_edit_bases_refuse_prompts_without_controls_and_too_many(edit_bases, pairs, make_config, tmp_path, capsys):
     base = edit_bases["qwen_image_edit"]
-    with pytest.raises(DifftuneError, match=r"'make it red' has no control image; Qwen-Image-Edit pipelines draw only edits"):
+    with pytest.raises(
+        DifftuneError, match=r"'make it red' has no control image; Qwen-Image-Edit pipelines draw only edits"
+    ):
         train(make_config(**edit_settings(base, pairs, tmp_path / "run", sample__prompts=["make it red"])))
     control = str(pairs / "control" / "0002.png")
-    assert main(["sample", "--base", str(base), "--prompt", "make it red", "--control", control, "--control", control,
-                 "--steps", "1", "--resolution", "32", "--out", str(tmp_path / "cli")]) != 0
+    assert (
+        main(
+            [
+                "sample",
+                "--base",
+                str(base),
+                "--prompt",
+                "make it red",
+                "--control",
+                control,
+                "--control",
+                control,
+                "--steps",
+                "1",
+                "--resolution",
+                "32",
+                "--out",
+                str(tmp_path / "cli"),
+            ]
+        )
+        != 0
+    )
     assert "'make it red' has 2 control images; these bases read at most 1" in capsys.readouterr().err
     with pytest.raises(DifftuneError, match="prior.num_class_images: Qwen-Image-Edit pipelines draw only edits"):
-        train(make_config(**edit_settings(base, pairs, tmp_path / "run", prior__num_class_images=2,
-                                      prior__class_prompt="a circle")))
+        train(
+            make_config(
+                **edit_settings(
+                    base, pairs, tmp_path / "run", prior__num_class_images=2, prior__class_prompt="a circle"
+                )
+            )
+        )

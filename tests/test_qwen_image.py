@@ -28,10 +28,14 @@ def qwen_base(tmp_path_factory):
 
 def test_the_template_is_the_pipelines_and_its_system_prompt_is_dropped(qwen_base):
     pipeline = QwenImagePipeline.from_pretrained(qwen_base)
-    assert (pipeline.prompt_template_encode, pipeline.prompt_template_encode_start_idx) == (PROMPT_TEMPLATE, TEMPLATE_TOKENS)
+    assert (pipeline.prompt_template_encode, pipeline.prompt_template_encode_start_idx) == (
+        PROMPT_TEMPLATE,
+        TEMPLATE_TOKENS,
+    )
     tokenizer = build_qwen_tokenizer()
     tokens = tokenizer.convert_ids_to_tokens(tokenizer(PROMPT_TEMPLATE.format("a red circle")).input_ids)
-    # The micro tokenizer spells the system prompt in 34 tokens as Qwen2.5-VL's does: what is kept starts at the caption.
+    # The micro tokenizer spells the system prompt in 34 tokens as Qwen2.5-VL's does: what is kept starts at the
+    # caption.
     assert tokens[TEMPLATE_TOKENS - 3 : TEMPLATE_TOKENS] == ["<|im_start|>", "user", "Ċ"]
     assert tokens[TEMPLATE_TOKENS] == "a"
 
@@ -54,9 +58,14 @@ def test_latents_are_normalised_per_channel_as_the_pipeline_inverts_them(qwen_ba
     pixels = torch.rand(2, 3, 32, 32) * 2 - 1
     generators = [torch.Generator().manual_seed(i) for i in range(2)]
     latents = encode_latents(vae, pixels, generators)
-    mean, std = (torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1), torch.tensor(vae.config.latents_std).view(1, -1, 1, 1))
+    mean, std = (
+        torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1),
+        torch.tensor(vae.config.latents_std).view(1, -1, 1, 1),
+    )
     posterior = vae.encode(pixels[:, :, None]).latent_dist
-    eps = torch.stack([torch.randn(posterior.mean.shape[1:], generator=torch.Generator().manual_seed(i)) for i in range(2)])
+    eps = torch.stack(
+        [torch.randn(posterior.mean.shape[1:], generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    )
     sample = (posterior.mean + posterior.std * eps)[:, :, 0]
     torch.testing.assert_close(latents, (sample - mean) / std, rtol=1e-5, atol=1e-5)
     assert latent_normalization(vae).scale != latent_normalization(vae).scale[:1] * 16  # per channel
@@ -80,16 +89,26 @@ def test_the_layouts_other_trainers_share_are_read_as_ours(make_config, qwen_bas
     """Our kohya file is musubi-tuner's layout (`lora_unet_<module>`, what ComfyUI maps), and diffusers' own reader of
     it names exactly our diffusers keys; ai-toolkit's and ComfyUI's `diffusion_model.` files and SimpleTuner's
     `lycoris_` ones read as the same adapter."""
-    result = train(make_config(model__base=str(qwen_base), adapter__text_encoder=False, train__max_steps=2,
-                               adapter__rank=4, adapter__alpha=8, sample__prompts=[]))
+    result = train(
+        make_config(
+            model__base=str(qwen_base),
+            adapter__text_encoder=False,
+            train__max_steps=2,
+            adapter__rank=4,
+            adapter__alpha=8,
+            sample__prompts=[],
+        )
+    )
     ours = load_file(result.trained_path)
     kohya = load_file(export.convert_adapter(result.trained_path, tmp_path / "kohya.safetensors", "kohya"))
     assert "lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight" in kohya
     assert "lora_unet_transformer_blocks_0_img_mlp_net_0_proj.lora_up.weight" in kohya
     # The diffusers-layout file holds alpha / rank (2) in its lora_B and says alpha = rank: so does its conversion.
     assert float(kohya["lora_unet_transformer_blocks_0_attn_to_q.alpha"]) == 4.0
-    assert torch.equal(kohya["lora_unet_transformer_blocks_0_attn_to_q.lora_up.weight"],
-                       ours["transformer.transformer_blocks.0.attn.to_q.lora_B.weight"])
+    assert torch.equal(
+        kohya["lora_unet_transformer_blocks_0_attn_to_q.lora_up.weight"],
+        ours["transformer.transformer_blocks.0.attn.to_q.lora_B.weight"],
+    )
     theirs = _convert_non_diffusers_qwen_lora_to_diffusers(dict(kohya))
     # diffusers folds alpha / rank into the factors; the keys are ours.
     assert set(theirs) == set(ours)
@@ -135,8 +154,15 @@ def test_text_cache_entries_keep_the_caption_and_read_back_as_encoded(make_confi
 def test_a_full_fine_tune_trains_the_text_encoder_it_saves(make_config, qwen_base):
     """`adapter.text_encoder` is refused for adapters (their loader drops it) but trains the language model in a full
     fine-tune, whose pipeline folder keeps it (how the tiny base was trained)."""
-    result = train(make_config(model__base=str(qwen_base), adapter__kind="none", adapter__text_encoder=True,
-                               train__max_steps=2, sample__prompts=[]))
+    result = train(
+        make_config(
+            model__base=str(qwen_base),
+            adapter__kind="none",
+            adapter__text_encoder=True,
+            train__max_steps=2,
+            sample__prompts=[],
+        )
+    )
     before = QwenImagePipeline.from_pretrained(qwen_base).text_encoder.state_dict()
     after = QwenImagePipeline.from_pretrained(result.trained_path).text_encoder.state_dict()
     changed = [key for key in before if not torch.equal(before[key], after[key])]

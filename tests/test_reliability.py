@@ -37,8 +37,12 @@ def _losses(output_dir: Path) -> dict[int, float]:
 
 def _job(make_config, out, **overrides):
     settings = {
-        "train__max_steps": 8, "checkpoint__every_steps": 2, "ema__enabled": True, "adapter__dropout": 0.1,
-        "train__output_dir": str(out), **overrides,
+        "train__max_steps": 8,
+        "checkpoint__every_steps": 2,
+        "ema__enabled": True,
+        "adapter__dropout": 0.1,
+        "train__output_dir": str(out),
+        **overrides,
     }
     return make_config(**settings)
 
@@ -65,8 +69,14 @@ def test_galore_full_fine_tune_resumes_exactly(make_config, tmp_path):
     """GaLore's projections live in its optimizer state: checkpoints keep them as tensors (loaded without
     pickle code), so a resumed run refreshes and projects as the uninterrupted one does."""
     pytest.importorskip("galore_torch")
-    settings = {"adapter__kind": "none", "optim__optimizer": "galore_adamw", "optim__galore_rank": 4,
-                "optim__galore_update_proj_gap": 3, "ema__enabled": False, "adapter__dropout": 0.0}
+    settings = {
+        "adapter__kind": "none",
+        "optim__optimizer": "galore_adamw",
+        "optim__galore_rank": 4,
+        "optim__galore_update_proj_gap": 3,
+        "ema__enabled": False,
+        "adapter__dropout": 0.0,
+    }
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     train(_job(make_config, whole, train__max_steps=6, **settings))
     train(_job(make_config, parts, train__max_steps=4, **settings))
@@ -133,13 +143,18 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_resumable(mak
     job.write_text(_job(make_config, killed).to_toml())
     flag = tmp_path / "writing"
     process = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_CHECKPOINT_WRITER, str(job), str(flag)], cwd=REPO,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [sys.executable, "-c", _SLOW_CHECKPOINT_WRITER, str(job), str(flag)],
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     deadline = time.time() + 300
     while not flag.exists() and process.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    assert flag.exists(), process.stderr.read().decode()[-2000:] if process.poll() is not None else "no checkpoint write seen"
+    assert flag.exists(), (
+        process.stderr.read().decode()[-2000:] if process.poll() is not None else "no checkpoint write seen"
+    )
     os.kill(process.pid, signal.SIGKILL)
     assert process.wait() == -signal.SIGKILL
     assert (killed / "checkpoints" / ".tmp-step-000006" / "trained.safetensors").is_file()  # the half-written one
@@ -178,7 +193,9 @@ def test_resume_fails_loudly_when_a_part_is_missing(make_config, tmp_path):
     out = tmp_path / "run"
     train(_job(make_config, out, train__max_steps=2))
     (out / "checkpoints" / "step-000002" / "trained.safetensors").unlink()
-    with pytest.raises(DifftuneError, match=r"no checkpoint in .* passes its check \(step-000002: trained\.safetensors is missing\)"):
+    with pytest.raises(
+        DifftuneError, match=r"no checkpoint in .* passes its check \(step-000002: trained\.safetensors is missing\)"
+    ):
         train(_job(make_config, out, train__max_steps=4), resume="auto")
 
 
@@ -215,8 +232,17 @@ def test_no_unsafe_torch_load_in_the_library():
 @pytest.mark.slow
 def test_sigkill_mid_run_then_resume_is_bit_identical(tmp_path):
     common = [
-        sys.executable, "-m", "difftune.cli", "train", "--config", "configs/tiny_lora.toml", "train.max_steps=60",
-        "checkpoint.every_steps=5", "sample.prompts=[]", "log.progress_bar=false", "log.tensorboard=false",
+        sys.executable,
+        "-m",
+        "difftune.cli",
+        "train",
+        "--config",
+        "configs/tiny_lora.toml",
+        "train.max_steps=60",
+        "checkpoint.every_steps=5",
+        "sample.prompts=[]",
+        "log.progress_bar=false",
+        "log.tensorboard=false",
     ]
     whole, killed = run_whole_killed_and_resumed(common, tmp_path, kill_at_rows=22, steps=60)
     assert _losses(killed) == _losses(whole)
@@ -258,9 +284,17 @@ def _bad_image_folder(folder: Path) -> dict[str, str]:
     frames[0].save(folder / "still.gif")  # a GIF of one frame is an image like any other: trained
     for image in folder.iterdir():
         image.with_suffix(".txt").write_text(f"a {image.stem}")
-    return {"empty.png": "empty", "corrupt.png": "decoded", "truncated.png": "truncated", "tiny.png": "smaller",
-            "bomb.png": "max_image_pixels", "gone.png": "a symbolic link to", "loop.png": "leads back to itself",
-            "animated.gif": "animated (3 frames)", "animated.webp": "animated (3 frames)"}
+    return {
+        "empty.png": "empty",
+        "corrupt.png": "decoded",
+        "truncated.png": "truncated",
+        "tiny.png": "smaller",
+        "bomb.png": "max_image_pixels",
+        "gone.png": "a symbolic link to",
+        "loop.png": "leads back to itself",
+        "animated.gif": "animated (3 frames)",
+        "animated.webp": "animated (3 frames)",
+    }
 
 
 def test_bad_images_are_left_out_and_reported(make_config, tmp_path):
@@ -280,8 +314,12 @@ def test_bad_images_are_left_out_and_reported(make_config, tmp_path):
 def test_metadata_file_names_stay_inside_the_data_folder(make_config, tmp_path, file_name):
     folder = tmp_path / "images"
     folder.mkdir()
-    (folder / "metadata.jsonl").write_text(json.dumps({"file_name": "ok.png", "text": "a"}) + "\n"
-                                           + json.dumps({"file_name": file_name, "text": "b"}) + "\n")
+    (folder / "metadata.jsonl").write_text(
+        json.dumps({"file_name": "ok.png", "text": "a"})
+        + "\n"
+        + json.dumps({"file_name": file_name, "text": "b"})
+        + "\n"
+    )
     from PIL import Image
 
     Image.new("RGB", (32, 32)).save(folder / "ok.png")
@@ -356,9 +394,12 @@ def test_a_batch_larger_than_the_data_is_refused_before_caching(make_config, tmp
     """600,000 over 16 images trained (each image thousands of times in every batch): refused naming the key, the
     data and what fits, before any cache entry is written."""
     config = make_config(train__batch_size=600000, cache__latents=True, cache__dir=str(tmp_path / "cache"))
-    with pytest.raises(DifftuneError, match=rf"^train\.batch_size 600000: a batch of 600000 is more than the data holds "
-                                            rf"\(8 images in {re.escape(config.data.path)}\); use at most 8, or repeat "
-                                            rf"the folder \(N_name\)$"):
+    with pytest.raises(
+        DifftuneError,
+        match=rf"^train\.batch_size 600000: a batch of 600000 is more than the data holds "
+        rf"\(8 images in {re.escape(config.data.path)}\); use at most 8, or repeat "
+        rf"the folder \(N_name\)$",
+    ):
         train(config)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))
     assert train(make_config(train__batch_size=8, train__max_steps=1)).losses  # the whole data in one batch trains
@@ -381,6 +422,7 @@ def test_a_checkpoint_with_relative_paths_from_before_resumes(make_config, tmp_p
 
 # Corrupt checkpoints, two runs in one folder, resuming an older checkpoint.
 
+
 def _flip_bytes(path: Path, count: int = 64) -> None:
     """`count` bytes inverted in the middle of the file: its size stays, its contents do not."""
     data = bytearray(path.read_bytes())
@@ -389,7 +431,9 @@ def _flip_bytes(path: Path, count: int = 64) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", ["flipped optimizer state", "flipped weights", "truncated", "empty", "garbage state"])
+@pytest.mark.parametrize(
+    "damage", ["flipped optimizer state", "flipped weights", "truncated", "empty", "garbage state"]
+)
 def test_a_damaged_checkpoint_is_never_trained_on(make_config, tmp_path, capsys, damage):
     """The newest checkpoint damaged: `--resume auto` names it and why, goes back to the one before and ends as the
     uninterrupted run does; the damaged one is set apart. Flipped bytes used to be trained on silently."""
@@ -398,9 +442,13 @@ def test_a_damaged_checkpoint_is_never_trained_on(make_config, tmp_path, capsys,
     train(_job(make_config, whole, **settings))
     train(_job(make_config, out, train__max_steps=6, **settings))
     newest = out / "checkpoints" / "step-000006"
-    target = {"flipped optimizer state": newest / "accelerate" / "optimizer.bin", "flipped weights": newest / "trained.safetensors",
-              "truncated": newest / "trained.safetensors", "empty": newest / "accelerate" / "optimizer.bin",
-              "garbage state": newest / "state.json"}[damage]
+    target = {
+        "flipped optimizer state": newest / "accelerate" / "optimizer.bin",
+        "flipped weights": newest / "trained.safetensors",
+        "truncated": newest / "trained.safetensors",
+        "empty": newest / "accelerate" / "optimizer.bin",
+        "garbage state": newest / "state.json",
+    }[damage]
     if damage.startswith("flipped"):
         _flip_bytes(target)
     elif damage == "truncated":
@@ -410,7 +458,10 @@ def test_a_damaged_checkpoint_is_never_trained_on(make_config, tmp_path, capsys,
     else:
         target.write_text("{not json")
     capsys.readouterr()
-    with pytest.raises(DifftuneError, match=rf"--resume {re.escape(str(newest))}: the checkpoint fails its check \({target.relative_to(newest)}"):
+    with pytest.raises(
+        DifftuneError,
+        match=rf"--resume {re.escape(str(newest))}: the checkpoint fails its check \({target.relative_to(newest)}",
+    ):
         find_checkpoint(out, str(newest))
     train(_job(make_config, out, **settings), resume="auto")
     said = capsys.readouterr().out
@@ -429,12 +480,21 @@ def test_when_no_checkpoint_passes_resume_stops_with_one_line(make_config, tmp_p
         _flip_bytes(checkpoint / "trained.safetensors", 8)
     job = tmp_path / "job.toml"
     job.write_text(_job(make_config, out, ema__enabled=False).to_toml())
-    run = subprocess.run([sys.executable, "-m", "difftune.cli", "train", "--config", str(job), "--resume", "auto"],
-                         cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "difftune.cli", "train", "--config", str(job), "--resume", "auto"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=600,
+    )
     assert run.returncode == 2 and "Traceback" not in run.stderr
     [line] = [line for line in run.stderr.splitlines() if line.startswith("difftune: error:")]
-    assert re.search(r"no checkpoint in .*checkpoints passes its check \(step-000004: trained\.safetensors's contents differ "
-                     r"from when it was written \(SHA-256\); step-000002: .*\); start anew", line), line
+    assert re.search(
+        r"no checkpoint in .*checkpoints passes its check \(step-000004: trained\.safetensors's contents differ "
+        r"from when it was written \(SHA-256\); step-000002: .*\); start anew",
+        line,
+    ), line
 
 
 def _manifest(checkpoint: Path) -> dict:
@@ -454,23 +514,41 @@ def _drop_manifest(checkpoint: Path) -> None:
 
 
 _MANIFEST_DAMAGE = {  # what a held-back pass did to manifests -> the problem `verify` names
-    "no files listed": (lambda c: _rewrite_manifest(c, lambda m: m.update(files={})),
-                        "manifest.json does not cover accelerate/"),
-    "one file left out": (lambda c: _rewrite_manifest(c, lambda m: m["files"].pop("trained.safetensors")),
-                          "manifest.json does not cover trained.safetensors"),
+    "no files listed": (
+        lambda c: _rewrite_manifest(c, lambda m: m.update(files={})),
+        "manifest.json does not cover accelerate/",
+    ),
+    "one file left out": (
+        lambda c: _rewrite_manifest(c, lambda m: m["files"].pop("trained.safetensors")),
+        "manifest.json does not cover trained.safetensors",
+    ),
     "no manifest, empty marker": (_drop_manifest, "manifest.json is missing"),
-    "files a list": (lambda c: _rewrite_manifest(c, lambda m: m.update(files=list(m["files"]))),
-                     "manifest.json is malformed (files is a list, not a mapping)"),
-    "a size as a string": (lambda c: _rewrite_manifest(c, lambda m: m["files"]["state.json"].update(bytes="12")),
-                           "manifest.json is malformed (the size of state.json is '12')"),
-    "a zero block size": (lambda c: _rewrite_manifest(c, lambda m: m.update(block_bytes=0)),
-                          "manifest.json is malformed (block_bytes is 0)"),
-    "a misspelt key": (lambda c: _rewrite_manifest(c, lambda m: m["files"]["state.json"].update(
-        sha265=m["files"]["state.json"].pop("sha256"))), "manifest.json is malformed (the record of state.json)"),
-    "a name out of the folder": (lambda c: _rewrite_manifest(c, lambda m: m["files"].update(
-        {"../../x": m["files"]["state.json"]})), "manifest.json is malformed (file name '../../x')"),
-    "not an object": (lambda c: (c / checkpoint_module.MANIFEST).write_text("[1, 2]"),
-                      "manifest.json is malformed (keys list, not block_bytes and files)"),
+    "files a list": (
+        lambda c: _rewrite_manifest(c, lambda m: m.update(files=list(m["files"]))),
+        "manifest.json is malformed (files is a list, not a mapping)",
+    ),
+    "a size as a string": (
+        lambda c: _rewrite_manifest(c, lambda m: m["files"]["state.json"].update(bytes="12")),
+        "manifest.json is malformed (the size of state.json is '12')",
+    ),
+    "a zero block size": (
+        lambda c: _rewrite_manifest(c, lambda m: m.update(block_bytes=0)),
+        "manifest.json is malformed (block_bytes is 0)",
+    ),
+    "a misspelt key": (
+        lambda c: _rewrite_manifest(
+            c, lambda m: m["files"]["state.json"].update(sha265=m["files"]["state.json"].pop("sha256"))
+        ),
+        "manifest.json is malformed (the record of state.json)",
+    ),
+    "a name out of the folder": (
+        lambda c: _rewrite_manifest(c, lambda m: m["files"].update({"../../x": m["files"]["state.json"]})),
+        "manifest.json is malformed (file name '../../x')",
+    ),
+    "not an object": (
+        lambda c: (c / checkpoint_module.MANIFEST).write_text("[1, 2]"),
+        "manifest.json is malformed (keys list, not block_bytes and files)",
+    ),
 }
 
 
@@ -480,11 +558,27 @@ def sealed_checkpoint(tmp_path_factory, tiny_base, shapes):
     from difftune.config import load_config
 
     out = tmp_path_factory.mktemp("sealed") / "run"
-    train(load_config(None, [f'model.base={tiny_base}', f'data.path={shapes}', "data.resolution=32",
-                             "data.num_workers=0", f'train.output_dir={out}', "train.max_steps=2",
-                             "train.batch_size=2", "adapter.rank=4", "log.progress_bar=false",
-                             "log.tensorboard=false", "train.check_memory=false", "cache.latents=false",
-                             "cache.text=false", "sample.prompts=[]"]))
+    train(
+        load_config(
+            None,
+            [
+                f"model.base={tiny_base}",
+                f"data.path={shapes}",
+                "data.resolution=32",
+                "data.num_workers=0",
+                f"train.output_dir={out}",
+                "train.max_steps=2",
+                "train.batch_size=2",
+                "adapter.rank=4",
+                "log.progress_bar=false",
+                "log.tensorboard=false",
+                "train.check_memory=false",
+                "cache.latents=false",
+                "cache.text=false",
+                "sample.prompts=[]",
+            ],
+        )
+    )
     return complete_checkpoints(out)[-1]
 
 
@@ -561,24 +655,36 @@ def test_two_runs_never_share_a_folder(make_config, tmp_path):
     holder is SIGKILLed the folder is free again (the kernel drops the lock with the process)."""
     out = tmp_path / "run"
     job = tmp_path / "job.toml"
-    job.write_text(_job(make_config, out, train__max_steps=100000, checkpoint__every_steps=5, ema__enabled=False).to_toml())
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_THE_FOLDER, str(job)], cwd=REPO, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    job.write_text(
+        _job(make_config, out, train__max_steps=100000, checkpoint__every_steps=5, ema__enabled=False).to_toml()
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_THE_FOLDER, str(job)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     try:
         deadline = time.time() + 300
         while not complete_checkpoints(out) and holder.poll() is None and time.time() < deadline:
             time.sleep(0.1)
         assert complete_checkpoints(out), "the holding run wrote no checkpoint"
         for resume in (None, "auto"):
-            with pytest.raises(DifftuneError, match=rf"train.output_dir {re.escape(str(out))}: another run is using this "
-                                                    rf"folder \(pid {holder.pid} on "):
+            with pytest.raises(
+                DifftuneError,
+                match=rf"train.output_dir {re.escape(str(out))}: another run is using this "
+                rf"folder \(pid {holder.pid} on ",
+            ):
                 train(_job(make_config, out, train__overwrite=True, ema__enabled=False), resume=resume)
     finally:
         holder.kill()
         holder.wait()
     reached = checkpoint_module.step_of(find_checkpoint(out, "auto"))
-    result = train(_job(make_config, out, train__max_steps=reached + 2, checkpoint__every_steps=5, ema__enabled=False),
-                   resume="auto")
+    result = train(
+        _job(make_config, out, train__max_steps=reached + 2, checkpoint__every_steps=5, ema__enabled=False),
+        resume="auto",
+    )
     assert len(result.losses) == 2
 
 
@@ -628,12 +734,17 @@ def test_the_folder_stays_held_when_its_lock_record_is_deleted_or_replaced(tmp_p
     the folder, a second run is still refused. Locking the file let the second run lock its new one and train beside
     the first, retiring its newest metrics line."""
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_A_WHILE, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_A_WHILE, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         (out / ".difftune.lock").unlink()
-        with pytest.raises(DifftuneError, match=r"another run is using this folder \(a process whose \.difftune\.lock "
-                                                r"record is missing or unreadable\)"):
+        with pytest.raises(
+            DifftuneError,
+            match=r"another run is using this folder \(a process whose \.difftune\.lock "
+            r"record is missing or unreadable\)",
+        ):
             with hold_output_dir(out):
                 pass
         (out / ".difftune.lock").write_text("{}")
@@ -658,11 +769,17 @@ def test_resuming_an_older_checkpoint_starts_a_branch_that_auto_resume_follows(m
     train(branch, resume=str(out / "checkpoints" / "step-000008"))
     assert [path.name for path in complete_checkpoints(out)][-2:] == ["step-000008", "step-000010"]
     newest = find_checkpoint(out, "auto")
-    assert newest.name == "step-000010" and "learning_rate = 0.0005" in json.loads((newest / "state.json").read_text())["config"]
+    assert (
+        newest.name == "step-000010"
+        and "learning_rate = 0.0005" in json.loads((newest / "state.json").read_text())["config"]
+    )
     assert sorted(path.name for path in (out / "snapshots").glob("step-*"))[-1] == "step-000010.safetensors"
     [retired] = (out / "retired").iterdir()
     assert sorted(path.name for path in (retired / "checkpoints").iterdir()) == ["step-000010", "step-000012"]
-    assert sorted(path.name for path in (retired / "snapshots").iterdir()) == ["step-000010.safetensors", "step-000012.safetensors"]
+    assert sorted(path.name for path in (retired / "snapshots").iterdir()) == [
+        "step-000010.safetensors",
+        "step-000012.safetensors",
+    ]
     assert [row["step"] for row in read_metrics(retired)] == [9, 10, 11, 12]
     assert [read_metrics(retired)[0]["loss"]] == [first[9]]
     losses = _losses(out)
@@ -674,7 +791,9 @@ def small_disk(tmp_path):
     """A 16 MiB tmpfs (mounting needs root; CI runs as root): a real full disk, not a mocked error."""
     mount = tmp_path / "small"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(mount)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): the full-disk test needs root")
     yield mount
@@ -698,9 +817,12 @@ def test_a_full_disk_mid_checkpoint_says_so_and_what_is_intact(make_config, tmp_
         return real_save(self, progress, *args)
 
     monkeypatch.setattr(checkpoint_module.Checkpointer, "save", fill_the_disk_first)
-    with pytest.raises(DifftuneError, match=rf"^no space left on {re.escape(str(out))}: the checkpoint at step 4 could not be "
-                                            r"written \(its partial files are removed\); the checkpoint at step 2 is intact: "
-                                            r"free some space, then continue with --resume auto$"):
+    with pytest.raises(
+        DifftuneError,
+        match=rf"^no space left on {re.escape(str(out))}: the checkpoint at step 4 could not be "
+        r"written \(its partial files are removed\); the checkpoint at step 2 is intact: "
+        r"free some space, then continue with --resume auto$",
+    ):
         train(_job(make_config, out, **settings))
     assert [path.name for path in (out / "checkpoints").iterdir()] == ["step-000002"]
     filler.unlink()
@@ -711,7 +833,9 @@ def test_a_full_disk_mid_checkpoint_says_so_and_what_is_intact(make_config, tmp_
 
 
 @pytest.mark.parametrize("write", ["preview samples", "adapter snapshot"])
-def test_a_full_disk_between_checkpoints_says_so_and_what_is_intact(make_config, tmp_path, small_disk, monkeypatch, write):
+def test_a_full_disk_between_checkpoints_says_so_and_what_is_intact(
+    make_config, tmp_path, small_disk, monkeypatch, write
+):
     """The disk fills while a preview sample or a snapshot is written, no checkpoint due: one line says so and
     that step 2's checkpoint is intact (it used to be a traceback, `OSError: [Errno 28]`); once there is room again
     the run resumes and ends as the uninterrupted one."""
@@ -719,12 +843,22 @@ def test_a_full_disk_between_checkpoints_says_so_and_what_is_intact(make_config,
     from difftune.training import train as train_module
 
     whole, out = tmp_path / "whole", small_disk / "run"
-    settings = {"train__max_steps": 6, "ema__enabled": False, "sample__prompts": ["a red circle"],
-                "sample__every_steps": 3, "sample__before": False, "sample__steps": 2, "sample__parity": False,
-                "sample__images_per_prompt": 1, "export__every_steps": 3}
+    settings = {
+        "train__max_steps": 6,
+        "ema__enabled": False,
+        "sample__prompts": ["a red circle"],
+        "sample__every_steps": 3,
+        "sample__before": False,
+        "sample__steps": 2,
+        "sample__parity": False,
+        "sample__images_per_prompt": 1,
+        "export__every_steps": 3,
+    }
     train(_job(make_config, whole, **settings))
     filler = small_disk / "filler"
-    owner, name = {"preview samples": (train_module, "save_images"), "adapter snapshot": (export, "save_trained")}[write]
+    owner, name = {"preview samples": (train_module, "save_images"), "adapter snapshot": (export, "save_trained")}[
+        write
+    ]
     real = getattr(owner, name)
 
     def fill_the_disk_first(*args, **kwargs):
@@ -733,8 +867,11 @@ def test_a_full_disk_between_checkpoints_says_so_and_what_is_intact(make_config,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, fill_the_disk_first)
-    with pytest.raises(DifftuneError, match=rf"^no space left on {re.escape(str(out))}( \(.* could not be written\))?; the "
-                                            r"checkpoint at step 2 is intact: free some space, then continue with --resume auto$"):
+    with pytest.raises(
+        DifftuneError,
+        match=rf"^no space left on {re.escape(str(out))}( \(.* could not be written\))?; the "
+        r"checkpoint at step 2 is intact: free some space, then continue with --resume auto$",
+    ):
         train(_job(make_config, out, **settings))
     filler.unlink()
     monkeypatch.setattr(owner, name, real)

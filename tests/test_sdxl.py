@@ -38,8 +38,16 @@ def test_time_ids_of_a_flipped_randomly_cropped_bucketed_image(tmp_path):
     """By hand: a 40x90 image, resolution 32 with buckets of step 8 in [16, 64] -> bucket 16x48 (aspect 1/3 is the
     closest to 0.44). Scale max(16/40, 48/90) = 0.533 -> resized 21x48: the crop's left is in [0, 5], its top 0.
     Time ids: original (90, 40), crop (top 0, left), target (48, 16); a flip makes the left 21 - left - 16."""
-    config = DataConfig(path=str(_tall_image_folder(tmp_path)), resolution=32, buckets=True, bucket_step=8,
-                        bucket_min_side=16, bucket_max_side=64, crop="random", random_flip=True)
+    config = DataConfig(
+        path=str(_tall_image_folder(tmp_path)),
+        resolution=32,
+        buckets=True,
+        bucket_step=8,
+        bucket_min_side=16,
+        bucket_max_side=64,
+        crop="random",
+        random_flip=True,
+    )
     examples, _ = scan_examples(config)
     assert training_sizes(examples, config) == [(16, 48)]
     dataset = CaptionedImages(examples, config, lambda captions: {}, train_seed=5)
@@ -62,8 +70,15 @@ def test_time_ids_of_a_flipped_randomly_cropped_bucketed_image(tmp_path):
 
 
 def test_cached_views_carry_the_center_crop_time_ids(tmp_path):
-    config = DataConfig(path=str(_tall_image_folder(tmp_path)), resolution=32, buckets=True, bucket_step=8,
-                        bucket_min_side=16, bucket_max_side=64, random_flip=True)
+    config = DataConfig(
+        path=str(_tall_image_folder(tmp_path)),
+        resolution=32,
+        buckets=True,
+        bucket_step=8,
+        bucket_min_side=16,
+        bucket_max_side=64,
+        random_flip=True,
+    )
     examples, _ = scan_examples(config)
     entries = [{"plain": tmp_path / "p.safetensors", "flipped": tmp_path / "f.safetensors"}]
     for path in entries[0].values():
@@ -82,9 +97,13 @@ def test_family_detection(tiny_base, tiny_sdxl_base, tmp_path):
     sd_file = export.merge_into_folder(str(tiny_base), [], tmp_path / "sd", single_file=True)[1]
     assert family_of(ModelConfig(base=str(sd_file))).name == "sd"
     # The config's word wins for a pipeline class no family reads, never against the family that reads it.
-    with pytest.raises(DifftuneError, match=r"model\.family = \"sd\": model\.base .* is a StableDiffusionXLPipeline of the sdxl"):
+    with pytest.raises(
+        DifftuneError, match=r"model\.family = \"sd\": model\.base .* is a StableDiffusionXLPipeline of the sdxl"
+    ):
         family_of(ModelConfig(base=str(tiny_sdxl_base), family="sd"))
-    with pytest.raises(DifftuneError, match=r"model\.family = \"sdxl\": model\.base .*\.safetensors is a single file of the sd"):
+    with pytest.raises(
+        DifftuneError, match=r"model\.family = \"sdxl\": model\.base .*\.safetensors is a single file of the sd"
+    ):
         family_of(ModelConfig(base=str(sd_file), family="sdxl"))
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "model_index.json").write_text('{"_class_name": "KandinskyPipeline"}')
@@ -98,8 +117,13 @@ def test_family_detection(tiny_base, tiny_sdxl_base, tmp_path):
 
 def _trained(make_config, tiny_sdxl_base, tmp_path, kind, **overrides):
     config = make_config(
-        model__base=str(tiny_sdxl_base), adapter__kind=kind, adapter__text_encoder=True, train__max_steps=4,
-        optim__learning_rate=2e-2, train__output_dir=str(tmp_path / kind), **overrides,
+        model__base=str(tiny_sdxl_base),
+        adapter__kind=kind,
+        adapter__text_encoder=True,
+        train__max_steps=4,
+        optim__learning_rate=2e-2,
+        train__output_dir=str(tmp_path / kind),
+        **overrides,
     )
     return train(config)
 
@@ -108,8 +132,15 @@ def _render(pipeline, prompt="a purple circle") -> np.ndarray:
     """One image with a fixed seed and sampler (a merged folder is saved with DDIM, a base keeps its own)."""
     pipeline.scheduler = DDIMScheduler.from_config(pipeline.scheduler.config)
     pipeline.set_progress_bar_config(disable=True)
-    image = pipeline(prompt, num_inference_steps=4, guidance_scale=3.0, height=32, width=32,
-                     generator=torch.Generator().manual_seed(0), output_type="np").images[0]
+    image = pipeline(
+        prompt,
+        num_inference_steps=4,
+        guidance_scale=3.0,
+        height=32,
+        width=32,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).images[0]
     return image
 
 
@@ -132,7 +163,9 @@ def test_kohya_round_trip_is_bit_identical_with_te1_and_te2_names(make_config, t
 
 def test_merge_into_an_sdxl_single_file_that_from_single_file_loads(make_config, tiny_sdxl_base, tmp_path):
     result = _trained(make_config, tiny_sdxl_base, tmp_path, "lora")
-    folder, single = export.merge_into_folder(str(tiny_sdxl_base), [(result.trained_path, 1.0)], tmp_path / "m", single_file=True)
+    folder, single = export.merge_into_folder(
+        str(tiny_sdxl_base), [(result.trained_path, 1.0)], tmp_path / "m", single_file=True
+    )
     with safe_open(single, framework="pt") as handle:
         keys = set(handle.keys())
     assert "conditioner.embedders.1.model.transformer.resblocks.0.attn.in_proj_weight" in keys
@@ -152,16 +185,26 @@ def test_merge_into_an_sdxl_single_file_that_from_single_file_loads(make_config,
     kohya = export.convert_adapter(result.trained_path, tmp_path / "kohya.safetensors", "kohya")
     theirs = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_base, dtype=torch.float32)
     theirs.load_lora_weights(str(tmp_path), weight_name=kohya.name)
-    loaded = sum("lora_A" in k for part in ("unet", "text_encoder", "text_encoder_2") for k in getattr(theirs, part).state_dict())
+    loaded = sum(
+        "lora_A" in k for part in ("unet", "text_encoder", "text_encoder_2") for k in getattr(theirs, part).state_dict()
+    )
     assert loaded == sum(key.endswith("lora_down.weight") for key in load_file(kohya))
     assert np.abs(_render(theirs) - _render(from_folder)).max() < 2e-3
 
 
 def test_taesd_encodes_for_training_and_decodes_samples(make_config, tiny_sdxl_base, tmp_path):
     build_taesd().save_pretrained(tmp_path / "taesdxl")
-    result = _trained(make_config, tiny_sdxl_base, tmp_path, "lora", model__vae=str(tmp_path / "taesdxl"),
-                      sample__decoder=str(tmp_path / "taesdxl"), sample__prompts=["a red circle"], sample__steps=2,
-                      sample__parity=False)
+    result = _trained(
+        make_config,
+        tiny_sdxl_base,
+        tmp_path,
+        "lora",
+        model__vae=str(tmp_path / "taesdxl"),
+        sample__decoder=str(tmp_path / "taesdxl"),
+        sample__prompts=["a red circle"],
+        sample__steps=2,
+        sample__parity=False,
+    )
     assert type(result.components.vae).__name__ == "AutoencoderTiny"
     assert (result.trained_path.parent / "samples" / "000.png").is_file()
 
@@ -177,5 +220,3 @@ def test_the_vae_stays_fp32_under_fp16_unless_it_is_fp16_safe(tiny_sdxl_base, tm
     tiny = load_components(ModelConfig(base=str(tiny_sdxl_base), vae=str(tmp_path / "taesd")))
     place_frozen(tiny, torch.device("cpu"), torch.float16)
     assert tiny.vae.dtype == torch.float16
-
-

@@ -62,7 +62,10 @@ def save_dataset(folder: Path, out: Path) -> Path:
 
     records = folder_records(folder)
     features = datasets.Features({"image": datasets.Image(), "text": datasets.Value("string")})
-    rows = {"image": [{"bytes": data, "path": name} for data, name, _ in records], "text": [text for _, _, text in records]}
+    rows = {
+        "image": [{"bytes": data, "path": name} for data, name, _ in records],
+        "text": [text for _, _, text in records],
+    }
     datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(out))
     return out
 
@@ -97,8 +100,12 @@ def s3():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    settings = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                "AWS_ENDPOINT_URL_S3": f"http://{host}:{port}"}
+    settings = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL_S3": f"http://{host}:{port}",
+    }
     before = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
@@ -115,17 +122,27 @@ def s3():
 def test_shards_train_exactly_as_their_folder(make_config, shapes, tmp_path):
     shards = write_shards(shapes, tmp_path / "shards", per_shard=3)
     train(make_config(train__output_dir=str(tmp_path / "folder")))
-    train(make_config(data__path=str(shards), train__output_dir=str(tmp_path / "sharded"), cache__dir=str(tmp_path / "cache")))
+    train(
+        make_config(
+            data__path=str(shards), train__output_dir=str(tmp_path / "sharded"), cache__dir=str(tmp_path / "cache")
+        )
+    )
     assert _losses(tmp_path / "sharded") == _losses(tmp_path / "folder")
     assert _same_adapters(tmp_path / "sharded", tmp_path / "folder")
 
 
 def test_parquet_files_and_saved_datasets_train_exactly_as_their_folder(make_config, shapes, tmp_path):
-    sources = {"parquet": write_parquet(shapes, tmp_path / "parquet", rows_per_group=3),
-               "dataset": save_dataset(shapes, tmp_path / "dataset")}
+    sources = {
+        "parquet": write_parquet(shapes, tmp_path / "parquet", rows_per_group=3),
+        "dataset": save_dataset(shapes, tmp_path / "dataset"),
+    }
     train(make_config(train__output_dir=str(tmp_path / "folder")))
     for name, source in sources.items():
-        train(make_config(data__path=str(source), train__output_dir=str(tmp_path / name), cache__dir=str(tmp_path / "cache")))
+        train(
+            make_config(
+                data__path=str(source), train__output_dir=str(tmp_path / name), cache__dir=str(tmp_path / "cache")
+            )
+        )
         assert _losses(tmp_path / name) == _losses(tmp_path / "folder"), name
         assert _same_adapters(tmp_path / name, tmp_path / "folder"), name
 
@@ -163,7 +180,9 @@ def test_parquet_row_groups_are_kept_within_their_budget(tmp_path, monkeypatch):
     kept_all, kept_one = sources._RowGroups(budget=1 << 20), sources._RowGroups(budget=1)
     order = [4, 0, 8, 1, 5, 7, 2, 6, 3]  # shuffled, as training draws them
     for groups in (kept_all, kept_one):
-        assert [groups.get(str(tmp_path / "rows.parquet"), row // 3, "image")[row % 3] for row in order] == [rows[r] for r in order]
+        assert [groups.get(str(tmp_path / "rows.parquet"), row // 3, "image")[row % 3] for row in order] == [
+            rows[r] for r in order
+        ]
     assert len(kept_all.groups) == 3 and len(kept_one.groups) == 1
     # Within the budget each group is read once; past it, each change of group reads again (every draw here).
     assert len(reads) == 3 + 9
@@ -171,8 +190,13 @@ def test_parquet_row_groups_are_kept_within_their_budget(tmp_path, monkeypatch):
 
 def test_a_cached_run_never_reads_the_shards_again(make_config, shapes, tmp_path, monkeypatch):
     shards = write_shards(shapes, tmp_path / "shards", per_shard=4)
-    settings = {"data__path": str(shards), "cache__latents": True, "cache__text": True, "cache__dir": str(tmp_path / "cache"),
-                "train__max_steps": 12}
+    settings = {
+        "data__path": str(shards),
+        "cache__latents": True,
+        "cache__text": True,
+        "cache__dir": str(tmp_path / "cache"),
+        "train__max_steps": 12,
+    }
     train(make_config(**settings, train__output_dir=str(tmp_path / "first")))
     reads = []
     original = Member.read
@@ -222,11 +246,21 @@ def test_masks_and_controls_in_shard_records_train_as_their_folders(make_config,
         mask = Image.new("L", Image.open(path).size, 0)
         mask.paste(255, (0, 0, mask.width // 2, mask.height))
         mask.save(masks / path.name)
-    masked = shard_records(tmp_path / "masked", [
-        [(path.name, path.read_bytes()), (f"{path.stem}.mask.png", (masks / path.name).read_bytes()),
-         (f"{path.stem}.txt", path.with_suffix(".txt").read_bytes())] for path in images])
+    masked = shard_records(
+        tmp_path / "masked",
+        [
+            [
+                (path.name, path.read_bytes()),
+                (f"{path.stem}.mask.png", (masks / path.name).read_bytes()),
+                (f"{path.stem}.txt", path.with_suffix(".txt").read_bytes()),
+            ]
+            for path in images
+        ],
+    )
     common = {"cache__dir": str(tmp_path / "cache"), "train__max_steps": 3}
-    train(make_config(data__masks="folder", data__mask_path=str(masks), train__output_dir=str(tmp_path / "m1"), **common))
+    train(
+        make_config(data__masks="folder", data__mask_path=str(masks), train__output_dir=str(tmp_path / "m1"), **common)
+    )
     train(make_config(data__path=str(masked), data__masks="record", train__output_dir=str(tmp_path / "m2"), **common))
     assert _losses(tmp_path / "m2") == _losses(tmp_path / "m1")
     unmasked = tmp_path / "m3"
@@ -234,20 +268,40 @@ def test_masks_and_controls_in_shard_records_train_as_their_folders(make_config,
     assert _losses(unmasked) != _losses(tmp_path / "m1")  # the masks were read, not ignored
 
     targets = sorted(path for path in pairs.iterdir() if path.suffix == ".png")
-    paired = shard_records(tmp_path / "paired", [
-        [(path.name, path.read_bytes()), (f"{path.stem}.control.png", (pairs / "control" / path.name).read_bytes()),
-         (f"{path.stem}.txt", path.with_suffix(".txt").read_bytes())] for path in targets])
+    paired = shard_records(
+        tmp_path / "paired",
+        [
+            [
+                (path.name, path.read_bytes()),
+                (f"{path.stem}.control.png", (pairs / "control" / path.name).read_bytes()),
+                (f"{path.stem}.txt", path.with_suffix(".txt").read_bytes()),
+            ]
+            for path in targets
+        ],
+    )
     train(make_config(**edit_settings(kontext_base, pairs, tmp_path / "p1", **common)))
     train(make_config(**edit_settings(kontext_base, paired, tmp_path / "p2", **common)))
     assert _losses(tmp_path / "p2") == _losses(tmp_path / "p1")
 
 
 def test_a_record_with_controls_numbered_with_a_gap_is_left_out(tmp_path):
-    shard = shard_records(tmp_path / "gap", [
-        [("0001.png", png((200, 0, 0))), ("0001.control_0.png", png((0, 0, 200))),
-         ("0001.control_2.png", png((0, 200, 0))), ("0001.txt", b"make it red")],
-        [("0002.png", png((200, 0, 0))), ("0002.control_1.png", png((0, 200, 0))),
-         ("0002.control_0.png", png((0, 0, 200))), ("0002.txt", b"make it red")]])
+    shard = shard_records(
+        tmp_path / "gap",
+        [
+            [
+                ("0001.png", png((200, 0, 0))),
+                ("0001.control_0.png", png((0, 0, 200))),
+                ("0001.control_2.png", png((0, 200, 0))),
+                ("0001.txt", b"make it red"),
+            ],
+            [
+                ("0002.png", png((200, 0, 0))),
+                ("0002.control_1.png", png((0, 200, 0))),
+                ("0002.control_0.png", png((0, 0, 200))),
+                ("0002.txt", b"make it red"),
+            ],
+        ],
+    )
     examples, bad = scan_examples(DataConfig(path=str(shard)))
     assert [[c.name for c in e.control_paths] for e in examples] == [["0002.control_0.png", "0002.control_1.png"]]
     assert [str(b.path) for b in bad] == [f"{shard / 'train-0000.tar'}:0001"]
@@ -264,7 +318,9 @@ def test_shard_members_are_keyed_and_read_by_their_byte_range(tmp_path):
     examples, bad = scan_examples(DataConfig(path=str(shard)))
     assert bad == []
     assert [(str(e.path), e.caption) for e in examples] == [
-        (f"{shard}:part/0001.seg.png", "a red square"), (f"{shard}:0002.png", "a blue square")]
+        (f"{shard}:part/0001.seg.png", "a red square"),
+        (f"{shard}:0002.png", "a blue square"),
+    ]
     assert examples[0].path.stem == "0001" and examples[0].path.suffix == ".png"
     assert examples[1].path.read() == png((0, 0, 200))
 
@@ -296,7 +352,9 @@ def test_bad_records_and_damaged_shards_are_reported_by_shard_and_key(tmp_path):
     examples, bad = scan_examples(DataConfig(path=str(folder), min_image_size=8))
     assert sorted((str(e.path), e.caption) for e in examples) == [
         (f"{folder / 'train-0000.tar'}:good.png", "a green square"),
-        (f"{folder / 'train-0001.tar'}:0.png", "a red square"), (f"{folder / 'train-0001.tar'}:1.png", "a red square")]
+        (f"{folder / 'train-0001.tar'}:0.png", "a red square"),
+        (f"{folder / 'train-0001.tar'}:1.png", "a red square"),
+    ]
     reasons = {str(b.path): b.reason for b in bad}
     first, second = folder / "train-0000.tar", folder / "train-0001.tar"
     assert "cannot be decoded" in reasons[f"{first}:corrupt.png"]
@@ -335,8 +393,10 @@ def test_clips_in_shards_are_cut_into_windows_like_the_folders(tmp_path):
     assert bad == [] and [e.frames for e in from_shards] == [e.frames for e in from_folder] == [(0, 5), (0, 5)]
     tokenize = lambda captions: {"ids": torch.zeros(len(captions), 4, dtype=torch.long)}  # noqa: E731
     for index in range(2):
-        items = [CaptionedImages(examples, config, tokenize, train_seed=3, sizes=training_sizes(examples, config))[0, index]
-                 for examples in (from_folder, from_shards)]
+        items = [
+            CaptionedImages(examples, config, tokenize, train_seed=3, sizes=training_sizes(examples, config))[0, index]
+            for examples in (from_folder, from_shards)
+        ]
         assert items[0]["pixel_values"].shape == (3, 5, 32, 32)
         assert torch.equal(items[0]["pixel_values"], items[1]["pixel_values"])
 
@@ -351,7 +411,9 @@ def test_shards_on_s3_train_as_on_disk(make_config, shapes, tmp_path, s3):
     assert bad == [] and [(e.path.read(), e.caption) for e in on_s3] == [(e.path.read(), e.caption) for e in on_disk]
     settings = {"cache__dir": str(tmp_path / "cache")}
     train(make_config(data__path=str(shards), train__output_dir=str(tmp_path / "disk"), **settings))
-    train(make_config(data__path="s3://shards/disk-test/train-*.tar", train__output_dir=str(tmp_path / "s3"), **settings))
+    train(
+        make_config(data__path="s3://shards/disk-test/train-*.tar", train__output_dir=str(tmp_path / "s3"), **settings)
+    )
     assert _losses(tmp_path / "s3") == _losses(tmp_path / "disk")
     assert _same_adapters(tmp_path / "s3", tmp_path / "disk")
 
@@ -362,7 +424,9 @@ def test_a_cache_on_s3_serves_as_a_local_one(make_config, shapes, tmp_path, s3):
     settings = {"data__path": "s3://shards/cached", "cache__latents": True, "cache__text": True, "train__max_steps": 4}
     train(make_config(**settings, cache__dir=str(tmp_path / "cache"), train__output_dir=str(tmp_path / "local")))
     train(make_config(**settings, cache__dir="s3://shards/cache", train__output_dir=str(tmp_path / "remote")))
-    local = sorted(str(path.relative_to(tmp_path / "cache")) for path in (tmp_path / "cache").rglob("*") if path.is_file())
+    local = sorted(
+        str(path.relative_to(tmp_path / "cache")) for path in (tmp_path / "cache").rglob("*") if path.is_file()
+    )
     assert sorted(name.removeprefix("shards/cache/") for name in s3.find("shards/cache")) == local
     reads = []
     original = Member.read
@@ -378,10 +442,21 @@ def test_a_run_from_s3_shards_killed_and_resumed_is_bit_identical(tmp_path, s3):
     shards = write_shards(REPO / "examples" / "purple", tmp_path / "shards", per_shard=5)
     s3.put(f"{shards}/", "shards/purple/", recursive=True)
     common = [
-        sys.executable, "-m", "difftune.cli", "train", "--config", "configs/tiny_lora.toml", "train.max_steps=40",
-        "data.path=s3://shards/purple", "checkpoint.every_steps=5", "sample.prompts=[]", "log.progress_bar=false",
-        "log.tensorboard=false", f"cache.dir={tmp_path / 'cache'}",
-        "cache.latents=off", "data.num_workers=2",  # each draw read from the server, in loader worker processes
+        sys.executable,
+        "-m",
+        "difftune.cli",
+        "train",
+        "--config",
+        "configs/tiny_lora.toml",
+        "train.max_steps=40",
+        "data.path=s3://shards/purple",
+        "checkpoint.every_steps=5",
+        "sample.prompts=[]",
+        "log.progress_bar=false",
+        "log.tensorboard=false",
+        f"cache.dir={tmp_path / 'cache'}",
+        "cache.latents=off",
+        "data.num_workers=2",  # each draw read from the server, in loader worker processes
     ]
     whole, killed = run_whole_killed_and_resumed(common, tmp_path, kill_at_rows=17, steps=40)
     assert _losses(killed) == _losses(whole)

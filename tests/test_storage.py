@@ -49,13 +49,22 @@ def _rounded_base(tiny_base, tmp_path, dtype):
 
 @pytest.mark.parametrize("name, mixed_precision", [("fp16", "no"), ("bf16", "no"), ("fp8", "no"), ("fp8", "bf16")])
 def test_stored_training_is_training_of_the_rounded_base(make_config, tiny_base, tmp_path, name, mixed_precision):
-    settings = dict(train__max_steps=4, optim__learning_rate=1e-2, sample__prompts=["a red circle"], sample__parity=True,
-                    train__mixed_precision=mixed_precision)
+    settings = dict(
+        train__max_steps=4,
+        optim__learning_rate=1e-2,
+        sample__prompts=["a red circle"],
+        sample__parity=True,
+        train__mixed_precision=mixed_precision,
+    )
     stored = train(make_config(model__weight_dtype=name, train__output_dir=str(tmp_path / "stored"), **settings))
     # fp8 computed in bf16 against bf16 weights: a rounded fp8 weight is exact in bf16.
-    reference = train(make_config(
-        model__base=str(_rounded_base(tiny_base, tmp_path, DTYPES[name])), train__output_dir=str(tmp_path / "ref"), **settings,
-    ))
+    reference = train(
+        make_config(
+            model__base=str(_rounded_base(tiny_base, tmp_path, DTYPES[name])),
+            train__output_dir=str(tmp_path / "ref"),
+            **settings,
+        )
+    )
     assert stored.losses == pytest.approx(reference.losses, rel=1e-6)
     expected = load_file(reference.trained_path)
     for key, value in load_file(stored.trained_path).items():
@@ -68,8 +77,10 @@ def test_stored_training_is_training_of_the_rounded_base(make_config, tiny_base,
     assert originals and all(p.dtype == held and not p.requires_grad for p in originals)
     assert all(p.dtype == torch.float32 for n, p in unet.named_parameters() if p.requires_grad)
     parity, reference_parity = (json.loads((tmp_path / run / "parity.json").read_text()) for run in ("stored", "ref"))
-    levels = [{layout: result["max_pixel_difference"] for layout, result in report["layouts"].items()}
-              for report in (parity, reference_parity)]
+    levels = [
+        {layout: result["max_pixel_difference"] for layout, result in report["layouts"].items()}
+        for report in (parity, reference_parity)
+    ]
     assert levels[0] == levels[1] and set(levels[0]) == {"diffusers", "kohya"}
     assert all(layout["max_pixel_difference"] <= 1 for layout in parity["layouts"].values())
 

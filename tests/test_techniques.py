@@ -70,7 +70,10 @@ def test_training_saves_the_ema_adapter_beside_the_raw_one(make_config, tiny_bas
     config = make_config(train__max_steps=6, ema__enabled=True, ema__decay=0.5, ema__warmup=False)
     result = train(config)
     out = tmp_path / "run"
-    raw, ema = load_file(out / "pytorch_lora_weights.safetensors"), load_file(out / "pytorch_lora_weights_ema.safetensors")
+    raw, ema = (
+        load_file(out / "pytorch_lora_weights.safetensors"),
+        load_file(out / "pytorch_lora_weights_ema.safetensors"),
+    )
     assert raw.keys() == ema.keys()
     assert any(not torch.equal(raw[k], ema[k]) for k in raw if "lora_B" in k)
     # The EMA file holds exactly the EMA weights.
@@ -104,13 +107,20 @@ def test_averaging_refuses_different_adapters(make_config, tmp_path):
 
 def test_training_averages_its_last_snapshots(make_config, tmp_path):
     config = make_config(
-        train__max_steps=6, export__every_steps=2, export__average_last=3, export__average_weights="exponential",
+        train__max_steps=6,
+        export__every_steps=2,
+        export__average_last=3,
+        export__average_weights="exponential",
         adapter__kind="dora",
     )
     train(config)
     out = tmp_path / "run"
     snapshots = sorted((out / "snapshots").iterdir())
-    assert [p.name for p in snapshots] == ["step-000002.safetensors", "step-000004.safetensors", "step-000006.safetensors"]
+    assert [p.name for p in snapshots] == [
+        "step-000002.safetensors",
+        "step-000004.safetensors",
+        "step-000006.safetensors",
+    ]
     loaded = [load_file(p) for p in snapshots]
     averaged = load_file(out / "pytorch_lora_weights_avg.safetensors")
     for key in averaged:
@@ -135,7 +145,12 @@ def _poison(monkeypatch, bad_calls: set[int], how):
 
 
 def _optimizer_state(optimizer) -> list[torch.Tensor]:
-    return [value for state in optimizer.state_dict()["state"].values() for value in state.values() if torch.is_tensor(value)]
+    return [
+        value
+        for state in optimizer.state_dict()["state"].values()
+        for value in state.values()
+        if torch.is_tensor(value)
+    ]
 
 
 def test_a_nan_step_is_skipped_and_leaves_everything_as_it_was(make_config, tmp_path, monkeypatch):
@@ -177,10 +192,16 @@ def test_a_loss_spike_is_skipped_only_with_the_guard_on(make_config, tmp_path, m
     _poison(monkeypatch, {6}, lambda loss: loss * 100)
     spiked = train(
         make_config(
-            train__max_steps=6, guard__enabled=guard_on, guard__spike_warmup_steps=3, train__output_dir=str(tmp_path / "spike")
+            train__max_steps=6,
+            guard__enabled=guard_on,
+            guard__spike_warmup_steps=3,
+            train__output_dir=str(tmp_path / "spike"),
         )
     )
-    same = all(torch.equal(a, b) for a, b in zip(load_file(clean.trained_path).values(), load_file(spiked.trained_path).values()))
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(load_file(clean.trained_path).values(), load_file(spiked.trained_path).values(), strict=True)
+    )
     assert same == guard_on
     assert read_metrics(tmp_path / "spike")[-1]["skipped"] == guard_on
 
@@ -200,7 +221,9 @@ def test_every_optimizer_builds_and_steps(name):
         with pytest.raises(DifftuneError, match="from a CUDA device to the CPU; this run is on cpu"):
             build_optimizer({"unet.w": unet_param, "text_encoder.w": text_param}, "unet", config, torch.device("cpu"))
         return
-    optimizer = build_optimizer({"unet.w": unet_param, "text_encoder.w": text_param}, "unet", config, torch.device("cpu"))
+    optimizer = build_optimizer(
+        {"unet.w": unet_param, "text_encoder.w": text_param}, "unet", config, torch.device("cpu")
+    )
     assert [group["lr"] for group in optimizer.param_groups] == [lr, text_lr]
     (unet_param.square().sum() + text_param.square().sum()).backward()
     optimizer.step()
@@ -266,21 +289,31 @@ def test_validation_loss_is_repeatable(make_config, shapes):
 
 def test_validation_and_previews_during_training(make_config, shapes, tmp_path):
     config = make_config(
-        train__max_steps=4, validation__path=str(shapes), validation__every_steps=2, ema__enabled=True,
-        sample__prompts=["a red circle"], sample__every_steps=2, sample__steps=2,
+        train__max_steps=4,
+        validation__path=str(shapes),
+        validation__every_steps=2,
+        ema__enabled=True,
+        sample__prompts=["a red circle"],
+        sample__every_steps=2,
+        sample__steps=2,
     )
     train(config)
     rows = read_metrics(tmp_path / "run")
     assert ["val_loss" in row for row in rows] == [False, True, False, True]
     assert all("val_loss_ema" in row for row in rows if "val_loss" in row)
     assert (tmp_path / "run" / "samples" / "step-000002" / "grid.png").is_file()
-    assert (tmp_path / "run" / "samples" / "grid.png").is_file() and (tmp_path / "run" / "samples_ema" / "grid.png").is_file()
+    assert (tmp_path / "run" / "samples" / "grid.png").is_file() and (
+        tmp_path / "run" / "samples_ema" / "grid.png"
+    ).is_file()
 
 
 def test_rollback_goes_back_and_skips_the_offending_batches(make_config, tmp_path, monkeypatch):
     _poison(monkeypatch, {5, 6}, lambda loss: loss * float("nan"))  # the 5th and 6th batches
     config = make_config(
-        train__max_steps=8, checkpoint__every_steps=2, guard__rollback=True, guard__max_consecutive_skips=2,
+        train__max_steps=8,
+        checkpoint__every_steps=2,
+        guard__rollback=True,
+        guard__max_consecutive_skips=2,
     )
     result = train(config)
     out = tmp_path / "run"
@@ -317,7 +350,15 @@ def test_validation_scores_each_bucket_at_its_own_size(make_config, tmp_path):
     assert sorted(tuple(g["latents"].shape[-2:]) for g in validator.groups) == expected
     first, second = validator.loss(components), Validator(components, config, torch.device("cpu")).loss(components)
     assert first == second > 0
-    train(make_config(validation__path=str(held_out), validation__every_steps=1, train__max_steps=2, data__path=str(held_out), **buckets))
+    train(
+        make_config(
+            validation__path=str(held_out),
+            validation__every_steps=1,
+            train__max_steps=2,
+            data__path=str(held_out),
+            **buckets,
+        )
+    )
     assert all(row["val_loss"] > 0 for row in read_metrics(tmp_path / "run"))
 
 
@@ -366,7 +407,9 @@ def test_the_guard_warns_when_a_block_grows():
 def test_activation_statistics_are_logged_on_their_steps_only(make_config, tmp_path):
     # A factor under 1 makes every record after the warmup a warning: the wiring, not the threshold, is tested.
     config = make_config(
-        train__max_steps=5, log__activations_every_steps=1, guard__activation_spike_factor=0.5,
+        train__max_steps=5,
+        log__activations_every_steps=1,
+        guard__activation_spike_factor=0.5,
         train__gradient_checkpointing=True,
     )
     result = train(config)

@@ -35,9 +35,16 @@ def test_adapter_training_lowers_the_loss_and_keeps_the_base(make_config, tmp_pa
     targets = ["to_q", "to_k", "to_v", "to_out.0", "conv1", "conv2"]
     # High-noise timesteps: where a random-init base has most to learn in a few steps.
     config = make_config(
-        data__path=str(fixed_batch), adapter__kind=kind, adapter__target_modules=targets, adapter__rank=8,
-        train__max_steps=40, train__batch_size=4, optim__learning_rate=5e-3, loss__weighting="uniform",
-        validation__path=str(fixed_batch), validation__timesteps=[600, 750, 900, 999],
+        data__path=str(fixed_batch),
+        adapter__kind=kind,
+        adapter__target_modules=targets,
+        adapter__rank=8,
+        train__max_steps=40,
+        train__batch_size=4,
+        optim__learning_rate=5e-3,
+        loss__weighting="uniform",
+        validation__path=str(fixed_batch),
+        validation__timesteps=[600, 750, 900, 999],
     )
     base = load_components(config.model)
     before = Validator(base, config, torch.device("cpu")).loss(base)
@@ -85,7 +92,9 @@ def test_gradient_checkpointing_gives_the_same_update(make_config, tmp_path):
 
 
 def test_compile_on_cpu_is_refused_with_the_reason(make_config, tmp_path):
-    with pytest.raises(DifftuneError, match=r"train.compile = true is supported on CUDA only .*wrong adapter gradients"):
+    with pytest.raises(
+        DifftuneError, match=r"train.compile = true is supported on CUDA only .*wrong adapter gradients"
+    ):
         train(make_config(train__compile=True))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
 
@@ -108,7 +117,9 @@ def test_saved_adapter_reloads_in_diffusers(make_config, tiny_base, kind):
         expected_unet = ours.denoiser(latents, timesteps, states).sample
         expected_text = ours.text_encoders["text_encoder"](ids)[0]
         base_unet = UNet2DConditionModel.from_pretrained(tiny_base, subfolder="unet")(latents, timesteps, states).sample
-        torch.testing.assert_close(pipeline.unet(latents, timesteps, states).sample, expected_unet, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            pipeline.unet(latents, timesteps, states).sample, expected_unet, rtol=1e-4, atol=1e-5
+        )
         torch.testing.assert_close(pipeline.text_encoder(ids)[0], expected_text, rtol=1e-4, atol=1e-5)
     assert (expected_unet - base_unet).abs().max() > 1e-4  # the adapter does something
 
@@ -125,8 +136,13 @@ def test_saved_adapter_reloads_in_diffusers(make_config, tiny_base, kind):
 @pytest.mark.parametrize("cached", [False, True], ids=["encoded", "cached-latents"])
 def test_full_fine_tune_writes_a_loadable_pipeline(make_config, tiny_base, tmp_path, cached):
     # With cached latents the VAE leaves memory during training; the saved pipeline must still hold it.
-    config = make_config(adapter__kind="none", adapter__text_encoder=True, optim__learning_rate=1e-3,
-                         cache__latents=cached, cache__dir=str(tmp_path / "cache"))
+    config = make_config(
+        adapter__kind="none",
+        adapter__text_encoder=True,
+        optim__learning_rate=1e-3,
+        cache__latents=cached,
+        cache__dir=str(tmp_path / "cache"),
+    )
     result = train(config)
     assert result.trained_path.name == "model"
     saved = StableDiffusionPipeline.from_pretrained(result.trained_path, safety_checker=None)
@@ -149,7 +165,9 @@ def test_run_outputs_and_metrics(make_config, tmp_path):
     )
     train(config)
     out = tmp_path / "run"
-    assert load_config(out / "config.toml") == config.model_copy(update={"model": config.model.model_copy(update={"family": "sd"})})
+    assert load_config(out / "config.toml") == config.model_copy(
+        update={"model": config.model.model_copy(update={"family": "sd"})}
+    )
     rows = read_metrics(out)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     for row in rows:
@@ -174,7 +192,9 @@ def test_warmup_and_clipping_show_in_the_metrics(make_config):
     lrs = [row["lr"] for row in rows]
     peak = config.optim.learning_rate
     # Warmup reaches the peak at step 2; cosine decays to 0 at the last step.
-    assert lrs[0] == pytest.approx(peak / 2) and lrs[1] == pytest.approx(peak) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
+    assert (
+        lrs[0] == pytest.approx(peak / 2) and lrs[1] == pytest.approx(peak) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
+    )
     assert all(row["grad_norm"] > 1e-6 for row in rows)  # the norm before clipping is what is logged
 
 
@@ -190,7 +210,9 @@ def test_clipping_scales_the_gradient_the_optimizer_steps_with(make_config, monk
         optimizer = real_build(*args, **kwargs)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         optimizer.register_step_pre_hook(
-            lambda *_: seen.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])).item())
+            lambda *_: seen.append(
+                torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])).item()
+            )
         )
         return optimizer
 
@@ -221,8 +243,9 @@ def test_runs_of_different_precision_follow_one_another_in_a_process(make_config
     # accelerate keeps one AcceleratorState per process and refused the second run's precision (seen on an H100
     # in tests/test_cuda.py, and here on the CPU); each run now sets its own.
     full = train(make_config(train__output_dir=str(tmp_path / "fp32"), train__max_steps=2))
-    half = train(make_config(train__output_dir=str(tmp_path / "bf16"), train__max_steps=2,
-                             train__mixed_precision="bf16"))
+    half = train(
+        make_config(train__output_dir=str(tmp_path / "bf16"), train__max_steps=2, train__mixed_precision="bf16")
+    )
     again = train(make_config(train__output_dir=str(tmp_path / "fp32-again"), train__max_steps=2))
     assert again.losses == full.losses  # the fp32 run after the bf16 one computes in fp32 again
     assert half.losses != full.losses and half.losses == pytest.approx(full.losses, rel=5e-2)
@@ -230,8 +253,13 @@ def test_runs_of_different_precision_follow_one_another_in_a_process(make_config
 
 BEFORE_FAMILIES = {  # what the trainer did at commit cc70728, before model families existed (4 steps on tiny-sd)
     "lora_te": ["adapter.text_encoder=true", "data.random_flip=true", "cache.latents=false"],
-    "dora_cache": ["adapter.kind=dora", "adapter.text_encoder=false", "cache.latents=true", "cache.text=true",
-                   "loss.prediction_type=v_prediction"],
+    "dora_cache": [
+        "adapter.kind=dora",
+        "adapter.text_encoder=false",
+        "cache.latents=true",
+        "cache.text=true",
+        "loss.prediction_type=v_prediction",
+    ],
 }
 
 
@@ -239,10 +267,19 @@ BEFORE_FAMILIES = {  # what the trainer did at commit cc70728, before model fami
 def test_sd_trains_the_same_weights_as_before_families(name, tmp_path):
     """The SD family reproduces the pre-refactor trainer bit for bit: the UNet's trained weights after 4 steps of
     the default job's settings (plus these overrides) equal the ones the old code wrote, same torch build."""
-    config = load_config(REPO / "configs" / "tiny_lora.toml", [
-        "train.max_steps=4", "sample.prompts=[]", f"train.output_dir={tmp_path / name}", "data.num_workers=0",
-        "log.tensorboard=false", "log.progress_bar=false", f"cache.dir={tmp_path / 'cache'}", *BEFORE_FAMILIES[name],
-    ])
+    config = load_config(
+        REPO / "configs" / "tiny_lora.toml",
+        [
+            "train.max_steps=4",
+            "sample.prompts=[]",
+            f"train.output_dir={tmp_path / name}",
+            "data.num_workers=0",
+            "log.tensorboard=false",
+            "log.progress_bar=false",
+            f"cache.dir={tmp_path / 'cache'}",
+            *BEFORE_FAMILIES[name],
+        ],
+    )
     trained = {n: p.detach() for n, p in train(config).components.denoiser.named_parameters() if p.requires_grad}
     before = load_file(REPO / "tests" / "data" / "before_families" / f"{name}.safetensors")
     assert trained.keys() == before.keys()
@@ -264,8 +301,14 @@ def test_encoders_fill_the_caches_and_go_before_the_denoiser_loads(make_config, 
         load_denoiser(components, *args)
 
     monkeypatch.setattr(train_module, "load_denoiser", watched)
-    settings = dict(cache__latents=True, cache__text=True, adapter__text_encoder=False, sample__prompts=["a red circle"],
-                    sample__steps=2, train__max_steps=3)
+    settings = dict(
+        cache__latents=True,
+        cache__text=True,
+        adapter__text_encoder=False,
+        sample__prompts=["a red circle"],
+        sample__steps=2,
+        train__max_steps=3,
+    )
     first = train(make_config(train__output_dir=str(tmp_path / "first"), sample__before=False, **settings))
     assert seen.pop("encoders") == [None, None]
     whole = train(make_config(train__output_dir=str(tmp_path / "whole"), sample__before=True, **settings))
@@ -285,8 +328,13 @@ def test_parts_load_in_the_dtype_the_run_keeps_them_in(tiny_base, make_config):
 
     config = make_config(train__mixed_precision="bf16", model__weight_dtype="fp8")
     # Nothing drawn before the end (no sample prompts): drawing parts are left out until then.
-    assert part_dtypes(config) == PartDtypes(denoiser=AS_STORED, vae=torch.bfloat16, others=torch.bfloat16,
-                                             stored_fp8_computes_in=torch.bfloat16, drawing_parts=False)
+    assert part_dtypes(config) == PartDtypes(
+        denoiser=AS_STORED,
+        vae=torch.bfloat16,
+        others=torch.bfloat16,
+        stored_fp8_computes_in=torch.bfloat16,
+        drawing_parts=False,
+    )
     assert part_dtypes(make_config(adapter__kind="none", train__mixed_precision="bf16")) == PartDtypes()
     loaded = load_components(config.model, part_dtypes(config))
     assert {p.dtype for p in loaded.text_encoders["text_encoder"].parameters()} == {torch.bfloat16}
@@ -305,8 +353,15 @@ def test_parity_is_left_out_with_a_line_when_a_fresh_copy_would_not_fit(make_con
     import psutil
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=2**20, total=2**40))
-    result = train(make_config(train__output_dir=str(tmp_path / "run"), sample__prompts=["a red circle"], sample__steps=2,
-                               sample__parity=True, train__max_steps=1))
+    result = train(
+        make_config(
+            train__output_dir=str(tmp_path / "run"),
+            sample__prompts=["a red circle"],
+            sample__steps=2,
+            sample__parity=True,
+            train__max_steps=1,
+        )
+    )
     out = capsys.readouterr().out
     assert "difftune: parity: not checked: redrawing loads a fresh fp32 copy of the base (" in out
     assert "more than the 1 MiB of RAM available; sample.parity = false leaves the check out" in out

@@ -47,9 +47,20 @@ def server(tmp_path_factory):
     port = _free_port()
     log = open(root / "server.log", "wb")
     process = subprocess.Popen(
-        [sys.executable, str(REPO / "ui" / "app.py"), "--port", str(port), "--jobs-dir", str(jobs_dir),
-         "--configs-dir", str(REPO / "configs")],
-        cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        [
+            sys.executable,
+            str(REPO / "ui" / "app.py"),
+            "--port",
+            str(port),
+            "--jobs-dir",
+            str(jobs_dir),
+            "--configs-dir",
+            str(REPO / "configs"),
+        ],
+        cwd=root,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     deadline = time.monotonic() + 120
     while True:
@@ -150,10 +161,13 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         page.locator("#find-lr").click()
         expect(page.locator("#finder-message")).to_contain_text("Suggested learning rate", timeout=120_000)
         expect(page.locator("#lr-plot img")).to_be_visible()
-        found_lr = json.loads(next((jobs / "finders").glob("*-tiny_lora-find-lr/lr_range.json")).read_text())["learning_rate"]
+        lr_range = next((jobs / "finders").glob("*-tiny_lora-find-lr/lr_range.json"))
+        found_lr = json.loads(lr_range.read_text())["learning_rate"]
         page.locator("#apply-found").click()
         page.get_by_text("[optim]", exact=True).click()  # a closed section: its fields render on opening
-        expect(page.locator("#field-optim-learning_rate input")).not_to_have_value("0.001", timeout=10_000)  # the preset's
+        expect(page.locator("#field-optim-learning_rate input")).not_to_have_value(
+            "0.001", timeout=10_000
+        )  # the preset's
         page.locator("#find-max-batch input").fill("2")
         page.locator("#find-batch").click()
         expect(page.locator("#finder-message")).to_contain_text("Largest batch size that fits: 2", timeout=120_000)
@@ -214,7 +228,9 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         page.get_by_role("tab", name="Sample").click()
         page.locator("#sample-adapters textarea").fill(f"{adapter}:1.0")
         # The UI runs outside the repository: the adapter's job brings its base, absolute.
-        expect(page.locator("#sample-base textarea, #sample-base input").first).to_have_value(str(REPO / "models" / "tiny-sd"))
+        expect(page.locator("#sample-base textarea, #sample-base input").first).to_have_value(
+            str(REPO / "models" / "tiny-sd")
+        )
         page.locator("#sample-sample-prompts textarea").fill("a purple circle\na red square")
         steps = page.locator("#sample-sample-steps input")
         steps.fill("10")
@@ -255,7 +271,9 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
     assert (merged_dir / "model_index.json").exists()
     base_unet = load_file(REPO / "models/tiny-sd/unet/diffusion_pytorch_model.safetensors")
     merged = load_file(merged_dir / "unet/diffusion_pytorch_model.safetensors")
-    changed = [key for key in merged if "to_q" in key and not (merged[key].float() - base_unet[key].float()).abs().max() < 1e-3]
+    changed = [
+        key for key in merged if "to_q" in key and not (merged[key].float() - base_unet[key].float()).abs().max() < 1e-3
+    ]
     assert changed, "merging the adapter changed no attention weight"
 
 
@@ -270,7 +288,9 @@ def test_presets_come_default_first_described_and_marked_when_they_need_a_gpu(tm
     from difftune.webui.form import presets
 
     offered = presets(REPO / "configs")
-    assert offered[0].name == "tiny_lora" and offered[0].summary.startswith("The default job: teach the bundled tiny base")
+    assert offered[0].name == "tiny_lora" and offered[0].summary.startswith(
+        "The default job: teach the bundled tiny base"
+    )
     here = [preset.base_is_here for preset in offered]
     assert here == sorted(here, reverse=True) and any(here) and not all(here)  # those that run here, then the rest
     qwen = next(preset for preset in offered if preset.name == "qwen_image_1024_lora")
@@ -284,11 +304,17 @@ def test_presets_come_default_first_described_and_marked_when_they_need_a_gpu(tm
 def test_uploads_are_capped(server):
     boundary = "difftuneboundary"
     body = (
-        f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"big.toml\"\r\n"
-        f"Content-Type: application/octet-stream\r\n\r\n"
-    ).encode() + b"#" * (2 * 1024 * 1024) + f"\r\n--{boundary}--\r\n".encode()
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="files"; filename="big.toml"\r\n'
+            f"Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + b"#" * (2 * 1024 * 1024)
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
     connection = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
-    connection.request("POST", "/gradio_api/upload", body, {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    connection.request(
+        "POST", "/gradio_api/upload", body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+    )
     response = connection.getresponse()
     assert response.status == 413, response.read()[:200]
 
@@ -307,9 +333,11 @@ def test_requests_for_another_host_are_refused(server):
     own Host. The UI's own requests (its host, by name or address) are answered."""
     port = server["port"]
     call = json.dumps({"data": [], "fn_index": 0}).encode()
-    for headers in ({"Host": "evil.example", "Origin": "http://evil.example"},
-                    {"Host": f"127.0.0.1:{port}", "Origin": "http://evil.example"},
-                    {"Host": f"evil.example:{port}"}):
+    for headers in (
+        {"Host": "evil.example", "Origin": "http://evil.example"},
+        {"Host": f"127.0.0.1:{port}", "Origin": "http://evil.example"},
+        {"Host": f"evil.example:{port}"},
+    ):
         status, body, _ = _post(port, "/gradio_api/queue/join", call, {"Content-Type": "application/json", **headers})
         assert status == 403 and b"this host is not served here" in body, (headers, status)
     for host in (f"127.0.0.1:{port}", f"localhost:{port}"):
@@ -321,11 +349,18 @@ def test_requests_for_another_host_are_refused(server):
 def test_uploads_are_capped_per_request_not_only_per_file(server):
     """Gradio's cap is per file: three 0.9 MB files in one request passed a 1 MB cap."""
     boundary = "difftuneboundary"
-    part = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"part.toml\"\r\n"
-            "Content-Type: application/octet-stream\r\n\r\n").encode() + b"#" * 900_000 + b"\r\n"
+    part = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="files"; filename="part.toml"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + b"#" * 900_000
+        + b"\r\n"
+    )
     body = part * 3 + f"--{boundary}--\r\n".encode()
-    status, answer, _ = _post(server["port"], "/gradio_api/upload", body,
-                              {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    status, answer, _ = _post(
+        server["port"], "/gradio_api/upload", body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+    )
     assert status == 413 and b"capped" in answer
 
 
@@ -334,8 +369,10 @@ def test_guards_name_the_hosts_served():
 
     guard = AllowedHosts(None, names=("studio.example.com",), share=False)
     assert host_name("http://[::1]:7860") == "::1" and host_name("LocalHost:7860") == "localhost"
-    assert all(guard.allows(host_name(value)) for value in ("127.0.0.1:7860", "localhost", "studio.example.com",
-                                                             "http://10.1.2.3:7860", "[::1]:7860"))
+    assert all(
+        guard.allows(host_name(value))
+        for value in ("127.0.0.1:7860", "localhost", "studio.example.com", "http://10.1.2.3:7860", "[::1]:7860")
+    )
     assert not any(guard.allows(host_name(value)) for value in ("evil.example", "", "null", "abc.gradio.live"))
     assert AllowedHosts(None, share=True).allows("abc.gradio.live")
 
@@ -403,14 +440,44 @@ def test_the_served_ui_checks_logins_through_the_guard_and_warns_what_it_leaves_
     monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: launched.update(kwargs))
     logins = tmp_path / "logins"
     logins.write_text("ann:right\n")
-    assert main(["ui", "--host", "0.0.0.0", "--auth", "cy:pw", "--jobs-dir", str(tmp_path / "jobs"),
-                 "--configs-dir", str(REPO / "configs")]) == 0
+    assert (
+        main(
+            [
+                "ui",
+                "--host",
+                "0.0.0.0",
+                "--auth",
+                "cy:pw",
+                "--jobs-dir",
+                str(tmp_path / "jobs"),
+                "--configs-dir",
+                str(REPO / "configs"),
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "--auth puts the password on the command line, where `ps` shows it" in err
     assert "--host 0.0.0.0 serves plain HTTP" in err and "--ssl-certfile" in err
     assert isinstance(launched["auth"], webui.LoginGuard) and launched["ssl_certfile"] is None
-    assert main(["ui", "--host", "0.0.0.0", "--auth-file", str(logins), "--ssl-certfile", str(tmp_path / "c.pem"),
-                 "--ssl-keyfile", str(tmp_path / "k.pem"), "--jobs-dir", str(tmp_path / "jobs")]) == 0
+    assert (
+        main(
+            [
+                "ui",
+                "--host",
+                "0.0.0.0",
+                "--auth-file",
+                str(logins),
+                "--ssl-certfile",
+                str(tmp_path / "c.pem"),
+                "--ssl-keyfile",
+                str(tmp_path / "k.pem"),
+                "--jobs-dir",
+                str(tmp_path / "jobs"),
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().err == ""
     assert launched["ssl_certfile"] == str(tmp_path / "c.pem") and launched["auth"]("ann", "right")
     assert main(["ui", "--ssl-certfile", str(tmp_path / "c.pem"), "--jobs-dir", str(tmp_path / "jobs")]) == 2
@@ -425,8 +492,22 @@ def test_a_file_that_is_no_adapter_is_named_as_such(tmp_path, capsys):
 
     notes = tmp_path / "notes.safetensors"
     notes.write_text("a text file")
-    assert main(["sample", "--base", str(REPO / "models" / "tiny-sd"), "--adapter", str(notes), "--prompt", "a red circle",
-                 "--out", str(tmp_path / "samples")]) == 2
+    assert (
+        main(
+            [
+                "sample",
+                "--base",
+                str(REPO / "models" / "tiny-sd"),
+                "--adapter",
+                str(notes),
+                "--prompt",
+                "a red circle",
+                "--out",
+                str(tmp_path / "samples"),
+            ]
+        )
+        == 2
+    )
     assert f"adapter {notes}: not a readable safetensors file" in capsys.readouterr().err
     assert webui._error(ValueError("boom")) == "**Error**\n\n```\nValueError: boom\n```"
 
@@ -436,7 +517,10 @@ def test_a_merge_into_a_used_folder_says_how_to_replace_it_in_either_tool(tmp_pa
 
     (tmp_path / "merged").mkdir()
     (tmp_path / "merged" / "keep.txt").write_text("earlier work")
-    with pytest.raises(DifftuneError, match=r"merged: already exists and is not empty; choose another folder, or replace it "
-                                            r"\(the CLI's --overwrite, the UI's \"Replace an existing folder\"\)"):
+    with pytest.raises(
+        DifftuneError,
+        match=r"merged: already exists and is not empty; choose another folder, or replace it "
+        r"\(the CLI's --overwrite, the UI's \"Replace an existing folder\"\)",
+    ):
         export.merge_into_folder(str(REPO / "models" / "tiny-sd"), [], tmp_path / "merged")
     assert (tmp_path / "merged" / "keep.txt").read_text() == "earlier work"

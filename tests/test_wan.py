@@ -1,5 +1,6 @@
 """Wan 2.1 beyond the conformance suite: its prediction read as the pipeline's sampler reads it, images trained as
-one-frame clips and clips beside them, its schedule's shift, and its original module names against diffusers' readers of the original
+one-frame clips and clips beside them, its schedule's shift, and its original module names against diffusers' readers
+of the original
 layout (musubi-tuner's `lora_unet_` files, ComfyUI's and other trainers' `diffusion_model.` ones)."""
 
 from __future__ import annotations
@@ -56,10 +57,14 @@ def test_the_prediction_is_the_velocity_the_pipelines_sampler_reads(base):
     sigma = float(scheduler.sigmas[1])
     scheduler._step_index = 1
     noisy = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0))
-    states = torch.randn(2, 512, components.text_encoders["text_encoder"].config.d_model, generator=torch.Generator().manual_seed(1))
+    states = torch.randn(
+        2, 512, components.text_encoders["text_encoder"].config.d_model, generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         v = FAMILY.denoise(components, noisy, torch.full((2,), sigma * 1000), {"encoder_hidden_states": states}, None)
-        clip = FAMILY.denoise(components, noisy[:, :, None], torch.full((2,), sigma * 1000), {"encoder_hidden_states": states}, None)
+        clip = FAMILY.denoise(
+            components, noisy[:, :, None], torch.full((2,), sigma * 1000), {"encoder_hidden_states": states}, None
+        )
     torch.testing.assert_close(clip[:, :, 0], v)
     x0 = scheduler.convert_model_output(v[:, :, None], sample=noisy[:, :, None])[:, :, 0]
     torch.testing.assert_close(x0, noisy - sigma * v)
@@ -69,19 +74,32 @@ def test_original_names_are_diffusers_readers(make_config, base, tmp_path):
     """The kohya file is musubi-tuner's (`lora_unet_blocks_0_self_attn_q`, which diffusers reads: the conformance
     suite renders it); the same tensors under the original model's dotted names after `diffusion_model.` are what
     diffusers' reader of those files maps back to difftune's modules, and difftune reads that file as its own."""
-    trained = train(make_config(model__base=base, train__output_dir=str(tmp_path / "run"), train__max_steps=2,
-                                optim__learning_rate=2e-2, sample__prompts=[])).trained_path
+    trained = train(
+        make_config(
+            model__base=base,
+            train__output_dir=str(tmp_path / "run"),
+            train__max_steps=2,
+            optim__learning_rate=2e-2,
+            sample__prompts=[],
+        )
+    ).trained_path
     ours = load_file(trained)
     components = load_components(ModelConfig(base=base))
     adapted = {key.removeprefix("transformer.").rsplit(".lora_", 1)[0] for key in ours}
     assert len(adapted) == 2 * len(FAMILY.default_targets["transformer"])  # two blocks
-    original = {f"diffusion_model.{FAMILY.original_name(module)}.lora_{kind}.weight": ours[f"transformer.{module}.lora_{kind}.weight"]
-                for module in adapted for kind in "AB"}
+    original = {
+        f"diffusion_model.{FAMILY.original_name(module)}.lora_{kind}.weight": ours[
+            f"transformer.{module}.lora_{kind}.weight"
+        ]
+        for module in adapted
+        for kind in "AB"
+    }
     theirs = _convert_non_diffusers_wan_lora_to_diffusers(dict(original))
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[key], ours[key]) for key in ours)
     kohya = load_file(export.convert_adapter(trained, tmp_path / "kohya.safetensors", "kohya"))
     assert {key.rsplit(".", 2)[0] if key.endswith("weight") else key.rsplit(".", 1)[0] for key in kohya} == {
-        "lora_unet_" + FAMILY.original_name(module).replace(".", "_") for module in adapted}
+        "lora_unet_" + FAMILY.original_name(module).replace(".", "_") for module in adapted
+    }
     save_file(original, tmp_path / "original.safetensors")
     modules = module_names_of(components)
     tensors, _, _ = read_adapter(tmp_path / "original.safetensors", lambda metadata: modules)
@@ -95,19 +113,35 @@ def test_a_single_file_has_the_original_checkpoints_names(base):
     cross-attention's norm as `norm3`, `ffn.0` / `ffn.2`, `modulation`; the head's `head.head` and `head.modulation`;
     diffusers' reader takes them back (the conformance suite reads the file as the same weights)."""
     keys = set(FAMILY.to_single_file(load_components(ModelConfig(base=base))))
-    block = {f"blocks.0.{attn}.{layer}.{kind}" for attn in ("self_attn", "cross_attn") for layer in "qkvo"
-             for kind in ("weight", "bias")}
+    block = {
+        f"blocks.0.{attn}.{layer}.{kind}"
+        for attn in ("self_attn", "cross_attn")
+        for layer in "qkvo"
+        for kind in ("weight", "bias")
+    }
     block |= {f"blocks.0.{attn}.{norm}.weight" for attn in ("self_attn", "cross_attn") for norm in ("norm_q", "norm_k")}
     block |= {f"blocks.0.{layer}.{kind}" for layer in ("norm3", "ffn.0", "ffn.2") for kind in ("weight", "bias")}
     block |= {"blocks.0.modulation"}
-    outside = {f"{layer}.{kind}" for layer in ("patch_embedding", "text_embedding.0", "text_embedding.2", "time_embedding.0",
-                                               "time_embedding.2", "time_projection.1", "head.head") for kind in ("weight", "bias")}
+    outside = {
+        f"{layer}.{kind}"
+        for layer in (
+            "patch_embedding",
+            "text_embedding.0",
+            "text_embedding.2",
+            "time_embedding.0",
+            "time_embedding.2",
+            "time_projection.1",
+            "head.head",
+        )
+        for kind in ("weight", "bias")
+    }
     assert {key for key in keys if not key.startswith("blocks.1.")} == block | outside | {"head.modulation"}
 
 
 def test_clips_and_images_train_in_one_run_cached_as_uncached(make_config, base, tmp_path):
     """A folder of clips and a still: each clip's windows train as (C, t, h, w) latents beside the image's (C, h, w),
-    never in one batch, and the latent and text caches (keyed by each window) change nothing: the losses are the same."""
+    never in one batch, and the latent and text caches (keyed by each window) change nothing: the losses are the
+    same."""
     data = tmp_path / "data"
     data.mkdir()
     for name, count, size in (("left", 12, (40, 32)), ("up", 7, (32, 32))):
@@ -125,10 +159,19 @@ def test_clips_and_images_train_in_one_run_cached_as_uncached(make_config, base,
         return item
 
     for cached in (False, True):
-        config = make_config(model__base=base, data__path=str(data), data__target_frames=[5], data__frame_extraction="chunk",
-                             train__batch_size=2, train__max_steps=4, train__output_dir=str(tmp_path / f"run-{cached}"),
-                             cache__latents=cached, cache__text=cached, cache__dir=str(tmp_path / "cache"),
-                             sample__prompts=[])
+        config = make_config(
+            model__base=base,
+            data__path=str(data),
+            data__target_frames=[5],
+            data__frame_extraction="chunk",
+            train__batch_size=2,
+            train__max_steps=4,
+            train__output_dir=str(tmp_path / f"run-{cached}"),
+            cache__latents=cached,
+            cache__text=cached,
+            cache__dir=str(tmp_path / "cache"),
+            sample__prompts=[],
+        )
         with patch.object(CaptionedImages, "__getitem__", recording):
             train(config)
         metrics = [json.loads(line) for line in (tmp_path / f"run-{cached}" / "metrics.jsonl").read_text().splitlines()]
@@ -160,7 +203,8 @@ def test_the_memory_plan_is_for_the_longest_clip_window(make_config, base, tmp_p
 
 def test_samples_are_clips_written_as_mp4_with_their_prompt(base, tiny_base, tmp_path, monkeypatch):
     """`sample.frames` > 1: WanPipeline's own clip for the prompt and seed (the pipeline called directly gives the same
-    frames), written as H.264 MP4 that decodes back within the encoder's loss (measured: luma 1.8 levels on average), the prompt and settings in its metadata,
+    frames), written as H.264 MP4 that decodes back within the encoder's loss (measured: luma 1.8 levels on average),
+    the prompt and settings in its metadata,
     its first frame in the grid; the job page lists it. Without PyAV: an animated WebP, lossless, the same tags in its
     EXIF description. An image family refuses frames by name."""
     components = load_components(ModelConfig(base=base))
@@ -169,8 +213,16 @@ def test_samples_are_clips_written_as_mp4_with_their_prompt(base, tiny_base, tmp
     assert len(drawn.clip) == 5 and drawn.image is drawn.clip[0] and drawn.image.size == (32, 32)
     pipeline = components.pipeline(sampling_scheduler("auto", components))
     pipeline.set_progress_bar_config(disable=True)
-    theirs = pipeline(prompt="a red square moving left", height=32, width=32, num_frames=5, num_inference_steps=2,
-                      guidance_scale=7.5, generator=torch.Generator().manual_seed(3), output_type="np").frames[0]
+    theirs = pipeline(
+        prompt="a red square moving left",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=2,
+        guidance_scale=7.5,
+        generator=torch.Generator().manual_seed(3),
+        output_type="np",
+    ).frames[0]
     ours = np.stack([np.asarray(frame, dtype=np.float32) for frame in drawn.clip])
     assert np.abs(ours - np.round(theirs * 255)).max() <= 1
 
@@ -204,15 +256,28 @@ def test_a_runs_samples_are_clips_and_its_parity_check_compares_every_frame(make
     """With `sample.frames`, the base's clips before training, the previews and the end-of-run samples are MP4s beside
     their grids; the reloaded adapter redraws the whole clip, every frame within 0 levels in both layouts."""
     run = tmp_path / "run"
-    train(make_config(model__base=base, train__output_dir=str(run), train__max_steps=2, optim__learning_rate=2e-2,
-                      sample__prompts=["a square moving left"], sample__frames=5, sample__steps=2, sample__before=True,
-                      sample__every_steps=1))
+    train(
+        make_config(
+            model__base=base,
+            train__output_dir=str(run),
+            train__max_steps=2,
+            optim__learning_rate=2e-2,
+            sample__prompts=["a square moving left"],
+            sample__frames=5,
+            sample__steps=2,
+            sample__before=True,
+            sample__every_steps=1,
+        )
+    )
     for folder in ("samples", "samples/before", "samples/step-000001"):
         assert (run / folder / "000.mp4").is_file() and (run / folder / "grid.png").is_file()
     with av.open(str(run / "samples" / "000.mp4")) as container:
         assert sum(1 for _ in container.decode(video=0)) == 5
     parity = json.loads((run / "parity.json").read_text())
-    assert {layout: result["max_pixel_difference"] for layout, result in parity["layouts"].items()} == {"diffusers": 0, "kohya": 0}
+    assert {layout: result["max_pixel_difference"] for layout, result in parity["layouts"].items()} == {
+        "diffusers": 0,
+        "kohya": 0,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -223,8 +288,9 @@ def a14b(tmp_path_factory):
 
 
 @pytest.mark.parametrize("expert", ["high_noise", "low_noise"])
-def test_a_wan22_expert_trains_on_its_side_of_the_boundary_and_loads_where_diffusers_puts_it(make_config, a14b, tmp_path,
-                                                                                              expert):
+def test_a_wan22_expert_trains_on_its_side_of_the_boundary_and_loads_where_diffusers_puts_it(
+    make_config, a14b, tmp_path, expert
+):
     """Wan 2.2 A14B, one expert a run (musubi-tuner's way): every noise level drawn is on the expert's side of the
     pipeline's boundary (0.875: `transformer` at time >= 875, `transformer_2` below), the other expert is never
     changed, validation scores the expert's own timesteps, and diffusers' WanPipeline, given the file as its docs say
@@ -237,9 +303,17 @@ def test_a_wan22_expert_trains_on_its_side_of_the_boundary_and_loads_where_diffu
         return denoise(components, noisy, timesteps, conditioning, geometry)
 
     options = {"expert": expert}
-    config = make_config(model__base=a14b, model__family_options=options, train__max_steps=6, optim__learning_rate=5e-2,
-                         train__output_dir=str(tmp_path / "run"), sample__prompts=["a red square"], sample__steps=4,
-                         validation__path=str(REPO / "examples" / "purple"), validation__every_steps=6)
+    config = make_config(
+        model__base=a14b,
+        model__family_options=options,
+        train__max_steps=6,
+        optim__learning_rate=5e-2,
+        train__output_dir=str(tmp_path / "run"),
+        sample__prompts=["a red square"],
+        sample__steps=4,
+        validation__path=str(REPO / "examples" / "purple"),
+        validation__every_steps=6,
+    )
     with patch.object(FAMILY, "denoise", side_effect=recording, autospec=False):
         trained = train(config).trained_path
     training = drawn[: 6 * 2]  # the steps' (the validation's and the samples' come after)
@@ -253,11 +327,19 @@ def test_a_wan22_expert_trains_on_its_side_of_the_boundary_and_loads_where_diffu
     export.apply_adapters(ours, [(trained, 1.0)])
     pipeline = ours.pipeline(UniPCMultistepScheduler.from_config(base.scheduler.config))  # the pipeline's own sampler
     untouched = pipeline.transformer if low else pipeline.transformer_2
-    assert all(torch.equal(a, b) for a, b in zip(untouched.state_dict().values(), other.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(untouched.state_dict().values(), other.state_dict().values(), strict=True)
+    )
     theirs = WanPipeline.from_pretrained(a14b, dtype=torch.float32)
     theirs.load_lora_weights(str(trained), **({"load_into_transformer_2": True} if low else {}))
-    arguments = {"prompt": "a red square", "height": 32, "width": 32, "num_frames": 1, "num_inference_steps": 4,
-                 "output_type": "np"}
+    arguments = {
+        "prompt": "a red square",
+        "height": 32,
+        "width": 32,
+        "num_frames": 1,
+        "num_inference_steps": 4,
+        "output_type": "np",
+    }
     drawn_ours = pipeline(**arguments, generator=torch.Generator().manual_seed(0)).frames
     drawn_theirs = theirs(**arguments, generator=torch.Generator().manual_seed(0)).frames
     assert np.abs(drawn_ours - drawn_theirs).max() * 255 <= 1
@@ -266,17 +348,27 @@ def test_a_wan22_expert_trains_on_its_side_of_the_boundary_and_loads_where_diffu
     assert sampled.family_options.expert == expert
     merged = export.merge_into_folder(a14b, [(trained, 1.0)], tmp_path / "merged")[0]
     merged_pipeline = WanPipeline.from_pretrained(merged, dtype=torch.float32)
-    merged_pipeline.scheduler = UniPCMultistepScheduler.from_config(base.scheduler.config)  # saved with difftune's Euler
+    merged_pipeline.scheduler = UniPCMultistepScheduler.from_config(
+        base.scheduler.config
+    )  # saved with difftune's Euler
     drawn_merged = merged_pipeline(**arguments, generator=torch.Generator().manual_seed(0)).frames
     assert np.abs(drawn_merged - drawn_theirs).max() * 255 <= 1
     tensors, metadata = load_file(trained), safe_open(str(trained), "pt").metadata()
-    other_expert = metadata["difftune_config"].replace(f'expert = "{expert}"', f'expert = "{"high_noise" if low else "low_noise"}"')
+    other_expert = metadata["difftune_config"].replace(
+        f'expert = "{expert}"', f'expert = "{"high_noise" if low else "low_noise"}"'
+    )
     save_file(tensors, tmp_path / "other.safetensors", metadata | {"difftune_config": other_expert})
     with pytest.raises(DifftuneError, match="they go on different parts; load them one at a time"):
         export.base_for_adapters(a14b, [(trained, 1.0), (tmp_path / "other.safetensors", 1.0)])
-    trained_expert, before = (pipeline.transformer_2, base.transformer_2) if low else (pipeline.transformer, base.transformer)
-    inputs = {"hidden_states": torch.randn(1, 16, 1, 8, 8, generator=torch.Generator().manual_seed(1)),
-              "timestep": torch.tensor([500.0]), "encoder_hidden_states": torch.randn(1, 512, 64), "return_dict": False}
+    trained_expert, before = (
+        (pipeline.transformer_2, base.transformer_2) if low else (pipeline.transformer, base.transformer)
+    )
+    inputs = {
+        "hidden_states": torch.randn(1, 16, 1, 8, 8, generator=torch.Generator().manual_seed(1)),
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": torch.randn(1, 512, 64),
+        "return_dict": False,
+    }
     with torch.no_grad():  # the adapter is on the trained expert
         assert (trained_expert(**inputs)[0] - before(**inputs)[0]).abs().max() > 1e-3
 
@@ -284,14 +376,22 @@ def test_a_wan22_expert_trains_on_its_side_of_the_boundary_and_loads_where_diffu
 def test_the_other_expert_is_loaded_only_where_the_run_draws_before_its_end(make_config, a14b, tmp_path):
     """Training one expert holds the other (28 GB of bf16 at A14B's size) only where previews draw with it; else it
     is loaded for the end samples alone, and the plan's loading phase leaves it out."""
-    configs = {previews: make_config(model__base=a14b, model__family_options={"expert": "low_noise"},
-                                     sample__prompts=["a red square"], sample__every_steps=2 if previews else 0,
-                                     train__output_dir=str(tmp_path / "run"))
-               for previews in (False, True)}
+    configs = {
+        previews: make_config(
+            model__base=a14b,
+            model__family_options={"expert": "low_noise"},
+            sample__prompts=["a red square"],
+            sample__every_steps=2 if previews else 0,
+            train__output_dir=str(tmp_path / "run"),
+        )
+        for previews in (False, True)
+    }
     loaded = {previews: load_components(config.model, part_dtypes(config)) for previews, config in configs.items()}
     assert loaded[False].drawing_parts["transformer"] is None and loaded[True].drawing_parts["transformer"] is not None
-    assert all(components.denoiser is not None and components.text_encoders["text_encoder"] is not None
-               for components in loaded.values())
+    assert all(
+        components.denoiser is not None and components.text_encoders["text_encoder"] is not None
+        for components in loaded.values()
+    )
     expert = loaded[True].drawing_parts["transformer"]
     other = sum(t.numel() * t.element_size() for t in (*expert.parameters(), *expert.buffers()))
     plans = {previews: plan.plan_memory(config, "cpu").host_phases for previews, config in configs.items()}
@@ -302,9 +402,16 @@ def test_the_other_expert_is_loaded_only_where_the_run_draws_before_its_end(make
 def test_an_expert_needs_a_two_expert_base_and_validation_timesteps_on_its_side(make_config, base, a14b, tmp_path):
     with pytest.raises(DifftuneError, match='expert = "low_noise": this base has one transformer'):
         load_components(ModelConfig(base=base, family_options={"expert": "low_noise"}))
-    config = make_config(model__base=a14b, model__family_options={"expert": "high_noise"}, train__output_dir=str(tmp_path),
-                         validation__path=str(REPO / "examples" / "purple"), validation__timesteps=[100, 500])
-    with pytest.raises(DifftuneError, match=r"validation.timesteps \[100, 500\]: none is a noise level this run trains"):
+    config = make_config(
+        model__base=a14b,
+        model__family_options={"expert": "high_noise"},
+        train__output_dir=str(tmp_path),
+        validation__path=str(REPO / "examples" / "purple"),
+        validation__timesteps=[100, 500],
+    )
+    with pytest.raises(
+        DifftuneError, match=r"validation.timesteps \[100, 500\]: none is a noise level this run trains"
+    ):
         train(config)
 
 
@@ -317,19 +424,40 @@ def test_wan22_ti2v_reads_a_time_per_token_over_its_own_patching_autoencoder(mak
     components = load_components(ModelConfig(base=str(path)))
     assert components.pipeline_options["expand_timesteps"] and downsampling(components.vae) == 8
     noisy = torch.randn(2, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
-    states = torch.randn(2, 512, components.text_encoders["text_encoder"].config.d_model, generator=torch.Generator().manual_seed(1))
+    states = torch.randn(
+        2, 512, components.text_encoders["text_encoder"].config.d_model, generator=torch.Generator().manual_seed(1)
+    )
     t = torch.tensor([700.0, 300.0])
     with torch.no_grad():
         ours = FAMILY.denoise(components, noisy, t, {"encoder_hidden_states": states}, None)
-        per_token = t[:, None].expand(-1, 3 * 2 * 2)  # the pipeline's `temp_ts` for a text-to-video call: every token at t
-        theirs = components.denoiser(hidden_states=noisy, timestep=per_token, encoder_hidden_states=states, return_dict=False)[0]
+        per_token = t[:, None].expand(
+            -1, 3 * 2 * 2
+        )  # the pipeline's `temp_ts` for a text-to-video call: every token at t
+        theirs = components.denoiser(
+            hidden_states=noisy, timestep=per_token, encoder_hidden_states=states, return_dict=False
+        )[0]
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     data = tmp_path / "data"
     data.mkdir()
-    write_clip(data / "clip.mkv", [Image.new("RGB", (32, 32), (20 * i, 90, 200 - 20 * i)) for i in range(5)], lossless=True)
+    write_clip(
+        data / "clip.mkv", [Image.new("RGB", (32, 32), (20 * i, 90, 200 - 20 * i)) for i in range(5)], lossless=True
+    )
     (data / "clip.txt").write_text("a square moving left")
-    train(make_config(model__base=str(path), data__path=str(data), data__target_frames=[5], train__max_steps=2,
-                      train__batch_size=1, optim__learning_rate=2e-2, train__output_dir=str(tmp_path / "run"),
-                      sample__prompts=["a square"], sample__steps=2))  # one clip: a batch of one
+    train(
+        make_config(
+            model__base=str(path),
+            data__path=str(data),
+            data__target_frames=[5],
+            train__max_steps=2,
+            train__batch_size=1,
+            optim__learning_rate=2e-2,
+            train__output_dir=str(tmp_path / "run"),
+            sample__prompts=["a square"],
+            sample__steps=2,
+        )
+    )  # one clip: a batch of one
     parity = json.loads((tmp_path / "run" / "parity.json").read_text())
-    assert {layout: result["max_pixel_difference"] for layout, result in parity["layouts"].items()} == {"diffusers": 0, "kohya": 0}
+    assert {layout: result["max_pixel_difference"] for layout, result in parity["layouts"].items()} == {
+        "diffusers": 0,
+        "kohya": 0,
+    }

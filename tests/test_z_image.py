@@ -38,10 +38,13 @@ def test_the_single_file_is_the_original_layout_that_diffusers_reads(base, tmp_p
     save_file({f"model.diffusion_model.{key}": value for key, value in FAMILY.to_single_file(components).items()}, path)
     keys = set(load_file(path))
     assert "model.diffusion_model.layers.0.attention.qkv.weight" in keys
-    assert "model.diffusion_model.final_layer.linear.weight" in keys and "model.diffusion_model.norm_final.weight" in keys
+    assert (
+        "model.diffusion_model.final_layer.linear.weight" in keys and "model.diffusion_model.norm_final.weight" in keys
+    )
     assert not any(".to_q." in key or "all_final_layer" in key for key in keys)
-    theirs = ZImageTransformer2DModel.from_single_file(str(path), config=str(base), subfolder="transformer",
-                                                        torch_dtype=torch.float32)
+    theirs = ZImageTransformer2DModel.from_single_file(
+        str(path), config=str(base), subfolder="transformer", torch_dtype=torch.float32
+    )
     ours = components.denoiser.state_dict()
     assert theirs.state_dict().keys() == ours.keys()
     assert all(torch.equal(value, ours[key]) for key, value in theirs.state_dict().items())
@@ -55,8 +58,9 @@ def test_noise_levels_follow_the_schedulers_fixed_shift(base):
     config = LossConfig(flow_shift_by_resolution=True)
     generators = [torch.Generator().manual_seed(i) for i in range(4)]
     timesteps, _, _ = FAMILY.draw_timesteps_and_noise(components, generators, latents, config)
-    plain, _, _ = FAMILY.draw_timesteps_and_noise(components, [torch.Generator().manual_seed(i) for i in range(4)],
-                                                  torch.zeros(4, 16, 32, 32), LossConfig())
+    plain, _, _ = FAMILY.draw_timesteps_and_noise(
+        components, [torch.Generator().manual_seed(i) for i in range(4)], torch.zeros(4, 16, 32, 32), LossConfig()
+    )
     torch.testing.assert_close(timesteps, shifted(plain / 1000, 3.0) * 1000)
 
 
@@ -65,7 +69,10 @@ def test_sample_guidance_means_what_it_means_for_every_family(base):
     pos + s (pos - neg) is the same prediction at s = w - 1 (none at w <= 1, as Turbo samples)."""
     components = load_components(ModelConfig(base=str(base)))
     assert FAMILY.sampling_arguments(components, 4.0, "blurry") == {
-        "max_sequence_length": 512, "guidance_scale": 3.0, "negative_prompt": "blurry"}
+        "max_sequence_length": 512,
+        "guidance_scale": 3.0,
+        "negative_prompt": "blurry",
+    }
     assert FAMILY.sampling_arguments(components, 1.0, "blurry") == {"max_sequence_length": 512, "guidance_scale": 0.0}
 
 
@@ -74,19 +81,30 @@ def test_the_kohya_layout_is_comfyuis_and_musubi_tuners_files_are_read(base, mak
     writes: `lora_unet_<original name>`, q, k and v one `attention_qkv` layer (downs stacked, ups block-diagonal,
     alpha x 3 with the rank), `attention_out`. sd-scripts' / musubi-tuner's own files name each diffusers module
     (`lora_unet_layers_0_attention_to_q`): read as the same adapter."""
-    settings = {"model__base": str(base), "train__output_dir": str(tmp_path / "run"), "train__max_steps": 2,
-                "sample__prompts": [], "adapter__text_encoder": False}
+    settings = {
+        "model__base": str(base),
+        "train__output_dir": str(tmp_path / "run"),
+        "train__max_steps": 2,
+        "sample__prompts": [],
+        "adapter__text_encoder": False,
+    }
     trained_path = train(make_config(**settings)).trained_path
     trained = load_file(trained_path)
     kohya = load_file(export.convert_adapter(trained_path, tmp_path / "kohya.safetensors", "kohya"))
     module = "transformer.layers.0.attention"
-    assert torch.equal(kohya["lora_unet_layers_0_attention_qkv.lora_down.weight"],
-                       torch.cat([trained[f"{module}.to_{p}.lora_A.weight"] for p in "qkv"]))
-    assert torch.equal(kohya["lora_unet_layers_0_attention_qkv.lora_up.weight"],
-                       torch.block_diag(*[trained[f"{module}.to_{p}.lora_B.weight"] for p in "qkv"]))
+    assert torch.equal(
+        kohya["lora_unet_layers_0_attention_qkv.lora_down.weight"],
+        torch.cat([trained[f"{module}.to_{p}.lora_A.weight"] for p in "qkv"]),
+    )
+    assert torch.equal(
+        kohya["lora_unet_layers_0_attention_qkv.lora_up.weight"],
+        torch.block_diag(*[trained[f"{module}.to_{p}.lora_B.weight"] for p in "qkv"]),
+    )
     rank = trained[f"{module}.to_q.lora_A.weight"].shape[0]
     assert kohya["lora_unet_layers_0_attention_qkv.alpha"].item() == 3 * rank
-    assert torch.equal(kohya["lora_unet_layers_0_attention_out.lora_down.weight"], trained[f"{module}.to_out.0.lora_A.weight"])
+    assert torch.equal(
+        kohya["lora_unet_layers_0_attention_out.lora_down.weight"], trained[f"{module}.to_out.0.lora_A.weight"]
+    )
     assert "lora_unet_noise_refiner_0_feed_forward_w1.lora_up.weight" in kohya
 
     musubi = {}
@@ -114,8 +132,10 @@ def test_a_training_adapter_is_trained_over_and_left_out_of_what_is_saved(make_c
     save_file(assistant, tmp_path / "assistant.safetensors")
     merged = tmp_path / "merged"
     export.merge_into_folder(str(base), [(tmp_path / "assistant.safetensors", 1.0)], merged)
-    change = load_components(ModelConfig(base=str(merged))).denoiser.get_submodule("layers.0.attention.to_q").weight \
+    change = (
+        load_components(ModelConfig(base=str(merged))).denoiser.get_submodule("layers.0.attention.to_q").weight
         - denoiser.get_submodule("layers.0.attention.to_q").weight
+    )
     prefix = "diffusion_model.layers.0.attention.to_q"
     torch.testing.assert_close(change, assistant[f"{prefix}.lora_B.weight"] @ assistant[f"{prefix}.lora_A.weight"])
 
@@ -143,7 +163,9 @@ def test_a_training_adapter_is_trained_over_and_left_out_of_what_is_saved(make_c
     parity = json.loads((tmp_path / "over" / PARITY_FILE).read_text())
     assert all(result["max_pixel_difference"] <= 1 for result in parity["layouts"].values()), parity
 
-    with pytest.raises(DifftuneError, match=r"model.training_adapter nowhere/adapter.bin: not an adapter file; give a local"):
+    with pytest.raises(
+        DifftuneError, match=r"model.training_adapter nowhere/adapter.bin: not an adapter file; give a local"
+    ):
         run("missing", model__training_adapter="nowhere/adapter.bin")
     with pytest.raises(DifftuneError, match=r"model.training_adapter needs an adapter \(adapter.kind lora"):
         make_config(model__training_adapter=str(tmp_path / "assistant.safetensors"), adapter__kind="none")

@@ -41,8 +41,11 @@ def caption_with_token(caption: str, config: AdapterConfig) -> str:
 
 def check_captions(captions: list[str], config: AdapterConfig) -> None:
     if not any(config.embedding_token in caption for caption in captions):
-        where = (f"adapter.embedding_caption_word {config.embedding_caption_word!r} is in none of them"
-                 if config.embedding_caption_word else "set adapter.embedding_caption_word to the word it stands for")
+        where = (
+            f"adapter.embedding_caption_word {config.embedding_caption_word!r} is in none of them"
+            if config.embedding_caption_word
+            else "set adapter.embedding_caption_word to the word it stands for"
+        )
         raise DifftuneError(f"adapter.embedding_token {config.embedding_token!r} appears in no caption: {where}")
 
 
@@ -75,7 +78,9 @@ def add_tokens(components: Components, config: AdapterConfig) -> None:
 def embedding_vectors(components: Components, config: AdapterConfig) -> dict[str, torch.Tensor]:
     """Each text encoder's learned vectors (n, dim) under its file key, as the encoder now embeds the tokens."""
     vectors = {}
-    for (encoder_name, tokenizer_name), key in zip(components.family.encoder_tokenizers(), components.family.embedding_keys):
+    for (encoder_name, tokenizer_name), key in zip(
+        components.family.encoder_tokenizers(), components.family.embedding_keys, strict=True
+    ):
         ids = components.tokenizers[tokenizer_name].convert_tokens_to_ids(token_names(config))
         encoder = components.text_encoders[encoder_name]
         with torch.no_grad():
@@ -120,17 +125,21 @@ def load_embedding(components: Components, path: Path) -> str:
                 f"{' and '.join(family.embedding_keys)} vectors (the layout A1111, ComfyUI and difftune write)"
             )
     token = token or path.stem
-    for (encoder_name, tokenizer_name), key in zip(family.encoder_tokenizers(), family.embedding_keys):
+    for (encoder_name, tokenizer_name), key in zip(family.encoder_tokenizers(), family.embedding_keys, strict=True):
         if key not in tensors:
-            raise DifftuneError(f"embedding {path}: no {key!r} vectors for the {encoder_name} of this {family.description} base")
+            raise DifftuneError(
+                f"embedding {path}: no {key!r} vectors for the {encoder_name} of this {family.description} base"
+            )
         width = components.text_encoders[encoder_name].get_input_embeddings().weight.shape[1]
         if tensors[key].shape[-1] != width:
             raise DifftuneError(
-                f"embedding {path}: its {key!r} vectors are {tensors[key].shape[-1]} wide, but this base's {encoder_name} "
-                f"embeds tokens in {width}: the embedding was made for another model"
+                f"embedding {path}: its {key!r} vectors are {tensors[key].shape[-1]} wide, but this "
+                f"base's {encoder_name} embeds tokens in {width}: the embedding was made for another model"
             )
         pipeline.load_textual_inversion(
-            {token: tensors[key]}, token=token, text_encoder=components.text_encoders[encoder_name],
+            {token: tensors[key]},
+            token=token,
+            text_encoder=components.text_encoders[encoder_name],
             tokenizer=components.tokenizers[tokenizer_name],
         )
     return token

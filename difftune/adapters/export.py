@@ -1,7 +1,8 @@
 """Writing what training produced, in the formats other tools load; merging adapters into the base.
 
 The diffusers-layout adapter file is one safetensors file that diffusers' `load_lora_weights` reads:
-peft keys prefixed by their part (`unet.`, `text_encoder.`, SDXL's `text_encoder_2.`), each part's peft `LoraConfig` under the metadata key
+peft keys prefixed by their part (`unet.`, `text_encoder.`, SDXL's `text_encoder_2.`), each part's peft `LoraConfig`
+under the metadata key
 `lora_adapter_metadata` (so rank, alpha and DoRA are read, not guessed from shapes), and the resolved
 difftune config under `difftune_config`. Weights are kept in fp32: lossless, and small. The kohya
 layout (kohya.py) is the same tensors under A1111/ComfyUI names, with `ss_*` metadata.
@@ -85,10 +86,14 @@ def save_trained(components: Components, config: Config, path: Path, layout: str
     if config.adapter.kind == "embedding":  # one layout: the one every tool reads
         return write_embedding(path, components, config.adapter, {CONFIG_METADATA_KEY: config.to_toml()})
     tensors, lora_configs = adapter_state_dict(components, config.adapter)
-    return write_adapter(path, tensors, lora_configs, config.to_toml(), layout or config.export.format, components.family)
+    return write_adapter(
+        path, tensors, lora_configs, config.to_toml(), layout or config.export.format, components.family
+    )
 
 
-def save_adapter_layouts(components: Components, config: Config, output_dir: Path, variant: str = "") -> dict[str, Path | str]:
+def save_adapter_layouts(
+    components: Components, config: Config, output_dir: Path, variant: str = ""
+) -> dict[str, Path | str]:
     """An adapter run's result in both layouts, whichever `export.format` chose (it names the primary file): one for
     diffusers and peft, one for ComfyUI, A1111 and kohya, so the folder holds a file each tool applies (ComfyUI maps
     none of a Wan file's diffusers keys). {layout: the file, or why the layout cannot hold this adapter (LoHa/LoKr on
@@ -106,7 +111,9 @@ def save_adapter_layouts(components: Components, config: Config, output_dir: Pat
     return written
 
 
-def save_result_files(components: Components, config: Config, output_dir: Path, variant: str = "") -> dict[str, Path | str]:
+def save_result_files(
+    components: Components, config: Config, output_dir: Path, variant: str = ""
+) -> dict[str, Path | str]:
     """What a run saves as its result: an adapter in both layouts (`save_adapter_layouts`), else its one full model
     folder ("model") or embedding file ("embedding"), by what `where_files_go` calls them."""
     if config.adapter.is_adapter:
@@ -117,10 +124,12 @@ def save_result_files(components: Components, config: Config, output_dir: Path, 
 
 def where_files_go(files: dict[str, Path | str]) -> list[str]:
     """The run's last lines: which of its files goes to which tool."""
-    uses = {"diffusers": "diffusers and peft (`pipeline.load_lora_weights`), difftune sample / merge",
-            "kohya": "ComfyUI (its models/loras folder), A1111 / Forge, kohya",
-            "model": "a diffusers pipeline folder (`from_pretrained`), difftune sample",
-            "embedding": "A1111, ComfyUI (its models/embeddings folder) and diffusers (`load_textual_inversion`)"}
+    uses = {
+        "diffusers": "diffusers and peft (`pipeline.load_lora_weights`), difftune sample / merge",
+        "kohya": "ComfyUI (its models/loras folder), A1111 / Forge, kohya",
+        "model": "a diffusers pipeline folder (`from_pretrained`), difftune sample",
+        "embedding": "A1111, ComfyUI (its models/embeddings folder) and diffusers (`load_textual_inversion`)",
+    }
     lines = []
     for layout, file in files.items():
         if isinstance(file, Path):
@@ -138,11 +147,16 @@ def check_layout(components: Components, config: Config) -> None:
         try:
             family_to_kohya(components.family, tensors, lora_configs)
         except ValueError as err:
-            raise DifftuneError(f"export.format = \"kohya\": {err}") from None
+            raise DifftuneError(f'export.format = "kohya": {err}') from None
 
 
 def write_adapter(
-    path: Path, tensors: dict, lora_configs: dict, config_toml: str, layout: str, family: Family | None = None,
+    path: Path,
+    tensors: dict,
+    lora_configs: dict,
+    config_toml: str,
+    layout: str,
+    family: Family | None = None,
     base: str = "",
 ) -> Path:
     """Write an adapter file; a NaN or inf tensor is refused before anything is written. `family` gives the kohya
@@ -180,17 +194,27 @@ def folded_alpha(tensors: dict, lora_configs: dict) -> tuple[dict, dict, dict]:
     for part in parts_of(tensors):
         if adapter_kind(lora_configs, part) != "lora":
             continue
-        ranks = {module: value.shape[0] for key, value in tensors.items() if key.startswith(f"{part}.")
-                 for module, kind in [split_adapter_key(key.partition(".")[2])] if kind == "lora_A.weight"}
+        ranks = {
+            module: value.shape[0]
+            for key, value in tensors.items()
+            if key.startswith(f"{part}.")
+            for module, kind in [split_adapter_key(key.partition(".")[2])]
+            if kind == "lora_A.weight"
+        }
         scales = {module: adapter_scale(lora_configs, part, module, rank) for module, rank in ranks.items()}
         if all(scale == 1 for scale in scales.values()):
             continue
         for module, scale in scales.items():
             key = f"{part}.{module}.lora_B.weight"
             tensors[key] = tensors[key] * scale
-        folded[part] = {field: lora_configs.get(f"{part}.{field}") for field in ("lora_alpha", "alpha_pattern", "use_rslora")}
-        lora_configs |= {f"{part}.lora_alpha": lora_configs[f"{part}.r"], f"{part}.use_rslora": False,
-                         f"{part}.alpha_pattern": dict(lora_configs.get(f"{part}.rank_pattern") or {})}
+        folded[part] = {
+            field: lora_configs.get(f"{part}.{field}") for field in ("lora_alpha", "alpha_pattern", "use_rslora")
+        }
+        lora_configs |= {
+            f"{part}.lora_alpha": lora_configs[f"{part}.r"],
+            f"{part}.use_rslora": False,
+            f"{part}.alpha_pattern": dict(lora_configs.get(f"{part}.rank_pattern") or {}),
+        }
     return tensors, lora_configs, folded
 
 
@@ -263,17 +287,23 @@ def average_adapters(paths: list[Path], weighting: str = "uniform", base: str | 
         raise DifftuneError("averaging needs at least two adapter files")
     adapters = [read_any_adapter(path, base) for path in paths]
     first_tensors, first_configs, _ = adapters[0]
-    for path, (tensors, configs, _) in zip(paths[1:], adapters[1:]):
+    for path, (tensors, configs, _) in zip(paths[1:], adapters[1:], strict=True):
         mismatched = [k for k in first_tensors if k not in tensors or tensors[k].shape != first_tensors[k].shape]
         if mismatched or tensors.keys() != first_tensors.keys():
-            raise DifftuneError(f"adapter {path}: its tensors differ from {paths[0]} (first: {(mismatched or ['?'])[0]})")
+            raise DifftuneError(
+                f"adapter {path}: its tensors differ from {paths[0]} (first: {(mismatched or ['?'])[0]})"
+            )
         for field in [key for key in first_configs if key.endswith((".r", ".lora_alpha", ".use_dora"))]:
             if configs.get(field) != first_configs.get(field):
-                raise DifftuneError(f"adapter {path}: {field} = {configs.get(field)} but {paths[0]} has {first_configs.get(field)}")
+                raise DifftuneError(
+                    f"adapter {path}: {field} = {configs.get(field)} but {paths[0]} has {first_configs.get(field)}"
+                )
     weights = AVERAGE_WEIGHTS[weighting](len(paths))
     total = sum(weights)
     averaged = {
-        key: sum(w / total * tensors[key].double() for w, (tensors, _, _) in zip(weights, adapters)).float()
+        key: sum(
+            w / total * tensors[key].double() for w, (tensors, _, _) in zip(weights, adapters, strict=True)
+        ).float()
         for key in first_tensors
     }
     return averaged, first_configs, adapters[-1][2]
@@ -309,11 +339,20 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
                 _attach_lycoris(components, tensors, lora_configs, names[-1], path)
                 continue
             staged = write_adapter(
-                Path(tmp) / f"{names[-1]}.safetensors", tensors, lora_configs, config_toml, "diffusers", components.family
+                Path(tmp) / f"{names[-1]}.safetensors",
+                tensors,
+                lora_configs,
+                config_toml,
+                "diffusers",
+                components.family,
             )
             with quiet_loading():
-                pipeline.load_lora_weights(tmp, weight_name=staged.name, adapter_name=names[-1],
-                                           **components.family.lora_loading_arguments(components.family_options))
+                pipeline.load_lora_weights(
+                    tmp,
+                    weight_name=staged.name,
+                    adapter_name=names[-1],
+                    **components.family.lora_loading_arguments(components.family_options),
+                )
     pipeline.set_adapters(names, adapter_weights=[scale for _, scale in adapters])
 
 
@@ -333,7 +372,9 @@ def _attach_lycoris(components: Components, tensors: dict, lora_configs: dict, n
         config_class = LYCORIS_CONFIGS[adapter_kind(lora_configs, part)]
         known = set(config_class.__dataclass_fields__) - {"peft_type", "task_type"}  # set by the class itself
         fields = {key.removeprefix(prefix): value for key, value in lora_configs.items() if key.startswith(prefix)}
-        parts[part].add_adapter(config_class(**{key: value for key, value in fields.items() if key in known}), adapter_name=name)
+        parts[part].add_adapter(
+            config_class(**{key: value for key, value in fields.items() if key in known}), adapter_name=name
+        )
         factors: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in tensors.items():
             if key.startswith(prefix):
@@ -342,13 +383,18 @@ def _attach_lycoris(components: Components, tensors: dict, lora_configs: dict, n
         for module, found in factors.items():
             layer = parts[part].get_submodule(module)
             if not isinstance(layer, LycorisLayer):
-                raise DifftuneError(f"adapter {path}: {part} has no place for {module}'s {', '.join(found)}; is this adapter for this model?")
+                raise DifftuneError(
+                    f"adapter {path}: {part} has no place for {module}'s "
+                    f"{', '.join(found)}; is this adapter for this model?"
+                )
             weight = layer.get_base_layer().weight
             for kind in layer.adapter_layer_names:
                 if name in getattr(layer, kind):
                     del getattr(layer, kind)[name]
             for kind, value in found.items():
-                getattr(layer, kind)[name] = torch.nn.Parameter(value.to(weight.device, weight.dtype), requires_grad=False)
+                getattr(layer, kind)[name] = torch.nn.Parameter(
+                    value.to(weight.device, weight.dtype), requires_grad=False
+                )
 
 
 def base_for_adapters(base: str, adapters: list[tuple[Path, float]]) -> ModelConfig:
@@ -389,7 +435,11 @@ def load_with_adapters(base: str, adapters: list[tuple[Path, float]], dtype: tor
 
 
 def merge_into_folder(
-    base: str, adapters: list[tuple[Path, float]], out_dir: Path, dtype: str = "fp32", single_file: bool = False,
+    base: str,
+    adapters: list[tuple[Path, float]],
+    out_dir: Path,
+    dtype: str = "fp32",
+    single_file: bool = False,
     overwrite: bool = False,
 ) -> list[Path]:
     """Load the base, fold the adapters in and save the whole pipeline (the CLI's and UI's `merge`)."""
@@ -405,8 +455,10 @@ def merge_adapters(components: Components, adapters: list[tuple[Path, float]], d
         apply_adapters(components, adapters)
         pipeline = components.pipeline()
         family = components.family
-        parts = [family.denoiser_part(components.family_options) if part == family.denoiser_name else part
-                 for part in family.adapter_parts()]  # as the pipeline names them
+        parts = [
+            family.denoiser_part(components.family_options) if part == family.denoiser_name else part
+            for part in family.adapter_parts()
+        ]  # as the pipeline names them
         pipeline.fuse_lora(components=parts, lora_scale=1.0)
         pipeline.unload_lora_weights()
     for module in components.modules():
@@ -420,11 +472,15 @@ def save_merged(components: Components, out_dir: Path, single_file: bool, overwr
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise DifftuneError(
             f"{out_dir}: already exists and is not empty; choose another folder, or replace it (the CLI's --overwrite, "
-            "the UI's \"Replace an existing folder\")"
+            'the UI\'s "Replace an existing folder")'
         )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # The single file's keys first: a family without that layout refuses before anything is written.
-    ldm = {key: value.contiguous() for key, value in components.family.to_single_file(components).items()} if single_file else {}
+    ldm = (
+        {key: value.contiguous() for key, value in components.family.to_single_file(components).items()}
+        if single_file
+        else {}
+    )
 
     def write(staging: Path) -> None:
         components.pipeline(sampling_scheduler("auto", components)).save_pretrained(staging, safe_serialization=True)
@@ -441,8 +497,9 @@ def _refuse_unloadable_parts(tensors: dict, family: Family, path: Path) -> None:
     unloadable = sorted({key.partition(".")[0] for key in tensors} - set(loadable))
     if unloadable:
         raise DifftuneError(
-            f"adapter {path}: has weights for {', '.join(unloadable)}, which {family.description} pipelines do not load "
-            f"adapters into (they read {', '.join(loadable)}); merge that part into the base with the tool that made it"
+            f"adapter {path}: has weights for {', '.join(unloadable)}, which "
+            f"{family.description} pipelines do not load adapters into (they read "
+            f"{', '.join(loadable)}); merge that part into the base with the tool that made it"
         )
 
 

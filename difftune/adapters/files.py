@@ -42,7 +42,8 @@ from difftune.files import open_safetensors
 
 CONFIG_METADATA_KEY = "difftune_config"
 KOHYA_PREFIXES = (
-    *{prefix for family in FAMILIES.values() for prefix in family.kohya_prefixes.values()}, SIMPLETUNER_PREFIX
+    *{prefix for family in FAMILIES.values() for prefix in family.kohya_prefixes.values()},
+    SIMPLETUNER_PREFIX,
 )
 KNOWN_PARTS = {part for family in FAMILIES.values() for part in family.parts()}  # diffusers-layout key prefixes
 # Keys of textual-inversion files, as each family writes them (A1111 / ComfyUI layouts).
@@ -50,7 +51,9 @@ EMBEDDING_KEYS = {key for family in FAMILIES.values() for key in family.embeddin
 # Prefixes of a file saved from one model rather than a pipeline (peft's; ComfyUI's and ai-toolkit's name the
 # denoiser `diffusion_model.`): its keys are the denoiser's.
 LONE_MODEL_PREFIXES = ("base_model.model.", "diffusion_model.")
-UNET_MODULE = re.compile(r"(down_blocks|up_blocks|mid_block|conv_in|conv_out|conv_norm_out|time_embedding|add_embedding)\.")
+UNET_MODULE = re.compile(
+    r"(down_blocks|up_blocks|mid_block|conv_in|conv_out|conv_norm_out|time_embedding|add_embedding)\."
+)
 
 
 @dataclass
@@ -112,12 +115,15 @@ def read_adapter(path: Path, base_modules: FindBaseModules | None = None) -> tup
         lora_configs = json.loads(metadata[LORA_ADAPTER_METADATA_KEY])
         missing = [part for part in parts_of(tensors) if f"{part}.r" not in lora_configs]
         if missing:
-            raise DifftuneError(f"adapter {path}: its `{LORA_ADAPTER_METADATA_KEY}` metadata has no config for {missing[0]}")
+            raise DifftuneError(
+                f"adapter {path}: its `{LORA_ADAPTER_METADATA_KEY}` metadata has no config for {missing[0]}"
+            )
     else:
         lycoris = next((key for key in tensors if split_adapter_key(key.partition(".")[2])[1] in LYCORIS_TENSORS), None)
         if lycoris:
             raise DifftuneError(
-                f"adapter {path}: {lycoris} is a LoHa/LoKr tensor in peft's layout without its `{LORA_ADAPTER_METADATA_KEY}` "
+                f"adapter {path}: {lycoris} is a LoHa/LoKr tensor in peft's layout without its "
+                f"`{LORA_ADAPTER_METADATA_KEY}` "
                 "metadata, which its factors' shapes do not determine; convert it from the kohya/LyCORIS layout instead"
             )
         lora_configs = _configs_from_shapes(tensors, alphas)
@@ -147,7 +153,8 @@ def placed_on_base(tensors: dict, modules: BaseModules, path: Path) -> dict:
             module = originals[module]
         if module not in known.get(part, ()):
             raise DifftuneError(
-                f"adapter {path}: {key}: the base model's {part} has no module {module!r}; is this adapter for this model?"
+                f"adapter {path}: {key}: the base model's {part} has "
+                f"no module {module!r}; is this adapter for this model?"
             )
         placed[f"{part}.{module}.{kind}"] = value
     return placed
@@ -221,6 +228,8 @@ def module_names_of(components) -> BaseModules:
     adapter is named as in the base (peft moves the original to `<name>.base_layer`)."""
     names = {}
     for part, model in components.parts().items():
-        layers = [name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))]
+        layers = [
+            name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))
+        ]
         names[part] = [name.removesuffix(".base_layer") for name in layers if ".lora_" not in name]
     return BaseModules(names, components.family)

@@ -25,8 +25,21 @@ from difftune.models.parts import Components
 
 DORA_MAGNITUDE = "lora_magnitude_vector"
 # LoHa's and LoKr's tensors: the same names in peft's state dicts and in LyCORIS files.
-LYCORIS_TENSORS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2",
-                   "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
+LYCORIS_TENSORS = (
+    "hada_w1_a",
+    "hada_w1_b",
+    "hada_w2_a",
+    "hada_w2_b",
+    "hada_t1",
+    "hada_t2",
+    "lokr_w1",
+    "lokr_w1_a",
+    "lokr_w1_b",
+    "lokr_w2",
+    "lokr_w2_a",
+    "lokr_w2_b",
+    "lokr_t2",
+)
 LYCORIS_CONFIGS = {"loha": LoHaConfig, "lokr": LoKrConfig}  # adapter.kind (and `adapter_kind`) -> its peft config
 MUTATED_BASE_INITS = ("pissa", "olora")  # adapter inits that change the base weights (see the module's docstring)
 INITIAL_ADAPTER = "_difftune_initial_adapter"  # a part's adapter tensors as initialized, for those inits
@@ -53,7 +66,9 @@ def target_modules(components: Components, config: AdapterConfig) -> dict[str, l
     family = components.family
     configured = {family.denoiser_name: config.target_modules, **config.text_encoder_targets}
     parts = components.parts()
-    return {part: configured.get(part) or family.targets_of(part, parts[part]) for part in trained_parts(components, config)}
+    return {
+        part: configured.get(part) or family.targets_of(part, parts[part]) for part in trained_parts(components, config)
+    }
 
 
 def _targets_key(components: Components, part: str) -> str:
@@ -72,14 +87,17 @@ def check_targets(components: Components, config: AdapterConfig) -> None:
         if part not in family.adapted_text_encoders():
             adapted = ", ".join(family.adapted_text_encoders()) or "none: its adapters are the denoiser's alone"
             raise DifftuneError(
-                f"adapter.text_encoder_targets.{part}: not a text encoder {family.description} adapters train; "
-                f"theirs: {adapted}"
+                f"adapter.text_encoder_targets.{part}: not a text encoder "
+                f"{family.description} adapters train; theirs: {adapted}"
             )
     for part, targets in target_modules(components, config).items():
         missing = missing_targets(targets, (name for name, _ in parts[part].named_modules()))
         if missing:
-            layers = (name for name, module in parts[part].named_modules()
-                      if isinstance(module, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d)))
+            layers = (
+                name
+                for name, module in parts[part].named_modules()
+                if isinstance(module, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d))
+            )
             raise unmatched_targets(_targets_key(components, part), part, missing, layer_suffixes(layers))
 
 
@@ -107,7 +125,9 @@ def _adapter_config(config: AdapterConfig, targets: list[str]) -> PeftConfig:
     if config.kind in LYCORIS_CONFIGS:
         # LyCORIS's defaults, as peft has them: no Tucker decomposition of convolutions (ComfyUI and A1111 read it, but
         # the plain form is what every loader reads), LoKr's factor chosen from the layer's shape.
-        return LYCORIS_CONFIGS[config.kind](r=config.rank, alpha=config.alpha, rank_dropout=config.dropout, target_modules=targets)
+        return LYCORIS_CONFIGS[config.kind](
+            r=config.rank, alpha=config.alpha, rank_dropout=config.dropout, target_modules=targets
+        )
     return LoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
@@ -155,8 +175,10 @@ def adapter_state_dict(components: Components, config: AdapterConfig) -> tuple[d
     tensors, lora_configs = {}, {}
     for part, module in trained_parts(components, config).items():
         state = _peft_state(module)
-        part_configs = {field: sorted(value) if isinstance(value, set) else value
-                        for field, value in module.peft_config["default"].to_dict().items()}
+        part_configs = {
+            field: sorted(value) if isinstance(value, set) else value
+            for field, value in module.peft_config["default"].to_dict().items()
+        }
         if hasattr(module, INITIAL_ADAPTER):
             _change_from_initial(state, getattr(module, INITIAL_ADAPTER), part_configs)
         for key, value in state.items():
@@ -188,8 +210,13 @@ def adapter_scale(lora_configs: dict, part: str, module: str, rank: int) -> floa
     return alpha / (rank**0.5 if lora_configs.get(f"{part}.use_rslora") else rank)
 
 
-def derived_lora_configs(ranks: dict[str, dict[str, int]], alphas: dict[str, dict[str, float]], dora: dict[str, bool],
-                         lycoris: dict[str, str] | None = None, decompose_both: set[str] = frozenset()) -> dict:
+def derived_lora_configs(
+    ranks: dict[str, dict[str, int]],
+    alphas: dict[str, dict[str, float]],
+    dora: dict[str, bool],
+    lycoris: dict[str, str] | None = None,
+    decompose_both: set[str] = frozenset(),
+) -> dict:
     """Each part's peft config from what a file without one shows: its modules' ranks, the alphas it stores
     (a module without one gets alpha = rank, diffusers' rule) and whether it has DoRA magnitudes, or which LyCORIS
     kind it is (`lycoris`: part -> peft type; `decompose_both`: LoKr parts with low-rank first factors). The most

@@ -57,8 +57,9 @@ def _kohya_module(part: str, module: str, text_model_parts) -> str:
     return module
 
 
-def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict, prefixes: dict[str, str],
-             text_model_parts=()) -> dict[str, torch.Tensor]:
+def to_kohya(
+    tensors: dict[str, torch.Tensor], lora_configs: dict, prefixes: dict[str, str], text_model_parts=()
+) -> dict[str, torch.Tensor]:
     """difftune/diffusers adapter tensors (`unet.<path>.lora_A.weight`, ...) -> kohya keys, with the family's
     `prefixes` (part -> key prefix); `text_model_parts` are its CLIP encoders."""
     out, lycoris = {}, {}
@@ -73,7 +74,9 @@ def to_kohya(tensors: dict[str, torch.Tensor], lora_configs: dict, prefixes: dic
             lycoris[name] = (part, module)
         elif kind == "lora_A.weight":
             out[f"{name}.lora_down.weight"] = value
-            out[f"{name}.alpha"] = torch.tensor(float(adapter_scale(lora_configs, part, module, value.shape[0]) * value.shape[0]))
+            out[f"{name}.alpha"] = torch.tensor(
+                float(adapter_scale(lora_configs, part, module, value.shape[0]) * value.shape[0])
+            )
         elif kind == "lora_B.weight":
             out[f"{name}.lora_up.weight"] = value
         else:  # DoRA magnitude: one value per output row
@@ -91,8 +94,12 @@ SIMPLETUNER_PREFIX = "lycoris_"  # SimpleTuner's LyCORIS files: the denoiser's m
 
 
 def from_kohya(
-    kohya: dict[str, torch.Tensor], module_names: dict[str, list[str]], prefixes: dict[str, str], text_model_parts=(),
-    other_names: dict[str, dict[str, str]] | None = None, denoiser: str | None = None,
+    kohya: dict[str, torch.Tensor],
+    module_names: dict[str, list[str]],
+    prefixes: dict[str, str],
+    text_model_parts=(),
+    other_names: dict[str, dict[str, str]] | None = None,
+    denoiser: str | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """kohya keys -> difftune/diffusers adapter tensors and each part's peft config (rank, alpha, DoRA).
 
@@ -137,8 +144,8 @@ def from_kohya(
         elif kind == "dora_scale":
             if f"{name}.lora_down.weight" not in kohya:
                 raise ValueError(
-                    f"{key}: a LoHa/LoKr with weight decomposition (LyCORIS dora_wd), which peft's LoHa and LoKr cannot "
-                    "hold; merge it into the base with the tool that made it"
+                    f"{key}: a LoHa/LoKr with weight decomposition (LyCORIS dora_wd), which peft's "
+                    "LoHa and LoKr cannot hold; merge it into the base with the tool that made it"
                 )
             is_conv = kohya[f"{name}.lora_down.weight"].ndim == 4
             magnitude = value.reshape(1, -1, 1, 1) if is_conv else value.reshape(-1)
@@ -177,29 +184,39 @@ def _foreign_module_message(key: str, kohya: dict, lookup: dict, prefixes: dict[
     unknown = sorted(names - lookup.keys())
     name = key.partition(".")[0]
     if not name.startswith(tuple(prefixes.values())):
-        return (f"{key}: its prefix names a part this model family does not have (its prefixes: "
-                f"{', '.join(prefixes.values())}); the file is for another kind of model")
-    return (f"{key}: {name!r} is not a module of the base, in diffusers' names or the original (SGM/LDM) ones; "
-            f"{len(unknown)} of the file's {len(names)} modules are not (first: {unknown[0]}), so the file was made "
-            f"for a model of another architecture than this base")
+        return (
+            f"{key}: its prefix names a part this model family does not have (its prefixes: "
+            f"{', '.join(prefixes.values())}); the file is for another kind of model"
+        )
+    return (
+        f"{key}: {name!r} is not a module of the base, in diffusers' names or the original (SGM/LDM) ones; "
+        f"{len(unknown)} of the file's {len(names)} modules are not (first: {unknown[0]}), so the file was made "
+        f"for a model of another architecture than this base"
+    )
 
 
-def fuse(tensors: dict[str, torch.Tensor], lora_configs: dict, part: str, modules: list[str]) -> dict[str, torch.Tensor]:
+def fuse(
+    tensors: dict[str, torch.Tensor], lora_configs: dict, part: str, modules: list[str]
+) -> dict[str, torch.Tensor]:
     """The adapters of `modules` (of `part`) as one adapter of the layer that stacks their output rows (a fused qkv):
     downs stacked, ups block-diagonal, so the fused change is exactly the stacked changes. Alpha keeps the first
     module's scale (alpha / rank); another module's scale is folded into its up. DoRA magnitudes, being per output
     row, stack as they are. One module: its adapter unchanged."""
     downs = [tensors[f"{part}.{module}.lora_A.weight"] for module in modules]
     ups = [tensors[f"{part}.{module}.lora_B.weight"] for module in modules]
-    scales = [adapter_scale(lora_configs, part, module, down.shape[0]) for module, down in zip(modules, downs)]
+    scales = [
+        adapter_scale(lora_configs, part, module, down.shape[0]) for module, down in zip(modules, downs, strict=True)
+    ]
     rank = sum(down.shape[0] for down in downs)
     fused = {
         "lora_down.weight": torch.cat(downs),
-        "lora_up.weight": torch.block_diag(*[up * (scale / scales[0]) for up, scale in zip(ups, scales)]),
+        "lora_up.weight": torch.block_diag(*[up * (scale / scales[0]) for up, scale in zip(ups, scales, strict=True)]),
         "alpha": torch.tensor(scales[0] * rank),
     }
-    magnitudes = [tensors.get(f"{part}.{module}.{DORA_MAGNITUDE}.weight", tensors.get(f"{part}.{module}.{DORA_MAGNITUDE}"))
-                  for module in modules]
+    magnitudes = [
+        tensors.get(f"{part}.{module}.{DORA_MAGNITUDE}.weight", tensors.get(f"{part}.{module}.{DORA_MAGNITUDE}"))
+        for module in modules
+    ]
     if any(magnitude is not None for magnitude in magnitudes):
         fused["dora_scale"] = torch.cat([magnitude.reshape(-1) for magnitude in magnitudes]).reshape(-1, 1)
     return fused
@@ -223,13 +240,19 @@ def split(fused: dict[str, torch.Tensor], row_sizes: list[int]) -> list[Split]:
     blocks = up.split(row_sizes)
     width = rank // count
     diagonal = rank % count == 0 and all(
-        not block[:, j * width : (j + 1) * width].any() for i, block in enumerate(blocks) for j in range(count) if i != j
+        not block[:, j * width : (j + 1) * width].any()
+        for i, block in enumerate(blocks)
+        for j in range(count)
+        if i != j
     )
     magnitudes = fused["dora_scale"].reshape(-1).split(row_sizes) if "dora_scale" in fused else [None] * count
     out = []
-    for i, (block, magnitude) in enumerate(zip(blocks, magnitudes)):
+    for i, (block, magnitude) in enumerate(zip(blocks, magnitudes, strict=True)):
         if diagonal:
-            tensors = {"lora_A.weight": down[i * width : (i + 1) * width], "lora_B.weight": block[:, i * width : (i + 1) * width]}
+            tensors = {
+                "lora_A.weight": down[i * width : (i + 1) * width],
+                "lora_B.weight": block[:, i * width : (i + 1) * width],
+            }
         else:
             tensors = {"lora_A.weight": down, "lora_B.weight": block}
         if magnitude is not None:
@@ -309,8 +332,9 @@ def family_to_kohya(family: Family, tensors: dict[str, torch.Tensor], lora_confi
     return to_kohya(tensors, lora_configs, family.kohya_prefixes, family.kohya_text_model_parts)
 
 
-def family_from_kohya(family: Family, tensors: dict[str, torch.Tensor],
-                      module_names: dict[str, list[str]]) -> tuple[dict[str, torch.Tensor], dict]:
+def family_from_kohya(
+    family: Family, tensors: dict[str, torch.Tensor], module_names: dict[str, list[str]]
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Inverse of `family_to_kohya`, with the base's module names (part -> names): tensors and peft configs. The
     denoiser's modules are found under their original names too (`family.original_module_names`)."""
     if isinstance(family, FusedKohyaLayout):
@@ -320,16 +344,26 @@ def family_from_kohya(family: Family, tensors: dict[str, torch.Tensor],
 
 def _plain_from_kohya(family: Family, tensors: dict, module_names: dict[str, list[str]]) -> tuple[dict, dict]:
     other_names = {family.denoiser_name: family.original_module_names(module_names.get(family.denoiser_name, []))}
-    return from_kohya(tensors, module_names, family.kohya_prefixes, family.kohya_text_model_parts, other_names,
-                      denoiser=family.denoiser_name)
+    return from_kohya(
+        tensors,
+        module_names,
+        family.kohya_prefixes,
+        family.kohya_text_model_parts,
+        other_names,
+        denoiser=family.denoiser_name,
+    )
 
 
 def _fused_to_kohya(layout: FusedKohyaLayout, tensors: dict, lora_configs: dict) -> dict[str, torch.Tensor]:
     """Each original layer one adapter over the diffusers modules it holds (`fuse`); the other parts as any family's."""
     prefix = f"{layout.denoiser_name}."
     denoiser = {key: value for key, value in tensors.items() if key.startswith(prefix)}
-    out = to_kohya({key: value for key, value in tensors.items() if key not in denoiser}, lora_configs,
-                   layout.kohya_prefixes, layout.kohya_text_model_parts)
+    out = to_kohya(
+        {key: value for key, value in tensors.items() if key not in denoiser},
+        lora_configs,
+        layout.kohya_prefixes,
+        layout.kohya_text_model_parts,
+    )
     kinds = {split_adapter_key(key.removeprefix(prefix))[1] for key in denoiser}
     if kinds & set(LYCORIS_TENSORS):
         raise ValueError(f"a LoHa/LoKr adapter: {layout.no_fused_lycoris()}; write the diffusers layout")
@@ -341,15 +375,17 @@ def _fused_to_kohya(layout: FusedKohyaLayout, tensors: dict, lora_configs: dict)
             continue
         if not all(present):
             raise ValueError(
-                f"the kohya {layout.kohya_layout_name} layout fuses {', '.join(modules)} into {name}: adapt all of them "
-                "(or none), or write the diffusers layout"
+                f"the kohya {layout.kohya_layout_name} layout fuses {', '.join(modules)} "
+                f"into {name}: adapt all of them (or none), or write the diffusers layout"
             )
         fused = fuse(denoiser, lora_configs, layout.denoiser_name, modules)
         out |= {f"{KOHYA_DENOISER_PREFIX}{name}.{kind}": value for kind, value in fused.items()}
     unnamed = adapted - {module for modules in table.values() for module in modules}
     if unnamed:
-        raise ValueError(f"{prefix}{sorted(unnamed)[0]}: has no name in the kohya {layout.kohya_layout_name} layout; "
-                         "write the diffusers layout")
+        raise ValueError(
+            f"{prefix}{sorted(unnamed)[0]}: has no name in the kohya {layout.kohya_layout_name} layout; "
+            "write the diffusers layout"
+        )
     return out
 
 
@@ -363,8 +399,9 @@ def _fused_from_kohya(layout: FusedKohyaLayout, tensors: dict, module_names: dic
         return name if key.startswith(KOHYA_DENOISER_PREFIX) and name in table else None
 
     fused = {key: value for key, value in tensors.items() if original_layer(key)}
-    out, configs = _plain_from_kohya(layout, {key: value for key, value in tensors.items() if key not in fused},
-                                     module_names)
+    out, configs = _plain_from_kohya(
+        layout, {key: value for key, value in tensors.items() if key not in fused}, module_names
+    )
     by_name: dict[str, dict] = {}
     for key, value in fused.items():
         name, _, kind = key.removeprefix(KOHYA_DENOISER_PREFIX).partition(".")
@@ -388,8 +425,10 @@ def _renamed_to_kohya(layout: OriginalNamesKohyaLayout, tensors: dict, lora_conf
     for key in tensors:
         module = split_adapter_key(key.partition(".")[2])[0]
         if (original := layout.original_name(module)) is None:
-            raise ValueError(f"{layout.denoiser_name}.{module}: has no name in {layout.kohya_layout_name}'s original "
-                             "layout; write the diffusers layout")
+            raise ValueError(
+                f"{layout.denoiser_name}.{module}: has no name in {layout.kohya_layout_name}'s original "
+                "layout; write the diffusers layout"
+            )
         originals[prefix + module.replace(".", "_")] = prefix + original.replace(".", "_")
     renamed = {}
     for key, value in to_kohya(tensors, lora_configs, layout.kohya_prefixes, layout.kohya_text_model_parts).items():

@@ -13,8 +13,10 @@ def missing_targets(targets: list[str], names) -> list[str]:
 
 
 def unmatched_targets(key: str, part: str, missing: list[str], suffixes: list[str]) -> DifftuneError:
-    return DifftuneError(f"{key}: {', '.join(map(repr, missing))} names no module of the {part}; "
-                         f"its layers are named {', '.join(suffixes)}")
+    return DifftuneError(
+        f"{key}: {', '.join(map(repr, missing))} names no module of the {part}; "
+        f"its layers are named {', '.join(suffixes)}"
+    )
 
 
 def layer_suffixes(layer_names) -> list[str]:

@@ -95,7 +95,7 @@ def latent_entries(
     """Each example's cache files, one per view it can be trained in (`plain`, and `flipped` with
     `data.random_flip`); repeats of an image share them. Keyed by its training size (`data.training_sizes`)."""
     views = _views(config, vae_identity)
-    return [views(example.path, size, example.frames) for example, size in zip(examples, sizes)]
+    return [views(example.path, size, example.frames) for example, size in zip(examples, sizes, strict=True)]
 
 
 def control_latent_entries(
@@ -103,12 +103,15 @@ def control_latent_entries(
 ) -> list[list[dict[str, Path]]]:
     """Each example's controls' cache files (as `latent_entries`), at their training sizes (`data.control_sizes`)."""
     views = _views(config, vae_identity)
-    return [[views(path, size) for path, size in zip(example.control_paths, sizes)]
-            for example, sizes in zip(examples, control_sizes)]
+    return [
+        [views(path, size) for path, size in zip(example.control_paths, sizes, strict=True)]
+        for example, sizes in zip(examples, control_sizes, strict=True)
+    ]
 
 
 def _views(config: Config, vae_identity: str) -> Callable[..., dict[str, Path]]:
-    """(image or clip file, training size[, a clip's window]) -> its entry per view; each file's bytes are hashed once."""
+    """(image or clip file, training size[, a clip's window]) -> its entry per view; each file's bytes are hashed
+    once."""
     root, data = cache_root(config), config.data
     views = VIEWS if data.random_flip else VIEWS[:1]
     settings = f"crop={data.crop} alpha_background={','.join(map(str, data.alpha_background))}"
@@ -119,8 +122,10 @@ def _views(config: Config, vae_identity: str) -> Callable[..., dict[str, Path]]:
             contents[path] = path.digest if isinstance(path, Stored) else _file_digest(path)
         width, height = size
         where = (f"frames={window[0]}+{window[1]}",) if window else ()  # images' keys as before clips were read
-        return {view: _entry(root, "latents", contents[path], vae_identity, f"{width}x{height}", settings, *where, view)
-                for view in views}
+        return {
+            view: _entry(root, "latents", contents[path], vae_identity, f"{width}x{height}", settings, *where, view)
+            for view in views
+        }
 
     return entries
 
@@ -135,7 +140,12 @@ def _file_digest(path: Path) -> str:
 
 
 def fill_latents(
-    paths: list[Path], sizes: list[Size], entries: list[dict[str, Path]], vae, config: Config, batch_size: int,
+    paths: list[Path],
+    sizes: list[Size],
+    entries: list[dict[str, Path]],
+    vae,
+    config: Config,
+    batch_size: int,
     windows: list[tuple[int, int] | None] | None = None,
     from_pixels: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
 ) -> int:
@@ -146,7 +156,7 @@ def fill_latents(
     windows = windows or [None] * len(paths)
     missing: dict[tuple, dict[Path, tuple[Path, tuple[int, int] | None, str]]] = {}
     present = existing([entry for views in entries for entry in views.values()])
-    for path, views, size, window in zip(paths, entries, sizes, windows):
+    for path, views, size, window in zip(paths, entries, sizes, windows, strict=True):
         for view, entry in views.items():
             if entry not in present:
                 missing.setdefault((size, window[1] if window else 0), {})[entry] = (path, window, view)
@@ -160,10 +170,14 @@ def fill_latents(
         for _, (path, window, view) in chunk:
             if window:
                 frames = read_frames(path, *window)
-                pixels.append(clip_to_tensor(frames, place_crop(frames[0].size, size, "center"), size, view == "flipped"))
+                pixels.append(
+                    clip_to_tensor(frames, place_crop(frames[0].size, size, "center"), size, view == "flipped")
+                )
                 continue
             image = resize_and_crop(open_image(path, config.data), size, config.data.crop)
-            pixels.append(image_to_tensor(image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if view == "flipped" else image))
+            pixels.append(
+                image_to_tensor(image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if view == "flipped" else image)
+            )
         batch = torch.stack(pixels)
         with torch.no_grad():
             mean, std = encode_posterior(vae, batch)
@@ -210,7 +224,9 @@ def fill_text(entries: dict[Prompt, Path], components: Components, device: torch
     for prompt, path in todo:
         by_sizes.setdefault(tuple(size for _, size in prompt.controls), []).append((prompt, path))
     batch_size = config.train.batch_size
-    chunks = [group[start : start + batch_size] for group in by_sizes.values() for start in range(0, len(group), batch_size)]
+    chunks = [
+        group[start : start + batch_size] for group in by_sizes.values() for start in range(0, len(group), batch_size)
+    ]
     for chunk in tqdm(chunks, desc="caching captions", disable=not chunks or config.log.quiet):
         inputs = _tokenized([prompt for prompt, _ in chunk], tokenize, config)
         with torch.no_grad():

@@ -59,8 +59,14 @@ class FrameWindows:
     @classmethod
     def of(cls, data: DataConfig, frame_multiple: int) -> FrameWindows:
         """The windows `data`'s frame settings ask for, for an autoencoder of temporal factor `frame_multiple`."""
-        return cls(tuple(data.target_frames), data.frame_extraction, data.frame_stride, data.frame_samples,
-                   data.max_frames, frame_multiple)
+        return cls(
+            tuple(data.target_frames),
+            data.frame_extraction,
+            data.frame_stride,
+            data.frame_samples,
+            data.max_frames,
+            frame_multiple,
+        )
 
     def rounded(self, frames: int) -> int:
         """`frames` rounded down to a length the autoencoder takes (at least 1)."""
@@ -133,8 +139,9 @@ def frame_size(path: Path) -> tuple[int, int]:
         raise BadClip(f"cannot be decoded as a video: {err}") from None
 
 
-def write_clip(path: Path, frames: list[Image.Image], fps: float = 16, lossless: bool = False,
-               tags: dict[str, str] | None = None) -> Path:
+def write_clip(
+    path: Path, frames: list[Image.Image], fps: float = 16, lossless: bool = False, tags: dict[str, str] | None = None
+) -> Path:
     """Frames as a video file, with PyAV: H.264 (yuv420p, which every player and browser reads; sides cut down to even
     numbers, as it needs) or, `lossless`, FFV1 (every pixel decodes back as written; Matroska). `tags`: the container's
     metadata, kept under their own names (MP4's `use_metadata_tags`)."""

@@ -84,8 +84,9 @@ class BadImage(Exception):
     """An image that cannot be trained on; the message is the reason."""
 
 
-def scan_examples(config: DataConfig, key: str = "data.path", windows: FrameWindows | None = None,
-                  index_folder: Path | None = None) -> tuple[list[Example], list[BadFile]]:
+def scan_examples(
+    config: DataConfig, key: str = "data.path", windows: FrameWindows | None = None, index_folder: Path | None = None
+) -> tuple[list[Example], list[BadFile]]:
     """Every usable (image, caption) pair under `config.path`, each listed as often as its folder repeats,
     and the files left out with their reasons. Every image is decoded once here, so a bad one is found
     before the first step, not at step 9,000. `key`: the setting the folder came from, as messages name it.
@@ -97,19 +98,45 @@ def scan_examples(config: DataConfig, key: str = "data.path", windows: FrameWind
     every record again (N processes on object storage would fetch the dataset N times)."""
     if index_folder is None or not is_stored_source(config.path):
         return _scan(config, key, windows)
-    identity = {"format": SCAN_INDEX_FORMAT, "data": config.model_dump(mode="json"), "windows": repr(windows),
-                "files": source_identity(config.path, key)}
+    identity = {
+        "format": SCAN_INDEX_FORMAT,
+        "data": config.model_dump(mode="json"),
+        "windows": repr(windows),
+        "files": source_identity(config.path, key),
+    }
     index = index_folder / f"{hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()}.json"
     if index.is_file():
         kept = json.loads(index.read_text(encoding="utf-8"))
-        return ([Example(stored_from_fields(e["path"]), e["caption"], frames=tuple(e["frames"]) if e["frames"] else None,
-                         control_paths=tuple(stored_from_fields(c) for c in e["controls"])) for e in kept["examples"]],
-                [BadFile(b["path"], b["reason"]) for b in kept["bad"]])
+        return (
+            [
+                Example(
+                    stored_from_fields(e["path"]),
+                    e["caption"],
+                    frames=tuple(e["frames"]) if e["frames"] else None,
+                    control_paths=tuple(stored_from_fields(c) for c in e["controls"]),
+                )
+                for e in kept["examples"]
+            ],
+            [BadFile(b["path"], b["reason"]) for b in kept["bad"]],
+        )
     examples, bad = _scan(config, key, windows)
-    write_text(index, json.dumps({  # whole or not at all: readers never see half of it
-        "examples": [{"path": stored_fields(e.path), "caption": e.caption, "frames": e.frames,
-                      "controls": [stored_fields(c) for c in e.control_paths]} for e in examples],
-        "bad": [{"path": str(b.path), "reason": b.reason} for b in bad]}))
+    write_text(
+        index,
+        json.dumps(
+            {  # whole or not at all: readers never see half of it
+                "examples": [
+                    {
+                        "path": stored_fields(e.path),
+                        "caption": e.caption,
+                        "frames": e.frames,
+                        "controls": [stored_fields(c) for c in e.control_paths],
+                    }
+                    for e in examples
+                ],
+                "bad": [{"path": str(b.path), "reason": b.reason} for b in bad],
+            }
+        ),
+    )
     return examples, bad
 
 
@@ -122,7 +149,9 @@ def _scan(config: DataConfig, key: str, windows: FrameWindows | None) -> tuple[l
     if is_stored_source(root):
         examples = _scan_stored(config, key, bad)
     elif not Path(root).is_dir():
-        raise DifftuneError(f"{key} {root} is not a folder; point it at a folder of captioned images, shards or parquet files")
+        raise DifftuneError(
+            f"{key} {root} is not a folder; point it at a folder of captioned images, shards or parquet files"
+        )
     else:
         examples = _scan_folder(Path(root), config, bad)
         for sub in sorted(p for p in Path(root).iterdir() if p.is_dir()):
@@ -131,7 +160,8 @@ def _scan(config: DataConfig, key: str, windows: FrameWindows | None) -> tuple[l
                 examples += _scan_folder(sub, config, bad, folder_caption=match.group(2)) * int(match.group(1))
     if not examples and not bad:
         raise DifftuneError(
-            f"{key} {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) or clips ({', '.join(CLIP_SUFFIXES)}) "
+            f"{key} {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) or clips "
+            f"({', '.join(CLIP_SUFFIXES)}) "
             f"directly or in `N_name` subfolders"
         )
     examples = _cut_clips(examples, windows, bad)
@@ -149,9 +179,16 @@ def _scan(config: DataConfig, key: str, windows: FrameWindows | None) -> tuple[l
     bad += [BadFile(path, reason) for path, reason in sorted(left_out.items())]
     examples = [e for e in examples if e.path not in left_out]
     # A stored image's size, known from its decode, spares fetching it again for its header (buckets, geometry).
-    examples = [replace(e, path=replace(e.path, displayed=sizes[e.path]),
-                        control_paths=tuple(replace(c, displayed=sizes[c]) for c in e.control_paths))
-                if isinstance(e.path, Stored) and e.path in sizes else e for e in examples]
+    examples = [
+        replace(
+            e,
+            path=replace(e.path, displayed=sizes[e.path]),
+            control_paths=tuple(replace(c, displayed=sizes[c]) for c in e.control_paths),
+        )
+        if isinstance(e.path, Stored) and e.path in sizes
+        else e
+        for e in examples
+    ]
     if not examples:
         reasons = "; ".join(f"{getattr(b.path, 'name', b.path)}: {b.reason}" for b in bad[:5])
         raise DifftuneError(f"{key} {root}: no usable image ({len(bad)} left out: {reasons})")
@@ -166,11 +203,16 @@ def report_bad_files(bad: list[BadFile], report: Path | None, print_fn=print) ->
     for item in bad:
         print_fn(f"difftune: skipping {item.path}: {item.reason}")
     if report is not None:
-        report.write_text("".join(json.dumps({"file": str(b.path), "reason": b.reason}) + "\n" for b in bad), encoding="utf-8")
+        report.write_text(
+            "".join(json.dumps({"file": str(b.path), "reason": b.reason}) + "\n" for b in bad), encoding="utf-8"
+        )
 
 
-def _scan_folder(folder: Path, config: DataConfig, bad: list[BadFile], folder_caption: str | None = None) -> list[Example]:
-    """The folder's images and captions; `folder_caption` (an `N_name` folder's name) for `missing_caption = "folder"`."""
+def _scan_folder(
+    folder: Path, config: DataConfig, bad: list[BadFile], folder_caption: str | None = None
+) -> list[Example]:
+    """The folder's images and captions; `folder_caption` (an `N_name` folder's name) for `missing_caption =
+    "folder"`."""
     metadata = folder / "metadata.jsonl"
     if metadata.is_file():
         return _read_metadata(metadata, bad)
@@ -181,7 +223,11 @@ def _scan_folder(folder: Path, config: DataConfig, bad: list[BadFile], folder_ca
             try:
                 caption = caption_path.read_text(encoding="utf-8-sig").strip()
             except UnicodeDecodeError as err:
-                bad.append(BadFile(caption_path, f"caption is not UTF-8 ({err.reason} at byte {err.start}); re-save it as UTF-8"))
+                bad.append(
+                    BadFile(
+                        caption_path, f"caption is not UTF-8 ({err.reason} at byte {err.start}); re-save it as UTF-8"
+                    )
+                )
                 continue
         elif caption_path.exists():  # a folder (or a device) where its caption file should be: not "no caption"
             bad.append(BadFile(caption_path, "its caption is not a file (a folder?); make it the image's caption file"))
@@ -193,12 +239,12 @@ def _scan_folder(folder: Path, config: DataConfig, bad: list[BadFile], folder_ca
         elif config.missing_caption == "folder":
             raise DifftuneError(
                 f"{source} has no caption file {caption_path.name} and is not in an `N_name` folder to take its "
-                f"caption from (data.missing_caption = \"folder\"); add a caption file or move it into one"
+                f'caption from (data.missing_caption = "folder"); add a caption file or move it into one'
             )
         else:
             raise DifftuneError(
                 f"{source} has no caption file {caption_path.name}; add one, or set "
-                f"data.missing_caption = \"empty\" to train it uncaptioned"
+                f'data.missing_caption = "empty" to train it uncaptioned'
             )
         examples.append(Example(source, caption))
     return _with_controls(examples, Path(config.control_path) if config.control_path else folder / CONTROL_FOLDER, bad)
@@ -206,14 +252,21 @@ def _scan_folder(folder: Path, config: DataConfig, bad: list[BadFile], folder_ca
 
 def _scan_stored(config: DataConfig, key: str, bad: list[BadFile]) -> list[Example]:
     """Every record of the shards, parquet files or saved dataset `config.path` names, in file order (sources.py)."""
-    records, left_out = read_source(config.path, IMAGE_EXTENSIONS | set(CLIP_SUFFIXES), config.caption_extension,
-                                    config.image_column, config.caption_column, key)
+    records, left_out = read_source(
+        config.path,
+        IMAGE_EXTENSIONS | set(CLIP_SUFFIXES),
+        config.caption_extension,
+        config.image_column,
+        config.caption_column,
+        key,
+    )
     bad += [BadFile(where, reason) for where, reason in left_out]
     uncaptioned = next((record for record in records if record.caption is None), None)
     if uncaptioned is not None and config.missing_caption != "empty":
         raise DifftuneError(
-            f"{uncaptioned.media} has no caption (a {config.caption_extension} member or a .json member's `text` in a "
-            f"shard, a caption column in a table); add one, or set data.missing_caption = \"empty\" to train it uncaptioned"
+            f"{uncaptioned.media} has no caption (a {config.caption_extension} member "
+            "or a .json member's `text` in a shard, a caption column in a table); "
+            'add one, or set data.missing_caption = "empty" to train it uncaptioned'
         )
     return [Example(record.media, record.caption or "", control_paths=record.controls) for record in records]
 
@@ -237,8 +290,13 @@ def _with_controls(examples: list[Example], control_folder: Path, bad: list[BadF
         numbers = [number for number, _ in controls]
         if numbers and numbers != [-1] and numbers != list(range(len(numbers))):
             names = ", ".join(path.name for _, path in controls)
-            bad.append(BadFile(example.path, f"its controls in {control_folder} ({names}) must be one file named "
-                                             f"{example.path.stem}.* or files numbered _0, _1... without gaps"))
+            bad.append(
+                BadFile(
+                    example.path,
+                    f"its controls in {control_folder} ({names}) must be one file named "
+                    f"{example.path.stem}.* or files numbered _0, _1... without gaps",
+                )
+            )
             continue
         paired.append(replace(example, control_paths=tuple(path for _, path in controls)))
     return paired
@@ -252,7 +310,10 @@ def _cut_clips(examples: list[Example], windows: FrameWindows | None, bad: list[
     if not clips:
         return examples
     if windows is None:
-        bad += [BadFile(clip, "a clip: this base trains still images (a video base such as Wan reads clips)") for clip in clips]
+        bad += [
+            BadFile(clip, "a clip: this base trains still images (a video base such as Wan reads clips)")
+            for clip in clips
+        ]
         return [example for example in examples if not is_clip(example.path)]
 
     def cut(clip: Path) -> list[tuple[int, int]] | str:
@@ -265,7 +326,13 @@ def _cut_clips(examples: list[Example], windows: FrameWindows | None, bad: list[
         return found or f"{frames} frames: shorter than every window of data.target_frames ({lengths} frames)"
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        cuts = dict(zip(clips, tqdm(pool.map(cut, clips), total=len(clips), desc="reading clips", disable=len(clips) < 50)))
+        cuts = dict(
+            zip(
+                clips,
+                tqdm(pool.map(cut, clips), total=len(clips), desc="reading clips", disable=len(clips) < 50),
+                strict=True,
+            )
+        )
     bad += [BadFile(clip, reason) for clip, reason in cuts.items() if isinstance(reason, str)]
     out = []
     for example in examples:
@@ -276,8 +343,9 @@ def _cut_clips(examples: list[Example], windows: FrameWindows | None, bad: list[
     return out
 
 
-def _find_unusable_images(paths: set[Path], config: DataConfig,
-                          controls: set[Path] = frozenset()) -> tuple[list[BadFile], dict[Path, tuple[int, int]]]:
+def _find_unusable_images(
+    paths: set[Path], config: DataConfig, controls: set[Path] = frozenset()
+) -> tuple[list[BadFile], dict[Path, tuple[int, int]]]:
     """Decode each image once (in threads: PIL releases the GIL while decoding); `controls` have no masks. Returns
     those left out, and the others' (width, height) as displayed."""
 
@@ -292,9 +360,13 @@ def _find_unusable_images(paths: set[Path], config: DataConfig,
 
     ordered = sorted(paths)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        results = list(tqdm(pool.map(check, ordered), total=len(ordered), desc="checking images", disable=len(ordered) < 500))
-    return ([result for result in results if isinstance(result, BadFile)],
-            {path: result for path, result in zip(ordered, results) if not isinstance(result, BadFile)})
+        results = list(
+            tqdm(pool.map(check, ordered), total=len(ordered), desc="checking images", disable=len(ordered) < 500)
+        )
+    return (
+        [result for result in results if isinstance(result, BadFile)],
+        {path: result for path, result in zip(ordered, results, strict=True) if not isinstance(result, BadFile)},
+    )
 
 
 def _byte_count(path: Path | Stored) -> int:
@@ -304,7 +376,9 @@ def _byte_count(path: Path | Stored) -> int:
         return path.stat().st_size
     except OSError as err:  # a dangling symlink, a symlink loop, a file gone since the folder was listed
         target = f"a symbolic link to {os.readlink(path)}, which " if path.is_symlink() else ""
-        reason = {errno.ENOENT: "does not exist", errno.ELOOP: "leads back to itself (a loop)"}.get(err.errno, err.strerror)
+        reason = {errno.ENOENT: "does not exist", errno.ELOOP: "leads back to itself (a loop)"}.get(
+            err.errno, err.strerror
+        )
         raise BadImage(f"cannot be read: {target}{reason}") from None
 
 
@@ -324,7 +398,9 @@ def open_image(path: Path | Stored, config: DataConfig) -> Image.Image:
                 raise too_large
             frames = getattr(raw, "n_frames", 1)
             if frames > 1:  # PIL would hand over the first frame, as if the file were that still image
-                raise BadImage(f"animated ({frames} frames): difftune trains still images; save the frame to train as a PNG")
+                raise BadImage(
+                    f"animated ({frames} frames): difftune trains still images; save the frame to train as a PNG"
+                )
             raw.load()  # a truncated file fails here; it is never padded (LOAD_TRUNCATED_IMAGES stays off)
             image = ImageOps.exif_transpose(raw)
     except BadImage:
@@ -369,7 +445,9 @@ def open_mask(path: Path | Stored, config: DataConfig, known_size: tuple[int, in
         raise BadImage(f"mask {source.name} cannot be decoded: {type(err).__name__}: {err}") from None
     size = known_size or image_size(path)
     if mask.size != size:
-        raise BadImage(f"mask {source} is {mask.width}x{mask.height}, the image {size[0]}x{size[1]}; masks must match their image")
+        raise BadImage(
+            f"mask {source} is {mask.width}x{mask.height}, the image {size[0]}x{size[1]}; masks must match their image"
+        )
     if not mask.getbbox():
         raise BadImage(f"mask {source} is all black: nothing of the image would train")
     return mask
@@ -379,7 +457,9 @@ def mask_view(mask: Image.Image | None, crop: Crop, size: tuple[int, int], flipp
     """A mask cut and flipped as its image was: (1, H, W) in [0, 1]; all ones for an image without a mask."""
     if mask is None:
         return torch.ones(1, size[1], size[0])
-    view = mask.resize(crop.scaled, Image.Resampling.BILINEAR).crop((crop.left, crop.top, crop.left + size[0], crop.top + size[1]))
+    view = mask.resize(crop.scaled, Image.Resampling.BILINEAR).crop(
+        (crop.left, crop.top, crop.left + size[0], crop.top + size[1])
+    )
     if flipped:
         view = view.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return torch.from_numpy(np.asarray(view, dtype=np.float32) / 255.0)[None]
@@ -424,11 +504,15 @@ def _read_metadata(path: Path, bad: list[BadFile]) -> list[Example]:
         control_files = record.get("control_files", [])
         control_files = [control_files] if isinstance(control_files, str) else control_files
         if not isinstance(control_files, list) or not all(isinstance(name, str) for name in control_files):
-            raise DifftuneError(f"{path}:{line_number}: control_files must be a file name or a list of them, got {control_files!r}")
+            raise DifftuneError(
+                f"{path}:{line_number}: control_files must be a file name or a list of them, got {control_files!r}"
+            )
         outside = [name for name in control_files if Path(name).is_absolute() or ".." in Path(name).parts]
         if outside:
-            raise DifftuneError(f"{path}:{line_number}: control file {outside[0]!r} leads outside {path.parent}; name it "
-                                f"relative to the folder, as file_name")
+            raise DifftuneError(
+                f"{path}:{line_number}: control file {outside[0]!r} leads outside {path.parent}; name it "
+                f"relative to the folder, as file_name"
+            )
         missing = [name for name in control_files if not (path.parent / name).is_file()]
         if missing:
             bad.append(BadFile(source, f"control {missing[0]} (line {line_number} of {path.name}) does not exist"))
@@ -477,7 +561,9 @@ def cut(image: Image.Image, crop: Crop, size: tuple[int, int]) -> Image.Image:
     return image.crop((crop.left, crop.top, crop.left + size[0], crop.top + size[1]))
 
 
-def resize_and_crop(image: Image.Image, size: tuple[int, int], crop: str, rng: random.Random | None = None) -> Image.Image:
+def resize_and_crop(
+    image: Image.Image, size: tuple[int, int], crop: str, rng: random.Random | None = None
+) -> Image.Image:
     """Resize to cover `size` (width, height) and crop it out (at random, from `rng`, for `random`)."""
     return cut(image, place_crop(image.size, size, crop, rng), size)
 
@@ -534,27 +620,34 @@ def draw_flip(config: DataConfig, rng: random.Random) -> bool:
 Size = tuple[int, int]  # (width, height)
 
 
-def control_sizes(examples: list[Example], sizes: list[Size], rule: Callable[[Size, Size], Size]) -> list[tuple[Size, ...]]:
+def control_sizes(
+    examples: list[Example], sizes: list[Size], rule: Callable[[Size, Size], Size]
+) -> list[tuple[Size, ...]]:
     """Each example's controls' training sizes: `rule(target's training size, control's own size)`, the family's
     (`Family.control_size`). Reads each control's header once."""
     originals = {path: image_size(path) for path in {c for example in examples for c in example.control_paths}}
-    return [tuple(rule(size, originals[c]) for c in example.control_paths) for example, size in zip(examples, sizes)]
+    return [
+        tuple(rule(size, originals[c]) for c in example.control_paths)
+        for example, size in zip(examples, sizes, strict=True)
+    ]
 
 
-def batch_groups(sizes: list[Size], controls: list[tuple[Size, ...]], buckets: bool,
-                 frame_counts: list[int] | None = None) -> list | None:
+def batch_groups(
+    sizes: list[Size], controls: list[tuple[Size, ...]], buckets: bool, frame_counts: list[int] | None = None
+) -> list | None:
     """What a batch must share (`TrainingOrder`'s buckets): with buckets, the training size; with controls, also the
     count and sizes of the controls (their tensors stack); where clips of several lengths (or clips and images: 0
     frames) train, also the frame count (frame-count buckets); None: any samples batch together."""
     if any(controls):
-        return list(zip(sizes, controls))
+        return list(zip(sizes, controls, strict=True))
     if frame_counts and len(set(frame_counts)) > 1:
-        return list(zip(sizes, frame_counts))
+        return list(zip(sizes, frame_counts, strict=True))
     return sizes if buckets else None
 
 
 def frame_counts(examples: list[Example]) -> list[int]:
-    """Each example's frame count (`batch_groups`): its window's, or 0 for an image (whose tensors have no time axis)."""
+    """Each example's frame count (`batch_groups`): its window's, or 0 for an image (whose tensors have no time
+    axis)."""
     return [example.frames[1] if example.frames else 0 for example in examples]
 
 
@@ -568,8 +661,11 @@ def place_like(crop: Crop, size: Size, control_original: Size, control_size: Siz
     def at(offset: int, spare: int, control_spare: int) -> int:
         return round(control_spare * offset / spare) if spare else control_spare // 2
 
-    return Crop(centered.scaled, at(crop.left, crop.scaled[0] - size[0], centered.scaled[0] - control_size[0]),
-                at(crop.top, crop.scaled[1] - size[1], centered.scaled[1] - control_size[1]))
+    return Crop(
+        centered.scaled,
+        at(crop.left, crop.scaled[0] - size[0], centered.scaled[0] - control_size[0]),
+        at(crop.top, crop.scaled[1] - size[1], centered.scaled[1] - control_size[1]),
+    )
 
 
 class View(NamedTuple):
@@ -582,8 +678,13 @@ class View(NamedTuple):
     flipped: bool
 
 
-def load_image(path: Path, config: DataConfig, rng: random.Random, size: Size | None = None,
-               controls: Sequence[tuple[Path, Size]] = ()) -> View:
+def load_image(
+    path: Path,
+    config: DataConfig,
+    rng: random.Random,
+    size: Size | None = None,
+    controls: Sequence[tuple[Path, Size]] = (),
+) -> View:
     """Decode, resize, crop to `size` (default: the square resolution), maybe flip; with `data.masks` the mask cut
     the same way (`mask_view`); `controls` ((file, training size) pairs) cut at the same place (`place_like`) and
     flipped with it. The controls draw nothing from `rng`: a run's other draws are the same with or without them."""
@@ -595,9 +696,16 @@ def load_image(path: Path, config: DataConfig, rng: random.Random, size: Size | 
     if flipped:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     mask = mask_view(open_mask(path, config, source.size), crop, size, flipped) if config.masks != "off" else None
-    return View(image_to_tensor(image), image_geometry(source.size, crop, size, flipped), mask,
-                [image_to_tensor(load_control(control, config, control_size, crop, size, flipped))
-                 for control, control_size in controls], flipped)
+    return View(
+        image_to_tensor(image),
+        image_geometry(source.size, crop, size, flipped),
+        mask,
+        [
+            image_to_tensor(load_control(control, config, control_size, crop, size, flipped))
+            for control, control_size in controls
+        ],
+        flipped,
+    )
 
 
 def load_clip(path: Path, window: tuple[int, int], config: DataConfig, rng: random.Random, size: Size) -> View:
@@ -606,17 +714,26 @@ def load_clip(path: Path, window: tuple[int, int], config: DataConfig, rng: rand
     frames = read_frames(path, *window)
     crop = place_crop(frames[0].size, size, config.crop, rng)
     flipped = draw_flip(config, rng)
-    return View(clip_to_tensor(frames, crop, size, flipped), image_geometry(frames[0].size, crop, size, flipped), None, [],
-                flipped)
+    return View(
+        clip_to_tensor(frames, crop, size, flipped),
+        image_geometry(frames[0].size, crop, size, flipped),
+        None,
+        [],
+        flipped,
+    )
 
 
 def clip_to_tensor(frames: list[Image.Image], crop: Crop, size: Size, flipped: bool) -> torch.Tensor:
     """A clip's frames cut at `crop` to `size` (and mirrored) -> (3, T, H, W) in [-1, 1]."""
     cuts = [cut(frame, crop, size) for frame in frames]
-    return torch.stack([image_to_tensor(c.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flipped else c) for c in cuts], dim=1)
+    return torch.stack(
+        [image_to_tensor(c.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flipped else c) for c in cuts], dim=1
+    )
 
 
-def load_control(path: Path, config: DataConfig, control_size: Size, crop: Crop, size: Size, flipped: bool) -> Image.Image:
+def load_control(
+    path: Path, config: DataConfig, control_size: Size, crop: Crop, size: Size, flipped: bool
+) -> Image.Image:
     """A control image at `control_size`, cut where its target's `crop` (at `size`) was and flipped with it."""
     source = open_image(path, config)
     image = cut(source, place_like(crop, size, source.size, control_size, config.crop), control_size)
@@ -633,11 +750,13 @@ class Prompt(NamedTuple):
     flipped: bool = False
 
 
-def prompt_of(example: Example, control_sizes: tuple[Size, ...], caption: str, flipped: bool, sees_controls: bool) -> Prompt:
+def prompt_of(
+    example: Example, control_sizes: tuple[Size, ...], caption: str, flipped: bool, sees_controls: bool
+) -> Prompt:
     """The `Prompt` of a draw of `example` (its controls' training sizes `control_sizes`)."""
     if not (sees_controls and example.control_paths):
         return Prompt(caption)
-    return Prompt(caption, tuple(zip(example.control_paths, control_sizes)), flipped)
+    return Prompt(caption, tuple(zip(example.control_paths, control_sizes, strict=True)), flipped)
 
 
 def prompt_controls(prompt: Prompt, config: DataConfig) -> list[Image.Image]:
@@ -647,15 +766,23 @@ def prompt_controls(prompt: Prompt, config: DataConfig) -> list[Image.Image]:
     return [image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) for image in images] if prompt.flipped else images
 
 
-def possible_prompts(examples: list[Example], control_sizes: list[tuple[Size, ...]], config: DataConfig, train_seed: int,
-                     sees_controls: bool) -> set[Prompt]:
+def possible_prompts(
+    examples: list[Example],
+    control_sizes: list[tuple[Size, ...]],
+    config: DataConfig,
+    train_seed: int,
+    sees_controls: bool,
+) -> set[Prompt]:
     """Every `Prompt` training can draw (what the text cache holds): each example's possible captions, with its controls
     in each view where the text encoder sees them."""
     drawer = CaptionDrawer(config, train_seed)
     flips = (False, True) if config.random_flip and sees_controls else (False,)
-    return {prompt_of(example, sizes, caption, flipped, sees_controls)
-            for example, sizes in zip(examples, control_sizes)
-            for caption in drawer.possible({example.caption}) for flipped in flips}
+    return {
+        prompt_of(example, sizes, caption, flipped, sees_controls)
+        for example, sizes in zip(examples, control_sizes, strict=True)
+        for caption in drawer.possible({example.caption})
+        for flipped in flips
+    }
 
 
 def image_to_tensor(image: Image.Image) -> torch.Tensor:
@@ -695,7 +822,11 @@ class CaptionDrawer:
         if caption not in self._variants:
             text_id = int(hashlib.sha256(caption.encode()).hexdigest()[:15], 16)
             self._variants[caption] = [
-                self.dress(vary_caption(caption, self.config, random.Random(derive_seed(CAPTION_STREAM, self.train_seed, text_id, k))))
+                self.dress(
+                    vary_caption(
+                        caption, self.config, random.Random(derive_seed(CAPTION_STREAM, self.train_seed, text_id, k))
+                    )
+                )
                 for k in range(self.config.caption_variants)
             ]
         return self._variants[caption]
@@ -746,7 +877,8 @@ class CaptionedImages(Dataset):
         sizes: list[tuple[int, int]] | None = None,  # `training_sizes`, when the caller has them already
         memory_bytes: int = 0,
         uncached_conditioning: Callable[[dict], dict] | None = None,  # the family's: a text entry as encoded
-        control_sizes: list[tuple[Size, ...]] | None = None,  # each example's controls' training sizes (`control_sizes`)
+        control_sizes: list[tuple[Size, ...]]
+        | None = None,  # each example's controls' training sizes (`control_sizes`)
         control_entries: list[list[dict[str, Path]]] | None = None,  # with `latent_entries`: each control's cache files
         sees_controls: bool = False,
     ):
@@ -781,9 +913,14 @@ class CaptionedImages(Dataset):
 
     def _token_ids_of(self, prompt: Prompt) -> dict[str, torch.Tensor]:
         if prompt.controls:  # a control's patches are large and its views many: tokenized each time
-            return {name: ids[0] for name, ids in self.tokenize([prompt.caption], [prompt_controls(prompt, self.config)]).items()}
+            return {
+                name: ids[0]
+                for name, ids in self.tokenize([prompt.caption], [prompt_controls(prompt, self.config)]).items()
+            }
         if prompt.caption not in self._token_ids:
-            self._token_ids[prompt.caption] = {name: ids[0] for name, ids in self.tokenize([prompt.caption]).items()}  # (L,) each
+            self._token_ids[prompt.caption] = {
+                name: ids[0] for name, ids in self.tokenize([prompt.caption]).items()
+            }  # (L,) each
         return self._token_ids[prompt.caption]
 
     def _cached_geometry(self, path: Path, size: tuple[int, int], flipped: bool) -> torch.Tensor:
@@ -803,7 +940,9 @@ class CaptionedImages(Dataset):
         if key not in self._masks:
             original = self._original_size(path)
             crop = place_crop(original, size, "center")
-            self._masks[key] = (mask_view(open_mask(path, self.config, original), crop, size, flipped) * 255).round().to(torch.uint8)
+            self._masks[key] = (
+                (mask_view(open_mask(path, self.config, original), crop, size, flipped) * 255).round().to(torch.uint8)
+            )
         return self._masks[key].float() / 255
 
     def __len__(self) -> int:
@@ -827,12 +966,22 @@ class CaptionedImages(Dataset):
             if self.config.masks != "off" and example.frames is None:
                 item["mask"] = self._cached_mask(example.path, self.sizes[index], flipped)  # (1, H, W)
             if example.control_paths:  # their posteriors' means: edit bases read a control's mode, never a draw
-                item["control_latents"] = [self._read(views["flipped" if flipped else "plain"])["mean"]
-                                           for views in self.control_entries[index]]
+                item["control_latents"] = [
+                    self._read(views["flipped" if flipped else "plain"])["mean"]
+                    for views in self.control_entries[index]
+                ]
         else:
-            view = (load_clip(example.path, example.frames, self.config, rng, self.sizes[index]) if example.frames else
-                    load_image(example.path, self.config, rng, self.sizes[index],
-                               list(zip(example.control_paths, self.control_sizes[index]))))
+            view = (
+                load_clip(example.path, example.frames, self.config, rng, self.sizes[index])
+                if example.frames
+                else load_image(
+                    example.path,
+                    self.config,
+                    rng,
+                    self.sizes[index],
+                    list(zip(example.control_paths, self.control_sizes[index], strict=True)),
+                )
+            )
             item["pixel_values"], item["geometry"], flipped = view.pixels, view.geometry, view.flipped  # (3, [T,] H, W)
             if view.mask is not None:
                 item["mask"] = view.mask

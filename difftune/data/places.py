@@ -27,8 +27,9 @@ def folder(location: str, key: str = "cache.dir") -> Path:
     try:
         from upath import UPath
     except ImportError:
-        raise DifftuneError(f"{key} {location}: a folder on object storage needs universal_pathlib: "
-                            f"pip install difftune[storage]") from None
+        raise DifftuneError(
+            f"{key} {location}: a folder on object storage needs universal_pathlib: pip install difftune[storage]"
+        ) from None
     return UPath(location)
 
 

@@ -37,7 +37,9 @@ def check_accelerator(accelerator) -> None:
             f"configs/accelerate/multi_node_fsdp.yaml), or configs/accelerate/ddp.yaml"
         )
     if is_sharded(accelerator) and not accelerator.is_fsdp2:
-        raise DifftuneError(f"FSDP version 1 is not supported: set `fsdp_version: 2` in the accelerate config (see {FSDP_CONFIG})")
+        raise DifftuneError(
+            f"FSDP version 1 is not supported: set `fsdp_version: 2` in the accelerate config (see {FSDP_CONFIG})"
+        )
 
 
 def check_config(config: Config) -> None:
@@ -56,16 +58,16 @@ def check_config(config: Config) -> None:
     if config.frozen_weights_kept_apart:
         raise DifftuneError(
             f"{config.frozen_weights_kept_apart}: not supported with FSDP (untested with sharded layers); leave "
-            "weight_dtype \"auto\" and offload_blocks 0, or train with DDP"
+            'weight_dtype "auto" and offload_blocks 0, or train with DDP'
         )
     if config.model.quantize != "none":
         raise DifftuneError(
-            f"model.quantize = \"{config.model.quantize}\": not supported with FSDP (sharding quantized weights is "
-            "untested here); set it to \"none\", or train on one process"
+            f'model.quantize = "{config.model.quantize}": not supported with FSDP (sharding quantized weights is '
+            'untested here); set it to "none", or train on one process'
         )
     if config.adapter.trains_text_encoders:
         raise DifftuneError(
-            "adapter.text_encoder = true and adapter.kind = \"embedding\" are not supported with FSDP (accelerate's "
+            'adapter.text_encoder = true and adapter.kind = "embedding" are not supported with FSDP (accelerate\'s '
             "FSDP2 prepares one model, the denoiser); train the text encoders with DDP"
         )
 

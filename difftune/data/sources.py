@@ -66,7 +66,9 @@ def is_stored_source(path: str) -> bool:
     # Lazily: an image folder (asked about at each step of start-up) answers at its first image, unlisted.
     entries = (entry for entry in folder.iterdir() if not entry.name.startswith("."))
     first = next(entries, None)
-    return first is not None and all(entry.suffix in (SHARD_SUFFIX, PARQUET_SUFFIX) for entry in chain([first], entries))
+    return first is not None and all(
+        entry.suffix in (SHARD_SUFFIX, PARQUET_SUFFIX) for entry in chain([first], entries)
+    )
 
 
 def _filesystem(path: str, key: str):
@@ -99,18 +101,24 @@ def _listing(path: str, key: str) -> tuple[str, list[str], dict[str, dict]]:
             if all(fs.isfile(f"{root.rstrip('/')}/{name}") for name in DATASET_FILES):
                 return "dataset", [url(root)], {url(name): info for name, info in fs.find(root, detail=True).items()}
             if fs.isfile(f"{root.rstrip('/')}/dataset_dict.json"):
-                raise DifftuneError(f"{key} {path}: a DatasetDict (several splits); point it at one split's folder, "
-                                    f"e.g. {path.rstrip('/')}/train")
+                raise DifftuneError(
+                    f"{key} {path}: a DatasetDict (several splits); point it at one split's folder, "
+                    f"e.g. {path.rstrip('/')}/train"
+                )
             found = fs.find(root, detail=True)
         elif fs.isfile(root):
             found = {root: fs.info(root)}
         else:
-            raise DifftuneError(f"{key} {path}: not found; point it at a folder of captioned images, .tar shards, "
-                                f".parquet files (a file, a glob or a folder of them) or a saved `datasets` folder")
+            raise DifftuneError(
+                f"{key} {path}: not found; point it at a folder of captioned images, .tar shards, "
+                f".parquet files (a file, a glob or a folder of them) or a saved `datasets` folder"
+            )
     except (OSError, PermissionError) as err:
         raise DifftuneError(f"{key} {path}: cannot be listed: {err}") from None
-    kinds = {kind: {url(name): found[name] for name in sorted(found) if name.endswith(suffix)}
-             for kind, suffix in (("shards", SHARD_SUFFIX), ("parquet", PARQUET_SUFFIX))}
+    kinds = {
+        kind: {url(name): found[name] for name in sorted(found) if name.endswith(suffix)}
+        for kind, suffix in (("shards", SHARD_SUFFIX), ("parquet", PARQUET_SUFFIX))
+    }
     present = [kind for kind, files in kinds.items() if files]
     if len(present) != 1:
         what = "both .tar shards and .parquet files: keep one kind" if present else "no .tar shards or .parquet files"
@@ -123,8 +131,14 @@ def source_identity(path: str, key: str = "data.path") -> list[list[str]]:
     store's ETag, a file's modification time, a hub file's blob id): what a scan of it depends on, from one listing."""
     identity = []
     for name, info in sorted(_listing(path, key)[2].items()):
-        version = next((info[field] for field in ("ETag", "etag", "blob_id", "mtime", "LastModified", "last_modified")
-                        if info.get(field) is not None), "")
+        version = next(
+            (
+                info[field]
+                for field in ("ETag", "etag", "blob_id", "mtime", "LastModified", "last_modified")
+                if info.get(field) is not None
+            ),
+            "",
+        )
         identity.append([name, str(info.get("size")), str(version)])
     return identity
 
@@ -215,8 +229,9 @@ def _library(name: str):
     try:
         return importlib.import_module(name)
     except ImportError:
-        raise DifftuneError(f"reading parquet files and saved datasets needs {name.split('.')[0]}: "
-                            f"pip install difftune[datasets]") from None
+        raise DifftuneError(
+            f"reading parquet files and saved datasets needs {name.split('.')[0]}: pip install difftune[datasets]"
+        ) from None
 
 
 class _RowGroups:
@@ -290,22 +305,31 @@ def record_key(name: str) -> tuple[str, str]:
     return f"{folder}/{key}" if folder else key, extension.lower()
 
 
-def read_source(path: str, media_suffixes: set[str], caption_extension: str, image_column: str, caption_column: str,
-                key: str = "data.path") -> tuple[list[Record], list[tuple[str, str]]]:
+def read_source(
+    path: str,
+    media_suffixes: set[str],
+    caption_extension: str,
+    image_column: str,
+    caption_column: str,
+    key: str = "data.path",
+) -> tuple[list[Record], list[tuple[str, str]]]:
     """Every record `path` holds, in file order, and the (where, reason) of those left out; each file read once, in
     threads (reading is I/O, and hashing releases the GIL)."""
     kind, files = source_files(path, key)
     if kind == "shards":
         read = functools.partial(read_shard, media_suffixes=media_suffixes, caption_extension=caption_extension)
     else:
-        read = functools.partial(read_table, image_column=image_column, caption_column=caption_column, saved=kind == "dataset",
-                                 key=key)
+        read = functools.partial(
+            read_table, image_column=image_column, caption_column=caption_column, saved=kind == "dataset", key=key
+        )
     with ThreadPoolExecutor(max_workers=min(8, len(files))) as pool:
         results = list(tqdm(pool.map(read, files), total=len(files), desc=f"reading {kind}", disable=len(files) < 4))
     return [record for records, _ in results for record in records], [item for _, bad in results for item in bad]
 
 
-def read_shard(url: str, media_suffixes: set[str], caption_extension: str) -> tuple[list[Record], list[tuple[str, str]]]:
+def read_shard(
+    url: str, media_suffixes: set[str], caption_extension: str
+) -> tuple[list[Record], list[tuple[str, str]]]:
     """A shard's records, reading it once from start to end, and the (`shard:key`, reason) of those left out: a
     record without media or with two, or a caption that is not UTF-8; a shard that ends early keeps the records
     before the damage. Media bytes are hashed as they pass, never held: a shard can be larger than memory."""
@@ -325,14 +349,21 @@ def read_shard(url: str, media_suffixes: set[str], caption_extension: str) -> tu
                     stream = tar.extractfile(info)
                     while piece := stream.read(1 << 24):
                         digest.update(piece)
-                    found: Member | bytes | None = Member(url, info.name, info.size, digest.hexdigest(), offset=info.offset_data)
+                    found: Member | bytes | None = Member(
+                        url, info.name, info.size, digest.hexdigest(), offset=info.offset_data
+                    )
                 else:  # only what can caption it is kept (other members, say .npy, can be large)
                     found = tar.extractfile(info).read() if extension in (caption_kind, "json") else None
                 groups.setdefault(key, {})[extension] = found
     except (tarfile.TarError, OSError, EOFError) as err:
         groups.pop(key, None)  # the record being read when the shard broke off may have lost members
-        bad.append((url, f"the shard cannot be read past its first {len(groups)} records ({type(err).__name__}: "
-                         f"{err}); those train"))
+        bad.append(
+            (
+                url,
+                f"the shard cannot be read past its first {len(groups)} "
+                f"records ({type(err).__name__}: {err}); those train",
+            )
+        )
     records = []
     for key, members in groups.items():
         try:
@@ -351,17 +382,29 @@ def _record(members: dict[str, Member | bytes | None], caption_kind: str) -> Rec
     Raises ValueError saying what is wrong with it."""
     found = {extension: member for extension, member in members.items() if isinstance(member, Member)}
     masks = [member for extension, member in found.items() if extension.startswith("mask.")]
-    numbered = sorted((int(match.group(1) or 0), member) for extension, member in found.items()
-                      if (match := CONTROL_MEMBER.match(extension)))
-    media = [member for extension, member in found.items() if not extension.startswith("mask.")
-             and not CONTROL_MEMBER.match(extension)]
+    numbered = sorted(
+        (int(match.group(1) or 0), member)
+        for extension, member in found.items()
+        if (match := CONTROL_MEMBER.match(extension))
+    )
+    media = [
+        member
+        for extension, member in found.items()
+        if not extension.startswith("mask.") and not CONTROL_MEMBER.match(extension)
+    ]
     if len(media) != 1:
         what = "no image or clip" if not media else "more than one image or clip"
         raise ValueError(f"has {what} (members: {', '.join(sorted(members))})")
     if len(masks) > 1 or [number for number, _ in numbered] != list(range(len(numbered))):
-        raise ValueError(f"its masks or controls ({', '.join(sorted(members))}) must be one `mask.*` member and one "
-                         f"`control.*` member or members numbered control_0, control_1... without gaps")
-    return Record(replace(media[0], mask=masks[0] if masks else None), _caption(members, caption_kind), tuple(member for _, member in numbered))
+        raise ValueError(
+            f"its masks or controls ({', '.join(sorted(members))}) must be one `mask.*` member and one "
+            f"`control.*` member or members numbered control_0, control_1... without gaps"
+        )
+    return Record(
+        replace(media[0], mask=masks[0] if masks else None),
+        _caption(members, caption_kind),
+        tuple(member for _, member in numbered),
+    )
 
 
 def _caption(members: dict[str, Member | bytes | None], caption_kind: str) -> str | None:
@@ -382,7 +425,9 @@ def _caption(members: dict[str, Member | bytes | None], caption_kind: str) -> st
     return None
 
 
-def read_table(url: str, image_column: str, caption_column: str, saved: bool, key: str) -> tuple[list[Record], list[tuple[str, str]]]:
+def read_table(
+    url: str, image_column: str, caption_column: str, saved: bool, key: str
+) -> tuple[list[Record], list[tuple[str, str]]]:
     """A parquet file's records (`saved`: a `Dataset.save_to_disk` folder's), row by row; a row without image bytes
     is reported as `file:row N`."""
     with ExitStack() as opened:
@@ -396,23 +441,30 @@ def read_table(url: str, image_column: str, caption_column: str, saved: bool, ke
         image = _column(url, names, image_column, IMAGE_COLUMNS, "data.image_column", key)
         caption = _column(url, names, caption_column, CAPTION_COLUMNS, "data.caption_column", key)
         columns = [image, caption] if caption else [image]
-        parts = [(0, table.select(columns))] if saved else ((g, parquet.read_row_group(g, columns=columns)) for g in groups)
+        parts = (
+            [(0, table.select(columns))] if saved else ((g, parquet.read_row_group(g, columns=columns)) for g in groups)
+        )
         return _table_records(url, parts, image, caption, saved)
 
 
-def _table_records(url: str, parts, image: str, caption: str | None, saved: bool) -> tuple[list[Record], list[tuple[str, str]]]:
+def _table_records(
+    url: str, parts, image: str, caption: str | None, saved: bool
+) -> tuple[list[Record], list[tuple[str, str]]]:
     """The records of a table's parts ((row group, its rows) in order; a saved dataset is one part)."""
     records, bad, row = [], [], 0
     for group, part in parts:
         captions = part.column(caption).to_pylist() if caption else [None] * part.num_rows
-        for index, (value, text) in enumerate(zip(part.column(image).to_pylist(), captions)):
+        for index, (value, text) in enumerate(zip(part.column(image).to_pylist(), captions, strict=True)):
             data = _image_bytes(value)
             if data is None:
                 bad.append((f"{url}:row {row}", f"no image bytes in column {image!r}"))
             else:
                 common = (url, f"{row}{_suffix(value, data)}", len(data), hashlib.sha256(data).hexdigest())
-                media = (DatasetRow(*common, index=row, column=image) if saved else
-                         Row(*common, group=group, index=index, column=image))
+                media = (
+                    DatasetRow(*common, index=row, column=image)
+                    if saved
+                    else Row(*common, group=group, index=index, column=image)
+                )
                 records.append(Record(media, text.strip() if isinstance(text, str) else None))
             row += 1
     return records, bad
@@ -424,7 +476,9 @@ def _column(url: str, names: list[str], asked: str, usual: tuple[str, ...], sett
         raise DifftuneError(f"{key} {url}: {setting} = {asked!r} is not one of its columns ({', '.join(names)})")
     found = asked or next((name for name in usual if name in names), None)
     if found is None and setting == "data.image_column":
-        raise DifftuneError(f"{key} {url}: no image column ({', '.join(usual)}) among {', '.join(names)}; set {setting}")
+        raise DifftuneError(
+            f"{key} {url}: no image column ({', '.join(usual)}) among {', '.join(names)}; set {setting}"
+        )
     return found
 
 

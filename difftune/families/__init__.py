@@ -44,8 +44,11 @@ def _discover() -> dict[str, Family]:
     families = {}
     for name in FAMILY_NAMES:
         module = importlib.import_module(f"{__name__}.{name}")
-        [family] = [cls() for _, cls in inspect.getmembers(module, inspect.isclass)
-                    if issubclass(cls, Family) and cls is not Family and cls.__module__ == module.__name__]
+        [family] = [
+            cls()
+            for _, cls in inspect.getmembers(module, inspect.isclass)
+            if issubclass(cls, Family) and cls is not Family and cls.__module__ == module.__name__
+        ]
         if family.name != name:
             raise RuntimeError(f"families/{name}.py defines family {family.name!r}: name the module after its family")
         families[name] = family
@@ -56,8 +59,14 @@ FAMILIES: dict[str, Family] = _discover()
 FAMILY_OPTIONS = {name: family.options_model for name, family in FAMILIES.items()}  # what model.family_options may set
 
 
-ADAPTER_KINDS = {"lora": "LoRA", "dora": "DoRA", "loha": "LoHa", "lokr": "LoKr", "none": "full",
-                 "embedding": "textual inversion"}
+ADAPTER_KINDS = {
+    "lora": "LoRA",
+    "dora": "DoRA",
+    "loha": "LoHa",
+    "lokr": "LoKr",
+    "none": "full",
+    "embedding": "textual inversion",
+}
 
 
 def family_table_markdown(models_dir: Path) -> str:
@@ -65,17 +74,25 @@ def family_table_markdown(models_dir: Path) -> str:
     `scores.json` in `models_dir` (a test keeps the README in sync)."""
     from difftune.config import Config
 
-    rows = ["| `model.family` | pipelines | trains | text encoders adapted | kohya / ComfyUI prefixes | single file | "
-            "edits | tiny base (its own scores) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| `model.family` | pipelines | trains | text encoders adapted | kohya / ComfyUI prefixes | single file | "
+        "edits | tiny base (its own scores) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, family in FAMILIES.items():
-        kinds = [label for kind, label in ADAPTER_KINDS.items()
-                 if not family.config_problems(Config(adapter={"kind": kind, "text_encoder": False}))]
+        kinds = [
+            label
+            for kind, label in ADAPTER_KINDS.items()
+            if not family.config_problems(Config(adapter={"kind": kind, "text_encoder": False}))
+        ]
         encoders = ", ".join(f"`{e}`" for e in family.adapted_text_encoders()) or "none"
         prefixes = ", ".join(f"`{prefix}`" for prefix in family.kohya_prefixes.values())
         edits = {0: "no", 1: "1 control"}.get(family.max_controls, f"up to {family.max_controls} controls")
-        rows.append(f"| `{name}` | {', '.join(f'`{c}`' for c in family.pipeline_classes)} | {', '.join(kinds)} | "
-                    f"{encoders} | {prefixes} | {family.single_file_layout or 'not read'} | {edits} | "
-                    f"{_tiny_base_scores(models_dir / f'tiny-{name}')} |")
+        rows.append(
+            f"| `{name}` | {', '.join(f'`{c}`' for c in family.pipeline_classes)} | {', '.join(kinds)} | "
+            f"{encoders} | {prefixes} | {family.single_file_layout or 'not read'} | {edits} | "
+            f"{_tiny_base_scores(models_dir / f'tiny-{name}')} |"
+        )
     return "\n".join(rows)
 
 
@@ -87,8 +104,10 @@ def _tiny_base_scores(folder: Path) -> str:
     if "edits" in base["seen"]:
         return f"`{folder.name}`: seen edits right {base['seen']['all']:.2f}"
     direction = f", direction {base['seen']['direction']:.2f}" if "direction" in base["seen"] else ""  # a video base's
-    return (f"`{folder.name}`: seen color {base['seen']['color']:.2f}, shape {base['seen']['shape']:.2f}{direction}; "
-            f"purple before {base['concept']['both']:.2f}")
+    return (
+        f"`{folder.name}`: seen color {base['seen']['color']:.2f}, shape {base['seen']['shape']:.2f}{direction}; "
+        f"purple before {base['concept']['both']:.2f}"
+    )
 
 
 def load_components(config: ModelConfig, dtypes: PartDtypes = FP32_PARTS) -> Components:
@@ -162,9 +181,11 @@ def _readers(config: ModelConfig) -> tuple[list[Family], str]:
             raise DifftuneError(
                 f"model.base {base}: a ComfyUI scaled fp8 file (`scaled_fp8`, `.scale_weight` keys) of a family whose "
                 "single files diffusers reads whole, and diffusers' reader would not apply its per-tensor scales. Pass "
-                "the bf16/fp16 file, and set model.weight_dtype = \"fp8\" to keep the weights in fp8 while training"
+                'the bf16/fp16 file, and set model.weight_dtype = "fp8" to keep the weights in fp8 while training'
             )
-        if len(readers) > 1 and config.single_file_config:  # one transformer's keys, several pipelines (Qwen-Image's edits)
+        if (
+            len(readers) > 1 and config.single_file_config
+        ):  # one transformer's keys, several pipelines (Qwen-Image's edits)
             class_name = _pipeline_class_name(config.model_copy(update={"base": config.single_file_config}))
             readers = [family for family in readers if class_name in family.pipeline_classes] or readers
         return readers, "a single file"

@@ -46,8 +46,11 @@ class Chroma(Flux):
     pipeline_classes = ("ChromaPipeline",)
     denoiser_class = ChromaTransformer2DModel
     denoiser_file_key = "distilled_guidance_layer.layers.0.in_layer.weight"  # the original layout's name alone
-    original_globals = {module: original for module, original in ORIGINAL_GLOBALS.items()
-                        if not module.startswith(("time_text_embed.", "norm_out."))}
+    original_globals = {
+        module: original
+        for module, original in ORIGINAL_GLOBALS.items()
+        if not module.startswith(("time_text_embed.", "norm_out."))
+    }
     swapped_halves = ()
     text_encoder_names = ("text_encoder",)
     tokenizer_names = ("tokenizer",)
@@ -62,7 +65,9 @@ class Chroma(Flux):
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ids = token_ids["text_encoder"]
         mask = ids != components.tokenizers["tokenizer"].pad_token_id
-        states = components.text_encoders["text_encoder"](ids, output_hidden_states=False, attention_mask=mask.long())[0]
+        states = components.text_encoders["text_encoder"](ids, output_hidden_states=False, attention_mask=mask.long())[
+            0
+        ]
         return {"encoder_hidden_states": states, "text_mask": mask}
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
@@ -73,17 +78,23 @@ class Chroma(Flux):
         text_keep = torch.arange(states.shape[1], device=noisy.device)[None] <= lengths
         keep = torch.cat([text_keep, torch.ones(b, (h // 2) * (w // 2), dtype=torch.bool, device=noisy.device)], dim=1)
         prediction = components.denoiser(
-            hidden_states=pack(noisy).to(states.dtype), timestep=(timesteps / 1000).to(states.dtype),
-            encoder_hidden_states=states, txt_ids=torch.zeros(states.shape[1], 3, device=noisy.device, dtype=states.dtype),
-            img_ids=image_position_ids(h, w, noisy.device, states.dtype), attention_mask=keep.to(states.dtype),
+            hidden_states=pack(noisy).to(states.dtype),
+            timestep=(timesteps / 1000).to(states.dtype),
+            encoder_hidden_states=states,
+            txt_ids=torch.zeros(states.shape[1], 3, device=noisy.device, dtype=states.dtype),
+            img_ids=image_position_ids(h, w, noisy.device, states.dtype),
+            attention_mask=keep.to(states.dtype),
             return_dict=False,
         )[0]
         return unpack(prediction, h, w)
 
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
         """True classifier-free guidance above 1, in the pipeline's own `guidance_scale` (neg + w (pos - neg))."""
-        return {"max_sequence_length": self.max_sequence_length(components), "guidance_scale": guidance_scale,
-                "negative_prompt": negative_prompt or None}
+        return {
+            "max_sequence_length": self.max_sequence_length(components),
+            "guidance_scale": guidance_scale,
+            "negative_prompt": negative_prompt or None,
+        }
 
     def max_sequence_length(self, components: Components) -> int:
         return components.tokenizers["tokenizer"].model_max_length
@@ -93,7 +104,9 @@ class Chroma(Flux):
     def original_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         approximator = {key: value for key, value in weights.items() if key.startswith(APPROXIMATOR)}
         rest = super().original_state_dict({key: value for key, value in weights.items() if key not in approximator})
-        return rest | {approximator_key(key, to_original=True): value.contiguous() for key, value in approximator.items()}
+        return rest | {
+            approximator_key(key, to_original=True): value.contiguous() for key, value in approximator.items()
+        }
 
     def diffusers_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         approximator = {key: value for key, value in weights.items() if key.startswith(APPROXIMATOR)}

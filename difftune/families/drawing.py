@@ -33,7 +33,9 @@ class Sample:
     image: Image.Image
     entry: str | PromptWithControls  # the `sample.prompts` entry it was drawn for
     seed: int
-    controls: list[Image.Image] = field(default_factory=list)  # an edit's control images, at the image's size (for the grid)
+    controls: list[Image.Image] = field(
+        default_factory=list
+    )  # an edit's control images, at the image's size (for the grid)
     clip: list[Image.Image] = field(default_factory=list)  # a video base's frames (`image` is the first)
 
     @property
@@ -42,7 +44,9 @@ class Sample:
 
 
 @torch.no_grad()
-def generate_images(components: Components, config: SampleConfig, device: torch.device, shown_as: str = "") -> list[Sample]:
+def generate_images(
+    components: Components, config: SampleConfig, device: torch.device, shown_as: str = ""
+) -> list[Sample]:
     """`images_per_prompt` images per prompt; image k (counting across prompts) uses seed `config.seed + k`,
     so any image can be re-made alone. No `resolution`: the model's native size. `shown_as`: the bar's words over
     the images drawn (on a terminal), none if empty."""
@@ -64,17 +68,31 @@ def _sample_all(pipeline, config: SampleConfig, guidance: dict, components: Comp
     samples = []
     drawn = bar(None, shown_as, quiet=not shown_as, total=len(config.prompts) * config.images_per_prompt)
     for entry in config.prompts:
-        prompt, controls = (entry, []) if isinstance(entry, str) else (entry.prompt, [_open_control(c) for c in entry.controls])
+        prompt, controls = (
+            (entry, []) if isinstance(entry, str) else (entry.prompt, [_open_control(c) for c in entry.controls])
+        )
         for _ in range(config.images_per_prompt):
             seed = config.seed + len(samples)
-            arguments = {"num_inference_steps": config.steps, "generator": torch.Generator("cpu").manual_seed(seed), **guidance}
+            arguments = {
+                "num_inference_steps": config.steps,
+                "generator": torch.Generator("cpu").manual_seed(seed),
+                **guidance,
+            }
             if config.frames > 1:
-                [clip] = components.family.draw_clips(pipeline, prompt, controls, config.resolution, config.resolution,
-                                                      config.frames, **arguments)
+                [clip] = components.family.draw_clips(
+                    pipeline, prompt, controls, config.resolution, config.resolution, config.frames, **arguments
+                )
                 samples.append(Sample(clip[0], entry, seed, [c.resize(clip[0].size) for c in controls], clip))
             else:
-                [image] = components.family.draw(pipeline, components.family_options, prompt, controls, config.resolution,
-                                                 config.resolution, **arguments)
+                [image] = components.family.draw(
+                    pipeline,
+                    components.family_options,
+                    prompt,
+                    controls,
+                    config.resolution,
+                    config.resolution,
+                    **arguments,
+                )
                 samples.append(Sample(image, entry, seed, [c.resize(image.size) for c in controls]))
             drawn.update()
     drawn.close()
@@ -88,7 +106,9 @@ def _open_control(path: str) -> Image.Image:
         raise DifftuneError(f"sample.prompts: control image {path}: {err}") from None
 
 
-def save_images(samples: list[Sample], config: SampleConfig, out_dir: Path, before_dir: Path | None = None) -> list[Path]:
+def save_images(
+    samples: list[Sample], config: SampleConfig, out_dir: Path, before_dir: Path | None = None
+) -> list[Path]:
     """Each image as a PNG with its prompt and settings in the text chunk (a clip as `save_clip` writes it), plus
     `grid.png`: a cell per image (a clip's first frame), after its controls (an edit's) and, where `before_dir` holds
     the base's sample of the same number, after that; a cell of several panels names each above it."""
@@ -108,8 +128,11 @@ def save_images(samples: list[Sample], config: SampleConfig, out_dir: Path, befo
     cells = []
     for number, sample in enumerate(samples):
         before = _before(before_dir, number)
-        panels = [*_control_panels(sample.controls), *([("before", before)] if before else []),
-                  ("after" if before else "edited", sample.image)]
+        panels = [
+            *_control_panels(sample.controls),
+            *([("before", before)] if before else []),
+            ("after" if before else "edited", sample.image),
+        ]
         cells.append(labelled_row(panels) if len(panels) > 1 else sample.image)
     make_grid(cells).save(out_dir / "grid.png")
     return paths
@@ -134,10 +157,15 @@ def _before(before_dir: Path | None, number: int) -> Image.Image | None:
 
 def sample_tags(sample: Sample, config: SampleConfig) -> dict[str, str]:
     """What a sample file says of itself: its prompt, the settings it was drawn with and an edit's control files."""
-    size = f"{sample.image.width}x{sample.image.height}" + (f"x{len(sample.clip)} fps={config.fps}" if sample.clip else "")
-    tags = {"prompt": sample.prompt,
-            "parameters": f"negative_prompt={config.negative_prompt!r} steps={config.steps} guidance_scale={config.guidance_scale} "
-                          f"scheduler={config.scheduler} seed={sample.seed} size={size} decoder={config.decoder or 'model'}"}
+    size = f"{sample.image.width}x{sample.image.height}" + (
+        f"x{len(sample.clip)} fps={config.fps}" if sample.clip else ""
+    )
+    tags = {
+        "prompt": sample.prompt,
+        "parameters": f"negative_prompt={config.negative_prompt!r} steps={config.steps} "
+        f"guidance_scale={config.guidance_scale} "
+        f"scheduler={config.scheduler} seed={sample.seed} size={size} decoder={config.decoder or 'model'}",
+    }
     if sample.controls:
         tags["controls"] = "\n".join(sample.entry.controls)
     return tags
@@ -155,8 +183,9 @@ def save_clip(frames: list[Image.Image], stem: Path, fps: int, tags: dict[str, s
     path = stem.with_suffix(".webp")
     exif = Image.Exif()
     exif[0x010E] = "\n".join(f"{name}: {text}" for name, text in tags.items())  # ImageDescription
-    frames[0].save(path, save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0, lossless=True,
-                   exif=exif)
+    frames[0].save(
+        path, save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0, lossless=True, exif=exif
+    )
     return path
 
 
@@ -182,7 +211,7 @@ def labelled_row(panels: list[tuple[str, Image.Image]]) -> Image.Image:
     labelled = Image.new("RGB", (row.width, row.height + band), "white")
     labelled.paste(row, (0, band))
     draw, left = ImageDraw.Draw(labelled), 0
-    for (label, _), image in zip(panels, images):
+    for (label, _), image in zip(panels, images, strict=True):
         draw.text((left + (image.width - draw.textlength(label, font=font)) / 2, 1), label, fill="black", font=font)
         left += image.width
     return labelled

@@ -53,8 +53,14 @@ from difftune.models.parts import (
 # `up_blocks.0.attentions.2`, `down_blocks.0.resnets.1`...
 UNET_BLOCK = re.compile(r"(?:^|\.)((?:down_blocks\.\d+|up_blocks\.\d+|mid_block)(?:\.(?:attentions|resnets)\.\d+)?)$")
 UNET_TOP_BLOCK = re.compile(r"(?:^|\.)(?:down_blocks\.\d+|mid_block|up_blocks\.\d+)$")
-SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler, "euler_a": EulerAncestralDiscreteScheduler,
-            "dpmpp_2m": DPMSolverMultistepScheduler}
+SAMPLERS = {
+    "ddim": DDIMScheduler,
+    "euler": EulerDiscreteScheduler,
+    "euler_a": EulerAncestralDiscreteScheduler,
+    "dpmpp_2m": DPMSolverMultistepScheduler,
+}
+
+
 def config_folder(config: ModelConfig) -> str:
     """Where `config.base`'s configs are: its own folder or hub id, a single file's `single_file_config`."""
     return config.single_file_config if config.base.endswith(SINGLE_FILE_SUFFIXES) else config.base
@@ -81,7 +87,9 @@ def trimmed(conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def padded(stored: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
     """Inverse of `trimmed`."""
-    return {name: F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, length - len(tensor))) for name, tensor in stored.items()}
+    return {
+        name: F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, length - len(tensor))) for name, tensor in stored.items()
+    }
 
 
 class FamilyOptions(Section):
@@ -104,9 +112,13 @@ class Family:
     # `text_mask` (`valid_token_states`): the text cache keeps the caption's tokens alone and pads them back. None:
     # stored as encoded.
     padded_text_tokens: int | None = None
-    drawing_part_names: tuple[str, ...] = ()  # frozen pipeline parts that drawing alone uses (`Components.drawing_parts`)
+    drawing_part_names: tuple[
+        str, ...
+    ] = ()  # frozen pipeline parts that drawing alone uses (`Components.drawing_parts`)
     kohya_prefixes: dict[str, str]  # part -> key prefix in kohya / A1111 / ComfyUI files
-    kohya_text_model_parts: tuple[str, ...] = ("text_encoder",)  # CLIP encoders: kohya names their modules `text_model_*`
+    kohya_text_model_parts: tuple[str, ...] = (
+        "text_encoder",
+    )  # CLIP encoders: kohya names their modules `text_model_*`
     kohya_model_version: str  # kohya's `ss_base_model_version`, where one name covers the family's bases
     embedding_keys: tuple[str, ...] = ("emb_params",)  # per text encoder: its key in A1111 / ComfyUI embedding files
     default_targets: dict[str, list[str]]  # part -> modules that get an adapter unless the config lists others
@@ -129,7 +141,8 @@ class Family:
         they have `denoiser_file_key` (ComfyUI's files may prefix it); families without single files read none (a
         diffusers folder of theirs is what to pass)."""
         return self.denoiser_file_key is not None and any(
-            prefix + self.denoiser_file_key in keys for prefix in ("", *DENOISER_FILE_PREFIXES))
+            prefix + self.denoiser_file_key in keys for prefix in ("", *DENOISER_FILE_PREFIXES)
+        )
 
     def options(self, config: ModelConfig) -> FamilyOptions:
         """`model.family_options` checked against the family's own `options_model`: each wrong or unknown setting
@@ -140,8 +153,11 @@ class Family:
             known = ", ".join(self.options_model.model_fields) or "none"
             problems = [
                 f"model.family_options.{'.'.join(map(str, error['loc']))}: "
-                + (f"not a setting of {self.description} bases (theirs: {known})" if error["type"] == "extra_forbidden"
-                   else f"{error['msg']} (got {error.get('input')!r})")
+                + (
+                    f"not a setting of {self.description} bases (theirs: {known})"
+                    if error["type"] == "extra_forbidden"
+                    else f"{error['msg']} (got {error.get('input')!r})"
+                )
                 for error in err.errors()
             ]
             raise DifftuneError("\n".join(problems)) from None
@@ -156,8 +172,11 @@ class Family:
             pipeline = self.single_file_pipeline(config, dtypes)
         else:
             pipeline = self.pipeline_class.from_pretrained(
-                config.base, revision=config.revision or None, variant=config.variant or None,
-                **self.fixed_pipeline_arguments, **self._loading_arguments(config, options, dtypes),
+                config.base,
+                revision=config.revision or None,
+                variant=config.variant or None,
+                **self.fixed_pipeline_arguments,
+                **self._loading_arguments(config, options, dtypes),
             )
         return self.components_of(pipeline, options)
 
@@ -166,8 +185,10 @@ class Family:
         left_out = {} if dtypes.drawing_parts else dict.fromkeys(self.drawing_part_names_of(config))
         if dtypes.denoiser is None:
             return {part: None, **left_out, "dtype": {"default": dtypes.others, "vae": dtypes.vae}}
-        return {**left_out,
-                "dtype": {"default": dtypes.others, "vae": dtypes.vae, part: self._denoiser_dtype(config, part, dtypes)}}
+        return {
+            **left_out,
+            "dtype": {"default": dtypes.others, "vae": dtypes.vae, part: self._denoiser_dtype(config, part, dtypes)},
+        }
 
     def drawing_part_names_of(self, config: ModelConfig) -> tuple[str, ...]:
         """The drawing parts (`drawing_part_names`) base `config` has."""
@@ -185,7 +206,10 @@ class Family:
         if config.base.endswith(SINGLE_FILE_SUFFIXES):
             return self.denoiser_of_file(config, part, dtypes)
         return part_class.from_pretrained(
-            config.base, subfolder=part, revision=config.revision or None, variant=config.variant or None,
+            config.base,
+            subfolder=part,
+            revision=config.revision or None,
+            variant=config.variant or None,
             dtype=self._denoiser_dtype(config, part, dtypes),
         )
 
@@ -194,11 +218,15 @@ class Family:
         part, part_class = self._denoiser_class(config)
         folder = config_folder(config)
         with init_empty_weights():
-            return part_class.from_config(part_class.load_config(folder, subfolder=part, revision=config.revision or None))
+            return part_class.from_config(
+                part_class.load_config(folder, subfolder=part, revision=config.revision or None)
+            )
 
     def _denoiser_class(self, config: ModelConfig) -> tuple[str, type]:
         part = self.denoiser_part(self.options(config))
-        library, class_name = self.pipeline_class.load_config(config_folder(config), revision=config.revision or None)[part]
+        library, class_name = self.pipeline_class.load_config(config_folder(config), revision=config.revision or None)[
+            part
+        ]
         return part, getattr(importlib.import_module(library), class_name)  # as the pipeline would load it
 
     def single_file_pipeline(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
@@ -206,7 +234,9 @@ class Family:
         takes one dtype for every part: the run's where its parts agree on one, else fp32."""
         agree = dtypes.vae == dtypes.others and dtypes.denoiser in (AS_STORED, None, dtypes.others)
         return self.pipeline_class.from_single_file(
-            config.base, config=config.single_file_config or None, **self.fixed_pipeline_arguments,
+            config.base,
+            config=config.single_file_config or None,
+            **self.fixed_pipeline_arguments,
             dtype=dtypes.others if agree else torch.float32,
         )
 
@@ -223,8 +253,9 @@ class Family:
                 "autoencoder and configs"
             )
         if not config.base.endswith((".safetensors", ".gguf")):
-            raise DifftuneError(f"model.base {config.base}: read as .safetensors or .gguf only for {self.description}; "
-                                "convert the file")
+            raise DifftuneError(
+                f"model.base {config.base}: read as .safetensors or .gguf only for {self.description}; convert the file"
+            )
         part = self.denoiser_part(self.options(config))
         parts = {"dtype": {"default": dtypes.others, "vae": dtypes.vae}, part: None}
         if not dtypes.drawing_parts:
@@ -236,8 +267,9 @@ class Family:
     def denoiser_of_file(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.nn.Module:
         """The denoiser (`denoiser_class`, as `model.single_file_config` shapes it) of a file of it alone: a
         `.safetensors` file tensor by tensor, a GGUF file's blocks quantized (denoiser_files.py)."""
-        denoiser_config = self.denoiser_class.load_config(config.single_file_config, subfolder=part,
-                                                          revision=config.revision or None)
+        denoiser_config = self.denoiser_class.load_config(
+            config.single_file_config, subfolder=part, revision=config.revision or None
+        )
         with init_empty_weights():
             denoiser = self.denoiser_class.from_config(denoiser_config)
         if is_gguf(config.base):
@@ -303,8 +335,11 @@ class Family:
 
     def config_problems(self, config: Config) -> list[str]:
         """Every setting of `config` this family cannot train with, each named (what `check_config` refuses)."""
-        problems = (self.unsupported_settings(config) + self.adapter_problems(config)
-                    + self.prompt_control_problems(config.sample.prompts))
+        problems = (
+            self.unsupported_settings(config)
+            + self.adapter_problems(config)
+            + self.prompt_control_problems(config.sample.prompts)
+        )
         try:
             self.sampler(config.sample.scheduler)
         except DifftuneError as err:
@@ -313,10 +348,14 @@ class Family:
 
     def unsupported_settings(self, config: Config) -> list[str]:
         """What `check_config` refuses besides the sampler: here, the flow-matching settings (a DDPM UNet)."""
-        flow_only = {"loss.weighting": config.loss.weighting not in ("auto", *WEIGHTINGS),
-                     "loss.flow_shift": config.loss.flow_shift != 1.0,
-                     "loss.flow_shift_by_resolution": config.loss.flow_shift_by_resolution}
-        return [f"{key}: for flow-matching families, leave it at its default" for key, set_ in flow_only.items() if set_]
+        flow_only = {
+            "loss.weighting": config.loss.weighting not in ("auto", *WEIGHTINGS),
+            "loss.flow_shift": config.loss.flow_shift != 1.0,
+            "loss.flow_shift_by_resolution": config.loss.flow_shift_by_resolution,
+        }
+        return [
+            f"{key}: for flow-matching families, leave it at its default" for key, set_ in flow_only.items() if set_
+        ]
 
     def adapter_problems(self, config: Config) -> list[str]:
         """What `check_config` refuses of the adapter for any family: text-encoder adapters its pipeline's LoRA
@@ -324,13 +363,14 @@ class Family:
         problems = []
         if config.adapter.text_encoder and config.adapter.is_adapter and not self.adapted_text_encoders():
             problems.append(
-                f"adapter.text_encoder: {self.pipeline_class.__name__}'s LoRA loader reads {self.denoiser_name} adapters "
-                "alone (a text encoder adapter would be dropped where the file is used); set it to false, or fine-tune in "
-                "full (adapter.kind = \"none\"), which saves the text encoder in the pipeline folder"
+                f"adapter.text_encoder: {self.pipeline_class.__name__}'s LoRA loader reads {self.denoiser_name} "
+                "adapters alone (a text encoder adapter would be dropped where the file is used); set it to false, "
+                'or fine-tune in full (adapter.kind = "none"), which saves the text encoder in the pipeline folder'
             )
         if config.adapter.kind == "embedding" and not self.trains_embeddings:
-            problems.append(f"adapter.kind = \"embedding\": textual inversion is not built for {self.description}; "
-                            "train a LoRA")
+            problems.append(
+                f'adapter.kind = "embedding": textual inversion is not built for {self.description}; train a LoRA'
+            )
         return problems
 
     def sampler(self, name: str) -> type:
@@ -338,7 +378,8 @@ class Family:
         name = self.default_sampler if name == "auto" else name
         if name not in self.samplers:
             raise DifftuneError(
-                f"sample.scheduler = \"{name}\": not a sampler for {self.description}; use auto or {', '.join(self.samplers)}"
+                f'sample.scheduler = "{name}": not a sampler for {self.description}; use auto or '
+                f"{', '.join(self.samplers)}"
             )
         return self.samplers[name]
 
@@ -365,9 +406,9 @@ class Family:
             return
         if not self.max_controls:
             raise DifftuneError(
-                f"{key}: {over.path.name} has control images ({', '.join(str(c) for c in over.control_paths)}), but "
-                f"{self.description} bases edit no image; train an edit base (FLUX.1 Kontext, Qwen-Image-Edit) on pairs, "
-                f"or move the control folder away"
+                f"{key}: {over.path.name} has control images ({', '.join(str(c) for c in over.control_paths)}), "
+                f"but {self.description} bases edit no image; train an edit base (FLUX.1 "
+                "Kontext, Qwen-Image-Edit) on pairs, or move the control folder away"
             )
         raise DifftuneError(
             f"{key}: {over.path.name} has {len(over.control_paths)} control images; {self.description} bases read "
@@ -379,8 +420,9 @@ class Family:
         takes); None for an image family, whose data leaves clips out and reports them."""
         return FrameWindows.of(data, frames_per_latent(vae)) if self.reads_clips else None
 
-    def control_size(self, target_size: tuple[int, int], control_size: tuple[int, int],
-                     options: FamilyOptions | None = None) -> tuple[int, int]:
+    def control_size(
+        self, target_size: tuple[int, int], control_size: tuple[int, int], options: FamilyOptions | None = None
+    ) -> tuple[int, int]:
         """The (width, height) a control image of `control_size` trains at beside a target trained at `target_size`
         (under the base's `options`): the target's (as diffusers' Kontext training script pairs them), unless the
         family says otherwise."""
@@ -394,24 +436,49 @@ class Family:
             controls = [] if isinstance(entry, str) else entry.controls
             text = entry if isinstance(entry, str) else entry.prompt
             if len(controls) > self.max_controls:
-                problems.append(f"sample.prompts: {text!r} has {len(controls)} control images; these bases read "
-                                f"{'none (they edit no image)' if not self.max_controls else f'at most {self.max_controls}'}")
+                problems.append(
+                    f"sample.prompts: {text!r} has {len(controls)} control images; these bases read "
+                    f"{'none (they edit no image)' if not self.max_controls else f'at most {self.max_controls}'}"
+                )
             elif self.needs_controls_to_draw and not controls:
-                problems.append(f"sample.prompts: {text!r} has no control image; {self.description} pipelines draw only "
-                                f"edits: write it as {{prompt = {text!r}, controls = [\"image.png\"]}}")
+                problems.append(
+                    f"sample.prompts: {text!r} has no control image; {self.description} pipelines draw only "
+                    f'edits: write it as {{prompt = {text!r}, controls = ["image.png"]}}'
+                )
         return problems
 
-    def draw(self, pipeline, options: FamilyOptions, prompt: str | list[str], controls: list, height: int | None,
-             width: int | None, **arguments) -> list:
+    def draw(
+        self,
+        pipeline,
+        options: FamilyOptions,
+        prompt: str | list[str],
+        controls: list,
+        height: int | None,
+        width: int | None,
+        **arguments,
+    ) -> list:
         """The images the family's `pipeline` draws for `prompt` at `height` x `width` (None: the pipeline's default
         size) from an edit prompt's control images (PIL; none for a text-to-image prompt, at most `max_controls`:
         callers check `prompt_control_problems` first), under the base's `options`; `arguments`: the rest of the call
         (steps, guidance, generators)."""
-        return pipeline(prompt=prompt, height=height, width=width,  # by name: an edit pipeline's first argument is the image
-                        **self.image_arguments(controls, height, width), **arguments).images
+        return pipeline(
+            prompt=prompt,
+            height=height,
+            width=width,  # by name: an edit pipeline's first argument is the image
+            **self.image_arguments(controls, height, width),
+            **arguments,
+        ).images
 
-    def draw_clips(self, pipeline, prompt: str | list[str], controls: list, height: int | None, width: int | None,
-                   frames: int, **arguments) -> list[list]:
+    def draw_clips(
+        self,
+        pipeline,
+        prompt: str | list[str],
+        controls: list,
+        height: int | None,
+        width: int | None,
+        frames: int,
+        **arguments,
+    ) -> list[list]:
         """A video family's clips (each a list of PIL frames) of `frames` frames for `prompt` (from `controls`: an
         image-to-video base's first frame), as `draw` draws images; refused by an image family (callers check
         `reads_clips` first)."""
@@ -459,8 +526,14 @@ class Family:
         """Channels of the latents the denoiser takes (unpacked, as the autoencoder makes them)."""
         return denoiser.config.in_channels
 
-    def denoise(self, components: Components, noisy: torch.Tensor, timesteps: torch.Tensor, conditioning: dict,
-                geometry: torch.Tensor) -> torch.Tensor:
+    def denoise(
+        self,
+        components: Components,
+        noisy: torch.Tensor,
+        timesteps: torch.Tensor,
+        conditioning: dict,
+        geometry: torch.Tensor,
+    ) -> torch.Tensor:
         """The denoiser's prediction for noisy latents (B, C, h, w). `geometry` (B, 6) holds each sample's
         (original height, width, crop top, left, target height, width) in pixels (`data.image_geometry`)."""
         raise NotImplementedError
@@ -483,19 +556,37 @@ class Family:
     # The training objective: DDPM's noise process with epsilon / v targets (loss.py) for the UNet families; a
     # flow-matching family draws its own times and noise and computes its own loss here.
 
-    def draw_timesteps_and_noise(self, components: Components, generators: list[torch.Generator], latents: torch.Tensor,
-                                 config: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def draw_timesteps_and_noise(
+        self, components: Components, generators: list[torch.Generator], latents: torch.Tensor, config: LossConfig
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per sample, from its own generator: timesteps (B,), the target noise and the input noise (B, C, h, w)."""
-        return draw_timesteps_and_noise(generators, latents, components.noise_scheduler.config.num_train_timesteps, config)
+        return draw_timesteps_and_noise(
+            generators, latents, components.noise_scheduler.config.num_train_timesteps, config
+        )
 
-    def loss(self, components: Components, latents: torch.Tensor, timesteps: torch.Tensor, noise: torch.Tensor,
-             conditioning: dict, geometry: torch.Tensor, config: LossConfig, input_noise: torch.Tensor | None = None,
-             mask: torch.Tensor | None = None) -> torch.Tensor:
+    def loss(
+        self,
+        components: Components,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        noise: torch.Tensor,
+        conditioning: dict,
+        geometry: torch.Tensor,
+        config: LossConfig,
+        input_noise: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The per-sample loss (B,) of the denoiser on `latents` noised at `timesteps`; `mask` (B, 1, h, w) weights
         each latent pixel (`loss.per_sample_mse`)."""
         return diffusion_loss(
             lambda noisy, t: self.denoise(components, noisy, t, conditioning, geometry),
-            components.noise_scheduler, latents, timesteps, noise, config, input_noise, mask,
+            components.noise_scheduler,
+            latents,
+            timesteps,
+            noise,
+            config,
+            input_noise,
+            mask,
         )
 
     # Sampling.
@@ -526,8 +617,10 @@ class Family:
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
         """Every weight under the original (LDM / SGM) single-file keys that A1111, ComfyUI and
         `from_single_file` read; a family without a single-file layout (`single_file_layout` None) refuses."""
-        raise DifftuneError(f"merge --single-file: no single-file layout is built for {self.description}; merge into a "
-                            "diffusers folder (without --single-file), which its pipeline loads")
+        raise DifftuneError(
+            f"merge --single-file: no single-file layout is built for {self.description}; merge into a "
+            "diffusers folder (without --single-file), which its pipeline loads"
+        )
 
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         """The modules of `part` (the loaded `model`) an adapter goes on unless the config lists others: the
@@ -536,7 +629,7 @@ class Family:
 
     def encoder_tokenizers(self) -> list[tuple[str, str]]:
         """(text encoder, its tokenizer) names, in order."""
-        return list(zip(self.text_encoder_names, self.tokenizer_names))
+        return list(zip(self.text_encoder_names, self.tokenizer_names, strict=True))
 
     def adapted_text_encoders(self) -> tuple[str, ...]:
         """The text encoders `adapter.text_encoder` trains: the ones diffusers' LoRA loader of this family reads
@@ -556,4 +649,3 @@ class Family:
     def parts(self) -> tuple[str, ...]:
         """Adapter parts: the denoiser, then the text encoders, as diffusers' LoRA files prefix their keys."""
         return (self.denoiser_name, *self.text_encoder_names)
-

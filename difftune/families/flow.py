@@ -48,7 +48,8 @@ def resolution_shift(scheduler_config, image_tokens: int) -> float:
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) -> (B, h/2 * w/2, 4C): each 2x2 patch one token, as `FluxPipeline._pack_latents` and `QwenImagePipeline._pack_latents`."""
+    """(B, C, h, w) -> (B, h/2 * w/2, 4C): each 2x2 patch one token, as `FluxPipeline._pack_latents` and
+    `QwenImagePipeline._pack_latents`."""
     b, c, h, w = latents.shape
     return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
 
@@ -68,7 +69,9 @@ def anchored_guidance(guidance_scale: float, negative_prompt: str) -> dict:
 
 class FlowOptions(FamilyOptions):
     guidance: float = Field(
-        1.0, ge=0, description="Bases with a guidance embedding (guidance-distilled, as FLUX.1-dev and FLUX.2-dev): the "
+        1.0,
+        ge=0,
+        description="Bases with a guidance embedding (guidance-distilled, as FLUX.1-dev and FLUX.2-dev): the "
         "guidance value training conditions on. 1 is what kohya's FLUX.1 LoRA examples pass (`--guidance_scale 1.0`); "
         "diffusers' Flux, Kontext and FLUX.2 scripts default to 3.5. Bases without one ignore it.",
     )
@@ -98,11 +101,17 @@ class FlowMatchingFamily(Family):
     def unsupported_settings(self, config: Config) -> list[str]:
         loss, problems = config.loss, []
         if loss.prediction_type != "auto":
-            problems.append(f"loss.prediction_type = \"{loss.prediction_type}\": flow matching predicts the velocity; use \"auto\"")
+            problems.append(
+                f'loss.prediction_type = "{loss.prediction_type}": flow matching predicts the velocity; use "auto"'
+            )
         if loss.weighting not in ("auto", *FLOW_WEIGHTINGS):
-            problems.append(f"loss.weighting = \"{loss.weighting}\": is for the UNet families; use auto, {', '.join(FLOW_WEIGHTINGS)}")
+            problems.append(
+                f'loss.weighting = "{loss.weighting}": is for the UNet families; use auto, {", ".join(FLOW_WEIGHTINGS)}'
+            )
         if loss.zero_terminal_snr:
-            problems.append("loss.zero_terminal_snr: flow matching reaches pure noise at sigma = 1 already; leave it off")
+            problems.append(
+                "loss.zero_terminal_snr: flow matching reaches pure noise at sigma = 1 already; leave it off"
+            )
         return problems
 
     def resolution_shift(self, components: Components, image_tokens: int) -> float:
@@ -114,8 +123,11 @@ class FlowMatchingFamily(Family):
         """The transformer's blocks, list by list in `block_lists`' order (the order it runs them)."""
         blocks = {}
         for blocks_name in self.block_lists:
-            blocks |= {match.group(1): module for name, module in denoiser.named_modules()
-                       if (match := re.search(rf"(?:^|\.)({blocks_name}\.\d+)$", name))}
+            blocks |= {
+                match.group(1): module
+                for name, module in denoiser.named_modules()
+                if (match := re.search(rf"(?:^|\.)({blocks_name}\.\d+)$", name))
+            }
         return blocks
 
     def offloadable_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
@@ -139,8 +151,18 @@ class FlowMatchingFamily(Family):
                 sigmas[i] = shifted(draw_fractions([generator], config), shift)[0]
         return sigmas.to(latents.device) * 1000, *draw_noise(generators, latents, config)
 
-    def loss(self, components, latents, timesteps, noise, conditioning, geometry, config: LossConfig, input_noise=None,
-             mask=None):
+    def loss(
+        self,
+        components,
+        latents,
+        timesteps,
+        noise,
+        conditioning,
+        geometry,
+        config: LossConfig,
+        input_noise=None,
+        mask=None,
+    ):
         sigmas = (timesteps.float() / 1000).view(-1, *[1] * (latents.dim() - 1))  # an image's or a clip's latents
         noisy = (1 - sigmas) * latents + sigmas * (noise if input_noise is None else input_noise)
         prediction = self.denoise(components, noisy, timesteps, conditioning, geometry)

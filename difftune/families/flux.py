@@ -28,9 +28,19 @@ from difftune.models.parts import Components
 # diffusers' Flux LoRA script's default targets, plus the single blocks' MLP input, so that a single block's fused
 # `linear1` (q, k, v, MLP) is adapted whole: the kohya layout can then carry DoRA there too.
 TRANSFORMER_TARGETS = [
-    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+    "proj_mlp",
 ]
 T5_ATTENTION = ["q", "k", "v", "o"]
 
@@ -39,31 +49,44 @@ T5_ATTENTION = ["q", "k", "v", "o"]
 # `scale`. Single files and the kohya layout (`lora_unet_double_blocks_0_img_attn_qkv`) both name them.
 ORIGINAL_DOUBLE_BLOCK = {
     "img_mod.lin": ["norm1.linear"],
-    "img_attn.qkv": ["attn.to_q", "attn.to_k", "attn.to_v"], "img_attn.proj": ["attn.to_out.0"],
-    "img_attn.norm.query_norm": ["attn.norm_q"], "img_attn.norm.key_norm": ["attn.norm_k"],
-    "img_mlp.0": ["ff.net.0.proj"], "img_mlp.2": ["ff.net.2"],
+    "img_attn.qkv": ["attn.to_q", "attn.to_k", "attn.to_v"],
+    "img_attn.proj": ["attn.to_out.0"],
+    "img_attn.norm.query_norm": ["attn.norm_q"],
+    "img_attn.norm.key_norm": ["attn.norm_k"],
+    "img_mlp.0": ["ff.net.0.proj"],
+    "img_mlp.2": ["ff.net.2"],
     "txt_mod.lin": ["norm1_context.linear"],
-    "txt_attn.qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"], "txt_attn.proj": ["attn.to_add_out"],
-    "txt_attn.norm.query_norm": ["attn.norm_added_q"], "txt_attn.norm.key_norm": ["attn.norm_added_k"],
-    "txt_mlp.0": ["ff_context.net.0.proj"], "txt_mlp.2": ["ff_context.net.2"],
+    "txt_attn.qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
+    "txt_attn.proj": ["attn.to_add_out"],
+    "txt_attn.norm.query_norm": ["attn.norm_added_q"],
+    "txt_attn.norm.key_norm": ["attn.norm_added_k"],
+    "txt_mlp.0": ["ff_context.net.0.proj"],
+    "txt_mlp.2": ["ff_context.net.2"],
 }
 ORIGINAL_SINGLE_BLOCK = {
-    "linear1": ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"], "linear2": ["proj_out"],
-    "modulation.lin": ["norm.linear"], "norm.query_norm": ["attn.norm_q"], "norm.key_norm": ["attn.norm_k"],
+    "linear1": ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"],
+    "linear2": ["proj_out"],
+    "modulation.lin": ["norm.linear"],
+    "norm.query_norm": ["attn.norm_q"],
+    "norm.key_norm": ["attn.norm_k"],
 }
-ORIGINAL_BLOCKS = {"transformer_blocks": ("double_blocks", ORIGINAL_DOUBLE_BLOCK),
-                   "single_transformer_blocks": ("single_blocks", ORIGINAL_SINGLE_BLOCK)}
+ORIGINAL_BLOCKS = {
+    "transformer_blocks": ("double_blocks", ORIGINAL_DOUBLE_BLOCK),
+    "single_transformer_blocks": ("single_blocks", ORIGINAL_SINGLE_BLOCK),
+}
 # Outside the blocks: diffusers module -> original layer. The final layer's modulation is (shift, scale) in the
 # original model, (scale, shift) in diffusers'.
 ORIGINAL_GLOBALS = {
-    "x_embedder": "img_in", "context_embedder": "txt_in",
+    "x_embedder": "img_in",
+    "context_embedder": "txt_in",
     "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
     "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
     "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
     "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
     "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
     "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
-    "proj_out": "final_layer.linear", "norm_out.linear": "final_layer.adaLN_modulation.1",
+    "proj_out": "final_layer.linear",
+    "norm_out.linear": "final_layer.adaLN_modulation.1",
 }
 SWAPPED_HALVES = ("norm_out.linear.weight", "norm_out.linear.bias")
 MLP_RATIO = 4  # a single block's MLP is this times wider than its attention (FluxSingleTransformerBlock's default)
@@ -79,7 +102,8 @@ def image_position_ids(h: int, w: int, device, dtype, index: int = 0) -> torch.T
 
 class FluxOptions(FlowOptions):
     text_padding_mask: bool = Field(
-        False, description="Keep the T5 padding tokens out of the joint attention in training (SimpleTuner's masked "
+        False,
+        description="Keep the T5 padding tokens out of the joint attention in training (SimpleTuner's masked "
         "training). Off by default, as Flux.1 was trained and as FluxPipeline samples (it passes no mask, so "
         "in-training samples and other tools see the padding either way).",
     )
@@ -106,7 +130,11 @@ class Flux(FusedKohyaLayout, FlowMatchingFamily):
     kohya_blocks = kohya_blocks_of(ORIGINAL_BLOCKS)
     kohya_globals = kohya_globals_of(ORIGINAL_GLOBALS, SWAPPED_HALVES)
     embedding_keys = ("clip_l", "t5")
-    default_targets = {"transformer": TRANSFORMER_TARGETS, "text_encoder": CLIP_ATTENTION, "text_encoder_2": T5_ATTENTION}
+    default_targets = {
+        "transformer": TRANSFORMER_TARGETS,
+        "text_encoder": CLIP_ATTENTION,
+        "text_encoder_2": T5_ATTENTION,
+    }
     # CLIP only: FluxPipeline's LoRA loader reads transformer and CLIP adapters (T5's would be dropped), and kohya
     # trains T5 only on request. T5's states are what the transformer's adapter learns to read.
     lora_text_encoders = ("text_encoder",)
@@ -118,7 +146,11 @@ class Flux(FusedKohyaLayout, FlowMatchingFamily):
         t5_ids = token_ids["text_encoder_2"]
         t5_states = components.text_encoders["text_encoder_2"](t5_ids, output_hidden_states=False)[0]
         pad = components.tokenizers["tokenizer_2"].pad_token_id
-        return {"encoder_hidden_states": t5_states, "pooled_prompt_embeds": clip.pooler_output, "text_mask": t5_ids != pad}
+        return {
+            "encoder_hidden_states": t5_states,
+            "pooled_prompt_embeds": clip.pooler_output,
+            "text_mask": t5_ids != pad,
+        }
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """Reference images (an edit base's `control_latents`) follow the image's tokens, each with its own index in
@@ -126,19 +158,33 @@ class Flux(FusedKohyaLayout, FlowMatchingFamily):
         states = conditioning["encoder_hidden_states"]
         b, _, h, w = noisy.shape
         images = [noisy, *conditioning.get("control_latents", [])]
-        image_ids = torch.cat([image_position_ids(*image.shape[-2:], noisy.device, states.dtype, index)
-                               for index, image in enumerate(images)])
+        image_ids = torch.cat(
+            [
+                image_position_ids(*image.shape[-2:], noisy.device, states.dtype, index)
+                for index, image in enumerate(images)
+            ]
+        )
         text_ids = torch.zeros(states.shape[1], 3, device=noisy.device, dtype=states.dtype)
         attention = None
         if components.family_options.text_padding_mask:  # text tokens, then image tokens: the joint sequence's order
-            keep = torch.cat([conditioning["text_mask"].bool(), torch.ones(b, image_ids.shape[0], dtype=torch.bool,
-                                                                          device=noisy.device)], dim=1)
+            keep = torch.cat(
+                [
+                    conditioning["text_mask"].bool(),
+                    torch.ones(b, image_ids.shape[0], dtype=torch.bool, device=noisy.device),
+                ],
+                dim=1,
+            )
             attention = {"attention_mask": keep[:, None, None, :]}
         prediction = components.denoiser(
             hidden_states=torch.cat([pack(image) for image in images], dim=1).to(states.dtype),
-            timestep=(timesteps / 1000).to(states.dtype), guidance=self.guidance(components, b, noisy.device),
-            pooled_projections=conditioning["pooled_prompt_embeds"], encoder_hidden_states=states, txt_ids=text_ids,
-            img_ids=image_ids, joint_attention_kwargs=attention, return_dict=False,
+            timestep=(timesteps / 1000).to(states.dtype),
+            guidance=self.guidance(components, b, noisy.device),
+            pooled_projections=conditioning["pooled_prompt_embeds"],
+            encoder_hidden_states=states,
+            txt_ids=text_ids,
+            img_ids=image_ids,
+            joint_attention_kwargs=attention,
+            return_dict=False,
         )[0]
         return unpack(prediction[:, : (h // 2) * (w // 2)], h, w)
 

@@ -36,30 +36,54 @@ from difftune.models.parts import Components
 
 TEXT_TOKENS = 512  # the pipelines' default `max_sequence_length`: the most `text_tokens` reads
 DEFAULT_STEPS = 50  # the pipelines' default `num_inference_steps`: the step count `resolution_shift` assumes
-DOUBLE_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                  "attn.add_v_proj", "attn.to_add_out", "ff.linear_in", "ff.linear_out", "ff_context.linear_in",
-                  "ff_context.linear_out"]
+DOUBLE_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.linear_in",
+    "ff.linear_out",
+    "ff_context.linear_in",
+    "ff_context.linear_out",
+]
 # A single block's output layer is `attn.to_out`, which a double block's `attn.to_out` list would match too: it is
 # named per block (`targets_of`), as diffusers' FLUX.2 scripts name it.
 SINGLE_TARGETS = ["attn.to_qkv_mlp_proj"]
 # The original (BFL) model's layers in a block -> the diffusers modules each holds, in the order of its output rows
 # (q, k and v fused); its norms keep their weight as `scale`. Single files and the kohya layout both name them.
 ORIGINAL_DOUBLE_BLOCK = {
-    "img_attn.qkv": ["attn.to_q", "attn.to_k", "attn.to_v"], "img_attn.proj": ["attn.to_out.0"],
-    "img_mlp.0": ["ff.linear_in"], "img_mlp.2": ["ff.linear_out"],
-    "txt_attn.qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"], "txt_attn.proj": ["attn.to_add_out"],
-    "txt_mlp.0": ["ff_context.linear_in"], "txt_mlp.2": ["ff_context.linear_out"],
-    "img_attn.norm.query_norm": ["attn.norm_q"], "img_attn.norm.key_norm": ["attn.norm_k"],
-    "txt_attn.norm.query_norm": ["attn.norm_added_q"], "txt_attn.norm.key_norm": ["attn.norm_added_k"],
+    "img_attn.qkv": ["attn.to_q", "attn.to_k", "attn.to_v"],
+    "img_attn.proj": ["attn.to_out.0"],
+    "img_mlp.0": ["ff.linear_in"],
+    "img_mlp.2": ["ff.linear_out"],
+    "txt_attn.qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
+    "txt_attn.proj": ["attn.to_add_out"],
+    "txt_mlp.0": ["ff_context.linear_in"],
+    "txt_mlp.2": ["ff_context.linear_out"],
+    "img_attn.norm.query_norm": ["attn.norm_q"],
+    "img_attn.norm.key_norm": ["attn.norm_k"],
+    "txt_attn.norm.query_norm": ["attn.norm_added_q"],
+    "txt_attn.norm.key_norm": ["attn.norm_added_k"],
 }
-ORIGINAL_SINGLE_BLOCK = {"linear1": ["attn.to_qkv_mlp_proj"], "linear2": ["attn.to_out"],
-                         "norm.query_norm": ["attn.norm_q"], "norm.key_norm": ["attn.norm_k"]}
-ORIGINAL_BLOCKS = {"transformer_blocks": ("double_blocks", ORIGINAL_DOUBLE_BLOCK),
-                   "single_transformer_blocks": ("single_blocks", ORIGINAL_SINGLE_BLOCK)}
+ORIGINAL_SINGLE_BLOCK = {
+    "linear1": ["attn.to_qkv_mlp_proj"],
+    "linear2": ["attn.to_out"],
+    "norm.query_norm": ["attn.norm_q"],
+    "norm.key_norm": ["attn.norm_k"],
+}
+ORIGINAL_BLOCKS = {
+    "transformer_blocks": ("double_blocks", ORIGINAL_DOUBLE_BLOCK),
+    "single_transformer_blocks": ("single_blocks", ORIGINAL_SINGLE_BLOCK),
+}
 # Outside the blocks: diffusers module -> original layer. The final layer's modulation is (shift, scale) in the
 # original model, (scale, shift) in diffusers'.
 ORIGINAL_GLOBALS = {
-    "x_embedder": "img_in", "context_embedder": "txt_in",
+    "x_embedder": "img_in",
+    "context_embedder": "txt_in",
     "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
     "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
     "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
@@ -67,7 +91,8 @@ ORIGINAL_GLOBALS = {
     "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
     "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
     "single_stream_modulation.linear": "single_stream_modulation.lin",
-    "proj_out": "final_layer.linear", "norm_out.linear": "final_layer.adaLN_modulation.1",
+    "proj_out": "final_layer.linear",
+    "norm_out.linear": "final_layer.adaLN_modulation.1",
 }
 SWAPPED_HALVES = ("norm_out.linear.weight",)
 
@@ -119,16 +144,23 @@ class Flux2(FusedKohyaLayout, FlowMatchingFamily):
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         tokenizer = tokenizers["tokenizer"]
         ids = tokenizer.apply_chat_template(
-            format_input(captions, system_message=SYSTEM_MESSAGE), add_generation_prompt=False, tokenize=True,
-            return_dict=True, return_tensors="pt", padding="max_length", truncation=True, max_length=text_tokens(tokenizer),
+            format_input(captions, system_message=SYSTEM_MESSAGE),
+            add_generation_prompt=False,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            padding="max_length",
+            truncation=True,
+            max_length=text_tokens(tokenizer),
         )["input_ids"]
         return {"text_encoder": ids}
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ids = token_ids["text_encoder"]
         mask = (ids != text_tokenizer(components.tokenizers["tokenizer"]).pad_token_id).long()
-        hidden = components.text_encoders["text_encoder"](input_ids=ids, attention_mask=mask, output_hidden_states=True,
-                                                          use_cache=False).hidden_states
+        hidden = components.text_encoders["text_encoder"](
+            input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False
+        ).hidden_states
         states = torch.stack([hidden[layer] for layer in self.text_layers], dim=2)  # (B, L, layers, D)
         return {"encoder_hidden_states": states.flatten(2)}
 
@@ -141,9 +173,12 @@ class Flux2(FusedKohyaLayout, FlowMatchingFamily):
         image_ids = Flux2Pipeline._prepare_latent_ids(noisy).to(noisy.device)
         prediction = components.denoiser(
             hidden_states=noisy.reshape(b, c, h * w).permute(0, 2, 1).to(states.dtype),
-            timestep=(timesteps / 1000).to(states.dtype), guidance=self.guidance(components, b, noisy.device),
-            encoder_hidden_states=states, txt_ids=Flux2Pipeline._prepare_text_ids(states).to(noisy.device),
-            img_ids=image_ids, return_dict=False,
+            timestep=(timesteps / 1000).to(states.dtype),
+            guidance=self.guidance(components, b, noisy.device),
+            encoder_hidden_states=states,
+            txt_ids=Flux2Pipeline._prepare_text_ids(states).to(noisy.device),
+            img_ids=image_ids,
+            return_dict=False,
         )[0]
         return prediction[:, : h * w].permute(0, 2, 1).reshape(b, -1, h, w)
 

@@ -30,8 +30,16 @@ class Flux2Klein(Flux2):
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         tokenizer = tokenizers["tokenizer"]
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
-                                               add_generation_prompt=True, enable_thinking=False) for caption in captions]
-        ids = tokenizer(texts, padding="max_length", max_length=text_tokens(tokenizer), truncation=True,
-                        return_tensors="pt").input_ids
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": caption}],
+                tokenize=False,
+                add_generation_prompt=True,
+                enable_thinking=False,
+            )
+            for caption in captions
+        ]
+        ids = tokenizer(
+            texts, padding="max_length", max_length=text_tokens(tokenizer), truncation=True, return_tensors="pt"
+        ).input_ids
         return {"text_encoder": ids}

@@ -10,7 +10,8 @@ Renamed one for one (`OriginalNamesKohyaLayout`: Krea 2's, Wan's): each module u
 
 `FusedKohyaLayout` is mixed into such a family before its `Family` base; the family gives `kohya_blocks` (per list
 of blocks, each original name with the block's index as `{i}` -> the diffusers modules it holds, in the order of its
-output rows), `kohya_globals` for layers outside the blocks and, where the modules' widths differ, `fused_row_sizes`. Writing stacks the modules' downs and puts their ups block-diagonal (`kohya.fuse`), so the
+output rows), `kohya_globals` for layers outside the blocks and, where the modules' widths differ, `fused_row_sizes`.
+Writing stacks the modules' downs and puts their ups block-diagonal (`kohya.fuse`), so the
 fused change is exactly the modules' changes; reading splits them back, or shares a trained fused down
 (`kohya.split`).
 """
@@ -37,16 +38,24 @@ def swap_halves(value: torch.Tensor) -> torch.Tensor:
 def kohya_blocks_of(original_blocks: OriginalBlocks) -> dict[str, dict[str, list[str]]]:
     """Each block list's adaptable original layers as the kohya layout names them (`double_blocks_{i}_img_attn_qkv`):
     every layer but the norms."""
-    return {blocks: {f"{kind}_{{i}}_{name.replace('.', '_')}": modules for name, modules in layers.items()
-                     if ".norm." not in f".{name}"}
-            for blocks, (kind, layers) in original_blocks.items()}
+    return {
+        blocks: {
+            f"{kind}_{{i}}_{name.replace('.', '_')}": modules
+            for name, modules in layers.items()
+            if ".norm." not in f".{name}"
+        }
+        for blocks, (kind, layers) in original_blocks.items()
+    }
 
 
 def kohya_globals_of(original_globals: dict[str, str], swapped_halves: tuple[str, ...]) -> dict[str, list[str]]:
     """The layers outside the blocks as the kohya layout names them (`img_in`), but those whose halves the original
     model swaps (an adapter's rows would have to be swapped too)."""
-    return {original.replace(".", "_"): [module] for module, original in original_globals.items()
-            if f"{module}.weight" not in swapped_halves}
+    return {
+        original.replace(".", "_"): [module]
+        for module, original in original_globals.items()
+        if f"{module}.weight" not in swapped_halves
+    }
 
 
 class FusedKohyaLayout:
@@ -65,24 +74,35 @@ class FusedKohyaLayout:
     def kohya_table(self, denoiser_modules) -> dict[str, list[str]]:
         """Original (kohya) name -> the denoiser's modules (diffusers names) it holds, for every block that
         `denoiser_modules` (module names, or adapted module names) mention."""
-        blocks = sorted({(match.group(1), int(match.group(2))) for module in denoiser_modules
-                         if (match := BLOCK.match(module)) and match.group(1) in self.kohya_blocks})
+        blocks = sorted(
+            {
+                (match.group(1), int(match.group(2)))
+                for module in denoiser_modules
+                if (match := BLOCK.match(module)) and match.group(1) in self.kohya_blocks
+            }
+        )
         table = {}
         for kind, index in blocks:
-            table |= {pattern.format(i=index): [f"{kind}.{index}.{member}" for member in members]
-                      for pattern, members in self.kohya_blocks[kind].items()}
+            table |= {
+                pattern.format(i=index): [f"{kind}.{index}.{member}" for member in members]
+                for pattern, members in self.kohya_blocks[kind].items()
+            }
         return table | self.kohya_globals
 
     def adapter_problems(self, config) -> list[str]:
         problems = super().adapter_problems(config)
         if config.adapter.kind in ("loha", "lokr") and config.export.format == "kohya":
-            problems.append(f"adapter.kind = \"{config.adapter.kind}\" with export.format = \"kohya\": "
-                            f"{self.no_fused_lycoris()}; use export.format = \"diffusers\"")
+            problems.append(
+                f'adapter.kind = "{config.adapter.kind}" with export.format = "kohya": '
+                f'{self.no_fused_lycoris()}; use export.format = "diffusers"'
+            )
         return problems
 
     def no_fused_lycoris(self) -> str:
-        return (f"the {self.kohya_layout_name} layout fuses q, k and v into one layer, and separate LoHa/LoKr factors "
-                "have no fused form")
+        return (
+            f"the {self.kohya_layout_name} layout fuses q, k and v into "
+            "one layer, and separate LoHa/LoKr factors have no fused form"
+        )
 
     def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
         """How a fused layer's `rows` output rows split among its `modules` (`columns`: its input width): evenly,
@@ -98,15 +118,20 @@ class FusedKohyaLayout:
 
     def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A file in the original layout (it has `denoiser_file_key`) converted; diffusers' names as they are."""
-        return self.diffusers_state_dict(weights) if self.original_blocks and self.denoiser_file_key in weights else weights
+        return (
+            self.diffusers_state_dict(weights)
+            if self.original_blocks and self.denoiser_file_key in weights
+            else weights
+        )
 
     def original_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The denoiser's weights in the original layout: each original layer's modules stacked by rows (q, k and v
         fused), norm weights as `scale`, swapped halves in the original's order. Every weight is written once."""
         weights, out = dict(weights), {}
         for blocks, (kind, layers) in self.original_blocks.items():
-            indices = sorted({int(match.group(2)) for key in weights
-                              if (match := BLOCK.match(key)) and match.group(1) == blocks})
+            indices = sorted(
+                {int(match.group(2)) for key in weights if (match := BLOCK.match(key)) and match.group(1) == blocks}
+            )
             for i in indices:
                 for original, modules in layers.items():
                     for parameter in ("weight", "bias"):
@@ -117,7 +142,9 @@ class FusedKohyaLayout:
         for key, value in weights.items():
             module, parameter = key.rsplit(".", 1)
             if module not in self.original_globals:
-                raise DifftuneError(f"merge --single-file: {key} has no name in {self.kohya_layout_name}'s original layout")
+                raise DifftuneError(
+                    f"merge --single-file: {key} has no name in {self.kohya_layout_name}'s original layout"
+                )
             if key in self.swapped_halves:
                 value = swap_halves(value)
             out[f"{self.original_globals[module]}.{parameter}"] = value
@@ -134,20 +161,23 @@ class FusedKohyaLayout:
             match = BLOCK.match(key)
             if match and match.group(1) in blocks_of:
                 blocks, layers = blocks_of[match.group(1)]
-                modules = layers.get(layer[match.end():])
+                modules = layers.get(layer[match.end() :])
                 if modules is None:
-                    raise DifftuneError(f"{key}: no layer of a {self.kohya_layout_name} {match.group(1)} block has this name; "
-                                        "is this file of another model?")
+                    raise DifftuneError(
+                        f"{key}: no layer of a {self.kohya_layout_name} {match.group(1)} block has this name; "
+                        "is this file of another model?"
+                    )
                 parameter = "weight" if parameter == "scale" else parameter
                 sizes = self.fused_row_sizes(modules, value.shape[0], value.shape[-1] if value.ndim > 1 else 0)
-                for module, rows in zip(modules, value.split(sizes)):
+                for module, rows in zip(modules, value.split(sizes), strict=True):
                     out[f"{blocks}.{match.group(2)}.{module}.{parameter}"] = rows
             elif layer in module_of:
                 name = f"{module_of[layer]}.{parameter}"
                 out[name] = swap_halves(value) if name in self.swapped_halves else value
             else:
-                raise DifftuneError(f"{key}: not a layer of {self.kohya_layout_name}'s original layout; is this file of "
-                                    "another model?")
+                raise DifftuneError(
+                    f"{key}: not a layer of {self.kohya_layout_name}'s original layout; is this file of another model?"
+                )
         return out
 
 

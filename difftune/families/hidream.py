@@ -33,7 +33,12 @@ from difftune.models.parts import Components
 
 TEXT_TOKENS = 128  # the pipeline's default `max_sequence_length`
 CLIP_TOKENS = 218  # the most the pipeline reads with its long-context CLIP encoders
-TRANSFORMER_TARGETS = ["to_q", "to_k", "to_v", "to_out"]  # diffusers' HiDream script's default: the image stream's attention
+TRANSFORMER_TARGETS = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out",
+]  # diffusers' HiDream script's default: the image stream's attention
 
 
 class HiDream(FlowMatchingFamily):
@@ -60,25 +65,37 @@ class HiDream(FlowMatchingFamily):
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         def ids(tokenizer, length: int) -> torch.Tensor:
-            return tokenizer(captions, padding="max_length", max_length=length, truncation=True,
-                             return_tensors="pt").input_ids
+            return tokenizer(
+                captions, padding="max_length", max_length=length, truncation=True, return_tensors="pt"
+            ).input_ids
 
         t5, llama = tokenizers["tokenizer_3"], tokenizers["tokenizer_4"]
-        return {"text_encoder": ids(tokenizers["tokenizer"], min(TEXT_TOKENS, CLIP_TOKENS)),
-                "text_encoder_2": ids(tokenizers["tokenizer_2"], min(TEXT_TOKENS, CLIP_TOKENS)),
-                "text_encoder_3": ids(t5, min(TEXT_TOKENS, t5.model_max_length)),
-                "text_encoder_4": ids(llama, min(TEXT_TOKENS, llama.model_max_length))}
+        return {
+            "text_encoder": ids(tokenizers["tokenizer"], min(TEXT_TOKENS, CLIP_TOKENS)),
+            "text_encoder_2": ids(tokenizers["tokenizer_2"], min(TEXT_TOKENS, CLIP_TOKENS)),
+            "text_encoder_3": ids(t5, min(TEXT_TOKENS, t5.model_max_length)),
+            "text_encoder_4": ids(llama, min(TEXT_TOKENS, llama.model_max_length)),
+        }
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoders, tokenizers = components.text_encoders, components.tokenizers
-        pooled = [encoders[name](token_ids[name], output_hidden_states=True)[0] for name in ("text_encoder", "text_encoder_2")]
+        pooled = [
+            encoders[name](token_ids[name], output_hidden_states=True)[0] for name in ("text_encoder", "text_encoder_2")
+        ]
         t5_ids, llama_ids = token_ids["text_encoder_3"], token_ids["text_encoder_4"]
-        t5 = encoders["text_encoder_3"](t5_ids, attention_mask=(t5_ids != tokenizers["tokenizer_3"].pad_token_id).long())[0]
+        t5 = encoders["text_encoder_3"](
+            t5_ids, attention_mask=(t5_ids != tokenizers["tokenizer_3"].pad_token_id).long()
+        )[0]
         # The pipeline pads Llama's captions with its end-of-text token (its `pad_token`), masked out.
         llama_mask = (llama_ids != tokenizers["tokenizer_4"].eos_token_id).long()
-        llama = encoders["text_encoder_4"](llama_ids, attention_mask=llama_mask, output_hidden_states=True).hidden_states[1:]
-        return {"pooled_prompt_embeds": torch.cat(pooled, dim=-1), "encoder_hidden_states_t5": t5,
-                "encoder_hidden_states_llama3": torch.stack(llama, dim=1)}
+        llama = encoders["text_encoder_4"](
+            llama_ids, attention_mask=llama_mask, output_hidden_states=True
+        ).hidden_states[1:]
+        return {
+            "pooled_prompt_embeds": torch.cat(pooled, dim=-1),
+            "encoder_hidden_states_t5": t5,
+            "encoder_hidden_states_llama3": torch.stack(llama, dim=1),
+        }
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the transformer patches the latents itself
@@ -87,10 +104,12 @@ class HiDream(FlowMatchingFamily):
         pooled = conditioning["pooled_prompt_embeds"]
         denoiser = components.denoiser
         prediction = denoiser(
-            hidden_states=noisy.to(pooled.dtype), timesteps=timesteps.to(pooled.dtype),
+            hidden_states=noisy.to(pooled.dtype),
+            timesteps=timesteps.to(pooled.dtype),
             encoder_hidden_states_t5=conditioning["encoder_hidden_states_t5"],
             encoder_hidden_states_llama3=conditioning["encoder_hidden_states_llama3"].transpose(0, 1),
-            pooled_embeds=pooled, return_dict=False,
+            pooled_embeds=pooled,
+            return_dict=False,
         )[0]
         if denoiser.training and not denoiser.config.force_inference_output:  # patches: (B, C, tokens, p * p)
             b, c, h, w = noisy.shape
@@ -103,8 +122,11 @@ class HiDream(FlowMatchingFamily):
 
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
         """The pipeline's `guidance_scale` is classifier-free guidance (neg + w (pos - neg)) above 1."""
-        return {"max_sequence_length": TEXT_TOKENS, "guidance_scale": guidance_scale,
-                "negative_prompt": negative_prompt or None}
+        return {
+            "max_sequence_length": TEXT_TOKENS,
+            "guidance_scale": guidance_scale,
+            "negative_prompt": negative_prompt or None,
+        }
 
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS

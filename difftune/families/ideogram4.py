@@ -51,15 +51,30 @@ TEXT_TOKENS = 512  # tokens of a templated caption read at most
 PIXELS_PER_TOKEN = 16  # the pipeline's `vae_scale_factor * patch_size`: what its resolution rule counts pixels by
 BASE_PIXELS = 512 * 512  # the area the pipeline's schedule mean is measured from
 # A block's attention (q, k, v, out) and its SwiGLU MLP: what diffusers' reader of ai-toolkit's files places.
-TRANSFORMER_TARGETS = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
-                       "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+TRANSFORMER_TARGETS = [
+    "attention.to_q",
+    "attention.to_k",
+    "attention.to_v",
+    "attention.to_out.0",
+    "feed_forward.w1",
+    "feed_forward.w2",
+    "feed_forward.w3",
+]
 # The original model's layers in a block -> the diffusers modules each holds (`_convert_non_diffusers_ideogram4_lora_
 # to_diffusers` splits `attention.qkv` in thirds and renames `attention.o`; the rest keep their names).
-ORIGINAL_BLOCKS = {"layers": ("layers", {
-    "attention.qkv": ["attention.to_q", "attention.to_k", "attention.to_v"], "attention.o": ["attention.to_out.0"],
-    "feed_forward.w1": ["feed_forward.w1"], "feed_forward.w2": ["feed_forward.w2"],
-    "feed_forward.w3": ["feed_forward.w3"], "adaln_modulation": ["adaln_modulation"],
-})}
+ORIGINAL_BLOCKS = {
+    "layers": (
+        "layers",
+        {
+            "attention.qkv": ["attention.to_q", "attention.to_k", "attention.to_v"],
+            "attention.o": ["attention.to_out.0"],
+            "feed_forward.w1": ["feed_forward.w1"],
+            "feed_forward.w2": ["feed_forward.w2"],
+            "feed_forward.w3": ["feed_forward.w3"],
+            "adaln_modulation": ["adaln_modulation"],
+        },
+    )
+}
 
 
 def token_order(latents: torch.Tensor) -> torch.Tensor:
@@ -111,24 +126,36 @@ class Ideogram4(FusedKohyaLayout, FlowMatchingFamily):
     def unsupported_settings(self, config: Config) -> list[str]:
         problems = super().unsupported_settings(config)
         if config.sample.negative_prompt:
-            problems.append("sample.negative_prompt: Ideogram 4's guidance comes from its unconditional transformer, "
-                            "which reads no text; leave it empty")
+            problems.append(
+                "sample.negative_prompt: Ideogram 4's guidance comes from its unconditional transformer, "
+                "which reads no text; leave it empty"
+            )
         return problems
 
     def latent_normalization(self, vae) -> LatentNormalization:
         """The autoencoder's batch-norm statistics, which the pipeline indexes by token channel (p * C + c), given to
         the patched channel (c * 4 + p) that holds the same value."""
         token_stats = latent_normalization(vae)
-        return LatentNormalization(*(tuple(torch.tensor(stats).view(4, -1).t().reshape(-1).tolist())
-                                     for stats in (token_stats.scale, token_stats.shift)))
+        return LatentNormalization(
+            *(
+                tuple(torch.tensor(stats).view(4, -1).t().reshape(-1).tolist())
+                for stats in (token_stats.scale, token_stats.shift)
+            )
+        )
 
     # Prompts and the transformer.
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         tokenizer = tokenizers["tokenizer"]
-        ids = tokenizer([chat_turn(tokenizer, caption) for caption in captions], add_special_tokens=False,
-                        padding="max_length", max_length=TEXT_TOKENS, truncation=True, padding_side="right",
-                        return_tensors="pt").input_ids
+        ids = tokenizer(
+            [chat_turn(tokenizer, caption) for caption in captions],
+            add_special_tokens=False,
+            padding="max_length",
+            max_length=TEXT_TOKENS,
+            truncation=True,
+            padding_side="right",
+            return_tensors="pt",
+        ).input_ids
         return {"text_encoder": ids}
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -138,7 +165,8 @@ class Ideogram4(FusedKohyaLayout, FlowMatchingFamily):
         ids, mask = ids[:, :longest], mask[:, :longest]
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0) * mask  # 0.. at each caption's tokens, as the pipeline's
         layers = Ideogram4Pipeline._get_text_encoder_hidden_states(
-            components.text_encoders["text_encoder"], ids, mask.long(), positions)
+            components.text_encoders["text_encoder"], ids, mask.long(), positions
+        )
         states = torch.stack(layers, dim=-1).flatten(2) * mask[..., None]  # (B, L, D * layers), layer fastest
         return valid_token_states(states, mask, 0, TEXT_TOKENS)
 
@@ -156,8 +184,12 @@ class Ideogram4(FusedKohyaLayout, FlowMatchingFamily):
         image = token_order(noisy).to(states.dtype)
         prediction = components.denoiser(
             hidden_states=torch.cat([image.new_zeros(b, longest, channels), image], dim=1),
-            timestep=((1000 - timesteps) / 1000).to(states.dtype), encoder_hidden_states=features,
-            position_ids=position_ids, segment_ids=segment_ids, indicator=indicator, return_dict=False,
+            timestep=((1000 - timesteps) / 1000).to(states.dtype),
+            encoder_hidden_states=features,
+            position_ids=position_ids,
+            segment_ids=segment_ids,
+            indicator=indicator,
+            return_dict=False,
         )[0]
         return -patched_order(prediction[:, longest:], h, w)
 

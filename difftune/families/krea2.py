@@ -48,42 +48,88 @@ TEXT_TOKENS = 512  # the pipeline's default `max_sequence_length`: every caption
 DISTILLED_MU = 1.15  # the pipeline's fixed shift for the few-step distilled checkpoint
 # The Krea 2 authors' recommended targets, diffusers' Krea 2 script's default: every attention (text fusion's too) and
 # the main blocks' MLPs, the input, output, text and time projections.
-TRANSFORMER_TARGETS = ["img_in", "final_layer.linear", "to_q", "to_k", "to_v", "to_out.0", "to_gate", "ff.up",
-                       "ff.down", "text_fusion.projector", "txt_in.linear_1", "txt_in.linear_2", "time_embed.linear_1",
-                       "time_embed.linear_2", "time_mod_proj"]
+TRANSFORMER_TARGETS = [
+    "img_in",
+    "final_layer.linear",
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "to_gate",
+    "ff.up",
+    "ff.down",
+    "text_fusion.projector",
+    "txt_in.linear_1",
+    "txt_in.linear_2",
+    "time_embed.linear_1",
+    "time_embed.linear_2",
+    "time_mod_proj",
+]
 # diffusers module -> the original model's (`krea-ai/krea-2`, ComfyUI's), the inverse of diffusers' reader of
 # original-layout LoRAs (`_convert_non_diffusers_krea2_lora_to_diffusers`).
-ORIGINAL_NAMES = {"img_in": "first", "final_layer.linear": "last.linear", "time_embed.linear_1": "tmlp.0",
-                  "time_embed.linear_2": "tmlp.2", "time_mod_proj": "tproj.1", "txt_in.linear_1": "txtmlp.1",
-                  "txt_in.linear_2": "txtmlp.3", "text_fusion.projector": "txtfusion.projector"}
-ORIGINAL_IN_BLOCK = {"attn.to_q": "attn.wq", "attn.to_k": "attn.wk", "attn.to_v": "attn.wv", "attn.to_out.0": "attn.wo",
-                     "attn.to_gate": "attn.gate", "ff.gate": "mlp.gate", "ff.up": "mlp.up", "ff.down": "mlp.down"}
+ORIGINAL_NAMES = {
+    "img_in": "first",
+    "final_layer.linear": "last.linear",
+    "time_embed.linear_1": "tmlp.0",
+    "time_embed.linear_2": "tmlp.2",
+    "time_mod_proj": "tproj.1",
+    "txt_in.linear_1": "txtmlp.1",
+    "txt_in.linear_2": "txtmlp.3",
+    "text_fusion.projector": "txtfusion.projector",
+}
+ORIGINAL_IN_BLOCK = {
+    "attn.to_q": "attn.wq",
+    "attn.to_k": "attn.wk",
+    "attn.to_v": "attn.wv",
+    "attn.to_out.0": "attn.wo",
+    "attn.to_gate": "attn.gate",
+    "ff.gate": "mlp.gate",
+    "ff.up": "mlp.up",
+    "ff.down": "mlp.down",
+}
 BLOCK = re.compile(r"^(transformer_blocks|text_fusion\.layerwise_blocks|text_fusion\.refiner_blocks)\.(\d+)\.(.+)$")
-ORIGINAL_BLOCKS = {"transformer_blocks": "blocks", "text_fusion.layerwise_blocks": "txtfusion.layerwise_blocks",
-                   "text_fusion.refiner_blocks": "txtfusion.refiner_blocks"}
+ORIGINAL_BLOCKS = {
+    "transformer_blocks": "blocks",
+    "text_fusion.layerwise_blocks": "txtfusion.layerwise_blocks",
+    "text_fusion.refiner_blocks": "txtfusion.refiner_blocks",
+}
 
 # For single files: the inverse of diffusers' reader (`convert_krea2_transformer_checkpoint_to_diffusers`) on weight
 # names, outside the blocks by prefix, then within every block; a block's six modulation vectors are one flat
 # vector in the original.
 ORIGINAL_WEIGHT_PREFIXES = {
-    "img_in.": "first.", "time_embed.linear_1.": "tmlp.0.", "time_embed.linear_2.": "tmlp.2.",
-    "time_mod_proj.": "tproj.1.", "txt_in.norm.weight": "txtmlp.0.scale", "txt_in.linear_1.": "txtmlp.1.",
-    "txt_in.linear_2.": "txtmlp.3.", "text_fusion.": "txtfusion.", "transformer_blocks.": "blocks.",
-    "final_layer.linear.": "last.linear.", "final_layer.norm.weight": "last.norm.scale",
+    "img_in.": "first.",
+    "time_embed.linear_1.": "tmlp.0.",
+    "time_embed.linear_2.": "tmlp.2.",
+    "time_mod_proj.": "tproj.1.",
+    "txt_in.norm.weight": "txtmlp.0.scale",
+    "txt_in.linear_1.": "txtmlp.1.",
+    "txt_in.linear_2.": "txtmlp.3.",
+    "text_fusion.": "txtfusion.",
+    "transformer_blocks.": "blocks.",
+    "final_layer.linear.": "last.linear.",
+    "final_layer.norm.weight": "last.norm.scale",
     "final_layer.scale_shift_table": "last.modulation.lin",
 }
 ORIGINAL_WEIGHT_NAMES = {
-    ".attn.to_q.": ".attn.wq.", ".attn.to_k.": ".attn.wk.", ".attn.to_v.": ".attn.wv.", ".attn.to_out.0.": ".attn.wo.",
-    ".attn.to_gate.": ".attn.gate.", ".attn.norm_q.weight": ".attn.qknorm.qnorm.scale",
-    ".attn.norm_k.weight": ".attn.qknorm.knorm.scale", ".ff.": ".mlp.", ".norm1.weight": ".prenorm.scale",
-    ".norm2.weight": ".postnorm.scale", ".scale_shift_table": ".mod.lin",
+    ".attn.to_q.": ".attn.wq.",
+    ".attn.to_k.": ".attn.wk.",
+    ".attn.to_v.": ".attn.wv.",
+    ".attn.to_out.0.": ".attn.wo.",
+    ".attn.to_gate.": ".attn.gate.",
+    ".attn.norm_q.weight": ".attn.qknorm.qnorm.scale",
+    ".attn.norm_k.weight": ".attn.qknorm.knorm.scale",
+    ".ff.": ".mlp.",
+    ".norm1.weight": ".prenorm.scale",
+    ".norm2.weight": ".postnorm.scale",
+    ".scale_shift_table": ".mod.lin",
 }
 
 
 def original_weight_name(key: str) -> str:
     for diffusers_name, original in ORIGINAL_WEIGHT_PREFIXES.items():
         if key.startswith(diffusers_name):
-            key = original + key[len(diffusers_name):]
+            key = original + key[len(diffusers_name) :]
             break
     for diffusers_name, original in ORIGINAL_WEIGHT_NAMES.items():
         key = key.replace(diffusers_name, original)
@@ -119,8 +165,13 @@ class Krea2(OriginalNamesKohyaLayout, FlowMatchingFamily):
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         tokenizer = tokenizers["tokenizer"]
-        text = tokenizer([PROMPT_PREFIX + caption for caption in captions], truncation=True, padding="max_length",
-                         max_length=TEXT_TOKENS + TEMPLATE_TOKENS - SUFFIX_TOKENS, return_tensors="pt").input_ids
+        text = tokenizer(
+            [PROMPT_PREFIX + caption for caption in captions],
+            truncation=True,
+            padding="max_length",
+            max_length=TEXT_TOKENS + TEMPLATE_TOKENS - SUFFIX_TOKENS,
+            return_tensors="pt",
+        ).input_ids
         suffix = tokenizer([PROMPT_SUFFIX] * len(captions), return_tensors="pt").input_ids
         return {"text_encoder": torch.cat([text, suffix], dim=1)}
 
@@ -129,7 +180,9 @@ class Krea2(OriginalNamesKohyaLayout, FlowMatchingFamily):
         mask = ids != components.tokenizers["tokenizer"].pad_token_id
         positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)  # the suffix follows the caption without a gap
         hidden = components.text_encoders["text_encoder"](
-            input_ids=ids, attention_mask=mask, position_ids=positions.unsqueeze(0).expand(3, -1, -1),
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions.unsqueeze(0).expand(3, -1, -1),
             output_hidden_states=True,
         ).hidden_states
         layers = components.pipeline_options["text_encoder_select_layers"]
@@ -147,7 +200,10 @@ class Krea2(OriginalNamesKohyaLayout, FlowMatchingFamily):
         restored = {}
         for name, tensor in stored.items():
             full = tensor.new_zeros(TEXT_TOKENS, *tensor.shape[1:])
-            full[: real - SUFFIX_TOKENS], full[TEXT_TOKENS - SUFFIX_TOKENS :] = tensor[:-SUFFIX_TOKENS], tensor[-SUFFIX_TOKENS:]
+            full[: real - SUFFIX_TOKENS], full[TEXT_TOKENS - SUFFIX_TOKENS :] = (
+                tensor[:-SUFFIX_TOKENS],
+                tensor[-SUFFIX_TOKENS:],
+            )
             restored[name] = full
         return restored
 
@@ -155,10 +211,12 @@ class Krea2(OriginalNamesKohyaLayout, FlowMatchingFamily):
         states, mask = conditioning["encoder_hidden_states"], conditioning["text_mask"].bool()
         _, _, h, w = noisy.shape
         prediction = components.denoiser(
-            hidden_states=pack(noisy).to(states.dtype), encoder_hidden_states=states,
+            hidden_states=pack(noisy).to(states.dtype),
+            encoder_hidden_states=states,
             timestep=(timesteps / 1000).to(states.dtype),
             position_ids=Krea2Pipeline.prepare_position_ids(states.shape[1], h // 2, w // 2, noisy.device),
-            encoder_attention_mask=mask, return_dict=False,
+            encoder_attention_mask=mask,
+            return_dict=False,
         )[0]
         return unpack(prediction, h, w)
 
@@ -166,8 +224,15 @@ class Krea2(OriginalNamesKohyaLayout, FlowMatchingFamily):
         if components.pipeline_options.get("is_distilled"):
             return math.exp(DISTILLED_MU)
         config = components.noise_scheduler.config
-        return math.exp(calculate_shift(image_tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 6400),
-                                        config.get("base_shift", 0.5), config.get("max_shift", 1.15)))
+        return math.exp(
+            calculate_shift(
+                image_tokens,
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 6400),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", 1.15),
+            )
+        )
 
     # Sampling.
 
@@ -188,7 +253,9 @@ class Krea2(OriginalNamesKohyaLayout, FlowMatchingFamily):
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
     def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return convert_krea2_transformer_checkpoint_to_diffusers(weights) if self.denoiser_file_key in weights else weights
+        return (
+            convert_krea2_transformer_checkpoint_to_diffusers(weights) if self.denoiser_file_key in weights else weights
+        )
 
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
         out = {}

@@ -34,8 +34,10 @@ from difftune.models.parts import Components
 
 TEXT_TOKENS = 256  # Lumina2Pipeline's default `max_sequence_length`
 # The pipeline's `system_prompt` and what joins it to the caption (tests/test_families.py checks them against it).
-SYSTEM_PROMPT = ("You are an assistant designed to generate superior images with the superior degree of image-text "
-                 "alignment based on textual prompts or user prompts.")
+SYSTEM_PROMPT = (
+    "You are an assistant designed to generate superior images with the superior degree of image-text "
+    "alignment based on textual prompts or user prompts."
+)
 PROMPT_START = " <Prompt Start> "
 TRANSFORMER_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]  # diffusers' Lumina 2 script's
 # Single files: diffusers' weight names <-> the original model's (Alpha-VLLM's and ComfyUI's), the first rule that
@@ -45,13 +47,16 @@ ORIGINAL_NAMES = [
     ("time_caption_embed.caption_embedder.", "cap_embedder."),
     ("time_caption_embed.timestep_embedder.linear_1.", "t_embedder.mlp.0."),
     ("time_caption_embed.timestep_embedder.linear_2.", "t_embedder.mlp.2."),
-    ("norm_out.linear_1.", "final_layer.adaLN_modulation.1."), ("norm_out.linear_2.", "final_layer.linear."),
+    ("norm_out.linear_1.", "final_layer.adaLN_modulation.1."),
+    ("norm_out.linear_2.", "final_layer.linear."),
     ("context_refiner.{i}.norm1.", "context_refiner.{i}.attention_norm1."),
     ("context_refiner.{i}.norm2.", "context_refiner.{i}.attention_norm2."),
-    ("{blocks}.{i}.norm1.norm.", "{blocks}.{i}.attention_norm1."), ("{blocks}.{i}.norm2.", "{blocks}.{i}.attention_norm2."),
+    ("{blocks}.{i}.norm1.norm.", "{blocks}.{i}.attention_norm1."),
+    ("{blocks}.{i}.norm2.", "{blocks}.{i}.attention_norm2."),
     ("{blocks}.{i}.norm1.linear.", "{blocks}.{i}.adaLN_modulation.1."),
     ("{blocks}.{i}.attn.to_out.0.", "{blocks}.{i}.attention.out."),
-    ("{blocks}.{i}.attn.norm_q.", "{blocks}.{i}.attention.q_norm."), ("{blocks}.{i}.attn.norm_k.", "{blocks}.{i}.attention.k_norm."),
+    ("{blocks}.{i}.attn.norm_q.", "{blocks}.{i}.attention.q_norm."),
+    ("{blocks}.{i}.attn.norm_k.", "{blocks}.{i}.attention.k_norm."),
     ("{blocks}.{i}.feed_forward.linear_{n}.", "{blocks}.{i}.feed_forward.w{n}."),
     ("{blocks}.{i}.attn.qkv.", "{blocks}.{i}.attention.qkv."),
 ]
@@ -68,7 +73,7 @@ def renamed(key: str, to_original: bool) -> str:
     for diffusers_name, original in ORIGINAL_NAMES:
         source, target = (diffusers_name, original) if to_original else (original, diffusers_name)
         if match := _pattern(source).match(key):
-            return target.format(**match.groupdict()) + key[match.end():]
+            return target.format(**match.groupdict()) + key[match.end() :]
     return key
 
 
@@ -100,8 +105,13 @@ class Lumina2(FusedKohyaLayout, FlowMatchingFamily):
     # Prompts and the transformer.
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
-        ids = tokenizers["tokenizer"]([SYSTEM_PROMPT + PROMPT_START + caption for caption in captions],
-                                      padding="max_length", max_length=TEXT_TOKENS, truncation=True, return_tensors="pt")
+        ids = tokenizers["tokenizer"](
+            [SYSTEM_PROMPT + PROMPT_START + caption for caption in captions],
+            padding="max_length",
+            max_length=TEXT_TOKENS,
+            truncation=True,
+            return_tensors="pt",
+        )
         return {"text_encoder": ids.input_ids}
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -118,8 +128,11 @@ class Lumina2(FusedKohyaLayout, FlowMatchingFamily):
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         states = conditioning["encoder_hidden_states"]
         prediction = components.denoiser(
-            hidden_states=noisy.to(states.dtype), timestep=((1000 - timesteps) / 1000).to(states.dtype),
-            encoder_hidden_states=states, encoder_attention_mask=conditioning["text_mask"].bool(), return_dict=False,
+            hidden_states=noisy.to(states.dtype),
+            timestep=((1000 - timesteps) / 1000).to(states.dtype),
+            encoder_hidden_states=states,
+            encoder_attention_mask=conditioning["text_mask"].bool(),
+            return_dict=False,
         )[0]
         return -prediction
 
@@ -127,8 +140,11 @@ class Lumina2(FusedKohyaLayout, FlowMatchingFamily):
 
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
         """The pipeline's `guidance_scale` is neg + w (pos - neg) already; at 1 or less, one pass without it."""
-        return {"max_sequence_length": TEXT_TOKENS, "guidance_scale": max(guidance_scale, 1.0),
-                "negative_prompt": negative_prompt or None}
+        return {
+            "max_sequence_length": TEXT_TOKENS,
+            "guidance_scale": max(guidance_scale, 1.0),
+            "negative_prompt": negative_prompt or None,
+        }
 
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS
@@ -140,8 +156,10 @@ class Lumina2(FusedKohyaLayout, FlowMatchingFamily):
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        out = {renamed(key, to_original=True): value.contiguous()
-               for key, value in fused_qkv(components.denoiser.state_dict(), "attn").items()}
+        out = {
+            renamed(key, to_original=True): value.contiguous()
+            for key, value in fused_qkv(components.denoiser.state_dict(), "attn").items()
+        }
         # The original model holds a final norm it never applies (diffusers' reader drops it): at its initial value,
         # for readers that expect every original key.
         out["norm_final.weight"] = torch.ones(components.denoiser.config.hidden_size)
@@ -157,7 +175,7 @@ class Lumina2(FusedKohyaLayout, FlowMatchingFamily):
             if key.endswith(".attn.qkv.weight"):  # q is as wide as the block, k and v share the rest
                 q_rows = value.shape[1]
                 parts = value.split([q_rows, (len(value) - q_rows) // 2, (len(value) - q_rows) // 2])
-                out |= {key.replace(".qkv.", f".to_{p}."): part for p, part in zip("qkv", parts)}
+                out |= {key.replace(".qkv.", f".to_{p}."): part for p, part in zip("qkv", parts, strict=True)}
             else:
                 out[key] = value
         return out

@@ -39,16 +39,24 @@ def draw_fractions(generators: list[torch.Generator], config: LossConfig) -> tor
     """Per sample, from its own generator, a point u in (0, 1) of the noise schedule, drawn as `timestep_sampling`
     says: uniform, logit-normal (sigmoid of a normal) or SD3's "mode" density (Esser et al. 2024 sec. 3.1),
     through diffusers' own sampler."""
-    return torch.cat([
-        compute_density_for_timestep_sampling(
-            config.timestep_sampling, 1, logit_mean=config.logit_mean, logit_std=config.logit_std,
-            mode_scale=config.mode_scale, generator=generator,
-        )
-        for generator in generators
-    ])
+    return torch.cat(
+        [
+            compute_density_for_timestep_sampling(
+                config.timestep_sampling,
+                1,
+                logit_mean=config.logit_mean,
+                logit_std=config.logit_std,
+                mode_scale=config.mode_scale,
+                generator=generator,
+            )
+            for generator in generators
+        ]
+    )
 
 
-def draw_noise(generators: list[torch.Generator], latents: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_noise(
+    generators: list[torch.Generator], latents: torch.Tensor, config: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sample, from its own generator: the target noise (B, C, h, w), or (B, C, T, h, w) for a clip, with the
     configured offset (one value per sample and channel, over every frame and pixel), and the noise the denoiser's
     input is made with (the target perturbed, if configured)."""
@@ -120,7 +128,9 @@ WEIGHTINGS = {
     "soft_min_snr": lambda scheduler, timesteps, config, prediction: soft_min_snr_weights(
         compute_snr(scheduler, timesteps), config.snr_gamma, prediction
     ),
-    "debiased": lambda scheduler, timesteps, config, prediction: debiased_weights(compute_snr(scheduler, timesteps), prediction),
+    "debiased": lambda scheduler, timesteps, config, prediction: debiased_weights(
+        compute_snr(scheduler, timesteps), prediction
+    ),
     "uniform": lambda scheduler, timesteps, config, prediction: torch.ones(len(timesteps)),
 }
 WEIGHTING_BY_DEFAULT = "min_snr"  # what `loss.weighting = "auto"` means for these (DDPM) families

@@ -38,9 +38,18 @@ TEXT_TOKENS = 512  # text states the transformer reads at most: the pipeline's d
 
 # Attention (image and text streams) and both streams' MLPs: what musubi-tuner and ai-toolkit adapt in a block.
 TRANSFORMER_TARGETS = [
-    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
 ]
 
 
@@ -68,8 +77,11 @@ class QwenImage(FlowMatchingFamily):
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         ids = tokenizers["tokenizer"](
-            [self.prompt_template.format(caption) for caption in captions], padding="max_length",
-            max_length=self.template_tokens + self.padded_text_tokens, truncation=True, return_tensors="pt",
+            [self.prompt_template.format(caption) for caption in captions],
+            padding="max_length",
+            max_length=self.template_tokens + self.padded_text_tokens,
+            truncation=True,
+            return_tensors="pt",
         ).input_ids
         return {"text_encoder": ids}
 
@@ -81,7 +93,9 @@ class QwenImage(FlowMatchingFamily):
         cut = slice(None, longest) if tokenizer.padding_side == "right" else slice(ids.shape[1] - longest, None)
         ids, mask = ids[:, cut], mask[:, cut]
         # An edit base's prompts show the language model the control images too: (B, patches, D) per sample.
-        images = {name: token_ids[name].flatten(0, 1) for name in ("pixel_values", "image_grid_thw") if name in token_ids}
+        images = {
+            name: token_ids[name].flatten(0, 1) for name in ("pixel_values", "image_grid_thw") if name in token_ids
+        }
         states = components.text_encoders["text_encoder"](
             input_ids=ids, attention_mask=mask.long(), output_hidden_states=True, **images
         ).hidden_states[-1]
@@ -97,9 +111,12 @@ class QwenImage(FlowMatchingFamily):
         images = [noisy, *conditioning.get("control_latents", [])]
         prediction = components.denoiser(
             hidden_states=torch.cat([pack(image) for image in images], dim=1).to(states.dtype),
-            timestep=(timesteps / 1000).to(states.dtype), guidance=self.guidance(components, b, noisy.device),
-            encoder_hidden_states=states, encoder_hidden_states_mask=None if mask.all() else mask,
-            img_shapes=[[(1, image.shape[-2] // 2, image.shape[-1] // 2) for image in images]] * b, return_dict=False,
+            timestep=(timesteps / 1000).to(states.dtype),
+            guidance=self.guidance(components, b, noisy.device),
+            encoder_hidden_states=states,
+            encoder_hidden_states_mask=None if mask.all() else mask,
+            img_shapes=[[(1, image.shape[-2] // 2, image.shape[-1] // 2) for image in images]] * b,
+            return_dict=False,
         )[0]
         return unpack(prediction[:, : (h // 2) * (w // 2)], h, w)
 

@@ -42,7 +42,9 @@ EDIT_PROMPT_TEMPLATE = (
 )
 EDIT_TEMPLATE_TOKENS = 64
 EDIT_TEXT_TOKENS = 1024  # the edit pipelines' `tokenizer_max_length`: vision tokens count, and they are many
-VISION_TOKENS = "<|vision_start|><|image_pad|><|vision_end|>"  # the processor widens `<|image_pad|>` to the image's patches
+VISION_TOKENS = (
+    "<|vision_start|><|image_pad|><|vision_end|>"  # the processor widens `<|image_pad|>` to the image's patches
+)
 
 if importlib.util.find_spec("torchvision") is None:
     # transformers builds (and loads) a Qwen2-VL processor only with its video processor, which needs torchvision
@@ -53,7 +55,9 @@ if importlib.util.find_spec("torchvision") is None:
 
 class EditOptions(FlowOptions):
     control_resolution: int = Field(
-        0, ge=0, description="The side of the square whose area each control image is resized to, keeping its aspect "
+        0,
+        ge=0,
+        description="The side of the square whose area each control image is resized to, keeping its aspect "
         "ratio (multiples of 32), in training and in samples drawn at a set size. 0: the target's area (a sample's "
         "size). 1024 is what the Qwen-Image-Edit pipelines always do (about 1 MP), and musubi-tuner's advice.",
     )
@@ -106,33 +110,51 @@ class QwenImageEdit(QwenImage):
         return control
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict:
-        """Token ids (padded to the fixed `template_tokens + padded_text_tokens`) and, for captions with controls (PIL, one
+        """Token ids (padded to the fixed `template_tokens + padded_text_tokens`) and, for captions with controls (PIL,
+        one
         list per caption; every caption of a call with controls of the same sizes), the processor's patches per caption
         (B, patches, D) and their grids (B, images, 3)."""
         controls = controls or [[] for _ in captions]
         images = [self.prompt_image(image) for images in controls for image in images]
         inputs = tokenizers["processor"](
-            text=[self.prompt_template.format(self.vision_prompt(len(images)) + caption)
-                  for caption, images in zip(captions, controls)],
-            images=images or None, padding="max_length", max_length=self.template_tokens + self.padded_text_tokens,
+            text=[
+                self.prompt_template.format(self.vision_prompt(len(images)) + caption)
+                for caption, images in zip(captions, controls, strict=True)
+            ],
+            images=images or None,
+            padding="max_length",
+            max_length=self.template_tokens + self.padded_text_tokens,
             return_tensors="pt",
         )
         ids = inputs["input_ids"]
         if ids.shape[1] > self.template_tokens + self.padded_text_tokens:
-            raise DifftuneError(f"{captions[0]!r} and its control images make {ids.shape[1] - self.template_tokens} prompt "
-                             f"tokens; {self.description} reads at most {self.padded_text_tokens}: shorten it")
+            raise DifftuneError(
+                f"{captions[0]!r} and its control images make {ids.shape[1] - self.template_tokens} prompt "
+                f"tokens; {self.description} reads at most {self.padded_text_tokens}: shorten it"
+            )
         if not images:
             return {"text_encoder": ids}
-        return {"text_encoder": ids, "pixel_values": inputs["pixel_values"].view(len(captions), -1, inputs["pixel_values"].shape[-1]),
-                "image_grid_thw": inputs["image_grid_thw"].view(len(captions), -1, 3)}
+        return {
+            "text_encoder": ids,
+            "pixel_values": inputs["pixel_values"].view(len(captions), -1, inputs["pixel_values"].shape[-1]),
+            "image_grid_thw": inputs["image_grid_thw"].view(len(captions), -1, 3),
+        }
 
     # Sampling.
 
     def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
         return {"image": controls[0]}
 
-    def draw(self, pipeline, options: EditOptions, prompt: str, controls: list, height: int | None, width: int | None,
-             **arguments) -> list:
+    def draw(
+        self,
+        pipeline,
+        options: EditOptions,
+        prompt: str,
+        controls: list,
+        height: int | None,
+        width: int | None,
+        **arguments,
+    ) -> list:
         area = options.control_resolution**2 or (height * width if height else 0)
         with self.sized_controls(area):
             return super().draw(pipeline, options, prompt, controls, height, width, **arguments)
@@ -140,8 +162,11 @@ class QwenImageEdit(QwenImage):
     def sized_controls(self, area: int):
         """A block in which the pipeline sizes controls to `area` pixels (0: its own 1 MP)."""
         original = edit_pipeline_module.calculate_dimensions
-        return set_for_the_call(edit_pipeline_module, "calculate_dimensions",
-                                lambda _, ratio: original(area, ratio)) if area else nullcontext()
+        return (
+            set_for_the_call(edit_pipeline_module, "calculate_dimensions", lambda _, ratio: original(area, ratio))
+            if area
+            else nullcontext()
+        )
 
 
 @contextmanager

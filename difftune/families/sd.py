@@ -34,11 +34,17 @@ class StableDiffusion(Family):
         try:
             if model.base.endswith(SINGLE_FILE_SUFFIXES):
                 with safe_open(model.base, framework="pt") as handle:
-                    key = next(key for key in handle.keys() if key.startswith(single_file.UNET_PREFIX) and key.endswith("attn2.to_k.weight"))
+                    key = next(
+                        key
+                        for key in handle.keys()
+                        if key.startswith(single_file.UNET_PREFIX) and key.endswith("attn2.to_k.weight")
+                    )
                     width, prediction = handle.get_slice(key).get_shape()[-1], "epsilon"
             else:
-                width = UNet2DConditionModel.load_config(model.base, subfolder="unet", revision=model.revision or None)["cross_attention_dim"]
-                scheduler = DDPMScheduler.load_config(model.base, subfolder="scheduler", revision=model.revision or None)
+                revision = model.revision or None
+                unet = UNet2DConditionModel.load_config(model.base, subfolder="unet", revision=revision)
+                width = unet["cross_attention_dim"]
+                scheduler = DDPMScheduler.load_config(model.base, subfolder="scheduler", revision=revision)
                 prediction = scheduler.get("prediction_type", "epsilon")
         except Exception:  # noqa: BLE001 - no base (None), a hub id offline, a pickle or a file without a UNet: unknown
             return None
@@ -50,7 +56,11 @@ class StableDiffusion(Family):
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # CLIP's last hidden state (B, L, D), as SD 1.x uses it.
-        return {"encoder_hidden_states": components.text_encoders["text_encoder"](token_ids["text_encoder"], return_dict=False)[0]}
+        return {
+            "encoder_hidden_states": components.text_encoders["text_encoder"](
+                token_ids["text_encoder"], return_dict=False
+            )[0]
+        }
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         return components.denoiser(noisy, timesteps, conditioning["encoder_hidden_states"], return_dict=False)[0]

@@ -36,9 +36,16 @@ from difftune.models.parts import Components, tokenize
 T5_TOKENS = 256  # StableDiffusion3Pipeline's default `max_sequence_length`
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 TRANSFORMER_TARGETS = [
-    *(f"attn.{name}" for name in ATTENTION), *(f"attn2.{name}" for name in ATTENTION),
-    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+    *(f"attn.{name}" for name in ATTENTION),
+    *(f"attn2.{name}" for name in ATTENTION),
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
 ]
 # The original MMDiT's layers, as kohya names them after `lora_unet_`, -> the diffusers modules each holds, in the
 # order of its output rows. `{i}` is the block index.
@@ -60,23 +67,36 @@ KOHYA_BLOCK = {
 # The original MMDiT's layers in a block -> the diffusers modules each holds (single files; the kohya layout above
 # leaves the context modulation out: the last block's is (shift, scale), which an adapter's rows would follow).
 ORIGINAL_BLOCK = {
-    **{f"x_block.{attention}.{layer}": [f"{attention}.{module}" for module in modules]
-       for attention in ("attn", "attn2") for layer, modules in {
-           "qkv": ["to_q", "to_k", "to_v"], "proj": ["to_out.0"], "ln_q": ["norm_q"], "ln_k": ["norm_k"]}.items()},
-    "x_block.mlp.fc1": ["ff.net.0.proj"], "x_block.mlp.fc2": ["ff.net.2"], "x_block.adaLN_modulation.1": ["norm1.linear"],
+    **{
+        f"x_block.{attention}.{layer}": [f"{attention}.{module}" for module in modules]
+        for attention in ("attn", "attn2")
+        for layer, modules in {
+            "qkv": ["to_q", "to_k", "to_v"],
+            "proj": ["to_out.0"],
+            "ln_q": ["norm_q"],
+            "ln_k": ["norm_k"],
+        }.items()
+    },
+    "x_block.mlp.fc1": ["ff.net.0.proj"],
+    "x_block.mlp.fc2": ["ff.net.2"],
+    "x_block.adaLN_modulation.1": ["norm1.linear"],
     "context_block.attn.qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
     "context_block.attn.proj": ["attn.to_add_out"],
-    "context_block.attn.ln_q": ["attn.norm_added_q"], "context_block.attn.ln_k": ["attn.norm_added_k"],
-    "context_block.mlp.fc1": ["ff_context.net.0.proj"], "context_block.mlp.fc2": ["ff_context.net.2"],
+    "context_block.attn.ln_q": ["attn.norm_added_q"],
+    "context_block.attn.ln_k": ["attn.norm_added_k"],
+    "context_block.mlp.fc1": ["ff_context.net.0.proj"],
+    "context_block.mlp.fc2": ["ff_context.net.2"],
     "context_block.adaLN_modulation.1": ["norm1_context.linear"],
 }
 ORIGINAL_GLOBALS = {
-    "pos_embed.proj": "x_embedder.proj", "context_embedder": "context_embedder",
+    "pos_embed.proj": "x_embedder.proj",
+    "context_embedder": "context_embedder",
     "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
     "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
     "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
     "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2",
-    "proj_out": "final_layer.linear", "norm_out.linear": "final_layer.adaLN_modulation.1",
+    "proj_out": "final_layer.linear",
+    "norm_out.linear": "final_layer.adaLN_modulation.1",
 }
 
 
@@ -95,34 +115,52 @@ class StableDiffusion3(FusedKohyaLayout, FlowMatchingFamily):
     swapped_halves = ("norm_out.linear.weight", "norm_out.linear.bias")
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
     tokenizer_names = ("tokenizer", "tokenizer_2", "tokenizer_3")
-    kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_",
-                      "text_encoder_3": "lora_te3_"}
+    kohya_prefixes = {
+        "transformer": "lora_unet_",
+        "text_encoder": "lora_te1_",
+        "text_encoder_2": "lora_te2_",
+        "text_encoder_3": "lora_te3_",
+    }
     kohya_text_model_parts = ("text_encoder", "text_encoder_2")
     kohya_model_version = "sd3"
     kohya_layout_name = "SD3"
     kohya_blocks = {"transformer_blocks": KOHYA_BLOCK}
     embedding_keys = ("clip_l", "clip_g", "t5")
-    default_targets = {"transformer": TRANSFORMER_TARGETS, "text_encoder": CLIP_ATTENTION,
-                       "text_encoder_2": CLIP_ATTENTION, "text_encoder_3": T5_ATTENTION}
-    lora_text_encoders = ("text_encoder", "text_encoder_2")  # StableDiffusion3Pipeline's LoRA loader reads the CLIPs, not T5
+    default_targets = {
+        "transformer": TRANSFORMER_TARGETS,
+        "text_encoder": CLIP_ATTENTION,
+        "text_encoder_2": CLIP_ATTENTION,
+        "text_encoder_3": T5_ATTENTION,
+    }
+    lora_text_encoders = (
+        "text_encoder",
+        "text_encoder_2",
+    )  # StableDiffusion3Pipeline's LoRA loader reads the CLIPs, not T5
 
     # Prompts and the transformer.
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         t5 = tokenizers["tokenizer_3"]
-        return {"text_encoder": tokenize(tokenizers["tokenizer"], captions),
-                "text_encoder_2": tokenize(tokenizers["tokenizer_2"], captions),
-                "text_encoder_3": t5(captions, padding="max_length", max_length=self.t5_tokens(t5), truncation=True,
-                                     return_tensors="pt").input_ids}
+        return {
+            "text_encoder": tokenize(tokenizers["tokenizer"], captions),
+            "text_encoder_2": tokenize(tokenizers["tokenizer_2"], captions),
+            "text_encoder_3": t5(
+                captions, padding="max_length", max_length=self.t5_tokens(t5), truncation=True, return_tensors="pt"
+            ).input_ids,
+        }
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        clips = [components.text_encoders[name](token_ids[name], output_hidden_states=True)
-                 for name in ("text_encoder", "text_encoder_2")]
+        clips = [
+            components.text_encoders[name](token_ids[name], output_hidden_states=True)
+            for name in ("text_encoder", "text_encoder_2")
+        ]
         t5 = components.text_encoders["text_encoder_3"](token_ids["text_encoder_3"])[0]
         clip_states = torch.cat([clip.hidden_states[-2] for clip in clips], dim=-1)
         clip_states = F.pad(clip_states, (0, t5.shape[-1] - clip_states.shape[-1]))
-        return {"encoder_hidden_states": torch.cat([clip_states, t5], dim=-2),
-                "pooled_prompt_embeds": torch.cat([clip[0] for clip in clips], dim=-1)}
+        return {
+            "encoder_hidden_states": torch.cat([clip_states, t5], dim=-2),
+            "pooled_prompt_embeds": torch.cat([clip[0] for clip in clips], dim=-1),
+        }
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the transformer patches the latents itself
@@ -130,8 +168,11 @@ class StableDiffusion3(FusedKohyaLayout, FlowMatchingFamily):
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         states = conditioning["encoder_hidden_states"]
         return components.denoiser(
-            hidden_states=noisy.to(states.dtype), timestep=timesteps.to(states.dtype), encoder_hidden_states=states,
-            pooled_projections=conditioning["pooled_prompt_embeds"], return_dict=False,
+            hidden_states=noisy.to(states.dtype),
+            timestep=timesteps.to(states.dtype),
+            encoder_hidden_states=states,
+            pooled_projections=conditioning["pooled_prompt_embeds"],
+            return_dict=False,
         )[0]
 
     def t5_tokens(self, tokenizer) -> int:
@@ -141,8 +182,11 @@ class StableDiffusion3(FusedKohyaLayout, FlowMatchingFamily):
 
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
         """Classifier-free guidance above 1, in the pipeline's own `guidance_scale` (neg + w (pos - neg))."""
-        return {"max_sequence_length": self.max_sequence_length(components), "guidance_scale": guidance_scale,
-                "negative_prompt": negative_prompt or None}
+        return {
+            "max_sequence_length": self.max_sequence_length(components),
+            "guidance_scale": guidance_scale,
+            "negative_prompt": negative_prompt or None,
+        }
 
     def max_sequence_length(self, components: Components) -> int:
         return self.t5_tokens(components.tokenizers["tokenizer_3"])

@@ -54,7 +54,10 @@ class StableDiffusionXL(Family):
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         states = conditioning["encoder_hidden_states"]
-        added = {"text_embeds": conditioning["pooled_prompt_embeds"], "time_ids": geometry.to(states.device, states.dtype)}
+        added = {
+            "text_embeds": conditioning["pooled_prompt_embeds"],
+            "time_ids": geometry.to(states.device, states.dtype),
+        }
         return components.denoiser(noisy, timesteps, states, added_cond_kwargs=added, return_dict=False)[0]
 
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
@@ -62,5 +65,7 @@ class StableDiffusionXL(Family):
             **single_file.unet_to_ldm(components.denoiser),
             **single_file.vae_to_ldm(components.vae),
             **single_file.clip_to_ldm(components.text_encoders["text_encoder"], single_file.SDXL_TEXT_ENCODER_PREFIX),
-            **single_file.open_clip_to_ldm(components.text_encoders["text_encoder_2"], single_file.SDXL_TEXT_ENCODER_2_PREFIX),
+            **single_file.open_clip_to_ldm(
+                components.text_encoders["text_encoder_2"], single_file.SDXL_TEXT_ENCODER_2_PREFIX
+            ),
         }

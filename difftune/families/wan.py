@@ -18,7 +18,8 @@ Wan train on stills.
   its noise levels are drawn from the expert's range (the drawn distribution cut to it), the other expert waits in
   host memory to draw samples with it, and the file is a Wan LoRA of that expert (`load_into_transformer_2=True` puts
   a low-noise one in diffusers; ComfyUI's two LoRA loaders, one per expert). Wan 2.2 TI2V-5B: its autoencoder patches
-  2x2 itself (16x in all) and its transformer reads a time per latent token (`expand_timesteps`), as its pipeline passes.
+  2x2 itself (16x in all) and its transformer reads a time per latent token (`expand_timesteps`), as its pipeline
+  passes.
 - Files: diffusers' layout (`transformer.`, which `WanPipeline.load_lora_weights` reads: transformer adapters alone)
   with musubi-tuner's default targets (every block's self- and cross-attention and MLP); the kohya layout names the
   original modules (`lora_unet_blocks_0_self_attn_q`), musubi-tuner's files, which ComfyUI maps and diffusers reads
@@ -46,34 +47,73 @@ from difftune.families.fused import OriginalNamesKohyaLayout
 from difftune.models.parts import Components
 
 TEXT_TOKENS = 512  # WanPipeline's default `max_sequence_length`: every caption's states are padded to it
-TRANSFORMER_TARGETS = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
-                       "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+TRANSFORMER_TARGETS = [
+    "attn1.to_q",
+    "attn1.to_k",
+    "attn1.to_v",
+    "attn1.to_out.0",
+    "attn2.to_q",
+    "attn2.to_k",
+    "attn2.to_v",
+    "attn2.to_out.0",
+    "ffn.net.0.proj",
+    "ffn.net.2",
+]
 # diffusers' module in a block -> the original model's (Wan-AI's, ComfyUI's, musubi-tuner's), as diffusers' readers of
 # those files map them back (`_convert_non_diffusers_wan_lora_to_diffusers`, `_convert_musubi_wan_lora_to_diffusers`).
 ORIGINAL_IN_BLOCK = {
-    "attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v", "attn1.to_out.0": "self_attn.o",
-    "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o",
-    "attn2.add_k_proj": "cross_attn.k_img", "attn2.add_v_proj": "cross_attn.v_img",
-    "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
+    "attn1.to_q": "self_attn.q",
+    "attn1.to_k": "self_attn.k",
+    "attn1.to_v": "self_attn.v",
+    "attn1.to_out.0": "self_attn.o",
+    "attn2.to_q": "cross_attn.q",
+    "attn2.to_k": "cross_attn.k",
+    "attn2.to_v": "cross_attn.v",
+    "attn2.to_out.0": "cross_attn.o",
+    "attn2.add_k_proj": "cross_attn.k_img",
+    "attn2.add_v_proj": "cross_attn.v_img",
+    "ffn.net.0.proj": "ffn.0",
+    "ffn.net.2": "ffn.2",
 }
 ORIGINAL_NAMES = {
-    "condition_embedder.time_proj": "time_projection.1", "proj_out": "head.head",
-    "condition_embedder.text_embedder.linear_1": "text_embedding.0", "condition_embedder.text_embedder.linear_2": "text_embedding.2",
-    "condition_embedder.time_embedder.linear_1": "time_embedding.0", "condition_embedder.time_embedder.linear_2": "time_embedding.2",
-    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1", "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+    "condition_embedder.time_proj": "time_projection.1",
+    "proj_out": "head.head",
+    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
 }
 BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 # For single files: diffusers' weight names -> the original model's, in this order, the inverse of diffusers' reader
-# (`convert_wan_transformer_to_diffusers`); a block's norm2 and norm3 trade names, the modulations are `scale_shift_table`.
+# (`convert_wan_transformer_to_diffusers`); a block's norm2 and norm3 trade names, the modulations are
+# `scale_shift_table`.
 ORIGINAL_WEIGHT_RENAMES = [
-    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"), ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
-    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"), ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
-    ("condition_embedder.time_proj", "time_projection.1"), ("condition_embedder.image_embedder.norm1", "img_emb.proj.0"),
-    ("condition_embedder.image_embedder.ff.net.0.proj", "img_emb.proj.1"), ("condition_embedder.image_embedder.ff.net.2", "img_emb.proj.3"),
-    ("condition_embedder.image_embedder.norm2", "img_emb.proj.4"), (".attn1.", ".self_attn."), (".attn2.", ".cross_attn."),
-    (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), (".add_k_proj.", ".k_img."),
-    (".add_v_proj.", ".v_img."), (".norm_added_k.", ".norm_k_img."), (".ffn.net.0.proj.", ".ffn.0."), (".ffn.net.2.", ".ffn.2."),
-    (".norm2.", ".norm_swapped."), (".norm3.", ".norm2."), (".norm_swapped.", ".norm3."), ("proj_out.", "head.head."),
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("condition_embedder.image_embedder.norm1", "img_emb.proj.0"),
+    ("condition_embedder.image_embedder.ff.net.0.proj", "img_emb.proj.1"),
+    ("condition_embedder.image_embedder.ff.net.2", "img_emb.proj.3"),
+    ("condition_embedder.image_embedder.norm2", "img_emb.proj.4"),
+    (".attn1.", ".self_attn."),
+    (".attn2.", ".cross_attn."),
+    (".to_out.0.", ".o."),
+    (".to_q.", ".q."),
+    (".to_k.", ".k."),
+    (".to_v.", ".v."),
+    (".add_k_proj.", ".k_img."),
+    (".add_v_proj.", ".v_img."),
+    (".norm_added_k.", ".norm_k_img."),
+    (".ffn.net.0.proj.", ".ffn.0."),
+    (".ffn.net.2.", ".ffn.2."),
+    (".norm2.", ".norm_swapped."),
+    (".norm3.", ".norm2."),
+    (".norm_swapped.", ".norm3."),
+    ("proj_out.", "head.head."),
     (".scale_shift_table", ".modulation"),
 ]
 
@@ -139,7 +179,9 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
 
     def drawing_part_names_of(self, config: ModelConfig) -> tuple[str, ...]:
         """A Wan 2.2 A14B base's other expert (none for a one-transformer base)."""
-        if not _has_two_experts(self.pipeline_class.load_config(config_folder(config), revision=config.revision or None)):
+        if not _has_two_experts(
+            self.pipeline_class.load_config(config_folder(config), revision=config.revision or None)
+        ):
             return ()
         return ("transformer" if self.denoiser_part(self.options(config)) == "transformer_2" else "transformer_2",)
 
@@ -150,8 +192,10 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
         name = pipeline.config.get("_name_or_path")
         experts = _has_two_experts(self.pipeline_class.load_config(name) if name else pipeline.config)
         if not experts and options.expert != "auto":
-            raise DifftuneError(f"model.family_options.expert = \"{options.expert}\": this base has one transformer "
-                                "(Wan 2.1, Wan 2.2 TI2V-5B); leave it at \"auto\"")
+            raise DifftuneError(
+                f'model.family_options.expert = "{options.expert}": this base has one transformer '
+                '(Wan 2.1, Wan 2.2 TI2V-5B); leave it at "auto"'
+            )
         components = super().components_of(pipeline, options)
         if experts:
             other = "transformer" if self.denoiser_part(options) == "transformer_2" else "transformer_2"
@@ -159,7 +203,8 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
         return components
 
     def trains_noise_level(self, components: Components, sigma: float) -> bool:
-        """An expert trains its side of the boundary, as the pipeline picks it: `transformer` at time >= boundary x 1000."""
+        """An expert trains its side of the boundary, as the pipeline picks it: `transformer` at time >= boundary x
+        1000."""
         boundary = components.pipeline_options.get("boundary_ratio")
         if boundary is None:
             return True
@@ -173,8 +218,14 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
     # Prompts and the transformer.
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
-        ids = tokenizers["tokenizer"]([prompt_clean(caption) for caption in captions], padding="max_length",
-                                      max_length=TEXT_TOKENS, truncation=True, add_special_tokens=True, return_tensors="pt")
+        ids = tokenizers["tokenizer"](
+            [prompt_clean(caption) for caption in captions],
+            padding="max_length",
+            max_length=TEXT_TOKENS,
+            truncation=True,
+            add_special_tokens=True,
+            return_tensors="pt",
+        )
         return {"text_encoder": ids.input_ids}
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -194,23 +245,32 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
             p_t, p_h, p_w = components.denoiser.config.patch_size
             tokens = clip.shape[2] // p_t * (clip.shape[3] // p_h) * (clip.shape[4] // p_w)
             timesteps = timesteps[:, None].expand(-1, tokens)
-        prediction = components.denoiser(hidden_states=clip.to(states.dtype), timestep=timesteps.to(states.dtype),
-                                         encoder_hidden_states=states, return_dict=False)[0]
+        prediction = components.denoiser(
+            hidden_states=clip.to(states.dtype),
+            timestep=timesteps.to(states.dtype),
+            encoder_hidden_states=states,
+            return_dict=False,
+        )[0]
         return prediction if noisy.dim() == 5 else prediction[:, :, 0]
 
     # Sampling.
 
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
         """The pipeline's `guidance_scale` is classifier-free guidance (neg + w (pos - neg)) above 1."""
-        return {"max_sequence_length": TEXT_TOKENS, "guidance_scale": guidance_scale,
-                "negative_prompt": negative_prompt or None}
+        return {
+            "max_sequence_length": TEXT_TOKENS,
+            "guidance_scale": guidance_scale,
+            "negative_prompt": negative_prompt or None,
+        }
 
     def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
         """Each prompt's one-frame clip, as an image."""
         return [clip[0] for clip in self.draw_clips(pipeline, prompt, controls, height, width, 1, **arguments)]
 
     def draw_clips(self, pipeline, prompt, controls, height, width, frames, **arguments) -> list[list]:
-        return pipeline(prompt=prompt, height=height, width=width, num_frames=frames, output_type="pil", **arguments).frames
+        return pipeline(
+            prompt=prompt, height=height, width=width, num_frames=frames, output_type="pil", **arguments
+        ).frames
 
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS
@@ -225,4 +285,6 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
         return convert_wan_transformer_to_diffusers(weights) if self.denoiser_file_key in weights else weights
 
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        return {original_weight_name(key): value.contiguous() for key, value in components.denoiser.state_dict().items()}
+        return {
+            original_weight_name(key): value.contiguous() for key, value in components.denoiser.state_dict().items()
+        }

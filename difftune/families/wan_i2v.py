@@ -39,8 +39,10 @@ class WanImageToVideo(Wan):
                 "(`image_encoder`), which difftune does not train with yet; Wan 2.2 I2V A14B (no image encoder) trains"
             )
         if pipeline.config.get("expand_timesteps"):
-            raise DifftuneError("Wan 2.2 TI2V-5B's image-to-video mode is not trained yet; train it as text-to-video "
-                                "(a WanPipeline folder of the same model)")
+            raise DifftuneError(
+                "Wan 2.2 TI2V-5B's image-to-video mode is not trained yet; train it as text-to-video "
+                "(a WanPipeline folder of the same model)"
+            )
         return super().components_of(pipeline, options)
 
     def prompt_control_problems(self, prompts: list) -> list[str]:
@@ -50,8 +52,10 @@ class WanImageToVideo(Wan):
             controls = [] if isinstance(entry, str) else entry.controls
             text = entry if isinstance(entry, str) else entry.prompt
             if len(controls) != 1:
-                problems.append(f"sample.prompts: {text!r} has {len(controls)} images; {self.description} pipelines "
-                                f"animate one: write it as {{prompt = {text!r}, controls = [\"first_frame.png\"]}}")
+                problems.append(
+                    f"sample.prompts: {text!r} has {len(controls)} images; {self.description} pipelines "
+                    f'animate one: write it as {{prompt = {text!r}, controls = ["first_frame.png"]}}'
+                )
         return problems
 
     def pixel_conditioning(self, components: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -67,10 +71,18 @@ class WanImageToVideo(Wan):
         mask_channels = components.denoiser.config.in_channels - 2 * clip.shape[1]  # the autoencoder's temporal factor
         mask = torch.zeros(clip.shape[0], mask_channels, *clip.shape[2:], device=clip.device, dtype=clip.dtype)
         mask[:, :, 0] = 1  # the first latent frame is given
-        prediction = super().denoise(components, torch.cat([clip, mask, condition.to(clip.dtype)], dim=1), timesteps,
-                                     conditioning, geometry)
+        prediction = super().denoise(
+            components, torch.cat([clip, mask, condition.to(clip.dtype)], dim=1), timesteps, conditioning, geometry
+        )
         return prediction if noisy.dim() == 5 else prediction[:, :, 0]
 
     def draw_clips(self, pipeline, prompt, controls, height, width, frames, **arguments) -> list[list]:
-        return pipeline(image=controls[0], prompt=prompt, height=height, width=width, num_frames=frames,
-                        output_type="pil", **arguments).frames
+        return pipeline(
+            image=controls[0],
+            prompt=prompt,
+            height=height,
+            width=width,
+            num_frames=frames,
+            output_type="pil",
+            **arguments,
+        ).frames

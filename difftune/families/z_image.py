@@ -37,12 +37,23 @@ from difftune.models.parts import Components
 
 TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
 # Attention and the SwiGLU MLP of every block (refiners included): musubi-tuner's and ai-toolkit's Z-Image targets.
-TRANSFORMER_TARGETS = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
-                       "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+TRANSFORMER_TARGETS = [
+    "attention.to_q",
+    "attention.to_k",
+    "attention.to_v",
+    "attention.to_out.0",
+    "feed_forward.w1",
+    "feed_forward.w2",
+    "feed_forward.w3",
+]
 # diffusers name -> original name, for the weights whose names differ (besides the fused q, k, v).
-ORIGINAL_NAMES = {"all_final_layer.2-1.": "final_layer.", "all_x_embedder.2-1.": "x_embedder.",
-                  ".attention.to_out.0.": ".attention.out.", ".attention.norm_q.": ".attention.q_norm.",
-                  ".attention.norm_k.": ".attention.k_norm."}
+ORIGINAL_NAMES = {
+    "all_final_layer.2-1.": "final_layer.",
+    "all_x_embedder.2-1.": "x_embedder.",
+    ".attention.to_out.0.": ".attention.out.",
+    ".attention.norm_q.": ".attention.q_norm.",
+    ".attention.norm_k.": ".attention.k_norm.",
+}
 
 
 def fused_qkv(weights: dict[str, torch.Tensor], attention: str) -> dict[str, torch.Tensor]:
@@ -63,10 +74,14 @@ def lumina_kohya_blocks(block_lists: tuple[str, ...], attention: str, feed_forwa
     """The kohya layout ComfyUI maps for a Lumina-lineage DiT (Z-Image, Lumina 2): its original names, q, k and v
     one `attention_qkv` layer per block (what musubi-tuner's Z-Image converter to ComfyUI writes); `feed_forward`:
     the original MLP layer -> the diffusers module."""
-    return {blocks: {f"{blocks}_{{i}}_attention_qkv": [f"{attention}.to_q", f"{attention}.to_k", f"{attention}.to_v"],
-                     f"{blocks}_{{i}}_attention_out": [f"{attention}.to_out.0"],
-                     **{f"{blocks}_{{i}}_feed_forward_{original}": [module] for original, module in feed_forward.items()}}
-            for blocks in block_lists}
+    return {
+        blocks: {
+            f"{blocks}_{{i}}_attention_qkv": [f"{attention}.to_q", f"{attention}.to_k", f"{attention}.to_v"],
+            f"{blocks}_{{i}}_attention_out": [f"{attention}.to_out.0"],
+            **{f"{blocks}_{{i}}_feed_forward_{original}": [module] for original, module in feed_forward.items()},
+        }
+        for blocks in block_lists
+    }
 
 
 class ZImage(FusedKohyaLayout, FlowMatchingFamily):
@@ -115,9 +130,15 @@ class ZImage(FusedKohyaLayout, FlowMatchingFamily):
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         tokenizer = tokenizers["tokenizer"]
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
-                                               add_generation_prompt=True, enable_thinking=True) for caption in captions]
-        ids = tokenizer(texts, padding="max_length", max_length=TEXT_TOKENS, truncation=True, return_tensors="pt").input_ids
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": caption}], tokenize=False, add_generation_prompt=True, enable_thinking=True
+            )
+            for caption in captions
+        ]
+        ids = tokenizer(
+            texts, padding="max_length", max_length=TEXT_TOKENS, truncation=True, return_tensors="pt"
+        ).input_ids
         return {"text_encoder": ids}
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -138,8 +159,10 @@ class ZImage(FusedKohyaLayout, FlowMatchingFamily):
         lengths = conditioning["text_mask"].bool().sum(dim=1).tolist()
         states = conditioning["encoder_hidden_states"]
         prediction = components.denoiser(
-            list(noisy.to(states.dtype).unsqueeze(2).unbind(0)), ((1000 - timesteps) / 1000).to(states.dtype),
-            [state[:length] for state, length in zip(states, lengths)], return_dict=False,
+            list(noisy.to(states.dtype).unsqueeze(2).unbind(0)),
+            ((1000 - timesteps) / 1000).to(states.dtype),
+            [state[:length] for state, length in zip(states, lengths, strict=True)],
+            return_dict=False,
         )[0]
         return -torch.stack(prediction).squeeze(2)
 

@@ -56,15 +56,18 @@ class Offloader:
     def add(self, block: torch.nn.Module) -> None:
         """Move the stored tensors of `block`'s stored layers (storage.py) to one host buffer, leaving empty
         placeholders in the layers. A block at a time, so the host holds one block twice at most."""
-        registered = [(parametrizations[0], parametrizations) for module in block.modules()
-                      for parametrizations in getattr(module, "parametrizations", {}).values()
-                      if isinstance(parametrizations[0], ComputedFromStored)]
+        registered = [
+            (parametrizations[0], parametrizations)
+            for module in block.modules()
+            for parametrizations in getattr(module, "parametrizations", {}).values()
+            if isinstance(parametrizations[0], ComputedFromStored)
+        ]
         buffer, hosts = _host_buffer([owner.original.detach() for _, owner in registered])
         if self.stream is not None:  # asynchronous copies need page-locked sources
             _page_lock(buffer)
         self.buffers.append(buffer)
         self.layers.append([layer for layer, _ in registered])
-        for (layer, owner), host in zip(registered, hosts):
+        for (layer, owner), host in zip(registered, hosts, strict=True):
             self.hosts[layer], self.block_of[layer] = host, len(self.layers) - 1
             owner.original.data = torch.empty(0, dtype=host.dtype, device=host.device)
             layer.offloader = self
@@ -142,8 +145,13 @@ def _host_buffer(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.
         offsets.append(total)
         total += -(-tensor.numel() * tensor.element_size() // ALIGNMENT) * ALIGNMENT
     buffer = torch.empty(total, dtype=torch.uint8)
-    views = [buffer[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
-             .copy_(tensor) for offset, tensor in zip(offsets, tensors)]
+    views = [
+        buffer[offset : offset + tensor.numel() * tensor.element_size()]
+        .view(tensor.dtype)
+        .view(tensor.shape)
+        .copy_(tensor)
+        for offset, tensor in zip(offsets, tensors, strict=True)
+    ]
     return buffer, views
 
 

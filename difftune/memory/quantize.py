@@ -21,7 +21,9 @@ warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated wi
 NEEDS = {"int8": ("torchao", "torchao"), "nf4": ("bitsandbytes", "bnb")}
 
 
-def quantize_linear_layers(model: torch.nn.Module, method: str, device: torch.device, compute_dtype: torch.dtype) -> None:
+def quantize_linear_layers(
+    model: torch.nn.Module, method: str, device: torch.device, compute_dtype: torch.dtype
+) -> None:
     """Replace `model`'s linear weights by their `method` quantization, made on `device` (where the layers are
     moved; nf4 layers compute in `compute_dtype`)."""
     require_extra(*NEEDS[method], f'model.quantize = "{method}"', 'set "none"')
@@ -43,8 +45,13 @@ def _nf4_layer(layer: torch.nn.Linear, device: torch.device, compute_dtype: torc
     import bitsandbytes as bnb
 
     quantized = bnb.nn.Linear4bit(
-        layer.in_features, layer.out_features, bias=layer.bias is not None, compute_dtype=compute_dtype,
-        compress_statistics=True, quant_type="nf4", device="meta",
+        layer.in_features,
+        layer.out_features,
+        bias=layer.bias is not None,
+        compute_dtype=compute_dtype,
+        compress_statistics=True,
+        quant_type="nf4",
+        device="meta",
     )
     # bitsandbytes quantizes a Params4bit when it moves to a device.
     quantized.weight = bnb.nn.Params4bit(

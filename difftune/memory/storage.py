@@ -151,7 +151,9 @@ def fp8_scale(tensor: torch.Tensor) -> float:
     return 2.0 ** math.ceil(math.log2(largest / torch.finfo(FP8).max)) if largest > 0 else 1.0
 
 
-def _stored(tensor: torch.Tensor, dtype: torch.dtype, compute_dtype: torch.dtype) -> tuple[torch.Tensor, ComputedFromStored]:
+def _stored(
+    tensor: torch.Tensor, dtype: torch.dtype, compute_dtype: torch.dtype
+) -> tuple[torch.Tensor, ComputedFromStored]:
     if dtype != FP8:
         return tensor.to(dtype), ComputedFromStored(compute_dtype)
     scale = fp8_scale(tensor)
@@ -165,8 +167,13 @@ def store_frozen_layers(model: torch.nn.Module, dtype: torch.dtype, compute_dtyp
     to e4m3's 3-bit mantissa), the bias following the model's dtype. Left alone: trained layers, adapters' own
     layers (frozen too when an adapter is loaded to sample) and quantized layers (other classes). Returns how many
     layers are stored."""
-    adapters = {id(sub) for layer in model.modules() if isinstance(layer, BaseTunerLayer)
-                for name in layer.adapter_layer_names for sub in getattr(layer, name).modules()}
+    adapters = {
+        id(sub)
+        for layer in model.modules()
+        if isinstance(layer, BaseTunerLayer)
+        for name in layer.adapter_layer_names
+        for sub in getattr(layer, name).modules()
+    }
     file_ranges = file_mappings()
     stored = 0
     for layer in list(model.modules()):
@@ -193,7 +200,9 @@ def keep_fp8(layer: torch.nn.Module, scale: float, compute_dtype: torch.dtype) -
     times a float scale, rounded once, in any compute dtype, as ComfyUI reads it)."""
     weight = layer._parameters["weight"]
     layer._parameters["weight"] = torch.nn.Parameter(weight.detach().view(torch.uint8), requires_grad=False)
-    parametrize.register_parametrization(layer, "weight", ComputedFromStored(compute_dtype, scale, fp8=True), unsafe=True)
+    parametrize.register_parametrization(
+        layer, "weight", ComputedFromStored(compute_dtype, scale, fp8=True), unsafe=True
+    )
 
 
 class _Recast(NamedTuple):

@@ -7,7 +7,8 @@ alike, read from the autoencoder's own config; `decoded = decode(latents / scale
   0.18215, SDXL 0.13025, chosen so that latents have unit variance) and one `shift_factor` (Flux; 0 where none).
 - `AutoencoderTiny` (TAESD): its encoder was distilled to output already scaled latents: its config says
   `scaling_factor = 1.0`, and `encoded` is the encoder's output as it is (a posterior of std 0).
-- `AutoencoderKLQwenImage` (Qwen-Image) and `AutoencoderKLWan` (Wan 2.1; the same autoencoder): a causal video autoencoder whose latents
+- `AutoencoderKLQwenImage` (Qwen-Image) and `AutoencoderKLWan` (Wan 2.1; the same autoencoder): a causal video
+autoencoder whose latents
   have a time axis (B, C, T, h, w), T = 1 for an image, and per-channel statistics: shift = `latents_mean`,
   scale = 1 / `latents_std`, as `QwenImagePipeline` inverts them. Images pass as one-frame clips; everything
   outside this module sees an image's latents as (B, C, h, w), and a clip's (video bases) as (B, C, t, h, w), t =
@@ -29,9 +30,13 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from difftune.errors import DifftuneError
 
-VAE_CLASSES = {"AutoencoderKL": AutoencoderKL, "AutoencoderTiny": AutoencoderTiny,
-               "AutoencoderKLQwenImage": AutoencoderKLQwenImage, "AutoencoderKLFlux2": AutoencoderKLFlux2,
-               "AutoencoderKLWan": AutoencoderKLWan}
+VAE_CLASSES = {
+    "AutoencoderKL": AutoencoderKL,
+    "AutoencoderTiny": AutoencoderTiny,
+    "AutoencoderKLQwenImage": AutoencoderKLQwenImage,
+    "AutoencoderKLFlux2": AutoencoderKLFlux2,
+    "AutoencoderKLWan": AutoencoderKLWan,
+}
 VIDEO_AUTOENCODERS = (AutoencoderKLQwenImage, AutoencoderKLWan)  # latents with a time axis
 PATCHED_AUTOENCODERS = (AutoencoderKLFlux2,)  # latents read patched 2x2 into channels
 
@@ -65,7 +70,9 @@ def latent_normalization(vae) -> LatentNormalization:
     if getattr(vae_config, "latents_std", None) is not None:
         scale = (1.0 / torch.tensor(vae_config.latents_std)).tolist()  # fp32, as the pipelines compute it
         return LatentNormalization(tuple(scale), tuple(float(m) for m in vae_config.latents_mean))
-    return LatentNormalization(float(vae_config.scaling_factor), float(getattr(vae_config, "shift_factor", None) or 0.0))
+    return LatentNormalization(
+        float(vae_config.scaling_factor), float(getattr(vae_config, "shift_factor", None) or 0.0)
+    )
 
 
 def latent_channels(vae) -> int:
@@ -80,7 +87,9 @@ def downsampling(vae) -> int:
     """Image pixels per latent pixel, along each side."""
     if isinstance(vae, VIDEO_AUTOENCODERS):  # Wan 2.2's states 16: 8x by its blocks, 2x by its own patching
         return vae.config.get("scale_factor_spatial") or 2 ** len(vae.config.temperal_downsample)
-    blocks = vae.config.encoder_block_out_channels if isinstance(vae, AutoencoderTiny) else vae.config.block_out_channels
+    blocks = (
+        vae.config.encoder_block_out_channels if isinstance(vae, AutoencoderTiny) else vae.config.block_out_channels
+    )
     return 2 ** (len(blocks) - 1) * (2 if isinstance(vae, PATCHED_AUTOENCODERS) else 1)
 
 

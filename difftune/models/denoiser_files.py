@@ -19,6 +19,7 @@ rows, and a GGUF tensor's quantized blocks, which hold whole rows, are moved as 
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 from typing import NamedTuple
 
 import torch
@@ -80,7 +81,9 @@ def read_denoiser_file(path: str, diffusers_names: Callable[[dict], dict]) -> De
     family's conversion of the file's layout), without ComfyUI's prefixes; where keys carry a prefix, those alone (an
     all-in-one file's others are its text encoders and autoencoder)."""
     file = _denoiser_keys(load_file(path))
-    tensors = {key: value for key, value in file.items() if key != SCALED_FP8_MARKER and not key.endswith(SCALE_SUFFIXES)}
+    tensors = {
+        key: value for key, value in file.items() if key != SCALED_FP8_MARKER and not key.endswith(SCALE_SUFFIXES)
+    }
     rows = converted_rows({key: tensor.shape for key, tensor in tensors.items()}, diffusers_names)
     converted = {key: _gathered(tensors, runs) for key, runs in rows.items()}
     scales = {}
@@ -112,14 +115,20 @@ def read_gguf_file(path: str, diffusers_names: Callable[[dict], dict]) -> dict[s
         quant_types[tensor.name] = None if tensor.tensor_type in plain else tensor.tensor_type
     file, quant_types = _denoiser_keys(file), _denoiser_keys(quant_types)
     # A quantized tensor's rows are its logical rows (each holds whole blocks); the conversion sees logical shapes.
-    shapes = {key: torch.Size(GGUFParameter(value, quant_type=quant_types[key]).quant_shape) if quant_types[key]
-              else value.shape for key, value in file.items()}
+    shapes = {
+        key: torch.Size(GGUFParameter(value, quant_type=quant_types[key]).quant_shape)
+        if quant_types[key]
+        else value.shape
+        for key, value in file.items()
+    }
     out = {}
     for key, rows in converted_rows(shapes, diffusers_names).items():
         quant_type = quant_types[rows.runs[0][0]]
         if any(quant_types[source] != quant_type for source, _, _ in rows.runs):
-            raise DifftuneError(f"model.base {path}: {key} joins tensors quantized as different types; use a file "
-                                "quantized as one type per layer")
+            raise DifftuneError(
+                f"model.base {path}: {key} joins tensors quantized as different types; use a file "
+                "quantized as one type per layer"
+            )
         if quant_type is None:
             out[key] = _gathered(file, rows)
         else:  # its rows of blocks (the last dimension in bytes)
@@ -142,15 +151,18 @@ def load_denoiser_file(denoiser: torch.nn.Module, file: DenoiserFile, dtypes: Pa
             return dtypes.denoiser
         return dtypes.others if tensor.dtype == FP8 else tensor.dtype
 
-    weights = {key: tensor if key in kept else file.weight(key, load_dtype(tensor)) for key, tensor in file.tensors.items()}
+    weights = {
+        key: tensor if key in kept else file.weight(key, load_dtype(tensor)) for key, tensor in file.tensors.items()
+    }
     denoiser.load_state_dict(weights, strict=True, assign=True)
     for key, scale in kept.items():
         keep_fp8(denoiser.get_submodule(key.removesuffix(".weight")), scale, dtypes.stored_fp8_computes_in)
     return denoiser
 
 
-def load_gguf_file(denoiser: torch.nn.Module, path: str, diffusers_names: Callable[[dict], dict],
-                   compute_dtype: torch.dtype) -> torch.nn.Module:
+def load_gguf_file(
+    denoiser: torch.nn.Module, path: str, diffusers_names: Callable[[dict], dict], compute_dtype: torch.dtype
+) -> torch.nn.Module:
     """`denoiser` (built empty) with the weights of the GGUF file at `path` (`read_gguf_file`): each quantized linear
     layer a diffusers `GGUFLinear` that keeps its weight in its quantized blocks and dequantizes it to
     `compute_dtype` as it runs; the rest in `compute_dtype`. diffusers' own GGUF loading (`from_single_file`)
@@ -173,14 +185,19 @@ def load_gguf_file(denoiser: torch.nn.Module, path: str, diffusers_names: Callab
         denoiser.get_submodule(layer)._parameters[name] = weights.pop(key)
     # Quantized tensors of other layers (a modulation table, a pad token) are small: dequantized (diffusers would
     # hand their blocks to the layer as its values).
-    weights = {key: (dequantize_gguf_tensor(value) if isinstance(value, GGUFParameter) else value).to(
-                   torch.float32 if any(module in key.split(".") for module in in_fp32) else compute_dtype)
-               for key, value in weights.items()}
+    weights = {
+        key: (dequantize_gguf_tensor(value) if isinstance(value, GGUFParameter) else value).to(
+            torch.float32 if any(module in key.split(".") for module in in_fp32) else compute_dtype
+        )
+        for key, value in weights.items()
+    }
     loaded = denoiser.load_state_dict(weights, strict=False, assign=True)
     mismatched = [key for key in loaded.missing_keys if key not in quantized] + loaded.unexpected_keys
     if mismatched:
-        raise DifftuneError(f"model.base {path}: not a {type(denoiser).__name__} of the shape model.single_file_config "
-                            f"gives: {', '.join(mismatched[:5])} ...")
+        raise DifftuneError(
+            f"model.base {path}: not a {type(denoiser).__name__} of the shape model.single_file_config "
+            f"gives: {', '.join(mismatched[:5])} ..."
+        )
     return denoiser.requires_grad_(False)
 
 
@@ -215,20 +232,31 @@ def converted_rows(shapes: dict[str, torch.Size], diffusers_names: Callable[[dic
             first = converted.reshape(-1)  # elements of vectors, reshaped
         sources, row = first >> ROW_BITS, first & ((1 << ROW_BITS) - 1)
         source_shapes = [shapes[keys[index]] for index in sources.unique().tolist()]
-        if any(len(shape) > 1 for shape in source_shapes) if not whole_rows else \
-                any(shape[1:] != converted.shape[1:] for shape in source_shapes):
-            raise DifftuneError(f"{key}: the conversion of this file's layout does more than move whole rows of its "
-                                "tensors; read a file in diffusers' layout")
+        if (
+            any(len(shape) > 1 for shape in source_shapes)
+            if not whole_rows
+            else any(shape[1:] != converted.shape[1:] for shape in source_shapes)
+        ):
+            raise DifftuneError(
+                f"{key}: the conversion of this file's layout does more than move whole rows of its "
+                "tensors; read a file in diffusers' layout"
+            )
         breaks = [0, *((torch.nonzero((row.diff() != 1) | (sources.diff() != 0)).flatten() + 1).tolist()), len(first)]
-        runs = [(keys[int(sources[start])], int(row[start]), int(row[stop - 1]) + 1) for start, stop in zip(breaks, breaks[1:])]
+        runs = [
+            (keys[int(sources[start])], int(row[start]), int(row[stop - 1]) + 1) for start, stop in pairwise(breaks)
+        ]
         rows[key] = Rows(runs, converted.shape)
     return rows
 
 
 def _gathered(tensors: dict[str, torch.Tensor], rows: Rows) -> torch.Tensor:
     """The rows `rows` names: a view of the file's tensor (the tensor itself where it is all of it), several joined."""
-    pieces = [tensors[source] if tensors[source].dim() == 0 or (start, stop) == (0, len(tensors[source]))
-              else tensors[source][start:stop] for source, start, stop in rows.runs]
+    pieces = [
+        tensors[source]
+        if tensors[source].dim() == 0 or (start, stop) == (0, len(tensors[source]))
+        else tensors[source][start:stop]
+        for source, start, stop in rows.runs
+    ]
     whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     return whole if whole.shape == rows.shape else whole.reshape(rows.shape)
 
@@ -251,5 +279,7 @@ def _file_scale(file: dict[str, torch.Tensor], key: str) -> float:
 
 def _row_scales(runs: list[tuple[str, int, int]], scales: list[float], shape: torch.Size) -> torch.Tensor:
     """One scale per row (per element of a reshaped vector), for a tensor joined from tensors of different scales."""
-    per_row = torch.cat([torch.full((stop - start,), scale) for (_, start, stop), scale in zip(runs, scales)])
+    per_row = torch.cat(
+        [torch.full((stop - start,), scale) for (_, start, stop), scale in zip(runs, scales, strict=True)]
+    )
     return per_row.view(shape) if len(per_row) == shape.numel() else per_row.view(-1, *[1] * (len(shape) - 1))

@@ -74,12 +74,17 @@ class Components:
 
     def modules(self) -> list[torch.nn.Module]:
         """Every loaded model (released encoders and drawing parts left out)."""
-        return [m for m in (self.denoiser, self.vae, *self.text_encoders.values(), *self.drawing_parts.values())
-                if m is not None]
+        return [
+            m
+            for m in (self.denoiser, self.vae, *self.text_encoders.values(), *self.drawing_parts.values())
+            if m is not None
+        ]
 
     def encoders_loaded(self) -> bool:
         """Whether every part a pipeline needs is loaded (none released)."""
-        return self.vae is not None and all(m is not None for m in (*self.text_encoders.values(), *self.drawing_parts.values()))
+        return self.vae is not None and all(
+            m is not None for m in (*self.text_encoders.values(), *self.drawing_parts.values())
+        )
 
     def pipeline(self, scheduler=None):
         """A text-to-image pipeline of the family over these components."""
@@ -159,17 +164,21 @@ def encoder_placement(config: Config) -> dict[str, str]:
     def where(cached: bool, needed: bool) -> str:
         return "device" if not cached else "host" if needed else "released"
 
-    return {"vae": where(config.cache.latents == "on", previews or bool(config.validation.eval_concept)),
-            "text": where(config.cache.text == "on", previews or bool(config.validation.path)),
-            "drawing": where(True, previews)}
+    return {
+        "vae": where(config.cache.latents == "on", previews or bool(config.validation.eval_concept)),
+        "text": where(config.cache.text == "on", previews or bool(config.validation.path)),
+        "drawing": where(True, previews),
+    }
 
 
 def host_kept_encoders(components: Components, config: Config) -> list[torch.nn.Module]:
     """The loaded encoders `encoder_placement` keeps in host memory."""
     placement = encoder_placement(config)
-    kept = ([components.vae] if placement["vae"] == "host" else []) + (
-        list(components.text_encoders.values()) if placement["text"] == "host" else []) + (
-        list(components.drawing_parts.values()) if placement["drawing"] == "host" else [])
+    kept = (
+        ([components.vae] if placement["vae"] == "host" else [])
+        + (list(components.text_encoders.values()) if placement["text"] == "host" else [])
+        + (list(components.drawing_parts.values()) if placement["drawing"] == "host" else [])
+    )
     return [module for module in kept if module is not None]
 
 
@@ -186,8 +195,13 @@ def encoders_on(device: torch.device, encoders: list[torch.nn.Module]):
 
 
 def place_frozen(
-    components: Components, device: torch.device, dtype: torch.dtype, trained_whole=(), stored: torch.dtype | None = None,
-    offloaded: int = 0, on_host=(),
+    components: Components,
+    device: torch.device,
+    dtype: torch.dtype,
+    trained_whole=(),
+    stored: torch.dtype | None = None,
+    offloaded: int = 0,
+    on_host=(),
 ) -> Offloader | None:
     """Every loaded model on `device` in `dtype` (released encoders stay away, those `on_host` stay in host memory:
     `host_kept_encoders`). A KL VAE whose config asks for `force_upcast` (SD's and SDXL's own: they overflow to NaN
@@ -202,8 +216,8 @@ def place_frozen(
     blocks = components.family.offloadable_blocks(denoiser)
     if offloaded > len(blocks):
         raise DifftuneError(
-            f"model.offload_blocks = {offloaded}, and this {type(denoiser).__name__} has {len(blocks)} blocks: set at "
-            f"most {len(blocks)}"
+            f"model.offload_blocks = {offloaded}, and this {type(denoiser).__name__} "
+            f"has {len(blocks)} blocks: set at most {len(blocks)}"
         )
     blocks = [blocks[index] for index in spread(offloaded, len(blocks))] if offloaded else []
     if stored is not None:
@@ -238,7 +252,7 @@ def eval_mode(*modules: torch.nn.Module):
     try:
         yield
     finally:
-        for module, mode in zip(modules, modes):
+        for module, mode in zip(modules, modes, strict=True):
             module.train(mode)
 
 
@@ -254,8 +268,13 @@ def part_dtypes(config: Config) -> PartDtypes:
     compute = weight_dtype(config)
     denoiser = torch.float32 if _rewrites_base(config) else AS_STORED if config.stores_frozen_weights else compute
     stores_fp8 = denoiser == AS_STORED and stored_dtype(config) == STORED_DTYPES["fp8"]
-    return PartDtypes(denoiser=denoiser, vae=torch.float32 if compute == torch.float16 else compute, others=compute,
-                      stored_fp8_computes_in=compute if stores_fp8 else None, drawing_parts=draws_before_the_end(config))
+    return PartDtypes(
+        denoiser=denoiser,
+        vae=torch.float32 if compute == torch.float16 else compute,
+        others=compute,
+        stored_fp8_computes_in=compute if stores_fp8 else None,
+        drawing_parts=draws_before_the_end(config),
+    )
 
 
 def draws_before_the_end(config: Config) -> bool:
@@ -273,14 +292,21 @@ def _rewrites_base(config: Config) -> bool:
 
 def loads_encoders_first(config: Config, family: Family, resume: str | None = None) -> bool:
     """Whether the run loads the encoders, fills the caches with them and lets go of them before the denoiser loads
-    (train.py's `setup`): the host then holds the text encoders or the denoiser, not both (T5-XXL's 9.5 GB beside FLUX.1's
+    (train.py's `setup`): the host then holds the text encoders or the denoiser, not both (T5-XXL's 9.5 GB beside
+    FLUX.1's
     12 GB in fp8 outgrow a 24 GB machine). Where both caches are on, the base is a pipeline folder, a hub id or a file
     of the denoiser alone (`family`'s: not a whole pipeline's file), and nothing draws with the whole base before
     training: no "before" samples, no class images, no training adapter (merged into the whole base)."""
     draws_before = config.sample.before and config.sample.prompts and not resume
     whole_pipeline_file = config.model.base.endswith(SINGLE_FILE_SUFFIXES) and not family.reads_denoiser_files
-    return (config.cache.latents == "on" and config.cache.text == "on" and not draws_before and not config.prior.enabled
-            and not config.model.training_adapter and not whole_pipeline_file)
+    return (
+        config.cache.latents == "on"
+        and config.cache.text == "on"
+        and not draws_before
+        and not config.prior.enabled
+        and not config.model.training_adapter
+        and not whole_pipeline_file
+    )
 
 
 def store_loaded_denoiser(components: Components, config: Config) -> None:
@@ -300,7 +326,9 @@ def store_loaded_denoiser(components: Components, config: Config) -> None:
             for name, tensor in tensors.items():
                 if tensor is not None and tensor.is_floating_point() and tensor.dtype != compute:
                     cast = tensor.detach().to(compute)
-                    tensors[name] = torch.nn.Parameter(cast, requires_grad=False) if tensors is module._parameters else cast
+                    tensors[name] = (
+                        torch.nn.Parameter(cast, requires_grad=False) if tensors is module._parameters else cast
+                    )
 
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -310,7 +338,6 @@ def files_dtype(base: str, part: str, variant: str = "") -> torch.dtype | None:
     """The dtype a local pipeline folder's part is saved in (its first floating-point tensor's, from a safetensors
     header), or None where that is not on this machine to read (a hub id is not fetched to see)."""
     from safetensors import safe_open
-
 
     for file in part_weight_files(Path(base) / part, variant):
         with safe_open(file, "pt") as weights:
@@ -326,7 +353,9 @@ def weight_dtype(config: Config) -> torch.dtype:
     if config.model.weight_dtype != "auto" and not config.stores_frozen_weights:
         return DTYPES[config.model.weight_dtype]
     # FP8 training keeps bf16 weights: torchao casts them to FP8 per matmul, with fresh scales.
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(config.train.mixed_precision, torch.float32)
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(
+        config.train.mixed_precision, torch.float32
+    )
 
 
 def stored_dtype(config: Config) -> torch.dtype | None:
@@ -346,7 +375,7 @@ def set_attention(denoiser: torch.nn.Module, kind: str) -> None:
     if kind == "xformers":
         if importlib.util.find_spec("xformers") is None:
             raise DifftuneError(
-                "train.attention = \"xformers\" but xformers is not installed; `pip install difftune[xformers]` "
-                "(CUDA only) or use \"sdpa\""
+                'train.attention = "xformers" but xformers is not installed; `pip install difftune[xformers]` '
+                '(CUDA only) or use "sdpa"'
             )
         denoiser.enable_xformers_memory_efficient_attention()

@@ -51,7 +51,9 @@ _VAE_ATTENTION = {
 def unet_to_ldm(unet: UNet2DConditionModel) -> dict:
     """UNet state dict -> LDM keys (`model.diffusion_model.` prefix)."""
     prefixes = _unet_prefixes(
-        unet.config.layers_per_block, len(unet.down_blocks), [bool(getattr(block, "attentions", None)) for block in unet.up_blocks]
+        unet.config.layers_per_block,
+        len(unet.down_blocks),
+        [bool(getattr(block, "attentions", None)) for block in unet.up_blocks],
     )
     return {UNET_PREFIX + _ldm_name(key, prefixes): value for key, value in unet.state_dict().items()}
 
@@ -60,10 +62,15 @@ def unet_ldm_module_names(module_names: list[str]) -> dict[str, str]:
     """A UNet's modules by their original LDM / SGM names (`input_blocks.4.1.proj_in` -> `down_blocks.1.attentions.0.
     proj_in`), the names kohya's SDXL LoRAs use; the layout is read from the diffusers `module_names` themselves. Names
     of no UNet (a transformer's) give none."""
+
     def indices(pattern: str) -> set[int]:
         return {int(match.group(1)) for name in module_names if (match := re.match(pattern, name))}
 
-    layers, down, up = indices(r"down_blocks\.0\.resnets\.(\d+)\."), indices(r"down_blocks\.(\d+)\."), indices(r"up_blocks\.(\d+)\.")
+    layers, down, up = (
+        indices(r"down_blocks\.0\.resnets\.(\d+)\."),
+        indices(r"down_blocks\.(\d+)\."),
+        indices(r"up_blocks\.(\d+)\."),
+    )
     if not (layers and down and up):
         return {}
     with_attention = indices(r"up_blocks\.(\d+)\.attentions\.")
@@ -90,7 +97,9 @@ def _unet_prefixes(layers_per_block: int, down_levels: int, up_has_attention: li
             prefixes[f"up_blocks.{level}.resnets.{layer}."] = f"output_blocks.{index}.0."
             prefixes[f"up_blocks.{level}.attentions.{layer}."] = f"output_blocks.{index}.1."
         upsampler_slot = 2 if has_attention else 1
-        prefixes[f"up_blocks.{level}.upsamplers.0."] = f"output_blocks.{per_level * level + per_level - 1}.{upsampler_slot}."
+        prefixes[f"up_blocks.{level}.upsamplers.0."] = (
+            f"output_blocks.{per_level * level + per_level - 1}.{upsampler_slot}."
+        )
     return prefixes
 
 
@@ -158,8 +167,10 @@ def open_clip_to_ldm(text_encoder, prefix: str) -> dict:
     """A `CLIPTextModelWithProjection` in OpenCLIP's layout under `prefix`, as SDXL's second encoder is stored:
     `transformer.resblocks.N.*`, the attention's q/k/v stacked into one `in_proj`, and `text_projection`
     transposed (OpenCLIP multiplies by it from the right)."""
-    state = {key if key.startswith(("text_model.", "text_projection")) else f"text_model.{key}": value
-             for key, value in text_encoder.state_dict().items()}
+    state = {
+        key if key.startswith(("text_model.", "text_projection")) else f"text_model.{key}": value
+        for key, value in text_encoder.state_dict().items()
+    }
     out = {prefix + "text_projection": state.pop("text_projection.weight").T.contiguous()}
     for key, name in _OPEN_CLIP_LAYERS.items():
         out[prefix + name] = state.pop(key)

@@ -102,8 +102,16 @@ class BenchOptions:
         as it allows: FP8 compute as bf16, a quantized denoiser in fp32, compile off, AdamW's state where it is."""
         precision = "fp32" if self.quantize != "none" else "bf16" if self.precision == "fp8" else self.precision
         return replace(
-            self, model=DRY_RUN_MODELS.get(self.model, self.model), resolution=64, batch=min(self.batch, 2), steps=2,
-            warmup=1, blocks="", offload_blocks=min(self.offload_blocks, 1), precision=precision, compile=False,
+            self,
+            model=DRY_RUN_MODELS.get(self.model, self.model),
+            resolution=64,
+            batch=min(self.batch, 2),
+            steps=2,
+            warmup=1,
+            blocks="",
+            offload_blocks=min(self.offload_blocks, 1),
+            precision=precision,
+            compile=False,
             optimizer="adamw" if self.optimizer == "adamw_cpu_offload" else self.optimizer,
         )
 
@@ -114,17 +122,28 @@ DRY_RUN_MODELS = {"sd15": "tiny", "sdxl": "tiny-sdxl", "flux": "tiny-flux", "qwe
 
 def _clip(hidden: int, layers: int, heads: int, act: str, projection: int | None = None):
     config = CLIPTextConfig(
-        vocab_size=49408, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, max_position_embeddings=77, hidden_act=act, projection_dim=projection or 512,
+        vocab_size=49408,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=77,
+        hidden_act=act,
+        projection_dim=projection or 512,
     )
     return CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)
 
 
 def _sd_vae(scaling_factor: float, latent_channels: int = 4, **config) -> AutoencoderKL:
     return AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=latent_channels, sample_size=512,
-        scaling_factor=scaling_factor, **config,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512),
+        layers_per_block=2,
+        latent_channels=latent_channels,
+        sample_size=512,
+        scaling_factor=scaling_factor,
+        **config,
     )
 
 
@@ -141,52 +160,99 @@ def build_pipeline(model: str, blocks: tuple[int, ...] = ()):
         return tiny.build_pipeline(family=TINY_FAMILIES[model])
     if model == "qwen_image":
         tokenizer = tiny.build_qwen_tokenizer()
-        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-            text_config={"vocab_size": len(tokenizer), "hidden_size": 3584, "intermediate_size": 18944,
-                         "num_hidden_layers": 2, "num_attention_heads": 28, "num_key_value_heads": 4,
-                         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}},
-            vision_config={"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
-                           "out_hidden_size": 3584, "fullatt_block_indexes": [0]},
-        ))
+        text_encoder = Qwen2_5_VLForConditionalGeneration(
+            Qwen2_5_VLConfig(
+                text_config={
+                    "vocab_size": len(tokenizer),
+                    "hidden_size": 3584,
+                    "intermediate_size": 18944,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 28,
+                    "num_key_value_heads": 4,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+                },
+                vision_config={
+                    "depth": 1,
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_heads": 2,
+                    "out_hidden_size": 3584,
+                    "fullatt_block_indexes": [0],
+                },
+            )
+        )
         return QwenImagePipeline(
-            vae=AutoencoderKLQwenImage(), text_encoder=text_encoder, tokenizer=tokenizer,
-            transformer=QwenImageTransformer2DModel(num_layers=blocks[0] if blocks else 1), scheduler=tiny.build_qwen_scheduler(),
+            vae=AutoencoderKLQwenImage(),
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            transformer=QwenImageTransformer2DModel(num_layers=blocks[0] if blocks else 1),
+            scheduler=tiny.build_qwen_scheduler(),
         )
     if model == "flux":
         t5_tokenizer = tiny.build_t5_tokenizer()
         t5_tokenizer.model_max_length = 512  # FLUX.1-dev's max_sequence_length
         return FluxPipeline(
-            vae=_sd_vae(0.3611, latent_channels=16, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False),
-            text_encoder=_clip(768, 12, 12, "quick_gelu"), tokenizer=_tokenizer(),
-            text_encoder_2=T5EncoderModel(T5Config(
-                vocab_size=len(t5_tokenizer), d_model=4096, d_kv=64, d_ff=10240, num_layers=2, num_heads=64,
-                feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
-            )),
+            vae=_sd_vae(
+                0.3611, latent_channels=16, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False
+            ),
+            text_encoder=_clip(768, 12, 12, "quick_gelu"),
+            tokenizer=_tokenizer(),
+            text_encoder_2=T5EncoderModel(
+                T5Config(
+                    vocab_size=len(t5_tokenizer),
+                    d_model=4096,
+                    d_kv=64,
+                    d_ff=10240,
+                    num_layers=2,
+                    num_heads=64,
+                    feed_forward_proj="gated-gelu",
+                    is_encoder_decoder=False,
+                    use_cache=False,
+                )
+            ),
             tokenizer_2=t5_tokenizer,
-            transformer=FluxTransformer2DModel(num_layers=blocks[0] if blocks else 1,
-                                              num_single_layers=blocks[1] if blocks else 2, guidance_embeds=True),
+            transformer=FluxTransformer2DModel(
+                num_layers=blocks[0] if blocks else 1,
+                num_single_layers=blocks[1] if blocks else 2,
+                guidance_embeds=True,
+            ),
             scheduler=tiny.build_flow_scheduler(),
         )
     if model == "sd15":
         return StableDiffusionPipeline(
-            vae=_sd_vae(0.18215), text_encoder=_clip(768, 12, 12, "quick_gelu"), tokenizer=_tokenizer(),
+            vae=_sd_vae(0.18215),
+            text_encoder=_clip(768, 12, 12, "quick_gelu"),
+            tokenizer=_tokenizer(),
             unet=UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8),
-            scheduler=tiny.build_noise_scheduler(), safety_checker=None, feature_extractor=None,
+            scheduler=tiny.build_noise_scheduler(),
+            safety_checker=None,
+            feature_extractor=None,
             requires_safety_checker=False,
         )
     if model == "sdxl":
         unet = UNet2DConditionModel(
-            sample_size=128, layers_per_block=2, block_out_channels=(320, 640, 1280),
+            sample_size=128,
+            layers_per_block=2,
+            block_out_channels=(320, 640, 1280),
             down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
             up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-            transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
-            use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+            transformer_layers_per_block=(1, 2, 10),
+            attention_head_dim=(5, 10, 20),
+            cross_attention_dim=2048,
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=256,
             projection_class_embeddings_input_dim=2816,
         )
         return StableDiffusionXLPipeline(
-            vae=_sd_vae(0.13025), text_encoder=_clip(768, 12, 12, "quick_gelu"), tokenizer=_tokenizer(),
-            text_encoder_2=_clip(1280, 32, 20, "gelu", projection=1280), tokenizer_2=_tokenizer(), unet=unet,
-            scheduler=tiny.build_noise_scheduler(), add_watermarker=False,
+            vae=_sd_vae(0.13025),
+            text_encoder=_clip(768, 12, 12, "quick_gelu"),
+            tokenizer=_tokenizer(),
+            text_encoder_2=_clip(1280, 32, 20, "gelu", projection=1280),
+            tokenizer_2=_tokenizer(),
+            unet=unet,
+            scheduler=tiny.build_noise_scheduler(),
+            add_watermarker=False,
         )
     raise ValueError(f"unknown model spec {model!r}; known: {', '.join(TINY_FAMILIES)}, sd15, sdxl, flux, qwen_image")
 
@@ -204,25 +270,40 @@ def prepare_workspace(options: BenchOptions) -> tuple[Path, Path, Path]:
     data_dir = root / f"data-{options.resolution}-{options.batch * (options.steps + options.warmup)}"
     if not data_dir.exists():
         count = options.batch * (options.steps + options.warmup)
-        images = [(image.resize((options.resolution,) * 2), caption) for image, caption in tiny.shape_images(count, seed=0)]
+        images = [
+            (image.resize((options.resolution,) * 2), caption) for image, caption in tiny.shape_images(count, seed=0)
+        ]
         tiny.write_caption_folder(data_dir, images)
     return root, model_dir, data_dir
 
 
 def _config(options: BenchOptions, model_dir: Path, data_dir: Path, output_dir: Path, cache_dir: Path, steps: int):
     overrides = {
-        "model.base": model_dir, "data.path": data_dir, "data.resolution": options.resolution,
+        "model.base": model_dir,
+        "data.path": data_dir,
+        "data.resolution": options.resolution,
         "data.num_workers": options.num_workers,
-        "adapter.kind": options.adapter, "adapter.rank": options.rank, "train.output_dir": output_dir,
-        "train.max_steps": steps, "train.batch_size": options.batch, "train.overwrite": "true",
+        "adapter.kind": options.adapter,
+        "adapter.rank": options.rank,
+        "train.output_dir": output_dir,
+        "train.max_steps": steps,
+        "train.batch_size": options.batch,
+        "train.overwrite": "true",
         "train.mixed_precision": {"fp32": "no"}.get(options.precision, options.precision),
-        "train.channels_last": str(options.channels_last).lower(), "train.attention": options.attention,
+        "train.channels_last": str(options.channels_last).lower(),
+        "train.attention": options.attention,
         "train.gradient_checkpointing": str(options.gradient_checkpointing).lower(),
-        "train.compile": str(options.compile).lower(), "optim.optimizer": options.optimizer,
-        "model.quantize": options.quantize, "model.weight_dtype": options.weight_dtype,
+        "train.compile": str(options.compile).lower(),
+        "optim.optimizer": options.optimizer,
+        "model.quantize": options.quantize,
+        "model.weight_dtype": options.weight_dtype,
         "model.offload_blocks": options.offload_blocks,
-        "cache.latents": str(options.cache).lower(), "cache.text": str(options.cache).lower(), "cache.dir": cache_dir,
-        "log.progress_bar": "false", "log.tensorboard": "false", "guard.enabled": "false",
+        "cache.latents": str(options.cache).lower(),
+        "cache.text": str(options.cache).lower(),
+        "cache.dir": cache_dir,
+        "log.progress_bar": "false",
+        "log.tensorboard": "false",
+        "guard.enabled": "false",
     }
     return load_config(None, [f"{key}={value}" for key, value in overrides.items()])
 
@@ -242,7 +323,9 @@ def denoiser_training_flops(options: BenchOptions, model_dir: Path, device: torc
     token_ids = family.tokenize(components.tokenizers, ["a red circle"] * batch)
     with torch.no_grad():
         conditioning = family.encode_prompts(components, {name: ids.to(device) for name, ids in token_ids.items()})
-    geometry = torch.tensor([[options.resolution, options.resolution, 0, 0, options.resolution, options.resolution]] * batch)
+    geometry = torch.tensor(
+        [[options.resolution, options.resolution, 0, 0, options.resolution, options.resolution]] * batch
+    )
     timesteps = torch.full((batch,), 500, device=device)
     with FlopCounterMode(display=False) as counter:
         family.denoise(components, latents, timesteps, conditioning, geometry).square().mean().backward()
@@ -280,7 +363,8 @@ def measure(options: BenchOptions) -> dict:
     if options.cache:  # a warm cache, as a second run over the same data sees it, filled in a process of its own
         # so that the peak RSS is the measured run's alone (memory freed by one run is not all returned to the OS)
         prefill = multiprocessing.get_context("spawn").Process(
-            target=train, args=(_config(options, model_dir, data_dir, root / "prefill", cache_dir, 1),))
+            target=train, args=(_config(options, model_dir, data_dir, root / "prefill", cache_dir, 1),)
+        )
         prefill.start()
         prefill.join()
         if prefill.exitcode:

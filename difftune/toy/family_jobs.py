@@ -26,13 +26,23 @@ from difftune.training.parity import PARITY_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 # The job each family ships (configs/), for the families without a bundled tiny base.
-FAMILY_CONFIGS = {"flux2": "flux2_dev_1024_lora.toml", "krea2": "krea2_1024_lora.toml",
-                  "lumina2": "lumina2_1024_lora.toml", "ideogram4": "ideogram4_1024_lora.toml",
-                  "hidream": "hidream_1024_lora.toml", "wan": "wan_image_lora.toml"}
+FAMILY_CONFIGS = {
+    "flux2": "flux2_dev_1024_lora.toml",
+    "krea2": "krea2_1024_lora.toml",
+    "lumina2": "lumina2_1024_lora.toml",
+    "ideogram4": "ideogram4_1024_lora.toml",
+    "hidream": "hidream_1024_lora.toml",
+    "wan": "wan_image_lora.toml",
+}
 # And those with one (their text-to-image jobs), for sweeping settings over every family (`overrides`).
 ALL_FAMILY_CONFIGS = FAMILY_CONFIGS | {
-    "sd": "sd15_lora.toml", "sdxl": "sdxl_lora.toml", "flux": "flux_lora.toml", "chroma": "chroma_lora.toml",
-    "sd3": "sd3_lora.toml", "z_image": "z_image_lora.toml", "flux2_klein": "flux2_klein_lora.toml",
+    "sd": "sd15_lora.toml",
+    "sdxl": "sdxl_lora.toml",
+    "flux": "flux_lora.toml",
+    "chroma": "chroma_lora.toml",
+    "sd3": "sd3_lora.toml",
+    "z_image": "z_image_lora.toml",
+    "flux2_klein": "flux2_klein_lora.toml",
     "qwen_image": "qwen_image_1024_lora.toml",
 }
 
@@ -41,11 +51,25 @@ def job_overrides(base: Path, data: Path, validation: Path, output_dir: Path, st
     """What changes from the shipped job: the micro base and the purple sets at 32 px (no buckets), fewer steps, a
     validation pass every quarter, one purple sample drawn in few steps (the parity check redraws it)."""
     values = {
-        "model.base": base, "data.path": data, "data.resolution": 32, "data.buckets": "false", "data.num_workers": 0,
-        "train.output_dir": output_dir, "train.overwrite": "true", "train.max_steps": steps, "train.batch_size": 4,
-        "cache.dir": output_dir / "cache", "validation.path": validation, "validation.every_steps": max(1, steps // 4),
-        "sample.prompts": '["a purple circle"]', "sample.steps": 8, "sample.every_steps": 0, "sample.before": "false",
-        "checkpoint.every_steps": 0, "log.tensorboard": "false", "log.progress_bar": "false",
+        "model.base": base,
+        "data.path": data,
+        "data.resolution": 32,
+        "data.buckets": "false",
+        "data.num_workers": 0,
+        "train.output_dir": output_dir,
+        "train.overwrite": "true",
+        "train.max_steps": steps,
+        "train.batch_size": 4,
+        "cache.dir": output_dir / "cache",
+        "validation.path": validation,
+        "validation.every_steps": max(1, steps // 4),
+        "sample.prompts": '["a purple circle"]',
+        "sample.steps": 8,
+        "sample.every_steps": 0,
+        "sample.before": "false",
+        "checkpoint.every_steps": 0,
+        "log.tensorboard": "false",
+        "log.progress_bar": "false",
     }
     return [f"{key}={value}" for key, value in values.items()]
 
@@ -62,17 +86,26 @@ def run_family_job(family: str, work_dir: Path, steps: int = 200, seed: int = 1,
         write_caption_folder(validation, shape_images(12, seed=seed + 100, colors=(HELD_OUT_COLOR,)))
     output_dir = work_dir / f"job-{family}"
     config_file = REPO / "configs" / ALL_FAMILY_CONFIGS[family]
-    config = load_config(config_file, job_overrides(base, REPO / "examples" / "purple", validation, output_dir, steps)
-                         + list(overrides))
+    config = load_config(
+        config_file, job_overrides(base, REPO / "examples" / "purple", validation, output_dir, steps) + list(overrides)
+    )
     started = time.perf_counter()
     result = train(config)
     seconds = time.perf_counter() - started
     losses = [(row["step"], row["val_loss"]) for row in read_metrics(output_dir) if "val_loss" in row]
     parity = json.loads((result.trained_path.parent / PARITY_FILE).read_text())
     return {
-        "family": family, "config": f"configs/{config_file.name}", "overrides": list(overrides), "steps": steps, "batch_size": 4, "resolution": 32,
-        "validation_loss": losses, "validation_loss_fell": losses[-1][1] < losses[0][1],
-        "parity_max_pixel_difference": {layout: row["max_pixel_difference"] for layout, row in parity["layouts"].items()},
+        "family": family,
+        "config": f"configs/{config_file.name}",
+        "overrides": list(overrides),
+        "steps": steps,
+        "batch_size": 4,
+        "resolution": 32,
+        "validation_loss": losses,
+        "validation_loss_fell": losses[-1][1] < losses[0][1],
+        "parity_max_pixel_difference": {
+            layout: row["max_pixel_difference"] for layout, row in parity["layouts"].items()
+        },
         "parity_not_checked": sorted(parity.get("not_checked", {})),
         "seconds": round(seconds, 1),
     }

@@ -113,7 +113,7 @@ def _largest_blob(mask: np.ndarray) -> np.ndarray:
     """The largest 4-connected region of `mask` (a flood fill; 32 px images need nothing faster)."""
     labels = np.zeros(mask.shape, dtype=np.int32)
     label, best, best_size = 0, 0, 0
-    for start in zip(*np.nonzero(mask)):
+    for start in zip(*np.nonzero(mask), strict=True):
         if labels[start]:
             continue
         label += 1
@@ -122,7 +122,12 @@ def _largest_blob(mask: np.ndarray) -> np.ndarray:
             row, column = stack.pop()
             size += 1
             for neighbour in ((row + 1, column), (row - 1, column), (row, column + 1), (row, column - 1)):
-                if 0 <= neighbour[0] < mask.shape[0] and 0 <= neighbour[1] < mask.shape[1] and mask[neighbour] and not labels[neighbour]:
+                if (
+                    0 <= neighbour[0] < mask.shape[0]
+                    and 0 <= neighbour[1] < mask.shape[1]
+                    and mask[neighbour]
+                    and not labels[neighbour]
+                ):
                     labels[neighbour] = label
                     stack.append(neighbour)
         if size > best_size:
@@ -172,39 +177,61 @@ def judged_samples(components: Components, prompts: list[str], settings: EvalSet
     for prompt in _counted(prompts, say):
         seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
         images = components.family.draw(
-            pipeline, components.family_options, [prompt] * len(seeds), [], settings.resolution, settings.resolution,
-            num_inference_steps=settings.steps, generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
+            pipeline,
+            components.family_options,
+            [prompt] * len(seeds),
+            [],
+            settings.resolution,
+            settings.resolution,
+            num_inference_steps=settings.steps,
+            generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
             **guidance,
         )
-        for seed, image in zip(seeds, images):
+        for seed, image in zip(seeds, images, strict=True):
             color, shape = judge(image)
             rows.append({"prompt": prompt, "seed": seed, "color": color, "shape": shape, "image": image})
     return rows
 
 
 @torch.no_grad()
-def judged_clips(components: Components, prompts: list[str], settings: EvalSettings, frames: int,
-                 say: Say = None) -> list[dict]:
+def judged_clips(
+    components: Components, prompts: list[str], settings: EvalSettings, frames: int, say: Say = None
+) -> list[dict]:
     """Each prompt's clips (fixed seeds, as `judged_samples`), judged: one row per clip."""
     pipeline, guidance = _eval_pipeline(components, settings)
     rows = []
     for prompt in _counted(prompts, say):
         seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
         clips = components.family.draw_clips(
-            pipeline, [prompt] * len(seeds), [], settings.resolution, settings.resolution, frames,
-            num_inference_steps=settings.steps, generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
+            pipeline,
+            [prompt] * len(seeds),
+            [],
+            settings.resolution,
+            settings.resolution,
+            frames,
+            num_inference_steps=settings.steps,
+            generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
             **guidance,
         )
-        for seed, clip in zip(seeds, clips):
+        for seed, clip in zip(seeds, clips, strict=True):
             colors, shapes, direction = judge_clip(clip)
-            rows.append({"prompt": prompt, "seed": seed, "colors": colors, "shapes": shapes, "direction": direction,
-                         "clip": clip})
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "seed": seed,
+                    "colors": colors,
+                    "shapes": shapes,
+                    "direction": direction,
+                    "clip": clip,
+                }
+            )
     return rows
 
 
 def clip_accuracy(rows: list[dict]) -> dict:
     """Fractions of frames in the asked color, of the asked shape, and both; of clips moving the asked way; and of
     clips with all of it in every frame (`a <color> <shape> moving <direction>`)."""
+
     def asked(row):
         *_, color, shape, _, direction = row["prompt"].split()
         return color, shape, direction
@@ -212,35 +239,51 @@ def clip_accuracy(rows: list[dict]) -> dict:
     color = [[c == asked(row)[0] for c in row["colors"]] for row in rows]
     shape = [[s == asked(row)[1] for s in row["shapes"]] for row in rows]
     direction = [row["direction"] == asked(row)[2] for row in rows]
-    both = [np.logical_and(c, s) for c, s in zip(color, shape)]
-    return {"color": float(np.mean(color)), "shape": float(np.mean(shape)), "both": float(np.mean(both)),
-            "direction": float(np.mean(direction)),
-            "all": float(np.mean([b.all() and d for b, d in zip(both, direction)])), "clips": len(rows)}
+    both = [np.logical_and(c, s) for c, s in zip(color, shape, strict=True)]
+    return {
+        "color": float(np.mean(color)),
+        "shape": float(np.mean(shape)),
+        "both": float(np.mean(both)),
+        "direction": float(np.mean(direction)),
+        "all": float(np.mean([b.all() and d for b, d in zip(both, direction, strict=True)])),
+        "clips": len(rows),
+    }
 
 
 def clip_prompts_for(colors) -> list[str]:
     return [f"a {color} {shape} moving {direction}" for color in colors for shape in SHAPES for direction in DIRECTIONS]
 
 
-def clip_score(components: Components, seen_colors, concept_color: str, settings: EvalSettings, frames: int,
-               concept_word: str = "", say: Say = None) -> dict:
+def clip_score(
+    components: Components,
+    seen_colors,
+    concept_color: str,
+    settings: EvalSettings,
+    frames: int,
+    concept_word: str = "",
+    say: Say = None,
+) -> dict:
     """`score` for a video base: clip accuracies on the seen prompts and the concept's (overall and per shape), each
     prompt naming a direction; `samples_per_prompt` clips per (color, shape), spread over the directions."""
     per_direction = replace(settings, samples_per_prompt=max(1, settings.samples_per_prompt // len(DIRECTIONS)))
     seen = judged_clips(components, clip_prompts_for(seen_colors), per_direction, frames, _within(say, "seen"))
-    concept = judged_clips(components, clip_prompts_for([concept_word or concept_color]), per_direction, frames,
-                           _within(say, "concept"))
+    concept = judged_clips(
+        components, clip_prompts_for([concept_word or concept_color]), per_direction, frames, _within(say, "concept")
+    )
     for row in concept:
         row["prompt"] = row["prompt"].replace(concept_word or concept_color, concept_color)
     return {
         "seen": clip_accuracy(seen),
         "concept": clip_accuracy(concept),
-        "concept_by_shape": {shape: clip_accuracy([r for r in concept if f" {shape} " in r["prompt"]]) for shape in SHAPES},
+        "concept_by_shape": {
+            shape: clip_accuracy([r for r in concept if f" {shape} " in r["prompt"]]) for shape in SHAPES
+        },
     }
 
 
 def accuracy(rows: list[dict]) -> dict:
     """Fractions of images whose color, shape, and both match their prompt (`a <color> <shape>`)."""
+
     def asked(row):
         *_, color, shape = row["prompt"].split()
         return color, shape
@@ -255,12 +298,20 @@ def prompts_for(colors) -> list[str]:
     return [f"a {color} {shape}" for color in colors for shape in SHAPES]
 
 
-def score(components: Components, seen_colors, concept_color: str, settings: EvalSettings, concept_word: str = "",
-          say: Say = None) -> dict:
+def score(
+    components: Components,
+    seen_colors,
+    concept_color: str,
+    settings: EvalSettings,
+    concept_word: str = "",
+    say: Say = None,
+) -> dict:
     """Accuracies on the seen prompts and on the concept's prompts (overall and per shape). `concept_word` is what
     the concept's prompts say instead of its color (a textual-inversion token); they are judged by the color."""
     seen = judged_samples(components, prompts_for(seen_colors), settings, _within(say, "seen"))
-    concept = judged_samples(components, prompts_for([concept_word or concept_color]), settings, _within(say, "concept"))
+    concept = judged_samples(
+        components, prompts_for([concept_word or concept_color]), settings, _within(say, "concept")
+    )
     for row in concept:
         row["prompt"] = row["prompt"].replace(concept_word or concept_color, concept_color)
     return {
@@ -279,18 +330,33 @@ def judged_edits(components: Components, colors, source_colors, settings: EvalSe
     for prompt in _counted([f"{color} {shape}" for color in colors for shape in SHAPES], say):
         color, shape = prompt.split()
         pair_seed = settings.seed + 1000 * list(COLORS).index(color) + 100 * SHAPES.index(shape)
-        for k, (control, _, instruction) in enumerate(recolor_pairs(settings.samples_per_prompt, pair_seed, (color,),
-                                                                    source_colors, (shape,))):
+        for k, (control, _, instruction) in enumerate(
+            recolor_pairs(settings.samples_per_prompt, pair_seed, (color,), source_colors, (shape,))
+        ):
             [image] = components.family.draw(
-                pipeline, components.family_options, instruction, [control], settings.resolution,
-                settings.resolution, num_inference_steps=settings.steps, **guidance,
+                pipeline,
+                components.family_options,
+                instruction,
+                [control],
+                settings.resolution,
+                settings.resolution,
+                num_inference_steps=settings.steps,
+                **guidance,
                 generator=torch.Generator("cpu").manual_seed(settings.seed + k),
             )
             drawn_color, drawn_shape = judge(image)
             before, after = shape_mask(control), shape_mask(image)
             overlap = float((before & after).sum() / (before | after).sum()) if after is not None else 0.0
-            rows.append({"asked": color, "shape": shape, "color": drawn_color, "drawn_shape": drawn_shape,
-                         "overlap": overlap, "image": image})
+            rows.append(
+                {
+                    "asked": color,
+                    "shape": shape,
+                    "color": drawn_color,
+                    "drawn_shape": drawn_shape,
+                    "overlap": overlap,
+                    "image": image,
+                }
+            )
     return rows
 
 
@@ -299,12 +365,19 @@ def edit_accuracy(rows: list[dict]) -> dict:
     color = [row["color"] == row["asked"] for row in rows]
     shape = [row["drawn_shape"] == row["shape"] for row in rows]
     place = [row["overlap"] >= MIN_PLACE_OVERLAP for row in rows]
-    return {"color": float(np.mean(color)), "shape": float(np.mean(shape)), "place": float(np.mean(place)),
-            "both": float(np.mean(np.logical_and(color, shape))), "all": float(np.mean(np.logical_and.reduce([color, shape, place]))),
-            "edits": len(rows)}
+    return {
+        "color": float(np.mean(color)),
+        "shape": float(np.mean(shape)),
+        "place": float(np.mean(place)),
+        "both": float(np.mean(np.logical_and(color, shape))),
+        "all": float(np.mean(np.logical_and.reduce([color, shape, place]))),
+        "edits": len(rows),
+    }
 
 
-def edit_score(components: Components, seen_colors, concept_color: str, settings: EvalSettings, say: Say = None) -> dict:
+def edit_score(
+    components: Components, seen_colors, concept_color: str, settings: EvalSettings, say: Say = None
+) -> dict:
     """An edit base's accuracies on the seen colors' edits and on the concept's (overall and per shape); every
     control is of a seen color."""
     seen = judged_edits(components, seen_colors, seen_colors, settings, _within(say, "seen edits"))
@@ -331,8 +404,15 @@ class ShapesJudge:
 SHAPES_JUDGE = ShapesJudge()
 
 
-def evaluate(base: str, adapter: Path | None, seen_colors, concept_color: str, settings: EvalSettings,
-             concept_word: str = "", say: Say = None) -> dict:
+def evaluate(
+    base: str,
+    adapter: Path | None,
+    seen_colors,
+    concept_color: str,
+    settings: EvalSettings,
+    concept_word: str = "",
+    say: Say = None,
+) -> dict:
     """The base's scores, and with `adapter`, the adapted model's and the forgetting between them; `concept_word`
     (see `score`) in the adapted model's concept prompts. `say` hears each prompt as it starts."""
     from difftune.adapters.export import apply_adapters  # export imports sampling; keep this module light to import

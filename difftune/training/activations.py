@@ -42,7 +42,7 @@ class BlockActivations:
         if not self._stats:
             return {}
         names = list(self._stats)
-        return dict(zip(names, torch.stack([self._stats[n] for n in names]).tolist()))  # one device sync
+        return dict(zip(names, torch.stack([self._stats[n] for n in names]).tolist(), strict=True))  # one device sync
 
     def values(self) -> dict[str, float]:
         """Metrics: `act_rms/<block>` and `act_max/<block>` (TensorBoard groups them by the prefix)."""

@@ -11,7 +11,8 @@
 - `manifest.json`: every file's size and SHA-256, taken as the checkpoint is sealed; a checkpoint is checked
   against it before it is loaded, so a flipped byte or a cut file is reported (and `--resume auto` falls back to
   the newest checkpoint that passes) instead of trained on. A manifest must name every file in the folder and be
-  well formed itself; a checkpoint without one is never resumed from. An SD1.5-shaped full fine-tune's 10.3 GB checkpoint
+  well formed itself; a checkpoint without one is never resumed from. An SD1.5-shaped full fine-tune's 10.3 GB
+  checkpoint
   is checked in 4.4 s on 2 cores (BENCHMARKS.md), hashed per 256 MiB block on every core.
 - `COMPLETE`: written last. A folder without it, or a `.tmp-` folder, is never loaded.
 
@@ -156,7 +157,9 @@ class Checkpointer:
         main = accelerator.is_main_process
         tensors = gather(named, keep=main)  # under FSDP every process holds a shard
         if ema:
-            tensors |= gather({EMA_PREFIX + name: shadow for name, shadow in zip(named, ema.shadow_params)}, keep=main)
+            tensors |= gather(
+                {EMA_PREFIX + name: shadow for name, shadow in zip(named, ema.shadow_params, strict=True)}, keep=main
+            )
         accelerator.wait_for_everyone()
         if main:
             bad = [name for name, value in tensors.items() if not torch.isfinite(value).all()]
@@ -190,19 +193,23 @@ class Checkpointer:
         if missing:
             raise DifftuneError(f"checkpoint {path} is missing {', '.join(missing)}; it cannot be resumed")
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-        check_resumable(state["config"], self.config, state["num_processes"], accelerator.num_processes, accelerator.print)
+        check_resumable(
+            state["config"], self.config, state["num_processes"], accelerator.num_processes, accelerator.print
+        )
         tensors = load_file(path / TRAINED_FILE)
         weights = {k: v for k, v in tensors.items() if not k.startswith(EMA_PREFIX)}
         if weights.keys() != named.keys():
             difference = sorted(weights.keys() ^ named.keys())
-            raise DifftuneError(f"checkpoint {path}: its trained parameters do not match this model (e.g. {difference[0]})")
+            raise DifftuneError(
+                f"checkpoint {path}: its trained parameters do not match this model (e.g. {difference[0]})"
+            )
         with torch.no_grad():
             for name, param in named.items():
                 load_full(param, weights[name])
             if ema:
                 saved = [tensors.get(EMA_PREFIX + name) for name in named]
                 if all(t is not None for t in saved):
-                    for shadow, value in zip(ema.shadow_params, saved):
+                    for shadow, value in zip(ema.shadow_params, saved, strict=True):
                         load_full(shadow, value)
                     ema.optimization_step = state["ema_updates"]
                 else:
@@ -246,8 +253,12 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     if not folder.is_dir():
         return []
     return sorted(
-        path for path in folder.glob("step-*")
-        if re.fullmatch(r"step-\d+", path.name) and not path.is_symlink() and path.is_dir() and (path / MARKER).is_file()
+        path
+        for path in folder.glob("step-*")
+        if re.fullmatch(r"step-\d+", path.name)
+        and not path.is_symlink()
+        and path.is_dir()
+        and (path / MARKER).is_file()
     )
 
 
@@ -264,7 +275,8 @@ def find_checkpoint(output_dir: Path, resume: str, print_fn=print) -> Path | Non
             print_fn(f"difftune: warning: checkpoint {path} fails its check ({problem}); trying the one before")
         if failed:
             raise DifftuneError(
-                f"--resume auto: no checkpoint in {Path(output_dir) / CHECKPOINTS_DIR} passes its check ({'; '.join(failed)}); "
+                f"--resume auto: no checkpoint in {Path(output_dir) / CHECKPOINTS_DIR} passes its check "
+                f"({'; '.join(failed)}); "
                 f"start anew with train.overwrite = true or another train.output_dir"
             )
         return None
@@ -273,7 +285,9 @@ def find_checkpoint(output_dir: Path, resume: str, print_fn=print) -> Path | Non
         raise DifftuneError(f"--resume {path}: not a complete checkpoint (no {MARKER} marker); use --resume auto")
     problem = verify(path)
     if problem:
-        raise DifftuneError(f"--resume {path}: the checkpoint fails its check ({problem}); use --resume auto or an older one")
+        raise DifftuneError(
+            f"--resume {path}: the checkpoint fails its check ({problem}); use --resume auto or an older one"
+        )
     return path
 
 
@@ -327,8 +341,11 @@ def _manifest_records(manifest) -> tuple[dict | None, int | str]:
         size, digests = record["bytes"], record["sha256"]
         if type(size) is not int or size < 0:
             return None, f"the size of {name} is {size!r}"
-        if not isinstance(digests, list) or len(digests) != max(-(-size // block), 1) or not all(
-                isinstance(digest, str) for digest in digests):
+        if (
+            not isinstance(digests, list)
+            or len(digests) != max(-(-size // block), 1)
+            or not all(isinstance(digest, str) for digest in digests)
+        ):
             return None, f"the SHA-256s of {name}"
     return files, block
 
@@ -343,8 +360,12 @@ def retire_after(output_dir: Path, step: int, print_fn=print) -> Path | None:
     samples, metrics lines) under `retired/<time>-after-step-N/`, keeping its layout: the run goes on from `step`
     as a new branch. The folder, or None when nothing came after."""
     output_dir = Path(output_dir)
-    later = [path for folder in STEP_FOLDERS for path in sorted((output_dir / folder).glob("*step-*"))
-             if step_of(path.name.removeprefix(".tmp-")) > step]
+    later = [
+        path
+        for folder in STEP_FOLDERS
+        for path in sorted((output_dir / folder).glob("*step-*"))
+        if step_of(path.name.removeprefix(".tmp-")) > step
+    ]
     metrics = output_dir / METRICS_FILE
     lines = metrics.read_text(encoding="utf-8").splitlines() if metrics.is_file() else []
     later_lines = [line for line in lines if line.strip().endswith("}") and json.loads(line)["step"] > step]
@@ -357,8 +378,10 @@ def retire_after(output_dir: Path, step: int, print_fn=print) -> Path | None:
         path.rename(target)
     retired.mkdir(parents=True, exist_ok=True)
     (retired / METRICS_FILE).write_text("".join(line + "\n" for line in later_lines), encoding="utf-8")
-    print_fn(f"difftune: continuing from step {step}: what the run wrote after it ({len(later)} checkpoints, snapshots "
-             f"and sample folders, {len(later_lines)} metrics lines) is set apart in {retired}")
+    print_fn(
+        f"difftune: continuing from step {step}: what the run wrote after it ({len(later)} checkpoints, snapshots "
+        f"and sample folders, {len(later_lines)} metrics lines) is set apart in {retired}"
+    )
     return retired
 
 
@@ -422,8 +445,12 @@ def _seal(root: Path) -> None:
     for path in files:
         with open(path, "rb") as file:
             os.fsync(file.fileno())
-    manifest = {"block_bytes": HASH_BLOCK, "files": {
-        str(path.relative_to(root)): {"bytes": path.stat().st_size, "sha256": digests[path]} for path in files}}
+    manifest = {
+        "block_bytes": HASH_BLOCK,
+        "files": {
+            str(path.relative_to(root)): {"bytes": path.stat().st_size, "sha256": digests[path]} for path in files
+        },
+    }
     _write_synced(root / MANIFEST, json.dumps(manifest, indent=1))
     for folder in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
         _fsync_dir(folder)
@@ -436,7 +463,7 @@ def _block_digests(files: list[Path], block: int = HASH_BLOCK) -> dict[Path, lis
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         digests = list(pool.map(lambda job: _block_sha256(*job, block), blocks))
     found: dict[Path, list[str]] = {}
-    for (path, _), digest in zip(blocks, digests):
+    for (path, _), digest in zip(blocks, digests, strict=True):
         found.setdefault(path, []).append(digest)
     return found
 

@@ -44,8 +44,13 @@ def probe_config(config: Config, output_dir: Path, **changes: dict) -> Config:
 
 
 def find_batch(
-    config: Config, max_memory_gb: float | None = None, max_batch: int = 64, steps: int = 2, margin: float = 0.1,
-    num_processes: int = 1, report: Callable[[str], None] = print,
+    config: Config,
+    max_memory_gb: float | None = None,
+    max_batch: int = 64,
+    steps: int = 2,
+    margin: float = 0.1,
+    num_processes: int = 1,
+    report: Callable[[str], None] = print,
 ) -> dict:
     """The largest per-process batch whose `steps` optimizer steps stay within the memory budget, and the
     accumulation that reaches `train.global_batch_size` (when set) with `num_processes` processes.
@@ -70,7 +75,10 @@ def find_batch(
         trial["budget_gb"] = round(limit / GIB, 3)
         trials.append(trial)
         peak = f"peak {trial['peak_bytes'] / GIB:.2f} GiB" if "peak_bytes" in trial else trial.get("error")
-        report(f"difftune find-batch: batch {batch_size}: {peak} of {limit / GIB:.2f} GiB: {'fits' if trial['fits'] else 'too large'}")
+        report(
+            f"difftune find-batch: batch {batch_size}: {peak} of {limit / GIB:.2f} GiB: "
+            f"{'fits' if trial['fits'] else 'too large'}"
+        )
         return trial["fits"]
 
     largest = largest_fitting(fits, max_batch)
@@ -80,9 +88,12 @@ def find_batch(
         raise DifftuneError(
             f"find-batch: batch size 1 does not fit ({why}, "
             f"budget {failed['budget_gb']} GiB): turn on train.gradient_checkpointing, a lower data.resolution or "
-            f"model.weight_dtype = \"bf16\", or raise --max-memory-gb"
+            f'model.weight_dtype = "bf16", or raise --max-memory-gb'
         )
-    result = {"largest_batch_size": largest, **batch_and_accumulation(largest, config.train.global_batch_size, num_processes)}
+    result = {
+        "largest_batch_size": largest,
+        **batch_and_accumulation(largest, config.train.global_batch_size, num_processes),
+    }
     # What `--write` and the UI put into the job: the global batch too when the job sets one.
     settings = {"train.batch_size": result["batch_size"]}
     if config.train.global_batch_size:
@@ -120,7 +131,11 @@ def batch_and_accumulation(largest: int, global_batch_size: int, num_processes: 
         )
     share = global_batch_size // num_processes
     batch_size = max(size for size in range(1, min(largest, share) + 1) if share % size == 0)
-    return {"batch_size": batch_size, "gradient_accumulation_steps": share // batch_size, "global_batch_size": global_batch_size}
+    return {
+        "batch_size": batch_size,
+        "gradient_accumulation_steps": share // batch_size,
+        "global_batch_size": global_batch_size,
+    }
 
 
 def run_batch_trial(config: Config, batch_size: int, steps: int) -> dict:
@@ -174,8 +189,13 @@ def _batch_trial(config_data: dict, batch_size: int, steps: int, scratch: str, r
 
 
 def find_lr(
-    config: Config, out_dir: Path, start_lr: float = 1e-7, end_lr: float = 1.0, steps: int = 100,
-    smoothing: float = 0.98, diverge_factor: float = 4.0,
+    config: Config,
+    out_dir: Path,
+    start_lr: float = 1e-7,
+    end_lr: float = 1.0,
+    steps: int = 100,
+    smoothing: float = 0.98,
+    diverge_factor: float = 4.0,
 ) -> dict:
     """Smith's range test (2017) as fastai runs it: the rate grows exponentially from `start_lr` to `end_lr` over
     `steps` optimizer steps of a probe of the job; the loss is smoothed (a debiased running mean) and the sweep
@@ -193,17 +213,23 @@ def find_lr(
         raise DifftuneError(f"find-lr: --steps {steps} is too few for a smoothed curve; use 10 or more (100 is usual)")
     with tempfile.TemporaryDirectory(prefix="difftune-find-lr-") as scratch:
         # Warmup, schedule, EMA and the guard would each bend the curve: the sweep is the schedule.
-        run = setup(probe_config(
-            config, Path(scratch) / "run", train={"max_steps": steps}, optim={"warmup_steps": 0, "lr_schedule": "constant"},
-            ema={"enabled": False}, guard={"enabled": False},
-        ))
+        run = setup(
+            probe_config(
+                config,
+                Path(scratch) / "run",
+                train={"max_steps": steps},
+                optim={"warmup_steps": 0, "lr_schedule": "constant"},
+                ema={"enabled": False},
+                guard={"enabled": False},
+            )
+        )
         groups = run.optimizer.param_groups
         ratios = [group["lr"] / groups[0]["lr"] for group in groups]  # the text encoders keep their relative rate
         max_norm = config.optim.max_grad_norm or float("inf")
         rates, losses, smoothed, average, best = [], [], [], 0.0, math.inf
         for step in tqdm(range(steps), desc="find-lr", disable=not run.main):
             rate = start_lr * (end_lr / start_lr) ** (step / (steps - 1))
-            for group, ratio in zip(groups, ratios):
+            for group, ratio in zip(groups, ratios, strict=True):
                 group["lr"] = rate * ratio
             loss, _, _ = accumulate_gradients(run)
             run.accelerator.clip_grad_norm_(run.parameters, max_norm)
@@ -220,12 +246,20 @@ def find_lr(
         run.metrics.close()
         run.accelerator.end_training()
     result = suggest_learning_rate(rates, smoothed, diverged=len(rates) < steps)
-    global_batch = run.config.train.batch_size * run.accelerator.num_processes * run.config.train.gradient_accumulation_steps
+    global_batch = (
+        run.config.train.batch_size * run.accelerator.num_processes * run.config.train.gradient_accumulation_steps
+    )
     # The sweep set the rates themselves; optim.learning_rate is that rate before optim.scale_lr scales it.
     result["learning_rate"] = result["suggested_lr"] / learning_rate_scale(config.optim.scale_lr, global_batch)
     result["settings"] = {"optim.learning_rate": result["learning_rate"]}  # what `--write` and the UI apply
-    result |= {"start_lr": start_lr, "end_lr": end_lr, "steps_run": len(rates), "lrs": rates, "losses": losses,
-               "smoothed_losses": smoothed}
+    result |= {
+        "start_lr": start_lr,
+        "end_lr": end_lr,
+        "steps_run": len(rates),
+        "lrs": rates,
+        "losses": losses,
+        "smoothed_losses": smoothed,
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / LR_RANGE_FILE).write_text(json.dumps(result, indent=1) + "\n")
     plot_lr_range(result, out_dir / LR_PLOT_FILE)
@@ -245,7 +279,9 @@ def suggest_learning_rate(rates: list[float], smoothed: list[float], diverged: b
         "min_loss_lr": rates[lowest],
         "diverged": diverged,
         # No divergence: the minimum may lie past the sweep, and the suggestion is a lower bound.
-        "note": "" if diverged else "the loss did not diverge within the sweep: raise --end-lr for a sharper suggestion",
+        "note": ""
+        if diverged
+        else "the loss did not diverge within the sweep: raise --end-lr for a sharper suggestion",
     }
 
 

@@ -57,7 +57,10 @@ class Guard:
             if loss > self.config.spike_factor * _mean(self.losses):
                 reason = f"loss spike ({loss:.4g} > {self.config.spike_factor:g} x mean {_mean(self.losses):.4g})"
             elif grad_norm > self.config.spike_factor * _mean(self.grad_norms):
-                reason = f"gradient-norm spike ({grad_norm:.4g} > {self.config.spike_factor:g} x mean {_mean(self.grad_norms):.4g})"
+                reason = (
+                    f"gradient-norm spike ({grad_norm:.4g} > {self.config.spike_factor:g} x mean "
+                    f"{_mean(self.grad_norms):.4g})"
+                )
         if reason is None:
             self.consecutive = 0
             if math.isfinite(grad_norm):
@@ -80,7 +83,8 @@ class Guard:
                 continue
             if factor and len(history) >= ACTIVATION_WARMUP and value > factor * _mean(history):
                 warnings.append(
-                    f"block {name}'s largest output {value:.4g} is over {factor:g} x its running mean {_mean(history):.4g} "
+                    f"block {name}'s largest output {value:.4g} is over {factor:g} x its running mean "
+                    f"{_mean(history):.4g} "
                     "(activations growing: lower optim.learning_rate or watch for a divergence)"
                 )
             history.append(value)
@@ -111,7 +115,12 @@ class Guard:
         """Append the skip to skipped_steps.jsonl."""
         if self.log_path:
             with open(self.log_path, "a", encoding="utf-8") as file:
-                record = {"step": step, "reason": reason, "loss": _json_number(loss), "grad_norm": _json_number(grad_norm)}
+                record = {
+                    "step": step,
+                    "reason": reason,
+                    "loss": _json_number(loss),
+                    "grad_norm": _json_number(grad_norm),
+                }
                 file.write(json.dumps({**record, "images": paths}) + "\n")
 
     def divergence(self, loss: float) -> str | None:

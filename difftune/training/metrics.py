@@ -12,7 +12,11 @@ def keep_lines_up_to_step(path: Path, step: int) -> None:
     """Drop the JSONL lines of steps after `step` (all of them for 0): a resumed run rewrites those steps."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    kept = [
+        line
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip() and json.loads(line)["step"] <= step
+    ]
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 

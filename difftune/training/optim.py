@@ -44,7 +44,9 @@ def _adafactor(groups, config: OptimConfig, device: torch.device):
     from transformers.optimization import Adafactor
 
     # Our schedule sets the learning rate, so Adafactor's own relative steps and parameter scaling are off.
-    return Adafactor(groups, scale_parameter=False, relative_step=False, warmup_init=False, weight_decay=config.weight_decay)
+    return Adafactor(
+        groups, scale_parameter=False, relative_step=False, warmup_init=False, weight_decay=config.weight_decay
+    )
 
 
 def _adamw_cpu_offload(groups, config: OptimConfig, device: torch.device):
@@ -52,15 +54,20 @@ def _adamw_cpu_offload(groups, config: OptimConfig, device: torch.device):
     # with the GPU's work: a full fine-tune then needs about the weights and gradients alone on the device.
     if device.type != "cuda":
         raise DifftuneError(
-            f'optim.optimizer = "adamw_cpu_offload" moves the optimizer state from a CUDA device to the CPU; this run is '
-            f'on {device}, where it would move nothing: use "adamw"'
+            'optim.optimizer = "adamw_cpu_offload" moves the optimizer state from a CUDA device '
+            f'to the CPU; this run is on {device}, where it would move nothing: use "adamw"'
         )
     _require("torchao", "torchao", "adamw_cpu_offload")
     from torchao.optim import CPUOffloadOptimizer
 
     return CPUOffloadOptimizer(
-        groups, torch.optim.AdamW, offload_gradients=False, fused=True, betas=config.betas,
-        weight_decay=config.weight_decay, eps=config.eps,
+        groups,
+        torch.optim.AdamW,
+        offload_gradients=False,
+        fused=True,
+        betas=config.betas,
+        weight_decay=config.weight_decay,
+        eps=config.eps,
     )
 
 
@@ -68,15 +75,24 @@ def _galore_adamw(groups, config: OptimConfig, device: torch.device):
     # GaLore (Zhao et al. 2024) keeps AdamW's moments in a rank-r projection of each weight matrix's gradient,
     # refreshed by SVD every `galore_update_proj_gap` steps; other tensors (convolutions, norms, biases) step as usual.
     _require("galore_torch", "galore", "galore_adamw")
-    projected = {"rank": config.galore_rank, "update_proj_gap": config.galore_update_proj_gap,
-                 "scale": config.galore_scale, "proj_type": "std"}
+    projected = {
+        "rank": config.galore_rank,
+        "update_proj_gap": config.galore_update_proj_gap,
+        "scale": config.galore_scale,
+        "proj_type": "std",
+    }
     split = []
     for group in groups:
         matrices = [p for p in group["params"] if p.dim() == 2]
         others = [p for p in group["params"] if p.dim() != 2]
         split += [{**group, "params": others}, {**group, "params": matrices, **projected}]
-    return _resumable_galore()([group for group in split if group["params"]], betas=config.betas,
-                               weight_decay=config.weight_decay, eps=config.eps, no_deprecation_warning=True)
+    return _resumable_galore()(
+        [group for group in split if group["params"]],
+        betas=config.betas,
+        weight_decay=config.weight_decay,
+        eps=config.eps,
+        no_deprecation_warning=True,
+    )
 
 
 @functools.cache
@@ -102,7 +118,9 @@ def _resumable_galore():
                     saved = self.state.get(param, {}).get("projector")
                     if isinstance(saved, dict):
                         projector = GaLoreProjector(
-                            group["rank"], update_proj_gap=group["update_proj_gap"], scale=group["scale"],
+                            group["rank"],
+                            update_proj_gap=group["update_proj_gap"],
+                            scale=group["scale"],
                             proj_type=group["proj_type"],
                         )
                         projector.ortho_matrix = saved["ortho_matrix"]
@@ -118,8 +136,14 @@ def _prodigy(groups, config: OptimConfig, device: torch.device):
     from prodigyopt import Prodigy
 
     return Prodigy(
-        groups, betas=config.betas, weight_decay=config.weight_decay, eps=config.eps, decouple=True,
-        use_bias_correction=True, safeguard_warmup=config.warmup_steps > 0, d_coef=config.prodigy_d_coef,
+        groups,
+        betas=config.betas,
+        weight_decay=config.weight_decay,
+        eps=config.eps,
+        decouple=True,
+        use_bias_correction=True,
+        safeguard_warmup=config.warmup_steps > 0,
+        d_coef=config.prodigy_d_coef,
     )
 
 
@@ -130,7 +154,11 @@ def _adamw_schedule_free(groups, config: OptimConfig, device: torch.device):
     from schedulefree import AdamWScheduleFree
 
     optimizer = AdamWScheduleFree(
-        groups, betas=config.betas, weight_decay=config.weight_decay, eps=config.eps, warmup_steps=config.warmup_steps,
+        groups,
+        betas=config.betas,
+        weight_decay=config.weight_decay,
+        eps=config.eps,
+        warmup_steps=config.warmup_steps,
     )
     optimizer.train()
     return optimizer
@@ -141,8 +169,13 @@ def _require(module: str, extra: str, optimizer: str) -> None:
 
 
 OPTIMIZERS = {
-    "adamw": _adamw, "adamw_8bit": _adamw_8bit, "lion": _lion, "adafactor": _adafactor,
-    "adamw_cpu_offload": _adamw_cpu_offload, "galore_adamw": _galore_adamw, "prodigy": _prodigy,
+    "adamw": _adamw,
+    "adamw_8bit": _adamw_8bit,
+    "lion": _lion,
+    "adafactor": _adafactor,
+    "adamw_cpu_offload": _adamw_cpu_offload,
+    "galore_adamw": _galore_adamw,
+    "prodigy": _prodigy,
     "adamw_schedule_free": _adamw_schedule_free,
 }
 SCHEDULE_FREE = ("adamw_schedule_free",)

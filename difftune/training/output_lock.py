@@ -50,9 +50,17 @@ def hold_output_dir(output_dir: Path) -> Iterator[None]:
             fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise DifftuneError(f"train.output_dir {output_dir}: {_holder(output_dir / LOCK_FILE)}") from None
-        (output_dir / LOCK_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                                         "started": time.time(), "command": " ".join(sys.argv)}),
-                                            encoding="utf-8")
+        (output_dir / LOCK_FILE).write_text(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "started": time.time(),
+                    "command": " ".join(sys.argv),
+                }
+            ),
+            encoding="utf-8",
+        )
         _held_descriptors.add(folder)
         try:
             yield
@@ -82,9 +90,10 @@ if hasattr(os, "register_at_fork"):  # POSIX, where fcntl's flock is
 def _holder(record: Path) -> str:
     try:
         holder = json.loads(record.read_text(encoding="utf-8"))
-        who = (f"pid {holder['pid']} on {holder['host']}, started "
-               f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder['started']))}: `{holder['command']}`")
+        who = (
+            f"pid {holder['pid']} on {holder['host']}, started "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder['started']))}: `{holder['command']}`"
+        )
     except (OSError, ValueError, KeyError, TypeError):
         who = f"a process whose {LOCK_FILE} record is missing or unreadable"
-    return (f"another run is using this folder ({who}); wait for it to end, stop it, or choose another "
-            "train.output_dir")
+    return f"another run is using this folder ({who}); wait for it to end, stop it, or choose another train.output_dir"

@@ -34,14 +34,23 @@ PARITY_FILE = "parity.json"
 WARN_ABOVE_LEVELS = 2
 
 
-def check_parity(config: Config, files: dict[str, Path | str], reference: Sample, device: torch.device, dtype: torch.dtype,
-                 autocast, outputs_in_fp32: bool = False) -> dict:
+def check_parity(
+    config: Config,
+    files: dict[str, Path | str],
+    reference: Sample,
+    device: torch.device,
+    dtype: torch.dtype,
+    autocast,
+    outputs_in_fp32: bool = False,
+) -> dict:
     """Re-draw `reference` from each file the run wrote (`files`: layout -> the file, or why that layout could not
     hold the adapter) in a fresh pipeline, its frozen weights placed as training placed them (stored in another
     dtype, offloaded, as the config says), its adapters' weights in fp32 and, with `outputs_in_fp32` (Accelerate's
     mixed precision, whose prepared modules return fp32: the sampler then steps in fp32), the trained parts'
     outputs in fp32 too; the report."""
-    sample_config = config.sample.model_copy(update={"prompts": [reference.entry], "images_per_prompt": 1, "seed": reference.seed})
+    sample_config = config.sample.model_copy(
+        update={"prompts": [reference.entry], "images_per_prompt": 1, "seed": reference.seed}
+    )
     report = {"prompt": reference.prompt, "seed": reference.seed, "warn_above_levels": WARN_ABOVE_LEVELS, "layouts": {}}
     not_checked = {layout: why for layout, why in files.items() if isinstance(why, str)}
     if not_checked:
@@ -50,16 +59,24 @@ def check_parity(config: Config, files: dict[str, Path | str], reference: Sample
         if isinstance(path, Path):
             components = _fresh_components(config, path, device, dtype)
             trained = trained_parts(components, config.adapter)
-            whole = trained.values() if config.adapter.kind == "none" else ()  # a full fine-tune's stay fp32, as trained
+            whole = (
+                trained.values() if config.adapter.kind == "none" else ()
+            )  # a full fine-tune's stay fp32, as trained
             with adapters_kept_in_fp32(components):
-                place_frozen(components, device, dtype, whole, stored=stored_dtype(config), offloaded=config.model.offload_blocks)
+                place_frozen(
+                    components, device, dtype, whole, stored=stored_dtype(config), offloaded=config.model.offload_blocks
+                )
             if outputs_in_fp32:
                 for module in trained.values():
                     module.forward = MethodType(convert_outputs_to_fp32(module.forward.__func__), module)
             with autocast():
                 drawn = generate_images(components, sample_config, device)[0]
-            frames = zip(drawn.clip or [drawn.image], reference.clip or [reference.image])  # a clip's every frame
-            difference = max(np.abs(np.asarray(ours, np.int16) - np.asarray(theirs, np.int16)).max() for ours, theirs in frames)
+            frames = zip(
+                drawn.clip or [drawn.image], reference.clip or [reference.image], strict=True
+            )  # a clip's every frame
+            difference = max(
+                np.abs(np.asarray(ours, np.int16) - np.asarray(theirs, np.int16)).max() for ours, theirs in frames
+            )
             report["layouts"][layout] = {"file": path.name, "max_pixel_difference": int(difference)}
     return report
 
@@ -72,16 +89,21 @@ def room_for_a_fresh_copy(components, device: torch.device) -> str | None:
 
     from difftune.progress import bytes_said
 
-    needed = sum(t.numel() * 4 if t.is_floating_point() or t.dtype == torch.uint8 else t.numel() * t.element_size()
-                 for module in components.modules() for t in (*module.parameters(), *module.buffers()))
+    needed = sum(
+        t.numel() * 4 if t.is_floating_point() or t.dtype == torch.uint8 else t.numel() * t.element_size()
+        for module in components.modules()
+        for t in (*module.parameters(), *module.buffers())
+    )
     room = {"RAM available": psutil.virtual_memory().available}
     if device.type == "cuda":
         room["free GPU memory"] = torch.cuda.mem_get_info(device)[0]
     short = [f"{bytes_said(free)} of {where}" for where, free in room.items() if needed > free]
     if not short:
         return None
-    return (f"parity: not checked: redrawing loads a fresh fp32 copy of the base ({bytes_said(needed)}), more than the "
-            f"{' and the '.join(short)}; sample.parity = false leaves the check out")
+    return (
+        f"parity: not checked: redrawing loads a fresh fp32 copy of the base ({bytes_said(needed)}), more than the "
+        f"{' and the '.join(short)}; sample.parity = false leaves the check out"
+    )
 
 
 def parity_line(report: dict) -> str:
@@ -92,7 +114,9 @@ def parity_line(report: dict) -> str:
     else:
         said = ", ".join(f"{value} levels in the {layout} file" for layout, value in levels.items())
     unchecked = "".join(f"; the {layout} layout not checked" for layout in report.get("not_checked", {}))
-    return f"parity: {said} (the saved files redrawn in a fresh pipeline against sample 000; see {PARITY_FILE}){unchecked}"
+    return (
+        f"parity: {said} (the saved files redrawn in a fresh pipeline against sample 000; see {PARITY_FILE}){unchecked}"
+    )
 
 
 def write_report(report: dict, output_dir: Path) -> list[str]:
@@ -110,18 +134,25 @@ def write_report(report: dict, output_dir: Path) -> list[str]:
 def adapters_kept_in_fp32(components):
     """The attached adapters' weights as read (fp32) after the block, which places the model in a half dtype: training
     keeps the weights it trains in fp32 (`cast_training_params`); rounded to bf16 they drew 9 to 27 levels away."""
-    adapters = [parameter for module in components.modules() for layer in module.modules()
-                if isinstance(layer, BaseTunerLayer) for name in layer.adapter_layer_names
-                for parameter in getattr(layer, name).parameters()]
+    adapters = [
+        parameter
+        for module in components.modules()
+        for layer in module.modules()
+        if isinstance(layer, BaseTunerLayer)
+        for name in layer.adapter_layer_names
+        for parameter in getattr(layer, name).parameters()
+    ]
     values = [parameter.detach().clone() for parameter in adapters]
     yield
-    for parameter, value in zip(adapters, values):
+    for parameter, value in zip(adapters, values, strict=True):
         parameter.data = value.to(parameter.device)
 
 
 def _fresh_components(config: Config, path: Path, device: torch.device, dtype: torch.dtype):
     if config.adapter.kind == "none":  # the saved pipeline folder holds every part, its autoencoder included
-        return load_components(config.model.model_copy(update={"base": str(path), "vae": "", "revision": "", "variant": ""}))
+        return load_components(
+            config.model.model_copy(update={"base": str(path), "vae": "", "revision": "", "variant": ""})
+        )
     components = load_components(config.model)
     if config.model.quantize != "none":  # the file is checked on the base it was trained on
         quantize_linear_layers(components.denoiser, config.model.quantize, device, dtype)

@@ -48,8 +48,16 @@ FEW_BLOCKS = 16  # fewer block counts to try than this: each is planned (a UNet'
 # Optimizer state per trained (fp32) parameter, in bytes: two fp32 moments (AdamW, schedule-free's z and second
 # moment), one (Lion), two 8-bit ones (bitsandbytes), factored rows and columns (Adafactor: about nothing), four
 # (Prodigy). adamw_cpu_offload keeps AdamW's in host memory; galore's projected state is counted as AdamW's.
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw_8bit": 2, "lion": 4, "adafactor": 0, "adamw_cpu_offload": 8,
-                         "galore_adamw": 8, "prodigy": 16, "adamw_schedule_free": 8}
+OPTIMIZER_STATE_BYTES = {
+    "adamw": 8,
+    "adamw_8bit": 2,
+    "lion": 4,
+    "adafactor": 0,
+    "adamw_cpu_offload": 8,
+    "galore_adamw": 8,
+    "prodigy": 16,
+    "adamw_schedule_free": 8,
+}
 
 
 @dataclass
@@ -100,7 +108,7 @@ def with_offload_budget(config: Config) -> Config:
         blocks = _block_count(counted)
         everything = plan_memory(_with(counted, [f"model.offload_blocks={blocks}"]), "cuda")
         raise DifftuneError(
-            f"model.offload_budget = \"{config.model.offload_budget}\": with all {blocks} blocks "
+            f'model.offload_budget = "{config.model.offload_budget}": with all {blocks} blocks '
             f"offloaded the plan's device peak is {_gib(everything.device_peak).strip()}, over the budget; "
             "`difftune plan --device-memory` with the same config says which other settings fit it"
         )
@@ -157,13 +165,18 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     cast_training_params(components.modules(), dtype=torch.float32)
     # On the meta device: the offloaded blocks' host buffers too (counted from the offloader); fp8 scales are 1.
     with torch.device(META), _counting(1):
-        offloader = place_frozen(components, META, dtype, stored=stored_dtype(config),
-                                 offloaded=config.model.offload_blocks)
+        offloader = place_frozen(
+            components, META, dtype, stored=stored_dtype(config), offloaded=config.model.offload_blocks
+        )
     placement = encoder_placement(config)
-    kept_at = {where: [m for m in encoders if placement["vae" if m is components.vae else "text"] == where]
-               for where in ("device", "host")}
+    kept_at = {
+        where: [m for m in encoders if placement["vae" if m is components.vae else "text"] == where]
+        for where in ("device", "host")
+    }
     # Drawing parts (Ideogram 4's unconditional transformer) never train: in host memory for previews, else released.
-    kept_at["host"] += [m for m in components.drawing_parts.values() if m is not None and placement["drawing"] == "host"]
+    kept_at["host"] += [
+        m for m in components.drawing_parts.values() if m is not None and placement["drawing"] == "host"
+    ]
     frozen = _bytes(components.denoiser, frozen_only=True)
     # Stored or cast as it loads (a full fine-tune's in fp32, with its trained weights).
     denoiser_loaded = frozen if dtypes.denoiser in (AS_STORED, dtype) else _bytes(components.denoiser, dtypes.denoiser)
@@ -186,7 +199,9 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
         on_device["heap growth (CPU allocator)"] = round((step - kept) * (CPU_HEAP_GROWTH - 1))
     # Filling a cache: the encoders and their activations on the device, the denoiser not yet.
     caches = set(placement.values()) != {"device"}
-    caching = {"encoders (caching)": sum(_bytes(m) for m in encoders), "encoding activations": encoding} if caches else {}
+    caching = (
+        {"encoders (caching)": sum(_bytes(m) for m in encoders), "encoding activations": encoding} if caches else {}
+    )
     device = on_device if sum(on_device.values()) >= sum(caching.values()) else caching
     offloaded = offloader.host_bytes if offloader is not None else 0
     previews = sum(map(_bytes, kept_at["host"]))
@@ -194,21 +209,38 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     # The host's phases: loading (the encoders alone, when they fill the caches and go first: `loads_encoders_first`;
     # else the whole base) and caching, then the denoiser loading beside the encoders kept for previews, then training.
     if loads_encoders_first(config, components.family):
-        phases = {"loading and caching": {"encoders": encoders_loaded, "encoding activations": encoding_on_host},
-                  "loading the denoiser": {"denoiser": denoiser_loaded, "encoders kept for previews": previews}}
+        phases = {
+            "loading and caching": {"encoders": encoders_loaded, "encoding activations": encoding_on_host},
+            "loading the denoiser": {"denoiser": denoiser_loaded, "encoders kept for previews": previews},
+        }
     else:
-        phases = {"loading and caching": {"whole base": encoders_loaded + denoiser_loaded,
-                                          "encoding activations": encoding_on_host}}
+        phases = {
+            "loading and caching": {
+                "whole base": encoders_loaded + denoiser_loaded,
+                "encoding activations": encoding_on_host,
+            }
+        }
     if device_type == "cpu":  # one memory: the training step's, with the encoders kept for previews
         phases["training"] = {**on_device, "offloaded blocks": offloaded, "encoders kept for previews": previews}
     else:
-        phases["training"] = {"offloaded blocks": offloaded, "encoders kept for previews": previews,
-                              "optimizer state (offloaded)": optimizer if config.optim.optimizer == "adamw_cpu_offload" else 0}
+        phases["training"] = {
+            "offloaded blocks": offloaded,
+            "encoders kept for previews": previews,
+            "optimizer state (offloaded)": optimizer if config.optim.optimizer == "adamw_cpu_offload" else 0,
+        }
     if config.sample.prompts:  # the end-of-run samples: the released encoders loaded again beside the trained model
         reloaded = encoders_loaded if dtypes.drawing_parts else encoders_loaded + drawing_loaded
-        phases["end of run samples"] = {"encoders": reloaded, "offloaded blocks": offloaded} if device_type == "cuda" \
-            else {"denoiser": frozen, "trained weights": trained_bytes, "optimizer state": optimizer,
-                  "encoders": reloaded, "drawing activations": encoding}
+        phases["end of run samples"] = (
+            {"encoders": reloaded, "offloaded blocks": offloaded}
+            if device_type == "cuda"
+            else {
+                "denoiser": frozen,
+                "trained weights": trained_bytes,
+                "optimizer state": optimizer,
+                "encoders": reloaded,
+                "drawing activations": encoding,
+            }
+        )
     if device_type == "cpu":
         device = max(phases.values(), key=lambda held: sum(held.values()))
     phases = {phase: {"python and libraries": baseline, **held} for phase, held in phases.items()}
@@ -216,13 +248,15 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     return MemoryPlan(device_type, device, host, configs_read(config.model, source), phases)
 
 
-def fitting_overrides(config: Config, device_memory: int | None, host_memory: int | None,
-                      device_type: str | None = None) -> tuple[list[str], MemoryPlan] | None:
+def fitting_overrides(
+    config: Config, device_memory: int | None, host_memory: int | None, device_type: str | None = None
+) -> tuple[list[str], MemoryPlan] | None:
     """The first settings, in the order other trainers' users reach for them, whose plan fits the budgets:
     gradient checkpointing, then fp8 frozen weights, then offloaded blocks (the fewest that fit), then a smaller
     batch with accumulation keeping the global batch. A setting the config refuses with the job's others (fp8 or
     offloading in a full fine-tune...) or that changes nothing is skipped. Returns the overrides (empty: fits as
     it is) and their plan, or None when nothing fits."""
+
     def fits(plan: MemoryPlan) -> bool:
         device_fits = device_memory is None or plan.device_type == "cpu" or plan.device_peak <= device_memory
         return device_fits and (host_memory is None or plan.host_peak <= host_memory)
@@ -247,19 +281,24 @@ def fitting_overrides(config: Config, device_memory: int | None, host_memory: in
     while batch > 1:
         batch //= 2
         accumulation = config.train.gradient_accumulation_steps * config.train.batch_size // batch
-        overrides = ladder[-1] + [f"train.batch_size={batch}"] + (
-            [] if config.train.global_batch_size else [f"train.gradient_accumulation_steps={accumulation}"])
+        overrides = (
+            ladder[-1]
+            + [f"train.batch_size={batch}"]
+            + ([] if config.train.global_batch_size else [f"train.gradient_accumulation_steps={accumulation}"])
+        )
         plan = planned(overrides)
         if fits(plan):
             return overrides, plan
     return None
 
 
-def _fewest_offloaded_blocks(config: Config, fits, device_type: str | None,
-                             start: int = 0) -> tuple[int, MemoryPlan] | None:
+def _fewest_offloaded_blocks(
+    config: Config, fits, device_type: str | None, start: int = 0
+) -> tuple[int, MemoryPlan] | None:
     """The fewest offloaded blocks, from `start` on, whose plan `fits`, with that plan; None when all do not.
     Alike blocks (a transformer's) need less device memory the more are offloaded: bisected. A UNet's few blocks
     differ in size, and two large ones staged together can outweigh one kept: each count is tried in turn."""
+
     def planned(count: int) -> MemoryPlan:
         return plan_memory(_with(config, [f"model.offload_blocks={count}"]), device_type)
 
@@ -302,23 +341,31 @@ def check_fits(config: Config, device_type: str) -> str | None:
     plan = plan_memory(config, device_type)
     host = _available_bytes()
     if host and plan.host_peak > host:
-        phase, peak = max(((phase, sum(held.values())) for phase, held in plan.host_phases.items()), key=lambda item: item[1])
+        phase, peak = max(
+            ((phase, sum(held.values())) for phase, held in plan.host_phases.items()), key=lambda item: item[1]
+        )
         fitting = fitting_overrides(config, None, host, device_type)
-        advice = (f"it would fit with {' '.join(fitting[0])}" if fitting and fitting[0] else
-                  "no setting tried fits it (checkpointing, fp8 weights, offloaded blocks, smaller batches)")
+        advice = (
+            f"it would fit with {' '.join(fitting[0])}"
+            if fitting and fitting[0]
+            else "no setting tried fits it (checkpointing, fp8 weights, offloaded blocks, smaller batches)"
+        )
         raise DoesNotFit(
             f"the memory plan needs {_gib(peak).strip()} of host RAM while {phase}, and this machine has "
             f"{_gib(host).strip()} available: {advice}; train.check_memory = false tries anyway"
         )
     if device_type == "cuda" and plan.device_peak > (total := torch.cuda.mem_get_info()[1]):
-        return (f"the memory plan predicts a peak of device memory {_gib(plan.device_peak).strip()} of the GPU's "
-                f"{_gib(total).strip()}; `difftune plan` with the same config and --device-memory says which settings fit")
+        return (
+            f"the memory plan predicts a peak of device memory {_gib(plan.device_peak).strip()} of the GPU's "
+            f"{_gib(total).strip()}; `difftune plan` with the same config and --device-memory says which settings fit"
+        )
     return None
 
 
 def empty_components(config: Config, source: tuple[Path, str] | None = None) -> Components:
     """The base's parts on the meta device, built from its config files (`source`, else `config_source`'s);
-    tokenizers and scheduler loaded (small files), or, from configs alone, a tokenizer that gives the published length."""
+    tokenizers and scheduler loaded (small files), or, from configs alone, a tokenizer that gives the published
+    length."""
     from diffusers import ModelMixin
     from transformers import AutoConfig
 
@@ -330,13 +377,18 @@ def empty_components(config: Config, source: tuple[Path, str] | None = None) -> 
     index = json.loads((folder / "model_index.json").read_text())
     parts = {}
     for name, spec in index.items():
-        if name.startswith("_") or not (isinstance(spec, list) and len(spec) == 2 and all(isinstance(x, str) for x in spec)):
+        if name.startswith("_") or not (
+            isinstance(spec, list) and len(spec) == 2 and all(isinstance(x, str) for x in spec)
+        ):
             continue  # a setting (Krea 2's `text_encoder_select_layers`), or a part left out
         part_class = getattr(importlib.import_module(spec[0]), spec[1])
         if not issubclass(part_class, torch.nn.Module):
             holds_text = kept and not (folder / name / "scheduler_config.json").is_file()
-            parts[name] = (LengthOnlyTokenizer(**published.tokenizer_settings(kept, name)) if holds_text
-                           else part_class.from_pretrained(folder, subfolder=name))
+            parts[name] = (
+                LengthOnlyTokenizer(**published.tokenizer_settings(kept, name))
+                if holds_text
+                else part_class.from_pretrained(folder, subfolder=name)
+            )
             continue
         with torch.device(META):
             if issubclass(part_class, ModelMixin):
@@ -393,8 +445,11 @@ def configs_read(model, source: tuple[Path, str] | None = None) -> str:
     if kept == model.base:
         return f"{kept}'s, kept in difftune (nothing downloaded)"
     family = next(name for name, base in published.REFERENCE_BASES.items() if base == kept)
-    why = ("a single file holds no configs; model.single_file_config names its own" if model.base.endswith(SINGLE_FILE_SUFFIXES)
-           else f"model.base {model.base} is not on this machine")
+    why = (
+        "a single file holds no configs; model.single_file_config names its own"
+        if model.base.endswith(SINGLE_FILE_SUFFIXES)
+        else f"model.base {model.base} is not on this machine"
+    )
     return f"{kept}'s, kept in difftune: the {family} family's reference base ({why})"
 
 
@@ -414,8 +469,11 @@ class LengthOnlyTokenizer:
         from transformers import BatchEncoding
 
         texts = [text] if isinstance(text, str) else list(text)
-        length = (max_length or self.model_max_length) if padding == "max_length" else max(
-            1, max(len(piece) for piece in texts) // 4)
+        length = (
+            (max_length or self.model_max_length)
+            if padding == "max_length"
+            else max(1, max(len(piece) for piece in texts) // 4)
+        )
         ids = torch.ones(len(texts), length, dtype=torch.long)
         return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
 
@@ -494,7 +552,9 @@ class _FusedAttention(torch.autograd.Function):
 def _fused_attention():
     functional = torch.nn.functional
     plain = functional.scaled_dot_product_attention
-    functional.scaled_dot_product_attention = lambda query, key, value, *args, **kwargs: _FusedAttention.apply(query, key, value)
+    functional.scaled_dot_product_attention = lambda query, key, value, *args, **kwargs: _FusedAttention.apply(
+        query, key, value
+    )
     try:
         yield
     finally:
@@ -530,7 +590,8 @@ def _inputs(components: Components, config: Config, dtype: torch.dtype):
 
 def _planned_frames(components: Components, config: Config) -> int:
     """The frames of the longest clip window training can draw, where the family reads clips and `data.path` holds
-    any (0: images alone). Stored sources are not searched (that would read them): a video base plans for clips in them."""
+    any (0: images alone). Stored sources are not searched (that would read them): a video base plans for clips in
+    them."""
     windows = components.family.frame_windows(config.data, components.vae)
     if windows is None:
         return 0
@@ -549,8 +610,10 @@ def _encoding_peak(components: Components, config: Config, dtype: torch.dtype) -
     side = config.data.resolution
     with torch.no_grad(), _counting(full) as counter:
         components.family.encode_prompts(components, ids)
-        encode_posterior(components.vae, torch.zeros(config.train.batch_size, 3, *((frames,) if frames else ()), side, side,
-                                                     device=META))
+        encode_posterior(
+            components.vae,
+            torch.zeros(config.train.batch_size, 3, *((frames,) if frames else ()), side, side, device=META),
+        )
     return counter.peak
 
 
@@ -562,12 +625,18 @@ def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tu
     pixels = torch.zeros(batch, 3, *((frames,) if frames else ()), side, side, device=META)
     with torch.no_grad(), _counting(full):
         conditioning = components.family.encode_prompts(components, ids)
-        conditioning |= components.family.pixel_conditioning(components, pixels)  # an image-to-video model's first frame
-    conditioning = {name: value.to(dtype) if value.is_floating_point() else value for name, value in conditioning.items()}
+        conditioning |= components.family.pixel_conditioning(
+            components, pixels
+        )  # an image-to-video model's first frame
+    conditioning = {
+        name: value.to(dtype) if value.is_floating_point() else value for name, value in conditioning.items()
+    }
     geometry = torch.tensor([[side, side, 0, 0, side, side]] * batch, device=META)
     timesteps = torch.full((batch,), 500, device=META)
     with _counting(full) as counter, _meta_autocast_as_cpu():
-        components.family.denoise(components, latents, timesteps, conditioning, geometry).float().square().mean().backward()
+        components.family.denoise(
+            components, latents, timesteps, conditioning, geometry
+        ).float().square().mean().backward()
         return counter.peak, counter.now
 
 
@@ -590,8 +659,12 @@ def _meta_autocast_as_cpu():
 
 
 def _named_modules(components: Components) -> dict[str, torch.nn.Module]:
-    named = {components.family.denoiser_name: components.denoiser, "vae": components.vae, **components.text_encoders,
-             **components.drawing_parts}
+    named = {
+        components.family.denoiser_name: components.denoiser,
+        "vae": components.vae,
+        **components.text_encoders,
+        **components.drawing_parts,
+    }
     return {name: module for name, module in named.items() if module is not None}
 
 

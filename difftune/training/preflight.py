@@ -34,11 +34,16 @@ def _check_paths(config: Config) -> None:
     """The folders a run reads must be folders, and those it writes into must not be files."""
     base = config.model.base
     if not Path(base).exists() and not HUB_ID.fullmatch(base):
-        raise DifftuneError(f"model.base {base}: no such folder or file here, and not a hub id (owner/name); point it at "
-                            "a diffusers folder, a .safetensors file, or a Hugging Face hub id")
-    folders = {"data.path": (config.data.path, "captioned images"), "validation.path": (config.validation.path, "captioned images"),
-               "data.mask_path": (config.data.mask_path if config.data.masks == "folder" else "", "mask images"),
-               "data.control_path": (config.data.control_path, "control images")}
+        raise DifftuneError(
+            f"model.base {base}: no such folder or file here, and not a hub id (owner/name); point it at "
+            "a diffusers folder, a .safetensors file, or a Hugging Face hub id"
+        )
+    folders = {
+        "data.path": (config.data.path, "captioned images"),
+        "validation.path": (config.validation.path, "captioned images"),
+        "data.mask_path": (config.data.mask_path if config.data.masks == "folder" else "", "mask images"),
+        "data.control_path": (config.data.control_path, "control images"),
+    }
     for key, (folder, holding) in folders.items():
         if folder and key in ("data.path", "validation.path") and is_stored_source(folder):
             continue  # shards, parquet files, a saved dataset: listed, and any missing named, as the data is read
@@ -50,7 +55,9 @@ def _check_paths(config: Config) -> None:
         if missing:
             raise DifftuneError(f"sample.prompts: control image {missing[0]} of {entry.prompt!r} does not exist")
     for key, folder in {"train.output_dir": config.train.output_dir, "cache.dir": config.cache.dir}.items():
-        blocking = next((path for path in (Path(folder), *Path(folder).parents) if path.exists() and not path.is_dir()), None)
+        blocking = next(
+            (path for path in (Path(folder), *Path(folder).parents) if path.exists() and not path.is_dir()), None
+        )
         if blocking:
             raise DifftuneError(f"{key} {folder}: {blocking} is a file, not a folder; choose a folder")
 
@@ -65,7 +72,8 @@ def _check_batch_fits(config: Config) -> None:
     total = psutil.virtual_memory().total
     if batch_bytes > total:
         raise DifftuneError(
-            f"train.batch_size {config.train.batch_size}: one batch of images at {side} px is {batch_bytes / 2**30:,.0f} GiB, "
+            f"train.batch_size {config.train.batch_size}: one batch of images at {side} px is "
+            f"{batch_bytes / 2**30:,.0f} GiB, "
             f"more than this machine's {total / 2**30:,.0f} GiB of memory; `difftune find-batch` finds one that fits"
         )
 
@@ -83,10 +91,14 @@ def _check_precision_device(config: Config) -> None:
     if precision == "fp8":
         capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
         if capability is None or capability < (8, 9):
-            where = f"this GPU has compute capability {capability[0]}.{capability[1]}" if capability else "this run has no CUDA device"
+            where = (
+                f"this GPU has compute capability {capability[0]}.{capability[1]}"
+                if capability
+                else "this run has no CUDA device"
+            )
             raise DifftuneError(
-                f'train.mixed_precision = "fp8" needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: L4, '
-                f'L40S, RTX 40xx, H100); {where}. Use "bf16"'
+                'train.mixed_precision = "fp8" needs a GPU with FP8 tensor cores (compute '
+                f'capability 8.9 or newer: L4, L40S, RTX 40xx, H100); {where}. Use "bf16"'
             )
         require_extra("torchao", "torchao", 'train.mixed_precision = "fp8"', 'use "bf16"')
 
@@ -97,8 +109,11 @@ def _check_family_reads_base(config: Config) -> None:
     if config.model.family == "auto" or not index.is_file():
         return
     class_name = json.loads(index.read_text(encoding="utf-8")).get("_class_name")
-    readers = {published.model_index(base)["_class_name"]: family for family, base in published.REFERENCE_BASES.items()
-               if published.is_published(base)}
+    readers = {
+        published.model_index(base)["_class_name"]: family
+        for family, base in published.REFERENCE_BASES.items()
+        if published.is_published(base)
+    }
     reader = readers.get(class_name)
     if reader and reader != config.model.family:
         raise wrong_family(config.model.family, config.model.base, f"a {class_name}", reader)
@@ -112,9 +127,13 @@ def _check_targets_on_disk(config: Config) -> None:
         return
     parts = json.loads((base / "model_index.json").read_text(encoding="utf-8"))
     denoiser = "transformer" if "transformer" in parts else "unet"
-    for part, targets, key in [(denoiser, config.adapter.target_modules, "adapter.target_modules"),
-                               *[(part, targets, f"adapter.text_encoder_targets.{part}")
-                                 for part, targets in config.adapter.text_encoder_targets.items()]]:
+    for part, targets, key in [
+        (denoiser, config.adapter.target_modules, "adapter.target_modules"),
+        *[
+            (part, targets, f"adapter.text_encoder_targets.{part}")
+            for part, targets in config.adapter.text_encoder_targets.items()
+        ],
+    ]:
         layers = _stored_layers(base / part, config.model.variant)
         if targets and layers:
             _check_targets_name_layers(key, part, targets, layers)

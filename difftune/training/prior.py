@@ -40,14 +40,22 @@ def class_folder(config: Config, components: Components) -> Path:
     """Where the class images are: `prior.class_path`, or a cache folder for these drawing settings and this base."""
     if config.prior.class_path:
         return Path(config.prior.class_path)
-    settings = {"prompt": config.prior.class_prompt, "negative": config.prior.negative_prompt,
-                "steps": config.prior.steps, "guidance": config.prior.guidance_scale,
-                "resolution": config.data.resolution, "seed": config.prior.seed, "scheduler": config.sample.scheduler}
+    settings = {
+        "prompt": config.prior.class_prompt,
+        "negative": config.prior.negative_prompt,
+        "steps": config.prior.steps,
+        "guidance": config.prior.guidance_scale,
+        "resolution": config.data.resolution,
+        "seed": config.prior.seed,
+        "scheduler": config.sample.scheduler,
+    }
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     digest.update(model_identity(components.denoiser).encode())
     if is_remote(cache_root(config)):
-        raise DifftuneError(f"prior preservation draws its class images into cache.dir, and {config.cache.dir} is on object "
-                            f"storage; set prior.class_path to a local folder for them")
+        raise DifftuneError(
+            f"prior preservation draws its class images into cache.dir, and {config.cache.dir} is on object "
+            f"storage; set prior.class_path to a local folder for them"
+        )
     return cache_root(config) / "class_images" / digest.hexdigest()[:32]
 
 
@@ -71,12 +79,20 @@ def fill_class_images(config: Config, components: Components, device: torch.devi
     with eval_mode(components.denoiser, *components.text_encoders.values()), torch.no_grad():
         for chunk in tqdm(chunks, desc="drawing class images"):
             images = components.family.draw(
-                pipeline, components.family_options, [prior.class_prompt] * len(chunk), [], config.data.resolution,
-                config.data.resolution, num_inference_steps=prior.steps, **guidance,
+                pipeline,
+                components.family_options,
+                [prior.class_prompt] * len(chunk),
+                [],
+                config.data.resolution,
+                config.data.resolution,
+                num_inference_steps=prior.steps,
+                **guidance,
                 generator=[torch.Generator("cpu").manual_seed(derive_seed(PRIOR_STREAM, prior.seed, i)) for i in chunk],
             )
-            for index, image in zip(chunk, images):
-                _write_class_image(folder / f"{DRAWN_PREFIX}{index:05d}", image, prior.class_prompt, config.data.caption_extension)
+            for index, image in zip(chunk, images, strict=True):
+                _write_class_image(
+                    folder / f"{DRAWN_PREFIX}{index:05d}", image, prior.class_prompt, config.data.caption_extension
+                )
     return len(todo)
 
 
@@ -96,6 +112,10 @@ def class_examples(config: Config, folder: Path, instances: int) -> tuple[list[E
     data = config.data.model_copy(update={"path": str(folder), "missing_caption": missing, "masks": "off"})
     found, bad = scan_examples(data)
     if not found:
-        raise DifftuneError(f"prior preservation: {folder} holds no class images; set prior.num_class_images to draw some")
-    found = [replace(e, caption=e.caption or config.prior.class_prompt, loss_weight=config.prior.loss_weight) for e in found]
+        raise DifftuneError(
+            f"prior preservation: {folder} holds no class images; set prior.num_class_images to draw some"
+        )
+    found = [
+        replace(e, caption=e.caption or config.prior.class_prompt, loss_weight=config.prior.loss_weight) for e in found
+    ]
     return [found[i % len(found)] for i in range(instances)], bad

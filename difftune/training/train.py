@@ -187,7 +187,9 @@ def setup(config: Config, resume: str | None = None) -> Run:
     accelerator.gradient_accumulation_steps = config.train.gradient_accumulation_steps
     if config.model.offload_budget:  # every process plans the same count: no weights read, no communication
         budget, config = config.model.offload_budget, with_offload_budget(config)
-        accelerator.print(f"model.offload_budget {budget}: the memory plan offloads {config.model.offload_blocks} blocks")
+        accelerator.print(
+            f"model.offload_budget {budget}: the memory plan offloads {config.model.offload_blocks} blocks"
+        )
     if config.train.check_memory:  # every process: each would load
         _check_memory(config, accelerator)
     say = None if config.log.quiet else accelerator.print
@@ -215,23 +217,32 @@ def setup(config: Config, resume: str | None = None) -> Run:
     # Stored records are scanned once a machine (the first process writes the scan's index, the others read it).
     with accelerator.local_main_process_first() if is_stored_source(config.data.path) else nullcontext():
         with phase(f"reading the data in {config.data.path}", say):
-            examples, bad_files = scan_examples(config.data, windows=components.family.frame_windows(config.data, components.vae),
-                                                index_folder=cache_root(config) / "scans")
+            examples, bad_files = scan_examples(
+                config.data,
+                windows=components.family.frame_windows(config.data, components.vae),
+                index_folder=cache_root(config) / "scans",
+            )
     if config.prior.enabled:
         class_images, bad_class_files = class_examples(config, class_dir, len(examples))
         examples, bad_files = examples + class_images, bad_files + bad_class_files
     if config.adapter.kind == "embedding":  # the captions say the new token where they said its word
-        examples = [replace(example, caption=caption_with_token(example.caption, config.adapter)) for example in examples]
+        examples = [
+            replace(example, caption=caption_with_token(example.caption, config.adapter)) for example in examples
+        ]
         check_captions([example.caption for example in examples], config.adapter)
     report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
     media = _media_count(examples)
     _check_batch_within_data(config, len(examples), accelerator.num_processes, media)
     components.family.check_controls(examples, "data.path")
     sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
-    controls = control_sizes(examples, sizes, partial(components.family.control_size, options=components.family_options))
+    controls = control_sizes(
+        examples, sizes, partial(components.family.control_size, options=components.family_options)
+    )
     tokenize = partial(components.family.tokenize, components.tokenizers)  # picklable for loader workers
     with phase("filling the caches", say if config.cache.latents == "on" or config.cache.text == "on" else None):
-        latent_files, control_files, text_files = _fill_caches(components, tokenize, examples, sizes, controls, config, accelerator)
+        latent_files, control_files, text_files = _fill_caches(
+            components, tokenize, examples, sizes, controls, config, accelerator
+        )
     validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
     if encoders_first:  # the encoders the caches replace go before the denoiser comes: never resident beside it
         _release_unneeded(components, config)
@@ -256,7 +267,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     # Only trained modules are prepared: DDP refuses a module with nothing to train.
     trained = trained_parts(components, config.adapter)
     *prepared, optimizer, lr_scheduler = accelerator.prepare(*trained.values(), optimizer, lr_scheduler)
-    for part, module in zip(trained, prepared):
+    for part, module in zip(trained, prepared, strict=True):
         if part == denoiser_part:
             components.denoiser = module
         else:
@@ -272,17 +283,31 @@ def setup(config: Config, resume: str | None = None) -> Run:
     progress = checkpointer.load(checkpoint, named, ema, guard, best) if checkpoint else Progress()
     guard.start_at(progress.global_step)
     dataset = CaptionedImages(
-        examples, config.data, tokenize, config.train.seed,
-        latent_files, text_files, sizes, memory_bytes=config.cache.memory_mb * 2**20,
-        uncached_conditioning=components.family.uncached_conditioning, control_sizes=controls, control_entries=control_files,
+        examples,
+        config.data,
+        tokenize,
+        config.train.seed,
+        latent_files,
+        text_files,
+        sizes,
+        memory_bytes=config.cache.memory_mb * 2**20,
+        uncached_conditioning=components.family.uncached_conditioning,
+        control_sizes=controls,
+        control_entries=control_files,
         sees_controls=components.family.prompts_see_controls,
     )
     order = TrainingOrder(
-        len(examples), config.train.batch_size, config.train.seed, accelerator.process_index, accelerator.num_processes,
+        len(examples),
+        config.train.batch_size,
+        config.train.seed,
+        accelerator.process_index,
+        accelerator.num_processes,
         start_batch=progress.micro_batches,
         buckets=batch_groups(sizes, controls, config.data.buckets, frame_counts(examples)),
     )
-    batches = iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
+    batches = iter(
+        build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda")
+    )
     accelerator.init_trackers("difftune", config=_flat_hparams(config))
     accelerator.print(
         f"difftune: {components.family.description}, {media}, "
@@ -292,8 +317,22 @@ def setup(config: Config, resume: str | None = None) -> Run:
     )
     metrics = MetricsLog(output_dir, accelerator, resumed_at_step=progress.global_step)
     return Run(
-        config, accelerator, output_dir, components, named, list(prepared), optimizer, lr_scheduler, ema, guard,
-        checkpointer, progress, batches, validator, best, metrics,
+        config,
+        accelerator,
+        output_dir,
+        components,
+        named,
+        list(prepared),
+        optimizer,
+        lr_scheduler,
+        ema,
+        guard,
+        checkpointer,
+        progress,
+        batches,
+        validator,
+        best,
+        metrics,
     )
 
 
@@ -305,7 +344,9 @@ def loop(run: Run) -> None:
     accumulation = config.train.gradient_accumulation_steps
     global_batch = config.train.batch_size * accelerator.num_processes * accumulation
     bar = tqdm(
-        initial=run.progress.global_step, total=config.train.max_steps, disable=not (run.main and config.log.progress_bar) or config.log.quiet,
+        initial=run.progress.global_step,
+        total=config.train.max_steps,
+        disable=not (run.main and config.log.progress_bar) or config.log.quiet,
         desc="train",
     )
     with StopRequest() as stop:
@@ -321,7 +362,9 @@ def loop(run: Run) -> None:
                 step_loss, paths, batch = accumulate_gradients(run)
             # The last micro-step synced the gradients: clip, judge, then step (or skip) on every process alike.
             grad_norm = float(accelerator.clip_grad_norm_(run.parameters, max_norm))
-            skip = run.guard.judge(global_step, step_loss, grad_norm, grad_overflow_is_expected=accelerator.scaler is not None)
+            skip = run.guard.judge(
+                global_step, step_loss, grad_norm, grad_overflow_is_expected=accelerator.scaler is not None
+            )
             if skip:
                 run.guard.record(global_step, skip, step_loss, grad_norm, gather_object(paths))
             else:
@@ -399,7 +442,9 @@ def with_accumulation(config: Config, num_processes: int) -> Config:
             f"train.global_batch_size {target} is not a multiple of train.batch_size {train_config.batch_size} x "
             f"{num_processes} process(es) = {per_step}; change either, or set gradient_accumulation_steps instead"
         )
-    train_config = train_config.model_copy(update={"gradient_accumulation_steps": target // per_step, "global_batch_size": 0})
+    train_config = train_config.model_copy(
+        update={"gradient_accumulation_steps": target // per_step, "global_batch_size": 0}
+    )
     return config.model_copy(update={"train": train_config})
 
 
@@ -457,7 +502,7 @@ def _unsharded_copy(run: Run) -> tuple[Components, EMAModel | None, list[torch.n
     a fresh, unsharded copy of the model: the end-of-run exports and samples then run as they do after DDP."""
     config, main = run.config, run.main
     weights = sharding.gather(run.named, keep=main)
-    shadows = sharding.gather(dict(zip(run.named, run.ema.shadow_params)), keep=main) if run.ema else {}
+    shadows = sharding.gather(dict(zip(run.named, run.ema.shadow_params, strict=True)), keep=main) if run.ema else {}
     if not main:
         return run.unwrapped(), run.ema, run.parameters
     components = load_training_base(config)
@@ -468,7 +513,7 @@ def _unsharded_copy(run: Run) -> tuple[Components, EMAModel | None, list[torch.n
     for name, param in named.items():
         sharding.load_full(param, weights[name])
     if ema:
-        for name, shadow in zip(named, ema.shadow_params):
+        for name, shadow in zip(named, ema.shadow_params, strict=True):
             sharding.load_full(shadow, shadows[name])
         ema.optimization_step = run.ema.optimization_step
     return components, ema, list(named.values())
@@ -496,7 +541,8 @@ def _accelerator(config: Config, output_dir: Path) -> Accelerator:
         # Found by gpu_suite.sh's dry run: a quantized layer's fp32 output meets bf16 norm weights, which CPU
         # autocast leaves to a group norm that refuses mixed dtypes (CUDA's autocast runs norms in fp32).
         raise DifftuneError(
-            f'model.quantize = "{config.model.quantize}" with train.mixed_precision = "bf16" fails on a CPU (PyTorch\'s '
+            f'model.quantize = "{config.model.quantize}" with train.mixed_precision = "bf16" fails on a CPU '
+            "(PyTorch's "
             'CPU group norm refuses the mixed dtypes): use mixed_precision "no" here, or a CUDA device'
         )
     keep_models_out_of_accelerate_state(accelerator)
@@ -521,25 +567,38 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
         conditioning = {name: value.to(device) for name, value in batch["conditioning"].items()}
     else:
         with torch.set_grad_enabled(config.adapter.trains_text_encoders):
-            conditioning = family.encode_prompts(components, {name: ids.to(device) for name, ids in batch["token_ids"].items()})
+            conditioning = family.encode_prompts(
+                components, {name: ids.to(device) for name, ids in batch["token_ids"].items()}
+            )
     conditioning |= {name: value.to(device) for name, value in from_pixels.items()}  # an image-to-video first frame
     control_means = batch.get("control_latents")  # an edit pair: its controls' latents join the conditioning
     if "control_pixels" in batch:
         with torch.no_grad():
-            control_means = [encode_posterior(components.vae, pixels.to(device))[0] for pixels in batch["control_pixels"]]
+            control_means = [
+                encode_posterior(components.vae, pixels.to(device))[0] for pixels in batch["control_pixels"]
+            ]
     if control_means:
-        conditioning["control_latents"] = [reference_latents(mean.to(device), components.latent_normalization)
-                                           for mean in control_means]
+        conditioning["control_latents"] = [
+            reference_latents(mean.to(device), components.latent_normalization) for mean in control_means
+        ]
     timesteps, noise, input_noise = family.draw_timesteps_and_noise(components, generators, latents, config.loss)
-    mask = latent_mask(batch["mask"].to(device), latents.shape[2:], config.data.unmasked_weight) if "mask" in batch else None
-    loss = family.loss(components, latents, timesteps, noise, conditioning, batch["geometry"], config.loss, input_noise, mask)
+    mask = (
+        latent_mask(batch["mask"].to(device), latents.shape[2:], config.data.unmasked_weight)
+        if "mask" in batch
+        else None
+    )
+    loss = family.loss(
+        components, latents, timesteps, noise, conditioning, batch["geometry"], config.loss, input_noise, mask
+    )
     return loss * batch["loss_weight"].to(device, loss.dtype)  # prior preservation's class images: prior.loss_weight
 
 
 def _media_count(examples: list) -> str:
     windows = sum(1 for example in examples if example.frames)
     images = len(examples) - windows
-    return ", ".join([*([f"{images} images"] if images or not windows else []), *([f"{windows} clip windows"] if windows else [])])
+    return ", ".join(
+        [*([f"{images} images"] if images or not windows else []), *([f"{windows} clip windows"] if windows else [])]
+    )
 
 
 def _check_batch_within_data(config: Config, examples: int, processes: int, what: str) -> None:
@@ -573,21 +632,32 @@ def _fill_caches(components: Components, tokenize, examples, sizes, controls, co
         latent_files = latent_entries(examples, sizes, vae_identity, config)
         control_files = control_latent_entries(examples, controls, vae_identity, config)
     if config.cache.text == "on":
-        prompts = possible_prompts(examples, controls, config.data, config.train.seed, components.family.prompts_see_controls)
+        prompts = possible_prompts(
+            examples, controls, config.data, config.train.seed, components.family.prompts_see_controls
+        )
         text_files = text_entries(prompts, text_identity(components), config, tokenize)
     device = accelerator.device
     paths = [e.path for e in examples] + [c for e in examples for c in e.control_paths]
     all_sizes = sizes + [size for example_sizes in controls for size in example_sizes]
     windows = [e.frames for e in examples] + [None] * (len(paths) - len(examples))
-    all_files = latent_files + [views for example_files in control_files for views in example_files] if latent_files else []
+    all_files = (
+        latent_files + [views for example_files in control_files for views in example_files] if latent_files else []
+    )
     prompt_files = sorted(text_files.items()) if text_files else []
     for share, shares in _cache_shares(accelerator):
         mine = [i for i in range(len(all_files)) if i % shares == share]
         if mine:
             components.vae.to(device)
-            fill_latents([paths[i] for i in mine], [all_sizes[i] for i in mine], [all_files[i] for i in mine], components.vae,
-                         config, config.train.batch_size, [windows[i] for i in mine],
-                         partial(components.family.pixel_conditioning, components))
+            fill_latents(
+                [paths[i] for i in mine],
+                [all_sizes[i] for i in mine],
+                [all_files[i] for i in mine],
+                components.vae,
+                config,
+                config.train.batch_size,
+                [windows[i] for i in mine],
+                partial(components.family.pixel_conditioning, components),
+            )
         my_prompts = dict(prompt_files[share::shares])
         if my_prompts:
             for encoder in components.text_encoders.values():
@@ -704,7 +774,9 @@ def _validate_preview_snapshot(run: Run, step: int, validate: bool, preview: boo
                 samples = generate_images(components, config.sample, run.accelerator.device)
             save_images(samples, config.sample, run.output_dir / "samples" / f"step-{step:06d}")
     if snapshot:
-        export.save_trained(components, config, run.output_dir / "snapshots" / f"step-{step:06d}.safetensors", "diffusers")
+        export.save_trained(
+            components, config, run.output_dir / "snapshots" / f"step-{step:06d}.safetensors", "diffusers"
+        )
     return values
 
 
@@ -729,7 +801,11 @@ def _sample_before_training(components: Components, config: Config, output_dir: 
     for module in components.modules():
         module.to(device)
     with previewing(components):
-        save_images(generate_images(components, config.sample, device, "before"), config.sample, output_dir / "samples" / "before")
+        save_images(
+            generate_images(components, config.sample, device, "before"),
+            config.sample,
+            output_dir / "samples" / "before",
+        )
 
 
 def _save_results(run: Run, components: Components, ema: EMAModel | None, parameters: list) -> Path:
@@ -742,7 +818,11 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
         snapshots = sorted((output_dir / "snapshots").glob("step-*.safetensors"))[-config.export.average_last :]
         tensors, lora_configs, config_toml = export.average_adapters(snapshots, config.export.average_weights)
         export.write_adapter(
-            export.trained_path(config, output_dir, "_avg"), tensors, lora_configs, config_toml, config.export.format,
+            export.trained_path(config, output_dir, "_avg"),
+            tensors,
+            lora_configs,
+            config_toml,
+            config.export.format,
             components.family,
         )
     if config.sample.prompts:
@@ -753,8 +833,15 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
             accelerator.print(f"difftune: {short}")
         elif config.sample.parity:
             with phase("checking parity: the first sample redrawn with each written file", say):
-                report = check_parity(config, files, samples[0], accelerator.device, weight_dtype(config),
-                                      accelerator.autocast, outputs_in_fp32=accelerator.native_amp)
+                report = check_parity(
+                    config,
+                    files,
+                    samples[0],
+                    accelerator.device,
+                    weight_dtype(config),
+                    accelerator.autocast,
+                    outputs_in_fp32=accelerator.native_amp,
+                )
             accelerator.print(f"difftune: {parity_line(report)}")
             for warning in write_report(report, output_dir):
                 accelerator.print(f"difftune: warning: {warning}")
@@ -810,12 +897,20 @@ def _place_models(components: Components, config: Config, accelerator: Accelerat
     """Frozen weights in the configured dtype, trained ones in fp32, all on the device."""
     trained = trained_parts(components, config.adapter)
     trained_whole = trained.values() if config.adapter.kind == "none" else ()
-    offloader = place_frozen(components, accelerator.device, weight_dtype(config), trained_whole,
-                             stored=stored_dtype(config), offloaded=config.model.offload_blocks,
-                             on_host=host_kept_encoders(components, config))
+    offloader = place_frozen(
+        components,
+        accelerator.device,
+        weight_dtype(config),
+        trained_whole,
+        stored=stored_dtype(config),
+        offloaded=config.model.offload_blocks,
+        on_host=host_kept_encoders(components, config),
+    )
     if offloader is not None:
-        accelerator.print(f"model.offload_blocks: {config.model.offload_blocks} blocks' frozen weights in host memory "
-                          f"({offloader.host_bytes / 2**20:.0f} MiB)")
+        accelerator.print(
+            f"model.offload_blocks: {config.model.offload_blocks} blocks' frozen weights in host memory "
+            f"({offloader.host_bytes / 2**20:.0f} MiB)"
+        )
     for module in components.modules():
         module.train(any(module is part for part in trained.values()))
     cast_training_params(list(trained.values()), dtype=torch.float32)
@@ -842,8 +937,12 @@ def _fp8_recipe():
     from accelerate.utils import AORecipeKwargs
 
     def convertible(module: torch.nn.Module, name: str) -> bool:
-        return (isinstance(module, torch.nn.Linear) and "lora_" not in name
-                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+        return (
+            isinstance(module, torch.nn.Linear)
+            and "lora_" not in name
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+        )
 
     return AORecipeKwargs(module_filter_func=convertible)
 
@@ -870,7 +969,9 @@ def _set_device_flags(config: Config, accelerator: Accelerator) -> None:
         # it finitely, to the same losses (BENCHMARKS.md, "GPU"): training does without it.
         torch.backends.cuda.enable_cudnn_sdp(False)
     elif "on" in (config.train.tf32, config.train.cudnn_benchmark):
-        accelerator.print(f"difftune: train.tf32 and train.cudnn_benchmark apply to CUDA only; no effect on {accelerator.device}")
+        accelerator.print(
+            f"difftune: train.tf32 and train.cudnn_benchmark apply to CUDA only; no effect on {accelerator.device}"
+        )
 
 
 def _resume_point(accelerator: Accelerator, output_dir: Path, resume: str) -> Path | None:

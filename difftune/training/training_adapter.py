@@ -40,8 +40,10 @@ def adapter_file(name: str) -> Path:
         return Path(name)
     parts = name.split("/")
     if Path(name).exists() or len(parts) < 3 or not name.endswith(".safetensors"):
-        raise DifftuneError(f"model.training_adapter {name}: not an adapter file; give a local .safetensors file or "
-                            "`owner/repo/file.safetensors` on the hub")
+        raise DifftuneError(
+            f"model.training_adapter {name}: not an adapter file; give a local .safetensors file or "
+            "`owner/repo/file.safetensors` on the hub"
+        )
     from huggingface_hub import hf_hub_download
 
     with explained_load_errors("model.training_adapter", name):
@@ -63,11 +65,15 @@ def merge_training_adapter(components: Components, name: str) -> dict[str, LowRa
             adapter = next(iter(layer.lora_A))
             if part != denoiser_part or layer.use_dora.get(adapter):
                 raise DifftuneError(
-                    f"model.training_adapter {name}: adapts {part}.{module_name}{' with DoRA' if part == denoiser_part else ''}"
+                    f"model.training_adapter {name}: adapts "
+                    f"{part}.{module_name}{' with DoRA' if part == denoiser_part else ''}"
                     f"; a training adapter is a LoRA on the {denoiser_part} alone"
                 )
-            changes[module_name] = LowRankChange(copy.deepcopy(layer.lora_A[adapter]), copy.deepcopy(layer.lora_B[adapter]),
-                                                 float(layer.scaling[adapter]))
+            changes[module_name] = LowRankChange(
+                copy.deepcopy(layer.lora_A[adapter]),
+                copy.deepcopy(layer.lora_B[adapter]),
+                float(layer.scaling[adapter]),
+            )
     if not changes:
         raise DifftuneError(f"model.training_adapter {name}: a LoRA file (LoHa and LoKr are not training adapters)")
     pipeline = components.pipeline()

@@ -60,8 +60,10 @@ def judge_of(concept: str) -> Judge:
         if concept in judge.concepts:
             return judge
     known = [name for judge in judges for name in judge.concepts]
-    raise DifftuneError(f"validation.eval_concept = {concept!r}: not a concept an installed judge scores (the shapes "
-                        f"bases' colors: {', '.join(known) or 'none installed'}); or empty: no judged samples")
+    raise DifftuneError(
+        f"validation.eval_concept = {concept!r}: not a concept an installed judge scores (the shapes "
+        f"bases' colors: {', '.join(known) or 'none installed'}); or empty: no judged samples"
+    )
 
 
 class Validator:
@@ -72,9 +74,16 @@ class Validator:
         self.eval_concept, self.eval_samples = config.validation.eval_concept, config.validation.eval_samples_per_prompt
         self.judge = judge_of(self.eval_concept) if self.eval_concept else None
         data = config.data.model_copy(
-            update={"path": config.validation.path, "crop": "center", "random_flip": False, "caption_dropout": 0.0,
-                    "shuffle_tags": False, "tag_dropout": 0.0, "masks": "off",
-                    "control_path": ""}  # prefix and suffix stay: the captions as trained; controls in its own `control`
+            update={
+                "path": config.validation.path,
+                "crop": "center",
+                "random_flip": False,
+                "caption_dropout": 0.0,
+                "shuffle_tags": False,
+                "tag_dropout": 0.0,
+                "masks": "off",
+                "control_path": "",
+            }  # prefix and suffix stay: the captions as trained; controls in its own `control`
         )
         family = components.family
         examples, bad_files = scan_examples(data, "validation.path", family.frame_windows(data, components.vae))
@@ -82,9 +91,15 @@ class Validator:
         family.check_controls(examples, "validation.path")
         sizes = training_sizes(examples, data)
         rule = partial(family.control_size, options=components.family_options)
-        dataset = CaptionedImages(examples, data, partial(family.tokenize, components.tokenizers), config.validation.seed,
-                                  sizes=sizes, control_sizes=control_sizes(examples, sizes, rule),
-                                  sees_controls=family.prompts_see_controls)
+        dataset = CaptionedImages(
+            examples,
+            data,
+            partial(family.tokenize, components.tokenizers),
+            config.validation.seed,
+            sizes=sizes,
+            control_sizes=control_sizes(examples, sizes, rule),
+            sees_controls=family.prompts_see_controls,
+        )
         items = [dataset[(0, i)] for i in range(len(examples))]
         seed = config.validation.seed
         timesteps = [t for t in config.validation.timesteps if family.trains_noise_level(components, t / 1000)]
@@ -108,24 +123,40 @@ class Validator:
         for indices in by_size.values():
             generators = [torch.Generator().manual_seed(derive_seed(VALIDATION_STREAM, seed, i)) for i in indices]
             pixels = torch.stack([items[i]["pixel_values"] for i in indices]).to(device)
-            controls = [torch.stack([items[i]["control_pixels"][k] for i in indices]).to(device)
-                        for k in range(len(items[indices[0]].get("control_pixels", [])))]  # per control: (N, 3, h, w)
+            controls = [
+                torch.stack([items[i]["control_pixels"][k] for i in indices]).to(device)
+                for k in range(len(items[indices[0]].get("control_pixels", [])))
+            ]  # per control: (N, 3, h, w)
             with torch.no_grad():
-                latents = encode_latents(components.vae, pixels, generators).float().repeat_interleave(len(timesteps), dim=0)
-                from_pixels = {name: value.repeat_interleave(len(timesteps), dim=0)
-                               for name, value in family.pixel_conditioning(components, pixels).items()}
-                control_latents = [reference_latents(encode_posterior(components.vae, control)[0], components.latent_normalization)
-                                   .repeat_interleave(len(timesteps), dim=0) for control in controls]
-            self.groups.append({
-                "latents": latents,
-                "token_ids": {name: per_pair([items[i]["token_ids"][name] for i in indices]) for name in items[0]["token_ids"]},
-                "geometry": per_pair([items[i]["geometry"] for i in indices]),
-                "timesteps": torch.tensor(timesteps * len(indices), device=device),
-                "noise": torch.randn(latents.shape, generator=noise_generator).to(device),
-                "control_latents": control_latents,
-                "from_pixels": from_pixels,
-            })
-        self.loss_config = config.loss.model_copy(update={"weighting": "uniform", "noise_offset": 0.0, "input_perturbation": 0.0})
+                latents = (
+                    encode_latents(components.vae, pixels, generators).float().repeat_interleave(len(timesteps), dim=0)
+                )
+                from_pixels = {
+                    name: value.repeat_interleave(len(timesteps), dim=0)
+                    for name, value in family.pixel_conditioning(components, pixels).items()
+                }
+                control_latents = [
+                    reference_latents(
+                        encode_posterior(components.vae, control)[0], components.latent_normalization
+                    ).repeat_interleave(len(timesteps), dim=0)
+                    for control in controls
+                ]
+            self.groups.append(
+                {
+                    "latents": latents,
+                    "token_ids": {
+                        name: per_pair([items[i]["token_ids"][name] for i in indices]) for name in items[0]["token_ids"]
+                    },
+                    "geometry": per_pair([items[i]["geometry"] for i in indices]),
+                    "timesteps": torch.tensor(timesteps * len(indices), device=device),
+                    "noise": torch.randn(latents.shape, generator=noise_generator).to(device),
+                    "control_latents": control_latents,
+                    "from_pixels": from_pixels,
+                }
+            )
+        self.loss_config = config.loss.model_copy(
+            update={"weighting": "uniform", "noise_offset": 0.0, "input_perturbation": 0.0}
+        )
         self.batch_size = config.train.batch_size
         self.size = len(items)
 
@@ -143,8 +174,13 @@ class Validator:
                     if group["control_latents"]:
                         conditioning["control_latents"] = [controls[part] for controls in group["control_latents"]]
                     per_sample = family.loss(
-                        components, group["latents"][part], group["timesteps"][part], group["noise"][part],
-                        conditioning, group["geometry"][part], self.loss_config,
+                        components,
+                        group["latents"][part],
+                        group["timesteps"][part],
+                        group["noise"][part],
+                        conditioning,
+                        group["geometry"][part],
+                        self.loss_config,
                     )
                     total += per_sample.sum().item()
                     count += len(per_sample)
@@ -158,6 +194,7 @@ class Validator:
         with eval_mode(components.denoiser, *components.text_encoders.values()):
             concept, seen = self.judge.scores(components, self.eval_concept, self.eval_samples)
         return {"eval_concept": concept, "eval_seen": seen, "eval_score": (concept + seen) / 2}
+
 
 BEST_FILE = "best.json"
 # metric -> (the result's variant suffix, whether higher is better)
@@ -206,14 +243,19 @@ class BestResults:
 
     def _write(self) -> None:
         staging = self.path.with_suffix(".tmp")
-        staging.write_text(json.dumps(self.state_dict() | {"early_stopped": self.exhausted}, indent=1), encoding="utf-8")
+        staging.write_text(
+            json.dumps(self.state_dict() | {"early_stopped": self.exhausted}, indent=1), encoding="utf-8"
+        )
         os.replace(staging, self.path)
 
 
 def describe_best(records: dict[str, dict]) -> list[str]:
     """One line per kept metric: its best value, the step and the file kept for it."""
-    return [f"best {metric} {record['value']:.6g} at step {record['step']}" + (f": {record['file']}" if record["file"] else "")
-            for metric, record in records.items()]
+    return [
+        f"best {metric} {record['value']:.6g} at step {record['step']}"
+        + (f": {record['file']}" if record["file"] else "")
+        for metric, record in records.items()
+    ]
 
 
 def read_best(output_dir: Path) -> dict[str, dict]:

@@ -102,16 +102,29 @@ def exposure_warnings(host: str, auth_on_command_line: bool, tls: bool) -> list[
     """What the chosen way of serving leaves open, to say at start-up."""
     warnings = []
     if auth_on_command_line:
-        warnings.append("--auth puts the password on the command line, where `ps` shows it to every user of this "
-                        "machine; use --auth-file (one user:password per line, readable by you alone)")
+        warnings.append(
+            "--auth puts the password on the command line, where `ps` shows it to every user of this "
+            "machine; use --auth-file (one user:password per line, readable by you alone)"
+        )
     if host not in LOCAL_HOSTS and not tls:
-        warnings.append(f"--host {host} serves plain HTTP: logins and everything else cross the network unencrypted; "
-                        "give --ssl-certfile and --ssl-keyfile, or serve it behind a TLS reverse proxy (README)")
+        warnings.append(
+            f"--host {host} serves plain HTTP: logins and everything else cross the network unencrypted; "
+            "give --ssl-certfile and --ssl-keyfile, or serve it behind a TLS reverse proxy (README)"
+        )
     return warnings
 
 
-def serve(jobs_dir: Path, host: str, port: int, auth: list[tuple[str, str]] | None, share: bool, configs_dir: Path,
-          ssl_certfile: Path | None = None, ssl_keyfile: Path | None = None, public_names: tuple[str, ...] = ()) -> None:
+def serve(
+    jobs_dir: Path,
+    host: str,
+    port: int,
+    auth: list[tuple[str, str]] | None,
+    share: bool,
+    configs_dir: Path,
+    ssl_certfile: Path | None = None,
+    ssl_keyfile: Path | None = None,
+    public_names: tuple[str, ...] = (),
+) -> None:
     check_exposure(host, auth, share)
     if bool(ssl_certfile) != bool(ssl_keyfile):
         raise DifftuneError("--ssl-certfile and --ssl-keyfile go together: give both, or neither")
@@ -119,8 +132,11 @@ def serve(jobs_dir: Path, host: str, port: int, auth: list[tuple[str, str]] | No
     jobs_dir.mkdir(parents=True, exist_ok=True)
     app = build_app(jobs_dir, configs_dir).queue()
     if not share:  # Gradio's own lines would say "set share=True in launch()": ours names the flag
-        print(f"difftune ui: http{'s' if ssl_certfile else ''}://{host}:{port} (jobs in {jobs_dir}); a public link: "
-              "difftune ui --share --auth-file FILE", flush=True)
+        print(
+            f"difftune ui: http{'s' if ssl_certfile else ''}://{host}:{port} (jobs in {jobs_dir}); a public link: "
+            "difftune ui --share --auth-file FILE",
+            flush=True,
+        )
     app.launch(
         quiet=not share,  # sharing: Gradio prints the public link
         server_name=host,
@@ -138,7 +154,11 @@ def serve(jobs_dir: Path, host: str, port: int, auth: list[tuple[str, str]] | No
 
 def guards(host: str, share: bool, public_names: tuple[str, ...] = ()) -> list:
     """The server's own checks before Gradio's (ui_guards.py): the hosts it serves, the upload cap per request."""
-    served = (host, socket.gethostname(), socket.getfqdn(), *public_names) if host in ("0.0.0.0", "::") else (host, *public_names)
+    served = (
+        (host, socket.gethostname(), socket.getfqdn(), *public_names)
+        if host in ("0.0.0.0", "::")
+        else (host, *public_names)
+    )
     return [Middleware(AllowedHosts, names=served, share=share), Middleware(UploadLimit, max_bytes=MAX_UPLOAD_BYTES)]
 
 
@@ -165,7 +185,11 @@ def build_app(jobs_dir: Path, configs_dir: Path) -> gr.Blocks:
                 job = jobs.launch_job(config_from_widgets(fields, list(values)), jobs_dir, name)
             except DifftuneError as err:
                 return _error(err), gr.update(), gr.update()
-            return f"Launched **{job.name}**", gr.update(choices=_job_names(jobs_dir), value=job.name), gr.Tabs(selected="train")
+            return (
+                f"Launched **{job.name}**",
+                gr.update(choices=_job_names(jobs_dir), value=job.name),
+                gr.Tabs(selected="train"),
+            )
 
         launch.click(launch_job, [job_name, *widgets], [launch_message, job_picker, tabs])
         app.load(lambda: _job_choices(jobs_dir), None, job_picker)
@@ -177,8 +201,13 @@ def _configure_tab(fields: list[FormField], offered: list[Preset], jobs_dir: Pat
     paths = {preset.name: preset.path for preset in offered}
     first = DEFAULT_PRESET if DEFAULT_PRESET in paths else None
     with gr.Row():
-        preset = gr.Dropdown([(preset.label, preset.name) for preset in offered], label="Preset (configs/)", value=first,
-                             elem_id="preset", scale=3)
+        preset = gr.Dropdown(
+            [(preset.label, preset.name) for preset in offered],
+            label="Preset (configs/)",
+            value=first,
+            elem_id="preset",
+            scale=3,
+        )
         upload = gr.UploadButton("Load a config file (.toml)", file_types=[".toml"], type="filepath", elem_id="upload")
         job_name = gr.Textbox(first or "job", label="Job name", elem_id="job-name")
     with gr.Row():
@@ -188,8 +217,15 @@ def _configure_tab(fields: list[FormField], offered: list[Preset], jobs_dir: Pat
     message = gr.Markdown(elem_id="config-message")
     saved = gr.File(label="Saved config", visible=False, elem_id="saved-config")
     defaults = Config()
-    values = dict(zip((field.key for field in fields), file_widget_values(paths[first], fields) if first else
-                      [field.to_widget(getattr(getattr(defaults, field.section), field.name)) for field in fields]))
+    values = dict(
+        zip(
+            (field.key for field in fields),
+            file_widget_values(paths[first], fields)
+            if first
+            else [field.to_widget(getattr(getattr(defaults, field.section), field.name)) for field in fields],
+            strict=True,
+        )
+    )
     widgets = []
     for section in Config.model_fields:
         section_fields = [field for field in fields if field.section == section]
@@ -227,10 +263,16 @@ def _configure_tab(fields: list[FormField], offered: list[Preset], jobs_dir: Pat
 
     _finders(fields, widgets, job_name, jobs_dir)
     # A preset names the job after itself; a loaded file leaves the preset list (the form is no longer a preset).
-    preset.change(lambda name: [*load_file(paths[name]), name] if name else [gr.update()] * (len(widgets) + 2), preset,
-                  [*widgets, message, job_name])
-    upload.upload(lambda path: [*load_file(path), None, Path(path).stem if path else gr.update()], upload,
-                  [*widgets, message, preset, job_name])
+    preset.change(
+        lambda name: [*load_file(paths[name]), name] if name else [gr.update()] * (len(widgets) + 2),
+        preset,
+        [*widgets, message, job_name],
+    )
+    upload.upload(
+        lambda path: [*load_file(path), None, Path(path).stem if path else gr.update()],
+        upload,
+        [*widgets, message, preset, job_name],
+    )
     validate.click(check, widgets, message)
     save.click(save_toml, [job_name, *widgets], [saved, message])
     return widgets, job_name, launch
@@ -260,11 +302,16 @@ def _finders(fields: list[FormField], widgets: list, job_name: gr.Textbox, jobs_
         except DifftuneError as err:
             return _error(err), gr.update(visible=False), gr.update(visible=False), {}
         if finder == "find-batch":
-            text = (f"Largest batch size that fits: **{result['largest_batch_size']}** "
-                    f"(peak {result['trials'][-1].get('peak_bytes', 0) / 2**30:.2f} GiB in the last trial); train with "
-                    f"batch size {result['batch_size']} x {result['gradient_accumulation_steps']} accumulation steps.")
+            text = (
+                f"Largest batch size that fits: **{result['largest_batch_size']}** "
+                f"(peak {result['trials'][-1].get('peak_bytes', 0) / 2**30:.2f} GiB in the last trial); train with "
+                f"batch size {result['batch_size']} x {result['gradient_accumulation_steps']} accumulation steps."
+            )
             return text, gr.update(visible=False), gr.update(visible=True), result["settings"]
-        text = f"Suggested learning rate: **{result['suggested_lr']:.3g}** (a tenth of the rate at the lowest smoothed loss)."
+        text = (
+            f"Suggested learning rate: **{result['suggested_lr']:.3g}** "
+            "(a tenth of the rate at the lowest smoothed loss)."
+        )
         if result["note"]:
             text += f" Note: {result['note']}."
         image = gr.update(value=str(folder / LR_PLOT_FILE), visible=True)
@@ -275,17 +322,20 @@ def _finders(fields: list[FormField], widgets: list, job_name: gr.Textbox, jobs_
         lambda name, memory, largest, *values: run(
             "find-batch", name, (["--max-memory-gb", memory] if memory else []) + ["--max-batch", int(largest)], values
         ),
-        [job_name, max_memory, max_batch, *widgets], outputs,
+        [job_name, max_memory, max_batch, *widgets],
+        outputs,
     )
     find_lr.click(
         lambda name, steps, start, end, *values: run(
             "find-lr", name, ["--steps", int(steps), "--start-lr", start, "--end-lr", end], values
         ),
-        [job_name, lr_steps, start_lr, end_lr, *widgets], outputs,
+        [job_name, lr_steps, start_lr, end_lr, *widgets],
+        outputs,
     )
     apply.click(
         lambda chosen: [gr.update(value=chosen[field.key]) if field.key in chosen else gr.update() for field in fields],
-        settings, widgets,
+        settings,
+        widgets,
     )
 
 
@@ -299,8 +349,12 @@ def _widget(field: FormField, value, id_prefix: str = "field"):
     if field.kind in ("int", "float"):
         return gr.Number(value, label=label, info=info, precision=0 if field.kind == "int" else None, elem_id=elem_id)
     lines = 3 if field.kind in ("list", "table") else 1
-    hint = {"list": " (one per line)", "pair": " (comma-separated)", "table": " (TOML: one `key = value` per line)",
-            "optional": " (empty: the default described)"}.get(field.kind, "")
+    hint = {
+        "list": " (one per line)",
+        "pair": " (comma-separated)",
+        "table": " (TOML: one `key = value` per line)",
+        "optional": " (empty: the default described)",
+    }.get(field.kind, "")
     return gr.Textbox(value, label=label, info=info + hint, lines=lines, elem_id=elem_id)
 
 
@@ -315,9 +369,15 @@ def _train_tab(jobs_dir: Path):
     with gr.Row():
         plots = [gr.LinePlot(x="step", y=name, title=name, height=220, elem_id=f"plot-{name}") for name in PLOTTED]
         # Validation loss, with the kept best point as a series of its own.
-        plots.append(gr.ScatterPlot(x="step", y="val_loss", color="series", title="val_loss", height=220, elem_id="plot-val_loss"))
+        plots.append(
+            gr.ScatterPlot(
+                x="step", y="val_loss", color="series", title="val_loss", height=220, elem_id="plot-val_loss"
+            )
+        )
     # Sample grids at their own size or smaller, whole: a tiny model's 128 px grid is not blown up, a wide one not cut.
-    previews = gr.Gallery(label="Samples (newest first)", columns=4, height="auto", object_fit="scale-down", elem_id="previews")
+    previews = gr.Gallery(
+        label="Samples (newest first)", columns=4, height="auto", object_fit="scale-down", elem_id="previews"
+    )
     log = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, elem_id="job-log")
 
     def show(name):
@@ -385,10 +445,17 @@ def _adapter_inputs(jobs_dir: Path, id_prefix: str, base: gr.Textbox):
     on into `base` (whatever folder the UI was started in)."""
     picker = gr.Dropdown(_job_adapters(jobs_dir), label="Adapter from a job", value=None)
     adapters = gr.Textbox(
-        label="Adapters", lines=2, info="one per line: FILE or FILE:SCALE (any tool's layout)", elem_id=f"{id_prefix}-adapters"
+        label="Adapters",
+        lines=2,
+        info="one per line: FILE or FILE:SCALE (any tool's layout)",
+        elem_id=f"{id_prefix}-adapters",
     )
     picker.focus(lambda: gr.update(choices=_job_adapters(jobs_dir)), None, picker)
-    picker.change(lambda path, text: text if not path else "\n".join(filter(None, [text.strip(), path + ":1.0"])), [picker, adapters], adapters)
+    picker.change(
+        lambda path, text: text if not path else "\n".join(filter(None, [text.strip(), path + ":1.0"])),
+        [picker, adapters],
+        adapters,
+    )
     adapters.change(lambda text, current: _trained_base(text) or current, [adapters, base], base)
     return adapters
 
@@ -416,7 +483,9 @@ def _sample_tab(jobs_dir: Path):
     from difftune.families.drawing import generate_images
 
     fields = [field for field in form_fields(["sample"]) if field.name not in TRAINING_ONLY_SAMPLE_FIELDS]
-    base = gr.Textbox(ModelConfig().base, label="Base model", info=ModelConfig.model_fields["base"].description, elem_id="sample-base")
+    base = gr.Textbox(
+        ModelConfig().base, label="Base model", info=ModelConfig.model_fields["base"].description, elem_id="sample-base"
+    )
     adapters = _adapter_inputs(jobs_dir, "sample", base)
     with gr.Row():  # resolution left empty: the model's native size
         widgets = [_widget(field, field.to_widget(getattr(SampleConfig(), field.name)), "sample") for field in fields]
@@ -424,8 +493,12 @@ def _sample_tab(jobs_dir: Path):
     generate = gr.Button("Generate", variant="primary", elem_id="generate")
     message = gr.Markdown(elem_id="sample-message")
     with gr.Row():
-        raw_gallery = gr.Gallery(label="Adapters as trained", columns=4, height=300, object_fit="contain", elem_id="gallery")
-        ema_gallery = gr.Gallery(label="EMA adapters", columns=4, height=300, object_fit="contain", elem_id="gallery-ema")
+        raw_gallery = gr.Gallery(
+            label="Adapters as trained", columns=4, height=300, object_fit="contain", elem_id="gallery"
+        )
+        ema_gallery = gr.Gallery(
+            label="EMA adapters", columns=4, height=300, object_fit="contain", elem_id="gallery-ema"
+        )
 
     def run(base_name, adapter_text, ema, *values):
         from difftune.adapters.export import load_with_adapters, variant_of
@@ -442,7 +515,9 @@ def _sample_tab(jobs_dir: Path):
             for run_adapters in runs:
                 components = load_with_adapters(base_name, run_adapters)
                 samples = generate_images(components, config, components.denoiser.device)
-                galleries.append([(_shown(sample, config), f"{sample.prompt} · seed {sample.seed}") for sample in samples])
+                galleries.append(
+                    [(_shown(sample, config), f"{sample.prompt} · seed {sample.seed}") for sample in samples]
+                )
         except Exception as err:  # noqa: BLE001 - whatever went wrong is said on the page, not as a bare "Error"
             return _error(err), [], []
         return f"{len(galleries[0])} images per gallery.", galleries[0], galleries[1] if ema else []

@@ -86,7 +86,9 @@ class FormField:
         if self.kind == "optional":
             return "" if value is None else str(value)
         if self.kind == "list":  # a table entry (a prompt with controls) as one JSON object a line
-            return "\n".join(json.dumps(item.model_dump()) if isinstance(item, BaseModel) else str(item) for item in value)
+            return "\n".join(
+                json.dumps(item.model_dump()) if isinstance(item, BaseModel) else str(item) for item in value
+            )
         if self.kind == "pair":
             return ", ".join(str(item) for item in value)
         if self.kind == "table":
@@ -143,8 +145,12 @@ def file_widget_values(path: Path, fields: list[FormField]) -> list[Any]:
     does with the same edits."""
     config = load_config(path)
     raw = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))
-    return [field.to_widget(None) if field.optional and field.name not in raw.get(field.section, {})
-            else field.to_widget(getattr(getattr(config, field.section), field.name)) for field in fields]
+    return [
+        field.to_widget(None)
+        if field.optional and field.name not in raw.get(field.section, {})
+        else field.to_widget(getattr(getattr(config, field.section), field.name))
+        for field in fields
+    ]
 
 
 def form_toml(fields: list[FormField], values: list[Any]) -> str:
@@ -197,7 +203,9 @@ def presets(configs_dir: Path) -> list[Preset]:
             base = tomllib.loads(text).get("model", {}).get("base", Config().model.base)
         except tomllib.TOMLDecodeError:
             continue  # not offered: the form would refuse it (loading it by hand says why)
-        found.append(Preset(path.stem, path, _first_sentence(text), (path.parent / base).exists() or Path(base).exists()))
+        found.append(
+            Preset(path.stem, path, _first_sentence(text), (path.parent / base).exists() or Path(base).exists())
+        )
     return sorted(found, key=lambda preset: (preset.name != DEFAULT_PRESET, not preset.base_is_here, preset.name))
 
 
@@ -212,4 +220,4 @@ def _first_sentence(text: str) -> str:
     sentence = words.split(". ")[0].removesuffix(".")
     if len(sentence) <= SUMMARY_LENGTH:
         return sentence
-    return sentence[: SUMMARY_LENGTH].rsplit(" ", 1)[0] + "…"
+    return sentence[:SUMMARY_LENGTH].rsplit(" ", 1)[0] + "…"

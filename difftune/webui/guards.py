@@ -52,7 +52,9 @@ class AllowedHosts:
         if scope["type"] in ("http", "websocket"):
             headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
             origin = headers.get("origin")
-            if not self.allows(host_name(headers.get("host", ""))) or (origin is not None and not self.allows(host_name(origin))):
+            if not self.allows(host_name(headers.get("host", ""))) or (
+                origin is not None and not self.allows(host_name(origin))
+            ):
                 await _refuse(scope, send)
                 return
         await self.app(scope, receive, send)
@@ -67,8 +69,13 @@ async def _refuse(scope, send) -> None:
 
 async def _respond(send, status: int, text: str) -> None:
     body = text.encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

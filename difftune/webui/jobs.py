@@ -108,14 +108,16 @@ def run_finder(config: Config, jobs_dir: Path, name: str, finder: str, options: 
     (folder / JOB_LOG).write_text(done.stderr, encoding="utf-8")
     if done.returncode:
         said = [line for line in done.stderr.splitlines() if line.startswith(ERROR_PREFIX)]
-        raise DifftuneError(said[-1][len(ERROR_PREFIX):] if said else f"{finder} failed: see {folder / JOB_LOG}")
+        raise DifftuneError(said[-1][len(ERROR_PREFIX) :] if said else f"{finder} failed: see {folder / JOB_LOG}")
     return json.loads(done.stdout.strip().splitlines()[-1]), folder
 
 
 def _new_folder(parent: Path, name: str) -> Path:
     """`<parent>/<time>-<name>`, created; the name checked first, since it becomes part of a path."""
     if not _NAME.fullmatch(name):
-        raise DifftuneError(f"job name {name!r}: use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit")
+        raise DifftuneError(
+            f"job name {name!r}: use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit"
+        )
     folder = Path(parent).resolve() / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
     if folder.exists():
         raise DifftuneError(f"job folder {folder} already exists; wait a second or choose another name")
@@ -164,8 +166,12 @@ def own_file(job: Job, path: Path) -> bool:
     /etc/passwd, a grid.png to anywhere) is not one, nor anything that resolves outside the folder, nor a file with
     another name elsewhere (a hard link: a file outside the jobs folder linked in)."""
     path = Path(path)
-    return (path.is_file() and not path.is_symlink() and path.stat().st_nlink == 1
-            and path.resolve().is_relative_to(job.dir.resolve()))
+    return (
+        path.is_file()
+        and not path.is_symlink()
+        and path.stat().st_nlink == 1
+        and path.resolve().is_relative_to(job.dir.resolve())
+    )
 
 
 def log_tail(job: Job, max_chars: int = 6000) -> str:
@@ -229,7 +235,8 @@ def preview_grids(job: Job) -> list[Path]:
 def _command(job: Job, resume: bool) -> list[str]:
     """The trainer's command line: an argument list, never a shell string."""
     return [sys.executable, "-m", "difftune.cli", "train", "--config", str(job.dir / JOB_CONFIG)] + (
-        ["--resume", "auto"] if resume else [])
+        ["--resume", "auto"] if resume else []
+    )
 
 
 def _own_log(job: Job):
@@ -241,12 +248,14 @@ def _own_log(job: Job):
     except OSError as err:
         if err.errno != errno.ELOOP:  # O_NOFOLLOW's refusal; anything else is what it says
             raise
-        raise DifftuneError(f"job {job.name}: its {JOB_LOG} is a symbolic link, not the job's own log; remove it to "
-                            "resume") from None
+        raise DifftuneError(
+            f"job {job.name}: its {JOB_LOG} is a symbolic link, not the job's own log; remove it to resume"
+        ) from None
     if os.fstat(descriptor).st_nlink != 1:
         os.close(descriptor)
-        raise DifftuneError(f"job {job.name}: its {JOB_LOG} is a hard link to another file, not the job's own log; "
-                            "remove it to resume")
+        raise DifftuneError(
+            f"job {job.name}: its {JOB_LOG} is a hard link to another file, not the job's own log; remove it to resume"
+        )
     return os.fdopen(descriptor, "ab")
 
 
