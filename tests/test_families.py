@@ -224,7 +224,9 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
     # One sampler for all, as difftune samples: a merged folder is saved with the family's default, a base keeps its own
     # (Wan's UniPC names its shift `flow_shift`; the family's training schedule reads it).
     family = FAMILIES[name]
-    pipeline.scheduler = family.sampler("auto").from_config(family.training_scheduler(pipeline.scheduler).config)
+    pipeline.scheduler = family.sampler("auto").from_config(
+        family.objective.training_scheduler(pipeline.scheduler).config
+    )
     arguments = {
         "num_inference_steps": 4,
         "height": 32,

@@ -63,14 +63,14 @@ def test_the_objective_is_rectified_flow_with_sd3_weightings(tiny_flux_base, mon
 
     monkeypatch.setattr(type(FLUX), "denoise", oracle)
     seen["exact"] = True
-    exact = FLUX.loss(components, latents, timesteps, noise, {}, None, LossConfig())
+    exact = FLUX.objective.loss(components, latents, timesteps, noise, {}, None, LossConfig())
     sigma = (timesteps / 1000).view(-1, 1, 1, 1)
     torch.testing.assert_close(seen["noisy"], (1 - sigma) * latents + sigma * noise)
     assert exact.abs().max() == 0
     seen["exact"] = False
-    plain = FLUX.loss(components, latents, timesteps, noise, {}, None, LossConfig())
+    plain = FLUX.objective.loss(components, latents, timesteps, noise, {}, None, LossConfig())
     torch.testing.assert_close(plain, (noise - latents).square().mean(dim=(1, 2, 3)))
-    weighted = FLUX.loss(components, latents, timesteps, noise, {}, None, LossConfig(weighting="sigma_sqrt"))
+    weighted = FLUX.objective.loss(components, latents, timesteps, noise, {}, None, LossConfig(weighting="sigma_sqrt"))
     torch.testing.assert_close(weighted, plain / (timesteps / 1000) ** 2)
 
 
@@ -80,7 +80,7 @@ def test_noise_levels_are_drawn_per_sample_and_shifted_as_the_scheduler_shifts(t
 
     def draw(seeds, **loss):
         return (
-            FLUX.draw_timesteps_and_noise(
+            FLUX.objective.draw_timesteps_and_noise(
                 components, [torch.Generator().manual_seed(s) for s in seeds], latents, LossConfig(**loss)
             )[0]
             / 1000

@@ -84,7 +84,7 @@ def test_noise_levels_follow_the_pipelines_schedule_mean():
     for side in (512, 1024, 1536):
         tokens = (side // 16) ** 2
         mu = _resolution_aware_mu(side, side, base_mu=0.0)
-        assert abs(FAMILY.resolution_shift(None, tokens) - torch.tensor(mu).exp().item()) < 1e-9
+        assert abs(FAMILY.objective.resolution_shift(None, tokens) - torch.tensor(mu).exp().item()) < 1e-9
 
 
 def test_the_unconditional_transformer_waits_in_host_memory_only_for_previews(make_config, base, tmp_path):

@@ -79,10 +79,10 @@ def test_noise_levels_follow_the_pipelines_shift(base):
     pipeline.set_progress_bar_config(disable=True)
     pipeline("a red circle", height=64, width=64, num_inference_steps=4, guidance_scale=0.0, output_type="latent")
     plain = torch.linspace(1.0, 0.25, 4)
-    shift = FAMILY.resolution_shift(components, (64 // pipeline.vae_scale_factor // 2) ** 2)
+    shift = FAMILY.objective.resolution_shift(components, (64 // pipeline.vae_scale_factor // 2) ** 2)
     torch.testing.assert_close(pipeline.scheduler.sigmas[:4], shift * plain / (1 + (shift - 1) * plain))
     components.pipeline_options["is_distilled"] = True
-    assert FAMILY.resolution_shift(components, 16) == pytest.approx(math.exp(1.15))
+    assert FAMILY.objective.resolution_shift(components, 16) == pytest.approx(math.exp(1.15))
 
 
 def test_original_names_are_diffusers_readers(base):

@@ -169,8 +169,10 @@ def test_an_image_mask_covers_every_frame_of_a_clips_latents():
 
 
 def test_the_flow_matching_loss_on_a_clip_is_the_formula():
-    """`FlowMatchingFamily.loss` on (B, C, T, h, w): (1 - s) x + s noise in, noise - x the target, per sample."""
-    from difftune.families.flow import FlowMatchingFamily
+    """`FlowMatching.loss` on (B, C, T, h, w): (1 - s) x + s noise in, noise - x the target, per sample."""
+    from types import SimpleNamespace
+
+    from difftune.families.flow import FlowMatching, FlowMatchingFamily
 
     class Identity(FlowMatchingFamily):
         def denoise(self, components, noisy, timesteps, conditioning, geometry):
@@ -178,7 +180,8 @@ def test_the_flow_matching_loss_on_a_clip_is_the_formula():
 
     latents, noise = torch.randn(2, 4, 3, 4, 4), torch.randn(2, 4, 3, 4, 4)
     timesteps = torch.tensor([250.0, 900.0])
-    loss = Identity().loss(None, latents, timesteps, noise, {}, None, LossConfig())
+    components = SimpleNamespace(family=Identity())  # the objective reaches the denoiser through them
+    loss = FlowMatching().loss(components, latents, timesteps, noise, {}, None, LossConfig())
     sigmas = (timesteps / 1000).view(-1, 1, 1, 1, 1)
     expected = ((2 * ((1 - sigmas) * latents + sigmas * noise) - (noise - latents)) ** 2).flatten(1).mean(1)
     torch.testing.assert_close(loss, expected)

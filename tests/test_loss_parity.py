@@ -454,7 +454,7 @@ def test_the_loss_is_the_diffusers_training_script_loss(name, weighting, tmp_pat
             components.family_options = components.family_options.model_copy(update={"guidance": GUIDANCE})
         theirs, timesteps = SCRIPT_LOSSES[name](pipeline, latents, noise, weighting, *controls)
         geometry = torch.tensor([[32, 32, 0, 0, 32, 32]] * len(PROMPTS))
-        ours = family.loss(
+        ours = family.objective.loss(
             components,
             latents,
             timesteps.float() if name not in ("sd", "sdxl") else timesteps,

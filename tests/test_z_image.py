@@ -57,8 +57,8 @@ def test_noise_levels_follow_the_schedulers_fixed_shift(base):
     latents = torch.zeros(4, 16, 8, 8)
     config = LossConfig(flow_shift_by_resolution=True)
     generators = [torch.Generator().manual_seed(i) for i in range(4)]
-    timesteps, _, _ = FAMILY.draw_timesteps_and_noise(components, generators, latents, config)
-    plain, _, _ = FAMILY.draw_timesteps_and_noise(
+    timesteps, _, _ = FAMILY.objective.draw_timesteps_and_noise(components, generators, latents, config)
+    plain, _, _ = FAMILY.objective.draw_timesteps_and_noise(
         components, [torch.Generator().manual_seed(i) for i in range(4)], torch.zeros(4, 16, 32, 32), LossConfig()
     )
     torch.testing.assert_close(timesteps, shifted(plain / 1000, 3.0) * 1000)

@@ -18,17 +18,16 @@ import torch.nn.functional as F
 from accelerate import init_empty_weights
 from diffusers import (
     DDIMScheduler,
-    DDPMScheduler,
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
 )
 from pydantic import ValidationError
 
-from difftune.config import Config, LossConfig, ModelConfig, Section
+from difftune.config import Config, ModelConfig, Section
 from difftune.data.clips import FrameWindows
 from difftune.errors import DifftuneError
-from difftune.families.objective import WEIGHTINGS, diffusion_loss, draw_timesteps_and_noise
+from difftune.families.objective import DDPM, Objective
 from difftune.models import single_file
 from difftune.models.autoencoders import LatentNormalization, frames_per_latent, latent_normalization
 from difftune.models.denoiser_files import (
@@ -132,6 +131,7 @@ class Family:
     needs_controls_to_draw = False  # its pipeline draws only edits (a sample prompt without controls is refused)
     prompts_see_controls = False  # its text encoder reads an edit pair's controls (`tokenize` takes them)
     reads_clips = False  # a video base: trains on clips (`frame_windows`) and images alike
+    objective: Objective = DDPM()  # what training minimises (objective.py; flow.py's for the flow families)
     placement_options: tuple[str, ...] = ()  # family options that say which part a file adapts (`denoiser_part`)
 
     # Detection and loading.
@@ -303,11 +303,6 @@ class Family:
         """What the pipeline's `load_lora_weights` needs to put a file's denoiser adapter on `denoiser_part`."""
         return {}
 
-    def trains_noise_level(self, components: Components, sigma: float) -> bool:
-        """Whether this run trains the denoiser at noise level `sigma` (timestep / 1000): all of them, unless the
-        denoiser serves part of the schedule (a Wan 2.2 expert); validation leaves the others out."""
-        return True
-
     def components_of(self, pipeline, options: FamilyOptions) -> Components:
         return Components(
             family=self,
@@ -316,15 +311,10 @@ class Family:
             text_encoders={name: getattr(pipeline, name) for name in self.text_encoder_names},
             tokenizers={name: getattr(pipeline, name) for name in self.tokenizer_names},
             drawing_parts={name: getattr(pipeline, name) for name in self.drawing_part_names},
-            noise_scheduler=self.training_scheduler(pipeline.scheduler),
+            noise_scheduler=self.objective.training_scheduler(pipeline.scheduler),
             pipeline_options={key: pipeline.config[key] for key in self.pipeline_options if key in pipeline.config},
             family_options=options,
         )
-
-    def training_scheduler(self, scheduler):
-        """The noise schedule training follows, from the pipeline's scheduler: DDPM's, whichever sampler the
-        pipeline was saved with."""
-        return DDPMScheduler.from_config(scheduler.config)
 
     def check_config(self, config: Config) -> None:
         """Refuse settings this family cannot train with (a `DifftuneError` naming them all), before any work: a
@@ -336,7 +326,8 @@ class Family:
     def config_problems(self, config: Config) -> list[str]:
         """Every setting of `config` this family cannot train with, each named (what `check_config` refuses)."""
         problems = (
-            self.unsupported_settings(config)
+            self.objective.problems(config)
+            + self.unsupported_settings(config)
             + self.adapter_problems(config)
             + self.prompt_control_problems(config.sample.prompts)
         )
@@ -347,15 +338,9 @@ class Family:
         return problems
 
     def unsupported_settings(self, config: Config) -> list[str]:
-        """What `check_config` refuses besides the sampler: here, the flow-matching settings (a DDPM UNet)."""
-        flow_only = {
-            "loss.weighting": config.loss.weighting not in ("auto", *WEIGHTINGS),
-            "loss.flow_shift": config.loss.flow_shift != 1.0,
-            "loss.flow_shift_by_resolution": config.loss.flow_shift_by_resolution,
-        }
-        return [
-            f"{key}: for flow-matching families, leave it at its default" for key, set_ in flow_only.items() if set_
-        ]
+        """What `check_config` refuses besides the objective's loss settings, the adapter, the sample prompts and the
+        sampler: nothing, unless the family says otherwise."""
+        return []
 
     def adapter_problems(self, config: Config) -> list[str]:
         """What `check_config` refuses of the adapter for any family: text-encoder adapters its pipeline's LoRA
@@ -552,42 +537,6 @@ class Family:
         """The blocks `model.offload_blocks` counts and keeps in host memory, in the order the denoiser
         holds them: a UNet's down blocks, up blocks and mid block."""
         return [module for name, module in denoiser.named_modules() if UNET_TOP_BLOCK.search(name)]
-
-    # The training objective: DDPM's noise process with epsilon / v targets (loss.py) for the UNet families; a
-    # flow-matching family draws its own times and noise and computes its own loss here.
-
-    def draw_timesteps_and_noise(
-        self, components: Components, generators: list[torch.Generator], latents: torch.Tensor, config: LossConfig
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per sample, from its own generator: timesteps (B,), the target noise and the input noise (B, C, h, w)."""
-        return draw_timesteps_and_noise(
-            generators, latents, components.noise_scheduler.config.num_train_timesteps, config
-        )
-
-    def loss(
-        self,
-        components: Components,
-        latents: torch.Tensor,
-        timesteps: torch.Tensor,
-        noise: torch.Tensor,
-        conditioning: dict,
-        geometry: torch.Tensor,
-        config: LossConfig,
-        input_noise: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The per-sample loss (B,) of the denoiser on `latents` noised at `timesteps`; `mask` (B, 1, h, w) weights
-        each latent pixel (`loss.per_sample_mse`)."""
-        return diffusion_loss(
-            lambda noisy, t: self.denoise(components, noisy, t, conditioning, geometry),
-            components.noise_scheduler,
-            latents,
-            timesteps,
-            noise,
-            config,
-            input_noise,
-            mask,
-        )
 
     # Sampling.
 

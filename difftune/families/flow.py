@@ -7,15 +7,16 @@ size). The loss is weighted by diffusers' SD3 weightings. Timesteps outside this
 scale diffusers' flow-matching schedulers use, so fixed validation timesteps and the benchmark mean the same
 points as for the UNet families.
 
-`FlowMatchingFamily` is a `Family` whose objective is this: a flow family writes its prompts, its `denoise`
-(packing latents into its tokens) and its files, and inherits the rest, in the way k-diffusion's `Denoiser`
-wraps any model. Its pipelines share the flow families' guidance convention too (`sampling_arguments`).
+`FlowMatching` is this objective; `FlowMatchingFamily` is a `Family` that holds it: a flow family writes its prompts,
+its `denoise` (packing latents into its tokens) and its files, and inherits the rest. Its pipelines share the flow
+families' guidance convention too (`sampling_arguments`).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -24,7 +25,7 @@ from pydantic import Field
 
 from difftune.config import Config, LossConfig
 from difftune.families.family import Family, FamilyOptions
-from difftune.families.objective import draw_fractions, draw_noise, per_sample_mse
+from difftune.families.objective import Objective, draw_fractions, draw_noise, per_sample_mse
 from difftune.models.parts import Components
 
 FLOW_WEIGHTINGS = ("uniform", "sigma_sqrt", "cosmap")  # flow-matching weightings (diffusers' SD3 ones)
@@ -47,6 +48,11 @@ def resolution_shift(scheduler_config, image_tokens: int) -> float:
     return math.exp(mu)
 
 
+def scheduler_resolution_shift(components: Components, image_tokens: int) -> float:
+    """`resolution_shift` of the base's own scheduler (the training schedule keeps its config)."""
+    return resolution_shift(components.noise_scheduler.config, image_tokens)
+
+
 def pack(latents: torch.Tensor) -> torch.Tensor:
     """(B, C, h, w) -> (B, h/2 * w/2, 4C): each 2x2 patch one token, as `FluxPipeline._pack_latents` and
     `QwenImagePipeline._pack_latents`."""
@@ -65,6 +71,58 @@ def anchored_guidance(guidance_scale: float, negative_prompt: str) -> dict:
     `sample.guidance_scale` w means neg + w (pos - neg) for every family, which is s = w - 1 (none at w <= 1)."""
     arguments = {"guidance_scale": max(guidance_scale - 1, 0.0)}
     return arguments | ({"negative_prompt": negative_prompt} if guidance_scale > 1 and negative_prompt else {})
+
+
+class FlowMatching(Objective):
+    """Rectified flow over the family's latents. `resolution_shift` is the shift `loss.flow_shift_by_resolution`
+    draws an image's noise levels with, from its token count: the base scheduler's rule (`resolution_shift`, the
+    module's), unless the family's pipeline asks for another (the family passes its own)."""
+
+    def __init__(self, resolution_shift: Callable[[Components, int], float] | None = None):
+        self.resolution_shift = resolution_shift or scheduler_resolution_shift
+
+    def training_scheduler(self, scheduler):
+        # Kept as saved: its config holds the resolution-shift constants that sampling and `loss` both use.
+        return FlowMatchEulerDiscreteScheduler.from_config(scheduler.config)
+
+    def problems(self, config: Config) -> list[str]:
+        loss, problems = config.loss, []
+        if loss.prediction_type != "auto":
+            problems.append(
+                f'loss.prediction_type = "{loss.prediction_type}": flow matching predicts the velocity; use "auto"'
+            )
+        if loss.weighting not in ("auto", *FLOW_WEIGHTINGS):
+            problems.append(
+                f'loss.weighting = "{loss.weighting}": is for the UNet families; use auto, {", ".join(FLOW_WEIGHTINGS)}'
+            )
+        if loss.zero_terminal_snr:
+            problems.append(
+                "loss.zero_terminal_snr: flow matching reaches pure noise at sigma = 1 already; leave it off"
+            )
+        return problems
+
+    def draw_timesteps_and_noise(self, components, generators, latents, config: LossConfig):
+        if config.flow_shift_by_resolution:
+            tokens = latents.shape[-2] * latents.shape[-1] // components.family.patch_size**2
+            shift = self.resolution_shift(components, tokens)
+        else:
+            shift = config.flow_shift
+        sigmas = shifted(draw_fractions(generators, config), shift)
+        for i, generator in enumerate(generators):
+            # A denoiser that serves part of the schedule (a Wan 2.2 expert) redraws outside it, from the sample's own
+            # generator: the drawn distribution cut to its range, its shape kept (musubi-tuner's
+            # `--preserve_distribution_shape`), not squeezed into it.
+            while not self.trains_noise_level(components, float(sigmas[i])):
+                sigmas[i] = shifted(draw_fractions([generator], config), shift)[0]
+        return sigmas.to(latents.device) * 1000, *draw_noise(generators, latents, config)
+
+    def loss(self, components, latents, timesteps, noise, conditioning, geometry, config, input_noise=None, mask=None):
+        sigmas = (timesteps.float() / 1000).view(-1, *[1] * (latents.dim() - 1))  # an image's or a clip's latents
+        noisy = (1 - sigmas) * latents + sigmas * (noise if input_noise is None else input_noise)
+        prediction = components.family.denoise(components, noisy, timesteps, conditioning, geometry)
+        per_sample = per_sample_mse(prediction, noise - latents, mask)
+        weighting = "uniform" if config.weighting == "auto" else config.weighting
+        return per_sample * compute_loss_weighting_for_sd3(weighting, sigmas.flatten()).to(per_sample.device)
 
 
 class FlowOptions(FamilyOptions):
@@ -86,6 +144,7 @@ class FlowMatchingFamily(Family):
     samplers = {"euler": FlowMatchEulerDiscreteScheduler}
 
     options_model = FlowOptions
+    objective = FlowMatching()
 
     def guidance(self, components: Components, batch: int, device) -> torch.Tensor | None:
         """The guidance embedding's input (B,) for a guidance-distilled transformer (`model.family_options.guidance`),
@@ -93,31 +152,6 @@ class FlowMatchingFamily(Family):
         if not components.denoiser.config.get("guidance_embeds"):
             return None
         return torch.full((batch,), float(components.family_options.guidance), device=device)
-
-    def training_scheduler(self, scheduler):
-        # Kept as saved: its config holds the resolution-shift constants that sampling and `loss` both use.
-        return FlowMatchEulerDiscreteScheduler.from_config(scheduler.config)
-
-    def unsupported_settings(self, config: Config) -> list[str]:
-        loss, problems = config.loss, []
-        if loss.prediction_type != "auto":
-            problems.append(
-                f'loss.prediction_type = "{loss.prediction_type}": flow matching predicts the velocity; use "auto"'
-            )
-        if loss.weighting not in ("auto", *FLOW_WEIGHTINGS):
-            problems.append(
-                f'loss.weighting = "{loss.weighting}": is for the UNet families; use auto, {", ".join(FLOW_WEIGHTINGS)}'
-            )
-        if loss.zero_terminal_snr:
-            problems.append(
-                "loss.zero_terminal_snr: flow matching reaches pure noise at sigma = 1 already; leave it off"
-            )
-        return problems
-
-    def resolution_shift(self, components: Components, image_tokens: int) -> float:
-        """The shift `loss.flow_shift_by_resolution` draws `image_tokens`' noise levels with: the base scheduler's
-        (`resolution_shift`), unless the family's pipeline asks for another."""
-        return resolution_shift(components.noise_scheduler.config, image_tokens)
 
     def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
         """The transformer's blocks, list by list in `block_lists`' order (the order it runs them)."""
@@ -136,39 +170,6 @@ class FlowMatchingFamily(Family):
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels // self.patch_size**2  # a token is a patch
-
-    def draw_timesteps_and_noise(self, components, generators, latents, config: LossConfig):
-        if config.flow_shift_by_resolution:
-            shift = self.resolution_shift(components, latents.shape[-2] * latents.shape[-1] // self.patch_size**2)
-        else:
-            shift = config.flow_shift
-        sigmas = shifted(draw_fractions(generators, config), shift)
-        for i, generator in enumerate(generators):
-            # A denoiser that serves part of the schedule (a Wan 2.2 expert) redraws outside it, from the sample's own
-            # generator: the drawn distribution cut to its range, its shape kept (musubi-tuner's
-            # `--preserve_distribution_shape`), not squeezed into it.
-            while not self.trains_noise_level(components, float(sigmas[i])):
-                sigmas[i] = shifted(draw_fractions([generator], config), shift)[0]
-        return sigmas.to(latents.device) * 1000, *draw_noise(generators, latents, config)
-
-    def loss(
-        self,
-        components,
-        latents,
-        timesteps,
-        noise,
-        conditioning,
-        geometry,
-        config: LossConfig,
-        input_noise=None,
-        mask=None,
-    ):
-        sigmas = (timesteps.float() / 1000).view(-1, *[1] * (latents.dim() - 1))  # an image's or a clip's latents
-        noisy = (1 - sigmas) * latents + sigmas * (noise if input_noise is None else input_noise)
-        prediction = self.denoise(components, noisy, timesteps, conditioning, geometry)
-        per_sample = per_sample_mse(prediction, noise - latents, mask)
-        weighting = "uniform" if config.weighting == "auto" else config.weighting
-        return per_sample * compute_loss_weighting_for_sd3(weighting, sigmas.flatten()).to(per_sample.device)
 
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
         """A guidance-distilled base takes the scale as its guidance embedding; one without that gets true

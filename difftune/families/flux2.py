@@ -30,7 +30,7 @@ from diffusers import Flux2Pipeline, Flux2Transformer2DModel
 from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE, compute_empirical_mu, format_input
 
 from difftune.config import Config
-from difftune.families.flow import FlowMatchingFamily
+from difftune.families.flow import FlowMatching, FlowMatchingFamily
 from difftune.families.fused import FusedKohyaLayout, kohya_blocks_of, kohya_globals_of
 from difftune.models.parts import Components
 
@@ -107,8 +107,14 @@ def text_tokens(tokenizer) -> int:
     return min(TEXT_TOKENS, text_tokenizer(tokenizer).model_max_length)
 
 
+def empirical_shift(components: Components, image_tokens: int) -> float:
+    """The shift both FLUX.2 pipelines sample `image_tokens` with: their empirical mu at `DEFAULT_STEPS`."""
+    return math.exp(compute_empirical_mu(image_tokens, DEFAULT_STEPS))
+
+
 class Flux2(FusedKohyaLayout, FlowMatchingFamily):
     name = "flux2"
+    objective = FlowMatching(resolution_shift=empirical_shift)
     description = "FLUX.2 [dev]"
     pipeline_class = Flux2Pipeline
     pipeline_classes = ("Flux2Pipeline",)
@@ -181,9 +187,6 @@ class Flux2(FusedKohyaLayout, FlowMatchingFamily):
             return_dict=False,
         )[0]
         return prediction[:, : h * w].permute(0, 2, 1).reshape(b, -1, h, w)
-
-    def resolution_shift(self, components: Components, image_tokens: int) -> float:
-        return math.exp(compute_empirical_mu(image_tokens, DEFAULT_STEPS))
 
     # Sampling.
 

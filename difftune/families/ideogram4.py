@@ -42,7 +42,7 @@ from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ideog
 
 from difftune.config import Config
 from difftune.families.family import valid_token_states
-from difftune.families.flow import FlowMatchingFamily
+from difftune.families.flow import FlowMatching, FlowMatchingFamily
 from difftune.families.fused import FusedKohyaLayout, kohya_blocks_of
 from difftune.models.autoencoders import LatentNormalization, latent_normalization
 from difftune.models.parts import Components
@@ -96,8 +96,14 @@ def chat_turn(tokenizer, caption: str) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
+def area_shift(components: Components, image_tokens: int) -> float:
+    """exp(mu) of the pipeline's schedule at this size: mu = log(area / 512^2) / 2."""
+    return math.exp(0.5 * math.log(image_tokens * PIXELS_PER_TOKEN**2 / BASE_PIXELS))
+
+
 class Ideogram4(FusedKohyaLayout, FlowMatchingFamily):
     name = "ideogram4"
+    objective = FlowMatching(resolution_shift=area_shift)
     description = "Ideogram 4"
     pipeline_class = Ideogram4Pipeline
     pipeline_classes = ("Ideogram4Pipeline",)
@@ -192,10 +198,6 @@ class Ideogram4(FusedKohyaLayout, FlowMatchingFamily):
             return_dict=False,
         )[0]
         return -patched_order(prediction[:, longest:], h, w)
-
-    def resolution_shift(self, components: Components, image_tokens: int) -> float:
-        """exp(mu) of the pipeline's schedule at this size: mu = log(area / 512^2) / 2."""
-        return math.exp(0.5 * math.log(image_tokens * PIXELS_PER_TOKEN**2 / BASE_PIXELS))
 
     # Sampling.
 

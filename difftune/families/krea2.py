@@ -31,7 +31,7 @@ from diffusers import Krea2Pipeline, Krea2Transformer2DModel
 from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkpoint_to_diffusers
 from diffusers.pipelines.krea2.pipeline_krea2 import calculate_shift
 
-from difftune.families.flow import FlowMatchingFamily, anchored_guidance, pack, unpack
+from difftune.families.flow import FlowMatching, FlowMatchingFamily, anchored_guidance, pack, unpack
 from difftune.families.fused import OriginalNamesKohyaLayout
 from difftune.models.parts import Components
 
@@ -144,8 +144,26 @@ def original_name(module: str) -> str | None:
     return ORIGINAL_NAMES.get(module)
 
 
+def krea2_shift(components: Components, image_tokens: int) -> float:
+    """The shift Krea 2's pipeline samples `image_tokens` with: a distilled base's one mu, else the scheduler's rule
+    with Krea 2's defaults."""
+    if components.pipeline_options.get("is_distilled"):
+        return math.exp(DISTILLED_MU)
+    config = components.noise_scheduler.config
+    return math.exp(
+        calculate_shift(
+            image_tokens,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 6400),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+    )
+
+
 class Krea2(OriginalNamesKohyaLayout, FlowMatchingFamily):
     name = "krea2"
+    objective = FlowMatching(resolution_shift=krea2_shift)
     description = "Krea 2"
     pipeline_class = Krea2Pipeline
     pipeline_classes = ("Krea2Pipeline",)
@@ -219,20 +237,6 @@ class Krea2(OriginalNamesKohyaLayout, FlowMatchingFamily):
             return_dict=False,
         )[0]
         return unpack(prediction, h, w)
-
-    def resolution_shift(self, components: Components, image_tokens: int) -> float:
-        if components.pipeline_options.get("is_distilled"):
-            return math.exp(DISTILLED_MU)
-        config = components.noise_scheduler.config
-        return math.exp(
-            calculate_shift(
-                image_tokens,
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 6400),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.15),
-            )
-        )
 
     # Sampling.
 

@@ -1,4 +1,10 @@
-"""The denoising loss, one value per sample; weighting is a plain choice, reduction is the loop's.
+"""A family's objective, and the DDPM one: the denoising loss, one value per sample; weighting is a plain choice,
+reduction is the loop's.
+
+An `Objective` is what training minimises for a family, as k-diffusion's `Denoiser` wraps any model: how noise levels
+and noise are drawn, how a sample is noised and what the family's denoiser (`Family.denoise`, reached through
+`components.family`) is compared with. A family holds one (`Family.objective`); `DDPM` is the UNet families',
+`flow.FlowMatching` the flow families'.
 
 Timesteps, noise, noisy latents and targets all come from the model's own scheduler config
 (`add_noise`, `get_velocity`). Min-SNR-gamma (Hang et al. 2023) weights a sample at timestep t by
@@ -13,6 +19,7 @@ and 1 / (SNR + 1) for v-prediction, SNR capped at 1000 as kohya does.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +27,10 @@ from diffusers import DDPMScheduler
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
 from diffusers.utils.torch_utils import randn_tensor
 
-from difftune.config import LossConfig
+from difftune.config import Config, LossConfig
+
+if TYPE_CHECKING:
+    from difftune.models.parts import Components
 
 
 def prediction_type(config: LossConfig, noise_scheduler: DDPMScheduler) -> str:
@@ -175,3 +185,78 @@ def diffusion_loss(
     weighting = WEIGHTING_BY_DEFAULT if config.weighting == "auto" else config.weighting
     weights = WEIGHTINGS[weighting](noise_scheduler, timesteps, config, prediction)
     return per_sample * weights.to(per_sample.device)
+
+
+class Objective:
+    """What training minimises (a family holds one). Stateless: the model is `components`, its family's `denoise`."""
+
+    def training_scheduler(self, scheduler):
+        """The noise schedule training follows, from the pipeline's scheduler."""
+        raise NotImplementedError
+
+    def problems(self, config: Config) -> list[str]:
+        """The loss settings this objective cannot train with, each named (`Family.check_config` refuses them)."""
+        return []
+
+    def trains_noise_level(self, components: Components, sigma: float) -> bool:
+        """Whether this run trains the denoiser at noise level `sigma` (timestep / 1000): all of them, unless the
+        denoiser serves part of the schedule (a Wan 2.2 expert); validation leaves the others out."""
+        return True
+
+    def draw_timesteps_and_noise(
+        self, components: Components, generators: list[torch.Generator], latents: torch.Tensor, config: LossConfig
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per sample, from its own generator: timesteps (B,), the target noise and the input noise (B, C, h, w)."""
+        raise NotImplementedError
+
+    def loss(
+        self,
+        components: Components,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        noise: torch.Tensor,
+        conditioning: dict,
+        geometry: torch.Tensor,
+        config: LossConfig,
+        input_noise: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The per-sample loss (B,) of the denoiser on `latents` noised at `timesteps`; `mask` (B, 1, h, w) weights
+        each latent pixel (`loss.per_sample_mse`)."""
+        raise NotImplementedError
+
+
+class DDPM(Objective):
+    """DDPM's noise process with epsilon or v targets (the UNet families): the schedule is the pipeline's own, read
+    as DDPM's whichever sampler it was saved with; weighted by `WEIGHTINGS`."""
+
+    def training_scheduler(self, scheduler):
+        return DDPMScheduler.from_config(scheduler.config)
+
+    def problems(self, config: Config) -> list[str]:
+        flow_only = {
+            "loss.weighting": config.loss.weighting not in ("auto", *WEIGHTINGS),
+            "loss.flow_shift": config.loss.flow_shift != 1.0,
+            "loss.flow_shift_by_resolution": config.loss.flow_shift_by_resolution,
+        }
+        return [
+            f"{key}: for flow-matching families, leave it at its default" for key, set_ in flow_only.items() if set_
+        ]
+
+    def draw_timesteps_and_noise(self, components, generators, latents, config):
+        return draw_timesteps_and_noise(
+            generators, latents, components.noise_scheduler.config.num_train_timesteps, config
+        )
+
+    def loss(self, components, latents, timesteps, noise, conditioning, geometry, config, input_noise=None, mask=None):
+        family = components.family
+        return diffusion_loss(
+            lambda noisy, t: family.denoise(components, noisy, t, conditioning, geometry),
+            components.noise_scheduler,
+            latents,
+            timesteps,
+            noise,
+            config,
+            input_noise,
+            mask,
+        )

@@ -42,7 +42,7 @@ from pydantic import Field
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families.family import config_folder, valid_token_states
-from difftune.families.flow import FlowMatchingFamily, FlowOptions
+from difftune.families.flow import FlowMatching, FlowMatchingFamily, FlowOptions
 from difftune.families.fused import OriginalNamesKohyaLayout
 from difftune.models.parts import Components
 
@@ -141,6 +141,23 @@ def original_weight_name(key: str) -> str:
     return key
 
 
+class ExpertFlowMatching(FlowMatching):
+    """Wan's flow matching: the pipeline's one shift, and a Wan 2.2 expert trained on its side of the boundary."""
+
+    def training_scheduler(self, scheduler):
+        """An Euler flow scheduler with the pipeline's one shift (its UniPC sampler names it `flow_shift`)."""
+        shift = scheduler.config.get("flow_shift") or scheduler.config.get("shift", 1.0)
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=scheduler.config.num_train_timesteps, shift=shift)
+
+    def trains_noise_level(self, components: Components, sigma: float) -> bool:
+        """An expert trains its side of the boundary, as the pipeline picks it: `transformer` at time >= boundary x
+        1000."""
+        boundary = components.pipeline_options.get("boundary_ratio")
+        if boundary is None:
+            return True
+        return (sigma < boundary) == (components.family.denoiser_part(components.family_options) == "transformer_2")
+
+
 class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
     name = "wan"
     description = "Wan 2.1 / 2.2"
@@ -160,6 +177,7 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
     denoiser_file_key = "head.modulation"  # what diffusers' reader detects Wan files by
     reads_clips = True
     options_model = WanOptions
+    objective = ExpertFlowMatching()
     placement_options = ("expert",)  # a file of each expert goes onto it (export.base_for_adapters)
     pipeline_options = ("boundary_ratio", "expand_timesteps")
 
@@ -201,19 +219,6 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
             other = "transformer" if self.denoiser_part(options) == "transformer_2" else "transformer_2"
             components.drawing_parts[other] = getattr(pipeline, other)
         return components
-
-    def trains_noise_level(self, components: Components, sigma: float) -> bool:
-        """An expert trains its side of the boundary, as the pipeline picks it: `transformer` at time >= boundary x
-        1000."""
-        boundary = components.pipeline_options.get("boundary_ratio")
-        if boundary is None:
-            return True
-        return (sigma < boundary) == (self.denoiser_part(components.family_options) == "transformer_2")
-
-    def training_scheduler(self, scheduler):
-        """An Euler flow scheduler with the pipeline's one shift (its UniPC sampler names it `flow_shift`)."""
-        shift = scheduler.config.get("flow_shift") or scheduler.config.get("shift", 1.0)
-        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=scheduler.config.num_train_timesteps, shift=shift)
 
     # Prompts and the transformer.
 

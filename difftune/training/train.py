@@ -581,13 +581,15 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
         conditioning["control_latents"] = [
             reference_latents(mean.to(device), components.latent_normalization) for mean in control_means
         ]
-    timesteps, noise, input_noise = family.draw_timesteps_and_noise(components, generators, latents, config.loss)
+    timesteps, noise, input_noise = family.objective.draw_timesteps_and_noise(
+        components, generators, latents, config.loss
+    )
     mask = (
         latent_mask(batch["mask"].to(device), latents.shape[2:], config.data.unmasked_weight)
         if "mask" in batch
         else None
     )
-    loss = family.loss(
+    loss = family.objective.loss(
         components, latents, timesteps, noise, conditioning, batch["geometry"], config.loss, input_noise, mask
     )
     return loss * batch["loss_weight"].to(device, loss.dtype)  # prior preservation's class images: prior.loss_weight

@@ -102,7 +102,9 @@ class Validator:
         )
         items = [dataset[(0, i)] for i in range(len(examples))]
         seed = config.validation.seed
-        timesteps = [t for t in config.validation.timesteps if family.trains_noise_level(components, t / 1000)]
+        timesteps = [
+            t for t in config.validation.timesteps if family.objective.trains_noise_level(components, t / 1000)
+        ]
         if not timesteps:
             raise DifftuneError(
                 f"validation.timesteps {config.validation.timesteps}: none is a noise level this run trains (a Wan 2.2 "
@@ -173,7 +175,7 @@ class Validator:
                     conditioning |= {name: value[part] for name, value in group["from_pixels"].items()}
                     if group["control_latents"]:
                         conditioning["control_latents"] = [controls[part] for controls in group["control_latents"]]
-                    per_sample = family.loss(
+                    per_sample = family.objective.loss(
                         components,
                         group["latents"][part],
                         group["timesteps"][part],
