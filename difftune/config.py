@@ -64,7 +64,17 @@ MAX_LEARNING_RATE = 10.0
 # The model families: one module each in difftune/families/, named as the family (families/__init__.py loads
 # them), beside the pieces several families share. Read from the file names here, because the families import
 # this schema.
-SHARED_FAMILY_MODULES = ("__init__", "family", "flow", "fused", "objective", "drawing")
+SHARED_FAMILY_MODULES = (
+    "__init__",
+    "family",
+    "flow",
+    "fused",
+    "objective",
+    "drawing",
+    "conditioning",
+    "loading",
+    "targets",
+)
 FAMILY_NAMES = tuple(
     sorted(
         path.stem

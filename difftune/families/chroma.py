@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from diffusers import ChromaPipeline, ChromaTransformer2DModel
 
-from difftune.families.family import FamilyOptions
 from difftune.families.flow import pack, unpack
 from difftune.families.flux import ORIGINAL_GLOBALS, TRANSFORMER_TARGETS, Flux, image_position_ids
+from difftune.families.loading import FamilyOptions
 from difftune.models.parts import Components
 
 APPROXIMATOR = "distilled_guidance_layer."  # the network that makes every block's modulation from the time

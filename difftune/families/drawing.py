@@ -11,6 +11,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from diffusers import (
+    DDIMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+)
 from PIL import Image, ImageDraw, ImageFont
 from PIL.PngImagePlugin import PngInfo
 
@@ -18,9 +24,115 @@ from difftune.config import DataConfig, PromptWithControls, SampleConfig
 from difftune.data.clips import is_clip, read_frames, write_clip
 from difftune.data.dataset import BadImage, open_image
 from difftune.errors import DifftuneError
+from difftune.families.loading import FamilyOptions
 from difftune.models.autoencoders import load_vae
 from difftune.models.parts import Components, eval_mode
 from difftune.progress import bar
+
+SAMPLERS = {
+    "ddim": DDIMScheduler,
+    "euler": EulerDiscreteScheduler,
+    "euler_a": EulerAncestralDiscreteScheduler,
+    "dpmpp_2m": DPMSolverMultistepScheduler,
+}
+
+
+class Drawing:
+    """A family's drawing, its role as a mixin: its samplers, its pipeline assembled over the (adapted) parts, and
+    images or clips drawn through it (what `generate_images` below calls)."""
+
+    default_sampler = "ddim"  # what `sample.scheduler = "auto"` means
+
+    samplers = SAMPLERS  # sampler name -> scheduler class, built over the model's own schedule config
+
+    needs_controls_to_draw = False  # its pipeline draws only edits (a sample prompt without controls is refused)
+
+    def sampler(self, name: str) -> type:
+        """The scheduler class of sampler `name` (`auto`: the family's default)."""
+        name = self.default_sampler if name == "auto" else name
+        if name not in self.samplers:
+            raise DifftuneError(
+                f'sample.scheduler = "{name}": not a sampler for {self.description}; use auto or '
+                f"{', '.join(self.samplers)}"
+            )
+        return self.samplers[name]
+
+    def assemble_pipeline(self, components: Components, scheduler=None):
+        """A text-to-image pipeline over the (possibly adapted) components."""
+        return self.pipeline_class(
+            **{self.denoiser_part(components.family_options): components.denoiser},
+            vae=components.vae,
+            **components.text_encoders,
+            **components.tokenizers,
+            **components.drawing_parts,
+            scheduler=scheduler or components.noise_scheduler,
+            **self.fixed_pipeline_arguments,
+            **components.pipeline_options,
+        )
+
+    def prompt_control_problems(self, prompts: list) -> list[str]:
+        """The `sample.prompts` entries with more control images than this family reads (or none, where its pipeline
+        draws only edits), each named."""
+        problems = []
+        for entry in prompts:
+            controls = [] if isinstance(entry, str) else entry.controls
+            text = entry if isinstance(entry, str) else entry.prompt
+            if len(controls) > self.max_controls:
+                problems.append(
+                    f"sample.prompts: {text!r} has {len(controls)} control images; these bases read "
+                    f"{'none (they edit no image)' if not self.max_controls else f'at most {self.max_controls}'}"
+                )
+            elif self.needs_controls_to_draw and not controls:
+                problems.append(
+                    f"sample.prompts: {text!r} has no control image; {self.description} pipelines draw only "
+                    f'edits: write it as {{prompt = {text!r}, controls = ["image.png"]}}'
+                )
+        return problems
+
+    def draw(
+        self,
+        pipeline,
+        options: FamilyOptions,
+        prompt: str | list[str],
+        controls: list,
+        height: int | None,
+        width: int | None,
+        **arguments,
+    ) -> list:
+        """The images the family's `pipeline` draws for `prompt` at `height` x `width` (None: the pipeline's default
+        size) from an edit prompt's control images (PIL; none for a text-to-image prompt, at most `max_controls`:
+        callers check `prompt_control_problems` first), under the base's `options`; `arguments`: the rest of the call
+        (steps, guidance, generators)."""
+        return pipeline(
+            prompt=prompt,
+            height=height,
+            width=width,  # by name: an edit pipeline's first argument is the image
+            **self.image_arguments(controls, height, width),
+            **arguments,
+        ).images
+
+    def draw_clips(
+        self,
+        pipeline,
+        prompt: str | list[str],
+        controls: list,
+        height: int | None,
+        width: int | None,
+        frames: int,
+        **arguments,
+    ) -> list[list]:
+        """A video family's clips (each a list of PIL frames) of `frames` frames for `prompt` (from `controls`: an
+        image-to-video base's first frame), as `draw` draws images; refused by an image family (callers check
+        `reads_clips` first)."""
+        raise DifftuneError(f"{self.description} bases draw images, not clips")
+
+    def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
+        """`draw`'s arguments for the controls and size: none for a text-to-image family."""
+        return {}
+
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """The pipeline call's guidance arguments (and anything else the family's pipelines need)."""
+        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None}
 
 
 def sampling_scheduler(name: str, components: Components):

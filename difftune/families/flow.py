@@ -24,7 +24,8 @@ from diffusers.training_utils import compute_loss_weighting_for_sd3
 from pydantic import Field
 
 from difftune.config import Config, LossConfig
-from difftune.families.family import Family, FamilyOptions
+from difftune.families.family import Family
+from difftune.families.loading import FamilyOptions
 from difftune.families.objective import Objective, draw_fractions, draw_noise, per_sample_mse
 from difftune.models.parts import Components
 

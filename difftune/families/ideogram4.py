@@ -41,7 +41,7 @@ from diffusers import Ideogram4Pipeline, Ideogram4Transformer2DModel
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ideogram4_lora_to_diffusers
 
 from difftune.config import Config
-from difftune.families.family import valid_token_states
+from difftune.families.conditioning import valid_token_states
 from difftune.families.flow import FlowMatching, FlowMatchingFamily
 from difftune.families.fused import FusedKohyaLayout, kohya_blocks_of
 from difftune.models.autoencoders import LatentNormalization, latent_normalization

@@ -26,7 +26,7 @@ import re
 import torch
 from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
 
-from difftune.families.family import valid_token_states
+from difftune.families.conditioning import valid_token_states
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.fused import FusedKohyaLayout
 from difftune.families.z_image import fused_qkv, lumina_kohya_blocks

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
-from difftune.families.family import valid_token_states
+from difftune.families.conditioning import valid_token_states
 from difftune.families.flow import FlowMatchingFamily, pack, unpack
 from difftune.models.parts import Components
 

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
 
-from difftune.families.family import FamilyOptions
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.flux import T5_ATTENTION
 from difftune.families.fused import BLOCK, FusedKohyaLayout, swap_halves
+from difftune.families.loading import FamilyOptions
 from difftune.families.sd import CLIP_ATTENTION
 from difftune.models.parts import Components, tokenize
 

@@ -41,9 +41,10 @@ from pydantic import Field
 
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
-from difftune.families.family import config_folder, valid_token_states
+from difftune.families.conditioning import valid_token_states
 from difftune.families.flow import FlowMatching, FlowMatchingFamily, FlowOptions
 from difftune.families.fused import OriginalNamesKohyaLayout
+from difftune.families.loading import config_folder
 from difftune.models.parts import Components
 
 TEXT_TOKENS = 512  # WanPipeline's default `max_sequence_length`: every caption's states are padded to it

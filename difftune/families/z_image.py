@@ -30,7 +30,7 @@ import torch
 from diffusers import ZImagePipeline, ZImageTransformer2DModel
 from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
 
-from difftune.families.family import valid_token_states
+from difftune.families.conditioning import valid_token_states
 from difftune.families.flow import FlowMatchingFamily, anchored_guidance
 from difftune.families.fused import FusedKohyaLayout
 from difftune.models.parts import Components

@@ -1,0 +1,120 @@
+"""A family's conditioning, its role as a mixin: what the denoiser reads besides the noisy latents, from captions,
+control images and the sample's own pixels, and how the text cache keeps it.
+
+Tokenizing runs in the data loader's workers (it takes the tokenizers alone); encoding runs where the encoders are;
+the text cache stores what `cached_conditioning` keeps and training reads back what `uncached_conditioning` restores.
+Edit pairs' controls and video clips are checked and cut here too. The facts it reads are the family's
+(`text_encoder_names`, `max_controls`, `reads_clips`, `description`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from difftune.data.clips import FrameWindows
+from difftune.errors import DifftuneError
+from difftune.families.loading import FamilyOptions
+from difftune.models.autoencoders import LatentNormalization, frames_per_latent, latent_normalization
+from difftune.models.parts import Components, tokenize
+
+
+def valid_token_states(states: torch.Tensor, mask: torch.Tensor, skip: int, length: int) -> dict[str, torch.Tensor]:
+    """A language model's states (B, L, D) kept at each caption's valid tokens (`mask`, (B, L)) after its first
+    `skip` (a template's), at most `length` of them, zero-padded to `length`; with the mask of those kept."""
+    kept_states = states.new_zeros(len(states), length, states.shape[-1])
+    text_mask = torch.zeros(len(states), length, dtype=torch.long, device=states.device)
+    for i in range(len(states)):
+        kept = states[i][mask[i]][skip:][:length]
+        kept_states[i, : len(kept)] = kept
+        text_mask[i, : len(kept)] = 1
+    return {"encoder_hidden_states": kept_states, "text_mask": text_mask}
+
+
+def trimmed(conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One caption's `valid_token_states` without the padding past its text, as the text cache stores it: at full
+    length (512 x 3584 fp32 for Qwen-Image) an entry is 7 MB, a short caption's ~0.3 MB."""
+    valid = int(conditioning["text_mask"].sum())
+    return {name: tensor[:valid] for name, tensor in conditioning.items()}
+
+
+def padded(stored: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """Inverse of `trimmed`."""
+    return {
+        name: F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, length - len(tensor))) for name, tensor in stored.items()
+    }
+
+
+class Conditioning:
+    # Where its text states are a language model's at each caption's tokens, zero-padded to this length with their
+    # `text_mask` (`valid_token_states`): the text cache keeps the caption's tokens alone and pads them back. None:
+    # stored as encoded.
+    padded_text_tokens: int | None = None
+
+    prompts_see_controls = False  # its text encoder reads an edit pair's controls (`tokenize` takes them)
+
+    def check_controls(self, examples: list, key: str) -> None:
+        """Refuse a data set whose pairs have more control images than this family reads (a `DifftuneError` naming
+        one such image): a text-to-image base would train as if the controls were not there."""
+        over = next((e for e in examples if len(e.control_paths) > self.max_controls), None)
+        if over is None:
+            return
+        if not self.max_controls:
+            raise DifftuneError(
+                f"{key}: {over.path.name} has control images ({', '.join(str(c) for c in over.control_paths)}), "
+                f"but {self.description} bases edit no image; train an edit base (FLUX.1 "
+                "Kontext, Qwen-Image-Edit) on pairs, or move the control folder away"
+            )
+        raise DifftuneError(
+            f"{key}: {over.path.name} has {len(over.control_paths)} control images; {self.description} bases read "
+            f"at most {self.max_controls}"
+        )
+
+    def frame_windows(self, data, vae) -> FrameWindows | None:
+        """How this family's data cuts clips into windows (`data`'s frame settings, lengths the autoencoder `vae`
+        takes); None for an image family, whose data leaves clips out and reports them."""
+        return FrameWindows.of(data, frames_per_latent(vae)) if self.reads_clips else None
+
+    def control_size(
+        self, target_size: tuple[int, int], control_size: tuple[int, int], options: FamilyOptions | None = None
+    ) -> tuple[int, int]:
+        """The (width, height) a control image of `control_size` trains at beside a target trained at `target_size`
+        (under the base's `options`): the target's (as diffusers' Kontext training script pairs them), unless the
+        family says otherwise."""
+        return target_size
+
+    def pixel_conditioning(self, components: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the denoiser reads of a sample's own pixels (B, 3, [T,] H, W) besides its latents, by name (an
+        image-to-video base's first frame, encoded as its pipeline encodes the image it animates): computed from the
+        training view with the frozen autoencoder, cached beside its posterior, joined to the text conditioning.
+        Nothing, for a base that reads text alone."""
+        return {}
+
+    def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
+        """Captions -> token ids per text encoder (name -> (B, L)), padded and truncated as its pipeline does; where
+        `prompts_see_controls`, each caption's control images (a list of PIL images each) join them. Takes the
+        tokenizers alone: data-loader workers call it."""
+        return {encoder: tokenize(tokenizers[tokenizer], captions) for encoder, tokenizer in self.encoder_tokenizers()}
+
+    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Token ids (on the encoders' device) -> the denoiser's text conditioning, by name; each tensor has the
+        batch first. This is what the text cache stores."""
+        raise NotImplementedError
+
+    def cached_conditioning(self, conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One caption's conditioning (no batch axis) as the text cache stores it: as it is, unless the family can
+        drop what `uncached_conditioning` restores (padding: `padded_text_tokens`)."""
+        return trimmed(conditioning) if self.padded_text_tokens else conditioning
+
+    def uncached_conditioning(self, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Inverse of `cached_conditioning`: a stored entry as `encode_prompts` made it."""
+        return padded(stored, self.padded_text_tokens) if self.padded_text_tokens else stored
+
+    def latent_normalization(self, vae) -> LatentNormalization:
+        """How latents are normalised for the denoiser: as the autoencoder asks (autoencoders.py), unless the family's
+        pipeline reads them otherwise."""
+        return latent_normalization(vae)
+
+    def encoder_tokenizers(self) -> list[tuple[str, str]]:
+        """(text encoder, its tokenizer) names, in order."""
+        return list(zip(self.text_encoder_names, self.tokenizer_names, strict=True))

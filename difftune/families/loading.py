@@ -1,0 +1,205 @@
+"""A family's loading, its role as a mixin: a base (a pipeline folder, a hub id, a single file or a file of the
+denoiser alone) read into `Components`, each part in the dtype the run keeps it in, and the family's own settings
+(`model.family_options`) checked first."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from pydantic import ValidationError
+
+from difftune.config import ModelConfig, Section
+from difftune.errors import DifftuneError
+from difftune.models.denoiser_files import (
+    DENOISER_FILE_PREFIXES,
+    DenoiserFile,
+    is_gguf,
+    load_denoiser_file,
+    load_gguf_file,
+    read_denoiser_file,
+)
+from difftune.models.parts import AS_STORED, FP32_PARTS, SINGLE_FILE_SUFFIXES, Components, PartDtypes, files_dtype
+
+
+def config_folder(config: ModelConfig) -> str:
+    """Where `config.base`'s configs are: its own folder or hub id, a single file's `single_file_config`."""
+    return config.single_file_config if config.base.endswith(SINGLE_FILE_SUFFIXES) else config.base
+
+
+class FamilyOptions(Section):
+    """A family's own settings (`model.family_options`); a family with some declares them in a subclass."""
+
+
+class Loading:
+    def reads_single_file(self, keys: set[str]) -> bool:
+        """Whether a single file with these keys is this family's: where its single files hold the denoiser alone,
+        they have `denoiser_file_key` (ComfyUI's files may prefix it); families without single files read none (a
+        diffusers folder of theirs is what to pass)."""
+        return self.denoiser_file_key is not None and any(
+            prefix + self.denoiser_file_key in keys for prefix in ("", *DENOISER_FILE_PREFIXES)
+        )
+
+    def options(self, config: ModelConfig) -> FamilyOptions:
+        """`model.family_options` checked against the family's own `options_model`: each wrong or unknown setting
+        named (those another family has are refused too: on this base they would do nothing)."""
+        try:
+            return self.options_model.model_validate(config.family_options)
+        except ValidationError as err:
+            known = ", ".join(self.options_model.model_fields) or "none"
+            problems = [
+                f"model.family_options.{'.'.join(map(str, error['loc']))}: "
+                + (
+                    f"not a setting of {self.description} bases (theirs: {known})"
+                    if error["type"] == "extra_forbidden"
+                    else f"{error['msg']} (got {error.get('input')!r})"
+                )
+                for error in err.errors()
+            ]
+            raise DifftuneError("\n".join(problems)) from None
+
+    def load(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS) -> Components:
+        """Every part of `config.base` (a pipeline folder, hub id or single file) on the CPU, each in its `dtypes`
+        (diffusers' per-part `dtype`)."""
+        options = self.options(config)  # before the minutes a large base takes to load
+        if config.base.endswith(SINGLE_FILE_SUFFIXES):
+            if not Path(config.base).is_file():
+                raise DifftuneError(f"model.base {config.base}: no such file")
+            pipeline = self.single_file_pipeline(config, dtypes)
+        else:
+            pipeline = self.pipeline_class.from_pretrained(
+                config.base,
+                revision=config.revision or None,
+                variant=config.variant or None,
+                **self.fixed_pipeline_arguments,
+                **self._loading_arguments(config, options, dtypes),
+            )
+        return self.components_of(pipeline, options)
+
+    def _loading_arguments(self, config: ModelConfig, options: FamilyOptions, dtypes: PartDtypes) -> dict:
+        part = self.denoiser_part(options)
+        left_out = {} if dtypes.drawing_parts else dict.fromkeys(self.drawing_part_names_of(config))
+        if dtypes.denoiser is None:
+            return {part: None, **left_out, "dtype": {"default": dtypes.others, "vae": dtypes.vae}}
+        return {
+            **left_out,
+            "dtype": {"default": dtypes.others, "vae": dtypes.vae, part: self._denoiser_dtype(config, part, dtypes)},
+        }
+
+    def drawing_part_names_of(self, config: ModelConfig) -> tuple[str, ...]:
+        """The drawing parts (`drawing_part_names`) base `config` has."""
+        return self.drawing_part_names
+
+    def _denoiser_dtype(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.dtype:
+        if dtypes.denoiser == AS_STORED:
+            return files_dtype(config.base, part, config.variant) or dtypes.others
+        return dtypes.denoiser
+
+    def load_denoiser(self, config: ModelConfig, dtypes: PartDtypes) -> torch.nn.Module:
+        """The denoiser alone (`denoiser_part` of a pipeline folder or hub id, or a file of the denoiser alone), in
+        `dtypes.denoiser`."""
+        part, part_class = self._denoiser_class(config)
+        if config.base.endswith(SINGLE_FILE_SUFFIXES):
+            return self.denoiser_of_file(config, part, dtypes)
+        return part_class.from_pretrained(
+            config.base,
+            subfolder=part,
+            revision=config.revision or None,
+            variant=config.variant or None,
+            dtype=self._denoiser_dtype(config, part, dtypes),
+        )
+
+    def empty_denoiser(self, config: ModelConfig) -> torch.nn.Module:
+        """The denoiser built from its config alone, without weights (its shape: latent channels, blocks)."""
+        part, part_class = self._denoiser_class(config)
+        folder = config_folder(config)
+        with init_empty_weights():
+            return part_class.from_config(
+                part_class.load_config(folder, subfolder=part, revision=config.revision or None)
+            )
+
+    def _denoiser_class(self, config: ModelConfig) -> tuple[str, type]:
+        part = self.denoiser_part(self.options(config))
+        library, class_name = self.pipeline_class.load_config(config_folder(config), revision=config.revision or None)[
+            part
+        ]
+        return part, getattr(importlib.import_module(library), class_name)  # as the pipeline would load it
+
+    def single_file_pipeline(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
+        """The pipeline of a single-file `config.base` (there, an existing file), through diffusers' reader, which
+        takes one dtype for every part: the run's where its parts agree on one, else fp32."""
+        agree = dtypes.vae == dtypes.others and dtypes.denoiser in (AS_STORED, None, dtypes.others)
+        return self.pipeline_class.from_single_file(
+            config.base,
+            config=config.single_file_config or None,
+            **self.fixed_pipeline_arguments,
+            dtype=dtypes.others if agree else torch.float32,
+        )
+
+    def pipeline_around_denoiser_file(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
+        """For a single file that holds the denoiser alone (how ComfyUI ships the newer families: their text encoder
+        and autoencoder are files of their own): the pipeline of `model.single_file_config` around the denoiser
+        (`denoiser_of_file`), each part in its `dtypes` (None: left out). A family whose single files are so sets
+        `single_file_pipeline = pipeline_around_denoiser_file`."""
+        folder, revision = config.single_file_config, config.revision or None
+        if not folder:
+            raise DifftuneError(
+                f"model.base {config.base}: a {self.description} single file holds the {self.denoiser_name} alone; set "
+                f"model.single_file_config to a {self.description} diffusers folder or hub id for its text encoder, "
+                "autoencoder and configs"
+            )
+        if not config.base.endswith((".safetensors", ".gguf")):
+            raise DifftuneError(
+                f"model.base {config.base}: read as .safetensors or .gguf only for {self.description}; convert the file"
+            )
+        part = self.denoiser_part(self.options(config))
+        parts = {"dtype": {"default": dtypes.others, "vae": dtypes.vae}, part: None}
+        if not dtypes.drawing_parts:
+            parts |= dict.fromkeys(self.drawing_part_names_of(config))
+        if dtypes.denoiser is not None:
+            parts[part] = self.denoiser_of_file(config, part, dtypes)
+        return self.pipeline_class.from_pretrained(folder, **parts, revision=revision, **self.fixed_pipeline_arguments)
+
+    def denoiser_of_file(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.nn.Module:
+        """The denoiser (`denoiser_class`, as `model.single_file_config` shapes it) of a file of it alone: a
+        `.safetensors` file tensor by tensor, a GGUF file's blocks quantized (denoiser_files.py)."""
+        denoiser_config = self.denoiser_class.load_config(
+            config.single_file_config, subfolder=part, revision=config.revision or None
+        )
+        with init_empty_weights():
+            denoiser = self.denoiser_class.from_config(denoiser_config)
+        if is_gguf(config.base):
+            return load_gguf_file(denoiser, config.base, self.diffusers_names, dtypes.others)
+        return load_denoiser_file(denoiser, self.denoiser_file_weights(config.base), dtypes)
+
+    @property
+    def reads_denoiser_files(self) -> bool:
+        """Its single files hold the denoiser alone and are read by difftune (`pipeline_around_denoiser_file`), which
+        applies ComfyUI's per-tensor fp8 scales and reads GGUF files."""
+        return type(self).single_file_pipeline is Loading.pipeline_around_denoiser_file
+
+    def denoiser_file_weights(self, path: str) -> DenoiserFile:
+        """A denoiser-alone `.safetensors` file's tensors under diffusers' names (`diffusers_names`), as the file
+        holds them, with each fp8 tensor's scale (denoiser_files.py)."""
+        return read_denoiser_file(path, self.diffusers_names)
+
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A denoiser file's tensors (ComfyUI's prefixes gone) under diffusers' names: as they are, unless the
+        family's files have another layout. Only moves, splits, joins and reshapes (vectors): denoiser_files.py runs
+        it over codes of the file's rows, never over its weights."""
+        return weights
+
+    def components_of(self, pipeline, options: FamilyOptions) -> Components:
+        return Components(
+            family=self,
+            denoiser=getattr(pipeline, self.denoiser_part(options)),
+            vae=pipeline.vae,
+            text_encoders={name: getattr(pipeline, name) for name in self.text_encoder_names},
+            tokenizers={name: getattr(pipeline, name) for name in self.tokenizer_names},
+            drawing_parts={name: getattr(pipeline, name) for name in self.drawing_part_names},
+            noise_scheduler=self.objective.training_scheduler(pipeline.scheduler),
+            pipeline_options={key: pipeline.config[key] for key in self.pipeline_options if key in pipeline.config},
+            family_options=options,
+        )

@@ -1,0 +1,65 @@
+"""A family's adapter targets, its role as a mixin: which parts and modules an adapter goes on, which text encoders
+its pipeline's LoRA loader reads, and what of the adapter settings it refuses."""
+
+from __future__ import annotations
+
+import torch
+
+from difftune.config import Config
+from difftune.families.loading import FamilyOptions
+
+
+class AdapterTargets:
+    lora_text_encoders: tuple[str, ...] | None = None  # those its pipeline's LoRA loader reads adapters of (None: all)
+
+    embedding_keys: tuple[str, ...] = ("emb_params",)  # per text encoder: its key in A1111 / ComfyUI embedding files
+
+    default_targets: dict[str, list[str]]  # part -> modules that get an adapter unless the config lists others
+
+    trains_embeddings = False  # textual inversion is built for it (`adapter.kind = "embedding"`)
+
+    placement_options: tuple[str, ...] = ()  # family options that say which part a file adapts (`denoiser_part`)
+
+    def lora_loading_arguments(self, options: FamilyOptions) -> dict:
+        """What the pipeline's `load_lora_weights` needs to put a file's denoiser adapter on `denoiser_part`."""
+        return {}
+
+    def adapter_problems(self, config: Config) -> list[str]:
+        """What `check_config` refuses of the adapter for any family: text-encoder adapters its pipeline's LoRA
+        loader would drop, and textual inversion where it is not built."""
+        problems = []
+        if config.adapter.text_encoder and config.adapter.is_adapter and not self.adapted_text_encoders():
+            problems.append(
+                f"adapter.text_encoder: {self.pipeline_class.__name__}'s LoRA loader reads {self.denoiser_name} "
+                "adapters alone (a text encoder adapter would be dropped where the file is used); set it to false, "
+                'or fine-tune in full (adapter.kind = "none"), which saves the text encoder in the pipeline folder'
+            )
+        if config.adapter.kind == "embedding" and not self.trains_embeddings:
+            problems.append(
+                f'adapter.kind = "embedding": textual inversion is not built for {self.description}; train a LoRA'
+            )
+        return problems
+
+    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
+        """The modules of `part` (the loaded `model`) an adapter goes on unless the config lists others: the
+        family's `default_targets`, unless its names depend on the model's size."""
+        return self.default_targets[part]
+
+    def adapted_text_encoders(self) -> tuple[str, ...]:
+        """The text encoders `adapter.text_encoder` trains: the ones diffusers' LoRA loader of this family reads
+        (`lora_text_encoders`)."""
+        return self.text_encoder_names if self.lora_text_encoders is None else self.lora_text_encoders
+
+    def fine_tuned_text_encoders(self) -> tuple[str, ...]:
+        """The text encoders a full fine-tune trains with `adapter.text_encoder` (saved in the pipeline folder, which
+        the family's pipeline loads whole): the adapted ones, or all of them where the LoRA loader reads the denoiser's
+        adapters alone."""
+        return self.adapted_text_encoders() or self.text_encoder_names
+
+    def adapter_parts(self) -> tuple[str, ...]:
+        """The parts an adapter file may hold: the denoiser and the adapted text encoders."""
+        return (self.denoiser_name, *self.adapted_text_encoders())
+
+    def parts(self) -> tuple[str, ...]:
+        """Adapter parts: the denoiser, then the text encoders, as diffusers' LoRA files prefix their keys."""
+        return (self.denoiser_name, *self.text_encoder_names)
