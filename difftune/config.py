@@ -68,7 +68,7 @@ SHARED_FAMILY_MODULES = (
     "__init__",
     "family",
     "flow",
-    "fused",
+    "layouts",
     "objective",
     "drawing",
     "conditioning",

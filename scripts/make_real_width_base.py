@@ -100,7 +100,7 @@ def write_denoiser_file(family, model: torch.nn.Module, kind: str, out: Path, ge
 
     shapes = {
         key: tensor.shape
-        for key, tensor in family.to_single_file(
+        for key, tensor in family.layout.to_single_file(
             Components(family=family, denoiser=model, vae=None, text_encoders={}, tokenizers={}, noise_scheduler=None)
         ).items()
     }

@@ -315,9 +315,10 @@ def test_kohya_files_name_the_version_of_their_base(make_config, tiny_base, tmp_
         == 0
     )
     assert (
-        FAMILIES["sd"].base_model_version(ModelConfig(base=str(tmp_path / "merged" / "model.safetensors"))) == "sd_v2"
+        FAMILIES["sd"].layout.base_model_version(ModelConfig(base=str(tmp_path / "merged" / "model.safetensors")))
+        == "sd_v2"
     )
-    assert FAMILIES["sd"].base_model_version(ModelConfig(base=str(tmp_path / "no-such-base"))) is None
+    assert FAMILIES["sd"].layout.base_model_version(ModelConfig(base=str(tmp_path / "no-such-base"))) is None
 
 
 def test_sample_command_writes_reproducible_images(tiny_base, tmp_path):

@@ -683,7 +683,7 @@ def _lycoris_network(tiny_base, tmp_path, algo: str, dim: int, alpha: float, **o
 
 def _kohya_weights(components) -> dict[str, torch.Tensor]:
     """Every adaptable layer's weight by its kohya module name."""
-    prefixes = components.family.kohya_prefixes
+    prefixes = components.family.layout.kohya_prefixes
     return {
         prefixes[part] + name.replace(".", "_"): module.weight.detach().clone()
         for part, model in components.parts().items()

@@ -34,7 +34,7 @@ from difftune.cli import main
 from difftune.config import FAMILY_NAMES, SHARED_FAMILY_MODULES, Config, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, family_table_markdown, load_components
-from difftune.families.fused import FusedKohyaLayout
+from difftune.families.layouts import FusedLayout
 from difftune.families.lumina2 import SYSTEM_PROMPT
 from difftune.memory import storage
 from difftune.models.autoencoders import PATCHED_AUTOENCODERS, downsampling, latent_channels
@@ -311,7 +311,7 @@ def test_adapters_a_family_cannot_use_are_refused_before_any_work(name):
     assert (
         "textual inversion is not built" in problems(kind="embedding", text_encoder=False)
     ) != family.trains_embeddings
-    assert ("have no fused form" in problems(kind="loha", text_encoder=False)) == isinstance(family, FusedKohyaLayout)
+    assert ("have no fused form" in problems(kind="loha", text_encoder=False)) == isinstance(family.layout, FusedLayout)
     assert problems(kind="lora", text_encoder=False) == ""
 
 
@@ -325,11 +325,11 @@ def test_every_family_module_is_registered_and_complete():
         # Files name every part an adapter can hold (a text encoder no loader reads may have none).
         assert (
             set(family.adapter_parts())
-            <= set(family.kohya_prefixes)
+            <= set(family.layout.kohya_prefixes)
             == set(family.default_targets)
             <= set(family.parts())
         )
-        assert len(set(family.kohya_prefixes.values())) == len(family.kohya_prefixes), name
+        assert len(set(family.layout.kohya_prefixes.values())) == len(family.layout.kohya_prefixes), name
         assert [encoder for encoder, _ in family.encoder_tokenizers()] == list(family.text_encoder_names), name
         assert {tokenizer for _, tokenizer in family.encoder_tokenizers()} <= set(family.tokenizer_names), name
         assert family.pipeline_class.__name__ in family.pipeline_classes, name
@@ -340,7 +340,7 @@ def _single_file(name: str, base: Path):
     single file (SD3, Krea 2): nothing to read back."""
     components = load_components(ModelConfig(base=str(base)))
     try:
-        return components, FAMILIES[name].to_single_file(components)
+        return components, FAMILIES[name].layout.to_single_file(components)
     except DifftuneError:
         pytest.skip(f"{name} has no single-file layout")
 
@@ -361,7 +361,7 @@ def test_a_folder_and_a_single_file_are_read_as_the_family(name, micro_bases, tm
         assert torch.equal(value, other), key
 
 
-@pytest.mark.parametrize("name", [name for name in NAMES if FAMILIES[name].denoiser_file_key])
+@pytest.mark.parametrize("name", [name for name in NAMES if FAMILIES[name].layout.denoiser_file_key])
 def test_an_all_in_one_files_denoiser_is_read_and_its_other_parts_left_out(name, micro_bases, tmp_path):
     """ComfyUI's checkpoints put the denoiser under `model.diffusion_model.` beside the text encoders and
     autoencoder."""
@@ -558,7 +558,7 @@ def test_a_gguf_file_is_read_as_diffusers_and_gguf_read_it(name, micro_bases, tm
     in_file = sum(any(low <= layer.weight.data_ptr() < high for low, high in file_ranges) for layer in layers.values())
     assert in_file >= len(layers) - 2  # the final modulation, whose halves the original layout swaps, is a copy
 
-    dequantized = family.diffusers_names(_gguf_values(path))
+    dequantized = family.layout.diffusers_names(_gguf_values(path))
     for key, value in ours.state_dict().items():
         value = dequantize_gguf_tensor(value) if isinstance(value, GGUFParameter) else value
         assert torch.equal(value.float(), dequantized[key]), key
@@ -837,14 +837,14 @@ def test_the_kohya_layout_round_trips_bit_for_bit(name, micro_bases, make_config
     trained = train(make_config(**settings)).trained_path
     kohya = export.convert_adapter(trained, tmp_path / "kohya.safetensors", "kohya")
     back = export.convert_adapter(kohya, tmp_path / "back.safetensors", "diffusers")
-    prefixes = tuple(FAMILIES[name].kohya_prefixes.values())
+    prefixes = tuple(FAMILIES[name].layout.kohya_prefixes.values())
     assert all(key.startswith(prefixes) for key in load_file(kohya))
     original, again = load_file(trained), load_file(back)
     assert original.keys() == again.keys()
     assert all(torch.equal(original[key], again[key]) for key in original)
 
 
-@pytest.mark.parametrize("name", [name for name in NAMES if isinstance(FAMILIES[name], FusedKohyaLayout)])
+@pytest.mark.parametrize("name", [name for name in NAMES if isinstance(FAMILIES[name].layout, FusedLayout)])
 def test_a_lycoris_run_on_a_fused_layout_family_ends_with_the_layout_it_can_write(
     name, micro_bases, make_config, tmp_path
 ):
@@ -905,17 +905,17 @@ def test_every_run_writes_a_file_comfyui_applies_as_our_merge(name, micro_bases,
     comfy_file = export.layout_path(out, "kohya")
     assert result.trained_path == out / "pytorch_lora_weights.safetensors" and comfy_file == out / "run.safetensors"
     lora = load_file(comfy_file)
-    assert all(key.startswith(tuple(family.kohya_prefixes.values())) for key in lora)
+    assert all(key.startswith(tuple(family.layout.kohya_prefixes.values())) for key in lora)
 
     components = load_components(ModelConfig(base=str(base)))
     try:
-        weights = denoiser_weights(family.to_single_file(components))
+        weights = denoiser_weights(family.layout.to_single_file(components))
     except DifftuneError:
         pytest.skip(f"{name} has no single-file layout to hold ComfyUI's names (its kohya layout round-trips: above)")
     is_unet = family.denoiser_name == "unet"
     modules = [key.removesuffix(".weight") for key in components.denoiser.state_dict() if key.endswith(".weight")]
     diffusers_names = (
-        {diffusers: original for original, diffusers in family.original_module_names(modules).items()}
+        {diffusers: original for original, diffusers in family.layout.original_module_names(modules).items()}
         if is_unet
         else {}
     )
@@ -927,7 +927,7 @@ def test_every_run_writes_a_file_comfyui_applies_as_our_merge(name, micro_bases,
 
     export.merge_into_folder(str(base), [(result.trained_path, 1.0)], tmp_path / "merged")
     merged = load_components(ModelConfig(base=str(tmp_path / "merged")))
-    ours = denoiser_weights(family.to_single_file(merged))
+    ours = denoiser_weights(family.layout.to_single_file(merged))
     changed = [key for key in weights if not torch.equal(patched[key], weights[key])]
     assert changed
     for key in weights:

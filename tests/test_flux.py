@@ -315,14 +315,14 @@ def test_single_files_are_bfls_layout_as_diffusers_converters_read_it(name):
         key: torch.randint(0, 256, value.shape, dtype=torch.uint8).view(torch.float8_e4m3fn)
         for key, value in model.state_dict().items()
     }
-    original = FAMILIES[name].original_state_dict(ours)
+    original = FAMILIES[name].layout.original_state_dict(ours)
     assert {
         "double_blocks.0.img_attn.qkv.weight",
         "single_blocks.0.linear1.weight",
         "final_layer.linear.weight",
     } <= set(original)
     theirs = convert({f"model.diffusion_model.{key}": value for key, value in original.items()})  # ComfyUI's prefix
-    back = FAMILIES[name].diffusers_state_dict(original)
+    back = FAMILIES[name].layout.diffusers_state_dict(original)
     assert theirs.keys() == ours.keys() == back.keys()
     for key, value in ours.items():
         assert torch.equal(theirs[key].view(torch.uint8), value.view(torch.uint8)), key

@@ -27,7 +27,7 @@ def test_a_single_file_is_bfls_layout_and_diffusers_reads_it_as_the_same_weights
     name, path = base
     components = load_components(ModelConfig(base=str(path)))
     file = tmp_path / "flux-2.safetensors"  # unprefixed, as BFL ships it: diffusers' FLUX.2 converter reads no prefix
-    tensors = FAMILIES[name].to_single_file(components)
+    tensors = FAMILIES[name].layout.to_single_file(components)
     save_file(tensors, file)
     assert {
         "double_blocks.0.img_attn.qkv.weight",

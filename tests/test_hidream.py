@@ -63,7 +63,7 @@ def test_files_are_named_as_diffusers_and_comfyui_read_them(make_config, base, t
     save it (the transformer's names after `diffusion_model.`) is read as difftune's own file, and diffusers' loader
     reads it as the same change."""
     components = load_components(ModelConfig(base=base))
-    assert CHECKPOINT_KEY_NAMES["hidream"] in FAMILY.to_single_file(components)
+    assert CHECKPOINT_KEY_NAMES["hidream"] in FAMILY.layout.to_single_file(components)
 
     trained = train(
         make_config(

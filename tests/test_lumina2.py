@@ -27,7 +27,7 @@ def test_the_single_file_is_the_original_layout_as_diffusers_reads_it(tmp_path):
         family=FAMILY, denoiser=model, vae=None, text_encoders={}, tokenizers={}, noise_scheduler=None
     )
     components.denoiser.load_state_dict(ours, assign=True)
-    original = FAMILY.to_single_file(components)
+    original = FAMILY.layout.to_single_file(components)
     assert {
         "layers.0.attention.qkv.weight",
         "cap_embedder.1.weight",

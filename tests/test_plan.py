@@ -306,7 +306,8 @@ def test_a_single_file_without_its_folder_is_planned_as_its_familys_published_mo
 
     tiny = REPO / "models" / "tiny-flux"
     save_file(
-        FAMILIES["flux"].to_single_file(load_components(ModelConfig(base=str(tiny)))), tmp_path / "flux.safetensors"
+        FAMILIES["flux"].layout.to_single_file(load_components(ModelConfig(base=str(tiny)))),
+        tmp_path / "flux.safetensors",
     )
     config = make_config(model__base=str(tmp_path / "flux.safetensors"))
     assert plan.configs_read(config.model).startswith(

@@ -88,7 +88,7 @@ def test_original_names_are_diffusers_readers(make_config, base, tmp_path):
     adapted = {key.removeprefix("transformer.").rsplit(".lora_", 1)[0] for key in ours}
     assert len(adapted) == 2 * len(FAMILY.default_targets["transformer"])  # two blocks
     original = {
-        f"diffusion_model.{FAMILY.original_name(module)}.lora_{kind}.weight": ours[
+        f"diffusion_model.{FAMILY.layout.original_name(module)}.lora_{kind}.weight": ours[
             f"transformer.{module}.lora_{kind}.weight"
         ]
         for module in adapted
@@ -98,7 +98,7 @@ def test_original_names_are_diffusers_readers(make_config, base, tmp_path):
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[key], ours[key]) for key in ours)
     kohya = load_file(export.convert_adapter(trained, tmp_path / "kohya.safetensors", "kohya"))
     assert {key.rsplit(".", 2)[0] if key.endswith("weight") else key.rsplit(".", 1)[0] for key in kohya} == {
-        "lora_unet_" + FAMILY.original_name(module).replace(".", "_") for module in adapted
+        "lora_unet_" + FAMILY.layout.original_name(module).replace(".", "_") for module in adapted
     }
     save_file(original, tmp_path / "original.safetensors")
     modules = module_names_of(components)
@@ -112,7 +112,7 @@ def test_a_single_file_has_the_original_checkpoints_names(base):
     and ComfyUI's `wan2.1_t2v_1.3B_fp16.safetensors`): per block its self- and cross-attention with q/k norms, the
     cross-attention's norm as `norm3`, `ffn.0` / `ffn.2`, `modulation`; the head's `head.head` and `head.modulation`;
     diffusers' reader takes them back (the conformance suite reads the file as the same weights)."""
-    keys = set(FAMILY.to_single_file(load_components(ModelConfig(base=base))))
+    keys = set(FAMILY.layout.to_single_file(load_components(ModelConfig(base=base))))
     block = {
         f"blocks.0.{attn}.{layer}.{kind}"
         for attn in ("self_attn", "cross_attn")

@@ -35,7 +35,9 @@ def base(tmp_path_factory):
 def test_the_single_file_is_the_original_layout_that_diffusers_reads(base, tmp_path):
     components = load_components(ModelConfig(base=str(base)))
     path = tmp_path / "z_image.safetensors"
-    save_file({f"model.diffusion_model.{key}": value for key, value in FAMILY.to_single_file(components).items()}, path)
+    save_file(
+        {f"model.diffusion_model.{key}": value for key, value in FAMILY.layout.to_single_file(components).items()}, path
+    )
     keys = set(load_file(path))
     assert "model.diffusion_model.layers.0.attention.qkv.weight" in keys
     assert (

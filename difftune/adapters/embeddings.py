@@ -79,7 +79,7 @@ def embedding_vectors(components: Components, config: AdapterConfig) -> dict[str
     """Each text encoder's learned vectors (n, dim) under its file key, as the encoder now embeds the tokens."""
     vectors = {}
     for (encoder_name, tokenizer_name), key in zip(
-        components.family.encoder_tokenizers(), components.family.embedding_keys, strict=True
+        components.family.encoder_tokenizers(), components.family.layout.embedding_keys, strict=True
     ):
         ids = components.tokenizers[tokenizer_name].convert_tokens_to_ids(token_names(config))
         encoder = components.text_encoders[encoder_name]
@@ -115,17 +115,19 @@ def load_embedding(components: Components, path: Path) -> str:
         token = (handle.metadata() or {}).get(TOKEN_METADATA_KEY)
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     family, pipeline = components.family, components.pipeline()
-    if is_token_keyed(tensors, family.embedding_keys):
+    if is_token_keyed(tensors, family.layout.embedding_keys):
         [(token, vectors)] = tensors.items()
-        tensors = {family.embedding_keys[0]: vectors}
+        tensors = {family.layout.embedding_keys[0]: vectors}
         if len(family.text_encoder_names) > 1:
             raise DifftuneError(
                 f"embedding {path}: diffusers' layout ({{token: vectors}}) holds one text encoder's vectors, and this "
                 f"{family.description} base has {len(family.text_encoder_names)} text encoders; use a file with "
-                f"{' and '.join(family.embedding_keys)} vectors (the layout A1111, ComfyUI and difftune write)"
+                f"{' and '.join(family.layout.embedding_keys)} vectors (the layout A1111, ComfyUI and difftune write)"
             )
     token = token or path.stem
-    for (encoder_name, tokenizer_name), key in zip(family.encoder_tokenizers(), family.embedding_keys, strict=True):
+    for (encoder_name, tokenizer_name), key in zip(
+        family.encoder_tokenizers(), family.layout.embedding_keys, strict=True
+    ):
         if key not in tensors:
             raise DifftuneError(
                 f"embedding {path}: no {key!r} vectors for the {encoder_name} of this {family.description} base"

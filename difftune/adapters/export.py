@@ -172,7 +172,7 @@ def write_adapter(
             tensors = family_to_kohya(family, tensors, lora_configs)
         except ValueError as err:
             raise DifftuneError(f"adapter {path}: {err}") from None
-        version = family.base_model_version(_adapter_base(config_toml, base))
+        version = family.layout.base_model_version(_adapter_base(config_toml, base))
         metadata.update(kohya_metadata(config_toml, lora_configs, base, version))
     else:
         tensors, lora_configs, folded = folded_alpha(tensors, lora_configs)
@@ -477,7 +477,7 @@ def save_merged(components: Components, out_dir: Path, single_file: bool, overwr
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # The single file's keys first: a family without that layout refuses before anything is written.
     ldm = (
-        {key: value.contiguous() for key, value in components.family.to_single_file(components).items()}
+        {key: value.contiguous() for key, value in components.family.layout.to_single_file(components).items()}
         if single_file
         else {}
     )

@@ -42,12 +42,12 @@ from difftune.files import open_safetensors
 
 CONFIG_METADATA_KEY = "difftune_config"
 KOHYA_PREFIXES = (
-    *{prefix for family in FAMILIES.values() for prefix in family.kohya_prefixes.values()},
+    *{prefix for family in FAMILIES.values() for prefix in family.layout.kohya_prefixes.values()},
     SIMPLETUNER_PREFIX,
 )
 KNOWN_PARTS = {part for family in FAMILIES.values() for part in family.parts()}  # diffusers-layout key prefixes
 # Keys of textual-inversion files, as each family writes them (A1111 / ComfyUI layouts).
-EMBEDDING_KEYS = {key for family in FAMILIES.values() for key in family.embedding_keys}
+EMBEDDING_KEYS = {key for family in FAMILIES.values() for key in family.layout.embedding_keys}
 # Prefixes of a file saved from one model rather than a pipeline (peft's; ComfyUI's and ai-toolkit's name the
 # denoiser `diffusion_model.`): its keys are the denoiser's.
 LONE_MODEL_PREFIXES = ("base_model.model.", "diffusion_model.")
@@ -109,7 +109,7 @@ def read_adapter(path: Path, base_modules: FindBaseModules | None = None) -> tup
         except ValueError as err:
             raise DifftuneError(f"adapter {path}: {err}") from None
         return tensors, lora_configs, config_toml
-    tensors = next(filter(None, (family.read_original_layout(tensors) for family in FAMILIES.values())), tensors)
+    tensors = next(filter(None, (family.layout.read_original_layout(tensors) for family in FAMILIES.values())), tensors)
     tensors, alphas = _from_diffusers(tensors, path)
     if LORA_ADAPTER_METADATA_KEY in metadata:
         lora_configs = json.loads(metadata[LORA_ADAPTER_METADATA_KEY])
@@ -142,7 +142,7 @@ def placed_on_base(tensors: dict, modules: BaseModules, path: Path) -> dict:
     would otherwise drop the rest with a log line."""
     known = {part: set(names) for part, names in modules.names.items()}
     denoiser = modules.family.denoiser_name
-    originals = modules.family.original_module_names(modules.names.get(denoiser, []))
+    originals = modules.family.layout.original_module_names(modules.names.get(denoiser, []))
     placed = {}
     for key, value in tensors.items():
         part, _, rest = key.partition(".")

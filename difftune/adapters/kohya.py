@@ -45,7 +45,7 @@ from difftune.adapters.kinds import (
     derived_lora_configs,
 )
 from difftune.families.family import Family
-from difftune.families.fused import KOHYA_DENOISER_PREFIX, FusedKohyaLayout, OriginalNamesKohyaLayout
+from difftune.families.layouts import KOHYA_DENOISER_PREFIX, FusedLayout, Layout, RenamedLayout
 
 TEXT_MODEL = "text_model."
 
@@ -320,43 +320,48 @@ def _rank(lora_configs: dict, part: str, module: str) -> int:
 
 
 # A family's layout: its parts' prefixes and, for the denoiser, the original model's names where the family's layout
-# gives them (families/fused.py: fused layers, or modules renamed one for one).
+# gives them (families/layouts.py: fused layers, or modules renamed one for one).
 
 
 def family_to_kohya(family: Family, tensors: dict[str, torch.Tensor], lora_configs: dict) -> dict[str, torch.Tensor]:
     """difftune-layout adapter tensors -> the family's kohya / A1111 / ComfyUI layout."""
-    if isinstance(family, FusedKohyaLayout):
-        return _fused_to_kohya(family, tensors, lora_configs)
-    if isinstance(family, OriginalNamesKohyaLayout):
-        return _renamed_to_kohya(family, tensors, lora_configs)
-    return to_kohya(tensors, lora_configs, family.kohya_prefixes, family.kohya_text_model_parts)
+    layout = family.layout
+    if isinstance(layout, FusedLayout):
+        return _fused_to_kohya(layout, family.denoiser_name, tensors, lora_configs)
+    if isinstance(layout, RenamedLayout):
+        return _renamed_to_kohya(layout, family.denoiser_name, tensors, lora_configs)
+    return to_kohya(tensors, lora_configs, layout.kohya_prefixes, layout.kohya_text_model_parts)
 
 
 def family_from_kohya(
     family: Family, tensors: dict[str, torch.Tensor], module_names: dict[str, list[str]]
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Inverse of `family_to_kohya`, with the base's module names (part -> names): tensors and peft configs. The
-    denoiser's modules are found under their original names too (`family.original_module_names`)."""
-    if isinstance(family, FusedKohyaLayout):
-        return _fused_from_kohya(family, tensors, module_names)
-    return _plain_from_kohya(family, tensors, module_names)
+    denoiser's modules are found under their original names too (`family.layout.original_module_names`)."""
+    if isinstance(family.layout, FusedLayout):
+        return _fused_from_kohya(family.layout, family.denoiser_name, tensors, module_names)
+    return _plain_from_kohya(family.layout, family.denoiser_name, tensors, module_names)
 
 
-def _plain_from_kohya(family: Family, tensors: dict, module_names: dict[str, list[str]]) -> tuple[dict, dict]:
-    other_names = {family.denoiser_name: family.original_module_names(module_names.get(family.denoiser_name, []))}
+def _plain_from_kohya(
+    layout: Layout, denoiser: str, tensors: dict, module_names: dict[str, list[str]]
+) -> tuple[dict, dict]:
+    other_names = {denoiser: layout.original_module_names(module_names.get(denoiser, []))}
     return from_kohya(
         tensors,
         module_names,
-        family.kohya_prefixes,
-        family.kohya_text_model_parts,
+        layout.kohya_prefixes,
+        layout.kohya_text_model_parts,
         other_names,
-        denoiser=family.denoiser_name,
+        denoiser=denoiser,
     )
 
 
-def _fused_to_kohya(layout: FusedKohyaLayout, tensors: dict, lora_configs: dict) -> dict[str, torch.Tensor]:
+def _fused_to_kohya(
+    layout: FusedLayout, denoiser_name: str, tensors: dict, lora_configs: dict
+) -> dict[str, torch.Tensor]:
     """Each original layer one adapter over the diffusers modules it holds (`fuse`); the other parts as any family's."""
-    prefix = f"{layout.denoiser_name}."
+    prefix = f"{denoiser_name}."
     denoiser = {key: value for key, value in tensors.items() if key.startswith(prefix)}
     out = to_kohya(
         {key: value for key, value in tensors.items() if key not in denoiser},
@@ -378,7 +383,7 @@ def _fused_to_kohya(layout: FusedKohyaLayout, tensors: dict, lora_configs: dict)
                 f"the kohya {layout.kohya_layout_name} layout fuses {', '.join(modules)} "
                 f"into {name}: adapt all of them (or none), or write the diffusers layout"
             )
-        fused = fuse(denoiser, lora_configs, layout.denoiser_name, modules)
+        fused = fuse(denoiser, lora_configs, denoiser_name, modules)
         out |= {f"{KOHYA_DENOISER_PREFIX}{name}.{kind}": value for kind, value in fused.items()}
     unnamed = adapted - {module for modules in table.values() for module in modules}
     if unnamed:
@@ -389,10 +394,12 @@ def _fused_to_kohya(layout: FusedKohyaLayout, tensors: dict, lora_configs: dict)
     return out
 
 
-def _fused_from_kohya(layout: FusedKohyaLayout, tensors: dict, module_names: dict[str, list[str]]) -> tuple[dict, dict]:
+def _fused_from_kohya(
+    layout: FusedLayout, denoiser_name: str, tensors: dict, module_names: dict[str, list[str]]
+) -> tuple[dict, dict]:
     """The original layout's layers split back into the diffusers modules they hold (`split`); a key named after one
     diffusers module (as sd-scripts' and musubi-tuner's Z-Image and Lumina files are) is read as any family's."""
-    table = layout.kohya_table(module_names[layout.denoiser_name])
+    table = layout.kohya_table(module_names[denoiser_name])
 
     def original_layer(key: str) -> str | None:
         name = key.partition(".")[0].removeprefix(KOHYA_DENOISER_PREFIX)
@@ -400,7 +407,7 @@ def _fused_from_kohya(layout: FusedKohyaLayout, tensors: dict, module_names: dic
 
     fused = {key: value for key, value in tensors.items() if original_layer(key)}
     out, configs = _plain_from_kohya(
-        layout, {key: value for key, value in tensors.items() if key not in fused}, module_names
+        layout, denoiser_name, {key: value for key, value in tensors.items() if key not in fused}, module_names
     )
     by_name: dict[str, dict] = {}
     for key, value in fused.items():
@@ -411,22 +418,24 @@ def _fused_from_kohya(layout: FusedKohyaLayout, tensors: dict, module_names: dic
         modules = table[name]
         sizes = layout.fused_row_sizes(modules, found["lora_up.weight"].shape[0], found["lora_down.weight"].shape[1])
         for module, part in zip(modules, split(found, sizes), strict=True):
-            out |= {f"{layout.denoiser_name}.{module}.{kind}": value for kind, value in part.tensors.items()}
+            out |= {f"{denoiser_name}.{module}.{kind}": value for kind, value in part.tensors.items()}
             ranks[module], alphas[module] = part.rank, part.alpha
     if ranks:
-        dora = {layout.denoiser_name: any("dora_scale" in found for found in by_name.values())}
-        configs |= derived_lora_configs({layout.denoiser_name: ranks}, {layout.denoiser_name: alphas}, dora)
+        dora = {denoiser_name: any("dora_scale" in found for found in by_name.values())}
+        configs |= derived_lora_configs({denoiser_name: ranks}, {denoiser_name: alphas}, dora)
     return out, configs
 
 
-def _renamed_to_kohya(layout: OriginalNamesKohyaLayout, tensors: dict, lora_configs: dict) -> dict[str, torch.Tensor]:
+def _renamed_to_kohya(
+    layout: RenamedLayout, denoiser_name: str, tensors: dict, lora_configs: dict
+) -> dict[str, torch.Tensor]:
     """Each denoiser module under its original name (`layout.original_name`)."""
-    prefix, originals = layout.kohya_prefixes[layout.denoiser_name], {}
+    prefix, originals = layout.kohya_prefixes[denoiser_name], {}
     for key in tensors:
         module = split_adapter_key(key.partition(".")[2])[0]
         if (original := layout.original_name(module)) is None:
             raise ValueError(
-                f"{layout.denoiser_name}.{module}: has no name in {layout.kohya_layout_name}'s original "
+                f"{denoiser_name}.{module}: has no name in {layout.kohya_layout_name}'s original "
                 "layout; write the diffusers layout"
             )
         originals[prefix + module.replace(".", "_")] = prefix + original.replace(".", "_")

@@ -86,11 +86,11 @@ def family_table_markdown(models_dir: Path) -> str:
             if not family.config_problems(Config(adapter={"kind": kind, "text_encoder": False}))
         ]
         encoders = ", ".join(f"`{e}`" for e in family.adapted_text_encoders()) or "none"
-        prefixes = ", ".join(f"`{prefix}`" for prefix in family.kohya_prefixes.values())
+        prefixes = ", ".join(f"`{prefix}`" for prefix in family.layout.kohya_prefixes.values())
         edits = {0: "no", 1: "1 control"}.get(family.max_controls, f"up to {family.max_controls} controls")
         rows.append(
             f"| `{name}` | {', '.join(f'`{c}`' for c in family.pipeline_classes)} | {', '.join(kinds)} | "
-            f"{encoders} | {prefixes} | {family.single_file_layout or 'not read'} | {edits} | "
+            f"{encoders} | {prefixes} | {family.layout.single_file_layout or 'not read'} | {edits} | "
             f"{_tiny_base_scores(models_dir / f'tiny-{name}')} |"
         )
     return "\n".join(rows)
@@ -170,7 +170,7 @@ def _readers(config: ModelConfig) -> tuple[list[Family], str]:
     base = config.base
     if base.endswith(SINGLE_FILE_SUFFIXES):
         keys = _single_file_keys(base)
-        readers = [family for family in FAMILIES.values() if family.reads_single_file(keys)]
+        readers = [family for family in FAMILIES.values() if family.layout.reads_single_file(keys)]
         if is_gguf(base) and not all(family.reads_denoiser_files for family in readers):
             raise DifftuneError(
                 f"model.base {base}: a GGUF file of a family whose single files hold the whole pipeline "

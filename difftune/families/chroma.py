@@ -20,7 +20,7 @@ import torch
 from diffusers import ChromaPipeline, ChromaTransformer2DModel
 
 from difftune.families.flow import pack, unpack
-from difftune.families.flux import ORIGINAL_GLOBALS, TRANSFORMER_TARGETS, Flux, image_position_ids
+from difftune.families.flux import ORIGINAL_GLOBALS, TRANSFORMER_TARGETS, Flux, FluxLayout, image_position_ids
 from difftune.families.loading import FamilyOptions
 from difftune.models.parts import Components
 
@@ -38,27 +38,52 @@ def approximator_key(key: str, to_original: bool) -> str:
     return key
 
 
-class Chroma(Flux):
-    name = "chroma"
-    description = "Chroma"
-    options_model = FamilyOptions  # no guidance embedding, and the padding mask is Chroma's own
-    pipeline_class = ChromaPipeline
-    pipeline_classes = ("ChromaPipeline",)
-    denoiser_class = ChromaTransformer2DModel
+class ChromaLayout(FluxLayout):
+    """Chroma's files in other tools' layouts."""
+
     denoiser_file_key = "distilled_guidance_layer.layers.0.in_layer.weight"  # the original layout's name alone
+
     original_globals = {
         module: original
         for module, original in ORIGINAL_GLOBALS.items()
         if not module.startswith(("time_text_embed.", "norm_out."))
     }
+
     swapped_halves = ()
+
+    kohya_prefixes = {"transformer": "lora_unet_"}
+
+    kohya_text_model_parts = ()
+
+    kohya_model_version = "chroma"
+
+    kohya_layout_name = "Chroma"
+
+    embedding_keys = ("t5",)
+
+    def original_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        approximator = {key: value for key, value in weights.items() if key.startswith(APPROXIMATOR)}
+        rest = super().original_state_dict({key: value for key, value in weights.items() if key not in approximator})
+        return rest | {
+            approximator_key(key, to_original=True): value.contiguous() for key, value in approximator.items()
+        }
+
+    def diffusers_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        approximator = {key: value for key, value in weights.items() if key.startswith(APPROXIMATOR)}
+        rest = super().diffusers_state_dict({key: value for key, value in weights.items() if key not in approximator})
+        return rest | {approximator_key(key, to_original=False): value for key, value in approximator.items()}
+
+
+class Chroma(Flux):
+    name = "chroma"
+    layout = ChromaLayout()
+    description = "Chroma"
+    options_model = FamilyOptions  # no guidance embedding, and the padding mask is Chroma's own
+    pipeline_class = ChromaPipeline
+    pipeline_classes = ("ChromaPipeline",)
+    denoiser_class = ChromaTransformer2DModel
     text_encoder_names = ("text_encoder",)
     tokenizer_names = ("tokenizer",)
-    kohya_prefixes = {"transformer": "lora_unet_"}
-    kohya_text_model_parts = ()
-    kohya_model_version = "chroma"
-    kohya_layout_name = "Chroma"
-    embedding_keys = ("t5",)
     default_targets = {"transformer": TRANSFORMER_TARGETS}
     lora_text_encoders = ()  # ChromaPipeline's LoRA loader reads the transformer's adapters alone
 
@@ -100,15 +125,3 @@ class Chroma(Flux):
         return components.tokenizers["tokenizer"].model_max_length
 
     # Single files.
-
-    def original_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        approximator = {key: value for key, value in weights.items() if key.startswith(APPROXIMATOR)}
-        rest = super().original_state_dict({key: value for key, value in weights.items() if key not in approximator})
-        return rest | {
-            approximator_key(key, to_original=True): value.contiguous() for key, value in approximator.items()
-        }
-
-    def diffusers_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        approximator = {key: value for key, value in weights.items() if key.startswith(APPROXIMATOR)}
-        rest = super().diffusers_state_dict({key: value for key, value in weights.items() if key not in approximator})
-        return rest | {approximator_key(key, to_original=False): value for key, value in approximator.items()}

@@ -13,14 +13,14 @@ import re
 
 import torch
 
-from difftune.config import Config, ModelConfig
+from difftune.config import Config
 from difftune.errors import DifftuneError
 from difftune.families.conditioning import Conditioning
 from difftune.families.drawing import Drawing
+from difftune.families.layouts import Layout
 from difftune.families.loading import FamilyOptions, Loading
 from difftune.families.objective import DDPM, Objective
 from difftune.families.targets import AdapterTargets
-from difftune.models import single_file
 from difftune.models.parts import (
     Components,
 )
@@ -37,24 +37,18 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
     pipeline_class: type
     pipeline_classes: tuple[str, ...]  # model_index.json `_class_name`s this family reads
     denoiser_class: type  # where a single file holds the denoiser alone (`pipeline_around_denoiser_file`)
-    single_file_layout: str | None = None  # what its single files (read and written) hold; None: not read
-    denoiser_file_key: str | None = None  # a key every denoiser-alone single file of the family has
     denoiser_name = "unet"  # its pipeline argument and its prefix in diffusers' LoRA files
     text_encoder_names: tuple[str, ...] = ("text_encoder",)
     tokenizer_names: tuple[str, ...] = ("tokenizer",)
     drawing_part_names: tuple[
         str, ...
     ] = ()  # frozen pipeline parts that drawing alone uses (`Components.drawing_parts`)
-    kohya_prefixes: dict[str, str]  # part -> key prefix in kohya / A1111 / ComfyUI files
-    kohya_text_model_parts: tuple[str, ...] = (
-        "text_encoder",
-    )  # CLIP encoders: kohya names their modules `text_model_*`
-    kohya_model_version: str  # kohya's `ss_base_model_version`, where one name covers the family's bases
     pipeline_options: tuple[str, ...] = ()  # pipeline config values a reassembled pipeline keeps
     fixed_pipeline_arguments: dict = {}  # what every pipeline of the family is built with
     options_model: type[FamilyOptions] = FamilyOptions  # what `model.family_options` may set
     max_controls = 0  # control (source) images an edit pair may have: 0 for a text-to-image family
     reads_clips = False  # a video base: trains on clips (`frame_windows`) and images alike
+    layout: Layout  # its files in other tools' layouts (layouts.py)
     objective: Objective = DDPM()  # what training minimises (objective.py; flow.py's for the flow families)
 
     # Detection and loading.
@@ -78,6 +72,7 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
             self.objective.problems(config)
             + self.unsupported_settings(config)
             + self.adapter_problems(config)
+            + self.layout.problems(config)
             + self.prompt_control_problems(config.sample.prompts)
         )
         try:
@@ -129,28 +124,3 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
     # Sampling.
 
     # Files.
-
-    def read_original_layout(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """An adapter file in the family's original layout that only diffusers' reader for the family converts (fused
-        layers split, as other trainers write them), recognised by its keys alone: its tensors in diffusers' layout
-        (`transformer.<module>.lora_A.weight`, ...), or None for any other file (the generic readers take it)."""
-        return None
-
-    def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
-        """The denoiser's modules by their names in the original (non-diffusers) model, as kohya files may use them:
-        a UNet's LDM/SGM names (none for a transformer: where its original layout fuses layers, `fused.py`'s table
-        names them)."""
-        return single_file.unet_ldm_module_names(denoiser_modules)
-
-    def base_model_version(self, model: ModelConfig | None) -> str | None:
-        """kohya's `ss_base_model_version` of adapters for `model` (None: unknown): the family's, where one version
-        name covers all its bases."""
-        return self.kohya_model_version
-
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        """Every weight under the original (LDM / SGM) single-file keys that A1111, ComfyUI and
-        `from_single_file` read; a family without a single-file layout (`single_file_layout` None) refuses."""
-        raise DifftuneError(
-            f"merge --single-file: no single-file layout is built for {self.description}; merge into a "
-            "diffusers folder (without --single-file), which its pipeline loads"
-        )

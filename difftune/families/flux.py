@@ -11,7 +11,7 @@ value).
 - Files: diffusers' LoRA layout is the transformer's own module names; kohya / ComfyUI name the original
   (BFL) model's modules, whose attention projections are fused (`qkv`; a single block's `linear1` is q, k, v
   and the MLP's input together): `ORIGINAL_BLOCKS` maps them and `kohya.fuse` / `kohya.split` convert. Single files
-  (the transformer alone, as BFL and ComfyUI ship it) are read and written from the same tables (fused.py).
+  (the transformer alone, as BFL and ComfyUI ship it) are read and written from the same tables (layouts.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from diffusers import FluxPipeline, FluxTransformer2DModel
 from pydantic import Field
 
 from difftune.families.flow import FlowMatchingFamily, FlowOptions, pack, unpack
-from difftune.families.fused import FusedKohyaLayout, kohya_blocks_of, kohya_globals_of
+from difftune.families.layouts import FusedLayout, kohya_blocks_of, kohya_globals_of
 from difftune.families.sd import CLIP_ATTENTION
 from difftune.models.parts import Components
 
@@ -109,27 +109,49 @@ class FluxOptions(FlowOptions):
     )
 
 
-class Flux(FusedKohyaLayout, FlowMatchingFamily):
+class FluxLayout(FusedLayout):
+    """Flux's files in other tools' layouts."""
+
+    single_file_layout = "transformer alone (BFL layout)"
+
+    denoiser_file_key = "double_blocks.0.img_mod.lin.weight"  # FLUX.2's blocks share one modulation, Chroma's have none
+
+    # kohya's Flux LoRA names T5 `lora_te3_`, the prefix ComfyUI gives T5 beside two CLIPs (SD3).
+    kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te3_"}
+
+    kohya_text_model_parts = ("text_encoder",)
+
+    kohya_model_version = "flux1"
+
+    kohya_layout_name = "Flux"
+
+    original_blocks, original_globals, swapped_halves = ORIGINAL_BLOCKS, ORIGINAL_GLOBALS, SWAPPED_HALVES
+
+    kohya_blocks = kohya_blocks_of(ORIGINAL_BLOCKS)
+
+    kohya_globals = kohya_globals_of(ORIGINAL_GLOBALS, SWAPPED_HALVES)
+
+    embedding_keys = ("clip_l", "t5")
+
+    def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
+        """A single block's `linear1` holds q, k, v and the MLP input, which is `MLP_RATIO` times as wide."""
+        if not modules[-1].endswith("proj_mlp"):
+            return super().fused_row_sizes(modules, rows, columns)
+        width = rows // (3 + MLP_RATIO)
+        return [width] * 3 + [rows - 3 * width]
+
+
+class Flux(FlowMatchingFamily):
     name = "flux"
+    layout = FluxLayout()
     description = "Flux.1-class flow-matching transformers"
     options_model = FluxOptions
     pipeline_class = FluxPipeline
     pipeline_classes = ("FluxPipeline",)
     denoiser_class = FluxTransformer2DModel
     denoiser_name = "transformer"
-    single_file_layout = "transformer alone (BFL layout)"
-    denoiser_file_key = "double_blocks.0.img_mod.lin.weight"  # FLUX.2's blocks share one modulation, Chroma's have none
     text_encoder_names = ("text_encoder", "text_encoder_2")
     tokenizer_names = ("tokenizer", "tokenizer_2")
-    # kohya's Flux LoRA names T5 `lora_te3_`, the prefix ComfyUI gives T5 beside two CLIPs (SD3).
-    kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te3_"}
-    kohya_text_model_parts = ("text_encoder",)
-    kohya_model_version = "flux1"
-    kohya_layout_name = "Flux"
-    original_blocks, original_globals, swapped_halves = ORIGINAL_BLOCKS, ORIGINAL_GLOBALS, SWAPPED_HALVES
-    kohya_blocks = kohya_blocks_of(ORIGINAL_BLOCKS)
-    kohya_globals = kohya_globals_of(ORIGINAL_GLOBALS, SWAPPED_HALVES)
-    embedding_keys = ("clip_l", "t5")
     default_targets = {
         "transformer": TRANSFORMER_TARGETS,
         "text_encoder": CLIP_ATTENTION,
@@ -200,10 +222,3 @@ class Flux(FusedKohyaLayout, FlowMatchingFamily):
     # `model.single_file_config`.
 
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
-
-    def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
-        """A single block's `linear1` holds q, k, v and the MLP input, which is `MLP_RATIO` times as wide."""
-        if not modules[-1].endswith("proj_mlp"):
-            return super().fused_row_sizes(modules, rows, columns)
-        width = rows // (3 + MLP_RATIO)
-        return [width] * 3 + [rows - 3 * width]

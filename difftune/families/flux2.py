@@ -31,7 +31,7 @@ from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE, compute_emp
 
 from difftune.config import Config
 from difftune.families.flow import FlowMatching, FlowMatchingFamily
-from difftune.families.fused import FusedKohyaLayout, kohya_blocks_of, kohya_globals_of
+from difftune.families.layouts import FusedLayout, kohya_blocks_of, kohya_globals_of
 from difftune.models.parts import Components
 
 TEXT_TOKENS = 512  # the pipelines' default `max_sequence_length`: the most `text_tokens` reads
@@ -112,24 +112,38 @@ def empirical_shift(components: Components, image_tokens: int) -> float:
     return math.exp(compute_empirical_mu(image_tokens, DEFAULT_STEPS))
 
 
-class Flux2(FusedKohyaLayout, FlowMatchingFamily):
+class Flux2Layout(FusedLayout):
+    """Flux2's files in other tools' layouts."""
+
+    single_file_layout = "transformer alone (BFL layout)"
+
+    denoiser_file_key = "single_stream_modulation.lin.weight"  # what diffusers' reader detects FLUX.2 files by
+
+    kohya_prefixes = {"transformer": "lora_unet_"}
+
+    kohya_text_model_parts = ()
+
+    kohya_model_version = "flux2_dev"
+
+    kohya_layout_name = "FLUX.2"
+
+    original_blocks, original_globals, swapped_halves = ORIGINAL_BLOCKS, ORIGINAL_GLOBALS, SWAPPED_HALVES
+
+    kohya_blocks = kohya_blocks_of(ORIGINAL_BLOCKS)
+
+    kohya_globals = kohya_globals_of(ORIGINAL_GLOBALS, SWAPPED_HALVES)
+
+
+class Flux2(FlowMatchingFamily):
     name = "flux2"
+    layout = Flux2Layout()
     objective = FlowMatching(resolution_shift=empirical_shift)
     description = "FLUX.2 [dev]"
     pipeline_class = Flux2Pipeline
     pipeline_classes = ("Flux2Pipeline",)
     denoiser_class = Flux2Transformer2DModel
     denoiser_name = "transformer"
-    single_file_layout = "transformer alone (BFL layout)"
-    denoiser_file_key = "single_stream_modulation.lin.weight"  # what diffusers' reader detects FLUX.2 files by
     patch_size = 1  # a token is one (patched) latent pixel
-    kohya_prefixes = {"transformer": "lora_unet_"}
-    kohya_text_model_parts = ()
-    kohya_model_version = "flux2_dev"
-    kohya_layout_name = "FLUX.2"
-    original_blocks, original_globals, swapped_halves = ORIGINAL_BLOCKS, ORIGINAL_GLOBALS, SWAPPED_HALVES
-    kohya_blocks = kohya_blocks_of(ORIGINAL_BLOCKS)
-    kohya_globals = kohya_globals_of(ORIGINAL_GLOBALS, SWAPPED_HALVES)
     default_targets = {"transformer": DOUBLE_TARGETS + SINGLE_TARGETS}
     lora_text_encoders = ()  # the FLUX.2 pipelines' LoRA loader reads the transformer's adapters alone
     text_layers = (10, 20, 30)  # the pipeline's default `text_encoder_out_layers`

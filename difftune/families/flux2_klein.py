@@ -15,16 +15,22 @@ from __future__ import annotations
 import torch
 from diffusers import Flux2KleinPipeline
 
-from difftune.families.flux2 import Flux2, text_tokens
+from difftune.families.flux2 import Flux2, Flux2Layout, text_tokens
+
+
+class Flux2KleinLayout(Flux2Layout):
+    """Flux2Klein's files in other tools' layouts."""
+
+    kohya_model_version = "flux2_klein"
 
 
 class Flux2Klein(Flux2):
     name = "flux2_klein"
+    layout = Flux2KleinLayout()
     description = "FLUX.2 [klein]"
     pipeline_class = Flux2KleinPipeline
     pipeline_classes = ("Flux2KleinPipeline",)
     pipeline_options = ("is_distilled",)
-    kohya_model_version = "flux2_klein"
     text_layers = (9, 18, 27)  # the pipeline's default `text_encoder_out_layers`
     negative_prompt_refusal = "Flux2KleinPipeline guides with an empty negative prompt and takes no other"
 

@@ -29,6 +29,7 @@ import torch
 from diffusers import HiDreamImagePipeline, HiDreamImageTransformer2DModel
 
 from difftune.families.flow import FlowMatchingFamily
+from difftune.families.layouts import Layout
 from difftune.models.parts import Components
 
 TEXT_TOKENS = 128  # the pipeline's default `max_sequence_length`
@@ -41,8 +42,27 @@ TRANSFORMER_TARGETS = [
 ]  # diffusers' HiDream script's default: the image stream's attention
 
 
+class HiDreamLayout(Layout):
+    """HiDream's files in other tools' layouts."""
+
+    single_file_layout = "transformer alone (diffusers names)"
+
+    denoiser_file_key = "double_stream_blocks.0.block.adaLN_modulation.1.bias"  # what diffusers' reader detects it by
+
+    kohya_prefixes = {"transformer": "lora_unet_"}
+
+    kohya_text_model_parts = ()
+
+    kohya_model_version = "hidream"
+
+    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
+        """The transformer's weights under their own names, as ComfyUI loads HiDream's diffusion model."""
+        return {key: value.contiguous() for key, value in components.denoiser.state_dict().items()}
+
+
 class HiDream(FlowMatchingFamily):
     name = "hidream"
+    layout = HiDreamLayout()
     description = "HiDream-I1"
     pipeline_class = HiDreamImagePipeline
     pipeline_classes = ("HiDreamImagePipeline",)
@@ -51,11 +71,6 @@ class HiDream(FlowMatchingFamily):
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
     tokenizer_names = ("tokenizer", "tokenizer_2", "tokenizer_3", "tokenizer_4")
     block_lists = ("double_stream_blocks", "single_stream_blocks")
-    single_file_layout = "transformer alone (diffusers names)"
-    denoiser_file_key = "double_stream_blocks.0.block.adaLN_modulation.1.bias"  # what diffusers' reader detects it by
-    kohya_prefixes = {"transformer": "lora_unet_"}
-    kohya_text_model_parts = ()
-    kohya_model_version = "hidream"
     default_targets = {"transformer": TRANSFORMER_TARGETS}
     lora_text_encoders = ()  # HiDreamImagePipeline's LoRA loader reads the transformer's adapters alone
 
@@ -132,7 +147,3 @@ class HiDream(FlowMatchingFamily):
         return TEXT_TOKENS
 
     # Files.
-
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        """The transformer's weights under their own names, as ComfyUI loads HiDream's diffusion model."""
-        return {key: value.contiguous() for key, value in components.denoiser.state_dict().items()}

@@ -43,7 +43,7 @@ from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ideog
 from difftune.config import Config
 from difftune.families.conditioning import valid_token_states
 from difftune.families.flow import FlowMatching, FlowMatchingFamily
-from difftune.families.fused import FusedKohyaLayout, kohya_blocks_of
+from difftune.families.layouts import FusedLayout, kohya_blocks_of
 from difftune.models.autoencoders import LatentNormalization, latent_normalization
 from difftune.models.parts import Components
 
@@ -101,8 +101,31 @@ def area_shift(components: Components, image_tokens: int) -> float:
     return math.exp(0.5 * math.log(image_tokens * PIXELS_PER_TOKEN**2 / BASE_PIXELS))
 
 
-class Ideogram4(FusedKohyaLayout, FlowMatchingFamily):
+class Ideogram4Layout(FusedLayout):
+    """Ideogram4's files in other tools' layouts."""
+
+    kohya_prefixes = {"transformer": "lora_unet_"}
+
+    kohya_text_model_parts = ()
+
+    kohya_model_version = "ideogram4"
+
+    kohya_layout_name = "Ideogram 4"
+
+    kohya_blocks = kohya_blocks_of(ORIGINAL_BLOCKS)
+
+    def read_original_layout(self, tensors):
+        """ai-toolkit's Ideogram 4 files (`diffusion_model.layers.0.attention.qkv.lora_A.weight`, `attention.o`) and the
+        reference trainer's (`conditional_transformer.`), through diffusers' own reader of them (`qkv` split in thirds
+        over a shared down, `.alpha` folded into the weights)."""
+        if not any(".attention.o." in key or key.startswith("conditional_transformer.") for key in tensors):
+            return None
+        return _convert_non_diffusers_ideogram4_lora_to_diffusers(dict(tensors))
+
+
+class Ideogram4(FlowMatchingFamily):
     name = "ideogram4"
+    layout = Ideogram4Layout()
     objective = FlowMatching(resolution_shift=area_shift)
     description = "Ideogram 4"
     pipeline_class = Ideogram4Pipeline
@@ -112,22 +135,9 @@ class Ideogram4(FusedKohyaLayout, FlowMatchingFamily):
     drawing_part_names = ("unconditional_transformer",)
     block_lists = ("layers",)
     patch_size = 1  # a token is one (patched) latent pixel
-    kohya_prefixes = {"transformer": "lora_unet_"}
-    kohya_text_model_parts = ()
-    kohya_model_version = "ideogram4"
-    kohya_layout_name = "Ideogram 4"
-    kohya_blocks = kohya_blocks_of(ORIGINAL_BLOCKS)
     default_targets = {"transformer": TRANSFORMER_TARGETS}
     padded_text_tokens = TEXT_TOKENS
     lora_text_encoders = ()  # Ideogram4Pipeline's LoRA loader reads the (conditional) transformer's adapters alone
-
-    def read_original_layout(self, tensors):
-        """ai-toolkit's Ideogram 4 files (`diffusion_model.layers.0.attention.qkv.lora_A.weight`, `attention.o`) and the
-        reference trainer's (`conditional_transformer.`), through diffusers' own reader of them (`qkv` split in thirds
-        over a shared down, `.alpha` folded into the weights)."""
-        if not any(".attention.o." in key or key.startswith("conditional_transformer.") for key in tensors):
-            return None
-        return _convert_non_diffusers_ideogram4_lora_to_diffusers(dict(tensors))
 
     def unsupported_settings(self, config: Config) -> list[str]:
         problems = super().unsupported_settings(config)

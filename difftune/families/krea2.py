@@ -32,7 +32,7 @@ from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkp
 from diffusers.pipelines.krea2.pipeline_krea2 import calculate_shift
 
 from difftune.families.flow import FlowMatching, FlowMatchingFamily, anchored_guidance, pack, unpack
-from difftune.families.fused import OriginalNamesKohyaLayout
+from difftune.families.layouts import RenamedLayout
 from difftune.models.parts import Components
 
 # Krea2Pipeline's prompt layout (`prompt_template_encode_prefix` / `_suffix`, `_start_idx`, `_num_suffix_tokens`;
@@ -161,21 +161,48 @@ def krea2_shift(components: Components, image_tokens: int) -> float:
     )
 
 
-class Krea2(OriginalNamesKohyaLayout, FlowMatchingFamily):
+class Krea2Layout(RenamedLayout):
+    """Krea2's files in other tools' layouts."""
+
+    single_file_layout = "transformer alone (original layout)"
+
+    denoiser_file_key = "txtfusion.projector.weight"  # what diffusers' reader detects Krea 2 files by
+
+    kohya_prefixes = {"transformer": "lora_unet_"}
+
+    kohya_text_model_parts = ()
+
+    kohya_model_version = "krea2"
+
+    kohya_layout_name = "Krea 2"
+
+    def original_name(self, module: str) -> str | None:
+        return original_name(module)
+
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return (
+            convert_krea2_transformer_checkpoint_to_diffusers(weights) if self.denoiser_file_key in weights else weights
+        )
+
+    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, value in components.denoiser.state_dict().items():
+            if key.startswith("transformer_blocks.") and key.endswith(".scale_shift_table"):
+                value = value.flatten()
+            out[original_weight_name(key)] = value.contiguous()
+        return out
+
+
+class Krea2(FlowMatchingFamily):
     name = "krea2"
+    layout = Krea2Layout()
     objective = FlowMatching(resolution_shift=krea2_shift)
     description = "Krea 2"
     pipeline_class = Krea2Pipeline
     pipeline_classes = ("Krea2Pipeline",)
     denoiser_class = Krea2Transformer2DModel
     denoiser_name = "transformer"
-    single_file_layout = "transformer alone (original layout)"
-    denoiser_file_key = "txtfusion.projector.weight"  # what diffusers' reader detects Krea 2 files by
     pipeline_options = ("text_encoder_select_layers", "is_distilled", "patch_size")
-    kohya_prefixes = {"transformer": "lora_unet_"}
-    kohya_text_model_parts = ()
-    kohya_model_version = "krea2"
-    kohya_layout_name = "Krea 2"
     default_targets = {"transformer": TRANSFORMER_TARGETS}
     lora_text_encoders = ()  # Krea2Pipeline's LoRA loader reads the transformer's adapters alone
 
@@ -248,23 +275,7 @@ class Krea2(OriginalNamesKohyaLayout, FlowMatchingFamily):
 
     # Files.
 
-    def original_name(self, module: str) -> str | None:
-        return original_name(module)
-
     # Single files: the transformer alone (`diffusion_models/krea-2*.safetensors`); the other parts come from
     # `model.single_file_config`.
 
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
-
-    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return (
-            convert_krea2_transformer_checkpoint_to_diffusers(weights) if self.denoiser_file_key in weights else weights
-        )
-
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        out = {}
-        for key, value in components.denoiser.state_dict().items():
-            if key.startswith("transformer_blocks.") and key.endswith(".scale_shift_table"):
-                value = value.flatten()
-            out[original_weight_name(key)] = value.contiguous()
-        return out

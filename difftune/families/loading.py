@@ -14,7 +14,6 @@ from pydantic import ValidationError
 from difftune.config import ModelConfig, Section
 from difftune.errors import DifftuneError
 from difftune.models.denoiser_files import (
-    DENOISER_FILE_PREFIXES,
     DenoiserFile,
     is_gguf,
     load_denoiser_file,
@@ -34,14 +33,6 @@ class FamilyOptions(Section):
 
 
 class Loading:
-    def reads_single_file(self, keys: set[str]) -> bool:
-        """Whether a single file with these keys is this family's: where its single files hold the denoiser alone,
-        they have `denoiser_file_key` (ComfyUI's files may prefix it); families without single files read none (a
-        diffusers folder of theirs is what to pass)."""
-        return self.denoiser_file_key is not None and any(
-            prefix + self.denoiser_file_key in keys for prefix in ("", *DENOISER_FILE_PREFIXES)
-        )
-
     def options(self, config: ModelConfig) -> FamilyOptions:
         """`model.family_options` checked against the family's own `options_model`: each wrong or unknown setting
         named (those another family has are refused too: on this base they would do nothing)."""
@@ -171,7 +162,7 @@ class Loading:
         with init_empty_weights():
             denoiser = self.denoiser_class.from_config(denoiser_config)
         if is_gguf(config.base):
-            return load_gguf_file(denoiser, config.base, self.diffusers_names, dtypes.others)
+            return load_gguf_file(denoiser, config.base, self.layout.diffusers_names, dtypes.others)
         return load_denoiser_file(denoiser, self.denoiser_file_weights(config.base), dtypes)
 
     @property
@@ -183,13 +174,7 @@ class Loading:
     def denoiser_file_weights(self, path: str) -> DenoiserFile:
         """A denoiser-alone `.safetensors` file's tensors under diffusers' names (`diffusers_names`), as the file
         holds them, with each fp8 tensor's scale (denoiser_files.py)."""
-        return read_denoiser_file(path, self.diffusers_names)
-
-    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A denoiser file's tensors (ComfyUI's prefixes gone) under diffusers' names: as they are, unless the
-        family's files have another layout. Only moves, splits, joins and reshapes (vectors): denoiser_files.py runs
-        it over codes of the file's rows, never over its weights."""
-        return weights
+        return read_denoiser_file(path, self.layout.diffusers_names)
 
     def components_of(self, pipeline, options: FamilyOptions) -> Components:
         return Components(

@@ -28,8 +28,8 @@ from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
 
 from difftune.families.conditioning import valid_token_states
 from difftune.families.flow import FlowMatchingFamily
-from difftune.families.fused import FusedKohyaLayout
-from difftune.families.z_image import fused_qkv, lumina_kohya_blocks
+from difftune.families.layouts import FusedLayout
+from difftune.families.z_image import BLOCK_LISTS, fused_qkv, lumina_kohya_blocks
 from difftune.models.parts import Components
 
 TEXT_TOKENS = 256  # Lumina2Pipeline's default `max_sequence_length`
@@ -77,30 +77,67 @@ def renamed(key: str, to_original: bool) -> str:
     return key
 
 
-class Lumina2(FusedKohyaLayout, FlowMatchingFamily):
-    name = "lumina2"
-    description = "Lumina 2"
-    pipeline_class = Lumina2Pipeline
-    pipeline_classes = ("Lumina2Pipeline", "Lumina2Text2ImgPipeline")  # and its earlier name, in folders saved then
-    denoiser_class = Lumina2Transformer2DModel
-    denoiser_name = "transformer"
-    block_lists = ("noise_refiner", "context_refiner", "layers")  # the refiners' blocks, then the joint ones
+class Lumina2Layout(FusedLayout):
+    """Lumina2's files in other tools' layouts."""
+
     single_file_layout = "transformer alone (original layout)"
+
     denoiser_file_key = "cap_embedder.1.weight"  # what diffusers' reader detects Lumina 2 files by
+
     kohya_prefixes = {"transformer": "lora_unet_"}
+
     kohya_text_model_parts = ()
+
     kohya_model_version = "lumina2"
+
     kohya_layout_name = "Lumina 2"
-    kohya_blocks = lumina_kohya_blocks(block_lists, "attn", {f"w{n}": f"feed_forward.linear_{n}" for n in (1, 2, 3)})
-    default_targets = {"transformer": TRANSFORMER_TARGETS}
-    padded_text_tokens = TEXT_TOKENS
-    lora_text_encoders = ()  # Lumina2Pipeline's LoRA loader reads the transformer's adapters alone
+
+    kohya_blocks = lumina_kohya_blocks(BLOCK_LISTS, "attn", {f"w{n}": f"feed_forward.linear_{n}" for n in (1, 2, 3)})
 
     def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
         """q is as wide as the block (the layer's input); k and v share the rest (grouped-query heads)."""
         if len(modules) == 1:
             return [rows]
         return [columns, (rows - columns) // 2, (rows - columns) // 2]
+
+    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
+        out = {
+            renamed(key, to_original=True): value.contiguous()
+            for key, value in fused_qkv(components.denoiser.state_dict(), "attn").items()
+        }
+        # The original model holds a final norm it never applies (diffusers' reader drops it): at its initial value,
+        # for readers that expect every original key.
+        out["norm_final.weight"] = torch.ones(components.denoiser.config.hidden_size)
+        return out
+
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        weights, out = dict(weights), {}
+        if self.denoiser_file_key not in weights:  # diffusers' names
+            return weights
+        weights.pop("norm_final.weight", None)  # the original model holds it and never applies it
+        for key, value in weights.items():
+            key = renamed(key, to_original=False)
+            if key.endswith(".attn.qkv.weight"):  # q is as wide as the block, k and v share the rest
+                q_rows = value.shape[1]
+                parts = value.split([q_rows, (len(value) - q_rows) // 2, (len(value) - q_rows) // 2])
+                out |= {key.replace(".qkv.", f".to_{p}."): part for p, part in zip("qkv", parts, strict=True)}
+            else:
+                out[key] = value
+        return out
+
+
+class Lumina2(FlowMatchingFamily):
+    name = "lumina2"
+    layout = Lumina2Layout()
+    description = "Lumina 2"
+    pipeline_class = Lumina2Pipeline
+    pipeline_classes = ("Lumina2Pipeline", "Lumina2Text2ImgPipeline")  # and its earlier name, in folders saved then
+    denoiser_class = Lumina2Transformer2DModel
+    denoiser_name = "transformer"
+    block_lists = BLOCK_LISTS
+    default_targets = {"transformer": TRANSFORMER_TARGETS}
+    padded_text_tokens = TEXT_TOKENS
+    lora_text_encoders = ()  # Lumina2Pipeline's LoRA loader reads the transformer's adapters alone
 
     # Prompts and the transformer.
 
@@ -154,28 +191,3 @@ class Lumina2(FusedKohyaLayout, FlowMatchingFamily):
     # Read and written from one table at any width (diffusers' reader assumes Lumina-Image 2.0's: 2304, 768).
 
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
-
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        out = {
-            renamed(key, to_original=True): value.contiguous()
-            for key, value in fused_qkv(components.denoiser.state_dict(), "attn").items()
-        }
-        # The original model holds a final norm it never applies (diffusers' reader drops it): at its initial value,
-        # for readers that expect every original key.
-        out["norm_final.weight"] = torch.ones(components.denoiser.config.hidden_size)
-        return out
-
-    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        weights, out = dict(weights), {}
-        if self.denoiser_file_key not in weights:  # diffusers' names
-            return weights
-        weights.pop("norm_final.weight", None)  # the original model holds it and never applies it
-        for key, value in weights.items():
-            key = renamed(key, to_original=False)
-            if key.endswith(".attn.qkv.weight"):  # q is as wide as the block, k and v share the rest
-                q_rows = value.shape[1]
-                parts = value.split([q_rows, (len(value) - q_rows) // 2, (len(value) - q_rows) // 2])
-                out |= {key.replace(".qkv.", f".to_{p}."): part for p, part in zip("qkv", parts, strict=True)}
-            else:
-                out[key] = value
-        return out

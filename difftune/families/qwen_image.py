@@ -25,6 +25,7 @@ from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
 from difftune.families.conditioning import valid_token_states
 from difftune.families.flow import FlowMatchingFamily, pack, unpack
+from difftune.families.layouts import Layout
 from difftune.models.parts import Components
 
 # QwenImagePipeline's prompt template and the number of its tokens before the caption that it drops
@@ -53,18 +54,33 @@ TRANSFORMER_TARGETS = [
 ]
 
 
+class QwenImageLayout(Layout):
+    """QwenImage's files in other tools' layouts."""
+
+    single_file_layout = "transformer alone (diffusers names)"
+
+    denoiser_file_key = "transformer_blocks.0.img_mod.1.weight"  # a key every Qwen-Image transformer file has
+
+    kohya_prefixes = {"transformer": "lora_unet_"}
+
+    kohya_text_model_parts = ()
+
+    kohya_model_version = "qwen_image"
+
+    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
+        """The transformer's weights under their own names: the file ComfyUI loads as a diffusion model (the text
+        encoder and autoencoder are files of their own there)."""
+        return {key: value.contiguous() for key, value in components.denoiser.state_dict().items()}
+
+
 class QwenImage(FlowMatchingFamily):
     name = "qwen_image"
+    layout = QwenImageLayout()
     description = "Qwen-Image"
-    single_file_layout = "transformer alone (diffusers names)"
-    denoiser_file_key = "transformer_blocks.0.img_mod.1.weight"  # a key every Qwen-Image transformer file has
     pipeline_class = QwenImagePipeline
     pipeline_classes = ("QwenImagePipeline",)
     denoiser_class = QwenImageTransformer2DModel
     denoiser_name = "transformer"
-    kohya_prefixes = {"transformer": "lora_unet_"}
-    kohya_text_model_parts = ()
-    kohya_model_version = "qwen_image"
     default_targets = {"transformer": TRANSFORMER_TARGETS}
     lora_text_encoders = ()  # QwenImagePipeline's LoRA loader reads the transformer's adapters alone
     prompt_template = PROMPT_TEMPLATE  # the pipeline's `prompt_template_encode`
@@ -124,8 +140,3 @@ class QwenImage(FlowMatchingFamily):
         return self.padded_text_tokens
 
     # Files.
-
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        """The transformer's weights under their own names: the file ComfyUI loads as a diffusion model (the text
-        encoder and autoencoder are files of their own there)."""
-        return {key: value.contiguous() for key, value in components.denoiser.state_dict().items()}

@@ -8,6 +8,7 @@ from safetensors import safe_open
 
 from difftune.config import ModelConfig
 from difftune.families.family import Family
+from difftune.families.layouts import Layout
 from difftune.models import single_file
 from difftune.models.parts import SINGLE_FILE_SUFFIXES, Components
 
@@ -15,16 +16,12 @@ ATTENTION_PROJECTIONS = ["to_q", "to_k", "to_v", "to_out.0"]
 CLIP_ATTENTION = ["q_proj", "k_proj", "v_proj", "out_proj"]
 
 
-class StableDiffusion(Family):
-    name = "sd"
-    description = "Stable Diffusion 1.x / 2.x"
+class StableDiffusionLayout(Layout):
+    """StableDiffusion's files in other tools' layouts."""
+
     single_file_layout = "whole checkpoint (LDM layout)"
-    trains_embeddings = True
-    pipeline_class = StableDiffusionPipeline
-    pipeline_classes = ("StableDiffusionPipeline",)
+
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
-    default_targets = {"unet": ATTENTION_PROJECTIONS, "text_encoder": CLIP_ATTENTION}
-    fixed_pipeline_arguments = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
 
     def base_model_version(self, model: ModelConfig | None) -> str | None:
         """`sd_v1` or `sd_v2` by the width of the text states the UNet reads (SD 2.x's OpenCLIP-H: 1024; diffusers'
@@ -54,6 +51,24 @@ class StableDiffusion(Family):
         has_unet = any(key.startswith(single_file.UNET_PREFIX) for key in keys)
         return has_unet and not any(key.startswith(single_file.SDXL_CONDITIONER_PREFIX) for key in keys)
 
+    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
+        return {
+            **single_file.unet_to_ldm(components.denoiser),
+            **single_file.vae_to_ldm(components.vae),
+            **single_file.clip_to_ldm(components.text_encoders["text_encoder"], single_file.TEXT_ENCODER_PREFIX),
+        }
+
+
+class StableDiffusion(Family):
+    name = "sd"
+    layout = StableDiffusionLayout()
+    description = "Stable Diffusion 1.x / 2.x"
+    trains_embeddings = True
+    pipeline_class = StableDiffusionPipeline
+    pipeline_classes = ("StableDiffusionPipeline",)
+    default_targets = {"unet": ATTENTION_PROJECTIONS, "text_encoder": CLIP_ATTENTION}
+    fixed_pipeline_arguments = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # CLIP's last hidden state (B, L, D), as SD 1.x uses it.
         return {
@@ -64,10 +79,3 @@ class StableDiffusion(Family):
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         return components.denoiser(noisy, timesteps, conditioning["encoder_hidden_states"], return_dict=False)[0]
-
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        return {
-            **single_file.unet_to_ldm(components.denoiser),
-            **single_file.vae_to_ldm(components.vae),
-            **single_file.clip_to_ldm(components.text_encoders["text_encoder"], single_file.TEXT_ENCODER_PREFIX),
-        }

@@ -28,7 +28,7 @@ from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoi
 
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.flux import T5_ATTENTION
-from difftune.families.fused import BLOCK, FusedKohyaLayout, swap_halves
+from difftune.families.layouts import BLOCK, FusedLayout, swap_halves
 from difftune.families.loading import FamilyOptions
 from difftune.families.sd import CLIP_ATTENTION
 from difftune.models.parts import Components, tokenize
@@ -100,32 +100,62 @@ ORIGINAL_GLOBALS = {
 }
 
 
-class StableDiffusion3(FusedKohyaLayout, FlowMatchingFamily):
-    name = "sd3"
-    description = "Stable Diffusion 3 / 3.5"
-    options_model = FamilyOptions  # no guidance embedding
-    pipeline_class = StableDiffusion3Pipeline
-    pipeline_classes = ("StableDiffusion3Pipeline",)
-    denoiser_class = SD3Transformer2DModel
-    denoiser_name = "transformer"
+class StableDiffusion3Layout(FusedLayout):
+    """StableDiffusion3's files in other tools' layouts."""
+
     single_file_layout = "transformer alone (original MMDiT layout)"
+
     denoiser_file_key = "joint_blocks.0.x_block.attn.qkv.weight"
+
     original_blocks = {"transformer_blocks": ("joint_blocks", ORIGINAL_BLOCK)}
+
     original_globals = ORIGINAL_GLOBALS
+
     swapped_halves = ("norm_out.linear.weight", "norm_out.linear.bias")
-    text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    tokenizer_names = ("tokenizer", "tokenizer_2", "tokenizer_3")
+
     kohya_prefixes = {
         "transformer": "lora_unet_",
         "text_encoder": "lora_te1_",
         "text_encoder_2": "lora_te2_",
         "text_encoder_3": "lora_te3_",
     }
+
     kohya_text_model_parts = ("text_encoder", "text_encoder_2")
+
     kohya_model_version = "sd3"
+
     kohya_layout_name = "SD3"
+
     kohya_blocks = {"transformer_blocks": KOHYA_BLOCK}
+
     embedding_keys = ("clip_l", "clip_g", "t5")
+
+    def diffusers_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return convert_sd3_transformer_checkpoint_to_diffusers(dict(weights))
+
+    def original_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tables' layout, with the position embedding under its own name and the last block's context
+        modulation (a final-layer kind of norm there) in the original's order."""
+        weights = dict(weights)
+        last = max(int(match.group(2)) for key in weights if (match := BLOCK.match(key)))
+        for parameter in ("weight", "bias"):
+            key = f"transformer_blocks.{last}.norm1_context.linear.{parameter}"
+            weights[key] = swap_halves(weights[key])
+        position = weights.pop("pos_embed.pos_embed")
+        return super().original_state_dict(weights) | {"pos_embed": position.contiguous()}
+
+
+class StableDiffusion3(FlowMatchingFamily):
+    name = "sd3"
+    layout = StableDiffusion3Layout()
+    description = "Stable Diffusion 3 / 3.5"
+    options_model = FamilyOptions  # no guidance embedding
+    pipeline_class = StableDiffusion3Pipeline
+    pipeline_classes = ("StableDiffusion3Pipeline",)
+    denoiser_class = SD3Transformer2DModel
+    denoiser_name = "transformer"
+    text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    tokenizer_names = ("tokenizer", "tokenizer_2", "tokenizer_3")
     default_targets = {
         "transformer": TRANSFORMER_TARGETS,
         "text_encoder": CLIP_ATTENTION,
@@ -198,17 +228,3 @@ class StableDiffusion3(FusedKohyaLayout, FlowMatchingFamily):
     # `model.single_file_config`.
 
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
-
-    def diffusers_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return convert_sd3_transformer_checkpoint_to_diffusers(dict(weights))
-
-    def original_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The tables' layout, with the position embedding under its own name and the last block's context
-        modulation (a final-layer kind of norm there) in the original's order."""
-        weights = dict(weights)
-        last = max(int(match.group(2)) for key in weights if (match := BLOCK.match(key)))
-        for parameter in ("weight", "bias"):
-            key = f"transformer_blocks.{last}.norm1_context.linear.{parameter}"
-            weights[key] = swap_halves(weights[key])
-        position = weights.pop("pos_embed.pos_embed")
-        return super().original_state_dict(weights) | {"pos_embed": position.contiguous()}

@@ -14,6 +14,7 @@ import torch
 from diffusers import StableDiffusionXLPipeline
 
 from difftune.families.family import Family
+from difftune.families.layouts import Layout
 from difftune.families.sd import ATTENTION_PROJECTIONS, CLIP_ATTENTION
 from difftune.models import single_file
 from difftune.models.parts import Components
@@ -22,27 +23,47 @@ from difftune.models.parts import Components
 OPEN_CLIP_KEY = f"{single_file.SDXL_TEXT_ENCODER_2_PREFIX}positional_embedding"
 
 
+class StableDiffusionXLLayout(Layout):
+    """StableDiffusionXL's files in other tools' layouts."""
+
+    single_file_layout = "whole checkpoint (SGM layout)"
+
+    kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
+
+    kohya_text_model_parts = ("text_encoder", "text_encoder_2")
+
+    kohya_model_version = "sdxl_base_v1-0"
+
+    embedding_keys = ("clip_l", "clip_g")
+
+    def reads_single_file(self, keys: set[str]) -> bool:
+        return OPEN_CLIP_KEY in keys
+
+    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
+        return {
+            **single_file.unet_to_ldm(components.denoiser),
+            **single_file.vae_to_ldm(components.vae),
+            **single_file.clip_to_ldm(components.text_encoders["text_encoder"], single_file.SDXL_TEXT_ENCODER_PREFIX),
+            **single_file.open_clip_to_ldm(
+                components.text_encoders["text_encoder_2"], single_file.SDXL_TEXT_ENCODER_2_PREFIX
+            ),
+        }
+
+
 class StableDiffusionXL(Family):
     name = "sdxl"
+    layout = StableDiffusionXLLayout()
     description = "Stable Diffusion XL"
-    single_file_layout = "whole checkpoint (SGM layout)"
     trains_embeddings = True
     pipeline_class = StableDiffusionXLPipeline
     pipeline_classes = ("StableDiffusionXLPipeline",)
     text_encoder_names = ("text_encoder", "text_encoder_2")
     tokenizer_names = ("tokenizer", "tokenizer_2")
-    kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
-    kohya_text_model_parts = ("text_encoder", "text_encoder_2")
-    kohya_model_version = "sdxl_base_v1-0"
-    embedding_keys = ("clip_l", "clip_g")
     default_targets = {"unet": ATTENTION_PROJECTIONS, "text_encoder": CLIP_ATTENTION, "text_encoder_2": CLIP_ATTENTION}
     # Whether an empty negative prompt is zeros (SDXL base) or the encoded "" (a model trained with
     # empty-caption dropout, like the tiny base): a reassembled pipeline must keep what the model says.
     pipeline_options = ("force_zeros_for_empty_prompt",)
     fixed_pipeline_arguments = {"add_watermarker": False}  # the watermark is for published images, not samples
-
-    def reads_single_file(self, keys: set[str]) -> bool:
-        return OPEN_CLIP_KEY in keys
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         states = []
@@ -59,13 +80,3 @@ class StableDiffusionXL(Family):
             "time_ids": geometry.to(states.device, states.dtype),
         }
         return components.denoiser(noisy, timesteps, states, added_cond_kwargs=added, return_dict=False)[0]
-
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        return {
-            **single_file.unet_to_ldm(components.denoiser),
-            **single_file.vae_to_ldm(components.vae),
-            **single_file.clip_to_ldm(components.text_encoders["text_encoder"], single_file.SDXL_TEXT_ENCODER_PREFIX),
-            **single_file.open_clip_to_ldm(
-                components.text_encoders["text_encoder_2"], single_file.SDXL_TEXT_ENCODER_2_PREFIX
-            ),
-        }

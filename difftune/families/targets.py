@@ -12,8 +12,6 @@ from difftune.families.loading import FamilyOptions
 class AdapterTargets:
     lora_text_encoders: tuple[str, ...] | None = None  # those its pipeline's LoRA loader reads adapters of (None: all)
 
-    embedding_keys: tuple[str, ...] = ("emb_params",)  # per text encoder: its key in A1111 / ComfyUI embedding files
-
     default_targets: dict[str, list[str]]  # part -> modules that get an adapter unless the config lists others
 
     trains_embeddings = False  # textual inversion is built for it (`adapter.kind = "embedding"`)

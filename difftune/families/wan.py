@@ -43,7 +43,7 @@ from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families.conditioning import valid_token_states
 from difftune.families.flow import FlowMatching, FlowMatchingFamily, FlowOptions
-from difftune.families.fused import OriginalNamesKohyaLayout
+from difftune.families.layouts import RenamedLayout
 from difftune.families.loading import config_folder
 from difftune.models.parts import Components
 
@@ -159,34 +159,53 @@ class ExpertFlowMatching(FlowMatching):
         return (sigma < boundary) == (components.family.denoiser_part(components.family_options) == "transformer_2")
 
 
-class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
-    name = "wan"
-    description = "Wan 2.1 / 2.2"
-    pipeline_class = WanPipeline
-    pipeline_classes = ("WanPipeline",)
-    denoiser_class = WanTransformer3DModel
-    denoiser_name = "transformer"
-    block_lists = ("blocks",)
+class WanLayout(RenamedLayout):
+    """Wan's files in other tools' layouts."""
+
     kohya_prefixes = {"transformer": "lora_unet_"}
+
     kohya_text_model_parts = ()
+
     kohya_model_version = "wan"
+
     kohya_layout_name = "Wan"
-    default_targets = {"transformer": TRANSFORMER_TARGETS}
-    padded_text_tokens = TEXT_TOKENS
-    lora_text_encoders = ()  # WanPipeline's LoRA loader reads the transformer's adapters alone
+
     single_file_layout = "transformer alone (original layout)"
+
     denoiser_file_key = "head.modulation"  # what diffusers' reader detects Wan files by
-    reads_clips = True
-    options_model = WanOptions
-    objective = ExpertFlowMatching()
-    placement_options = ("expert",)  # a file of each expert goes onto it (export.base_for_adapters)
-    pipeline_options = ("boundary_ratio", "expand_timesteps")
 
     def original_name(self, module: str) -> str | None:
         if match := BLOCK.match(module):
             member = ORIGINAL_IN_BLOCK.get(match.group(2))
             return f"blocks.{match.group(1)}.{member}" if member else None
         return ORIGINAL_NAMES.get(module)
+
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return convert_wan_transformer_to_diffusers(weights) if self.denoiser_file_key in weights else weights
+
+    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
+        return {
+            original_weight_name(key): value.contiguous() for key, value in components.denoiser.state_dict().items()
+        }
+
+
+class Wan(FlowMatchingFamily):
+    name = "wan"
+    layout = WanLayout()
+    description = "Wan 2.1 / 2.2"
+    pipeline_class = WanPipeline
+    pipeline_classes = ("WanPipeline",)
+    denoiser_class = WanTransformer3DModel
+    denoiser_name = "transformer"
+    block_lists = ("blocks",)
+    default_targets = {"transformer": TRANSFORMER_TARGETS}
+    padded_text_tokens = TEXT_TOKENS
+    lora_text_encoders = ()  # WanPipeline's LoRA loader reads the transformer's adapters alone
+    reads_clips = True
+    options_model = WanOptions
+    objective = ExpertFlowMatching()
+    placement_options = ("expert",)  # a file of each expert goes onto it (export.base_for_adapters)
+    pipeline_options = ("boundary_ratio", "expand_timesteps")
 
     # Wan 2.2's experts.
 
@@ -286,11 +305,3 @@ class Wan(OriginalNamesKohyaLayout, FlowMatchingFamily):
     # the other parts come from `model.single_file_config`.
 
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
-
-    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return convert_wan_transformer_to_diffusers(weights) if self.denoiser_file_key in weights else weights
-
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        return {
-            original_weight_name(key): value.contiguous() for key, value in components.denoiser.state_dict().items()
-        }

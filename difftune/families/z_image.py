@@ -32,7 +32,7 @@ from diffusers.loaders.single_file_utils import convert_z_image_transformer_chec
 
 from difftune.families.conditioning import valid_token_states
 from difftune.families.flow import FlowMatchingFamily, anchored_guidance
-from difftune.families.fused import FusedKohyaLayout
+from difftune.families.layouts import FusedLayout
 from difftune.models.parts import Components
 
 TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
@@ -70,6 +70,10 @@ def fused_qkv(weights: dict[str, torch.Tensor], attention: str) -> dict[str, tor
     return out
 
 
+# The refiners' blocks, then the main ones: what Z-Image and Lumina 2 both run.
+BLOCK_LISTS = ("noise_refiner", "context_refiner", "layers")
+
+
 def lumina_kohya_blocks(block_lists: tuple[str, ...], attention: str, feed_forward: dict[str, str]) -> dict:
     """The kohya layout ComfyUI maps for a Lumina-lineage DiT (Z-Image, Lumina 2): its original names, q, k and v
     one `attention_qkv` layer per block (what musubi-tuner's Z-Image converter to ComfyUI writes); `feed_forward`:
@@ -84,28 +88,22 @@ def lumina_kohya_blocks(block_lists: tuple[str, ...], attention: str, feed_forwa
     }
 
 
-class ZImage(FusedKohyaLayout, FlowMatchingFamily):
-    name = "z_image"
-    description = "Z-Image"
+class ZImageLayout(FusedLayout):
+    """ZImage's files in other tools' layouts."""
+
     single_file_layout = "transformer alone (original layout)"
+
     denoiser_file_key = "noise_refiner.0.attention_norm1.weight"  # in the original layout and diffusers' alike
-    pipeline_class = ZImagePipeline
-    pipeline_classes = ("ZImagePipeline",)
-    denoiser_class = ZImageTransformer2DModel
-    denoiser_name = "transformer"
-    block_lists = ("noise_refiner", "context_refiner", "layers")  # the refiners' blocks, then the main ones
+
     kohya_prefixes = {"transformer": "lora_unet_"}
+
     kohya_text_model_parts = ()
+
     kohya_model_version = "z_image"
+
     kohya_layout_name = "Z-Image"
-    kohya_blocks = lumina_kohya_blocks(block_lists, "attention", {f"w{n}": f"feed_forward.w{n}" for n in (1, 2, 3)})
-    default_targets = {"transformer": TRANSFORMER_TARGETS}
-    padded_text_tokens = TEXT_TOKENS
-    lora_text_encoders = ()  # ZImagePipeline's LoRA loader reads the transformer's adapters alone
 
-    # Detection and single files.
-
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
+    kohya_blocks = lumina_kohya_blocks(BLOCK_LISTS, "attention", {f"w{n}": f"feed_forward.w{n}" for n in (1, 2, 3)})
 
     def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The original layout (Tongyi's and ComfyUI's files) through diffusers' converter; diffusers' names as
@@ -125,6 +123,24 @@ class ZImage(FusedKohyaLayout, FlowMatchingFamily):
             out[key] = value.contiguous()
         out["norm_final.weight"] = torch.ones(components.denoiser.config.dim)
         return out
+
+
+class ZImage(FlowMatchingFamily):
+    name = "z_image"
+    layout = ZImageLayout()
+    description = "Z-Image"
+    pipeline_class = ZImagePipeline
+    pipeline_classes = ("ZImagePipeline",)
+    denoiser_class = ZImageTransformer2DModel
+    denoiser_name = "transformer"
+    block_lists = BLOCK_LISTS
+    default_targets = {"transformer": TRANSFORMER_TARGETS}
+    padded_text_tokens = TEXT_TOKENS
+    lora_text_encoders = ()  # ZImagePipeline's LoRA loader reads the transformer's adapters alone
+
+    # Detection and single files.
+
+    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
     # Prompts and the transformer.
 

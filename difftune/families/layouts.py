@@ -1,19 +1,23 @@
-"""The kohya / ComfyUI layouts of denoisers whose original model names or fuses layers otherwise than diffusers does.
+"""A family's files in other tools' layouts, the role a family holds as `layout`: its kohya / A1111 / ComfyUI adapter
+names (what `adapters/kohya.py` converts by), its single files (read and written) and the original model's names.
 
-Fused (`FusedKohyaLayout`): the original model fuses layers that diffusers keeps apart (Flux.1's
-and SD3's attention `qkv`, Flux's single-block `linear1`): one adapter per original layer, named by the original
-model (`lora_unet_<original name with _>`), over the diffusers modules it holds; and, for families that give the
-original layout's tables (`original_blocks`, `original_globals`), their single files: the denoiser alone in the
-original layout, written and read from the same tables (`original_state_dict`, `diffusers_state_dict`).
+`Layout` is the UNet families' and the base of the others: each part under its diffusers module path with `_` and the
+family's prefix, a UNet's modules found under their LDM / SGM names too.
 
-Renamed one for one (`OriginalNamesKohyaLayout`: Krea 2's, Wan's): each module under its original name.
+Fused (`FusedLayout`): the original model fuses layers that diffusers keeps apart (Flux.1's and SD3's attention `qkv`,
+Flux's single-block `linear1`): one adapter per original layer, named by the original model (`lora_unet_<original name
+with _>`), over the diffusers modules it holds; and, for families that give the original layout's tables
+(`original_blocks`, `original_globals`), their single files: the denoiser alone in the original layout, written and
+read from the same tables (`original_state_dict`, `diffusers_state_dict`). The family's layout gives `kohya_blocks`
+(per list of blocks, each original name with the block's index as `{i}` -> the diffusers modules it holds, in the
+order of its output rows), `kohya_globals` for layers outside the blocks and, where the modules' widths differ,
+`fused_row_sizes`. Writing stacks the modules' downs and puts their ups block-diagonal (`kohya.fuse`), so the fused
+change is exactly the modules' changes; reading splits them back, or shares a trained fused down (`kohya.split`).
 
-`FusedKohyaLayout` is mixed into such a family before its `Family` base; the family gives `kohya_blocks` (per list
-of blocks, each original name with the block's index as `{i}` -> the diffusers modules it holds, in the order of its
-output rows), `kohya_globals` for layers outside the blocks and, where the modules' widths differ, `fused_row_sizes`.
-Writing stacks the modules' downs and puts their ups block-diagonal (`kohya.fuse`), so the
-fused change is exactly the modules' changes; reading splits them back, or shares a trained fused down
-(`kohya.split`).
+Renamed one for one (`RenamedLayout`: Krea 2's, Wan's): each module under its original name (`original_name`).
+
+A layout holds facts and weight-name conversions only; a family module subclasses the one it needs and the family
+holds an instance (`layout = FluxLayout()`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import re
 import torch
 
 from difftune.errors import DifftuneError
+from difftune.models import single_file
+from difftune.models.denoiser_files import DENOISER_FILE_PREFIXES
 
 KOHYA_DENOISER_PREFIX = "lora_unet_"
 BLOCK = re.compile(r"^(\w+)\.(\d+)\.")  # a block's list and index: `single_transformer_blocks.3.`
@@ -58,7 +64,61 @@ def kohya_globals_of(original_globals: dict[str, str], swapped_halves: tuple[str
     }
 
 
-class FusedKohyaLayout:
+class Layout:
+    kohya_prefixes: dict[str, str]  # part -> key prefix in kohya / A1111 / ComfyUI files
+    kohya_text_model_parts: tuple[str, ...] = (
+        "text_encoder",
+    )  # CLIP encoders: kohya names their modules `text_model_*`
+    kohya_model_version: str | None = None  # kohya's `ss_base_model_version`, where one name covers the family's bases
+    embedding_keys: tuple[str, ...] = ("emb_params",)  # per text encoder: its key in A1111 / ComfyUI embedding files
+    single_file_layout: str | None = None  # what its single files (read and written) hold; None: not read
+    denoiser_file_key: str | None = None  # a key every denoiser-alone single file of the family has
+
+    def reads_single_file(self, keys: set[str]) -> bool:
+        """Whether a single file with these keys is this family's: where its single files hold the denoiser alone,
+        they have `denoiser_file_key` (ComfyUI's files may prefix it); families without single files read none (a
+        diffusers folder of theirs is what to pass)."""
+        return self.denoiser_file_key is not None and any(
+            prefix + self.denoiser_file_key in keys for prefix in ("", *DENOISER_FILE_PREFIXES)
+        )
+
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A denoiser file's tensors (ComfyUI's prefixes gone) under diffusers' names: as they are, unless the
+        family's files have another layout. Only moves, splits, joins and reshapes (vectors): denoiser_files.py runs
+        it over codes of the file's rows, never over its weights."""
+        return weights
+
+    def to_single_file(self, components) -> dict[str, torch.Tensor]:
+        """Every weight under the original (LDM / SGM) single-file keys that A1111, ComfyUI and
+        `from_single_file` read; a family without a single-file layout (`single_file_layout` None) refuses."""
+        raise DifftuneError(
+            f"merge --single-file: no single-file layout is built for {components.family.description}; merge into a "
+            "diffusers folder (without --single-file), which its pipeline loads"
+        )
+
+    def read_original_layout(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """An adapter file in the family's original layout that only diffusers' reader for the family converts (fused
+        layers split, as other trainers write them), recognised by its keys alone: its tensors in diffusers' layout
+        (`transformer.<module>.lora_A.weight`, ...), or None for any other file (the generic readers take it)."""
+        return None
+
+    def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
+        """The denoiser's modules by their names in the original (non-diffusers) model, as kohya files may use them:
+        a UNet's LDM/SGM names (none for a transformer: where its original layout fuses layers, `FusedLayout`'s table
+        names them)."""
+        return single_file.unet_ldm_module_names(denoiser_modules)
+
+    def base_model_version(self, model) -> str | None:
+        """kohya's `ss_base_model_version` of adapters for `model` (a `ModelConfig`; None: unknown): the family's,
+        where one version name covers all its bases."""
+        return self.kohya_model_version
+
+    def problems(self, config) -> list[str]:
+        """The settings of `config` (a `Config`) whose files this layout cannot write, each named."""
+        return []
+
+
+class FusedLayout(Layout):
     kohya_layout_name: str  # the original model's name, as messages name its layout ("Flux", "SD3")
     kohya_blocks: dict[str, dict[str, list[str]]]  # block list -> {original name with `{i}`: its modules in the block}
     kohya_globals: dict[str, list[str]] = {}  # original name -> the modules it holds, outside the blocks
@@ -89,8 +149,8 @@ class FusedKohyaLayout:
             }
         return table | self.kohya_globals
 
-    def adapter_problems(self, config) -> list[str]:
-        problems = super().adapter_problems(config)
+    def problems(self, config) -> list[str]:
+        problems = super().problems(config)
         if config.adapter.kind in ("loha", "lokr") and config.export.format == "kohya":
             problems.append(
                 f'adapter.kind = "{config.adapter.kind}" with export.format = "kohya": '
@@ -181,11 +241,10 @@ class FusedKohyaLayout:
         return out
 
 
-class OriginalNamesKohyaLayout:
+class RenamedLayout(Layout):
     """The kohya / ComfyUI layout of a denoiser whose original model names its modules otherwise, one for one (Krea 2,
     Wan): `lora_unet_<original name with _>`, what ComfyUI maps from its own weights' names and the reference trainers
-    write; read back through `original_module_names`. Mixed in before the family's `Family` base; the family gives
-    `original_name`."""
+    write; read back through `original_module_names`. The family's layout gives `original_name`."""
 
     kohya_layout_name: str  # the original model's name, as messages name its layout
 
