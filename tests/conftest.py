@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from difftune.config import load_config
-from difftune.toy.tiny import build_pipeline, recolor_pairs, shape_images, write_caption_folder, write_pair_folder
+from difftune.toy.micro import build_pipeline
+from difftune.toy.tiny import recolor_pairs, shape_images, write_caption_folder, write_pair_folder
 
 REPO = Path(__file__).resolve().parents[1]
 

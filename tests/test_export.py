@@ -272,7 +272,8 @@ def test_kohya_files_name_the_version_of_their_base(make_config, tiny_base, tmp_
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
     from difftune.families import FAMILIES
-    from difftune.toy.tiny import build_pipeline, build_text_encoder
+    from difftune.toy.micro import build_pipeline
+    from difftune.toy.tiny import build_text_encoder
     from difftune.training.train import train
 
     pipeline = build_pipeline(seed=1)

@@ -1,4 +1,4 @@
-"""The conformance suite: every registered family, on its random-init micro model (`tiny.build_pipeline`), passes
+"""The conformance suite: every registered family, on its random-init micro model (`micro.build_pipeline`), passes
 the same checks. A new family is a module in difftune/families/ plus its micro-model builder; these tests then
 run it, checked against its own diffusers pipeline wherever one can be asked:
 
@@ -39,7 +39,8 @@ from difftune.families.lumina2 import SYSTEM_PROMPT
 from difftune.memory import storage
 from difftune.models.autoencoders import PATCHED_AUTOENCODERS, downsampling, latent_channels
 from difftune.models.parts import AS_STORED, PartDtypes, loads_encoders_first
-from difftune.toy.tiny import build_pipeline, recolor_pairs
+from difftune.toy.micro import build_pipeline
+from difftune.toy.tiny import recolor_pairs
 from difftune.training.checkpoint import complete_checkpoints
 from difftune.training.metrics import read_metrics
 from difftune.training.plan import plan_memory

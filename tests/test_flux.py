@@ -19,7 +19,7 @@ from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.families.flow import pack, resolution_shift, shifted, unpack
 from difftune.families.flux import image_position_ids
-from difftune.toy.tiny import build_pipeline
+from difftune.toy.micro import build_pipeline
 from difftune.training.train import train
 
 FLUX = FAMILIES["flux"]

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from difftune.config import Config, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
-from difftune.toy.tiny import build_pipeline
+from difftune.toy.micro import build_pipeline
 
 NAMES = ("flux2", "flux2_klein")
 

@@ -14,7 +14,7 @@ from difftune.adapters import export
 from difftune.adapters.files import module_names_of, read_adapter
 from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components
-from difftune.toy.tiny import build_pipeline
+from difftune.toy.micro import build_pipeline
 from difftune.training.train import train
 
 FAMILY = FAMILIES["hidream"]

@@ -18,7 +18,7 @@ from difftune.adapters.files import module_names_of
 from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components
 from difftune.families.krea2 import PROMPT_PREFIX, PROMPT_SUFFIX, SUFFIX_TOKENS, TEMPLATE_TOKENS, original_name
-from difftune.toy.tiny import build_pipeline
+from difftune.toy.micro import build_pipeline
 from difftune.training.train import train
 
 FAMILY = FAMILIES["krea2"]

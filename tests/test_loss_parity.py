@@ -22,7 +22,8 @@ from difftune.data.dataset import image_to_tensor
 from difftune.families import FAMILIES, load_components
 from difftune.families.ideogram4 import patched_order, token_order
 from difftune.models.autoencoders import encode_posterior, reference_latents
-from difftune.toy.tiny import build_pipeline, shape_images
+from difftune.toy.micro import build_pipeline
+from difftune.toy.tiny import shape_images
 
 # examples/dreambooth/<script> at diffusers 58eb52c0 -> sha256 of the file read.
 SCRIPTS = {

@@ -25,8 +25,8 @@ from difftune.families.qwen_image_edit import (
     control_dimensions,
 )
 from difftune.models.autoencoders import encode_posterior, reference_latents
+from difftune.toy.micro import build_pipeline
 from difftune.toy.tiny import (
-    build_pipeline,
     build_qwen_tokenizer,
     edit_pipeline_of,
     extend_qwen_tokenizer,

@@ -29,7 +29,8 @@ from difftune.families import drawing as sample
 from difftune.families.drawing import generate_images, sampling_scheduler, save_images
 from difftune.models.autoencoders import downsampling
 from difftune.models.parts import part_dtypes
-from difftune.toy.tiny import build_pipeline, build_wan22_pipeline
+from difftune.toy.micro import build_pipeline
+from difftune.toy.micro.wan import wan22_pipeline
 from difftune.training import plan
 from difftune.training.train import train
 from difftune.webui import jobs
@@ -283,7 +284,7 @@ def test_a_runs_samples_are_clips_and_its_parity_check_compares_every_frame(make
 @pytest.fixture(scope="module")
 def a14b(tmp_path_factory):
     path = tmp_path_factory.mktemp("micro-wan22-a14b")
-    build_wan22_pipeline(seed=2, kind="a14b").save_pretrained(path, safe_serialization=True)
+    wan22_pipeline(seed=2, kind="a14b").save_pretrained(path, safe_serialization=True)
     return str(path)
 
 
@@ -420,7 +421,7 @@ def test_wan22_ti2v_reads_a_time_per_token_over_its_own_patching_autoencoder(mak
     token, as its pipeline passes it (`expand_timesteps`): the prediction equals the pipeline's own call's; clips train
     and the saved adapter redraws what training drew (parity 0 in both layouts)."""
     path = tmp_path / "ti2v"
-    build_wan22_pipeline(seed=3, kind="ti2v").save_pretrained(path, safe_serialization=True)
+    wan22_pipeline(seed=3, kind="ti2v").save_pretrained(path, safe_serialization=True)
     components = load_components(ModelConfig(base=str(path)))
     assert components.pipeline_options["expand_timesteps"] and downsampling(components.vae) == 8
     noisy = torch.randn(2, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))

@@ -16,7 +16,7 @@ from difftune.data.clips import write_clip
 from difftune.data.dataset import image_to_tensor
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
-from difftune.toy.tiny import build_pipeline
+from difftune.toy.micro import build_pipeline
 from difftune.training.train import train
 
 FAMILY = FAMILIES["wan_i2v"]

@@ -18,7 +18,7 @@ from difftune.config import LossConfig, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.families.flow import shifted
-from difftune.toy.tiny import build_pipeline
+from difftune.toy.micro import build_pipeline
 from difftune.training.parity import PARITY_FILE
 from difftune.training.train import train
 

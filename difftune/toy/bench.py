@@ -57,7 +57,7 @@ from difftune.adapters.kinds import add_adapters
 from difftune.config import load_config
 from difftune.families import load_components
 from difftune.models.autoencoders import downsampling, latent_channels
-from difftune.toy import tiny
+from difftune.toy import micro, tiny
 from difftune.training.metrics import read_metrics
 from difftune.training.train import train
 
@@ -157,7 +157,7 @@ def build_pipeline(model: str, blocks: tuple[int, ...] = ()):
     """The model spec's pipeline; `blocks` sets the flow transformers' block counts (Flux: double, single)."""
     torch.manual_seed(0)
     if model in TINY_FAMILIES:
-        return tiny.build_pipeline(family=TINY_FAMILIES[model])
+        return micro.build_pipeline(family=TINY_FAMILIES[model])
     if model == "qwen_image":
         tokenizer = tiny.build_qwen_tokenizer()
         text_encoder = Qwen2_5_VLForConditionalGeneration(

@@ -3,7 +3,7 @@
 pipeline" (`scripts/family_jobs.py`; BENCHMARKS.md has the rows).
 
 A job is the family's own config file from `configs/` (its adapter, loss, optimizer, precision, frozen-weight dtype and
-cache settings kept) pointed at the family's random-init micro model (`tiny.build_pipeline`), the purple renders
+cache settings kept) pointed at the family's random-init micro model (`micro.build_pipeline`), the purple renders
 (`examples/purple`) at 32 px and a held-out set of other purple renders for validation, for a few hundred steps. What
 a row says: the validation loss before and after (the job moves the model towards the set, through every setting the
 config ships); and the run's parity check, which loads the saved adapter the way users do, through the family's own
@@ -18,32 +18,19 @@ import json
 import time
 from pathlib import Path
 
-from difftune.config import load_config
-from difftune.toy.tiny import build_pipeline, shape_images, write_caption_folder
+from difftune.config import FAMILY_NAMES, load_config
+from difftune.toy.micro import build_pipeline, builder
+from difftune.toy.tiny import shape_images, write_caption_folder
 from difftune.toy.tiny_base import HELD_OUT_COLOR
 from difftune.training.metrics import read_metrics
 from difftune.training.parity import PARITY_FILE
 
 REPO = Path(__file__).resolve().parents[2]
-# The job each family ships (configs/), for the families without a bundled tiny base.
+# Each family's text-to-image job (configs/), as its micro builder names it, for sweeping settings over every family
+# (`overrides`); and those run as shipped on their micro model, the families without a bundled tiny base of it.
+ALL_FAMILY_CONFIGS = {name: builder(name).SHIPPED_JOB for name in FAMILY_NAMES if hasattr(builder(name), "SHIPPED_JOB")}
 FAMILY_CONFIGS = {
-    "flux2": "flux2_dev_1024_lora.toml",
-    "krea2": "krea2_1024_lora.toml",
-    "lumina2": "lumina2_1024_lora.toml",
-    "ideogram4": "ideogram4_1024_lora.toml",
-    "hidream": "hidream_1024_lora.toml",
-    "wan": "wan_image_lora.toml",
-}
-# And those with one (their text-to-image jobs), for sweeping settings over every family (`overrides`).
-ALL_FAMILY_CONFIGS = FAMILY_CONFIGS | {
-    "sd": "sd15_lora.toml",
-    "sdxl": "sdxl_lora.toml",
-    "flux": "flux_lora.toml",
-    "chroma": "chroma_lora.toml",
-    "sd3": "sd3_lora.toml",
-    "z_image": "z_image_lora.toml",
-    "flux2_klein": "flux2_klein_lora.toml",
-    "qwen_image": "qwen_image_1024_lora.toml",
+    name: job for name, job in ALL_FAMILY_CONFIGS.items() if getattr(builder(name), "JOB_ON_MICRO", False)
 }
 
 

@@ -27,38 +27,24 @@ from diffusers import (
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
     AutoencoderTiny,
-    ChromaPipeline,
     ChromaTransformer2DModel,
     DDPMScheduler,
     FlowMatchEulerDiscreteScheduler,
-    Flux2KleinPipeline,
-    Flux2Pipeline,
     Flux2Transformer2DModel,
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
-    HiDreamImagePipeline,
     HiDreamImageTransformer2DModel,
-    Ideogram4Pipeline,
     Ideogram4Transformer2DModel,
-    Krea2Pipeline,
     Krea2Transformer2DModel,
-    Lumina2Pipeline,
     Lumina2Transformer2DModel,
-    QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
-    StableDiffusion3Pipeline,
-    StableDiffusionPipeline,
-    StableDiffusionXLPipeline,
     UNet2DConditionModel,
     UniPCMultistepScheduler,
-    WanImageToVideoPipeline,
-    WanPipeline,
     WanTransformer3DModel,
-    ZImagePipeline,
     ZImageTransformer2DModel,
 )
 from PIL import Image, ImageDraw
@@ -91,9 +77,6 @@ from transformers import (
     UMT5Config,
     UMT5EncoderModel,
 )
-
-from difftune.data.dataset import image_to_tensor
-from difftune.models.autoencoders import encode_posterior
 
 IMAGE_SIZE = 32
 TOKENIZER_MAX_LENGTH = 32
@@ -140,7 +123,6 @@ QWEN3_VL_CHAT_TEMPLATE = (
     "endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # an edit base's prompts show images
-QWEN_EDIT_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus")
 # Qwen3's chat template as Z-Image's tokenizer applies it to one user turn: thinking enabled adds nothing.
 QWEN3_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}"
@@ -1039,92 +1021,6 @@ def build_noise_scheduler() -> DDPMScheduler:
     )
 
 
-def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
-    """A random-init tiny pipeline of `family`; its VAE's scaling factor is 1/std of the latents of
-    `shape_images`, the way SD's 0.18215 was chosen (Flux: its shift factor their mean, as Flux.1's 0.1159).
-    `guidance`: Flux with a guidance embedding (FLUX.1 Kontext always has one, as Kontext [dev])."""
-    torch.manual_seed(seed)
-    pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
-    if family.startswith("flux2"):
-        vae = build_flux2_vae()
-        with torch.no_grad():
-            set_batch_norm_statistics(vae, encode_posterior(vae, pixels)[0])  # patched
-    elif family == "ideogram4":  # FLUX.2's autoencoder, its statistics in Ideogram 4's token order
-        vae = build_flux2_vae()
-        with torch.no_grad():
-            set_batch_norm_statistics(vae, ideogram4_token_channels(encode_posterior(vae, pixels)[0]))
-    elif family.startswith("qwen_image") or family in (
-        "krea2",
-        "wan",
-        "wan_i2v",
-    ):  # Krea 2's autoencoder is Qwen-Image's, Wan's too
-        vae = build_wan_vae() if family.startswith("wan") else build_qwen_vae()
-        with torch.no_grad():
-            set_latent_statistics(vae, encode_posterior(vae, pixels)[0])
-    else:
-        flux = family in (
-            "flux",
-            "flux_kontext",
-            "chroma",
-            "sd3",
-            "z_image",
-            "lumina2",
-            "hidream",
-        )  # 16 channels, a shift
-        vae = build_vae(
-            latent_channels=FLUX_LATENT_CHANNELS if flux else 4, downsampling=8 if family == "lumina2" else 4
-        )
-        with torch.no_grad():
-            latents = encode_posterior(vae, pixels)[0]  # (64, C, 8, 8)
-        set_latent_scaling(vae, latents, shift=flux)
-    return assemble_tiny_pipeline(vae, family, guidance=guidance)
-
-
-def build_wan22_pipeline(seed: int = 0, kind: str = "a14b") -> WanPipeline:
-    """A micro Wan 2.2 pipeline: `a14b`, two experts (`transformer` for high noise levels, `transformer_2` below the
-    T2V `boundary_ratio` 0.875, as Wan2.2-T2V-A14B's); `ti2v`, TI2V-5B's kind: one transformer reading a time per
-    latent token (`expand_timesteps`) over Wan 2.2's autoencoder, which patches 2x2 itself (8x here: 4x by its
-    blocks)."""
-    wan = build_pipeline(seed, "wan")
-    if kind == "a14b":
-        torch.manual_seed(seed + 1)
-        return WanPipeline(
-            vae=wan.vae,
-            text_encoder=wan.text_encoder,
-            tokenizer=wan.tokenizer,
-            scheduler=wan.scheduler,
-            transformer=wan.transformer,
-            transformer_2=build_wan_transformer(2, 2),
-            boundary_ratio=0.875,
-        )
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKLWan(
-        base_dim=16,
-        z_dim=FLUX_LATENT_CHANNELS,
-        dim_mult=[1, 2, 2],
-        num_res_blocks=1,
-        attn_scales=[],
-        temperal_downsample=[False, True],
-        is_residual=True,
-        patch_size=2,
-        in_channels=12,
-        out_channels=12,
-        scale_factor_spatial=8,
-        scale_factor_temporal=2,
-    )
-    pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
-    with torch.no_grad():
-        set_latent_statistics(vae, encode_posterior(vae, pixels)[0])
-    return WanPipeline(
-        vae=vae,
-        text_encoder=wan.text_encoder,
-        tokenizer=wan.tokenizer,
-        scheduler=wan.scheduler,
-        transformer=wan.transformer,
-        expand_timesteps=True,
-    )
-
-
 def set_latent_statistics(vae: AutoencoderKLQwenImage, latents: torch.Tensor) -> None:
     """Per-channel `latents_mean` / `latents_std` of `latents` (B, C, h, w), or clips' (B, C, t, h, w), as Wan's
     autoencoder states them."""
@@ -1138,197 +1034,6 @@ def set_latent_scaling(vae: AutoencoderKL, latents: torch.Tensor, shift: bool) -
     vae.register_to_config(scaling_factor=float(1.0 / (latents - shift_factor).std()))
     if shift:
         vae.register_to_config(shift_factor=shift_factor)
-
-
-def assemble_tiny_pipeline(
-    vae,
-    family: str,
-    unet_block_out_channels: tuple[int, ...] = (32, 64),
-    flux_layers: tuple[int, int] = (1, 1),
-    flux_heads: int = 2,
-    guidance: bool = False,
-    dit_layers: int | None = None,
-    dit_heads: int = 2,
-    language_model_width: int | None = None,
-    text_tokens: int | None = None,
-    caption_words: bool = False,
-):
-    """Random text encoders and denoiser around `vae` (built in this order: the seed's random draws depend on it).
-    `language_model_width`: the Qwen language model's (default: `QWEN_HIDDEN_SIZE`, FLUX.2 [klein]'s deep one
-    `FLUX2_TEXT_HIDDEN_SIZE`); `text_tokens`: FLUX.2 [klein]'s tokenizer's `model_max_length`, the caption length
-    difftune reads (the pipeline's 512 by default). `dit_layers`: the blocks of a transformer counted in one number
-    (default: the micro model's, 2 for SD3 and 1 for the others). `caption_words`: Qwen-Image's tokenizer spells each
-    caption word in one token (`build_qwen_tokenizer`)."""
-    width = language_model_width or (FLUX2_TEXT_HIDDEN_SIZE if family.startswith("flux2") else QWEN_HIDDEN_SIZE)
-    if family == "z_image":
-        tokenizer = build_qwen3_tokenizer()
-        return ZImagePipeline(
-            vae=vae,
-            text_encoder=build_qwen3_text_encoder(tokenizer, width),
-            tokenizer=tokenizer,
-            scheduler=build_z_image_scheduler(),
-            transformer=build_z_image_transformer(dit_layers or 1, heads=dit_heads, text_hidden_size=width),
-        )
-    if family == "lumina2":  # Lumina-Image 2.0's scheduler: one shift (6) at every size
-        tokenizer = build_t5_tokenizer()
-        return Lumina2Pipeline(
-            vae=vae,
-            text_encoder=build_gemma2_text_encoder(tokenizer, width),
-            tokenizer=tokenizer,
-            scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=6.0, use_dynamic_shifting=False),
-            transformer=build_lumina2_transformer(dit_layers or 1, heads=dit_heads, text_hidden_size=width),
-        )
-    if family.startswith("qwen_image"):
-        edit = family in QWEN_EDIT_FAMILIES
-        tokenizer = build_qwen_tokenizer(edit, caption_words)
-        parts = {
-            "vae": vae,
-            "text_encoder": build_qwen_text_encoder(tokenizer, width),
-            "tokenizer": tokenizer,
-            "transformer": build_qwen_transformer(
-                dit_layers or 1, dit_heads, text_hidden_size=width, zero_cond_t=family == "qwen_image_edit_plus"
-            ),  # as 2511
-            "scheduler": build_qwen_scheduler(),
-        }
-        if not edit:
-            return QwenImagePipeline(**parts)
-        pipeline_class = QwenImageEditPlusPipeline if family == "qwen_image_edit_plus" else QwenImageEditPipeline
-        return pipeline_class(**parts, processor=build_qwen_processor(tokenizer))
-    if family == "ideogram4":  # two transformers: the second, reading no text, guides (asymmetric guidance)
-        tokenizer = build_qwen3_tokenizer()
-        tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
-        return Ideogram4Pipeline(
-            vae=vae,
-            text_encoder=build_qwen3_vl_text_encoder(tokenizer, width, layers=IDEOGRAM4_TEXT_LAYERS),
-            tokenizer=tokenizer,
-            scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000),
-            transformer=build_ideogram4_transformer(dit_layers or 1, dit_heads, text_hidden_size=width),
-            unconditional_transformer=build_ideogram4_transformer(dit_layers or 1, dit_heads, text_hidden_size=width),
-        )
-    if family == "flux2_klein":
-        tokenizer = build_qwen3_tokenizer(think_block=True)
-        if text_tokens:
-            tokenizer.model_max_length = text_tokens
-        return Flux2KleinPipeline(
-            vae=vae,
-            text_encoder=build_qwen3_text_encoder(tokenizer, width, layers=27, causal_lm=True),
-            tokenizer=tokenizer,
-            scheduler=build_flow_scheduler(),
-            transformer=build_flux2_transformer(flux_layers, flux_heads, text_hidden_size=3 * width),
-        )
-    if family == "krea2":  # the tokenizer spells Qwen-Image's template, which Krea 2's prompts use
-        tokenizer = build_qwen_tokenizer()
-        return Krea2Pipeline(
-            vae=vae,
-            text_encoder=build_qwen3_vl_text_encoder(tokenizer, width),
-            tokenizer=tokenizer,
-            scheduler=build_krea2_scheduler(),
-            transformer=build_krea2_transformer(dit_layers or 1, dit_heads, text_hidden_size=width),
-            text_encoder_select_layers=tuple(range(1, KREA2_TEXT_LAYERS + 1)),
-        )
-    if family == "flux2":
-        tokenizer = build_mistral_tokenizer()
-        return Flux2Pipeline(
-            vae=vae,
-            text_encoder=build_mistral3_text_encoder(tokenizer, width),
-            tokenizer=tokenizer,
-            scheduler=build_flow_scheduler(),
-            transformer=build_flux2_transformer(flux_layers, flux_heads, text_hidden_size=3 * width, guidance=True),
-        )
-    if family == "sd3":  # CLIP-L and CLIP-G (narrower here), whose widths side by side are under T5's
-        t5_tokenizer = build_t5_tokenizer()
-        return StableDiffusion3Pipeline(
-            vae=vae,
-            text_encoder=build_text_encoder(32, 32),
-            tokenizer=build_tokenizer(),
-            text_encoder_2=build_text_encoder(24, 24),
-            tokenizer_2=build_tokenizer(),
-            text_encoder_3=build_t5_encoder(len(t5_tokenizer)),
-            tokenizer_3=t5_tokenizer,
-            transformer=build_sd3_transformer(dit_layers or 2, dit_heads, pooled_size=32 + 24),
-            scheduler=build_sd3_scheduler(),
-        )
-    if family == "hidream":  # long-context CLIP-L and CLIP-G (pooled), T5 and Llama 3.1 (every layer's states)
-        t5_tokenizer, llama_tokenizer = build_t5_tokenizer(), build_llama_tokenizer()
-        return HiDreamImagePipeline(
-            vae=vae,
-            text_encoder=build_text_encoder(32, 32, positions=128),
-            tokenizer=build_tokenizer(),
-            text_encoder_2=build_text_encoder(24, 32, positions=128),
-            tokenizer_2=build_tokenizer(),
-            text_encoder_3=build_t5_encoder(len(t5_tokenizer)),
-            tokenizer_3=t5_tokenizer,
-            text_encoder_4=build_llama_text_encoder(llama_tokenizer, width),
-            tokenizer_4=llama_tokenizer,
-            transformer=build_hidream_transformer(flux_layers, flux_heads, pooled_size=2 * 32),
-            scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),  # HiDream-I1-Full's
-        )
-    if family == "wan":
-        tokenizer = build_t5_tokenizer()
-        return WanPipeline(
-            vae=vae,
-            text_encoder=build_umt5_encoder(len(tokenizer)),
-            tokenizer=tokenizer,
-            transformer=build_wan_transformer(dit_layers or 2, dit_heads),
-            scheduler=build_wan_scheduler(),
-        )
-    if family == "wan_i2v":  # no CLIP image encoder, as Wan 2.2's: the transformer reads the first frame's latents
-        tokenizer = build_t5_tokenizer()
-        mask_channels = vae.config.scale_factor_temporal
-        return WanImageToVideoPipeline(
-            vae=vae,
-            text_encoder=build_umt5_encoder(len(tokenizer)),
-            tokenizer=tokenizer,
-            scheduler=build_wan_scheduler(),
-            transformer=build_wan_transformer(
-                dit_layers or 2, dit_heads, in_channels=2 * FLUX_LATENT_CHANNELS + mask_channels
-            ),
-        )
-    if family == "chroma":
-        tokenizer = build_t5_tokenizer()
-        return ChromaPipeline(
-            vae=vae,
-            text_encoder=build_t5_encoder(len(tokenizer)),
-            tokenizer=tokenizer,
-            transformer=build_chroma_transformer(flux_layers, flux_heads),
-            scheduler=build_flow_scheduler(),
-        )
-    text_encoder, tokenizer = build_text_encoder(), build_tokenizer()
-    if family in ("flux", "flux_kontext"):
-        t5_tokenizer = build_t5_tokenizer()
-        pipeline_class = FluxKontextPipeline if family == "flux_kontext" else FluxPipeline
-        return pipeline_class(
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            text_encoder_2=build_t5_encoder(len(t5_tokenizer)),
-            tokenizer_2=t5_tokenizer,
-            transformer=build_flux_transformer(flux_layers, flux_heads, guidance=guidance or family == "flux_kontext"),
-            scheduler=build_flow_scheduler(),
-        )
-    if family == "sd":
-        return StableDiffusionPipeline(
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            unet=build_unet(unet_block_out_channels),
-            scheduler=build_noise_scheduler(),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
-    return StableDiffusionXLPipeline(
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=build_text_encoder(TEXT_2_HIDDEN_SIZE, TEXT_2_PROJECTION_SIZE),
-        tokenizer_2=build_tokenizer(),
-        unet=build_unet(unet_block_out_channels, sdxl=True),
-        scheduler=build_noise_scheduler(),
-        # Trained with empty-caption dropout, not SDXL's zeroed embeddings: "" is what an empty prompt means.
-        force_zeros_for_empty_prompt=False,
-        add_watermarker=False,
-    )
 
 
 def render_shape(shape: str, color: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Image.Image:

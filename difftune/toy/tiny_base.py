@@ -42,6 +42,7 @@ from difftune.models.autoencoders import (
     latent_normalization,
     unpatched,
 )
+from difftune.toy.micro import assemble_tiny_pipeline
 from difftune.toy.tiny import (
     CLIP_FRAMES,
     COLORS,
@@ -49,7 +50,6 @@ from difftune.toy.tiny import (
     FLUX2_LATENT_CHANNELS,
     FLUX_LATENT_CHANNELS,
     SHAPES,
-    assemble_tiny_pipeline,
     build_flow_scheduler,
     build_flux2_vae,
     build_noise_scheduler,
@@ -562,9 +562,9 @@ def build_base(
     init = assemble_tiny_pipeline(
         vae,
         recipe.family,
-        recipe.unet_block_out_channels,
-        recipe.flux_layers,
-        recipe.flux_heads,
+        unet_block_out_channels=recipe.unet_block_out_channels,
+        flux_layers=recipe.flux_layers,
+        flux_heads=recipe.flux_heads,
         dit_layers=recipe.dit_layers,
         dit_heads=recipe.dit_heads,
         language_model_width=recipe.language_model_width,
