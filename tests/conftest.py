@@ -72,35 +72,44 @@ def run_whole_killed_and_resumed(
 
 
 @pytest.fixture(scope="session")
-def tiny_base(tmp_path_factory) -> Path:
-    """A random-init tiny SD 1.x pipeline folder (fp32)."""
-    path = tmp_path_factory.mktemp("tiny-base")
-    build_pipeline(seed=1).save_pretrained(path, safe_serialization=True)
-    return path
+def micro_base(tmp_path_factory):
+    """Every test's micro base: `micro_base("flux", seed=2)` is that family's random-init micro pipeline folder (fp32,
+    `toy.micro.build_pipeline`), built on first use and shared by the session."""
+    built: dict[tuple, Path] = {}
+
+    def folder(family: str = "sd", seed: int = 1, guidance: bool = False) -> Path:
+        key = (family, seed, guidance)
+        if key not in built:
+            built[key] = tmp_path_factory.mktemp(f"micro-{family}")
+            build_pipeline(seed=seed, family=family, guidance=guidance).save_pretrained(
+                built[key], safe_serialization=True
+            )
+        return built[key]
+
+    return folder
 
 
 @pytest.fixture(scope="session")
-def tiny_sdxl_base(tmp_path_factory) -> Path:
-    """A random-init tiny SDXL pipeline folder (fp32)."""
-    path = tmp_path_factory.mktemp("tiny-sdxl-base")
-    build_pipeline(seed=1, family="sdxl").save_pretrained(path, safe_serialization=True)
-    return path
+def tiny_base(micro_base) -> Path:
+    """The micro SD 1.x pipeline most tests train."""
+    return micro_base("sd")
 
 
 @pytest.fixture(scope="session")
-def tiny_flux_base(tmp_path_factory) -> Path:
-    """A random-init tiny Flux pipeline folder (fp32), no guidance embedding."""
-    path = tmp_path_factory.mktemp("tiny-flux-base")
-    build_pipeline(seed=1, family="flux").save_pretrained(path, safe_serialization=True)
-    return path
+def tiny_sdxl_base(micro_base) -> Path:
+    return micro_base("sdxl")
 
 
 @pytest.fixture(scope="session")
-def kontext_base(tmp_path_factory) -> Path:
-    """A random-init micro FLUX.1 Kontext pipeline folder (fp32), an edit base."""
-    path = tmp_path_factory.mktemp("micro-kontext")
-    build_pipeline(seed=1, family="flux_kontext").save_pretrained(path, safe_serialization=True)
-    return path
+def tiny_flux_base(micro_base) -> Path:
+    """Micro Flux, no guidance embedding."""
+    return micro_base("flux")
+
+
+@pytest.fixture(scope="session")
+def kontext_base(micro_base) -> Path:
+    """Micro FLUX.1 Kontext, an edit base."""
+    return micro_base("flux_kontext")
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,6 @@ from difftune.families.lumina2 import SYSTEM_PROMPT
 from difftune.memory import storage
 from difftune.models.autoencoders import PATCHED_AUTOENCODERS, downsampling, latent_channels
 from difftune.models.parts import AS_STORED, PartDtypes, loads_encoders_first
-from difftune.toy.micro import build_pipeline
 from difftune.toy.tiny import recolor_pairs
 from difftune.training.checkpoint import complete_checkpoints
 from difftune.training.metrics import read_metrics
@@ -49,21 +48,6 @@ from difftune.training.train import train
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 NAMES = sorted(FAMILIES)
-
-
-@pytest.fixture(scope="session")
-def micro_bases(tmp_path_factory) -> dict[str, Path]:
-    """Each family's micro pipeline folder, built on first use."""
-    built = {}
-
-    class Bases(dict):
-        def __missing__(self, name):
-            path = tmp_path_factory.mktemp(f"micro-{name}")
-            build_pipeline(seed=1, family=name).save_pretrained(path, safe_serialization=True)
-            built[name] = path
-            return path
-
-    return Bases()
 
 
 def _settings(name: str, base: Path, out: Path, **overrides) -> dict:
@@ -347,8 +331,8 @@ def _single_file(name: str, base: Path):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_a_folder_and_a_single_file_are_read_as_the_family(name, micro_bases, tmp_path):
-    family, base = FAMILIES[name], micro_bases[name]
+def test_a_folder_and_a_single_file_are_read_as_the_family(name, micro_base, tmp_path):
+    family, base = FAMILIES[name], micro_base(name)
     assert family_of(ModelConfig(base=str(base))) is family
     components, tensors = _single_file(name, base)
     path = tmp_path / "model.safetensors"
@@ -363,10 +347,10 @@ def test_a_folder_and_a_single_file_are_read_as_the_family(name, micro_bases, tm
 
 
 @pytest.mark.parametrize("name", [name for name in NAMES if FAMILIES[name].layout.denoiser_file_key])
-def test_an_all_in_one_files_denoiser_is_read_and_its_other_parts_left_out(name, micro_bases, tmp_path):
+def test_an_all_in_one_files_denoiser_is_read_and_its_other_parts_left_out(name, micro_base, tmp_path):
     """ComfyUI's checkpoints put the denoiser under `model.diffusion_model.` beside the text encoders and
     autoencoder."""
-    base = micro_bases[name]
+    base = micro_base(name)
     components, tensors = _single_file(name, base)
     others = {
         "text_encoders.clip_l.transformer.text_model.final_layer_norm.weight": torch.ones(4),
@@ -383,10 +367,10 @@ def test_an_all_in_one_files_denoiser_is_read_and_its_other_parts_left_out(name,
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_an_fp8_single_file_is_read_as_a_base(name, micro_bases, tmp_path):
+def test_an_fp8_single_file_is_read_as_a_base(name, micro_base, tmp_path):
     """ComfyUI's and kohya's `*_fp8_e4m3fn.safetensors`: every weight cast to e4m3. Read as the fp8 values, which
     `model.weight_dtype = "fp8"` stores again without loss; ComfyUI's scaled fp8 files are refused by name."""
-    base = micro_bases[name]
+    base = micro_base(name)
     components, tensors = _single_file(name, base)
     path = tmp_path / "model_fp8_e4m3fn.safetensors"
     save_file(
@@ -427,13 +411,13 @@ def _write_scaled_fp8(
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_a_comfyui_scaled_fp8_file_is_read_with_its_scales(name, micro_bases, tmp_path):
+def test_a_comfyui_scaled_fp8_file_is_read_with_its_scales(name, micro_base, tmp_path):
     """ComfyUI's `*_fp8_scaled.safetensors`: each weight stored in e4m3 divided by its `.scale_weight`, a `scaled_fp8`
     marker key. Read as ComfyUI reads it (the e4m3 values times their scale): the same model as the file holding
     those products. A run that stores the denoiser in fp8 keeps the file's e4m3 bytes where they lie (no copy), each
     computed as the product rounded to the compute dtype. A family whose single files diffusers reads whole
     (all-in-one checkpoints) refuses it by name: diffusers' reader would leave the scales out."""
-    base = micro_bases[name]
+    base = micro_base(name)
     _, tensors = _single_file(name, base)
     scaled = _write_scaled_fp8(tensors, tmp_path / "model_fp8_scaled.safetensors", tmp_path / "products.safetensors")
     scaled_file = ModelConfig(base=str(tmp_path / "model_fp8_scaled.safetensors"), single_file_config=str(base))
@@ -468,10 +452,10 @@ def test_a_comfyui_scaled_fp8_file_is_read_with_its_scales(name, micro_bases, tm
     assert in_file >= len(layers) - 2  # the final modulation, whose halves the original layout swaps, is a copy
 
 
-def test_a_scaled_fp8_file_trains_in_fp8_as_its_products_in_bf16(micro_bases, make_config, tmp_path):
+def test_a_scaled_fp8_file_trains_in_fp8_as_its_products_in_bf16(micro_base, make_config, tmp_path):
     """A run storing the denoiser in fp8 keeps a ComfyUI scaled file's e4m3 weights and scales: it trains as the
     file's products (rounded to bf16) do without storage, loss for loss and adapter for adapter."""
-    base = micro_bases["flux"]
+    base = micro_base("flux")
     _, tensors = _single_file("flux", base)
     _write_scaled_fp8(
         tensors, tmp_path / "model_fp8_scaled.safetensors", tmp_path / "products.safetensors", torch.bfloat16
@@ -536,12 +520,12 @@ READ_AT_PUBLISHED_WIDTHS_ONLY = {"flux", "flux_kontext", "chroma", "lumina2"}
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_a_gguf_file_is_read_as_diffusers_and_gguf_read_it(name, micro_bases, tmp_path):
+def test_a_gguf_file_is_read_as_diffusers_and_gguf_read_it(name, micro_base, tmp_path):
     """city96's GGUF quantizations as a base: each linear layer keeps its Q8_0 blocks where the file lies (mapped,
     no copy) and computes with them dequantized, as diffusers' GGUF reader loads the file (byte for byte, where it
     reads these widths) and as gguf's own dequantization gives; other quantized tensors dequantized. A family whose
     single files hold the whole pipeline refuses it by name."""
-    family, base = FAMILIES[name], micro_bases[name]
+    family, base = FAMILIES[name], micro_base(name)
     components, tensors = _single_file(name, base)
     path = tmp_path / "model-Q8_0.gguf"
     _write_gguf(tensors, path)
@@ -582,9 +566,9 @@ def test_a_gguf_file_is_read_as_diffusers_and_gguf_read_it(name, micro_bases, tm
             assert torch.equal(value, dequantize_gguf_tensor(theirs[key]).to(value.dtype)), key
 
 
-def test_a_gguf_base_trains_as_its_dequantized_weights(micro_bases, make_config, tmp_path):
+def test_a_gguf_base_trains_as_its_dequantized_weights(micro_base, make_config, tmp_path):
     """A LoRA on a GGUF base trains as on a file of the weights its blocks hold, loss for loss."""
-    base = micro_bases["flux"]
+    base = micro_base("flux")
     _, tensors = _single_file("flux", base)
     _write_gguf(tensors, tmp_path / "model-Q8_0.gguf")
     save_file(_gguf_values(tmp_path / "model-Q8_0.gguf"), tmp_path / "dequantized.safetensors")
@@ -615,10 +599,8 @@ def test_a_gguf_base_trains_as_its_dequantized_weights(micro_bases, make_config,
         torch.testing.assert_close(value, plain[key], rtol=1e-4, atol=1e-6, msg=key)
 
 
-def test_a_gguf_base_is_planned_as_its_blocks_and_what_would_rewrite_them_is_refused(
-    micro_bases, make_config, tmp_path
-):
-    base = micro_bases["flux"]
+def test_a_gguf_base_is_planned_as_its_blocks_and_what_would_rewrite_them_is_refused(micro_base, make_config, tmp_path):
+    base = micro_base("flux")
     _, tensors = _single_file("flux", base)
     _write_gguf(tensors, tmp_path / "model-Q8_0.gguf")
     settings = _settings(
@@ -647,8 +629,8 @@ def test_a_gguf_base_is_planned_as_its_blocks_and_what_would_rewrite_them_is_ref
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_the_autoencoder_is_read_as_the_pipeline_reads_it(name, micro_bases):
-    components = load_components(ModelConfig(base=str(micro_bases[name])))
+def test_the_autoencoder_is_read_as_the_pipeline_reads_it(name, micro_base):
+    components = load_components(ModelConfig(base=str(micro_base(name))))
     pipeline = components.pipeline()
     # FLUX.2's latents are read patched 2x2: a patched latent pixel is twice the autoencoder's own factor.
     patched = 2 if isinstance(components.vae, PATCHED_AUTOENCODERS) else 1
@@ -659,9 +641,9 @@ def test_the_autoencoder_is_read_as_the_pipeline_reads_it(name, micro_bases):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_prompts_are_encoded_as_the_family_pipeline_encodes_them(name, micro_bases):
+def test_prompts_are_encoded_as_the_family_pipeline_encodes_them(name, micro_base):
     family = FAMILIES[name]
-    components = load_components(ModelConfig(base=str(micro_bases[name])))
+    components = load_components(ModelConfig(base=str(micro_base(name))))
     prompts = ["a red circle", "a blue square with a longer caption"]
     controls = [[CONTROL]] * len(prompts) if family.prompts_see_controls else None
     with torch.no_grad():
@@ -679,13 +661,13 @@ def test_prompts_are_encoded_as_the_family_pipeline_encodes_them(name, micro_bas
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("kind", ["lora", "dora", "none"])  # none: a full fine-tune
-def test_one_training_step_of_each_kind_changes_the_model(name, kind, micro_bases, make_config, tmp_path):
+def test_one_training_step_of_each_kind_changes_the_model(name, kind, micro_base, make_config, tmp_path):
     settings = _settings(
-        name, micro_bases[name], tmp_path / kind, adapter__kind=kind, train__max_steps=1, sample__prompts=[]
+        name, micro_base(name), tmp_path / kind, adapter__kind=kind, train__max_steps=1, sample__prompts=[]
     )
     result = train(make_config(**settings))
     assert len(result.losses) == 1 and np.isfinite(result.losses[0])
-    base = load_components(ModelConfig(base=str(micro_bases[name]))).denoiser.state_dict()
+    base = load_components(ModelConfig(base=str(micro_base(name)))).denoiser.state_dict()
     trained = result.components.denoiser
     if kind == "none":
         changed = [key for key, value in trained.state_dict().items() if not torch.equal(value, base[key])]
@@ -695,8 +677,8 @@ def test_one_training_step_of_each_kind_changes_the_model(name, kind, micro_base
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_cached_latents_and_text_train_as_encoding_each_step(name, micro_bases, make_config, tmp_path):
-    settings = _settings(name, micro_bases[name], tmp_path, train__max_steps=3, adapter__text_encoder=False)
+def test_cached_latents_and_text_train_as_encoding_each_step(name, micro_base, make_config, tmp_path):
+    settings = _settings(name, micro_base(name), tmp_path, train__max_steps=3, adapter__text_encoder=False)
     plain = train(make_config(**settings | {"train__output_dir": str(tmp_path / "plain")}))
     cached = train(
         make_config(
@@ -714,12 +696,12 @@ def test_cached_latents_and_text_train_as_encoding_each_step(name, micro_bases, 
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_offloaded_blocks_train_as_kept_ones(name, micro_bases, make_config, tmp_path):
+def test_offloaded_blocks_train_as_kept_ones(name, micro_base, make_config, tmp_path):
     """`model.offload_blocks`: the family names its denoiser's blocks, and training with half of them (at least one)
     in host memory is training with all of them in place, bit for bit."""
-    blocks = FAMILIES[name].offloadable_blocks(load_components(ModelConfig(base=str(micro_bases[name]))).denoiser)
+    blocks = FAMILIES[name].offloadable_blocks(load_components(ModelConfig(base=str(micro_base(name)))).denoiser)
     assert blocks
-    settings = _settings(name, micro_bases[name], tmp_path, train__max_steps=2, sample__prompts=[])
+    settings = _settings(name, micro_base(name), tmp_path, train__max_steps=2, sample__prompts=[])
     in_place = train(make_config(**settings | {"train__output_dir": str(tmp_path / "in-place")}))
     offloaded = train(
         make_config(
@@ -733,12 +715,12 @@ def test_offloaded_blocks_train_as_kept_ones(name, micro_bases, make_config, tmp
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_a_stopped_run_resumes_exactly(name, micro_bases, make_config, tmp_path):
+def test_a_stopped_run_resumes_exactly(name, micro_base, make_config, tmp_path):
     """Stopped at step 2, resumed to 4: the same losses and weights as an uninterrupted run, bit for bit (adapter
     dropout on, so the global RNG state must come back too)."""
     settings = _settings(
         name,
-        micro_bases[name],
+        micro_base(name),
         tmp_path,
         train__max_steps=4,
         checkpoint__every_steps=2,
@@ -758,12 +740,12 @@ def test_a_stopped_run_resumes_exactly(name, micro_bases, make_config, tmp_path)
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("kind", ["lora", "dora"])
-def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind, micro_bases, make_config, tmp_path):
+def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind, micro_base, make_config, tmp_path):
     """Trained on every part the family's LoRA loader reads: its pipeline's own `load_lora_weights` renders what the
     base merged by difftune renders; the parity check agrees for both layouts; `difftune sample` redraws the
     in-training sample. A LoRA's kohya layout loads in the pipeline too, as the same change (diffusers drops a
     kohya file's DoRA magnitudes, saying so)."""
-    family, base = FAMILIES[name], micro_bases[name]
+    family, base = FAMILIES[name], micro_base(name)
     control = tmp_path / "control.png"
     CONTROL.save(control)
     edit = family.needs_controls_to_draw  # its samples edit the control, with a blank negative prompt as its pipeline's
@@ -831,9 +813,9 @@ def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind,
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_the_kohya_layout_round_trips_bit_for_bit(name, micro_bases, make_config, tmp_path):
+def test_the_kohya_layout_round_trips_bit_for_bit(name, micro_base, make_config, tmp_path):
     settings = _settings(
-        name, micro_bases[name], tmp_path / "run", adapter__kind="dora", train__max_steps=2, sample__prompts=[]
+        name, micro_base(name), tmp_path / "run", adapter__kind="dora", train__max_steps=2, sample__prompts=[]
     )
     trained = train(make_config(**settings)).trained_path
     kohya = export.convert_adapter(trained, tmp_path / "kohya.safetensors", "kohya")
@@ -847,14 +829,14 @@ def test_the_kohya_layout_round_trips_bit_for_bit(name, micro_bases, make_config
 
 @pytest.mark.parametrize("name", [name for name in NAMES if isinstance(FAMILIES[name].layout, FusedLayout)])
 def test_a_lycoris_run_on_a_fused_layout_family_ends_with_the_layout_it_can_write(
-    name, micro_bases, make_config, tmp_path
+    name, micro_base, make_config, tmp_path
 ):
     """LoHa in the diffusers layout trains and saves on a family whose kohya layout fuses q, k and v: the end-of-run
     parity check draws the file it wrote and says why the kohya layout was not checked (it crashed the run's end
     before), and converting the file to kohya is refused by name."""
     settings = _settings(
         name,
-        micro_bases[name],
+        micro_base(name),
         tmp_path / "run",
         adapter__kind="loha",
         train__max_steps=2,
@@ -881,14 +863,14 @@ def _text_encoders_as_comfyui_holds_them(components, parts) -> dict:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_every_run_writes_a_file_comfyui_applies_as_our_merge(name, micro_bases, make_config, tmp_path):
+def test_every_run_writes_a_file_comfyui_applies_as_our_merge(name, micro_base, make_config, tmp_path):
     """Beside `pytorch_lora_weights.safetensors` every adapter run writes the kohya / ComfyUI layout (ComfyUI mapped
     none of a Wan diffusers-layout file's keys). ComfyUI's key maps, over the original layout diffusers' single-file
     reader reads (`comfyui_lora.py`), reach every key of it, and its formula gives each weight difftune's merge of the
     run's diffusers-layout file; alpha differs from the rank, so a scale lost on the way would show."""
     from comfyui_lora import apply_lora, denoiser_weights, text_key_map, unet_key_map
 
-    family, base, out = FAMILIES[name], micro_bases[name], tmp_path / "run"
+    family, base, out = FAMILIES[name], micro_base(name), tmp_path / "run"
     text = family.adapted_text_encoders()
     settings = _settings(
         name,
@@ -939,7 +921,7 @@ def test_every_run_writes_a_file_comfyui_applies_as_our_merge(name, micro_bases,
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_diffusers_layout_file_means_the_same_to_a_reader_that_ignores_its_metadata(
-    name, micro_bases, make_config, tmp_path
+    name, micro_base, make_config, tmp_path
 ):
     """Rank 8, alpha 4: the scale (0.5) used to live only in the file's metadata, and ComfyUI applied such a Qwen-Image
     LoRA at 2x. Now the tensors alone (`lora_B @ lora_A`, what a reader without the metadata applies) are the trained
@@ -947,7 +929,7 @@ def test_a_diffusers_layout_file_means_the_same_to_a_reader_that_ignores_its_met
     that same change."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    family, base = FAMILIES[name], micro_bases[name]
+    family, base = FAMILIES[name], micro_base(name)
     settings = _settings(
         name,
         base,

@@ -19,7 +19,6 @@ from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.families.flow import pack, resolution_shift, shifted, unpack
 from difftune.families.flux import image_position_ids
-from difftune.toy.micro import build_pipeline
 from difftune.training.train import train
 
 FLUX = FAMILIES["flux"]
@@ -99,14 +98,14 @@ def test_noise_levels_are_drawn_per_sample_and_shifted_as_the_scheduler_shifts(t
     assert 0.45 < logit.median() < 0.55 and ((logit > 0.2) & (logit < 0.8)).float().mean() > 0.75
 
 
-def test_guidance_embedding_and_padding_mask_condition_the_transformer(tmp_path):
+def test_guidance_embedding_and_padding_mask_condition_the_transformer(micro_base):
     """A guidance-distilled base conditions on `model.family_options.guidance`; with its `text_padding_mask` the T5
     padding's states no longer reach the image tokens, without it they do."""
-    build_pipeline(seed=2, family="flux", guidance=True).save_pretrained(tmp_path / "guided", safe_serialization=True)
+    guided = micro_base("flux", seed=2, guidance=True)
     noisy, timesteps = torch.randn(1, 16, 8, 8), torch.tensor([600.0])
 
     def predict(padding_states, **options):
-        components = load_components(ModelConfig(base=str(tmp_path / "guided"), family_options=options))
+        components = load_components(ModelConfig(base=str(guided), family_options=options))
         with torch.no_grad():
             conditioning = FLUX.encode_prompts(components, FLUX.tokenize(components.tokenizers, ["a red circle"]))
             pad = ~conditioning["text_mask"][0]

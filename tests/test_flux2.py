@@ -11,16 +11,13 @@ from safetensors.torch import save_file
 from difftune.config import Config, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
-from difftune.toy.micro import build_pipeline
 
 NAMES = ("flux2", "flux2_klein")
 
 
 @pytest.fixture(scope="module", params=NAMES)
-def base(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(f"micro-{request.param}")
-    build_pipeline(seed=2, family=request.param).save_pretrained(path, safe_serialization=True)
-    return request.param, path
+def base(request, micro_base):
+    return request.param, micro_base(request.param, seed=2)
 
 
 def test_a_single_file_is_bfls_layout_and_diffusers_reads_it_as_the_same_weights(base, tmp_path):

@@ -14,7 +14,6 @@ from difftune.adapters import export
 from difftune.adapters.files import module_names_of, read_adapter
 from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components
-from difftune.toy.micro import build_pipeline
 from difftune.training.train import train
 
 FAMILY = FAMILIES["hidream"]
@@ -22,10 +21,8 @@ PROMPTS = ["a red circle", "a blue square with a longer caption"]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    path = tmp_path_factory.mktemp("micro-hidream")
-    build_pipeline(seed=2, family="hidream").save_pretrained(path, safe_serialization=True)
-    return str(path)
+def base(micro_base):
+    return str(micro_base("hidream", seed=2))
 
 
 def test_the_experts_train_on_their_training_path_with_the_inference_prediction(base):

@@ -16,7 +16,6 @@ from difftune.families import FAMILIES, load_components
 from difftune.families.ideogram4 import ORIGINAL_BLOCKS, token_order
 from difftune.models.autoencoders import encode_posterior
 from difftune.models.parts import encoder_placement, host_kept_encoders
-from difftune.toy.micro import build_pipeline
 from difftune.training.train import train
 
 FAMILY = FAMILIES["ideogram4"]
@@ -24,10 +23,8 @@ PROMPTS = ["a red circle", "a blue square with a longer caption"]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    path = tmp_path_factory.mktemp("micro-ideogram4")
-    build_pipeline(seed=2, family="ideogram4").save_pretrained(path, safe_serialization=True)
-    return str(path)
+def base(micro_base):
+    return str(micro_base("ideogram4", seed=2))
 
 
 def test_denoise_is_the_pipelines_conditional_prediction_turned_round(base):

@@ -18,7 +18,6 @@ from difftune.adapters.files import module_names_of
 from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components
 from difftune.families.krea2 import PROMPT_PREFIX, PROMPT_SUFFIX, SUFFIX_TOKENS, TEMPLATE_TOKENS, original_name
-from difftune.toy.micro import build_pipeline
 from difftune.training.train import train
 
 FAMILY = FAMILIES["krea2"]
@@ -26,10 +25,8 @@ PROMPTS = ["a red circle", "a blue square with a longer caption"]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    path = tmp_path_factory.mktemp("micro-krea2")
-    build_pipeline(seed=2, family="krea2").save_pretrained(path, safe_serialization=True)
-    return path
+def base(micro_base):
+    return micro_base("krea2", seed=2)
 
 
 def test_the_prompt_layout_is_the_pipelines(base):

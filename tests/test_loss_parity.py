@@ -22,7 +22,6 @@ from difftune.data.dataset import image_to_tensor
 from difftune.families import FAMILIES, load_components
 from difftune.families.ideogram4 import patched_order, token_order
 from difftune.models.autoencoders import encode_posterior, reference_latents
-from difftune.toy.micro import build_pipeline
 from difftune.toy.tiny import shape_images
 
 # examples/dreambooth/<script> at diffusers 58eb52c0 -> sha256 of the file read.
@@ -434,9 +433,8 @@ def test_every_family_with_a_diffusers_script_is_checked():
 
 
 @pytest.mark.parametrize(("name", "weighting"), CASES)
-def test_the_loss_is_the_diffusers_training_script_loss(name, weighting, tmp_path):
-    build_pipeline(seed=1, family=name).save_pretrained(tmp_path, safe_serialization=True)
-    components = load_components(ModelConfig(base=str(tmp_path)))
+def test_the_loss_is_the_diffusers_training_script_loss(name, weighting, micro_base):
+    components = load_components(ModelConfig(base=str(micro_base(name))))
     family, pipeline = FAMILIES[name], components.pipeline()
     pixels = _pixels()
     with torch.no_grad():

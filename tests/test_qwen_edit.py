@@ -42,12 +42,8 @@ EDIT_FAMILIES = ("qwen_image_edit", "qwen_image_edit_plus")
 
 
 @pytest.fixture(scope="module")
-def edit_bases(tmp_path_factory) -> dict[str, Path]:
-    bases = {}
-    for name in EDIT_FAMILIES:
-        bases[name] = tmp_path_factory.mktemp(f"micro-{name}")
-        build_pipeline(seed=1, family=name).save_pretrained(bases[name], safe_serialization=True)
-    return bases
+def edit_bases(micro_base) -> dict[str, Path]:
+    return {name: micro_base(name) for name in EDIT_FAMILIES}
 
 
 def _controls(count: int) -> list[Image.Image]:

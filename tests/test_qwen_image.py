@@ -13,7 +13,6 @@ from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.families.qwen_image import PROMPT_TEMPLATE, TEMPLATE_TOKENS
 from difftune.models.autoencoders import decode_latents, encode_latents, latent_normalization
-from difftune.toy.micro import build_pipeline
 from difftune.toy.tiny import COLORS, build_qwen_tokenizer
 from difftune.training.train import train
 
@@ -21,10 +20,8 @@ QWEN = FAMILIES["qwen_image"]
 
 
 @pytest.fixture(scope="module")
-def qwen_base(tmp_path_factory):
-    path = tmp_path_factory.mktemp("micro-qwen")
-    build_pipeline(seed=1, family="qwen_image").save_pretrained(path, safe_serialization=True)
-    return path
+def qwen_base(micro_base):
+    return micro_base("qwen_image")
 
 
 def test_the_template_is_the_pipelines_and_its_system_prompt_is_dropped(qwen_base):

@@ -29,7 +29,6 @@ from difftune.families import drawing as sample
 from difftune.families.drawing import generate_images, sampling_scheduler, save_images
 from difftune.models.autoencoders import downsampling
 from difftune.models.parts import part_dtypes
-from difftune.toy.micro import build_pipeline
 from difftune.toy.micro.wan import wan22_pipeline
 from difftune.training import plan
 from difftune.training.train import train
@@ -41,10 +40,8 @@ FAMILY = FAMILIES["wan"]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    path = tmp_path_factory.mktemp("micro-wan")
-    build_pipeline(seed=2, family="wan").save_pretrained(path, safe_serialization=True)
-    return str(path)
+def base(micro_base):
+    return str(micro_base("wan", seed=2))
 
 
 def test_the_prediction_is_the_velocity_the_pipelines_sampler_reads(base):

@@ -16,17 +16,14 @@ from difftune.data.clips import write_clip
 from difftune.data.dataset import image_to_tensor
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
-from difftune.toy.micro import build_pipeline
 from difftune.training.train import train
 
 FAMILY = FAMILIES["wan_i2v"]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    path = tmp_path_factory.mktemp("micro-wan-i2v")
-    build_pipeline(seed=2, family="wan_i2v").save_pretrained(path, safe_serialization=True)
-    return str(path)
+def base(micro_base):
+    return str(micro_base("wan_i2v", seed=2))
 
 
 def test_the_first_frame_is_read_as_the_pipeline_gives_it_the_image(base):

@@ -18,7 +18,6 @@ from difftune.config import LossConfig, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.families.flow import shifted
-from difftune.toy.micro import build_pipeline
 from difftune.training.parity import PARITY_FILE
 from difftune.training.train import train
 
@@ -26,10 +25,8 @@ FAMILY = FAMILIES["z_image"]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    path = tmp_path_factory.mktemp("micro-z_image")
-    build_pipeline(seed=1, family="z_image").save_pretrained(path, safe_serialization=True)
-    return path
+def base(micro_base):
+    return micro_base("z_image")
 
 
 def test_the_single_file_is_the_original_layout_that_diffusers_reads(base, tmp_path):
