@@ -102,12 +102,8 @@ class ModelConfig(Section):
     family: Literal[("auto", *FAMILY_NAMES)] = Field(
         "auto",
         description="Model family: `auto` reads it from the base (a pipeline folder's model_index.json, a single "
-        "file's keys); `sd` is Stable Diffusion 1.x/2.x, `sdxl` SDXL and models built on it, `flux` Flux.1-class "
-        "flow-matching transformers, `flux_kontext` FLUX.1 Kontext, `flux2` FLUX.2 [dev], `flux2_klein` FLUX.2 "
-        "[klein], `sd3` SD3 / SD3.5, `chroma` Chroma, `z_image` Z-Image, `krea2` Krea 2, `lumina2` Lumina 2, "
-        "`ideogram4` Ideogram 4, `hidream` HiDream-I1, `wan` Wan 2.1 and 2.2 (clips and images), `wan_i2v` their "
-        "image-to-video models, `qwen_image` Qwen-Image, `qwen_image_edit` "
-        "and `qwen_image_edit_plus` Qwen-Image-Edit and its multi-image 2509 / 2511.",
+        "file's keys), or a family's name, its module's in difftune/families/ (README's Model families table says "
+        "which bases each reads).",
     )
     revision: str = Field("", description="Hub revision (branch, tag or commit) of `base`; empty for the default.")
     variant: str = Field(

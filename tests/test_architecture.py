@@ -45,3 +45,23 @@ def test_code_is_laid_out_by_the_formatter():
         [sys.executable, "-m", "ruff", "format", "--check", "."], cwd=REPO, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_no_family_is_named_outside_its_own_module():
+    """Adding a family touches its module (and its micro builder, config and tests), nothing else: the library asks
+    families and never names one. The one name left is a default for files older than `model.family`."""
+    import re
+
+    from difftune.config import FAMILY_NAMES
+
+    root = Path(difftune.__file__).parent
+    named = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if relative.parts[0] in ("toy", "published") or (relative.parts[0] == "families" and path.stem in FAMILY_NAMES):
+            continue
+        text = path.read_text(encoding="utf-8")
+        named += [f"{relative}: {name}" for name in FAMILY_NAMES for _ in re.finditer(rf"[\"']{name}[\"']", text)]
+    assert named == ["training/checkpoint.py: sd"]  # a checkpoint saved before `model.family` is SD's
+    micro = root / "toy" / "micro"
+    assert {path.stem for path in micro.glob("*.py") if not path.stem.startswith("_")} == set(FAMILY_NAMES)
