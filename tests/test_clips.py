@@ -1,7 +1,7 @@
 """Clips (difftune/data/clips.py): which frame windows a clip gives, as musubi-tuner's dataset config names them, and
 the
 frames decoded for each, exactly (lossless clips written here); bad clips named with their reason. The data path
-(data.py) over them: a window per example, its frames cut as one, frame-count buckets, clips through a video
+(dataset.py) over them: a window per example, its frames cut as one, frame-count buckets, clips through a video
 autoencoder."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ windows sit: `head` (one at the start per length), `chunk` (back to back), `slid
 (`samples` of them spread evenly over the clip) or `full` (the whole clip, at most `max_frames`, as one window).
 Windows count decoded frames whatever the clip's frame rate (as musubi-tuner's and diffusion-pipe's readers do).
 
-An animated GIF is not read as a clip: `.gif` files are images, and an animated one is reported (data.py).
+An animated GIF is not read as a clip: `.gif` files are images, and an animated one is reported (dataset.py).
 """
 
 from __future__ import annotations

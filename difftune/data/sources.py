@@ -16,7 +16,7 @@ S3-compatible stores, the AWS environment variables, e.g. `AWS_ENDPOINT_URL_S3`)
 
 Training needs random access, not a stream: the global sample order (data.TrainingOrder) is one permutation over
 every record of every file, the same in every process and after a resume. So each record is a `Stored` locator that
-stands where a file's Path stands in data.py: a tar member is read by its byte range (one ranged GET on object
+stands where a file's Path stands in dataset.py: a tar member is read by its byte range (one ranged GET on object
 storage), a parquet row from its row group. webdataset's and `datasets`' streaming readers go through files in order
 with a shuffle buffer, whose position a resume cannot restore exactly; they are not used.
 
@@ -160,7 +160,7 @@ def stored_from_fields(fields: dict) -> Stored:
 
 @dataclass(frozen=True, order=True)
 class Stored:
-    """A record's media read from storage, standing where a file's Path stands in data.py (`name`, `stem`,
+    """A record's media read from storage, standing where a file's Path stands in dataset.py (`name`, `stem`,
     `suffix`, `open`); messages name it as `file:name`."""
 
     source: str  # the file (or dataset folder) it is read from

@@ -1,6 +1,6 @@
 """Wan 2.1 and 2.2 (`WanPipeline`): a video DiT (`WanTransformer3DModel`: self-attention over the clip's patches,
 cross-attention to UMT5's states) over Wan's causal video autoencoder, trained by flow matching (flow.py), on clips
-(data.py cuts them into windows of frames) and images, each a one-frame clip, as musubi-tuner and diffusion-pipe let
+(dataset.py cuts them into windows of frames) and images, each a one-frame clip, as musubi-tuner and diffusion-pipe let
 Wan train on stills.
 
 - Latents: Wan's autoencoder (`AutoencoderKLWan`, Qwen-Image's kind: autoencoders.py), normalised per channel: a

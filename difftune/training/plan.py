@@ -1,7 +1,7 @@
 """`difftune plan`: a job's peak device memory and host RAM, predicted from its config before any weight is read.
 
 The model is built from its config files on PyTorch's meta device (shapes and dtypes, no data), and the run's own
-code shapes it: adapters attached, frozen layers stored and blocks offloaded as the config says (models.py). Then
+code shapes it: adapters attached, frozen layers stored and blocks offloaded as the config says (models/parts.py). Then
 one training step's forward and backward runs on the meta device, with the text encoders' and the autoencoder's
 passes before it, under a dispatch mode that adds up the bytes of every tensor storage made and freed: the peak
 is what the run's code would hold, by construction, for every family. Two things the meta device cannot say are

@@ -32,7 +32,7 @@ from difftune.errors import DifftuneError
 from difftune.families.drawing import sampling_scheduler
 from difftune.models.parts import Components, eval_mode
 
-PRIOR_STREAM = 4  # data.py's seed streams are 0, 1 and 3; validation.py's is 2
+PRIOR_STREAM = 4  # dataset.py's seed streams are 0, 1 and 3; validation.py's is 2
 DRAWN_PREFIX = "class_"
 
 

@@ -222,7 +222,8 @@ def validation_frame(rows: list[dict], best: dict[str, dict]):
     return pd.DataFrame(points, columns=["step", "val_loss", "series"])
 
 
-SAMPLE_CLIPS = ("[0-9][0-9][0-9].mp4", "[0-9][0-9][0-9].webp")  # a video base's samples (sample.py), beside its grid
+# A video base's samples (families/drawing.py), beside its grid.
+SAMPLE_CLIPS = ("[0-9][0-9][0-9].mp4", "[0-9][0-9][0-9].webp")
 
 
 def preview_grids(job: Job) -> list[Path]:
