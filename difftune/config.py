@@ -192,6 +192,66 @@ class ModelConfig(Section):
         return value
 
 
+def quantized_base_needs_an_adapter(config: Config) -> None:
+    """A quantized base trains an adapter; a full fine-tune cannot train quantized weights."""
+    if config.model.quantize != "none" and config.adapter.kind == "none":
+        raise ValueError(
+            f'model.quantize = "{config.model.quantize}" needs an adapter (adapter.kind lora or dora): a full '
+            "fine-tune cannot train quantized weights"
+        )
+
+
+def one_offload_setting(config: Config) -> None:
+    """`model.offload_blocks` and `model.offload_budget` both say how many blocks to offload."""
+    if config.model.offload_budget and config.model.offload_blocks:
+        raise ValueError(
+            f"model.offload_blocks = {config.model.offload_blocks} and model.offload_budget = "
+            f'"{config.model.offload_budget}" both say how many blocks to offload: set one'
+        )
+
+
+def gguf_base_trains_a_lora(config: Config) -> None:
+    """A GGUF base keeps its own quantized weights (denoiser_files.py): a LoRA trains on them, as QLoRA does;
+    what would store, offload, rewrite or train those weights is refused by name."""
+    if not config.model.base.endswith(".gguf"):
+        return
+    clashes = {
+        f'adapter.kind = "{config.adapter.kind}"': config.adapter.kind != "lora",
+        f'adapter.init = "{config.adapter.init}"': config.adapter.init != "gaussian",
+        f'model.weight_dtype = "{config.model.weight_dtype}"': config.model.weight_dtype != "auto",
+        f'model.quantize = "{config.model.quantize}"': config.model.quantize != "none",
+        "model.offload_blocks / model.offload_budget": bool(config.model.offload_blocks or config.model.offload_budget),
+    }
+    named = [name for name, clash in clashes.items() if clash]
+    if named:
+        raise ValueError(
+            f"model.base {config.model.base}: a GGUF base keeps its weights in their quantized blocks, and a LoRA "
+            f'(adapter.kind = "lora", init = "gaussian") trains on them; {", ".join(named)} would store, offload, '
+            "rewrite or train those weights: leave it at its default, or train on the model's .safetensors file"
+        )
+
+
+def frozen_weights_kept_apart_once(config: Config) -> None:
+    """Frozen weights kept in another dtype or in host memory: one such setting, and not with what would store
+    or train them otherwise."""
+    storage = config.frozen_weights_kept_apart
+    if storage:
+        if config.train.mixed_precision == "fp8":
+            raise ValueError(
+                f'{storage}, and train.mixed_precision = "fp8" casts bf16 weights to FP8 per matmul with fresh '
+                "scales: use one or the other"
+            )
+        if config.adapter.kind == "none":
+            raise ValueError(
+                f'{storage}, and a full fine-tune has none (its weights train): leave weight_dtype "auto", '
+                "offload_blocks 0 and offload_budget empty"
+            )
+        if config.model.quantize != "none":
+            raise ValueError(f"{storage}, and model.quantize stores them quantized: choose one")
+        if config.train.compile:
+            raise ValueError(f"{storage}, which train.compile does not support yet; turn one off")
+
+
 def not_empty(value: str, info) -> str:
     """An empty path resolves to the working directory: a scan of it (data.path took 51 s), or a run's files written
     among the user's own (train.output_dir)."""
@@ -449,6 +509,47 @@ class AdapterConfig(Section):
         return self
 
 
+def adapter_fits_the_other_sections(config: Config) -> None:
+    """What the adapter kind and its init allow of the model, prior, validation and export settings."""
+    if config.model.training_adapter and not config.adapter.is_adapter:
+        raise ValueError(
+            "model.training_adapter needs an adapter (adapter.kind lora, dora, loha or lokr): a full "
+            "fine-tune or an embedding would be saved for the base with the training adapter merged in"
+        )
+    if config.adapter.kind == "embedding" and config.prior.enabled:
+        raise ValueError(
+            "prior preservation (prior.class_path / num_class_images) keeps a fine-tuned model's "
+            'class; an embedding (adapter.kind = "embedding") changes no model weights: turn it off'
+        )
+    if config.adapter.kind == "embedding" and config.validation.path:
+        raise ValueError('validation.path is not supported with adapter.kind = "embedding" yet; leave it empty')
+    if config.adapter.kind == "embedding" and config.export.average_last:
+        raise ValueError(
+            'export.average_last averages adapters, not embeddings: set it to 0 with adapter.kind = "embedding"'
+        )
+    if config.adapter.init != "gaussian":
+        if config.adapter.kind != "lora":
+            raise ValueError(
+                f'adapter.init = "{config.adapter.init}" starts a LoRA; adapter.kind = "{config.adapter.kind}" '
+                'needs init = "gaussian"'
+            )
+        if config.model.quantize != "none":
+            raise ValueError(
+                f'adapter.init = "{config.adapter.init}" rewrites the base weights it factors, which '
+                "model.quantize keeps quantized: use one or the other"
+            )
+    if config.adapter.rank_stabilized and config.adapter.kind not in ("lora", "dora"):
+        raise ValueError(
+            f'adapter.rank_stabilized scales a LoRA or DoRA; adapter.kind = "{config.adapter.kind}" has no such '
+            "scale in peft: turn it off"
+        )
+    if config.adapter.kind in ("loha", "lokr") and config.model.quantize != "none":
+        raise ValueError(
+            f'model.quantize keeps LoRA/DoRA\'s base layers quantized; adapter.kind = "{config.adapter.kind}" has no '
+            'quantized layers in peft: use lora or dora, or model.quantize = "none"'
+        )
+
+
 class LossConfig(Section):
     prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
         "auto",
@@ -499,6 +600,15 @@ class LossConfig(Section):
         description="Rescale the noise schedule so its last step is pure noise (Lin et al. 2023); needs v-prediction. "
         "UNet families only: flow matching reaches pure noise already.",
     )
+
+
+def zero_terminal_snr_needs_v_prediction(config: Config) -> None:
+    """At zero SNR only a velocity can be predicted."""
+    if config.loss.zero_terminal_snr and config.loss.prediction_type != "v_prediction":
+        raise ValueError(
+            'loss.zero_terminal_snr = true needs loss.prediction_type = "v_prediction" (at zero SNR the noise '
+            "cannot be predicted from a pure-noise input)"
+        )
 
 
 class OptimConfig(Section):
@@ -574,6 +684,40 @@ class OptimConfig(Section):
         return value
 
 
+def optimizer_fits_the_run(config: Config) -> None:
+    """What each optimizer allows of the adapter, the schedule and the EMA."""
+    if config.optim.loraplus_ratio and config.adapter.kind not in ("lora", "dora"):
+        raise ValueError(
+            "optim.loraplus_ratio speeds up adapters' B matrices; "
+            f'adapter.kind = "{config.adapter.kind}" has none: set it to 0'
+        )
+    if config.optim.optimizer == "prodigy" and (
+        config.optim.text_encoder_learning_rate != config.optim.learning_rate or config.optim.loraplus_ratio
+    ):
+        raise ValueError(
+            'optim.optimizer = "prodigy" estimates one step size for all parameters and refuses groups at other '
+            "rates: leave optim.text_encoder_learning_rate unset "
+            "(or equal to learning_rate) and loraplus_ratio at 0"
+        )
+    if config.optim.optimizer == "adamw_schedule_free":
+        if config.optim.lr_schedule != "constant":
+            raise ValueError(
+                f'optim.optimizer = "adamw_schedule_free" replaces the schedule (its averaging does what decay '
+                'does): set optim.lr_schedule = "constant", not '
+                f'"{config.optim.lr_schedule}" (warmup_steps still apply)'
+            )
+        if config.ema.enabled:
+            raise ValueError(
+                'ema.enabled with optim.optimizer = "adamw_schedule_free": its saved weights are an average '
+                "already; turn the EMA off"
+            )
+    if config.optim.optimizer == "galore_adamw" and config.adapter.kind != "none":
+        raise ValueError(
+            'optim.optimizer = "galore_adamw" is for full fine-tunes (adapter.kind = "none"): an adapter\'s '
+            "matrices are low-rank already, so projecting their gradients saves nothing"
+        )
+
+
 class TrainConfig(Section):
     output_dir: str = Field(
         "output/run",
@@ -633,6 +777,21 @@ class TrainConfig(Section):
     _switches_from_bool = field_validator("channels_last", "tf32", "cudnn_benchmark", mode="before")(switch_from_bool)
 
 
+def global_batch_derives_the_accumulation(config: Config) -> None:
+    """`train.global_batch_size` sets the accumulation steps from the batch size."""
+    if config.train.global_batch_size:
+        if config.train.gradient_accumulation_steps != 1:
+            raise ValueError(
+                "train.global_batch_size derives the accumulation steps: leave train.gradient_accumulation_steps "
+                "at 1, or set global_batch_size = 0"
+            )
+        if config.train.global_batch_size % config.train.batch_size:
+            raise ValueError(
+                f"train.global_batch_size {config.train.global_batch_size} is not a multiple of train.batch_size "
+                f"{config.train.batch_size}"
+            )
+
+
 class EmaConfig(Section):
     enabled: bool = Field(
         False, description="Keep an exponential moving average of the trained parameters and save it too."
@@ -680,6 +839,12 @@ class GuardConfig(Section):
         description="With `log.activations_every_steps`: warn when a block's largest output exceeds this times its "
         "running mean, often the first sign of a coming divergence; 0 is off.",
     )
+
+
+def rollback_needs_checkpoints(config: Config) -> None:
+    """A rollback goes back to a checkpoint."""
+    if config.guard.rollback and not config.checkpoint.every_steps:
+        raise ValueError("guard.rollback needs checkpoint.every_steps > 0 (checkpoints to roll back to)")
 
 
 class PriorConfig(Section):
@@ -766,6 +931,17 @@ class ValidationConfig(Section):
     eval_samples_per_prompt: int = Field(2, ge=1, description="`eval_concept`: samples per prompt (fixed seeds).")
 
 
+def watched_metrics_need_held_out_data(config: Config) -> None:
+    """Early stopping and the judged score need `validation.path`."""
+    watching = {
+        "validation.early_stop_patience": config.validation.early_stop_patience,
+        "validation.eval_concept": config.validation.eval_concept,
+    }
+    unwatched = [name for name, value in watching.items() if value and not config.validation.path]
+    if unwatched:
+        raise ValueError(f"{', '.join(unwatched)} needs validation.path (the held-out images each validation scores)")
+
+
 class PromptWithControls(Section):
     """A sample prompt for an edit base: the instruction and the control images it edits."""
 
@@ -828,6 +1004,12 @@ class SampleConfig(Section):
     )
 
 
+def sample_size_defaults_to_the_data(config: Config) -> None:
+    """`sample.resolution` unset: the training resolution."""
+    if config.sample.resolution is None:
+        config.sample.resolution = config.data.resolution
+
+
 # `[sample]` fields that mean something only inside a training run: `difftune sample` and the UI's Sample tab
 # leave them out.
 TRAINING_ONLY_SAMPLE_FIELDS = ("every_steps", "before", "parity")
@@ -862,6 +1044,29 @@ class CacheConfig(Section):
     _switches_from_bool = field_validator("latents", "text", mode="before")(switch_from_bool)
 
 
+def caches_resolved_and_possible(config: Config) -> None:
+    """`auto` caches resolved (so the run's resolved config says what was cached); a cache refused where what it
+    would hold changes every step."""
+    if config.cache.latents == "auto":
+        config.cache.latents = "on" if config.data.crop == "center" else "off"
+    text_trained = config.adapter.trains_text_encoders
+    fresh_captions = config.data.varies_captions and not config.data.caption_variants
+    if config.cache.text == "auto":
+        config.cache.text = "off" if text_trained or fresh_captions else "on"
+    if config.cache.text == "on" and fresh_captions:
+        raise ValueError(
+            "cache.text with data.shuffle_tags or data.tag_dropout needs data.caption_variants > 0 (fixed variants "
+            'per caption to cache), or cache.text = "off" (a fresh draw every step)'
+        )
+    if config.cache.latents == "on" and config.data.crop != "center":
+        raise ValueError('cache.latents needs data.crop = "center" (a cached image has one crop)')
+    if config.cache.text == "on" and text_trained:
+        raise ValueError(
+            'cache.text needs adapter.text_encoder = false and adapter.kind other than "embedding" (a trained '
+            "encoder's outputs change)"
+        )
+
+
 class CheckpointConfig(Section):
     every_steps: int = Field(
         0, ge=0, description="Save a resumable checkpoint every N optimizer steps (and at the end); 0: only at the end."
@@ -892,6 +1097,14 @@ class ExportConfig(Section):
         "uniform",
         description="Weights of `average_last`: equal, growing linearly, or doubling with each newer adapter.",
     )
+
+
+def averaging_needs_snapshots(config: Config) -> None:
+    """`export.average_last` averages saved snapshots, two or more."""
+    if config.export.average_last == 1:
+        raise ValueError("export.average_last = 1 averages one adapter with itself; set 0 (off), or 2 or more")
+    if config.export.average_last > 1 and not config.export.every_steps:
+        raise ValueError("export.average_last needs export.every_steps > 0 (snapshots to average)")
 
 
 class LogConfig(Section):
@@ -930,152 +1143,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> Config:
-        if self.sample.resolution is None:
-            self.sample.resolution = self.data.resolution
-        if self.loss.zero_terminal_snr and self.loss.prediction_type != "v_prediction":
-            raise ValueError(
-                'loss.zero_terminal_snr = true needs loss.prediction_type = "v_prediction" (at zero SNR the noise '
-                "cannot be predicted from a pure-noise input)"
-            )
-        # `auto` caches resolve here, so the run's resolved config says what was cached.
-        if self.cache.latents == "auto":
-            self.cache.latents = "on" if self.data.crop == "center" else "off"
-        text_trained = self.adapter.trains_text_encoders
-        fresh_captions = self.data.varies_captions and not self.data.caption_variants
-        if self.cache.text == "auto":
-            self.cache.text = "off" if text_trained or fresh_captions else "on"
-        if self.cache.text == "on" and fresh_captions:
-            raise ValueError(
-                "cache.text with data.shuffle_tags or data.tag_dropout needs data.caption_variants > 0 (fixed variants "
-                'per caption to cache), or cache.text = "off" (a fresh draw every step)'
-            )
-        if self.cache.latents == "on" and self.data.crop != "center":
-            raise ValueError('cache.latents needs data.crop = "center" (a cached image has one crop)')
-        if self.cache.text == "on" and text_trained:
-            raise ValueError(
-                'cache.text needs adapter.text_encoder = false and adapter.kind other than "embedding" (a trained '
-                "encoder's outputs change)"
-            )
-        if self.model.training_adapter and not self.adapter.is_adapter:
-            raise ValueError(
-                "model.training_adapter needs an adapter (adapter.kind lora, dora, loha or lokr): a full "
-                "fine-tune or an embedding would be saved for the base with the training adapter merged in"
-            )
-        if self.adapter.kind == "embedding" and self.prior.enabled:
-            raise ValueError(
-                "prior preservation (prior.class_path / num_class_images) keeps a fine-tuned model's "
-                'class; an embedding (adapter.kind = "embedding") changes no model weights: turn it off'
-            )
-        watching = {
-            "validation.early_stop_patience": self.validation.early_stop_patience,
-            "validation.eval_concept": self.validation.eval_concept,
-        }
-        unwatched = [name for name, value in watching.items() if value and not self.validation.path]
-        if unwatched:
-            raise ValueError(
-                f"{', '.join(unwatched)} needs validation.path (the held-out images each validation scores)"
-            )
-        if self.adapter.kind == "embedding" and self.validation.path:
-            raise ValueError('validation.path is not supported with adapter.kind = "embedding" yet; leave it empty')
-        if self.adapter.kind == "embedding" and self.export.average_last:
-            raise ValueError(
-                'export.average_last averages adapters, not embeddings: set it to 0 with adapter.kind = "embedding"'
-            )
-        if self.train.global_batch_size:
-            if self.train.gradient_accumulation_steps != 1:
-                raise ValueError(
-                    "train.global_batch_size derives the accumulation steps: leave train.gradient_accumulation_steps "
-                    "at 1, or set global_batch_size = 0"
-                )
-            if self.train.global_batch_size % self.train.batch_size:
-                raise ValueError(
-                    f"train.global_batch_size {self.train.global_batch_size} is not a multiple of train.batch_size "
-                    f"{self.train.batch_size}"
-                )
-        if self.adapter.init != "gaussian":
-            if self.adapter.kind != "lora":
-                raise ValueError(
-                    f'adapter.init = "{self.adapter.init}" starts a LoRA; adapter.kind = "{self.adapter.kind}" '
-                    'needs init = "gaussian"'
-                )
-            if self.model.quantize != "none":
-                raise ValueError(
-                    f'adapter.init = "{self.adapter.init}" rewrites the base weights it factors, which '
-                    "model.quantize keeps quantized: use one or the other"
-                )
-        if self.adapter.rank_stabilized and self.adapter.kind not in ("lora", "dora"):
-            raise ValueError(
-                f'adapter.rank_stabilized scales a LoRA or DoRA; adapter.kind = "{self.adapter.kind}" has no such '
-                "scale in peft: turn it off"
-            )
-        if self.adapter.kind in ("loha", "lokr") and self.model.quantize != "none":
-            raise ValueError(
-                f'model.quantize keeps LoRA/DoRA\'s base layers quantized; adapter.kind = "{self.adapter.kind}" has no '
-                'quantized layers in peft: use lora or dora, or model.quantize = "none"'
-            )
-        if self.optim.loraplus_ratio and self.adapter.kind not in ("lora", "dora"):
-            raise ValueError(
-                "optim.loraplus_ratio speeds up adapters' B matrices; "
-                f'adapter.kind = "{self.adapter.kind}" has none: set it to 0'
-            )
-        if self.optim.optimizer == "prodigy" and (
-            self.optim.text_encoder_learning_rate != self.optim.learning_rate or self.optim.loraplus_ratio
-        ):
-            raise ValueError(
-                'optim.optimizer = "prodigy" estimates one step size for all parameters and refuses groups at other '
-                "rates: leave optim.text_encoder_learning_rate unset "
-                "(or equal to learning_rate) and loraplus_ratio at 0"
-            )
-        if self.optim.optimizer == "adamw_schedule_free":
-            if self.optim.lr_schedule != "constant":
-                raise ValueError(
-                    f'optim.optimizer = "adamw_schedule_free" replaces the schedule (its averaging does what decay '
-                    'does): set optim.lr_schedule = "constant", not '
-                    f'"{self.optim.lr_schedule}" (warmup_steps still apply)'
-                )
-            if self.ema.enabled:
-                raise ValueError(
-                    'ema.enabled with optim.optimizer = "adamw_schedule_free": its saved weights are an average '
-                    "already; turn the EMA off"
-                )
-        if self.optim.optimizer == "galore_adamw" and self.adapter.kind != "none":
-            raise ValueError(
-                'optim.optimizer = "galore_adamw" is for full fine-tunes (adapter.kind = "none"): an adapter\'s '
-                "matrices are low-rank already, so projecting their gradients saves nothing"
-            )
-        if self.model.quantize != "none" and self.adapter.kind == "none":
-            raise ValueError(
-                f'model.quantize = "{self.model.quantize}" needs an adapter (adapter.kind lora or dora): a full '
-                "fine-tune cannot train quantized weights"
-            )
-        if self.guard.rollback and not self.checkpoint.every_steps:
-            raise ValueError("guard.rollback needs checkpoint.every_steps > 0 (checkpoints to roll back to)")
-        if self.export.average_last == 1:
-            raise ValueError("export.average_last = 1 averages one adapter with itself; set 0 (off), or 2 or more")
-        if self.export.average_last > 1 and not self.export.every_steps:
-            raise ValueError("export.average_last needs export.every_steps > 0 (snapshots to average)")
-        if self.model.offload_budget and self.model.offload_blocks:
-            raise ValueError(
-                f"model.offload_blocks = {self.model.offload_blocks} and model.offload_budget = "
-                f'"{self.model.offload_budget}" both say how many blocks to offload: set one'
-            )
-        self._check_gguf_base()
-        storage = self.frozen_weights_kept_apart
-        if storage:
-            if self.train.mixed_precision == "fp8":
-                raise ValueError(
-                    f'{storage}, and train.mixed_precision = "fp8" casts bf16 weights to FP8 per matmul with fresh '
-                    "scales: use one or the other"
-                )
-            if self.adapter.kind == "none":
-                raise ValueError(
-                    f'{storage}, and a full fine-tune has none (its weights train): leave weight_dtype "auto", '
-                    "offload_blocks 0 and offload_budget empty"
-                )
-            if self.model.quantize != "none":
-                raise ValueError(f"{storage}, and model.quantize stores them quantized: choose one")
-            if self.train.compile:
-                raise ValueError(f"{storage}, which train.compile does not support yet; turn one off")
+        """The rules across sections, each named beside the section it checks (`CROSS_SECTION_RULES`)."""
+        for rule in CROSS_SECTION_RULES:
+            rule(self)
         return self
 
     @property
@@ -1095,26 +1165,6 @@ class Config(Section):
         elif self.model.offload_budget:
             kept.append(f'model.offload_budget = "{self.model.offload_budget}" may keep frozen weights in host memory')
         return " and ".join(kept)
-
-    def _check_gguf_base(self) -> None:
-        """A GGUF base keeps its own quantized weights (denoiser_files.py): a LoRA trains on them, as QLoRA does;
-        what would store, offload, rewrite or train those weights is refused by name."""
-        if not self.model.base.endswith(".gguf"):
-            return
-        clashes = {
-            f'adapter.kind = "{self.adapter.kind}"': self.adapter.kind != "lora",
-            f'adapter.init = "{self.adapter.init}"': self.adapter.init != "gaussian",
-            f'model.weight_dtype = "{self.model.weight_dtype}"': self.model.weight_dtype != "auto",
-            f'model.quantize = "{self.model.quantize}"': self.model.quantize != "none",
-            "model.offload_blocks / model.offload_budget": bool(self.model.offload_blocks or self.model.offload_budget),
-        }
-        named = [name for name, clash in clashes.items() if clash]
-        if named:
-            raise ValueError(
-                f"model.base {self.model.base}: a GGUF base keeps its weights in their quantized blocks, and a LoRA "
-                f'(adapter.kind = "lora", init = "gaussian") trains on them; {", ".join(named)} would store, offload, '
-                "rewrite or train those weights: leave it at its default, or train on the model's .safetensors file"
-            )
 
     @property
     def stores_frozen_weights(self) -> bool:
@@ -1337,3 +1387,21 @@ def _field_table(model: type[BaseModel]) -> list[str]:
             choices = " One of: " + ", ".join(f"`{a}`" for a in field.annotation.__args__) + "."
         lines.append(f"| `{name}` | `{shown}` | {field.description}{choices} |")
     return [*lines, ""]
+
+
+# Run in this order by `Config`'s validation; each raises a ValueError naming the settings that clash.
+CROSS_SECTION_RULES = (
+    sample_size_defaults_to_the_data,
+    zero_terminal_snr_needs_v_prediction,
+    caches_resolved_and_possible,
+    adapter_fits_the_other_sections,
+    watched_metrics_need_held_out_data,
+    global_batch_derives_the_accumulation,
+    optimizer_fits_the_run,
+    quantized_base_needs_an_adapter,
+    rollback_needs_checkpoints,
+    averaging_needs_snapshots,
+    one_offload_setting,
+    gguf_base_trains_a_lora,
+    frozen_weights_kept_apart_once,
+)
