@@ -123,7 +123,7 @@ def test_entries_read_once_stay_in_ram_up_to_the_budget(make_config, tmp_path):
         else:
             with pytest.raises(FileNotFoundError):
                 in_ram[key]
-    for want, got in zip(expected, first_read + served, strict=True):
+    for want, got in zip(expected + expected[:3], first_read + served, strict=True):  # served: the first three
         torch.testing.assert_close(got["latent_mean"], want["latent_mean"], rtol=0, atol=0)
         torch.testing.assert_close(got["token_ids"], want["token_ids"], rtol=0, atol=0)
 
