@@ -50,7 +50,6 @@ class Conditioning:
     # `text_mask` (`valid_token_states`): the text cache keeps the caption's tokens alone and pads them back. None:
     # stored as encoded.
     padded_text_tokens: int | None = None
-
     prompts_see_controls = False  # its text encoder reads an edit pair's controls (`tokenize` takes them)
 
     def check_controls(self, examples: list, key: str) -> None:

@@ -42,9 +42,7 @@ class Drawing:
     images or clips drawn through it (what `generate_images` below calls)."""
 
     default_sampler = "ddim"  # what `sample.scheduler = "auto"` means
-
     samplers = SAMPLERS  # sampler name -> scheduler class, built over the model's own schedule config
-
     needs_controls_to_draw = False  # its pipeline draws only edits (a sample prompt without controls is refused)
 
     def sampler(self, name: str) -> type:

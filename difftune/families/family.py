@@ -1,10 +1,11 @@
 """What a model family is to the rest of difftune: the one place that knows SD from SDXL (and what comes next).
 
 A family names its pipeline class and its parts (the denoiser and the text encoders, by the names diffusers'
-pipelines and LoRA files use), and does what differs between families: loading, tokenizing and encoding
-prompts, calling the denoiser with its conditioning, its kohya key prefixes and its single-file layout. The
-loop, data, caches, checkpoints, export, eval and UI ask it and never branch on which it is. `Family` holds
-what SD-like families share; a family module overrides the rest.
+pipelines and LoRA files use), calls its denoiser with its conditioning, and holds its roles, each with one job:
+its objective (`objective`: objective.py, flow.py) and its files in other tools' layouts (`layout`: layouts.py) as
+objects; its loading, conditioning, drawing and adapter targets as mixins (loading.py, conditioning.py, drawing.py,
+targets.py). The loop, data, caches, checkpoints, export, eval and UI ask it and never branch on which it is.
+`Family` holds what SD-like families share; a family module overrides the rest.
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ from difftune.families.layouts import Layout
 from difftune.families.loading import FamilyOptions, Loading
 from difftune.families.objective import DDPM, Objective
 from difftune.families.targets import AdapterTargets
-from difftune.models.parts import (
-    Components,
-)
+from difftune.models.parts import Components
 
 # A UNet block's name, wherever the UNet sits (peft and compile may wrap it): `down_blocks.1`, `mid_block`,
 # `up_blocks.0.attentions.2`, `down_blocks.0.resnets.1`...
@@ -40,9 +39,7 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
     denoiser_name = "unet"  # its pipeline argument and its prefix in diffusers' LoRA files
     text_encoder_names: tuple[str, ...] = ("text_encoder",)
     tokenizer_names: tuple[str, ...] = ("tokenizer",)
-    drawing_part_names: tuple[
-        str, ...
-    ] = ()  # frozen pipeline parts that drawing alone uses (`Components.drawing_parts`)
+    drawing_part_names: tuple[str, ...] = ()  # frozen pipeline parts drawing alone uses (`Components.drawing_parts`)
     pipeline_options: tuple[str, ...] = ()  # pipeline config values a reassembled pipeline keeps
     fixed_pipeline_arguments: dict = {}  # what every pipeline of the family is built with
     options_model: type[FamilyOptions] = FamilyOptions  # what `model.family_options` may set
@@ -50,8 +47,6 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
     reads_clips = False  # a video base: trains on clips (`frame_windows`) and images alike
     layout: Layout  # its files in other tools' layouts (layouts.py)
     objective: Objective = DDPM()  # what training minimises (objective.py; flow.py's for the flow families)
-
-    # Detection and loading.
 
     def denoiser_part(self, options: FamilyOptions) -> str:
         """The pipeline part that holds the denoiser this run trains: `denoiser_name`, unless the base has several
@@ -86,9 +81,7 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
         sampler: nothing, unless the family says otherwise."""
         return []
 
-    # Edit pairs.
-
-    # Prompts and the denoiser.
+    # The denoiser.
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         """Channels of the latents the denoiser takes (unpacked, as the autoencoder makes them)."""
@@ -120,7 +113,3 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
         """The blocks `model.offload_blocks` counts and keeps in host memory, in the order the denoiser
         holds them: a UNet's down blocks, up blocks and mid block."""
         return [module for name, module in denoiser.named_modules() if UNET_TOP_BLOCK.search(name)]
-
-    # Sampling.
-
-    # Files.

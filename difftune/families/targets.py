@@ -11,11 +11,8 @@ from difftune.families.loading import FamilyOptions
 
 class AdapterTargets:
     lora_text_encoders: tuple[str, ...] | None = None  # those its pipeline's LoRA loader reads adapters of (None: all)
-
     default_targets: dict[str, list[str]]  # part -> modules that get an adapter unless the config lists others
-
     trains_embeddings = False  # textual inversion is built for it (`adapter.kind = "embedding"`)
-
     placement_options: tuple[str, ...] = ()  # family options that say which part a file adapts (`denoiser_part`)
 
     def lora_loading_arguments(self, options: FamilyOptions) -> dict:
