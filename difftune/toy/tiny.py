@@ -78,6 +78,8 @@ from transformers import (
     UMT5EncoderModel,
 )
 
+from difftune.data.dataset import image_to_tensor
+
 IMAGE_SIZE = 32
 TOKENIZER_MAX_LENGTH = 32
 TEXT_HIDDEN_SIZE = 64
@@ -1034,6 +1036,11 @@ def set_latent_scaling(vae: AutoencoderKL, latents: torch.Tensor, shift: bool) -
     vae.register_to_config(scaling_factor=float(1.0 / (latents - shift_factor).std()))
     if shift:
         vae.register_to_config(shift_factor=shift_factor)
+
+
+def render_tensors(count: int, seed: int, colors=tuple(COLORS)) -> torch.Tensor:
+    """(count, 3, 32, 32) renders in [-1, 1]."""
+    return torch.stack([image_to_tensor(image) for image, _ in shape_images(count, seed, colors=colors)])
 
 
 def render_shape(shape: str, color: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Image.Image:

@@ -65,6 +65,7 @@ from difftune.toy.tiny import (
     moving_shape_clips,
     recolor_pairs,
     render_shape,
+    render_tensors,
     set_batch_norm_statistics,
     set_latent_scaling,
     set_latent_statistics,
@@ -169,11 +170,6 @@ RECIPES = {
     "z_image": Z_IMAGE_RECIPE,
 }
 SEEN_COLORS = tuple(color for color in COLORS if color != HELD_OUT_COLOR)
-
-
-def render_tensors(count: int, seed: int, colors=tuple(COLORS)) -> torch.Tensor:
-    """(count, 3, 32, 32) renders in [-1, 1]."""
-    return torch.stack([image_to_tensor(image) for image, _ in shape_images(count, seed, colors=colors)])
 
 
 def clip_tensors(count: int, seed: int, colors=tuple(COLORS)) -> torch.Tensor:

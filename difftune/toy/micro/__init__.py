@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from difftune.config import FAMILY_NAMES
-from difftune.data.dataset import image_to_tensor
-from difftune.toy.tiny import shape_images
+from difftune.toy.tiny import render_tensors
 
 
 @dataclass(frozen=True)
@@ -46,9 +45,8 @@ def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
     latents, the way SD's 0.18215 was chosen (Flux: its shift factor their mean, as Flux.1's 0.1159). `guidance`:
     Flux with a guidance embedding."""
     torch.manual_seed(seed)
-    pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
     family_builder = builder(family)
-    return family_builder.pipeline(family_builder.autoencoder(pixels), MicroSizes(guidance=guidance))
+    return family_builder.pipeline(family_builder.autoencoder(render_tensors(64, seed)), MicroSizes(guidance=guidance))
 
 
 def assemble_tiny_pipeline(vae, family: str, **sizes):

@@ -15,12 +15,16 @@ from difftune.toy.tiny import (
 )
 
 
-def qwen_autoencoder(pixels: torch.Tensor, wan: bool = False):
-    """Qwen-Image's autoencoder (Krea 2's too), or Wan's (`wan`), with `latents_mean` / `latents_std` set."""
-    vae = build_wan_vae() if wan else build_qwen_vae()
+def with_latent_statistics(vae, pixels: torch.Tensor):
+    """`vae` with `latents_mean` / `latents_std` of its latents of `pixels`, as Wan's autoencoder states them."""
     with torch.no_grad():
         set_latent_statistics(vae, encode_posterior(vae, pixels)[0])
     return vae
+
+
+def qwen_autoencoder(pixels: torch.Tensor, wan: bool = False):
+    """Qwen-Image's autoencoder (Krea 2's too), or Wan's (`wan`), with its latent statistics set."""
+    return with_latent_statistics(build_wan_vae() if wan else build_qwen_vae(), pixels)
 
 
 def flux2_autoencoder(pixels: torch.Tensor, token_order=None):

@@ -1,7 +1,7 @@
 """Micro Qwen-Image: a Qwen2.5-VL language model and a Qwen-Image transformer over Qwen-Image's autoencoder; its
 edit models' pipelines too (`pipeline`'s `edit`)."""
 
-from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
+from diffusers import QwenImageEditPlusPipeline, QwenImagePipeline
 
 from difftune.toy.micro import MicroSizes
 from difftune.toy.micro._latent_statistics import qwen_autoencoder
@@ -42,6 +42,3 @@ def pipeline(vae, sizes: MicroSizes, edit_pipeline=None):
     if edit_pipeline is None:
         return QwenImagePipeline(**parts)
     return edit_pipeline(**parts, processor=build_qwen_processor(tokenizer))
-
-
-__all__ = ["QwenImageEditPipeline", "autoencoder", "pipeline"]

@@ -4,18 +4,15 @@ kinds (`wan22_pipeline`)."""
 import torch
 from diffusers import AutoencoderKLWan, WanPipeline
 
-from difftune.data.dataset import image_to_tensor
-from difftune.models.autoencoders import encode_posterior
 from difftune.toy.micro import MicroSizes, build_pipeline
-from difftune.toy.micro._latent_statistics import qwen_autoencoder
+from difftune.toy.micro._latent_statistics import qwen_autoencoder, with_latent_statistics
 from difftune.toy.tiny import (
     FLUX_LATENT_CHANNELS,
     build_t5_tokenizer,
     build_umt5_encoder,
     build_wan_scheduler,
     build_wan_transformer,
-    set_latent_statistics,
-    shape_images,
+    render_tensors,
 )
 
 # The family's text-to-image job in configs/ (`scripts/family_jobs.py` sweeps settings over them); CI runs it as
@@ -71,11 +68,8 @@ def wan22_pipeline(seed: int = 0, kind: str = "a14b") -> WanPipeline:
         scale_factor_spatial=8,
         scale_factor_temporal=2,
     )
-    pixels = torch.stack([image_to_tensor(image) for image, _ in shape_images(64, seed=seed)])
-    with torch.no_grad():
-        set_latent_statistics(vae, encode_posterior(vae, pixels)[0])
     return WanPipeline(
-        vae=vae,
+        vae=with_latent_statistics(vae, render_tensors(64, seed)),
         text_encoder=wan.text_encoder,
         tokenizer=wan.tokenizer,
         scheduler=wan.scheduler,
