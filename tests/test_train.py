@@ -183,6 +183,16 @@ def test_run_outputs_and_metrics(make_config, tmp_path):
     assert list((out / "logs").rglob("events.out.tfevents.*")), "TensorBoard events were not written"
 
 
+def test_a_run_without_tensorboard_says_so_and_keeps_the_jsonl(make_config, tmp_path, monkeypatch, capsys):
+    import difftune.training.train as train_module
+
+    monkeypatch.setattr(train_module, "is_tensorboard_available", lambda: False)
+    train(make_config(train__max_steps=2, sample__prompts=[], log__tensorboard=True))
+    assert "log.tensorboard: TensorBoard is not installed" in capsys.readouterr().out
+    assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1, 2]
+    assert not list((tmp_path / "run").rglob("events.out.tfevents.*"))
+
+
 def test_warmup_and_clipping_show_in_the_metrics(make_config):
     config = make_config(
         train__max_steps=4, optim__warmup_steps=2, optim__lr_schedule="cosine", optim__max_grad_norm=1e-6

@@ -193,6 +193,11 @@ def setup(config: Config, resume: str | None = None) -> Run:
     if config.train.check_memory:  # every process: each would load
         _check_memory(config, accelerator)
     say = None if config.log.quiet else accelerator.print
+    if config.log.tensorboard and not is_tensorboard_available() and say:
+        say(
+            "log.tensorboard: TensorBoard is not installed, so the metrics go to metrics.jsonl only "
+            "(pip install tensorboard, or set log.tensorboard = false)"
+        )
     encoders_first = loads_encoders_first(config, family_of(config.model), resume)
     with phase(f"loading {'the encoders of ' if encoders_first else ''}the base {config.model.base}", say):
         components = load_training_base(config, with_denoiser=not encoders_first)
