@@ -15,6 +15,7 @@ import tomli_w
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from difftune.adapter_kinds import KINDS, AdapterKind, FullFineTune, LoRA, PeftAdapter, TokenEmbedding
 from difftune.errors import DifftuneError
 from difftune.files import is_url
 
@@ -192,15 +193,6 @@ class ModelConfig(Section):
         return value
 
 
-def quantized_base_needs_an_adapter(config: Config) -> None:
-    """A quantized base trains an adapter; a full fine-tune cannot train quantized weights."""
-    if config.model.quantize != "none" and config.adapter.kind == "none":
-        raise ValueError(
-            f'model.quantize = "{config.model.quantize}" needs an adapter (adapter.kind lora or dora): a full '
-            "fine-tune cannot train quantized weights"
-        )
-
-
 def one_offload_setting(config: Config) -> None:
     """`model.offload_blocks` and `model.offload_budget` both say how many blocks to offload."""
     if config.model.offload_budget and config.model.offload_blocks:
@@ -216,7 +208,7 @@ def gguf_base_trains_a_lora(config: Config) -> None:
     if not config.model.base.endswith(".gguf"):
         return
     clashes = {
-        f'adapter.kind = "{config.adapter.kind}"': config.adapter.kind != "lora",
+        f'adapter.kind = "{config.adapter.kind}"': type(config.adapter.kind_type) is not LoRA,  # nor DoRA
         f'adapter.init = "{config.adapter.init}"': config.adapter.init != "gaussian",
         f'model.weight_dtype = "{config.model.weight_dtype}"': config.model.weight_dtype != "auto",
         f'model.quantize = "{config.model.quantize}"': config.model.quantize != "none",
@@ -240,11 +232,6 @@ def frozen_weights_kept_apart_once(config: Config) -> None:
             raise ValueError(
                 f'{storage}, and train.mixed_precision = "fp8" casts bf16 weights to FP8 per matmul with fresh '
                 "scales: use one or the other"
-            )
-        if config.adapter.kind == "none":
-            raise ValueError(
-                f'{storage}, and a full fine-tune has none (its weights train): leave weight_dtype "auto", '
-                "offload_blocks 0 and offload_budget empty"
             )
         if config.model.quantize != "none":
             raise ValueError(f"{storage}, and model.quantize stores them quantized: choose one")
@@ -426,11 +413,8 @@ class DataConfig(Section):
         return self
 
 
-ADAPTER_KINDS = ("lora", "dora", "loha", "lokr")
-
-
 class AdapterConfig(Section):
-    kind: Literal["lora", "dora", "loha", "lokr", "none", "embedding"] = Field(
+    kind: Literal[tuple(KINDS)] = Field(  # adapter_kinds.py: what each kind is and allows
         "lora",
         description="`lora` or `dora` train an adapter through peft; `loha` and `lokr` are LyCORIS's Hadamard- and "
         "Kronecker-product adapters, through peft (saved in the LyCORIS keys ComfyUI and A1111 read "
@@ -493,14 +477,29 @@ class AdapterConfig(Section):
     )
 
     @property
+    def kind_type(self) -> AdapterKind:
+        """What `kind` names: its facts, its config problems, and the type the adapters package acts on."""
+        return KINDS[self.kind]
+
+    @property
     def is_adapter(self) -> bool:
-        """Whether it trains a low-rank adapter (LoRA, DoRA, LoHa or LoKr) on frozen weights."""
-        return self.kind in ADAPTER_KINDS
+        """Whether it trains a small adapter through peft (LoRA, DoRA, LoHa or LoKr) on frozen weights."""
+        return isinstance(self.kind_type, PeftAdapter)
+
+    @property
+    def trains_all_weights(self) -> bool:
+        """A full fine-tune: its trained parts are whole modules, saved whole."""
+        return isinstance(self.kind_type, FullFineTune)
+
+    @property
+    def learns_tokens(self) -> bool:
+        """Textual inversion: new tokens' embeddings, and no model weight changed."""
+        return isinstance(self.kind_type, TokenEmbedding)
 
     @property
     def trains_text_encoders(self) -> bool:
         """Whether the text encoders' outputs change in training: adapted, or learning an embedding."""
-        return self.text_encoder or self.kind == "embedding"
+        return self.text_encoder or self.learns_tokens
 
     @model_validator(mode="after")
     def _alpha_defaults_to_rank(self) -> AdapterConfig:
@@ -510,44 +509,16 @@ class AdapterConfig(Section):
 
 
 def adapter_fits_the_other_sections(config: Config) -> None:
-    """What the adapter kind and its init allow of the model, prior, validation and export settings."""
+    """What the adapter kind allows of the rest of the config (its own `problems`: its init, its scale, the
+    model's quantization, the prior, validation and export settings), and what a training adapter needs."""
     if config.model.training_adapter and not config.adapter.is_adapter:
         raise ValueError(
             "model.training_adapter needs an adapter (adapter.kind lora, dora, loha or lokr): a full "
             "fine-tune or an embedding would be saved for the base with the training adapter merged in"
         )
-    if config.adapter.kind == "embedding" and config.prior.enabled:
-        raise ValueError(
-            "prior preservation (prior.class_path / num_class_images) keeps a fine-tuned model's "
-            'class; an embedding (adapter.kind = "embedding") changes no model weights: turn it off'
-        )
-    if config.adapter.kind == "embedding" and config.validation.path:
-        raise ValueError('validation.path is not supported with adapter.kind = "embedding" yet; leave it empty')
-    if config.adapter.kind == "embedding" and config.export.average_last:
-        raise ValueError(
-            'export.average_last averages adapters, not embeddings: set it to 0 with adapter.kind = "embedding"'
-        )
-    if config.adapter.init != "gaussian":
-        if config.adapter.kind != "lora":
-            raise ValueError(
-                f'adapter.init = "{config.adapter.init}" starts a LoRA; adapter.kind = "{config.adapter.kind}" '
-                'needs init = "gaussian"'
-            )
-        if config.model.quantize != "none":
-            raise ValueError(
-                f'adapter.init = "{config.adapter.init}" rewrites the base weights it factors, which '
-                "model.quantize keeps quantized: use one or the other"
-            )
-    if config.adapter.rank_stabilized and config.adapter.kind not in ("lora", "dora"):
-        raise ValueError(
-            f'adapter.rank_stabilized scales a LoRA or DoRA; adapter.kind = "{config.adapter.kind}" has no such '
-            "scale in peft: turn it off"
-        )
-    if config.adapter.kind in ("loha", "lokr") and config.model.quantize != "none":
-        raise ValueError(
-            f'model.quantize keeps LoRA/DoRA\'s base layers quantized; adapter.kind = "{config.adapter.kind}" has no '
-            'quantized layers in peft: use lora or dora, or model.quantize = "none"'
-        )
+    problem = next(config.adapter.kind_type.problems(config), None)
+    if problem:
+        raise ValueError(problem)
 
 
 class LossConfig(Section):
@@ -686,11 +657,6 @@ class OptimConfig(Section):
 
 def optimizer_fits_the_run(config: Config) -> None:
     """What each optimizer allows of the adapter, the schedule and the EMA."""
-    if config.optim.loraplus_ratio and config.adapter.kind not in ("lora", "dora"):
-        raise ValueError(
-            "optim.loraplus_ratio speeds up adapters' B matrices; "
-            f'adapter.kind = "{config.adapter.kind}" has none: set it to 0'
-        )
     if config.optim.optimizer == "prodigy" and (
         config.optim.text_encoder_learning_rate != config.optim.learning_rate or config.optim.loraplus_ratio
     ):
@@ -711,7 +677,7 @@ def optimizer_fits_the_run(config: Config) -> None:
                 'ema.enabled with optim.optimizer = "adamw_schedule_free": its saved weights are an average '
                 "already; turn the EMA off"
             )
-    if config.optim.optimizer == "galore_adamw" and config.adapter.kind != "none":
+    if config.optim.optimizer == "galore_adamw" and not config.adapter.trains_all_weights:
         raise ValueError(
             'optim.optimizer = "galore_adamw" is for full fine-tunes (adapter.kind = "none"): an adapter\'s '
             "matrices are low-rank already, so projecting their gradients saves nothing"
@@ -1398,7 +1364,6 @@ CROSS_SECTION_RULES = (
     watched_metrics_need_held_out_data,
     global_batch_derives_the_accumulation,
     optimizer_fits_the_run,
-    quantized_base_needs_an_adapter,
     rollback_needs_checkpoints,
     averaging_needs_snapshots,
     one_offload_setting,

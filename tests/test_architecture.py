@@ -76,3 +76,33 @@ def test_no_family_is_named_outside_its_own_module():
     assert named == ["training/checkpoint.py: sd"]  # a checkpoint saved before `model.family` is SD's
     micro = root / "toy" / "micro"
     assert {path.stem for path in micro.glob("*.py") if not path.stem.startswith("_")} == set(FAMILY_NAMES)
+
+
+def test_adapter_kinds_are_types_the_library_acts_on_not_names():
+    """An adapter kind is one type in adapter_kinds.py (its facts, its config problems, its peft config); the library
+    acts on the type and never compares `adapter.kind` with a name, so adding a kind touches that module and the
+    type's implementations, nothing else."""
+    import re
+
+    from difftune.adapter_kinds import KINDS
+
+    root = Path(difftune.__file__).parent
+    names = "|".join(KINDS)
+    compared = re.compile(rf"(adapter|config)\.kind\s*(==|!=|in|not in)\s*[\"'(]|[\"']({names})[\"']\s*(==|!=)")
+    found = [
+        f"{path.relative_to(root)}: {match.group(0)}"
+        for path in sorted(root.rglob("*.py"))
+        if path.relative_to(root).parts[0] != "toy" and path.name != "adapter_kinds.py"
+        for match in compared.finditer(path.read_text(encoding="utf-8"))
+    ]
+    assert found == []
+
+
+def test_every_adapter_kind_has_each_job_the_adapters_package_does_by_type():
+    from difftune.adapter_kinds import KINDS, AdapterKind
+    from difftune.adapters.export import result_path, save_kind
+    from difftune.adapters.trained import attach, trained_part_names
+
+    for job in (trained_part_names, attach, result_path, save_kind):
+        missing = [name for name, kind in KINDS.items() if job.dispatch(type(kind)) is job.dispatch(AdapterKind)]
+        assert missing == [], f"{job.__name__} has no implementation for {missing}"

@@ -376,7 +376,7 @@ def test_a_family_that_does_not_fit_the_base_and_unknown_targets_fail_before_any
 def test_targets_checked_on_disk_and_once_loaded_say_the_same():
     """The targets a run names are checked in the base folder's safetensors headers before any import, and again on
     the loaded model (a hub id, a single file): one refusal, in the same words, for the same target."""
-    from difftune.adapters.kinds import check_targets
+    from difftune.adapters.trained import check_targets
     from difftune.families import load_components
     from difftune.training.preflight import check_before_start
 
@@ -612,3 +612,18 @@ def test_config_command_shows_the_family_it_detects(capsys):
     assert tomllib.loads(capsys.readouterr().out)["model"]["family"] == "flux"
     assert main(["config", "model.base=Qwen/Qwen-Image"]) == 0  # a kept hub id: known offline
     assert tomllib.loads(capsys.readouterr().out)["model"]["family"] == "qwen_image"
+
+
+def test_an_adapter_files_kind_is_read_from_its_peft_configs():
+    import peft
+
+    from difftune.adapter_kinds import KINDS, file_kind
+
+    assert file_kind({}, "unet") is KINDS["lora"]  # a file recording no type: diffusers' LoRA
+    assert file_kind({"unet.peft_type": "LORA", "unet.use_dora": True}, "unet") is KINDS["dora"]
+    assert file_kind({"transformer.peft_type": "PeftType.LOKR"}, "transformer") is KINDS["lokr"]
+    for name, config_class in (("loha", peft.LoHaConfig), ("lokr", peft.LoKrConfig)):
+        built = KINDS[name].peft_config(load_config(None, [f"adapter.kind={name}"]).adapter, ["to_q"])
+        assert type(built) is config_class and built.peft_type.value == KINDS[name].peft_type
+    with pytest.raises(DifftuneError, match=r"unet: a peft ADALORA adapter, which difftune does not read"):
+        file_kind({"unet.peft_type": "ADALORA"}, "unet")

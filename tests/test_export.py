@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from difftune.adapters import export
 from difftune.adapters.files import is_kohya
-from difftune.adapters.kinds import adapter_state_dict, add_adapters
+from difftune.adapters.trained import adapter_state_dict, add_adapters
 from difftune.cli import main
 from difftune.config import ModelConfig, load_config
 from difftune.errors import DifftuneError

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from difftune.adapters import export
-from difftune.adapters.kinds import adapter_state_dict, add_adapters
+from difftune.adapters.trained import adapter_state_dict, add_adapters
 from difftune.config import ModelConfig, OptimConfig, load_config
 from difftune.errors import DifftuneError
 from difftune.families import load_components

@@ -10,7 +10,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from difftune.adapters import export
-from difftune.adapters.kinds import adapter_state_dict, trainable_parameters
+from difftune.adapters.trained import adapter_state_dict, trainable_parameters
 from difftune.cli import main
 from difftune.config import EmaConfig, GuardConfig, LossConfig, ModelConfig, OptimConfig, load_config
 from difftune.data.dataset import scan_examples, training_sizes

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from functools import singledispatch
 from pathlib import Path
 
 import tomllib
@@ -23,6 +24,7 @@ import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
 from safetensors.torch import save_file
 
+from difftune.adapter_kinds import AdapterKind, FullFineTune, LyCORIS, PeftAdapter, TokenEmbedding, file_kind
 from difftune.adapters.embeddings import embedding_file_name, load_embedding, write_embedding
 from difftune.adapters.files import (
     CONFIG_METADATA_KEY,
@@ -32,8 +34,8 @@ from difftune.adapters.files import (
     placed_on_base,
     read_adapter,
 )
-from difftune.adapters.kinds import LYCORIS_CONFIGS, adapter_kind, adapter_scale, adapter_state_dict
 from difftune.adapters.kohya import family_to_kohya, kohya_metadata, split_adapter_key
+from difftune.adapters.trained import adapter_scale, adapter_state_dict
 from difftune.config import Config, ModelConfig, upgrade_moved_keys
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
@@ -52,11 +54,27 @@ FOLDED_ALPHA_KEY = "difftune_folded_alpha"  # the alpha settings a diffusers-lay
 def trained_path(config: Config, output_dir: Path, variant: str = "") -> Path:
     """Where a run's result goes: `variant` is "" (raw weights), "_ema", "_avg", or "_best" / "_best_eval" (the
     lowest validation loss / highest judged score so far). An adapter's is its `export.format` file."""
-    if config.adapter.kind == "none":
-        return variant_of(output_dir / FULL_MODEL_DIR, variant)
-    if config.adapter.kind == "embedding":
-        return variant_of(output_dir / f"{embedding_file_name(config.adapter)}.safetensors", variant)
-    return layout_path(output_dir, config.export.format, variant)
+    return variant_of(result_path(config.adapter.kind_type, config, Path(output_dir)), variant)
+
+
+@singledispatch
+def result_path(kind: AdapterKind, config: Config, output_dir: Path) -> Path:
+    raise NotImplementedError(f"{kind}: where its result goes")
+
+
+@result_path.register
+def _(kind: PeftAdapter, config: Config, output_dir: Path) -> Path:
+    return layout_path(output_dir, config.export.format)
+
+
+@result_path.register
+def _(kind: FullFineTune, config: Config, output_dir: Path) -> Path:
+    return output_dir / FULL_MODEL_DIR
+
+
+@result_path.register
+def _(kind: TokenEmbedding, config: Config, output_dir: Path) -> Path:
+    return output_dir / f"{embedding_file_name(config.adapter)}.safetensors"
 
 
 def layout_path(output_dir: Path, layout: str, variant: str = "") -> Path:
@@ -77,18 +95,33 @@ def variant_of(path: Path, variant: str) -> Path:
 
 
 def save_trained(components: Components, config: Config, path: Path, layout: str | None = None) -> Path:
-    """The adapter file (in `layout`, default `export.format`); with `adapter.kind = "none"` a complete diffusers
-    pipeline folder; with `"embedding"` the textual-inversion file."""
-    if config.adapter.kind == "none":
-        pipeline = components.pipeline(sampling_scheduler(config.sample.scheduler, components))
-        _refuse_non_finite(components.denoiser.state_dict(), f"{path}")
-        return replace_atomically(path, lambda staging: pipeline.save_pretrained(staging, safe_serialization=True))
-    if config.adapter.kind == "embedding":  # one layout: the one every tool reads
-        return write_embedding(path, components, config.adapter, {CONFIG_METADATA_KEY: config.to_toml()})
+    """The adapter file (in `layout`, default `export.format`); a full fine-tune's complete diffusers pipeline
+    folder; an embedding's textual-inversion file."""
+    return save_kind(config.adapter.kind_type, components, config, path, layout or config.export.format)
+
+
+@singledispatch
+def save_kind(kind: AdapterKind, components: Components, config: Config, path: Path, layout: str) -> Path:
+    raise NotImplementedError(f"{kind}: how its result is saved")
+
+
+@save_kind.register
+def _(kind: PeftAdapter, components: Components, config: Config, path: Path, layout: str) -> Path:
     tensors, lora_configs = adapter_state_dict(components, config.adapter)
-    return write_adapter(
-        path, tensors, lora_configs, config.to_toml(), layout or config.export.format, components.family
-    )
+    return write_adapter(path, tensors, lora_configs, config.to_toml(), layout, components.family)
+
+
+@save_kind.register
+def _(kind: FullFineTune, components: Components, config: Config, path: Path, layout: str) -> Path:
+    pipeline = components.pipeline(sampling_scheduler(config.sample.scheduler, components))
+    _refuse_non_finite(components.denoiser.state_dict(), f"{path}")
+    return replace_atomically(path, lambda staging: pipeline.save_pretrained(staging, safe_serialization=True))
+
+
+@save_kind.register
+def _(kind: TokenEmbedding, components: Components, config: Config, path: Path, layout: str) -> Path:
+    # One layout: the one every tool reads.
+    return write_embedding(path, components, config.adapter, {CONFIG_METADATA_KEY: config.to_toml()})
 
 
 def save_adapter_layouts(
@@ -118,7 +151,7 @@ def save_result_files(
     folder ("model") or embedding file ("embedding"), by what `where_files_go` calls them."""
     if config.adapter.is_adapter:
         return save_adapter_layouts(components, config, output_dir, variant)
-    label = "model" if config.adapter.kind == "none" else config.adapter.kind
+    label = "model" if config.adapter.trains_all_weights else "embedding"
     return {label: save_trained(components, config, trained_path(config, output_dir, variant))}
 
 
@@ -192,7 +225,7 @@ def folded_alpha(tensors: dict, lora_configs: dict) -> tuple[dict, dict, dict]:
     theirs: no reader but peft (difftune's) takes them in this layout, and it reads the metadata."""
     tensors, lora_configs, folded = dict(tensors), dict(lora_configs), {}
     for part in parts_of(tensors):
-        if adapter_kind(lora_configs, part) != "lora":
+        if not file_kind(lora_configs, part).scaled_product:
             continue
         ranks = {
             module: value.shape[0]
@@ -335,7 +368,7 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
             _refuse_unloadable_parts(tensors, components.family, path)
             _refuse_non_finite(tensors, f"adapter {path}")
             names.append(f"adapter_{i}")
-            if any(adapter_kind(lora_configs, part) != "lora" for part in parts_of(tensors)):
+            if any(isinstance(file_kind(lora_configs, part), LyCORIS) for part in parts_of(tensors)):
                 _attach_lycoris(components, tensors, lora_configs, names[-1], path)
                 continue
             staged = write_adapter(
@@ -369,7 +402,7 @@ def _attach_lycoris(components: Components, tensors: dict, lora_configs: dict, n
     parts = components.parts()
     for part in parts_of(tensors):
         prefix = f"{part}."
-        config_class = LYCORIS_CONFIGS[adapter_kind(lora_configs, part)]
+        config_class = file_kind(lora_configs, part).peft_config_class()
         known = set(config_class.__dataclass_fields__) - {"peft_type", "task_type"}  # set by the class itself
         fields = {key.removeprefix(prefix): value for key, value in lora_configs.items() if key.startswith(prefix)}
         parts[part].add_adapter(

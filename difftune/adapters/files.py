@@ -33,8 +33,8 @@ from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from diffusers.utils.state_dict_utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
 
 from difftune.adapters.embeddings import is_token_keyed
-from difftune.adapters.kinds import DORA_MAGNITUDE, LYCORIS_TENSORS, derived_lora_configs
 from difftune.adapters.kohya import SIMPLETUNER_PREFIX, family_from_kohya, split_adapter_key
+from difftune.adapters.trained import DORA_MAGNITUDE, LYCORIS_TENSORS, derived_lora_configs
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES
 from difftune.families.family import Family

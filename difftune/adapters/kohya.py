@@ -36,14 +36,8 @@ from pathlib import Path
 import tomllib
 import torch
 
-from difftune.adapters.kinds import (
-    DORA_MAGNITUDE,
-    LYCORIS_TENSORS,
-    adapter_kind,
-    adapter_scale,
-    config_alpha,
-    derived_lora_configs,
-)
+from difftune.adapter_kinds import DoRA, LyCORIS, file_kind
+from difftune.adapters.trained import DORA_MAGNITUDE, LYCORIS_TENSORS, adapter_scale, config_alpha, derived_lora_configs
 from difftune.families.family import Family
 from difftune.families.layouts import KOHYA_DENOISER_PREFIX, FusedLayout, Layout, RenamedLayout
 
@@ -277,8 +271,11 @@ def kohya_metadata(config_toml: str, lora_configs: dict, base: str, base_model_v
     `ss_base_model_version` (A1111 lists a LoRA under the model versions it names) is left out when unknown."""
     config = tomllib.loads(config_toml) if config_toml else {}
     part = next(key for key in lora_configs if key.endswith(".r")).removesuffix(".r")  # the first part with an adapter
-    is_dora, kind = bool(lora_configs.get(f"{part}.use_dora")), adapter_kind(lora_configs, part)
-    network_args = {"algo": kind} if kind != "lora" else {"algo": "lora", "dora_wd": "True"} if is_dora else {}
+    kind = file_kind(lora_configs, part)
+    # LyCORIS's `algo` names its kinds as adapter.kind does; DoRA is its LoRA with `dora_wd`.
+    network_args = {"algo": kind.name} if isinstance(kind, LyCORIS) else {}
+    if isinstance(kind, DoRA):
+        network_args = {"algo": "lora", "dora_wd": "True"}
     metadata = {
         "ss_network_module": "lycoris.kohya" if network_args else "networks.lora",
         "ss_network_args": json.dumps(network_args),

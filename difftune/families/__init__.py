@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from difftune import published
+from difftune.adapter_kinds import KINDS
 from difftune.config import FAMILY_NAMES, ModelConfig, wrong_family
 from difftune.errors import DifftuneError
 from difftune.families.family import Family
@@ -59,16 +60,6 @@ FAMILIES: dict[str, Family] = _discover()
 FAMILY_OPTIONS = {name: family.options_model for name, family in FAMILIES.items()}  # what model.family_options may set
 
 
-ADAPTER_KINDS = {
-    "lora": "LoRA",
-    "dora": "DoRA",
-    "loha": "LoHa",
-    "lokr": "LoKr",
-    "none": "full",
-    "embedding": "textual inversion",
-}
-
-
 def family_table_markdown(models_dir: Path) -> str:
     """The README's table of families, from the registry (what each trains and writes) and the bundled tiny bases'
     `scores.json` in `models_dir` (a test keeps the README in sync)."""
@@ -81,9 +72,9 @@ def family_table_markdown(models_dir: Path) -> str:
     ]
     for name, family in FAMILIES.items():
         kinds = [
-            label
-            for kind, label in ADAPTER_KINDS.items()
-            if not family.config_problems(Config(adapter={"kind": kind, "text_encoder": False}))
+            kind.label
+            for name, kind in KINDS.items()
+            if not family.config_problems(Config(adapter={"kind": name, "text_encoder": False}))
         ]
         encoders = ", ".join(f"`{e}`" for e in family.adapted_text_encoders()) or "none"
         prefixes = ", ".join(f"`{prefix}`" for prefix in family.layout.kohya_prefixes.values())

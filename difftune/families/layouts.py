@@ -151,7 +151,7 @@ class FusedLayout(Layout):
 
     def problems(self, config) -> list[str]:
         problems = super().problems(config)
-        if config.adapter.kind in ("loha", "lokr") and config.export.format == "kohya":
+        if config.adapter.is_adapter and not config.adapter.kind_type.fusable and config.export.format == "kohya":
             problems.append(
                 f'adapter.kind = "{config.adapter.kind}" with export.format = "kohya": '
                 f'{self.no_fused_lycoris()}; use export.format = "diffusers"'

@@ -29,7 +29,7 @@ class AdapterTargets:
                 "adapters alone (a text encoder adapter would be dropped where the file is used); set it to false, "
                 'or fine-tune in full (adapter.kind = "none"), which saves the text encoder in the pipeline folder'
             )
-        if config.adapter.kind == "embedding" and not self.trains_embeddings:
+        if config.adapter.learns_tokens and not self.trains_embeddings:
             problems.append(
                 f'adapter.kind = "embedding": textual inversion is not built for {self.description}; train a LoRA'
             )

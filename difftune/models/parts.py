@@ -263,7 +263,7 @@ def part_dtypes(config: Config) -> PartDtypes:
     apart (storage.py) loads as its files hold it, memory-mapped without a copy, and is stored layer by layer at once
     (`store_loaded_denoiser`): its host peak is the stored bytes, not a 16-bit or fp32 copy of the whole. A KL VAE
     under fp16 loads in fp32 (`cast_frozen` keeps one that asks for `force_upcast` there)."""
-    if config.adapter.kind == "none":
+    if config.adapter.trains_all_weights:
         return FP32_PARTS
     compute = weight_dtype(config)
     denoiser = torch.float32 if _rewrites_base(config) else AS_STORED if config.stores_frozen_weights else compute

@@ -53,7 +53,7 @@ from transformers import (
     T5EncoderModel,
 )
 
-from difftune.adapters.kinds import add_adapters
+from difftune.adapters.trained import add_adapters
 from difftune.config import load_config
 from difftune.families import load_components
 from difftune.models.autoencoders import downsampling, latent_channels

@@ -21,7 +21,7 @@ from accelerate.utils import convert_outputs_to_fp32
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from difftune.adapters import export
-from difftune.adapters.kinds import trained_parts
+from difftune.adapters.trained import trained_parts
 from difftune.config import Config
 from difftune.families import load_components
 from difftune.families.drawing import Sample, generate_images
@@ -60,7 +60,7 @@ def check_parity(
             components = _fresh_components(config, path, device, dtype)
             trained = trained_parts(components, config.adapter)
             whole = (
-                trained.values() if config.adapter.kind == "none" else ()
+                trained.values() if config.adapter.trains_all_weights else ()
             )  # a full fine-tune's stay fp32, as trained
             with adapters_kept_in_fp32(components):
                 place_frozen(
@@ -149,7 +149,7 @@ def adapters_kept_in_fp32(components):
 
 
 def _fresh_components(config: Config, path: Path, device: torch.device, dtype: torch.dtype):
-    if config.adapter.kind == "none":  # the saved pipeline folder holds every part, its autoencoder included
+    if config.adapter.trains_all_weights:  # the saved pipeline folder holds every part, its autoencoder included
         return load_components(
             config.model.model_copy(update={"base": str(path), "vae": "", "revision": "", "variant": ""})
         )

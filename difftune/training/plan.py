@@ -130,7 +130,7 @@ def _errors_only():
 def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     from diffusers.training_utils import cast_training_params
 
-    from difftune.adapters.kinds import add_adapters
+    from difftune.adapters.trained import add_adapters
     from difftune.memory.storage import computed_copies_saved_as_stored
     from difftune.models.denoiser_files import gguf_tensor_bytes, is_gguf
     from difftune.models.parts import (

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from difftune.adapters import export
 from difftune.adapters.embeddings import caption_with_token, check_captions
-from difftune.adapters.kinds import add_adapters, check_targets, trainable_parameters, trained_parts
+from difftune.adapters.trained import add_adapters, check_targets, trainable_parameters, trained_parts
 from difftune.config import Config
 from difftune.data import sharding
 from difftune.data.cache import (
@@ -230,7 +230,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     if config.prior.enabled:
         class_images, bad_class_files = class_examples(config, class_dir, len(examples))
         examples, bad_files = examples + class_images, bad_files + bad_class_files
-    if config.adapter.kind == "embedding":  # the captions say the new token where they said its word
+    if config.adapter.learns_tokens:  # the captions say the new token where they said its word
         examples = [
             replace(example, caption=caption_with_token(example.caption, config.adapter)) for example in examples
         ]
@@ -432,7 +432,7 @@ def _denoiser_autocast(run: Run):
     """Accelerate's autocast, where the denoiser runs outside it: Accelerate puts the modules it prepares (the trained
     ones) under autocast, and textual inversion trains the text encoders alone, so its frozen half-precision denoiser
     would meet fp32 inputs (a dtype error on every bf16 run)."""
-    return run.accelerator.autocast() if run.config.adapter.kind == "embedding" else nullcontext()
+    return run.accelerator.autocast() if run.config.adapter.learns_tokens else nullcontext()
 
 
 def with_accumulation(config: Config, num_processes: int) -> Config:
@@ -483,7 +483,7 @@ def finish(run: Run) -> TrainResult:
         components, ema, parameters = _unsharded_copy(run)
     else:
         components, ema, parameters = run.unwrapped(), run.ema, run.parameters
-    needs_encoders = config.sample.prompts or config.adapter.kind == "none"  # a full model is saved whole
+    needs_encoders = config.sample.prompts or config.adapter.trains_all_weights  # a full model is saved whole
     if run.main and needs_encoders and not components.encoders_loaded():
         with phase("loading the encoders again for the end of the run", run.say):
             _reload_released(components, config, accelerator.device)
@@ -903,7 +903,7 @@ def _shape_for_training(components: Components, config: Config, accelerator: Acc
 def _place_models(components: Components, config: Config, accelerator: Accelerator) -> None:
     """Frozen weights in the configured dtype, trained ones in fp32, all on the device."""
     trained = trained_parts(components, config.adapter)
-    trained_whole = trained.values() if config.adapter.kind == "none" else ()
+    trained_whole = trained.values() if config.adapter.trains_all_weights else ()
     offloader = place_frozen(
         components,
         accelerator.device,

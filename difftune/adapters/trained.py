@@ -1,5 +1,7 @@
-"""What is trained: LoRA / DoRA / LoHa / LoKr adapters injected by peft, all weights (`kind = "none"`), or new
-token embeddings (`kind = "embedding"`, embeddings.py).
+"""What a run trains, by the type of its adapter kind (adapter_kinds.py): adapters injected by peft (LoRA, DoRA,
+LoHa, LoKr), all weights of its parts (a full fine-tune), or new token embeddings (embeddings.py). Each job a kind
+does differently is one `functools.singledispatch` function with one implementation per type: the kinds' types sit
+below the config, which checks their problems before torch is loaded, and what they do to a model sits here.
 
 Parts are the family's: its denoiser and, with `adapter.text_encoder`, each text encoder, named as diffusers
 names them (`unet`, `text_encoder`, `text_encoder_2`). A trained parameter's name is `<part>.<name in part>`.
@@ -12,10 +14,12 @@ start, B A - B0 A0, as a LoRA of twice the rank on the untouched base ([B, -B0] 
 
 from __future__ import annotations
 
+from functools import singledispatch
+
 import torch
-from peft import LoHaConfig, LoKrConfig, LoraConfig, PeftConfig
 from peft.utils import get_peft_model_state_dict
 
+from difftune.adapter_kinds import AdapterKind, FullFineTune, PeftAdapter, TokenEmbedding, file_kind
 from difftune.adapters.embeddings import add_tokens
 from difftune.adapters.targets import layer_suffixes, missing_targets, unmatched_targets
 from difftune.config import AdapterConfig
@@ -40,7 +44,6 @@ LYCORIS_TENSORS = (
     "lokr_w2_b",
     "lokr_t2",
 )
-LYCORIS_CONFIGS = {"loha": LoHaConfig, "lokr": LoKrConfig}  # adapter.kind (and `adapter_kind`) -> its peft config
 MUTATED_BASE_INITS = ("pissa", "olora")  # adapter inits that change the base weights (see the module's docstring)
 INITIAL_ADAPTER = "_difftune_initial_adapter"  # a part's adapter tensors as initialized, for those inits
 
@@ -48,16 +51,28 @@ INITIAL_ADAPTER = "_difftune_initial_adapter"  # a part's adapter tensors as ini
 def trained_parts(components: Components, config: AdapterConfig) -> dict[str, torch.nn.Module]:
     """The parts `config` trains, by name: the denoiser, and with `adapter.text_encoder` the family's adapted text
     encoders (its fine-tuned ones in a full fine-tune); an embedding's text encoders alone."""
-    parts, family = components.parts(), components.family
-    if config.kind == "embedding":
-        names = family.text_encoder_names
-    elif not config.text_encoder:
-        names = (family.denoiser_name,)
-    elif config.kind == "none":
-        names = (family.denoiser_name, *family.fine_tuned_text_encoders())
-    else:
-        names = family.adapter_parts()
-    return {name: parts[name] for name in names}
+    parts = components.parts()
+    return {name: parts[name] for name in trained_part_names(config.kind_type, components.family, config)}
+
+
+@singledispatch
+def trained_part_names(kind: AdapterKind, family, config: AdapterConfig) -> tuple[str, ...]:
+    raise NotImplementedError(f"{kind}: which parts it trains")
+
+
+@trained_part_names.register
+def _(kind: PeftAdapter, family, config: AdapterConfig) -> tuple[str, ...]:
+    return family.adapter_parts() if config.text_encoder else (family.denoiser_name,)
+
+
+@trained_part_names.register
+def _(kind: FullFineTune, family, config: AdapterConfig) -> tuple[str, ...]:
+    return (family.denoiser_name, *(family.fine_tuned_text_encoders() if config.text_encoder else ()))
+
+
+@trained_part_names.register
+def _(kind: TokenEmbedding, family, config: AdapterConfig) -> tuple[str, ...]:
+    return tuple(family.text_encoder_names)
 
 
 def target_modules(components: Components, config: AdapterConfig) -> dict[str, list[str]]:
@@ -105,39 +120,34 @@ def add_adapters(components: Components, config: AdapterConfig) -> None:
     """Freeze the base and attach what `config` trains."""
     for module in components.modules():  # an encoder may be released (its outputs cached)
         module.requires_grad_(False)
-    trained = trained_parts(components, config)
-    if config.kind == "none":
-        for module in trained.values():
-            module.requires_grad_(True)
-        return
-    if config.kind == "embedding":
-        add_tokens(components, config)
-        return
+    attach(config.kind_type, components, config)
+
+
+@singledispatch
+def attach(kind: AdapterKind, components: Components, config: AdapterConfig) -> None:
+    raise NotImplementedError(f"{kind}: how it attaches")
+
+
+@attach.register
+def _(kind: PeftAdapter, components: Components, config: AdapterConfig) -> None:
     check_targets(components, config)
+    trained = trained_parts(components, config)
     for part, targets in target_modules(components, config).items():
         with casts_reused():  # the denoiser's layers may be stored in fewer bits already (storage.py)
-            trained[part].add_adapter(_adapter_config(config, targets))
+            trained[part].add_adapter(kind.peft_config(config, targets))
         if config.init in MUTATED_BASE_INITS:
             setattr(trained[part], INITIAL_ADAPTER, _peft_state(trained[part]))
 
 
-def _adapter_config(config: AdapterConfig, targets: list[str]) -> PeftConfig:
-    if config.kind in LYCORIS_CONFIGS:
-        # LyCORIS's defaults, as peft has them: no Tucker decomposition of convolutions (ComfyUI and A1111 read it, but
-        # the plain form is what every loader reads), LoKr's factor chosen from the layer's shape.
-        return LYCORIS_CONFIGS[config.kind](
-            r=config.rank, alpha=config.alpha, rank_dropout=config.dropout, target_modules=targets
-        )
-    return LoraConfig(
-        r=config.rank,
-        lora_alpha=config.alpha,
-        lora_dropout=config.dropout,
-        target_modules=targets,
-        use_dora=config.kind == "dora",
-        use_rslora=config.rank_stabilized,
-        # gaussian: A ~ N(0, 1/r), B = 0, so the adapter starts as the identity, as in diffusers' LoRA scripts.
-        init_lora_weights=config.init,
-    )
+@attach.register
+def _(kind: FullFineTune, components: Components, config: AdapterConfig) -> None:
+    for module in trained_parts(components, config).values():
+        module.requires_grad_(True)
+
+
+@attach.register
+def _(kind: TokenEmbedding, components: Components, config: AdapterConfig) -> None:
+    add_tokens(components, config)
 
 
 def _peft_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -191,14 +201,9 @@ def adapter_state_dict(components: Components, config: AdapterConfig) -> tuple[d
     return tensors, lora_configs
 
 
-def adapter_kind(lora_configs: dict, part: str) -> str:
-    """A part's adapter kind in an adapter file's configs: "lora" (DoRA included), "loha" or "lokr"."""
-    return str(lora_configs.get(f"{part}.peft_type", "LORA")).rsplit(".", 1)[-1].lower()
-
-
 def config_alpha(lora_configs: dict, part: str, module: str | None = None) -> float:
     """A part's alpha (a module's, given one): peft calls it `lora_alpha` in a LoRA's config, `alpha` in LyCORIS's."""
-    key = "lora_alpha" if adapter_kind(lora_configs, part) == "lora" else "alpha"
+    key = file_kind(lora_configs, part).alpha_key
     pattern = lora_configs.get(f"{part}.alpha_pattern") or {}
     return pattern.get(module, lora_configs[f"{part}.{key}"])
 
