@@ -461,3 +461,23 @@ def test_a_run_from_s3_shards_killed_and_resumed_is_bit_identical(tmp_path, s3):
     whole, killed = run_whole_killed_and_resumed(common, tmp_path, kill_at_rows=17, steps=40)
     assert _losses(killed) == _losses(whole)
     assert _same_adapters(killed, whole)
+
+
+def test_where_data_path_points_is_one_type_every_reader_asks(shapes, tmp_path):
+    """A folder of files and stored records (shards, parquet, a saved dataset) are the two sources; what start-up,
+    the scan index and the plan need to know of one is asked of its type."""
+    from difftune.data.sources import FolderOfFiles, StoredRecords, data_source
+
+    shards = write_shards(shapes, tmp_path / "shards", per_shard=4)
+    stored = [shards, shards / "train-0000.tar", write_parquet(shapes, tmp_path / "parquet", 4)]
+    stored.append(save_dataset(shapes, tmp_path / "saved"))
+    assert all(type(data_source(str(path))) is StoredRecords for path in stored)
+    assert all(data_source(str(path)).scan_is_kept and data_source(str(path)).may_hold_clips() for path in stored)
+    folder = data_source(str(shapes))
+    assert type(folder) is FolderOfFiles and not folder.scan_is_kept and not folder.may_hold_clips()
+    folder.check_present("data.path", "captioned images")  # a folder that is there
+    with pytest.raises(DifftuneError, match=r"^data\.path .*missing: does not exist; point it at a folder of images"):
+        data_source(str(tmp_path / "missing")).check_present("data.path", "images")
+    (tmp_path / "clips").mkdir()
+    write_clip_folder(tmp_path / "clips", moving_shape_clips(1, seed=0, frames=5))
+    assert data_source(str(tmp_path / "clips")).may_hold_clips()

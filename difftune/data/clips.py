@@ -29,7 +29,6 @@ from difftune.config import DataConfig
 from difftune.data.sources import readable
 from difftune.errors import DifftuneError
 
-CLIP_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi")
 Extraction = Literal["head", "chunk", "slide", "uniform", "full"]
 
 
@@ -91,10 +90,6 @@ class FrameWindows:
                 starts = sorted(set(np.linspace(0, last, self.samples, dtype=int).tolist()))  # floored, as musubi-tuner
             out += [(int(start), length) for start in starts]
         return out
-
-
-def is_clip(path: Path) -> bool:
-    return path.suffix.lower() in CLIP_SUFFIXES
 
 
 def _av():

@@ -36,6 +36,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import singledispatch
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,11 +47,16 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
 from difftune.config import DataConfig
-from difftune.data.clips import CLIP_SUFFIXES, BadClip, FrameWindows, frame_size, is_clip, probe, read_frames
+from difftune.data.clips import BadClip, FrameWindows, frame_size, probe, read_frames
 from difftune.data.places import read_tensors, write_text
 from difftune.data.sources import (
+    CLIP_SUFFIXES,
+    DataSource,
+    FolderOfFiles,
     Stored,
-    is_stored_source,
+    StoredRecords,
+    data_source,
+    is_clip,
     read_source,
     readable,
     source_identity,
@@ -96,7 +102,7 @@ def scan_examples(
     `index_folder`: where the scan of stored records (sources.py) is kept, keyed by every file's size and version and
     the data settings: the first process to scan writes it, and later runs and processes read it instead of reading
     every record again (N processes on object storage would fetch the dataset N times)."""
-    if index_folder is None or not is_stored_source(config.path):
+    if index_folder is None or not data_source(config.path).scan_is_kept:
         return _scan(config, key, windows)
     identity = {
         "format": SCAN_INDEX_FORMAT,
@@ -146,18 +152,7 @@ SCAN_INDEX_FORMAT = "1"  # bumped when what the index holds changes
 def _scan(config: DataConfig, key: str, windows: FrameWindows | None) -> tuple[list[Example], list[BadFile]]:
     root = config.path
     bad: list[BadFile] = []
-    if is_stored_source(root):
-        examples = _scan_stored(config, key, bad)
-    elif not Path(root).is_dir():
-        raise DifftuneError(
-            f"{key} {root} is not a folder; point it at a folder of captioned images, shards or parquet files"
-        )
-    else:
-        examples = _scan_folder(Path(root), config, bad)
-        for sub in sorted(p for p in Path(root).iterdir() if p.is_dir()):
-            match = REPEATS_FOLDER.match(sub.name)
-            if match:
-                examples += _scan_folder(sub, config, bad, folder_caption=match.group(2)) * int(match.group(1))
+    examples = listed_examples(data_source(root), config, key, bad)
     if not examples and not bad:
         raise DifftuneError(
             f"{key} {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) or clips "
@@ -206,6 +201,32 @@ def report_bad_files(bad: list[BadFile], report: Path | None, print_fn=print) ->
         report.write_text(
             "".join(json.dumps({"file": str(b.path), "reason": b.reason}) + "\n" for b in bad), encoding="utf-8"
         )
+
+
+@singledispatch
+def listed_examples(source: DataSource, config: DataConfig, key: str, bad: list[BadFile]) -> list[Example]:
+    """Every example `source` lists, each as often as its folder repeats; what cannot be read goes to `bad`."""
+    raise NotImplementedError(f"{source}: how its examples are listed")
+
+
+@listed_examples.register
+def _(source: FolderOfFiles, config: DataConfig, key: str, bad: list[BadFile]) -> list[Example]:
+    root = Path(source.path)
+    if not root.is_dir():
+        raise DifftuneError(
+            f"{key} {root} is not a folder; point it at a folder of captioned images, shards or parquet files"
+        )
+    examples = _scan_folder(root, config, bad)
+    for sub in sorted(p for p in root.iterdir() if p.is_dir()):
+        match = REPEATS_FOLDER.match(sub.name)
+        if match:
+            examples += _scan_folder(sub, config, bad, folder_caption=match.group(2)) * int(match.group(1))
+    return examples
+
+
+@listed_examples.register
+def _(source: StoredRecords, config: DataConfig, key: str, bad: list[BadFile]) -> list[Example]:
+    return _scan_stored(config, key, bad)
 
 
 def _scan_folder(

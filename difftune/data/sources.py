@@ -1,5 +1,8 @@
-"""Training data that is not a folder of files: webdataset tar shards, parquet files (Hugging Face datasets on the
-hub among them) and datasets saved by the `datasets` library, each on local disk or on object storage.
+"""Where `data.path` (or `validation.path`) points, as one type the code that reads it asks (`data_source`): a
+`FolderOfFiles`, or `StoredRecords`: webdataset tar shards, parquet files (Hugging Face datasets on the hub among
+them) and datasets saved by the `datasets` library, each on local disk or on object storage. The type says whether
+the path must be a folder before a run starts, whether its scan is costly enough to keep (and so done by one process
+a machine), and whether it may hold clips; dataset.py lists its examples, once per type.
 
 - **Tar shards** (`.tar`): members grouped into records by key, as webdataset writes them: `0001.jpg`, `0001.txt`
   (and `0001.json`) are one record, its key the member's path up to the first dot of its name. Its caption is the
@@ -40,6 +43,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from itertools import chain
 from pathlib import Path, PurePosixPath
+from typing import ClassVar
 
 import fsspec
 from tqdm.auto import tqdm
@@ -51,6 +55,50 @@ SHARD_SUFFIX, PARQUET_SUFFIX = ".tar", ".parquet"
 DATASET_FILES = ("state.json", "dataset_info.json")  # what Dataset.save_to_disk writes beside its Arrow files
 IMAGE_COLUMNS = ("image", "img", "jpg", "png", "webp")  # what `data.image_column = ""` looks for, in order
 CAPTION_COLUMNS = ("text", "caption", "txt", "prompt")
+CLIP_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi")
+
+
+def is_clip(path: Path) -> bool:
+    return path.suffix.lower() in CLIP_SUFFIXES
+
+
+@dataclass(frozen=True)
+class DataSource:
+    path: str
+    scan_is_kept: ClassVar[bool]  # its scan reads every record, so it is kept in an index: one process scans
+
+    def check_present(self, key: str, holding: str) -> None:
+        """Before anything loads: refuse a path that cannot be this source, naming `key` and what it should hold."""
+
+    def may_hold_clips(self) -> bool:
+        raise NotImplementedError
+
+
+class FolderOfFiles(DataSource):
+    """A local folder of images or clips with their captions (and `N_name` subfolders): listed in a moment."""
+
+    scan_is_kept = False
+
+    def check_present(self, key: str, holding: str) -> None:
+        if not Path(self.path).is_dir():
+            what = "does not exist" if not Path(self.path).exists() else "is a file"
+            raise DifftuneError(f"{key} {self.path}: {what}; point it at a folder of {holding}")
+
+    def may_hold_clips(self) -> bool:
+        return any(is_clip(path) for path in Path(self.path).rglob("*"))
+
+
+class StoredRecords(DataSource):
+    """Shards, parquet files or a saved dataset: listed, and a missing one named, as the data is read."""
+
+    scan_is_kept = True
+
+    def may_hold_clips(self) -> bool:
+        return True  # known only once every record is read
+
+
+def data_source(path: str) -> DataSource:
+    return StoredRecords(path) if is_stored_source(path) else FolderOfFiles(path)
 
 
 def is_stored_source(path: str) -> bool:

@@ -21,8 +21,9 @@ from PIL import Image, ImageDraw, ImageFont
 from PIL.PngImagePlugin import PngInfo
 
 from difftune.config import DataConfig, PromptWithControls, SampleConfig
-from difftune.data.clips import is_clip, read_frames, write_clip
+from difftune.data.clips import read_frames, write_clip
 from difftune.data.dataset import BadImage, open_image
+from difftune.data.sources import is_clip
 from difftune.errors import DifftuneError
 from difftune.families.loading import FamilyOptions
 from difftune.models.autoencoders import load_vae

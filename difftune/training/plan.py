@@ -30,8 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from difftune import published
 from difftune.config import Config, parse_size
-from difftune.data.clips import is_clip
-from difftune.data.sources import is_stored_source
+from difftune.data.sources import data_source
 from difftune.errors import DifftuneError
 from difftune.memory.storage import own_cast_buffers, storage_key
 from difftune.models.parts import Components
@@ -595,7 +594,7 @@ def _planned_frames(components: Components, config: Config) -> int:
     windows = components.family.frame_windows(config.data, components.vae)
     if windows is None:
         return 0
-    if not is_stored_source(config.data.path) and not any(is_clip(path) for path in Path(config.data.path).rglob("*")):
+    if not data_source(config.data.path).may_hold_clips():
         return 0
     if windows.extraction == "full":
         return windows.rounded(windows.max_frames)

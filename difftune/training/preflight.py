@@ -16,7 +16,7 @@ from pathlib import Path
 from difftune import published
 from difftune.adapters.targets import layer_suffixes, missing_targets, unmatched_targets
 from difftune.config import HUB_ID, Config, wrong_family
-from difftune.data.sources import is_stored_source
+from difftune.data.sources import FolderOfFiles, data_source
 from difftune.errors import DifftuneError, require_extra
 from difftune.files import part_weight_files
 
@@ -45,11 +45,9 @@ def _check_paths(config: Config) -> None:
         "data.control_path": (config.data.control_path, "control images"),
     }
     for key, (folder, holding) in folders.items():
-        if folder and key in ("data.path", "validation.path") and is_stored_source(folder):
-            continue  # shards, parquet files, a saved dataset: listed, and any missing named, as the data is read
-        if folder and not Path(folder).is_dir():
-            what = "does not exist" if not Path(folder).exists() else "is a file"
-            raise DifftuneError(f"{key} {folder}: {what}; point it at a folder of {holding}")
+        if folder:  # the training and validation data may be stored records; masks and controls are files
+            source = data_source(folder) if key in ("data.path", "validation.path") else FolderOfFiles(folder)
+            source.check_present(key, holding)
     for entry in config.sample.prompts:
         missing = [control for control in getattr(entry, "controls", []) if not Path(control).is_file()]
         if missing:

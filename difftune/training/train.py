@@ -61,7 +61,7 @@ from difftune.data.dataset import (
     scan_examples,
     training_sizes,
 )
-from difftune.data.sources import is_stored_source
+from difftune.data.sources import data_source
 from difftune.errors import DifftuneError
 from difftune.families import family_of, load_components, load_denoiser
 from difftune.families.drawing import generate_images, save_images
@@ -220,7 +220,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
 
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
     # Stored records are scanned once a machine (the first process writes the scan's index, the others read it).
-    with accelerator.local_main_process_first() if is_stored_source(config.data.path) else nullcontext():
+    with accelerator.local_main_process_first() if data_source(config.data.path).scan_is_kept else nullcontext():
         with phase(f"reading the data in {config.data.path}", say):
             examples, bad_files = scan_examples(
                 config.data,
