@@ -23,7 +23,8 @@ from functools import partial
 from pathlib import Path
 
 from difftune.config import ModelConfig
-from difftune.families import load_components
+from difftune.families import FAMILIES, load_components
+from difftune.families.flow import FlowMatching
 from difftune.models.autoencoders import PATCHED_AUTOENCODERS
 from difftune.toy.judge import EvalSettings, clip_score, score
 from difftune.toy.tiny import (
@@ -36,9 +37,8 @@ from difftune.toy.tiny import (
 )
 from difftune.toy.tiny_base import (
     HELD_OUT_COLOR,
-    RECIPES,
-    SDXL_STEPS,
     SEEN_COLORS,
+    TINY_BASES,
     Recipe,
     build_base,
     copy_into_borrowers,
@@ -133,82 +133,18 @@ the first frame it is seen in to the last (at least 3 px, mostly the asked way).
 """
 
 
-ARCHITECTURES = {
-    "sd": (
-        "Stable Diffusion 1.x's architecture at toy size, from the same classes (`UNet2DConditionModel`,\n"
-        "`AutoencoderKL`, `CLIPTextModel` with a character-level `CLIPTokenizer`)",
-        "StableDiffusionPipeline",
-    ),
-    "sdxl": (
-        "Stable Diffusion XL's architecture at toy size, from the same classes (`UNet2DConditionModel` with\n"
-        '`addition_embed_type = "text_time"` size/crop conditioning, `AutoencoderKL`, `CLIPTextModel` and\n'
-        "`CLIPTextModelWithProjection` with character-level "
-        "`CLIPTokenizer`s; the UNet keeps tiny-sd's attention\nplacement)",
-        "StableDiffusionXLPipeline",
-    ),
-    "flux": (
-        "Flux.1's architecture at toy size, from the same classes (`FluxTransformer2DModel` over 2x2-packed\n"
-        "latents, a 16-channel `AutoencoderKL` with a shift factor, `CLIPTextModel` for the pooled embedding and\n"
-        "`T5EncoderModel` for the token states, with character-level `CLIPTokenizer` and `T5TokenizerFast`; no\n"
-        "guidance embedding: sample with true classifier-free guidance)",
-        "FluxPipeline",
-    ),
-    "qwen_image": (
-        "Qwen-Image's architecture at toy size, from the same classes (`QwenImageTransformer2DModel`\n"
-        "over 2x2-packed latents, Wan's causal video autoencoder `AutoencoderKLQwenImage` with per-channel\n"
-        "`latents_mean` / `latents_std`, a `Qwen2_5_VLForConditionalGeneration` language model read\n"
-        "through the pipeline's chat template, with a byte-level `Qwen2Tokenizer` built here that spells\n"
-        "each caption word in one token; sample with true classifier-free guidance, `true_cfg_scale`)",
-        "QwenImagePipeline",
-    ),
-    "flux2_klein": (
-        "FLUX.2 [klein]'s architecture at toy size, from the same classes (`Flux2Transformer2DModel`,\n"
-        "FLUX.2's `AutoencoderKLFlux2` with its batch norm over 2x2-patched latents, a 27-layer\n"
-        "`Qwen3ForCausalLM` read at layers 9, 18 and 27 through its chat template, with a byte-level\n"
-        "`Qwen2Tokenizer` built here whose `model_max_length` (48) is the caption length read: pass\n"
-        "`max_sequence_length=48` to `Flux2KleinPipeline`)",
-        "Flux2KleinPipeline",
-    ),
-    "chroma": (
-        "Chroma's architecture at toy size, from the same classes (`ChromaTransformer2DModel`: Flux.1's blocks\n"
-        "whose modulation one small approximator makes, over 2x2-packed latents of Flux.1's kind of 16-channel\n"
-        "`AutoencoderKL` (tiny-flux's), `T5EncoderModel` alone with a character-level `T5TokenizerFast`; sample\n"
-        "with classifier-free guidance, `guidance_scale`)",
-        "ChromaPipeline",
-    ),
-    "sd3": (
-        "Stable Diffusion 3.5's architecture at toy size, from the same classes (`SD3Transformer2DModel`, an MMDiT\n"
-        "whose first block has SD3.5's second image attention, over Flux.1's kind of 16-channel `AutoencoderKL`\n"
-        "(tiny-flux's, SD3's kind too), two `CLIPTextModelWithProjection`s and `T5EncoderModel`, with\n"
-        "character-level tokenizers)",
-        "StableDiffusion3Pipeline",
-    ),
-    "z_image": (
-        "Z-Image's architecture at toy size, from the same classes (`ZImageTransformer2DModel`, a\n"
-        "single-stream DiT with image and caption refiner blocks, over Flux.1's kind of 16-channel\n"
-        "`AutoencoderKL` (tiny-flux's), a `Qwen3Model` language model read through its chat template, with a\n"
-        "byte-level `Qwen2Tokenizer` built here)",
-        "ZImagePipeline",
-    ),
-    "wan": (
-        "Wan 2.1's architecture at toy size, from the same classes (`WanTransformer3DModel` over 1x2x2 patches of\n"
-        "clip latents, Wan's causal video autoencoder `AutoencoderKLWan` with per-channel statistics, a\n"
-        "`UMT5EncoderModel` with a character-level `T5TokenizerFast`)",
-        "WanPipeline",
-    ),
-}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=("sd", "sdxl", *RECIPES), default="sd")
+    parser.add_argument("--family", choices=TINY_BASES, default="sd")
     parser.add_argument("--model-dir", type=Path, help="default: models/tiny-<family>")
     parser.add_argument(
         "--autoencoders-from",
         type=Path,
-        help="a built base whose vae/ and taesd/ are reused instead of trained (default with --family "
-        "sdxl: models/tiny-sd; z_image, chroma, sd3: models/tiny-flux; "
-        "for another family, its own earlier build of the same recipe)",
+        help="a built base whose vae/ and taesd/ are reused instead of trained (default: the family's lender, "
+        + "; ".join(
+            f"{name}: models/{spec.autoencoders_from}" for name, spec in TINY_BASES.items() if spec.autoencoders_from
+        )
+        + "; for another family, its own earlier build of the same recipe)",
     )
     parser.add_argument("--examples-dir", type=Path, default=Path("examples"))
     parser.add_argument("--work-dir", type=Path, help="default: output/tiny-<family>-build")
@@ -216,26 +152,18 @@ def main() -> None:
     parser.add_argument(
         "--steps",
         type=int,
-        help=f"denoiser/text-encoder training steps (default: {Recipe.steps} for sd, "
-        f"{SDXL_STEPS} for sdxl, {RECIPES['flux']['steps']} for flux, "
-        f"{RECIPES['qwen_image']['steps']} for qwen_image, {RECIPES['z_image']['steps']} for z_image, "
-        f"{RECIPES['flux2_klein']['steps']} for flux2_klein, {RECIPES['chroma']['steps']} for chroma, "
-        f"{RECIPES['sd3']['steps']} for sd3, {RECIPES['wan']['steps']} for wan)",
+        help="denoiser/text-encoder training steps (default: "
+        + ", ".join(f"{spec.recipe.get('steps', Recipe.steps)} for {name}" for name, spec in TINY_BASES.items())
+        + ")",
     )
     args = parser.parse_args()
     args.model_dir = args.model_dir or Path(f"models/tiny-{args.family}")
     args.work_dir = args.work_dir or Path(f"output/tiny-{args.family}-build")
-    sdxl = args.family == "sdxl"
-    lenders = {
-        "sdxl": Path("models/tiny-sd"),
-        "z_image": Path("models/tiny-flux"),
-        "chroma": Path("models/tiny-flux"),
-        "sd3": Path("models/tiny-flux"),
-        "wan": Path("models/tiny-qwen_image"),
-    }  # the same autoencoder kinds
-    args.autoencoders_from = args.autoencoders_from or lenders.get(args.family)
-    recipe = Recipe(seed=args.seed, family=args.family, **RECIPES.get(args.family, {}))
-    recipe.steps = args.steps or (SDXL_STEPS if sdxl else recipe.steps)
+    spec = TINY_BASES[args.family]
+    lender = Path("models") / spec.autoencoders_from if spec.autoencoders_from else None  # the same autoencoder kind
+    args.autoencoders_from = args.autoencoders_from or lender
+    recipe = Recipe(seed=args.seed, family=args.family, **spec.recipe)
+    recipe.steps = args.steps or recipe.steps
     copy_into_borrowers(args.model_dir)
     finish(args, recipe, build_base(args.model_dir, args.work_dir, recipe, args.autoencoders_from))
 
@@ -269,7 +197,7 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
     """Score the base and an untrained control (on clips, for a video base), write scores.json, the model card and the
     default job's images (or clips)."""
     settings = EvalSettings()
-    clips = recipe.family == "wan"
+    clips = FAMILIES[recipe.family].reads_clips
     scored = partial(clip_score, frames=CLIP_FRAMES) if clips else score
     components = load_components(ModelConfig(base=str(args.model_dir)))
     base = scored(components, SEEN_COLORS, HELD_OUT_COLOR, settings)
@@ -307,26 +235,13 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
 
 def image_card(args, recipe: Recipe, facts: dict, components, settings: EvalSettings) -> str:
     base, control = facts["base"], facts["untrained_control"]
-    architecture, pipeline = ARCHITECTURES[args.family]
+    spec = TINY_BASES[args.family]
     text_params = sum(p.numel() for e in components.text_encoders.values() for p in e.parameters())
-    two_streams = (
-        f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, "
-        f"width {recipe.flux_heads * 16})"
-    )
-    mmdit = f"transformer ({recipe.dit_layers} MMDiT blocks, width {recipe.dit_heads * 16})"
-    denoiser = {
-        "flux": two_streams,
-        "flux2_klein": two_streams,
-        "chroma": two_streams,
-        "qwen_image": mmdit,
-        "sd3": mmdit,
-        "z_image": f"transformer ({recipe.dit_layers} single-stream blocks after 1 image and 1 caption refiner block, "
-        f"width {recipe.dit_heads * 16})",
-    }.get(recipe.family, f"UNet (block channels {recipe.unet_block_out_channels})")
+    denoiser = spec.denoiser(recipe)
     return CARD.format(
         name=args.model_dir.name,
-        architecture=architecture,
-        pipeline=pipeline,
+        architecture=spec.architecture,
+        pipeline=components.family.pipeline_classes[0],
         command="python scripts/make_tiny_base.py" + (f" --family {recipe.family}" if recipe.family != "sd" else ""),
         autoencoders_note=f" (reused from {args.autoencoders_from.name})" if args.autoencoders_from else "",
         seen=", ".join(SEEN_COLORS),
@@ -351,8 +266,8 @@ def image_card(args, recipe: Recipe, facts: dict, components, settings: EvalSett
         denoiser_short=denoiser.split(" (")[0],
         denoiser_params=sum(p.numel() for p in components.denoiser.parameters()),
         objective="flow matching (rectified flow), uniform noise levels with the sampler's resolution shift"
-        if recipe.family in RECIPES
-        else f"{recipe.weighting} loss weighting",  # the flow families have recipes
+        if isinstance(components.family.objective, FlowMatching)
+        else f"{recipe.weighting} loss weighting",
         text_encoder_note=f" and text encoder(s) ({text_params:,}) trained jointly"
         if recipe.train_text_encoder
         else f" trained (its text encoder, {text_params:,} parameters, kept at its random init, its states cached)",
@@ -387,7 +302,7 @@ def clip_card(args, recipe: Recipe, facts: dict, components, settings: EvalSetti
     base, control, scores = facts["base"], facts["untrained_control"], facts["autoencoders"]
     return CLIP_CARD.format(
         name=args.model_dir.name,
-        architecture=ARCHITECTURES[args.family][0],
+        architecture=TINY_BASES[args.family].architecture,
         frames=CLIP_FRAMES,
         travel=CLIP_SPEED * (CLIP_FRAMES - 1),
         seen=", ".join(SEEN_COLORS),
@@ -396,7 +311,7 @@ def clip_card(args, recipe: Recipe, facts: dict, components, settings: EvalSetti
         seed=recipe.seed,
         vae_clips=recipe.autoencoder_images // 2,
         vae_steps=recipe.vae_steps,
-        denoiser=f"transformer ({recipe.dit_layers} Wan blocks, width {recipe.dit_heads * 16})",
+        denoiser=TINY_BASES[args.family].denoiser(recipe),
         denoiser_params=sum(p.numel() for p in components.denoiser.parameters()),
         text_params=sum(p.numel() for e in components.text_encoders.values() for p in e.parameters()),
         steps=recipe.steps,

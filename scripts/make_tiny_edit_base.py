@@ -18,9 +18,9 @@ from difftune.families import load_components
 from difftune.toy.judge import EvalSettings, edit_score
 from difftune.toy.tiny import recolor_pairs, write_pair_folder
 from difftune.toy.tiny_base import (
-    EDIT_RECIPES,
     HELD_OUT_COLOR,
     SEEN_COLORS,
+    TINY_BASES,
     build_edit_base,
     copy_into_borrowers,
     link_borrowed_files,
@@ -104,7 +104,7 @@ def main() -> None:
     args.source = args.source or Path(f"models/tiny-{args.family}")
     args.model_dir = args.model_dir or Path("models") / card["name"]
     args.work_dir = args.work_dir or Path("output") / f"{card['name']}-build"
-    recipe = EDIT_RECIPES[args.family] | ({"steps": args.steps} if args.steps else {})
+    recipe = TINY_BASES[args.family].edit_recipe | ({"steps": args.steps} if args.steps else {})
     copy_into_borrowers(args.model_dir)
     facts = build_edit_base(args.model_dir, args.work_dir, args.source, recipe, args.seed)
     link_borrowed_files(args.model_dir)

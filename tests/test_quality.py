@@ -34,13 +34,10 @@ from difftune.toy.judge import (
     judged_samples,
     prompts_for,
 )
+from difftune.toy.micro import tiny_base_of
 from difftune.toy.tiny import CLIP_FRAMES, COLORS, DIRECTIONS, SHAPES, moving_shape_clips, shape_images
 from difftune.toy.tiny_base import (
-    FLUX2_KLEIN_RECIPE,
-    FLUX_RECIPE,
-    RECIPES,
     SEEN_COLORS,
-    WAN_RECIPE,
     Recipe,
     build_base,
     clip_tensors,
@@ -198,7 +195,7 @@ def test_build_flux_base_trains_its_own_shifted_16_channel_autoencoders(tmp_path
         validation_images_per_prompt=1,
         batch_size=4,
         family="flux",
-        **FLUX_RECIPE | small,
+        **tiny_base_of("flux").recipe | small,
     )
     build_base(tmp_path / "base", tmp_path / "work", recipe)
     pipeline = FluxPipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)
@@ -218,7 +215,7 @@ def test_build_flux2_klein_base_trains_its_own_batch_normalised_autoencoder(tmp_
         validation_images_per_prompt=1,
         batch_size=4,
         family="flux2_klein",
-        **FLUX2_KLEIN_RECIPE | small,
+        **tiny_base_of("flux2_klein").recipe | small,
     )
     build_base(tmp_path / "base", tmp_path / "work", recipe)
     pipeline = Flux2KleinPipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)
@@ -246,7 +243,7 @@ def test_build_sd3_and_chroma_bases_reuse_tiny_fluxs_autoencoders(family, tmp_pa
         validation_images_per_prompt=1,
         batch_size=4,
         family=family,
-        **RECIPES[family] | {"steps": 2},
+        **tiny_base_of(family).recipe | {"steps": 2},
     )
     facts = build_base(tmp_path / "base", tmp_path / "work", recipe, autoencoders_from=FLUX_BASE)
     assert facts["seconds"]["autoencoders"] < 60  # loaded, not trained
@@ -285,7 +282,7 @@ def test_build_qwen_image_base_trains_its_own_wan_autoencoder_and_language_model
         validation_images_per_prompt=1,
         batch_size=4,
         family="qwen_image",
-        **RECIPES["qwen_image"] | small,
+        **tiny_base_of("qwen_image").recipe | small,
     )
     build_base(tmp_path / "base", tmp_path / "work", recipe)
     pipeline = QwenImagePipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)
@@ -317,7 +314,7 @@ def test_build_wan_base_teaches_tiny_qwen_images_autoencoder_time_and_trains_on_
         "train_images_per_prompt": 1,
         "validation_images_per_prompt": 1,
     }
-    recipe = Recipe(autoencoder_images=32, autoencoder_batch=8, family="wan", **WAN_RECIPE | small)
+    recipe = Recipe(autoencoder_images=32, autoencoder_batch=8, family="wan", **tiny_base_of("wan").recipe | small)
     facts = build_base(tmp_path / "base", tmp_path / "work", recipe, QWEN_BASE)
     pipeline = WanPipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)
     lender = AutoencoderKLQwenImage.from_pretrained(QWEN_BASE / "vae", dtype=torch.float32)

@@ -28,11 +28,19 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan, AutoencoderTiny, DiffusionPipeline
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLQwenImage,
+    AutoencoderKLWan,
+    AutoencoderTiny,
+    AutoModel,
+    DiffusionPipeline,
+)
 from tqdm.auto import tqdm
 
-from difftune.config import load_config
+from difftune.config import FAMILY_NAMES, load_config
 from difftune.data.dataset import image_to_tensor
+from difftune.families import FAMILIES
 from difftune.models.autoencoders import (
     PATCHED_AUTOENCODERS,
     VIDEO_AUTOENCODERS,
@@ -42,25 +50,17 @@ from difftune.models.autoencoders import (
     latent_normalization,
     unpatched,
 )
-from difftune.toy.micro import assemble_tiny_pipeline
+from difftune.toy.micro import assemble_tiny_pipeline, tiny_base_of
 from difftune.toy.tiny import (
     CLIP_FRAMES,
     COLORS,
     DIRECTIONS,
-    FLUX2_LATENT_CHANNELS,
-    FLUX_LATENT_CHANNELS,
     SHAPES,
-    build_flow_scheduler,
     build_flux2_vae,
-    build_noise_scheduler,
-    build_qwen_scheduler,
     build_qwen_vae,
-    build_sd3_scheduler,
     build_taesd,
     build_vae,
-    build_wan_scheduler,
     build_wan_vae,
-    build_z_image_scheduler,
     edit_pipeline_of,
     moving_shape_clips,
     recolor_pairs,
@@ -77,98 +77,8 @@ from difftune.toy.tiny import (
 from difftune.training.metrics import read_metrics
 
 HELD_OUT_COLOR = "purple"
-# tiny-sdxl at tiny-sd's 1300 steps drew seen shapes at 0.927 (8 samples per prompt), under the 0.95 target;
-# it trains its two text encoders and wider cross-attention for longer.
-SDXL_STEPS = 1700
-# tiny-flux: a 1.1M-parameter transformer (2 double- and 2 single-stream blocks, width 96) steps in ~0.45 s at batch
-# 128 on 2 cores, so its build fits 20 minutes with fewer autoencoder steps (16 latent channels reconstruct
-# 32 px shapes more easily than 4). Learning rate, measured on 400-step pilots (validation loss at step 400):
-# 1e-3 0.804, 2e-3 0.729, 4e-3 0.670 (width 128 at 1e-3: 0.738, 1.5x the time). At 1e-3 for 1400 steps it reached
-# 0.638 and drew seen shapes at 0.54 (wobbly squares and circles).
-FLUX_RECIPE = {
-    "steps": 1200,
-    "learning_rate": 4e-3,
-    "flux_layers": (2, 2),
-    "flux_heads": 6,
-    "vae_steps": 500,
-    "vae_decoder_steps": 500,
-    "taesd_steps": 300,
-    "weighting": "auto",
-    "flow_shift_by_resolution": True,
-}
-# tiny-qwen_image: Flux's recipe for its own Wan-style autoencoder and a 4-block MMDiT of width 128, trained twice as
-# long. With 3 blocks of width 96 (Flux's size) it drew the seen colors right (1.00) but wobbly shapes: 0.36 after
-# 1200 steps, 0.78 after 2400. 600-step pilots from the same start (validation loss at 600, seconds): 3 x 96 0.404
-# in 213 s, 4 x 96 0.388 in 202, 3 x 128 0.381 in 216, 4 x 128 0.370 in 266, 6 x 128 0.365 in 347.
-QWEN_RECIPE = {key: value for key, value in FLUX_RECIPE.items() if not key.startswith("flux_")} | {
-    "steps": 2400,
-    "dit_layers": 4,
-    "dit_heads": 8,
-}
-# tiny-z_image: Qwen-Image's recipe for a Z-Image DiT (4 single-stream blocks after one image and one caption refiner
-# block) reading a 3-layer Qwen3, over tiny-flux's autoencoders (Z-Image's is Flux.1's). Its blocks see ~2x Qwen's
-# tokens (image and caption each padded to a multiple of 32), so it is narrower (96) and trains 2000 steps to fit
-# 25 minutes: 20-step pilots at batch 128 took 0.90 s a step at width 128, 0.68 at 96.
-Z_IMAGE_RECIPE = QWEN_RECIPE | {"dit_heads": 6, "steps": 2000}
-# tiny-flux2_klein: Flux's recipe for FLUX.2's transformer (2 double- and 2 single-stream blocks, width 96) over its own
-# FLUX.2 autoencoder (8 channels, patched 2x2 into 32), reading a 27-layer Qwen3 of width 32 (layers 9, 18 and 27)
-# that stays at its random init: 27 layers over every caption token each step would not fit the build's time, and
-# its states, cached once, tell the captions apart. Captions are read at 48 tokens (the tokenizer's
-# `model_max_length`), not the pipeline's 512: the transformer attends to every one of them. With the text cached a
-# step takes 0.33 s at batch 128 (30-step pilot), so it trains 2000 steps where Flux's takes 1200.
-FLUX2_KLEIN_RECIPE = FLUX_RECIPE | {
-    "language_model_width": 32,
-    "train_text_encoder": False,
-    "text_tokens": 48,
-    "steps": 2000,
-}
-# tiny-chroma: Flux's recipe for Chroma's transformer (Flux's blocks, their modulation from one small approximator)
-# reading T5 alone, over tiny-flux's autoencoders (Chroma's is Flux.1's), trained 2000 steps as klein's: after
-# Flux's 1200 (515 s) it drew the seen prompts at 1.00 color / 0.97 shape, but every LoRA of the default job tried
-# (ranks 4-16, 400-1200 steps, lr 5e-4 to 1e-3, EMA, image-stream targets) made its seen shapes wobbly: forgetting
-# 0.12-0.24 (benchmarks/quality-finetune-chroma_lora.jsonl, the lines before the rebuild).
-CHROMA_RECIPE = FLUX_RECIPE | {"steps": 2000}
-# tiny-sd3: Flux's recipe (2000 steps, as tiny-chroma's) for an SD3.5-style MMDiT of 4 blocks, width 96 (the first
-# with SD3.5's second image attention), reading two CLIPs (trained with it) and T5 (kept at its random init: the
-# pipeline's LoRA loader never adapts it), over tiny-flux's autoencoders (SD3's is the same kind: 16 channels, a shift).
-SD3_RECIPE = QWEN_RECIPE | {"steps": 2000, "dit_layers": 4, "dit_heads": 6}
-# tiny-wan: Wan 2.1's architecture over 32 px clips of 5 frames (tiny.moving_shape_clips: a shape sliding 8 px left,
-# right, up or down). Its autoencoder is tiny-qwen_image's (the same causal video autoencoder, trained there on still
-# renders), which drew a clip's first frame at 24.6 dB but the later ones at 12 (it had never seen time); trained on
-# clips for 300 steps (232 s) every frame came to 23 dB. Its transformer has 4 blocks of width 128 (0.65 s a step at
-# batch 64 over 5-frame clips, 3x an image's tokens), and UMT5 stays at its random init, its states cached, as
-# tiny-flux2_klein's text encoder. Clips per (color, shape, direction): 40 to train on, 2 to validate. The first build
-# (1500 steps, shapes of 30-45% sliding 12 px) drew the seen colors at 0.99 and the directions at 1.00, but the shapes
-# at 0.38: its autoencoder's own reconstructions of such small shapes were named right in 0.69 of frames; with larger
-# shapes (tiny.render_moving_shape) 0.97. At 2000 steps it drew the seen shapes at 0.89, its validation loss (EMA)
-# still falling (0.3316; 0.3218 at 3000, where the shapes reached 0.96): 3000 here.
-WAN_RECIPE = QWEN_RECIPE | {
-    "steps": 3000,
-    "batch_size": 64,
-    "dit_layers": 4,
-    "dit_heads": 8,
-    "train_text_encoder": False,
-    "vae_steps": 300,
-    "train_images_per_prompt": 40,
-    "validation_images_per_prompt": 2,
-}
-# tiny-qwen_image: its first autoencoder put purple and blue squares 0.079 apart in its normalised latents (red and
-# blue 1.08; tiny-flux's purple and blue 0.53), within its posterior's own noise, and the default job drew purple
-# squares blue at some seeds (0.25 at train.seed 2): its latents now learn the colors too (train_vae's color_weight).
-# Its tokenizer spells each caption word in one token, as Qwen2.5-VL's spells " purple": spelt in bytes, "purple"
-# ends in the "e" that "blue" ends in, and the language model trained on the seen captions stated that "e" as blue
-# (cosine 0.999 between the two words' last states). Words alone (the first autoencoder) drew purple squares 0.50,
-# 0.50 and 0.75 at seeds 0-2, blue. 4000 steps: at 2400 over the new latents the seen squares were the weak shape
-# (0.88 at 32 samples a prompt), and the job's purple squares' shapes missed (0.62-0.75).
-RECIPES = {
-    "chroma": CHROMA_RECIPE,
-    "flux": FLUX_RECIPE,
-    "flux2_klein": FLUX2_KLEIN_RECIPE,
-    "qwen_image": QWEN_RECIPE | {"caption_words": True, "vae_color_weight": 1.0, "steps": 4000},
-    "sd3": SD3_RECIPE,
-    "wan": WAN_RECIPE,
-    "z_image": Z_IMAGE_RECIPE,
-}
+# Each family's recipe, autoencoder and lender are its micro module's (`TINY_BASE`: toy/micro/__init__.py's TinyBase).
+TINY_BASES = {family: spec for family in FAMILY_NAMES if (spec := tiny_base_of(family))}
 SEEN_COLORS = tuple(color for color in COLORS if color != HELD_OUT_COLOR)
 
 
@@ -394,9 +304,7 @@ class Recipe:
     weighting: str = "min_snr"  # or "uniform"
     noise_offset: float = 0.1  # see base_training_overrides
     ema_decay: float = 0.999
-    # sdxl: SDXL's conditioning and two text encoders, tiny-sd's autoencoders; z_image, chroma, sd3: tiny-flux's;
-    # flux, qwen_image, flux2_klein: their own
-    family: str = "sd"
+    family: str = "sd"  # whose micro pipeline, at these sizes; its `TINY_BASE` says whose autoencoders
     flux_layers: tuple[int, int] = (2, 4)  # double- and single-stream blocks
     flux_heads: int = 6  # of 16 dimensions each
     dit_layers: int = 3  # Qwen-Image's and SD3's MMDiT blocks, Z-Image's single-stream ones
@@ -502,17 +410,13 @@ def clip_autoencoder_scores(vae, clips: torch.Tensor) -> dict:
 def train_autoencoders(recipe: Recipe) -> tuple[AutoencoderKL | AutoencoderKLQwenImage, AutoencoderTiny]:
     torch.manual_seed(recipe.seed)
     images = render_tensors(recipe.autoencoder_images, recipe.seed + 100)
-    flux = recipe.family in ("flux", "z_image")
-    kind = {"qwen_image": "wan", "flux2_klein": "flux2"}.get(recipe.family, "kl")
     vae = train_vae(
         images,
         recipe.vae_steps,
         recipe.autoencoder_batch,
         seed=recipe.seed,
-        latent_channels=FLUX_LATENT_CHANNELS if flux else FLUX2_LATENT_CHANNELS if kind == "flux2" else 4,
-        kind=kind,
-        shift=flux,
         color_weight=recipe.vae_color_weight,
+        **TINY_BASES[recipe.family].autoencoder,
     )
     latents = posterior_means(vae, images)
     vae = finetune_decoder(
@@ -540,15 +444,16 @@ def build_base(
     recipe = recipe or Recipe()
     seconds: dict[str, float] = {}
     work_dir.mkdir(parents=True, exist_ok=True)
-    clips = recipe.family == "wan"  # a video base: its autoencoder learns time, its transformer motion
+    clips = FAMILIES[recipe.family].reads_clips  # a video base: its autoencoder learns time, its transformer motion
     with timed(seconds, "autoencoders"):
         if clips:  # no TAESD: AutoencoderTiny reads images alone
             vae, taesd = train_clip_vae(autoencoders_from, recipe), None
             scores = clip_autoencoder_scores(vae, clip_tensors(100, recipe.seed + 999))
         else:
             if autoencoders_from:
-                vae_class = AutoencoderKLQwenImage if recipe.family == "qwen_image" else AutoencoderKL
-                vae = vae_class.from_pretrained(autoencoders_from / "vae", dtype=torch.float32)
+                vae = AutoModel.from_pretrained(
+                    str(autoencoders_from / "vae"), dtype=torch.float32
+                )  # the lender's class
                 taesd = AutoencoderTiny.from_pretrained(autoencoders_from / "taesd", dtype=torch.float32)
             else:
                 vae, taesd = train_autoencoders(recipe)
@@ -576,17 +481,7 @@ def build_base(
         overrides = base_training_overrides(recipe, init_dir, data_dir, validation_dir, run_dir, work_dir / "cache")
         train(load_config(None, overrides + ([f"data.target_frames=[{CLIP_FRAMES}]"] if clips else [])))
     pipeline = DiffusionPipeline.from_pretrained(run_dir / "model_ema", dtype=torch.float32)
-    # The training schedule; samplers are chosen at sampling time.
-    schedulers = {
-        "chroma": build_flow_scheduler,
-        "sd3": build_sd3_scheduler,
-        "flux": build_flow_scheduler,
-        "flux2_klein": build_flow_scheduler,
-        "qwen_image": build_qwen_scheduler,
-        "wan": build_wan_scheduler,
-        "z_image": build_z_image_scheduler,
-    }
-    pipeline.scheduler = schedulers.get(recipe.family, build_noise_scheduler)()
+    pipeline.scheduler = init.scheduler  # the training schedule, the micro pipeline's; samplers are chosen at sampling
     shutil.rmtree(out_dir, ignore_errors=True)
     pipeline.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)
     if taesd is not None:
@@ -600,30 +495,7 @@ def build_base(
 
 
 # The edit bases: a text-to-image base's transformer taught to edit by a full fine-tune on recolor pairs of the seen
-# colors, its autoencoders kept. tiny-flux_kontext keeps its text encoders too (FLUX.1 Kontext is FLUX.1's components
-# with an edit-trained transformer); tiny-qwen_image_edit_plus trains its language model with the transformer, since
-# the edit pipelines show it the control (vision tokens it never read) and frame the instruction in a template of
-# their own.
-EDIT_RECIPES = {
-    "flux": {
-        "steps": 600,
-        "batch_size": 64,
-        "learning_rate": 1e-3,
-        "pairs_per_prompt": 40,
-        "ema_decay": 0.99,
-        "text_encoder": False,
-    },
-    # At Flux's 600 steps at 1e-3 the Qwen base kept the control's shape in 0.69 of the seen edits (soft edges the
-    # judge cannot name), with the color and the place right; 900 steps at 2e-3: 0.885.
-    "qwen_image": {
-        "steps": 1200,
-        "batch_size": 64,
-        "learning_rate": 2e-3,
-        "pairs_per_prompt": 40,
-        "ema_decay": 0.99,
-        "text_encoder": True,
-    },
-}
+# colors, its autoencoders kept; each recipe is its text-to-image base's (`TinyBase.edit_recipe`).
 
 
 def build_edit_base(out_dir: Path, work_dir: Path, source: Path, recipe: dict, seed: int = 0) -> dict:

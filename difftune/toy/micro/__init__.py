@@ -4,13 +4,16 @@ transformers' config classes, so every family trains, saves and reloads in CI wi
 One module per family, named as the family (`config.FAMILY_NAMES`), with two functions: `autoencoder(pixels)` builds
 the family's autoencoder and sets its latent statistics from `pixels` (the shapes renders), and
 `pipeline(vae, sizes)` builds the text encoders and the denoiser around it, in that order (a seed's random draws
-depend on it). Adding a family adds its module here; `build_pipeline` finds it by name.
+depend on it). A family that ships a bundled tiny base (`models/tiny-<family>`) says how it is built in
+`TINY_BASE`: its recipe, its autoencoder or the base it borrows one from, its model card's lines. Adding a family adds
+its module here; `build_pipeline` and the tiny-base builder find it by name.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +34,41 @@ class MicroSizes:
     language_model_width: int | None = None  # its language model's (None: the family's micro width)
     text_tokens: int | None = None  # FLUX.2 [klein]'s tokenizer's `model_max_length` (None: the pipeline's 512)
     caption_words: bool = False  # Qwen-Image's tokenizer spells each caption word in one token
+
+
+@dataclass(frozen=True)
+class TinyBase:
+    """How a family's bundled tiny base (`models/tiny-<family>`) is built by `scripts/make_tiny_base.py --family
+    <family>`: its micro pipeline's classes at the sizes of `recipe`, trained on the shapes (toy/tiny_base.py). A
+    family module that ships one says so in `TINY_BASE`."""
+
+    architecture: str  # the model card's first lines: the real model's architecture, at toy size
+    denoiser: Callable  # the card's line for the denoiser, from the `tiny_base.Recipe`
+    recipe: dict = field(default_factory=dict)  # the `tiny_base.Recipe` fields that differ from its defaults
+    autoencoders_from: str = ""  # a built base whose autoencoders it reuses (the same kind), else its own trained
+    autoencoder: dict = field(default_factory=dict)  # `tiny_base.train_vae`'s settings for its own autoencoder
+    edit_recipe: dict | None = None  # the edit base built from it (scripts/make_tiny_edit_base.py), if any
+
+
+def two_stream_transformer(recipe) -> str:
+    """The card's line for Flux.1's kind of transformer."""
+    return (
+        f"transformer ({recipe.flux_layers[0]} double- and {recipe.flux_layers[1]} single-stream blocks, "
+        f"width {recipe.flux_heads * 16})"
+    )
+
+
+def mmdit(recipe) -> str:
+    return f"transformer ({recipe.dit_layers} MMDiT blocks, width {recipe.dit_heads * 16})"
+
+
+def unet(recipe) -> str:
+    return f"UNet (block channels {recipe.unet_block_out_channels})"
+
+
+def tiny_base_of(family: str) -> TinyBase | None:
+    """The family's tiny base, if it ships one."""
+    return getattr(builder(family), "TINY_BASE", None)
 
 
 def builder(family: str):

@@ -2,12 +2,29 @@
 
 from diffusers import ChromaPipeline
 
-from difftune.toy.micro import MicroSizes
+from difftune.toy.micro import MicroSizes, TinyBase, two_stream_transformer
 from difftune.toy.micro._kl import kl_autoencoder
+from difftune.toy.micro.flux import RECIPE as FLUX_RECIPE
 from difftune.toy.tiny import build_chroma_transformer, build_flow_scheduler, build_t5_encoder, build_t5_tokenizer
 
 # The family's text-to-image job in configs/ (`scripts/family_jobs.py` sweeps settings over them).
 SHIPPED_JOB = "chroma_lora.toml"
+# tiny-chroma: Flux's recipe for Chroma's transformer (Flux's blocks, their modulation from one small approximator)
+# reading T5 alone, over tiny-flux's autoencoders (Chroma's is Flux.1's), trained 2000 steps as klein's: after
+# Flux's 1200 (515 s) it drew the seen prompts at 1.00 color / 0.97 shape, but every LoRA of the default job tried
+# (ranks 4-16, 400-1200 steps, lr 5e-4 to 1e-3, EMA, image-stream targets) made its seen shapes wobbly: forgetting
+# 0.12-0.24 (benchmarks/quality-finetune-chroma_lora.jsonl, the lines before the rebuild).
+TINY_BASE = TinyBase(
+    architecture=(
+        "Chroma's architecture at toy size, from the same classes (`ChromaTransformer2DModel`: Flux.1's blocks\n"
+        "whose modulation one small approximator makes, over 2x2-packed latents of Flux.1's kind of 16-channel\n"
+        "`AutoencoderKL` (tiny-flux's), `T5EncoderModel` alone with a character-level `T5TokenizerFast`; sample\n"
+        "with classifier-free guidance, `guidance_scale`)"
+    ),
+    denoiser=two_stream_transformer,
+    recipe=FLUX_RECIPE | {"steps": 2000},
+    autoencoders_from="tiny-flux",
+)
 
 
 def autoencoder(pixels):

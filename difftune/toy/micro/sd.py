@@ -2,12 +2,19 @@
 
 from diffusers import StableDiffusionPipeline
 
-from difftune.toy.micro import MicroSizes
+from difftune.toy.micro import MicroSizes, TinyBase, unet
 from difftune.toy.micro._kl import kl_autoencoder
 from difftune.toy.tiny import build_noise_scheduler, build_text_encoder, build_tokenizer, build_unet
 
 # The family's text-to-image job in configs/ (`scripts/family_jobs.py` sweeps settings over them).
 SHIPPED_JOB = "sd15_lora.toml"
+TINY_BASE = TinyBase(
+    architecture=(
+        "Stable Diffusion 1.x's architecture at toy size, from the same classes (`UNet2DConditionModel`,\n"
+        "`AutoencoderKL`, `CLIPTextModel` with a character-level `CLIPTokenizer`)"
+    ),
+    denoiser=unet,
+)
 
 
 def autoencoder(pixels):

@@ -3,8 +3,9 @@
 
 from diffusers import StableDiffusion3Pipeline
 
-from difftune.toy.micro import MicroSizes
+from difftune.toy.micro import MicroSizes, TinyBase, mmdit
 from difftune.toy.micro._kl import kl_autoencoder
+from difftune.toy.micro.qwen_image import RECIPE as QWEN_RECIPE
 from difftune.toy.tiny import (
     build_sd3_scheduler,
     build_sd3_transformer,
@@ -16,6 +17,20 @@ from difftune.toy.tiny import (
 
 # The family's text-to-image job in configs/ (`scripts/family_jobs.py` sweeps settings over them).
 SHIPPED_JOB = "sd3_lora.toml"
+# tiny-sd3: Flux's recipe (2000 steps, as tiny-chroma's) for an SD3.5-style MMDiT of 4 blocks, width 96 (the first
+# with SD3.5's second image attention), reading two CLIPs (trained with it) and T5 (kept at its random init: the
+# pipeline's LoRA loader never adapts it), over tiny-flux's autoencoders (SD3's is the same kind: 16 channels, a shift).
+TINY_BASE = TinyBase(
+    architecture=(
+        "Stable Diffusion 3.5's architecture at toy size, from the same classes (`SD3Transformer2DModel`, an MMDiT\n"
+        "whose first block has SD3.5's second image attention, over Flux.1's kind of 16-channel `AutoencoderKL`\n"
+        "(tiny-flux's, SD3's kind too), two `CLIPTextModelWithProjection`s and `T5EncoderModel`, with\n"
+        "character-level tokenizers)"
+    ),
+    denoiser=mmdit,
+    recipe=QWEN_RECIPE | {"steps": 2000, "dit_layers": 4, "dit_heads": 6},
+    autoencoders_from="tiny-flux",
+)
 
 
 def autoencoder(pixels):

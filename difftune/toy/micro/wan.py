@@ -4,8 +4,9 @@ kinds (`wan22_pipeline`)."""
 import torch
 from diffusers import AutoencoderKLWan, WanPipeline
 
-from difftune.toy.micro import MicroSizes, build_pipeline
+from difftune.toy.micro import MicroSizes, TinyBase, build_pipeline
 from difftune.toy.micro._latent_statistics import qwen_autoencoder, with_latent_statistics
+from difftune.toy.micro.qwen_image import RECIPE as QWEN_RECIPE
 from difftune.toy.tiny import (
     FLUX_LATENT_CHANNELS,
     build_t5_tokenizer,
@@ -19,6 +20,36 @@ from difftune.toy.tiny import (
 # shipped on this micro model, the family having no bundled tiny base of it.
 SHIPPED_JOB = "wan_image_lora.toml"
 JOB_ON_MICRO = True
+# tiny-wan: Wan 2.1's architecture over 32 px clips of 5 frames (tiny.moving_shape_clips: a shape sliding 8 px left,
+# right, up or down). Its autoencoder is tiny-qwen_image's (the same causal video autoencoder, trained there on still
+# renders), which drew a clip's first frame at 24.6 dB but the later ones at 12 (it had never seen time); trained on
+# clips for 300 steps (232 s) every frame came to 23 dB. Its transformer has 4 blocks of width 128 (0.65 s a step at
+# batch 64 over 5-frame clips, 3x an image's tokens), and UMT5 stays at its random init, its states cached, as
+# tiny-flux2_klein's text encoder. Clips per (color, shape, direction): 40 to train on, 2 to validate. The first build
+# (1500 steps, shapes of 30-45% sliding 12 px) drew the seen colors at 0.99 and the directions at 1.00, but the shapes
+# at 0.38: its autoencoder's own reconstructions of such small shapes were named right in 0.69 of frames; with larger
+# shapes (tiny.render_moving_shape) 0.97. At 2000 steps it drew the seen shapes at 0.89, its validation loss (EMA)
+# still falling (0.3316; 0.3218 at 3000, where the shapes reached 0.96): 3000 here.
+TINY_BASE = TinyBase(
+    architecture=(
+        "Wan 2.1's architecture at toy size, from the same classes (`WanTransformer3DModel` over 1x2x2 patches of\n"
+        "clip latents, Wan's causal video autoencoder `AutoencoderKLWan` with per-channel statistics, a\n"
+        "`UMT5EncoderModel` with a character-level `T5TokenizerFast`)"
+    ),
+    denoiser=lambda recipe: f"transformer ({recipe.dit_layers} Wan blocks, width {recipe.dit_heads * 16})",
+    recipe=QWEN_RECIPE
+    | {
+        "steps": 3000,
+        "batch_size": 64,
+        "dit_layers": 4,
+        "dit_heads": 8,
+        "train_text_encoder": False,
+        "vae_steps": 300,
+        "train_images_per_prompt": 40,
+        "validation_images_per_prompt": 2,
+    },
+    autoencoders_from="tiny-qwen_image",
+)
 
 
 def autoencoder(pixels):
