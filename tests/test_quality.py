@@ -146,6 +146,22 @@ def test_committed_autoencoders_keep_every_two_colors_apart(base):
     assert min(distances.values()) >= 0.25, distances
 
 
+def test_every_bundled_base_is_built_from_its_familys_tiny_base():
+    """models/tiny-<family> for each family that says how its tiny base is built (`TINY_BASE`), and the edit bases
+    its `edit_recipe` makes; the card of each names the family's own pipeline class."""
+    from difftune.toy.tiny_base import TINY_BASES
+
+    edits = {family for family, spec in TINY_BASES.items() if spec.edit_recipe}
+    bundled = {path.name for path in (REPO / "models").iterdir() if (path / "model_index.json").is_file()}
+    assert {f"tiny-{family}" for family in TINY_BASES} == bundled - {KONTEXT_BASE.name, QWEN_EDIT_BASE.name}
+    assert edits == {"flux", "qwen_image"}  # tiny-flux_kontext's and tiny-qwen_image_edit_plus's sources
+    for family, spec in TINY_BASES.items():
+        card = (REPO / "models" / f"tiny-{family}" / "README.md").read_text()
+        assert spec.architecture.split("\n")[0] in card, family
+        if spec.autoencoders_from:
+            assert (REPO / "models" / spec.autoencoders_from / "model_index.json").is_file()
+
+
 @pytest.mark.slow
 def test_build_base_writes_an_fp16_pipeline_with_taesd(tmp_path):
     recipe = Recipe(
