@@ -149,6 +149,16 @@ def _hidream_prompts(pipeline, prompts):
     }
 
 
+def _ernie_image_prompts(pipeline, prompts):
+    """The pipeline's states come one tensor a prompt, at its own length: padded as one batch."""
+    states = pipeline.encode_prompt(prompts, "cpu")
+    longest = max(len(state) for state in states)
+    return {
+        "encoder_hidden_states": torch.stack([torch.nn.functional.pad(s, (0, 0, 0, longest - len(s))) for s in states]),
+        "text_mask": torch.stack([torch.arange(longest) < len(s) for s in states]).long(),
+    }
+
+
 def _ideogram4_prompts(pipeline, prompts):
     """The pipeline left-pads every caption to `max_sequence_length` in its packed sequence (`indicator` marks the
     text): its text features left-aligned, each caption's own."""
@@ -189,16 +199,19 @@ PIPELINE_PROMPTS = {
     "krea2": _krea2_prompts,
     "lumina2": _lumina2_prompts,
     "ideogram4": _ideogram4_prompts,
+    "ernie_image": _ernie_image_prompts,
     "hidream": _hidream_prompts,
     "wan": _wan_prompts,
     "wan_i2v": _wan_prompts,
 }
 CONTROL = recolor_pairs(1, seed=4)[0][0]
 # The micro FLUX.2 transformer's 4-step render moves little with its conditioning (another prompt: 0.0065), so a
-# 4-step adapter's change is smaller than the other families' too.
+# 4-step adapter's change is smaller than the other families' too; so does the micro ERNIE-Image's over the same
+# latents (0.0038).
 MIN_ADAPTER_EFFECT = {
     "flux2": 0.003,
     "flux2_klein": 0.003,
+    "ernie_image": 0.003,
 }  # what the families whose pipelines draw only edits edit (32 px)
 
 
@@ -229,6 +242,8 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         "hidream",
     ):  # no guidance embedding: the pipeline's own scale is classifier-free guidance
         arguments |= {"guidance_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
+    elif name == "ernie_image":  # classifier-free guidance, the prompt enhancer off (the micro base has none)
+        arguments |= {"guidance_scale": 3.0, "negative_prompt": "", "use_pe": False}
     elif name in ("z_image", "krea2"):  # their own guidance convention: pos + s (pos - neg)
         arguments |= {"guidance_scale": 2.0, "negative_prompt": "", "max_sequence_length": 32}
     elif name.startswith("wan"):  # a one-frame clip: its latents (C, 1, h, w) without the time axis
@@ -632,8 +647,9 @@ def test_a_gguf_base_is_planned_as_its_blocks_and_what_would_rewrite_them_is_ref
 def test_the_autoencoder_is_read_as_the_pipeline_reads_it(name, micro_base):
     components = load_components(ModelConfig(base=str(micro_base(name))))
     pipeline = components.pipeline()
-    # FLUX.2's latents are read patched 2x2: a patched latent pixel is twice the autoencoder's own factor.
-    patched = 2 if isinstance(components.vae, PATCHED_AUTOENCODERS) else 1
+    # FLUX.2's latents are read patched 2x2: a patched latent pixel is twice the autoencoder's own factor, which
+    # ERNIE-Image's pipeline counts in its `vae_scale_factor` already.
+    patched = 2 if isinstance(components.vae, PATCHED_AUTOENCODERS) and name != "ernie_image" else 1
     # The video pipelines (Wan's) name their spatial factor apart from the temporal one.
     spatial = getattr(pipeline, "vae_scale_factor_spatial", None) or pipeline.vae_scale_factor
     assert downsampling(components.vae) == spatial * patched

@@ -205,6 +205,8 @@ PUBLISHED_SIZES = {
     "HiDream-ai/HiDream-I1-Full": {"transformer": 17.1, "text_encoder_4": 8.03},
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": {"transformer": (14.0, 0.03)},
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {"transformer": 1.4},
+    # "an 8B DiT backbone" (diffusers' page); Ministral 3 3B with its vision tower, "~3.8B" (DiffSynth-Studio's table)
+    "baidu/ERNIE-Image": {"transformer": (8.0, 0.03), "text_encoder": (3.8, 0.03)},
 }
 
 

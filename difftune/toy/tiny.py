@@ -29,6 +29,7 @@ from diffusers import (
     AutoencoderTiny,
     ChromaTransformer2DModel,
     DDPMScheduler,
+    ErnieImageTransformer2DModel,
     FlowMatchEulerDiscreteScheduler,
     Flux2Transformer2DModel,
     FluxKontextPipeline,
@@ -60,6 +61,7 @@ from transformers import (
     LlamaForCausalLM,
     Mistral3Config,
     Mistral3ForConditionalGeneration,
+    Mistral3Model,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -761,15 +763,18 @@ def build_flux2_transformer(
     )
 
 
-def build_mistral_tokenizer() -> PreTrainedTokenizerFast:
+def build_mistral_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
     """Byte-level BPE with no merges, Mistral's control tokens and a chat template that frames a system and a user
     turn as Mistral Small 3.1's does. FLUX.2 [dev] keeps a Pixtral processor as its tokenizer; the pipeline asks it
-    only for `apply_chat_template`, which a tokenizer answers alike (and a processor would need torchvision)."""
+    only for `apply_chat_template`, which a tokenizer answers alike (and a processor would need torchvision). `bos`:
+    plain text starts with `<s>`, as Ministral 3's tokenizer (ERNIE-Image's) adds it."""
     vocab = {token: i for i, token in enumerate(MISTRAL_SPECIAL_TOKENS)}
     vocab |= {byte: len(vocab) + i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
+    if bos:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         unk_token="<unk>",
@@ -783,10 +788,11 @@ def build_mistral_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_mistral3_text_encoder(
-    tokenizer, hidden_size: int = FLUX2_TEXT_HIDDEN_SIZE, layers: int = 30
-) -> Mistral3ForConditionalGeneration:
+    tokenizer, hidden_size: int = FLUX2_TEXT_HIDDEN_SIZE, layers: int = 30, with_head: bool = True
+) -> Mistral3ForConditionalGeneration | Mistral3Model:
     """A Mistral 3 language model (with a 1-layer Pixtral vision tower, which text prompts never run) deep enough for
-    the layers FLUX.2 [dev] reads (10, 20 and 30)."""
+    the layers FLUX.2 [dev] reads (10, 20 and 30); `with_head` false: the model without its language head, as
+    ERNIE-Image keeps it (`Mistral3Model`)."""
     config = Mistral3Config(
         text_config={
             "model_type": "mistral",
@@ -812,7 +818,30 @@ def build_mistral3_text_encoder(
         image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
         spatial_merge_size=1,
     )
-    return Mistral3ForConditionalGeneration(config)
+    return Mistral3ForConditionalGeneration(config) if with_head else Mistral3Model(config)
+
+
+def build_ernie_image_transformer(
+    layers: int = 1, heads: int = 2, head_dim: int = 16, text_hidden_size: int = FLUX2_TEXT_HIDDEN_SIZE
+) -> ErnieImageTransformer2DModel:
+    """ERNIE-Image's single-stream transformer over FLUX.2's patched latents (one token a latent pixel), its rotary
+    axes (text position, row, column) in ERNIE-Image's proportions (32, 48, 48 of 128). Its class starts the shared
+    modulation and the output layer at zero (a trained model's are not): drawn at random here, so the micro model's
+    prediction depends on its input and its text."""
+    model = ErnieImageTransformer2DModel(
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_layers=layers,
+        ffn_hidden_size=3 * heads * head_dim,
+        in_channels=4 * FLUX2_LATENT_CHANNELS,
+        out_channels=4 * FLUX2_LATENT_CHANNELS,
+        text_in_dim=text_hidden_size,
+        rope_axes_dim=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),
+    )
+    for layer in (model.adaLN_modulation[-1], model.final_linear):
+        torch.nn.init.normal_(layer.weight, std=0.02)
+        torch.nn.init.normal_(layer.bias, std=0.02)
+    return model
 
 
 def build_z_image_transformer(
