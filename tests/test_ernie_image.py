@@ -92,3 +92,48 @@ def test_the_prompt_enhancer_is_never_loaded_and_samples_are_drawn_without_it(ba
     pipeline = components.pipeline()
     assert pipeline.pe is None and pipeline.pe_tokenizer is None
     assert FAMILY.sampling_arguments(components, 4.0, "")["use_pe"] is False
+
+
+# ComfyUI's ERNIE-Image model (`comfy/ldm/ernie/model.py`, `ErnieImageModel`): its weights' names, a block's given for
+# block 0. ComfyUI loads a diffusion-model file by these names and reaches a LoRA's `lora_unet_<name with _>` keys by
+# them, so the single file and the kohya layout must use them.
+COMFYUI_NAMES = {
+    "x_embedder.proj.weight",
+    "x_embedder.proj.bias",
+    "text_proj.weight",
+    "time_embedding.linear_1.weight",
+    "time_embedding.linear_1.bias",
+    "time_embedding.linear_2.weight",
+    "time_embedding.linear_2.bias",
+    "adaLN_modulation.1.weight",
+    "adaLN_modulation.1.bias",
+    "final_norm.linear.weight",
+    "final_norm.linear.bias",
+    "final_linear.weight",
+    "final_linear.bias",
+    *(
+        f"layers.0.{name}.weight"
+        for name in (
+            "adaLN_sa_ln",
+            "self_attention.to_q",
+            "self_attention.to_k",
+            "self_attention.to_v",
+            "self_attention.norm_q",
+            "self_attention.norm_k",
+            "self_attention.to_out.0",
+            "adaLN_mlp_ln",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.linear_fc2",
+        )
+    ),
+}
+
+
+def test_the_single_file_names_its_weights_as_comfyui_does(base):
+    components = load_components(ModelConfig(base=base))
+    assert set(FAMILY.layout.to_single_file(components)) == COMFYUI_NAMES
+    assert FAMILY.layout.reads_single_file(COMFYUI_NAMES)
+    assert all(
+        FAMILIES[name].layout.reads_single_file(COMFYUI_NAMES) is False for name in FAMILIES if name != FAMILY.name
+    )

@@ -18,7 +18,8 @@ language model (`Mistral3Model`). Trained by flow matching (flow.py); ERNIE-Imag
 - Files: diffusers' layout (`transformer.`, which `ErnieImagePipeline.load_lora_weights` reads: transformer adapters
   alone). ERNIE-Image's own module names are diffusers' (its loader only renames the `diffusion_model.` prefix of
   ai-toolkit's files), so the kohya layout is `lora_unet_<module with _>`, and a single file is the transformer alone
-  under those names (`diffusion_models/ernie-image*.safetensors`, as ComfyUI ships it).
+  under those names (`diffusion_models/ernie-image*.safetensors`, as ComfyUI ships it; its model, comfy/ldm/ernie,
+  names every weight so).
 """
 
 from __future__ import annotations
