@@ -73,18 +73,25 @@ def family_table_markdown(models_dir: Path) -> str:
     for name, family in FAMILIES.items():
         kinds = [
             kind.label
-            for name, kind in KINDS.items()
-            if not family.config_problems(Config(adapter={"kind": name, "text_encoder": False}))
+            for kind_name, kind in KINDS.items()
+            if not family.config_problems(Config(adapter={"kind": kind_name, "text_encoder": False}))
         ]
         encoders = ", ".join(f"`{e}`" for e in family.adapted_text_encoders()) or "none"
         prefixes = ", ".join(f"`{prefix}`" for prefix in family.layout.kohya_prefixes.values())
         edits = {0: "no", 1: "1 control"}.get(family.max_controls, f"up to {family.max_controls} controls")
         rows.append(
-            f"| `{name}` | {', '.join(f'`{c}`' for c in family.pipeline_classes)} | {', '.join(kinds)} | "
+            f"| {_family_cell(name, models_dir.parent)} | {', '.join(f'`{c}`' for c in family.pipeline_classes)} | "
+            f"{', '.join(kinds)} | "
             f"{encoders} | {prefixes} | {family.layout.single_file_layout or 'not read'} | {edits} | "
             f"{_tiny_base_scores(models_dir / f'tiny-{name}')} |"
         )
     return "\n".join(rows)
+
+
+def _family_cell(name: str, repository: Path) -> str:
+    """The family's name, linked to its page for the real model (`docs/families/<name>.md`) where it has one."""
+    page = Path("docs") / "families" / f"{name}.md"
+    return f"[`{name}`]({page.as_posix()})" if (repository / page).is_file() else f"`{name}`"
 
 
 def _tiny_base_scores(folder: Path) -> str:

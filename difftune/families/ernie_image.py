@@ -101,7 +101,7 @@ class ErnieImage(FlowMatchingFamily):
         for i, caption in enumerate(captions):
             tokens = tokenizer(caption, add_special_tokens=True, truncation=True, padding=False)["input_ids"]
             tokens = (tokens or [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0])[:TEXT_TOKENS]
-            ids[i, : len(tokens)] = torch.tensor(tokens)
+            ids[i, : len(tokens)] = torch.as_tensor(tokens)
         return {"text_encoder": ids}
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
