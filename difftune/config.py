@@ -482,6 +482,11 @@ class AdapterConfig(Section):
         return KINDS[self.kind]
 
     @property
+    def rewrites_base(self) -> bool:
+        """An init that takes its starting factors out of the base weights (PiSSA, OLoRA; adapters/trained.py)."""
+        return self.init != "gaussian"
+
+    @property
     def is_adapter(self) -> bool:
         """Whether it trains a small adapter through peft (LoRA, DoRA, LoHa or LoKr) on frozen weights."""
         return isinstance(self.kind_type, PeftAdapter)

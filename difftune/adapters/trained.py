@@ -44,8 +44,7 @@ LYCORIS_TENSORS = (
     "lokr_w2_b",
     "lokr_t2",
 )
-MUTATED_BASE_INITS = ("pissa", "olora")  # adapter inits that change the base weights (see the module's docstring)
-INITIAL_ADAPTER = "_difftune_initial_adapter"  # a part's adapter tensors as initialized, for those inits
+INITIAL_ADAPTER = "_difftune_initial_adapter"  # a part's adapter tensors as initialized, where it rewrote the base
 
 
 def trained_parts(components: Components, config: AdapterConfig) -> dict[str, torch.nn.Module]:
@@ -135,7 +134,7 @@ def _(kind: PeftAdapter, components: Components, config: AdapterConfig) -> None:
     for part, targets in target_modules(components, config).items():
         with casts_reused():  # the denoiser's layers may be stored in fewer bits already (storage.py)
             trained[part].add_adapter(kind.peft_config(config, targets))
-        if config.init in MUTATED_BASE_INITS:
+        if config.rewrites_base:  # see the module's docstring
             setattr(trained[part], INITIAL_ADAPTER, _peft_state(trained[part]))
 
 

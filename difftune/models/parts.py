@@ -266,7 +266,8 @@ def part_dtypes(config: Config) -> PartDtypes:
     if config.adapter.trains_all_weights:
         return FP32_PARTS
     compute = weight_dtype(config)
-    denoiser = torch.float32 if _rewrites_base(config) else AS_STORED if config.stores_frozen_weights else compute
+    # An init that rewrites the base factors the fp32 weights; the run casts or stores them after (`place_frozen`).
+    denoiser = torch.float32 if config.adapter.rewrites_base else AS_STORED if config.stores_frozen_weights else compute
     stores_fp8 = denoiser == AS_STORED and stored_dtype(config) == STORED_DTYPES["fp8"]
     return PartDtypes(
         denoiser=denoiser,
@@ -282,12 +283,6 @@ def draws_before_the_end(config: Config) -> bool:
     (the drawing parts are loaded with the base then; else only for the end samples: a Wan 2.2 expert's 28 GB twin
     is not held while the other trains)."""
     return bool(config.sample.prompts and (config.sample.before or config.sample.every_steps)) or config.prior.enabled
-
-
-def _rewrites_base(config: Config) -> bool:
-    """A LoRA init that rewrites the base weights it factors (PiSSA, OLoRA): it factors the fp32 weights, and the
-    run casts or stores them after (`place_frozen`), as before."""
-    return config.adapter.init in ("pissa", "olora")
 
 
 def loads_encoders_first(config: Config, family: Family, resume: str | None = None) -> bool:
@@ -314,7 +309,7 @@ def store_loaded_denoiser(components: Components, config: Config) -> None:
     it is converted (the file's pages it was read from dropped: storage.py), and the rest of it in the compute dtype.
     Adapters attach to the stored layers as they did to 16-bit ones (peft gives them the compute dtype)."""
     stored = stored_dtype(config)
-    if stored is None or _rewrites_base(config):
+    if stored is None or config.adapter.rewrites_base:
         return  # stored as it is placed (`place_frozen`), after the adapters are attached
     compute = weight_dtype(config)
     components.denoiser.requires_grad_(False)
