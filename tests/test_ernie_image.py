@@ -137,3 +137,51 @@ def test_the_single_file_names_its_weights_as_comfyui_does(base):
     assert all(
         FAMILIES[name].layout.reads_single_file(COMFYUI_NAMES) is False for name in FAMILIES if name != FAMILY.name
     )
+
+
+def test_ai_toolkits_files_are_read_by_diffusers_and_by_difftune_as_the_same_change(make_config, base, tmp_path):
+    """ai-toolkit writes ERNIE-Image LoRAs as `diffusion_model.<module>.lora_A.weight` (the names ComfyUI's model and
+    diffusers' both use). Such a file made from a difftune run, read by `ErnieImagePipeline.load_lora_weights`
+    (diffusers' own reader of those files), draws what difftune's diffusers-layout file draws; and difftune reads it
+    (`difftune sample` / `merge` / `convert`) as the same change."""
+    from safetensors.torch import load_file, save_file
+
+    from difftune.adapters import export
+    from difftune.training.train import train
+
+    trained = train(
+        make_config(
+            model__base=base,
+            train__output_dir=str(tmp_path / "run"),
+            train__max_steps=2,
+            optim__learning_rate=2e-2,
+            sample__prompts=[],
+        )
+    ).trained_path
+    ai_toolkit = {
+        key.replace("transformer.", "diffusion_model.", 1): value for key, value in load_file(trained).items()
+    }
+    save_file(ai_toolkit, tmp_path / "ai_toolkit.safetensors")
+    arguments = {
+        "height": 32,
+        "width": 32,
+        "num_inference_steps": 4,
+        "guidance_scale": 3.0,
+        "use_pe": False,
+        "output_type": "latent",
+    }
+
+    def drawn(pipeline) -> torch.Tensor:
+        pipeline.set_progress_bar_config(disable=True)
+        return pipeline("a purple circle", generator=torch.Generator().manual_seed(0), **arguments).images
+
+    by_diffusers = {}
+    for name, adapter in (("ours", str(trained)), ("ai_toolkit", str(tmp_path / "ai_toolkit.safetensors"))):
+        pipeline = ErnieImagePipeline.from_pretrained(base, dtype=torch.float32)
+        pipeline.load_lora_weights(adapter)
+        by_diffusers[name] = drawn(pipeline)
+    base_drawing = drawn(ErnieImagePipeline.from_pretrained(base, dtype=torch.float32))
+    assert (by_diffusers["ours"] - base_drawing).abs().max() > 1e-3  # the adapter changes the drawing
+    torch.testing.assert_close(by_diffusers["ai_toolkit"], by_diffusers["ours"], rtol=0, atol=1e-5)
+    read_by_difftune = export.load_with_adapters(base, [(tmp_path / "ai_toolkit.safetensors", 1.0)]).pipeline()
+    torch.testing.assert_close(drawn(read_by_difftune), by_diffusers["ours"], rtol=0, atol=1e-5)
