@@ -29,9 +29,9 @@ from diffusers import ErnieImagePipeline, ErnieImageTransformer2DModel
 
 from difftune.families.conditioning import valid_token_states
 from difftune.families.flow import FlowMatchingFamily
-from difftune.families.layouts import Layout
+from difftune.families.layouts import DiffusersNamedLayout
 from difftune.families.loading import FamilyOptions
-from difftune.models.autoencoders import LatentNormalization
+from difftune.models.autoencoders import LatentNormalization, latent_normalization
 from difftune.models.parts import Components
 
 TEXT_TOKENS = 512  # tokens of a caption read at most
@@ -48,23 +48,12 @@ TRANSFORMER_TARGETS = [
 ]
 
 
-class ErnieImageLayout(Layout):
+class ErnieImageLayout(DiffusersNamedLayout):
     """ERNIE-Image's files in other tools' layouts: its original names are diffusers'."""
-
-    single_file_layout = "transformer alone (diffusers names)"
 
     denoiser_file_key = "layers.0.self_attention.to_q.weight"  # a key every ERNIE-Image transformer file has
 
-    kohya_prefixes = {"transformer": "lora_unet_"}
-
-    kohya_text_model_parts = ()
-
     kohya_model_version = "ernie_image"
-
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        """The transformer's weights under their own names: the file ComfyUI loads as a diffusion model (the text
-        encoder and autoencoder are files of their own there)."""
-        return {key: value.contiguous() for key, value in components.denoiser.state_dict().items()}
 
 
 class ErnieImage(FlowMatchingFamily):
@@ -88,8 +77,7 @@ class ErnieImage(FlowMatchingFamily):
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
     def latent_normalization(self, vae) -> LatentNormalization:
-        std = torch.sqrt(vae.bn.running_var.float() + TRAINED_BATCH_NORM_EPS)
-        return LatentNormalization(tuple((1.0 / std).tolist()), tuple(vae.bn.running_mean.float().tolist()))
+        return latent_normalization(vae, batch_norm_eps=TRAINED_BATCH_NORM_EPS)
 
     # Prompts and the transformer.
 

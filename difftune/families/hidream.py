@@ -29,7 +29,7 @@ import torch
 from diffusers import HiDreamImagePipeline, HiDreamImageTransformer2DModel
 
 from difftune.families.flow import FlowMatchingFamily
-from difftune.families.layouts import Layout
+from difftune.families.layouts import DiffusersNamedLayout
 from difftune.models.parts import Components
 
 TEXT_TOKENS = 128  # the pipeline's default `max_sequence_length`
@@ -42,22 +42,12 @@ TRANSFORMER_TARGETS = [
 ]  # diffusers' HiDream script's default: the image stream's attention
 
 
-class HiDreamLayout(Layout):
+class HiDreamLayout(DiffusersNamedLayout):
     """HiDream's files in other tools' layouts."""
-
-    single_file_layout = "transformer alone (diffusers names)"
 
     denoiser_file_key = "double_stream_blocks.0.block.adaLN_modulation.1.bias"  # what diffusers' reader detects it by
 
-    kohya_prefixes = {"transformer": "lora_unet_"}
-
-    kohya_text_model_parts = ()
-
     kohya_model_version = "hidream"
-
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        """The transformer's weights under their own names, as ComfyUI loads HiDream's diffusion model."""
-        return {key: value.contiguous() for key, value in components.denoiser.state_dict().items()}
 
 
 class HiDream(FlowMatchingFamily):

@@ -15,6 +15,7 @@ order of its output rows), `kohya_globals` for layers outside the blocks and, wh
 change is exactly the modules' changes; reading splits them back, or shares a trained fused down (`kohya.split`).
 
 Renamed one for one (`RenamedLayout`: Krea 2's, Wan's): each module under its original name (`original_name`).
+Not renamed at all (`DiffusersNamedLayout`: Qwen-Image's, HiDream's, ERNIE-Image's): the original names are diffusers'.
 
 A layout holds facts and weight-name conversions only; a family module subclasses the one it needs and the family
 holds an instance (`layout = FluxLayout()`).
@@ -239,6 +240,20 @@ class FusedLayout(Layout):
                     f"{key}: not a layer of {self.kohya_layout_name}'s original layout; is this file of another model?"
                 )
         return out
+
+
+class DiffusersNamedLayout(Layout):
+    """A transformer family whose original model names its modules as diffusers does (Qwen-Image, HiDream,
+    ERNIE-Image): the kohya layout is `lora_unet_` + the diffusers module (the transformer's adapters alone), and a
+    single file is the transformer alone under those names, the file ComfyUI loads as a diffusion model (the text
+    encoders and the autoencoder are files of their own there)."""
+
+    single_file_layout = "transformer alone (diffusers names)"
+    kohya_prefixes = {"transformer": KOHYA_DENOISER_PREFIX}
+    kohya_text_model_parts = ()
+
+    def to_single_file(self, components) -> dict[str, torch.Tensor]:
+        return {key: value.contiguous() for key, value in components.denoiser.state_dict().items()}
 
 
 class RenamedLayout(Layout):

@@ -25,7 +25,7 @@ from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
 from difftune.families.conditioning import valid_token_states
 from difftune.families.flow import FlowMatchingFamily, pack, unpack
-from difftune.families.layouts import Layout
+from difftune.families.layouts import DiffusersNamedLayout
 from difftune.models.parts import Components
 
 # QwenImagePipeline's prompt template and the number of its tokens before the caption that it drops
@@ -54,23 +54,12 @@ TRANSFORMER_TARGETS = [
 ]
 
 
-class QwenImageLayout(Layout):
+class QwenImageLayout(DiffusersNamedLayout):
     """QwenImage's files in other tools' layouts."""
-
-    single_file_layout = "transformer alone (diffusers names)"
 
     denoiser_file_key = "transformer_blocks.0.img_mod.1.weight"  # a key every Qwen-Image transformer file has
 
-    kohya_prefixes = {"transformer": "lora_unet_"}
-
-    kohya_text_model_parts = ()
-
     kohya_model_version = "qwen_image"
-
-    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
-        """The transformer's weights under their own names: the file ComfyUI loads as a diffusion model (the text
-        encoder and autoencoder are files of their own there)."""
-        return {key: value.contiguous() for key, value in components.denoiser.state_dict().items()}
 
 
 class QwenImage(FlowMatchingFamily):

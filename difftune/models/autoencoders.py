@@ -61,10 +61,12 @@ def _per_channel(value: float | tuple[float, ...], like: torch.Tensor) -> float 
     return torch.tensor(value, device=like.device, dtype=like.dtype).view(1, -1, *([1] * (like.dim() - 2)))
 
 
-def latent_normalization(vae) -> LatentNormalization:
-    """The normalisation an autoencoder asks for, in its config or its batch norm (see the module's docstring)."""
+def latent_normalization(vae, batch_norm_eps: float | None = None) -> LatentNormalization:
+    """The normalisation an autoencoder asks for, in its config or its batch norm (see the module's docstring);
+    `batch_norm_eps`: the epsilon a family's pipeline un-normalises with where it is not the config's."""
     if isinstance(vae, PATCHED_AUTOENCODERS):
-        std = torch.sqrt(vae.bn.running_var.float() + vae.config.batch_norm_eps)
+        eps = vae.config.batch_norm_eps if batch_norm_eps is None else batch_norm_eps
+        std = torch.sqrt(vae.bn.running_var.float() + eps)
         return LatentNormalization(tuple((1.0 / std).tolist()), tuple(vae.bn.running_mean.float().tolist()))
     vae_config = vae.config
     if getattr(vae_config, "latents_std", None) is not None:
