@@ -32,7 +32,7 @@ class AdapterKind:
     def problems(self, config: Config) -> Iterator[str]:
         """What this kind does not allow of the rest of `config`, each as the message the user reads."""
         adapter = config.adapter
-        if adapter.init != "gaussian" and not self.starts_from_the_base:
+        if adapter.rewrites_base and not self.starts_from_the_base:
             yield (
                 f'adapter.init = "{adapter.init}" starts a LoRA; adapter.kind = "{self.name}" needs init = "gaussian"'
             )
@@ -61,7 +61,7 @@ class PeftAdapter(AdapterKind):
 
     def problems(self, config: Config) -> Iterator[str]:
         yield from super().problems(config)
-        if config.adapter.init != "gaussian" and config.model.quantize != "none":
+        if config.adapter.rewrites_base and config.model.quantize != "none":
             yield (
                 f'adapter.init = "{config.adapter.init}" rewrites the base weights it factors, which model.quantize '
                 "keeps quantized: use one or the other"
@@ -75,6 +75,10 @@ class PeftAdapter(AdapterKind):
     def peft_config(self, adapter: AdapterConfig, targets: list[str]) -> Any:
         """peft's config for an adapter of this kind on the modules `targets`."""
         raise NotImplementedError
+
+    def kohya_network_args(self) -> dict[str, str]:
+        """kohya's `ss_network_args` for a file of this kind: none for a plain LoRA."""
+        return {}
 
 
 class LoRA(PeftAdapter):
@@ -105,6 +109,9 @@ class DoRA(LoRA):
     magnitudes = True
     starts_from_the_base = False
 
+    def kohya_network_args(self) -> dict[str, str]:
+        return {"algo": "lora", "dora_wd": "True"}  # LyCORIS's LoRA with weight decomposition
+
 
 class LyCORIS(PeftAdapter):
     """LyCORIS's products (LoHa, LoKr) as peft implements them; `name` is also LyCORIS's `algo`."""
@@ -117,6 +124,9 @@ class LyCORIS(PeftAdapter):
         return self.peft_config_class()(
             r=adapter.rank, alpha=adapter.alpha, rank_dropout=adapter.dropout, target_modules=targets
         )
+
+    def kohya_network_args(self) -> dict[str, str]:
+        return {"algo": self.name}  # LyCORIS's `algo` names its kinds as adapter.kind does
 
     def peft_config_class(self) -> type:
         import peft

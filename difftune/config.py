@@ -209,7 +209,7 @@ def gguf_base_trains_a_lora(config: Config) -> None:
         return
     clashes = {
         f'adapter.kind = "{config.adapter.kind}"': type(config.adapter.kind_type) is not LoRA,  # nor DoRA
-        f'adapter.init = "{config.adapter.init}"': config.adapter.init != "gaussian",
+        f'adapter.init = "{config.adapter.init}"': config.adapter.rewrites_base,
         f'model.weight_dtype = "{config.model.weight_dtype}"': config.model.weight_dtype != "auto",
         f'model.quantize = "{config.model.quantize}"': config.model.quantize != "none",
         "model.offload_blocks / model.offload_budget": bool(config.model.offload_blocks or config.model.offload_budget),

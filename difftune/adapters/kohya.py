@@ -36,7 +36,7 @@ from pathlib import Path
 import tomllib
 import torch
 
-from difftune.adapter_kinds import DoRA, LyCORIS, file_kind
+from difftune.adapter_kinds import file_kind
 from difftune.adapters.trained import DORA_MAGNITUDE, LYCORIS_TENSORS, adapter_scale, config_alpha, derived_lora_configs
 from difftune.families.family import Family
 from difftune.families.layouts import KOHYA_DENOISER_PREFIX, FusedLayout, Layout, RenamedLayout
@@ -271,11 +271,7 @@ def kohya_metadata(config_toml: str, lora_configs: dict, base: str, base_model_v
     `ss_base_model_version` (A1111 lists a LoRA under the model versions it names) is left out when unknown."""
     config = tomllib.loads(config_toml) if config_toml else {}
     part = next(key for key in lora_configs if key.endswith(".r")).removesuffix(".r")  # the first part with an adapter
-    kind = file_kind(lora_configs, part)
-    # LyCORIS's `algo` names its kinds as adapter.kind does; DoRA is its LoRA with `dora_wd`.
-    network_args = {"algo": kind.name} if isinstance(kind, LyCORIS) else {}
-    if isinstance(kind, DoRA):
-        network_args = {"algo": "lora", "dora_wd": "True"}
+    network_args = file_kind(lora_configs, part).kohya_network_args()
     metadata = {
         "ss_network_module": "lycoris.kohya" if network_args else "networks.lora",
         "ss_network_args": json.dumps(network_args),

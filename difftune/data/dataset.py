@@ -102,8 +102,9 @@ def scan_examples(
     `index_folder`: where the scan of stored records (sources.py) is kept, keyed by every file's size and version and
     the data settings: the first process to scan writes it, and later runs and processes read it instead of reading
     every record again (N processes on object storage would fetch the dataset N times)."""
-    if index_folder is None or not data_source(config.path).scan_is_kept:
-        return _scan(config, key, windows)
+    source = data_source(config.path)
+    if index_folder is None or not source.scan_is_kept:
+        return _scan(source, config, key, windows)
     identity = {
         "format": SCAN_INDEX_FORMAT,
         "data": config.model_dump(mode="json"),
@@ -125,7 +126,7 @@ def scan_examples(
             ],
             [BadFile(b["path"], b["reason"]) for b in kept["bad"]],
         )
-    examples, bad = _scan(config, key, windows)
+    examples, bad = _scan(source, config, key, windows)
     write_text(
         index,
         json.dumps(
@@ -149,10 +150,12 @@ def scan_examples(
 SCAN_INDEX_FORMAT = "1"  # bumped when what the index holds changes
 
 
-def _scan(config: DataConfig, key: str, windows: FrameWindows | None) -> tuple[list[Example], list[BadFile]]:
+def _scan(
+    source: DataSource, config: DataConfig, key: str, windows: FrameWindows | None
+) -> tuple[list[Example], list[BadFile]]:
     root = config.path
     bad: list[BadFile] = []
-    examples = listed_examples(data_source(root), config, key, bad)
+    examples = listed_examples(source, config, key, bad)
     if not examples and not bad:
         raise DifftuneError(
             f"{key} {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) or clips "
