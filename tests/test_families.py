@@ -82,6 +82,12 @@ def _qwen_prompts(pipeline, prompts):
     return {"encoder_hidden_states": states, "text_mask": mask}
 
 
+def _qwen_image21_prompts(pipeline, prompts):
+    states, mask, _ = pipeline.encode_prompt(prompts, device="cpu")
+    mask = torch.ones(states.shape[:2], dtype=torch.long) if mask is None else mask
+    return {"encoder_hidden_states": states, "text_mask": mask}
+
+
 def _qwen_edit_prompts(pipeline, prompts, image):
     """One prompt at a time (the edit pipelines take one), each with the control: padded as one batch."""
     states = [pipeline.encode_prompt(prompt, image=image, device="cpu")[0][0] for prompt in prompts]
@@ -187,6 +193,7 @@ PIPELINE_PROMPTS = {
     "flux": _flux_prompts,
     "flux_kontext": _flux_prompts,
     "qwen_image": _qwen_prompts,
+    "qwen_image21": _qwen_image21_prompts,
     "qwen_image_edit": _qwen_edit_prompts,
     "qwen_image_edit_plus": lambda pipeline, prompts, image: _qwen_edit_prompts(
         pipeline, prompts, [FAMILIES["qwen_image_edit_plus"].prompt_image(image)]
@@ -207,11 +214,12 @@ PIPELINE_PROMPTS = {
 CONTROL = recolor_pairs(1, seed=4)[0][0]
 # The micro FLUX.2 transformer's 4-step render moves little with its conditioning (another prompt: 0.0065), so a
 # 4-step adapter's change is smaller than the other families' too; so does the micro ERNIE-Image's over the same
-# latents (0.0038).
+# latents (0.0038); the micro Qwen-Image 2.1 draws 32 px as 2 x 2 latents at its 16x, four tokens (0.020).
 MIN_ADAPTER_EFFECT = {
     "flux2": 0.003,
     "flux2_klein": 0.003,
     "ernie_image": 0.003,
+    "qwen_image21": 0.01,
 }  # what the families whose pipelines draw only edits edit (32 px)
 
 
@@ -234,6 +242,8 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
     }
     if name in ("flux", "qwen_image"):
         arguments |= {"true_cfg_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
+    elif name == "qwen_image21":  # true classifier-free guidance; no text length to set
+        arguments |= {"true_cfg_scale": 3.0, "negative_prompt": ""}
     elif name == "flux2_klein":  # classifier-free guidance, with the empty negative prompt it always uses
         arguments |= {"guidance_scale": 3.0}
     elif name in (

@@ -1,12 +1,13 @@
-"""Each family's training loss against diffusers' own training script for it, on the same micro model, images,
-noise, timesteps and prompts: the check that difftune's objective (latent normalisation, noising, the denoiser's
-inputs, the target, the weighting) is the reference trainers' and not just self-consistent.
+"""Each family's training loss against diffusers' own training script for it, on the same micro model, images, noise,
+timesteps and prompts: the check that difftune's objective (latent normalisation, noising, the denoiser's inputs,
+the target, the weighting) is the reference trainers' and not just self-consistent.
 
 The scripts are not copied here: each `*_script_loss` below writes the formula its script uses, read from
-huggingface/diffusers at commit 58eb52c0 (examples/dreambooth/; sha256 of each file in `SCRIPTS`), with the
-lines it follows named. What the scripts draw at random (noise, timesteps: `compute_density_for_timestep_sampling`
-then the scheduler's `timesteps[indices]`) is fixed here and given to both sides; the scripts' posterior
-`sample()` is taken at its mode on both sides (Z-Image's script takes the mode itself).
+huggingface/diffusers at commit 58eb52c0 (examples/dreambooth/; sha256 of each file in `SCRIPTS`), with the lines it
+follows named (scripts newer than that commit: read at the commit `LATER_SCRIPTS` names). What the scripts draw at
+random (noise, timesteps: `compute_density_for_timestep_sampling` then the scheduler's `timesteps[indices]`) is
+fixed here and given to both sides; the scripts' posterior `sample()` is taken at its mode on both sides (Z-Image's
+script takes the mode itself).
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from diffusers import DDPMScheduler, Flux2Pipeline, FluxKontextPipeline, FluxPipeline, Krea2Pipeline, QwenImagePipeline
+from diffusers import (
+    DDPMScheduler,
+    Flux2Pipeline,
+    FluxKontextPipeline,
+    FluxPipeline,
+    Krea2Pipeline,
+    QwenImage21Pipeline,
+    QwenImagePipeline,
+)
 from diffusers.training_utils import compute_loss_weighting_for_sd3, compute_snr
 
 from difftune.config import LossConfig, ModelConfig
@@ -51,6 +60,10 @@ SCRIPTS = {
     ),
     "sd3": ("train_dreambooth_lora_sd3.py", "74f4cfd22527673c10f4e7a7b2a2b117ef554a0190bfa5876210f7d365e393bb"),
     "z_image": ("train_dreambooth_lora_z_image.py", "7111596fe60ac7f016e662acb08ab7874bb51d1ef855d63f30eea3e5b731585a"),
+}
+# examples/dreambooth/<script> at a later diffusers commit (the stored snapshot at 58eb52c0 predates them).
+LATER_SCRIPTS = {
+    "qwen_image21": ("train_dreambooth_lora_qwenimage21.py", "01e3a5d6b66ca07d3fc21e9c541e0c3e8cad78ca"),
 }
 PROMPTS = ["a red circle", "a blue square with a longer caption"]
 TIMESTEP_INDICES = torch.tensor([150, 700])  # the scripts' `indices = (u * num_train_timesteps).long()`
@@ -218,6 +231,34 @@ def qwen_image_script_loss(pipeline, latents, noise, weighting):
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
 
+def qwen_image21_script_loss(pipeline, latents, noise, weighting):
+    """train_dreambooth_lora_qwenimage21.py: one-frame latents of RGBA images (x - latents_mean) * (1 / latents_std),
+    `(1 - sigma) x + sigma noise` at the scheduler's unshifted sigmas, flattened unpatched (`_pack_latents`),
+    `img_mask` False over the prompt's tokens and True over the h w / 4 target slots, the transformer at `timesteps /
+    1000` with the prompt's mask, the prediction's tail unpacked (`_unpack_latents`), target `noise - x`."""
+    latents, noise = latents[:, :, None], noise[:, :, None]  # the script's (B, C, 1, h, w)
+    timesteps, sigmas = _flow_sigmas(pipeline, latents)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    b, c, _, h, w = latents.shape
+    packed = QwenImage21Pipeline._pack_latents(noisy, b, c, h, w)
+    states, mask, _ = pipeline.encode_prompt(PROMPTS, device="cpu")
+    img_mask = torch.cat(
+        [torch.zeros(b, states.shape[1], dtype=torch.bool), torch.ones(b, h * w // 4, dtype=torch.bool)], dim=1
+    )
+    prediction = pipeline.transformer(
+        hidden_states=packed,
+        encoder_hidden_states=states,
+        encoder_hidden_states_mask=mask,
+        timestep=timesteps / 1000,
+        img_shapes=[[(1, h, w)]] * b,
+        img_mask=img_mask,
+        return_dict=False,
+    )[0][:, -packed.shape[1] :]
+    factor = pipeline.vae_scale_factor
+    prediction = QwenImage21Pipeline._unpack_latents(prediction, h * factor, w * factor, factor)
+    return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
+
+
 def krea2_script_loss(pipeline, latents, noise, weighting):
     """train_dreambooth_lora_krea2.py: one-frame latents (x - latents_mean) * (1 / latents_std), `(1 - sigma) x +
     sigma noise`, packed 2x2 (the pipeline's `_pack_latents`, inlined there), `prepare_position_ids` for the prompt's
@@ -363,7 +404,8 @@ def ideogram4_script_loss(pipeline, latents, noise, weighting):
 
 def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
     """The scripts' latents (at the posterior's mode): SD and SDXL `x * scaling_factor`; Flux, Z-Image and SD3
-    `(x - shift_factor) * scaling_factor`; Qwen-Image and Krea 2 `(x - latents_mean) * (1 / latents_std)` per channel;
+    `(x - shift_factor) * scaling_factor`; Qwen-Image, Krea 2 and Qwen-Image 2.1 (its images RGBA) `(x - latents_mean) *
+    (1 / latents_std)` per channel;
     FLUX.2
     patched, then `(x - bn.running_mean) / sqrt(bn.running_var + eps)` per patched channel."""
     if name == "ideogram4":  # in difftune's channel order (FLUX.2's patches), as `ideogram4_script_loss` reads them
@@ -374,7 +416,9 @@ def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
         patched = Flux2Pipeline._patchify_latents(vae.encode(pixels).latent_dist.mode())
         mean, var = (statistic.view(1, -1, 1, 1) for statistic in (vae.bn.running_mean, vae.bn.running_var))
         return (patched - mean) / torch.sqrt(var + vae.config.batch_norm_eps)
-    if name in ("qwen_image", "krea2"):
+    if name == "qwen_image21":  # the script's images are RGBA: an RGB image opaque
+        pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
+    if name in ("qwen_image", "krea2", "qwen_image21"):
         mean = vae.encode(pixels[:, :, None]).latent_dist.mode()[:, :, 0]
         channels = vae.config.z_dim
         return (mean - torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1)) * (
@@ -393,6 +437,7 @@ SCRIPT_LOSSES = {
     "flux2_klein": flux2_script_loss,
     "krea2": krea2_script_loss,
     "qwen_image": qwen_image_script_loss,
+    "qwen_image21": qwen_image21_script_loss,
     "sd3": sd3_script_loss,
     "z_image": z_image_script_loss,
     "lumina2": lumina2_script_loss,
@@ -415,6 +460,8 @@ CASES = [
     ("krea2", "cosmap"),
     ("qwen_image", "uniform"),
     ("qwen_image", "sigma_sqrt"),
+    ("qwen_image21", "uniform"),
+    ("qwen_image21", "cosmap"),
     ("sd3", "uniform"),
     ("sd3", "sigma_sqrt"),
     ("z_image", "uniform"),
@@ -429,7 +476,7 @@ CASES = [
 def test_every_family_with_a_diffusers_script_is_checked():
     """The families diffusers ships a DreamBooth LoRA script for; those without one (Chroma, the Qwen edit models) are
     checked against their pipelines by the conformance suite."""
-    assert set(SCRIPT_LOSSES) == {name for name, _ in CASES} == set(SCRIPTS) <= set(FAMILIES)
+    assert set(SCRIPT_LOSSES) == {name for name, _ in CASES} == set(SCRIPTS) | set(LATER_SCRIPTS) <= set(FAMILIES)
 
 
 @pytest.mark.parametrize(("name", "weighting"), CASES)

@@ -207,6 +207,8 @@ PUBLISHED_SIZES = {
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {"transformer": 1.4},
     # "an 8B DiT backbone" (diffusers' page); Ministral 3 3B with its vision tower, "~3.8B" (DiffSynth-Studio's table)
     "baidu/ERNIE-Image": {"transformer": (8.0, 0.03), "text_encoder": (3.8, 0.03)},
+    # Qwen3-VL 8B with its vision tower (8.77B on its model card); the transformer's size is not published
+    "Qwen/Qwen-Image-2.1": {"text_encoder": 8.77},
 }
 
 

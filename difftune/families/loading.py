@@ -5,6 +5,7 @@ denoiser alone) read into `Components`, each part in the dtype the run keeps it 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -26,6 +27,14 @@ from difftune.models.parts import AS_STORED, FP32_PARTS, SINGLE_FILE_SUFFIXES, C
 def config_folder(config: ModelConfig) -> str:
     """Where `config.base`'s configs are: its own folder or hub id, a single file's `single_file_config`."""
     return config.single_file_config if config.base.endswith(SINGLE_FILE_SUFFIXES) else config.base
+
+
+def load_without_video_processor(processor_class: type) -> None:
+    """transformers builds (and loads) a Qwen-VL processor only with its video processor, which needs torchvision
+    (transformers#43986); the image pipelines show their language model images alone. Without torchvision, the
+    processor is built and loaded without a video processor, so CPU machines with no torchvision build train too."""
+    if importlib.util.find_spec("torchvision") is None:
+        processor_class.get_attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
 
 
 class FamilyOptions(Section):

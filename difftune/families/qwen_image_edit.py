@@ -19,7 +19,6 @@ autoencoder, language model, objective and files.
 
 from __future__ import annotations
 
-import importlib.util
 from contextlib import contextmanager, nullcontext
 
 import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as edit_pipeline_module
@@ -30,6 +29,7 @@ from transformers import Qwen2VLProcessor
 from difftune.config import Config
 from difftune.errors import DifftuneError
 from difftune.families.flow import FlowOptions
+from difftune.families.loading import load_without_video_processor
 from difftune.families.qwen_image import QwenImage
 
 # The edit pipelines' template (`prompt_template_encode` without the vision tokens, which `vision_prompt` places) and
@@ -46,11 +46,7 @@ VISION_TOKENS = (
     "<|vision_start|><|image_pad|><|vision_end|>"  # the processor widens `<|image_pad|>` to the image's patches
 )
 
-if importlib.util.find_spec("torchvision") is None:
-    # transformers builds (and loads) a Qwen2-VL processor only with its video processor, which needs torchvision
-    # (transformers#43986); the edit pipelines show the language model images alone. Without torchvision, the
-    # processor is built and loaded without a video processor, so CPU machines with no torchvision build train too.
-    Qwen2VLProcessor.get_attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
+load_without_video_processor(Qwen2VLProcessor)
 
 
 class EditOptions(FlowOptions):

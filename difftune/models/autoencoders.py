@@ -13,6 +13,9 @@ autoencoder whose latents
   scale = 1 / `latents_std`, as `QwenImagePipeline` inverts them. Images pass as one-frame clips; everything
   outside this module sees an image's latents as (B, C, h, w), and a clip's (video bases) as (B, C, t, h, w), t =
   (T - 1) / `frames_per_latent` + 1.
+- `AutoencoderKLQwenImage21` (Qwen-Image 2.1): the same kind at 16x with 64 channels, of RGBA images: an RGB image
+  is encoded opaque (alpha 1, as its training script converts images to RGBA), and decoding keeps the RGB the rest
+  of difftune reads (its pipeline returns the alpha too).
 - `AutoencoderKLFlux2` (FLUX.2): 32-channel latents at 8x, which the denoiser reads patched 2x2 into 128 channels
   (`patched`, as `Flux2Pipeline._patchify_latents`), normalised per patched channel by the autoencoder's own batch
   norm statistics (shift = `bn.running_mean`, scale = 1 / sqrt(`bn.running_var` + eps)). Everything outside this
@@ -25,7 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLQwenImage, AutoencoderKLWan, AutoencoderTiny
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLFlux2,
+    AutoencoderKLQwenImage,
+    AutoencoderKLQwenImage21,
+    AutoencoderKLWan,
+    AutoencoderTiny,
+)
 from diffusers.utils.torch_utils import randn_tensor
 
 from difftune.errors import DifftuneError
@@ -36,8 +46,9 @@ VAE_CLASSES = {
     "AutoencoderKLQwenImage": AutoencoderKLQwenImage,
     "AutoencoderKLFlux2": AutoencoderKLFlux2,
     "AutoencoderKLWan": AutoencoderKLWan,
+    "AutoencoderKLQwenImage21": AutoencoderKLQwenImage21,
 }
-VIDEO_AUTOENCODERS = (AutoencoderKLQwenImage, AutoencoderKLWan)  # latents with a time axis
+VIDEO_AUTOENCODERS = (AutoencoderKLQwenImage, AutoencoderKLWan, AutoencoderKLQwenImage21)  # latents with a time axis
 PATCHED_AUTOENCODERS = (AutoencoderKLFlux2,)  # latents read patched 2x2 into channels
 
 
@@ -118,6 +129,8 @@ def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     latent cache stores."""
     weight = next(vae.parameters())  # not vae.device / vae.dtype: each walks every module, 1.6 ms a step
     pixels = pixels.to(weight.device, weight.dtype)
+    if pixels.shape[1] == 3 and vae.config.get("in_channels") == 4:  # an RGBA autoencoder: the image is opaque
+        pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
     if pixels.dim() == 5:
         if not isinstance(vae, VIDEO_AUTOENCODERS):
             raise DifftuneError(f"a {type(vae).__name__} encodes images, not clips")
@@ -172,9 +185,11 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """Inverse of `encode_latents` (up to the autoencoder's loss): normalised latents -> pixels in [-1, 1]."""
     encoded = latent_normalization(vae).invert(latents.to(vae.dtype))
     if latents.dim() == 5:  # a clip's
-        return vae.decode(encoded).sample
-    if isinstance(vae, VIDEO_AUTOENCODERS):
-        return vae.decode(encoded[:, :, None]).sample[:, :, 0]
-    if isinstance(vae, PATCHED_AUTOENCODERS):
-        return vae.decode(unpatched(encoded)).sample
-    return vae.decode(encoded).sample
+        decoded = vae.decode(encoded).sample
+    elif isinstance(vae, VIDEO_AUTOENCODERS):
+        decoded = vae.decode(encoded[:, :, None]).sample[:, :, 0]
+    elif isinstance(vae, PATCHED_AUTOENCODERS):
+        decoded = vae.decode(unpatched(encoded)).sample
+    else:
+        decoded = vae.decode(encoded).sample
+    return decoded[:, :3]  # an RGBA autoencoder's alpha left out

@@ -25,6 +25,7 @@ from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
     AutoencoderKLQwenImage,
+    AutoencoderKLQwenImage21,
     AutoencoderKLWan,
     AutoencoderTiny,
     ChromaTransformer2DModel,
@@ -39,6 +40,7 @@ from diffusers import (
     Ideogram4Transformer2DModel,
     Krea2Transformer2DModel,
     Lumina2Transformer2DModel,
+    QwenImage21Transformer2DModel,
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
@@ -72,7 +74,9 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3Model,
     Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
     Qwen3VLModel,
+    Qwen3VLProcessor,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
@@ -617,10 +621,14 @@ def build_qwen3_text_encoder(
 
 
 def build_qwen3_vl_text_encoder(
-    tokenizer: Qwen2Tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = KREA2_TEXT_LAYERS
-) -> Qwen3VLModel:
-    """A Qwen3-VL language model (Krea 2's text encoder) with its interleaved multimodal rotary sections scaled to its
-    head size, and a 1-block vision tower that text prompts never run."""
+    tokenizer: Qwen2Tokenizer,
+    hidden_size: int = QWEN_HIDDEN_SIZE,
+    layers: int = KREA2_TEXT_LAYERS,
+    with_head: bool = False,
+) -> Qwen3VLModel | Qwen3VLForConditionalGeneration:
+    """A Qwen3-VL language model (Krea 2's text encoder; `with_head`: with its language-model head, as Qwen-Image 2.1
+    keeps it) with its interleaved multimodal rotary sections scaled to its head size, and a 1-block vision tower that
+    text prompts never run; the tokens that place an image are `tokenizer`'s where it has them."""
     head_dim = hidden_size // 2
     config = Qwen3VLConfig(
         text_config={
@@ -650,8 +658,60 @@ def build_qwen3_vl_text_encoder(
             "num_position_embeddings": 16,
             "deepstack_visual_indexes": [],
         },
+        **_vision_token_ids(tokenizer),
     )
-    return Qwen3VLModel(config)
+    return Qwen3VLForConditionalGeneration(config) if with_head else Qwen3VLModel(config)
+
+
+def build_qwen_image21_processor() -> Qwen3VLProcessor:
+    """Qwen-Image 2.1's processor: a byte-level Qwen tokenizer with merges that spell the words of its pipeline's prompt
+    template, the vision tokens that place an image, and Qwen3-VL's chat template (the pipeline counts the system
+    turn's tokens with it), beside Qwen2-VL's image processor (text prompts never run it)."""
+    from difftune.families.qwen_image21 import PROMPT_TEMPLATE
+
+    bytes_vocab = {byte: i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tokenizer = _qwen_bpe_tokenizer(bytes_vocab, [], PROMPT_TEMPLATE, QWEN_SPECIAL_TOKENS + QWEN_VISION_TOKENS)
+    low, high = QWEN_VISION_PIXELS
+    return Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=low, max_pixels=high),
+        tokenizer=tokenizer,
+        chat_template=QWEN3_VL_CHAT_TEMPLATE,
+    )
+
+
+def build_qwen_image21_vae(
+    latents_mean=(0.0,) * FLUX_LATENT_CHANNELS, latents_std=(1.0,) * FLUX_LATENT_CHANNELS, base_dim: int = 8
+) -> AutoencoderKLQwenImage21:
+    """Qwen-Image 2.1's autoencoder of RGBA images: four downsamplings to 16x, as its pipeline assumes (32 px -> 2 x 2
+    latents), 16 channels and per-channel statistics."""
+    return AutoencoderKLQwenImage21(
+        base_dim=base_dim,
+        decoder_base_dim=base_dim,
+        z_dim=FLUX_LATENT_CHANNELS,
+        dim_mult=[1, 1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True, True],
+        in_channels=4,
+        out_channels=4,
+        latents_mean=list(latents_mean),
+        latents_std=list(latents_std),
+    )
+
+
+def build_qwen_image21_transformer(
+    layers: int = 1, heads: int = 2, head_dim: int = 16, text_hidden_size: int = QWEN_HIDDEN_SIZE
+) -> QwenImage21Transformer2DModel:
+    """Qwen-Image 2.1's block-causal single-stream transformer over unpatched latents (a token a latent pixel), its
+    rotary axes (frame, row, column) in its proportions (16, 56, 56 of 128)."""
+    return QwenImage21Transformer2DModel(
+        in_channels=FLUX_LATENT_CHANNELS,
+        out_channels=FLUX_LATENT_CHANNELS,
+        num_layers=layers,
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        context_in_dim=text_hidden_size,
+        axes_dims_rope=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),
+    )
 
 
 def build_krea2_transformer(

@@ -15,6 +15,7 @@ files in the loading dtype are mapped, not read, so a part occupies RAM only onc
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import weakref
@@ -474,6 +475,8 @@ class LengthOnlyTokenizer:
             else max(1, max(len(piece) for piece in texts) // 4)
         )
         ids = torch.ones(len(texts), length, dtype=torch.long)
+        if isinstance(text, str) and kwargs.get("return_tensors") is None:  # one text's ids, as a list
+            return BatchEncoding({"input_ids": ids[0].tolist(), "attention_mask": [1] * length})
         return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
 
     def apply_chat_template(self, conversation, tokenize=False, return_dict=False, **kwargs):
@@ -498,27 +501,110 @@ def _with(config: Config, overrides: list[str]) -> Config:
     return type(config).model_validate(data)
 
 
+LAYOUT_NUMEL = 1 << 16  # a boolean or integer tensor this small, made of constants, is a layout: computed for real
+_CONSTANT_FACTORIES = {
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.new_ones.default,
+    torch.ops.aten.new_full.default,
+    torch.ops.aten.zeros.default,
+    torch.ops.aten.ones.default,
+    torch.ops.aten.full.default,
+    torch.ops.aten.scalar_tensor.default,  # a Python number in an operation with a tensor (`torch.where(mask, 4, 1)`)
+    torch.ops.aten.arange.default,
+    torch.ops.aten.arange.start,
+    torch.ops.aten.arange.start_step,
+}
+
+
 class _PeakBytes(TorchDispatchMode):
     """The bytes of the tensor storages made inside this mode and still alive, and their peak. A storage is made
     by an operation whose result does not share an argument's (a view or an in-place result shares it: a weight's
     transpose is not a new weight). A data-dependent scalar of a meta tensor answers `full` (an integer: a
-    mask's count taken as all of it) or 1.0."""
+    mask's count taken as all of it) or 1.0, unless the tensor is a layout: small boolean or integer tensors made of
+    constants (zeros, ones, ranges) and what is computed from them alone keep their values (`known`), so that a model
+    that lays out its sequence by a mask (Qwen-Image 2.1's image slots) gets that layout's shapes."""
 
     def __init__(self, full: int):
         super().__init__()
         self.full, self.live, self.now, self.peak = full, WeakIdKeyDictionary(), 0, 0
+        self.known = WeakIdKeyDictionary()  # meta layout tensor -> its values on the CPU
 
     def _freed(self, size: int) -> None:
         self.now -= size
 
+    def _layout(self, func, args, kwargs):
+        """`func`'s result with its values, where it is a layout computed from constants and layouts alone (else
+        None): computed on the CPU, returned on the meta device, its values kept."""
+        if func._schema.is_mutable:  # what it writes in place is no longer known (what it reads stays)
+            written = [
+                kwargs.get(argument.name) if argument.kwarg_only else (args[i] if i < len(args) else None)
+                for i, argument in enumerate(func._schema.arguments)
+                if argument.alias_info is not None and argument.alias_info.is_write
+            ]
+            for tensor in tree_flatten(written)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    self.known.pop(tensor, None)
+            return None
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_meta]
+        factory = func in _CONSTANT_FACTORIES
+        if not factory and (not tensors or any(t not in self.known for t in tensors)):
+            return None
+
+        def on_cpu(value):
+            if not isinstance(value, torch.Tensor) or not value.is_meta:
+                return value
+            return torch.empty(0, dtype=value.dtype) if factory else self.known[value]
+
+        cpu_args, cpu_kwargs = torch.utils._pytree.tree_map(on_cpu, (args, kwargs))
+        if "device" in cpu_kwargs:
+            cpu_kwargs["device"] = torch.device("cpu")
+        elif factory and not func.__name__.startswith("new_"):
+            cpu_kwargs["device"] = torch.device("cpu")
+        if factory:
+            size = next((a for a in cpu_args if isinstance(a, (list, tuple))), None)
+            if size is not None and torch.Size(size).numel() > LAYOUT_NUMEL:
+                return None
+        try:
+            result = func(*cpu_args, **cpu_kwargs)
+        except RuntimeError:  # a view the CPU copy's strides do not allow: the meta run goes on without the values
+            return None
+        if not isinstance(result, torch.Tensor) or result.is_floating_point() or result.numel() > LAYOUT_NUMEL:
+            return None
+        on_meta = result.to(META)
+        self.known[on_meta] = result
+        return on_meta
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            if args[0] in self.known:
+                return self.known[args[0]].item()
             return 1.0 if args[0].is_floating_point() else self.full
         if func is torch.ops.aten._to_copy.default and args[0].is_meta and (kwargs or {}).get("device", META) != META:
             # A meta tensor's values read out (`tolist()`: Z-Image's and Lumina's per-caption lengths): as above.
             source = args[0]
+            if source in self.known:
+                return self.known[source].clone()
             return torch.full(source.shape, 1.0 if source.is_floating_point() else self.full, dtype=source.dtype)
-        result = func(*args, **(kwargs or {}))
+        layout = self._layout(func, args, kwargs)
+        if layout is not None:
+            return layout
+        result = None
+        if any(isinstance(t, torch.Tensor) and t in self.known for t in tree_flatten((args, kwargs))[0]):
+            # A layout indexes, masks or repeats a tensor of unknown values: by its values, where the operation
+            # takes them from the CPU (indexing does; arithmetic with a meta tensor does not, and needs no values).
+            with contextlib.suppress(RuntimeError):
+                result = func(
+                    *torch.utils._pytree.tree_map(
+                        lambda t: self.known.get(t, t) if isinstance(t, torch.Tensor) else t, (args, kwargs or {})
+                    )[0],
+                    **torch.utils._pytree.tree_map(
+                        lambda t: self.known.get(t, t) if isinstance(t, torch.Tensor) else t, kwargs or {}
+                    ),
+                )
+                if any(isinstance(t, torch.Tensor) and not t.is_meta for t in tree_flatten(result)[0]):
+                    result = None  # computed on the CPU from a layout and a plain value: not this meta run's
+        if result is None:
+            result = func(*args, **(kwargs or {}))
         arguments = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(result)[0]:
             if not isinstance(tensor, torch.Tensor):
