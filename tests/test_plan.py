@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from difftune.cli import main
 from difftune.config import load_config
@@ -366,3 +367,20 @@ difftune: parity: 0 levels in both layouts"""
         "loading the denoiser": round(12.0 * 2**30),
         "training": round(13.8 * 2**30),
     }
+
+
+def test_a_layout_of_constants_keeps_its_values_on_the_meta_device():
+    """A model that lays out its sequence by a mask (Qwen-Image 2.1's `img_mask`, expanded by `repeat_interleave`) is
+    planned with that layout's shapes: small boolean and integer tensors made of constants keep their values on the
+    meta device; one written in place forgets them (a count of it is then the plan's upper bound, `full`)."""
+    text = torch.ones(2, 5, dtype=torch.bool, device="meta")  # a mask of unknown values
+    with plan._counting(7):
+        slots = torch.cat([text.new_zeros(text.shape), text.new_ones(2, 3)], dim=1)
+        repeats = torch.where(slots, 4, 1)[0]
+        hidden = torch.zeros(2, 8, 16, device="meta").repeat_interleave(repeats, dim=1)
+        assert hidden.shape == (2, 5 + 3 * 4, 16)
+        assert torch.repeat_interleave(slots[0], repeats).nonzero().shape == (12, 1)
+        assert int(slots.sum()) == 6
+        slots[:, 0] = True  # written in place: its values are no longer known
+        assert int(slots.sum()) == 7
+        assert int(text.sum()) == 7  # never known

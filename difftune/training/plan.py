@@ -541,9 +541,9 @@ class _PeakBytes(TorchDispatchMode):
                 for i, argument in enumerate(func._schema.arguments)
                 if argument.alias_info is not None and argument.alias_info.is_write
             ]
-            for tensor in tree_flatten(written)[0]:
-                if isinstance(tensor, torch.Tensor):
-                    self.known.pop(tensor, None)
+            storages = {storage_key(t) for t in tree_flatten(written)[0] if isinstance(t, torch.Tensor)}
+            for tensor in [t for t in self.known if storage_key(t) in storages]:  # its views too
+                del self.known[tensor]
             return None
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_meta]
         factory = func in _CONSTANT_FACTORIES
@@ -570,7 +570,8 @@ class _PeakBytes(TorchDispatchMode):
             return None
         if not isinstance(result, torch.Tensor) or result.is_floating_point() or result.numel() > LAYOUT_NUMEL:
             return None
-        on_meta = result.to(META)
+        is_view = bool(func._schema.returns) and func._schema.returns[0].alias_info is not None
+        on_meta = func(*args, **kwargs) if is_view else result.to(META)  # a view stays a view of its base
         self.known[on_meta] = result
         return on_meta
 
