@@ -15,7 +15,6 @@ files in the loading dtype are mapped, not read, so a part occupies RAM only onc
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import weakref
@@ -26,7 +25,7 @@ from types import SimpleNamespace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from difftune import published
@@ -555,10 +554,9 @@ class _PeakBytes(TorchDispatchMode):
                 return value
             return torch.empty(0, dtype=value.dtype) if factory else self.known[value]
 
-        cpu_args, cpu_kwargs = torch.utils._pytree.tree_map(on_cpu, (args, kwargs))
-        if "device" in cpu_kwargs:
-            cpu_kwargs["device"] = torch.device("cpu")
-        elif factory and not func.__name__.startswith("new_"):
+        cpu_args, cpu_kwargs = tree_map(on_cpu, (args, kwargs))
+        # A `new_*` factory takes its device from its tensor, which is on the CPU here.
+        if "device" in cpu_kwargs or (factory and not func.__name__.startswith("new_")):
             cpu_kwargs["device"] = torch.device("cpu")
         if factory:
             size = next((a for a in cpu_args if isinstance(a, (list, tuple))), None)
@@ -575,12 +573,30 @@ class _PeakBytes(TorchDispatchMode):
         self.known[on_meta] = result
         return on_meta
 
+    def _indexed_by_layout(self, func, args, kwargs):
+        """`func`'s meta result where a layout indexes, masks or repeats a tensor of unknown values: by the layout's
+        values, where the operation takes them from the CPU (indexing does). None where no argument is a layout, or
+        where the operation cannot take them (arithmetic with a meta tensor, which needs no values)."""
+        if not any(isinstance(t, torch.Tensor) and t in self.known for t in tree_flatten((args, kwargs))[0]):
+            return None
+        known_args, known_kwargs = tree_map(
+            lambda t: self.known.get(t, t) if isinstance(t, torch.Tensor) else t, (args, kwargs)
+        )
+        try:
+            result = func(*known_args, **known_kwargs)
+        except RuntimeError:
+            return None
+        if any(isinstance(t, torch.Tensor) and not t.is_meta for t in tree_flatten(result)[0]):
+            return None  # computed on the CPU from a layout and a plain value: not this meta run's
+        return result
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             if args[0] in self.known:
                 return self.known[args[0]].item()
             return 1.0 if args[0].is_floating_point() else self.full
-        if func is torch.ops.aten._to_copy.default and args[0].is_meta and (kwargs or {}).get("device", META) != META:
+        if func is torch.ops.aten._to_copy.default and args[0].is_meta and kwargs.get("device", META) != META:
             # A meta tensor's values read out (`tolist()`: Z-Image's and Lumina's per-caption lengths): as above.
             source = args[0]
             if source in self.known:
@@ -589,23 +605,9 @@ class _PeakBytes(TorchDispatchMode):
         layout = self._layout(func, args, kwargs)
         if layout is not None:
             return layout
-        result = None
-        if any(isinstance(t, torch.Tensor) and t in self.known for t in tree_flatten((args, kwargs))[0]):
-            # A layout indexes, masks or repeats a tensor of unknown values: by its values, where the operation
-            # takes them from the CPU (indexing does; arithmetic with a meta tensor does not, and needs no values).
-            with contextlib.suppress(RuntimeError):
-                result = func(
-                    *torch.utils._pytree.tree_map(
-                        lambda t: self.known.get(t, t) if isinstance(t, torch.Tensor) else t, (args, kwargs or {})
-                    )[0],
-                    **torch.utils._pytree.tree_map(
-                        lambda t: self.known.get(t, t) if isinstance(t, torch.Tensor) else t, kwargs or {}
-                    ),
-                )
-                if any(isinstance(t, torch.Tensor) and not t.is_meta for t in tree_flatten(result)[0]):
-                    result = None  # computed on the CPU from a layout and a plain value: not this meta run's
+        result = self._indexed_by_layout(func, args, kwargs)
         if result is None:
-            result = func(*args, **(kwargs or {}))
+            result = func(*args, **kwargs)
         arguments = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(result)[0]:
             if not isinstance(tensor, torch.Tensor):
