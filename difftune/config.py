@@ -72,6 +72,7 @@ SHARED_FAMILY_MODULES = (
     "layouts",
     "objective",
     "drawing",
+    "modular",
     "conditioning",
     "loading",
     "targets",

@@ -5,6 +5,7 @@ can say what is intact)."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -79,3 +80,27 @@ def part_weight_files(folder: Path, variant: str = "") -> list[Path]:
     if not variant:
         files = [file for file in files if file.name.count(".") == 1] or files
     return files
+
+
+PIPELINE_INDEXES = ("model_index.json", "modular_model_index.json")  # a pipeline's, a modular pipeline's
+
+
+def pipeline_index(folder: Path) -> dict | None:
+    """A local pipeline folder's index (`model_index.json`, or a modular pipeline's `modular_model_index.json`), each
+    part as `[library, class]`: a modular index's parts kept where their files are in `folder`, as `[library,
+    class]` (what a plan reads), a part elsewhere left out; None where `folder` has neither file."""
+    for name in PIPELINE_INDEXES:
+        if (Path(folder) / name).is_file():
+            index = json.loads((Path(folder) / name).read_text(encoding="utf-8"))
+            break
+    else:
+        return None
+    parts = {}
+    for part, entry in index.items():
+        if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], dict):  # [library, class, its spec]
+            spec = entry[2]
+            if (Path(folder) / (spec.get("subfolder") or "")).is_dir() and spec.get("type_hint"):
+                parts[part] = list(spec["type_hint"])
+        else:
+            parts[part] = entry
+    return parts

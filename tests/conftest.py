@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from difftune.config import load_config
+from difftune.families import FAMILIES
 from difftune.toy.micro import build_pipeline
 from difftune.toy.tiny import recolor_pairs, shape_images, write_caption_folder, write_pair_folder
 
@@ -81,9 +82,7 @@ def micro_base(tmp_path_factory):
         key = (family, seed, guidance)
         if key not in built:
             built[key] = tmp_path_factory.mktemp(f"micro-{family}")
-            build_pipeline(seed=seed, family=family, guidance=guidance).save_pretrained(
-                built[key], safe_serialization=True
-            )
+            FAMILIES[family].save_pipeline(build_pipeline(seed=seed, family=family, guidance=guidance), built[key])
         return built[key]
 
     return folder

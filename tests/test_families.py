@@ -18,11 +18,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import diffusers
 import gguf
 import numpy as np
 import pytest
 import torch
-from diffusers import GGUFQuantizationConfig
+from diffusers import ClassifierFreeGuidance, GGUFQuantizationConfig
+from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
 from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter, dequantize_gguf_tensor
 from PIL import Image
 from safetensors import safe_open
@@ -36,6 +38,7 @@ from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, family_table_markdown, load_components
 from difftune.families.layouts import FusedLayout
 from difftune.families.lumina2 import SYSTEM_PROMPT
+from difftune.families.modular import ModularBase
 from difftune.memory import storage
 from difftune.models.autoencoders import PATCHED_AUTOENCODERS, downsampling, latent_channels
 from difftune.models.parts import AS_STORED, PartDtypes, loads_encoders_first
@@ -86,6 +89,19 @@ def _qwen_image21_prompts(pipeline, prompts):
     states, mask, _ = pipeline.encode_prompt(prompts, device="cpu")
     mask = torch.ones(states.shape[:2], dtype=torch.long) if mask is None else mask
     return {"encoder_hidden_states": states, "text_mask": mask}
+
+
+def _flux3_prompts(pipeline, prompts):
+    """Its text step encodes one prompt a call, at its own window: padded as one batch, the window its mask."""
+    states = [
+        Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds(pipeline.text_encoder, pipeline.tokenizer, prompt)[0]
+        for prompt in prompts
+    ]
+    longest = max(len(state) for state in states)
+    return {
+        "encoder_hidden_states": torch.stack([torch.nn.functional.pad(s, (0, 0, 0, longest - len(s))) for s in states]),
+        "text_mask": torch.stack([torch.arange(longest) < len(s) for s in states]).long(),
+    }
 
 
 def _qwen_edit_prompts(pipeline, prompts, image):
@@ -203,6 +219,7 @@ PIPELINE_PROMPTS = {
     "sd3": _sd3_prompts,
     "flux2": _flux2_prompts,
     "flux2_klein": _flux2_prompts,
+    "flux3": _flux3_prompts,
     "krea2": _krea2_prompts,
     "lumina2": _lumina2_prompts,
     "ideogram4": _ideogram4_prompts,
@@ -221,6 +238,19 @@ MIN_ADAPTER_EFFECT = {
     "ernie_image": 0.003,
     "qwen_image21": 0.01,
 }  # what the families whose pipelines draw only edits edit (32 px)
+
+
+def their_pipeline(family, folder) -> object:
+    """The family's own diffusers pipeline of `folder`, in fp32: a modular one (FLUX.3's) read by its blocks' specs and
+    loaded by `load_components`, its steps difftune never runs (the prompt upsampler) left out."""
+    if isinstance(family, ModularBase):
+        blocks = getattr(diffusers, family.pipeline_class.default_blocks_name)()
+        for step in family.left_out_steps:
+            blocks.sub_blocks.pop(step)
+        pipeline = blocks.init_pipeline(str(folder))
+        pipeline.load_components(dtype=torch.float32)
+        return pipeline
+    return family.pipeline_class.from_pretrained(folder, dtype=torch.float32)
 
 
 def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
@@ -271,6 +301,10 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
             .frames[0][:, 0]
             .numpy()
         )
+    elif name == "flux3":  # a modular pipeline: classifier-free guidance by its guider, images by their name
+        pipeline.update_components(guider=ClassifierFreeGuidance(guidance_scale=3.0))
+        arguments.pop("output_type")
+        return pipeline(prompt=prompt, negative_prompt="", **arguments, output="latents")[0].numpy()
     elif name == "ideogram4":  # asymmetric guidance: w pos + (1 - w) neg, neg from its unconditional transformer
         arguments |= {"guidance_scale": 3.0, "guidance_schedule": None, "max_sequence_length": 64}
     elif name == "flux_kontext":  # guidance-distilled, as Kontext [dev]: the scale is its guidance embedding's input
@@ -795,18 +829,17 @@ def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind,
     parity = json.loads((result.trained_path.parent / "parity.json").read_text())
     assert all(layout["max_pixel_difference"] <= 2 for layout in parity["layouts"].values()), parity
 
-    pipeline_class = family.pipeline_class
-    theirs = pipeline_class.from_pretrained(base, dtype=torch.float32)
+    theirs = their_pipeline(family, base)
     theirs.load_lora_weights(str(result.trained_path.parent), weight_name=result.trained_path.name)
     export.merge_into_folder(str(base), [(result.trained_path, 1.0)], tmp_path / "merged")
-    merged = pipeline_class.from_pretrained(tmp_path / "merged", dtype=torch.float32)
-    untouched = pipeline_class.from_pretrained(base, dtype=torch.float32)
+    merged = their_pipeline(family, tmp_path / "merged")
+    untouched = their_pipeline(family, base)
     ours = render(name, merged)
     agreement = np.abs(ours - render(name, theirs)).max()
     assert agreement < 2e-3
     if kind == "lora" and name in KOHYA_READ_BY_PIPELINE:
         kohya = export.convert_adapter(result.trained_path, tmp_path / "kohya.safetensors", "kohya")
-        theirs_kohya = pipeline_class.from_pretrained(base, dtype=torch.float32)
+        theirs_kohya = their_pipeline(family, base)
         theirs_kohya.load_lora_weights(str(kohya))
         assert np.abs(ours - render(name, theirs_kohya)).max() < 2e-3
     effect = np.abs(ours - render(name, untouched)).max()  # the adapter changes the image, far beyond the agreement
@@ -984,7 +1017,7 @@ def test_a_diffusers_layout_file_means_the_same_to_a_reader_that_ignores_its_met
 
     trained = changes(result.components.denoiser)
     assert trained
-    theirs = family.pipeline_class.from_pretrained(base, dtype=torch.float32)
+    theirs = their_pipeline(family, base)
     theirs.load_lora_weights(
         str(result.trained_path.parent), weight_name=result.trained_path.name, adapter_name="default"
     )

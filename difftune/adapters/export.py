@@ -115,7 +115,7 @@ def _(kind: PeftAdapter, components: Components, config: Config, path: Path, lay
 def _(kind: FullFineTune, components: Components, config: Config, path: Path, layout: str) -> Path:
     pipeline = components.pipeline(sampling_scheduler(config.sample.scheduler, components))
     _refuse_non_finite(components.denoiser.state_dict(), f"{path}")
-    return replace_atomically(path, lambda staging: pipeline.save_pretrained(staging, safe_serialization=True))
+    return replace_atomically(path, lambda staging: components.family.save_pipeline(pipeline, staging))
 
 
 @save_kind.register
@@ -516,7 +516,7 @@ def save_merged(components: Components, out_dir: Path, single_file: bool, overwr
     )
 
     def write(staging: Path) -> None:
-        components.pipeline(sampling_scheduler("auto", components)).save_pretrained(staging, safe_serialization=True)
+        components.family.save_pipeline(components.pipeline(sampling_scheduler("auto", components)), staging)
         if single_file:
             save_file(ldm, staging / SINGLE_FILE, metadata={"format": "pt"})
 

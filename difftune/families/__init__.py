@@ -27,6 +27,7 @@ from difftune.adapter_kinds import KINDS
 from difftune.config import FAMILY_NAMES, ModelConfig, wrong_family
 from difftune.errors import DifftuneError
 from difftune.families.family import Family
+from difftune.files import PIPELINE_INDEXES, pipeline_index
 from difftune.models.autoencoders import latent_channels, load_vae
 from difftune.models.denoiser_files import gguf_tensor_names, is_gguf, is_scaled_fp8
 from difftune.models.parts import (
@@ -196,14 +197,21 @@ def _readers(config: ModelConfig) -> tuple[list[Family], str]:
 
 
 def _pipeline_class_name(config: ModelConfig) -> str:
-    index = Path(config.base) / "model_index.json"
-    if index.is_file():
-        return json.loads(index.read_text(encoding="utf-8")).get("_class_name", "?")
+    index = pipeline_index(Path(config.base))
+    if index is not None:
+        return index.get("_class_name", "?")
     if Path(config.base).exists():
-        raise DifftuneError(f"model.base {config.base}: has no model_index.json; pass a diffusers pipeline folder")
-    from diffusers import DiffusionPipeline
+        raise DifftuneError(
+            f"model.base {config.base}: has no model_index.json (nor a modular pipeline's {PIPELINE_INDEXES[1]}); "
+            "pass a diffusers pipeline folder"
+        )
+    from diffusers import DiffusionPipeline, ModularPipeline
 
-    return DiffusionPipeline.load_config(config.base, revision=config.revision or None).get("_class_name", "?")
+    revision = config.revision or None
+    try:
+        return DiffusionPipeline.load_config(config.base, revision=revision).get("_class_name", "?")
+    except OSError:  # a modular pipeline's repository
+        return ModularPipeline.load_config(config.base, revision=revision).get("_class_name", "?")
 
 
 def _single_file_keys(path: str) -> set[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +36,19 @@ def load_without_video_processor(processor_class: type) -> None:
     processor is built and loaded without a video processor, so CPU machines with no torchvision build train too."""
     if importlib.util.find_spec("torchvision") is None:
         processor_class.get_attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
+
+
+@dataclass(frozen=True)
+class PartSource:
+    """Where a pipeline keeps one part: its class, and the folder or hub id, subfolder and revision of its files."""
+
+    part_class: type
+    folder: str
+    subfolder: str
+    revision: str | None
+
+    def config(self) -> dict:
+        return self.part_class.load_config(self.folder, subfolder=self.subfolder, revision=self.revision)
 
 
 class FamilyOptions(Section):
@@ -100,32 +114,31 @@ class Loading:
     def load_denoiser(self, config: ModelConfig, dtypes: PartDtypes) -> torch.nn.Module:
         """The denoiser alone (`denoiser_part` of a pipeline folder or hub id, or a file of the denoiser alone), in
         `dtypes.denoiser`."""
-        part, part_class = self._denoiser_class(config)
+        part = self.denoiser_part(self.options(config))
         if config.base.endswith(SINGLE_FILE_SUFFIXES):
             return self.denoiser_of_file(config, part, dtypes)
-        return part_class.from_pretrained(
-            config.base,
-            subfolder=part,
-            revision=config.revision or None,
+        source = self.part_source(config.base, part, config.revision or None)
+        return source.part_class.from_pretrained(
+            source.folder,
+            subfolder=source.subfolder,
+            revision=source.revision,
             variant=config.variant or None,
             dtype=self._denoiser_dtype(config, part, dtypes),
         )
 
     def empty_denoiser(self, config: ModelConfig) -> torch.nn.Module:
         """The denoiser built from its config alone, without weights (its shape: latent channels, blocks)."""
-        part, part_class = self._denoiser_class(config)
-        folder = config_folder(config)
+        source = self.part_source(
+            config_folder(config), self.denoiser_part(self.options(config)), config.revision or None
+        )
         with init_empty_weights():
-            return part_class.from_config(
-                part_class.load_config(folder, subfolder=part, revision=config.revision or None)
-            )
+            return source.part_class.from_config(source.config())
 
-    def _denoiser_class(self, config: ModelConfig) -> tuple[str, type]:
-        part = self.denoiser_part(self.options(config))
-        library, class_name = self.pipeline_class.load_config(config_folder(config), revision=config.revision or None)[
-            part
-        ]
-        return part, getattr(importlib.import_module(library), class_name)  # as the pipeline would load it
+    def part_source(self, folder: str, part: str, revision: str | None) -> PartSource:
+        """Where the pipeline folder (or hub id) `folder` keeps `part`: in its subfolder of that name, of the class
+        its `model_index.json` names (as the pipeline would load it)."""
+        library, class_name = self.pipeline_class.load_config(folder, revision=revision)[part]
+        return PartSource(getattr(importlib.import_module(library), class_name), folder, part, revision)
 
     def single_file_pipeline(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
         """The pipeline of a single-file `config.base` (there, an existing file), through diffusers' reader, which
@@ -165,11 +178,9 @@ class Loading:
     def denoiser_of_file(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.nn.Module:
         """The denoiser (`denoiser_class`, as `model.single_file_config` shapes it) of a file of it alone: a
         `.safetensors` file tensor by tensor, a GGUF file's blocks quantized (denoiser_files.py)."""
-        denoiser_config = self.denoiser_class.load_config(
-            config.single_file_config, subfolder=part, revision=config.revision or None
-        )
+        source = self.part_source(config.single_file_config, part, config.revision or None)
         with init_empty_weights():
-            denoiser = self.denoiser_class.from_config(denoiser_config)
+            denoiser = self.denoiser_class.from_config(source.config())
         if is_gguf(config.base):
             return load_gguf_file(denoiser, config.base, self.layout.diffusers_names, dtypes.others)
         return load_denoiser_file(denoiser, self.denoiser_file_weights(config.base), dtypes)
@@ -184,6 +195,10 @@ class Loading:
         """A denoiser-alone `.safetensors` file's tensors under diffusers' names (`diffusers_names`), as the file
         holds them, with each fp8 tensor's scale (denoiser_files.py)."""
         return read_denoiser_file(path, self.layout.diffusers_names)
+
+    def save_pipeline(self, pipeline, folder: Path) -> None:
+        """A pipeline of the family written as a diffusers folder, safetensors, that `load` reads back."""
+        pipeline.save_pretrained(folder, safe_serialization=True)
 
     def components_of(self, pipeline, options: FamilyOptions) -> Components:
         return Components(

@@ -15,7 +15,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from difftune.errors import DifftuneError
-from difftune.files import part_weight_files
+from difftune.files import PIPELINE_INDEXES, part_weight_files
 from difftune.memory.offload import Offloader, offload_blocks, spread
 from difftune.memory.storage import store_frozen_layers
 from difftune.models.autoencoders import LatentNormalization
@@ -117,7 +117,7 @@ def hub_unavailable(name: str) -> str | None:
     from huggingface_hub.errors import HFValidationError
 
     try:
-        if any(isinstance(try_to_load_from_cache(name, f), str) for f in ("model_index.json", "config.json")):
+        if any(isinstance(try_to_load_from_cache(name, f), str) for f in (*PIPELINE_INDEXES, "config.json")):
             return None
     except HFValidationError:
         return None  # not a hub id at all: the loader's own error says so

@@ -34,6 +34,7 @@ REFERENCE_BASES = {
     "chroma": "lodestones/Chroma1-HD",
     "flux2": "black-forest-labs/FLUX.2-dev",
     "flux2_klein": "black-forest-labs/FLUX.2-klein-4B",
+    "flux3": "black-forest-labs/FLUX.3-dev",
     "qwen_image": "Qwen/Qwen-Image",
     "qwen_image21": "Qwen/Qwen-Image-2.1",
     "qwen_image_edit": "Qwen/Qwen-Image-Edit",

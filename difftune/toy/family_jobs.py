@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from difftune.config import FAMILY_NAMES, load_config
+from difftune.families import FAMILIES
 from difftune.toy.micro import build_pipeline, builder
 from difftune.toy.tiny import shape_images, write_caption_folder
 from difftune.toy.tiny_base import HELD_OUT_COLOR
@@ -68,7 +69,7 @@ def run_family_job(family: str, work_dir: Path, steps: int = 200, seed: int = 1,
 
     base, validation = work_dir / f"micro-{family}", work_dir / "purple-validation"
     if not base.is_dir():
-        build_pipeline(seed=seed, family=family).save_pretrained(base, safe_serialization=True)
+        FAMILIES[family].save_pipeline(build_pipeline(seed=seed, family=family), base)
     if not validation.is_dir():  # purple renders the job never sees
         write_caption_folder(validation, shape_images(12, seed=seed + 100, colors=(HELD_OUT_COLOR,)))
     output_dir = work_dir / f"job-{family}"

@@ -33,6 +33,7 @@ from diffusers import (
     ErnieImageTransformer2DModel,
     FlowMatchEulerDiscreteScheduler,
     Flux2Transformer2DModel,
+    Flux3Transformer2DModel,
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -664,13 +665,18 @@ def build_qwen3_vl_text_encoder(
 
 
 def build_qwen_image21_processor() -> Qwen3VLProcessor:
-    """Qwen-Image 2.1's processor: a byte-level Qwen tokenizer with merges that spell the words of its pipeline's prompt
-    template, the vision tokens that place an image, and Qwen3-VL's chat template (the pipeline counts the system
-    turn's tokens with it), beside Qwen2-VL's image processor (text prompts never run it)."""
+    """Qwen-Image 2.1's processor, with merges that spell the words of its pipeline's prompt template."""
     from difftune.families.qwen_image21 import PROMPT_TEMPLATE
 
+    return build_qwen3_vl_processor(PROMPT_TEMPLATE)
+
+
+def build_qwen3_vl_processor(common_text: str) -> Qwen3VLProcessor:
+    """A Qwen3-VL processor: a byte-level Qwen tokenizer with merges that spell the words of `common_text` (a
+    pipeline's template), the vision tokens that place an image, and Qwen3-VL's chat template, beside Qwen2-VL's
+    image processor (text prompts never run it)."""
     bytes_vocab = {byte: i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tokenizer = _qwen_bpe_tokenizer(bytes_vocab, [], PROMPT_TEMPLATE, QWEN_SPECIAL_TOKENS + QWEN_VISION_TOKENS)
+    tokenizer = _qwen_bpe_tokenizer(bytes_vocab, [], common_text, QWEN_SPECIAL_TOKENS + QWEN_VISION_TOKENS)
     low, high = QWEN_VISION_PIXELS
     return Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(min_pixels=low, max_pixels=high),
@@ -820,6 +826,24 @@ def build_flux2_transformer(
         timestep_guidance_channels=32,
         axes_dims_rope=(head_dim // 4,) * 4,
         guidance_embeds=guidance,
+    )
+
+
+def build_flux3_transformer(
+    layers: tuple[int, int] = (1, 1), heads: int = 2, head_dim: int = 16, text_hidden_size: int = 8 * 16
+) -> Flux3Transformer2DModel:
+    """`layers` (per-mode, joint single) FLUX.3 blocks over patched latents, reading the stacked states of eight
+    language-model layers; 4-D rotary axes (time, row, column, text position) of equal width."""
+    return Flux3Transformer2DModel(
+        in_channels=4 * FLUX2_LATENT_CHANNELS,
+        cond_in_channels=4 * FLUX2_LATENT_CHANNELS,
+        num_layers=layers[0],
+        num_single_layers=layers[1],
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=text_hidden_size,
+        timestep_channels=32,
+        axes_dims_rope=(head_dim // 4,) * 4,
     )
 
 

@@ -32,6 +32,7 @@ from difftune import published
 from difftune.config import Config, parse_size
 from difftune.data.sources import data_source
 from difftune.errors import DifftuneError
+from difftune.files import pipeline_index
 from difftune.memory.storage import own_cast_buffers, storage_key
 from difftune.models.parts import Components
 from difftune.progress import process_status_bytes
@@ -373,7 +374,7 @@ def empty_components(config: Config, source: tuple[Path, str] | None = None) -> 
     model = config.model
     folder, kept = source or config_source(model)
     family = family_of(model.model_copy(update={"base": str(folder), "family": model.family}) if kept else model)
-    index = json.loads((folder / "model_index.json").read_text())
+    index = pipeline_index(folder)
     parts = {}
     for name, spec in index.items():
         if name.startswith("_") or not (
@@ -416,7 +417,7 @@ def config_source(model) -> tuple[Path, str]:
     base = model.base
     single_file = base.endswith(SINGLE_FILE_SUFFIXES)
     folder = Path(model.single_file_config if single_file and model.single_file_config else base)
-    if (folder / "model_index.json").is_file():
+    if pipeline_index(folder) is not None:
         return folder, ""
     if published.is_published(base):
         return published.config_folder(base), base
@@ -480,7 +481,8 @@ class LengthOnlyTokenizer:
 
     def apply_chat_template(self, conversation, tokenize=False, return_dict=False, **kwargs):
         batched = bool(conversation) and isinstance(conversation[0], list)
-        texts = [" " * 4] * (len(conversation) if batched else 1)
+        turns = conversation if batched else [conversation]
+        texts = [turn[-1]["content"] if isinstance(turn[-1]["content"], str) else " " * 4 for turn in turns]
         if not tokenize:
             return texts if batched else texts[0]
         encoded = self(texts, **{key: value for key, value in kwargs.items() if key in ("padding", "max_length")})

@@ -10,7 +10,6 @@ where the model is loaded (`families.family_of`, `adapters.check_targets`), with
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from difftune import published
@@ -18,7 +17,7 @@ from difftune.adapters.targets import layer_suffixes, missing_targets, unmatched
 from difftune.config import HUB_ID, Config, wrong_family
 from difftune.data.sources import FolderOfFiles, data_source
 from difftune.errors import DifftuneError, require_extra
-from difftune.files import part_weight_files
+from difftune.files import part_weight_files, pipeline_index
 
 
 def check_before_start(config: Config) -> None:
@@ -103,10 +102,10 @@ def _check_precision_device(config: Config) -> None:
 
 def _check_family_reads_base(config: Config) -> None:
     """A pipeline folder whose class is a published base's of another family than `model.family` names."""
-    index = Path(config.model.base) / "model_index.json"
-    if config.model.family == "auto" or not index.is_file():
+    index = pipeline_index(Path(config.model.base))
+    if config.model.family == "auto" or index is None:
         return
-    class_name = json.loads(index.read_text(encoding="utf-8")).get("_class_name")
+    class_name = index.get("_class_name")
     readers = {
         published.model_index(base)["_class_name"]: family
         for family, base in published.REFERENCE_BASES.items()
@@ -121,9 +120,9 @@ def _check_targets_on_disk(config: Config) -> None:
     """Configured adapter targets that name no layer of their part, read from a local pipeline folder's
     safetensors headers (a hub id or single file is checked once loaded)."""
     base = Path(config.model.base)
-    if not config.adapter.is_adapter or not (base / "model_index.json").is_file():
+    parts = pipeline_index(base)
+    if not config.adapter.is_adapter or parts is None:
         return
-    parts = json.loads((base / "model_index.json").read_text(encoding="utf-8"))
     denoiser = "transformer" if "transformer" in parts else "unet"
     for part, targets, key in [
         (denoiser, config.adapter.target_modules, "adapter.target_modules"),

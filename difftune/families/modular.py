@@ -1,0 +1,131 @@
+"""A family whose base is a diffusers modular pipeline (`ModularPipeline`: FLUX.3's `Flux3ModularPipeline`), the
+loading and drawing that such a family shares, as a mixin before `Family`'s roles.
+
+A modular base names its parts in `modular_model_index.json`, each with where its files are (a subfolder of the
+base, or of another repository); its other parts (scheduler, guider, image processor) are made from the blocks' own
+specs. So a modular family is a family module like any other: it names its pipeline class (`pipeline_class`, whose
+`default_blocks_name` gives its blocks) and the steps training never runs (`left_out_steps`: FLUX.3's prompt
+upsampler, a second language model); this mixin loads the parts through the pipeline's component specs, assembles
+a pipeline over the (adapted) parts with `update_components`, and draws through its blocks. Files are written by the
+pipeline's own `save_pretrained` (a `modular_model_index.json` that points at the saved folder).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from difftune.config import ModelConfig
+from difftune.errors import DifftuneError
+from difftune.families.loading import FamilyOptions, PartSource, config_folder
+from difftune.models.parts import FP32_PARTS, SINGLE_FILE_SUFFIXES, Components, PartDtypes
+
+MODULAR_INDEX = "modular_model_index.json"
+
+
+class ModularBase:
+    left_out_steps: tuple[str, ...] = ()  # the default blocks' steps difftune never runs (by their names)
+
+    def modular_pipeline(self, folder: str | None = None, revision: str | None = None):
+        """The family's modular pipeline over its blocks less `left_out_steps`, reading the component specs of
+        `folder` (a base folder or hub id; None: none, every part to be given), no part loaded yet."""
+        blocks = getattr(importlib.import_module("diffusers"), self.pipeline_class.default_blocks_name)()
+        for step in self.left_out_steps:
+            blocks.sub_blocks.pop(step)
+        revision = {"revision": revision} if folder else {}
+        return self.pipeline_class(blocks=blocks, pretrained_model_name_or_path=folder, **revision)
+
+    def part_source(self, folder: str, part: str, revision: str | None) -> PartSource:
+        """Where the modular base `folder` keeps `part`: as its component spec says (a subfolder of the base, or of
+        another repository)."""
+        spec = self.modular_pipeline(folder, revision).get_component_spec(part)
+        if spec.pretrained_model_name_or_path is None:
+            raise DifftuneError(f"model.base {folder}: its {MODULAR_INDEX} names no files for its {part}")
+        return PartSource(spec.type_hint, spec.pretrained_model_name_or_path, spec.subfolder or "", spec.revision)
+
+    def load(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS) -> Components:
+        options = self.options(config)  # before the minutes a large base takes to load
+        if config.base.endswith(SINGLE_FILE_SUFFIXES):
+            return self.components_of(self.single_file_pipeline(config, dtypes), options)
+        arguments = self._loading_arguments(config, options, dtypes)
+        return self.components_of(self._loaded(config, config.base, arguments), options)
+
+    def pipeline_around_denoiser_file(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
+        """A single file of the denoiser alone inside the modular pipeline of `model.single_file_config`."""
+        folder = config_folder(config)
+        if not folder:
+            raise DifftuneError(
+                f"model.base {config.base}: a {self.description} single file holds the {self.denoiser_name} alone; set "
+                f"model.single_file_config to a {self.description} diffusers folder or hub id for its text encoder, "
+                "autoencoder and configs"
+            )
+        options = self.options(config)
+        part = self.denoiser_part(options)
+        arguments = self._loading_arguments(config, options, dtypes) | {part: None}
+        pipeline = self._loaded(config, folder, arguments)
+        if dtypes.denoiser is not None:
+            pipeline.update_components(**{part: self.denoiser_of_file(config, part, dtypes)})
+        return pipeline
+
+    single_file_pipeline = pipeline_around_denoiser_file
+
+    def _loaded(self, config: ModelConfig, folder: str, arguments: dict):
+        """The modular pipeline of `folder` with every part its specs name loaded from them (each in `arguments`'
+        `dtype` by name), but those `arguments` names as None (left out)."""
+        pipeline = self.modular_pipeline(folder, config.revision or None)
+        dtypes = arguments.pop("dtype")
+        loaded = {}
+        for name, spec in pipeline._component_specs.items():
+            if spec.default_creation_method != "from_pretrained" or name in arguments:
+                continue
+            if spec.pretrained_model_name_or_path is None:
+                raise DifftuneError(
+                    f"model.base {folder}: its {MODULAR_INDEX} names no files for its {name}; is it a "
+                    f"{self.description} base?"
+                )
+            variant = {"variant": config.variant} if config.variant else {}
+            loaded[name] = spec.load(dtype=dtypes.get(name, dtypes["default"]), **variant)
+        pipeline.update_components(**loaded)
+        return pipeline
+
+    def save_pipeline(self, pipeline, folder: Path) -> None:
+        """Its `modular_model_index.json` pointing at `folder` (its parts' files are there: a copy or a move of the
+        folder still loads them from where it is, as diffusers reads a local copy)."""
+        pipeline.save_pretrained(str(folder), safe_serialization=True, overwrite_modular_index=True)
+
+    def components_of(self, pipeline, options: FamilyOptions) -> Components:
+        """As `Loading.components_of`; the parts the blocks make from their own specs (the scheduler), where the
+        pipeline lacks them (a plan's parts built from configs), made so."""
+        missing = [name for name in ("scheduler", *self.drawing_part_names) if not hasattr(pipeline, name)]
+        if missing:
+            defaults = self.modular_pipeline()
+            for name in missing:
+                setattr(pipeline, name, getattr(defaults, name))
+        return super().components_of(pipeline, options)
+
+    def assemble_pipeline(self, components: Components, scheduler=None):
+        pipeline = self.modular_pipeline()
+        pipeline.update_components(
+            **{self.denoiser_part(components.family_options): components.denoiser},
+            vae=components.vae,
+            **components.text_encoders,
+            **components.tokenizers,
+            **components.drawing_parts,
+            scheduler=scheduler or components.noise_scheduler,
+            **components.pipeline_options,
+        )
+        return pipeline
+
+    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
+        """Through the modular pipeline's blocks, one prompt a call (as its text step takes them); an argument that
+        names one of its components (the guider of a guidance scale) replaces that component first."""
+        parts = {name: arguments.pop(name) for name in list(arguments) if name in pipeline._component_specs}
+        pipeline.update_components(**parts)
+        return pipeline(
+            prompt=prompt,
+            height=height,
+            width=width,
+            **self.image_arguments(controls, height, width),
+            **arguments,
+            output="images",
+        )
