@@ -210,6 +210,8 @@ PUBLISHED_SIZES = {
     "baidu/ERNIE-Image": {"transformer": (8.0, 0.03), "text_encoder": (3.8, 0.03)},
     # Qwen3-VL 8B with its vision tower (8.77B on its model card); the transformer's size is not published
     "Qwen/Qwen-Image-2.1": {"text_encoder": 8.77},
+    # Qwen3-VL 4B with its vision tower (4.44B on its model card); FLUX.3's transformer's size is not published
+    "black-forest-labs/FLUX.3-dev": {"text_encoder": 4.44},
 }
 
 
