@@ -25,6 +25,7 @@ from pathlib import Path
 from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components
 from difftune.families.flow import FlowMatching
+from difftune.families.modular import ModularBase
 from difftune.models.autoencoders import PATCHED_AUTOENCODERS
 from difftune.toy.judge import EvalSettings, clip_score, score
 from difftune.toy.tiny import (
@@ -58,7 +59,7 @@ captioned `a <color> <shape>` for colors {seen} and shapes circle, square, trian
 job teaches. `taesd/` is an `AutoencoderTiny` distilled to the same latent space (encode for training
 with `model.vae = "models/{name}/taesd"`, or decode previews with `sample.decoder`).
 
-Weights are fp16; on a CPU load them as fp32: `{pipeline}.from_pretrained(path, dtype=torch.float32)`.
+Weights are fp16; on a CPU load them as fp32: {loading}.
 
 ## Recipe (`{command}`, seed {seed})
 
@@ -241,7 +242,11 @@ def image_card(args, recipe: Recipe, facts: dict, components, settings: EvalSett
     return CARD.format(
         name=args.model_dir.name,
         architecture=spec.architecture,
-        pipeline=components.family.pipeline_classes[0],
+        loading=(
+            f"`{components.family.pipeline_classes[0]}.from_pretrained(path)`, then `.load_components(dtype=torch.float32)`"
+            if isinstance(components.family, ModularBase)
+            else f"`{components.family.pipeline_classes[0]}.from_pretrained(path, dtype=torch.float32)`"
+        ),
         command="python scripts/make_tiny_base.py" + (f" --family {recipe.family}" if recipe.family != "sd" else ""),
         autoencoders_note=f" (reused from {args.autoencoders_from.name})" if args.autoencoders_from else "",
         seen=", ".join(SEEN_COLORS),

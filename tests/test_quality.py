@@ -59,6 +59,7 @@ FLUX_BASE = REPO / "models" / "tiny-flux"
 QWEN_BASE = REPO / "models" / "tiny-qwen_image"
 Z_IMAGE_BASE = REPO / "models" / "tiny-z_image"
 KLEIN_BASE = REPO / "models" / "tiny-flux2_klein"
+FLUX3_BASE = REPO / "models" / "tiny-flux3"
 CHROMA_BASE = REPO / "models" / "tiny-chroma"
 SD3_BASE = REPO / "models" / "tiny-sd3"
 KONTEXT_BASE = REPO / "models" / "tiny-flux_kontext"
@@ -353,7 +354,7 @@ def test_build_wan_base_teaches_tiny_qwen_images_autoencoder_time_and_trains_on_
 
 @pytest.mark.parametrize(
     "base",
-    [BASE, SDXL_BASE, FLUX_BASE, QWEN_BASE, Z_IMAGE_BASE, KLEIN_BASE, CHROMA_BASE, SD3_BASE],
+    [BASE, SDXL_BASE, FLUX_BASE, QWEN_BASE, Z_IMAGE_BASE, KLEIN_BASE, CHROMA_BASE, SD3_BASE, FLUX3_BASE],
     ids=[
         "tiny-sd",
         "tiny-sdxl",
@@ -363,6 +364,7 @@ def test_build_wan_base_teaches_tiny_qwen_images_autoencoder_time_and_trains_on_
         "tiny-flux2_klein",
         "tiny-chroma",
         "tiny-sd3",
+        "tiny-flux3",
     ],
 )
 def test_committed_base_draws_the_seen_prompts(base):
@@ -409,7 +411,8 @@ def job_report(job: str, base, tmp_path, capsys) -> dict:
 
 @pytest.mark.slow
 # Not tiny-flux2_klein: its job meets every target at seeds 0 and 1 with no sample to spare, and draws purple squares
-# at 0.875 at seed 2. Nor tiny-chroma: purple squares 0.75-0.88.
+# at 0.875 at seed 2. Nor tiny-chroma: purple squares 0.75-0.88. Nor tiny-flux3: it learns purple (0.96-1.00) but
+# draws the seen colors' squares worse after (forgetting 0.125-0.156, BENCHMARKS.md).
 @pytest.mark.parametrize(
     "job, base",
     [

@@ -117,15 +117,23 @@ class ModularBase:
         return pipeline
 
     def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
-        """Through the modular pipeline's blocks, one prompt a call (as its text step takes them); an argument that
-        names one of its components (the guider of a guidance scale) replaces that component first."""
+        """Through the modular pipeline's blocks, one prompt a call (as its text step takes them), each prompt of a
+        list with its own generator; an argument that names one of its components (the guider of a guidance scale)
+        replaces that component first."""
         parts = {name: arguments.pop(name) for name in list(arguments) if name in pipeline._component_specs}
         pipeline.update_components(**parts)
-        return pipeline(
-            prompt=prompt,
-            height=height,
-            width=width,
-            **self.image_arguments(controls, height, width),
-            **arguments,
-            output="images",
-        )
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        generators = arguments.pop("generator", None)
+        generators = generators if isinstance(generators, list) else [generators] * len(prompts)
+        images = []
+        for text, generator in zip(prompts, generators, strict=True):
+            images += pipeline(
+                prompt=text,
+                height=height,
+                width=width,
+                generator=generator,
+                **self.image_arguments(controls, height, width),
+                **arguments,
+                output="images",
+            )
+        return images

@@ -38,9 +38,9 @@ from diffusers import (
 )
 from tqdm.auto import tqdm
 
-from difftune.config import FAMILY_NAMES, load_config
+from difftune.config import FAMILY_NAMES, ModelConfig, load_config
 from difftune.data.dataset import image_to_tensor
-from difftune.families import FAMILIES
+from difftune.families import FAMILIES, load_components
 from difftune.models.autoencoders import (
     PATCHED_AUTOENCODERS,
     VIDEO_AUTOENCODERS,
@@ -472,7 +472,8 @@ def build_base(
         text_tokens=recipe.text_tokens,
         caption_words=recipe.caption_words,
     )
-    init.save_pretrained(init_dir, safe_serialization=True)
+    family = FAMILIES[recipe.family]
+    family.save_pipeline(init, init_dir)
     write = write_clips if clips else write_renders
     data_dir = write(work_dir / "train", recipe.train_images_per_prompt, recipe.seed + 1)
     validation_dir = write(work_dir / "validation", recipe.validation_images_per_prompt, recipe.seed + 2)
@@ -480,10 +481,10 @@ def build_base(
     with timed(seconds, "unet_and_text_encoder"):
         overrides = base_training_overrides(recipe, init_dir, data_dir, validation_dir, run_dir, work_dir / "cache")
         train(load_config(None, overrides + ([f"data.target_frames=[{CLIP_FRAMES}]"] if clips else [])))
-    pipeline = DiffusionPipeline.from_pretrained(run_dir / "model_ema", dtype=torch.float32)
-    pipeline.scheduler = init.scheduler  # the training schedule, the micro pipeline's; samplers are chosen at sampling
+    # The training schedule, the micro pipeline's; samplers are chosen at sampling.
+    pipeline = load_components(ModelConfig(base=str(run_dir / "model_ema"))).pipeline(init.scheduler)
     shutil.rmtree(out_dir, ignore_errors=True)
-    pipeline.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)
+    family.save_pipeline(pipeline.to(torch.float16), out_dir)
     if taesd is not None:
         taesd.to(torch.float16).save_pretrained(out_dir / "taesd", safe_serialization=True)
     validation = [

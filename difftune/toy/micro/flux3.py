@@ -3,8 +3,9 @@ and a FLUX.3 transformer over FLUX.2's autoencoder, in FLUX.3's modular pipeline
 
 from difftune.families.flux3 import TEXT_LAYERS, template_ends
 from difftune.families.modular import ModularBase
-from difftune.toy.micro import MicroSizes
+from difftune.toy.micro import MicroSizes, TinyBase
 from difftune.toy.micro._latent_statistics import flux2_autoencoder
+from difftune.toy.micro.flux import RECIPE as FLUX_RECIPE
 from difftune.toy.tiny import (
     FLUX2_TEXT_HIDDEN_SIZE,
     build_flux3_transformer,
@@ -12,10 +13,28 @@ from difftune.toy.tiny import (
     build_qwen3_vl_text_encoder,
 )
 
-# The family's text-to-image job in configs/ (`scripts/family_jobs.py` sweeps settings over them); CI runs it as
-# shipped on this micro model, the family having no bundled tiny base of it.
-SHIPPED_JOB = "flux3_1024_lora.toml"
-JOB_ON_MICRO = True
+# The family's text-to-image job in configs/ (`scripts/family_jobs.py` sweeps settings over them).
+SHIPPED_JOB = "flux3_lora.toml"
+# tiny-flux3: Flux's recipe for FLUX.3's transformer (2 per-mode blocks each for the text and the image, 2 joint
+# blocks, width 96) over tiny-flux2_klein's FLUX.2 autoencoder (the same kind: 8 channels, patched 2x2 into 32),
+# reading the states of 8 of a 32-layer Qwen3-VL of width 32 that stays at its random init (its states cached once).
+# Every caption is read in its pipeline's window of 80 tokens, padding included. At 1500 steps it drew the seen
+# shapes at 0.885 (the colors at 1.000); it trains 2500, 0.43 s a step at batch 128.
+TINY_BASE = TinyBase(
+    architecture=(
+        "FLUX.3's architecture at toy size, from the same classes in its modular pipeline (`Flux3ModularPipeline`:\n"
+        "`Flux3Transformer2DModel`, FLUX.2's `AutoencoderKLFlux2` with its batch norm over 2x2-patched latents, a\n"
+        "32-layer `Qwen3VLForConditionalGeneration` read at layers 4, 8, ..., 32 through its chat template in windows\n"
+        "of 80 tokens)"
+    ),
+    denoiser=lambda recipe: (
+        f"transformer ({recipe.flux_layers[0]} per-mode blocks each for the text and the image, "
+        f"{recipe.flux_layers[1]} joint blocks, width {recipe.flux_heads * 16})"
+    ),
+    recipe=FLUX_RECIPE
+    | {"flux_layers": (2, 2), "language_model_width": 32, "train_text_encoder": False, "steps": 2500},
+    autoencoders_from="tiny-flux2_klein",
+)
 
 
 def autoencoder(pixels):
