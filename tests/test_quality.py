@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from difftune.cli import main
 from difftune.config import ModelConfig, load_config
 from difftune.families import load_components
+from difftune.files import pipeline_index
 from difftune.toy.judge import (
     EvalSettings,
     accuracy,
@@ -153,14 +154,14 @@ def test_every_bundled_base_is_built_from_its_familys_tiny_base():
     from difftune.toy.tiny_base import TINY_BASES
 
     edits = {family for family, spec in TINY_BASES.items() if spec.edit_recipe}
-    bundled = {path.name for path in (REPO / "models").iterdir() if (path / "model_index.json").is_file()}
+    bundled = {path.name for path in (REPO / "models").iterdir() if pipeline_index(path) is not None}
     assert {f"tiny-{family}" for family in TINY_BASES} == bundled - {KONTEXT_BASE.name, QWEN_EDIT_BASE.name}
     assert edits == {"flux", "qwen_image"}  # tiny-flux_kontext's and tiny-qwen_image_edit_plus's sources
     for family, spec in TINY_BASES.items():
         card = (REPO / "models" / f"tiny-{family}" / "README.md").read_text()
         assert spec.architecture.split("\n")[0] in card, family
         if spec.autoencoders_from:
-            assert (REPO / "models" / spec.autoencoders_from / "model_index.json").is_file()
+            assert pipeline_index(REPO / "models" / spec.autoencoders_from) is not None
 
 
 @pytest.mark.slow
