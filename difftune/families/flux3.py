@@ -36,7 +36,7 @@ from transformers import Qwen3VLProcessor
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.layouts import RenamedLayout, swap_halves
 from difftune.families.loading import FamilyOptions, load_without_video_processor
-from difftune.families.modular import ModularBase
+from difftune.families.modular import ModularBase, quietly
 from difftune.models.parts import Components
 
 PAD_MULTIPLE = 80  # `Flux3TextEncoderStep`'s: a caption's window is its tokens rounded up to a multiple of this
@@ -263,7 +263,8 @@ class Flux3(ModularBase, FlowMatchingFamily):
 
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
         """Classifier-free guidance by the pipeline's guider (off at 1 and below), with its negative prompt."""
-        arguments = {"guider": ClassifierFreeGuidance(guidance_scale=guidance_scale)}
+        with quietly():
+            arguments = {"guider": ClassifierFreeGuidance(guidance_scale=guidance_scale)}
         return arguments | ({"negative_prompt": negative_prompt or ""} if guidance_scale > 1 else {})
 
     def max_sequence_length(self, components: Components) -> int:

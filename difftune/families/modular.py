@@ -13,6 +13,7 @@ pipeline's own `save_pretrained` (a `modular_model_index.json` that points at th
 from __future__ import annotations
 
 import importlib
+from contextlib import contextmanager
 from pathlib import Path
 
 from difftune.config import ModelConfig
@@ -21,6 +22,29 @@ from difftune.families.loading import FamilyOptions, PartSource, config_folder
 from difftune.models.parts import FP32_PARTS, SINGLE_FILE_SUFFIXES, Components, PartDtypes
 
 MODULAR_INDEX = "modular_model_index.json"
+
+
+@contextmanager
+def quietly():
+    """diffusers' warnings while a modular pipeline is put together, silenced: each preview's pipeline would say that
+    guiders are experimental and that its scheduler was made from config, at every sample of a run."""
+    from diffusers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+
+
+def without_step_bars(blocks) -> None:
+    """Every nested loop's progress bar off (the pipeline's own `set_progress_bar_config` reaches its top blocks
+    alone): difftune shows its own bar over the images drawn, as it does for the other families' pipelines."""
+    for block in getattr(blocks, "sub_blocks", {}).values():
+        if hasattr(block, "set_progress_bar_config"):
+            block.set_progress_bar_config(disable=True)
+        without_step_bars(block)
 
 
 class ModularBase:
@@ -32,8 +56,10 @@ class ModularBase:
         blocks = getattr(importlib.import_module("diffusers"), self.pipeline_class.default_blocks_name)()
         for step in self.left_out_steps:
             blocks.sub_blocks.pop(step)
+        without_step_bars(blocks)
         revision = {"revision": revision} if folder else {}
-        return self.pipeline_class(blocks=blocks, pretrained_model_name_or_path=folder, **revision)
+        with quietly():
+            return self.pipeline_class(blocks=blocks, pretrained_model_name_or_path=folder, **revision)
 
     def part_source(self, folder: str, part: str, revision: str | None) -> PartSource:
         """Where the modular base `folder` keeps `part`: as its component spec says (a subfolder of the base, or of
@@ -105,15 +131,16 @@ class ModularBase:
 
     def assemble_pipeline(self, components: Components, scheduler=None):
         pipeline = self.modular_pipeline()
-        pipeline.update_components(
-            **{self.denoiser_part(components.family_options): components.denoiser},
-            vae=components.vae,
-            **components.text_encoders,
-            **components.tokenizers,
-            **components.drawing_parts,
-            scheduler=scheduler or components.noise_scheduler,
-            **components.pipeline_options,
-        )
+        with quietly():
+            pipeline.update_components(
+                **{self.denoiser_part(components.family_options): components.denoiser},
+                vae=components.vae,
+                **components.text_encoders,
+                **components.tokenizers,
+                **components.drawing_parts,
+                scheduler=scheduler or components.noise_scheduler,
+                **components.pipeline_options,
+            )
         return pipeline
 
     def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
@@ -121,7 +148,8 @@ class ModularBase:
         list with its own generator; an argument that names one of its components (the guider of a guidance scale)
         replaces that component first."""
         parts = {name: arguments.pop(name) for name in list(arguments) if name in pipeline._component_specs}
-        pipeline.update_components(**parts)
+        with quietly():
+            pipeline.update_components(**parts)
         prompts = [prompt] if isinstance(prompt, str) else prompt
         generators = arguments.pop("generator", None)
         generators = generators if isinstance(generators, list) else [generators] * len(prompts)
