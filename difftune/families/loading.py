@@ -189,7 +189,7 @@ class Loading:
     def reads_denoiser_files(self) -> bool:
         """Its single files hold the denoiser alone and are read by difftune (`pipeline_around_denoiser_file`), which
         applies ComfyUI's per-tensor fp8 scales and reads GGUF files."""
-        return type(self).single_file_pipeline is Loading.pipeline_around_denoiser_file
+        return type(self).single_file_pipeline is type(self).pipeline_around_denoiser_file
 
     def denoiser_file_weights(self, path: str) -> DenoiserFile:
         """A denoiser-alone `.safetensors` file's tensors under diffusers' names (`diffusers_names`), as the file
