@@ -156,8 +156,20 @@ class Loading:
         and autoencoder are files of their own): the pipeline of `model.single_file_config` around the denoiser
         (`denoiser_of_file`), each part in its `dtypes` (None: left out). A family whose single files are so sets
         `single_file_pipeline = pipeline_around_denoiser_file`."""
+        self.check_denoiser_file(config)
         folder, revision = config.single_file_config, config.revision or None
-        if not folder:
+        part = self.denoiser_part(self.options(config))
+        parts = {"dtype": {"default": dtypes.others, "vae": dtypes.vae}, part: None}
+        if not dtypes.drawing_parts:
+            parts |= dict.fromkeys(self.drawing_part_names_of(config))
+        if dtypes.denoiser is not None:
+            parts[part] = self.denoiser_of_file(config, part, dtypes)
+        return self.pipeline_class.from_pretrained(folder, **parts, revision=revision, **self.fixed_pipeline_arguments)
+
+    def check_denoiser_file(self, config: ModelConfig) -> None:
+        """Refuse a single file of the denoiser alone that cannot be read: one without `model.single_file_config` (its
+        text encoder, autoencoder and configs come from there), or one neither .safetensors nor .gguf."""
+        if not config.single_file_config:
             raise DifftuneError(
                 f"model.base {config.base}: a {self.description} single file holds the {self.denoiser_name} alone; set "
                 f"model.single_file_config to a {self.description} diffusers folder or hub id for its text encoder, "
@@ -167,13 +179,6 @@ class Loading:
             raise DifftuneError(
                 f"model.base {config.base}: read as .safetensors or .gguf only for {self.description}; convert the file"
             )
-        part = self.denoiser_part(self.options(config))
-        parts = {"dtype": {"default": dtypes.others, "vae": dtypes.vae}, part: None}
-        if not dtypes.drawing_parts:
-            parts |= dict.fromkeys(self.drawing_part_names_of(config))
-        if dtypes.denoiser is not None:
-            parts[part] = self.denoiser_of_file(config, part, dtypes)
-        return self.pipeline_class.from_pretrained(folder, **parts, revision=revision, **self.fixed_pipeline_arguments)
 
     def denoiser_of_file(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.nn.Module:
         """The denoiser (`denoiser_class`, as `model.single_file_config` shapes it) of a file of it alone: a

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
-from difftune.families.loading import FamilyOptions, PartSource, config_folder
+from difftune.families.loading import FamilyOptions, PartSource
 from difftune.models.parts import FP32_PARTS, SINGLE_FILE_SUFFIXES, Components, PartDtypes
 
 MODULAR_INDEX = "modular_model_index.json"
@@ -78,17 +78,11 @@ class ModularBase:
 
     def pipeline_around_denoiser_file(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
         """A single file of the denoiser alone inside the modular pipeline of `model.single_file_config`."""
-        folder = config_folder(config)
-        if not folder:
-            raise DifftuneError(
-                f"model.base {config.base}: a {self.description} single file holds the {self.denoiser_name} alone; set "
-                f"model.single_file_config to a {self.description} diffusers folder or hub id for its text encoder, "
-                "autoencoder and configs"
-            )
+        self.check_denoiser_file(config)
         options = self.options(config)
         part = self.denoiser_part(options)
         arguments = self._loading_arguments(config, options, dtypes) | {part: None}
-        pipeline = self._loaded(config, folder, arguments)
+        pipeline = self._loaded(config, config.single_file_config, arguments)
         if dtypes.denoiser is not None:
             pipeline.update_components(**{part: self.denoiser_of_file(config, part, dtypes)})
         return pipeline

@@ -102,8 +102,7 @@ def _check_precision_device(config: Config) -> None:
 
 def _check_family_reads_base(config: Config) -> None:
     """A pipeline folder whose class is a published base's of another family than `model.family` names."""
-    index = pipeline_index(Path(config.model.base))
-    if config.model.family == "auto" or index is None:
+    if config.model.family == "auto" or (index := pipeline_index(Path(config.model.base))) is None:
         return
     class_name = index.get("_class_name")
     readers = {
@@ -120,8 +119,7 @@ def _check_targets_on_disk(config: Config) -> None:
     """Configured adapter targets that name no layer of their part, read from a local pipeline folder's
     safetensors headers (a hub id or single file is checked once loaded)."""
     base = Path(config.model.base)
-    parts = pipeline_index(base)
-    if not config.adapter.is_adapter or parts is None:
+    if not config.adapter.is_adapter or (parts := pipeline_index(base)) is None:
         return
     denoiser = "transformer" if "transformer" in parts else "unet"
     for part, targets, key in [
