@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 import torch
 from diffusers import ClassifierFreeGuidance, GGUFQuantizationConfig
+from diffusers.modular_pipelines.anima.before_denoise import AnimaTextConditioningStep
+from diffusers.modular_pipelines.anima.encoders import AnimaTextEncoderStep
 from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
 from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter, dequantize_gguf_tensor
 from PIL import Image
@@ -102,6 +104,20 @@ def _flux3_prompts(pipeline, prompts):
         "encoder_hidden_states": torch.stack([torch.nn.functional.pad(s, (0, 0, 0, longest - len(s))) for s in states]),
         "text_mask": torch.stack([torch.arange(longest) < len(s) for s in states]).long(),
     }
+
+
+def _anima_prompts(pipeline, prompts):
+    """Its text step's Qwen3 states and T5 ids, through its conditioning step: the conditioner's output."""
+    encoded = AnimaTextEncoderStep.encode_prompt(pipeline, prompts, prepare_unconditional_embeds=False, device="cpu")
+    states = AnimaTextConditioningStep._condition_prompt_embeds(
+        pipeline,
+        *(encoded[name] for name in ("qwen_prompt_embeds", "qwen_attention_mask", "t5_input_ids", "t5_attention_mask")),
+        "cpu",
+        torch.float32,
+        torch.float32,
+    )
+    mask = encoded["t5_attention_mask"]
+    return {"encoder_hidden_states": states, "text_mask": torch.nn.functional.pad(mask, (0, 512 - mask.shape[1]))}
 
 
 def _qwen_edit_prompts(pipeline, prompts, image):
@@ -220,6 +236,7 @@ PIPELINE_PROMPTS = {
     "flux2": _flux2_prompts,
     "flux2_klein": _flux2_prompts,
     "flux3": _flux3_prompts,
+    "anima": _anima_prompts,
     "krea2": _krea2_prompts,
     "lumina2": _lumina2_prompts,
     "ideogram4": _ideogram4_prompts,
@@ -301,7 +318,7 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
             .frames[0][:, 0]
             .numpy()
         )
-    elif name == "flux3":  # a modular pipeline: classifier-free guidance by its guider, images by their name
+    elif name in ("flux3", "anima"):  # a modular pipeline: classifier-free guidance by its guider, images by their name
         pipeline.update_components(guider=ClassifierFreeGuidance(guidance_scale=3.0))
         arguments.pop("output_type")
         return pipeline(prompt=prompt, negative_prompt="", **arguments, output="latents")[0].numpy()

@@ -422,10 +422,14 @@ def _fused_from_kohya(
 def _renamed_to_kohya(
     layout: RenamedLayout, denoiser_name: str, tensors: dict, lora_configs: dict
 ) -> dict[str, torch.Tensor]:
-    """Each denoiser module under its original name (`layout.original_name`)."""
+    """Each denoiser module under its original name (`layout.original_name`); the other parts' (Anima's text
+    conditioner's) as any family's."""
     prefix, originals = layout.kohya_prefixes[denoiser_name], {}
     for key in tensors:
-        module = split_adapter_key(key.partition(".")[2])[0]
+        part, _, rest = key.partition(".")
+        if part != denoiser_name:
+            continue
+        module = split_adapter_key(rest)[0]
         if (original := layout.original_name(module)) is None:
             raise ValueError(
                 f"{denoiser_name}.{module}: has no name in {layout.kohya_layout_name}'s original "
@@ -435,5 +439,5 @@ def _renamed_to_kohya(
     renamed = {}
     for key, value in to_kohya(tensors, lora_configs, layout.kohya_prefixes, layout.kohya_text_model_parts).items():
         name, _, kind = key.partition(".")
-        renamed[f"{originals[name]}.{kind}"] = value
+        renamed[f"{originals.get(name, name)}.{kind}"] = value
     return renamed

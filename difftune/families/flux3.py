@@ -29,14 +29,14 @@ from __future__ import annotations
 import re
 
 import torch
-from diffusers import ClassifierFreeGuidance, Flux3ModularPipeline, Flux3Transformer2DModel
+from diffusers import Flux3ModularPipeline, Flux3Transformer2DModel
 from diffusers.loaders.single_file_utils import convert_flux3_transformer_checkpoint_to_diffusers
 from transformers import Qwen3VLProcessor
 
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.layouts import RenamedLayout, swap_halves
 from difftune.families.loading import FamilyOptions, load_without_video_processor
-from difftune.families.modular import ModularBase, quietly
+from difftune.families.modular import ModularBase
 from difftune.models.parts import Components
 
 PAD_MULTIPLE = 80  # `Flux3TextEncoderStep`'s: a caption's window is its tokens rounded up to a multiple of this
@@ -258,14 +258,6 @@ class Flux3(ModularBase, FlowMatchingFamily):
             groups.append(rows)
         prediction = torch.cat(predictions)[torch.cat(groups).argsort()]
         return prediction.transpose(1, 2).reshape(b, c, h, w)
-
-    # Sampling.
-
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """Classifier-free guidance by the pipeline's guider (off at 1 and below), with its negative prompt."""
-        with quietly():
-            arguments = {"guider": ClassifierFreeGuidance(guidance_scale=guidance_scale)}
-        return arguments | ({"negative_prompt": negative_prompt or ""} if guidance_scale > 1 else {})
 
     def max_sequence_length(self, components: Components) -> int:
         return MAX_TEXT_TOKENS

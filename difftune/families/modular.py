@@ -137,6 +137,14 @@ class ModularBase:
             )
         return pipeline
 
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """Classifier-free guidance by the pipeline's guider (off at 1 and below), with its negative prompt."""
+        from diffusers import ClassifierFreeGuidance
+
+        with quietly():
+            arguments = {"guider": ClassifierFreeGuidance(guidance_scale=guidance_scale)}
+        return arguments | ({"negative_prompt": negative_prompt or ""} if guidance_scale > 1 else {})
+
     def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
         """Through the modular pipeline's blocks, one prompt a call (as its text step takes them), each prompt of a
         list with its own generator; an argument that names one of its components (the guider of a guidance scale)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers import (
+    AnimaTextConditioner,
     AutoencoderKL,
     AutoencoderKLFlux2,
     AutoencoderKLQwenImage,
@@ -29,6 +30,7 @@ from diffusers import (
     AutoencoderKLWan,
     AutoencoderTiny,
     ChromaTransformer2DModel,
+    CosmosTransformer3DModel,
     DDPMScheduler,
     ErnieImageTransformer2DModel,
     FlowMatchEulerDiscreteScheduler,
@@ -844,6 +846,42 @@ def build_flux3_transformer(
         joint_attention_dim=text_hidden_size,
         timestep_channels=32,
         axes_dims_rope=(head_dim // 4,) * 4,
+    )
+
+
+def build_cosmos_transformer(
+    layers: int = 1, heads: int = 2, head_dim: int = 16, text_hidden_size: int = 32
+) -> CosmosTransformer3DModel:
+    """Anima's DiT (Cosmos-Predict2's text-to-image `CosmosTransformer3DModel`): `layers` blocks over 2x2 patches of
+    16-channel latents with the padding mask as a 17th channel, no learnable position embedding, and Anima's 3-D
+    rotary scales."""
+    return CosmosTransformer3DModel(
+        in_channels=FLUX_LATENT_CHANNELS,
+        out_channels=FLUX_LATENT_CHANNELS,
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        num_layers=layers,
+        text_embed_dim=text_hidden_size,
+        adaln_lora_dim=8,
+        max_size=(8, 64, 64),
+        rope_scale=(1.0, 4.0, 4.0),
+        concat_padding_mask=True,
+        extra_pos_embed_type=None,
+    )
+
+
+def build_anima_text_conditioner(
+    source_dim: int, target_dim: int, vocab_size: int, layers: int = 1, heads: int = 2
+) -> AnimaTextConditioner:
+    """Anima's LLM adapter: T5 token embeddings (the queries) cross-attending to a Qwen3's states, out at the
+    transformer's text width, padded to 512 tokens as Anima's is."""
+    return AnimaTextConditioner(
+        source_dim=source_dim,
+        target_dim=target_dim,
+        model_dim=target_dim,
+        num_layers=layers,
+        num_attention_heads=heads,
+        target_vocab_size=vocab_size,
     )
 
 

@@ -923,8 +923,8 @@ def _place_models(components: Components, config: Config, accelerator: Accelerat
     cast_training_params(list(trained.values()), dtype=torch.float32)
     if config.train.gradient_checkpointing:
         for part, module in trained.items():
-            if part != components.family.denoiser_name:
-                module.gradient_checkpointing_enable()
+            if part != components.family.denoiser_name:  # a transformers model's switch, or a diffusers one's
+                (getattr(module, "gradient_checkpointing_enable", None) or module.enable_gradient_checkpointing)()
 
 
 def _configure_denoiser(denoiser, config: Config, device: torch.device) -> None:
