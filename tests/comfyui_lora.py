@@ -29,9 +29,9 @@ CLIP_LAYER_MODULES = (
 def denoiser_weights(single_file: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The diffusion model's weights as ComfyUI names them, from a single file in the original layout (an all-in-one
     checkpoint keeps them under `model.diffusion_model.`; a lone model's file has them bare)."""
-    prefix = "model.diffusion_model."
-    if any(key.startswith(prefix) for key in single_file):
-        return {key.removeprefix(prefix): value for key, value in single_file.items() if key.startswith(prefix)}
+    for prefix in ("model.diffusion_model.", "net."):  # `net.`: a Cosmos model's (Anima's), which ComfyUI strips too
+        if any(key.startswith(prefix) for key in single_file):
+            return {key.removeprefix(prefix): value for key, value in single_file.items() if key.startswith(prefix)}
     return dict(single_file)
 
 

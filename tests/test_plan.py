@@ -212,6 +212,8 @@ PUBLISHED_SIZES = {
     "Qwen/Qwen-Image-2.1": {"text_encoder": 8.77},
     # Qwen3-VL 4B with its vision tower (4.44B on its model card); FLUX.3's transformer's size is not published
     "black-forest-labs/FLUX.3-dev": {"text_encoder": 4.44},
+    # Cosmos-Predict2 2B's DiT ("2B"); Qwen3 0.6B (0.6B on its model card)
+    "circlestone-labs/Anima-Base-v1.0-Diffusers": {"transformer": (2.0, 0.03), "text_encoder": 0.6},
 }
 
 

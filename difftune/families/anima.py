@@ -16,8 +16,9 @@ model's states). Trained by flow matching (flow.py).
 - Files: diffusers' layout (`transformer.`, `text_conditioner.`). The kohya / ComfyUI layout names the original
   model's modules as ComfyUI maps them (`lora_unet_blocks_0_self_attn_q_proj`, the conditioner's under
   `lora_unet_llm_adapter_`); ai-toolkit's and diffusion-pipe's `diffusion_model.` files are read through diffusers'
-  own reader of them. No single file is read or written yet: the original checkpoint holds the conditioner inside
-  the transformer's file.
+  own reader of them. A single file is the original model's (`net.` keys, as Anima ships it and ComfyUI loads it from
+  `diffusion_models/`): the transformer under Cosmos' names, which diffusers' Cosmos reader converts, and the text
+  conditioner inside it (`llm_adapter.`); the Qwen3 model and the autoencoder come from `model.single_file_config`.
 """
 
 from __future__ import annotations
@@ -30,12 +31,15 @@ import torch
 import torch.nn.functional as F
 from diffusers import AnimaModularPipeline, CosmosTransformer3DModel
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_anima_lora_to_diffusers
+from diffusers.loaders.single_file_utils import convert_cosmos_transformer_checkpoint_to_diffusers
 
+from difftune.config import ModelConfig
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.layouts import RenamedLayout
 from difftune.families.loading import FamilyOptions
 from difftune.families.modular import ModularBase
-from difftune.models.parts import Components
+from difftune.models.denoiser_files import DENOISER_FILE_PREFIXES, is_gguf, read_denoiser_file, read_gguf_file
+from difftune.models.parts import FP32_PARTS, Components, PartDtypes
 
 TEXT_TOKENS = 512  # the text step's default `max_sequence_length`, for both tokenizers
 CONDITIONED_TOKENS = 512  # the conditioner's `min_sequence_length`: what its output is padded to
@@ -76,7 +80,16 @@ ORIGINAL_GLOBALS = {
     "norm_out.linear_2": "final_layer.adaln_modulation.2",
     "proj_out": "final_layer.linear",
 }
+# The norms' weights, which adapters never reach but single files hold.
+ORIGINAL_NORMS = {
+    f"{attention}.norm_{x}": f"{original}.{x}_norm"
+    for attention, original in (("attn1", "self_attn"), ("attn2", "cross_attn"))
+    for x in ("q", "k")
+}
+ORIGINAL_GLOBAL_NORMS = {"time_embed.norm": "t_embedding_norm"}
 BLOCK = re.compile(r"^transformer_blocks\.(\d+)\.(.+)$")
+ORIGINAL_PREFIX = "net."  # the original checkpoints' (diffusers' Cosmos reader detects them by it)
+CONDITIONER_PREFIX = "llm_adapter."  # the text conditioner's weights, inside the original model's file
 # ai-toolkit's and diffusion-pipe's files: the original model's names after `diffusion_model.` (Wan's, also under
 # `diffusion_model.blocks.`, name their layers `self_attn.q`, `ffn.0`).
 ORIGINAL_ADAPTER_KEY = re.compile(
@@ -108,6 +121,39 @@ def original_name(module: str) -> str | None:
         index, member = match.groups()
         return f"blocks.{index}.{ORIGINAL_IN_BLOCK[member]}" if member in ORIGINAL_IN_BLOCK else None
     return ORIGINAL_GLOBALS.get(module)
+
+
+def original_weight_name(key: str) -> str:
+    """A transformer weight's name in the original model's files (without `ORIGINAL_PREFIX`)."""
+    module, parameter = key.rsplit(".", 1)
+    if match := BLOCK.match(module):
+        index, member = match.groups()
+        return f"blocks.{index}.{(ORIGINAL_IN_BLOCK | ORIGINAL_NORMS)[member]}.{parameter}"
+    return f"{(ORIGINAL_GLOBALS | ORIGINAL_GLOBAL_NORMS)[module]}.{parameter}"
+
+
+def conditioner_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An original file's text conditioner weights under its own names (the transformer's left)."""
+    unprefixed = {key.removeprefix(ORIGINAL_PREFIX): value for key, value in weights.items()}
+    return {
+        key.removeprefix(CONDITIONER_PREFIX): value
+        for key, value in unprefixed.items()
+        if key.startswith(CONDITIONER_PREFIX)
+    }
+
+
+def conditioner_of_file(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The text conditioner's weights in an original-layout file, in `dtype`, through the readers of denoiser files
+    (a `.safetensors` file's fp8 weights times their ComfyUI scales; a GGUF file's dequantized)."""
+    if is_gguf(path):
+        from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
+
+        return {
+            key: (dequantize_gguf_tensor(value) if isinstance(value, GGUFParameter) else value).to(dtype)
+            for key, value in read_gguf_file(path, conditioner_names).items()
+        }
+    file = read_denoiser_file(path, conditioner_names)
+    return {key: file.weight(key, dtype) for key in file.tensors}
 
 
 def padded_ids(tokenizer, captions: list[str]) -> torch.Tensor:
@@ -144,6 +190,35 @@ class AnimaLayout(RenamedLayout):
     def original_name(self, module: str) -> str | None:
         return original_name(module)
 
+    single_file_layout = "transformer and text conditioner (original layout)"
+
+    denoiser_file_key = f"{CONDITIONER_PREFIX}blocks.0.cross_attn.q_proj.weight"  # what ComfyUI detects Anima by
+
+    def reads_single_file(self, keys: set[str]) -> bool:
+        return any(
+            prefix + ORIGINAL_PREFIX + self.denoiser_file_key in keys for prefix in ("", *DENOISER_FILE_PREFIXES)
+        ) or super().reads_single_file(keys)
+
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """An original file's transformer weights (its conditioner's left: `conditioner_of_file` reads them) under
+        diffusers' names, through diffusers' own Cosmos reader; diffusers' names as they are."""
+        weights = {key.removeprefix(ORIGINAL_PREFIX): value for key, value in weights.items()}
+        if self.denoiser_file_key not in weights:
+            return weights
+        transformer = {key: value for key, value in weights.items() if not key.startswith(CONDITIONER_PREFIX)}
+        return convert_cosmos_transformer_checkpoint_to_diffusers(transformer)
+
+    def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
+        """The original model's file, as Anima ships it: the transformer and, inside it, the text conditioner."""
+        transformer = {
+            ORIGINAL_PREFIX + original_weight_name(key): value.contiguous()
+            for key, value in components.denoiser.state_dict().items()
+        }
+        conditioner = components.text_encoders["text_conditioner"].state_dict()
+        return transformer | {
+            ORIGINAL_PREFIX + CONDITIONER_PREFIX + key: value.contiguous() for key, value in conditioner.items()
+        }
+
     def read_original_layout(self, tensors):
         """ai-toolkit's and diffusion-pipe's Anima files (`diffusion_model.blocks.0.self_attn.q_proj.lora_A.weight`,
         `diffusion_model.llm_adapter.`), through diffusers' own reader of them."""
@@ -167,6 +242,18 @@ class Anima(ModularBase, FlowMatchingFamily):
     padded_text_tokens = CONDITIONED_TOKENS
     options_model = FamilyOptions  # no guidance embedding: classifier-free guidance
     default_targets = {"transformer": TRANSFORMER_TARGETS, "text_conditioner": CONDITIONER_TARGETS}
+
+    def pipeline_around_denoiser_file(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
+        """As any modular family's, and the text conditioner of the file too (the original model holds it; a file of
+        the transformer alone keeps `model.single_file_config`'s)."""
+        pipeline = super().pipeline_around_denoiser_file(config, dtypes)
+        conditioner = pipeline.text_conditioner
+        weights = conditioner_of_file(config.base, conditioner.dtype)
+        if weights:
+            conditioner.load_state_dict(weights)
+        return pipeline
+
+    single_file_pipeline = pipeline_around_denoiser_file
 
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         """Each block's attention and feed-forward layers, by name (the Qwen3 model is never adapted)."""
