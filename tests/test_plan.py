@@ -214,6 +214,8 @@ PUBLISHED_SIZES = {
     "black-forest-labs/FLUX.3-dev": {"text_encoder": 4.44},
     # Cosmos-Predict2 2B's DiT ("2B"); Qwen3 0.6B (0.6B on its model card)
     "circlestone-labs/Anima-Base-v1.0-Diffusers": {"transformer": (2.0, 0.03), "text_encoder": 0.6},
+    # Kandinsky 5.0 Image Lite: "6B" (its model card); Qwen2.5-VL 7B as Qwen-Image's
+    "kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers": {"transformer": (6.0, 0.03), "text_encoder": 8.29},
 }
 
 

@@ -36,6 +36,7 @@ REFERENCE_BASES = {
     "flux2_klein": "black-forest-labs/FLUX.2-klein-4B",
     "flux3": "black-forest-labs/FLUX.3-dev",
     "anima": "circlestone-labs/Anima-Base-v1.0-Diffusers",
+    "kandinsky5": "kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers",
     "qwen_image": "Qwen/Qwen-Image",
     "qwen_image21": "Qwen/Qwen-Image-2.1",
     "qwen_image_edit": "Qwen/Qwen-Image-Edit",

@@ -41,6 +41,7 @@ from diffusers import (
     FluxTransformer2DModel,
     HiDreamImageTransformer2DModel,
     Ideogram4Transformer2DModel,
+    Kandinsky5Transformer3DModel,
     Krea2Transformer2DModel,
     Lumina2Transformer2DModel,
     QwenImage21Transformer2DModel,
@@ -348,6 +349,14 @@ def build_qwen_tokenizer(edit: bool = False, caption_words: bool = False) -> Qwe
     if caption_words:
         tokenizer = _extended(tokenizer, "".join(f" {word}" for word in CAPTION_WORDS), QWEN_SPECIAL_TOKENS)
     return extend_qwen_tokenizer(tokenizer) if edit else tokenizer
+
+
+def build_kandinsky5_tokenizer() -> Qwen2Tokenizer:
+    """`build_qwen_tokenizer`'s, with merges that spell the words of Kandinsky 5's prompt template too: its system
+    prompt is 40 tokens, as in Qwen2.5-VL's own vocabulary (the pipeline drops that many)."""
+    from difftune.families.kandinsky5 import PROMPT_TEMPLATE
+
+    return _extended(build_qwen_tokenizer(), PROMPT_TEMPLATE, QWEN_SPECIAL_TOKENS)
 
 
 def extend_qwen_tokenizer(tokenizer: Qwen2Tokenizer) -> Qwen2Tokenizer:
@@ -883,6 +892,35 @@ def build_anima_text_conditioner(
         num_attention_heads=heads,
         target_vocab_size=vocab_size,
     )
+
+
+def build_kandinsky5_transformer(
+    layers: tuple[int, int] = (1, 1),
+    heads: int = 2,
+    head_dim: int = 16,
+    text_hidden_size: int = 32,
+    pooled_size: int = 64,
+) -> Kandinsky5Transformer3DModel:
+    """`layers` (text, visual) Kandinsky 5 blocks over 2x2 patches of 16-channel latents, reading a language model's
+    states and a CLIP's pooled output; 3-D rotary axes (time, rows, columns) over each head. Its class starts every
+    modulation at zero (a trained model's are not): drawn at random here, so the micro model's prediction depends on
+    its time and its text."""
+    model = Kandinsky5Transformer3DModel(
+        in_visual_dim=FLUX_LATENT_CHANNELS,
+        out_visual_dim=FLUX_LATENT_CHANNELS,
+        in_text_dim=text_hidden_size,
+        in_text_dim2=pooled_size,
+        time_dim=16,
+        model_dim=heads * head_dim,
+        ff_dim=2 * heads * head_dim,
+        num_text_blocks=layers[0],
+        num_visual_blocks=layers[1],
+        axes_dims=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),
+    )
+    for name, parameter in model.named_parameters():
+        if "modulation.out_layer" in name:
+            torch.nn.init.normal_(parameter, std=0.02)
+    return model
 
 
 def build_mistral_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
