@@ -65,6 +65,16 @@ def _settings(name: str, base: Path, out: Path, **overrides) -> dict:
     }
 
 
+def _padded_states(states: list) -> dict:
+    """Each prompt's states (L_i, D), as pipelines that encode one at its own length give them: padded as one batch,
+    with their mask."""
+    longest = max(len(state) for state in states)
+    return {
+        "encoder_hidden_states": torch.stack([torch.nn.functional.pad(s, (0, 0, 0, longest - len(s))) for s in states]),
+        "text_mask": torch.stack([torch.arange(longest) < len(s) for s in states]).long(),
+    }
+
+
 # How each family's pipeline encodes prompts: -> the conditioning `encode_prompts` must equal, by name.
 def _sd_prompts(pipeline, prompts):
     states, _ = pipeline.encode_prompt(prompts, "cpu", 1, False)
@@ -99,11 +109,7 @@ def _flux3_prompts(pipeline, prompts):
         Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds(pipeline.text_encoder, pipeline.tokenizer, prompt)[0]
         for prompt in prompts
     ]
-    longest = max(len(state) for state in states)
-    return {
-        "encoder_hidden_states": torch.stack([torch.nn.functional.pad(s, (0, 0, 0, longest - len(s))) for s in states]),
-        "text_mask": torch.stack([torch.arange(longest) < len(s) for s in states]).long(),
-    }
+    return _padded_states(states)
 
 
 def _anima_prompts(pipeline, prompts):
@@ -120,6 +126,12 @@ def _anima_prompts(pipeline, prompts):
     return {"encoder_hidden_states": states, "text_mask": torch.nn.functional.pad(mask, (0, 512 - mask.shape[1]))}
 
 
+def _z_image_omni_prompts(pipeline, prompts):
+    """Without reference images each prompt is one segment: Z-Image's states, a list of one a prompt."""
+    states, _ = pipeline.encode_prompt(list(prompts), device="cpu", do_classifier_free_guidance=False)
+    return _padded_states([segments[0] for segments in states])
+
+
 def _kandinsky5_prompts(pipeline, prompts):
     """The language model's states after the template's start (padding zeroed: the pipeline draws one prompt a call,
     unpadded) and CLIP's pooled output."""
@@ -131,11 +143,7 @@ def _kandinsky5_prompts(pipeline, prompts):
 def _qwen_edit_prompts(pipeline, prompts, image):
     """One prompt at a time (the edit pipelines take one), each with the control: padded as one batch."""
     states = [pipeline.encode_prompt(prompt, image=image, device="cpu")[0][0] for prompt in prompts]
-    longest = max(len(state) for state in states)
-    return {
-        "encoder_hidden_states": torch.stack([torch.nn.functional.pad(s, (0, 0, 0, longest - len(s))) for s in states]),
-        "text_mask": torch.stack([torch.arange(longest) < len(s) for s in states]).long(),
-    }
+    return _padded_states(states)
 
 
 def _sd3_prompts(pipeline, prompts):
@@ -166,11 +174,7 @@ def _z_image_prompts(pipeline, prompts):
     """The pipeline's states come one tensor a prompt, at its own length: padded as one batch. (It writes the templated
     prompts into the list it is given: it gets a copy.)"""
     states, _ = pipeline.encode_prompt(list(prompts), device="cpu", do_classifier_free_guidance=False)
-    longest = max(len(state) for state in states)
-    return {
-        "encoder_hidden_states": torch.stack([torch.nn.functional.pad(s, (0, 0, 0, longest - len(s))) for s in states]),
-        "text_mask": torch.stack([torch.arange(longest) < len(s) for s in states]).long(),
-    }
+    return _padded_states(states)
 
 
 def _lumina2_prompts(pipeline, prompts):
@@ -198,11 +202,7 @@ def _hidream_prompts(pipeline, prompts):
 def _ernie_image_prompts(pipeline, prompts):
     """The pipeline's states come one tensor a prompt, at its own length: padded as one batch."""
     states = pipeline.encode_prompt(prompts, "cpu")
-    longest = max(len(state) for state in states)
-    return {
-        "encoder_hidden_states": torch.stack([torch.nn.functional.pad(s, (0, 0, 0, longest - len(s))) for s in states]),
-        "text_mask": torch.stack([torch.arange(longest) < len(s) for s in states]).long(),
-    }
+    return _padded_states(states)
 
 
 def _ideogram4_prompts(pipeline, prompts):
@@ -223,7 +223,7 @@ def _ideogram4_prompts(pipeline, prompts):
 # Z-Image's pipeline has its language model read every caption padded to 512 tokens, Ideogram 4's left-padded to its
 # `max_sequence_length`; difftune reads to the batch's longest (the causal model's states at the caption are the
 # same, for a fraction of the work).
-READS_FEWER_TOKENS = {"z_image", "ideogram4"}
+READS_FEWER_TOKENS = {"z_image", "z_image_omni", "ideogram4"}
 # Whose pipelines read a micro model's kohya file: diffusers' Flux reader assumes FLUX.1's widths for a single
 # block's fused linear1 (tests/test_flux.py checks its double blocks).
 KOHYA_READ_BY_PIPELINE = {"sd", "sdxl", "qwen_image", "z_image", "wan", "wan_i2v"}
@@ -239,6 +239,7 @@ PIPELINE_PROMPTS = {
         pipeline, prompts, [FAMILIES["qwen_image_edit_plus"].prompt_image(image)]
     ),  # at its 384^2
     "z_image": _z_image_prompts,
+    "z_image_omni": _z_image_omni_prompts,
     "chroma": _chroma_prompts,
     "sd3": _sd3_prompts,
     "flux2": _flux2_prompts,
@@ -276,7 +277,8 @@ def their_pipeline(family, folder) -> object:
         pipeline = blocks.init_pipeline(str(folder))
         pipeline.load_components(dtype=torch.float32)
         return pipeline
-    return family.pipeline_class.from_pretrained(folder, dtype=torch.float32)
+    # What a family never loads (ERNIE-Image's prompt enhancer, Z-Image Omni's SigLIP2) is not in its folders either.
+    return family.pipeline_class.from_pretrained(folder, dtype=torch.float32, **family.fixed_pipeline_arguments)
 
 
 def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
@@ -310,7 +312,7 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         arguments |= {"guidance_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
     elif name == "ernie_image":  # classifier-free guidance, the prompt enhancer off (the micro base has none)
         arguments |= {"guidance_scale": 3.0, "negative_prompt": "", "use_pe": False}
-    elif name in ("z_image", "krea2"):  # their own guidance convention: pos + s (pos - neg)
+    elif name in ("z_image", "z_image_omni", "krea2"):  # their own guidance convention: pos + s (pos - neg)
         arguments |= {"guidance_scale": 2.0, "negative_prompt": "", "max_sequence_length": 32}
     elif name.startswith("wan"):  # a one-frame clip: its latents (C, 1, h, w) without the time axis
         image = {"image": CONTROL} if name == "wan_i2v" else {}  # the image it animates

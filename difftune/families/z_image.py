@@ -70,6 +70,7 @@ def fused_qkv(weights: dict[str, torch.Tensor], attention: str) -> dict[str, tor
     return out
 
 
+SIGLIP_KEY = "siglip_embedder."  # what Z-Image Omni's transformer files have and Z-Image's lack
 # The refiners' blocks, then the main ones: what Z-Image and Lumina 2 both run.
 BLOCK_LISTS = ("noise_refiner", "context_refiner", "layers")
 
@@ -95,6 +96,8 @@ class ZImageLayout(FusedLayout):
 
     denoiser_file_key = "noise_refiner.0.attention_norm1.weight"  # in the original layout and diffusers' alike
 
+    omni = False  # Z-Image Omni's transformer reads SigLIP features too (`siglip_embedder`): its files are its own
+
     kohya_prefixes = {"transformer": "lora_unet_"}
 
     kohya_text_model_parts = ()
@@ -104,6 +107,9 @@ class ZImageLayout(FusedLayout):
     kohya_layout_name = "Z-Image"
 
     kohya_blocks = lumina_kohya_blocks(BLOCK_LISTS, "attention", {f"w{n}": f"feed_forward.w{n}" for n in (1, 2, 3)})
+
+    def reads_single_file(self, keys: set[str]) -> bool:
+        return super().reads_single_file(keys) and any(SIGLIP_KEY in key for key in keys) == self.omni
 
     def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The original layout (Tongyi's and ComfyUI's files) through diffusers' converter; diffusers' names as

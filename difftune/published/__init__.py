@@ -42,6 +42,7 @@ REFERENCE_BASES = {
     "qwen_image_edit": "Qwen/Qwen-Image-Edit",
     "qwen_image_edit_plus": "Qwen/Qwen-Image-Edit-2509",
     "z_image": "Tongyi-MAI/Z-Image-Turbo",
+    "z_image_omni": "Tongyi-MAI/Z-Image-Omni-Base",
     "krea2": "krea2-diffusers",
     "lumina2": "Alpha-VLLM/Lumina-Image-2.0",
     "ideogram4": "ideogram-ai/ideogram-v4",

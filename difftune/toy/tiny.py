@@ -1010,10 +1010,13 @@ def build_z_image_transformer(
     heads: int = 2,
     head_dim: int = 16,
     text_hidden_size: int = QWEN_HIDDEN_SIZE,
+    siglip_width: int | None = None,
 ) -> ZImageTransformer2DModel:
     """`layers` single-stream blocks after `refiner_layers` image and caption refiner blocks each, over 2x2 patches of
-    16-channel latents; rotary axes split the head 1:1.5:1.5 (caption position, row, column) as Z-Image's 32:48:48."""
+    16-channel latents; rotary axes split the head 1:1.5:1.5 (caption position, row, column) as Z-Image's 32:48:48.
+    `siglip_width`: Z-Image Omni's, reading SigLIP features of that width too."""
     return ZImageTransformer2DModel(
+        siglip_feat_dim=siglip_width,
         all_patch_size=(2,),
         all_f_patch_size=(1,),
         in_channels=FLUX_LATENT_CHANNELS,

@@ -1,0 +1,40 @@
+"""Micro Z-Image Omni: Z-Image's micro parts with the omni transformer (SigLIP features' embedder and refiner), in
+`ZImageOmniPipeline` without its SigLIP2 vision model (text-to-image never runs it)."""
+
+from diffusers import ZImageOmniPipeline
+
+from difftune.toy.micro import MicroSizes
+from difftune.toy.micro._kl import kl_autoencoder
+from difftune.toy.tiny import (
+    QWEN_HIDDEN_SIZE,
+    build_qwen3_text_encoder,
+    build_qwen3_tokenizer,
+    build_z_image_scheduler,
+    build_z_image_transformer,
+)
+
+# The family's text-to-image job in configs/ (`scripts/family_jobs.py` sweeps settings over them); CI runs it as
+# shipped on this micro model, the family having no bundled tiny base of it.
+SHIPPED_JOB = "z_image_omni_1024_lora.toml"
+JOB_ON_MICRO = True
+SIGLIP_WIDTH = 24  # the micro SigLIP features' (SigLIP2 so400m's: 1152)
+
+
+def autoencoder(pixels):
+    return kl_autoencoder(pixels, sixteen_channels=True)
+
+
+def pipeline(vae, sizes: MicroSizes):
+    width = sizes.language_model_width or QWEN_HIDDEN_SIZE
+    tokenizer = build_qwen3_tokenizer()
+    return ZImageOmniPipeline(
+        scheduler=build_z_image_scheduler(),
+        vae=vae,
+        text_encoder=build_qwen3_text_encoder(tokenizer, width),
+        tokenizer=tokenizer,
+        transformer=build_z_image_transformer(
+            sizes.dit_layers or 1, heads=sizes.dit_heads, text_hidden_size=width, siglip_width=SIGLIP_WIDTH
+        ),
+        siglip=None,
+        siglip_processor=None,
+    )
