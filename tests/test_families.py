@@ -247,6 +247,7 @@ PIPELINE_PROMPTS = {
     "flux3": _flux3_prompts,
     "anima": _anima_prompts,
     "kandinsky5": _kandinsky5_prompts,
+    "kandinsky5_video": _kandinsky5_prompts,
     "krea2": _krea2_prompts,
     "lumina2": _lumina2_prompts,
     "ideogram4": _ideogram4_prompts,
@@ -333,6 +334,10 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         pipeline.update_components(guider=ClassifierFreeGuidance(guidance_scale=3.0))
         arguments.pop("output_type")
         return pipeline(prompt=prompt, negative_prompt="", **arguments, output="latents")[0].numpy()
+    elif name == "kandinsky5_video":  # a one-frame clip: its latents (1, h, w, C), channels last
+        return (
+            pipeline(prompt=prompt, num_frames=1, guidance_scale=3.0, negative_prompt="", **arguments).frames[0].numpy()
+        )
     elif name == "kandinsky5":  # its own list of sizes set to the one drawn; the image (here latents) as `image`
         pipeline.resolutions = [(32, 32)]
         return pipeline(prompt=prompt, guidance_scale=3.0, negative_prompt="", **arguments).image[0].numpy()
@@ -612,7 +617,7 @@ def _gguf_values(path: Path) -> dict[str, torch.Tensor]:
 READ_AT_PUBLISHED_WIDTHS_ONLY = {"flux", "flux_kontext", "chroma", "lumina2"}
 # Families whose transformer class diffusers' single-file reader does not take (`FromOriginalModelMixin`'s list):
 # checked against gguf's own dequantization alone.
-NO_DIFFUSERS_SINGLE_FILE_READER = {"kandinsky5"}
+NO_DIFFUSERS_SINGLE_FILE_READER = {"kandinsky5", "kandinsky5_video"}
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -216,6 +216,7 @@ PUBLISHED_SIZES = {
     "circlestone-labs/Anima-Base-v1.0-Diffusers": {"transformer": (2.0, 0.03), "text_encoder": 0.6},
     # Kandinsky 5.0 Image Lite: "6B" (its model card); Qwen2.5-VL 7B as Qwen-Image's
     "kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers": {"transformer": (6.0, 0.03), "text_encoder": 8.29},
+    "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers": {"transformer": (2.0, 0.03)},  # "Video Lite, 2B"
 }
 
 

@@ -77,6 +77,8 @@ class Kandinsky5(FlowMatchingFamily):
     options_model = FamilyOptions  # no guidance embedding: classifier-free guidance
     lora_text_encoders = ()  # KandinskyLoraLoaderMixin reads the transformer's adapters alone
     default_targets = {"transformer": [target for targets in BLOCK_TARGETS.values() for target in targets]}
+    prompt_template = PROMPT_TEMPLATE  # the pipeline's `prompt_template`
+    template_tokens = TEMPLATE_TOKENS  # its `prompt_template_encode_start_idx`
 
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
@@ -103,9 +105,9 @@ class Kandinsky5(FlowMatchingFamily):
         captions = [prompt_clean(caption) for caption in captions]
         tokenizer = tokenizers["tokenizer"]
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's
-        length = TEMPLATE_TOKENS + TEXT_TOKENS
+        length = self.template_tokens + TEXT_TOKENS
         ids = torch.full((len(captions), length), -1, dtype=torch.long)
-        texts = [PROMPT_TEMPLATE.format(caption) for caption in captions]
+        texts = [self.prompt_template.format(caption) for caption in captions]
         for i, tokens in enumerate(tokenizer(texts, truncation=True, max_length=length)["input_ids"]):
             ids[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
         clip_ids = tokenizers["tokenizer_2"](
@@ -123,7 +125,7 @@ class Kandinsky5(FlowMatchingFamily):
             input_ids=ids[:, :longest].masked_fill(~mask[:, :longest], pad), output_hidden_states=True
         ).hidden_states[-1]
         pooled = components.text_encoders["text_encoder_2"](input_ids=token_ids["text_encoder_2"]).pooler_output
-        return valid_token_states(states, mask[:, :longest], TEMPLATE_TOKENS, TEXT_TOKENS) | {
+        return valid_token_states(states, mask[:, :longest], self.template_tokens, TEXT_TOKENS) | {
             "pooled_prompt_embeds": pooled
         }
 
@@ -134,31 +136,48 @@ class Kandinsky5(FlowMatchingFamily):
         return stored | padded({name: stored[name] for name in PER_TOKEN}, TEXT_TOKENS)
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
-        """The batch in groups of one caption length each (the transformer takes no mask), each at its length."""
+        """The batch in groups of one caption length each (the transformer takes no mask), each at its length; an
+        image as a one-frame clip, channels last (and, for a transformer that reads a conditioning clip, `visual_cond`,
+        an empty one beside it, as the text-to-video pipeline passes)."""
         states, pooled = conditioning["encoder_hidden_states"], conditioning["pooled_prompt_embeds"]
         lengths = conditioning["text_mask"].sum(dim=1).long()
-        h, w = noisy.shape[-2:]
-        patch = components.denoiser.config.patch_size
-        visual_positions = [torch.arange(size, device=noisy.device) for size in (1, h // patch[1], w // patch[2])]
-        latents = noisy.permute(0, 2, 3, 1).unsqueeze(1).to(states.dtype)  # (B, 1, h, w, C)
+        clips = noisy if noisy.dim() == 5 else noisy.unsqueeze(2)
+        denoiser = components.denoiser
+        latents = clips.permute(0, 2, 3, 4, 1).to(states.dtype)  # (B, t, h, w, C)
+        if denoiser.visual_cond:
+            latents = torch.cat([latents, torch.zeros_like(latents), torch.zeros_like(latents[..., :1])], dim=-1)
+        patch = denoiser.config.patch_size
+        t, h, w = clips.shape[2:]
+        visual_positions = [torch.arange(size, device=noisy.device) for size in (t, h // patch[1], w // patch[2])]
+        size = [int(side) for side in geometry[0, 4:6]]  # the batch's size in pixels (one bucket)
         groups, predictions = [], []
         for length in sorted(set(lengths.tolist())):
             rows = (lengths == length).nonzero().flatten()
             text = states[rows, :length]
             predictions.append(
-                components.denoiser(
+                denoiser(
                     hidden_states=latents[rows],
                     encoder_hidden_states=text,
                     timestep=timesteps[rows].to(states.dtype),
                     pooled_projections=pooled[rows],
                     visual_rope_pos=visual_positions,
                     text_rope_pos=torch.arange(text.shape[1], device=noisy.device),
+                    scale_factor=self.rope_scale(*size),
+                    sparse_params=self.sparse_attention(denoiser, latents[rows]),
                     return_dict=False,
                 )  # the prediction itself, not a tuple
             )
             groups.append(rows)
-        prediction = torch.cat(predictions)[torch.cat(groups).argsort()]
-        return prediction[:, 0].permute(0, 3, 1, 2)
+        prediction = torch.cat(predictions)[torch.cat(groups).argsort()].permute(0, 4, 1, 2, 3)
+        return prediction if noisy.dim() == 5 else prediction[:, :, 0]
+
+    def rope_scale(self, height: int, width: int) -> tuple[float, float, float]:
+        """The visual rotary embedding's scale at a size in pixels: none for images (the pipeline's)."""
+        return (1.0, 1.0, 1.0)
+
+    def sparse_attention(self, denoiser: torch.nn.Module, latents: torch.Tensor) -> dict | None:
+        """The transformer's sparse attention settings for `latents`: none for the image models' regular attention."""
+        return None
 
     # Sampling.
 

@@ -13,6 +13,8 @@ autoencoder whose latents
   scale = 1 / `latents_std`, as `QwenImagePipeline` inverts them. Images pass as one-frame clips; everything
   outside this module sees an image's latents as (B, C, h, w), and a clip's (video bases) as (B, C, t, h, w), t =
   (T - 1) / `frames_per_latent` + 1.
+- `AutoencoderKLHunyuanVideo` (Kandinsky 5's video models): a causal video autoencoder of the same shape (4x in
+  time, 8x in space), normalised by one `scaling_factor` (0.476986) as `AutoencoderKL`.
 - `AutoencoderKLQwenImage21` (Qwen-Image 2.1): the same kind at 16x with 64 channels, of RGBA images: an RGB image
   is encoded opaque (alpha 1, as its training script converts images to RGBA), and decoding keeps the RGB the rest
   of difftune reads (its pipeline returns the alpha too).
@@ -31,6 +33,7 @@ import torch
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
+    AutoencoderKLHunyuanVideo,
     AutoencoderKLQwenImage,
     AutoencoderKLQwenImage21,
     AutoencoderKLWan,
@@ -47,8 +50,10 @@ VAE_CLASSES = {
     "AutoencoderKLFlux2": AutoencoderKLFlux2,
     "AutoencoderKLWan": AutoencoderKLWan,
     "AutoencoderKLQwenImage21": AutoencoderKLQwenImage21,
+    "AutoencoderKLHunyuanVideo": AutoencoderKLHunyuanVideo,
 }
-VIDEO_AUTOENCODERS = (AutoencoderKLQwenImage, AutoencoderKLWan, AutoencoderKLQwenImage21)  # latents with a time axis
+# Latents with a time axis.
+VIDEO_AUTOENCODERS = (AutoencoderKLQwenImage, AutoencoderKLWan, AutoencoderKLQwenImage21, AutoencoderKLHunyuanVideo)
 PATCHED_AUTOENCODERS = (AutoencoderKLFlux2,)  # latents read patched 2x2 into channels
 
 
@@ -99,7 +104,12 @@ def latent_channels(vae) -> int:
 def downsampling(vae) -> int:
     """Image pixels per latent pixel, along each side."""
     if isinstance(vae, VIDEO_AUTOENCODERS):  # Wan 2.2's states 16: 8x by its blocks, 2x by its own patching
-        return vae.config.get("scale_factor_spatial") or 2 ** len(vae.config.temperal_downsample)
+        config = vae.config
+        return (
+            config.get("scale_factor_spatial")
+            or config.get("spatial_compression_ratio")  # HunyuanVideo's
+            or 2 ** len(config.temperal_downsample)
+        )
     blocks = (
         vae.config.encoder_block_out_channels if isinstance(vae, AutoencoderTiny) else vae.config.block_out_channels
     )
@@ -111,7 +121,12 @@ def frames_per_latent(vae) -> int:
     take 4k + 1 frames; 1 for an image autoencoder."""
     if not isinstance(vae, VIDEO_AUTOENCODERS):
         return 1
-    return vae.config.get("scale_factor_temporal") or 2 ** sum(vae.config.temperal_downsample)
+    config = vae.config
+    return (
+        config.get("scale_factor_temporal")
+        or config.get("temporal_compression_ratio")  # HunyuanVideo's
+        or 2 ** sum(config.temperal_downsample)
+    )
 
 
 def load_vae(name: str):

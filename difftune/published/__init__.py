@@ -37,6 +37,7 @@ REFERENCE_BASES = {
     "flux3": "black-forest-labs/FLUX.3-dev",
     "anima": "circlestone-labs/Anima-Base-v1.0-Diffusers",
     "kandinsky5": "kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers",
+    "kandinsky5_video": "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers",
     "qwen_image": "Qwen/Qwen-Image",
     "qwen_image21": "Qwen/Qwen-Image-2.1",
     "qwen_image_edit": "Qwen/Qwen-Image-Edit",

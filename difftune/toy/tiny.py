@@ -25,6 +25,7 @@ from diffusers import (
     AnimaTextConditioner,
     AutoencoderKL,
     AutoencoderKLFlux2,
+    AutoencoderKLHunyuanVideo,
     AutoencoderKLQwenImage,
     AutoencoderKLQwenImage21,
     AutoencoderKLWan,
@@ -351,12 +352,12 @@ def build_qwen_tokenizer(edit: bool = False, caption_words: bool = False) -> Qwe
     return extend_qwen_tokenizer(tokenizer) if edit else tokenizer
 
 
-def build_kandinsky5_tokenizer() -> Qwen2Tokenizer:
-    """`build_qwen_tokenizer`'s, with merges that spell the words of Kandinsky 5's prompt template too: its system
-    prompt is 40 tokens, as in Qwen2.5-VL's own vocabulary (the pipeline drops that many)."""
+def build_kandinsky5_tokenizer(template: str | None = None) -> Qwen2Tokenizer:
+    """`build_qwen_tokenizer`'s, with merges that spell the words of a Kandinsky 5 prompt template too (`template`;
+    None: the image models', whose system prompt is then 40 tokens, as in Qwen2.5-VL's own vocabulary)."""
     from difftune.families.kandinsky5 import PROMPT_TEMPLATE
 
-    return _extended(build_qwen_tokenizer(), PROMPT_TEMPLATE, QWEN_SPECIAL_TOKENS)
+    return _extended(build_qwen_tokenizer(), template or PROMPT_TEMPLATE, QWEN_SPECIAL_TOKENS)
 
 
 def extend_qwen_tokenizer(tokenizer: Qwen2Tokenizer) -> Qwen2Tokenizer:
@@ -524,6 +525,22 @@ def build_wan_vae(
         latents_std=list(latents_std),
         scale_factor_spatial=4,
         scale_factor_temporal=2,
+    )
+
+
+def build_hunyuan_video_vae() -> AutoencoderKLHunyuanVideo:
+    """HunyuanVideo's causal video autoencoder (Kandinsky 5's video models'), with three blocks: 4x in space (32 px
+    -> 8x8 latents, like the other tiny autoencoders) and 4x in time (its smallest: clips of 4k + 1 frames)."""
+    return AutoencoderKLHunyuanVideo(
+        latent_channels=FLUX_LATENT_CHANNELS,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+        block_out_channels=(8, 16, 16),
+        layers_per_block=1,
+        norm_num_groups=4,
+        spatial_compression_ratio=4,
+        temporal_compression_ratio=4,
+        mid_block_add_attention=False,
     )
 
 
@@ -900,9 +917,11 @@ def build_kandinsky5_transformer(
     head_dim: int = 16,
     text_hidden_size: int = 32,
     pooled_size: int = 64,
+    visual_cond: bool = False,
 ) -> Kandinsky5Transformer3DModel:
     """`layers` (text, visual) Kandinsky 5 blocks over 2x2 patches of 16-channel latents, reading a language model's
-    states and a CLIP's pooled output; 3-D rotary axes (time, rows, columns) over each head. Its class starts every
+    states and a CLIP's pooled output; 3-D rotary axes (time, rows, columns) over each head; `visual_cond`: reading a
+    conditioning clip and its mask beside the noisy one (the video models'). Its class starts every
     modulation at zero (a trained model's are not): drawn at random here, so the micro model's prediction depends on
     its time and its text."""
     model = Kandinsky5Transformer3DModel(
@@ -916,6 +935,7 @@ def build_kandinsky5_transformer(
         num_text_blocks=layers[0],
         num_visual_blocks=layers[1],
         axes_dims=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),
+        visual_cond=visual_cond,
     )
     for name, parameter in model.named_parameters():
         if "modulation.out_layer" in name:
