@@ -38,6 +38,7 @@ from difftune.families.flow import FlowMatchingFamily
 from difftune.families.layouts import RenamedLayout
 from difftune.families.loading import FamilyOptions
 from difftune.families.modular import ModularBase
+from difftune.families.targets import targets_in_blocks
 from difftune.models.denoiser_files import DENOISER_FILE_PREFIXES, is_gguf, read_denoiser_file, read_gguf_file
 from difftune.models.parts import FP32_PARTS, Components, PartDtypes
 
@@ -258,11 +259,7 @@ class Anima(ModularBase, FlowMatchingFamily):
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         """Each block's attention and feed-forward layers, by name (the Qwen3 model is never adapted)."""
         blocks = "transformer_blocks" if part == self.denoiser_name else "blocks"
-        return [
-            f"{blocks}.{index}.{target}"
-            for index in range(len(model.get_submodule(blocks)))
-            for target in self.default_targets[part]
-        ]
+        return targets_in_blocks(model, {blocks: self.default_targets[part]})
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the transformer patches the latents itself

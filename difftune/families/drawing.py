@@ -134,6 +134,20 @@ class Drawing:
         return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None}
 
 
+class ClipDrawing:
+    """A video family's drawing, before `Drawing` (Wan's, Kandinsky 5 video's): clips through its pipeline's
+    `num_frames`, and images as one-frame clips."""
+
+    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
+        """Each prompt's one-frame clip, as an image."""
+        return [clip[0] for clip in self.draw_clips(pipeline, prompt, controls, height, width, 1, **arguments)]
+
+    def draw_clips(self, pipeline, prompt, controls, height, width, frames, **arguments) -> list[list]:
+        return pipeline(
+            prompt=prompt, height=height, width=width, num_frames=frames, output_type="pil", **arguments
+        ).frames
+
+
 def sampling_scheduler(name: str, components: Components):
     """The named sampler (`auto`: the family's default) over the model's own noise schedule."""
     return components.family.sampler(name).from_config(components.noise_scheduler.config)

@@ -37,6 +37,7 @@ from difftune.families.flow import FlowMatchingFamily
 from difftune.families.layouts import RenamedLayout, swap_halves
 from difftune.families.loading import FamilyOptions, load_without_video_processor
 from difftune.families.modular import ModularBase
+from difftune.families.targets import targets_in_blocks
 from difftune.models.parts import Components
 
 PAD_MULTIPLE = 80  # `Flux3TextEncoderStep`'s: a caption's window is its tokens rounded up to a multiple of this
@@ -174,12 +175,7 @@ class Flux3(ModularBase, FlowMatchingFamily):
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         """Each trained block's attention and feed-forward layers, by name (the reference images' blocks have the
         same layers, and no text-to-image step runs them)."""
-        return [
-            f"{blocks}.{index}.{target}"
-            for blocks in TRAINED_BLOCK_LISTS
-            for index in range(len(model.get_submodule(blocks)))
-            for target in BLOCK_TARGETS
-        ]
+        return targets_in_blocks(model, dict.fromkeys(TRAINED_BLOCK_LISTS, BLOCK_TARGETS))
 
     def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
         return {

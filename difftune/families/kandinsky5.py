@@ -28,6 +28,7 @@ from difftune.families.conditioning import padded, trimmed, valid_token_states
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.layouts import DiffusersNamedLayout
 from difftune.families.loading import FamilyOptions
+from difftune.families.targets import targets_in_blocks
 from difftune.models.autoencoders import LatentNormalization
 from difftune.models.parts import Components
 
@@ -84,12 +85,7 @@ class Kandinsky5(FlowMatchingFamily):
 
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         """Each block's attention and feed-forward layers (the text blocks have no cross-attention), by name."""
-        return [
-            f"{blocks}.{index}.{target}"
-            for blocks, targets in BLOCK_TARGETS.items()
-            for index in range(len(model.get_submodule(blocks)))
-            for target in targets
-        ]
+        return targets_in_blocks(model, BLOCK_TARGETS)
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_visual_dim

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import torch
 from diffusers import Kandinsky5T2VPipeline
 
+from difftune.families.drawing import ClipDrawing
 from difftune.families.kandinsky5 import Kandinsky5, Kandinsky5Layout
 
 # The pipeline's prompt template and the number of its tokens before the caption that it drops (`prompt_template`,
@@ -44,7 +45,7 @@ class Kandinsky5VideoLayout(Kandinsky5Layout):
     kohya_model_version = "kandinsky5_video"
 
 
-class Kandinsky5Video(Kandinsky5):
+class Kandinsky5Video(ClipDrawing, Kandinsky5):
     name = "kandinsky5_video"
     layout = Kandinsky5VideoLayout()
     description = "Kandinsky 5 video"
@@ -63,12 +64,3 @@ class Kandinsky5Video(Kandinsky5):
         attention (Lite), its sparse mask for "nabla" (Pro)."""
         pipeline = SimpleNamespace(transformer=denoiser, fast_sta_nabla=Kandinsky5T2VPipeline.fast_sta_nabla)
         return Kandinsky5T2VPipeline.get_sparse_params(pipeline, latents, latents.device)
-
-    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
-        """Each prompt's one-frame clip, as an image."""
-        return [clip[0] for clip in self.draw_clips(pipeline, prompt, controls, height, width, 1, **arguments)]
-
-    def draw_clips(self, pipeline, prompt, controls, height, width, frames, **arguments) -> list[list]:
-        return pipeline(
-            prompt=prompt, height=height, width=width, num_frames=frames, output_type="pil", **arguments
-        ).frames

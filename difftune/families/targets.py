@@ -9,6 +9,18 @@ from difftune.config import Config
 from difftune.families.loading import FamilyOptions
 
 
+def targets_in_blocks(model: torch.nn.Module, targets: dict[str, list[str]]) -> list[str]:
+    """Every block's `targets` by full name, per list of blocks (`{block list: its blocks' layers}`): what a family
+    adapts where other blocks hold layers of the same names that its training never runs (FLUX.3's reference-image
+    blocks, Z-Image Omni's SigLIP refiner), or where its block lists differ in layers (Kandinsky 5's)."""
+    return [
+        f"{blocks}.{index}.{target}"
+        for blocks, layers in targets.items()
+        for index in range(len(model.get_submodule(blocks)))
+        for target in layers
+    ]
+
+
 class AdapterTargets:
     lora_text_encoders: tuple[str, ...] | None = None  # those its pipeline's LoRA loader reads adapters of (None: all)
     default_targets: dict[str, list[str]]  # part -> modules that get an adapter unless the config lists others

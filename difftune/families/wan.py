@@ -42,6 +42,7 @@ from pydantic import Field
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families.conditioning import valid_token_states
+from difftune.families.drawing import ClipDrawing
 from difftune.families.flow import FlowMatching, FlowMatchingFamily, FlowOptions
 from difftune.families.layouts import RenamedLayout
 from difftune.families.loading import config_folder
@@ -189,7 +190,7 @@ class WanLayout(RenamedLayout):
         }
 
 
-class Wan(FlowMatchingFamily):
+class Wan(ClipDrawing, FlowMatchingFamily):
     name = "wan"
     layout = WanLayout()
     description = "Wan 2.1 / 2.2"
@@ -287,15 +288,6 @@ class Wan(FlowMatchingFamily):
             "guidance_scale": guidance_scale,
             "negative_prompt": negative_prompt or None,
         }
-
-    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
-        """Each prompt's one-frame clip, as an image."""
-        return [clip[0] for clip in self.draw_clips(pipeline, prompt, controls, height, width, 1, **arguments)]
-
-    def draw_clips(self, pipeline, prompt, controls, height, width, frames, **arguments) -> list[list]:
-        return pipeline(
-            prompt=prompt, height=height, width=width, num_frames=frames, output_type="pil", **arguments
-        ).frames
 
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS

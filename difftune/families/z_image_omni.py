@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from diffusers import ZImageOmniPipeline
 
+from difftune.families.targets import targets_in_blocks
 from difftune.families.z_image import BLOCK_LISTS, TRANSFORMER_TARGETS, ZImage, ZImageLayout
 
 
@@ -44,12 +45,7 @@ class ZImageOmni(ZImage):
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         """Z-Image's targets in the refiner and main blocks, by name: the SigLIP refiner's blocks have the same layers,
         and no text-to-image step runs them."""
-        return [
-            f"{blocks}.{index}.{target}"
-            for blocks in BLOCK_LISTS
-            for index in range(len(model.get_submodule(blocks)))
-            for target in TRANSFORMER_TARGETS
-        ]
+        return targets_in_blocks(model, dict.fromkeys(BLOCK_LISTS, TRANSFORMER_TARGETS))
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """Each sample as the pipeline's omni call takes it: its images (the noisy target alone) and its caption's

@@ -30,16 +30,25 @@ def autoencoder(pixels):
 
 
 def pipeline(vae, sizes: MicroSizes):
+    return Kandinsky5T2IPipeline(vae=vae, **parts(sizes))
+
+
+def parts(sizes: MicroSizes, template: str | None = None, visual_cond: bool = False) -> dict:
+    """Every part but the autoencoder, for the image pipeline or (a `template` of its own, `visual_cond`) the video
+    one."""
     width = sizes.language_model_width or QWEN_HIDDEN_SIZE
-    tokenizer = build_kandinsky5_tokenizer()
-    return Kandinsky5T2IPipeline(
-        transformer=build_kandinsky5_transformer(
-            sizes.flux_layers, sizes.flux_heads, text_hidden_size=width, pooled_size=TEXT_HIDDEN_SIZE
+    tokenizer = build_kandinsky5_tokenizer(template)
+    return {
+        "transformer": build_kandinsky5_transformer(
+            sizes.flux_layers,
+            sizes.flux_heads,
+            text_hidden_size=width,
+            pooled_size=TEXT_HIDDEN_SIZE,
+            visual_cond=visual_cond,
         ),
-        vae=vae,
-        text_encoder=build_qwen_text_encoder(tokenizer, width),
-        tokenizer=build_qwen_processor(tokenizer),
-        text_encoder_2=build_text_encoder(positions=CLIP_TOKENS),
-        tokenizer_2=build_tokenizer(),
-        scheduler=build_sd3_scheduler(),  # one shift (3) at every size
-    )
+        "text_encoder": build_qwen_text_encoder(tokenizer, width),
+        "tokenizer": build_qwen_processor(tokenizer),
+        "text_encoder_2": build_text_encoder(positions=CLIP_TOKENS),
+        "tokenizer_2": build_tokenizer(),
+        "scheduler": build_sd3_scheduler(),  # one shift (3) at every size
+    }

@@ -6,23 +6,11 @@ template's last 3 before the caption."""
 import torch
 from diffusers import Kandinsky5T2VPipeline
 
-from difftune.families.kandinsky5 import CLIP_TOKENS
 from difftune.families.kandinsky5_video import PROMPT_TEMPLATE
 from difftune.models.autoencoders import encode_posterior
 from difftune.toy.micro import MicroSizes
-from difftune.toy.tiny import (
-    QWEN_HIDDEN_SIZE,
-    TEXT_HIDDEN_SIZE,
-    build_hunyuan_video_vae,
-    build_kandinsky5_tokenizer,
-    build_kandinsky5_transformer,
-    build_qwen_processor,
-    build_qwen_text_encoder,
-    build_sd3_scheduler,
-    build_text_encoder,
-    build_tokenizer,
-    set_latent_scaling,
-)
+from difftune.toy.micro.kandinsky5 import parts
+from difftune.toy.tiny import build_hunyuan_video_vae, set_latent_scaling
 
 # The family's text-to-image job in configs/ (`scripts/family_jobs.py` sweeps settings over them); CI runs it as
 # shipped on this micro model, the family having no bundled tiny base of it.
@@ -38,16 +26,4 @@ def autoencoder(pixels):
 
 
 def pipeline(vae, sizes: MicroSizes):
-    width = sizes.language_model_width or QWEN_HIDDEN_SIZE
-    tokenizer = build_kandinsky5_tokenizer(PROMPT_TEMPLATE)
-    return Kandinsky5T2VPipeline(
-        transformer=build_kandinsky5_transformer(
-            sizes.flux_layers, sizes.flux_heads, text_hidden_size=width, pooled_size=TEXT_HIDDEN_SIZE, visual_cond=True
-        ),
-        vae=vae,
-        text_encoder=build_qwen_text_encoder(tokenizer, width),
-        tokenizer=build_qwen_processor(tokenizer),
-        text_encoder_2=build_text_encoder(positions=CLIP_TOKENS),
-        tokenizer_2=build_tokenizer(),
-        scheduler=build_sd3_scheduler(),  # one shift at every size
-    )
+    return Kandinsky5T2VPipeline(vae=vae, **parts(sizes, PROMPT_TEMPLATE, visual_cond=True))
