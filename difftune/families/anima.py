@@ -34,6 +34,7 @@ from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_anima
 from diffusers.loaders.single_file_utils import convert_cosmos_transformer_checkpoint_to_diffusers
 
 from difftune.config import ModelConfig
+from difftune.families.conditioning import padded_token_ids
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.layouts import RenamedLayout
 from difftune.families.loading import FamilyOptions
@@ -159,13 +160,8 @@ def conditioner_of_file(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor
 
 def padded_ids(tokenizer, captions: list[str]) -> torch.Tensor:
     """Each caption's ids, cut at `TEXT_TOKENS`, padded with -1 (no token's id) on the tokenizer's padding side."""
-    ids = torch.full((len(captions), TEXT_TOKENS), -1, dtype=torch.long)
-    for i, tokens in enumerate(tokenizer(captions, truncation=True, max_length=TEXT_TOKENS)["input_ids"]):
-        if tokenizer.padding_side == "left":
-            ids[i, ids.shape[1] - len(tokens) :] = torch.as_tensor(tokens, dtype=torch.long)
-        else:
-            ids[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
-    return ids
+    token_lists = tokenizer(captions, truncation=True, max_length=TEXT_TOKENS)["input_ids"]
+    return padded_token_ids(token_lists, TEXT_TOKENS, left=tokenizer.padding_side == "left")
 
 
 def longest(ids: torch.Tensor, padding_side: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,12 +184,12 @@ class AnimaLayout(RenamedLayout):
 
     kohya_layout_name = "Anima"
 
-    def original_name(self, module: str) -> str | None:
-        return original_name(module)
-
     single_file_layout = "transformer and text conditioner (original layout)"
 
     denoiser_file_key = f"{CONDITIONER_PREFIX}blocks.0.cross_attn.q_proj.weight"  # what ComfyUI detects Anima by
+
+    def original_name(self, module: str) -> str | None:
+        return original_name(module)
 
     def reads_single_file(self, keys: set[str]) -> bool:
         return any(

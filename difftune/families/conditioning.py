@@ -18,6 +18,18 @@ from difftune.families.loading import FamilyOptions
 from difftune.models.autoencoders import LatentNormalization, frames_per_latent, latent_normalization
 from difftune.models.parts import Components, tokenize
 
+NO_TOKEN = -1  # what padded ids hold where a caption has no token: no token's id, so masks and cache keys need no pad
+
+
+def padded_token_ids(token_lists: list[list[int]], length: int, left: bool = False) -> torch.Tensor:
+    """Captions' token ids (each list at most `length` long) as one (B, length) tensor, padded with `NO_TOKEN` on the
+    right, or on the `left`."""
+    ids = torch.full((len(token_lists), length), NO_TOKEN, dtype=torch.long)
+    for i, tokens in enumerate(token_lists):
+        where = slice(length - len(tokens), None) if left else slice(None, len(tokens))
+        ids[i, where] = torch.as_tensor(tokens, dtype=torch.long)
+    return ids
+
 
 def valid_token_states(states: torch.Tensor, mask: torch.Tensor, skip: int, length: int) -> dict[str, torch.Tensor]:
     """A language model's states (B, L, D) kept at each caption's valid tokens (`mask`, (B, L)) after its first

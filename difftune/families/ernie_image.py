@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from diffusers import ErnieImagePipeline, ErnieImageTransformer2DModel
 
-from difftune.families.conditioning import valid_token_states
+from difftune.families.conditioning import padded_token_ids, valid_token_states
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.layouts import DiffusersNamedLayout
 from difftune.families.loading import FamilyOptions
@@ -85,12 +85,13 @@ class ErnieImage(FlowMatchingFamily):
         """Each caption's ids as the pipeline makes them (an empty caption: the `<s>` it reads instead), padded to
         `TEXT_TOKENS` with -1, which no token has, so that the cache key and the lengths need no pad token."""
         tokenizer = tokenizers["tokenizer"]
-        ids = torch.full((len(captions), TEXT_TOKENS), -1, dtype=torch.long)
-        for i, caption in enumerate(captions):
+        token_lists = []
+        for caption in captions:
             tokens = tokenizer(caption, add_special_tokens=True, truncation=True, padding=False)["input_ids"]
-            tokens = (tokens or [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0])[:TEXT_TOKENS]
-            ids[i, : len(tokens)] = torch.as_tensor(tokens)
-        return {"text_encoder": ids}
+            token_lists.append(
+                (tokens or [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0])[:TEXT_TOKENS]
+            )
+        return {"text_encoder": padded_token_ids(token_lists, TEXT_TOKENS)}
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One caption at a time, unpadded, as the pipeline runs its language model (bit for bit the same)."""

@@ -33,6 +33,7 @@ from diffusers import Flux3ModularPipeline, Flux3Transformer2DModel
 from diffusers.loaders.single_file_utils import convert_flux3_transformer_checkpoint_to_diffusers
 from transformers import Qwen3VLProcessor
 
+from difftune.families.conditioning import padded_token_ids
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.layouts import RenamedLayout, swap_halves
 from difftune.families.loading import FamilyOptions, load_without_video_processor
@@ -191,13 +192,13 @@ class Flux3(ModularBase, FlowMatchingFamily):
         processor = tokenizers["tokenizer"]
         before, after = template_ends(processor)
         suffix = len(processor.tokenizer(after)["input_ids"])
-        ids = torch.full((len(captions), MAX_TEXT_TOKENS), -1, dtype=torch.long)
-        for i, caption in enumerate(captions):
+        token_lists = []
+        for caption in captions:
             tokens = processor.tokenizer(before + caption + after)["input_ids"]
             if len(tokens) > MAX_TEXT_TOKENS:
                 tokens = tokens[: MAX_TEXT_TOKENS - suffix] + tokens[-suffix:]
-            ids[i, : len(tokens)] = torch.as_tensor(tokens)
-        return {"text_encoder": ids}
+            token_lists.append(tokens)
+        return {"text_encoder": padded_token_ids(token_lists, MAX_TEXT_TOKENS)}
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each caption's states over its window (`text_mask`), zero past it: the batch is read at its widest

@@ -24,7 +24,7 @@ import torch
 from diffusers import Kandinsky5T2IPipeline, Kandinsky5Transformer3DModel
 from diffusers.pipelines.kandinsky5.pipeline_kandinsky_t2i import prompt_clean
 
-from difftune.families.conditioning import padded, trimmed, valid_token_states
+from difftune.families.conditioning import padded, padded_token_ids, trimmed, valid_token_states
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.layouts import DiffusersNamedLayout
 from difftune.families.loading import FamilyOptions
@@ -102,10 +102,8 @@ class Kandinsky5(FlowMatchingFamily):
         tokenizer = tokenizers["tokenizer"]
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's
         length = self.template_tokens + TEXT_TOKENS
-        ids = torch.full((len(captions), length), -1, dtype=torch.long)
         texts = [self.prompt_template.format(caption) for caption in captions]
-        for i, tokens in enumerate(tokenizer(texts, truncation=True, max_length=length)["input_ids"]):
-            ids[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+        ids = padded_token_ids(tokenizer(texts, truncation=True, max_length=length)["input_ids"], length)
         clip_ids = tokenizers["tokenizer_2"](
             captions, max_length=CLIP_TOKENS, truncation=True, padding="max_length", return_tensors="pt"
         ).input_ids
@@ -145,7 +143,8 @@ class Kandinsky5(FlowMatchingFamily):
         patch = denoiser.config.patch_size
         t, h, w = clips.shape[2:]
         visual_positions = [torch.arange(size, device=noisy.device) for size in (t, h // patch[1], w // patch[2])]
-        size = [int(side) for side in geometry[0, 4:6]]  # the batch's size in pixels (one bucket)
+        rope_scale = self.rope_scale(*(int(side) for side in geometry[0, 4:6]))  # the batch's size (one bucket)
+        sparse_params = self.sparse_attention(denoiser, latents)  # by the clip's shape alone
         groups, predictions = [], []
         for length in sorted(set(lengths.tolist())):
             rows = (lengths == length).nonzero().flatten()
@@ -158,8 +157,8 @@ class Kandinsky5(FlowMatchingFamily):
                     pooled_projections=pooled[rows],
                     visual_rope_pos=visual_positions,
                     text_rope_pos=torch.arange(text.shape[1], device=noisy.device),
-                    scale_factor=self.rope_scale(*size),
-                    sparse_params=self.sparse_attention(denoiser, latents[rows]),
+                    scale_factor=rope_scale,
+                    sparse_params=sparse_params,
                     return_dict=False,
                 )  # the prediction itself, not a tuple
             )

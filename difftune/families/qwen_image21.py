@@ -36,7 +36,7 @@ from diffusers import QwenImage21Pipeline, QwenImage21Transformer2DModel
 from transformers import Qwen3VLProcessor
 
 from difftune.config import Config
-from difftune.families.conditioning import valid_token_states
+from difftune.families.conditioning import padded_token_ids, valid_token_states
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.layouts import FusedLayout, kohya_blocks_of, kohya_globals_of
 from difftune.families.loading import FamilyOptions, load_without_video_processor
@@ -175,13 +175,13 @@ class QwenImage21(FlowMatchingFamily):
         `TEXT_TOKENS`."""
         tokenizer = tokenizers["processor"].tokenizer
         width, suffix = system_tokens(tokenizer) + TEXT_TOKENS, len(tokenizer(PROMPT_SUFFIX)["input_ids"])
-        ids = torch.full((len(captions), width), -1, dtype=torch.long)
-        for i, caption in enumerate(captions):
+        token_lists = []
+        for caption in captions:
             tokens = tokenizer(PROMPT_TEMPLATE.format(caption or " "))["input_ids"]
             if len(tokens) > width:
                 tokens = tokens[: width - suffix] + tokens[-suffix:]
-            ids[i, width - len(tokens) :] = torch.as_tensor(tokens)
-        return {"text_encoder": ids}
+            token_lists.append(tokens)
+        return {"text_encoder": padded_token_ids(token_lists, width, left=True)}
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         tokenizer = components.tokenizers["processor"].tokenizer
