@@ -217,6 +217,8 @@ PUBLISHED_SIZES = {
     # Kandinsky 5.0 Image Lite: "6B" (its model card); Qwen2.5-VL 7B as Qwen-Image's
     "kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers": {"transformer": (6.0, 0.03), "text_encoder": 8.29},
     "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers": {"transformer": (2.0, 0.03)},  # "Video Lite, 2B"
+    # Wan 2.1 I2V's image encoder: open_clip's ViT-H/14 vision tower, 632M (open_clip's model table)
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": {"image_encoder": 0.632},
 }
 
 
@@ -229,6 +231,7 @@ def test_a_kept_base_builds_the_published_model(base):
 
     components = plan.empty_components(Config(model=ModelConfig(base=base)))
     parts = {components.family.denoiser_name: components.denoiser, **components.text_encoders}
+    parts |= components.pixel_encoders
     for part, published_size in PUBLISHED_SIZES[base].items():
         billions, tolerance = published_size if isinstance(published_size, tuple) else (published_size, 0.02)
         size = sum(p.numel() for p in parts[part].parameters()) / 1e9

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from difftune.data.cache import model_identity
 from difftune.data.clips import FrameWindows
 from difftune.errors import DifftuneError
 from difftune.families.loading import FamilyOptions
@@ -100,6 +101,15 @@ class Conditioning:
         training view with the frozen autoencoder, cached beside its posterior, joined to the text conditioning.
         Nothing, for a base that reads text alone."""
         return {}
+
+    def latent_identity(self, components: Components) -> str:
+        """What every latent cache entry depends on besides its pixels: the autoencoder's weights and config, and where
+        the family conditions on a sample's own pixels (`pixel_conditioning`), the family and its pixel encoders too:
+        an image-to-video entry holds more than a text-to-video one of the same autoencoder (Wan 2.2's share it)."""
+        identity = model_identity(components.vae)
+        if type(self).pixel_conditioning is Conditioning.pixel_conditioning:
+            return identity
+        return "+".join([identity, self.name, *map(model_identity, components.pixel_encoders.values())])
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         """Captions -> token ids per text encoder (name -> (B, L)), padded and truncated as its pipeline does; where

@@ -64,6 +64,7 @@ class Drawing:
             **components.text_encoders,
             **components.tokenizers,
             **components.drawing_parts,
+            **components.pixel_encoders,
             scheduler=scheduler or components.noise_scheduler,
             **self.fixed_pipeline_arguments,
             **components.pipeline_options,

@@ -40,6 +40,9 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
     text_encoder_names: tuple[str, ...] = ("text_encoder",)
     tokenizer_names: tuple[str, ...] = ("tokenizer",)
     drawing_part_names: tuple[str, ...] = ()  # frozen pipeline parts drawing alone uses (`Components.drawing_parts`)
+    # Frozen pipeline parts that encode a sample's pixels beside the autoencoder, where the base has them
+    # (`Components.pixel_encoders`)
+    pixel_encoder_names: tuple[str, ...] = ()
     pipeline_options: tuple[str, ...] = ()  # pipeline config values a reassembled pipeline keeps
     fixed_pipeline_arguments: dict = {}  # what every pipeline of the family is built with
     options_model: type[FamilyOptions] = FamilyOptions  # what `model.family_options` may set

@@ -213,6 +213,9 @@ class Loading:
             text_encoders={name: getattr(pipeline, name) for name in self.text_encoder_names},
             tokenizers={name: getattr(pipeline, name) for name in self.tokenizer_names},
             drawing_parts={name: getattr(pipeline, name) for name in self.drawing_part_names},
+            pixel_encoders={
+                name: part for name in self.pixel_encoder_names if (part := getattr(pipeline, name, None)) is not None
+            },
             noise_scheduler=self.objective.training_scheduler(pipeline.scheduler),
             pipeline_options={key: pipeline.config[key] for key in self.pipeline_options if key in pipeline.config},
             family_options=options,

@@ -264,8 +264,9 @@ class Wan(ClipDrawing, FlowMatchingFamily):
         return denoiser.config.out_channels  # it patches them itself (an image-to-video one reads more channels in)
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
-        """An image's latents (B, C, h, w) as one-frame clips; a clip's (B, C, T, h, w) as they are."""
-        states = conditioning["encoder_hidden_states"]
+        """An image's latents (B, C, h, w) as one-frame clips; a clip's (B, C, T, h, w) as they are; an image-to-video
+        base's CLIP image states (`image_embeds`, Wan 2.1's) beside the text."""
+        states, image_states = conditioning["encoder_hidden_states"], conditioning.get("image_embeds")
         clip = noisy if noisy.dim() == 5 else noisy[:, :, None]
         if components.pipeline_options.get("expand_timesteps"):  # TI2V-5B: a time per latent token, as its pipeline
             p_t, p_h, p_w = components.denoiser.config.patch_size
@@ -275,6 +276,7 @@ class Wan(ClipDrawing, FlowMatchingFamily):
             hidden_states=clip.to(states.dtype),
             timestep=timesteps.to(states.dtype),
             encoder_hidden_states=states,
+            encoder_hidden_states_image=image_states.to(states.dtype) if image_states is not None else None,
             return_dict=False,
         )[0]
         return prediction if noisy.dim() == 5 else prediction[:, :, 0]

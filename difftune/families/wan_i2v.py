@@ -8,9 +8,15 @@ frame as its pipeline gives it the image to animate. Everything else is Wan's (w
   training window's own (flipped and cut with it), encoded with the same frozen autoencoder as the clip
   (`pixel_conditioning`): cached beside the clip's posterior, so a cached run trains as an uncached one. The loss covers
   every frame, the first too, as musubi-tuner's does.
-- Wan 2.2 I2V A14B: two experts (wan.py), switching at its `boundary_ratio` (0.9). Wan 2.1 I2V also reads CLIP image
-  states of the frame (`image_encoder`); that is refused by name for now, as is TI2V-5B's image-to-video mode (its first
-  frame replaces the latents' own, with a time of 0 there): TI2V-5B trains as text-to-video (wan.py).
+- Wan 2.1 I2V also reads CLIP image states of the first frame (`image_encoder`, a pixel encoder:
+  `Components.pixel_encoders`), made exactly as the pipeline's `encode_image` makes them from the image it animates:
+  the frame as 8-bit pixels through the pipeline's CLIP processor, the encoder's second-to-last hidden state. They join
+  the first frame's latents in `pixel_conditioning` (cached beside the clip's posterior), and the transformer reads them
+  through its cross-attention's image key and value projections, which the default targets adapt too (musubi-tuner's
+  `k_img`, `v_img`).
+- Wan 2.2 I2V A14B: two experts (wan.py), switching at its `boundary_ratio` (0.9), and no image encoder. TI2V-5B's
+  image-to-video mode (its first frame replaces the latents' own, with a time of 0 there) is refused by name for now:
+  TI2V-5B trains as text-to-video (wan.py).
 - Samples animate the image each prompt names: `{prompt = "...", controls = ["first_frame.png"]}`.
 """
 
@@ -24,6 +30,23 @@ from difftune.families.wan import Wan
 from difftune.models.autoencoders import encode_posterior
 from difftune.models.parts import Components
 
+# The cross-attention's projections of CLIP image states, in a transformer that reads them (Wan 2.1 I2V's).
+IMAGE_TARGETS = ["attn2.add_k_proj", "attn2.add_v_proj"]
+
+
+def clip_image_states(components: Components, frames: torch.Tensor) -> torch.Tensor:
+    """First frames (B, 3, H, W) in [-1, 1] read as `WanImageToVideoPipeline.encode_image` reads an image: as 8-bit
+    pixels through its CLIP processor, then the image encoder's second-to-last hidden state (B, tokens, D)."""
+    encoder, processor = components.pixel_encoders["image_encoder"], components.tokenizers["image_processor"]
+    weight = next(encoder.parameters())
+    if frames.is_meta:  # the memory plan's: the processor reads no meta tensor; only its output's shape counts
+        size = processor.crop_size
+        inputs = torch.zeros(len(frames), 3, size["height"], size["width"], device=frames.device)
+    else:
+        eight_bit = ((frames.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+        inputs = processor(images=list(eight_bit.permute(0, 2, 3, 1).cpu().numpy()), return_tensors="pt").pixel_values
+    return encoder(pixel_values=inputs.to(weight.device, weight.dtype), output_hidden_states=True).hidden_states[-2]
+
 
 class WanImageToVideo(Wan):
     name = "wan_i2v"
@@ -31,19 +54,24 @@ class WanImageToVideo(Wan):
     pipeline_class = WanImageToVideoPipeline
     pipeline_classes = ("WanImageToVideoPipeline",)
     needs_controls_to_draw = True  # the image it animates
+    pixel_encoder_names = ("image_encoder",)  # Wan 2.1's CLIP image encoder (Wan 2.2's bases have none)
 
     def components_of(self, pipeline, options) -> Components:
-        if getattr(pipeline, "image_encoder", None) is not None:
-            raise DifftuneError(
-                "a Wan 2.1 image-to-video base: its transformer also reads CLIP image states of the first frame "
-                "(`image_encoder`), which difftune does not train with yet; Wan 2.2 I2V A14B (no image encoder) trains"
-            )
         if pipeline.config.get("expand_timesteps"):
             raise DifftuneError(
                 "Wan 2.2 TI2V-5B's image-to-video mode is not trained yet; train it as text-to-video "
                 "(a WanPipeline folder of the same model)"
             )
-        return super().components_of(pipeline, options)
+        components = super().components_of(pipeline, options)
+        if components.pixel_encoders:  # Wan 2.1's CLIP image encoder reads the frame through the pipeline's processor
+            components.tokenizers["image_processor"] = pipeline.image_processor
+        return components
+
+    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
+        """Wan's targets, and where the transformer reads CLIP image states (Wan 2.1's), the cross-attention's image
+        key and value projections."""
+        targets = super().targets_of(part, model)
+        return targets + IMAGE_TARGETS if model.config.image_dim is not None else targets
 
     def prompt_control_problems(self, prompts: list) -> list[str]:
         """Every sample prompt names the one image it animates."""
@@ -60,10 +88,14 @@ class WanImageToVideo(Wan):
 
     def pixel_conditioning(self, components: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         """The first frame followed by black ones, as the pipeline's `prepare_latents`, encoded to its posterior's mode
-        (unnormalised, as the cache keeps posteriors): (B, C, t, h, w)."""
+        (unnormalised, as the cache keeps posteriors): (B, C, t, h, w); and, for a base with an image encoder, the
+        frame's CLIP image states (B, tokens, D)."""
         clip = pixels if pixels.dim() == 5 else pixels[:, :, None]
         video = torch.cat([clip[:, :, :1], torch.zeros_like(clip[:, :, 1:])], dim=2)
-        return {"first_frame_latents": encode_posterior(components.vae, video)[0]}
+        conditioning = {"first_frame_latents": encode_posterior(components.vae, video)[0]}
+        if components.pixel_encoders.get("image_encoder") is not None:
+            conditioning["image_embeds"] = clip_image_states(components, clip[:, :, 0])
+        return conditioning
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         condition = components.latent_normalization.apply(conditioning["first_frame_latents"].float())

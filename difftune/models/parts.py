@@ -67,6 +67,10 @@ class Components:
     # Frozen parts only the family's pipeline draws with (Ideogram 4's unconditional transformer), by their pipeline
     # names; None while released. Training never runs them: they wait in host memory for previews, or are released.
     drawing_parts: dict[str, torch.nn.Module | None] = field(default_factory=dict)
+    # Frozen parts that encode a sample's own pixels beside the autoencoder, for the family's `pixel_conditioning`
+    # (Wan 2.1 image-to-video's CLIP image encoder), by their pipeline names: loaded, placed, cached with and released
+    # as the autoencoder is (`encoder_placement`'s "vae").
+    pixel_encoders: dict[str, torch.nn.Module | None] = field(default_factory=dict)
 
     def parts(self) -> dict[str, torch.nn.Module | None]:
         """The denoiser and the text encoders by part name: what adapters attach to."""
@@ -76,15 +80,26 @@ class Components:
         """Every loaded model (released encoders and drawing parts left out)."""
         return [
             m
-            for m in (self.denoiser, self.vae, *self.text_encoders.values(), *self.drawing_parts.values())
+            for m in (
+                self.denoiser,
+                *self.autoencoders(),
+                *self.text_encoders.values(),
+                *self.drawing_parts.values(),
+            )
             if m is not None
         ]
 
     def encoders_loaded(self) -> bool:
         """Whether every part a pipeline needs is loaded (none released)."""
         return self.vae is not None and all(
-            m is not None for m in (*self.text_encoders.values(), *self.drawing_parts.values())
+            m is not None
+            for m in (*self.text_encoders.values(), *self.drawing_parts.values(), *self.pixel_encoders.values())
         )
+
+    def autoencoders(self) -> list[torch.nn.Module | None]:
+        """The autoencoder and the parts that encode pixels beside it (`pixel_encoders`): what the latent cache holds
+        the outputs of."""
+        return [self.vae, *self.pixel_encoders.values()]
 
     def pipeline(self, scheduler=None):
         """A text-to-image pipeline of the family over these components."""
@@ -175,7 +190,7 @@ def host_kept_encoders(components: Components, config: Config) -> list[torch.nn.
     """The loaded encoders `encoder_placement` keeps in host memory."""
     placement = encoder_placement(config)
     kept = (
-        ([components.vae] if placement["vae"] == "host" else [])
+        (components.autoencoders() if placement["vae"] == "host" else [])
         + (list(components.text_encoders.values()) if placement["text"] == "host" else [])
         + (list(components.drawing_parts.values()) if placement["drawing"] == "host" else [])
     )

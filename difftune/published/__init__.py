@@ -2,10 +2,11 @@
 a 50 GB download, offline.
 
 `bases.json` holds each published base by its hub id: its `model_index.json` and each part's `config.json` (a
-scheduler's `scheduler_config.json`), as its repository publishes them, less what difftune never loads (a safety
-checker, an image processor) and the values every reader takes at their defaults; a part shared by several bases
-(CLIP-L, T5-XXL, FLUX.1's autoencoder...) is named once in `parts.json`. Tokenizers keep the two facts a plan reads:
-their length and padding side. Each family names the base it is planned by when its own base is not on this
+scheduler's `scheduler_config.json`, an image processor's `preprocessor_config.json`), as its repository publishes
+them, less what difftune never loads (a safety checker, the image processor of a base that encodes no image) and the
+values every reader takes at their defaults; a part shared by several bases (CLIP-L, T5-XXL, FLUX.1's
+autoencoder...) is named once in `parts.json`. Tokenizers keep the two facts a plan reads: their length and padding
+side. Each family names the base it is planned by when its own base is not on this
 machine (`REFERENCE_BASES`). Where a number came from is said beside it (`_source`): the repository's config, or
 the diffusers model class's defaults where diffusers documents them as the published model's.
 
@@ -98,7 +99,9 @@ def config_folder(base: str) -> Path:
     (folder / "model_index.json").write_text(json.dumps(model_index(base), indent=1), encoding="utf-8")
     for name in _bases()[base]["parts"]:
         config = part_config(base, name)
-        file = "scheduler_config.json" if name == "scheduler" else "config.json"
+        file = {"scheduler": "scheduler_config.json", "image_processor": "preprocessor_config.json"}.get(
+            name, "config.json"
+        )
         (folder / name).mkdir()
         (folder / name / file).write_text(json.dumps(config, indent=1), encoding="utf-8")
     return folder

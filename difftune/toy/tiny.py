@@ -567,12 +567,20 @@ def build_umt5_encoder(vocab_size: int) -> UMT5EncoderModel:
 
 
 def build_wan_transformer(
-    layers: int = 2, heads: int = 2, head_dim: int = 16, in_channels: int = FLUX_LATENT_CHANNELS
+    layers: int = 2,
+    heads: int = 2,
+    head_dim: int = 16,
+    in_channels: int = FLUX_LATENT_CHANNELS,
+    image_dim: int | None = None,
 ) -> WanTransformer3DModel:
     """`layers` Wan blocks (self-attention over 1x2x2 patches of 16-channel latents, cross-attention to UMT5's states,
     an MLP) with their rotary axes split over (time, row, column) from the head's width, as Wan's. `in_channels`: an
-    image-to-video one's reads the first frame's mask and latents too (16 + the temporal factor + 16)."""
+    image-to-video one's reads the first frame's mask and latents too (16 + the temporal factor + 16); `image_dim`:
+    Wan 2.1 image-to-video's also reads CLIP image states of that width (its cross-attention's image key and value
+    projections, to the block's width as Wan 2.1 I2V's)."""
     return WanTransformer3DModel(
+        image_dim=image_dim,
+        added_kv_proj_dim=heads * head_dim if image_dim else None,
         patch_size=(1, 2, 2),
         num_attention_heads=heads,
         attention_head_dim=head_dim,

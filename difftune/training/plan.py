@@ -147,7 +147,8 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     source = config_source(config.model)  # once: a single file's keys are read to find it
     components = empty_components(config, source)
     dtypes = part_dtypes(config)
-    encoders = [module for module in (components.vae, *components.text_encoders.values()) if module is not None]
+    autoencoders = [module for module in components.autoencoders() if module is not None]
+    encoders = autoencoders + [module for module in components.text_encoders.values() if module is not None]
     drawing = [module for module in components.drawing_parts.values() if module is not None]
     # The encoders as they load: each part in the dtype the run keeps it in (`part_dtypes`); the drawing parts with
     # them where the run draws before its end (else loaded for the end samples alone).
@@ -170,7 +171,7 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
         )
     placement = encoder_placement(config)
     kept_at = {
-        where: [m for m in encoders if placement["vae" if m is components.vae else "text"] == where]
+        where: [m for m in encoders if placement["vae" if any(m is a for a in autoencoders) else "text"] == where]
         for where in ("device", "host")
     }
     # Drawing parts (Ideogram 4's unconditional transformer) never train: in host memory for previews, else released.
@@ -383,7 +384,9 @@ def empty_components(config: Config, source: tuple[Path, str] | None = None) -> 
             continue  # a setting (Krea 2's `text_encoder_select_layers`), or a part left out
         part_class = getattr(importlib.import_module(spec[0]), spec[1])
         if not issubclass(part_class, torch.nn.Module):
-            holds_text = kept and not (folder / name / "scheduler_config.json").is_file()
+            holds_text = kept and not any(
+                (folder / name / file).is_file() for file in ("scheduler_config.json", "preprocessor_config.json")
+            )
             parts[name] = (
                 LengthOnlyTokenizer(**published.tokenizer_settings(kept, name))
                 if holds_text
@@ -693,17 +696,17 @@ def _planned_frames(components: Components, config: Config) -> int:
 
 
 def _encoding_peak(components: Components, config: Config, dtype: torch.dtype) -> int:
-    """The activations of encoding a batch: the text encoders' and the autoencoder's, without gradients."""
+    """The activations of encoding a batch: the text encoders', the autoencoder's and the family's pixel
+    conditioning's, without gradients."""
     from difftune.models.autoencoders import encode_posterior
 
     ids, latents, full, frames = _inputs(components, config, dtype)
     side = config.data.resolution
+    pixels = torch.zeros(config.train.batch_size, 3, *((frames,) if frames else ()), side, side, device=META)
     with torch.no_grad(), _counting(full) as counter:
         components.family.encode_prompts(components, ids)
-        encode_posterior(
-            components.vae,
-            torch.zeros(config.train.batch_size, 3, *((frames,) if frames else ()), side, side, device=META),
-        )
+        encode_posterior(components.vae, pixels)
+        components.family.pixel_conditioning(components, pixels)
     return counter.peak
 
 
@@ -754,6 +757,7 @@ def _named_modules(components: Components) -> dict[str, torch.nn.Module]:
         "vae": components.vae,
         **components.text_encoders,
         **components.drawing_parts,
+        **components.pixel_encoders,
     }
     return {name: module for name, module in named.items() if module is not None}
 

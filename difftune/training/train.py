@@ -44,7 +44,6 @@ from difftune.data.cache import (
     fill_latents,
     fill_text,
     latent_entries,
-    model_identity,
     text_entries,
     text_identity,
 )
@@ -635,7 +634,7 @@ def _fill_caches(components: Components, tokenize, examples, sizes, controls, co
     encoding what is missing, shared out among the processes (`_cache_shares`)."""
     latent_files = control_files = text_files = None
     if config.cache.latents == "on":
-        vae_identity = model_identity(components.vae)
+        vae_identity = components.family.latent_identity(components)
         latent_files = latent_entries(examples, sizes, vae_identity, config)
         control_files = control_latent_entries(examples, controls, vae_identity, config)
     if config.cache.text == "on":
@@ -654,7 +653,8 @@ def _fill_caches(components: Components, tokenize, examples, sizes, controls, co
     for share, shares in _cache_shares(accelerator):
         mine = [i for i in range(len(all_files)) if i % shares == share]
         if mine:
-            components.vae.to(device)
+            for autoencoder in components.autoencoders():
+                autoencoder.to(device)
             fill_latents(
                 [paths[i] for i in mine],
                 [all_sizes[i] for i in mine],
@@ -707,6 +707,7 @@ def _release_unneeded(components: Components, config: Config) -> None:
     placement = encoder_placement(config)
     if placement["vae"] == "released":
         components.vae = None
+        components.pixel_encoders = dict.fromkeys(components.pixel_encoders)
     if placement["text"] == "released":
         components.text_encoders = dict.fromkeys(components.text_encoders)
     if placement["drawing"] == "released":
@@ -730,6 +731,8 @@ def _reload_released(components: Components, config: Config, device) -> None:
         components.text_encoders[name] = encoder or placed(loaded.text_encoders[name])
     for name, part in components.drawing_parts.items():
         components.drawing_parts[name] = part or placed(loaded.drawing_parts[name])
+    for name, part in components.pixel_encoders.items():
+        components.pixel_encoders[name] = part or placed(loaded.pixel_encoders[name])
 
 
 def _roll_back(run: Run, why: str) -> None:
