@@ -205,6 +205,18 @@ def _ernie_image_prompts(pipeline, prompts):
     return _padded_states(states)
 
 
+def _hunyuan_image_prompts(pipeline, prompts):
+    """The language model's states after the template and ByT5's glyph states, each with its mask (the padding of
+    both zeroed: the transformer masks it out)."""
+    states, mask, glyphs, glyph_mask = pipeline.encode_prompt(prompts, device="cpu", batch_size=len(prompts))
+    return {
+        "encoder_hidden_states": states * mask[..., None],
+        "text_mask": mask,
+        "encoder_hidden_states_2": glyphs * glyph_mask[..., None],
+        "text_mask_2": glyph_mask,
+    }
+
+
 def _ideogram4_prompts(pipeline, prompts):
     """The pipeline left-pads every caption to `max_sequence_length` in its packed sequence (`indicator` marks the
     text): its text features left-aligned, each caption's own."""
@@ -253,6 +265,7 @@ PIPELINE_PROMPTS = {
     "ideogram4": _ideogram4_prompts,
     "ernie_image": _ernie_image_prompts,
     "hidream": _hidream_prompts,
+    "hunyuan_image": _hunyuan_image_prompts,
     "wan": _wan_prompts,
     "wan_i2v": _wan_prompts,
 }
@@ -341,6 +354,9 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
     elif name == "kandinsky5":  # its own list of sizes set to the one drawn; the image (here latents) as `image`
         pipeline.resolutions = [(32, 32)]
         return pipeline(prompt=prompt, guidance_scale=3.0, negative_prompt="", **arguments).image[0].numpy()
+    elif name == "hunyuan_image":  # classifier-free guidance by its guider (the micro base keeps none)
+        pipeline.guider = ClassifierFreeGuidance(guidance_scale=3.0)
+        arguments |= {"negative_prompt": ""}
     elif name == "ideogram4":  # asymmetric guidance: w pos + (1 - w) neg, neg from its unconditional transformer
         arguments |= {"guidance_scale": 3.0, "guidance_schedule": None, "max_sequence_length": 64}
     elif name == "flux_kontext":  # guidance-distilled, as Kontext [dev]: the scale is its guidance embedding's input

@@ -217,6 +217,8 @@ PUBLISHED_SIZES = {
     # Kandinsky 5.0 Image Lite: "6B" (its model card); Qwen2.5-VL 7B as Qwen-Image's
     "kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers": {"transformer": (6.0, 0.03), "text_encoder": 8.29},
     "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers": {"transformer": (2.0, 0.03)},  # "Video Lite, 2B"
+    # "a 17B text-to-image model" (diffusers' page); ByT5-small's encoder, 218M (its 300M less the 4-layer decoder)
+    "hunyuanvideo-community/HunyuanImage-2.1-Diffusers": {"transformer": (17.0, 0.03), "text_encoder_2": (0.218, 0.03)},
     # Wan 2.1 I2V's image encoder: open_clip's ViT-H/14 vision tower, 632M (open_clip's model table)
     "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": {"image_encoder": 0.632},
 }

@@ -44,10 +44,10 @@ def valid_token_states(states: torch.Tensor, mask: torch.Tensor, skip: int, leng
     return {"encoder_hidden_states": kept_states, "text_mask": text_mask}
 
 
-def trimmed(conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One caption's `valid_token_states` without the padding past its text, as the text cache stores it: at full
-    length (512 x 3584 fp32 for Qwen-Image) an entry is 7 MB, a short caption's ~0.3 MB."""
-    valid = int(conditioning["text_mask"].sum())
+def trimmed(conditioning: dict[str, torch.Tensor], mask: str = "text_mask") -> dict[str, torch.Tensor]:
+    """One caption's `valid_token_states` without the padding past its text (its `mask`), as the text cache stores
+    it: at full length (512 x 3584 fp32 for Qwen-Image) an entry is 7 MB, a short caption's ~0.3 MB."""
+    valid = int(conditioning[mask].sum())
     return {name: tensor[:valid] for name, tensor in conditioning.items()}
 
 

@@ -26,8 +26,9 @@ from difftune.families.sd import CLIP_ATTENTION
 from difftune.models.parts import Components
 
 # diffusers' Flux LoRA script's default targets, plus the single blocks' MLP input, so that a single block's fused
-# `linear1` (q, k, v, MLP) is adapted whole: the kohya layout can then carry DoRA there too.
-TRANSFORMER_TARGETS = [
+# `linear1` (q, k, v, MLP) is adapted whole: the kohya layout can then carry DoRA there too. A double block's are
+# `DOUBLE_BLOCK_TARGETS`.
+DOUBLE_BLOCK_TARGETS = [
     "attn.to_q",
     "attn.to_k",
     "attn.to_v",
@@ -40,8 +41,8 @@ TRANSFORMER_TARGETS = [
     "ff.net.2",
     "ff_context.net.0.proj",
     "ff_context.net.2",
-    "proj_mlp",
 ]
+TRANSFORMER_TARGETS = [*DOUBLE_BLOCK_TARGETS, "proj_mlp"]
 T5_ATTENTION = ["q", "k", "v", "o"]
 
 # The original (BFL) model's layers in a block -> the diffusers modules each holds, in the order of its output rows
@@ -134,11 +135,16 @@ class FluxLayout(FusedLayout):
     embedding_keys = ("clip_l", "t5")
 
     def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
-        """A single block's `linear1` holds q, k, v and the MLP input, which is `MLP_RATIO` times as wide."""
-        if not modules[-1].endswith("proj_mlp"):
-            return super().fused_row_sizes(modules, rows, columns)
-        width = rows // (3 + MLP_RATIO)
-        return [width] * 3 + [rows - 3 * width]
+        return single_block_row_sizes(modules, rows) or super().fused_row_sizes(modules, rows, columns)
+
+
+def single_block_row_sizes(modules: list[str], rows: int) -> list[int] | None:
+    """A Flux-kind single block's `linear1` holds q, k, v and the MLP input, which is `MLP_RATIO` times as wide: its
+    rows per module (None for another fused layer, whose modules are alike)."""
+    if not modules[-1].endswith("proj_mlp"):
+        return None
+    width = rows // (3 + MLP_RATIO)
+    return [width] * 3 + [rows - 3 * width]
 
 
 class Flux(FlowMatchingFamily):

@@ -18,6 +18,8 @@ autoencoder whose latents
 - `AutoencoderKLQwenImage21` (Qwen-Image 2.1): the same kind at 16x with 64 channels, of RGBA images: an RGB image
   is encoded opaque (alpha 1, as its training script converts images to RGBA), and decoding keeps the RGB the rest
   of difftune reads (its pipeline returns the alpha too).
+- `AutoencoderKLHunyuanImage` (HunyuanImage 2.1): a KL autoencoder of images at 32x with 64 channels, normalised as
+  `AutoencoderKL` (one `scaling_factor`, no shift).
 - `AutoencoderKLFlux2` (FLUX.2): 32-channel latents at 8x, which the denoiser reads patched 2x2 into 128 channels
   (`patched`, as `Flux2Pipeline._patchify_latents`), normalised per patched channel by the autoencoder's own batch
   norm statistics (shift = `bn.running_mean`, scale = 1 / sqrt(`bn.running_var` + eps)). Everything outside this
@@ -33,6 +35,7 @@ import torch
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
+    AutoencoderKLHunyuanImage,
     AutoencoderKLHunyuanVideo,
     AutoencoderKLQwenImage,
     AutoencoderKLQwenImage21,
@@ -51,6 +54,7 @@ VAE_CLASSES = {
     "AutoencoderKLWan": AutoencoderKLWan,
     "AutoencoderKLQwenImage21": AutoencoderKLQwenImage21,
     "AutoencoderKLHunyuanVideo": AutoencoderKLHunyuanVideo,
+    "AutoencoderKLHunyuanImage": AutoencoderKLHunyuanImage,
 }
 # Latents with a time axis.
 VIDEO_AUTOENCODERS = (AutoencoderKLQwenImage, AutoencoderKLWan, AutoencoderKLQwenImage21, AutoencoderKLHunyuanVideo)

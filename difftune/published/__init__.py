@@ -49,6 +49,7 @@ REFERENCE_BASES = {
     "lumina2": "Alpha-VLLM/Lumina-Image-2.0",
     "ideogram4": "ideogram-ai/ideogram-v4",
     "ernie_image": "baidu/ERNIE-Image",
+    "hunyuan_image": "hunyuanvideo-community/HunyuanImage-2.1-Diffusers",
     "hidream": "HiDream-ai/HiDream-I1-Full",
     "wan": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
     "wan_i2v": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",

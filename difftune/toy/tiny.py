@@ -25,6 +25,7 @@ from diffusers import (
     AnimaTextConditioner,
     AutoencoderKL,
     AutoencoderKLFlux2,
+    AutoencoderKLHunyuanImage,
     AutoencoderKLHunyuanVideo,
     AutoencoderKLQwenImage,
     AutoencoderKLQwenImage21,
@@ -41,6 +42,7 @@ from diffusers import (
     FluxPipeline,
     FluxTransformer2DModel,
     HiDreamImageTransformer2DModel,
+    HunyuanImageTransformer2DModel,
     Ideogram4Transformer2DModel,
     Kandinsky5Transformer3DModel,
     Krea2Transformer2DModel,
@@ -58,6 +60,7 @@ from diffusers import (
 from PIL import Image, ImageDraw
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
+    ByT5Tokenizer,
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
@@ -427,17 +430,18 @@ def build_qwen_processor(tokenizer: Qwen2Tokenizer) -> Qwen2VLProcessor:
 
 
 def build_qwen_text_encoder(
-    tokenizer: Qwen2Tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE
+    tokenizer: Qwen2Tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 2
 ) -> Qwen2_5_VLForConditionalGeneration:
-    """A 2-layer Qwen2.5-VL language model with Qwen2.5-VL's multimodal rotary sections scaled to its head size, and a
-    1-block vision tower (run by the edit pipelines, whose prompts show images: the image tokens are `tokenizer`'s)."""
+    """A `layers`-layer Qwen2.5-VL language model with Qwen2.5-VL's multimodal rotary sections scaled to its head size,
+    and a 1-block vision tower (run by the edit pipelines, whose prompts show images: the image tokens are
+    `tokenizer`'s)."""
     heads, head_dim = 2, hidden_size // 2
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": len(tokenizer),
             "hidden_size": hidden_size,
             "intermediate_size": 2 * hidden_size,
-            "num_hidden_layers": 2,
+            "num_hidden_layers": layers,
             "num_attention_heads": heads,
             "num_key_value_heads": 1,
             "max_position_embeddings": 1024,
@@ -591,6 +595,50 @@ def build_wan_transformer(
         ffn_dim=2 * heads * head_dim,
         num_layers=layers,
         rope_max_seq_len=64,
+    )
+
+
+def build_byt5_tokenizer() -> ByT5Tokenizer:
+    """ByT5's tokenizer (bytes, no vocabulary file): HunyuanImage 2.1's glyph text reader."""
+    return ByT5Tokenizer()
+
+
+def build_hunyuan_image_vae(latent_channels: int = FLUX_LATENT_CHANNELS) -> AutoencoderKLHunyuanImage:
+    """HunyuanImage 2.1's autoencoder kind at 4x (its real one: 64 channels at 32x), scaling set by its caller."""
+    return AutoencoderKLHunyuanImage(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=latent_channels,
+        block_out_channels=(32, 64, 64),
+        layers_per_block=1,
+        spatial_compression_ratio=4,
+        sample_size=IMAGE_SIZE,
+        scaling_factor=1.0,
+    )
+
+
+def build_hunyuan_image_transformer(
+    layers: tuple[int, int] = (1, 1),
+    heads: int = 2,
+    head_dim: int = 16,
+    text_hidden_size: int = QWEN_HIDDEN_SIZE,
+    glyph_hidden_size: int = T5_HIDDEN_SIZE,
+) -> HunyuanImageTransformer2DModel:
+    """`layers` (double-stream, single-stream) HunyuanImage blocks over 16-channel latents, one token a latent pixel,
+    a one-block token refiner of the language model's states and a ByT5 projection; the rotary axes split the head
+    in two (row, column) as HunyuanImage 2.1's 64:64."""
+    return HunyuanImageTransformer2DModel(
+        in_channels=FLUX_LATENT_CHANNELS,
+        out_channels=FLUX_LATENT_CHANNELS,
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        num_layers=layers[0],
+        num_single_layers=layers[1],
+        num_refiner_layers=1,
+        patch_size=(1, 1),
+        text_embed_dim=text_hidden_size,
+        text_embed_2_dim=glyph_hidden_size,
+        rope_axes_dim=(head_dim // 2, head_dim // 2),
     )
 
 

@@ -33,6 +33,7 @@ from difftune.config import Config, parse_size
 from difftune.data.sources import data_source
 from difftune.errors import DifftuneError
 from difftune.files import pipeline_index
+from difftune.memory.checkpointing import enable_gradient_checkpointing
 from difftune.memory.storage import own_cast_buffers, storage_key
 from difftune.models.parts import Components
 from difftune.progress import process_status_bytes
@@ -157,11 +158,12 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     if dtypes.drawing_parts:
         encoders_loaded += drawing_loaded
     dtype = weight_dtype(config)
-    encoding = _encoding_peak(components, config, dtype)
+    text_encoding, pixel_encoding = _encoding_peaks(components, config, dtype)
+    encoding = max(text_encoding, pixel_encoding)
 
     add_adapters(components, config.adapter)
     if config.train.gradient_checkpointing:
-        components.denoiser.enable_gradient_checkpointing()
+        enable_gradient_checkpointing(components.denoiser)
     trained = [p for module in components.modules() for p in module.parameters() if p.requires_grad]
     cast_training_params(components.modules(), dtype=torch.float32)
     # On the meta device: the offloaded blocks' host buffers too (counted from the offloader); fp8 scales are 1.
@@ -198,11 +200,16 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     }
     if device_type == "cpu":
         on_device["heap growth (CPU allocator)"] = round((step - kept) * (CPU_HEAP_GROWTH - 1))
-    # Filling a cache: the encoders and their activations on the device, the denoiser not yet.
+    # Filling the caches: the autoencoders and their activations on the device for the latents, then the text
+    # encoders and theirs for the captions (train.py moves the autoencoders off in between), the denoiser not yet.
     caches = set(placement.values()) != {"device"}
-    caching = (
-        {"encoders (caching)": sum(_bytes(m) for m in encoders), "encoding activations": encoding} if caches else {}
-    )
+    text_encoders = [m for m in encoders if not any(m is a for a in autoencoders)]
+    filling = [
+        (sum(map(_bytes, autoencoders)), pixel_encoding) if config.cache.latents == "on" else (0, 0),
+        (sum(map(_bytes, text_encoders)), text_encoding) if config.cache.text == "on" else (0, 0),
+    ]
+    held, activations = max(filling, key=sum)
+    caching = {"encoders (caching)": held, "encoding activations": activations} if caches and held else {}
     device = on_device if sum(on_device.values()) >= sum(caching.values()) else caching
     offloaded = offloader.host_bytes if offloader is not None else 0
     previews = sum(map(_bytes, kept_at["host"]))
@@ -695,19 +702,20 @@ def _planned_frames(components: Components, config: Config) -> int:
     return max(windows.rounded(frames) for frames in windows.target_frames)
 
 
-def _encoding_peak(components: Components, config: Config, dtype: torch.dtype) -> int:
-    """The activations of encoding a batch: the text encoders', the autoencoder's and the family's pixel
-    conditioning's, without gradients."""
+def _encoding_peaks(components: Components, config: Config, dtype: torch.dtype) -> tuple[int, int]:
+    """The activations of encoding a batch, without gradients: the text encoders' (its captions), and the
+    autoencoder's with the family's pixel conditioning (its images)."""
     from difftune.models.autoencoders import encode_posterior
 
     ids, latents, full, frames = _inputs(components, config, dtype)
     side = config.data.resolution
     pixels = torch.zeros(config.train.batch_size, 3, *((frames,) if frames else ()), side, side, device=META)
-    with torch.no_grad(), _counting(full) as counter:
+    with torch.no_grad(), _counting(full) as text:
         components.family.encode_prompts(components, ids)
+    with torch.no_grad(), _counting(full) as images:
         encode_posterior(components.vae, pixels)
         components.family.pixel_conditioning(components, pixels)
-    return counter.peak
+    return text.peak, images.peak
 
 
 def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tuple[int, int]:

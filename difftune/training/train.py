@@ -65,6 +65,7 @@ from difftune.errors import DifftuneError
 from difftune.families import family_of, load_components, load_denoiser
 from difftune.families.drawing import generate_images, save_images
 from difftune.families.objective import training_noise_scheduler
+from difftune.memory.checkpointing import enable_gradient_checkpointing
 from difftune.memory.quantize import quantize_linear_layers
 from difftune.memory.storage import computed_copies_saved_as_stored
 from difftune.models.autoencoders import encode_posterior, reference_latents, sample_latents
@@ -665,6 +666,8 @@ def _fill_caches(components: Components, tokenize, examples, sizes, controls, co
                 [windows[i] for i in mine],
                 partial(components.family.pixel_conditioning, components),
             )
+            for autoencoder in components.autoencoders():  # off the device before the text encoders come (plan.py)
+                autoencoder.to("cpu")
         my_prompts = dict(prompt_files[share::shares])
         if my_prompts:
             for encoder in components.text_encoders.values():
@@ -937,7 +940,7 @@ def _configure_denoiser(denoiser, config: Config, device: torch.device) -> None:
         denoiser.to(memory_format=torch.channels_last)
     set_attention(denoiser, config.train.attention)
     if config.train.gradient_checkpointing:
-        denoiser.enable_gradient_checkpointing()
+        enable_gradient_checkpointing(denoiser)
 
 
 def _fp8_recipe():

@@ -129,18 +129,22 @@ class Validator:
                 torch.stack([items[i]["control_pixels"][k] for i in indices]).to(device)
                 for k in range(len(items[indices[0]].get("control_pixels", [])))
             ]  # per control: (N, 3, h, w)
+            # On `device` wherever the autoencoder waits (in host memory once the latent cache is filled).
             with torch.no_grad():
                 latents = (
-                    encode_latents(components.vae, pixels, generators).float().repeat_interleave(len(timesteps), dim=0)
+                    encode_latents(components.vae, pixels, generators)
+                    .float()
+                    .repeat_interleave(len(timesteps), dim=0)
+                    .to(device)
                 )
                 from_pixels = {
-                    name: value.repeat_interleave(len(timesteps), dim=0)
+                    name: value.repeat_interleave(len(timesteps), dim=0).to(device)
                     for name, value in family.pixel_conditioning(components, pixels).items()
                 }
                 control_latents = [
-                    reference_latents(
-                        encode_posterior(components.vae, control)[0], components.latent_normalization
-                    ).repeat_interleave(len(timesteps), dim=0)
+                    reference_latents(encode_posterior(components.vae, control)[0], components.latent_normalization)
+                    .repeat_interleave(len(timesteps), dim=0)
+                    .to(device)
                     for control in controls
                 ]
             self.groups.append(
