@@ -177,6 +177,22 @@ def test_cached_encoders_leave_the_device(make_config):
     assert released.device["encoders kept on the device"] == kept_on_host(released) == 0
 
 
+def test_the_caches_fill_one_encoder_kind_at_a_time(monkeypatch):
+    """The autoencoder leaves the device before the text encoders come to cache the captions (train.py), so the
+    caching phase holds the text encoders alone where they are the larger (Kandinsky 5's Qwen2.5-VL 7B and CLIP-L),
+    not the autoencoder beside them."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = load_config(REPO / "configs" / "kandinsky5_1024_lora.toml")
+    planned = plan.plan_memory(config, "cuda")
+    components = plan.empty_components(config)
+    text = sum(
+        t.numel() * 2 for m in components.text_encoders.values() for t in (*m.parameters(), *m.buffers())
+    )  # bf16, as the job loads them
+    vae = sum(p.numel() * 2 for p in components.vae.parameters())
+    assert planned.device["encoders (caching)"] == pytest.approx(text, rel=0.01)
+    assert planned.device["encoders (caching)"] < text + vae / 2
+
+
 def test_alike_blocks_are_bisected_to_the_count_each_count_tried_finds(make_config, monkeypatch):
     job = dict(model__base=str(REPO / "models" / "tiny-qwen_image"), data__resolution=64)
     peaks = [_plan(make_config, **job, model__offload_blocks=count).device_peak for count in range(5)]
