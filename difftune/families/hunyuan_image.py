@@ -57,8 +57,10 @@ TEMPLATE_TOKENS = 34
 TEXT_TOKENS = 1000  # the pipeline's `tokenizer_max_length`: caption tokens read after the template's start
 GLYPH_TOKENS = 128  # its `tokenizer_2_max_length`: ByT5's bytes of the quoted text
 SKIPPED_LAYERS = 2  # the language model's last layers the pipeline skips (`hidden_state_skip_layer`)
-# What the text cache trims to a caption's real tokens: each state with its mask.
-PER_TOKEN = {"encoder_hidden_states": "text_mask", "encoder_hidden_states_2": "text_mask_2"}
+# The language model's states and the glyph states, each with its mask: what the text cache trims to a caption's real
+# tokens.
+TEXT = ("encoder_hidden_states", "text_mask")
+GLYPHS = ("encoder_hidden_states_2", "text_mask_2")
 # Every double-stream block's attention and MLP projections (image and text streams), every single-stream block's
 # attention, MLP input and output: the blocks musubi-tuner adapts, not the caption's token refiner (which has no name
 # in ComfyUI's layout of the blocks). A single block's fused `linear1` (q, k, v and the MLP input) is adapted whole.
@@ -73,6 +75,10 @@ def padded_ids(tokenizer, texts: list[str], length: int) -> torch.Tensor:
     """`texts`' ids as the pipeline tokenizes them (padded to `length`, truncated), -1 at the padding."""
     encoded = tokenizer(texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
     return encoded.input_ids.masked_fill(encoded.attention_mask == 0, NO_TOKEN)
+
+
+def _picked(conditioning: dict[str, torch.Tensor], names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    return {name: conditioning[name] for name in names}
 
 
 class HunyuanImageLoraPipeline(HunyuanImagePipeline, CogView4LoraLoaderMixin):
@@ -184,18 +190,10 @@ class HunyuanImage(FlowMatchingFamily):
 
     def cached_conditioning(self, conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each text's real tokens alone: the language model's and the glyph text's."""
-        return {
-            name: value
-            for states, mask in PER_TOKEN.items()
-            for name, value in trimmed({states: conditioning[states], mask: conditioning[mask]}, mask).items()
-        }
+        return trimmed(_picked(conditioning, TEXT)) | trimmed(_picked(conditioning, GLYPHS), mask=GLYPHS[1])
 
     def uncached_conditioning(self, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {
-            name: value
-            for (states, mask), length in zip(PER_TOKEN.items(), (TEXT_TOKENS, GLYPH_TOKENS), strict=True)
-            for name, value in padded({states: stored[states], mask: stored[mask]}, length).items()
-        }
+        return padded(_picked(stored, TEXT), TEXT_TOKENS) | padded(_picked(stored, GLYPHS), GLYPH_TOKENS)
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """Both texts cut to the batch's longest (their padding is masked out); the glyph states left out where no

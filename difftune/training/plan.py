@@ -149,7 +149,8 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     components = empty_components(config, source)
     dtypes = part_dtypes(config)
     autoencoders = [module for module in components.autoencoders() if module is not None]
-    encoders = autoencoders + [module for module in components.text_encoders.values() if module is not None]
+    text_encoders = [module for module in components.text_encoders.values() if module is not None]
+    encoders = autoencoders + text_encoders
     drawing = [module for module in components.drawing_parts.values() if module is not None]
     # The encoders as they load: each part in the dtype the run keeps it in (`part_dtypes`); the drawing parts with
     # them where the run draws before its end (else loaded for the end samples alone).
@@ -173,7 +174,10 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
         )
     placement = encoder_placement(config)
     kept_at = {
-        where: [m for m in encoders if placement["vae" if any(m is a for a in autoencoders) else "text"] == where]
+        where: [
+            *(autoencoders if placement["vae"] == where else []),
+            *(text_encoders if placement["text"] == where else []),
+        ]
         for where in ("device", "host")
     }
     # Drawing parts (Ideogram 4's unconditional transformer) never train: in host memory for previews, else released.
@@ -203,7 +207,6 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     # Filling the caches: the autoencoders and their activations on the device for the latents, then the text
     # encoders and theirs for the captions (train.py moves the autoencoders off in between), the denoiser not yet.
     caches = set(placement.values()) != {"device"}
-    text_encoders = [m for m in encoders if not any(m is a for a in autoencoders)]
     filling = [
         (sum(map(_bytes, autoencoders)), pixel_encoding) if config.cache.latents == "on" else (0, 0),
         (sum(map(_bytes, text_encoders)), text_encoding) if config.cache.text == "on" else (0, 0),

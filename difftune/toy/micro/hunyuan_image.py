@@ -2,12 +2,11 @@
 encoder for quoted text, and a HunyuanImage transformer over a 4x autoencoder of its kind, scaled by its latents' std
 (the real one: 64 channels at 32x)."""
 
-import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from difftune.families.hunyuan_image import HunyuanImageLoraPipeline
-from difftune.models.autoencoders import encode_posterior
 from difftune.toy.micro import MicroSizes
+from difftune.toy.micro._kl import scaled_to
 from difftune.toy.tiny import (
     QWEN_HIDDEN_SIZE,
     build_byt5_tokenizer,
@@ -16,7 +15,6 @@ from difftune.toy.tiny import (
     build_qwen_text_encoder,
     build_qwen_tokenizer,
     build_t5_encoder,
-    set_latent_scaling,
 )
 
 # The family's text-to-image job in configs/ (`scripts/family_jobs.py` sweeps settings over them); CI runs it as
@@ -27,11 +25,7 @@ TEXT_LAYERS = 3  # the pipeline reads the third-to-last layer's states: 3 layers
 
 
 def autoencoder(pixels):
-    vae = build_hunyuan_image_vae()
-    with torch.no_grad():
-        latents = encode_posterior(vae, pixels)[0]
-    set_latent_scaling(vae, latents, shift=False)
-    return vae
+    return scaled_to(build_hunyuan_image_vae(), pixels, shift=False)
 
 
 def pipeline(vae, sizes: MicroSizes):
