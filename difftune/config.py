@@ -76,6 +76,7 @@ SHARED_FAMILY_MODULES = (
     "conditioning",
     "loading",
     "targets",
+    "hunyuan_text",
 )
 FAMILY_NAMES = tuple(
     sorted(

@@ -205,9 +205,9 @@ def _ernie_image_prompts(pipeline, prompts):
     return _padded_states(states)
 
 
-def _hunyuan_image_prompts(pipeline, prompts):
-    """The language model's states after the template and ByT5's glyph states, each with its mask (the padding of
-    both zeroed: the transformer masks it out)."""
+def _hunyuan_prompts(pipeline, prompts):
+    """HunyuanImage 2.1's and HunyuanVideo 1.5's: the language model's states after the template and ByT5's glyph
+    states, each with its mask (the padding of both zeroed: the transformer masks it out)."""
     states, mask, glyphs, glyph_mask = pipeline.encode_prompt(prompts, device="cpu", batch_size=len(prompts))
     return {
         "encoder_hidden_states": states * mask[..., None],
@@ -265,7 +265,9 @@ PIPELINE_PROMPTS = {
     "ideogram4": _ideogram4_prompts,
     "ernie_image": _ernie_image_prompts,
     "hidream": _hidream_prompts,
-    "hunyuan_image": _hunyuan_image_prompts,
+    "hunyuan_image": _hunyuan_prompts,
+    "hunyuan_video15": _hunyuan_prompts,
+    "hunyuan_video15_i2v": _hunyuan_prompts,
     "wan": _wan_prompts,
     "wan_i2v": _wan_prompts,
 }
@@ -354,6 +356,13 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
     elif name == "kandinsky5":  # its own list of sizes set to the one drawn; the image (here latents) as `image`
         pipeline.resolutions = [(32, 32)]
         return pipeline(prompt=prompt, guidance_scale=3.0, negative_prompt="", **arguments).image[0].numpy()
+    elif name.startswith("hunyuan_video15"):  # a one-frame clip, guided by its guider
+        pipeline.guider = ClassifierFreeGuidance(guidance_scale=3.0)
+        image = {}
+        if name == "hunyuan_video15_i2v":  # no size: it draws its image's, the nearest of its target size's
+            pipeline.target_size = arguments.pop("height")
+            image = {"image": CONTROL.resize((arguments.pop("width"), pipeline.target_size))}
+        return pipeline(prompt=prompt, num_frames=1, negative_prompt="", **image, **arguments).frames[0][:, 0].numpy()
     elif name == "hunyuan_image":  # classifier-free guidance by its guider (the micro base keeps none)
         pipeline.guider = ClassifierFreeGuidance(guidance_scale=3.0)
         arguments |= {"negative_prompt": ""}
@@ -431,7 +440,8 @@ def test_every_family_module_is_registered_and_complete():
         assert len(set(family.layout.kohya_prefixes.values())) == len(family.layout.kohya_prefixes), name
         assert [encoder for encoder, _ in family.encoder_tokenizers()] == list(family.text_encoder_names), name
         assert {tokenizer for _, tokenizer in family.encoder_tokenizers()} <= set(family.tokenizer_names), name
-        # Its pipeline is one it reads, or a subclass of one (HunyuanImage's adds a LoRA loader, saved as its parent).
+        # Its pipeline is one it reads, or a subclass of one (HunyuanImage's and HunyuanVideo 1.5's add a LoRA
+        # loader, saved as their parent).
         assert any(cls.__name__ in family.pipeline_classes for cls in family.pipeline_class.__mro__), name
 
 

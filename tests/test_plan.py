@@ -235,6 +235,11 @@ PUBLISHED_SIZES = {
     "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers": {"transformer": (2.0, 0.03)},  # "Video Lite, 2B"
     # "a 17B text-to-image model" (diffusers' page); ByT5-small's encoder, 218M (its 300M less the 4-layer decoder)
     "hunyuanvideo-community/HunyuanImage-2.1-Diffusers": {"transformer": (17.0, 0.03), "text_encoder_2": (0.218, 0.03)},
+    # "8.3B parameters" (HunyuanVideo 1.5's model card); Qwen2.5-VL 7B's language model alone, without its output head:
+    # Qwen2.5-7B's 7.61B (its model card) less 152064 x 3584
+    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": {"transformer": (8.3, 0.03), "text_encoder": 7.065},
+    # HunyuanVideo 1.5 I2V's image encoder: SigLIP so400m's vision tower, SoViT-400m/14, 428M ("Getting ViT in Shape")
+    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v": {"image_encoder": (0.428, 0.03)},
     # Wan 2.1 I2V's image encoder: open_clip's ViT-H/14 vision tower, 632M (open_clip's model table)
     "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": {"image_encoder": 0.632},
 }

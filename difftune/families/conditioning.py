@@ -58,6 +58,19 @@ def padded(stored: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tens
     }
 
 
+def processed_frames(processor, frames: torch.Tensor, encoder: torch.nn.Module, **options) -> torch.Tensor:
+    """First frames (B, 3, H, W) in [-1, 1] as an image-to-video pipeline's image processor reads the image it is
+    given: as 8-bit pixels (`options`: the pipeline's call's), in `encoder`'s device and dtype. On the meta device (the
+    memory plan's), zeros of the processed size: the processor reads no meta tensor, and only the shape counts."""
+    weight = next(encoder.parameters())
+    if frames.is_meta:
+        size = processor.crop_size if getattr(processor, "do_center_crop", False) else processor.size
+        return torch.zeros(len(frames), 3, size["height"], size["width"], device=weight.device, dtype=weight.dtype)
+    eight_bit = ((frames.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    images = list(eight_bit.permute(0, 2, 3, 1).cpu().numpy())
+    return processor(images=images, return_tensors="pt", **options).pixel_values.to(weight.device, weight.dtype)
+
+
 class Conditioning:
     # Where its text states are a language model's at each caption's tokens, zero-padded to this length with their
     # `text_mask` (`valid_token_states`): the text cache keeps the caption's tokens alone and pads them back. None:

@@ -149,6 +149,30 @@ class ClipDrawing:
         ).frames
 
 
+class ImageToVideoDrawing(ClipDrawing):
+    """An image-to-video family's drawing, before its text-to-video family (Wan's, HunyuanVideo 1.5's): each sample
+    prompt names the one image its clip animates (`{prompt = "...", controls = ["first_frame.png"]}`), given to the
+    pipeline as its `image`."""
+
+    needs_controls_to_draw = True
+
+    def draw_clips(self, pipeline, prompt, controls, height, width, frames, **arguments) -> list[list]:
+        return super().draw_clips(pipeline, prompt, controls, height, width, frames, image=controls[0], **arguments)
+
+    def prompt_control_problems(self, prompts: list) -> list[str]:
+        """Every sample prompt names the one image it animates."""
+        problems = []
+        for entry in prompts:
+            controls = [] if isinstance(entry, str) else entry.controls
+            text = entry if isinstance(entry, str) else entry.prompt
+            if len(controls) != 1:
+                problems.append(
+                    f"sample.prompts: {text!r} has {len(controls)} images; {self.description} pipelines "
+                    f'animate one: write it as {{prompt = {text!r}, controls = ["first_frame.png"]}}'
+                )
+        return problems
+
+
 def sampling_scheduler(name: str, components: Components):
     """The named sampler (`auto`: the family's default) over the model's own noise schedule."""
     return components.family.sampler(name).from_config(components.noise_scheduler.config)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
+from diffusers.loaders.lora_pipeline import CogView4LoraLoaderMixin
 from pydantic import ValidationError
 
 from difftune.config import ModelConfig, Section
@@ -28,6 +30,18 @@ from difftune.models.parts import AS_STORED, FP32_PARTS, SINGLE_FILE_SUFFIXES, C
 def config_folder(config: ModelConfig) -> str:
     """Where `config.base`'s configs are: its own folder or hub id, a single file's `single_file_config`."""
     return config.single_file_config if config.base.endswith(SINGLE_FILE_SUFFIXES) else config.base
+
+
+def with_transformer_lora_loading(pipeline_class: type) -> type:
+    """`pipeline_class` with diffusers' LoRA loading of a transformer-only pipeline (`load_lora_weights`, `fuse_lora`,
+    `set_adapters`), for a diffusers pipeline that ships none (HunyuanImage 2.1's, HunyuanVideo 1.5's): CogView 4's
+    mixin, whose conversions apply to CogView files alone, reads a `transformer.` file as the transformer's
+    `load_lora_adapter` does. `save_pipeline` writes it as `pipeline_class`, the class other tools load."""
+    return type(
+        f"{pipeline_class.__name__}WithLora",
+        (pipeline_class, CogView4LoraLoaderMixin),
+        {"_lora_loadable_modules": ["transformer"], "__module__": __name__},
+    )
 
 
 def load_without_video_processor(processor_class: type) -> None:
@@ -202,8 +216,13 @@ class Loading:
         return read_denoiser_file(path, self.layout.diffusers_names)
 
     def save_pipeline(self, pipeline, folder: Path) -> None:
-        """A pipeline of the family written as a diffusers folder, safetensors, that `load` reads back."""
+        """A pipeline of the family written as a diffusers folder, safetensors, that `load` reads back; one given LoRA
+        loading by `with_transformer_lora_loading` as the diffusers class it extends."""
         pipeline.save_pretrained(folder, safe_serialization=True)
+        if CogView4LoraLoaderMixin in type(pipeline).__bases__ and len(type(pipeline).__bases__) == 2:
+            index = Path(folder) / "model_index.json"
+            written = json.loads(index.read_text()) | {"_class_name": type(pipeline).__bases__[0].__name__}
+            index.write_text(json.dumps(written, indent=2) + "\n")
 
     def components_of(self, pipeline, options: FamilyOptions) -> Components:
         return Components(

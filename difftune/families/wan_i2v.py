@@ -26,6 +26,8 @@ import torch
 from diffusers import WanImageToVideoPipeline
 
 from difftune.errors import DifftuneError
+from difftune.families.conditioning import processed_frames
+from difftune.families.drawing import ImageToVideoDrawing
 from difftune.families.wan import Wan
 from difftune.models.autoencoders import encode_posterior
 from difftune.models.parts import Components
@@ -37,23 +39,16 @@ IMAGE_TARGETS = ["attn2.add_k_proj", "attn2.add_v_proj"]
 def clip_image_states(components: Components, frames: torch.Tensor) -> torch.Tensor:
     """First frames (B, 3, H, W) in [-1, 1] read as `WanImageToVideoPipeline.encode_image` reads an image: as 8-bit
     pixels through its CLIP processor, then the image encoder's second-to-last hidden state (B, tokens, D)."""
-    encoder, processor = components.pixel_encoders["image_encoder"], components.tokenizers["image_processor"]
-    weight = next(encoder.parameters())
-    if frames.is_meta:  # the memory plan's: the processor reads no meta tensor; only its output's shape counts
-        size = processor.crop_size
-        inputs = torch.zeros(len(frames), 3, size["height"], size["width"], device=frames.device)
-    else:
-        eight_bit = ((frames.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
-        inputs = processor(images=list(eight_bit.permute(0, 2, 3, 1).cpu().numpy()), return_tensors="pt").pixel_values
-    return encoder(pixel_values=inputs.to(weight.device, weight.dtype), output_hidden_states=True).hidden_states[-2]
+    encoder = components.pixel_encoders["image_encoder"]
+    inputs = processed_frames(components.tokenizers["image_processor"], frames, encoder)
+    return encoder(pixel_values=inputs, output_hidden_states=True).hidden_states[-2]
 
 
-class WanImageToVideo(Wan):
+class WanImageToVideo(ImageToVideoDrawing, Wan):
     name = "wan_i2v"
     description = "Wan 2.1 / 2.2 image-to-video"
     pipeline_class = WanImageToVideoPipeline
     pipeline_classes = ("WanImageToVideoPipeline",)
-    needs_controls_to_draw = True  # the image it animates
     pixel_encoder_names = ("image_encoder",)  # Wan 2.1's CLIP image encoder (Wan 2.2's bases have none)
 
     def components_of(self, pipeline, options) -> Components:
@@ -72,19 +67,6 @@ class WanImageToVideo(Wan):
         key and value projections."""
         targets = super().targets_of(part, model)
         return targets + IMAGE_TARGETS if model.config.image_dim is not None else targets
-
-    def prompt_control_problems(self, prompts: list) -> list[str]:
-        """Every sample prompt names the one image it animates."""
-        problems = []
-        for entry in prompts:
-            controls = [] if isinstance(entry, str) else entry.controls
-            text = entry if isinstance(entry, str) else entry.prompt
-            if len(controls) != 1:
-                problems.append(
-                    f"sample.prompts: {text!r} has {len(controls)} images; {self.description} pipelines "
-                    f'animate one: write it as {{prompt = {text!r}, controls = ["first_frame.png"]}}'
-                )
-        return problems
 
     def pixel_conditioning(self, components: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         """The first frame followed by black ones, as the pipeline's `prepare_latents`, encoded to its posterior's mode
@@ -107,14 +89,3 @@ class WanImageToVideo(Wan):
             components, torch.cat([clip, mask, condition.to(clip.dtype)], dim=1), timesteps, conditioning, geometry
         )
         return prediction if noisy.dim() == 5 else prediction[:, :, 0]
-
-    def draw_clips(self, pipeline, prompt, controls, height, width, frames, **arguments) -> list[list]:
-        return pipeline(
-            image=controls[0],
-            prompt=prompt,
-            height=height,
-            width=width,
-            num_frames=frames,
-            output_type="pil",
-            **arguments,
-        ).frames

@@ -15,6 +15,8 @@ autoencoder whose latents
   (T - 1) / `frames_per_latent` + 1.
 - `AutoencoderKLHunyuanVideo` (Kandinsky 5's video models): a causal video autoencoder of the same shape (4x in
   time, 8x in space), normalised by one `scaling_factor` (0.476986) as `AutoencoderKL`.
+- `AutoencoderKLHunyuanVideo15` (HunyuanVideo 1.5): a causal video autoencoder at 16x in space, 4x in time, with 32
+  channels, normalised by one `scaling_factor` (1.03682) as `AutoencoderKL`.
 - `AutoencoderKLQwenImage21` (Qwen-Image 2.1): the same kind at 16x with 64 channels, of RGBA images: an RGB image
   is encoded opaque (alpha 1, as its training script converts images to RGBA), and decoding keeps the RGB the rest
   of difftune reads (its pipeline returns the alpha too).
@@ -37,6 +39,7 @@ from diffusers import (
     AutoencoderKLFlux2,
     AutoencoderKLHunyuanImage,
     AutoencoderKLHunyuanVideo,
+    AutoencoderKLHunyuanVideo15,
     AutoencoderKLQwenImage,
     AutoencoderKLQwenImage21,
     AutoencoderKLWan,
@@ -55,9 +58,16 @@ VAE_CLASSES = {
     "AutoencoderKLQwenImage21": AutoencoderKLQwenImage21,
     "AutoencoderKLHunyuanVideo": AutoencoderKLHunyuanVideo,
     "AutoencoderKLHunyuanImage": AutoencoderKLHunyuanImage,
+    "AutoencoderKLHunyuanVideo15": AutoencoderKLHunyuanVideo15,
 }
 # Latents with a time axis.
-VIDEO_AUTOENCODERS = (AutoencoderKLQwenImage, AutoencoderKLWan, AutoencoderKLQwenImage21, AutoencoderKLHunyuanVideo)
+VIDEO_AUTOENCODERS = (
+    AutoencoderKLQwenImage,
+    AutoencoderKLWan,
+    AutoencoderKLQwenImage21,
+    AutoencoderKLHunyuanVideo,
+    AutoencoderKLHunyuanVideo15,
+)
 PATCHED_AUTOENCODERS = (AutoencoderKLFlux2,)  # latents read patched 2x2 into channels
 
 

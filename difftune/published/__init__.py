@@ -50,6 +50,8 @@ REFERENCE_BASES = {
     "ideogram4": "ideogram-ai/ideogram-v4",
     "ernie_image": "baidu/ERNIE-Image",
     "hunyuan_image": "hunyuanvideo-community/HunyuanImage-2.1-Diffusers",
+    "hunyuan_video15": "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
+    "hunyuan_video15_i2v": "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v",
     "hidream": "HiDream-ai/HiDream-I1-Full",
     "wan": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
     "wan_i2v": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
@@ -100,8 +102,12 @@ def config_folder(base: str) -> Path:
     (folder / "model_index.json").write_text(json.dumps(model_index(base), indent=1), encoding="utf-8")
     for name in _bases()[base]["parts"]:
         config = part_config(base, name)
-        file = {"scheduler": "scheduler_config.json", "image_processor": "preprocessor_config.json"}.get(
-            name, "config.json"
+        file = (
+            "scheduler_config.json"
+            if name == "scheduler"
+            else "preprocessor_config.json"
+            if "image_processor_type" in config  # an image processor's (Wan 2.1 I2V's, HunyuanVideo 1.5 I2V's)
+            else "config.json"
         )
         (folder / name).mkdir()
         (folder / name / file).write_text(json.dumps(config, indent=1), encoding="utf-8")

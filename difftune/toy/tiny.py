@@ -27,6 +27,7 @@ from diffusers import (
     AutoencoderKLFlux2,
     AutoencoderKLHunyuanImage,
     AutoencoderKLHunyuanVideo,
+    AutoencoderKLHunyuanVideo15,
     AutoencoderKLQwenImage,
     AutoencoderKLQwenImage21,
     AutoencoderKLWan,
@@ -43,6 +44,7 @@ from diffusers import (
     FluxTransformer2DModel,
     HiDreamImageTransformer2DModel,
     HunyuanImageTransformer2DModel,
+    HunyuanVideo15Transformer3DModel,
     Ideogram4Transformer2DModel,
     Kandinsky5Transformer3DModel,
     Krea2Transformer2DModel,
@@ -75,6 +77,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLTextConfig,
+    Qwen2_5_VLTextModel,
     Qwen2Tokenizer,
     Qwen2VLImageProcessor,
     Qwen2VLProcessor,
@@ -429,31 +433,44 @@ def build_qwen_processor(tokenizer: Qwen2Tokenizer) -> Qwen2VLProcessor:
     return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=low, max_pixels=high), tokenizer=tokenizer)
 
 
+def _qwen_text_config(vocab_size: int, hidden_size: int, layers: int) -> dict:
+    """A `layers`-layer Qwen2.5-VL language model's config, its multimodal rotary sections scaled to its head size."""
+    head_dim = hidden_size // 2
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 1024,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "mrope_section": [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16],
+        },
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,  # Qwen's ids are past this vocabulary
+    }
+
+
+def build_qwen_language_model(
+    tokenizer: Qwen2Tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 2
+) -> Qwen2_5_VLTextModel:
+    """`build_qwen_text_encoder`'s language model alone (HunyuanVideo 1.5's text encoder is Qwen2.5-VL's without its
+    vision tower)."""
+    return Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**_qwen_text_config(len(tokenizer), hidden_size, layers)))
+
+
 def build_qwen_text_encoder(
     tokenizer: Qwen2Tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 2
 ) -> Qwen2_5_VLForConditionalGeneration:
     """A `layers`-layer Qwen2.5-VL language model with Qwen2.5-VL's multimodal rotary sections scaled to its head size,
     and a 1-block vision tower (run by the edit pipelines, whose prompts show images: the image tokens are
     `tokenizer`'s)."""
-    heads, head_dim = 2, hidden_size // 2
     config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": hidden_size,
-            "intermediate_size": 2 * hidden_size,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": 1,
-            "max_position_embeddings": 1024,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 1000000.0,
-                "mrope_section": [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16],
-            },
-            "tie_word_embeddings": False,
-            "bos_token_id": None,
-            "eos_token_id": None,  # Qwen's ids are past this vocabulary
-        },
+        text_config=_qwen_text_config(len(tokenizer), hidden_size, layers),
         vision_config={
             "depth": 1,
             "hidden_size": 16,
@@ -601,6 +618,56 @@ def build_wan_transformer(
 def build_byt5_tokenizer() -> ByT5Tokenizer:
     """ByT5's tokenizer (bytes, no vocabulary file): HunyuanImage 2.1's glyph text reader."""
     return ByT5Tokenizer()
+
+
+def build_hunyuan_video15_transformer(
+    layers: int = 1,
+    heads: int = 2,
+    head_dim: int = 16,
+    text_hidden_size: int = QWEN_HIDDEN_SIZE,
+    glyph_hidden_size: int = T5_HIDDEN_SIZE,
+    latent_channels: int = FLUX_LATENT_CHANNELS,
+) -> HunyuanVideo15Transformer3DModel:
+    """`layers` HunyuanVideo 1.5 double-stream blocks, one token a latent pixel, reading the noisy latents, a
+    conditioning clip and its mask (2C + 1 channels), a one-block token refiner of the language model's states, a ByT5
+    projection and an image-state projection; the rotary axes split the head (time, row, column) as its 16:56:56."""
+    return HunyuanVideo15Transformer3DModel(
+        in_channels=2 * latent_channels + 1,
+        out_channels=latent_channels,
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        num_layers=layers,
+        num_refiner_layers=1,
+        text_embed_dim=text_hidden_size,
+        text_embed_2_dim=glyph_hidden_size,
+        image_embed_dim=16,
+        rope_axes_dim=(head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8),
+    )
+
+
+def build_hunyuan_video15_vae(latent_channels: int = FLUX_LATENT_CHANNELS) -> AutoencoderKLHunyuanVideo15:
+    """HunyuanVideo 1.5's causal video autoencoder kind with three blocks: 4x in space (its real one: 16x, 32
+    channels) and 4x in time (clips of 4k + 1 frames); scaling set by its caller."""
+    vae = AutoencoderKLHunyuanVideo15(
+        latent_channels=latent_channels,
+        block_out_channels=(16, 32, 2 * latent_channels),
+        layers_per_block=1,
+        spatial_compression_ratio=4,
+        temporal_compression_ratio=4,
+        scaling_factor=1.0,
+    )
+    vae.enable_slicing()  # one clip at a time (see families/hunyuan_video15.py)
+    return vae
+
+
+def build_hunyuan_video15_tokenizer() -> Qwen2Tokenizer:
+    """`build_qwen_tokenizer`'s, with merges that spell the words of HunyuanVideo 1.5's system message, and the chat
+    template its pipeline applies (Qwen2.5-VL's renders text turns as Qwen3-VL's does)."""
+    from difftune.families.hunyuan_video15 import SYSTEM_MESSAGE
+
+    tokenizer = _extended(build_qwen_tokenizer(), SYSTEM_MESSAGE, QWEN_SPECIAL_TOKENS)
+    tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_hunyuan_image_vae(latent_channels: int = FLUX_LATENT_CHANNELS) -> AutoencoderKLHunyuanImage:

@@ -1,0 +1,206 @@
+"""HunyuanVideo 1.5 text-to-video (`HunyuanVideo15Pipeline`): Tencent's 8.3B MMDiT (`HunyuanVideo15Transformer3DModel`:
+54 double-stream blocks over a token refiner of the caption) on the 32-channel latents of a causal video autoencoder
+(`AutoencoderKLHunyuanVideo15`: 16x in space, 4x in time), each latent pixel one token, conditioned on a Qwen2.5-VL
+language model and, for the text a caption quotes, on ByT5's glyph states. Trained by flow matching (flow.py) on clips
+(dataset.py cuts them into windows of frames) and images, each a one-frame clip.
+
+- Text, exactly as `HunyuanVideo15Pipeline.encode_prompt` (hunyuan_text.py, shared with HunyuanImage 2.1): the
+  caption as the user's turn after the pipeline's system message, through the tokenizer's chat template, padded to
+  the 108 + 1000 tokens the pipeline reads, the language model's third-to-last state with the first 108 dropped; and
+  ByT5's states of the text the caption quotes ("..." or Chinese quotes: `extract_glyph_texts`), 256 bytes. The
+  transformer always reads glyph states (at least one masked token where no caption of the batch quotes text).
+- Latents (B, 32, t, h, w) as the pipeline decodes them: the autoencoder's times its `scaling_factor` (no shift). The
+  transformer reads 65 channels: the noisy latents, the conditioning clip (zeros in text-to-video) and its mask
+  (zeros), as the pipeline passes them; and SigLIP image states, zeros in text-to-video, which it masks out (one
+  zero token instead of the pipeline's 729: masked, they change nothing). Time: the scheduler's timestep (0-1000),
+  the prediction the flow velocity.
+- The step-distilled model (meanflow: the next step's time too) is refused by name, as HunyuanImage 2.1's.
+- Samples: clips of `sample.frames` frames (images: one-frame clips) at the size asked, guided by the pipeline's
+  `guider`, a `ClassifierFreeGuidance` at `sample.guidance_scale` (on above 1; the model card's 6).
+- Files: diffusers' layout (`transformer.`; the pipeline has no LoRA loader, so the family's pipeline is
+  `HunyuanVideo15PipelineWithLora`: diffusers' generic transformer LoRA loading, saved as a
+  `HunyuanVideo15Pipeline`). The kohya layout is the original model's names, one for one (`double_blocks.0.img_attn_q`,
+  `txt_mlp.fc1`): musubi-tuner's `networks.lora_hv_1_5` files, `lora_unet_` + the name with `_`, the key ComfyUI's
+  loader maps for every weight of the model it loads. No single file is read or written yet (the original layout
+  splits and reorders weights outside the blocks: the token refiner's fused qkv, the output norm's halves).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from contextlib import contextmanager
+
+import torch
+from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
+from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts, format_text_input
+
+from difftune.errors import DifftuneError
+from difftune.families.conditioning import NO_TOKEN
+from difftune.families.drawing import ClipDrawing
+from difftune.families.flow import FlowMatchingFamily
+from difftune.families.flux import DOUBLE_BLOCK_TARGETS
+from difftune.families.hunyuan_text import HunyuanTextConditioning
+from difftune.families.layouts import RenamedLayout
+from difftune.families.loading import FamilyOptions, with_transformer_lora_loading
+from difftune.families.targets import targets_in_blocks
+from difftune.models.autoencoders import LatentNormalization
+from difftune.models.parts import Components
+
+# The pipeline's system message, as its prompt encoder's default (diffusers keeps it nowhere else but the instance).
+SYSTEM_MESSAGE = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
+# The pipeline's numbers (tests/test_families.py checks them against it): the template's tokens before the caption
+# that it drops (`prompt_template_encode_start_idx`), the caption's tokens it reads (`tokenizer_max_length`), ByT5's
+# bytes of the quoted text (`tokenizer_2_max_length`).
+TEMPLATE_TOKENS = 108
+TEXT_TOKENS = 1000
+GLYPH_TOKENS = 256
+# diffusers' module in a double-stream block -> the original model's (Tencent's, musubi-tuner's, ComfyUI's), as
+# diffusers' converter (scripts/convert_hunyuan_video1_5_to_diffusers.py) maps them.
+ORIGINAL_IN_BLOCK = {
+    "attn.to_q": "img_attn_q",
+    "attn.to_k": "img_attn_k",
+    "attn.to_v": "img_attn_v",
+    "attn.to_out.0": "img_attn_proj",
+    "attn.add_q_proj": "txt_attn_q",
+    "attn.add_k_proj": "txt_attn_k",
+    "attn.add_v_proj": "txt_attn_v",
+    "attn.to_add_out": "txt_attn_proj",
+    "ff.net.0.proj": "img_mlp.fc1",
+    "ff.net.2": "img_mlp.fc2",
+    "ff_context.net.0.proj": "txt_mlp.fc1",
+    "ff_context.net.2": "txt_mlp.fc2",
+    "norm1.linear": "img_mod.linear",
+    "norm1_context.linear": "txt_mod.linear",
+}
+BLOCK = re.compile(r"^transformer_blocks\.(\d+)\.(.+)$")
+IMAGE_TOKENS = 1  # the masked image states passed in text-to-video (see the module's docstring)
+
+
+class HunyuanVideo15Layout(RenamedLayout):
+    """HunyuanVideo 1.5's files in other tools' layouts (see the module's docstring)."""
+
+    kohya_prefixes = {"transformer": "lora_unet_"}
+    kohya_text_model_parts = ()
+    kohya_model_version = "hunyuan_video_1_5"
+    kohya_layout_name = "HunyuanVideo 1.5"
+
+    def original_name(self, module: str) -> str | None:
+        if match := BLOCK.match(module):
+            member = ORIGINAL_IN_BLOCK.get(match.group(2))
+            return f"double_blocks.{match.group(1)}.{member}" if member else None
+        return None  # outside the blocks: not adapted (musubi-tuner adapts the blocks alone)
+
+
+class HunyuanVideo15(HunyuanTextConditioning, ClipDrawing, FlowMatchingFamily):
+    name = "hunyuan_video15"
+    layout = HunyuanVideo15Layout()
+    description = "HunyuanVideo 1.5"
+    pipeline_class = with_transformer_lora_loading(HunyuanVideo15Pipeline)
+    pipeline_classes = ("HunyuanVideo15Pipeline",)
+    denoiser_class = HunyuanVideo15Transformer3DModel
+    denoiser_name = "transformer"
+    text_encoder_names = ("text_encoder", "text_encoder_2")
+    tokenizer_names = ("tokenizer", "tokenizer_2")
+    block_lists = ("transformer_blocks",)
+    default_targets = {"transformer": DOUBLE_BLOCK_TARGETS}  # Flux.1's double blocks' modules are these blocks' too
+    padded_text_tokens = TEXT_TOKENS
+    template_tokens = TEMPLATE_TOKENS
+    glyph_tokens = GLYPH_TOKENS
+    options_model = FamilyOptions  # no guidance embedding: classifier-free guidance
+    lora_text_encoders = ()  # the transformer's adapters alone (see the module's docstring)
+    reads_clips = True
+    # The guider a saved folder carries (diffusers' loader requires one): the model card's classifier-free guidance at
+    # 6, as diffusers' converter writes it; each sample is drawn with its own (`draw_clips`).
+    fixed_pipeline_arguments = {"guider": ClassifierFreeGuidance(guidance_scale=6.0)}
+
+    def components_of(self, pipeline, options) -> Components:
+        if pipeline.transformer is not None and pipeline.transformer.config.use_meanflow:
+            raise DifftuneError(
+                "a step-distilled HunyuanVideo 1.5 base (meanflow: the transformer reads the next step's time too): "
+                "its objective is its own and is not trained; train a base model "
+                "(hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v)"
+            )
+        if pipeline.vae is not None:
+            # diffusers' autoencoder broadcasts its mid-block's causal attention mask across a batch wrongly (a batch
+            # of two clips fails to encode or decode): one clip at a time, as its own slicing runs it.
+            pipeline.vae.enable_slicing()
+        return super().components_of(pipeline, options)
+
+    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
+        """Each double-stream block's layers by full name: the token refiner has layers of the same names, which
+        the original layout fuses (its `self_attn_qkv`) and musubi-tuner leaves out."""
+        return targets_in_blocks(model, {"transformer_blocks": DOUBLE_BLOCK_TARGETS})
+
+    def latent_channels(self, denoiser: torch.nn.Module) -> int:
+        return denoiser.config.out_channels  # it reads a conditioning clip and its mask beside them
+
+    def latent_normalization(self, vae) -> LatentNormalization:
+        return LatentNormalization(scale=float(vae.config.scaling_factor))  # the pipeline decodes without a shift
+
+    # Prompts and the transformer.
+
+    def templated_ids(self, tokenizer, captions: list[str]) -> torch.Tensor:
+        encoded = tokenizer.apply_chat_template(
+            format_text_input(captions, SYSTEM_MESSAGE),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            padding="max_length",
+            max_length=TEMPLATE_TOKENS + TEXT_TOKENS,
+            truncation=True,
+            return_tensors="pt",
+        )
+        return encoded["input_ids"].masked_fill(encoded["attention_mask"] == 0, NO_TOKEN)
+
+    def glyph_text(self, caption: str) -> str | None:
+        return extract_glyph_texts(caption)
+
+    def conditions(self, components: Components, clip: torch.Tensor, conditioning: dict) -> dict[str, torch.Tensor]:
+        """What the transformer reads beside the noisy clip (B, C, t, h, w): the conditioning clip and its mask
+        (B, C + 1, t, h, w) and the image states. Text-to-video's are empty: zeros, and one zero image state (masked:
+        the pipeline's 729 change nothing more)."""
+        return {
+            "clip": clip.new_zeros(clip.shape[0], clip.shape[1] + 1, *clip.shape[2:]),
+            "image_embeds": clip.new_zeros(len(clip), IMAGE_TOKENS, components.denoiser.config.image_embed_dim),
+        }
+
+    def denoise(self, components, noisy, timesteps, conditioning, geometry):
+        """An image's latents (B, C, h, w) as one-frame clips; a clip's (B, C, t, h, w) as they are; beside them the
+        conditioning clip with its mask, and the image states (`conditions`)."""
+        texts = self.text_arguments(conditioning, components.denoiser, least_glyphs=1)
+        dtype = texts["encoder_hidden_states"].dtype
+        clip = (noisy if noisy.dim() == 5 else noisy[:, :, None]).to(dtype)
+        conditions = self.conditions(components, clip, conditioning)
+        prediction = components.denoiser(
+            hidden_states=torch.cat([clip, conditions["clip"].to(dtype)], dim=1),
+            timestep=timesteps.to(dtype),
+            image_embeds=conditions["image_embeds"].to(dtype),
+            **texts,
+            return_dict=False,
+        )[0]
+        return prediction if noisy.dim() == 5 else prediction[:, :, 0]
+
+    # Sampling.
+
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """The pipeline's guider at this scale (see the module's docstring), with the negative prompt."""
+        guider = ClassifierFreeGuidance(guidance_scale=guidance_scale, enabled=guidance_scale > 1)
+        return {"guidance": guider, "negative_prompt": negative_prompt or None}
+
+    def draw_clips(self, pipeline, prompt, controls, height, width, frames, guidance=None, **arguments) -> list[list]:
+        with attributes_set(pipeline, guider=guidance):
+            return super().draw_clips(pipeline, prompt, controls, height, width, frames, **arguments)
+
+
+@contextmanager
+def attributes_set(pipeline, **attributes):
+    """`pipeline` with `attributes` set for one call (a sample's guider), then as it was."""
+    kept = {name: getattr(pipeline, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(pipeline, name, value)
+    try:
+        yield pipeline
+    finally:
+        for name, value in kept.items():
+            setattr(pipeline, name, value)
