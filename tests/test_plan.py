@@ -14,6 +14,7 @@ import torch
 from difftune.cli import main
 from difftune.config import load_config
 from difftune.errors import DifftuneError
+from difftune.models.parts import store_loaded_text_encoders
 from difftune.training import plan
 from difftune.training.train import train
 
@@ -69,6 +70,28 @@ def test_the_suggested_settings_fit_and_are_the_fewest(make_config):
     )
     assert fewer.device_peak > fp8.device_peak - 1
     assert plan.fitting_overrides(config, 1000, None, "cuda") is None  # a kilobyte fits nothing
+
+
+def test_fp8_text_encoders_are_tried_where_caching_the_captions_does_not_fit():
+    """HunyuanVideo 1.5's shipped job on a 12 GB GPU: filling the text cache is what does not fit (Qwen2.5-VL 7B's
+    language model in bf16 on the GPU); the one setting the plan adds is fp8 text encoders, which hold that model's
+    linear layers in a byte a weight (its embeddings and norms in bf16), and training is then the peak."""
+    config = load_config(str(REPO / "configs" / "hunyuan_video15_lora.toml"), [])
+    budget = 12 * 10**9
+    shipped = plan.plan_memory(config, "cuda")
+    assert "encoders (caching)" in shipped.device and shipped.device_peak > budget
+    overrides, fitted = plan.fitting_overrides(config, budget, None, "cuda")
+    assert overrides == ["model.text_encoder_dtype=fp8"]
+    assert fitted.device_peak <= budget and "frozen denoiser weights" in fitted.device
+    # As the plan holds them: each linear layer's weight in a byte, every other tensor in bf16.
+    fp8 = load_config(str(REPO / "configs" / "hunyuan_video15_lora.toml"), overrides)
+    components = plan.empty_components(fp8)
+    with torch.device("meta"), plan._counting(1):
+        store_loaded_text_encoders(components, fp8)
+    for encoder in components.text_encoders.values():
+        linear = sum(m.weight.numel() for m in encoder.modules() if isinstance(m, torch.nn.Linear))
+        everything = sum(t.numel() for t in (*encoder.parameters(), *encoder.buffers()))
+        assert plan._bytes(encoder, torch.bfloat16) == linear + 2 * (everything - linear)
 
 
 def test_plan_command_prints_the_plan_and_what_fits(tiny_base, shapes, capsys):

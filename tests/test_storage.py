@@ -85,6 +85,38 @@ def test_stored_training_is_training_of_the_rounded_base(make_config, tiny_base,
     assert all(layout["max_pixel_difference"] <= 1 for layout in parity["layouts"].values())
 
 
+def test_fp8_text_encoders_train_as_rounded_ones(make_config, tiny_base, tmp_path):
+    """`model.text_encoder_dtype = "fp8"` (the denoiser's weights as loaded): a run equals one on a base whose text
+    encoder's linear layers were rounded to fp8 the same way, a LoRA on the text encoder too (peft on the stored
+    layers); the encoder's layers really are stored in fp8, and the parity check reloads them so."""
+    settings = dict(
+        train__max_steps=4,
+        optim__learning_rate=1e-2,
+        sample__prompts=["a red circle"],
+        sample__parity=True,
+        adapter__text_encoder=True,
+    )
+    stored = train(make_config(model__text_encoder_dtype="fp8", train__output_dir=str(tmp_path / "stored"), **settings))
+    pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None)
+    _round_frozen_layers(pipeline.text_encoder.requires_grad_(False), torch.float8_e4m3fn)
+    pipeline.save_pretrained(tmp_path / "rounded-base", safe_serialization=True)
+    reference = train(
+        make_config(model__base=str(tmp_path / "rounded-base"), train__output_dir=str(tmp_path / "ref"), **settings)
+    )
+    assert stored.losses == pytest.approx(reference.losses, rel=1e-6)
+    expected = load_file(reference.trained_path)
+    written = load_file(stored.trained_path)
+    assert any(key.startswith("text_encoder.") for key in written)
+    for key, value in written.items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-6, atol=1e-7, msg=key)
+    encoder = stored.components.text_encoders["text_encoder"]
+    originals = [p for n, p in encoder.named_parameters() if n.endswith("parametrizations.weight.original")]
+    assert originals and all(p.dtype == torch.uint8 and not p.requires_grad for p in originals)
+    parity = json.loads((tmp_path / "stored" / "parity.json").read_text())
+    assert set(parity["layouts"]) == {"diffusers", "kohya"}
+    assert all(layout["max_pixel_difference"] <= 1 for layout in parity["layouts"].values())
+
+
 def _tiny_unet_with_lora(tiny_base):
     pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, safety_checker=None)
     unet = pipeline.unet.requires_grad_(False)

@@ -341,6 +341,16 @@ def store_loaded_denoiser(components: Components, config: Config) -> None:
                     )
 
 
+def store_loaded_text_encoders(components: Components, config: Config) -> None:
+    """Right after loading, with `model.text_encoder_dtype = "fp8"`: the text encoders' frozen linear layers stored
+    in fp8 and computed in the run's dtype, as the denoiser's are (storage.py); their other weights in that dtype."""
+    if config.model.text_encoder_dtype != "fp8":
+        return
+    for encoder in components.text_encoders.values():
+        if encoder is not None:
+            store_frozen_layers(encoder.requires_grad_(False), STORED_DTYPES["fp8"], weight_dtype(config))
+
+
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 

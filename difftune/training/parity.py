@@ -26,7 +26,7 @@ from difftune.config import Config
 from difftune.families import load_components
 from difftune.families.drawing import Sample, generate_images
 from difftune.memory.quantize import quantize_linear_layers
-from difftune.models.parts import place_frozen, stored_dtype
+from difftune.models.parts import place_frozen, store_loaded_text_encoders, stored_dtype
 
 PARITY_FILE = "parity.json"
 # Levels of 255. The reload runs the same computation, so 0 is expected; channels-last vs default layout may
@@ -154,6 +154,7 @@ def _fresh_components(config: Config, path: Path, device: torch.device, dtype: t
             config.model.model_copy(update={"base": str(path), "vae": "", "revision": "", "variant": ""})
         )
     components = load_components(config.model)
+    store_loaded_text_encoders(components, config)  # as training read its captions
     if config.model.quantize != "none":  # the file is checked on the base it was trained on
         quantize_linear_layers(components.denoiser, config.model.quantize, device, dtype)
     export.apply_adapters(components, [(path, 1.0)])

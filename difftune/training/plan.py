@@ -140,6 +140,7 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
         loads_encoders_first,
         part_dtypes,
         place_frozen,
+        store_loaded_text_encoders,
         stored_dtype,
         weight_dtype,
     )
@@ -159,6 +160,9 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     if dtypes.drawing_parts:
         encoders_loaded += drawing_loaded
     dtype = weight_dtype(config)
+    # Loaded in `dtypes.others` (counted above), then stored as the run stores them (fp8 text encoders).
+    with torch.device(META), _counting(1):
+        store_loaded_text_encoders(components, config)
     text_encoding, pixel_encoding = _encoding_peaks(components, config, dtype)
     encoding = max(text_encoding, pixel_encoding)
 
@@ -263,8 +267,9 @@ def fitting_overrides(
     config: Config, device_memory: int | None, host_memory: int | None, device_type: str | None = None
 ) -> tuple[list[str], MemoryPlan] | None:
     """The first settings, in the order other trainers' users reach for them, whose plan fits the budgets:
-    gradient checkpointing, then fp8 frozen weights, then offloaded blocks (the fewest that fit), then a smaller
-    batch with accumulation keeping the global batch. A setting the config refuses with the job's others (fp8 or
+    gradient checkpointing, then fp8 frozen weights, then (where caching the captions is what does not fit) fp8 text
+    encoders, then offloaded blocks (the fewest that fit), then a smaller batch with accumulation keeping the global
+    batch. A setting the config refuses with the job's others (fp8 or
     offloading in a full fine-tune...) or that changes nothing is skipped. Returns the overrides (empty: fits as
     it is) and their plan, or None when nothing fits."""
 
@@ -283,6 +288,14 @@ def fitting_overrides(
         plan = planned(overrides)
         if fits(plan):
             return overrides, plan
+    # Where filling the text cache is what does not fit (a 7B language model on the GPU), the text encoders in fp8:
+    # offloading the denoiser's blocks or a smaller batch would not change it.
+    text_fp8 = "model.text_encoder_dtype=fp8"
+    if "encoders (caching)" in plan.device and _changes(config, ladder[-1], text_fp8):
+        ladder.append(ladder[-1] + [text_fp8])
+        plan = planned(ladder[-1])
+        if fits(plan):
+            return ladder[-1], plan
     more = config.model.offload_blocks + 1
     if _changes(config, ladder[-1], f"model.offload_blocks={more}"):
         found = _fewest_offloaded_blocks(_with(config, ladder[-1]), fits, device_type, start=more)
@@ -359,7 +372,8 @@ def check_fits(config: Config, device_type: str) -> str | None:
         advice = (
             f"it would fit with {' '.join(fitting[0])}"
             if fitting and fitting[0]
-            else "no setting tried fits it (checkpointing, fp8 weights, offloaded blocks, smaller batches)"
+            else "no setting tried fits it (checkpointing, fp8 weights, fp8 text encoders, offloaded blocks, smaller "
+            "batches)"
         )
         raise DoesNotFit(
             f"the memory plan needs {_gib(peak).strip()} of host RAM while {phase}, and this machine has "

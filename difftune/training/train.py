@@ -80,6 +80,7 @@ from difftune.models.parts import (
     place_frozen,
     set_attention,
     store_loaded_denoiser,
+    store_loaded_text_encoders,
     stored_dtype,
     weight_dtype,
 )
@@ -723,6 +724,7 @@ def _reload_released(components: Components, config: Config, device) -> None:
     """Bring the released encoders (and drawing parts) back for the end-of-run samples and the saved full model,
     placed as the run placed them (in its frozen weights' dtype: the parity check reloads them so too)."""
     loaded = load_components(config.model, replace(part_dtypes(config), denoiser=None, drawing_parts=True))
+    store_loaded_text_encoders(loaded, config)
     dtype = weight_dtype(config)
 
     def placed(module: torch.nn.Module, is_vae: bool = False) -> torch.nn.Module:
@@ -879,6 +881,7 @@ def load_training_base(config: Config, with_denoiser: bool = True) -> Components
     components = load_components(model, dtypes if with_denoiser else replace(dtypes, denoiser=None))
     if model.training_adapter:
         components.merged_changes = merge_training_adapter(components, model.training_adapter)
+    store_loaded_text_encoders(components, config)
     if with_denoiser:
         store_loaded_denoiser(components, config)
     return components
