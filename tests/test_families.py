@@ -644,7 +644,7 @@ def _gguf_values(path: Path) -> dict[str, torch.Tensor]:
 READ_AT_PUBLISHED_WIDTHS_ONLY = {"flux", "flux_kontext", "chroma", "lumina2"}
 # Families whose transformer class diffusers' single-file reader does not take (`FromOriginalModelMixin`'s list):
 # checked against gguf's own dequantization alone.
-NO_DIFFUSERS_SINGLE_FILE_READER = {"kandinsky5", "kandinsky5_video"}
+NO_DIFFUSERS_SINGLE_FILE_READER = {"kandinsky5", "kandinsky5_video", "hunyuan_video15", "hunyuan_video15_i2v"}
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -21,8 +21,10 @@ language model and, for the text a caption quotes, on ByT5's glyph states. Train
   `HunyuanVideo15PipelineWithLora`: diffusers' generic transformer LoRA loading, saved as a
   `HunyuanVideo15Pipeline`). The kohya layout is the original model's names, one for one (`double_blocks.0.img_attn_q`,
   `txt_mlp.fc1`): musubi-tuner's `networks.lora_hv_1_5` files, `lora_unet_` + the name with `_`, the key ComfyUI's
-  loader maps for every weight of the model it loads. No single file is read or written yet (the original layout
-  splits and reorders weights outside the blocks: the token refiner's fused qkv, the output norm's halves).
+  loader maps for every weight of the model it loads. A single file is the transformer alone in the original layout
+  (Tencent's and ComfyUI's `diffusion_models` files), read and written by the converter's mapping inverted: the token
+  refiner's q, k and v fused as `self_attn_qkv`, the output modulation's halves swapped; the text encoders and the
+  autoencoder come from `model.single_file_config`.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from difftune.families.drawing import ClipDrawing
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.flux import DOUBLE_BLOCK_TARGETS
 from difftune.families.hunyuan_text import HunyuanTextConditioning
-from difftune.families.layouts import RenamedLayout
+from difftune.families.layouts import OriginalFileLayout, RenamedLayout
 from difftune.families.loading import FamilyOptions, with_transformer_lora_loading
 from difftune.families.targets import targets_in_blocks
 from difftune.models.autoencoders import LatentNormalization
@@ -73,17 +75,71 @@ ORIGINAL_IN_BLOCK = {
     "norm1.linear": "img_mod.linear",
     "norm1_context.linear": "txt_mod.linear",
 }
+NORMS_IN_BLOCK = {  # the query and key norms (no adapter reaches them; the single file holds them)
+    "attn.norm_q": "img_attn_q_norm",
+    "attn.norm_k": "img_attn_k_norm",
+    "attn.norm_added_q": "txt_attn_q_norm",
+    "attn.norm_added_k": "txt_attn_k_norm",
+}
 BLOCK = re.compile(r"^transformer_blocks\.(\d+)\.(.+)$")
+# The single file's tables (`OriginalFileLayout`): the converter's mapping, inverted. The token refiner's blocks fuse
+# q, k and v (`self_attn_qkv`); the output modulation's halves are in the other order.
+ORIGINAL_BLOCKS = {
+    "transformer_blocks": (
+        "double_blocks",
+        {original: [module] for module, original in (ORIGINAL_IN_BLOCK | NORMS_IN_BLOCK).items()},
+    ),
+    "context_embedder.token_refiner.refiner_blocks": (
+        "txt_in.individual_token_refiner.blocks",
+        {
+            "norm1": ["norm1"],
+            "self_attn_qkv": ["attn.to_q", "attn.to_k", "attn.to_v"],
+            "self_attn_proj": ["attn.to_out.0"],
+            "norm2": ["norm2"],
+            "mlp.fc1": ["ff.net.0.proj"],
+            "mlp.fc2": ["ff.net.2"],
+            "adaLN_modulation.1": ["norm_out.linear"],
+        },
+    ),
+}
+ORIGINAL_GLOBALS = {
+    "time_embed.timestep_embedder.linear_1": "time_in.mlp.0",
+    "time_embed.timestep_embedder.linear_2": "time_in.mlp.2",
+    "time_embed.timestep_embedder_r.linear_1": "time_r_in.mlp.0",  # the step-distilled model's
+    "time_embed.timestep_embedder_r.linear_2": "time_r_in.mlp.2",
+    "context_embedder.time_text_embed.timestep_embedder.linear_1": "txt_in.t_embedder.mlp.0",
+    "context_embedder.time_text_embed.timestep_embedder.linear_2": "txt_in.t_embedder.mlp.2",
+    "context_embedder.time_text_embed.text_embedder.linear_1": "txt_in.c_embedder.linear_1",
+    "context_embedder.time_text_embed.text_embedder.linear_2": "txt_in.c_embedder.linear_2",
+    "context_embedder.proj_in": "txt_in.input_embedder",
+    "context_embedder_2.norm": "byt5_in.layernorm",
+    "context_embedder_2.linear_1": "byt5_in.fc1",
+    "context_embedder_2.linear_2": "byt5_in.fc2",
+    "context_embedder_2.linear_3": "byt5_in.fc3",
+    "image_embedder.norm_in": "vision_in.proj.0",
+    "image_embedder.linear_1": "vision_in.proj.1",
+    "image_embedder.linear_2": "vision_in.proj.3",
+    "image_embedder.norm_out": "vision_in.proj.4",
+    "x_embedder.proj": "img_in.proj",
+    "cond_type_embed": "cond_type_embedding",
+    "norm_out.linear": "final_layer.adaLN_modulation.1",
+    "proj_out": "final_layer.linear",
+}
 IMAGE_TOKENS = 1  # the masked image states passed in text-to-video (see the module's docstring)
 
 
-class HunyuanVideo15Layout(RenamedLayout):
+class HunyuanVideo15Layout(OriginalFileLayout, RenamedLayout):
     """HunyuanVideo 1.5's files in other tools' layouts (see the module's docstring)."""
 
     kohya_prefixes = {"transformer": "lora_unet_"}
     kohya_text_model_parts = ()
     kohya_model_version = "hunyuan_video_1_5"
     kohya_layout_name = "HunyuanVideo 1.5"
+    single_file_layout = "transformer alone (original layout)"
+    denoiser_file_key = "vision_in.proj.0.weight"  # its SigLIP projection: HunyuanVideo 1.5's alone, every task's
+    original_blocks = ORIGINAL_BLOCKS
+    original_globals = ORIGINAL_GLOBALS
+    swapped_halves = ("norm_out.linear.weight", "norm_out.linear.bias")
 
     def original_name(self, module: str) -> str | None:
         if match := BLOCK.match(module):
@@ -110,6 +166,7 @@ class HunyuanVideo15(HunyuanTextConditioning, ClipDrawing, FlowMatchingFamily):
     options_model = FamilyOptions  # no guidance embedding: classifier-free guidance
     lora_text_encoders = ()  # the transformer's adapters alone (see the module's docstring)
     reads_clips = True
+    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
     # The guider a saved folder carries (diffusers' loader requires one): the model card's classifier-free guidance at
     # 6, as diffusers' converter writes it; each sample is drawn with its own (`draw_clips`).
     fixed_pipeline_arguments = {"guider": ClassifierFreeGuidance(guidance_scale=6.0)}

@@ -14,6 +14,9 @@ order of its output rows), `kohya_globals` for layers outside the blocks and, wh
 `fused_row_sizes`. Writing stacks the modules' downs and puts their ups block-diagonal (`kohya.fuse`), so the fused
 change is exactly the modules' changes; reading splits them back, or shares a trained fused down (`kohya.split`).
 
+The single files' tables and conversions are `OriginalFileLayout`'s, which a renamed layout mixes in too where its
+single files fuse what its adapters keep apart (HunyuanVideo 1.5's token refiner).
+
 Renamed one for one (`RenamedLayout`: Krea 2's, Wan's): each module under its original name (`original_name`).
 Not renamed at all (`DiffusersNamedLayout`: Qwen-Image's, HiDream's, ERNIE-Image's): the original names are diffusers'.
 
@@ -33,6 +36,8 @@ from difftune.models.denoiser_files import DENOISER_FILE_PREFIXES
 
 KOHYA_DENOISER_PREFIX = "lora_unet_"
 BLOCK = re.compile(r"^(\w+)\.(\d+)\.")  # a block's list and index: `single_transformer_blocks.3.`
+# The same where the list may be a dotted path: `txt_in.individual_token_refiner.blocks.0.`.
+LISTED_BLOCK = re.compile(r"^(.+?)\.(\d+)\.")
 
 OriginalBlocks = dict[str, tuple[str, dict[str, list[str]]]]
 
@@ -119,10 +124,13 @@ class Layout:
         return []
 
 
-class FusedLayout(Layout):
-    kohya_layout_name: str  # the original model's name, as messages name its layout ("Flux", "SD3")
-    kohya_blocks: dict[str, dict[str, list[str]]]  # block list -> {original name with `{i}`: its modules in the block}
-    kohya_globals: dict[str, list[str]] = {}  # original name -> the modules it holds, outside the blocks
+class OriginalFileLayout:
+    """Single files in the original layout, from the family's tables, before the layout class in its bases
+    (`FusedLayout`'s, and a renamed layout whose single files fuse what its adapters keep apart: HunyuanVideo 1.5's
+    token refiner). A block list may be a dotted path (`context_embedder.token_refiner.refiner_blocks`)."""
+
+    kohya_layout_name: str
+    denoiser_file_key: str | None
     # The original layout, where the family's single files use it: diffusers block list -> (the original block list,
     # {original layer: the diffusers modules it holds, in the order of its output rows}); outside the blocks,
     # diffusers module -> original layer; the weights whose two halves the original model holds in the other order
@@ -131,6 +139,90 @@ class FusedLayout(Layout):
     original_blocks: OriginalBlocks = {}
     original_globals: dict[str, str] = {}
     swapped_halves: tuple[str, ...] = ()
+
+    def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
+        """How a fused layer's `rows` output rows split among its `modules` (`columns`: its input width): evenly,
+        unless the family says otherwise."""
+        return [rows // len(modules)] * len(modules)
+
+    def to_single_file(self, components) -> dict[str, torch.Tensor]:
+        if not self.original_blocks:
+            return super().to_single_file(components)
+        return self.original_state_dict(components.denoiser.state_dict())
+
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A file in the original layout (it has `denoiser_file_key`) converted; diffusers' names as they are."""
+        return (
+            self.diffusers_state_dict(weights)
+            if self.original_blocks and self.denoiser_file_key in weights
+            else weights
+        )
+
+    def original_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The denoiser's weights in the original layout: each original layer's modules stacked by rows (q, k and v
+        fused), norm weights as `scale`, swapped halves in the original's order. Every weight is written once."""
+        weights, out = dict(weights), {}
+        for blocks, (kind, layers) in self.original_blocks.items():
+            indices = sorted(
+                {
+                    int(match.group(2))
+                    for key in weights
+                    if (match := LISTED_BLOCK.match(key)) and match.group(1) == blocks
+                }
+            )
+            for i in indices:
+                for original, modules in layers.items():
+                    for parameter in ("weight", "bias"):
+                        keys = [f"{blocks}.{i}.{module}.{parameter}" for module in modules]
+                        if keys[0] in weights:
+                            saved = "scale" if ".norm." in f".{original}" else parameter
+                            out[f"{kind}.{i}.{original}.{saved}"] = torch.cat([weights.pop(key) for key in keys])
+        for key, value in weights.items():
+            module, parameter = key.rsplit(".", 1)
+            if module not in self.original_globals:
+                raise DifftuneError(
+                    f"merge --single-file: {key} has no name in {self.kohya_layout_name}'s original layout"
+                )
+            if key in self.swapped_halves:
+                value = swap_halves(value)
+            out[f"{self.original_globals[module]}.{parameter}"] = value
+        return {key: value.contiguous() for key, value in out.items()}
+
+    def diffusers_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`original_state_dict` undone: a single file's original-layout weights under diffusers' names, each fused
+        layer split by rows as `fused_row_sizes` says."""
+        blocks_of = {kind: (blocks, layers) for blocks, (kind, layers) in self.original_blocks.items()}
+        module_of = {original: module for module, original in self.original_globals.items()}
+        out = {}
+        for key, value in weights.items():
+            layer, parameter = key.rsplit(".", 1)
+            match = LISTED_BLOCK.match(key)
+            if match and match.group(1) in blocks_of:
+                blocks, layers = blocks_of[match.group(1)]
+                modules = layers.get(layer[match.end() :])
+                if modules is None:
+                    raise DifftuneError(
+                        f"{key}: no layer of a {self.kohya_layout_name} {match.group(1)} block has this name; "
+                        "is this file of another model?"
+                    )
+                parameter = "weight" if parameter == "scale" else parameter
+                sizes = self.fused_row_sizes(modules, value.shape[0], value.shape[-1] if value.ndim > 1 else 0)
+                for module, rows in zip(modules, value.split(sizes), strict=True):
+                    out[f"{blocks}.{match.group(2)}.{module}.{parameter}"] = rows
+            elif layer in module_of:
+                name = f"{module_of[layer]}.{parameter}"
+                out[name] = swap_halves(value) if name in self.swapped_halves else value
+            else:
+                raise DifftuneError(
+                    f"{key}: not a layer of {self.kohya_layout_name}'s original layout; is this file of another model?"
+                )
+        return out
+
+
+class FusedLayout(OriginalFileLayout, Layout):
+    kohya_layout_name: str  # the original model's name, as messages name its layout ("Flux", "SD3")
+    kohya_blocks: dict[str, dict[str, list[str]]]  # block list -> {original name with `{i}`: its modules in the block}
+    kohya_globals: dict[str, list[str]] = {}  # original name -> the modules it holds, outside the blocks
 
     def kohya_table(self, denoiser_modules) -> dict[str, list[str]]:
         """Original (kohya) name -> the denoiser's modules (diffusers names) it holds, for every block that
@@ -164,82 +256,6 @@ class FusedLayout(Layout):
             f"the {self.kohya_layout_name} layout fuses q, k and v into "
             "one layer, and separate LoHa/LoKr factors have no fused form"
         )
-
-    def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
-        """How a fused layer's `rows` output rows split among its `modules` (`columns`: its input width): evenly,
-        unless the family says otherwise."""
-        return [rows // len(modules)] * len(modules)
-
-    # Single files in the original layout.
-
-    def to_single_file(self, components) -> dict[str, torch.Tensor]:
-        if not self.original_blocks:
-            return super().to_single_file(components)
-        return self.original_state_dict(components.denoiser.state_dict())
-
-    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A file in the original layout (it has `denoiser_file_key`) converted; diffusers' names as they are."""
-        return (
-            self.diffusers_state_dict(weights)
-            if self.original_blocks and self.denoiser_file_key in weights
-            else weights
-        )
-
-    def original_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The denoiser's weights in the original layout: each original layer's modules stacked by rows (q, k and v
-        fused), norm weights as `scale`, swapped halves in the original's order. Every weight is written once."""
-        weights, out = dict(weights), {}
-        for blocks, (kind, layers) in self.original_blocks.items():
-            indices = sorted(
-                {int(match.group(2)) for key in weights if (match := BLOCK.match(key)) and match.group(1) == blocks}
-            )
-            for i in indices:
-                for original, modules in layers.items():
-                    for parameter in ("weight", "bias"):
-                        keys = [f"{blocks}.{i}.{module}.{parameter}" for module in modules]
-                        if keys[0] in weights:
-                            saved = "scale" if ".norm." in f".{original}" else parameter
-                            out[f"{kind}.{i}.{original}.{saved}"] = torch.cat([weights.pop(key) for key in keys])
-        for key, value in weights.items():
-            module, parameter = key.rsplit(".", 1)
-            if module not in self.original_globals:
-                raise DifftuneError(
-                    f"merge --single-file: {key} has no name in {self.kohya_layout_name}'s original layout"
-                )
-            if key in self.swapped_halves:
-                value = swap_halves(value)
-            out[f"{self.original_globals[module]}.{parameter}"] = value
-        return {key: value.contiguous() for key, value in out.items()}
-
-    def diffusers_state_dict(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`original_state_dict` undone: a single file's original-layout weights under diffusers' names, each fused
-        layer split by rows as `fused_row_sizes` says."""
-        blocks_of = {kind: (blocks, layers) for blocks, (kind, layers) in self.original_blocks.items()}
-        module_of = {original: module for module, original in self.original_globals.items()}
-        out = {}
-        for key, value in weights.items():
-            layer, parameter = key.rsplit(".", 1)
-            match = BLOCK.match(key)
-            if match and match.group(1) in blocks_of:
-                blocks, layers = blocks_of[match.group(1)]
-                modules = layers.get(layer[match.end() :])
-                if modules is None:
-                    raise DifftuneError(
-                        f"{key}: no layer of a {self.kohya_layout_name} {match.group(1)} block has this name; "
-                        "is this file of another model?"
-                    )
-                parameter = "weight" if parameter == "scale" else parameter
-                sizes = self.fused_row_sizes(modules, value.shape[0], value.shape[-1] if value.ndim > 1 else 0)
-                for module, rows in zip(modules, value.split(sizes), strict=True):
-                    out[f"{blocks}.{match.group(2)}.{module}.{parameter}"] = rows
-            elif layer in module_of:
-                name = f"{module_of[layer]}.{parameter}"
-                out[name] = swap_halves(value) if name in self.swapped_halves else value
-            else:
-                raise DifftuneError(
-                    f"{key}: not a layer of {self.kohya_layout_name}'s original layout; is this file of another model?"
-                )
-        return out
 
 
 class DiffusersNamedLayout(Layout):
