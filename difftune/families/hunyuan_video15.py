@@ -176,7 +176,7 @@ class HunyuanVideo15(HunyuanTextConditioning, ClipDrawing, FlowMatchingFamily):
             raise DifftuneError(
                 "a step-distilled HunyuanVideo 1.5 base (meanflow: the transformer reads the next step's time too): "
                 "its objective is its own and is not trained; train a base model "
-                "(hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v)"
+                "(hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v or -480p_i2v)"
             )
         if pipeline.vae is not None:
             # diffusers' autoencoder broadcasts its mid-block's causal attention mask across a batch wrongly (a batch

@@ -40,7 +40,7 @@ def with_transformer_lora_loading(pipeline_class: type) -> type:
     return type(
         f"{pipeline_class.__name__}WithLora",
         (pipeline_class, CogView4LoraLoaderMixin),
-        {"_lora_loadable_modules": ["transformer"], "__module__": __name__},
+        {"_lora_loadable_modules": ["transformer"], "__module__": __name__, "saved_as": pipeline_class.__name__},
     )
 
 
@@ -219,10 +219,9 @@ class Loading:
         """A pipeline of the family written as a diffusers folder, safetensors, that `load` reads back; one given LoRA
         loading by `with_transformer_lora_loading` as the diffusers class it extends."""
         pipeline.save_pretrained(folder, safe_serialization=True)
-        if CogView4LoraLoaderMixin in type(pipeline).__bases__ and len(type(pipeline).__bases__) == 2:
+        if saved_as := getattr(type(pipeline), "saved_as", None):
             index = Path(folder) / "model_index.json"
-            written = json.loads(index.read_text()) | {"_class_name": type(pipeline).__bases__[0].__name__}
-            index.write_text(json.dumps(written, indent=2) + "\n")
+            index.write_text(json.dumps(json.loads(index.read_text()) | {"_class_name": saved_as}, indent=2) + "\n")
 
     def components_of(self, pipeline, options: FamilyOptions) -> Components:
         return Components(

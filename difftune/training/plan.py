@@ -70,6 +70,7 @@ class MemoryPlan:
     host: dict[str, int]  # at the host's highest phase
     configs: str = ""  # where the model's configs were read: a local folder, or the published base kept in difftune
     host_phases: dict[str, dict[str, int]] = field(default_factory=dict)  # each phase's, in the run's order
+    device_caching: int = 0  # the device's own peak while the caches fill (the encoders and their activations)
 
     @property
     def device_peak(self) -> int:
@@ -260,15 +261,15 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
         device = max(phases.values(), key=lambda held: sum(held.values()))
     phases = {phase: {"python and libraries": baseline, **held} for phase, held in phases.items()}
     host = max(phases.values(), key=lambda held: sum(held.values()))
-    return MemoryPlan(device_type, device, host, configs_read(config.model, source), phases)
+    return MemoryPlan(device_type, device, host, configs_read(config.model, source), phases, sum(caching.values()))
 
 
 def fitting_overrides(
     config: Config, device_memory: int | None, host_memory: int | None, device_type: str | None = None
 ) -> tuple[list[str], MemoryPlan] | None:
     """The first settings, in the order other trainers' users reach for them, whose plan fits the budgets:
-    gradient checkpointing, then fp8 frozen weights, then (where caching the captions is what does not fit) fp8 text
-    encoders, then offloaded blocks (the fewest that fit), then a smaller batch with accumulation keeping the global
+    gradient checkpointing, then fp8 frozen weights, then (where filling the caches does not fit) fp8 text encoders,
+    then offloaded blocks (the fewest that fit), then a smaller batch with accumulation keeping the global
     batch. A setting the config refuses with the job's others (fp8 or
     offloading in a full fine-tune...) or that changes nothing is skipped. Returns the overrides (empty: fits as
     it is) and their plan, or None when nothing fits."""
@@ -288,14 +289,16 @@ def fitting_overrides(
         plan = planned(overrides)
         if fits(plan):
             return overrides, plan
-    # Where filling the text cache is what does not fit (a 7B language model on the GPU), the text encoders in fp8:
-    # offloading the denoiser's blocks or a smaller batch would not change it.
+    # Where filling the caches does not fit either (a 7B language model on the GPU), the text encoders in fp8:
+    # offloading the denoiser's blocks or a smaller batch would not change that phase.
     text_fp8 = "model.text_encoder_dtype=fp8"
-    if "encoders (caching)" in plan.device and _changes(config, ladder[-1], text_fp8):
-        ladder.append(ladder[-1] + [text_fp8])
-        plan = planned(ladder[-1])
-        if fits(plan):
-            return ladder[-1], plan
+    caching_fits = device_memory is None or plan.device_type == "cpu" or plan.device_caching <= device_memory
+    if not caching_fits and _changes(config, ladder[-1], text_fp8):
+        ladder = [overrides + [text_fp8] for overrides in ladder]  # the fewest other settings with it
+        for overrides in ladder:
+            plan = planned(overrides)
+            if fits(plan):
+                return overrides, plan
     more = config.model.offload_blocks + 1
     if _changes(config, ladder[-1], f"model.offload_blocks={more}"):
         found = _fewest_offloaded_blocks(_with(config, ladder[-1]), fits, device_type, start=more)
