@@ -1,5 +1,4 @@
-"""HunyuanImage 2.1 against its own pipeline beyond the conformance suite: the glyph text ByT5 reads (quoted text) as
-the pipeline encodes it, the transformer fed as the pipeline's denoising loop feeds it, diffusers' own
+"""HunyuanImage 2.1 against its own pipeline beyond the conformance suite and tests/test_hunyuan_text.py: diffusers' own
 `HunyuanImagePipeline` (no LoRA loader of its own) drawing an adapter loaded on its transformer as difftune draws it,
 the kohya file in ComfyUI's HunyuanVideo block names, and the distilled model refused by name."""
 
@@ -13,7 +12,6 @@ from transformer_lora import assert_pipeline_draws_the_adapter, kohya_modules_re
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
-from difftune.models.autoencoders import downsampling
 
 FAMILY = FAMILIES["hunyuan_image"]
 PROMPTS = ['a sign that says "OPEN" in red', "a red circle"]  # one quoting text, one not
@@ -22,39 +20,6 @@ PROMPTS = ['a sign that says "OPEN" in red', "a red circle"]  # one quoting text
 @pytest.fixture(scope="module")
 def base(micro_base):
     return str(micro_base("hunyuan_image"))
-
-
-def test_the_transformer_is_fed_as_the_pipelines_loop_feeds_it(base):
-    """One unguided step from sigma 1 to 0 takes the noise to noise - velocity: the pipeline's latents equal the noise
-    less difftune's `denoise` of it, for a caption with quoted text and one without in one batch (both texts cut to
-    the batch's longest caption: their padding is masked out)."""
-    components = load_components(ModelConfig(base=base))
-    pipeline = components.pipeline()
-    noise = torch.randn(2, 16, 4, 6, generator=torch.Generator().manual_seed(0))
-    side = downsampling(components.vae)
-    prompts = PROMPTS
-    with torch.no_grad():
-        drawn = pipeline(
-            prompt=prompts,
-            height=4 * side,
-            width=6 * side,
-            num_inference_steps=1,
-            sigmas=[1.0],
-            latents=noise,
-            output_type="latent",
-        ).images
-        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, prompts))
-        velocity = FAMILY.denoise(components, noise, torch.tensor([1000.0, 1000.0]), conditioning, None)
-        without_glyphs = FAMILY.denoise(
-            components,
-            noise,
-            torch.tensor([1000.0, 1000.0]),
-            conditioning | {"text_mask_2": torch.zeros_like(conditioning["text_mask_2"])},
-            None,
-        )
-    torch.testing.assert_close(drawn, noise - velocity, rtol=0, atol=1e-5)
-    assert (without_glyphs[0] - velocity[0]).abs().max() > 1e-3  # the quoted text is read
-    torch.testing.assert_close(without_glyphs[1], velocity[1], rtol=0, atol=1e-5)
 
 
 def test_diffusers_own_pipeline_draws_the_adapter_as_difftune_does(make_config, base, tmp_path):

@@ -269,10 +269,9 @@ def fitting_overrides(
 ) -> tuple[list[str], MemoryPlan] | None:
     """The first settings, in the order other trainers' users reach for them, whose plan fits the budgets:
     gradient checkpointing, then fp8 frozen weights, then (where filling the caches does not fit) fp8 text encoders,
-    then offloaded blocks (the fewest that fit), then a smaller batch with accumulation keeping the global
-    batch. A setting the config refuses with the job's others (fp8 or
-    offloading in a full fine-tune...) or that changes nothing is skipped. Returns the overrides (empty: fits as
-    it is) and their plan, or None when nothing fits."""
+    then offloaded blocks (the fewest that fit), then a smaller batch with accumulation keeping the global batch. A
+    setting the config refuses with the job's others (fp8 or offloading in a full fine-tune...) or that changes
+    nothing is skipped. Returns the overrides (empty: fits as it is) and their plan, or None when nothing fits."""
 
     def fits(plan: MemoryPlan) -> bool:
         device_fits = device_memory is None or plan.device_type == "cpu" or plan.device_peak <= device_memory
