@@ -77,6 +77,7 @@ SHARED_FAMILY_MODULES = (
     "loading",
     "targets",
     "hunyuan_text",
+    "wan_experts",
 )
 FAMILY_NAMES = tuple(
     sorted(

@@ -129,8 +129,13 @@ def test_train_refuses_before_loading_a_run_the_ram_cannot_hold(make_config, mon
         r"fits it .*; train\.check_memory = false tries anyway",
     ):
         train(config)
-    # With room for the job less its training step, the refusal names the setting that brings the step within it.
-    room = needed.host_peak - needed.host["activations and gradients"] // 2
+    # With room between the job's peak and its checkpointed one (both planned now: the process has grown since, and
+    # its memory is in each plan), the refusal names the setting that brings the step within it.
+    needed = plan.plan_memory(config, "cpu")
+    checkpointed = plan.plan_memory(
+        config.model_copy(update={"train": config.train.model_copy(update={"gradient_checkpointing": True})}), "cpu"
+    )
+    room = (needed.host_peak + checkpointed.host_peak) // 2
     monkeypatch.setattr(plan, "_available_bytes", lambda: room)
     with pytest.raises(
         DifftuneError, match=r"while training, .*: it would fit with train\.gradient_checkpointing=true"
@@ -319,8 +324,10 @@ def test_every_shipped_config_is_planned_offline(path, monkeypatch):
 
 @pytest.mark.slow
 def test_the_plan_command_answers_for_qwen_image_before_the_download(monkeypatch, capsys):
-    """`difftune plan --config configs/qwen_image_1024_lora.toml --device-memory 24GB --host-memory 64GB`, offline: it
-    used to stop on "Qwen/Qwen-Image has no model_index.json". A GPU's memory asked about, it plans for a GPU."""
+    """`difftune plan --config configs/qwen_image_1024_lora.toml --device-memory 80GB --host-memory 128GB`, offline: it
+    used to stop on "Qwen/Qwen-Image has no model_index.json". A GPU's memory asked about, it plans for a GPU. (A
+    budget the job fits as shipped: the fitting ladder's other settings are tested on their own, and at 20B each plan
+    it tries costs CI seconds.)"""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert (
         main(
@@ -329,9 +336,9 @@ def test_the_plan_command_answers_for_qwen_image_before_the_download(monkeypatch
                 "--config",
                 str(REPO / "configs/qwen_image_1024_lora.toml"),
                 "--device-memory",
-                "24GB",
+                "80GB",
                 "--host-memory",
-                "64GB",
+                "128GB",
                 "--json",
             ]
         )
@@ -342,7 +349,7 @@ def test_the_plan_command_answers_for_qwen_image_before_the_download(monkeypatch
     assert answer["device_type"] == "cuda"
     # The transformer's 20.4B weights in bf16 are what the device holds most of (fp8 halves them).
     assert answer["device"]["frozen denoiser weights"] == pytest.approx(20.43e9 * 2, rel=0.01)
-    assert "fits_with" in answer
+    assert answer["fits_with"] == []
 
 
 def test_a_base_neither_here_nor_kept_is_refused_naming_what_to_do(make_config):

@@ -6,6 +6,7 @@ layout (musubi-tuner's `lora_unet_` files, ComfyUI's and other trainers' `diffus
 from __future__ import annotations
 
 import json
+import re
 from unittest.mock import patch
 
 import av
@@ -14,13 +15,14 @@ import pytest
 import torch
 from diffusers import UniPCMultistepScheduler, WanPipeline
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_wan_lora_to_diffusers
+from peft import LoraConfig
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from difftune.adapters import export
 from difftune.adapters.files import module_names_of, placed_on_base, read_adapter
-from difftune.config import ModelConfig, SampleConfig
+from difftune.config import ModelConfig, SampleConfig, load_config
 from difftune.data.clips import write_clip
 from difftune.data.dataset import CaptionedImages
 from difftune.errors import DifftuneError
@@ -356,8 +358,13 @@ def test_a_wan22_expert_trains_on_its_side_of_the_boundary_and_loads_where_diffu
         f'expert = "{expert}"', f'expert = "{"high_noise" if low else "low_noise"}"'
     )
     save_file(tensors, tmp_path / "other.safetensors", metadata | {"difftune_config": other_expert})
+    # A file of each expert loads on both (`expert = "both"`); files for one transformer and an expert do not.
+    both = export.base_for_adapters(a14b, [(trained, 1.0), (tmp_path / "other.safetensors", 1.0)])
+    assert both.family_options == {"expert": "both"}
+    auto = metadata["difftune_config"].replace(f'expert = "{expert}"', 'expert = "auto"')
+    save_file(tensors, tmp_path / "auto.safetensors", metadata | {"difftune_config": auto})
     with pytest.raises(DifftuneError, match="they go on different parts; load them one at a time"):
-        export.base_for_adapters(a14b, [(trained, 1.0), (tmp_path / "other.safetensors", 1.0)])
+        export.base_for_adapters(a14b, [(trained, 1.0), (tmp_path / "auto.safetensors", 1.0)])
     trained_expert, before = (
         (pipeline.transformer_2, base.transformer_2) if low else (pipeline.transformer, base.transformer)
     )
@@ -459,3 +466,176 @@ def test_wan22_ti2v_reads_a_time_per_token_over_its_own_patching_autoencoder(mak
         "diffusers": 0,
         "kohya": 0,
     }
+
+
+def test_both_wan22_experts_train_in_one_run_and_wan_pipeline_loads_them_on_both_transformers(
+    make_config, a14b, tmp_path
+):
+    """Wan 2.2 A14B, both experts in one run (`expert = "both"`): each batch's noise levels lie on one side of the
+    boundary and run on that side's expert, both experts learn, the run writes a file per expert in each layout (each
+    recording its expert), its parity check redraws with both files at 0 levels (fp8 weights, a block of each expert
+    offloaded), and diffusers' WanPipeline, given the
+    high-noise file on `transformer` and the low-noise one with `load_into_transformer_2=True`, draws what difftune
+    draws with them; `sample` and `merge` take the two files together."""
+    batches = []
+    denoise = FAMILY.denoise
+
+    def recording(components, noisy, timesteps, conditioning, geometry):
+        batches.append(timesteps.flatten().tolist())
+        return denoise(components, noisy, timesteps, conditioning, geometry)
+
+    config = make_config(
+        model__base=a14b,
+        model__family_options={"expert": "both"},
+        model__weight_dtype="fp8",  # the experts' frozen weights as A14B runs keep them, a block of each offloaded
+        model__offload_blocks=1,
+        train__max_steps=8,
+        optim__learning_rate=5e-2,
+        train__output_dir=str(tmp_path / "run"),
+        sample__prompts=["a red square"],
+        sample__steps=4,
+        export__average_last=2,
+        export__every_steps=4,
+    )
+    with patch.object(FAMILY, "denoise", side_effect=recording, autospec=False):
+        result = train(config)
+    training = batches[:8]
+    assert all(len({t < 875 for t in batch}) == 1 for batch in training), training  # one expert a step
+    assert {batch[0] < 875 for batch in training} == {True, False}, training  # both trained
+    run = tmp_path / "run"
+    written = {path.name for path in run.glob("*.safetensors")}
+    assert written == {  # every file of an expert ends in its name, as ai-toolkit's do
+        f"{stem}{variant}{suffix}.safetensors"
+        for stem in ("pytorch_lora_weights", "run")
+        for suffix in ("_high_noise", "_low_noise")
+        for variant in ("", *(("_avg",) if stem == "pytorch_lora_weights" else ()))
+    }, written
+    assert {path.name for path in (run / "snapshots").iterdir()} == {
+        f"step-{step:06d}_{expert}.safetensors" for step in (4, 8) for expert in ("high_noise", "low_noise")
+    }
+    assert result.trained_path == run / "pytorch_lora_weights_high_noise.safetensors"
+    resolved = load_config(run / "config.toml")  # what the UI reads a job's state from
+    assert export.result_files(resolved, run) == [
+        run / "pytorch_lora_weights_high_noise.safetensors",
+        run / "pytorch_lora_weights_low_noise.safetensors",
+    ]
+    parity = json.loads((run / "parity.json").read_text())
+    assert {layout: found["max_pixel_difference"] for layout, found in parity["layouts"].items()} == {
+        "diffusers": 0,
+        "kohya": 0,
+    }
+    high, low = (run / f"pytorch_lora_weights_{expert}.safetensors" for expert in ("high_noise", "low_noise"))
+    for path, expert in ((high, "high_noise"), (low, "low_noise")):
+        metadata = safe_open(str(path), "pt").metadata()
+        assert f'expert = "{expert}"' in metadata["difftune_config"]
+        assert all(key.startswith("transformer.blocks.") for key in load_file(path))
+
+    base = WanPipeline.from_pretrained(a14b, dtype=torch.float32)
+    theirs = WanPipeline.from_pretrained(a14b, dtype=torch.float32)
+    theirs.load_lora_weights(str(high))
+    theirs.load_lora_weights(str(low), load_into_transformer_2=True)
+    inputs = {
+        "hidden_states": torch.randn(1, 16, 1, 8, 8, generator=torch.Generator().manual_seed(1)),
+        "encoder_hidden_states": torch.randn(1, 512, 64),
+        "return_dict": False,
+    }
+    with torch.no_grad():  # each file moves its own expert
+        for part in ("transformer", "transformer_2"):
+            time = torch.tensor([500.0])
+            assert (
+                getattr(theirs, part)(**inputs, timestep=time)[0] - getattr(base, part)(**inputs, timestep=time)[0]
+            ).abs().max() > 1e-3
+    ours = export.load_with_adapters(a14b, [(high, 1.0), (low, 1.0)])
+    assert ours.family_options.expert == "both"
+    pipeline = ours.pipeline(UniPCMultistepScheduler.from_config(base.scheduler.config))
+    arguments = {
+        "prompt": "a red square",
+        "height": 32,
+        "width": 32,
+        "num_frames": 1,
+        "num_inference_steps": 4,
+        "output_type": "np",
+    }
+    drawn_ours = pipeline(**arguments, generator=torch.Generator().manual_seed(0)).frames
+    drawn_theirs = theirs(**arguments, generator=torch.Generator().manual_seed(0)).frames
+    assert np.abs(drawn_ours - drawn_theirs).max() * 255 <= 1
+    merged = export.merge_into_folder(a14b, [(high, 1.0), (low, 1.0)], tmp_path / "merged")[0]
+    merged_pipeline = WanPipeline.from_pretrained(merged, dtype=torch.float32)
+    merged_pipeline.scheduler = UniPCMultistepScheduler.from_config(base.scheduler.config)
+    drawn_merged = merged_pipeline(**arguments, generator=torch.Generator().manual_seed(0)).frames
+    assert np.abs(drawn_merged - drawn_theirs).max() * 255 <= 1
+
+
+def test_both_experts_route_each_sample_by_its_time_and_take_turns_on_the_device(a14b):
+    """The pair runs each sample on the expert its time picks (a mixed batch too: split and put back in order), as
+    the pipeline switches at `boundary_ratio`; a move to a device takes the trained weights and the resident
+    expert's frozen ones there, and leaves the other's in host memory."""
+    from difftune.families.wan_experts import WanExperts
+
+    components = load_components(ModelConfig(base=a14b, family_options={"expert": "both"}))
+    pair = components.denoiser
+    assert isinstance(pair, WanExperts) and components.drawing_parts == {}
+    generator = torch.Generator().manual_seed(0)
+    inputs = {
+        "hidden_states": torch.randn(3, 16, 1, 8, 8, generator=generator),
+        "encoder_hidden_states": torch.randn(3, 512, 64, generator=generator),
+        "return_dict": False,
+    }
+    times = torch.tensor([900.0, 100.0, 875.0])  # high, low, high (the pipeline: t >= boundary x 1000)
+    with torch.no_grad():
+        routed = pair(**inputs, timestep=times)[0]
+        for i, expert in enumerate((pair.transformer, pair.transformer_2, pair.transformer)):
+            alone = expert(
+                **{key: value[i : i + 1] if key != "return_dict" else value for key, value in inputs.items()},
+                timestep=times[i : i + 1],
+            )[0]
+            torch.testing.assert_close(routed[i : i + 1], alone, rtol=1e-5, atol=1e-6)
+        assert (pair.transformer(**inputs, timestep=times)[0] - routed).abs().max() > 1e-3  # two experts differ
+
+    pair.transformer_2.add_adapter(LoraConfig(r=2, target_modules=["attn1.to_q"]))
+    pair.to("meta")
+    waiting = [t for t in (*pair.transformer_2.parameters(), *pair.transformer_2.buffers()) if not t.requires_grad]
+    trained = [p for p in pair.transformer_2.parameters() if p.requires_grad]
+    assert all(t.is_meta for t in (*pair.transformer.parameters(), *pair.transformer.buffers()))
+    assert waiting and all(t.device.type == "cpu" for t in waiting)
+    assert trained and all(t.is_meta for t in trained)
+
+
+def test_the_plan_of_both_experts_holds_one_on_the_device_and_the_other_in_host_memory(make_config, a14b, tmp_path):
+    configs = {
+        expert: make_config(
+            model__base=a14b,
+            model__family_options={"expert": expert},
+            model__weight_dtype="fp8",
+            train__output_dir=str(tmp_path),
+        )
+        for expert in ("high_noise", "both")
+    }
+    plans = {expert: plan.plan_memory(config, "cuda") for expert, config in configs.items()}
+    one, both = plans["high_noise"], plans["both"]
+    assert both.device["frozen denoiser weights"] == one.device["frozen denoiser weights"]
+    assert both.device["trained weights"] == 2 * one.device["trained weights"]
+    expert = load_components(ModelConfig(base=a14b)).drawing_parts["transformer_2"]
+    fp8_weights = sum(
+        p.numel() * (1 if p.dim() > 1 else 4) for name, p in expert.named_parameters() if name.endswith(".weight")
+    )
+    assert both.host_phases["training"]["denoiser parts waiting"] == one.device["frozen denoiser weights"] > 0
+    assert both.host_phases["training"]["denoiser parts waiting"] < fp8_weights * 4  # stored, not fp32
+    assert (
+        "denoiser parts waiting" not in one.host_phases["training"]
+        or not one.host_phases["training"]["denoiser parts waiting"]
+    )
+
+
+def test_both_experts_refuse_what_cannot_take_turns(make_config, a14b, tmp_path):
+    for override, message in (
+        ({"model__quantize": "int8"}, 'model.quantize = "int8" with both experts'),
+        ({"model__base": str(tmp_path / "wan22.safetensors")}, "a single file holds one expert"),
+    ):
+        config = make_config(
+            **{"model__base": a14b, **override},
+            model__family_options={"expert": "both"},
+            train__output_dir=str(tmp_path),
+        )
+        with pytest.raises(DifftuneError, match=re.escape(message)):
+            FAMILY.check_config(config)

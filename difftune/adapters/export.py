@@ -41,6 +41,7 @@ from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.families.drawing import sampling_scheduler
 from difftune.families.family import Family
+from difftune.families.targets import AdapterFile
 from difftune.files import open_safetensors, replace_atomically
 from difftune.models.parts import DTYPES, Components, PartDtypes, quiet_loading
 
@@ -55,6 +56,15 @@ def trained_path(config: Config, output_dir: Path, variant: str = "") -> Path:
     """Where a run's result goes: `variant` is "" (raw weights), "_ema", "_avg", or "_best" / "_best_eval" (the
     lowest validation loss / highest judged score so far). An adapter's is its `export.format` file."""
     return variant_of(result_path(config.adapter.kind_type, config, Path(output_dir)), variant)
+
+
+def result_files(config: Config, output_dir: Path) -> list[Path]:
+    """The files (or full-model folder) a finished run's result is: an adapter's `trained_path`, or the files its
+    family writes of it (one per Wan 2.2 expert, `Family.adapter_file_suffixes`)."""
+    path = trained_path(config, output_dir)
+    if not config.adapter.is_adapter:
+        return [path]
+    return [variant_of(path, suffix) for suffix in family_of(config.model).adapter_file_suffixes(config)]
 
 
 @singledispatch
@@ -107,8 +117,19 @@ def save_kind(kind: AdapterKind, components: Components, config: Config, path: P
 
 @save_kind.register
 def _(kind: PeftAdapter, components: Components, config: Config, path: Path, layout: str) -> Path:
+    """The adapter file; where the family writes several (`adapter_files`), each beside `path` with its suffix, and
+    the first returned."""
+    written = [
+        write_adapter(variant_of(path, file.suffix), *file[1:3], file.config.to_toml(), layout, components.family)
+        for file in result_adapters(components, config)
+    ]
+    return written[0]
+
+
+def result_adapters(components: Components, config: Config) -> list[AdapterFile]:
+    """The trained adapter as the files a run writes of it (`Family.adapter_files`: one, or one per expert)."""
     tensors, lora_configs = adapter_state_dict(components, config.adapter)
-    return write_adapter(path, tensors, lora_configs, config.to_toml(), layout, components.family)
+    return components.family.adapter_files(tensors, lora_configs, config)
 
 
 @save_kind.register
@@ -126,17 +147,23 @@ def _(kind: TokenEmbedding, components: Components, config: Config, path: Path, 
 
 def save_adapter_layouts(
     components: Components, config: Config, output_dir: Path, variant: str = ""
-) -> dict[str, Path | str]:
+) -> dict[str, list[Path] | str]:
     """An adapter run's result in both layouts, whichever `export.format` chose (it names the primary file): one for
     diffusers and peft, one for ComfyUI, A1111 and kohya, so the folder holds a file each tool applies (ComfyUI maps
-    none of a Wan file's diffusers keys). {layout: the file, or why the layout cannot hold this adapter (LoHa/LoKr on
-    a family whose kohya layout fuses q, k and v)}; the primary layout must be written."""
-    tensors, lora_configs = adapter_state_dict(components, config.adapter)
-    written: dict[str, Path | str] = {}
+    none of a Wan file's diffusers keys). {layout: its files (one, or one per expert: `Family.adapter_files`), or why
+    the layout cannot hold this adapter (LoHa/LoKr on a family whose kohya layout fuses q, k and v)}; the primary
+    layout must be written."""
+    files = result_adapters(components, config)
+    written: dict[str, list[Path] | str] = {}
     for layout in (config.export.format, other_layout(config.export.format)):
         path = layout_path(output_dir, layout, variant)
         try:
-            written[layout] = write_adapter(path, tensors, lora_configs, config.to_toml(), layout, components.family)
+            written[layout] = [
+                write_adapter(
+                    variant_of(path, file.suffix), *file[1:3], file.config.to_toml(), layout, components.family
+                )
+                for file in files
+            ]
         except DifftuneError as err:
             if layout == config.export.format:
                 raise
@@ -146,16 +173,16 @@ def save_adapter_layouts(
 
 def save_result_files(
     components: Components, config: Config, output_dir: Path, variant: str = ""
-) -> dict[str, Path | str]:
+) -> dict[str, list[Path] | str]:
     """What a run saves as its result: an adapter in both layouts (`save_adapter_layouts`), else its one full model
     folder ("model") or embedding file ("embedding"), by what `where_files_go` calls them."""
     if config.adapter.is_adapter:
         return save_adapter_layouts(components, config, output_dir, variant)
     label = "model" if config.adapter.trains_all_weights else "embedding"
-    return {label: save_trained(components, config, trained_path(config, output_dir, variant))}
+    return {label: [save_trained(components, config, trained_path(config, output_dir, variant))]}
 
 
-def where_files_go(files: dict[str, Path | str]) -> list[str]:
+def where_files_go(files: dict[str, list[Path] | str]) -> list[str]:
     """The run's last lines: which of its files goes to which tool."""
     uses = {
         "diffusers": "diffusers and peft (`pipeline.load_lora_weights`), difftune sample / merge",
@@ -164,11 +191,11 @@ def where_files_go(files: dict[str, Path | str]) -> list[str]:
         "embedding": "A1111, ComfyUI (its models/embeddings folder) and diffusers (`load_textual_inversion`)",
     }
     lines = []
-    for layout, file in files.items():
-        if isinstance(file, Path):
-            lines.append(f"wrote {file}: for {uses[layout]}")
+    for layout, written in files.items():
+        if isinstance(written, str):
+            lines.append(f"no {layout}-layout file: {written}")
         else:
-            lines.append(f"no {layout}-layout file: {file}")
+            lines.append(f"wrote {' and '.join(str(file) for file in written)}: for {uses[layout]}")
     return lines
 
 
@@ -176,11 +203,11 @@ def check_layout(components: Components, config: Config) -> None:
     """Before training: the freshly attached adapter can be written in `export.format`, so a run cannot end
     unable to save what it trained (the kohya Flux layout fuses modules that must be adapted together)."""
     if config.adapter.is_adapter and config.export.format == "kohya":
-        tensors, lora_configs = adapter_state_dict(components, config.adapter)
-        try:
-            family_to_kohya(components.family, tensors, lora_configs)
-        except ValueError as err:
-            raise DifftuneError(f'export.format = "kohya": {err}') from None
+        for file in result_adapters(components, config):
+            try:
+                family_to_kohya(components.family, file.tensors, file.lora_configs)
+            except ValueError as err:
+                raise DifftuneError(f'export.format = "kohya": {err}') from None
 
 
 def write_adapter(
@@ -384,7 +411,7 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
                     tmp,
                     weight_name=staged.name,
                     adapter_name=names[-1],
-                    **components.family.lora_loading_arguments(components.family_options),
+                    **components.family.lora_loading_arguments(_file_placement(components, config_toml)),
                 )
     pipeline.set_adapters(names, adapter_weights=[scale for _, scale in adapters])
 
@@ -432,25 +459,41 @@ def _attach_lycoris(components: Components, tensors: dict, lora_configs: dict, n
 
 def base_for_adapters(base: str, adapters: list[tuple[Path, float]]) -> ModelConfig:
     """`base` as `adapters` need it loaded: with the family options that say where a difftune file's adapters go
-    (`Family.placement_options`: a Wan 2.2 expert's file onto that expert), as each file's recorded config has them.
-    Files recording different ones are refused by name; other tools' files record none (the family's default)."""
+    (`Family.placement_options`: a Wan 2.2 expert's file onto that expert), as each file's recorded config has them;
+    files for different parts load together where the family has a setting that holds both (`combined_placement`:
+    one file per Wan 2.2 expert), else are refused by name. Other tools' files record none (the family's default)."""
     config = ModelConfig(base=base)
-    names = family_of(config).placement_options
-    chosen: dict[str, tuple[object, Path]] = {}
-    for path, _ in adapters if names else ():
+    family = family_of(config)
+    recorded: dict[str, dict[object, Path]] = {}
+    for path, _ in adapters if family.placement_options else ():
         with open_safetensors(Path(path)) as handle:
-            recorded = (handle.metadata() or {}).get(CONFIG_METADATA_KEY, "")
-        options = tomllib.loads(recorded).get("model", {}).get("family_options", {}) if recorded else {}
-        for name in names:
-            if name not in options:
-                continue
-            value, first = chosen.setdefault(name, (options[name], path))
-            if value != options[name]:
-                raise DifftuneError(
-                    f"adapters {first} and {path} were trained with model.family_options.{name} = {value!r} and "
-                    f"{options[name]!r}: they go on different parts; load them one at a time"
-                )
-    return config.model_copy(update={"family_options": {name: value for name, (value, _) in chosen.items()}})
+            options = _recorded_options((handle.metadata() or {}).get(CONFIG_METADATA_KEY, ""))
+        for name in family.placement_options:
+            if name in options:
+                recorded.setdefault(name, {}).setdefault(options[name], path)
+    chosen = {}
+    for name, values in recorded.items():
+        chosen[name] = next(iter(values)) if len(values) == 1 else family.combined_placement(name, set(values))
+        if chosen[name] is None:
+            (first, value), (second, other) = [(path, value) for value, path in values.items()][:2]
+            raise DifftuneError(
+                f"adapters {first} and {second} were trained with model.family_options.{name} = {value!r} and "
+                f"{other!r}: they go on different parts; load them one at a time"
+            )
+    return config.model_copy(update={"family_options": chosen})
+
+
+def _recorded_options(config_toml: str) -> dict:
+    """The family options a difftune file's recorded config has (none for other tools' files)."""
+    return tomllib.loads(config_toml).get("model", {}).get("family_options", {}) if config_toml else {}
+
+
+def _file_placement(components: Components, config_toml: str):
+    """The family options that say where a file's adapters go: as it records them (`Family.placement_options`: a
+    Wan 2.2 expert's file onto that expert), else as the components were loaded."""
+    recorded = _recorded_options(config_toml)
+    placed = {name: recorded[name] for name in components.family.placement_options if name in recorded}
+    return components.family_options.model_copy(update=placed) if placed else components.family_options
 
 
 def load_with_adapters(base: str, adapters: list[tuple[Path, float]], dtype: torch.dtype = torch.float32) -> Components:
@@ -488,10 +531,10 @@ def merge_adapters(components: Components, adapters: list[tuple[Path, float]], d
         apply_adapters(components, adapters)
         pipeline = components.pipeline()
         family = components.family
-        parts = [
-            family.denoiser_part(components.family_options) if part == family.denoiser_name else part
-            for part in family.adapter_parts()
-        ]  # as the pipeline names them
+        parts = [  # as the pipeline names them
+            *family.denoiser_pipeline_parts(components),
+            *(part for part in family.adapter_parts() if part != family.denoiser_name),
+        ]
         pipeline.fuse_lora(components=parts, lora_scale=1.0)
         pipeline.unload_lora_weights()
     for module in components.modules():

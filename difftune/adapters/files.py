@@ -228,6 +228,8 @@ def module_names_of(components) -> BaseModules:
     adapter is named as in the base (peft moves the original to `<name>.base_layer`)."""
     names = {}
     for part, model in components.parts().items():
+        if part == components.family.denoiser_name:  # files name an expert's own modules (a Wan 2.2 pair's: either)
+            model = next(iter(components.family.denoiser_pipeline_parts(components).values()))
         layers = [
             name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))
         ]

@@ -56,10 +56,15 @@ class Drawing:
             )
         return self.samplers[name]
 
+    def denoiser_pipeline_parts(self, components: Components) -> dict[str, torch.nn.Module]:
+        """The denoiser as the pipeline holds it, by part name: one part, or the parts a denoiser made of several
+        holds (Wan 2.2's two experts trained together)."""
+        return {self.denoiser_part(components.family_options): components.denoiser}
+
     def assemble_pipeline(self, components: Components, scheduler=None):
         """A text-to-image pipeline over the (possibly adapted) components."""
         return self.pipeline_class(
-            **{self.denoiser_part(components.family_options): components.denoiser},
+            **self.denoiser_pipeline_parts(components),
             vae=components.vae,
             **components.text_encoders,
             **components.tokenizers,

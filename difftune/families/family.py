@@ -22,6 +22,7 @@ from difftune.families.layouts import Layout
 from difftune.families.loading import FamilyOptions, Loading
 from difftune.families.objective import DDPM, Objective
 from difftune.families.targets import AdapterTargets
+from difftune.memory.offload import spread
 from difftune.models.parts import Components
 
 # A UNet block's name, wherever the UNet sits (peft and compile may wrap it): `down_blocks.1`, `mid_block`,
@@ -111,6 +112,16 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
             if match:
                 blocks[match.group(1)] = module
         return blocks
+
+    def blocks_to_offload(self, denoiser: torch.nn.Module, count: int) -> list[torch.nn.Module]:
+        """The `count` blocks `model.offload_blocks` keeps in host memory: spread evenly over `offloadable_blocks`."""
+        blocks = self.offloadable_blocks(denoiser)
+        if count > len(blocks):
+            raise DifftuneError(
+                f"model.offload_blocks = {count}, and this {type(denoiser).__name__} "
+                f"has {len(blocks)} blocks: set at most {len(blocks)}"
+            )
+        return [blocks[index] for index in spread(count, len(blocks))] if count else []
 
     def offloadable_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """The blocks `model.offload_blocks` counts and keeps in host memory, in the order the denoiser

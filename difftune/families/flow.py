@@ -112,8 +112,12 @@ class FlowMatching(Objective):
         for i, generator in enumerate(generators):
             # A denoiser that serves part of the schedule (a Wan 2.2 expert) redraws outside it, from the sample's own
             # generator: the drawn distribution cut to its range, its shape kept (musubi-tuner's
-            # `--preserve_distribution_shape`), not squeezed into it.
-            while not self.trains_noise_level(components, float(sigmas[i])):
+            # `--preserve_distribution_shape`), not squeezed into it. Where the schedule is split between modules
+            # (both experts), the batch's later samples redraw onto the first's side: each sample's level still
+            # follows the whole distribution, and a step runs one module.
+            while not self.trains_noise_level(components, float(sigmas[i])) or not self.same_denoiser(
+                components, float(sigmas[0]), float(sigmas[i])
+            ):
                 sigmas[i] = shifted(draw_fractions([generator], config), shift)[0]
         return sigmas.to(latents.device) * 1000, *draw_noise(generators, latents, config)
 

@@ -128,7 +128,10 @@ class Loading:
     def load_denoiser(self, config: ModelConfig, dtypes: PartDtypes) -> torch.nn.Module:
         """The denoiser alone (`denoiser_part` of a pipeline folder or hub id, or a file of the denoiser alone), in
         `dtypes.denoiser`."""
-        part = self.denoiser_part(self.options(config))
+        return self.load_denoiser_part(config, self.denoiser_part(self.options(config)), dtypes)
+
+    def load_denoiser_part(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.nn.Module:
+        """The pipeline part `part` of a denoiser's kind, loaded as `load_denoiser` loads the denoiser."""
         if config.base.endswith(SINGLE_FILE_SUFFIXES):
             return self.denoiser_of_file(config, part, dtypes)
         source = self.part_source(config.base, part, config.revision or None)
@@ -142,9 +145,10 @@ class Loading:
 
     def empty_denoiser(self, config: ModelConfig) -> torch.nn.Module:
         """The denoiser built from its config alone, without weights (its shape: latent channels, blocks)."""
-        source = self.part_source(
-            config_folder(config), self.denoiser_part(self.options(config)), config.revision or None
-        )
+        return self.empty_denoiser_part(config, self.denoiser_part(self.options(config)))
+
+    def empty_denoiser_part(self, config: ModelConfig, part: str) -> torch.nn.Module:
+        source = self.part_source(config_folder(config), part, config.revision or None)
         with init_empty_weights():
             return source.part_class.from_config(source.config())
 

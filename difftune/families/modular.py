@@ -127,7 +127,7 @@ class ModularBase:
         pipeline = self.modular_pipeline()
         with quietly():
             pipeline.update_components(
-                **{self.denoiser_part(components.family_options): components.denoiser},
+                **self.denoiser_pipeline_parts(components),
                 vae=components.vae,
                 **components.text_encoders,
                 **components.tokenizers,

@@ -203,6 +203,11 @@ class Objective:
         denoiser serves part of the schedule (a Wan 2.2 expert); validation leaves the others out."""
         return True
 
+    def same_denoiser(self, components: Components, sigma: float, other: float) -> bool:
+        """Whether noise levels `sigma` and `other` run on the same module in one batch: always, unless the denoiser
+        is several that each serve part of the schedule (Wan 2.2's two experts trained together)."""
+        return True
+
     def draw_timesteps_and_noise(
         self, components: Components, generators: list[torch.Generator], latents: torch.Tensor, config: LossConfig
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

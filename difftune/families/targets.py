@@ -3,6 +3,8 @@ its pipeline's LoRA loader reads, and what of the adapter settings it refuses.""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from difftune.config import Config
@@ -21,6 +23,16 @@ def targets_in_blocks(model: torch.nn.Module, targets: dict[str, list[str]]) -> 
     ]
 
 
+class AdapterFile(NamedTuple):
+    """One adapter file a run writes: its name's suffix, its tensors (diffusers' names) and peft configs, and the
+    config it records."""
+
+    suffix: str
+    tensors: dict[str, torch.Tensor]
+    lora_configs: dict
+    config: Config
+
+
 class AdapterTargets:
     lora_text_encoders: tuple[str, ...] | None = None  # those its pipeline's LoRA loader reads adapters of (None: all)
     default_targets: dict[str, list[str]]  # part -> modules that get an adapter unless the config lists others
@@ -30,6 +42,20 @@ class AdapterTargets:
     def lora_loading_arguments(self, options: FamilyOptions) -> dict:
         """What the pipeline's `load_lora_weights` needs to put a file's denoiser adapter on `denoiser_part`."""
         return {}
+
+    def combined_placement(self, name: str, values: set) -> object | None:
+        """The value of placement option `name` under which files recorded with `values` load together (Wan 2.2's
+        "both" for a file of each expert), or None: they cannot."""
+        return None
+
+    def adapter_files(self, tensors: dict, lora_configs: dict, config: Config) -> list[AdapterFile]:
+        """The files a run's trained adapter is written as: one, unless the denoiser is several parts that tools load
+        a file each of (Wan 2.2's experts trained together), each named with its `adapter_file_suffixes`."""
+        return [AdapterFile("", tensors, lora_configs, config)]
+
+    def adapter_file_suffixes(self, config: Config) -> tuple[str, ...]:
+        """The name suffixes of the files `adapter_files` writes."""
+        return ("",)
 
     def adapter_problems(self, config: Config) -> list[str]:
         """What `check_config` refuses of the adapter for any family: text-encoder adapters its pipeline's LoRA

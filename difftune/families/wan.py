@@ -17,7 +17,9 @@ Wan train on stills.
   T2V, 0.9 for I2V) and `transformer_2` below. A run trains one (`model.family_options.expert`), as musubi-tuner does:
   its noise levels are drawn from the expert's range (the drawn distribution cut to it), the other expert waits in
   host memory to draw samples with it, and the file is a Wan LoRA of that expert (`load_into_transformer_2=True` puts
-  a low-noise one in diffusers; ComfyUI's two LoRA loaders, one per expert). Wan 2.2 TI2V-5B: its autoencoder patches
+  a low-noise one in diffusers; ComfyUI's two LoRA loaders, one per expert). Or both (`expert = "both"`): one
+  denoiser of the two (wan_experts.py), each sample on the expert its level picks, a file per expert, each the file
+  a run of that expert alone writes. Wan 2.2 TI2V-5B: its autoencoder patches
   2x2 itself (16x in all) and its transformer reads a time per latent token (`expand_timesteps`), as its pipeline
   passes.
 - Files: diffusers' layout (`transformer.`, which `WanPipeline.load_lora_weights` reads: transformer adapters alone)
@@ -34,19 +36,22 @@ import re
 from typing import Literal
 
 import torch
+from accelerate import PartialState
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from pydantic import Field
 
-from difftune.config import ModelConfig
+from difftune.config import Config, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families.conditioning import valid_token_states
 from difftune.families.drawing import ClipDrawing
 from difftune.families.flow import FlowMatching, FlowMatchingFamily, FlowOptions
 from difftune.families.layouts import RenamedLayout
 from difftune.families.loading import config_folder
-from difftune.models.parts import Components
+from difftune.families.targets import AdapterFile
+from difftune.families.wan_experts import EXPERTS, WanExperts
+from difftune.models.parts import SINGLE_FILE_SUFFIXES, Components, PartDtypes
 
 TEXT_TOKENS = 512  # WanPipeline's default `max_sequence_length`: every caption's states are padded to it
 TRANSFORMER_TARGETS = [
@@ -120,18 +125,22 @@ ORIGINAL_WEIGHT_RENAMES = [
 ]
 
 
+EXPERT_NAMES = ("high_noise", "low_noise")  # `expert`'s values for `transformer` and `transformer_2`
+
+
 def _has_two_experts(index: dict) -> bool:
     """Whether a pipeline's model_index names a second transformer (Wan 2.2 A14B's low-noise expert)."""
     return (index.get("transformer_2") or [None])[0] is not None
 
 
 class WanOptions(FlowOptions):
-    expert: Literal["auto", "high_noise", "low_noise"] = Field(
+    expert: Literal["auto", "high_noise", "low_noise", "both"] = Field(
         "auto",
         description="Wan 2.2 A14B bases (two experts: `transformer` for noise levels at or above the pipeline's "
-        "`boundary_ratio`, `transformer_2` below): the one this run trains, one at a time as musubi-tuner does; its "
-        "noise levels are drawn from its range only, and the other expert draws the samples with it. `auto`: the one "
-        "transformer of a Wan 2.1 base, the high-noise expert of a Wan 2.2 one.",
+        "`boundary_ratio`, `transformer_2` below): the one this run trains, its noise levels drawn from its range "
+        "only and the other expert drawing the samples with it (musubi-tuner's way), or `both`: each sample trains "
+        "the expert its noise level picks, one adapter and one file per expert, one expert on the device at a time "
+        "(wan_experts.py). `auto`: the one transformer of a Wan 2.1 base, the high-noise expert of a Wan 2.2 one.",
     )
 
 
@@ -153,11 +162,18 @@ class ExpertFlowMatching(FlowMatching):
 
     def trains_noise_level(self, components: Components, sigma: float) -> bool:
         """An expert trains its side of the boundary, as the pipeline picks it: `transformer` at time >= boundary x
-        1000."""
+        1000; both experts, every level."""
         boundary = components.pipeline_options.get("boundary_ratio")
-        if boundary is None:
+        if boundary is None or components.family_options.expert == "both":
             return True
         return (sigma < boundary) == (components.family.denoiser_part(components.family_options) == "transformer_2")
+
+    def same_denoiser(self, components: Components, sigma: float, other: float) -> bool:
+        """Both experts trained: a batch's levels on one side of the boundary, so that a step runs one expert."""
+        if components.family_options.expert != "both":
+            return True
+        boundary = components.pipeline_options["boundary_ratio"]
+        return (sigma < boundary) == (other < boundary)
 
 
 class WanLayout(RenamedLayout):
@@ -210,22 +226,43 @@ class Wan(ClipDrawing, FlowMatchingFamily):
 
     # Wan 2.2's experts.
 
+    def unsupported_settings(self, config: Config) -> list[str]:
+        problems = super().unsupported_settings(config)
+        if self.options(config.model).expert != "both":
+            return problems
+        if config.model.base.endswith(SINGLE_FILE_SUFFIXES):
+            problems.append(
+                'model.family_options.expert = "both": a single file holds one expert; give the Wan 2.2 A14B '
+                "pipeline folder or hub id, or train the file's expert alone"
+            )
+        if config.model.quantize != "none":
+            problems.append(
+                f'model.quantize = "{config.model.quantize}" with both experts: quantized layers cannot move between '
+                'the device and host memory as the experts take turns; store them in fp8 (model.weight_dtype = "fp8") '
+                "or train one expert a run"
+            )
+        return problems
+
     def denoiser_part(self, options: WanOptions) -> str:
         return "transformer_2" if options.expert == "low_noise" else "transformer"
 
     def lora_loading_arguments(self, options: WanOptions) -> dict:
         return {"load_into_transformer_2": True} if options.expert == "low_noise" else {}
 
+    def combined_placement(self, name: str, values: set) -> object | None:
+        return "both" if name == "expert" and values == {"high_noise", "low_noise"} else None
+
     def drawing_part_names_of(self, config: ModelConfig) -> tuple[str, ...]:
-        """A Wan 2.2 A14B base's other expert (none for a one-transformer base)."""
-        if not _has_two_experts(
+        """A Wan 2.2 A14B base's other expert (none for a one-transformer base, or where both train)."""
+        if self.options(config).expert == "both" or not _has_two_experts(
             self.pipeline_class.load_config(config_folder(config), revision=config.revision or None)
         ):
             return ()
         return ("transformer" if self.denoiser_part(self.options(config)) == "transformer_2" else "transformer_2",)
 
     def components_of(self, pipeline, options: WanOptions) -> Components:
-        """The expert this run trains as the denoiser, the other one a drawing part (`Components.drawing_parts`)."""
+        """The expert this run trains as the denoiser, the other one a drawing part (`Components.drawing_parts`);
+        both experts as one denoiser (`WanExperts`)."""
         # From the base's model_index (the plan's pipeline is one): a run's end loads its encoders again without the
         # trained expert, which leaves the pipeline's own record of it empty.
         name = pipeline.config.get("_name_or_path")
@@ -236,10 +273,91 @@ class Wan(ClipDrawing, FlowMatchingFamily):
                 '(Wan 2.1, Wan 2.2 TI2V-5B); leave it at "auto"'
             )
         components = super().components_of(pipeline, options)
-        if experts:
+        if options.expert == "both" and PartialState().num_processes > 1:
+            raise DifftuneError(
+                'model.family_options.expert = "both" trains on one process: its experts take turns on the one '
+                "device, which DDP and FSDP cannot wrap; launch one process, or train one expert a run on each GPU"
+            )
+        if options.expert == "both":
+            if pipeline.transformer is not None:  # None: loaded without its denoiser (`load_denoiser` brings it)
+                boundary = pipeline.config["boundary_ratio"]
+                components.denoiser = WanExperts(pipeline.transformer, pipeline.transformer_2, boundary)
+        elif experts:
             other = "transformer" if self.denoiser_part(options) == "transformer_2" else "transformer_2"
             components.drawing_parts[other] = getattr(pipeline, other)
         return components
+
+    def _loading_arguments(self, config: ModelConfig, options: WanOptions, dtypes: PartDtypes) -> dict:
+        arguments = super()._loading_arguments(config, options, dtypes)  # the first expert's
+        if options.expert == "both":  # the second loads as the first does
+            if dtypes.denoiser is None:
+                arguments["transformer_2"] = None
+            else:
+                arguments["dtype"]["transformer_2"] = self._denoiser_dtype(config, "transformer_2", dtypes)
+        return arguments
+
+    def load_denoiser(self, config: ModelConfig, dtypes: PartDtypes) -> torch.nn.Module:
+        if self.options(config).expert != "both":
+            return super().load_denoiser(config, dtypes)
+        experts = [self.load_denoiser_part(config, part, dtypes) for part in EXPERTS]
+        boundary = self.pipeline_class.load_config(config.base, revision=config.revision or None)["boundary_ratio"]
+        return WanExperts(*experts, boundary)
+
+    def empty_denoiser(self, config: ModelConfig) -> torch.nn.Module:
+        if self.options(config).expert != "both":
+            return super().empty_denoiser(config)
+        index = self.pipeline_class.load_config(config_folder(config), revision=config.revision or None)
+        return WanExperts(*(self.empty_denoiser_part(config, part) for part in EXPERTS), index["boundary_ratio"])
+
+    def adapter_file_suffixes(self, config: Config) -> tuple[str, ...]:
+        both = self.options(config.model).expert == "both"
+        return tuple(f"_{expert}" for expert in EXPERT_NAMES) if both else super().adapter_file_suffixes(config)
+
+    def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """Both experts: each one's blocks, named with its part (`transformer_2.blocks.0`)."""
+        if not isinstance(denoiser, WanExperts):
+            return super().monitored_blocks(denoiser)
+        blocks = super().monitored_blocks
+        return {
+            f"{part}.{name}": block
+            for part, expert in denoiser.experts().items()
+            for name, block in blocks(expert).items()
+        }
+
+    def offloadable_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Both experts: an expert's blocks (`model.offload_blocks` counts those of each)."""
+        return super().offloadable_blocks(denoiser.transformer if isinstance(denoiser, WanExperts) else denoiser)
+
+    def blocks_to_offload(self, denoiser: torch.nn.Module, count: int) -> list[torch.nn.Module]:
+        """Both experts: the same blocks of each, so either on the device holds what one expert alone would."""
+        if not isinstance(denoiser, WanExperts):
+            return super().blocks_to_offload(denoiser, count)
+        offloaded = super().blocks_to_offload
+        return [block for expert in denoiser.experts().values() for block in offloaded(expert, count)]
+
+    def denoiser_pipeline_parts(self, components: Components) -> dict[str, torch.nn.Module]:
+        if isinstance(components.denoiser, WanExperts):
+            return components.denoiser.experts()
+        return super().denoiser_pipeline_parts(components)
+
+    def adapter_files(self, tensors: dict, lora_configs: dict, config: Config) -> list[AdapterFile]:
+        """Both experts trained: a file per expert, each as a run of that expert alone writes it (its adapters under
+        `transformer.`, its recorded config naming the expert), named `_high_noise` and `_low_noise` as ai-toolkit's
+        are; diffusers loads the second with `load_into_transformer_2=True`, ComfyUI with a loader per expert."""
+        if self.options(config.model).expert != "both":
+            return super().adapter_files(tensors, lora_configs, config)
+        files = []
+        for part, expert in zip(EXPERTS, EXPERT_NAMES, strict=True):
+            prefix = f"transformer.{part}."
+            options = {**config.model.family_options, "expert": expert}
+            recorded = config.model_copy(update={"model": config.model.model_copy(update={"family_options": options})})
+            own = {
+                f"transformer.{key.removeprefix(prefix)}": value
+                for key, value in tensors.items()
+                if key.startswith(prefix)
+            }
+            files.append(AdapterFile(f"_{expert}", own, lora_configs, recorded))
+        return files
 
     # Prompts and the transformer.
 

@@ -16,7 +16,7 @@ from torch.nn.utils import parametrize
 
 from difftune.errors import DifftuneError
 from difftune.files import PIPELINE_INDEXES, part_weight_files
-from difftune.memory.offload import Offloader, offload_blocks, spread
+from difftune.memory.offload import Offloader, offload_blocks
 from difftune.memory.storage import store_frozen_layers
 from difftune.models.autoencoders import LatentNormalization
 
@@ -228,13 +228,7 @@ def place_frozen(
     to the device as they compute (offload.py); returns their offloader. Both are done before the move, so a GPU
     receives the stored bytes of the kept blocks alone."""
     denoiser = components.denoiser
-    blocks = components.family.offloadable_blocks(denoiser)
-    if offloaded > len(blocks):
-        raise DifftuneError(
-            f"model.offload_blocks = {offloaded}, and this {type(denoiser).__name__} "
-            f"has {len(blocks)} blocks: set at most {len(blocks)}"
-        )
-    blocks = [blocks[index] for index in spread(offloaded, len(blocks))] if offloaded else []
+    blocks = components.family.blocks_to_offload(denoiser, offloaded)
     if stored is not None:
         store_frozen_layers(denoiser, stored, dtype)
     for block in blocks if stored is None else ():

@@ -18,7 +18,9 @@ local pipeline folder.
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -99,6 +101,7 @@ def part_config(base: str, name: str) -> dict:
 def config_folder(base: str) -> Path:
     """A folder laid out as `base`'s hub repository, holding its configs alone (no weights, no tokenizer files)."""
     folder = Path(tempfile.mkdtemp(prefix="difftune-configs-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # a process's own: gone when it ends
     (folder / "model_index.json").write_text(json.dumps(model_index(base), indent=1), encoding="utf-8")
     for name in _bases()[base]["parts"]:
         config = part_config(base, name)

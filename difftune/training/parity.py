@@ -36,14 +36,14 @@ WARN_ABOVE_LEVELS = 2
 
 def check_parity(
     config: Config,
-    files: dict[str, Path | str],
+    files: dict[str, list[Path] | str],
     reference: Sample,
     device: torch.device,
     dtype: torch.dtype,
     autocast,
     outputs_in_fp32: bool = False,
 ) -> dict:
-    """Re-draw `reference` from each file the run wrote (`files`: layout -> the file, or why that layout could not
+    """Re-draw `reference` from each layout the run wrote (`files`: layout -> its files, or why that layout could not
     hold the adapter) in a fresh pipeline, its frozen weights placed as training placed them (stored in another
     dtype, offloaded, as the config says), its adapters' weights in fp32 and, with `outputs_in_fp32` (Accelerate's
     mixed precision, whose prepared modules return fp32: the sampler then steps in fp32), the trained parts'
@@ -55,9 +55,9 @@ def check_parity(
     not_checked = {layout: why for layout, why in files.items() if isinstance(why, str)}
     if not_checked:
         report["not_checked"] = not_checked
-    for layout, path in files.items():
-        if isinstance(path, Path):
-            components = _fresh_components(config, path, device, dtype)
+    for layout, paths in files.items():
+        if not isinstance(paths, str):
+            components = _fresh_components(config, paths, device, dtype)
             trained = trained_parts(components, config.adapter)
             whole = (
                 trained.values() if config.adapter.trains_all_weights else ()
@@ -77,7 +77,10 @@ def check_parity(
             difference = max(
                 np.abs(np.asarray(ours, np.int16) - np.asarray(theirs, np.int16)).max() for ours, theirs in frames
             )
-            report["layouts"][layout] = {"file": path.name, "max_pixel_difference": int(difference)}
+            report["layouts"][layout] = {
+                "file": ", ".join(path.name for path in paths),
+                "max_pixel_difference": int(difference),
+            }
     return report
 
 
@@ -148,14 +151,14 @@ def adapters_kept_in_fp32(components):
         parameter.data = value.to(parameter.device)
 
 
-def _fresh_components(config: Config, path: Path, device: torch.device, dtype: torch.dtype):
+def _fresh_components(config: Config, paths: list[Path], device: torch.device, dtype: torch.dtype):
     if config.adapter.trains_all_weights:  # the saved pipeline folder holds every part, its autoencoder included
         return load_components(
-            config.model.model_copy(update={"base": str(path), "vae": "", "revision": "", "variant": ""})
+            config.model.model_copy(update={"base": str(paths[0]), "vae": "", "revision": "", "variant": ""})
         )
     components = load_components(config.model)
     store_loaded_text_encoders(components, config)  # as training read its captions
     if config.model.quantize != "none":  # the file is checked on the base it was trained on
         quantize_linear_layers(components.denoiser, config.model.quantize, device, dtype)
-    export.apply_adapters(components, [(path, 1.0)])
+    export.apply_adapters(components, [(path, 1.0) for path in paths])
     return components

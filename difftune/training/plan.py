@@ -194,13 +194,17 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     denoiser_loaded = frozen if dtypes.denoiser in (AS_STORED, dtype) else _bytes(components.denoiser, dtypes.denoiser)
     if is_gguf(config.model.base) and Path(config.model.base).is_file():  # its blocks as the file holds them
         frozen = denoiser_loaded = gguf_tensor_bytes(config.model.base)
+    # A denoiser of parts that take turns on the device (Wan 2.2's experts trained together) has one there at a time,
+    # the others waiting in host memory.
+    turns = components.family.denoiser_pipeline_parts(components).values()
+    waiting = 0 if device_type == "cpu" else frozen - max(_bytes(part, frozen_only=True) for part in turns)
     trained_bytes = sum(p.numel() * 4 for p in trained)
     optimizer = OPTIMIZER_STATE_BYTES.get(config.optim.optimizer, 8) * sum(p.numel() for p in trained)
     with computed_copies_saved_as_stored():
         step, kept = _step_peak(components, config, dtype)
 
     on_device = {
-        "frozen denoiser weights": frozen,
+        "frozen denoiser weights": frozen - waiting,
         "encoders kept on the device": sum(_bytes(m) for m in kept_at["device"]),
         "trained weights": trained_bytes,
         "optimizer state": 0 if config.optim.optimizer == "adamw_cpu_offload" else optimizer,
@@ -241,13 +245,14 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     else:
         phases["training"] = {
             "offloaded blocks": offloaded,
+            "denoiser parts waiting": waiting,
             "encoders kept for previews": previews,
             "optimizer state (offloaded)": optimizer if config.optim.optimizer == "adamw_cpu_offload" else 0,
         }
     if config.sample.prompts:  # the end-of-run samples: the released encoders loaded again beside the trained model
         reloaded = encoders_loaded if dtypes.drawing_parts else encoders_loaded + drawing_loaded
         phases["end of run samples"] = (
-            {"encoders": reloaded, "offloaded blocks": offloaded}
+            {"encoders": reloaded, "offloaded blocks": offloaded, "denoiser parts waiting": waiting}
             if device_type == "cuda"
             else {
                 "denoiser": frozen,

@@ -828,12 +828,15 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
     config, output_dir, accelerator, say = run.config, run.output_dir, run.accelerator, run.say
     with phase("saving the result", say):
         files = export.save_result_files(components, config, output_dir)
-    trained_path = export.trained_path(config, output_dir)
-    if config.export.average_last > 1:
-        snapshots = sorted((output_dir / "snapshots").glob("step-*.safetensors"))[-config.export.average_last :]
-        tensors, lora_configs, config_toml = export.average_adapters(snapshots, config.export.average_weights)
+    trained_path = export.result_files(config, output_dir)[0]
+    for file in export.result_adapters(components, config) if config.export.average_last > 1 else ():
+        # One average per file the run writes (an expert's snapshots with its own).
+        snapshots = sorted((output_dir / "snapshots").glob(f"step-[0-9]*{file.suffix}.safetensors"))
+        tensors, lora_configs, config_toml = export.average_adapters(
+            snapshots[-config.export.average_last :], config.export.average_weights
+        )
         export.write_adapter(
-            export.trained_path(config, output_dir, "_avg"),
+            export.variant_of(export.trained_path(config, output_dir, "_avg"), file.suffix),
             tensors,
             lora_configs,
             config_toml,

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import psutil
 
-from difftune.adapters.export import trained_path
+from difftune.adapters.export import result_files
 from difftune.config import Config, absolute_paths, load_config
 from difftune.errors import ERROR_PREFIX, DifftuneError
 from difftune.training.checkpoint import StopRequest, complete_checkpoints
 from difftune.training.metrics import METRICS_FILE
+from difftune.training.train import RESOLVED_CONFIG_FILE
 
 JOB_CONFIG = "job.toml"
 JOB_STATE = "job.json"
@@ -75,7 +76,8 @@ class Job:
         """`running`, `finished` (the trained result exists), `stopped` (on request, resumable) or `failed`."""
         if self.is_running():
             return "running"
-        if trained_path(self.config(), self.dir).exists():
+        resolved = self.dir / RESOLVED_CONFIG_FILE  # written as the run starts, its family named
+        if resolved.exists() and all(path.exists() for path in result_files(load_config(resolved), self.dir)):
             return "finished"
         said = [line for line in log_tail(self).splitlines() if line.startswith("difftune:")]
         return "stopped" if said and said[-1].startswith(StopRequest.MESSAGE) else "failed"
