@@ -278,9 +278,11 @@ def fitting_overrides(
     setting the config refuses with the job's others (fp8 or offloading in a full fine-tune...) or that changes
     nothing is skipped. Returns the overrides (empty: fits as it is) and their plan, or None when nothing fits."""
 
+    def device_fits(plan: MemoryPlan) -> bool:
+        return device_memory is None or plan.device_type == "cpu" or plan.device_peak <= device_memory
+
     def fits(plan: MemoryPlan) -> bool:
-        device_fits = device_memory is None or plan.device_type == "cpu" or plan.device_peak <= device_memory
-        return device_fits and (host_memory is None or plan.host_peak <= host_memory)
+        return device_fits(plan) and (host_memory is None or plan.host_peak <= host_memory)
 
     def planned(overrides: list[str]) -> MemoryPlan:
         return plan_memory(_with(config, overrides), device_type)
@@ -305,8 +307,10 @@ def fitting_overrides(
                 return overrides, plan
     more = config.model.offload_blocks + 1
     if _changes(config, ladder[-1], f"model.offload_blocks={more}"):
-        found = _fewest_offloaded_blocks(_with(config, ladder[-1]), fits, device_type, start=more)
-        if found:
+        # The fewest blocks the device holds the rest of: each block more only adds host memory, so no larger count
+        # fits where that one's host peak does not (searching on both would miss the window between).
+        found = _fewest_offloaded_blocks(_with(config, ladder[-1]), device_fits, device_type, start=more)
+        if found and fits(found[1]):
             return ladder[-1] + [f"model.offload_blocks={found[0]}"], found[1]
     batch = config.train.batch_size
     while batch > 1:
