@@ -119,17 +119,23 @@ def save_kind(kind: AdapterKind, components: Components, config: Config, path: P
 def _(kind: PeftAdapter, components: Components, config: Config, path: Path, layout: str) -> Path:
     """The adapter file; where the family writes several (`adapter_files`), each beside `path` with its suffix, and
     the first returned."""
-    written = [
-        write_adapter(variant_of(path, file.suffix), *file[1:3], file.config.to_toml(), layout, components.family)
-        for file in result_adapters(components, config)
-    ]
-    return written[0]
+    return write_adapter_files(result_adapters(components, config), path, layout, components.family)[0]
 
 
 def result_adapters(components: Components, config: Config) -> list[AdapterFile]:
     """The trained adapter as the files a run writes of it (`Family.adapter_files`: one, or one per expert)."""
     tensors, lora_configs = adapter_state_dict(components, config.adapter)
     return components.family.adapter_files(tensors, lora_configs, config)
+
+
+def write_adapter_files(files: list[AdapterFile], path: Path, layout: str, family: Family) -> list[Path]:
+    """Each of a run's adapter files at `path` with its suffix (`_high_noise`...), in `layout`."""
+    return [
+        write_adapter(
+            variant_of(path, file.suffix), file.tensors, file.lora_configs, file.config.to_toml(), layout, family
+        )
+        for file in files
+    ]
 
 
 @save_kind.register
@@ -158,12 +164,7 @@ def save_adapter_layouts(
     for layout in (config.export.format, other_layout(config.export.format)):
         path = layout_path(output_dir, layout, variant)
         try:
-            written[layout] = [
-                write_adapter(
-                    variant_of(path, file.suffix), *file[1:3], file.config.to_toml(), layout, components.family
-                )
-                for file in files
-            ]
+            written[layout] = write_adapter_files(files, path, layout, components.family)
         except DifftuneError as err:
             if layout == config.export.format:
                 raise

@@ -29,10 +29,9 @@ import torch
 from diffusers import AdaptiveProjectedMixGuidance, HunyuanImagePipeline, HunyuanImageTransformer2DModel
 from diffusers.pipelines.hunyuan_image.pipeline_hunyuanimage import extract_glyph_text
 
-from difftune.errors import DifftuneError
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.flux import DOUBLE_BLOCK_TARGETS, FluxLayout, single_block_row_sizes
-from difftune.families.hunyuan_text import HunyuanTextConditioning, padded_ids
+from difftune.families.hunyuan_text import HunyuanTextConditioning, attributes_set, padded_ids, refuse_meanflow
 from difftune.families.layouts import FusedLayout
 from difftune.families.loading import FamilyOptions, with_transformer_lora_loading
 from difftune.families.targets import targets_in_blocks
@@ -96,12 +95,11 @@ class HunyuanImage(HunyuanTextConditioning, FlowMatchingFamily):
     fixed_pipeline_arguments = {"guider": None, "ocr_guider": None}
 
     def components_of(self, pipeline, options) -> Components:
-        if pipeline.transformer is not None and pipeline.transformer.config.use_meanflow:
-            raise DifftuneError(
-                "a distilled HunyuanImage 2.1 base (meanflow: the transformer reads the next step's time too): its "
-                "objective is its own and is not trained; train the base model (hunyuanvideo-community/"
-                "HunyuanImage-2.1-Diffusers)"
-            )
+        refuse_meanflow(
+            pipeline.transformer,
+            "a distilled HunyuanImage 2.1 base",
+            "the base model (hunyuanvideo-community/HunyuanImage-2.1-Diffusers)",
+        )
         return super().components_of(pipeline, options)
 
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
@@ -138,5 +136,6 @@ class HunyuanImage(HunyuanTextConditioning, FlowMatchingFamily):
         return {"guidance": guider, "negative_prompt": negative_prompt or None}
 
     def draw(self, pipeline, options, prompt, controls, height, width, guidance=None, **arguments) -> list:
-        pipeline.guider, pipeline.ocr_guider = guidance, guidance.new() if guidance is not None else None
-        return pipeline(prompt=prompt, height=height, width=width, **arguments).images
+        guiders = {"guider": guidance, "ocr_guider": guidance.new() if guidance is not None else None}
+        with attributes_set(pipeline, **guiders):  # the sample's own, then the pipeline's again
+            return pipeline(prompt=prompt, height=height, width=width, **arguments).images

@@ -19,8 +19,11 @@ The family gives `templated_ids` (its template, padded as its pipeline pads it),
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
+from difftune.errors import DifftuneError
 from difftune.families.conditioning import NO_TOKEN, padded, trimmed, valid_token_states
 from difftune.models.parts import Components
 
@@ -35,6 +38,29 @@ def padded_ids(tokenizer, texts: list[str], length: int) -> torch.Tensor:
     """`texts`' ids as the pipelines tokenize them (padded to `length`, truncated), -1 at the padding."""
     encoded = tokenizer(texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
     return encoded.input_ids.masked_fill(encoded.attention_mask == 0, NO_TOKEN)
+
+
+def refuse_meanflow(transformer: torch.nn.Module | None, distilled: str, train_instead: str) -> None:
+    """A step-distilled Hunyuan base (meanflow: its transformer reads the next step's time too) is refused by name:
+    its objective is its own."""
+    if transformer is not None and transformer.config.use_meanflow:
+        raise DifftuneError(
+            f"{distilled} (meanflow: the transformer reads the next step's time too): its objective is its own and is "
+            f"not trained; train {train_instead}"
+        )
+
+
+@contextmanager
+def attributes_set(pipeline, **attributes):
+    """`pipeline` with `attributes` set for one call (a sample's guider), then as it was."""
+    kept = {name: getattr(pipeline, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(pipeline, name, value)
+    try:
+        yield pipeline
+    finally:
+        for name, value in kept.items():
+            setattr(pipeline, name, value)
 
 
 def norms_dtype(denoiser: torch.nn.Module) -> torch.dtype:

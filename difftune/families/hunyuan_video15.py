@@ -31,18 +31,16 @@ from __future__ import annotations
 
 import inspect
 import re
-from contextlib import contextmanager
 
 import torch
 from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts, format_text_input
 
-from difftune.errors import DifftuneError
 from difftune.families.conditioning import NO_TOKEN
 from difftune.families.drawing import ClipDrawing
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.flux import DOUBLE_BLOCK_TARGETS
-from difftune.families.hunyuan_text import HunyuanTextConditioning
+from difftune.families.hunyuan_text import HunyuanTextConditioning, attributes_set, refuse_meanflow
 from difftune.families.layouts import OriginalFileLayout, RenamedLayout
 from difftune.families.loading import FamilyOptions, with_transformer_lora_loading
 from difftune.families.targets import targets_in_blocks
@@ -172,12 +170,11 @@ class HunyuanVideo15(HunyuanTextConditioning, ClipDrawing, FlowMatchingFamily):
     fixed_pipeline_arguments = {"guider": ClassifierFreeGuidance(guidance_scale=6.0)}
 
     def components_of(self, pipeline, options) -> Components:
-        if pipeline.transformer is not None and pipeline.transformer.config.use_meanflow:
-            raise DifftuneError(
-                "a step-distilled HunyuanVideo 1.5 base (meanflow: the transformer reads the next step's time too): "
-                "its objective is its own and is not trained; train a base model "
-                "(hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v or -480p_i2v)"
-            )
+        refuse_meanflow(
+            pipeline.transformer,
+            "a step-distilled HunyuanVideo 1.5 base",
+            "a base model (hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v or -480p_i2v)",
+        )
         if pipeline.vae is not None:
             # diffusers' autoencoder broadcasts its mid-block's causal attention mask across a batch wrongly (a batch
             # of two clips fails to encode or decode): one clip at a time, as its own slicing runs it.
@@ -248,16 +245,3 @@ class HunyuanVideo15(HunyuanTextConditioning, ClipDrawing, FlowMatchingFamily):
     def draw_clips(self, pipeline, prompt, controls, height, width, frames, guidance=None, **arguments) -> list[list]:
         with attributes_set(pipeline, guider=guidance):
             return super().draw_clips(pipeline, prompt, controls, height, width, frames, **arguments)
-
-
-@contextmanager
-def attributes_set(pipeline, **attributes):
-    """`pipeline` with `attributes` set for one call (a sample's guider), then as it was."""
-    kept = {name: getattr(pipeline, name) for name in attributes}
-    for name, value in attributes.items():
-        setattr(pipeline, name, value)
-    try:
-        yield pipeline
-    finally:
-        for name, value in kept.items():
-            setattr(pipeline, name, value)

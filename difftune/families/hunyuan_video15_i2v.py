@@ -26,7 +26,8 @@ from diffusers import HunyuanVideo15ImageToVideoPipeline
 
 from difftune.families.conditioning import processed_frames
 from difftune.families.drawing import ImageToVideoDrawing
-from difftune.families.hunyuan_video15 import HunyuanVideo15, HunyuanVideo15Layout, attributes_set
+from difftune.families.hunyuan_text import attributes_set
+from difftune.families.hunyuan_video15 import HunyuanVideo15, HunyuanVideo15Layout
 from difftune.families.loading import with_transformer_lora_loading
 from difftune.models.autoencoders import encode_posterior
 from difftune.models.parts import Components
