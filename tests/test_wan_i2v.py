@@ -234,3 +234,54 @@ def test_what_it_cannot_draw_is_refused_by_name():
         "sample.prompts: 'a square moving left' has 0 images; Wan 2.1 / 2.2 image-to-video pipelines "
         "animate one: write it as {prompt = 'a square moving left', controls = [\"first_frame.png\"]}"
     ]
+
+
+def test_both_wan22_i2v_experts_train_in_one_run_and_draw_in_the_pipeline(make_config, base, tmp_path):
+    """Wan 2.2 I2V A14B's kind (two experts switching at 0.9, no image encoder), both experts in one run: a file per
+    expert, which `WanImageToVideoPipeline` loads on its two transformers (the low-noise one with
+    `load_into_transformer_2=True`) and draws what difftune's pipeline of both draws from the same image."""
+    two = tmp_path / "a14b-i2v"
+    pipeline = WanImageToVideoPipeline.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(4)
+    second = type(pipeline.transformer).from_config(pipeline.transformer.config)
+    WanImageToVideoPipeline(**pipeline.components | {"transformer_2": second}, boundary_ratio=0.9).save_pretrained(two)
+    _train_on_clips(
+        make_config,
+        str(two),
+        tmp_path,
+        "both",
+        model__family_options={"expert": "both"},
+        train__max_steps=6,
+        optim__learning_rate=5e-2,
+    )
+    high, low = (
+        tmp_path / "both" / f"pytorch_lora_weights_{expert}.safetensors" for expert in ("high_noise", "low_noise")
+    )
+    ours = export.load_with_adapters(str(two), [(high, 1.0), (low, 1.0)])
+    theirs = WanImageToVideoPipeline.from_pretrained(two, dtype=torch.float32)
+    theirs.load_lora_weights(str(high))
+    theirs.load_lora_weights(str(low), load_into_transformer_2=True)
+    arguments = {
+        "image": _frame(),
+        "prompt": "a square moving left",
+        "height": 32,
+        "width": 32,
+        "num_frames": 5,
+        "num_inference_steps": 4,
+        "output_type": "np",
+    }
+    drawn_ours = ours.pipeline(theirs.scheduler)(**arguments, generator=torch.Generator().manual_seed(0)).frames
+    drawn_theirs = theirs(**arguments, generator=torch.Generator().manual_seed(0)).frames
+    assert np.abs(drawn_ours - drawn_theirs).max() * 255 <= 1
+    untouched = WanImageToVideoPipeline.from_pretrained(two, dtype=torch.float32)
+    config = untouched.transformer.config
+    inputs = {
+        "hidden_states": torch.randn(1, config.in_channels, 2, 8, 8, generator=torch.Generator().manual_seed(1)),
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": torch.randn(1, 512, config.text_dim, generator=torch.Generator().manual_seed(2)),
+        "return_dict": False,
+    }
+    with torch.no_grad():  # each file moved its own expert
+        for part in ("transformer", "transformer_2"):
+            moved = getattr(theirs, part)(**inputs)[0] - getattr(untouched, part)(**inputs)[0]
+            assert moved.abs().max() > 1e-3, part
