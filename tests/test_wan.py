@@ -280,6 +280,12 @@ def test_a_runs_samples_are_clips_and_its_parity_check_compares_every_frame(make
     }
 
 
+def _drawn(pipeline) -> np.ndarray:
+    """A one-frame clip of "a red square" in 4 steps from seed 0: what the expert tests compare pipelines by."""
+    arguments = {"height": 32, "width": 32, "num_frames": 1, "num_inference_steps": 4, "output_type": "np"}
+    return pipeline("a red square", **arguments, generator=torch.Generator().manual_seed(0)).frames
+
+
 @pytest.fixture(scope="module")
 def a14b(tmp_path_factory):
     path = tmp_path_factory.mktemp("micro-wan22-a14b")
@@ -332,17 +338,7 @@ def test_a_wan22_expert_trains_on_its_side_of_the_boundary_and_loads_where_diffu
     )
     theirs = WanPipeline.from_pretrained(a14b, dtype=torch.float32)
     theirs.load_lora_weights(str(trained), **({"load_into_transformer_2": True} if low else {}))
-    arguments = {
-        "prompt": "a red square",
-        "height": 32,
-        "width": 32,
-        "num_frames": 1,
-        "num_inference_steps": 4,
-        "output_type": "np",
-    }
-    drawn_ours = pipeline(**arguments, generator=torch.Generator().manual_seed(0)).frames
-    drawn_theirs = theirs(**arguments, generator=torch.Generator().manual_seed(0)).frames
-    assert np.abs(drawn_ours - drawn_theirs).max() * 255 <= 1
+    assert np.abs(_drawn(pipeline) - _drawn(theirs)).max() * 255 <= 1
     # `difftune sample` and `merge` put the file on the expert its recorded config names, as diffusers does.
     sampled = export.load_with_adapters(a14b, [(trained, 1.0)])
     assert sampled.family_options.expert == expert
@@ -351,8 +347,7 @@ def test_a_wan22_expert_trains_on_its_side_of_the_boundary_and_loads_where_diffu
     merged_pipeline.scheduler = UniPCMultistepScheduler.from_config(
         base.scheduler.config
     )  # saved with difftune's Euler
-    drawn_merged = merged_pipeline(**arguments, generator=torch.Generator().manual_seed(0)).frames
-    assert np.abs(drawn_merged - drawn_theirs).max() * 255 <= 1
+    assert np.abs(_drawn(merged_pipeline) - _drawn(theirs)).max() * 255 <= 1
     tensors, metadata = load_file(trained), safe_open(str(trained), "pt").metadata()
     other_expert = metadata["difftune_config"].replace(
         f'expert = "{expert}"', f'expert = "{"high_noise" if low else "low_noise"}"'
@@ -548,22 +543,11 @@ def test_both_wan22_experts_train_in_one_run_and_wan_pipeline_loads_them_on_both
     ours = export.load_with_adapters(a14b, [(high, 1.0), (low, 1.0)])
     assert ours.family_options.expert == "both"
     pipeline = ours.pipeline(UniPCMultistepScheduler.from_config(base.scheduler.config))
-    arguments = {
-        "prompt": "a red square",
-        "height": 32,
-        "width": 32,
-        "num_frames": 1,
-        "num_inference_steps": 4,
-        "output_type": "np",
-    }
-    drawn_ours = pipeline(**arguments, generator=torch.Generator().manual_seed(0)).frames
-    drawn_theirs = theirs(**arguments, generator=torch.Generator().manual_seed(0)).frames
-    assert np.abs(drawn_ours - drawn_theirs).max() * 255 <= 1
+    assert np.abs(_drawn(pipeline) - _drawn(theirs)).max() * 255 <= 1
     merged = export.merge_into_folder(a14b, [(high, 1.0), (low, 1.0)], tmp_path / "merged")[0]
     merged_pipeline = WanPipeline.from_pretrained(merged, dtype=torch.float32)
     merged_pipeline.scheduler = UniPCMultistepScheduler.from_config(base.scheduler.config)
-    drawn_merged = merged_pipeline(**arguments, generator=torch.Generator().manual_seed(0)).frames
-    assert np.abs(drawn_merged - drawn_theirs).max() * 255 <= 1
+    assert np.abs(_drawn(merged_pipeline) - _drawn(theirs)).max() * 255 <= 1
 
 
 def test_both_experts_route_each_sample_by_its_time_and_take_turns_on_the_device(a14b):

@@ -48,6 +48,14 @@ def _frame() -> Image.Image:
     return frame
 
 
+def _animated(pipeline, steps: int) -> np.ndarray:
+    """`_frame()` animated as "a square moving left", 5 frames from seed 0: what the pipelines are compared by."""
+    arguments = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": steps, "output_type": "np"}
+    return pipeline(
+        image=_frame(), prompt="a square moving left", **arguments, generator=torch.Generator().manual_seed(0)
+    ).frames
+
+
 def _clips(folder):
     folder.mkdir()
     for name in ("left", "right"):
@@ -182,20 +190,8 @@ def test_wan21_trains_cached_as_uncached_and_its_adapter_draws_in_the_pipeline(m
     export.apply_adapters(ours, [(trained, 1.0)])
     theirs = WanImageToVideoPipeline.from_pretrained(wan21_base, dtype=torch.float32)
     theirs.load_lora_weights(str(trained))
-    arguments = {
-        "image": _frame(),
-        "prompt": "a square moving left",
-        "height": 32,
-        "width": 32,
-        "num_frames": 5,
-        "num_inference_steps": 3,
-        "output_type": "np",
-    }
-    drawn_ours = ours.pipeline(theirs.scheduler)(**arguments, generator=torch.Generator().manual_seed(0)).frames
-    drawn_theirs = theirs(**arguments, generator=torch.Generator().manual_seed(0)).frames
-    untrained = WanImageToVideoPipeline.from_pretrained(wan21_base, dtype=torch.float32)(
-        **arguments, generator=torch.Generator().manual_seed(0)
-    ).frames
+    drawn_ours, drawn_theirs = _animated(ours.pipeline(theirs.scheduler), 3), _animated(theirs, 3)
+    untrained = _animated(WanImageToVideoPipeline.from_pretrained(wan21_base, dtype=torch.float32), 3)
     assert np.abs(drawn_ours - drawn_theirs).max() * 255 <= 1
     assert np.abs(drawn_ours - untrained).max() * 255 > 1  # the adapter changed what is drawn
 
@@ -261,18 +257,7 @@ def test_both_wan22_i2v_experts_train_in_one_run_and_draw_in_the_pipeline(make_c
     theirs = WanImageToVideoPipeline.from_pretrained(two, dtype=torch.float32)
     theirs.load_lora_weights(str(high))
     theirs.load_lora_weights(str(low), load_into_transformer_2=True)
-    arguments = {
-        "image": _frame(),
-        "prompt": "a square moving left",
-        "height": 32,
-        "width": 32,
-        "num_frames": 5,
-        "num_inference_steps": 4,
-        "output_type": "np",
-    }
-    drawn_ours = ours.pipeline(theirs.scheduler)(**arguments, generator=torch.Generator().manual_seed(0)).frames
-    drawn_theirs = theirs(**arguments, generator=torch.Generator().manual_seed(0)).frames
-    assert np.abs(drawn_ours - drawn_theirs).max() * 255 <= 1
+    assert np.abs(_animated(ours.pipeline(theirs.scheduler), 4) - _animated(theirs, 4)).max() * 255 <= 1
     untouched = WanImageToVideoPipeline.from_pretrained(two, dtype=torch.float32)
     config = untouched.transformer.config
     inputs = {
