@@ -829,14 +829,14 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
     with phase("saving the result", say):
         files = export.save_result_files(components, config, output_dir)
     trained_path = export.result_files(config, output_dir)[0]
-    for file in export.result_adapters(components, config) if config.export.average_last > 1 else ():
+    for suffix in components.family.adapter_file_suffixes(config) if config.export.average_last > 1 else ():
         # One average per file the run writes (an expert's snapshots with its own).
-        snapshots = sorted((output_dir / "snapshots").glob(f"step-[0-9]*{file.suffix}.safetensors"))
+        snapshots = sorted((output_dir / "snapshots").glob(f"step-[0-9]*{suffix}.safetensors"))
         tensors, lora_configs, config_toml = export.average_adapters(
             snapshots[-config.export.average_last :], config.export.average_weights
         )
         export.write_adapter(
-            export.variant_of(export.trained_path(config, output_dir, "_avg"), file.suffix),
+            export.variant_of(export.trained_path(config, output_dir, "_avg"), suffix),
             tensors,
             lora_configs,
             config_toml,
