@@ -190,6 +190,14 @@ def _wan_prompts(pipeline, prompts):
     return {"encoder_hidden_states": states}
 
 
+def _ltx2_prompts(pipeline, prompts):
+    """Gemma 3's stacked states through the pipeline's connectors, as its call runs them: the video stream's caption
+    states and their mask."""
+    states, mask, _, _ = pipeline.encode_prompt(prompts, do_classifier_free_guidance=False, device="cpu")
+    video, _, video_mask = pipeline.connectors(states, mask, padding_side=pipeline.tokenizer.padding_side)
+    return {"encoder_hidden_states": video, "text_mask": video_mask}
+
+
 def _hidream_prompts(pipeline, prompts):
     t5, _, llama, _, pooled, _ = pipeline.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False)
     return {
@@ -262,6 +270,7 @@ PIPELINE_PROMPTS = {
     "kandinsky5_video": _kandinsky5_prompts,
     "krea2": _krea2_prompts,
     "lumina2": _lumina2_prompts,
+    "ltx2": _ltx2_prompts,
     "ideogram4": _ideogram4_prompts,
     "ernie_image": _ernie_image_prompts,
     "hidream": _hidream_prompts,
@@ -349,6 +358,9 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         pipeline.update_components(guider=ClassifierFreeGuidance(guidance_scale=3.0))
         arguments.pop("output_type")
         return pipeline(prompt=prompt, negative_prompt="", **arguments, output="latents")[0].numpy()
+    elif name == "ltx2":  # a one-frame clip: its latents (C, 1, h, w) without the time axis, guidance as difftune's
+        guidance = family.sampling_arguments(None, 3.0, "")  # reads no component
+        return pipeline(prompt=prompt, num_frames=1, **guidance, **arguments).frames[0][:, 0].numpy()
     elif name == "kandinsky5_video":  # a one-frame clip: its latents (1, h, w, C), channels last
         return (
             pipeline(prompt=prompt, num_frames=1, guidance_scale=3.0, negative_prompt="", **arguments).frames[0].numpy()
@@ -763,8 +775,12 @@ def test_the_autoencoder_is_read_as_the_pipeline_reads_it(name, micro_base):
     # FLUX.2's latents are read patched 2x2: a patched latent pixel is twice the autoencoder's own factor, which
     # ERNIE-Image's pipeline counts in its `vae_scale_factor` already.
     patched = 2 if isinstance(components.vae, PATCHED_AUTOENCODERS) and name != "ernie_image" else 1
-    # The video pipelines (Wan's) name their spatial factor apart from the temporal one.
-    spatial = getattr(pipeline, "vae_scale_factor_spatial", None) or pipeline.vae_scale_factor
+    # The video pipelines (Wan's, LTX-2's) name their spatial factor apart from the temporal one.
+    spatial = (
+        getattr(pipeline, "vae_scale_factor_spatial", None)
+        or getattr(pipeline, "vae_spatial_compression_ratio", None)
+        or pipeline.vae_scale_factor
+    )
     assert downsampling(components.vae) == spatial * patched
     assert latent_channels(components.vae) == FAMILIES[name].latent_channels(components.denoiser)
 

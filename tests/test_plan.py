@@ -268,6 +268,9 @@ PUBLISHED_SIZES = {
     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": {"transformer": (8.3, 0.03), "text_encoder": 7.065},
     # HunyuanVideo 1.5 I2V's image encoder: SigLIP so400m's vision tower, SoViT-400m/14, 428M ("Getting ViT in Shape")
     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v": {"image_encoder": (0.428, 0.03)},
+    # "a 19B" audio-video DiT (Lightricks' model card, its 14B video and 5B audio streams); Gemma 3 12B with its vision
+    # tower (12.2B, Gemma 3's technical report)
+    "Lightricks/LTX-2": {"transformer": 19.0, "text_encoder": 12.2},
     # Wan 2.1 I2V's image encoder: open_clip's ViT-H/14 vision tower, 632M (open_clip's model table)
     "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": {"image_encoder": 0.632},
 }

@@ -104,7 +104,9 @@ class FlowMatching(Objective):
 
     def draw_timesteps_and_noise(self, components, generators, latents, config: LossConfig):
         if config.flow_shift_by_resolution:
-            tokens = latents.shape[-2] * latents.shape[-1] // components.family.patch_size**2
+            # A clip's tokens are all its frames' (as `LTX2Pipeline` counts them; the other video families' schedulers
+            # shift alike at every size).
+            tokens = latents[0, 0].numel() // components.family.patch_size**2
             shift = self.resolution_shift(components, tokens)
         else:
             shift = config.flow_shift

@@ -52,6 +52,16 @@ def load_without_video_processor(processor_class: type) -> None:
         processor_class.get_attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
 
 
+def part_class(library: str, class_name: str) -> type:
+    """The class a `model_index.json` entry names, resolved as diffusers' loader resolves it: a library to import, or
+    one of diffusers' pipeline modules (a part whose class lives beside its pipeline is indexed by that module's name,
+    not a library's)."""
+    from diffusers import pipelines
+
+    module = getattr(pipelines, library) if hasattr(pipelines, library) else importlib.import_module(library)
+    return getattr(module, class_name)
+
+
 @dataclass(frozen=True)
 class PartSource:
     """Where a pipeline keeps one part: its class, and the folder or hub id, subfolder and revision of its files."""
@@ -156,7 +166,7 @@ class Loading:
         """Where the pipeline folder (or hub id) `folder` keeps `part`: in its subfolder of that name, of the class
         its `model_index.json` names (as the pipeline would load it)."""
         library, class_name = self.pipeline_class.load_config(folder, revision=revision)[part]
-        return PartSource(getattr(importlib.import_module(library), class_name), folder, part, revision)
+        return PartSource(part_class(library, class_name), folder, part, revision)
 
     def single_file_pipeline(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
         """The pipeline of a single-file `config.base` (there, an existing file), through diffusers' reader, which

@@ -22,6 +22,9 @@ autoencoder whose latents
   of difftune reads (its pipeline returns the alpha too).
 - `AutoencoderKLHunyuanImage` (HunyuanImage 2.1): a KL autoencoder of images at 32x with 64 channels, normalised as
   `AutoencoderKL` (one `scaling_factor`, no shift).
+- `AutoencoderKLLTX2Video` (LTX-2): a causal video autoencoder at 32x in space, 8x in time, with 128 channels, its
+  per-channel statistics buffers of the model (`latents_mean`, `latents_std`, not config): shift = `latents_mean`,
+  scale = `scaling_factor` / `latents_std`, as `LTX2Pipeline._normalize_latents`.
 - `AutoencoderKLFlux2` (FLUX.2): 32-channel latents at 8x, which the denoiser reads patched 2x2 into 128 channels
   (`patched`, as `Flux2Pipeline._patchify_latents`), normalised per patched channel by the autoencoder's own batch
   norm statistics (shift = `bn.running_mean`, scale = 1 / sqrt(`bn.running_var` + eps)). Everything outside this
@@ -40,6 +43,7 @@ from diffusers import (
     AutoencoderKLHunyuanImage,
     AutoencoderKLHunyuanVideo,
     AutoencoderKLHunyuanVideo15,
+    AutoencoderKLLTX2Video,
     AutoencoderKLQwenImage,
     AutoencoderKLQwenImage21,
     AutoencoderKLWan,
@@ -67,6 +71,7 @@ VIDEO_AUTOENCODERS = (
     AutoencoderKLQwenImage21,
     AutoencoderKLHunyuanVideo,
     AutoencoderKLHunyuanVideo15,
+    AutoencoderKLLTX2Video,
 )
 PATCHED_AUTOENCODERS = (AutoencoderKLFlux2,)  # latents read patched 2x2 into channels
 
@@ -98,6 +103,9 @@ def latent_normalization(vae, batch_norm_eps: float | None = None) -> LatentNorm
         eps = vae.config.batch_norm_eps if batch_norm_eps is None else batch_norm_eps
         std = torch.sqrt(vae.bn.running_var.float() + eps)
         return LatentNormalization(tuple((1.0 / std).tolist()), tuple(vae.bn.running_mean.float().tolist()))
+    if isinstance(vae, AutoencoderKLLTX2Video):
+        scale = float(vae.config.scaling_factor) / vae.latents_std.float()
+        return LatentNormalization(tuple(scale.tolist()), tuple(vae.latents_mean.float().tolist()))
     vae_config = vae.config
     if getattr(vae_config, "latents_std", None) is not None:
         scale = (1.0 / torch.tensor(vae_config.latents_std)).tolist()  # fp32, as the pipelines compute it
@@ -122,6 +130,7 @@ def downsampling(vae) -> int:
         return (
             config.get("scale_factor_spatial")
             or config.get("spatial_compression_ratio")  # HunyuanVideo's
+            or getattr(vae, "spatial_compression_ratio", None)  # LTX-2's, from its blocks
             or 2 ** len(config.temperal_downsample)
         )
     blocks = (
@@ -139,6 +148,7 @@ def frames_per_latent(vae) -> int:
     return (
         config.get("scale_factor_temporal")
         or config.get("temporal_compression_ratio")  # HunyuanVideo's
+        or getattr(vae, "temporal_compression_ratio", None)  # LTX-2's, from its blocks
         or 2 ** sum(config.temperal_downsample)
     )
 

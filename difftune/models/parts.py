@@ -340,9 +340,13 @@ def store_loaded_text_encoders(components: Components, config: Config) -> None:
     in fp8 and computed in the run's dtype, as the denoiser's are (storage.py); their other weights in that dtype."""
     if config.model.text_encoder_dtype != "fp8":
         return
+    compute = weight_dtype(config)
     for encoder in components.text_encoders.values():
         if encoder is not None:
-            store_frozen_layers(encoder.requires_grad_(False), STORED_DTYPES["fp8"], weight_dtype(config))
+            # From the weights as the run holds them (in its compute dtype), whatever dtype they were loaded in: the
+            # fp8 of fp32 weights and of their bf16 rounding differ at rounding boundaries (the parity check, which
+            # loads fp32, drew 3 to 9 levels away from training, which loads bf16).
+            store_frozen_layers(encoder.requires_grad_(False).to(compute), STORED_DTYPES["fp8"], compute)
 
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}

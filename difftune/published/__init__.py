@@ -49,6 +49,7 @@ REFERENCE_BASES = {
     "z_image_omni": "Tongyi-MAI/Z-Image-Omni-Base",
     "krea2": "krea2-diffusers",
     "lumina2": "Alpha-VLLM/Lumina-Image-2.0",
+    "ltx2": "Lightricks/LTX-2",
     "ideogram4": "ideogram-ai/ideogram-v4",
     "ernie_image": "baidu/ERNIE-Image",
     "hunyuan_image": "hunyuanvideo-community/HunyuanImage-2.1-Diffusers",

@@ -28,6 +28,8 @@ from diffusers import (
     AutoencoderKLHunyuanImage,
     AutoencoderKLHunyuanVideo,
     AutoencoderKLHunyuanVideo15,
+    AutoencoderKLLTX2Audio,
+    AutoencoderKLLTX2Video,
     AutoencoderKLQwenImage,
     AutoencoderKLQwenImage21,
     AutoencoderKLWan,
@@ -48,6 +50,7 @@ from diffusers import (
     Ideogram4Transformer2DModel,
     Kandinsky5Transformer3DModel,
     Krea2Transformer2DModel,
+    LTX2VideoTransformer3DModel,
     Lumina2Transformer2DModel,
     QwenImage21Transformer2DModel,
     QwenImageEditPlusPipeline,
@@ -59,6 +62,8 @@ from diffusers import (
     WanTransformer3DModel,
     ZImageTransformer2DModel,
 )
+from diffusers.pipelines.ltx2 import LTX2TextConnectors
+from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from PIL import Image, ImageDraw
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
@@ -69,6 +74,9 @@ from transformers import (
     CLIPTokenizer,
     Gemma2Config,
     Gemma2Model,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Mistral3Config,
@@ -89,6 +97,7 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
     Qwen3VLModel,
     Qwen3VLProcessor,
+    SiglipVisionConfig,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
@@ -1252,6 +1261,118 @@ def build_gemma2_text_encoder(tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, la
         eos_token_id=None,
     )
     return Gemma2Model(config)
+
+
+def build_gemma3_text_encoder(tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 2):
+    """A Gemma 3 model with its (tiny) SigLIP vision tower, as LTX-2's text encoder is one
+    (`Gemma3ForConditionalGeneration`); its pipeline reads every layer's states of the text alone."""
+    text = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=hidden_size // 2,
+        max_position_embeddings=2048,
+        sliding_window=16,
+        pad_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    return Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=1))
+
+
+def build_ltx2_parts(text_width: int, text_layers: int, layers: int = 1, heads: int = 2, latent_channels: int = 8):
+    """LTX-2's text connectors (with learnable registers in the padding, as the real ones), its audio-video
+    transformer (a video stream of `heads` x 8 and an audio stream of 2 x 4), its audio autoencoder (2-channel mel
+    spectrograms of 8 bins) and its vocoder, as diffusers' own LTX-2 tests build them small."""
+    connectors = LTX2TextConnectors(
+        caption_channels=text_width,
+        text_proj_in_factor=text_layers + 1,  # every hidden state, the embeddings' too
+        video_connector_num_attention_heads=2,
+        video_connector_attention_head_dim=text_width // 2,
+        video_connector_num_layers=1,
+        video_connector_num_learnable_registers=8,
+        audio_connector_num_attention_heads=2,
+        audio_connector_attention_head_dim=text_width // 2,
+        audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=8,
+        connector_rope_base_seq_len=32,
+        rope_double_precision=False,
+        causal_temporal_positioning=False,
+        rope_type="split",
+    )
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=latent_channels,
+        out_channels=latent_channels,
+        num_attention_heads=heads,
+        attention_head_dim=8,
+        cross_attention_dim=heads * 8,
+        audio_in_channels=4,
+        audio_out_channels=4,
+        audio_num_attention_heads=2,
+        audio_attention_head_dim=4,
+        audio_cross_attention_dim=8,
+        num_layers=layers,
+        caption_channels=text_width,
+        vae_scale_factors=(4, 4, 4),
+        rope_double_precision=False,
+        rope_type="split",
+    )
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4,
+        output_channels=2,
+        ch_mult=(1,),
+        num_res_blocks=1,
+        attn_resolutions=None,
+        in_channels=2,
+        resolution=32,
+        latent_channels=2,
+        norm_type="pixel",
+        causality_axis="height",
+        dropout=0.0,
+        mid_block_add_attention=False,
+        sample_rate=16000,
+        mel_hop_length=160,
+        is_causal=True,
+        mel_bins=8,
+    )
+    vocoder = LTX2Vocoder(
+        in_channels=2 * 8,
+        hidden_channels=32,
+        out_channels=2,
+        upsample_kernel_sizes=[4, 4],
+        upsample_factors=[2, 2],
+        resnet_kernel_sizes=[3],
+        resnet_dilations=[[1, 3, 5]],
+        leaky_relu_negative_slope=0.1,
+        output_sampling_rate=16000,
+    )
+    return {"connectors": connectors, "transformer": transformer, "audio_vae": audio_vae, "vocoder": vocoder}
+
+
+def build_ltx2_vae(latent_channels: int = 8) -> AutoencoderKLLTX2Video:
+    """LTX-2's causal video autoencoder at 4x in space and time (the real one: 32x and 8x, 128 channels)."""
+    return AutoencoderKLLTX2Video(
+        latent_channels=latent_channels,
+        block_out_channels=(8, 16),
+        decoder_block_out_channels=(8, 16),
+        layers_per_block=(1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1),
+        spatio_temporal_scaling=(True, True),
+        decoder_spatio_temporal_scaling=(True, True),
+        decoder_inject_noise=(False, False, False),
+        downsample_type=("spatiotemporal", "spatiotemporal"),
+        upsample_type=("spatiotemporal", "spatiotemporal"),
+        upsample_residual=(False, False),
+        upsample_factor=(1, 1),
+        patch_size=1,
+        decoder_causal=False,
+    )
 
 
 def build_lumina2_transformer(

@@ -15,7 +15,6 @@ files in the loading dtype are mapped, not read, so a part occupies RAM only onc
 
 from __future__ import annotations
 
-import importlib
 import json
 import weakref
 from contextlib import contextmanager
@@ -406,6 +405,7 @@ def empty_components(config: Config, source: tuple[Path, str] | None = None) -> 
     from transformers import AutoConfig
 
     from difftune.families import family_of
+    from difftune.families.loading import part_class as index_part_class
 
     model = config.model
     folder, kept = source or config_source(model)
@@ -417,7 +417,7 @@ def empty_components(config: Config, source: tuple[Path, str] | None = None) -> 
             isinstance(spec, list) and len(spec) == 2 and all(isinstance(x, str) for x in spec)
         ):
             continue  # a setting (Krea 2's `text_encoder_select_layers`), or a part left out
-        part_class = getattr(importlib.import_module(spec[0]), spec[1])
+        part_class = index_part_class(*spec)
         if not issubclass(part_class, torch.nn.Module):
             holds_text = kept and not any(
                 (folder / name / file).is_file() for file in ("scheduler_config.json", "preprocessor_config.json")

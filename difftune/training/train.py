@@ -252,7 +252,9 @@ def setup(config: Config, resume: str | None = None) -> Run:
     validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
     if encoders_first:  # the encoders the caches replace go before the denoiser comes: never resident beside it
         _release_unneeded(components, config)
-        with phase(f"loading the {components.family.denoiser_name}", say):
+        # Kept off the seeded generator: a denoiser whose loading draws random numbers (LTX-2's builds some of its
+        # tensors) would otherwise give the adapters another init than a run that loaded it before the seed.
+        with phase(f"loading the {components.family.denoiser_name}", say), torch.random.fork_rng(devices=[]):
             load_training_denoiser(components, config)
     if config.sample.before and config.sample.prompts and main and not resume:
         with phase("drawing the base's samples (before training)", say):
