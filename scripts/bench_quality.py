@@ -189,7 +189,9 @@ VARIANTS = {
         **at_seeds("lora_r8_logit_normal", "loss.timestep_sampling=logit_normal"),
         **at_seeds("lora_r8_shift_1", "loss.flow_shift_by_resolution=false", "loss.flow_shift=1.0"),
         **at_seeds("lora_r8_2400_steps_ema", "train.max_steps=2400", "ema.enabled=true", "ema.decay=0.995"),
-        **at_seeds("lora_r16_2400_steps_lr_5e-4", "adapter.rank=16", "train.max_steps=2400", "optim.learning_rate=5e-4"),
+        **at_seeds(
+            "lora_r16_2400_steps_lr_5e-4", "adapter.rank=16", "train.max_steps=2400", "optim.learning_rate=5e-4"
+        ),
     },
     "sd3_lora": {
         **at_seeds("lora_r8"),
