@@ -136,9 +136,6 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
         """Each block's video-stream layers by full name (the audio stream's have the same names after `audio_`)."""
         return targets_in_blocks(model, {"transformer_blocks": VIDEO_TARGETS})
 
-    def latent_channels(self, denoiser: torch.nn.Module) -> int:
-        return denoiser.config.in_channels
-
     # Prompts and the transformer.
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
@@ -166,8 +163,9 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
         denoiser = components.denoiser
         states = conditioning["encoder_hidden_states"]
         clip = (noisy if noisy.dim() == 5 else noisy[:, :, None]).to(states.dtype)
-        frames, height, width = clip.shape[2:]
         config = denoiser.config
+        frames, height, width = clip.shape[2:]
+        grid = (frames // config.patch_size_t, height // config.patch_size, width // config.patch_size)  # in tokens
         tokens = LTX2Pipeline._pack_latents(clip, config.patch_size, config.patch_size_t)
         # The audio stream's caption states are the audio connector's width where the transformer projects none.
         audio_width = config.caption_channels if config.use_prompt_embeddings else config.audio_cross_attention_dim
@@ -182,23 +180,16 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
             sigma=time,
             encoder_attention_mask=conditioning["text_mask"],
             audio_encoder_attention_mask=torch.ones(len(clip), 1, device=states.device),
-            num_frames=frames // config.patch_size_t,
-            height=height // config.patch_size,
-            width=width // config.patch_size,
+            num_frames=grid[0],
+            height=grid[1],
+            width=grid[2],
             fps=FRAME_RATE,
             audio_num_frames=1,
             isolate_modalities=True,
             use_cross_timestep=True,
             return_dict=False,
         )[0]
-        unpacked = LTX2Pipeline._unpack_latents(
-            prediction,
-            frames // config.patch_size_t,
-            height // config.patch_size,
-            width // config.patch_size,
-            config.patch_size,
-            config.patch_size_t,
-        )
+        unpacked = LTX2Pipeline._unpack_latents(prediction, *grid, config.patch_size, config.patch_size_t)
         return unpacked if noisy.dim() == 5 else unpacked[:, :, 0]
 
     # Sampling.

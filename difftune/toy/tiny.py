@@ -1479,11 +1479,16 @@ def build_noise_scheduler() -> DDPMScheduler:
     )
 
 
-def set_latent_statistics(vae: AutoencoderKLQwenImage, latents: torch.Tensor) -> None:
+def set_latent_statistics(vae: AutoencoderKLQwenImage | AutoencoderKLLTX2Video, latents: torch.Tensor) -> None:
     """Per-channel `latents_mean` / `latents_std` of `latents` (B, C, h, w), or clips' (B, C, t, h, w), as Wan's
-    autoencoder states them."""
+    autoencoder states them in its config, or LTX-2's keeps them: as buffers of the model."""
     dims = (0, *range(2, latents.dim()))
-    vae.register_to_config(latents_mean=latents.mean(dim=dims).tolist(), latents_std=latents.std(dim=dims).tolist())
+    mean, std = latents.mean(dim=dims), latents.std(dim=dims)
+    if isinstance(vae, AutoencoderKLLTX2Video):
+        vae.latents_mean.copy_(mean)
+        vae.latents_std.copy_(std)
+    else:
+        vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
 
 
 def set_latent_scaling(vae: AutoencoderKL, latents: torch.Tensor, shift: bool) -> None:

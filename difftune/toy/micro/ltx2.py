@@ -6,8 +6,8 @@ autoencoder and vocoder its pipeline draws sound with."""
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
 
-from difftune.models.autoencoders import encode_posterior
 from difftune.toy.micro import MicroSizes
+from difftune.toy.micro._latent_statistics import with_latent_statistics
 from difftune.toy.tiny import (
     QWEN_HIDDEN_SIZE,
     build_gemma3_text_encoder,
@@ -29,10 +29,7 @@ def autoencoder(pixels):
         # The encoder's last output channel is the posterior's log-variance (one for all channels): a trained
         # autoencoder's posterior is nearly a point, a random one's as wide as its means are apart.
         vae.encoder.conv_out.conv.bias[-1] = -12.0
-        latents = encode_posterior(vae, pixels)[0]  # (64, C, h, w)
-        vae.latents_mean.copy_(latents.mean(dim=(0, 2, 3)))
-        vae.latents_std.copy_(latents.std(dim=(0, 2, 3)))
-    return vae
+    return with_latent_statistics(vae, pixels)
 
 
 def pipeline(vae, sizes: MicroSizes):
