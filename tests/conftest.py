@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
-import torch
+
+# The suite runs on two pytest-xdist workers (pyproject's addopts; CI has two cores), a test file each at a time
+# (`--dist loadfile`: a module's fixtures, such as the quality jobs' pool, are made once): most tests drive micro
+# models, whose work is Python's more than the math's, so one process a core finishes the suite in about 0.6 of the
+# time one process on both takes. Each worker (and every process its tests start) computes on one thread: two workers
+# of two threads each would fight over the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"  # read as torch starts, here and in the subprocesses the tests launch
+
+import torch  # noqa: E402
 
 from difftune.config import load_config
 from difftune.families import FAMILIES
@@ -16,6 +27,24 @@ from difftune.toy.micro import build_pipeline
 from difftune.toy.tiny import recolor_pairs, shape_images, write_caption_folder, write_pair_folder
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (for a server or a rendezvous a test starts)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun(script: str, processes: int = 2) -> list[str]:
+    """`torchrun` starting `processes` copies of `script`, meeting on a free port: tests on the other worker may run
+    torchrun at the same time, and its default port is one for all."""
+    return [
+        shutil.which("torchrun") or "torchrun",
+        f"--nproc_per_node={processes}",
+        f"--master_port={free_port()}",
+        script,
+    ]
 
 
 def run_in_repo(args, extra_env=None) -> subprocess.CompletedProcess:

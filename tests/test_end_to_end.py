@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from difftune.toy.family_jobs import FAMILY_CONFIGS, run_family_job
 from difftune.training.metrics import read_metrics
 
-from conftest import REPO, run_in_repo
+from conftest import REPO, run_in_repo, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -190,9 +190,8 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
         [sys.executable, "scripts/train.py", *common, f"train.output_dir={tmp_path / 'one'}", "train.batch_size=8"]
     )
     assert one.returncode == 0, one.stderr[-3000:]
-    torchrun = [shutil.which("torchrun") or "torchrun", "--nproc_per_node=2", "scripts/train.py"]
     two = run_in_repo(
-        [*torchrun, *common, f"train.output_dir={tmp_path / 'two'}", "train.batch_size=4"],
+        [*torchrun("scripts/train.py"), *common, f"train.output_dir={tmp_path / 'two'}", "train.batch_size=4"],
         extra_env={"ACCELERATE_USE_CPU": "true"},
     )
     assert two.returncode == 0, two.stderr[-3000:]
@@ -226,18 +225,16 @@ def test_two_process_run_resumes_exactly(tmp_path):
         ]
     )
     assert one.returncode == 0, one.stderr[-3000:]
-    torchrun = [
-        shutil.which("torchrun") or "torchrun",
-        "--nproc_per_node=2",
-        "scripts/train.py",
+    launch = [
+        *torchrun("scripts/train.py"),
         *common,
         f"train.output_dir={tmp_path / 'two'}",
         "train.batch_size=4",
     ]
     cpu = {"ACCELERATE_USE_CPU": "true"}
-    first = run_in_repo([*torchrun, "train.max_steps=4"], extra_env=cpu)
+    first = run_in_repo([*launch, "train.max_steps=4"], extra_env=cpu)
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run_in_repo([*torchrun, "train.max_steps=6", "--resume", "auto"], extra_env=cpu)
+    resumed = run_in_repo([*launch, "train.max_steps=6", "--resume", "auto"], extra_env=cpu)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
     assert [row["loss"] for row in read_metrics(tmp_path / "two")] == pytest.approx(

@@ -2,7 +2,6 @@
 global batch, write gathered checkpoints and exports, and resume exactly. accelerate enables FSDP only on
 accelerator devices, so the runs go through tests/fsdp_cpu_launch.py (its docstring says what it switches)."""
 
-import shutil
 import sys
 from types import SimpleNamespace
 
@@ -16,7 +15,7 @@ from difftune.data.sharding import check_accelerator, check_config
 from difftune.errors import DifftuneError
 from difftune.training.metrics import read_metrics
 
-from conftest import run_in_repo
+from conftest import run_in_repo, torchrun
 
 COMMON = [
     "--config",
@@ -42,9 +41,15 @@ def _one_process(out, *overrides):
 
 
 def _fsdp(out, *overrides):
-    torchrun = [shutil.which("torchrun") or "torchrun", "--nproc_per_node=2", "tests/fsdp_cpu_launch.py", "train"]
     run = _run(
-        [*torchrun, *COMMON, f"train.output_dir={out}", "train.batch_size=4", *overrides],
+        [
+            *torchrun("tests/fsdp_cpu_launch.py"),
+            "train",
+            *COMMON,
+            f"train.output_dir={out}",
+            "train.batch_size=4",
+            *overrides,
+        ],
         {"ACCELERATE_USE_CPU": "true"},
     )
     assert "2 process(es)" in run.stdout

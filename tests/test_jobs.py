@@ -214,6 +214,18 @@ def test_the_ui_shows_and_signals_only_what_is_the_jobs_own(tmp_path):
         other.wait()
 
 
+def test_a_job_started_here_is_running_before_its_command_line_is_its_own(make_config, tmp_path, monkeypatch):
+    """Between fork and exec (long on a loaded machine) the kernel shows the parent's command line for the child: a
+    job launched here is known running all the same (it looked failed as it started: `test_resume_says_why_it_cannot`
+    failed so under two pytest workers)."""
+    job = jobs.launch_job(make_config(train__max_steps=2), tmp_path / "jobs", "short")
+    monkeypatch.setattr(psutil.Process, "cmdline", lambda self: [sys.executable, "-c", "the parent's"])
+    assert job.is_running() and job.status() == "running"
+    monkeypatch.undo()
+    _wait_for(lambda: not job.is_running(), 120, job)
+    assert job.status() == "finished"
+
+
 def test_resume_says_why_it_cannot(make_config, tmp_path):
     jobs_dir = tmp_path / "jobs"
     job = jobs.launch_job(make_config(train__max_steps=2), jobs_dir, "short")

@@ -4,7 +4,6 @@ the same images in their folder, each "machine" with a cache folder of its own (
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ from safetensors.torch import load_file
 
 from difftune.training.metrics import read_metrics
 
-from conftest import REPO
+from conftest import REPO, free_port
 from test_sources import write_shards
 
 COMMON = [
@@ -29,15 +28,9 @@ COMMON = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _two_machines(kind: str, out, tmp_path) -> list[str]:
     """Both machines' commands run together; returns their outputs."""
-    port, env = _free_port(), {**os.environ, "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"}
+    port, env = free_port(), {**os.environ, "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"}
     shards = write_shards(REPO / "examples" / "purple", tmp_path / "shards", per_shard=5)
     processes = []
     for rank in (0, 1):

@@ -26,15 +26,11 @@ from difftune.config import load_config
 from difftune.errors import DifftuneError
 from difftune.webui.app import _inside, check_exposure, read_auth
 
+from conftest import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SECRET = "difftune-test-secret-4f1c"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +40,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("ui")
     jobs_dir = root / "jobs"
     (root / "secret.txt").write_text(SECRET)  # next to the jobs folder: must never be served
-    port = _free_port()
+    port = free_port()
     log = open(root / "server.log", "wb")
     process = subprocess.Popen(
         [

@@ -58,8 +58,15 @@ class Job:
         the job did: a reused pid, or a job.json written to point elsewhere, never gets a signal."""
         state = self.state()
         child = _children.get(state["pid"])
-        if child is not None and child.poll() is not None:
-            return None
+        if child is not None:  # started here: its own command, known without reading it (until it execs, a loaded
+            # machine shows the parent's command line for it, and the job looked failed as it started)
+            ours = list(child.args)[1:] == _command(self, resume="--resume" in child.args)[1:]
+            if not ours or child.poll() is not None:
+                return None
+            try:
+                return psutil.Process(child.pid)
+            except psutil.Error:
+                return None
         try:
             process = psutil.Process(state["pid"])
             if process.status() == psutil.STATUS_ZOMBIE or abs(process.create_time() - state["started"]) >= 1:
