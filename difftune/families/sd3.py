@@ -35,9 +35,10 @@ from difftune.models.parts import Components, tokenize
 
 T5_TOKENS = 256  # StableDiffusion3Pipeline's default `max_sequence_length`
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
+SECOND_ATTENTION_TARGETS = [f"attn2.{name}" for name in ATTENTION]  # SD3.5 Medium's first blocks have it
 TRANSFORMER_TARGETS = [
     *(f"attn.{name}" for name in ATTENTION),
-    *(f"attn2.{name}" for name in ATTENTION),
+    *SECOND_ATTENTION_TARGETS,
     "attn.add_q_proj",
     "attn.add_k_proj",
     "attn.add_v_proj",
@@ -166,6 +167,14 @@ class StableDiffusion3(FlowMatchingFamily):
         "text_encoder",
         "text_encoder_2",
     )  # StableDiffusion3Pipeline's LoRA loader reads the CLIPs, not T5
+
+    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
+        """The default targets, without the second image attention's where the transformer has none (SD3 Medium,
+        SD3.5 Large: `dual_attention_layers` empty), which would otherwise name no module and be refused."""
+        targets = super().targets_of(part, model)
+        if part == self.denoiser_name and not model.config.get("dual_attention_layers"):
+            return [target for target in targets if target not in SECOND_ATTENTION_TARGETS]
+        return targets
 
     # Prompts and the transformer.
 
