@@ -58,15 +58,12 @@ class Job:
         the job did: a reused pid, or a job.json written to point elsewhere, never gets a signal."""
         state = self.state()
         child = _children.get(state["pid"])
-        if child is not None:  # started here: its own command, known without reading it (until it execs, a loaded
-            # machine shows the parent's command line for it, and the job looked failed as it started)
+        # A child started here is known by the command it was started with, not by reading its command line: until it
+        # execs, a loaded machine shows the parent's there, and the job looked failed as it started. Unreaped, its pid
+        # cannot be another process's.
+        if child is not None:
             ours = list(child.args)[1:] == _command(self, resume="--resume" in child.args)[1:]
-            if not ours or child.poll() is not None:
-                return None
-            try:
-                return psutil.Process(child.pid)
-            except psutil.Error:
-                return None
+            return psutil.Process(child.pid) if ours and child.poll() is None else None
         try:
             process = psutil.Process(state["pid"])
             if process.status() == psutil.STATUS_ZOMBIE or abs(process.create_time() - state["started"]) >= 1:
