@@ -372,6 +372,12 @@ class DataConfig(Section):
     alpha_background: tuple[int, int, int] = Field(
         (255, 255, 255), strict=False, description="RGB color that transparent pixels are composited onto."
     )
+    keep_alpha: bool = Field(
+        False,
+        description="Train the images' transparency: RGBA images stay RGBA (opaque images get alpha 255) for an "
+        "autoencoder that reads RGBA (Qwen-Image 2.1's, Qwen-Image-Layered's), instead of being composited onto "
+        "`alpha_background`. Always on for Qwen-Image-Layered, whose layers are transparent.",
+    )
     target_frames: list[int] = Field(
         [17],
         min_length=1,

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import diffusers
+import diffusers.pipelines.qwenimage.pipeline_qwenimage_layered as layered_pipeline_module
 import gguf
 import numpy as np
 import pytest
@@ -41,10 +42,18 @@ from difftune.families import FAMILIES, family_of, family_table_markdown, load_c
 from difftune.families.layouts import FusedLayout
 from difftune.families.lumina2 import SYSTEM_PROMPT
 from difftune.families.modular import ModularBase
+from difftune.families.qwen_image_edit import set_for_the_call
+from difftune.families.qwen_image_layered import LayeredOptions
 from difftune.memory import storage
 from difftune.models.autoencoders import PATCHED_AUTOENCODERS, downsampling, latent_channels
 from difftune.models.parts import AS_STORED, PartDtypes, loads_encoders_first
-from difftune.toy.tiny import recolor_pairs, shape_images, write_caption_folder
+from difftune.toy.tiny import (
+    layered_shapes,
+    recolor_pairs,
+    shape_images,
+    write_caption_folder,
+    write_layered_folder,
+)
 from difftune.training.checkpoint import complete_checkpoints
 from difftune.training.metrics import read_metrics
 from difftune.training.plan import plan_memory
@@ -53,16 +62,38 @@ from difftune.training.train import train
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 NAMES = sorted(FAMILIES)
+LAYERED_SAMPLE_LAYERS = LayeredOptions().layers  # what a layered base's samples split their image into
 
 
 def _settings(name: str, base: Path, out: Path, **overrides) -> dict:
+    """A family's run on the micro base; a layered base's (Qwen-Image-Layered's) on images with their layers."""
     family = FAMILIES[name]
+    layered = {}
+    if family.trains_layers:
+        layered = {"data__path": str(write_training_folder(name, out.parent / "layered", shape_images(8, seed=3)))}
     return {
         "model__base": str(base),
         "train__output_dir": str(out),
         "adapter__text_encoder": bool(family.adapted_text_encoders()),
+        **layered,
         **overrides,
     }
+
+
+def write_training_folder(name: str, folder: Path, examples: list[tuple[Image.Image, str]]) -> Path:
+    """`examples` (image, caption) as the family trains them: captioned images, or for a layered base each caption's
+    shape in two layers (`layered_shapes`, its color and shape the caption's)."""
+    if folder.exists():
+        return folder
+    if not FAMILIES[name].trains_layers:
+        write_caption_folder(folder, examples)
+        return folder
+    named = [caption.split()[1:] for _, caption in examples]  # "a red circle": its color and shape
+    write_layered_folder(
+        folder,
+        [layered_shapes(1, seed=i, colors=(color,), shapes=(shape,))[0] for i, (color, shape) in enumerate(named)],
+    )
+    return folder
 
 
 def _padded_states(states: list) -> dict:
@@ -255,6 +286,7 @@ PIPELINE_PROMPTS = {
     "qwen_image": _qwen_prompts,
     "qwen_image21": _qwen_image21_prompts,
     "qwen_image_edit": _qwen_edit_prompts,
+    "qwen_image_layered": _qwen_prompts,
     "qwen_image_edit_plus": lambda pipeline, prompts, image: _qwen_edit_prompts(
         pipeline, prompts, [FAMILIES["qwen_image_edit_plus"].prompt_image(image)]
     ),  # at its 384^2
@@ -382,6 +414,28 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         arguments |= {"guidance_scale": 3.0, "guidance_schedule": None, "max_sequence_length": 64}
     elif name == "flux_kontext":  # guidance-distilled, as Kontext [dev]: the scale is its guidance embedding's input
         arguments |= {"guidance_scale": 3.0, "max_sequence_length": 32, "max_area": 32 * 32}
+    elif family.trains_layers:  # the image it splits, at the drawn size as difftune samples it
+        # Its latent output fails (diffusers returns an unset name): the last step's latents, from its callback.
+        last = {}
+
+        def keep_latents(pipeline, step, timestep, tensors):
+            last["latents"] = tensors["latents"]
+            return tensors
+
+        with set_for_the_call(layered_pipeline_module, "calculate_dimensions", lambda _, ratio: (32, 32)):
+            pipeline(
+                prompt=prompt,
+                image=CONTROL.convert("RGBA"),
+                layers=LAYERED_SAMPLE_LAYERS,
+                resolution=640,
+                true_cfg_scale=3.0,
+                negative_prompt=" ",
+                callback_on_step_end=keep_latents,
+                num_inference_steps=4,
+                generator=torch.Generator().manual_seed(0),
+                output_type="np",
+            )
+        return last["latents"][0].numpy()
     elif family.needs_controls_to_draw:  # the control at the drawn size, as difftune trains and samples it
         with family.sized_controls(32 * 32):
             return (
@@ -849,8 +903,9 @@ def test_offloaded_blocks_train_as_kept_ones(name, micro_base, make_config, tmp_
     gradients in, not pinned down)."""
     blocks = FAMILIES[name].offloadable_blocks(load_components(ModelConfig(base=str(micro_base(name)))).denoiser)
     assert blocks
-    data = tmp_path / "one-length"
-    write_caption_folder(data, [(image, "a red circle") for image, _ in shape_images(8, seed=3)])
+    data = write_training_folder(
+        name, tmp_path / "one-length", [(image, "a red circle") for image, _ in shape_images(8, seed=3)]
+    )
     settings = _settings(name, micro_base(name), tmp_path, train__max_steps=2, sample__prompts=[], data__path=str(data))
     in_place = train(make_config(**settings | {"train__output_dir": str(tmp_path / "in-place")}))
     offloaded = train(

@@ -245,6 +245,8 @@ PUBLISHED_SIZES = {
     "black-forest-labs/FLUX.2-dev": {"transformer": 32.0, "text_encoder": 24.0},
     "black-forest-labs/FLUX.2-klein-4B": {"transformer": (4.0, 0.04), "text_encoder": 4.0},
     "Qwen/Qwen-Image": {"transformer": 20.4, "text_encoder": 8.29},
+    # Qwen-Image's 20B transformer with its RGBA time condition (the layered model's card: "based on Qwen-Image")
+    "Qwen/Qwen-Image-Layered": {"transformer": (20.4, 0.02)},
     "Tongyi-MAI/Z-Image-Turbo": {"transformer": 6.15},
     "Alpha-VLLM/Lumina-Image-2.0": {"transformer": 2.6, "text_encoder": 2.61},
     "HiDream-ai/HiDream-I1-Full": {"transformer": 17.1, "text_encoder_4": 8.03},

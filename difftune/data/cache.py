@@ -4,8 +4,9 @@ across runs, processes and machines.
 An entry's file name is the SHA-256 of everything its content depends on, and of `FORMAT` (bumped when what
 an entry holds changes):
 - latents: the image file's bytes, the VAE's weights and config, the training size, the crop, the color
-  transparent pixels are composited onto (`data.alpha_background`) and the view (as is, or mirrored); for a clip,
-  also its window of frames (first frame and count), so another `data.target_frames` or extraction is another entry;
+  transparent pixels are composited onto (`data.alpha_background`; or that their alpha is kept, `data.keep_alpha`)
+  and the view (as is, or mirrored); for a clip, also its window of frames (first frame and count), so another
+  `data.target_frames` or extraction is another entry;
 - text: the token ids each text encoder reads (so the tokenizers and their max lengths are covered too), and
   where the text encoder sees an edit pair's controls (Qwen-Image-Edit), their patches; the text encoders'
   weights and configs; an entry holds the family's whole text conditioning (SDXL: both encoders' states and the
@@ -114,7 +115,8 @@ def _views(config: Config, vae_identity: str) -> Callable[..., dict[str, Path]]:
     once."""
     root, data = cache_root(config), config.data
     views = VIEWS if data.random_flip else VIEWS[:1]
-    settings = f"crop={data.crop} alpha_background={','.join(map(str, data.alpha_background))}"
+    alpha = "kept" if data.keep_alpha else ",".join(map(str, data.alpha_background))
+    settings = f"crop={data.crop} alpha_background={alpha}"
     contents: dict[Path, str] = {}
 
     def entries(path: Path, size: Size, window: tuple[int, int] | None = None) -> dict[str, Path]:
@@ -176,7 +178,10 @@ def fill_latents(
                 continue
             image = resize_and_crop(open_image(path, config.data), size, config.data.crop)
             pixels.append(
-                image_to_tensor(image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if view == "flipped" else image)
+                image_to_tensor(
+                    image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if view == "flipped" else image,
+                    config.data.keep_alpha,
+                )
             )
         batch = torch.stack(pixels)
         with torch.no_grad():

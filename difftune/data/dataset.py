@@ -76,7 +76,8 @@ class Example:
     path: Path | Stored  # the image, or the clip a window of frames is cut from
     caption: str
     loss_weight: float = 1.0  # prior preservation's class images train at `prior.loss_weight`
-    control_paths: tuple[Path, ...] = ()  # an edit pair's control images, in the order the base reads them
+    # An edit pair's control images, in the order the base reads them; a layered base's layers (Qwen-Image-Layered)
+    control_paths: tuple[Path, ...] = ()
     frames: tuple[int, int] | None = None  # a clip's window: (first frame, frame count); None for an image
 
 
@@ -91,24 +92,31 @@ class BadImage(Exception):
 
 
 def scan_examples(
-    config: DataConfig, key: str = "data.path", windows: FrameWindows | None = None, index_folder: Path | None = None
+    config: DataConfig,
+    key: str = "data.path",
+    windows: FrameWindows | None = None,
+    index_folder: Path | None = None,
+    layers: bool = False,
 ) -> tuple[list[Example], list[BadFile]]:
     """Every usable (image, caption) pair under `config.path`, each listed as often as its folder repeats,
     and the files left out with their reasons. Every image is decoded once here, so a bad one is found
     before the first step, not at step 9,000. `key`: the setting the folder came from, as messages name it.
     `windows`: how a base that reads clips cuts them (`Family.frame_windows`): each window of a clip is an example,
-    every clip decoded once here too; None: clips are left out and reported.
+    every clip decoded once here too; None: clips are left out and reported. `layers`: a layered base's folders
+    (Qwen-Image-Layered, musubi-tuner's layout): each image's layers lie beside it, numbered `stem_1.png`,
+    `stem_2.png`... (or from `_0`), and are its `control_paths`, not examples of their own.
 
     `index_folder`: where the scan of stored records (sources.py) is kept, keyed by every file's size and version and
     the data settings: the first process to scan writes it, and later runs and processes read it instead of reading
     every record again (N processes on object storage would fetch the dataset N times)."""
     source = data_source(config.path)
     if index_folder is None or not source.scan_is_kept:
-        return _scan(source, config, key, windows)
+        return _scan(source, config, key, windows, layers)
     identity = {
         "format": SCAN_INDEX_FORMAT,
         "data": config.model_dump(mode="json"),
         "windows": repr(windows),
+        "layers": layers,
         "files": source_identity(config.path, key),
     }
     index = index_folder / f"{hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()}.json"
@@ -126,7 +134,7 @@ def scan_examples(
             ],
             [BadFile(b["path"], b["reason"]) for b in kept["bad"]],
         )
-    examples, bad = _scan(source, config, key, windows)
+    examples, bad = _scan(source, config, key, windows, layers)
     write_text(
         index,
         json.dumps(
@@ -151,11 +159,11 @@ SCAN_INDEX_FORMAT = "1"  # bumped when what the index holds changes
 
 
 def _scan(
-    source: DataSource, config: DataConfig, key: str, windows: FrameWindows | None
+    source: DataSource, config: DataConfig, key: str, windows: FrameWindows | None, layers: bool = False
 ) -> tuple[list[Example], list[BadFile]]:
     root = config.path
     bad: list[BadFile] = []
-    examples = listed_examples(source, config, key, bad)
+    examples = listed_examples(source, config, key, bad, layers)
     if not examples and not bad:
         raise DifftuneError(
             f"{key} {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) or clips "
@@ -207,41 +215,48 @@ def report_bad_files(bad: list[BadFile], report: Path | None, print_fn=print) ->
 
 
 @singledispatch
-def listed_examples(source: DataSource, config: DataConfig, key: str, bad: list[BadFile]) -> list[Example]:
-    """Every example `source` lists, each as often as its folder repeats; what cannot be read goes to `bad`."""
+def listed_examples(
+    source: DataSource, config: DataConfig, key: str, bad: list[BadFile], layers: bool = False
+) -> list[Example]:
+    """Every example `source` lists, each as often as its folder repeats; what cannot be read goes to `bad`.
+    `layers`: `scan_examples`'."""
     raise NotImplementedError(f"{source}: how its examples are listed")
 
 
 @listed_examples.register
-def _(source: FolderOfFiles, config: DataConfig, key: str, bad: list[BadFile]) -> list[Example]:
+def _(source: FolderOfFiles, config: DataConfig, key: str, bad: list[BadFile], layers: bool = False) -> list[Example]:
     root = Path(source.path)
     if not root.is_dir():
         raise DifftuneError(
             f"{key} {root} is not a folder; point it at a folder of captioned images, shards or parquet files"
         )
-    examples = _scan_folder(root, config, bad)
+    examples = _scan_folder(root, config, bad, layers=layers)
     for sub in sorted(p for p in root.iterdir() if p.is_dir()):
         match = REPEATS_FOLDER.match(sub.name)
         if match:
-            examples += _scan_folder(sub, config, bad, folder_caption=match.group(2)) * int(match.group(1))
+            examples += _scan_folder(sub, config, bad, match.group(2), layers) * int(match.group(1))
     return examples
 
 
 @listed_examples.register
-def _(source: StoredRecords, config: DataConfig, key: str, bad: list[BadFile]) -> list[Example]:
-    return _scan_stored(config, key, bad)
+def _(source: StoredRecords, config: DataConfig, key: str, bad: list[BadFile], layers: bool = False) -> list[Example]:
+    return _scan_stored(config, key, bad)  # a record's layers are its `controls`, as an edit pair's
 
 
 def _scan_folder(
-    folder: Path, config: DataConfig, bad: list[BadFile], folder_caption: str | None = None
+    folder: Path, config: DataConfig, bad: list[BadFile], folder_caption: str | None = None, layers: bool = False
 ) -> list[Example]:
     """The folder's images and captions; `folder_caption` (an `N_name` folder's name) for `missing_caption =
-    "folder"`."""
+    "folder"`; `layers`: `scan_examples`'."""
     metadata = folder / "metadata.jsonl"
     if metadata.is_file():
         return _read_metadata(metadata, bad)
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS or is_clip(p))
+    found_layers = _layer_files(files) if layers else {}
+    layer_files = {path for numbered in found_layers.values() for _, path in numbered}
+    files = [path for path in files if path not in layer_files]
     examples = []
-    for source in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS or is_clip(p)):
+    for source in files:
         caption_path = source.with_suffix(config.caption_extension)
         if caption_path.is_file():
             try:
@@ -271,7 +286,45 @@ def _scan_folder(
                 f'data.missing_caption = "empty" to train it uncaptioned'
             )
         examples.append(Example(source, caption))
+    if layers:
+        return _with_layers(examples, found_layers, bad)
     return _with_controls(examples, Path(config.control_path) if config.control_path else folder / CONTROL_FOLDER, bad)
+
+
+def _layer_files(files: list[Path]) -> dict[str, list[tuple[int, Path]]]:
+    """The layers among a folder's `files`, by the stem of the image they belong to: `stem_<n>` beside `stem`, with
+    their numbers."""
+    stems = {path.stem for path in files}
+    found: dict[str, list[tuple[int, Path]]] = {}
+    for path in files:
+        numbered = NUMBERED_CONTROL.match(path.stem)
+        if numbered and numbered.group(1) in stems:
+            found.setdefault(numbered.group(1), []).append((int(numbered.group(2)), path))
+    return found
+
+
+def _with_layers(
+    examples: list[Example], found: dict[str, list[tuple[int, Path]]], bad: list[BadFile]
+) -> list[Example]:
+    """The examples with their layers (`found`: stem -> (number, file)), numbered from 0 or 1 without gaps; an image
+    with none, or with a gap, is left out and reported."""
+    layered = []
+    for example in examples:
+        numbered = sorted(found.get(example.path.stem, []))
+        numbers = [number for number, _ in numbered]
+        if not numbers or numbers != list(range(numbers[0], numbers[0] + len(numbers))) or numbers[0] > 1:
+            names = ", ".join(path.name for _, path in numbered) or "none"
+            bad.append(
+                BadFile(
+                    example.path,
+                    f"a layered base trains an image with its layers beside it, numbered {example.path.stem}_1"
+                    f"{example.path.suffix}, {example.path.stem}_2{example.path.suffix}... without gaps (found: "
+                    f"{names})",
+                )
+            )
+            continue
+        layered.append(replace(example, control_paths=tuple(path for _, path in numbered)))
+    return layered
 
 
 def _scan_stored(config: DataConfig, key: str, bad: list[BadFile]) -> list[Example]:
@@ -408,7 +461,8 @@ def _byte_count(path: Path | Stored) -> int:
 
 def open_image(path: Path | Stored, config: DataConfig) -> Image.Image:
     """Decode an image fully into 8-bit RGB: EXIF orientation applied, 16-bit scaled down, palette and
-    transparency composited onto `alpha_background`. Raises BadImage for anything that cannot be trained on."""
+    transparency composited onto `alpha_background` (or, with `keep_alpha`, kept: 8-bit RGBA). Raises BadImage for
+    anything that cannot be trained on."""
     if _byte_count(path) == 0:
         raise BadImage("empty file (0 bytes)")
     too_large = BadImage(f"more than data.max_image_pixels = {config.max_image_pixels} pixels")
@@ -435,7 +489,7 @@ def open_image(path: Path | Stored, config: DataConfig) -> Image.Image:
         raise BadImage(f"cannot be decoded: {type(err).__name__}: {err}") from None
     if min(image.size) < config.min_image_size:
         raise BadImage(f"{image.width}x{image.height} is smaller than data.min_image_size = {config.min_image_size}")
-    return _to_rgb(image, config.alpha_background)
+    return image.convert("RGBA") if config.keep_alpha else _to_rgb(image, config.alpha_background)
 
 
 def mask_file(path: Path | Stored, config: DataConfig) -> Path | Stored | None:
@@ -721,11 +775,11 @@ def load_image(
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     mask = mask_view(open_mask(path, config, source.size), crop, size, flipped) if config.masks != "off" else None
     return View(
-        image_to_tensor(image),
+        image_to_tensor(image, config.keep_alpha),
         image_geometry(source.size, crop, size, flipped),
         mask,
         [
-            image_to_tensor(load_control(control, config, control_size, crop, size, flipped))
+            image_to_tensor(load_control(control, config, control_size, crop, size, flipped), config.keep_alpha)
             for control, control_size in controls
         ],
         flipped,
@@ -809,9 +863,9 @@ def possible_prompts(
     }
 
 
-def image_to_tensor(image: Image.Image) -> torch.Tensor:
-    """PIL RGB image -> (3, H, W) float in [-1, 1]."""
-    array = np.asarray(image.convert("RGB"), dtype=np.float32)
+def image_to_tensor(image: Image.Image, alpha: bool = False) -> torch.Tensor:
+    """PIL RGB image -> (3, H, W) float in [-1, 1]; with `alpha` (`data.keep_alpha`) RGBA -> (4, H, W)."""
+    array = np.asarray(image.convert("RGBA" if alpha else "RGB"), dtype=np.float32)
     return torch.from_numpy(array).permute(2, 0, 1) / 127.5 - 1.0
 
 

@@ -80,6 +80,7 @@ def family_table_markdown(models_dir: Path) -> str:
         encoders = ", ".join(f"`{e}`" for e in family.adapted_text_encoders()) or "none"
         prefixes = ", ".join(f"`{prefix}`" for prefix in family.layout.kohya_prefixes.values())
         edits = {0: "no", 1: "1 control"}.get(family.max_controls, f"up to {family.max_controls} controls")
+        edits = "an image into layers" if family.trains_layers else edits
         rows.append(
             f"| {_family_cell(name, models_dir.parent)} | {', '.join(f'`{c}`' for c in family.pipeline_classes)} | "
             f"{', '.join(kinds)} | "

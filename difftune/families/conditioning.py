@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from difftune.config import DataConfig
 from difftune.data.cache import model_identity
 from difftune.data.clips import FrameWindows
 from difftune.errors import DifftuneError
@@ -77,6 +78,25 @@ class Conditioning:
     # stored as encoded.
     padded_text_tokens: int | None = None
     prompts_see_controls = False  # its text encoder reads an edit pair's controls (`tokenize` takes them)
+    # Its samples are an image and its layers (Qwen-Image-Layered): the data's `stem_1.png`... beside `stem.png` are
+    # that image's layers (`scan_examples`' `layers`), held as its controls
+    trains_layers = False
+
+    def data_settings(self, data: DataConfig) -> DataConfig:
+        """The data settings a run of this family reads its data with: `data`, unless the family needs one of them
+        (the resolved config records what was used)."""
+        return data
+
+    def planned_controls(self, components: Components, latents: torch.Tensor) -> list[torch.Tensor]:
+        """The controls' latents the memory plan gives a step of `latents` (training.plan): none, unless the family's
+        steps always read some (a layered base's layers: `model.family_options.layers` of them)."""
+        return []
+
+    def trained_latents(self, latents: torch.Tensor, conditioning: dict) -> torch.Tensor:
+        """What training noises and predicts for samples whose image latents are `latents` (B, C, ...), beside their
+        `conditioning` (the text's, and an edit pair's `control_latents`): `latents`, unless the family trains more
+        than the image (Qwen-Image-Layered: its layers, which it takes out of the conditioning)."""
+        return latents
 
     def check_controls(self, examples: list, key: str) -> None:
         """Refuse a data set whose pairs have more control images than this family reads (a `DifftuneError` naming

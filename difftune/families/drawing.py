@@ -166,16 +166,22 @@ class ImageToVideoDrawing(ClipDrawing):
 
     def prompt_control_problems(self, prompts: list) -> list[str]:
         """Every sample prompt names the one image it animates."""
-        problems = []
-        for entry in prompts:
-            controls = [] if isinstance(entry, str) else entry.controls
-            text = entry if isinstance(entry, str) else entry.prompt
-            if len(controls) != 1:
-                problems.append(
-                    f"sample.prompts: {text!r} has {len(controls)} images; {self.description} pipelines "
-                    f'animate one: write it as {{prompt = {text!r}, controls = ["first_frame.png"]}}'
-                )
-        return problems
+        return one_image_each(prompts, f"{self.description} pipelines animate one", "first_frame.png")
+
+
+def one_image_each(prompts: list, pipelines_do: str, example: str) -> list[str]:
+    """The `sample.prompts` entries that name other than one image (for a family whose pipeline draws from exactly one:
+    `pipelines_do` says what they do with it, `example` names such a file), each named."""
+    problems = []
+    for entry in prompts:
+        controls = [] if isinstance(entry, str) else entry.controls
+        text = entry if isinstance(entry, str) else entry.prompt
+        if len(controls) != 1:
+            problems.append(
+                f"sample.prompts: {text!r} has {len(controls)} images; {pipelines_do}: write it as "
+                f'{{prompt = {text!r}, controls = ["{example}"]}}'
+            )
+    return problems
 
 
 def sampling_scheduler(name: str, components: Components):
@@ -248,7 +254,7 @@ def _sample_all(pipeline, config: SampleConfig, guidance: dict, components: Comp
                     config.resolution,
                     **arguments,
                 )
-                samples.append(Sample(image, entry, seed, [c.resize(image.size) for c in controls]))
+                samples.append(Sample(image, entry, seed, [at_height(c, image.height) for c in controls]))
             drawn.update()
     drawn.close()
     return samples
@@ -344,12 +350,29 @@ def save_clip(frames: list[Image.Image], stem: Path, fps: int, tags: dict[str, s
     return path
 
 
-def side_by_side(images: list[Image.Image]) -> Image.Image:
-    """Images of one height in a row, left to right: an edit's controls, then what was drawn."""
-    row = Image.new("RGB", (sum(image.width for image in images), images[0].height), "white")
+def at_height(image: Image.Image, height: int) -> Image.Image:
+    """`image` resized to `height`, its aspect ratio kept (a control beside what was drawn from it: a layered base's
+    image beside its layers, side by side)."""
+    return image.resize((max(1, round(image.width * height / image.height)), height))
+
+
+def side_by_side(images: list[Image.Image], keep_alpha: bool = False) -> Image.Image:
+    """Images of one height in a row, left to right: an edit's controls, then what was drawn (transparency over
+    white); with `keep_alpha`, an RGBA row that keeps each image's transparency (a layered base's layers)."""
+    size = (sum(image.width for image in images), images[0].height)
+    row = Image.new("RGBA", size, (0, 0, 0, 0)) if keep_alpha else Image.new("RGB", size, "white")
     for i, image in enumerate(images):
-        row.paste(image, (sum(other.width for other in images[:i]), 0))
+        place = (sum(other.width for other in images[:i]), 0)
+        if keep_alpha:
+            row.paste(image.convert("RGBA"), place)  # copied as it is, its alpha too
+        else:
+            row.paste(image, place, _alpha(image))
     return row
+
+
+def _alpha(image: Image.Image) -> Image.Image | None:
+    """What pasting `image` keeps of it: its alpha where it has one (RGBA samples: Qwen-Image 2.1's, layers)."""
+    return image.getchannel("A") if image.mode == "RGBA" else None
 
 
 LABELLED_PANEL_WIDTH = 64  # narrower panels are scaled up (nearest) by a whole factor: "control 2" is 40 px wide
@@ -373,10 +396,11 @@ def labelled_row(panels: list[tuple[str, Image.Image]]) -> Image.Image:
 
 
 def make_grid(images: list[Image.Image]) -> Image.Image:
+    """The images in a square-ish grid, each in a cell of the largest one's size (transparency over white)."""
     columns = math.ceil(math.sqrt(len(images)))
     rows = math.ceil(len(images) / columns)
-    width, height = images[0].size
+    width, height = max(image.width for image in images), max(image.height for image in images)
     grid = Image.new("RGB", (columns * width, rows * height), "white")
     for i, image in enumerate(images):
-        grid.paste(image, ((i % columns) * width, (i // columns) * height))
+        grid.paste(image, ((i % columns) * width, (i // columns) * height), _alpha(image))
     return grid

@@ -104,10 +104,7 @@ class FlowMatching(Objective):
 
     def draw_timesteps_and_noise(self, components, generators, latents, config: LossConfig):
         if config.flow_shift_by_resolution:
-            # A clip's tokens are all its frames' (as `LTX2Pipeline` counts them; the other video families' schedulers
-            # shift alike at every size).
-            tokens = latents[0, 0].numel() // components.family.patch_size**2
-            shift = self.resolution_shift(components, tokens)
+            shift = self.resolution_shift(components, components.family.image_tokens(latents))
         else:
             shift = config.flow_shift
         sigmas = shifted(draw_fractions(generators, config), shift)
@@ -177,6 +174,12 @@ class FlowMatchingFamily(Family):
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels // self.patch_size**2  # a token is a patch
+
+    def image_tokens(self, latents: torch.Tensor) -> int:
+        """The tokens the resolution shift counts for one sample of `latents` (B, C, ...): all of them (a clip's are
+        all its frames', as `LTX2Pipeline` counts them; the other video families' schedulers shift alike at every
+        size), unless the family's pipeline counts otherwise."""
+        return latents[0, 0].numel() // self.patch_size**2
 
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
         """A guidance-distilled base takes the scale as its guidance embedding; one without that gets true

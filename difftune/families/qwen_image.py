@@ -109,21 +109,27 @@ class QwenImage(FlowMatchingFamily):
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """Reference images (an edit base's `control_latents`) follow the image's tokens, each placed by its own
         entry in `img_shapes`, and their predictions are dropped, as the Qwen-Image-Edit pipelines do."""
+        h, w = noisy.shape[-2:]
+        images = [noisy, *conditioning.get("control_latents", [])]
+        return unpack(self.predict_tokens(components, images, timesteps, conditioning)[:, : (h // 2) * (w // 2)], h, w)
+
+    def predict_tokens(self, components, images, timesteps, conditioning, **arguments) -> torch.Tensor:
+        """The transformer's prediction (B, tokens, 4C) over `images` (each (B, C, h, w)), packed one after the other,
+        each placed by its own entry in `img_shapes`; `arguments`: the rest of the transformer's call."""
         mask = conditioning["text_mask"].bool()
         longest = int(mask.sum(dim=1).max())
         states, mask = conditioning["encoder_hidden_states"][:, :longest], mask[:, :longest]
-        b, _, h, w = noisy.shape
-        images = [noisy, *conditioning.get("control_latents", [])]
-        prediction = components.denoiser(
+        b = len(images[0])
+        return components.denoiser(
             hidden_states=torch.cat([pack(image) for image in images], dim=1).to(states.dtype),
             timestep=(timesteps / 1000).to(states.dtype),
-            guidance=self.guidance(components, b, noisy.device),
+            guidance=self.guidance(components, b, images[0].device),
             encoder_hidden_states=states,
             encoder_hidden_states_mask=None if mask.all() else mask,
             img_shapes=[[(1, image.shape[-2] // 2, image.shape[-1] // 2) for image in images]] * b,
             return_dict=False,
+            **arguments,
         )[0]
-        return unpack(prediction[:, : (h // 2) * (w // 2)], h, w)
 
     def max_sequence_length(self, components: Components) -> int:
         return self.padded_text_tokens

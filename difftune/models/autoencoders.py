@@ -19,7 +19,8 @@ autoencoder whose latents
   channels, normalised by one `scaling_factor` (1.03682) as `AutoencoderKL`.
 - `AutoencoderKLQwenImage21` (Qwen-Image 2.1): the same kind at 16x with 64 channels, of RGBA images: an RGB image
   is encoded opaque (alpha 1, as its training script converts images to RGBA), and decoding keeps the RGB the rest
-  of difftune reads (its pipeline returns the alpha too).
+  of difftune reads (its pipeline returns the alpha too). Qwen-Image-Layered's is Qwen-Image's kind with
+  `input_channels` 4: it reads RGBA, and with `data.keep_alpha` the images' own alpha (`reads_rgba`).
 - `AutoencoderKLHunyuanImage` (HunyuanImage 2.1): a KL autoencoder of images at 32x with 64 channels, normalised as
   `AutoencoderKL` (one `scaling_factor`, no shift).
 - `AutoencoderKLLTX2Video` (LTX-2): a causal video autoencoder at 32x in space, 8x in time, with 128 channels, its
@@ -168,8 +169,13 @@ def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     latent cache stores."""
     weight = next(vae.parameters())  # not vae.device / vae.dtype: each walks every module, 1.6 ms a step
     pixels = pixels.to(weight.device, weight.dtype)
-    if pixels.shape[1] == 3 and vae.config.get("in_channels") == 4:  # an RGBA autoencoder: the image is opaque
+    rgba = reads_rgba(vae)
+    if pixels.shape[1] == 3 and rgba:  # the image is opaque
         pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
+    elif pixels.shape[1] == 4 and not rgba:
+        raise DifftuneError(
+            f"data.keep_alpha: this base's {type(vae).__name__} reads RGB images, not RGBA; set data.keep_alpha = false"
+        )
     if pixels.dim() == 5:
         if not isinstance(vae, VIDEO_AUTOENCODERS):
             raise DifftuneError(f"a {type(vae).__name__} encodes images, not clips")
@@ -185,6 +191,12 @@ def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     if isinstance(vae, PATCHED_AUTOENCODERS):
         return patched(posterior.mean), patched(posterior.std)
     return posterior.mean, posterior.std
+
+
+def reads_rgba(vae) -> bool:
+    """Whether an autoencoder reads RGBA images: Qwen-Image 2.1's (its config says `in_channels` 4),
+    Qwen-Image-Layered's (`input_channels` 4). Wan 2.2's `in_channels` 12 is RGB patched 2x2."""
+    return 4 in (vae.config.get("in_channels"), vae.config.get("input_channels"))
 
 
 def patched(latents: torch.Tensor) -> torch.Tensor:

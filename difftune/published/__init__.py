@@ -45,6 +45,7 @@ REFERENCE_BASES = {
     "qwen_image21": "Qwen/Qwen-Image-2.1",
     "qwen_image_edit": "Qwen/Qwen-Image-Edit",
     "qwen_image_edit_plus": "Qwen/Qwen-Image-Edit-2509",
+    "qwen_image_layered": "Qwen/Qwen-Image-Layered",
     "z_image": "Tongyi-MAI/Z-Image-Turbo",
     "z_image_omni": "Tongyi-MAI/Z-Image-Omni-Base",
     "krea2": "krea2-diffusers",

@@ -523,11 +523,15 @@ def edit_pipeline_of(pipeline):
 
 
 def build_qwen_vae(
-    latents_mean=(0.0,) * FLUX_LATENT_CHANNELS, latents_std=(1.0,) * FLUX_LATENT_CHANNELS, base_dim: int = 16
+    latents_mean=(0.0,) * FLUX_LATENT_CHANNELS,
+    latents_std=(1.0,) * FLUX_LATENT_CHANNELS,
+    base_dim: int = 16,
+    input_channels: int = 3,
 ) -> AutoencoderKLQwenImage:
     """Wan's causal video autoencoder with two downsamplings (32 px -> 8x8 latents, like the other tiny
-    autoencoders), 16 channels and per-channel statistics."""
+    autoencoders), 16 channels and per-channel statistics. `input_channels` 4: of RGBA images (Qwen-Image-Layered's)."""
     return AutoencoderKLQwenImage(
+        input_channels=input_channels,
         base_dim=base_dim,
         z_dim=FLUX_LATENT_CHANNELS,
         dim_mult=[1, 2, 2],
@@ -731,10 +735,11 @@ def build_qwen_transformer(
     head_dim: int = 16,
     text_hidden_size: int = QWEN_HIDDEN_SIZE,
     zero_cond_t: bool = False,
+    layered: bool = False,
 ) -> QwenImageTransformer2DModel:
     """`layers` MMDiT blocks over packed 2x2 latent patches; rotary axes split the head 1:1.5:1.5 (frame, row,
     column) as Qwen-Image's 16:56:56 roughly does. `zero_cond_t`: reference tokens modulated at time 0, as
-    Qwen-Image-Edit-2511's."""
+    Qwen-Image-Edit-2511's; `layered`: Qwen-Image-Layered's layer-3D rope and RGBA time condition."""
     axes = (head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8)
     return QwenImageTransformer2DModel(
         patch_size=2,
@@ -746,6 +751,8 @@ def build_qwen_transformer(
         joint_attention_dim=text_hidden_size,
         axes_dims_rope=axes,
         zero_cond_t=zero_cond_t,
+        use_additional_t_cond=layered,
+        use_layer3d_rope=layered,
     )
 
 
@@ -1634,3 +1641,30 @@ def write_pair_folder(folder: Path, pairs: list[tuple[Image.Image, Image.Image, 
     (folder / "control").mkdir(exist_ok=True)
     for i, (control, _, _) in enumerate(pairs):
         control.save(folder / "control" / f"{i:04d}.png")
+
+
+def layered_shapes(count: int, seed: int, colors=tuple(COLORS), shapes=SHAPES) -> list[tuple[list[Image.Image], str]]:
+    """`count` layered images (Qwen-Image-Layered's samples) with their captions: each the image (RGBA, opaque) and
+    its two layers, a plain light background (opaque) and the shape alone on a transparent one; the image is the
+    shape layer over the background. Deterministic by seed; the colors and shapes cycle as `shape_images`'."""
+    rng = np.random.default_rng(seed)
+    pairs = [(color, shape) for color in colors for shape in shapes]
+    out = []
+    for i in range(count):
+        color, shape = pairs[i % len(pairs)]
+        background = Image.new("RGBA", (IMAGE_SIZE, IMAGE_SIZE), (*map(int, rng.integers(200, 256, size=3)), 255))
+        layer = Image.new("RGBA", (IMAGE_SIZE, IMAGE_SIZE), (0, 0, 0, 0))
+        extent = rng.uniform(0.45, 0.75) * IMAGE_SIZE
+        cx, cy = rng.uniform(extent / 2, IMAGE_SIZE - extent / 2, size=2)
+        _draw_shape(ImageDraw.Draw(layer), shape, (*COLORS[color], 255), cx, cy, extent)
+        out.append(([Image.alpha_composite(background, layer), background, layer], f"a {color} {shape}"))
+    return out
+
+
+def write_layered_folder(folder: Path, samples: list[tuple[list[Image.Image], str]]) -> None:
+    """musubi-tuner's layered layout: the image `NNNN.png` with its caption in `NNNN.txt` and its layers beside it,
+    `NNNN_1.png`, `NNNN_2.png`..."""
+    write_caption_folder(folder, [(images[0], caption) for images, caption in samples])
+    for i, (images, _) in enumerate(samples):
+        for number, layer in enumerate(images[1:], 1):
+            layer.save(folder / f"{i:04d}_{number}.png")

@@ -760,6 +760,10 @@ def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tu
     conditioning = {
         name: value.to(dtype) if value.is_floating_point() else value for name, value in conditioning.items()
     }
+    planned = components.family.planned_controls(components, latents)  # a layered base's layers
+    if planned:
+        conditioning["control_latents"] = planned
+    latents = components.family.trained_latents(latents, conditioning)
     geometry = torch.tensor([[side, side, 0, 0, side, side]] * batch, device=META)
     timesteps = torch.full((batch,), 500, device=META)
     with _counting(full) as counter, _meta_autocast_as_cpu():

@@ -205,8 +205,14 @@ def setup(config: Config, resume: str | None = None) -> Run:
     components.family.check_config(config)
     if not encoders_first:
         check_targets(components, config.adapter)  # before the caches are filled: add_adapters checks again, later
-    # The resolved config names the family: a file written now says what it was trained on.
-    config = config.model_copy(update={"model": config.model.model_copy(update={"family": components.family.name})})
+    # The resolved config names the family, and the data settings it reads with: a file written now says what it was
+    # trained on.
+    config = config.model_copy(
+        update={
+            "model": config.model.model_copy(update={"family": components.family.name}),
+            "data": components.family.data_settings(config.data),
+        }
+    )
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RESOLVED_CONFIG_FILE).write_text(config.to_toml(), encoding="utf-8")
@@ -227,6 +233,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
                 config.data,
                 windows=components.family.frame_windows(config.data, components.vae),
                 index_folder=cache_root(config) / "scans",
+                layers=components.family.trains_layers,
             )
     if config.prior.enabled:
         class_images, bad_class_files = class_examples(config, class_dir, len(examples))
@@ -589,6 +596,7 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
         conditioning["control_latents"] = [
             reference_latents(mean.to(device), components.latent_normalization) for mean in control_means
         ]
+    latents = family.trained_latents(latents, conditioning)  # a layered base's: the image and its layers
     timesteps, noise, input_noise = family.objective.draw_timesteps_and_noise(
         components, generators, latents, config.loss
     )

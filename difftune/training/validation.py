@@ -86,7 +86,9 @@ class Validator:
             }  # prefix and suffix stay: the captions as trained; controls in its own `control`
         )
         family = components.family
-        examples, bad_files = scan_examples(data, "validation.path", family.frame_windows(data, components.vae))
+        examples, bad_files = scan_examples(
+            data, "validation.path", family.frame_windows(data, components.vae), layers=family.trains_layers
+        )
         report_bad_files(bad_files, None)
         family.check_controls(examples, "validation.path")
         sizes = training_sizes(examples, data)
@@ -147,6 +149,10 @@ class Validator:
                     .to(device)
                     for control in controls
                 ]
+                conditioning = {"control_latents": control_latents} if control_latents else {}
+                latents = family.trained_latents(latents, conditioning)  # a layered base's: the image and its layers
+                control_latents = conditioning.pop("control_latents", [])
+                from_pixels |= conditioning  # what the family made of the controls (the image a layered base splits)
             self.groups.append(
                 {
                     "latents": latents,
