@@ -415,8 +415,8 @@ def job_reports(request, tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 # Not tiny-flux2_klein: its job meets every target at seeds 0 and 1 with no sample to spare, and draws purple squares
-# at 0.875 at seed 2. Nor tiny-chroma: purple squares 0.75-0.88. Nor tiny-flux3: it learns purple (0.96-1.00) but
-# draws the seen colors' squares worse after (forgetting 0.125-0.156, BENCHMARKS.md).
+# at 0.875 at seed 2. Nor tiny-chroma: purple squares 0.75-0.88. Nor tiny-flux3: it learns purple (0.92-1.00) but
+# draws the seen colors' squares worse after (forgetting 0.062-0.104, BENCHMARKS.md).
 @pytest.mark.parametrize(
     "job, base",
     [
