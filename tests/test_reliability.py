@@ -693,10 +693,14 @@ import os, sys, time
 from difftune.training.output_lock import hold_output_dir
 
 with hold_output_dir(sys.argv[1]):
+    started = sys.argv[1] + ".child-started"
     if os.fork() == 0:  # as a data-loader worker: forked while the folder is held, outliving its parent a while
+        open(started, "w").close()  # running its own code: past the fork hooks, as a worker reading data is
         time.sleep(3)
         os._exit(0)
-    os._exit(0)  # the holder dies at once, without letting go; the child lives on
+    while not os.path.exists(started):  # under load the child may not have run at all yet
+        time.sleep(0.01)
+    os._exit(0)  # the holder dies, without letting go; the child lives on
 """
 
 
