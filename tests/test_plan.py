@@ -459,3 +459,27 @@ def test_a_layout_of_constants_keeps_its_values_on_the_meta_device():
         slots[:, 0] = True  # written in place: its values are no longer known
         assert int(slots.sum()) == 7
         assert int(text.sum()) == 7  # never known
+
+
+def _step_peak(make_config, **overrides) -> int:
+    """The plan's peak of one training step alone (the activations and gradients entry is the larger of it and the
+    encoders', which a micro base's step does not reach)."""
+    config = make_config(**overrides)
+    return plan._step_peak(plan.empty_components(config), config, torch.float32)[0]
+
+
+def test_a_steps_control_tokens_are_planned(micro_base, make_config, monkeypatch):
+    """An edit base's step reads its control's tokens beside the image's, a layered base's its layers' and the image's:
+    the plan's step holds them (it held the image's alone), and a layered base's grows with its layers."""
+    from difftune.families import FAMILIES
+
+    # At 128 px an image is 256 tokens, about what the micro bases' captions are: a control's tokens show.
+    kontext = {"model__base": str(micro_base("flux_kontext")), "train__batch_size": 1, "data__resolution": 128}
+    planned = _step_peak(make_config, **kontext)
+    with monkeypatch.context() as patched:
+        patched.setattr(FAMILIES["flux_kontext"], "planned_controls", lambda components, latents: [])
+        alone = _step_peak(make_config, **kontext)
+    assert planned > 1.3 * alone, (planned, alone)
+    layered = {"model__base": str(micro_base("qwen_image_layered")), "train__batch_size": 1, "data__resolution": 128}
+    two, four = (_step_peak(make_config, **layered, model__family_options={"layers": n}) for n in (2, 4))
+    assert four > 1.3 * two, (four, two)

@@ -88,9 +88,10 @@ class Conditioning:
         return data
 
     def planned_controls(self, components: Components, latents: torch.Tensor) -> list[torch.Tensor]:
-        """The controls' latents the memory plan gives a step of `latents` (training.plan): none, unless the family's
-        steps always read some (a layered base's layers: `model.family_options.layers` of them)."""
-        return []
+        """The controls' latents the memory plan gives a step of `latents` (training.plan): as many as an edit pair
+        may have (`max_controls`, each at the target's size: a plan holds for the largest step the data can make);
+        none for a text-to-image family. A layered base plans its layers (`model.family_options.layers`)."""
+        return [latents] * self.max_controls
 
     def trained_latents(self, latents: torch.Tensor, conditioning: dict) -> torch.Tensor:
         """What training noises and predicts for samples whose image latents are `latents` (B, C, ...), beside their
