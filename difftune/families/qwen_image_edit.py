@@ -157,12 +157,18 @@ class QwenImageEdit(QwenImage):
 
     def sized_controls(self, area: int):
         """A block in which the pipeline sizes controls to `area` pixels (0: its own 1 MP)."""
-        original = edit_pipeline_module.calculate_dimensions
-        return (
-            set_for_the_call(edit_pipeline_module, "calculate_dimensions", lambda _, ratio: original(area, ratio))
-            if area
-            else nullcontext()
-        )
+        return dimensions_for_the_call(edit_pipeline_module, area)
+
+
+def dimensions_for_the_call(module, area: int):
+    """A block in which a Qwen-Image pipeline module's `calculate_dimensions` (how it sizes the image it is given,
+    whatever size it draws) sizes it to about `area` pixels, its aspect ratio kept; 0: as the pipeline does."""
+    original = module.calculate_dimensions
+    return (
+        set_for_the_call(module, "calculate_dimensions", lambda _, ratio: original(area, ratio))
+        if area
+        else nullcontext()
+    )
 
 
 @contextmanager

@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 
 import diffusers.pipelines.qwenimage.pipeline_qwenimage_layered as layered_pipeline_module
 import torch
@@ -38,7 +37,7 @@ from difftune.families.drawing import one_image_each, side_by_side
 from difftune.families.flow import FlowMatching, FlowOptions, unpack
 from difftune.families.loading import load_without_video_processor
 from difftune.families.qwen_image import QwenImage
-from difftune.families.qwen_image_edit import set_for_the_call
+from difftune.families.qwen_image_edit import dimensions_for_the_call
 from difftune.models.parts import Components
 
 load_without_video_processor(Qwen2VLProcessor)
@@ -127,12 +126,7 @@ class QwenImageLayered(QwenImage):
 
     def draw(self, pipeline, options: LayeredOptions, prompt, controls, height, width, **arguments) -> list:
         """Each prompt's layers side by side, as one RGBA image."""
-        area = height * width if height else 0
-        original = layered_pipeline_module.calculate_dimensions
-        sized = set_for_the_call(
-            layered_pipeline_module, "calculate_dimensions", lambda _, ratio: original(area, ratio)
-        )
-        with sized if area else nullcontext():
+        with dimensions_for_the_call(layered_pipeline_module, height * width if height else 0):
             drawn = pipeline(
                 image=controls[0].convert("RGBA"),
                 prompt=prompt,

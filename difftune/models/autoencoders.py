@@ -165,8 +165,8 @@ def load_vae(name: str):
 
 def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, 3, H, W) in [-1, 1] -> the posterior's mean and std (B, C, H/f, W/f), not normalised; a video
-    autoencoder's clips (B, 3, T, H, W) -> (B, C, t, H/f, W/f). TAESD is deterministic: its std is 0. This is what the
-    latent cache stores."""
+    autoencoder's clips (B, 3, T, H, W) -> (B, C, t, H/f, W/f). An RGBA autoencoder reads RGB as opaque, or
+    (B, 4, ...) with `data.keep_alpha`. TAESD is deterministic: its std is 0. This is what the latent cache stores."""
     weight = next(vae.parameters())  # not vae.device / vae.dtype: each walks every module, 1.6 ms a step
     pixels = pixels.to(weight.device, weight.dtype)
     rgba = reads_rgba(vae)

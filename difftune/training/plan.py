@@ -760,7 +760,7 @@ def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tu
     conditioning = {
         name: value.to(dtype) if value.is_floating_point() else value for name, value in conditioning.items()
     }
-    planned = components.family.planned_controls(components, latents)  # a layered base's layers
+    planned = components.family.planned_controls(components, latents)  # an edit pair's controls, or layers
     if planned:
         conditioning["control_latents"] = planned
     latents = components.family.trained_latents(latents, conditioning)
