@@ -197,6 +197,9 @@ VARIANTS = {
         **at_seeds("lora_r8"),
         **at_seeds("lora_r8_clips", "adapter.text_encoder=true"),
     },
+    "qwen_image21_lora": {
+        **at_seeds("lora_r8"),
+    },
     "flux3_lora": {
         **at_seeds("lora_r8"),
         **at_seeds("lora_r8_lr_5e-4", "optim.learning_rate=5e-4"),
@@ -205,6 +208,7 @@ VARIANTS = {
         **at_seeds("lora_r8_600_steps", "train.max_steps=600"),
         **at_seeds("lora_r8_300_steps", "train.max_steps=300"),
         **at_seeds("lora_r8_no_caption_dropout", "data.caption_dropout=0.0"),
+        **at_seeds("lora_r4", "adapter.rank=4"),
     },
 }
 

@@ -1,19 +1,18 @@
 """Build a bundled tiny base: `python scripts/make_tiny_base.py` (models/tiny-sd and the default job's images),
-`--family sdxl` (models/tiny-sdxl, from tiny-sd's autoencoders), `--family flux` (models/tiny-flux) or
-`--family qwen_image` (models/tiny-qwen_image), `--family z_image` (models/tiny-z_image, from tiny-flux's
-autoencoders), `--family flux2_klein` (models/tiny-flux2_klein), `--family chroma` or `--family sd3`
-(models/tiny-chroma,
-models/tiny-sd3, both from tiny-flux's autoencoders), `--family wan` (models/tiny-wan, a video base of moving shapes,
-its
-autoencoder tiny-qwen_image's taught time on clips).
+`--family sdxl` (models/tiny-sdxl, from tiny-sd's autoencoders), `--family flux` (models/tiny-flux),
+`--family qwen_image` (models/tiny-qwen_image), `--family qwen_image21` (models/tiny-qwen_image21, its own RGBA
+autoencoder at 16x), `--family z_image` (models/tiny-z_image, from tiny-flux's autoencoders), `--family flux2_klein`
+(models/tiny-flux2_klein), `--family flux3` (models/tiny-flux3, from tiny-flux2_klein's), `--family chroma` or
+`--family sd3` (models/tiny-chroma, models/tiny-sd3, both from tiny-flux's autoencoders), `--family wan`
+(models/tiny-wan, a video base of moving shapes, its autoencoder tiny-qwen_image's taught time on clips).
 
-Trains an autoencoder (KL, or Wan's video kind for Qwen-Image) and a TAESD on synthetic shapes (not for SDXL), then
-the denoiser and text encoder(s) with difftune's own trainer (full fine-tune, EMA), never showing them the held-out
-color; scores the result with the judge (and an untrained control) and writes the model card. Deterministic by
-seed; on 2 CPU cores about 20 minutes for tiny-sd, 17 for tiny-flux, 21 for tiny-qwen_image. The default jobs'
-images (examples/purple: renders of the held-out color) are written with tiny-sd; the Flux and Qwen-Image jobs'
-(examples/purple_with_seen: the same renders repeated 3 times per epoch and 12 renders of the seen colors) with
-tiny-flux; the Wan job's clips (examples/purple_clips) with tiny-wan.
+Trains an autoencoder (KL, Wan's video kind for Qwen-Image, Qwen-Image 2.1's RGBA kind) and a TAESD on synthetic
+shapes (not for SDXL), then the denoiser and text encoder(s) with difftune's own trainer (full fine-tune, EMA), never
+showing them the held-out color; scores the result with the judge (and an untrained control) and writes the model
+card. Deterministic by seed; on 2 CPU cores about 20 minutes for tiny-sd, 17 for tiny-flux, 21 for tiny-qwen_image,
+27 for tiny-qwen_image21. The default jobs' images (examples/purple: renders of the held-out color) are written with
+tiny-sd; the Flux and Qwen-Image jobs' (examples/purple_with_seen: the same renders repeated 3 times per epoch and 12
+renders of the seen colors) with tiny-flux; the Wan job's clips (examples/purple_clips) with tiny-wan.
 """
 
 import argparse

@@ -447,7 +447,8 @@ difftune: parity: 0 levels in both layouts"""
 def test_a_layout_of_constants_keeps_its_values_on_the_meta_device():
     """A model that lays out its sequence by a mask (Qwen-Image 2.1's `img_mask`, expanded by `repeat_interleave`) is
     planned with that layout's shapes: small boolean and integer tensors made of constants keep their values on the
-    meta device; one written in place forgets them (a count of it is then the plan's upper bound, `full`)."""
+    meta device; one written in place forgets them (a count of it is then the plan's upper bound, `full`, or the
+    mask's size where that is less)."""
     text = torch.ones(2, 5, dtype=torch.bool, device="meta")  # a mask of unknown values
     with plan._counting(7):
         slots = torch.cat([text.new_zeros(text.shape), text.new_ones(2, 3)], dim=1)
@@ -459,6 +460,9 @@ def test_a_layout_of_constants_keeps_its_values_on_the_meta_device():
         slots[:, 0] = True  # written in place: its values are no longer known
         assert int(slots.sum()) == 7
         assert int(text.sum()) == 7  # never known
+        # A count is at most what it counts: Qwen-Image 2.1's text before a 32 px image (4 tokens) is shorter than
+        # the longest caption the plan reads with the template around it, and the model lists that many positions.
+        assert int(text[:, :3].sum()) == 6 and int((~text[0]).sum()) == 5
 
 
 def _step_peak(make_config, **overrides) -> int:

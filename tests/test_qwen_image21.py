@@ -58,6 +58,34 @@ def test_an_rgb_image_is_encoded_as_the_opaque_rgba_its_autoencoder_reads(base):
         assert decode_latents(vae, torch.zeros(1, mean.shape[1], 2, 2)).shape == (1, 3, 32, 32)
 
 
+def test_a_batch_of_prompts_is_drawn_with_guidance_each_as_drawn_alone(base):
+    """The eval and the sampler draw a prompt's samples as one batch with one negative prompt, which the pipeline
+    encodes as a batch of one (its transformer then fails on the batch); each of the batch is what that seed draws
+    alone."""
+    components = load_components(ModelConfig(base=base))
+    pipeline = components.pipeline()
+    guidance = FAMILY.sampling_arguments(components, 3.0, "")
+
+    def drawn(prompts, seeds):
+        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        images = FAMILY.draw(
+            pipeline,
+            components.family_options,
+            prompts,
+            [],
+            32,
+            32,
+            num_inference_steps=2,
+            generator=generators,
+            output_type="pt",
+            **guidance,
+        )
+        return torch.stack(list(images))
+
+    batch = drawn(["a red circle"] * 2, [0, 1])
+    torch.testing.assert_close(batch[1:], drawn(["a red circle"], [1]), rtol=0, atol=1e-5)
+
+
 def test_the_single_file_is_comfyuis_layout_as_diffusers_reads_it(base):
     """The transformer alone, each MLP's gate and up projections fused into `img_mlp.gate_up` (gate rows first):
     diffusers' reader of that layout gives back every weight; difftune reads it back the same, and no other family

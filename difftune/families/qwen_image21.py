@@ -230,5 +230,13 @@ class QwenImage21(FlowMatchingFamily):
             return {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt or ""}
         return {}
 
+    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
+        """As every family draws, with one negative prompt given to each prompt of a batch: the pipeline encodes
+        `negative_prompt` as it is given, a batch of one beside a batch of prompts (its transformer then fails)."""
+        negative = arguments.get("negative_prompt")
+        if isinstance(prompt, list) and isinstance(negative, str):
+            arguments["negative_prompt"] = [negative] * len(prompt)
+        return super().draw(pipeline, options, prompt, controls, height, width, **arguments)
+
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS

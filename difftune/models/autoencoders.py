@@ -168,14 +168,7 @@ def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     autoencoder's clips (B, 3, T, H, W) -> (B, C, t, H/f, W/f). An RGBA autoencoder reads RGB as opaque, or
     (B, 4, ...) with `data.keep_alpha`. TAESD is deterministic: its std is 0. This is what the latent cache stores."""
     weight = next(vae.parameters())  # not vae.device / vae.dtype: each walks every module, 1.6 ms a step
-    pixels = pixels.to(weight.device, weight.dtype)
-    rgba = reads_rgba(vae)
-    if pixels.shape[1] == 3 and rgba:  # the image is opaque
-        pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
-    elif pixels.shape[1] == 4 and not rgba:
-        raise DifftuneError(
-            f"data.keep_alpha: this base's {type(vae).__name__} reads RGB images, not RGBA; set data.keep_alpha = false"
-        )
+    pixels = as_read_by(vae, pixels.to(weight.device, weight.dtype))
     if pixels.dim() == 5:
         if not isinstance(vae, VIDEO_AUTOENCODERS):
             raise DifftuneError(f"a {type(vae).__name__} encodes images, not clips")
@@ -191,6 +184,19 @@ def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     if isinstance(vae, PATCHED_AUTOENCODERS):
         return patched(posterior.mean), patched(posterior.std)
     return posterior.mean, posterior.std
+
+
+def as_read_by(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """Pixels (B, 3 or 4, ...) as the autoencoder reads them: RGB given an opaque alpha where it reads RGBA; RGBA
+    refused where it reads RGB."""
+    rgba = reads_rgba(vae)
+    if pixels.shape[1] == 3 and rgba:
+        return torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
+    if pixels.shape[1] == 4 and not rgba:
+        raise DifftuneError(
+            f"data.keep_alpha: this base's {type(vae).__name__} reads RGB images, not RGBA; set data.keep_alpha = false"
+        )
+    return pixels
 
 
 def reads_rgba(vae) -> bool:

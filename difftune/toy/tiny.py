@@ -853,32 +853,36 @@ def build_qwen3_vl_processor(common_text: str) -> Qwen3VLProcessor:
 
 
 def build_qwen_image21_vae(
-    latents_mean=(0.0,) * FLUX_LATENT_CHANNELS, latents_std=(1.0,) * FLUX_LATENT_CHANNELS, base_dim: int = 8
+    latent_channels: int = FLUX_LATENT_CHANNELS, base_dim: int = 8, dim_mult: tuple[int, ...] = (1, 1, 1, 1, 1)
 ) -> AutoencoderKLQwenImage21:
     """Qwen-Image 2.1's autoencoder of RGBA images: four downsamplings to 16x, as its pipeline assumes (32 px -> 2 x 2
-    latents), 16 channels and per-channel statistics."""
+    latents), per-channel statistics (0 and 1 until set from latents)."""
     return AutoencoderKLQwenImage21(
         base_dim=base_dim,
         decoder_base_dim=base_dim,
-        z_dim=FLUX_LATENT_CHANNELS,
-        dim_mult=[1, 1, 1, 1, 1],
+        z_dim=latent_channels,
+        dim_mult=list(dim_mult),
         num_res_blocks=1,
         temperal_downsample=[False, True, True, True],
         in_channels=4,
         out_channels=4,
-        latents_mean=list(latents_mean),
-        latents_std=list(latents_std),
+        latents_mean=[0.0] * latent_channels,
+        latents_std=[1.0] * latent_channels,
     )
 
 
 def build_qwen_image21_transformer(
-    layers: int = 1, heads: int = 2, head_dim: int = 16, text_hidden_size: int = QWEN_HIDDEN_SIZE
+    layers: int = 1,
+    heads: int = 2,
+    head_dim: int = 16,
+    text_hidden_size: int = QWEN_HIDDEN_SIZE,
+    latent_channels: int = FLUX_LATENT_CHANNELS,
 ) -> QwenImage21Transformer2DModel:
     """Qwen-Image 2.1's block-causal single-stream transformer over unpatched latents (a token a latent pixel), its
     rotary axes (frame, row, column) in its proportions (16, 56, 56 of 128)."""
     return QwenImage21Transformer2DModel(
-        in_channels=FLUX_LATENT_CHANNELS,
-        out_channels=FLUX_LATENT_CHANNELS,
+        in_channels=latent_channels,
+        out_channels=latent_channels,
         num_layers=layers,
         attention_head_dim=head_dim,
         num_attention_heads=heads,

@@ -44,6 +44,7 @@ from difftune.families import FAMILIES, load_components
 from difftune.models.autoencoders import (
     PATCHED_AUTOENCODERS,
     VIDEO_AUTOENCODERS,
+    as_read_by,
     decode_latents,
     downsampling,
     encode_posterior,
@@ -57,6 +58,7 @@ from difftune.toy.tiny import (
     DIRECTIONS,
     SHAPES,
     build_flux2_vae,
+    build_qwen_image21_vae,
     build_qwen_vae,
     build_taesd,
     build_vae,
@@ -133,13 +135,14 @@ def _fit(
 
 
 def _posterior(vae, images: torch.Tensor):
-    """The posterior of (B, 3, H, W) images, to train on; Wan's video autoencoder reads them as one-frame clips (its
-    latents keep the time axis, which `_decode` takes back)."""
+    """The posterior of (B, 3 or 4, H, W) images, to train on; Wan's video autoencoder reads them as one-frame clips
+    (its latents keep the time axis, which `_decode` takes back)."""
     return vae.encode(images[:, :, None] if isinstance(vae, VIDEO_AUTOENCODERS) else images).latent_dist
 
 
 def _decode(vae, latents: torch.Tensor) -> torch.Tensor:
-    """Unnormalised latents (with the time axis for Wan's autoencoder; patched or not for FLUX.2's) -> (B, 3, H, W)."""
+    """Unnormalised latents (with the time axis for Wan's autoencoder; patched or not for FLUX.2's) -> (B, 3, H, W), or
+    RGBA (B, 4, H, W) from an autoencoder of RGBA images."""
     if isinstance(vae, VIDEO_AUTOENCODERS) and latents.dim() == 4:
         latents = latents[:, :, None]
     if isinstance(vae, PATCHED_AUTOENCODERS) and latents.shape[1] != vae.config.latent_channels:
@@ -159,9 +162,12 @@ def train_vae(
     kind: str = "kl",
     shift: bool = False,
     color_weight: float = 0.0,
+    base_dim: int = 8,
+    dim_mult: tuple[int, ...] = (1, 1, 1, 1, 1),
 ):
     """The KL autoencoder (`kind` "kl": SD's and Flux's AutoencoderKL; "wan": Wan's video autoencoder, Qwen-Image's;
-    "flux2": FLUX.2's, whose batch norm then holds its patched latents' statistics, as training it leaves them):
+    "qwen_image21": Qwen-Image 2.1's of RGBA images at 16x, learning the shapes' renders as opaque images; "flux2":
+    FLUX.2's, whose batch norm then holds its patched latents' statistics, as training it leaves them):
     MSE on reconstructions of posterior samples plus a small KL term (SD's VAE recipe without its perceptual and GAN
     losses, which 32 px flat shapes do not need). Its normalisation is set from the latents afterwards: SD's kind
     gets scaling factor 1/std, the way SD's 0.18215 was chosen, and with `shift` a shift factor (their mean, as
@@ -172,23 +178,29 @@ def train_vae(
     latent-to-RGB factors previews decode with): with reconstruction alone, Wan's kind put purple and blue squares
     0.079 apart in its normalised latents (red and blue: 1.08), under its own posterior's noise."""
     torch.manual_seed(seed)
-    builders = {"wan": build_qwen_vae, "flux2": lambda: build_flux2_vae(latent_channels)}
+    builders = {
+        "wan": build_qwen_vae,
+        "qwen_image21": lambda: build_qwen_image21_vae(latent_channels, base_dim, dim_mult),
+        "flux2": lambda: build_flux2_vae(latent_channels),
+    }
     vae = builders.get(kind, lambda: build_vae(latent_channels=latent_channels))()
     with torch.no_grad():  # start with a narrow posterior (log-variance -6): +1 dB at 300 steps, measured
         vae.quant_conv.bias[vae.quant_conv.out_channels // 2 :].fill_(-6.0)
+    images = as_read_by(vae, images)
 
     def loss(batch):
         posterior = _posterior(vae, batch)
         loss = F.mse_loss(_decode(vae, posterior.sample()), batch) + kl_weight * posterior.kl().mean()
         if color_weight:
             means = posterior.mean[:, :3, 0] if posterior.mean.dim() == 5 else posterior.mean[:, :3]
-            loss = loss + color_weight * F.mse_loss(means, F.avg_pool2d(batch, batch.shape[-1] // means.shape[-1]))
+            colors = F.avg_pool2d(batch[:, :3], batch.shape[-1] // means.shape[-1])  # an RGBA batch's alpha left out
+            loss = loss + color_weight * F.mse_loss(means, colors)
         return loss
 
     _fit(vae.parameters(), loss, (images,), steps, batch_size, lr, seed, "vae")
     vae.eval()
     latents = posterior_means(vae, images[:512])
-    if kind == "wan":
+    if kind in ("wan", "qwen_image21"):
         set_latent_statistics(vae, latents)
     elif kind == "flux2":
         set_batch_norm_statistics(vae, latents)
@@ -214,7 +226,7 @@ def finetune_decoder(
         return F.mse_loss(_decode(vae, batch_latents), batch)
 
     decoder_params = [*vae.decoder.parameters(), *vae.post_quant_conv.parameters()]
-    _fit(decoder_params, loss, (images, latents), steps, batch_size, lr, seed + 2, "vae decoder")
+    _fit(decoder_params, loss, (as_read_by(vae, images), latents), steps, batch_size, lr, seed + 2, "vae decoder")
     return vae.eval()
 
 

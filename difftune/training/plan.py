@@ -555,18 +555,22 @@ _CONSTANT_FACTORIES = {
 }
 
 
+_COUNTS = (torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList)  # a mask's count is at most its size
+
+
 class _PeakBytes(TorchDispatchMode):
     """The bytes of the tensor storages made inside this mode and still alive, and their peak. A storage is made
     by an operation whose result does not share an argument's (a view or an in-place result shares it: a weight's
-    transpose is not a new weight). A data-dependent scalar of a meta tensor answers `full` (an integer: a
-    mask's count taken as all of it) or 1.0, unless the tensor is a layout: small boolean or integer tensors made of
-    constants (zeros, ones, ranges) and what is computed from them alone keep their values (`known`), so that a model
-    that lays out its sequence by a mask (Qwen-Image 2.1's image slots) gets that layout's shapes."""
+    transpose is not a new weight). A data-dependent scalar of a meta tensor answers `full` (an integer: a mask's
+    count taken as all of it, at most the mask's size) or 1.0, unless the tensor is a layout: small boolean or integer
+    tensors made of constants (zeros, ones, ranges) and what is computed from them alone keep their values (`known`),
+    so that a model that lays out its sequence by a mask (Qwen-Image 2.1's image slots) gets that layout's shapes."""
 
     def __init__(self, full: int):
         super().__init__()
         self.full, self.live, self.now, self.peak = full, WeakIdKeyDictionary(), 0, 0
         self.known = WeakIdKeyDictionary()  # meta layout tensor -> its values on the CPU
+        self.counted = WeakIdKeyDictionary()  # a count of unknown values -> the most it can be: what it counted
 
     def _freed(self, size: int) -> None:
         self.now -= size
@@ -635,7 +639,7 @@ class _PeakBytes(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             if args[0] in self.known:
                 return self.known[args[0]].item()
-            return 1.0 if args[0].is_floating_point() else self.full
+            return 1.0 if args[0].is_floating_point() else min(self.full, self.counted.get(args[0], self.full))
         if func is torch.ops.aten._to_copy.default and args[0].is_meta and kwargs.get("device", META) != META:
             # A meta tensor's values read out (`tolist()`: Z-Image's and Lumina's per-caption lengths): as above.
             source = args[0]
@@ -648,6 +652,8 @@ class _PeakBytes(TorchDispatchMode):
         result = self._indexed_by_layout(func, args, kwargs)
         if result is None:
             result = func(*args, **kwargs)
+        if func in _COUNTS and args[0].is_meta and not args[0].is_floating_point():
+            self.counted[result] = args[0].numel()
         arguments = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(result)[0]:
             if not isinstance(tensor, torch.Tensor):
