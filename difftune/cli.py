@@ -203,6 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
     average.add_argument("--to", choices=("diffusers", "kohya"), default="diffusers", help="layout to write")
     average.add_argument("--base", help="base model, to read kohya files' module names (default: from their metadata)")
 
+    resize = commands.add_parser("resize", help="resize a LoRA to a lower rank by SVD of each layer's change")
+    resize.add_argument("source", type=Path, help="LoRA file to read (either layout, any tool's)")
+    resize.add_argument("target", type=Path, help="LoRA file to write")
+    resize.add_argument("--rank", type=int, help="the most ranks a layer keeps")
+    resize.add_argument(
+        "--keep-fro",
+        type=float,
+        help="keep the fewest ranks holding this share of each layer's change (its Frobenius norm; e.g. 0.9)",
+    )
+    resize.add_argument("--to", choices=("diffusers", "kohya"), help="layout to write (default: the source's)")
+    resize.add_argument("--base", help="base model, to read a kohya file's module names (default: from its metadata)")
+    resize.add_argument("--report", type=Path, help="write each layer's ranks and the norm it kept here (JSON)")
+
     sample = commands.add_parser("sample", help="text-to-image samples from a base model and adapters")
     sample.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
     sample.add_argument("--adapter", action="append", default=[], type=parse_adapter_spec, help=adapter_help)
@@ -354,6 +367,8 @@ def _run(args: argparse.Namespace) -> None:
         written = export.write_adapter(args.out, tensors, lora_configs, config_toml, args.to, args.base or "")
         print(f"difftune: wrote {written}")
         _note_comfyui_dora(args.out, args.to)
+    elif args.command == "resize":
+        _resize(args)
     elif args.command == "merge":
         with phase(
             f"merging {len(args.adapter)} adapter(s) into {args.base} (loading, merging, writing {args.out})", print
@@ -465,6 +480,29 @@ def _plan(args: argparse.Namespace) -> None:
         print("difftune plan: fits as it is")
     else:
         print(f"difftune plan: fits with {' '.join(fitting[0])}\n{fitting[1].report()}")
+
+
+def _resize(args) -> None:
+    import json
+    from dataclasses import asdict
+
+    from difftune.adapters import export
+    from difftune.adapters.files import is_kohya
+    from difftune.adapters.resize import resize_lora, summary
+    from difftune.files import open_safetensors
+
+    with open_safetensors(args.source) as handle:
+        layout = args.to or ("kohya" if is_kohya(dict.fromkeys(handle.keys())) else "diffusers")
+    tensors, lora_configs, config_toml = export.read_any_adapter(args.source, args.base)
+    with phase(f"resizing {args.source}", print):
+        tensors, lora_configs, rows = resize_lora(tensors, lora_configs, args.rank, args.keep_fro)
+    written = export.write_adapter(args.target, tensors, lora_configs, config_toml, layout, base=args.base or "")
+    print(f"difftune: {summary(rows)}")
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps([asdict(row) for row in rows], indent=1) + "\n")
+        print(f"difftune: wrote {args.report}")
+    print(f"difftune: wrote {written} ({layout} layout)")
 
 
 def _note_comfyui_dora(written: Path, layout: str) -> None:

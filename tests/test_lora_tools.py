@@ -1,0 +1,141 @@
+"""`difftune resize`: a LoRA re-factored at a lower rank, checked against the SVD of each layer's change (computed
+here on the full matrix) and read back by diffusers' own kohya reader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline
+
+from difftune.adapters import export
+from difftune.adapters.files import read_adapter
+from difftune.adapters.trained import adapter_scale, derived_lora_configs
+from difftune.cli import main
+from difftune.config import ModelConfig
+from difftune.families import load_components
+
+RANK, ALPHA = 8, 4.0
+MODULES = {
+    "unet": ["down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q", "down_blocks.0.resnets.0.conv1"],
+    "text_encoder": [f"encoder.layers.0.self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj", "out_proj")],
+}
+
+
+def _lora(tiny_base, path, layout: str = "kohya", dora: bool = False):
+    """A rank-8, alpha-4 LoRA on a linear and a 3x3 convolution of the UNet and a text-encoder layer's attention
+    (diffusers' kohya reader takes a CLIP layer's attention whole), each change's
+    singular values falling by half a rank (so a norm share picks a rank), written as difftune writes `layout`."""
+    components = load_components(ModelConfig(base=str(tiny_base)))
+    models = {"unet": components.denoiser, "text_encoder": components.text_encoders["text_encoder"]}
+    generator = torch.Generator().manual_seed(0)
+    falling = 2.0 ** -torch.arange(RANK, dtype=torch.float32)
+    tensors = {}
+    for part, modules in MODULES.items():
+        layers = dict(models[part].named_modules())
+        for module in modules:
+            weight = layers[module].weight
+            kernel = weight.shape[2:]
+            down = torch.randn(RANK, weight.shape[1], *kernel, generator=generator)
+            up = torch.randn(weight.shape[0], RANK, *(1,) * len(kernel), generator=generator)
+            tensors[f"{part}.{module}.lora_A.weight"] = down
+            tensors[f"{part}.{module}.lora_B.weight"] = up * falling.reshape(1, RANK, *(1,) * len(kernel))
+            if dora:
+                tensors[f"{part}.{module}.lora_magnitude_vector"] = weight.detach().flatten(1).norm(dim=1)
+    ranks = {part: dict.fromkeys(modules, RANK) for part, modules in MODULES.items()}
+    alphas = {part: dict.fromkeys(modules, ALPHA) for part, modules in MODULES.items()}
+    configs = derived_lora_configs(ranks, alphas, dict.fromkeys(MODULES, dora))
+    return export.write_adapter(path, tensors, configs, "", layout, base=str(tiny_base))
+
+
+def _changes(path, tiny_base) -> dict[str, torch.Tensor]:
+    """Each module's change (scale x up @ down, as a matrix) of a file, read as difftune reads any file."""
+    tensors, configs, _ = export.read_any_adapter(path, str(tiny_base))
+    changes = {}
+    for key in [key for key in tensors if key.endswith(".lora_A.weight")]:
+        part, _, module = key.removesuffix(".lora_A.weight").partition(".")
+        down, up = tensors[key].flatten(1).double(), tensors[key.replace("lora_A", "lora_B")].flatten(1).double()
+        changes[f"{part}.{module}"] = adapter_scale(configs, part, module, down.shape[0]) * up @ down
+    return changes
+
+
+def test_a_full_rank_resize_keeps_the_change_and_diffusers_reads_it_alike(tiny_base, tmp_path):
+    """At the file's own rank the change is the same, in the kohya layout it came in (alpha = rank now: the scale is
+    in the factors), and diffusers' kohya reader applies both files alike."""
+    source = _lora(tiny_base, tmp_path / "source.safetensors")
+    target = tmp_path / "resized.safetensors"
+    assert main(["resize", str(source), str(target), "--rank", str(RANK), "--base", str(tiny_base)]) == 0
+    before, after = _changes(source, tiny_base), _changes(target, tiny_base)
+    assert before.keys() == after.keys() and len(after) == 6
+    for module, change in before.items():
+        torch.testing.assert_close(after[module], change, rtol=1e-5, atol=1e-5)
+    resized, configs, _ = export.read_any_adapter(target, str(tiny_base))
+    assert configs["unet.r"] == configs["unet.lora_alpha"] == RANK
+    outputs = []
+    for path in (source, target):
+        pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, dtype=torch.float32)
+        pipeline.load_lora_weights(str(path))
+        latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+        text = pipeline.text_encoder(torch.tensor([[1, 5, 9, 2]]))[0]
+        outputs.append(pipeline.unet(latents, 500, text).sample)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_lower_rank_is_the_best_change_of_that_rank(tiny_base, tmp_path):
+    """At rank 3 each layer's error is the singular values it dropped (Eckart-Young: no rank-3 change is closer),
+    computed here by an SVD of the full change; the report says the norm each layer kept."""
+    source = _lora(tiny_base, tmp_path / "source.safetensors", layout="diffusers")
+    target, report = tmp_path / "r3.safetensors", tmp_path / "report.json"
+    assert main(["resize", str(source), str(target), "--rank", "3", "--report", str(report)]) == 0
+    before, after = _changes(source, tiny_base), _changes(target, tiny_base)
+    rows = {row["module"]: row for row in json.loads(report.read_text())}
+    for module, change in before.items():
+        singular = torch.linalg.svdvals(change)
+        dropped = singular[3:].square().sum().sqrt()
+        assert torch.linalg.matrix_norm(change - after[module]) == pytest.approx(float(dropped), rel=1e-6)
+        kept = float(singular[:3].square().sum().sqrt() / singular.square().sum().sqrt())
+        assert (rows[module]["rank_before"], rows[module]["rank_after"]) == (RANK, 3)
+        assert rows[module]["kept"] == pytest.approx(kept, rel=1e-6)
+    tensors, _, _ = read_adapter(target)
+    assert {tensor.shape[0] for key, tensor in tensors.items() if key.endswith("lora_A.weight")} == {3}
+
+
+def test_a_norm_share_keeps_the_fewest_ranks_that_hold_it(tiny_base, tmp_path):
+    """--keep-fro 0.9: each layer keeps the fewest ranks whose singular values hold 0.9 of its change's norm (one
+    fewer would not), within --rank where both are given."""
+    source = _lora(tiny_base, tmp_path / "source.safetensors", layout="diffusers")
+    target, report = tmp_path / "fro.safetensors", tmp_path / "report.json"
+    assert main(["resize", str(source), str(target), "--keep-fro", "0.9", "--report", str(report)]) == 0
+    for row in json.loads(report.read_text()):
+        singular = torch.linalg.svdvals(_changes(source, tiny_base)[row["module"]])
+        share = (singular.square().cumsum(0) / singular.square().sum()).sqrt()
+        k = row["rank_after"]
+        assert share[k - 1] >= 0.9 and (k == 1 or share[k - 2] < 0.9), (row, share)
+        assert row["kept"] == pytest.approx(float(share[k - 1]), rel=1e-6)
+    capped = tmp_path / "capped.safetensors"
+    assert main(["resize", str(source), str(capped), "--keep-fro", "0.999", "--rank", "2"]) == 0
+    tensors, _, _ = read_adapter(capped)
+    assert {tensor.shape[0] for key, tensor in tensors.items() if key.endswith("lora_A.weight")} == {2}
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ([], "give --rank"),
+        (["--rank", "0"], "--rank 0: a rank is 1 or more"),
+        (["--keep-fro", "1.5"], "--keep-fro 1.5"),
+    ],
+)
+def test_a_resize_without_a_rank_or_share_is_refused(tiny_base, tmp_path, capsys, arguments, message):
+    source = _lora(tiny_base, tmp_path / "source.safetensors", layout="diffusers")
+    target = tmp_path / "resized.safetensors"
+    assert main(["resize", str(source), str(target), *arguments]) != 0
+    assert message in capsys.readouterr().err and not target.exists()
+
+
+def test_a_dora_is_refused_by_name(tiny_base, tmp_path, capsys):
+    source = _lora(tiny_base, tmp_path / "dora.safetensors", layout="diffusers", dora=True)
+    target = tmp_path / "resized.safetensors"
+    assert main(["resize", str(source), str(target), "--rank", "4"]) != 0
+    assert "text_encoder: a dora adapter; resize re-factors a LoRA" in capsys.readouterr().err and not target.exists()
