@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from difftune.config import (
     TRAINING_ONLY_SAMPLE_FIELDS,
     Config,
+    ModelConfig,
     SampleConfig,
     describe_errors,
     load_config,
@@ -216,6 +217,24 @@ def build_parser() -> argparse.ArgumentParser:
     resize.add_argument("--base", help="base model, to read a kohya file's module names (default: from its metadata)")
     resize.add_argument("--report", type=Path, help="write each layer's ranks and the norm it kept here (JSON)")
 
+    extract = commands.add_parser("extract", help="extract a LoRA from a full fine-tune (SVD of each layer's change)")
+    extract.add_argument("--base", required=True, help="the model the fine-tune started from (folder or hub id)")
+    extract.add_argument("--tuned", required=True, help="the fine-tuned model (e.g. a run's model/ folder)")
+    extract.add_argument("--out", required=True, type=Path, help="LoRA file to write")
+    extract.add_argument("--rank", type=int, help="the most ranks a layer keeps")
+    extract.add_argument(
+        "--keep-fro", type=float, help="keep the fewest ranks holding this share of each layer's change (its norm)"
+    )
+    extract.add_argument("--to", choices=("diffusers", "kohya"), default="diffusers", help="layout to write")
+    extract.add_argument(
+        "--min-difference",
+        type=float,
+        default=1e-6,
+        help="a layer none of whose weights moved more than this is left out",
+    )
+    extract.add_argument("--device", help="where the SVDs run (default: a GPU if present, else the CPU)")
+    extract.add_argument("--report", type=Path, help="write each layer's ranks and the norm it kept here (JSON)")
+
     sample = commands.add_parser("sample", help="text-to-image samples from a base model and adapters")
     sample.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
     sample.add_argument("--adapter", action="append", default=[], type=parse_adapter_spec, help=adapter_help)
@@ -369,6 +388,8 @@ def _run(args: argparse.Namespace) -> None:
         _note_comfyui_dora(args.out, args.to)
     elif args.command == "resize":
         _resize(args)
+    elif args.command == "extract":
+        _extract(args)
     elif args.command == "merge":
         with phase(
             f"merging {len(args.adapter)} adapter(s) into {args.base} (loading, merging, writing {args.out})", print
@@ -483,12 +504,9 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def _resize(args) -> None:
-    import json
-    from dataclasses import asdict
-
     from difftune.adapters import export
     from difftune.adapters.files import is_kohya
-    from difftune.adapters.resize import resize_lora, summary
+    from difftune.adapters.resize import resize_lora
     from difftune.files import open_safetensors
 
     with open_safetensors(args.source) as handle:
@@ -497,11 +515,40 @@ def _resize(args) -> None:
     with phase(f"resizing {args.source}", print):
         tensors, lora_configs, rows = resize_lora(tensors, lora_configs, args.rank, args.keep_fro)
     written = export.write_adapter(args.target, tensors, lora_configs, config_toml, layout, base=args.base or "")
+    _report_lora_tool(rows, args.report, written, layout)
+
+
+def _extract(args) -> None:
+    import torch
+
+    from difftune.adapters import export
+    from difftune.adapters.extract import extract_lora
+    from difftune.adapters.resize import check_rank_settings
+    from difftune.families import load_components
+
+    check_rank_settings("extract", args.rank, args.keep_fro)  # before loading two models
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    with phase(f"loading {args.base} and {args.tuned}", print):
+        base = load_components(ModelConfig(base=args.base))
+        tuned = load_components(ModelConfig(base=args.tuned))
+    with phase(f"extracting the difference as a LoRA ({device})", print):
+        tensors, lora_configs, rows = extract_lora(base, tuned, args.rank, args.keep_fro, args.min_difference, device)
+    written = export.write_adapter(args.out, tensors, lora_configs, "", args.to, family=base.family, base=args.base)
+    _report_lora_tool(rows, args.report, written, args.to)
+
+
+def _report_lora_tool(rows, report: Path | None, written: Path, layout: str) -> None:
+    """What resize and extract say: the summary, the per-layer report if asked for, the file written."""
+    import json
+    from dataclasses import asdict
+
+    from difftune.adapters.resize import summary
+
     print(f"difftune: {summary(rows)}")
-    if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps([asdict(row) for row in rows], indent=1) + "\n")
-        print(f"difftune: wrote {args.report}")
+    if report:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(json.dumps([asdict(row) for row in rows], indent=1) + "\n")
+        print(f"difftune: wrote {report}")
     print(f"difftune: wrote {written} ({layout} layout)")
 
 

@@ -1,5 +1,6 @@
-"""`difftune resize`: a LoRA re-factored at a lower rank, checked against the SVD of each layer's change (computed
-here on the full matrix) and read back by diffusers' own kohya reader."""
+"""`difftune resize` and `difftune extract`: LoRAs re-factored at a lower rank, and taken out of a full fine-tune,
+checked against the SVD of each layer's change (computed here on the full matrix) and read back by diffusers' own
+kohya reader."""
 
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def test_a_norm_share_keeps_the_fewest_ranks_that_hold_it(tiny_base, tmp_path):
     [
         ([], "give --rank"),
         (["--rank", "0"], "--rank 0: a rank is 1 or more"),
-        (["--keep-fro", "1.5"], "--keep-fro 1.5"),
+        (["--keep-fro", "1.5"], "--keep-fro 1.5: a share"),
     ],
 )
 def test_a_resize_without_a_rank_or_share_is_refused(tiny_base, tmp_path, capsys, arguments, message):
@@ -139,3 +140,77 @@ def test_a_dora_is_refused_by_name(tiny_base, tmp_path, capsys):
     target = tmp_path / "resized.safetensors"
     assert main(["resize", str(source), str(target), "--rank", "4"]) != 0
     assert "text_encoder: a dora adapter; resize re-factors a LoRA" in capsys.readouterr().err and not target.exists()
+
+
+CHANGED = {
+    "unet": ["down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q", "down_blocks.0.resnets.0.conv1"],
+    "text_encoder": [f"encoder.layers.0.self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj", "out_proj")],
+}
+
+
+@pytest.fixture(scope="module")
+def fine_tune(tiny_base, tmp_path_factory):
+    """The micro SD base with a rank-3 change added to a UNet linear, a 3x3 convolution and a CLIP layer's attention
+    (a full fine-tune's result, saved as a pipeline folder): (folder, {part.module: the change as a matrix})."""
+    pipeline = StableDiffusionPipeline.from_pretrained(tiny_base, dtype=torch.float32)
+    models = {"unet": pipeline.unet, "text_encoder": pipeline.text_encoder}
+    generator = torch.Generator().manual_seed(3)
+    changes = {}
+    with torch.no_grad():
+        for part, modules in CHANGED.items():
+            layers = dict(models[part].named_modules())
+            for module in modules:
+                weight = layers[module].weight
+                change = torch.randn(weight.shape[0], 3, generator=generator) @ torch.randn(
+                    3, weight[0].numel(), generator=generator
+                )
+                weight += 0.05 * change.reshape(weight.shape)
+                changes[f"{part}.{module}"] = 0.05 * change.double()
+    folder = tmp_path_factory.mktemp("fine-tune")
+    pipeline.save_pretrained(folder, safe_serialization=True)
+    return folder, changes
+
+
+def test_an_extracted_lora_is_the_fine_tunes_difference_and_diffusers_reads_it_so(tiny_base, fine_tune, tmp_path):
+    """At a rank over the changes' own (3), the changed layers alone are extracted, each exactly its change; read by
+    diffusers' kohya reader onto the base, the UNet predicts what the fine-tuned UNet predicts."""
+    folder, changes = fine_tune
+    out, report = tmp_path / "extracted.safetensors", tmp_path / "report.json"
+    arguments = ["extract", "--base", str(tiny_base), "--tuned", str(folder), "--out", str(out), "--rank", "8"]
+    assert main([*arguments, "--to", "kohya", "--report", str(report)]) == 0
+    extracted = _changes(out, tiny_base)
+    assert extracted.keys() == changes.keys()
+    for module, change in changes.items():
+        torch.testing.assert_close(extracted[module], change.flatten(1), rtol=1e-4, atol=1e-6)
+    assert {(row["rank_before"], row["rank_after"]) for row in json.loads(report.read_text())} == {(3, 3)}
+    outputs = []
+    for path, adapter in ((tiny_base, out), (folder, None)):
+        pipeline = StableDiffusionPipeline.from_pretrained(path, dtype=torch.float32)
+        if adapter:
+            pipeline.load_lora_weights(str(adapter))
+        latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+        text = pipeline.text_encoder(torch.tensor([[1, 5, 9, 2]]))[0]
+        outputs.append(pipeline.unet(latents, 500, text).sample)
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)
+
+
+def test_an_extraction_at_a_lower_rank_is_the_best_of_that_rank(tiny_base, fine_tune, tmp_path):
+    """At rank 2 each layer's error is the singular values of its change it dropped (an SVD here of the change)."""
+    folder, changes = fine_tune
+    out = tmp_path / "r2.safetensors"
+    assert main(["extract", "--base", str(tiny_base), "--tuned", str(folder), "--out", str(out), "--rank", "2"]) == 0
+    extracted = _changes(out, tiny_base)
+    for module, change in changes.items():
+        matrix = change.flatten(1)
+        dropped = torch.linalg.svdvals(matrix)[2:].square().sum().sqrt()
+        assert torch.linalg.matrix_norm(matrix - extracted[module]) == pytest.approx(float(dropped), rel=1e-5)
+
+
+def test_an_extraction_from_another_model_or_no_change_is_refused(tiny_base, tiny_sdxl_base, tmp_path, capsys):
+    out = tmp_path / "extracted.safetensors"
+    for tuned, message in (
+        (tiny_sdxl_base, "give the base the fine-tune started from"),
+        (tiny_base, "no layer of the fine-tuned model differs from the base"),
+    ):
+        assert main(["extract", "--base", str(tiny_base), "--tuned", str(tuned), "--out", str(out), "--rank", "4"])
+        assert message in capsys.readouterr().err and not out.exists()

@@ -40,12 +40,7 @@ def resize_lora(
 ) -> tuple[dict[str, torch.Tensor], dict, list[ResizedLayer]]:
     """A LoRA's tensors and configs (difftune's layout, as `read_any_adapter` gives them) resized as the module says;
     the resized tensors, their configs, and a row per module."""
-    if rank is None and keep_fro is None:
-        raise DifftuneError("resize: give --rank (the most each layer keeps), --keep-fro (the norm to keep), or both")
-    if rank is not None and rank < 1:
-        raise DifftuneError(f"--rank {rank}: a rank is 1 or more")
-    if keep_fro is not None and not 0 < keep_fro <= 1:
-        raise DifftuneError(f"--keep-fro {keep_fro}: a share of the change's norm, over 0 and at most 1")
+    check_rank_settings("resize", rank, keep_fro)
     resized, configs, rows = dict(tensors), dict(lora_configs), []
     for part in parts_of(tensors):
         kind = file_kind(lora_configs, part)
@@ -68,6 +63,28 @@ def resize_lora(
     return resized, configs, rows
 
 
+def check_rank_settings(command: str, rank: int | None, keep_fro: float | None) -> None:
+    """Refuse `--rank` / `--keep-fro` settings that keep nothing, or neither given."""
+    if rank is None and keep_fro is None:
+        raise DifftuneError(
+            f"{command}: give --rank (the most each layer keeps), --keep-fro (the norm to keep), or both"
+        )
+    if rank is not None and rank < 1:
+        raise DifftuneError(f"--rank {rank}: a rank is 1 or more")
+    if keep_fro is not None and not 0 < keep_fro <= 1:
+        raise DifftuneError(f"--keep-fro {keep_fro}: a share of a layer's change's norm, over 0 and at most 1")
+
+
+def kept_ranks(singular: torch.Tensor, total: float, rank: int | None, keep_fro: float | None) -> int:
+    """How many of the largest singular values (descending) to keep: at most `rank`, and no more than hold `keep_fro`
+    of the Frobenius norm whose square is `total`; at least 1."""
+    keep = len(singular) if rank is None else min(rank, len(singular))
+    if keep_fro is not None and total > 0:
+        energy = singular.square().cumsum(0)
+        keep = min(keep, int(torch.searchsorted(energy, keep_fro**2 * total * (1 - 1e-12))) + 1)
+    return max(keep, 1)
+
+
 def _resized_factors(
     down: torch.Tensor, up: torch.Tensor, scale: float, rank: int | None, keep_fro: float | None
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -78,15 +95,12 @@ def _resized_factors(
     q_up, r_up = torch.linalg.qr(b)
     q_down, r_down = torch.linalg.qr(a.T)
     u, singular, vh = torch.linalg.svd(r_up @ r_down.T)
-    energy = singular.square().cumsum(0)
-    total = float(energy[-1])
-    keep = len(singular) if rank is None else min(rank, len(singular))
-    if keep_fro is not None and total > 0:
-        keep = min(keep, int(torch.searchsorted(energy, keep_fro**2 * total * (1 - 1e-12))) + 1)
+    total = float(singular.square().sum())
+    keep = kept_ranks(singular, total, rank, keep_fro)
     root = singular[:keep].sqrt()
     new_up = (q_up @ u[:, :keep]) * root
     new_down = root[:, None] * (vh[:keep] @ q_down.T)
-    kept = math.sqrt(float(energy[keep - 1]) / total) if total > 0 else 1.0
+    kept = math.sqrt(float(singular[:keep].square().sum()) / total) if total > 0 else 1.0
     return (
         new_down.reshape(keep, *down.shape[1:]).to(down.dtype),
         new_up.reshape(up.shape[0], keep, *up.shape[2:]).to(up.dtype),
