@@ -233,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a layer none of whose weights moved more than this is left out",
     )
     extract.add_argument("--device", help="where the SVDs run (default: a GPU if present, else the CPU)")
+    extract.add_argument(
+        "--all-layers",
+        action="store_true",
+        help="every changed linear and convolution layer, not only those the family's LoRAs adapt (diffusers layout)",
+    )
     extract.add_argument("--report", type=Path, help="write each layer's ranks and the norm it kept here (JSON)")
 
     sample = commands.add_parser("sample", help="text-to-image samples from a base model and adapters")
@@ -532,7 +537,9 @@ def _extract(args) -> None:
         base = load_components(ModelConfig(base=args.base))
         tuned = load_components(ModelConfig(base=args.tuned))
     with phase(f"extracting the difference as a LoRA ({device})", print):
-        tensors, lora_configs, rows = extract_lora(base, tuned, args.rank, args.keep_fro, args.min_difference, device)
+        tensors, lora_configs, rows = extract_lora(
+            base, tuned, args.rank, args.keep_fro, args.min_difference, device, args.all_layers
+        )
     written = export.write_adapter(args.out, tensors, lora_configs, "", args.to, family=base.family, base=args.base)
     _report_lora_tool(rows, args.report, written, args.to)
 

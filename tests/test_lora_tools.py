@@ -11,10 +11,11 @@ import torch
 from diffusers import StableDiffusionPipeline
 
 from difftune.adapters import export
-from difftune.adapters.files import read_adapter
+from difftune.adapters.extract import extract_lora
+from difftune.adapters.files import module_names_of, read_adapter
 from difftune.adapters.trained import adapter_scale, derived_lora_configs
 from difftune.cli import main
-from difftune.config import ModelConfig
+from difftune.config import FAMILY_NAMES, ModelConfig
 from difftune.families import load_components
 
 RANK, ALPHA = 8, 4.0
@@ -177,6 +178,7 @@ def test_an_extracted_lora_is_the_fine_tunes_difference_and_diffusers_reads_it_s
     folder, changes = fine_tune
     out, report = tmp_path / "extracted.safetensors", tmp_path / "report.json"
     arguments = ["extract", "--base", str(tiny_base), "--tuned", str(folder), "--out", str(out), "--rank", "8"]
+    arguments.append("--all-layers")  # the convolution too, which SD's LoRAs leave out by default
     assert main([*arguments, "--to", "kohya", "--report", str(report)]) == 0
     extracted = _changes(out, tiny_base)
     assert extracted.keys() == changes.keys()
@@ -192,13 +194,17 @@ def test_an_extracted_lora_is_the_fine_tunes_difference_and_diffusers_reads_it_s
         text = pipeline.text_encoder(torch.tensor([[1, 5, 9, 2]]))[0]
         outputs.append(pipeline.unet(latents, 500, text).sample)
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)
+    # Without --all-layers, the layers SD's LoRAs adapt: the attention, not the convolution.
+    assert main(arguments[:-1]) == 0
+    assert _changes(out, tiny_base).keys() == changes.keys() - {"unet.down_blocks.0.resnets.0.conv1"}
 
 
 def test_an_extraction_at_a_lower_rank_is_the_best_of_that_rank(tiny_base, fine_tune, tmp_path):
     """At rank 2 each layer's error is the singular values of its change it dropped (an SVD here of the change)."""
     folder, changes = fine_tune
     out = tmp_path / "r2.safetensors"
-    assert main(["extract", "--base", str(tiny_base), "--tuned", str(folder), "--out", str(out), "--rank", "2"]) == 0
+    arguments = ["extract", "--base", str(tiny_base), "--tuned", str(folder), "--out", str(out), "--rank", "2"]
+    assert main([*arguments, "--all-layers"]) == 0
     extracted = _changes(out, tiny_base)
     for module, change in changes.items():
         matrix = change.flatten(1)
@@ -214,3 +220,46 @@ def test_an_extraction_from_another_model_or_no_change_is_refused(tiny_base, tin
     ):
         assert main(["extract", "--base", str(tiny_base), "--tuned", str(tuned), "--out", str(out), "--rank", "4"])
         assert message in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_every_familys_fine_tune_extracts_into_both_layouts(family, micro_base, tmp_path):
+    """Each family's micro base with every adaptable layer moved: the extracted LoRA holds the layers a LoRA of the
+    family adapts (its targets, in the parts its pipeline's LoRA loader reads), at rank 2, and its kohya file reads
+    back as the diffusers one."""
+    base = micro_base(family)
+    tuned = load_components(ModelConfig(base=str(base)))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for model in tuned.parts().values():
+            for module in model.modules():
+                if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+                    module.weight += 1e-2 * torch.randn(module.weight.shape, generator=generator)
+    tensors, configs, rows = extract_lora(load_components(ModelConfig(base=str(base))), tuned, rank=2)
+    components = load_components(ModelConfig(base=str(base)))
+    names = module_names_of(components).names
+    expected = {
+        f"{part}.{module}"
+        for part in (components.family.denoiser_name, *components.family.adapted_text_encoders())
+        if part in names
+        for targets in [components.family.targets_of(part, components.parts()[part])]
+        for module in names[part]
+        if any(module == target or module.endswith(f".{target}") for target in targets)
+    }
+    assert {row.module for row in rows} == expected
+    assert all(row.rank_after == min(2, row.rank_before) for row in rows)  # a layer of one output has rank 1
+    written = {
+        layout: export.write_adapter(
+            tmp_path / f"{layout}.safetensors", tensors, configs, "", layout, components.family, str(base)
+        )
+        for layout in ("diffusers", "kohya")
+    }
+    # A kohya file's CLIP modules read back named as A1111 and ComfyUI name them (`text_model.` always; transformers 5
+    # leaves it out of CLIPTextModel's names, keeps it in CLIPTextModelWithProjection's), which peft finds either way.
+    kohya, diffusers = (
+        {key.replace(".text_model.", "."): change for key, change in _changes(written[layout], base).items()}
+        for layout in ("kohya", "diffusers")
+    )
+    assert kohya.keys() == diffusers.keys()
+    for module, change in kohya.items():
+        torch.testing.assert_close(change, diffusers[module], rtol=1e-5, atol=1e-7)

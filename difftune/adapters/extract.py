@@ -1,5 +1,5 @@
-"""Extracting a LoRA from a full fine-tune (`difftune extract`): each adaptable layer (linear or convolution, as
-`module_names_of` finds them) whose weights differ between the base and the fine-tuned model gets the truncated SVD
+"""Extracting a LoRA from a full fine-tune (`difftune extract`): each layer a LoRA of the family adapts (or, asked,
+every linear and convolution) whose weights differ between the base and the fine-tuned model gets the truncated SVD
 of its difference as its two factors (sd-scripts' `extract_lora_from_models.py`), at most `rank` singular values, or
 the fewest holding `keep_fro` of the difference's Frobenius norm, or both. Unchanged layers (no element moved more
 than `min_difference`) are left out. The file is the adapter of the base's family, written in either layout as a
@@ -31,22 +31,30 @@ def extract_lora(
     keep_fro: float | None = None,
     min_difference: float = 1e-6,
     device: torch.device | str = "cpu",
+    all_layers: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict, list[ResizedLayer]]:
     """The LoRA tensors (difftune's layout) and configs of `tuned` - `base`, and a row per layer extracted (its
-    `rank_before` the difference's full rank)."""
+    `rank_before` the difference's full rank). The parts and layers are those a LoRA of the family adapts (its
+    default targets, in the denoiser and the text encoders its pipeline's LoRA loader reads), so the file loads where
+    a trained one does; `all_layers`: every changed linear and convolution of those parts (the diffusers layout names
+    them all; a kohya layout may not)."""
     check_rank_settings("extract", rank, keep_fro)
     if type(base.family) is not type(tuned.family):
         raise DifftuneError(
             f"extract: the fine-tuned model is a {tuned.family.description} base, the base a {base.family.description} "
             "one; give the base the fine-tune started from"
         )
-    tuned_parts, names = tuned.parts(), module_names_of(base).names
+    family, tuned_parts, names = base.family, tuned.parts(), module_names_of(base).names
     tensors, ranks, rows = {}, {}, []
-    for part, model in base.parts().items():
-        if part not in tuned_parts:
+    for part in (family.denoiser_name, *family.adapted_text_encoders()):
+        model = base.parts().get(part)
+        if model is None or tuned_parts.get(part) is None:
             continue
         base_layers, tuned_layers = dict(model.named_modules()), dict(tuned_parts[part].named_modules())
+        targets = None if all_layers else family.targets_of(part, model)
         for module in names[part]:
+            if targets is not None and not any(module == t or module.endswith(f".{t}") for t in targets):
+                continue
             before, after = base_layers[module].weight, tuned_layers.get(module)
             if after is None or after.weight.shape != before.shape:
                 raise DifftuneError(
