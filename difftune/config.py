@@ -559,6 +559,21 @@ class LossConfig(Section):
         "and `cosmap` (Esser et al. 2024, as diffusers' SD3/Flux scripts) are for flow matching.",
     )
     snr_gamma: float = Field(5.0, gt=0, description="Gamma of Min-SNR and soft-min-SNR weighting.")
+    type: Literal["l2", "l1", "huber", "smooth_l1"] = Field(
+        "l2",
+        description="The error each latent pixel's prediction is scored by (kohya's `loss_type`): `l2` squared, `l1` "
+        "absolute, `huber` the pseudo-Huber 2c(sqrt(e^2 + c^2) - c) (quadratic under c, linear over it: outliers "
+        "pull less), `smooth_l1` the same over c. c follows `huber_schedule`. Weightings and masks apply as to `l2`.",
+    )
+    huber_schedule: Literal["snr", "exponential", "constant"] = Field(
+        "snr",
+        description="`huber` / `smooth_l1`: c per sample, as kohya's `huber_schedule`: `snr` (1 - huber_c) / (1 + "
+        "noise-to-signal)^2 + huber_c (1 on clean latents, huber_c on noise; flow matching's noise-to-signal is "
+        "sigma / (1 - sigma)), `exponential` huber_c ** (timestep / steps), `constant` huber_c.",
+    )
+    huber_c: float = Field(
+        0.1, gt=0, le=1, description="`huber` / `smooth_l1`: the threshold c, or its schedule's end."
+    )
     timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
         "uniform",
         description="How training draws each sample's point on the noise schedule: uniformly, logit-normal (more "

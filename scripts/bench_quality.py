@@ -58,6 +58,9 @@ VARIANTS = {
         "noise_offset_0.1": ["loss.noise_offset=0.1"],
         "taesd_latents": ["model.vae=models/tiny-sd/taesd"],
         "ema": ["ema.enabled=true", "ema.decay=0.99"],
+        "loss_huber": ["loss.type=huber"],  # kohya's pseudo-Huber, c by its snr schedule from 0.1
+        "loss_smooth_l1": ["loss.type=smooth_l1"],
+        "loss_l1": ["loss.type=l1"],
         "200_steps": ["train.max_steps=200"],
         "600_steps": ["train.max_steps=600"],
         "lr_2e-3": ["optim.learning_rate=2e-3"],

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from diffusers.training_utils import compute_snr
@@ -8,11 +10,15 @@ from difftune.families.objective import (
     diffusion_loss,
     draw_noise,
     draw_timesteps_and_noise,
+    elementwise_error,
+    huber_thresholds,
     min_snr_weights,
-    per_sample_mse,
+    per_sample_error,
     soft_min_snr_weights,
 )
 from difftune.toy.tiny import build_noise_scheduler
+
+L2 = LossConfig()
 
 
 def test_min_snr_weights_closed_form():
@@ -65,9 +71,9 @@ def test_masked_mse_is_the_mean_over_the_mask():
     mask = torch.zeros(2, 1, 4, 4)
     mask[0, :, :, :2] = 1.0  # sample 0 trains on the left half alone
     mask[1] = 0.5  # sample 1: everywhere, at half weight
-    torch.testing.assert_close(per_sample_mse(prediction, target, mask), torch.tensor([1.0, 5.0]))
-    torch.testing.assert_close(per_sample_mse(prediction, target), torch.tensor([5.0, 5.0]))
-    assert per_sample_mse(prediction, target, torch.zeros(2, 1, 4, 4)).abs().max() == 0
+    torch.testing.assert_close(per_sample_error(prediction, target, L2, mask), torch.tensor([1.0, 5.0]))
+    torch.testing.assert_close(per_sample_error(prediction, target, L2), torch.tensor([5.0, 5.0]))
+    assert per_sample_error(prediction, target, L2, torch.zeros(2, 1, 4, 4)).abs().max() == 0
 
 
 def test_snr_from_the_scheduler():
@@ -148,11 +154,13 @@ def test_a_clips_noise_offset_is_one_value_per_sample_and_channel_over_every_fra
 
 def test_a_clips_mse_and_mask_reduce_over_frames_too():
     prediction, target = torch.randn(2, 3, 4, 5, 6), torch.randn(2, 3, 4, 5, 6)
-    torch.testing.assert_close(per_sample_mse(prediction, target), ((prediction - target) ** 2).flatten(1).mean(1))
+    torch.testing.assert_close(
+        per_sample_error(prediction, target, L2), ((prediction - target) ** 2).flatten(1).mean(1)
+    )
     mask = torch.zeros(2, 1, 4, 5, 6)
     mask[:, :, 1:3] = 1  # two frames of four count
     expected = ((prediction - target) ** 2)[:, :, 1:3].flatten(1).mean(1)
-    torch.testing.assert_close(per_sample_mse(prediction, target, mask), expected)
+    torch.testing.assert_close(per_sample_error(prediction, target, L2, mask), expected)
 
 
 def test_an_image_mask_covers_every_frame_of_a_clips_latents():
@@ -185,3 +193,82 @@ def test_the_flow_matching_loss_on_a_clip_is_the_formula():
     sigmas = (timesteps / 1000).view(-1, 1, 1, 1, 1)
     expected = ((2 * ((1 - sigmas) * latents + sigmas * noise) - (noise - latents)) ** 2).flatten(1).mean(1)
     torch.testing.assert_close(loss, expected)
+
+
+def test_each_loss_type_scores_an_error_as_kohyas_conditional_loss():
+    """l1 is torch's; pseudo-Huber 2c(sqrt(e^2 + c^2) - c) is the squared error far under c and 2c|e| far over it
+    (outliers pull linearly); smooth_l1 is it over c; each sample reads its own c."""
+    prediction = torch.zeros(2, 1, 1, 3)
+    target = torch.tensor([1e-3, 1.0, 100.0]).expand(2, 1, 1, 3)
+    thresholds = torch.tensor([0.1, 0.5])
+    l1 = elementwise_error(prediction, target, LossConfig(type="l1"))
+    torch.testing.assert_close(l1, torch.nn.functional.l1_loss(prediction, target, reduction="none"))
+    huber = elementwise_error(prediction, target, LossConfig(type="huber"), thresholds)
+    assert huber[0, 0, 0, 0] == pytest.approx(1e-6, rel=1e-3)  # e^2 under c
+    assert huber[0, 0, 0, 2] == pytest.approx(2 * 0.1 * 100 - 2 * 0.1**2, rel=1e-3)  # 2c|e| - 2c^2 over it
+    assert huber[1, 0, 0, 2] == pytest.approx(2 * 0.5 * 100 - 2 * 0.5**2, rel=1e-3)  # the second sample's c
+    smooth = elementwise_error(prediction, target, LossConfig(type="smooth_l1"), thresholds)
+    torch.testing.assert_close(smooth, huber / thresholds.view(2, 1, 1, 1))
+    expected = 2 * 0.1 * (torch.sqrt(target[0] ** 2 + 0.01) - 0.1)
+    torch.testing.assert_close(huber[0], expected)
+
+
+def test_the_huber_schedules_are_kohyas():
+    """`snr`: 1 on clean latents, falling to huber_c with the noise-to-signal ratio; `exponential`: huber_c to the
+    schedule's fraction (kohya's exp(-alpha t), alpha = -ln(c) / steps); `constant`: huber_c."""
+    fraction = torch.tensor([0.0, 0.5, 1.0])
+    noise_to_signal = torch.tensor([0.0, 1.0, 1e6])
+    snr = huber_thresholds(LossConfig(huber_c=0.1), fraction, noise_to_signal)
+    torch.testing.assert_close(snr, torch.tensor([1.0, 0.9 / 4 + 0.1, 0.1]))
+    exponential = huber_thresholds(LossConfig(huber_c=0.1, huber_schedule="exponential"), fraction, noise_to_signal)
+    steps = torch.tensor([0.0, 500.0, 1000.0])
+    torch.testing.assert_close(exponential, torch.exp(-(-math.log(0.1) / 1000) * steps))
+    constant = huber_thresholds(LossConfig(huber_c=0.2, huber_schedule="constant"), fraction, noise_to_signal)
+    torch.testing.assert_close(constant, torch.full((3,), 0.2))
+
+
+@pytest.mark.parametrize("family", ["sd", "flux"])
+@pytest.mark.parametrize("kind", ["l1", "huber", "smooth_l1"])
+def test_a_familys_loss_scores_its_prediction_by_the_loss_type(micro_base, family, kind):
+    """The objective's per-sample loss with `loss.type` is that error of the family's own prediction against its
+    target, c from the schedule at each sample's timestep (DDPM's alphas_cumprod; flow matching's sigma), under the
+    weighting and a mask: a UNet family's Min-SNR and a flow family's none."""
+    from difftune.config import ModelConfig
+    from difftune.families import load_components
+
+    components = load_components(ModelConfig(base=str(micro_base(family))))
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(2, components.family.latent_channels(components.denoiser), 8, 8, generator=generator)
+    noise = torch.randn(latents.shape, generator=generator)
+    timesteps = torch.tensor([100, 700])
+    conditioning = components.family.encode_prompts(
+        components, components.family.tokenize(components.tokenizers, ["a red circle", "a blue square"])
+    )
+    geometry = torch.tensor([[32, 32, 0, 0, 32, 32]] * 2)
+    mask = torch.ones(2, 1, 8, 8)
+    mask[:, :, :, 4:] = 0
+    config = LossConfig(type=kind, huber_c=0.2)
+    with torch.no_grad():
+        loss = components.family.objective.loss(
+            components, latents, timesteps, noise, conditioning, geometry, config, mask=mask
+        )
+        if family == "flux":
+            sigma = timesteps / 1000
+            noisy = (1 - sigma.view(-1, 1, 1, 1)) * latents + sigma.view(-1, 1, 1, 1) * noise
+            prediction = components.family.denoise(components, noisy, timesteps, conditioning, geometry)
+            target, weights, noise_to_signal = noise - latents, torch.ones(2), sigma / (1 - sigma)
+        else:
+            scheduler = components.noise_scheduler
+            noisy = scheduler.add_noise(latents, noise, timesteps)
+            prediction = components.family.denoise(components, noisy, timesteps, conditioning, geometry)
+            target, weights = noise, min_snr_weights(compute_snr(scheduler, timesteps), 5.0, "epsilon")
+            alpha_bar = scheduler.alphas_cumprod[timesteps]
+            noise_to_signal = ((1 - alpha_bar) / alpha_bar).sqrt()
+    c = (1 - 0.2) / (1 + noise_to_signal) ** 2 + 0.2
+    error = (prediction - target)[..., :4]
+    if kind == "l1":
+        expected = error.abs()
+    else:
+        expected = 2 * (torch.sqrt(error**2 + c.view(-1, 1, 1, 1) ** 2) - c.view(-1, 1, 1, 1))
+        expected = expected * c.view(-1, 1, 1, 1) if kind == "huber" else expected
+    torch.testing.assert_close(loss, expected.mean(dim=(1, 2, 3)) * weights, rtol=1e-4, atol=1e-6)

@@ -26,7 +26,13 @@ from pydantic import Field
 from difftune.config import Config, LossConfig
 from difftune.families.family import Family
 from difftune.families.loading import FamilyOptions
-from difftune.families.objective import Objective, draw_fractions, draw_noise, per_sample_mse
+from difftune.families.objective import (
+    Objective,
+    draw_fractions,
+    draw_noise,
+    huber_thresholds,
+    per_sample_error,
+)
 from difftune.models.parts import Components
 
 FLOW_WEIGHTINGS = ("uniform", "sigma_sqrt", "cosmap")  # flow-matching weightings (diffusers' SD3 ones)
@@ -124,7 +130,9 @@ class FlowMatching(Objective):
         sigmas = (timesteps.float() / 1000).view(-1, *[1] * (latents.dim() - 1))  # an image's or a clip's latents
         noisy = (1 - sigmas) * latents + sigmas * (noise if input_noise is None else input_noise)
         prediction = components.family.denoise(components, noisy, timesteps, conditioning, geometry)
-        per_sample = per_sample_mse(prediction, noise - latents, mask)
+        sigma = sigmas.flatten()
+        thresholds = huber_thresholds(config, sigma, sigma / (1 - sigma).clamp(min=1e-6))
+        per_sample = per_sample_error(prediction, noise - latents, config, mask, thresholds)
         weighting = "uniform" if config.weighting == "auto" else config.weighting
         return per_sample * compute_loss_weighting_for_sd3(weighting, sigmas.flatten()).to(per_sample.device)
 

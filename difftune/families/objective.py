@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from diffusers import DDPMScheduler
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
 from diffusers.utils.torch_utils import randn_tensor
@@ -149,12 +148,46 @@ WEIGHTING_BY_DEFAULT = "min_snr"  # what `loss.weighting = "auto"` means for the
 Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def per_sample_mse(prediction: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean squared error per sample (B,), over every other axis (an image's C, h, w; a clip's C, T, h, w). With
-    `mask` (B, 1, h, w), or (B, 1, T, h, w), each latent pixel's error counts by its weight, and the result is divided
-    by the mask's mean: a sample's loss is the mean over what it trains on, so a small mask does not scale its
-    learning rate down (an all-zero mask trains nothing)."""
-    error = F.mse_loss(prediction.float(), target.float(), reduction="none")
+def huber_thresholds(config: LossConfig, fraction: torch.Tensor, noise_to_signal: torch.Tensor) -> torch.Tensor:
+    """Each sample's c (B,) for `loss.type` huber / smooth_l1, by `loss.huber_schedule` (kohya's schedules), from
+    where it is on the schedule: `fraction` of the way to noise (timestep / steps; flow matching's sigma) and the
+    noise-to-signal ratio there (sqrt((1 - alpha_bar) / alpha_bar); flow matching's sigma / (1 - sigma))."""
+    c = config.huber_c
+    if config.huber_schedule == "snr":
+        return (1 - c) / (1 + noise_to_signal.float()) ** 2 + c
+    if config.huber_schedule == "exponential":
+        return c ** fraction.float()
+    return torch.full_like(fraction, c, dtype=torch.float32)
+
+
+def elementwise_error(
+    prediction: torch.Tensor, target: torch.Tensor, config: LossConfig, thresholds: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each element's error by `loss.type` (kohya's `conditional_loss`): squared, absolute, or pseudo-Huber with each
+    sample's c (`thresholds`, (B,)): `huber` 2c(sqrt(e^2 + c^2) - c), which is e^2 for errors far under c and 2c|e|
+    far over it; `smooth_l1` that over c."""
+    error = prediction.float() - target.float()
+    if config.type == "l2":
+        return error.square()
+    if config.type == "l1":
+        return error.abs()
+    c = thresholds.to(error).view(-1, *[1] * (error.dim() - 1))
+    pseudo_huber = 2 * (torch.sqrt(error.square() + c.square()) - c)
+    return c * pseudo_huber if config.type == "huber" else pseudo_huber
+
+
+def per_sample_error(
+    prediction: torch.Tensor,
+    target: torch.Tensor,
+    config: LossConfig,
+    mask: torch.Tensor | None = None,
+    thresholds: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The mean error (`elementwise_error`) per sample (B,), over every other axis (an image's C, h, w; a clip's C,
+    T, h, w). With `mask` (B, 1, h, w), or (B, 1, T, h, w), each latent pixel's error counts by its weight, and the
+    result is divided by the mask's mean: a sample's loss is the mean over what it trains on, so a small mask does not
+    scale its learning rate down (an all-zero mask trains nothing)."""
+    error = elementwise_error(prediction, target, config, thresholds)
     axes = tuple(range(1, error.dim()))
     if mask is None:
         return error.mean(dim=axes)
@@ -172,16 +205,20 @@ def diffusion_loss(
     input_noise: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weighted MSE between the denoiser's prediction and the target, per sample: shape (B,). The target is made
-    from `noise`; the denoiser's input from `input_noise` when given (input perturbation); `mask` as in
-    `per_sample_mse`."""
+    """The weighted error (`loss.type`) between the denoiser's prediction and the target, per sample: shape (B,).
+    The target is made from `noise`; the denoiser's input from `input_noise` when given (input perturbation); `mask`
+    as in `per_sample_error`."""
     prediction = prediction_type(config, noise_scheduler)
     if prediction not in TARGETS:
         raise ValueError(f"prediction type {prediction!r} is not trainable here; use {' or '.join(TARGETS)}")
     noisy = noise_scheduler.add_noise(latents, noise if input_noise is None else input_noise, timesteps)
     target = TARGETS[prediction](noise_scheduler, latents, noise, timesteps)
     model_output = predict(noisy, timesteps)
-    per_sample = per_sample_mse(model_output, target, mask)
+    alpha_bar = noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps]
+    thresholds = huber_thresholds(
+        config, timesteps / noise_scheduler.config.num_train_timesteps, ((1 - alpha_bar) / alpha_bar).sqrt()
+    )
+    per_sample = per_sample_error(model_output, target, config, mask, thresholds)
     weighting = WEIGHTING_BY_DEFAULT if config.weighting == "auto" else config.weighting
     weights = WEIGHTINGS[weighting](noise_scheduler, timesteps, config, prediction)
     return per_sample * weights.to(per_sample.device)
@@ -227,7 +264,7 @@ class Objective:
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The per-sample loss (B,) of the denoiser on `latents` noised at `timesteps`; `mask` (B, 1, h, w) weights
-        each latent pixel (`loss.per_sample_mse`)."""
+        each latent pixel (`objective.per_sample_error`)."""
         raise NotImplementedError
 
 
