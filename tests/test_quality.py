@@ -194,6 +194,21 @@ def test_build_base_writes_an_fp16_pipeline_with_taesd(tmp_path):
 
 
 @pytest.mark.slow
+def _small_recipe(family: str) -> Recipe:
+    """The family's tiny-base recipe (its own autoencoder trained) at a few steps of each stage on 64 renders: a build
+    that runs in seconds."""
+    small = {"steps": 2, "vae_steps": 3, "vae_decoder_steps": 3, "taesd_steps": 3}
+    return Recipe(
+        autoencoder_images=64,
+        autoencoder_batch=8,
+        train_images_per_prompt=1,
+        validation_images_per_prompt=1,
+        batch_size=4,
+        family=family,
+        **tiny_base_of(family).recipe | small,
+    )
+
+
 def test_build_sdxl_base_reuses_the_autoencoders(tmp_path):
     recipe = Recipe(train_images_per_prompt=1, validation_images_per_prompt=1, steps=2, batch_size=4, family="sdxl")
     facts = build_base(tmp_path / "base", tmp_path / "work", recipe, autoencoders_from=BASE)
@@ -211,17 +226,7 @@ def test_build_sdxl_base_reuses_the_autoencoders(tmp_path):
 
 @pytest.mark.slow
 def test_build_flux_base_trains_its_own_shifted_16_channel_autoencoders(tmp_path):
-    small = {"steps": 2, "vae_steps": 3, "vae_decoder_steps": 3, "taesd_steps": 3}
-    recipe = Recipe(
-        autoencoder_images=64,
-        autoencoder_batch=8,
-        train_images_per_prompt=1,
-        validation_images_per_prompt=1,
-        batch_size=4,
-        family="flux",
-        **tiny_base_of("flux").recipe | small,
-    )
-    build_base(tmp_path / "base", tmp_path / "work", recipe)
+    build_base(tmp_path / "base", tmp_path / "work", _small_recipe("flux"))
     pipeline = FluxPipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)
     assert pipeline.vae.config.latent_channels == 16 and pipeline.vae.config.shift_factor != 0
     assert pipeline.transformer.config.num_layers == 2 and not pipeline.transformer.config.guidance_embeds
@@ -231,17 +236,7 @@ def test_build_flux_base_trains_its_own_shifted_16_channel_autoencoders(tmp_path
 
 @pytest.mark.slow
 def test_build_flux2_klein_base_trains_its_own_batch_normalised_autoencoder(tmp_path):
-    small = {"steps": 2, "vae_steps": 3, "vae_decoder_steps": 3, "taesd_steps": 3}
-    recipe = Recipe(
-        autoencoder_images=64,
-        autoencoder_batch=8,
-        train_images_per_prompt=1,
-        validation_images_per_prompt=1,
-        batch_size=4,
-        family="flux2_klein",
-        **tiny_base_of("flux2_klein").recipe | small,
-    )
-    build_base(tmp_path / "base", tmp_path / "work", recipe)
+    build_base(tmp_path / "base", tmp_path / "work", _small_recipe("flux2_klein"))
     pipeline = Flux2KleinPipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)
     init = Flux2KleinPipeline.from_pretrained(tmp_path / "work" / "init", dtype=torch.float32)
     # The batch norm holds its own patched latents' statistics, as training FLUX.2's autoencoder leaves them.
@@ -298,17 +293,7 @@ def test_build_sd3_and_chroma_bases_reuse_tiny_fluxs_autoencoders(family, tmp_pa
 
 
 def test_build_qwen_image_base_trains_its_own_wan_autoencoder_and_language_model(tmp_path):
-    small = {"steps": 2, "vae_steps": 3, "vae_decoder_steps": 3, "taesd_steps": 3}
-    recipe = Recipe(
-        autoencoder_images=64,
-        autoencoder_batch=8,
-        train_images_per_prompt=1,
-        validation_images_per_prompt=1,
-        batch_size=4,
-        family="qwen_image",
-        **tiny_base_of("qwen_image").recipe | small,
-    )
-    build_base(tmp_path / "base", tmp_path / "work", recipe)
+    build_base(tmp_path / "base", tmp_path / "work", _small_recipe("qwen_image"))
     pipeline = QwenImagePipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)
     assert pipeline.tokenizer.tokenize("a purple square") == ["a", "Ġpurple", "Ġsquare"]  # a token per caption word
     init = QwenImagePipeline.from_pretrained(tmp_path / "work" / "init", dtype=torch.float32)
@@ -331,17 +316,7 @@ def test_build_qwen_image21_base_trains_its_own_rgba_autoencoder_at_16x(tmp_path
     """tiny-qwen_image21's autoencoder reads the renders as opaque RGBA and puts a 32 px render in 2 x 2 latents of 64
     channels (the real one's 16x and width), its statistics its latents' per channel; TAESD encodes to the same
     latents at 16x; the transformer reads 64-channel tokens; the language model stays at its random init."""
-    small = {"steps": 2, "vae_steps": 3, "vae_decoder_steps": 3, "taesd_steps": 3}
-    recipe = Recipe(
-        autoencoder_images=64,
-        autoencoder_batch=8,
-        train_images_per_prompt=1,
-        validation_images_per_prompt=1,
-        batch_size=4,
-        family="qwen_image21",
-        **tiny_base_of("qwen_image21").recipe | small,
-    )
-    build_base(tmp_path / "base", tmp_path / "work", recipe)
+    build_base(tmp_path / "base", tmp_path / "work", _small_recipe("qwen_image21"))
     pipeline = QwenImage21Pipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)
     assert pipeline.vae.config.in_channels == 4 and pipeline.transformer.config.in_channels == 64
     renders = render_tensors(16, seed=100)

@@ -13,13 +13,10 @@ base: a fine-tune's changes are smaller than bf16's resolution of the weights.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from difftune.adapters.files import module_names_of
-from difftune.adapters.resize import ResizedLayer, check_rank_settings, kept_ranks
-from difftune.adapters.trained import derived_lora_configs
+from difftune.adapters.resize import ResizedLayer, check_rank_settings, configs_at_scale_one, truncated_factors
 from difftune.errors import DifftuneError
 from difftune.models.parts import Components
 
@@ -73,8 +70,7 @@ def extract_lora(
         raise DifftuneError(
             f"extract: no layer of the fine-tuned model differs from the base by more than {min_difference}"
         )
-    alphas = {part: {module: float(r) for module, r in part_ranks.items()} for part, part_ranks in ranks.items()}
-    return tensors, derived_lora_configs(ranks, alphas, dict.fromkeys(ranks, False)), rows
+    return tensors, configs_at_scale_one(ranks), rows
 
 
 def _low_rank(
@@ -92,11 +88,13 @@ def _low_rank(
     else:
         u, singular, v = torch.svd_lowrank(matrix, q=oversampled, niter=4)
         vh = v.T
-    total = float(matrix.square().sum())
     full_rank = max(1, int((singular > singular[0] * max(matrix.shape) * eps).sum()))
-    keep = min(kept_ranks(singular, total, rank, keep_fro), full_rank)
-    root = singular[:keep].sqrt()
+    down, up, kept = truncated_factors(u, singular, vh, float(matrix.square().sum()), rank, keep_fro, full_rank)
+    keep = down.shape[0]
     kernel = difference.shape[2:]
-    down = (root[:, None] * vh[:keep]).reshape(keep, *difference.shape[1:])
-    up = (u[:, :keep] * root).reshape(difference.shape[0], keep, *(1,) * len(kernel))
-    return down, up, math.sqrt(min(1.0, float(singular[:keep].square().sum()) / total)), full_rank
+    return (
+        down.reshape(keep, *difference.shape[1:]),
+        up.reshape(difference.shape[0], keep, *(1,) * len(kernel)),
+        kept,
+        full_rank,
+    )

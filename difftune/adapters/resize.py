@@ -58,9 +58,16 @@ def resize_lora(
             resized[key], resized[f"{part}.{module}.lora_B.weight"] = new_down, new_up
             ranks[module] = new_down.shape[0]
             rows.append(ResizedLayer(f"{part}.{module}", down.shape[0], new_down.shape[0], kept))
-        derived = derived_lora_configs({part: ranks}, {part: {m: float(r) for m, r in ranks.items()}}, {part: False})
-        configs |= derived | {f"{part}.use_rslora": False}
+        configs |= configs_at_scale_one({part: ranks})
     return resized, configs, rows
+
+
+def configs_at_scale_one(ranks: dict[str, dict[str, int]]) -> dict:
+    """Each part's LoRA config (by part, by module: its rank) for factors that hold their change whole: alpha = rank,
+    no rsLoRA, no DoRA."""
+    alphas = {part: {module: float(r) for module, r in part_ranks.items()} for part, part_ranks in ranks.items()}
+    configs = derived_lora_configs(ranks, alphas, dict.fromkeys(ranks, False))
+    return configs | {f"{part}.use_rslora": False for part in ranks}
 
 
 def check_rank_settings(command: str, rank: int | None, keep_fro: float | None) -> None:
@@ -85,6 +92,25 @@ def kept_ranks(singular: torch.Tensor, total: float, rank: int | None, keep_fro:
     return max(keep, 1)
 
 
+def truncated_factors(
+    u: torch.Tensor,
+    singular: torch.Tensor,
+    vh: torch.Tensor,
+    total: float,
+    rank: int | None,
+    keep_fro: float | None,
+    most: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """An SVD `u @ diag(singular) @ vh` (singular values descending) of a change whose Frobenius norm squared is
+    `total`, cut to `kept_ranks` (and at most `most`): `down` (k, n) and `up` (m, k), each with the square root of
+    every kept singular value, and the share of the change's norm they keep."""
+    keep = kept_ranks(singular, total, rank, keep_fro)
+    keep = keep if most is None else min(keep, most)
+    root = singular[:keep].sqrt()
+    kept = math.sqrt(min(1.0, float(singular[:keep].square().sum()) / total)) if total > 0 else 1.0
+    return root[:, None] * vh[:keep], u[:, :keep] * root, kept
+
+
 def _resized_factors(
     down: torch.Tensor, up: torch.Tensor, scale: float, rank: int | None, keep_fro: float | None
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -95,12 +121,10 @@ def _resized_factors(
     q_up, r_up = torch.linalg.qr(b)
     q_down, r_down = torch.linalg.qr(a.T)
     u, singular, vh = torch.linalg.svd(r_up @ r_down.T)
-    total = float(singular.square().sum())
-    keep = kept_ranks(singular, total, rank, keep_fro)
-    root = singular[:keep].sqrt()
-    new_up = (q_up @ u[:, :keep]) * root
-    new_down = root[:, None] * (vh[:keep] @ q_down.T)
-    kept = math.sqrt(float(singular[:keep].square().sum()) / total) if total > 0 else 1.0
+    new_down, new_up, kept = truncated_factors(
+        q_up @ u, singular, vh @ q_down.T, float(singular.square().sum()), rank, keep_fro
+    )
+    keep = new_down.shape[0]
     return (
         new_down.reshape(keep, *down.shape[1:]).to(down.dtype),
         new_up.reshape(up.shape[0], keep, *up.shape[2:]).to(up.dtype),

@@ -26,13 +26,7 @@ from pydantic import Field
 from difftune.config import Config, LossConfig
 from difftune.families.family import Family
 from difftune.families.loading import FamilyOptions
-from difftune.families.objective import (
-    Objective,
-    draw_fractions,
-    draw_noise,
-    huber_thresholds,
-    per_sample_error,
-)
+from difftune.families.objective import Objective, draw_fractions, draw_noise, per_sample_error
 from difftune.models.parts import Components
 
 FLOW_WEIGHTINGS = ("uniform", "sigma_sqrt", "cosmap")  # flow-matching weightings (diffusers' SD3 ones)
@@ -131,10 +125,11 @@ class FlowMatching(Objective):
         noisy = (1 - sigmas) * latents + sigmas * (noise if input_noise is None else input_noise)
         prediction = components.family.denoise(components, noisy, timesteps, conditioning, geometry)
         sigma = sigmas.flatten()
-        thresholds = huber_thresholds(config, sigma, sigma / (1 - sigma).clamp(min=1e-6))
-        per_sample = per_sample_error(prediction, noise - latents, config, mask, thresholds)
+        per_sample = per_sample_error(
+            prediction, noise - latents, config, mask, lambda: (sigma, sigma / (1 - sigma).clamp(min=1e-6))
+        )
         weighting = "uniform" if config.weighting == "auto" else config.weighting
-        return per_sample * compute_loss_weighting_for_sd3(weighting, sigmas.flatten()).to(per_sample.device)
+        return per_sample * compute_loss_weighting_for_sd3(weighting, sigma).to(per_sample.device)
 
 
 class FlowOptions(FamilyOptions):

@@ -176,17 +176,22 @@ def elementwise_error(
     return c * pseudo_huber if config.type == "huber" else pseudo_huber
 
 
+PSEUDO_HUBER = ("huber", "smooth_l1")  # the loss types with a threshold c per sample
+
+
 def per_sample_error(
     prediction: torch.Tensor,
     target: torch.Tensor,
     config: LossConfig,
     mask: torch.Tensor | None = None,
-    thresholds: torch.Tensor | None = None,
+    schedule_point: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """The mean error (`elementwise_error`) per sample (B,), over every other axis (an image's C, h, w; a clip's C,
     T, h, w). With `mask` (B, 1, h, w), or (B, 1, T, h, w), each latent pixel's error counts by its weight, and the
     result is divided by the mask's mean: a sample's loss is the mean over what it trains on, so a small mask does not
-    scale its learning rate down (an all-zero mask trains nothing)."""
+    scale its learning rate down (an all-zero mask trains nothing). `schedule_point()`: each sample's place on the
+    schedule, `huber_thresholds`' fraction and noise-to-signal ratio, asked for only by the loss types with a c."""
+    thresholds = huber_thresholds(config, *schedule_point()) if config.type in PSEUDO_HUBER else None
     error = elementwise_error(prediction, target, config, thresholds)
     axes = tuple(range(1, error.dim()))
     if mask is None:
@@ -214,11 +219,12 @@ def diffusion_loss(
     noisy = noise_scheduler.add_noise(latents, noise if input_noise is None else input_noise, timesteps)
     target = TARGETS[prediction](noise_scheduler, latents, noise, timesteps)
     model_output = predict(noisy, timesteps)
-    alpha_bar = noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps]
-    thresholds = huber_thresholds(
-        config, timesteps / noise_scheduler.config.num_train_timesteps, ((1 - alpha_bar) / alpha_bar).sqrt()
-    )
-    per_sample = per_sample_error(model_output, target, config, mask, thresholds)
+
+    def schedule_point() -> tuple[torch.Tensor, torch.Tensor]:
+        alpha_bar = noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps]
+        return timesteps / noise_scheduler.config.num_train_timesteps, ((1 - alpha_bar) / alpha_bar).sqrt()
+
+    per_sample = per_sample_error(model_output, target, config, mask, schedule_point)
     weighting = WEIGHTING_BY_DEFAULT if config.weighting == "auto" else config.weighting
     weights = WEIGHTINGS[weighting](noise_scheduler, timesteps, config, prediction)
     return per_sample * weights.to(per_sample.device)
