@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, get_origin
+from typing import Any, Literal, get_args, get_origin
 
 import tomli_w
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from difftune.adapter_kinds import KINDS, AdapterKind, FullFineTune, LoRA, PeftAdapter, TokenEmbedding
 from difftune.errors import DifftuneError
@@ -286,6 +286,15 @@ class DataConfig(Section):
         le=MAX_SIDE,
         description="Training size in pixels: images are resized (shorter side) and cropped to a square.",
     )
+    repeats: int = Field(
+        1,
+        ge=1,
+        description="Each image is listed this many times per epoch (kohya's `num_repeats`), times its `N_name` "
+        "folder's N.",
+    )
+    loss_weight: float = Field(
+        1.0, gt=0, description="Loss weight of these images (with `datasets`: a regularization set at less than 1)."
+    )
     crop: Literal["center", "random"] = Field("center", description="Where to crop after resizing.")
     random_flip: bool = Field(False, description="Flip images horizontally with probability 0.5.")
     caption_extension: str = Field(".txt", description="Extension of caption files next to the images.")
@@ -395,6 +404,13 @@ class DataConfig(Section):
     frame_stride: int = Field(1, ge=1, description='`frame_extraction = "slide"`: frames between window starts.')
     frame_samples: int = Field(1, ge=1, description='`frame_extraction = "uniform"`: windows per clip and length.')
     max_frames: int = Field(129, ge=1, description='`frame_extraction = "full"`: the longest window.')
+    datasets: list[DatasetConfig] = Field(
+        [],
+        description="Several datasets in one run (`[[data.datasets]]` tables, musubi-tuner's `[[datasets]]`): each "
+        "names its `path` and sets what it reads differently (its `resolution` or a list of them, `repeats`, "
+        "`loss_weight`, captions, masks, buckets, frames); what it leaves unset is this section's. `path` here is "
+        "then not read. Empty: the one dataset at `path`.",
+    )
 
     @field_validator("resolution", "bucket_step", "bucket_min_side", "bucket_max_side")
     @classmethod
@@ -429,6 +445,94 @@ class DataConfig(Section):
                 f"and bucket_max_side {self.bucket_max_side}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _each_dataset_valid(self) -> DataConfig:
+        self.each_dataset()  # a dataset's settings over this section's are checked as one section is
+        return self
+
+    def each_dataset(self) -> list[DataConfig]:
+        """The settings each dataset is read with, as one `[data]` section each: this one alone, or each of
+        `datasets` over this one's run-wide settings, once per resolution it lists (each of its images trains at
+        each, ai-toolkit's `resolution: [512, 768, 1024]`). An example's `dataset` indexes this list."""
+        if not self.datasets:
+            return [self]
+        shared = self.model_dump(exclude={"datasets"})
+        parts = []
+        for number, entry in enumerate(self.datasets):
+            own = entry.model_dump(exclude_none=True, exclude={"resolution"})
+            for resolution in entry.resolutions(self.resolution):
+                try:
+                    parts.append(DataConfig.model_validate(shared | own | {"resolution": resolution}))
+                except ValidationError as err:
+                    problems = "; ".join(
+                        f"{'.'.join(map(str, e['loc'])) or 'its settings'}: {e['msg'].removeprefix('Value error, ')}"
+                        for e in err.errors()
+                    )
+                    raise ValueError(f"datasets[{number}] (resolution {resolution}): {problems}") from None
+        return parts
+
+    def largest_resolution(self) -> int:
+        """The largest training resolution of any dataset: what a step's memory is planned for."""
+        return max(data.resolution for data in self.each_dataset())
+
+    def dataset_keys(self) -> list[str]:
+        """How messages name each of `each_dataset`'s datasets: the setting its folder comes from."""
+        if not self.datasets:
+            return ["data.path"]
+        return [
+            f"data.datasets[{number}].path"
+            for number, entry in enumerate(self.datasets)
+            for _ in entry.resolutions(self.resolution)
+        ]
+
+
+# `[data]` settings that stay the run's with several datasets: one loader, one batch's tensors (their channels, the
+# mask's weight in the step) and the limits every file is held to.
+RUN_WIDE_DATA_FIELDS = (
+    "num_workers",
+    "min_image_size",
+    "max_image_pixels",
+    "unmasked_weight",
+    "alpha_background",
+    "keep_alpha",
+)
+
+
+class _DatasetEntry(Section):
+    path: str = Field(
+        json_schema_extra=PATH_LOCAL, description="This dataset's folder or stored records (as `data.path`)."
+    )
+    _path_not_empty = field_validator("path")(not_empty)
+    resolution: int | list[int] | None = Field(
+        None,
+        description="Its training size, or a list of sizes: each image trains at each (ai-toolkit's several "
+        "resolutions; with `buckets`, each size's buckets); unset: `data.resolution`.",
+    )
+
+    def resolutions(self, default: int) -> list[int]:
+        if self.resolution is None:
+            return [default]
+        return [self.resolution] if isinstance(self.resolution, int) else list(dict.fromkeys(self.resolution))
+
+
+# One dataset of `data.datasets`: its path, its resolution(s), and any other `[data]` setting but the run-wide ones,
+# unset (None) where it takes `[data]`'s. Built from DataConfig's fields, so a new data setting is per dataset as
+# well, with its one description.
+DatasetConfig = create_model(
+    "DatasetConfig",
+    __base__=_DatasetEntry,
+    __doc__="One of several datasets (`[[data.datasets]]`): what it sets replaces `[data]`'s for its images.",
+    **{
+        name: (
+            field.annotation | None,
+            Field(None, description=field.description, json_schema_extra=field.json_schema_extra),
+        )
+        for name, field in DataConfig.model_fields.items()
+        if name not in {"path", "resolution", "datasets", *RUN_WIDE_DATA_FIELDS}
+    },
+)
+DataConfig.model_rebuild()
 
 
 class AdapterConfig(Section):
@@ -975,7 +1079,10 @@ class SampleConfig(Section):
     )
     seed: int = Field(0, ge=0, description="Seed of the first image; image i uses seed + i.")
     resolution: int | None = Field(
-        None, ge=8, le=MAX_SIDE, description="Sample size in pixels; defaults to `data.resolution`."
+        None,
+        ge=8,
+        le=MAX_SIDE,
+        description="Sample size in pixels; defaults to `data.resolution` (several datasets: the largest of theirs).",
     )
     images_per_prompt: int = Field(1, ge=1, description="Images per prompt, each with the next seed.")
     frames: int = Field(
@@ -1011,7 +1118,7 @@ class SampleConfig(Section):
 def sample_size_defaults_to_the_data(config: Config) -> None:
     """`sample.resolution` unset: the training resolution."""
     if config.sample.resolution is None:
-        config.sample.resolution = config.data.resolution
+        config.sample.resolution = config.data.largest_resolution()
 
 
 # `[sample]` fields that mean something only inside a training run: `difftune sample` and the UI's Sample tab
@@ -1051,19 +1158,22 @@ class CacheConfig(Section):
 def caches_resolved_and_possible(config: Config) -> None:
     """`auto` caches resolved (so the run's resolved config says what was cached); a cache refused where what it
     would hold changes every step."""
+    datasets = config.data.each_dataset()
+    random_crops = any(data.crop != "center" for data in datasets)
     if config.cache.latents == "auto":
-        config.cache.latents = "on" if config.data.crop == "center" else "off"
+        config.cache.latents = "off" if random_crops else "on"
     text_trained = config.adapter.trains_text_encoders
-    fresh_captions = config.data.varies_captions and not config.data.caption_variants
+    fresh_captions = any(data.varies_captions and not data.caption_variants for data in datasets)
     if config.cache.text == "auto":
         config.cache.text = "off" if text_trained or fresh_captions else "on"
     if config.cache.text == "on" and fresh_captions:
         raise ValueError(
-            "cache.text with data.shuffle_tags or data.tag_dropout needs data.caption_variants > 0 (fixed variants "
-            'per caption to cache), or cache.text = "off" (a fresh draw every step)'
+            "cache.text with data.shuffle_tags or data.tag_dropout (here or in a dataset) needs "
+            'data.caption_variants > 0 (fixed variants per caption to cache), or cache.text = "off" (a fresh draw '
+            "every step)"
         )
-    if config.cache.latents == "on" and config.data.crop != "center":
-        raise ValueError('cache.latents needs data.crop = "center" (a cached image has one crop)')
+    if config.cache.latents == "on" and random_crops:
+        raise ValueError('cache.latents needs data.crop = "center", in every dataset (a cached image has one crop)')
     if config.cache.text == "on" and text_trained:
         raise ValueError(
             'cache.text needs adapter.text_encoder = false and adapter.kind other than "embedding" (a trained '
@@ -1259,13 +1369,15 @@ def absolute_paths(config: Config, base_dir: Path) -> Config:
     return Config.model_validate(data)
 
 
-def resolve_path_values(data: dict, base_dir: Path) -> None:
-    """Rewrite, in place, the relative path values of raw config data against `base_dir` (see PATH_LOCAL)."""
-    for section, section_field in Config.model_fields.items():
+def resolve_path_values(data: dict, base_dir: Path, tables: dict[str, type[BaseModel]] | None = None) -> None:
+    """Rewrite, in place, the relative path values of raw config data against `base_dir` (see PATH_LOCAL); `tables`:
+    which model each table of `data` is (by default, the sections')."""
+    tables = tables or {section: field.annotation for section, field in Config.model_fields.items()}
+    for section, model in tables.items():
         values = data.get(section)
         if not isinstance(values, dict):
             continue
-        for name, field in section_field.annotation.model_fields.items():
+        for name, field in model.model_fields.items():
             kind = (field.json_schema_extra or {}).get("path")
             value = values.get(name)
             if not kind or not isinstance(value, str) or not value or Path(value).is_absolute() or is_url(value):
@@ -1273,6 +1385,9 @@ def resolve_path_values(data: dict, base_dir: Path) -> None:
             candidate = _resolved(value, base_dir)
             if kind == "local" or candidate.exists():
                 values[name] = str(candidate)
+    for entry in (data.get("data") or {}).get("datasets") or []:  # each dataset's folders
+        if isinstance(entry, dict):
+            resolve_path_values({"data": entry}, base_dir, {"data": DatasetConfig})
     # an edit prompt's control images (PromptWithControls)
     for entry in (data.get("sample") or {}).get("prompts") or []:
         if isinstance(entry, dict) and isinstance(entry.get("controls"), list):
@@ -1356,8 +1471,8 @@ def describe_errors(source: str, err: ValidationError, section: str | None = Non
             if len(loc) == 1:
                 allowed = f"allowed sections: {', '.join(Config.model_fields)}"
             else:
-                section_model = Config.model_fields[loc[0]].annotation
-                allowed = f"allowed in [{loc[0]}]: {', '.join(section_model.model_fields)}"
+                table = ".".join(part for part in loc[:-1] if not part.isdigit())
+                allowed = f"allowed in [{table}]: {', '.join(_model_at(loc[:-1]).model_fields)}"
             lines.append(f"  {key}: unknown key; {allowed}")
         elif not key:  # a check across sections: its message names the keys; its input would be the whole config
             lines.append(f"  {error['msg'].removeprefix('Value error, ')}")
@@ -1366,12 +1481,31 @@ def describe_errors(source: str, err: ValidationError, section: str | None = Non
     return "\n".join(lines)
 
 
+def _model_at(loc: list[str]) -> type[BaseModel]:
+    """The model of the table at a config location (`data.datasets.0`: `DatasetConfig`)."""
+    model = Config
+    for part in loc:
+        if not part.isdigit():
+            annotation = model.model_fields[part].annotation
+            model = get_args(annotation)[0] if get_origin(annotation) is list else annotation
+    return model
+
+
 def reference_markdown(family_options: dict[str, type[BaseModel]] | None = None) -> str:
     """The config reference tables in the README, generated from the schema (a test keeps it in sync); with
     `family_options` (family name -> its options model), a table of `model.family_options` per family."""
     lines = []
     for section, section_field in Config.model_fields.items():
         lines += [f"### [{section}]", "", *_field_table(section_field.annotation)]
+        if section == "data":
+            lines += [
+                "### [[data.datasets]]",
+                "",
+                *_field_table(_DatasetEntry),
+                f"Besides these, any `[data]` key but {', '.join(f'`{name}`' for name in RUN_WIDE_DATA_FIELDS)} "
+                "(the run's): unset, it is `[data]`'s.",
+                "",
+            ]
     for family, options in (family_options or {}).items():
         if options.model_fields:
             lines += [f"### `model.family_options` of `{family}` bases", "", *_field_table(options)]
@@ -1382,7 +1516,9 @@ def _field_table(model: type[BaseModel]) -> list[str]:
     lines = ["| key | default | description |", "| --- | --- | --- |"]
     for name, field in model.model_fields.items():
         default = field.default
-        if default is None:
+        if field.is_required():
+            shown = "(required)"
+        elif default is None:
             shown = "(see description)"
         else:
             shown = "{}" if default == {} else tomli_w.dumps({"v": default})[4:].strip()

@@ -43,6 +43,14 @@ def at_seeds(name: str, *overrides: str) -> dict[str, list[str]]:
     return {name + suffix: [*overrides, *seed] for suffix, seed in SEEDS.items()}
 
 
+PURPLE, SEEN = 'path = "examples/purple"', 'path = "examples/purple_with_seen/1_seen"'
+
+
+def datasets(*tables: str) -> str:
+    """A `data.datasets` override of these tables' settings, its braces kept through the `{folder}` formatting."""
+    return "data.datasets=[" + ", ".join("{{" + table + "}}" for table in tables) + "]"
+
+
 # Overrides of each default job; `{renders_32}` is 32 renders of the concept written by this script.
 VARIANTS = {
     "tiny_lora": {
@@ -104,6 +112,11 @@ VARIANTS = {
             "adapter.text_encoder=false",
             "prior.class_path=examples/purple_with_seen/1_seen",
         ],
+        # Several datasets (issue 56 item 5): the seen renders as a second dataset, at full and half loss weight,
+        # and the purple renders at two resolutions.
+        "unet_only_seen_dataset": ["adapter.text_encoder=false", datasets(PURPLE, SEEN)],
+        "unet_only_seen_dataset_half": ["adapter.text_encoder=false", datasets(PURPLE, f"{SEEN}, loss_weight = 0.5")],
+        "two_resolutions_32_48": [datasets(f"{PURPLE}, resolution = [32, 48]")],
         "loraplus_16_lr_2.5e-4": ["optim.loraplus_ratio=16", "optim.learning_rate=2.5e-4"],
         "tag_shuffle_variants": [
             "data.caption_prefix=sks ",
@@ -203,6 +216,10 @@ VARIANTS = {
     "qwen_image21_lora": {
         **at_seeds("lora_r8"),
     },
+    "tiny_datasets": {
+        **at_seeds("purple_and_seen"),
+        **at_seeds("seen_at_half_weight", datasets(PURPLE, f"{SEEN}, loss_weight = 0.5")),
+    },
     "flux3_lora": {
         **at_seeds("lora_r8"),
         **at_seeds("lora_r8_lr_5e-4", "optim.learning_rate=5e-4"),
@@ -224,6 +241,7 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=Path("output/bench-quality"))
     parser.add_argument("--table", action="store_true", help="print the --out lines as a Markdown table and exit")
     parser.add_argument("--convergence", action="store_true", help="also score a held-out set every 20 steps")
+    parser.add_argument("--eval-resolution", type=int, help="draw the judged samples at this size (default: 32 px)")
     args = parser.parse_args()
     config_file = Path("configs") / f"{args.job}.toml"
     default_out = "quality-finetune.jsonl" if args.job == "tiny_lora" else f"quality-finetune-{args.job}.jsonl"
@@ -233,7 +251,7 @@ def main() -> None:
         print(convergence_table(lines) if args.convergence else markdown_table(lines))
         return
 
-    settings = EvalSettings()
+    settings = EvalSettings(resolution=args.eval_resolution) if args.eval_resolution else EvalSettings()
     base_config = load_config(config_file)
     before = score(load_components(base_config.model), SEEN_COLORS, HELD_OUT_COLOR, settings)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -398,7 +398,7 @@ def test_a_batch_larger_than_the_data_is_refused_before_caching(make_config, tmp
         DifftuneError,
         match=rf"^train\.batch_size 600000: a batch of 600000 is more than the data holds "
         rf"\(8 images in {re.escape(config.data.path)}\); use at most 8, or repeat "
-        rf"the folder \(N_name\)$",
+        rf"the data \(data\.repeats, or N_name folders\)$",
     ):
         train(config)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))

@@ -93,40 +93,48 @@ def _entry(root: Path, kind: str, *parts: str | bytes) -> Path:
 def latent_entries(
     examples: list[Example], sizes: list[Size], vae_identity: str, config: Config
 ) -> list[dict[str, Path]]:
-    """Each example's cache files, one per view it can be trained in (`plain`, and `flipped` with
-    `data.random_flip`); repeats of an image share them. Keyed by its training size (`data.training_sizes`)."""
-    views = _views(config, vae_identity)
-    return [views(example.path, size, example.frames) for example, size in zip(examples, sizes, strict=True)]
+    """Each example's cache files, one per view it can be trained in (`plain`, and `flipped` with its dataset's
+    `random_flip`); repeats of an image share them. Keyed by its training size (`data.training_sizes`)."""
+    views, flips = _views(config, vae_identity), _flips(config)
+    return [
+        views(example.path, size, flips[example.dataset], example.frames)
+        for example, size in zip(examples, sizes, strict=True)
+    ]
 
 
 def control_latent_entries(
     examples: list[Example], control_sizes: list[tuple[Size, ...]], vae_identity: str, config: Config
 ) -> list[list[dict[str, Path]]]:
     """Each example's controls' cache files (as `latent_entries`), at their training sizes (`data.control_sizes`)."""
-    views = _views(config, vae_identity)
+    views, flips = _views(config, vae_identity), _flips(config)
     return [
-        [views(path, size) for path, size in zip(example.control_paths, sizes, strict=True)]
+        [views(path, size, flips[example.dataset]) for path, size in zip(example.control_paths, sizes, strict=True)]
         for example, sizes in zip(examples, control_sizes, strict=True)
     ]
 
 
+def _flips(config: Config) -> list[bool]:
+    """Whether each dataset's images are flipped at random (and cached in both views)."""
+    return [data.random_flip for data in config.data.each_dataset()]
+
+
 def _views(config: Config, vae_identity: str) -> Callable[..., dict[str, Path]]:
-    """(image or clip file, training size[, a clip's window]) -> its entry per view; each file's bytes are hashed
-    once."""
+    """(image or clip file, training size, whether it is flipped at random[, a clip's window]) -> its entry per view;
+    each file's bytes are hashed once. Cached images are center-cropped in every dataset (config.py), so a view's
+    key holds no dataset's settings: an image two datasets read at one size is one entry."""
     root, data = cache_root(config), config.data
-    views = VIEWS if data.random_flip else VIEWS[:1]
     alpha = "kept" if data.keep_alpha else ",".join(map(str, data.alpha_background))
-    settings = f"crop={data.crop} alpha_background={alpha}"
+    settings = f"crop=center alpha_background={alpha}"
     contents: dict[Path, str] = {}
 
-    def entries(path: Path, size: Size, window: tuple[int, int] | None = None) -> dict[str, Path]:
+    def entries(path: Path, size: Size, flips: bool, window: tuple[int, int] | None = None) -> dict[str, Path]:
         if path not in contents:  # a stored record was hashed as its source was read
             contents[path] = path.digest if isinstance(path, Stored) else _file_digest(path)
         width, height = size
         where = (f"frames={window[0]}+{window[1]}",) if window else ()  # images' keys as before clips were read
         return {
             view: _entry(root, "latents", contents[path], vae_identity, f"{width}x{height}", settings, *where, view)
-            for view in views
+            for view in (VIEWS if flips else VIEWS[:1])
         }
 
     return entries
@@ -176,7 +184,7 @@ def fill_latents(
                     clip_to_tensor(frames, place_crop(frames[0].size, size, "center"), size, view == "flipped")
                 )
                 continue
-            image = resize_and_crop(open_image(path, config.data), size, config.data.crop)
+            image = resize_and_crop(open_image(path, config.data), size, "center")  # cached images' crop
             pixels.append(
                 image_to_tensor(
                     image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if view == "flipped" else image,

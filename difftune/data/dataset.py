@@ -79,6 +79,7 @@ class Example:
     # An edit pair's control images, in the order the base reads them; a layered base's layers (Qwen-Image-Layered)
     control_paths: tuple[Path, ...] = ()
     frames: tuple[int, int] | None = None  # a clip's window: (first frame, frame count); None for an image
+    dataset: int = 0  # the settings it is read with: an index into `DataConfig.each_dataset()`
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ def scan_examples(
         return _scan(source, config, key, windows, layers)
     identity = {
         "format": SCAN_INDEX_FORMAT,
-        "data": config.model_dump(mode="json"),
+        # what `scan_datasets` does with a scan is not the scan's: indexes written before datasets stay valid
+        "data": config.model_dump(mode="json", exclude={"repeats", "loss_weight", "datasets"}),
         "windows": repr(windows),
         "layers": layers,
         "files": source_identity(config.path, key),
@@ -156,6 +158,33 @@ def scan_examples(
 
 
 SCAN_INDEX_FORMAT = "1"  # bumped when what the index holds changes
+
+
+def scan_datasets(
+    config: DataConfig,
+    windows: Callable[[DataConfig], FrameWindows | None] = lambda data: None,
+    index_folder: Path | None = None,
+    layers: bool = False,
+) -> tuple[list[Example], list[BadFile]]:
+    """Every dataset's examples (`scan_examples`), each marked with its `dataset` (its settings:
+    `config.each_dataset()`), listed `repeats` times and trained at its `loss_weight`; and the files left out, each
+    once. A folder several datasets read alike (one dataset at several resolutions) is scanned once. `windows`: how
+    the base cuts a dataset's clips (`Family.frame_windows` of its settings)."""
+    examples: list[Example] = []
+    bad: list[BadFile] = []
+    scans: dict[str, list[Example]] = {}
+    for number, (data, key) in enumerate(zip(config.each_dataset(), config.dataset_keys(), strict=True)):
+        data_windows = windows(data)
+        scanned = data.model_dump_json(exclude={"resolution", "repeats", "loss_weight"}) + repr(data_windows)
+        if scanned not in scans:
+            scans[scanned], left_out = scan_examples(data, key, data_windows, index_folder, layers)
+            bad += left_out
+        examples += [
+            replace(example, dataset=number, loss_weight=example.loss_weight * data.loss_weight)
+            for example in scans[scanned]
+            for _ in range(data.repeats)
+        ]
+    return examples, bad
 
 
 def _scan(
@@ -678,17 +707,24 @@ def image_size(path: Path) -> tuple[int, int]:
 
 
 def training_sizes(examples: list[Example], config: DataConfig) -> list[tuple[int, int]]:
-    """The (width, height) each example trains at: the square resolution, or its closest-aspect bucket."""
-    if not config.buckets:
-        return [(config.resolution, config.resolution)] * len(examples)
-    sizes = bucket_sizes(config)
-    ratios = np.log([w / h for w, h in sizes])
-    by_image = {}
-    for example in examples:
-        if example.path not in by_image:
+    """The (width, height) each example trains at: its dataset's square resolution, or its closest-aspect bucket
+    there."""
+    datasets = config.each_dataset()
+    buckets = [bucket_sizes(data) if data.buckets else [] for data in datasets]
+    ratios = [np.log([w / h for w, h in sizes]) if sizes else None for sizes in buckets]
+    aspects: dict[Path | Stored, float] = {}  # each image's header read once, whatever its datasets
+
+    def size_of(example: Example) -> tuple[int, int]:
+        if not buckets[example.dataset]:
+            side = datasets[example.dataset].resolution
+            return side, side
+        if example.path not in aspects:
             width, height = image_size(example.path)
-            by_image[example.path] = sizes[int(np.argmin(np.abs(ratios - np.log(width / height))))]
-    return [by_image[e.path] for e in examples]
+            aspects[example.path] = np.log(width / height)
+        closest = np.argmin(np.abs(ratios[example.dataset] - aspects[example.path]))
+        return buckets[example.dataset][int(closest)]
+
+    return [size_of(example) for example in examples]
 
 
 def draw_flip(config: DataConfig, rng: random.Random) -> bool:
@@ -713,14 +749,15 @@ def control_sizes(
 def batch_groups(
     sizes: list[Size], controls: list[tuple[Size, ...]], buckets: bool, frame_counts: list[int] | None = None
 ) -> list | None:
-    """What a batch must share (`TrainingOrder`'s buckets): with buckets, the training size; with controls, also the
-    count and sizes of the controls (their tensors stack); where clips of several lengths (or clips and images: 0
-    frames) train, also the frame count (frame-count buckets); None: any samples batch together."""
+    """What a batch must share (`TrainingOrder`'s buckets): with buckets (or datasets of several resolutions), the
+    training size; with controls, also the count and sizes of the controls (their tensors stack); where clips of
+    several lengths (or clips and images: 0 frames) train, also the frame count (frame-count buckets); None: any
+    samples batch together."""
     if any(controls):
         return list(zip(sizes, controls, strict=True))
     if frame_counts and len(set(frame_counts)) > 1:
         return list(zip(sizes, frame_counts, strict=True))
-    return sizes if buckets else None
+    return sizes if buckets or len(set(sizes)) > 1 else None
 
 
 def frame_counts(examples: list[Example]) -> list[int]:
@@ -851,15 +888,15 @@ def possible_prompts(
     train_seed: int,
     sees_controls: bool,
 ) -> set[Prompt]:
-    """Every `Prompt` training can draw (what the text cache holds): each example's possible captions, with its controls
-    in each view where the text encoder sees them."""
-    drawer = CaptionDrawer(config, train_seed)
-    flips = (False, True) if config.random_flip and sees_controls else (False,)
+    """Every `Prompt` training can draw (what the text cache holds): each example's possible captions (as its dataset
+    draws them), with its controls in each view where the text encoder sees them."""
+    datasets = config.each_dataset()
+    drawers = [CaptionDrawer(data, train_seed) for data in datasets]
     return {
         prompt_of(example, sizes, caption, flipped, sees_controls)
         for example, sizes in zip(examples, control_sizes, strict=True)
-        for caption in drawer.possible({example.caption})
-        for flipped in flips
+        for caption in drawers[example.dataset].possible({example.caption})
+        for flipped in ((False, True) if datasets[example.dataset].random_flip and sees_controls else (False,))
     }
 
 
@@ -961,7 +998,8 @@ class CaptionedImages(Dataset):
         sees_controls: bool = False,
     ):
         self.examples = examples
-        self.config = config
+        self.config = config  # the run-wide settings; each example is read with its dataset's (`datasets`)
+        self.datasets = config.each_dataset()
         self.tokenize = tokenize
         self.train_seed = train_seed
         self.latent_entries = latent_entries
@@ -971,12 +1009,12 @@ class CaptionedImages(Dataset):
         self.control_sizes = control_sizes or [()] * len(examples)
         self.control_entries = control_entries
         self.sees_controls = sees_controls
-        self.captions = CaptionDrawer(config, train_seed)
+        self.captions = [CaptionDrawer(data, train_seed) for data in self.datasets]
         self._memory_left = memory_bytes
         self._in_memory: dict[Path, dict[str, torch.Tensor]] = {}
         self._token_ids: dict[str, dict[str, torch.Tensor]] = {}
         self._original_sizes: dict[Path, tuple[int, int]] = {}
-        self._masks: dict[tuple[Path, tuple[int, int], bool], torch.Tensor] = {}  # cached views' masks, cut once
+        self._masks: dict[tuple, torch.Tensor] = {}  # cached views' masks, cut once
 
     def _read(self, entry: Path) -> dict[str, torch.Tensor]:
         """A cache entry's tensors, from RAM when read before and the budget allowed keeping them."""
@@ -1011,15 +1049,15 @@ class CaptionedImages(Dataset):
             self._original_sizes[path] = image_size(path)
         return self._original_sizes[path]
 
-    def _cached_mask(self, path: Path, size: tuple[int, int], flipped: bool) -> torch.Tensor:
-        """A cached view's mask, center-cropped as the view was; decoded once per view (as uint8: a quarter of the
-        floats' memory)."""
-        key = (path, size, flipped)
+    def _cached_mask(self, path: Path, data: DataConfig, size: tuple[int, int], flipped: bool) -> torch.Tensor:
+        """A cached view's mask (its dataset's `data`), center-cropped as the view was; decoded once per view (as
+        uint8: a quarter of the floats' memory)."""
+        key = (path, data.masks, data.mask_path, size, flipped)
         if key not in self._masks:
             original = self._original_size(path)
             crop = place_crop(original, size, "center")
             self._masks[key] = (
-                (mask_view(open_mask(path, self.config, original), crop, size, flipped) * 255).round().to(torch.uint8)
+                (mask_view(open_mask(path, data, original), crop, size, flipped) * 255).round().to(torch.uint8)
             )
         return self._masks[key].float() / 255
 
@@ -1029,20 +1067,21 @@ class CaptionedImages(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> dict:
         epoch, index = key
         example = self.examples[index]
+        data = self.datasets[example.dataset]
         seed = sample_seed(self.train_seed, epoch, index)
         rng = random.Random(seed)
         item = {"seed": seed, "epoch": epoch, "path": str(example.path), "loss_weight": example.loss_weight}
         if self.latent_entries:
             # Cached images were center-cropped: the only image draw left is the flip, as in load_image.
-            flipped = draw_flip(self.config, rng)
+            flipped = draw_flip(data, rng)
             posterior = self._read(self.latent_entries[index]["flipped" if flipped else "plain"])
             item["latent_mean"], item["latent_std"] = posterior["mean"], posterior["std"]  # (C, [t,] h, w)
             from_pixels = {name: value for name, value in posterior.items() if name not in ("mean", "std")}
             if from_pixels:  # the family's `pixel_conditioning`, made with it
                 item["pixel_conditioning"] = from_pixels
             item["geometry"] = self._cached_geometry(example.path, self.sizes[index], flipped)  # (6,)
-            if self.config.masks != "off" and example.frames is None:
-                item["mask"] = self._cached_mask(example.path, self.sizes[index], flipped)  # (1, H, W)
+            if data.masks != "off" and example.frames is None:
+                item["mask"] = self._cached_mask(example.path, data, self.sizes[index], flipped)  # (1, H, W)
             if example.control_paths:  # their posteriors' means: edit bases read a control's mode, never a draw
                 item["control_latents"] = [
                     self._read(views["flipped" if flipped else "plain"])["mean"]
@@ -1050,11 +1089,11 @@ class CaptionedImages(Dataset):
                 ]
         else:
             view = (
-                load_clip(example.path, example.frames, self.config, rng, self.sizes[index])
+                load_clip(example.path, example.frames, data, rng, self.sizes[index])
                 if example.frames
                 else load_image(
                     example.path,
-                    self.config,
+                    data,
                     rng,
                     self.sizes[index],
                     list(zip(example.control_paths, self.control_sizes[index], strict=True)),
@@ -1065,7 +1104,7 @@ class CaptionedImages(Dataset):
                 item["mask"] = view.mask
             if view.controls:
                 item["control_pixels"] = view.controls  # each (3, h, w)
-        caption = self.captions.draw(example.caption, rng)
+        caption = self.captions[example.dataset].draw(example.caption, rng)
         prompt = prompt_of(example, self.control_sizes[index], caption, flipped, self.sees_controls)
         if self.text_entries:
             stored = self._read(self.text_entries[prompt])  # name -> (L, D) or (P,)

@@ -154,11 +154,15 @@ class QwenImage21(FlowMatchingFamily):
 
     def unsupported_settings(self, config: Config) -> list[str]:
         """Image sides the transformer cannot read: it places the image in slots of 2 x 2 latent tokens at 16x."""
-        data, sides = config.data, {"data.resolution": config.data.resolution}
-        if data.buckets:  # bucket sides are the shortest side plus steps, or the longest
-            sides |= {
-                f"data.{name}": getattr(data, name) for name in ("bucket_step", "bucket_min_side", "bucket_max_side")
-            }
+        sides = {}
+        for data, key in zip(config.data.each_dataset(), config.data.dataset_keys(), strict=True):
+            setting = key.removesuffix(".path")
+            sides[f"{setting}.resolution"] = data.resolution
+            if data.buckets:  # bucket sides are the shortest side plus steps, or the longest
+                sides |= {
+                    f"{setting}.{name}": getattr(data, name)
+                    for name in ("bucket_step", "bucket_min_side", "bucket_max_side")
+                }
         if config.sample.resolution:
             sides["sample.resolution"] = config.sample.resolution
         return super().unsupported_settings(config) + [

@@ -713,7 +713,7 @@ def _inputs(components: Components, config: Config, dtype: torch.dtype):
     the longest window), the longest caption's length and that window's frames (`_planned_frames`; 0: images)."""
     from difftune.models.autoencoders import downsampling, frames_per_latent, latent_channels
 
-    family, batch, side = components.family, config.train.batch_size, config.data.resolution
+    family, batch, side = components.family, config.train.batch_size, config.data.largest_resolution()
     ids = {name: value.to(META) for name, value in family.tokenize(components.tokenizers, [""] * batch).items()}
     size = side // downsampling(components.vae)
     frames = _planned_frames(components, config)
@@ -723,17 +723,19 @@ def _inputs(components: Components, config: Config, dtype: torch.dtype):
 
 
 def _planned_frames(components: Components, config: Config) -> int:
-    """The frames of the longest clip window training can draw, where the family reads clips and `data.path` holds
+    """The frames of the longest clip window training can draw, where the family reads clips and a dataset's path holds
     any (0: images alone). Stored sources are not searched (that would read them): a video base plans for clips in
     them."""
-    windows = components.family.frame_windows(config.data, components.vae)
-    if windows is None:
-        return 0
-    if not data_source(config.data.path).may_hold_clips():
-        return 0
-    if windows.extraction == "full":
-        return windows.rounded(windows.max_frames)
-    return max(windows.rounded(frames) for frames in windows.target_frames)
+    longest = 0
+    for data in config.data.each_dataset():
+        windows = components.family.frame_windows(data, components.vae)
+        if windows is None or not data_source(data.path).may_hold_clips():
+            continue
+        if windows.extraction == "full":
+            longest = max(longest, windows.rounded(windows.max_frames))
+        else:
+            longest = max(longest, *(windows.rounded(frames) for frames in windows.target_frames))
+    return longest
 
 
 def _encoding_peaks(components: Components, config: Config, dtype: torch.dtype) -> tuple[int, int]:
@@ -742,7 +744,7 @@ def _encoding_peaks(components: Components, config: Config, dtype: torch.dtype) 
     from difftune.models.autoencoders import encode_posterior
 
     ids, latents, full, frames = _inputs(components, config, dtype)
-    side = config.data.resolution
+    side = config.data.largest_resolution()
     pixels = torch.zeros(config.train.batch_size, 3, *((frames,) if frames else ()), side, side, device=META)
     with torch.no_grad(), _counting(full) as text:
         components.family.encode_prompts(components, ids)
@@ -756,7 +758,7 @@ def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tu
     """The peak of one training step's forward and backward (activations, gradients, temporaries), and the part
     of it still held after the step (gradients, buffers kept for the next step)."""
     ids, latents, full, frames = _inputs(components, config, dtype)
-    side, batch = config.data.resolution, config.train.batch_size
+    side, batch = config.data.largest_resolution(), config.train.batch_size
     pixels = torch.zeros(batch, 3, *((frames,) if frames else ()), side, side, device=META)
     with torch.no_grad(), _counting(full):
         conditioning = components.family.encode_prompts(components, ids)

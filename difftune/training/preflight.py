@@ -37,16 +37,17 @@ def _check_paths(config: Config) -> None:
             f"model.base {base}: no such folder or file here, and not a hub id (owner/name); point it at "
             "a diffusers folder, a .safetensors file, or a Hugging Face hub id"
         )
-    folders = {
-        "data.path": (config.data.path, "captioned images"),
-        "validation.path": (config.validation.path, "captioned images"),
-        "data.mask_path": (config.data.mask_path if config.data.masks == "folder" else "", "mask images"),
-        "data.control_path": (config.data.control_path, "control images"),
-    }
-    for key, (folder, holding) in folders.items():
+    folders = [("validation.path", config.validation.path, "captioned images", data_source)]
+    for data, key in zip(config.data.each_dataset(), config.data.dataset_keys(), strict=True):
+        setting = key.removesuffix(".path")  # `data`, or `data.datasets[1]`
+        folders += [
+            (key, data.path, "captioned images", data_source),
+            (f"{setting}.mask_path", data.mask_path if data.masks == "folder" else "", "mask images", FolderOfFiles),
+            (f"{setting}.control_path", data.control_path, "control images", FolderOfFiles),
+        ]
+    for key, folder, holding, source in folders:
         if folder:  # the training and validation data may be stored records; masks and controls are files
-            source = data_source(folder) if key in ("data.path", "validation.path") else FolderOfFiles(folder)
-            source.check_present(key, holding)
+            source(folder).check_present(key, holding)
     for entry in config.sample.prompts:
         missing = [control for control in getattr(entry, "controls", []) if not Path(control).is_file()]
         if missing:
@@ -64,7 +65,7 @@ def _check_batch_fits(config: Config) -> None:
     grow until killed (a batch size of 1e9 took 6 GB and counting), never training."""
     import psutil
 
-    side = config.data.bucket_max_side if config.data.buckets else config.data.resolution
+    side = max(data.bucket_max_side if data.buckets else data.resolution for data in config.data.each_dataset())
     batch_bytes = config.train.batch_size * 3 * side * side * 4
     total = psutil.virtual_memory().total
     if batch_bytes > total:

@@ -57,7 +57,7 @@ from difftune.data.dataset import (
     frame_counts,
     possible_prompts,
     report_bad_files,
-    scan_examples,
+    scan_datasets,
     training_sizes,
 )
 from difftune.data.sources import data_source
@@ -227,15 +227,17 @@ def setup(config: Config, resume: str | None = None) -> Run:
 
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
     # Stored records are scanned once a machine (the first process writes the scan's index, the others read it).
-    with accelerator.local_main_process_first() if data_source(config.data.path).scan_is_kept else nullcontext():
-        with phase(f"reading the data in {config.data.path}", say):
-            examples, bad_files = scan_examples(
+    datasets = config.data.each_dataset()
+    scans_kept = any(data_source(data.path).scan_is_kept for data in datasets)
+    with accelerator.local_main_process_first() if scans_kept else nullcontext():
+        with phase(f"reading the data in {', '.join(dict.fromkeys(data.path for data in datasets))}", say):
+            examples, bad_files = scan_datasets(
                 config.data,
-                windows=components.family.frame_windows(config.data, components.vae),
+                windows=partial(components.family.frame_windows, vae=components.vae),
                 index_folder=cache_root(config) / "scans",
                 layers=components.family.trains_layers,
             )
-    if config.prior.enabled:
+    if config.prior.enabled:  # read with the first dataset's settings
         class_images, bad_class_files = class_examples(config, class_dir, len(examples))
         examples, bad_files = examples + class_images, bad_files + bad_class_files
     if config.adapter.learns_tokens:  # the captions say the new token where they said its word
@@ -245,7 +247,8 @@ def setup(config: Config, resume: str | None = None) -> Run:
         check_captions([example.caption for example in examples], config.adapter)
     report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
     media = _media_count(examples)
-    _check_batch_within_data(config, len(examples), accelerator.num_processes, media)
+    paths = ", ".join(dict.fromkeys(data.path for data in datasets))
+    _check_batch_within_data(config, len(examples), accelerator.num_processes, f"{media} in {paths}")
     components.family.check_controls(examples, "data.path")
     sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
     controls = control_sizes(
@@ -318,7 +321,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
         accelerator.process_index,
         accelerator.num_processes,
         start_batch=progress.micro_batches,
-        buckets=batch_groups(sizes, controls, config.data.buckets, frame_counts(examples)),
+        buckets=batch_groups(sizes, controls, any(data.buckets for data in datasets), frame_counts(examples)),
     )
     batches = iter(
         build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda")
@@ -621,13 +624,13 @@ def _media_count(examples: list) -> str:
 
 def _check_batch_within_data(config: Config, examples: int, processes: int, what: str) -> None:
     """A batch larger than the data would hold each image several times in every batch: a typo (600,000 over 16
-    images trained), refused before anything is cached. Repeats (`N_name` folders) count as the data."""
+    images trained), refused before anything is cached. Repeats (`data.repeats`, `N_name` folders) count as the data."""
     batch = config.train.batch_size * processes
     if batch > examples:
         per_process = f" ({config.train.batch_size} x {processes} processes)" if processes > 1 else ""
         raise DifftuneError(
             f"train.batch_size {config.train.batch_size}{per_process}: a batch of {batch} is more than the data holds "
-            f"({what} in {config.data.path}); use at most {examples // processes}, or repeat the folder (N_name)"
+            f"({what}); use at most {examples // processes}, or repeat the data (data.repeats, or N_name folders)"
         )
 
 

@@ -83,6 +83,9 @@ class Validator:
                 "tag_dropout": 0.0,
                 "masks": "off",
                 "control_path": "",
+                "repeats": 1,
+                "loss_weight": 1.0,
+                "datasets": [],
             }  # prefix and suffix stay: the captions as trained; controls in its own `control`
         )
         family = components.family

@@ -87,7 +87,8 @@ class FormField:
             return "" if value is None else str(value)
         if self.kind == "list":  # a table entry (a prompt with controls) as one JSON object a line
             return "\n".join(
-                json.dumps(item.model_dump()) if isinstance(item, BaseModel) else str(item) for item in value
+                json.dumps(item.model_dump(exclude_none=True)) if isinstance(item, BaseModel) else str(item)
+                for item in value
             )
         if self.kind == "pair":
             return ", ".join(str(item) for item in value)
