@@ -1000,6 +1000,42 @@ class PriorConfig(Section):
         return self
 
 
+class PreferenceConfig(Section):
+    method: Literal["off", "dpo"] = Field(
+        "off",
+        description="Preference tuning. `dpo`: Diffusion-DPO (Wallace et al.; diffusers' `diffusion_dpo` example, its "
+        "flow-matching form for flow families as SimpleTuner's): each image of the data is the preferred (chosen) "
+        "one for its caption, and the pair's control image (`data.control_path`, or a `control` folder beside the "
+        "images, by stem: the edit pairs' layout) the rejected one. The adapter learns to lower its loss on the chosen "
+        "image more than the frozen base does, and on the rejected one less; the reference is the base itself with the "
+        "adapter off, never a second copy in memory. Needs a LoRA-like adapter on the denoiser alone.",
+    )
+    beta: float = Field(
+        2500.0,
+        gt=0,
+        description="`dpo`: how strongly the preference is enforced against staying near the base (diffusers' "
+        "`beta_dpo`: 2500 for SD 1.5, 5000 for SDXL).",
+    )
+
+
+def preference_fits_the_run(config: Config) -> None:
+    """Diffusion-DPO's reference is the base with the adapter off: an adapter that can be switched off, on the
+    denoiser alone (the text conditioning is then the same for the model and its reference)."""
+    if config.preference.method == "off":
+        return
+    problems = []
+    if not isinstance(config.adapter.kind_type, PeftAdapter):
+        problems.append(
+            f'adapter.kind = "{config.adapter.kind}" (use lora, dora, loha or lokr: an adapter to switch off)'
+        )
+    if config.adapter.text_encoder:
+        problems.append("adapter.text_encoder = true (the denoiser's adapter alone is tuned)")
+    if config.prior.enabled:
+        problems.append("[prior] (class images have no rejected image)")
+    if problems:
+        raise ValueError(f'preference.method = "{config.preference.method}" cannot train with ' + "; ".join(problems))
+
+
 class ValidationConfig(Section):
     path: str = Field(
         "",
@@ -1248,6 +1284,7 @@ class Config(Section):
     ema: EmaConfig = Field(default_factory=EmaConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     prior: PriorConfig = Field(default_factory=PriorConfig)
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
@@ -1543,4 +1580,5 @@ CROSS_SECTION_RULES = (
     one_offload_setting,
     gguf_base_trains_a_lora,
     frozen_weights_kept_apart_once,
+    preference_fits_the_run,
 )

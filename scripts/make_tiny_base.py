@@ -31,9 +31,11 @@ from difftune.toy.tiny import (
     CLIP_FRAMES,
     CLIP_SPEED,
     moving_shape_clips,
+    preference_pairs,
     shape_images,
     write_caption_folder,
     write_clip_folder,
+    write_pair_folder,
 )
 from difftune.toy.tiny_base import (
     HELD_OUT_COLOR,
@@ -182,6 +184,15 @@ def concept_renders(seed: int):
     return shape_images(16, seed=seed + 7, colors=(HELD_OUT_COLOR,))
 
 
+def concept_preferences(seed: int):
+    """The preference job's pairs: 16 of a shape in the held-out color (chosen) and in green (rejected: what the base
+    draws for it), and 12 of a shape in a seen color (chosen) and in the held-out color (rejected), which keep the seen
+    prompts' colors."""
+    return preference_pairs(16, seed=seed + 7, chosen_colors=(HELD_OUT_COLOR,), rejected_color="green") + (
+        preference_pairs(12, seed=seed + 21, chosen_colors=SEEN_COLORS, rejected_color=HELD_OUT_COLOR)
+    )
+
+
 def concept_clips(seed: int):
     """The Wan job's clips of the held-out color: 2 of every shape and direction."""
     return moving_shape_clips(24, seed=seed + 7, colors=(HELD_OUT_COLOR,))
@@ -212,6 +223,8 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
     if recipe.family == "sd":  # the default jobs share these images
         shutil.rmtree(args.examples_dir / "purple", ignore_errors=True)
         write_caption_folder(args.examples_dir / "purple", concept_renders(args.seed))
+        shutil.rmtree(args.examples_dir / "purple_preferences", ignore_errors=True)  # the preference job's pairs
+        write_pair_folder(args.examples_dir / "purple_preferences", concept_preferences(args.seed))
     if recipe.family == "flux":  # the Qwen-Image job uses these images too
         # Flux's T5 is frozen (its adapters do not load in FluxPipeline), and its states for the unseen word sit
         # near "green"'s: taught on purple alone, the LoRA turned green prompts purple (forgetting 0.28-0.34 at

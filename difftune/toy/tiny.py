@@ -146,9 +146,11 @@ KREA2_TEXT_LAYERS = 3  # the tiny Qwen3-VL's depth; Krea 2 stacks 12 of its 36 l
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 IDEOGRAM4_TEXT_LAYERS = 36  # Qwen3-VL 8B's depth: Ideogram 4 reads 13 of its layers, up to the 36th
 # Qwen3-VL's chat template for text turns (a message's content a list of parts), as Ideogram 4's prompts use it.
+# An image part is placed as Qwen3-VL's own template places it.
 QWEN3_VL_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message.role }}\n{% if message.content is string "
-    "%}{{ message.content }}{% else %}{% for part in message.content %}{{ part.text }}{% endfor %}{% "
+    "%}{{ message.content }}{% else %}{% for part in message.content %}{% if part.type == 'image' "
+    "%}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part.text }}{% endif %}{% endfor %}{% "
     "endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # an edit base's prompts show images
@@ -1634,6 +1636,27 @@ def recolor_pairs(
                 render_shape(shape, source, np.random.default_rng(place)),
                 render_shape(shape, color, np.random.default_rng(place)),
                 f"make it {color}",
+            )
+        )
+    return pairs
+
+
+def preference_pairs(
+    count: int, seed: int, chosen_colors, rejected_color: str, shapes=SHAPES
+) -> list[tuple[Image.Image, Image.Image, str]]:
+    """`count` preference pairs in `write_pair_folder`'s order (rejected, chosen, caption): a shape in a color of
+    `chosen_colors` captioned `a <color> <shape>`, and the same shape at the same place in `rejected_color`.
+    Deterministic by seed; the colors and shapes cycle as `recolor_pairs`'."""
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for i in range(count):
+        color, shape = chosen_colors[i % len(chosen_colors)], shapes[(i // len(chosen_colors)) % len(shapes)]
+        place = int(rng.integers(2**31))  # the same draws place both images' shapes
+        pairs.append(
+            (
+                render_shape(shape, rejected_color, np.random.default_rng(place)),
+                render_shape(shape, color, np.random.default_rng(place)),
+                f"a {color} {shape}",
             )
         )
     return pairs

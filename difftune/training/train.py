@@ -104,6 +104,7 @@ from difftune.training.optim import averaged_weights, build_lr_scheduler, build_
 from difftune.training.output_lock import hold_output_dir
 from difftune.training.parity import check_parity, parity_line, room_for_a_fresh_copy, write_report
 from difftune.training.plan import DoesNotFit, check_fits, with_offload_budget
+from difftune.training.preference import check_preference_pairs, dpo_loss
 from difftune.training.preflight import check_before_start
 from difftune.training.prior import class_examples, class_folder, fill_class_images
 from difftune.training.training_adapter import merge_training_adapter, removed
@@ -249,7 +250,10 @@ def setup(config: Config, resume: str | None = None) -> Run:
     media = _media_count(examples)
     paths = ", ".join(dict.fromkeys(data.path for data in datasets))
     _check_batch_within_data(config, len(examples), accelerator.num_processes, f"{media} in {paths}")
-    components.family.check_controls(examples, "data.path")
+    if config.preference.method == "off":
+        components.family.check_controls(examples, "data.path")
+    else:  # the pairs' controls are their rejected images
+        check_preference_pairs(examples, components.family)
     sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
     controls = control_sizes(
         examples, sizes, partial(components.family.control_size, options=components.family_options)
@@ -295,7 +299,10 @@ def setup(config: Config, resume: str | None = None) -> Run:
 
     ema = build_ema(list(named.values()), config.ema)
     checkpointer = Checkpointer(accelerator, output_dir, config)
-    guard = Guard(config.guard, output_dir if main else None)
+    # A preference loss falls towards 0 as its pairs separate: a step over 10x that mean is no outlier, so only
+    # non-finite values (and guard.max_loss) are judged.
+    guarded = config.guard if config.preference.method == "off" else config.guard.model_copy(update={"spike_factor": 0})
+    guard = Guard(guarded, output_dir if main else None)
     best = BestResults(config.validation, output_dir) if validator else None
     checkpoint = _resume_point(accelerator, output_dir, resume) if resume else None
     progress = checkpointer.load(checkpoint, named, ema, guard, best) if checkpoint else Progress()
@@ -595,10 +602,9 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
             control_means = [
                 encode_posterior(components.vae, pixels.to(device))[0] for pixels in batch["control_pixels"]
             ]
-    if control_means:
-        conditioning["control_latents"] = [
-            reference_latents(mean.to(device), components.latent_normalization) for mean in control_means
-        ]
+    controls = [reference_latents(mean.to(device), components.latent_normalization) for mean in control_means or []]
+    if controls and config.preference.method == "off":
+        conditioning["control_latents"] = controls
     latents = family.trained_latents(latents, conditioning)  # a layered base's: the image and its layers
     timesteps, noise, input_noise = family.objective.draw_timesteps_and_noise(
         components, generators, latents, config.loss
@@ -608,9 +614,16 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
         if "mask" in batch
         else None
     )
-    loss = family.objective.loss(
-        components, latents, timesteps, noise, conditioning, batch["geometry"], config.loss, input_noise, mask
-    )
+
+    def loss_of(latents: torch.Tensor) -> torch.Tensor:
+        return family.objective.loss(
+            components, latents, timesteps, noise, conditioning, batch["geometry"], config.loss, input_noise, mask
+        )
+
+    if config.preference.method == "dpo":  # a pair's rejected image is its control, at the chosen one's size
+        loss = dpo_loss(loss_of, components.denoiser, latents, controls[0], config.preference.beta)
+    else:
+        loss = loss_of(latents)
     return loss * batch["loss_weight"].to(device, loss.dtype)  # prior preservation's class images: prior.loss_weight
 
 

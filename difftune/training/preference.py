@@ -1,0 +1,74 @@
+"""Preference tuning: Diffusion-DPO (Wallace et al., "Diffusion Model Alignment Using Direct Preference Optimization").
+
+A preference pair is an image of the data (the chosen one, for its caption) and its control image (the rejected one:
+the edit pairs' layout, so one folder layout serves both). Both are noised at the same timestep with the same noise;
+the objective's own per-sample loss (epsilon, v or flow matching, as the family trains) is taken with the adapter on
+(the model) and off (the reference: the base itself, so no second copy sits in memory), and the loss is
+
+    -log sigmoid(-beta / 2 * ((model(chosen) - model(rejected)) - (reference(chosen) - reference(rejected))))
+
+as diffusers' `examples/research_projects/diffusion_dpo` computes it; for flow families the same expression over the
+flow-matching loss is SimpleTuner's flow DPO. The rejected image's latents are its posterior's mode (a pair's control
+is cached as its mean), the chosen one's a posterior draw as in any run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.tuners_utils import BaseTunerLayer
+
+from difftune.errors import DifftuneError
+
+
+@contextmanager
+def adapters_switched_off(module: torch.nn.Module) -> Iterator[None]:
+    """`module` computes as its base within the block: every adapter layer in it off, each parameter's `requires_grad`
+    as it was afterwards (peft's switch sets it)."""
+    layers = [layer for layer in module.modules() if isinstance(layer, BaseTunerLayer)]
+    trained = {parameter: parameter.requires_grad for layer in layers for parameter in layer.parameters()}
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for parameter, requires_grad in trained.items():
+            parameter.requires_grad_(requires_grad)
+
+
+def dpo_loss(
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    denoiser: torch.nn.Module,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    beta: float,
+) -> torch.Tensor:
+    """Diffusion-DPO's per-sample loss (B,). `loss_of(latents)`: the objective's per-sample loss of the denoiser on
+    `latents` at the batch's timesteps and noise; `chosen` and `rejected`: the pairs' latents (B, C, ...)."""
+    model = loss_of(chosen) - loss_of(rejected)
+    with torch.no_grad(), adapters_switched_off(denoiser):
+        reference = loss_of(chosen) - loss_of(rejected)
+    return -F.logsigmoid(-0.5 * beta * (model - reference))
+
+
+def check_preference_pairs(examples: list, family, key: str = "data.path") -> None:
+    """Every example a pair of a chosen image and one rejected image, on a base that reads no control images itself
+    (an edit base's controls are its input, not a rejected image)."""
+    if family.max_controls or family.trains_layers:
+        raise DifftuneError(
+            f'preference.method = "dpo": {family.description} bases read control images as their input; preference '
+            "tuning takes text-to-image and video bases"
+        )
+    unpaired = next((example for example in examples if len(example.control_paths) != 1), None)
+    if unpaired is not None:
+        found = len(unpaired.control_paths)
+        raise DifftuneError(
+            f"{key}: {unpaired.path} has {found or 'no'} rejected image{'s' if found > 1 else ''}; preference.method = "
+            '"dpo" trains pairs: put one same-stem image in the `control` folder beside it (or data.control_path, '
+            "or its metadata line's control_files)"
+        )
