@@ -217,6 +217,29 @@ def build_parser() -> argparse.ArgumentParser:
     resize.add_argument("--base", help="base model, to read a kohya file's module names (default: from its metadata)")
     resize.add_argument("--report", type=Path, help="write each layer's ranks and the norm it kept here (JSON)")
 
+    caption = commands.add_parser(
+        "caption", help="caption a folder's images with a vision-language model (a .txt beside each, or metadata.jsonl)"
+    )
+    caption.add_argument("folder", type=Path, help="the folder of images (and its N_name subfolders)")
+    caption.add_argument(
+        "--model",
+        required=True,
+        help="local folder or hub id of a vision-language model transformers loads natively (Qwen2.5-VL, Qwen3-VL, "
+        "Florence-2...)",
+    )
+    caption.add_argument(
+        "--prompt",
+        help="what the model is asked (default: one sentence for a chat model; Florence-2's <MORE_DETAILED_CAPTION>)",
+    )
+    caption.add_argument("--metadata", action="store_true", help="write the folder's metadata.jsonl, not .txt files")
+    caption.add_argument(
+        "--caption-extension", default=".txt", help="caption files' extension (data.caption_extension)"
+    )
+    caption.add_argument("--overwrite", action="store_true", help="caption images that have a caption already too")
+    caption.add_argument("--batch-size", type=int, default=4, help="images per model call")
+    caption.add_argument("--max-new-tokens", type=int, default=77, help="the longest caption, in tokens")
+    caption.add_argument("--device", help="where the model runs (default: a GPU if present, else the CPU)")
+
     extract = commands.add_parser("extract", help="extract a LoRA from a full fine-tune (SVD of each layer's change)")
     extract.add_argument("--base", required=True, help="the model the fine-tune started from (folder or hub id)")
     extract.add_argument("--tuned", required=True, help="the fine-tuned model (e.g. a run's model/ folder)")
@@ -395,6 +418,8 @@ def _run(args: argparse.Namespace) -> None:
         _resize(args)
     elif args.command == "extract":
         _extract(args)
+    elif args.command == "caption":
+        _caption(args)
     elif args.command == "merge":
         with phase(
             f"merging {len(args.adapter)} adapter(s) into {args.base} (loading, merging, writing {args.out})", print
@@ -521,6 +546,25 @@ def _resize(args) -> None:
         tensors, lora_configs, rows = resize_lora(tensors, lora_configs, args.rank, args.keep_fro)
     written = export.write_adapter(args.target, tensors, lora_configs, config_toml, layout, base=args.base or "")
     _report_lora_tool(rows, args.report, written, layout)
+
+
+def _caption(args) -> None:
+    from difftune.data.captioning import caption_folder, load_captioner
+
+    if args.batch_size < 1 or args.max_new_tokens < 1:
+        raise DifftuneError("caption: --batch-size and --max-new-tokens must be at least 1")
+    with phase(f"loading {args.model}", print):
+        captioner = load_captioner(args.model, args.prompt, args.device, args.max_new_tokens)
+    report = caption_folder(
+        args.folder, captioner, args.caption_extension, args.metadata, args.overwrite, args.batch_size
+    )
+    for problem in report.unreadable:
+        print(f"difftune: skipping {problem}")
+    where = args.folder / "metadata.jsonl" if args.metadata else f"{args.caption_extension} files in {args.folder}"
+    print(
+        f"difftune: captioned {report.written} image(s) into {where}; {report.kept} already captioned, left as they "
+        f"were{'' if args.overwrite else ' (--overwrite captions them again)'}"
+    )
 
 
 def _extract(args) -> None:

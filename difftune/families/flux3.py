@@ -36,10 +36,11 @@ from transformers import Qwen3VLProcessor
 from difftune.families.conditioning import padded_token_ids
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.layouts import RenamedLayout, swap_halves
-from difftune.families.loading import FamilyOptions, load_without_video_processor
+from difftune.families.loading import FamilyOptions
 from difftune.families.modular import ModularBase
 from difftune.families.targets import targets_in_blocks
 from difftune.models.parts import Components
+from difftune.models.processors import load_without_video_processor
 
 PAD_MULTIPLE = 80  # `Flux3TextEncoderStep`'s: a caption's window is its tokens rounded up to a multiple of this
 MAX_TEXT_TOKENS = 7 * PAD_MULTIPLE  # templated tokens a caption is read with at most: 512 of text and the template

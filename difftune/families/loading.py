@@ -5,7 +5,6 @@ denoiser alone) read into `Components`, each part in the dtype the run keeps it 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,14 +41,6 @@ def with_transformer_lora_loading(pipeline_class: type) -> type:
         (pipeline_class, CogView4LoraLoaderMixin),
         {"_lora_loadable_modules": ["transformer"], "__module__": __name__, "saved_as": pipeline_class.__name__},
     )
-
-
-def load_without_video_processor(processor_class: type) -> None:
-    """transformers builds (and loads) a Qwen-VL processor only with its video processor, which needs torchvision
-    (transformers#43986); the image pipelines show their language model images alone. Without torchvision, the
-    processor is built and loaded without a video processor, so CPU machines with no torchvision build train too."""
-    if importlib.util.find_spec("torchvision") is None:
-        processor_class.get_attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
 
 
 def part_class(library: str, class_name: str) -> type:

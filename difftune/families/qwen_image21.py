@@ -39,8 +39,9 @@ from difftune.config import Config
 from difftune.families.conditioning import padded_token_ids, valid_token_states
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.layouts import FusedLayout, kohya_blocks_of, kohya_globals_of
-from difftune.families.loading import FamilyOptions, load_without_video_processor
+from difftune.families.loading import FamilyOptions
 from difftune.models.parts import Components
+from difftune.models.processors import load_without_video_processor
 
 # QwenImage21Pipeline's text-to-image prompt template (`prompt_template_t2i`; tests/test_qwen_image21.py checks it).
 SYSTEM_TURN = "<|im_start|>system\nComprehend and analyze the provided prompt.<|im_end|>\n"

@@ -29,8 +29,8 @@ from transformers import Qwen2VLProcessor
 from difftune.config import Config
 from difftune.errors import DifftuneError
 from difftune.families.flow import FlowOptions
-from difftune.families.loading import load_without_video_processor
 from difftune.families.qwen_image import QwenImage
+from difftune.models.processors import load_without_video_processor
 
 # The edit pipelines' template (`prompt_template_encode` without the vision tokens, which `vision_prompt` places) and
 # the number of its tokens before the instruction that they drop (tests/test_qwen_edit.py checks both).

@@ -35,10 +35,10 @@ from difftune.config import Config, DataConfig
 from difftune.errors import DifftuneError
 from difftune.families.drawing import one_image_each, side_by_side
 from difftune.families.flow import FlowMatching, FlowOptions, unpack
-from difftune.families.loading import load_without_video_processor
 from difftune.families.qwen_image import QwenImage
 from difftune.families.qwen_image_edit import dimensions_for_the_call
 from difftune.models.parts import Components
+from difftune.models.processors import load_without_video_processor
 
 load_without_video_processor(Qwen2VLProcessor)
 

@@ -106,6 +106,7 @@ from transformers import (
 )
 
 from difftune.data.dataset import image_to_tensor
+from difftune.models.processors import load_without_video_processor
 
 IMAGE_SIZE = 32
 TOKENIZER_MAX_LENGTH = 32
@@ -847,6 +848,7 @@ def build_qwen3_vl_processor(common_text: str) -> Qwen3VLProcessor:
     bytes_vocab = {byte: i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     tokenizer = _qwen_bpe_tokenizer(bytes_vocab, [], common_text, QWEN_SPECIAL_TOKENS + QWEN_VISION_TOKENS)
     low, high = QWEN_VISION_PIXELS
+    load_without_video_processor(Qwen3VLProcessor)  # as the families that read it do, where torchvision is missing
     return Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(min_pixels=low, max_pixels=high),
         tokenizer=tokenizer,
