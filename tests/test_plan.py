@@ -43,6 +43,15 @@ def test_the_plan_follows_the_settings_that_change_memory(make_config):
     assert 1.6 < _plan(make_config, train__batch_size=4).device[step] / full.device[step] < 2.4
     assert _plan(make_config, data__resolution=64).device[step] > 2 * full.device[step]
     assert _plan(make_config, train__gradient_checkpointing=True).device[step] < full.device[step]
+    # Diffusion-DPO holds its chosen and rejected images' activations at once: a batch of twice the size.
+    dpo = {"preference__method": "dpo", "adapter__text_encoder": False}
+    doubled = _plan(make_config, adapter__text_encoder=False, train__batch_size=4).device[step]
+    assert (
+        _plan(make_config, **dpo).device[step] == doubled > _plan(make_config, adapter__text_encoder=False).device[step]
+    )
+    # Several datasets: planned for the largest resolution trained.
+    several = _plan(make_config, data__datasets=[{"path": "a", "resolution": [32, 64]}]).device[step]
+    assert several == _plan(make_config, data__resolution=64).device[step]
 
 
 def test_the_suggested_settings_fit_and_are_the_fewest(make_config):

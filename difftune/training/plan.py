@@ -708,12 +708,13 @@ def _counting(full: int):
         fx_config.meta_nonzero_assume_all_nonzero = assumed
 
 
-def _inputs(components: Components, config: Config, dtype: torch.dtype):
-    """Token ids (the longest caption the tokenizers allow), latents of a batch at the configured size (a clip's of
-    the longest window), the longest caption's length and that window's frames (`_planned_frames`; 0: images)."""
+def _inputs(components: Components, config: Config, dtype: torch.dtype, batch: int):
+    """Token ids (the longest caption the tokenizers allow), latents of `batch` samples at the configured size (a
+    clip's of the longest window), the longest caption's length and that window's frames (`_planned_frames`; 0:
+    images)."""
     from difftune.models.autoencoders import downsampling, frames_per_latent, latent_channels
 
-    family, batch, side = components.family, config.train.batch_size, config.data.largest_resolution()
+    family, side = components.family, config.data.largest_resolution()
     ids = {name: value.to(META) for name, value in family.tokenize(components.tokenizers, [""] * batch).items()}
     size = side // downsampling(components.vae)
     frames = _planned_frames(components, config)
@@ -743,7 +744,7 @@ def _encoding_peaks(components: Components, config: Config, dtype: torch.dtype) 
     autoencoder's with the family's pixel conditioning (its images)."""
     from difftune.models.autoencoders import encode_posterior
 
-    ids, latents, full, frames = _inputs(components, config, dtype)
+    ids, latents, full, frames = _inputs(components, config, dtype, config.train.batch_size)
     side = config.data.largest_resolution()
     pixels = torch.zeros(config.train.batch_size, 3, *((frames,) if frames else ()), side, side, device=META)
     with torch.no_grad(), _counting(full) as text:
@@ -756,9 +757,12 @@ def _encoding_peaks(components: Components, config: Config, dtype: torch.dtype) 
 
 def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tuple[int, int]:
     """The peak of one training step's forward and backward (activations, gradients, temporaries), and the part
-    of it still held after the step (gradients, buffers kept for the next step)."""
-    ids, latents, full, frames = _inputs(components, config, dtype)
-    side, batch = config.data.largest_resolution(), config.train.batch_size
+    of it still held after the step (gradients, buffers kept for the next step). Diffusion-DPO's step holds two
+    batches' activations (its chosen and its rejected images run with gradients before the backward): planned as one
+    batch of twice the size."""
+    batch = config.train.batch_size * (2 if config.preference.method == "dpo" else 1)
+    ids, latents, full, frames = _inputs(components, config, dtype, batch)
+    side = config.data.largest_resolution()
     pixels = torch.zeros(batch, 3, *((frames,) if frames else ()), side, side, device=META)
     with torch.no_grad(), _counting(full):
         conditioning = components.family.encode_prompts(components, ids)
