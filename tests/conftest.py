@@ -215,3 +215,43 @@ def unet_inputs(unet, batch: int = 2, seed: int = 0):
     timesteps = torch.randint(0, 1000, (batch,), generator=generator)
     states = torch.randn(batch, 8, unet.config.cross_attention_dim, generator=generator)
     return latents, timesteps, states
+
+
+def comfyui_applies_as(lora: dict[str, torch.Tensor], base, expected) -> bool:
+    """Whether ComfyUI's key maps (`comfyui_lora.py`, over the original single-file layout diffusers' reader reads)
+    reach every key of the kohya-layout `lora` and its formula turns the loaded `base`'s weights (denoiser and adapted
+    text encoders) into `expected`'s, a model holding the same change (asserted); False where the family has no
+    single-file layout to hold ComfyUI's names."""
+    from difftune.errors import DifftuneError
+
+    from comfyui_lora import apply_lora, denoiser_weights, text_key_map, unet_key_map
+
+    family = base.family
+    try:
+        weights = denoiser_weights(family.layout.to_single_file(base))
+    except DifftuneError:
+        return False
+    modules = [key.removesuffix(".weight") for key in base.denoiser.state_dict() if key.endswith(".weight")]
+    diffusers_names = (
+        {diffusers: original for original, diffusers in family.layout.original_module_names(modules).items()}
+        if family.denoiser_name == "unet"
+        else {}
+    )
+    kinds = {"CLIP": "clip", "T5": "t5"}
+    encoders = {
+        part: (kind, base.text_encoders[part].state_dict())
+        for part in family.adapted_text_encoders()
+        for kind in [next((k for m, k in kinds.items() if type(base.text_encoders[part]).__name__.startswith(m)), None)]
+        if kind
+    }
+    texts = {(part, key): value for part, (_, state) in encoders.items() for key, value in state.items()}
+    patched, not_in_denoiser = apply_lora(lora, unet_key_map(weights, diffusers_names), weights)
+    patched_text, not_in_text = apply_lora(lora, text_key_map(encoders), texts)
+    assert set(not_in_denoiser) & set(not_in_text) == set(), "lora key not loaded"
+    assert any(not torch.equal(patched[key], weights[key]) for key in weights)
+    ours = denoiser_weights(family.layout.to_single_file(expected))
+    for key in weights:
+        torch.testing.assert_close(patched[key], ours[key], rtol=1e-5, atol=1e-6, msg=key)
+    for (part, key), value in patched_text.items():
+        torch.testing.assert_close(value, expected.text_encoders[part].state_dict()[key], rtol=1e-5, atol=1e-6, msg=key)
+    return True

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline
+from safetensors.torch import load_file
 
 from difftune.adapters import export
 from difftune.adapters.extract import extract_lora
@@ -17,6 +18,8 @@ from difftune.adapters.trained import adapter_scale, derived_lora_configs
 from difftune.cli import main
 from difftune.config import FAMILY_NAMES, ModelConfig
 from difftune.families import load_components
+
+from conftest import comfyui_applies_as
 
 RANK, ALPHA = 8, 4.0
 MODULES = {
@@ -202,32 +205,14 @@ def test_an_extracted_lora_is_the_fine_tunes_difference_and_diffusers_reads_it_s
 def test_an_extracted_kohya_file_is_applied_by_comfyuis_key_maps_as_the_fine_tune(tiny_base, fine_tune, tmp_path):
     """ComfyUI's key maps (`comfyui_lora.py`, over the original single-file layout it holds the UNet in) reach every
     key of an extracted kohya file, the UNet's and CLIP's alike, and its formula turns the base into the fine-tune."""
-    from safetensors.torch import load_file
-
-    from comfyui_lora import apply_lora, denoiser_weights, text_key_map, unet_key_map
-
     folder, _ = fine_tune
     out = tmp_path / "extracted.safetensors"
     arguments = ["extract", "--base", str(tiny_base), "--tuned", str(folder), "--out", str(out), "--rank", "8"]
     assert main([*arguments, "--all-layers", "--to", "kohya"]) == 0
     lora = load_file(out)
-    base, tuned = (load_components(ModelConfig(base=str(path))) for path in (tiny_base, folder))
-    layout = base.family.layout
-    weights = denoiser_weights(layout.to_single_file(base))
-    modules = [key.removesuffix(".weight") for key in base.denoiser.state_dict() if key.endswith(".weight")]
-    diffusers_names = {diffusers: original for original, diffusers in layout.original_module_names(modules).items()}
-    encoders = {"text_encoder": ("clip", base.text_encoders["text_encoder"].state_dict())}
-    texts = {("text_encoder", key): value for key, value in encoders["text_encoder"][1].items()}
-    patched, not_in_unet = apply_lora(lora, unet_key_map(weights, diffusers_names), weights)
-    patched_text, not_in_text = apply_lora(lora, text_key_map(encoders), texts)
-    assert set(not_in_unet) & set(not_in_text) == set(), "lora key not loaded"
     assert any(key.startswith("lora_te_") for key in lora) and any(key.startswith("lora_unet_") for key in lora)
-    fine_tuned = denoiser_weights(layout.to_single_file(tuned))
-    for key in weights:
-        torch.testing.assert_close(patched[key], fine_tuned[key], rtol=1e-5, atol=1e-6, msg=key)
-    tuned_text = tuned.text_encoders["text_encoder"].state_dict()
-    for (_, key), value in patched_text.items():
-        torch.testing.assert_close(value, tuned_text[key], rtol=1e-5, atol=1e-6, msg=key)
+    base, tuned = (load_components(ModelConfig(base=str(path))) for path in (tiny_base, folder))
+    assert comfyui_applies_as(lora, base, tuned)
 
 
 def test_an_extraction_at_a_lower_rank_is_the_best_of_that_rank(tiny_base, fine_tune, tmp_path):
@@ -294,3 +279,7 @@ def test_every_familys_fine_tune_extracts_into_both_layouts(family, micro_base, 
     assert kohya.keys() == diffusers.keys()
     for module, change in kohya.items():
         torch.testing.assert_close(change, diffusers[module], rtol=1e-5, atol=1e-7)
+    # ComfyUI reads the kohya file as the diffusers one merged into the base (where it holds the family's weights).
+    export.merge_into_folder(str(base), [(written["diffusers"], 1.0)], tmp_path / "merged")
+    merged = load_components(ModelConfig(base=str(tmp_path / "merged")))
+    comfyui_applies_as(load_file(written["kohya"]), load_components(ModelConfig(base=str(base))), merged)
