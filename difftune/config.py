@@ -1036,6 +1036,53 @@ def preference_fits_the_run(config: Config) -> None:
         raise ValueError(f'preference.method = "{config.preference.method}" cannot train with ' + "; ".join(problems))
 
 
+class SliderConfig(Section):
+    positive: str = Field(
+        "",
+        description="Concept slider (ai-toolkit's, after Gandikota et al.): the prompt the LoRA's positive scale "
+        "moves towards (e.g. `a large dog`), against `negative`; both set turn the mode on. The data's images are "
+        "only noised inputs (their captions are not read); at scale +1 the LoRA learns to predict, for `target`, the "
+        "base's prediction plus `guidance` x (positive - negative), at -1 the base's minus it, so the signed scale "
+        "moves one attribute.",
+    )
+    negative: str = Field("", description="The prompt the LoRA's negative scale moves towards (e.g. `a small dog`).")
+    target: str = Field(
+        "", description="The prompt the slider acts on (e.g. `a dog`); empty: every image, unconditionally."
+    )
+    guidance: float = Field(
+        3.0, gt=0, description="How far scale 1 moves along positive - negative (ai-toolkit's guidance_strength)."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.positive or self.negative)
+
+    @model_validator(mode="after")
+    def _both_ends(self) -> SliderConfig:
+        if self.enabled and not (self.positive and self.negative):
+            raise ValueError("slider: set both slider.positive and slider.negative (the two ends the scale moves to)")
+        return self
+
+
+def slider_fits_the_run(config: Config) -> None:
+    """A slider's negative scale is its LoRA's change reversed, and its targets are the frozen base's predictions."""
+    if not config.slider.enabled:
+        return
+    problems = []
+    if config.adapter.kind != "lora":
+        problems.append(f'adapter.kind = "{config.adapter.kind}" (a slider is a LoRA, whose change reverses at -1)')
+    if config.adapter.text_encoder:
+        problems.append("adapter.text_encoder = true (the denoiser's LoRA alone slides)")
+    if config.train.gradient_checkpointing:  # its backward would recompute the -1 pass at +1
+        problems.append("train.gradient_checkpointing (the backward recomputes both scales' passes at one scale)")
+    if config.preference.method != "off":
+        problems.append(f'preference.method = "{config.preference.method}"')
+    if config.prior.enabled:
+        problems.append("[prior]")
+    if problems:
+        raise ValueError("slider cannot train with " + "; ".join(problems))
+
+
 class ValidationConfig(Section):
     path: str = Field(
         "",
@@ -1285,6 +1332,7 @@ class Config(Section):
     guard: GuardConfig = Field(default_factory=GuardConfig)
     prior: PriorConfig = Field(default_factory=PriorConfig)
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    slider: SliderConfig = Field(default_factory=SliderConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
@@ -1581,4 +1629,5 @@ CROSS_SECTION_RULES = (
     gguf_base_trains_a_lora,
     frozen_weights_kept_apart_once,
     preference_fits_the_run,
+    slider_fits_the_run,
 )

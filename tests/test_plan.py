@@ -49,6 +49,8 @@ def test_the_plan_follows_the_settings_that_change_memory(make_config):
     assert (
         _plan(make_config, **dpo).device[step] == doubled > _plan(make_config, adapter__text_encoder=False).device[step]
     )
+    slider = {"slider__positive": "a red circle", "slider__negative": "a blue circle", "adapter__text_encoder": False}
+    assert _plan(make_config, **slider).device[step] == doubled  # the LoRA at +1 and at -1
     # Several datasets: planned for the largest resolution trained.
     several = _plan(make_config, data__datasets=[{"path": "a", "resolution": [32, 64]}]).device[step]
     assert several == _plan(make_config, data__resolution=64).device[step]

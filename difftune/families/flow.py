@@ -120,11 +120,14 @@ class FlowMatching(Objective):
                 sigmas[i] = shifted(draw_fractions([generator], config), shift)[0]
         return sigmas.to(latents.device) * 1000, *draw_noise(generators, latents, config)
 
-    def loss(self, components, latents, timesteps, noise, conditioning, geometry, config, input_noise=None, mask=None):
+    def noised(self, components, latents, timesteps, noise):
         sigmas = (timesteps.float() / 1000).view(-1, *[1] * (latents.dim() - 1))  # an image's or a clip's latents
-        noisy = (1 - sigmas) * latents + sigmas * (noise if input_noise is None else input_noise)
+        return (1 - sigmas) * latents + sigmas * noise
+
+    def loss(self, components, latents, timesteps, noise, conditioning, geometry, config, input_noise=None, mask=None):
+        noisy = self.noised(components, latents, timesteps, noise if input_noise is None else input_noise)
         prediction = components.family.denoise(components, noisy, timesteps, conditioning, geometry)
-        sigma = sigmas.flatten()
+        sigma = timesteps.float() / 1000
         per_sample = per_sample_error(
             prediction, noise - latents, config, mask, lambda: (sigma, sigma / (1 - sigma).clamp(min=1e-6))
         )

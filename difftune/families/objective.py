@@ -257,6 +257,12 @@ class Objective:
         """Per sample, from its own generator: timesteps (B,), the target noise and the input noise (B, C, h, w)."""
         raise NotImplementedError
 
+    def noised(
+        self, components: Components, latents: torch.Tensor, timesteps: torch.Tensor, noise: torch.Tensor
+    ) -> torch.Tensor:
+        """The denoiser's input: `latents` noised with `noise` at `timesteps` (B,) as this objective's process does."""
+        raise NotImplementedError
+
     def loss(
         self,
         components: Components,
@@ -295,6 +301,9 @@ class DDPM(Objective):
         return draw_timesteps_and_noise(
             generators, latents, components.noise_scheduler.config.num_train_timesteps, config
         )
+
+    def noised(self, components, latents, timesteps, noise):
+        return components.noise_scheduler.add_noise(latents, noise, timesteps)
 
     def loss(self, components, latents, timesteps, noise, conditioning, geometry, config, input_noise=None, mask=None):
         family = components.family

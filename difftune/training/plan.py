@@ -757,10 +757,11 @@ def _encoding_peaks(components: Components, config: Config, dtype: torch.dtype) 
 
 def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tuple[int, int]:
     """The peak of one training step's forward and backward (activations, gradients, temporaries), and the part
-    of it still held after the step (gradients, buffers kept for the next step). Diffusion-DPO's step holds two
-    batches' activations (its chosen and its rejected images run with gradients before the backward): planned as one
-    batch of twice the size."""
-    batch = config.train.batch_size * (2 if config.preference.method == "dpo" else 1)
+    of it still held after the step (gradients, buffers kept for the next step). Diffusion-DPO's and a concept
+    slider's steps hold two batches' activations (the chosen and rejected images, or the LoRA at +1 and -1, run with
+    gradients before the backward): planned as one batch of twice the size."""
+    two_passes = config.preference.method == "dpo" or config.slider.enabled
+    batch = config.train.batch_size * (2 if two_passes else 1)
     ids, latents, full, frames = _inputs(components, config, dtype, batch)
     side = config.data.largest_resolution()
     pixels = torch.zeros(batch, 3, *((frames,) if frames else ()), side, side, device=META)

@@ -107,6 +107,7 @@ from difftune.training.plan import DoesNotFit, check_fits, with_offload_budget
 from difftune.training.preference import check_preference_pairs, dpo_loss
 from difftune.training.preflight import check_before_start
 from difftune.training.prior import class_examples, class_folder, fill_class_images
+from difftune.training.slider import encoded_prompts, slider_loss
 from difftune.training.training_adapter import merge_training_adapter, removed
 from difftune.training.validation import BestResults, Validator
 
@@ -143,6 +144,7 @@ class Run:
     validator: Validator | None
     best: BestResults | None  # with a validator
     metrics: MetricsLog
+    slider_prompts: dict | None = None  # a concept slider's prompts, encoded once (`slider.encoded_prompts`)
     losses: list[float] = field(default_factory=list)
     stop_reason: str | None = None  # `StopRequest.agreed`'s, when the loop ended before train.max_steps
 
@@ -264,6 +266,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
             components, tokenize, examples, sizes, controls, config, accelerator
         )
     validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
+    slider_prompts = encoded_prompts(components, config.slider, accelerator.device) if config.slider.enabled else None
     if encoders_first:  # the encoders the caches replace go before the denoiser comes: never resident beside it
         _release_unneeded(components, config)
         # Kept off the seeded generator: a denoiser whose loading draws random numbers (LTX-2's builds some of its
@@ -358,6 +361,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
         validator,
         best,
         metrics,
+        slider_prompts,
     )
 
 
@@ -441,7 +445,7 @@ def accumulate_gradients(run: Run) -> tuple[float, list[str], dict]:
         batch = next(run.batches)
         recasting = computed_copies_saved_as_stored() if config.frozen_weights_kept_apart else nullcontext()
         with accelerator.accumulate(*run.trained_modules), recasting, _denoiser_autocast(run):
-            loss = _training_loss(run.components, batch, config, accelerator.device).mean()
+            loss = _training_loss(run.components, batch, config, accelerator.device, run.slider_prompts).mean()
             accelerator.backward(loss)
         step_loss += loss.detach() / accumulation
         paths += batch["path"]
@@ -574,9 +578,12 @@ def _accelerator(config: Config, output_dir: Path) -> Accelerator:
     return accelerator
 
 
-def _training_loss(components: Components, batch: dict, config: Config, device: torch.device) -> torch.Tensor:
+def _training_loss(
+    components: Components, batch: dict, config: Config, device: torch.device, slider_prompts: dict | None = None
+) -> torch.Tensor:
     """Per-sample loss (B,) for one micro-batch; all randomness from the samples' own seeds. Cached posteriors
-    and text conditioning, when the batch carries them, stand in for the encoders."""
+    and text conditioning, when the batch carries them, stand in for the encoders. `slider_prompts`: a concept
+    slider's (its loss replaces the captions' objective)."""
     family = components.family
     generators = [torch.Generator().manual_seed(int(seed)) for seed in batch["seed"]]
     if "latent_mean" in batch:
@@ -622,6 +629,10 @@ def _training_loss(components: Components, batch: dict, config: Config, device: 
 
     if config.preference.method == "dpo":  # a pair's rejected image is its control, at the chosen one's size
         loss = dpo_loss(loss_of, components.denoiser, latents, controls[0], config.preference.beta)
+    elif slider_prompts:
+        loss = slider_loss(
+            components, latents, timesteps, noise, slider_prompts, batch["geometry"], config.slider.guidance
+        )
     else:
         loss = loss_of(latents)
     return loss * batch["loss_weight"].to(device, loss.dtype)  # prior preservation's class images: prior.loss_weight
