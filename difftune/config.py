@@ -1069,7 +1069,8 @@ def slider_fits_the_run(config: Config) -> None:
     if not config.slider.enabled:
         return
     problems = []
-    if config.adapter.kind != "lora":
+    kind = config.adapter.kind_type
+    if not isinstance(kind, LoRA) or kind.magnitudes:  # DoRA's magnitudes do not reverse with the scale
         problems.append(f'adapter.kind = "{config.adapter.kind}" (a slider is a LoRA, whose change reverses at -1)')
     if config.adapter.text_encoder:
         problems.append("adapter.text_encoder = true (the denoiser's LoRA alone slides)")

@@ -547,9 +547,9 @@ def test_prior_preservation_mixes_class_images_at_their_weight(make_config, tmp_
     weights = []
     original = train_module._training_loss
 
-    def recording(components, batch, config, device):
+    def recording(components, batch, config, device, *rest):
         weights.extend(zip(batch["path"], batch["loss_weight"].tolist(), strict=True))
-        return original(components, batch, config, device)
+        return original(components, batch, config, device, *rest)
 
     monkeypatch.setattr(train_module, "_training_loss", recording)
     result = train(
@@ -579,8 +579,8 @@ def test_prior_loss_weight_scales_each_class_sample(make_config, tmp_path, shape
     losses = []
     original_loss = train_module._training_loss
 
-    def recording(components, batch, config, device):
-        loss = original_loss(components, batch, config, device)
+    def recording(components, batch, config, device, *rest):
+        loss = original_loss(components, batch, config, device, *rest)
         losses.append((batch["loss_weight"].clone(), loss.detach().clone()))
         return loss
 

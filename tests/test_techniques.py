@@ -136,9 +136,9 @@ def _poison(monkeypatch, bad_calls: set[int], how):
     original = train_module._training_loss
     calls = {"n": 0}
 
-    def poisoned(components, batch, config, device):
+    def poisoned(components, batch, config, device, *rest):
         calls["n"] += 1
-        loss = original(components, batch, config, device)
+        loss = original(components, batch, config, device, *rest)
         return how(loss) if calls["n"] in bad_calls else loss
 
     monkeypatch.setattr(train_module, "_training_loss", poisoned)
