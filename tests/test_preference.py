@@ -7,9 +7,10 @@ import pytest
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 
+from difftune.adapters.trained import adapters_switched_off
 from difftune.errors import DifftuneError
 from difftune.training.metrics import read_metrics
-from difftune.training.preference import adapters_switched_off, dpo_loss
+from difftune.training.preference import dpo_loss
 from difftune.training.train import train
 
 

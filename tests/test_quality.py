@@ -193,7 +193,6 @@ def test_build_base_writes_an_fp16_pipeline_with_taesd(tmp_path):
     assert taesd.config.latent_channels == pipeline.vae.config.latent_channels
 
 
-@pytest.mark.slow
 def _small_recipe(family: str) -> Recipe:
     """The family's tiny-base recipe (its own autoencoder trained) at a few steps of each stage on 64 renders: a build
     that runs in seconds."""
@@ -209,6 +208,7 @@ def _small_recipe(family: str) -> Recipe:
     )
 
 
+@pytest.mark.slow
 def test_build_sdxl_base_reuses_the_autoencoders(tmp_path):
     recipe = Recipe(train_images_per_prompt=1, validation_images_per_prompt=1, steps=2, batch_size=4, family="sdxl")
     facts = build_base(tmp_path / "base", tmp_path / "work", recipe, autoencoders_from=BASE)

@@ -14,9 +14,13 @@ start, B A - B0 A0, as a LoRA of twice the rank on the untouched base ([B, -B0] 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import singledispatch
 
 import torch
+from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 
 from difftune.adapter_kinds import AdapterKind, FullFineTune, PeftAdapter, TokenEmbedding, file_kind
@@ -246,3 +250,33 @@ def derived_lora_configs(
             config |= {"lora_alpha": alpha, "use_dora": dora.get(part, False)}
         lora_configs.update({f"{part}.{field}": value for field, value in config.items()})
     return lora_configs
+
+
+@contextmanager
+def adapters_switched_off(module: torch.nn.Module) -> Iterator[None]:
+    """`module` computes as its base within the block: every adapter layer in it off, each parameter's `requires_grad`
+    as it was afterwards (peft's switch sets it)."""
+    layers = [layer for layer in module.modules() if isinstance(layer, BaseTunerLayer)]
+    trained = {parameter: parameter.requires_grad for layer in layers for parameter in layer.parameters()}
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for parameter, requires_grad in trained.items():
+            parameter.requires_grad_(requires_grad)
+
+
+@contextmanager
+def lora_scaled(module: torch.nn.Module, factor: float) -> Iterator[None]:
+    """`module`'s LoRA layers at `factor` times their scale within the block (peft's `scale_layer`)."""
+    layers = [layer for layer in module.modules() if isinstance(layer, LoraLayer)]
+    for layer in layers:
+        layer.scale_layer(factor)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.unscale_layer(factor)

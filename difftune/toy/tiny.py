@@ -1632,15 +1632,16 @@ def recolor_pairs(
     for i in range(count):
         color, shape = colors[i % len(colors)], shapes[(i // len(colors)) % len(shapes)]
         source = str(rng.choice([c for c in source_colors if c != color]))
-        place = int(rng.integers(2**31))  # the same draws place both images' shapes
-        pairs.append(
-            (
-                render_shape(shape, source, np.random.default_rng(place)),
-                render_shape(shape, color, np.random.default_rng(place)),
-                f"make it {color}",
-            )
-        )
+        pairs.append((*shape_in_two_colors(shape, source, color, rng), f"make it {color}"))
     return pairs
+
+
+def shape_in_two_colors(
+    shape: str, first: str, second: str, rng: np.random.Generator
+) -> tuple[Image.Image, Image.Image]:
+    """`shape` rendered in `first` and in `second` color at one place (drawn from `rng`) on one background."""
+    place = int(rng.integers(2**31))  # the same draws place both images' shapes
+    return tuple(render_shape(shape, color, np.random.default_rng(place)) for color in (first, second))
 
 
 def preference_pairs(
@@ -1653,14 +1654,7 @@ def preference_pairs(
     pairs = []
     for i in range(count):
         color, shape = chosen_colors[i % len(chosen_colors)], shapes[(i // len(chosen_colors)) % len(shapes)]
-        place = int(rng.integers(2**31))  # the same draws place both images' shapes
-        pairs.append(
-            (
-                render_shape(shape, rejected_color, np.random.default_rng(place)),
-                render_shape(shape, color, np.random.default_rng(place)),
-                f"a {color} {shape}",
-            )
-        )
+        pairs.append((*shape_in_two_colors(shape, rejected_color, color, rng), f"a {color} {shape}"))
     return pairs
 
 

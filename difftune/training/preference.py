@@ -14,31 +14,13 @@ is cached as its mean), the chosen one's a posterior draw as in any run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from peft.tuners.tuners_utils import BaseTunerLayer
 
+from difftune.adapters.trained import adapters_switched_off
 from difftune.errors import DifftuneError
-
-
-@contextmanager
-def adapters_switched_off(module: torch.nn.Module) -> Iterator[None]:
-    """`module` computes as its base within the block: every adapter layer in it off, each parameter's `requires_grad`
-    as it was afterwards (peft's switch sets it)."""
-    layers = [layer for layer in module.modules() if isinstance(layer, BaseTunerLayer)]
-    trained = {parameter: parameter.requires_grad for layer in layers for parameter in layer.parameters()}
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
-        for parameter, requires_grad in trained.items():
-            parameter.requires_grad_(requires_grad)
 
 
 def dpo_loss(

@@ -7,28 +7,11 @@ only places in the noise process; their captions are not read.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
-from peft.tuners.lora import LoraLayer
 
-from difftune.training.preference import adapters_switched_off
+from difftune.adapters.trained import adapters_switched_off, lora_scaled
 
 PROMPTS = ("target", "positive", "negative")
-
-
-@contextmanager
-def lora_scaled(module: torch.nn.Module, factor: float) -> Iterator[None]:
-    """`module`'s LoRA layers at `factor` times their scale within the block (peft's `scale_layer`)."""
-    layers = [layer for layer in module.modules() if isinstance(layer, LoraLayer)]
-    for layer in layers:
-        layer.scale_layer(factor)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.unscale_layer(factor)
 
 
 def expanded(conditioning: dict[str, torch.Tensor], batch: int) -> dict[str, torch.Tensor]:

@@ -231,9 +231,10 @@ def setup(config: Config, resume: str | None = None) -> Run:
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
     # Stored records are scanned once a machine (the first process writes the scan's index, the others read it).
     datasets = config.data.each_dataset()
+    paths = ", ".join(dict.fromkeys(data.path for data in datasets))
     scans_kept = any(data_source(data.path).scan_is_kept for data in datasets)
     with accelerator.local_main_process_first() if scans_kept else nullcontext():
-        with phase(f"reading the data in {', '.join(dict.fromkeys(data.path for data in datasets))}", say):
+        with phase(f"reading the data in {paths}", say):
             examples, bad_files = scan_datasets(
                 config.data,
                 windows=partial(components.family.frame_windows, vae=components.vae),
@@ -250,7 +251,6 @@ def setup(config: Config, resume: str | None = None) -> Run:
         check_captions([example.caption for example in examples], config.adapter)
     report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
     media = _media_count(examples)
-    paths = ", ".join(dict.fromkeys(data.path for data in datasets))
     _check_batch_within_data(config, len(examples), accelerator.num_processes, f"{media} in {paths}")
     if config.preference.method == "off":
         components.family.check_controls(examples, "data.path")
@@ -595,7 +595,9 @@ def _training_loss(
             mean, std = encode_posterior(components.vae, pixels)
             from_pixels = family.pixel_conditioning(components, pixels)
     latents = sample_latents(mean, std, generators, components.latent_normalization).float()
-    if "conditioning" in batch:
+    if slider_prompts:  # a slider reads its own prompts (`slider_loss`), never the captions
+        conditioning = {}
+    elif "conditioning" in batch:
         conditioning = {name: value.to(device) for name, value in batch["conditioning"].items()}
     else:
         with torch.set_grad_enabled(config.adapter.trains_text_encoders):
