@@ -1,13 +1,13 @@
 """What each adapter kind is and what it allows of the rest of a config: LoRA, DoRA, LoHa, LoKr, a full fine-tune
-(`adapter.kind = "none"`) and a textual-inversion embedding.
+(`adapter.kind = "none"`), a textual-inversion embedding and a ControlNet.
 
-One object per kind (`KINDS`, by `adapter.kind`'s value), of a type that says what it trains: `PeftAdapter`s
-(a small adapter through peft on frozen weights), `FullFineTune` (every weight of the trained parts) and
-`TokenEmbedding` (new tokens and nothing else). Each kind names its own config problems, which `Config` checks as
-it loads (before a model, or torch, is loaded: this module imports peft only when it builds a peft config), and a
-peft kind builds its peft config and says how its files hold alpha. What a kind does to a model and to files is
-the adapters package's, written once per type (`functools.singledispatch` over these types: adapters/trained.py,
-adapters/export.py), so no code compares kind names.
+One object per kind (`KINDS`, by `adapter.kind`'s value), of a type that says what it trains: `PeftAdapter`s (a
+small adapter through peft on frozen weights), `FullFineTune` (every weight of the trained parts), `TokenEmbedding`
+(new tokens and nothing else) and `ControlNet` (a new network beside the frozen denoiser). Each kind names its own
+config problems, which `Config` checks as it loads (before a model, or torch, is loaded: this module imports peft
+only when it builds a peft config), and a peft kind builds its peft config and says how its files hold alpha. What a
+kind does to a model and to files is the adapters package's, written once per type (`functools.singledispatch` over
+these types: adapters/trained.py, adapters/export.py), so no code compares kind names.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ class AdapterKind:
     # diffusers layout folds into B; LyCORIS's products have other factors.
     scaled_product: ClassVar[bool] = False
     starts_from_the_base: ClassVar[bool] = False  # adapter.init's PiSSA / OLoRA: factors taken out of the base
+    trains_whole_parts: ClassVar[bool] = False  # its trained parts train every weight, in fp32 (never cast or stored)
+    result_label: ClassVar[str] = ""  # what `where_files_go` calls its result, where it is not an adapter's layouts
 
     def problems(self, config: Config) -> Iterator[str]:
         """What this kind does not allow of the rest of `config`, each as the message the user reads."""
@@ -146,6 +148,8 @@ class FullFineTune(AdapterKind):
     """Every weight of the trained parts; the result is a whole pipeline folder."""
 
     name, label = "none", "full"
+    trains_whole_parts = True
+    result_label = "model"
 
     def problems(self, config: Config) -> Iterator[str]:
         yield from super().problems(config)
@@ -165,6 +169,7 @@ class TokenEmbedding(AdapterKind):
     """Textual inversion: new tokens' embedding vectors, and no model weight changed."""
 
     name, label = "embedding", "textual inversion"
+    result_label = "embedding"
 
     def problems(self, config: Config) -> Iterator[str]:
         yield from super().problems(config)
@@ -179,8 +184,35 @@ class TokenEmbedding(AdapterKind):
             yield 'export.average_last averages adapters, not embeddings: set it to 0 with adapter.kind = "embedding"'
 
 
+class ControlNet(AdapterKind):
+    """A ControlNet (Zhang et al. 2023): a trainable copy of the frozen denoiser's encoder that reads a control image
+    and adds its outputs to the denoiser's, started from the denoiser's weights with zero convolutions out (diffusers'
+    `from_unet` / `from_transformer`). Trained whole; the result is the ControlNet's diffusers folder, which the
+    family's ControlNet pipeline loads. The family says whether it has one (`Family.controlnet`)."""
+
+    name, label = "controlnet", "ControlNet"
+    trains_whole_parts = True
+    result_label = "controlnet"
+
+    def problems(self, config: Config) -> Iterator[str]:
+        yield from super().problems(config)
+        refused = {
+            "model.quantize": config.model.quantize != "none",  # the ControlNet starts as a copy of the weights
+            "adapter.text_encoder": config.adapter.text_encoder,
+            "prior preservation": config.prior.enabled,
+            "validation.path": bool(config.validation.path),
+            "export.average_last": bool(config.export.average_last),
+            'export.format = "kohya"': config.export.format == "kohya",  # a ControlNet folder is diffusers' alone
+        }
+        named = [setting for setting, is_set in refused.items() if is_set]
+        if named:
+            yield (
+                f'adapter.kind = "controlnet" trains a ControlNet beside the frozen base; leave out {", ".join(named)}'
+            )
+
+
 KINDS: dict[str, AdapterKind] = {
-    kind.name: kind for kind in (LoRA(), DoRA(), LoHa(), LoKr(), FullFineTune(), TokenEmbedding())
+    kind.name: kind for kind in (LoRA(), DoRA(), LoHa(), LoKr(), FullFineTune(), TokenEmbedding(), ControlNet())
 }
 PEFT_KINDS = {kind.name: kind for kind in KINDS.values() if isinstance(kind, PeftAdapter)}
 

@@ -277,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--control",
         action="append",
         default=[],
-        help="an edit base's control image, for every prompt (repeat for several, in order)",
+        help="an edit base's control image, or the one a ControlNet (--adapter a run's controlnet folder) draws from, "
+        "for every prompt (repeat for several, in order)",
     )
     _add_sample_options(sample)
 

@@ -15,7 +15,7 @@ import tomli_w
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from difftune.adapter_kinds import KINDS, AdapterKind, FullFineTune, LoRA, PeftAdapter, TokenEmbedding
+from difftune.adapter_kinds import KINDS, AdapterKind, ControlNet, FullFineTune, LoRA, PeftAdapter, TokenEmbedding
 from difftune.errors import DifftuneError
 from difftune.files import is_url
 
@@ -74,6 +74,7 @@ SHARED_FAMILY_MODULES = (
     "drawing",
     "modular",
     "conditioning",
+    "control",
     "loading",
     "targets",
     "hunyuan_text",
@@ -542,7 +543,9 @@ class AdapterConfig(Section):
         "Kronecker-product adapters, through peft (saved in the LyCORIS keys ComfyUI and A1111 read "
         'with `export.format = "kohya"`; diffusers\' LoRA loader reads neither, so their diffusers '
         "layout is peft's, for peft and difftune); `none` trains all denoiser weights; `embedding` "
-        "learns new token embeddings and nothing else (textual inversion; see the `embedding_*` keys).",
+        "learns new token embeddings and nothing else (textual inversion; see the `embedding_*` keys); "
+        "`controlnet` trains a ControlNet beside the frozen base on the control images of the data (SD 1.x/2.x, "
+        "SDXL, SD3/3.5, Flux.1; the README's Control section).",
     )
     rank: int = Field(16, ge=1, description="Adapter rank.")
     alpha: float | None = Field(None, gt=0, description="Adapter alpha (scale = alpha / rank); defaults to the rank.")
@@ -566,6 +569,13 @@ class AdapterConfig(Section):
         description="Denoiser (UNet or transformer) modules that get an adapter (names or name suffixes); empty: the "
         "family's default (SD, SDXL: the attention projections to_q, to_k, to_v, to_out.0; Flux: every block's "
         "attention and MLP projections, as diffusers' Flux script, plus the single blocks' proj_mlp).",
+    )
+    control_input: bool = Field(
+        False,
+        description="A control LoRA: the denoiser also reads each pair's control image (the edit pairs' layout), its "
+        "latents joined to the noisy latents' channels, the input layer widened with zeros and adapted too "
+        "(Flux.1: `FluxControlPipeline`'s Canny and Depth LoRAs, diffusers' train_control_lora_flux.py). LoRA or "
+        "DoRA; the file is a diffusers-layout LoRA that widens the base as it loads.",
     )
     text_encoder: bool = Field(
         False,
@@ -619,6 +629,16 @@ class AdapterConfig(Section):
         return isinstance(self.kind_type, FullFineTune)
 
     @property
+    def trains_controlnet(self) -> bool:
+        """A ControlNet beside the frozen base, read from the data's control images."""
+        return isinstance(self.kind_type, ControlNet)
+
+    @property
+    def trains_whole_parts(self) -> bool:
+        """Its trained parts train every weight (a full fine-tune's, a ControlNet), kept in fp32."""
+        return self.kind_type.trains_whole_parts
+
+    @property
     def learns_tokens(self) -> bool:
         """Textual inversion: new tokens' embeddings, and no model weight changed."""
         return isinstance(self.kind_type, TokenEmbedding)
@@ -646,6 +666,20 @@ def adapter_fits_the_other_sections(config: Config) -> None:
     problem = next(config.adapter.kind_type.problems(config), None)
     if problem:
         raise ValueError(problem)
+    if config.adapter.control_input:
+        refused = {
+            f'adapter.kind = "{config.adapter.kind}" (a control LoRA is a LoRA or DoRA, as diffusers loads it)': not (
+                config.adapter.kind_type.scaled_product
+            ),
+            'export.format = "kohya" (its widened input layer has no kohya layout)': config.export.format == "kohya",
+            f'preference.method = "{config.preference.method}"': config.preference.method != "off",
+            "[slider]": config.slider.enabled,
+            "[prior]": config.prior.enabled,
+            "validation.path": bool(config.validation.path),
+        }
+        named = [setting for setting, is_set in refused.items() if is_set]
+        if named:
+            raise ValueError("adapter.control_input cannot train with " + "; ".join(named))
 
 
 class LossConfig(Section):
@@ -1146,7 +1180,7 @@ class SampleConfig(Section):
         [],
         description="Prompts to sample at the end of training; empty skips sampling. For an edit base an entry may "
         'carry its control images: `{prompt = "make it purple", controls = ["source.png"]}` (in the form, one '
-        "such JSON object a line).",
+        "such JSON object a line); a ControlNet run's entries each carry the one control image it draws from.",
     )
     negative_prompt: str = Field("", description="Negative prompt for every sample.")
     steps: int = Field(30, ge=1, description="Denoising steps per image.")

@@ -31,6 +31,7 @@ from difftune.toy.tiny import (
     CLIP_FRAMES,
     CLIP_SPEED,
     moving_shape_clips,
+    placed_shape_pairs,
     preference_pairs,
     shape_images,
     write_caption_folder,
@@ -193,6 +194,12 @@ def concept_preferences(seed: int):
     )
 
 
+def placed_shapes(seed: int):
+    """The ControlNet job's pairs: 96 shapes of the seen colors, each with its silhouette (white on black) as the
+    control image that says where it goes; 8 of every color and shape."""
+    return placed_shape_pairs(96, seed=seed + 31, colors=SEEN_COLORS)
+
+
 def concept_clips(seed: int):
     """The Wan job's clips of the held-out color: 2 of every shape and direction."""
     return moving_shape_clips(24, seed=seed + 7, colors=(HELD_OUT_COLOR,))
@@ -225,6 +232,8 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
         write_caption_folder(args.examples_dir / "purple", concept_renders(args.seed))
         shutil.rmtree(args.examples_dir / "purple_preferences", ignore_errors=True)  # the preference job's pairs
         write_pair_folder(args.examples_dir / "purple_preferences", concept_preferences(args.seed))
+        shutil.rmtree(args.examples_dir / "placed_shapes", ignore_errors=True)  # the ControlNet job's pairs
+        write_pair_folder(args.examples_dir / "placed_shapes", placed_shapes(args.seed))
     if recipe.family == "flux":  # the Qwen-Image job uses these images too
         # Flux's T5 is frozen (its adapters do not load in FluxPipeline), and its states for the unseen word sit
         # near "green"'s: taught on purple alone, the LoRA turned green prompts purple (forgetting 0.28-0.34 at

@@ -57,7 +57,8 @@ def test_bad_files_fail_naming_the_file_and_key(tmp_path, content, message):
 
 def test_bad_choice_lists_the_allowed_values():
     with pytest.raises(
-        DifftuneError, match=r"adapter\.kind: Input should be 'lora', 'dora', 'loha', 'lokr', 'none' or 'embedding'"
+        DifftuneError,
+        match=r"adapter\.kind: Input should be 'lora', 'dora', 'loha', 'lokr', 'none', 'embedding' or 'controlnet'",
     ):
         load_config(None, ["adapter.kind=ia3"])
 

@@ -100,7 +100,7 @@ def test_loraplus_steps_b_at_its_ratio():
         "text_encoder.b.lora_B.default.weight": torch.nn.Parameter(torch.ones(4, 2)),
     }
     config = OptimConfig(learning_rate=1e-3, text_encoder_learning_rate=1e-4, loraplus_ratio=16)
-    optimizer = build_optimizer(named, "unet", config, torch.device("cpu"), lr_scale=2.0)
+    optimizer = build_optimizer(named, ("text_encoder",), config, torch.device("cpu"), lr_scale=2.0)
     groups = [(group["lr"], {id(p) for p in group["params"]}) for group in optimizer.param_groups]
     ids = {name: id(param) for name, param in named.items()}
     assert groups == [

@@ -215,14 +215,18 @@ def test_every_optimizer_builds_and_steps(name):
     needs = {"adamw_8bit": ("bitsandbytes", "bnb"), "galore_adamw": ("galore_torch", "galore")}.get(name)
     if needs and importlib.util.find_spec(needs[0]) is None:
         with pytest.raises(DifftuneError, match=rf"needs {needs[0]}: `pip install difftune\[{needs[1]}\]`"):
-            build_optimizer({"unet.w": unet_param, "text_encoder.w": text_param}, "unet", config, torch.device("cpu"))
+            build_optimizer(
+                {"unet.w": unet_param, "text_encoder.w": text_param}, ("text_encoder",), config, torch.device("cpu")
+            )
         return
     if name == "adamw_cpu_offload":  # CUDA only: on the CPU there is nothing to offload from
         with pytest.raises(DifftuneError, match="from a CUDA device to the CPU; this run is on cpu"):
-            build_optimizer({"unet.w": unet_param, "text_encoder.w": text_param}, "unet", config, torch.device("cpu"))
+            build_optimizer(
+                {"unet.w": unet_param, "text_encoder.w": text_param}, ("text_encoder",), config, torch.device("cpu")
+            )
         return
     optimizer = build_optimizer(
-        {"unet.w": unet_param, "text_encoder.w": text_param}, "unet", config, torch.device("cpu")
+        {"unet.w": unet_param, "text_encoder.w": text_param}, ("text_encoder",), config, torch.device("cpu")
     )
     assert [group["lr"] for group in optimizer.param_groups] == [lr, text_lr]
     (unet_param.square().sum() + text_param.square().sum()).backward()

@@ -24,7 +24,15 @@ import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
 from safetensors.torch import save_file
 
-from difftune.adapter_kinds import AdapterKind, FullFineTune, LyCORIS, PeftAdapter, TokenEmbedding, file_kind
+from difftune.adapter_kinds import (
+    AdapterKind,
+    ControlNet,
+    FullFineTune,
+    LyCORIS,
+    PeftAdapter,
+    TokenEmbedding,
+    file_kind,
+)
 from difftune.adapters.embeddings import embedding_file_name, load_embedding, write_embedding
 from difftune.adapters.files import (
     CONFIG_METADATA_KEY,
@@ -47,6 +55,8 @@ from difftune.models.parts import DTYPES, Components, PartDtypes, quiet_loading
 
 ADAPTER_FILE = LORA_WEIGHT_NAME_SAFE  # the name `pipeline.load_lora_weights(output_dir)` looks for
 FULL_MODEL_DIR = "model"
+CONTROLNET_DIR = "controlnet"  # a ControlNet run's folder, as diffusers' ControlNet scripts name theirs
+CONTROLNET_CONFIG = "difftune_config.toml"  # the run's config, beside the ControlNet's own config.json
 SINGLE_FILE = "model.safetensors"
 FORMATS = ("diffusers", "kohya")
 FOLDED_ALPHA_KEY = "difftune_folded_alpha"  # the alpha settings a diffusers-layout file has in its tensors
@@ -85,6 +95,11 @@ def _(kind: FullFineTune, config: Config, output_dir: Path) -> Path:
 @result_path.register
 def _(kind: TokenEmbedding, config: Config, output_dir: Path) -> Path:
     return output_dir / f"{embedding_file_name(config.adapter)}.safetensors"
+
+
+@result_path.register
+def _(kind: ControlNet, config: Config, output_dir: Path) -> Path:
+    return output_dir / CONTROLNET_DIR
 
 
 def layout_path(output_dir: Path, layout: str, variant: str = "") -> Path:
@@ -151,6 +166,19 @@ def _(kind: TokenEmbedding, components: Components, config: Config, path: Path, 
     return write_embedding(path, components, config.adapter, {CONFIG_METADATA_KEY: config.to_toml()})
 
 
+@save_kind.register
+def _(kind: ControlNet, components: Components, config: Config, path: Path, layout: str) -> Path:
+    # The ControlNet's diffusers folder (config.json and its safetensors), as `ControlNetModel.from_pretrained` and
+    # ComfyUI's ControlNet loader read it; the run's config beside it says what it was trained on.
+    _refuse_non_finite(components.controlnet.state_dict(), f"{path}")
+
+    def write(staging: Path) -> None:
+        components.controlnet.save_pretrained(staging, safe_serialization=True)
+        (staging / CONTROLNET_CONFIG).write_text(config.to_toml(), encoding="utf-8")
+
+    return replace_atomically(path, write)
+
+
 def save_adapter_layouts(
     components: Components, config: Config, output_dir: Path, variant: str = ""
 ) -> dict[str, list[Path] | str]:
@@ -162,6 +190,12 @@ def save_adapter_layouts(
     files = result_adapters(components, config)
     written: dict[str, list[Path] | str] = {}
     for layout in (config.export.format, other_layout(config.export.format)):
+        if layout == "kohya" and config.adapter.control_input:  # refused as export.format by the config
+            written[layout] = (
+                "a control LoRA's widened input layer has no kohya layout (diffusers' Flux LoRA loader widens the base "
+                "as it reads the diffusers file)"
+            )
+            continue
         path = layout_path(output_dir, layout, variant)
         try:
             written[layout] = write_adapter_files(files, path, layout, components.family)
@@ -176,10 +210,11 @@ def save_result_files(
     components: Components, config: Config, output_dir: Path, variant: str = ""
 ) -> dict[str, list[Path] | str]:
     """What a run saves as its result: an adapter in both layouts (`save_adapter_layouts`), else its one full model
-    folder ("model") or embedding file ("embedding"), by what `where_files_go` calls them."""
+    folder ("model"), embedding file ("embedding") or ControlNet folder ("controlnet"), by what `where_files_go` calls
+    them."""
     if config.adapter.is_adapter:
         return save_adapter_layouts(components, config, output_dir, variant)
-    label = "model" if config.adapter.trains_all_weights else "embedding"
+    label = config.adapter.kind_type.result_label
     return {label: [save_trained(components, config, trained_path(config, output_dir, variant))]}
 
 
@@ -190,6 +225,7 @@ def where_files_go(files: dict[str, list[Path] | str]) -> list[str]:
         "kohya": "ComfyUI (its models/loras folder), A1111 / Forge, kohya",
         "model": "a diffusers pipeline folder (`from_pretrained`), difftune sample",
         "embedding": "A1111, ComfyUI (its models/embeddings folder) and diffusers (`load_textual_inversion`)",
+        "controlnet": "the family's diffusers ControlNet pipeline (`ControlNetModel.from_pretrained`), difftune sample",
     }
     lines = []
     for layout, written in files.items():
@@ -370,9 +406,34 @@ def average_adapters(paths: list[Path], weighting: str = "uniform", base: str | 
     return averaged, first_configs, adapters[-1][2]
 
 
+def is_controlnet_folder(path: Path) -> bool:
+    """A diffusers ControlNet folder (a ControlNet run's result): its config.json names a ControlNet model class."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text(encoding="utf-8")).get("_class_name", "").endswith("ControlNetModel")
+    except (ValueError, AttributeError):
+        return False
+
+
+def load_controlnet(components: Components, path: Path, scale: float = 1.0) -> None:
+    """A ControlNet folder read beside the base (`components.controlnet`): it draws through the family's ControlNet
+    pipeline, from each prompt's control image."""
+    family = components.family
+    if family.controlnet is None:
+        raise DifftuneError(f"{path}: a ControlNet, and {family.description} bases have none difftune draws with")
+    if components.controlnet is not None:
+        raise DifftuneError(f"{path}: a second ControlNet; difftune draws with one at a time")
+    if scale != 1.0:
+        raise DifftuneError(f"{path}: a ControlNet is drawn at its full strength; give it no scale (got {scale})")
+    with quiet_loading():
+        components.controlnet = family.controlnet.model_class.from_pretrained(path).eval()
+
+
 def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -> None:
     """Attach adapter files (either layout) to the denoiser / text encoders with their scales; textual-inversion
-    files teach the tokenizers and text encoders their token.
+    files teach the tokenizers and text encoders their token; a ControlNet folder joins the components.
 
     Each is read by `adapter_files` (any tool's layout), checked against the model's modules, and handed to
     diffusers' own loader in the diffusers layout with its peft config: diffusers' kohya reader would keep
@@ -380,6 +441,10 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
     LoHa and LoKr files are attached with peft (diffusers' loader reads LoRA only), under the same adapter names, so
     `set_adapters` scales and `fuse_lora` merges them all alike.
     """
+    for path, scale in adapters:
+        if is_controlnet_folder(path):
+            load_controlnet(components, path, scale)
+    adapters = [(path, scale) for path, scale in adapters if not is_controlnet_folder(path)]
     embeddings = [path for path, _ in adapters if is_embedding_file(path)]
     for path in embeddings:  # a token's vectors have no scale
         load_embedding(components, path)

@@ -3,8 +3,9 @@ LoHa, LoKr), all weights of its parts (a full fine-tune), or new token embedding
 does differently is one `functools.singledispatch` function with one implementation per type: the kinds' types sit
 below the config, which checks their problems before torch is loaded, and what they do to a model sits here.
 
-Parts are the family's: its denoiser and, with `adapter.text_encoder`, each text encoder, named as diffusers
-names them (`unet`, `text_encoder`, `text_encoder_2`). A trained parameter's name is `<part>.<name in part>`.
+Parts are the family's: its denoiser and, with `adapter.text_encoder`, each text encoder, named as diffusers names
+them (`unet`, `text_encoder`, `text_encoder_2`), or a ControlNet (`controlnet`) built beside the denoiser. A trained
+parameter's name is `<part>.<name in part>`.
 
 PiSSA and OLoRA start each adapter from the base weight's principal (SVD) or QR factors and take them out of the
 base, so the base in memory is no longer the base users have. What is saved is therefore the change from the
@@ -23,7 +24,7 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 
-from difftune.adapter_kinds import AdapterKind, FullFineTune, PeftAdapter, TokenEmbedding, file_kind
+from difftune.adapter_kinds import AdapterKind, ControlNet, FullFineTune, PeftAdapter, TokenEmbedding, file_kind
 from difftune.adapters.embeddings import add_tokens
 from difftune.adapters.targets import layer_suffixes, missing_targets, unmatched_targets
 from difftune.config import AdapterConfig
@@ -78,15 +79,24 @@ def _(kind: TokenEmbedding, family, config: AdapterConfig) -> tuple[str, ...]:
     return tuple(family.text_encoder_names)
 
 
+@trained_part_names.register
+def _(kind: ControlNet, family, config: AdapterConfig) -> tuple[str, ...]:
+    return ("controlnet",)
+
+
 def target_modules(components: Components, config: AdapterConfig) -> dict[str, list[str]]:
     """Each trained part's adapter targets: the config's list (`target_modules` for the denoiser,
     `text_encoder_targets` by part for the text encoders), or the family's default where there is none."""
     family = components.family
     configured = {family.denoiser_name: config.target_modules, **config.text_encoder_targets}
     parts = components.parts()
-    return {
+    targets = {
         part: configured.get(part) or family.targets_of(part, parts[part]) for part in trained_parts(components, config)
     }
+    input_layer = family.input_control.input_layer if config.control_input else None
+    if input_layer and input_layer not in targets[family.denoiser_name]:  # the widened layer learns the control
+        targets[family.denoiser_name] = [*targets[family.denoiser_name], input_layer]
+    return targets
 
 
 def _targets_key(components: Components, part: str) -> str:
@@ -133,6 +143,8 @@ def attach(kind: AdapterKind, components: Components, config: AdapterConfig) -> 
 
 @attach.register
 def _(kind: PeftAdapter, components: Components, config: AdapterConfig) -> None:
+    if config.control_input:  # a control LoRA's input layer reads the control's latents too
+        components.family.input_control.widen(components.denoiser)
     check_targets(components, config)
     trained = trained_parts(components, config)
     for part, targets in target_modules(components, config).items():
@@ -151,6 +163,13 @@ def _(kind: FullFineTune, components: Components, config: AdapterConfig) -> None
 @attach.register
 def _(kind: TokenEmbedding, components: Components, config: AdapterConfig) -> None:
     add_tokens(components, config)
+
+
+@attach.register
+def _(kind: ControlNet, components: Components, config: AdapterConfig) -> None:
+    # Built from the denoiser before its frozen weights are cast, stored or offloaded (`place_frozen`), so it starts
+    # from the base's own fp32 (or as-loaded) weights.
+    components.controlnet = components.family.controlnet.build(components).requires_grad_(True)
 
 
 def _peft_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

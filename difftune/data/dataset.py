@@ -970,7 +970,8 @@ class CaptionedImages(Dataset):
     (`image_geometry`, what SDXL's size and crop conditioning reads) and, with `data.masks`, its loss mask.
 
     An edit pair's controls come as pixels (`control_pixels`), or with the cache as their posteriors' means
-    (`control_latents`), each a list with one (C, ...) tensor per control.
+    (`control_latents`; pixels still where `control_entries` is None: a ControlNet reads them so), each a list with
+    one (C, ...) tensor per control.
     With `latent_entries` (each example's cache file per view) it returns the cached posterior instead of pixels,
     and with `text_entries` (`Prompt` -> cache file) the cached text conditioning instead of token ids
     (`tokenize`: captions [and their controls] -> token ids per text encoder, the family's; `uncached_conditioning`: a
@@ -994,7 +995,8 @@ class CaptionedImages(Dataset):
         uncached_conditioning: Callable[[dict], dict] | None = None,  # the family's: a text entry as encoded
         control_sizes: list[tuple[Size, ...]]
         | None = None,  # each example's controls' training sizes (`control_sizes`)
-        control_entries: list[list[dict[str, Path]]] | None = None,  # with `latent_entries`: each control's cache files
+        # with `latent_entries`: each control's cache files (None: controls read as pixels)
+        control_entries: list[list[dict[str, Path]]] | None = None,
         sees_controls: bool = False,
     ):
         self.examples = examples
@@ -1082,10 +1084,18 @@ class CaptionedImages(Dataset):
             item["geometry"] = self._cached_geometry(example.path, self.sizes[index], flipped)  # (6,)
             if data.masks != "off" and example.frames is None:
                 item["mask"] = self._cached_mask(example.path, data, self.sizes[index], flipped)  # (1, H, W)
-            if example.control_paths:  # their posteriors' means: edit bases read a control's mode, never a draw
+            if example.control_paths and self.control_entries is not None:
+                # their posteriors' means: edit bases read a control's mode, never a draw
                 item["control_latents"] = [
                     self._read(views["flipped" if flipped else "plain"])["mean"]
                     for views in self.control_entries[index]
+                ]
+            elif example.control_paths:  # read as pixels (a ControlNet's): cut where the cached view was
+                size = self.sizes[index]
+                crop = place_crop(self._original_size(example.path), size, "center")
+                item["control_pixels"] = [
+                    image_to_tensor(load_control(control, data, control_size, crop, size, flipped), data.keep_alpha)
+                    for control, control_size in zip(example.control_paths, self.control_sizes[index], strict=True)
                 ]
         else:
             view = (

@@ -80,6 +80,8 @@ class Chroma(Flux):
     description = "Chroma"
     options_model = FamilyOptions  # no guidance embedding, and the padding mask is Chroma's own
     pipeline_class = ChromaPipeline
+    controlnet = None  # diffusers' Flux ControlNets are Flux.1 [dev]'s; none reads Chroma's transformer
+    input_control = None  # FluxControlPipeline draws Flux.1 [dev]'s widened transformer alone
     pipeline_classes = ("ChromaPipeline",)
     denoiser_class = ChromaTransformer2DModel
     text_encoder_names = ("text_encoder",)

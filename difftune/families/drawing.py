@@ -62,9 +62,19 @@ class Drawing:
         return {self.denoiser_part(components.family_options): components.denoiser}
 
     def assemble_pipeline(self, components: Components, scheduler=None):
-        """A text-to-image pipeline over the (possibly adapted) components."""
-        return self.pipeline_class(
+        """A text-to-image pipeline over the (possibly adapted) components; the family's ControlNet pipeline where
+        they hold a ControlNet."""
+        controlled = components.controlnet is not None
+        pipeline_class = (
+            self.controlnet.pipeline_class
+            if controlled
+            else self.input_control.pipeline_class
+            if self.reads_input_control(components)
+            else self.pipeline_class
+        )
+        return pipeline_class(
             **self.denoiser_pipeline_parts(components),
+            **({"controlnet": components.controlnet} if controlled else {}),
             vae=components.vae,
             **components.text_encoders,
             **components.tokenizers,
@@ -74,6 +84,17 @@ class Drawing:
             **self.fixed_pipeline_arguments,
             **components.pipeline_options,
         )
+
+    def reads_input_control(self, components: Components) -> bool:
+        """Whether the denoiser reads control images as input channels (a control LoRA's widened one)."""
+        return self.input_control is not None and self.input_control.reads_control(components.denoiser)
+
+    def sample_prompt_problems(self, prompts: list, controlled: bool = False) -> list[str]:
+        """The `sample.prompts` entries this family cannot draw, each named: with other control images than it reads
+        (`prompt_control_problems`), or than one where a ControlNet or a control LoRA draws them (`controlled`)."""
+        if controlled:
+            return one_image_each(prompts, "a ControlNet or control LoRA draws from one control image", "control.png")
+        return self.prompt_control_problems(prompts)
 
     def prompt_control_problems(self, prompts: list) -> list[str]:
         """The `sample.prompts` entries with more control images than this family reads (or none, where its pipeline
@@ -108,11 +129,17 @@ class Drawing:
         size) from an edit prompt's control images (PIL; none for a text-to-image prompt, at most `max_controls`:
         callers check `prompt_control_problems` first), under the base's `options`; `arguments`: the rest of the call
         (steps, guidance, generators)."""
+        if getattr(pipeline, "controlnet", None) is not None:
+            images = {self.controlnet.image_argument: controls[0]}
+        elif isinstance(pipeline, getattr(self.input_control, "pipeline_class", ())):
+            images = {self.input_control.image_argument: controls[0]}
+        else:
+            images = self.image_arguments(controls, height, width)
         return pipeline(
             prompt=prompt,
             height=height,
             width=width,  # by name: an edit pipeline's first argument is the image
-            **self.image_arguments(controls, height, width),
+            **images,
             **arguments,
         ).images
 
@@ -198,6 +225,7 @@ class Sample:
         default_factory=list
     )  # an edit's control images, at the image's size (for the grid)
     clip: list[Image.Image] = field(default_factory=list)  # a video base's frames (`image` is the first)
+    drawn_as: str = "edited"  # what the grid calls it beside its controls: an edit, or a ControlNet's drawing
 
     @property
     def prompt(self) -> str:
@@ -212,7 +240,8 @@ def generate_images(
     so any image can be re-made alone. No `resolution`: the model's native size. `shown_as`: the bar's words over
     the images drawn (on a terminal), none if empty."""
     family = components.family
-    problems = family.prompt_control_problems(config.prompts)
+    controlled = components.controlnet is not None or family.reads_input_control(components)
+    problems = family.sample_prompt_problems(config.prompts, controlled)
     if config.frames > 1 and not family.reads_clips:
         problems.append(f"sample.frames = {config.frames}: {family.description} bases draw images; set it to 1")
     if problems:
@@ -221,7 +250,7 @@ def generate_images(
     pipeline = replace(components, vae=decoder).pipeline(sampling_scheduler(config.scheduler, components))
     pipeline.set_progress_bar_config(disable=True)
     guidance = components.family.sampling_arguments(components, config.guidance_scale, config.negative_prompt)
-    with eval_mode(components.denoiser, *components.text_encoders.values()):
+    with eval_mode(*components.parts().values()):
         return _sample_all(pipeline, config, guidance, components, shown_as)
 
 
@@ -239,25 +268,29 @@ def _sample_all(pipeline, config: SampleConfig, guidance: dict, components: Comp
                 "generator": torch.Generator("cpu").manual_seed(seed),
                 **guidance,
             }
-            if config.frames > 1:
-                [clip] = components.family.draw_clips(
-                    pipeline, prompt, controls, config.resolution, config.resolution, config.frames, **arguments
-                )
-                samples.append(Sample(clip[0], entry, seed, [c.resize(clip[0].size) for c in controls], clip))
-            else:
-                [image] = components.family.draw(
-                    pipeline,
-                    components.family_options,
-                    prompt,
-                    controls,
-                    config.resolution,
-                    config.resolution,
-                    **arguments,
-                )
-                samples.append(Sample(image, entry, seed, [at_height(c, image.height) for c in controls]))
+            # Torch's global generators seeded with the sample's seed, and put back after: SD3's ControlNet pipeline
+            # draws its control image's latents from them, not from `generator`.
+            devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                samples.append(_sample(pipeline, config, components, entry, prompt, controls, seed, arguments))
             drawn.update()
     drawn.close()
     return samples
+
+
+def _sample(pipeline, config: SampleConfig, components: Components, entry, prompt, controls, seed, arguments) -> Sample:
+    """One image, or a clip with `sample.frames` > 1."""
+    if config.frames > 1:
+        [clip] = components.family.draw_clips(
+            pipeline, prompt, controls, config.resolution, config.resolution, config.frames, **arguments
+        )
+        return Sample(clip[0], entry, seed, [c.resize(clip[0].size) for c in controls], clip)
+    [image] = components.family.draw(
+        pipeline, components.family_options, prompt, controls, config.resolution, config.resolution, **arguments
+    )
+    drawn_as = "edited" if components.family.max_controls else "drawn"  # a ControlNet's or control LoRA's: drawn
+    return Sample(image, entry, seed, [at_height(c, image.height) for c in controls], drawn_as=drawn_as)
 
 
 def _open_control(path: str) -> Image.Image:
@@ -292,7 +325,7 @@ def save_images(
         panels = [
             *_control_panels(sample.controls),
             *([("before", before)] if before else []),
-            ("after" if before else "edited", sample.image),
+            ("after" if before else sample.drawn_as, sample.image),
         ]
         cells.append(labelled_row(panels) if len(panels) > 1 else sample.image)
     make_grid(cells).save(out_dir / "grid.png")

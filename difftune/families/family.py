@@ -1,16 +1,18 @@
 """What a model family is to the rest of difftune: the one place that knows SD from SDXL (and what comes next).
 
 A family names its pipeline class and its parts (the denoiser and the text encoders, by the names diffusers'
-pipelines and LoRA files use), calls its denoiser with its conditioning, and holds its roles, each with one job:
-its objective (`objective`: objective.py, flow.py) and its files in other tools' layouts (`layout`: layouts.py) as
-objects; its loading, conditioning, drawing and adapter targets as mixins (loading.py, conditioning.py, drawing.py,
-targets.py). The loop, data, caches, checkpoints, export, eval and UI ask it and never branch on which it is.
-`Family` holds what SD-like families share; a family module overrides the rest.
+pipelines and LoRA files use), calls its denoiser with its conditioning, and holds its roles, each with one job: its
+objective (`objective`: objective.py, flow.py), its files in other tools' layouts (`layout`: layouts.py) and its
+control roles (`controlnet`, `input_control`: control.py) as objects; its loading, conditioning, drawing and adapter
+targets as mixins (loading.py, conditioning.py, drawing.py, targets.py). The loop, data, caches, checkpoints,
+export, eval and UI ask it and never branch on which it is. `Family` holds what SD-like families share; a family
+module overrides the rest.
 """
 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +26,9 @@ from difftune.families.objective import DDPM, Objective
 from difftune.families.targets import AdapterTargets
 from difftune.memory.offload import spread
 from difftune.models.parts import Components
+
+if TYPE_CHECKING:
+    from difftune.families.control import ControlNets, InputControl
 
 # A UNet block's name, wherever the UNet sits (peft and compile may wrap it): `down_blocks.1`, `mid_block`,
 # `up_blocks.0.attentions.2`, `down_blocks.0.resnets.1`...
@@ -51,6 +56,8 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
     reads_clips = False  # a video base: trains on clips (`frame_windows`) and images alike
     layout: Layout  # its files in other tools' layouts (layouts.py)
     objective: Objective = DDPM()  # what training minimises (objective.py; flow.py's for the flow families)
+    controlnet: ControlNets | None = None  # its ControlNet (control.py), where diffusers has one
+    input_control: InputControl | None = None  # control images as input channels (control.py), where drawn so
 
     def denoiser_part(self, options: FamilyOptions) -> str:
         """The pipeline part that holds the denoiser this run trains: `denoiser_name`, unless the base has several
@@ -72,7 +79,9 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
             + self.unsupported_settings(config)
             + self.adapter_problems(config)
             + self.layout.problems(config)
-            + self.prompt_control_problems(config.sample.prompts)
+            + self.sample_prompt_problems(
+                config.sample.prompts, config.adapter.trains_controlnet or config.adapter.control_input
+            )
         )
         try:
             self.sampler(config.sample.scheduler)
@@ -102,6 +111,16 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
         """The denoiser's prediction for noisy latents (B, C, h, w). `geometry` (B, 6) holds each sample's
         (original height, width, crop top, left, target height, width) in pixels (`data.image_geometry`)."""
         raise NotImplementedError
+
+    def control_residuals(
+        self, components: Components, conditioning: dict, hidden_states: torch.Tensor, timestep: torch.Tensor, **inputs
+    ) -> dict:
+        """What a ControlNet adds to one call of the denoiser (`controlnet.residuals`, on the call's own inputs), or
+        nothing where `conditioning` holds no control image."""
+        control = conditioning.get("control")
+        if control is None:
+            return {}
+        return self.controlnet.residuals(components.controlnet, control, hidden_states, timestep, **inputs)
 
     def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
         """The blocks whose outputs `log.activations_every_steps` records, by their name in the denoiser: a UNet's

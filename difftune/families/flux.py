@@ -17,9 +17,10 @@ value).
 from __future__ import annotations
 
 import torch
-from diffusers import FluxPipeline, FluxTransformer2DModel
+from diffusers import FluxControlNetPipeline, FluxControlPipeline, FluxPipeline, FluxTransformer2DModel
 from pydantic import Field
 
+from difftune.families.control import FluxControlNet, InputControl
 from difftune.families.flow import FlowMatchingFamily, FlowOptions, pack, unpack
 from difftune.families.layouts import FusedLayout, kohya_blocks_of, kohya_globals_of
 from difftune.families.sd import CLIP_ATTENTION
@@ -154,6 +155,8 @@ class Flux(FlowMatchingFamily):
     options_model = FluxOptions
     pipeline_class = FluxPipeline
     pipeline_classes = ("FluxPipeline",)
+    controlnet = FluxControlNet(FluxControlNetPipeline)
+    input_control = InputControl(FluxControlPipeline, "x_embedder", "proj_out")
     denoiser_class = FluxTransformer2DModel
     denoiser_name = "transformer"
     text_encoder_names = ("text_encoder", "text_encoder_2")
@@ -185,6 +188,8 @@ class Flux(FlowMatchingFamily):
         the position ids, and their predictions are dropped, as `FluxKontextPipeline` does."""
         states = conditioning["encoder_hidden_states"]
         b, _, h, w = noisy.shape
+        if "input_control" in conditioning:  # a control LoRA's: the control's latents as more input channels
+            noisy = torch.cat([noisy, conditioning["input_control"]], dim=1)
         images = [noisy, *conditioning.get("control_latents", [])]
         image_ids = torch.cat(
             [
@@ -203,16 +208,19 @@ class Flux(FlowMatchingFamily):
                 dim=1,
             )
             attention = {"attention_mask": keep[:, None, None, :]}
+        tokens = torch.cat([pack(image) for image in images], dim=1).to(states.dtype)
+        timestep = (timesteps / 1000).to(states.dtype)
+        inputs = {
+            "guidance": self.guidance(components, b, noisy.device),
+            "pooled_projections": conditioning["pooled_prompt_embeds"],
+            "encoder_hidden_states": states,
+            "txt_ids": text_ids,
+            "img_ids": image_ids,
+            "joint_attention_kwargs": attention,
+        }
+        control = self.control_residuals(components, conditioning, tokens, timestep, **inputs)
         prediction = components.denoiser(
-            hidden_states=torch.cat([pack(image) for image in images], dim=1).to(states.dtype),
-            timestep=(timesteps / 1000).to(states.dtype),
-            guidance=self.guidance(components, b, noisy.device),
-            pooled_projections=conditioning["pooled_prompt_embeds"],
-            encoder_hidden_states=states,
-            txt_ids=text_ids,
-            img_ids=image_ids,
-            joint_attention_kwargs=attention,
-            return_dict=False,
+            hidden_states=tokens, timestep=timestep, **inputs, **control, return_dict=False
         )[0]
         return unpack(prediction[:, : (h // 2) * (w // 2)], h, w)
 

@@ -21,6 +21,8 @@ class FluxKontext(Flux):
     name = "flux_kontext"
     description = "FLUX.1 Kontext edit transformers"
     pipeline_class = FluxKontextPipeline
+    controlnet = None  # diffusers' Flux ControlNets are Flux.1 [dev]'s; none reads an edit's references
+    input_control = None  # FluxControlPipeline draws Flux.1 [dev]'s widened transformer alone
     pipeline_classes = ("FluxKontextPipeline",)
     max_controls = 1  # FluxKontextPipeline takes one image
 

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from difftune.config import ModelConfig, Section
 from difftune.errors import DifftuneError
+from difftune.models.autoencoders import downsampling
 from difftune.models.denoiser_files import (
     DenoiserFile,
     is_gguf,
@@ -240,6 +241,7 @@ class Loading:
                 name: part for name in self.pixel_encoder_names if (part := getattr(pipeline, name, None)) is not None
             },
             noise_scheduler=self.objective.training_scheduler(pipeline.scheduler),
+            pixels_per_latent=downsampling(pipeline.vae) if pipeline.vae is not None else 8,
             pipeline_options={key: pipeline.config[key] for key in self.pipeline_options if key in pipeline.config},
             family_options=options,
         )

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
-from diffusers import DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import DDPMScheduler, StableDiffusionControlNetPipeline, StableDiffusionPipeline, UNet2DConditionModel
 from safetensors import safe_open
 
 from difftune.config import ModelConfig
+from difftune.families.control import UNetControlNet
 from difftune.families.family import Family
 from difftune.families.layouts import Layout
 from difftune.models import single_file
@@ -68,6 +69,7 @@ class StableDiffusion(Family):
     pipeline_classes = ("StableDiffusionPipeline",)
     default_targets = {"unet": ATTENTION_PROJECTIONS, "text_encoder": CLIP_ATTENTION}
     fixed_pipeline_arguments = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+    controlnet = UNetControlNet(StableDiffusionControlNetPipeline)
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # CLIP's last hidden state (B, L, D), as SD 1.x uses it.
@@ -78,4 +80,6 @@ class StableDiffusion(Family):
         }
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
-        return components.denoiser(noisy, timesteps, conditioning["encoder_hidden_states"], return_dict=False)[0]
+        states = conditioning["encoder_hidden_states"]
+        control = self.control_residuals(components, conditioning, noisy, timesteps, encoder_hidden_states=states)
+        return components.denoiser(noisy, timesteps, states, **control, return_dict=False)[0]

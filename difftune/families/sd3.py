@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers import SD3Transformer2DModel, StableDiffusion3ControlNetPipeline, StableDiffusion3Pipeline
 from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
 
+from difftune.families.control import SD3ControlNet
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.flux import T5_ATTENTION
 from difftune.families.layouts import BLOCK, FusedLayout, swap_halves
@@ -152,6 +153,7 @@ class StableDiffusion3(FlowMatchingFamily):
     description = "Stable Diffusion 3 / 3.5"
     options_model = FamilyOptions  # no guidance embedding
     pipeline_class = StableDiffusion3Pipeline
+    controlnet = SD3ControlNet(StableDiffusion3ControlNetPipeline)
     pipeline_classes = ("StableDiffusion3Pipeline",)
     denoiser_class = SD3Transformer2DModel
     denoiser_name = "transformer"
@@ -206,13 +208,10 @@ class StableDiffusion3(FlowMatchingFamily):
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         states = conditioning["encoder_hidden_states"]
-        return components.denoiser(
-            hidden_states=noisy.to(states.dtype),
-            timestep=timesteps.to(states.dtype),
-            encoder_hidden_states=states,
-            pooled_projections=conditioning["pooled_prompt_embeds"],
-            return_dict=False,
-        )[0]
+        noisy, timesteps = noisy.to(states.dtype), timesteps.to(states.dtype)
+        text = {"encoder_hidden_states": states, "pooled_projections": conditioning["pooled_prompt_embeds"]}
+        control = self.control_residuals(components, conditioning, noisy, timesteps, **text)
+        return components.denoiser(hidden_states=noisy, timestep=timesteps, **text, **control, return_dict=False)[0]
 
     def t5_tokens(self, tokenizer) -> int:
         return min(T5_TOKENS, tokenizer.model_max_length)

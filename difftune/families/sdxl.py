@@ -11,8 +11,9 @@ encoders and on each image's size and crop.
 from __future__ import annotations
 
 import torch
-from diffusers import StableDiffusionXLPipeline
+from diffusers import StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
 
+from difftune.families.control import UNetControlNet
 from difftune.families.family import Family
 from difftune.families.layouts import Layout
 from difftune.families.sd import ATTENTION_PROJECTIONS, CLIP_ATTENTION
@@ -64,6 +65,7 @@ class StableDiffusionXL(Family):
     # empty-caption dropout, like the tiny base): a reassembled pipeline must keep what the model says.
     pipeline_options = ("force_zeros_for_empty_prompt",)
     fixed_pipeline_arguments = {"add_watermarker": False}  # the watermark is for published images, not samples
+    controlnet = UNetControlNet(StableDiffusionXLControlNetPipeline)
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         states = []
@@ -79,4 +81,7 @@ class StableDiffusionXL(Family):
             "text_embeds": conditioning["pooled_prompt_embeds"],
             "time_ids": geometry.to(states.device, states.dtype),
         }
-        return components.denoiser(noisy, timesteps, states, added_cond_kwargs=added, return_dict=False)[0]
+        control = self.control_residuals(
+            components, conditioning, noisy, timesteps, encoder_hidden_states=states, added_cond_kwargs=added
+        )
+        return components.denoiser(noisy, timesteps, states, added_cond_kwargs=added, **control, return_dict=False)[0]

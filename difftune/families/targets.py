@@ -71,6 +71,16 @@ class AdapterTargets:
             problems.append(
                 f'adapter.kind = "embedding": textual inversion is not built for {self.description}; train a LoRA'
             )
+        if config.adapter.control_input and self.input_control is None:
+            problems.append(
+                f"adapter.control_input: {self.description} has no pipeline that reads control images as input "
+                "channels (Flux.1 does: FluxControlPipeline)"
+            )
+        if config.adapter.kind == "controlnet" and self.controlnet is None:
+            problems.append(
+                f'adapter.kind = "controlnet": {self.description} has no ControlNet model in diffusers that difftune '
+                "trains (SD 1.x/2.x, SDXL, SD3/3.5 and Flux.1 do)"
+            )
         return problems
 
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:

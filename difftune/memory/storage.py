@@ -194,6 +194,22 @@ def store_frozen_layers(model: torch.nn.Module, dtype: torch.dtype, compute_dtyp
     return stored
 
 
+def computed_tensors(model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """`model`'s parameters and buffers of `names` that it has (plain names, `down_blocks.0.resnets.0.conv1.weight`),
+    a stored layer's as it computes (its compute dtype, an fp8 weight times its scale): what a copy started from the
+    model reads (a ControlNet from its denoiser), whichever way its frozen layers are kept; only these are computed."""
+    tensors = {}
+    for name in names:
+        holder, _, tensor = name.rpartition(".")
+        try:
+            value = getattr(model.get_submodule(holder), tensor, None)
+        except AttributeError:  # a module the model lacks
+            continue
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value.detach()
+    return tensors
+
+
 def keep_fp8(layer: torch.nn.Module, scale: float, compute_dtype: torch.dtype) -> None:
     """Store `layer`'s fp8 weight as it is (an fp8 file's tensor, memory-mapped: no copy), computed in
     `compute_dtype` as the weight times `scale` (denoiser_files.py: a ComfyUI scaled file's own float scale; fp8

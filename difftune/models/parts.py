@@ -71,10 +71,28 @@ class Components:
     # (Wan 2.1 image-to-video's CLIP image encoder), by their pipeline names: loaded, placed, cached with and released
     # as the autoencoder is (`encoder_placement`'s "vae").
     pixel_encoders: dict[str, torch.nn.Module | None] = field(default_factory=dict)
+    # Image pixels per latent pixel along each side (the autoencoder's `downsampling`), known while it is released
+    pixels_per_latent: int = 8
+    # A ControlNet beside the frozen denoiser (`adapter.kind = "controlnet"`, the family's `controlnet` role): trained,
+    # or read from its folder for drawing; drawn through the family's ControlNet pipeline
+    controlnet: torch.nn.Module | None = None
 
     def parts(self) -> dict[str, torch.nn.Module | None]:
-        """The denoiser and the text encoders by part name: what adapters attach to."""
-        return {self.family.denoiser_name: self.denoiser, **self.text_encoders}
+        """The denoiser, the text encoders and a ControlNet by part name: what adapters attach to and runs train."""
+        return {
+            self.family.denoiser_name: self.denoiser,
+            **self.text_encoders,
+            **({"controlnet": self.controlnet} if self.controlnet is not None else {}),
+        }
+
+    def replace_part(self, name: str, module: torch.nn.Module) -> None:
+        """Put `module` where part `name` was (a prepared, wrapped trained part)."""
+        if name == self.family.denoiser_name:
+            self.denoiser = module
+        elif name == "controlnet":
+            self.controlnet = module
+        else:
+            self.text_encoders[name] = module
 
     def modules(self) -> list[torch.nn.Module]:
         """Every loaded model (released encoders and drawing parts left out)."""
@@ -82,6 +100,7 @@ class Components:
             m
             for m in (
                 self.denoiser,
+                self.controlnet,
                 *self.autoencoders(),
                 *self.text_encoders.values(),
                 *self.drawing_parts.values(),

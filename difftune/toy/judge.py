@@ -12,6 +12,9 @@ A video base is scored on clips of "a <color> <shape> moving <direction>": each 
 and the clip for its motion: the shape's centre (the mean of its mask) from the first frame it is seen in to the
 last must move at least `MIN_MOTION` pixels, and mostly the asked way.
 
+A ControlNet (`placement_score`) is scored on where it draws: held-out silhouettes (`tiny.placed_shape_pairs`), each
+drawn from its caption, judged for color and shape and for the overlap of the drawn shape with the silhouette.
+
 An edit base is scored on edits instead: fixed recolor pairs (`tiny.recolor_pairs`) asked "make it <color>", each
 output judged for the asked color, the control's shape kept, and the shape kept in place (the overlap of the
 control's and the output's shape masks).
@@ -32,7 +35,7 @@ from difftune.errors import DifftuneError
 from difftune.families import load_components
 from difftune.families.drawing import sampling_scheduler
 from difftune.models.parts import Components
-from difftune.toy.tiny import CLIP_FRAMES, COLORS, DIRECTIONS, IMAGE_SIZE, SHAPES, recolor_pairs
+from difftune.toy.tiny import CLIP_FRAMES, COLORS, DIRECTIONS, IMAGE_SIZE, SHAPES, placed_shape_pairs, recolor_pairs
 
 MIN_PLACE_OVERLAP = 0.5  # intersection over union of the control's and the edit's shape masks: "in place"
 MIN_MOTION = 3.0  # pixels the shape's centre moves over a clip to count as moving (the clips it learns from: 8)
@@ -361,7 +364,8 @@ def judged_edits(components: Components, colors, source_colors, settings: EvalSe
 
 
 def edit_accuracy(rows: list[dict]) -> dict:
-    """Fractions of edits in the asked color, with the control's shape, in its place, color and shape both, and all."""
+    """Fractions of edits (or placements) in the asked color, with the control's shape, in its place, color and shape
+    both, and all; the mean overlap with the control's shape."""
     color = [row["color"] == row["asked"] for row in rows]
     shape = [row["drawn_shape"] == row["shape"] for row in rows]
     place = [row["overlap"] >= MIN_PLACE_OVERLAP for row in rows]
@@ -371,7 +375,64 @@ def edit_accuracy(rows: list[dict]) -> dict:
         "place": float(np.mean(place)),
         "both": float(np.mean(np.logical_and(color, shape))),
         "all": float(np.mean(np.logical_and.reduce([color, shape, place]))),
+        "overlap": float(np.mean([row["overlap"] for row in rows])),
         "edits": len(rows),
+    }
+
+
+def silhouette_mask(control: Image.Image) -> np.ndarray:
+    """The white shape of a ControlNet's control image (`placed_shape_pairs`), (H, W) bool."""
+    return np.asarray(control.convert("L")) > 127
+
+
+@torch.no_grad()
+def judged_placements(components: Components, colors, settings: EvalSettings, say: Say = None) -> list[dict]:
+    """`samples_per_prompt` fixed ControlNet pairs per (color, shape) (`placed_shape_pairs`; seeds of their own, so
+    held out from any training set made with small seeds), each drawn from its caption and, where the components hold
+    a ControlNet, its control image (the base alone draws the caption), judged: its color and shape, and the overlap
+    of the drawn shape with the control's silhouette (intersection over union)."""
+    pipeline, guidance = _eval_pipeline(components, settings)
+    rows = []
+    for prompt in _counted([f"{color} {shape}" for color in colors for shape in SHAPES], say):
+        color, shape = prompt.split()
+        pair_seed = settings.seed + 1000 * list(COLORS).index(color) + 100 * SHAPES.index(shape)
+        for k, (control, _, caption) in enumerate(
+            placed_shape_pairs(settings.samples_per_prompt, pair_seed, (color,), (shape,))
+        ):
+            [image] = components.family.draw(
+                pipeline,
+                components.family_options,
+                caption,
+                [control] if components.controlnet is not None else [],
+                settings.resolution,
+                settings.resolution,
+                num_inference_steps=settings.steps,
+                **guidance,
+                generator=torch.Generator("cpu").manual_seed(settings.seed + k),
+            )
+            drawn_color, drawn_shape = judge(image)
+            wanted, drawn = silhouette_mask(control), shape_mask(image)
+            overlap = float((wanted & drawn).sum() / (wanted | drawn).sum()) if drawn is not None else 0.0
+            rows.append(
+                {
+                    "asked": color,
+                    "shape": shape,
+                    "color": drawn_color,
+                    "drawn_shape": drawn_shape,
+                    "overlap": overlap,
+                    "image": image,
+                }
+            )
+    return rows
+
+
+def placement_score(components: Components, colors, settings: EvalSettings, say: Say = None) -> dict:
+    """A ControlNet's accuracies on `colors`' shapes: overall (`seen`, as the other scores name what was trained) and
+    per shape."""
+    rows = judged_placements(components, colors, settings, say)
+    return {
+        "seen": edit_accuracy(rows),
+        "seen_by_shape": {shape: edit_accuracy([r for r in rows if r["shape"] == shape]) for shape in SHAPES},
     }
 
 
@@ -415,23 +476,28 @@ def evaluate(
 ) -> dict:
     """The base's scores, and with `adapter`, the adapted model's and the forgetting between them; `concept_word`
     (see `score`) in the adapted model's concept prompts. `say` hears each prompt as it starts."""
-    from difftune.adapters.export import apply_adapters  # export imports sampling; keep this module light to import
+    from difftune.adapters.export import apply_adapters, is_controlnet_folder
 
     report = {"settings": vars(settings) | {"base": base, "concept_color": concept_color}}
     components = load_components(ModelConfig(base=base))
     edits = bool(components.family.max_controls)
     if edits and concept_word:
         raise DifftuneError(f"--concept-word: {base} is an edit base, scored on edits that name the color")
+    placements = adapter is not None and is_controlnet_folder(adapter)
 
     def scored(model: str, word: str = "") -> dict:
         said = _within(say, f"{model}:")
+        if placements:  # a ControlNet: where the seen colors' shapes are drawn, before (the base) and with it
+            return placement_score(components, seen_colors, settings, said)
         if edits:
             return edit_score(components, seen_colors, concept_color, settings, said)
         if components.family.reads_clips:
             return clip_score(components, seen_colors, concept_color, settings, CLIP_FRAMES, word, said)
         return score(components, seen_colors, concept_color, settings, word, said)
 
-    report["scored"] = "edits" if edits else "clips" if components.family.reads_clips else "prompts"
+    report["scored"] = (
+        "placements" if placements else "edits" if edits else "clips" if components.family.reads_clips else "prompts"
+    )
     report["before"] = scored("base")
     if adapter:
         apply_adapters(components, [(adapter, 1.0)])  # onto the same base, in place

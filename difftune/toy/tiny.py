@@ -1519,14 +1519,17 @@ def render_tensors(count: int, seed: int, colors=tuple(COLORS)) -> torch.Tensor:
     return torch.stack([image_to_tensor(image) for image, _ in shape_images(count, seed, colors=colors)])
 
 
-def render_shape(shape: str, color: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Image.Image:
-    """One shape in one color on a plain light background, with random size and position."""
+def render_shape(
+    shape: str, color: str, rng: np.random.Generator, size: int = IMAGE_SIZE, silhouette: bool = False
+) -> Image.Image:
+    """One shape in one color on a plain light background, with random size and position; `silhouette`: the same
+    draws, the shape white on black (a ControlNet's control image: where the shape goes)."""
     background = tuple(int(v) for v in rng.integers(200, 256, size=3))
-    image = Image.new("RGB", (size, size), background)
+    image = Image.new("RGB", (size, size), (0, 0, 0) if silhouette else background)
     draw = ImageDraw.Draw(image)
     extent = rng.uniform(0.45, 0.75) * size
     cx, cy = rng.uniform(extent / 2, size - extent / 2, size=2)
-    _draw_shape(draw, shape, COLORS[color], cx, cy, extent)
+    _draw_shape(draw, shape, (255, 255, 255) if silhouette else COLORS[color], cx, cy, extent)
     return image
 
 
@@ -1656,6 +1659,26 @@ def preference_pairs(
         color, shape = chosen_colors[i % len(chosen_colors)], shapes[(i // len(chosen_colors)) % len(shapes)]
         pairs.append((*shape_in_two_colors(shape, rejected_color, color, rng), f"a {color} {shape}"))
     return pairs
+
+
+def placed_shape_pairs(
+    count: int, seed: int, colors=tuple(COLORS), shapes=SHAPES
+) -> list[tuple[Image.Image, Image.Image, str]]:
+    """`count` ControlNet pairs in `write_pair_folder`'s order (control, target, caption): a shape's silhouette, white
+    on black, and the shape drawn at that place and size in a color, captioned `a <color> <shape>`. Deterministic by
+    seed; the colors and shapes cycle as `shape_images`'."""
+    rng = np.random.default_rng(seed)
+    pairs = [(color, shape) for color in colors for shape in shapes]
+    out = []
+    for i in range(count):
+        color, shape = pairs[i % len(pairs)]
+        place = int(rng.integers(2**31))  # the same draws place the silhouette and the shape
+        control, target = (
+            render_shape(shape, color, np.random.default_rng(place), silhouette=silhouette)
+            for silhouette in (True, False)
+        )
+        out.append((control, target, f"a {color} {shape}"))
+    return out
 
 
 def write_pair_folder(folder: Path, pairs: list[tuple[Image.Image, Image.Image, str]]) -> None:

@@ -188,15 +188,20 @@ def is_loraplus_b(name: str, param: torch.nn.Parameter) -> bool:
 
 
 def build_optimizer(
-    named: dict[str, torch.nn.Parameter], denoiser_part: str, config: OptimConfig, device, lr_scale: float = 1.0
+    named: dict[str, torch.nn.Parameter],
+    text_encoder_parts: tuple[str, ...],
+    config: OptimConfig,
+    device,
+    lr_scale: float = 1.0,
 ) -> torch.optim.Optimizer:
-    """One parameter group for the denoiser and one for the text encoders (named `<part>.<name>`), each at its own
+    """One parameter group for the denoiser (or a ControlNet) and one for the text encoders (`text_encoder_parts`;
+    parameters named `<part>.<name>`), each at its own
     peak learning rate times `lr_scale` (`learning_rate_scale`); with `optim.loraplus_ratio`, each split in two,
     the B matrices at that many times the rate. (peft's LoRA+ helper builds one model's optimizer; here two parts
     with their own rates share one.)"""
     groups = []
-    for in_denoiser, lr in ((True, config.learning_rate), (False, config.text_encoder_learning_rate)):
-        part = {name: p for name, p in named.items() if name.startswith(f"{denoiser_part}.") == in_denoiser}
+    for in_text_encoder, lr in ((False, config.learning_rate), (True, config.text_encoder_learning_rate)):
+        part = {name: p for name, p in named.items() if (name.split(".")[0] in text_encoder_parts) == in_text_encoder}
         if config.loraplus_ratio:
             b_side = {name for name, p in part.items() if is_loraplus_b(name, p)}
             groups.append({"params": [p for name, p in part.items() if name not in b_side], "lr": lr * lr_scale})

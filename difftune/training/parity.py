@@ -60,8 +60,8 @@ def check_parity(
             components = _fresh_components(config, paths, device, dtype)
             trained = trained_parts(components, config.adapter)
             whole = (
-                trained.values() if config.adapter.trains_all_weights else ()
-            )  # a full fine-tune's stay fp32, as trained
+                trained.values() if config.adapter.trains_whole_parts else ()
+            )  # a full fine-tune's (a ControlNet) stay fp32, as trained
             with adapters_kept_in_fp32(components):
                 place_frozen(
                     components, device, dtype, whole, stored=stored_dtype(config), offloaded=config.model.offload_blocks

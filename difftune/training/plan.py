@@ -774,7 +774,10 @@ def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tu
         name: value.to(dtype) if value.is_floating_point() else value for name, value in conditioning.items()
     }
     planned = components.family.planned_controls(components, latents)  # an edit pair's controls, or layers
-    if planned:
+    if components.controlnet is not None:  # the ControlNet's control image (its latents, or its pixels) instead
+        controlnet = components.family.controlnet
+        conditioning["control"] = controlnet.control_input(components, latents if controlnet.reads_latents else pixels)
+    elif planned:
         conditioning["control_latents"] = planned
     latents = components.family.trained_latents(latents, conditioning)
     geometry = torch.tensor([[side, side, 0, 0, side, side]] * batch, device=META)

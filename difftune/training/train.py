@@ -63,6 +63,7 @@ from difftune.data.dataset import (
 from difftune.data.sources import data_source
 from difftune.errors import DifftuneError
 from difftune.families import family_of, load_components, load_denoiser
+from difftune.families.control import check_control_images
 from difftune.families.drawing import generate_images, save_images
 from difftune.families.objective import training_noise_scheduler
 from difftune.memory.checkpointing import enable_gradient_checkpointing
@@ -252,10 +253,12 @@ def setup(config: Config, resume: str | None = None) -> Run:
     report_bad_files(bad_files, output_dir / BAD_FILES_REPORT if main else None, accelerator.print)
     media = _media_count(examples)
     _check_batch_within_data(config, len(examples), accelerator.num_processes, f"{media} in {paths}")
-    if config.preference.method == "off":
-        components.family.check_controls(examples, "data.path")
-    else:  # the pairs' controls are their rejected images
+    if config.preference.method != "off":  # the pairs' controls are their rejected images
         check_preference_pairs(examples, components.family)
+    elif config.adapter.trains_controlnet or config.adapter.control_input:  # each target's control says what to draw
+        check_control_images(examples, "data.path")
+    else:
+        components.family.check_controls(examples, "data.path")
     sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
     controls = control_sizes(
         examples, sizes, partial(components.family.control_size, options=components.family_options)
@@ -284,19 +287,15 @@ def setup(config: Config, resume: str | None = None) -> Run:
         components.denoiser.compile()
 
     named = trainable_parameters(components, config.adapter)
-    denoiser_part = components.family.denoiser_name
     global_batch = config.train.batch_size * accelerator.num_processes * config.train.gradient_accumulation_steps
     lr_scale = learning_rate_scale(config.optim.scale_lr, global_batch)
-    optimizer = build_optimizer(named, denoiser_part, config.optim, accelerator.device, lr_scale)
+    optimizer = build_optimizer(named, tuple(components.text_encoders), config.optim, accelerator.device, lr_scale)
     lr_scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps, accelerator.num_processes)
     # Only trained modules are prepared: DDP refuses a module with nothing to train.
     trained = trained_parts(components, config.adapter)
     *prepared, optimizer, lr_scheduler = accelerator.prepare(*trained.values(), optimizer, lr_scheduler)
     for part, module in zip(trained, prepared, strict=True):
-        if part == denoiser_part:
-            components.denoiser = module
-        else:
-            components.text_encoders[part] = module
+        components.replace_part(part, module)
     # FSDP's prepare swaps the trained parameters for sharded ones (the optimizer follows): name those.
     named = trainable_parameters(_unwrapped(components, accelerator), config.adapter)
 
@@ -454,9 +453,10 @@ def accumulate_gradients(run: Run) -> tuple[float, list[str], dict]:
 
 def _denoiser_autocast(run: Run):
     """Accelerate's autocast, where the denoiser runs outside it: Accelerate puts the modules it prepares (the trained
-    ones) under autocast, and textual inversion trains the text encoders alone, so its frozen half-precision denoiser
-    would meet fp32 inputs (a dtype error on every bf16 run)."""
-    return run.accelerator.autocast() if run.config.adapter.learns_tokens else nullcontext()
+    ones) under autocast, and textual inversion trains the text encoders alone (a ControlNet run its ControlNet), so
+    its frozen half-precision denoiser would meet fp32 inputs (a dtype error on every bf16 run)."""
+    denoiser_trained = any(module is run.components.denoiser for module in run.trained_modules)
+    return nullcontext() if denoiser_trained else run.accelerator.autocast()
 
 
 def with_accumulation(config: Config, num_processes: int) -> Config:
@@ -566,13 +566,18 @@ def _accelerator(config: Config, output_dir: Path) -> Accelerator:
         sharding.check_config(config)
     if config.train.compile:
         _check_compile_device(accelerator.device)
-    if config.model.quantize != "none" and config.train.mixed_precision == "bf16" and accelerator.device.type == "cpu":
+    mixed_norms = {
         # Found by gpu_suite.sh's dry run: a quantized layer's fp32 output meets bf16 norm weights, which CPU
         # autocast leaves to a group norm that refuses mixed dtypes (CUDA's autocast runs norms in fp32).
+        f'model.quantize = "{config.model.quantize}"': config.model.quantize != "none",
+        # The fp32 ControlNet's group norms meet the bf16 outputs of the convolutions autocast ran before them.
+        'adapter.kind = "controlnet"': config.adapter.trains_controlnet,
+    }
+    mixed = [setting for setting, is_set in mixed_norms.items() if is_set]
+    if mixed and config.train.mixed_precision == "bf16" and accelerator.device.type == "cpu":
         raise DifftuneError(
-            f'model.quantize = "{config.model.quantize}" with train.mixed_precision = "bf16" fails on a CPU '
-            "(PyTorch's "
-            'CPU group norm refuses the mixed dtypes): use mixed_precision "no" here, or a CUDA device'
+            f'{mixed[0]} with train.mixed_precision = "bf16" fails on a CPU (PyTorch\'s CPU group norm refuses the '
+            'mixed dtypes): use mixed_precision "no" here, or a CUDA device'
         )
     keep_models_out_of_accelerate_state(accelerator)
     return accelerator
@@ -605,14 +610,16 @@ def _training_loss(
                 components, {name: ids.to(device) for name, ids in batch["token_ids"].items()}
             )
     conditioning |= {name: value.to(device) for name, value in from_pixels.items()}  # an image-to-video first frame
-    control_means = batch.get("control_latents")  # an edit pair: its controls' latents join the conditioning
-    if "control_pixels" in batch:
-        with torch.no_grad():
-            control_means = [
-                encode_posterior(components.vae, pixels.to(device))[0] for pixels in batch["control_pixels"]
-            ]
-    controls = [reference_latents(mean.to(device), components.latent_normalization) for mean in control_means or []]
-    if controls and config.preference.method == "off":
+    if config.adapter.trains_controlnet:  # what the ControlNet reads: the control image, or its latents
+        conditioning["control"] = family.controlnet.control_input(
+            components, _controls(components, batch, device, family.controlnet.reads_latents)[0]
+        )
+        controls = []
+    else:
+        controls = _controls(components, batch, device, as_latents=True)
+    if config.adapter.control_input:  # a control LoRA's: more input channels
+        conditioning["input_control"] = controls[0]
+    elif controls and config.preference.method == "off":  # an edit pair: its controls' latents join the conditioning
         conditioning["control_latents"] = controls
     latents = family.trained_latents(latents, conditioning)  # a layered base's: the image and its layers
     timesteps, noise, input_noise = family.objective.draw_timesteps_and_noise(
@@ -638,6 +645,18 @@ def _training_loss(
     else:
         loss = loss_of(latents)
     return loss * batch["loss_weight"].to(device, loss.dtype)  # prior preservation's class images: prior.loss_weight
+
+
+def _controls(components: Components, batch: dict, device: torch.device, as_latents: bool) -> list[torch.Tensor]:
+    """A batch's control images, each (B, C, ...) on `device`: pixels in [-1, 1], or `as_latents` their posteriors'
+    normalised means (cached, or encoded here)."""
+    if not as_latents:
+        return [pixels.to(device) for pixels in batch["control_pixels"]]
+    means = batch.get("control_latents")
+    if "control_pixels" in batch:
+        with torch.no_grad():
+            means = [encode_posterior(components.vae, pixels.to(device))[0] for pixels in batch["control_pixels"]]
+    return [reference_latents(mean.to(device), components.latent_normalization) for mean in means or []]
 
 
 def _media_count(examples: list) -> str:
@@ -670,6 +689,12 @@ def latent_mask(mask: torch.Tensor, size: tuple[int, ...], unmasked_weight: floa
     return unmasked_weight + (1 - unmasked_weight) * weights
 
 
+def _controls_as_latents(components: Components, config: Config) -> bool:
+    """Whether the run reads its control images as latents (an edit pair's, a rejected image, most ControlNets'), so
+    that the latent cache holds them, or as pixels (SD's and SDXL's ControlNets)."""
+    return not config.adapter.trains_controlnet or components.family.controlnet.reads_latents
+
+
 def _fill_caches(components: Components, tokenize, examples, sizes, controls, config: Config, accelerator) -> tuple:
     """Cache files for the examples' latents, their controls' latents and captions (None where that cache is off),
     encoding what is missing, shared out among the processes (`_cache_shares`)."""
@@ -677,19 +702,19 @@ def _fill_caches(components: Components, tokenize, examples, sizes, controls, co
     if config.cache.latents == "on":
         vae_identity = components.family.latent_identity(components)
         latent_files = latent_entries(examples, sizes, vae_identity, config)
-        control_files = control_latent_entries(examples, controls, vae_identity, config)
+        if _controls_as_latents(components, config):
+            control_files = control_latent_entries(examples, controls, vae_identity, config)
     if config.cache.text == "on":
         prompts = possible_prompts(
             examples, controls, config.data, config.train.seed, components.family.prompts_see_controls
         )
         text_files = text_entries(prompts, text_identity(components), config, tokenize)
     device = accelerator.device
-    paths = [e.path for e in examples] + [c for e in examples for c in e.control_paths]
-    all_sizes = sizes + [size for example_sizes in controls for size in example_sizes]
+    encoded_controls = [e.control_paths for e in examples] if control_files else []
+    paths = [e.path for e in examples] + [c for paths in encoded_controls for c in paths]
+    all_sizes = sizes + [size for example_sizes in controls[: len(encoded_controls)] for size in example_sizes]
     windows = [e.frames for e in examples] + [None] * (len(paths) - len(examples))
-    all_files = (
-        latent_files + [views for example_files in control_files for views in example_files] if latent_files else []
-    )
+    all_files = latent_files + [views for files in control_files or [] for views in files] if latent_files else []
     prompt_files = sorted(text_files.items()) if text_files else []
     for share, shares in _cache_shares(accelerator):
         mine = [i for i in range(len(all_files)) if i % shares == share]
@@ -851,7 +876,13 @@ def _validate(run: Run, components: Components, step: int) -> dict:
 
 
 def _sample_before_training(components: Components, config: Config, output_dir: Path, device: torch.device) -> None:
-    """The base's own samples, with the seeds the end-of-run samples use; before any adapter exists."""
+    """The base's own samples, with the seeds the end-of-run samples use; before any adapter exists. A ControlNet run's
+    draw through a ControlNet as it starts (its zero convolutions add nothing: the base's drawing, from the prompts'
+    control images), built for them alone; a control LoRA's through the widened denoiser it trains."""
+    if config.adapter.trains_controlnet:
+        components.controlnet = components.family.controlnet.build(components)
+    if config.adapter.control_input:  # widened with zeros: the base's drawing, from the prompts' control images
+        components.family.input_control.widen(components.denoiser)
     for module in components.modules():
         module.to(device)
     with previewing(components):
@@ -860,6 +891,7 @@ def _sample_before_training(components: Components, config: Config, output_dir: 
             config.sample,
             output_dir / "samples" / "before",
         )
+    components.controlnet = None
 
 
 def _save_results(run: Run, components: Components, ema: EMAModel | None, parameters: list) -> Path:
@@ -954,7 +986,7 @@ def _shape_for_training(components: Components, config: Config, accelerator: Acc
 def _place_models(components: Components, config: Config, accelerator: Accelerator) -> None:
     """Frozen weights in the configured dtype, trained ones in fp32, all on the device."""
     trained = trained_parts(components, config.adapter)
-    trained_whole = trained.values() if config.adapter.trains_all_weights else ()
+    trained_whole = trained.values() if config.adapter.trains_whole_parts else ()
     offloader = place_frozen(
         components,
         accelerator.device,
