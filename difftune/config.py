@@ -545,7 +545,7 @@ class AdapterConfig(Section):
         "layout is peft's, for peft and difftune); `none` trains all denoiser weights; `embedding` "
         "learns new token embeddings and nothing else (textual inversion; see the `embedding_*` keys); "
         "`controlnet` trains a ControlNet beside the frozen base on the control images of the data (SD 1.x/2.x, "
-        "SDXL, SD3/3.5, Flux.1; the README's Control section).",
+        "SDXL, SD3/3.5, Flux.1, Qwen-Image; the README's Control section).",
     )
     rank: int = Field(16, ge=1, description="Adapter rank.")
     alpha: float | None = Field(None, gt=0, description="Adapter alpha (scale = alpha / rank); defaults to the rank.")

@@ -1,9 +1,11 @@
-"""The ControlNet job (configs/tiny_controlnet.toml) on the tiny base: trained, then scored on where it draws: for 8
+"""The ControlNet job (configs/tiny_controlnet.toml; or the control LoRA's, configs/tiny_flux_control_lora.toml) on its
+tiny base: trained, then scored on where it draws: for 8
 held-out silhouettes of every seen color and shape, the fraction drawn in the asked color and shape, the fraction
 whose drawn shape overlaps the control's silhouette by at least half (intersection over union), and the mean overlap;
 the base alone (its drawing ignores the control) is the before. One JSON line per seed (and variant).
 
-    python scripts/bench_controlnet.py [--out benchmarks/controlnet-tiny.jsonl] [--seeds 0 1 2] [--set key=value ...]
+    python scripts/bench_controlnet.py [--config configs/tiny_controlnet.toml] [--out benchmarks/controlnet-tiny.jsonl]
+        [--seeds 0 1 2] [--set key=value ...]
 """
 
 import argparse
@@ -17,8 +19,6 @@ from difftune.families import load_components
 from difftune.toy.judge import EvalSettings, placement_score
 from difftune.toy.tiny_base import SEEN_COLORS
 from difftune.training.train import train
-
-CONFIG = "configs/tiny_controlnet.toml"
 
 
 def summary(scores: dict) -> dict:
@@ -34,17 +34,25 @@ def summary(scores: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny_controlnet.toml")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/controlnet-tiny.jsonl"))
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/difftune-bench-controlnet"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--set", nargs="*", default=[], dest="overrides", help="config overrides of the variant")
+    parser.add_argument(
+        "--guidance-scale",
+        type=float,
+        default=3.0,
+        help="the judge's, before and after (1: FluxControlPipeline on a "
+        "base without a guidance embedding, which it cannot guide otherwise)",
+    )
     args = parser.parse_args()
-    settings = EvalSettings()
-    before = summary(placement_score(load_components(load_config(CONFIG).model), SEEN_COLORS, settings))
+    settings = EvalSettings(guidance_scale=args.guidance_scale)
+    before = summary(placement_score(load_components(load_config(args.config).model), SEEN_COLORS, settings))
     for seed in args.seeds:
         out_dir = args.work_dir / f"seed_{seed}"
         config = load_config(
-            CONFIG,
+            args.config,
             [
                 *args.overrides,
                 f"train.output_dir={out_dir}",
@@ -59,7 +67,14 @@ def main() -> None:
         components = load_components(config.model)
         apply_adapters(components, [(result.trained_path, 1.0)])
         after = summary(placement_score(components, SEEN_COLORS, settings))
-        line = {"seed": seed, "overrides": args.overrides, "train_s": seconds, "before": before, "after": after}
+        line = {
+            "config": args.config,
+            "seed": seed,
+            "overrides": args.overrides,
+            "train_s": seconds,
+            "before": before,
+            "after": after,
+        }
         print(json.dumps(line), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "a", encoding="utf-8") as out:

@@ -11,6 +11,8 @@ from diffusers import (
     FluxControlNetModel,
     FluxControlNetPipeline,
     FluxControlPipeline,
+    QwenImageControlNetModel,
+    QwenImageControlNetPipeline,
     SD3ControlNetModel,
     StableDiffusion3ControlNetPipeline,
     StableDiffusionControlNetPipeline,
@@ -19,9 +21,10 @@ from diffusers import (
 from PIL import Image
 from safetensors.torch import load_file
 
+from difftune.adapters.export import merge_into_folder
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
-from difftune.families import load_components
+from difftune.families import FAMILIES, load_components
 from difftune.toy.tiny import placed_shape_pairs, write_pair_folder
 from difftune.training.metrics import read_metrics
 from difftune.training.train import train
@@ -57,6 +60,7 @@ def _controlnet_job(make_config, placed, tmp_path, name="controlnet", **override
         ("sdxl", StableDiffusionXLControlNetPipeline, {}),
         ("sd3", StableDiffusion3ControlNetPipeline, {}),
         ("flux", FluxControlNetPipeline, {}),
+        ("qwen_image", QwenImageControlNetPipeline, {}),
     ],
 )
 def test_the_saved_controlnet_draws_in_diffusers_pipeline_what_difftune_drew(
@@ -66,15 +70,19 @@ def test_the_saved_controlnet_draws_in_diffusers_pipeline_what_difftune_drew(
     (`from_pretrained`: diffusers' own loading, none of difftune's) and draws the run's sample 000 exactly; the run's
     own parity check says 0 too. SDXL's ControlNet reads the UNet's added conditioning (pooled text, sizes) as well."""
     base = micro_base(family)
-    # Flux at guidance 1: no true classifier-free guidance (a micro Flux has no guidance embedding)
-    config = _controlnet_job(
-        make_config, placed, tmp_path, model__base=str(base), sample__guidance_scale=1.0 if family == "flux" else 3.0
-    )
+    # Flux and Qwen-Image at guidance 1: no true classifier-free guidance (their micro bases have no guidance
+    # embedding, and difftune's negative pass is the pipelines' `true_cfg_scale`, which the call below leaves out)
+    guidance = 1.0 if family in ("flux", "qwen_image") else 3.0
+    config = _controlnet_job(make_config, placed, tmp_path, model__base=str(base), sample__guidance_scale=guidance)
     train(config)
     out = tmp_path / "controlnet"
-    model_class = {"sd": ControlNetModel, "sdxl": ControlNetModel, "sd3": SD3ControlNetModel}.get(
-        family, FluxControlNetModel
-    )
+    model_class = {
+        "sd": ControlNetModel,
+        "sdxl": ControlNetModel,
+        "sd3": SD3ControlNetModel,
+        "flux": FluxControlNetModel,
+        "qwen_image": QwenImageControlNetModel,
+    }[family]
     controlnet = model_class.from_pretrained(out / "controlnet")
     trained = load_file(out / "controlnet" / "diffusion_pytorch_model.safetensors")
     outputs = ("controlnet_down_blocks.", "controlnet_blocks.")  # the zero-initialised layers out: trained
@@ -87,6 +95,8 @@ def test_the_saved_controlnet_draws_in_diffusers_pipeline_what_difftune_drew(
     if family in ("sd3", "flux"):  # the T5 tokens difftune trains and draws with
         tokenizer = pipeline.tokenizer_3 if family == "sd3" else pipeline.tokenizer_2
         control["max_sequence_length"] = tokenizer.model_max_length
+    if family == "qwen_image":  # the text tokens difftune trains and draws with
+        control["max_sequence_length"] = FAMILIES["qwen_image"].padded_text_tokens
     torch.manual_seed(config.sample.seed)  # SD3's ControlNet pipeline draws its control's latents from torch's own
     [theirs] = pipeline(
         prompt="a red circle",
@@ -96,6 +106,7 @@ def test_the_saved_controlnet_draws_in_diffusers_pipeline_what_difftune_drew(
         num_inference_steps=config.sample.steps,
         guidance_scale=config.sample.guidance_scale,
         generator=torch.Generator("cpu").manual_seed(config.sample.seed),
+        **({"true_cfg_scale": 1.0} if family == "qwen_image" else {}),
     ).images
     assert np.abs(ours - np.asarray(theirs, np.int16)).max() == 0
     assert '"max_pixel_difference": 0' in (out / "parity.json").read_text()
@@ -319,17 +330,72 @@ def test_a_control_lora_loads_in_flux_control_pipeline_and_draws_what_difftune_d
     pipeline = FluxControlPipeline.from_pretrained(base)
     pipeline.load_lora_weights(out)
     torch.manual_seed(config.sample.seed)
-    [theirs] = pipeline(
-        prompt="a red circle",
-        control_image=Image.open(placed / "control" / "0000.png"),
-        height=32,
-        width=32,
-        num_inference_steps=config.sample.steps,
-        guidance_scale=1.0,
-        max_sequence_length=pipeline.tokenizer_2.model_max_length,
-        generator=torch.Generator("cpu").manual_seed(config.sample.seed),
-    ).images
+    call = {
+        "prompt": "a red circle",
+        "control_image": Image.open(placed / "control" / "0000.png"),
+        "height": 32,
+        "width": 32,
+        "num_inference_steps": config.sample.steps,
+        "guidance_scale": 1.0,
+        "max_sequence_length": pipeline.tokenizer_2.model_max_length,
+    }
+    [theirs] = pipeline(**call, generator=torch.Generator("cpu").manual_seed(config.sample.seed)).images
     ours = np.asarray(Image.open(out / "samples" / "000.png").convert("RGB"), np.int16)
     assert np.abs(ours - np.asarray(theirs, np.int16)).max() == 0
     parity = (out / "parity.json").read_text()
     assert '"max_pixel_difference": 0' in parity and "no kohya layout" in parity
+
+    # Merged into the base: a FluxControlPipeline folder whose transformer's config says its width, which diffusers
+    # loads whole and which draws as the LoRA on the base did (merging rounds by a level at most).
+    merge_into_folder(str(base), [(out / "pytorch_lora_weights.safetensors", 1.0)], tmp_path / "merged", "fp32")
+    merged = FluxControlPipeline.from_pretrained(tmp_path / "merged")
+    assert merged.transformer.config.in_channels == 2 * inputs
+    torch.manual_seed(config.sample.seed)
+    [drawn] = merged(**call, generator=torch.Generator("cpu").manual_seed(config.sample.seed)).images
+    assert np.abs(ours - np.asarray(drawn, np.int16)).max() <= 1
+
+
+def test_a_control_lora_starts_as_the_base(make_config, placed, micro_base, tmp_path):
+    """The widened input layer's new half is zero and the LoRA's B too: the first step's loss is a plain LoRA's on
+    the same data, bit for bit; later steps read the control and part ways."""
+    base = str(micro_base("flux"))
+    (tmp_path / "no controls").mkdir()
+    plain, control = (
+        _controlnet_job(
+            make_config,
+            placed,
+            tmp_path,
+            name,
+            model__base=base,
+            adapter__kind="lora",
+            adapter__control_input=reads,
+            sample__prompts=[],
+            optim__learning_rate=1e-2,
+            **({} if reads else {"data__control_path": str(tmp_path / "no controls")}),  # the same images, alone
+        )
+        for name, reads in (("plain", False), ("control", True))
+    )
+    train(plain)
+    train(control)
+    losses = {run: [row["loss"] for row in read_metrics(tmp_path / run)] for run in ("plain", "control")}
+    assert losses["control"][0] == losses["plain"][0]
+    assert losses["control"][1:] != losses["plain"][1:]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"adapter__kind": "loha"}, r'control_input cannot train with adapter\.kind = "loha"'),
+        ({"export__format": "kohya"}, r'control_input cannot train with export\.format = "kohya"'),
+        ({"model__base": None}, r"adapter\.control_input: Stable Diffusion .* has no pipeline that reads control"),
+    ],
+)
+def test_settings_a_control_lora_cannot_train_with_are_refused(
+    make_config, placed, micro_base, tmp_path, overrides, message
+):
+    settings = {"model__base": str(micro_base("flux")), "adapter__kind": "lora", "sample__prompts": []}
+    settings |= {key: value for key, value in overrides.items() if value is not None}
+    if overrides.get("model__base", "") is None:
+        settings.pop("model__base")  # the micro SD base
+    with pytest.raises(DifftuneError, match=message):
+        train(_controlnet_job(make_config, placed, tmp_path, adapter__control_input=True, **settings))

@@ -183,9 +183,16 @@ def test_console_script_is_installed():
     assert "max_steps" in train_keys and "[adapter] kind, rank" in run.stdout
 
 
-def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
+@pytest.mark.parametrize(
+    ("job", "result"),
+    [
+        ("tiny_lora", "pytorch_lora_weights.safetensors"),
+        ("tiny_controlnet", "controlnet/diffusion_pytorch_model.safetensors"),  # the prepared ControlNet, not the UNet
+    ],
+)
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path, job, result):
     """DDP through accelerate (gloo on CPU): 2 x batch 4 trains exactly like 1 x batch 8."""
-    common = ["--config", "configs/tiny_lora.toml", "train.max_steps=4", "sample.prompts=[]", "log.progress_bar=false"]
+    common = ["--config", f"configs/{job}.toml", "train.max_steps=4", "sample.prompts=[]", "log.progress_bar=false"]
     one = run_in_repo(
         [sys.executable, "scripts/train.py", *common, f"train.output_dir={tmp_path / 'one'}", "train.batch_size=8"]
     )
@@ -199,8 +206,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     losses_one = [row["loss"] for row in read_metrics(tmp_path / "one")]
     losses_two = [row["loss"] for row in read_metrics(tmp_path / "two")]
     assert losses_one == pytest.approx(losses_two, rel=1e-5)
-    weights_one = load_file(tmp_path / "one" / "pytorch_lora_weights.safetensors")
-    weights_two = load_file(tmp_path / "two" / "pytorch_lora_weights.safetensors")
+    weights_one, weights_two = (load_file(tmp_path / run / result) for run in ("one", "two"))
     for key, value in weights_one.items():
         torch.testing.assert_close(weights_two[key], value, rtol=0, atol=1e-6)
 
@@ -240,8 +246,9 @@ def test_two_process_run_resumes_exactly(tmp_path):
     assert [row["loss"] for row in read_metrics(tmp_path / "two")] == pytest.approx(
         [row["loss"] for row in read_metrics(tmp_path / "one")], rel=1e-5
     )
-    weights_one = load_file(tmp_path / "one" / "pytorch_lora_weights.safetensors")
-    weights_two = load_file(tmp_path / "two" / "pytorch_lora_weights.safetensors")
+    weights_one, weights_two = (
+        load_file(tmp_path / run / "pytorch_lora_weights.safetensors") for run in ("one", "two")
+    )
     for key, value in weights_one.items():
         torch.testing.assert_close(weights_two[key], value, rtol=0, atol=1e-6)
 

@@ -480,6 +480,8 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
                     **components.family.lora_loading_arguments(_file_placement(components, config_toml)),
                 )
     pipeline.set_adapters(names, adapter_weights=[scale for _, scale in adapters])
+    if components.family.reads_input_control(components):  # a control LoRA widened the input layer as it loaded
+        components.family.input_control.widen(components.denoiser)  # its config says so too (merged folders)
 
 
 def _attach_lycoris(components: Components, tensors: dict, lora_configs: dict, name: str, path: Path) -> None:

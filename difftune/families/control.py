@@ -22,7 +22,7 @@ import math
 from contextlib import nullcontext
 
 import torch
-from diffusers import ControlNetModel, FluxControlNetModel, SD3ControlNetModel
+from diffusers import ControlNetModel, FluxControlNetModel, QwenImageControlNetModel, SD3ControlNetModel
 
 from difftune.errors import DifftuneError
 from difftune.families.flow import pack
@@ -170,6 +170,36 @@ class FluxControlNet(ControlNets):
         return {"controlnet_block_samples": blocks, "controlnet_single_block_samples": single_blocks}
 
 
+class QwenImageControlNet(ControlNets):
+    """Qwen-Image's ControlNet (diffusers' `QwenImageControlNetModel`, as InstantX's Union): the transformer's first 5
+    blocks (`from_transformer`'s default) with its embeddings, reading the control image's packed latents through an
+    input embedding that starts at zero, each block's output added to the transformer's blocks."""
+
+    model_class = QwenImageControlNetModel
+    copied_parts = ("pos_embed", "time_text_embed", "img_in", "txt_in", "transformer_blocks")
+    zeroed_parts = ("controlnet_x_embedder",)
+    layers = 5
+
+    def empty(self, components: Components) -> torch.nn.Module:
+        config = components.denoiser.config
+        settings = {**config, "num_layers": min(self.layers, config.num_layers), "extra_condition_channels": 0}
+        return QwenImageControlNetModel.from_config(init_settings(QwenImageControlNetModel, settings))
+
+    def control_input(self, components: Components, control: torch.Tensor) -> torch.Tensor:
+        return pack(control)  # (B, h/2 * w/2, 4C), as `QwenImageControlNetPipeline._pack_latents`
+
+    def residuals(self, controlnet, control, hidden_states, timestep, **inputs) -> dict:
+        inputs.pop("guidance", None)  # the pipeline calls it without (Qwen-Image has no guidance embedding)
+        samples = controlnet(
+            hidden_states,
+            controlnet_cond=control.to(hidden_states.dtype),
+            timestep=timestep,
+            return_dict=False,
+            **inputs,
+        )
+        return {"controlnet_block_samples": samples}
+
+
 class InputControl:
     """Control images as extra input channels (`adapter.control_input`): the input layer `input_layer` of the
     denoiser widened to twice its inputs, the new half zero (diffusers' `train_control_lora_flux.py`), and the
@@ -190,10 +220,12 @@ class InputControl:
 
     def widen(self, denoiser: torch.nn.Module) -> None:
         """Double the input layer's inputs, the new half zero, and say so in the config (its `in_channels`, the
-        original `out_channels`), as the diffusers script does; nothing where it is widened already."""
-        if self.reads_control(denoiser):
-            return
+        original `out_channels`), as the diffusers script does. Where it is widened already, the config alone:
+        diffusers' LoRA loader widens the layer as it reads a control LoRA but leaves the saved config's width."""
         layer = getattr(denoiser, self.input_layer)
+        if self.reads_control(denoiser):
+            denoiser.register_to_config(in_channels=layer.in_features, out_channels=layer.in_features // 2)
+            return
         weight = layer.weight.detach()  # a stored layer's as it computes
         wide = torch.nn.Linear(
             2 * layer.in_features, layer.out_features, layer.bias is not None, weight.device, weight.dtype

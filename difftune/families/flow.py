@@ -24,6 +24,7 @@ from diffusers.training_utils import compute_loss_weighting_for_sd3
 from pydantic import Field
 
 from difftune.config import Config, LossConfig
+from difftune.errors import DifftuneError
 from difftune.families.family import Family
 from difftune.families.loading import FamilyOptions
 from difftune.families.objective import Objective, draw_fractions, draw_noise, per_sample_error
@@ -194,6 +195,11 @@ class FlowMatchingFamily(Family):
         arguments = {"max_sequence_length": self.max_sequence_length(components)}
         if components.denoiser.config.guidance_embeds:
             return arguments | {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None}
+        if guidance_scale > 1 and self.reads_input_control(components):
+            raise DifftuneError(
+                f"sample.guidance_scale = {guidance_scale}: {self.input_control.pipeline_class.__name__} guides "
+                "through the base's guidance embedding alone, which this base lacks; set it to 1"
+            )
         if guidance_scale > 1:
             return arguments | {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt or ""}
         return arguments

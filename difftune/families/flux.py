@@ -154,7 +154,7 @@ class Flux(FlowMatchingFamily):
     description = "Flux.1-class flow-matching transformers"
     options_model = FluxOptions
     pipeline_class = FluxPipeline
-    pipeline_classes = ("FluxPipeline",)
+    pipeline_classes = ("FluxPipeline", "FluxControlPipeline")  # the second: a control LoRA merged in
     controlnet = FluxControlNet(FluxControlNetPipeline)
     input_control = InputControl(FluxControlPipeline, "x_embedder", "proj_out")
     denoiser_class = FluxTransformer2DModel
@@ -182,6 +182,10 @@ class Flux(FlowMatchingFamily):
             "pooled_prompt_embeds": clip.pooler_output,
             "text_mask": t5_ids != pad,
         }
+
+    def latent_channels(self, denoiser: torch.nn.Module) -> int:
+        """What the transformer predicts: a control LoRA's widened one (FluxControlPipeline's) reads twice that."""
+        return (denoiser.config.get("out_channels") or denoiser.config.in_channels) // self.patch_size**2
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """Reference images (an edit base's `control_latents`) follow the image's tokens, each with its own index in

@@ -21,9 +21,10 @@ autoencoder, conditioned on the last hidden state of a Qwen2.5-VL language model
 from __future__ import annotations
 
 import torch
-from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+from diffusers import QwenImageControlNetPipeline, QwenImagePipeline, QwenImageTransformer2DModel
 
 from difftune.families.conditioning import valid_token_states
+from difftune.families.control import QwenImageControlNet
 from difftune.families.flow import FlowMatchingFamily, pack, unpack
 from difftune.families.layouts import DiffusersNamedLayout
 from difftune.models.parts import Components
@@ -67,6 +68,7 @@ class QwenImage(FlowMatchingFamily):
     layout = QwenImageLayout()
     description = "Qwen-Image"
     pipeline_class = QwenImagePipeline
+    controlnet = QwenImageControlNet(QwenImageControlNetPipeline)
     pipeline_classes = ("QwenImagePipeline",)
     denoiser_class = QwenImageTransformer2DModel
     denoiser_name = "transformer"
@@ -120,15 +122,17 @@ class QwenImage(FlowMatchingFamily):
         longest = int(mask.sum(dim=1).max())
         states, mask = conditioning["encoder_hidden_states"][:, :longest], mask[:, :longest]
         b = len(images[0])
+        tokens = torch.cat([pack(image) for image in images], dim=1).to(states.dtype)
+        timestep = (timesteps / 1000).to(states.dtype)
+        inputs = {
+            "guidance": self.guidance(components, b, images[0].device),
+            "encoder_hidden_states": states,
+            "encoder_hidden_states_mask": None if mask.all() else mask,
+            "img_shapes": [[(1, image.shape[-2] // 2, image.shape[-1] // 2) for image in images]] * b,
+        }
+        control = self.control_residuals(components, conditioning, tokens, timestep, **inputs)
         return components.denoiser(
-            hidden_states=torch.cat([pack(image) for image in images], dim=1).to(states.dtype),
-            timestep=(timesteps / 1000).to(states.dtype),
-            guidance=self.guidance(components, b, images[0].device),
-            encoder_hidden_states=states,
-            encoder_hidden_states_mask=None if mask.all() else mask,
-            img_shapes=[[(1, image.shape[-2] // 2, image.shape[-1] // 2) for image in images]] * b,
-            return_dict=False,
-            **arguments,
+            hidden_states=tokens, timestep=timestep, **inputs, **control, return_dict=False, **arguments
         )[0]
 
     def max_sequence_length(self, components: Components) -> int:

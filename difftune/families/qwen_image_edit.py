@@ -69,6 +69,7 @@ class QwenImageEdit(QwenImage):
     name = "qwen_image_edit"
     description = "Qwen-Image-Edit"
     pipeline_class = QwenImageEditPipeline
+    controlnet = None  # QwenImageControlNetPipeline draws text-to-image: no ControlNet reads an edit's references
     pipeline_classes = ("QwenImageEditPipeline",)
     tokenizer_names = ("tokenizer", "processor")  # the processor reads the control images for the language model
     options_model = EditOptions

@@ -62,6 +62,7 @@ class QwenImageLayered(QwenImage):
     name = "qwen_image_layered"
     description = "Qwen-Image-Layered"
     pipeline_class = QwenImageLayeredPipeline
+    controlnet = None  # QwenImageControlNetPipeline draws text-to-image: no ControlNet reads layers
     pipeline_classes = ("QwenImageLayeredPipeline",)
     tokenizer_names = ("tokenizer", "processor")  # the pipeline captions an uncaptioned image with the processor
     options_model = LayeredOptions

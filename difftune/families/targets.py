@@ -76,10 +76,10 @@ class AdapterTargets:
                 f"adapter.control_input: {self.description} has no pipeline that reads control images as input "
                 "channels (Flux.1 does: FluxControlPipeline)"
             )
-        if config.adapter.kind == "controlnet" and self.controlnet is None:
+        if config.adapter.trains_controlnet and self.controlnet is None:
             problems.append(
                 f'adapter.kind = "controlnet": {self.description} has no ControlNet model in diffusers that difftune '
-                "trains (SD 1.x/2.x, SDXL, SD3/3.5 and Flux.1 do)"
+                "trains (SD 1.x/2.x, SDXL, SD3/3.5, Flux.1 and Qwen-Image do)"
             )
         return problems
 

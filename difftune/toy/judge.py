@@ -12,8 +12,9 @@ A video base is scored on clips of "a <color> <shape> moving <direction>": each 
 and the clip for its motion: the shape's centre (the mean of its mask) from the first frame it is seen in to the
 last must move at least `MIN_MOTION` pixels, and mostly the asked way.
 
-A ControlNet (`placement_score`) is scored on where it draws: held-out silhouettes (`tiny.placed_shape_pairs`), each
-drawn from its caption, judged for color and shape and for the overlap of the drawn shape with the silhouette.
+A ControlNet or a control LoRA (`placement_score`) is scored on where it draws: held-out silhouettes
+(`tiny.placed_shape_pairs`), each drawn from its caption, judged for color and shape and for the overlap of the drawn
+shape with the silhouette.
 
 An edit base is scored on edits instead: fixed recolor pairs (`tiny.recolor_pairs`) asked "make it <color>", each
 output judged for the asked color, the control's shape kept, and the shape kept in place (the overlap of the
@@ -388,9 +389,9 @@ def silhouette_mask(control: Image.Image) -> np.ndarray:
 @torch.no_grad()
 def judged_placements(components: Components, colors, settings: EvalSettings, say: Say = None) -> list[dict]:
     """`samples_per_prompt` fixed ControlNet pairs per (color, shape) (`placed_shape_pairs`; seeds of their own, so
-    held out from any training set made with small seeds), each drawn from its caption and, where the components hold
-    a ControlNet, its control image (the base alone draws the caption), judged: its color and shape, and the overlap
-    of the drawn shape with the control's silhouette (intersection over union)."""
+    held out from any training set made with small seeds), each drawn from its caption and, where the components read
+    control images (`reads_controls`), its control image (the base alone draws the caption), judged: its color and
+    shape, and the overlap of the drawn shape with the control's silhouette (intersection over union)."""
     pipeline, guidance = _eval_pipeline(components, settings)
     rows = []
     for prompt in _counted([f"{color} {shape}" for color in colors for shape in SHAPES], say):
@@ -403,7 +404,7 @@ def judged_placements(components: Components, colors, settings: EvalSettings, sa
                 pipeline,
                 components.family_options,
                 caption,
-                [control] if components.controlnet is not None else [],
+                [control] if reads_controls(components) else [],
                 settings.resolution,
                 settings.resolution,
                 num_inference_steps=settings.steps,
@@ -424,6 +425,12 @@ def judged_placements(components: Components, colors, settings: EvalSettings, sa
                 }
             )
     return rows
+
+
+def reads_controls(components: Components) -> bool:
+    """Whether the components draw from a control image: a ControlNet beside them, or a control LoRA's widened
+    denoiser."""
+    return components.controlnet is not None or components.family.reads_input_control(components)
 
 
 def placement_score(components: Components, colors, settings: EvalSettings, say: Say = None) -> dict:
@@ -448,6 +455,15 @@ def edit_score(
         "concept": edit_accuracy(concept),
         "concept_by_shape": {shape: edit_accuracy([r for r in concept if r["shape"] == shape]) for shape in SHAPES},
     }
+
+
+def _reads_controls_with(base: str, adapter: Path) -> bool:
+    """Whether `base` with `adapter` draws from control images (a control LoRA widens it as it loads)."""
+    from difftune.adapters.export import apply_adapters
+
+    components = load_components(ModelConfig(base=base))
+    apply_adapters(components, [(adapter, 1.0)])
+    return reads_controls(components)
 
 
 class ShapesJudge:
@@ -483,11 +499,11 @@ def evaluate(
     edits = bool(components.family.max_controls)
     if edits and concept_word:
         raise DifftuneError(f"--concept-word: {base} is an edit base, scored on edits that name the color")
-    placements = adapter is not None and is_controlnet_folder(adapter)
+    placements = adapter is not None and (is_controlnet_folder(adapter) or _reads_controls_with(base, adapter))
 
     def scored(model: str, word: str = "") -> dict:
         said = _within(say, f"{model}:")
-        if placements:  # a ControlNet: where the seen colors' shapes are drawn, before (the base) and with it
+        if placements:  # a ControlNet or control LoRA: where the seen colors' shapes are drawn, before and with it
             return placement_score(components, seen_colors, settings, said)
         if edits:
             return edit_score(components, seen_colors, concept_color, settings, said)

@@ -169,7 +169,8 @@ class Run:
 def _unwrapped(components: Components, accelerator: Accelerator) -> Components:
     unwrap = accelerator.unwrap_model
     encoders = {name: unwrap(m) if m is not None else None for name, m in components.text_encoders.items()}
-    return replace(components, denoiser=unwrap(components.denoiser), text_encoders=encoders)
+    controlnet = unwrap(components.controlnet) if components.controlnet is not None else None
+    return replace(components, denoiser=unwrap(components.denoiser), text_encoders=encoders, controlnet=controlnet)
 
 
 def train(config: Config, resume: str | None = None) -> TrainResult:
@@ -282,6 +283,8 @@ def setup(config: Config, resume: str | None = None) -> Run:
     with phase("preparing the model for training", say):
         _release_unneeded(components, config)
         _shape_for_training(components, config, accelerator)
+    if config.sample.prompts:  # the samples' pipeline arguments, refused now rather than at the end of the run
+        components.family.sampling_arguments(components, config.sample.guidance_scale, config.sample.negative_prompt)
     export.check_layout(components, config)
     if config.train.compile:  # after the adapters, so the compiled graph includes them
         components.denoiser.compile()
