@@ -399,3 +399,18 @@ def test_settings_a_control_lora_cannot_train_with_are_refused(
         settings.pop("model__base")  # the micro SD base
     with pytest.raises(DifftuneError, match=message):
         train(_controlnet_job(make_config, placed, tmp_path, adapter__control_input=True, **settings))
+
+
+def test_a_controlnets_snapshots_are_folders_its_pipeline_loads(make_config, placed, tmp_path):
+    """`export.every_steps` snapshots a ControlNet as the folder its result is (`snapshots/step-000002/`), not as a
+    folder named like an adapter file."""
+    train(_controlnet_job(make_config, placed, tmp_path, sample__prompts=[], export__every_steps=2))
+    snapshots = sorted((tmp_path / "controlnet" / "snapshots").iterdir())
+    assert [path.name for path in snapshots] == ["step-000002", "step-000004"]
+    first = ControlNetModel.from_pretrained(snapshots[0])
+    last = load_file(tmp_path / "controlnet" / "controlnet" / "diffusion_pytorch_model.safetensors")
+    assert all(
+        torch.equal(tensor, last[name])
+        for name, tensor in load_file(snapshots[1] / "diffusion_pytorch_model.safetensors").items()
+    )
+    assert not all(torch.equal(tensor, last[name]) for name, tensor in first.state_dict().items())

@@ -855,10 +855,9 @@ def _validate_preview_snapshot(run: Run, step: int, validate: bool, preview: boo
             with phase(f"step {step}: preview samples", run.say), run.accelerator.autocast(), previewing(components):
                 samples = generate_images(components, config.sample, run.accelerator.device)
             save_images(samples, config.sample, run.output_dir / "samples" / f"step-{step:06d}")
-    if snapshot:
-        export.save_trained(
-            components, config, run.output_dir / "snapshots" / f"step-{step:06d}.safetensors", "diffusers"
-        )
+    if snapshot:  # a file as the result is (an adapter's, an embedding's), or a folder (a full model's, a ControlNet's)
+        suffix = export.trained_path(config, run.output_dir).suffix
+        export.save_trained(components, config, run.output_dir / "snapshots" / f"step-{step:06d}{suffix}", "diffusers")
     return values
 
 
