@@ -20,7 +20,9 @@ from difftune.config import (
 )
 from difftune.errors import ERROR_PREFIX, DifftuneError
 from difftune.progress import phase
+from difftune.training.metrics import METRICS_FILE
 from difftune.training.preflight import check_before_start
+from difftune.training.requests import ASKED, ask
 from difftune.webui.form import parse_adapter_spec
 
 
@@ -263,6 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     extract.add_argument("--report", type=Path, help="write each layer's ranks and the norm it kept here (JSON)")
 
+    request = commands.add_parser(
+        "request", help="ask a running job to draw its sample prompts or save now, at its next step; it goes on"
+    )
+    request.add_argument(
+        "what", choices=ASKED, help="sample: preview samples of its sample.prompts; save: a checkpoint and a snapshot"
+    )
+    request.add_argument("output_dir", type=Path, help="the job's train.output_dir")
+
     sample = commands.add_parser("sample", help="text-to-image samples from a base model and adapters")
     sample.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
     sample.add_argument("--adapter", action="append", default=[], type=parse_adapter_spec, help=adapter_help)
@@ -421,6 +431,11 @@ def _run(args: argparse.Namespace) -> None:
         _extract(args)
     elif args.command == "caption":
         _caption(args)
+    elif args.command == "request":
+        if not (args.output_dir / METRICS_FILE).is_file():
+            raise DifftuneError(f"{args.output_dir}: no run there (no {METRICS_FILE}); name a job's train.output_dir")
+        ask(args.output_dir, args.what)
+        print(f"difftune: asked {args.output_dir} to {args.what} at its next step")
     elif args.command == "merge":
         with phase(
             f"merging {len(args.adapter)} adapter(s) into {args.base} (loading, merging, writing {args.out})", print

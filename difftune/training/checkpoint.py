@@ -31,8 +31,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -66,48 +64,6 @@ STEP_FOLDERS = (CHECKPOINTS_DIR, "snapshots", "samples")
 class Progress:
     global_step: int = 0  # optimizer steps done
     micro_batches: int = 0  # global micro-batches consumed from the data stream
-
-
-class StopRequest:
-    """SIGTERM or SIGINT (the UI's stop button, Ctrl-C, a cluster's preemption notice) asks the run to stop
-    after the current step with a checkpoint; a second signal gets the default behaviour at once.
-
-    Every process answers `agreed` alike (a request on any process counts), so all stop at the same step.
-    """
-
-    MESSAGE = "difftune: stopped at step"  # how train's log says it honoured one; the UI's jobs read it
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():  # Python installs handlers there only
-            self._previous = {sig: signal.signal(sig, self._request) for sig in self.SIGNALS}
-
-    def _request(self, signum, frame) -> None:
-        if self.requested:
-            self.restore()
-            signal.raise_signal(signum)
-        self.requested = True
-
-    def agreed(self, accelerator, early_stop: bool = False) -> str | None:
-        """Why every process stops now: "request" (a signal on any process), "early_stop" (`early_stop` on any: the
-        main process validates), or None to go on. One collective either way."""
-        flags = torch.tensor([float(self.requested), float(early_stop)], device=accelerator.device)
-        requested, early = accelerator.reduce(flags, reduction="sum").tolist()
-        return "request" if requested else "early_stop" if early else None
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-
-    def __enter__(self) -> StopRequest:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
 
 
 def keep_models_out_of_accelerate_state(accelerator) -> None:

@@ -91,7 +91,6 @@ from difftune.training.checkpoint import (
     CHECKPOINTS_DIR,
     Checkpointer,
     Progress,
-    StopRequest,
     find_checkpoint,
     full_disk_said_plainly,
     keep_models_out_of_accelerate_state,
@@ -108,6 +107,7 @@ from difftune.training.plan import DoesNotFit, check_fits, with_offload_budget
 from difftune.training.preference import check_preference_pairs, dpo_loss
 from difftune.training.preflight import check_before_start
 from difftune.training.prior import class_examples, class_folder, fill_class_images
+from difftune.training.requests import RunRequests
 from difftune.training.slider import encoded_prompts, slider_loss
 from difftune.training.training_adapter import merge_training_adapter, removed
 from difftune.training.validation import BestResults, Validator
@@ -147,7 +147,7 @@ class Run:
     metrics: MetricsLog
     slider_prompts: dict | None = None  # a concept slider's prompts, encoded once (`slider.encoded_prompts`)
     losses: list[float] = field(default_factory=list)
-    stop_reason: str | None = None  # `StopRequest.agreed`'s, when the loop ended before train.max_steps
+    stop_reason: str | None = None  # `RunRequests.agreed`'s, when the loop ended before train.max_steps
 
     @property
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -380,9 +380,9 @@ def loop(run: Run) -> None:
         disable=not (run.main and config.log.progress_bar) or config.log.quiet,
         desc="train",
     )
-    with StopRequest() as stop:
+    with RunRequests(run.output_dir, run.main) as requests:
         while run.progress.global_step < config.train.max_steps:
-            run.stop_reason = stop.agreed(accelerator, early_stop=bool(run.best and run.best.exhausted))
+            run.stop_reason, asked = requests.agreed(accelerator, early_stop=bool(run.best and run.best.exhausted))
             if run.stop_reason:
                 break
             global_step = run.progress.global_step + 1
@@ -427,11 +427,12 @@ def loop(run: Run) -> None:
                 bar.n = run.progress.global_step
                 continue
             if run.main:
-                values |= _periodic_work(run, global_step)
+                values |= _periodic_work(run, global_step, asked)
             run.metrics.write(global_step, values)
             bar.update(1)
             bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", skipped=run.guard.skipped)
-            if config.checkpoint.every_steps and global_step % config.checkpoint.every_steps == 0:
+            every = config.checkpoint.every_steps
+            if (every and global_step % every == 0) or "save" in asked:  # "Save now": a checkpoint too
                 run.checkpointer.save(run.progress, run.named, run.ema, run.guard, run.best)
         bar.close()
         run.metrics.close()
@@ -498,7 +499,7 @@ def finish(run: Run) -> TrainResult:
         run.checkpointer.save(progress, run.named, run.ema, run.guard, run.best)
     if run.stop_reason == "request":
         accelerator.print(
-            f"{StopRequest.MESSAGE} {progress.global_step} of {config.train.max_steps} on request; "
+            f"{RunRequests.MESSAGE} {progress.global_step} of {config.train.max_steps} on request; "
             f"checkpoint written: continue with --resume auto"
         )
         accelerator.end_training()
@@ -832,13 +833,17 @@ def _roll_back(run: Run, why: str) -> None:
     run.progress = Progress(restored.global_step, progress.micro_batches)
 
 
-def _periodic_work(run: Run, step: int) -> dict:
-    """Validation loss, preview samples and adapter snapshots when their step comes (main process only)."""
+def _periodic_work(run: Run, step: int, asked: set[str] = frozenset()) -> dict:
+    """Validation loss, preview samples and adapter snapshots when their step comes, or samples and a snapshot when
+    `asked` (`RunRequests`: "sample", "save"; main process only)."""
     config, values = run.config, {}
     last = step == config.train.max_steps
     validate = run.validator and (step % config.validation.every_steps == 0 or last)
-    preview = config.sample.every_steps and step % config.sample.every_steps == 0 and config.sample.prompts and not last
-    snapshot = config.export.every_steps and (step % config.export.every_steps == 0 or last)
+    due = config.sample.every_steps and step % config.sample.every_steps == 0
+    preview = (due or "sample" in asked) and config.sample.prompts and not last  # the last step's come anyway
+    if "sample" in asked and not config.sample.prompts and run.say:
+        run.say(f"difftune: step {step}: asked to draw samples, and sample.prompts is empty: nothing to draw")
+    snapshot = (config.export.every_steps and (step % config.export.every_steps == 0 or last)) or "save" in asked
     if not (validate or preview or snapshot):
         return values  # most steps: unwrapping the models costs 5 ms (a 64 px tiny-model step is 70)
     with averaged_weights(run.optimizer):

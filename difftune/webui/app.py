@@ -14,6 +14,7 @@ import hmac
 import socket
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import gradio as gr
@@ -365,6 +366,9 @@ def _train_tab(jobs_dir: Path):
         # Shown when they apply to the job picked: Stop to a running one, Resume to one stopped or failed.
         stop = gr.Button("Stop (checkpoint)", variant="stop", scale=1, elem_id="stop", visible=False)
         resume = gr.Button("Resume", scale=1, elem_id="resume", visible=False)
+        # Asked of a running job at its next step, which goes on: its sample prompts drawn, a checkpoint and snapshot.
+        sample_now = gr.Button("Sample now", scale=1, elem_id="sample-now", visible=False)
+        save_now = gr.Button("Save now", scale=1, elem_id="save-now", visible=False)
     status = gr.Markdown(elem_id="job-status")
     with gr.Row():
         plots = [gr.LinePlot(x="step", y=name, title=name, height=220, elem_id=f"plot-{name}") for name in PLOTTED]
@@ -381,7 +385,7 @@ def _train_tab(jobs_dir: Path):
     log = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, elem_id="job-log")
 
     def show(name):
-        hidden = [gr.update(visible=False)] * 2
+        hidden = [gr.update(visible=False)] * 4
         if not name:
             return ["No job selected."] + [None] * len(plots) + [[], "", *hidden]
         job = jobs.Job(jobs_dir / name)
@@ -405,7 +409,9 @@ def _train_tab(jobs_dir: Path):
         # A run without validation has no validation loss to plot: no empty frame for it.
         frames.append(gr.update(value=jobs.validation_frame(rows, best), visible=bool(config.validation.path)))
         grids = [(str(path), str(path.parent.relative_to(job.dir))) for path in jobs.preview_grids(job)]
-        buttons = [gr.update(visible=status == "running"), gr.update(visible=status in ("stopped", "failed"))]
+        running = status == "running"
+        buttons = [gr.update(visible=running), gr.update(visible=status in ("stopped", "failed"))]
+        buttons += [gr.update(visible=running)] * 2  # sample now, save now
         return [summary, *frames, grids, jobs.log_tail(job), *buttons]
 
     def act(action, name):
@@ -416,12 +422,14 @@ def _train_tab(jobs_dir: Path):
         except DifftuneError as err:
             gr.Warning(str(err))
 
-    outputs = [status, *plots, previews, log, stop, resume]
+    outputs = [status, *plots, previews, log, stop, resume, sample_now, save_now]
     job_picker.change(show, job_picker, outputs)
     gr.Timer(2.0).tick(show, job_picker, outputs)
     refresh.click(lambda name: gr.update(choices=_job_names(jobs_dir), value=name), job_picker, job_picker)
     stop.click(lambda name: act(jobs.stop_job, name), job_picker, None)
     resume.click(lambda name: act(jobs.resume_job, name), job_picker, None)
+    sample_now.click(lambda name: act(partial(jobs.ask_job, what="sample"), name), job_picker, None)
+    save_now.click(lambda name: act(partial(jobs.ask_job, what="save"), name), job_picker, None)
     return job_picker
 
 

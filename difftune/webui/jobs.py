@@ -24,8 +24,9 @@ import psutil
 from difftune.adapters.export import result_files
 from difftune.config import Config, absolute_paths, load_config
 from difftune.errors import ERROR_PREFIX, DifftuneError
-from difftune.training.checkpoint import StopRequest, complete_checkpoints
+from difftune.training.checkpoint import complete_checkpoints
 from difftune.training.metrics import METRICS_FILE
+from difftune.training.requests import RunRequests, ask
 from difftune.training.train import RESOLVED_CONFIG_FILE
 
 JOB_CONFIG = "job.toml"
@@ -84,7 +85,7 @@ class Job:
         if resolved.exists() and all(path.exists() for path in result_files(load_config(resolved), self.dir)):
             return "finished"
         said = [line for line in log_tail(self).splitlines() if line.startswith("difftune:")]
-        return "stopped" if said and said[-1].startswith(StopRequest.MESSAGE) else "failed"
+        return "stopped" if said and said[-1].startswith(RunRequests.MESSAGE) else "failed"
 
     def resumable(self) -> bool:
         return self.status() in ("stopped", "failed") and bool(complete_checkpoints(self.dir))
@@ -155,6 +156,14 @@ def stop_job(job: Job) -> None:
     if process is None:
         raise DifftuneError(f"job {job.name} is not running")
     process.send_signal(signal.SIGTERM)
+
+
+def ask_job(job: Job, what: str) -> None:
+    """Ask a running job to draw its sample prompts ("sample") or save a checkpoint and a snapshot ("save") at its
+    next step boundary (`training.requests`), going on after."""
+    if job.process() is None:
+        raise DifftuneError(f"job {job.name} is not running")
+    ask(job.dir, what)
 
 
 def find_jobs(jobs_dir: Path) -> list[Job]:

@@ -1,0 +1,80 @@
+"""What a running job is asked between two steps: to stop (SIGTERM or SIGINT: the UI's stop button, Ctrl-C, a
+cluster's preemption notice), and through files in its folder to draw its sample prompts now or save now (the UI's
+"Sample now" and "Save now", `difftune request`), never by stopping it.
+
+A request file is `<output_dir>/requests/<what>`: written by whoever asks, seen by the main process at the next step
+boundary and removed as it is answered. Every process answers alike at the same step (a signal on any process, a
+file seen by the main one): one small collective a step carries them all, as it carried the stop request alone.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+from difftune.errors import DifftuneError
+
+REQUESTS_DIR = "requests"
+ASKED = ("sample", "save")  # what a request file may ask, by its name
+
+
+def ask(output_dir: Path, what: str) -> Path:
+    """Ask the job writing `output_dir` to `what` ("sample": draw the sample prompts; "save": write a checkpoint and
+    a snapshot of the result) at its next step boundary; the request's file."""
+    if what not in ASKED:
+        raise DifftuneError(f"{what!r}: a running job can be asked to {' or '.join(ASKED)}")
+    folder = Path(output_dir) / REQUESTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / what
+    path.touch()
+    return path
+
+
+class RunRequests:
+    """A run's requests while it trains (the loop holds one): a signal asks it to stop after the current step with a
+    checkpoint (a second signal gets the default behaviour at once); request files ask for samples or a save."""
+
+    MESSAGE = "difftune: stopped at step"  # how train's log says it honoured a stop; the UI's jobs read it
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, output_dir: Path, main: bool):
+        self.folder = Path(output_dir) / REQUESTS_DIR
+        self.main = main  # the process that reads the request files
+        self.requested = False
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():  # Python installs handlers there only
+            self._previous = {sig: signal.signal(sig, self._request) for sig in self.SIGNALS}
+
+    def _request(self, signum, frame) -> None:
+        if self.requested:
+            self.restore()
+            signal.raise_signal(signum)
+        self.requested = True
+
+    def agreed(self, accelerator, early_stop: bool = False) -> tuple[str | None, set[str]]:
+        """Why every process stops now ("request": a signal on any process; "early_stop": `early_stop` on any, the
+        main process validates; None to go on), and what the request files ask (`ASKED`'s names, their files
+        removed). One collective either way."""
+        import torch  # here: `difftune request` asks through this module, and starts in a blink without torch
+
+        files = [self.main and (self.folder / what).is_file() for what in ASKED]
+        flags = torch.tensor([float(self.requested), float(early_stop), *map(float, files)], device=accelerator.device)
+        requested, early, *asked = accelerator.reduce(flags, reduction="sum").tolist()
+        for what, seen in zip(ASKED, files, strict=True):
+            if seen:
+                (self.folder / what).unlink(missing_ok=True)
+        reason = "request" if requested else "early_stop" if early else None
+        return reason, {what for what, count in zip(ASKED, asked, strict=True) if count}
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def __enter__(self) -> RunRequests:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
