@@ -1,8 +1,8 @@
 """The Gradio front-end (`difftune ui`): configure, launch and watch jobs, sample, export.
 
-Everything it does is a library call: the form is `form.form_fields()` (the config schema), jobs are
-`jobs.launch_job` / `stop_job` / `resume_job`, sampling is `export.load_with_adapters` plus
-`sample.generate_images`, export is `export.merge_into_folder` / `convert_adapter`, as in the CLI.
+Everything it does is a library call: the form is `form.form_fields()` (the config schema), jobs are `queue.submit`
+(one job a device at a time) / `jobs.stop_job` / `resume_job` / `ask_job`, sampling is `export.load_with_adapters`
+plus `sample.generate_images`, export is `export.merge_into_folder` / `convert_adapter`, as in the CLI.
 
 Safe by default: it binds 127.0.0.1; another host, or a share link, needs a login; files are served
 from the jobs folder only; uploads are capped; exports are written under `<jobs>/exports/` only.
@@ -26,7 +26,7 @@ from difftune.errors import DifftuneError
 from difftune.models.parts import DTYPES
 from difftune.training.finders import LR_PLOT_FILE
 from difftune.training.validation import describe_best, read_best
-from difftune.webui import jobs
+from difftune.webui import jobs, queue
 from difftune.webui.form import (
     DEFAULT_PRESET,
     FormField,
@@ -171,7 +171,7 @@ def build_app(jobs_dir: Path, configs_dir: Path) -> gr.Blocks:
         gr.Markdown("# difftune")
         with gr.Tabs() as tabs:
             with gr.Tab("Configure", id="configure"):
-                widgets, job_name, launch = _configure_tab(fields, offered, jobs_dir)
+                widgets, job_name, device, launch = _configure_tab(fields, offered, jobs_dir)
             with gr.Tab("Train", id="train"):
                 job_picker = _train_tab(jobs_dir)
             with gr.Tab("Sample", id="sample"):
@@ -181,18 +181,22 @@ def build_app(jobs_dir: Path, configs_dir: Path) -> gr.Blocks:
 
         launch_message = gr.Markdown(elem_id="launch-message")
 
-        def launch_job(name, *values):
+        def launch_job(name, device, *values):
             try:
-                job = jobs.launch_job(config_from_widgets(fields, list(values)), jobs_dir, name)
+                job = queue.submit(config_from_widgets(fields, list(values)), jobs_dir, name, device)
             except DifftuneError as err:
                 return _error(err), gr.update(), gr.update()
+            if job.status() == "queued":  # its device runs another job: it starts when that one ends
+                waiting = [entry for entry in queue.queued(jobs_dir) if entry[2] == job.name]
+                place = f", number {waiting[0][1]} in its queue" if waiting else ""
+                return f"Queued **{job.name}** on {device}{place}", gr.update(), gr.Tabs(selected="train")
             return (
                 f"Launched **{job.name}**",
                 gr.update(choices=_job_names(jobs_dir), value=job.name),
                 gr.Tabs(selected="train"),
             )
 
-        launch.click(launch_job, [job_name, *widgets], [launch_message, job_picker, tabs])
+        launch.click(launch_job, [job_name, device, *widgets], [launch_message, job_picker, tabs])
         app.load(lambda: _job_choices(jobs_dir), None, job_picker)
     return app
 
@@ -214,6 +218,8 @@ def _configure_tab(fields: list[FormField], offered: list[Preset], jobs_dir: Pat
     with gr.Row():
         validate = gr.Button("Validate", elem_id="validate")
         save = gr.Button("Save config", elem_id="save-config")
+        # Each device runs one job at a time: a job launched while its device is busy waits in that device's queue.
+        device = gr.Dropdown(queue.devices(), value=queue.devices()[0], label="Device", elem_id="device")
         launch = gr.Button("Launch training", variant="primary", elem_id="launch")
     message = gr.Markdown(elem_id="config-message")
     saved = gr.File(label="Saved config", visible=False, elem_id="saved-config")
@@ -276,7 +282,7 @@ def _configure_tab(fields: list[FormField], offered: list[Preset], jobs_dir: Pat
     )
     validate.click(check, widgets, message)
     save.click(save_toml, [job_name, *widgets], [saved, message])
-    return widgets, job_name, launch
+    return widgets, job_name, device, launch
 
 
 def _finders(fields: list[FormField], widgets: list, job_name: gr.Textbox, jobs_dir: Path) -> None:
@@ -383,6 +389,16 @@ def _train_tab(jobs_dir: Path):
         label="Samples (newest first)", columns=4, height="auto", object_fit="scale-down", elem_id="previews"
     )
     log = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, elem_id="job-log")
+    with gr.Row():  # the jobs waiting for their device (queue.py): moved, or cancelled before they start
+        waiting = gr.Dataframe(
+            headers=["device", "position", "job"], label="Queue", interactive=False, elem_id="queue", scale=3
+        )
+        with gr.Column(scale=1):
+            queued_job = gr.Dropdown([], label="Queued job", elem_id="queued-job")
+            with gr.Row():
+                earlier = gr.Button("Up", elem_id="queue-up")
+                later = gr.Button("Down", elem_id="queue-down")
+                cancel = gr.Button("Cancel", variant="stop", elem_id="queue-cancel")
 
     def show(name):
         hidden = [gr.update(visible=False)] * 4
@@ -430,6 +446,27 @@ def _train_tab(jobs_dir: Path):
     resume.click(lambda name: act(jobs.resume_job, name), job_picker, None)
     sample_now.click(lambda name: act(partial(jobs.ask_job, what="sample"), name), job_picker, None)
     save_now.click(lambda name: act(partial(jobs.ask_job, what="save"), name), job_picker, None)
+
+    def show_queue(picked, queued_name):
+        """The queues, after starting the first job of each free device (the queue moves while the UI is open)."""
+        started = queue.advance(jobs_dir)
+        entries = queue.queued(jobs_dir)
+        names = [name for _, _, name in entries]
+        picker = gr.update(choices=_job_names(jobs_dir), value=picked) if started else gr.update()
+        return entries, gr.update(choices=names, value=queued_name if queued_name in names else None), picker
+
+    def reorder(action, queued_name):
+        try:
+            if not queued_name:
+                raise DifftuneError("pick a queued job first")
+            action(jobs_dir, queued_name)
+        except DifftuneError as err:
+            gr.Warning(str(err))
+
+    gr.Timer(2.0).tick(show_queue, [job_picker, queued_job], [waiting, queued_job, job_picker])
+    earlier.click(lambda name: reorder(partial(queue.move, offset=1), name), queued_job, None)
+    later.click(lambda name: reorder(partial(queue.move, offset=-1), name), queued_job, None)
+    cancel.click(lambda name: reorder(queue.cancel, name), queued_job, None)
     return job_picker
 
 

@@ -57,6 +57,8 @@ class Job:
         """The job's trainer while it runs, else None. `job.json` names a pid, which is trusted only when that
         process is this job's own `difftune train` (its command line, on this folder's job.toml) and started when
         the job did: a reused pid, or a job.json written to point elsewhere, never gets a signal."""
+        if not (self.dir / JOB_STATE).is_file():  # queued: no process started yet
+            return None
         state = self.state()
         child = _children.get(state["pid"])
         # A child started here is known by the command it was started with, not by reading its command line: until it
@@ -78,7 +80,10 @@ class Job:
         return self.process() is not None
 
     def status(self) -> str:
-        """`running`, `finished` (the trained result exists), `stopped` (on request, resumable) or `failed`."""
+        """`queued` (waiting for its device: queue.py), `running`, `finished` (the trained result exists), `stopped`
+        (on request, resumable) or `failed`."""
+        if not (self.dir / JOB_STATE).exists():
+            return "queued"
         if self.is_running():
             return "running"
         resolved = self.dir / RESOLVED_CONFIG_FILE  # written as the run starts, its family named
@@ -93,11 +98,21 @@ class Job:
 
 def launch_job(config: Config, jobs_dir: Path, name: str) -> Job:
     """A new folder `<jobs_dir>/<time>-<name>` and a `difftune train` process writing into it."""
+    return start_job(prepare_job(config, jobs_dir, name))
+
+
+def prepare_job(config: Config, jobs_dir: Path, name: str) -> Job:
+    """A new folder `<jobs_dir>/<time>-<name>` holding the job's config, its process not started (queue.py)."""
     job_dir = _new_folder(jobs_dir, name)
     config = absolute_paths(config, Path.cwd())  # job.toml lives in the job folder: its paths must not move with it
     config.train.output_dir = str(job_dir)
     (job_dir / JOB_CONFIG).write_text(config.to_toml(), encoding="utf-8")
-    return _start(Job(job_dir), resume=False, cwd=Path.cwd())
+    return Job(job_dir)
+
+
+def start_job(job: Job, device: str | None = None) -> Job:
+    """The prepared job's `difftune train` process, on `device` (`cuda:N`: that GPU alone is visible to it)."""
+    return _start(job, resume=False, cwd=Path.cwd(), device=device)
 
 
 def run_finder(config: Config, jobs_dir: Path, name: str, finder: str, options: list[str]) -> tuple[dict, Path]:
@@ -146,7 +161,7 @@ def resume_job(job: Job) -> Job:
         raise DifftuneError(f"job {job.name} is {status} and wrote no checkpoint to resume from; launch it again")
     # Its job.toml holds absolute paths: a working folder gone since (a deleted checkout) changes nothing it reads.
     recorded = Path(job.state()["cwd"])
-    return _start(job, resume=True, cwd=recorded if recorded.is_dir() else job.dir)
+    return _start(job, resume=True, cwd=recorded if recorded.is_dir() else job.dir, device=job.state().get("device"))
 
 
 def stop_job(job: Job) -> None:
@@ -275,9 +290,10 @@ def _own_log(job: Job):
     return os.fdopen(descriptor, "ab")
 
 
-def _start(job: Job, resume: bool, cwd: Path) -> Job:
+def _start(job: Job, resume: bool, cwd: Path, device: str | None = None) -> Job:
     # The child gets its own session so closing the UI leaves it running.
     command = _command(job, resume)
+    gpu = {"CUDA_VISIBLE_DEVICES": device.removeprefix("cuda:")} if device and device.startswith("cuda:") else {}
     with _own_log(job) as log:
         child = subprocess.Popen(
             command,
@@ -286,9 +302,10 @@ def _start(job: Job, resume: bool, cwd: Path) -> Job:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **gpu},
         )
     _children[child.pid] = child
     state = {"pid": child.pid, "started": psutil.Process(child.pid).create_time(), "command": command, "cwd": str(cwd)}
+    state |= {"device": device} if device else {}
     (job.dir / JOB_STATE).write_text(json.dumps(state, indent=2), encoding="utf-8")
     return job

@@ -1,0 +1,111 @@
+"""Jobs waiting for a device: one queue per device, in one file (`<jobs_dir>/queue.json`), so the queue outlives the
+UI that keeps it and a restarted UI carries on with it.
+
+A submitted job gets its folder and `job.toml` at once, then waits in its device's queue; `advance` (the UI calls it
+on every refresh) starts the first job of each queue whose device runs none of the jobs. A job is started before it
+leaves the queue, and a queued job whose folder says it was started (`job.json`) leaves it without being started
+again: a UI that stops between the two never starts a job twice. The file is read and written under an exclusive
+lock on `queue.json.lock`, so two UIs on one jobs folder take turns. Queued jobs can be moved up or down their queue,
+or cancelled (their folder, which holds nothing but the config, removed).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from difftune.config import Config
+from difftune.errors import DifftuneError
+from difftune.webui import jobs
+
+QUEUE_FILE = "queue.json"
+CPU = "cpu"
+
+
+def devices() -> list[str]:
+    """The devices jobs queue for: each CUDA device (`cuda:0`...), or the CPU where there is none."""
+    import torch
+
+    return [f"cuda:{index}" for index in range(torch.cuda.device_count())] or [CPU]
+
+
+def submit(config: Config, jobs_dir: Path, name: str, device: str) -> jobs.Job:
+    """A new job folder for `config`, queued on `device` behind the jobs already there; started at once where the
+    device is free (`advance`)."""
+    if device not in devices():
+        raise DifftuneError(f"device {device!r}: this machine has {', '.join(devices())}")
+    job = jobs.prepare_job(config, jobs_dir, name)
+    with _queues(jobs_dir) as queues:
+        queues.setdefault(device, []).append(job.name)
+    advance(jobs_dir)
+    return job
+
+
+def advance(jobs_dir: Path) -> list[jobs.Job]:
+    """Start the first queued job of every device that runs none; the jobs started."""
+    started = []
+    with _queues(jobs_dir) as queues:
+        for device, names in queues.items():
+            names[:] = [name for name in names if _waiting(jobs_dir / name)]  # started already, or gone
+            if names and not _busy(jobs_dir, device):
+                started.append(jobs.start_job(jobs.Job(Path(jobs_dir).resolve() / names[0]), device))
+                names.pop(0)
+    return started
+
+
+def queued(jobs_dir: Path) -> list[tuple[str, int, str]]:
+    """Every queued job as (device, position from 1, job name), in queue order."""
+    with _queues(jobs_dir) as queues:
+        return [(device, position, name) for device, names in queues.items() for position, name in enumerate(names, 1)]
+
+
+def move(jobs_dir: Path, name: str, offset: int) -> None:
+    """Move a queued job `offset` places towards the front (negative: the back) of its queue."""
+    with _queues(jobs_dir) as queues:
+        names = _queue_of(queues, name)
+        index = names.index(name)
+        names.insert(max(0, min(len(names) - 1, index - offset)), names.pop(index))
+
+
+def cancel(jobs_dir: Path, name: str) -> None:
+    """Take a job out of its queue before it starts, and remove its folder (its config alone)."""
+    with _queues(jobs_dir) as queues:
+        _queue_of(queues, name).remove(name)
+        folder = Path(jobs_dir) / name
+        if _waiting(folder):
+            shutil.rmtree(folder)
+
+
+def _queue_of(queues: dict[str, list[str]], name: str) -> list[str]:
+    found = next((names for names in queues.values() if name in names), None)
+    if found is None:
+        raise DifftuneError(f"job {name} is not queued (it has started, or was cancelled)")
+    return found
+
+
+def _waiting(folder: Path) -> bool:
+    """A queued job's folder: its config, and no process started for it yet."""
+    return (folder / jobs.JOB_CONFIG).is_file() and not (folder / jobs.JOB_STATE).exists()
+
+
+def _busy(jobs_dir: Path, device: str) -> bool:
+    return any(job.is_running() and job.state().get("device", CPU) == device for job in jobs.find_jobs(jobs_dir))
+
+
+@contextmanager
+def _queues(jobs_dir: Path) -> Iterator[dict[str, list[str]]]:
+    """The queues (device -> job folder names), read under the lock and written back (atomically) after the block."""
+    path = Path(jobs_dir) / QUEUE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(QUEUE_FILE + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        queues = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        yield queues
+        staged = path.with_name(QUEUE_FILE + ".tmp")
+        staged.write_text(json.dumps({device: names for device, names in queues.items() if names}, indent=2))
+        os.replace(staged, path)
