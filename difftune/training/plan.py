@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -58,6 +58,9 @@ OPTIMIZER_STATE_BYTES = {
     "prodigy": 16,
     "adamw_schedule_free": 8,
 }
+
+
+PLAN_FILE = "plan.json"  # a run's plan, in its output folder (`check_fits`)
 
 
 @dataclass
@@ -367,12 +370,16 @@ class DoesNotFit(DifftuneError):
     """A run the memory plan says this machine cannot hold (`check_fits`)."""
 
 
-def check_fits(config: Config, device_type: str) -> str | None:
+def check_fits(config: Config, device_type: str, kept_in: Path | None = None) -> str | None:
     """Before loading: refuse a run whose planned host peak outgrows the RAM available (plus what this process holds
     already, which the plan counts), naming the phase and the settings that would fit: the kernel's OOM killer would
     end it without a word, minutes into loading. A device peak over the GPU's total is a warning (returned): the
-    offloading settings that fit it are for the user to weigh."""
+    offloading settings that fit it are for the user to weigh. `kept_in`: a folder the plan is written to
+    (`PLAN_FILE`), where the UI shows it beside the run's measured peaks."""
     plan = plan_memory(config, device_type)
+    if kept_in is not None:
+        Path(kept_in).mkdir(parents=True, exist_ok=True)
+        (Path(kept_in) / PLAN_FILE).write_text(json.dumps(asdict(plan), indent=2) + "\n", encoding="utf-8")
     host = _available_bytes()
     if host and plan.host_peak > host:
         phase, peak = max(

@@ -763,7 +763,8 @@ def _check_memory(config: Config, accelerator: Accelerator) -> None:
     warning when the device may not. A plan that fails (a base it cannot read from configs alone, such as a hub id
     offline) leaves the run to go on."""
     try:
-        warning = check_fits(config, accelerator.device.type)
+        kept_in = Path(config.train.output_dir) if accelerator.is_main_process else None  # beside the run's peaks
+        warning = check_fits(config, accelerator.device.type, kept_in)
     except DoesNotFit:
         raise
     except Exception as error:  # noqa: BLE001 - a plan that cannot be made leaves the run to go on

@@ -26,7 +26,7 @@ from difftune.errors import DifftuneError
 from difftune.models.parts import DTYPES
 from difftune.training.finders import LR_PLOT_FILE
 from difftune.training.validation import describe_best, read_best
-from difftune.webui import jobs, queue
+from difftune.webui import jobs, machine, queue
 from difftune.webui.form import (
     DEFAULT_PRESET,
     FormField,
@@ -376,6 +376,7 @@ def _train_tab(jobs_dir: Path):
         sample_now = gr.Button("Sample now", scale=1, elem_id="sample-now", visible=False)
         save_now = gr.Button("Save now", scale=1, elem_id="save-now", visible=False)
     status = gr.Markdown(elem_id="job-status")
+    machine_state = gr.Markdown(elem_id="machine")  # the machine now, and the picked job's planned and measured peaks
     with gr.Row():
         plots = [gr.LinePlot(x="step", y=name, title=name, height=220, elem_id=f"plot-{name}") for name in PLOTTED]
         # Validation loss, with the kept best point as a series of its own.
@@ -448,12 +449,17 @@ def _train_tab(jobs_dir: Path):
     save_now.click(lambda name: act(partial(jobs.ask_job, what="save"), name), job_picker, None)
 
     def show_queue(picked, queued_name):
-        """The queues, after starting the first job of each free device (the queue moves while the UI is open)."""
+        """The queues, after starting the first job of each free device (the queue moves while the UI is open); the
+        machine, and the picked job's memory."""
         started = queue.advance(jobs_dir)
         entries = queue.queued(jobs_dir)
         names = [name for _, _, name in entries]
         picker = gr.update(choices=_job_names(jobs_dir), value=picked) if started else gr.update()
-        return entries, gr.update(choices=names, value=queued_name if queued_name in names else None), picker
+        lines = [machine.machine_line(machine.machine_state(jobs_dir))]
+        if picked and (jobs_dir / picked / jobs.JOB_STATE).is_file():
+            lines += machine.job_memory_lines(machine.job_memory(jobs.Job(jobs_dir / picked)))
+        queued_picker = gr.update(choices=names, value=queued_name if queued_name in names else None)
+        return entries, queued_picker, picker, "  \n".join(lines)
 
     def reorder(action, queued_name):
         try:
@@ -463,7 +469,7 @@ def _train_tab(jobs_dir: Path):
         except DifftuneError as err:
             gr.Warning(str(err))
 
-    gr.Timer(2.0).tick(show_queue, [job_picker, queued_job], [waiting, queued_job, job_picker])
+    gr.Timer(2.0).tick(show_queue, [job_picker, queued_job], [waiting, queued_job, job_picker, machine_state])
     earlier.click(lambda name: reorder(partial(queue.move, offset=1), name), queued_job, None)
     later.click(lambda name: reorder(partial(queue.move, offset=-1), name), queued_job, None)
     cancel.click(lambda name: reorder(queue.cancel, name), queued_job, None)
