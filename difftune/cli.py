@@ -13,7 +13,6 @@ from pydantic import ValidationError
 from difftune.config import (
     TRAINING_ONLY_SAMPLE_FIELDS,
     Config,
-    ModelConfig,
     SampleConfig,
     describe_errors,
     load_config,
@@ -550,17 +549,10 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def _resize(args) -> None:
-    from difftune.adapters import export
-    from difftune.adapters.files import is_kohya
-    from difftune.adapters.resize import resize_lora
-    from difftune.files import open_safetensors
+    from difftune.adapters.resize import resize_file
 
-    with open_safetensors(args.source) as handle:
-        layout = args.to or ("kohya" if is_kohya(dict.fromkeys(handle.keys())) else "diffusers")
-    tensors, lora_configs, config_toml = export.read_any_adapter(args.source, args.base)
     with phase(f"resizing {args.source}", print):
-        tensors, lora_configs, rows = resize_lora(tensors, lora_configs, args.rank, args.keep_fro)
-    written = export.write_adapter(args.target, tensors, lora_configs, config_toml, layout, base=args.base or "")
+        written, rows, layout = resize_file(args.source, args.target, args.rank, args.keep_fro, args.to, args.base)
     _report_lora_tool(rows, args.report, written, layout)
 
 
@@ -584,23 +576,20 @@ def _caption(args) -> None:
 
 
 def _extract(args) -> None:
-    import torch
+    from difftune.adapters.extract import extract_file
 
-    from difftune.adapters import export
-    from difftune.adapters.extract import extract_lora
-    from difftune.adapters.resize import check_rank_settings
-    from difftune.families import load_components
-
-    check_rank_settings("extract", args.rank, args.keep_fro)  # before loading two models
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    with phase(f"loading {args.base} and {args.tuned}", print):
-        base = load_components(ModelConfig(base=args.base))
-        tuned = load_components(ModelConfig(base=args.tuned))
-    with phase(f"extracting the difference as a LoRA ({device})", print):
-        tensors, lora_configs, rows = extract_lora(
-            base, tuned, args.rank, args.keep_fro, args.min_difference, device, args.all_layers
+    with phase(f"loading {args.base} and {args.tuned}, extracting the difference as a LoRA", print):
+        written, rows = extract_file(
+            args.base,
+            args.tuned,
+            args.out,
+            args.rank,
+            args.keep_fro,
+            args.to,
+            args.min_difference,
+            args.device,
+            args.all_layers,
         )
-    written = export.write_adapter(args.out, tensors, lora_configs, "", args.to, family=base.family, base=args.base)
     _report_lora_tool(rows, args.report, written, args.to)
 
 

@@ -244,7 +244,14 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         page.locator("#merge-out input, #merge-out textarea").first.fill("purple-merged")
         page.locator("#merge").click()
         expect(page.locator("#merge-message")).to_contain_text("Wrote", timeout=120_000)
-        page.screenshot(path=str(shots / "ui_export.png"))
+        # The LoRA tools: a resize with no limit is refused as the CLI refuses it, then done at rank 2.
+        page.locator("#resize-source input, #resize-source textarea").first.fill(str(adapter))
+        page.locator("#resize").click()
+        expect(page.locator("#resize-message")).to_contain_text("--rank", timeout=30_000)
+        page.locator("#resize-rank input").fill("2")
+        page.locator("#resize").click()
+        expect(page.locator("#resize-message")).to_contain_text("Wrote", timeout=60_000)
+        page.screenshot(path=str(shots / "ui_export.png"), full_page=True)
 
         # Reopened, the page shows the newest job at once; a job that fails says why in its status line.
         page.goto(server["url"])
@@ -263,6 +270,8 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         expect(page.locator("#stop")).to_be_hidden()
         browser.close()
 
+    resized = load_file(jobs / "exports" / "resized.safetensors")
+    assert {tensor.shape[0] for key, tensor in resized.items() if key.endswith("lora_A.weight")} == {2}
     merged_dir = jobs / "exports" / "purple-merged"
     assert (merged_dir / "model_index.json").exists()
     base_unet = load_file(REPO / "models/tiny-sd/unet/diffusion_pytorch_model.safetensors")

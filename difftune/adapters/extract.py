@@ -13,6 +13,8 @@ base: a fine-tune's changes are smaller than bf16's resolution of the weights.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from difftune.adapters.files import module_names_of
@@ -98,3 +100,32 @@ def _low_rank(
         kept,
         full_rank,
     )
+
+
+def extract_file(
+    base: str,
+    tuned: str,
+    out: Path,
+    rank: int | None,
+    keep_fro: float | None,
+    layout: str = "diffusers",
+    min_difference: float = 1e-6,
+    device: str | None = None,
+    all_layers: bool = False,
+) -> tuple[Path, list[ResizedLayer]]:
+    """`difftune extract` (the UI's too): both models loaded in fp32 (the ranks checked first), the fine-tune's
+    difference as a LoRA written to `out` in `layout` on `device` (default: a GPU where there is one); the file
+    written and each layer's row."""
+    from difftune.adapters import export
+    from difftune.config import ModelConfig
+    from difftune.families import load_components
+
+    check_rank_settings("extract", rank, keep_fro)  # before loading two models
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    base_components = load_components(ModelConfig(base=base))
+    tuned_components = load_components(ModelConfig(base=tuned))
+    tensors, lora_configs, rows = extract_lora(
+        base_components, tuned_components, rank, keep_fro, min_difference, device, all_layers
+    )
+    written = export.write_adapter(out, tensors, lora_configs, "", layout, family=base_components.family, base=base)
+    return written, rows

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -142,3 +143,21 @@ def summary(rows: list[ResizedLayer]) -> str:
         f"(mean {sum(after) / len(after):.1f}); change's norm kept: least {kept[0]:.3f}, "
         f"median {kept[len(kept) // 2]:.3f}"
     )
+
+
+def resize_file(
+    source: Path, target: Path, rank: int | None, keep_fro: float | None, layout: str | None = None, base: str = ""
+) -> tuple[Path, list[ResizedLayer], str]:
+    """`difftune resize` (the UI's too): the LoRA file `source` (any tool's layout) resized and written to `target` in
+    `layout` (default: the source's); the file written, each layer's row, the layout."""
+    from difftune.adapters import export
+    from difftune.adapters.files import is_kohya
+    from difftune.files import open_safetensors
+
+    check_rank_settings("resize", rank, keep_fro)
+    with open_safetensors(source) as handle:
+        layout = layout or ("kohya" if is_kohya(dict.fromkeys(handle.keys())) else "diffusers")
+    tensors, lora_configs, config_toml = export.read_any_adapter(source, base or None)
+    tensors, lora_configs, rows = resize_lora(tensors, lora_configs, rank, keep_fro)
+    written = export.write_adapter(target, tensors, lora_configs, config_toml, layout, base=base)
+    return written, rows, layout

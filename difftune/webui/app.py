@@ -578,6 +578,8 @@ def _sample_tab(jobs_dir: Path):
 
 def _export_tab(jobs_dir: Path):
     from difftune.adapters import export
+    from difftune.adapters.extract import extract_file
+    from difftune.adapters.resize import resize_file, summary
 
     exports = jobs_dir / EXPORTS_DIR
     gr.Markdown(f"Everything is written under `{exports}`.")
@@ -600,6 +602,27 @@ def _export_tab(jobs_dir: Path):
             target_name = gr.Textbox("adapter.safetensors", label="Output file name", elem_id="convert-out")
         convert = gr.Button("Convert", elem_id="convert")
         convert_message = gr.Markdown(elem_id="convert-message")
+    with gr.Group():  # the LoRA tools of the CLI (`difftune resize` / `extract`), with their refusals and messages
+        gr.Markdown("### Resize a LoRA (SVD of each layer's change)")
+        resize_source = gr.Textbox(label="LoRA file", elem_id="resize-source")
+        with gr.Row():
+            resize_rank = gr.Number(None, label="Rank (most kept)", precision=0, elem_id="resize-rank")
+            resize_keep = gr.Number(None, label="Keep this share of each change (0-1)", elem_id="resize-keep")
+            resize_name = gr.Textbox("resized.safetensors", label="Output file name", elem_id="resize-out")
+        resize = gr.Button("Resize", elem_id="resize")
+        resize_message = gr.Markdown(elem_id="resize-message")
+    with gr.Group():
+        gr.Markdown("### Extract a LoRA from a full fine-tune")
+        with gr.Row():
+            extract_base = gr.Textbox(ModelConfig().base, label="Base model", elem_id="extract-base")
+            extract_tuned = gr.Textbox(label="Fine-tuned model (a run's model/ folder)", elem_id="extract-tuned")
+        with gr.Row():
+            extract_rank = gr.Number(16, label="Rank (most kept)", precision=0, elem_id="extract-rank")
+            extract_keep = gr.Number(None, label="Keep this share of each change (0-1)", elem_id="extract-keep")
+            extract_layout = gr.Dropdown(list(export.FORMATS), value="diffusers", label="Write layout")
+            extract_name = gr.Textbox("extracted.safetensors", label="Output file name", elem_id="extract-out")
+        extract = gr.Button("Extract", elem_id="extract")
+        extract_message = gr.Markdown(elem_id="extract-message")
 
     def do_merge(base_name, adapter_text, name, dtype_name, single, replace):
         try:
@@ -617,8 +640,35 @@ def _export_tab(jobs_dir: Path):
             return _error(err)
         return f"Wrote `{written}`"
 
+    def do_resize(source_path, rank, keep, name):
+        try:
+            written, rows, _ = resize_file(Path(source_path.strip()), _inside(exports, name), _rank(rank), keep or None)
+        except Exception as err:  # noqa: BLE001 - as in Sample
+            return _error(err)
+        return f"Wrote `{written}`: {summary(rows)}"
+
+    def do_extract(base_name, tuned_name, rank, keep, layout_name, name):
+        try:
+            written, rows = extract_file(
+                base_name.strip(), tuned_name.strip(), _inside(exports, name), _rank(rank), keep or None, layout_name
+            )
+        except Exception as err:  # noqa: BLE001 - as in Sample
+            return _error(err)
+        return f"Wrote `{written}`: {summary(rows)}"
+
     merge.click(do_merge, [base, adapters, out_name, dtype, single_file, overwrite], merge_message)
     convert.click(do_convert, [source, layout, target_name], convert_message)
+    resize.click(do_resize, [resize_source, resize_rank, resize_keep, resize_name], resize_message)
+    extract.click(
+        do_extract,
+        [extract_base, extract_tuned, extract_rank, extract_keep, extract_layout, extract_name],
+        extract_message,
+    )
+
+
+def _rank(value) -> int | None:
+    """A rank field's value: empty or 0 is none (the other limit decides)."""
+    return int(value) if value else None
 
 
 def _inside(folder: Path, name: str) -> Path:
