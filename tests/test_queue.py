@@ -76,3 +76,19 @@ def test_queued_jobs_move_and_are_cancelled_before_they_start(tmp_path):
     for name in (names[2], names[0]):
         queue.cancel(tmp_path, name)
     assert queue.queued(tmp_path) == []
+
+
+def test_a_queue_file_naming_folders_elsewhere_starts_nothing(tmp_path):
+    """The queue file is read, never trusted: a name that leads out of the jobs folder, a linked-in folder or a file
+    that is no queue at all starts no job and leaves the queue (or an empty one)."""
+    jobs_dir = tmp_path / "jobs"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / jobs.JOB_CONFIG).write_text((REPO / "configs" / "tiny_lora.toml").read_text())
+    jobs_dir.mkdir()
+    (jobs_dir / "linked").symlink_to(outside)
+    (jobs_dir / queue.QUEUE_FILE).write_text(json.dumps({"cpu": ["../outside", str(outside), "linked", 7]}))
+    assert queue.advance(jobs_dir) == []
+    assert queue.queued(jobs_dir) == [] and not (outside / jobs.JOB_STATE).exists()
+    (jobs_dir / queue.QUEUE_FILE).write_text("not json")
+    assert queue.advance(jobs_dir) == [] and queue.queued(jobs_dir) == []

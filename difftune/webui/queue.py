@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from difftune.webui import jobs
 
 QUEUE_FILE = "queue.json"
 CPU = "cpu"
+FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a job folder's (`<time>-<name>`): no path in it
 
 
 def devices() -> list[str]:
@@ -51,7 +53,7 @@ def advance(jobs_dir: Path) -> list[jobs.Job]:
     started = []
     with _queues(jobs_dir) as queues:
         for device, names in queues.items():
-            names[:] = [name for name in names if _waiting(jobs_dir / name)]  # started already, or gone
+            names[:] = [name for name in names if _waiting(jobs_dir, name)]  # started already, or gone
             if names and not _busy(jobs_dir, device):
                 started.append(jobs.start_job(jobs.Job(Path(jobs_dir).resolve() / names[0]), device))
                 names.pop(0)
@@ -76,9 +78,8 @@ def cancel(jobs_dir: Path, name: str) -> None:
     """Take a job out of its queue before it starts, and remove its folder (its config alone)."""
     with _queues(jobs_dir) as queues:
         _queue_of(queues, name).remove(name)
-        folder = Path(jobs_dir) / name
-        if _waiting(folder):
-            shutil.rmtree(folder)
+        if _waiting(jobs_dir, name):
+            shutil.rmtree(Path(jobs_dir) / name)
 
 
 def _queue_of(queues: dict[str, list[str]], name: str) -> list[str]:
@@ -88,9 +89,16 @@ def _queue_of(queues: dict[str, list[str]], name: str) -> list[str]:
     return found
 
 
-def _waiting(folder: Path) -> bool:
-    """A queued job's folder: its config, and no process started for it yet."""
-    return (folder / jobs.JOB_CONFIG).is_file() and not (folder / jobs.JOB_STATE).exists()
+def _waiting(jobs_dir: Path, name: str) -> bool:
+    """A queued job: a folder of the jobs folder itself (a plain name, not a link: the queue file is read, never
+    trusted), with its config, and no process started for it yet."""
+    folder = Path(jobs_dir) / name
+    return (
+        FOLDER_NAME.fullmatch(name) is not None
+        and not folder.is_symlink()
+        and (folder / jobs.JOB_CONFIG).is_file()
+        and not (folder / jobs.JOB_STATE).exists()
+    )
 
 
 def _busy(jobs_dir: Path, device: str) -> bool:
@@ -99,12 +107,21 @@ def _busy(jobs_dir: Path, device: str) -> bool:
 
 @contextmanager
 def _queues(jobs_dir: Path) -> Iterator[dict[str, list[str]]]:
-    """The queues (device -> job folder names), read under the lock and written back (atomically) after the block."""
+    """The queues (device -> job folder names), read under the lock and written back (atomically) after the block;
+    entries that are no list of names are dropped."""
     path = Path(jobs_dir) / QUEUE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(QUEUE_FILE + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        queues = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        try:
+            read = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        except ValueError:  # a file cut or edited by hand: no queue, rather than no UI
+            read = {}
+        queues = {
+            str(device): [name for name in names if isinstance(name, str)]
+            for device, names in (read.items() if isinstance(read, dict) else ())
+            if isinstance(names, list)
+        }
         yield queues
         staged = path.with_name(QUEUE_FILE + ".tmp")
         staged.write_text(json.dumps({device: names for device, names in queues.items() if names}, indent=2))
