@@ -441,10 +441,10 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
     LoHa and LoKr files are attached with peft (diffusers' loader reads LoRA only), under the same adapter names, so
     `set_adapters` scales and `fuse_lora` merges them all alike.
     """
-    for path, scale in adapters:
-        if is_controlnet_folder(path):
-            load_controlnet(components, path, scale)
-    adapters = [(path, scale) for path, scale in adapters if not is_controlnet_folder(path)]
+    controlnets = [(path, scale) for path, scale in adapters if is_controlnet_folder(path)]
+    for path, scale in controlnets:
+        load_controlnet(components, path, scale)
+    adapters = [adapter for adapter in adapters if adapter not in controlnets]
     embeddings = [path for path, _ in adapters if is_embedding_file(path)]
     for path in embeddings:  # a token's vectors have no scale
         load_embedding(components, path)

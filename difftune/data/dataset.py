@@ -734,6 +734,20 @@ def draw_flip(config: DataConfig, rng: random.Random) -> bool:
 Size = tuple[int, int]  # (width, height)
 
 
+def check_one_control_each(examples: list[Example], key: str, control: str, trains: str) -> None:
+    """Every example a pair: exactly one control image (what `trains`, the setting that reads it, calls a `control`:
+    a ControlNet's control image, a preference pair's rejected image), else a `DifftuneError` naming the first
+    example without."""
+    unpaired = next((example for example in examples if len(example.control_paths) != 1), None)
+    if unpaired is not None:
+        found = len(unpaired.control_paths)
+        raise DifftuneError(
+            f"{key}: {unpaired.path} has {found or 'no'} {control}{'s' if found > 1 else ''}; {trains} trains pairs: "
+            "put one same-stem image in the `control` folder beside it (or data.control_path, or its metadata line's "
+            "control_files)"
+        )
+
+
 def control_sizes(
     examples: list[Example], sizes: list[Size], rule: Callable[[Size, Size], Size]
 ) -> list[tuple[Size, ...]]:

@@ -24,7 +24,6 @@ from contextlib import nullcontext
 import torch
 from diffusers import ControlNetModel, FluxControlNetModel, QwenImageControlNetModel, SD3ControlNetModel
 
-from difftune.errors import DifftuneError
 from difftune.families.flow import pack
 from difftune.memory.storage import computed_tensors
 from difftune.models.parts import Components
@@ -245,15 +244,3 @@ def init_settings(model_class: type, config: dict) -> dict:
     ControlNet's, and diffusers warns of every key it ignores)."""
     taken = inspect.signature(model_class.__init__).parameters
     return {key: value for key, value in config.items() if key in taken}
-
-
-def check_control_images(examples: list, key: str) -> None:
-    """Every example a target with exactly one control image (the edit pairs' layout), which a ControlNet reads."""
-    unpaired = next((example for example in examples if len(example.control_paths) != 1), None)
-    if unpaired is not None:
-        found = len(unpaired.control_paths)
-        raise DifftuneError(
-            f"{key}: {unpaired.path} has {found or 'no'} control image{'s' if found > 1 else ''}; "
-            'adapter.kind = "controlnet" trains on pairs: put one same-stem image in the `control` folder beside '
-            "it (or data.control_path, or its metadata line's control_files)"
-        )

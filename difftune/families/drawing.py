@@ -64,17 +64,17 @@ class Drawing:
     def assemble_pipeline(self, components: Components, scheduler=None):
         """A text-to-image pipeline over the (possibly adapted) components; the family's ControlNet pipeline where
         they hold a ControlNet."""
-        controlled = components.controlnet is not None
+        with_controlnet = components.controlnet is not None
         pipeline_class = (
             self.controlnet.pipeline_class
-            if controlled
+            if with_controlnet
             else self.input_control.pipeline_class
             if self.reads_input_control(components)
             else self.pipeline_class
         )
         return pipeline_class(
             **self.denoiser_pipeline_parts(components),
-            **({"controlnet": components.controlnet} if controlled else {}),
+            **({"controlnet": components.controlnet} if with_controlnet else {}),
             vae=components.vae,
             **components.text_encoders,
             **components.tokenizers,
@@ -88,6 +88,11 @@ class Drawing:
     def reads_input_control(self, components: Components) -> bool:
         """Whether the denoiser reads control images as input channels (a control LoRA's widened one)."""
         return self.input_control is not None and self.input_control.reads_control(components.denoiser)
+
+    def draws_from_control(self, components: Components) -> bool:
+        """Whether the components draw from a control image: a ControlNet beside them, or a control LoRA's widened
+        denoiser."""
+        return components.controlnet is not None or self.reads_input_control(components)
 
     def sample_prompt_problems(self, prompts: list, controlled: bool = False) -> list[str]:
         """The `sample.prompts` entries this family cannot draw, each named: with other control images than it reads
@@ -240,8 +245,7 @@ def generate_images(
     so any image can be re-made alone. No `resolution`: the model's native size. `shown_as`: the bar's words over
     the images drawn (on a terminal), none if empty."""
     family = components.family
-    controlled = components.controlnet is not None or family.reads_input_control(components)
-    problems = family.sample_prompt_problems(config.prompts, controlled)
+    problems = family.sample_prompt_problems(config.prompts, family.draws_from_control(components))
     if config.frames > 1 and not family.reads_clips:
         problems.append(f"sample.frames = {config.frames}: {family.description} bases draw images; set it to 1")
     if problems:

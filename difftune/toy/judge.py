@@ -325,23 +325,35 @@ def score(
     }
 
 
-@torch.no_grad()
 def judged_edits(components: Components, colors, source_colors, settings: EvalSettings, say: Say = None) -> list[dict]:
     """`samples_per_prompt` fixed recolor pairs per (asked color, shape), each control drawn from `source_colors`,
     edited with the instruction (sample k of a prompt with seed + k), judged: one row per edit."""
+
+    def pairs(count: int, seed: int, color: str, shape: str) -> list:
+        return recolor_pairs(count, seed, (color,), source_colors, (shape,))
+
+    return _judged_pairs(components, colors, pairs, shape_mask, True, settings, say)
+
+
+@torch.no_grad()
+def _judged_pairs(
+    components: Components, colors, pairs, control_mask, with_controls: bool, settings: EvalSettings, say: Say
+) -> list[dict]:
+    """`samples_per_prompt` fixed pairs (control, target, prompt) per (color, shape) of `colors`, made by
+    `pairs(count, seed, color, shape)`, each drawn from its prompt (and, `with_controls`, its control; sample k of a
+    (color, shape) with seed + k), judged: its color, its shape and the overlap (intersection over union) of the drawn
+    shape with `control_mask(control)`. One row per pair."""
     pipeline, guidance = _eval_pipeline(components, settings)
     rows = []
     for prompt in _counted([f"{color} {shape}" for color in colors for shape in SHAPES], say):
         color, shape = prompt.split()
         pair_seed = settings.seed + 1000 * list(COLORS).index(color) + 100 * SHAPES.index(shape)
-        for k, (control, _, instruction) in enumerate(
-            recolor_pairs(settings.samples_per_prompt, pair_seed, (color,), source_colors, (shape,))
-        ):
+        for k, (control, _, text) in enumerate(pairs(settings.samples_per_prompt, pair_seed, color, shape)):
             [image] = components.family.draw(
                 pipeline,
                 components.family_options,
-                instruction,
-                [control],
+                text,
+                [control] if with_controls else [],
                 settings.resolution,
                 settings.resolution,
                 num_inference_steps=settings.steps,
@@ -349,8 +361,8 @@ def judged_edits(components: Components, colors, source_colors, settings: EvalSe
                 generator=torch.Generator("cpu").manual_seed(settings.seed + k),
             )
             drawn_color, drawn_shape = judge(image)
-            before, after = shape_mask(control), shape_mask(image)
-            overlap = float((before & after).sum() / (before | after).sum()) if after is not None else 0.0
+            wanted, drawn = control_mask(control), shape_mask(image)
+            overlap = float((wanted & drawn).sum() / (wanted | drawn).sum()) if drawn is not None else 0.0
             rows.append(
                 {
                     "asked": color,
@@ -386,51 +398,19 @@ def silhouette_mask(control: Image.Image) -> np.ndarray:
     return np.asarray(control.convert("L")) > 127
 
 
-@torch.no_grad()
 def judged_placements(components: Components, colors, settings: EvalSettings, say: Say = None) -> list[dict]:
     """`samples_per_prompt` fixed ControlNet pairs per (color, shape) (`placed_shape_pairs`; seeds of their own, so
-    held out from any training set made with small seeds), each drawn from its caption and, where the components read
-    control images (`reads_controls`), its control image (the base alone draws the caption), judged: its color and
-    shape, and the overlap of the drawn shape with the control's silhouette (intersection over union)."""
-    pipeline, guidance = _eval_pipeline(components, settings)
-    rows = []
-    for prompt in _counted([f"{color} {shape}" for color in colors for shape in SHAPES], say):
-        color, shape = prompt.split()
-        pair_seed = settings.seed + 1000 * list(COLORS).index(color) + 100 * SHAPES.index(shape)
-        for k, (control, _, caption) in enumerate(
-            placed_shape_pairs(settings.samples_per_prompt, pair_seed, (color,), (shape,))
-        ):
-            [image] = components.family.draw(
-                pipeline,
-                components.family_options,
-                caption,
-                [control] if reads_controls(components) else [],
-                settings.resolution,
-                settings.resolution,
-                num_inference_steps=settings.steps,
-                **guidance,
-                generator=torch.Generator("cpu").manual_seed(settings.seed + k),
-            )
-            drawn_color, drawn_shape = judge(image)
-            wanted, drawn = silhouette_mask(control), shape_mask(image)
-            overlap = float((wanted & drawn).sum() / (wanted | drawn).sum()) if drawn is not None else 0.0
-            rows.append(
-                {
-                    "asked": color,
-                    "shape": shape,
-                    "color": drawn_color,
-                    "drawn_shape": drawn_shape,
-                    "overlap": overlap,
-                    "image": image,
-                }
-            )
-    return rows
+    held out from any training set made with small seeds), each drawn from its caption and, where the components
+    read control images (`Drawing.draws_from_control`), its control image (the base alone draws the caption),
+    judged: its color and shape, and the overlap of the drawn shape with the control's silhouette (intersection over
+    union)."""
 
+    def pairs(count: int, seed: int, color: str, shape: str) -> list:
+        return placed_shape_pairs(count, seed, (color,), (shape,))
 
-def reads_controls(components: Components) -> bool:
-    """Whether the components draw from a control image: a ControlNet beside them, or a control LoRA's widened
-    denoiser."""
-    return components.controlnet is not None or components.family.reads_input_control(components)
+    return _judged_pairs(
+        components, colors, pairs, silhouette_mask, components.family.draws_from_control(components), settings, say
+    )
 
 
 def placement_score(components: Components, colors, settings: EvalSettings, say: Say = None) -> dict:
@@ -455,15 +435,6 @@ def edit_score(
         "concept": edit_accuracy(concept),
         "concept_by_shape": {shape: edit_accuracy([r for r in concept if r["shape"] == shape]) for shape in SHAPES},
     }
-
-
-def _reads_controls_with(base: str, adapter: Path) -> bool:
-    """Whether `base` with `adapter` draws from control images (a control LoRA widens it as it loads)."""
-    from difftune.adapters.export import apply_adapters
-
-    components = load_components(ModelConfig(base=base))
-    apply_adapters(components, [(adapter, 1.0)])
-    return reads_controls(components)
 
 
 class ShapesJudge:
@@ -492,16 +463,22 @@ def evaluate(
 ) -> dict:
     """The base's scores, and with `adapter`, the adapted model's and the forgetting between them; `concept_word`
     (see `score`) in the adapted model's concept prompts. `say` hears each prompt as it starts."""
-    from difftune.adapters.export import apply_adapters, is_controlnet_folder
+    from difftune.adapters.export import apply_adapters
 
     report = {"settings": vars(settings) | {"base": base, "concept_color": concept_color}}
     components = load_components(ModelConfig(base=base))
     edits = bool(components.family.max_controls)
     if edits and concept_word:
         raise DifftuneError(f"--concept-word: {base} is an edit base, scored on edits that name the color")
-    placements = adapter is not None and (is_controlnet_folder(adapter) or _reads_controls_with(base, adapter))
+    # The adapted model loaded beside the base: whether it draws from controls (a ControlNet, a control LoRA's
+    # widened denoiser) decides what the base is scored on too.
+    adapted = None
+    if adapter:
+        adapted = load_components(ModelConfig(base=base))
+        apply_adapters(adapted, [(adapter, 1.0)])
+    placements = adapted is not None and adapted.family.draws_from_control(adapted)
 
-    def scored(model: str, word: str = "") -> dict:
+    def scored(components: Components, model: str, word: str = "") -> dict:
         said = _within(say, f"{model}:")
         if placements:  # a ControlNet or control LoRA: where the seen colors' shapes are drawn, before and with it
             return placement_score(components, seen_colors, settings, said)
@@ -514,11 +491,10 @@ def evaluate(
     report["scored"] = (
         "placements" if placements else "edits" if edits else "clips" if components.family.reads_clips else "prompts"
     )
-    report["before"] = scored("base")
-    if adapter:
-        apply_adapters(components, [(adapter, 1.0)])  # onto the same base, in place
+    report["before"] = scored(components, "base")
+    if adapted is not None:
         report["adapter"] = str(adapter)
-        report["after"] = scored("adapted", concept_word)
+        report["after"] = scored(adapted, "adapted", concept_word)
         report["settings"]["concept_word"] = concept_word or concept_color
         report["forgetting"] = report["before"]["seen"]["both"] - report["after"]["seen"]["both"]
     return report

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from difftune.adapters.trained import adapters_switched_off
+from difftune.data.dataset import check_one_control_each
 from difftune.errors import DifftuneError
 
 
@@ -46,11 +47,4 @@ def check_preference_pairs(examples: list, family, key: str = "data.path") -> No
             f'preference.method = "dpo": {family.description} bases read control images as their input; preference '
             "tuning takes text-to-image and video bases"
         )
-    unpaired = next((example for example in examples if len(example.control_paths) != 1), None)
-    if unpaired is not None:
-        found = len(unpaired.control_paths)
-        raise DifftuneError(
-            f"{key}: {unpaired.path} has {found or 'no'} rejected image{'s' if found > 1 else ''}; preference.method = "
-            '"dpo" trains pairs: put one same-stem image in the `control` folder beside it (or data.control_path, '
-            "or its metadata line's control_files)"
-        )
+    check_one_control_each(examples, key, "rejected image", 'preference.method = "dpo"')

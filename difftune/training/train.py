@@ -53,6 +53,7 @@ from difftune.data.dataset import (
     TrainingOrder,
     batch_groups,
     build_dataloader,
+    check_one_control_each,
     control_sizes,
     frame_counts,
     possible_prompts,
@@ -63,7 +64,6 @@ from difftune.data.dataset import (
 from difftune.data.sources import data_source
 from difftune.errors import DifftuneError
 from difftune.families import family_of, load_components, load_denoiser
-from difftune.families.control import check_control_images
 from difftune.families.drawing import generate_images, save_images
 from difftune.families.objective import training_noise_scheduler
 from difftune.memory.checkpointing import enable_gradient_checkpointing
@@ -257,7 +257,8 @@ def setup(config: Config, resume: str | None = None) -> Run:
     if config.preference.method != "off":  # the pairs' controls are their rejected images
         check_preference_pairs(examples, components.family)
     elif config.adapter.trains_controlnet or config.adapter.control_input:  # each target's control says what to draw
-        check_control_images(examples, "data.path")
+        reader = 'adapter.kind = "controlnet"' if config.adapter.trains_controlnet else "adapter.control_input"
+        check_one_control_each(examples, "data.path", "control image", reader)
     else:
         components.family.check_controls(examples, "data.path")
     sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
