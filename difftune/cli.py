@@ -321,6 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--jobs-dir", type=Path, default=Path("jobs"), help="one folder per job; the only folder the UI serves"
     )
     ui.add_argument("--configs-dir", type=Path, default=Path("configs"), help="presets offered in the form")
+    ui.add_argument(
+        "--data-root",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="FOLDER",
+        help="a folder the Datasets tab may read and edit data in (repeatable; default: the working folder and the "
+        "one holding --configs-dir)",
+    )
     ui.add_argument("--auth", metavar="USER:PASSWORD", help="require this login (visible in `ps`: prefer --auth-file)")
     ui.add_argument("--auth-file", type=Path, help="require a login from this file (one user:password per line)")
     ui.add_argument("--share", action="store_true", help="also open a public share link (needs --auth)")
@@ -385,6 +394,7 @@ def _run(args: argparse.Namespace) -> None:
             args.ssl_certfile,
             args.ssl_keyfile,
             tuple(args.public_name),
+            args.data_root,
         )
         return
 

@@ -78,6 +78,7 @@ SHARED_FAMILY_MODULES = (
     "loading",
     "targets",
     "hunyuan_text",
+    "hunyuan_original",
     "wan_experts",
 )
 FAMILY_NAMES = tuple(

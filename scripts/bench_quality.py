@@ -27,7 +27,8 @@ from PIL import Image, ImageFilter
 from difftune.adapters.export import apply_adapters, variant_of
 from difftune.config import load_config
 from difftune.families import load_components
-from difftune.toy.judge import EvalSettings, score
+from difftune.families.flux3 import BLOCK_TARGETS as FLUX3_BLOCK_TARGETS
+from difftune.toy.judge import EvalSettings, model_score
 from difftune.toy.tiny import preference_pairs, shape_images, write_caption_folder, write_pair_folder
 from difftune.toy.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
 from difftune.training.metrics import read_metrics
@@ -36,6 +37,16 @@ from difftune.training.train import train
 SEEDS = {"": [], "_seed_1": ["train.seed=1"], "_seed_2": ["train.seed=2"]}
 # Chroma's default targets less the text stream's (add_q/k/v_proj, to_add_out, ff_context): the image tokens' layers.
 CHROMA_IMAGE_STREAM = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2", "proj_mlp"]
+
+
+FLUX3_NO_IMAGE_BLOCKS = str(
+    [
+        f"{blocks}.{index}.{layer}"
+        for blocks in ("txt_mode_blocks", "single_transformer_blocks")
+        for index in range(2)
+        for layer in FLUX3_BLOCK_TARGETS
+    ]
+).replace(" ", "")
 
 
 def at_seeds(name: str, *overrides: str) -> dict[str, list[str]]:
@@ -232,6 +243,10 @@ VARIANTS = {
         **at_seeds("purple_and_seen"),
         **at_seeds("seen_at_half_weight", datasets(PURPLE, f"{SEEN}, loss_weight = 0.5")),
     },
+    "ltx2_lora": {
+        **at_seeds("lora_r16"),
+        **at_seeds("lora_r16_400_steps", "train.max_steps=400"),
+    },
     "flux3_lora": {
         **at_seeds("lora_r8"),
         **at_seeds("lora_r8_lr_5e-4", "optim.learning_rate=5e-4"),
@@ -241,6 +256,12 @@ VARIANTS = {
         **at_seeds("lora_r8_300_steps", "train.max_steps=300"),
         **at_seeds("lora_r8_no_caption_dropout", "data.caption_dropout=0.0"),
         **at_seeds("lora_r4", "adapter.rank=4"),
+        # The seen renders as often as the purple ones (12 x 4 beside 16 x 3); the purple renders alone.
+        **at_seeds("seen_x4", datasets(f"{PURPLE}, repeats = 3", f"{SEEN}, repeats = 4")),
+        **at_seeds("purple_only", "data.path=examples/purple"),
+        # The text-mode and joint blocks alone (tiny-flux3 has 2 of each): the image-mode blocks, which draw the shapes,
+        # left as they are.
+        **at_seeds("lora_r8_no_image_blocks", "adapter.target_modules=" + FLUX3_NO_IMAGE_BLOCKS),
     },
 }
 
@@ -265,7 +286,7 @@ def main() -> None:
 
     settings = EvalSettings(resolution=args.eval_resolution) if args.eval_resolution else EvalSettings()
     base_config = load_config(config_file)
-    before = score(load_components(base_config.model), SEEN_COLORS, HELD_OUT_COLOR, settings)
+    before = model_score(load_components(base_config.model), SEEN_COLORS, HELD_OUT_COLOR, settings)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     folders = {
         "renders_32": args.work_dir / "renders_32",
@@ -301,7 +322,7 @@ def main() -> None:
             apply_adapters(components, [(adapter, 1.0)])
             # An embedding's concept prompts say its token where the others say the color.
             word = config.adapter.embedding_token if config.adapter.kind == "embedding" else ""
-            after = score(components, SEEN_COLORS, HELD_OUT_COLOR, settings, word)
+            after = model_score(components, SEEN_COLORS, HELD_OUT_COLOR, settings, word)
             line = {
                 "run": name + (" (EMA weights)" if adapter.stem.endswith("_ema") else ""),
                 "overrides": overrides,
@@ -313,6 +334,8 @@ def main() -> None:
                 "seen_both_after": after["seen"]["both"],
                 "forgetting": round(before["seen"]["both"] - after["seen"]["both"], 3),
             }
+            if "direction" in after["concept"]:  # a video job: each clip's motion too
+                line["directions_after"] = {"purple": after["concept"]["direction"], "seen": after["seen"]["direction"]}
             if args.convergence:
                 line["val_loss"] = {row["step"]: row["val_loss"] for row in read_metrics(out_dir) if "val_loss" in row}
             print(json.dumps(line), flush=True)
@@ -364,19 +387,22 @@ def convergence_table(lines: list[dict], margins=(0.05, 0.02)) -> str:
 
 
 def markdown_table(lines: list[dict]) -> str:
+    clips = any("directions_after" in line for line in lines)  # a video job's lines: the motion's column too
     rows = [
         "| run | overrides | train s | purple both, before -> after | circle / square / triangle | seen both, before "
-        "-> after | forgetting |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "-> after | forgetting |" + (" directions after, purple / seen |" if clips else ""),
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if clips else ""),
     ]
     for line in lines:
         name = f"**{line['run']} (default)**" if not line["overrides"] else line["run"]
         overrides = f"`{' '.join(line['overrides'])}`" if line["overrides"] else ""
         shapes = " / ".join(f"{value:.2f}" for value in line["by_shape"].values())
+        directions = line.get("directions_after", {})
         rows.append(
             f"| {name} | {overrides} | {line['train_s']:.0f} | {line['concept_before']:.2f} -> "
             f"{line['concept_after']:.2f} "
             f"| {shapes} | {line['seen_both_before']:.2f} -> {line['seen_both_after']:.2f} | {line['forgetting']:.3f} |"
+            + (f" {directions['purple']:.2f} / {directions['seen']:.2f} |" if clips else "")
         )
     return "\n".join(rows)
 

@@ -25,7 +25,7 @@ from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components
 from difftune.families.flow import FlowMatching
 from difftune.families.modular import ModularBase
-from difftune.models.autoencoders import PATCHED_AUTOENCODERS
+from difftune.models.autoencoders import PATCHED_AUTOENCODERS, frames_per_latent
 from difftune.toy.judge import EvalSettings, clip_score, score
 from difftune.toy.tiny import (
     CLIP_FRAMES,
@@ -103,16 +103,15 @@ tags: [difftune, tiny, synthetic]
 
 {architecture}, trained on synthetic clips of {frames} frames captioned `a <color> <shape> moving <direction>`
 (a shape sliding {travel} px left, right, up or down) for colors {seen} and shapes circle, square, triangle. The color
-`{held_out}` was never shown to the transformer: it is the concept the default fine-tuning job (`configs/wan_lora.toml`)
-teaches. The text encoder is UMT5 at its random init (its states tell the captions apart; training caches them).
+`{held_out}` was never shown to the transformer: it is the concept the default fine-tuning job (`configs/{job}`)
+teaches. {text_note}
 
-Weights are fp16; on a CPU load them as fp32: `WanPipeline.from_pretrained(path, dtype=torch.float32)`, and draw
+Weights are fp16; on a CPU load them as fp32: `{pipeline_class}.from_pretrained(path, dtype=torch.float32)`, and draw
 `num_frames={frames}` at `height=width=32`.
 
 ## Recipe (`{command}`, seed {seed})
 
-- autoencoder: tiny-qwen_image's (`AutoencoderKLQwenImage`, the same causal video autoencoder, trained on still
-  renders) as `AutoencoderKLWan` (temporal factor 2: clips of 2k + 1 frames), trained on {vae_clips} moving-shape clips of
+- autoencoder: {autoencoder_start}, trained on {vae_clips} moving-shape clips of
   every color for {vae_steps} steps (MSE + 1e-6 KL), per-channel `latents_mean` / `latents_std` of its clip latents
 - {denoiser} ({denoiser_params:,} parameters) trained by `difftune train` with `adapter.kind = "none"`, the text encoder
   ({text_params:,} parameters) frozen: {steps} steps at batch {batch_size} over {train_clips} clips, AdamW lr {learning_rate}
@@ -329,6 +328,16 @@ def clip_card(args, recipe: Recipe, facts: dict, components, settings: EvalSetti
     return CLIP_CARD.format(
         name=args.model_dir.name,
         architecture=TINY_BASES[args.family].architecture,
+        job=f"{recipe.family}_lora.toml",
+        text_note=TINY_BASES[args.family].text_note,
+        pipeline_class=type(components.pipeline()).__name__,
+        autoencoder_start=(
+            f"{args.autoencoders_from.name}'s (`AutoencoderKLQwenImage`, the same causal video autoencoder, trained "
+            f"on still\n  renders) as `{type(components.vae).__name__}`"
+            if args.autoencoders_from
+            else f"`{type(components.vae).__name__}` from its random init"
+        )
+        + f" (temporal factor {frames_per_latent(components.vae)}: clips of k x that + 1 frames)",
         frames=CLIP_FRAMES,
         travel=CLIP_SPEED * (CLIP_FRAMES - 1),
         seen=", ".join(SEEN_COLORS),

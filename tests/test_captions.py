@@ -13,6 +13,7 @@ from difftune.cli import main
 from difftune.config import DataConfig
 from difftune.data.captioning import CHAT_INSTRUCTION, load_captioner
 from difftune.data.dataset import scan_examples
+from difftune.errors import DifftuneError
 from difftune.toy.tiny import build_qwen3_vl_processor, build_qwen3_vl_text_encoder, shape_images
 
 NEW_TOKENS = 5
@@ -108,3 +109,18 @@ def test_a_model_that_is_not_a_captioner_is_refused(tiny_base, images, capsys):
     assert main(["caption", str(images), "--model", str(tiny_base / "unet")]) == 2
     assert "not a vision-language model transformers loads" in capsys.readouterr().err
     assert not (images / "a.txt").exists()
+
+
+def test_the_ui_captions_the_uncaptioned_images_of_a_dataset_it_may_edit(captioner_model, images, tmp_path):
+    from difftune.webui import datasets
+
+    data = DataConfig(path=str(images))
+    with pytest.raises(DifftuneError, match="outside the folders"):
+        datasets.caption_uncaptioned(data, str(captioner_model), False, [tmp_path / "elsewhere"])
+    assert [item.name for item in datasets.list_items(data) if item.caption is None] == ["a.png", "b.png", "d.png"]
+    report = datasets.caption_uncaptioned(data, str(captioner_model), False, [tmp_path], NEW_TOKENS)
+    assert (report.written, report.kept) == (3, 1)
+    captions = {item.name: item.caption for item in datasets.list_items(data)}
+    assert captions["c.png"] == "mine, by hand"
+    assert captions["a.png"] == _alone(captioner_model, images / "a.png")
+    assert captions["d.png"] == _alone(captioner_model, images / "2_more" / "d.png")

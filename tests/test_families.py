@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import diffusers
 import diffusers.pipelines.qwenimage.pipeline_qwenimage_layered as layered_pipeline_module
@@ -393,7 +394,8 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         arguments.pop("output_type")
         return pipeline(prompt=prompt, negative_prompt="", **arguments, output="latents")[0].numpy()
     elif name == "ltx2":  # a one-frame clip: its latents (C, 1, h, w) without the time axis, guidance as difftune's
-        guidance = family.sampling_arguments(None, 3.0, "")  # reads no component
+        # reads the tokenizer alone (its caption length)
+        guidance = family.sampling_arguments(SimpleNamespace(tokenizers={"tokenizer": pipeline.tokenizer}), 3.0, "")
         return pipeline(prompt=prompt, num_frames=1, **guidance, **arguments).frames[0][:, 0].numpy()
     elif name == "kandinsky5_video":  # a one-frame clip: its latents (1, h, w, C), channels last
         return (
@@ -712,7 +714,13 @@ def _gguf_values(path: Path) -> dict[str, torch.Tensor]:
 READ_AT_PUBLISHED_WIDTHS_ONLY = {"flux", "flux_kontext", "chroma", "lumina2"}
 # Families whose transformer class diffusers' single-file reader does not take (`FromOriginalModelMixin`'s list):
 # checked against gguf's own dequantization alone.
-NO_DIFFUSERS_SINGLE_FILE_READER = {"kandinsky5", "kandinsky5_video", "hunyuan_video15", "hunyuan_video15_i2v"}
+NO_DIFFUSERS_SINGLE_FILE_READER = {
+    "kandinsky5",
+    "kandinsky5_video",
+    "hunyuan_video15",
+    "hunyuan_video15_i2v",
+    "hunyuan_image",
+}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -1085,7 +1093,10 @@ def test_every_run_writes_a_file_comfyui_applies_as_our_merge(name, micro_base, 
     export.merge_into_folder(str(base), [(result.trained_path, 1.0)], tmp_path / "merged")
     merged = load_components(ModelConfig(base=str(tmp_path / "merged")))
     if not comfyui_applies_as(lora, load_components(ModelConfig(base=str(base))), merged):
-        pytest.skip(f"{name} has no single-file layout to hold ComfyUI's names (its kohya layout round-trips: above)")
+        pytest.skip(
+            f"{name} has no single-file layout that ComfyUI holds it in, to hold ComfyUI's names (its kohya layout "
+            "round-trips: above)"
+        )
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -47,3 +47,89 @@ def test_the_distilled_model_is_refused_by_name(base, tmp_path):
     pipeline.save_pretrained(tmp_path / "distilled")
     with pytest.raises(DifftuneError, match="a distilled HunyuanImage 2.1 base .meanflow"):
         load_components(ModelConfig(base=str(tmp_path / "distilled")))
+
+
+def _as_diffusers_converter_reads(original: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Tencent's file under diffusers' names as diffusers' converter maps it
+    (scripts/convert_hunyuan_image_to_diffusers.py, `convert_hunyuan_image_transformer_checkpoint_to_diffusers`),
+    name for name in its order; what it does not read is left in `original`."""
+    take, out = original.pop, {}
+
+    def move(diffusers: str, tencent: str, parameters=("weight", "bias")):
+        for parameter in parameters:
+            out[f"{diffusers}.{parameter}"] = take(f"{tencent}.{parameter}")
+
+    for layer in ("norm", "linear_1", "linear_2", "linear_3"):
+        move(f"context_embedder_2.{layer}", "byt5_in." + {"norm": "layernorm"}.get(layer, f"fc{layer[-1]}"))
+    move("x_embedder.proj", "img_in.proj")
+    move("context_embedder.proj_in", "txt_in.input_embedder")
+    for i, embedder in ((1, "mlp.0"), (2, "mlp.2")):
+        move(f"context_embedder.time_text_embed.timestep_embedder.linear_{i}", f"txt_in.t_embedder.{embedder}")
+        move(f"context_embedder.time_text_embed.text_embedder.linear_{i}", f"txt_in.c_embedder.linear_{i}")
+        move(f"time_guidance_embed.timestep_embedder.linear_{i}", f"time_in.{embedder}")
+    for i in range(config.num_refiner_layers):  # the converter's 2, the real model's
+        ours = f"context_embedder.token_refiner.refiner_blocks.{i}"
+        theirs = f"txt_in.individual_token_refiner.blocks.{i}"
+        move(f"{ours}.norm1", f"{theirs}.norm1")
+        move(f"{ours}.norm2", f"{theirs}.norm2")
+        for parameter in ("weight", "bias"):
+            q, k, v = torch.chunk(take(f"{theirs}.self_attn_qkv.{parameter}"), 3, dim=0)
+            out |= {f"{ours}.attn.to_{name}.{parameter}": value for name, value in zip("qkv", (q, k, v), strict=True)}
+        move(f"{ours}.attn.to_out.0", f"{theirs}.self_attn_proj")
+        move(f"{ours}.ff.net.0.proj", f"{theirs}.mlp.fc1")
+        move(f"{ours}.ff.net.2", f"{theirs}.mlp.fc2")
+        move(f"{ours}.norm_out.linear", f"{theirs}.adaLN_modulation.1")
+    for i in range(config.num_layers):  # its 20
+        ours, theirs = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        move(f"{ours}.norm1.linear", f"{theirs}.img_mod.linear")
+        move(f"{ours}.norm1_context.linear", f"{theirs}.txt_mod.linear")
+        for name in "qkv":
+            move(f"{ours}.attn.to_{name}", f"{theirs}.img_attn_{name}")
+            move(f"{ours}.attn.add_{name}_proj", f"{theirs}.txt_attn_{name}")
+        move(f"{ours}.attn.norm_q", f"{theirs}.img_attn_q_norm", ("weight",))
+        move(f"{ours}.attn.norm_k", f"{theirs}.img_attn_k_norm", ("weight",))
+        move(f"{ours}.attn.norm_added_q", f"{theirs}.txt_attn_q_norm", ("weight",))
+        move(f"{ours}.attn.norm_added_k", f"{theirs}.txt_attn_k_norm", ("weight",))
+        move(f"{ours}.attn.to_out.0", f"{theirs}.img_attn_proj")
+        move(f"{ours}.attn.to_add_out", f"{theirs}.txt_attn_proj")
+        move(f"{ours}.ff.net.0.proj", f"{theirs}.img_mlp.fc1")
+        move(f"{ours}.ff.net.2", f"{theirs}.img_mlp.fc2")
+        move(f"{ours}.ff_context.net.0.proj", f"{theirs}.txt_mlp.fc1")
+        move(f"{ours}.ff_context.net.2", f"{theirs}.txt_mlp.fc2")
+    for i in range(config.num_single_layers):  # its 40
+        ours, theirs = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        move(f"{ours}.norm.linear", f"{theirs}.modulation.linear")
+        for name in "qkv":
+            move(f"{ours}.attn.to_{name}", f"{theirs}.linear1_{name}")
+        move(f"{ours}.attn.norm_q", f"{theirs}.q_norm", ("weight",))
+        move(f"{ours}.attn.norm_k", f"{theirs}.k_norm", ("weight",))
+        move(f"{ours}.proj_mlp", f"{theirs}.linear1_mlp")
+        move(f"{ours}.proj_out", f"{theirs}.linear2.fc")
+    move("proj_out", "final_layer.linear")
+    for parameter in ("weight", "bias"):
+        shift, scale = take(f"final_layer.adaLN_modulation.1.{parameter}").chunk(2, dim=0)
+        out[f"norm_out.linear.{parameter}"] = torch.cat([scale, shift], dim=0)
+    return out
+
+
+def test_a_single_file_is_in_tencents_layout_as_diffusers_converter_reads_it(base, tmp_path):
+    """`merge --single-file`'s file is Tencent's `hunyuanimage2.1.safetensors` layout: diffusers' converter's mapping
+    reads every one of its tensors back as the transformer's own (and leaves none), and difftune reads it as a base
+    beside the folder's other parts."""
+    from safetensors.torch import save_file
+
+    components = load_components(ModelConfig(base=base))
+    original = FAMILY.layout.to_single_file(components)
+    assert {"double_blocks.0.img_attn_q.weight", "single_blocks.0.linear2.fc.weight", "byt5_in.fc3.bias"} <= set(
+        original
+    )
+    save_file(original, tmp_path / "hunyuanimage2.1.safetensors")
+    converted = _as_diffusers_converter_reads(dict(original), components.denoiser.config)
+    expected = components.denoiser.state_dict()
+    assert converted.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(converted[key], value), key
+    again = load_components(ModelConfig(base=str(tmp_path / "hunyuanimage2.1.safetensors"), single_file_config=base))
+    assert again.family is FAMILY
+    for key, value in again.denoiser.state_dict().items():
+        assert torch.equal(value, expected[key]), key

@@ -93,6 +93,14 @@ def test_log_tail_shows_the_last_state_of_progress_bars(tmp_path):
     job = jobs.Job(tmp_path)
     (tmp_path / jobs.JOB_LOG).write_text("start\ntrain: 1/3\rtrain: 2/3\rtrain: 3/3\ndone\n")
     assert jobs.log_tail(job).splitlines() == ["start", "train: 3/3", "done"]
+    # A long run: its bar redrawn 100,000 times on one line (4 MB) after the lines that say what it is doing.
+    redraws = "".join(f"\rtrain: {step}/100000 [loss 0.1234]" for step in range(1, 100_001))
+    (tmp_path / jobs.JOB_LOG).write_text("".join(f"line {i}\n" for i in range(1000)) + redraws)
+    assert jobs.log_tail(job, max_chars=200).splitlines()[-3:] == [
+        "line 998",
+        "line 999",
+        "train: 100000/100000 [loss 0.1234]",
+    ]
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda path: path.name)

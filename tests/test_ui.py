@@ -1,8 +1,9 @@
 """The web UI in a real browser (Debian's chromium through playwright), and what it serves.
 
-The browser test drives the whole path a person takes: preset -> form -> launch -> watch progress and
-the loss plot -> sample with the trained adapter -> merge. Screenshots of each tab go to a temporary
-folder, or to $DIFFTUNE_SCREENSHOTS (docs/ keeps them).
+The browser tests drive the whole path a person takes: a dataset opened, a caption edited -> preset -> form -> launch
+-> watch progress and the loss plot -> sample with the trained adapter -> merge and resize; and a long job asked to
+sample and save while two more wait in its device's queue, through a restart of the UI. Screenshots of each tab go to
+a temporary folder, or to $DIFFTUNE_SCREENSHOTS (docs/ keeps them).
 """
 
 from __future__ import annotations
@@ -33,15 +34,11 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SECRET = "difftune-test-secret-4f1c"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`python ui/app.py` on a free port, started outside the repository (presets from its configs/, whose paths
-    resolve against their own folder), jobs in a temporary folder."""
-    root = tmp_path_factory.mktemp("ui")
-    jobs_dir = root / "jobs"
-    (root / "secret.txt").write_text(SECRET)  # next to the jobs folder: must never be served
+def start_ui(root: Path, jobs_dir: Path) -> tuple[subprocess.Popen, int]:
+    """`python ui/app.py` on a free port, started in `root` (outside the repository: presets from its configs/, whose
+    paths resolve against their own folder), jobs in `jobs_dir`; returns once it answers."""
     port = free_port()
-    log = open(root / "server.log", "wb")
+    log = open(root / "server.log", "ab")
     process = subprocess.Popen(
         [
             sys.executable,
@@ -58,19 +55,28 @@ def server(tmp_path_factory):
         stderr=subprocess.STDOUT,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
+    log.close()
     deadline = time.monotonic() + 120
     while True:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
+                return process, port
         except OSError:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the UI did not start: " + (root / "server.log").read_text()) from None
             time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The UI, started in a temporary folder that holds its jobs and, beside them, a secret it must never serve."""
+    root = tmp_path_factory.mktemp("ui")
+    jobs_dir = root / "jobs"
+    (root / "secret.txt").write_text(SECRET)  # next to the jobs folder: must never be served
+    process, port = start_ui(root, jobs_dir)
     yield {"url": f"http://127.0.0.1:{port}", "port": port, "jobs": jobs_dir, "root": root}
     process.terminate()
     process.wait(timeout=30)
-    log.close()
 
 
 def _get(port: int, raw_path: str) -> tuple[int, bytes]:
@@ -126,6 +132,43 @@ def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
         expect(page.locator("#job-status")).to_contain_text("No job selected")
         expect(page.locator("#stop")).to_be_hidden()
         expect(page.locator("#resume")).to_be_hidden()
+
+        # Datasets: a folder (a copy of the default job's data, under the UI's working folder, a data root) opens as
+        # a gallery with captions; a caption edited in place is on disk, the old one in the history; the check says
+        # what a run leaves out and its buckets. A folder outside the data roots is refused.
+        data = server["root"] / "data"
+        shutil.copytree(REPO / "examples" / "purple", data)
+        (data / "0003.txt").unlink()
+        (data / "0005.png").write_bytes(b"no image")
+        page.get_by_role("tab", name="Datasets").click()
+        folder = page.locator("#dataset-folder textarea, #dataset-folder input").first
+        folder.fill(str(tmp_path))
+        page.locator("#dataset-open").click()
+        expect(page.locator("#dataset-summary")).to_contain_text("outside the folders this UI reads data from")
+        folder.fill(str(data))
+        page.locator("#dataset-open").click()
+        expect(page.locator("#dataset-summary")).to_contain_text("16 images, 0 clips")
+        expect(page.locator("#dataset-summary")).to_contain_text("1 without a caption")
+        page.locator("#dataset-gallery img").nth(1).click()
+        caption = page.locator("#dataset-caption textarea")
+        expect(caption).to_have_value((data / "0001.txt").read_text().strip())
+        old_caption = caption.input_value()
+        caption.fill("a purple square, edited in the browser")
+        page.locator("#dataset-save").click()
+        expect(page.locator("#dataset-saved")).to_contain_text("Saved to")
+        assert (data / "0001.txt").read_text() == "a purple square, edited in the browser\n"
+        expect(page.locator("#dataset-history")).to_contain_text(old_caption)
+        page.locator("#dataset-check").click()
+        expect(page.locator("#dataset-verdicts")).to_contain_text("0005.png", timeout=30_000)
+        expect(page.locator("#dataset-verdicts")).to_contain_text("cannot be decoded")
+        expect(page.locator("#dataset-verdicts")).to_contain_text("0003.png: no caption")
+        expect(page.locator("#dataset-buckets")).to_contain_text("15")  # 16 images less the broken one, at 512x512
+        page.screenshot(path=str(shots / "ui_datasets.png"), full_page=True)
+        folder.fill("")
+        page.locator("#dataset-source input").click()
+        page.get_by_role("option", name=re.compile(r"^preset tiny_lora: data.path")).click()
+        page.locator("#dataset-open").click()
+        expect(page.locator("#dataset-summary")).to_contain_text(str(REPO / "examples" / "purple"))
         page.get_by_role("tab", name="Configure").click()
 
         # Configure: the form opens on the default job's preset, named after it; a config file or another preset
@@ -529,3 +572,108 @@ def test_a_merge_into_a_used_folder_says_how_to_replace_it_in_either_tool(tmp_pa
     ):
         export.merge_into_folder(str(REPO / "models" / "tiny-sd"), [], tmp_path / "merged")
     assert (tmp_path / "merged" / "keep.txt").read_text() == "earlier work"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium); .ci/run installs it")
+def test_queue_sample_now_save_now_and_a_restart_in_a_browser(tmp_path):
+    """A long job asked to sample and to save while it runs; two more queued behind it and reordered; the UI restarted
+    with them queued: it finds the running job, starts nothing while it runs, then each queued job once, in order."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from difftune.training.checkpoint import complete_checkpoints
+    from difftune.webui import jobs as ui_jobs
+    from difftune.webui import queue as ui_queue
+
+    shots = Path(os.environ.get("DIFFTUNE_SCREENSHOTS", tmp_path))
+    jobs = tmp_path / "jobs"
+    process, port = start_ui(tmp_path, jobs)
+
+    def folder(name: str) -> Path:
+        return next(jobs.glob(f"*-{name}"))
+
+    def wait_for(condition, what: str, seconds: float = 180):
+        deadline = time.monotonic() + seconds
+        while not condition():
+            assert time.monotonic() < deadline, f"waited {seconds} s for {what}"
+            time.sleep(0.5)
+
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"http://127.0.0.1:{port}")
+
+            def launch(name: str, steps: int, said: re.Pattern):
+                page.get_by_role("tab", name="Configure").click()
+                max_steps = page.locator("#field-train-max_steps input")
+                max_steps.fill(str(steps))
+                max_steps.press("Tab")
+                page.locator("#job-name input, #job-name textarea").first.fill(name)
+                page.locator("#launch").click()
+                expect(page.locator("#launch-message")).to_contain_text(said, timeout=30_000)
+
+            # A job long enough to be asked things while it runs (it is stopped below).
+            launch("long", 100_000, re.compile(r"Launched \S+-long"))
+            status = page.locator("#job-status")
+            expect(status).to_contain_text(re.compile(r"running · step [1-9]"), timeout=240_000)
+            long_dir = folder("long")
+            page.locator("#sample-now").click()
+            wait_for(lambda: any(long_dir.glob("samples/step-*/grid.png")), "the asked samples")
+            drawn_at = next(long_dir.glob("samples/step-*")).name
+            expect(page.locator("#draw-picker input")).to_have_value(f"step {int(drawn_at[5:])}", timeout=30_000)
+            expect(page.locator("#drawn img").first).to_be_visible(timeout=30_000)
+            prompt = load_config(REPO / "configs" / "tiny_lora.toml").sample.prompts[0]
+            expect(page.locator("#drawn")).to_contain_text(prompt)
+            page.locator("#save-now").click()
+            wait_for(lambda: complete_checkpoints(long_dir), "the asked checkpoint")
+            wait_for(lambda: any(long_dir.glob("snapshots/step-*")), "the asked snapshot")
+            assert ui_jobs.Job(long_dir).status() == "running"  # asked, it went on
+
+            # Two more on the same device wait their turn; the last one is moved ahead of the other.
+            launch("second", 5, re.compile(r"Queued \S+-second on cpu, number 1 in its queue"))
+            launch("third", 5, re.compile(r"Queued \S+-third on cpu, number 2 in its queue"))
+            page.get_by_role("tab", name="Train").click()
+            expect(page.locator("#queue")).to_contain_text("third", timeout=30_000)
+            page.locator("#queued-job input").click()
+            page.get_by_role("option", name=re.compile("third$")).click()
+            page.wait_for_timeout(5000)  # two of the queue's refreshes: the pick stays
+            expect(page.locator("#queued-job input")).to_have_value(folder("third").name)
+            page.locator("#queue-up").click()
+            reordered = [folder("third").name, folder("second").name]
+            wait_for(lambda: [entry[2] for entry in ui_queue.queued(jobs)] == reordered, "the reorder")
+            expect(page.locator("#queue")).to_contain_text(re.compile(r"third.*second", re.S), timeout=30_000)
+            page.screenshot(path=str(shots / "ui_queue.png"), full_page=True)
+            started = ui_jobs.Job(long_dir).state()
+
+            # The UI restarted with both queued: the running job is found again, nothing starts while it runs.
+            process.terminate()
+            process.wait(timeout=30)
+            process, port = start_ui(tmp_path, jobs)
+            page.goto(f"http://127.0.0.1:{port}")
+            page.get_by_role("tab", name="Train").click()
+            expect(status).to_contain_text("running", timeout=30_000)
+            expect(page.locator("#queue")).to_contain_text("second", timeout=30_000)
+            page.wait_for_timeout(3000)  # a few of the queue's refreshes
+            assert not (folder("second") / ui_jobs.JOB_STATE).exists()
+            assert not (folder("third") / ui_jobs.JOB_STATE).exists()
+            assert ui_jobs.Job(long_dir).state() == started
+
+            # Stopped, the long job makes way: the queued ones run in their order, each once.
+            page.locator("#stop").click()
+            wait_for(lambda: ui_jobs.Job(long_dir).status() == "stopped", "the long job to stop")
+            wait_for(lambda: ui_jobs.Job(folder("second")).status() == "finished", "the queued jobs", 300)
+            assert ui_jobs.Job(folder("third")).status() == "finished"
+            assert ui_queue.queued(jobs) == []
+            browser.close()
+    finally:
+        for job in ui_jobs.find_jobs(jobs):
+            if job.process() is not None:
+                job.process().kill()
+        process.terminate()
+        process.wait(timeout=30)
+
+    third, second = ui_jobs.Job(folder("third")).state(), ui_jobs.Job(folder("second")).state()
+    assert third["started"] < second["started"]
+    for name in ("long", "third", "second"):  # each trainer started once: one "training" phase in each log
+        assert (folder(name) / ui_jobs.JOB_LOG).read_text().count("difftune: training ...") == 1, name

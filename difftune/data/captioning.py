@@ -130,7 +130,7 @@ def caption_folder(
     images = images_to_caption(folder)
     if not images:
         raise DifftuneError(f"caption: {folder} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))})")
-    listed = {where: _read_metadata(where / METADATA) for where in {path.parent for path in images}} if metadata else {}
+    listed = {where: metadata_lines(where / METADATA) for where in {path.parent for path in images}} if metadata else {}
     report = CaptionReport()
 
     def captioned(path: Path) -> bool:
@@ -162,7 +162,7 @@ def caption_folder(
     return report
 
 
-def _read_metadata(path: Path) -> dict[str, dict]:
+def metadata_lines(path: Path) -> dict[str, dict]:
     """A `metadata.jsonl`'s lines by file name, in its order, each kept whole (an edit pair's `control_files` too); an
     unreadable line is refused by number (the file is rewritten whole, and a line lost there would lose a caption)."""
     if not path.is_file():

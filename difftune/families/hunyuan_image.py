@@ -19,8 +19,11 @@ for the text a caption quotes, on ByT5's glyph states. Trained by flow matching 
   (`with_transformer_lora_loading`), saved as a `HunyuanImagePipeline`). The kohya layout is ComfyUI's: ComfyUI runs
   HunyuanImage 2.1 as its HunyuanVideo model, on Flux.1's block layers (`double_blocks.0.img_attn.qkv`, a single
   block's `linear1`), and maps `lora_unet_` + those names: Flux's fused tables (flux.py), whose diffusers modules are
-  this transformer's too.
-  No single file is read or written yet (ComfyUI's repackaged checkpoint's names outside the blocks are not pinned).
+  this transformer's too. A single file is the transformer alone in Tencent's layout (`hunyuanimage2.1.safetensors`:
+  `double_blocks.0.img_attn_q`, `single_blocks.0.linear1_q` ... `linear2.fc`), read and written by the mapping of
+  diffusers' converter inverted (hunyuan_original.py, shared with HunyuanVideo 1.5: the token refiner's q, k and v
+  fused as `self_attn_qkv`, the output modulation's halves swapped); the text encoders and the autoencoder come from
+  `model.single_file_config`. ComfyUI's repackaged file (its HunyuanVideo model's fused names) is not read.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from diffusers.pipelines.hunyuan_image.pipeline_hunyuanimage import extract_glyp
 
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.flux import DOUBLE_BLOCK_TARGETS, FluxLayout, single_block_row_sizes
+from difftune.families.hunyuan_original import ORIGINAL_BLOCKS, ORIGINAL_GLOBALS, SWAPPED_HALVES
 from difftune.families.hunyuan_text import HunyuanTextConditioning, attributes_set, padded_ids, refuse_meanflow
 from difftune.families.layouts import FusedLayout
 from difftune.families.loading import FamilyOptions, with_transformer_lora_loading
@@ -60,14 +64,47 @@ BLOCK_LISTS = tuple(BLOCK_TARGETS)
 HunyuanImageLoraPipeline = with_transformer_lora_loading(HunyuanImagePipeline)
 
 
+# Tencent's single file (see the module's docstring): the layout HunyuanVideo 1.5's files share, its single-stream
+# blocks (q, k, v and the MLP input apart, as the file holds them), and its own time and guidance embedders.
+SINGLE_FILE_BLOCKS = ORIGINAL_BLOCKS | {
+    "single_transformer_blocks": (
+        "single_blocks",
+        {
+            "modulation.linear": ["norm.linear"],
+            "linear1_q": ["attn.to_q"],
+            "linear1_k": ["attn.to_k"],
+            "linear1_v": ["attn.to_v"],
+            "linear1_mlp": ["proj_mlp"],
+            "q_norm": ["attn.norm_q"],
+            "k_norm": ["attn.norm_k"],
+            "linear2.fc": ["proj_out"],
+        },
+    )
+}
+SINGLE_FILE_GLOBALS = ORIGINAL_GLOBALS | {
+    "time_guidance_embed.timestep_embedder.linear_1": "time_in.mlp.0",
+    "time_guidance_embed.timestep_embedder.linear_2": "time_in.mlp.2",
+    "time_guidance_embed.timestep_embedder_r.linear_1": "time_r_in.mlp.0",  # the distilled model's (refused)
+    "time_guidance_embed.timestep_embedder_r.linear_2": "time_r_in.mlp.2",
+    "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.mlp.0",
+    "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.mlp.2",
+}
+
+
 class HunyuanImageLayout(FusedLayout):
-    """HunyuanImage 2.1's files in ComfyUI's layout (see the module's docstring): Flux's block tables."""
+    """HunyuanImage 2.1's adapter files in ComfyUI's layout, Flux's block tables; its single files in Tencent's (see
+    the module's docstring)."""
 
     kohya_prefixes = {"transformer": "lora_unet_"}
     kohya_text_model_parts = ()
     kohya_model_version = "hunyuan_image"
-    kohya_layout_name = "ComfyUI's HunyuanVideo (Flux block)"
+    kohya_layout_name = "HunyuanImage 2.1"
     kohya_blocks = FluxLayout.kohya_blocks
+    single_file_layout = "transformer alone (original layout)"
+    denoiser_file_key = "single_blocks.0.linear1_q.weight"  # Flux's single blocks fuse `linear1`; HunyuanVideo has none
+    original_blocks = SINGLE_FILE_BLOCKS
+    original_globals = SINGLE_FILE_GLOBALS
+    swapped_halves = SWAPPED_HALVES
 
     def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
         return single_block_row_sizes(modules, rows) or super().fused_row_sizes(modules, rows, columns)
@@ -93,6 +130,7 @@ class HunyuanImage(HunyuanTextConditioning, FlowMatchingFamily):
     glyph_tokens = GLYPH_TOKENS
     # The guiders are made for each sample at its guidance scale (`draw`), never read from the base.
     fixed_pipeline_arguments = {"guider": None, "ocr_guider": None}
+    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
     def components_of(self, pipeline, options) -> Components:
         refuse_meanflow(

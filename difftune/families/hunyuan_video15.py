@@ -40,6 +40,8 @@ from difftune.families.conditioning import NO_TOKEN
 from difftune.families.drawing import ClipDrawing
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.flux import DOUBLE_BLOCK_TARGETS
+from difftune.families.hunyuan_original import ORIGINAL_BLOCKS, ORIGINAL_IN_BLOCK, SWAPPED_HALVES
+from difftune.families.hunyuan_original import ORIGINAL_GLOBALS as SHARED_GLOBALS
 from difftune.families.hunyuan_text import HunyuanTextConditioning, attributes_set, refuse_meanflow
 from difftune.families.layouts import OriginalFileLayout, RenamedLayout
 from difftune.families.loading import FamilyOptions, with_transformer_lora_loading
@@ -55,73 +57,19 @@ SYSTEM_MESSAGE = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embed
 TEMPLATE_TOKENS = 108
 TEXT_TOKENS = 1000
 GLYPH_TOKENS = 256
-# diffusers' module in a double-stream block -> the original model's (Tencent's, musubi-tuner's, ComfyUI's), as
-# diffusers' converter (scripts/convert_hunyuan_video1_5_to_diffusers.py) maps them.
-ORIGINAL_IN_BLOCK = {
-    "attn.to_q": "img_attn_q",
-    "attn.to_k": "img_attn_k",
-    "attn.to_v": "img_attn_v",
-    "attn.to_out.0": "img_attn_proj",
-    "attn.add_q_proj": "txt_attn_q",
-    "attn.add_k_proj": "txt_attn_k",
-    "attn.add_v_proj": "txt_attn_v",
-    "attn.to_add_out": "txt_attn_proj",
-    "ff.net.0.proj": "img_mlp.fc1",
-    "ff.net.2": "img_mlp.fc2",
-    "ff_context.net.0.proj": "txt_mlp.fc1",
-    "ff_context.net.2": "txt_mlp.fc2",
-    "norm1.linear": "img_mod.linear",
-    "norm1_context.linear": "txt_mod.linear",
-}
-NORMS_IN_BLOCK = {  # the query and key norms (no adapter reaches them; the single file holds them)
-    "attn.norm_q": "img_attn_q_norm",
-    "attn.norm_k": "img_attn_k_norm",
-    "attn.norm_added_q": "txt_attn_q_norm",
-    "attn.norm_added_k": "txt_attn_k_norm",
-}
 BLOCK = re.compile(r"^transformer_blocks\.(\d+)\.(.+)$")
-# The single file's tables (`OriginalFileLayout`): the converter's mapping, inverted. The token refiner's blocks fuse
-# q, k and v (`self_attn_qkv`); the output modulation's halves are in the other order.
-ORIGINAL_BLOCKS = {
-    "transformer_blocks": (
-        "double_blocks",
-        {original: [module] for module, original in (ORIGINAL_IN_BLOCK | NORMS_IN_BLOCK).items()},
-    ),
-    "context_embedder.token_refiner.refiner_blocks": (
-        "txt_in.individual_token_refiner.blocks",
-        {
-            "norm1": ["norm1"],
-            "self_attn_qkv": ["attn.to_q", "attn.to_k", "attn.to_v"],
-            "self_attn_proj": ["attn.to_out.0"],
-            "norm2": ["norm2"],
-            "mlp.fc1": ["ff.net.0.proj"],
-            "mlp.fc2": ["ff.net.2"],
-            "adaLN_modulation.1": ["norm_out.linear"],
-        },
-    ),
-}
-ORIGINAL_GLOBALS = {
+# The single file's tables (`OriginalFileLayout`): the layout HunyuanImage 2.1's files share (hunyuan_original.py),
+# and HunyuanVideo 1.5's own time and image embedders.
+ORIGINAL_GLOBALS = SHARED_GLOBALS | {
     "time_embed.timestep_embedder.linear_1": "time_in.mlp.0",
     "time_embed.timestep_embedder.linear_2": "time_in.mlp.2",
     "time_embed.timestep_embedder_r.linear_1": "time_r_in.mlp.0",  # the step-distilled model's
     "time_embed.timestep_embedder_r.linear_2": "time_r_in.mlp.2",
-    "context_embedder.time_text_embed.timestep_embedder.linear_1": "txt_in.t_embedder.mlp.0",
-    "context_embedder.time_text_embed.timestep_embedder.linear_2": "txt_in.t_embedder.mlp.2",
-    "context_embedder.time_text_embed.text_embedder.linear_1": "txt_in.c_embedder.linear_1",
-    "context_embedder.time_text_embed.text_embedder.linear_2": "txt_in.c_embedder.linear_2",
-    "context_embedder.proj_in": "txt_in.input_embedder",
-    "context_embedder_2.norm": "byt5_in.layernorm",
-    "context_embedder_2.linear_1": "byt5_in.fc1",
-    "context_embedder_2.linear_2": "byt5_in.fc2",
-    "context_embedder_2.linear_3": "byt5_in.fc3",
     "image_embedder.norm_in": "vision_in.proj.0",
     "image_embedder.linear_1": "vision_in.proj.1",
     "image_embedder.linear_2": "vision_in.proj.3",
     "image_embedder.norm_out": "vision_in.proj.4",
-    "x_embedder.proj": "img_in.proj",
     "cond_type_embed": "cond_type_embedding",
-    "norm_out.linear": "final_layer.adaLN_modulation.1",
-    "proj_out": "final_layer.linear",
 }
 IMAGE_TOKENS = 1  # the masked image states passed in text-to-video (see the module's docstring)
 
@@ -137,7 +85,7 @@ class HunyuanVideo15Layout(OriginalFileLayout, RenamedLayout):
     denoiser_file_key = "vision_in.proj.0.weight"  # its SigLIP projection: HunyuanVideo 1.5's alone, every task's
     original_blocks = ORIGINAL_BLOCKS
     original_globals = ORIGINAL_GLOBALS
-    swapped_halves = ("norm_out.linear.weight", "norm_out.linear.bias")
+    swapped_halves = SWAPPED_HALVES
 
     def original_name(self, module: str) -> str | None:
         if match := BLOCK.match(module):

@@ -206,7 +206,9 @@ class OriginalFileLayout:
                         "is this file of another model?"
                     )
                 parameter = "weight" if parameter == "scale" else parameter
-                sizes = self.fused_row_sizes(modules, value.shape[0], value.shape[-1] if value.ndim > 1 else 0)
+                # A layer of one module is that module's, whole; a fused one splits as the family says.
+                columns = value.shape[-1] if value.ndim > 1 else 0
+                sizes = self.fused_row_sizes(modules, value.shape[0], columns) if len(modules) > 1 else [len(value)]
                 for module, rows in zip(modules, value.split(sizes), strict=True):
                     out[f"{blocks}.{match.group(2)}.{module}.{parameter}"] = rows
             elif layer in module_of:

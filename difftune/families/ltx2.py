@@ -5,9 +5,10 @@ time), each latent pixel one token, conditioned on Gemma 3's states through the 
 flow matching (flow.py) on clips (dataset.py cuts them into windows of frames) and images, each a one-frame clip.
 
 - Text, exactly as `LTX2Pipeline.encode_prompt`: the stripped caption left-padded to the 1024 tokens the pipeline
-  reads, every one of Gemma 3's hidden states stacked per token, then the pipeline's `connectors`
-  (`LTX2TextConnectors`, frozen: a text encoder here) into the video stream's caption states and their mask. The text
-  cache keeps those (the connectors' learnable registers fill the padding, so the whole 1024 tokens are kept).
+  reads (fewer where the tokenizer's `model_max_length` says so, passed to the pipeline as `max_sequence_length`),
+  every one of Gemma 3's hidden states stacked per token, then the pipeline's `connectors` (`LTX2TextConnectors`,
+  frozen: a text encoder here) into the video stream's caption states and their mask. The text
+  cache keeps those (the connectors' learnable registers fill the padding, so every token read is kept).
 - Latents (B, 128, t, h, w) as the pipeline decodes them: (encoded - the autoencoder's `latents_mean`) x its
   `scaling_factor` / `latents_std`. Time: the scheduler's timestep (0-1000), the prediction the flow velocity. The
   resolution shift counts a clip's tokens over all its frames, as the pipeline's `calculate_shift` does (flow.py).
@@ -48,7 +49,7 @@ from difftune.families.loading import FamilyOptions
 from difftune.families.targets import targets_in_blocks
 from difftune.models.parts import Components
 
-TEXT_TOKENS = 1024  # the pipeline's `max_sequence_length`: Gemma 3 reads every caption left-padded to it
+TEXT_TOKENS = 1024  # the pipeline's default `max_sequence_length`: Gemma 3 reads every caption left-padded to it
 FRAME_RATE = 24.0  # the pipeline's default `frame_rate`: the rate its video positions are conditioned on
 # The video stream's layers in each block (the audio stream's are `audio_attn1`, `audio_ff`, ...; the layers between
 # the streams `audio_to_video_attn`, `video_to_audio_attn`): what a video run adapts.
@@ -75,6 +76,12 @@ ORIGINAL_PARTS = {
 }
 # Lightricks' trainer's and ComfyUI's adapter files: the original names after `diffusion_model.`.
 ORIGINAL_ADAPTER_KEY = re.compile(r"^diffusion_model\.transformer_blocks\.\d+\.")
+
+
+def text_tokens(tokenizer) -> int:
+    """The caption length read: the pipeline's default, unless the tokenizer says less (a tiny base's), which
+    difftune's samples then pass as `max_sequence_length`."""
+    return min(TEXT_TOKENS, tokenizer.model_max_length)
 
 
 def original_name(name: str) -> str:
@@ -139,12 +146,11 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
     # Prompts and the transformer.
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
-        """Each stripped caption's ids (with Gemma's start token), left-padded with -1 (no token's id) to the 1024 the
-        pipeline reads."""
-        ids = tokenizers["tokenizer"](
-            [caption.strip() for caption in captions], truncation=True, max_length=TEXT_TOKENS
-        )
-        return {"text_encoder": padded_token_ids(ids["input_ids"], TEXT_TOKENS, left=True)}
+        """Each stripped caption's ids (with Gemma's start token), left-padded with -1 (no token's id) to the length
+        the pipeline reads (`text_tokens`)."""
+        length = text_tokens(tokenizers["tokenizer"])
+        ids = tokenizers["tokenizer"]([caption.strip() for caption in captions], truncation=True, max_length=length)
+        return {"text_encoder": padded_token_ids(ids["input_ids"], length, left=True)}
 
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ids = token_ids["text_encoder"]
@@ -198,7 +204,7 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
         """Classifier-free guidance at this scale for video and audio, the pipeline's other guidance off (see the
         module's docstring), at the frame rate training conditions on."""
         return {
-            "max_sequence_length": TEXT_TOKENS,
+            "max_sequence_length": self.max_sequence_length(components),
             "frame_rate": FRAME_RATE,
             "guidance_scale": guidance_scale,
             "audio_guidance_scale": guidance_scale,
@@ -212,4 +218,4 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
         }
 
     def max_sequence_length(self, components: Components) -> int:
-        return TEXT_TOKENS
+        return text_tokens(components.tokenizers["tokenizer"])

@@ -172,7 +172,9 @@ def elementwise_error(
     if config.type == "l1":
         return error.abs()
     c = thresholds.to(error).view(-1, *[1] * (error.dim() - 1))
-    pseudo_huber = 2 * (torch.sqrt(error.square() + c.square()) - c)
+    # 2(sqrt(e^2 + c^2) - c) written as 2e^2 / (sqrt(e^2 + c^2) + c), the same value: the difference of two nearly
+    # equal numbers loses a small error's digits in fp32 (1e-3 under c = 0.1 came out 0.14% off, by CPU).
+    pseudo_huber = 2 * error.square() / (torch.sqrt(error.square() + c.square()) + c)
     return c * pseudo_huber if config.type == "huber" else pseudo_huber
 
 

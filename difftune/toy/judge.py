@@ -452,6 +452,36 @@ class ShapesJudge:
 SHAPES_JUDGE = ShapesJudge()
 
 
+def model_score(
+    components: Components,
+    seen_colors,
+    concept_color: str,
+    settings: EvalSettings,
+    concept_word: str = "",
+    say: Say = None,
+    placements: bool = False,
+) -> dict:
+    """A model's scores as `evaluate` takes them, on what `scored_on` says."""
+    scored = scored_on(components, placements)
+    if scored == "placements":
+        return placement_score(components, seen_colors, settings, say)
+    if scored == "edits":
+        return edit_score(components, seen_colors, concept_color, settings, say)
+    if scored == "clips":
+        return clip_score(components, seen_colors, concept_color, settings, CLIP_FRAMES, concept_word, say)
+    return score(components, seen_colors, concept_color, settings, concept_word, say)
+
+
+def scored_on(components: Components, placements: bool = False) -> str:
+    """What a model is scored on: `placements` (a ControlNet or control LoRA: where the seen colors' shapes are
+    drawn), edits for an edit base, clips for a video base, else prompts (`score`)."""
+    if placements:
+        return "placements"
+    if components.family.max_controls:
+        return "edits"
+    return "clips" if components.family.reads_clips else "prompts"
+
+
 def evaluate(
     base: str,
     adapter: Path | None,
@@ -480,17 +510,9 @@ def evaluate(
 
     def scored(components: Components, model: str, word: str = "") -> dict:
         said = _within(say, f"{model}:")
-        if placements:  # a ControlNet or control LoRA: where the seen colors' shapes are drawn, before and with it
-            return placement_score(components, seen_colors, settings, said)
-        if edits:
-            return edit_score(components, seen_colors, concept_color, settings, said)
-        if components.family.reads_clips:
-            return clip_score(components, seen_colors, concept_color, settings, CLIP_FRAMES, word, said)
-        return score(components, seen_colors, concept_color, settings, word, said)
+        return model_score(components, seen_colors, concept_color, settings, word, said, placements)
 
-    report["scored"] = (
-        "placements" if placements else "edits" if edits else "clips" if components.family.reads_clips else "prompts"
-    )
+    report["scored"] = scored_on(components, placements)
     report["before"] = scored(components, "base")
     if adapted is not None:
         report["adapter"] = str(adapter)

@@ -1303,8 +1303,8 @@ def build_gemma3_text_encoder(tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, la
 
 def build_ltx2_parts(text_width: int, text_layers: int, layers: int = 1, heads: int = 2, latent_channels: int = 8):
     """LTX-2's text connectors (with learnable registers in the padding, as the real ones), its audio-video
-    transformer (a video stream of `heads` x 8 and an audio stream of 2 x 4), its audio autoencoder (2-channel mel
-    spectrograms of 8 bins) and its vocoder, as diffusers' own LTX-2 tests build them small."""
+    transformer (a video stream of `heads` x 8 and an audio stream of 2 x 2 `heads`), its audio autoencoder
+    (2-channel mel spectrograms of 8 bins) and its vocoder, as diffusers' own LTX-2 tests build them small."""
     connectors = LTX2TextConnectors(
         caption_channels=text_width,
         text_proj_in_factor=text_layers + 1,  # every hidden state, the embeddings' too
@@ -1329,9 +1329,11 @@ def build_ltx2_parts(text_width: int, text_layers: int, layers: int = 1, heads: 
         cross_attention_dim=heads * 8,
         audio_in_channels=4,
         audio_out_channels=4,
+        # The rope of the attention between the streams spans the audio width and splits over the video heads (2 per
+        # head at least): the audio stream widens with them (2 x 4 beside 2 video heads).
         audio_num_attention_heads=2,
-        audio_attention_head_dim=4,
-        audio_cross_attention_dim=8,
+        audio_attention_head_dim=2 * heads,
+        audio_cross_attention_dim=4 * heads,
         num_layers=layers,
         caption_channels=text_width,
         vae_scale_factors=(4, 4, 4),
@@ -1370,12 +1372,13 @@ def build_ltx2_parts(text_width: int, text_layers: int, layers: int = 1, heads: 
     return {"connectors": connectors, "transformer": transformer, "audio_vae": audio_vae, "vocoder": vocoder}
 
 
-def build_ltx2_vae(latent_channels: int = 8) -> AutoencoderKLLTX2Video:
-    """LTX-2's causal video autoencoder at 4x in space and time (the real one: 32x and 8x, 128 channels)."""
+def build_ltx2_vae(latent_channels: int = 8, channels: tuple[int, int] = (8, 16)) -> AutoencoderKLLTX2Video:
+    """LTX-2's causal video autoencoder at 4x in space and time (the real one: 32x and 8x, 128 channels), its two
+    blocks `channels` wide."""
     return AutoencoderKLLTX2Video(
         latent_channels=latent_channels,
-        block_out_channels=(8, 16),
-        decoder_block_out_channels=(8, 16),
+        block_out_channels=channels,
+        decoder_block_out_channels=channels,
         layers_per_block=(1, 1, 1),
         decoder_layers_per_block=(1, 1, 1),
         spatio_temporal_scaling=(True, True),

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLQwenImage,
-    AutoencoderKLWan,
     AutoencoderTiny,
     AutoModel,
     DiffusionPipeline,
@@ -323,7 +322,7 @@ class Recipe:
     dit_heads: int = 6  # of 16 dimensions each
     language_model_width: int = 64  # the Qwen2.5-VL / Qwen3 language model's width
     train_text_encoder: bool = True  # trained with the denoiser; else kept at its random init (its states cached)
-    text_tokens: int | None = None  # FLUX.2 [klein]: the caption length its tokenizer states
+    text_tokens: int | None = None  # FLUX.2 [klein], LTX-2: the caption length its tokenizer states
     caption_words: bool = False  # Qwen-Image: a token for each caption word (tiny.build_qwen_tokenizer), not bytes
     timestep_sampling: str = "uniform"
     flow_shift_by_resolution: bool = False  # flow matching: draw noise levels with the sampler's own shift
@@ -386,14 +385,18 @@ def base_training_overrides(
     return [f"{key}={value}" for key, value in values.items()]
 
 
-def train_clip_vae(lender: Path, recipe: Recipe) -> AutoencoderKLWan:
-    """Wan's autoencoder from `lender`'s (an `AutoencoderKLQwenImage` of the same shape, trained on stills), trained
-    on moving-shape clips of every color as `train_vae` trains (MSE on reconstructions of posterior samples plus a
-    small KL term), its per-channel statistics then set from clips' latents."""
+def train_clip_vae(lender: Path | None, recipe: Recipe) -> torch.nn.Module:
+    """A video autoencoder trained on moving-shape clips of every color as `train_vae` trains (MSE on reconstructions
+    of posterior samples plus a small KL term), its per-channel statistics then set from clips' latents. It starts
+    from `lender`'s (Wan's: an `AutoencoderKLQwenImage` of the same shape, trained on stills), or without one from the
+    family's own (`TinyBase.clip_autoencoder`) at its random init."""
     torch.manual_seed(recipe.seed)
-    stills = AutoencoderKLQwenImage.from_pretrained(lender / "vae", dtype=torch.float32)
-    vae = build_wan_vae()
-    vae.load_state_dict(stills.state_dict())
+    if lender is None:
+        vae = TINY_BASES[recipe.family].clip_autoencoder()
+    else:
+        stills = AutoencoderKLQwenImage.from_pretrained(lender / "vae", dtype=torch.float32)
+        vae = build_wan_vae()
+        vae.load_state_dict(stills.state_dict())
     clips = clip_tensors(recipe.autoencoder_images // 2, recipe.seed + 100)
 
     def loss(batch):

@@ -859,13 +859,31 @@ def _validate_preview_snapshot(run: Run, step: int, validate: bool, preview: boo
             with phase(f"step {step}: validation", run.say):
                 values |= _validate(run, components, step)
         if preview:
-            with phase(f"step {step}: preview samples", run.say), run.accelerator.autocast(), previewing(components):
-                samples = generate_images(components, config.sample, run.accelerator.device)
+            drawing = _with_encoders(run, components, step)
+            with phase(f"step {step}: preview samples", run.say), run.accelerator.autocast(), previewing(drawing):
+                samples = generate_images(drawing, config.sample, run.accelerator.device)
+            del drawing
             save_images(samples, config.sample, run.output_dir / "samples" / f"step-{step:06d}")
     if snapshot:  # a file as the result is (an adapter's, an embedding's), or a folder (a full model's, a ControlNet's)
         suffix = export.trained_path(config, run.output_dir).suffix
         export.save_trained(components, config, run.output_dir / "snapshots" / f"step-{step:06d}{suffix}", "diffusers")
     return values
+
+
+def _with_encoders(run: Run, components: Components, step: int) -> Components:
+    """`components` able to draw: as they are, or (samples asked of a run that planned none, and so released its
+    encoders: `encoder_placement`) a copy with the released parts loaded again for this draw alone, dropped after it."""
+    if components.encoders_loaded():
+        return components
+    copy = replace(
+        components,
+        text_encoders=dict(components.text_encoders),
+        drawing_parts=dict(components.drawing_parts),
+        pixel_encoders=dict(components.pixel_encoders),
+    )
+    with phase(f"step {step}: loading the released encoders for the samples asked", run.say):
+        _reload_released(copy, run.config, run.accelerator.device)
+    return copy
 
 
 def _validate(run: Run, components: Components, step: int) -> dict:

@@ -26,7 +26,8 @@ from difftune.errors import DifftuneError
 from difftune.models.parts import DTYPES
 from difftune.training.finders import LR_PLOT_FILE
 from difftune.training.validation import describe_best, read_best
-from difftune.webui import jobs, machine, queue
+from difftune.webui import draws, jobs, machine, queue
+from difftune.webui.datasets_tab import dataset_sources, datasets_tab
 from difftune.webui.form import (
     DEFAULT_PRESET,
     FormField,
@@ -39,6 +40,7 @@ from difftune.webui.form import (
     presets,
 )
 from difftune.webui.guards import LOOPBACK_NAMES, AllowedHosts, UploadLimit
+from difftune.webui.messages import error_markdown as _error
 
 LOCAL_HOSTS = LOOPBACK_NAMES
 EXPORTS_DIR = "exports"
@@ -125,13 +127,14 @@ def serve(
     ssl_certfile: Path | None = None,
     ssl_keyfile: Path | None = None,
     public_names: tuple[str, ...] = (),
+    data_roots: list[Path] | None = None,
 ) -> None:
     check_exposure(host, auth, share)
     if bool(ssl_certfile) != bool(ssl_keyfile):
         raise DifftuneError("--ssl-certfile and --ssl-keyfile go together: give both, or neither")
     jobs_dir = jobs_dir.resolve()
     jobs_dir.mkdir(parents=True, exist_ok=True)
-    app = build_app(jobs_dir, configs_dir).queue()
+    app = build_app(jobs_dir, configs_dir, data_roots).queue()
     if not share:  # Gradio's own lines would say "set share=True in launch()": ours names the flag
         print(
             f"difftune ui: http{'s' if ssl_certfile else ''}://{host}:{port} (jobs in {jobs_dir}); a public link: "
@@ -163,8 +166,15 @@ def guards(host: str, share: bool, public_names: tuple[str, ...] = ()) -> list:
     return [Middleware(AllowedHosts, names=served, share=share), Middleware(UploadLimit, max_bytes=MAX_UPLOAD_BYTES)]
 
 
-def build_app(jobs_dir: Path, configs_dir: Path) -> gr.Blocks:
+def default_data_roots(configs_dir: Path) -> list[Path]:
+    """Where the Datasets tab reads and edits data unless told (`--data-root`): the folder the UI starts in, and the
+    one holding its presets folder (whose configs name their data relative to it)."""
+    return list(dict.fromkeys([Path.cwd().resolve(), Path(configs_dir).resolve().parent]))
+
+
+def build_app(jobs_dir: Path, configs_dir: Path, data_roots: list[Path] | None = None) -> gr.Blocks:
     jobs_dir = Path(jobs_dir).resolve()
+    roots = [Path(root).resolve() for root in data_roots] if data_roots else default_data_roots(configs_dir)
     fields = form_fields()
     offered = presets(configs_dir)
     with gr.Blocks(title="difftune") as app:
@@ -172,6 +182,8 @@ def build_app(jobs_dir: Path, configs_dir: Path) -> gr.Blocks:
         with gr.Tabs() as tabs:
             with gr.Tab("Configure", id="configure"):
                 widgets, job_name, device, launch = _configure_tab(fields, offered, jobs_dir)
+            with gr.Tab("Datasets", id="datasets"):
+                dataset_picker = datasets_tab(jobs_dir, configs_dir, roots)
             with gr.Tab("Train", id="train"):
                 job_picker = _train_tab(jobs_dir)
             with gr.Tab("Sample", id="sample"):
@@ -198,6 +210,7 @@ def build_app(jobs_dir: Path, configs_dir: Path) -> gr.Blocks:
 
         launch.click(launch_job, [job_name, device, *widgets], [launch_message, job_picker, tabs])
         app.load(lambda: _job_choices(jobs_dir), None, job_picker)
+        app.load(lambda: gr.update(choices=dataset_sources(jobs_dir, configs_dir)), None, dataset_picker)
     return app
 
 
@@ -389,11 +402,16 @@ def _train_tab(jobs_dir: Path):
     previews = gr.Gallery(
         label="Samples (newest first)", columns=4, height="auto", object_fit="scale-down", elem_id="previews"
     )
+    with gr.Row():  # every draw the run made, by step, each sample captioned with its prompt (draws.py)
+        draw_picker = gr.Dropdown([], label="Samples drawn at", elem_id="draw-picker", scale=1)
+        pinned_draw = gr.State(None)  # a draw the person picked; else the newest is shown as it comes
+        drawn = gr.Gallery(
+            label="Samples of that draw", columns=6, height="auto", object_fit="scale-down", elem_id="drawn", scale=4
+        )
     log = gr.Textbox(label="Log", lines=14, max_lines=14, autoscroll=True, elem_id="job-log")
     with gr.Row():  # the jobs waiting for their device (queue.py): moved, or cancelled before they start
-        waiting = gr.Dataframe(
-            headers=["device", "position", "job"], label="Queue", interactive=False, elem_id="queue", scale=3
-        )
+        with gr.Column(scale=3):  # a table in Markdown: a Dataframe's rows showed a reorder late or never
+            waiting = gr.Markdown(_queue_table([]), elem_id="queue")
         with gr.Column(scale=1):
             queued_job = gr.Dropdown([], label="Queued job", elem_id="queued-job")
             with gr.Row():
@@ -401,15 +419,16 @@ def _train_tab(jobs_dir: Path):
                 later = gr.Button("Down", elem_id="queue-down")
                 cancel = gr.Button("Cancel", variant="stop", elem_id="queue-cancel")
 
-    def show(name):
+    def show(name, pinned=None):
         hidden = [gr.update(visible=False)] * 4
+        none_drawn = gr.update(choices=[], value=None)
         if not name:
-            return ["No job selected."] + [None] * len(plots) + [[], "", *hidden]
+            return ["No job selected."] + [None] * len(plots) + [[], "", *hidden, none_drawn]
         job = jobs.Job(jobs_dir / name)
         try:
             config = job.config()
         except DifftuneError as err:  # a folder deleted or edited by hand since the list was made
-            return [_error(err)] + [None] * len(plots) + [[], "", *hidden]
+            return [_error(err)] + [None] * len(plots) + [[], "", *hidden, none_drawn]
         max_steps = config.train.max_steps
         rows = jobs.read_progress(job)
         step = rows[-1]["step"] if rows else 0
@@ -429,7 +448,7 @@ def _train_tab(jobs_dir: Path):
         running = status == "running"
         buttons = [gr.update(visible=running), gr.update(visible=status in ("stopped", "failed"))]
         buttons += [gr.update(visible=running)] * 2  # sample now, save now
-        return [summary, *frames, grids, jobs.log_tail(job), *buttons]
+        return [summary, *frames, grids, jobs.log_tail(job), *buttons, _draw_choices(job, pinned)]
 
     def act(action, name):
         try:
@@ -439,9 +458,14 @@ def _train_tab(jobs_dir: Path):
         except DifftuneError as err:
             gr.Warning(str(err))
 
-    outputs = [status, *plots, previews, log, stop, resume, sample_now, save_now]
-    job_picker.change(show, job_picker, outputs)
-    gr.Timer(2.0).tick(show, job_picker, outputs)
+    outputs = [status, *plots, previews, log, stop, resume, sample_now, save_now, draw_picker]
+    # The draws' gallery follows the job picked, also where its draw of the same label stays picked.
+    job_picker.change(show, job_picker, outputs).then(lambda: None, None, pinned_draw).then(
+        lambda name, label: _drawn(jobs_dir, name, label), [job_picker, draw_picker], drawn
+    )
+    gr.Timer(2.0).tick(show, [job_picker, pinned_draw], outputs)
+    draw_picker.input(lambda label: label, draw_picker, pinned_draw)
+    draw_picker.change(lambda name, label: _drawn(jobs_dir, name, label), [job_picker, draw_picker], drawn)
     refresh.click(lambda name: gr.update(choices=_job_names(jobs_dir), value=name), job_picker, job_picker)
     stop.click(lambda name: act(jobs.stop_job, name), job_picker, None)
     resume.click(lambda name: act(jobs.resume_job, name), job_picker, None)
@@ -454,12 +478,19 @@ def _train_tab(jobs_dir: Path):
         started = queue.advance(jobs_dir)
         entries = queue.queued(jobs_dir)
         names = [name for _, _, name in entries]
-        picker = gr.update(choices=_job_names(jobs_dir), value=picked) if started else gr.update()
+        # A job the queue started joins the list; the pick is left alone (this tick's `picked` may be older than a
+        # job just launched and picked, and setting it would undo that pick).
+        picker = gr.update(choices=_job_names(jobs_dir)) if started else gr.update()
         lines = [machine.machine_line(machine.machine_state(jobs_dir))]
         if picked and (jobs_dir / picked / jobs.JOB_STATE).is_file():
             lines += machine.job_memory_lines(machine.job_memory(jobs.Job(jobs_dir / picked)))
-        queued_picker = gr.update(choices=names, value=queued_name if queued_name in names else None)
-        return entries, queued_picker, picker, "  \n".join(lines)
+        # The pick is cleared only once its job has left the queue: a tick sent before the person picked carries the
+        # old value, and setting it would undo their pick just before they press Up.
+        if queued_name and queued_name not in names:
+            queued_picker = gr.update(choices=names, value=None)
+        else:
+            queued_picker = gr.update(choices=names)
+        return _queue_table(entries), queued_picker, picker, "  \n".join(lines)
 
     def reorder(action, queued_name):
         try:
@@ -474,6 +505,27 @@ def _train_tab(jobs_dir: Path):
     later.click(lambda name: reorder(partial(queue.move, offset=-1), name), queued_job, None)
     cancel.click(lambda name: reorder(queue.cancel, name), queued_job, None)
     return job_picker
+
+
+def _queue_table(entries: list[tuple[str, int, str]]) -> str:
+    """The queues as a Markdown table: device, place, job folder."""
+    rows = [f"| {device} | {place} | {name} |" for device, place, name in entries] or ["| | | nothing queued |"]
+    return "**Queue**\n\n| device | place | job |\n| --- | ---: | --- |\n" + "\n".join(rows)
+
+
+def _draw_choices(job: jobs.Job, pinned: str | None):
+    """The job's draws as choices: the one picked by hand kept, else the newest (each new draw shown as it comes)."""
+    labels = [draw.label for draw in draws.draws(job)]
+    return gr.update(choices=labels, value=pinned if pinned in labels else (labels[-1] if labels else None))
+
+
+def _drawn(jobs_dir: Path, name: str | None, label: str | None) -> list:
+    """The samples of the draw `label` of job `name`, each captioned with its prompt; clips as video."""
+    if not name or not label:
+        return []
+    job = jobs.Job(jobs_dir / name)
+    found = next((draw for draw in draws.draws(job) if draw.label == label), None)
+    return [(str(path), draws.drawn_prompt(path)) for path in found.files(job)] if found else []
 
 
 def _job_names(jobs_dir: Path) -> list[str]:
@@ -679,9 +731,3 @@ def _inside(folder: Path, name: str) -> Path:
     if not plain or not path.is_relative_to(folder.resolve()) or path == folder.resolve():
         raise DifftuneError(f"output name {name!r}: give a plain name; outputs are written under {folder}")
     return path
-
-
-def _error(err: Exception) -> str:
-    """A failure as the page shows it: difftune's own message, or an unexpected exception with its kind."""
-    text = str(err) if isinstance(err, DifftuneError) else f"{type(err).__name__}: {err}"
-    return f"**Error**\n\n```\n{text}\n```"

@@ -204,15 +204,25 @@ def own_file(job: Job, path: Path) -> bool:
     )
 
 
-def log_tail(job: Job, max_chars: int = 6000) -> str:
-    """The end of the job's log, with progress-bar redraws (carriage returns) collapsed to their last state."""
+def log_tail(job: Job, max_chars: int = 6000, max_read: int = 16 << 20) -> str:
+    """The end of the job's log, at most `max_chars` of it, with progress-bar redraws (carriage returns) collapsed to
+    their last state. A long run's progress bar redraws itself thousands of times on one line, so the log is read back
+    from its end until what is left after collapsing fills `max_chars` (or `max_read` bytes were read)."""
     path = job.dir / JOB_LOG
     if not own_file(job, path):
         return ""
+    size, window = path.stat().st_size, 1 << 16
     with open(path, "rb") as log:
-        log.seek(max(0, path.stat().st_size - max_chars))
-        text = log.read().decode("utf-8", errors="replace")
-    return "\n".join(line.rstrip("\r").split("\r")[-1] for line in text.split("\n"))
+        while True:
+            start = max(0, size - window)
+            log.seek(start)
+            lines = log.read(size - start).decode("utf-8", errors="replace").split("\n")
+            if start:
+                lines = lines[1:]  # the first line is cut where the window begins
+            text = "\n".join(line.rstrip("\r").split("\r")[-1] for line in lines)
+            if not start or len(text) >= max_chars or window >= max_read:
+                return text[-max_chars:]
+            window *= 4
 
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")

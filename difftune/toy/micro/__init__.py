@@ -32,7 +32,7 @@ class MicroSizes:
     dit_layers: int | None = None  # blocks of a transformer counted in one number (None: the family's micro count)
     dit_heads: int = 2
     language_model_width: int | None = None  # its language model's (None: the family's micro width)
-    text_tokens: int | None = None  # FLUX.2 [klein]'s tokenizer's `model_max_length` (None: the pipeline's 512)
+    text_tokens: int | None = None  # FLUX.2 [klein]'s, LTX-2's tokenizer's `model_max_length` (None: the pipeline's)
     caption_words: bool = False  # Qwen-Image's tokenizer spells each caption word in one token
 
 
@@ -47,6 +47,9 @@ class TinyBase:
     recipe: dict = field(default_factory=dict)  # the `tiny_base.Recipe` fields that differ from its defaults
     autoencoders_from: str = ""  # a built base whose autoencoders it reuses (the same kind), else its own trained
     autoencoder: dict = field(default_factory=dict)  # `tiny_base.train_vae`'s settings for its own autoencoder
+    # A video base's own autoencoder, fresh (trained on clips from its random init); None: from its lender's stills
+    clip_autoencoder: Callable | None = None
+    text_note: str = ""  # a video base's card: what its text encoder is and how it stays
     edit_recipe: dict | None = None  # the edit base built from it (scripts/make_tiny_edit_base.py), if any
 
 

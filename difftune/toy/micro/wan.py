@@ -49,6 +49,7 @@ TINY_BASE = TinyBase(
         "validation_images_per_prompt": 2,
     },
     autoencoders_from="tiny-qwen_image",
+    text_note="The text encoder is UMT5 at its random init (its states tell the captions apart; training caches them).",
 )
 
 
