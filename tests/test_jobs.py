@@ -45,7 +45,7 @@ def test_a_job_is_found_again_stopped_with_a_checkpoint_and_resumed(make_config,
         jobs.resume_job(found)
 
     jobs.stop_job(found)
-    assert child.wait(timeout=120) == 0
+    assert child.wait(timeout=600) == 0
     steps = [row["step"] for row in jobs.read_progress(found)]
     assert found.status() == "stopped" and found.resumable()
     assert 5 <= steps[-1] < 300 and steps == list(range(1, steps[-1] + 1))

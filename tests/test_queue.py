@@ -20,7 +20,7 @@ def _config(steps: int = 2):
     )
 
 
-def _wait(job: jobs.Job, timeout: float = 180) -> str:
+def _wait(job: jobs.Job, timeout: float = 600) -> str:
     deadline = time.monotonic() + timeout
     while job.status() in ("queued", "running") and time.monotonic() < deadline:
         time.sleep(0.5)
