@@ -497,8 +497,7 @@ def evaluate(
 
     report = {"settings": vars(settings) | {"base": base, "concept_color": concept_color}}
     components = load_components(ModelConfig(base=base))
-    edits = bool(components.family.max_controls)
-    if edits and concept_word:
+    if concept_word and scored_on(components) == "edits":
         raise DifftuneError(f"--concept-word: {base} is an edit base, scored on edits that name the color")
     # The adapted model loaded beside the base: whether it draws from controls (a ControlNet, a control LoRA's
     # widened denoiser) decides what the base is scored on too.
