@@ -613,11 +613,16 @@ def test_queue_sample_now_save_now_and_a_restart_in_a_browser(tmp_path):
                 page.locator("#launch").click()
                 expect(page.locator("#launch-message")).to_contain_text(said, timeout=30_000)
 
-            # A job long enough to be asked things while it runs (it is stopped below).
-            launch("long", 100_000, re.compile(r"Launched \S+-long"))
+            # A job long enough to be asked things while it runs (it is stopped below), started beside this page, as
+            # another UI on this jobs folder starts one: the page's empty picker shows it within a refresh (as it shows
+            # a job launched here whose pick a late answer to the page's opening emptied, which CI's machine saw).
+            page.get_by_role("tab", name="Train").click()
             status = page.locator("#job-status")
+            expect(status).to_contain_text("No job selected")
+            long_config = load_config(REPO / "configs" / "tiny_lora.toml", ["train.max_steps=100000"])
+            long_dir = ui_queue.submit(long_config, jobs, "long", ui_queue.CPU).dir
+            expect(page.locator("#job-picker input")).to_have_value(long_dir.name, timeout=60_000)
             expect(status).to_contain_text(re.compile(r"running · step [1-9]"), timeout=600_000)
-            long_dir = folder("long")
             page.locator("#sample-now").click()
             wait_for(lambda: any(long_dir.glob("samples/step-*/grid.png")), "the asked samples")
             drawn_at = next(long_dir.glob("samples/step-*")).name

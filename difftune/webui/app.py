@@ -478,9 +478,15 @@ def _train_tab(jobs_dir: Path):
         started = queue.advance(jobs_dir)
         entries = queue.queued(jobs_dir)
         names = [name for _, _, name in entries]
-        # A job the queue started joins the list; the pick is left alone (this tick's `picked` may be older than a
-        # job just launched and picked, and setting it would undo that pick).
-        picker = gr.update(choices=_job_names(jobs_dir)) if started else gr.update()
+        # A job the queue started joins the list; a pick is left alone (this tick's `picked` may be older than a job
+        # just launched and picked, and setting it would undo that pick). An empty picker shows the newest job, as an
+        # opened page does: on a loaded machine the picker emptied after a launch had picked its job (an answer to the
+        # page's opening, computed before the launch, arriving after it), and the newest job is the one launched.
+        job_names = _job_names(jobs_dir) if started or not picked else []
+        if not picked and job_names:
+            picker = gr.update(choices=job_names, value=job_names[0])
+        else:
+            picker = gr.update(choices=job_names) if started else gr.update()
         lines = [machine.machine_line(machine.machine_state(jobs_dir))]
         if picked and (jobs_dir / picked / jobs.JOB_STATE).is_file():
             lines += machine.job_memory_lines(machine.job_memory(jobs.Job(jobs_dir / picked)))
