@@ -82,7 +82,7 @@ def family_table_markdown(models_dir: Path) -> str:
         edits = {0: "no", 1: "1 control"}.get(family.max_controls, f"up to {family.max_controls} controls")
         edits = "an image into layers" if family.trains_layers else edits
         rows.append(
-            f"| {_family_cell(name, models_dir.parent)} | {', '.join(f'`{c}`' for c in family.pipeline_classes)} | "
+            f"| {_family_cell(name, family.page or name, models_dir.parent)} | {', '.join(f'`{c}`' for c in family.pipeline_classes)} | "
             f"{', '.join(kinds)} | "
             f"{encoders} | {prefixes} | {family.layout.single_file_layout or 'not read'} | {edits} | "
             f"{_tiny_base_scores(models_dir / f'tiny-{name}')} |"
@@ -90,9 +90,9 @@ def family_table_markdown(models_dir: Path) -> str:
     return "\n".join(rows)
 
 
-def _family_cell(name: str, repository: Path) -> str:
-    """The family's name, linked to its page for the real model (`docs/families/<name>.md`) where it has one."""
-    page = Path("docs") / "families" / f"{name}.md"
+def _family_cell(name: str, page_name: str, repository: Path) -> str:
+    """The family's name, linked to its page for the real model (`docs/families/<page_name>.md`) where it has one."""
+    page = Path("docs") / "families" / f"{page_name}.md"
     return f"[`{name}`]({page.as_posix()})" if (repository / page).is_file() else f"`{name}`"
 
 

@@ -54,6 +54,7 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
     options_model: type[FamilyOptions] = FamilyOptions  # what `model.family_options` may set
     max_controls = 0  # control (source) images an edit pair may have: 0 for a text-to-image family
     reads_clips = False  # a video base: trains on clips (`frame_windows`) and images alike
+    page: str | None = None  # the family whose page for the real model (docs/families/) tells of it too; None: its own
     layout: Layout  # its files in other tools' layouts (layouts.py)
     objective: Objective = DDPM()  # what training minimises (objective.py; flow.py's for the flow families)
     controlnet: ControlNets | None = None  # its ControlNet (control.py), where diffusers has one
