@@ -33,15 +33,13 @@ from difftune.toy.judge import (
     EvalSettings,
     accuracy,
     clip_accuracy,
-    clip_prompts_for,
     judge,
     judge_clip,
-    judged_clips,
     judged_samples,
     prompts_for,
 )
 from difftune.toy.micro import tiny_base_of
-from difftune.toy.tiny import CLIP_FRAMES, COLORS, DIRECTIONS, SHAPES, moving_shape_clips, shape_images
+from difftune.toy.tiny import COLORS, DIRECTIONS, SHAPES, moving_shape_clips, shape_images
 from difftune.toy.tiny_base import (
     SEEN_COLORS,
     Recipe,
@@ -398,21 +396,10 @@ def test_build_ltx2_base_trains_its_own_video_autoencoder_from_scratch_and_its_t
     assert not torch.equal(trained.transformer.state_dict()[block], init.transformer.state_dict()[block])
 
 
+# The bases whose default job CI runs are held to more than this by that job's test (its base's seen prompts >= 0.95
+# at 8 samples per prompt): these are the bundled bases CI runs no job on.
 @pytest.mark.parametrize(
-    "base",
-    [BASE, SDXL_BASE, FLUX_BASE, QWEN_BASE, QWEN21_BASE, Z_IMAGE_BASE, KLEIN_BASE, CHROMA_BASE, SD3_BASE, FLUX3_BASE],
-    ids=[
-        "tiny-sd",
-        "tiny-sdxl",
-        "tiny-flux",
-        "tiny-qwen_image",
-        "tiny-qwen_image21",
-        "tiny-z_image",
-        "tiny-flux2_klein",
-        "tiny-chroma",
-        "tiny-sd3",
-        "tiny-flux3",
-    ],
+    "base", [KLEIN_BASE, CHROMA_BASE, FLUX3_BASE], ids=["tiny-flux2_klein", "tiny-chroma", "tiny-flux3"]
 )
 def test_committed_base_draws_the_seen_prompts(base):
     # Measured at 8 samples per prompt in each base's scores.json; the floors sit well under it.
@@ -420,7 +407,7 @@ def test_committed_base_draws_the_seen_prompts(base):
     assert components.denoiser.dtype == torch.float32  # fp16 files, loaded as fp32
     rows = judged_samples(components, prompts_for(SEEN_COLORS), EvalSettings(samples_per_prompt=2))
     scores = accuracy(rows)
-    assert scores["color"] >= 0.75 and scores["shape"] >= 0.6, scores  # tiny-sd: 1.000 and 0.958 at 8 per prompt
+    assert scores["color"] >= 0.75 and scores["shape"] >= 0.6, scores
 
 
 def job_report(job: str, base: str, folder: str) -> dict:
@@ -460,18 +447,21 @@ def job_reports(request, tmp_path_factory) -> dict:
 # Not tiny-flux2_klein: its job meets every target at seeds 0 and 1 with no sample to spare, and draws purple squares
 # at 0.875 at seed 2. Nor tiny-chroma: purple squares 0.75-0.88. Nor tiny-flux3: it learns purple (0.92-1.00) but
 # draws the seen colors' squares worse after (forgetting 0.062-0.104, BENCHMARKS.md).
+# SDXL's, Qwen-Image's, Z-Image's and SD3's default jobs are the quality sweep (`pytest -m sweep tests/test_quality.py`,
+# a few minutes on 2 cores), outside CI's 45 minutes: their objectives are the jobs CI runs (SD's noise prediction;
+# the flow matching of Flux.1, Qwen-Image 2.1, Kontext, Qwen-Image-Edit, Wan and LTX-2), and BENCHMARKS.md has their
+# rows from scripts/bench_quality.py.
 @pytest.mark.parametrize(
     "job, base",
     [
-        ("tiny_lora", BASE),
-        ("sdxl_lora", SDXL_BASE),
-        ("flux_lora", FLUX_BASE),
-        ("qwen_image_lora", QWEN_BASE),
-        ("qwen_image21_lora", QWEN21_BASE),
-        ("z_image_lora", Z_IMAGE_BASE),
-        ("sd3_lora", SD3_BASE),
+        pytest.param("tiny_lora", BASE, id="tiny-sd"),
+        pytest.param("flux_lora", FLUX_BASE, id="tiny-flux"),
+        pytest.param("qwen_image21_lora", QWEN21_BASE, id="tiny-qwen_image21"),
+        pytest.param("sdxl_lora", SDXL_BASE, id="tiny-sdxl", marks=pytest.mark.sweep),
+        pytest.param("qwen_image_lora", QWEN_BASE, id="tiny-qwen_image", marks=pytest.mark.sweep),
+        pytest.param("z_image_lora", Z_IMAGE_BASE, id="tiny-z_image", marks=pytest.mark.sweep),
+        pytest.param("sd3_lora", SD3_BASE, id="tiny-sd3", marks=pytest.mark.sweep),
     ],
-    ids=["tiny-sd", "tiny-sdxl", "tiny-flux", "tiny-qwen_image", "tiny-qwen_image21", "tiny-z_image", "tiny-sd3"],
 )
 def test_fine_tuning_teaches_the_held_out_color(job_reports, job, base):
     """Each default job against the targets BENCHMARKS.md publishes, scored as published (8 samples per prompt):
@@ -484,16 +474,6 @@ def test_fine_tuning_teaches_the_held_out_color(job_reports, job, base):
     assert all(after["concept_by_shape"][shape]["both"] >= 0.90 for shape in SHAPES), after["concept_by_shape"]
     assert report["forgetting"] <= 0.05, report["forgetting"]
     assert set(COLORS) > set(SEEN_COLORS)
-
-
-@pytest.mark.parametrize("base", [WAN_BASE, LTX2_BASE], ids=["tiny-wan", "tiny-ltx2"])
-def test_committed_video_base_draws_the_seen_clips(base):
-    """Each video base draws the seen prompts' colors and shapes in every frame and moves them the asked way (measured
-    at 8 clips per color and shape in its scores.json; the floors sit under it)."""
-    components = load_components(ModelConfig(base=str(base)))
-    rows = judged_clips(components, clip_prompts_for(SEEN_COLORS), EvalSettings(samples_per_prompt=1), CLIP_FRAMES)
-    scores = clip_accuracy(rows)
-    assert scores["color"] >= 0.75 and scores["shape"] >= 0.6 and scores["direction"] >= 0.75, scores
 
 
 @pytest.mark.slow

@@ -619,7 +619,9 @@ def test_queue_sample_now_save_now_and_a_restart_in_a_browser(tmp_path):
             page.get_by_role("tab", name="Train").click()
             status = page.locator("#job-status")
             expect(status).to_contain_text("No job selected")
-            long_config = load_config(REPO / "configs" / "tiny_lora.toml", ["train.max_steps=100000"])
+            long_config = load_config(
+                REPO / "configs" / "tiny_lora.toml", ["train.max_steps=100000", "sample.before=false"]
+            )
             long_dir = ui_queue.submit(long_config, jobs, "long", ui_queue.CPU).dir
             expect(page.locator("#job-picker input")).to_have_value(long_dir.name, timeout=60_000)
             expect(status).to_contain_text(re.compile(r"running · step [1-9]"), timeout=600_000)

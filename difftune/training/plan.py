@@ -582,9 +582,12 @@ class _PeakBytes(TorchDispatchMode):
     def _freed(self, size: int) -> None:
         self.now -= size
 
-    def _layout(self, func, args, kwargs):
+    def _layout(self, func, args, kwargs, tensors: list[torch.Tensor]):
         """`func`'s result with its values, where it is a layout computed from constants and layouts alone (else
-        None): computed on the CPU, returned on the meta device, its values kept."""
+        None): computed on the CPU, returned on the meta device, its values kept. `tensors`: its arguments' tensors."""
+        factory = func in _CONSTANT_FACTORIES
+        if not self.known and not factory:  # nothing known to compute from, or to forget (most of a model's operations)
+            return None
         if func._schema.is_mutable:  # what it writes in place is no longer known (what it reads stays)
             written = [
                 kwargs.get(argument.name) if argument.kwarg_only else (args[i] if i < len(args) else None)
@@ -595,8 +598,7 @@ class _PeakBytes(TorchDispatchMode):
             for tensor in [t for t in self.known if storage_key(t) in storages]:  # its views too
                 del self.known[tensor]
             return None
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_meta]
-        factory = func in _CONSTANT_FACTORIES
+        tensors = [t for t in tensors if t.is_meta]
         if not factory and (not tensors or any(t not in self.known for t in tensors)):
             return None
 
@@ -624,11 +626,11 @@ class _PeakBytes(TorchDispatchMode):
         self.known[on_meta] = result
         return on_meta
 
-    def _indexed_by_layout(self, func, args, kwargs):
+    def _indexed_by_layout(self, func, args, kwargs, tensors: list[torch.Tensor]):
         """`func`'s meta result where a layout indexes, masks or repeats a tensor of unknown values: by the layout's
         values, where the operation takes them from the CPU (indexing does). None where no argument is a layout, or
         where the operation cannot take them (arithmetic with a meta tensor, which needs no values)."""
-        if not any(isinstance(t, torch.Tensor) and t in self.known for t in tree_flatten((args, kwargs))[0]):
+        if not self.known or not any(t in self.known for t in tensors):
             return None
         known_args, known_kwargs = tree_map(
             lambda t: self.known.get(t, t) if isinstance(t, torch.Tensor) else t, (args, kwargs)
@@ -653,15 +655,17 @@ class _PeakBytes(TorchDispatchMode):
             if source in self.known:
                 return self.known[source].clone()
             return torch.full(source.shape, 1.0 if source.is_floating_point() else self.full, dtype=source.dtype)
-        layout = self._layout(func, args, kwargs)
+        # The arguments' tensors, flattened once: three looks at them an operation, tens of thousands of operations.
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        layout = self._layout(func, args, kwargs, tensors)
         if layout is not None:
             return layout
-        result = self._indexed_by_layout(func, args, kwargs)
+        result = self._indexed_by_layout(func, args, kwargs, tensors)
         if result is None:
             result = func(*args, **kwargs)
         if func in _COUNTS and args[0].is_meta and not args[0].is_floating_point():
             self.counted[result] = args[0].numel()
-        arguments = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        arguments = {storage_key(t) for t in tensors}
         for tensor in tree_flatten(result)[0]:
             if not isinstance(tensor, torch.Tensor):
                 continue
