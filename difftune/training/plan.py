@@ -598,8 +598,8 @@ class _PeakBytes(TorchDispatchMode):
             for tensor in [t for t in self.known if storage_key(t) in storages]:  # its views too
                 del self.known[tensor]
             return None
-        tensors = [t for t in tensors if t.is_meta]
-        if not factory and (not tensors or any(t not in self.known for t in tensors)):
+        meta_tensors = [t for t in tensors if t.is_meta]
+        if not factory and (not meta_tensors or any(t not in self.known for t in meta_tensors)):
             return None
 
         def on_cpu(value):

@@ -482,11 +482,12 @@ def _train_tab(jobs_dir: Path):
         # just launched and picked, and setting it would undo that pick). An empty picker shows the newest job, as an
         # opened page does: on a loaded machine the picker emptied after a launch had picked its job (an answer to the
         # page's opening, computed before the launch, arriving after it), and the newest job is the one launched.
-        job_names = _job_names(jobs_dir) if started or not picked else []
-        if not picked and job_names:
+        if not picked and (job_names := _job_names(jobs_dir)):
             picker = gr.update(choices=job_names, value=job_names[0])
+        elif started:
+            picker = gr.update(choices=_job_names(jobs_dir))
         else:
-            picker = gr.update(choices=job_names) if started else gr.update()
+            picker = gr.update()
         lines = [machine.machine_line(machine.machine_state(jobs_dir))]
         if picked and (jobs_dir / picked / jobs.JOB_STATE).is_file():
             lines += machine.job_memory_lines(machine.job_memory(jobs.Job(jobs_dir / picked)))
