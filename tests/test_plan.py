@@ -142,8 +142,11 @@ def test_train_refuses_before_loading_a_run_the_ram_cannot_hold(make_config, mon
         r"fits it .*; train\.check_memory = false tries anyway",
     ):
         train(config)
-    # With room between the job's peak and its checkpointed one (both planned now: the process has grown since, and
-    # its memory is in each plan), the refusal names the setting that brings the step within it.
+    # With room between the job's peak and its checkpointed one, the refusal names the setting that brings the step
+    # within it. Each plan counts what this process holds when it is made: held still here, so that train's plans are
+    # the ones this room was measured between (the process's own growth in between once left no room to find).
+    held = plan.process_status_bytes("VmRSS")
+    monkeypatch.setattr(plan, "process_status_bytes", lambda field: held)
     needed = plan.plan_memory(config, "cpu")
     checkpointed = plan.plan_memory(
         config.model_copy(update={"train": config.train.model_copy(update={"gradient_checkpointing": True})}), "cpu"

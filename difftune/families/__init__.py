@@ -81,7 +81,7 @@ def family_table_markdown(models_dir: Path) -> str:
         prefixes = ", ".join(f"`{prefix}`" for prefix in family.layout.kohya_prefixes.values())
         edits = {0: "no", 1: "1 control"}.get(family.max_controls, f"up to {family.max_controls} controls")
         edits = "an image into layers" if family.trains_layers else edits
-        cell = _family_cell(name, family.page or name, models_dir.parent)
+        cell = _family_cell(name, family.page, models_dir.parent)
         rows.append(
             f"| {cell} | {', '.join(f'`{c}`' for c in family.pipeline_classes)} | "
             f"{', '.join(kinds)} | "

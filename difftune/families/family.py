@@ -54,11 +54,17 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
     options_model: type[FamilyOptions] = FamilyOptions  # what `model.family_options` may set
     max_controls = 0  # control (source) images an edit pair may have: 0 for a text-to-image family
     reads_clips = False  # a video base: trains on clips (`frame_windows`) and images alike
-    page: str | None = None  # the family whose page for the real model (docs/families/) tells of it too; None: its own
+    page_family: str | None = None  # the family whose page for the real model tells of this one too (`page`)
     layout: Layout  # its files in other tools' layouts (layouts.py)
     objective: Objective = DDPM()  # what training minimises (objective.py; flow.py's for the flow families)
     controlnet: ControlNets | None = None  # its ControlNet (control.py), where diffusers has one
     input_control: InputControl | None = None  # control images as input channels (control.py), where drawn so
+
+    @property
+    def page(self) -> str:
+        """The name of its page for the real model, `docs/families/<page>.md`: its own, or `page_family`'s (an
+        image-to-video family's is its text-to-video family's)."""
+        return self.page_family or self.name
 
     def denoiser_part(self, options: FamilyOptions) -> str:
         """The pipeline part that holds the denoiser this run trains: `denoiser_name`, unless the base has several

@@ -26,7 +26,7 @@ class Flux2KleinLayout(Flux2Layout):
 
 class Flux2Klein(Flux2):
     name = "flux2_klein"
-    page = "flux2"
+    page_family = "flux2"
     layout = Flux2KleinLayout()
     description = "FLUX.2 [klein]"
     pipeline_class = Flux2KleinPipeline

@@ -51,7 +51,7 @@ class HunyuanVideo15ImageToVideoLayout(HunyuanVideo15Layout):
 
 class HunyuanVideo15ImageToVideo(ImageToVideoDrawing, HunyuanVideo15):
     name = "hunyuan_video15_i2v"
-    page = "hunyuan_video15"
+    page_family = "hunyuan_video15"
     layout = HunyuanVideo15ImageToVideoLayout()
     description = "HunyuanVideo 1.5 image-to-video"
     pipeline_class = with_transformer_lora_loading(HunyuanVideo15ImageToVideoPipeline)

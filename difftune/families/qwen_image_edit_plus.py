@@ -22,7 +22,7 @@ from difftune.families.qwen_image_edit import VISION_TOKENS, QwenImageEdit, cont
 
 class QwenImageEditPlus(QwenImageEdit):
     name = "qwen_image_edit_plus"
-    page = "qwen_image_edit"
+    page_family = "qwen_image_edit"
     description = "Qwen-Image-Edit-Plus (2509, 2511)"
     pipeline_class = QwenImageEditPlusPipeline
     pipeline_classes = ("QwenImageEditPlusPipeline",)

@@ -46,7 +46,7 @@ def clip_image_states(components: Components, frames: torch.Tensor) -> torch.Ten
 
 class WanImageToVideo(ImageToVideoDrawing, Wan):
     name = "wan_i2v"
-    page = "wan"
+    page_family = "wan"
     description = "Wan 2.1 / 2.2 image-to-video"
     pipeline_class = WanImageToVideoPipeline
     pipeline_classes = ("WanImageToVideoPipeline",)
