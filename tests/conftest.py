@@ -217,9 +217,10 @@ def unet_inputs(unet, batch: int = 2, seed: int = 0):
     return latents, timesteps, states
 
 
-# Families whose single file is not the layout ComfyUI holds the model in, so ComfyUI's key map cannot be restated
-# over it: HunyuanImage 2.1's is Tencent's (q, k and v apart), ComfyUI's its HunyuanVideo model's (Flux.1's fused
-# layers), the names its LoRA files use (tests/test_hunyuan_image.py checks them).
+# Families whose single file does not name the layers as ComfyUI holds the model, so ComfyUI's key map cannot be
+# restated over it: HunyuanImage 2.1's is Tencent's (`img_attn_qkv`, `mlp.fc1`), which ComfyUI holds under its
+# HunyuanVideo model's names (Flux.1's layers: `img_attn.qkv`, `mlp.0`), the names its LoRA files use
+# (tests/test_hunyuan_image.py checks them and reads a file in them).
 COMFYUI_HOLDS_ANOTHER_LAYOUT = {"hunyuan_image"}
 
 

@@ -4,6 +4,8 @@ the kohya file in ComfyUI's HunyuanVideo block names, and the distilled model re
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from diffusers import HunyuanImagePipeline
@@ -49,8 +51,30 @@ def test_the_distilled_model_is_refused_by_name(base, tmp_path):
         load_components(ModelConfig(base=str(tmp_path / "distilled")))
 
 
+def _split_as_tencents_loader_does(original: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tencent's file as its loader reads it before loading and as diffusers' converter does first
+    (`convert_hunyuan_dict_for_tensor_parallel`): a double block's fused q, k and v split in three by rows; a single
+    block's `linear1` into q, k, v (each as wide as `linear2`'s output) and the MLP input; `linear2` as `linear2.fc`."""
+    split = {}
+    for key, value in original.items():
+        if key.startswith("double_blocks") and "attn_qkv." in key:
+            width = value.shape[0] // 3
+            for i, name in enumerate("qkv"):
+                split[key.replace("attn_qkv.", f"attn_{name}.")] = value[i * width : (i + 1) * width]
+        elif key.startswith("single_blocks") and ".linear1." in key:
+            width = original[key.replace("linear1", "linear2").rsplit(".", 1)[0] + ".weight"].shape[0]
+            for i, name in enumerate("qkv"):
+                split[key.replace("linear1", f"linear1_{name}")] = value[i * width : (i + 1) * width]
+            split[key.replace("linear1", "linear1_mlp")] = value[3 * width :]
+        elif key.startswith("single_blocks") and ".linear2." in key:
+            split[key.replace("linear2", "linear2.fc")] = value
+        else:
+            split[key] = value
+    return split
+
+
 def _as_diffusers_converter_reads(original: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """Tencent's file under diffusers' names as diffusers' converter maps it
+    """Tencent's file, split as its loader splits it, under diffusers' names as diffusers' converter maps it
     (scripts/convert_hunyuan_image_to_diffusers.py, `convert_hunyuan_image_transformer_checkpoint_to_diffusers`),
     name for name in its order; what it does not read is left in `original`."""
     take, out = original.pop, {}
@@ -113,18 +137,20 @@ def _as_diffusers_converter_reads(original: dict[str, torch.Tensor], config) -> 
 
 
 def test_a_single_file_is_in_tencents_layout_as_diffusers_converter_reads_it(base, tmp_path):
-    """`merge --single-file`'s file is Tencent's `hunyuanimage2.1.safetensors` layout: diffusers' converter's mapping
-    reads every one of its tensors back as the transformer's own (and leaves none), and difftune reads it as a base
-    beside the folder's other parts."""
+    """`merge --single-file`'s file is Tencent's `hunyuanimage2.1.safetensors` layout (q, k and v fused, as Tencent's
+    loader reads it): split as that loader splits it, diffusers' converter's mapping reads every one of its tensors
+    back as the transformer's own (and leaves none), and difftune reads it as a base beside the folder's other parts."""
     from safetensors.torch import save_file
 
     components = load_components(ModelConfig(base=base))
     original = FAMILY.layout.to_single_file(components)
-    assert {"double_blocks.0.img_attn_q.weight", "single_blocks.0.linear2.fc.weight", "byt5_in.fc3.bias"} <= set(
+    assert {"double_blocks.0.img_attn_qkv.weight", "single_blocks.0.linear2.weight", "byt5_in.fc3.bias"} <= set(
         original
     )
     save_file(original, tmp_path / "hunyuanimage2.1.safetensors")
-    converted = _as_diffusers_converter_reads(dict(original), components.denoiser.config)
+    split = _split_as_tencents_loader_does(original)
+    converted = _as_diffusers_converter_reads(split, components.denoiser.config)
+    assert split == {}
     expected = components.denoiser.state_dict()
     assert converted.keys() == expected.keys()
     for key, value in expected.items():
@@ -133,3 +159,59 @@ def test_a_single_file_is_in_tencents_layout_as_diffusers_converter_reads_it(bas
     assert again.family is FAMILY
     for key, value in again.denoiser.state_dict().items():
         assert torch.equal(value, expected[key]), key
+
+
+# ComfyUI's names for the layers of Tencent's file: its HunyuanVideo model is built of Flux.1's `DoubleStreamBlock`
+# and `SingleStreamBlock` (comfy/ldm/flux/layers.py: `img_attn.qkv`, `img_attn.norm.query_norm.scale`, `img_mlp.0`,
+# `img_mod.lin`, `linear1`, `modulation.lin`), a `TokenRefiner` (`self_attn.qkv`, `mlp.0`) and `MLPEmbedder`s
+# (`in_layer`, `out_layer`) (comfy/ldm/hunyuan_video/model.py).
+COMFYUI_RENAMES = (
+    (r"\.(img|txt)_attn_q_norm\.weight$", r".\1_attn.norm.query_norm.scale"),
+    (r"\.(img|txt)_attn_k_norm\.weight$", r".\1_attn.norm.key_norm.scale"),
+    (r"^(single_blocks\.\d+)\.q_norm\.weight$", r"\1.norm.query_norm.scale"),
+    (r"^(single_blocks\.\d+)\.k_norm\.weight$", r"\1.norm.key_norm.scale"),
+    (r"_attn_(qkv|proj)\.", r"_attn.\1."),
+    (r"mlp\.fc1\.", "mlp.0."),
+    (r"mlp\.fc2\.", "mlp.2."),
+    (r"\.(img_mod|txt_mod|modulation)\.linear\.", r".\1.lin."),
+    (r"^(time_in|time_r_in|guidance_in|txt_in\.t_embedder)\.mlp\.0\.", r"\1.in_layer."),
+    (r"^(time_in|time_r_in|guidance_in|txt_in\.t_embedder)\.mlp\.2\.", r"\1.out_layer."),
+    (r"^txt_in\.c_embedder\.linear_1\.", "txt_in.c_embedder.in_layer."),
+    (r"^txt_in\.c_embedder\.linear_2\.", "txt_in.c_embedder.out_layer."),
+)
+
+
+def _in_comfyuis_names(key: str) -> str:
+    for pattern, replacement in COMFYUI_RENAMES:
+        key = re.sub(pattern, replacement, key)
+    return key
+
+
+def test_a_file_in_comfyuis_names_reads_as_the_same_transformer(base, tmp_path):
+    """ComfyUI's own HunyuanImage files (saved from its HunyuanVideo model) name Tencent's layers as its modules do:
+    one under ComfyUI's prefix reads as the same transformer, as HunyuanImage 2.1 and not Flux.1 (whose layers it
+    shares); a HunyuanVideo file (its CLIP vector input besides) is read by neither."""
+    from safetensors.torch import save_file
+
+    components = load_components(ModelConfig(base=base))
+    comfyui = {
+        "model.diffusion_model." + _in_comfyuis_names(key): value
+        for key, value in FAMILY.layout.to_single_file(components).items()
+    }
+    assert {
+        "model.diffusion_model.double_blocks.0.img_attn.norm.query_norm.scale",
+        "model.diffusion_model.single_blocks.0.modulation.lin.weight",
+        "model.diffusion_model.txt_in.individual_token_refiner.blocks.0.self_attn.qkv.weight",
+        "model.diffusion_model.time_in.out_layer.bias",
+    } <= set(comfyui)
+    save_file(comfyui, tmp_path / "hunyuanimage2.1_bf16.safetensors")
+    again = load_components(
+        ModelConfig(base=str(tmp_path / "hunyuanimage2.1_bf16.safetensors"), single_file_config=base)
+    )
+    assert again.family is FAMILY
+    for key, value in components.denoiser.state_dict().items():
+        assert torch.equal(again.denoiser.state_dict()[key], value), key
+    hunyuan_video = comfyui | {"model.diffusion_model.vector_in.in_layer.weight": torch.zeros(8, 4)}
+    save_file(hunyuan_video, tmp_path / "hunyuan_video_t2v_720p_bf16.safetensors")
+    with pytest.raises(DifftuneError, match="whose keys match no known family"):
+        load_components(ModelConfig(base=str(tmp_path / "hunyuan_video_t2v_720p_bf16.safetensors")))

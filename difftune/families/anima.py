@@ -36,11 +36,11 @@ from diffusers.loaders.single_file_utils import convert_cosmos_transformer_check
 from difftune.config import ModelConfig
 from difftune.families.conditioning import padded_token_ids
 from difftune.families.flow import FlowMatchingFamily
-from difftune.families.layouts import RenamedLayout
+from difftune.families.layouts import RenamedLayout, has_file_key
 from difftune.families.loading import FamilyOptions
 from difftune.families.modular import ModularBase
 from difftune.families.targets import targets_in_blocks
-from difftune.models.denoiser_files import DENOISER_FILE_PREFIXES, is_gguf, read_denoiser_file, read_gguf_file
+from difftune.models.denoiser_files import is_gguf, read_denoiser_file, read_gguf_file
 from difftune.models.parts import FP32_PARTS, Components, PartDtypes
 
 TEXT_TOKENS = 512  # the text step's default `max_sequence_length`, for both tokenizers
@@ -192,9 +192,7 @@ class AnimaLayout(RenamedLayout):
         return original_name(module)
 
     def reads_single_file(self, keys: set[str]) -> bool:
-        return any(
-            prefix + ORIGINAL_PREFIX + self.denoiser_file_key in keys for prefix in ("", *DENOISER_FILE_PREFIXES)
-        ) or super().reads_single_file(keys)
+        return has_file_key(keys, ORIGINAL_PREFIX + self.denoiser_file_key) or super().reads_single_file(keys)
 
     def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """An original file's transformer weights (its conditioner's left: `conditioner_of_file` reads them) under

@@ -117,6 +117,9 @@ class FluxLayout(FusedLayout):
     single_file_layout = "transformer alone (BFL layout)"
 
     denoiser_file_key = "double_blocks.0.img_mod.lin.weight"  # FLUX.2's blocks share one modulation, Chroma's have none
+    # ComfyUI's HunyuanImage 2.1 and HunyuanVideo files, on Flux.1's block layers: ComfyUI tells them by their caption's
+    # token refiner too.
+    other_models_file_keys = ("txt_in.individual_token_refiner.blocks.0.norm1.weight",)
 
     # kohya's Flux LoRA names T5 `lora_te3_`, the prefix ComfyUI gives T5 beside two CLIPs (SD3).
     kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te3_"}

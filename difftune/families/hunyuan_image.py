@@ -19,14 +19,17 @@ for the text a caption quotes, on ByT5's glyph states. Trained by flow matching 
   (`with_transformer_lora_loading`), saved as a `HunyuanImagePipeline`). The kohya layout is ComfyUI's: ComfyUI runs
   HunyuanImage 2.1 as its HunyuanVideo model, on Flux.1's block layers (`double_blocks.0.img_attn.qkv`, a single
   block's `linear1`), and maps `lora_unet_` + those names: Flux's fused tables (flux.py), whose diffusers modules are
-  this transformer's too. A single file is the transformer alone in Tencent's layout (`hunyuanimage2.1.safetensors`:
-  `double_blocks.0.img_attn_q`, `single_blocks.0.linear1_q` ... `linear2.fc`), read and written by the mapping of
-  diffusers' converter inverted (hunyuan_original.py, shared with HunyuanVideo 1.5: the token refiner's q, k and v
-  fused as `self_attn_qkv`, the output modulation's halves swapped); the text encoders and the autoencoder come from
-  `model.single_file_config`. ComfyUI's repackaged file (its HunyuanVideo model's fused names) is not read.
+  this transformer's too. A single file is the transformer alone in Tencent's layout (`hunyuanimage2.1.safetensors`,
+  and Comfy-Org's repackaged bf16 file: `double_blocks.0.img_attn_qkv`, `single_blocks.0.linear1` (q, k, v and the
+  MLP input), `linear2`), read and written by the mapping of diffusers' converter inverted (hunyuan_original.py,
+  shared with HunyuanVideo 1.5, whose files keep q, k and v apart; the output modulation's halves swapped). Files
+  saved from ComfyUI's model name the same layers as its modules do (`img_attn.qkv`, `mlp.0`, `mod.lin`,
+  `in_layer`), and are read too. The text encoders and the autoencoder come from `model.single_file_config`.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from diffusers import AdaptiveProjectedMixGuidance, HunyuanImagePipeline, HunyuanImageTransformer2DModel
@@ -34,9 +37,10 @@ from diffusers.pipelines.hunyuan_image.pipeline_hunyuanimage import extract_glyp
 
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.flux import DOUBLE_BLOCK_TARGETS, FluxLayout, single_block_row_sizes
+from difftune.families.flux import ORIGINAL_BLOCKS as FLUX_ORIGINAL_BLOCKS
 from difftune.families.hunyuan_original import ORIGINAL_BLOCKS, ORIGINAL_GLOBALS, SWAPPED_HALVES
 from difftune.families.hunyuan_text import HunyuanTextConditioning, attributes_set, padded_ids, refuse_meanflow
-from difftune.families.layouts import FusedLayout
+from difftune.families.layouts import FusedLayout, Layout, OriginalFileLayout
 from difftune.families.loading import FamilyOptions, with_transformer_lora_loading
 from difftune.families.targets import targets_in_blocks
 from difftune.models.autoencoders import LatentNormalization
@@ -64,22 +68,30 @@ BLOCK_LISTS = tuple(BLOCK_TARGETS)
 HunyuanImageLoraPipeline = with_transformer_lora_loading(HunyuanImagePipeline)
 
 
-# Tencent's single file (see the module's docstring): the layout HunyuanVideo 1.5's files share, its single-stream
-# blocks (q, k, v and the MLP input apart, as the file holds them), and its own time and guidance embedders.
+# Tencent's single file (see the module's docstring): the layout HunyuanVideo 1.5's files share, but for q, k and v
+# fused in the double blocks (`img_attn_qkv`) and in the single blocks' input layer (`linear1`: q, k, v and the MLP
+# input), as Tencent's `hunyuanimage2.1.safetensors` holds them (its loader and diffusers' converter split them first:
+# `convert_hunyuan_dict_for_tensor_parallel`), and its own time and guidance embedders.
+TENCENT_DOUBLE_BLOCK = {
+    original: modules
+    for original, modules in ORIGINAL_BLOCKS["transformer_blocks"][1].items()
+    if not original.endswith(("_attn_q", "_attn_k", "_attn_v"))
+} | {
+    "img_attn_qkv": ["attn.to_q", "attn.to_k", "attn.to_v"],
+    "txt_attn_qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
+}
 SINGLE_FILE_BLOCKS = ORIGINAL_BLOCKS | {
+    "transformer_blocks": ("double_blocks", TENCENT_DOUBLE_BLOCK),
     "single_transformer_blocks": (
         "single_blocks",
         {
             "modulation.linear": ["norm.linear"],
-            "linear1_q": ["attn.to_q"],
-            "linear1_k": ["attn.to_k"],
-            "linear1_v": ["attn.to_v"],
-            "linear1_mlp": ["proj_mlp"],
+            "linear1": ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"],
             "q_norm": ["attn.norm_q"],
             "k_norm": ["attn.norm_k"],
-            "linear2.fc": ["proj_out"],
+            "linear2": ["proj_out"],
         },
-    )
+    ),
 }
 SINGLE_FILE_GLOBALS = ORIGINAL_GLOBALS | {
     "time_guidance_embed.timestep_embedder.linear_1": "time_in.mlp.0",
@@ -89,22 +101,74 @@ SINGLE_FILE_GLOBALS = ORIGINAL_GLOBALS | {
     "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.mlp.0",
     "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.mlp.2",
 }
+# The same file under the names of ComfyUI's HunyuanVideo model (its own saved and fp8 files): Flux.1's block layers
+# (flux.py), the token refiner's `self_attn.qkv` and `mlp.0`, its embedders as `MLPEmbedder`s (`in_layer`, `out_layer`).
+COMFYUI_BLOCKS = FLUX_ORIGINAL_BLOCKS | {
+    "context_embedder.token_refiner.refiner_blocks": (
+        "txt_in.individual_token_refiner.blocks",
+        {
+            "norm1": ["norm1"],
+            "self_attn.qkv": ["attn.to_q", "attn.to_k", "attn.to_v"],
+            "self_attn.proj": ["attn.to_out.0"],
+            "norm2": ["norm2"],
+            "mlp.0": ["ff.net.0.proj"],
+            "mlp.2": ["ff.net.2"],
+            "adaLN_modulation.1": ["norm_out.linear"],
+        },
+    )
+}
+EMBEDDERS = ("time_in.", "time_r_in.", "guidance_in.", "txt_in.t_embedder.", "txt_in.c_embedder.")
+COMFYUI_GLOBALS = {
+    module: re.sub(r"\.(?:mlp\.0|linear_1)$", ".in_layer", re.sub(r"\.(?:mlp\.2|linear_2)$", ".out_layer", original))
+    if original.startswith(EMBEDDERS)
+    else original
+    for module, original in SINGLE_FILE_GLOBALS.items()
+}
+
+
+class ComfyUIFileLayout(OriginalFileLayout, Layout):
+    """HunyuanImage 2.1's transformer file in ComfyUI's names (read; Tencent's names are what difftune writes)."""
+
+    kohya_prefixes = {}
+    kohya_layout_name = "ComfyUI's HunyuanImage 2.1"
+    denoiser_file_key = "txt_in.individual_token_refiner.blocks.0.self_attn.qkv.weight"  # Tencent's: `self_attn_qkv`
+    original_blocks = COMFYUI_BLOCKS
+    original_globals = COMFYUI_GLOBALS
+    swapped_halves = SWAPPED_HALVES
+
+    def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
+        return single_block_row_sizes(modules, rows) or super().fused_row_sizes(modules, rows, columns)
+
+
+COMFYUI_FILE = ComfyUIFileLayout()
 
 
 class HunyuanImageLayout(FusedLayout):
-    """HunyuanImage 2.1's adapter files in ComfyUI's layout, Flux's block tables; its single files in Tencent's (see
-    the module's docstring)."""
+    """HunyuanImage 2.1's adapter files in ComfyUI's layout, Flux's block tables; its single files in Tencent's, and
+    read in ComfyUI's names too (see the module's docstring)."""
 
     kohya_prefixes = {"transformer": "lora_unet_"}
     kohya_text_model_parts = ()
     kohya_model_version = "hunyuan_image"
     kohya_layout_name = "HunyuanImage 2.1"
     kohya_blocks = FluxLayout.kohya_blocks
-    single_file_layout = "transformer alone (original layout)"
-    denoiser_file_key = "single_blocks.0.linear1_q.weight"  # Flux's single blocks fuse `linear1`; HunyuanVideo has none
+    single_file_layout = "transformer alone (Tencent's layout; ComfyUI's names read too)"
+    denoiser_file_key = "double_blocks.0.img_attn_qkv.weight"  # Flux's names fuse it as `img_attn.qkv`
+    # HunyuanVideo (1.0)'s files, in either naming, have this model's blocks and a CLIP vector input besides.
+    other_models_file_keys = ("vector_in.in_layer.weight",)
     original_blocks = SINGLE_FILE_BLOCKS
     original_globals = SINGLE_FILE_GLOBALS
     swapped_halves = SWAPPED_HALVES
+
+    def reads_single_file(self, keys: set[str]) -> bool:
+        return super().reads_single_file(keys) or (
+            COMFYUI_FILE.reads_single_file(keys) and not self.holds_other_model(keys)
+        )
+
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if COMFYUI_FILE.denoiser_file_key in weights:
+            return COMFYUI_FILE.diffusers_names(weights)
+        return super().diffusers_names(weights)
 
     def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
         return single_block_row_sizes(modules, rows) or super().fused_row_sizes(modules, rows, columns)

@@ -1,7 +1,8 @@
 """The original (Tencent's) layout that HunyuanImage 2.1's and HunyuanVideo 1.5's single files use, as diffusers'
 converters map them (scripts/convert_hunyuan_image_to_diffusers.py, scripts/convert_hunyuan_video1_5_to_diffusers.py):
-the double-stream blocks and the caption's token refiner are named alike in both models, and so are the caption
-embedders, the image input and the output layer. Tables in `OriginalFileLayout`'s form, inverted from the converters.
+the double-stream blocks (HunyuanImage's file fuses each stream's q, k and v: hunyuan_image.py) and the caption's token
+refiner are named alike in both models, and so are the caption embedders, the image input and the output layer.
+Tables in `OriginalFileLayout`'s form, inverted from the converters.
 """
 
 from __future__ import annotations

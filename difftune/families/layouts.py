@@ -70,6 +70,11 @@ def kohya_globals_of(original_globals: dict[str, str], swapped_halves: tuple[str
     }
 
 
+def has_file_key(keys: set[str], key: str) -> bool:
+    """Whether a single file's `keys` hold `key`, as it is or under one of ComfyUI's prefixes."""
+    return any(prefix + key in keys for prefix in ("", *DENOISER_FILE_PREFIXES))
+
+
 class Layout:
     kohya_prefixes: dict[str, str]  # part -> key prefix in kohya / A1111 / ComfyUI files
     kohya_text_model_parts: tuple[str, ...] = (
@@ -79,14 +84,21 @@ class Layout:
     embedding_keys: tuple[str, ...] = ("emb_params",)  # per text encoder: its key in A1111 / ComfyUI embedding files
     single_file_layout: str | None = None  # what its single files (read and written) hold; None: not read
     denoiser_file_key: str | None = None  # a key every denoiser-alone single file of the family has
+    # Keys of another model's files that have `denoiser_file_key` too (a model built on the family's layers)
+    other_models_file_keys: tuple[str, ...] = ()
 
     def reads_single_file(self, keys: set[str]) -> bool:
         """Whether a single file with these keys is this family's: where its single files hold the denoiser alone,
-        they have `denoiser_file_key` (ComfyUI's files may prefix it); families without single files read none (a
-        diffusers folder of theirs is what to pass)."""
-        return self.denoiser_file_key is not None and any(
-            prefix + self.denoiser_file_key in keys for prefix in ("", *DENOISER_FILE_PREFIXES)
+        they have `denoiser_file_key` (ComfyUI's files may prefix it) and none of `other_models_file_keys`; families
+        without single files read none (a diffusers folder of theirs is what to pass)."""
+        return (
+            self.denoiser_file_key is not None
+            and has_file_key(keys, self.denoiser_file_key)
+            and not self.holds_other_model(keys)
         )
+
+    def holds_other_model(self, keys: set[str]) -> bool:
+        return any(has_file_key(keys, key) for key in self.other_models_file_keys)
 
     def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A denoiser file's tensors (ComfyUI's prefixes gone) under diffusers' names: as they are, unless the

@@ -49,7 +49,8 @@ class StableDiffusionLayout(Layout):
         return ("sd_v2" if width == 1024 else "sd_v1") + ("_v" if prediction == "v_prediction" else "")
 
     def reads_single_file(self, keys: set[str]) -> bool:
-        has_unet = any(key.startswith(single_file.UNET_PREFIX) for key in keys)
+        # A UNet's input blocks, under the LDM prefix that ComfyUI's transformer files share
+        has_unet = any(key.startswith(single_file.UNET_PREFIX + "input_blocks.") for key in keys)
         return has_unet and not any(key.startswith(single_file.SDXL_CONDITIONER_PREFIX) for key in keys)
 
     def to_single_file(self, components: Components) -> dict[str, torch.Tensor]:
