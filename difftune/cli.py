@@ -527,12 +527,15 @@ def _plan(args: argparse.Namespace) -> None:
     def say(line: str) -> None:  # stderr: stdout is the plan (or its JSON line)
         print(line, file=sys.stderr)
 
-    with phase("planning the run's memory (its model built without weights, one step counted)", say):
-        predicted = plan.plan_memory(config, device)
-    with phase("trying the settings that fit", say if device_memory or host_memory else None):
-        fitting = (
-            plan.fitting_overrides(config, device_memory, host_memory, device) if device_memory or host_memory else None
-        )
+    with plan.plans_remembered():  # the settings tried start from the job's own plan
+        with phase("planning the run's memory (its model built without weights, one step counted)", say):
+            predicted = plan.plan_memory(config, device)
+        with phase("trying the settings that fit", say if device_memory or host_memory else None):
+            fitting = (
+                plan.fitting_overrides(config, device_memory, host_memory, device)
+                if device_memory or host_memory
+                else None
+            )
     if args.json:
         result = {
             "configs": predicted.configs,

@@ -162,6 +162,31 @@ def test_train_refuses_before_loading_a_run_the_ram_cannot_hold(make_config, mon
     assert len(train(make_config(train__check_memory=False, train__max_steps=1)).losses) == 1
 
 
+def test_inside_plans_remembered_a_config_is_traced_once(make_config, monkeypatch):
+    """`difftune plan`, the check before a run and the pages' tables plan the job and then the settings that fit, for
+    one budget and the next: inside `plans_remembered` a config planned again (an equal one, another object) is the
+    plan traced the first time, counting what the process holds now; a config that differs is traced; outside the
+    block each call traces."""
+    traced = []
+    trace = plan._plan_memory
+    monkeypatch.setattr(plan, "_plan_memory", lambda config, device: traced.append(config) or trace(config, device))
+    config = make_config()
+    with plan.plans_remembered():
+        first = plan.plan_memory(config, "cpu")
+        monkeypatch.setattr(plan, "process_status_bytes", lambda field: 7 * 2**30)
+        again = plan.plan_memory(make_config(), "cpu")
+        plan.plan_memory(make_config(train__gradient_checkpointing=True), "cpu")
+        with plan.plans_remembered():  # nested: the same plans
+            assert plan.plan_memory(config, "cpu").device == first.device
+    assert [traced_config.train.gradient_checkpointing for traced_config in traced] == [False, True]
+    assert again.device == first.device and again.device_caching == first.device_caching
+    for phase, held in first.host_phases.items():
+        assert again.host_phases[phase] == held | {"python and libraries": 7 * 2**30}
+    assert again.host_peak == max(sum(held.values()) for held in again.host_phases.values())
+    plan.plan_memory(config, "cpu")
+    assert len(traced) == 3
+
+
 def test_an_offload_budget_offloads_the_fewest_blocks_that_fit(make_config, capsys):
     count = plan._block_count(make_config())
     whole, everything = _plan(make_config), _plan(make_config, model__offload_blocks=count)

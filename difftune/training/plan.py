@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import weakref
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -92,11 +93,43 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+# The plans made inside `plans_remembered()`, by config and device type; None outside it
+_REMEMBERED_PLANS: ContextVar[dict[tuple[str, str], MemoryPlan] | None] = ContextVar("remembered_plans", default=None)
+
+
 def plan_memory(config: Config, device_type: str | None = None) -> MemoryPlan:
     """The plan of `config` training on `device_type` (default: CUDA where there is one)."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    remembered, key = _REMEMBERED_PLANS.get(), (config.model_dump_json(), device_type)
+    if remembered is not None and key in remembered:
+        return _counting_this_process(remembered[key])
     with _errors_only(), own_cast_buffers():  # diffusers warns on each dtype cast of its models, which placing does
-        return _plan_memory(with_offload_budget(config), device_type)
+        plan = _plan_memory(with_offload_budget(config), device_type)
+    if remembered is not None:
+        remembered[key] = plan
+    return plan
+
+
+@contextmanager
+def plans_remembered():
+    """Inside the block a config planned once is not traced again (the fitting ladder's steps, for one budget and the
+    next): its plan is remembered, and counts afresh what this process holds then. Outside it every plan is traced:
+    between the calls of a long-lived process (the UI's) the base's config files may change."""
+    if _REMEMBERED_PLANS.get() is not None:
+        yield
+        return
+    token = _REMEMBERED_PLANS.set({})
+    try:
+        yield
+    finally:
+        _REMEMBERED_PLANS.reset(token)
+
+
+def _counting_this_process(plan: MemoryPlan) -> MemoryPlan:
+    """`plan` with each host phase holding what this process holds now, as a plan made now would."""
+    held_now = {"python and libraries": process_status_bytes("VmRSS")}
+    phases = {phase: held | held_now for phase, held in plan.host_phases.items()}
+    return replace(plan, host=max(phases.values(), key=lambda held: sum(held.values())), host_phases=phases)
 
 
 def with_offload_budget(config: Config) -> Config:
@@ -376,6 +409,11 @@ def check_fits(config: Config, device_type: str, kept_in: Path | None = None) ->
     end it without a word, minutes into loading. A device peak over the GPU's total is a warning (returned): the
     offloading settings that fit it are for the user to weigh. `kept_in`: a folder the plan is written to
     (`PLAN_FILE`), where the UI shows it beside the run's measured peaks."""
+    with plans_remembered():  # the settings tried after a refusal start from this plan
+        return _check_fits(config, device_type, kept_in)
+
+
+def _check_fits(config: Config, device_type: str, kept_in: Path | None) -> str | None:
     plan = plan_memory(config, device_type)
     if kept_in is not None:
         Path(kept_in).mkdir(parents=True, exist_ok=True)
