@@ -111,7 +111,18 @@ class FluxOptions(FlowOptions):
     )
 
 
-class FluxLayout(FusedLayout):
+class SingleBlockRows:
+    """Splits a Flux-kind single block's fused `linear1` (q, k, v and the MLP input, which is `MLP_RATIO` times as wide)
+    by its rows; another fused layer's modules are alike (the layout's own rule)."""
+
+    def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
+        if not modules[-1].endswith("proj_mlp"):
+            return super().fused_row_sizes(modules, rows, columns)
+        width = rows // (3 + MLP_RATIO)
+        return [width] * 3 + [rows - 3 * width]
+
+
+class FluxLayout(SingleBlockRows, FusedLayout):
     """Flux's files in other tools' layouts."""
 
     single_file_layout = "transformer alone (BFL layout)"
@@ -137,18 +148,6 @@ class FluxLayout(FusedLayout):
     kohya_globals = kohya_globals_of(ORIGINAL_GLOBALS, SWAPPED_HALVES)
 
     embedding_keys = ("clip_l", "t5")
-
-    def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
-        return single_block_row_sizes(modules, rows) or super().fused_row_sizes(modules, rows, columns)
-
-
-def single_block_row_sizes(modules: list[str], rows: int) -> list[int] | None:
-    """A Flux-kind single block's `linear1` holds q, k, v and the MLP input, which is `MLP_RATIO` times as wide: its
-    rows per module (None for another fused layer, whose modules are alike)."""
-    if not modules[-1].endswith("proj_mlp"):
-        return None
-    width = rows // (3 + MLP_RATIO)
-    return [width] * 3 + [rows - 3 * width]
 
 
 class Flux(FlowMatchingFamily):

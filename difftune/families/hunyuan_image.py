@@ -36,7 +36,7 @@ from diffusers import AdaptiveProjectedMixGuidance, HunyuanImagePipeline, Hunyua
 from diffusers.pipelines.hunyuan_image.pipeline_hunyuanimage import extract_glyph_text
 
 from difftune.families.flow import FlowMatchingFamily
-from difftune.families.flux import DOUBLE_BLOCK_TARGETS, FluxLayout, single_block_row_sizes
+from difftune.families.flux import DOUBLE_BLOCK_TARGETS, FluxLayout, SingleBlockRows
 from difftune.families.flux import ORIGINAL_BLOCKS as FLUX_ORIGINAL_BLOCKS
 from difftune.families.hunyuan_original import ORIGINAL_BLOCKS, ORIGINAL_GLOBALS, SWAPPED_HALVES
 from difftune.families.hunyuan_text import HunyuanTextConditioning, attributes_set, padded_ids, refuse_meanflow
@@ -126,7 +126,7 @@ COMFYUI_GLOBALS = {
 }
 
 
-class ComfyUIFileLayout(OriginalFileLayout, Layout):
+class ComfyUIFileLayout(SingleBlockRows, OriginalFileLayout, Layout):
     """HunyuanImage 2.1's transformer file in ComfyUI's names (read; Tencent's names are what difftune writes)."""
 
     kohya_prefixes = {}
@@ -136,14 +136,11 @@ class ComfyUIFileLayout(OriginalFileLayout, Layout):
     original_globals = COMFYUI_GLOBALS
     swapped_halves = SWAPPED_HALVES
 
-    def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
-        return single_block_row_sizes(modules, rows) or super().fused_row_sizes(modules, rows, columns)
-
 
 COMFYUI_FILE = ComfyUIFileLayout()
 
 
-class HunyuanImageLayout(FusedLayout):
+class HunyuanImageLayout(SingleBlockRows, FusedLayout):
     """HunyuanImage 2.1's adapter files in ComfyUI's layout, Flux's block tables; its single files in Tencent's, and
     read in ComfyUI's names too (see the module's docstring)."""
 
@@ -169,9 +166,6 @@ class HunyuanImageLayout(FusedLayout):
         if COMFYUI_FILE.denoiser_file_key in weights:
             return COMFYUI_FILE.diffusers_names(weights)
         return super().diffusers_names(weights)
-
-    def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
-        return single_block_row_sizes(modules, rows) or super().fused_row_sizes(modules, rows, columns)
 
 
 class HunyuanImage(HunyuanTextConditioning, FlowMatchingFamily):
