@@ -10,10 +10,10 @@ from difftune.toy.tiny import build_chroma_transformer, build_flow_scheduler, bu
 # The family's text-to-image job in configs/ (`scripts/family_jobs.py` sweeps settings over them).
 SHIPPED_JOB = "chroma_lora.toml"
 # tiny-chroma: Flux's recipe for Chroma's transformer (Flux's blocks, their modulation from one small approximator)
-# reading T5 alone, over tiny-flux's autoencoders (Chroma's is Flux.1's), trained 2000 steps as klein's: after
-# Flux's 1200 (515 s) it drew the seen prompts at 1.00 color / 0.97 shape, but every LoRA of the default job tried
-# (ranks 4-16, 400-1200 steps, lr 5e-4 to 1e-3, EMA, image-stream targets) made its seen shapes wobbly: forgetting
-# 0.12-0.24 (benchmarks/quality-finetune-chroma_lora.jsonl, the lines before the rebuild).
+# reading T5 alone, over tiny-flux's autoencoders (Chroma's is Flux.1's), trained 4000 steps: after Flux's 1200 (515 s)
+# it drew the seen prompts at 1.00 color / 0.97 shape, but every LoRA of the default job tried made its seen shapes
+# wobbly (forgetting 0.12-0.24); after 2000 the job forgot 0.03-0.05 and drew purple squares at 0.75-0.88; after 4000
+# it forgets 0-0.02 and, at the job's 2400 steps, draws purple squares at 1.00 (BENCHMARKS.md, Chroma).
 TINY_BASE = TinyBase(
     architecture=(
         "Chroma's architecture at toy size, from the same classes (`ChromaTransformer2DModel`: Flux.1's blocks\n"
@@ -22,7 +22,7 @@ TINY_BASE = TinyBase(
         "with classifier-free guidance, `guidance_scale`)"
     ),
     denoiser=two_stream_transformer,
-    recipe=FLUX_RECIPE | {"steps": 2000},
+    recipe=FLUX_RECIPE | {"steps": 4000},
     autoencoders_from="tiny-flux",
 )
 
