@@ -117,6 +117,8 @@ COMFYUI_BLOCKS = FLUX_ORIGINAL_BLOCKS | {
         },
     )
 }
+# HunyuanVideo (1.0)'s files, in either naming, have this model's blocks and a CLIP vector input besides
+HUNYUAN_VIDEO_FILE_KEYS = ("vector_in.in_layer.weight",)
 EMBEDDERS = ("time_in.", "time_r_in.", "guidance_in.", "txt_in.t_embedder.", "txt_in.c_embedder.")
 COMFYUI_GLOBALS = {
     module: re.sub(r"\.(?:mlp\.0|linear_1)$", ".in_layer", re.sub(r"\.(?:mlp\.2|linear_2)$", ".out_layer", original))
@@ -132,6 +134,7 @@ class ComfyUIFileLayout(SingleBlockRows, OriginalFileLayout, Layout):
     kohya_prefixes = {}
     kohya_layout_name = "ComfyUI's HunyuanImage 2.1"
     denoiser_file_key = "txt_in.individual_token_refiner.blocks.0.self_attn.qkv.weight"  # Tencent's: `self_attn_qkv`
+    other_models_file_keys = HUNYUAN_VIDEO_FILE_KEYS
     original_blocks = COMFYUI_BLOCKS
     original_globals = COMFYUI_GLOBALS
     swapped_halves = SWAPPED_HALVES
@@ -151,16 +154,13 @@ class HunyuanImageLayout(SingleBlockRows, FusedLayout):
     kohya_blocks = FluxLayout.kohya_blocks
     single_file_layout = "transformer alone (Tencent's layout; ComfyUI's names read too)"
     denoiser_file_key = "double_blocks.0.img_attn_qkv.weight"  # Flux's names fuse it as `img_attn.qkv`
-    # HunyuanVideo (1.0)'s files, in either naming, have this model's blocks and a CLIP vector input besides.
-    other_models_file_keys = ("vector_in.in_layer.weight",)
+    other_models_file_keys = HUNYUAN_VIDEO_FILE_KEYS
     original_blocks = SINGLE_FILE_BLOCKS
     original_globals = SINGLE_FILE_GLOBALS
     swapped_halves = SWAPPED_HALVES
 
     def reads_single_file(self, keys: set[str]) -> bool:
-        return super().reads_single_file(keys) or (
-            COMFYUI_FILE.reads_single_file(keys) and not self.holds_other_model(keys)
-        )
+        return super().reads_single_file(keys) or COMFYUI_FILE.reads_single_file(keys)
 
     def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if COMFYUI_FILE.denoiser_file_key in weights:

@@ -62,6 +62,7 @@ OPTIMIZER_STATE_BYTES = {
 
 
 PLAN_FILE = "plan.json"  # a run's plan, in its output folder (`check_fits`)
+PROCESS_MEMORY = "python and libraries"  # what a plan's host phases hold of this process's own memory, when planned
 
 
 @dataclass
@@ -102,7 +103,7 @@ def plan_memory(config: Config, device_type: str | None = None) -> MemoryPlan:
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     remembered, key = _REMEMBERED_PLANS.get(), (config.model_dump_json(), device_type)
     if remembered is not None and key in remembered:
-        return _counting_this_process(remembered[key])
+        return _with_process_memory(remembered[key], process_status_bytes("VmRSS"))
     with _errors_only(), own_cast_buffers():  # diffusers warns on each dtype cast of its models, which placing does
         plan = _plan_memory(with_offload_budget(config), device_type)
     if remembered is not None:
@@ -125,10 +126,13 @@ def plans_remembered():
         _REMEMBERED_PLANS.reset(token)
 
 
-def _counting_this_process(plan: MemoryPlan) -> MemoryPlan:
-    """`plan` with each host phase holding what this process holds now, as a plan made now would."""
-    held_now = {"python and libraries": process_status_bytes("VmRSS")}
-    phases = {phase: held | held_now for phase, held in plan.host_phases.items()}
+def _with_process_memory(plan: MemoryPlan, process: int) -> MemoryPlan:
+    """`plan` with every host phase holding `process` bytes, this process's own (`PROCESS_MEMORY`, first), and the
+    host peak its largest phase: as a plan is made, and as a remembered one is given again."""
+    phases = {
+        phase: {PROCESS_MEMORY: process, **{holder: size for holder, size in held.items() if holder != PROCESS_MEMORY}}
+        for phase, held in plan.host_phases.items()
+    }
     return replace(plan, host=max(phases.values(), key=lambda held: sum(held.values())), host_phases=phases)
 
 
@@ -299,9 +303,8 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
         )
     if device_type == "cpu":
         device = max(phases.values(), key=lambda held: sum(held.values()))
-    phases = {phase: {"python and libraries": baseline, **held} for phase, held in phases.items()}
-    host = max(phases.values(), key=lambda held: sum(held.values()))
-    return MemoryPlan(device_type, device, host, configs_read(config.model, source), phases, sum(caching.values()))
+    plan = MemoryPlan(device_type, device, {}, configs_read(config.model, source), phases, sum(caching.values()))
+    return _with_process_memory(plan, baseline)
 
 
 def fitting_overrides(
