@@ -160,10 +160,13 @@ def _anima_prompts(pipeline, prompts):
     return {"encoder_hidden_states": states, "text_mask": torch.nn.functional.pad(mask, (0, 512 - mask.shape[1]))}
 
 
-def _z_image_omni_prompts(pipeline, prompts):
-    """Without reference images each prompt is one segment: Z-Image's states, a list of one a prompt."""
-    states, _ = pipeline.encode_prompt(list(prompts), device="cpu", do_classifier_free_guidance=False)
-    return _padded_states([segments[0] for segments in states])
+def _z_image_omni_prompts(pipeline, prompts, image=None):
+    """Each prompt's segments one after the other: one segment without a reference image (Z-Image's states), three
+    with one."""
+    states, _ = pipeline.encode_prompt(
+        list(prompts), device="cpu", do_classifier_free_guidance=False, num_condition_images=int(image is not None)
+    )
+    return _padded_states([torch.cat(segments) for segments in states])
 
 
 def _kandinsky5_prompts(pipeline, prompts):

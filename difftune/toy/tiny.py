@@ -97,6 +97,9 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
     Qwen3VLModel,
     Qwen3VLProcessor,
+    Siglip2ImageProcessorPil,
+    Siglip2VisionConfig,
+    Siglip2VisionModel,
     SiglipVisionConfig,
     T5Config,
     T5EncoderModel,
@@ -1169,6 +1172,23 @@ def build_ernie_image_transformer(
         torch.nn.init.normal_(layer.weight, std=0.02)
         torch.nn.init.normal_(layer.bias, std=0.02)
     return model
+
+
+def build_siglip2(width: int) -> tuple[Siglip2VisionModel, Siglip2ImageProcessorPil]:
+    """A one-layer SigLIP2 vision model (its naflex kind: images at their own aspect, as Z-Image Omni's so400m reads
+    references) of `width`, with its processor: 8 px patches, at most 16 of them (a 32 px control is 4 x 4 patches)."""
+    torch.manual_seed(0)
+    config = Siglip2VisionConfig(
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        patch_size=8,
+        num_patches=16,
+        vision_use_head=False,
+    )
+    # The processor's PIL backend: its default one needs torchvision, which difftune does not install.
+    return Siglip2VisionModel(config), Siglip2ImageProcessorPil(patch_size=8, max_num_patches=16)
 
 
 def build_z_image_transformer(

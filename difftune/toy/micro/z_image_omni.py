@@ -1,5 +1,5 @@
-"""Micro Z-Image Omni: Z-Image's micro parts with the omni transformer (SigLIP features' embedder and refiner), in
-`ZImageOmniPipeline` without its SigLIP2 vision model (text-to-image never runs it)."""
+"""Micro Z-Image Omni: Z-Image's micro parts with the omni transformer (SigLIP features' embedder and refiner) and a
+micro SigLIP2 vision model and processor, which read an edit's reference images, in `ZImageOmniPipeline`."""
 
 from diffusers import ZImageOmniPipeline
 
@@ -9,6 +9,7 @@ from difftune.toy.tiny import (
     QWEN_HIDDEN_SIZE,
     build_qwen3_text_encoder,
     build_qwen3_tokenizer,
+    build_siglip2,
     build_z_image_scheduler,
     build_z_image_transformer,
 )
@@ -27,6 +28,7 @@ def autoencoder(pixels):
 def pipeline(vae, sizes: MicroSizes):
     width = sizes.language_model_width or QWEN_HIDDEN_SIZE
     tokenizer = build_qwen3_tokenizer()
+    siglip, siglip_processor = build_siglip2(SIGLIP_WIDTH)
     return ZImageOmniPipeline(
         scheduler=build_z_image_scheduler(),
         vae=vae,
@@ -35,6 +37,6 @@ def pipeline(vae, sizes: MicroSizes):
         transformer=build_z_image_transformer(
             sizes.dit_layers or 1, heads=sizes.dit_heads, text_hidden_size=width, siglip_width=SIGLIP_WIDTH
         ),
-        siglip=None,
-        siglip_processor=None,
+        siglip=siglip,
+        siglip_processor=siglip_processor,
     )
