@@ -446,7 +446,7 @@ def job_reports(request, tmp_path_factory) -> dict:
 @pytest.mark.slow
 # Not tiny-flux2_klein: its job meets every target at seeds 0 and 1 with no sample to spare, and draws purple squares
 # at 0.875 at seed 2. Nor tiny-chroma: its job misses one purple circle in 8 at seeds 0 and 1. Nor tiny-flux3: it
-# learns purple (0.92-1.00) but draws the seen colors' squares worse after (forgetting 0.062-0.104, BENCHMARKS.md).
+# learns purple (0.96-1.00) but draws the seen colors' squares worse after (forgetting 0.042-0.083, BENCHMARKS.md).
 # SDXL's, Qwen-Image's, Z-Image's and SD3's default jobs are the quality sweep (`pytest -m sweep tests/test_quality.py`,
 # a few minutes on 2 cores), outside CI's 45 minutes: their objectives are the jobs CI runs (SD's noise prediction;
 # the flow matching of Flux.1, Qwen-Image 2.1, Kontext, Qwen-Image-Edit, Wan and LTX-2), and BENCHMARKS.md has their
