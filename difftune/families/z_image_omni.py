@@ -172,12 +172,12 @@ class ZImageOmni(ZImage):
         packed = states.new_zeros(batch, self.padded_text_tokens, states.shape[-1])
         segment_of = torch.zeros(batch, self.padded_text_tokens, dtype=torch.long, device=states.device)
         for i in range(batch):
-            kept = [states[i * segments + s][mask[i * segments + s, :longest]] for s in range(segments)]
-            lengths = [len(k) for k in kept]
-            packed[i, : sum(lengths)] = torch.cat(kept)
-            segment_of[i, : sum(lengths)] = torch.repeat_interleave(
-                torch.arange(1, segments + 1, device=states.device), torch.tensor(lengths, device=states.device)
-            )
+            start = 0
+            for s in range(segments):
+                kept = states[i * segments + s][mask[i * segments + s, :longest]]
+                packed[i, start : start + len(kept)] = kept
+                segment_of[i, start : start + len(kept)] = s + 1
+                start += len(kept)
         conditioning = {
             "encoder_hidden_states": packed,
             "text_mask": (segment_of > 0).long(),
