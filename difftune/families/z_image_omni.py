@@ -37,8 +37,8 @@ from difftune.families.targets import targets_in_blocks
 from difftune.families.z_image import BLOCK_LISTS, TEXT_TOKENS, TRANSFORMER_TARGETS, ZImage, ZImageLayout
 from difftune.models.parts import Components
 
-# What the pipeline's segments put before the caption (after `SEGMENT_OPENING` and a reference), between references,
-# and after the caption, as `ZImageOmniPipeline._encode_prompt` writes them.
+# The segments `ZImageOmniPipeline._encode_prompt` makes of a caption: with references, an opening before the first,
+# a marker between each two, the caption after the last, and a closing; without, one chat turn.
 SEGMENT_OPENING = "<|im_start|>user\n<|vision_start|>"
 BETWEEN_REFERENCES = "<|vision_end|><|vision_start|>"
 CAPTION_SEGMENT = "<|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n<|vision_start|>"
