@@ -78,6 +78,9 @@ class Conditioning:
     # stored as encoded.
     padded_text_tokens: int | None = None
     prompts_see_controls = False  # its text encoder reads an edit pair's controls (`tokenize` takes them)
+    # Text encoders that read an edit pair's references, not tokens (Z-Image Omni's SigLIP2): no vocabulary, so not in
+    # `encoder_tokenizers` (textual inversion and embeddings leave them)
+    reference_encoder_names: tuple[str, ...] = ()
     # Its samples are an image and its layers (Qwen-Image-Layered): the data's `stem_1.png`... beside `stem.png` are
     # that image's layers (`scan_examples`' `layers`), held as its controls
     trains_layers = False

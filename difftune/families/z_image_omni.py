@@ -105,6 +105,7 @@ class ZImageOmni(ZImage):
     pipeline_classes = ("ZImageOmniPipeline",)
     text_encoder_names = ("text_encoder", "siglip")
     tokenizer_names = ("tokenizer", "siglip_processor")
+    reference_encoder_names = ("siglip",)
     # The pipeline takes any number of references; each costs its latents' and SigLIP features' tokens. Three, as
     # Qwen-Image-Edit-Plus reads.
     max_controls = 3
@@ -112,7 +113,7 @@ class ZImageOmni(ZImage):
     padded_text_tokens = TEXT_TOKENS + MARKER_TOKENS
 
     def encoder_tokenizers(self) -> list[tuple[str, str]]:
-        return [("text_encoder", "tokenizer")]  # the language model's: what textual inversion and embeddings read
+        return [("text_encoder", "tokenizer")]  # the language model's (SigLIP2 reads references, not tokens)
 
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         """Z-Image's targets in the refiner and main blocks, by name (the SigLIP refiner's blocks, which have the same
