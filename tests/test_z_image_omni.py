@@ -29,15 +29,13 @@ def components(micro_base):
     return load_components(ModelConfig(base=str(micro_base("z_image_omni"))))
 
 
-def test_the_transformer_is_fed_as_the_pipelines_omni_call_feeds_it(components):
-    """One unguided step from sigma 1 to 0 takes the noise to noise - velocity: the pipeline's latents equal the noise
-    less difftune's `denoise` of it (the omni call's lists; Z-Image's time and sign)."""
-    pipeline = components.pipeline()
+def _one_unguided_step(pipeline, prompt: str, noise: torch.Tensor, **references) -> torch.Tensor:
+    """The latents the pipeline makes of `noise` in one unguided step from sigma 1 to 0 (32 px), its bfloat16 encode of
+    `references` (`image=`) fed the autoencoder's dtype."""
     pipeline.set_progress_bar_config(disable=True)
-    noise = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        drawn = pipeline(
-            prompt="a red circle",
+    with inputs_in_dtype(pipeline.vae.encoder, pipeline.vae.dtype):
+        return pipeline(
+            prompt=prompt,
             height=32,
             width=32,
             num_inference_steps=1,
@@ -45,7 +43,16 @@ def test_the_transformer_is_fed_as_the_pipelines_omni_call_feeds_it(components):
             guidance_scale=0.0,
             latents=noise,
             output_type="latent",
+            **references,
         ).images
+
+
+def test_the_transformer_is_fed_as_the_pipelines_omni_call_feeds_it(components):
+    """One unguided step from sigma 1 to 0 takes the noise to noise - velocity: the pipeline's latents equal the noise
+    less difftune's `denoise` of it (the omni call's lists; Z-Image's time and sign)."""
+    noise = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        drawn = _one_unguided_step(components.pipeline(), "a red circle", noise)
         conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, ["a red circle"]))
         velocity = FAMILY.denoise(components, noise, torch.tensor([1000.0]), conditioning, None)
     torch.testing.assert_close(drawn, noise - velocity, rtol=0, atol=1e-5)
@@ -88,20 +95,9 @@ def test_the_transformer_reads_references_as_the_pipelines_omni_call(components)
     of it, with the references' latents encoded from the pixels the pipeline encodes (it rounds them to bfloat16) and
     their SigLIP features from our prompts. Without the references the prediction differs."""
     pipeline, references = components.pipeline(), _references()
-    pipeline.set_progress_bar_config(disable=True)
     noise = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), inputs_in_dtype(pipeline.vae.encoder, pipeline.vae.dtype):
-        drawn = pipeline(
-            prompt="make it red",
-            image=references,
-            height=32,
-            width=32,
-            num_inference_steps=1,
-            sigmas=[1.0],
-            guidance_scale=0.0,
-            latents=noise,
-            output_type="latent",
-        ).images
+    with torch.no_grad():
+        drawn = _one_unguided_step(pipeline, "make it red", noise, image=references)
         conditioning = FAMILY.encode_prompts(
             components, FAMILY.tokenize(components.tokenizers, ["make it red"], [references])
         )

@@ -76,6 +76,12 @@ def control_dimensions(area: int, size: tuple[int, int]) -> tuple[int, int]:
     return width, height
 
 
+def _text_and_references(conditioning: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """A caption's conditioning split into its per-token entries and its references' SigLIP entries."""
+    references = {name: value for name, value in conditioning.items() if name in SIGLIP_STATES}
+    return {name: value for name, value in conditioning.items() if name not in references}, references
+
+
 @contextmanager
 def inputs_in_dtype(module: torch.nn.Module, dtype: torch.dtype):
     """A block in which `module`'s tensor input is cast to `dtype` first: the pipeline encodes references as bfloat16
@@ -200,14 +206,12 @@ class ZImageOmni(ZImage):
 
     def cached_conditioning(self, conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Z-Image's entry (the text past its valid tokens dropped) beside the references' SigLIP features whole."""
-        text = {name: value for name, value in conditioning.items() if name not in SIGLIP_STATES}
-        return super().cached_conditioning(text) | {
-            name: conditioning[name] for name in SIGLIP_STATES if name in conditioning
-        }
+        text, references = _text_and_references(conditioning)
+        return super().cached_conditioning(text) | references
 
     def uncached_conditioning(self, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        text = {name: value for name, value in stored.items() if name not in SIGLIP_STATES}
-        return super().uncached_conditioning(text) | {name: stored[name] for name in SIGLIP_STATES if name in stored}
+        text, references = _text_and_references(stored)
+        return super().uncached_conditioning(text) | references
 
     # The transformer.
 
