@@ -89,9 +89,9 @@ def target_modules(components: Components, config: AdapterConfig) -> dict[str, l
     `text_encoder_targets` by part for the text encoders), or the family's default where there is none."""
     family = components.family
     configured = {family.denoiser_name: config.target_modules, **config.text_encoder_targets}
-    parts = components.parts()
     targets = {
-        part: configured.get(part) or family.targets_of(part, parts[part]) for part in trained_parts(components, config)
+        part: configured.get(part) or family.adapter_targets(components, part)
+        for part in trained_parts(components, config)
     }
     input_layer = family.input_control.input_layer if config.control_input else None
     if input_layer and input_layer not in targets[family.denoiser_name]:  # the widened layer learns the control

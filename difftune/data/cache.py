@@ -158,11 +158,13 @@ def fill_latents(
     batch_size: int,
     windows: list[tuple[int, int] | None] | None = None,
     from_pixels: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
+    from_sound: Callable[[list[tuple[Path, tuple[int, int] | None]]], dict[str, torch.Tensor]] | None = None,
 ) -> int:
     """Encode the views whose entries are missing (image `paths[i]` at `sizes[i]`, or a clip's window `windows[i]` of
     it, its views' files `entries[i]`), in batches of one training size and frame count; returns how many. An entry
-    holds the posterior's `mean` and `std` and what `from_pixels` (the family's `pixel_conditioning`) makes of the
-    same pixels."""
+    holds the posterior's `mean` and `std`, what `from_pixels` (the family's `pixel_conditioning`) makes of the same
+    pixels, and what `from_sound` (an audio-video family's `sound_conditioning`) makes of the clips' sound under the
+    same windows (a flipped view's sound is the plain one's)."""
     windows = windows or [None] * len(paths)
     missing: dict[tuple, dict[Path, tuple[Path, tuple[int, int] | None, str]]] = {}
     present = existing([entry for views in entries for entry in views.values()])
@@ -195,14 +197,18 @@ def fill_latents(
         with torch.no_grad():
             mean, std = encode_posterior(vae, batch)
             extra = from_pixels(batch) if from_pixels else {}
+            if from_sound:
+                extra |= from_sound([(path, window) for _, (path, window, _) in chunk])
         for i, (entry, _) in enumerate(chunk):
             write_tensors(entry, {"mean": mean[i], "std": std[i]} | {name: value[i] for name, value in extra.items()})
     return sum(len(group) for group in missing.values())
 
 
 def text_identity(components: Components) -> str:
-    """What every text entry of these encoders depends on: each encoder's weights and config."""
-    return "+".join(model_identity(encoder) for encoder in components.text_encoders.values())
+    """What every text entry of these encoders depends on: each encoder's weights and config, and what of their
+    outputs the run keeps (the family's `text_kept`)."""
+    identity = "+".join(model_identity(encoder) for encoder in components.text_encoders.values())
+    return identity + components.family.text_kept(components)
 
 
 def text_entries(

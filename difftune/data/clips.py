@@ -92,7 +92,7 @@ class FrameWindows:
         return out
 
 
-def _av():
+def pyav():
     if importlib.util.find_spec("av") is None:
         raise DifftuneError("reading clips needs PyAV, which difftune installs: pip install av")
     import av
@@ -103,7 +103,7 @@ def _av():
 def probe(path: Path) -> ClipInfo:
     """A clip's frame count, frame rate and size, decoding every frame (a container's stated count can be missing or
     wrong); raises BadClip for anything that cannot be trained on."""
-    av = _av()
+    av = pyav()
     try:
         with av.open(readable(path)) as container:
             if not container.streams.video:
@@ -125,7 +125,7 @@ def probe(path: Path) -> ClipInfo:
 
 def frame_size(path: Path) -> tuple[int, int]:
     """A clip's (width, height), from its header alone."""
-    av = _av()
+    av = pyav()
     try:
         with av.open(readable(path)) as container:
             stream = container.streams.video[0]
@@ -140,7 +140,7 @@ def write_clip(
     """Frames as a video file, with PyAV: H.264 (yuv420p, which every player and browser reads; sides cut down to even
     numbers, as it needs) or, `lossless`, FFV1 (every pixel decodes back as written; Matroska). `tags`: the container's
     metadata, kept under their own names (MP4's `use_metadata_tags`)."""
-    av = _av()
+    av = pyav()
     width, height = frames[0].size
     if not lossless:
         width, height = width - width % 2, height - height % 2
@@ -159,7 +159,7 @@ def write_clip(
 
 def read_frames(path: Path, start: int, length: int) -> list[Image.Image]:
     """Frames `start` to `start + length` (exclusive) as RGB images, decoding no further than the window's end."""
-    av = _av()
+    av = pyav()
     frames = []
     try:
         with av.open(readable(path)) as container:

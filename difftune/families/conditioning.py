@@ -9,6 +9,8 @@ Edit pairs' controls and video clips are checked and cut here too. The facts it 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -138,6 +140,21 @@ class Conditioning:
         training view with the frozen autoencoder, cached beside its posterior, joined to the text conditioning.
         Nothing, for a base that reads text alone."""
         return {}
+
+    def text_kept(self, components: Components) -> str:
+        """What `encode_prompts` keeps beyond what every run of the family reads, as part of the text cache's key:
+        nothing, unless the family's options add some (LTX-2's sound: the audio stream's caption states)."""
+        return ""
+
+    def trains_sound(self, components: Components) -> bool:
+        """Whether the run trains its clips' sound beside their frames (an audio-video base asked to: LTX-2's
+        `model.family_options.sound`), which `sound_conditioning` then encodes into the latent cache."""
+        return False
+
+    def sound_conditioning(self, components: Components, clips: list[tuple[Path, tuple[int, int] | None]]) -> dict:
+        """What the denoiser reads of each clip window's sound (`clips`: (path, window)), by name, cached beside its
+        posterior and joined to the text conditioning as `pixel_conditioning`'s is; for a family that `trains_sound`."""
+        raise NotImplementedError
 
     def latent_identity(self, components: Components) -> str:
         """What every latent cache entry depends on besides its pixels: the autoencoder's weights and config, and where

@@ -68,6 +68,19 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, channels // 4, h, w)
 
 
+def flow_error(
+    prediction: torch.Tensor,
+    target: torch.Tensor,
+    timesteps: torch.Tensor,
+    config: LossConfig,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The mean error per sample (B,) of a velocity `prediction` at `timesteps` (`per_sample_error`, whose Huber
+    losses read each sample's noise level and noise-to-signal ratio)."""
+    sigma = timesteps.float() / 1000
+    return per_sample_error(prediction, target, config, mask, lambda: (sigma, sigma / (1 - sigma).clamp(min=1e-6)))
+
+
 def anchored_guidance(guidance_scale: float, negative_prompt: str) -> dict:
     """The guidance arguments of pipelines that guide as pos + s (pos - neg) (Z-Image's, Krea 2's): difftune's
     `sample.guidance_scale` w means neg + w (pos - neg) for every family, which is s = w - 1 (none at w <= 1)."""
@@ -128,12 +141,12 @@ class FlowMatching(Objective):
     def loss(self, components, latents, timesteps, noise, conditioning, geometry, config, input_noise=None, mask=None):
         noisy = self.noised(components, latents, timesteps, noise if input_noise is None else input_noise)
         prediction = components.family.denoise(components, noisy, timesteps, conditioning, geometry)
-        sigma = timesteps.float() / 1000
-        per_sample = per_sample_error(
-            prediction, noise - latents, config, mask, lambda: (sigma, sigma / (1 - sigma).clamp(min=1e-6))
-        )
+        return self.weighted(flow_error(prediction, noise - latents, timesteps, config, mask), timesteps, config)
+
+    def weighted(self, per_sample: torch.Tensor, timesteps: torch.Tensor, config: LossConfig) -> torch.Tensor:
+        """Per-sample errors (B,) weighted by their noise levels as `loss.weighting` says (uniform under "auto")."""
         weighting = "uniform" if config.weighting == "auto" else config.weighting
-        return per_sample * compute_loss_weighting_for_sd3(weighting, sigma).to(per_sample.device)
+        return per_sample * compute_loss_weighting_for_sd3(weighting, timesteps.float() / 1000).to(per_sample.device)
 
 
 class FlowOptions(FamilyOptions):

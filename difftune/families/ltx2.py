@@ -12,14 +12,21 @@ flow matching (flow.py) on clips (dataset.py cuts them into windows of frames) a
 - Latents (B, 128, t, h, w) as the pipeline decodes them: (encoded - the autoencoder's `latents_mean`) x its
   `scaling_factor` / `latents_std`. Time: the scheduler's timestep (0-1000), the prediction the flow velocity. The
   resolution shift counts a clip's tokens over all its frames, as the pipeline's `calculate_shift` does (flow.py).
-- **Video alone; the audio stream kept out.** A run trains the video stream: the transformer runs with its modalities
-  isolated (`isolate_modalities`: no attention between the streams), so the video prediction does not depend on the
-  audio stream, which is given one empty token and whose output is not trained. This is what Lightricks' own trainer
-  does with `with_audio = false` (its default: the audio modality disabled), and what musubi-tuner's `--ltx_mode video`
-  does. The adapters go on the video stream's layers alone (`attn1`, `attn2`, `ff`), so the audio stream's own
-  weights are unchanged and the pipeline still draws sound beside the adapted video. A clip's sound is not read yet
-  (training it needs its log-mel spectrograms as the original model computes them, which diffusers does not ship, the
-  audio autoencoder's latents cached, and a loss over both streams: docs/families/ltx2.md).
+- **Video alone, by default; the audio stream kept out.** A run trains the video stream: the transformer runs with its
+  modalities isolated (`isolate_modalities`: no attention between the streams), so the video prediction does not
+  depend on the audio stream, which is given one empty token and whose output is not trained. This is what Lightricks'
+  own trainer does with `with_audio = false` (its default: the audio modality disabled), and what musubi-tuner's
+  `--ltx_mode video` does. The adapters go on the video stream's layers alone (`attn1`, `attn2`, `ff`), so the audio
+  stream's own weights are unchanged and the pipeline still draws sound beside the adapted video.
+- **Sound and video** (`model.family_options.sound`, Lightricks' `with_audio = true`, musubi-tuner's `--ltx_mode av`):
+  every clip's sound under its window (sound.py: 16 kHz stereo log-mel spectrograms as Lightricks' `AudioProcessor`
+  computes them) is encoded by the audio autoencoder (its posterior's mode, packed and normalised as the pipeline
+  reads `audio_latents`) into the latent cache beside the frames' posterior, with the clip's frame rate. The streams
+  then run joined, as the pipeline runs them: the sound noised at the clip's noise level with its own noise, the
+  video positioned at the clip's frame rate (so both streams' positions are in the clip's seconds), and the loss the
+  video's mean error plus the sound's (Lightricks' trainer's `video_loss + audio_loss`). The adapters go on the audio
+  stream's layers and the attention between the streams too. A run with sound needs the latent cache and a clip with
+  sound in every example (an image or a silent clip is refused by name); the validation loss stays the video's.
 - Samples: clips of `sample.frames` frames (images: one-frame clips) at the size asked (a multiple of 32), at the
   pipeline's default 24 frames per second (the frame rate the video positions are conditioned on, in training too),
   guided by classifier-free guidance at `sample.guidance_scale` for video and audio alike; the pipeline's
@@ -35,15 +42,22 @@ flow matching (flow.py) on clips (dataset.py cuts them into windows of frames) a
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import torch
 from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltx2_lora_to_diffusers
 from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
+from diffusers.utils.torch_utils import randn_tensor
+from pydantic import Field
 
+from difftune.config import Config, ModelConfig
+from difftune.data.cache import model_identity
+from difftune.data.sound import log_mel_spectrogram, read_sound
+from difftune.errors import DifftuneError
 from difftune.families.conditioning import NO_TOKEN, padded_token_ids
 from difftune.families.drawing import ClipDrawing
-from difftune.families.flow import FlowMatchingFamily
+from difftune.families.flow import FlowMatching, FlowMatchingFamily, flow_error
 from difftune.families.layouts import RenamedLayout
 from difftune.families.loading import FamilyOptions
 from difftune.families.targets import targets_in_blocks
@@ -56,6 +70,12 @@ FRAME_RATE = 24.0  # the pipeline's default `frame_rate`: the rate its video pos
 VIDEO_TARGETS = [
     f"{attention}.{layer}" for attention in ("attn1", "attn2") for layer in ("to_q", "to_k", "to_v", "to_out.0")
 ] + ["ff.net.0.proj", "ff.net.2"]
+# What a run with sound adapts besides: the audio stream's layers and the attention between the streams.
+SOUND_TARGETS = [
+    f"{attention}.{layer}"
+    for attention in ("audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+    for layer in ("to_q", "to_k", "to_v", "to_out.0")
+] + ["audio_ff.net.0.proj", "audio_ff.net.2"]
 # diffusers' module names -> the original model's (Lightricks', ComfyUI's), one name part for another: diffusers'
 # converter (`convert_ltx2_transformer_to_diffusers`) renames these, and nothing else.
 ORIGINAL_PARTS = {
@@ -117,6 +137,40 @@ class LTX2Layout(RenamedLayout):
         return _convert_non_diffusers_ltx2_lora_to_diffusers(dict(tensors))
 
 
+class LTX2Options(FamilyOptions):
+    sound: bool = Field(
+        False,
+        description="Train each clip's sound beside its frames (Lightricks' trainer's `with_audio`, musubi-tuner's "
+        "`--ltx_mode av`): the audio stream and the attention between the streams get adapters too. Every example "
+        "must be a clip with an audio stream, and cache.latents on. false: the video alone, the audio stream left as "
+        "the base's (the pipeline still draws sound).",
+    )
+
+
+class SoundAndVideoFlow(FlowMatching):
+    """LTX-2's flow matching: a clip's latents, and where the batch holds its sound (`sound_latents`) the sound's
+    latents too, at the clip's noise level with their own noise; the loss the video's mean error plus the sound's."""
+
+    def stream_noise(self, generators, conditioning):
+        if "sound_latents" not in conditioning:
+            return {}
+        sound = conditioning["sound_latents"]
+        return {"sound_noise": randn_tensor(sound.shape, generator=generators, device=sound.device, dtype=sound.dtype)}
+
+    def loss(self, components, latents, timesteps, noise, conditioning, geometry, config, input_noise=None, mask=None):
+        if "sound_latents" not in conditioning:
+            arguments = (components, latents, timesteps, noise, conditioning, geometry, config, input_noise, mask)
+            return super().loss(*arguments)
+        sound, sound_noise = conditioning["sound_latents"], conditioning["sound_noise"]
+        noisy = self.noised(components, latents, timesteps, noise if input_noise is None else input_noise)
+        noisy_sound = self.noised(components, sound, timesteps, sound_noise)
+        video, heard = components.family.denoise_with_sound(components, noisy, noisy_sound, timesteps, conditioning)
+        per_sample = flow_error(video, noise - latents, timesteps, config, mask) + flow_error(
+            heard, sound_noise - sound, timesteps, config
+        )
+        return self.weighted(per_sample, timesteps, config)
+
+
 class LTX2(ClipDrawing, FlowMatchingFamily):
     name = "ltx2"
     layout = LTX2Layout()
@@ -131,7 +185,8 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
     block_lists = ("transformer_blocks",)
     default_targets = {"transformer": VIDEO_TARGETS}
     patch_size = 1  # each latent pixel a token (the transformers of LTX-2 all patch 1 x 1 x 1)
-    options_model = FamilyOptions  # no guidance embedding: classifier-free guidance
+    options_model = LTX2Options  # no guidance embedding: classifier-free guidance
+    objective = SoundAndVideoFlow()
     lora_text_encoders = ()  # the transformer's adapters alone (the connectors are frozen)
     reads_clips = True
     single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
@@ -142,6 +197,75 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         """Each block's video-stream layers by full name (the audio stream's have the same names after `audio_`)."""
         return targets_in_blocks(model, {"transformer_blocks": VIDEO_TARGETS})
+
+    def adapter_targets(self, components: Components, part: str) -> list[str]:
+        """A run with sound adapts the audio stream and the attention between the streams too."""
+        targets = self.targets_of(part, components.parts()[part])
+        if self.trains_sound(components):
+            targets += targets_in_blocks(components.denoiser, {"transformer_blocks": SOUND_TARGETS})
+        return targets
+
+    # Sound (see the module's docstring): the audio autoencoder encodes each clip's sound into the latent cache, as the
+    # autoencoder its frames; kept, placed and released with it (`pixel_encoders`) where sound trains.
+
+    def unsupported_settings(self, config: Config) -> list[str]:
+        if not self.options(config.model).sound:
+            return []
+        needs_off = {
+            "cache.latents must be on (the sound is cached beside the frames)": config.cache.latents != "on",
+            "preference.method must be off": config.preference.method != "off",
+            "slider.enabled must be false": config.slider.enabled,
+        }
+        return [f"model.family_options.sound: {need}" for need, unmet in needs_off.items() if unmet]
+
+    def drawing_part_names_of(self, config: ModelConfig) -> tuple[str, ...]:
+        return ("vocoder",) if self.options(config).sound else self.drawing_part_names
+
+    def components_of(self, pipeline, options: LTX2Options) -> Components:
+        components = super().components_of(pipeline, options)
+        if options.sound:
+            components.pixel_encoders["audio_vae"] = components.drawing_parts.pop("audio_vae")
+        return components
+
+    def trains_sound(self, components: Components) -> bool:
+        return components.family_options.sound
+
+    def latent_identity(self, components: Components) -> str:
+        identity = super().latent_identity(components)
+        if not self.trains_sound(components):
+            return identity
+        return f"{identity}+sound+{model_identity(components.pixel_encoders['audio_vae'])}"
+
+    def sound_conditioning(self, components: Components, clips: list[tuple[Path, tuple[int, int] | None]]) -> dict:
+        """Each clip window's sound as the transformer reads it, (B, tokens, channels), and the clip's frame rate (B,),
+        for the latent cache: its log-mel spectrogram encoded by the audio autoencoder (the posterior's mode), packed
+        and normalised as the pipeline reads `audio_latents`."""
+        audio_vae = components.pixel_encoders["audio_vae"]
+        config = audio_vae.config
+        sounds = []
+        for path, window in clips:
+            sound = read_sound(path, *window, config.sample_rate) if window else None
+            if sound is None:
+                what = "has no sound" if window else "is an image"
+                raise DifftuneError(
+                    f"{path}: {what}; model.family_options.sound trains every example's sound beside its frames: "
+                    "train clips with an audio stream, or set it to false"
+                )
+            sounds.append(sound)
+        lengths = {waveform.shape[1] for waveform, _ in sounds}
+        if len(lengths) > 1:
+            rates = sorted({rate for _, rate in sounds})
+            raise DifftuneError(
+                f"clips of {clips[0][1][1]} frames at several frame rates ({', '.join(f'{rate:g}' for rate in rates)} "
+                "fps) hold sounds of different lengths, which do not batch: re-encode them at one rate"
+            )
+        waveforms = torch.stack([waveform for waveform, _ in sounds])
+        spectrograms = log_mel_spectrogram(waveforms, config.sample_rate, config.mel_hop_length, config.mel_bins)
+        weight = next(audio_vae.parameters())
+        latents = audio_vae.encode(spectrograms.to(weight)).latent_dist.mode().float()
+        packed = LTX2Pipeline._pack_audio_latents(latents)
+        normalised = LTX2Pipeline._normalize_audio_latents(packed, audio_vae.latents_mean, audio_vae.latents_std)
+        return {"sound_latents": normalised, "frame_rate": torch.tensor([rate for _, rate in sounds])}
 
     # Prompts and the transformer.
 
@@ -160,43 +284,72 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
         encoder = components.text_encoders["text_encoder"]
         states = encoder(input_ids=ids.masked_fill(mask == 0, pad), attention_mask=mask, output_hidden_states=True)
         stacked = torch.stack(states.hidden_states, dim=-1).flatten(2, 3).to(encoder.dtype)
-        video, _, text_mask = components.text_encoders["connectors"](stacked, mask, padding_side="left")
-        return {"encoder_hidden_states": video, "text_mask": text_mask}
+        video, audio, text_mask = components.text_encoders["connectors"](stacked, mask, padding_side="left")
+        sound = {"audio_hidden_states": audio} if self.trains_sound(components) else {}
+        return {"encoder_hidden_states": video, "text_mask": text_mask} | sound
+
+    def text_kept(self, components: Components) -> str:
+        return "+sound" if self.trains_sound(components) else ""
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """An image's latents (B, C, h, w) as one-frame clips; a clip's (B, C, t, h, w) as the pipeline packs them,
         each latent pixel a token; the audio stream one empty token, isolated (see the module's docstring)."""
+        states = conditioning["encoder_hidden_states"]
+        config = components.denoiser.config
+        # The audio stream's caption states are the audio connector's width where the transformer projects none.
+        audio_width = config.caption_channels if config.use_prompt_embeddings else config.audio_cross_attention_dim
+        silence = {
+            "audio_hidden_states": states.new_zeros(len(noisy), 1, config.audio_in_channels),
+            "audio_encoder_hidden_states": states.new_zeros(len(noisy), 1, audio_width),
+            "audio_encoder_attention_mask": torch.ones(len(noisy), 1, device=states.device),
+            "audio_num_frames": 1,
+            "fps": FRAME_RATE,
+            "isolate_modalities": True,
+        }
+        return self._run(components, noisy, timesteps, conditioning, silence)[0]
+
+    def denoise_with_sound(self, components, noisy, noisy_sound, timesteps, conditioning):
+        """A clip's latents (B, C, t, h, w) and its sound's (B, tokens, channels) through both streams, joined, as the
+        pipeline runs them (the video positioned at the clip's frame rate): both predictions."""
+        rates = conditioning["frame_rate"]
+        if not torch.all(rates == rates[0]):
+            raise DifftuneError(f"a batch of clips at several frame rates ({rates.tolist()}): train.batch_size = 1")
+        states = conditioning["audio_hidden_states"]
+        sound = {
+            "audio_hidden_states": noisy_sound.to(states.dtype),
+            "audio_encoder_hidden_states": states,
+            "audio_encoder_attention_mask": conditioning["text_mask"],
+            "audio_num_frames": noisy_sound.shape[1],
+            "fps": float(rates[0]),
+            "isolate_modalities": False,
+        }
+        return self._run(components, noisy, timesteps, conditioning, sound)
+
+    def _run(self, components, noisy, timesteps, conditioning, audio_stream: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transformer on `noisy` latents beside `audio_stream`'s inputs: the video's prediction unpacked as
+        `noisy`, and the audio stream's."""
         denoiser = components.denoiser
         states = conditioning["encoder_hidden_states"]
         clip = (noisy if noisy.dim() == 5 else noisy[:, :, None]).to(states.dtype)
         config = denoiser.config
         frames, height, width = clip.shape[2:]
         grid = (frames // config.patch_size_t, height // config.patch_size, width // config.patch_size)  # in tokens
-        tokens = LTX2Pipeline._pack_latents(clip, config.patch_size, config.patch_size_t)
-        # The audio stream's caption states are the audio connector's width where the transformer projects none.
-        audio_width = config.caption_channels if config.use_prompt_embeddings else config.audio_cross_attention_dim
-        audio = states.new_zeros(len(clip), 1, config.audio_in_channels)
         time = timesteps.to(states.dtype)
-        prediction = denoiser(
-            hidden_states=tokens,
-            audio_hidden_states=audio,
+        video, sound = denoiser(
+            hidden_states=LTX2Pipeline._pack_latents(clip, config.patch_size, config.patch_size_t),
             encoder_hidden_states=states,
-            audio_encoder_hidden_states=states.new_zeros(len(clip), 1, audio_width),
             timestep=time,
             sigma=time,
             encoder_attention_mask=conditioning["text_mask"],
-            audio_encoder_attention_mask=torch.ones(len(clip), 1, device=states.device),
             num_frames=grid[0],
             height=grid[1],
             width=grid[2],
-            fps=FRAME_RATE,
-            audio_num_frames=1,
-            isolate_modalities=True,
             use_cross_timestep=True,
             return_dict=False,
-        )[0]
-        unpacked = LTX2Pipeline._unpack_latents(prediction, *grid, config.patch_size, config.patch_size_t)
-        return unpacked if noisy.dim() == 5 else unpacked[:, :, 0]
+            **audio_stream,
+        )
+        unpacked = LTX2Pipeline._unpack_latents(video, *grid, config.patch_size, config.patch_size_t)
+        return (unpacked if noisy.dim() == 5 else unpacked[:, :, 0]), sound
 
     # Sampling.
 

@@ -259,6 +259,11 @@ class Objective:
         """Per sample, from its own generator: timesteps (B,), the target noise and the input noise (B, C, h, w)."""
         raise NotImplementedError
 
+    def stream_noise(self, generators: list[torch.Generator], conditioning: dict) -> dict[str, torch.Tensor]:
+        """Per sample, from its own generator after `draw_timesteps_and_noise`: the noise of what trains beside the
+        latents in `conditioning` (a clip's sound), by name, to join it; nothing for an objective of latents alone."""
+        return {}
+
     def noised(
         self, components: Components, latents: torch.Tensor, timesteps: torch.Tensor, noise: torch.Tensor
     ) -> torch.Tensor:

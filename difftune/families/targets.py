@@ -9,6 +9,7 @@ import torch
 
 from difftune.config import Config
 from difftune.families.loading import FamilyOptions
+from difftune.models.parts import Components
 
 
 def targets_in_blocks(model: torch.nn.Module, targets: dict[str, list[str]]) -> list[str]:
@@ -87,6 +88,11 @@ class AdapterTargets:
         """The modules of `part` (the loaded `model`) an adapter goes on unless the config lists others: the
         family's `default_targets`, unless its names depend on the model's size."""
         return self.default_targets[part]
+
+    def adapter_targets(self, components: Components, part: str) -> list[str]:
+        """The modules of `part` a run's adapter goes on unless the config lists others: `targets_of` it, unless the
+        run's family options add some (LTX-2's sound)."""
+        return self.targets_of(part, components.parts()[part])
 
     def adapted_text_encoders(self) -> tuple[str, ...]:
         """The text encoders `adapter.text_encoder` trains: the ones diffusers' LoRA loader of this family reads

@@ -630,6 +630,7 @@ def _training_loss(
     timesteps, noise, input_noise = family.objective.draw_timesteps_and_noise(
         components, generators, latents, config.loss
     )
+    conditioning |= family.objective.stream_noise(generators, conditioning)  # a clip's sound's, where it trains
     mask = (
         latent_mask(batch["mask"].to(device), latents.shape[2:], config.data.unmasked_weight)
         if "mask" in batch
@@ -735,6 +736,9 @@ def _fill_caches(components: Components, tokenize, examples, sizes, controls, co
                 config.train.batch_size,
                 [windows[i] for i in mine],
                 partial(components.family.pixel_conditioning, components),
+                partial(components.family.sound_conditioning, components)
+                if components.family.trains_sound(components)
+                else None,
             )
             for autoencoder in components.autoencoders():  # off the device before the text encoders come (plan.py)
                 autoencoder.to("cpu")
