@@ -246,6 +246,8 @@ VARIANTS = {
     "ltx2_lora": {
         **at_seeds("lora_r16"),
         **at_seeds("lora_r16_400_steps", "train.max_steps=400"),
+        **at_seeds("lora_r16_1000_steps", "train.max_steps=1000"),
+        **at_seeds("lora_r32", "adapter.rank=32"),
     },
     "flux3_lora": {
         **at_seeds("lora_r8"),
@@ -262,6 +264,10 @@ VARIANTS = {
         # The text-mode and joint blocks alone (tiny-flux3 has 2 of each): the image-mode blocks, which draw the shapes,
         # left as they are.
         **at_seeds("lora_r8_no_image_blocks", "adapter.target_modules=" + FLUX3_NO_IMAGE_BLOCKS),
+        **at_seeds("lora_r8_ema", "ema.enabled=true", "ema.decay=0.99"),
+        **at_seeds("lora_r8_lr_5e-4_ema", "optim.learning_rate=5e-4", "ema.enabled=true", "ema.decay=0.99"),
+        **at_seeds("lora_r8_lr_7e-4", "optim.learning_rate=7e-4"),
+        **at_seeds("lora_r8_lr_5e-4_1800_steps", "optim.learning_rate=5e-4", "train.max_steps=1800"),
     },
 }
 
