@@ -268,6 +268,19 @@ VARIANTS = {
         **at_seeds("lora_r8_lr_5e-4_ema", "optim.learning_rate=5e-4", "ema.enabled=true", "ema.decay=0.99"),
         **at_seeds("lora_r8_lr_7e-4", "optim.learning_rate=7e-4"),
         **at_seeds("lora_r8_lr_5e-4_1800_steps", "optim.learning_rate=5e-4", "train.max_steps=1800"),
+        **at_seeds("lora_r8_caption_dropout_0.2", "data.caption_dropout=0.2"),
+        **at_seeds(
+            "lora_r8_lr_5e-4_1800_steps_caption_dropout_0.2",
+            "optim.learning_rate=5e-4",
+            "train.max_steps=1800",
+            "data.caption_dropout=0.2",
+        ),
+        **at_seeds(
+            "lora_r8_lr_5e-4_2400_steps_caption_dropout_0.2",
+            "optim.learning_rate=5e-4",
+            "train.max_steps=2400",
+            "data.caption_dropout=0.2",
+        ),
     },
 }
 
