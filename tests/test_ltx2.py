@@ -30,12 +30,10 @@ def base(micro_base):
     return str(micro_base("ltx2"))
 
 
-def test_the_transformer_runs_as_the_pipeline_calls_it_with_the_streams_apart(base):
-    """What `LTX2Pipeline`'s loop passes its transformer (packed latents of a 9-frame clip, positions at its frame
-    rate, the connectors' states and mask, the time), called with the streams isolated, is difftune's `denoise` of the
-    same latents unpacked, to 1e-5; isolated, the video prediction does not depend on the audio stream's input, and
-    joined it does (what isolation keeps out)."""
-    components = load_components(ModelConfig(base=base))
+def first_transformer_call(components, **arguments) -> dict:
+    """What `LTX2Pipeline`'s loop passes its transformer first when it draws "a purple circle" unguided (one call of
+    one sample), a 9-frame 32 px clip in 2 steps (one step of a terminal-shifted schedule is 0 / 0 in diffusers);
+    `arguments` join the pipeline's call."""
     pipeline = components.pipeline()
     pipeline.set_progress_bar_config(disable=True)
     calls = []
@@ -47,18 +45,28 @@ def test_the_transformer_runs_as_the_pipeline_calls_it_with_the_streams_apart(ba
         height=32,
         width=32,
         num_frames=9,
-        num_inference_steps=2,  # one step of a terminal-shifted schedule is 0 / 0 in diffusers
+        num_inference_steps=2,
         output_type="latent",
         generator=torch.Generator().manual_seed(0),
-        **FAMILY.sampling_arguments(components, 1.0, ""),  # unguided: one call of one sample
+        **FAMILY.sampling_arguments(components, 1.0, "") | arguments,
     )
     hook.remove()
-    call = calls[0]
+    return calls[0]
+
+
+def test_the_transformer_runs_as_the_pipeline_calls_it_with_the_streams_apart(base):
+    """What `LTX2Pipeline`'s loop passes its transformer (packed latents of a 9-frame clip, positions at its frame
+    rate, the connectors' states and mask, the time), called with the streams isolated, is difftune's `denoise` of the
+    same latents unpacked, to 1e-5; isolated, the video prediction does not depend on the audio stream's input, and
+    joined it does (what isolation keeps out)."""
+    components = load_components(ModelConfig(base=base))
+    transformer = components.denoiser
+    call = first_transformer_call(components)
     frames, height, width = call["num_frames"], call["height"], call["width"]
     assert (frames, height, width) == (3, 8, 8)  # 4x in time and space
     with torch.no_grad():
         apart = dict(call, isolate_modalities=True)
-        expected = pipeline.transformer(**apart)[0]
+        expected = transformer(**apart)[0]
         latents = LTX2Pipeline._unpack_latents(call["hidden_states"], frames, height, width)
         conditioning = {
             "encoder_hidden_states": call["encoder_hidden_states"],
@@ -68,9 +76,9 @@ def test_the_transformer_runs_as_the_pipeline_calls_it_with_the_streams_apart(ba
         torch.testing.assert_close(LTX2Pipeline._pack_latents(ours), expected, rtol=0, atol=1e-5)
 
         other_audio = torch.randn_like(call["audio_hidden_states"])
-        assert torch.equal(pipeline.transformer(**apart | {"audio_hidden_states": other_audio})[0], expected)
-        joined = pipeline.transformer(**call)[0]
-        assert not torch.allclose(pipeline.transformer(**call | {"audio_hidden_states": other_audio})[0], joined)
+        assert torch.equal(transformer(**apart | {"audio_hidden_states": other_audio})[0], expected)
+        joined = transformer(**call)[0]
+        assert not torch.allclose(transformer(**call | {"audio_hidden_states": other_audio})[0], joined)
 
 
 def test_a_video_run_adapts_the_video_stream_and_leaves_the_audio_stream_as_it_was(make_config, base, tmp_path):

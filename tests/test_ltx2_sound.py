@@ -21,6 +21,8 @@ from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.training.train import train
 
+from test_ltx2 import first_transformer_call
+
 FAMILY = FAMILIES["ltx2"]
 RATE = 16000  # the audio autoencoder's, and the clips'
 
@@ -127,32 +129,15 @@ def test_the_streams_joined_run_as_the_pipeline_calls_them(base, tmp_path):
     sound = FAMILY.sound_conditioning(components, [(clip, (0, 9))])
     assert sound["frame_rate"].tolist() == [24.0]
     spectrogram_ = log_mel_spectrogram(read_sound(clip, 0, 9, RATE)[0][None], RATE, 160, audio_vae.config.mel_bins)
-    pipeline = components.pipeline()
-    pipeline.set_progress_bar_config(disable=True)
-    calls = []
-    hook = pipeline.transformer.register_forward_pre_hook(
-        lambda _, args, kwargs: calls.append(kwargs), with_kwargs=True
-    )
-    pipeline(
-        prompt="a purple circle",
-        height=32,
-        width=32,
-        num_frames=9,
-        num_inference_steps=2,
-        audio_latents=audio_vae.encode(spectrogram_).latent_dist.mode(),  # noise_scale 0: the first call's, as given
-        output_type="latent",
-        generator=torch.Generator().manual_seed(0),
-        **FAMILY.sampling_arguments(components, 1.0, "") | {"frame_rate": 24},
-    )
-    hook.remove()
-    call = calls[0]
+    # noise_scale 0: the first call's audio latents are those given, packed and normalised
+    call = first_transformer_call(components, audio_latents=audio_vae.encode(spectrogram_).latent_dist.mode())
     torch.testing.assert_close(call["audio_hidden_states"], sound["sound_latents"], rtol=0, atol=1e-6)
 
     tokens = FAMILY.tokenize(components.tokenizers, ["a purple circle"])
     with torch.no_grad():
         encoded = FAMILY.encode_prompts(components, tokens)
         torch.testing.assert_close(encoded["audio_hidden_states"], call["audio_encoder_hidden_states"])
-        video, heard = pipeline.transformer(**call)
+        video, heard = components.denoiser(**call)
         latents = LTX2Pipeline._unpack_latents(call["hidden_states"], call["num_frames"], call["height"], call["width"])
         ours = FAMILY.denoise_with_sound(
             components, latents, call["audio_hidden_states"], call["timestep"], encoded | sound

@@ -11,7 +11,7 @@ front end, its pipelines only decode sound): torchaudio's `MelSpectrogram` with 
 and FFT, the autoencoder's hop, 0-8 kHz in the autoencoder's count of Slaney-scaled, Slaney-normalised mel bins, of
 magnitudes (power 1), then the log of each value floored at 1e-5. Here it is `torch.stft` over transformers' mel
 filter bank (`mel_filter_bank`, torchaudio's filters; torchaudio is not a dependency), checked against transformers'
-own `spectrogram` (tests/test_sound.py).
+own `spectrogram` (tests/test_ltx2_sound.py).
 """
 
 from __future__ import annotations
