@@ -2,6 +2,8 @@
 
     python scripts/bench_peer.py --peer-script PEER_DIR/train_text_to_image_lora.py [--scenario NAME ...]
     python scripts/bench_peer.py --table        # only rewrite BENCHMARKS.md's table from the JSONL
+    python scripts/bench_peer.py --peer-script P --harness H --results OUT.jsonl --scenario identical-sd15-512-bf16-cuda
+                                                # on a GPU machine, the harness carried beside the repository
 
 Each scenario runs the harness's `run_peer.py` and `run_difftune.py` one after the other (peer first, so the
 two trainers alternate across scenarios), appends both JSON lines to benchmarks/peer.jsonl, and rewrites the
@@ -30,6 +32,19 @@ MARKERS = ("<!-- peer-bench:start -->", "<!-- peer-bench:end -->")
 # same job: the peer's README command (its flags that run on a CPU), difftune's defaults (caches on); and the
 # same with difftune's frozen UNet stored in fp16 and computed in fp32, its low-memory setting on a CPU.
 IDENTICAL = ["cache.latents=off", "cache.text=off"]
+GPU_COMMON = [
+    "--size",
+    "sd15",
+    "--resolution",
+    "512",
+    "--batch",
+    "4",
+    "--steps",
+    "10",
+    "50",
+    "--mixed-precision",
+    "bf16",
+]
 SCENARIOS = {
     "identical-sd15-fp32": dict(
         what="identical settings, SD1.5-shaped, 256 px, batch 1, fp32",
@@ -73,15 +88,32 @@ SCENARIOS = {
         peer=["--peer-arg=--random_flip"],
         difftune=["data.random_flip=true", "model.weight_dtype=fp16"],
     ),
+    # On a GPU: the peer runs as `python launch.py` (the harness's accelerate launcher passes --cpu) and picks the
+    # device as its Accelerator does; 512 px, batch 4, bf16, the settings a GPU user runs. 150 steps between the two
+    # runs: at 0.15 s a step, the 40 of the first sitting (2026-12-04) were inside the processes' start-up noise.
+    "identical-sd15-512-bf16-cuda": dict(
+        what="identical settings, SD1.5-shaped, 512 px, batch 4, bf16 autocast, one GPU",
+        common=GPU_COMMON,
+        peer=["--launcher", "python"],
+        difftune=IDENTICAL,
+    ),
+    "recommended-sd15-512-bf16-cuda": dict(
+        what="each trainer's recommended LoRA job (random flips), SD1.5-shaped, 512 px, batch 4, bf16, one GPU",
+        common=GPU_COMMON,
+        peer=["--launcher", "python", "--peer-arg=--random_flip"],
+        difftune=["data.random_flip=true"],
+    ),
 }
 
 
-def run_pair(name: str, peer_script: str) -> list[dict]:
+def run_pair(name: str, peer_script: str, harness: Path) -> list[dict]:
     scenario = SCENARIOS[name]
+    # The environment's own command, else the one on PATH (a machine where the project is not installed)
+    difftune = Path(sys.executable).with_name("difftune")
     sides = {  # trainer -> (harness command, its own arguments)
-        "diffusers-example": ([str(HARNESS / "run_peer.py"), "--peer-script", peer_script], scenario["peer"]),
+        "diffusers-example": ([str(harness / "run_peer.py"), "--peer-script", peer_script], scenario["peer"]),
         "difftune": (
-            [str(HARNESS / "run_difftune.py"), "--difftune", str(Path(sys.executable).with_name("difftune"))],
+            [str(harness / "run_difftune.py"), "--difftune", str(difftune) if difftune.exists() else "difftune"],
             scenario["difftune"],
         ),
     }
@@ -165,17 +197,20 @@ def main() -> None:
     parser.add_argument("--peer-script", help="your copy of diffusers' train_text_to_image_lora.py")
     parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="default: all, in order")
     parser.add_argument("--table", action="store_true", help="only rewrite BENCHMARKS.md's table from the JSONL")
+    parser.add_argument("--harness", type=Path, default=HARNESS, help=f"the peer-bench folder (default {HARNESS})")
+    parser.add_argument("--results", type=Path, default=RESULTS, help=f"the JSONL to append to (default {RESULTS})")
     args = parser.parse_args()
     if not args.table:
         if not args.peer_script or not os.path.isfile(args.peer_script):
             parser.error(
-                f"--peer-script {args.peer_script!r} is not a file; {HARNESS / 'README.md'} says how to get it"
+                f"--peer-script {args.peer_script!r} is not a file; {args.harness / 'README.md'} says how to get it"
             )
         for name in args.scenario or SCENARIOS:
-            records = run_pair(name, os.path.abspath(args.peer_script))
-            with open(RESULTS, "a", encoding="utf-8") as out:
+            records = run_pair(name, os.path.abspath(args.peer_script), args.harness.resolve())
+            with open(args.results, "a", encoding="utf-8") as out:
                 out.writelines(json.dumps(record) + "\n" for record in records)
-    write_table()
+    if args.results == RESULTS:
+        write_table()
 
 
 if __name__ == "__main__":

@@ -2,18 +2,25 @@
 # The GPU suite: what only a CUDA machine can tell us, in as few device calls as a lease allows.
 #
 #   bash scripts/gpu_suite.sh [--dry-run] [SECTION ...]
-#       sections: tests sd15 profile compile sdxl flux qwen fp8 memory offload_flux offload_qwen suite
-#       (default: all but profile; `offload` is offload_flux and offload_qwen)
-# A 30-minute lease fits about three 10-minute calls: `tests offload_flux` (590 s in 2026-11), then each whole
-# Qwen-Image run alone (building and saving its random 20B-parameter model takes 3-4 minutes), the rest in later leases.
+#       sections: tests sd15 profile compile sdxl flux qwen fp8 memory offload_flux offload_qwen host_memory_flux
+#       peer suite (default: all but profile, host_memory_flux and peer; `offload` is offload_flux and offload_qwen)
+# A 15-minute lease (2026-12) fits one 10-minute call: `host_memory_flux peer` took 521 s on an H200 (the base's
+# build 168 s, its job 106 s, the two peer sittings 221 s). A 30-minute one fits about three: `tests offload_flux`
+# (590 s in 2026-11), then each whole Qwen-Image run alone (its random 20B-parameter model takes 3-4 minutes).
 #
 # Run from the repository root on a GPU machine (the device tool's `run`, or your own). Results go to
-# $OUT (default ./gpu-out): gpu.jsonl (one scripts/bench.py line per run), one log per step, env.txt.
+# $OUT (default ./gpu-out): gpu.jsonl (one scripts/bench.py line per run), one log per step, env.txt;
+# host-memory.jsonl and peer.jsonl from those sections.
 # Wheels the machine lacks may travel in .whl/ (see BENCHMARKS.md, "GPU"): they are installed first. A device call
-# carries 64 MiB: the tracked files (about 42 MiB since 2026-11-26, when the bundled bases' shared autoencoders
-# became links to one copy) and .whl/ together, so about 22 MiB of wheels fit: diffusers, peft, pydantic, torchao
-# and bitsandbytes' CUDA 13 library alone (17 MB). The machine's own transformers (5.17 in 2026-11) satisfies
-# pyproject, so its 13 MB wheel stays behind.
+# carries 64 MiB, and the tracked files alone are 68 MiB since the late-2026 bases (62 of them models/): a call
+# leaves the bundled bases behind but tiny-flux (whose tokenizers host_memory_flux borrows), out of the index for
+# the call and back after it:
+#   git rm -r --cached -q models && git reset -q -- models/tiny-flux && echo /models/ >> .git/info/exclude
+#   ... the device call ...
+#   git reset -q -- models && sed -i '\#^/models/$#d' .git/info/exclude
+# Then 50 MiB are free: diffusers, peft, pydantic (with pydantic_core, annotated-types, typing-inspection), tomli_w,
+# and for the peer datasets, dill and multiprocess came to 11 MiB in 2026-12 (torchao and bitsandbytes' CUDA 13
+# library, 17 MB more, for the memory sections). The machine's own transformers (5.17) satisfies pyproject.
 # --dry-run checks the suite itself on a machine without a GPU, in minutes: every step runs, each benchmark
 # shrunk to its tiny model on the CPU (bench.py --dry-run), the test suite only collected, no wheels installed,
 # results in ./gpu-out-dry. Its numbers mean nothing; its table says whether every step would run.
@@ -126,6 +133,35 @@ for section in "${sections[@]}"; do
     for offload in 0 30 45; do
       bench "qwen-whole-1024-fp8-offload-$offload" 580 --model qwen_image --blocks 60 --resolution 1024 --batch 1 --rank 16 --precision bf16 --steps 10 --warmup 3 --cache --weight-dtype fp8 --gradient-checkpointing --offload-blocks "$offload"
     done
+    ;;
+  host_memory_flux)  # a whole FLUX.1 [dev] at its real widths (random bf16, its published layout): each phase's
+    # host and device peaks beside the plan's (scripts/bench_host_memory.py), 1024 px, fp8 weights, checkpointed;
+    # not in a dry run (the base alone is 34 GB)
+    if [ -z "${DRY_RUN:-}" ]; then
+      rm -rf "$WORKDIR"
+      mkdir -p "$WORKDIR"
+      step flux-real-width-base 240 "$PYTHON" scripts/make_real_width_base.py --base black-forest-labs/FLUX.1-dev \
+        --out "$WORKDIR/flux1-dev" --tokenizers-from models/tiny-flux
+      step flux-1024-images 60 "$PYTHON" -c "import sys; from pathlib import Path; from difftune.toy import tiny
+tiny.write_caption_folder(Path(sys.argv[1]), [(image.resize((1024, 1024)), caption)
+    for image, caption in tiny.shape_images(8, seed=0)])" "$WORKDIR/data-1024"
+      step flux-host-memory 400 "$PYTHON" scripts/bench_host_memory.py --out "$OUT/host-memory.jsonl" \
+        --label "FLUX.1-dev at full size (random bf16), LoRA r16 on the transformer, fp8 weights, bf16, 1024 px" \
+        -- --config configs/flux_lora.toml model.base="$WORKDIR/flux1-dev" data.path="$WORKDIR/data-1024" \
+        data.resolution=1024 train.max_steps=10 train.batch_size=1 train.mixed_precision=bf16 model.weight_dtype=fp8 \
+        adapter.text_encoder=false "sample.prompts=[]" sample.before=false train.gradient_checkpointing=true \
+        train.output_dir="$WORKDIR/flux-run" optim.warmup_steps=0
+    fi
+    ;;
+  peer)  # side by side with diffusers' LoRA example (scripts/bench_peer.py): the peer script, a copy of the harness
+    # and GNU time travel in .peer/ (BENCHMARKS.md, "On a GPU machine", says how to fill it); not in a dry run
+    if [ -z "${DRY_RUN:-}" ]; then
+      for scenario in identical-sd15-512-bf16-cuda recommended-sd15-512-bf16-cuda; do
+        PATH=$PWD/.peer/time/usr/bin:$PATH step "peer-$scenario" 300 "$PYTHON" scripts/bench_peer.py \
+          --peer-script .peer/train_text_to_image_lora.py --harness .peer/harness --results "$OUT/peer.jsonl" \
+          --scenario "$scenario"
+      done
+    fi
     ;;
   suite)  # the whole test suite with the GPU visible: the CPU-only assumptions it finds are bugs to fix
     if [ -n "${DRY_RUN:-}" ]; then

@@ -481,6 +481,18 @@ difftune: parity: 0 levels in both layouts"""
         "loading the denoiser": round(12.0 * 2**30),
         "training": round(13.8 * 2**30),
     }
+    assert bench.measured_phases(lines, "device_") == {}  # a CPU run's lines say no device peak
+    # A CUDA run's lines (an H200's, BENCHMARKS.md) add the device's peak, read as the host's is.
+    on_cuda = """difftune: filling the caches: done in 13.6 s, host peak 10.8 GiB, device peak 9.1 GiB
+difftune: loading the transformer: done in 15.1 s, host peak 13.5 GiB, device peak 33 MiB
+difftune: training: done in 9.9 s, host peak 4.7 GiB, device peak 14.6 GiB
+difftune: saving the result: done in 1.1 s, host peak 4.8 GiB, device peak 12.6 GiB"""
+    assert bench.measured_phases(on_cuda, "device_") == {
+        "loading and caching": round(9.1 * 2**30),
+        "loading the denoiser": 33 * 2**20,
+        "training": round(14.6 * 2**30),
+    }
+    assert bench.measured_phases(on_cuda)["training"] == round(4.8 * 2**30)
 
 
 def test_a_layout_of_constants_keeps_its_values_on_the_meta_device():

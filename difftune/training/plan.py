@@ -45,6 +45,11 @@ META = torch.device("meta")
 # jobs (fp32, fp16 and fp8 weights: 1.96 to 2.0) against malloc's own count of bytes in use (BENCHMARKS.md). A
 # GPU's caching allocator is compared by the bytes it hands out, `max_memory_allocated`: no growth there.
 CPU_HEAP_GROWTH = 2.0
+# What a CUDA run's host memory holds once it has trained a step, beyond the process before CUDA started: the CUDA
+# context and the kernels of cuBLAS, cuDNN and torch loaded as they are first called (lazily: the caching phases,
+# which run the encoders' forward alone, load far fewer). Measured on an H200 (torch 2.11, CUDA 13): whole FLUX.1 in
+# fp8 with checkpointing at 1024 px held 4.8 GiB while training, 0.83 GiB of it the process before (BENCHMARKS.md).
+CUDA_LIBRARIES_HOST = 4 * 2**30
 FEW_BLOCKS = 16  # fewer block counts to try than this: each is planned (a UNet's), else bisected (a transformer's)
 # Optimizer state per trained (fp32) parameter, in bytes: two fp32 moments (AdamW, schedule-free's z and second
 # moment), one (Lion), two 8-bit ones (bitsandbytes), factored rows and columns (Adafactor: about nothing), four
@@ -283,6 +288,7 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
         phases["training"] = {**on_device, "offloaded blocks": offloaded, "encoders kept for previews": previews}
     else:
         phases["training"] = {
+            "CUDA libraries": CUDA_LIBRARIES_HOST,
             "offloaded blocks": offloaded,
             "denoiser parts waiting": waiting,
             "encoders kept for previews": previews,
@@ -291,7 +297,12 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     if config.sample.prompts:  # the end-of-run samples: the released encoders loaded again beside the trained model
         reloaded = encoders_loaded if dtypes.drawing_parts else encoders_loaded + drawing_loaded
         phases["end of run samples"] = (
-            {"encoders": reloaded, "offloaded blocks": offloaded, "denoiser parts waiting": waiting}
+            {
+                "CUDA libraries": CUDA_LIBRARIES_HOST,
+                "encoders": reloaded,
+                "offloaded blocks": offloaded,
+                "denoiser parts waiting": waiting,
+            }
             if device_type == "cuda"
             else {
                 "denoiser": frozen,
