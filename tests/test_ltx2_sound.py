@@ -14,7 +14,9 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
 
-from difftune.config import ModelConfig
+from difftune.config import DataConfig, ModelConfig
+from difftune.data.clips import FrameWindows
+from difftune.data.dataset import TrainingOrder, batch_groups, frame_counts, frame_rates, scan_examples
 from difftune.data.places import read_tensors
 from difftune.data.sound import log_mel_spectrogram, read_sound
 from difftune.errors import DifftuneError
@@ -228,6 +230,33 @@ def test_a_run_with_sound_trains_both_streams(make_config, base, tmp_path):
     video_error = (video - LTX2Pipeline._pack_latents(noise - latents)).square().mean(dim=(1, 2))
     sound_error = (heard - (sound_noise - sound)).square().mean(dim=(1, 2))
     torch.testing.assert_close(loss, video_error + sound_error, rtol=1e-5, atol=1e-6)
+
+
+def test_clips_at_several_frame_rates_train_with_their_sound_in_batches_of_one_rate(make_config, base, tmp_path):
+    """A window of 9 frames lasts 0.375 s at 24 fps and 0.3 s at 30: its sound has another length, and the transformer
+    places a batch's video at one rate. Batches and cache chunks are cut by rate (`frame_rates`, the containers'
+    headers), so a folder that mixes rates trains; images and one-rate folders batch as before."""
+    clips = sound_clips(tmp_path / "clips", count=4)
+    for i in (4, 5):  # two more at 30 fps
+        write_clip_with_sound(clips / f"{i}.mkv", frames_of(9, 30 * i), 30, tones(9 / 30, 300 + 50 * i, 700))
+        (clips / f"{i}.txt").write_text(f"a fast clip {i}")
+    examples, _ = scan_examples(DataConfig(path=str(clips), target_frames=[9]), windows=FrameWindows((9,)))
+    rates = frame_rates(examples)
+    assert sorted(rates) == [24.0] * 4 + [30.0] * 2
+    sizes = [(32, 32)] * len(examples)
+    groups = batch_groups(sizes, [()] * len(examples), False, frame_counts(examples), rates)
+    order = iter(TrainingOrder(len(examples), 2, seed=0, buckets=groups))
+    for _ in range(12):
+        assert len({rates[index] for _, index in next(order)}) == 1
+    assert batch_groups(sizes, [()] * len(examples), False, frame_counts(examples), [24.0] * len(examples)) is None
+
+    train(sound_run(make_config, base, clips, tmp_path / "run", train__max_steps=6, train__batch_size=2))
+    lengths = {
+        read_tensors(entry)["sound_latents"].shape[0]
+        for entry in (tmp_path / "run" / "cache").rglob("*.safetensors")
+        if "sound_latents" in read_tensors(entry)
+    }
+    assert len(lengths) == 2  # each rate's windows hold their own length of sound
 
 
 def test_a_run_with_sound_refuses_what_it_cannot_train(make_config, base, tmp_path):

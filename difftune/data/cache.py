@@ -159,22 +159,25 @@ def fill_latents(
     windows: list[tuple[int, int] | None] | None = None,
     from_pixels: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
     from_sound: Callable[[list[tuple[Path, tuple[int, int] | None]]], dict[str, torch.Tensor]] | None = None,
+    frame_rates: list[float] | None = None,
 ) -> int:
     """Encode the views whose entries are missing (image `paths[i]` at `sizes[i]`, or a clip's window `windows[i]` of
-    it, its views' files `entries[i]`), in batches of one training size and frame count; returns how many. An entry
-    holds the posterior's `mean` and `std`, what `from_pixels` (the family's `pixel_conditioning`) makes of the same
-    pixels, and what `from_sound` (an audio-video family's `sound_conditioning`) makes of the clips' sound under the
-    same windows (a flipped view's sound is the plain one's)."""
+    it, its views' files `entries[i]`), in batches of one training size, frame count and (given `frame_rates`) frame
+    rate; returns how many. An entry holds the posterior's `mean` and `std`, what `from_pixels` (the family's
+    `pixel_conditioning`) makes of the same pixels, and what `from_sound` (an audio-video family's
+    `sound_conditioning`) makes of the clips' sound under the same windows (a flipped view's sound is the plain
+    one's; windows of one length hold as much sound at one rate only)."""
     windows = windows or [None] * len(paths)
+    frame_rates = frame_rates or [0.0] * len(paths)
     missing: dict[tuple, dict[Path, tuple[Path, tuple[int, int] | None, str]]] = {}
     present = existing([entry for views in entries for entry in views.values()])
-    for path, views, size, window in zip(paths, entries, sizes, windows, strict=True):
+    for path, views, size, window, rate in zip(paths, entries, sizes, windows, frame_rates, strict=True):
         for view, entry in views.items():
             if entry not in present:
-                missing.setdefault((size, window[1] if window else 0), {})[entry] = (path, window, view)
+                missing.setdefault((size, window[1] if window else 0, rate), {})[entry] = (path, window, view)
     chunks = [
         (size, list(group.items())[start : start + batch_size])
-        for (size, _), group in sorted(missing.items())
+        for (size, _, _), group in sorted(missing.items())
         for start in range(0, len(group), batch_size)
     ]
     for size, chunk in tqdm(chunks, desc="caching latents", disable=not chunks or config.log.quiet):

@@ -123,6 +123,18 @@ def probe(path: Path) -> ClipInfo:
     return ClipInfo(frames, fps, *size)
 
 
+def frame_rate(path: Path) -> float:
+    """A clip's frame rate as its container states it (no frame decoded: `probe` decodes them all); 0 where it states
+    none or cannot be read (`probe` reports such a clip)."""
+    av = pyav()
+    try:
+        with av.open(readable(path)) as container:
+            stream = container.streams.video[0] if container.streams.video else None
+            return float(stream.average_rate or stream.guessed_rate or 0) if stream else 0.0
+    except (av.FFmpegError, OSError, ValueError):
+        return 0.0
+
+
 def frame_size(path: Path) -> tuple[int, int]:
     """A clip's (width, height), from its header alone."""
     av = pyav()

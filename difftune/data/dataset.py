@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
 from difftune.config import DataConfig
-from difftune.data.clips import BadClip, FrameWindows, frame_size, probe, read_frames
+from difftune.data.clips import BadClip, FrameWindows, frame_rate, frame_size, probe, read_frames
 from difftune.data.places import read_tensors, write_text
 from difftune.data.sources import (
     CLIP_SUFFIXES,
@@ -761,14 +761,21 @@ def control_sizes(
 
 
 def batch_groups(
-    sizes: list[Size], controls: list[tuple[Size, ...]], buckets: bool, frame_counts: list[int] | None = None
+    sizes: list[Size],
+    controls: list[tuple[Size, ...]],
+    buckets: bool,
+    frame_counts: list[int] | None = None,
+    frame_rates: list[float] | None = None,
 ) -> list | None:
     """What a batch must share (`TrainingOrder`'s buckets): with buckets (or datasets of several resolutions), the
     training size; with controls, also the count and sizes of the controls (their tensors stack); where clips of
-    several lengths (or clips and images: 0 frames) train, also the frame count (frame-count buckets); None: any
-    samples batch together."""
+    several lengths (or clips and images: 0 frames) train, also the frame count (frame-count buckets); where clips
+    train with their sound (`frame_rates` given) at several frame rates, also the rate (a window's sound is as long as
+    its frames last, and the transformer places a batch's video at one rate); None: any samples batch together."""
     if any(controls):
         return list(zip(sizes, controls, strict=True))
+    if frame_rates and len(set(frame_rates)) > 1:
+        frame_counts = list(zip(frame_counts or [0] * len(sizes), frame_rates, strict=True))
     if frame_counts and len(set(frame_counts)) > 1:
         return list(zip(sizes, frame_counts, strict=True))
     return sizes if buckets or len(set(sizes)) > 1 else None
@@ -778,6 +785,15 @@ def frame_counts(examples: list[Example]) -> list[int]:
     """Each example's frame count (`batch_groups`): its window's, or 0 for an image (whose tensors have no time
     axis)."""
     return [example.frames[1] if example.frames else 0 for example in examples]
+
+
+def frame_rates(examples: list[Example]) -> list[float]:
+    """Each example's frame rate (`batch_groups`, `fill_latents`): its clip's, from the container's header; 0 for an
+    image."""
+    clips = sorted({example.path for example in examples if example.frames})
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        rates = dict(zip(clips, pool.map(frame_rate, clips), strict=True))
+    return [rates[example.path] if example.frames else 0.0 for example in examples]
 
 
 def place_like(crop: Crop, size: Size, control_original: Size, control_size: Size, mode: str) -> Crop:

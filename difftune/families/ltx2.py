@@ -254,10 +254,10 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
             sounds.append(sound)
         lengths = {waveform.shape[1] for waveform, _ in sounds}
         if len(lengths) > 1:
-            rates = sorted({rate for _, rate in sounds})
+            rates = ", ".join(f"{rate:g}" for rate in sorted({rate for _, rate in sounds}))
             raise DifftuneError(
-                f"clips of {clips[0][1][1]} frames at several frame rates ({', '.join(f'{rate:g}' for rate in rates)} "
-                "fps) hold sounds of different lengths, which do not batch: re-encode them at one rate"
+                f"windows of {clips[0][1][1]} frames at several frame rates ({rates} fps) hold sounds of different "
+                "lengths: encode one rate at a time (training's cache chunks are cut so)"
             )
         waveforms = torch.stack([waveform for waveform, _ in sounds])
         spectrograms = log_mel_spectrogram(waveforms, config.sample_rate, config.mel_hop_length, config.mel_bins)
@@ -313,7 +313,9 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
         pipeline runs them (the video positioned at the clip's frame rate): both predictions."""
         rates = conditioning["frame_rate"]
         if not torch.all(rates == rates[0]):
-            raise DifftuneError(f"a batch of clips at several frame rates ({rates.tolist()}): train.batch_size = 1")
+            raise DifftuneError(  # training's batches are cut by rate (dataset.batch_groups)
+                f"a batch of clips at several frame rates ({rates.tolist()}): the video is placed at one rate"
+            )
         states = conditioning["audio_hidden_states"]
         sound = {
             "audio_hidden_states": noisy_sound.to(states.dtype),

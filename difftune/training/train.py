@@ -56,6 +56,7 @@ from difftune.data.dataset import (
     check_one_control_each,
     control_sizes,
     frame_counts,
+    frame_rates,
     possible_prompts,
     report_bad_files,
     scan_datasets,
@@ -266,9 +267,10 @@ def setup(config: Config, resume: str | None = None) -> Run:
         examples, sizes, partial(components.family.control_size, options=components.family_options)
     )
     tokenize = partial(components.family.tokenize, components.tokenizers)  # picklable for loader workers
+    rates = frame_rates(examples) if components.family.trains_sound(components) else None
     with phase("filling the caches", say if config.cache.latents == "on" or config.cache.text == "on" else None):
         latent_files, control_files, text_files = _fill_caches(
-            components, tokenize, examples, sizes, controls, config, accelerator
+            components, tokenize, examples, sizes, controls, config, accelerator, rates
         )
     validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
     slider_prompts = encoded_prompts(components, config.slider, accelerator.device) if config.slider.enabled else None
@@ -334,7 +336,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
         accelerator.process_index,
         accelerator.num_processes,
         start_batch=progress.micro_batches,
-        buckets=batch_groups(sizes, controls, any(data.buckets for data in datasets), frame_counts(examples)),
+        buckets=batch_groups(sizes, controls, any(data.buckets for data in datasets), frame_counts(examples), rates),
     )
     batches = iter(
         build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda")
@@ -701,9 +703,12 @@ def _controls_as_latents(components: Components, config: Config) -> bool:
     return not config.adapter.trains_controlnet or components.family.controlnet.reads_latents
 
 
-def _fill_caches(components: Components, tokenize, examples, sizes, controls, config: Config, accelerator) -> tuple:
+def _fill_caches(
+    components: Components, tokenize, examples, sizes, controls, config: Config, accelerator, rates=None
+) -> tuple:
     """Cache files for the examples' latents, their controls' latents and captions (None where that cache is off),
-    encoding what is missing, shared out among the processes (`_cache_shares`)."""
+    encoding what is missing, shared out among the processes (`_cache_shares`); `rates`: the examples' frame rates,
+    where their sound is cached beside them."""
     latent_files = control_files = text_files = None
     if config.cache.latents == "on":
         vae_identity = components.family.latent_identity(components)
@@ -720,6 +725,7 @@ def _fill_caches(components: Components, tokenize, examples, sizes, controls, co
     paths = [e.path for e in examples] + [c for paths in encoded_controls for c in paths]
     all_sizes = sizes + [size for example_sizes in controls[: len(encoded_controls)] for size in example_sizes]
     windows = [e.frames for e in examples] + [None] * (len(paths) - len(examples))
+    all_rates = (rates or [0.0] * len(examples)) + [0.0] * (len(paths) - len(examples))
     all_files = latent_files + [views for files in control_files or [] for views in files] if latent_files else []
     prompt_files = sorted(text_files.items()) if text_files else []
     for share, shares in _cache_shares(accelerator):
@@ -739,6 +745,7 @@ def _fill_caches(components: Components, tokenize, examples, sizes, controls, co
                 partial(components.family.sound_conditioning, components)
                 if components.family.trains_sound(components)
                 else None,
+                [all_rates[i] for i in mine],
             )
             for autoencoder in components.autoencoders():  # off the device before the text encoders come (plan.py)
                 autoencoder.to("cpu")
