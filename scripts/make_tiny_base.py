@@ -30,6 +30,8 @@ from difftune.toy.judge import EvalSettings, clip_score, score
 from difftune.toy.tiny import (
     CLIP_FRAMES,
     CLIP_SPEED,
+    DIRECTIONS,
+    SHAPES,
     moving_shape_clips,
     placed_shape_pairs,
     preference_pairs,
@@ -46,6 +48,7 @@ from difftune.toy.tiny_base import (
     build_base,
     copy_into_borrowers,
     link_borrowed_files,
+    refresh_clip_decoder,
 )
 
 CARD = """---
@@ -112,12 +115,13 @@ Weights are fp16; on a CPU load them as fp32: `{pipeline_class}.from_pretrained(
 ## Recipe (`{command}`, seed {seed})
 
 - autoencoder: {autoencoder_start}, trained on {vae_clips} moving-shape clips of
-  every color for {vae_steps} steps (MSE + 1e-6 KL), per-channel `latents_mean` / `latents_std` of its clip latents
+  every color for {vae_steps} steps (MSE + 1e-6 KL){decoder_phase}, per-channel `latents_mean` / `latents_std` of its
+  clip latents
 - {denoiser} ({denoiser_params:,} parameters) trained by `difftune train` with `adapter.kind = "none"`, the text encoder
   ({text_params:,} parameters) frozen: {steps} steps at batch {batch_size} over {train_clips} clips, AdamW lr {learning_rate}
   cosine, flow matching with the sampler's shift, noise offset {noise_offset}, caption dropout 0.1, cached latents and
   captions, EMA {ema_decay} (the EMA weights are what is saved)
-- time on 2 CPU cores: autoencoder {t_ae:.0f} s, transformer {t_unet:.0f} s
+- time on 2 CPU cores: autoencoder {t_ae:.0f} s, transformer {t_unet:.0f} s{t_refresh}
 
 ## Scores
 
@@ -158,6 +162,12 @@ def main() -> None:
         + ", ".join(f"{spec.recipe.get('steps', Recipe.steps)} for {name}" for name, spec in TINY_BASES.items())
         + ")",
     )
+    parser.add_argument(
+        "--refresh-decoder",
+        action="store_true",
+        help="a built video base: train its autoencoder's decoder again alone (the recipe's decoder phase; encoder, "
+        "latent statistics and transformer kept, so the transformer needs no retraining), then score it again",
+    )
     args = parser.parse_args()
     args.model_dir = args.model_dir or Path(f"models/tiny-{args.family}")
     args.work_dir = args.work_dir or Path(f"output/tiny-{args.family}-build")
@@ -167,6 +177,13 @@ def main() -> None:
     recipe = Recipe(seed=args.seed, family=args.family, **spec.recipe)
     recipe.steps = args.steps or recipe.steps
     copy_into_borrowers(args.model_dir)
+    if args.refresh_decoder:
+        if not FAMILIES[args.family].reads_clips:
+            parser.error(
+                "--refresh-decoder: only a video base's decoder is trained again (an image base's recipe has it)"
+            )
+        finish(args, recipe, refresh_clip_decoder(args.model_dir, args.work_dir, recipe))
+        return
     finish(args, recipe, build_base(args.model_dir, args.work_dir, recipe, args.autoencoders_from))
 
 
@@ -346,12 +363,23 @@ def clip_card(args, recipe: Recipe, facts: dict, components, settings: EvalSetti
         seed=recipe.seed,
         vae_clips=recipe.autoencoder_images // 2,
         vae_steps=recipe.vae_steps,
+        decoder_phase=(
+            f",\n  then its decoder alone for {recipe.vae_decoder_steps} steps at lr {recipe.vae_decoder_lr} on the clips'"
+            " posterior means (as SD's ft-MSE VAE)"
+            if recipe.vae_decoder_steps
+            else ""
+        ),
+        t_refresh=(
+            f"; the decoder trained again on the built base (`--refresh-decoder`) {refreshed:.0f} s"
+            if (refreshed := facts["seconds"].get("autoencoder_decoder"))
+            else ""
+        ),
         denoiser=TINY_BASES[args.family].denoiser(recipe),
         denoiser_params=sum(p.numel() for p in components.denoiser.parameters()),
         text_params=sum(p.numel() for e in components.text_encoders.values() for p in e.parameters()),
         steps=recipe.steps,
         batch_size=recipe.batch_size,
-        train_clips=len(list((args.work_dir / "train").glob("*.mkv"))),
+        train_clips=recipe.train_images_per_prompt * len(SEEN_COLORS) * len(SHAPES) * len(DIRECTIONS),
         learning_rate=recipe.learning_rate,
         noise_offset=recipe.noise_offset,
         ema_decay=recipe.ema_decay,

@@ -3,6 +3,7 @@
 import json
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,7 @@ from difftune.toy.tiny_base import (
     link_borrowed_files,
     posterior_means,
     psnr,
+    refresh_clip_decoder,
     render_tensors,
     train_vae,
 )
@@ -213,6 +215,7 @@ def _small_clip_recipe(family: str) -> Recipe:
     small = {
         "steps": 2,
         "vae_steps": 2,
+        "vae_decoder_steps": 2,
         "batch_size": 4,
         "train_images_per_prompt": 1,
         "validation_images_per_prompt": 1,
@@ -394,6 +397,24 @@ def test_build_ltx2_base_trains_its_own_video_autoencoder_from_scratch_and_its_t
             assert torch.equal(getattr(trained, part).state_dict()[name], weight), (part, name)
     block = "transformer_blocks.0.attn1.to_q.weight"
     assert not torch.equal(trained.transformer.state_dict()[block], init.transformer.state_dict()[block])
+
+    # `make_tiny_base.py --refresh-decoder`: the built base's decoder trains again alone; its encoder, and so every
+    # latent its transformer learned from, stays as it was, and so do the statistics and the transformer.
+    (tmp_path / "base" / "scores.json").write_text(json.dumps(facts))
+    refreshed = refresh_clip_decoder(tmp_path / "base", tmp_path / "work", replace(recipe, vae_decoder_steps=3))
+    after = LTX2Pipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    torch.testing.assert_close(posterior_means(after.vae, clip_tensors(16, seed=100), batch_size=16), latents)
+    assert torch.equal(after.vae.latents_std, pipeline.vae.latents_std)
+    assert all(
+        torch.equal(weight, pipeline.vae.encoder.state_dict()[name])
+        for name, weight in after.vae.encoder.state_dict().items()
+    )
+    assert any(
+        not torch.equal(w, pipeline.vae.decoder.state_dict()[n]) for n, w in after.vae.decoder.state_dict().items()
+    )
+    assert torch.equal(after.transformer.state_dict()[block], pipeline.transformer.state_dict()[block])
+    assert refreshed["recipe"]["vae_decoder_steps"] == 3 and "autoencoder_decoder" in refreshed["seconds"]
+    assert refreshed["autoencoders"]["vae_psnr_db"] != facts["autoencoders"]["vae_psnr_db"]
 
 
 # The bases whose default job CI runs are held to more than this by that job's test (its base's seen prompts >= 0.95

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import math
 import os
 import random
@@ -147,7 +148,7 @@ def _decode(vae, latents: torch.Tensor) -> torch.Tensor:
     if isinstance(vae, PATCHED_AUTOENCODERS) and latents.shape[1] != vae.config.latent_channels:
         latents = unpatched(latents)
     decoded = vae.decode(latents).sample
-    return decoded[:, :, 0] if decoded.dim() == 5 else decoded
+    return decoded[:, :, 0] if decoded.dim() == 5 and decoded.shape[2] == 1 else decoded  # a still's frame; a clip
 
 
 def train_vae(
@@ -224,7 +225,8 @@ def finetune_decoder(
     def loss(batch, batch_latents):
         return F.mse_loss(_decode(vae, batch_latents), batch)
 
-    decoder_params = [*vae.decoder.parameters(), *vae.post_quant_conv.parameters()]
+    post_quant_conv = getattr(vae, "post_quant_conv", None)  # LTX-2's video autoencoder has none
+    decoder_params = [*vae.decoder.parameters(), *(post_quant_conv.parameters() if post_quant_conv else ())]
     _fit(decoder_params, loss, (as_read_by(vae, images), latents), steps, batch_size, lr, seed + 2, "vae decoder")
     return vae.eval()
 
@@ -387,7 +389,8 @@ def base_training_overrides(
 
 def train_clip_vae(lender: Path | None, recipe: Recipe) -> torch.nn.Module:
     """A video autoencoder trained on moving-shape clips of every color as `train_vae` trains (MSE on reconstructions
-    of posterior samples plus a small KL term), its per-channel statistics then set from clips' latents. It starts
+    of posterior samples plus a small KL term), then its decoder alone on the clips' posterior means for
+    `recipe.vae_decoder_steps` (`finetune_decoder`), its per-channel statistics set from clips' latents. It starts
     from `lender`'s (Wan's: an `AutoencoderKLQwenImage` of the same shape, trained on stills), or without one from the
     family's own (`TinyBase.clip_autoencoder`) at its random init."""
     torch.manual_seed(recipe.seed)
@@ -407,8 +410,22 @@ def train_clip_vae(lender: Path | None, recipe: Recipe) -> torch.nn.Module:
         vae.parameters(), loss, (clips,), recipe.vae_steps, recipe.autoencoder_batch // 2, 1e-3, recipe.seed, "clip vae"
     )
     vae.eval()
+    vae = finetune_clip_decoder(vae, recipe, clips)
     set_latent_statistics(vae, posterior_means(vae, clips[:256], batch_size=64))
     return vae
+
+
+def finetune_clip_decoder(vae, recipe: Recipe, clips: torch.Tensor | None = None) -> torch.nn.Module:
+    """A video autoencoder's decoder trained alone on clips' posterior means (`finetune_decoder`): the encoder and so
+    the latent space stay, so a built base's transformer keeps what it learned while its clips decode sharper (LTX-2's
+    squares: judged 0.91 through the autoencoder alone before, BENCHMARKS.md)."""
+    if not recipe.vae_decoder_steps:
+        return vae
+    clips = clip_tensors(recipe.autoencoder_images // 2, recipe.seed + 100) if clips is None else clips
+    latents = posterior_means(vae, clips, batch_size=64)
+    return finetune_decoder(
+        vae, clips, latents, recipe.vae_decoder_steps, recipe.autoencoder_batch // 2, recipe.vae_decoder_lr, recipe.seed
+    )
 
 
 @torch.no_grad()
@@ -474,21 +491,8 @@ def build_base(
                 vae, taesd = train_autoencoders(recipe)
             scores = autoencoder_scores(vae, taesd, render_tensors(300, recipe.seed + 999))
     init_dir = work_dir / "init"
-    torch.manual_seed(recipe.seed)
-    init = assemble_tiny_pipeline(
-        vae,
-        recipe.family,
-        unet_block_out_channels=recipe.unet_block_out_channels,
-        flux_layers=recipe.flux_layers,
-        flux_heads=recipe.flux_heads,
-        dit_layers=recipe.dit_layers,
-        dit_heads=recipe.dit_heads,
-        language_model_width=recipe.language_model_width,
-        text_tokens=recipe.text_tokens,
-        caption_words=recipe.caption_words,
-    )
+    init = write_untrained_control(vae, recipe, init_dir)
     family = FAMILIES[recipe.family]
-    family.save_pipeline(init, init_dir)
     write = write_clips if clips else write_renders
     data_dir = write(work_dir / "train", recipe.train_images_per_prompt, recipe.seed + 1)
     validation_dir = write(work_dir / "validation", recipe.validation_images_per_prompt, recipe.seed + 2)
@@ -508,6 +512,44 @@ def build_base(
         if "val_loss" in row
     ]
     return {"recipe": asdict(recipe), "seconds": seconds, "autoencoders": scores, "validation_loss": validation}
+
+
+def write_untrained_control(vae, recipe: Recipe, init_dir: Path):
+    """The micro pipeline around `vae` at its random init (seeded by the recipe: the same every time), written to
+    `init_dir`: what the denoiser's training starts from, and the untrained control the base is scored against."""
+    torch.manual_seed(recipe.seed)
+    init = assemble_tiny_pipeline(
+        vae,
+        recipe.family,
+        unet_block_out_channels=recipe.unet_block_out_channels,
+        flux_layers=recipe.flux_layers,
+        flux_heads=recipe.flux_heads,
+        dit_layers=recipe.dit_layers,
+        dit_heads=recipe.dit_heads,
+        language_model_width=recipe.language_model_width,
+        text_tokens=recipe.text_tokens,
+        caption_words=recipe.caption_words,
+    )
+    FAMILIES[recipe.family].save_pipeline(init, init_dir)
+    return init
+
+
+def refresh_clip_decoder(model_dir: Path, work_dir: Path, recipe: Recipe) -> dict:
+    """A built video base's autoencoder decoder trained again alone (`finetune_clip_decoder`), its encoder, latent
+    statistics, transformer and text encoder kept: the base's latent space does not move, so its transformer needs
+    no retraining. Writes `vae/` (fp16) and the untrained control; returns the earlier build's facts with the recipe,
+    the autoencoder's scores and the decoder's time replaced."""
+    facts = json.loads((model_dir / "scores.json").read_text())
+    vae = AutoModel.from_pretrained(str(model_dir / "vae"), dtype=torch.float32)
+    with timed(facts["seconds"], "autoencoder_decoder"):
+        vae = finetune_clip_decoder(vae, recipe)
+    vae.to(torch.float16).save_pretrained(model_dir / "vae", safe_serialization=True)
+    vae.to(torch.float32)
+    write_untrained_control(vae, recipe, work_dir / "init")
+    return facts | {
+        "recipe": asdict(recipe),
+        "autoencoders": clip_autoencoder_scores(vae, clip_tensors(100, recipe.seed + 999)),
+    }
 
 
 # The edit bases: a text-to-image base's transformer taught to edit by a full fine-tune on recolor pairs of the seen

@@ -45,6 +45,7 @@ TINY_BASE = TinyBase(
         "dit_heads": 8,
         "train_text_encoder": False,
         "vae_steps": 300,
+        "vae_decoder_steps": 0,  # its clips' frames decode at 23 dB without a decoder phase (tiny_base.train_clip_vae)
         "train_images_per_prompt": 40,
         "validation_images_per_prompt": 2,
     },
