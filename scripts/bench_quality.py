@@ -18,7 +18,6 @@ and after (overall and per shape) and the forgetting of the seen prompts. BENCHM
 
 import argparse
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -34,8 +33,6 @@ from difftune.toy.tiny import preference_pairs, shape_images, write_caption_fold
 from difftune.toy.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
 from difftune.training.metrics import read_metrics
 from difftune.training.train import train
-
-REPO = Path(__file__).resolve().parents[1]
 
 SEEDS = {"": [], "_seed_1": ["train.seed=1"], "_seed_2": ["train.seed=2"]}
 # Chroma's default targets less the text stream's (add_q/k/v_proj, to_add_out, ff_context): the image tokens' layers.
@@ -222,8 +219,6 @@ VARIANTS = {
         **at_seeds(
             "lora_r16_2400_steps_lr_5e-4", "adapter.rank=16", "train.max_steps=2400", "optim.learning_rate=5e-4"
         ),
-        **at_seeds("lora_r8_3200_steps", "train.max_steps=3200"),
-        **at_seeds("lora_r8_2400_steps_lr_7e-4", "train.max_steps=2400", "optim.learning_rate=7e-4"),
     },
     "sd3_lora": {
         **at_seeds("lora_r8"),
@@ -286,14 +281,6 @@ VARIANTS = {
             "train.max_steps=2400",
             "data.caption_dropout=0.2",
         ),
-        **at_seeds("lora_r8_more_seen", "data.path={more_seen}"),
-        **at_seeds(
-            "lora_r8_lr_5e-4_1800_steps_caption_dropout_0.2_more_seen",
-            "optim.learning_rate=5e-4",
-            "train.max_steps=1800",
-            "data.caption_dropout=0.2",
-            "data.path={more_seen}",
-        ),
     },
 }
 
@@ -326,7 +313,6 @@ def main() -> None:
         "class_images": args.work_dir / "class_images",
         "held_out": args.work_dir / "held_out",
         "blue_rejected": args.work_dir / "blue_rejected",
-        "more_seen": args.work_dir / "more_seen",
     }
     renders_32 = shape_images(32, seed=7, colors=(HELD_OUT_COLOR,))
     write_caption_folder(folders["renders_32"], renders_32)
@@ -336,10 +322,6 @@ def main() -> None:
     purple_over_blue = preference_pairs(16, seed=7, chosen_colors=(HELD_OUT_COLOR,), rejected_color="blue")
     seen_over_purple = preference_pairs(12, seed=21, chosen_colors=SEEN_COLORS, rejected_color=HELD_OUT_COLOR)
     write_pair_folder(folders["blue_rejected"], purple_over_blue + seen_over_purple)
-    # The Flux jobs' folder with 3 seen renders of every seen color and shape instead of 1 (the first 12 are its own)
-    shutil.rmtree(folders["more_seen"], ignore_errors=True)
-    shutil.copytree(REPO / "examples" / "purple_with_seen" / "3_purple", folders["more_seen"] / "3_purple")
-    write_caption_folder(folders["more_seen"] / "1_seen", shape_images(36, seed=21, colors=SEEN_COLORS))
     watch = ["validation.path=" + str(folders["held_out"]), "validation.every_steps=20"] if args.convergence else []
     for name, overrides in VARIANTS[args.job].items():
         if args.only and name not in args.only:
