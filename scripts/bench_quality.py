@@ -219,6 +219,7 @@ VARIANTS = {
         **at_seeds(
             "lora_r16_2400_steps_lr_5e-4", "adapter.rank=16", "train.max_steps=2400", "optim.learning_rate=5e-4"
         ),
+        **at_seeds("lora_r8_3200_steps", "train.max_steps=3200"),
     },
     "sd3_lora": {
         **at_seeds("lora_r8"),
