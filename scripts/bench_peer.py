@@ -41,7 +41,7 @@ GPU_COMMON = [
     "4",
     "--steps",
     "10",
-    "50",
+    "160",
     "--mixed-precision",
     "bf16",
 ]

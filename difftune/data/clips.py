@@ -100,6 +100,12 @@ def pyav():
     return av
 
 
+def stated_rate(stream) -> float:
+    """A video stream's frame rate as its container states it; 0 where it states none. `probe`, `frame_rate` and the
+    sound reader (sound.py) all read it so: a window's sound is placed, and batches are cut, by the same rate."""
+    return float(stream.average_rate or stream.guessed_rate or 0)
+
+
 def probe(path: Path) -> ClipInfo:
     """A clip's frame count, frame rate and size, decoding every frame (a container's stated count can be missing or
     wrong); raises BadClip for anything that cannot be trained on."""
@@ -113,7 +119,7 @@ def probe(path: Path) -> ClipInfo:
             for frame in container.decode(stream):
                 frames += 1
                 size = size or (frame.width, frame.height)
-            fps = float(stream.average_rate or stream.guessed_rate or 0)
+            fps = stated_rate(stream)
     except BadClip:
         raise
     except (av.FFmpegError, OSError, ValueError) as err:
@@ -129,8 +135,7 @@ def frame_rate(path: Path) -> float:
     av = pyav()
     try:
         with av.open(readable(path)) as container:
-            stream = container.streams.video[0] if container.streams.video else None
-            return float(stream.average_rate or stream.guessed_rate or 0) if stream else 0.0
+            return stated_rate(container.streams.video[0]) if container.streams.video else 0.0
     except (av.FFmpegError, OSError, ValueError):
         return 0.0
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from transformers.audio_utils import mel_filter_bank
 
-from difftune.data.clips import BadClip, pyav
+from difftune.data.clips import BadClip, pyav, stated_rate
 from difftune.data.sources import readable
 
 FFT_SIZE = 1024  # the window and FFT length of Lightricks' `AudioProcessor`
@@ -39,7 +39,7 @@ def read_sound(path: Path, start: int, length: int, sample_rate: int) -> tuple[t
             if not container.streams.audio:
                 return None
             video = container.streams.video[0] if container.streams.video else None
-            fps = float(video.average_rate or video.guessed_rate or 0) if video else 0.0
+            fps = stated_rate(video) if video else 0.0
             if not fps:
                 raise BadClip("has no frame rate to place its sound by")
             # A mono clip's channel is copied to both sides (FFmpeg's own upmix would lower it by 3 dB).
