@@ -29,6 +29,10 @@ from difftune.webui.app import _inside, check_exposure, read_auth
 
 from conftest import free_port
 
+# How long a browser test waits for the page to show an event's answer: on CI's loaded machine the sample tab's
+# base came from the adapter's job after expect's 5 s default (2026-12-04); a right page answers in well under 1 s.
+EXPECT_MS = 30_000
+
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SECRET = "difftune-test-secret-4f1c"
@@ -118,6 +122,8 @@ def test_serves_the_jobs_folder_and_nothing_outside_it(server):
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium); .ci/run installs it")
 def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
     from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=EXPECT_MS)
 
     shots = Path(os.environ.get("DIFFTUNE_SCREENSHOTS", tmp_path))
     jobs = server["jobs"]
@@ -580,6 +586,8 @@ def test_queue_sample_now_save_now_and_a_restart_in_a_browser(tmp_path):
     """A long job asked to sample and to save while it runs; two more queued behind it and reordered; the UI restarted
     with them queued: it finds the running job, starts nothing while it runs, then each queued job once, in order."""
     from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=EXPECT_MS)
 
     from difftune.training.checkpoint import complete_checkpoints
     from difftune.webui import jobs as ui_jobs
