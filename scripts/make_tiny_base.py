@@ -46,6 +46,7 @@ from difftune.toy.tiny_base import (
     TINY_BASES,
     Recipe,
     build_base,
+    continue_denoiser,
     copy_into_borrowers,
     link_borrowed_files,
     refresh_clip_decoder,
@@ -76,7 +77,7 @@ Weights are fp16; on a CPU load them as fp32: {loading}.
   by `difftune train` with `adapter.kind = "none"`, `adapter.text_encoder = {train_text_encoder}`: {steps} steps at batch
   {batch_size}, AdamW lr {learning_rate} cosine, {objective}, noise offset {noise_offset}, caption dropout 0.1, cached latents,
   EMA {ema_decay} (the EMA weights are what is saved)
-- time on 2 CPU cores: autoencoders {t_ae:.0f} s, {denoiser_short} + text encoder(s) {t_unet:.0f} s
+- time on 2 CPU cores: autoencoders {t_ae:.0f} s, {denoiser_short} + text encoder(s) {t_unet:.0f} s{continued}
 
 ## Scores
 
@@ -121,7 +122,7 @@ Weights are fp16; on a CPU load them as fp32: `{pipeline_class}.from_pretrained(
   ({text_params:,} parameters) frozen: {steps} steps at batch {batch_size} over {train_clips} clips, AdamW lr {learning_rate}
   cosine, flow matching with the sampler's shift, noise offset {noise_offset}, caption dropout 0.1, cached latents and
   captions, EMA {ema_decay} (the EMA weights are what is saved)
-- time on 2 CPU cores: autoencoder {t_ae:.0f} s, transformer {t_unet:.0f} s{t_refresh}
+- time on 2 CPU cores: autoencoder {t_ae:.0f} s, transformer {t_unet:.0f} s{t_refresh}{continued}
 
 ## Scores
 
@@ -168,6 +169,13 @@ def main() -> None:
         help="a built video base: train its autoencoder's decoder again alone (the recipe's decoder phase; encoder, "
         "latent statistics and transformer kept, so the transformer needs no retraining), then score it again",
     )
+    parser.add_argument(
+        "--continue-steps",
+        type=int,
+        metavar="N",
+        help="a built base: train its denoiser N more steps by the base's job from its saved weights, at half the "
+        "recipe's learning rate (autoencoders and text encoders kept), then score it again",
+    )
     args = parser.parse_args()
     args.model_dir = args.model_dir or Path(f"models/tiny-{args.family}")
     args.work_dir = args.work_dir or Path(f"output/tiny-{args.family}-build")
@@ -183,6 +191,9 @@ def main() -> None:
                 "--refresh-decoder: only a video base's decoder is trained again (an image base's recipe has it)"
             )
         finish(args, recipe, refresh_clip_decoder(args.model_dir, args.work_dir, recipe))
+        return
+    if args.continue_steps:
+        finish(args, recipe, continue_denoiser(args.model_dir, args.work_dir, recipe, args.continue_steps))
         return
     finish(args, recipe, build_base(args.model_dir, args.work_dir, recipe, args.autoencoders_from))
 
@@ -329,6 +340,7 @@ def image_card(args, recipe: Recipe, facts: dict, components, settings: EvalSett
         ema_decay=recipe.ema_decay,
         t_ae=facts["seconds"]["autoencoders"],
         t_unet=facts["seconds"]["unet_and_text_encoder"],
+        continued=continued_note(facts),
         vae_psnr=facts["autoencoders"]["vae_psnr_db"],
         taesd_psnr=facts["autoencoders"]["taesd_psnr_db"],
         taesd_rmse=facts["autoencoders"]["taesd_latent_rmse"],
@@ -345,6 +357,18 @@ def closest_colors(autoencoder_scores: dict) -> str:
     distances = autoencoder_scores["color_distances"]
     pair = min(distances, key=distances.get)
     return f"{pair} {distances[pair]:.3f} (the others {min(v for k, v in distances.items() if k != pair):.3f} and over)"
+
+
+def continued_note(facts: dict) -> str:
+    """The card's words for the denoiser's continuations (`--continue-steps`), if any."""
+    runs = facts.get("continued", [])
+    if not runs:
+        return ""
+    steps = " + ".join(f"{run['steps']} steps at lr {run['learning_rate']}" for run in runs)
+    return (
+        f"; then the denoiser trained on from its saved weights (`--continue-steps`): {steps}, "
+        f"{facts['seconds']['denoiser_continued']:.0f} s"
+    )
 
 
 def clip_card(args, recipe: Recipe, facts: dict, components, settings: EvalSettings) -> str:
@@ -392,6 +416,7 @@ def clip_card(args, recipe: Recipe, facts: dict, components, settings: EvalSetti
         ema_decay=recipe.ema_decay,
         t_ae=facts["seconds"]["autoencoders"],
         t_unet=facts["seconds"]["unet_and_text_encoder"],
+        continued=continued_note(facts),
         vae_psnr=scores["vae_psnr_db"],
         first_psnr=scores["first_frame_psnr_db"],
         later_psnr=scores["later_frames_psnr_db"],

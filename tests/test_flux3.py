@@ -1,26 +1,31 @@
 """FLUX.3 against its own modular pipeline and readers beyond the conformance suite: the constants its blocks hold,
-the transformer fed as the pipeline's denoise step feeds it, captions of different text windows in one batch, a long
-caption cut before the template's end, the single file as diffusers' reader of BFL's layout reads it, and a modular
-base whose parts live in another folder."""
+the transformer fed as the pipeline's denoise step feeds it (with references too), captions of different text windows
+in one batch, a long caption cut before the template's end, edit pairs trained and drawn as the pipeline draws them,
+the single file as diffusers' reader of BFL's layout reads it, and a modular base whose parts live in another
+folder."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from diffusers import ClassifierFreeGuidance, Flux3AutoBlocks, Flux3DistilledModularPipeline
 from diffusers.loaders.single_file_utils import convert_flux3_transformer_checkpoint_to_diffusers
 from diffusers.modular_pipelines.flux3.before_denoise import (
+    Flux3PrepareImageCondLatentsStep,
     Flux3PrepareLatentsStep,
     Flux3SetTimestepsStep,
     Flux3TextRoPEInputsStep,
     _prepare_image_ids,
 )
 from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
+from PIL import Image
 
 from difftune.config import ModelConfig
+from difftune.data.dataset import image_to_tensor
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.families.flux3 import (
@@ -29,9 +34,15 @@ from difftune.families.flux3 import (
     PAD_MULTIPLE,
     TEXT_LAYERS,
     position_ids,
+    reference_tokens,
     template_ends,
 )
-from difftune.models.autoencoders import downsampling
+from difftune.models.autoencoders import downsampling, encode_posterior, reference_latents
+from difftune.toy.tiny import recolor_pairs
+from difftune.training.metrics import read_metrics
+from difftune.training.train import train
+
+from conftest import edit_settings
 
 FAMILY = FAMILIES["flux3"]
 
@@ -51,6 +62,12 @@ def test_the_constants_are_the_modular_blocks(base):
     assert components.noise_scheduler.config.shift == Flux3SetTimestepsStep().shift  # the scheduler the blocks make
     assert torch.equal(position_ids(torch.arange(12), 4, IMAGE_ROPE_SCALE), _prepare_image_ids(3, 4, IMAGE_ROPE_SCALE))
     assert torch.equal(position_ids(torch.arange(7)), Flux3TextRoPEInputsStep._prepare_text_ids(torch.zeros(1, 7)))
+    assert IMAGE_ROPE_SCALE == Flux3PrepareImageCondLatentsStep().image_rope_scale
+    references = [torch.zeros(1, 3, 2, 3), torch.zeros(1, 3, 4, 1)]
+    assert torch.equal(
+        reference_tokens(references)[1],
+        torch.cat([_prepare_image_ids(2, 3, IMAGE_ROPE_SCALE, -1), _prepare_image_ids(4, 1, IMAGE_ROPE_SCALE, -2)]),
+    )
 
 
 def test_the_transformer_is_fed_as_the_pipelines_denoise_step_feeds_it(base):
@@ -73,6 +90,89 @@ def test_the_transformer_is_fed_as_the_pipelines_denoise_step_feeds_it(base):
         conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, ["a red circle"]))
         velocity = FAMILY.denoise(components, noise, torch.tensor([1000.0]), conditioning, None)
     torch.testing.assert_close(drawn, noise - velocity, rtol=0, atol=1e-5)
+
+
+def test_the_transformer_reads_references_as_the_pipelines_image_conditioned_call(base):
+    """One unguided step from sigma 1 with two references of different sizes (on the pipeline's 16 px grid and at least
+    64 px a side, which its image step keeps as they are): the pipeline's latents equal the noise less difftune's
+    `denoise` of it, the references' latents encoded from difftune's own pixels of them. Without the references the
+    prediction differs."""
+    components = load_components(ModelConfig(base=base))
+    pipeline = components.pipeline()
+    pipeline.update_components(guider=ClassifierFreeGuidance(guidance_scale=1.0))
+    side = downsampling(components.vae)
+    first, second = (control for control, _, _ in recolor_pairs(2, seed=5))
+    references = [first.resize((64, 64)), second.resize((96, 64))]  # the least the pipeline keeps as it is, and more
+    noise = torch.randn(1, components.denoiser.config.in_channels, 2, 3, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        drawn = pipeline(
+            prompt="make it red",
+            image=references,
+            height=2 * side,
+            width=3 * side,
+            num_inference_steps=1,
+            latents=noise,
+            output="latents",
+        )
+        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, ["make it red"]))
+        text_alone = dict(conditioning)
+        conditioning["control_latents"] = [
+            reference_latents(
+                encode_posterior(components.vae, image_to_tensor(r)[None])[0], components.latent_normalization
+            )
+            for r in references
+        ]
+        velocity = FAMILY.denoise(components, noise, torch.tensor([1000.0]), conditioning, None)
+        without = FAMILY.denoise(components, noise, torch.tensor([1000.0]), text_alone, None)
+    torch.testing.assert_close(drawn, noise - velocity, rtol=0, atol=1e-5)
+    assert (velocity - without).abs().max() > 1e-2
+
+
+def test_pairs_train_and_draw_with_their_reference_as_the_pipeline_does(base, pairs, make_config, tmp_path):
+    """Edit pairs beside nothing else: the run's losses are finite and its sample of an instruction with a control is
+    what `Flux3ModularPipeline` draws with the trained adapter loaded and the control as its image. The adapter leaves
+    the references' own blocks (`image_cond`) as they are."""
+    control = pairs / "control" / "0000.png"
+    settings = edit_settings(
+        base,
+        pairs,
+        tmp_path / "run",
+        train__max_steps=2,
+        optim__learning_rate=2e-2,
+        sample__prompts=[{"prompt": "make it purple", "controls": [str(control)]}],
+        sample__steps=3,
+        sample__guidance_scale=1.0,
+    )
+    result = train(make_config(**settings))
+    assert all(np.isfinite(row["loss"]) for row in read_metrics(tmp_path / "run") if "loss" in row)
+    components = load_components(ModelConfig(base=base))
+    pipeline = components.pipeline()
+    pipeline.load_lora_weights(str(result.trained_path.parent), weight_name=result.trained_path.name)
+    assert not any("image_cond" in name for name, _ in pipeline.transformer.named_modules() if "lora_A" in name)
+    pipeline.update_components(
+        guider=ClassifierFreeGuidance(guidance_scale=1.0),
+        scheduler=FAMILY.sampler("auto").from_config(components.noise_scheduler.config),
+    )
+    reference = Image.open(control).convert("RGB")
+    assert FAMILY.control_size((32, 32), reference.size) == (64, 64)  # the least the pipeline keeps as it is
+
+    def drawn(output: str, **image):
+        with torch.no_grad():
+            return pipeline(
+                prompt="make it purple",
+                height=32,
+                width=32,
+                num_inference_steps=3,
+                generator=torch.Generator("cpu").manual_seed(0),
+                output=output,
+                **image,
+            )
+
+    theirs = np.asarray(drawn("images", image=[reference.resize((64, 64))])[0], dtype=np.int16)
+    ours = np.asarray(Image.open(tmp_path / "run" / "samples" / "000.png"), dtype=np.int16)
+    assert np.abs(ours - theirs).max() <= 2
+    # The reference is read: the latents differ without it (the micro autoencoder's decoder blurs that away).
+    assert (drawn("latents", image=[reference.resize((64, 64))]) - drawn("latents")).abs().max() > 1e-2
 
 
 def test_captions_of_different_windows_denoise_in_one_batch_as_each_alone(base):

@@ -47,6 +47,7 @@ from difftune.toy.tiny_base import (
     build_base,
     clip_tensors,
     color_distances,
+    continue_denoiser,
     copy_into_borrowers,
     link_borrowed_files,
     posterior_means,
@@ -415,6 +416,20 @@ def test_build_ltx2_base_trains_its_own_video_autoencoder_from_scratch_and_its_t
     assert torch.equal(after.transformer.state_dict()[block], pipeline.transformer.state_dict()[block])
     assert refreshed["recipe"]["vae_decoder_steps"] == 3 and "autoencoder_decoder" in refreshed["seconds"]
     assert refreshed["autoencoders"]["vae_psnr_db"] != facts["autoencoders"]["vae_psnr_db"]
+
+    # `make_tiny_base.py --continue-steps`: the built base's transformer trains on from its saved weights; the
+    # autoencoder and the frozen parts stay, and the facts number the new validation losses on from the build's.
+    (tmp_path / "base" / "scores.json").write_text(json.dumps(refreshed))
+    continued = continue_denoiser(tmp_path / "base", tmp_path / "work", recipe, steps=2)
+    longer = LTX2Pipeline.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    assert not torch.equal(longer.transformer.state_dict()[block], after.transformer.state_dict()[block])
+    for part in ("vae", "text_encoder", "connectors"):
+        for name, weight in getattr(after, part).state_dict().items():
+            assert torch.equal(getattr(longer, part).state_dict()[name], weight), (part, name)
+    assert continued["continued"] == [{"steps": 2, "learning_rate": recipe.learning_rate / 2}]
+    steps = [row["step"] for row in continued["validation_loss"]]
+    assert steps == sorted(steps) and len(steps) > len(facts["validation_loss"]), steps
+    assert continued["seconds"]["autoencoder_decoder"] == refreshed["seconds"]["autoencoder_decoder"]
 
 
 # The bases whose default job CI runs are held to more than this by that job's test (its base's seen prompts >= 0.95

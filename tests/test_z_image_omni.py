@@ -13,7 +13,8 @@ from PIL import Image
 
 from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components
-from difftune.families.z_image_omni import control_dimensions, inputs_in_dtype
+from difftune.families.conditioning import reference_dimensions
+from difftune.families.z_image_omni import inputs_in_dtype
 from difftune.models.autoencoders import encode_posterior, reference_latents
 from difftune.toy.tiny import recolor_pairs
 from difftune.training.metrics import read_metrics
@@ -123,7 +124,7 @@ def test_references_train_at_the_targets_area_in_sizes_the_pipeline_takes(target
     """The target's area, the reference's aspect, sides multiples of 16 and at least 64 px; the pipeline takes a
     reference so sized and keeps it as it is."""
     size = FAMILY.control_size(target, reference)
-    assert size == control_dimensions(target[0] * target[1], reference) == expected
+    assert size == reference_dimensions(target[0] * target[1], reference) == expected
     Flux2ImageProcessor.check_image_input(Image.new("RGB", size))  # raises where the pipeline would refuse it
 
 

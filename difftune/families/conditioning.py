@@ -9,6 +9,7 @@ Edit pairs' controls and video clips are checked and cut here too. The facts it 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -72,6 +73,38 @@ def processed_frames(processor, frames: torch.Tensor, encoder: torch.nn.Module, 
     eight_bit = ((frames.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
     images = list(eight_bit.permute(0, 2, 3, 1).cpu().numpy())
     return processor(images=images, return_tensors="pt", **options).pixel_values.to(weight.device, weight.dtype)
+
+
+# The edit pipelines that keep a reference at its own size (Z-Image Omni's and FLUX.3's) take sides in multiples of
+# 16 (the autoencoder's 8x times the transformer's 2x2 patches: what they crop or pad a reference to) and at least 64
+# px (Z-Image Omni's refuses less; FLUX.3's pads to it).
+REFERENCE_GRID = 16
+SHORTEST_REFERENCE_SIDE = 64
+
+
+def reference_dimensions(area: int, size: tuple[int, int]) -> tuple[int, int]:
+    """(width, height) of a `size` reference at about `area` pixels, aspect kept, on `REFERENCE_GRID` and at least
+    `SHORTEST_REFERENCE_SIDE` a side: a size those pipelines keep as it is."""
+    ratio = size[0] / size[1]
+    area = max(area, SHORTEST_REFERENCE_SIDE**2 * max(ratio, 1 / ratio))
+    return tuple(
+        max(SHORTEST_REFERENCE_SIDE, round(math.sqrt(area * r) / REFERENCE_GRID) * REFERENCE_GRID)
+        for r in (ratio, 1 / ratio)
+    )
+
+
+class ReferencesAtTargetArea:
+    """An edit family's references sized as its pipeline keeps them (a mixin before `Family`'s roles): each trains at
+    its target's area, its own aspect kept (`reference_dimensions`), and samples drawn at a set size give the pipeline
+    references so sized, so that it draws from what training read."""
+
+    def control_size(self, target_size, control_size, options=None):
+        return reference_dimensions(target_size[0] * target_size[1], control_size)
+
+    def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
+        if height:
+            controls = [control.resize(reference_dimensions(height * width, control.size)) for control in controls]
+        return {"image": controls} if controls else {}
 
 
 class Conditioning:

@@ -17,7 +17,17 @@ single blocks over text and image) over FLUX.2's autoencoder, conditioned on a Q
   (its scheduler's 6.93, what `loss.flow_shift_by_resolution` draws with at every size) and classifier-free guidance
   (its guider). The step-distilled base (`Flux3DistilledModularPipeline`, a flow map reading a target timestep) is not
   trained: its pipeline class is no family's.
-- The reference-image mode (`image_cond` blocks) is not trained: its blocks are left out of the adapter's targets.
+- References (the image-conditioned mode): an edit pair's control images, in order, each encoded as the pipeline's
+  VAE step encodes a reference (the posterior's mode, patched and batch-normalised as the image's latents) and read as
+  clean tokens (`image_cond_hidden_states`) whose position ids carry the reference's number on the fourth axis (-1,
+  -2, ...; `Flux3PrepareImageCondLatentsStep`). The transformer runs them through its `image_cond` per-mode blocks
+  and joins them to the joint blocks; it predicts the image's tokens alone. A control trains at its target's area,
+  its aspect kept, on the 16 px grid and at least 64 px a side (conditioning.py's `reference_dimensions`, Z-Image
+  Omni's way), and samples are drawn so: the control resized so, which the pipeline's image step then keeps as it
+  is (it pads a smaller one to 64 px, and scales one down only past 1 or 4 megapixels). The `image_cond`
+  blocks are left out of the adapter's targets (a text-to-image run never runs them; Z-Image Omni's SigLIP refiner
+  is left so too): an edit LoRA adapts the image's and the joint blocks, which read the references. Pairs and
+  captioned images may share a run, each batch of one kind.
 - Files: diffusers' layout (`transformer.`, which `Flux3ModularPipeline.load_lora_weights` reads: transformer
   adapters alone). BFL's original model renames modules one for one (`content_mode_blocks.image.0.q_proj`,
   `single_blocks.0.mlp_in`): the kohya / ComfyUI layout names them so, and a single file is the transformer alone in
@@ -33,7 +43,7 @@ from diffusers import Flux3ModularPipeline, Flux3Transformer2DModel
 from diffusers.loaders.single_file_utils import convert_flux3_transformer_checkpoint_to_diffusers
 from transformers import Qwen3VLProcessor
 
-from difftune.families.conditioning import padded_token_ids
+from difftune.families.conditioning import ReferencesAtTargetArea, padded_token_ids
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.layouts import RenamedLayout, swap_halves
 from difftune.families.loading import FamilyOptions
@@ -109,17 +119,32 @@ def original_weight(key: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
     return f"{original_name(module)}.{parameter}", value
 
 
-def position_ids(positions: torch.Tensor, width: int | None = None, scale: float = 1.0) -> torch.Tensor:
+def position_ids(
+    positions: torch.Tensor, width: int | None = None, scale: float = 1.0, reference: int = 0
+) -> torch.Tensor:
     """4-D position ids (time, row, column, text position) as the pipeline's helpers make them: an image's token
     `positions` in raster order on a grid `width` wide, its rows and columns times `scale`
-    (`Flux3PrepareLatentsStep`); without `width`, a text's positions along the fourth axis
+    (`Flux3PrepareLatentsStep`), and the k-th reference's (`reference` k, from 1) with -k on the fourth axis
+    (`Flux3PrepareImageCondLatentsStep`); without `width`, a text's positions along the fourth axis
     (`Flux3TextRoPEInputsStep`)."""
     ids = torch.zeros(len(positions), 4, device=positions.device)
     if width is None:
         ids[:, 3] = positions
     else:
-        ids[:, 1], ids[:, 2] = positions // width * scale, positions % width * scale
+        ids[:, 1], ids[:, 2], ids[:, 3] = positions // width * scale, positions % width * scale, -reference
     return ids
+
+
+def reference_tokens(references: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The references' latents (each (B, C, h, w)) as the transformer reads them: their tokens one after the other
+    (B, sum of h x w, C) and their position ids."""
+    tokens = torch.cat([latents.flatten(2).transpose(1, 2) for latents in references], dim=1)
+    ids = [
+        position_ids(torch.arange(h * w, device=latents.device), w, IMAGE_ROPE_SCALE, number)
+        for number, latents in enumerate(references, 1)
+        for h, w in [latents.shape[-2:]]
+    ]
+    return tokens, torch.cat(ids)
 
 
 def template_ends(processor) -> tuple[str, str]:
@@ -158,7 +183,7 @@ class Flux3Layout(RenamedLayout):
         return dict(original_weight(key, value.contiguous()) for key, value in components.denoiser.state_dict().items())
 
 
-class Flux3(ModularBase, FlowMatchingFamily):
+class Flux3(ReferencesAtTargetArea, ModularBase, FlowMatchingFamily):
     name = "flux3"
     layout = Flux3Layout()
     description = "FLUX.3"
@@ -173,6 +198,9 @@ class Flux3(ModularBase, FlowMatchingFamily):
     options_model = FamilyOptions  # no guidance embedding: classifier-free guidance
     lora_text_encoders = ()  # Flux3LoraLoaderMixin reads the transformer's adapters alone
     default_targets = {"transformer": BLOCK_TARGETS}
+    # The pipeline takes any number of references; each adds its tokens to every joint block. Three, as
+    # Qwen-Image-Edit-Plus and Z-Image Omni read.
+    max_controls = 3
 
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         """Each trained block's attention and feed-forward layers, by name (the reference images' blocks have the
@@ -239,6 +267,8 @@ class Flux3(ModularBase, FlowMatchingFamily):
         tokens = noisy.flatten(2).transpose(1, 2).to(states.dtype)
         image_ids = position_ids(torch.arange(h * w, device=noisy.device), w, IMAGE_ROPE_SCALE)
         sigmas = (timesteps / 1000).to(states.dtype)
+        controls = conditioning.get("control_latents")  # an edit pair's: its references, read clean
+        references, reference_ids = reference_tokens(controls) if controls else (None, None)
         groups, predictions = [], []
         for window in sorted(set(windows.tolist())):
             rows = (windows == window).nonzero().flatten()
@@ -250,6 +280,8 @@ class Flux3(ModularBase, FlowMatchingFamily):
                     timestep=sigmas[rows],
                     img_ids=image_ids,
                     txt_ids=position_ids(torch.arange(window, device=noisy.device)),
+                    image_cond_hidden_states=None if references is None else references[rows].to(states.dtype),
+                    image_cond_ids=reference_ids,
                     return_dict=False,
                 )[0]
             )
@@ -259,3 +291,11 @@ class Flux3(ModularBase, FlowMatchingFamily):
 
     def max_sequence_length(self, components: Components) -> int:
         return MAX_TEXT_TOKENS
+
+    # References.
+
+    def planned_controls(self, components: Components, latents: torch.Tensor) -> list[torch.Tensor]:
+        """None: the memory plan is text-to-image's, what the base trains most (its shipped job's), as Z-Image Omni's;
+        an edit run costs more than planned: each reference at its target's size adds as many tokens to the joint
+        blocks as the target has (docs/families/flux3.md)."""
+        return []

@@ -27,12 +27,12 @@ otherwise (z_image.py). Trained by flow matching (flow.py).
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 
 import torch
 from diffusers import ZImageOmniPipeline
 
+from difftune.families.conditioning import ReferencesAtTargetArea
 from difftune.families.targets import targets_in_blocks
 from difftune.families.z_image import BLOCK_LISTS, TEXT_TOKENS, TRANSFORMER_TARGETS, ZImage, ZImageLayout
 from difftune.models.parts import Components
@@ -51,7 +51,6 @@ MARKER_TOKENS = 64
 # entries that are per reference, not per token (the text cache keeps them whole).
 SIGLIP_INPUTS = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
 SIGLIP_STATES = ("siglip_states", "siglip_shapes")
-SHORTEST_SIDE = 64  # the pipeline refuses references with a shorter side (`Flux2ImageProcessor.check_image_input`)
 
 
 def prompt_segments(caption: str, references: int) -> list[str]:
@@ -64,16 +63,6 @@ def prompt_segments(caption: str, references: int) -> list[str]:
         CAPTION_SEGMENT.format(caption),
         SEGMENT_CLOSING,
     ]
-
-
-def control_dimensions(area: int, size: tuple[int, int]) -> tuple[int, int]:
-    """(width, height) of a `size` reference at about `area` pixels, aspect kept, each side a multiple of 16 (the
-    autoencoder's 8x times the transformer's 2x2 patches: what the pipeline crops a reference to) and at least
-    `SHORTEST_SIDE` (the least the pipeline takes)."""
-    ratio = size[0] / size[1]
-    area = max(area, SHORTEST_SIDE**2 * max(ratio, 1 / ratio))
-    width, height = (max(SHORTEST_SIDE, round(math.sqrt(area * r) / 16) * 16) for r in (ratio, 1 / ratio))
-    return width, height
 
 
 def _text_and_references(conditioning: dict[str, torch.Tensor]) -> tuple[dict, dict]:
@@ -103,7 +92,7 @@ class ZImageOmniLayout(ZImageLayout):
     kohya_layout_name = "Z-Image Omni"
 
 
-class ZImageOmni(ZImage):
+class ZImageOmni(ReferencesAtTargetArea, ZImage):
     name = "z_image_omni"
     layout = ZImageOmniLayout()
     description = "Z-Image Omni"
@@ -127,9 +116,6 @@ class ZImageOmni(ZImage):
         return targets_in_blocks(model, dict.fromkeys(BLOCK_LISTS, TRANSFORMER_TARGETS))
 
     # References.
-
-    def control_size(self, target_size, control_size, options=None):
-        return control_dimensions(target_size[0] * target_size[1], control_size)
 
     def planned_controls(self, components: Components, latents: torch.Tensor) -> list[torch.Tensor]:
         """None: the memory plan is text-to-image's, what the base trains most (its shipped job's). Unlike the edit
@@ -248,13 +234,6 @@ class ZImageOmni(ZImage):
         return [states[: h * w].view(h, w, -1) for states, (h, w) in zip(features, grids, strict=True)] + [None]
 
     # Sampling.
-
-    def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
-        """The references, sized as training sizes them where the call sets the size (the pipeline keeps a reference
-        of at most 1 MP as it is)."""
-        if height:
-            controls = [c.resize(control_dimensions(height * width, c.size)) for c in controls]
-        return {"image": controls} if controls else {}
 
     def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
         with inputs_in_dtype(pipeline.vae.encoder, pipeline.vae.dtype):

@@ -23,7 +23,7 @@ import random
 import shutil
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -290,10 +290,10 @@ def color_distances(vae, layouts: int = 12, seed: int = 0) -> dict[str, float]:
 
 @contextmanager
 def timed(seconds: dict, stage: str):
-    """Record a stage's wall time in `seconds[stage]`, for the model card."""
+    """Add a stage's wall time to `seconds[stage]`, for the model card."""
     started = time.perf_counter()
     yield
-    seconds[stage] = round(time.perf_counter() - started, 1)
+    seconds[stage] = round(seconds.get(stage, 0) + time.perf_counter() - started, 1)  # stages run again add up
 
 
 @dataclass
@@ -471,8 +471,6 @@ def build_base(
     """Train everything (the autoencoders: unless `autoencoders_from`, a built base folder, lends its `vae/` and
     `taesd/`) and write the pipeline folder (fp16) with `taesd/` beside `vae/`; returns the facts for the model
     card (scores of the autoencoders, seconds per stage, the recipe)."""
-    from difftune.training.train import train
-
     recipe = recipe or Recipe()
     seconds: dict[str, float] = {}
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -492,26 +490,62 @@ def build_base(
             scores = autoencoder_scores(vae, taesd, render_tensors(300, recipe.seed + 999))
     init_dir = work_dir / "init"
     init = write_untrained_control(vae, recipe, init_dir)
-    family = FAMILIES[recipe.family]
+    with timed(seconds, "unet_and_text_encoder"):  # the training schedule, the micro pipeline's
+        pipeline, validation = _train_denoiser(recipe, init_dir, work_dir, init.scheduler)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    FAMILIES[recipe.family].save_pipeline(pipeline.to(torch.float16), out_dir)
+    if taesd is not None:
+        taesd.to(torch.float16).save_pretrained(out_dir / "taesd", safe_serialization=True)
+    return {"recipe": asdict(recipe), "seconds": seconds, "autoencoders": scores, "validation_loss": validation}
+
+
+def _train_denoiser(recipe: Recipe, start: Path, work_dir: Path, scheduler) -> tuple[object, list[dict]]:
+    """`recipe.steps` of the base's training job from the pipeline folder `start`, on the recipe's renders (or clips);
+    returns the pipeline of its EMA weights with `scheduler` (samplers are chosen at sampling) and its validation
+    losses."""
+    from difftune.training.train import train
+
+    clips = FAMILIES[recipe.family].reads_clips
     write = write_clips if clips else write_renders
     data_dir = write(work_dir / "train", recipe.train_images_per_prompt, recipe.seed + 1)
     validation_dir = write(work_dir / "validation", recipe.validation_images_per_prompt, recipe.seed + 2)
     run_dir = work_dir / "run"
-    with timed(seconds, "unet_and_text_encoder"):
-        overrides = base_training_overrides(recipe, init_dir, data_dir, validation_dir, run_dir, work_dir / "cache")
-        train(load_config(None, overrides + ([f"data.target_frames=[{CLIP_FRAMES}]"] if clips else [])))
-    # The training schedule, the micro pipeline's; samplers are chosen at sampling.
-    pipeline = load_components(ModelConfig(base=str(run_dir / "model_ema"))).pipeline(init.scheduler)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    family.save_pipeline(pipeline.to(torch.float16), out_dir)
-    if taesd is not None:
-        taesd.to(torch.float16).save_pretrained(out_dir / "taesd", safe_serialization=True)
+    overrides = base_training_overrides(recipe, start, data_dir, validation_dir, run_dir, work_dir / "cache")
+    train(load_config(None, overrides + ([f"data.target_frames=[{CLIP_FRAMES}]"] if clips else [])))
+    pipeline = load_components(ModelConfig(base=str(run_dir / "model_ema"))).pipeline(scheduler)
     validation = [
         {key: row[key] for key in ("step", "val_loss", "val_loss_ema")}
         for row in read_metrics(run_dir)
         if "val_loss" in row
     ]
-    return {"recipe": asdict(recipe), "seconds": seconds, "autoencoders": scores, "validation_loss": validation}
+    return pipeline, validation
+
+
+def continue_denoiser(model_dir: Path, work_dir: Path, recipe: Recipe, steps: int) -> dict:
+    """A built base's denoiser trained `steps` more by the base's own job, from its saved (EMA) weights at half the
+    recipe's peak learning rate (the weights sit near a minimum already; the full peak would first undo some of it),
+    its autoencoders and text encoders kept. Writes the new denoiser over the old one and the untrained control;
+    returns the earlier build's facts with the continuation added (its steps, rate, time and validation losses, numbered
+    on from the build's)."""
+    facts = json.loads((model_dir / "scores.json").read_text())
+    base = load_components(ModelConfig(base=str(model_dir)))
+    write_untrained_control(base.vae.to(torch.float32), recipe, work_dir / "init")
+    more = replace(recipe, steps=steps, learning_rate=recipe.learning_rate / 2)
+    with timed(facts["seconds"], "denoiser_continued"):
+        pipeline, validation = _train_denoiser(more, model_dir, work_dir, base.pipeline().scheduler)
+    staged = work_dir / "continued"
+    shutil.rmtree(staged, ignore_errors=True)
+    FAMILIES[recipe.family].save_pipeline(pipeline.to(torch.float16), staged)
+    for part in staged.iterdir():  # over the old pipeline's parts; taesd/, the card and scores.json stay
+        target = model_dir / part.name
+        shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+        shutil.move(part, target)
+    done = facts["validation_loss"][-1]["step"] if facts["validation_loss"] else 0
+    return facts | {
+        "recipe": asdict(recipe),
+        "continued": [*facts.get("continued", []), {"steps": steps, "learning_rate": more.learning_rate}],
+        "validation_loss": facts["validation_loss"] + [row | {"step": row["step"] + done} for row in validation],
+    }
 
 
 def write_untrained_control(vae, recipe: Recipe, init_dir: Path):
