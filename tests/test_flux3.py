@@ -70,23 +70,31 @@ def test_the_constants_are_the_modular_blocks(base):
     )
 
 
+def _one_unguided_step(components, prompt: str, noise: torch.Tensor, **references) -> torch.Tensor:
+    """The latents the pipeline makes of `noise` (B, C, h, w) in one unguided step from sigma 1 to 0 (the pipeline's
+    one-step sigmas, shift or not), with `references` (`image=`) if any."""
+    pipeline = components.pipeline()
+    pipeline.update_components(guider=ClassifierFreeGuidance(guidance_scale=1.0))
+    side = downsampling(components.vae)  # pixels a (patched) latent pixel covers
+    height, width = noise.shape[-2:]
+    return pipeline(
+        prompt=prompt,
+        height=height * side,
+        width=width * side,
+        num_inference_steps=1,
+        latents=noise,
+        output="latents",
+        **references,
+    )
+
+
 def test_the_transformer_is_fed_as_the_pipelines_denoise_step_feeds_it(base):
     """One unguided step from sigma 1 to 0 (the pipeline's one-step sigmas, shift or not) takes the noise to noise -
     velocity: the pipeline's image equals the noise less difftune's `denoise` of it."""
     components = load_components(ModelConfig(base=base))
-    pipeline = components.pipeline()
-    pipeline.update_components(guider=ClassifierFreeGuidance(guidance_scale=1.0))
     noise = torch.randn(1, components.denoiser.config.in_channels, 2, 3, generator=torch.Generator().manual_seed(0))
-    side = downsampling(components.vae)  # pixels a (patched) latent pixel covers
     with torch.no_grad():
-        drawn = pipeline(
-            prompt="a red circle",
-            height=2 * side,
-            width=3 * side,
-            num_inference_steps=1,
-            latents=noise,
-            output="latents",
-        )
+        drawn = _one_unguided_step(components, "a red circle", noise)
         conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, ["a red circle"]))
         velocity = FAMILY.denoise(components, noise, torch.tensor([1000.0]), conditioning, None)
     torch.testing.assert_close(drawn, noise - velocity, rtol=0, atol=1e-5)
@@ -98,22 +106,11 @@ def test_the_transformer_reads_references_as_the_pipelines_image_conditioned_cal
     `denoise` of it, the references' latents encoded from difftune's own pixels of them. Without the references the
     prediction differs."""
     components = load_components(ModelConfig(base=base))
-    pipeline = components.pipeline()
-    pipeline.update_components(guider=ClassifierFreeGuidance(guidance_scale=1.0))
-    side = downsampling(components.vae)
     first, second = (control for control, _, _ in recolor_pairs(2, seed=5))
     references = [first.resize((64, 64)), second.resize((96, 64))]  # the least the pipeline keeps as it is, and more
     noise = torch.randn(1, components.denoiser.config.in_channels, 2, 3, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        drawn = pipeline(
-            prompt="make it red",
-            image=references,
-            height=2 * side,
-            width=3 * side,
-            num_inference_steps=1,
-            latents=noise,
-            output="latents",
-        )
+        drawn = _one_unguided_step(components, "make it red", noise, image=references)
         conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, ["make it red"]))
         text_alone = dict(conditioning)
         conditioning["control_latents"] = [

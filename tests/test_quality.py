@@ -512,18 +512,25 @@ def test_fine_tuning_teaches_the_held_out_color(job_reports, job, base):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job, base", [("wan_lora", WAN_BASE), ("ltx2_lora", LTX2_BASE)], ids=["tiny-wan", "tiny-ltx2"])
-def test_the_video_jobs_teach_purple_from_clips(job_reports, job, base):
+@pytest.mark.parametrize(
+    "job, base, every_shape",
+    [("wan_lora", WAN_BASE, False), ("ltx2_lora", LTX2_BASE, True)],
+    ids=["tiny-wan", "tiny-ltx2"],
+)
+def test_the_video_jobs_teach_purple_from_clips(job_reports, job, base, every_shape):
     """Each video default job against the issue's targets, scored as published (8 clips per color and shape, 2 per
     direction; BENCHMARKS.md): the base draws the seen colors, shapes and directions >= 0.90 and purple <= 0.15; after
-    the job purple (color and shape, every frame) >= 0.90 on average over the shapes, the direction kept >= 0.90,
-    forgetting (seen color and shape per frame, and seen directions) <= 0.05."""
+    the job purple (color and shape, every frame) >= 0.90 for every shape (Wan's, an earlier family's: on average over
+    the shapes; its squares are drawn at 0.825), the direction kept >= 0.90, forgetting (seen color and shape per
+    frame, and seen directions) <= 0.05."""
     report = job_reports[job].result()
     before, after = report["before"], report["after"]
     assert report["scored"] == "clips" and after["concept"]["clips"] == 2 * len(DIRECTIONS) * len(SHAPES)
     assert min(before["seen"][score] for score in ("color", "shape", "direction")) >= 0.90, before["seen"]
     assert before["concept"]["both"] <= 0.15, before["concept"]
     assert after["concept"]["both"] >= 0.90 and after["concept"]["direction"] >= 0.90, after["concept"]
+    if every_shape:  # the issue's target for LTX-2's job
+        assert all(after["concept_by_shape"][shape]["both"] >= 0.90 for shape in SHAPES), after["concept_by_shape"]
     seen = after["seen"]
     assert report["forgetting"] <= 0.05 and seen["direction"] >= before["seen"]["direction"] - 0.05, seen
 
