@@ -9,8 +9,9 @@ from peft import LoraConfig, inject_adapter_in_model
 
 from difftune.adapters.trained import adapters_switched_off
 from difftune.errors import DifftuneError
+from difftune.families import FAMILIES
 from difftune.training.metrics import read_metrics
-from difftune.training.preference import dpo_loss
+from difftune.training.preference import check_preference_pairs, dpo_loss
 from difftune.training.train import train
 
 
@@ -118,3 +119,16 @@ def test_settings_dpo_cannot_train_with_are_refused(make_config, pairs, tmp_path
 def test_an_edit_base_is_refused(make_config, pairs, kontext_base, tmp_path):
     with pytest.raises(DifftuneError, match=r"read control images as their input; preference tuning takes"):
         train(_dpo_job(make_config, pairs, tmp_path, model__base=str(kontext_base), sample__prompts=[]))
+
+
+@pytest.mark.parametrize(("name", "refused"), [("flux3", False), ("z_image_omni", True), ("qwen_image_edit", True)])
+def test_bases_that_also_edit_take_preference_pairs_unless_their_prompts_read_the_references(name, refused):
+    """FLUX.3 edits too, but its text-to-image base reads a pair's control as the rejected image; Z-Image Omni's
+    captions are read with their references (the rejected image would be read as one), and an edit base's controls
+    are its input."""
+    family = FAMILIES[name]
+    if refused:
+        with pytest.raises(DifftuneError, match=r"read control images as their input"):
+            check_preference_pairs([], family)
+    else:
+        check_preference_pairs([], family)

@@ -53,6 +53,9 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
     fixed_pipeline_arguments: dict = {}  # what every pipeline of the family is built with
     options_model: type[FamilyOptions] = FamilyOptions  # what `model.family_options` may set
     max_controls = 0  # control (source) images an edit pair may have: 0 for a text-to-image family
+    # Its bases are edit models (the images in a control folder are always what they edit: FLUX.1 Kontext, the Qwen edit
+    # models), not text-to-image bases that also read references (FLUX.3): scored on edits, and refused preference pairs
+    edit_base = False
     reads_clips = False  # a video base: trains on clips (`frame_windows`) and images alike
     page_family: str | None = None  # the family whose page for the real model tells of this one too (`page`)
     layout: Layout  # its files in other tools' layouts (layouts.py)

@@ -25,6 +25,7 @@ class FluxKontext(Flux):
     input_control = None  # FluxControlPipeline draws Flux.1 [dev]'s widened transformer alone
     pipeline_classes = ("FluxKontextPipeline",)
     max_controls = 1  # FluxKontextPipeline takes one image
+    edit_base = True
 
     def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
         if height is None:  # the pipeline's own size and its snap of the control to Kontext's resolutions

@@ -74,6 +74,7 @@ class QwenImageEdit(QwenImage):
     tokenizer_names = ("tokenizer", "processor")  # the processor reads the control images for the language model
     options_model = EditOptions
     max_controls = 1  # QwenImageEditPipeline edits one image
+    edit_base = True
     needs_controls_to_draw = True  # its pipeline draws nothing without an image
     prompts_see_controls = True
     prompt_template = EDIT_PROMPT_TEMPLATE

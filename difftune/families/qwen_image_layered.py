@@ -69,6 +69,7 @@ class QwenImageLayered(QwenImage):
     objective = FlowMatching(layered_shift)
     trains_layers = True
     max_controls = 1  # a sample prompt names the one image it splits
+    edit_base = True
     needs_controls_to_draw = True
 
     def encoder_tokenizers(self) -> list[tuple[str, str]]:

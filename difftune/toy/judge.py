@@ -477,7 +477,7 @@ def scored_on(components: Components, placements: bool = False) -> str:
     drawn), edits for an edit base, clips for a video base, else prompts (`score`)."""
     if placements:
         return "placements"
-    if components.family.max_controls:
+    if components.family.edit_base:
         return "edits"
     return "clips" if components.family.reads_clips else "prompts"
 
