@@ -167,6 +167,23 @@ def edit_settings(base: Path, data: Path, out: Path, **overrides) -> dict:
     }
 
 
+def drawn_edit_settings(base: Path, pairs: Path, out: Path) -> tuple[dict, Path]:
+    """`edit_settings` of a 2-step job whose one sample is the instruction "make it purple" on the pairs' first control
+    (3 unguided steps), to compare with its pipeline's drawing; and that control."""
+    control = pairs / "control" / "0000.png"
+    settings = edit_settings(
+        base,
+        pairs,
+        out,
+        train__max_steps=2,
+        optim__learning_rate=2e-2,
+        sample__prompts=[{"prompt": "make it purple", "controls": [str(control)]}],
+        sample__steps=3,
+        sample__guidance_scale=1.0,
+    )
+    return settings, control
+
+
 @pytest.fixture
 def make_config(tiny_base, shapes, tmp_path):
     """A fast job on the tiny base; keyword overrides as {"section.key": value}."""

@@ -42,7 +42,7 @@ from difftune.toy.tiny import recolor_pairs
 from difftune.training.metrics import read_metrics
 from difftune.training.train import train
 
-from conftest import edit_settings
+from conftest import drawn_edit_settings
 
 FAMILY = FAMILIES["flux3"]
 
@@ -129,17 +129,7 @@ def test_pairs_train_and_draw_with_their_reference_as_the_pipeline_does(base, pa
     """Edit pairs beside nothing else: the run's losses are finite and its sample of an instruction with a control is
     what `Flux3ModularPipeline` draws with the trained adapter loaded and the control as its image. The adapter leaves
     the references' own blocks (`image_cond`) as they are."""
-    control = pairs / "control" / "0000.png"
-    settings = edit_settings(
-        base,
-        pairs,
-        tmp_path / "run",
-        train__max_steps=2,
-        optim__learning_rate=2e-2,
-        sample__prompts=[{"prompt": "make it purple", "controls": [str(control)]}],
-        sample__steps=3,
-        sample__guidance_scale=1.0,
-    )
+    settings, control = drawn_edit_settings(base, pairs, tmp_path / "run")
     result = train(make_config(**settings))
     assert all(np.isfinite(row["loss"]) for row in read_metrics(tmp_path / "run") if "loss" in row)
     components = load_components(ModelConfig(base=base))

@@ -20,7 +20,7 @@ from difftune.toy.tiny import recolor_pairs
 from difftune.training.metrics import read_metrics
 from difftune.training.train import train
 
-from conftest import edit_settings
+from conftest import drawn_edit_settings, edit_settings
 
 FAMILY = FAMILIES["z_image_omni"]
 
@@ -149,17 +149,7 @@ def test_pairs_train_cached_as_uncached_and_draw_with_their_references(micro_bas
     assert np.allclose(losses[False], losses[True], rtol=1e-5, atol=1e-7)
     assert len(set((tmp_path / "cache" / "text").rglob("*.safetensors"))) == 6 * 2  # each pair's and its dropped
 
-    control = pairs / "control" / "0000.png"
-    settings = edit_settings(
-        base,
-        pairs,
-        tmp_path / "drawn",
-        train__max_steps=2,
-        optim__learning_rate=2e-2,
-        sample__prompts=[{"prompt": "make it purple", "controls": [str(control)]}],
-        sample__steps=3,
-        sample__guidance_scale=1.0,
-    )
+    settings, control = drawn_edit_settings(base, pairs, tmp_path / "drawn")
     result = train(make_config(**settings))
     pipeline = FAMILY.pipeline_class.from_pretrained(base, dtype=torch.float32)
     pipeline.load_lora_weights(str(result.trained_path.parent), weight_name=result.trained_path.name)

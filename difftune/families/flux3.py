@@ -269,6 +269,7 @@ class Flux3(ReferencesAtTargetArea, ModularBase, FlowMatchingFamily):
         sigmas = (timesteps / 1000).to(states.dtype)
         controls = conditioning.get("control_latents")  # an edit pair's: its references, read clean
         references, reference_ids = reference_tokens(controls) if controls else (None, None)
+        references = None if references is None else references.to(states.dtype)
         groups, predictions = [], []
         for window in sorted(set(windows.tolist())):
             rows = (windows == window).nonzero().flatten()
@@ -280,7 +281,7 @@ class Flux3(ReferencesAtTargetArea, ModularBase, FlowMatchingFamily):
                     timestep=sigmas[rows],
                     img_ids=image_ids,
                     txt_ids=position_ids(torch.arange(window, device=noisy.device)),
-                    image_cond_hidden_states=None if references is None else references[rows].to(states.dtype),
+                    image_cond_hidden_states=None if references is None else references[rows],
                     image_cond_ids=reference_ids,
                     return_dict=False,
                 )[0]
