@@ -7,6 +7,15 @@ class DifftuneError(Exception):
     """Bad input (config, data, model path): the CLI prints the message and exits 2, no traceback."""
 
 
+class BatchBeyondData(DifftuneError):
+    """A batch larger than the data holds; `largest` is the largest per-process batch it does hold (the batch-size
+    finder stops there: the data, not memory, sets the limit)."""
+
+    def __init__(self, message: str, largest: int):
+        super().__init__(message)
+        self.largest = largest
+
+
 # How the CLI prints a DifftuneError; the UI finds a failed job's reason in its log by it.
 ERROR_PREFIX = "difftune: error: "
 

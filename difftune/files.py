@@ -8,9 +8,11 @@ import errno
 import json
 import os
 import shutil
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlparse
 
 from safetensors import safe_open
 
@@ -54,12 +56,29 @@ def replace_atomically(path: Path, write: Callable[[Path], object]) -> Path:
     _remove(staging)
     try:
         write(staging)
+        with_umask_mode(staging)
         if path.is_dir() and staging.is_dir():
             _remove(path)
         os.replace(staging, path)
     finally:
         _remove(staging)
     return path
+
+
+def umask() -> int:
+    """The process's file-creation mask (Python before 3.13 can only read it by setting it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def with_umask_mode(path: Path) -> None:
+    """`path` (a file, or a folder and all in it) given the modes `open()` would have: safetensors writes its files
+    0600 whatever the umask, so a ComfyUI or a web server running as another user could not read an adapter."""
+    path, mask = Path(path), umask()
+    for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if not item.is_symlink():
+            item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
 
 
 def _remove(path: Path) -> None:
@@ -104,3 +123,34 @@ def pipeline_index(folder: Path) -> dict | None:
         else:
             parts[part] = entry
     return parts
+
+
+def hub_unavailable(name: str) -> str | None:
+    """Why `name`, not a local path, cannot come from the Hugging Face hub now (offline mode on, or the hub
+    unreachable), or None. Asked once, at once: the hub client would otherwise retry for about 30 s before
+    failing. A copy already in the local hub cache needs no hub."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        if any(isinstance(try_to_load_from_cache(name, f), str) for f in (*PIPELINE_INDEXES, "config.json")):
+            return None
+    except HFValidationError:
+        return None  # not a hub id at all: the loader's own error says so
+    if constants.HF_HUB_OFFLINE:
+        return "offline mode is on (HF_HUB_OFFLINE)"
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=5).close()
+    except OSError as err:
+        return f"{constants.ENDPOINT} is unreachable ({err})"
+    return None
+
+
+def unreachable_base(key: str, name: str, cause: str) -> str:
+    """The one line for a base that is neither on this machine nor to be had from the hub."""
+    return (
+        f"{key} {name}: not a local folder or file (looked at {Path(name).resolve()}), and it could not be fetched "
+        f"from the Hugging Face hub (offline, or no such id). Pass a local diffusers folder or a .safetensors file. "
+        f"Cause: {cause}"
+    )

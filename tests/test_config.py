@@ -1,3 +1,4 @@
+import os
 import re
 import socket
 from pathlib import Path
@@ -552,7 +553,10 @@ print(code, "torch" in sys.modules, "diffusers" in sys.modules)
             "model.base ../models/nothing-here: no such folder or file here, and not a hub id",
         ),
         (["model.base=my_model.safetensors"], "model.base my_model.safetensors: no such folder or file here"),
+        # A hub id that cannot be fetched is the first and only line, not the memory plan's failure to read it.
+        (["model.base=someone/no-such-model"], "model.base someone/no-such-model: not a local folder or file"),
         (['data.path=""'], "data.path: is empty"),
+        (["data.path=configs"], "configs holds no images"),  # named before the base loads (8.5 s), not after
         (["train.seed=-1"], "train.seed: Input should be greater than or equal to 0"),
         (["--config", "/"], "config file / is a folder"),
         (
@@ -574,11 +578,18 @@ def test_refusals_that_need_no_weights_come_before_the_heavy_imports(arguments, 
 
     from conftest import REPO
 
+    offline = {**os.environ, "HF_HUB_OFFLINE": "1"}  # the hub unreachable, wherever the tests run
     run = subprocess.run(
-        [sys.executable, "-c", REFUSE_BEFORE_IMPORTS, *arguments], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", REFUSE_BEFORE_IMPORTS, *arguments],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=offline,
     )
     assert run.stdout.split() == ["2", "False", "False"], run.stdout + run.stderr
     assert message in run.stderr and "Traceback" not in run.stderr
+    assert run.stderr.startswith("difftune: error: "), run.stderr  # the error first: no plan or warning before it
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device may have FP8 tensor cores")

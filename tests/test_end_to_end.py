@@ -75,6 +75,9 @@ def test_accelerate_launch_runs_the_default_job(tmp_path):
     ]
     assert re.search(r"^difftune: parity: \d+ levels in both layouts", run.stdout, re.MULTILINE), run.stdout
     assert "train: 100%" in run.stderr and "end samples" not in run.stderr  # the step bar in the log; no other bars
+    # Nothing else on the screen: no third-party warning a newcomer could not act on (diffusers' guider notice).
+    unexplained = [line for line in re.split(r"[\r\n]+", run.stderr) if line.strip() and not line.startswith("train: ")]
+    assert unexplained == [], unexplained
 
     # The README's quick start shows this screen: the same lines, but for the times, paths and trained numbers.
     def shape(text: str) -> list[str]:

@@ -469,3 +469,43 @@ def test_a_reload_that_loses_the_adapter_is_reported(make_config, tmp_path, monk
     assert (
         "difftune: warning: the diffusers file reloaded in a fresh pipeline draws sample 000" in capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_written_files_take_the_umasks_mode(make_config, tiny_base, tmp_path, mask):
+    """safetensors writes its files 0600; difftune's results take the mode `open()` gives under the umask (0644
+    under 022), so a ComfyUI or a web server running as another user reads them: the run's two adapter files and
+    checkpoint, and a merged folder and single file."""
+    import os
+    import stat
+
+    from difftune.training.train import train
+
+    previous = os.umask(mask)
+    try:
+        result = train(make_config(train__output_dir=str(tmp_path / "job")))
+        merged = tmp_path / "merged"
+        assert (
+            main(
+                [
+                    "merge",
+                    "--base",
+                    str(tiny_base),
+                    "--adapter",
+                    str(result.trained_path),
+                    "--out",
+                    str(merged),
+                    "--single-file",
+                ]
+            )
+            == 0
+        )
+    finally:
+        os.umask(previous)
+    written = [*(tmp_path / "job").glob("*.safetensors"), *(tmp_path / "job" / "checkpoints").rglob("*.safetensors")]
+    written += [path for path in merged.rglob("*") if path.is_file()]
+    assert len(written) >= 4 and any(path.suffix == ".safetensors" for path in merged.rglob("*"))
+    for path in written:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask, path
+    for folder in [merged, *[path for path in merged.rglob("*") if path.is_dir()]]:
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~mask, folder

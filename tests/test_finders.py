@@ -3,6 +3,7 @@
 import json
 import math
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -76,6 +77,20 @@ def test_find_batch_runs_real_trials_and_writes_the_job(make_config, tmp_path, c
     assert load_config(job).train.batch_size == 3
     assert job.read_text().startswith("# my job: keep this comment\n")
     assert not (tmp_path / "run").exists()  # the probes trained elsewhere
+
+
+@pytest.mark.slow
+def test_find_batch_on_the_default_job_stops_at_what_the_data_holds(capsys):
+    """The default job's 16 images hold no batch of 32: the search stops at 16 and says that the data, not memory,
+    set the limit (before, the trial's refusal ended the search in an error)."""
+    job = Path(__file__).parents[1] / "configs" / "tiny_lora.toml"
+    assert main(["find-batch", "--config", str(job), "--steps", "1"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["largest_batch_size"] == result["batch_size"] == 16 and result["limited_by"] == "data"
+    assert [trial["batch_size"] for trial in result["trials"]] == [1, 2, 4, 8, 16]  # 32 ended before any work
+    assert "batch 32: more than the data holds (at most 16)" in captured.err
+    assert "the data, not memory, sets the limit" in captured.err
 
 
 @pytest.mark.slow

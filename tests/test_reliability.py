@@ -199,9 +199,14 @@ def test_resume_fails_loudly_when_a_part_is_missing(make_config, tmp_path):
         train(_job(make_config, out, train__max_steps=4), resume="auto")
 
 
-def test_resume_auto_without_a_checkpoint_starts_fresh(make_config, tmp_path):
-    result = train(_job(make_config, tmp_path / "new", train__max_steps=2), resume="auto")
+def test_resume_auto_without_a_checkpoint_starts_fresh(make_config, tmp_path, capsys):
+    """It says so, and starts as a new run does: the base's samples are drawn before training."""
+    out = tmp_path / "new"
+    job = _job(make_config, out, train__max_steps=2, sample__prompts=["a red circle"], sample__before=True)
+    result = train(job, resume="auto")
     assert len(result.losses) == 2
+    assert f"difftune: no checkpoint in {out / 'checkpoints'}: starting at step 0" in capsys.readouterr().out
+    assert list((out / "samples" / "before").glob("*.png"))
 
 
 def test_accelerate_state_is_loaded_without_pickle_code(make_config, tmp_path, monkeypatch):

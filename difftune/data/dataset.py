@@ -51,12 +51,14 @@ from difftune.data.clips import BadClip, FrameWindows, frame_rate, frame_size, p
 from difftune.data.places import read_tensors, write_text
 from difftune.data.sources import (
     CLIP_SUFFIXES,
+    IMAGE_EXTENSIONS,
     DataSource,
     FolderOfFiles,
     Stored,
     StoredRecords,
     data_source,
     is_clip,
+    no_media,
     read_source,
     readable,
     source_identity,
@@ -65,7 +67,6 @@ from difftune.data.sources import (
 )
 from difftune.errors import DifftuneError
 
-IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")
 NUMBERED_CONTROL = re.compile(r"^(.+)_(\d+)$")
 CONTROL_FOLDER = "control"
@@ -194,11 +195,7 @@ def _scan(
     bad: list[BadFile] = []
     examples = listed_examples(source, config, key, bad, layers)
     if not examples and not bad:
-        raise DifftuneError(
-            f"{key} {root} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) or clips "
-            f"({', '.join(CLIP_SUFFIXES)}) "
-            f"directly or in `N_name` subfolders"
-        )
+        raise DifftuneError(no_media(key, root))
     examples = _cut_clips(examples, windows, bad)
     controls = {c for e in examples for c in e.control_paths}
     images = {e.path for e in examples if e.frames is None}

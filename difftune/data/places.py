@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load, load_file, save, save_file
 
 from difftune.errors import DifftuneError
-from difftune.files import is_url
+from difftune.files import is_url, with_umask_mode
 
 
 def folder(location: str, key: str = "cache.dir") -> Path:
@@ -50,6 +50,7 @@ def write_tensors(path, tensors: dict[str, torch.Tensor]) -> None:
     handle, staging = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(handle)
     save_file(tensors, staging)
+    with_umask_mode(staging)
     os.replace(staging, path)
 
 

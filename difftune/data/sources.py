@@ -56,6 +56,7 @@ DATASET_FILES = ("state.json", "dataset_info.json")  # what Dataset.save_to_disk
 IMAGE_COLUMNS = ("image", "img", "jpg", "png", "webp")  # what `data.image_column = ""` looks for, in order
 CAPTION_COLUMNS = ("text", "caption", "txt", "prompt")
 CLIP_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi")
+IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
 
 def is_clip(path: Path) -> bool:
@@ -84,6 +85,13 @@ class FolderOfFiles(DataSource):
             what = "does not exist" if not Path(self.path).exists() else "is a file"
             raise DifftuneError(f"{key} {self.path}: {what}; point it at a folder of {holding}")
 
+    def check_holds_media(self, key: str) -> None:
+        """Refuse a folder with no image or clip in it or under it, before anything loads (the scan, after the base
+        has loaded, says the same of a folder whose files it cannot use); stops at the first one found."""
+        suffixes = IMAGE_EXTENSIONS | set(CLIP_SUFFIXES)
+        if not any(path.suffix.lower() in suffixes for path in Path(self.path).rglob("*")):
+            raise DifftuneError(no_media(key, self.path))
+
     def may_hold_clips(self) -> bool:
         return any(is_clip(path) for path in Path(self.path).rglob("*"))
 
@@ -95,6 +103,13 @@ class StoredRecords(DataSource):
 
     def may_hold_clips(self) -> bool:
         return True  # known only once every record is read
+
+
+def no_media(key: str, folder) -> str:
+    return (
+        f"{key} {folder} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) or clips ({', '.join(CLIP_SUFFIXES)})"
+        " directly or in `N_name` subfolders"
+    )
 
 
 def data_source(path: str) -> DataSource:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -39,6 +40,11 @@ from difftune.models.parts import (
     explained_load_errors,
     quiet_loading,
 )
+
+# diffusers warns "Guiders are currently an experimental feature ..." at every guider made, and difftune makes them
+# (the families' fixed guiders at import, one per sample drawn, any a base folder holds): a line on nearly every
+# command that the user can do nothing about. Its other warnings stay.
+logging.getLogger("diffusers.guiders.guider_utils").setLevel(logging.ERROR)
 
 
 def _discover() -> dict[str, Family]:

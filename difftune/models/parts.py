@@ -4,18 +4,16 @@ latents: autoencoders.py)."""
 from __future__ import annotations
 
 import importlib.util
-import socket
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 import torch
 from torch.nn.utils import parametrize
 
 from difftune.errors import DifftuneError
-from difftune.files import PIPELINE_INDEXES, part_weight_files
+from difftune.files import hub_unavailable, part_weight_files, unreachable_base
 from difftune.memory.offload import Offloader, offload_blocks
 from difftune.memory.storage import store_frozen_layers
 from difftune.models.autoencoders import LatentNormalization
@@ -143,28 +141,6 @@ def quiet_loading():
             diffusers_logging.enable_progress_bar()
 
 
-def hub_unavailable(name: str) -> str | None:
-    """Why `name`, not a local path, cannot come from the Hugging Face hub now (offline mode on, or the hub
-    unreachable), or None. Asked once, at once: the hub client would otherwise retry for about 30 s before
-    failing. A copy already in the local hub cache needs no hub."""
-    from huggingface_hub import constants, try_to_load_from_cache
-    from huggingface_hub.errors import HFValidationError
-
-    try:
-        if any(isinstance(try_to_load_from_cache(name, f), str) for f in (*PIPELINE_INDEXES, "config.json")):
-            return None
-    except HFValidationError:
-        return None  # not a hub id at all: the loader's own error says so
-    if constants.HF_HUB_OFFLINE:
-        return "offline mode is on (HF_HUB_OFFLINE)"
-    endpoint = urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=5).close()
-    except OSError as err:
-        return f"{constants.ENDPOINT} is unreachable ({err})"
-    return None
-
-
 @contextmanager
 def explained_load_errors(key: str, name: str):
     """Turn a failed load into a message that says what was tried and what to pass instead."""
@@ -180,11 +156,7 @@ def explained_load_errors(key: str, name: str):
         cause = str(error).splitlines()[0] if str(error) else type(error).__name__
         if Path(name).exists():
             raise DifftuneError(f"{key} {name}: could not be loaded as a diffusers model: {cause}") from error
-        raise DifftuneError(
-            f"{key} {name}: not a local folder or file (looked at {Path(name).resolve()}), and it could not be "
-            f"fetched from the Hugging Face hub (offline, or no such id). Pass a local diffusers folder or a "
-            f".safetensors file. Cause: {cause}"
-        ) from error
+        raise DifftuneError(unreachable_base(key, name, cause)) from error
 
 
 def encoder_placement(config: Config) -> dict[str, str]:

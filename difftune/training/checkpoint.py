@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 from difftune.config import Config, resolve_path_values, upgrade_moved_keys
 from difftune.data.sharding import gather, load_full
 from difftune.errors import DifftuneError
-from difftune.files import out_of_space
+from difftune.files import out_of_space, with_umask_mode
 from difftune.training.metrics import METRICS_FILE
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -396,6 +396,7 @@ def _write_synced(path: Path, text: str) -> None:
 def _seal(root: Path) -> None:
     """Flush every file of a checkpoint to disk and record its size and SHA-256s in its manifest (read back from
     the page cache just written: no disk reads)."""
+    with_umask_mode(root)  # safetensors writes 0600: a checkpoint is read by whoever reads the run folder
     files = sorted(path for path in root.rglob("*") if path.is_file())
     digests = _block_digests(files)
     for path in files:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from difftune.config import Config
-from difftune.errors import DifftuneError
+from difftune.errors import BatchBeyondData, DifftuneError
 
 LR_RANGE_FILE = "lr_range.json"
 LR_PLOT_FILE = "lr_range.png"
@@ -57,7 +57,9 @@ def find_batch(
 
     Budget: `max_memory_gb` if given; else, on CUDA, the device memory free when each trial starts, and on the
     CPU the memory available now, each less `margin`. Sizes double from 1, then the gap between the last fit
-    and the first failure is bisected (as Lightning's batch-size finder does)."""
+    and the first failure is bisected (as Lightning's batch-size finder does). A batch larger than the data holds
+    (with its repeats) is refused by the trial before any work, and the search stops at what the data holds
+    (`limited_by`: "data"; else "memory", or "max_batch")."""
     import psutil
 
     if max_batch < 1 or steps < 1:
@@ -65,9 +67,17 @@ def find_batch(
     budget = max_memory_gb * GIB if max_memory_gb else None
     cpu_budget = budget or psutil.virtual_memory().available * (1 - margin)
     trials: list[dict] = []
+    data_holds = None  # the largest batch the data holds, once a trial has found it
 
     def fits(batch_size: int) -> bool:
+        nonlocal data_holds
+        if data_holds is not None and batch_size > data_holds:
+            return False  # known without a trial
         trial = run_batch_trial(config, batch_size, steps)
+        if "data_holds" in trial:
+            data_holds = trial["data_holds"] // num_processes  # the trial ran one process
+            report(f"difftune find-batch: batch {batch_size}: more than the data holds (at most {data_holds})")
+            return False
         if "failure" in trial:
             raise DifftuneError(f"find-batch: the trial at batch size {batch_size} failed: {trial['failure']}")
         limit = budget or (trial["free_bytes"] * (1 - margin) if trial.get("free_bytes") else cpu_budget)
@@ -90,8 +100,15 @@ def find_batch(
             f"budget {failed['budget_gb']} GiB): turn on train.gradient_checkpointing, a lower data.resolution or "
             f'model.weight_dtype = "bf16", or raise --max-memory-gb'
         )
+    limited_by = "data" if largest == data_holds else "max_batch" if largest == max_batch else "memory"
+    if limited_by == "data":
+        report(
+            f"difftune find-batch: batch {largest} is all the data holds: the data, not memory, sets the limit "
+            "(repeat the data, data.repeats or N_name folders, for larger batches)"
+        )
     result = {
         "largest_batch_size": largest,
+        "limited_by": limited_by,
         **batch_and_accumulation(largest, config.train.global_batch_size, num_processes),
     }
     # What `--write` and the UI put into the job: the global batch too when the job sets one.
@@ -180,6 +197,8 @@ def _batch_trial(config_data: dict, batch_size: int, steps: int, scratch: str, r
             result["peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     except torch.OutOfMemoryError:
         result["error"] = "out of memory"
+    except BatchBeyondData as err:  # refused before any work: the search stops at what the data holds
+        result["data_holds"] = err.largest
     except Exception as err:  # not a question of size: the parent stops the search with this message
         result["failure"] = str(err) if isinstance(err, DifftuneError) else f"{type(err).__name__}: {err}"
     Path(result_path).write_text(json.dumps(result))

@@ -17,7 +17,7 @@ from difftune.adapters.targets import layer_suffixes, missing_targets, unmatched
 from difftune.config import HUB_ID, Config, wrong_family
 from difftune.data.sources import FolderOfFiles, data_source
 from difftune.errors import DifftuneError, require_extra
-from difftune.files import part_weight_files, pipeline_index
+from difftune.files import hub_unavailable, part_weight_files, pipeline_index, unreachable_base
 
 
 def check_before_start(config: Config) -> None:
@@ -37,6 +37,8 @@ def _check_paths(config: Config) -> None:
             f"model.base {base}: no such folder or file here, and not a hub id (owner/name); point it at "
             "a diffusers folder, a .safetensors file, or a Hugging Face hub id"
         )
+    if not Path(base).exists() and (unavailable := hub_unavailable(base)):  # before the memory plan's own failure
+        raise DifftuneError(unreachable_base("model.base", base, unavailable))
     folders = [("validation.path", config.validation.path, "captioned images", data_source)]
     for data, key in zip(config.data.each_dataset(), config.data.dataset_keys(), strict=True):
         setting = key.removesuffix(".path")  # `data`, or `data.datasets[1]`
@@ -48,6 +50,10 @@ def _check_paths(config: Config) -> None:
     for key, folder, holding, source in folders:
         if folder:  # the training and validation data may be stored records; masks and controls are files
             source(folder).check_present(key, holding)
+    for key, folder, holding, source in folders:
+        located = source(folder) if folder and holding == "captioned images" else None
+        if isinstance(located, FolderOfFiles):  # an empty folder named before the base loads, not after it
+            located.check_holds_media(key)
     for entry in config.sample.prompts:
         missing = [control for control in getattr(entry, "controls", []) if not Path(control).is_file()]
         if missing:

@@ -63,7 +63,7 @@ from difftune.data.dataset import (
     training_sizes,
 )
 from difftune.data.sources import data_source
-from difftune.errors import DifftuneError
+from difftune.errors import BatchBeyondData, DifftuneError
 from difftune.families import family_of, load_components, load_denoiser
 from difftune.families.drawing import generate_images, save_images
 from difftune.families.objective import training_noise_scheduler
@@ -92,6 +92,7 @@ from difftune.training.checkpoint import (
     CHECKPOINTS_DIR,
     Checkpointer,
     Progress,
+    complete_checkpoints,
     find_checkpoint,
     full_disk_said_plainly,
     keep_models_out_of_accelerate_state,
@@ -190,6 +191,9 @@ def setup(config: Config, resume: str | None = None) -> Run:
     """Models, data, caches, adapters, optimizer and the place to start from (a checkpoint when resuming)."""
     output_dir = _check_output_dir(config, resume)
     accelerator = _accelerator(config, output_dir)
+    if resume == "auto" and not complete_checkpoints(output_dir):  # a fresh start: the base's samples are drawn too
+        accelerator.print(f"difftune: no checkpoint in {output_dir / CHECKPOINTS_DIR}: starting at step 0")
+        resume = None
     config = with_accumulation(config, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = config.train.gradient_accumulation_steps
     if config.model.offload_budget:  # every process plans the same count: no weights read, no communication
@@ -681,9 +685,10 @@ def _check_batch_within_data(config: Config, examples: int, processes: int, what
     batch = config.train.batch_size * processes
     if batch > examples:
         per_process = f" ({config.train.batch_size} x {processes} processes)" if processes > 1 else ""
-        raise DifftuneError(
+        raise BatchBeyondData(
             f"train.batch_size {config.train.batch_size}{per_process}: a batch of {batch} is more than the data holds "
-            f"({what}); use at most {examples // processes}, or repeat the data (data.repeats, or N_name folders)"
+            f"({what}); use at most {examples // processes}, or repeat the data (data.repeats, or N_name folders)",
+            largest=examples // processes,
         )
 
 
