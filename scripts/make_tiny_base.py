@@ -45,6 +45,7 @@ from difftune.toy.tiny_base import (
     SEEN_COLORS,
     TINY_BASES,
     Recipe,
+    as_published,
     build_base,
     continue_denoiser,
     copy_into_borrowers,
@@ -253,6 +254,7 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
     (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
     card = clip_card if clips else image_card
     (args.model_dir / "README.md").write_text(card(args, recipe, facts, components, settings))
+    as_published(args.model_dir)
     link_borrowed_files(args.model_dir)
     if recipe.family == "sd":  # the default jobs share these images
         shutil.rmtree(args.examples_dir / "purple", ignore_errors=True)

@@ -564,3 +564,30 @@ def test_bundled_bases_link_the_files_they_share_and_rebuilds_leave_borrowers_th
     copy_into_borrowers(lender, tmp_path)  # what a rebuild of the lender does first
     save_file({"w": torch.zeros(4)}, lender / "vae" / "model.safetensors")
     assert not shared.is_symlink() and torch.equal(load_file(shared)["w"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("base", sorted(path.name for path in (REPO / "models").glob("tiny-*")))
+def test_each_bundled_base_loads_in_its_pipeline_as_published_folders_do(base, monkeypatch):
+    """diffusers' own `from_pretrained` of the pipeline class the folder names reads every bundled base, processors
+    included (a Qwen-VL processor's video processor settings, which transformers reads wherever torchvision is
+    installed), and no JSON keeps a build's folder (`_name_or_path`: Wan's memory plan followed it to the hub)."""
+    import diffusers
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    folder = REPO / "models" / base
+    for path in folder.glob("**/*.json"):
+        text = path.read_text()
+        assert '"_name_or_path"' not in text and "output/" not in text, path
+    for path in folder.glob("*/processor_config.json"):
+        if "VL" in json.loads(path.read_text())["processor_class"]:
+            settings, _ = BaseVideoProcessor.get_video_processor_dict(str(path.parent))
+            assert settings["video_processor_type"].endswith("VideoProcessor"), path
+    monkeypatch.chdir(REPO)  # a modular index names its parts' folder from the checkout's root
+    index = pipeline_index(folder)
+    if (folder / "model_index.json").is_file():
+        pipeline = getattr(diffusers, index["_class_name"]).from_pretrained(folder, dtype=torch.float32)
+    else:
+        pipeline = diffusers.ModularPipeline.from_pretrained(str(folder))
+        pipeline.load_components(torch_dtype=torch.float32)
+    parts = {name for name, spec in index.items() if not name.startswith("_") and isinstance(spec, list) and spec[0]}
+    assert parts and all(getattr(pipeline, name, None) is not None for name in parts), parts

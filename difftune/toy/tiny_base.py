@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import time
 from contextlib import contextmanager
@@ -645,6 +646,40 @@ def build_edit_base(out_dir: Path, work_dir: Path, source: Path, recipe: dict, s
         if "val_loss" in row
     ]
     return {"recipe": recipe | {"seed": seed, "source": str(source)}, "seconds": seconds, "validation_loss": validation}
+
+
+# A Qwen-VL processor's video processor, which transformers builds and loads beside its image processor wherever
+# torchvision is installed: the bundled bases are built without one (`load_without_video_processor`), so their
+# processor files get its settings as a full save writes them (nested in processor_config.json, transformers 5).
+VIDEO_PROCESSORS = {
+    "Qwen2VLProcessor": "Qwen2VLVideoProcessor",
+    "Qwen2_5_VLProcessor": "Qwen2VLVideoProcessor",
+    "Qwen3VLProcessor": "Qwen3VLVideoProcessor",
+}
+SHARED_WITH_IMAGES = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")
+
+
+def as_published(model_dir: Path) -> None:
+    """A built base's files as published folders hold them, so that its pipeline's own `from_pretrained` reads it:
+    no `_name_or_path` in any JSON (diffusers and transformers record the build's scratch folder there on saving,
+    `output/tiny-wan-3000/run/model_ema`, and a reader that follows it looks for that folder on the hub), and each
+    Qwen-VL processor with its video processor's settings (those it shares with its image processor)."""
+    for path in sorted(model_dir.glob("**/*.json")):
+        text = path.read_text()
+        if path.is_symlink() or '"_name_or_path"' not in text:
+            continue
+        kept = re.sub(r'^\s*"_name_or_path": "[^"]*",\n', "", text, flags=re.MULTILINE)  # the rest as written
+        data = json.loads(text)
+        del data["_name_or_path"]
+        path.write_text(kept if json.loads(kept) == data else json.dumps(data, indent=2, sort_keys=True) + "\n")
+    for path in sorted(model_dir.glob("*/processor_config.json")):
+        data = json.loads(path.read_text())
+        video = VIDEO_PROCESSORS.get(data.get("processor_class"))
+        if video and "video_processor" not in data and not path.is_symlink():
+            images = data["image_processor"]
+            settings = {key: images[key] for key in SHARED_WITH_IMAGES if key in images}
+            data["video_processor"] = settings | {"video_processor_type": video}
+            path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def link_borrowed_files(model_dir: Path, models_root: Path = Path("models")) -> None:

@@ -499,6 +499,8 @@ def empty_components(config: Config, source: tuple[Path, str] | None = None) -> 
         vae_config = json.loads((vae_folder / "config.json").read_text())
         with torch.device(META):
             parts["vae"] = VAE_CLASSES[vae_config["_class_name"]].from_config(vae_config)
+    # Named by the folder it was read from, as `from_pretrained` names a pipeline (a saved index may keep another).
+    index = index | {"_name_or_path": str(folder)}
     return family.components_of(SimpleNamespace(**parts, config=index), family.options(model))
 
 
