@@ -65,18 +65,25 @@ def _sample_fields() -> dict:
     return {n: f for n, f in SampleConfig.model_fields.items() if n not in TRAINING_ONLY_SAMPLE_FIELDS}
 
 
+# The config's text is about the prompts drawn at the end of a run; here they are what the command draws.
+PROMPT_HELP = "a prompt to draw (repeatable); with --control, each is drawn from those control images"
+
+
 def _add_sample_options(parser: argparse.ArgumentParser) -> None:
     """One option per `[sample]` field that applies outside training, from the schema: `--steps`,
     `--guidance-scale`, `--prompt` (repeatable)..."""
     for name, field in _sample_fields().items():
         flag = "--prompt" if name == "prompts" else "--" + name.replace("_", "-")
-        options = {"dest": f"sample_{name}", "help": field.description, "default": None}
+        described = PROMPT_HELP if name == "prompts" else field.description
+        options = {"dest": f"sample_{name}", "help": described, "default": None}
         annotation = field.annotation
-        if get_origin(annotation) is list:
-            options["action"] = "append"
-        elif get_origin(annotation) is Literal:
+        if get_origin(annotation) is Literal:
             options["choices"] = get_args(annotation)
         else:
+            options["metavar"] = flag[2:].upper()
+        if get_origin(annotation) is list:
+            options["action"] = "append"
+        elif get_origin(annotation) is not Literal:
             value_type = next((a for a in get_args(annotation) if a is not type(None)), annotation)
             options["type"] = _parse_bool if value_type is bool else value_type
         parser.add_argument(flag, **options)
@@ -92,14 +99,15 @@ def _sample_config(args: argparse.Namespace) -> SampleConfig:
         raise DifftuneError(describe_errors("difftune sample", err, section="sample")) from None
 
 
+def _command(commands, name: str, summary: str, **options) -> argparse.ArgumentParser:
+    """A subcommand whose summary is both its line in `difftune --help` and the first line of its own `--help`."""
+    return commands.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".", **options)
+
+
 def _job_command(commands, name: str, summary: str) -> argparse.ArgumentParser:
     """A command that takes a job: --config and section.key=value overrides."""
-    command = commands.add_parser(
-        name,
-        help=summary,
-        description=summary,
-        epilog=_keys_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    command = _command(
+        commands, name, summary, epilog=_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     command.add_argument("--config", help="TOML job file; omitted: all defaults")
     command.add_argument(
@@ -177,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
 
     adapter_help = "an adapter file (diffusers or kohya layout), optionally with a scale: FILE[:SCALE]; repeatable"
-    merge = commands.add_parser("merge", help="merge adapters into the base model and save it")
+    merge = _command(commands, "merge", "merge adapters into the base model and save it")
     merge.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
     merge.add_argument("--adapter", required=True, action="append", type=parse_adapter_spec, help=adapter_help)
     merge.add_argument("--out", required=True, type=Path, help="output diffusers pipeline folder")
@@ -187,13 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="dtype of the saved weights")
     merge.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
 
-    convert = commands.add_parser("convert", help="rewrite an adapter in the diffusers or kohya layout")
+    convert = _command(commands, "convert", "rewrite an adapter in the diffusers or kohya layout")
     convert.add_argument("source", type=Path, help="adapter file to read (either layout)")
     convert.add_argument("target", type=Path, help="adapter file to write")
     convert.add_argument("--to", required=True, choices=("kohya", "diffusers"), help="layout to write")
     convert.add_argument("--base", help="base model, to read a kohya file's module names (default: from its metadata)")
 
-    average = commands.add_parser("average", help="average adapter files (e.g. snapshots of one run) into one")
+    average = _command(commands, "average", "average adapter files (e.g. snapshots of one run) into one")
     average.add_argument("adapters", nargs="+", type=Path, help="adapter files, oldest first (either layout)")
     average.add_argument("--out", required=True, type=Path, help="adapter file to write")
     average.add_argument(
@@ -205,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     average.add_argument("--to", choices=("diffusers", "kohya"), default="diffusers", help="layout to write")
     average.add_argument("--base", help="base model, to read kohya files' module names (default: from their metadata)")
 
-    resize = commands.add_parser("resize", help="resize a LoRA to a lower rank by SVD of each layer's change")
+    resize = _command(commands, "resize", "resize a LoRA to a lower rank by SVD of each layer's change")
     resize.add_argument("source", type=Path, help="LoRA file to read (either layout, any tool's)")
     resize.add_argument("target", type=Path, help="LoRA file to write")
     resize.add_argument("--rank", type=int, help="the most ranks a layer keeps")
@@ -218,8 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     resize.add_argument("--base", help="base model, to read a kohya file's module names (default: from its metadata)")
     resize.add_argument("--report", type=Path, help="write each layer's ranks and the norm it kept here (JSON)")
 
-    caption = commands.add_parser(
-        "caption", help="caption a folder's images with a vision-language model (a .txt beside each, or metadata.jsonl)"
+    caption = _command(
+        commands,
+        "caption",
+        "caption a folder's images with a vision-language model (a .txt beside each, or metadata.jsonl)",
     )
     caption.add_argument("folder", type=Path, help="the folder of images (and its N_name subfolders)")
     caption.add_argument(
@@ -241,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("--max-new-tokens", type=int, default=77, help="the longest caption, in tokens")
     caption.add_argument("--device", help="where the model runs (default: a GPU if present, else the CPU)")
 
-    extract = commands.add_parser("extract", help="extract a LoRA from a full fine-tune (SVD of each layer's change)")
+    extract = _command(commands, "extract", "extract a LoRA from a full fine-tune (SVD of each layer's change)")
     extract.add_argument("--base", required=True, help="the model the fine-tune started from (folder or hub id)")
     extract.add_argument("--tuned", required=True, help="the fine-tuned model (e.g. a run's model/ folder)")
     extract.add_argument("--out", required=True, type=Path, help="LoRA file to write")
@@ -264,15 +274,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     extract.add_argument("--report", type=Path, help="write each layer's ranks and the norm it kept here (JSON)")
 
-    request = commands.add_parser(
-        "request", help="ask a running job to draw its sample prompts or save now, at its next step; it goes on"
+    request = _command(
+        commands, "request", "ask a running job to draw its sample prompts or save now, at its next step; it goes on"
     )
     request.add_argument(
         "what", choices=ASKED, help="sample: preview samples of its sample.prompts; save: a checkpoint and a snapshot"
     )
     request.add_argument("output_dir", type=Path, help="the job's train.output_dir")
 
-    sample = commands.add_parser("sample", help="text-to-image samples from a base model and adapters")
+    sample = _command(commands, "sample", "text-to-image samples from a base model and adapters")
     sample.add_argument("--base", required=True, help="base model: diffusers folder, hub id or .safetensors")
     sample.add_argument("--adapter", action="append", default=[], type=parse_adapter_spec, help=adapter_help)
     sample.add_argument("--out", required=True, type=Path, help="folder for the PNGs (clips: MP4) and grid.png")
@@ -291,10 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_sample_options(sample)
 
-    evaluate = commands.add_parser(
+    evaluate = _command(
+        commands,
         "eval",
-        help="judge samples of the tiny shapes base (and of an adapter on it): seen prompts, held-out concept, "
-        "forgetting",
+        "judge samples of the tiny shapes base (and of an adapter on it): seen prompts, held-out concept, forgetting",
     )
     evaluate.add_argument(
         "--base", default="models/tiny-sd", help="a base trained on the shapes (default: the bundled one)"
@@ -307,16 +317,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="what the adapted model's concept prompts say instead of "
         "the color, e.g. an embedding's token (default: the color)",
     )
-    evaluate.add_argument("--samples-per-prompt", type=int, default=8)
+    evaluate.add_argument("--samples-per-prompt", type=int, default=8, help="images drawn of each prompt (default 8)")
     evaluate.add_argument("--seed", type=int, default=1000, help="sample k of every prompt uses seed + k")
     evaluate.add_argument("--steps", type=int, default=20, help="denoising steps")
-    evaluate.add_argument("--guidance-scale", type=float, default=3.0)
+    evaluate.add_argument(
+        "--guidance-scale", type=float, default=3.0, help="classifier-free guidance of the samples (default 3)"
+    )
     evaluate.add_argument("--out", type=Path, help="also write the JSON report here")
     evaluate.add_argument("--quiet", action="store_true", help="no line on stderr as each prompt starts")
 
-    ui = commands.add_parser("ui", help="the web UI: configure, launch and watch jobs, sample, export")
+    ui = _command(commands, "ui", "the web UI: configure, launch and watch jobs, sample, export")
     ui.add_argument("--host", default="127.0.0.1", help="address to bind; anything but this machine needs --auth")
-    ui.add_argument("--port", type=int, default=7860)
+    ui.add_argument("--port", type=int, default=7860, help="port to serve on (default 7860)")
     ui.add_argument(
         "--jobs-dir", type=Path, default=Path("jobs"), help="one folder per job; the only folder the UI serves"
     )

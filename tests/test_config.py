@@ -639,3 +639,27 @@ def test_an_adapter_files_kind_is_read_from_its_peft_configs():
         assert type(built) is config_class and built.peft_type.value == KINDS[name].peft_type
     with pytest.raises(DifftuneError, match=r"unet: a peft ADALORA adapter, which difftune does not read"):
         file_kind({"unet.peft_type": "ADALORA"}, "unet")
+
+
+def test_every_subcommand_has_a_description_and_every_option_help(capsys):
+    """`difftune X --help` opens with what X does, and says what each option is (8 subcommands had no description
+    line; `sample --prompt` repeated the config's text about the prompts drawn at the end of a run)."""
+    from difftune.cli import build_parser
+
+    parser = build_parser()
+    [commands] = [action for action in parser._actions if isinstance(action, __import__("argparse")._SubParsersAction)]
+    assert len(commands.choices) >= 15
+    for name, command in commands.choices.items():
+        assert command.description and command.description.endswith("."), name
+        undocumented = [
+            action.option_strings or action.dest
+            for action in command._actions
+            if not action.help and "--help" not in action.option_strings
+        ]
+        assert undocumented == [], (name, undocumented)
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        shown = capsys.readouterr().out
+        assert command.description.split()[0] in shown.split("\n\n")[1], name  # the line after the usage
+    prompt = next(action for action in commands.choices["sample"]._actions if "--prompt" in action.option_strings)
+    assert "end of training" not in prompt.help

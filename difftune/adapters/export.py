@@ -606,7 +606,9 @@ def merge_adapters(components: Components, adapters: list[tuple[Path, float]], d
         pipeline.fuse_lora(components=parts, lora_scale=1.0)
         pipeline.unload_lora_weights()
     for module in components.modules():
-        module.to(DTYPES[dtype])
+        # torch's cast: diffusers' own `to` warns at every cast to a dtype, even of a model with no module to keep in
+        # float32 (the merge printed that twice); a merged base is never quantized, the case its `to` checks.
+        torch.nn.Module.to(module, DTYPES[dtype])
         _refuse_non_finite(module.state_dict(), f"the merged model in {dtype}")
 
 
@@ -627,7 +629,8 @@ def save_merged(components: Components, out_dir: Path, single_file: bool, overwr
     )
 
     def write(staging: Path) -> None:
-        components.family.save_pipeline(components.pipeline(sampling_scheduler("auto", components)), staging)
+        with quiet_loading():  # no "Writing model shards" bar per part: the merge's own line says what it does
+            components.family.save_pipeline(components.pipeline(sampling_scheduler("auto", components)), staging)
         if single_file:
             save_file(ldm, staging / SINGLE_FILE, metadata={"format": "pt"})
 
