@@ -14,6 +14,8 @@ did not write: a file that loads in ComfyUI is one whose every key this map reac
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 CLIP_LAYER_MODULES = (
@@ -88,3 +90,30 @@ def apply_lora(lora: dict[str, torch.Tensor], key_map: dict, weights: dict) -> t
         patched[target] = (patched[target].double() + scale * change).to(patched[target].dtype)
         loaded |= {f"{name}.lora_up.weight", f"{name}.lora_down.weight", f"{name}.alpha"}
     return patched, sorted(set(lora) - loaded)
+
+
+# ComfyUI's names for the layers of Tencent's files (its HunyuanVideo model's `process_unet_state_dict`, which
+# HunyuanImage 2.1 and HunyuanVideo 1.5 load through): the model is built of Flux.1's `DoubleStreamBlock`
+# and `SingleStreamBlock` (comfy/ldm/flux/layers.py: `img_attn.qkv`, `img_attn.norm.query_norm.scale`, `img_mlp.0`,
+# `img_mod.lin`, `linear1`, `modulation.lin`), a `TokenRefiner` (`self_attn.qkv`, `mlp.0`) and `MLPEmbedder`s
+# (`in_layer`, `out_layer`) (comfy/ldm/hunyuan_video/model.py).
+HUNYUAN_VIDEO_RENAMES = (
+    (r"\.(img|txt)_attn_q_norm\.weight$", r".\1_attn.norm.query_norm.scale"),
+    (r"\.(img|txt)_attn_k_norm\.weight$", r".\1_attn.norm.key_norm.scale"),
+    (r"^(single_blocks\.\d+)\.q_norm\.weight$", r"\1.norm.query_norm.scale"),
+    (r"^(single_blocks\.\d+)\.k_norm\.weight$", r"\1.norm.key_norm.scale"),
+    (r"_attn_(qkv|proj)\.", r"_attn.\1."),
+    (r"mlp\.fc1\.", "mlp.0."),
+    (r"mlp\.fc2\.", "mlp.2."),
+    (r"\.(img_mod|txt_mod|modulation)\.linear\.", r".\1.lin."),
+    (r"^(time_in|time_r_in|guidance_in|txt_in\.t_embedder)\.mlp\.0\.", r"\1.in_layer."),
+    (r"^(time_in|time_r_in|guidance_in|txt_in\.t_embedder)\.mlp\.2\.", r"\1.out_layer."),
+    (r"^txt_in\.c_embedder\.linear_1\.", "txt_in.c_embedder.in_layer."),
+    (r"^txt_in\.c_embedder\.linear_2\.", "txt_in.c_embedder.out_layer."),
+)
+
+
+def in_hunyuan_video_names(key: str) -> str:
+    for pattern, replacement in HUNYUAN_VIDEO_RENAMES:
+        key = re.sub(pattern, replacement, key)
+    return key

@@ -234,27 +234,32 @@ def unet_inputs(unet, batch: int = 2, seed: int = 0):
     return latents, timesteps, states
 
 
-# Families whose single file does not name the layers as ComfyUI holds the model, so ComfyUI's key map cannot be
-# restated over it: HunyuanImage 2.1's is Tencent's (`img_attn_qkv`, `mlp.fc1`), which ComfyUI holds under its
-# HunyuanVideo model's names (Flux.1's layers: `img_attn.qkv`, `mlp.0`), the names its LoRA files use
-# (tests/test_hunyuan_image.py checks them and reads a file in them).
-COMFYUI_HOLDS_ANOTHER_LAYOUT = {"hunyuan_image"}
+# Families whose single file ComfyUI loads as its HunyuanVideo model, renaming Tencent's layers to that model's
+# (Flux.1's layers: `img_attn_qkv` -> `img_attn.qkv`, `mlp.fc1` -> `mlp.0`; comfyui_lora.in_hunyuan_video_names) before
+# its LoRA key map names them.
+COMFYUI_HUNYUAN_VIDEO_MODEL = {"hunyuan_image", "hunyuan_video15", "hunyuan_video15_i2v"}
 
 
 def comfyui_applies_as(lora: dict[str, torch.Tensor], base, expected) -> bool:
     """Whether ComfyUI's key maps (`comfyui_lora.py`, over the original single-file layout diffusers' reader reads)
     reach every key of the kohya-layout `lora` and its formula turns the loaded `base`'s weights (denoiser and adapted
     text encoders) into `expected`'s, a model holding the same change (asserted); False where the family has no
-    single-file layout to hold ComfyUI's names, or ComfyUI holds it in another (`COMFYUI_HOLDS_ANOTHER_LAYOUT`)."""
+    single-file layout to hold ComfyUI's names. A model ComfyUI loads as its HunyuanVideo model is held in that
+    model's names (`COMFYUI_HUNYUAN_VIDEO_MODEL`)."""
     from difftune.errors import DifftuneError
 
-    from comfyui_lora import apply_lora, denoiser_weights, text_key_map, unet_key_map
+    from comfyui_lora import apply_lora, denoiser_weights, in_hunyuan_video_names, text_key_map, unet_key_map
 
     family = base.family
-    if family.name in COMFYUI_HOLDS_ANOTHER_LAYOUT:
-        return False
+
+    def as_comfyui_holds(components) -> dict[str, torch.Tensor]:
+        weights = denoiser_weights(family.layout.to_single_file(components))
+        if family.name in COMFYUI_HUNYUAN_VIDEO_MODEL:
+            weights = {in_hunyuan_video_names(key): value for key, value in weights.items()}
+        return weights
+
     try:
-        weights = denoiser_weights(family.layout.to_single_file(base))
+        weights = as_comfyui_holds(base)
     except DifftuneError:
         return False
     modules = [key.removesuffix(".weight") for key in base.denoiser.state_dict() if key.endswith(".weight")]
@@ -275,7 +280,7 @@ def comfyui_applies_as(lora: dict[str, torch.Tensor], base, expected) -> bool:
     patched_text, not_in_text = apply_lora(lora, text_key_map(encoders), texts)
     assert set(not_in_denoiser) & set(not_in_text) == set(), "lora key not loaded"
     assert any(not torch.equal(patched[key], weights[key]) for key in weights)
-    ours = denoiser_weights(family.layout.to_single_file(expected))
+    ours = as_comfyui_holds(expected)
     for key in weights:
         torch.testing.assert_close(patched[key], ours[key], rtol=1e-5, atol=1e-6, msg=key)
     for (part, key), value in patched_text.items():

@@ -1053,13 +1053,16 @@ def test_a_lycoris_run_on_a_fused_layout_family_ends_with_the_layout_it_can_writ
     """LoHa in the diffusers layout trains and saves on a family whose kohya layout fuses q, k and v: the end-of-run
     parity check draws the file it wrote and says why the kohya layout was not checked (it crashed the run's end
     before), and converting the file to kohya is refused by name."""
+    control = tmp_path / "control.png"
+    CONTROL.save(control)
+    prompt = {"prompt": "a purple circle", "controls": [str(control)]} if FAMILIES[name].needs_controls_to_draw else None
     settings = _settings(
         name,
         micro_base(name),
         tmp_path / "run",
         adapter__kind="loha",
         train__max_steps=2,
-        sample__prompts=["a purple circle"],
+        sample__prompts=[prompt or "a purple circle"],
         sample__steps=2,
     )
     trained = train(make_config(**settings)).trained_path

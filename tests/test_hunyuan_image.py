@@ -4,8 +4,6 @@ the kohya file in ComfyUI's HunyuanVideo block names, and the distilled model re
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 from diffusers import HunyuanImagePipeline
@@ -14,6 +12,8 @@ from transformer_lora import assert_pipeline_draws_the_adapter, kohya_modules_re
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
+
+from comfyui_lora import in_hunyuan_video_names
 
 FAMILY = FAMILIES["hunyuan_image"]
 PROMPTS = ['a sign that says "OPEN" in red', "a red circle"]  # one quoting text, one not
@@ -161,32 +161,6 @@ def test_a_single_file_is_in_tencents_layout_as_diffusers_converter_reads_it(bas
         assert torch.equal(value, expected[key]), key
 
 
-# ComfyUI's names for the layers of Tencent's file: its HunyuanVideo model is built of Flux.1's `DoubleStreamBlock`
-# and `SingleStreamBlock` (comfy/ldm/flux/layers.py: `img_attn.qkv`, `img_attn.norm.query_norm.scale`, `img_mlp.0`,
-# `img_mod.lin`, `linear1`, `modulation.lin`), a `TokenRefiner` (`self_attn.qkv`, `mlp.0`) and `MLPEmbedder`s
-# (`in_layer`, `out_layer`) (comfy/ldm/hunyuan_video/model.py).
-COMFYUI_RENAMES = (
-    (r"\.(img|txt)_attn_q_norm\.weight$", r".\1_attn.norm.query_norm.scale"),
-    (r"\.(img|txt)_attn_k_norm\.weight$", r".\1_attn.norm.key_norm.scale"),
-    (r"^(single_blocks\.\d+)\.q_norm\.weight$", r"\1.norm.query_norm.scale"),
-    (r"^(single_blocks\.\d+)\.k_norm\.weight$", r"\1.norm.key_norm.scale"),
-    (r"_attn_(qkv|proj)\.", r"_attn.\1."),
-    (r"mlp\.fc1\.", "mlp.0."),
-    (r"mlp\.fc2\.", "mlp.2."),
-    (r"\.(img_mod|txt_mod|modulation)\.linear\.", r".\1.lin."),
-    (r"^(time_in|time_r_in|guidance_in|txt_in\.t_embedder)\.mlp\.0\.", r"\1.in_layer."),
-    (r"^(time_in|time_r_in|guidance_in|txt_in\.t_embedder)\.mlp\.2\.", r"\1.out_layer."),
-    (r"^txt_in\.c_embedder\.linear_1\.", "txt_in.c_embedder.in_layer."),
-    (r"^txt_in\.c_embedder\.linear_2\.", "txt_in.c_embedder.out_layer."),
-)
-
-
-def _in_comfyuis_names(key: str) -> str:
-    for pattern, replacement in COMFYUI_RENAMES:
-        key = re.sub(pattern, replacement, key)
-    return key
-
-
 def test_a_file_in_comfyuis_names_reads_as_the_same_transformer(base, tmp_path):
     """ComfyUI's own HunyuanImage files (saved from its HunyuanVideo model) name Tencent's layers as its modules do:
     one under ComfyUI's prefix reads as the same transformer, as HunyuanImage 2.1 and not Flux.1 (whose layers it
@@ -195,7 +169,7 @@ def test_a_file_in_comfyuis_names_reads_as_the_same_transformer(base, tmp_path):
 
     components = load_components(ModelConfig(base=base))
     comfyui = {
-        "model.diffusion_model." + _in_comfyuis_names(key): value
+        "model.diffusion_model." + in_hunyuan_video_names(key): value
         for key, value in FAMILY.layout.to_single_file(components).items()
     }
     assert {

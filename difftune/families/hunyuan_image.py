@@ -38,7 +38,7 @@ from diffusers.pipelines.hunyuan_image.pipeline_hunyuanimage import extract_glyp
 from difftune.families.flow import FlowMatchingFamily
 from difftune.families.flux import DOUBLE_BLOCK_TARGETS, FluxLayout, SingleBlockRows
 from difftune.families.flux import ORIGINAL_BLOCKS as FLUX_ORIGINAL_BLOCKS
-from difftune.families.hunyuan_original import ORIGINAL_BLOCKS, ORIGINAL_GLOBALS, SWAPPED_HALVES
+from difftune.families.hunyuan_original import FUSED_BLOCKS, ORIGINAL_GLOBALS, SWAPPED_HALVES
 from difftune.families.hunyuan_text import HunyuanTextConditioning, attributes_set, padded_ids, refuse_meanflow
 from difftune.families.layouts import FusedLayout, Layout, OriginalFileLayout
 from difftune.families.loading import FamilyOptions, with_transformer_lora_loading
@@ -68,20 +68,11 @@ BLOCK_LISTS = tuple(BLOCK_TARGETS)
 HunyuanImageLoraPipeline = with_transformer_lora_loading(HunyuanImagePipeline)
 
 
-# Tencent's single file (see the module's docstring): the layout HunyuanVideo 1.5's files share, but for q, k and v
-# fused in the double blocks (`img_attn_qkv`) and in the single blocks' input layer (`linear1`: q, k, v and the MLP
-# input), as Tencent's `hunyuanimage2.1.safetensors` holds them (its loader and diffusers' converter split them first:
+# Tencent's single file (see the module's docstring): q, k and v fused in the double blocks (`img_attn_qkv`,
+# hunyuan_original.py) and in the single blocks' input layer (`linear1`: q, k, v and the MLP input), as Tencent's
+# `hunyuanimage2.1.safetensors` holds them (its loader and diffusers' converter split them first:
 # `convert_hunyuan_dict_for_tensor_parallel`), and its own time and guidance embedders.
-TENCENT_DOUBLE_BLOCK = {
-    original: modules
-    for original, modules in ORIGINAL_BLOCKS["transformer_blocks"][1].items()
-    if not original.endswith(("_attn_q", "_attn_k", "_attn_v"))
-} | {
-    "img_attn_qkv": ["attn.to_q", "attn.to_k", "attn.to_v"],
-    "txt_attn_qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
-}
-SINGLE_FILE_BLOCKS = ORIGINAL_BLOCKS | {
-    "transformer_blocks": ("double_blocks", TENCENT_DOUBLE_BLOCK),
+SINGLE_FILE_BLOCKS = FUSED_BLOCKS | {
     "single_transformer_blocks": (
         "single_blocks",
         {

@@ -1,8 +1,10 @@
 """The original (Tencent's) layout that HunyuanImage 2.1's and HunyuanVideo 1.5's single files use, as diffusers'
 converters map them (scripts/convert_hunyuan_image_to_diffusers.py, scripts/convert_hunyuan_video1_5_to_diffusers.py):
-the double-stream blocks (HunyuanImage's file fuses each stream's q, k and v: hunyuan_image.py) and the caption's token
-refiner are named alike in both models, and so are the caption embedders, the image input and the output layer.
-Tables in `OriginalFileLayout`'s form, inverted from the converters.
+the double-stream blocks and the caption's token refiner are named alike in both models, and so are the caption
+embedders, the image input and the output layer. Each stream's q, k and v are one layer (`img_attn_qkv`,
+`FUSED_DOUBLE_BLOCK`) in Tencent's HunyuanImage 2.1 file and in ComfyUI's files of both models (Comfy-Org's
+repackaged ones), three (`img_attn_q`, `ORIGINAL_IN_BLOCK`) in Tencent's HunyuanVideo 1.5 files. Tables in
+`OriginalFileLayout`'s form, inverted from the converters.
 """
 
 from __future__ import annotations
@@ -65,3 +67,13 @@ ORIGINAL_GLOBALS = {
     "proj_out": "final_layer.linear",
 }
 SWAPPED_HALVES = ("norm_out.linear.weight", "norm_out.linear.bias")
+# A double block with each stream's q, k and v fused (see the module's docstring), in the order of its output rows.
+FUSED_DOUBLE_BLOCK = {
+    original: modules
+    for original, modules in ORIGINAL_BLOCKS["transformer_blocks"][1].items()
+    if not original.endswith(("_attn_q", "_attn_k", "_attn_v"))
+} | {
+    "img_attn_qkv": ["attn.to_q", "attn.to_k", "attn.to_v"],
+    "txt_attn_qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
+}
+FUSED_BLOCKS = ORIGINAL_BLOCKS | {"transformer_blocks": ("double_blocks", FUSED_DOUBLE_BLOCK)}

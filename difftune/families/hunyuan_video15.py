@@ -19,12 +19,16 @@ language model and, for the text a caption quotes, on ByT5's glyph states. Train
   `guider`, a `ClassifierFreeGuidance` at `sample.guidance_scale` (on above 1; the model card's 6).
 - Files: diffusers' layout (`transformer.`; the pipeline has no LoRA loader, so the family's pipeline is
   `HunyuanVideo15PipelineWithLora`: diffusers' generic transformer LoRA loading, saved as a
-  `HunyuanVideo15Pipeline`). The kohya layout is the original model's names, one for one (`double_blocks.0.img_attn_q`,
-  `txt_mlp.fc1`): musubi-tuner's `networks.lora_hv_1_5` files, `lora_unet_` + the name with `_`, the key ComfyUI's
-  loader maps for every weight of the model it loads. A single file is the transformer alone in the original layout
-  (Tencent's and ComfyUI's `diffusion_models` files), read and written by the converter's mapping inverted: the token
-  refiner's q, k and v fused as `self_attn_qkv`, the output modulation's halves swapped; the text encoders and the
-  autoencoder come from `model.single_file_config`.
+  `HunyuanVideo15Pipeline`). The kohya layout is ComfyUI's: ComfyUI runs HunyuanVideo 1.5 as its HunyuanVideo model
+  (`HunyuanVideo15` subclasses `HunyuanVideo` in comfy/supported_models.py), whose double blocks are Flux.1's
+  (`double_blocks.0.img_attn.qkv`, `img_mlp.0`, `img_mod.lin`), and maps `lora_unet_` + those names: Flux's fused
+  table (flux.py) of the double blocks, whose diffusers modules are this transformer's too. Files difftune wrote before
+  (Tencent's names one for one, `lora_unet_double_blocks_0_img_attn_q`, `img_mlp_fc1`: musubi-tuner's
+  `networks.lora_hv_1_5` files, of which ComfyUI loads only the projections) are still read. A single file is the
+  transformer alone as ComfyUI's files (Comfy-Org's repackaged `hunyuanvideo1.5_*.safetensors`) hold it: Tencent's
+  names with each stream's q, k and v fused (`img_attn_qkv`, the layer ComfyUI's loader renames to `img_attn.qkv`),
+  the token refiner's fused as `self_attn_qkv`, the output modulation's halves swapped; Tencent's own files, whose q,
+  k and v are apart, are read too. The text encoders and the autoencoder come from `model.single_file_config`.
 """
 
 from __future__ import annotations
@@ -39,11 +43,11 @@ from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extra
 from difftune.families.conditioning import NO_TOKEN
 from difftune.families.drawing import ClipDrawing
 from difftune.families.flow import FlowMatchingFamily
-from difftune.families.flux import DOUBLE_BLOCK_TARGETS
-from difftune.families.hunyuan_original import ORIGINAL_BLOCKS, ORIGINAL_IN_BLOCK, SWAPPED_HALVES
+from difftune.families.flux import DOUBLE_BLOCK_TARGETS, FluxLayout
+from difftune.families.hunyuan_original import FUSED_BLOCKS, ORIGINAL_BLOCKS, ORIGINAL_IN_BLOCK, SWAPPED_HALVES
 from difftune.families.hunyuan_original import ORIGINAL_GLOBALS as SHARED_GLOBALS
 from difftune.families.hunyuan_text import HunyuanTextConditioning, attributes_set, refuse_meanflow
-from difftune.families.layouts import OriginalFileLayout, RenamedLayout
+from difftune.families.layouts import FusedLayout, Layout, OriginalFileLayout
 from difftune.families.loading import FamilyOptions, with_transformer_lora_loading
 from difftune.families.targets import targets_in_blocks
 from difftune.models.autoencoders import LatentNormalization
@@ -74,24 +78,46 @@ ORIGINAL_GLOBALS = SHARED_GLOBALS | {
 IMAGE_TOKENS = 1  # the masked image states passed in text-to-video (see the module's docstring)
 
 
-class HunyuanVideo15Layout(OriginalFileLayout, RenamedLayout):
+class TencentFileLayout(OriginalFileLayout, Layout):
+    """HunyuanVideo 1.5's transformer file in Tencent's layout, q, k and v apart (read; difftune writes ComfyUI's)."""
+
+    kohya_prefixes = {}
+    kohya_layout_name = "Tencent's HunyuanVideo 1.5"
+    denoiser_file_key = "double_blocks.0.img_attn_q.weight"
+    original_blocks = ORIGINAL_BLOCKS
+    original_globals = ORIGINAL_GLOBALS
+    swapped_halves = SWAPPED_HALVES
+
+
+TENCENT_FILE = TencentFileLayout()
+
+
+class HunyuanVideo15Layout(FusedLayout):
     """HunyuanVideo 1.5's files in other tools' layouts (see the module's docstring)."""
 
     kohya_prefixes = {"transformer": "lora_unet_"}
     kohya_text_model_parts = ()
     kohya_model_version = "hunyuan_video_1_5"
     kohya_layout_name = "HunyuanVideo 1.5"
-    single_file_layout = "transformer alone (original layout)"
+    kohya_blocks = {"transformer_blocks": FluxLayout.kohya_blocks["transformer_blocks"]}
+    single_file_layout = "transformer alone (ComfyUI's: q, k and v fused; Tencent's read too)"
     denoiser_file_key = "vision_in.proj.0.weight"  # its SigLIP projection: HunyuanVideo 1.5's alone, every task's
-    original_blocks = ORIGINAL_BLOCKS
+    original_blocks = FUSED_BLOCKS
     original_globals = ORIGINAL_GLOBALS
     swapped_halves = SWAPPED_HALVES
 
-    def original_name(self, module: str) -> str | None:
-        if match := BLOCK.match(module):
-            member = ORIGINAL_IN_BLOCK.get(match.group(2))
-            return f"double_blocks.{match.group(1)}.{member}" if member else None
-        return None  # outside the blocks: not adapted (musubi-tuner adapts the blocks alone)
+    def original_module_names(self, denoiser_modules: list[str]) -> dict[str, str]:
+        """Tencent's names one for one (`double_blocks.0.img_attn_q`), as files written before name the modules."""
+        names = {}
+        for module in denoiser_modules:
+            if (match := BLOCK.match(module)) and (member := ORIGINAL_IN_BLOCK.get(match.group(2))):
+                names[f"double_blocks.{match.group(1)}.{member}"] = module
+        return names
+
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if TENCENT_FILE.denoiser_file_key in weights:
+            return TENCENT_FILE.diffusers_names(weights)
+        return super().diffusers_names(weights)
 
 
 class HunyuanVideo15(HunyuanTextConditioning, ClipDrawing, FlowMatchingFamily):
