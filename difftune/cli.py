@@ -544,7 +544,7 @@ def _plan(args: argparse.Namespace) -> None:
             predicted = plan.plan_memory(config, device)
         with phase("trying the settings that fit", say if device_memory or host_memory else None):
             fitting = (
-                plan.fitting_overrides(config, device_memory, host_memory, device)
+                plan.fitting_overrides(config, device_memory, host_memory, device, report=lambda line: say(f"  {line}"))
                 if device_memory or host_memory
                 else None
             )
@@ -565,12 +565,23 @@ def _plan(args: argparse.Namespace) -> None:
     print(predicted.report())
     if not (device_memory or host_memory):
         return
+    print(verdict(predicted, fitting, device_memory, host_memory))
+    if fitting and fitting[0]:
+        print(fitting[1].report())
+
+
+def verdict(predicted, fitting, device_memory: int | None, host_memory: int | None) -> str:
+    """The plan's answer in words: whether the job as configured fits the budgets, and with what it would."""
+    budgets = ((device_memory, "GPU"), (host_memory, "RAM"))
+    within = " and ".join(f"{size / 2**30:.1f} GiB {where}" for size, where in budgets if size)
+    if fitting is not None and not fitting[0]:
+        return f"difftune plan: as configured: fits in {within}"
     if fitting is None:
-        print("difftune plan: no setting tried fits (checkpointing, fp8 weights, offloaded blocks, smaller batches)")
-    elif not fitting[0]:
-        print("difftune plan: fits as it is")
-    else:
-        print(f"difftune plan: fits with {' '.join(fitting[0])}\n{fitting[1].report()}")
+        return (
+            f"difftune plan: as configured: does not fit in {within}, and no setting tried does (gradient "
+            "checkpointing, fp8 weights and text encoders, offloaded blocks, smaller batches)"
+        )
+    return f"difftune plan: as configured: does not fit in {within}; fits with {' '.join(fitting[0])}"
 
 
 def _resize(args) -> None:

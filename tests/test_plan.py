@@ -117,7 +117,17 @@ def test_plan_command_prints_the_plan_and_what_fits(tiny_base, shapes, capsys):
     assert main(["plan", "--device", "cuda", "--device-memory", "1KB", *job]) == 2
     assert "1KB" in capsys.readouterr().err
     assert main(["plan", "--device", "cuda", "--device-memory", "1MB", *job]) == 0
-    assert "no setting tried fits" in capsys.readouterr().out
+    said = capsys.readouterr()
+    # A verdict in words, and a line for each setting tried as the search goes (it was silent for minutes).
+    assert "difftune plan: as configured: does not fit in 0.0 GiB GPU, and no setting tried does" in said.out
+    tried = re.findall(r"^  (.+): device ([\d.]+) GiB, host ([\d.]+) GiB: (?:device )?too large$", said.err, re.M)
+    assert tried[0][0] == "as configured" and "train.gradient_checkpointing=true" in [t[0] for t in tried], said.err
+    assert len(tried) >= 3
+    device_peak = result["device_peak"] / 2**30
+    assert main(["plan", "--device", "cuda", "--device-memory", f"{device_peak * 2:.3f}GiB", *job]) == 0
+    said = capsys.readouterr()
+    assert re.search(r"^difftune plan: as configured: fits in [\d.]+ GiB GPU$", said.out, re.M), said.out
+    assert re.search(r"^  as configured: device [\d.]+ GiB, host [\d.]+ GiB: fits$", said.err, re.M), said.err
     with pytest.raises(DifftuneError, match=r"'12 apples': a size is a number and a unit"):
         plan.parse_size("12 apples")
     assert plan.parse_size("12GB") == 12 * 10**9 and plan.parse_size("1.5 GiB") == 3 * 2**29

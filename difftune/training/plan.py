@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections.abc import Callable
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, replace
@@ -319,13 +320,18 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
 
 
 def fitting_overrides(
-    config: Config, device_memory: int | None, host_memory: int | None, device_type: str | None = None
+    config: Config,
+    device_memory: int | None,
+    host_memory: int | None,
+    device_type: str | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> tuple[list[str], MemoryPlan] | None:
     """The first settings, in the order other trainers' users reach for them, whose plan fits the budgets:
     gradient checkpointing, then fp8 frozen weights, then (where filling the caches does not fit) fp8 text encoders,
     then offloaded blocks (the fewest that fit), then a smaller batch with accumulation keeping the global batch. A
     setting the config refuses with the job's others (fp8 or offloading in a full fine-tune...) or that changes
-    nothing is skipped. Returns the overrides (empty: fits as it is) and their plan, or None when nothing fits."""
+    nothing is skipped. Returns the overrides (empty: fits as it is) and their plan, or None when nothing fits.
+    `report` is told each setting tried and its peaks, a line each, as it is planned."""
 
     def device_fits(plan: MemoryPlan) -> bool:
         return device_memory is None or plan.device_type == "cpu" or plan.device_peak <= device_memory
@@ -334,7 +340,10 @@ def fitting_overrides(
         return device_fits(plan) and (host_memory is None or plan.host_peak <= host_memory)
 
     def planned(overrides: list[str]) -> MemoryPlan:
-        return plan_memory(_with(config, overrides), device_type)
+        plan = plan_memory(_with(config, overrides), device_type)
+        if report:
+            report(f"{' '.join(overrides) or 'as configured'}: {peaks(plan)}: {'fits' if fits(plan) else 'too large'}")
+        return plan
 
     ladder: list[list[str]] = [[]]
     for setting in ("train.gradient_checkpointing=true", "model.weight_dtype=fp8"):
@@ -358,7 +367,9 @@ def fitting_overrides(
     if _changes(config, ladder[-1], f"model.offload_blocks={more}"):
         # The fewest blocks the device holds the rest of: each block more only adds host memory, so no larger count
         # fits where that one's host peak does not (searching on both would miss the window between).
-        found = _fewest_offloaded_blocks(_with(config, ladder[-1]), device_fits, device_type, start=more)
+        found = _fewest_offloaded_blocks(
+            _with(config, ladder[-1]), device_fits, device_type, start=more, report=report, tried=ladder[-1]
+        )
         if found and fits(found[1]):
             return ladder[-1] + [f"model.offload_blocks={found[0]}"], found[1]
     batch = config.train.batch_size
@@ -377,14 +388,24 @@ def fitting_overrides(
 
 
 def _fewest_offloaded_blocks(
-    config: Config, fits, device_type: str | None, start: int = 0
+    config: Config,
+    fits,
+    device_type: str | None,
+    start: int = 0,
+    report: Callable[[str], None] | None = None,
+    tried: list[str] = (),
 ) -> tuple[int, MemoryPlan] | None:
     """The fewest offloaded blocks, from `start` on, whose plan `fits`, with that plan; None when all do not.
     Alike blocks (a transformer's) need less device memory the more are offloaded: bisected. A UNet's few blocks
-    differ in size, and two large ones staged together can outweigh one kept: each count is tried in turn."""
+    differ in size, and two large ones staged together can outweigh one kept: each count is tried in turn. `report`
+    hears each count as it is planned (`tried`: the settings it is planned on)."""
 
     def planned(count: int) -> MemoryPlan:
-        return plan_memory(_with(config, [f"model.offload_blocks={count}"]), device_type)
+        setting = f"model.offload_blocks={count}"
+        plan = plan_memory(_with(config, [setting]), device_type)
+        if report:
+            report(f"{' '.join([*tried, setting])}: {peaks(plan)}: device {'fits' if fits(plan) else 'too large'}")
+        return plan
 
     low, high = start, _block_count(config)
     if high - low < FEW_BLOCKS:
@@ -897,6 +918,12 @@ def _available_bytes() -> int:
         return 0
     line = next((line for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable:")), "")
     return int(line.split()[1]) * 1024 + process_status_bytes("VmRSS") if line else 0
+
+
+def peaks(plan: MemoryPlan) -> str:
+    """A plan's two peaks in a few words: `device 14.4 GiB, host 16.4 GiB`."""
+    device = f"device {_gib(plan.device_peak).strip()}, " if plan.device_type != "cpu" else ""
+    return f"{device}host {_gib(plan.host_peak).strip()}"
 
 
 def _gib(size: int) -> str:
