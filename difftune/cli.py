@@ -369,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> None:
+    written = getattr(args, "target", None) or (args.out if args.command in ("average", "extract") else None)
+    if written is not None and Path(written).is_dir():  # before any file is read or any layer computed
+        raise DifftuneError(f"{written}: is a folder; name the adapter file to write (e.g. {written}/lora.safetensors)")
     if args.command in ("train", "config"):
         config = load_config(
             args.config, [*args.overrides, *(["log.quiet=true"] if getattr(args, "quiet", False) else [])]

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from difftune.adapters import export
 from difftune.adapters.extract import extract_lora
@@ -283,3 +284,70 @@ def test_every_familys_fine_tune_extracts_into_both_layouts(family, micro_base, 
     export.merge_into_folder(str(base), [(written["diffusers"], 1.0)], tmp_path / "merged")
     merged = load_components(ModelConfig(base=str(tmp_path / "merged")))
     comfyui_applies_as(load_file(written["kohya"]), load_components(ModelConfig(base=str(base))), merged)
+
+
+def _tampered(tiny_base, tmp_path, case: str):
+    """A LoRA file as other tools have written broken ones (`case`), in the kohya layout where a base is needed to
+    read it and in diffusers' where the base's own layers must be checked."""
+    path = _lora(tiny_base, tmp_path / "made.safetensors", layout="diffusers")
+    tensors = load_file(path)
+    key = f"unet.{MODULES['unet'][0]}"
+    if case == "mismatched":  # the up's columns are not the down's rows
+        tensors[f"{key}.lora_B.weight"] = tensors[f"{key}.lora_B.weight"][:, : RANK // 2]
+    elif case == "rank 0":
+        tensors[f"{key}.lora_A.weight"] = tensors[f"{key}.lora_A.weight"][:0]
+        tensors[f"{key}.lora_B.weight"] = tensors[f"{key}.lora_B.weight"][:, :0]
+    elif case == "another base":  # a layer of the same name, of another width: another model's LoRA
+        down = tensors[f"{key}.lora_A.weight"]
+        tensors[f"{key}.lora_A.weight"] = torch.cat([down, down[:, :8]], dim=1)
+    tampered = tmp_path / f"{case.replace(' ', '_')}.safetensors"
+    with safe_open(path, framework="pt") as handle:
+        save_file({key: value.contiguous() for key, value in tensors.items()}, tampered, metadata=handle.metadata())
+    return tampered
+
+
+TOOL_CASES = [
+    ("mismatched", "its factors make no LoRA"),
+    ("rank 0", "rank 0"),
+    ("another base", ""),  # the widths, computed in the test
+]
+
+
+@pytest.mark.parametrize(("case", "said"), TOOL_CASES)
+def test_the_adapter_tools_refuse_a_file_no_tool_could_apply_in_one_line(tiny_base, tmp_path, capsys, case, said):
+    """resize, merge, convert and average on another tool's broken file: one line naming the file and the layer,
+    nothing written (they ended in tracebacks: `mat1 and mat2 shapes cannot be multiplied`, a ZeroDivisionError,
+    peft's size mismatch; `convert` wrote the mismatched file without a word)."""
+    source = _tampered(tiny_base, tmp_path, case)
+    if case == "another base":
+        width = load_file(source)[f"unet.{MODULES['unet'][0]}.lora_A.weight"].shape[1]
+        said = f"unet.{MODULES['unet'][0]} takes {width} input features in the file and {width - 8} in the base"
+    base = ["--base", str(tiny_base)]
+    commands = {
+        "merge": ["merge", *base, "--adapter", str(source), "--out", str(tmp_path / "merged")],
+        "resize": ["resize", str(source), str(tmp_path / "resized.safetensors"), "--rank", "2"],
+        "convert": ["convert", str(source), str(tmp_path / "converted.safetensors"), "--to", "kohya"],
+        "average": ["average", str(source), str(source), "--out", str(tmp_path / "averaged.safetensors")],
+    }
+    if case == "another base":  # the layers are checked against the base where a base is loaded
+        commands = {name: command for name, command in commands.items() if name == "merge"}
+    for name, command in commands.items():
+        assert main(command) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith("difftune: error: adapter ") and said in err and err.count("\n") == 1, (name, err)
+        assert "Traceback" not in err
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["made.safetensors", source.name])
+
+
+def test_the_adapter_tools_refuse_a_folder_as_the_file_to_write(tiny_base, tmp_path, capsys):
+    source = _lora(tiny_base, tmp_path / "lora.safetensors", layout="diffusers")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    for command in (
+        ["convert", str(source), str(folder), "--to", "kohya", "--base", str(tiny_base)],
+        ["resize", str(source), str(folder), "--rank", "2"],
+        ["average", str(source), str(source), "--out", str(folder)],
+    ):
+        assert main(command) == 2
+        assert f"{folder}: is a folder; name the adapter file to write" in capsys.readouterr().err
+    assert list(folder.iterdir()) == []

@@ -259,6 +259,10 @@ def write_adapter(
     """Write an adapter file; a NaN or inf tensor is refused before anything is written. `family` gives the kohya
     layout's prefixes (default: `adapter_family`); `base` names the base model in a kohya file's metadata when
     there is no difftune config (an adapter from another tool)."""
+    if Path(path).is_dir():
+        raise DifftuneError(
+            f"{path}: is a folder; name the adapter file to write (e.g. {Path(path) / 'lora.safetensors'})"
+        )
     _refuse_non_finite(tensors, f"adapter {path}")
     metadata = {"format": "pt"}
     if config_toml:
@@ -458,6 +462,7 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
         for i, (path, _) in enumerate(adapters):
             tensors, lora_configs, config_toml = read_adapter(path, lambda metadata: modules)
             tensors = placed_on_base(tensors, modules, path)
+            _refuse_misshapen(components, tensors, path)
             _refuse_unloadable_parts(tensors, components.family, path)
             _refuse_non_finite(tensors, f"adapter {path}")
             names.append(f"adapter_{i}")
@@ -636,6 +641,29 @@ def save_merged(components: Components, out_dir: Path, single_file: bool, overwr
 
     replace_atomically(out_dir, write)
     return [out_dir, out_dir / SINGLE_FILE] if single_file else [out_dir]
+
+
+def _refuse_misshapen(components: Components, tensors: dict, path: Path) -> None:
+    """A LoRA whose factors do not fit the base's layers (one made for another model of the same family's names: an
+    SD 1.x LoRA onto SDXL) is refused by its first such layer, before peft's "size mismatch" traceback."""
+    parts = components.parts()
+    for key, value in tensors.items():
+        part, _, rest = key.partition(".")
+        module, kind = split_adapter_key(rest)
+        if kind not in ("lora_A.weight", "lora_B.weight"):
+            continue
+        layer = parts[part].get_submodule(module)
+        side = "input" if kind == "lora_A.weight" else "output"
+        # A layer's own widths (a quantized weight's shape is its storage's, not the layer's)
+        width = getattr(layer, f"{'in' if side == 'input' else 'out'}_features", None) or getattr(
+            layer, f"{'in' if side == 'input' else 'out'}_channels", None
+        )
+        size = value.shape[1] if side == "input" else value.shape[0]
+        if width is not None and width != size:
+            raise DifftuneError(
+                f"adapter {path}: {part}.{module} takes {size} {side} features in the file and {width} in the base; "
+                "the adapter was made for another model than this base"
+            )
 
 
 def _refuse_unloadable_parts(tensors: dict, family: Family, path: Path) -> None:

@@ -96,6 +96,7 @@ def read_adapter(path: Path, base_modules: FindBaseModules | None = None) -> tup
             f"layout, which A1111, ComfyUI and diffusers all read, so there is nothing to convert or average; "
             f"`difftune sample`, `merge` and `eval` take it as it is"
         )
+    check_factors(tensors, path)
     config_toml = metadata.get(CONFIG_METADATA_KEY, "")
     if is_kohya(tensors):
         if base_modules is None:
@@ -128,6 +129,33 @@ def read_adapter(path: Path, base_modules: FindBaseModules | None = None) -> tup
             )
         lora_configs = _configs_from_shapes(tensors, alphas)
     return tensors, lora_configs, config_toml
+
+
+# A LoRA module's two factors, in the kohya layout and in diffusers' / peft's.
+FACTOR_PAIRS = (("lora_down.weight", "lora_up.weight"), ("lora_A.weight", "lora_B.weight"))
+
+
+def check_factors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse a file whose LoRA factors make no LoRA, before any tool computes with them (other tools' files: a
+    rank-0 module divided by zero, factors of disagreeing ranks failed in a matrix product, and `convert` rewrote
+    them without a word): each module has both factors, of rank 1 or more, the up's columns the down's rows."""
+    for down_kind, up_kind in FACTOR_PAIRS:
+        downs = {key.removesuffix("." + down_kind): value for key, value in tensors.items() if key.endswith(down_kind)}
+        ups = {key.removesuffix("." + up_kind): value for key, value in tensors.items() if key.endswith(up_kind)}
+        for module in sorted(downs.keys() ^ ups.keys()):
+            have, lack = (down_kind, up_kind) if module in downs else (up_kind, down_kind)
+            raise DifftuneError(f"adapter {path}: {module} has a {have} but no {lack}; the file is cut or not a LoRA")
+        for module, down in downs.items():
+            up = ups[module]
+            rank = down.shape[0] if down.ndim else 0
+            if rank == 0 or up.ndim < 2 or up.shape[1] != rank:
+                problem = (
+                    "rank 0" if rank == 0 else f"a down of rank {rank}, an up of {up.shape[1] if up.ndim > 1 else 0}"
+                )
+                raise DifftuneError(
+                    f"adapter {path}: {module}: its factors make no LoRA ({down_kind} {tuple(down.shape)}, {up_kind} "
+                    f"{tuple(up.shape)}: {problem}); no tool could apply it, so nothing is done with it"
+                )
 
 
 def is_kohya(tensors: dict) -> bool:

@@ -45,9 +45,11 @@ from difftune.config import Config, resolve_path_values, upgrade_moved_keys
 from difftune.data.sharding import gather, load_full
 from difftune.errors import DifftuneError
 from difftune.files import out_of_space, with_umask_mode
+from difftune.owned_files import remove
 from difftune.training.metrics import METRICS_FILE
 
 CHECKPOINTS_DIR = "checkpoints"
+CHECKPOINTS_SETTING = "train.output_dir's checkpoints/"  # how messages name the folder
 MARKER = "COMPLETE"
 TRAINED_FILE = "trained.safetensors"
 STATE_FILE = "state.json"
@@ -107,7 +109,7 @@ class Checkpointer:
     def _write(self, staging: Path, progress: Progress, named: dict, ema, guard, best) -> Path:
         accelerator, final = self.accelerator, self.path(progress.global_step)
         if accelerator.is_main_process:
-            shutil.rmtree(staging, ignore_errors=True)
+            remove(staging, CHECKPOINTS_SETTING)  # a link there (planted, or left) goes, not what it points to
         accelerator.wait_for_everyone()
         accelerator.save_state(str(staging / "accelerate"))  # every process writes its own RNG state
         main = accelerator.is_main_process
@@ -132,8 +134,7 @@ class Checkpointer:
             }
             (staging / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
             _seal(staging)
-            if final.exists():
-                shutil.rmtree(final)
+            remove(final, CHECKPOINTS_SETTING)  # an older one of this step, or a link in its place (never followed)
             staging.rename(final)
             _write_synced(final / MARKER, f"step {progress.global_step}\n{MANIFEST}\n")
             for old in complete_checkpoints(self.output_dir)[: -self.config.checkpoint.keep_last]:

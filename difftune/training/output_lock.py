@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from difftune.errors import DifftuneError
+from difftune.owned_files import write_file
 
 LOCK_FILE = ".difftune.lock"
 _held_descriptors: set[int] = set()  # the folders' descriptors this process holds them through
@@ -50,23 +51,57 @@ def hold_output_dir(output_dir: Path) -> Iterator[None]:
             fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise DifftuneError(f"train.output_dir {output_dir}: {_holder(output_dir / LOCK_FILE)}") from None
-        (output_dir / LOCK_FILE).write_text(
-            json.dumps(
-                {
-                    "pid": os.getpid(),
-                    "host": socket.gethostname(),
-                    "started": time.time(),
-                    "command": " ".join(sys.argv),
-                }
-            ),
-            encoding="utf-8",
-        )
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.time(),
+            "command": " ".join(sys.argv),
+        }
+        write_file(output_dir / LOCK_FILE, json.dumps(holder), "train.output_dir", ours=False)  # a link there replaced
+        refuse_linked_folders(output_dir)
         _held_descriptors.add(folder)
         try:
             yield
         finally:
             _held_descriptors.discard(folder)
             fcntl.flock(folder, fcntl.LOCK_UN)
+    finally:
+        os.close(folder)
+
+
+# The folders a run makes in its output folder and writes, prunes or removes in (checkpoints, snapshots, requests,
+# retired branches, samples, TensorBoard's logs, a full fine-tune's model): one that is a symbolic link would have the
+# run write or delete elsewhere, so the run refuses to start, naming it.
+RUN_FOLDERS = ("checkpoints", "snapshots", "requests", "retired", "samples", "logs", "model", "controlnet")
+
+
+def refuse_linked_folders(output_dir: Path) -> None:
+    for name in RUN_FOLDERS:
+        folder = Path(output_dir) / name
+        if folder.is_symlink():
+            raise DifftuneError(
+                f"train.output_dir {output_dir}: its {name}/ is a symbolic link (to {os.readlink(folder)}); the run "
+                "writes and removes files there, so it must be a real folder: remove the link"
+            )
+
+
+def is_held(output_dir: Path) -> bool:
+    """Whether a run holds `output_dir` now (its folder locked; True where there is no `fcntl`: nothing can tell)."""
+    try:
+        import fcntl
+    except ImportError:
+        return True
+    try:
+        folder = os.open(output_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(folder, fcntl.LOCK_UN)
+        return False
     finally:
         os.close(folder)
 

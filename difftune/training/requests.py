@@ -14,8 +14,11 @@ import threading
 from pathlib import Path
 
 from difftune.errors import DifftuneError
+from difftune.owned_files import remove, touch_file
+from difftune.training.output_lock import is_held
 
 REQUESTS_DIR = "requests"
+REQUESTS_SETTING = "the run's requests folder"  # how messages name it
 ASKED = ("sample", "save")  # what a request file may ask, by its name
 
 
@@ -24,10 +27,16 @@ def ask(output_dir: Path, what: str) -> Path:
     a snapshot of the result) at its next step boundary; the request's file."""
     if what not in ASKED:
         raise DifftuneError(f"{what!r}: a running job can be asked to {' or '.join(ASKED)}")
-    folder = Path(output_dir) / REQUESTS_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / what
-    path.touch()
+    if not is_held(output_dir):
+        raise DifftuneError(
+            f"{output_dir}: no run is training there now (none holds the folder), so none would answer; a request "
+            "left for a later run would fire when it resumes"
+        )
+    path = Path(output_dir) / REQUESTS_DIR / what
+    try:
+        touch_file(path, REQUESTS_SETTING)
+    except PermissionError:
+        raise DifftuneError(f"{path.parent}: not writable by this user; ask as the user the run trains as") from None
     return path
 
 
@@ -39,10 +48,15 @@ class RunRequests:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, output_dir: Path, main: bool):
+    def __init__(self, output_dir: Path, main: bool, say=print):
         self.folder = Path(output_dir) / REQUESTS_DIR
         self.main = main  # the process that reads the request files
         self.requested = False
+        if main:  # asked of a run that has ended: not this one's to answer (a resume would have answered it)
+            for what in ASKED:
+                if (self.folder / what).is_file():
+                    remove(self.folder / what, REQUESTS_SETTING)
+                    say(f"difftune: a request to {what} left from before this run is dropped (ask again to have it)")
         self._previous = {}
         if threading.current_thread() is threading.main_thread():  # Python installs handlers there only
             self._previous = {sig: signal.signal(sig, self._request) for sig in self.SIGNALS}
@@ -64,7 +78,7 @@ class RunRequests:
         requested, early, *asked = accelerator.reduce(flags, reduction="sum").tolist()
         for what, seen in zip(ASKED, files, strict=True):
             if seen:
-                (self.folder / what).unlink(missing_ok=True)
+                remove(self.folder / what, REQUESTS_SETTING)
         reason = "request" if requested else "early_stop" if early else None
         return reason, {what for what, count in zip(ASKED, asked, strict=True) if count}
 

@@ -489,6 +489,10 @@ def _train_tab(jobs_dir: Path):
         else:
             picker = gr.update()
         lines = [machine.machine_line(machine.machine_state(jobs_dir))]
+        lines += [
+            f"The queue file could not be read: kept as {kept.name}; the queue was rebuilt from the job folders."
+            for kept in queue.set_aside
+        ]
         if picked and (jobs_dir / picked / jobs.JOB_STATE).is_file():
             lines += machine.job_memory_lines(machine.job_memory(jobs.Job(jobs_dir / picked)))
         # The pick is cleared only once its job has left the queue: a tick sent before the person picked carries the

@@ -24,6 +24,7 @@ import psutil
 from difftune.adapters.export import result_files
 from difftune.config import Config, absolute_paths, load_config
 from difftune.errors import ERROR_PREFIX, DifftuneError
+from difftune.owned_files import write_file
 from difftune.training.checkpoint import complete_checkpoints
 from difftune.training.metrics import METRICS_FILE
 from difftune.training.requests import RunRequests, ask
@@ -31,6 +32,7 @@ from difftune.training.train import RESOLVED_CONFIG_FILE
 
 JOB_CONFIG = "job.toml"
 JOB_STATE = "job.json"
+JOB_SETTING = "the job's folder"  # how messages name it
 JOB_LOG = "train.log"
 FINDERS_DIR = "finders"  # under the jobs folder: the finders' configs, logs and plots
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -106,7 +108,7 @@ def prepare_job(config: Config, jobs_dir: Path, name: str) -> Job:
     job_dir = _new_folder(jobs_dir, name)
     config = absolute_paths(config, Path.cwd())  # job.toml lives in the job folder: its paths must not move with it
     config.train.output_dir = str(job_dir)
-    (job_dir / JOB_CONFIG).write_text(config.to_toml(), encoding="utf-8")
+    write_file(job_dir / JOB_CONFIG, config.to_toml(), JOB_SETTING)
     return Job(job_dir)
 
 
@@ -122,12 +124,12 @@ def run_finder(config: Config, jobs_dir: Path, name: str, finder: str, options: 
     if finder not in ("find-batch", "find-lr"):
         raise DifftuneError(f"unknown finder {finder!r}")
     folder = _new_folder(Path(jobs_dir) / FINDERS_DIR, f"{name}-{finder}")
-    (folder / JOB_CONFIG).write_text(absolute_paths(config, Path.cwd()).to_toml(), encoding="utf-8")
+    write_file(folder / JOB_CONFIG, absolute_paths(config, Path.cwd()).to_toml(), JOB_SETTING)
     command = [sys.executable, "-m", "difftune.cli", finder, "--config", str(folder / JOB_CONFIG), *options]
     if finder == "find-lr":
         command += ["--out", str(folder)]
     done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    (folder / JOB_LOG).write_text(done.stderr, encoding="utf-8")
+    write_file(folder / JOB_LOG, done.stderr, JOB_SETTING)
     if done.returncode:
         said = [line for line in done.stderr.splitlines() if line.startswith(ERROR_PREFIX)]
         raise DifftuneError(said[-1][len(ERROR_PREFIX) :] if said else f"{finder} failed: see {folder / JOB_LOG}")
@@ -317,5 +319,5 @@ def _start(job: Job, resume: bool, cwd: Path, device: str | None = None) -> Job:
     _children[child.pid] = child
     state = {"pid": child.pid, "started": psutil.Process(child.pid).create_time(), "command": command, "cwd": str(cwd)}
     state |= {"device": device} if device else {}
-    (job.dir / JOB_STATE).write_text(json.dumps(state, indent=2), encoding="utf-8")
+    write_file(job.dir / JOB_STATE, json.dumps(state, indent=2), JOB_SETTING)  # a link planted there is replaced
     return job

@@ -6,7 +6,8 @@ on every refresh) starts the first job of each queue whose device runs none of t
 leaves the queue, and a queued job whose folder says it was started (`job.json`) leaves it without being started
 again: a UI that stops between the two never starts a job twice. The file is read and written under an exclusive
 lock on `queue.json.lock`, so two UIs on one jobs folder take turns. Queued jobs can be moved up or down their queue,
-or cancelled (their folder, which holds nothing but the config, removed).
+or cancelled (their folder, which holds nothing but the config, removed). A queue file that cannot be read is kept
+aside and the queues rebuilt from the job folders.
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ import fcntl
 import json
 import os
 import re
-import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from difftune.config import Config
 from difftune.errors import DifftuneError
+from difftune.owned_files import open_for_lock, read_text, remove, write_file
 from difftune.webui import jobs
 
 QUEUE_FILE = "queue.json"
+JOBS_SETTING = "the jobs folder"  # how messages name it
 CPU = "cpu"
 FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a job folder's (`<time>-<name>`): no path in it
 
@@ -79,7 +82,7 @@ def cancel(jobs_dir: Path, name: str) -> None:
     with _queues(jobs_dir) as queues:
         _queue_of(queues, name).remove(name)
         if _waiting(jobs_dir, name):
-            shutil.rmtree(Path(jobs_dir) / name)
+            remove(Path(jobs_dir) / name, JOBS_SETTING, ours=False)
 
 
 def _queue_of(queues: dict[str, list[str]], name: str) -> list[str]:
@@ -107,22 +110,50 @@ def _busy(jobs_dir: Path, device: str) -> bool:
 
 @contextmanager
 def _queues(jobs_dir: Path) -> Iterator[dict[str, list[str]]]:
-    """The queues (device -> job folder names), read under the lock and written back (atomically) after the block;
-    entries that are no list of names are dropped."""
+    """The queues (device -> job folder names), read under the lock and written back (atomically) after the block.
+    A queue file that cannot be read as queues (cut, garbage, another shape) is kept aside as `queue.json.bad-<time>`,
+    said in the UI (`set_aside`), and the queues rebuilt from the job folders that wait (`_rebuilt`): no job waits
+    unseen. The lock file, the queue file and its staging file are never followed where they are links."""
     path = Path(jobs_dir) / QUEUE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(QUEUE_FILE + ".lock"), "w") as lock:
+    lock = open_for_lock(path.with_name(QUEUE_FILE + ".lock"), JOBS_SETTING, ours=False)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            read = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-        except ValueError:  # a file cut or edited by hand: no queue, rather than no UI
-            read = {}
-        queues = {
-            str(device): [name for name in names if isinstance(name, str)]
-            for device, names in (read.items() if isinstance(read, dict) else ())
-            if isinstance(names, list)
-        }
+        queues = _read(path, jobs_dir)
         yield queues
-        staged = path.with_name(QUEUE_FILE + ".tmp")
-        staged.write_text(json.dumps({device: names for device, names in queues.items() if names}, indent=2))
-        os.replace(staged, path)
+        write_file(
+            path,
+            json.dumps({device: names for device, names in queues.items() if names}, indent=2),
+            JOBS_SETTING,
+            ours=False,
+        )
+    finally:
+        os.close(lock)
+
+
+def _read(path: Path, jobs_dir: Path) -> dict[str, list[str]]:
+    try:
+        read = json.loads(read_text(path))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):  # cut, not JSON, or a link planted in its place
+        read = None
+    if isinstance(read, dict) and all(
+        isinstance(names, list) and all(isinstance(name, str) for name in names) for names in read.values()
+    ):
+        return {str(device): list(names) for device, names in read.items()}
+    kept = path.with_name(f"{QUEUE_FILE}.bad-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.replace(path, kept)  # the name moves, a link included: nothing it points to is touched
+    set_aside.append(kept)
+    return _rebuilt(jobs_dir)
+
+
+def _rebuilt(jobs_dir: Path) -> dict[str, list[str]]:
+    """The queues as the job folders say: every job that waits (`_waiting`), oldest first (folders are named by
+    their submission time), on the first device (a job's device is chosen as it is submitted, not kept in its
+    folder)."""
+    waiting = sorted(folder.name for folder in Path(jobs_dir).iterdir() if _waiting(jobs_dir, folder.name))
+    return {devices()[0]: waiting} if waiting else {}
+
+
+# Queue files kept aside since the UI started (the UI says so once each).
+set_aside: list[Path] = []
