@@ -1055,7 +1055,9 @@ def test_a_lycoris_run_on_a_fused_layout_family_ends_with_the_layout_it_can_writ
     before), and converting the file to kohya is refused by name."""
     control = tmp_path / "control.png"
     CONTROL.save(control)
-    prompt = {"prompt": "a purple circle", "controls": [str(control)]} if FAMILIES[name].needs_controls_to_draw else None
+    prompt = (
+        {"prompt": "a purple circle", "controls": [str(control)]} if FAMILIES[name].needs_controls_to_draw else None
+    )
     settings = _settings(
         name,
         micro_base(name),

@@ -71,7 +71,9 @@ def test_diffusers_own_pipeline_draws_the_adapter_as_difftune_does(make_config, 
         older[f"{name}.{'lora_down' if kind.startswith('A') else 'lora_up'}.weight"] = value
         older[f"{name}.alpha"] = torch.tensor(float(config_alpha(lora_configs, "transformer", module)))
     save_file(older, tmp_path / "older.safetensors")
-    older_read = export.convert_adapter(tmp_path / "older.safetensors", tmp_path / "back.safetensors", "diffusers", base)
+    older_read = export.convert_adapter(
+        tmp_path / "older.safetensors", tmp_path / "back.safetensors", "diffusers", base
+    )
     back = load_file(older_read)
     assert back.keys() == ours.keys()
     assert all(torch.equal(back[key], value) for key, value in ours.items())

@@ -92,3 +92,40 @@ def test_a_queue_file_naming_folders_elsewhere_starts_nothing(tmp_path):
     assert queue.queued(jobs_dir) == [] and not (outside / jobs.JOB_STATE).exists()
     (jobs_dir / queue.QUEUE_FILE).write_text("not json")
     assert queue.advance(jobs_dir) == [] and queue.queued(jobs_dir) == []
+
+
+@pytest.mark.parametrize("garbage", ['{"cpu": ["a"', "garbage", '["a", "b"]', "", '{"cpu": "x"}'])
+def test_a_queue_file_that_cannot_be_read_is_kept_aside_and_the_queue_rebuilt(tmp_path, garbage):
+    """A cut, garbage, list-shaped or empty queue file reset the queue without a word: the job showed "queued" forever
+    and Cancel said it was not queued. It is kept aside, the UI says so (`set_aside`), and the queue is rebuilt from
+    the job folders that wait, oldest first."""
+    first = jobs.prepare_job(_config(), tmp_path, "first")
+    second = jobs.prepare_job(_config(), tmp_path, "second")
+    (tmp_path / queue.QUEUE_FILE).write_text(garbage)
+    queue.set_aside.clear()
+    assert queue.queued(tmp_path) == [("cpu", 1, first.name), ("cpu", 2, second.name)]
+    [kept] = tmp_path.glob(f"{queue.QUEUE_FILE}.bad-*")
+    assert kept.read_text() == garbage and queue.set_aside == [kept]
+    queue.cancel(tmp_path, second.name)  # found in its queue: before, "not queued"
+    assert queue.queued(tmp_path) == [("cpu", 1, first.name)] and not second.dir.exists()
+    assert json.loads((tmp_path / queue.QUEUE_FILE).read_text()) == {"cpu": [first.name]}
+
+
+def test_links_planted_in_the_jobs_folder_are_never_written_through(tmp_path):
+    """The queue's lock and its file, and a queued job's job.json: a link planted at each leaves its target untouched
+    (they were followed: a file elsewhere truncated, overwritten with JSON)."""
+    elsewhere = tmp_path / "elsewhere.txt"
+    jobs_dir = tmp_path / "jobs"
+    job = jobs.prepare_job(_config(), jobs_dir, "waiting")
+    (jobs_dir / f"{queue.QUEUE_FILE}.lock").symlink_to(elsewhere)
+    elsewhere.write_text("secret")
+    with pytest.raises(DifftuneError, match="is a symbolic link"):
+        queue.queued(jobs_dir)
+    (jobs_dir / f"{queue.QUEUE_FILE}.lock").unlink()
+    (jobs_dir / queue.QUEUE_FILE).symlink_to(elsewhere)  # read as no queue, moved aside as a link, never written
+    queue.set_aside.clear()
+    assert queue.queued(jobs_dir) == [("cpu", 1, job.name)]
+    assert elsewhere.read_text() == "secret" and not (jobs_dir / queue.QUEUE_FILE).is_symlink()
+    (job.dir / jobs.JOB_STATE).symlink_to(elsewhere)
+    jobs.write_file(job.dir / jobs.JOB_STATE, "{}", jobs.JOB_SETTING)  # as `_start` writes it
+    assert elsewhere.read_text() == "secret" and (job.dir / jobs.JOB_STATE).read_text() == "{}"

@@ -646,6 +646,46 @@ def test_a_linked_checkpoint_folder_is_neither_resumed_nor_pruned(make_config, t
     assert [path.name for path in complete_checkpoints(out)] == ["step-000008"]
 
 
+def test_a_linked_checkpoint_at_a_step_the_run_saves_is_replaced_not_followed(make_config, tmp_path):
+    """`checkpoints/step-000006` a link to a folder elsewhere: `--resume auto` passes over it to step 4, trains on, and
+    its save at step 6 replaces the link (it died there: `Cannot call rmtree on a symbolic link`); the run ends as the
+    uninterrupted one, and the folder elsewhere is untouched."""
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    settings = {"ema__enabled": False}
+    train(_job(make_config, whole, **settings))
+    train(_job(make_config, out, train__max_steps=4, **settings))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    (out / "checkpoints" / "step-000006").symlink_to(elsewhere, target_is_directory=True)
+    train(_job(make_config, out, **settings), resume="auto")
+    saved = out / "checkpoints" / "step-000006"
+    assert not saved.is_symlink() and checkpoint_module.verify(saved) is None
+    assert sorted(path.name for path in elsewhere.iterdir()) == ["keep.txt"]
+    assert _losses(out) == _losses(whole)
+    assert _same_files(whole / "pytorch_lora_weights.safetensors", out / "pytorch_lora_weights.safetensors")
+
+
+@pytest.mark.parametrize("folder", ["checkpoints", "requests", "samples"])
+def test_a_run_folder_that_is_a_link_is_refused_by_name(make_config, tmp_path, folder):
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out.mkdir()
+    (out / folder).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(DifftuneError, match=f"its {folder}/ is a symbolic link .* must be a real folder"):
+        train(_job(make_config, out, train__max_steps=2))
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_link_planted_as_the_lock_file_is_replaced_not_written_through(make_config, tmp_path):
+    out, elsewhere = tmp_path / "run", tmp_path / "passwords"
+    elsewhere.write_text("secret")
+    out.mkdir()
+    (out / ".difftune.lock").symlink_to(elsewhere)
+    train(_job(make_config, out, train__max_steps=2))
+    assert elsewhere.read_text() == "secret" and not (out / ".difftune.lock").is_symlink()
+
+
 _HOLD_THE_FOLDER = """
 import sys
 from difftune.config import load_config
