@@ -118,6 +118,21 @@ def test_serves_the_jobs_folder_and_nothing_outside_it(server):
         assert status in (400, 403, 404), (path, status)
 
 
+def test_a_file_linked_into_the_jobs_folder_is_not_served(server):
+    """A train.log hard-linked (or symbolically linked) to a file outside the jobs folder: the page no longer showed
+    it, but the file route served it (200); now 403, its content unsent."""
+    jobs, root = server["jobs"], server["root"]
+    job = jobs / "20260101-000000-linked"
+    job.mkdir()
+    os.link(root / "secret.txt", job / "train.log")
+    (job / "grid.png").symlink_to(root / "secret.txt")
+    (job / "own.txt").write_text("the job's own")
+    assert _get(server["port"], f"/gradio_api/file={job / 'own.txt'}") == (200, b"the job's own")
+    for name in ("train.log", "grid.png"):
+        status, body = _get(server["port"], f"/gradio_api/file={job / name}")
+        assert status == 403 and SECRET.encode() not in body, (name, status)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium); .ci/run installs it")
 def test_configure_train_sample_merge_in_a_browser(server, tmp_path):
@@ -391,6 +406,9 @@ def test_requests_for_another_host_are_refused(server):
         {"Host": "evil.example", "Origin": "http://evil.example"},
         {"Host": f"127.0.0.1:{port}", "Origin": "http://evil.example"},
         {"Host": f"evil.example:{port}"},
+        # A page served on another local port: its origin was echoed in Access-Control-Allow-Origin.
+        {"Host": f"127.0.0.1:{port}", "Origin": "http://localhost:9999"},
+        {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port + 1}"},
     ):
         status, body, _ = _post(port, "/gradio_api/queue/join", call, {"Content-Type": "application/json", **headers})
         assert status == 403 and b"this host is not served here" in body, (headers, status)

@@ -39,7 +39,7 @@ from difftune.webui.form import (
     parse_adapter_lines,
     presets,
 )
-from difftune.webui.guards import LOOPBACK_NAMES, AllowedHosts, UploadLimit
+from difftune.webui.guards import LOOPBACK_NAMES, AllowedHosts, OwnFilesOnly, UploadLimit
 from difftune.webui.messages import error_markdown as _error
 
 LOCAL_HOSTS = LOOPBACK_NAMES
@@ -163,7 +163,11 @@ def guards(host: str, share: bool, public_names: tuple[str, ...] = ()) -> list:
         if host in ("0.0.0.0", "::")
         else (host, *public_names)
     )
-    return [Middleware(AllowedHosts, names=served, share=share), Middleware(UploadLimit, max_bytes=MAX_UPLOAD_BYTES)]
+    return [
+        Middleware(AllowedHosts, names=served, share=share),
+        Middleware(OwnFilesOnly),
+        Middleware(UploadLimit, max_bytes=MAX_UPLOAD_BYTES),
+    ]
 
 
 def default_data_roots(configs_dir: Path) -> list[Path]:

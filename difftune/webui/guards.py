@@ -1,4 +1,5 @@
-"""What the UI's server refuses before Gradio sees a request: hosts it does not serve, and uploads over the cap.
+"""What the UI's server refuses before Gradio sees a request: hosts and origins it does not serve, linked files, and
+uploads over the cap.
 
 Hosts: the UI answers only requests addressed to it, a guard against DNS rebinding as Jupyter's and TensorBoard's
 servers have one.
@@ -17,10 +18,13 @@ upload request is capped here (`UploadLimit`), by its declared length.
 from __future__ import annotations
 
 import ipaddress
+import os
+import stat
 from urllib.parse import urlsplit
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 SHARE_LINK_SUFFIX = ".gradio.live"  # where Gradio's share links are served from
+FILE_ROUTE = "/file="  # Gradio's file route, under its API prefix (`/gradio_api/file=`) or bare
 
 
 def host_name(value: str) -> str:
@@ -53,11 +57,23 @@ class AllowedHosts:
             headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
             origin = headers.get("origin")
             if not self.allows(host_name(headers.get("host", ""))) or (
-                origin is not None and not self.allows(host_name(origin))
+                origin is not None and not self.own_origin(origin, headers.get("host", ""))
             ):
                 await _refuse(scope, send)
                 return
         await self.app(scope, receive, send)
+
+    def own_origin(self, origin: str, host: str) -> bool:
+        """The UI's own pages' origin: the host and port the request is addressed to (a page on another local port,
+        `http://localhost:9999`, had its origin echoed by Gradio's CORS layer), or a public name given (a reverse
+        proxy's, which may address the UI by another port)."""
+        try:
+            netloc = urlsplit(origin.strip()).netloc.lower()
+        except ValueError:
+            return False
+        name = host_name(origin)
+        public = name in self.names - set(LOOPBACK_NAMES) or (self.share and name.endswith(SHARE_LINK_SUFFIX))
+        return self.allows(name) and (netloc == host.strip().lower() or public)
 
 
 async def _refuse(scope, send) -> None:
@@ -77,6 +93,29 @@ async def _respond(send, status: int, text: str) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+class OwnFilesOnly:
+    """ASGI middleware: Gradio's file route (`/gradio_api/file=<path>`) serves a file only where it is the file's one
+    name: never a symbolic link, nor a hard link to a file elsewhere (a train.log hard-linked to another user's file
+    inside the jobs folder was served, though the page no longer shows it)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and FILE_ROUTE in scope["path"]:
+            asked = scope["path"].split(FILE_ROUTE, 1)[1]
+            try:
+                found = os.lstat(asked)
+            except (OSError, ValueError):
+                found = None  # Gradio's own answer (404) for what is not there
+            if found is not None and (
+                stat.S_ISLNK(found.st_mode) or (stat.S_ISREG(found.st_mode) and found.st_nlink > 1)
+            ):
+                await _respond(send, 403, "difftune ui: a linked file, not one of the jobs folder's own; not served")
+                return
+        await self.app(scope, receive, send)
 
 
 class UploadLimit:
