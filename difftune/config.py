@@ -37,8 +37,10 @@ def switch_from_bool(cls, value: Any) -> Any:
 
 
 class Section(BaseModel):
-    # strict: a TOML string "100" for an integer is a mistake worth reporting, not coercing.
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+    # strict: a TOML string "100" for an integer is a mistake worth reporting, not coercing. No setting means anything
+    # at infinity or NaN (TOML writes them `inf`, `nan`): `max_grad_norm = inf` trained unclipped where 0 says so, a
+    # dataset's `loss_weight = inf` made every step non-finite and skipped, and the run exited 0 untrained.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, allow_inf_nan=False)
 
 
 UNITS = {"GB": 10**9, "GIB": 2**30, "MB": 10**6, "MIB": 2**20}

@@ -1,6 +1,7 @@
 """Kill it at any moment, resume, and get the same run; safe loading; clear refusals."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -949,3 +950,16 @@ def test_results_are_written_whole_or_not_at_all(make_config, tmp_path, monkeypa
         train(_job(make_config, out, train__max_steps=4, ema__enabled=False), resume="auto")
     assert first.read_bytes() == before
     assert not list(out.glob(".*.tmp"))
+
+
+def test_a_run_whose_every_step_was_skipped_does_not_end_as_if_it_trained(make_config, tmp_path, monkeypatch):
+    """Every step judged unfit (a dataset's `loss_weight = inf` did it: every loss non-finite) ended in exit 0 with
+    an untrained adapter written; now it stops with one line and writes no result."""
+    from difftune.training.guard import Guard
+
+    judge = Guard.judge
+    monkeypatch.setattr(Guard, "judge", lambda self, step, loss, *rest, **kw: judge(self, step, math.nan, *rest, **kw))
+    out = tmp_path / "run"
+    with pytest.raises(DifftuneError, match="every one of the run's 3 optimizer steps was skipped"):
+        train(_job(make_config, out, train__max_steps=3, guard__max_consecutive_skips=10, checkpoint__every_steps=0))
+    assert not (out / "pytorch_lora_weights.safetensors").exists()

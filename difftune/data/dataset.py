@@ -52,6 +52,7 @@ from difftune.data.places import read_tensors, write_text
 from difftune.data.sources import (
     CLIP_SUFFIXES,
     IMAGE_EXTENSIONS,
+    REPEATS_FOLDER,
     DataSource,
     FolderOfFiles,
     Stored,
@@ -67,7 +68,6 @@ from difftune.data.sources import (
 )
 from difftune.errors import DifftuneError
 
-REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")
 NUMBERED_CONTROL = re.compile(r"^(.+)_(\d+)$")
 CONTROL_FOLDER = "control"
 

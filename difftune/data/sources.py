@@ -57,6 +57,7 @@ IMAGE_COLUMNS = ("image", "img", "jpg", "png", "webp")  # what `data.image_colum
 CAPTION_COLUMNS = ("text", "caption", "txt", "prompt")
 CLIP_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi")
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")  # an `N_name` subfolder: its images listed N times
 
 
 def is_clip(path: Path) -> bool:
@@ -94,6 +95,23 @@ class FolderOfFiles(DataSource):
 
     def may_hold_clips(self) -> bool:
         return any(is_clip(path) for path in Path(self.path).rglob("*"))
+
+    def most_examples(self) -> int | None:
+        """The most examples the folder can list (each image once, an `N_name` folder's N times: what is unusable only
+        lowers it), from the names alone, in milliseconds; None where the names cannot tell (clips, cut into a number
+        of windows; a metadata.jsonl, which may name files anywhere)."""
+        root, total = Path(self.path), 0
+        repeated = [
+            (sub, int(match.group(1)))
+            for sub in sorted(root.iterdir())
+            if (match := REPEATS_FOLDER.match(sub.name)) and sub.is_dir()
+        ]
+        for folder, times in [(root, 1), *repeated]:
+            files = [path for path in folder.iterdir() if path.is_file()]
+            if (folder / "metadata.jsonl").is_file() or any(is_clip(path) for path in files):
+                return None
+            total += times * sum(path.suffix.lower() in IMAGE_EXTENSIONS for path in files)
+        return total
 
 
 class StoredRecords(DataSource):

@@ -100,7 +100,7 @@ from difftune.training.checkpoint import (
     step_of,
 )
 from difftune.training.ema import build_ema, ema_weights, update_ema
-from difftune.training.guard import Guard
+from difftune.training.guard import SKIPPED_FILE, Guard
 from difftune.training.metrics import METRICS_FILE, MetricsLog
 from difftune.training.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.training.output_lock import hold_output_dir
@@ -512,6 +512,13 @@ def finish(run: Run) -> TrainResult:
         accelerator.end_training()
         return TrainResult(run.unwrapped(), None, run.losses, run.optimizer, run.ema)
 
+    if progress.global_step and run.guard.skipped >= progress.global_step:  # nothing was ever applied
+        accelerator.end_training()
+        raise DifftuneError(
+            f"every one of the run's {progress.global_step} optimizer steps was skipped (see {SKIPPED_FILE}: a "
+            "non-finite or spiking loss each time), so nothing trained and no result is written; check the data and "
+            "settings (a dataset's loss_weight, optim.learning_rate), then start anew"
+        )
     accelerator.wait_for_everyone()
     run.optimizer.eval()  # from here on, a schedule-free optimizer's averaged weights: what the run produced
     if sharding.is_sharded(accelerator):
