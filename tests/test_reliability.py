@@ -963,3 +963,28 @@ def test_a_run_whose_every_step_was_skipped_does_not_end_as_if_it_trained(make_c
     with pytest.raises(DifftuneError, match="every one of the run's 3 optimizer steps was skipped"):
         train(_job(make_config, out, train__max_steps=3, guard__max_consecutive_skips=10, checkpoint__every_steps=0))
     assert not (out / "pytorch_lora_weights.safetensors").exists()
+
+
+def test_a_writer_thread_that_finds_the_disk_full_prints_no_traceback(tmp_path, monkeypatch):
+    """TensorBoard's writer thread met the full disk first and printed its traceback just before the run's one line;
+    inside the run's guard a thread's out-of-space error is left to that line, and any other error still reaches the
+    hook that prints it."""
+    import errno
+    import threading
+
+    shown = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: shown.append(type(args.exc_value).__name__))
+
+    def raising(error):
+        def fail():
+            raise error
+
+        thread = threading.Thread(target=fail, name="EventFileWriter")
+        thread.start()
+        thread.join()
+
+    with checkpoint_module.full_disk_said_plainly(tmp_path):
+        raising(OSError(errno.ENOSPC, "No space left on device"))
+        raising(ValueError("something else"))
+    raising(OSError(errno.ENOSPC, "No space left on device"))  # outside a run: as before
+    assert shown == ["ValueError", "OSError"]

@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -184,7 +185,16 @@ class Checkpointer:
 @contextmanager
 def full_disk_said_plainly(output_dir: Path):
     """A write into the run's folder that finds the disk full (a metrics line, a sample, a snapshot) stops the run
-    with one line saying what is intact, as a full disk during a checkpoint does, instead of a traceback."""
+    with one line saying what is intact, as a full disk during a checkpoint does, instead of a traceback. A writer
+    thread that finds it full (TensorBoard's, whose error the run's next write meets too) prints no traceback of its
+    own."""
+    previous_hook = threading.excepthook
+
+    def quiet_when_full(args) -> None:
+        if args.exc_value is None or not out_of_space(args.exc_value, output_dir):
+            previous_hook(args)
+
+    threading.excepthook = quiet_when_full
     try:
         yield
     except DifftuneError:
@@ -194,6 +204,8 @@ def full_disk_said_plainly(output_dir: Path):
             raise
         written = f" ({err.filename} could not be written)" if getattr(err, "filename", None) else ""
         raise DifftuneError(f"no space left on {output_dir}{written}; {_what_is_intact(output_dir)}") from None
+    finally:
+        threading.excepthook = previous_hook
 
 
 def _what_is_intact(output_dir: Path) -> str:
