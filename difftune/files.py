@@ -82,7 +82,9 @@ def with_umask_mode(path: Path) -> None:
 
 
 def _remove(path: Path) -> None:
-    if path.is_dir():
+    if path.is_symlink():  # a link planted at the staging name: it goes, never what it points to
+        path.unlink()
+    elif path.is_dir():
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()

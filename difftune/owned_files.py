@@ -120,6 +120,25 @@ def open_for_lock(path: Path, setting: str, ours: bool = True) -> int:
         os.close(folder)
 
 
+def open_append(path: Path, setting: str, ours: bool = False):
+    """The file at `path` opened to append text (created if missing); a link there is removed and a file of the run's
+    own made in its place, so the lines never land where it points."""
+    path = Path(path)
+    folder = open_folder(path.parent, setting, ours=ours)
+    try:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | NO_FOLLOW
+        try:
+            handle = os.open(path.name, flags, 0o666, dir_fd=folder)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            os.unlink(path.name, dir_fd=folder)
+            handle = os.open(path.name, flags | os.O_EXCL, 0o666, dir_fd=folder)
+    finally:
+        os.close(folder)
+    return os.fdopen(handle, "a", encoding="utf-8")
+
+
 def read_text(path: Path) -> str:
     """A file's text, refusing a link (`OSError`, as for a missing file): what difftune reads back from its own
     folders is never another file's."""

@@ -557,6 +557,10 @@ print(code, "torch" in sys.modules, "diffusers" in sys.modules)
         (["model.base=someone/no-such-model"], "model.base someone/no-such-model: not a local folder or file"),
         (['data.path=""'], "data.path: is empty"),
         (["data.path=configs"], "configs holds no images"),  # named before the base loads (8.5 s), not after
+        (
+            ['data.datasets=[{path = "examples/purple"}, {path = "configs"}]'],
+            "data.datasets[1].path",  # an empty one among several, by its place (it was named after 13 s of loading)
+        ),
         # Numbers that cannot train: refused in milliseconds (600,000 prompts were tokenised first, silently).
         (["train.batch_size=600000"], "a batch of 600000 is more than the data holds (at most 16 images in"),
         (["optim.max_grad_norm=inf"], "optim.max_grad_norm: Input should be a finite number (got inf)"),

@@ -988,3 +988,21 @@ def test_a_writer_thread_that_finds_the_disk_full_prints_no_traceback(tmp_path, 
         raising(ValueError("something else"))
     raising(OSError(errno.ENOSPC, "No space left on device"))  # outside a run: as before
     assert shown == ["ValueError", "OSError"]
+
+
+@pytest.mark.parametrize(
+    "name", ["metrics.jsonl", "config.toml", "skipped_steps.jsonl", "parity.json", "pytorch_lora_weights.safetensors"]
+)
+def test_a_link_planted_where_a_run_writes_leaves_its_target_untouched(make_config, tmp_path, name):
+    """A file of the run's folder planted as a link to a file elsewhere, before a fresh run or a resume: each write
+    replaces the link (or writes beside it), never what it points to (metrics.jsonl's lines were appended there)."""
+    out, elsewhere = tmp_path / "run", tmp_path / "passwords"
+    elsewhere.write_text("secret")
+    out.mkdir()
+    (out / name).symlink_to(elsewhere)
+    train(_job(make_config, out, train__max_steps=2, train__overwrite=True))
+    (out / name).unlink(missing_ok=True)
+    (out / name).symlink_to(elsewhere)
+    train(_job(make_config, out, train__max_steps=4), resume="auto")
+    assert elsewhere.read_text() == "secret"
+    assert [row["step"] for row in read_metrics(out)][-1] == 4

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from difftune.config import GuardConfig
 from difftune.errors import DifftuneError
-from difftune.training.metrics import keep_lines_up_to_step
+from difftune.owned_files import open_append
+from difftune.training.metrics import RUN_FOLDER, keep_lines_up_to_step
 
 SKIPPED_FILE = "skipped_steps.jsonl"
 # Activation records are sparse (every `log.activations_every_steps`): a short window of them, judged once a few exist.
@@ -114,7 +115,7 @@ class Guard:
     def record(self, step: int, reason: str, loss: float, grad_norm: float, paths: list[str]) -> None:
         """Append the skip to skipped_steps.jsonl."""
         if self.log_path:
-            with open(self.log_path, "a", encoding="utf-8") as file:
+            with open_append(self.log_path, RUN_FOLDER) as file:
                 record = {
                     "step": step,
                     "reason": reason,

@@ -5,11 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from difftune.owned_files import open_append, write_file
+
 METRICS_FILE = "metrics.jsonl"
+RUN_FOLDER = "train.output_dir"  # how messages name the folder the run writes
 
 
 def keep_lines_up_to_step(path: Path, step: int) -> None:
-    """Drop the JSONL lines of steps after `step` (all of them for 0): a resumed run rewrites those steps."""
+    """Drop the JSONL lines of steps after `step` (all of them for 0): a resumed run rewrites those steps. A link in
+    its place is not the run's file: it goes, unread."""
+    if path.is_symlink():
+        path.unlink()
     if not path.exists():
         return
     kept = [
@@ -17,7 +23,7 @@ def keep_lines_up_to_step(path: Path, step: int) -> None:
         for line in path.read_text(encoding="utf-8").splitlines()
         if line.strip() and json.loads(line)["step"] <= step
     ]
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    write_file(path, "".join(line + "\n" for line in kept), RUN_FOLDER, ours=False)
 
 
 class MetricsLog:
@@ -26,7 +32,7 @@ class MetricsLog:
         self.file = None
         if accelerator.is_main_process:
             keep_lines_up_to_step(output_dir / METRICS_FILE, resumed_at_step)
-            self.file = open(output_dir / METRICS_FILE, "a", encoding="utf-8")
+            self.file = open_append(output_dir / METRICS_FILE, RUN_FOLDER)
 
     def rewind(self, step: int) -> None:
         """Forget the lines after `step` (a rollback redoes those steps)."""
@@ -34,7 +40,7 @@ class MetricsLog:
             path = Path(self.file.name)
             self.file.close()
             keep_lines_up_to_step(path, step)
-            self.file = open(path, "a", encoding="utf-8")
+            self.file = open_append(path, RUN_FOLDER)
 
     def write(self, step: int, values: dict[str, float]) -> None:
         if self.file:

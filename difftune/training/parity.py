@@ -27,6 +27,7 @@ from difftune.families import load_components
 from difftune.families.drawing import Sample, generate_images
 from difftune.memory.quantize import quantize_linear_layers
 from difftune.models.parts import place_frozen, store_loaded_text_encoders, stored_dtype
+from difftune.owned_files import write_file
 
 PARITY_FILE = "parity.json"
 # Levels of 255. The reload runs the same computation, so 0 is expected; channels-last vs default layout may
@@ -124,7 +125,7 @@ def parity_line(report: dict) -> str:
 
 def write_report(report: dict, output_dir: Path) -> list[str]:
     """`parity.json`; the warnings to show (one per layout above the threshold)."""
-    (output_dir / PARITY_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_file(output_dir / PARITY_FILE, json.dumps(report, indent=2) + "\n", "train.output_dir", ours=False)
     return [
         f"the {layout} file reloaded in a fresh pipeline draws sample 000 up to {result['max_pixel_difference']}/255 "
         f"away from the in-training sample (more than {WARN_ABOVE_LEVELS}): see {PARITY_FILE}"

@@ -37,6 +37,7 @@ from difftune.files import pipeline_index
 from difftune.memory.checkpointing import enable_gradient_checkpointing
 from difftune.memory.storage import own_cast_buffers, storage_key
 from difftune.models.parts import Components
+from difftune.owned_files import write_file
 from difftune.progress import process_status_bytes
 
 META = torch.device("meta")
@@ -452,7 +453,7 @@ def _check_fits(config: Config, device_type: str, kept_in: Path | None) -> str |
     plan = plan_memory(config, device_type)
     if kept_in is not None:
         Path(kept_in).mkdir(parents=True, exist_ok=True)
-        (Path(kept_in) / PLAN_FILE).write_text(json.dumps(asdict(plan), indent=2) + "\n", encoding="utf-8")
+        write_file(Path(kept_in) / PLAN_FILE, json.dumps(asdict(plan), indent=2) + "\n", "train.output_dir", ours=False)
     host = _available_bytes()
     if host and plan.host_peak > host:
         phase, peak = max(

@@ -86,6 +86,7 @@ from difftune.models.parts import (
     stored_dtype,
     weight_dtype,
 )
+from difftune.owned_files import open_append, write_file
 from difftune.progress import phase
 from difftune.training.activations import BlockActivations
 from difftune.training.checkpoint import (
@@ -101,7 +102,7 @@ from difftune.training.checkpoint import (
 )
 from difftune.training.ema import build_ema, ema_weights, update_ema
 from difftune.training.guard import SKIPPED_FILE, Guard
-from difftune.training.metrics import METRICS_FILE, MetricsLog
+from difftune.training.metrics import METRICS_FILE, RUN_FOLDER, MetricsLog
 from difftune.training.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.training.output_lock import hold_output_dir
 from difftune.training.parity import check_parity, parity_line, room_for_a_fresh_copy, write_report
@@ -225,7 +226,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     )
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / RESOLVED_CONFIG_FILE).write_text(config.to_toml(), encoding="utf-8")
+        write_file(output_dir / RESOLVED_CONFIG_FILE, config.to_toml(), RUN_FOLDER, ours=False)
     _set_device_flags(config, accelerator)
     main = accelerator.is_main_process
     class_dir = class_folder(config, components) if config.prior.enabled else None  # may hash the denoiser: once
@@ -852,7 +853,7 @@ def _roll_back(run: Run, why: str) -> None:
         "skipped_micro_batches": progress.micro_batches - restored.micro_batches,
     }
     if run.main:
-        with open(run.output_dir / ROLLBACKS_FILE, "a", encoding="utf-8") as file:
+        with open_append(run.output_dir / ROLLBACKS_FILE, RUN_FOLDER) as file:
             file.write(json.dumps(record) + "\n")
     run.accelerator.print(f"difftune: rolled back from step {progress.global_step} to {restored.global_step}: {why}")
     run.progress = Progress(restored.global_step, progress.micro_batches)
