@@ -318,7 +318,9 @@ def test_keys_that_cannot_be_placed_are_named(tiny_base, tmp_path):
     save_file(
         {
             "lora_unet_no_such_block_to_q.lora_down.weight": torch.ones(4, 8),
+            "lora_unet_no_such_block_to_q.lora_up.weight": torch.zeros(8, 4),
             "lora_unet_conv_in.lora_down.weight": torch.ones(4, 4, 3, 3),
+            "lora_unet_conv_in.lora_up.weight": torch.zeros(32, 4, 1, 1),
         },
         kohya_other,
     )
@@ -330,7 +332,8 @@ def test_keys_that_cannot_be_placed_are_named(tiny_base, tmp_path):
     ):
         export.read_any_adapter(kohya_other, str(tiny_base))
     other_part = tmp_path / "kohya_te2.safetensors"
-    save_file({"lora_te2_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.ones(4, 8)}, other_part)
+    te2 = "lora_te2_text_model_encoder_layers_0_mlp_fc1"
+    save_file({f"{te2}.lora_down.weight": torch.ones(4, 8), f"{te2}.lora_up.weight": torch.zeros(8, 4)}, other_part)
     with pytest.raises(
         DifftuneError,
         match=r"its prefix names a part this model family does not have \(its prefixes: "

@@ -306,7 +306,7 @@ def _refused_before(monkeypatch, capsys, overrides: list[str], stage: str) -> st
         (["data.path={tmp}/missing"], r"data\.path .*missing: does not exist"),
         (["validation.path={tmp}/missing"], r"validation\.path .*missing: does not exist"),
         (
-            ["train.batch_size=1000000000"],
+            ["train.batch_size=1000000000", "data.repeats=100000000"],  # repeated enough to hold it
             r"train\.batch_size 1000000000: one batch of images at 32 px is 11,444 GiB, more than",
         ),
         (

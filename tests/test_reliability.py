@@ -403,11 +403,18 @@ def test_a_batch_larger_than_the_data_is_refused_before_caching(make_config, tmp
     with pytest.raises(
         DifftuneError,
         match=rf"^train\.batch_size 600000: a batch of 600000 is more than the data holds "
-        rf"\(8 images in {re.escape(config.data.path)}\); use at most 8, or repeat "
+        rf"\(at most 8 images in {re.escape(config.data.path)}\); use at most 8, or repeat "
         rf"the data \(data\.repeats, or N_name folders\)$",
     ):
-        train(config)
+        train(config)  # from the folder's file names, before anything loads
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))
+    # An unusable image lowers what the data holds below what the names promise: the run's own count refuses it.
+    data = shutil.copytree(config.data.path, tmp_path / "data")
+    next(data.glob("*.png")).write_bytes(b"not a png")
+    with pytest.raises(
+        DifftuneError, match=rf"a batch of 8 is more than the data holds \(7 images in {re.escape(str(data))}"
+    ):
+        train(make_config(train__batch_size=8, data__path=str(data), train__output_dir=str(tmp_path / "seven")))
     assert train(make_config(train__batch_size=8, train__max_steps=1)).losses  # the whole data in one batch trains
 
 

@@ -646,13 +646,19 @@ def save_merged(components: Components, out_dir: Path, single_file: bool, overwr
 def _refuse_misshapen(components: Components, tensors: dict, path: Path) -> None:
     """A LoRA whose factors do not fit the base's layers (one made for another model of the same family's names: an
     SD 1.x LoRA onto SDXL) is refused by its first such layer, before peft's "size mismatch" traceback."""
-    parts = components.parts()
+    parts, control = components.parts(), components.family.input_control
+    widened = control.input_layer if control else None  # a control LoRA widens it as diffusers' loader reads it
     for key, value in tensors.items():
         part, _, rest = key.partition(".")
         module, kind = split_adapter_key(rest)
-        if kind not in ("lora_A.weight", "lora_B.weight"):
+        if kind not in ("lora_A.weight", "lora_B.weight") or (
+            part == components.family.denoiser_name and module == widened
+        ):
             continue
-        layer = parts[part].get_submodule(module)
+        try:
+            layer = parts[part].get_submodule(module)
+        except AttributeError:  # a denoiser of parts (Wan 2.2's experts together): its loader places them
+            continue
         side = "input" if kind == "lora_A.weight" else "output"
         # A layer's own widths (a quantized weight's shape is its storage's, not the layer's)
         width = getattr(layer, f"{'in' if side == 'input' else 'out'}_features", None) or getattr(

@@ -29,18 +29,17 @@ def keep_lines_up_to_step(path: Path, step: int) -> None:
 class MetricsLog:
     def __init__(self, output_dir: Path, accelerator, resumed_at_step: int = 0):
         self.accelerator = accelerator
-        self.file = None
+        self.path, self.file = Path(output_dir) / METRICS_FILE, None
         if accelerator.is_main_process:
-            keep_lines_up_to_step(output_dir / METRICS_FILE, resumed_at_step)
-            self.file = open_append(output_dir / METRICS_FILE, RUN_FOLDER)
+            keep_lines_up_to_step(self.path, resumed_at_step)
+            self.file = open_append(self.path, RUN_FOLDER)
 
     def rewind(self, step: int) -> None:
         """Forget the lines after `step` (a rollback redoes those steps)."""
         if self.file:
-            path = Path(self.file.name)
             self.file.close()
-            keep_lines_up_to_step(path, step)
-            self.file = open_append(path, RUN_FOLDER)
+            keep_lines_up_to_step(self.path, step)
+            self.file = open_append(self.path, RUN_FOLDER)
 
     def write(self, step: int, values: dict[str, float]) -> None:
         if self.file:

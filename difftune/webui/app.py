@@ -24,6 +24,7 @@ from starlette.middleware import Middleware
 from difftune.config import TRAINING_ONLY_SAMPLE_FIELDS, Config, ModelConfig, SampleConfig
 from difftune.errors import DifftuneError
 from difftune.models.parts import DTYPES
+from difftune.owned_files import write_file
 from difftune.training.finders import LR_PLOT_FILE
 from difftune.training.validation import describe_best, read_best
 from difftune.webui import draws, jobs, machine, queue
@@ -281,8 +282,7 @@ def _configure_tab(fields: list[FormField], offered: list[Preset], jobs_dir: Pat
             path = _inside(jobs_dir / CONFIGS_DIR, f"{name}.toml")
         except DifftuneError as err:
             return gr.update(visible=False), _error(err)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        write_file(path, text, "the jobs folder's configs/")  # a link planted in its place is replaced
         return gr.update(value=str(path), visible=True), f"Saved `{path}`"
 
     _finders(fields, widgets, job_name, jobs_dir)

@@ -42,6 +42,7 @@ from difftune.data.sources import (
 )
 from difftune.errors import DifftuneError
 from difftune.files import is_url
+from difftune.owned_files import open_append
 
 PAGE_SIZE = 24
 THUMBNAIL_SIDE = 256
@@ -163,8 +164,7 @@ def write_caption(item: DatasetItem, text: str, roots: list[Path], history: Path
         content = "".join(json.dumps(entry) + "\n" for entry in listed.values())
     else:
         content = text + "\n"
-    history.parent.mkdir(parents=True, exist_ok=True)
-    with open(history, "a", encoding="utf-8") as record:
+    with open_append(history, "the jobs folder's datasets/", ours=True) as record:
         entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "file": str(item.path), "old": item.caption, "new": text}
         record.write(json.dumps(entry) + "\n")
     write_text(target, content)
