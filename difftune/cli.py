@@ -18,6 +18,7 @@ from difftune.config import (
     load_config,
 )
 from difftune.errors import ERROR_PREFIX, DifftuneError
+from difftune.files import refuse_folder_target
 from difftune.progress import phase
 from difftune.training.metrics import METRICS_FILE
 from difftune.training.preflight import check_before_start
@@ -81,11 +82,11 @@ def _add_sample_options(parser: argparse.ArgumentParser) -> None:
             options["choices"] = get_args(annotation)
         else:
             options["metavar"] = flag[2:].upper()
-        if get_origin(annotation) is list:
-            options["action"] = "append"
-        elif get_origin(annotation) is not Literal:
-            value_type = next((a for a in get_args(annotation) if a is not type(None)), annotation)
-            options["type"] = _parse_bool if value_type is bool else value_type
+            if get_origin(annotation) is list:
+                options["action"] = "append"
+            else:
+                value_type = next((a for a in get_args(annotation) if a is not type(None)), annotation)
+                options["type"] = _parse_bool if value_type is bool else value_type
         parser.add_argument(flag, **options)
 
 
@@ -370,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> None:
     written = getattr(args, "target", None) or (args.out if args.command in ("average", "extract") else None)
-    if written is not None and Path(written).is_dir():  # before any file is read or any layer computed
-        raise DifftuneError(f"{written}: is a folder; name the adapter file to write (e.g. {written}/lora.safetensors)")
+    if written is not None:  # before any file is read or any layer computed
+        refuse_folder_target(written)
     if args.command in ("train", "config"):
         config = load_config(
             args.config, [*args.overrides, *(["log.quiet=true"] if getattr(args, "quiet", False) else [])]

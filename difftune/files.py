@@ -90,6 +90,14 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def refuse_folder_target(path: Path) -> None:
+    """An adapter file to write named by a folder: refused before anything is read or written."""
+    if Path(path).is_dir():
+        raise DifftuneError(
+            f"{path}: is a folder; name the adapter file to write (e.g. {Path(path) / 'lora.safetensors'})"
+        )
+
+
 def is_url(path: str) -> bool:
     return "://" in str(path)
 

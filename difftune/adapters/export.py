@@ -50,7 +50,7 @@ from difftune.families import FAMILIES, family_of, load_components
 from difftune.families.drawing import sampling_scheduler
 from difftune.families.family import Family
 from difftune.families.targets import AdapterFile
-from difftune.files import open_safetensors, replace_atomically
+from difftune.files import open_safetensors, refuse_folder_target, replace_atomically
 from difftune.models.parts import DTYPES, Components, PartDtypes, quiet_loading
 
 ADAPTER_FILE = LORA_WEIGHT_NAME_SAFE  # the name `pipeline.load_lora_weights(output_dir)` looks for
@@ -259,10 +259,7 @@ def write_adapter(
     """Write an adapter file; a NaN or inf tensor is refused before anything is written. `family` gives the kohya
     layout's prefixes (default: `adapter_family`); `base` names the base model in a kohya file's metadata when
     there is no difftune config (an adapter from another tool)."""
-    if Path(path).is_dir():
-        raise DifftuneError(
-            f"{path}: is a folder; name the adapter file to write (e.g. {Path(path) / 'lora.safetensors'})"
-        )
+    refuse_folder_target(path)
     _refuse_non_finite(tensors, f"adapter {path}")
     metadata = {"format": "pt"}
     if config_toml:
@@ -659,15 +656,14 @@ def _refuse_misshapen(components: Components, tensors: dict, path: Path) -> None
             layer = parts[part].get_submodule(module)
         except AttributeError:  # a denoiser of parts (Wan 2.2's experts together): its loader places them
             continue
-        side = "input" if kind == "lora_A.weight" else "output"
-        # A layer's own widths (a quantized weight's shape is its storage's, not the layer's)
-        width = getattr(layer, f"{'in' if side == 'input' else 'out'}_features", None) or getattr(
-            layer, f"{'in' if side == 'input' else 'out'}_channels", None
+        side, named, size = (
+            ("in", "input", value.shape[1]) if kind == "lora_A.weight" else ("out", "output", value.shape[0])
         )
-        size = value.shape[1] if side == "input" else value.shape[0]
+        # A layer's own widths (a quantized weight's shape is its storage's, not the layer's)
+        width = getattr(layer, f"{side}_features", None) or getattr(layer, f"{side}_channels", None)
         if width is not None and width != size:
             raise DifftuneError(
-                f"adapter {path}: {part}.{module} takes {size} {side} features in the file and {width} in the base; "
+                f"adapter {path}: {part}.{module} takes {size} {named} features in the file and {width} in the base; "
                 "the adapter was made for another model than this base"
             )
 

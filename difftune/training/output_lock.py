@@ -27,6 +27,7 @@ from pathlib import Path
 
 from difftune.errors import DifftuneError
 from difftune.owned_files import write_file
+from difftune.training.metrics import RUN_FOLDER
 
 LOCK_FILE = ".difftune.lock"
 _held_descriptors: set[int] = set()  # the folders' descriptors this process holds them through
@@ -57,7 +58,7 @@ def hold_output_dir(output_dir: Path) -> Iterator[None]:
             "started": time.time(),
             "command": " ".join(sys.argv),
         }
-        write_file(output_dir / LOCK_FILE, json.dumps(holder), "train.output_dir", ours=False)  # a link there replaced
+        write_file(output_dir / LOCK_FILE, json.dumps(holder), RUN_FOLDER, ours=False)  # a link there replaced
         refuse_linked_folders(output_dir)
         _held_descriptors.add(folder)
         try:

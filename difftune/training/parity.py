@@ -28,6 +28,7 @@ from difftune.families.drawing import Sample, generate_images
 from difftune.memory.quantize import quantize_linear_layers
 from difftune.models.parts import place_frozen, store_loaded_text_encoders, stored_dtype
 from difftune.owned_files import write_file
+from difftune.training.metrics import RUN_FOLDER
 
 PARITY_FILE = "parity.json"
 # Levels of 255. The reload runs the same computation, so 0 is expected; channels-last vs default layout may
@@ -125,7 +126,7 @@ def parity_line(report: dict) -> str:
 
 def write_report(report: dict, output_dir: Path) -> list[str]:
     """`parity.json`; the warnings to show (one per layout above the threshold)."""
-    write_file(output_dir / PARITY_FILE, json.dumps(report, indent=2) + "\n", "train.output_dir", ours=False)
+    write_file(output_dir / PARITY_FILE, json.dumps(report, indent=2) + "\n", RUN_FOLDER, ours=False)
     return [
         f"the {layout} file reloaded in a fresh pipeline draws sample 000 up to {result['max_pixel_difference']}/255 "
         f"away from the in-training sample (more than {WARN_ABOVE_LEVELS}): see {PARITY_FILE}"

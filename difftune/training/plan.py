@@ -39,6 +39,7 @@ from difftune.memory.storage import own_cast_buffers, storage_key
 from difftune.models.parts import Components
 from difftune.owned_files import write_file
 from difftune.progress import process_status_bytes
+from difftune.training.metrics import RUN_FOLDER
 
 META = torch.device("meta")
 # A CPU run's resident memory grows by about twice the bytes a training step allocates and frees again: glibc's
@@ -453,7 +454,7 @@ def _check_fits(config: Config, device_type: str, kept_in: Path | None) -> str |
     plan = plan_memory(config, device_type)
     if kept_in is not None:
         Path(kept_in).mkdir(parents=True, exist_ok=True)
-        write_file(Path(kept_in) / PLAN_FILE, json.dumps(asdict(plan), indent=2) + "\n", "train.output_dir", ours=False)
+        write_file(Path(kept_in) / PLAN_FILE, json.dumps(asdict(plan), indent=2) + "\n", RUN_FOLDER, ours=False)
     host = _available_bytes()
     if host and plan.host_peak > host:
         phase, peak = max(
