@@ -894,8 +894,11 @@ class TrainConfig(Section):
         description="Channels-last memory format for the denoiser; `auto`: on with CUDA (faster convolutions "
         "there), off elsewhere (on CPU it measured no faster and held 2.1 GB more at SD1.5 size).",
     )
-    attention: Literal["sdpa", "xformers"] = Field(
-        "sdpa", description="Attention kernel: PyTorch SDPA, or xformers (needs the `xformers` extra)."
+    attention: Literal["sdpa", "sdpa_cudnn", "xformers"] = Field(
+        "sdpa",
+        description="Attention kernel: PyTorch SDPA with its cuDNN kernel left out on CUDA (it gave NaN gradients on "
+        "the tiny Flux job in bf16 on an H100, BENCHMARKS.md), `sdpa_cudnn` SDPA with every kernel torch picks "
+        "(diffusers' scripts' setting), or xformers (needs the `xformers` extra).",
     )
     check_memory: bool = Field(
         True,
@@ -905,8 +908,9 @@ class TrainConfig(Section):
     )
     compile: bool = Field(
         False,
-        description="torch.compile the UNet (in place, so checkpoints keep their keys): slow first steps, faster "
-        "after. CUDA only: on CPU, torch 2.13's inductor gave this UNet wrong LoRA gradients.",
+        description="torch.compile the denoiser in place (checkpoints keep their keys): a UNet whole, a transformer "
+        "block by block (regional compilation: one graph per kind of block, compiled in seconds): slow first steps, "
+        "faster after. CUDA only: on CPU, torch 2.13's inductor gave the UNet wrong LoRA gradients.",
     )
     tf32: Switch = Field(
         "auto",

@@ -105,6 +105,13 @@ SCENARIOS = {
         peer=["--launcher", "python"],
         difftune=[*IDENTICAL, "train.channels_last=off"],
     ),
+    # The suspect left (2026-12-04): difftune leaves SDPA's cuDNN kernel out on CUDA, the peer lets torch pick it.
+    "identical-sd15-512-bf16-cuda-cudnn-attention": dict(
+        what="identical settings, SD1.5-shaped, 512 px, batch 4, bf16 autocast, one GPU, difftune with cuDNN attention",
+        common=GPU_COMMON,
+        peer=["--launcher", "python"],
+        difftune=[*IDENTICAL, "train.attention=sdpa_cudnn"],
+    ),
     "recommended-sd15-512-bf16-cuda": dict(
         what="each trainer's recommended LoRA job (random flips), SD1.5-shaped, 512 px, batch 4, bf16, one GPU",
         common=GPU_COMMON,

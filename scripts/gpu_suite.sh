@@ -2,20 +2,23 @@
 # The GPU suite: what only a CUDA machine can tell us, in as few device calls as a lease allows.
 #
 #   bash scripts/gpu_suite.sh [--dry-run] [SECTION ...]
-#       sections: tests sd15 profile compile sdxl flux qwen fp8 memory offload_flux offload_qwen host_memory_flux
-#       peer suite (default: all but profile, host_memory_flux and peer; `offload` is offload_flux and offload_qwen)
+#       sections, the most valuable first (issue 86: speed beside what people would otherwise run):
+#         peer peer_flux peer_qwen offload_flux offload_qwen sd15 flux qwen tests compile sdxl fp8 memory
+#         profile host_memory_flux suite
+#       default: peer to memory; `offload` is offload_flux and offload_qwen. A 10-minute call fits `peer` (5 min)
+#       with `peer_flux`'s first pair, or one of `peer_flux`, `peer_qwen` (each builds its base: 3-4 minutes).
 # A 15-minute lease (2026-12) fits one 10-minute call: `host_memory_flux peer` took 521 s on an H200 (the base's
 # build 168 s, its job 106 s, the two peer sittings 221 s). A 30-minute one fits about three: `tests offload_flux`
 # (590 s in 2026-11), then each whole Qwen-Image run alone (its random 20B-parameter model takes 3-4 minutes).
 #
 # Run from the repository root on a GPU machine (the device tool's `run`, or your own). Results go to
 # $OUT (default ./gpu-out): gpu.jsonl (one scripts/bench.py line per run), one log per step, env.txt;
-# host-memory.jsonl and peer.jsonl from those sections.
+# host-memory.jsonl, peer.jsonl and peer-big.jsonl from those sections.
 # Wheels the machine lacks may travel in .whl/ (see BENCHMARKS.md, "GPU"): they are installed first. A device call
 # carries 64 MiB, and the tracked files alone are 68 MiB since the late-2026 bases (62 of them models/): a call
-# leaves the bundled bases behind but tiny-flux (whose tokenizers host_memory_flux borrows), out of the index for
-# the call and back after it:
-#   git rm -r --cached -q models && git reset -q -- models/tiny-flux && echo /models/ >> .git/info/exclude
+# leaves the bundled bases behind but tiny-flux and tiny-qwen_image (whose tokenizers the real-width bases borrow),
+# out of the index for the call and back after it:
+#   git rm -r --cached -q models && git reset -q -- models/tiny-flux models/tiny-qwen_image && echo /models/ >> .git/info/exclude
 #   ... the device call ...
 #   git reset -q -- models && sed -i '\#^/models/$#d' .git/info/exclude
 # Then 50 MiB are free: diffusers, peft, pydantic (with pydantic_core, annotated-types, typing-inspection), tomli_w,
@@ -72,7 +75,7 @@ bench() {  # bench NAME LIMIT [bench.py arguments]
 }
 
 sections=()
-for section in ${*:-tests sd15 compile sdxl flux qwen fp8 memory offload suite}; do
+for section in ${*:-peer peer_flux peer_qwen offload sd15 flux qwen tests compile sdxl fp8 memory}; do
   case $section in  # `offload` names both of its sections
   offload) sections+=(offload_flux offload_qwen) ;;
   *) sections+=("$section") ;;
@@ -99,6 +102,7 @@ for section in "${sections[@]}"; do
     ;;
   compile)  # train.compile against eager, after tests/test_cuda.py checked that it trains the same
     bench sd15-compile 500 --model sd15 --resolution 512 --batch 16 --precision bf16 --steps 20 --warmup 5 --cache --compare compile
+    bench flux-1024-b1-compile 500 --model flux --resolution 1024 --batch 1 --rank 16 --precision bf16 --steps 20 --warmup 5 --cache --compare compile  # regional
     ;;
   sdxl)
     bench sdxl-1024-b4 500 --model sdxl --resolution 1024 --batch 4 --rank 16 --precision bf16 --steps 20 --warmup 5 --cache
@@ -156,12 +160,22 @@ tiny.write_caption_folder(Path(sys.argv[1]), [(image.resize((1024, 1024)), capti
   peer)  # side by side with diffusers' LoRA example (scripts/bench_peer.py): the peer script, a copy of the harness
     # and GNU time travel in .peer/ (BENCHMARKS.md, "On a GPU machine", says how to fill it); not in a dry run
     if [ -z "${DRY_RUN:-}" ]; then
-      for scenario in identical-sd15-512-bf16-cuda recommended-sd15-512-bf16-cuda; do
+      for scenario in identical-sd15-512-bf16-cuda identical-sd15-512-bf16-cuda-cudnn-attention \
+        recommended-sd15-512-bf16-cuda; do
         PATH=$PWD/.peer/time/usr/bin:$PATH step "peer-$scenario" 300 "$PYTHON" scripts/bench_peer.py \
           --peer-script .peer/train_text_to_image_lora.py --harness .peer/harness --results "$OUT/peer.jsonl" \
           --scenario "$scenario"
       done
     fi
+    ;;
+  peer_flux | peer_qwen)  # beside diffusers' DreamBooth LoRA scripts (scripts/bench_big_peer.py) on a random-weight
+    # base at the real widths, built first (FLUX.1 [dev]: 168 s on an H200); the scripts travel in .peer/ beside the SD1.5
+    # one. In a dry run: the tiny bases on the CPU, the peer's side where .peer/ holds its script.
+    [ "$section" = peer_flux ] && scenarios=(flux-1024-bf16 flux-1024-low-memory flux-512-bf16)
+    [ "$section" = peer_qwen ] && scenarios=(qwen-1024-bf16 qwen-1024-low-memory)
+    [ -z "${DRY_RUN:-}" ] && rm -rf "$WORKDIR"  # the other model's random base fills the disk
+    step "$section" 580 "$PYTHON" scripts/bench_big_peer.py --peer-dir .peer --workdir "$WORKDIR/big-peer" \
+      --results "$OUT/peer-big.jsonl" ${scenarios[@]/#/--scenario=} ${DRY_RUN[@]+"${DRY_RUN[@]}"}
     ;;
   suite)  # the whole test suite with the GPU visible: the CPU-only assumptions it finds are bugs to fix
     if [ -n "${DRY_RUN:-}" ]; then

@@ -18,6 +18,9 @@ import pytest
 # of two threads each would fight over the cores.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"  # read as torch starts, here and in the subprocesses the tests launch
+# Memory plans are traced afresh in every test (and its subprocesses): a plan kept between runs is keyed by the
+# settings and sources, not by what a test monkeypatches (tests/test_plan.py checks the keeping on its own).
+os.environ["DIFFTUNE_PLAN_CACHE"] = "off"
 
 import torch  # noqa: E402
 
@@ -27,6 +30,16 @@ from difftune.toy.micro import build_pipeline
 from difftune.toy.tiny import recolor_pairs, shape_images, write_caption_folder, write_pair_folder
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def script_module(name: str):
+    """`scripts/<name>.py` imported as a module (the scripts are not a package), for testing its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

@@ -1,20 +1,16 @@
 """scripts/bench_peer.py's table: computed from the JSONL, medians over each scenario's sittings at its newest
 settings, and the copy in BENCHMARKS.md is the one the committed JSONL gives (never typed by hand)."""
 
-import importlib.util
 import json
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, script_module
 
 
 @pytest.fixture(scope="module")
 def bench_peer():
-    spec = importlib.util.spec_from_file_location("bench_peer", REPO / "scripts" / "bench_peer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module("bench_peer")
 
 
 def _record(scenario, trainer, sec, inrun, rss, steps=("3", "12")):

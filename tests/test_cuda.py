@@ -131,6 +131,25 @@ def test_flux_trains_in_bf16_with_finite_gradients(tmp_path):
     assert all(math.isfinite(row["grad_norm"]) for row in rows) and all(math.isfinite(x) for x in result.losses)
 
 
+def test_regionally_compiled_flux_trains_like_eager(tmp_path):
+    # `train.compile` compiles a transformer block by block (`compile_denoiser`): same losses and adapter as eager.
+    def run(name: str, compiled: bool):
+        overrides = [f"train.output_dir={tmp_path / name}", "train.max_steps=4", "train.tf32=off"]
+        overrides += [
+            "log.progress_bar=false",
+            "sample.prompts=[]",
+            "sample.before=false",
+            f"train.compile={str(compiled).lower()}",
+        ]
+        return train(load_config(REPO / "configs" / "flux_lora.toml", [*overrides, "adapter.text_encoder=false"]))
+
+    eager, compiled = run("eager", False), run("compiled", True)
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
+    expected = _adapter(eager)
+    for key, value in _adapter(compiled).items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-3, atol=1e-5, msg=key)
+
+
 def test_fp8_frozen_weights_train_on_the_device_as_bf16_ones(make_config, tmp_path):
     # On the CPU fp8 storage trains exactly as the fp8-rounded base (test_storage.py); here: the stored bytes go
     # to the device as bytes, the casts run there, and the losses stay within fp8's rounding of bf16 weights'.
@@ -190,3 +209,37 @@ def test_cached_encoders_wait_in_host_memory_between_previews(make_config, tmp_p
     # end-of-run samples on the device.
     assert seen == [("cpu", "cpu")] * 2 + [("cuda", "cuda"), ("cpu", "cpu"), ("cuda", "cuda")]
     assert (tmp_path / "run" / "samples" / "step-000002").is_dir() and len(result.losses) == 3
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["encoding-each-step", "caches"])
+def test_a_training_step_waits_for_the_device_once(make_config, tmp_path, monkeypatch, cached):
+    # torch's sync debug mode warns at every operation that makes the host wait for the device (a read of a value, a
+    # copy from ordinary host memory). From step 3 on (cuDNN's autotuning done) to the loop's end, a step's one wait
+    # is `step_numbers`'s read of its loss and gradient norm; the batch, noise and timesteps reach the device without.
+    import warnings
+
+    import difftune.training.train as training
+
+    steps, step, finish = 6, training.accumulate_gradients, training.finish
+
+    def stepped(run):
+        if run.progress.global_step == 2:
+            torch.cuda.set_sync_debug_mode("warn")
+        return step(run)
+
+    def finished(run):
+        torch.cuda.set_sync_debug_mode(0)
+        return finish(run)
+
+    monkeypatch.setattr(training, "accumulate_gradients", stepped)
+    monkeypatch.setattr(training, "finish", finished)
+    settings = dict(train__max_steps=steps, cache__latents=cached, cache__text=cached, adapter__text_encoder=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = train(make_config(train__output_dir=str(tmp_path / "run"), **settings))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    waits = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    assert len(result.losses) == steps
+    assert len(waits) == steps - 2, "\n".join(waits)

@@ -5,13 +5,13 @@ import sys
 
 import pytest
 import torch
-from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler
+from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler, FluxTransformer2DModel
 
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import load_components
 from difftune.models.autoencoders import decode_latents, encode_latents
-from difftune.models.parts import place_frozen, set_attention
+from difftune.models.parts import compile_denoiser, place_frozen, set_attention
 from difftune.toy.tiny import build_taesd, build_unet, build_vae
 
 from conftest import REPO
@@ -137,3 +137,25 @@ def test_channels_last_auto_is_off_on_cpu(make_config, setting, expected):
     weight = unet.conv_in.weight
     assert weight.is_contiguous(memory_format=torch.channels_last if expected else torch.contiguous_format)
     assert weight.is_contiguous() != expected
+
+
+def test_a_transformer_is_compiled_block_by_block_and_a_unet_whole(monkeypatch):
+    # Regional compilation for a transformer (each of its repeated blocks, in place); the whole model for a UNet.
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda module, *args, **kwargs: compiled.append(module))
+    flux = FluxTransformer2DModel(
+        in_channels=4,
+        num_layers=2,
+        num_single_layers=3,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        pooled_projection_dim=16,
+        axes_dims_rope=(2, 2, 4),
+    )
+    compile_denoiser(flux)
+    assert compiled == [*flux.transformer_blocks, *flux.single_transformer_blocks]
+    compiled.clear()
+    unet = build_unet()
+    compile_denoiser(unet)
+    assert compiled == [unet]

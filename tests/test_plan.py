@@ -20,7 +20,7 @@ from difftune.models.parts import store_loaded_text_encoders
 from difftune.training import plan
 from difftune.training.train import train
 
-from conftest import REPO
+from conftest import REPO, script_module
 
 
 def _plan(make_config, **overrides) -> plan.MemoryPlan:
@@ -473,11 +473,7 @@ def test_the_host_memory_bench_reads_each_phase_from_the_runs_lines():
     """scripts/bench_host_memory.py compares the plan's phases with the run's own phase lines: each plan phase takes
     the highest peak among the lines that make it up (the last checkpoint's write, between training and saving, is
     in the training phase)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_host_memory", REPO / "scripts" / "bench_host_memory.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script_module("bench_host_memory")
     lines = """difftune: loading the encoders of the base /x: done in 1.7 s, host peak 612 MiB
 difftune: reading the data in /d: done in 0.0 s, host peak 612 MiB
 difftune: filling the caches: done in 20.9 s, host peak 10.3 GiB
@@ -548,3 +544,30 @@ def test_a_steps_control_tokens_are_planned(micro_base, make_config, monkeypatch
     layered = {"model__base": str(micro_base("qwen_image_layered")), "train__batch_size": 1, "data__resolution": 128}
     two, four = (_step_peak(make_config, **layered, model__family_options={"layers": n}) for n in (2, 4))
     assert four > 1.3 * two, (four, two)
+
+
+def test_a_plan_is_kept_between_runs_for_the_same_settings_and_base(make_config, tiny_base, tmp_path, monkeypatch):
+    # A run re-run (or resumed) with the same settings reads its plan instead of tracing a step again; a setting the
+    # plan reads, the base's configs, or a file that is not a plan mean a fresh trace. The length of the run does not.
+    import shutil
+
+    monkeypatch.setenv("DIFFTUNE_PLAN_CACHE", "on")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    traced, trace = [], plan._plan_memory
+    monkeypatch.setattr(plan, "_plan_memory", lambda *args: traced.append(args) or trace(*args))
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base, base)
+    first = plan.plan_memory(make_config(**{"model.base": str(base)}), "cuda")
+    again = plan.plan_memory(make_config(**{"model.base": str(base), "train.max_steps": 50}), "cuda")
+    assert len(traced) == 1 and (again.device, again.host_phases.keys()) == (first.device, first.host_phases.keys())
+    (kept,) = (tmp_path / "cache" / "difftune" / plan.PLANS_FOLDER).iterdir()
+    bigger = plan.plan_memory(make_config(**{"model.base": str(base), "train.batch_size": 4}), "cuda")
+    assert len(traced) == 2 and bigger.device_peak > first.device_peak
+    unet, published = base / "unet" / "config.json", (base / "unet" / "config.json").read_text()
+    unet.write_text(json.dumps(json.loads(published) | {"layers_per_block": 2}))
+    plan.plan_memory(make_config(**{"model.base": str(base)}), "cuda")
+    kept.write_text("{not a plan")
+    assert len(traced) == 3
+    unet.write_text(published)
+    plan.plan_memory(make_config(**{"model.base": str(base)}), "cuda")  # its kept file unreadable: traced, kept anew
+    assert len(traced) == 4 and json.loads(kept.read_text())["device"] == first.device

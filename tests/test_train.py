@@ -1,4 +1,7 @@
+import inspect
 import json
+import traceback
+from pathlib import Path
 
 import pytest
 import tomllib
@@ -6,6 +9,7 @@ import torch
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from safetensors import safe_open
 from safetensors.torch import load_file
+from torch.overrides import TorchFunctionMode
 
 from difftune.config import load_config
 from difftune.errors import DifftuneError
@@ -392,3 +396,67 @@ def test_a_part_is_loaded_as_the_files_diffusers_picks_hold_it(tmp_path):
     assert files_dtype(str(tmp_path), "transformer") == torch.float32
     assert files_dtype(str(tmp_path), "transformer", "fp16") == torch.float16
     assert files_dtype(str(tmp_path), "unet") is None
+
+
+class _DeviceReads(TorchFunctionMode):
+    """Counts reads of computed values back to the host (`.item()`, `.tolist()`, `float(t)`...) of floating-point
+    tensors, by the line that made them. On a GPU each is a wait for the device; the batch's seeds and epochs (integer
+    tensors in host memory) are left out."""
+
+    READS = ("item", "tolist", "__float__", "__bool__", "__int__", "__index__", "numpy", "cpu")
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS and args[0].is_floating_point():
+            caller = traceback.extract_stack(limit=2)[0]
+            self.lines.append(f"{Path(caller.filename).name}:{caller.lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_training_step_reads_the_device_once(make_config, monkeypatch):
+    # The step's loss and gradient norm are read together, once (the guard needs both before the optimizer steps);
+    # the stop and sample requests of a single process never touch the device. Before: three reads a step.
+    from difftune.training import train as training
+
+    steps, reads = 4, _DeviceReads()
+    looped = training.loop
+
+    def counted(run):
+        with reads:
+            looped(run)
+
+    monkeypatch.setattr(training, "loop", counted)
+    result = train(make_config(train__max_steps=steps))
+    assert len(result.losses) == steps
+    assert len(reads.lines) == steps, reads.lines
+    assert set(reads.lines) == {"train.py:" + str(_line_of(training.step_numbers, ".tolist()"))}
+
+
+def _line_of(function, text: str) -> int:
+    lines, first = inspect.getsourcelines(function)
+    return first + next(index for index, line in enumerate(lines) if text in line)
+
+
+def test_the_next_steps_batch_is_read_ahead_and_the_data_order_is_kept(make_config, monkeypatch, tmp_path):
+    # `fetch_ahead` during each step but the last reads the next step's batch early; the run's batches, in order, are
+    # those of a run that reads each when its step begins (so the same adapter, bit for bit).
+    from difftune.training import train as training
+
+    fetched = []
+    fetch_ahead = training.BatchesAhead.fetch_ahead
+
+    def counted(self):
+        fetched.append(bool(self.ahead))
+        fetch_ahead(self)
+
+    monkeypatch.setattr(training.BatchesAhead, "fetch_ahead", counted)
+    ahead = train(make_config(train__max_steps=3, train__output_dir=str(tmp_path / "ahead")))
+    assert fetched == [False, False]  # steps 1 and 2 read ahead, each into an empty slot; step 3 is the last
+    monkeypatch.setattr(training.BatchesAhead, "fetch_ahead", lambda self: None)
+    in_step = train(make_config(train__max_steps=3, train__output_dir=str(tmp_path / "in-step")))
+    assert ahead.losses == in_step.losses
+    for key, value in load_file(in_step.trained_path).items():
+        assert torch.equal(load_file(ahead.trained_path)[key], value), key

@@ -28,6 +28,7 @@ from difftune.errors import DifftuneError
 from difftune.families.family import Family
 from difftune.families.loading import FamilyOptions
 from difftune.families.objective import Objective, draw_fractions, draw_noise, per_sample_error
+from difftune.memory.transfer import to_device
 from difftune.models.parts import Components
 
 FLOW_WEIGHTINGS = ("uniform", "sigma_sqrt", "cosmap")  # flow-matching weightings (diffusers' SD3 ones)
@@ -132,7 +133,7 @@ class FlowMatching(Objective):
                 components, float(sigmas[0]), float(sigmas[i])
             ):
                 sigmas[i] = shifted(draw_fractions([generator], config), shift)[0]
-        return sigmas.to(latents.device) * 1000, *draw_noise(generators, latents, config)
+        return to_device(sigmas, latents.device) * 1000, *draw_noise(generators, latents, config)
 
     def noised(self, components, latents, timesteps, noise):
         sigmas = (timesteps.float() / 1000).view(-1, *[1] * (latents.dim() - 1))  # an image's or a clip's latents

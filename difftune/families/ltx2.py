@@ -48,7 +48,6 @@ import torch
 from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltx2_lora_to_diffusers
 from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
-from diffusers.utils.torch_utils import randn_tensor
 from pydantic import Field
 
 from difftune.config import Config, ModelConfig
@@ -61,6 +60,7 @@ from difftune.families.flow import FlowMatching, FlowMatchingFamily, flow_error
 from difftune.families.layouts import RenamedLayout
 from difftune.families.loading import FamilyOptions
 from difftune.families.targets import targets_in_blocks
+from difftune.memory.transfer import host_randn
 from difftune.models.parts import Components
 
 TEXT_TOKENS = 1024  # the pipeline's default `max_sequence_length`: Gemma 3 reads every caption left-padded to it
@@ -155,7 +155,7 @@ class SoundAndVideoFlow(FlowMatching):
         if "sound_latents" not in conditioning:
             return {}
         sound = conditioning["sound_latents"]
-        return {"sound_noise": randn_tensor(sound.shape, generator=generators, device=sound.device, dtype=sound.dtype)}
+        return {"sound_noise": host_randn(sound.shape, generators, sound.device, sound.dtype)}
 
     def loss(self, components, latents, timesteps, noise, conditioning, geometry, config, input_noise=None, mask=None):
         if "sound_latents" not in conditioning:

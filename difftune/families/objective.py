@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 from diffusers import DDPMScheduler
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
-from diffusers.utils.torch_utils import randn_tensor
 
 from difftune.config import Config, LossConfig
+from difftune.memory.transfer import host_randn, to_device
 
 if TYPE_CHECKING:
     from difftune.models.parts import Components
@@ -69,14 +69,14 @@ def draw_noise(
     """Per sample, from its own generator: the target noise (B, C, h, w), or (B, C, T, h, w) for a clip, with the
     configured offset (one value per sample and channel, over every frame and pixel), and the noise the denoiser's
     input is made with (the target perturbed, if configured)."""
-    noise = randn_tensor(latents.shape, generator=generators, device=latents.device, dtype=latents.dtype)
+    noise = host_randn(latents.shape, generators, latents.device, latents.dtype)
     if config.noise_offset:
         per_channel = (*latents.shape[:2], *[1] * (latents.dim() - 2))
-        offset = randn_tensor(per_channel, generator=generators, device=latents.device, dtype=latents.dtype)
+        offset = host_randn(per_channel, generators, latents.device, latents.dtype)
         noise = noise + config.noise_offset * offset
     input_noise = noise
     if config.input_perturbation:
-        extra = randn_tensor(latents.shape, generator=generators, device=latents.device, dtype=latents.dtype)
+        extra = host_randn(latents.shape, generators, latents.device, latents.dtype)
         input_noise = noise + config.input_perturbation * extra
     return noise, input_noise
 
@@ -90,7 +90,7 @@ def draw_timesteps_and_noise(
         timesteps = torch.cat([torch.randint(0, num_train_timesteps, (1,), generator=g) for g in generators])
     else:
         timesteps = (draw_fractions(generators, config) * num_train_timesteps).long().clamp(max=num_train_timesteps - 1)
-    return timesteps.to(latents.device), *draw_noise(generators, latents, config)
+    return to_device(timesteps, latents.device), *draw_noise(generators, latents, config)
 
 
 def over_implied_weighting(x0_weight: torch.Tensor, snr: torch.Tensor, prediction: str) -> torch.Tensor:

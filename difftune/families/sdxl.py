@@ -17,6 +17,7 @@ from difftune.families.control import UNetControlNet
 from difftune.families.family import Family
 from difftune.families.layouts import Layout
 from difftune.families.sd import ATTENTION_PROJECTIONS, CLIP_ATTENTION
+from difftune.memory.transfer import to_device
 from difftune.models import single_file
 from difftune.models.parts import Components
 
@@ -79,7 +80,7 @@ class StableDiffusionXL(Family):
         states = conditioning["encoder_hidden_states"]
         added = {
             "text_embeds": conditioning["pooled_prompt_embeds"],
-            "time_ids": geometry.to(states.device, states.dtype),
+            "time_ids": to_device(geometry, states.device, states.dtype),
         }
         control = self.control_residuals(
             components, conditioning, noisy, timesteps, encoder_hidden_states=states, added_cond_kwargs=added

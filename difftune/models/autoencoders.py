@@ -50,9 +50,9 @@ from diffusers import (
     AutoencoderKLWan,
     AutoencoderTiny,
 )
-from diffusers.utils.torch_utils import randn_tensor
 
 from difftune.errors import DifftuneError
+from difftune.memory.transfer import host_randn
 
 VAE_CLASSES = {
     "AutoencoderKL": AutoencoderKL,
@@ -222,7 +222,7 @@ def sample_latents(
 ) -> torch.Tensor:
     """One posterior sample per image, each from its own generator (so a sample's latents do not depend on the
     rest of its batch), normalised for the denoiser."""
-    eps = randn_tensor(mean.shape, generator=generators, device=mean.device, dtype=mean.dtype)
+    eps = host_randn(mean.shape, generators, mean.device, mean.dtype)
     return normalization.apply(mean + std * eps)
 
 

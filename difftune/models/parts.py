@@ -379,8 +379,20 @@ def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:
     ).input_ids
 
 
+def compile_denoiser(denoiser: torch.nn.Module) -> None:
+    """torch.compile in place (a checkpoint keeps its keys). A transformer's repeated blocks one by one (diffusers'
+    `compile_repeated_blocks`, the regional compilation its docs recommend): its blocks do nearly all its work, and
+    one compiled graph serves every block of a kind, so compiling takes a block's time, not the model's. A UNet whole:
+    its convolutions and norms outside its transformer blocks take most of its step."""
+    if getattr(denoiser, "_repeated_blocks", None) and not hasattr(denoiser, "down_blocks"):
+        denoiser.compile_repeated_blocks()
+    else:
+        denoiser.compile()
+
+
 def set_attention(denoiser: torch.nn.Module, kind: str) -> None:
-    """`sdpa` is diffusers' default processor (PyTorch scaled-dot-product attention); `xformers` swaps it."""
+    """`sdpa` and `sdpa_cudnn` are diffusers' default processor (PyTorch scaled-dot-product attention; which of its
+    kernels CUDA may use is set per process, train.py's `_set_device_flags`); `xformers` swaps it."""
     if kind == "xformers":
         if importlib.util.find_spec("xformers") is None:
             raise DifftuneError(

@@ -250,7 +250,7 @@ def find_lr(
             rate = start_lr * (end_lr / start_lr) ** (step / (steps - 1))
             for group, ratio in zip(groups, ratios, strict=True):
                 group["lr"] = rate * ratio
-            loss, _, _ = accumulate_gradients(run)
+            loss = float(accumulate_gradients(run)[0])  # the sweep judges each step: one read of the device a step
             run.accelerator.clip_grad_norm_(run.parameters, max_norm)
             run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)

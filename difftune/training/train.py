@@ -70,10 +70,12 @@ from difftune.families.objective import training_noise_scheduler
 from difftune.memory.checkpointing import enable_gradient_checkpointing
 from difftune.memory.quantize import quantize_linear_layers
 from difftune.memory.storage import computed_copies_saved_as_stored
+from difftune.memory.transfer import to_device
 from difftune.models.autoencoders import encode_posterior, reference_latents, sample_latents
 from difftune.models.parts import (
     Components,
     cast_frozen,
+    compile_denoiser,
     encoder_placement,
     encoders_on,
     host_kept_encoders,
@@ -144,7 +146,7 @@ class Run:
     guard: Guard
     checkpointer: Checkpointer
     progress: Progress
-    batches: Iterator[dict]
+    batches: BatchesAhead
     validator: Validator | None
     best: BestResults | None  # with a validator
     metrics: MetricsLog
@@ -295,7 +297,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
         components.family.sampling_arguments(components, config.sample.guidance_scale, config.sample.negative_prompt)
     export.check_layout(components, config)
     if config.train.compile:  # after the adapters, so the compiled graph includes them
-        components.denoiser.compile()
+        compile_denoiser(components.denoiser)
 
     named = trainable_parameters(components, config.adapter)
     global_batch = config.train.batch_size * accelerator.num_processes * config.train.gradient_accumulation_steps
@@ -343,8 +345,8 @@ def setup(config: Config, resume: str | None = None) -> Run:
         start_batch=progress.micro_batches,
         buckets=batch_groups(sizes, controls, any(data.buckets for data in datasets), frame_counts(examples), rates),
     )
-    batches = iter(
-        build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda")
+    batches = BatchesAhead(
+        iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
     )
     accelerator.init_trackers("difftune", config=_flat_hparams(config))
     accelerator.print(
@@ -398,9 +400,13 @@ def loop(run: Run) -> None:
             watch = config.log.activations_every_steps and global_step % config.log.activations_every_steps == 0
             activations = BlockActivations(run.components.family, run.unwrapped().denoiser) if watch else nullcontext()
             with activations:
-                step_loss, paths, batch = accumulate_gradients(run)
-            # The last micro-step synced the gradients: clip, judge, then step (or skip) on every process alike.
-            grad_norm = float(accelerator.clip_grad_norm_(run.parameters, max_norm))
+                loss, paths, batch = accumulate_gradients(run)
+            # The last micro-step synced the gradients: clip, judge, then step (or skip) on every process alike. The
+            # next step's batch is read while the device works; then the step's one wait for it (`step_numbers`).
+            norm = accelerator.clip_grad_norm_(run.parameters, max_norm)
+            if global_step < config.train.max_steps:
+                run.batches.fetch_ahead()
+            step_loss, grad_norm = step_numbers(loss, norm)
             skip = run.guard.judge(
                 global_step, step_loss, grad_norm, grad_overflow_is_expected=accelerator.scaler is not None
             )
@@ -446,9 +452,9 @@ def loop(run: Run) -> None:
         run.metrics.close()
 
 
-def accumulate_gradients(run: Run) -> tuple[float, list[str], dict]:
-    """One optimizer step's micro-batches through forward and backward: the process-averaged loss, the images'
-    paths on this process and the last batch. Gradients are synced after the last micro-step."""
+def accumulate_gradients(run: Run) -> tuple[torch.Tensor, list[str], dict]:
+    """One optimizer step's micro-batches through forward and backward: the process-averaged loss (on the device, not
+    yet read), the images' paths on this process and the last batch. Gradients are synced after the last micro-step."""
     config, accelerator = run.config, run.accelerator
     accumulation = config.train.gradient_accumulation_steps
     step_loss, paths = torch.zeros((), device=accelerator.device), []
@@ -460,7 +466,36 @@ def accumulate_gradients(run: Run) -> tuple[float, list[str], dict]:
             accelerator.backward(loss)
         step_loss += loss.detach() / accumulation
         paths += batch["path"]
-    return accelerator.reduce(step_loss, reduction="mean").item(), paths, batch
+    return accelerator.reduce(step_loss, reduction="mean"), paths, batch
+
+
+def step_numbers(loss: torch.Tensor, grad_norm: torch.Tensor | float) -> tuple[float, float]:
+    """A step's loss and gradient norm read from the device at once: reading a value makes the host wait until the
+    device has computed it, and with the device's queue drained the device waits for the host's next launch. One read
+    a step (the guard must see both before the optimizer steps), where `.item()` on each waited twice."""
+    loss_and_norm = torch.stack([loss.float(), torch.as_tensor(grad_norm, device=loss.device).float()])
+    step_loss, norm = loss_and_norm.tolist()
+    return step_loss, norm
+
+
+class BatchesAhead:
+    """The run's batches, one read ahead on asking: `fetch_ahead` while the device computes a step reads, decodes and
+    collates the next step's batch then, instead of after the step's wait for the device, when the device would idle
+    through it (on the host in the loop's own process with `data.num_workers = 0`)."""
+
+    def __init__(self, batches: Iterator[dict]):
+        self.batches = batches
+        self.ahead: list[dict] = []
+
+    def fetch_ahead(self) -> None:
+        if not self.ahead:
+            self.ahead.append(next(self.batches))
+
+    def __iter__(self) -> BatchesAhead:
+        return self
+
+    def __next__(self) -> dict:
+        return self.ahead.pop() if self.ahead else next(self.batches)
 
 
 def _denoiser_autocast(run: Run):
@@ -611,10 +646,10 @@ def _training_loss(
     family = components.family
     generators = [torch.Generator().manual_seed(int(seed)) for seed in batch["seed"]]
     if "latent_mean" in batch:
-        mean, std = batch["latent_mean"].to(device), batch["latent_std"].to(device)
+        mean, std = to_device(batch["latent_mean"], device), to_device(batch["latent_std"], device)
         from_pixels = batch.get("pixel_conditioning", {})
     else:
-        pixels = batch["pixel_values"].to(device)
+        pixels = to_device(batch["pixel_values"], device)
         with torch.no_grad():
             mean, std = encode_posterior(components.vae, pixels)
             from_pixels = family.pixel_conditioning(components, pixels)
@@ -622,13 +657,14 @@ def _training_loss(
     if slider_prompts:  # a slider reads its own prompts (`slider_loss`), never the captions
         conditioning = {}
     elif "conditioning" in batch:
-        conditioning = {name: value.to(device) for name, value in batch["conditioning"].items()}
+        conditioning = {name: to_device(value, device) for name, value in batch["conditioning"].items()}
     else:
         with torch.set_grad_enabled(config.adapter.trains_text_encoders):
             conditioning = family.encode_prompts(
-                components, {name: ids.to(device) for name, ids in batch["token_ids"].items()}
+                components, {name: to_device(ids, device) for name, ids in batch["token_ids"].items()}
             )
-    conditioning |= {name: value.to(device) for name, value in from_pixels.items()}  # an image-to-video first frame
+    # an image-to-video first frame
+    conditioning |= {name: to_device(value, device) for name, value in from_pixels.items()}
     if config.adapter.trains_controlnet:  # what the ControlNet reads: the control image, or its latents
         conditioning["control"] = family.controlnet.control_input(
             components, _controls(components, batch, device, family.controlnet.reads_latents)[0]
@@ -646,7 +682,7 @@ def _training_loss(
     )
     conditioning |= family.objective.stream_noise(generators, conditioning)  # a clip's sound's, where it trains
     mask = (
-        latent_mask(batch["mask"].to(device), latents.shape[2:], config.data.unmasked_weight)
+        latent_mask(to_device(batch["mask"], device), latents.shape[2:], config.data.unmasked_weight)
         if "mask" in batch
         else None
     )
@@ -664,19 +700,21 @@ def _training_loss(
         )
     else:
         loss = loss_of(latents)
-    return loss * batch["loss_weight"].to(device, loss.dtype)  # prior preservation's class images: prior.loss_weight
+    return loss * to_device(batch["loss_weight"], device, loss.dtype)  # prior preservation's class images' weight
 
 
 def _controls(components: Components, batch: dict, device: torch.device, as_latents: bool) -> list[torch.Tensor]:
     """A batch's control images, each (B, C, ...) on `device`: pixels in [-1, 1], or `as_latents` their posteriors'
     normalised means (cached, or encoded here)."""
     if not as_latents:
-        return [pixels.to(device) for pixels in batch["control_pixels"]]
+        return [to_device(pixels, device) for pixels in batch["control_pixels"]]
     means = batch.get("control_latents")
     if "control_pixels" in batch:
         with torch.no_grad():
-            means = [encode_posterior(components.vae, pixels.to(device))[0] for pixels in batch["control_pixels"]]
-    return [reference_latents(mean.to(device), components.latent_normalization) for mean in means or []]
+            means = [
+                encode_posterior(components.vae, to_device(pixels, device))[0] for pixels in batch["control_pixels"]
+            ]
+    return [reference_latents(to_device(mean, device), components.latent_normalization) for mean in means or []]
 
 
 def _media_count(examples: list) -> str:
@@ -1107,8 +1145,9 @@ def _set_device_flags(config: Config, accelerator: Accelerator) -> None:
         torch.backends.cudnn.benchmark = config.train.cudnn_benchmark != "off"
         # SDPA's cuDNN kernel gave NaN gradients from the first step on the tiny Flux job in bf16 on an H100
         # (torch 2.11, cu130) while its loss was finite, and the flash, memory-efficient and math kernels trained
-        # it finitely, to the same losses (BENCHMARKS.md, "GPU"): training does without it.
-        torch.backends.cuda.enable_cudnn_sdp(False)
+        # it finitely, to the same losses (BENCHMARKS.md, "GPU"): training does without it unless asked
+        # (`train.attention = "sdpa_cudnn"`, which the GPU suite's side-by-side times against the peer's default).
+        torch.backends.cuda.enable_cudnn_sdp(config.train.attention == "sdpa_cudnn")
     elif "on" in (config.train.tf32, config.train.cudnn_benchmark):
         accelerator.print(
             f"difftune: train.tf32 and train.cudnn_benchmark apply to CUDA only; no effect on {accelerator.device}"
