@@ -270,14 +270,7 @@ def test_bench_prints_one_json_line_with_every_field(tmp_path, model):
     assert result["model"] == model and result["device"] == "cpu" and result["mfu"] is None
 
 
-# HiDream's job took 1164 s of CI's 51 minutes (2026-12-06), most of it in its pipeline's VAE decode in bf16 on the
-# CPU at the end of the run (the parity check): run on asking (`pytest -m sweep`) until that is found and cut.
-SLOW_ON_CPU = {"hidream"}
-
-
-@pytest.mark.parametrize(
-    "family", [pytest.param(f, marks=pytest.mark.sweep) if f in SLOW_ON_CPU else f for f in sorted(FAMILY_CONFIGS)]
-)
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
 def test_each_familys_shipped_job_runs_on_its_micro_model(family, tmp_path):
     """The config a family ships (configs/), as shipped but for the base, data, size and steps, trains its micro model
     on the purple set: validation rows at each quarter, and the adapter reloaded through the family's own pipeline

@@ -94,3 +94,15 @@ def test_files_are_named_as_diffusers_and_comfyui_read_them(make_config, base, t
 
     torch.testing.assert_close(drawn(str(tmp_path / "lone.safetensors")), drawn(str(trained)), rtol=0, atol=1e-5)
     assert export.convert_adapter(trained, tmp_path / "kohya.safetensors", "kohya").is_file()
+
+
+@pytest.mark.parametrize("height, width", [(32, 32), (32, 48)])
+def test_samples_are_drawn_at_the_size_asked(base, height, width):
+    # HiDreamImagePipeline scales any size to its default's area (1024 x 1024 with the published VAE's factor 8);
+    # difftune's drawing sets that default to the size asked, so a sample comes out as asked.
+    components = load_components(ModelConfig(base=base))
+    pipeline = FAMILY.assemble_pipeline(components)
+    generator = torch.Generator().manual_seed(0)
+    arguments = FAMILY.sampling_arguments(components, 1.0, "") | {"num_inference_steps": 1, "generator": generator}
+    (image,) = FAMILY.draw(pipeline, components.family_options, "a red circle", [], height, width, **arguments)
+    assert image.size == (width, height)
