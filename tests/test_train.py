@@ -449,7 +449,7 @@ def test_the_next_steps_batch_is_read_ahead_and_the_data_order_is_kept(make_conf
     fetch_ahead = training.BatchesAhead.fetch_ahead
 
     def counted(self):
-        fetched.append(bool(self.ahead))
+        fetched.append(self.ahead is not None)
         fetch_ahead(self)
 
     monkeypatch.setattr(training.BatchesAhead, "fetch_ahead", counted)

@@ -110,8 +110,9 @@ class MemoryPlan:
 _REMEMBERED_PLANS: ContextVar[dict[tuple[str, str], MemoryPlan] | None] = ContextVar("remembered_plans", default=None)
 
 
-# Settings no plan reads: how long the run is, where it writes, its seed, its logs and checkpoints (`_stored_plan`).
-UNPLANNED = {"train": ("max_steps", "output_dir", "seed"), "log": None, "checkpoint": None}
+# Settings no plan reads, as pydantic's `exclude` takes them: how long the run is, where it writes, its seed, its logs
+# and checkpoints (`_stored_plan_path`).
+UNPLANNED = {"train": {"max_steps", "output_dir", "seed"}, "log": True, "checkpoint": True}
 PLANS_FOLDER = "plans"  # under difftune's cache folder
 PLANNED_WITH = ("torch", "diffusers", "transformers", "peft", "accelerate")
 
@@ -124,13 +125,7 @@ def _stored_plan_path(config: Config, device_type: str) -> Path | None:
     versions; a base that is not a local folder (a hub id, a single file) is planned afresh every time."""
     if os.environ.get("DIFFTUNE_PLAN_CACHE", "on") == "off" or not Path(config.model.base).is_dir():
         return None
-    settings = config.model_dump(mode="json")
-    for section, keys in UNPLANNED.items():
-        if keys is None:
-            settings.pop(section, None)
-        else:
-            for key in keys:
-                settings[section].pop(key, None)
+    settings = config.model_dump(mode="json", exclude=UNPLANNED)
     digest = hashlib.sha256(json.dumps([settings, device_type], sort_keys=True).encode())
     for path in sorted(Path(config.model.base).rglob("*.json")):
         digest.update(str(path.relative_to(config.model.base)).encode() + path.read_bytes())

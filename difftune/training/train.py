@@ -485,17 +485,18 @@ class BatchesAhead:
 
     def __init__(self, batches: Iterator[dict]):
         self.batches = batches
-        self.ahead: list[dict] = []
+        self.ahead: dict | None = None
 
     def fetch_ahead(self) -> None:
-        if not self.ahead:
-            self.ahead.append(next(self.batches))
+        if self.ahead is None:
+            self.ahead = next(self.batches)
 
     def __iter__(self) -> BatchesAhead:
         return self
 
     def __next__(self) -> dict:
-        return self.ahead.pop() if self.ahead else next(self.batches)
+        batch, self.ahead = self.ahead, None
+        return batch if batch is not None else next(self.batches)
 
 
 def _denoiser_autocast(run: Run):
