@@ -480,9 +480,9 @@ def job_reports(request, tmp_path_factory) -> dict:
 @pytest.mark.slow
 # Not tiny-flux2_klein: its job meets every target at seeds 0 and 1 with no sample to spare, and draws purple squares
 # at 0.875 at seed 2.
-# SDXL's, Qwen-Image's, Z-Image's and SD3's default jobs are the quality sweep (`pytest -m sweep tests/test_quality.py`,
-# a few minutes on 2 cores), outside CI's 45 minutes: their objectives are the jobs CI runs (SD's noise prediction;
-# the flow matching of Flux.1, FLUX.3, Chroma, Qwen-Image 2.1, Kontext, Qwen-Image-Edit, Wan and LTX-2), and
+# SDXL's, Qwen-Image's, Z-Image's, SD3's, FLUX.3's and Chroma's default jobs are the quality sweep (`pytest -m sweep
+# tests/test_quality.py`, a few minutes on 2 cores), outside CI's 45 minutes: their objectives are the jobs CI runs
+# (SD's noise prediction; the flow matching of Flux.1, Qwen-Image 2.1, Kontext, Qwen-Image-Edit, Wan and LTX-2), and
 # BENCHMARKS.md has their rows from scripts/bench_quality.py.
 @pytest.mark.parametrize(
     "job, base",
@@ -490,8 +490,8 @@ def job_reports(request, tmp_path_factory) -> dict:
         pytest.param("tiny_lora", BASE, id="tiny-sd"),
         pytest.param("flux_lora", FLUX_BASE, id="tiny-flux"),
         pytest.param("qwen_image21_lora", QWEN21_BASE, id="tiny-qwen_image21"),
-        pytest.param("flux3_lora", FLUX3_BASE, id="tiny-flux3"),
-        pytest.param("chroma_lora", CHROMA_BASE, id="tiny-chroma"),
+        pytest.param("flux3_lora", FLUX3_BASE, id="tiny-flux3", marks=pytest.mark.sweep),
+        pytest.param("chroma_lora", CHROMA_BASE, id="tiny-chroma", marks=pytest.mark.sweep),
         pytest.param("sdxl_lora", SDXL_BASE, id="tiny-sdxl", marks=pytest.mark.sweep),
         pytest.param("qwen_image_lora", QWEN_BASE, id="tiny-qwen_image", marks=pytest.mark.sweep),
         pytest.param("z_image_lora", Z_IMAGE_BASE, id="tiny-z_image", marks=pytest.mark.sweep),

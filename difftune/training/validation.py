@@ -159,9 +159,12 @@ class Validator:
             self.groups.append(
                 {
                     "latents": latents,
+                    # Per image, not per pair: `loss` encodes each caption in a batch once, not once per timestep.
                     "token_ids": {
-                        name: per_pair([items[i]["token_ids"][name] for i in indices]) for name in items[0]["token_ids"]
+                        name: torch.stack([items[i]["token_ids"][name] for i in indices]).to(device)
+                        for name in items[0]["token_ids"]
                     },
+                    "image_of_pair": torch.arange(len(indices)).repeat_interleave(len(timesteps)),
                     "geometry": per_pair([items[i]["geometry"] for i in indices]),
                     "timesteps": torch.tensor(timesteps * len(indices), device=device),
                     "noise": torch.randn(latents.shape, generator=noise_generator).to(device),
@@ -183,8 +186,10 @@ class Validator:
             for group in self.groups:
                 for start in range(0, len(group["latents"]), self.batch_size):
                     part = slice(start, start + self.batch_size)
-                    token_ids = {name: ids[part] for name, ids in group["token_ids"].items()}
-                    conditioning = family.encode_prompts(components, token_ids)
+                    images, pair_rows = group["image_of_pair"][part].unique(return_inverse=True)
+                    token_ids = {name: ids[images.to(ids.device)] for name, ids in group["token_ids"].items()}
+                    encoded = family.encode_prompts(components, token_ids)
+                    conditioning = {name: value[pair_rows.to(value.device)] for name, value in encoded.items()}
                     conditioning |= {name: value[part] for name, value in group["from_pixels"].items()}
                     if group["control_latents"]:
                         conditioning["control_latents"] = [controls[part] for controls in group["control_latents"]]
