@@ -471,7 +471,7 @@ def _run(args: argparse.Namespace) -> None:
         for path in written:
             print(f"difftune: wrote {path}")
     elif args.command == "sample":
-        from difftune.families.drawing import generate_images, save_images
+        from difftune.families.common.drawing import generate_images, save_images
 
         config = _sample_config(args)
         if not config.prompts:

@@ -64,30 +64,13 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # `owner/name`, what a base 
 # 1.
 MAX_LEARNING_RATE = 10.0
 
-# The model families: one module each in difftune/families/, named as the family (families/__init__.py loads
-# them), beside the pieces several families share. Read from the file names here, because the families import
-# this schema.
-SHARED_FAMILY_MODULES = (
-    "__init__",
-    "family",
-    "flow",
-    "layouts",
-    "objective",
-    "drawing",
-    "modular",
-    "conditioning",
-    "control",
-    "loading",
-    "targets",
-    "hunyuan_text",
-    "hunyuan_original",
-    "wan_experts",
-)
+# The model families: one folder each in difftune/families/, named as the family (families/__init__.py loads them),
+# beside `common/`, the pieces families share. Read from the folders here, because the families import this schema.
 FAMILY_NAMES = tuple(
     sorted(
-        path.stem
-        for path in (Path(__file__).parent / "families").glob("*.py")
-        if path.stem not in SHARED_FAMILY_MODULES
+        folder.name
+        for folder in (Path(__file__).parent / "families").iterdir()
+        if (folder / "__init__.py").is_file() and folder.name != "common"
     )
 )
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components
-from difftune.families.flow import FlowMatching
-from difftune.families.modular import ModularBase
+from difftune.families.common.flow import FlowMatching
+from difftune.families.common.modular import ModularBase
 from difftune.models.autoencoders import PATCHED_AUTOENCODERS, frames_per_latent
 from difftune.toy.judge import EvalSettings, clip_score, score
 from difftune.toy.tiny import (

@@ -2,10 +2,10 @@
 (models/tiny-flux_kontext from models/tiny-flux; models/tiny-qwen_image_edit_plus from models/tiny-qwen_image)
 and the default edit jobs' pairs (examples/purple_edits).
 
-The text-to-image base's components in its edit pipeline (`edit_pipeline_of`), its transformer fully fine-tuned by
-difftune on "make it <color>" recolor pairs of the seen colors (the held-out color never asked for and never shown),
-with Qwen's language model, which learns to read the control; scored with the edit judge against the same model
-before edit training, and the model card written. Deterministic by seed.
+The text-to-image base's components in its edit pipeline (its family's micro `edit_pipeline_of`), its transformer
+fully fine-tuned by difftune on "make it <color>" recolor pairs of the seen colors (the held-out color never asked
+for and never shown), with Qwen's language model, which learns to read the control; scored with the edit judge
+against the same model before edit training, and the model card written. Deterministic by seed.
 """
 
 import argparse

@@ -1,6 +1,7 @@
 """The architecture the folders show is the one the imports keep: `.importlinter`'s contracts, checked."""
 
 import configparser
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,24 +59,57 @@ def test_code_is_laid_out_by_the_formatter():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_no_family_is_named_outside_its_own_module():
-    """Adding a family touches its module (and its micro builder, config and tests), nothing else: the library asks
-    families and never names one. The one name left is a default for files older than `model.family`."""
+def test_no_family_is_named_outside_its_own_folder():
+    """Adding a family touches its folder (and its configs, tests and tiny base), nothing else: the library, the toy
+    tooling and the published configs ask families and never name one, by a string or by importing its folder. The one
+    name left is a default for files older than `model.family`."""
     import re
 
     from difftune.config import FAMILY_NAMES
 
     root = Path(difftune.__file__).parent
+    names = "|".join(FAMILY_NAMES)
+    named_by_string = re.compile(rf"[\"']({names})[\"']")
+    imported = re.compile(rf"difftune\.families\.({names})\b|from difftune\.families import ({names})\b")
     named = []
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root)
-        if relative.parts[0] in ("toy", "published") or (relative.parts[0] == "families" and path.stem in FAMILY_NAMES):
-            continue
+        if relative.parts[0] == "families" and relative.parts[1] in FAMILY_NAMES:
+            continue  # a family's folder (a family may build on another: Kontext on Flux.1)
         text = path.read_text(encoding="utf-8")
-        named += [f"{relative}: {name}" for name in FAMILY_NAMES for _ in re.finditer(rf"[\"']{name}[\"']", text)]
-    assert named == ["training/checkpoint.py: sd"]  # a checkpoint saved before `model.family` is SD's
-    micro = root / "toy" / "micro"
-    assert {path.stem for path in micro.glob("*.py") if not path.stem.startswith("_")} == set(FAMILY_NAMES)
+        named += [f"{relative}: {match.group(0)}" for match in named_by_string.finditer(text)]
+        named += [f"{relative}: {match.group(0)}" for match in imported.finditer(text)]
+    assert named == ['training/checkpoint.py: "sd"']  # a checkpoint saved before `model.family` is SD's
+
+
+def test_a_family_is_one_folder_and_the_toy_keeps_no_familys_builder():
+    """Each family's folder holds its family (registered as `FAMILY`), its published bases and its micro model; a
+    builder of the toy's shared `tiny.py` that one family's micro model alone uses belongs in that family's folder."""
+    import ast
+
+    from difftune.config import FAMILY_NAMES
+
+    root = Path(difftune.__file__).parent
+    for name in FAMILY_NAMES:
+        assert {"__init__.py", "micro.py", "bases.json"} <= {p.name for p in (root / "families" / name).iterdir()}, name
+    assert {p.name for p in (root / "families").iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        *FAMILY_NAMES,
+        "common",
+    }
+    tiny = ast.parse((root / "toy" / "tiny.py").read_text(encoding="utf-8"))
+    builders = [node.name for node in tiny.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
+    toy_sources = {
+        path.relative_to(root).as_posix(): path.read_text(encoding="utf-8")
+        for path in [*root.glob("families/*/micro.py"), *(root / "toy").rglob("*.py")]
+        if path.name != "tiny.py"
+    }
+    single_family = []
+    for builder in builders:
+        users = [source for source, text in toy_sources.items() if re.search(rf"\b{builder}\b", text)]
+        used_in_tiny = len(re.findall(rf"\b{builder}\b", (root / "toy" / "tiny.py").read_text(encoding="utf-8"))) > 1
+        if len(users) == 1 and users[0].startswith("families/") and not used_in_tiny:
+            single_family.append(f"{builder}: {users[0]}")
+    assert single_family == []
 
 
 def test_adapter_kinds_are_types_the_library_acts_on_not_names():

@@ -276,7 +276,7 @@ def test_kohya_files_name_the_version_of_their_base(make_config, tiny_base, tmp_
     from difftune.toy.tiny import build_text_encoder
     from difftune.training.train import train
 
-    pipeline = build_pipeline(seed=1)
+    pipeline = build_pipeline(seed=1, family="sd")
     pipeline.text_encoder = build_text_encoder(hidden_size=1024)
     pipeline.unet = UNet2DConditionModel.from_config(
         pipeline.unet.config, cross_attention_dim=1024, use_linear_projection=True

@@ -37,12 +37,12 @@ from torch.nn.utils import parametrize
 
 from difftune.adapters import export
 from difftune.cli import main
-from difftune.config import FAMILY_NAMES, SHARED_FAMILY_MODULES, Config, ModelConfig
+from difftune.config import FAMILY_NAMES, Config, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, family_table_markdown, load_components
-from difftune.families.layouts import FusedLayout
+from difftune.families.common.layouts import FusedLayout
+from difftune.families.common.modular import ModularBase
 from difftune.families.lumina2 import SYSTEM_PROMPT
-from difftune.families.modular import ModularBase
 from difftune.families.qwen_image_edit import set_for_the_call
 from difftune.families.qwen_image_layered import LayeredOptions
 from difftune.memory import storage
@@ -498,10 +498,10 @@ def test_adapters_a_family_cannot_use_are_refused_before_any_work(name):
 
 
 def test_every_family_module_is_registered_and_complete():
-    """A family is one module in difftune/families/: found by its file name, accepted as `model.family`, and
-    naming everything the rest of difftune asks of it for each of its parts."""
-    modules = {p.stem for p in (Path(__file__).parents[1] / "difftune" / "families").glob("*.py")}
-    assert set(FAMILIES) == set(FAMILY_NAMES) == modules - set(SHARED_FAMILY_MODULES)
+    """A family is one folder in difftune/families/: found by its name, registered as its `FAMILY`, accepted as
+    `model.family`, and naming everything the rest of difftune asks of it for each of its parts."""
+    folders = {p.parent.name for p in (Path(__file__).parents[1] / "difftune" / "families").glob("*/__init__.py")}
+    assert set(FAMILIES) == set(FAMILY_NAMES) == folders - {"common"}
     for name, family in FAMILIES.items():
         ModelConfig(family=name)  # accepted by the schema
         # Files name every part an adapter can hold (a text encoder no loader reads may have none).

@@ -1,4 +1,4 @@
-"""Tencent Hunyuan's text conditioning (difftune/families/hunyuan_text.py) in each family that shares it, against
+"""Tencent Hunyuan's text conditioning (difftune/families/common/hunyuan_text.py) in each family that shares it, against
 its own pipeline: the glyph text ByT5 reads (quoted text, as each pipeline finds it) and the language model's states,
 bit for bit, the text cache's round trip, and the transformer fed both texts as the pipeline's loop feeds it."""
 

@@ -17,7 +17,7 @@ from difftune.adapters.trained import config_alpha
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
-from difftune.families.hunyuan_original import ORIGINAL_IN_BLOCK
+from difftune.families.common.hunyuan_original import ORIGINAL_IN_BLOCK
 from difftune.families.hunyuan_video15 import TENCENT_FILE
 from difftune.models.autoencoders import encode_posterior
 

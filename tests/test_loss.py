@@ -5,7 +5,7 @@ import torch
 from diffusers.training_utils import compute_snr
 
 from difftune.config import LossConfig
-from difftune.families.objective import (
+from difftune.families.common.objective import (
     debiased_weights,
     diffusion_loss,
     draw_noise,
@@ -180,7 +180,7 @@ def test_the_flow_matching_loss_on_a_clip_is_the_formula():
     """`FlowMatching.loss` on (B, C, T, h, w): (1 - s) x + s noise in, noise - x the target, per sample."""
     from types import SimpleNamespace
 
-    from difftune.families.flow import FlowMatching, FlowMatchingFamily
+    from difftune.families.common.flow import FlowMatching, FlowMatchingFamily
 
     class Identity(FlowMatchingFamily):
         def denoise(self, components, noisy, timesteps, conditioning, geometry):

@@ -18,9 +18,9 @@ from transformer_lora import kohya_modules_read_back, trained_and_merged
 from difftune.adapters.files import read_adapter
 from difftune.config import LossConfig, ModelConfig
 from difftune.families import FAMILIES, load_components
-from difftune.families.flow import shifted
+from difftune.families.common.flow import shifted
+from difftune.families.common.objective import draw_fractions
 from difftune.families.ltx2 import original_name
-from difftune.families.objective import draw_fractions
 
 FAMILY = FAMILIES["ltx2"]
 

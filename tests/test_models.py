@@ -10,9 +10,10 @@ from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler, FluxTransfo
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import load_components
+from difftune.families.sd.micro import build_unet
 from difftune.models.autoencoders import decode_latents, encode_latents
 from difftune.models.parts import compile_denoiser, place_frozen, set_attention
-from difftune.toy.tiny import build_taesd, build_unet, build_vae
+from difftune.toy.tiny import build_taesd, build_vae
 
 from conftest import REPO
 

@@ -341,15 +341,15 @@ def test_a_kept_base_builds_the_published_model(base):
         billions, tolerance = published_size if isinstance(published_size, tuple) else (published_size, 0.02)
         size = sum(p.numel() for p in parts[part].parameters()) / 1e9
         assert size == pytest.approx(billions, rel=tolerance), (part, size)
-    assert published.REFERENCE_BASES[components.family.name] in published.published_bases()
+    assert published.reference_bases()[components.family.name] in published.published_bases()
 
 
 def test_every_family_has_a_kept_reference_base():
     from difftune import published
     from difftune.families import FAMILIES
 
-    assert set(published.REFERENCE_BASES) == set(FAMILIES)
-    assert set(published.REFERENCE_BASES.values()) <= set(published.published_bases())
+    assert set(published.reference_bases()) == set(FAMILIES)
+    assert set(published.reference_bases().values()) <= set(published.published_bases())
 
 
 def _configs_naming_bases_not_here() -> list[Path]:
@@ -381,7 +381,7 @@ def test_every_shipped_config_is_planned_offline(monkeypatch):
                 raise AssertionError(f"configs/{name}: {err}") from err
             assert predicted.device_peak > 2**30 and predicted.host_peak > predicted.host["python and libraries"], name
             base = config.model.base
-            kept = base if published.is_published(base) else published.REFERENCE_BASES[config.model.family]
+            kept = base if published.is_published(base) else published.reference_bases()[config.model.family]
             assert predicted.configs.startswith(f"{kept}'s, kept in difftune"), name
 
 

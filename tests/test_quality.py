@@ -137,7 +137,7 @@ def test_the_color_term_puts_the_colors_in_the_first_latent_channels():
         return torch.nn.functional.mse_loss(means, torch.nn.functional.avg_pool2d(images, 4)).item()
 
     plain, colored = (
-        train_vae(images, steps=40, batch_size=16, kind="wan", color_weight=weight) for weight in (0.0, 1.0)
+        train_vae(images, steps=40, batch_size=16, kind="causal_video", color_weight=weight) for weight in (0.0, 1.0)
     )
     assert color_error(colored) < 0.2 < color_error(plain), (color_error(colored), color_error(plain))  # 0.07, 0.71
 
@@ -176,6 +176,7 @@ def test_every_bundled_base_is_built_from_its_familys_tiny_base():
 @pytest.mark.slow
 def test_build_base_writes_an_fp16_pipeline_with_taesd(tmp_path):
     recipe = Recipe(
+        family="sd",
         autoencoder_images=64,
         vae_steps=3,
         vae_decoder_steps=3,

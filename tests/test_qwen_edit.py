@@ -18,6 +18,7 @@ from difftune.cli import main
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
+from difftune.families.qwen_image.micro import build_qwen_tokenizer, edit_pipeline_of
 from difftune.families.qwen_image_edit import (
     EDIT_PROMPT_TEMPLATE,
     EDIT_TEMPLATE_TOKENS,
@@ -27,8 +28,6 @@ from difftune.families.qwen_image_edit import (
 from difftune.models.autoencoders import encode_posterior, reference_latents
 from difftune.toy.micro import build_pipeline
 from difftune.toy.tiny import (
-    build_qwen_tokenizer,
-    edit_pipeline_of,
     extend_qwen_tokenizer,
     recolor_pairs,
     write_pair_folder,
@@ -69,7 +68,7 @@ def test_the_edit_tokenizer_extends_a_text_to_image_one_keeping_its_ids():
     from difftune.families.qwen_image import PROMPT_TEMPLATE
 
     plain = build_qwen_tokenizer()
-    extended = extend_qwen_tokenizer(plain)
+    extended = extend_qwen_tokenizer(plain, EDIT_PROMPT_TEMPLATE)
     vocab = extended.get_vocab()
     assert len(extended) > len(plain) and all(vocab[token] == i for token, i in plain.get_vocab().items())
     assert len(extended(PROMPT_TEMPLATE.split("{}")[0])["input_ids"]) == 34  # what QwenImagePipeline drops

@@ -12,8 +12,9 @@ from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.families.qwen_image import PROMPT_TEMPLATE, TEMPLATE_TOKENS
+from difftune.families.qwen_image.micro import build_qwen_tokenizer
 from difftune.models.autoencoders import decode_latents, encode_latents, latent_normalization
-from difftune.toy.tiny import COLORS, build_qwen_tokenizer
+from difftune.toy.tiny import COLORS
 from difftune.training.train import train
 
 QWEN = FAMILIES["qwen_image"]

@@ -5,7 +5,7 @@ from diffusers import SD3Transformer2DModel
 
 from difftune.adapters.targets import missing_targets
 from difftune.families import FAMILIES
-from difftune.toy.tiny import build_sd3_transformer
+from difftune.families.sd3.micro import build_sd3_transformer
 
 
 @pytest.mark.parametrize("second_attention", [(0,), ()], ids=["sd35-medium", "sd3-medium-and-sd35-large"])

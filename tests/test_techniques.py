@@ -16,7 +16,7 @@ from difftune.config import EmaConfig, GuardConfig, LossConfig, ModelConfig, Opt
 from difftune.data.dataset import scan_examples, training_sizes
 from difftune.errors import DifftuneError
 from difftune.families import load_components
-from difftune.families.objective import draw_timesteps_and_noise, training_noise_scheduler
+from difftune.families.common.objective import draw_timesteps_and_noise, training_noise_scheduler
 from difftune.toy.tiny import build_noise_scheduler
 from difftune.training import train as train_module
 from difftune.training.activations import BlockActivations

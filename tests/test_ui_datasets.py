@@ -15,7 +15,7 @@ from PIL import Image
 from difftune.config import DataConfig, SampleConfig
 from difftune.data.dataset import report_bad_files, scan_examples
 from difftune.errors import DifftuneError
-from difftune.families.drawing import Sample, save_images
+from difftune.families.common.drawing import Sample, save_images
 from difftune.webui import datasets, draws
 from difftune.webui.datasets_tab import dataset_sources, source_data
 from difftune.webui.jobs import Job

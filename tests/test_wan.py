@@ -27,11 +27,11 @@ from difftune.data.clips import write_clip
 from difftune.data.dataset import CaptionedImages
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
-from difftune.families import drawing as sample
-from difftune.families.drawing import generate_images, sampling_scheduler, save_images
+from difftune.families.common import drawing as sample
+from difftune.families.common.drawing import generate_images, sampling_scheduler, save_images
+from difftune.families.wan.micro import wan22_pipeline
 from difftune.models.autoencoders import downsampling
 from difftune.models.parts import part_dtypes
-from difftune.toy.micro.wan import wan22_pipeline
 from difftune.training import plan
 from difftune.training.train import train
 from difftune.webui import jobs
@@ -554,7 +554,7 @@ def test_both_experts_route_each_sample_by_its_time_and_take_turns_on_the_device
     """The pair runs each sample on the expert its time picks (a mixed batch too: split and put back in order), as
     the pipeline switches at `boundary_ratio`; a move to a device takes the trained weights and the resident
     expert's frozen ones there, and leaves the other's in host memory."""
-    from difftune.families.wan_experts import WanExperts
+    from difftune.families.common.wan_experts import WanExperts
 
     components = load_components(ModelConfig(base=a14b, family_options={"expert": "both"}))
     pair = components.denoiser

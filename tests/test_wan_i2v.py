@@ -19,8 +19,8 @@ from difftune.config import ModelConfig
 from difftune.data.clips import write_clip
 from difftune.data.dataset import image_to_tensor
 from difftune.families import FAMILIES, load_components
+from difftune.families.wan_i2v import micro
 from difftune.toy.micro import MicroSizes
-from difftune.toy.micro import wan_i2v as micro
 from difftune.toy.tiny import render_tensors
 from difftune.training.plan import plan_memory
 from difftune.training.train import train

@@ -17,7 +17,7 @@ from difftune.adapters import export
 from difftune.config import LossConfig, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
-from difftune.families.flow import shifted
+from difftune.families.common.flow import shifted
 from difftune.training.parity import PARITY_FILE
 from difftune.training.train import train
 

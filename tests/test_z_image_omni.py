@@ -13,7 +13,7 @@ from PIL import Image
 
 from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components
-from difftune.families.conditioning import reference_dimensions
+from difftune.families.common.conditioning import reference_dimensions
 from difftune.families.z_image_omni import inputs_in_dtype
 from difftune.models.autoencoders import encode_posterior, reference_latents
 from difftune.toy.tiny import recolor_pairs

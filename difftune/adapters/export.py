@@ -47,9 +47,9 @@ from difftune.adapters.trained import adapter_scale, adapter_state_dict
 from difftune.config import Config, ModelConfig, upgrade_moved_keys
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
-from difftune.families.drawing import sampling_scheduler
-from difftune.families.family import Family
-from difftune.families.targets import AdapterFile
+from difftune.families.common.drawing import sampling_scheduler
+from difftune.families.common.family import Family
+from difftune.families.common.targets import AdapterFile
 from difftune.files import open_safetensors, refuse_folder_target, replace_atomically
 from difftune.models.parts import DTYPES, Components, PartDtypes, quiet_loading
 

@@ -37,7 +37,7 @@ from difftune.adapters.kohya import SIMPLETUNER_PREFIX, family_from_kohya, split
 from difftune.adapters.trained import DORA_MAGNITUDE, LYCORIS_TENSORS, derived_lora_configs
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES
-from difftune.families.family import Family
+from difftune.families.common.family import Family
 from difftune.files import open_safetensors
 
 CONFIG_METADATA_KEY = "difftune_config"

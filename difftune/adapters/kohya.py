@@ -38,8 +38,8 @@ import torch
 
 from difftune.adapter_kinds import file_kind
 from difftune.adapters.trained import DORA_MAGNITUDE, LYCORIS_TENSORS, adapter_scale, config_alpha, derived_lora_configs
-from difftune.families.family import Family
-from difftune.families.layouts import KOHYA_DENOISER_PREFIX, FusedLayout, Layout, RenamedLayout
+from difftune.families.common.family import Family
+from difftune.families.common.layouts import KOHYA_DENOISER_PREFIX, FusedLayout, Layout, RenamedLayout
 
 TEXT_MODEL = "text_model."
 
@@ -313,7 +313,7 @@ def _rank(lora_configs: dict, part: str, module: str) -> int:
 
 
 # A family's layout: its parts' prefixes and, for the denoiser, the original model's names where the family's layout
-# gives them (families/layouts.py: fused layers, or modules renamed one for one).
+# gives them (families/common/layouts.py: fused layers, or modules renamed one for one).
 
 
 def family_to_kohya(family: Family, tensors: dict[str, torch.Tensor], lora_configs: dict) -> dict[str, torch.Tensor]:

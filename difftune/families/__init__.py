@@ -2,11 +2,14 @@
 
 `load_components` is how every command gets a model: it asks which family the base belongs to (from
 `model.family`, a pipeline folder's `model_index.json`, or a single file's keys) and lets that family load it.
-Adding a family is a module here, named as the family, that defines one `Family` subclass: it is found by
-its file name (`config.FAMILY_NAMES`, which `model.family` accepts) and registered below. What every family
-shares: `family` (the `Family` base), `flow` (the flow-matching families' base), `fused` (the original models' layouts
-of the families whose layers they fuse or rename), `objective` (the noise, the timesteps and the per-sample loss) and
-`drawing` (samples drawn through the family's pipeline).
+
+A family is a folder here, named as the family (`config.FAMILY_NAMES`, which `model.family` accepts), holding all of
+it: `__init__.py` defines its `Family` subclass and registers it as `FAMILY`; `bases.json` the configs of the bases
+it is published as (`published`, for `difftune plan` offline) and the one it is planned by; `micro.py` its micro model
+and tiny base (toy tooling, which the library never imports). Beside them `common/` holds what families share:
+`family` (the `Family` base), `flow` (the flow-matching families' base), `layouts` (file layouts), `objective` (the
+noise, the timesteps and the per-sample loss), `drawing` (samples drawn through the family's pipeline),
+`conditioning`, `loading`, `targets` and the pieces a few related families share.
 
 May import: data, models, memory, the config schema and the leaf modules. Never an adapter or the training loop: they
 ask the family.
@@ -15,7 +18,6 @@ ask the family.
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import logging
 from pathlib import Path
@@ -27,7 +29,7 @@ from difftune import published
 from difftune.adapter_kinds import KINDS
 from difftune.config import FAMILY_NAMES, ModelConfig, wrong_family
 from difftune.errors import DifftuneError
-from difftune.families.family import Family
+from difftune.families.common.family import Family
 from difftune.files import PIPELINE_INDEXES, pipeline_index
 from difftune.models.autoencoders import latent_channels, load_vae
 from difftune.models.denoiser_files import gguf_tensor_names, is_gguf, is_scaled_fp8
@@ -48,17 +50,12 @@ logging.getLogger("diffusers.guiders.guider_utils").setLevel(logging.ERROR)
 
 
 def _discover() -> dict[str, Family]:
-    """Each family module's own `Family` subclass, instantiated, by name."""
+    """Each family folder's registered `FAMILY`, by name."""
     families = {}
     for name in FAMILY_NAMES:
-        module = importlib.import_module(f"{__name__}.{name}")
-        [family] = [
-            cls()
-            for _, cls in inspect.getmembers(module, inspect.isclass)
-            if issubclass(cls, Family) and cls is not Family and cls.__module__ == module.__name__
-        ]
-        if family.name != name:
-            raise RuntimeError(f"families/{name}.py defines family {family.name!r}: name the module after its family")
+        family = importlib.import_module(f"{__name__}.{name}").FAMILY
+        if not isinstance(family, Family) or family.name != name:
+            raise RuntimeError(f"families/{name}/ registers {family!r} as FAMILY: a Family named as its folder")
         families[name] = family
     return families
 

@@ -20,7 +20,7 @@ from difftune.models.autoencoders import LatentNormalization
 
 if TYPE_CHECKING:
     from difftune.config import Config
-    from difftune.families.family import Family
+    from difftune.families.common.family import Family
 
 PICKLED_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 SINGLE_FILE_SUFFIXES = (".safetensors", ".gguf", *PICKLED_SUFFIXES)

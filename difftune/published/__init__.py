@@ -1,14 +1,15 @@
 """The configs of the bases people train, kept in the package, so `difftune plan` can answer "does it fit?" before
 a 50 GB download, offline.
 
-`bases.json` holds each published base by its hub id: its `model_index.json` and each part's `config.json` (a
-scheduler's `scheduler_config.json`, an image processor's `preprocessor_config.json`), as its repository publishes
-them, less what difftune never loads (a safety checker, the image processor of a base that encodes no image) and the
-values every reader takes at their defaults; a part shared by several bases (CLIP-L, T5-XXL, FLUX.1's
-autoencoder...) is named once in `parts.json`. Tokenizers keep the two facts a plan reads: their length and padding
-side. Each family names the base it is planned by when its own base is not on this
-machine (`REFERENCE_BASES`). Where a number came from is said beside it (`_source`): the repository's config, or
-the diffusers model class's defaults where diffusers documents them as the published model's.
+Each family's folder keeps its own in `families/<family>/bases.json`: `bases`, each published base by its hub id with
+its `model_index.json` and each part's `config.json` (a scheduler's `scheduler_config.json`, an image processor's
+`preprocessor_config.json`), as its repository publishes them, less what difftune never loads (a safety checker, the
+image processor of a base that encodes no image) and the values every reader takes at their defaults; and
+`planned_by`, the base the family is planned by when its own base is not on this machine (its flagship, as its 1024 px
+config trains). A part shared by several bases (CLIP-L, T5-XXL, FLUX.1's autoencoder...) is named once in this
+folder's `parts.json`. Tokenizers keep the two facts a plan reads: their length and padding side. Where a number came
+from is said beside it (`_source`): the repository's config, or the diffusers model class's defaults where diffusers
+documents them as the published model's.
 
 May import nothing of difftune's: it is data.
 
@@ -26,45 +27,26 @@ from functools import cache
 from pathlib import Path
 
 HERE = Path(__file__).parent
-# The base each family is planned by when `model.base` is not on this machine (a folder to be converted, a file not
-# yet downloaded): its flagship, as its 1024 px config trains.
-REFERENCE_BASES = {
-    "sd": "stable-diffusion-v1-5/stable-diffusion-v1-5",
-    "sdxl": "stabilityai/stable-diffusion-xl-base-1.0",
-    "sd3": "stabilityai/stable-diffusion-3.5-large",
-    "flux": "black-forest-labs/FLUX.1-dev",
-    "flux_kontext": "black-forest-labs/FLUX.1-Kontext-dev",
-    "chroma": "lodestones/Chroma1-HD",
-    "flux2": "black-forest-labs/FLUX.2-dev",
-    "flux2_klein": "black-forest-labs/FLUX.2-klein-4B",
-    "flux3": "black-forest-labs/FLUX.3-dev",
-    "anima": "circlestone-labs/Anima-Base-v1.0-Diffusers",
-    "kandinsky5": "kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers",
-    "kandinsky5_video": "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers",
-    "qwen_image": "Qwen/Qwen-Image",
-    "qwen_image21": "Qwen/Qwen-Image-2.1",
-    "qwen_image_edit": "Qwen/Qwen-Image-Edit",
-    "qwen_image_edit_plus": "Qwen/Qwen-Image-Edit-2509",
-    "qwen_image_layered": "Qwen/Qwen-Image-Layered",
-    "z_image": "Tongyi-MAI/Z-Image-Turbo",
-    "z_image_omni": "Tongyi-MAI/Z-Image-Omni-Base",
-    "krea2": "krea2-diffusers",
-    "lumina2": "Alpha-VLLM/Lumina-Image-2.0",
-    "ltx2": "Lightricks/LTX-2",
-    "ideogram4": "ideogram-ai/ideogram-v4",
-    "ernie_image": "baidu/ERNIE-Image",
-    "hunyuan_image": "hunyuanvideo-community/HunyuanImage-2.1-Diffusers",
-    "hunyuan_video15": "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
-    "hunyuan_video15_i2v": "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v",
-    "hidream": "HiDream-ai/HiDream-I1-Full",
-    "wan": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
-    "wan_i2v": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
-}
+FAMILY_FOLDERS = HERE.parent / "families"
+
+
+@cache
+def _family_files() -> dict[str, dict]:
+    """Each family folder's `bases.json`, by the folder's name (the family's)."""
+    return {
+        file.parent.name: json.loads(file.read_text(encoding="utf-8"))
+        for file in sorted(FAMILY_FOLDERS.glob("*/bases.json"))
+    }
 
 
 @cache
 def _bases() -> dict:
-    return json.loads((HERE / "bases.json").read_text(encoding="utf-8"))
+    return {hub_id: base for kept in _family_files().values() for hub_id, base in kept["bases"].items()}
+
+
+def reference_bases() -> dict[str, str]:
+    """The base each family is planned by when `model.base` is not on this machine: {family: hub id}."""
+    return {family: kept["planned_by"] for family, kept in _family_files().items()}
 
 
 @cache

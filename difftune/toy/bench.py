@@ -32,29 +32,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-from diffusers import (
-    AutoencoderKL,
-    AutoencoderKLQwenImage,
-    FluxPipeline,
-    FluxTransformer2DModel,
-    QwenImagePipeline,
-    QwenImageTransformer2DModel,
-    StableDiffusionPipeline,
-    StableDiffusionXLPipeline,
-    UNet2DConditionModel,
-)
-from transformers import (
-    CLIPTextConfig,
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
-    T5Config,
-    T5EncoderModel,
-)
 
 from difftune.adapters.trained import add_adapters
-from difftune.config import load_config
+from difftune.config import FAMILY_NAMES, load_config
 from difftune.families import load_components
 from difftune.models.autoencoders import downsampling, latent_channels
 from difftune.toy import micro, tiny
@@ -103,7 +83,7 @@ class BenchOptions:
         precision = "fp32" if self.quantize != "none" else "bf16" if self.precision == "fp8" else self.precision
         return replace(
             self,
-            model=DRY_RUN_MODELS.get(self.model, self.model),
+            model=f"tiny-{real_width_models()[self.model]}" if self.model in real_width_models() else self.model,
             resolution=64,
             batch=min(self.batch, 2),
             steps=2,
@@ -116,145 +96,31 @@ class BenchOptions:
         )
 
 
-TINY_FAMILIES = {"tiny": "sd", "tiny-sdxl": "sdxl", "tiny-flux": "flux", "tiny-qwen_image": "qwen_image"}
-DRY_RUN_MODELS = {"sd15": "tiny", "sdxl": "tiny-sdxl", "flux": "tiny-flux", "qwen_image": "tiny-qwen_image"}
+# The test models: each family's micro pipeline, for the families with real-width models here (`tiny` is SD's).
+TINY_MODELS = {"tiny": "tiny-sd"}
 
 
-def _clip(hidden: int, layers: int, heads: int, act: str, projection: int | None = None):
-    config = CLIPTextConfig(
-        vocab_size=49408,
-        hidden_size=hidden,
-        intermediate_size=4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        max_position_embeddings=77,
-        hidden_act=act,
-        projection_dim=projection or 512,
-    )
-    return CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)
-
-
-def _sd_vae(scaling_factor: float, latent_channels: int = 4, **config) -> AutoencoderKL:
-    return AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(128, 256, 512, 512),
-        layers_per_block=2,
-        latent_channels=latent_channels,
-        sample_size=512,
-        scaling_factor=scaling_factor,
-        **config,
-    )
-
-
-def _tokenizer():
-    tokenizer = tiny.build_tokenizer()
-    tokenizer.model_max_length = 77
-    return tokenizer
+def real_width_models() -> dict[str, str]:
+    """{model spec: family}: the families whose micro module builds their real model's widths (`REAL_WIDTH_MODEL`)."""
+    return {
+        micro.builder(family).REAL_WIDTH_MODEL: family
+        for family in FAMILY_NAMES
+        if hasattr(micro.builder(family), "REAL_WIDTH_MODEL")
+    }
 
 
 def build_pipeline(model: str, blocks: tuple[int, ...] = ()):
-    """The model spec's pipeline; `blocks` sets the flow transformers' block counts (Flux: double, single)."""
+    """The model spec's pipeline: `tiny-<family>` a family's micro pipeline, a real-width spec its family's
+    `real_width_pipeline(blocks)` (`blocks` sets the flow transformers' block counts, Flux: double, single)."""
     torch.manual_seed(0)
-    if model in TINY_FAMILIES:
-        return micro.build_pipeline(family=TINY_FAMILIES[model])
-    if model == "qwen_image":
-        tokenizer = tiny.build_qwen_tokenizer()
-        text_encoder = Qwen2_5_VLForConditionalGeneration(
-            Qwen2_5_VLConfig(
-                text_config={
-                    "vocab_size": len(tokenizer),
-                    "hidden_size": 3584,
-                    "intermediate_size": 18944,
-                    "num_hidden_layers": 2,
-                    "num_attention_heads": 28,
-                    "num_key_value_heads": 4,
-                    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
-                },
-                vision_config={
-                    "depth": 1,
-                    "hidden_size": 64,
-                    "intermediate_size": 128,
-                    "num_heads": 2,
-                    "out_hidden_size": 3584,
-                    "fullatt_block_indexes": [0],
-                },
-            )
-        )
-        return QwenImagePipeline(
-            vae=AutoencoderKLQwenImage(),
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            transformer=QwenImageTransformer2DModel(num_layers=blocks[0] if blocks else 1),
-            scheduler=tiny.build_qwen_scheduler(),
-        )
-    if model == "flux":
-        t5_tokenizer = tiny.build_t5_tokenizer()
-        t5_tokenizer.model_max_length = 512  # FLUX.1-dev's max_sequence_length
-        return FluxPipeline(
-            vae=_sd_vae(
-                0.3611, latent_channels=16, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False
-            ),
-            text_encoder=_clip(768, 12, 12, "quick_gelu"),
-            tokenizer=_tokenizer(),
-            text_encoder_2=T5EncoderModel(
-                T5Config(
-                    vocab_size=len(t5_tokenizer),
-                    d_model=4096,
-                    d_kv=64,
-                    d_ff=10240,
-                    num_layers=2,
-                    num_heads=64,
-                    feed_forward_proj="gated-gelu",
-                    is_encoder_decoder=False,
-                    use_cache=False,
-                )
-            ),
-            tokenizer_2=t5_tokenizer,
-            transformer=FluxTransformer2DModel(
-                num_layers=blocks[0] if blocks else 1,
-                num_single_layers=blocks[1] if blocks else 2,
-                guidance_embeds=True,
-            ),
-            scheduler=tiny.build_flow_scheduler(),
-        )
-    if model == "sd15":
-        return StableDiffusionPipeline(
-            vae=_sd_vae(0.18215),
-            text_encoder=_clip(768, 12, 12, "quick_gelu"),
-            tokenizer=_tokenizer(),
-            unet=UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8),
-            scheduler=tiny.build_noise_scheduler(),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
-    if model == "sdxl":
-        unet = UNet2DConditionModel(
-            sample_size=128,
-            layers_per_block=2,
-            block_out_channels=(320, 640, 1280),
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-            transformer_layers_per_block=(1, 2, 10),
-            attention_head_dim=(5, 10, 20),
-            cross_attention_dim=2048,
-            use_linear_projection=True,
-            addition_embed_type="text_time",
-            addition_time_embed_dim=256,
-            projection_class_embeddings_input_dim=2816,
-        )
-        return StableDiffusionXLPipeline(
-            vae=_sd_vae(0.13025),
-            text_encoder=_clip(768, 12, 12, "quick_gelu"),
-            tokenizer=_tokenizer(),
-            text_encoder_2=_clip(1280, 32, 20, "gelu", projection=1280),
-            tokenizer_2=_tokenizer(),
-            unet=unet,
-            scheduler=tiny.build_noise_scheduler(),
-            add_watermarker=False,
-        )
-    raise ValueError(f"unknown model spec {model!r}; known: {', '.join(TINY_FAMILIES)}, sd15, sdxl, flux, qwen_image")
+    model = TINY_MODELS.get(model, model)
+    real_width = real_width_models()
+    if model.removeprefix("tiny-") in real_width.values():
+        return micro.build_pipeline(family=model.removeprefix("tiny-"))
+    if model in real_width:
+        return micro.builder(real_width[model]).real_width_pipeline(blocks)
+    known = [*TINY_MODELS, *(f"tiny-{family}" for family in real_width.values()), *real_width]
+    raise ValueError(f"unknown model spec {model!r}; known: {', '.join(known)}")
 
 
 def prepare_workspace(options: BenchOptions) -> tuple[Path, Path, Path]:

@@ -34,7 +34,7 @@ from PIL import Image
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import load_components
-from difftune.families.drawing import sampling_scheduler
+from difftune.families.common.drawing import sampling_scheduler
 from difftune.models.parts import Components
 from difftune.toy.tiny import CLIP_FRAMES, COLORS, DIRECTIONS, IMAGE_SIZE, SHAPES, placed_shape_pairs, recolor_pairs
 

@@ -22,48 +22,16 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers import (
-    AnimaTextConditioner,
     AutoencoderKL,
     AutoencoderKLFlux2,
-    AutoencoderKLHunyuanImage,
-    AutoencoderKLHunyuanVideo,
-    AutoencoderKLHunyuanVideo15,
-    AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
     AutoencoderKLQwenImage,
     AutoencoderKLQwenImage21,
     AutoencoderKLWan,
     AutoencoderTiny,
-    ChromaTransformer2DModel,
-    CosmosTransformer3DModel,
     DDPMScheduler,
-    ErnieImageTransformer2DModel,
     FlowMatchEulerDiscreteScheduler,
-    Flux2Transformer2DModel,
-    Flux3Transformer2DModel,
-    FluxKontextPipeline,
-    FluxPipeline,
-    FluxTransformer2DModel,
-    HiDreamImageTransformer2DModel,
-    HunyuanImageTransformer2DModel,
-    HunyuanVideo15Transformer3DModel,
-    Ideogram4Transformer2DModel,
-    Kandinsky5Transformer3DModel,
-    Krea2Transformer2DModel,
-    LTX2VideoTransformer3DModel,
-    Lumina2Transformer2DModel,
-    QwenImage21Transformer2DModel,
-    QwenImageEditPlusPipeline,
-    QwenImagePipeline,
-    QwenImageTransformer2DModel,
-    SD3Transformer2DModel,
-    UNet2DConditionModel,
-    UniPCMultistepScheduler,
-    WanTransformer3DModel,
-    ZImageTransformer2DModel,
 )
-from diffusers.pipelines.ltx2 import LTX2TextConnectors
-from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from PIL import Image, ImageDraw
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
@@ -72,21 +40,12 @@ from transformers import (
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
-    Gemma2Config,
-    Gemma2Model,
-    Gemma3Config,
-    Gemma3ForConditionalGeneration,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
     Mistral3Config,
     Mistral3ForConditionalGeneration,
     Mistral3Model,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
-    Qwen2_5_VLTextConfig,
-    Qwen2_5_VLTextModel,
     Qwen2Tokenizer,
     Qwen2VLImageProcessor,
     Qwen2VLProcessor,
@@ -97,15 +56,9 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
     Qwen3VLModel,
     Qwen3VLProcessor,
-    Siglip2ImageProcessorPil,
-    Siglip2VisionConfig,
-    Siglip2VisionModel,
-    SiglipVisionConfig,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
-    UMT5Config,
-    UMT5EncoderModel,
 )
 
 from difftune.data.dataset import image_to_tensor
@@ -261,68 +214,6 @@ def build_t5_encoder(vocab_size: int) -> T5EncoderModel:
     )
 
 
-def build_flux_transformer(
-    layers: tuple[int, int] = (1, 1), heads: int = 2, head_dim: int = 16, guidance: bool = False
-) -> FluxTransformer2DModel:
-    """`layers` (double-stream, single-stream) blocks over packed 2x2 latent patches; the rotary axes split the
-    head dimension 1:2.5:2.5 (text index, row, column) as Flux.1's 16:56:56. `guidance`: a guidance embedding,
-    as guidance-distilled bases (FLUX.1-dev) have."""
-    axes = (head_dim // 8 * 2, head_dim * 3 // 8, head_dim * 3 // 8)
-    return FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4 * FLUX_LATENT_CHANNELS,
-        num_layers=layers[0],
-        num_single_layers=layers[1],
-        attention_head_dim=head_dim,
-        num_attention_heads=heads,
-        joint_attention_dim=T5_HIDDEN_SIZE,
-        pooled_projection_dim=TEXT_HIDDEN_SIZE,
-        guidance_embeds=guidance,
-        axes_dims_rope=axes,
-    )
-
-
-def build_chroma_transformer(layers: tuple[int, int] = (1, 1), heads: int = 2, head_dim: int = 16):
-    """Flux's micro transformer (`build_flux_transformer`) pruned as Chroma's is: a one-layer approximator makes
-    every block's modulation."""
-    axes = (head_dim // 8 * 2, head_dim * 3 // 8, head_dim * 3 // 8)
-    return ChromaTransformer2DModel(
-        patch_size=1,
-        in_channels=4 * FLUX_LATENT_CHANNELS,
-        num_layers=layers[0],
-        num_single_layers=layers[1],
-        attention_head_dim=head_dim,
-        num_attention_heads=heads,
-        joint_attention_dim=T5_HIDDEN_SIZE,
-        axes_dims_rope=axes,
-        approximator_num_channels=16,
-        approximator_hidden_dim=32,
-        approximator_layers=1,
-    )
-
-
-def build_sd3_transformer(
-    layers: int = 2, heads: int = 2, head_dim: int = 16, pooled_size: int = 2 * TEXT_HIDDEN_SIZE // 2
-) -> SD3Transformer2DModel:
-    """`layers` MMDiT blocks over 2x2 patches of 16-channel latents, the first with SD3.5's second image attention
-    and both with its q/k RMS norms; caption states as wide as T5's."""
-    return SD3Transformer2DModel(
-        sample_size=IMAGE_SIZE // 4,
-        patch_size=2,
-        in_channels=FLUX_LATENT_CHANNELS,
-        num_layers=layers,
-        attention_head_dim=head_dim,
-        num_attention_heads=heads,
-        joint_attention_dim=T5_HIDDEN_SIZE,
-        caption_projection_dim=heads * head_dim,
-        pooled_projection_dim=pooled_size,
-        out_channels=FLUX_LATENT_CHANNELS,
-        pos_embed_max_size=16,
-        dual_attention_layers=(0,),
-        qk_norm="rms_norm",
-    )
-
-
 def build_sd3_scheduler() -> FlowMatchEulerDiscreteScheduler:
     """SD3's and SD3.5's scheduler config: one shift (3) at every size."""
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
@@ -357,39 +248,27 @@ def build_qwen_scheduler() -> FlowMatchEulerDiscreteScheduler:
     )
 
 
-def build_qwen_tokenizer(edit: bool = False, caption_words: bool = False) -> Qwen2Tokenizer:
+def build_qwen_tokenizer(template: str, edit_template: str = "", caption_words: bool = False) -> Qwen2Tokenizer:
     """Qwen2's layout (byte-level BPE; `<|endoftext|>` pads, `<|im_start|>` / `<|im_end|>` frame chat turns) with
-    no merges but those that spell the words of Qwen-Image's prompt template: the template's system prompt is 34
-    tokens, as in Qwen2.5-VL's own vocabulary (the pipeline drops that many), and captions are byte level. `edit`:
-    extended for the edit pipelines (`extend_qwen_tokenizer`). `caption_words`: extended with a token for each word
-    the captions use (`CAPTION_WORDS`, the held-out color's too), as a real vocabulary spells " purple" in one token:
-    spelt in bytes, the held-out word ends in the same letter as a seen one ("purple", "blue"), and a small language
-    model trained on the seen captions alone states that letter as the seen color."""
-    from difftune.families.qwen_image import PROMPT_TEMPLATE
-
+    no merges but those that spell the words of the family's prompt `template` (Qwen-Image's system prompt is 34
+    tokens, as in Qwen2.5-VL's own vocabulary: the pipeline drops that many), and captions are byte level.
+    `edit_template`: extended for the edit pipelines' template (`extend_qwen_tokenizer`). `caption_words`: extended
+    with a token for each word the captions use (`CAPTION_WORDS`, the held-out color's too), as a real vocabulary
+    spells " purple" in one token: spelt in bytes, the held-out word ends in the same letter as a seen one ("purple",
+    "blue"), and a small language model trained on the seen captions alone states that letter as the seen color."""
     bytes_vocab = {byte: i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tokenizer = _qwen_bpe_tokenizer(bytes_vocab, [], PROMPT_TEMPLATE, QWEN_SPECIAL_TOKENS)
+    tokenizer = _qwen_bpe_tokenizer(bytes_vocab, [], template, QWEN_SPECIAL_TOKENS)
     if caption_words:
         tokenizer = _extended(tokenizer, "".join(f" {word}" for word in CAPTION_WORDS), QWEN_SPECIAL_TOKENS)
-    return extend_qwen_tokenizer(tokenizer) if edit else tokenizer
+    return extend_qwen_tokenizer(tokenizer, edit_template) if edit_template else tokenizer
 
 
-def build_kandinsky5_tokenizer(template: str | None = None) -> Qwen2Tokenizer:
-    """`build_qwen_tokenizer`'s, with merges that spell the words of a Kandinsky 5 prompt template too (`template`;
-    None: the image models', whose system prompt is then 40 tokens, as in Qwen2.5-VL's own vocabulary)."""
-    from difftune.families.kandinsky5 import PROMPT_TEMPLATE
-
-    return _extended(build_qwen_tokenizer(), template or PROMPT_TEMPLATE, QWEN_SPECIAL_TOKENS)
-
-
-def extend_qwen_tokenizer(tokenizer: Qwen2Tokenizer) -> Qwen2Tokenizer:
-    """`tokenizer` as the edit pipelines need it: merges that spell the words of their template (64 tokens, as
+def extend_qwen_tokenizer(tokenizer: Qwen2Tokenizer, edit_template: str) -> Qwen2Tokenizer:
+    """`tokenizer` as the edit pipelines need it: merges that spell the words of their `edit_template` (64 tokens, as
     theirs) and the vision tokens that place an image in a prompt, appended: every token keeps its id, so a language
     model trained on `tokenizer` keeps its embeddings and grows new rows (text may split into the new, longer
     tokens)."""
-    from difftune.families.qwen_image_edit import EDIT_PROMPT_TEMPLATE
-
-    return _extended(tokenizer, EDIT_PROMPT_TEMPLATE, QWEN_SPECIAL_TOKENS + QWEN_VISION_TOKENS)
+    return _extended(tokenizer, edit_template, QWEN_SPECIAL_TOKENS + QWEN_VISION_TOKENS)
 
 
 def _extended(tokenizer: Qwen2Tokenizer, text: str, specials: tuple[str, ...]) -> Qwen2Tokenizer:
@@ -448,7 +327,7 @@ def build_qwen_processor(tokenizer: Qwen2Tokenizer) -> Qwen2VLProcessor:
     return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=low, max_pixels=high), tokenizer=tokenizer)
 
 
-def _qwen_text_config(vocab_size: int, hidden_size: int, layers: int) -> dict:
+def qwen_text_config(vocab_size: int, hidden_size: int, layers: int) -> dict:
     """A `layers`-layer Qwen2.5-VL language model's config, its multimodal rotary sections scaled to its head size."""
     head_dim = hidden_size // 2
     return {
@@ -470,14 +349,6 @@ def _qwen_text_config(vocab_size: int, hidden_size: int, layers: int) -> dict:
     }
 
 
-def build_qwen_language_model(
-    tokenizer: Qwen2Tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 2
-) -> Qwen2_5_VLTextModel:
-    """`build_qwen_text_encoder`'s language model alone (HunyuanVideo 1.5's text encoder is Qwen2.5-VL's without its
-    vision tower)."""
-    return Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**_qwen_text_config(len(tokenizer), hidden_size, layers)))
-
-
 def build_qwen_text_encoder(
     tokenizer: Qwen2Tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 2
 ) -> Qwen2_5_VLForConditionalGeneration:
@@ -485,7 +356,7 @@ def build_qwen_text_encoder(
     and a 1-block vision tower (run by the edit pipelines, whose prompts show images: the image tokens are
     `tokenizer`'s)."""
     config = Qwen2_5_VLConfig(
-        text_config=_qwen_text_config(len(tokenizer), hidden_size, layers),
+        text_config=qwen_text_config(len(tokenizer), hidden_size, layers),
         vision_config={
             "depth": 1,
             "hidden_size": 16,
@@ -494,38 +365,18 @@ def build_qwen_text_encoder(
             "out_hidden_size": hidden_size,
             "fullatt_block_indexes": [0],
         },
-        **_vision_token_ids(tokenizer),
+        **vision_token_ids(tokenizer),
     )
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def _vision_token_ids(tokenizer: Qwen2Tokenizer) -> dict[str, int]:
+def vision_token_ids(tokenizer: Qwen2Tokenizer) -> dict[str, int]:
     """The language model's config fields that name the tokens placing an image, for those `tokenizer` has."""
     return {
         f"{name}_token_id": tokenizer.convert_tokens_to_ids(token)
         for name, token in zip(("vision_start", "vision_end", "image"), QWEN_VISION_TOKENS, strict=True)
         if token in tokenizer.get_vocab()
     }
-
-
-def edit_pipeline_of(pipeline):
-    """The edit pipeline of a text-to-image one's components: FLUX.1 Kontext of FLUX.1 (the same parts), and
-    Qwen-Image-Edit-Plus (2509) of Qwen-Image, whose language model learns to read images: its tokenizer extended
-    (`extend_qwen_tokenizer`), new embedding rows drawn about the old ones' mean (transformers' resizing), the vision
-    tokens' ids in its config, and a processor that turns controls into patches for its vision tower."""
-    if isinstance(pipeline, FluxPipeline):
-        return FluxKontextPipeline(**pipeline.components)
-    if not isinstance(pipeline, QwenImagePipeline):
-        raise ValueError(f"no edit pipeline of {type(pipeline).__name__}: FluxPipeline or QwenImagePipeline")
-    tokenizer = extend_qwen_tokenizer(pipeline.tokenizer)
-    text_encoder = pipeline.text_encoder
-    text_encoder.resize_token_embeddings(len(tokenizer))
-    for field, token_id in _vision_token_ids(tokenizer).items():
-        setattr(text_encoder.config, field, token_id)
-    parts = {name: getattr(pipeline, name) for name in ("vae", "transformer", "scheduler")}
-    return QwenImageEditPlusPipeline(
-        **parts, text_encoder=text_encoder, tokenizer=tokenizer, processor=build_qwen_processor(tokenizer)
-    )
 
 
 def build_qwen_vae(
@@ -568,198 +419,9 @@ def build_wan_vae(
     )
 
 
-def build_hunyuan_video_vae() -> AutoencoderKLHunyuanVideo:
-    """HunyuanVideo's causal video autoencoder (Kandinsky 5's video models'), with three blocks: 4x in space (32 px
-    -> 8x8 latents, like the other tiny autoencoders) and 4x in time (its smallest: clips of 4k + 1 frames)."""
-    return AutoencoderKLHunyuanVideo(
-        latent_channels=FLUX_LATENT_CHANNELS,
-        down_block_types=("HunyuanVideoDownBlock3D",) * 3,
-        up_block_types=("HunyuanVideoUpBlock3D",) * 3,
-        block_out_channels=(8, 16, 16),
-        layers_per_block=1,
-        norm_num_groups=4,
-        spatial_compression_ratio=4,
-        temporal_compression_ratio=4,
-        mid_block_add_attention=False,
-    )
-
-
-def build_umt5_encoder(vocab_size: int) -> UMT5EncoderModel:
-    """A 2-layer UMT5 encoder (Wan's text encoder: its last hidden state is the conditioning)."""
-    return UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=vocab_size,
-            d_model=T5_HIDDEN_SIZE,
-            d_kv=16,
-            d_ff=2 * T5_HIDDEN_SIZE,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=32,
-            feed_forward_proj="gated-gelu",
-            is_encoder_decoder=False,
-            use_cache=False,
-            pad_token_id=0,
-            eos_token_id=1,
-            decoder_start_token_id=0,
-        )
-    )
-
-
-def build_wan_transformer(
-    layers: int = 2,
-    heads: int = 2,
-    head_dim: int = 16,
-    in_channels: int = FLUX_LATENT_CHANNELS,
-    image_dim: int | None = None,
-) -> WanTransformer3DModel:
-    """`layers` Wan blocks (self-attention over 1x2x2 patches of 16-channel latents, cross-attention to UMT5's states,
-    an MLP) with their rotary axes split over (time, row, column) from the head's width, as Wan's. `in_channels`: an
-    image-to-video one's reads the first frame's mask and latents too (16 + the temporal factor + 16); `image_dim`:
-    Wan 2.1 image-to-video's also reads CLIP image states of that width (its cross-attention's image key and value
-    projections, to the block's width as Wan 2.1 I2V's)."""
-    return WanTransformer3DModel(
-        image_dim=image_dim,
-        added_kv_proj_dim=heads * head_dim if image_dim else None,
-        patch_size=(1, 2, 2),
-        num_attention_heads=heads,
-        attention_head_dim=head_dim,
-        in_channels=in_channels,
-        out_channels=FLUX_LATENT_CHANNELS,
-        text_dim=T5_HIDDEN_SIZE,
-        freq_dim=32,
-        ffn_dim=2 * heads * head_dim,
-        num_layers=layers,
-        rope_max_seq_len=64,
-    )
-
-
 def build_byt5_tokenizer() -> ByT5Tokenizer:
     """ByT5's tokenizer (bytes, no vocabulary file): HunyuanImage 2.1's glyph text reader."""
     return ByT5Tokenizer()
-
-
-def build_hunyuan_video15_transformer(
-    layers: int = 1,
-    heads: int = 2,
-    head_dim: int = 16,
-    text_hidden_size: int = QWEN_HIDDEN_SIZE,
-    glyph_hidden_size: int = T5_HIDDEN_SIZE,
-    latent_channels: int = FLUX_LATENT_CHANNELS,
-) -> HunyuanVideo15Transformer3DModel:
-    """`layers` HunyuanVideo 1.5 double-stream blocks, one token a latent pixel, reading the noisy latents, a
-    conditioning clip and its mask (2C + 1 channels), a one-block token refiner of the language model's states, a ByT5
-    projection and an image-state projection; the rotary axes split the head (time, row, column) as its 16:56:56."""
-    return HunyuanVideo15Transformer3DModel(
-        in_channels=2 * latent_channels + 1,
-        out_channels=latent_channels,
-        num_attention_heads=heads,
-        attention_head_dim=head_dim,
-        num_layers=layers,
-        num_refiner_layers=1,
-        text_embed_dim=text_hidden_size,
-        text_embed_2_dim=glyph_hidden_size,
-        image_embed_dim=16,
-        rope_axes_dim=(head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8),
-    )
-
-
-def build_hunyuan_video15_vae(latent_channels: int = FLUX_LATENT_CHANNELS) -> AutoencoderKLHunyuanVideo15:
-    """HunyuanVideo 1.5's causal video autoencoder kind with three blocks: 4x in space (its real one: 16x, 32
-    channels) and 4x in time (clips of 4k + 1 frames); scaling set by its caller."""
-    vae = AutoencoderKLHunyuanVideo15(
-        latent_channels=latent_channels,
-        block_out_channels=(16, 32, 2 * latent_channels),
-        layers_per_block=1,
-        spatial_compression_ratio=4,
-        temporal_compression_ratio=4,
-        scaling_factor=1.0,
-    )
-    vae.enable_slicing()  # one clip at a time (see families/hunyuan_video15.py)
-    return vae
-
-
-def build_hunyuan_video15_tokenizer() -> Qwen2Tokenizer:
-    """`build_qwen_tokenizer`'s, with merges that spell the words of HunyuanVideo 1.5's system message, and the chat
-    template its pipeline applies (Qwen2.5-VL's renders text turns as Qwen3-VL's does)."""
-    from difftune.families.hunyuan_video15 import SYSTEM_MESSAGE
-
-    tokenizer = _extended(build_qwen_tokenizer(), SYSTEM_MESSAGE, QWEN_SPECIAL_TOKENS)
-    tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
-    return tokenizer
-
-
-def build_hunyuan_image_vae(latent_channels: int = FLUX_LATENT_CHANNELS) -> AutoencoderKLHunyuanImage:
-    """HunyuanImage 2.1's autoencoder kind at 4x (its real one: 64 channels at 32x), scaling set by its caller."""
-    return AutoencoderKLHunyuanImage(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=latent_channels,
-        block_out_channels=(32, 64, 64),
-        layers_per_block=1,
-        spatial_compression_ratio=4,
-        sample_size=IMAGE_SIZE,
-        scaling_factor=1.0,
-    )
-
-
-def build_hunyuan_image_transformer(
-    layers: tuple[int, int] = (1, 1),
-    heads: int = 2,
-    head_dim: int = 16,
-    text_hidden_size: int = QWEN_HIDDEN_SIZE,
-    glyph_hidden_size: int = T5_HIDDEN_SIZE,
-) -> HunyuanImageTransformer2DModel:
-    """`layers` (double-stream, single-stream) HunyuanImage blocks over 16-channel latents, one token a latent pixel,
-    a one-block token refiner of the language model's states and a ByT5 projection; the rotary axes split the head
-    in two (row, column) as HunyuanImage 2.1's 64:64."""
-    return HunyuanImageTransformer2DModel(
-        in_channels=FLUX_LATENT_CHANNELS,
-        out_channels=FLUX_LATENT_CHANNELS,
-        num_attention_heads=heads,
-        attention_head_dim=head_dim,
-        num_layers=layers[0],
-        num_single_layers=layers[1],
-        num_refiner_layers=1,
-        patch_size=(1, 1),
-        text_embed_dim=text_hidden_size,
-        text_embed_2_dim=glyph_hidden_size,
-        rope_axes_dim=(head_dim // 2, head_dim // 2),
-    )
-
-
-def build_wan_scheduler() -> UniPCMultistepScheduler:
-    """Wan 2.1 (480p)'s sampler config: UniPC on flow sigmas shifted by 3, the prediction the flow velocity."""
-    return UniPCMultistepScheduler(
-        num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
-    )
-
-
-def build_qwen_transformer(
-    layers: int = 1,
-    heads: int = 2,
-    head_dim: int = 16,
-    text_hidden_size: int = QWEN_HIDDEN_SIZE,
-    zero_cond_t: bool = False,
-    layered: bool = False,
-) -> QwenImageTransformer2DModel:
-    """`layers` MMDiT blocks over packed 2x2 latent patches; rotary axes split the head 1:1.5:1.5 (frame, row,
-    column) as Qwen-Image's 16:56:56 roughly does. `zero_cond_t`: reference tokens modulated at time 0, as
-    Qwen-Image-Edit-2511's; `layered`: Qwen-Image-Layered's layer-3D rope and RGBA time condition."""
-    axes = (head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8)
-    return QwenImageTransformer2DModel(
-        patch_size=2,
-        in_channels=4 * FLUX_LATENT_CHANNELS,
-        out_channels=FLUX_LATENT_CHANNELS,
-        num_layers=layers,
-        attention_head_dim=head_dim,
-        num_attention_heads=heads,
-        joint_attention_dim=text_hidden_size,
-        axes_dims_rope=axes,
-        zero_cond_t=zero_cond_t,
-        use_additional_t_cond=layered,
-        use_layer3d_rope=layered,
-    )
 
 
 def build_qwen3_tokenizer(think_block: bool = False) -> Qwen2Tokenizer:
@@ -832,16 +494,9 @@ def build_qwen3_vl_text_encoder(
             "num_position_embeddings": 16,
             "deepstack_visual_indexes": [],
         },
-        **_vision_token_ids(tokenizer),
+        **vision_token_ids(tokenizer),
     )
     return Qwen3VLForConditionalGeneration(config) if with_head else Qwen3VLModel(config)
-
-
-def build_qwen_image21_processor() -> Qwen3VLProcessor:
-    """Qwen-Image 2.1's processor, with merges that spell the words of its pipeline's prompt template."""
-    from difftune.families.qwen_image21 import PROMPT_TEMPLATE
-
-    return build_qwen3_vl_processor(PROMPT_TEMPLATE)
 
 
 def build_qwen3_vl_processor(common_text: str) -> Qwen3VLProcessor:
@@ -878,92 +533,6 @@ def build_qwen_image21_vae(
     )
 
 
-def build_qwen_image21_transformer(
-    layers: int = 1,
-    heads: int = 2,
-    head_dim: int = 16,
-    text_hidden_size: int = QWEN_HIDDEN_SIZE,
-    latent_channels: int = FLUX_LATENT_CHANNELS,
-) -> QwenImage21Transformer2DModel:
-    """Qwen-Image 2.1's block-causal single-stream transformer over unpatched latents (a token a latent pixel), its
-    rotary axes (frame, row, column) in its proportions (16, 56, 56 of 128)."""
-    return QwenImage21Transformer2DModel(
-        in_channels=latent_channels,
-        out_channels=latent_channels,
-        num_layers=layers,
-        attention_head_dim=head_dim,
-        num_attention_heads=heads,
-        context_in_dim=text_hidden_size,
-        axes_dims_rope=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),
-    )
-
-
-def build_krea2_transformer(
-    layers: int = 1,
-    heads: int = 2,
-    head_dim: int = 16,
-    text_hidden_size: int = QWEN_HIDDEN_SIZE,
-    text_layers: int = KREA2_TEXT_LAYERS,
-) -> Krea2Transformer2DModel:
-    """`layers` single-stream blocks over 2x2 patches of 16-channel latents, after a text fusion of one layer-wise and
-    one refiner block over the stacked states of `text_layers` language-model layers; rotary axes split the head
-    1:1.5:1.5 (time, row, column) as Krea 2's 32:48:48."""
-    return Krea2Transformer2DModel(
-        in_channels=4 * FLUX_LATENT_CHANNELS,
-        num_layers=layers,
-        attention_head_dim=head_dim,
-        num_attention_heads=heads,
-        num_key_value_heads=1,
-        intermediate_size=2 * heads * head_dim,
-        timestep_embed_dim=32,
-        text_hidden_dim=text_hidden_size,
-        num_text_layers=text_layers,
-        text_num_attention_heads=2,
-        text_num_key_value_heads=2,
-        text_intermediate_size=2 * text_hidden_size,
-        num_layerwise_text_blocks=1,
-        num_refiner_text_blocks=1,
-        axes_dims_rope=(head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8),
-    )
-
-
-def build_ideogram4_transformer(
-    layers: int = 1, heads: int = 2, head_dim: int = 16, text_hidden_size: int = QWEN_HIDDEN_SIZE
-) -> Ideogram4Transformer2DModel:
-    """`layers` blocks over FLUX.2's patched latents, reading 13 language-model layers' states side by side; the
-    rotary frequencies split (time, row, column) 4:2:2, interleaved as Ideogram 4's 24:20:20."""
-    return Ideogram4Transformer2DModel(
-        in_channels=4 * FLUX2_LATENT_CHANNELS,
-        num_layers=layers,
-        attention_head_dim=head_dim,
-        num_attention_heads=heads,
-        intermediate_size=2 * heads * head_dim,
-        adaln_dim=16,
-        llm_features_dim=13 * text_hidden_size,
-        rope_theta=10000,
-        mrope_section=(head_dim // 4, head_dim // 8, head_dim // 8),
-    )
-
-
-def ideogram4_token_channels(patched_latents: torch.Tensor) -> torch.Tensor:
-    """FLUX.2-patched latents (B, 4C, h, w), channel c * 4 + p, with their channels in Ideogram 4's token order
-    (p * C + c): the order its batch-norm statistics are kept in."""
-    b, channels, h, w = patched_latents.shape
-    return patched_latents.view(b, channels // 4, 4, h, w).transpose(1, 2).reshape(b, channels, h, w)
-
-
-def build_krea2_scheduler() -> FlowMatchEulerDiscreteScheduler:
-    """Krea 2's scheduler config: the shift follows the image's token count (the pipeline computes mu)."""
-    return FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        use_dynamic_shifting=True,
-        base_image_seq_len=256,
-        max_image_seq_len=6400,
-        base_shift=0.5,
-        max_shift=1.15,
-    )
-
-
 def build_flux2_vae(latent_channels: int = FLUX2_LATENT_CHANNELS) -> AutoencoderKLFlux2:
     """FLUX.2's autoencoder with two downsamplings (32 px -> 8x8 latents, patched 2x2 into 4x4 tokens of
     4 x `latent_channels`) and its batch norm over the patched channels."""
@@ -981,116 +550,6 @@ def set_batch_norm_statistics(vae: AutoencoderKLFlux2, patched_latents: torch.Te
     """FLUX.2's autoencoder's running statistics of its patched latents (B, C, h, w), as training it leaves them."""
     vae.bn.running_mean.copy_(patched_latents.mean(dim=(0, 2, 3)))
     vae.bn.running_var.copy_(patched_latents.var(dim=(0, 2, 3)))
-
-
-def build_flux2_transformer(
-    layers: tuple[int, int] = (1, 1),
-    heads: int = 2,
-    head_dim: int = 16,
-    text_hidden_size: int = 3 * FLUX2_TEXT_HIDDEN_SIZE,
-    guidance: bool = False,
-) -> Flux2Transformer2DModel:
-    """`layers` (double-stream, single-stream) FLUX.2 blocks over patched latents, reading the stacked states of
-    three language-model layers; 4-D rotary axes (time, row, column, text position) of equal width. `guidance`: with
-    a guidance embedding, as FLUX.2 [dev]."""
-    return Flux2Transformer2DModel(
-        patch_size=1,
-        in_channels=4 * FLUX2_LATENT_CHANNELS,
-        num_layers=layers[0],
-        num_single_layers=layers[1],
-        attention_head_dim=head_dim,
-        num_attention_heads=heads,
-        joint_attention_dim=text_hidden_size,
-        timestep_guidance_channels=32,
-        axes_dims_rope=(head_dim // 4,) * 4,
-        guidance_embeds=guidance,
-    )
-
-
-def build_flux3_transformer(
-    layers: tuple[int, int] = (1, 1), heads: int = 2, head_dim: int = 16, text_hidden_size: int = 8 * 16
-) -> Flux3Transformer2DModel:
-    """`layers` (per-mode, joint single) FLUX.3 blocks over patched latents, reading the stacked states of eight
-    language-model layers; 4-D rotary axes (time, row, column, text position) of equal width."""
-    return Flux3Transformer2DModel(
-        in_channels=4 * FLUX2_LATENT_CHANNELS,
-        cond_in_channels=4 * FLUX2_LATENT_CHANNELS,
-        num_layers=layers[0],
-        num_single_layers=layers[1],
-        attention_head_dim=head_dim,
-        num_attention_heads=heads,
-        joint_attention_dim=text_hidden_size,
-        timestep_channels=32,
-        axes_dims_rope=(head_dim // 4,) * 4,
-    )
-
-
-def build_cosmos_transformer(
-    layers: int = 1, heads: int = 2, head_dim: int = 16, text_hidden_size: int = 32
-) -> CosmosTransformer3DModel:
-    """Anima's DiT (Cosmos-Predict2's text-to-image `CosmosTransformer3DModel`): `layers` blocks over 2x2 patches of
-    16-channel latents with the padding mask as a 17th channel, no learnable position embedding, and Anima's 3-D
-    rotary scales."""
-    return CosmosTransformer3DModel(
-        in_channels=FLUX_LATENT_CHANNELS,
-        out_channels=FLUX_LATENT_CHANNELS,
-        num_attention_heads=heads,
-        attention_head_dim=head_dim,
-        num_layers=layers,
-        text_embed_dim=text_hidden_size,
-        adaln_lora_dim=8,
-        max_size=(8, 64, 64),
-        rope_scale=(1.0, 4.0, 4.0),
-        concat_padding_mask=True,
-        extra_pos_embed_type=None,
-    )
-
-
-def build_anima_text_conditioner(
-    source_dim: int, target_dim: int, vocab_size: int, layers: int = 1, heads: int = 2
-) -> AnimaTextConditioner:
-    """Anima's LLM adapter: T5 token embeddings (the queries) cross-attending to a Qwen3's states, out at the
-    transformer's text width, padded to 512 tokens as Anima's is."""
-    return AnimaTextConditioner(
-        source_dim=source_dim,
-        target_dim=target_dim,
-        model_dim=target_dim,
-        num_layers=layers,
-        num_attention_heads=heads,
-        target_vocab_size=vocab_size,
-    )
-
-
-def build_kandinsky5_transformer(
-    layers: tuple[int, int] = (1, 1),
-    heads: int = 2,
-    head_dim: int = 16,
-    text_hidden_size: int = 32,
-    pooled_size: int = 64,
-    visual_cond: bool = False,
-) -> Kandinsky5Transformer3DModel:
-    """`layers` (text, visual) Kandinsky 5 blocks over 2x2 patches of 16-channel latents, reading a language model's
-    states and a CLIP's pooled output; 3-D rotary axes (time, rows, columns) over each head; `visual_cond`: reading a
-    conditioning clip and its mask beside the noisy one (the video models'). Its class starts every
-    modulation at zero (a trained model's are not): drawn at random here, so the micro model's prediction depends on
-    its time and its text."""
-    model = Kandinsky5Transformer3DModel(
-        in_visual_dim=FLUX_LATENT_CHANNELS,
-        out_visual_dim=FLUX_LATENT_CHANNELS,
-        in_text_dim=text_hidden_size,
-        in_text_dim2=pooled_size,
-        time_dim=16,
-        model_dim=heads * head_dim,
-        ff_dim=2 * heads * head_dim,
-        num_text_blocks=layers[0],
-        num_visual_blocks=layers[1],
-        axes_dims=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),
-        visual_cond=visual_cond,
-    )
-    for name, parameter in model.named_parameters():
-        if "modulation.out_layer" in name:
-            torch.nn.init.normal_(parameter, std=0.02)
-    return model
 
 
 def build_mistral_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
@@ -1151,73 +610,6 @@ def build_mistral3_text_encoder(
     return Mistral3ForConditionalGeneration(config) if with_head else Mistral3Model(config)
 
 
-def build_ernie_image_transformer(
-    layers: int = 1, heads: int = 2, head_dim: int = 16, text_hidden_size: int = FLUX2_TEXT_HIDDEN_SIZE
-) -> ErnieImageTransformer2DModel:
-    """ERNIE-Image's single-stream transformer over FLUX.2's patched latents (one token a latent pixel), its rotary
-    axes (text position, row, column) in ERNIE-Image's proportions (32, 48, 48 of 128). Its class starts the shared
-    modulation and the output layer at zero (a trained model's are not): drawn at random here, so the micro model's
-    prediction depends on its input and its text."""
-    model = ErnieImageTransformer2DModel(
-        hidden_size=heads * head_dim,
-        num_attention_heads=heads,
-        num_layers=layers,
-        ffn_hidden_size=3 * heads * head_dim,
-        in_channels=4 * FLUX2_LATENT_CHANNELS,
-        out_channels=4 * FLUX2_LATENT_CHANNELS,
-        text_in_dim=text_hidden_size,
-        rope_axes_dim=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),
-    )
-    for layer in (model.adaLN_modulation[-1], model.final_linear):
-        torch.nn.init.normal_(layer.weight, std=0.02)
-        torch.nn.init.normal_(layer.bias, std=0.02)
-    return model
-
-
-def build_siglip2(width: int) -> tuple[Siglip2VisionModel, Siglip2ImageProcessorPil]:
-    """A one-layer SigLIP2 vision model (its naflex kind: images at their own aspect, as Z-Image Omni's so400m reads
-    references) of `width`, with its processor: 8 px patches, at most 16 of them (a 32 px control is 4 x 4 patches)."""
-    torch.manual_seed(0)
-    config = Siglip2VisionConfig(
-        hidden_size=width,
-        intermediate_size=2 * width,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        patch_size=8,
-        num_patches=16,
-        vision_use_head=False,
-    )
-    # The processor's PIL backend: its default one needs torchvision, which difftune does not install.
-    return Siglip2VisionModel(config), Siglip2ImageProcessorPil(patch_size=8, max_num_patches=16)
-
-
-def build_z_image_transformer(
-    layers: int = 1,
-    refiner_layers: int = 1,
-    heads: int = 2,
-    head_dim: int = 16,
-    text_hidden_size: int = QWEN_HIDDEN_SIZE,
-    siglip_width: int | None = None,
-) -> ZImageTransformer2DModel:
-    """`layers` single-stream blocks after `refiner_layers` image and caption refiner blocks each, over 2x2 patches of
-    16-channel latents; rotary axes split the head 1:1.5:1.5 (caption position, row, column) as Z-Image's 32:48:48.
-    `siglip_width`: Z-Image Omni's, reading SigLIP features of that width too."""
-    return ZImageTransformer2DModel(
-        siglip_feat_dim=siglip_width,
-        all_patch_size=(2,),
-        all_f_patch_size=(1,),
-        in_channels=FLUX_LATENT_CHANNELS,
-        dim=heads * head_dim,
-        n_layers=layers,
-        n_refiner_layers=refiner_layers,
-        n_heads=heads,
-        n_kv_heads=heads,
-        cap_feat_dim=text_hidden_size,
-        axes_dims=[head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8],
-        axes_lens=[1024, 64, 64],
-    )
-
-
 def build_llama_tokenizer() -> PreTrainedTokenizerFast:
     """Llama 3's layout (byte-level BPE with no merges here; `<|begin_of_text|>` before every text, `<|end_of_text|>`,
     which HiDream's pipeline pads with)."""
@@ -1231,216 +623,6 @@ def build_llama_tokenizer() -> PreTrainedTokenizerFast:
         single="<|begin_of_text|> $A", special_tokens=[(special[0], 0)]
     )
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=special[0], eos_token=special[1])
-
-
-def build_llama_text_encoder(tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 2) -> LlamaForCausalLM:
-    """A Llama 3.1-style language model (HiDream's fourth text encoder: every layer's states are its text)."""
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            num_hidden_layers=layers,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=256,
-            tie_word_embeddings=False,
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=1,
-        )
-    )
-
-
-def build_hidream_transformer(
-    layers: tuple[int, int] = (1, 1),
-    heads: int = 2,
-    head_dim: int = 16,
-    pooled_size: int = 2 * 32,
-    llama_layers: int = 2,
-) -> HiDreamImageTransformer2DModel:
-    """`layers` (double-stream, single-stream) HiDream blocks whose feed-forwards are a mixture of 2 experts (1 chosen
-    per token) beside a shared one, over 2x2 patches of 16-channel latents; each block reads its own language-model
-    layer (`llama_layers` of them, in turn), the T5 states and the pooled CLIP embeddings; rotary axes split the head
-    2:1:1 (time, row, column) as HiDream's 64:32:32."""
-    return HiDreamImageTransformer2DModel(
-        patch_size=2,
-        in_channels=FLUX_LATENT_CHANNELS,
-        num_layers=layers[0],
-        num_single_layers=layers[1],
-        attention_head_dim=head_dim,
-        num_attention_heads=heads,
-        caption_channels=[T5_HIDDEN_SIZE, QWEN_HIDDEN_SIZE],
-        text_emb_dim=pooled_size,
-        num_routed_experts=2,
-        num_activated_experts=1,
-        axes_dims_rope=(head_dim // 2, head_dim // 4, head_dim // 4),
-        max_resolution=(32, 32),
-        llama_layers=[i % llama_layers for i in range(sum(layers))],
-    )
-
-
-def build_gemma2_text_encoder(tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 3) -> Gemma2Model:
-    """A Gemma 2 language model (Lumina 2's text encoder, which reads the second-to-last layer's states)."""
-    config = Gemma2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=hidden_size // 2,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    return Gemma2Model(config)
-
-
-def build_gemma3_text_encoder(tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 2):
-    """A Gemma 3 model with its (tiny) SigLIP vision tower, as LTX-2's text encoder is one
-    (`Gemma3ForConditionalGeneration`); its pipeline reads every layer's states of the text alone."""
-    text = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=hidden_size // 2,
-        max_position_embeddings=2048,
-        sliding_window=16,
-        pad_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    vision = SiglipVisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
-    )
-    return Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=1))
-
-
-def build_ltx2_parts(text_width: int, text_layers: int, layers: int = 1, heads: int = 2, latent_channels: int = 8):
-    """LTX-2's text connectors (with learnable registers in the padding, as the real ones), its audio-video
-    transformer (a video stream of `heads` x 8 and an audio stream of 2 x 2 `heads`), its audio autoencoder
-    (2-channel mel spectrograms of 8 bins) and its vocoder, as diffusers' own LTX-2 tests build them small."""
-    connectors = LTX2TextConnectors(
-        caption_channels=text_width,
-        text_proj_in_factor=text_layers + 1,  # every hidden state, the embeddings' too
-        video_connector_num_attention_heads=2,
-        video_connector_attention_head_dim=text_width // 2,
-        video_connector_num_layers=1,
-        video_connector_num_learnable_registers=8,
-        audio_connector_num_attention_heads=2,
-        audio_connector_attention_head_dim=text_width // 2,
-        audio_connector_num_layers=1,
-        audio_connector_num_learnable_registers=8,
-        connector_rope_base_seq_len=32,
-        rope_double_precision=False,
-        causal_temporal_positioning=False,
-        rope_type="split",
-    )
-    transformer = LTX2VideoTransformer3DModel(
-        in_channels=latent_channels,
-        out_channels=latent_channels,
-        num_attention_heads=heads,
-        attention_head_dim=8,
-        cross_attention_dim=heads * 8,
-        audio_in_channels=4,
-        audio_out_channels=4,
-        # The rope of the attention between the streams spans the audio width and splits over the video heads (2 per
-        # head at least): the audio stream widens with them (2 x 4 beside 2 video heads).
-        audio_num_attention_heads=2,
-        audio_attention_head_dim=2 * heads,
-        audio_cross_attention_dim=4 * heads,
-        num_layers=layers,
-        caption_channels=text_width,
-        vae_scale_factors=(4, 4, 4),
-        rope_double_precision=False,
-        rope_type="split",
-    )
-    audio_vae = AutoencoderKLLTX2Audio(
-        base_channels=4,
-        output_channels=2,
-        ch_mult=(1, 2, 4),  # 4x in time and mel bins, as the pipeline takes it: 8 bins -> 2 x 2 latent channels
-        num_res_blocks=1,
-        attn_resolutions=None,
-        in_channels=2,
-        resolution=32,
-        latent_channels=2,
-        norm_type="pixel",
-        causality_axis="height",
-        dropout=0.0,
-        mid_block_add_attention=False,
-        sample_rate=16000,
-        mel_hop_length=160,
-        is_causal=True,
-        mel_bins=8,
-    )
-    vocoder = LTX2Vocoder(
-        in_channels=2 * 8,
-        hidden_channels=32,
-        out_channels=2,
-        upsample_kernel_sizes=[4, 4],
-        upsample_factors=[2, 2],
-        resnet_kernel_sizes=[3],
-        resnet_dilations=[[1, 3, 5]],
-        leaky_relu_negative_slope=0.1,
-        output_sampling_rate=16000,
-    )
-    return {"connectors": connectors, "transformer": transformer, "audio_vae": audio_vae, "vocoder": vocoder}
-
-
-def build_ltx2_vae(latent_channels: int = 8, channels: tuple[int, int] = (8, 16)) -> AutoencoderKLLTX2Video:
-    """LTX-2's causal video autoencoder at 4x in space and time (the real one: 32x and 8x, 128 channels), its two
-    blocks `channels` wide."""
-    return AutoencoderKLLTX2Video(
-        latent_channels=latent_channels,
-        block_out_channels=channels,
-        decoder_block_out_channels=channels,
-        layers_per_block=(1, 1, 1),
-        decoder_layers_per_block=(1, 1, 1),
-        spatio_temporal_scaling=(True, True),
-        decoder_spatio_temporal_scaling=(True, True),
-        decoder_inject_noise=(False, False, False),
-        downsample_type=("spatiotemporal", "spatiotemporal"),
-        upsample_type=("spatiotemporal", "spatiotemporal"),
-        upsample_residual=(False, False),
-        upsample_factor=(1, 1),
-        patch_size=1,
-        decoder_causal=False,
-    )
-
-
-def build_lumina2_transformer(
-    layers: int = 1,
-    refiner_layers: int = 1,
-    heads: int = 2,
-    head_dim: int = 16,
-    text_hidden_size: int = QWEN_HIDDEN_SIZE,
-) -> Lumina2Transformer2DModel:
-    """`layers` joint blocks after `refiner_layers` image and caption refiner blocks each, over 2x2 patches of
-    16-channel latents; rotary axes split the head 1:1.5:1.5 (caption position, row, column)."""
-    return Lumina2Transformer2DModel(
-        sample_size=16,
-        patch_size=2,
-        in_channels=FLUX_LATENT_CHANNELS,
-        hidden_size=heads * head_dim,
-        num_layers=layers,
-        num_refiner_layers=refiner_layers,
-        num_attention_heads=heads,
-        num_kv_heads=heads,
-        multiple_of=16,
-        axes_dim_rope=(head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8),
-        axes_lens=(300, 64, 64),
-        cap_feat_dim=text_hidden_size,
-    )
-
-
-def build_z_image_scheduler() -> FlowMatchEulerDiscreteScheduler:
-    """Z-Image's scheduler config: one shift (3) at every size."""
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 
 
 def build_vae(scaling_factor: float = 1.0, latent_channels: int = 4, downsampling: int = 4) -> AutoencoderKL:
@@ -1472,35 +654,6 @@ def build_taesd(latent_channels: int = 4, downsampling: int = 4) -> AutoencoderT
         num_decoder_blocks=(1,) * blocks,
         latent_channels=latent_channels,
         upsampling_scaling_factor=2,
-    )
-
-
-def build_unet(block_out_channels: tuple[int, ...] = (32, 64), sdxl: bool = False) -> UNet2DConditionModel:
-    """Cross-attention in every block but the lowest, as in SD's UNet. (32, 64): the test model;
-    (32, 64, 64): the bundled base (1.5M parameters, the size that learned best in the prototype). With `sdxl`,
-    SDXL's conditioning: cross-attention on both encoders' states, and the `text_time` embedding of the pooled
-    text and the six size/crop numbers; linear projections in the transformers, as SDXL has. (The attention
-    stays where tiny-sd has it: SDXL's own layout puts none at the top level, which at 8x8 latents leaves
-    attention only at 4x4 and below.)"""
-    depth = len(block_out_channels)
-    sdxl_conditioning = {
-        "addition_embed_type": "text_time",
-        "addition_time_embed_dim": TIME_EMBED_SIZE,
-        "projection_class_embeddings_input_dim": 6 * TIME_EMBED_SIZE + TEXT_2_PROJECTION_SIZE,
-        "use_linear_projection": True,
-    }
-    return UNet2DConditionModel(
-        sample_size=IMAGE_SIZE // 4,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=block_out_channels,
-        down_block_types=("CrossAttnDownBlock2D",) * (depth - 1) + ("DownBlock2D",),
-        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (depth - 1),
-        cross_attention_dim=TEXT_HIDDEN_SIZE + TEXT_2_HIDDEN_SIZE if sdxl else TEXT_HIDDEN_SIZE,
-        attention_head_dim=4,
-        norm_num_groups=32,
-        **(sdxl_conditioning if sdxl else {}),
     )
 
 

@@ -52,7 +52,7 @@ from difftune.models.autoencoders import (
     latent_normalization,
     unpatched,
 )
-from difftune.toy.micro import assemble_tiny_pipeline, tiny_base_of
+from difftune.toy.micro import assemble_tiny_pipeline, builder, tiny_base_of
 from difftune.toy.tiny import (
     CLIP_FRAMES,
     COLORS,
@@ -64,7 +64,6 @@ from difftune.toy.tiny import (
     build_taesd,
     build_vae,
     build_wan_vae,
-    edit_pipeline_of,
     moving_shape_clips,
     recolor_pairs,
     render_shape,
@@ -166,9 +165,9 @@ def train_vae(
     base_dim: int = 8,
     dim_mult: tuple[int, ...] = (1, 1, 1, 1, 1),
 ):
-    """The KL autoencoder (`kind` "kl": SD's and Flux's AutoencoderKL; "wan": Wan's video autoencoder, Qwen-Image's;
-    "qwen_image21": Qwen-Image 2.1's of RGBA images at 16x, learning the shapes' renders as opaque images; "flux2":
-    FLUX.2's, whose batch norm then holds its patched latents' statistics, as training it leaves them):
+    """The KL autoencoder (`kind` "kl": SD's and Flux's AutoencoderKL; "causal_video": Wan's video autoencoder,
+    Qwen-Image's; "rgba_16x": Qwen-Image 2.1's of RGBA images at 16x, learning the shapes' renders as opaque images;
+    "batch_norm": FLUX.2's, whose batch norm then holds its patched latents' statistics, as training it leaves them):
     MSE on reconstructions of posterior samples plus a small KL term (SD's VAE recipe without its perceptual and GAN
     losses, which 32 px flat shapes do not need). Its normalisation is set from the latents afterwards: SD's kind
     gets scaling factor 1/std, the way SD's 0.18215 was chosen, and with `shift` a shift factor (their mean, as
@@ -180,9 +179,9 @@ def train_vae(
     0.079 apart in its normalised latents (red and blue: 1.08), under its own posterior's noise."""
     torch.manual_seed(seed)
     builders = {
-        "wan": build_qwen_vae,
-        "qwen_image21": lambda: build_qwen_image21_vae(latent_channels, base_dim, dim_mult),
-        "flux2": lambda: build_flux2_vae(latent_channels),
+        "causal_video": build_qwen_vae,
+        "rgba_16x": lambda: build_qwen_image21_vae(latent_channels, base_dim, dim_mult),
+        "batch_norm": lambda: build_flux2_vae(latent_channels),
     }
     vae = builders.get(kind, lambda: build_vae(latent_channels=latent_channels))()
     with torch.no_grad():  # start with a narrow posterior (log-variance -6): +1 dB at 300 steps, measured
@@ -201,9 +200,9 @@ def train_vae(
     _fit(vae.parameters(), loss, (images,), steps, batch_size, lr, seed, "vae")
     vae.eval()
     latents = posterior_means(vae, images[:512])
-    if kind in ("wan", "qwen_image21"):
+    if kind in ("causal_video", "rgba_16x"):
         set_latent_statistics(vae, latents)
-    elif kind == "flux2":
+    elif kind == "batch_norm":
         set_batch_norm_statistics(vae, latents)
     else:
         set_latent_scaling(vae, latents, shift)
@@ -301,6 +300,7 @@ def timed(seconds: dict, stage: str):
 class Recipe:
     """How the base is made; the defaults are what `scripts/make_tiny_base.py` commits."""
 
+    family: str  # whose micro pipeline, at these sizes; its `TINY_BASE` says whose autoencoders
     seed: int = 0
     autoencoder_images: int = 4000
     vae_steps: int = 1000
@@ -318,7 +318,6 @@ class Recipe:
     weighting: str = "min_snr"  # or "uniform"
     noise_offset: float = 0.1  # see base_training_overrides
     ema_decay: float = 0.999
-    family: str = "sd"  # whose micro pipeline, at these sizes; its `TINY_BASE` says whose autoencoders
     flux_layers: tuple[int, int] = (2, 4)  # double- and single-stream blocks
     flux_heads: int = 6  # of 16 dimensions each
     dit_layers: int = 3  # Qwen-Image's and SD3's MMDiT blocks, Z-Image's single-stream ones
@@ -466,13 +465,10 @@ def train_autoencoders(recipe: Recipe) -> tuple[AutoencoderKL | AutoencoderKLQwe
     return vae, taesd
 
 
-def build_base(
-    out_dir: Path, work_dir: Path, recipe: Recipe | None = None, autoencoders_from: Path | None = None
-) -> dict:
+def build_base(out_dir: Path, work_dir: Path, recipe: Recipe, autoencoders_from: Path | None = None) -> dict:
     """Train everything (the autoencoders: unless `autoencoders_from`, a built base folder, lends its `vae/` and
     `taesd/`) and write the pipeline folder (fp16) with `taesd/` beside `vae/`; returns the facts for the model
     card (scores of the autoencoders, seconds per stage, the recipe)."""
-    recipe = recipe or Recipe()
     seconds: dict[str, float] = {}
     work_dir.mkdir(parents=True, exist_ok=True)
     clips = FAMILIES[recipe.family].reads_clips  # a video base: its autoencoder learns time, its transformer motion
@@ -592,14 +588,16 @@ def refresh_clip_decoder(model_dir: Path, work_dir: Path, recipe: Recipe) -> dic
 
 
 def build_edit_base(out_dir: Path, work_dir: Path, source: Path, recipe: dict, seed: int = 0) -> dict:
-    """An edit pipeline folder (`edit_pipeline_of`) from the text-to-image base `source`, its transformer (and with
-    `recipe["text_encoder"]` its language model) trained by `difftune train` on "make it <color>" pairs of the seen
-    colors; returns the facts for the model card."""
+    """An edit pipeline folder (its family's micro `edit_pipeline_of`) from the text-to-image base `source`, its
+    transformer (and with `recipe["text_encoder"]` its language model) trained by `difftune train` on "make it
+    <color>" pairs of the seen colors; returns the facts for the model card."""
     from difftune.training.train import train
 
     seconds: dict[str, float] = {}
     torch.manual_seed(seed)  # new embedding rows are drawn
-    edit = edit_pipeline_of(DiffusionPipeline.from_pretrained(source, dtype=torch.float32))
+    pipeline = DiffusionPipeline.from_pretrained(source, dtype=torch.float32)
+    [family] = [name for name, family in FAMILIES.items() if type(pipeline).__name__ in family.pipeline_classes]
+    edit = builder(family).edit_pipeline_of(pipeline)
     init_dir = work_dir / "init"
     edit.save_pretrained(init_dir, safe_serialization=True)
     count = recipe["pairs_per_prompt"] * len(SEEN_COLORS) * 3

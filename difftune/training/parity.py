@@ -24,7 +24,7 @@ from difftune.adapters import export
 from difftune.adapters.trained import trained_parts
 from difftune.config import Config
 from difftune.families import load_components
-from difftune.families.drawing import Sample, generate_images
+from difftune.families.common.drawing import Sample, generate_images
 from difftune.memory.quantize import quantize_linear_layers
 from difftune.models.parts import place_frozen, store_loaded_text_encoders, stored_dtype
 from difftune.owned_files import write_file

@@ -548,7 +548,7 @@ def empty_components(config: Config, source: tuple[Path, str] | None = None) -> 
     from transformers import AutoConfig
 
     from difftune.families import family_of
-    from difftune.families.loading import part_class as index_part_class
+    from difftune.families.common.loading import part_class as index_part_class
 
     model = config.model
     folder, kept = source or config_source(model)
@@ -614,7 +614,7 @@ def config_source(model) -> tuple[Path, str]:
             f"whose configs difftune keeps ({', '.join(published.published_bases())}); set model.family to plan it "
             "as its family's reference base, or model.single_file_config to a diffusers folder"
         )
-    reference = published.REFERENCE_BASES[FAMILIES[name].name]
+    reference = published.reference_bases()[FAMILIES[name].name]
     return published.config_folder(reference), reference
 
 
@@ -627,7 +627,7 @@ def configs_read(model, source: tuple[Path, str] | None = None) -> str:
         return f"the pipeline folder {folder}"
     if kept == model.base:
         return f"{kept}'s, kept in difftune (nothing downloaded)"
-    family = next(name for name, base in published.REFERENCE_BASES.items() if base == kept)
+    family = next(name for name, base in published.reference_bases().items() if base == kept)
     why = (
         "a single file holds no configs; model.single_file_config names its own"
         if model.base.endswith(SINGLE_FILE_SUFFIXES)

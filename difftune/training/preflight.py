@@ -138,7 +138,7 @@ def _check_family_reads_base(config: Config) -> None:
     class_name = index.get("_class_name")
     readers = {
         published.model_index(base)["_class_name"]: family
-        for family, base in published.REFERENCE_BASES.items()
+        for family, base in published.reference_bases().items()
         if published.is_published(base)
     }
     reader = readers.get(class_name)

@@ -65,8 +65,8 @@ from difftune.data.dataset import (
 from difftune.data.sources import data_source
 from difftune.errors import BatchBeyondData, DifftuneError
 from difftune.families import family_of, load_components, load_denoiser
-from difftune.families.drawing import generate_images, save_images
-from difftune.families.objective import training_noise_scheduler
+from difftune.families.common.drawing import generate_images, save_images
+from difftune.families.common.objective import training_noise_scheduler
 from difftune.memory.checkpointing import enable_gradient_checkpointing
 from difftune.memory.quantize import quantize_linear_layers
 from difftune.memory.storage import computed_copies_saved_as_stored

@@ -591,14 +591,14 @@ def _shown(sample, config: SampleConfig):
     """What the gallery shows of a sample: its image, or its clip written as `save_clip` writes it (a file)."""
     if not sample.clip:
         return sample.image
-    from difftune.families.drawing import sample_tags, save_clip
+    from difftune.families.common.drawing import sample_tags, save_clip
 
     folder = Path(tempfile.mkdtemp(prefix="difftune-sample-"))
     return str(save_clip(sample.clip, folder / f"{sample.seed:03d}", config.fps, sample_tags(sample, config)))
 
 
 def _sample_tab(jobs_dir: Path):
-    from difftune.families.drawing import generate_images
+    from difftune.families.common.drawing import generate_images
 
     fields = [field for field in form_fields(["sample"]) if field.name not in TRAINING_ONLY_SAMPLE_FIELDS]
     base = gr.Textbox(

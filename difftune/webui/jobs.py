@@ -264,7 +264,7 @@ def validation_frame(rows: list[dict], best: dict[str, dict]):
     return pd.DataFrame(points, columns=["step", "val_loss", "series"])
 
 
-# A video base's samples (families/drawing.py), beside its grid.
+# A video base's samples (families/common/drawing.py), beside its grid.
 SAMPLE_CLIPS = ("[0-9][0-9][0-9].mp4", "[0-9][0-9][0-9].webp")
 
 

@@ -1,12 +1,13 @@
 """Each family's micro pipeline: random weights at a few hundred thousand parameters, built from diffusers' and
 transformers' config classes, so every family trains, saves and reloads in CI with no downloads.
 
-One module per family, named as the family (`config.FAMILY_NAMES`), with two functions: `autoencoder(pixels)` builds
-the family's autoencoder and sets its latent statistics from `pixels` (the shapes renders), and
-`pipeline(vae, sizes)` builds the text encoders and the denoiser around it, in that order (a seed's random draws
-depend on it). A family that ships a bundled tiny base (`models/tiny-<family>`) says how it is built in
-`TINY_BASE`: its recipe, its autoencoder or the base it borrows one from, its model card's lines. Adding a family adds
-its module here; `build_pipeline` and the tiny-base builder find it by name.
+Each family's folder holds its micro builder, `families/<family>/micro.py` (toy tooling kept beside its family: only
+the toy imports it, .importlinter), with two functions: `autoencoder(pixels)` builds the family's autoencoder and sets
+its latent statistics from `pixels` (the shapes renders), and `pipeline(vae, sizes)` builds the text encoders and the
+denoiser around it, in that order (a seed's random draws depend on it). A family that ships a bundled tiny base
+(`models/tiny-<family>`) says how it is built in `TINY_BASE`: its recipe, its autoencoder or the base it borrows one
+from, its model card's lines. What several families' builders share is here and in toy/tiny.py; `build_pipeline` and
+the tiny-base builder find a family's by its name.
 """
 
 from __future__ import annotations
@@ -78,10 +79,10 @@ def builder(family: str):
     """The family's micro builder module."""
     if family not in FAMILY_NAMES:
         raise ValueError(f"{family!r}: not a family ({', '.join(FAMILY_NAMES)})")
-    return importlib.import_module(f"{__name__}.{family}")
+    return importlib.import_module(f"difftune.families.{family}.micro")
 
 
-def build_pipeline(seed: int = 0, family: str = "sd", guidance: bool = False):
+def build_pipeline(seed: int = 0, *, family: str, guidance: bool = False):
     """A random-init micro pipeline of `family`; its autoencoder's latent statistics are those of `shape_images`'
     latents, the way SD's 0.18215 was chosen (Flux: its shift factor their mean, as Flux.1's 0.1159). `guidance`:
     Flux with a guidance embedding."""

@@ -1,0 +1,228 @@
+"""A family's conditioning, its role as a mixin: what the denoiser reads besides the noisy latents, from captions,
+control images and the sample's own pixels, and how the text cache keeps it.
+
+Tokenizing runs in the data loader's workers (it takes the tokenizers alone); encoding runs where the encoders are;
+the text cache stores what `cached_conditioning` keeps and training reads back what `uncached_conditioning` restores.
+Edit pairs' controls and video clips are checked and cut here too. The facts it reads are the family's
+(`text_encoder_names`, `max_controls`, `reads_clips`, `description`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from difftune.config import DataConfig
+from difftune.data.cache import model_identity
+from difftune.data.clips import FrameWindows
+from difftune.errors import DifftuneError
+from difftune.families.common.loading import FamilyOptions
+from difftune.models.autoencoders import LatentNormalization, frames_per_latent, latent_normalization
+from difftune.models.parts import Components, tokenize
+
+NO_TOKEN = -1  # what padded ids hold where a caption has no token: no token's id, so masks and cache keys need no pad
+
+
+def padded_token_ids(token_lists: list[list[int]], length: int, left: bool = False) -> torch.Tensor:
+    """Captions' token ids (each list at most `length` long) as one (B, length) tensor, padded with `NO_TOKEN` on the
+    right, or on the `left`."""
+    ids = torch.full((len(token_lists), length), NO_TOKEN, dtype=torch.long)
+    for i, tokens in enumerate(token_lists):
+        where = slice(length - len(tokens), None) if left else slice(None, len(tokens))
+        ids[i, where] = torch.as_tensor(tokens, dtype=torch.long)
+    return ids
+
+
+def valid_token_states(states: torch.Tensor, mask: torch.Tensor, skip: int, length: int) -> dict[str, torch.Tensor]:
+    """A language model's states (B, L, D) kept at each caption's valid tokens (`mask`, (B, L)) after its first
+    `skip` (a template's), at most `length` of them, zero-padded to `length`; with the mask of those kept."""
+    kept_states = states.new_zeros(len(states), length, states.shape[-1])
+    text_mask = torch.zeros(len(states), length, dtype=torch.long, device=states.device)
+    for i in range(len(states)):
+        kept = states[i][mask[i]][skip:][:length]
+        kept_states[i, : len(kept)] = kept
+        text_mask[i, : len(kept)] = 1
+    return {"encoder_hidden_states": kept_states, "text_mask": text_mask}
+
+
+def trimmed(conditioning: dict[str, torch.Tensor], mask: str = "text_mask") -> dict[str, torch.Tensor]:
+    """One caption's `valid_token_states` without the padding past its text (its `mask`), as the text cache stores
+    it: at full length (512 x 3584 fp32 for Qwen-Image) an entry is 7 MB, a short caption's ~0.3 MB."""
+    valid = int(conditioning[mask].sum())
+    return {name: tensor[:valid] for name, tensor in conditioning.items()}
+
+
+def padded(stored: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """Inverse of `trimmed`."""
+    return {
+        name: F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, length - len(tensor))) for name, tensor in stored.items()
+    }
+
+
+def processed_frames(processor, frames: torch.Tensor, encoder: torch.nn.Module, **options) -> torch.Tensor:
+    """First frames (B, 3, H, W) in [-1, 1] as an image-to-video pipeline's image processor reads the image it is
+    given: as 8-bit pixels (`options`: the pipeline's call's), in `encoder`'s device and dtype. On the meta device (the
+    memory plan's), zeros of the processed size: the processor reads no meta tensor, and only the shape counts."""
+    weight = next(encoder.parameters())
+    if frames.is_meta:
+        size = processor.crop_size if getattr(processor, "do_center_crop", False) else processor.size
+        return torch.zeros(len(frames), 3, size["height"], size["width"], device=weight.device, dtype=weight.dtype)
+    eight_bit = ((frames.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    images = list(eight_bit.permute(0, 2, 3, 1).cpu().numpy())
+    return processor(images=images, return_tensors="pt", **options).pixel_values.to(weight.device, weight.dtype)
+
+
+# The edit pipelines that keep a reference at its own size (Z-Image Omni's and FLUX.3's) take sides in multiples of
+# 16 (the autoencoder's 8x times the transformer's 2x2 patches: what they crop or pad a reference to) and at least 64
+# px (Z-Image Omni's refuses less; FLUX.3's pads to it).
+REFERENCE_GRID = 16
+SHORTEST_REFERENCE_SIDE = 64
+
+
+def reference_dimensions(area: int, size: tuple[int, int]) -> tuple[int, int]:
+    """(width, height) of a `size` reference at about `area` pixels, aspect kept, on `REFERENCE_GRID` and at least
+    `SHORTEST_REFERENCE_SIDE` a side: a size those pipelines keep as it is."""
+    ratio = size[0] / size[1]
+    area = max(area, SHORTEST_REFERENCE_SIDE**2 * max(ratio, 1 / ratio))
+    return tuple(
+        max(SHORTEST_REFERENCE_SIDE, round(math.sqrt(area * r) / REFERENCE_GRID) * REFERENCE_GRID)
+        for r in (ratio, 1 / ratio)
+    )
+
+
+class ReferencesAtTargetArea:
+    """An edit family's references sized as its pipeline keeps them (a mixin before `Family`'s roles): each trains at
+    its target's area, its own aspect kept (`reference_dimensions`), and samples drawn at a set size give the pipeline
+    references so sized, so that it draws from what training read."""
+
+    def control_size(self, target_size, control_size, options=None):
+        return reference_dimensions(target_size[0] * target_size[1], control_size)
+
+    def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
+        if height:
+            controls = [control.resize(reference_dimensions(height * width, control.size)) for control in controls]
+        return {"image": controls} if controls else {}
+
+
+class Conditioning:
+    # Where its text states are a language model's at each caption's tokens, zero-padded to this length with their
+    # `text_mask` (`valid_token_states`): the text cache keeps the caption's tokens alone and pads them back. None:
+    # stored as encoded.
+    padded_text_tokens: int | None = None
+    prompts_see_controls = False  # its text encoder reads an edit pair's controls (`tokenize` takes them)
+    # Text encoders that read an edit pair's references, not tokens (Z-Image Omni's SigLIP2): no vocabulary, so not in
+    # `encoder_tokenizers` (textual inversion and embeddings leave them)
+    reference_encoder_names: tuple[str, ...] = ()
+    # Its samples are an image and its layers (Qwen-Image-Layered): the data's `stem_1.png`... beside `stem.png` are
+    # that image's layers (`scan_examples`' `layers`), held as its controls
+    trains_layers = False
+
+    def data_settings(self, data: DataConfig) -> DataConfig:
+        """The data settings a run of this family reads its data with: `data`, unless the family needs one of them
+        (the resolved config records what was used)."""
+        return data
+
+    def planned_controls(self, components: Components, latents: torch.Tensor) -> list[torch.Tensor]:
+        """The controls' latents the memory plan gives a step of `latents` (training.plan): as many as an edit pair
+        may have (`max_controls`, each at the target's size: a plan holds for the largest step the data can make);
+        none for a text-to-image family. A layered base plans its layers (`model.family_options.layers`)."""
+        return [latents] * self.max_controls
+
+    def trained_latents(self, latents: torch.Tensor, conditioning: dict) -> torch.Tensor:
+        """What training noises and predicts for samples whose image latents are `latents` (B, C, ...), beside their
+        `conditioning` (the text's, and an edit pair's `control_latents`): `latents`, unless the family trains more
+        than the image (Qwen-Image-Layered: its layers, which it takes out of the conditioning)."""
+        return latents
+
+    def check_controls(self, examples: list, key: str) -> None:
+        """Refuse a data set whose pairs have more control images than this family reads (a `DifftuneError` naming
+        one such image): a text-to-image base would train as if the controls were not there."""
+        over = next((e for e in examples if len(e.control_paths) > self.max_controls), None)
+        if over is None:
+            return
+        if not self.max_controls:
+            raise DifftuneError(
+                f"{key}: {over.path.name} has control images ({', '.join(str(c) for c in over.control_paths)}), "
+                f"but {self.description} bases edit no image; train an edit base (FLUX.1 "
+                "Kontext, Qwen-Image-Edit) on pairs, or move the control folder away"
+            )
+        raise DifftuneError(
+            f"{key}: {over.path.name} has {len(over.control_paths)} control images; {self.description} bases read "
+            f"at most {self.max_controls}"
+        )
+
+    def frame_windows(self, data, vae) -> FrameWindows | None:
+        """How this family's data cuts clips into windows (`data`'s frame settings, lengths the autoencoder `vae`
+        takes); None for an image family, whose data leaves clips out and reports them."""
+        return FrameWindows.of(data, frames_per_latent(vae)) if self.reads_clips else None
+
+    def control_size(
+        self, target_size: tuple[int, int], control_size: tuple[int, int], options: FamilyOptions | None = None
+    ) -> tuple[int, int]:
+        """The (width, height) a control image of `control_size` trains at beside a target trained at `target_size`
+        (under the base's `options`): the target's (as diffusers' Kontext training script pairs them), unless the
+        family says otherwise."""
+        return target_size
+
+    def pixel_conditioning(self, components: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the denoiser reads of a sample's own pixels (B, 3, [T,] H, W) besides its latents, by name (an
+        image-to-video base's first frame, encoded as its pipeline encodes the image it animates): computed from the
+        training view with the frozen autoencoder, cached beside its posterior, joined to the text conditioning.
+        Nothing, for a base that reads text alone."""
+        return {}
+
+    def text_kept(self, components: Components) -> str:
+        """What `encode_prompts` keeps beyond what every run of the family reads, as part of the text cache's key:
+        nothing, unless the family's options add some (LTX-2's sound: the audio stream's caption states)."""
+        return ""
+
+    def trains_sound(self, components: Components) -> bool:
+        """Whether the run trains its clips' sound beside their frames (an audio-video base asked to: LTX-2's
+        `model.family_options.sound`), which `sound_conditioning` then encodes into the latent cache."""
+        return False
+
+    def sound_conditioning(self, components: Components, clips: list[tuple[Path, tuple[int, int] | None]]) -> dict:
+        """What the denoiser reads of each clip window's sound (`clips`: (path, window)), by name, cached beside its
+        posterior and joined to the text conditioning as `pixel_conditioning`'s is; for a family that `trains_sound`."""
+        raise NotImplementedError
+
+    def latent_identity(self, components: Components) -> str:
+        """What every latent cache entry depends on besides its pixels: the autoencoder's weights and config, and where
+        the family conditions on a sample's own pixels (`pixel_conditioning`), the family and its pixel encoders too:
+        an image-to-video entry holds more than a text-to-video one of the same autoencoder (Wan 2.2's share it)."""
+        identity = model_identity(components.vae)
+        if type(self).pixel_conditioning is Conditioning.pixel_conditioning:
+            return identity
+        return "+".join([identity, self.name, *map(model_identity, components.pixel_encoders.values())])
+
+    def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
+        """Captions -> token ids per text encoder (name -> (B, L)), padded and truncated as its pipeline does; where
+        `prompts_see_controls`, each caption's control images (a list of PIL images each) join them. Takes the
+        tokenizers alone: data-loader workers call it."""
+        return {encoder: tokenize(tokenizers[tokenizer], captions) for encoder, tokenizer in self.encoder_tokenizers()}
+
+    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Token ids (on the encoders' device) -> the denoiser's text conditioning, by name; each tensor has the
+        batch first. This is what the text cache stores."""
+        raise NotImplementedError
+
+    def cached_conditioning(self, conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One caption's conditioning (no batch axis) as the text cache stores it: as it is, unless the family can
+        drop what `uncached_conditioning` restores (padding: `padded_text_tokens`)."""
+        return trimmed(conditioning) if self.padded_text_tokens else conditioning
+
+    def uncached_conditioning(self, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Inverse of `cached_conditioning`: a stored entry as `encode_prompts` made it."""
+        return padded(stored, self.padded_text_tokens) if self.padded_text_tokens else stored
+
+    def latent_normalization(self, vae) -> LatentNormalization:
+        """How latents are normalised for the denoiser: as the autoencoder asks (autoencoders.py), unless the family's
+        pipeline reads them otherwise."""
+        return latent_normalization(vae)
+
+    def encoder_tokenizers(self) -> list[tuple[str, str]]:
+        """(text encoder, its tokenizer) names, in order."""
+        return list(zip(self.text_encoder_names, self.tokenizer_names, strict=True))

@@ -1,0 +1,158 @@
+"""What a model family is to the rest of difftune: the one place that knows SD from SDXL (and what comes next).
+
+A family names its pipeline class and its parts (the denoiser and the text encoders, by the names diffusers'
+pipelines and LoRA files use), calls its denoiser with its conditioning, and holds its roles, each with one job: its
+objective (`objective`: objective.py, flow.py), its files in other tools' layouts (`layout`: layouts.py) and its
+control roles (`controlnet`, `input_control`: control.py) as objects; its loading, conditioning, drawing and adapter
+targets as mixins (loading.py, conditioning.py, drawing.py, targets.py). The loop, data, caches, checkpoints,
+export, eval and UI ask it and never branch on which it is. `Family` holds what SD-like families share; a family
+module overrides the rest.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+
+from difftune.config import Config
+from difftune.errors import DifftuneError
+from difftune.families.common.conditioning import Conditioning
+from difftune.families.common.drawing import Drawing
+from difftune.families.common.layouts import Layout
+from difftune.families.common.loading import FamilyOptions, Loading
+from difftune.families.common.objective import DDPM, Objective
+from difftune.families.common.targets import AdapterTargets
+from difftune.memory.offload import spread
+from difftune.models.parts import Components
+
+if TYPE_CHECKING:
+    from difftune.families.common.control import ControlNets, InputControl
+
+# A UNet block's name, wherever the UNet sits (peft and compile may wrap it): `down_blocks.1`, `mid_block`,
+# `up_blocks.0.attentions.2`, `down_blocks.0.resnets.1`...
+UNET_BLOCK = re.compile(r"(?:^|\.)((?:down_blocks\.\d+|up_blocks\.\d+|mid_block)(?:\.(?:attentions|resnets)\.\d+)?)$")
+UNET_TOP_BLOCK = re.compile(r"(?:^|\.)(?:down_blocks\.\d+|mid_block|up_blocks\.\d+)$")
+
+
+class Family(Loading, Conditioning, Drawing, AdapterTargets):
+    name: str
+    description: str
+    pipeline_class: type
+    pipeline_classes: tuple[str, ...]  # model_index.json `_class_name`s this family reads
+    denoiser_class: type  # where a single file holds the denoiser alone (`pipeline_around_denoiser_file`)
+    denoiser_name = "unet"  # its pipeline argument and its prefix in diffusers' LoRA files
+    text_encoder_names: tuple[str, ...] = ("text_encoder",)
+    tokenizer_names: tuple[str, ...] = ("tokenizer",)
+    drawing_part_names: tuple[str, ...] = ()  # frozen pipeline parts drawing alone uses (`Components.drawing_parts`)
+    # Frozen pipeline parts that encode a sample's pixels beside the autoencoder, where the base has them
+    # (`Components.pixel_encoders`)
+    pixel_encoder_names: tuple[str, ...] = ()
+    pipeline_options: tuple[str, ...] = ()  # pipeline config values a reassembled pipeline keeps
+    fixed_pipeline_arguments: dict = {}  # what every pipeline of the family is built with
+    options_model: type[FamilyOptions] = FamilyOptions  # what `model.family_options` may set
+    max_controls = 0  # control (source) images an edit pair may have: 0 for a text-to-image family
+    # Its bases are edit models (the images in a control folder are always what they edit: FLUX.1 Kontext, the Qwen edit
+    # models), not text-to-image bases that also read references (FLUX.3): scored on edits, and refused preference pairs
+    edit_base = False
+    reads_clips = False  # a video base: trains on clips (`frame_windows`) and images alike
+    page_family: str | None = None  # the family whose page for the real model tells of this one too (`page`)
+    layout: Layout  # its files in other tools' layouts (layouts.py)
+    objective: Objective = DDPM()  # what training minimises (objective.py; flow.py's for the flow families)
+    controlnet: ControlNets | None = None  # its ControlNet (control.py), where diffusers has one
+    input_control: InputControl | None = None  # control images as input channels (control.py), where drawn so
+
+    @property
+    def page(self) -> str:
+        """The name of its page for the real model, `docs/families/<page>.md`: its own, or `page_family`'s (an
+        image-to-video family's is its text-to-video family's)."""
+        return self.page_family or self.name
+
+    def denoiser_part(self, options: FamilyOptions) -> str:
+        """The pipeline part that holds the denoiser this run trains: `denoiser_name`, unless the base has several
+        (Wan 2.2's low-noise expert is `transformer_2`; its adapter files still say `transformer.`, as diffusers
+        writes and loads them)."""
+        return self.denoiser_name
+
+    def check_config(self, config: Config) -> None:
+        """Refuse settings this family cannot train with (a `DifftuneError` naming them all), before any work: a
+        sampler it lacks would otherwise stop the run at its end-of-run samples."""
+        problems = self.config_problems(config)
+        if problems:
+            raise DifftuneError(f"{config.model.base} is a {self.description} base: " + "; ".join(problems))
+
+    def config_problems(self, config: Config) -> list[str]:
+        """Every setting of `config` this family cannot train with, each named (what `check_config` refuses)."""
+        problems = (
+            self.objective.problems(config)
+            + self.unsupported_settings(config)
+            + self.adapter_problems(config)
+            + self.layout.problems(config)
+            + self.sample_prompt_problems(
+                config.sample.prompts, config.adapter.trains_controlnet or config.adapter.control_input
+            )
+        )
+        try:
+            self.sampler(config.sample.scheduler)
+        except DifftuneError as err:
+            problems.append(str(err))
+        return problems
+
+    def unsupported_settings(self, config: Config) -> list[str]:
+        """What `check_config` refuses besides the objective's loss settings, the adapter, the sample prompts and the
+        sampler: nothing, unless the family says otherwise."""
+        return []
+
+    # The denoiser.
+
+    def latent_channels(self, denoiser: torch.nn.Module) -> int:
+        """Channels of the latents the denoiser takes (unpacked, as the autoencoder makes them)."""
+        return denoiser.config.in_channels
+
+    def denoise(
+        self,
+        components: Components,
+        noisy: torch.Tensor,
+        timesteps: torch.Tensor,
+        conditioning: dict,
+        geometry: torch.Tensor,
+    ) -> torch.Tensor:
+        """The denoiser's prediction for noisy latents (B, C, h, w). `geometry` (B, 6) holds each sample's
+        (original height, width, crop top, left, target height, width) in pixels (`data.image_geometry`)."""
+        raise NotImplementedError
+
+    def control_residuals(
+        self, components: Components, conditioning: dict, hidden_states: torch.Tensor, timestep: torch.Tensor, **inputs
+    ) -> dict:
+        """What a ControlNet adds to one call of the denoiser (`controlnet.residuals`, on the call's own inputs), or
+        nothing where `conditioning` holds no control image."""
+        control = conditioning.get("control")
+        if control is None:
+            return {}
+        return self.controlnet.residuals(components.controlnet, control, hidden_states, timestep, **inputs)
+
+    def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """The blocks whose outputs `log.activations_every_steps` records, by their name in the denoiser: a UNet's
+        down, mid and up blocks and the attention and resnet blocks inside them."""
+        blocks = {}
+        for name, module in denoiser.named_modules():
+            match = UNET_BLOCK.search(name)
+            if match:
+                blocks[match.group(1)] = module
+        return blocks
+
+    def blocks_to_offload(self, denoiser: torch.nn.Module, count: int) -> list[torch.nn.Module]:
+        """The `count` blocks `model.offload_blocks` keeps in host memory: spread evenly over `offloadable_blocks`."""
+        blocks = self.offloadable_blocks(denoiser)
+        if count > len(blocks):
+            raise DifftuneError(
+                f"model.offload_blocks = {count}, and this {type(denoiser).__name__} "
+                f"has {len(blocks)} blocks: set at most {len(blocks)}"
+            )
+        return [blocks[index] for index in spread(count, len(blocks))] if count else []
+
+    def offloadable_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """The blocks `model.offload_blocks` counts and keeps in host memory, in the order the denoiser
+        holds them: a UNet's down blocks, up blocks and mid block."""
+        return [module for name, module in denoiser.named_modules() if UNET_TOP_BLOCK.search(name)]
