@@ -13,12 +13,60 @@ these types: adapters/trained.py, adapters/export.py), so no code compares kind 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from difftune.errors import DifftuneError
 
-if TYPE_CHECKING:
-    from difftune.config import AdapterConfig, Config
+
+# What a kind reads of a run's settings, named as `Config` names them (config.py's schema is one; it imports this
+# module for `KINDS`, so this one describes what it reads instead of importing the schema).
+class AdapterSettings(Protocol):
+    """`adapter.*`: what a peft config is built from and what a kind refuses of it."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    init: str
+    rank_stabilized: bool
+    text_encoder: bool
+
+    @property
+    def rewrites_base(self) -> bool: ...
+
+
+class _Optim(Protocol):
+    loraplus_ratio: float
+
+
+class _Model(Protocol):
+    quantize: str
+
+
+class _Prior(Protocol):
+    enabled: bool
+
+
+class _Validation(Protocol):
+    path: str
+
+
+class _Export(Protocol):
+    format: str
+    average_last: int
+
+
+class Settings(Protocol):
+    """The sections a kind's `problems` read, and the phrase for frozen weights kept apart (`Config`'s)."""
+
+    adapter: AdapterSettings
+    optim: _Optim
+    model: _Model
+    prior: _Prior
+    validation: _Validation
+    export: _Export
+
+    @property
+    def frozen_weights_kept_apart(self) -> str: ...
 
 
 class AdapterKind:
@@ -31,7 +79,7 @@ class AdapterKind:
     trains_whole_parts: ClassVar[bool] = False  # its trained parts train every weight, in fp32 (never cast or stored)
     result_label: ClassVar[str] = ""  # what `where_files_go` calls its result, where it is not an adapter's layouts
 
-    def problems(self, config: Config) -> Iterator[str]:
+    def problems(self, config: Settings) -> Iterator[str]:
         """What this kind does not allow of the rest of `config`, each as the message the user reads."""
         adapter = config.adapter
         if adapter.rewrites_base and not self.starts_from_the_base:
@@ -61,7 +109,7 @@ class PeftAdapter(AdapterKind):
     on_quantized_layers: ClassVar[bool] = False  # peft has quantized layers for it (`model.quantize`)
     fusable: ClassVar[bool] = True  # a fused q, k, v layer (kohya's Flux layouts) holds it as one adapter
 
-    def problems(self, config: Config) -> Iterator[str]:
+    def problems(self, config: Settings) -> Iterator[str]:
         yield from super().problems(config)
         if config.adapter.rewrites_base and config.model.quantize != "none":
             yield (
@@ -74,7 +122,7 @@ class PeftAdapter(AdapterKind):
                 'quantized layers in peft: use lora or dora, or model.quantize = "none"'
             )
 
-    def peft_config(self, adapter: AdapterConfig, targets: list[str]) -> Any:
+    def peft_config(self, adapter: AdapterSettings, targets: list[str]) -> Any:
         """peft's config for an adapter of this kind on the modules `targets`."""
         raise NotImplementedError
 
@@ -89,7 +137,7 @@ class LoRA(PeftAdapter):
     scaled_product = starts_from_the_base = on_quantized_layers = True
     magnitudes: ClassVar[bool] = False  # DoRA's learned magnitude per output (peft's `use_dora`)
 
-    def peft_config(self, adapter: AdapterConfig, targets: list[str]) -> Any:
+    def peft_config(self, adapter: AdapterSettings, targets: list[str]) -> Any:
         from peft import LoraConfig
 
         return LoraConfig(
@@ -120,7 +168,7 @@ class LyCORIS(PeftAdapter):
 
     fusable = False  # separate factors per q, k and v have no fused form
 
-    def peft_config(self, adapter: AdapterConfig, targets: list[str]) -> Any:
+    def peft_config(self, adapter: AdapterSettings, targets: list[str]) -> Any:
         # LyCORIS's defaults, as peft has them: no Tucker decomposition of convolutions (ComfyUI and A1111 read it,
         # but the plain form is what every loader reads), LoKr's factor chosen from the layer's shape.
         return self.peft_config_class()(
@@ -151,7 +199,7 @@ class FullFineTune(AdapterKind):
     trains_whole_parts = True
     result_label = "model"
 
-    def problems(self, config: Config) -> Iterator[str]:
+    def problems(self, config: Settings) -> Iterator[str]:
         yield from super().problems(config)
         if config.model.quantize != "none":
             yield (
@@ -171,7 +219,7 @@ class TokenEmbedding(AdapterKind):
     name, label = "embedding", "textual inversion"
     result_label = "embedding"
 
-    def problems(self, config: Config) -> Iterator[str]:
+    def problems(self, config: Settings) -> Iterator[str]:
         yield from super().problems(config)
         if config.prior.enabled:
             yield (
@@ -194,7 +242,7 @@ class ControlNet(AdapterKind):
     trains_whole_parts = True
     result_label = "controlnet"
 
-    def problems(self, config: Config) -> Iterator[str]:
+    def problems(self, config: Settings) -> Iterator[str]:
         yield from super().problems(config)
         refused = {
             "model.quantize": config.model.quantize != "none",  # the ControlNet starts as a copy of the weights

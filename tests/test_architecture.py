@@ -140,3 +140,33 @@ def test_every_adapter_kind_has_each_job_the_adapters_package_does_by_type():
     for job in (trained_part_names, attach, result_path, save_kind):
         missing = [name for name, kind in KINDS.items() if job.dispatch(type(kind)) is job.dispatch(AdapterKind)]
         assert missing == [], f"{job.__name__} has no implementation for {missing}"
+
+
+def _protocol_members(protocol: type) -> set[str]:
+    own = {name for name in vars(protocol) if not name.startswith("_")}
+    return own | set(getattr(protocol, "__annotations__", {}))
+
+
+def test_what_a_lower_layer_asks_of_a_higher_ones_types_is_there():
+    """A lower layer names what it asks of a higher layer's type as a Protocol of its own (no import of that type,
+    not even for annotations): each member it names is one the real type has, nested sections included."""
+    import typing
+
+    from difftune.adapter_kinds import Settings
+    from difftune.config import Config
+    from difftune.families import FAMILIES
+    from difftune.models.parts import PartsFamily
+
+    def missing(protocol: type, value: object, path: str) -> list[str]:
+        hints = typing.get_type_hints(protocol)
+        found = []
+        for member in sorted(_protocol_members(protocol)):
+            if not hasattr(value, member):
+                found.append(f"{path}.{member}")
+            elif isinstance(hints.get(member), type) and issubclass(hints[member], typing.Protocol):
+                found += missing(hints[member], getattr(value, member), f"{path}.{member}")
+        return found
+
+    assert missing(Settings, Config(), "config") == []
+    assert [gap for family in FAMILIES.values() for gap in missing(PartsFamily, family, family.name)] == []
+    assert all("TYPE_CHECKING" not in path.read_text() for path in Path(difftune.__file__).parent.rglob("*.py"))

@@ -17,7 +17,8 @@ from difftune.adapters import export
 from difftune.config import LossConfig, ModelConfig, load_config
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
-from difftune.families.common.flow import pack, resolution_shift, shifted, unpack
+from difftune.families.common.flow import resolution_shift, shifted
+from difftune.families.common.tokens import pack, unpack
 from difftune.families.flux import image_position_ids
 from difftune.training.train import train
 

@@ -20,7 +20,8 @@ from difftune.data.dataset import CaptionedImages, scan_examples
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.families.common.drawing import generate_images, save_images
-from difftune.families.common.flow import pack, shifted, unpack
+from difftune.families.common.flow import shifted
+from difftune.families.common.tokens import pack, unpack
 from difftune.families.qwen_image import PROMPT_TEMPLATE, TEMPLATE_TOKENS
 from difftune.families.qwen_image_layered import layered_shift
 from difftune.models.autoencoders import encode_posterior

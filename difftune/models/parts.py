@@ -7,20 +7,17 @@ import importlib.util
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.nn.utils import parametrize
 
+from difftune.config import Config
 from difftune.errors import DifftuneError
 from difftune.files import hub_unavailable, part_weight_files, unreachable_base
 from difftune.memory.offload import Offloader, offload_blocks
 from difftune.memory.storage import store_frozen_layers
 from difftune.models.autoencoders import LatentNormalization
-
-if TYPE_CHECKING:
-    from difftune.config import Config
-    from difftune.families.common.family import Family
 
 PICKLED_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 SINGLE_FILE_SUFFIXES = (".safetensors", ".gguf", *PICKLED_SUFFIXES)
@@ -48,11 +45,36 @@ class PartDtypes:
 FP32_PARTS = PartDtypes()
 
 
+class PartsFamily(Protocol):
+    """What the layers below the families (these parts, the data and its caches) ask of the family whose parts
+    `Components` holds; the families' `Family` (families/common/family.py) is one, and the rest of it is asked by the
+    layers above."""
+
+    denoiser_name: str  # its pipeline argument and its prefix in diffusers' LoRA files
+
+    @property
+    def reads_denoiser_files(self) -> bool: ...  # its single files hold the denoiser alone
+
+    def assemble_pipeline(self, components: Components, scheduler=None): ...
+
+    def blocks_to_offload(self, denoiser: torch.nn.Module, count: int) -> list[torch.nn.Module]: ...
+
+    def tokenize(
+        self, tokenizers: dict, captions: list[str], controls: list | None = None
+    ) -> dict[str, torch.Tensor]: ...
+
+    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def cached_conditioning(self, conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def text_kept(self, components: Components) -> str: ...
+
+
 @dataclass
 class Components:
     """A base model's parts. Parts are named as in its diffusers pipeline (and in diffusers' LoRA files)."""
 
-    family: Family
+    family: PartsFamily  # its `Family` (families/common/family.py), of which the layers below ask only this
     denoiser: torch.nn.Module  # the UNet (SD, SDXL) or transformer (Flux)
     vae: torch.nn.Module | None  # an autoencoder of a kind autoencoders.py reads; None while released (latents cached)
     text_encoders: dict[str, torch.nn.Module | None]  # "text_encoder"[, "text_encoder_2"]; None while released
@@ -285,7 +307,7 @@ def draws_before_the_end(config: Config) -> bool:
     return bool(config.sample.prompts and (config.sample.before or config.sample.every_steps)) or config.prior.enabled
 
 
-def loads_encoders_first(config: Config, family: Family, resume: str | None = None) -> bool:
+def loads_encoders_first(config: Config, family: PartsFamily, resume: str | None = None) -> bool:
     """Whether the run loads the encoders, fills the caches with them and lets go of them before the denoiser loads
     (train.py's `setup`): the host then holds the text encoders or the denoiser, not both (T5-XXL's 9.5 GB beside
     FLUX.1's

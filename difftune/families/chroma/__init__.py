@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from diffusers import ChromaPipeline, ChromaTransformer2DModel
 
-from difftune.families.common.flow import pack, unpack
 from difftune.families.common.loading import FamilyOptions
+from difftune.families.common.tokens import pack, unpack
 from difftune.families.flux import ORIGINAL_GLOBALS, TRANSFORMER_TARGETS, Flux, FluxLayout, image_position_ids
 from difftune.models.parts import Components
 

@@ -24,7 +24,7 @@ from contextlib import nullcontext
 import torch
 from diffusers import ControlNetModel, FluxControlNetModel, QwenImageControlNetModel, SD3ControlNetModel
 
-from difftune.families.common.flow import pack
+from difftune.families.common.tokens import pack
 from difftune.memory.storage import computed_tensors
 from difftune.models.parts import Components
 

@@ -12,13 +12,13 @@ module overrides the rest.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import torch
 
 from difftune.config import Config
 from difftune.errors import DifftuneError
 from difftune.families.common.conditioning import Conditioning
+from difftune.families.common.control import ControlNets, InputControl
 from difftune.families.common.drawing import Drawing
 from difftune.families.common.layouts import Layout
 from difftune.families.common.loading import FamilyOptions, Loading
@@ -26,9 +26,6 @@ from difftune.families.common.objective import DDPM, Objective
 from difftune.families.common.targets import AdapterTargets
 from difftune.memory.offload import spread
 from difftune.models.parts import Components
-
-if TYPE_CHECKING:
-    from difftune.families.common.control import ControlNets, InputControl
 
 # A UNet block's name, wherever the UNet sits (peft and compile may wrap it): `down_blocks.1`, `mid_block`,
 # `up_blocks.0.attentions.2`, `down_blocks.0.resnets.1`...

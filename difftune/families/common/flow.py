@@ -56,19 +56,6 @@ def scheduler_resolution_shift(components: Components, image_tokens: int) -> flo
     return resolution_shift(components.noise_scheduler.config, image_tokens)
 
 
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) -> (B, h/2 * w/2, 4C): each 2x2 patch one token, as `FluxPipeline._pack_latents` and
-    `QwenImagePipeline._pack_latents`."""
-    b, c, h, w = latents.shape
-    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """Inverse of `pack`."""
-    b, _, channels = tokens.shape
-    return tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, channels // 4, h, w)
-
-
 def flow_error(
     prediction: torch.Tensor,
     target: torch.Tensor,

@@ -19,7 +19,6 @@ and 1 / (SNR + 1) for v-prediction, SNR capped at 1000 as kohya does.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from diffusers import DDPMScheduler
@@ -27,9 +26,7 @@ from diffusers.training_utils import compute_density_for_timestep_sampling, comp
 
 from difftune.config import Config, LossConfig
 from difftune.memory.transfer import host_randn, to_device
-
-if TYPE_CHECKING:
-    from difftune.models.parts import Components
+from difftune.models.parts import Components
 
 
 def prediction_type(config: LossConfig, noise_scheduler: DDPMScheduler) -> str:

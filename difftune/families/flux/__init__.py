@@ -21,8 +21,9 @@ from diffusers import FluxControlNetPipeline, FluxControlPipeline, FluxPipeline,
 from pydantic import Field
 
 from difftune.families.common.control import FluxControlNet, InputControl
-from difftune.families.common.flow import FlowMatchingFamily, FlowOptions, pack, unpack
+from difftune.families.common.flow import FlowMatchingFamily, FlowOptions
 from difftune.families.common.layouts import FusedLayout, kohya_blocks_of, kohya_globals_of
+from difftune.families.common.tokens import pack, unpack
 from difftune.families.sd import CLIP_ATTENTION
 from difftune.models.parts import Components
 

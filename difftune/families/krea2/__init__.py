@@ -31,8 +31,9 @@ from diffusers import Krea2Pipeline, Krea2Transformer2DModel
 from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkpoint_to_diffusers
 from diffusers.pipelines.krea2.pipeline_krea2 import calculate_shift
 
-from difftune.families.common.flow import FlowMatching, FlowMatchingFamily, anchored_guidance, pack, unpack
+from difftune.families.common.flow import FlowMatching, FlowMatchingFamily, anchored_guidance
 from difftune.families.common.layouts import RenamedLayout
+from difftune.families.common.tokens import pack, unpack
 from difftune.models.parts import Components
 
 # Krea2Pipeline's prompt layout (`prompt_template_encode_prefix` / `_suffix`, `_start_idx`, `_num_suffix_tokens`;

@@ -25,8 +25,9 @@ from diffusers import QwenImageControlNetPipeline, QwenImagePipeline, QwenImageT
 
 from difftune.families.common.conditioning import valid_token_states
 from difftune.families.common.control import QwenImageControlNet
-from difftune.families.common.flow import FlowMatchingFamily, pack, unpack
+from difftune.families.common.flow import FlowMatchingFamily
 from difftune.families.common.layouts import DiffusersNamedLayout
+from difftune.families.common.tokens import pack, unpack
 from difftune.models.parts import Components
 
 # QwenImagePipeline's prompt template and the number of its tokens before the caption that it drops

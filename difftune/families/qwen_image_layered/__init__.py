@@ -34,7 +34,8 @@ from transformers import Qwen2VLProcessor
 from difftune.config import Config, DataConfig
 from difftune.errors import DifftuneError
 from difftune.families.common.drawing import one_image_each, side_by_side
-from difftune.families.common.flow import FlowMatching, FlowOptions, unpack
+from difftune.families.common.flow import FlowMatching, FlowOptions
+from difftune.families.common.tokens import unpack
 from difftune.families.qwen_image import QwenImage
 from difftune.families.qwen_image_edit import dimensions_for_the_call
 from difftune.models.parts import Components
