@@ -478,7 +478,7 @@ def _run(args: argparse.Namespace) -> None:
             raise DifftuneError("difftune sample: give at least one --prompt")
         import torch
 
-        from difftune.models.parts import DTYPES
+        from difftune.models.dtypes import DTYPES
 
         dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
         with phase(f"loading {args.base} with {len(args.adapter)} adapter(s)", print):

@@ -14,7 +14,8 @@ from difftune.errors import DifftuneError
 from difftune.training.finders import batch_and_accumulation, largest_fitting, suggest_learning_rate
 from difftune.training.metrics import read_metrics
 from difftune.training.optim import learning_rate_scale
-from difftune.training.train import train, with_accumulation
+from difftune.training.resolved import with_accumulation
+from difftune.training.train import train
 
 
 def _job_file(config, tmp_path):

@@ -16,6 +16,7 @@ import torch
 from difftune.cli import main
 from difftune.config import load_config
 from difftune.errors import DifftuneError
+from difftune.models.dtypes import run_dtypes
 from difftune.models.parts import store_loaded_text_encoders
 from difftune.training import plan
 from difftune.training.train import train
@@ -98,7 +99,7 @@ def test_fp8_text_encoders_are_tried_where_caching_the_captions_does_not_fit():
     fp8 = load_config(str(REPO / "configs" / "hunyuan_video15_lora.toml"), overrides)
     components = plan.empty_components(fp8)
     with torch.device("meta"), plan._counting(1):
-        store_loaded_text_encoders(components, fp8)
+        store_loaded_text_encoders(components, run_dtypes(fp8))
     for encoder in components.text_encoders.values():
         linear = sum(m.weight.numel() for m in encoder.modules() if isinstance(m, torch.nn.Linear))
         everything = sum(t.numel() for t in (*encoder.parameters(), *encoder.buffers()))

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from difftune.config import Config
 from difftune.families import load_components
 from difftune.memory import storage
-from difftune.models.parts import PartDtypes, store_loaded_text_encoders
+from difftune.models.dtypes import PartDtypes, run_dtypes
+from difftune.models.parts import store_loaded_text_encoders
 from difftune.training.train import train
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -128,7 +129,7 @@ def test_fp8_text_encoders_are_stored_alike_whatever_dtype_they_were_loaded_in(t
     stored = []
     for dtype in (torch.float32, torch.bfloat16):
         components = load_components(config.model, PartDtypes(others=dtype))
-        store_loaded_text_encoders(components, config)
+        store_loaded_text_encoders(components, run_dtypes(config))
         stored.append(components.text_encoders["text_encoder"].state_dict())
     assert stored[0].keys() == stored[1].keys()
     assert all(torch.equal(stored[0][key], stored[1][key]) for key in stored[0])

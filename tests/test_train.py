@@ -338,19 +338,19 @@ def test_parts_load_in_the_dtype_the_run_keeps_them_in(tiny_base, make_config):
     """No frozen part is read into fp32 first: under bf16 the encoders load in bf16, and a denoiser whose layers are
     stored apart loads as its files hold it, mapped from them without a copy, then is stored layer by layer."""
     from difftune.memory.storage import file_mappings
-    from difftune.models.parts import AS_STORED, PartDtypes, part_dtypes
+    from difftune.models.dtypes import AS_STORED, PartDtypes, run_dtypes
 
     config = make_config(train__mixed_precision="bf16", model__weight_dtype="fp8")
     # Nothing drawn before the end (no sample prompts): drawing parts are left out until then.
-    assert part_dtypes(config) == PartDtypes(
+    assert run_dtypes(config).loaded == PartDtypes(
         denoiser=AS_STORED,
         vae=torch.bfloat16,
         others=torch.bfloat16,
         stored_fp8_computes_in=torch.bfloat16,
         drawing_parts=False,
     )
-    assert part_dtypes(make_config(adapter__kind="none", train__mixed_precision="bf16")) == PartDtypes()
-    loaded = load_components(config.model, part_dtypes(config))
+    assert run_dtypes(make_config(adapter__kind="none", train__mixed_precision="bf16")).loaded == PartDtypes()
+    loaded = load_components(config.model, run_dtypes(config).loaded)
     assert {p.dtype for p in loaded.text_encoders["text_encoder"].parameters()} == {torch.bfloat16}
     assert {p.dtype for p in loaded.vae.parameters()} == {torch.bfloat16}
     weights = [p for p in loaded.denoiser.parameters() if p.dim() > 1]

@@ -31,7 +31,7 @@ from difftune.families.common import drawing as sample
 from difftune.families.common.drawing import generate_images, sampling_scheduler, save_images
 from difftune.families.wan.micro import wan22_pipeline
 from difftune.models.autoencoders import downsampling
-from difftune.models.parts import part_dtypes
+from difftune.models.dtypes import run_dtypes
 from difftune.training import plan
 from difftune.training.train import train
 from difftune.webui import jobs
@@ -386,7 +386,9 @@ def test_the_other_expert_is_loaded_only_where_the_run_draws_before_its_end(make
         )
         for previews in (False, True)
     }
-    loaded = {previews: load_components(config.model, part_dtypes(config)) for previews, config in configs.items()}
+    loaded = {
+        previews: load_components(config.model, run_dtypes(config).loaded) for previews, config in configs.items()
+    }
     assert loaded[False].drawing_parts["transformer"] is None and loaded[True].drawing_parts["transformer"] is not None
     assert all(
         components.denoiser is not None and components.text_encoders["text_encoder"] is not None

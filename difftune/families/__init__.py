@@ -33,12 +33,11 @@ from difftune.families.common.family import Family
 from difftune.files import PIPELINE_INDEXES, pipeline_index
 from difftune.models.autoencoders import latent_channels, load_vae
 from difftune.models.denoiser_files import gguf_tensor_names, is_gguf, is_scaled_fp8
+from difftune.models.dtypes import FP32_PARTS, PartDtypes
 from difftune.models.parts import (
-    FP32_PARTS,
     PICKLED_SUFFIXES,
     SINGLE_FILE_SUFFIXES,
     Components,
-    PartDtypes,
     explained_load_errors,
     quiet_loading,
 )

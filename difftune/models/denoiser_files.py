@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from difftune.errors import DifftuneError
 from difftune.memory.storage import FP8, STORED_LAYERS, drop_file_pages, file_mappings, keep_fp8
-from difftune.models.parts import AS_STORED, PartDtypes
+from difftune.models.dtypes import AS_STORED, PartDtypes
 
 # What ComfyUI's and ai-toolkit's denoiser-alone files may put before the denoiser's own keys.
 DENOISER_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")

@@ -18,31 +18,10 @@ from difftune.files import hub_unavailable, part_weight_files, unreachable_base
 from difftune.memory.offload import Offloader, offload_blocks
 from difftune.memory.storage import store_frozen_layers
 from difftune.models.autoencoders import LatentNormalization
+from difftune.models.dtypes import RunDtypes
 
 PICKLED_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 SINGLE_FILE_SUFFIXES = (".safetensors", ".gguf", *PICKLED_SUFFIXES)
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-STORED_DTYPES = DTYPES | {"fp8": torch.float8_e4m3fn}
-AS_STORED = "as stored"  # a part loaded in its files' own dtype: memory-mapped, no copy (`PartDtypes.denoiser`)
-
-
-@dataclass(frozen=True)
-class PartDtypes:
-    """The dtype each part of a base is loaded in (`Family.load`). `denoiser`: a dtype, `AS_STORED`, or None to
-    leave it out (the encoders loaded again at the end of a run)."""
-
-    denoiser: torch.dtype | str | None = torch.float32
-    vae: torch.dtype = torch.float32
-    others: torch.dtype = torch.float32  # the text encoders and drawing parts
-    # Where the run stores the denoiser's frozen layers in fp8 (storage.py), the dtype they compute in: an fp8 single
-    # file's weights are then kept as the file holds them (`denoiser_files.load_denoiser_file`).
-    stored_fp8_computes_in: torch.dtype | None = None
-    # False: the family's drawing parts (Wan 2.2's other expert, Ideogram 4's unconditional transformer) are left out,
-    # where nothing draws before the run's end (train.py loads them again for its end samples).
-    drawing_parts: bool = True
-
-
-FP32_PARTS = PartDtypes()
 
 
 class PartsFamily(Protocol):
@@ -278,35 +257,6 @@ def eval_mode(*modules: torch.nn.Module):
             module.train(mode)
 
 
-def part_dtypes(config: Config) -> PartDtypes:
-    """What a run loads each part in: the dtype it keeps it in, so no frozen weight is held in fp32 on the host
-    unless the run computes with it in fp32 (a 12B transformer shipped in bf16 took 48 GB as fp32 before training
-    started). A full fine-tune loads in fp32, its trained weights' dtype. A denoiser whose frozen layers are stored
-    apart (storage.py) loads as its files hold it, memory-mapped without a copy, and is stored layer by layer at once
-    (`store_loaded_denoiser`): its host peak is the stored bytes, not a 16-bit or fp32 copy of the whole. A KL VAE
-    under fp16 loads in fp32 (`cast_frozen` keeps one that asks for `force_upcast` there)."""
-    if config.adapter.trains_all_weights:
-        return FP32_PARTS
-    compute = weight_dtype(config)
-    # An init that rewrites the base factors the fp32 weights; the run casts or stores them after (`place_frozen`).
-    denoiser = torch.float32 if config.adapter.rewrites_base else AS_STORED if config.stores_frozen_weights else compute
-    stores_fp8 = denoiser == AS_STORED and stored_dtype(config) == STORED_DTYPES["fp8"]
-    return PartDtypes(
-        denoiser=denoiser,
-        vae=torch.float32 if compute == torch.float16 else compute,
-        others=compute,
-        stored_fp8_computes_in=compute if stores_fp8 else None,
-        drawing_parts=draws_before_the_end(config),
-    )
-
-
-def draws_before_the_end(config: Config) -> bool:
-    """Whether the run draws before its end samples: before samples, previews, or prior preservation's class images
-    (the drawing parts are loaded with the base then; else only for the end samples: a Wan 2.2 expert's 28 GB twin
-    is not held while the other trains)."""
-    return bool(config.sample.prompts and (config.sample.before or config.sample.every_steps)) or config.prior.enabled
-
-
 def loads_encoders_first(config: Config, family: PartsFamily, resume: str | None = None) -> bool:
     """Whether the run loads the encoders, fills the caches with them and lets go of them before the denoiser loads
     (train.py's `setup`): the host then holds the text encoders or the denoiser, not both (T5-XXL's 9.5 GB beside
@@ -326,14 +276,13 @@ def loads_encoders_first(config: Config, family: PartsFamily, resume: str | None
     )
 
 
-def store_loaded_denoiser(components: Components, config: Config) -> None:
+def store_loaded_denoiser(components: Components, dtypes: RunDtypes) -> None:
     """Right after loading: the frozen denoiser's linear and convolution layers in the run's storage dtype, each as
     it is converted (the file's pages it was read from dropped: storage.py), and the rest of it in the compute dtype.
     Adapters attach to the stored layers as they did to 16-bit ones (peft gives them the compute dtype)."""
-    stored = stored_dtype(config)
-    if stored is None or config.adapter.rewrites_base:
+    stored, compute = dtypes.stored, dtypes.compute
+    if stored is None or not dtypes.stored_at_load:
         return  # stored as it is placed (`place_frozen`), after the adapters are attached
-    compute = weight_dtype(config)
     components.denoiser.requires_grad_(False)
     store_frozen_layers(components.denoiser, stored, compute)
     for module in components.denoiser.modules():  # what is not stored (norms, an fp8 layer's bias), in `compute`
@@ -348,18 +297,18 @@ def store_loaded_denoiser(components: Components, config: Config) -> None:
                     )
 
 
-def store_loaded_text_encoders(components: Components, config: Config) -> None:
+def store_loaded_text_encoders(components: Components, dtypes: RunDtypes) -> None:
     """Right after loading, with `model.text_encoder_dtype = "fp8"`: the text encoders' frozen linear layers stored
     in fp8 and computed in the run's dtype, as the denoiser's are (storage.py); their other weights in that dtype."""
-    if config.model.text_encoder_dtype != "fp8":
+    if dtypes.text_encoders_stored is None:
         return
-    compute = weight_dtype(config)
+    compute = dtypes.compute
     for encoder in components.text_encoders.values():
         if encoder is not None:
             # From the weights as the run holds them (in its compute dtype), whatever dtype they were loaded in: the
             # fp8 of fp32 weights and of their bf16 rounding differ at rounding boundaries (the parity check, which
             # loads fp32, drew 3 to 9 levels away from training, which loads bf16).
-            store_frozen_layers(encoder.requires_grad_(False).to(compute), STORED_DTYPES["fp8"], compute)
+            store_frozen_layers(encoder.requires_grad_(False).to(compute), dtypes.text_encoders_stored, compute)
 
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -377,21 +326,6 @@ def files_dtype(base: str, part: str, variant: str = "") -> torch.dtype | None:
                 if dtype is not None:
                     return dtype
     return None
-
-
-def weight_dtype(config: Config) -> torch.dtype:
-    """The dtype frozen weights compute in (also where `stored_dtype` stores them in another)."""
-    if config.model.weight_dtype != "auto" and not config.stores_frozen_weights:
-        return DTYPES[config.model.weight_dtype]
-    # FP8 training keeps bf16 weights: torchao casts them to FP8 per matmul, with fresh scales.
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(
-        config.train.mixed_precision, torch.float32
-    )
-
-
-def stored_dtype(config: Config) -> torch.dtype | None:
-    """The dtype the denoiser's frozen layers are stored in while computing in `weight_dtype` (storage.py), or None."""
-    return STORED_DTYPES[config.model.weight_dtype] if config.stores_frozen_weights else None
 
 
 def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:

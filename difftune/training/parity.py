@@ -26,7 +26,8 @@ from difftune.config import Config
 from difftune.families import load_components
 from difftune.families.common.drawing import Sample, generate_images
 from difftune.memory.quantize import quantize_linear_layers
-from difftune.models.parts import place_frozen, store_loaded_text_encoders, stored_dtype
+from difftune.models.dtypes import RunDtypes
+from difftune.models.parts import place_frozen, store_loaded_text_encoders
 from difftune.owned_files import write_file
 from difftune.training.metrics import RUN_FOLDER
 
@@ -41,7 +42,7 @@ def check_parity(
     files: dict[str, list[Path] | str],
     reference: Sample,
     device: torch.device,
-    dtype: torch.dtype,
+    dtypes: RunDtypes,
     autocast,
     outputs_in_fp32: bool = False,
 ) -> dict:
@@ -59,14 +60,19 @@ def check_parity(
         report["not_checked"] = not_checked
     for layout, paths in files.items():
         if not isinstance(paths, str):
-            components = _fresh_components(config, paths, device, dtype)
+            components = _fresh_components(config, paths, device, dtypes)
             trained = trained_parts(components, config.adapter)
             whole = (
                 trained.values() if config.adapter.trains_whole_parts else ()
             )  # a full fine-tune's (a ControlNet) stay fp32, as trained
             with adapters_kept_in_fp32(components):
                 place_frozen(
-                    components, device, dtype, whole, stored=stored_dtype(config), offloaded=config.model.offload_blocks
+                    components,
+                    device,
+                    dtypes.compute,
+                    whole,
+                    stored=dtypes.stored,
+                    offloaded=config.model.offload_blocks,
                 )
             if outputs_in_fp32:
                 for module in trained.values():
@@ -153,14 +159,14 @@ def adapters_kept_in_fp32(components):
         parameter.data = value.to(parameter.device)
 
 
-def _fresh_components(config: Config, paths: list[Path], device: torch.device, dtype: torch.dtype):
+def _fresh_components(config: Config, paths: list[Path], device: torch.device, dtypes: RunDtypes):
     if config.adapter.trains_all_weights:  # the saved pipeline folder holds every part, its autoencoder included
         return load_components(
             config.model.model_copy(update={"base": str(paths[0]), "vae": "", "revision": "", "variant": ""})
         )
     components = load_components(config.model)
-    store_loaded_text_encoders(components, config)  # as training read its captions
+    store_loaded_text_encoders(components, dtypes)  # as training read its captions
     if config.model.quantize != "none":  # the file is checked on the base it was trained on
-        quantize_linear_layers(components.denoiser, config.model.quantize, device, dtype)
+        quantize_linear_layers(components.denoiser, config.model.quantize, device, dtypes.compute)
     export.apply_adapters(components, [(path, 1.0) for path in paths])
     return components

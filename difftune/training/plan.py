@@ -243,35 +243,28 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     from difftune.adapters.trained import add_adapters
     from difftune.memory.storage import computed_copies_saved_as_stored
     from difftune.models.denoiser_files import gguf_tensor_bytes, is_gguf
-    from difftune.models.parts import (
-        AS_STORED,
-        encoder_placement,
-        loads_encoders_first,
-        part_dtypes,
-        place_frozen,
-        store_loaded_text_encoders,
-        stored_dtype,
-        weight_dtype,
-    )
+    from difftune.models.dtypes import AS_STORED, run_dtypes
+    from difftune.models.parts import encoder_placement, loads_encoders_first, place_frozen, store_loaded_text_encoders
 
     baseline = process_status_bytes("VmRSS")
     source = config_source(config.model)  # once: a single file's keys are read to find it
     components = empty_components(config, source)
-    dtypes = part_dtypes(config)
+    run_kept = run_dtypes(config)  # the dtypes the run keeps its parts in, read once
+    dtypes = run_kept.loaded
     autoencoders = [module for module in components.autoencoders() if module is not None]
     text_encoders = [module for module in components.text_encoders.values() if module is not None]
     encoders = autoencoders + text_encoders
     drawing = [module for module in components.drawing_parts.values() if module is not None]
-    # The encoders as they load: each part in the dtype the run keeps it in (`part_dtypes`); the drawing parts with
+    # The encoders as they load: each part in the dtype the run keeps it in (`RunDtypes.loaded`); the drawing parts with
     # them where the run draws before its end (else loaded for the end samples alone).
     encoders_loaded = sum(_bytes(m, dtypes.vae if m is components.vae else dtypes.others) for m in encoders)
     drawing_loaded = sum(_bytes(m, dtypes.others) for m in drawing)
     if dtypes.drawing_parts:
         encoders_loaded += drawing_loaded
-    dtype = weight_dtype(config)
+    dtype = run_kept.compute
     # Loaded in `dtypes.others` (counted above), then stored as the run stores them (fp8 text encoders).
     with torch.device(META), _counting(1):
-        store_loaded_text_encoders(components, config)
+        store_loaded_text_encoders(components, run_kept)
     text_encoding, pixel_encoding = _encoding_peaks(components, config, dtype)
     encoding = max(text_encoding, pixel_encoding)
 
@@ -282,9 +275,7 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     cast_training_params(components.modules(), dtype=torch.float32)
     # On the meta device: the offloaded blocks' host buffers too (counted from the offloader); fp8 scales are 1.
     with torch.device(META), _counting(1):
-        offloader = place_frozen(
-            components, META, dtype, stored=stored_dtype(config), offloaded=config.model.offload_blocks
-        )
+        offloader = place_frozen(components, META, dtype, stored=run_kept.stored, offloaded=config.model.offload_blocks)
     placement = encoder_placement(config)
     kept_at = {
         where: [

@@ -64,7 +64,7 @@ from difftune.data.dataset import (
 )
 from difftune.data.sources import data_source
 from difftune.errors import BatchBeyondData, DifftuneError
-from difftune.families import family_of, load_components, load_denoiser
+from difftune.families import load_components, load_denoiser
 from difftune.families.common.drawing import generate_images, save_images
 from difftune.families.common.objective import training_noise_scheduler
 from difftune.memory.checkpointing import enable_gradient_checkpointing
@@ -72,6 +72,7 @@ from difftune.memory.quantize import quantize_linear_layers
 from difftune.memory.storage import computed_copies_saved_as_stored
 from difftune.memory.transfer import to_device
 from difftune.models.autoencoders import encode_posterior, reference_latents, sample_latents
+from difftune.models.dtypes import RunDtypes
 from difftune.models.parts import (
     Components,
     cast_frozen,
@@ -80,13 +81,10 @@ from difftune.models.parts import (
     encoders_on,
     host_kept_encoders,
     loads_encoders_first,
-    part_dtypes,
     place_frozen,
     set_attention,
     store_loaded_denoiser,
     store_loaded_text_encoders,
-    stored_dtype,
-    weight_dtype,
 )
 from difftune.owned_files import open_append, write_file
 from difftune.progress import phase
@@ -108,11 +106,12 @@ from difftune.training.metrics import METRICS_FILE, RUN_FOLDER, MetricsLog
 from difftune.training.optim import averaged_weights, build_lr_scheduler, build_optimizer, learning_rate_scale
 from difftune.training.output_lock import hold_output_dir
 from difftune.training.parity import check_parity, parity_line, room_for_a_fresh_copy, write_report
-from difftune.training.plan import DoesNotFit, check_fits, with_offload_budget
+from difftune.training.plan import DoesNotFit, check_fits
 from difftune.training.preference import check_preference_pairs, dpo_loss
 from difftune.training.preflight import check_before_start
 from difftune.training.prior import class_examples, class_folder, fill_class_images
 from difftune.training.requests import RunRequests
+from difftune.training.resolved import resolve
 from difftune.training.slider import encoded_prompts, slider_loss
 from difftune.training.training_adapter import merge_training_adapter, removed
 from difftune.training.validation import BestResults, Validator
@@ -135,6 +134,7 @@ class Run:
     """Everything one training run holds, from `setup` to `finish`."""
 
     config: Config
+    dtypes: RunDtypes  # what its parts are kept in, decided once (models/dtypes.py)
     accelerator: Accelerator
     output_dir: Path
     components: Components  # trained parts wrapped by accelerate
@@ -197,12 +197,13 @@ def setup(config: Config, resume: str | None = None) -> Run:
     if resume == "auto" and not complete_checkpoints(output_dir):  # a fresh start: the base's samples are drawn too
         accelerator.print(f"difftune: no checkpoint in {output_dir / CHECKPOINTS_DIR}: starting at step 0")
         resume = None
-    config = with_accumulation(config, accelerator.num_processes)
+    resolved = resolve(config, accelerator.num_processes)  # every process alike: no weights read, no communication
+    config, dtypes = resolved.config, resolved.dtypes
     accelerator.gradient_accumulation_steps = config.train.gradient_accumulation_steps
-    if config.model.offload_budget:  # every process plans the same count: no weights read, no communication
-        budget, config = config.model.offload_budget, with_offload_budget(config)
+    if resolved.offload_budget:
         accelerator.print(
-            f"model.offload_budget {budget}: the memory plan offloads {config.model.offload_blocks} blocks"
+            f"model.offload_budget {resolved.offload_budget}: the memory plan offloads "
+            f"{config.model.offload_blocks} blocks"
         )
     if config.train.check_memory:  # every process: each would load
         _check_memory(config, accelerator)
@@ -212,20 +213,12 @@ def setup(config: Config, resume: str | None = None) -> Run:
             "log.tensorboard: TensorBoard is not installed, so the metrics go to metrics.jsonl only "
             "(pip install tensorboard, or set log.tensorboard = false)"
         )
-    encoders_first = loads_encoders_first(config, family_of(config.model), resume)
+    encoders_first = loads_encoders_first(config, resolved.family, resume)
     with phase(f"loading {'the encoders of ' if encoders_first else ''}the base {config.model.base}", say):
-        components = load_training_base(config, with_denoiser=not encoders_first)
+        components = load_training_base(config, dtypes, with_denoiser=not encoders_first)
     components.family.check_config(config)
     if not encoders_first:
         check_targets(components, config.adapter)  # before the caches are filled: add_adapters checks again, later
-    # The resolved config names the family, and the data settings it reads with: a file written now says what it was
-    # trained on.
-    config = config.model_copy(
-        update={
-            "model": config.model.model_copy(update={"family": components.family.name}),
-            "data": components.family.data_settings(config.data),
-        }
-    )
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         write_file(output_dir / RESOLVED_CONFIG_FILE, config.to_toml(), RUN_FOLDER, ours=False)
@@ -286,13 +279,13 @@ def setup(config: Config, resume: str | None = None) -> Run:
         # Kept off the seeded generator: a denoiser whose loading draws random numbers (LTX-2's builds some of its
         # tensors) would otherwise give the adapters another init than a run that loaded it before the seed.
         with phase(f"loading the {components.family.denoiser_name}", say), torch.random.fork_rng(devices=[]):
-            load_training_denoiser(components, config)
+            load_training_denoiser(components, config, dtypes)
     if config.sample.before and config.sample.prompts and main and not resume:
         with phase("drawing the base's samples (before training)", say):
             _sample_before_training(components, config, output_dir, accelerator.device)
     with phase("preparing the model for training", say):
         _release_unneeded(components, config)
-        _shape_for_training(components, config, accelerator)
+        _shape_for_training(components, config, dtypes, accelerator)
     if config.sample.prompts:  # the samples' pipeline arguments, refused now rather than at the end of the run
         components.family.sampling_arguments(components, config.sample.guidance_scale, config.sample.negative_prompt)
     export.check_layout(components, config)
@@ -358,6 +351,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     metrics = MetricsLog(output_dir, accelerator, resumed_at_step=progress.global_step)
     return Run(
         config,
+        dtypes,
         accelerator,
         output_dir,
         components,
@@ -507,24 +501,6 @@ def _denoiser_autocast(run: Run):
     return nullcontext() if denoiser_trained else run.accelerator.autocast()
 
 
-def with_accumulation(config: Config, num_processes: int) -> Config:
-    """`train.global_batch_size`, when set, turns into the accumulation steps that reach it with this many
-    processes; the result says what runs (its global_batch_size is 0 again, so the saved config re-runs)."""
-    train_config, target = config.train, config.train.global_batch_size
-    if not target:
-        return config
-    per_step = train_config.batch_size * num_processes
-    if target % per_step:
-        raise DifftuneError(
-            f"train.global_batch_size {target} is not a multiple of train.batch_size {train_config.batch_size} x "
-            f"{num_processes} process(es) = {per_step}; change either, or set gradient_accumulation_steps instead"
-        )
-    train_config = train_config.model_copy(
-        update={"gradient_accumulation_steps": target // per_step, "global_batch_size": 0}
-    )
-    return config.model_copy(update={"train": train_config})
-
-
 def _activation_values(run: Run, step: int, activations: BlockActivations) -> dict:
     """The recorded statistics as metrics, and the guard's warnings about blocks whose outputs are growing."""
     values = activations.values()
@@ -565,7 +541,7 @@ def finish(run: Run) -> TrainResult:
     needs_encoders = config.sample.prompts or config.adapter.trains_all_weights  # a full model is saved whole
     if run.main and needs_encoders and not components.encoders_loaded():
         with phase("loading the encoders again for the end of the run", run.say):
-            _reload_released(components, config, accelerator.device)
+            _reload_released(components, config, run.dtypes, accelerator.device)
     for module in host_kept_encoders(components, config) if run.main else ():
         module.to(accelerator.device)
     components.denoiser.eval()
@@ -589,9 +565,9 @@ def _unsharded_copy(run: Run) -> tuple[Components, EMAModel | None, list[torch.n
     shadows = sharding.gather(dict(zip(run.named, run.ema.shadow_params, strict=True)), keep=main) if run.ema else {}
     if not main:
         return run.unwrapped(), run.ema, run.parameters
-    components = load_training_base(config)
+    components = load_training_base(config, run.dtypes)
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
-    _shape_for_training(components, config, run.accelerator)
+    _shape_for_training(components, config, run.dtypes, run.accelerator)
     named = trainable_parameters(components, config.adapter)
     ema = build_ema(list(named.values()), config.ema)
     for name, param in named.items():
@@ -853,12 +829,12 @@ def _release_unneeded(components: Components, config: Config) -> None:
         module.to("cpu")
 
 
-def _reload_released(components: Components, config: Config, device) -> None:
+def _reload_released(components: Components, config: Config, dtypes: RunDtypes, device) -> None:
     """Bring the released encoders (and drawing parts) back for the end-of-run samples and the saved full model,
     placed as the run placed them (in its frozen weights' dtype: the parity check reloads them so too)."""
-    loaded = load_components(config.model, replace(part_dtypes(config), denoiser=None, drawing_parts=True))
-    store_loaded_text_encoders(loaded, config)
-    dtype = weight_dtype(config)
+    loaded = load_components(config.model, replace(dtypes.loaded, denoiser=None, drawing_parts=True))
+    store_loaded_text_encoders(loaded, dtypes)
+    dtype = dtypes.compute
 
     def placed(module: torch.nn.Module, is_vae: bool = False) -> torch.nn.Module:
         cast_frozen(module.to(device).eval(), dtype, is_vae)
@@ -945,7 +921,7 @@ def _with_encoders(run: Run, components: Components, step: int) -> Components:
         pixel_encoders=dict(components.pixel_encoders),
     )
     with phase(f"step {step}: loading the released encoders for the samples asked", run.say):
-        _reload_released(copy, run.config, run.accelerator.device)
+        _reload_released(copy, run.config, run.dtypes, run.accelerator.device)
     return copy
 
 
@@ -1017,7 +993,7 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
                     files,
                     samples[0],
                     accelerator.device,
-                    weight_dtype(config),
+                    run.dtypes,
                     accelerator.autocast,
                     outputs_in_fp32=accelerator.native_amp,
                 )
@@ -1036,24 +1012,24 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
     return trained_path
 
 
-def load_training_base(config: Config, with_denoiser: bool = True) -> Components:
-    """The base as training sees it, each part in the dtype the run keeps it in (`part_dtypes`): with
+def load_training_base(config: Config, dtypes: RunDtypes, with_denoiser: bool = True) -> Components:
+    """The base as training sees it, each part in the dtype the run keeps it in (`dtypes.loaded`): with
     `model.training_adapter` merged in (what the run saves leaves it out, and previews take off again: `previewing`),
     then the denoiser's frozen layers stored as the run stores them. Without the denoiser, `load_training_denoiser`
     brings it later."""
-    model, dtypes = config.model, part_dtypes(config)
-    components = load_components(model, dtypes if with_denoiser else replace(dtypes, denoiser=None))
+    model, loaded = config.model, dtypes.loaded
+    components = load_components(model, loaded if with_denoiser else replace(loaded, denoiser=None))
     if model.training_adapter:
         components.merged_changes = merge_training_adapter(components, model.training_adapter)
-    store_loaded_text_encoders(components, config)
+    store_loaded_text_encoders(components, dtypes)
     if with_denoiser:
-        store_loaded_denoiser(components, config)
+        store_loaded_denoiser(components, dtypes)
     return components
 
 
-def load_training_denoiser(components: Components, config: Config) -> None:
-    load_denoiser(components, config.model, part_dtypes(config))
-    store_loaded_denoiser(components, config)
+def load_training_denoiser(components: Components, config: Config, dtypes: RunDtypes) -> None:
+    load_denoiser(components, config.model, dtypes.loaded)
+    store_loaded_denoiser(components, dtypes)
     check_targets(components, config.adapter)
 
 
@@ -1062,27 +1038,26 @@ def previewing(components: Components):
     return removed(components.denoiser, components.merged_changes)
 
 
-def _shape_for_training(components: Components, config: Config, accelerator: Accelerator) -> None:
+def _shape_for_training(components: Components, config: Config, dtypes: RunDtypes, accelerator: Accelerator) -> None:
     """The trained model as the config wants it: memory format, attention kernel, quantized frozen layers,
     adapters, dtypes, device."""
     _configure_denoiser(components.denoiser, config, accelerator.device)
     if config.model.quantize != "none":
-        dtype = weight_dtype(config)
-        quantize_linear_layers(components.denoiser, config.model.quantize, accelerator.device, dtype)
+        quantize_linear_layers(components.denoiser, config.model.quantize, accelerator.device, dtypes.compute)
     add_adapters(components, config.adapter)
-    _place_models(components, config, accelerator)
+    _place_models(components, config, dtypes, accelerator)
 
 
-def _place_models(components: Components, config: Config, accelerator: Accelerator) -> None:
+def _place_models(components: Components, config: Config, dtypes: RunDtypes, accelerator: Accelerator) -> None:
     """Frozen weights in the configured dtype, trained ones in fp32, all on the device."""
     trained = trained_parts(components, config.adapter)
     trained_whole = trained.values() if config.adapter.trains_whole_parts else ()
     offloader = place_frozen(
         components,
         accelerator.device,
-        weight_dtype(config),
+        dtypes.compute,
         trained_whole,
-        stored=stored_dtype(config),
+        stored=dtypes.stored,
         offloaded=config.model.offload_blocks,
         on_host=host_kept_encoders(components, config),
     )

@@ -23,7 +23,7 @@ from starlette.middleware import Middleware
 
 from difftune.config import TRAINING_ONLY_SAMPLE_FIELDS, Config, ModelConfig, SampleConfig
 from difftune.errors import DifftuneError
-from difftune.models.parts import DTYPES
+from difftune.models.dtypes import DTYPES
 from difftune.owned_files import write_file
 from difftune.training.finders import LR_PLOT_FILE
 from difftune.training.validation import describe_best, read_best

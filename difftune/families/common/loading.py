@@ -24,7 +24,8 @@ from difftune.models.denoiser_files import (
     load_gguf_file,
     read_denoiser_file,
 )
-from difftune.models.parts import AS_STORED, FP32_PARTS, SINGLE_FILE_SUFFIXES, Components, PartDtypes, files_dtype
+from difftune.models.dtypes import AS_STORED, FP32_PARTS, PartDtypes
+from difftune.models.parts import SINGLE_FILE_SUFFIXES, Components, files_dtype
 
 
 def config_folder(config: ModelConfig) -> str:

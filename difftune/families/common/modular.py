@@ -19,7 +19,8 @@ from pathlib import Path
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families.common.loading import FamilyOptions, PartSource
-from difftune.models.parts import FP32_PARTS, SINGLE_FILE_SUFFIXES, Components, PartDtypes
+from difftune.models.dtypes import FP32_PARTS, PartDtypes
+from difftune.models.parts import SINGLE_FILE_SUFFIXES, Components
 
 MODULAR_INDEX = "modular_model_index.json"
 
