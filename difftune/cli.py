@@ -22,7 +22,7 @@ from difftune.files import refuse_folder_target
 from difftune.progress import phase
 from difftune.training.metrics import METRICS_FILE
 from difftune.training.preflight import check_before_start
-from difftune.training.requests import ASKED, ask
+from difftune.training.run_requests import ASKED, ask
 from difftune.webui.form import parse_adapter_spec
 
 
@@ -429,11 +429,17 @@ def _run(args: argparse.Namespace) -> None:
         settings = EvalSettings(args.samples_per_prompt, args.seed, args.steps, args.guidance_scale)
         seen = [color for color in COLORS if color != args.concept]
 
-        def say(line: str) -> None:  # stderr: stdout is the report
+        def print_status(line: str) -> None:  # stderr: stdout is the report
             print(f"difftune eval: {line}", file=sys.stderr, flush=True)
 
         report = evaluate(
-            args.base, args.adapter, seen, args.concept, settings, args.concept_word, None if args.quiet else say
+            args.base,
+            args.adapter,
+            seen,
+            args.concept,
+            settings,
+            args.concept_word,
+            None if args.quiet else print_status,
         )
         text = json.dumps(report, indent=2)
         if args.out:
@@ -540,15 +546,17 @@ def _plan(args: argparse.Namespace) -> None:
     host_memory = plan.parse_size(args.host_memory) if args.host_memory else None
     device = args.device or ("cuda" if device_memory else None)  # a GPU's memory asked about: plan for one
 
-    def say(line: str) -> None:  # stderr: stdout is the plan (or its JSON line)
+    def print_status(line: str) -> None:  # stderr: stdout is the plan (or its JSON line)
         print(line, file=sys.stderr)
 
     with plan.plans_remembered():  # the settings tried start from the job's own plan
-        with phase("planning the run's memory (its model built without weights, one step counted)", say):
+        with phase("planning the run's memory (its model built without weights, one step counted)", print_status):
             predicted = plan.plan_memory(config, device)
-        with phase("trying the settings that fit", say if device_memory or host_memory else None):
+        with phase("trying the settings that fit", print_status if device_memory or host_memory else None):
             fitting = (
-                plan.fitting_overrides(config, device_memory, host_memory, device, report=lambda line: say(f"  {line}"))
+                plan.fitting_overrides(
+                    config, device_memory, host_memory, device, report=lambda line: print_status(f"  {line}")
+                )
                 if device_memory or host_memory
                 else None
             )

@@ -5,9 +5,9 @@ A phase's host peak is the process's resident set at its highest during the phas
 mark, reset as the phase starts), so each phase of a run says what it needed of the machine's RAM: the number a
 user with 32 GB compares, and the one `difftune plan` predicts per phase. With CUDA in use, the device's too.
 
-Lines go where the run's other lines go (`say`: the main process's print); bars to stderr, and only on a terminal
-(tqdm's `disable=None`), so a log file holds the lines without a bar's thousand redraws. The training bar is the
-exception, kept in logs as before: the UI reads a job's progress from it.
+Lines go where the run's other lines go (`print_status`: the main process's print); bars to stderr, and only on a
+terminal (tqdm's `disable=None`), so a log file holds the lines without a bar's thousand redraws. The training bar is
+the exception, kept in logs as before: the UI reads a job's progress from it.
 """
 
 from __future__ import annotations
@@ -37,18 +37,19 @@ def bytes_said(size: int) -> str:
 
 
 @contextmanager
-def phase(what: str, say: Callable[[str], None] | None) -> Iterator[None]:
-    """`difftune: {what} ...` now, and `difftune: {what}: done in 4.2 s` when the block ends; `say` None: quiet."""
-    if say is None:
+def phase(what: str, print_status: Callable[[str], None] | None) -> Iterator[None]:
+    """`difftune: {what} ...` now, and `difftune: {what}: done in 4.2 s` when the block ends (`print_status` prints a
+    line; None: quiet)."""
+    if print_status is None:
         yield
         return
-    say(f"difftune: {what} ...")
+    print_status(f"difftune: {what} ...")
     sys.stdout.flush()  # a log file's lines as they happen, not when a buffer fills
     started = time.perf_counter()
     _reset_peaks()
     yield
     peaks = "".join(f", {where} peak {bytes_said(size)}" for where, size in peak_memory().items())
-    say(f"difftune: {what}: done in {seconds_said(time.perf_counter() - started)}{peaks}")
+    print_status(f"difftune: {what}: done in {seconds_said(time.perf_counter() - started)}{peaks}")
     sys.stdout.flush()
 
 

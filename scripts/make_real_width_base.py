@@ -96,7 +96,7 @@ def write_part(model: torch.nn.Module, library: str, folder: Path, generator: to
 
 def write_denoiser_file(family, model: torch.nn.Module, kind: str, out: Path, generator: torch.Generator) -> int:
     """The denoiser as a single file of `kind` in the family's single-file layout; returns its tensors' bytes."""
-    from difftune.models.parts import Components
+    from difftune.models.components import Components
 
     shapes = {
         key: tensor.shape

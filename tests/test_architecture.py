@@ -155,7 +155,7 @@ def test_what_a_lower_layer_asks_of_a_higher_ones_types_is_there():
     from difftune.adapter_kinds import Settings
     from difftune.config import Config
     from difftune.families import FAMILIES
-    from difftune.models.parts import PartsFamily
+    from difftune.models.components import PartsFamily
 
     def missing(protocol: type, value: object, path: str) -> list[str]:
         hints = typing.get_type_hints(protocol)

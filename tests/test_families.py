@@ -47,8 +47,8 @@ from difftune.families.qwen_image_edit import set_for_the_call
 from difftune.families.qwen_image_layered import LayeredOptions
 from difftune.memory import storage
 from difftune.models.autoencoders import PATCHED_AUTOENCODERS, downsampling, latent_channels
+from difftune.models.components import loads_encoders_first
 from difftune.models.dtypes import AS_STORED, PartDtypes
-from difftune.models.parts import loads_encoders_first
 from difftune.toy.tiny import (
     layered_shapes,
     recolor_pairs,

@@ -15,7 +15,7 @@ from difftune.config import ModelConfig
 from difftune.families import FAMILIES, load_components
 from difftune.families.ideogram4 import ORIGINAL_BLOCKS, token_order
 from difftune.models.autoencoders import encode_posterior
-from difftune.models.parts import encoder_placement, host_kept_encoders
+from difftune.models.components import encoder_placement, host_kept_encoders
 from difftune.training.train import train
 
 FAMILY = FAMILIES["ideogram4"]

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
 
 from difftune.config import DataConfig, ModelConfig
+from difftune.data.cache_folders import read_tensors
 from difftune.data.clips import FrameWindows
 from difftune.data.dataset import TrainingOrder, batch_groups, frame_counts, frame_rates, scan_examples
-from difftune.data.places import read_tensors
 from difftune.data.sound import log_mel_spectrogram, read_sound
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components

@@ -8,7 +8,7 @@ from diffusers.loaders.single_file_utils import convert_lumina2_to_diffusers
 from safetensors.torch import save_file
 
 from difftune.families import FAMILIES
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 FAMILY = FAMILIES["lumina2"]
 

@@ -12,7 +12,7 @@ from difftune.errors import DifftuneError
 from difftune.families import load_components
 from difftune.families.sd.micro import build_unet
 from difftune.models.autoencoders import decode_latents, encode_latents
-from difftune.models.parts import compile_denoiser, place_frozen, set_attention
+from difftune.models.components import compile_denoiser, place_frozen, set_attention
 from difftune.toy.tiny import build_taesd, build_vae
 
 from conftest import REPO

@@ -16,8 +16,8 @@ import torch
 from difftune.cli import main
 from difftune.config import load_config
 from difftune.errors import DifftuneError
+from difftune.models.components import store_loaded_text_encoders
 from difftune.models.dtypes import run_dtypes
-from difftune.models.parts import store_loaded_text_encoders
 from difftune.training import plan
 from difftune.training.train import train
 

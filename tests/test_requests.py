@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from difftune.errors import DifftuneError
 from difftune.training.metrics import read_metrics
-from difftune.training.requests import REQUESTS_DIR, RunRequests, ask
+from difftune.training.run_requests import REQUESTS_DIR, RunRequests, ask
 from difftune.training.train import train
 
 from conftest import REPO

@@ -16,7 +16,7 @@ from difftune.config import DataConfig, ModelConfig
 from difftune.data.dataset import CaptionedImages, sample_seed, scan_examples, training_sizes
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
-from difftune.models.parts import place_frozen
+from difftune.models.components import place_frozen
 from difftune.toy.tiny import build_taesd
 from difftune.training.train import train
 

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from difftune.config import Config
 from difftune.families import load_components
 from difftune.memory import storage
+from difftune.models.components import store_loaded_text_encoders
 from difftune.models.dtypes import PartDtypes, run_dtypes
-from difftune.models.parts import store_loaded_text_encoders
 from difftune.training.train import train
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}

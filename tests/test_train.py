@@ -387,7 +387,7 @@ def test_a_part_is_loaded_as_the_files_diffusers_picks_hold_it(tmp_path):
     dtype is the one diffusers loads and the run keeps, not the variant's."""
     from safetensors.torch import save_file
 
-    from difftune.models.parts import files_dtype
+    from difftune.models.components import files_dtype
 
     part = tmp_path / "transformer"
     part.mkdir()

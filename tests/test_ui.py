@@ -437,7 +437,7 @@ def test_uploads_are_capped_per_request_not_only_per_file(server):
 
 
 def test_guards_name_the_hosts_served():
-    from difftune.webui.guards import AllowedHosts, host_name
+    from difftune.webui.request_filters import AllowedHosts, host_name
 
     guard = AllowedHosts(None, names=("studio.example.com",), share=False)
     assert host_name("http://[::1]:7860") == "::1" and host_name("LocalHost:7860") == "localhost"

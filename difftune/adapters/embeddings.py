@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from difftune.config import AdapterConfig
 from difftune.errors import DifftuneError
 from difftune.files import open_safetensors, replace_atomically
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 TOKEN_METADATA_KEY = "difftune_embedding_token"
 

@@ -51,8 +51,8 @@ from difftune.families.common.drawing import sampling_scheduler
 from difftune.families.common.family import Family
 from difftune.families.common.targets import AdapterFile
 from difftune.files import open_safetensors, refuse_folder_target, replace_atomically
+from difftune.models.components import Components, quiet_loading
 from difftune.models.dtypes import DTYPES, PartDtypes
-from difftune.models.parts import Components, quiet_loading
 
 ADAPTER_FILE = LORA_WEIGHT_NAME_SAFE  # the name `pipeline.load_lora_weights(output_dir)` looks for
 FULL_MODEL_DIR = "model"

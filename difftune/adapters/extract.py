@@ -20,7 +20,7 @@ import torch
 from difftune.adapters.files import module_names_of
 from difftune.adapters.resize import ResizedLayer, check_rank_settings, configs_at_scale_one, truncated_factors
 from difftune.errors import DifftuneError
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 
 def extract_lora(

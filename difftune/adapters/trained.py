@@ -30,7 +30,7 @@ from difftune.adapters.targets import layer_suffixes, missing_targets, unmatched
 from difftune.config import AdapterConfig
 from difftune.errors import DifftuneError
 from difftune.memory.storage import casts_reused
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 DORA_MAGNITUDE = "lora_magnitude_vector"
 # LoHa's and LoKr's tensors: the same names in peft's state dicts and in LyCORIS files.

@@ -1,5 +1,5 @@
-"""Caches of VAE posteriors and text-encoder states, in a folder or on object storage (places.py): encode once, reuse
-across runs, processes and machines.
+"""Caches of VAE posteriors and text-encoder states, in a folder or on object storage (cache_folders.py): encode once,
+reuse across runs, processes and machines.
 
 An entry's file name is the SHA-256 of everything its content depends on, and of `FORMAT` (bumped when what
 an entry holds changes):
@@ -40,6 +40,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from difftune.config import Config
+from difftune.data.cache_folders import existing, folder, write_tensors
 from difftune.data.clips import read_frames
 from difftune.data.dataset import (
     Example,
@@ -52,14 +53,13 @@ from difftune.data.dataset import (
     prompt_controls,
     resize_and_crop,
 )
-from difftune.data.places import existing, folder, write_tensors
 from difftune.data.sources import Stored
 from difftune.models.autoencoders import encode_posterior
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 
 def cache_root(config: Config) -> Path:
-    """The cache folder: local, or on object storage (places.py)."""
+    """The cache folder: local, or on object storage (cache_folders.py)."""
     if config.cache.dir:
         return folder(config.cache.dir)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "difftune"

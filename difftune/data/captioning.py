@@ -18,8 +18,8 @@ import torch
 from PIL import Image, ImageOps
 from tqdm.auto import tqdm
 
+from difftune.data.cache_folders import write_text
 from difftune.data.dataset import IMAGE_EXTENSIONS, REPEATS_FOLDER
-from difftune.data.places import write_text
 from difftune.errors import DifftuneError
 
 CHAT_INSTRUCTION = "Describe this image in one sentence."

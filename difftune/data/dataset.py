@@ -47,8 +47,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
 from difftune.config import DataConfig
+from difftune.data.cache_folders import read_tensors, write_text
 from difftune.data.clips import BadClip, FrameWindows, frame_rate, frame_size, probe, read_frames
-from difftune.data.places import read_tensors, write_text
 from difftune.data.sources import (
     CLIP_SUFFIXES,
     IMAGE_EXTENSIONS,

@@ -32,15 +32,15 @@ from difftune.errors import DifftuneError
 from difftune.families.common.family import Family
 from difftune.files import PIPELINE_INDEXES, pipeline_index
 from difftune.models.autoencoders import latent_channels, load_vae
-from difftune.models.denoiser_files import gguf_tensor_names, is_gguf, is_scaled_fp8
-from difftune.models.dtypes import FP32_PARTS, PartDtypes
-from difftune.models.parts import (
+from difftune.models.components import (
     PICKLED_SUFFIXES,
     SINGLE_FILE_SUFFIXES,
     Components,
     explained_load_errors,
     quiet_loading,
 )
+from difftune.models.denoiser_files import gguf_tensor_names, is_gguf, is_scaled_fp8
+from difftune.models.dtypes import FP32_PARTS, PartDtypes
 
 # diffusers warns "Guiders are currently an experimental feature ..." at every guider made, and difftune makes them
 # (the families' fixed guiders at import, one per sample drawn, any a base folder holds): a line on nearly every

@@ -35,7 +35,7 @@ from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import load_components
 from difftune.families.common.drawing import sampling_scheduler
-from difftune.models.parts import Components
+from difftune.models.components import Components
 from difftune.toy.tiny import CLIP_FRAMES, COLORS, DIRECTIONS, IMAGE_SIZE, SHAPES, placed_shape_pairs, recolor_pairs
 
 MIN_PLACE_OVERLAP = 0.5  # intersection over union of the control's and the edit's shape masks: "in place"
@@ -149,19 +149,19 @@ class EvalSettings:
     resolution: int = IMAGE_SIZE  # the judge's: a pipeline's own default may be another (FluxPipeline's is 1024 px)
 
 
-Say = Callable[[str], None] | None  # where a long evaluation says how far it is (None: nowhere)
+PrintStatus = Callable[[str], None] | None  # where a long evaluation says how far it is (None: nowhere)
 
 
-def _counted(prompts: list[str], say: Say):
+def _counted(prompts: list[str], print_status: PrintStatus):
     """The prompts, each said as it starts: `3/24 a red circle`."""
     for number, prompt in enumerate(prompts, 1):
-        if say:
-            say(f"{number}/{len(prompts)} {prompt}")
+        if print_status:
+            print_status(f"{number}/{len(prompts)} {prompt}")
         yield prompt
 
 
-def _within(say: Say, what: str) -> Say:
-    return (lambda line: say(f"{what} {line}")) if say else None
+def _within(print_status: PrintStatus, what: str) -> PrintStatus:
+    return (lambda line: print_status(f"{what} {line}")) if print_status else None
 
 
 def _eval_pipeline(components: Components, settings: EvalSettings) -> tuple:
@@ -174,11 +174,13 @@ def _eval_pipeline(components: Components, settings: EvalSettings) -> tuple:
 
 
 @torch.no_grad()
-def judged_samples(components: Components, prompts: list[str], settings: EvalSettings, say: Say = None) -> list[dict]:
+def judged_samples(
+    components: Components, prompts: list[str], settings: EvalSettings, print_status: PrintStatus = None
+) -> list[dict]:
     """Each prompt's samples (fixed seeds), judged: one row per image."""
     pipeline, guidance = _eval_pipeline(components, settings)
     rows = []
-    for prompt in _counted(prompts, say):
+    for prompt in _counted(prompts, print_status):
         seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
         images = components.family.draw(
             pipeline,
@@ -199,12 +201,12 @@ def judged_samples(components: Components, prompts: list[str], settings: EvalSet
 
 @torch.no_grad()
 def judged_clips(
-    components: Components, prompts: list[str], settings: EvalSettings, frames: int, say: Say = None
+    components: Components, prompts: list[str], settings: EvalSettings, frames: int, print_status: PrintStatus = None
 ) -> list[dict]:
     """Each prompt's clips (fixed seeds, as `judged_samples`), judged: one row per clip."""
     pipeline, guidance = _eval_pipeline(components, settings)
     rows = []
-    for prompt in _counted(prompts, say):
+    for prompt in _counted(prompts, print_status):
         seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
         clips = components.family.draw_clips(
             pipeline,
@@ -265,14 +267,18 @@ def clip_score(
     settings: EvalSettings,
     frames: int,
     concept_word: str = "",
-    say: Say = None,
+    print_status: PrintStatus = None,
 ) -> dict:
     """`score` for a video base: clip accuracies on the seen prompts and the concept's (overall and per shape), each
     prompt naming a direction; `samples_per_prompt` clips per (color, shape), spread over the directions."""
     per_direction = replace(settings, samples_per_prompt=max(1, settings.samples_per_prompt // len(DIRECTIONS)))
-    seen = judged_clips(components, clip_prompts_for(seen_colors), per_direction, frames, _within(say, "seen"))
+    seen = judged_clips(components, clip_prompts_for(seen_colors), per_direction, frames, _within(print_status, "seen"))
     concept = judged_clips(
-        components, clip_prompts_for([concept_word or concept_color]), per_direction, frames, _within(say, "concept")
+        components,
+        clip_prompts_for([concept_word or concept_color]),
+        per_direction,
+        frames,
+        _within(print_status, "concept"),
     )
     for row in concept:
         row["prompt"] = row["prompt"].replace(concept_word or concept_color, concept_color)
@@ -308,13 +314,13 @@ def score(
     concept_color: str,
     settings: EvalSettings,
     concept_word: str = "",
-    say: Say = None,
+    print_status: PrintStatus = None,
 ) -> dict:
     """Accuracies on the seen prompts and on the concept's prompts (overall and per shape). `concept_word` is what
     the concept's prompts say instead of its color (a textual-inversion token); they are judged by the color."""
-    seen = judged_samples(components, prompts_for(seen_colors), settings, _within(say, "seen"))
+    seen = judged_samples(components, prompts_for(seen_colors), settings, _within(print_status, "seen"))
     concept = judged_samples(
-        components, prompts_for([concept_word or concept_color]), settings, _within(say, "concept")
+        components, prompts_for([concept_word or concept_color]), settings, _within(print_status, "concept")
     )
     for row in concept:
         row["prompt"] = row["prompt"].replace(concept_word or concept_color, concept_color)
@@ -325,19 +331,27 @@ def score(
     }
 
 
-def judged_edits(components: Components, colors, source_colors, settings: EvalSettings, say: Say = None) -> list[dict]:
+def judged_edits(
+    components: Components, colors, source_colors, settings: EvalSettings, print_status: PrintStatus = None
+) -> list[dict]:
     """`samples_per_prompt` fixed recolor pairs per (asked color, shape), each control drawn from `source_colors`,
     edited with the instruction (sample k of a prompt with seed + k), judged: one row per edit."""
 
     def pairs(count: int, seed: int, color: str, shape: str) -> list:
         return recolor_pairs(count, seed, (color,), source_colors, (shape,))
 
-    return _judged_pairs(components, colors, pairs, shape_mask, True, settings, say)
+    return _judged_pairs(components, colors, pairs, shape_mask, True, settings, print_status)
 
 
 @torch.no_grad()
 def _judged_pairs(
-    components: Components, colors, pairs, control_mask, with_controls: bool, settings: EvalSettings, say: Say
+    components: Components,
+    colors,
+    pairs,
+    control_mask,
+    with_controls: bool,
+    settings: EvalSettings,
+    print_status: PrintStatus,
 ) -> list[dict]:
     """`samples_per_prompt` fixed pairs (control, target, prompt) per (color, shape) of `colors`, made by
     `pairs(count, seed, color, shape)`, each drawn from its prompt (and, `with_controls`, its control; sample k of a
@@ -345,7 +359,7 @@ def _judged_pairs(
     shape with `control_mask(control)`. One row per pair."""
     pipeline, guidance = _eval_pipeline(components, settings)
     rows = []
-    for prompt in _counted([f"{color} {shape}" for color in colors for shape in SHAPES], say):
+    for prompt in _counted([f"{color} {shape}" for color in colors for shape in SHAPES], print_status):
         color, shape = prompt.split()
         pair_seed = settings.seed + 1000 * list(COLORS).index(color) + 100 * SHAPES.index(shape)
         for k, (control, _, text) in enumerate(pairs(settings.samples_per_prompt, pair_seed, color, shape)):
@@ -398,7 +412,9 @@ def silhouette_mask(control: Image.Image) -> np.ndarray:
     return np.asarray(control.convert("L")) > 127
 
 
-def judged_placements(components: Components, colors, settings: EvalSettings, say: Say = None) -> list[dict]:
+def judged_placements(
+    components: Components, colors, settings: EvalSettings, print_status: PrintStatus = None
+) -> list[dict]:
     """`samples_per_prompt` fixed ControlNet pairs per (color, shape) (`placed_shape_pairs`; seeds of their own, so
     held out from any training set made with small seeds), each drawn from its caption and, where the components
     read control images (`Drawing.draws_from_control`), its control image (the base alone draws the caption),
@@ -409,14 +425,20 @@ def judged_placements(components: Components, colors, settings: EvalSettings, sa
         return placed_shape_pairs(count, seed, (color,), (shape,))
 
     return _judged_pairs(
-        components, colors, pairs, silhouette_mask, components.family.draws_from_control(components), settings, say
+        components,
+        colors,
+        pairs,
+        silhouette_mask,
+        components.family.draws_from_control(components),
+        settings,
+        print_status,
     )
 
 
-def placement_score(components: Components, colors, settings: EvalSettings, say: Say = None) -> dict:
+def placement_score(components: Components, colors, settings: EvalSettings, print_status: PrintStatus = None) -> dict:
     """A ControlNet's accuracies on `colors`' shapes: overall (`seen`, as the other scores name what was trained) and
     per shape."""
-    rows = judged_placements(components, colors, settings, say)
+    rows = judged_placements(components, colors, settings, print_status)
     return {
         "seen": edit_accuracy(rows),
         "seen_by_shape": {shape: edit_accuracy([r for r in rows if r["shape"] == shape]) for shape in SHAPES},
@@ -424,12 +446,12 @@ def placement_score(components: Components, colors, settings: EvalSettings, say:
 
 
 def edit_score(
-    components: Components, seen_colors, concept_color: str, settings: EvalSettings, say: Say = None
+    components: Components, seen_colors, concept_color: str, settings: EvalSettings, print_status: PrintStatus = None
 ) -> dict:
     """An edit base's accuracies on the seen colors' edits and on the concept's (overall and per shape); every
     control is of a seen color."""
-    seen = judged_edits(components, seen_colors, seen_colors, settings, _within(say, "seen edits"))
-    concept = judged_edits(components, [concept_color], seen_colors, settings, _within(say, "concept edits"))
+    seen = judged_edits(components, seen_colors, seen_colors, settings, _within(print_status, "seen edits"))
+    concept = judged_edits(components, [concept_color], seen_colors, settings, _within(print_status, "concept edits"))
     return {
         "seen": edit_accuracy(seen),
         "concept": edit_accuracy(concept),
@@ -458,18 +480,18 @@ def model_score(
     concept_color: str,
     settings: EvalSettings,
     concept_word: str = "",
-    say: Say = None,
+    print_status: PrintStatus = None,
     placements: bool = False,
 ) -> dict:
     """A model's scores as `evaluate` takes them, on what `scored_on` says."""
     scored = scored_on(components, placements)
     if scored == "placements":
-        return placement_score(components, seen_colors, settings, say)
+        return placement_score(components, seen_colors, settings, print_status)
     if scored == "edits":
-        return edit_score(components, seen_colors, concept_color, settings, say)
+        return edit_score(components, seen_colors, concept_color, settings, print_status)
     if scored == "clips":
-        return clip_score(components, seen_colors, concept_color, settings, CLIP_FRAMES, concept_word, say)
-    return score(components, seen_colors, concept_color, settings, concept_word, say)
+        return clip_score(components, seen_colors, concept_color, settings, CLIP_FRAMES, concept_word, print_status)
+    return score(components, seen_colors, concept_color, settings, concept_word, print_status)
 
 
 def scored_on(components: Components, placements: bool = False) -> str:
@@ -489,10 +511,10 @@ def evaluate(
     concept_color: str,
     settings: EvalSettings,
     concept_word: str = "",
-    say: Say = None,
+    print_status: PrintStatus = None,
 ) -> dict:
     """The base's scores, and with `adapter`, the adapted model's and the forgetting between them; `concept_word`
-    (see `score`) in the adapted model's concept prompts. `say` hears each prompt as it starts."""
+    (see `score`) in the adapted model's concept prompts. `print_status` hears each prompt as it starts."""
     from difftune.adapters.export import apply_adapters
 
     report = {"settings": vars(settings) | {"base": base, "concept_color": concept_color}}
@@ -508,7 +530,7 @@ def evaluate(
     placements = adapted is not None and adapted.family.draws_from_control(adapted)
 
     def scored(components: Components, model: str, word: str = "") -> dict:
-        said = _within(say, f"{model}:")
+        said = _within(print_status, f"{model}:")
         return model_score(components, seen_colors, concept_color, settings, word, said, placements)
 
     report["scored"] = scored_on(components, placements)

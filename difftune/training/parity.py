@@ -26,8 +26,8 @@ from difftune.config import Config
 from difftune.families import load_components
 from difftune.families.common.drawing import Sample, generate_images
 from difftune.memory.quantize import quantize_linear_layers
+from difftune.models.components import place_frozen, store_loaded_text_encoders
 from difftune.models.dtypes import RunDtypes
-from difftune.models.parts import place_frozen, store_loaded_text_encoders
 from difftune.owned_files import write_file
 from difftune.training.metrics import RUN_FOLDER
 

@@ -1,13 +1,13 @@
 """`difftune plan`: a job's peak device memory and host RAM, predicted from its config before any weight is read.
 
 The model is built from its config files on PyTorch's meta device (shapes and dtypes, no data), and the run's own
-code shapes it: adapters attached, frozen layers stored and blocks offloaded as the config says (models/parts.py). Then
-one training step's forward and backward runs on the meta device, with the text encoders' and the autoencoder's
-passes before it, under a dispatch mode that adds up the bytes of every tensor storage made and freed: the peak
-is what the run's code would hold, by construction, for every family. Two things the meta device cannot say are
-modelled: attention (the meta device takes the math path, which keeps the L x S weights; a fused kernel, flash,
-memory-efficient, cuDNN or PyTorch's own CPU one, keeps a row statistic instead) and data-dependent sizes (a
-mask's count is taken as full: the longest caption, so the plan is an upper bound there).
+code shapes it: adapters attached, frozen layers stored and blocks offloaded as the config says
+(models/components.py). Then one training step's forward and backward runs on the meta device, with the text
+encoders' and the autoencoder's passes before it, under a dispatch mode that adds up the bytes of every tensor
+storage made and freed: the peak is what the run's code would hold, by construction, for every family. Two things
+the meta device cannot say are modelled: attention (the meta device takes the math path, which keeps the L x S
+weights; a fused kernel, flash, memory-efficient, cuDNN or PyTorch's own CPU one, keeps a row statistic instead) and
+data-dependent sizes (a mask's count is taken as full: the longest caption, so the plan is an upper bound there).
 
 Host RAM is this process's own (the same libraries imported) plus the weights as the run holds them: safetensors
 files in the loading dtype are mapped, not read, so a part occupies RAM only once it runs or is converted.
@@ -40,7 +40,7 @@ from difftune.errors import DifftuneError
 from difftune.files import pipeline_index, replace_atomically
 from difftune.memory.checkpointing import enable_gradient_checkpointing
 from difftune.memory.storage import own_cast_buffers, storage_key
-from difftune.models.parts import Components
+from difftune.models.components import Components
 from difftune.owned_files import write_file
 from difftune.progress import process_status_bytes
 from difftune.training.metrics import RUN_FOLDER
@@ -242,9 +242,14 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
 
     from difftune.adapters.trained import add_adapters
     from difftune.memory.storage import computed_copies_saved_as_stored
+    from difftune.models.components import (
+        encoder_placement,
+        loads_encoders_first,
+        place_frozen,
+        store_loaded_text_encoders,
+    )
     from difftune.models.denoiser_files import gguf_tensor_bytes, is_gguf
     from difftune.models.dtypes import AS_STORED, run_dtypes
-    from difftune.models.parts import encoder_placement, loads_encoders_first, place_frozen, store_loaded_text_encoders
 
     baseline = process_status_bytes("VmRSS")
     source = config_source(config.model)  # once: a single file's keys are read to find it
@@ -586,7 +591,7 @@ def config_source(model) -> tuple[Path, str]:
     reference base where the base is not on this machine (a single file without a config folder, a folder still
     to be made)."""
     from difftune.families import FAMILIES, family_of
-    from difftune.models.parts import SINGLE_FILE_SUFFIXES
+    from difftune.models.components import SINGLE_FILE_SUFFIXES
 
     base = model.base
     single_file = base.endswith(SINGLE_FILE_SUFFIXES)
@@ -611,7 +616,7 @@ def config_source(model) -> tuple[Path, str]:
 
 def configs_read(model, source: tuple[Path, str] | None = None) -> str:
     """What the plan says of where its configs came from (`source`: `config_source`'s answer, when known)."""
-    from difftune.models.parts import SINGLE_FILE_SUFFIXES
+    from difftune.models.components import SINGLE_FILE_SUFFIXES
 
     folder, kept = source or config_source(model)
     if not kept:

@@ -26,11 +26,11 @@ from tqdm.auto import tqdm
 
 from difftune.config import Config
 from difftune.data.cache import cache_root, model_identity
+from difftune.data.cache_folders import is_remote
 from difftune.data.dataset import IMAGE_EXTENSIONS, Example, derive_seed, scan_examples
-from difftune.data.places import is_remote
 from difftune.errors import DifftuneError
 from difftune.families.common.drawing import sampling_scheduler
-from difftune.models.parts import Components, eval_mode
+from difftune.models.components import Components, eval_mode
 
 PRIOR_STREAM = 4  # dataset.py's seed streams are 0, 1 and 3; validation.py's is 2
 DRAWN_PREFIX = "class_"

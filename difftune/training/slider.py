@@ -51,7 +51,7 @@ def slider_loss(
 def encoded_prompts(components, slider, device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
     """Each of the slider's `PROMPTS` encoded once, before training, as a batch of one on `device` (the text encoders
     are frozen, and may leave memory once the captions are cached)."""
-    from difftune.models.parts import encoders_on
+    from difftune.models.components import encoders_on
 
     family = components.family
     encoded = {}

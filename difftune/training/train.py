@@ -72,8 +72,7 @@ from difftune.memory.quantize import quantize_linear_layers
 from difftune.memory.storage import computed_copies_saved_as_stored
 from difftune.memory.transfer import to_device
 from difftune.models.autoencoders import encode_posterior, reference_latents, sample_latents
-from difftune.models.dtypes import RunDtypes
-from difftune.models.parts import (
+from difftune.models.components import (
     Components,
     cast_frozen,
     compile_denoiser,
@@ -86,6 +85,7 @@ from difftune.models.parts import (
     store_loaded_denoiser,
     store_loaded_text_encoders,
 )
+from difftune.models.dtypes import RunDtypes
 from difftune.owned_files import open_append, write_file
 from difftune.progress import phase
 from difftune.training.activations import BlockActivations
@@ -110,10 +110,10 @@ from difftune.training.plan import DoesNotFit, check_fits
 from difftune.training.preference import check_preference_pairs, dpo_loss
 from difftune.training.preflight import check_before_start
 from difftune.training.prior import class_examples, class_folder, fill_class_images
-from difftune.training.requests import RunRequests
 from difftune.training.resolved import resolve
+from difftune.training.run_requests import RunRequests
 from difftune.training.slider import encoded_prompts, slider_loss
-from difftune.training.training_adapter import merge_training_adapter, removed
+from difftune.training.training_adapter import merge_training_adapter, without_merged_changes
 from difftune.training.validation import BestResults, Validator
 
 RESOLVED_CONFIG_FILE = "config.toml"
@@ -163,7 +163,7 @@ class Run:
         return self.accelerator.is_main_process
 
     @property
-    def say(self) -> Callable[[str], None] | None:
+    def print_status(self) -> Callable[[str], None] | None:
         """Where phase lines go (`progress.phase`): the main process's print, above the training bar; quiet: none."""
         return None if self.config.log.quiet or not self.main else tqdm.write
 
@@ -185,7 +185,7 @@ def train(config: Config, resume: str | None = None) -> TrainResult:
     output_dir = Path(config.train.output_dir)
     with hold_output_dir(output_dir), full_disk_said_plainly(output_dir):
         run = setup(config, resume)
-        with phase("training", run.say):
+        with phase("training", run.print_status):
             loop(run)
         return finish(run)
 
@@ -207,14 +207,14 @@ def setup(config: Config, resume: str | None = None) -> Run:
         )
     if config.train.check_memory:  # every process: each would load
         _check_memory(config, accelerator)
-    say = None if config.log.quiet else accelerator.print
-    if config.log.tensorboard and not is_tensorboard_available() and say:
-        say(
+    print_status = None if config.log.quiet else accelerator.print
+    if config.log.tensorboard and not is_tensorboard_available() and print_status:
+        print_status(
             "log.tensorboard: TensorBoard is not installed, so the metrics go to metrics.jsonl only "
             "(pip install tensorboard, or set log.tensorboard = false)"
         )
     encoders_first = loads_encoders_first(config, resolved.family, resume)
-    with phase(f"loading {'the encoders of ' if encoders_first else ''}the base {config.model.base}", say):
+    with phase(f"loading {'the encoders of ' if encoders_first else ''}the base {config.model.base}", print_status):
         components = load_training_base(config, dtypes, with_denoiser=not encoders_first)
     components.family.check_config(config)
     if not encoders_first:
@@ -237,7 +237,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     paths = ", ".join(dict.fromkeys(data.path for data in datasets))
     scans_kept = any(data_source(data.path).scan_is_kept for data in datasets)
     with accelerator.local_main_process_first() if scans_kept else nullcontext():
-        with phase(f"reading the data in {paths}", say):
+        with phase(f"reading the data in {paths}", print_status):
             examples, bad_files = scan_datasets(
                 config.data,
                 windows=partial(components.family.frame_windows, vae=components.vae),
@@ -268,7 +268,9 @@ def setup(config: Config, resume: str | None = None) -> Run:
     )
     tokenize = partial(components.family.tokenize, components.tokenizers)  # picklable for loader workers
     rates = frame_rates(examples) if components.family.trains_sound(components) else None
-    with phase("filling the caches", say if config.cache.latents == "on" or config.cache.text == "on" else None):
+    with phase(
+        "filling the caches", print_status if config.cache.latents == "on" or config.cache.text == "on" else None
+    ):
         latent_files, control_files, text_files = _fill_caches(
             components, tokenize, examples, sizes, controls, config, accelerator, rates
         )
@@ -278,12 +280,12 @@ def setup(config: Config, resume: str | None = None) -> Run:
         _release_unneeded(components, config)
         # Kept off the seeded generator: a denoiser whose loading draws random numbers (LTX-2's builds some of its
         # tensors) would otherwise give the adapters another init than a run that loaded it before the seed.
-        with phase(f"loading the {components.family.denoiser_name}", say), torch.random.fork_rng(devices=[]):
+        with phase(f"loading the {components.family.denoiser_name}", print_status), torch.random.fork_rng(devices=[]):
             load_training_denoiser(components, config, dtypes)
     if config.sample.before and config.sample.prompts and main and not resume:
-        with phase("drawing the base's samples (before training)", say):
+        with phase("drawing the base's samples (before training)", print_status):
             _sample_before_training(components, config, output_dir, accelerator.device)
-    with phase("preparing the model for training", say):
+    with phase("preparing the model for training", print_status):
         _release_unneeded(components, config)
         _shape_for_training(components, config, dtypes, accelerator)
     if config.sample.prompts:  # the samples' pipeline arguments, refused now rather than at the end of the run
@@ -540,7 +542,7 @@ def finish(run: Run) -> TrainResult:
         components, ema, parameters = run.unwrapped(), run.ema, run.parameters
     needs_encoders = config.sample.prompts or config.adapter.trains_all_weights  # a full model is saved whole
     if run.main and needs_encoders and not components.encoders_loaded():
-        with phase("loading the encoders again for the end of the run", run.say):
+        with phase("loading the encoders again for the end of the run", run.print_status):
             _reload_released(components, config, run.dtypes, accelerator.device)
     for module in host_kept_encoders(components, config) if run.main else ():
         module.to(accelerator.device)
@@ -882,8 +884,8 @@ def _periodic_work(run: Run, step: int, asked: set[str] = frozenset()) -> dict:
     validate = run.validator and (step % config.validation.every_steps == 0 or last)
     due = config.sample.every_steps and step % config.sample.every_steps == 0
     preview = (due or "sample" in asked) and config.sample.prompts and not last  # the last step's come anyway
-    if "sample" in asked and not config.sample.prompts and run.say:
-        run.say(f"difftune: step {step}: asked to draw samples, and sample.prompts is empty: nothing to draw")
+    if "sample" in asked and not config.sample.prompts and run.print_status:
+        run.print_status(f"difftune: step {step}: asked to draw samples, and sample.prompts is empty: nothing to draw")
     snapshot = (config.export.every_steps and (step % config.export.every_steps == 0 or last)) or "save" in asked
     if not (validate or preview or snapshot):
         return values  # most steps: unwrapping the models costs 5 ms (a 64 px tiny-model step is 70)
@@ -895,11 +897,15 @@ def _validate_preview_snapshot(run: Run, step: int, validate: bool, preview: boo
     config, values, components = run.config, {}, run.unwrapped()
     with encoders_on(run.accelerator.device, host_kept_encoders(components, config)):
         if validate:
-            with phase(f"step {step}: validation", run.say):
+            with phase(f"step {step}: validation", run.print_status):
                 values |= _validate(run, components, step)
         if preview:
             drawing = _with_encoders(run, components, step)
-            with phase(f"step {step}: preview samples", run.say), run.accelerator.autocast(), previewing(drawing):
+            with (
+                phase(f"step {step}: preview samples", run.print_status),
+                run.accelerator.autocast(),
+                previewing(drawing),
+            ):
                 samples = generate_images(drawing, config.sample, run.accelerator.device)
             del drawing
             save_images(samples, config.sample, run.output_dir / "samples" / f"step-{step:06d}")
@@ -920,7 +926,7 @@ def _with_encoders(run: Run, components: Components, step: int) -> Components:
         drawing_parts=dict(components.drawing_parts),
         pixel_encoders=dict(components.pixel_encoders),
     )
-    with phase(f"step {step}: loading the released encoders for the samples asked", run.say):
+    with phase(f"step {step}: loading the released encoders for the samples asked", run.print_status):
         _reload_released(copy, run.config, run.dtypes, run.accelerator.device)
     return copy
 
@@ -962,8 +968,8 @@ def _sample_before_training(components: Components, config: Config, output_dir: 
 
 def _save_results(run: Run, components: Components, ema: EMAModel | None, parameters: list) -> Path:
     """The raw result, its EMA and the average of the last snapshots, then the end-of-run samples."""
-    config, output_dir, accelerator, say = run.config, run.output_dir, run.accelerator, run.say
-    with phase("saving the result", say):
+    config, output_dir, accelerator, print_status = run.config, run.output_dir, run.accelerator, run.print_status
+    with phase("saving the result", print_status):
         files = export.save_result_files(components, config, output_dir)
     trained_path = export.result_files(config, output_dir)[0]
     for suffix in components.family.adapter_file_suffixes(config) if config.export.average_last > 1 else ():
@@ -981,13 +987,13 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
             components.family,
         )
     if config.sample.prompts:
-        with phase("drawing the end samples", say), accelerator.autocast(), previewing(components):
+        with phase("drawing the end samples", print_status), accelerator.autocast(), previewing(components):
             samples = generate_images(components, config.sample, accelerator.device, "end samples")
         save_images(samples, config.sample, output_dir / "samples", output_dir / "samples" / "before")
         if config.sample.parity and (short := room_for_a_fresh_copy(components, accelerator.device)):
             accelerator.print(f"difftune: {short}")
         elif config.sample.parity:
-            with phase("checking parity: the first sample redrawn with each written file", say):
+            with phase("checking parity: the first sample redrawn with each written file", print_status):
                 report = check_parity(
                     config,
                     files,
@@ -1004,7 +1010,11 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
         with ema_weights(ema, parameters):
             export.save_result_files(components, config, output_dir, "_ema")
             if config.sample.prompts:
-                with phase("drawing the EMA's end samples", say), accelerator.autocast(), previewing(components):
+                with (
+                    phase("drawing the EMA's end samples", print_status),
+                    accelerator.autocast(),
+                    previewing(components),
+                ):
                     samples = generate_images(components, config.sample, accelerator.device, "EMA samples")
                 save_images(samples, config.sample, output_dir / "samples_ema", output_dir / "samples" / "before")
     for line in export.where_files_go(files):
@@ -1035,7 +1045,7 @@ def load_training_denoiser(components: Components, config: Config, dtypes: RunDt
 
 def previewing(components: Components):
     """Samples show what the saved adapter does on the base: without a merged training adapter's change."""
-    return removed(components.denoiser, components.merged_changes)
+    return without_merged_changes(components.denoiser, components.merged_changes)
 
 
 def _shape_for_training(components: Components, config: Config, dtypes: RunDtypes, accelerator: Accelerator) -> None:

@@ -7,8 +7,8 @@ adapter trained over it is saved alone and applies to the distilled base, which 
 
 Training runs on the merged weights (peft's merge through diffusers' `fuse_lora`, as `difftune merge` does), so a
 step costs what it costs without one. Previews show what the saved adapter does on the distilled base: the training
-adapter's change is taken off again at each of its layers' outputs while they sample (`removed`), as ai-toolkit
-samples with the assistant inverted; exact up to rounding.
+adapter's change is taken off again at each of its layers' outputs while they sample (`without_merged_changes`), as
+ai-toolkit samples with the assistant inverted; exact up to rounding.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from difftune.adapters import export
 from difftune.errors import DifftuneError
-from difftune.models.parts import Components, explained_load_errors
+from difftune.models.components import Components, explained_load_errors
 
 
 @dataclass
@@ -51,7 +51,8 @@ def adapter_file(name: str) -> Path:
 
 
 def merge_training_adapter(components: Components, name: str) -> dict[str, LowRankChange]:
-    """Merge the adapter file `name` into the denoiser; its change per layer (module name -> change), for `removed`."""
+    """Merge the adapter file `name` into the denoiser; its change per layer (module name -> change), for
+    `without_merged_changes`."""
     from peft.tuners.lora import LoraLayer
 
     path = adapter_file(name)
@@ -83,7 +84,7 @@ def merge_training_adapter(components: Components, name: str) -> dict[str, LowRa
 
 
 @contextmanager
-def removed(denoiser: torch.nn.Module, changes: dict[str, LowRankChange]):
+def without_merged_changes(denoiser: torch.nn.Module, changes: dict[str, LowRankChange]):
     """The denoiser as if the training adapter were not merged into it: each of its layers' outputs less the change."""
     device = next(denoiser.parameters()).device
     handles = []

@@ -33,7 +33,7 @@ from difftune.data.dataset import (
 )
 from difftune.errors import DifftuneError
 from difftune.models.autoencoders import encode_latents, encode_posterior, reference_latents
-from difftune.models.parts import Components, eval_mode
+from difftune.models.components import Components, eval_mode
 
 VALIDATION_STREAM = 2
 

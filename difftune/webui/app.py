@@ -40,8 +40,8 @@ from difftune.webui.form import (
     parse_adapter_lines,
     presets,
 )
-from difftune.webui.guards import LOOPBACK_NAMES, AllowedHosts, OwnFilesOnly, UploadLimit
 from difftune.webui.messages import error_markdown as _error
+from difftune.webui.request_filters import LOOPBACK_NAMES, AllowedHosts, OwnFilesOnly, UploadLimit
 
 LOCAL_HOSTS = LOOPBACK_NAMES
 EXPORTS_DIR = "exports"
@@ -158,7 +158,7 @@ def serve(
 
 
 def guards(host: str, share: bool, public_names: tuple[str, ...] = ()) -> list:
-    """The server's own checks before Gradio's (ui_guards.py): the hosts it serves, the upload cap per request."""
+    """The server's own checks before Gradio's (request_filters.py): the hosts it serves, the upload cap per request."""
     served = (
         (host, socket.gethostname(), socket.getfqdn(), *public_names)
         if host in ("0.0.0.0", "::")

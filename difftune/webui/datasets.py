@@ -19,6 +19,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageOps
 
 from difftune.config import DataConfig
+from difftune.data.cache_folders import write_text
 from difftune.data.captioning import METADATA, CaptionReport, caption_folder, load_captioner, metadata_lines
 from difftune.data.clips import FrameWindows, read_frames
 from difftune.data.dataset import (
@@ -29,7 +30,6 @@ from difftune.data.dataset import (
     scan_examples,
     training_sizes,
 )
-from difftune.data.places import write_text
 from difftune.data.sources import (
     CLIP_SUFFIXES,
     FolderOfFiles,

@@ -27,7 +27,7 @@ from difftune.errors import ERROR_PREFIX, DifftuneError
 from difftune.owned_files import write_file
 from difftune.training.checkpoint import complete_checkpoints
 from difftune.training.metrics import METRICS_FILE
-from difftune.training.requests import RunRequests, ask
+from difftune.training.run_requests import RunRequests, ask
 from difftune.training.train import RESOLVED_CONFIG_FILE
 
 JOB_CONFIG = "job.toml"

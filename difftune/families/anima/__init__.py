@@ -40,9 +40,9 @@ from difftune.families.common.layouts import RenamedLayout, has_file_key
 from difftune.families.common.loading import FamilyOptions
 from difftune.families.common.modular import ModularBase
 from difftune.families.common.targets import targets_in_blocks
+from difftune.models.components import Components
 from difftune.models.denoiser_files import is_gguf, read_denoiser_file, read_gguf_file
 from difftune.models.dtypes import FP32_PARTS, PartDtypes
-from difftune.models.parts import Components
 
 TEXT_TOKENS = 512  # the text step's default `max_sequence_length`, for both tokenizers
 CONDITIONED_TOKENS = 512  # the conditioner's `min_sequence_length`: what its output is padded to

@@ -22,7 +22,7 @@ from diffusers import ChromaPipeline, ChromaTransformer2DModel
 from difftune.families.common.loading import FamilyOptions
 from difftune.families.common.tokens import pack, unpack
 from difftune.families.flux import ORIGINAL_GLOBALS, TRANSFORMER_TARGETS, Flux, FluxLayout, image_position_ids
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 APPROXIMATOR = "distilled_guidance_layer."  # the network that makes every block's modulation from the time
 APPROXIMATOR_LAYERS = ((".linear_1.", ".in_layer."), (".linear_2.", ".out_layer."))  # diffusers' -> the original's

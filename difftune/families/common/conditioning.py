@@ -21,7 +21,7 @@ from difftune.data.clips import FrameWindows
 from difftune.errors import DifftuneError
 from difftune.families.common.loading import FamilyOptions
 from difftune.models.autoencoders import LatentNormalization, frames_per_latent, latent_normalization
-from difftune.models.parts import Components, tokenize
+from difftune.models.components import Components, tokenize
 
 NO_TOKEN = -1  # what padded ids hold where a caption has no token: no token's id, so masks and cache keys need no pad
 

@@ -26,7 +26,7 @@ from diffusers import ControlNetModel, FluxControlNetModel, QwenImageControlNetM
 
 from difftune.families.common.tokens import pack
 from difftune.memory.storage import computed_tensors
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 # diffusers' `ControlNetModel.from_unet` default: four widths, three stride-2 steps down to the latents' 1/8 size.
 UNET_CONDITIONING_WIDTHS = (16, 32, 96, 256)

@@ -27,7 +27,7 @@ from difftune.data.sources import is_clip
 from difftune.errors import DifftuneError
 from difftune.families.common.loading import FamilyOptions
 from difftune.models.autoencoders import load_vae
-from difftune.models.parts import Components, eval_mode
+from difftune.models.components import Components, eval_mode
 from difftune.progress import bar
 
 SAMPLERS = {

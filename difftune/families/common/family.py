@@ -25,7 +25,7 @@ from difftune.families.common.loading import FamilyOptions, Loading
 from difftune.families.common.objective import DDPM, Objective
 from difftune.families.common.targets import AdapterTargets
 from difftune.memory.offload import spread
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 # A UNet block's name, wherever the UNet sits (peft and compile may wrap it): `down_blocks.1`, `mid_block`,
 # `up_blocks.0.attentions.2`, `down_blocks.0.resnets.1`...

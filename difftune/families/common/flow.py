@@ -29,7 +29,7 @@ from difftune.families.common.family import Family
 from difftune.families.common.loading import FamilyOptions
 from difftune.families.common.objective import Objective, draw_fractions, draw_noise, per_sample_error
 from difftune.memory.transfer import to_device
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 FLOW_WEIGHTINGS = ("uniform", "sigma_sqrt", "cosmap")  # flow-matching weightings (diffusers' SD3 ones)
 

@@ -25,7 +25,7 @@ import torch
 
 from difftune.errors import DifftuneError
 from difftune.families.common.conditioning import NO_TOKEN, padded, trimmed, valid_token_states
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 SKIPPED_LAYERS = 2  # the language model's last layers both pipelines skip (their third-to-last hidden state)
 # The language model's states and the glyph states, each with its mask: what the text cache trims to a caption's real

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from difftune.config import ModelConfig, Section
 from difftune.errors import DifftuneError
 from difftune.models.autoencoders import downsampling
+from difftune.models.components import SINGLE_FILE_SUFFIXES, Components, files_dtype
 from difftune.models.denoiser_files import (
     DenoiserFile,
     is_gguf,
@@ -25,7 +26,6 @@ from difftune.models.denoiser_files import (
     read_denoiser_file,
 )
 from difftune.models.dtypes import AS_STORED, FP32_PARTS, PartDtypes
-from difftune.models.parts import SINGLE_FILE_SUFFIXES, Components, files_dtype
 
 
 def config_folder(config: ModelConfig) -> str:

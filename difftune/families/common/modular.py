@@ -19,14 +19,14 @@ from pathlib import Path
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families.common.loading import FamilyOptions, PartSource
+from difftune.models.components import SINGLE_FILE_SUFFIXES, Components
 from difftune.models.dtypes import FP32_PARTS, PartDtypes
-from difftune.models.parts import SINGLE_FILE_SUFFIXES, Components
 
 MODULAR_INDEX = "modular_model_index.json"
 
 
 @contextmanager
-def quietly():
+def diffusers_warnings_silenced():
     """diffusers' warnings while a modular pipeline is put together, silenced: each preview's pipeline would say that
     guiders are experimental and that its scheduler was made from config, at every sample of a run."""
     from diffusers.utils import logging
@@ -59,7 +59,7 @@ class ModularBase:
             blocks.sub_blocks.pop(step)
         without_step_bars(blocks)
         revision = {"revision": revision} if folder else {}
-        with quietly():
+        with diffusers_warnings_silenced():
             return self.pipeline_class(blocks=blocks, pretrained_model_name_or_path=folder, **revision)
 
     def part_source(self, folder: str, part: str, revision: str | None) -> PartSource:
@@ -126,7 +126,7 @@ class ModularBase:
 
     def assemble_pipeline(self, components: Components, scheduler=None):
         pipeline = self.modular_pipeline()
-        with quietly():
+        with diffusers_warnings_silenced():
             pipeline.update_components(
                 **self.denoiser_pipeline_parts(components),
                 vae=components.vae,
@@ -142,7 +142,7 @@ class ModularBase:
         """Classifier-free guidance by the pipeline's guider (off at 1 and below), with its negative prompt."""
         from diffusers import ClassifierFreeGuidance
 
-        with quietly():
+        with diffusers_warnings_silenced():
             arguments = {"guider": ClassifierFreeGuidance(guidance_scale=guidance_scale)}
         return arguments | ({"negative_prompt": negative_prompt or ""} if guidance_scale > 1 else {})
 
@@ -151,7 +151,7 @@ class ModularBase:
         list with its own generator; an argument that names one of its components (the guider of a guidance scale)
         replaces that component first."""
         parts = {name: arguments.pop(name) for name in list(arguments) if name in pipeline._component_specs}
-        with quietly():
+        with diffusers_warnings_silenced():
             pipeline.update_components(**parts)
         prompts = [prompt] if isinstance(prompt, str) else prompt
         generators = arguments.pop("generator", None)

@@ -26,7 +26,7 @@ from diffusers.training_utils import compute_density_for_timestep_sampling, comp
 
 from difftune.config import Config, LossConfig
 from difftune.memory.transfer import host_randn, to_device
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 
 def prediction_type(config: LossConfig, noise_scheduler: DDPMScheduler) -> str:

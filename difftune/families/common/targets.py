@@ -9,7 +9,7 @@ import torch
 
 from difftune.config import Config
 from difftune.families.common.loading import FamilyOptions
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 
 def targets_in_blocks(model: torch.nn.Module, targets: dict[str, list[str]]) -> list[str]:

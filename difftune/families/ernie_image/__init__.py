@@ -32,7 +32,7 @@ from difftune.families.common.flow import FlowMatchingFamily
 from difftune.families.common.layouts import DiffusersNamedLayout
 from difftune.families.common.loading import FamilyOptions
 from difftune.models.autoencoders import LatentNormalization, latent_normalization
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 TEXT_TOKENS = 512  # tokens of a caption read at most
 TRAINED_BATCH_NORM_EPS = 1e-5  # what `ErnieImagePipeline` un-normalises latents with (see the module's docstring)

@@ -25,7 +25,7 @@ from difftune.families.common.flow import FlowMatchingFamily, FlowOptions
 from difftune.families.common.layouts import FusedLayout, kohya_blocks_of, kohya_globals_of
 from difftune.families.common.tokens import pack, unpack
 from difftune.families.sd import CLIP_ATTENTION
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 # diffusers' Flux LoRA script's default targets, plus the single blocks' MLP input, so that a single block's fused
 # `linear1` (q, k, v, MLP) is adapted whole: the kohya layout can then carry DoRA there too. A double block's are

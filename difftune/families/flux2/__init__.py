@@ -32,7 +32,7 @@ from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE, compute_emp
 from difftune.config import Config
 from difftune.families.common.flow import FlowMatching, FlowMatchingFamily
 from difftune.families.common.layouts import FusedLayout, kohya_blocks_of, kohya_globals_of
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 TEXT_TOKENS = 512  # the pipelines' default `max_sequence_length`: the most `text_tokens` reads
 DEFAULT_STEPS = 50  # the pipelines' default `num_inference_steps`: the step count `resolution_shift` assumes

@@ -49,7 +49,7 @@ from difftune.families.common.layouts import RenamedLayout, swap_halves
 from difftune.families.common.loading import FamilyOptions
 from difftune.families.common.modular import ModularBase
 from difftune.families.common.targets import targets_in_blocks
-from difftune.models.parts import Components
+from difftune.models.components import Components
 from difftune.models.processors import load_without_video_processor
 
 PAD_MULTIPLE = 80  # `Flux3TextEncoderStep`'s: a caption's window is its tokens rounded up to a multiple of this

@@ -32,7 +32,7 @@ from diffusers import HiDreamImagePipeline, HiDreamImageTransformer2DModel
 
 from difftune.families.common.flow import FlowMatchingFamily
 from difftune.families.common.layouts import DiffusersNamedLayout
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 TEXT_TOKENS = 128  # the pipeline's default `max_sequence_length`
 CLIP_TOKENS = 218  # the most the pipeline reads with its long-context CLIP encoders

@@ -44,7 +44,7 @@ from difftune.families.common.targets import targets_in_blocks
 from difftune.families.flux import DOUBLE_BLOCK_TARGETS, FluxLayout, SingleBlockRows
 from difftune.families.flux import ORIGINAL_BLOCKS as FLUX_ORIGINAL_BLOCKS
 from difftune.models.autoencoders import LatentNormalization
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 # The pipeline's prompt template and the number of its tokens before the caption that it drops
 # (`prompt_template_encode`, `prompt_template_encode_start_idx`; tests/test_families.py checks them against it).

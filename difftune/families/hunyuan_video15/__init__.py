@@ -51,7 +51,7 @@ from difftune.families.common.loading import FamilyOptions, with_transformer_lor
 from difftune.families.common.targets import targets_in_blocks
 from difftune.families.flux import DOUBLE_BLOCK_TARGETS, FluxLayout
 from difftune.models.autoencoders import LatentNormalization
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 # The pipeline's system message, as its prompt encoder's default (diffusers keeps it nowhere else but the instance).
 SYSTEM_MESSAGE = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default

@@ -30,7 +30,7 @@ from difftune.families.common.hunyuan_text import attributes_set
 from difftune.families.common.loading import with_transformer_lora_loading
 from difftune.families.hunyuan_video15 import HunyuanVideo15, HunyuanVideo15Layout
 from difftune.models.autoencoders import encode_posterior
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 
 def siglip_image_states(components: Components, frames: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ from difftune.families.common.conditioning import valid_token_states
 from difftune.families.common.flow import FlowMatching, FlowMatchingFamily
 from difftune.families.common.layouts import FusedLayout, kohya_blocks_of
 from difftune.models.autoencoders import LatentNormalization, latent_normalization
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 TEXT_TOKENS = 512  # tokens of a templated caption read at most
 PIXELS_PER_TOKEN = 16  # the pipeline's `vae_scale_factor * patch_size`: what its resolution rule counts pixels by

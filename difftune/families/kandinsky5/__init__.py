@@ -30,7 +30,7 @@ from difftune.families.common.layouts import DiffusersNamedLayout
 from difftune.families.common.loading import FamilyOptions
 from difftune.families.common.targets import targets_in_blocks
 from difftune.models.autoencoders import LatentNormalization
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 # The pipeline's prompt template and the number of its tokens before the caption that it drops (`prompt_template`,
 # `prompt_template_encode_start_idx`; tests/test_families.py checks them against it).

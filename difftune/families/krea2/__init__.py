@@ -34,7 +34,7 @@ from diffusers.pipelines.krea2.pipeline_krea2 import calculate_shift
 from difftune.families.common.flow import FlowMatching, FlowMatchingFamily, anchored_guidance
 from difftune.families.common.layouts import RenamedLayout
 from difftune.families.common.tokens import pack, unpack
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 # Krea2Pipeline's prompt layout (`prompt_template_encode_prefix` / `_suffix`, `_start_idx`, `_num_suffix_tokens`;
 # tests/test_families.py checks them against it).

@@ -61,7 +61,7 @@ from difftune.families.common.layouts import RenamedLayout
 from difftune.families.common.loading import FamilyOptions
 from difftune.families.common.targets import targets_in_blocks
 from difftune.memory.transfer import host_randn
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 TEXT_TOKENS = 1024  # the pipeline's default `max_sequence_length`: Gemma 3 reads every caption left-padded to it
 FRAME_RATE = 24.0  # the pipeline's default `frame_rate`: the rate its video positions are conditioned on

@@ -30,7 +30,7 @@ from difftune.families.common.conditioning import valid_token_states
 from difftune.families.common.flow import FlowMatchingFamily
 from difftune.families.common.layouts import FusedLayout
 from difftune.families.z_image import BLOCK_LISTS, fused_qkv, lumina_kohya_blocks
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 TEXT_TOKENS = 256  # Lumina2Pipeline's default `max_sequence_length`
 # The pipeline's `system_prompt` and what joins it to the caption (tests/test_families.py checks them against it).

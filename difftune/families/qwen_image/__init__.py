@@ -28,7 +28,7 @@ from difftune.families.common.control import QwenImageControlNet
 from difftune.families.common.flow import FlowMatchingFamily
 from difftune.families.common.layouts import DiffusersNamedLayout
 from difftune.families.common.tokens import pack, unpack
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 # QwenImagePipeline's prompt template and the number of its tokens before the caption that it drops
 # (`prompt_template_encode`, `prompt_template_encode_start_idx`; tests/test_families.py checks them against it).

@@ -40,7 +40,7 @@ from difftune.families.common.conditioning import padded_token_ids, valid_token_
 from difftune.families.common.flow import FlowMatchingFamily
 from difftune.families.common.layouts import FusedLayout, kohya_blocks_of, kohya_globals_of
 from difftune.families.common.loading import FamilyOptions
-from difftune.models.parts import Components
+from difftune.models.components import Components
 from difftune.models.processors import load_without_video_processor
 
 # QwenImage21Pipeline's text-to-image prompt template (`prompt_template_t2i`; tests/test_qwen_image21.py checks it).

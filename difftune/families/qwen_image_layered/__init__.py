@@ -38,7 +38,7 @@ from difftune.families.common.flow import FlowMatching, FlowOptions
 from difftune.families.common.tokens import unpack
 from difftune.families.qwen_image import QwenImage
 from difftune.families.qwen_image_edit import dimensions_for_the_call
-from difftune.models.parts import Components
+from difftune.models.components import Components
 from difftune.models.processors import load_without_video_processor
 
 load_without_video_processor(Qwen2VLProcessor)

@@ -11,7 +11,7 @@ from difftune.families.common.control import UNetControlNet
 from difftune.families.common.family import Family
 from difftune.families.common.layouts import Layout
 from difftune.models import single_file
-from difftune.models.parts import SINGLE_FILE_SUFFIXES, Components
+from difftune.models.components import SINGLE_FILE_SUFFIXES, Components
 
 ATTENTION_PROJECTIONS = ["to_q", "to_k", "to_v", "to_out.0"]
 CLIP_ATTENTION = ["q_proj", "k_proj", "v_proj", "out_proj"]

@@ -32,7 +32,7 @@ from difftune.families.common.layouts import BLOCK, FusedLayout, swap_halves
 from difftune.families.common.loading import FamilyOptions
 from difftune.families.flux import T5_ATTENTION
 from difftune.families.sd import CLIP_ATTENTION
-from difftune.models.parts import Components, tokenize
+from difftune.models.components import Components, tokenize
 
 T5_TOKENS = 256  # StableDiffusion3Pipeline's default `max_sequence_length`
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]

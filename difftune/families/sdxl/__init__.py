@@ -19,7 +19,7 @@ from difftune.families.common.layouts import Layout
 from difftune.families.sd import ATTENTION_PROJECTIONS, CLIP_ATTENTION
 from difftune.memory.transfer import to_device
 from difftune.models import single_file
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 # diffusers' own marker of the second (OpenCLIP) encoder in SDXL single files.
 OPEN_CLIP_KEY = f"{single_file.SDXL_TEXT_ENCODER_2_PREFIX}positional_embedding"

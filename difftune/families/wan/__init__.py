@@ -51,8 +51,8 @@ from difftune.families.common.layouts import RenamedLayout
 from difftune.families.common.loading import config_folder
 from difftune.families.common.targets import AdapterFile
 from difftune.families.common.wan_experts import EXPERTS, WanExperts
+from difftune.models.components import SINGLE_FILE_SUFFIXES, Components
 from difftune.models.dtypes import PartDtypes
-from difftune.models.parts import SINGLE_FILE_SUFFIXES, Components
 
 TEXT_TOKENS = 512  # WanPipeline's default `max_sequence_length`: every caption's states are padded to it
 TRANSFORMER_TARGETS = [

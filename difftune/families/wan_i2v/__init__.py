@@ -30,7 +30,7 @@ from difftune.families.common.conditioning import processed_frames
 from difftune.families.common.drawing import ImageToVideoDrawing
 from difftune.families.wan import Wan
 from difftune.models.autoencoders import encode_posterior
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 # The cross-attention's projections of CLIP image states, in a transformer that reads them (Wan 2.1 I2V's).
 IMAGE_TARGETS = ["attn2.add_k_proj", "attn2.add_v_proj"]

@@ -33,7 +33,7 @@ from diffusers.loaders.single_file_utils import convert_z_image_transformer_chec
 from difftune.families.common.conditioning import valid_token_states
 from difftune.families.common.flow import FlowMatchingFamily, anchored_guidance
 from difftune.families.common.layouts import FusedLayout
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
 # Attention and the SwiGLU MLP of every block (refiners included): musubi-tuner's and ai-toolkit's Z-Image targets.

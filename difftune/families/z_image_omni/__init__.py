@@ -35,7 +35,7 @@ from diffusers import ZImageOmniPipeline
 from difftune.families.common.conditioning import ReferencesAtTargetArea
 from difftune.families.common.targets import targets_in_blocks
 from difftune.families.z_image import BLOCK_LISTS, TEXT_TOKENS, TRANSFORMER_TARGETS, ZImage, ZImageLayout
-from difftune.models.parts import Components
+from difftune.models.components import Components
 
 # The segments `ZImageOmniPipeline._encode_prompt` makes of a caption: with references, an opening before the first,
 # a marker between each two, the caption after the last, and a closing; without, one chat turn.

@@ -51,7 +51,7 @@ class RunRequests:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
     LOOK_EVERY_S = 1.0
 
-    def __init__(self, output_dir: Path, main: bool, say=print):
+    def __init__(self, output_dir: Path, main: bool, print_status=print):
         self.folder = Path(output_dir) / REQUESTS_DIR
         self.main = main  # the process that reads the request files
         self.requested = False
@@ -60,7 +60,9 @@ class RunRequests:
             for what in ASKED:
                 if (self.folder / what).is_file():
                     remove(self.folder / what, REQUESTS_SETTING)
-                    say(f"difftune: a request to {what} left from before this run is dropped (ask again to have it)")
+                    print_status(
+                        f"difftune: a request to {what} left from before this run is dropped (ask again to have it)"
+                    )
         self._previous = {}
         if threading.current_thread() is threading.main_thread():  # Python installs handlers there only
             self._previous = {sig: signal.signal(sig, self._request) for sig in self.SIGNALS}
