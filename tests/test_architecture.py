@@ -1,6 +1,7 @@
 """The architecture the folders show is the one the imports keep: `.importlinter`'s contracts, checked."""
 
 import configparser
+import os
 import re
 import subprocess
 import sys
@@ -170,3 +171,39 @@ def test_what_a_lower_layer_asks_of_a_higher_ones_types_is_there():
     assert missing(Settings, Config(), "config") == []
     assert [gap for family in FAMILIES.values() for gap in missing(PartsFamily, family, family.name)] == []
     assert all("TYPE_CHECKING" not in path.read_text() for path in Path(difftune.__file__).parent.rglob("*.py"))
+
+
+def test_a_family_added_as_one_folder_is_found_everywhere(tmp_path):
+    """Adding a family is one folder: in a copy of the library with one more family folder (FLUX.2 [klein]'s, among
+    the smallest, under another name) and nothing else changed, `model.family` accepts it, the registry loads it, the
+    memory plan knows its reference base, the toy builds its micro pipeline and the README's family table lists it."""
+    import shutil
+
+    package = tmp_path / "difftune"
+    shutil.copytree(Path(difftune.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
+    added = package / "families" / "added_family"
+    shutil.copytree(package / "families" / "flux2_klein", added)
+    family = added / "__init__.py"
+    family.write_text(family.read_text().replace('name = "flux2_klein"', 'name = "added_family"'))
+    check = """
+from pathlib import Path
+import difftune
+from difftune import published
+from difftune.config import FAMILY_NAMES, Config
+from difftune.families import FAMILIES, family_table_markdown
+from difftune.toy.micro import build_pipeline
+assert Path(difftune.__file__).parent == Path("difftune").resolve(), difftune.__file__
+assert "added_family" in FAMILY_NAMES and FAMILIES["added_family"].name == "added_family"
+assert Config(model={"family": "added_family"}).model.family == "added_family"
+assert published.reference_bases()["added_family"] == "black-forest-labs/FLUX.2-klein-4B"
+assert type(build_pipeline(family="added_family")).__name__ == "Flux2KleinPipeline"
+assert "| `added_family` | `Flux2KleinPipeline` |" in family_table_markdown(Path("models"))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", check],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
