@@ -207,3 +207,33 @@ assert "| `added_family` | `Flux2KleinPipeline` |" in family_table_markdown(Path
         text=True,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_readme_says_what_a_family_must_say():
+    """The README's "Adding a family" lists, by role, the members a family has no default for (annotated without a
+    value, or raising NotImplementedError): the list is the code's."""
+    import inspect
+
+    from difftune.families.common.conditioning import Conditioning
+    from difftune.families.common.drawing import Drawing
+    from difftune.families.common.family import Family
+    from difftune.families.common.loading import Loading
+    from difftune.families.common.targets import AdapterTargets
+
+    def must_say(role: type) -> list[str]:
+        members = [name for name in role.__annotations__ if name not in vars(role)]
+        for name, value in vars(role).items():
+            function = value.fget if isinstance(value, property) else value
+            if callable(function) and "raise NotImplementedError" in inspect.getsource(function):
+                members.append(name)
+        return members
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    listed = readme.split("<!-- family-must-say:start -->")[1].split("<!-- family-must-say:end -->")[0]
+    said = {
+        role: sorted(re.findall(r"`(\w+)`", line.split(":", 1)[1]))
+        for line in listed.strip().splitlines()
+        for role in re.findall(r"`(\w+)`", line.split(":", 1)[0])
+    }
+    roles = (Family, Conditioning, AdapterTargets, Loading, Drawing)
+    assert said == {role.__name__: sorted(must_say(role)) for role in roles}
