@@ -334,6 +334,26 @@ def test_encoders_fill_the_caches_and_go_before_the_denoiser_loads(make_config, 
         assert torch.equal(value, expected[key]), key
 
 
+def test_a_runs_settings_are_decided_once_before_anything_loads(make_config, monkeypatch):
+    """`resolve`: the family named in the config the run records, the accumulation that reaches the global batch on
+    this many processes, and the dtypes the run keeps its parts in (fp8 stored, bf16 computed), with no weight read."""
+    from difftune.training import resolved as resolved_module
+
+    def no_loading(*_, **__):
+        raise AssertionError("resolve loaded a model")
+
+    monkeypatch.setattr("difftune.families.load_components", no_loading)
+    config = make_config(train__global_batch_size=8, train__mixed_precision="bf16", model__weight_dtype="fp8")
+    resolved = resolved_module.resolve(config, num_processes=2)
+    assert resolved.config.model.family == resolved.family.name == "sd" and config.model.family == "auto"
+    assert resolved.config.train.gradient_accumulation_steps == 2 and resolved.config.train.global_batch_size == 0
+    assert (resolved.dtypes.compute, resolved.dtypes.stored) == (torch.bfloat16, torch.float8_e4m3fn)
+    assert resolved.dtypes.stored_at_load and resolved.dtypes.text_encoders_stored is None
+    assert resolved.offload_budget == ""
+    with pytest.raises(DifftuneError, match="train.global_batch_size 8 is not a multiple"):
+        resolved_module.resolve(config, num_processes=3)
+
+
 def test_parts_load_in_the_dtype_the_run_keeps_them_in(tiny_base, make_config):
     """No frozen part is read into fp32 first: under bf16 the encoders load in bf16, and a denoiser whose layers are
     stored apart loads as its files hold it, mapped from them without a copy, then is stored layer by layer."""
