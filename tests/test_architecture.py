@@ -97,7 +97,8 @@ def test_a_family_is_one_folder_and_the_toy_keeps_no_familys_builder():
         *FAMILY_NAMES,
         "common",
     }
-    tiny = ast.parse((root / "toy" / "tiny.py").read_text(encoding="utf-8"))
+    tiny_text = (root / "toy" / "tiny.py").read_text(encoding="utf-8")
+    tiny = ast.parse(tiny_text)
     builders = [node.name for node in tiny.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
     toy_sources = {
         path.relative_to(root).as_posix(): path.read_text(encoding="utf-8")
@@ -107,7 +108,7 @@ def test_a_family_is_one_folder_and_the_toy_keeps_no_familys_builder():
     single_family = []
     for builder in builders:
         users = [source for source, text in toy_sources.items() if re.search(rf"\b{builder}\b", text)]
-        used_in_tiny = len(re.findall(rf"\b{builder}\b", (root / "toy" / "tiny.py").read_text(encoding="utf-8"))) > 1
+        used_in_tiny = len(re.findall(rf"\b{builder}\b", tiny_text)) > 1
         if len(users) == 1 and users[0].startswith("families/") and not used_in_tiny:
             single_family.append(f"{builder}: {users[0]}")
     assert single_family == []

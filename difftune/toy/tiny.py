@@ -192,26 +192,29 @@ def build_t5_tokenizer() -> T5TokenizerFast:
     )
 
 
+def t5_encoder_settings(vocab_size: int) -> dict:
+    """A 2-layer T5 encoder's config values, for T5 (`build_t5_encoder`) and umT5 (Wan's) alike."""
+    return {
+        "vocab_size": vocab_size,
+        "d_model": T5_HIDDEN_SIZE,
+        "d_kv": 16,
+        "d_ff": 2 * T5_HIDDEN_SIZE,
+        "num_layers": 2,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 8,
+        "relative_attention_max_distance": 32,
+        "feed_forward_proj": "gated-gelu",
+        "is_encoder_decoder": False,
+        "use_cache": False,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "decoder_start_token_id": 0,
+    }
+
+
 def build_t5_encoder(vocab_size: int) -> T5EncoderModel:
     """A 2-layer T5 encoder (Flux's `text_encoder_2`: its last hidden state is the token conditioning)."""
-    return T5EncoderModel(
-        T5Config(
-            vocab_size=vocab_size,
-            d_model=T5_HIDDEN_SIZE,
-            d_kv=16,
-            d_ff=2 * T5_HIDDEN_SIZE,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=32,
-            feed_forward_proj="gated-gelu",
-            is_encoder_decoder=False,
-            use_cache=False,
-            pad_token_id=0,
-            eos_token_id=1,
-            decoder_start_token_id=0,
-        )
-    )
+    return T5EncoderModel(T5Config(**t5_encoder_settings(vocab_size)))
 
 
 def build_sd3_scheduler() -> FlowMatchEulerDiscreteScheduler:

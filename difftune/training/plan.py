@@ -254,22 +254,22 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     baseline = process_status_bytes("VmRSS")
     source = config_source(config.model)  # once: a single file's keys are read to find it
     components = empty_components(config, source)
-    run_kept = run_dtypes(config)  # the dtypes the run keeps its parts in, read once
-    dtypes = run_kept.loaded
+    dtypes = run_dtypes(config)  # the dtypes the run keeps its parts in, read once
+    loaded = dtypes.loaded
     autoencoders = [module for module in components.autoencoders() if module is not None]
     text_encoders = [module for module in components.text_encoders.values() if module is not None]
     encoders = autoencoders + text_encoders
     drawing = [module for module in components.drawing_parts.values() if module is not None]
     # The encoders as they load: each part in the dtype the run keeps it in (`RunDtypes.loaded`); the drawing parts with
     # them where the run draws before its end (else loaded for the end samples alone).
-    encoders_loaded = sum(_bytes(m, dtypes.vae if m is components.vae else dtypes.others) for m in encoders)
-    drawing_loaded = sum(_bytes(m, dtypes.others) for m in drawing)
-    if dtypes.drawing_parts:
+    encoders_loaded = sum(_bytes(m, loaded.vae if m is components.vae else loaded.others) for m in encoders)
+    drawing_loaded = sum(_bytes(m, loaded.others) for m in drawing)
+    if loaded.drawing_parts:
         encoders_loaded += drawing_loaded
-    dtype = run_kept.compute
-    # Loaded in `dtypes.others` (counted above), then stored as the run stores them (fp8 text encoders).
+    dtype = dtypes.compute
+    # Loaded in `loaded.others` (counted above), then stored as the run stores them (fp8 text encoders).
     with torch.device(META), _counting(1):
-        store_loaded_text_encoders(components, run_kept)
+        store_loaded_text_encoders(components, dtypes)
     text_encoding, pixel_encoding = _encoding_peaks(components, config, dtype)
     encoding = max(text_encoding, pixel_encoding)
 
@@ -280,7 +280,7 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     cast_training_params(components.modules(), dtype=torch.float32)
     # On the meta device: the offloaded blocks' host buffers too (counted from the offloader); fp8 scales are 1.
     with torch.device(META), _counting(1):
-        offloader = place_frozen(components, META, dtype, stored=run_kept.stored, offloaded=config.model.offload_blocks)
+        offloader = place_frozen(components, META, dtype, stored=dtypes.stored, offloaded=config.model.offload_blocks)
     placement = encoder_placement(config)
     kept_at = {
         where: [
@@ -295,7 +295,7 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
     ]
     frozen = _bytes(components.denoiser, frozen_only=True)
     # Stored or cast as it loads (a full fine-tune's in fp32, with its trained weights).
-    denoiser_loaded = frozen if dtypes.denoiser in (AS_STORED, dtype) else _bytes(components.denoiser, dtypes.denoiser)
+    denoiser_loaded = frozen if loaded.denoiser in (AS_STORED, dtype) else _bytes(components.denoiser, loaded.denoiser)
     if is_gguf(config.model.base) and Path(config.model.base).is_file():  # its blocks as the file holds them
         frozen = denoiser_loaded = gguf_tensor_bytes(config.model.base)
     # A denoiser of parts that take turns on the device (Wan 2.2's experts trained together) has one there at a time,
@@ -355,7 +355,7 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
             "optimizer state (offloaded)": optimizer if config.optim.optimizer == "adamw_cpu_offload" else 0,
         }
     if config.sample.prompts:  # the end-of-run samples: the released encoders loaded again beside the trained model
-        reloaded = encoders_loaded if dtypes.drawing_parts else encoders_loaded + drawing_loaded
+        reloaded = encoders_loaded if loaded.drawing_parts else encoders_loaded + drawing_loaded
         phases["end of run samples"] = (
             {
                 "CUDA libraries": CUDA_LIBRARIES_HOST,

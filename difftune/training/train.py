@@ -642,7 +642,7 @@ def _training_loss(
             conditioning = family.encode_prompts(
                 components, {name: to_device(ids, device) for name, ids in batch["token_ids"].items()}
             )
-    # an image-to-video first frame
+    # What the family made of the pixels (an image-to-video base's first frame)
     conditioning |= {name: to_device(value, device) for name, value in from_pixels.items()}
     if config.adapter.trains_controlnet:  # what the ControlNet reads: the control image, or its latents
         conditioning["control"] = family.controlnet.control_input(

@@ -8,7 +8,13 @@ from transformers import UMT5Config, UMT5EncoderModel
 from difftune.families.qwen_image.micro import RECIPE as QWEN_RECIPE
 from difftune.toy.micro import MicroSizes, TinyBase, build_pipeline
 from difftune.toy.micro._latent_statistics import qwen_autoencoder, with_latent_statistics
-from difftune.toy.tiny import FLUX_LATENT_CHANNELS, T5_HIDDEN_SIZE, build_t5_tokenizer, render_tensors
+from difftune.toy.tiny import (
+    FLUX_LATENT_CHANNELS,
+    T5_HIDDEN_SIZE,
+    build_t5_tokenizer,
+    render_tensors,
+    t5_encoder_settings,
+)
 
 # The family's text-to-image job in configs/ (`scripts/family_jobs.py` sweeps settings over them); CI runs it as
 # shipped on this micro model, the family having no bundled tiny base of it.
@@ -142,21 +148,4 @@ def build_wan_scheduler() -> UniPCMultistepScheduler:
 
 def build_umt5_encoder(vocab_size: int) -> UMT5EncoderModel:
     """A 2-layer UMT5 encoder (Wan's text encoder: its last hidden state is the conditioning)."""
-    return UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=vocab_size,
-            d_model=T5_HIDDEN_SIZE,
-            d_kv=16,
-            d_ff=2 * T5_HIDDEN_SIZE,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=32,
-            feed_forward_proj="gated-gelu",
-            is_encoder_decoder=False,
-            use_cache=False,
-            pad_token_id=0,
-            eos_token_id=1,
-            decoder_start_token_id=0,
-        )
-    )
+    return UMT5EncoderModel(UMT5Config(**t5_encoder_settings(vocab_size)))
