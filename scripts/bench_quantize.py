@@ -34,7 +34,9 @@ def measure(method: str, model_dir: Path, batch: int, resolution: int) -> dict:
         quantize_linear_layers(denoiser, method, torch.device("cpu"), torch.float32)
     denoiser.requires_grad_(False)
     denoiser.add_adapter(
-        LoraConfig(r=4, target_modules=family.default_targets[family.denoiser_name], init_lora_weights="gaussian")
+        LoraConfig(
+            r=4, target_modules=family.targets.default_targets[family.denoiser_name], init_lora_weights="gaussian"
+        )
     )
     config = denoiser.config
     latents = torch.randn(batch, config.in_channels, resolution // 8, resolution // 8)

@@ -124,7 +124,9 @@ def micro_base(tmp_path_factory):
         key = (family, seed, guidance)
         if key not in built:
             built[key] = tmp_path_factory.mktemp(f"micro-{family}")
-            FAMILIES[family].save_pipeline(build_pipeline(seed=seed, family=family, guidance=guidance), built[key])
+            FAMILIES[family].loading.save_pipeline(
+                build_pipeline(seed=seed, family=family, guidance=guidance), built[key]
+            )
         return built[key]
 
     return folder
@@ -284,7 +286,7 @@ def comfyui_applies_as(lora: dict[str, torch.Tensor], base, expected) -> bool:
     kinds = {"CLIP": "clip", "T5": "t5"}
     encoders = {
         part: (kind, base.text_encoders[part].state_dict())
-        for part in family.adapted_text_encoders()
+        for part in family.targets.adapted_text_encoders()
         for kind in [next((k for m, k in kinds.items() if type(base.text_encoders[part]).__name__.startswith(m)), None)]
         if kind
     }

@@ -44,7 +44,9 @@ def test_the_transformer_is_fed_as_the_pipelines_denoise_step_feeds_it(base):
             latents=noise,
             output="latents",
         )
-        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, ["a red circle"]))
+        conditioning = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, ["a red circle"])
+        )
         velocity = FAMILY.denoise(components, noise[:, :, 0], torch.tensor([1000.0]), conditioning, None)
     torch.testing.assert_close(drawn[:, :, 0], noise[:, :, 0] - velocity, rtol=0, atol=1e-5)
 

@@ -110,7 +110,7 @@ def test_entries_read_once_stay_in_ram_up_to_the_budget(make_config, tmp_path):
     config, components, examples, sizes, entries = _filled_latent_cache(make_config, tmp_path)
     entry_bytes = 2 * 4 * 8 * 8 * 4  # mean and std, (4, 8, 8) float32
     keys = [(0, index) for index in range(len(examples))]
-    tokenize = partial(components.family.tokenize, components.tokenizers)
+    tokenize = partial(components.family.conditioning.tokenize, components.tokenizers)
     from_disk = CaptionedImages(examples, config.data, tokenize, 0, entries, sizes=sizes)
     in_ram = CaptionedImages(examples, config.data, tokenize, 0, entries, sizes=sizes, memory_bytes=3 * entry_bytes)
     expected, first_read = [from_disk[key] for key in keys], [in_ram[key] for key in keys]
@@ -172,7 +172,7 @@ def test_text_entries_follow_the_token_ids(make_config, tmp_path):
 
     config = make_config(cache__text=True, cache__dir=str(tmp_path / "cache"))
     tokenizer = build_tokenizer()
-    tokenize = partial(FAMILIES["sd"].tokenize, {"tokenizer": tokenizer})
+    tokenize = partial(FAMILIES["sd"].conditioning.tokenize, {"tokenizer": tokenizer})
     prompt = Prompt("a red circle")
     full = text_entries({prompt}, "encoder", config, tokenize)
     tokenizer.model_max_length = 4  # a shorter context: other ids, another entry

@@ -96,7 +96,7 @@ def test_the_saved_controlnet_draws_in_diffusers_pipeline_what_difftune_drew(
         tokenizer = pipeline.tokenizer_3 if family == "sd3" else pipeline.tokenizer_2
         control["max_sequence_length"] = tokenizer.model_max_length
     if family == "qwen_image":  # the text tokens difftune trains and draws with
-        control["max_sequence_length"] = FAMILIES["qwen_image"].padded_text_tokens
+        control["max_sequence_length"] = FAMILIES["qwen_image"].conditioning.padded_text_tokens
     torch.manual_seed(config.sample.seed)  # SD3's ControlNet pipeline draws its control's latents from torch's own
     [theirs] = pipeline(
         prompt="a red circle",

@@ -81,7 +81,7 @@ def _crop(resolution, crop, flip):
 
 
 def _tokenize(captions):
-    return FAMILIES["sd"].tokenize({"tokenizer": build_tokenizer()}, captions)
+    return FAMILIES["sd"].conditioning.tokenize({"tokenizer": build_tokenizer()}, captions)
 
 
 def test_resize_and_crop(tmp_path):

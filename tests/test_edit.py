@@ -151,8 +151,8 @@ def test_kontext_reads_a_control_as_its_pipeline_does(kontext_base, pairs):
             img_ids=torch.cat([latent_ids, image_ids]),
             return_dict=False,
         )[0][:, : packed.shape[1]]
-        token_ids = family.tokenize(components.tokenizers, ["make it red"])
-        conditioning = family.encode_prompts(components, token_ids)
+        token_ids = family.conditioning.tokenize(components.tokenizers, ["make it red"])
+        conditioning = family.conditioning.encode_prompts(components, token_ids)
         conditioning["control_latents"] = [
             reference_latents(encode_posterior(components.vae, pixels)[0], components.latent_normalization)
         ]
@@ -220,7 +220,7 @@ def test_a_kontext_adapter_edits_in_its_pipeline_as_in_ours(kontext_base, pairs,
 
     pipeline = FAMILIES["flux_kontext"].pipeline_class.from_pretrained(kontext_base, dtype=torch.float32)
     pipeline.load_lora_weights(str(result.trained_path.parent), weight_name=result.trained_path.name)
-    pipeline.scheduler = FAMILIES["flux_kontext"].sampler("auto").from_config(pipeline.scheduler.config)
+    pipeline.scheduler = FAMILIES["flux_kontext"].drawing.sampler("auto").from_config(pipeline.scheduler.config)
     pipeline.set_progress_bar_config(disable=True)
     theirs = pipeline(
         image=Image.open(control).convert("RGB"),

@@ -34,7 +34,7 @@ def test_latents_are_normalised_as_the_pipeline_decodes_them_not_as_the_autoenco
     latents = torch.randn(1, vae.bn.num_features, 4, 4, generator=torch.Generator().manual_seed(0))
     pipeline_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + 1e-5)  # ErnieImagePipeline.__call__'s
     decoded_by_pipeline = latents * pipeline_std + vae.bn.running_mean.view(1, -1, 1, 1)
-    normalisation = FAMILY.latent_normalization(vae)
+    normalisation = FAMILY.conditioning.latent_normalization(vae)
     torch.testing.assert_close(normalisation.invert(latents), decoded_by_pipeline, rtol=1e-5, atol=0)
     from difftune.models.autoencoders import latent_normalization
 
@@ -52,7 +52,9 @@ def test_denoise_is_the_pipelines_prediction_on_its_padded_text(base):
     )
     timesteps = torch.tensor([250.0, 800.0])
     with torch.no_grad():
-        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, captions))
+        conditioning = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, captions)
+        )
         ours = FAMILY.denoise(components, noisy, timesteps, conditioning, None)
         states = pipeline.encode_prompt(captions, "cpu")
         text, lengths = ErnieImagePipeline._pad_text(
@@ -67,8 +69,8 @@ def test_an_empty_caption_is_read_as_the_pipeline_reads_it(base):
     """Caption dropout's empty caption: the tokenizer's `<s>` alone, as the pipeline falls back to, bit for bit."""
     components = load_components(ModelConfig(base=base))
     with torch.no_grad():
-        ids = FAMILY.tokenize(components.tokenizers, [""])
-        ours = FAMILY.encode_prompts(components, ids)
+        ids = FAMILY.conditioning.tokenize(components.tokenizers, [""])
+        ours = FAMILY.conditioning.encode_prompts(components, ids)
         [theirs] = components.pipeline().encode_prompt([""], "cpu")
     assert ids["text_encoder"][0, 0] == components.tokenizers["tokenizer"].bos_token_id
     assert int(ours["text_mask"].sum()) == len(theirs) == 1
@@ -91,7 +93,7 @@ def test_the_prompt_enhancer_is_never_loaded_and_samples_are_drawn_without_it(ba
     components = load_components(ModelConfig(base=str(folder)))
     pipeline = components.pipeline()
     assert pipeline.pe is None and pipeline.pe_tokenizer is None
-    assert FAMILY.sampling_arguments(components, 4.0, "")["use_pe"] is False
+    assert FAMILY.drawing.sampling_arguments(components, 4.0, "")["use_pe"] is False
 
 
 # ComfyUI's ERNIE-Image model (`comfy/ldm/ernie/model.py`, `ErnieImageModel`): its weights' names, a block's given for

@@ -366,7 +366,7 @@ def test_shuffled_captions_train_cached_like_uncached(make_config, tmp_path, sha
     tokens = {
         tuple(ids[0].tolist())
         for caption in cached
-        for ids in components.family.tokenize(components.tokenizers, [caption]).values()
+        for ids in components.family.conditioning.tokenize(components.tokenizers, [caption]).values()
     }
     assert len(list((tmp_path / "cache" / "text").rglob("*.safetensors"))) == len(tokens)
 

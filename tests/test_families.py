@@ -41,7 +41,7 @@ from difftune.config import FAMILY_NAMES, Config, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, family_table_markdown, load_components
 from difftune.families.common.layouts import FusedLayout
-from difftune.families.common.modular import ModularBase
+from difftune.families.common.modular import ModularLoading
 from difftune.families.lumina2 import SYSTEM_PROMPT
 from difftune.families.qwen_image_edit import set_for_the_call
 from difftune.families.qwen_image_layered import LayeredOptions
@@ -73,12 +73,12 @@ def _settings(name: str, base: Path, out: Path, **overrides) -> dict:
     """A family's run on the micro base; a layered base's (Qwen-Image-Layered's) on images with their layers."""
     family = FAMILIES[name]
     layered = {}
-    if family.trains_layers:
+    if family.conditioning.trains_layers:
         layered = {"data__path": str(write_training_folder(name, out.parent / "layered", shape_images(8, seed=3)))}
     return {
         "model__base": str(base),
         "train__output_dir": str(out),
-        "adapter__text_encoder": bool(family.adapted_text_encoders()),
+        "adapter__text_encoder": bool(family.targets.adapted_text_encoders()),
         **layered,
         **overrides,
     }
@@ -89,7 +89,7 @@ def write_training_folder(name: str, folder: Path, examples: list[tuple[Image.Im
     shape in two layers (`layered_shapes`, its color and shape the caption's)."""
     if folder.exists():
         return folder
-    if not FAMILIES[name].trains_layers:
+    if not FAMILIES[name].conditioning.trains_layers:
         write_caption_folder(folder, examples)
         return folder
     named = [caption.split()[1:] for _, caption in examples]  # "a red circle": its color and shape
@@ -334,9 +334,9 @@ MIN_ADAPTER_EFFECT = {
 def their_pipeline(family, folder) -> object:
     """The family's own diffusers pipeline of `folder`, in fp32: a modular one (FLUX.3's) read by its blocks' specs and
     loaded by `load_components`, its steps difftune never runs (the prompt upsampler) left out."""
-    if isinstance(family, ModularBase):
+    if isinstance(family.loading, ModularLoading):
         blocks = getattr(diffusers, family.pipeline_class.default_blocks_name)()
-        for step in family.left_out_steps:
+        for step in family.loading.left_out_steps:
             blocks.sub_blocks.pop(step)
         pipeline = blocks.init_pipeline(str(folder))
         pipeline.load_components(dtype=torch.float32)
@@ -352,7 +352,7 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
     # One sampler for all, as difftune samples: a merged folder is saved with the family's default, a base keeps its own
     # (Wan's UniPC names its shift `flow_shift`; the family's training schedule reads it).
     family = FAMILIES[name]
-    pipeline.scheduler = family.sampler("auto").from_config(
+    pipeline.scheduler = family.drawing.sampler("auto").from_config(
         family.objective.training_scheduler(pipeline.scheduler).config
     )
     arguments = {
@@ -399,7 +399,9 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         return pipeline(prompt=prompt, negative_prompt="", **arguments, output="latents")[0].numpy()
     elif name == "ltx2":  # a one-frame clip: its latents (C, 1, h, w) without the time axis, guidance as difftune's
         # reads the tokenizer alone (its caption length)
-        guidance = family.sampling_arguments(SimpleNamespace(tokenizers={"tokenizer": pipeline.tokenizer}), 3.0, "")
+        guidance = family.drawing.sampling_arguments(
+            SimpleNamespace(tokenizers={"tokenizer": pipeline.tokenizer}), 3.0, ""
+        )
         return pipeline(prompt=prompt, num_frames=1, **guidance, **arguments).frames[0][:, 0].numpy()
     elif name == "kandinsky5_video":  # a one-frame clip: its latents (1, h, w, C), channels last
         return (
@@ -422,7 +424,7 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         arguments |= {"guidance_scale": 3.0, "guidance_schedule": None, "max_sequence_length": 64}
     elif name == "flux_kontext":  # guidance-distilled, as Kontext [dev]: the scale is its guidance embedding's input
         arguments |= {"guidance_scale": 3.0, "max_sequence_length": 32, "max_area": 32 * 32}
-    elif family.trains_layers:  # the image it splits, at the drawn size as difftune samples it
+    elif family.conditioning.trains_layers:  # the image it splits, at the drawn size as difftune samples it
         # Its latent output fails (diffusers returns an unset name): the last step's latents, from its callback.
         last = {}
 
@@ -444,7 +446,7 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
                 output_type="np",
             )
         return last["latents"][0].numpy()
-    elif family.needs_controls_to_draw:  # the control at the drawn size, as difftune trains and samples it
+    elif family.drawing.needs_controls_to_draw:  # the control at the drawn size, as difftune trains and samples it
         with family.sized_controls(32 * 32):
             return (
                 pipeline(prompt=prompt, image=CONTROL, true_cfg_scale=3.0, negative_prompt=" ", **arguments)
@@ -472,7 +474,9 @@ def test_the_readme_family_table_is_the_registrys():
     assert pages == {family.page for family in FAMILIES.values()}
     cells = {name: f"| [`{name}`](docs/families/{family.page}.md) |" for name, family in FAMILIES.items()}
     rows = {name: next(row for row in documented.splitlines() if row.startswith(cells[name])) for name in FAMILIES}
-    assert all(("textual inversion" in rows[name]) == family.trains_embeddings for name, family in FAMILIES.items())
+    assert all(
+        ("textual inversion" in rows[name]) == family.targets.trains_embeddings for name, family in FAMILIES.items()
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -490,10 +494,10 @@ def test_adapters_a_family_cannot_use_are_refused_before_any_work(name):
         return ""
 
     dropped = "adapter.text_encoder: " in problems(kind="lora", text_encoder=True)
-    assert dropped == (not family.adapted_text_encoders())
+    assert dropped == (not family.targets.adapted_text_encoders())
     assert (
         "textual inversion is not built" in problems(kind="embedding", text_encoder=False)
-    ) != family.trains_embeddings
+    ) != family.targets.trains_embeddings
     assert ("have no fused form" in problems(kind="loha", text_encoder=False)) == isinstance(family.layout, FusedLayout)
     assert problems(kind="lora", text_encoder=False) == ""
 
@@ -507,18 +511,35 @@ def test_every_family_module_is_registered_and_complete():
         ModelConfig(family=name)  # accepted by the schema
         # Files name every part an adapter can hold (a text encoder no loader reads may have none).
         assert (
-            set(family.adapter_parts())
+            set(family.targets.adapter_parts())
             <= set(family.layout.kohya_prefixes)
-            == set(family.default_targets)
-            <= set(family.parts())
+            == set(family.targets.default_targets)
+            <= set(family.targets.parts())
         )
         assert len(set(family.layout.kohya_prefixes.values())) == len(family.layout.kohya_prefixes), name
-        token_readers = [name for name in family.text_encoder_names if name not in family.reference_encoder_names]
-        assert [encoder for encoder, _ in family.encoder_tokenizers()] == token_readers, name
-        assert {tokenizer for _, tokenizer in family.encoder_tokenizers()} <= set(family.tokenizer_names), name
+        token_readers = [
+            name for name in family.text_encoder_names if name not in family.conditioning.reference_encoder_names
+        ]
+        assert [encoder for encoder, _ in family.conditioning.encoder_tokenizers()] == token_readers, name
+        assert {tokenizer for _, tokenizer in family.conditioning.encoder_tokenizers()} <= set(
+            family.tokenizer_names
+        ), name
         # Its pipeline is one it reads, or a subclass of one (HunyuanImage's and HunyuanVideo 1.5's add a LoRA
         # loader, saved as their parent).
         assert any(cls.__name__ in family.pipeline_classes for cls in family.pipeline_class.__mro__), name
+
+
+def test_each_family_reads_itself_through_the_roles_it_inherits():
+    """A family's roles are its own copies, bound to it, though a variant inherits its parent's role classes: the edit
+    family's refusal of a text-encoder adapter names its own pipeline's LoRA loader, the parent's its own."""
+    config = Config(adapter={"text_encoder": True})
+    for name, family in FAMILIES.items():
+        for role in ("loading", "conditioning", "drawing", "targets"):
+            assert getattr(family, role).family is family, (name, role)
+    parent, variant = FAMILIES["qwen_image"], FAMILIES["qwen_image_edit"]
+    assert type(variant.targets) is type(parent.targets) and variant.targets is not parent.targets
+    assert any("QwenImageEditPipeline's LoRA loader" in problem for problem in variant.targets.adapter_problems(config))
+    assert not any("QwenImageEditPipeline" in problem for problem in parent.targets.adapter_problems(config))
 
 
 def _single_file(name: str, base: Path):
@@ -622,7 +643,7 @@ def test_a_comfyui_scaled_fp8_file_is_read_with_its_scales(name, micro_base, tmp
     _, tensors = _single_file(name, base)
     scaled = _write_scaled_fp8(tensors, tmp_path / "model_fp8_scaled.safetensors", tmp_path / "products.safetensors")
     scaled_file = ModelConfig(base=str(tmp_path / "model_fp8_scaled.safetensors"), single_file_config=str(base))
-    if not FAMILIES[name].reads_denoiser_files:
+    if not FAMILIES[name].loading.reads_denoiser_files:
         with pytest.raises(
             DifftuneError, match=r"fp8_scaled\.safetensors: a ComfyUI scaled fp8 file .*whole, .*weight_dtype = \"fp8\""
         ):
@@ -740,7 +761,7 @@ def test_a_gguf_file_is_read_as_diffusers_and_gguf_read_it(name, micro_base, tmp
     path = tmp_path / "model-Q8_0.gguf"
     _write_gguf(tensors, path)
     config = ModelConfig(base=str(path), single_file_config=str(base))
-    if not family.reads_denoiser_files:
+    if not family.loading.reads_denoiser_files:
         with pytest.raises(
             DifftuneError, match=r"Q8_0\.gguf: a GGUF file of a family whose single files hold the whole"
         ):
@@ -860,10 +881,12 @@ def test_prompts_are_encoded_as_the_family_pipeline_encodes_them(name, micro_bas
     family = FAMILIES[name]
     components = load_components(ModelConfig(base=str(micro_base(name))))
     prompts = ["a red circle", "a blue square with a longer caption"]
-    controls = [[CONTROL]] * len(prompts) if family.prompts_see_controls else None
+    controls = [[CONTROL]] * len(prompts) if family.conditioning.prompts_see_controls else None
     with torch.no_grad():
         expected = PIPELINE_PROMPTS[name](components.pipeline(), prompts, *([CONTROL] if controls else []))
-        ours = family.encode_prompts(components, family.tokenize(components.tokenizers, prompts, controls))
+        ours = family.conditioning.encode_prompts(
+            components, family.conditioning.tokenize(components.tokenizers, prompts, controls)
+        )
     for key, value in expected.items():
         # Padded to the family's fixed text length where the pipeline pads to the batch's longest: the rest is padding.
         got = ours[key][:, : value.shape[1]]
@@ -969,7 +992,9 @@ def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind,
     family, base = FAMILIES[name], micro_base(name)
     control = tmp_path / "control.png"
     CONTROL.save(control)
-    edit = family.needs_controls_to_draw  # its samples edit the control, with a blank negative prompt as its pipeline's
+    edit = (
+        family.drawing.needs_controls_to_draw
+    )  # its samples edit the control, with a blank negative prompt as its pipeline's
     settings = _settings(
         name,
         base,
@@ -983,7 +1008,7 @@ def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind,
         sample__negative_prompt=" " if edit else "",
     )
     result = train(make_config(**settings))
-    assert {key.split(".")[0] for key in load_file(result.trained_path)} == set(family.adapter_parts())
+    assert {key.split(".")[0] for key in load_file(result.trained_path)} == set(family.targets.adapter_parts())
     parity = json.loads((result.trained_path.parent / "parity.json").read_text())
     assert all(layout["max_pixel_difference"] <= 2 for layout in parity["layouts"].values()), parity
 
@@ -1057,7 +1082,9 @@ def test_a_lycoris_run_on_a_fused_layout_family_ends_with_the_layout_it_can_writ
     control = tmp_path / "control.png"
     CONTROL.save(control)
     prompt = (
-        {"prompt": "a purple circle", "controls": [str(control)]} if FAMILIES[name].needs_controls_to_draw else None
+        {"prompt": "a purple circle", "controls": [str(control)]}
+        if FAMILIES[name].drawing.needs_controls_to_draw
+        else None
     )
     settings = _settings(
         name,
@@ -1083,7 +1110,7 @@ def test_every_run_writes_a_file_comfyui_applies_as_our_merge(name, micro_base, 
     reader reads (`comfyui_lora.py`), reach every key of it, and its formula gives each weight difftune's merge of the
     run's diffusers-layout file; alpha differs from the rank, so a scale lost on the way would show."""
     family, base, out = FAMILIES[name], micro_base(name), tmp_path / "run"
-    text = family.adapted_text_encoders()
+    text = family.targets.adapted_text_encoders()
     settings = _settings(
         name,
         base,

@@ -41,7 +41,7 @@ def test_prompt_conditioning_is_what_the_flux_pipeline_makes(tiny_flux_base):
     prompts = ["a red circle", "a blue square"]
     with torch.no_grad():
         states, pooled, _ = pipeline.encode_prompt(prompts, prompts, device="cpu", max_sequence_length=32)
-        ours = FLUX.encode_prompts(components, FLUX.tokenize(components.tokenizers, prompts))
+        ours = FLUX.conditioning.encode_prompts(components, FLUX.conditioning.tokenize(components.tokenizers, prompts))
     torch.testing.assert_close(ours["encoder_hidden_states"], states, rtol=0, atol=0)
     torch.testing.assert_close(ours["pooled_prompt_embeds"], pooled, rtol=0, atol=0)
     # T5 appends </s> and pads with <pad>; a space is part of the next piece (`▁r`): one piece per other character.
@@ -108,7 +108,9 @@ def test_guidance_embedding_and_padding_mask_condition_the_transformer(micro_bas
     def predict(padding_states, **options):
         components = load_components(ModelConfig(base=str(guided), family_options=options))
         with torch.no_grad():
-            conditioning = FLUX.encode_prompts(components, FLUX.tokenize(components.tokenizers, ["a red circle"]))
+            conditioning = FLUX.conditioning.encode_prompts(
+                components, FLUX.conditioning.tokenize(components.tokenizers, ["a red circle"])
+            )
             pad = ~conditioning["text_mask"][0]
             conditioning["encoder_hidden_states"][0, pad] = padding_states
             return FLUX.denoise(components, noisy, timesteps, conditioning, None)

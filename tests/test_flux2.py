@@ -53,7 +53,7 @@ def test_dev_takes_the_scale_as_its_guidance_embedding_and_no_negative_prompt(ba
     family = FAMILIES[name]
     components = load_components(ModelConfig(base=str(path)))
     assert components.denoiser.config.guidance_embeds == (name == "flux2")
-    assert family.sampling_arguments(components, 3.5, "") == {"max_sequence_length": 512, "guidance_scale": 3.5}
+    assert family.drawing.sampling_arguments(components, 3.5, "") == {"max_sequence_length": 512, "guidance_scale": 3.5}
     with pytest.raises(DifftuneError, match=r"sample\.negative_prompt: Flux2\w*Pipeline .*leave it empty"):
         family.check_config(Config(model={"base": str(path)}, sample={"negative_prompt": "blurry"}))
     # Training conditions a distilled base on model.family_options.guidance; klein's transformer takes none.

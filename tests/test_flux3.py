@@ -57,7 +57,7 @@ def test_the_constants_are_the_modular_blocks(base):
     assert PAD_MULTIPLE == text_step.pad_multiple
     assert TEXT_LAYERS == next(p.default for p in text_step.inputs if p.name == "text_encoder_out_layers")
     assert IMAGE_ROPE_SCALE == Flux3PrepareLatentsStep().image_rope_scale
-    assert set(FAMILY.left_out_steps) <= set(Flux3AutoBlocks().sub_blocks)  # the steps it leaves out exist
+    assert set(FAMILY.loading.left_out_steps) <= set(Flux3AutoBlocks().sub_blocks)  # the steps it leaves out exist
     components = load_components(ModelConfig(base=base))
     assert components.noise_scheduler.config.shift == Flux3SetTimestepsStep().shift  # the scheduler the blocks make
     assert torch.equal(position_ids(torch.arange(12), 4, IMAGE_ROPE_SCALE), _prepare_image_ids(3, 4, IMAGE_ROPE_SCALE))
@@ -95,7 +95,9 @@ def test_the_transformer_is_fed_as_the_pipelines_denoise_step_feeds_it(base):
     noise = torch.randn(1, components.denoiser.config.in_channels, 2, 3, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         drawn = _one_unguided_step(components, "a red circle", noise)
-        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, ["a red circle"]))
+        conditioning = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, ["a red circle"])
+        )
         velocity = FAMILY.denoise(components, noise, torch.tensor([1000.0]), conditioning, None)
     torch.testing.assert_close(drawn, noise - velocity, rtol=0, atol=1e-5)
 
@@ -111,7 +113,9 @@ def test_the_transformer_reads_references_as_the_pipelines_image_conditioned_cal
     noise = torch.randn(1, components.denoiser.config.in_channels, 2, 3, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         drawn = _one_unguided_step(components, "make it red", noise, image=references)
-        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, ["make it red"]))
+        conditioning = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, ["make it red"])
+        )
         text_alone = dict(conditioning)
         conditioning["control_latents"] = [
             reference_latents(
@@ -138,10 +142,13 @@ def test_pairs_train_and_draw_with_their_reference_as_the_pipeline_does(base, pa
     assert not any("image_cond" in name for name, _ in pipeline.transformer.named_modules() if "lora_A" in name)
     pipeline.update_components(
         guider=ClassifierFreeGuidance(guidance_scale=1.0),
-        scheduler=FAMILY.sampler("auto").from_config(components.noise_scheduler.config),
+        scheduler=FAMILY.drawing.sampler("auto").from_config(components.noise_scheduler.config),
     )
     reference = Image.open(control).convert("RGB")
-    assert FAMILY.control_size((32, 32), reference.size) == (64, 64)  # the least the pipeline keeps as it is
+    assert FAMILY.conditioning.control_size((32, 32), reference.size) == (
+        64,
+        64,
+    )  # the least the pipeline keeps as it is
 
     def drawn(output: str, **image):
         with torch.no_grad():
@@ -170,8 +177,10 @@ def test_captions_of_different_windows_denoise_in_one_batch_as_each_alone(base):
     noisy = torch.randn(2, components.denoiser.config.in_channels, 2, 2, generator=torch.Generator().manual_seed(1))
     timesteps = torch.tensor([300.0, 700.0])
     with torch.no_grad():
-        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, captions))
-        tokens = (FAMILY.tokenize(components.tokenizers, captions)["text_encoder"] >= 0).sum(dim=1)
+        conditioning = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, captions)
+        )
+        tokens = (FAMILY.conditioning.tokenize(components.tokenizers, captions)["text_encoder"] >= 0).sum(dim=1)
         windows = conditioning["text_mask"].sum(dim=1)
         assert windows.tolist() == (-(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE).tolist() and windows[0] < windows[1]
         together = FAMILY.denoise(components, noisy, timesteps, conditioning, None)
@@ -192,7 +201,7 @@ def test_a_long_caption_is_cut_before_the_templates_end(base):
     pipeline reads it, right-padded."""
     components = load_components(ModelConfig(base=base))
     processor = components.tokenizers["tokenizer"]
-    ids = FAMILY.tokenize(components.tokenizers, ["a red circle " * 200, "a red circle"])["text_encoder"]
+    ids = FAMILY.conditioning.tokenize(components.tokenizers, ["a red circle " * 200, "a red circle"])["text_encoder"]
     long, short = (row[row >= 0].tolist() for row in ids)
     before, after = template_ends(processor)
     suffix = processor.tokenizer(after)["input_ids"]

@@ -33,7 +33,9 @@ def test_the_experts_train_on_their_training_path_with_the_inference_prediction(
     components = load_components(ModelConfig(base=base))
     denoiser = components.denoiser
     with torch.no_grad():
-        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, PROMPTS))
+        conditioning = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, PROMPTS)
+        )
     noisy = torch.randn(2, 16, 8, 4, generator=torch.Generator().manual_seed(0))
     timesteps = torch.tensor([300.0, 850.0])
     with torch.no_grad():
@@ -101,8 +103,11 @@ def test_samples_are_drawn_at_the_size_asked(base, height, width):
     # HiDreamImagePipeline scales any size to its default's area (1024 x 1024 with the published VAE's factor 8);
     # difftune's drawing sets that default to the size asked, so a sample comes out as asked.
     components = load_components(ModelConfig(base=base))
-    pipeline = FAMILY.assemble_pipeline(components)
+    pipeline = FAMILY.drawing.assemble_pipeline(components)
     generator = torch.Generator().manual_seed(0)
-    arguments = FAMILY.sampling_arguments(components, 1.0, "") | {"num_inference_steps": 1, "generator": generator}
-    (image,) = FAMILY.draw(pipeline, components.family_options, "a red circle", [], height, width, **arguments)
+    arguments = FAMILY.drawing.sampling_arguments(components, 1.0, "") | {
+        "num_inference_steps": 1,
+        "generator": generator,
+    }
+    (image,) = FAMILY.drawing.draw(pipeline, components.family_options, "a red circle", [], height, width, **arguments)
     assert image.size == (width, height)

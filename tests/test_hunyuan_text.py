@@ -32,21 +32,23 @@ def test_quoted_text_is_read_by_byt5_as_the_pipeline_reads_it(micro_base, name):
     family = FAMILIES[name]
     components = load_components(ModelConfig(base=str(micro_base(name))))
     with torch.no_grad():
-        ours = family.encode_prompts(components, family.tokenize(components.tokenizers, CAPTIONS))
+        ours = family.conditioning.encode_prompts(
+            components, family.conditioning.tokenize(components.tokenizers, CAPTIONS)
+        )
         states, mask, glyphs, glyph_mask = components.pipeline().encode_prompt(
             CAPTIONS, device="cpu", batch_size=len(CAPTIONS)
         )
-    assert ours["encoder_hidden_states"].shape[1] == family.padded_text_tokens
-    assert ours["encoder_hidden_states_2"].shape[1] == family.glyph_tokens
+    assert ours["encoder_hidden_states"].shape[1] == family.conditioning.padded_text_tokens
+    assert ours["encoder_hidden_states_2"].shape[1] == family.conditioning.glyph_tokens
     assert (glyph_mask.sum(dim=1) > 0).tolist() == QUOTED[name]
     assert torch.equal(ours["text_mask_2"], glyph_mask.long())  # HunyuanVideo 1.5's mask comes in the text's dtype
     assert torch.equal(ours["encoder_hidden_states_2"], glyphs * glyph_mask[..., None])
     assert torch.equal(ours["encoder_hidden_states"], states * mask[..., None])
     for i in range(len(CAPTIONS)):
         one = {name: value[i] for name, value in ours.items()}
-        stored = family.cached_conditioning(one)
+        stored = family.conditioning.cached_conditioning(one)
         assert len(stored["encoder_hidden_states_2"]) == int(glyph_mask[i].sum())
-        back = family.uncached_conditioning(stored)
+        back = family.conditioning.uncached_conditioning(stored)
         assert all(torch.equal(back[name], one[name]) for name in one)
 
 
@@ -82,7 +84,9 @@ def test_the_transformer_is_fed_as_the_pipelines_loop_feeds_it(micro_base, name)
             output_type="latent",
         )
         drawn = drawn.frames if clip else drawn.images
-        conditioning = family.encode_prompts(components, family.tokenize(components.tokenizers, prompts))
+        conditioning = family.conditioning.encode_prompts(
+            components, family.conditioning.tokenize(components.tokenizers, prompts)
+        )
         timesteps = torch.tensor([1000.0, 1000.0])
         velocity = family.denoise(components, noise, timesteps, conditioning, None)
         without_glyphs = family.denoise(

@@ -45,7 +45,7 @@ def test_the_first_frame_is_read_as_the_pipeline_gives_it_the_image(base):
     clip = torch.cat([image_to_tensor(frame)[None, :, None], torch.rand(1, 3, 4, 32, 32) * 2 - 1], dim=2)
     noise = torch.randn(1, 16, 2, 8, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = FAMILY.pixel_conditioning(components, clip)
+        ours = FAMILY.conditioning.pixel_conditioning(components, clip)
         theirs_states = pipeline.encode_image(frame, 1, "cpu", torch.float32)
         theirs_condition, theirs_mask = pipeline.prepare_cond_latents_and_mask(
             noise, frame, 1, 32, 32, torch.float32, "cpu"
@@ -62,7 +62,9 @@ def test_the_first_frame_is_read_as_the_pipeline_gives_it_the_image(base):
             latents=noise,
             output_type="latent",
         ).frames
-        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, ["a red square"]))
+        conditioning = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, ["a red square"])
+        )
         velocity = FAMILY.denoise(components, noise, torch.tensor([1000.0]), conditioning | ours, None)
         text_to_video = FAMILIES["hunyuan_video15"].denoise(
             components, noise, torch.tensor([1000.0]), conditioning, None

@@ -38,7 +38,9 @@ def test_denoise_is_the_pipelines_conditional_prediction_turned_round(base):
     )
     timesteps = torch.tensor([250.0, 800.0])
     with torch.no_grad():
-        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, PROMPTS))
+        conditioning = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, PROMPTS)
+        )
         ours = FAMILY.denoise(components, noisy, timesteps, conditioning, None)
         features, position_ids, segment_ids, indicator = pipeline.encode_prompt(PROMPTS, h, w, 64, "cpu")
         tokens = token_order(noisy)
@@ -72,7 +74,8 @@ def test_latents_are_what_the_pipeline_decodes(base):
     torch.testing.assert_close(z, raw, rtol=1e-4, atol=1e-5)
     # The statistics are not symmetric in the two orders: read FLUX.2's way, the latents would differ.
     assert not torch.allclose(
-        components.latent_normalization.apply(mean), FAMILIES["flux2"].latent_normalization(vae).apply(mean)
+        components.latent_normalization.apply(mean),
+        FAMILIES["flux2"].conditioning.latent_normalization(vae).apply(mean),
     )
 
 

@@ -65,7 +65,9 @@ def test_the_transformer_is_fed_as_the_pipelines_loop_feeds_it(components):
             latents=noise.permute(0, 2, 3, 1).unsqueeze(1),
             output_type="latent",
         ).image
-        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, ["a red circle"]))
+        conditioning = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, ["a red circle"])
+        )
         velocity = FAMILY.denoise(components, noise, torch.tensor([1000.0]), conditioning, geometry(32, 48))
     torch.testing.assert_close(drawn[:, 0].permute(0, 3, 1, 2), noise - velocity, rtol=0, atol=1e-5)
 
@@ -77,7 +79,9 @@ def test_captions_of_different_lengths_denoise_in_one_batch_as_each_alone(compon
     noisy = torch.randn(2, 16, 4, 4, generator=torch.Generator().manual_seed(1))
     timesteps = torch.tensor([300.0, 700.0])
     with torch.no_grad():
-        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, captions))
+        conditioning = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, captions)
+        )
         lengths = conditioning["text_mask"].sum(dim=1)
         assert lengths[0] < lengths[1]
         together = FAMILY.denoise(components, noisy, timesteps, conditioning, geometry(32, 32, 2))
@@ -94,7 +98,7 @@ def test_captions_of_different_lengths_denoise_in_one_batch_as_each_alone(compon
 
 def test_samples_are_drawn_at_the_size_asked(components):
     """The pipeline snaps a size to the nearest of its own seven (48 x 32 would be drawn at 1408 x 640)."""
-    images = FAMILY.draw(
+    images = FAMILY.drawing.draw(
         components.pipeline(), None, "a red circle", [], 32, 48, num_inference_steps=1, guidance_scale=1.0
     )
     assert images[0].size == (48, 32)
@@ -121,7 +125,9 @@ def test_the_video_transformer_is_fed_as_the_pipelines_loop_feeds_it(video_base)
             output_type="latent",
         ).frames
         captions = ["a red circle moving left"]
-        conditioning = family.encode_prompts(components, family.tokenize(components.tokenizers, captions))
+        conditioning = family.conditioning.encode_prompts(
+            components, family.conditioning.tokenize(components.tokenizers, captions)
+        )
         velocity = family.denoise(components, noise, torch.tensor([1000.0]), conditioning, geometry(32, 32))
     assert isinstance(pipeline, Kandinsky5T2VPipeline)
     torch.testing.assert_close(drawn[..., :16].permute(0, 4, 1, 2, 3), noise - velocity, rtol=0, atol=1e-5)

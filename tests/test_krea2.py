@@ -46,12 +46,16 @@ def test_the_cache_keeps_real_tokens_and_trains_as_the_whole_layout(base):
     zeroed: the transformer masks it, so it predicts exactly what it predicts from the pipeline's states."""
     components = load_components(ModelConfig(base=str(base)))
     with torch.no_grad():
-        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, PROMPTS))
+        conditioning = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, PROMPTS)
+        )
         restored = [
-            FAMILY.uncached_conditioning(FAMILY.cached_conditioning({k: v[i] for k, v in conditioning.items()}))
+            FAMILY.conditioning.uncached_conditioning(
+                FAMILY.conditioning.cached_conditioning({k: v[i] for k, v in conditioning.items()})
+            )
             for i in range(len(PROMPTS))
         ]
-        stored = FAMILY.cached_conditioning({k: v[0] for k, v in conditioning.items()})
+        stored = FAMILY.conditioning.cached_conditioning({k: v[0] for k, v in conditioning.items()})
         assert len(stored["text_mask"]) == int(conditioning["text_mask"][0].sum()) < 40
         again = {key: torch.stack([entry[key] for entry in restored]) for key in conditioning}
         assert torch.equal(again["text_mask"], conditioning["text_mask"])
@@ -89,7 +93,7 @@ def test_original_names_are_diffusers_readers(base):
     adapted = [
         name
         for name in module_names_of(components).names["transformer"]
-        if any(name == t or name.endswith("." + t) for t in FAMILY.default_targets["transformer"])
+        if any(name == t or name.endswith("." + t) for t in FAMILY.targets.default_targets["transformer"])
     ]
     assert len(adapted) > 20 and all(original_name(name) for name in adapted)
     theirs = _convert_non_diffusers_krea2_lora_to_diffusers(

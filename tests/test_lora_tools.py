@@ -257,9 +257,9 @@ def test_every_familys_fine_tune_extracts_into_both_layouts(family, micro_base, 
     names = module_names_of(components).names
     expected = {
         f"{part}.{module}"
-        for part in (components.family.denoiser_name, *components.family.adapted_text_encoders())
+        for part in (components.family.denoiser_name, *components.family.targets.adapted_text_encoders())
         if part in names
-        for targets in [components.family.targets_of(part, components.parts()[part])]
+        for targets in [components.family.targets.targets_of(part, components.parts()[part])]
         for module in names[part]
         if any(module == target or module.endswith(f".{target}") for target in targets)
     }

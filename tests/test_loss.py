@@ -241,8 +241,8 @@ def test_a_familys_loss_scores_its_prediction_by_the_loss_type(micro_base, famil
     latents = torch.randn(2, components.family.latent_channels(components.denoiser), 8, 8, generator=generator)
     noise = torch.randn(latents.shape, generator=generator)
     timesteps = torch.tensor([100, 700])
-    conditioning = components.family.encode_prompts(
-        components, components.family.tokenize(components.tokenizers, ["a red circle", "a blue square"])
+    conditioning = components.family.conditioning.encode_prompts(
+        components, components.family.conditioning.tokenize(components.tokenizers, ["a red circle", "a blue square"])
     )
     geometry = torch.tensor([[32, 32, 0, 0, 32, 32]] * 2)
     mask = torch.ones(2, 1, 8, 8)

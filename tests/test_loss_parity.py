@@ -489,7 +489,9 @@ def test_the_loss_is_the_diffusers_training_script_loss(name, weighting, micro_b
         latents = reference_latents(encode_posterior(components.vae, pixels)[0], components.latent_normalization)
         torch.testing.assert_close(latents, theirs_latents, rtol=1e-5, atol=1e-6)
         noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
-        conditioning = family.encode_prompts(components, family.tokenize(components.tokenizers, PROMPTS))
+        conditioning = family.conditioning.encode_prompts(
+            components, family.conditioning.tokenize(components.tokenizers, PROMPTS)
+        )
         controls = ()
         if family.max_controls:  # an edit family: the other images' latents are the controls
             control = reference_latents(

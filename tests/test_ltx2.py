@@ -48,7 +48,7 @@ def first_transformer_call(components, **arguments) -> dict:
         num_inference_steps=2,
         output_type="latent",
         generator=torch.Generator().manual_seed(0),
-        **FAMILY.sampling_arguments(components, 1.0, "") | arguments,
+        **FAMILY.drawing.sampling_arguments(components, 1.0, "") | arguments,
     )
     hook.remove()
     return calls[0]

@@ -128,16 +128,16 @@ def test_the_streams_joined_run_as_the_pipeline_calls_them(base, tmp_path):
     components = load_components(ModelConfig(base=base, family_options={"sound": True}))
     audio_vae = components.pixel_encoders["audio_vae"]
     clip = write_clip_with_sound(tmp_path / "clip.mkv", frames_of(9, 40), 24, tones(9 / 24, 440, 660))
-    sound = FAMILY.sound_conditioning(components, [(clip, (0, 9))])
+    sound = FAMILY.conditioning.sound_conditioning(components, [(clip, (0, 9))])
     assert sound["frame_rate"].tolist() == [24.0]
     spectrogram_ = log_mel_spectrogram(read_sound(clip, 0, 9, RATE)[0][None], RATE, 160, audio_vae.config.mel_bins)
     # noise_scale 0: the first call's audio latents are those given, packed and normalised
     call = first_transformer_call(components, audio_latents=audio_vae.encode(spectrogram_).latent_dist.mode())
     torch.testing.assert_close(call["audio_hidden_states"], sound["sound_latents"], rtol=0, atol=1e-6)
 
-    tokens = FAMILY.tokenize(components.tokenizers, ["a purple circle"])
+    tokens = FAMILY.conditioning.tokenize(components.tokenizers, ["a purple circle"])
     with torch.no_grad():
-        encoded = FAMILY.encode_prompts(components, tokens)
+        encoded = FAMILY.conditioning.encode_prompts(components, tokens)
         torch.testing.assert_close(encoded["audio_hidden_states"], call["audio_encoder_hidden_states"])
         video, heard = components.denoiser(**call)
         latents = LTX2Pipeline._unpack_latents(call["hidden_states"], call["num_frames"], call["height"], call["width"])
@@ -185,7 +185,9 @@ def test_a_run_with_sound_trains_both_streams(make_config, base, tmp_path):
     cached = [read_tensors(entry) for entry in entries]
     with_sound = [entry for entry in cached if "sound_latents" in entry]
     assert len(with_sound) >= 4
-    expected = FAMILY.sound_conditioning(components, [(tmp_path / "clips" / f"{i}.mkv", (0, 9)) for i in range(4)])
+    expected = FAMILY.conditioning.sound_conditioning(
+        components, [(tmp_path / "clips" / f"{i}.mkv", (0, 9)) for i in range(4)]
+    )
     found = {tuple(entry["sound_latents"].flatten()[:4].tolist()) for entry in with_sound}
     assert {tuple(latents.flatten()[:4].tolist()) for latents in expected["sound_latents"]} <= found
 
@@ -197,9 +199,11 @@ def test_a_run_with_sound_trains_both_streams(make_config, base, tmp_path):
     # The loss of one batch, against the transformer called by hand as the pipeline calls it.
     latents = torch.randn(2, 8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
     sound = expected["sound_latents"][:2]
-    tokens = FAMILY.tokenize(components.tokenizers, ["a clip with tone 0", "a clip with tone 1"])
+    tokens = FAMILY.conditioning.tokenize(components.tokenizers, ["a clip with tone 0", "a clip with tone 1"])
     with torch.no_grad():
-        conditioning = FAMILY.encode_prompts(components, tokens) | {"frame_rate": expected["frame_rate"][:2]}
+        conditioning = FAMILY.conditioning.encode_prompts(components, tokens) | {
+            "frame_rate": expected["frame_rate"][:2]
+        }
         generators = [torch.Generator().manual_seed(seed) for seed in (5, 6)]
         timesteps = torch.tensor([300.0, 800.0])
         noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(2))

@@ -41,7 +41,7 @@ def test_the_single_file_is_the_original_layout_as_diffusers_reads_it(tmp_path):
     save_file(
         {f"model.diffusion_model.{key}": value for key, value in original.items()}, tmp_path / "lumina2.safetensors"
     )
-    back = FAMILY.denoiser_file_weights(str(tmp_path / "lumina2.safetensors")).tensors
+    back = FAMILY.loading.denoiser_file_weights(str(tmp_path / "lumina2.safetensors")).tensors
     assert theirs.keys() == ours.keys() == back.keys()
     for key, value in ours.items():
         assert torch.equal(theirs[key].view(torch.uint8), value.view(torch.uint8)), key

@@ -55,7 +55,7 @@ def test_the_templates_are_the_pipelines(name, edit_bases):
     vision = VISION_TOKENS if name == "qwen_image_edit" else ""  # the first edit pipeline writes them into its template
     assert pipeline.prompt_template_encode == EDIT_PROMPT_TEMPLATE.replace("{}", vision + "{}")
     assert pipeline.prompt_template_encode_start_idx == EDIT_TEMPLATE_TOKENS
-    assert FAMILIES[name].padded_text_tokens == pipeline.tokenizer_max_length
+    assert FAMILIES[name].conditioning.padded_text_tokens == pipeline.tokenizer_max_length
     # The part the pipeline drops is all of the template before the vision tokens and the instruction, as with
     # Qwen2.5-VL's own vocabulary: no template token reaches the transformer.
     prefix = pipeline.prompt_template_encode.split("{}")[0].removesuffix(vision)
@@ -88,7 +88,9 @@ def test_an_edit_pipeline_made_of_a_text_to_image_one_reads_controls(tmp_path):
     family, control = components.family, _controls(1)[0]
     assert family.name == "qwen_image_edit_plus"
     with torch.no_grad():
-        ours = family.encode_prompts(components, family.tokenize(components.tokenizers, ["make it red"], [[control]]))
+        ours = family.conditioning.encode_prompts(
+            components, family.conditioning.tokenize(components.tokenizers, ["make it red"], [[control]])
+        )
         states, _ = components.pipeline().encode_prompt(
             "make it red", image=[family.prompt_image(control)], device="cpu"
         )
@@ -108,19 +110,25 @@ def test_prompts_with_controls_are_encoded_as_the_pipeline_encodes_them(name, ed
         controls[1] = controls[1].resize((48, 32))
     captions = ["make it red", "make it green, and keep the shape"]
     with torch.no_grad():
-        ours = family.encode_prompts(components, family.tokenize(components.tokenizers, captions, [controls] * 2))
+        ours = family.conditioning.encode_prompts(
+            components, family.conditioning.tokenize(components.tokenizers, captions, [controls] * 2)
+        )
         for i, caption in enumerate(captions):
             seen = [family.prompt_image(control) for control in controls]
             states, mask = pipeline.encode_prompt(
                 caption, image=seen if len(seen) > 1 or name.endswith("plus") else seen[0], device="cpu"
             )
             assert mask is None  # one prompt: no padding
-            alone = family.encode_prompts(components, family.tokenize(components.tokenizers, [caption], [controls]))
+            alone = family.conditioning.encode_prompts(
+                components, family.conditioning.tokenize(components.tokenizers, [caption], [controls])
+            )
             assert torch.equal(alone["encoder_hidden_states"][0, : states.shape[1]], states[0])
             got = ours["encoder_hidden_states"][i]
             assert torch.allclose(got[: states.shape[1]], states[0], atol=1e-5)
             assert not got[states.shape[1] :].any() and int(ours["text_mask"][i].sum()) == states.shape[1]
-        without = family.encode_prompts(components, family.tokenize(components.tokenizers, captions[:1]))
+        without = family.conditioning.encode_prompts(
+            components, family.conditioning.tokenize(components.tokenizers, captions[:1])
+        )
     assert int(without["text_mask"].sum()) < int(ours["text_mask"][0].sum())  # the images' tokens are read
 
 
@@ -132,9 +140,12 @@ def test_plus_shows_the_language_model_each_control_at_the_pipelines_size():
     assert family.prompt_image(control).size == (width, height) == (480, 320)
     assert np.array_equal(np.asarray(family.prompt_image(control)), np.asarray(expected))
     # Controls train at the target's area (or control_resolution squared), aspect kept, as the pipelines size them.
-    assert family.control_size((32, 32), (96, 64)) == control_dimensions(32 * 32, (96, 64)) == (32, 32)
+    assert family.conditioning.control_size((32, 32), (96, 64)) == control_dimensions(32 * 32, (96, 64)) == (32, 32)
     options = family.options(ModelConfig(family_options={"control_resolution": 64}))
-    assert family.control_size((32, 32), (128, 64), options) == (96, 32)  # 3072 px: the nearest multiples of 32
+    assert family.conditioning.control_size((32, 32), (128, 64), options) == (
+        96,
+        32,
+    )  # 3072 px: the nearest multiples of 32
 
 
 @pytest.mark.parametrize("name", EDIT_FAMILIES)
@@ -154,8 +165,8 @@ def test_the_transformer_reads_controls_as_the_pipeline_does(name, edit_bases):
         _, image_latents = pipeline.prepare_latents(
             pixels if name.endswith("plus") else pixels[0], 1, 16, 32, 32, torch.float32, "cpu", None, packed
         )
-        conditioning = family.encode_prompts(
-            components, family.tokenize(components.tokenizers, ["make it red"], [controls])
+        conditioning = family.conditioning.encode_prompts(
+            components, family.conditioning.tokenize(components.tokenizers, ["make it red"], [controls])
         )
         states = conditioning["encoder_hidden_states"][:, : int(conditioning["text_mask"].sum())]
         shapes = [[(1, 4, 4), *((1, c.height // 8, c.width // 8) for c in controls)]]
@@ -279,7 +290,7 @@ def test_an_edit_plus_adapter_edits_in_its_pipeline_as_in_ours(edit_bases, pairs
     family = FAMILIES["qwen_image_edit_plus"]
     pipeline = family.pipeline_class.from_pretrained(base, dtype=torch.float32)
     pipeline.load_lora_weights(str(result.trained_path.parent), weight_name=result.trained_path.name)
-    pipeline.scheduler = family.sampler("auto").from_config(pipeline.scheduler.config)
+    pipeline.scheduler = family.drawing.sampler("auto").from_config(pipeline.scheduler.config)
     pipeline.set_progress_bar_config(disable=True)
     plus_module.VAE_IMAGE_SIZE, kept = 32 * 32, plus_module.VAE_IMAGE_SIZE  # what control_resolution = 0 asks at 32 px
     try:

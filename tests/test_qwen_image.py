@@ -135,16 +135,16 @@ def test_text_cache_entries_keep_the_caption_and_read_back_as_encoded(make_confi
     config = make_config(model__base=str(qwen_base), adapter__text_encoder=False, cache__text=True)
     components = load_components(config.model)
     prompts = {Prompt("a red circle"), Prompt("a blue square with a long caption that runs on")}
-    tokenize = lambda captions: QWEN.tokenize(components.tokenizers, captions)  # noqa: E731
+    tokenize = lambda captions: QWEN.conditioning.tokenize(components.tokenizers, captions)  # noqa: E731
     entries = text_entries(prompts, text_identity(components), config, tokenize)
     assert fill_text(entries, components, torch.device("cpu"), config) == 2
     for (caption, *_), path in entries.items():
         stored = load_file(path)
         with torch.no_grad():
-            encoded = QWEN.encode_prompts(components, tokenize([caption]))
+            encoded = QWEN.conditioning.encode_prompts(components, tokenize([caption]))
         valid = int(encoded["text_mask"].sum())
         assert stored["encoder_hidden_states"].shape[0] == stored["text_mask"].shape[0] == valid < 100  # of 512
-        restored = QWEN.uncached_conditioning(stored)
+        restored = QWEN.conditioning.uncached_conditioning(stored)
         assert restored.keys() == encoded.keys()
         for name in encoded:
             torch.testing.assert_close(restored[name], encoded[name][0].to(restored[name].dtype), rtol=1e-6, atol=1e-6)

@@ -33,7 +33,7 @@ def test_a_long_caption_is_cut_before_the_templates_end(base):
     (the assistant turn the model was trained to read last), and a short caption is read as the pipeline reads it."""
     components = load_components(ModelConfig(base=base))
     tokenizer = components.tokenizers["processor"].tokenizer
-    ids = FAMILY.tokenize(components.tokenizers, ["a red circle " * 200, "a red circle"])["text_encoder"]
+    ids = FAMILY.conditioning.tokenize(components.tokenizers, ["a red circle " * 200, "a red circle"])["text_encoder"]
     long, short = (row[row >= 0].tolist() for row in ids)
     suffix = tokenizer(PROMPT_SUFFIX)["input_ids"]
     assert len(long) == system_tokens(tokenizer) + TEXT_TOKENS and long[-len(suffix) :] == suffix
@@ -64,11 +64,11 @@ def test_a_batch_of_prompts_is_drawn_with_guidance_each_as_drawn_alone(base):
     alone."""
     components = load_components(ModelConfig(base=base))
     pipeline = components.pipeline()
-    guidance = FAMILY.sampling_arguments(components, 3.0, "")
+    guidance = FAMILY.drawing.sampling_arguments(components, 3.0, "")
 
     def drawn(prompts, seeds):
         generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-        images = FAMILY.draw(
+        images = FAMILY.drawing.draw(
             pipeline,
             components.family_options,
             prompts,

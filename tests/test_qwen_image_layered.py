@@ -80,13 +80,13 @@ def test_a_metadata_file_lists_the_layers_and_a_sample_without_them_is_refused(t
     examples, _ = scan_examples(DataConfig(path=str(folder)), layers=True)
     assert [c.name for c in examples[0].control_paths] == ["0000_1.png", "0000_2.png"]
     with pytest.raises(DifftuneError, match="0001.png has no layers"):
-        FAMILY.check_controls(examples, "data.path")
+        FAMILY.conditioning.check_controls(examples, "data.path")
 
 
 def test_the_layers_keep_their_transparency(layered):
     """Read by the family's data settings, the image and its layers are RGBA: the shape layer is transparent (alpha
     -1 in [-1, 1]) where the background layer is opaque; composited instead, they would all be opaque."""
-    data = FAMILY.data_settings(DataConfig(path=str(layered), resolution=32))
+    data = FAMILY.conditioning.data_settings(DataConfig(path=str(layered), resolution=32))
     assert data.keep_alpha
     examples, _ = scan_examples(data, layers=True)
     dataset = CaptionedImages(
@@ -146,7 +146,9 @@ def test_the_transformer_is_called_on_the_image_and_its_layers_as_the_pipeline_c
     hidden = arguments["hidden_states"]
     noisy = torch.stack([unpack(part, h, w) for part in hidden[:, : 3 * tokens].split(tokens, dim=1)], dim=2)
     with torch.no_grad():
-        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, [caption]))
+        conditioning = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, [caption])
+        )
         conditioning["image_latents"] = unpack(hidden[:, 3 * tokens :], h, w)
         ours = FAMILY.denoise(components, noisy, arguments["timestep"] * 1000, conditioning, None)
     packed = torch.cat([pack(frame) for frame in ours.unbind(2)], dim=1)

@@ -15,7 +15,7 @@ def test_the_default_targets_name_modules_of_every_sd3_transformer(second_attent
     "'attn2.to_q' ... names no module of the transformer")."""
     config = dict(build_sd3_transformer().config) | {"dual_attention_layers": second_attention}
     transformer = SD3Transformer2DModel.from_config(config)
-    targets = FAMILIES["sd3"].targets_of("transformer", transformer)
+    targets = FAMILIES["sd3"].targets.targets_of("transformer", transformer)
     assert not missing_targets(targets, (name for name, _ in transformer.named_modules()))
     assert any(target.startswith("attn2.") for target in targets) == bool(second_attention)
     assert {"attn.to_q", "attn.add_q_proj", "ff.net.2", "ff_context.net.2"} <= set(targets)

@@ -86,7 +86,7 @@ def test_original_names_are_diffusers_readers(make_config, base, tmp_path):
     ours = load_file(trained)
     components = load_components(ModelConfig(base=base))
     adapted = {key.removeprefix("transformer.").rsplit(".lora_", 1)[0] for key in ours}
-    assert len(adapted) == 2 * len(FAMILY.default_targets["transformer"])  # two blocks
+    assert len(adapted) == 2 * len(FAMILY.targets.default_targets["transformer"])  # two blocks
     original = {
         f"diffusion_model.{FAMILY.layout.original_name(module)}.lora_{kind}.weight": ours[
             f"transformer.{module}.lora_{kind}.weight"

@@ -113,7 +113,7 @@ def test_the_first_frame_is_read_as_the_pipeline_gives_it_the_image(base):
     assert condition.shape == (1, 2 + 16, 3, 8, 8)  # the mask's 2 channels (the micro temporal factor), the latents
     clip = torch.cat([pixels[:, :, None], torch.rand(1, 3, 4, 32, 32) * 2 - 1], dim=2)  # later frames do not matter
     with torch.no_grad():
-        ours = FAMILY.pixel_conditioning(components, clip)["first_frame_latents"]
+        ours = FAMILY.conditioning.pixel_conditioning(components, clip)["first_frame_latents"]
         torch.testing.assert_close(components.latent_normalization.apply(ours), condition[:, 2:], rtol=0, atol=1e-6)
         states = torch.randn(1, 512, 64, generator=torch.Generator().manual_seed(1))
         t = torch.tensor([600.0])
@@ -145,7 +145,7 @@ def test_wan21_reads_the_clip_image_states_the_pipeline_makes(wan21_base):
     frame = _frame()
     clip = torch.cat([image_to_tensor(frame)[None, :, None], torch.rand(1, 3, 4, 32, 32) * 2 - 1], dim=2)
     with torch.no_grad():
-        ours = FAMILY.pixel_conditioning(components, clip)
+        ours = FAMILY.conditioning.pixel_conditioning(components, clip)
         theirs = pipeline.encode_image(frame, "cpu")
         assert ours["image_embeds"].shape == (1, 17, micro.CLIP_WIDTH) and torch.equal(ours["image_embeds"], theirs)
         noise, condition = pipeline.prepare_latents(
@@ -201,10 +201,13 @@ def test_latent_entries_of_a_pixel_conditioned_family_are_its_own(wan21_base):
     first frame's latents (and Wan 2.1's its CLIP states) too: the cache keys them by the family and its image encoder,
     so neither run reads the other's entries."""
     components = load_components(ModelConfig(base=wan21_base))
-    identities = {FAMILIES["wan"].latent_identity(components), FAMILY.latent_identity(components)}
+    identities = {
+        FAMILIES["wan"].conditioning.latent_identity(components),
+        FAMILY.conditioning.latent_identity(components),
+    }
     with torch.no_grad():
         next(components.pixel_encoders["image_encoder"].parameters()).add_(1)
-    identities.add(FAMILY.latent_identity(components))
+    identities.add(FAMILY.conditioning.latent_identity(components))
     assert len(identities) == 3
 
 
@@ -226,7 +229,7 @@ def test_the_plan_counts_the_image_encoder(make_config, wan21_base, tmp_path):
 
 
 def test_what_it_cannot_draw_is_refused_by_name():
-    assert FAMILY.prompt_control_problems(["a square moving left"]) == [
+    assert FAMILY.drawing.prompt_control_problems(["a square moving left"]) == [
         "sample.prompts: 'a square moving left' has 0 images; Wan 2.1 / 2.2 image-to-video pipelines "
         "animate one: write it as {prompt = 'a square moving left', controls = [\"first_frame.png\"]}"
     ]

@@ -67,12 +67,15 @@ def test_sample_guidance_means_what_it_means_for_every_family(base):
     """`sample.guidance_scale` w is neg + w (pos - neg) everywhere; Z-Image's pipeline is asked for its own s with
     pos + s (pos - neg) is the same prediction at s = w - 1 (none at w <= 1, as Turbo samples)."""
     components = load_components(ModelConfig(base=str(base)))
-    assert FAMILY.sampling_arguments(components, 4.0, "blurry") == {
+    assert FAMILY.drawing.sampling_arguments(components, 4.0, "blurry") == {
         "max_sequence_length": 512,
         "guidance_scale": 3.0,
         "negative_prompt": "blurry",
     }
-    assert FAMILY.sampling_arguments(components, 1.0, "blurry") == {"max_sequence_length": 512, "guidance_scale": 0.0}
+    assert FAMILY.drawing.sampling_arguments(components, 1.0, "blurry") == {
+        "max_sequence_length": 512,
+        "guidance_scale": 0.0,
+    }
 
 
 def test_the_kohya_layout_is_comfyuis_and_musubi_tuners_files_are_read(base, make_config, tmp_path):

@@ -54,7 +54,9 @@ def test_the_transformer_is_fed_as_the_pipelines_omni_call_feeds_it(components):
     noise = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         drawn = _one_unguided_step(components.pipeline(), "a red circle", noise)
-        conditioning = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, ["a red circle"]))
+        conditioning = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, ["a red circle"])
+        )
         velocity = FAMILY.denoise(components, noise, torch.tensor([1000.0]), conditioning, None)
     torch.testing.assert_close(drawn, noise - velocity, rtol=0, atol=1e-5)
 
@@ -72,7 +74,9 @@ def test_prompts_with_references_are_encoded_as_the_pipeline_encodes_them(compon
     pipeline, references = components.pipeline(), _references()
     captions = ["make it red", "make it green, and keep the shape"]
     with torch.no_grad():
-        ours = FAMILY.encode_prompts(components, FAMILY.tokenize(components.tokenizers, captions, [references] * 2))
+        ours = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, captions, [references] * 2)
+        )
         theirs, _ = pipeline.encode_prompt(
             captions, device="cpu", do_classifier_free_guidance=False, num_condition_images=2
         )
@@ -99,8 +103,8 @@ def test_the_transformer_reads_references_as_the_pipelines_omni_call(components)
     noise = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         drawn = _one_unguided_step(pipeline, "make it red", noise, image=references)
-        conditioning = FAMILY.encode_prompts(
-            components, FAMILY.tokenize(components.tokenizers, ["make it red"], [references])
+        conditioning = FAMILY.conditioning.encode_prompts(
+            components, FAMILY.conditioning.tokenize(components.tokenizers, ["make it red"], [references])
         )
         pixels = [
             pipeline.image_processor.preprocess(r, r.height, r.width, resize_mode="crop").bfloat16().float()
@@ -123,7 +127,7 @@ def test_the_transformer_reads_references_as_the_pipelines_omni_call(components)
 def test_references_train_at_the_targets_area_in_sizes_the_pipeline_takes(target, reference, expected):
     """The target's area, the reference's aspect, sides multiples of 16 and at least 64 px; the pipeline takes a
     reference so sized and keeps it as it is."""
-    size = FAMILY.control_size(target, reference)
+    size = FAMILY.conditioning.control_size(target, reference)
     assert size == reference_dimensions(target[0] * target[1], reference) == expected
     Flux2ImageProcessor.check_image_input(Image.new("RGB", size))  # raises where the pipeline would refuse it
 
@@ -153,7 +157,7 @@ def test_pairs_train_cached_as_uncached_and_draw_with_their_references(micro_bas
     result = train(make_config(**settings))
     pipeline = FAMILY.pipeline_class.from_pretrained(base, dtype=torch.float32)
     pipeline.load_lora_weights(str(result.trained_path.parent), weight_name=result.trained_path.name)
-    pipeline.scheduler = FAMILY.sampler("auto").from_config(pipeline.scheduler.config)
+    pipeline.scheduler = FAMILY.drawing.sampler("auto").from_config(pipeline.scheduler.config)
     pipeline.set_progress_bar_config(disable=True)
     with inputs_in_dtype(pipeline.vae.encoder, pipeline.vae.dtype):
         image = pipeline(

@@ -53,7 +53,7 @@ def add_tokens(components: Components, config: AdapterConfig) -> None:
     """The new tokens in every tokenizer, their rows in every text encoder (initialised), and peft's trainable-tokens
     layer on each encoder's input embedding, so that only those rows train."""
     names = token_names(config)
-    for encoder_name, tokenizer_name in components.family.encoder_tokenizers():
+    for encoder_name, tokenizer_name in components.family.conditioning.encoder_tokenizers():
         tokenizer, encoder = components.tokenizers[tokenizer_name], components.text_encoders[encoder_name]
         # Known: one token already (CLIP spells a word `red</w>` in its vocabulary, so ask the tokenizer itself).
         known = [name for name in names if len(tokenizer(name, add_special_tokens=False).input_ids) == 1]
@@ -79,7 +79,7 @@ def embedding_vectors(components: Components, config: AdapterConfig) -> dict[str
     """Each text encoder's learned vectors (n, dim) under its file key, as the encoder now embeds the tokens."""
     vectors = {}
     for (encoder_name, tokenizer_name), key in zip(
-        components.family.encoder_tokenizers(), components.family.layout.embedding_keys, strict=True
+        components.family.conditioning.encoder_tokenizers(), components.family.layout.embedding_keys, strict=True
     ):
         ids = components.tokenizers[tokenizer_name].convert_tokens_to_ids(token_names(config))
         encoder = components.text_encoders[encoder_name]
@@ -126,7 +126,7 @@ def load_embedding(components: Components, path: Path) -> str:
             )
     token = token or path.stem
     for (encoder_name, tokenizer_name), key in zip(
-        family.encoder_tokenizers(), family.layout.embedding_keys, strict=True
+        family.conditioning.encoder_tokenizers(), family.layout.embedding_keys, strict=True
     ):
         if key not in tensors:
             raise DifftuneError(

@@ -75,7 +75,7 @@ def result_files(config: Config, output_dir: Path) -> list[Path]:
     path = trained_path(config, output_dir)
     if not config.adapter.is_adapter:
         return [path]
-    return [variant_of(path, suffix) for suffix in family_of(config.model).adapter_file_suffixes(config)]
+    return [variant_of(path, suffix) for suffix in family_of(config.model).targets.adapter_file_suffixes(config)]
 
 
 @singledispatch
@@ -141,7 +141,7 @@ def _(kind: PeftAdapter, components: Components, config: Config, path: Path, lay
 def result_adapters(components: Components, config: Config) -> list[AdapterFile]:
     """The trained adapter as the files a run writes of it (`Family.adapter_files`: one, or one per expert)."""
     tensors, lora_configs = adapter_state_dict(components, config.adapter)
-    return components.family.adapter_files(tensors, lora_configs, config)
+    return components.family.targets.adapter_files(tensors, lora_configs, config)
 
 
 def write_adapter_files(files: list[AdapterFile], path: Path, layout: str, family: Family) -> list[Path]:
@@ -158,7 +158,7 @@ def write_adapter_files(files: list[AdapterFile], path: Path, layout: str, famil
 def _(kind: FullFineTune, components: Components, config: Config, path: Path, layout: str) -> Path:
     pipeline = components.pipeline(sampling_scheduler(config.sample.scheduler, components))
     _refuse_non_finite(components.denoiser.state_dict(), f"{path}")
-    return replace_atomically(path, lambda staging: components.family.save_pipeline(pipeline, staging))
+    return replace_atomically(path, lambda staging: components.family.loading.save_pipeline(pipeline, staging))
 
 
 @save_kind.register
@@ -324,7 +324,9 @@ def adapter_family(lora_configs: dict, config_toml: str, base: str = "") -> Fami
     if model:
         return family_of(model)
     parts = {key.rsplit(".", 1)[0] for key in lora_configs if key.endswith(".r")}
-    return min((family for family in FAMILIES.values() if parts <= set(family.parts())), key=lambda f: len(f.parts()))
+    return min(
+        (family for family in FAMILIES.values() if parts <= set(family.targets.parts())), key=lambda f: len(f.parts())
+    )
 
 
 def _adapter_base(config_toml: str, base: str = "") -> ModelConfig | None:
@@ -480,10 +482,10 @@ def apply_adapters(components: Components, adapters: list[tuple[Path, float]]) -
                     tmp,
                     weight_name=staged.name,
                     adapter_name=names[-1],
-                    **components.family.lora_loading_arguments(_file_placement(components, config_toml)),
+                    **components.family.targets.lora_loading_arguments(_file_placement(components, config_toml)),
                 )
     pipeline.set_adapters(names, adapter_weights=[scale for _, scale in adapters])
-    if components.family.reads_input_control(components):  # a control LoRA widened the input layer as it loaded
+    if components.family.drawing.reads_input_control(components):  # a control LoRA widened the input layer as it loaded
         components.family.input_control.widen(components.denoiser)  # its config says so too (merged folders)
 
 
@@ -536,15 +538,15 @@ def base_for_adapters(base: str, adapters: list[tuple[Path, float]]) -> ModelCon
     config = ModelConfig(base=base)
     family = family_of(config)
     recorded: dict[str, dict[object, Path]] = {}
-    for path, _ in adapters if family.placement_options else ():
+    for path, _ in adapters if family.targets.placement_options else ():
         with open_safetensors(Path(path)) as handle:
             options = _recorded_options((handle.metadata() or {}).get(CONFIG_METADATA_KEY, ""))
-        for name in family.placement_options:
+        for name in family.targets.placement_options:
             if name in options:
                 recorded.setdefault(name, {}).setdefault(options[name], path)
     chosen = {}
     for name, values in recorded.items():
-        chosen[name] = next(iter(values)) if len(values) == 1 else family.combined_placement(name, set(values))
+        chosen[name] = next(iter(values)) if len(values) == 1 else family.targets.combined_placement(name, set(values))
         if chosen[name] is None:
             (first, value), (second, other) = [(path, value) for value, path in values.items()][:2]
             raise DifftuneError(
@@ -563,7 +565,7 @@ def _file_placement(components: Components, config_toml: str):
     """The family options that say where a file's adapters go: as it records them (`Family.placement_options`: a
     Wan 2.2 expert's file onto that expert), else as the components were loaded."""
     recorded = _recorded_options(config_toml)
-    placed = {name: recorded[name] for name in components.family.placement_options if name in recorded}
+    placed = {name: recorded[name] for name in components.family.targets.placement_options if name in recorded}
     return components.family_options.model_copy(update=placed) if placed else components.family_options
 
 
@@ -603,8 +605,8 @@ def merge_adapters(components: Components, adapters: list[tuple[Path, float]], d
         pipeline = components.pipeline()
         family = components.family
         parts = [  # as the pipeline names them
-            *family.denoiser_pipeline_parts(components),
-            *(part for part in family.adapter_parts() if part != family.denoiser_name),
+            *family.drawing.denoiser_pipeline_parts(components),
+            *(part for part in family.targets.adapter_parts() if part != family.denoiser_name),
         ]
         pipeline.fuse_lora(components=parts, lora_scale=1.0)
         pipeline.unload_lora_weights()
@@ -633,7 +635,9 @@ def save_merged(components: Components, out_dir: Path, single_file: bool, overwr
 
     def write(staging: Path) -> None:
         with quiet_loading():  # no "Writing model shards" bar per part: the merge's own line says what it does
-            components.family.save_pipeline(components.pipeline(sampling_scheduler("auto", components)), staging)
+            components.family.loading.save_pipeline(
+                components.pipeline(sampling_scheduler("auto", components)), staging
+            )
         if single_file:
             save_file(ldm, staging / SINGLE_FILE, metadata={"format": "pt"})
 
@@ -671,7 +675,7 @@ def _refuse_misshapen(components: Components, tensors: dict, path: Path) -> None
 
 def _refuse_unloadable_parts(tensors: dict, family: Family, path: Path) -> None:
     """A part diffusers' loader of this family would drop without a word (Flux's T5) stops the load instead."""
-    loadable = family.adapter_parts()
+    loadable = family.targets.adapter_parts()
     unloadable = sorted({key.partition(".")[0] for key in tensors} - set(loadable))
     if unloadable:
         raise DifftuneError(

@@ -45,12 +45,12 @@ def extract_lora(
         )
     family, tuned_parts, names = base.family, tuned.parts(), module_names_of(base).names
     tensors, ranks, rows = {}, {}, []
-    for part in (family.denoiser_name, *family.adapted_text_encoders()):
+    for part in (family.denoiser_name, *family.targets.adapted_text_encoders()):
         model = base.parts().get(part)
         if model is None or tuned_parts.get(part) is None:
             continue
         base_layers, tuned_layers = dict(model.named_modules()), dict(tuned_parts[part].named_modules())
-        targets = None if all_layers else family.targets_of(part, model)
+        targets = None if all_layers else family.targets.targets_of(part, model)
         for module in names[part]:
             if targets is not None and not any(module == t or module.endswith(f".{t}") for t in targets):
                 continue

@@ -45,7 +45,7 @@ KOHYA_PREFIXES = (
     *{prefix for family in FAMILIES.values() for prefix in family.layout.kohya_prefixes.values()},
     SIMPLETUNER_PREFIX,
 )
-KNOWN_PARTS = {part for family in FAMILIES.values() for part in family.parts()}  # diffusers-layout key prefixes
+KNOWN_PARTS = {part for family in FAMILIES.values() for part in family.targets.parts()}  # diffusers-layout key prefixes
 # Keys of textual-inversion files, as each family writes them (A1111 / ComfyUI layouts).
 EMBEDDING_KEYS = {key for family in FAMILIES.values() for key in family.layout.embedding_keys}
 # Prefixes of a file saved from one model rather than a pipeline (peft's; ComfyUI's and ai-toolkit's name the
@@ -257,7 +257,7 @@ def module_names_of(components) -> BaseModules:
     names = {}
     for part, model in components.parts().items():
         if part == components.family.denoiser_name:  # files name an expert's own modules (a Wan 2.2 pair's: either)
-            model = next(iter(components.family.denoiser_pipeline_parts(components).values()))
+            model = next(iter(components.family.drawing.denoiser_pipeline_parts(components).values()))
         layers = [
             name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))
         ]

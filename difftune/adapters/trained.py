@@ -66,12 +66,12 @@ def trained_part_names(kind: AdapterKind, family, config: AdapterConfig) -> tupl
 
 @trained_part_names.register
 def _(kind: PeftAdapter, family, config: AdapterConfig) -> tuple[str, ...]:
-    return family.adapter_parts() if config.text_encoder else (family.denoiser_name,)
+    return family.targets.adapter_parts() if config.text_encoder else (family.denoiser_name,)
 
 
 @trained_part_names.register
 def _(kind: FullFineTune, family, config: AdapterConfig) -> tuple[str, ...]:
-    return (family.denoiser_name, *(family.fine_tuned_text_encoders() if config.text_encoder else ()))
+    return (family.denoiser_name, *(family.targets.fine_tuned_text_encoders() if config.text_encoder else ()))
 
 
 @trained_part_names.register
@@ -90,7 +90,7 @@ def target_modules(components: Components, config: AdapterConfig) -> dict[str, l
     family = components.family
     configured = {family.denoiser_name: config.target_modules, **config.text_encoder_targets}
     targets = {
-        part: configured.get(part) or family.adapter_targets(components, part)
+        part: configured.get(part) or family.targets.adapter_targets(components, part)
         for part in trained_parts(components, config)
     }
     input_layer = family.input_control.input_layer if config.control_input else None
@@ -112,8 +112,8 @@ def check_targets(components: Components, config: AdapterConfig) -> None:
         return
     parts, family = components.parts(), components.family
     for part in config.text_encoder_targets:
-        if part not in family.adapted_text_encoders():
-            adapted = ", ".join(family.adapted_text_encoders()) or "none: its adapters are the denoiser's alone"
+        if part not in family.targets.adapted_text_encoders():
+            adapted = ", ".join(family.targets.adapted_text_encoders()) or "none: its adapters are the denoiser's alone"
             raise DifftuneError(
                 f"adapter.text_encoder_targets.{part}: not a text encoder "
                 f"{family.description} adapters train; theirs: {adapted}"

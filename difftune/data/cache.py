@@ -211,7 +211,7 @@ def text_identity(components: Components) -> str:
     """What every text entry of these encoders depends on: each encoder's weights and config, and what of their
     outputs the run keeps (the family's `text_kept`)."""
     identity = "+".join(model_identity(encoder) for encoder in components.text_encoders.values())
-    return identity + components.family.text_kept(components)
+    return identity + components.family.conditioning.text_kept(components)
 
 
 def text_entries(
@@ -239,7 +239,7 @@ def fill_text(entries: dict[Prompt, Path], components: Components, device: torch
     """Encode the prompts whose entries are missing (the text encoders on `device`), in batches of prompts whose
     controls share their sizes; returns how many."""
     family = components.family
-    tokenize = partial(family.tokenize, components.tokenizers)
+    tokenize = partial(family.conditioning.tokenize, components.tokenizers)
     present = existing(list(entries.values()))
     todo = sorted((prompt, path) for prompt, path in entries.items() if path not in present)
     by_sizes: dict[tuple, list] = {}
@@ -252,7 +252,11 @@ def fill_text(entries: dict[Prompt, Path], components: Components, device: torch
     for chunk in tqdm(chunks, desc="caching captions", disable=not chunks or config.log.quiet):
         inputs = _tokenized([prompt for prompt, _ in chunk], tokenize, config)
         with torch.no_grad():
-            conditioning = family.encode_prompts(components, {name: value.to(device) for name, value in inputs.items()})
+            conditioning = family.conditioning.encode_prompts(
+                components, {name: value.to(device) for name, value in inputs.items()}
+            )
         for i, (_, path) in enumerate(chunk):
-            write_tensors(path, family.cached_conditioning({name: value[i] for name, value in conditioning.items()}))
+            write_tensors(
+                path, family.conditioning.cached_conditioning({name: value[i] for name, value in conditioning.items()})
+            )
     return len(todo)

@@ -79,10 +79,10 @@ def family_table_markdown(models_dir: Path) -> str:
             for kind_name, kind in KINDS.items()
             if not family.config_problems(Config(adapter={"kind": kind_name, "text_encoder": False}))
         ]
-        encoders = ", ".join(f"`{e}`" for e in family.adapted_text_encoders()) or "none"
+        encoders = ", ".join(f"`{e}`" for e in family.targets.adapted_text_encoders()) or "none"
         prefixes = ", ".join(f"`{prefix}`" for prefix in family.layout.kohya_prefixes.values())
         edits = {0: "no", 1: "1 control"}.get(family.max_controls, f"up to {family.max_controls} controls")
-        edits = "an image into layers" if family.trains_layers else edits
+        edits = "an image into layers" if family.conditioning.trains_layers else edits
         cell = _family_cell(name, family.page, models_dir.parent)
         rows.append(
             f"| {cell} | {', '.join(f'`{c}`' for c in family.pipeline_classes)} | "
@@ -123,13 +123,15 @@ def load_components(config: ModelConfig, dtypes: PartDtypes = FP32_PARTS) -> Com
             f"to .safetensors or a diffusers folder, or set model.allow_pickled_checkpoint = true (read tensors-only)"
         )
     with explained_load_errors("model.base", base), quiet_loading():
-        components = family_of(config).load(config, dtypes)
+        components = family_of(config).loading.load(config, dtypes)
     if config.vae:
         with explained_load_errors("model.vae", config.vae):
             components.vae = load_vae(config.vae).to(dtypes.vae)
-    components.latent_normalization = components.family.latent_normalization(components.vae)
+    components.latent_normalization = components.family.conditioning.latent_normalization(components.vae)
     # Left out, the denoiser's shape is read from its config.
-    denoiser = components.denoiser if components.denoiser is not None else components.family.empty_denoiser(config)
+    denoiser = (
+        components.denoiser if components.denoiser is not None else components.family.loading.empty_denoiser(config)
+    )
     makes, takes = latent_channels(components.vae), components.family.latent_channels(denoiser)
     if makes != takes:
         raise DifftuneError(
@@ -143,7 +145,7 @@ def load_denoiser(components: Components, config: ModelConfig, dtypes: PartDtype
     """The denoiser of a base whose other parts `components` holds (loaded without it, `dtypes.denoiser` None then):
     a pipeline folder's or hub id's part alone, in `dtypes.denoiser`."""
     with explained_load_errors("model.base", config.base), quiet_loading():
-        components.denoiser = components.family.load_denoiser(config, dtypes)
+        components.denoiser = components.family.loading.load_denoiser(config, dtypes)
 
 
 def family_of(config: ModelConfig) -> Family:
@@ -174,13 +176,13 @@ def _readers(config: ModelConfig) -> tuple[list[Family], str]:
     if base.endswith(SINGLE_FILE_SUFFIXES):
         keys = _single_file_keys(base)
         readers = [family for family in FAMILIES.values() if family.layout.reads_single_file(keys)]
-        if is_gguf(base) and not all(family.reads_denoiser_files for family in readers):
+        if is_gguf(base) and not all(family.loading.reads_denoiser_files for family in readers):
             raise DifftuneError(
                 f"model.base {base}: a GGUF file of a family whose single files hold the whole pipeline "
                 f"({', '.join(family.description for family in readers)}); GGUF bases are read for families whose "
                 "files hold the denoiser alone. Pass its .safetensors checkpoint"
             )
-        if is_scaled_fp8(keys) and not all(family.reads_denoiser_files for family in readers):
+        if is_scaled_fp8(keys) and not all(family.loading.reads_denoiser_files for family in readers):
             raise DifftuneError(
                 f"model.base {base}: a ComfyUI scaled fp8 file (`scaled_fp8`, `.scale_weight` keys) of a family whose "
                 "single files diffusers reads whole, and diffusers' reader would not apply its per-tensor scales. Pass "

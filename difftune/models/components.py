@@ -24,20 +24,12 @@ PICKLED_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 SINGLE_FILE_SUFFIXES = (".safetensors", ".gguf", *PICKLED_SUFFIXES)
 
 
-class PartsFamily(Protocol):
-    """What the layers below the families (these parts, the data and its caches) ask of the family whose parts
-    `Components` holds; the families' `Family` (families/common/family.py) is one, and the rest of it is asked by the
-    layers above."""
-
-    denoiser_name: str  # its pipeline argument and its prefix in diffusers' LoRA files
-
+class PartsLoading(Protocol):
     @property
     def reads_denoiser_files(self) -> bool: ...  # its single files hold the denoiser alone
 
-    def assemble_pipeline(self, components: Components, scheduler=None): ...
 
-    def blocks_to_offload(self, denoiser: torch.nn.Module, count: int) -> list[torch.nn.Module]: ...
-
+class PartsConditioning(Protocol):
     def tokenize(
         self, tokenizers: dict, captions: list[str], controls: list | None = None
     ) -> dict[str, torch.Tensor]: ...
@@ -47,6 +39,23 @@ class PartsFamily(Protocol):
     def cached_conditioning(self, conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
     def text_kept(self, components: Components) -> str: ...
+
+
+class PartsDrawing(Protocol):
+    def assemble_pipeline(self, components: Components, scheduler=None): ...
+
+
+class PartsFamily(Protocol):
+    """What the layers below the families (these parts, the data and its caches) ask of the family whose parts
+    `Components` holds, and of its roles; the families' `Family` (families/common/family.py) is one, and the rest of
+    it is asked by the layers above."""
+
+    denoiser_name: str  # its pipeline argument and its prefix in diffusers' LoRA files
+    loading: PartsLoading
+    conditioning: PartsConditioning
+    drawing: PartsDrawing
+
+    def blocks_to_offload(self, denoiser: torch.nn.Module, count: int) -> list[torch.nn.Module]: ...
 
 
 @dataclass
@@ -121,7 +130,7 @@ class Components:
 
     def pipeline(self, scheduler=None):
         """A text-to-image pipeline of the family over these components."""
-        return self.family.assemble_pipeline(self, scheduler)
+        return self.family.drawing.assemble_pipeline(self, scheduler)
 
 
 @contextmanager
@@ -265,7 +274,7 @@ def loads_encoders_first(config: Config, family: PartsFamily, resume: str | None
     of the denoiser alone (`family`'s: not a whole pipeline's file), and nothing draws with the whole base before
     training: no "before" samples, no class images, no training adapter (merged into the whole base)."""
     draws_before = config.sample.before and config.sample.prompts and not resume
-    whole_pipeline_file = config.model.base.endswith(SINGLE_FILE_SUFFIXES) and not family.reads_denoiser_files
+    whole_pipeline_file = config.model.base.endswith(SINGLE_FILE_SUFFIXES) and not family.loading.reads_denoiser_files
     return (
         config.cache.latents == "on"
         and config.cache.text == "on"

@@ -69,7 +69,7 @@ def run_family_job(family: str, work_dir: Path, steps: int = 200, seed: int = 1,
 
     base, validation = work_dir / f"micro-{family}", work_dir / "purple-validation"
     if not base.is_dir():
-        FAMILIES[family].save_pipeline(build_pipeline(seed=seed, family=family), base)
+        FAMILIES[family].loading.save_pipeline(build_pipeline(seed=seed, family=family), base)
     if not validation.is_dir():  # purple renders the job never sees
         write_caption_folder(validation, shape_images(12, seed=seed + 100, colors=(HELD_OUT_COLOR,)))
     output_dir = work_dir / f"job-{family}"

@@ -170,7 +170,7 @@ def _eval_pipeline(components: Components, settings: EvalSettings) -> tuple:
     pipeline.set_progress_bar_config(disable=True)
     for module in components.modules():
         module.eval()
-    return pipeline, components.family.sampling_arguments(components, settings.guidance_scale, "")
+    return pipeline, components.family.drawing.sampling_arguments(components, settings.guidance_scale, "")
 
 
 @torch.no_grad()
@@ -182,7 +182,7 @@ def judged_samples(
     rows = []
     for prompt in _counted(prompts, print_status):
         seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
-        images = components.family.draw(
+        images = components.family.drawing.draw(
             pipeline,
             components.family_options,
             [prompt] * len(seeds),
@@ -208,7 +208,7 @@ def judged_clips(
     rows = []
     for prompt in _counted(prompts, print_status):
         seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
-        clips = components.family.draw_clips(
+        clips = components.family.drawing.draw_clips(
             pipeline,
             [prompt] * len(seeds),
             [],
@@ -363,7 +363,7 @@ def _judged_pairs(
         color, shape = prompt.split()
         pair_seed = settings.seed + 1000 * list(COLORS).index(color) + 100 * SHAPES.index(shape)
         for k, (control, _, text) in enumerate(pairs(settings.samples_per_prompt, pair_seed, color, shape)):
-            [image] = components.family.draw(
+            [image] = components.family.drawing.draw(
                 pipeline,
                 components.family_options,
                 text,
@@ -429,7 +429,7 @@ def judged_placements(
         colors,
         pairs,
         silhouette_mask,
-        components.family.draws_from_control(components),
+        components.family.drawing.draws_from_control(components),
         settings,
         print_status,
     )
@@ -527,7 +527,7 @@ def evaluate(
     if adapter:
         adapted = load_components(ModelConfig(base=base))
         apply_adapters(adapted, [(adapter, 1.0)])
-    placements = adapted is not None and adapted.family.draws_from_control(adapted)
+    placements = adapted is not None and adapted.family.drawing.draws_from_control(adapted)
 
     def scored(components: Components, model: str, word: str = "") -> dict:
         said = _within(print_status, f"{model}:")

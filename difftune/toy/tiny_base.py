@@ -490,7 +490,7 @@ def build_base(out_dir: Path, work_dir: Path, recipe: Recipe, autoencoders_from:
     with timed(seconds, "unet_and_text_encoder"):  # the training schedule, the micro pipeline's
         pipeline, validation = _train_denoiser(recipe, init_dir, work_dir, init.scheduler)
     shutil.rmtree(out_dir, ignore_errors=True)
-    FAMILIES[recipe.family].save_pipeline(pipeline.to(torch.float16), out_dir)
+    FAMILIES[recipe.family].loading.save_pipeline(pipeline.to(torch.float16), out_dir)
     if taesd is not None:
         taesd.to(torch.float16).save_pretrained(out_dir / "taesd", safe_serialization=True)
     return {"recipe": asdict(recipe), "seconds": seconds, "autoencoders": scores, "validation_loss": validation}
@@ -532,7 +532,7 @@ def continue_denoiser(model_dir: Path, work_dir: Path, recipe: Recipe, steps: in
         pipeline, validation = _train_denoiser(more, model_dir, work_dir, base.pipeline().scheduler)
     staged = work_dir / "continued"
     shutil.rmtree(staged, ignore_errors=True)
-    FAMILIES[recipe.family].save_pipeline(pipeline.to(torch.float16), staged)
+    FAMILIES[recipe.family].loading.save_pipeline(pipeline.to(torch.float16), staged)
     for part in staged.iterdir():  # over the old pipeline's parts; taesd/, the card and scores.json stay
         target = model_dir / part.name
         shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
@@ -561,7 +561,7 @@ def write_untrained_control(vae, recipe: Recipe, init_dir: Path):
         text_tokens=recipe.text_tokens,
         caption_words=recipe.caption_words,
     )
-    FAMILIES[recipe.family].save_pipeline(init, init_dir)
+    FAMILIES[recipe.family].loading.save_pipeline(init, init_dir)
     return init
 
 

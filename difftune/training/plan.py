@@ -300,7 +300,7 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
         frozen = denoiser_loaded = gguf_tensor_bytes(config.model.base)
     # A denoiser of parts that take turns on the device (Wan 2.2's experts trained together) has one there at a time,
     # the others waiting in host memory.
-    turns = components.family.denoiser_pipeline_parts(components).values()
+    turns = components.family.drawing.denoiser_pipeline_parts(components).values()
     waiting = 0 if device_type == "cpu" else frozen - max(_bytes(part, frozen_only=True) for part in turns)
     trained_bytes = sum(p.numel() * 4 for p in trained)
     optimizer = OPTIMIZER_STATE_BYTES.get(config.optim.optimizer, 8) * sum(p.numel() for p in trained)
@@ -581,7 +581,7 @@ def empty_components(config: Config, source: tuple[Path, str] | None = None) -> 
             parts["vae"] = VAE_CLASSES[vae_config["_class_name"]].from_config(vae_config)
     # Named by the folder it was read from, as `from_pretrained` names a pipeline (a saved index may keep another).
     index = index | {"_name_or_path": str(folder)}
-    return family.components_of(SimpleNamespace(**parts, config=index), family.options(model))
+    return family.loading.components_of(SimpleNamespace(**parts, config=index), family.options(model))
 
 
 def config_source(model) -> tuple[Path, str]:
@@ -860,7 +860,10 @@ def _inputs(components: Components, config: Config, dtype: torch.dtype, batch: i
     from difftune.models.autoencoders import downsampling, frames_per_latent, latent_channels
 
     family, side = components.family, config.data.largest_resolution()
-    ids = {name: value.to(META) for name, value in family.tokenize(components.tokenizers, [""] * batch).items()}
+    ids = {
+        name: value.to(META)
+        for name, value in family.conditioning.tokenize(components.tokenizers, [""] * batch).items()
+    }
     size = side // downsampling(components.vae)
     frames = _planned_frames(components, config)
     time = ((frames - 1) // frames_per_latent(components.vae) + 1,) if frames else ()
@@ -874,7 +877,7 @@ def _planned_frames(components: Components, config: Config) -> int:
     them."""
     longest = 0
     for data in config.data.each_dataset():
-        windows = components.family.frame_windows(data, components.vae)
+        windows = components.family.conditioning.frame_windows(data, components.vae)
         if windows is None or not data_source(data.path).may_hold_clips():
             continue
         if windows.extraction == "full":
@@ -893,10 +896,10 @@ def _encoding_peaks(components: Components, config: Config, dtype: torch.dtype) 
     side = config.data.largest_resolution()
     pixels = torch.zeros(config.train.batch_size, 3, *((frames,) if frames else ()), side, side, device=META)
     with torch.no_grad(), _counting(full) as text:
-        components.family.encode_prompts(components, ids)
+        components.family.conditioning.encode_prompts(components, ids)
     with torch.no_grad(), _counting(full) as images:
         encode_posterior(components.vae, pixels)
-        components.family.pixel_conditioning(components, pixels)
+        components.family.conditioning.pixel_conditioning(components, pixels)
     return text.peak, images.peak
 
 
@@ -911,20 +914,20 @@ def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tu
     side = config.data.largest_resolution()
     pixels = torch.zeros(batch, 3, *((frames,) if frames else ()), side, side, device=META)
     with torch.no_grad(), _counting(full):
-        conditioning = components.family.encode_prompts(components, ids)
-        conditioning |= components.family.pixel_conditioning(
+        conditioning = components.family.conditioning.encode_prompts(components, ids)
+        conditioning |= components.family.conditioning.pixel_conditioning(
             components, pixels
         )  # an image-to-video model's first frame
     conditioning = {
         name: value.to(dtype) if value.is_floating_point() else value for name, value in conditioning.items()
     }
-    planned = components.family.planned_controls(components, latents)  # an edit pair's controls, or layers
+    planned = components.family.conditioning.planned_controls(components, latents)  # an edit pair's controls, or layers
     if components.controlnet is not None:  # the ControlNet's control image (its latents, or its pixels) instead
         controlnet = components.family.controlnet
         conditioning["control"] = controlnet.control_input(components, latents if controlnet.reads_latents else pixels)
     elif planned:
         conditioning["control_latents"] = planned
-    latents = components.family.trained_latents(latents, conditioning)
+    latents = components.family.conditioning.trained_latents(latents, conditioning)
     geometry = torch.tensor([[side, side, 0, 0, side, side]] * batch, device=META)
     timesteps = torch.full((batch,), 500, device=META)
     with _counting(full) as counter, _meta_autocast_as_cpu():

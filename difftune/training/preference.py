@@ -43,7 +43,9 @@ def check_preference_pairs(examples: list, family, key: str = "data.path") -> No
     """Every example a pair of a chosen image and one rejected image, on a base that reads no control images itself
     (an edit base's controls are its input, not a rejected image; a base whose prompts read references would read the
     rejected image with the caption)."""
-    if family.edit_base or family.prompts_see_controls:  # Qwen-Image-Layered's control is the image it splits
+    if (
+        family.edit_base or family.conditioning.prompts_see_controls
+    ):  # Qwen-Image-Layered's control is the image it splits
         raise DifftuneError(
             f'preference.method = "dpo": {family.description} bases read control images as their input; preference '
             "tuning takes text-to-image and video bases"

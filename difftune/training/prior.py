@@ -74,11 +74,11 @@ def fill_class_images(config: Config, components: Components, device: torch.devi
         module.to(device)
     pipeline = components.pipeline(sampling_scheduler(config.sample.scheduler, components))
     pipeline.set_progress_bar_config(disable=True)
-    guidance = components.family.sampling_arguments(components, prior.guidance_scale, prior.negative_prompt)
+    guidance = components.family.drawing.sampling_arguments(components, prior.guidance_scale, prior.negative_prompt)
     chunks = [todo[start : start + prior.batch_size] for start in range(0, len(todo), prior.batch_size)]
     with eval_mode(components.denoiser, *components.text_encoders.values()), torch.no_grad():
         for chunk in tqdm(chunks, desc="drawing class images"):
-            images = components.family.draw(
+            images = components.family.drawing.draw(
                 pipeline,
                 components.family_options,
                 [prior.class_prompt] * len(chunk),

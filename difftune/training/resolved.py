@@ -36,7 +36,7 @@ def resolve(config: Config, num_processes: int) -> ResolvedRun:
     config = config.model_copy(
         update={
             "model": config.model.model_copy(update={"family": family.name}),
-            "data": family.data_settings(config.data),
+            "data": family.conditioning.data_settings(config.data),
         }
     )
     return ResolvedRun(config, family, run_dtypes(config), budget)

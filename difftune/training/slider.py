@@ -57,7 +57,9 @@ def encoded_prompts(components, slider, device: torch.device) -> dict[str, dict[
     encoded = {}
     with torch.no_grad(), encoders_on(device, list(components.text_encoders.values())):
         for name in PROMPTS:
-            ids = family.tokenize(components.tokenizers, [getattr(slider, name)])
-            conditioning = family.encode_prompts(components, {key: value.to(device) for key, value in ids.items()})
+            ids = family.conditioning.tokenize(components.tokenizers, [getattr(slider, name)])
+            conditioning = family.conditioning.encode_prompts(
+                components, {key: value.to(device) for key, value in ids.items()}
+            )
             encoded[name] = {key: value.to(device) for key, value in conditioning.items()}
     return encoded

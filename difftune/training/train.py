@@ -240,9 +240,9 @@ def setup(config: Config, resume: str | None = None) -> Run:
         with phase(f"reading the data in {paths}", print_status):
             examples, bad_files = scan_datasets(
                 config.data,
-                windows=partial(components.family.frame_windows, vae=components.vae),
+                windows=partial(components.family.conditioning.frame_windows, vae=components.vae),
                 index_folder=cache_root(config) / "scans",
-                layers=components.family.trains_layers,
+                layers=components.family.conditioning.trains_layers,
             )
     if config.prior.enabled:  # read with the first dataset's settings
         class_images, bad_class_files = class_examples(config, class_dir, len(examples))
@@ -261,13 +261,13 @@ def setup(config: Config, resume: str | None = None) -> Run:
         reader = 'adapter.kind = "controlnet"' if config.adapter.trains_controlnet else "adapter.control_input"
         check_one_control_each(examples, "data.path", "control image", reader)
     else:
-        components.family.check_controls(examples, "data.path")
+        components.family.conditioning.check_controls(examples, "data.path")
     sizes = training_sizes(examples, config.data)  # reads every image's header with buckets on: once
     controls = control_sizes(
-        examples, sizes, partial(components.family.control_size, options=components.family_options)
+        examples, sizes, partial(components.family.conditioning.control_size, options=components.family_options)
     )
-    tokenize = partial(components.family.tokenize, components.tokenizers)  # picklable for loader workers
-    rates = frame_rates(examples) if components.family.trains_sound(components) else None
+    tokenize = partial(components.family.conditioning.tokenize, components.tokenizers)  # picklable for loader workers
+    rates = frame_rates(examples) if components.family.conditioning.trains_sound(components) else None
     with phase(
         "filling the caches", print_status if config.cache.latents == "on" or config.cache.text == "on" else None
     ):
@@ -289,7 +289,9 @@ def setup(config: Config, resume: str | None = None) -> Run:
         _release_unneeded(components, config)
         _shape_for_training(components, config, dtypes, accelerator)
     if config.sample.prompts:  # the samples' pipeline arguments, refused now rather than at the end of the run
-        components.family.sampling_arguments(components, config.sample.guidance_scale, config.sample.negative_prompt)
+        components.family.drawing.sampling_arguments(
+            components, config.sample.guidance_scale, config.sample.negative_prompt
+        )
     export.check_layout(components, config)
     if config.train.compile:  # after the adapters, so the compiled graph includes them
         compile_denoiser(components.denoiser)
@@ -326,10 +328,10 @@ def setup(config: Config, resume: str | None = None) -> Run:
         text_files,
         sizes,
         memory_bytes=config.cache.memory_mb * 2**20,
-        uncached_conditioning=components.family.uncached_conditioning,
+        uncached_conditioning=components.family.conditioning.uncached_conditioning,
         control_sizes=controls,
         control_entries=control_files,
-        sees_controls=components.family.prompts_see_controls,
+        sees_controls=components.family.conditioning.prompts_see_controls,
     )
     order = TrainingOrder(
         len(examples),
@@ -631,7 +633,7 @@ def _training_loss(
         pixels = to_device(batch["pixel_values"], device)
         with torch.no_grad():
             mean, std = encode_posterior(components.vae, pixels)
-            from_pixels = family.pixel_conditioning(components, pixels)
+            from_pixels = family.conditioning.pixel_conditioning(components, pixels)
     latents = sample_latents(mean, std, generators, components.latent_normalization).float()
     if slider_prompts:  # a slider reads its own prompts (`slider_loss`), never the captions
         conditioning = {}
@@ -639,7 +641,7 @@ def _training_loss(
         conditioning = {name: to_device(value, device) for name, value in batch["conditioning"].items()}
     else:
         with torch.set_grad_enabled(config.adapter.trains_text_encoders):
-            conditioning = family.encode_prompts(
+            conditioning = family.conditioning.encode_prompts(
                 components, {name: to_device(ids, device) for name, ids in batch["token_ids"].items()}
             )
     # What the family made of the pixels (an image-to-video base's first frame)
@@ -655,7 +657,7 @@ def _training_loss(
         conditioning["input_control"] = controls[0]
     elif controls and config.preference.method == "off":  # an edit pair: its controls' latents join the conditioning
         conditioning["control_latents"] = controls
-    latents = family.trained_latents(latents, conditioning)  # a layered base's: the image and its layers
+    latents = family.conditioning.trained_latents(latents, conditioning)  # a layered base's: the image and its layers
     timesteps, noise, input_noise = family.objective.draw_timesteps_and_noise(
         components, generators, latents, config.loss
     )
@@ -741,13 +743,13 @@ def _fill_caches(
     where their sound is cached beside them."""
     latent_files = control_files = text_files = None
     if config.cache.latents == "on":
-        vae_identity = components.family.latent_identity(components)
+        vae_identity = components.family.conditioning.latent_identity(components)
         latent_files = latent_entries(examples, sizes, vae_identity, config)
         if _controls_as_latents(components, config):
             control_files = control_latent_entries(examples, controls, vae_identity, config)
     if config.cache.text == "on":
         prompts = possible_prompts(
-            examples, controls, config.data, config.train.seed, components.family.prompts_see_controls
+            examples, controls, config.data, config.train.seed, components.family.conditioning.prompts_see_controls
         )
         text_files = text_entries(prompts, text_identity(components), config, tokenize)
     device = accelerator.device
@@ -771,9 +773,9 @@ def _fill_caches(
                 config,
                 config.train.batch_size,
                 [windows[i] for i in mine],
-                partial(components.family.pixel_conditioning, components),
-                partial(components.family.sound_conditioning, components)
-                if components.family.trains_sound(components)
+                partial(components.family.conditioning.pixel_conditioning, components),
+                partial(components.family.conditioning.sound_conditioning, components)
+                if components.family.conditioning.trains_sound(components)
                 else None,
                 [all_rates[i] for i in mine],
             )
@@ -972,7 +974,7 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
     with phase("saving the result", print_status):
         files = export.save_result_files(components, config, output_dir)
     trained_path = export.result_files(config, output_dir)[0]
-    for suffix in components.family.adapter_file_suffixes(config) if config.export.average_last > 1 else ():
+    for suffix in components.family.targets.adapter_file_suffixes(config) if config.export.average_last > 1 else ():
         # One average per file the run writes (an expert's snapshots with its own).
         snapshots = sorted((output_dir / "snapshots").glob(f"step-[0-9]*{suffix}.safetensors"))
         tensors, lora_configs, config_toml = export.average_adapters(

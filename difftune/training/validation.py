@@ -90,20 +90,23 @@ class Validator:
         )
         family = components.family
         examples, bad_files = scan_examples(
-            data, "validation.path", family.frame_windows(data, components.vae), layers=family.trains_layers
+            data,
+            "validation.path",
+            family.conditioning.frame_windows(data, components.vae),
+            layers=family.conditioning.trains_layers,
         )
         report_bad_files(bad_files, None)
-        family.check_controls(examples, "validation.path")
+        family.conditioning.check_controls(examples, "validation.path")
         sizes = training_sizes(examples, data)
-        rule = partial(family.control_size, options=components.family_options)
+        rule = partial(family.conditioning.control_size, options=components.family_options)
         dataset = CaptionedImages(
             examples,
             data,
-            partial(family.tokenize, components.tokenizers),
+            partial(family.conditioning.tokenize, components.tokenizers),
             config.validation.seed,
             sizes=sizes,
             control_sizes=control_sizes(examples, sizes, rule),
-            sees_controls=family.prompts_see_controls,
+            sees_controls=family.conditioning.prompts_see_controls,
         )
         items = [dataset[(0, i)] for i in range(len(examples))]
         seed = config.validation.seed
@@ -144,7 +147,7 @@ class Validator:
                 )
                 from_pixels = {
                     name: value.repeat_interleave(len(timesteps), dim=0).to(device)
-                    for name, value in family.pixel_conditioning(components, pixels).items()
+                    for name, value in family.conditioning.pixel_conditioning(components, pixels).items()
                 }
                 control_latents = [
                     reference_latents(encode_posterior(components.vae, control)[0], components.latent_normalization)
@@ -153,7 +156,9 @@ class Validator:
                     for control in controls
                 ]
                 conditioning = {"control_latents": control_latents} if control_latents else {}
-                latents = family.trained_latents(latents, conditioning)  # a layered base's: the image and its layers
+                latents = family.conditioning.trained_latents(
+                    latents, conditioning
+                )  # a layered base's: the image and its layers
                 control_latents = conditioning.pop("control_latents", [])
                 from_pixels |= conditioning  # what the family made of the controls (the image a layered base splits)
             self.groups.append(
@@ -188,7 +193,7 @@ class Validator:
                     part = slice(start, start + self.batch_size)
                     images, pair_rows = group["image_of_pair"][part].unique(return_inverse=True)
                     token_ids = {name: ids[images.to(ids.device)] for name, ids in group["token_ids"].items()}
-                    encoded = family.encode_prompts(components, token_ids)
+                    encoded = family.conditioning.encode_prompts(components, token_ids)
                     conditioning = {name: value[pair_rows.to(value.device)] for name, value in encoded.items()}
                     conditioning |= {name: value[part] for name, value in group["from_pixels"].items()}
                     if group["control_latents"]:

@@ -34,12 +34,12 @@ from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_anima
 from diffusers.loaders.single_file_utils import convert_cosmos_transformer_checkpoint_to_diffusers
 
 from difftune.config import ModelConfig
-from difftune.families.common.conditioning import padded_token_ids
-from difftune.families.common.flow import FlowMatchingFamily
+from difftune.families.common.conditioning import Conditioning, padded_token_ids
+from difftune.families.common.flow import FlowDrawing, FlowMatchingFamily
 from difftune.families.common.layouts import RenamedLayout, has_file_key
 from difftune.families.common.loading import FamilyOptions
-from difftune.families.common.modular import ModularBase
-from difftune.families.common.targets import targets_in_blocks
+from difftune.families.common.modular import ModularDrawing, ModularLoading
+from difftune.families.common.targets import AdapterTargets, targets_in_blocks
 from difftune.models.components import Components
 from difftune.models.denoiser_files import is_gguf, read_denoiser_file, read_gguf_file
 from difftune.models.dtypes import FP32_PARTS, PartDtypes
@@ -223,22 +223,17 @@ class AnimaLayout(RenamedLayout):
         return _convert_non_diffusers_anima_lora_to_diffusers(dict(tensors))
 
 
-class Anima(ModularBase, FlowMatchingFamily):
-    name = "anima"
-    layout = AnimaLayout()
-    description = "Anima"
-    pipeline_class = AnimaModularPipeline
-    pipeline_classes = ("AnimaModularPipeline",)
-    denoiser_class = CosmosTransformer3DModel
-    denoiser_name = "transformer"
-    text_encoder_names = ("text_encoder", "text_conditioner")
-    tokenizer_names = ("tokenizer", "t5_tokenizer")
+class AnimaTargets(AdapterTargets):
     lora_text_encoders = ("text_conditioner",)  # AnimaLoraLoaderMixin reads transformer and conditioner adapters
-    block_lists = ("transformer_blocks",)
-    padded_text_tokens = CONDITIONED_TOKENS
-    options_model = FamilyOptions  # no guidance embedding: classifier-free guidance
     default_targets = {"transformer": TRANSFORMER_TARGETS, "text_conditioner": CONDITIONER_TARGETS}
 
+    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
+        """Each block's attention and feed-forward layers, by name (the Qwen3 model is never adapted)."""
+        blocks = "transformer_blocks" if part == self.family.denoiser_name else "blocks"
+        return targets_in_blocks(model, {blocks: self.default_targets[part]})
+
+
+class AnimaLoading(ModularLoading):
     def pipeline_around_denoiser_file(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
         """As any modular family's, and the text conditioner of the file too (the original model holds it; a file of
         the transformer alone keeps `model.single_file_config`'s)."""
@@ -251,15 +246,13 @@ class Anima(ModularBase, FlowMatchingFamily):
 
     single_file_pipeline = pipeline_around_denoiser_file
 
-    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
-        """Each block's attention and feed-forward layers, by name (the Qwen3 model is never adapted)."""
-        blocks = "transformer_blocks" if part == self.denoiser_name else "blocks"
-        return targets_in_blocks(model, {blocks: self.default_targets[part]})
 
-    def latent_channels(self, denoiser: torch.nn.Module) -> int:
-        return denoiser.config.in_channels  # the transformer patches the latents itself
+class AnimaDrawing(ModularDrawing, FlowDrawing):
+    pass
 
-    # Prompts and the transformer.
+
+class AnimaConditioning(Conditioning):
+    padded_text_tokens = CONDITIONED_TOKENS
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         return {
@@ -285,6 +278,29 @@ class Anima(ModularBase, FlowMatchingFamily):
         )
         text_mask = F.pad(t5_mask.long(), (0, conditioned.shape[1] - t5_mask.shape[1]))
         return {"encoder_hidden_states": conditioned, "text_mask": text_mask}
+
+
+class Anima(FlowMatchingFamily):
+    name = "anima"
+    layout = AnimaLayout()
+    loading = AnimaLoading()
+    conditioning = AnimaConditioning()
+    drawing = AnimaDrawing()
+    targets = AnimaTargets()
+    description = "Anima"
+    pipeline_class = AnimaModularPipeline
+    pipeline_classes = ("AnimaModularPipeline",)
+    denoiser_class = CosmosTransformer3DModel
+    denoiser_name = "transformer"
+    text_encoder_names = ("text_encoder", "text_conditioner")
+    tokenizer_names = ("tokenizer", "t5_tokenizer")
+    block_lists = ("transformer_blocks",)
+    options_model = FamilyOptions  # no guidance embedding: classifier-free guidance
+
+    def latent_channels(self, denoiser: torch.nn.Module) -> int:
+        return denoiser.config.in_channels  # the transformer patches the latents itself
+
+    # Prompts and the transformer.
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """Each latent as a one-frame clip, with no padding (the mask channel zero, as the pipeline's)."""

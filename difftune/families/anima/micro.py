@@ -4,7 +4,6 @@ Anima's modular pipeline."""
 
 from diffusers import AnimaTextConditioner, CosmosTransformer3DModel
 
-from difftune.families.common.modular import ModularBase
 from difftune.toy.micro import MicroSizes
 from difftune.toy.micro._latent_statistics import qwen_autoencoder
 from difftune.toy.tiny import (
@@ -33,8 +32,8 @@ def pipeline(vae, sizes: MicroSizes):
     tokenizer, t5_tokenizer = build_qwen3_tokenizer(), build_t5_tokenizer()
     text_encoder = build_qwen3_text_encoder(tokenizer, width)
     text_conditioner = build_anima_text_conditioner(width, width, len(t5_tokenizer))
-    family: ModularBase = FAMILIES["anima"]
-    modular = family.modular_pipeline()
+    family = FAMILIES["anima"]
+    modular = family.loading.modular_pipeline()
     modular.update_components(
         vae=vae,
         text_encoder=text_encoder,

@@ -19,9 +19,18 @@ from __future__ import annotations
 import torch
 from diffusers import ChromaPipeline, ChromaTransformer2DModel
 
+from difftune.families.common.flow import FlowDrawing
 from difftune.families.common.loading import FamilyOptions
 from difftune.families.common.tokens import pack, unpack
-from difftune.families.flux import ORIGINAL_GLOBALS, TRANSFORMER_TARGETS, Flux, FluxLayout, image_position_ids
+from difftune.families.flux import (
+    ORIGINAL_GLOBALS,
+    TRANSFORMER_TARGETS,
+    Flux,
+    FluxConditioning,
+    FluxLayout,
+    FluxTargets,
+    image_position_ids,
+)
 from difftune.models.components import Components
 
 APPROXIMATOR = "distilled_guidance_layer."  # the network that makes every block's modulation from the time
@@ -74,9 +83,37 @@ class ChromaLayout(FluxLayout):
         return rest | {approximator_key(key, to_original=False): value for key, value in approximator.items()}
 
 
+class ChromaTargets(FluxTargets):
+    default_targets = {"transformer": TRANSFORMER_TARGETS}
+    lora_text_encoders = ()  # ChromaPipeline's LoRA loader reads the transformer's adapters alone
+
+
+class ChromaDrawing(FlowDrawing):
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """True classifier-free guidance above 1, in the pipeline's own `guidance_scale` (neg + w (pos - neg))."""
+        return {
+            "max_sequence_length": self.family.max_sequence_length(components),
+            "guidance_scale": guidance_scale,
+            "negative_prompt": negative_prompt or None,
+        }
+
+
+class ChromaConditioning(FluxConditioning):
+    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids = token_ids["text_encoder"]
+        mask = ids != components.tokenizers["tokenizer"].pad_token_id
+        states = components.text_encoders["text_encoder"](ids, output_hidden_states=False, attention_mask=mask.long())[
+            0
+        ]
+        return {"encoder_hidden_states": states, "text_mask": mask}
+
+
 class Chroma(Flux):
     name = "chroma"
     layout = ChromaLayout()
+    conditioning = ChromaConditioning()
+    drawing = ChromaDrawing()
+    targets = ChromaTargets()
     description = "Chroma"
     options_model = FamilyOptions  # no guidance embedding, and the padding mask is Chroma's own
     pipeline_class = ChromaPipeline
@@ -86,16 +123,6 @@ class Chroma(Flux):
     denoiser_class = ChromaTransformer2DModel
     text_encoder_names = ("text_encoder",)
     tokenizer_names = ("tokenizer",)
-    default_targets = {"transformer": TRANSFORMER_TARGETS}
-    lora_text_encoders = ()  # ChromaPipeline's LoRA loader reads the transformer's adapters alone
-
-    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ids = token_ids["text_encoder"]
-        mask = ids != components.tokenizers["tokenizer"].pad_token_id
-        states = components.text_encoders["text_encoder"](ids, output_hidden_states=False, attention_mask=mask.long())[
-            0
-        ]
-        return {"encoder_hidden_states": states, "text_mask": mask}
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         states = conditioning["encoder_hidden_states"]
@@ -115,18 +142,8 @@ class Chroma(Flux):
         )[0]
         return unpack(prediction, h, w)
 
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """True classifier-free guidance above 1, in the pipeline's own `guidance_scale` (neg + w (pos - neg))."""
-        return {
-            "max_sequence_length": self.max_sequence_length(components),
-            "guidance_scale": guidance_scale,
-            "negative_prompt": negative_prompt or None,
-        }
-
     def max_sequence_length(self, components: Components) -> int:
         return components.tokenizers["tokenizer"].model_max_length
-
-    # Single files.
 
 
 FAMILY = Chroma()

@@ -1,5 +1,5 @@
-"""A family's conditioning, its role as a mixin: what the denoiser reads besides the noisy latents, from captions,
-control images and the sample's own pixels, and how the text cache keeps it.
+"""A family's conditioning, a role it holds (`family.conditioning`): what the denoiser reads besides the noisy
+latents, from captions, control images and the sample's own pixels, and how the text cache keeps it.
 
 Tokenizing runs in the data loader's workers (it takes the tokenizers alone); encoding runs where the encoders are;
 the text cache stores what `cached_conditioning` keeps and training reads back what `uncached_conditioning` restores.
@@ -20,6 +20,7 @@ from difftune.data.cache import model_identity
 from difftune.data.clips import FrameWindows
 from difftune.errors import DifftuneError
 from difftune.families.common.loading import FamilyOptions
+from difftune.families.common.role import Role
 from difftune.models.autoencoders import LatentNormalization, frames_per_latent, latent_normalization
 from difftune.models.components import Components, tokenize
 
@@ -93,21 +94,7 @@ def reference_dimensions(area: int, size: tuple[int, int]) -> tuple[int, int]:
     )
 
 
-class ReferencesAtTargetArea:
-    """An edit family's references sized as its pipeline keeps them (a mixin before `Family`'s roles): each trains at
-    its target's area, its own aspect kept (`reference_dimensions`), and samples drawn at a set size give the pipeline
-    references so sized, so that it draws from what training read."""
-
-    def control_size(self, target_size, control_size, options=None):
-        return reference_dimensions(target_size[0] * target_size[1], control_size)
-
-    def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
-        if height:
-            controls = [control.resize(reference_dimensions(height * width, control.size)) for control in controls]
-        return {"image": controls} if controls else {}
-
-
-class Conditioning:
+class Conditioning(Role):
     # Where its text states are a language model's at each caption's tokens, zero-padded to this length with their
     # `text_mask` (`valid_token_states`): the text cache keeps the caption's tokens alone and pads them back. None:
     # stored as encoded.
@@ -129,7 +116,7 @@ class Conditioning:
         """The controls' latents the memory plan gives a step of `latents` (training.plan): as many as an edit pair
         may have (`max_controls`, each at the target's size: a plan holds for the largest step the data can make);
         none for a text-to-image family. A layered base plans its layers (`model.family_options.layers`)."""
-        return [latents] * self.max_controls
+        return [latents] * self.family.max_controls
 
     def trained_latents(self, latents: torch.Tensor, conditioning: dict) -> torch.Tensor:
         """What training noises and predicts for samples whose image latents are `latents` (B, C, ...), beside their
@@ -140,24 +127,25 @@ class Conditioning:
     def check_controls(self, examples: list, key: str) -> None:
         """Refuse a data set whose pairs have more control images than this family reads (a `DifftuneError` naming
         one such image): a text-to-image base would train as if the controls were not there."""
-        over = next((e for e in examples if len(e.control_paths) > self.max_controls), None)
+        over = next((e for e in examples if len(e.control_paths) > self.family.max_controls), None)
         if over is None:
             return
-        if not self.max_controls:
+        if not self.family.max_controls:
             raise DifftuneError(
                 f"{key}: {over.path.name} has control images ({', '.join(str(c) for c in over.control_paths)}), "
-                f"but {self.description} bases edit no image; train an edit base (FLUX.1 "
+                f"but {self.family.description} bases edit no image; train an edit base (FLUX.1 "
                 "Kontext, Qwen-Image-Edit) on pairs, or move the control folder away"
             )
+        family = self.family
         raise DifftuneError(
-            f"{key}: {over.path.name} has {len(over.control_paths)} control images; {self.description} bases read "
-            f"at most {self.max_controls}"
+            f"{key}: {over.path.name} has {len(over.control_paths)} control images; {family.description} bases read "
+            f"at most {family.max_controls}"
         )
 
     def frame_windows(self, data, vae) -> FrameWindows | None:
         """How this family's data cuts clips into windows (`data`'s frame settings, lengths the autoencoder `vae`
         takes); None for an image family, whose data leaves clips out and reports them."""
-        return FrameWindows.of(data, frames_per_latent(vae)) if self.reads_clips else None
+        return FrameWindows.of(data, frames_per_latent(vae)) if self.family.reads_clips else None
 
     def control_size(
         self, target_size: tuple[int, int], control_size: tuple[int, int], options: FamilyOptions | None = None
@@ -196,7 +184,7 @@ class Conditioning:
         identity = model_identity(components.vae)
         if type(self).pixel_conditioning is Conditioning.pixel_conditioning:
             return identity
-        return "+".join([identity, self.name, *map(model_identity, components.pixel_encoders.values())])
+        return "+".join([identity, self.family.name, *map(model_identity, components.pixel_encoders.values())])
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         """Captions -> token ids per text encoder (name -> (B, L)), padded and truncated as its pipeline does; where
@@ -225,4 +213,12 @@ class Conditioning:
 
     def encoder_tokenizers(self) -> list[tuple[str, str]]:
         """(text encoder, its tokenizer) names, in order."""
-        return list(zip(self.text_encoder_names, self.tokenizer_names, strict=True))
+        return list(zip(self.family.text_encoder_names, self.family.tokenizer_names, strict=True))
+
+
+class ReferenceSizedConditioning(Conditioning):
+    """An edit family's references sized as its pipeline keeps them: each trains at its target's area, its own aspect
+    kept (`reference_dimensions`), as `ReferenceSizedDrawing` draws them."""
+
+    def control_size(self, target_size, control_size, options=None):
+        return reference_dimensions(target_size[0] * target_size[1], control_size)

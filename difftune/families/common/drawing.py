@@ -25,7 +25,9 @@ from difftune.data.clips import read_frames, write_clip
 from difftune.data.dataset import BadImage, open_image
 from difftune.data.sources import is_clip
 from difftune.errors import DifftuneError
+from difftune.families.common.conditioning import reference_dimensions
 from difftune.families.common.loading import FamilyOptions
+from difftune.families.common.role import Role
 from difftune.models.autoencoders import load_vae
 from difftune.models.components import Components, eval_mode
 from difftune.progress import bar
@@ -38,9 +40,9 @@ SAMPLERS = {
 }
 
 
-class Drawing:
-    """A family's drawing, its role as a mixin: its samplers, its pipeline assembled over the (adapted) parts, and
-    images or clips drawn through it (what `generate_images` below calls)."""
+class Drawing(Role):
+    """A family's drawing, a role it holds (`family.drawing`): its samplers, its pipeline assembled over the (adapted)
+    parts, and images or clips drawn through it (what `generate_images` below calls)."""
 
     default_sampler = "ddim"  # what `sample.scheduler = "auto"` means
     samplers = SAMPLERS  # sampler name -> scheduler class, built over the model's own schedule config
@@ -51,7 +53,7 @@ class Drawing:
         name = self.default_sampler if name == "auto" else name
         if name not in self.samplers:
             raise DifftuneError(
-                f'sample.scheduler = "{name}": not a sampler for {self.description}; use auto or '
+                f'sample.scheduler = "{name}": not a sampler for {self.family.description}; use auto or '
                 f"{', '.join(self.samplers)}"
             )
         return self.samplers[name]
@@ -59,18 +61,18 @@ class Drawing:
     def denoiser_pipeline_parts(self, components: Components) -> dict[str, torch.nn.Module]:
         """The denoiser as the pipeline holds it, by part name: one part, or the parts a denoiser made of several
         holds (Wan 2.2's two experts trained together)."""
-        return {self.denoiser_part(components.family_options): components.denoiser}
+        return {self.family.denoiser_part(components.family_options): components.denoiser}
 
     def assemble_pipeline(self, components: Components, scheduler=None):
         """A text-to-image pipeline over the (possibly adapted) components; the family's ControlNet pipeline where
         they hold a ControlNet."""
         with_controlnet = components.controlnet is not None
         pipeline_class = (
-            self.controlnet.pipeline_class
+            self.family.controlnet.pipeline_class
             if with_controlnet
-            else self.input_control.pipeline_class
+            else self.family.input_control.pipeline_class
             if self.reads_input_control(components)
-            else self.pipeline_class
+            else self.family.pipeline_class
         )
         return pipeline_class(
             **self.denoiser_pipeline_parts(components),
@@ -81,13 +83,13 @@ class Drawing:
             **components.drawing_parts,
             **components.pixel_encoders,
             scheduler=scheduler or components.noise_scheduler,
-            **self.fixed_pipeline_arguments,
+            **self.family.fixed_pipeline_arguments,
             **components.pipeline_options,
         )
 
     def reads_input_control(self, components: Components) -> bool:
         """Whether the denoiser reads control images as input channels (a control LoRA's widened one)."""
-        return self.input_control is not None and self.input_control.reads_control(components.denoiser)
+        return self.family.input_control is not None and self.family.input_control.reads_control(components.denoiser)
 
     def draws_from_control(self, components: Components) -> bool:
         """Whether the components draw from a control image: a ControlNet beside them, or a control LoRA's widened
@@ -105,17 +107,18 @@ class Drawing:
         """The `sample.prompts` entries with more control images than this family reads (or none, where its pipeline
         draws only edits), each named."""
         problems = []
+        most = self.family.max_controls
         for entry in prompts:
             controls = [] if isinstance(entry, str) else entry.controls
             text = entry if isinstance(entry, str) else entry.prompt
-            if len(controls) > self.max_controls:
+            if len(controls) > most:
                 problems.append(
                     f"sample.prompts: {text!r} has {len(controls)} control images; these bases read "
-                    f"{'none (they edit no image)' if not self.max_controls else f'at most {self.max_controls}'}"
+                    f"{'none (they edit no image)' if not most else f'at most {most}'}"
                 )
             elif self.needs_controls_to_draw and not controls:
                 problems.append(
-                    f"sample.prompts: {text!r} has no control image; {self.description} pipelines draw only "
+                    f"sample.prompts: {text!r} has no control image; {self.family.description} pipelines draw only "
                     f'edits: write it as {{prompt = {text!r}, controls = ["image.png"]}}'
                 )
         return problems
@@ -135,9 +138,9 @@ class Drawing:
         callers check `prompt_control_problems` first), under the base's `options`; `arguments`: the rest of the call
         (steps, guidance, generators)."""
         if getattr(pipeline, "controlnet", None) is not None:
-            images = {self.controlnet.image_argument: controls[0]}
-        elif isinstance(pipeline, getattr(self.input_control, "pipeline_class", ())):
-            images = {self.input_control.image_argument: controls[0]}
+            images = {self.family.controlnet.image_argument: controls[0]}
+        elif isinstance(pipeline, getattr(self.family.input_control, "pipeline_class", ())):
+            images = {self.family.input_control.image_argument: controls[0]}
         else:
             images = self.image_arguments(controls, height, width)
         return pipeline(
@@ -161,7 +164,7 @@ class Drawing:
         """A video family's clips (each a list of PIL frames) of `frames` frames for `prompt` (from `controls`: an
         image-to-video base's first frame), as `draw` draws images; refused by an image family (callers check
         `reads_clips` first)."""
-        raise DifftuneError(f"{self.description} bases draw images, not clips")
+        raise DifftuneError(f"{self.family.description} bases draw images, not clips")
 
     def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
         """`draw`'s arguments for the controls and size: none for a text-to-image family."""
@@ -172,8 +175,8 @@ class Drawing:
         return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None}
 
 
-class ClipDrawing:
-    """A video family's drawing, before `Drawing` (Wan's, Kandinsky 5 video's): clips through its pipeline's
+class ClipDrawing(Drawing):
+    """A video family's drawing (Wan's, Kandinsky 5 video's): clips through its pipeline's
     `num_frames`, and images as one-frame clips."""
 
     def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
@@ -187,7 +190,7 @@ class ClipDrawing:
 
 
 class ImageToVideoDrawing(ClipDrawing):
-    """An image-to-video family's drawing, before its text-to-video family (Wan's, HunyuanVideo 1.5's): each sample
+    """An image-to-video family's drawing (Wan's, HunyuanVideo 1.5's): each sample
     prompt names the one image its clip animates (`{prompt = "...", controls = ["first_frame.png"]}`), given to the
     pipeline as its `image`."""
 
@@ -198,7 +201,18 @@ class ImageToVideoDrawing(ClipDrawing):
 
     def prompt_control_problems(self, prompts: list) -> list[str]:
         """Every sample prompt names the one image it animates."""
-        return one_image_each(prompts, f"{self.description} pipelines animate one", "first_frame.png")
+        return one_image_each(prompts, f"{self.family.description} pipelines animate one", "first_frame.png")
+
+
+class ReferenceSizedDrawing(Drawing):
+    """An edit family's drawing whose pipeline keeps references at their own size (FLUX.3's, Z-Image Omni's): samples
+    drawn at a set size give it references at the target's area, their aspect kept, as training read them
+    (`ReferenceSizedConditioning`)."""
+
+    def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
+        if height:
+            controls = [control.resize(reference_dimensions(height * width, control.size)) for control in controls]
+        return {"image": controls} if controls else {}
 
 
 def one_image_each(prompts: list, pipelines_do: str, example: str) -> list[str]:
@@ -218,7 +232,7 @@ def one_image_each(prompts: list, pipelines_do: str, example: str) -> list[str]:
 
 def sampling_scheduler(name: str, components: Components):
     """The named sampler (`auto`: the family's default) over the model's own noise schedule."""
-    return components.family.sampler(name).from_config(components.noise_scheduler.config)
+    return components.family.drawing.sampler(name).from_config(components.noise_scheduler.config)
 
 
 @dataclass
@@ -245,7 +259,7 @@ def generate_images(
     so any image can be re-made alone. No `resolution`: the model's native size. `shown_as`: the bar's words over
     the images drawn (on a terminal), none if empty."""
     family = components.family
-    problems = family.sample_prompt_problems(config.prompts, family.draws_from_control(components))
+    problems = family.drawing.sample_prompt_problems(config.prompts, family.drawing.draws_from_control(components))
     if config.frames > 1 and not family.reads_clips:
         problems.append(f"sample.frames = {config.frames}: {family.description} bases draw images; set it to 1")
     if problems:
@@ -253,7 +267,7 @@ def generate_images(
     decoder = load_vae(config.decoder).to(device, components.vae.dtype) if config.decoder else components.vae
     pipeline = replace(components, vae=decoder).pipeline(sampling_scheduler(config.scheduler, components))
     pipeline.set_progress_bar_config(disable=True)
-    guidance = components.family.sampling_arguments(components, config.guidance_scale, config.negative_prompt)
+    guidance = components.family.drawing.sampling_arguments(components, config.guidance_scale, config.negative_prompt)
     with eval_mode(*components.parts().values()):
         return _sample_all(pipeline, config, guidance, components, shown_as)
 
@@ -286,11 +300,11 @@ def _sample_all(pipeline, config: SampleConfig, guidance: dict, components: Comp
 def _sample(pipeline, config: SampleConfig, components: Components, entry, prompt, controls, seed, arguments) -> Sample:
     """One image, or a clip with `sample.frames` > 1."""
     if config.frames > 1:
-        [clip] = components.family.draw_clips(
+        [clip] = components.family.drawing.draw_clips(
             pipeline, prompt, controls, config.resolution, config.resolution, config.frames, **arguments
         )
         return Sample(clip[0], entry, seed, [c.resize(clip[0].size) for c in controls], clip)
-    [image] = components.family.draw(
+    [image] = components.family.drawing.draw(
         pipeline, components.family_options, prompt, controls, config.resolution, config.resolution, **arguments
     )
     drawn_as = "edited" if components.family.max_controls else "drawn"  # a ControlNet's or control LoRA's: drawn

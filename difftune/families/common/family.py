@@ -1,12 +1,21 @@
 """What a model family is to the rest of difftune: the one place that knows SD from SDXL (and what comes next).
 
 A family names its pipeline class and its parts (the denoiser and the text encoders, by the names diffusers'
-pipelines and LoRA files use), calls its denoiser with its conditioning, and holds its roles, each with one job: its
-objective (`objective`: objective.py, flow.py), its files in other tools' layouts (`layout`: layouts.py) and its
-control roles (`controlnet`, `input_control`: control.py) as objects; its loading, conditioning, drawing and adapter
-targets as mixins (loading.py, conditioning.py, drawing.py, targets.py). The loop, data, caches, checkpoints,
-export, eval and UI ask it and never branch on which it is. `Family` holds what SD-like families share; a family
-module overrides the rest.
+pipelines and LoRA files use), calls its denoiser with its conditioning, and holds its roles, each an object with one
+job in a module of its own:
+
+- `loading` (loading.py): a base read into `Components`;
+- `conditioning` (conditioning.py): captions, controls and pixels into what the denoiser reads, and the text cache;
+- `drawing` (drawing.py): samplers, the pipeline over the trained parts, images and clips drawn;
+- `targets` (targets.py): the parts and modules an adapter goes on, the files it is written as;
+- `layout` (layouts.py): its files in other tools' layouts;
+- `objective` (objective.py, flow.py): what training minimises;
+- `controlnet`, `input_control` (control.py): its control models, where it has them.
+
+A family declares a role where it differs from the default (`conditioning = FluxConditioning()`, a subclass of the
+role's class with only what differs); the first four read the family back (`role.family`, role.py). The loop, data,
+caches, checkpoints, export, eval and UI ask the family and its roles and never branch on which it is. `Family`
+holds what SD-like families share; a family module overrides the rest.
 """
 
 from __future__ import annotations
@@ -14,8 +23,9 @@ from __future__ import annotations
 import re
 
 import torch
+from pydantic import ValidationError
 
-from difftune.config import Config
+from difftune.config import Config, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families.common.conditioning import Conditioning
 from difftune.families.common.control import ControlNets, InputControl
@@ -31,9 +41,10 @@ from difftune.models.components import Components
 # `up_blocks.0.attentions.2`, `down_blocks.0.resnets.1`...
 UNET_BLOCK = re.compile(r"(?:^|\.)((?:down_blocks\.\d+|up_blocks\.\d+|mid_block)(?:\.(?:attentions|resnets)\.\d+)?)$")
 UNET_TOP_BLOCK = re.compile(r"(?:^|\.)(?:down_blocks\.\d+|mid_block|up_blocks\.\d+)$")
+ROLES = ("loading", "conditioning", "drawing", "targets")  # the roles a family holds that read it back (role.py)
 
 
-class Family(Loading, Conditioning, Drawing, AdapterTargets):
+class Family:
     name: str
     description: str
     pipeline_class: type
@@ -59,12 +70,40 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
     objective: Objective = DDPM()  # what training minimises (objective.py; flow.py's for the flow families)
     controlnet: ControlNets | None = None  # its ControlNet (control.py), where diffusers has one
     input_control: InputControl | None = None  # control images as input channels (control.py), where drawn so
+    loading: Loading = Loading()  # a base read into `Components` (loading.py)
+    conditioning: Conditioning = Conditioning()  # captions and controls into what the denoiser reads (conditioning.py)
+    drawing: Drawing = Drawing()  # its samplers and pipeline, images and clips drawn (drawing.py)
+    targets: AdapterTargets = AdapterTargets()  # which parts and modules an adapter goes on (targets.py)
+
+    def __init__(self) -> None:
+        # Each role its own copy bound to this family: a family that inherits its parent's role (FLUX.1 Kontext's
+        # loading is FLUX.1's) reads its own names through it.
+        for role in ROLES:
+            setattr(self, role, getattr(self, role).held_by(self))
 
     @property
     def page(self) -> str:
         """The name of its page for the real model, `docs/families/<page>.md`: its own, or `page_family`'s (an
         image-to-video family's is its text-to-video family's)."""
         return self.page_family or self.name
+
+    def options(self, config: ModelConfig) -> FamilyOptions:
+        """`model.family_options` checked against the family's own `options_model`: each wrong or unknown setting
+        named (those another family has are refused too: on this base they would do nothing)."""
+        try:
+            return self.options_model.model_validate(config.family_options)
+        except ValidationError as err:
+            known = ", ".join(self.options_model.model_fields) or "none"
+            problems = [
+                f"model.family_options.{'.'.join(map(str, error['loc']))}: "
+                + (
+                    f"not a setting of {self.description} bases (theirs: {known})"
+                    if error["type"] == "extra_forbidden"
+                    else f"{error['msg']} (got {error.get('input')!r})"
+                )
+                for error in err.errors()
+            ]
+            raise DifftuneError("\n".join(problems)) from None
 
     def denoiser_part(self, options: FamilyOptions) -> str:
         """The pipeline part that holds the denoiser this run trains: `denoiser_name`, unless the base has several
@@ -84,14 +123,14 @@ class Family(Loading, Conditioning, Drawing, AdapterTargets):
         problems = (
             self.objective.problems(config)
             + self.unsupported_settings(config)
-            + self.adapter_problems(config)
+            + self.targets.adapter_problems(config)
             + self.layout.problems(config)
-            + self.sample_prompt_problems(
+            + self.drawing.sample_prompt_problems(
                 config.sample.prompts, config.adapter.trains_controlnet or config.adapter.control_input
             )
         )
         try:
-            self.sampler(config.sample.scheduler)
+            self.drawing.sampler(config.sample.scheduler)
         except DifftuneError as err:
             problems.append(str(err))
         return problems

@@ -9,7 +9,7 @@ points as for the UNet families.
 
 `FlowMatching` is this objective; `FlowMatchingFamily` is a `Family` that holds it: a flow family writes its prompts,
 its `denoise` (packing latents into its tokens) and its files, and inherits the rest. Its pipelines share the flow
-families' guidance convention too (`sampling_arguments`).
+families' guidance convention too (`FlowDrawing.sampling_arguments`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pydantic import Field
 
 from difftune.config import Config, LossConfig
 from difftune.errors import DifftuneError
+from difftune.families.common.drawing import Drawing
 from difftune.families.common.family import Family
 from difftune.families.common.loading import FamilyOptions
 from difftune.families.common.objective import Objective, draw_fractions, draw_noise, per_sample_error
@@ -147,13 +148,35 @@ class FlowOptions(FamilyOptions):
     )
 
 
+class FlowDrawing(Drawing):
+    """A flow family's drawing: the flow-matching Euler sampler and the guidance arguments the flow pipelines share."""
+
+    default_sampler = "euler"
+    samplers = {"euler": FlowMatchEulerDiscreteScheduler}
+
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """A guidance-distilled base takes the scale as its guidance embedding; one without that gets true
+        classifier-free guidance (a second, negative pass) when the scale is above 1. Both the Flux and the
+        Qwen-Image pipelines name these arguments so."""
+        arguments = {"max_sequence_length": self.family.max_sequence_length(components)}
+        if components.denoiser.config.guidance_embeds:
+            return arguments | {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None}
+        if guidance_scale > 1 and self.reads_input_control(components):
+            raise DifftuneError(
+                f"sample.guidance_scale = {guidance_scale}: {self.family.input_control.pipeline_class.__name__} guides "
+                "through the base's guidance embedding alone, which this base lacks; set it to 1"
+            )
+        if guidance_scale > 1:
+            return arguments | {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt or ""}
+        return arguments
+
+
 class FlowMatchingFamily(Family):
     """A family trained by rectified flow, over latents its denoiser reads as 2x2 patches (`patch_size`)."""
 
     patch_size = 2  # latent pixels per token side: what the resolution shift counts tokens by
     block_lists = ("transformer_blocks", "single_transformer_blocks")  # double-stream, then single-stream
-    default_sampler = "euler"
-    samplers = {"euler": FlowMatchEulerDiscreteScheduler}
+    drawing = FlowDrawing()
 
     options_model = FlowOptions
     objective = FlowMatching()
@@ -188,22 +211,6 @@ class FlowMatchingFamily(Family):
         all its frames', as `LTX2Pipeline` counts them; the other video families' schedulers shift alike at every
         size), unless the family's pipeline counts otherwise."""
         return latents[0, 0].numel() // self.patch_size**2
-
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """A guidance-distilled base takes the scale as its guidance embedding; one without that gets true
-        classifier-free guidance (a second, negative pass) when the scale is above 1. Both the Flux and the
-        Qwen-Image pipelines name these arguments so."""
-        arguments = {"max_sequence_length": self.max_sequence_length(components)}
-        if components.denoiser.config.guidance_embeds:
-            return arguments | {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None}
-        if guidance_scale > 1 and self.reads_input_control(components):
-            raise DifftuneError(
-                f"sample.guidance_scale = {guidance_scale}: {self.input_control.pipeline_class.__name__} guides "
-                "through the base's guidance embedding alone, which this base lacks; set it to 1"
-            )
-        if guidance_scale > 1:
-            return arguments | {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt or ""}
-        return arguments
 
     def max_sequence_length(self, components: Components) -> int:
         """The text tokens the pipeline reads (its `max_sequence_length`): the tokens training reads."""

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from difftune.errors import DifftuneError
-from difftune.families.common.conditioning import NO_TOKEN, padded, trimmed, valid_token_states
+from difftune.families.common.conditioning import NO_TOKEN, Conditioning, padded, trimmed, valid_token_states
 from difftune.models.components import Components
 
 SKIPPED_LAYERS = 2  # the language model's last layers both pipelines skip (their third-to-last hidden state)
@@ -78,8 +78,31 @@ def _picked(conditioning: dict[str, torch.Tensor], names: tuple[str, ...]) -> di
     return {name: conditioning[name] for name in names}
 
 
-class HunyuanTextConditioning:
-    """The text side of a Hunyuan family (see the module's docstring), before `Family` in its bases."""
+def text_arguments(
+    conditioning: dict[str, torch.Tensor], denoiser: torch.nn.Module, least_glyphs: int = 0
+) -> dict[str, torch.Tensor]:
+    """The transformer's text arguments, both texts cut to the batch's longest (their padding is masked out), in
+    the dtype of `denoiser`'s norms; the glyph states at least `least_glyphs` long (0: left out where no caption
+    of the batch quotes text)."""
+    dtype = norms_dtype(denoiser)
+    mask = conditioning["text_mask"].bool()
+    longest = int(mask.sum(dim=1).max())
+    arguments = {
+        "encoder_hidden_states": conditioning["encoder_hidden_states"][:, :longest].to(dtype),
+        "encoder_attention_mask": mask[:, :longest],
+    }
+    glyph_mask = conditioning["text_mask_2"].bool()
+    glyph_longest = max(int(glyph_mask.sum(dim=1).max()), least_glyphs)
+    if glyph_longest:
+        arguments |= {
+            "encoder_hidden_states_2": conditioning["encoder_hidden_states_2"][:, :glyph_longest].to(dtype),
+            "encoder_attention_mask_2": glyph_mask[:, :glyph_longest],
+        }
+    return arguments
+
+
+class HunyuanTextConditioning(Conditioning):
+    """The text side of a Hunyuan family (see the module's docstring)."""
 
     template_tokens: int  # the template's tokens before the caption, which the pipeline drops
     padded_text_tokens: int  # the caption's tokens the pipeline reads after them
@@ -131,28 +154,3 @@ class HunyuanTextConditioning:
         return padded(_picked(stored, TEXT), self.padded_text_tokens) | padded(
             _picked(stored, GLYPHS), self.glyph_tokens
         )
-
-    def text_arguments(
-        self, conditioning: dict[str, torch.Tensor], denoiser: torch.nn.Module, least_glyphs: int = 0
-    ) -> dict[str, torch.Tensor]:
-        """The transformer's text arguments, both texts cut to the batch's longest (their padding is masked out), in
-        the dtype of `denoiser`'s norms; the glyph states at least `least_glyphs` long (0: left out where no caption
-        of the batch quotes text)."""
-        dtype = norms_dtype(denoiser)
-        mask = conditioning["text_mask"].bool()
-        longest = int(mask.sum(dim=1).max())
-        arguments = {
-            "encoder_hidden_states": conditioning["encoder_hidden_states"][:, :longest].to(dtype),
-            "encoder_attention_mask": mask[:, :longest],
-        }
-        glyph_mask = conditioning["text_mask_2"].bool()
-        glyph_longest = max(int(glyph_mask.sum(dim=1).max()), least_glyphs)
-        if glyph_longest:
-            arguments |= {
-                "encoder_hidden_states_2": conditioning["encoder_hidden_states_2"][:, :glyph_longest].to(dtype),
-                "encoder_attention_mask_2": glyph_mask[:, :glyph_longest],
-            }
-        return arguments
-
-    def max_sequence_length(self, components: Components) -> int:
-        return self.padded_text_tokens

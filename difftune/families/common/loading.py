@@ -1,6 +1,6 @@
-"""A family's loading, its role as a mixin: a base (a pipeline folder, a hub id, a single file or a file of the
-denoiser alone) read into `Components`, each part in the dtype the run keeps it in, and the family's own settings
-(`model.family_options`) checked first."""
+"""A family's loading, a role it holds (`family.loading`): a base (a pipeline folder, a hub id, a single file or a
+file of the denoiser alone) read into `Components`, each part in the dtype the run keeps it in, and the family's own
+settings (`model.family_options`) checked first."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 from diffusers.loaders.lora_pipeline import CogView4LoraLoaderMixin
-from pydantic import ValidationError
 
 from difftune.config import ModelConfig, Section
 from difftune.errors import DifftuneError
+from difftune.families.common.role import Role
 from difftune.models.autoencoders import downsampling
 from difftune.models.components import SINGLE_FILE_SUFFIXES, Components, files_dtype
 from difftune.models.denoiser_files import (
@@ -72,45 +72,27 @@ class FamilyOptions(Section):
     """A family's own settings (`model.family_options`); a family with some declares them in a subclass."""
 
 
-class Loading:
-    def options(self, config: ModelConfig) -> FamilyOptions:
-        """`model.family_options` checked against the family's own `options_model`: each wrong or unknown setting
-        named (those another family has are refused too: on this base they would do nothing)."""
-        try:
-            return self.options_model.model_validate(config.family_options)
-        except ValidationError as err:
-            known = ", ".join(self.options_model.model_fields) or "none"
-            problems = [
-                f"model.family_options.{'.'.join(map(str, error['loc']))}: "
-                + (
-                    f"not a setting of {self.description} bases (theirs: {known})"
-                    if error["type"] == "extra_forbidden"
-                    else f"{error['msg']} (got {error.get('input')!r})"
-                )
-                for error in err.errors()
-            ]
-            raise DifftuneError("\n".join(problems)) from None
-
+class Loading(Role):
     def load(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS) -> Components:
         """Every part of `config.base` (a pipeline folder, hub id or single file) on the CPU, each in its `dtypes`
         (diffusers' per-part `dtype`)."""
-        options = self.options(config)  # before the minutes a large base takes to load
+        options = self.family.options(config)  # before the minutes a large base takes to load
         if config.base.endswith(SINGLE_FILE_SUFFIXES):
             if not Path(config.base).is_file():
                 raise DifftuneError(f"model.base {config.base}: no such file")
             pipeline = self.single_file_pipeline(config, dtypes)
         else:
-            pipeline = self.pipeline_class.from_pretrained(
+            pipeline = self.family.pipeline_class.from_pretrained(
                 config.base,
                 revision=config.revision or None,
                 variant=config.variant or None,
-                **self.fixed_pipeline_arguments,
+                **self.family.fixed_pipeline_arguments,
                 **self._loading_arguments(config, options, dtypes),
             )
         return self.components_of(pipeline, options)
 
     def _loading_arguments(self, config: ModelConfig, options: FamilyOptions, dtypes: PartDtypes) -> dict:
-        part = self.denoiser_part(options)
+        part = self.family.denoiser_part(options)
         left_out = {} if dtypes.drawing_parts else dict.fromkeys(self.drawing_part_names_of(config))
         if dtypes.denoiser is None:
             return {part: None, **left_out, "dtype": {"default": dtypes.others, "vae": dtypes.vae}}
@@ -121,7 +103,7 @@ class Loading:
 
     def drawing_part_names_of(self, config: ModelConfig) -> tuple[str, ...]:
         """The drawing parts (`drawing_part_names`) base `config` has."""
-        return self.drawing_part_names
+        return self.family.drawing_part_names
 
     def _denoiser_dtype(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.dtype:
         if dtypes.denoiser == AS_STORED:
@@ -131,7 +113,7 @@ class Loading:
     def load_denoiser(self, config: ModelConfig, dtypes: PartDtypes) -> torch.nn.Module:
         """The denoiser alone (`denoiser_part` of a pipeline folder or hub id, or a file of the denoiser alone), in
         `dtypes.denoiser`."""
-        return self.load_denoiser_part(config, self.denoiser_part(self.options(config)), dtypes)
+        return self.load_denoiser_part(config, self.family.denoiser_part(self.family.options(config)), dtypes)
 
     def load_denoiser_part(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.nn.Module:
         """The pipeline part `part` of a denoiser's kind, loaded as `load_denoiser` loads the denoiser."""
@@ -148,7 +130,7 @@ class Loading:
 
     def empty_denoiser(self, config: ModelConfig) -> torch.nn.Module:
         """The denoiser built from its config alone, without weights (its shape: latent channels, blocks)."""
-        return self.empty_denoiser_part(config, self.denoiser_part(self.options(config)))
+        return self.empty_denoiser_part(config, self.family.denoiser_part(self.family.options(config)))
 
     def empty_denoiser_part(self, config: ModelConfig, part: str) -> torch.nn.Module:
         source = self.part_source(config_folder(config), part, config.revision or None)
@@ -158,17 +140,17 @@ class Loading:
     def part_source(self, folder: str, part: str, revision: str | None) -> PartSource:
         """Where the pipeline folder (or hub id) `folder` keeps `part`: in its subfolder of that name, of the class
         its `model_index.json` names (as the pipeline would load it)."""
-        library, class_name = self.pipeline_class.load_config(folder, revision=revision)[part]
+        library, class_name = self.family.pipeline_class.load_config(folder, revision=revision)[part]
         return PartSource(part_class(library, class_name), folder, part, revision)
 
     def single_file_pipeline(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
         """The pipeline of a single-file `config.base` (there, an existing file), through diffusers' reader, which
         takes one dtype for every part: the run's where its parts agree on one, else fp32."""
         agree = dtypes.vae == dtypes.others and dtypes.denoiser in (AS_STORED, None, dtypes.others)
-        return self.pipeline_class.from_single_file(
+        return self.family.pipeline_class.from_single_file(
             config.base,
             config=config.single_file_config or None,
-            **self.fixed_pipeline_arguments,
+            **self.family.fixed_pipeline_arguments,
             dtype=dtypes.others if agree else torch.float32,
         )
 
@@ -179,26 +161,30 @@ class Loading:
         `single_file_pipeline = pipeline_around_denoiser_file`."""
         self.check_denoiser_file(config)
         folder, revision = config.single_file_config, config.revision or None
-        part = self.denoiser_part(self.options(config))
+        part = self.family.denoiser_part(self.family.options(config))
         parts = {"dtype": {"default": dtypes.others, "vae": dtypes.vae}, part: None}
         if not dtypes.drawing_parts:
             parts |= dict.fromkeys(self.drawing_part_names_of(config))
         if dtypes.denoiser is not None:
             parts[part] = self.denoiser_of_file(config, part, dtypes)
-        return self.pipeline_class.from_pretrained(folder, **parts, revision=revision, **self.fixed_pipeline_arguments)
+        return self.family.pipeline_class.from_pretrained(
+            folder, **parts, revision=revision, **self.family.fixed_pipeline_arguments
+        )
 
     def check_denoiser_file(self, config: ModelConfig) -> None:
         """Refuse a single file of the denoiser alone that cannot be read: one without `model.single_file_config` (its
         text encoder, autoencoder and configs come from there), or one neither .safetensors nor .gguf."""
+        family = self.family
         if not config.single_file_config:
             raise DifftuneError(
-                f"model.base {config.base}: a {self.description} single file holds the {self.denoiser_name} alone; set "
-                f"model.single_file_config to a {self.description} diffusers folder or hub id for its text encoder, "
-                "autoencoder and configs"
+                f"model.base {config.base}: a {family.description} single file holds the {family.denoiser_name} alone; "
+                f"set model.single_file_config to a {family.description} diffusers folder or hub id for its text "
+                "encoder, autoencoder and configs"
             )
         if not config.base.endswith((".safetensors", ".gguf")):
             raise DifftuneError(
-                f"model.base {config.base}: read as .safetensors or .gguf only for {self.description}; convert the file"
+                f"model.base {config.base}: read as .safetensors or .gguf only for {family.description}; convert the "
+                "file"
             )
 
     def denoiser_of_file(self, config: ModelConfig, part: str, dtypes: PartDtypes) -> torch.nn.Module:
@@ -206,9 +192,9 @@ class Loading:
         `.safetensors` file tensor by tensor, a GGUF file's blocks quantized (denoiser_files.py)."""
         source = self.part_source(config.single_file_config, part, config.revision or None)
         with init_empty_weights():
-            denoiser = self.denoiser_class.from_config(source.config())
+            denoiser = self.family.denoiser_class.from_config(source.config())
         if is_gguf(config.base):
-            return load_gguf_file(denoiser, config.base, self.layout.diffusers_names, dtypes.others)
+            return load_gguf_file(denoiser, config.base, self.family.layout.diffusers_names, dtypes.others)
         return load_denoiser_file(denoiser, self.denoiser_file_weights(config.base), dtypes)
 
     @property
@@ -220,7 +206,7 @@ class Loading:
     def denoiser_file_weights(self, path: str) -> DenoiserFile:
         """A denoiser-alone `.safetensors` file's tensors under diffusers' names (`diffusers_names`), as the file
         holds them, with each fp8 tensor's scale (denoiser_files.py)."""
-        return read_denoiser_file(path, self.layout.diffusers_names)
+        return read_denoiser_file(path, self.family.layout.diffusers_names)
 
     def save_pipeline(self, pipeline, folder: Path) -> None:
         """A pipeline of the family written as a diffusers folder, safetensors, that `load` reads back; one given LoRA
@@ -232,17 +218,21 @@ class Loading:
 
     def components_of(self, pipeline, options: FamilyOptions) -> Components:
         return Components(
-            family=self,
-            denoiser=getattr(pipeline, self.denoiser_part(options)),
+            family=self.family,
+            denoiser=getattr(pipeline, self.family.denoiser_part(options)),
             vae=pipeline.vae,
-            text_encoders={name: getattr(pipeline, name) for name in self.text_encoder_names},
-            tokenizers={name: getattr(pipeline, name) for name in self.tokenizer_names},
-            drawing_parts={name: getattr(pipeline, name) for name in self.drawing_part_names},
+            text_encoders={name: getattr(pipeline, name) for name in self.family.text_encoder_names},
+            tokenizers={name: getattr(pipeline, name) for name in self.family.tokenizer_names},
+            drawing_parts={name: getattr(pipeline, name) for name in self.family.drawing_part_names},
             pixel_encoders={
-                name: part for name in self.pixel_encoder_names if (part := getattr(pipeline, name, None)) is not None
+                name: part
+                for name in self.family.pixel_encoder_names
+                if (part := getattr(pipeline, name, None)) is not None
             },
-            noise_scheduler=self.objective.training_scheduler(pipeline.scheduler),
+            noise_scheduler=self.family.objective.training_scheduler(pipeline.scheduler),
             pixels_per_latent=downsampling(pipeline.vae) if pipeline.vae is not None else 8,
-            pipeline_options={key: pipeline.config[key] for key in self.pipeline_options if key in pipeline.config},
+            pipeline_options={
+                key: pipeline.config[key] for key in self.family.pipeline_options if key in pipeline.config
+            },
             family_options=options,
         )

@@ -1,13 +1,14 @@
-"""A family whose base is a diffusers modular pipeline (`ModularPipeline`: FLUX.3's `Flux3ModularPipeline`), the
-loading and drawing that such a family shares, as a mixin before `Family`'s roles.
+"""A family whose base is a diffusers modular pipeline (`ModularPipeline`: FLUX.3's `Flux3ModularPipeline`): the
+loading and drawing roles such a family holds (`ModularLoading`, `ModularDrawing`).
 
 A modular base names its parts in `modular_model_index.json`, each with where its files are (a subfolder of the
 base, or of another repository); its other parts (scheduler, guider, image processor) are made from the blocks' own
 specs. So a modular family is a family module like any other: it names its pipeline class (`pipeline_class`, whose
-`default_blocks_name` gives its blocks) and the steps training never runs (`left_out_steps`: FLUX.3's prompt
-upsampler, a second language model); this mixin loads the parts through the pipeline's component specs, assembles
-a pipeline over the (adapted) parts with `update_components`, and draws through its blocks. Files are written by the
-pipeline's own `save_pretrained` (a `modular_model_index.json` that points at the saved folder).
+`default_blocks_name` gives its blocks) and, in its loading, the steps training never runs (`left_out_steps`: FLUX.3's
+prompt upsampler, a second language model). `ModularLoading` loads the parts through the pipeline's component specs;
+`ModularDrawing` assembles a pipeline over the (adapted) parts with `update_components` and draws through its blocks.
+Files are written by the pipeline's own `save_pretrained` (a `modular_model_index.json` that points at the saved
+folder).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
-from difftune.families.common.loading import FamilyOptions, PartSource
+from difftune.families.common.drawing import Drawing
+from difftune.families.common.loading import FamilyOptions, Loading, PartSource
 from difftune.models.components import SINGLE_FILE_SUFFIXES, Components
 from difftune.models.dtypes import FP32_PARTS, PartDtypes
 
@@ -48,19 +50,19 @@ def without_step_bars(blocks) -> None:
         without_step_bars(block)
 
 
-class ModularBase:
+class ModularLoading(Loading):
     left_out_steps: tuple[str, ...] = ()  # the default blocks' steps difftune never runs (by their names)
 
     def modular_pipeline(self, folder: str | None = None, revision: str | None = None):
         """The family's modular pipeline over its blocks less `left_out_steps`, reading the component specs of
         `folder` (a base folder or hub id; None: none, every part to be given), no part loaded yet."""
-        blocks = getattr(importlib.import_module("diffusers"), self.pipeline_class.default_blocks_name)()
+        blocks = getattr(importlib.import_module("diffusers"), self.family.pipeline_class.default_blocks_name)()
         for step in self.left_out_steps:
             blocks.sub_blocks.pop(step)
         without_step_bars(blocks)
         revision = {"revision": revision} if folder else {}
         with diffusers_warnings_silenced():
-            return self.pipeline_class(blocks=blocks, pretrained_model_name_or_path=folder, **revision)
+            return self.family.pipeline_class(blocks=blocks, pretrained_model_name_or_path=folder, **revision)
 
     def part_source(self, folder: str, part: str, revision: str | None) -> PartSource:
         """Where the modular base `folder` keeps `part`: as its component spec says (a subfolder of the base, or of
@@ -71,7 +73,7 @@ class ModularBase:
         return PartSource(spec.type_hint, spec.pretrained_model_name_or_path, spec.subfolder or "", spec.revision)
 
     def load(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS) -> Components:
-        options = self.options(config)  # before the minutes a large base takes to load
+        options = self.family.options(config)  # before the minutes a large base takes to load
         if config.base.endswith(SINGLE_FILE_SUFFIXES):
             return self.components_of(self.single_file_pipeline(config, dtypes), options)
         arguments = self._loading_arguments(config, options, dtypes)
@@ -80,8 +82,8 @@ class ModularBase:
     def pipeline_around_denoiser_file(self, config: ModelConfig, dtypes: PartDtypes = FP32_PARTS):
         """A single file of the denoiser alone inside the modular pipeline of `model.single_file_config`."""
         self.check_denoiser_file(config)
-        options = self.options(config)
-        part = self.denoiser_part(options)
+        options = self.family.options(config)
+        part = self.family.denoiser_part(options)
         arguments = self._loading_arguments(config, options, dtypes) | {part: None}
         pipeline = self._loaded(config, config.single_file_config, arguments)
         if dtypes.denoiser is not None:
@@ -102,7 +104,7 @@ class ModularBase:
             if spec.pretrained_model_name_or_path is None:
                 raise DifftuneError(
                     f"model.base {folder}: its {MODULAR_INDEX} names no files for its {name}; is it a "
-                    f"{self.description} base?"
+                    f"{self.family.description} base?"
                 )
             variant = {"variant": config.variant} if config.variant else {}
             loaded[name] = spec.load(dtype=dtypes.get(name, dtypes["default"]), **variant)
@@ -117,15 +119,17 @@ class ModularBase:
     def components_of(self, pipeline, options: FamilyOptions) -> Components:
         """As `Loading.components_of`; the parts the blocks make from their own specs (the scheduler), where the
         pipeline lacks them (a plan's parts built from configs), made so."""
-        missing = [name for name in ("scheduler", *self.drawing_part_names) if not hasattr(pipeline, name)]
+        missing = [name for name in ("scheduler", *self.family.drawing_part_names) if not hasattr(pipeline, name)]
         if missing:
             defaults = self.modular_pipeline()
             for name in missing:
                 setattr(pipeline, name, getattr(defaults, name))
         return super().components_of(pipeline, options)
 
+
+class ModularDrawing(Drawing):
     def assemble_pipeline(self, components: Components, scheduler=None):
-        pipeline = self.modular_pipeline()
+        pipeline = self.family.loading.modular_pipeline()
         with diffusers_warnings_silenced():
             pipeline.update_components(
                 **self.denoiser_pipeline_parts(components),

@@ -1,5 +1,5 @@
-"""A family's adapter targets, its role as a mixin: which parts and modules an adapter goes on, which text encoders
-its pipeline's LoRA loader reads, and what of the adapter settings it refuses."""
+"""A family's adapter targets, a role it holds (`family.targets`): which parts and modules an adapter goes on, which
+text encoders its pipeline's LoRA loader reads, and what of the adapter settings it refuses."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from difftune.config import Config
 from difftune.families.common.loading import FamilyOptions
+from difftune.families.common.role import Role
 from difftune.models.components import Components
 
 
@@ -34,7 +35,7 @@ class AdapterFile(NamedTuple):
     config: Config
 
 
-class AdapterTargets:
+class AdapterTargets(Role):
     lora_text_encoders: tuple[str, ...] | None = None  # those its pipeline's LoRA loader reads adapters of (None: all)
     default_targets: dict[str, list[str]]  # part -> modules that get an adapter unless the config lists others
     trains_embeddings = False  # textual inversion is built for it (`adapter.kind = "embedding"`)
@@ -63,24 +64,26 @@ class AdapterTargets:
         loader would drop, and textual inversion where it is not built."""
         problems = []
         if config.adapter.text_encoder and config.adapter.is_adapter and not self.adapted_text_encoders():
+            family = self.family
             problems.append(
-                f"adapter.text_encoder: {self.pipeline_class.__name__}'s LoRA loader reads {self.denoiser_name} "
+                f"adapter.text_encoder: {family.pipeline_class.__name__}'s LoRA loader reads {family.denoiser_name} "
                 "adapters alone (a text encoder adapter would be dropped where the file is used); set it to false, "
                 'or fine-tune in full (adapter.kind = "none"), which saves the text encoder in the pipeline folder'
             )
         if config.adapter.learns_tokens and not self.trains_embeddings:
             problems.append(
-                f'adapter.kind = "embedding": textual inversion is not built for {self.description}; train a LoRA'
+                f'adapter.kind = "embedding": textual inversion is not built for {self.family.description}; '
+                "train a LoRA"
             )
-        if config.adapter.control_input and self.input_control is None:
+        if config.adapter.control_input and self.family.input_control is None:
             problems.append(
-                f"adapter.control_input: {self.description} has no pipeline that reads control images as input "
+                f"adapter.control_input: {self.family.description} has no pipeline that reads control images as input "
                 "channels (Flux.1 does: FluxControlPipeline)"
             )
-        if config.adapter.trains_controlnet and self.controlnet is None:
+        if config.adapter.trains_controlnet and self.family.controlnet is None:
             problems.append(
-                f'adapter.kind = "controlnet": {self.description} has no ControlNet model in diffusers that difftune '
-                "trains (SD 1.x/2.x, SDXL, SD3/3.5, Flux.1 and Qwen-Image do)"
+                f'adapter.kind = "controlnet": {self.family.description} has no ControlNet model in diffusers that '
+                "difftune trains (SD 1.x/2.x, SDXL, SD3/3.5, Flux.1 and Qwen-Image do)"
             )
         return problems
 
@@ -97,18 +100,18 @@ class AdapterTargets:
     def adapted_text_encoders(self) -> tuple[str, ...]:
         """The text encoders `adapter.text_encoder` trains: the ones diffusers' LoRA loader of this family reads
         (`lora_text_encoders`)."""
-        return self.text_encoder_names if self.lora_text_encoders is None else self.lora_text_encoders
+        return self.family.text_encoder_names if self.lora_text_encoders is None else self.lora_text_encoders
 
     def fine_tuned_text_encoders(self) -> tuple[str, ...]:
         """The text encoders a full fine-tune trains with `adapter.text_encoder` (saved in the pipeline folder, which
         the family's pipeline loads whole): the adapted ones, or all of them where the LoRA loader reads the denoiser's
         adapters alone."""
-        return self.adapted_text_encoders() or self.text_encoder_names
+        return self.adapted_text_encoders() or self.family.text_encoder_names
 
     def adapter_parts(self) -> tuple[str, ...]:
         """The parts an adapter file may hold: the denoiser and the adapted text encoders."""
-        return (self.denoiser_name, *self.adapted_text_encoders())
+        return (self.family.denoiser_name, *self.adapted_text_encoders())
 
     def parts(self) -> tuple[str, ...]:
         """Adapter parts: the denoiser, then the text encoders, as diffusers' LoRA files prefix their keys."""
-        return (self.denoiser_name, *self.text_encoder_names)
+        return (self.family.denoiser_name, *self.family.text_encoder_names)

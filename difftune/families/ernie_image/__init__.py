@@ -27,10 +27,11 @@ from __future__ import annotations
 import torch
 from diffusers import ErnieImagePipeline, ErnieImageTransformer2DModel
 
-from difftune.families.common.conditioning import padded_token_ids, valid_token_states
-from difftune.families.common.flow import FlowMatchingFamily
+from difftune.families.common.conditioning import Conditioning, padded_token_ids, valid_token_states
+from difftune.families.common.flow import FlowDrawing, FlowMatchingFamily
 from difftune.families.common.layouts import DiffusersNamedLayout
-from difftune.families.common.loading import FamilyOptions
+from difftune.families.common.loading import FamilyOptions, Loading
+from difftune.families.common.targets import AdapterTargets
 from difftune.models.autoencoders import LatentNormalization, latent_normalization
 from difftune.models.components import Components
 
@@ -56,30 +57,27 @@ class ErnieImageLayout(DiffusersNamedLayout):
     kohya_model_version = "ernie_image"
 
 
-class ErnieImage(FlowMatchingFamily):
-    name = "ernie_image"
-    layout = ErnieImageLayout()
-    description = "ERNIE-Image"
-    pipeline_class = ErnieImagePipeline
-    pipeline_classes = ("ErnieImagePipeline",)
-    denoiser_class = ErnieImageTransformer2DModel
-    denoiser_name = "transformer"
-    block_lists = ("layers",)
-    patch_size = 1  # a token is one (patched) latent pixel
+class ErnieImageTargets(AdapterTargets):
     default_targets = {"transformer": TRANSFORMER_TARGETS}
-    padded_text_tokens = TEXT_TOKENS
-    options_model = FamilyOptions  # no guidance embedding
     lora_text_encoders = ()  # ErnieImagePipeline's LoRA loader reads the transformer's adapters alone
-    # The prompt enhancer and its tokenizer: left out whenever a pipeline is loaded (None is what the pipeline takes
-    # for "none"), so a 3B model is never read for a run that does not use it.
-    fixed_pipeline_arguments = {"pe": None, "pe_tokenizer": None}
 
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
+
+class ErnieImageLoading(Loading):
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
+
+
+class ErnieImageDrawing(FlowDrawing):
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """Classifier-free guidance above 1 (the pipeline's `guidance_scale`, with its negative prompt), the prompt
+        enhancer off (see the module's docstring)."""
+        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or "", "use_pe": False}
+
+
+class ErnieImageConditioning(Conditioning):
+    padded_text_tokens = TEXT_TOKENS
 
     def latent_normalization(self, vae) -> LatentNormalization:
         return latent_normalization(vae, batch_norm_eps=TRAINED_BATCH_NORM_EPS)
-
-    # Prompts and the transformer.
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         """Each caption's ids as the pipeline makes them (an empty caption: the `<s>` it reads instead), padded to
@@ -103,6 +101,28 @@ class ErnieImage(FlowMatchingFamily):
         padded = torch.stack([torch.nn.functional.pad(s, (0, 0, 0, longest - len(s))) for s in states])
         return valid_token_states(padded, mask[:, :longest], 0, TEXT_TOKENS)
 
+
+class ErnieImage(FlowMatchingFamily):
+    name = "ernie_image"
+    layout = ErnieImageLayout()
+    loading = ErnieImageLoading()
+    conditioning = ErnieImageConditioning()
+    drawing = ErnieImageDrawing()
+    targets = ErnieImageTargets()
+    description = "ERNIE-Image"
+    pipeline_class = ErnieImagePipeline
+    pipeline_classes = ("ErnieImagePipeline",)
+    denoiser_class = ErnieImageTransformer2DModel
+    denoiser_name = "transformer"
+    block_lists = ("layers",)
+    patch_size = 1  # a token is one (patched) latent pixel
+    options_model = FamilyOptions  # no guidance embedding
+    # The prompt enhancer and its tokenizer: left out whenever a pipeline is loaded (None is what the pipeline takes
+    # for "none"), so a 3B model is never read for a run that does not use it.
+    fixed_pipeline_arguments = {"pe": None, "pe_tokenizer": None}
+
+    # Prompts and the transformer.
+
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the autoencoder's latents are patched already: one token a latent pixel
 
@@ -118,11 +138,6 @@ class ErnieImage(FlowMatchingFamily):
         )[0]
 
     # Sampling.
-
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """Classifier-free guidance above 1 (the pipeline's `guidance_scale`, with its negative prompt), the prompt
-        enhancer off (see the module's docstring)."""
-        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or "", "use_pe": False}
 
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS

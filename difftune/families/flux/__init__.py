@@ -20,9 +20,12 @@ import torch
 from diffusers import FluxControlNetPipeline, FluxControlPipeline, FluxPipeline, FluxTransformer2DModel
 from pydantic import Field
 
+from difftune.families.common.conditioning import Conditioning
 from difftune.families.common.control import FluxControlNet, InputControl
 from difftune.families.common.flow import FlowMatchingFamily, FlowOptions
 from difftune.families.common.layouts import FusedLayout, kohya_blocks_of, kohya_globals_of
+from difftune.families.common.loading import Loading
+from difftune.families.common.targets import AdapterTargets
 from difftune.families.common.tokens import pack, unpack
 from difftune.families.sd import CLIP_ATTENTION
 from difftune.models.components import Components
@@ -151,19 +154,7 @@ class FluxLayout(SingleBlockRows, FusedLayout):
     embedding_keys = ("clip_l", "t5")
 
 
-class Flux(FlowMatchingFamily):
-    name = "flux"
-    layout = FluxLayout()
-    description = "Flux.1-class flow-matching transformers"
-    options_model = FluxOptions
-    pipeline_class = FluxPipeline
-    pipeline_classes = ("FluxPipeline", "FluxControlPipeline")  # the second: a control LoRA merged in
-    controlnet = FluxControlNet(FluxControlNetPipeline)
-    input_control = InputControl(FluxControlPipeline, "x_embedder", "proj_out")
-    denoiser_class = FluxTransformer2DModel
-    denoiser_name = "transformer"
-    text_encoder_names = ("text_encoder", "text_encoder_2")
-    tokenizer_names = ("tokenizer", "tokenizer_2")
+class FluxTargets(AdapterTargets):
     default_targets = {
         "transformer": TRANSFORMER_TARGETS,
         "text_encoder": CLIP_ATTENTION,
@@ -173,8 +164,15 @@ class Flux(FlowMatchingFamily):
     # trains T5 only on request. T5's states are what the transformer's adapter learns to read.
     lora_text_encoders = ("text_encoder",)
 
-    # Prompts and the transformer.
 
+class FluxLoading(Loading):
+    # Single files: the transformer alone, in BFL's layout (`flux1-dev.safetensors`, ComfyUI's `diffusion_models/`
+    # files; an all-in-one file's autoencoder and text encoders are left out); the other parts come from
+    # `model.single_file_config`.
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
+
+
+class FluxConditioning(Conditioning):
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         clip = components.text_encoders["text_encoder"](token_ids["text_encoder"], output_hidden_states=False)
         t5_ids = token_ids["text_encoder_2"]
@@ -185,6 +183,26 @@ class Flux(FlowMatchingFamily):
             "pooled_prompt_embeds": clip.pooler_output,
             "text_mask": t5_ids != pad,
         }
+
+
+class Flux(FlowMatchingFamily):
+    name = "flux"
+    layout = FluxLayout()
+    loading = FluxLoading()
+    conditioning = FluxConditioning()
+    targets = FluxTargets()
+    description = "Flux.1-class flow-matching transformers"
+    options_model = FluxOptions
+    pipeline_class = FluxPipeline
+    pipeline_classes = ("FluxPipeline", "FluxControlPipeline")  # the second: a control LoRA merged in
+    controlnet = FluxControlNet(FluxControlNetPipeline)
+    input_control = InputControl(FluxControlPipeline, "x_embedder", "proj_out")
+    denoiser_class = FluxTransformer2DModel
+    denoiser_name = "transformer"
+    text_encoder_names = ("text_encoder", "text_encoder_2")
+    tokenizer_names = ("tokenizer", "tokenizer_2")
+
+    # Prompts and the transformer.
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         """What the transformer predicts: a control LoRA's widened one (FluxControlPipeline's) reads twice that."""
@@ -235,14 +253,6 @@ class Flux(FlowMatchingFamily):
 
     def max_sequence_length(self, components: Components) -> int:
         return components.tokenizers["tokenizer_2"].model_max_length
-
-    # Files.
-
-    # Single files: the transformer alone, in BFL's layout (`flux1-dev.safetensors`, ComfyUI's `diffusion_models/`
-    # files; an all-in-one file's autoencoder and text encoders are left out); the other parts come from
-    # `model.single_file_config`.
-
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
 
 FAMILY = Flux()

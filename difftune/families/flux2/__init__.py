@@ -30,8 +30,11 @@ from diffusers import Flux2Pipeline, Flux2Transformer2DModel
 from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE, compute_empirical_mu, format_input
 
 from difftune.config import Config
-from difftune.families.common.flow import FlowMatching, FlowMatchingFamily
+from difftune.families.common.conditioning import Conditioning
+from difftune.families.common.flow import FlowDrawing, FlowMatching, FlowMatchingFamily
 from difftune.families.common.layouts import FusedLayout, kohya_blocks_of, kohya_globals_of
+from difftune.families.common.loading import Loading
+from difftune.families.common.targets import AdapterTargets
 from difftune.models.components import Components
 
 TEXT_TOKENS = 512  # the pipelines' default `max_sequence_length`: the most `text_tokens` reads
@@ -134,33 +137,29 @@ class Flux2Layout(FusedLayout):
     kohya_globals = kohya_globals_of(ORIGINAL_GLOBALS, SWAPPED_HALVES)
 
 
-class Flux2(FlowMatchingFamily):
-    name = "flux2"
-    layout = Flux2Layout()
-    objective = FlowMatching(resolution_shift=empirical_shift)
-    description = "FLUX.2 [dev]"
-    pipeline_class = Flux2Pipeline
-    pipeline_classes = ("Flux2Pipeline",)
-    denoiser_class = Flux2Transformer2DModel
-    denoiser_name = "transformer"
-    patch_size = 1  # a token is one (patched) latent pixel
+class Flux2Targets(AdapterTargets):
     default_targets = {"transformer": DOUBLE_TARGETS + SINGLE_TARGETS}
     lora_text_encoders = ()  # the FLUX.2 pipelines' LoRA loader reads the transformer's adapters alone
-    text_layers = (10, 20, 30)  # the pipeline's default `text_encoder_out_layers`
-    negative_prompt_refusal = "Flux2Pipeline is guidance-distilled and takes no negative prompt"
 
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         single_outputs = [f"single_transformer_blocks.{i}.attn.to_out" for i in range(model.config.num_single_layers)]
         return self.default_targets[part] + single_outputs
 
-    def unsupported_settings(self, config: Config) -> list[str]:
-        problems = super().unsupported_settings(config)
-        if config.sample.negative_prompt:
-            problems.append(f"sample.negative_prompt: {self.negative_prompt_refusal}; leave it empty")
-        return problems
 
-    # Prompts and the transformer.
+class Flux2Loading(Loading):
+    # Single files: the transformer alone, in BFL's layout (BFL's `flux2-dev.safetensors`, ComfyUI's
+    # `diffusion_models/flux-2-*.safetensors`); the other parts come from `model.single_file_config`.
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
 
+
+class Flux2Drawing(FlowDrawing):
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """Both FLUX.2 pipelines take the scale as `guidance_scale` and no negative prompt: [dev]'s guidance
+        embedding reads it, [klein]'s classifier-free guidance uses it with an empty negative prompt."""
+        return {"max_sequence_length": self.family.max_sequence_length(components), "guidance_scale": guidance_scale}
+
+
+class Flux2Conditioning(Conditioning):
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         tokenizer = tokenizers["tokenizer"]
         ids = tokenizer.apply_chat_template(
@@ -181,8 +180,34 @@ class Flux2(FlowMatchingFamily):
         hidden = components.text_encoders["text_encoder"](
             input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False
         ).hidden_states
-        states = torch.stack([hidden[layer] for layer in self.text_layers], dim=2)  # (B, L, layers, D)
+        states = torch.stack([hidden[layer] for layer in self.family.text_layers], dim=2)  # (B, L, layers, D)
         return {"encoder_hidden_states": states.flatten(2)}
+
+
+class Flux2(FlowMatchingFamily):
+    name = "flux2"
+    layout = Flux2Layout()
+    loading = Flux2Loading()
+    conditioning = Flux2Conditioning()
+    drawing = Flux2Drawing()
+    targets = Flux2Targets()
+    objective = FlowMatching(resolution_shift=empirical_shift)
+    description = "FLUX.2 [dev]"
+    pipeline_class = Flux2Pipeline
+    pipeline_classes = ("Flux2Pipeline",)
+    denoiser_class = Flux2Transformer2DModel
+    denoiser_name = "transformer"
+    patch_size = 1  # a token is one (patched) latent pixel
+    text_layers = (10, 20, 30)  # the pipeline's default `text_encoder_out_layers`
+    negative_prompt_refusal = "Flux2Pipeline is guidance-distilled and takes no negative prompt"
+
+    def unsupported_settings(self, config: Config) -> list[str]:
+        problems = super().unsupported_settings(config)
+        if config.sample.negative_prompt:
+            problems.append(f"sample.negative_prompt: {self.negative_prompt_refusal}; leave it empty")
+        return problems
+
+    # Prompts and the transformer.
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the autoencoder's latents are patched already: one token a latent pixel
@@ -204,18 +229,8 @@ class Flux2(FlowMatchingFamily):
 
     # Sampling.
 
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """Both FLUX.2 pipelines take the scale as `guidance_scale` and no negative prompt: [dev]'s guidance
-        embedding reads it, [klein]'s classifier-free guidance uses it with an empty negative prompt."""
-        return {"max_sequence_length": self.max_sequence_length(components), "guidance_scale": guidance_scale}
-
     def max_sequence_length(self, components: Components) -> int:
         return text_tokens(components.tokenizers["tokenizer"])
-
-    # Single files: the transformer alone, in BFL's layout (BFL's `flux2-dev.safetensors`, ComfyUI's
-    # `diffusion_models/flux-2-*.safetensors`); the other parts come from `model.single_file_config`.
-
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
 
 FAMILY = Flux2()

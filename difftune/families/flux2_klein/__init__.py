@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from diffusers import Flux2KleinPipeline
 
-from difftune.families.flux2 import Flux2, Flux2Layout, text_tokens
+from difftune.families.flux2 import Flux2, Flux2Conditioning, Flux2Layout, text_tokens
 
 
 class Flux2KleinLayout(Flux2Layout):
@@ -24,17 +24,7 @@ class Flux2KleinLayout(Flux2Layout):
     kohya_model_version = "flux2_klein"
 
 
-class Flux2Klein(Flux2):
-    name = "flux2_klein"
-    page_family = "flux2"
-    layout = Flux2KleinLayout()
-    description = "FLUX.2 [klein]"
-    pipeline_class = Flux2KleinPipeline
-    pipeline_classes = ("Flux2KleinPipeline",)
-    pipeline_options = ("is_distilled",)
-    text_layers = (9, 18, 27)  # the pipeline's default `text_encoder_out_layers`
-    negative_prompt_refusal = "Flux2KleinPipeline guides with an empty negative prompt and takes no other"
-
+class Flux2KleinConditioning(Flux2Conditioning):
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         tokenizer = tokenizers["tokenizer"]
         texts = [
@@ -50,6 +40,19 @@ class Flux2Klein(Flux2):
             texts, padding="max_length", max_length=text_tokens(tokenizer), truncation=True, return_tensors="pt"
         ).input_ids
         return {"text_encoder": ids}
+
+
+class Flux2Klein(Flux2):
+    name = "flux2_klein"
+    page_family = "flux2"
+    layout = Flux2KleinLayout()
+    conditioning = Flux2KleinConditioning()
+    description = "FLUX.2 [klein]"
+    pipeline_class = Flux2KleinPipeline
+    pipeline_classes = ("Flux2KleinPipeline",)
+    pipeline_options = ("is_distilled",)
+    text_layers = (9, 18, 27)  # the pipeline's default `text_encoder_out_layers`
+    negative_prompt_refusal = "Flux2KleinPipeline guides with an empty negative prompt and takes no other"
 
 
 FAMILY = Flux2Klein()

@@ -43,12 +43,13 @@ from diffusers import Flux3ModularPipeline, Flux3Transformer2DModel
 from diffusers.loaders.single_file_utils import convert_flux3_transformer_checkpoint_to_diffusers
 from transformers import Qwen3VLProcessor
 
-from difftune.families.common.conditioning import ReferencesAtTargetArea, padded_token_ids
-from difftune.families.common.flow import FlowMatchingFamily
+from difftune.families.common.conditioning import ReferenceSizedConditioning, padded_token_ids
+from difftune.families.common.drawing import ReferenceSizedDrawing
+from difftune.families.common.flow import FlowDrawing, FlowMatchingFamily
 from difftune.families.common.layouts import RenamedLayout, swap_halves
 from difftune.families.common.loading import FamilyOptions
-from difftune.families.common.modular import ModularBase
-from difftune.families.common.targets import targets_in_blocks
+from difftune.families.common.modular import ModularDrawing, ModularLoading
+from difftune.families.common.targets import AdapterTargets, targets_in_blocks
 from difftune.models.components import Components
 from difftune.models.processors import load_without_video_processor
 
@@ -183,38 +184,26 @@ class Flux3Layout(RenamedLayout):
         return dict(original_weight(key, value.contiguous()) for key, value in components.denoiser.state_dict().items())
 
 
-class Flux3(ReferencesAtTargetArea, ModularBase, FlowMatchingFamily):
-    name = "flux3"
-    layout = Flux3Layout()
-    description = "FLUX.3"
-    pipeline_class = Flux3ModularPipeline
-    pipeline_classes = ("Flux3ModularPipeline",)
-    left_out_steps = ("prompt_upsampler",)  # captions are trained as written, so samples are drawn so too
-    denoiser_class = Flux3Transformer2DModel
-    denoiser_name = "transformer"
-    patch_size = 1  # a token is one (patched) latent pixel
-    block_lists = TRAINED_BLOCK_LISTS
-    padded_text_tokens = MAX_TEXT_TOKENS
-    options_model = FamilyOptions  # no guidance embedding: classifier-free guidance
+class Flux3Targets(AdapterTargets):
     lora_text_encoders = ()  # Flux3LoraLoaderMixin reads the transformer's adapters alone
     default_targets = {"transformer": BLOCK_TARGETS}
-    # The pipeline takes any number of references; each adds its tokens to every joint block. Three, as
-    # Qwen-Image-Edit-Plus and Z-Image Omni read.
-    max_controls = 3
 
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         """Each trained block's attention and feed-forward layers, by name (the reference images' blocks have the
         same layers, and no text-to-image step runs them)."""
         return targets_in_blocks(model, dict.fromkeys(TRAINED_BLOCK_LISTS, BLOCK_TARGETS))
 
-    def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
-        return {
-            f"{blocks}.{index}": block
-            for blocks in TRAINED_BLOCK_LISTS
-            for index, block in enumerate(denoiser.get_submodule(blocks))
-        }
 
-    # Prompts and the transformer.
+class Flux3Loading(ModularLoading):
+    left_out_steps = ("prompt_upsampler",)  # captions are trained as written, so samples are drawn so too
+
+
+class Flux3Drawing(ReferenceSizedDrawing, ModularDrawing, FlowDrawing):
+    pass
+
+
+class Flux3Conditioning(ReferenceSizedConditioning):
+    padded_text_tokens = MAX_TEXT_TOKENS
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         """Each caption's ids in the chat template, right-padded with -1 (no token's id) to `MAX_TEXT_TOKENS`."""
@@ -255,6 +244,41 @@ class Flux3(ReferencesAtTargetArea, ModularBase, FlowMatchingFamily):
             "text_mask": torch.nn.functional.pad(window.long(), (0, padding)),
         }
 
+    def planned_controls(self, components: Components, latents: torch.Tensor) -> list[torch.Tensor]:
+        """None: the memory plan is text-to-image's, what the base trains most (its shipped job's), as Z-Image Omni's;
+        an edit run costs more than planned: each reference at its target's size adds as many tokens to the joint
+        blocks as the target has (docs/families/flux3.md)."""
+        return []
+
+
+class Flux3(FlowMatchingFamily):
+    name = "flux3"
+    layout = Flux3Layout()
+    loading = Flux3Loading()
+    conditioning = Flux3Conditioning()
+    drawing = Flux3Drawing()
+    targets = Flux3Targets()
+    description = "FLUX.3"
+    pipeline_class = Flux3ModularPipeline
+    pipeline_classes = ("Flux3ModularPipeline",)
+    denoiser_class = Flux3Transformer2DModel
+    denoiser_name = "transformer"
+    patch_size = 1  # a token is one (patched) latent pixel
+    block_lists = TRAINED_BLOCK_LISTS
+    options_model = FamilyOptions  # no guidance embedding: classifier-free guidance
+    # The pipeline takes any number of references; each adds its tokens to every joint block. Three, as
+    # Qwen-Image-Edit-Plus and Z-Image Omni read.
+    max_controls = 3
+
+    def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        return {
+            f"{blocks}.{index}": block
+            for blocks in TRAINED_BLOCK_LISTS
+            for index, block in enumerate(denoiser.get_submodule(blocks))
+        }
+
+    # Prompts and the transformer.
+
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the autoencoder's latents are patched already: one token a latent pixel
 
@@ -292,14 +316,6 @@ class Flux3(ReferencesAtTargetArea, ModularBase, FlowMatchingFamily):
 
     def max_sequence_length(self, components: Components) -> int:
         return MAX_TEXT_TOKENS
-
-    # References.
-
-    def planned_controls(self, components: Components, latents: torch.Tensor) -> list[torch.Tensor]:
-        """None: the memory plan is text-to-image's, what the base trains most (its shipped job's), as Z-Image Omni's;
-        an edit run costs more than planned: each reference at its target's size adds as many tokens to the joint
-        blocks as the target has (docs/families/flux3.md)."""
-        return []
 
 
 FAMILY = Flux3()

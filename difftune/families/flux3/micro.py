@@ -3,7 +3,6 @@ and a FLUX.3 transformer over FLUX.2's autoencoder, in FLUX.3's modular pipeline
 
 from diffusers import Flux3Transformer2DModel
 
-from difftune.families.common.modular import ModularBase
 from difftune.families.flux.micro import RECIPE as FLUX_RECIPE
 from difftune.families.flux3 import TEXT_LAYERS, template_ends
 from difftune.toy.micro import MicroSizes, TinyBase
@@ -52,8 +51,8 @@ def pipeline(vae, sizes: MicroSizes):
     processor = build_qwen3_vl_processor("")
     processor = build_qwen3_vl_processor("".join(template_ends(processor)))
     text_encoder = build_qwen3_vl_text_encoder(processor.tokenizer, width, layers=max(TEXT_LAYERS), with_head=True)
-    family: ModularBase = FAMILIES["flux3"]
-    modular = family.modular_pipeline()
+    family = FAMILIES["flux3"]
+    modular = family.loading.modular_pipeline()
     modular.update_components(
         vae=vae,
         text_encoder=text_encoder,

@@ -14,7 +14,20 @@ from __future__ import annotations
 from diffusers import FluxKontextPipeline
 
 from difftune.data.dataset import resize_and_crop
+from difftune.families.common.flow import FlowDrawing
 from difftune.families.flux import Flux
+
+
+class FluxKontextDrawing(FlowDrawing):
+    def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
+        if height is None:  # the pipeline's own size and its snap of the control to Kontext's resolutions
+            return {"image": controls[0]} if controls else {}
+        # `max_area`: the pipeline rescales any size to this area (by default about 1 MP)
+        arguments = {"max_area": height * width}
+        if controls:
+            [control] = controls
+            arguments |= {"image": resize_and_crop(control, (width, height), "center"), "_auto_resize": False}
+        return arguments
 
 
 class FluxKontext(Flux):
@@ -26,16 +39,7 @@ class FluxKontext(Flux):
     pipeline_classes = ("FluxKontextPipeline",)
     max_controls = 1  # FluxKontextPipeline takes one image
     edit_base = True
-
-    def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
-        if height is None:  # the pipeline's own size and its snap of the control to Kontext's resolutions
-            return {"image": controls[0]} if controls else {}
-        # `max_area`: the pipeline rescales any size to this area (by default about 1 MP)
-        arguments = {"max_area": height * width}
-        if controls:
-            [control] = controls
-            arguments |= {"image": resize_and_crop(control, (width, height), "center"), "_auto_resize": False}
-        return arguments
+    drawing = FluxKontextDrawing()
 
 
 FAMILY = FluxKontext()

@@ -30,8 +30,11 @@ import math
 import torch
 from diffusers import HiDreamImagePipeline, HiDreamImageTransformer2DModel
 
-from difftune.families.common.flow import FlowMatchingFamily
+from difftune.families.common.conditioning import Conditioning
+from difftune.families.common.flow import FlowDrawing, FlowMatchingFamily
 from difftune.families.common.layouts import DiffusersNamedLayout
+from difftune.families.common.loading import Loading
+from difftune.families.common.targets import AdapterTargets
 from difftune.models.components import Components
 
 TEXT_TOKENS = 128  # the pipeline's default `max_sequence_length`
@@ -52,24 +55,35 @@ class HiDreamLayout(DiffusersNamedLayout):
     kohya_model_version = "hidream"
 
 
-class HiDream(FlowMatchingFamily):
-    name = "hidream"
-    layout = HiDreamLayout()
-    description = "HiDream-I1"
-    pipeline_class = HiDreamImagePipeline
-    pipeline_classes = ("HiDreamImagePipeline",)
-    denoiser_class = HiDreamImageTransformer2DModel
-    denoiser_name = "transformer"
-    text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
-    tokenizer_names = ("tokenizer", "tokenizer_2", "tokenizer_3", "tokenizer_4")
-    block_lists = ("double_stream_blocks", "single_stream_blocks")
+class HiDreamTargets(AdapterTargets):
     default_targets = {"transformer": TRANSFORMER_TARGETS}
     lora_text_encoders = ()  # HiDreamImagePipeline's LoRA loader reads the transformer's adapters alone
 
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
-    # Prompts and the transformer.
+class HiDreamLoading(Loading):
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
 
+
+class HiDreamDrawing(FlowDrawing):
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """The pipeline's `guidance_scale` is classifier-free guidance (neg + w (pos - neg)) above 1."""
+        return {
+            "max_sequence_length": TEXT_TOKENS,
+            "guidance_scale": guidance_scale,
+            "negative_prompt": negative_prompt or None,
+        }
+
+    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
+        """`HiDreamImagePipeline` scales whatever size it is asked for to the area of its default (1024 x 1024 for the
+        published VAE): a 512 px sample came out at 1024, and the micro model's 32 px ones at 1024 too (19 minutes of
+        a CPU test in bf16). Its default set to the size asked, it draws that size (in its multiples of 16)."""
+        if height and width:
+            # rounded up: a default area a little over the one asked scales the size up by less than its rounding
+            pipeline.default_sample_size = math.ceil(math.sqrt(height * width) / pipeline.vae_scale_factor)
+        return super().draw(pipeline, options, prompt, controls, height, width, **arguments)
+
+
+class HiDreamConditioning(Conditioning):
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         def ids(tokenizer, length: int) -> torch.Tensor:
             return tokenizer(
@@ -104,6 +118,25 @@ class HiDream(FlowMatchingFamily):
             "encoder_hidden_states_llama3": torch.stack(llama, dim=1),
         }
 
+
+class HiDream(FlowMatchingFamily):
+    name = "hidream"
+    layout = HiDreamLayout()
+    loading = HiDreamLoading()
+    conditioning = HiDreamConditioning()
+    drawing = HiDreamDrawing()
+    targets = HiDreamTargets()
+    description = "HiDream-I1"
+    pipeline_class = HiDreamImagePipeline
+    pipeline_classes = ("HiDreamImagePipeline",)
+    denoiser_class = HiDreamImageTransformer2DModel
+    denoiser_name = "transformer"
+    text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
+    tokenizer_names = ("tokenizer", "tokenizer_2", "tokenizer_3", "tokenizer_4")
+    block_lists = ("double_stream_blocks", "single_stream_blocks")
+
+    # Prompts and the transformer.
+
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the transformer patches the latents itself
 
@@ -127,27 +160,8 @@ class HiDream(FlowMatchingFamily):
 
     # Sampling.
 
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """The pipeline's `guidance_scale` is classifier-free guidance (neg + w (pos - neg)) above 1."""
-        return {
-            "max_sequence_length": TEXT_TOKENS,
-            "guidance_scale": guidance_scale,
-            "negative_prompt": negative_prompt or None,
-        }
-
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS
-
-    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
-        """`HiDreamImagePipeline` scales whatever size it is asked for to the area of its default (1024 x 1024 for the
-        published VAE): a 512 px sample came out at 1024, and the micro model's 32 px ones at 1024 too (19 minutes of
-        a CPU test in bf16). Its default set to the size asked, it draws that size (in its multiples of 16)."""
-        if height and width:
-            # rounded up: a default area a little over the one asked scales the size up by less than its rounding
-            pipeline.default_sample_size = math.ceil(math.sqrt(height * width) / pipeline.vae_scale_factor)
-        return super().draw(pipeline, options, prompt, controls, height, width, **arguments)
-
-    # Files.
 
 
 FAMILY = HiDream()

@@ -35,12 +35,18 @@ import torch
 from diffusers import AdaptiveProjectedMixGuidance, HunyuanImagePipeline, HunyuanImageTransformer2DModel
 from diffusers.pipelines.hunyuan_image.pipeline_hunyuanimage import extract_glyph_text
 
-from difftune.families.common.flow import FlowMatchingFamily
+from difftune.families.common.flow import FlowDrawing, FlowMatchingFamily
 from difftune.families.common.hunyuan_original import FUSED_BLOCKS, ORIGINAL_GLOBALS, SWAPPED_HALVES
-from difftune.families.common.hunyuan_text import HunyuanTextConditioning, attributes_set, padded_ids, refuse_meanflow
+from difftune.families.common.hunyuan_text import (
+    HunyuanTextConditioning,
+    attributes_set,
+    padded_ids,
+    refuse_meanflow,
+    text_arguments,
+)
 from difftune.families.common.layouts import FusedLayout, Layout, OriginalFileLayout
-from difftune.families.common.loading import FamilyOptions, with_transformer_lora_loading
-from difftune.families.common.targets import targets_in_blocks
+from difftune.families.common.loading import FamilyOptions, Loading, with_transformer_lora_loading
+from difftune.families.common.targets import AdapterTargets, targets_in_blocks
 from difftune.families.flux import DOUBLE_BLOCK_TARGETS, FluxLayout, SingleBlockRows
 from difftune.families.flux import ORIGINAL_BLOCKS as FLUX_ORIGINAL_BLOCKS
 from difftune.models.autoencoders import LatentNormalization
@@ -159,27 +165,17 @@ class HunyuanImageLayout(SingleBlockRows, FusedLayout):
         return super().diffusers_names(weights)
 
 
-class HunyuanImage(HunyuanTextConditioning, FlowMatchingFamily):
-    name = "hunyuan_image"
-    layout = HunyuanImageLayout()
-    description = "HunyuanImage 2.1"
-    pipeline_class = HunyuanImageLoraPipeline
-    pipeline_classes = ("HunyuanImagePipeline",)
-    denoiser_class = HunyuanImageTransformer2DModel
-    denoiser_name = "transformer"
-    text_encoder_names = ("text_encoder", "text_encoder_2")
-    tokenizer_names = ("tokenizer", "tokenizer_2")
-    block_lists = BLOCK_LISTS
+class HunyuanImageTargets(AdapterTargets):
     default_targets = {"transformer": sorted({target for targets in BLOCK_TARGETS.values() for target in targets})}
-    padded_text_tokens = TEXT_TOKENS
-    options_model = FamilyOptions  # no guidance embedding in the base model
     lora_text_encoders = ()  # the transformer's adapters alone (see the module's docstring)
-    prompt_template = PROMPT_TEMPLATE
-    template_tokens = TEMPLATE_TOKENS
-    glyph_tokens = GLYPH_TOKENS
-    # The guiders are made for each sample at its guidance scale (`draw`), never read from the base.
-    fixed_pipeline_arguments = {"guider": None, "ocr_guider": None}
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
+
+    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
+        """Each block's layers by full name (see `BLOCK_TARGETS`)."""
+        return targets_in_blocks(model, BLOCK_TARGETS)
+
+
+class HunyuanImageLoading(Loading):
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
 
     def components_of(self, pipeline, options) -> Components:
         refuse_meanflow(
@@ -189,34 +185,8 @@ class HunyuanImage(HunyuanTextConditioning, FlowMatchingFamily):
         )
         return super().components_of(pipeline, options)
 
-    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
-        """Each block's layers by full name (see `BLOCK_TARGETS`)."""
-        return targets_in_blocks(model, BLOCK_TARGETS)
 
-    def latent_channels(self, denoiser: torch.nn.Module) -> int:
-        return denoiser.config.in_channels  # each latent pixel is one token
-
-    def latent_normalization(self, vae) -> LatentNormalization:
-        return LatentNormalization(scale=float(vae.config.scaling_factor))  # the pipeline decodes without a shift
-
-    # Prompts and the transformer.
-
-    def templated_ids(self, tokenizer, captions: list[str]) -> torch.Tensor:
-        texts = [self.prompt_template.format(caption) for caption in captions]
-        return padded_ids(tokenizer, texts, self.template_tokens + TEXT_TOKENS)
-
-    def glyph_text(self, caption: str) -> str | None:
-        return extract_glyph_text(caption)
-
-    def denoise(self, components, noisy, timesteps, conditioning, geometry):
-        texts = self.text_arguments(conditioning, components.denoiser)
-        states = texts["encoder_hidden_states"]
-        return components.denoiser(
-            hidden_states=noisy.to(states.dtype), timestep=timesteps.to(states.dtype), **texts, return_dict=False
-        )[0]
-
-    # Sampling.
-
+class HunyuanImageDrawing(FlowDrawing):
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
         """The pipeline's guiders at this scale (see the module's docstring), with the negative prompt."""
         guider = AdaptiveProjectedMixGuidance(guidance_scale=guidance_scale, enabled=guidance_scale > 1)
@@ -226,6 +196,58 @@ class HunyuanImage(HunyuanTextConditioning, FlowMatchingFamily):
         guiders = {"guider": guidance, "ocr_guider": guidance.new() if guidance is not None else None}
         with attributes_set(pipeline, **guiders):  # the sample's own, then the pipeline's again
             return pipeline(prompt=prompt, height=height, width=width, **arguments).images
+
+
+class HunyuanImageConditioning(HunyuanTextConditioning):
+    padded_text_tokens = TEXT_TOKENS
+    template_tokens = TEMPLATE_TOKENS
+    glyph_tokens = GLYPH_TOKENS
+
+    def latent_normalization(self, vae) -> LatentNormalization:
+        return LatentNormalization(scale=float(vae.config.scaling_factor))  # the pipeline decodes without a shift
+
+    def templated_ids(self, tokenizer, captions: list[str]) -> torch.Tensor:
+        texts = [self.family.prompt_template.format(caption) for caption in captions]
+        return padded_ids(tokenizer, texts, self.template_tokens + TEXT_TOKENS)
+
+    def glyph_text(self, caption: str) -> str | None:
+        return extract_glyph_text(caption)
+
+
+class HunyuanImage(FlowMatchingFamily):
+    name = "hunyuan_image"
+    layout = HunyuanImageLayout()
+    loading = HunyuanImageLoading()
+    conditioning = HunyuanImageConditioning()
+    drawing = HunyuanImageDrawing()
+    targets = HunyuanImageTargets()
+    description = "HunyuanImage 2.1"
+    pipeline_class = HunyuanImageLoraPipeline
+    pipeline_classes = ("HunyuanImagePipeline",)
+    denoiser_class = HunyuanImageTransformer2DModel
+    denoiser_name = "transformer"
+    text_encoder_names = ("text_encoder", "text_encoder_2")
+    tokenizer_names = ("tokenizer", "tokenizer_2")
+    block_lists = BLOCK_LISTS
+    options_model = FamilyOptions  # no guidance embedding in the base model
+    prompt_template = PROMPT_TEMPLATE
+    # The guiders are made for each sample at its guidance scale (`draw`), never read from the base.
+    fixed_pipeline_arguments = {"guider": None, "ocr_guider": None}
+
+    def latent_channels(self, denoiser: torch.nn.Module) -> int:
+        return denoiser.config.in_channels  # each latent pixel is one token
+
+    # Prompts and the transformer.
+
+    def max_sequence_length(self, components: Components) -> int:
+        return self.conditioning.padded_text_tokens
+
+    def denoise(self, components, noisy, timesteps, conditioning, geometry):
+        texts = text_arguments(conditioning, components.denoiser)
+        states = texts["encoder_hidden_states"]
+        return components.denoiser(
+            hidden_states=noisy.to(states.dtype), timestep=timesteps.to(states.dtype), **texts, return_dict=False
+        )[0]
 
 
 FAMILY = HunyuanImage()

@@ -42,13 +42,18 @@ from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extra
 
 from difftune.families.common.conditioning import NO_TOKEN
 from difftune.families.common.drawing import ClipDrawing
-from difftune.families.common.flow import FlowMatchingFamily
+from difftune.families.common.flow import FlowDrawing, FlowMatchingFamily
 from difftune.families.common.hunyuan_original import FUSED_BLOCKS, ORIGINAL_BLOCKS, ORIGINAL_IN_BLOCK, SWAPPED_HALVES
 from difftune.families.common.hunyuan_original import ORIGINAL_GLOBALS as SHARED_GLOBALS
-from difftune.families.common.hunyuan_text import HunyuanTextConditioning, attributes_set, refuse_meanflow
+from difftune.families.common.hunyuan_text import (
+    HunyuanTextConditioning,
+    attributes_set,
+    refuse_meanflow,
+    text_arguments,
+)
 from difftune.families.common.layouts import FusedLayout, Layout, OriginalFileLayout
-from difftune.families.common.loading import FamilyOptions, with_transformer_lora_loading
-from difftune.families.common.targets import targets_in_blocks
+from difftune.families.common.loading import FamilyOptions, Loading, with_transformer_lora_loading
+from difftune.families.common.targets import AdapterTargets, targets_in_blocks
 from difftune.families.flux import DOUBLE_BLOCK_TARGETS, FluxLayout
 from difftune.models.autoencoders import LatentNormalization
 from difftune.models.components import Components
@@ -120,28 +125,18 @@ class HunyuanVideo15Layout(FusedLayout):
         return super().diffusers_names(weights)
 
 
-class HunyuanVideo15(HunyuanTextConditioning, ClipDrawing, FlowMatchingFamily):
-    name = "hunyuan_video15"
-    layout = HunyuanVideo15Layout()
-    description = "HunyuanVideo 1.5"
-    pipeline_class = with_transformer_lora_loading(HunyuanVideo15Pipeline)
-    pipeline_classes = ("HunyuanVideo15Pipeline",)
-    denoiser_class = HunyuanVideo15Transformer3DModel
-    denoiser_name = "transformer"
-    text_encoder_names = ("text_encoder", "text_encoder_2")
-    tokenizer_names = ("tokenizer", "tokenizer_2")
-    block_lists = ("transformer_blocks",)
+class HunyuanVideo15Targets(AdapterTargets):
     default_targets = {"transformer": DOUBLE_BLOCK_TARGETS}  # Flux.1's double blocks' modules are these blocks' too
-    padded_text_tokens = TEXT_TOKENS
-    template_tokens = TEMPLATE_TOKENS
-    glyph_tokens = GLYPH_TOKENS
-    options_model = FamilyOptions  # no guidance embedding: classifier-free guidance
     lora_text_encoders = ()  # the transformer's adapters alone (see the module's docstring)
-    reads_clips = True
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
-    # The guider a saved folder carries (diffusers' loader requires one): the model card's classifier-free guidance at
-    # 6, as diffusers' converter writes it; each sample is drawn with its own (`draw_clips`).
-    fixed_pipeline_arguments = {"guider": ClassifierFreeGuidance(guidance_scale=6.0)}
+
+    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
+        """Each double-stream block's layers by full name: the token refiner has layers of the same names, which
+        the original layout fuses (its `self_attn_qkv`) and musubi-tuner leaves out."""
+        return targets_in_blocks(model, {"transformer_blocks": DOUBLE_BLOCK_TARGETS})
+
+
+class HunyuanVideo15Loading(Loading):
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
 
     def components_of(self, pipeline, options) -> Components:
         refuse_meanflow(
@@ -155,18 +150,25 @@ class HunyuanVideo15(HunyuanTextConditioning, ClipDrawing, FlowMatchingFamily):
             pipeline.vae.enable_slicing()
         return super().components_of(pipeline, options)
 
-    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
-        """Each double-stream block's layers by full name: the token refiner has layers of the same names, which
-        the original layout fuses (its `self_attn_qkv`) and musubi-tuner leaves out."""
-        return targets_in_blocks(model, {"transformer_blocks": DOUBLE_BLOCK_TARGETS})
 
-    def latent_channels(self, denoiser: torch.nn.Module) -> int:
-        return denoiser.config.out_channels  # it reads a conditioning clip and its mask beside them
+class HunyuanVideo15Drawing(ClipDrawing, FlowDrawing):
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """The pipeline's guider at this scale (see the module's docstring), with the negative prompt."""
+        guider = ClassifierFreeGuidance(guidance_scale=guidance_scale, enabled=guidance_scale > 1)
+        return {"guidance": guider, "negative_prompt": negative_prompt or None}
+
+    def draw_clips(self, pipeline, prompt, controls, height, width, frames, guidance=None, **arguments) -> list[list]:
+        with attributes_set(pipeline, guider=guidance):
+            return super().draw_clips(pipeline, prompt, controls, height, width, frames, **arguments)
+
+
+class HunyuanVideo15Conditioning(HunyuanTextConditioning):
+    padded_text_tokens = TEXT_TOKENS
+    template_tokens = TEMPLATE_TOKENS
+    glyph_tokens = GLYPH_TOKENS
 
     def latent_normalization(self, vae) -> LatentNormalization:
         return LatentNormalization(scale=float(vae.config.scaling_factor))  # the pipeline decodes without a shift
-
-    # Prompts and the transformer.
 
     def templated_ids(self, tokenizer, captions: list[str]) -> torch.Tensor:
         encoded = tokenizer.apply_chat_template(
@@ -184,6 +186,33 @@ class HunyuanVideo15(HunyuanTextConditioning, ClipDrawing, FlowMatchingFamily):
     def glyph_text(self, caption: str) -> str | None:
         return extract_glyph_texts(caption)
 
+
+class HunyuanVideo15(FlowMatchingFamily):
+    name = "hunyuan_video15"
+    layout = HunyuanVideo15Layout()
+    loading = HunyuanVideo15Loading()
+    conditioning = HunyuanVideo15Conditioning()
+    drawing = HunyuanVideo15Drawing()
+    targets = HunyuanVideo15Targets()
+    description = "HunyuanVideo 1.5"
+    pipeline_class = with_transformer_lora_loading(HunyuanVideo15Pipeline)
+    pipeline_classes = ("HunyuanVideo15Pipeline",)
+    denoiser_class = HunyuanVideo15Transformer3DModel
+    denoiser_name = "transformer"
+    text_encoder_names = ("text_encoder", "text_encoder_2")
+    tokenizer_names = ("tokenizer", "tokenizer_2")
+    block_lists = ("transformer_blocks",)
+    options_model = FamilyOptions  # no guidance embedding: classifier-free guidance
+    reads_clips = True
+    # The guider a saved folder carries (diffusers' loader requires one): the model card's classifier-free guidance at
+    # 6, as diffusers' converter writes it; each sample is drawn with its own (`draw_clips`).
+    fixed_pipeline_arguments = {"guider": ClassifierFreeGuidance(guidance_scale=6.0)}
+
+    def latent_channels(self, denoiser: torch.nn.Module) -> int:
+        return denoiser.config.out_channels  # it reads a conditioning clip and its mask beside them
+
+    # Prompts and the transformer.
+
     def conditions(self, components: Components, clip: torch.Tensor, conditioning: dict) -> dict[str, torch.Tensor]:
         """What the transformer reads beside the noisy clip (B, C, t, h, w): the conditioning clip and its mask
         (B, C + 1, t, h, w) and the image states. Text-to-video's are empty: zeros, and one zero image state (masked:
@@ -193,10 +222,13 @@ class HunyuanVideo15(HunyuanTextConditioning, ClipDrawing, FlowMatchingFamily):
             "image_embeds": clip.new_zeros(len(clip), IMAGE_TOKENS, components.denoiser.config.image_embed_dim),
         }
 
+    def max_sequence_length(self, components: Components) -> int:
+        return self.conditioning.padded_text_tokens
+
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """An image's latents (B, C, h, w) as one-frame clips; a clip's (B, C, t, h, w) as they are; beside them the
         conditioning clip with its mask, and the image states (`conditions`)."""
-        texts = self.text_arguments(conditioning, components.denoiser, least_glyphs=1)
+        texts = text_arguments(conditioning, components.denoiser, least_glyphs=1)
         dtype = texts["encoder_hidden_states"].dtype
         clip = (noisy if noisy.dim() == 5 else noisy[:, :, None]).to(dtype)
         conditions = self.conditions(components, clip, conditioning)
@@ -208,17 +240,6 @@ class HunyuanVideo15(HunyuanTextConditioning, ClipDrawing, FlowMatchingFamily):
             return_dict=False,
         )[0]
         return prediction if noisy.dim() == 5 else prediction[:, :, 0]
-
-    # Sampling.
-
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """The pipeline's guider at this scale (see the module's docstring), with the negative prompt."""
-        guider = ClassifierFreeGuidance(guidance_scale=guidance_scale, enabled=guidance_scale > 1)
-        return {"guidance": guider, "negative_prompt": negative_prompt or None}
-
-    def draw_clips(self, pipeline, prompt, controls, height, width, frames, guidance=None, **arguments) -> list[list]:
-        with attributes_set(pipeline, guider=guidance):
-            return super().draw_clips(pipeline, prompt, controls, height, width, frames, **arguments)
 
 
 FAMILY = HunyuanVideo15()

@@ -28,7 +28,13 @@ from difftune.families.common.conditioning import processed_frames
 from difftune.families.common.drawing import ImageToVideoDrawing
 from difftune.families.common.hunyuan_text import attributes_set
 from difftune.families.common.loading import with_transformer_lora_loading
-from difftune.families.hunyuan_video15 import HunyuanVideo15, HunyuanVideo15Layout
+from difftune.families.hunyuan_video15 import (
+    HunyuanVideo15,
+    HunyuanVideo15Conditioning,
+    HunyuanVideo15Drawing,
+    HunyuanVideo15Layout,
+    HunyuanVideo15Loading,
+)
 from difftune.models.autoencoders import encode_posterior
 from difftune.models.components import Components
 
@@ -49,20 +55,24 @@ class HunyuanVideo15ImageToVideoLayout(HunyuanVideo15Layout):
     kohya_model_version = "hunyuan_video_1_5_i2v"
 
 
-class HunyuanVideo15ImageToVideo(ImageToVideoDrawing, HunyuanVideo15):
-    name = "hunyuan_video15_i2v"
-    page_family = "hunyuan_video15"
-    layout = HunyuanVideo15ImageToVideoLayout()
-    description = "HunyuanVideo 1.5 image-to-video"
-    pipeline_class = with_transformer_lora_loading(HunyuanVideo15ImageToVideoPipeline)
-    pipeline_classes = ("HunyuanVideo15ImageToVideoPipeline",)
-    pixel_encoder_names = ("image_encoder",)
-
+class HunyuanVideo15ImageToVideoLoading(HunyuanVideo15Loading):
     def components_of(self, pipeline, options) -> Components:
         components = super().components_of(pipeline, options)
         components.tokenizers["feature_extractor"] = pipeline.feature_extractor  # reads the frame for the encoder
         return components
 
+
+class HunyuanVideo15ImageToVideoDrawing(ImageToVideoDrawing, HunyuanVideo15Drawing):
+    def draw_clips(self, pipeline, prompt, controls, height, width, frames, guidance=None, **arguments) -> list[list]:
+        """The pipeline takes no size: it sizes the clip from the image (see the module's docstring)."""
+        image, sizing = controls[0], {}
+        if height and width:
+            image, sizing = image.resize((width, height)), {"target_size": round(math.sqrt(height * width))}
+        with attributes_set(pipeline, guider=guidance, **sizing):
+            return pipeline(image=image, prompt=prompt, num_frames=frames, output_type="pil", **arguments).frames
+
+
+class HunyuanVideo15ImageToVideoConditioning(HunyuanVideo15Conditioning):
     def pixel_conditioning(self, components: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         """The first frame encoded alone, to its posterior's mode (unnormalised, as the cache keeps posteriors):
         (B, C, 1, h, w); and its SigLIP image states (B, tokens, D)."""
@@ -72,6 +82,19 @@ class HunyuanVideo15ImageToVideo(ImageToVideoDrawing, HunyuanVideo15):
             "image_embeds": siglip_image_states(components, first[:, :, 0]),
         }
 
+
+class HunyuanVideo15ImageToVideo(HunyuanVideo15):
+    name = "hunyuan_video15_i2v"
+    page_family = "hunyuan_video15"
+    layout = HunyuanVideo15ImageToVideoLayout()
+    loading = HunyuanVideo15ImageToVideoLoading()
+    conditioning = HunyuanVideo15ImageToVideoConditioning()
+    drawing = HunyuanVideo15ImageToVideoDrawing()
+    description = "HunyuanVideo 1.5 image-to-video"
+    pipeline_class = with_transformer_lora_loading(HunyuanVideo15ImageToVideoPipeline)
+    pipeline_classes = ("HunyuanVideo15ImageToVideoPipeline",)
+    pixel_encoder_names = ("image_encoder",)
+
     def conditions(self, components: Components, clip: torch.Tensor, conditioning: dict) -> dict[str, torch.Tensor]:
         """The first frame's latents as the first latent frame of a clip of zeros, its mask 1 there; the frame's
         image states."""
@@ -80,14 +103,6 @@ class HunyuanVideo15ImageToVideo(ImageToVideoDrawing, HunyuanVideo15):
         mask = torch.zeros_like(clip[:, :1])
         mask[:, :, 0] = 1  # the first latent frame is given
         return {"clip": torch.cat([condition, mask], dim=1), "image_embeds": conditioning["image_embeds"]}
-
-    def draw_clips(self, pipeline, prompt, controls, height, width, frames, guidance=None, **arguments) -> list[list]:
-        """The pipeline takes no size: it sizes the clip from the image (see the module's docstring)."""
-        image, sizing = controls[0], {}
-        if height and width:
-            image, sizing = image.resize((width, height)), {"target_size": round(math.sqrt(height * width))}
-        with attributes_set(pipeline, guider=guidance, **sizing):
-            return pipeline(image=image, prompt=prompt, num_frames=frames, output_type="pil", **arguments).frames
 
 
 FAMILY = HunyuanVideo15ImageToVideo()

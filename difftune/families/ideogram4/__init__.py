@@ -41,9 +41,10 @@ from diffusers import Ideogram4Pipeline, Ideogram4Transformer2DModel
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ideogram4_lora_to_diffusers
 
 from difftune.config import Config
-from difftune.families.common.conditioning import valid_token_states
-from difftune.families.common.flow import FlowMatching, FlowMatchingFamily
+from difftune.families.common.conditioning import Conditioning, valid_token_states
+from difftune.families.common.flow import FlowDrawing, FlowMatching, FlowMatchingFamily
 from difftune.families.common.layouts import FusedLayout, kohya_blocks_of
+from difftune.families.common.targets import AdapterTargets
 from difftune.models.autoencoders import LatentNormalization, latent_normalization
 from difftune.models.components import Components
 
@@ -123,30 +124,20 @@ class Ideogram4Layout(FusedLayout):
         return _convert_non_diffusers_ideogram4_lora_to_diffusers(dict(tensors))
 
 
-class Ideogram4(FlowMatchingFamily):
-    name = "ideogram4"
-    layout = Ideogram4Layout()
-    objective = FlowMatching(resolution_shift=area_shift)
-    description = "Ideogram 4"
-    pipeline_class = Ideogram4Pipeline
-    pipeline_classes = ("Ideogram4Pipeline",)
-    denoiser_class = Ideogram4Transformer2DModel
-    denoiser_name = "transformer"
-    drawing_part_names = ("unconditional_transformer",)
-    block_lists = ("layers",)
-    patch_size = 1  # a token is one (patched) latent pixel
+class Ideogram4Targets(AdapterTargets):
     default_targets = {"transformer": TRANSFORMER_TARGETS}
-    padded_text_tokens = TEXT_TOKENS
     lora_text_encoders = ()  # Ideogram4Pipeline's LoRA loader reads the (conditional) transformer's adapters alone
 
-    def unsupported_settings(self, config: Config) -> list[str]:
-        problems = super().unsupported_settings(config)
-        if config.sample.negative_prompt:
-            problems.append(
-                "sample.negative_prompt: Ideogram 4's guidance comes from its unconditional transformer, "
-                "which reads no text; leave it empty"
-            )
-        return problems
+
+class Ideogram4Drawing(FlowDrawing):
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """The pipeline's constant `guidance_scale` is difftune's w already (w pos + (1 - w) neg); its default
+        per-step schedule is set aside for it."""
+        return {"max_sequence_length": TEXT_TOKENS, "guidance_scale": guidance_scale, "guidance_schedule": None}
+
+
+class Ideogram4Conditioning(Conditioning):
+    padded_text_tokens = TEXT_TOKENS
 
     def latent_normalization(self, vae) -> LatentNormalization:
         """The autoencoder's batch-norm statistics, which the pipeline indexes by token channel (p * C + c), given to
@@ -158,8 +149,6 @@ class Ideogram4(FlowMatchingFamily):
                 for stats in (token_stats.scale, token_stats.shift)
             )
         )
-
-    # Prompts and the transformer.
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         tokenizer = tokenizers["tokenizer"]
@@ -186,6 +175,34 @@ class Ideogram4(FlowMatchingFamily):
         states = torch.stack(layers, dim=-1).flatten(2) * mask[..., None]  # (B, L, D * layers), layer fastest
         return valid_token_states(states, mask, 0, TEXT_TOKENS)
 
+
+class Ideogram4(FlowMatchingFamily):
+    name = "ideogram4"
+    layout = Ideogram4Layout()
+    conditioning = Ideogram4Conditioning()
+    drawing = Ideogram4Drawing()
+    targets = Ideogram4Targets()
+    objective = FlowMatching(resolution_shift=area_shift)
+    description = "Ideogram 4"
+    pipeline_class = Ideogram4Pipeline
+    pipeline_classes = ("Ideogram4Pipeline",)
+    denoiser_class = Ideogram4Transformer2DModel
+    denoiser_name = "transformer"
+    drawing_part_names = ("unconditional_transformer",)
+    block_lists = ("layers",)
+    patch_size = 1  # a token is one (patched) latent pixel
+
+    def unsupported_settings(self, config: Config) -> list[str]:
+        problems = super().unsupported_settings(config)
+        if config.sample.negative_prompt:
+            problems.append(
+                "sample.negative_prompt: Ideogram 4's guidance comes from its unconditional transformer, "
+                "which reads no text; leave it empty"
+            )
+        return problems
+
+    # Prompts and the transformer.
+
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the autoencoder's latents are patched already: one token a latent pixel
 
@@ -210,11 +227,6 @@ class Ideogram4(FlowMatchingFamily):
         return -patched_order(prediction[:, longest:], h, w)
 
     # Sampling.
-
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """The pipeline's constant `guidance_scale` is difftune's w already (w pos + (1 - w) neg); its default
-        per-step schedule is set aside for it."""
-        return {"max_sequence_length": TEXT_TOKENS, "guidance_scale": guidance_scale, "guidance_schedule": None}
 
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS

@@ -24,11 +24,11 @@ import torch
 from diffusers import Kandinsky5T2IPipeline, Kandinsky5Transformer3DModel
 from diffusers.pipelines.kandinsky5.pipeline_kandinsky_t2i import prompt_clean
 
-from difftune.families.common.conditioning import padded, padded_token_ids, trimmed, valid_token_states
-from difftune.families.common.flow import FlowMatchingFamily
+from difftune.families.common.conditioning import Conditioning, padded, padded_token_ids, trimmed, valid_token_states
+from difftune.families.common.flow import FlowDrawing, FlowMatchingFamily
 from difftune.families.common.layouts import DiffusersNamedLayout
-from difftune.families.common.loading import FamilyOptions
-from difftune.families.common.targets import targets_in_blocks
+from difftune.families.common.loading import FamilyOptions, Loading
+from difftune.families.common.targets import AdapterTargets, targets_in_blocks
 from difftune.models.autoencoders import LatentNormalization
 from difftune.models.components import Components
 
@@ -63,37 +63,38 @@ class Kandinsky5Layout(DiffusersNamedLayout):
     kohya_model_version = "kandinsky5"
 
 
-class Kandinsky5(FlowMatchingFamily):
-    name = "kandinsky5"
-    layout = Kandinsky5Layout()
-    description = "Kandinsky 5"
-    pipeline_class = Kandinsky5T2IPipeline
-    pipeline_classes = ("Kandinsky5T2IPipeline",)
-    denoiser_class = Kandinsky5Transformer3DModel
-    denoiser_name = "transformer"
-    text_encoder_names = ("text_encoder", "text_encoder_2")
-    tokenizer_names = ("tokenizer", "tokenizer_2")
-    block_lists = BLOCK_LISTS
-    padded_text_tokens = TEXT_TOKENS
-    options_model = FamilyOptions  # no guidance embedding: classifier-free guidance
+class Kandinsky5Targets(AdapterTargets):
     lora_text_encoders = ()  # KandinskyLoraLoaderMixin reads the transformer's adapters alone
     default_targets = {"transformer": [target for targets in BLOCK_TARGETS.values() for target in targets]}
-    prompt_template = PROMPT_TEMPLATE  # the pipeline's `prompt_template`
-    template_tokens = TEMPLATE_TOKENS  # its `prompt_template_encode_start_idx`
-
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         """Each block's attention and feed-forward layers (the text blocks have no cross-attention), by name."""
         return targets_in_blocks(model, BLOCK_TARGETS)
 
-    def latent_channels(self, denoiser: torch.nn.Module) -> int:
-        return denoiser.config.in_visual_dim
+
+class Kandinsky5Loading(Loading):
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
+
+
+class Kandinsky5Drawing(FlowDrawing):
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """Classifier-free guidance by the pipeline's own scale (above 1), with its negative prompt."""
+        arguments = {"max_sequence_length": TEXT_TOKENS, "guidance_scale": guidance_scale}
+        return arguments | ({"negative_prompt": negative_prompt or ""} if guidance_scale > 1 else {})
+
+    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
+        """At the size asked (the pipeline would snap it to the nearest of its own sizes)."""
+        height, width = height or 1024, width or 1024
+        pipeline.resolutions = [(width, height)]
+        return pipeline(prompt=prompt, height=height, width=width, **arguments).image
+
+
+class Kandinsky5Conditioning(Conditioning):
+    padded_text_tokens = TEXT_TOKENS
+    template_tokens = TEMPLATE_TOKENS  # its `prompt_template_encode_start_idx`
 
     def latent_normalization(self, vae) -> LatentNormalization:
         return LatentNormalization(scale=float(vae.config.scaling_factor))  # the pipeline decodes without a shift
-
-    # Prompts and the transformer.
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         """The templated captions' ids, padded with -1 (no token's id) to the most the pipeline reads; CLIP's as the
@@ -102,7 +103,7 @@ class Kandinsky5(FlowMatchingFamily):
         tokenizer = tokenizers["tokenizer"]
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's
         length = self.template_tokens + TEXT_TOKENS
-        texts = [self.prompt_template.format(caption) for caption in captions]
+        texts = [self.family.prompt_template.format(caption) for caption in captions]
         ids = padded_token_ids(tokenizer(texts, truncation=True, max_length=length)["input_ids"], length)
         clip_ids = tokenizers["tokenizer_2"](
             captions, max_length=CLIP_TOKENS, truncation=True, padding="max_length", return_tensors="pt"
@@ -128,6 +129,30 @@ class Kandinsky5(FlowMatchingFamily):
 
     def uncached_conditioning(self, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return stored | padded({name: stored[name] for name in PER_TOKEN}, TEXT_TOKENS)
+
+
+class Kandinsky5(FlowMatchingFamily):
+    name = "kandinsky5"
+    layout = Kandinsky5Layout()
+    loading = Kandinsky5Loading()
+    conditioning = Kandinsky5Conditioning()
+    drawing = Kandinsky5Drawing()
+    targets = Kandinsky5Targets()
+    description = "Kandinsky 5"
+    pipeline_class = Kandinsky5T2IPipeline
+    pipeline_classes = ("Kandinsky5T2IPipeline",)
+    denoiser_class = Kandinsky5Transformer3DModel
+    denoiser_name = "transformer"
+    text_encoder_names = ("text_encoder", "text_encoder_2")
+    tokenizer_names = ("tokenizer", "tokenizer_2")
+    block_lists = BLOCK_LISTS
+    options_model = FamilyOptions  # no guidance embedding: classifier-free guidance
+    prompt_template = PROMPT_TEMPLATE  # the pipeline's `prompt_template`
+
+    def latent_channels(self, denoiser: torch.nn.Module) -> int:
+        return denoiser.config.in_visual_dim
+
+    # Prompts and the transformer.
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """The batch in groups of one caption length each (the transformer takes no mask), each at its length; an
@@ -175,17 +200,6 @@ class Kandinsky5(FlowMatchingFamily):
         return None
 
     # Sampling.
-
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """Classifier-free guidance by the pipeline's own scale (above 1), with its negative prompt."""
-        arguments = {"max_sequence_length": TEXT_TOKENS, "guidance_scale": guidance_scale}
-        return arguments | ({"negative_prompt": negative_prompt or ""} if guidance_scale > 1 else {})
-
-    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
-        """At the size asked (the pipeline would snap it to the nearest of its own sizes)."""
-        height, width = height or 1024, width or 1024
-        pipeline.resolutions = [(width, height)]
-        return pipeline(prompt=prompt, height=height, width=width, **arguments).image
 
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS

@@ -19,7 +19,7 @@ import torch
 from diffusers import Kandinsky5T2VPipeline
 
 from difftune.families.common.drawing import ClipDrawing
-from difftune.families.kandinsky5 import Kandinsky5, Kandinsky5Layout
+from difftune.families.kandinsky5 import Kandinsky5, Kandinsky5Conditioning, Kandinsky5Drawing, Kandinsky5Layout
 
 # The pipeline's prompt template and the number of its tokens before the caption that it drops (`prompt_template`,
 # `prompt_template_encode_start_idx`; tests/test_families.py checks them against it).
@@ -45,15 +45,24 @@ class Kandinsky5VideoLayout(Kandinsky5Layout):
     kohya_model_version = "kandinsky5_video"
 
 
-class Kandinsky5Video(ClipDrawing, Kandinsky5):
+class Kandinsky5VideoDrawing(ClipDrawing, Kandinsky5Drawing):
+    pass
+
+
+class Kandinsky5VideoConditioning(Kandinsky5Conditioning):
+    template_tokens = TEMPLATE_TOKENS
+
+
+class Kandinsky5Video(Kandinsky5):
     name = "kandinsky5_video"
     layout = Kandinsky5VideoLayout()
+    conditioning = Kandinsky5VideoConditioning()
+    drawing = Kandinsky5VideoDrawing()
     description = "Kandinsky 5 video"
     pipeline_class = Kandinsky5T2VPipeline
     pipeline_classes = ("Kandinsky5T2VPipeline",)
     reads_clips = True
     prompt_template = PROMPT_TEMPLATE
-    template_tokens = TEMPLATE_TOKENS
 
     def rope_scale(self, height: int, width: int) -> tuple[float, float, float]:
         # The pipeline's own rule (a method that reads nothing of its pipeline).

@@ -31,8 +31,11 @@ from diffusers import Krea2Pipeline, Krea2Transformer2DModel
 from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkpoint_to_diffusers
 from diffusers.pipelines.krea2.pipeline_krea2 import calculate_shift
 
-from difftune.families.common.flow import FlowMatching, FlowMatchingFamily, anchored_guidance
+from difftune.families.common.conditioning import Conditioning
+from difftune.families.common.flow import FlowDrawing, FlowMatching, FlowMatchingFamily, anchored_guidance
 from difftune.families.common.layouts import RenamedLayout
+from difftune.families.common.loading import Loading
+from difftune.families.common.targets import AdapterTargets
 from difftune.families.common.tokens import pack, unpack
 from difftune.models.components import Components
 
@@ -194,21 +197,23 @@ class Krea2Layout(RenamedLayout):
         return out
 
 
-class Krea2(FlowMatchingFamily):
-    name = "krea2"
-    layout = Krea2Layout()
-    objective = FlowMatching(resolution_shift=krea2_shift)
-    description = "Krea 2"
-    pipeline_class = Krea2Pipeline
-    pipeline_classes = ("Krea2Pipeline",)
-    denoiser_class = Krea2Transformer2DModel
-    denoiser_name = "transformer"
-    pipeline_options = ("text_encoder_select_layers", "is_distilled", "patch_size")
+class Krea2Targets(AdapterTargets):
     default_targets = {"transformer": TRANSFORMER_TARGETS}
     lora_text_encoders = ()  # Krea2Pipeline's LoRA loader reads the transformer's adapters alone
 
-    # Prompts and the transformer.
 
+class Krea2Loading(Loading):
+    # Single files: the transformer alone (`diffusion_models/krea-2*.safetensors`); the other parts come from
+    # `model.single_file_config`.
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
+
+
+class Krea2Drawing(FlowDrawing):
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        return {"max_sequence_length": TEXT_TOKENS} | anchored_guidance(guidance_scale, negative_prompt)
+
+
+class Krea2Conditioning(Conditioning):
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         tokenizer = tokenizers["tokenizer"]
         text = tokenizer(
@@ -253,6 +258,24 @@ class Krea2(FlowMatchingFamily):
             restored[name] = full
         return restored
 
+
+class Krea2(FlowMatchingFamily):
+    name = "krea2"
+    layout = Krea2Layout()
+    loading = Krea2Loading()
+    conditioning = Krea2Conditioning()
+    drawing = Krea2Drawing()
+    targets = Krea2Targets()
+    objective = FlowMatching(resolution_shift=krea2_shift)
+    description = "Krea 2"
+    pipeline_class = Krea2Pipeline
+    pipeline_classes = ("Krea2Pipeline",)
+    denoiser_class = Krea2Transformer2DModel
+    denoiser_name = "transformer"
+    pipeline_options = ("text_encoder_select_layers", "is_distilled", "patch_size")
+
+    # Prompts and the transformer.
+
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         states, mask = conditioning["encoder_hidden_states"], conditioning["text_mask"].bool()
         _, _, h, w = noisy.shape
@@ -268,18 +291,8 @@ class Krea2(FlowMatchingFamily):
 
     # Sampling.
 
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        return {"max_sequence_length": TEXT_TOKENS} | anchored_guidance(guidance_scale, negative_prompt)
-
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS
-
-    # Files.
-
-    # Single files: the transformer alone (`diffusion_models/krea-2*.safetensors`); the other parts come from
-    # `model.single_file_config`.
-
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
 
 FAMILY = Krea2()

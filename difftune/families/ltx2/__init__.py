@@ -54,12 +54,12 @@ from difftune.config import Config, ModelConfig
 from difftune.data.cache import model_identity
 from difftune.data.sound import log_mel_spectrogram, read_sound
 from difftune.errors import DifftuneError
-from difftune.families.common.conditioning import NO_TOKEN, padded_token_ids
+from difftune.families.common.conditioning import NO_TOKEN, Conditioning, padded_token_ids
 from difftune.families.common.drawing import ClipDrawing
-from difftune.families.common.flow import FlowMatching, FlowMatchingFamily, flow_error
+from difftune.families.common.flow import FlowDrawing, FlowMatching, FlowMatchingFamily, flow_error
 from difftune.families.common.layouts import RenamedLayout
-from difftune.families.common.loading import FamilyOptions
-from difftune.families.common.targets import targets_in_blocks
+from difftune.families.common.loading import FamilyOptions, Loading
+from difftune.families.common.targets import AdapterTargets, targets_in_blocks
 from difftune.memory.transfer import host_randn
 from difftune.models.components import Components
 
@@ -171,28 +171,9 @@ class SoundAndVideoFlow(FlowMatching):
         return self.weighted(per_sample, timesteps, config)
 
 
-class LTX2(ClipDrawing, FlowMatchingFamily):
-    name = "ltx2"
-    layout = LTX2Layout()
-    description = "LTX-2"
-    pipeline_class = LTX2Pipeline
-    pipeline_classes = ("LTX2Pipeline",)
-    denoiser_class = LTX2VideoTransformer3DModel
-    denoiser_name = "transformer"
-    text_encoder_names = ("text_encoder", "connectors")  # the connectors turn Gemma 3's states into the caption's
-    tokenizer_names = ("tokenizer",)
-    drawing_part_names = ("audio_vae", "vocoder")  # the pipeline draws sound beside every clip
-    block_lists = ("transformer_blocks",)
+class LTX2Targets(AdapterTargets):
     default_targets = {"transformer": VIDEO_TARGETS}
-    patch_size = 1  # each latent pixel a token (the transformers of LTX-2 all patch 1 x 1 x 1)
-    options_model = LTX2Options  # no guidance embedding: classifier-free guidance
-    objective = SoundAndVideoFlow()
     lora_text_encoders = ()  # the transformer's adapters alone (the connectors are frozen)
-    reads_clips = True
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
-
-    def encoder_tokenizers(self) -> list[tuple[str, str]]:
-        return [("text_encoder", "tokenizer"), ("connectors", "tokenizer")]
 
     def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
         """Each block's video-stream layers by full name (the audio stream's have the same names after `audio_`)."""
@@ -201,31 +182,46 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
     def adapter_targets(self, components: Components, part: str) -> list[str]:
         """A run with sound adapts the audio stream and the attention between the streams too."""
         targets = self.targets_of(part, components.parts()[part])
-        if self.trains_sound(components):
+        if self.family.conditioning.trains_sound(components):
             targets += targets_in_blocks(components.denoiser, {"transformer_blocks": SOUND_TARGETS})
         return targets
 
-    # Sound (see the module's docstring): the audio autoencoder encodes each clip's sound into the latent cache, as the
-    # autoencoder its frames; kept, placed and released with it (`pixel_encoders`) where sound trains.
 
-    def unsupported_settings(self, config: Config) -> list[str]:
-        if not self.options(config.model).sound:
-            return []
-        needs_off = {
-            "cache.latents must be on (the sound is cached beside the frames)": config.cache.latents != "on",
-            "preference.method must be off": config.preference.method != "off",
-            "slider.enabled must be false": config.slider.enabled,
-        }
-        return [f"model.family_options.sound: {need}" for need, unmet in needs_off.items() if unmet]
+class LTX2Loading(Loading):
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
 
     def drawing_part_names_of(self, config: ModelConfig) -> tuple[str, ...]:
-        return ("vocoder",) if self.options(config).sound else self.drawing_part_names
+        return ("vocoder",) if self.family.options(config).sound else self.family.drawing_part_names
 
     def components_of(self, pipeline, options: LTX2Options) -> Components:
         components = super().components_of(pipeline, options)
         if options.sound:
             components.pixel_encoders["audio_vae"] = components.drawing_parts.pop("audio_vae")
         return components
+
+
+class LTX2Drawing(ClipDrawing, FlowDrawing):
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """Classifier-free guidance at this scale for video and audio, the pipeline's other guidance off (see the
+        module's docstring), at the frame rate training conditions on."""
+        return {
+            "max_sequence_length": self.family.max_sequence_length(components),
+            "frame_rate": FRAME_RATE,
+            "guidance_scale": guidance_scale,
+            "audio_guidance_scale": guidance_scale,
+            "negative_prompt": negative_prompt or "",
+            "stg_scale": 0.0,
+            "audio_stg_scale": 0.0,
+            "modality_scale": 1.0,
+            "audio_modality_scale": 1.0,
+            "guidance_rescale": 0.0,
+            "audio_guidance_rescale": 0.0,
+        }
+
+
+class LTX2Conditioning(Conditioning):
+    def encoder_tokenizers(self) -> list[tuple[str, str]]:
+        return [("text_encoder", "tokenizer"), ("connectors", "tokenizer")]
 
     def trains_sound(self, components: Components) -> bool:
         return components.family_options.sound
@@ -267,8 +263,6 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
         normalised = LTX2Pipeline._normalize_audio_latents(packed, audio_vae.latents_mean, audio_vae.latents_std)
         return {"sound_latents": normalised, "frame_rate": torch.tensor([rate for _, rate in sounds])}
 
-    # Prompts and the transformer.
-
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         """Each stripped caption's ids (with Gemma's start token), left-padded with -1 (no token's id) to the length
         the pipeline reads (`text_tokens`)."""
@@ -290,6 +284,43 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
 
     def text_kept(self, components: Components) -> str:
         return "+sound" if self.trains_sound(components) else ""
+
+
+class LTX2(FlowMatchingFamily):
+    name = "ltx2"
+    layout = LTX2Layout()
+    loading = LTX2Loading()
+    conditioning = LTX2Conditioning()
+    drawing = LTX2Drawing()
+    targets = LTX2Targets()
+    description = "LTX-2"
+    pipeline_class = LTX2Pipeline
+    pipeline_classes = ("LTX2Pipeline",)
+    denoiser_class = LTX2VideoTransformer3DModel
+    denoiser_name = "transformer"
+    text_encoder_names = ("text_encoder", "connectors")  # the connectors turn Gemma 3's states into the caption's
+    tokenizer_names = ("tokenizer",)
+    drawing_part_names = ("audio_vae", "vocoder")  # the pipeline draws sound beside every clip
+    block_lists = ("transformer_blocks",)
+    patch_size = 1  # each latent pixel a token (the transformers of LTX-2 all patch 1 x 1 x 1)
+    options_model = LTX2Options  # no guidance embedding: classifier-free guidance
+    objective = SoundAndVideoFlow()
+    reads_clips = True
+
+    # Sound (see the module's docstring): the audio autoencoder encodes each clip's sound into the latent cache, as the
+    # autoencoder its frames; kept, placed and released with it (`pixel_encoders`) where sound trains.
+
+    def unsupported_settings(self, config: Config) -> list[str]:
+        if not self.options(config.model).sound:
+            return []
+        needs_off = {
+            "cache.latents must be on (the sound is cached beside the frames)": config.cache.latents != "on",
+            "preference.method must be off": config.preference.method != "off",
+            "slider.enabled must be false": config.slider.enabled,
+        }
+        return [f"model.family_options.sound: {need}" for need, unmet in needs_off.items() if unmet]
+
+    # Prompts and the transformer.
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """An image's latents (B, C, h, w) as one-frame clips; a clip's (B, C, t, h, w) as the pipeline packs them,
@@ -354,23 +385,6 @@ class LTX2(ClipDrawing, FlowMatchingFamily):
         return (unpacked if noisy.dim() == 5 else unpacked[:, :, 0]), sound
 
     # Sampling.
-
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """Classifier-free guidance at this scale for video and audio, the pipeline's other guidance off (see the
-        module's docstring), at the frame rate training conditions on."""
-        return {
-            "max_sequence_length": self.max_sequence_length(components),
-            "frame_rate": FRAME_RATE,
-            "guidance_scale": guidance_scale,
-            "audio_guidance_scale": guidance_scale,
-            "negative_prompt": negative_prompt or "",
-            "stg_scale": 0.0,
-            "audio_stg_scale": 0.0,
-            "modality_scale": 1.0,
-            "audio_modality_scale": 1.0,
-            "guidance_rescale": 0.0,
-            "audio_guidance_rescale": 0.0,
-        }
 
     def max_sequence_length(self, components: Components) -> int:
         return text_tokens(components.tokenizers["tokenizer"])

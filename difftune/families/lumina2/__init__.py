@@ -26,9 +26,11 @@ import re
 import torch
 from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
 
-from difftune.families.common.conditioning import valid_token_states
-from difftune.families.common.flow import FlowMatchingFamily
+from difftune.families.common.conditioning import Conditioning, valid_token_states
+from difftune.families.common.flow import FlowDrawing, FlowMatchingFamily
 from difftune.families.common.layouts import FusedLayout
+from difftune.families.common.loading import Loading
+from difftune.families.common.targets import AdapterTargets
 from difftune.families.z_image import BLOCK_LISTS, fused_qkv, lumina_kohya_blocks
 from difftune.models.components import Components
 
@@ -126,20 +128,30 @@ class Lumina2Layout(FusedLayout):
         return out
 
 
-class Lumina2(FlowMatchingFamily):
-    name = "lumina2"
-    layout = Lumina2Layout()
-    description = "Lumina 2"
-    pipeline_class = Lumina2Pipeline
-    pipeline_classes = ("Lumina2Pipeline", "Lumina2Text2ImgPipeline")  # and its earlier name, in folders saved then
-    denoiser_class = Lumina2Transformer2DModel
-    denoiser_name = "transformer"
-    block_lists = BLOCK_LISTS
+class Lumina2Targets(AdapterTargets):
     default_targets = {"transformer": TRANSFORMER_TARGETS}
-    padded_text_tokens = TEXT_TOKENS
     lora_text_encoders = ()  # Lumina2Pipeline's LoRA loader reads the transformer's adapters alone
 
-    # Prompts and the transformer.
+
+class Lumina2Loading(Loading):
+    # Single files: the transformer alone in the original layout (Alpha-VLLM's `consolidated.00-of-01.pth` saved as
+    # safetensors, ComfyUI's `lumina_2_model_bf16.safetensors`); the other parts come from `model.single_file_config`.
+    # Read and written from one table at any width (diffusers' reader assumes Lumina-Image 2.0's: 2304, 768).
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
+
+
+class Lumina2Drawing(FlowDrawing):
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """The pipeline's `guidance_scale` is neg + w (pos - neg) already; at 1 or less, one pass without it."""
+        return {
+            "max_sequence_length": TEXT_TOKENS,
+            "guidance_scale": max(guidance_scale, 1.0),
+            "negative_prompt": negative_prompt or None,
+        }
+
+
+class Lumina2Conditioning(Conditioning):
+    padded_text_tokens = TEXT_TOKENS
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         ids = tokenizers["tokenizer"](
@@ -159,6 +171,23 @@ class Lumina2(FlowMatchingFamily):
         ).hidden_states[-2]
         return valid_token_states(states, mask, 0, TEXT_TOKENS)
 
+
+class Lumina2(FlowMatchingFamily):
+    name = "lumina2"
+    layout = Lumina2Layout()
+    loading = Lumina2Loading()
+    conditioning = Lumina2Conditioning()
+    drawing = Lumina2Drawing()
+    targets = Lumina2Targets()
+    description = "Lumina 2"
+    pipeline_class = Lumina2Pipeline
+    pipeline_classes = ("Lumina2Pipeline", "Lumina2Text2ImgPipeline")  # and its earlier name, in folders saved then
+    denoiser_class = Lumina2Transformer2DModel
+    denoiser_name = "transformer"
+    block_lists = BLOCK_LISTS
+
+    # Prompts and the transformer.
+
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the transformer patches the latents itself
 
@@ -175,22 +204,8 @@ class Lumina2(FlowMatchingFamily):
 
     # Sampling.
 
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """The pipeline's `guidance_scale` is neg + w (pos - neg) already; at 1 or less, one pass without it."""
-        return {
-            "max_sequence_length": TEXT_TOKENS,
-            "guidance_scale": max(guidance_scale, 1.0),
-            "negative_prompt": negative_prompt or None,
-        }
-
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS
-
-    # Single files: the transformer alone in the original layout (Alpha-VLLM's `consolidated.00-of-01.pth` saved as
-    # safetensors, ComfyUI's `lumina_2_model_bf16.safetensors`); the other parts come from `model.single_file_config`.
-    # Read and written from one table at any width (diffusers' reader assumes Lumina-Image 2.0's: 2304, 768).
-
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
 
 FAMILY = Lumina2()

@@ -23,10 +23,12 @@ from __future__ import annotations
 import torch
 from diffusers import QwenImageControlNetPipeline, QwenImagePipeline, QwenImageTransformer2DModel
 
-from difftune.families.common.conditioning import valid_token_states
+from difftune.families.common.conditioning import Conditioning, valid_token_states
 from difftune.families.common.control import QwenImageControlNet
 from difftune.families.common.flow import FlowMatchingFamily
 from difftune.families.common.layouts import DiffusersNamedLayout
+from difftune.families.common.loading import Loading
+from difftune.families.common.targets import AdapterTargets
 from difftune.families.common.tokens import pack, unpack
 from difftune.models.components import Components
 
@@ -64,28 +66,22 @@ class QwenImageLayout(DiffusersNamedLayout):
     kohya_model_version = "qwen_image"
 
 
-class QwenImage(FlowMatchingFamily):
-    name = "qwen_image"
-    layout = QwenImageLayout()
-    description = "Qwen-Image"
-    pipeline_class = QwenImagePipeline
-    controlnet = QwenImageControlNet(QwenImageControlNetPipeline)
-    pipeline_classes = ("QwenImagePipeline",)
-    denoiser_class = QwenImageTransformer2DModel
-    denoiser_name = "transformer"
+class QwenImageTargets(AdapterTargets):
     default_targets = {"transformer": TRANSFORMER_TARGETS}
     lora_text_encoders = ()  # QwenImagePipeline's LoRA loader reads the transformer's adapters alone
-    prompt_template = PROMPT_TEMPLATE  # the pipeline's `prompt_template_encode`
+
+
+class QwenImageLoading(Loading):
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
+
+
+class QwenImageConditioning(Conditioning):
     template_tokens = TEMPLATE_TOKENS  # its `prompt_template_encode_start_idx`
     padded_text_tokens = TEXT_TOKENS
 
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
-
-    # Prompts and the transformer.
-
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         ids = tokenizers["tokenizer"](
-            [self.prompt_template.format(caption) for caption in captions],
+            [self.family.prompt_template.format(caption) for caption in captions],
             padding="max_length",
             max_length=self.template_tokens + self.padded_text_tokens,
             truncation=True,
@@ -108,6 +104,23 @@ class QwenImage(FlowMatchingFamily):
             input_ids=ids, attention_mask=mask.long(), output_hidden_states=True, **images
         ).hidden_states[-1]
         return valid_token_states(states, mask, self.template_tokens, self.padded_text_tokens)
+
+
+class QwenImage(FlowMatchingFamily):
+    name = "qwen_image"
+    layout = QwenImageLayout()
+    loading = QwenImageLoading()
+    conditioning = QwenImageConditioning()
+    targets = QwenImageTargets()
+    description = "Qwen-Image"
+    pipeline_class = QwenImagePipeline
+    controlnet = QwenImageControlNet(QwenImageControlNetPipeline)
+    pipeline_classes = ("QwenImagePipeline",)
+    denoiser_class = QwenImageTransformer2DModel
+    denoiser_name = "transformer"
+    prompt_template = PROMPT_TEMPLATE  # the pipeline's `prompt_template_encode`
+
+    # Prompts and the transformer.
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """Reference images (an edit base's `control_latents`) follow the image's tokens, each placed by its own
@@ -137,9 +150,7 @@ class QwenImage(FlowMatchingFamily):
         )[0]
 
     def max_sequence_length(self, components: Components) -> int:
-        return self.padded_text_tokens
-
-    # Files.
+        return self.conditioning.padded_text_tokens
 
 
 FAMILY = QwenImage()

@@ -36,10 +36,11 @@ from diffusers import QwenImage21Pipeline, QwenImage21Transformer2DModel
 from transformers import Qwen3VLProcessor
 
 from difftune.config import Config
-from difftune.families.common.conditioning import padded_token_ids, valid_token_states
-from difftune.families.common.flow import FlowMatchingFamily
+from difftune.families.common.conditioning import Conditioning, padded_token_ids, valid_token_states
+from difftune.families.common.flow import FlowDrawing, FlowMatchingFamily
 from difftune.families.common.layouts import FusedLayout, kohya_blocks_of, kohya_globals_of
-from difftune.families.common.loading import FamilyOptions
+from difftune.families.common.loading import FamilyOptions, Loading
+from difftune.families.common.targets import AdapterTargets
 from difftune.models.components import Components
 from difftune.models.processors import load_without_video_processor
 
@@ -134,46 +135,33 @@ class QwenImage21Layout(FusedLayout):
         )
 
 
-class QwenImage21(FlowMatchingFamily):
-    name = "qwen_image21"
-    layout = QwenImage21Layout()
-    description = "Qwen-Image 2.1"
-    pipeline_class = QwenImage21Pipeline
-    pipeline_classes = ("QwenImage21Pipeline",)
-    denoiser_class = QwenImage21Transformer2DModel
-    denoiser_name = "transformer"
-    tokenizer_names = ("processor",)  # its tokenizer is the processor's
-    block_lists = ("transformer_blocks",)
-    patch_size = 1  # a token is one latent pixel
+class QwenImage21Targets(AdapterTargets):
     default_targets = {"transformer": TRANSFORMER_TARGETS}
-    padded_text_tokens = TEXT_TOKENS
-    options_model = FamilyOptions  # no guidance embedding
-    pipeline_options = ("sample_sigmas",)  # the authors' sampling sigmas, kept by a reassembled pipeline
     lora_text_encoders = ()  # QwenImage21Pipeline's LoRA loader reads the transformer's adapters alone
 
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
-    def unsupported_settings(self, config: Config) -> list[str]:
-        """Image sides the transformer cannot read: it places the image in slots of 2 x 2 latent tokens at 16x."""
-        sides = {}
-        for data, key in zip(config.data.each_dataset(), config.data.dataset_keys(), strict=True):
-            setting = key.removesuffix(".path")
-            sides[f"{setting}.resolution"] = data.resolution
-            if data.buckets:  # bucket sides are the shortest side plus steps, or the longest
-                sides |= {
-                    f"{setting}.{name}": getattr(data, name)
-                    for name in ("bucket_step", "bucket_min_side", "bucket_max_side")
-                }
-        if config.sample.resolution:
-            sides["sample.resolution"] = config.sample.resolution
-        return super().unsupported_settings(config) + [
-            f"{name} = {side}: {self.description} draws and trains sides in multiples of {SIDE_MULTIPLE} px; use "
-            f"{max(SIDE_MULTIPLE, side // SIDE_MULTIPLE * SIDE_MULTIPLE)}"
-            for name, side in sides.items()
-            if side % SIDE_MULTIPLE
-        ]
+class QwenImage21Loading(Loading):
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
 
-    # Prompts and the transformer.
+
+class QwenImage21Drawing(FlowDrawing):
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """True classifier-free guidance above 1, with its negative prompt (the pipeline's `true_cfg_scale`)."""
+        if guidance_scale > 1:
+            return {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt or ""}
+        return {}
+
+    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
+        """As every family draws, with one negative prompt given to each prompt of a batch: the pipeline encodes
+        `negative_prompt` as it is given, a batch of one beside a batch of prompts (its transformer then fails)."""
+        negative = arguments.get("negative_prompt")
+        if isinstance(prompt, list) and isinstance(negative, str):
+            arguments["negative_prompt"] = [negative] * len(prompt)
+        return super().draw(pipeline, options, prompt, controls, height, width, **arguments)
+
+
+class QwenImage21Conditioning(Conditioning):
+    padded_text_tokens = TEXT_TOKENS
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         """Each caption's ids in the template, left-padded with -1 (no token's id) to the system turn plus
@@ -205,6 +193,47 @@ class QwenImage21(FlowMatchingFamily):
             ).hidden_states[-1]
         return valid_token_states(states, mask, system_tokens(tokenizer), TEXT_TOKENS)
 
+
+class QwenImage21(FlowMatchingFamily):
+    name = "qwen_image21"
+    layout = QwenImage21Layout()
+    loading = QwenImage21Loading()
+    conditioning = QwenImage21Conditioning()
+    drawing = QwenImage21Drawing()
+    targets = QwenImage21Targets()
+    description = "Qwen-Image 2.1"
+    pipeline_class = QwenImage21Pipeline
+    pipeline_classes = ("QwenImage21Pipeline",)
+    denoiser_class = QwenImage21Transformer2DModel
+    denoiser_name = "transformer"
+    tokenizer_names = ("processor",)  # its tokenizer is the processor's
+    block_lists = ("transformer_blocks",)
+    patch_size = 1  # a token is one latent pixel
+    options_model = FamilyOptions  # no guidance embedding
+    pipeline_options = ("sample_sigmas",)  # the authors' sampling sigmas, kept by a reassembled pipeline
+
+    def unsupported_settings(self, config: Config) -> list[str]:
+        """Image sides the transformer cannot read: it places the image in slots of 2 x 2 latent tokens at 16x."""
+        sides = {}
+        for data, key in zip(config.data.each_dataset(), config.data.dataset_keys(), strict=True):
+            setting = key.removesuffix(".path")
+            sides[f"{setting}.resolution"] = data.resolution
+            if data.buckets:  # bucket sides are the shortest side plus steps, or the longest
+                sides |= {
+                    f"{setting}.{name}": getattr(data, name)
+                    for name in ("bucket_step", "bucket_min_side", "bucket_max_side")
+                }
+        if config.sample.resolution:
+            sides["sample.resolution"] = config.sample.resolution
+        return super().unsupported_settings(config) + [
+            f"{name} = {side}: {self.description} draws and trains sides in multiples of {SIDE_MULTIPLE} px; use "
+            f"{max(SIDE_MULTIPLE, side // SIDE_MULTIPLE * SIDE_MULTIPLE)}"
+            for name, side in sides.items()
+            if side % SIDE_MULTIPLE
+        ]
+
+    # Prompts and the transformer.
+
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # unpatched: one token a latent pixel
 
@@ -228,20 +257,6 @@ class QwenImage21(FlowMatchingFamily):
         return prediction[:, -h * w :].transpose(1, 2).reshape(b, c, h, w)
 
     # Sampling.
-
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """True classifier-free guidance above 1, with its negative prompt (the pipeline's `true_cfg_scale`)."""
-        if guidance_scale > 1:
-            return {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt or ""}
-        return {}
-
-    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
-        """As every family draws, with one negative prompt given to each prompt of a batch: the pipeline encodes
-        `negative_prompt` as it is given, a batch of one beside a batch of prompts (its transformer then fails)."""
-        negative = arguments.get("negative_prompt")
-        if isinstance(prompt, list) and isinstance(negative, str):
-            arguments["negative_prompt"] = [negative] * len(prompt)
-        return super().draw(pipeline, options, prompt, controls, height, width, **arguments)
 
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS

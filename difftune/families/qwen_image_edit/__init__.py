@@ -28,8 +28,8 @@ from transformers import Qwen2VLProcessor
 
 from difftune.config import Config
 from difftune.errors import DifftuneError
-from difftune.families.common.flow import FlowOptions
-from difftune.families.qwen_image import QwenImage
+from difftune.families.common.flow import FlowDrawing, FlowOptions
+from difftune.families.qwen_image import QwenImage, QwenImageConditioning
 from difftune.models.processors import load_without_video_processor
 
 # The edit pipelines' template (`prompt_template_encode` without the vision tokens, which `vision_prompt` places) and
@@ -65,80 +65,8 @@ def control_dimensions(area: int, size: tuple[int, int]) -> tuple[int, int]:
     return width, height
 
 
-class QwenImageEdit(QwenImage):
-    name = "qwen_image_edit"
-    description = "Qwen-Image-Edit"
-    pipeline_class = QwenImageEditPipeline
-    controlnet = None  # QwenImageControlNetPipeline draws text-to-image: no ControlNet reads an edit's references
-    pipeline_classes = ("QwenImageEditPipeline",)
-    tokenizer_names = ("tokenizer", "processor")  # the processor reads the control images for the language model
-    options_model = EditOptions
-    max_controls = 1  # QwenImageEditPipeline edits one image
-    edit_base = True
+class QwenImageEditDrawing(FlowDrawing):
     needs_controls_to_draw = True  # its pipeline draws nothing without an image
-    prompts_see_controls = True
-    prompt_template = EDIT_PROMPT_TEMPLATE
-    template_tokens = EDIT_TEMPLATE_TOKENS
-    padded_text_tokens = EDIT_TEXT_TOKENS
-
-    def encoder_tokenizers(self) -> list[tuple[str, str]]:
-        return [("text_encoder", "tokenizer")]
-
-    def unsupported_settings(self, config: Config) -> list[str]:
-        problems = super().unsupported_settings(config)
-        if config.prior.num_class_images:
-            problems.append(
-                f"prior.num_class_images: {self.description} pipelines draw only edits of a control image; give "
-                "prior.class_path a folder of class images (or pairs) instead"
-            )
-        return problems
-
-    # Edit pairs.
-
-    def control_size(self, target_size, control_size, options: EditOptions | None = None):
-        options = options or EditOptions()
-        return control_dimensions(options.control_resolution**2 or target_size[0] * target_size[1], control_size)
-
-    def vision_prompt(self, count: int) -> str:
-        """What stands before the instruction for `count` control images: their vision tokens (one image here)."""
-        return VISION_TOKENS if count else ""
-
-    def prompt_image(self, control):
-        """The image the language model sees of a control (PIL, at its training size): that same image."""
-        return control
-
-    def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict:
-        """Token ids (padded to the fixed `template_tokens + padded_text_tokens`) and, for captions with controls (PIL,
-        one
-        list per caption; every caption of a call with controls of the same sizes), the processor's patches per caption
-        (B, patches, D) and their grids (B, images, 3)."""
-        controls = controls or [[] for _ in captions]
-        images = [self.prompt_image(image) for images in controls for image in images]
-        inputs = tokenizers["processor"](
-            text=[
-                self.prompt_template.format(self.vision_prompt(len(images)) + caption)
-                for caption, images in zip(captions, controls, strict=True)
-            ],
-            images=images or None,
-            padding="max_length",
-            max_length=self.template_tokens + self.padded_text_tokens,
-            return_tensors="pt",
-        )
-        ids = inputs["input_ids"]
-        if ids.shape[1] > self.template_tokens + self.padded_text_tokens:
-            raise DifftuneError(
-                f"{captions[0]!r} and its control images make {ids.shape[1] - self.template_tokens} prompt "
-                f"tokens; {self.description} reads at most {self.padded_text_tokens}: shorten it"
-            )
-        if not images:
-            return {"text_encoder": ids}
-        return {
-            "text_encoder": ids,
-            "pixel_values": inputs["pixel_values"].view(len(captions), -1, inputs["pixel_values"].shape[-1]),
-            "image_grid_thw": inputs["image_grid_thw"].view(len(captions), -1, 3),
-        }
-
-    # Sampling.
 
     def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
         return {"image": controls[0]}
@@ -154,8 +82,88 @@ class QwenImageEdit(QwenImage):
         **arguments,
     ) -> list:
         area = options.control_resolution**2 or (height * width if height else 0)
-        with self.sized_controls(area):
+        with self.family.sized_controls(area):
             return super().draw(pipeline, options, prompt, controls, height, width, **arguments)
+
+
+class QwenImageEditConditioning(QwenImageConditioning):
+    prompts_see_controls = True
+    template_tokens = EDIT_TEMPLATE_TOKENS
+    padded_text_tokens = EDIT_TEXT_TOKENS
+
+    def encoder_tokenizers(self) -> list[tuple[str, str]]:
+        return [("text_encoder", "tokenizer")]
+
+    def control_size(self, target_size, control_size, options: EditOptions | None = None):
+        options = options or EditOptions()
+        return control_dimensions(options.control_resolution**2 or target_size[0] * target_size[1], control_size)
+
+    def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict:
+        """Token ids (padded to the fixed `template_tokens + padded_text_tokens`) and, for captions with controls (PIL,
+        one
+        list per caption; every caption of a call with controls of the same sizes), the processor's patches per caption
+        (B, patches, D) and their grids (B, images, 3)."""
+        controls = controls or [[] for _ in captions]
+        images = [self.family.prompt_image(image) for images in controls for image in images]
+        inputs = tokenizers["processor"](
+            text=[
+                self.family.prompt_template.format(self.family.vision_prompt(len(images)) + caption)
+                for caption, images in zip(captions, controls, strict=True)
+            ],
+            images=images or None,
+            padding="max_length",
+            max_length=self.template_tokens + self.padded_text_tokens,
+            return_tensors="pt",
+        )
+        ids = inputs["input_ids"]
+        if ids.shape[1] > self.template_tokens + self.padded_text_tokens:
+            raise DifftuneError(
+                f"{captions[0]!r} and its control images make {ids.shape[1] - self.template_tokens} prompt "
+                f"tokens; {self.family.description} reads at most {self.padded_text_tokens}: shorten it"
+            )
+        if not images:
+            return {"text_encoder": ids}
+        return {
+            "text_encoder": ids,
+            "pixel_values": inputs["pixel_values"].view(len(captions), -1, inputs["pixel_values"].shape[-1]),
+            "image_grid_thw": inputs["image_grid_thw"].view(len(captions), -1, 3),
+        }
+
+
+class QwenImageEdit(QwenImage):
+    name = "qwen_image_edit"
+    description = "Qwen-Image-Edit"
+    pipeline_class = QwenImageEditPipeline
+    controlnet = None  # QwenImageControlNetPipeline draws text-to-image: no ControlNet reads an edit's references
+    pipeline_classes = ("QwenImageEditPipeline",)
+    tokenizer_names = ("tokenizer", "processor")  # the processor reads the control images for the language model
+    options_model = EditOptions
+    max_controls = 1  # QwenImageEditPipeline edits one image
+    edit_base = True
+    conditioning = QwenImageEditConditioning()
+    drawing = QwenImageEditDrawing()
+    prompt_template = EDIT_PROMPT_TEMPLATE
+
+    def unsupported_settings(self, config: Config) -> list[str]:
+        problems = super().unsupported_settings(config)
+        if config.prior.num_class_images:
+            problems.append(
+                f"prior.num_class_images: {self.description} pipelines draw only edits of a control image; give "
+                "prior.class_path a folder of class images (or pairs) instead"
+            )
+        return problems
+
+    # Edit pairs.
+
+    def vision_prompt(self, count: int) -> str:
+        """What stands before the instruction for `count` control images: their vision tokens (one image here)."""
+        return VISION_TOKENS if count else ""
+
+    def prompt_image(self, control):
+        """The image the language model sees of a control (PIL, at its training size): that same image."""
+        return control
+
+    # Sampling.
 
     def sized_controls(self, area: int):
         """A block in which the pipeline sizes controls to `area` pixels (0: its own 1 MP)."""

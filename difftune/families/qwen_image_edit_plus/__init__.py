@@ -17,7 +17,18 @@ import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus_pipeli
 from diffusers import QwenImageEditPlusPipeline
 from diffusers.image_processor import VaeImageProcessor
 
-from difftune.families.qwen_image_edit import VISION_TOKENS, QwenImageEdit, control_dimensions, set_for_the_call
+from difftune.families.qwen_image_edit import (
+    VISION_TOKENS,
+    QwenImageEdit,
+    QwenImageEditDrawing,
+    control_dimensions,
+    set_for_the_call,
+)
+
+
+class QwenImageEditPlusDrawing(QwenImageEditDrawing):
+    def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
+        return {"image": controls}
 
 
 class QwenImageEditPlus(QwenImageEdit):
@@ -27,6 +38,7 @@ class QwenImageEditPlus(QwenImageEdit):
     pipeline_class = QwenImageEditPlusPipeline
     pipeline_classes = ("QwenImageEditPlusPipeline",)
     max_controls = 3  # what Qwen-Image-Edit-2509 / 2511 were trained with
+    drawing = QwenImageEditPlusDrawing()
 
     def vision_prompt(self, count: int) -> str:
         return "".join(f"Picture {i + 1}: {VISION_TOKENS}" for i in range(count))
@@ -36,9 +48,6 @@ class QwenImageEditPlus(QwenImageEdit):
         about `CONDITION_IMAGE_SIZE` pixels."""
         width, height = control_dimensions(plus_pipeline_module.CONDITION_IMAGE_SIZE, control.size)
         return VaeImageProcessor().resize(control, height, width)
-
-    def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
-        return {"image": controls}
 
     def sized_controls(self, area: int):
         return set_for_the_call(plus_pipeline_module, "VAE_IMAGE_SIZE", area) if area else nullcontext()

@@ -34,9 +34,9 @@ from transformers import Qwen2VLProcessor
 from difftune.config import Config, DataConfig
 from difftune.errors import DifftuneError
 from difftune.families.common.drawing import one_image_each, side_by_side
-from difftune.families.common.flow import FlowMatching, FlowOptions
+from difftune.families.common.flow import FlowDrawing, FlowMatching, FlowOptions
 from difftune.families.common.tokens import unpack
-from difftune.families.qwen_image import QwenImage
+from difftune.families.qwen_image import QwenImage, QwenImageConditioning
 from difftune.families.qwen_image_edit import dimensions_for_the_call
 from difftune.models.components import Components
 from difftune.models.processors import load_without_video_processor
@@ -59,6 +59,54 @@ class LayeredOptions(FlowOptions):
     )
 
 
+class QwenImageLayeredDrawing(FlowDrawing):
+    needs_controls_to_draw = True
+
+    def prompt_control_problems(self, prompts: list) -> list[str]:
+        """Every sample prompt names the one image it splits."""
+        return one_image_each(prompts, f"{self.family.description} pipelines split one", "image.png")
+
+    def draw(self, pipeline, options: LayeredOptions, prompt, controls, height, width, **arguments) -> list:
+        """Each prompt's layers side by side, as one RGBA image."""
+        with dimensions_for_the_call(layered_pipeline_module, height * width if height else 0):
+            drawn = pipeline(
+                image=controls[0].convert("RGBA"),
+                prompt=prompt,
+                layers=options.layers,
+                resolution=PIPELINE_RESOLUTION,
+                **arguments,
+            ).images
+        return [side_by_side(layers, keep_alpha=True) for layers in drawn]
+
+
+class QwenImageLayeredConditioning(QwenImageConditioning):
+    trains_layers = True
+
+    def encoder_tokenizers(self) -> list[tuple[str, str]]:
+        return [("text_encoder", "tokenizer")]
+
+    def data_settings(self, data: DataConfig) -> DataConfig:
+        return data.model_copy(update={"keep_alpha": True})  # its layers are transparent, its autoencoder RGBA
+
+    def check_controls(self, examples: list, key: str) -> None:
+        """Every example has its layers (a folder's are found by the scan; a `metadata.jsonl` or a stored record
+        lists them)."""
+        bare = next((example for example in examples if not example.control_paths), None)
+        if bare is not None:
+            raise DifftuneError(
+                f"{key}: {bare.path} has no layers; {self.family.description} trains an image with its layers, "
+                f"{bare.path.stem}_1.png, {bare.path.stem}_2.png... beside it (or `control_files` in metadata.jsonl)"
+            )
+
+    def planned_controls(self, components: Components, latents: torch.Tensor) -> list[torch.Tensor]:
+        return [latents] * components.family_options.layers  # as many layers as its samples split into
+
+    def trained_latents(self, latents: torch.Tensor, conditioning: dict) -> torch.Tensor:
+        layers = conditioning.pop("control_latents")
+        conditioning["image_latents"] = latents
+        return torch.stack([latents, *layers], dim=2)
+
+
 class QwenImageLayered(QwenImage):
     name = "qwen_image_layered"
     description = "Qwen-Image-Layered"
@@ -68,16 +116,10 @@ class QwenImageLayered(QwenImage):
     tokenizer_names = ("tokenizer", "processor")  # the pipeline captions an uncaptioned image with the processor
     options_model = LayeredOptions
     objective = FlowMatching(layered_shift)
-    trains_layers = True
+    conditioning = QwenImageLayeredConditioning()
+    drawing = QwenImageLayeredDrawing()
     max_controls = 1  # a sample prompt names the one image it splits
     edit_base = True
-    needs_controls_to_draw = True
-
-    def encoder_tokenizers(self) -> list[tuple[str, str]]:
-        return [("text_encoder", "tokenizer")]
-
-    def data_settings(self, data: DataConfig) -> DataConfig:
-        return data.model_copy(update={"keep_alpha": True})  # its layers are transparent, its autoencoder RGBA
 
     def unsupported_settings(self, config: Config) -> list[str]:
         problems = super().unsupported_settings(config)
@@ -85,26 +127,8 @@ class QwenImageLayered(QwenImage):
             problems.append("prior: Qwen-Image-Layered splits images into layers; it has no class images to keep")
         return problems
 
-    def check_controls(self, examples: list, key: str) -> None:
-        """Every example has its layers (a folder's are found by the scan; a `metadata.jsonl` or a stored record
-        lists them)."""
-        bare = next((example for example in examples if not example.control_paths), None)
-        if bare is not None:
-            raise DifftuneError(
-                f"{key}: {bare.path} has no layers; {self.description} trains an image with its layers, "
-                f"{bare.path.stem}_1.png, {bare.path.stem}_2.png... beside it (or `control_files` in metadata.jsonl)"
-            )
-
     def image_tokens(self, latents: torch.Tensor) -> int:
         return latents[0, 0, 0].numel() // self.patch_size**2  # the image's alone: (B, C, layers + 1, h, w)
-
-    def planned_controls(self, components: Components, latents: torch.Tensor) -> list[torch.Tensor]:
-        return [latents] * components.family_options.layers  # as many layers as its samples split into
-
-    def trained_latents(self, latents: torch.Tensor, conditioning: dict) -> torch.Tensor:
-        layers = conditioning.pop("control_latents")
-        conditioning["image_latents"] = latents
-        return torch.stack([latents, *layers], dim=2)
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """The stack's prediction (B, C, 1 + layers, h, w); the condition's is dropped."""
@@ -120,24 +144,6 @@ class QwenImageLayered(QwenImage):
         tokens = (h // 2) * (w // 2)
         parts = prediction[:, : tokens * len(frames)].split(tokens, dim=1)
         return torch.stack([unpack(part, h, w) for part in parts], dim=2)
-
-    # Sampling.
-
-    def prompt_control_problems(self, prompts: list) -> list[str]:
-        """Every sample prompt names the one image it splits."""
-        return one_image_each(prompts, f"{self.description} pipelines split one", "image.png")
-
-    def draw(self, pipeline, options: LayeredOptions, prompt, controls, height, width, **arguments) -> list:
-        """Each prompt's layers side by side, as one RGBA image."""
-        with dimensions_for_the_call(layered_pipeline_module, height * width if height else 0):
-            drawn = pipeline(
-                image=controls[0].convert("RGBA"),
-                prompt=prompt,
-                layers=options.layers,
-                resolution=PIPELINE_RESOLUTION,
-                **arguments,
-            ).images
-        return [side_by_side(layers, keep_alpha=True) for layers in drawn]
 
 
 FAMILY = QwenImageLayered()

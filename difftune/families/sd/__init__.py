@@ -7,9 +7,11 @@ from diffusers import DDPMScheduler, StableDiffusionControlNetPipeline, StableDi
 from safetensors import safe_open
 
 from difftune.config import ModelConfig
+from difftune.families.common.conditioning import Conditioning
 from difftune.families.common.control import UNetControlNet
 from difftune.families.common.family import Family
 from difftune.families.common.layouts import Layout
+from difftune.families.common.targets import AdapterTargets
 from difftune.models import single_file
 from difftune.models.components import SINGLE_FILE_SUFFIXES, Components
 
@@ -61,17 +63,12 @@ class StableDiffusionLayout(Layout):
         }
 
 
-class StableDiffusion(Family):
-    name = "sd"
-    layout = StableDiffusionLayout()
-    description = "Stable Diffusion 1.x / 2.x"
+class StableDiffusionTargets(AdapterTargets):
     trains_embeddings = True
-    pipeline_class = StableDiffusionPipeline
-    pipeline_classes = ("StableDiffusionPipeline",)
     default_targets = {"unet": ATTENTION_PROJECTIONS, "text_encoder": CLIP_ATTENTION}
-    fixed_pipeline_arguments = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
-    controlnet = UNetControlNet(StableDiffusionControlNetPipeline)
 
+
+class StableDiffusionConditioning(Conditioning):
     def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # CLIP's last hidden state (B, L, D), as SD 1.x uses it.
         return {
@@ -79,6 +76,18 @@ class StableDiffusion(Family):
                 token_ids["text_encoder"], return_dict=False
             )[0]
         }
+
+
+class StableDiffusion(Family):
+    name = "sd"
+    layout = StableDiffusionLayout()
+    conditioning = StableDiffusionConditioning()
+    targets = StableDiffusionTargets()
+    description = "Stable Diffusion 1.x / 2.x"
+    pipeline_class = StableDiffusionPipeline
+    pipeline_classes = ("StableDiffusionPipeline",)
+    fixed_pipeline_arguments = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+    controlnet = UNetControlNet(StableDiffusionControlNetPipeline)
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         states = conditioning["encoder_hidden_states"]

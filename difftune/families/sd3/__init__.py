@@ -26,10 +26,12 @@ import torch.nn.functional as F
 from diffusers import SD3Transformer2DModel, StableDiffusion3ControlNetPipeline, StableDiffusion3Pipeline
 from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
 
+from difftune.families.common.conditioning import Conditioning
 from difftune.families.common.control import SD3ControlNet
-from difftune.families.common.flow import FlowMatchingFamily
+from difftune.families.common.flow import FlowDrawing, FlowMatchingFamily
 from difftune.families.common.layouts import BLOCK, FusedLayout, swap_halves
-from difftune.families.common.loading import FamilyOptions
+from difftune.families.common.loading import FamilyOptions, Loading
+from difftune.families.common.targets import AdapterTargets
 from difftune.families.flux import T5_ATTENTION
 from difftune.families.sd import CLIP_ATTENTION
 from difftune.models.components import Components, tokenize
@@ -147,18 +149,7 @@ class StableDiffusion3Layout(FusedLayout):
         return super().original_state_dict(weights) | {"pos_embed": position.contiguous()}
 
 
-class StableDiffusion3(FlowMatchingFamily):
-    name = "sd3"
-    layout = StableDiffusion3Layout()
-    description = "Stable Diffusion 3 / 3.5"
-    options_model = FamilyOptions  # no guidance embedding
-    pipeline_class = StableDiffusion3Pipeline
-    controlnet = SD3ControlNet(StableDiffusion3ControlNetPipeline)
-    pipeline_classes = ("StableDiffusion3Pipeline",)
-    denoiser_class = SD3Transformer2DModel
-    denoiser_name = "transformer"
-    text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    tokenizer_names = ("tokenizer", "tokenizer_2", "tokenizer_3")
+class StableDiffusion3Targets(AdapterTargets):
     default_targets = {
         "transformer": TRANSFORMER_TARGETS,
         "text_encoder": CLIP_ATTENTION,
@@ -174,19 +165,40 @@ class StableDiffusion3(FlowMatchingFamily):
         """The default targets, without the second image attention's where the transformer has none (SD3 Medium,
         SD3.5 Large: `dual_attention_layers` empty), which would otherwise name no module and be refused."""
         targets = super().targets_of(part, model)
-        if part == self.denoiser_name and not model.config.get("dual_attention_layers"):
+        if part == self.family.denoiser_name and not model.config.get("dual_attention_layers"):
             return [target for target in targets if target not in SECOND_ATTENTION_TARGETS]
         return targets
 
-    # Prompts and the transformer.
 
+class StableDiffusion3Loading(Loading):
+    # Single files: the MMDiT alone (Stability's `sd3.5_large.safetensors`; an all-in-one file's text encoders and
+    # autoencoder are left out), read through diffusers' converter; the other parts come from
+    # `model.single_file_config`.
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
+
+
+class StableDiffusion3Drawing(FlowDrawing):
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """Classifier-free guidance above 1, in the pipeline's own `guidance_scale` (neg + w (pos - neg))."""
+        return {
+            "max_sequence_length": self.family.max_sequence_length(components),
+            "guidance_scale": guidance_scale,
+            "negative_prompt": negative_prompt or None,
+        }
+
+
+class StableDiffusion3Conditioning(Conditioning):
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         t5 = tokenizers["tokenizer_3"]
         return {
             "text_encoder": tokenize(tokenizers["tokenizer"], captions),
             "text_encoder_2": tokenize(tokenizers["tokenizer_2"], captions),
             "text_encoder_3": t5(
-                captions, padding="max_length", max_length=self.t5_tokens(t5), truncation=True, return_tensors="pt"
+                captions,
+                padding="max_length",
+                max_length=self.family.t5_tokens(t5),
+                truncation=True,
+                return_tensors="pt",
             ).input_ids,
         }
 
@@ -203,6 +215,26 @@ class StableDiffusion3(FlowMatchingFamily):
             "pooled_prompt_embeds": torch.cat([clip[0] for clip in clips], dim=-1),
         }
 
+
+class StableDiffusion3(FlowMatchingFamily):
+    name = "sd3"
+    layout = StableDiffusion3Layout()
+    loading = StableDiffusion3Loading()
+    conditioning = StableDiffusion3Conditioning()
+    drawing = StableDiffusion3Drawing()
+    targets = StableDiffusion3Targets()
+    description = "Stable Diffusion 3 / 3.5"
+    options_model = FamilyOptions  # no guidance embedding
+    pipeline_class = StableDiffusion3Pipeline
+    controlnet = SD3ControlNet(StableDiffusion3ControlNetPipeline)
+    pipeline_classes = ("StableDiffusion3Pipeline",)
+    denoiser_class = SD3Transformer2DModel
+    denoiser_name = "transformer"
+    text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    tokenizer_names = ("tokenizer", "tokenizer_2", "tokenizer_3")
+
+    # Prompts and the transformer.
+
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the transformer patches the latents itself
 
@@ -218,24 +250,8 @@ class StableDiffusion3(FlowMatchingFamily):
 
     # Sampling.
 
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """Classifier-free guidance above 1, in the pipeline's own `guidance_scale` (neg + w (pos - neg))."""
-        return {
-            "max_sequence_length": self.max_sequence_length(components),
-            "guidance_scale": guidance_scale,
-            "negative_prompt": negative_prompt or None,
-        }
-
     def max_sequence_length(self, components: Components) -> int:
         return self.t5_tokens(components.tokenizers["tokenizer_3"])
-
-    # Files.
-
-    # Single files: the MMDiT alone (Stability's `sd3.5_large.safetensors`; an all-in-one file's text encoders and
-    # autoencoder are left out), read through diffusers' converter; the other parts come from
-    # `model.single_file_config`.
-
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
 
 FAMILY = StableDiffusion3()

@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 from diffusers import StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
 
+from difftune.families.common.conditioning import Conditioning
 from difftune.families.common.control import UNetControlNet
 from difftune.families.common.family import Family
 from difftune.families.common.layouts import Layout
+from difftune.families.common.targets import AdapterTargets
 from difftune.families.sd import ATTENTION_PROJECTIONS, CLIP_ATTENTION
 from difftune.memory.transfer import to_device
 from difftune.models import single_file
@@ -52,29 +54,36 @@ class StableDiffusionXLLayout(Layout):
         }
 
 
+class StableDiffusionXLTargets(AdapterTargets):
+    trains_embeddings = True
+    default_targets = {"unet": ATTENTION_PROJECTIONS, "text_encoder": CLIP_ATTENTION, "text_encoder_2": CLIP_ATTENTION}
+
+
+class StableDiffusionXLConditioning(Conditioning):
+    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        states = []
+        for name in self.family.text_encoder_names:
+            output = components.text_encoders[name](token_ids[name], output_hidden_states=True)
+            states.append(output.hidden_states[-2])
+        # `output` is the second encoder's: its text_embeds are the pooled conditioning.
+        return {"encoder_hidden_states": torch.cat(states, dim=-1), "pooled_prompt_embeds": output.text_embeds}
+
+
 class StableDiffusionXL(Family):
     name = "sdxl"
     layout = StableDiffusionXLLayout()
+    conditioning = StableDiffusionXLConditioning()
+    targets = StableDiffusionXLTargets()
     description = "Stable Diffusion XL"
-    trains_embeddings = True
     pipeline_class = StableDiffusionXLPipeline
     pipeline_classes = ("StableDiffusionXLPipeline",)
     text_encoder_names = ("text_encoder", "text_encoder_2")
     tokenizer_names = ("tokenizer", "tokenizer_2")
-    default_targets = {"unet": ATTENTION_PROJECTIONS, "text_encoder": CLIP_ATTENTION, "text_encoder_2": CLIP_ATTENTION}
     # Whether an empty negative prompt is zeros (SDXL base) or the encoded "" (a model trained with
     # empty-caption dropout, like the tiny base): a reassembled pipeline must keep what the model says.
     pipeline_options = ("force_zeros_for_empty_prompt",)
     fixed_pipeline_arguments = {"add_watermarker": False}  # the watermark is for published images, not samples
     controlnet = UNetControlNet(StableDiffusionXLControlNetPipeline)
-
-    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        states = []
-        for name in self.text_encoder_names:
-            output = components.text_encoders[name](token_ids[name], output_hidden_states=True)
-            states.append(output.hidden_states[-2])
-        # `output` is the second encoder's: its text_embeds are the pooled conditioning.
-        return {"encoder_hidden_states": torch.cat(states, dim=-1), "pooled_prompt_embeds": output.text_embeds}
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         states = conditioning["encoder_hidden_states"]

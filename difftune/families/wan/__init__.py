@@ -44,12 +44,12 @@ from pydantic import Field
 
 from difftune.config import Config, ModelConfig
 from difftune.errors import DifftuneError
-from difftune.families.common.conditioning import valid_token_states
+from difftune.families.common.conditioning import Conditioning, valid_token_states
 from difftune.families.common.drawing import ClipDrawing
-from difftune.families.common.flow import FlowMatching, FlowMatchingFamily, FlowOptions
+from difftune.families.common.flow import FlowDrawing, FlowMatching, FlowMatchingFamily, FlowOptions
 from difftune.families.common.layouts import RenamedLayout
-from difftune.families.common.loading import config_folder
-from difftune.families.common.targets import AdapterFile
+from difftune.families.common.loading import Loading, config_folder
+from difftune.families.common.targets import AdapterFile, AdapterTargets
 from difftune.families.common.wan_experts import EXPERTS, WanExperts
 from difftune.models.components import SINGLE_FILE_SUFFIXES, Components
 from difftune.models.dtypes import PartDtypes
@@ -207,22 +207,163 @@ class WanLayout(RenamedLayout):
         }
 
 
-class Wan(ClipDrawing, FlowMatchingFamily):
+class WanTargets(AdapterTargets):
+    default_targets = {"transformer": TRANSFORMER_TARGETS}
+    lora_text_encoders = ()  # WanPipeline's LoRA loader reads the transformer's adapters alone
+    placement_options = ("expert",)  # a file of each expert goes onto it (export.base_for_adapters)
+
+    def lora_loading_arguments(self, options: WanOptions) -> dict:
+        return {"load_into_transformer_2": True} if options.expert == "low_noise" else {}
+
+    def combined_placement(self, name: str, values: set) -> object | None:
+        return "both" if name == "expert" and values == {"high_noise", "low_noise"} else None
+
+    def adapter_file_suffixes(self, config: Config) -> tuple[str, ...]:
+        both = self.family.options(config.model).expert == "both"
+        return tuple(f"_{expert}" for expert in EXPERT_NAMES) if both else super().adapter_file_suffixes(config)
+
+    def adapter_files(self, tensors: dict, lora_configs: dict, config: Config) -> list[AdapterFile]:
+        """Both experts trained: a file per expert, each as a run of that expert alone writes it (its adapters under
+        `transformer.`, its recorded config naming the expert), named `_high_noise` and `_low_noise` as ai-toolkit's
+        are; diffusers loads the second with `load_into_transformer_2=True`, ComfyUI with a loader per expert."""
+        if self.family.options(config.model).expert != "both":
+            return super().adapter_files(tensors, lora_configs, config)
+        files = []
+        for part, expert in zip(EXPERTS, EXPERT_NAMES, strict=True):
+            prefix = f"transformer.{part}."
+            options = {**config.model.family_options, "expert": expert}
+            recorded = config.model_copy(update={"model": config.model.model_copy(update={"family_options": options})})
+            own = {
+                f"transformer.{key.removeprefix(prefix)}": value
+                for key, value in tensors.items()
+                if key.startswith(prefix)
+            }
+            files.append(AdapterFile(f"_{expert}", own, lora_configs, recorded))
+        return files
+
+
+class WanLoading(Loading):
+    def drawing_part_names_of(self, config: ModelConfig) -> tuple[str, ...]:
+        """A Wan 2.2 A14B base's other expert (none for a one-transformer base, or where both train)."""
+        if self.family.options(config).expert == "both" or not _has_two_experts(
+            self.family.pipeline_class.load_config(config_folder(config), revision=config.revision or None)
+        ):
+            return ()
+        return (
+            "transformer"
+            if self.family.denoiser_part(self.family.options(config)) == "transformer_2"
+            else "transformer_2",
+        )
+
+    def components_of(self, pipeline, options: WanOptions) -> Components:
+        """The expert this run trains as the denoiser, the other one a drawing part (`Components.drawing_parts`);
+        both experts as one denoiser (`WanExperts`)."""
+        # From the base's model_index (the plan's pipeline is one): a run's end loads its encoders again without the
+        # trained expert, which leaves the pipeline's own record of it empty.
+        name = pipeline.config.get("_name_or_path")
+        experts = _has_two_experts(self.family.pipeline_class.load_config(name) if name else pipeline.config)
+        if not experts and options.expert != "auto":
+            raise DifftuneError(
+                f'model.family_options.expert = "{options.expert}": this base has one transformer '
+                '(Wan 2.1, Wan 2.2 TI2V-5B); leave it at "auto"'
+            )
+        components = super().components_of(pipeline, options)
+        if options.expert == "both" and PartialState().num_processes > 1:
+            raise DifftuneError(
+                'model.family_options.expert = "both" trains on one process: its experts take turns on the one '
+                "device, which DDP and FSDP cannot wrap; launch one process, or train one expert a run on each GPU"
+            )
+        if options.expert == "both":
+            if pipeline.transformer is not None:  # None: loaded without its denoiser (`load_denoiser` brings it)
+                boundary = pipeline.config["boundary_ratio"]
+                components.denoiser = WanExperts(pipeline.transformer, pipeline.transformer_2, boundary)
+        elif experts:
+            other = "transformer" if self.family.denoiser_part(options) == "transformer_2" else "transformer_2"
+            components.drawing_parts[other] = getattr(pipeline, other)
+        return components
+
+    def _loading_arguments(self, config: ModelConfig, options: WanOptions, dtypes: PartDtypes) -> dict:
+        arguments = super()._loading_arguments(config, options, dtypes)  # the first expert's
+        if options.expert == "both":  # the second loads as the first does
+            if dtypes.denoiser is None:
+                arguments["transformer_2"] = None
+            else:
+                arguments["dtype"]["transformer_2"] = self._denoiser_dtype(config, "transformer_2", dtypes)
+        return arguments
+
+    def load_denoiser(self, config: ModelConfig, dtypes: PartDtypes) -> torch.nn.Module:
+        if self.family.options(config).expert != "both":
+            return super().load_denoiser(config, dtypes)
+        experts = [self.load_denoiser_part(config, part, dtypes) for part in EXPERTS]
+        boundary = self.family.pipeline_class.load_config(config.base, revision=config.revision or None)[
+            "boundary_ratio"
+        ]
+        return WanExperts(*experts, boundary)
+
+    def empty_denoiser(self, config: ModelConfig) -> torch.nn.Module:
+        if self.family.options(config).expert != "both":
+            return super().empty_denoiser(config)
+        index = self.family.pipeline_class.load_config(config_folder(config), revision=config.revision or None)
+        return WanExperts(*(self.empty_denoiser_part(config, part) for part in EXPERTS), index["boundary_ratio"])
+
+    # Single files: the transformer alone in the original layout (Wan-AI's, ComfyUI's
+    # `diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors`), read through diffusers' reader and written as its inverse;
+    # the other parts come from `model.single_file_config`.
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
+
+
+class WanDrawing(ClipDrawing, FlowDrawing):
+    def denoiser_pipeline_parts(self, components: Components) -> dict[str, torch.nn.Module]:
+        if isinstance(components.denoiser, WanExperts):
+            return components.denoiser.experts()
+        return super().denoiser_pipeline_parts(components)
+
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        """The pipeline's `guidance_scale` is classifier-free guidance (neg + w (pos - neg)) above 1."""
+        return {
+            "max_sequence_length": TEXT_TOKENS,
+            "guidance_scale": guidance_scale,
+            "negative_prompt": negative_prompt or None,
+        }
+
+
+class WanConditioning(Conditioning):
+    padded_text_tokens = TEXT_TOKENS
+
+    def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
+        ids = tokenizers["tokenizer"](
+            [prompt_clean(caption) for caption in captions],
+            padding="max_length",
+            max_length=TEXT_TOKENS,
+            truncation=True,
+            add_special_tokens=True,
+            return_tensors="pt",
+        )
+        return {"text_encoder": ids.input_ids}
+
+    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids = token_ids["text_encoder"]
+        mask = ids != components.tokenizers["tokenizer"].pad_token_id
+        states = components.text_encoders["text_encoder"](ids, mask.long()).last_hidden_state
+        return valid_token_states(states, mask, 0, TEXT_TOKENS)
+
+
+class Wan(FlowMatchingFamily):
     name = "wan"
     layout = WanLayout()
+    loading = WanLoading()
+    conditioning = WanConditioning()
+    drawing = WanDrawing()
+    targets = WanTargets()
     description = "Wan 2.1 / 2.2"
     pipeline_class = WanPipeline
     pipeline_classes = ("WanPipeline",)
     denoiser_class = WanTransformer3DModel
     denoiser_name = "transformer"
     block_lists = ("blocks",)
-    default_targets = {"transformer": TRANSFORMER_TARGETS}
-    padded_text_tokens = TEXT_TOKENS
-    lora_text_encoders = ()  # WanPipeline's LoRA loader reads the transformer's adapters alone
     reads_clips = True
     options_model = WanOptions
     objective = ExpertFlowMatching()
-    placement_options = ("expert",)  # a file of each expert goes onto it (export.base_for_adapters)
     pipeline_options = ("boundary_ratio", "expand_timesteps")
 
     # Wan 2.2's experts.
@@ -247,73 +388,6 @@ class Wan(ClipDrawing, FlowMatchingFamily):
     def denoiser_part(self, options: WanOptions) -> str:
         return "transformer_2" if options.expert == "low_noise" else "transformer"
 
-    def lora_loading_arguments(self, options: WanOptions) -> dict:
-        return {"load_into_transformer_2": True} if options.expert == "low_noise" else {}
-
-    def combined_placement(self, name: str, values: set) -> object | None:
-        return "both" if name == "expert" and values == {"high_noise", "low_noise"} else None
-
-    def drawing_part_names_of(self, config: ModelConfig) -> tuple[str, ...]:
-        """A Wan 2.2 A14B base's other expert (none for a one-transformer base, or where both train)."""
-        if self.options(config).expert == "both" or not _has_two_experts(
-            self.pipeline_class.load_config(config_folder(config), revision=config.revision or None)
-        ):
-            return ()
-        return ("transformer" if self.denoiser_part(self.options(config)) == "transformer_2" else "transformer_2",)
-
-    def components_of(self, pipeline, options: WanOptions) -> Components:
-        """The expert this run trains as the denoiser, the other one a drawing part (`Components.drawing_parts`);
-        both experts as one denoiser (`WanExperts`)."""
-        # From the base's model_index (the plan's pipeline is one): a run's end loads its encoders again without the
-        # trained expert, which leaves the pipeline's own record of it empty.
-        name = pipeline.config.get("_name_or_path")
-        experts = _has_two_experts(self.pipeline_class.load_config(name) if name else pipeline.config)
-        if not experts and options.expert != "auto":
-            raise DifftuneError(
-                f'model.family_options.expert = "{options.expert}": this base has one transformer '
-                '(Wan 2.1, Wan 2.2 TI2V-5B); leave it at "auto"'
-            )
-        components = super().components_of(pipeline, options)
-        if options.expert == "both" and PartialState().num_processes > 1:
-            raise DifftuneError(
-                'model.family_options.expert = "both" trains on one process: its experts take turns on the one '
-                "device, which DDP and FSDP cannot wrap; launch one process, or train one expert a run on each GPU"
-            )
-        if options.expert == "both":
-            if pipeline.transformer is not None:  # None: loaded without its denoiser (`load_denoiser` brings it)
-                boundary = pipeline.config["boundary_ratio"]
-                components.denoiser = WanExperts(pipeline.transformer, pipeline.transformer_2, boundary)
-        elif experts:
-            other = "transformer" if self.denoiser_part(options) == "transformer_2" else "transformer_2"
-            components.drawing_parts[other] = getattr(pipeline, other)
-        return components
-
-    def _loading_arguments(self, config: ModelConfig, options: WanOptions, dtypes: PartDtypes) -> dict:
-        arguments = super()._loading_arguments(config, options, dtypes)  # the first expert's
-        if options.expert == "both":  # the second loads as the first does
-            if dtypes.denoiser is None:
-                arguments["transformer_2"] = None
-            else:
-                arguments["dtype"]["transformer_2"] = self._denoiser_dtype(config, "transformer_2", dtypes)
-        return arguments
-
-    def load_denoiser(self, config: ModelConfig, dtypes: PartDtypes) -> torch.nn.Module:
-        if self.options(config).expert != "both":
-            return super().load_denoiser(config, dtypes)
-        experts = [self.load_denoiser_part(config, part, dtypes) for part in EXPERTS]
-        boundary = self.pipeline_class.load_config(config.base, revision=config.revision or None)["boundary_ratio"]
-        return WanExperts(*experts, boundary)
-
-    def empty_denoiser(self, config: ModelConfig) -> torch.nn.Module:
-        if self.options(config).expert != "both":
-            return super().empty_denoiser(config)
-        index = self.pipeline_class.load_config(config_folder(config), revision=config.revision or None)
-        return WanExperts(*(self.empty_denoiser_part(config, part) for part in EXPERTS), index["boundary_ratio"])
-
-    def adapter_file_suffixes(self, config: Config) -> tuple[str, ...]:
-        both = self.options(config.model).expert == "both"
-        return tuple(f"_{expert}" for expert in EXPERT_NAMES) if both else super().adapter_file_suffixes(config)
-
     def monitored_blocks(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
         """Both experts: each one's blocks, named with its part (`transformer_2.blocks.0`)."""
         if not isinstance(denoiser, WanExperts):
@@ -336,48 +410,7 @@ class Wan(ClipDrawing, FlowMatchingFamily):
         offloaded = super().blocks_to_offload
         return [block for expert in denoiser.experts().values() for block in offloaded(expert, count)]
 
-    def denoiser_pipeline_parts(self, components: Components) -> dict[str, torch.nn.Module]:
-        if isinstance(components.denoiser, WanExperts):
-            return components.denoiser.experts()
-        return super().denoiser_pipeline_parts(components)
-
-    def adapter_files(self, tensors: dict, lora_configs: dict, config: Config) -> list[AdapterFile]:
-        """Both experts trained: a file per expert, each as a run of that expert alone writes it (its adapters under
-        `transformer.`, its recorded config naming the expert), named `_high_noise` and `_low_noise` as ai-toolkit's
-        are; diffusers loads the second with `load_into_transformer_2=True`, ComfyUI with a loader per expert."""
-        if self.options(config.model).expert != "both":
-            return super().adapter_files(tensors, lora_configs, config)
-        files = []
-        for part, expert in zip(EXPERTS, EXPERT_NAMES, strict=True):
-            prefix = f"transformer.{part}."
-            options = {**config.model.family_options, "expert": expert}
-            recorded = config.model_copy(update={"model": config.model.model_copy(update={"family_options": options})})
-            own = {
-                f"transformer.{key.removeprefix(prefix)}": value
-                for key, value in tensors.items()
-                if key.startswith(prefix)
-            }
-            files.append(AdapterFile(f"_{expert}", own, lora_configs, recorded))
-        return files
-
     # Prompts and the transformer.
-
-    def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
-        ids = tokenizers["tokenizer"](
-            [prompt_clean(caption) for caption in captions],
-            padding="max_length",
-            max_length=TEXT_TOKENS,
-            truncation=True,
-            add_special_tokens=True,
-            return_tensors="pt",
-        )
-        return {"text_encoder": ids.input_ids}
-
-    def encode_prompts(self, components: Components, token_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ids = token_ids["text_encoder"]
-        mask = ids != components.tokenizers["tokenizer"].pad_token_id
-        states = components.text_encoders["text_encoder"](ids, mask.long()).last_hidden_state
-        return valid_token_states(states, mask, 0, TEXT_TOKENS)
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.out_channels  # it patches them itself (an image-to-video one reads more channels in)
@@ -402,22 +435,8 @@ class Wan(ClipDrawing, FlowMatchingFamily):
 
     # Sampling.
 
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        """The pipeline's `guidance_scale` is classifier-free guidance (neg + w (pos - neg)) above 1."""
-        return {
-            "max_sequence_length": TEXT_TOKENS,
-            "guidance_scale": guidance_scale,
-            "negative_prompt": negative_prompt or None,
-        }
-
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS
-
-    # Single files: the transformer alone in the original layout (Wan-AI's, ComfyUI's
-    # `diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors`), read through diffusers' reader and written as its inverse;
-    # the other parts come from `model.single_file_config`.
-
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
 
 
 FAMILY = Wan()

@@ -28,7 +28,7 @@ from diffusers import WanImageToVideoPipeline
 from difftune.errors import DifftuneError
 from difftune.families.common.conditioning import processed_frames
 from difftune.families.common.drawing import ImageToVideoDrawing
-from difftune.families.wan import Wan
+from difftune.families.wan import Wan, WanConditioning, WanDrawing, WanLoading, WanTargets
 from difftune.models.autoencoders import encode_posterior
 from difftune.models.components import Components
 
@@ -44,14 +44,15 @@ def clip_image_states(components: Components, frames: torch.Tensor) -> torch.Ten
     return encoder(pixel_values=inputs, output_hidden_states=True).hidden_states[-2]
 
 
-class WanImageToVideo(ImageToVideoDrawing, Wan):
-    name = "wan_i2v"
-    page_family = "wan"
-    description = "Wan 2.1 / 2.2 image-to-video"
-    pipeline_class = WanImageToVideoPipeline
-    pipeline_classes = ("WanImageToVideoPipeline",)
-    pixel_encoder_names = ("image_encoder",)  # Wan 2.1's CLIP image encoder (Wan 2.2's bases have none)
+class WanImageToVideoTargets(WanTargets):
+    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
+        """Wan's targets, and where the transformer reads CLIP image states (Wan 2.1's), the cross-attention's image
+        key and value projections."""
+        targets = super().targets_of(part, model)
+        return targets + IMAGE_TARGETS if model.config.image_dim is not None else targets
 
+
+class WanImageToVideoLoading(WanLoading):
     def components_of(self, pipeline, options) -> Components:
         if pipeline.config.get("expand_timesteps"):
             raise DifftuneError(
@@ -63,12 +64,12 @@ class WanImageToVideo(ImageToVideoDrawing, Wan):
             components.tokenizers["image_processor"] = pipeline.image_processor
         return components
 
-    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
-        """Wan's targets, and where the transformer reads CLIP image states (Wan 2.1's), the cross-attention's image
-        key and value projections."""
-        targets = super().targets_of(part, model)
-        return targets + IMAGE_TARGETS if model.config.image_dim is not None else targets
 
+class WanImageToVideoDrawing(ImageToVideoDrawing, WanDrawing):
+    pass
+
+
+class WanImageToVideoConditioning(WanConditioning):
     def pixel_conditioning(self, components: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         """The first frame followed by black ones, as the pipeline's `prepare_latents`, encoded to its posterior's mode
         (unnormalised, as the cache keeps posteriors): (B, C, t, h, w); and, for a base with an image encoder, the
@@ -79,6 +80,19 @@ class WanImageToVideo(ImageToVideoDrawing, Wan):
         if components.pixel_encoders.get("image_encoder") is not None:
             conditioning["image_embeds"] = clip_image_states(components, clip[:, :, 0])
         return conditioning
+
+
+class WanImageToVideo(Wan):
+    name = "wan_i2v"
+    loading = WanImageToVideoLoading()
+    conditioning = WanImageToVideoConditioning()
+    drawing = WanImageToVideoDrawing()
+    targets = WanImageToVideoTargets()
+    page_family = "wan"
+    description = "Wan 2.1 / 2.2 image-to-video"
+    pipeline_class = WanImageToVideoPipeline
+    pipeline_classes = ("WanImageToVideoPipeline",)
+    pixel_encoder_names = ("image_encoder",)  # Wan 2.1's CLIP image encoder (Wan 2.2's bases have none)
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         condition = components.latent_normalization.apply(conditioning["first_frame_latents"].float())

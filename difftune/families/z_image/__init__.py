@@ -30,9 +30,11 @@ import torch
 from diffusers import ZImagePipeline, ZImageTransformer2DModel
 from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
 
-from difftune.families.common.conditioning import valid_token_states
-from difftune.families.common.flow import FlowMatchingFamily, anchored_guidance
+from difftune.families.common.conditioning import Conditioning, valid_token_states
+from difftune.families.common.flow import FlowDrawing, FlowMatchingFamily, anchored_guidance
 from difftune.families.common.layouts import FusedLayout
+from difftune.families.common.loading import Loading
+from difftune.families.common.targets import AdapterTargets
 from difftune.models.components import Components
 
 TEXT_TOKENS = 512  # ZImagePipeline's default `max_sequence_length`
@@ -131,24 +133,22 @@ class ZImageLayout(FusedLayout):
         return out
 
 
-class ZImage(FlowMatchingFamily):
-    name = "z_image"
-    layout = ZImageLayout()
-    description = "Z-Image"
-    pipeline_class = ZImagePipeline
-    pipeline_classes = ("ZImagePipeline",)
-    denoiser_class = ZImageTransformer2DModel
-    denoiser_name = "transformer"
-    block_lists = BLOCK_LISTS
+class ZImageTargets(AdapterTargets):
     default_targets = {"transformer": TRANSFORMER_TARGETS}
-    padded_text_tokens = TEXT_TOKENS
     lora_text_encoders = ()  # ZImagePipeline's LoRA loader reads the transformer's adapters alone
 
-    # Detection and single files.
 
-    single_file_pipeline = FlowMatchingFamily.pipeline_around_denoiser_file
+class ZImageLoading(Loading):
+    single_file_pipeline = Loading.pipeline_around_denoiser_file
 
-    # Prompts and the transformer.
+
+class ZImageDrawing(FlowDrawing):
+    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
+        return {"max_sequence_length": TEXT_TOKENS} | anchored_guidance(guidance_scale, negative_prompt)
+
+
+class ZImageConditioning(Conditioning):
+    padded_text_tokens = TEXT_TOKENS
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         tokenizer = tokenizers["tokenizer"]
@@ -174,6 +174,23 @@ class ZImage(FlowMatchingFamily):
         ).hidden_states[-2]
         return valid_token_states(states, mask[:, :longest], 0, TEXT_TOKENS)
 
+
+class ZImage(FlowMatchingFamily):
+    name = "z_image"
+    layout = ZImageLayout()
+    loading = ZImageLoading()
+    conditioning = ZImageConditioning()
+    drawing = ZImageDrawing()
+    targets = ZImageTargets()
+    description = "Z-Image"
+    pipeline_class = ZImagePipeline
+    pipeline_classes = ("ZImagePipeline",)
+    denoiser_class = ZImageTransformer2DModel
+    denoiser_name = "transformer"
+    block_lists = BLOCK_LISTS
+
+    # Prompts and the transformer.
+
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
         return denoiser.config.in_channels  # the transformer patches the latents itself
 
@@ -189,9 +206,6 @@ class ZImage(FlowMatchingFamily):
         return -torch.stack(prediction).squeeze(2)
 
     # Sampling.
-
-    def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
-        return {"max_sequence_length": TEXT_TOKENS} | anchored_guidance(guidance_scale, negative_prompt)
 
     def max_sequence_length(self, components: Components) -> int:
         return TEXT_TOKENS

@@ -32,9 +32,19 @@ from contextlib import contextmanager
 import torch
 from diffusers import ZImageOmniPipeline
 
-from difftune.families.common.conditioning import ReferencesAtTargetArea
+from difftune.families.common.conditioning import ReferenceSizedConditioning
+from difftune.families.common.drawing import ReferenceSizedDrawing
 from difftune.families.common.targets import targets_in_blocks
-from difftune.families.z_image import BLOCK_LISTS, TEXT_TOKENS, TRANSFORMER_TARGETS, ZImage, ZImageLayout
+from difftune.families.z_image import (
+    BLOCK_LISTS,
+    TEXT_TOKENS,
+    TRANSFORMER_TARGETS,
+    ZImage,
+    ZImageConditioning,
+    ZImageDrawing,
+    ZImageLayout,
+    ZImageTargets,
+)
 from difftune.models.components import Components
 
 # The segments `ZImageOmniPipeline._encode_prompt` makes of a caption: with references, an opening before the first,
@@ -92,38 +102,32 @@ class ZImageOmniLayout(ZImageLayout):
     kohya_layout_name = "Z-Image Omni"
 
 
-class ZImageOmni(ReferencesAtTargetArea, ZImage):
-    name = "z_image_omni"
-    layout = ZImageOmniLayout()
-    description = "Z-Image Omni"
-    pipeline_class = ZImageOmniPipeline
-    pipeline_classes = ("ZImageOmniPipeline",)
-    text_encoder_names = ("text_encoder", "siglip")
-    tokenizer_names = ("tokenizer", "siglip_processor")
+class ZImageOmniTargets(ZImageTargets):
+    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
+        """Z-Image's targets in the refiner and main blocks, by name (the SigLIP refiner's blocks, which have the same
+        layers, are left as they are)."""
+        return targets_in_blocks(model, dict.fromkeys(BLOCK_LISTS, TRANSFORMER_TARGETS))
+
+
+class ZImageOmniDrawing(ReferenceSizedDrawing, ZImageDrawing):
+    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
+        with inputs_in_dtype(pipeline.vae.encoder, pipeline.vae.dtype):
+            return super().draw(pipeline, options, prompt, controls, height, width, **arguments)
+
+
+class ZImageOmniConditioning(ReferenceSizedConditioning, ZImageConditioning):
     reference_encoder_names = ("siglip",)
-    # The pipeline takes any number of references; each costs its latents' and SigLIP features' tokens. Three, as
-    # Qwen-Image-Edit-Plus reads.
-    max_controls = 3
     prompts_see_controls = True
     padded_text_tokens = TEXT_TOKENS + MARKER_TOKENS
 
     def encoder_tokenizers(self) -> list[tuple[str, str]]:
         return [("text_encoder", "tokenizer")]  # the language model's (SigLIP2 reads references, not tokens)
 
-    def targets_of(self, part: str, model: torch.nn.Module) -> list[str]:
-        """Z-Image's targets in the refiner and main blocks, by name (the SigLIP refiner's blocks, which have the same
-        layers, are left as they are)."""
-        return targets_in_blocks(model, dict.fromkeys(BLOCK_LISTS, TRANSFORMER_TARGETS))
-
-    # References.
-
     def planned_controls(self, components: Components, latents: torch.Tensor) -> list[torch.Tensor]:
         """None: the memory plan is text-to-image's, what the base trains most (its shipped job's). Unlike the edit
         bases' plans, which hold their pairs' references, an edit run here costs more than planned: each reference at
         its target's area adds as many image tokens as the target has (docs/families/z_image_omni.md)."""
         return []
-
-    # Prompts.
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         """Each caption's segments' token ids (B, segments, `TEXT_TOKENS`), padded and truncated as the pipeline pads
@@ -199,6 +203,22 @@ class ZImageOmni(ReferencesAtTargetArea, ZImage):
         text, references = _text_and_references(stored)
         return super().uncached_conditioning(text) | references
 
+
+class ZImageOmni(ZImage):
+    name = "z_image_omni"
+    layout = ZImageOmniLayout()
+    conditioning = ZImageOmniConditioning()
+    drawing = ZImageOmniDrawing()
+    targets = ZImageOmniTargets()
+    description = "Z-Image Omni"
+    pipeline_class = ZImageOmniPipeline
+    pipeline_classes = ("ZImageOmniPipeline",)
+    text_encoder_names = ("text_encoder", "siglip")
+    tokenizer_names = ("tokenizer", "siglip_processor")
+    # The pipeline takes any number of references; each costs its latents' and SigLIP features' tokens. Three, as
+    # Qwen-Image-Edit-Plus reads.
+    max_controls = 3
+
     # The transformer.
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
@@ -232,12 +252,6 @@ class ZImageOmni(ReferencesAtTargetArea, ZImage):
         grids = conditioning["siglip_shapes"][sample].long().tolist()  # the cache writes every tensor as float32
         features = conditioning["siglip_states"][sample]
         return [states[: h * w].view(h, w, -1) for states, (h, w) in zip(features, grids, strict=True)] + [None]
-
-    # Sampling.
-
-    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
-        with inputs_in_dtype(pipeline.vae.encoder, pipeline.vae.dtype):
-            return super().draw(pipeline, options, prompt, controls, height, width, **arguments)
 
 
 FAMILY = ZImageOmni()
