@@ -71,7 +71,7 @@ class Settings(Protocol):
 
 class AdapterKind:
     name: ClassVar[str]  # `adapter.kind`'s value
-    label: ClassVar[str]  # as trainers and tools call it (the README's family table)
+    label: ClassVar[str]  # as trainers and tools call it (the family table)
     # Whether its change is B A scaled by alpha / rank, the scale rsLoRA changes, LoRA+ speeds up (B) and the
     # diffusers layout folds into B; LyCORIS's products have other factors.
     scaled_product: ClassVar[bool] = False

@@ -27,11 +27,11 @@ from difftune.webui.form import parse_adapter_spec
 
 
 def _keys_help() -> str:
-    """The config's keys by section, one short paragraph each; their meanings and defaults are in the README's config
+    """The config's keys by section, one short paragraph each; their meanings and defaults are in the docs' config
     reference (generated from the same schema), and `difftune config` prints them resolved."""
     lines = [
         "config keys, set in the TOML file or as section.key=value overrides (what each means, and its default: the "
-        'README\'s "Config reference"; `difftune config --config FILE` prints every key as resolved):'
+        "Config reference, docs/reference/config.md; `difftune config --config FILE` prints every key as resolved):"
     ]
     for section, section_field in Config.model_fields.items():
         keys = ", ".join(section_field.annotation.model_fields)

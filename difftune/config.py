@@ -1,4 +1,4 @@
-"""The typed config schema: the single source for TOML files, CLI overrides, --help and the README.
+"""The typed config schema: the single source for TOML files, CLI overrides, --help and the docs' config reference.
 
 A job is one `Config`. Files are TOML (read with `tomllib`); overrides are `section.key=value`.
 Every field carries its description here, and nowhere else. Unknown keys and bad values fail
@@ -93,7 +93,7 @@ class ModelConfig(Section):
     family: Literal[("auto", *FAMILY_NAMES)] = Field(
         "auto",
         description="Model family: `auto` reads it from the base (a pipeline folder's model_index.json, a single "
-        "file's keys), or a family's name, its module's in difftune/families/ (README's Model families table says "
+        "file's keys), or a family's name, its module's in difftune/families/ (the Model families table says "
         "which bases each reads).",
     )
     revision: str = Field("", description="Hub revision (branch, tag or commit) of `base`; empty for the default.")
@@ -531,7 +531,7 @@ class AdapterConfig(Section):
         "layout is peft's, for peft and difftune); `none` trains all denoiser weights; `embedding` "
         "learns new token embeddings and nothing else (textual inversion; see the `embedding_*` keys); "
         "`controlnet` trains a ControlNet beside the frozen base on the control images of the data (SD 1.x/2.x, "
-        "SDXL, SD3/3.5, Flux.1, Qwen-Image; the README's Control section).",
+        "SDXL, SD3/3.5, Flux.1, Qwen-Image; the docs' Control guide).",
     )
     rank: int = Field(16, ge=1, description="Adapter rank.")
     alpha: float | None = Field(None, gt=0, description="Adapter alpha (scale = alpha / rank); defaults to the rank.")
@@ -880,7 +880,7 @@ class TrainConfig(Section):
     attention: Literal["sdpa", "sdpa_cudnn", "xformers"] = Field(
         "sdpa",
         description="Attention kernel: PyTorch SDPA with its cuDNN kernel left out on CUDA (it gave NaN gradients on "
-        "the tiny Flux job in bf16 on an H100, BENCHMARKS.md), `sdpa_cudnn` SDPA with every kernel torch picks "
+        "the tiny Flux job in bf16 on an H100, docs/benchmarks.md), `sdpa_cudnn` SDPA with every kernel torch picks "
         "(diffusers' scripts' setting), or xformers (needs the `xformers` extra).",
     )
     check_memory: bool = Field(
@@ -1602,7 +1602,7 @@ def _model_at(loc: list[str]) -> type[BaseModel]:
 
 
 def reference_markdown(family_options: dict[str, type[BaseModel]] | None = None) -> str:
-    """The config reference tables in the README, generated from the schema (a test keeps it in sync); with
+    """The config reference tables (docs/reference/config.md), generated from the schema (a test keeps it in sync); with
     `family_options` (family name -> its options model), a table of `model.family_options` per family."""
     lines = []
     for section, section_field in Config.model_fields.items():

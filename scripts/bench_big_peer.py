@@ -2,7 +2,7 @@
 
     python scripts/bench_big_peer.py --peer-dir PEER_DIR [--scenario NAME ...] [--workdir DIR] [--results OUT.jsonl]
     python scripts/bench_big_peer.py --dry-run [--peer-dir PEER_DIR]   # the whole harness on the CPU at toy widths
-    python scripts/bench_big_peer.py --table                           # only rewrite BENCHMARKS.md's table
+    python scripts/bench_big_peer.py --table                           # only rewrite the benchmarks page's table
 
 PEER_DIR holds your copies of diffusers' `examples/dreambooth/train_dreambooth_lora_flux.py` and
 `train_dreambooth_lora_qwen_image.py` (never copied into this repository: `git show` them out of a diffusers checkout,
@@ -379,8 +379,8 @@ def markdown_table(records: list[dict]) -> str:
     """Per scenario, the newest sitting on a GPU: both trainers' in-run s/step and peaks, the speed ratio."""
     lines = [
         "| scenario | device | date | peer s/step | difftune s/step | speed ratio | peer device peak GiB | "
-        "difftune device peak GiB | peer host peak GiB | difftune host peak GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "difftune device peak GiB | peer host peak GiB | difftune host peak GiB | command |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     newest: dict[str, dict[str, dict]] = {}
     for record in records:
@@ -399,12 +399,13 @@ def markdown_table(records: list[dict]) -> str:
             f"| {ours['what']} | {ours['device']} | {ours['date'][:10]} | {peer['sec_per_step_inrun']:.3g} | "
             f"{ours['sec_per_step_inrun']:.3g} | {peer['sec_per_step_inrun'] / ours['sec_per_step_inrun']:.2f}x | "
             f"{gib(peer, 'device_peak_reserved_mib')} | {gib(ours, 'device_peak_reserved_mib')} | "
-            f"{gib(peer, 'peak_rss_mib')} | {gib(ours, 'peak_rss_mib')} |"
+            f"{gib(peer, 'peak_rss_mib')} | {gib(ours, 'peak_rss_mib')} | "
+            f"`python scripts/bench_big_peer.py --peer-dir PEER --scenario {name}` |"
         )
     return "\n".join(lines)
 
 
-def write_table(results: Path = RESULTS, benchmarks: Path = REPO / "BENCHMARKS.md") -> None:
+def write_table(results: Path = RESULTS, benchmarks: Path = REPO / "docs" / "benchmarks.md") -> None:
     records = [json.loads(line) for line in results.read_text(encoding="utf-8").splitlines() if line.strip()]
     text = benchmarks.read_text(encoding="utf-8")
     start, end = (text.index(marker) for marker in MARKERS)
@@ -420,7 +421,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="steps per run (default 20; 4 in a dry run)")
     parser.add_argument("--warmup", type=int, help="steps left out of the timing (default 5; 1 in a dry run)")
     parser.add_argument("--dry-run", action="store_true", help="the tiny bases on the CPU, 64 px, fp32")
-    parser.add_argument("--table", action="store_true", help="only rewrite BENCHMARKS.md's table from the JSONL")
+    parser.add_argument("--table", action="store_true", help="only rewrite the benchmarks page's table from the JSONL")
     parser.add_argument("--child", choices=("peer", "difftune"), help=argparse.SUPPRESS)
     parser.add_argument("--peaks", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("command", nargs="*", help=argparse.SUPPRESS)

@@ -1,15 +1,15 @@
 """difftune side by side with diffusers' LoRA example, through the shared harness (../shared/peer-bench).
 
     python scripts/bench_peer.py --peer-script PEER_DIR/train_text_to_image_lora.py [--scenario NAME ...]
-    python scripts/bench_peer.py --table        # only rewrite BENCHMARKS.md's table from the JSONL
+    python scripts/bench_peer.py --table        # only rewrite the benchmarks page's table from the JSONL
     python scripts/bench_peer.py --peer-script P --harness H --results OUT.jsonl --scenario identical-sd15-512-bf16-cuda
                                                 # on a GPU machine, the harness carried beside the repository
 
 Each scenario runs the harness's `run_peer.py` and `run_difftune.py` one after the other (peer first, so the
 two trainers alternate across scenarios), appends both JSON lines to benchmarks/peer.jsonl, and rewrites the
-table between BENCHMARKS.md's `peer-bench` markers: per scenario, the medians over its sittings at the newest
-sitting's settings, and the spread of the speed ratio between sittings. The numbers are never typed by hand.
-The harness README says how to get the peer script; it is never copied here.
+table between the `peer-bench` markers of the benchmarks page (docs/benchmarks.md): per scenario, the medians over
+its sittings at the newest sitting's settings, and the spread of the speed ratio between sittings. The numbers are
+never typed by hand. The harness README says how to get the peer script; it is never copied here.
 """
 
 from __future__ import annotations
@@ -174,11 +174,17 @@ def sittings(records: list[dict]) -> dict[str, list[tuple[dict, dict]]]:
     return {name: [pair for pair in found if settings(pair) == settings(found[-1])] for name, found in pairs.items()}
 
 
+def machine(record: dict) -> str:
+    """Where a sitting ran, as its record says: a CUDA scenario on the leased GPU machine, the others on this CPU."""
+    kind = "GPU machine" if record["scenario"].endswith("cuda") or "-cuda-" in record["scenario"] else "CPU"
+    return f"{kind}, {record['threads']} threads" if record.get("threads") else kind
+
+
 def markdown_table(records: list[dict]) -> str:
     lines = [
         "| scenario | sittings | peer s/step (in-run) | difftune s/step (in-run) | "
-        "speed ratio (range) | peer peak RSS MB | difftune peak RSS MB | RSS ratio |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "speed ratio (range) | peer peak RSS MB | difftune peak RSS MB | RSS ratio | newest | machine | command |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     found = sittings(records)
     for name, scenario in SCENARIOS.items():
@@ -199,12 +205,14 @@ def markdown_table(records: list[dict]) -> str:
             f"({median(0, 'sec_per_step_inrun'):.3g}) | "
             f"{median(1, 'sec_per_step'):.3g} ({median(1, 'sec_per_step_inrun'):.3g}) | "
             f"{statistics.median(speed):.2f}x ({speed[0]:.2f}-{speed[-1]:.2f}) | "
-            f"{median(0, 'peak_rss_mb'):.0f} | {median(1, 'peak_rss_mb'):.0f} | {rss:.2f}x |"
+            f"{median(0, 'peak_rss_mb'):.0f} | {median(1, 'peak_rss_mb'):.0f} | {rss:.2f}x | "
+            f"{pairs[-1][1].get('date', '')[:10]} | {machine(pairs[-1][1])} | "
+            f"`python scripts/bench_peer.py --peer-script PEER --scenario {name}` |"
         )
     return "\n".join(lines)
 
 
-def write_table(benchmarks: Path = ROOT / "BENCHMARKS.md") -> None:
+def write_table(benchmarks: Path = ROOT / "docs" / "benchmarks.md") -> None:
     records = [json.loads(line) for line in RESULTS.read_text(encoding="utf-8").splitlines() if line.strip()]
     text = benchmarks.read_text(encoding="utf-8")
     start, end = (text.index(marker) for marker in MARKERS)
@@ -216,7 +224,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peer-script", help="your copy of diffusers' train_text_to_image_lora.py")
     parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="default: all, in order")
-    parser.add_argument("--table", action="store_true", help="only rewrite BENCHMARKS.md's table from the JSONL")
+    parser.add_argument("--table", action="store_true", help="only rewrite the benchmarks page's table from the JSONL")
     parser.add_argument("--harness", type=Path, default=HARNESS, help=f"the peer-bench folder (default {HARNESS})")
     parser.add_argument("--results", type=Path, default=RESULTS, help=f"the JSONL to append to (default {RESULTS})")
     args = parser.parse_args()

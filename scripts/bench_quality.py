@@ -1,7 +1,7 @@
 """Fine-tuning quality on a bundled tiny base: a default job and its variants, each trained and judged.
 
     python scripts/bench_quality.py [--job sdxl_lora] [--only NAME ...] [--out FILE]
-    python scripts/bench_quality.py --table [--job sdxl_lora]   # BENCHMARKS.md's table from those lines
+    python scripts/bench_quality.py --table [--job sdxl_lora]   # docs/benchmarks.md's table from those lines
     python scripts/bench_quality.py --convergence --only min_snr soft_min_snr debiased uniform_weighting
     python scripts/bench_quality.py --convergence --table       # steps to a validation-loss target
 
@@ -13,7 +13,7 @@ Each variant is `difftune train --config configs/<job>.toml <overrides>` (job ti
 benchmarks/quality-finetune.jsonl; another job: benchmarks/quality-finetune-<job>.jsonl), then
 `difftune eval` of its
 adapter (the base is scored once): one JSON line per variant with the held-out concept's accuracy before
-and after (overall and per shape) and the forgetting of the seen prompts. BENCHMARKS.md's table is these lines.
+and after (overall and per shape) and the forgetting of the seen prompts. docs/benchmarks.md's table is these lines.
 """
 
 import argparse

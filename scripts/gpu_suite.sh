@@ -14,7 +14,7 @@
 # Run from the repository root on a GPU machine (the device tool's `run`, or your own). Results go to
 # $OUT (default ./gpu-out): gpu.jsonl (one scripts/bench.py line per run), one log per step, env.txt;
 # host-memory.jsonl, peer.jsonl and peer-big.jsonl from those sections.
-# Wheels the machine lacks may travel in .whl/ (see BENCHMARKS.md, "GPU"): they are installed first. A device call
+# Wheels the machine lacks may travel in .whl/ (docs/contributing/benchmarks.md): they are installed first. A device call
 # carries 64 MiB, and the tracked files alone are 68 MiB since the late-2026 bases (62 of them models/): a call
 # leaves the bundled bases behind but tiny-flux and tiny-qwen_image (whose tokenizers the real-width bases borrow),
 # out of the index for the call and back after it:
@@ -158,7 +158,7 @@ tiny.write_caption_folder(Path(sys.argv[1]), [(image.resize((1024, 1024)), capti
     fi
     ;;
   peer)  # side by side with diffusers' LoRA example (scripts/bench_peer.py): the peer script, a copy of the harness
-    # and GNU time travel in .peer/ (BENCHMARKS.md, "On a GPU machine", says how to fill it); not in a dry run
+    # and GNU time travel in .peer/ (docs/contributing/benchmarks.md says how to fill it); not in a dry run
     if [ -z "${DRY_RUN:-}" ]; then
       for scenario in identical-sd15-512-bf16-cuda identical-sd15-512-bf16-cuda-cudnn-attention \
         recommended-sd15-512-bf16-cuda; do

@@ -273,7 +273,7 @@ def finish(args, recipe: Recipe, facts: dict) -> None:
         write_caption_folder(folder / "1_seen", shape_images(12, seed=args.seed + 21, colors=SEEN_COLORS))
     if recipe.family == "flux3":  # its job's: 3 seen renders of every seen color and shape beside the purple ones
         # With the Flux jobs' one of each, its LoRA drew the seen squares worse after (forgetting 0.042-0.083 at seeds
-        # 0-2); with three, 0.000-0.042 (BENCHMARKS.md). The first 12 are the Flux jobs' own.
+        # 0-2); with three, 0.000-0.042 (docs/benchmarks.md). The first 12 are the Flux jobs' own.
         folder = args.examples_dir / "purple_with_more_seen"
         shutil.rmtree(folder, ignore_errors=True)
         write_caption_folder(folder / "3_purple", concept_renders(args.seed))

@@ -104,7 +104,7 @@ def test_the_table_pairs_each_scenarios_newest_gpu_sitting(bench_big_peer, tmp_p
         record("difftune", 2.0, 30720, "2026-12-06 10:05"),
         record("difftune", 0.1, 1, "2026-12-07 10:00", dry_run=True),  # a dry run: never a row
     ]
-    results, benchmarks = tmp_path / "peer-big.jsonl", tmp_path / "BENCHMARKS.md"
+    results, benchmarks = tmp_path / "peer-big.jsonl", tmp_path / "benchmarks.md"
     results.write_text("".join(json.dumps(r) + "\n" for r in records))
     benchmarks.write_text(f"before\n{bench_big_peer.MARKERS[0]}\nold\n{bench_big_peer.MARKERS[1]}\nafter\n")
     bench_big_peer.write_table(results, benchmarks)

@@ -1,5 +1,6 @@
 """scripts/bench_peer.py's table: computed from the JSONL, medians over each scenario's sittings at its newest
-settings, and the copy in BENCHMARKS.md is the one the committed JSONL gives (never typed by hand)."""
+settings, and the copy on the benchmarks page (docs/benchmarks.md) is the one the committed JSONL gives (never typed
+by hand)."""
 
 import json
 
@@ -40,7 +41,7 @@ def test_the_table_gives_medians_over_sittings_at_the_newest_settings(bench_peer
         _record("identical-tiny-fp32", "difftune", 1.0, 1.0, 100),  # no peer line before it: no sitting, no row
     ]
     results.write_text("".join(json.dumps(r) + "\n" for r in records))
-    benchmarks = tmp_path / "BENCHMARKS.md"
+    benchmarks = tmp_path / "benchmarks.md"
     benchmarks.write_text(f"before\n{bench_peer.MARKERS[0]}\nold table\n{bench_peer.MARKERS[1]}\nafter\n")
     monkeypatch.setattr(bench_peer, "RESULTS", results)
     bench_peer.write_table(benchmarks)
@@ -52,13 +53,14 @@ def test_the_table_gives_medians_over_sittings_at_the_newest_settings(bench_peer
     # RSS ratios per sitting 0.8, 0.9, 0.5: median 0.8.
     assert rows == [
         f"| {bench_peer.SCENARIOS['recommended-sd15']['what']} | 3 "
-        "| 7 (6) | 5 (4) | 1.50x (1.00-2.00) | 5000 | 4000 | 0.80x |"
+        "| 7 (6) | 5 (4) | 1.50x (1.00-2.00) | 5000 | 4000 | 0.80x |  | CPU | "
+        "`python scripts/bench_peer.py --peer-script PEER --scenario recommended-sd15` |"
     ]
     assert "tiny model" not in text
 
 
 def test_benchmarks_md_holds_the_table_of_the_committed_results(bench_peer):
     records = [json.loads(line) for line in bench_peer.RESULTS.read_text().splitlines() if line.strip()]
-    text = (REPO / "BENCHMARKS.md").read_text()
+    text = (REPO / "docs" / "benchmarks.md").read_text()
     start, end = (text.index(marker) for marker in bench_peer.MARKERS)
     assert text[start + len(bench_peer.MARKERS[0]) : end].strip() == bench_peer.markdown_table(records)

@@ -116,7 +116,8 @@ def test_accelerate_launch_runs_the_default_job(tmp_path):
     # 64 px panels under a band that names them; the base's own grid is its samples alone.
     with Image.open(out / "samples" / "before" / "grid.png") as grid:
         assert grid.size == (32 * columns, 32 * rows)
-    with Image.open(out / "samples" / "grid.png") as grid, Image.open(REPO / "docs" / "tiny_lora_grid.png") as shown:
+    shown_path = REPO / "docs" / "images" / "tiny_lora_grid.png"
+    with Image.open(out / "samples" / "grid.png") as grid, Image.open(shown_path) as shown:
         band = grid.height // rows - 64
         assert grid.size == (128 * columns, (64 + band) * rows) and 10 <= band <= 20
         # The README shows this grid as the run writes it: its labels are these (the samples differ by CPU).
@@ -282,10 +283,10 @@ def test_each_familys_shipped_job_runs_on_its_micro_model(family, tmp_path):
 
 
 def _readme_train_commands() -> list[list[str]]:
-    """Every `difftune train ...` in the README's shell blocks, as its words."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    """Every `difftune train ...` in the shell blocks of the README and the docs site's pages, as its words."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", "\n".join(page.read_text(encoding="utf-8") for page in pages), re.S):
         for line in block.replace("\\\n", " ").splitlines():
             for command in line.split("&&"):
                 if "difftune train" not in command:

@@ -463,14 +463,16 @@ def test_every_family_module_has_a_micro_model_and_a_pipeline_reference():
 
 
 def test_the_readme_family_table_is_the_registrys():
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    documented = readme.split("<!-- families:start -->")[1].split("<!-- families:end -->")[0].strip()
-    assert documented == family_table_markdown(Path(__file__).parents[1] / "models"), (
-        "run `python scripts/update_readme.py`"
-    )
+    """The README's table and the families page's are the registry's, each linking to the pages from where it is."""
+    repo = Path(__file__).parents[1]
+    for page, pages in (("README.md", "docs/families/"), ("docs/families/index.md", "")):
+        text = (repo / page).read_text(encoding="utf-8")
+        table = text.split("<!-- families:start -->")[1].split("<!-- families:end -->")[0].strip()
+        assert table == family_table_markdown(repo / "models", pages=pages), "run `python scripts/update_docs.py`"
+    documented = (repo / "README.md").read_text(encoding="utf-8").split("<!-- families:start -->")[1]
     # Every family's name links to its page for the real model: its own, or the one it names (an image-to-video
     # family's is its text-to-video family's). Every page is some family's.
-    pages = {path.stem for path in (Path(__file__).parents[1] / "docs" / "families").glob("*.md")}
+    pages = {path.stem for path in (repo / "docs" / "families").glob("*.md")} - {"index"}
     assert pages == {family.page for family in FAMILIES.values()}
     cells = {name: f"| [`{name}`](docs/families/{family.page}.md) |" for name, family in FAMILIES.items()}
     rows = {name: next(row for row in documented.splitlines() if row.startswith(cells[name])) for name in FAMILIES}

@@ -1,5 +1,5 @@
 """scripts/gpu_suite.sh is run where a GPU is lent, rarely: its dry run keeps it runnable between leases. One
-section here (the rest by hand: `bash scripts/gpu_suite.sh --dry-run`, BENCHMARKS.md)."""
+section here (the rest by hand: `bash scripts/gpu_suite.sh --dry-run`, docs/contributing/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -129,7 +129,7 @@ def test_a_wholly_trained_part_keeps_its_fp32_weights_under_half_precision(tiny_
 
 @pytest.mark.parametrize("setting, expected", [("auto", False), ("on", True), ("off", False)])
 def test_channels_last_auto_is_off_on_cpu(make_config, setting, expected):
-    """On CPU channels-last measured no faster and 2.1 GB heavier at SD1.5 size (BENCHMARKS.md), so `auto` is
+    """On CPU channels-last measured no faster and 2.1 GB heavier at SD1.5 size (docs/benchmarks.md), so `auto` is
     CUDA only; `on` still forces it."""
     from difftune.training.train import _configure_denoiser
 

@@ -1,6 +1,6 @@
 """`difftune plan`: the memory plan follows the settings that change memory, the settings it suggests fit and are
 the fewest that do, and `difftune train` warns before loading when the plan exceeds the machine. How close the plan
-comes to measured peaks is a benchmark (scripts/bench_plan.py, BENCHMARKS.md), not a test."""
+comes to measured peaks is a benchmark (scripts/bench_plan.py, docs/benchmarks.md), not a test."""
 
 from __future__ import annotations
 
@@ -489,7 +489,7 @@ difftune: parity: 0 levels in both layouts"""
         "training": round(13.8 * 2**30),
     }
     assert bench.measured_phases(lines, "device_") == {}  # a CPU run's lines say no device peak
-    # A CUDA run's lines (an H200's, BENCHMARKS.md) add the device's peak, read as the host's is.
+    # A CUDA run's lines (an H200's, docs/benchmarks.md) add the device's peak, read as the host's is.
     on_cuda = """difftune: filling the caches: done in 13.6 s, host peak 10.8 GiB, device peak 9.1 GiB
 difftune: loading the transformer: done in 15.1 s, host peak 13.5 GiB, device peak 33 MiB
 difftune: training: done in 9.9 s, host peak 4.7 GiB, device peak 14.6 GiB
@@ -539,7 +539,7 @@ def test_a_steps_control_tokens_are_planned(micro_base, make_config, monkeypatch
     kontext = {"model__base": str(micro_base("flux_kontext")), "train__batch_size": 1, "data__resolution": 128}
     planned = _step_peak(make_config, **kontext)
     with monkeypatch.context() as patched:
-        patched.setattr(FAMILIES["flux_kontext"], "planned_controls", lambda components, latents: [])
+        patched.setattr(FAMILIES["flux_kontext"].conditioning, "planned_controls", lambda components, latents: [])
         alone = _step_peak(make_config, **kontext)
     assert planned > 1.3 * alone, (planned, alone)
     layered = {"model__base": str(micro_base("qwen_image_layered")), "train__batch_size": 1, "data__resolution": 128}

@@ -484,7 +484,7 @@ def job_reports(request, tmp_path_factory) -> dict:
 # SDXL's, Qwen-Image's, Z-Image's, SD3's, FLUX.3's and Chroma's default jobs are the quality sweep (`pytest -m sweep
 # tests/test_quality.py`, a few minutes on 2 cores), outside CI's 45 minutes: their objectives are the jobs CI runs
 # (SD's noise prediction; the flow matching of Flux.1, Qwen-Image 2.1, Kontext, Qwen-Image-Edit, Wan and LTX-2), and
-# BENCHMARKS.md has their rows from scripts/bench_quality.py.
+# docs/benchmarks.md has their rows from scripts/bench_quality.py.
 @pytest.mark.parametrize(
     "job, base",
     [
@@ -500,9 +500,9 @@ def job_reports(request, tmp_path_factory) -> dict:
     ],
 )
 def test_fine_tuning_teaches_the_held_out_color(job_reports, job, base):
-    """Each default job against the targets BENCHMARKS.md publishes, scored as published (8 samples per prompt):
+    """Each default job against the targets docs/benchmarks.md publishes, scored as published (8 samples per prompt):
     base seen prompts >= 0.95 color and shape, purple <= 0.15 before and >= 0.90 for every shape after, forgetting
-    <= 0.05. The UNet-only LoRA that BENCHMARKS.md measured (forgetting 0.25) fails here."""
+    <= 0.05. The UNet-only LoRA that docs/benchmarks.md measured (forgetting 0.25) fails here."""
     report = job_reports[job].result()
     before, after = report["before"], report["after"]
     assert before["seen"]["color"] >= 0.95 and before["seen"]["shape"] >= 0.95, before["seen"]
@@ -520,9 +520,9 @@ def test_fine_tuning_teaches_the_held_out_color(job_reports, job, base):
 )
 def test_the_video_jobs_teach_purple_from_clips(job_reports, job, base, every_shape):
     """Each video default job against the issue's targets, scored as published (8 clips per color and shape, 2 per
-    direction; BENCHMARKS.md): the base draws the seen colors, shapes and directions >= 0.90 and purple <= 0.15; after
-    the job purple (color and shape, every frame) >= 0.90 for every shape (Wan's, an earlier family's: on average over
-    the shapes; its squares are drawn at 0.825), the direction kept >= 0.90, forgetting (seen color and shape per
+    direction; docs/benchmarks.md): the base draws the seen colors, shapes and directions >= 0.90 and purple <= 0.15;
+    after the job purple (color and shape, every frame) >= 0.90 for every shape (Wan's, an earlier family's: on average
+    over the shapes; its squares are drawn at 0.825), the direction kept >= 0.90, forgetting (seen color and shape per
     frame, and seen directions) <= 0.05."""
     report = job_reports[job].result()
     before, after = report["before"], report["after"]

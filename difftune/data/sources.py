@@ -318,7 +318,7 @@ def _library(name: str):
 class _RowGroups:
     """Parquet row groups read, the least recently used dropped past `budget` bytes. Training draws rows in a shuffled
     order, and a row costs its whole group: with 4 of 10 groups kept, 1000 rows read in a shuffled order took 10x
-    their bytes from storage (10 rows a second from moto's S3, BENCHMARKS.md); kept within a budget, a dataset that
+    their bytes from storage (10 rows a second from moto's S3, docs/benchmarks.md); kept within a budget, a dataset that
     fits it is read once."""
 
     def __init__(self, budget: int):

@@ -63,9 +63,10 @@ FAMILIES: dict[str, Family] = _discover()
 FAMILY_OPTIONS = {name: family.options_model for name, family in FAMILIES.items()}  # what model.family_options may set
 
 
-def family_table_markdown(models_dir: Path) -> str:
-    """The README's table of families, from the registry (what each trains and writes) and the bundled tiny bases'
-    `scores.json` in `models_dir` (a test keeps the README in sync)."""
+def family_table_markdown(models_dir: Path, pages: str = "docs/families/") -> str:
+    """The table of families in the README and the docs' families page, from the registry (what each trains and
+    writes) and the bundled tiny bases' `scores.json` in `models_dir`, each family linked to its page in the folder
+    `pages` names relative to where the table is (a test keeps both in sync)."""
     from difftune.config import Config
 
     rows = [
@@ -83,7 +84,7 @@ def family_table_markdown(models_dir: Path) -> str:
         prefixes = ", ".join(f"`{prefix}`" for prefix in family.layout.kohya_prefixes.values())
         edits = {0: "no", 1: "1 control"}.get(family.max_controls, f"up to {family.max_controls} controls")
         edits = "an image into layers" if family.conditioning.trains_layers else edits
-        cell = _family_cell(name, family.page, models_dir.parent)
+        cell = _family_cell(name, family.page, models_dir.parent, pages)
         rows.append(
             f"| {cell} | {', '.join(f'`{c}`' for c in family.pipeline_classes)} | "
             f"{', '.join(kinds)} | "
@@ -93,10 +94,10 @@ def family_table_markdown(models_dir: Path) -> str:
     return "\n".join(rows)
 
 
-def _family_cell(name: str, page_name: str, repository: Path) -> str:
+def _family_cell(name: str, page_name: str, repository: Path, pages: str) -> str:
     """The family's name, linked to its page for the real model (`docs/families/<page_name>.md`) where it has one."""
-    page = Path("docs") / "families" / f"{page_name}.md"
-    return f"[`{name}`]({page.as_posix()})" if (repository / page).is_file() else f"`{name}`"
+    linked = (repository / "docs" / "families" / f"{page_name}.md").is_file()
+    return f"[`{name}`]({pages}{page_name}.md)" if linked else f"`{name}`"
 
 
 def _tiny_base_scores(folder: Path) -> str:

@@ -1,7 +1,7 @@
 """Frozen weights stored in fewer bits than they are computed in: 16 bits computed in fp32 (`model.weight_dtype =
 "fp16" | "bf16"` with `train.mixed_precision = "no"`: half the memory of fp32 weights, without 16-bit arithmetic,
-which CPUs lacking AVX512-BF16 or AMX run up to 100x slower than fp32, BENCHMARKS.md), or fp8 (e4m3) computed in the
-run's compute dtype (`model.weight_dtype = "fp8"`, any mixed precision: a quarter of fp32's memory, half of bf16's,
+which CPUs lacking AVX512-BF16 or AMX run up to 100x slower than fp32: docs/benchmarks.md), or fp8 (e4m3) computed in
+the run's compute dtype (`model.weight_dtype = "fp8"`, any mixed precision: a quarter of fp32's memory, half of bf16's,
 as kohya's `--fp8_base` and musubi-tuner's `--fp8_base`). It applies to the denoiser.
 
 Each frozen linear or convolution layer holds its weight (and, in 16 bits, its bias) in the stored dtype, and a
@@ -10,13 +10,13 @@ weight again in backward, and autograd would keep every computed copy until then
 memory than the compute dtype alone. So while training's forward runs under `computed_copies_saved_as_stored()`,
 each copy autograd saves is saved as its stored source and cast again in backward. The price is two casts of every
 frozen weight per step, at memory bandwidth: on 2 CPU cores the SD1.5 UNet's 256 px LoRA step went from 4.69 to
-6.06 s while peak RSS went from 4684 to 3430 MB with 16-bit storage (BENCHMARKS.md). diffusers'
+6.06 s while peak RSS went from 4684 to 3430 MB with 16-bit storage (docs/benchmarks.md). diffusers'
 `enable_layerwise_casting` does the forward half only, and its backward fails on the SD1.5 UNet ("expected scalar
 type Float but found Half").
 
 fp8 weights are stored divided by a per-tensor power of two that brings the largest magnitude to within e4m3's
 range (448): plain casting rounds the typical weight (|w| ~ 0.01-0.05) into e4m3's subnormals, below 2^-6, with one
-to three significant bits, or to zero (BENCHMARKS.md measures both). A power of two, unlike ComfyUI's float scales,
+to three significant bits, or to zero (docs/benchmarks.md measures both). A power of two, unlike ComfyUI's float scales,
 multiplies back exactly in any compute dtype, so training on fp8 storage is exactly training on the base rounded
 the same way.
 

@@ -1,6 +1,6 @@
 """Each family's shipped job, run as shipped on its micro model: for the families without a bundled tiny base, issue
 33's "default job on the purple set whose validation loss falls and whose adapter loads and renders in the family's
-pipeline" (`scripts/family_jobs.py`; BENCHMARKS.md has the rows).
+pipeline" (`scripts/family_jobs.py`; docs/benchmarks.md has the rows).
 
 A job is the family's own config file from `configs/` (its adapter, loss, optimizer, precision, frozen-weight dtype and
 cache settings kept) pointed at the family's random-init micro model (`micro.build_pipeline`), the purple renders

@@ -418,7 +418,7 @@ def train_clip_vae(lender: Path | None, recipe: Recipe) -> torch.nn.Module:
 def finetune_clip_decoder(vae, recipe: Recipe, clips: torch.Tensor | None = None) -> torch.nn.Module:
     """A video autoencoder's decoder trained alone on clips' posterior means (`finetune_decoder`): the encoder and so
     the latent space stay, so a built base's transformer keeps what it learned while its clips decode sharper (LTX-2's
-    squares through the autoencoder alone: 0.875 before, 1.000 after, BENCHMARKS.md)."""
+    squares through the autoencoder alone: 0.875 before, 1.000 after, docs/benchmarks.md)."""
     if not recipe.vae_decoder_steps:
         return vae
     clips = clip_tensors(recipe.autoencoder_images // 2, recipe.seed + 100) if clips is None else clips

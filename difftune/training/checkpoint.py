@@ -13,7 +13,7 @@
   the newest checkpoint that passes) instead of trained on. A manifest must name every file in the folder and be
   well formed itself; a checkpoint without one is never resumed from. An SD1.5-shaped full fine-tune's 10.3 GB
   checkpoint
-  is checked in 4.4 s on 2 cores (BENCHMARKS.md), hashed per 256 MiB block on every core.
+  is checked in 4.4 s on 2 cores (docs/benchmarks.md), hashed per 256 MiB block on every core.
 - `COMPLETE`: written last. A folder without it, or a `.tmp-` folder, is never loaded.
 
 Resuming from step N starts a new branch of the run: what was written after step N (later checkpoints,

@@ -49,13 +49,13 @@ META = torch.device("meta")
 # A CPU run's resident memory grows by about twice the bytes a training step allocates and frees again: glibc's
 # heap serves a request only from a freed chunk it fits in, so freed activations between live ones leave holes and
 # the heap grows past the bytes in use, and each thread's arena grows on its own. Measured on SD1.5-shaped 256 px
-# jobs (fp32, fp16 and fp8 weights: 1.96 to 2.0) against malloc's own count of bytes in use (BENCHMARKS.md). A
+# jobs (fp32, fp16 and fp8 weights: 1.96 to 2.0) against malloc's own count of bytes in use (docs/benchmarks.md). A
 # GPU's caching allocator is compared by the bytes it hands out, `max_memory_allocated`: no growth there.
 CPU_HEAP_GROWTH = 2.0
 # What a CUDA run's host memory holds once it has trained a step, beyond the process before CUDA started: the CUDA
 # context and the kernels of cuBLAS, cuDNN and torch loaded as they are first called (lazily: the caching phases,
 # which run the encoders' forward alone, load far fewer). Measured on an H200 (torch 2.11, CUDA 13): whole FLUX.1 in
-# fp8 with checkpointing at 1024 px held 4.8 GiB while training, 0.83 GiB of it the process before (BENCHMARKS.md).
+# fp8 with checkpointing at 1024 px held 4.8 GiB while training, 0.83 GiB of it the process before (docs/benchmarks.md).
 CUDA_LIBRARIES_HOST = 4 * 2**30
 FEW_BLOCKS = 16  # fewer block counts to try than this: each is planned (a UNet's), else bisected (a transformer's)
 # Optimizer state per trained (fp32) parameter, in bytes: two fp32 moments (AdamW, schedule-free's z and second

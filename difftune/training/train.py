@@ -1133,7 +1133,7 @@ def _set_device_flags(config: Config, accelerator: Accelerator) -> None:
         torch.backends.cudnn.benchmark = config.train.cudnn_benchmark != "off"
         # SDPA's cuDNN kernel gave NaN gradients from the first step on the tiny Flux job in bf16 on an H100
         # (torch 2.11, cu130) while its loss was finite, and the flash, memory-efficient and math kernels trained
-        # it finitely, to the same losses (BENCHMARKS.md, "GPU"): training does without it unless asked
+        # it finitely, to the same losses (docs/benchmarks.md, "GPU"): training does without it unless asked
         # (`train.attention = "sdpa_cudnn"`, which the GPU suite's side-by-side times against the peer's default).
         torch.backends.cuda.enable_cudnn_sdp(config.train.attention == "sdpa_cudnn")
     elif "on" in (config.train.tf32, config.train.cudnn_benchmark):

@@ -113,7 +113,7 @@ def exposure_warnings(host: str, auth_on_command_line: bool, tls: bool) -> list[
     if host not in LOCAL_HOSTS and not tls:
         warnings.append(
             f"--host {host} serves plain HTTP: logins and everything else cross the network unencrypted; "
-            "give --ssl-certfile and --ssl-keyfile, or serve it behind a TLS reverse proxy (README)"
+            "give --ssl-certfile and --ssl-keyfile, or serve it behind a TLS reverse proxy (docs/guides/web-ui.md)"
         )
     return warnings
 

@@ -19,7 +19,7 @@ SHIPPED_JOB = "chroma_lora.toml"
 # reading T5 alone, over tiny-flux's autoencoders (Chroma's is Flux.1's), trained 4000 steps: after Flux's 1200 (515 s)
 # it drew the seen prompts at 1.00 color / 0.97 shape, but every LoRA of the default job tried made its seen shapes
 # wobbly (forgetting 0.12-0.24); after 2000 the job forgot 0.03-0.05 and drew purple squares at 0.75-0.88; after 4000
-# it forgets 0-0.02 and, at the job's 2400 steps, draws purple squares at 1.00 (BENCHMARKS.md, Chroma).
+# it forgets 0-0.02 and, at the job's 2400 steps, draws purple squares at 1.00 (docs/benchmarks.md, Chroma).
 TINY_BASE = TinyBase(
     architecture=(
         "Chroma's architecture at toy size, from the same classes (`ChromaTransformer2DModel`: Flux.1's blocks\n"
