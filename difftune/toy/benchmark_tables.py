@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -117,10 +118,20 @@ def plan_table(benchmarks: Path) -> str:
     return _table(["job", "measured MiB", "planned MiB", "planned / measured", "machine", "date", "command"], rows)
 
 
+def _scores(record: dict) -> tuple[float, float] | None:
+    """A quality run's held-out color after training and its forgetting: as bench_quality.py writes them, or from
+    the `difftune eval` report a video job's line holds (clips: color and shape in every frame)."""
+    if "concept_after" in record:
+        return record["concept_after"], record["forgetting"]
+    if "report" in record:
+        return record["report"]["after"]["concept"]["both"], record["report"]["forgetting"]
+    return None
+
+
 def _seed(record: dict) -> str | None:
     """The seed of a run of the job as shipped (no override but its seed: "0" for none), or None for a variant."""
     overrides = record.get("overrides", [])
-    if "concept_after" not in record or not all(o.startswith("train.seed=") for o in overrides):
+    if _scores(record) is None or not all(o.startswith("train.seed=") for o in overrides):
         return None
     return overrides[-1].removeprefix("train.seed=") if overrides else "0"
 
@@ -145,8 +156,15 @@ def quality_table(benchmarks: Path, configs: Path) -> str:
         newest = list({_seed(record): record for record in runs}.values())  # the last of each seed, by date
         if not newest:
             continue
-        after = [record["concept_after"] for record in newest]
-        forgetting = [record["forgetting"] for record in newest]
+        after, forgetting = zip(*(_scores(record) for record in newest), strict=True)
+        if all("report" in record for record in newest):  # the job run and scored as a user would
+            base = re.match(r"models/[\w-]+", newest[-1]["base"]).group(0)
+            command = (
+                f"difftune train --config configs/{job}.toml && difftune eval --base {base} "
+                f"--adapter output/{job}/pytorch_lora_weights.safetensors"
+            )
+        else:
+            command = f"python scripts/bench_quality.py --job {job}"
         rows.append(
             [
                 f"`configs/{job}.toml`",
@@ -155,7 +173,7 @@ def quality_table(benchmarks: Path, configs: Path) -> str:
                 f"{min(forgetting):.3f} to {max(forgetting):.3f}",
                 CPU,
                 max(record["date"] for record in newest),
-                f"`python scripts/bench_quality.py --job {job}`",
+                f"`{command}`",
             ]
         )
     header = ["job", "seeds", "purple after", "forgetting", "machine", "newest", "command"]
