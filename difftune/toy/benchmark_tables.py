@@ -141,13 +141,10 @@ def quality_table(benchmarks: Path, configs: Path) -> str:
     ones were of earlier builds of the base or the job) from the job's files (`quality-finetune-<job>*.jsonl`): the
     held-out color drawn after training (1.00: every sample right), and the forgetting of the seen prompts."""
     jobs = {"tiny_lora": [benchmarks / "quality-finetune.jsonl"]}
+    shipped = [config.stem for config in configs.glob("*.toml")]  # a file is its job's, or a variant's of it
     for path in sorted(benchmarks.glob("quality-finetune-*.jsonl")):
         named = path.stem.removeprefix("quality-finetune-")
-        job = max(
-            (c.stem for c in configs.glob("*.toml") if named == c.stem or named.startswith(c.stem + "-")),
-            key=len,
-            default=None,
-        )
+        job = max((stem for stem in shipped if named == stem or named.startswith(stem + "-")), key=len, default=None)
         if job:
             jobs.setdefault(job, []).append(path)
     rows = []

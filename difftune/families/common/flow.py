@@ -213,5 +213,8 @@ class FlowMatchingFamily(Family):
         return latents[0, 0].numel() // self.patch_size**2
 
     def max_sequence_length(self, components: Components) -> int:
-        """The text tokens the pipeline reads (its `max_sequence_length`): the tokens training reads."""
-        raise NotImplementedError
+        """The text tokens the pipeline reads (its `max_sequence_length`): the tokens training reads, its conditioning's
+        `padded_text_tokens` where it pads every caption to them."""
+        if self.conditioning.padded_text_tokens is None:
+            raise NotImplementedError
+        return self.conditioning.padded_text_tokens

@@ -239,9 +239,6 @@ class HunyuanImage(FlowMatchingFamily):
 
     # Prompts and the transformer.
 
-    def max_sequence_length(self, components: Components) -> int:
-        return self.conditioning.padded_text_tokens
-
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         texts = text_arguments(conditioning, components.denoiser)
         states = texts["encoder_hidden_states"]

@@ -222,9 +222,6 @@ class HunyuanVideo15(FlowMatchingFamily):
             "image_embeds": clip.new_zeros(len(clip), IMAGE_TOKENS, components.denoiser.config.image_embed_dim),
         }
 
-    def max_sequence_length(self, components: Components) -> int:
-        return self.conditioning.padded_text_tokens
-
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """An image's latents (B, C, h, w) as one-frame clips; a clip's (B, C, t, h, w) as they are; beside them the
         conditioning clip with its mask, and the image states (`conditions`)."""

@@ -149,8 +149,5 @@ class QwenImage(FlowMatchingFamily):
             hidden_states=tokens, timestep=timestep, **inputs, **control, return_dict=False, **arguments
         )[0]
 
-    def max_sequence_length(self, components: Components) -> int:
-        return self.conditioning.padded_text_tokens
-
 
 FAMILY = QwenImage()
