@@ -4,7 +4,8 @@ the target, the weighting) is the reference trainers' and not just self-consiste
 
 The scripts are not copied here: each `*_script_loss` below writes the formula its script uses, read from
 huggingface/diffusers at commit 58eb52c0 (examples/dreambooth/; sha256 of each file in `SCRIPTS`), with the lines it
-follows named (scripts newer than that commit: read at the commit `LATER_SCRIPTS` names). What the scripts draw at
+follows named (scripts newer than that commit: read at the commit `LATER_SCRIPTS` or `REFERENCE_SCRIPTS` names; the
+latter train a family's references, beside its text-to-image script). What the scripts draw at
 random (noise, timesteps: `compute_density_for_timestep_sampling` then the scheduler's `timesteps[indices]`) is
 fixed here and given to both sides; the scripts' posterior `sample()` is taken at its mode on both sides (Z-Image's
 script takes the mode itself).
@@ -64,6 +65,12 @@ SCRIPTS = {
 # examples/dreambooth/<script> at a later diffusers commit (the stored snapshot at 58eb52c0 predates them).
 LATER_SCRIPTS = {
     "qwen_image21": ("train_dreambooth_lora_qwenimage21.py", "01e3a5d6b66ca07d3fc21e9c541e0c3e8cad78ca"),
+}
+# examples/dreambooth/<script> at the commit named: the scripts that train a text-to-image family's references (its
+# edit pairs), checked beside its text-to-image script.
+REFERENCE_SCRIPTS = {
+    "flux2": ("train_dreambooth_lora_flux2_img2img.py", "79c110752f80aafaaf67a7b4baa573f6c9d2224d"),
+    "flux2_klein": ("train_dreambooth_lora_flux2_klein_img2img.py", "027e8eebf33896eecb64c74836258c52593259d5"),
 }
 PROMPTS = ["a red circle", "a blue square with a longer caption"]
 TIMESTEP_INDICES = torch.tensor([150, 700])  # the scripts' `indices = (u * num_train_timesteps).long()`
@@ -183,25 +190,33 @@ def flux_kontext_script_loss(pipeline, latents, noise, weighting, control_latent
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
 
-def flux2_script_loss(pipeline, latents, noise, weighting):
+def flux2_script_loss(pipeline, latents, noise, weighting, reference=None):
     """train_dreambooth_lora_flux2.py and train_dreambooth_lora_flux2_klein.py: latents patched 2x2
     (`_patchify_latents`) and batch-normalised by the autoencoder's `bn` statistics, `(1 - sigma) x + sigma noise`,
     packed (`_pack_latents`), ids from `_prepare_latent_ids` and the prompt's, the transformer at `timesteps / 1000`
     with `--guidance_scale` where it has a guidance embedding ([dev]; klein's script passes None without one), its
-    image tokens unpacked by their ids, target `noise - x`."""
+    image tokens unpacked by their ids, target `noise - x`. With a `reference` (their `_img2img.py` scripts): its
+    latents (as the target's) packed after the noisy ones, with one sample's `_prepare_image_ids` given to every
+    sample (klein's script since diffusers#13923; [dev]'s still numbers a batch's references as one sample's,
+    diffusers#13811, where the pipeline numbers each sample's own), the prediction cut to the noisy tokens."""
     timesteps, sigmas = _flow_sigmas(pipeline, latents)
     noisy = (1.0 - sigmas) * latents + sigmas * noise
     image_ids = Flux2Pipeline._prepare_latent_ids(latents)
     packed = Flux2Pipeline._pack_latents(noisy)
+    tokens, ids = packed, image_ids
+    if reference is not None:
+        tokens = torch.cat([packed, Flux2Pipeline._pack_latents(reference)], dim=1)
+        reference_ids = Flux2Pipeline._prepare_image_ids([reference[0:1]]).expand(len(reference), -1, -1)
+        ids = torch.cat([image_ids, reference_ids], dim=1)
     states, text_ids = pipeline.encode_prompt(PROMPTS, device="cpu")
     guidance = torch.full([len(latents)], GUIDANCE) if pipeline.transformer.config.guidance_embeds else None
     prediction = pipeline.transformer(
-        hidden_states=packed,
+        hidden_states=tokens,
         timestep=timesteps / 1000,
         guidance=guidance,
         encoder_hidden_states=states,
         txt_ids=text_ids,
-        img_ids=image_ids,
+        img_ids=ids,
         return_dict=False,
     )[0]
     prediction = Flux2Pipeline._unpack_latents_with_ids(prediction[:, : packed.size(1)], image_ids)
@@ -477,10 +492,25 @@ def test_every_family_with_a_diffusers_script_is_checked():
     """The families diffusers ships a DreamBooth LoRA script for; those without one (Chroma, the Qwen edit models) are
     checked against their pipelines by the conformance suite."""
     assert set(SCRIPT_LOSSES) == {name for name, _ in CASES} == set(SCRIPTS) | set(LATER_SCRIPTS) <= set(FAMILIES)
+    assert set(REFERENCE_SCRIPTS) <= {name for name in SCRIPT_LOSSES if FAMILIES[name].max_controls}
 
 
 @pytest.mark.parametrize(("name", "weighting"), CASES)
 def test_the_loss_is_the_diffusers_training_script_loss(name, weighting, micro_base):
+    # An edit family's one script trains its pairs; one with a reference script beside is checked text-to-image here.
+    references = bool(FAMILIES[name].max_controls) and name not in REFERENCE_SCRIPTS
+    _check_against_the_script(name, weighting, micro_base, references)
+
+
+@pytest.mark.parametrize("name", REFERENCE_SCRIPTS)
+def test_references_train_as_the_diffusers_reference_script(name, micro_base):
+    """A text-to-image family's edit pairs against its `_img2img.py` script: the other image's latents the reference."""
+    _check_against_the_script(name, "uniform", micro_base, references=True)
+
+
+def _check_against_the_script(name: str, weighting: str, micro_base, references: bool) -> None:
+    """difftune's loss and the script's on the same inputs; with `references`, an edit pair's (the batch's images in
+    the other order its controls)."""
     components = load_components(ModelConfig(base=str(micro_base(name))))
     family, pipeline = FAMILIES[name], components.pipeline()
     pixels = _pixels()
@@ -493,7 +523,7 @@ def test_the_loss_is_the_diffusers_training_script_loss(name, weighting, micro_b
             components, family.conditioning.tokenize(components.tokenizers, PROMPTS)
         )
         controls = ()
-        if family.max_controls:  # an edit family: the other images' latents are the controls
+        if references:
             control = reference_latents(
                 encode_posterior(components.vae, pixels.flip(0))[0], components.latent_normalization
             )

@@ -121,11 +121,13 @@ def test_an_edit_base_is_refused(make_config, pairs, kontext_base, tmp_path):
         train(_dpo_job(make_config, pairs, tmp_path, model__base=str(kontext_base), sample__prompts=[]))
 
 
-@pytest.mark.parametrize(("name", "refused"), [("flux3", False), ("z_image_omni", True), ("qwen_image_edit", True)])
+@pytest.mark.parametrize(
+    ("name", "refused"), [("flux3", False), ("flux2", False), ("z_image_omni", True), ("qwen_image_edit", True)]
+)
 def test_bases_that_also_edit_take_preference_pairs_unless_their_prompts_read_the_references(name, refused):
-    """FLUX.3 edits too, but its text-to-image base reads a pair's control as the rejected image; Z-Image Omni's
-    captions are read with their references (the rejected image would be read as one), and an edit base's controls
-    are its input."""
+    """FLUX.3 and FLUX.2 edit too, but their text-to-image bases read a pair's control as the rejected image; Z-Image
+    Omni's captions are read with their references (the rejected image would be read as one), and an edit base's
+    controls are its input."""
     family = FAMILIES[name]
     if refused:
         with pytest.raises(DifftuneError, match=r"read control images as their input"):

@@ -76,22 +76,30 @@ def processed_frames(processor, frames: torch.Tensor, encoder: torch.nn.Module, 
     return processor(images=images, return_tensors="pt", **options).pixel_values.to(weight.device, weight.dtype)
 
 
-# The edit pipelines that keep a reference at its own size (Z-Image Omni's and FLUX.3's) take sides in multiples of
-# 16 (the autoencoder's 8x times the transformer's 2x2 patches: what they crop or pad a reference to) and at least 64
-# px (Z-Image Omni's refuses less; FLUX.3's pads to it).
+# The edit pipelines that keep a reference at its own size (Z-Image Omni's, FLUX.3's and FLUX.2's) take sides in
+# multiples of 16 (the autoencoder's 8x times the transformer's 2x2 patches: what they crop or pad a reference to) and
+# at least 64 px (Z-Image Omni's and FLUX.2's refuse less; FLUX.3's pads to it).
 REFERENCE_GRID = 16
 SHORTEST_REFERENCE_SIDE = 64
 
 
-def reference_dimensions(area: int, size: tuple[int, int]) -> tuple[int, int]:
-    """(width, height) of a `size` reference at about `area` pixels, aspect kept, on `REFERENCE_GRID` and at least
-    `SHORTEST_REFERENCE_SIDE` a side: a size those pipelines keep as it is."""
+def reference_dimensions(area: int, size: tuple[int, int], most: int | None = None) -> tuple[int, int]:
+    """(width, height) of a `size` reference at about `area` pixels (at most `most`, where the pipeline scales a
+    larger one down), aspect kept, on `REFERENCE_GRID` and at least `SHORTEST_REFERENCE_SIDE` a side: a size those
+    pipelines keep as it is."""
     ratio = size[0] / size[1]
     area = max(area, SHORTEST_REFERENCE_SIDE**2 * max(ratio, 1 / ratio))
-    return tuple(
-        max(SHORTEST_REFERENCE_SIDE, round(math.sqrt(area * r) / REFERENCE_GRID) * REFERENCE_GRID)
-        for r in (ratio, 1 / ratio)
-    )
+    if most is not None:
+        area = min(area, most)
+
+    def sides(to_grid) -> tuple[int, int]:
+        return tuple(
+            max(SHORTEST_REFERENCE_SIDE, to_grid(math.sqrt(area * r) / REFERENCE_GRID) * REFERENCE_GRID)
+            for r in (ratio, 1 / ratio)
+        )
+
+    nearest = sides(round)
+    return nearest if most is None or nearest[0] * nearest[1] <= most else sides(math.floor)
 
 
 class Conditioning(Role):
@@ -217,8 +225,17 @@ class Conditioning(Role):
 
 
 class ReferenceSizedConditioning(Conditioning):
-    """An edit family's references sized as its pipeline keeps them: each trains at its target's area, its own aspect
-    kept (`reference_dimensions`), as `ReferenceSizedDrawing` draws them."""
+    """A text-to-image base that also edits from references its pipeline keeps at their own size (FLUX.3, FLUX.2,
+    Z-Image Omni): each reference trains at its target's area, its own aspect kept (`reference_dimensions`, up to
+    `largest_reference` pixels), as `ReferenceSizedDrawing` draws them."""
+
+    largest_reference: int | None = None  # pixels past which the pipeline scales a reference down (None: no limit)
 
     def control_size(self, target_size, control_size, options=None):
-        return reference_dimensions(target_size[0] * target_size[1], control_size)
+        return reference_dimensions(target_size[0] * target_size[1], control_size, self.largest_reference)
+
+    def planned_controls(self, components: Components, latents: torch.Tensor) -> list[torch.Tensor]:
+        """None: the memory plan is text-to-image's, what these bases train most (their shipped jobs'). Unlike the
+        edit bases' plans, which hold their pairs' references, an edit run here costs more than planned: each reference
+        at its target's area adds as many image tokens as the target has (the family's page says how much)."""
+        return []

@@ -25,7 +25,6 @@ from difftune.data.clips import read_frames, write_clip
 from difftune.data.dataset import BadImage, open_image
 from difftune.data.sources import is_clip
 from difftune.errors import DifftuneError
-from difftune.families.common.conditioning import reference_dimensions
 from difftune.families.common.loading import FamilyOptions
 from difftune.families.common.role import Role
 from difftune.models.autoencoders import load_vae
@@ -205,13 +204,14 @@ class ImageToVideoDrawing(ClipDrawing):
 
 
 class ReferenceSizedDrawing(Drawing):
-    """An edit family's drawing whose pipeline keeps references at their own size (FLUX.3's, Z-Image Omni's): samples
-    drawn at a set size give it references at the target's area, their aspect kept, as training read them
-    (`ReferenceSizedConditioning`)."""
+    """An edit family's drawing whose pipeline keeps references at their own size (FLUX.3's, FLUX.2's, Z-Image Omni's):
+    samples drawn at a set size give it references at the size training read them at (`ReferenceSizedConditioning`'s
+    `control_size`: the target's area, their aspect kept)."""
 
     def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
         if height:
-            controls = [control.resize(reference_dimensions(height * width, control.size)) for control in controls]
+            size = self.family.conditioning.control_size
+            controls = [control.resize(size((width, height), control.size)) for control in controls]
         return {"image": controls} if controls else {}
 
 

@@ -11,6 +11,15 @@ Small 3.1 language model (`Mistral3ForConditionalGeneration`). Trained by flow m
   (or the tokenizer's `model_max_length` where shorter); the hidden states of layers `text_layers` are stacked along
   the width. The transformer reads every position, padding included (no mask), so the states are kept whole.
 - Position ids are 4-D (time, row, column, text position), from the pipeline's own helpers.
+- References (multi-reference edits, the pipelines' `image`): an edit pair's control images, in order, each encoded
+  as the pipeline encodes a reference (the posterior's mode, patched and batch-normalised as the image's latents),
+  read as clean tokens after the image's, whose position ids put the k-th reference at time 10k
+  (`_prepare_image_ids`); the transformer's prediction is cut to the image's tokens. The pipelines keep a reference
+  at its own size up to `LARGEST_REFERENCE` pixels (cropped to the 16 px grid; larger ones are scaled down to it): a
+  control trains at its target's area, its aspect kept, on that grid and at most that area
+  (`ReferenceSizedConditioning`), and samples give the pipeline their controls so sized. The captions are encoded
+  without the images (the pipelines show them to the language model only to rewrite a prompt, which difftune
+  leaves off). Pairs and captioned images may share a run, each batch of one kind.
 - Guidance: [dev] is guidance-distilled: its pipeline passes the scale to the guidance embedding, one pass, and takes
   no negative prompt; training conditions on `model.family_options.guidance` (diffusers' FLUX.2 script: 3.5).
 - Noise levels: `loss.flow_shift_by_resolution` draws them with the shift the pipeline samples this size with at
@@ -30,7 +39,8 @@ from diffusers import Flux2Pipeline, Flux2Transformer2DModel
 from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE, compute_empirical_mu, format_input
 
 from difftune.config import Config
-from difftune.families.common.conditioning import Conditioning
+from difftune.families.common.conditioning import ReferenceSizedConditioning
+from difftune.families.common.drawing import ReferenceSizedDrawing
 from difftune.families.common.flow import FlowDrawing, FlowMatching, FlowMatchingFamily
 from difftune.families.common.layouts import FusedLayout, kohya_blocks_of, kohya_globals_of
 from difftune.families.common.loading import Loading
@@ -39,6 +49,7 @@ from difftune.models.components import Components
 
 TEXT_TOKENS = 512  # the pipelines' default `max_sequence_length`: the most `text_tokens` reads
 DEFAULT_STEPS = 50  # the pipelines' default `num_inference_steps`: the step count `resolution_shift` assumes
+LARGEST_REFERENCE = 1024 * 1024  # pixels of a reference the pipelines keep as it is; they scale a larger one down
 DOUBLE_TARGETS = [
     "attn.to_q",
     "attn.to_k",
@@ -152,14 +163,16 @@ class Flux2Loading(Loading):
     single_file_pipeline = Loading.pipeline_around_denoiser_file
 
 
-class Flux2Drawing(FlowDrawing):
+class Flux2Drawing(ReferenceSizedDrawing, FlowDrawing):
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
         """Both FLUX.2 pipelines take the scale as `guidance_scale` and no negative prompt: [dev]'s guidance
         embedding reads it, [klein]'s classifier-free guidance uses it with an empty negative prompt."""
         return {"max_sequence_length": self.family.max_sequence_length(components), "guidance_scale": guidance_scale}
 
 
-class Flux2Conditioning(Conditioning):
+class Flux2Conditioning(ReferenceSizedConditioning):
+    largest_reference = LARGEST_REFERENCE
+
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         tokenizer = tokenizers["tokenizer"]
         ids = tokenizer.apply_chat_template(
@@ -200,6 +213,7 @@ class Flux2(FlowMatchingFamily):
     patch_size = 1  # a token is one (patched) latent pixel
     text_layers = (10, 20, 30)  # the pipeline's default `text_encoder_out_layers`
     negative_prompt_refusal = "Flux2Pipeline is guidance-distilled and takes no negative prompt"
+    max_controls = 6  # BFL's recommended most for [dev] (each reference adds its tokens to every block)
 
     def unsupported_settings(self, config: Config) -> list[str]:
         problems = super().unsupported_settings(config)
@@ -213,11 +227,18 @@ class Flux2(FlowMatchingFamily):
         return denoiser.config.in_channels  # the autoencoder's latents are patched already: one token a latent pixel
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
+        """The image's tokens, then an edit pair's references (`control_latents`, read clean), as the pipelines'
+        denoising loop joins them."""
         states = conditioning["encoder_hidden_states"]
         b, c, h, w = noisy.shape
+        tokens = noisy.reshape(b, c, h * w).permute(0, 2, 1)
         image_ids = Flux2Pipeline._prepare_latent_ids(noisy).to(noisy.device)
+        if references := conditioning.get("control_latents"):
+            tokens = torch.cat([tokens, *(Flux2Pipeline._pack_latents(latents) for latents in references)], dim=1)
+            reference_ids = Flux2Pipeline._prepare_image_ids([latents[:1] for latents in references])
+            image_ids = torch.cat([image_ids, reference_ids.to(noisy.device).expand(b, -1, -1)], dim=1)
         prediction = components.denoiser(
-            hidden_states=noisy.reshape(b, c, h * w).permute(0, 2, 1).to(states.dtype),
+            hidden_states=tokens.to(states.dtype),
             timestep=(timesteps / 1000).to(states.dtype),
             guidance=self.guidance(components, b, noisy.device),
             encoder_hidden_states=states,

@@ -5,6 +5,7 @@ smaller sizes, conditioned on a Qwen3 language model instead of Mistral.
   (thinking disabled, no system message), padded to the pipeline's 512 tokens (or the tokenizer's
   `model_max_length` where shorter, which difftune's samples then pass as `max_sequence_length`: the tiny base
   reads 48); the hidden states of layers `text_layers` are stacked along the width, all positions kept.
+- References: as [dev]'s, at most `max_controls`.
 - Guidance: klein's pipeline uses classifier-free guidance with an empty negative prompt (it takes no other) above
   a scale of 1, none for the step-distilled bases (`is_distilled`); a base with a guidance embedding is conditioned
   on `model.family_options.guidance` in training, as diffusers' FLUX.2 scripts do.
@@ -53,6 +54,7 @@ class Flux2Klein(Flux2):
     pipeline_options = ("is_distilled",)
     text_layers = (9, 18, 27)  # the pipeline's default `text_encoder_out_layers`
     negative_prompt_refusal = "Flux2KleinPipeline guides with an empty negative prompt and takes no other"
+    max_controls = 4  # BFL's most for [klein]
 
 
 FAMILY = Flux2Klein()

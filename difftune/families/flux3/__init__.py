@@ -244,12 +244,6 @@ class Flux3Conditioning(ReferenceSizedConditioning):
             "text_mask": torch.nn.functional.pad(window.long(), (0, padding)),
         }
 
-    def planned_controls(self, components: Components, latents: torch.Tensor) -> list[torch.Tensor]:
-        """None: the memory plan is text-to-image's, what the base trains most (its shipped job's), as Z-Image Omni's;
-        an edit run costs more than planned: each reference at its target's size adds as many tokens to the joint
-        blocks as the target has (docs/families/flux3.md)."""
-        return []
-
 
 class Flux3(FlowMatchingFamily):
     name = "flux3"

@@ -123,12 +123,6 @@ class ZImageOmniConditioning(ReferenceSizedConditioning, ZImageConditioning):
     def encoder_tokenizers(self) -> list[tuple[str, str]]:
         return [("text_encoder", "tokenizer")]  # the language model's (SigLIP2 reads references, not tokens)
 
-    def planned_controls(self, components: Components, latents: torch.Tensor) -> list[torch.Tensor]:
-        """None: the memory plan is text-to-image's, what the base trains most (its shipped job's). Unlike the edit
-        bases' plans, which hold their pairs' references, an edit run here costs more than planned: each reference at
-        its target's area adds as many image tokens as the target has (docs/families/z_image_omni.md)."""
-        return []
-
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         """Each caption's segments' token ids (B, segments, `TEXT_TOKENS`), padded and truncated as the pipeline pads
         each segment; for captions with references (PIL, a list per caption, as many for every caption of a call),
