@@ -15,6 +15,7 @@ What differs between families here is only how their pipelines are asked (`PIPEL
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,7 +26,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from diffusers import ClassifierFreeGuidance, GGUFQuantizationConfig
+from diffusers import ClassifierFreeGuidance, GGUFQuantizationConfig, SanaPipeline
 from diffusers.modular_pipelines.anima.before_denoise import AnimaTextConditioningStep
 from diffusers.modular_pipelines.anima.encoders import AnimaTextEncoderStep
 from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
@@ -215,11 +216,22 @@ def _z_image_prompts(pipeline, prompts):
     return _padded_states(states)
 
 
-def _lumina2_prompts(pipeline, prompts):
-    """The pipeline pads every caption to 256 tokens, whose states the transformer never reads: zeros on both sides."""
-    assert pipeline.system_prompt == SYSTEM_PROMPT
-    states, mask, *_ = pipeline.encode_prompt(prompts, do_classifier_free_guidance=False, device="cpu")
+def _masked_prompts(pipeline, prompts, **arguments):
+    """A pipeline that pads every caption (Lumina 2's to 256 tokens, Sana's to 300) and hands the transformer the mask:
+    the padding's states, which the transformer never reads, zeros on both sides."""
+    states, mask, *_ = pipeline.encode_prompt(prompts, do_classifier_free_guidance=False, device="cpu", **arguments)
     return {"encoder_hidden_states": states * mask[..., None], "text_mask": mask.long()}
+
+
+def _lumina2_prompts(pipeline, prompts):
+    assert pipeline.system_prompt == SYSTEM_PROMPT
+    return _masked_prompts(pipeline, prompts)
+
+
+def _sana_prompts(pipeline, prompts):
+    """With the complex human instruction the pipeline's call passes (its `encode_prompt` reads none unless given)."""
+    instruction = inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default
+    return _masked_prompts(pipeline, prompts, complex_human_instruction=instruction)
 
 
 def _wan_prompts(pipeline, prompts):
@@ -309,6 +321,7 @@ PIPELINE_PROMPTS = {
     "kandinsky5_video": _kandinsky5_prompts,
     "krea2": _krea2_prompts,
     "lumina2": _lumina2_prompts,
+    "sana": _sana_prompts,
     "ltx2": _ltx2_prompts,
     "ideogram4": _ideogram4_prompts,
     "ernie_image": _ernie_image_prompts,
@@ -374,6 +387,8 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         "hidream",
     ):  # no guidance embedding: the pipeline's own scale is classifier-free guidance
         arguments |= {"guidance_scale": 3.0, "negative_prompt": "", "max_sequence_length": 32}
+    elif name == "sana":  # classifier-free guidance, at the size asked (not its nearest 1024 px bucket)
+        arguments |= {"guidance_scale": 3.0, "negative_prompt": "", "use_resolution_binning": False}
     elif name == "ernie_image":  # classifier-free guidance, the prompt enhancer off (the micro base has none)
         arguments |= {"guidance_scale": 3.0, "negative_prompt": "", "use_pe": False}
     elif name in ("z_image", "z_image_omni", "krea2"):  # their own guidance convention: pos + s (pos - neg)

@@ -13,17 +13,21 @@ script takes the mode itself).
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
 from diffusers import (
     DDPMScheduler,
+    FlowMatchEulerDiscreteScheduler,
     Flux2Pipeline,
     FluxKontextPipeline,
     FluxPipeline,
     Krea2Pipeline,
     QwenImage21Pipeline,
     QwenImagePipeline,
+    SanaPipeline,
 )
 from diffusers.training_utils import compute_loss_weighting_for_sd3, compute_snr
 
@@ -49,6 +53,7 @@ SCRIPTS = {
         "2c746004af6d4aa569d9bff3d32fce70afcb885cf00c7e00ab6abf9beda42225",
     ),
     "lumina2": ("train_dreambooth_lora_lumina2.py", "0cd38a84e95d0a3331c4f12e6bd02fe7dab0bc56d31c22cc9edaa308c0ddd670"),
+    "sana": ("train_dreambooth_lora_sana.py", "d938da709cfec4c79abbb7c78a8ca8a955d4c8151bd9f5a72b2685023fc24549"),
     "hidream": ("train_dreambooth_lora_hidream.py", "5415a0cf050054532b94926e132533e6e00cc94b43995b472b6885ac9e2bb649"),
     "ideogram4": (
         "train_dreambooth_lora_ideogram4.py",
@@ -87,9 +92,10 @@ def _mse(prediction: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor
     return torch.mean(per_sample, 1).mean()
 
 
-def _flow_sigmas(pipeline, latents):
-    """`get_sigmas(timesteps)`: the scheduler's sigma at each timestep drawn from its own `timesteps`."""
-    scheduler = pipeline.scheduler.__class__.from_config(pipeline.scheduler.config)
+def _flow_sigmas(pipeline, latents, scheduler_class=None):
+    """`get_sigmas(timesteps)`: the scheduler's sigma at each timestep drawn from its own `timesteps` (the pipeline's
+    scheduler, or `scheduler_class` over its config, as a script that loads the folder as another class)."""
+    scheduler = (scheduler_class or pipeline.scheduler.__class__).from_config(pipeline.scheduler.config)
     timesteps = scheduler.timesteps[TIMESTEP_INDICES]
     sigmas = scheduler.sigmas[TIMESTEP_INDICES].view(-1, *[1] * (latents.dim() - 1))
     return timesteps, sigmas
@@ -337,6 +343,24 @@ def z_image_script_loss(pipeline, latents, noise, weighting):
     return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
 
 
+def sana_script_loss(pipeline, latents, noise, weighting):
+    """train_dreambooth_lora_sana.py: latents `vae.encode(x).latent * scaling_factor` (the autoencoder returns them,
+    no posterior), timesteps and sigmas from `FlowMatchEulerDiscreteScheduler.from_pretrained` of the pipeline's
+    scheduler folder (its `flow_shift` unread: shift 1), `(1 - sigma) x + sigma noise`, the transformer at the
+    timesteps with the prompt's states and mask from `encode_prompt` (given the instruction the pipeline's call
+    passes, as difftune reads captions: the script's `--complex_human_instruction`), target `noise - x`."""
+    timesteps, sigmas = _flow_sigmas(pipeline, latents, FlowMatchEulerDiscreteScheduler)
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    instruction = inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default
+    states, mask, *_ = pipeline.encode_prompt(
+        PROMPTS, do_classifier_free_guidance=False, device="cpu", complex_human_instruction=instruction
+    )
+    prediction = pipeline.transformer(
+        hidden_states=noisy, encoder_hidden_states=states, encoder_attention_mask=mask, timestep=timesteps
+    )[0]
+    return _mse(prediction, noise - latents, compute_loss_weighting_for_sd3(weighting, sigmas)), timesteps
+
+
 def lumina2_script_loss(pipeline, latents, noise, weighting):
     """train_dreambooth_lora_lumina2.py: latents (x - shift) * scale, the scheduler's sigma s drawn as Flux's but
     used as the clean fraction, `(1 - s) noise + s x` (its "reverse lerp"), the transformer at `s` with the prompt's
@@ -431,6 +455,8 @@ def script_latents(name: str, vae, pixels: torch.Tensor) -> torch.Tensor:
         patched = Flux2Pipeline._patchify_latents(vae.encode(pixels).latent_dist.mode())
         mean, var = (statistic.view(1, -1, 1, 1) for statistic in (vae.bn.running_mean, vae.bn.running_var))
         return (patched - mean) / torch.sqrt(var + vae.config.batch_norm_eps)
+    if name == "sana":  # a deterministic autoencoder: its latents, scaled
+        return vae.encode(pixels).latent * vae.config.scaling_factor
     if name == "qwen_image21":  # the script's images are RGBA: an RGB image opaque
         pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
     if name in ("qwen_image", "krea2", "qwen_image21"):
@@ -456,11 +482,14 @@ SCRIPT_LOSSES = {
     "sd3": sd3_script_loss,
     "z_image": z_image_script_loss,
     "lumina2": lumina2_script_loss,
+    "sana": sana_script_loss,
     "hidream": hidream_script_loss,
     "ideogram4": ideogram4_script_loss,
 }
 CASES = [
     ("lumina2", "uniform"),
+    ("sana", "uniform"),
+    ("sana", "sigma_sqrt"),
     ("sd", "uniform"),
     ("sd", "min_snr"),
     ("sdxl", "uniform"),

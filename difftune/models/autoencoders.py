@@ -30,6 +30,9 @@ autoencoder whose latents
   (`patched`, as `Flux2Pipeline._patchify_latents`), normalised per patched channel by the autoencoder's own batch
   norm statistics (shift = `bn.running_mean`, scale = 1 / sqrt(`bn.running_var` + eps)). Everything outside this
   module sees the patched (B, 128, h/2, w/2): the posterior, the caches, the noise.
+- `AutoencoderDC` (Sana's deep-compression autoencoder): deterministic (its encoder returns the latents themselves, a
+  posterior of std 0, as TAESD's), 32 channels at 32x, normalised by one `scaling_factor` (0.41407) as
+  `AutoencoderKL`, as `SanaPipeline` and diffusers' Sana script scale them.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pathlib import Path
 
 import torch
 from diffusers import (
+    AutoencoderDC,
     AutoencoderKL,
     AutoencoderKLFlux2,
     AutoencoderKLHunyuanImage,
@@ -64,7 +68,10 @@ VAE_CLASSES = {
     "AutoencoderKLHunyuanVideo": AutoencoderKLHunyuanVideo,
     "AutoencoderKLHunyuanImage": AutoencoderKLHunyuanImage,
     "AutoencoderKLHunyuanVideo15": AutoencoderKLHunyuanVideo15,
+    "AutoencoderDC": AutoencoderDC,
 }
+# Encoders that return their latents, not a posterior (a std of 0).
+DETERMINISTIC_AUTOENCODERS = (AutoencoderTiny, AutoencoderDC)
 # Latents with a time axis.
 VIDEO_AUTOENCODERS = (
     AutoencoderKLQwenImage,
@@ -135,7 +142,9 @@ def downsampling(vae) -> int:
             or 2 ** len(config.temperal_downsample)
         )
     blocks = (
-        vae.config.encoder_block_out_channels if isinstance(vae, AutoencoderTiny) else vae.config.block_out_channels
+        vae.config.encoder_block_out_channels
+        if isinstance(vae, DETERMINISTIC_AUTOENCODERS)
+        else vae.config.block_out_channels
     )
     return 2 ** (len(blocks) - 1) * (2 if isinstance(vae, PATCHED_AUTOENCODERS) else 1)
 
@@ -166,7 +175,8 @@ def load_vae(name: str):
 def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, 3, H, W) in [-1, 1] -> the posterior's mean and std (B, C, H/f, W/f), not normalised; a video
     autoencoder's clips (B, 3, T, H, W) -> (B, C, t, H/f, W/f). An RGBA autoencoder reads RGB as opaque, or
-    (B, 4, ...) with `data.keep_alpha`. TAESD is deterministic: its std is 0. This is what the latent cache stores."""
+    (B, 4, ...) with `data.keep_alpha`. TAESD and DC-AE are deterministic: their std is 0. This is what the latent
+    cache stores."""
     weight = next(vae.parameters())  # not vae.device / vae.dtype: each walks every module, 1.6 ms a step
     pixels = as_read_by(vae, pixels.to(weight.device, weight.dtype))
     if pixels.dim() == 5:
@@ -174,8 +184,9 @@ def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
             raise DifftuneError(f"a {type(vae).__name__} encodes images, not clips")
         posterior = vae.encode(pixels).latent_dist
         return posterior.mean, posterior.std
-    if isinstance(vae, AutoencoderTiny):
-        mean = vae.encode(pixels).latents
+    if isinstance(vae, DETERMINISTIC_AUTOENCODERS):
+        encoded = vae.encode(pixels)
+        mean = encoded.latents if isinstance(vae, AutoencoderTiny) else encoded.latent
         return mean, torch.zeros_like(mean)
     if isinstance(vae, VIDEO_AUTOENCODERS):
         posterior = vae.encode(pixels[:, :, None]).latent_dist  # one frame

@@ -138,6 +138,16 @@ class FlowMatching(Objective):
         return per_sample * compute_loss_weighting_for_sd3(weighting, timesteps.float() / 1000).to(per_sample.device)
 
 
+class SamplerShiftFlowMatching(FlowMatching):
+    """Flow matching for a base whose pipeline samples with a multistep solver on flow sigmas shifted by one
+    `flow_shift` at every size (Wan's UniPC, Sana's DPM-Solver): training draws its noise levels, and difftune's samples
+    are drawn, through an Euler flow scheduler of that shift."""
+
+    def training_scheduler(self, scheduler):
+        shift = scheduler.config.get("flow_shift") or scheduler.config.get("shift", 1.0)
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=scheduler.config.num_train_timesteps, shift=shift)
+
+
 class FlowOptions(FamilyOptions):
     guidance: float = Field(
         1.0,

@@ -55,8 +55,11 @@ def build_lumina2_transformer(
     )
 
 
-def build_gemma2_text_encoder(tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 3) -> Gemma2Model:
-    """A Gemma 2 language model (Lumina 2's text encoder, which reads the second-to-last layer's states)."""
+def build_gemma2_text_encoder(
+    tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 3, positions: int = 512
+) -> Gemma2Model:
+    """A Gemma 2 language model (Lumina 2's text encoder, which reads the second-to-last layer's states; Sana's, which
+    reads its last over a long instruction: `positions` enough for it)."""
     config = Gemma2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -65,7 +68,7 @@ def build_gemma2_text_encoder(tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, la
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=hidden_size // 2,
-        max_position_embeddings=512,
+        max_position_embeddings=positions,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
         eos_token_id=None,

@@ -37,7 +37,7 @@ from typing import Literal
 
 import torch
 from accelerate import PartialState
-from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+from diffusers import WanPipeline, WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from pydantic import Field
@@ -46,7 +46,7 @@ from difftune.config import Config, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families.common.conditioning import Conditioning, valid_token_states
 from difftune.families.common.drawing import ClipDrawing
-from difftune.families.common.flow import FlowDrawing, FlowMatching, FlowMatchingFamily, FlowOptions
+from difftune.families.common.flow import FlowDrawing, FlowMatchingFamily, FlowOptions, SamplerShiftFlowMatching
 from difftune.families.common.layouts import RenamedLayout
 from difftune.families.common.loading import Loading, config_folder
 from difftune.families.common.targets import AdapterFile, AdapterTargets
@@ -153,13 +153,8 @@ def original_weight_name(key: str) -> str:
     return key
 
 
-class ExpertFlowMatching(FlowMatching):
+class ExpertFlowMatching(SamplerShiftFlowMatching):
     """Wan's flow matching: the pipeline's one shift, and a Wan 2.2 expert trained on its side of the boundary."""
-
-    def training_scheduler(self, scheduler):
-        """An Euler flow scheduler with the pipeline's one shift (its UniPC sampler names it `flow_shift`)."""
-        shift = scheduler.config.get("flow_shift") or scheduler.config.get("shift", 1.0)
-        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=scheduler.config.num_train_timesteps, shift=shift)
 
     def trains_noise_level(self, components: Components, sigma: float) -> bool:
         """An expert trains its side of the boundary, as the pipeline picks it: `transformer` at time >= boundary x

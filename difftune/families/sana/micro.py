@@ -1,0 +1,69 @@
+"""Micro Sana: a Gemma 2 text encoder and a Sana transformer over a deep-compression autoencoder (`AutoencoderDC`) that
+downsamples 8x, with the sampler diffusers' Sana conversion makes (DPM-Solver on flow sigmas shifted by 3)."""
+
+from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
+
+from difftune.families.lumina2.micro import build_gemma2_text_encoder
+from difftune.toy.micro import MicroSizes
+from difftune.toy.micro._kl import scaled_to
+from difftune.toy.tiny import QWEN_HIDDEN_SIZE, build_t5_tokenizer
+
+SHIPPED_JOB = "sana_1024_lora.toml"
+JOB_ON_MICRO = True
+LATENT_CHANNELS = 8
+# The complex human instruction the pipeline puts before each caption is ~1,400 single-character tokens here (about
+# 260 in Gemma's vocabulary): the micro language model reads that many positions and the caption's after them.
+TEXT_POSITIONS = 2048
+
+
+def autoencoder(pixels):
+    """ResBlocks only, 3 downsamplings (8x; the published one's 32x would leave the 32 px shapes one latent pixel),
+    its scaling factor from the shapes' latents."""
+    blocks = 4
+    vae = AutoencoderDC(
+        latent_channels=LATENT_CHANNELS,
+        attention_head_dim=8,
+        encoder_block_types="ResBlock",
+        decoder_block_types="ResBlock",
+        encoder_block_out_channels=(8, 16, 16, 16),
+        decoder_block_out_channels=(8, 16, 16, 16),
+        encoder_layers_per_block=(1,) * blocks,
+        decoder_layers_per_block=(1,) * blocks,
+        encoder_qkv_multiscales=((),) * blocks,
+        decoder_qkv_multiscales=((),) * blocks,
+        downsample_block_type="conv",
+        upsample_block_type="interpolate",
+    )
+    return scaled_to(vae, pixels, shift=False)
+
+
+def pipeline(vae, sizes: MicroSizes):
+    width = sizes.language_model_width or QWEN_HIDDEN_SIZE
+    tokenizer = build_t5_tokenizer()
+    return SanaPipeline(
+        vae=vae,
+        text_encoder=build_gemma2_text_encoder(tokenizer, width, positions=TEXT_POSITIONS),
+        tokenizer=tokenizer,
+        scheduler=DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction"),
+        transformer=build_sana_transformer(sizes.dit_layers or 1, sizes.dit_heads, text_hidden_size=width),
+    )
+
+
+def build_sana_transformer(
+    layers: int = 1, heads: int = 2, head_dim: int = 16, text_hidden_size: int = QWEN_HIDDEN_SIZE
+) -> SanaTransformer2DModel:
+    """`layers` Sana blocks (linear self-attention, cross-attention with as many heads, the GLU convolution) over
+    1x1 patches of the latents."""
+    return SanaTransformer2DModel(
+        in_channels=LATENT_CHANNELS,
+        out_channels=LATENT_CHANNELS,
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        num_layers=layers,
+        num_cross_attention_heads=heads,
+        cross_attention_head_dim=head_dim,
+        cross_attention_dim=heads * head_dim,
+        caption_channels=text_hidden_size,
+        sample_size=4,
+        patch_size=1,
+    )
