@@ -227,6 +227,16 @@ def build_parser() -> argparse.ArgumentParser:
     resize.add_argument("--base", help="base model, to read a kohya file's module names (default: from its metadata)")
     resize.add_argument("--report", type=Path, help="write each layer's ranks and the norm it kept here (JSON)")
 
+    push = _command(
+        commands, "push", "upload a run's output folder (files, model card, samples) to the Hugging Face Hub"
+    )
+    push.add_argument("folder", type=Path, help="the run's output folder (train.output_dir)")
+    push.add_argument("repo_id", help="the model repository, e.g. your-name/my-lora (made if missing)")
+    push.add_argument("--private", action="store_true", help="make the repository private if it is made")
+    push.add_argument(
+        "--with-checkpoints", action="store_true", help="upload checkpoints/ and snapshots/ too (kept back otherwise)"
+    )
+
     caption = _command(
         commands,
         "caption",
@@ -456,6 +466,10 @@ def _run(args: argparse.Namespace) -> None:
         written = export.write_adapter(args.out, tensors, lora_configs, config_toml, args.to, args.base or "")
         print(f"difftune: wrote {written}")
         _note_comfyui_dora(args.out, args.to)
+    elif args.command == "push":
+        from difftune.adapters.hub import push
+
+        print(f"difftune: pushed {args.folder}: {push(args.folder, args.repo_id, args.private, args.with_checkpoints)}")
     elif args.command == "resize":
         _resize(args)
     elif args.command == "extract":

@@ -1319,6 +1319,15 @@ class ExportConfig(Section):
         "uniform",
         description="Weights of `average_last`: equal, growing linearly, or doubling with each newer adapter.",
     )
+    push_to_hub: str = Field(
+        "",
+        description="A Hugging Face model repository (`your-name/my-lora`) to upload the run's output folder to "
+        "when it ends: the result files, the model card (README.md) and the samples, never checkpoints "
+        "(`difftune push` does the same later, and uploads those with --with-checkpoints). Needs a login "
+        "(`hf auth login` or HF_TOKEN); a failed upload is reported and leaves the local files as they are. Empty: no "
+        "upload.",
+    )
+    hub_private: bool = Field(False, description="`push_to_hub`: make the repository private if the upload makes it.")
 
 
 def averaging_needs_snapshots(config: Config) -> None:

@@ -26,7 +26,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from diffusers import ClassifierFreeGuidance, GGUFQuantizationConfig, SanaPipeline
+from diffusers import ClassifierFreeGuidance, GGUFQuantizationConfig
 from diffusers.modular_pipelines.anima.before_denoise import AnimaTextConditioningStep
 from diffusers.modular_pipelines.anima.encoders import AnimaTextEncoderStep
 from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
@@ -223,14 +223,22 @@ def _masked_prompts(pipeline, prompts, **arguments):
     return {"encoder_hidden_states": states * mask[..., None], "text_mask": mask.long()}
 
 
+def _hunyuan_video_prompts(pipeline, prompts):
+    """The language model's states at every position after the template, the padding's zero on both sides; CLIP's
+    pooled output."""
+    states, pooled, mask = pipeline.encode_prompt(prompts, device="cpu")
+    return {"encoder_hidden_states": states * mask[..., None], "text_mask": mask.long(), "pooled_projections": pooled}
+
+
 def _lumina2_prompts(pipeline, prompts):
     assert pipeline.system_prompt == SYSTEM_PROMPT
     return _masked_prompts(pipeline, prompts)
 
 
 def _sana_prompts(pipeline, prompts):
-    """With the complex human instruction the pipeline's call passes (its `encode_prompt` reads none unless given)."""
-    instruction = inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default
+    """With the complex human instruction the pipeline's call passes (its `encode_prompt` reads none unless given;
+    Sana-Video's is its own)."""
+    instruction = inspect.signature(type(pipeline).__call__).parameters["complex_human_instruction"].default
     return _masked_prompts(pipeline, prompts, complex_human_instruction=instruction)
 
 
@@ -322,11 +330,13 @@ PIPELINE_PROMPTS = {
     "krea2": _krea2_prompts,
     "lumina2": _lumina2_prompts,
     "sana": _sana_prompts,
+    "sana_video": _sana_prompts,
     "ltx2": _ltx2_prompts,
     "ideogram4": _ideogram4_prompts,
     "ernie_image": _ernie_image_prompts,
     "hidream": _hidream_prompts,
     "hunyuan_image": _hunyuan_prompts,
+    "hunyuan_video": _hunyuan_video_prompts,
     "hunyuan_video15": _hunyuan_prompts,
     "hunyuan_video15_i2v": _hunyuan_prompts,
     "wan": _wan_prompts,
@@ -418,6 +428,21 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
             SimpleNamespace(tokenizers={"tokenizer": pipeline.tokenizer}), 3.0, ""
         )
         return pipeline(prompt=prompt, num_frames=1, **guidance, **arguments).frames[0][:, 0].numpy()
+    elif name == "hunyuan_video":  # a one-frame clip; guidance-distilled: the scale is its embedding's input
+        return pipeline(prompt=prompt, num_frames=1, guidance_scale=3.0, **arguments).frames[0][:, 0].numpy()
+    elif name == "sana_video":  # a one-frame clip (its `frames`), classifier-free guidance, at the size asked
+        return (
+            pipeline(
+                prompt=prompt,
+                frames=1,
+                guidance_scale=3.0,
+                negative_prompt="",
+                use_resolution_binning=False,
+                **arguments,
+            )
+            .frames[0][:, 0]
+            .numpy()
+        )
     elif name == "kandinsky5_video":  # a one-frame clip: its latents (1, h, w, C), channels last
         return (
             pipeline(prompt=prompt, num_frames=1, guidance_scale=3.0, negative_prompt="", **arguments).frames[0].numpy()
@@ -755,7 +780,7 @@ def _gguf_values(path: Path) -> dict[str, torch.Tensor]:
 
 # Families whose published widths diffusers' GGUF reader writes into its converter (FLUX.1's 3072, Lumina 2's 2304):
 # their micro files are checked against gguf's own dequantization instead.
-READ_AT_PUBLISHED_WIDTHS_ONLY = {"flux", "flux_kontext", "chroma", "lumina2"}
+READ_AT_PUBLISHED_WIDTHS_ONLY = {"flux", "flux_kontext", "chroma", "lumina2", "hunyuan_video"}
 # Families whose transformer class diffusers' single-file reader does not take (`FromOriginalModelMixin`'s list):
 # checked against gguf's own dequantization alone.
 NO_DIFFUSERS_SINGLE_FILE_READER = {

@@ -164,7 +164,7 @@ def test_a_single_file_is_in_tencents_layout_as_diffusers_converter_reads_it(bas
 def test_a_file_in_comfyuis_names_reads_as_the_same_transformer(base, tmp_path):
     """ComfyUI's own HunyuanImage files (saved from its HunyuanVideo model) name Tencent's layers as its modules do:
     one under ComfyUI's prefix reads as the same transformer, as HunyuanImage 2.1 and not Flux.1 (whose layers it
-    shares); a HunyuanVideo file (its CLIP vector input besides) is read by neither."""
+    shares); a HunyuanVideo file (its CLIP vector input besides) is detected as HunyuanVideo's, not this family's."""
     from safetensors.torch import save_file
 
     components = load_components(ModelConfig(base=base))
@@ -187,5 +187,5 @@ def test_a_file_in_comfyuis_names_reads_as_the_same_transformer(base, tmp_path):
         assert torch.equal(again.denoiser.state_dict()[key], value), key
     hunyuan_video = comfyui | {"model.diffusion_model.vector_in.in_layer.weight": torch.zeros(8, 4)}
     save_file(hunyuan_video, tmp_path / "hunyuan_video_t2v_720p_bf16.safetensors")
-    with pytest.raises(DifftuneError, match="whose keys match no known family"):
+    with pytest.raises(DifftuneError, match="a HunyuanVideo single file holds the transformer alone"):
         load_components(ModelConfig(base=str(tmp_path / "hunyuan_video_t2v_720p_bf16.safetensors")))

@@ -219,21 +219,24 @@ def save_result_files(
     return {label: [save_trained(components, config, trained_path(config, output_dir, variant))]}
 
 
+# What each kind of result file is for, by the name `save_result_files` gives it.
+FILE_USES = {
+    "diffusers": "diffusers and peft (`pipeline.load_lora_weights`), difftune sample / merge",
+    "kohya": "ComfyUI (its models/loras folder), A1111 / Forge, kohya",
+    "model": "a diffusers pipeline folder (`from_pretrained`), difftune sample",
+    "embedding": "A1111, ComfyUI (its models/embeddings folder) and diffusers (`load_textual_inversion`)",
+    "controlnet": "the family's diffusers ControlNet pipeline (`ControlNetModel.from_pretrained`), difftune sample",
+}
+
+
 def where_files_go(files: dict[str, list[Path] | str]) -> list[str]:
     """The run's last lines: which of its files goes to which tool."""
-    uses = {
-        "diffusers": "diffusers and peft (`pipeline.load_lora_weights`), difftune sample / merge",
-        "kohya": "ComfyUI (its models/loras folder), A1111 / Forge, kohya",
-        "model": "a diffusers pipeline folder (`from_pretrained`), difftune sample",
-        "embedding": "A1111, ComfyUI (its models/embeddings folder) and diffusers (`load_textual_inversion`)",
-        "controlnet": "the family's diffusers ControlNet pipeline (`ControlNetModel.from_pretrained`), difftune sample",
-    }
     lines = []
     for layout, written in files.items():
         if isinstance(written, str):
             lines.append(f"no {layout}-layout file: {written}")
         else:
-            lines.append(f"wrote {' and '.join(str(file) for file in written)}: for {uses[layout]}")
+            lines.append(f"wrote {' and '.join(str(file) for file in written)}: for {FILE_USES[layout]}")
     return lines
 
 

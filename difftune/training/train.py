@@ -35,6 +35,8 @@ from tqdm.auto import tqdm
 
 from difftune.adapters import export
 from difftune.adapters.embeddings import caption_with_token, check_captions
+from difftune.adapters.hub import push
+from difftune.adapters.model_card import write_model_card
 from difftune.adapters.trained import add_adapters, check_targets, trainable_parameters, trained_parts
 from difftune.config import Config
 from difftune.data import sharding
@@ -1019,8 +1021,18 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
                 ):
                     samples = generate_images(components, config.sample, accelerator.device, "EMA samples")
                 save_images(samples, config.sample, output_dir / "samples_ema", output_dir / "samples" / "before")
+    card = write_model_card(config, components.family, files, output_dir)
     for line in export.where_files_go(files):
         accelerator.print(f"difftune: {line}")
+    accelerator.print(f"difftune: wrote {card}: the model card (`difftune push` uploads it with the files)")
+    if config.export.push_to_hub:
+        with phase(f"uploading {output_dir} to {config.export.push_to_hub}", print_status):
+            try:
+                accelerator.print(
+                    f"difftune: pushed: {push(output_dir, config.export.push_to_hub, config.export.hub_private)}"
+                )
+            except DifftuneError as err:  # the run's files are written: a failed upload is said, not raised
+                accelerator.print(f"difftune: warning: {err}; the files are kept: `difftune push` uploads them later")
     return trained_path
 
 

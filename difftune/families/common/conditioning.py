@@ -49,6 +49,10 @@ def valid_token_states(states: torch.Tensor, mask: torch.Tensor, skip: int, leng
     return {"encoder_hidden_states": kept_states, "text_mask": text_mask}
 
 
+# The conditioning `valid_token_states` makes, with a token axis that `padded_text_tokens` pads.
+PER_TOKEN = ("encoder_hidden_states", "text_mask")
+
+
 def trimmed(conditioning: dict[str, torch.Tensor], mask: str = "text_mask") -> dict[str, torch.Tensor]:
     """One caption's `valid_token_states` without the padding past its text (its `mask`), as the text cache stores
     it: at full length (512 x 3584 fp32 for Qwen-Image) an entry is 7 MB, a short caption's ~0.3 MB."""
@@ -207,12 +211,17 @@ class Conditioning(Role):
 
     def cached_conditioning(self, conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One caption's conditioning (no batch axis) as the text cache stores it: as it is, unless the family can
-        drop what `uncached_conditioning` restores (padding: `padded_text_tokens`)."""
-        return trimmed(conditioning) if self.padded_text_tokens else conditioning
+        drop what `uncached_conditioning` restores (padding: `padded_text_tokens`, in the states with a token axis;
+        a pooled embedding beside them is stored whole)."""
+        if not self.padded_text_tokens:
+            return conditioning
+        return conditioning | trimmed({name: conditioning[name] for name in PER_TOKEN if name in conditioning})
 
     def uncached_conditioning(self, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Inverse of `cached_conditioning`: a stored entry as `encode_prompts` made it."""
-        return padded(stored, self.padded_text_tokens) if self.padded_text_tokens else stored
+        if not self.padded_text_tokens:
+            return stored
+        return stored | padded({name: stored[name] for name in PER_TOKEN if name in stored}, self.padded_text_tokens)
 
     def latent_normalization(self, vae) -> LatentNormalization:
         """How latents are normalised for the denoiser: as the autoencoder asks (autoencoders.py), unless the family's

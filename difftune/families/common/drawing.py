@@ -182,9 +182,11 @@ class ClipDrawing(Drawing):
         """Each prompt's one-frame clip, as an image."""
         return [clip[0] for clip in self.draw_clips(pipeline, prompt, controls, height, width, 1, **arguments)]
 
+    frames_argument = "num_frames"  # the pipeline call's name for the clip's frame count (Sana-Video's: `frames`)
+
     def draw_clips(self, pipeline, prompt, controls, height, width, frames, **arguments) -> list[list]:
         return pipeline(
-            prompt=prompt, height=height, width=width, num_frames=frames, output_type="pil", **arguments
+            prompt=prompt, height=height, width=width, output_type="pil", **{self.frames_argument: frames}, **arguments
         ).frames
 
 

@@ -117,12 +117,18 @@ COMFYUI_BLOCKS = FLUX_ORIGINAL_BLOCKS | {
 # HunyuanVideo (1.0)'s files, in either naming, have this model's blocks and a CLIP vector input besides
 HUNYUAN_VIDEO_FILE_KEYS = ("vector_in.in_layer.weight",)
 EMBEDDERS = ("time_in.", "time_r_in.", "guidance_in.", "txt_in.t_embedder.", "txt_in.c_embedder.")
-COMFYUI_GLOBALS = {
-    module: re.sub(r"\.(?:mlp\.0|linear_1)$", ".in_layer", re.sub(r"\.(?:mlp\.2|linear_2)$", ".out_layer", original))
-    if original.startswith(EMBEDDERS)
-    else original
-    for module, original in SINGLE_FILE_GLOBALS.items()
-}
+
+
+def comfyui_globals(single_file_globals: dict[str, str]) -> dict[str, str]:
+    """Tencent's layers outside the blocks under ComfyUI's names: its embedders are `MLPEmbedder`s."""
+    return {
+        module: re.sub(
+            r"\.(?:mlp\.0|linear_1)$", ".in_layer", re.sub(r"\.(?:mlp\.2|linear_2)$", ".out_layer", original)
+        )
+        if original.startswith(EMBEDDERS)
+        else original
+        for module, original in single_file_globals.items()
+    }
 
 
 class ComfyUIFileLayout(SingleBlockRows, OriginalFileLayout, Layout):
@@ -133,7 +139,7 @@ class ComfyUIFileLayout(SingleBlockRows, OriginalFileLayout, Layout):
     denoiser_file_key = "txt_in.individual_token_refiner.blocks.0.self_attn.qkv.weight"  # Tencent's: `self_attn_qkv`
     other_models_file_keys = HUNYUAN_VIDEO_FILE_KEYS
     original_blocks = COMFYUI_BLOCKS
-    original_globals = COMFYUI_GLOBALS
+    original_globals = comfyui_globals(SINGLE_FILE_GLOBALS)
     swapped_halves = SWAPPED_HALVES
 
 

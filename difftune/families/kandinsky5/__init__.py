@@ -24,7 +24,7 @@ import torch
 from diffusers import Kandinsky5T2IPipeline, Kandinsky5Transformer3DModel
 from diffusers.pipelines.kandinsky5.pipeline_kandinsky_t2i import prompt_clean
 
-from difftune.families.common.conditioning import Conditioning, padded, padded_token_ids, trimmed, valid_token_states
+from difftune.families.common.conditioning import Conditioning, padded_token_ids, valid_token_states
 from difftune.families.common.flow import FlowDrawing, FlowMatchingFamily
 from difftune.families.common.layouts import DiffusersNamedLayout
 from difftune.families.common.loading import FamilyOptions, Loading
@@ -41,7 +41,6 @@ PROMPT_TEMPLATE = (
 TEXT_TOKENS = 512  # the pipeline's default `max_sequence_length`: caption tokens read after the template's start
 TEMPLATE_TOKENS = 40  # the pipeline's `prompt_template_encode_start_idx`: the system prompt's tokens, dropped
 CLIP_TOKENS = 77
-PER_TOKEN = ("encoder_hidden_states", "text_mask")  # what the text cache trims to a caption's tokens
 BLOCK_LISTS = ("text_transformer_blocks", "visual_transformer_blocks")
 ATTENTION = ("to_query", "to_key", "to_value", "out_layer")
 FEED_FORWARD = ["feed_forward.in_layer", "feed_forward.out_layer"]
@@ -123,12 +122,6 @@ class Kandinsky5Conditioning(Conditioning):
         return valid_token_states(states, mask[:, :longest], self.template_tokens, TEXT_TOKENS) | {
             "pooled_prompt_embeds": pooled
         }
-
-    def cached_conditioning(self, conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return conditioning | trimmed({name: conditioning[name] for name in PER_TOKEN})
-
-    def uncached_conditioning(self, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return stored | padded({name: stored[name] for name in PER_TOKEN}, TEXT_TOKENS)
 
 
 class Kandinsky5(FlowMatchingFamily):

@@ -130,7 +130,7 @@ class Sana(FlowMatchingFamily):
             hidden_states=noisy.to(states.dtype),
             encoder_hidden_states=states,
             encoder_attention_mask=conditioning["text_mask"],
-            timestep=timesteps.float() * denoiser.config.timestep_scale,
+            timestep=timesteps.float() * denoiser.config.get("timestep_scale", 1.0),  # Sana-Video's has none
             return_dict=False,
         )[0]
 

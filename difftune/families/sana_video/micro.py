@@ -1,0 +1,51 @@
+"""Micro Sana-Video: micro Sana's Gemma 2 text encoder and a Sana-Video transformer over micro Wan's causal video
+autoencoder, with the sampler diffusers' Sana-Video conversion makes (DPM-Solver on flow sigmas shifted by 8)."""
+
+from diffusers import DPMSolverMultistepScheduler, SanaVideoPipeline, SanaVideoTransformer3DModel
+
+from difftune.families.lumina2.micro import build_gemma2_text_encoder
+from difftune.families.sana.micro import TEXT_POSITIONS
+from difftune.families.wan.micro import autoencoder as wan_autoencoder
+from difftune.toy.micro import MicroSizes
+from difftune.toy.tiny import FLUX_LATENT_CHANNELS, QWEN_HIDDEN_SIZE, build_t5_tokenizer
+
+SHIPPED_JOB = "sana_video_lora.toml"
+JOB_ON_MICRO = True
+
+
+def autoencoder(pixels):
+    return wan_autoencoder(pixels)
+
+
+def pipeline(vae, sizes: MicroSizes):
+    width = sizes.language_model_width or QWEN_HIDDEN_SIZE
+    tokenizer = build_t5_tokenizer()
+    return SanaVideoPipeline(
+        vae=vae,
+        text_encoder=build_gemma2_text_encoder(tokenizer, width, positions=TEXT_POSITIONS),
+        tokenizer=tokenizer,
+        scheduler=DPMSolverMultistepScheduler(flow_shift=8.0, use_flow_sigmas=True, prediction_type="flow_prediction"),
+        transformer=build_sana_video_transformer(sizes.dit_layers or 1, sizes.dit_heads, text_hidden_size=width),
+    )
+
+
+def build_sana_video_transformer(
+    layers: int = 1, heads: int = 2, head_dim: int = 24, text_hidden_size: int = QWEN_HIDDEN_SIZE
+) -> SanaVideoTransformer3DModel:
+    """`layers` Sana-Video blocks over 1x2x2 patches of Wan's 16-channel latents, Wan's rotary axes split over (time,
+    row, column) from the head's width."""
+    return SanaVideoTransformer3DModel(
+        in_channels=FLUX_LATENT_CHANNELS,
+        out_channels=FLUX_LATENT_CHANNELS,
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        num_layers=layers,
+        num_cross_attention_heads=heads,
+        cross_attention_head_dim=head_dim,
+        cross_attention_dim=heads * head_dim,
+        caption_channels=text_hidden_size,
+        mlp_ratio=3.0,
+        sample_size=4,
+        patch_size=(1, 2, 2),
+        rope_max_seq_len=64,
+    )
