@@ -1340,6 +1340,13 @@ def averaging_needs_snapshots(config: Config) -> None:
 
 class LogConfig(Section):
     tensorboard: bool = Field(True, description="Also log to TensorBoard (under output_dir/logs) when it is installed.")
+    wandb: bool = Field(
+        False,
+        description="Also log to Weights & Biases (project `difftune`, the run named after output_dir), through "
+        "accelerate's tracker: the same scalars as metrics.jsonl, the sample grids as images, the config. Needs "
+        "`pip install wandb` and `wandb login`; `WANDB_MODE=offline` keeps the run under output_dir/logs/wandb "
+        "(`wandb sync` uploads it later).",
+    )
     progress_bar: bool = Field(True, description="Show a progress bar with loss, learning rate and speed.")
     quiet: bool = Field(
         False,

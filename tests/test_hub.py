@@ -1,22 +1,28 @@
-"""What a run leaves for the Hugging Face Hub: the model card every run writes (read back by huggingface_hub's own
-parser), and `difftune push` (offline and without a token it fails in one line, before any upload, and changes
-nothing; online, what it would upload is filtered by huggingface_hub's own pattern matching)."""
+"""What a run leaves where people share models: the model card every run writes (read back by huggingface_hub's own
+parser), `difftune push` (offline and without a token it fails in one line, before any upload, and changes nothing;
+online, what it would upload is filtered by huggingface_hub's own pattern matching), and a Weights & Biases run (in
+wandb's offline mode, its run file read back with wandb's own record schema)."""
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 from pathlib import Path
 
 import httpx
 import pytest
 from huggingface_hub import ModelCard, constants
 from huggingface_hub.utils import filter_repo_objects
+from wandb.proto import wandb_internal_pb2
 
 from difftune import cli
+from difftune.adapter_kinds import KINDS
 from difftune.adapters import hub
-from difftune.adapters.model_card import card_data, write_model_card
+from difftune.adapters.model_card import KIND_NAMES, card_data, write_model_card
 from difftune.config import load_config
 from difftune.families import FAMILIES
+from difftune.training.metrics import read_metrics
 from difftune.training.train import train
 
 from conftest import _toml_value
@@ -30,13 +36,9 @@ def _listing(folder: Path) -> dict[str, tuple[int, int]]:
     }
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, micro_base, shapes) -> Path:
-    """A 3-step LoRA run on the micro SD base with a trigger word and one end sample, told to push to the Hub while
-    offline: it ends with its files and a warning."""
-    out = tmp_path_factory.mktemp("hub") / "run"
+def _job(out: Path, base: Path, shapes: Path, **more) -> list[str]:
     overrides = {
-        "model.base": str(micro_base("sd")),
+        "model.base": str(base),
         "data.path": str(shapes),
         "data.resolution": 32,
         "data.num_workers": 0,
@@ -50,9 +52,17 @@ def finished_run(tmp_path_factory, micro_base, shapes) -> Path:
         "train.check_memory": False,
         "sample.prompts": ["sks a purple circle"],
         "sample.steps": 2,
-        "export.push_to_hub": "someone/tiny-lora",
+        **more,
     }
-    config = load_config(None, [f"{key}={_toml_value(value)}" for key, value in overrides.items()])
+    return [f"{key}={_toml_value(value)}" for key, value in overrides.items()]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, micro_base, shapes) -> Path:
+    """A 3-step LoRA run on the micro SD base with a trigger word and one end sample, told to push to the Hub while
+    offline: it ends with its files and a warning."""
+    out = tmp_path_factory.mktemp("hub") / "run"
+    config = load_config(None, _job(out, micro_base("sd"), shapes, **{"export.push_to_hub": "someone/tiny-lora"}))
     offline = constants.HF_HUB_OFFLINE
     constants.HF_HUB_OFFLINE = True
     try:
@@ -155,3 +165,52 @@ def test_push_uploads_the_files_card_and_samples_and_keeps_checkpoints_back(
 def test_push_refuses_a_folder_that_is_not_a_finished_run(tmp_path, capsys):
     assert cli.main(["push", str(tmp_path), "someone/tiny-lora"]) == 2
     assert "no README.md in" in capsys.readouterr().err
+
+
+def test_every_adapter_kind_has_a_name_on_the_card():
+    assert set(KIND_NAMES) == set(KINDS)
+
+
+def _wandb_records(path: Path):
+    """The records of a W&B run file: leveldb's log format (32 KiB blocks, each record's pieces behind a 7-byte
+    header of checksum, length and kind: whole, first, middle, last) after the file's own 7-byte header, each record
+    a `wandb_internal_pb2.Record`."""
+    data, position, pieces = path.read_bytes(), 7, b""
+    assert data.startswith(b":W&B")
+    while position + 7 <= len(data):
+        left = 32768 - position % 32768
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (length == 0 and kind == 0):  # a block's padding
+            position += left
+            continue
+        pieces += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pieces)
+            yield record
+            pieces = b""
+
+
+def test_a_wandb_offline_run_holds_the_loss_curve_the_config_and_the_samples(tmp_path, micro_base, shapes, monkeypatch):
+    """`log.wandb` in wandb's offline mode: its run folder under logs/wandb holds every step's loss as metrics.jsonl
+    has it, the run's config, and the sample grids (a preview and the end's) as images."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    train(load_config(None, _job(out, micro_base("sd"), shapes, **{"log.wandb": True, "sample.every_steps": 2})))
+    (run_file,) = (out / "logs" / "wandb").glob("offline-run-*/run-*.wandb")
+    history, config = {}, {}
+    for record in _wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history.setdefault(row["_step"], {}).update(row)
+        elif kind == "config":
+            config |= {item.key: json.loads(item.value_json) for item in record.config.update}
+    losses = {row["step"]: row["loss"] for row in read_metrics(out) if "loss" in row}
+    assert sorted(losses) == [1, 2, 3]
+    assert {step: history[step]["loss"] for step in losses} == pytest.approx(losses)
+    assert config["train.max_steps"] == 3 and config["adapter.rank"] == 4
+    images = sorted(run_file.parent.glob("files/media/images/samples_*.png"))
+    assert len(images) == 2 and [step for step, row in history.items() if "samples/filenames" in row] == [2, 3]

@@ -7,17 +7,15 @@ shows it as the model's page; `difftune push` uploads it with the files.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 
 from difftune.adapters.export import ADAPTER_FILE, FILE_USES
-from difftune.config import Config, PromptWithControls
+from difftune.config import HUB_ID, Config, PromptWithControls
 from difftune.families.common.family import Family
 
 CARD_FILE = "README.md"
-HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 KIND_TAGS = {"none": "full-fine-tune", "embedding": "textual-inversion"}  # adapter.kind -> its tag, where not itself
 KIND_NAMES = {
     "lora": "A LoRA",
@@ -33,7 +31,7 @@ CLIP_SUFFIXES = (".mp4", ".webm", ".gif")
 
 def hub_id(base: str) -> str | None:
     """`base` where it names a Hugging Face hub repository (not a local folder or file)."""
-    return base if HUB_ID.match(base) and not Path(base).exists() else None
+    return base if HUB_ID.fullmatch(base) and not Path(base).exists() else None
 
 
 def base_license(base: str) -> str | None:

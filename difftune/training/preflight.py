@@ -10,6 +10,7 @@ where the model is loaded (`families.family_of`, `adapters.check_targets`), with
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from difftune import published
@@ -28,6 +29,7 @@ def check_before_start(config: Config) -> None:
     _check_precision_device(config)
     _check_family_reads_base(config)
     _check_targets_on_disk(config)
+    _check_trackers(config)
 
 
 def _check_paths(config: Config) -> None:
@@ -185,3 +187,11 @@ def _check_targets_name_layers(key: str, part: str, targets: list[str], layers: 
     missing = missing_targets(targets, names)
     if missing:
         raise unmatched_targets(key, part, missing, layer_suffixes(name for name, dims in layers.items() if dims >= 2))
+
+
+def _check_trackers(config: Config) -> None:
+    """A tracker asked for is installed."""
+    if config.log.wandb and importlib.util.find_spec("wandb") is None:
+        raise DifftuneError(
+            "log.wandb: the wandb package is not installed; pip install wandb (or set log.wandb = false)"
+        )

@@ -31,6 +31,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import broadcast_object_list, gather_object, is_tensorboard_available, set_seed
 from diffusers.training_utils import EMAModel, cast_training_params
+from PIL import Image
 from tqdm.auto import tqdm
 
 from difftune.adapters import export
@@ -347,7 +348,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
     batches = BatchesAhead(
         iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
     )
-    accelerator.init_trackers("difftune", config=_flat_hparams(config))
+    _start_trackers(accelerator, config, output_dir)
     accelerator.print(
         f"difftune: {components.family.description}, {media}, "
         f"{sum(p.numel() for p in named.values()):,} trained parameters ({config.adapter.kind}), "
@@ -595,7 +596,7 @@ def _accelerator(config: Config, output_dir: Path) -> Accelerator:
         mixed_precision=config.train.mixed_precision,
         kwargs_handlers=[_fp8_recipe()] if fp8 else None,
         gradient_accumulation_steps=config.train.gradient_accumulation_steps,
-        log_with="tensorboard" if config.log.tensorboard and is_tensorboard_available() else None,
+        log_with=_trackers(config) or None,
         project_dir=output_dir / "logs",
     )
     sharding.check_accelerator(accelerator)
@@ -618,6 +619,35 @@ def _accelerator(config: Config, output_dir: Path) -> Accelerator:
         )
     keep_models_out_of_accelerate_state(accelerator)
     return accelerator
+
+
+def _trackers(config: Config) -> list[str]:
+    """The accelerate trackers the run logs to, beside metrics.jsonl."""
+    asked = {"tensorboard": config.log.tensorboard and is_tensorboard_available(), "wandb": config.log.wandb}
+    return [tracker for tracker, on in asked.items() if on]
+
+
+def _start_trackers(accelerator: Accelerator, config: Config, output_dir: Path) -> None:
+    """The trackers' runs, with the config; a W&B run that cannot start (no login, no network) is said in one line
+    before the first step."""
+    wandb_run = {"name": output_dir.name, "dir": str(output_dir / "logs")}
+    try:
+        accelerator.init_trackers("difftune", config=_flat_hparams(config), init_kwargs={"wandb": wandb_run})
+    except Exception as err:
+        if not config.log.wandb or not type(err).__module__.startswith("wandb"):
+            raise
+        reason = str(err).strip().splitlines()[0]
+        raise DifftuneError(
+            f"log.wandb: W&B did not start ({reason}); run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline"
+        ) from None
+
+
+def _log_grid(accelerator: Accelerator, folder: Path, step: int, name: str) -> None:
+    """A sample folder's grid as an image in the trackers that take images (W&B)."""
+    grid = folder / "grid.png"
+    if accelerator.is_main_process and grid.is_file() and "wandb" in (tracker.name for tracker in accelerator.trackers):
+        with Image.open(grid) as image:
+            accelerator.get_tracker("wandb").log_images({name: [image.convert("RGB")]}, step=step)
 
 
 def _training_loss(
@@ -913,6 +943,7 @@ def _validate_preview_snapshot(run: Run, step: int, validate: bool, preview: boo
                 samples = generate_images(drawing, config.sample, run.accelerator.device)
             del drawing
             save_images(samples, config.sample, run.output_dir / "samples" / f"step-{step:06d}")
+            _log_grid(run.accelerator, run.output_dir / "samples" / f"step-{step:06d}", step, "samples")
     if snapshot:  # a file as the result is (an adapter's, an embedding's), or a folder (a full model's, a ControlNet's)
         suffix = export.trained_path(config, run.output_dir).suffix
         export.save_trained(components, config, run.output_dir / "snapshots" / f"step-{step:06d}{suffix}", "diffusers")
@@ -994,6 +1025,7 @@ def _save_results(run: Run, components: Components, ema: EMAModel | None, parame
         with phase("drawing the end samples", print_status), accelerator.autocast(), previewing(components):
             samples = generate_images(components, config.sample, accelerator.device, "end samples")
         save_images(samples, config.sample, output_dir / "samples", output_dir / "samples" / "before")
+        _log_grid(accelerator, output_dir / "samples", run.progress.global_step, "samples")
         if config.sample.parity and (short := room_for_a_fresh_copy(components, accelerator.device)):
             accelerator.print(f"difftune: {short}")
         elif config.sample.parity:
