@@ -117,3 +117,8 @@ def in_hunyuan_video_names(key: str) -> str:
     for pattern, replacement in HUNYUAN_VIDEO_RENAMES:
         key = re.sub(pattern, replacement, key)
     return key
+
+
+def saved_by_comfyui(tencents_file: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformer file in Tencent's layout as ComfyUI saves its HunyuanVideo model: its names, its prefix."""
+    return {"model.diffusion_model." + in_hunyuan_video_names(key): value for key, value in tencents_file.items()}

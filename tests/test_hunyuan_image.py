@@ -13,7 +13,7 @@ from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 
-from comfyui_lora import in_hunyuan_video_names
+from comfyui_lora import saved_by_comfyui
 
 FAMILY = FAMILIES["hunyuan_image"]
 PROMPTS = ['a sign that says "OPEN" in red', "a red circle"]  # one quoting text, one not
@@ -168,10 +168,7 @@ def test_a_file_in_comfyuis_names_reads_as_the_same_transformer(base, tmp_path):
     from safetensors.torch import save_file
 
     components = load_components(ModelConfig(base=base))
-    comfyui = {
-        "model.diffusion_model." + in_hunyuan_video_names(key): value
-        for key, value in FAMILY.layout.to_single_file(components).items()
-    }
+    comfyui = saved_by_comfyui(FAMILY.layout.to_single_file(components))
     assert {
         "model.diffusion_model.double_blocks.0.img_attn.norm.query_norm.scale",
         "model.diffusion_model.single_blocks.0.modulation.lin.weight",

@@ -22,7 +22,7 @@ from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, load_components
 from difftune.models.components import Components
 
-from comfyui_lora import in_hunyuan_video_names
+from comfyui_lora import saved_by_comfyui
 
 FAMILY = FAMILIES["hunyuan_video"]
 
@@ -104,10 +104,7 @@ def test_a_file_in_comfyuis_names_reads_as_the_same_transformer(base, tmp_path):
     `mlp.0`, `mod.lin`, `in_layer`): one under ComfyUI's prefix reads as the same transformer, as HunyuanVideo and not
     Flux.1 or HunyuanImage 2.1 (whose layers it shares)."""
     components = load_components(ModelConfig(base=base))
-    comfyui = {
-        "model.diffusion_model." + in_hunyuan_video_names(key): value
-        for key, value in FAMILY.layout.to_single_file(components).items()
-    }
+    comfyui = saved_by_comfyui(FAMILY.layout.to_single_file(components))
     assert {
         "model.diffusion_model.double_blocks.0.img_attn.qkv.weight",
         "model.diffusion_model.vector_in.in_layer.weight",

@@ -291,6 +291,30 @@ def test_validation_loss_is_repeatable(make_config, shapes):
     assert first == second > 0
 
 
+def test_validation_reads_frozen_text_encoders_once_and_trained_ones_each_pass(make_config, shapes, monkeypatch):
+    """While no text encoder trains, a validator encodes its captions once and its later passes give the same loss
+    bit for bit without them; a text encoder that trains (or an embedding) is read again at every pass."""
+    config = make_config(validation__path=str(shapes))
+    components = load_components(config.model)
+    family = components.family
+    reads = []
+    encode = family.conditioning.encode_prompts
+
+    def counted(components, token_ids):
+        reads.append(len(next(iter(token_ids.values()))))
+        return encode(components, token_ids)
+
+    monkeypatch.setattr(family.conditioning, "encode_prompts", counted)
+    for encoder in components.text_encoders.values():  # frozen, as training holds them
+        encoder.requires_grad_(False)
+    validator = Validator(components, config, torch.device("cpu"))
+    first = validator.loss(components)
+    once = len(reads)
+    assert once > 0 and validator.loss(components) == first and len(reads) == once
+    components.text_encoders["text_encoder"].get_input_embeddings().weight.requires_grad_(True)
+    assert validator.loss(components) == first and len(reads) == 2 * once
+
+
 def test_validation_and_previews_during_training(make_config, shapes, tmp_path):
     config = make_config(
         train__max_steps=4,

@@ -35,9 +35,12 @@ FAMILY_CONFIGS = {
 }
 
 
-def job_overrides(base: Path, data: Path, validation: Path, output_dir: Path, steps: int) -> list[str]:
+def job_overrides(
+    base: Path, data: Path, validation: Path, output_dir: Path, steps: int, clips: bool = False
+) -> list[str]:
     """What changes from the shipped job: the micro base and the purple sets at 32 px (no buckets), fewer steps, a
-    validation pass every quarter, one purple sample drawn in few steps (the parity check redraws it)."""
+    validation pass every quarter, one purple sample drawn in few steps (the parity check redraws it); a video
+    family's (`clips`) a clip of 5 frames, the fewest past one its autoencoders take."""
     values = {
         "model.base": base,
         "data.path": data,
@@ -59,6 +62,8 @@ def job_overrides(base: Path, data: Path, validation: Path, output_dir: Path, st
         "log.tensorboard": "false",
         "log.progress_bar": "false",
     }
+    if clips:
+        values["sample.frames"] = 5
     return [f"{key}={value}" for key, value in values.items()]
 
 
@@ -75,7 +80,9 @@ def run_family_job(family: str, work_dir: Path, steps: int = 200, seed: int = 1,
     output_dir = work_dir / f"job-{family}"
     config_file = REPO / "configs" / ALL_FAMILY_CONFIGS[family]
     config = load_config(
-        config_file, job_overrides(base, REPO / "examples" / "purple", validation, output_dir, steps) + list(overrides)
+        config_file,
+        job_overrides(base, REPO / "examples" / "purple", validation, output_dir, steps, FAMILIES[family].reads_clips)
+        + list(overrides),
     )
     started = time.perf_counter()
     result = train(config)

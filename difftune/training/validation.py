@@ -182,18 +182,32 @@ class Validator:
         )
         self.batch_size = config.train.batch_size
         self.size = len(items)
+        # Each batch's encoded captions, in host memory, while no text encoder trains (they are the same every pass:
+        # an 8B language model need not read them again at each validation).
+        self.encoded: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     @torch.no_grad()
     def loss(self, components: Components) -> float:
         """Mean loss over every (image, timestep) pair, with the components' current weights."""
         family, total, count = components.family, 0.0, 0
+        text_trains = any(
+            parameter.requires_grad
+            for encoder in components.text_encoders.values()
+            for parameter in encoder.parameters()
+        )
         with eval_mode(components.denoiser, *components.text_encoders.values()):
-            for group in self.groups:
+            for number, group in enumerate(self.groups):
                 for start in range(0, len(group["latents"]), self.batch_size):
                     part = slice(start, start + self.batch_size)
                     images, pair_rows = group["image_of_pair"][part].unique(return_inverse=True)
-                    token_ids = {name: ids[images.to(ids.device)] for name, ids in group["token_ids"].items()}
-                    encoded = family.conditioning.encode_prompts(components, token_ids)
+                    if text_trains or (number, start) not in self.encoded:
+                        token_ids = {name: ids[images.to(ids.device)] for name, ids in group["token_ids"].items()}
+                        encoded = family.conditioning.encode_prompts(components, token_ids)
+                        if not text_trains:
+                            self.encoded[number, start] = {name: value.cpu() for name, value in encoded.items()}
+                    else:
+                        device = group["latents"].device
+                        encoded = {name: value.to(device) for name, value in self.encoded[number, start].items()}
                     conditioning = {name: value[pair_rows.to(value.device)] for name, value in encoded.items()}
                     conditioning |= {name: value[part] for name, value in group["from_pixels"].items()}
                     if group["control_latents"]:

@@ -146,7 +146,22 @@ class ComfyUIFileLayout(SingleBlockRows, OriginalFileLayout, Layout):
 COMFYUI_FILE = ComfyUIFileLayout()
 
 
-class HunyuanImageLayout(SingleBlockRows, FusedLayout):
+class ComfyUINamesRead:
+    """A layout in Tencent's names whose single files saved from ComfyUI's HunyuanVideo model (its module names:
+    `comfyui_file`) are read too."""
+
+    comfyui_file: Layout
+
+    def reads_single_file(self, keys: set[str]) -> bool:
+        return super().reads_single_file(keys) or self.comfyui_file.reads_single_file(keys)
+
+    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.comfyui_file.denoiser_file_key in weights:
+            return self.comfyui_file.diffusers_names(weights)
+        return super().diffusers_names(weights)
+
+
+class HunyuanImageLayout(ComfyUINamesRead, SingleBlockRows, FusedLayout):
     """HunyuanImage 2.1's adapter files in ComfyUI's layout, Flux's block tables; its single files in Tencent's, and
     read in ComfyUI's names too (see the module's docstring)."""
 
@@ -161,14 +176,7 @@ class HunyuanImageLayout(SingleBlockRows, FusedLayout):
     original_blocks = SINGLE_FILE_BLOCKS
     original_globals = SINGLE_FILE_GLOBALS
     swapped_halves = SWAPPED_HALVES
-
-    def reads_single_file(self, keys: set[str]) -> bool:
-        return super().reads_single_file(keys) or COMFYUI_FILE.reads_single_file(keys)
-
-    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if COMFYUI_FILE.denoiser_file_key in weights:
-            return COMFYUI_FILE.diffusers_names(weights)
-        return super().diffusers_names(weights)
+    comfyui_file = COMFYUI_FILE
 
 
 class HunyuanImageTargets(AdapterTargets):

@@ -45,6 +45,7 @@ from difftune.families.hunyuan_image import (
     SINGLE_FILE_BLOCKS,
     SWAPPED_HALVES,
     ComfyUIFileLayout,
+    ComfyUINamesRead,
     comfyui_globals,
 )
 from difftune.models.components import Components
@@ -74,17 +75,14 @@ class ComfyUIVideoFileLayout(ComfyUIFileLayout):
     Tencent's names are what difftune writes)."""
 
     kohya_layout_name = "ComfyUI's HunyuanVideo"
-    other_models_file_keys = ()
+    other_models_file_keys = ()  # HunyuanImage 2.1's file layout refuses HunyuanVideo's vector input; this is for it
     original_globals = comfyui_globals(SINGLE_FILE_GLOBALS)
-
-    def reads_single_file(self, keys: set[str]) -> bool:
-        return super().reads_single_file(keys) and has_file_key(keys, VECTOR_FILE_KEY)
 
 
 COMFYUI_FILE = ComfyUIVideoFileLayout()
 
 
-class HunyuanVideoLayout(SingleBlockRows, FusedLayout):
+class HunyuanVideoLayout(ComfyUINamesRead, SingleBlockRows, FusedLayout):
     """HunyuanVideo's adapter files in ComfyUI's layout (Flux's block tables); its single files in Tencent's, and read
     in ComfyUI's names too."""
 
@@ -99,14 +97,10 @@ class HunyuanVideoLayout(SingleBlockRows, FusedLayout):
     original_globals = SINGLE_FILE_GLOBALS
     swapped_halves = SWAPPED_HALVES
 
-    def reads_single_file(self, keys: set[str]) -> bool:
-        tencents = super().reads_single_file(keys) and has_file_key(keys, VECTOR_FILE_KEY)
-        return tencents or COMFYUI_FILE.reads_single_file(keys)
+    comfyui_file = COMFYUI_FILE
 
-    def diffusers_names(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if COMFYUI_FILE.denoiser_file_key in weights:
-            return COMFYUI_FILE.diffusers_names(weights)
-        return super().diffusers_names(weights)
+    def reads_single_file(self, keys: set[str]) -> bool:
+        return super().reads_single_file(keys) and has_file_key(keys, VECTOR_FILE_KEY)
 
 
 class HunyuanVideoTargets(AdapterTargets):

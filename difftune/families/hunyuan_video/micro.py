@@ -3,14 +3,12 @@ transformer (a guidance embedding, as the published model's) over HunyuanVideo's
 video's micro one). Its tokenizer spells the prompt template before the caption in 95 tokens, the pipeline's
 `crop_start`, as Llama 3's does: the states kept start at the caption."""
 
-import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline, HunyuanVideoTransformer3DModel
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
 from transformers import LlamaConfig, LlamaModel
 
 from difftune.families.hunyuan_video import CLIP_TOKENS, CROP_START
-from difftune.families.kandinsky5_video.micro import build_hunyuan_video_vae
-from difftune.models.autoencoders import encode_posterior
+from difftune.families.kandinsky5_video.micro import autoencoder  # HunyuanVideo's, as Kandinsky 5 video's
 from difftune.toy.micro import MicroSizes
 from difftune.toy.tiny import (
     FLUX_LATENT_CHANNELS,
@@ -19,18 +17,12 @@ from difftune.toy.tiny import (
     build_llama_tokenizer,
     build_text_encoder,
     build_tokenizer,
-    set_latent_scaling,
 )
 
 SHIPPED_JOB = "hunyuan_video_lora.toml"
 JOB_ON_MICRO = True
 
-
-def autoencoder(pixels):
-    vae = build_hunyuan_video_vae()
-    with torch.no_grad():
-        set_latent_scaling(vae, encode_posterior(vae, pixels)[0], shift=False)
-    return vae
+__all__ = ["autoencoder", "pipeline"]
 
 
 def pipeline(vae, sizes: MicroSizes):

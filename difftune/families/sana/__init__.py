@@ -46,11 +46,16 @@ ATTENTION_TARGETS = [f"{attention}.{layer}" for attention in ("attn1", "attn2") 
 TRANSFORMER_TARGETS = ATTENTION_TARGETS + ["attn1.to_out.0", "attn2.to_out.0"]
 
 
+def instruction_lines(pipeline_class: type) -> list[str]:
+    """A Sana pipeline's default complex human instruction (Sana's and Sana-Video's differ), read from its own
+    signature."""
+    return inspect.signature(pipeline_class.__call__).parameters["complex_human_instruction"].default
+
+
 @cache
 def pipeline_instruction(pipeline_class: type) -> str:
-    """A Sana pipeline's default complex human instruction (Sana's and Sana-Video's differ), read from its own
-    signature and joined as it joins it."""
-    return "\n".join(inspect.signature(pipeline_class.__call__).parameters["complex_human_instruction"].default)
+    """The instruction as the pipeline puts it before a caption: its lines joined."""
+    return "\n".join(instruction_lines(pipeline_class))
 
 
 class SanaLayout(Layout):

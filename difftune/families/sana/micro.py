@@ -4,6 +4,7 @@ downsamples 8x, with the sampler diffusers' Sana conversion makes (DPM-Solver on
 from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
 
 from difftune.families.lumina2.micro import build_gemma2_text_encoder
+from difftune.families.sana import instruction_lines
 from difftune.toy.micro import MicroSizes
 from difftune.toy.micro._kl import scaled_to
 from difftune.toy.tiny import QWEN_HIDDEN_SIZE, build_t5_tokenizer
@@ -11,9 +12,7 @@ from difftune.toy.tiny import QWEN_HIDDEN_SIZE, build_t5_tokenizer
 SHIPPED_JOB = "sana_1024_lora.toml"
 JOB_ON_MICRO = True
 LATENT_CHANNELS = 8
-# The complex human instruction the pipeline puts before each caption is ~1,400 single-character tokens here (about
-# 260 in Gemma's vocabulary): the micro language model reads that many positions and the caption's after them.
-TEXT_POSITIONS = 2048
+TEXT_POSITIONS = 512  # the instruction's tokens (a line each here) and the 298 of the caption after them
 
 
 def autoencoder(pixels):
@@ -38,14 +37,26 @@ def autoencoder(pixels):
 
 
 def pipeline(vae, sizes: MicroSizes):
+    return sana_pipeline(SanaPipeline, vae, sizes, 3.0, build_sana_transformer)
+
+
+def sana_pipeline(pipeline_class: type, vae, sizes: MicroSizes, flow_shift: float, build_transformer):
+    """A micro pipeline of `pipeline_class` (Sana's, Sana-Video's) around `vae`: a Gemma 2, a character-level
+    tokenizer with the pipeline's instruction, the sampler diffusers' conversions make (DPM-Solver on flow
+    sigmas shifted by `flow_shift`) and `build_transformer(layers, heads, text_hidden_size=...)`'s transformer."""
     width = sizes.language_model_width or QWEN_HIDDEN_SIZE
     tokenizer = build_t5_tokenizer()
-    return SanaPipeline(
+    # The instruction the pipeline puts before each caption, a token a line (Gemma's vocabulary spells it in about
+    # 260; single characters would take 1,400, which the micro language model would read at every validation).
+    tokenizer.add_tokens(instruction_lines(pipeline_class))
+    return pipeline_class(
         vae=vae,
         text_encoder=build_gemma2_text_encoder(tokenizer, width, positions=TEXT_POSITIONS),
         tokenizer=tokenizer,
-        scheduler=DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction"),
-        transformer=build_sana_transformer(sizes.dit_layers or 1, sizes.dit_heads, text_hidden_size=width),
+        scheduler=DPMSolverMultistepScheduler(
+            flow_shift=flow_shift, use_flow_sigmas=True, prediction_type="flow_prediction"
+        ),
+        transformer=build_transformer(sizes.dit_layers or 1, sizes.dit_heads, text_hidden_size=width),
     )
 
 

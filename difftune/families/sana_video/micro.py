@@ -1,32 +1,21 @@
 """Micro Sana-Video: micro Sana's Gemma 2 text encoder and a Sana-Video transformer over micro Wan's causal video
 autoencoder, with the sampler diffusers' Sana-Video conversion makes (DPM-Solver on flow sigmas shifted by 8)."""
 
-from diffusers import DPMSolverMultistepScheduler, SanaVideoPipeline, SanaVideoTransformer3DModel
+from diffusers import SanaVideoPipeline, SanaVideoTransformer3DModel
 
-from difftune.families.lumina2.micro import build_gemma2_text_encoder
-from difftune.families.sana.micro import TEXT_POSITIONS
-from difftune.families.wan.micro import autoencoder as wan_autoencoder
+from difftune.families.sana.micro import sana_pipeline
+from difftune.families.wan.micro import autoencoder
 from difftune.toy.micro import MicroSizes
-from difftune.toy.tiny import FLUX_LATENT_CHANNELS, QWEN_HIDDEN_SIZE, build_t5_tokenizer
+from difftune.toy.tiny import FLUX_LATENT_CHANNELS, QWEN_HIDDEN_SIZE
 
 SHIPPED_JOB = "sana_video_lora.toml"
 JOB_ON_MICRO = True
 
-
-def autoencoder(pixels):
-    return wan_autoencoder(pixels)
+__all__ = ["autoencoder", "pipeline"]
 
 
 def pipeline(vae, sizes: MicroSizes):
-    width = sizes.language_model_width or QWEN_HIDDEN_SIZE
-    tokenizer = build_t5_tokenizer()
-    return SanaVideoPipeline(
-        vae=vae,
-        text_encoder=build_gemma2_text_encoder(tokenizer, width, positions=TEXT_POSITIONS),
-        tokenizer=tokenizer,
-        scheduler=DPMSolverMultistepScheduler(flow_shift=8.0, use_flow_sigmas=True, prediction_type="flow_prediction"),
-        transformer=build_sana_video_transformer(sizes.dit_layers or 1, sizes.dit_heads, text_hidden_size=width),
-    )
+    return sana_pipeline(SanaVideoPipeline, vae, sizes, 8.0, build_sana_video_transformer)
 
 
 def build_sana_video_transformer(
