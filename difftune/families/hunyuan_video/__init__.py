@@ -36,18 +36,10 @@ from difftune.families.common.conditioning import Conditioning, valid_token_stat
 from difftune.families.common.drawing import ClipDrawing
 from difftune.families.common.flow import FlowDrawing, FlowMatchingFamily
 from difftune.families.common.hunyuan_original import ORIGINAL_GLOBALS
-from difftune.families.common.layouts import FusedLayout, has_file_key
+from difftune.families.common.layouts import has_file_key
 from difftune.families.common.loading import Loading
 from difftune.families.common.targets import AdapterTargets, targets_in_blocks
-from difftune.families.flux import FluxLayout, SingleBlockRows
-from difftune.families.hunyuan_image import (
-    BLOCK_TARGETS,
-    SINGLE_FILE_BLOCKS,
-    SWAPPED_HALVES,
-    ComfyUIFileLayout,
-    ComfyUINamesRead,
-    comfyui_globals,
-)
+from difftune.families.hunyuan_image import BLOCK_TARGETS, ComfyUIFileLayout, HunyuanImageLayout, comfyui_globals
 from difftune.models.components import Components
 
 TEXT_TOKENS = 256  # the pipeline's default `max_sequence_length`: caption tokens read after the template's start
@@ -82,21 +74,14 @@ class ComfyUIVideoFileLayout(ComfyUIFileLayout):
 COMFYUI_FILE = ComfyUIVideoFileLayout()
 
 
-class HunyuanVideoLayout(ComfyUINamesRead, SingleBlockRows, FusedLayout):
-    """HunyuanVideo's adapter files in ComfyUI's layout (Flux's block tables); its single files in Tencent's, and read
-    in ComfyUI's names too."""
+class HunyuanVideoLayout(HunyuanImageLayout):
+    """HunyuanVideo's files: HunyuanImage 2.1's layouts (ComfyUI's names for adapters, Tencent's for single files, and
+    ComfyUI's read too), with HunyuanVideo's own embedders."""
 
-    kohya_prefixes = {"transformer": "lora_unet_"}
-    kohya_text_model_parts = ()
     kohya_model_version = "hunyuan_video"
     kohya_layout_name = "HunyuanVideo"
-    kohya_blocks = FluxLayout.kohya_blocks
-    single_file_layout = "transformer alone (Tencent's layout; ComfyUI's names read too)"
-    denoiser_file_key = "double_blocks.0.img_attn_qkv.weight"  # Flux's names fuse it as `img_attn.qkv`
-    original_blocks = SINGLE_FILE_BLOCKS
+    other_models_file_keys = ()
     original_globals = SINGLE_FILE_GLOBALS
-    swapped_halves = SWAPPED_HALVES
-
     comfyui_file = COMFYUI_FILE
 
     def reads_single_file(self, keys: set[str]) -> bool:

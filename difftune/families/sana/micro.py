@@ -63,18 +63,25 @@ def sana_pipeline(pipeline_class: type, vae, sizes: MicroSizes, flow_shift: floa
 def build_sana_transformer(
     layers: int = 1, heads: int = 2, head_dim: int = 16, text_hidden_size: int = QWEN_HIDDEN_SIZE
 ) -> SanaTransformer2DModel:
-    """`layers` Sana blocks (linear self-attention, cross-attention with as many heads, the GLU convolution) over
-    1x1 patches of the latents."""
+    """`layers` Sana blocks over 1x1 patches of the latents."""
     return SanaTransformer2DModel(
         in_channels=LATENT_CHANNELS,
         out_channels=LATENT_CHANNELS,
-        num_attention_heads=heads,
-        attention_head_dim=head_dim,
-        num_layers=layers,
-        num_cross_attention_heads=heads,
-        cross_attention_head_dim=head_dim,
-        cross_attention_dim=heads * head_dim,
-        caption_channels=text_hidden_size,
         sample_size=4,
         patch_size=1,
+        **sana_blocks(layers, heads, head_dim, text_hidden_size),
     )
+
+
+def sana_blocks(layers: int, heads: int, head_dim: int, text_hidden_size: int) -> dict:
+    """A Sana transformer's blocks (Sana's and Sana-Video's): linear self-attention, cross-attention with as many
+    heads to the language model's states, the GLU convolution."""
+    return {
+        "num_attention_heads": heads,
+        "attention_head_dim": head_dim,
+        "num_layers": layers,
+        "num_cross_attention_heads": heads,
+        "cross_attention_head_dim": head_dim,
+        "cross_attention_dim": heads * head_dim,
+        "caption_channels": text_hidden_size,
+    }

@@ -3,7 +3,7 @@ autoencoder, with the sampler diffusers' Sana-Video conversion makes (DPM-Solver
 
 from diffusers import SanaVideoPipeline, SanaVideoTransformer3DModel
 
-from difftune.families.sana.micro import sana_pipeline
+from difftune.families.sana.micro import sana_blocks, sana_pipeline
 from difftune.families.wan.micro import autoencoder
 from difftune.toy.micro import MicroSizes
 from difftune.toy.tiny import FLUX_LATENT_CHANNELS, QWEN_HIDDEN_SIZE
@@ -26,15 +26,9 @@ def build_sana_video_transformer(
     return SanaVideoTransformer3DModel(
         in_channels=FLUX_LATENT_CHANNELS,
         out_channels=FLUX_LATENT_CHANNELS,
-        num_attention_heads=heads,
-        attention_head_dim=head_dim,
-        num_layers=layers,
-        num_cross_attention_heads=heads,
-        cross_attention_head_dim=head_dim,
-        cross_attention_dim=heads * head_dim,
-        caption_channels=text_hidden_size,
         mlp_ratio=3.0,
         sample_size=4,
         patch_size=(1, 2, 2),
         rope_max_seq_len=64,
+        **sana_blocks(layers, heads, head_dim, text_hidden_size),
     )
