@@ -363,7 +363,8 @@ def _configs_naming_bases_not_here() -> list[Path]:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.every_config  # outside CI's 45 minutes since 30 families' configs took 5 of them; each family's page
+# shows its config's plan (scripts/plan_table.py), and the plan tests below plan the shipped Qwen-Image one in CI.
 def test_every_shipped_config_is_planned_offline(monkeypatch):
     """Every shipped config for a base not here (the 1024 px ones among them) is planned with the hub unreachable:
     from the base's kept configs, or its family's reference base for a folder still to be made; the plan says which.
