@@ -174,8 +174,5 @@ class HunyuanVideo(FlowMatchingFamily):
         )[0]
         return prediction if noisy.dim() == 5 else prediction[:, :, 0]
 
-    def max_sequence_length(self, components: Components) -> int:
-        return TEXT_TOKENS
-
 
 FAMILY = HunyuanVideo()
