@@ -1031,14 +1031,22 @@ class PreferenceConfig(Section):
         "flow-matching form for flow families as SimpleTuner's): each image of the data is the preferred (chosen) "
         "one for its caption, and the pair's control image (`data.control_path`, or a `control` folder beside the "
         "images, by stem: the edit pairs' layout) the rejected one. The adapter learns to lower its loss on the chosen "
-        "image more than the frozen base does, and on the rejected one less; the reference is the base itself with the "
-        "adapter off, never a second copy in memory. Needs a LoRA-like adapter on the denoiser alone.",
+        "image more than the frozen base does, and on the rejected one less; the reference is the base itself with "
+        "every adapter off (the text encoders' too), never a second copy in memory. Needs a LoRA-like adapter.",
     )
     beta: float = Field(
         2500.0,
         gt=0,
         description="`dpo`: how strongly the preference is enforced against staying near the base (diffusers' "
         "`beta_dpo`: 2500 for SD 1.5, 5000 for SDXL).",
+    )
+    chosen_weight: float = Field(
+        0.0,
+        ge=0,
+        description="`dpo`: the weight of the objective's own loss on the chosen image, added to the preference loss "
+        "(DPO with an SFT term, as RPO): it holds the model to drawing the chosen images where the preference alone "
+        "can be met by raising the loss of both (the tiny job forgot 0.25 of the seen prompts without it, 0.01-0.03 "
+        "at 5).",
     )
 
 
@@ -1052,8 +1060,6 @@ def preference_fits_the_run(config: Config) -> None:
         problems.append(
             f'adapter.kind = "{config.adapter.kind}" (use lora, dora, loha or lokr: an adapter to switch off)'
         )
-    if config.adapter.text_encoder:
-        problems.append("adapter.text_encoder = true (the denoiser's adapter alone is tuned)")
     if config.prior.enabled:
         problems.append("[prior] (class images have no rejected image)")
     if problems:
@@ -1106,6 +1112,108 @@ def slider_fits_the_run(config: Config) -> None:
         problems.append("[prior]")
     if problems:
         raise ValueError("slider cannot train with " + "; ".join(problems))
+
+
+class RewardConfig(Section):
+    method: Literal["off", "grpo", "draft"] = Field(
+        "off",
+        description="Reward fine-tuning: no images, a scorer. `grpo`: Flow-GRPO (Liu et al. 2025; DDPO's form for the "
+        "epsilon and v families): each step draws `group_size` images of each of `prompts_per_step` prompts with the "
+        "family's sampler made stochastic, scores them, and raises the log-probability of the steps that led to the "
+        "images scored above their prompt's group mean (a clipped ratio, as PPO's), with a KL term to the base (the "
+        "adapter off). `draft`: DRaFT-K (Clark et al. 2024): gradients from a differentiable scorer through the last "
+        "`draft_last_steps` steps of a deterministic sample. Needs a LoRA-like adapter on the denoiser alone.",
+    )
+    scorer: str = Field(
+        "",
+        description="`module:function` called as function(images, prompts, **scorer_options) -> scores: images a "
+        "(B, 3, H, W) tensor in [0, 1], prompts B strings, scores B numbers, higher better (a tensor with gradients "
+        "for `draft`). Shipped: `difftune.rewards:clip_score` (a local CLIP model, `scorer_options.model`), "
+        "`difftune.toy.judge:shapes_reward` (the tiny shapes bases' judge).",
+    )
+    scorer_options: dict[str, str | float | int | bool] = Field(
+        {}, description='Keyword arguments for the scorer (e.g. `{ model = "/models/clip" }`).'
+    )
+    prompts: list[str] = Field(
+        [],
+        description="The prompts drawn and scored: the run's data (`train.batch_size` of them a step, each process).",
+    )
+    group_size: int = Field(
+        8, ge=2, description="`grpo`: images drawn per prompt; each is scored against its group's mean and spread."
+    )
+    steps: int = Field(
+        10, ge=2, description="Denoising steps of the images drawn while training (Flow-GRPO: fewer than at drawing)."
+    )
+    guidance_scale: float = Field(
+        1.0, ge=1, description="Classifier-free guidance of the images drawn while training (1: none)."
+    )
+    noise_level: float = Field(
+        0.7,
+        gt=0,
+        description="`grpo`: the stochastic sampler's noise (Flow-GRPO's a; DDIM's eta for the epsilon and v "
+        "families).",
+    )
+    trained_steps: int = Field(
+        0, ge=0, description="`grpo`: denoising steps trained per image each step, drawn at random; 0: all of them."
+    )
+    updates_per_round: int = Field(
+        1,
+        ge=1,
+        description="`grpo`: optimizer steps on each round of drawn images; after the first the policy has moved, "
+        "and `clip_range` bounds its ratio.",
+    )
+    clip_range: float = Field(1e-4, gt=0, description="`grpo`: the policy ratio's clip (Flow-GRPO's 1e-4).")
+    kl_weight: float = Field(
+        0.04, ge=0, description="`grpo`: the KL term's weight, to the base's step (the adapter off)."
+    )
+    draft_last_steps: int = Field(
+        1, ge=1, description="`draft`: the last steps gradients flow through (DRaFT-K's K; DRaFT-LV is K = 1)."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    @model_validator(mode="after")
+    def _scorer_and_prompts(self) -> RewardConfig:
+        if not self.enabled:
+            return self
+        if ":" not in self.scorer:
+            raise ValueError(
+                f"reward.scorer = {self.scorer!r}: name the scoring function as module:function "
+                '(e.g. "difftune.rewards:clip_score")'
+            )
+        if not self.prompts:
+            raise ValueError("reward.prompts: list the prompts to draw and score (reward training reads no images)")
+        if self.method == "draft" and self.draft_last_steps > self.steps:
+            raise ValueError(f"reward.draft_last_steps {self.draft_last_steps}: at most reward.steps ({self.steps})")
+        return self
+
+
+def reward_fits_the_run(config: Config) -> None:
+    """The reward run's reference is the base with the adapter off (as Diffusion-DPO's), and it draws its own images."""
+    if not config.reward.enabled:
+        return
+    problems = []
+    if not isinstance(config.adapter.kind_type, PeftAdapter):
+        problems.append(
+            f'adapter.kind = "{config.adapter.kind}" (use lora, dora, loha or lokr: an adapter to switch off)'
+        )
+    if config.adapter.text_encoder:
+        problems.append("adapter.text_encoder = true (the prompts are encoded once; the denoiser's adapter is tuned)")
+    for setting, is_set in {
+        f'preference.method = "{config.preference.method}"': config.preference.method != "off",
+        "[slider]": config.slider.enabled,
+        "[prior]": config.prior.enabled,
+        "validation.path": bool(config.validation.path),
+        "train.gradient_accumulation_steps > 1": config.train.gradient_accumulation_steps > 1,
+    }.items():
+        if is_set:
+            problems.append(setting)
+    if problems:
+        raise ValueError(f'reward.method = "{config.reward.method}" cannot train with ' + "; ".join(problems))
+    # Nothing to cache: no images are read, and the prompts are encoded as each round draws them
+    config.cache.latents = config.cache.text = "off"
 
 
 class ValidationConfig(Section):
@@ -1374,6 +1482,7 @@ class Config(Section):
     prior: PriorConfig = Field(default_factory=PriorConfig)
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
     slider: SliderConfig = Field(default_factory=SliderConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
@@ -1671,4 +1780,5 @@ CROSS_SECTION_RULES = (
     frozen_weights_kept_apart_once,
     preference_fits_the_run,
     slider_fits_the_run,
+    reward_fits_the_run,
 )

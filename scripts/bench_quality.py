@@ -29,7 +29,7 @@ from difftune.config import load_config
 from difftune.families import load_components
 from difftune.families.flux3 import BLOCK_TARGETS as FLUX3_BLOCK_TARGETS
 from difftune.toy.judge import EvalSettings, model_score
-from difftune.toy.tiny import preference_pairs, shape_images, write_caption_folder, write_pair_folder
+from difftune.toy.tiny import shape_images, write_caption_folder
 from difftune.toy.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
 from difftune.training.metrics import read_metrics
 from difftune.training.train import train
@@ -229,16 +229,15 @@ VARIANTS = {
         **at_seeds("lora_r8"),
     },
     "tiny_dpo": {
-        **at_seeds("dpo_beta_2500"),
-        "dpo_beta_100": ["preference.beta=100"],
-        "dpo_beta_500": ["preference.beta=500"],
-        "blue_rejected": ["data.path={blue_rejected}"],
-        "blue_rejected_lr_3e-4": ["data.path={blue_rejected}", "optim.learning_rate=3e-4"],
-        "dpo_beta_2500_lr_1e-4": ["optim.learning_rate=1e-4"],
-        "dpo_beta_500_lr_1e-4": ["preference.beta=500", "optim.learning_rate=1e-4"],
-        "dpo_beta_2500_lr_3e-4": ["optim.learning_rate=3e-4"],
-        "dpo_beta_2500_lr_5e-4": ["optim.learning_rate=5e-4"],
-        "dpo_beta_2500_lr_3e-4_800_steps": ["optim.learning_rate=3e-4", "train.max_steps=800"],
+        **at_seeds("dpo_text_encoder_chosen_weight_5"),
+        # Issue 91's search for the forgetting: the job before it (the UNet's LoRA alone, no chosen loss, 400 steps),
+        # then each of the two changes alone.
+        "plain_dpo": ["adapter.text_encoder=false", "preference.chosen_weight=0", "train.max_steps=400"],
+        "unet_only_chosen_weight_5": ["adapter.text_encoder=false"],
+        "text_encoder_no_chosen_loss": ["preference.chosen_weight=0"],
+    },
+    "tiny_reward": {
+        **at_seeds("grpo"),
     },
     "tiny_datasets": {
         **at_seeds("purple_and_seen"),
@@ -313,16 +312,11 @@ def main() -> None:
         "purple_masks": args.work_dir / "purple_masks",
         "class_images": args.work_dir / "class_images",
         "held_out": args.work_dir / "held_out",
-        "blue_rejected": args.work_dir / "blue_rejected",
     }
     renders_32 = shape_images(32, seed=7, colors=(HELD_OUT_COLOR,))
     write_caption_folder(folders["renders_32"], renders_32)
     write_caption_folder(folders["held_out"], shape_images(24, seed=11, colors=(HELD_OUT_COLOR,)))
     write_foreground_masks(Path(base_config.data.path), folders["purple_masks"])
-    # The preference job's pairs with blue renders rejected instead of green (what the base draws for purple)
-    purple_over_blue = preference_pairs(16, seed=7, chosen_colors=(HELD_OUT_COLOR,), rejected_color="blue")
-    seen_over_purple = preference_pairs(12, seed=21, chosen_colors=SEEN_COLORS, rejected_color=HELD_OUT_COLOR)
-    write_pair_folder(folders["blue_rejected"], purple_over_blue + seen_over_purple)
     watch = ["validation.path=" + str(folders["held_out"]), "validation.every_steps=20"] if args.convergence else []
     for name, overrides in VARIANTS[args.job].items():
         if args.only and name not in args.only:
@@ -353,6 +347,7 @@ def main() -> None:
                 "seen_both_before": before["seen"]["both"],
                 "seen_both_after": after["seen"]["both"],
                 "forgetting": round(before["seen"]["both"] - after["seen"]["both"], 3),
+                "date": time.strftime("%Y-%m-%d"),  # the quality table keeps each seed's newest
             }
             if "direction" in after["concept"]:  # a video job: each clip's motion too
                 line["directions_after"] = {"purple": after["concept"]["direction"], "seen": after["seen"]["direction"]}

@@ -55,6 +55,38 @@ def test_dpo_loss_is_the_papers_against_the_base_with_the_adapter_off():
     assert model[0].base_layer.weight.grad is None
 
 
+def test_the_reference_reads_with_every_adapter_off_and_the_chosen_loss_is_added_at_its_weight():
+    """A trained text encoder's adapter is off in the reference too (`reference_loss_of` reads the captions anew inside
+    the switched-off block), and `chosen_weight` adds the model's own loss on the chosen images."""
+    denoiser, base_denoiser = _adapted_linear(0)
+    encoder, base_encoder = _adapted_linear(1)
+    generator = torch.Generator().manual_seed(2)
+    chosen, rejected = torch.randn(3, 6, generator=generator), torch.randn(3, 6, generator=generator)
+    caption, target = torch.randn(3, 6, generator=generator), torch.randn(3, 4, generator=generator)
+    encoded = encoder(caption)  # read once with the adapter on, as the step reads the captions
+
+    def loss_of(latents):
+        return ((denoiser(latents) + encoded - target) ** 2).mean(dim=1)
+
+    def reference_loss_of(latents):
+        return ((denoiser(latents) + encoder(caption) - target) ** 2).mean(dim=1)
+
+    model = torch.nn.ModuleList([denoiser, encoder])
+    loss = dpo_loss(loss_of, model, chosen, rejected, 3.0, chosen_weight=0.5, reference_loss_of=reference_loss_of)
+
+    def mse(denoiser_, encoder_, latents):
+        return ((denoiser_(latents) + encoder_(caption) - target) ** 2).mean(dim=1)
+
+    with torch.no_grad():
+        model_gap = mse(denoiser, encoder, chosen) - mse(denoiser, encoder, rejected)
+        reference_gap = mse(base_denoiser, base_encoder, chosen) - mse(base_denoiser, base_encoder, rejected)
+        expected = -torch.nn.functional.logsigmoid(-1.5 * (model_gap - reference_gap))
+        expected += 0.5 * mse(denoiser, encoder, chosen)
+    torch.testing.assert_close(loss.detach(), expected)
+    loss.sum().backward()  # the text encoder's adapter learns through the model's terms
+    assert encoder[0].lora_B["default"].weight.grad.abs().sum() > 0
+
+
 def test_the_adapter_is_switched_back_on_with_its_trained_weights_trainable():
     model, base = _adapted_linear()
     inputs = torch.randn(2, 6)
@@ -107,7 +139,6 @@ def test_an_image_without_a_rejected_one_is_named(make_config, shapes, tmp_path)
     ("overrides", "message"),
     [
         ({"adapter__kind": "none"}, r'adapter\.kind = "none" \(use lora'),
-        ({"adapter__text_encoder": True}, r"adapter\.text_encoder = true"),
         ({"prior__class_path": "/tmp"}, r"\[prior\]"),
     ],
 )

@@ -139,6 +139,34 @@ def _largest_blob(mask: np.ndarray) -> np.ndarray:
     return labels == best
 
 
+def shapes_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """The judge as a reward (`reward.scorer = "difftune.toy.judge:shapes_reward"`): per image, half for the asked
+    shape as `judge` names it, half for how near the drawn foreground is to the asked color (1 at the palette's color,
+    falling linearly with the RGB distance). The color half is soft, with gradients through the pixels: a base that
+    never draws the color still ranks its images by how near they come (GRPO's signal; DRaFT's gradient).
+    images: (B, 3, H, W) in [0, 1]."""
+    scores = []
+    for pixels, prompt in zip(images, prompts, strict=True):
+        words = prompt.split()
+        color = next((word for word in words if word in COLORS), None)
+        shape = next((word for word in words if word in SHAPES), None)
+        rgb = pixels * 255
+        image = Image.fromarray(rgb.detach().round().clamp(0, 255).byte().permute(1, 2, 0).cpu().numpy())
+        _, drawn_shape = judge(image)
+        shape_score = float(shape is not None and drawn_shape == shape)
+        color_score = rgb.new_zeros(())
+        if color is not None:
+            border = torch.cat([rgb[:, 0], rgb[:, -1], rgb[:, :, 0], rgb[:, :, -1]], dim=1)
+            background = border.median(dim=1).values.detach().view(3, 1, 1)
+            foreground = torch.sigmoid(((rgb - background).norm(dim=0) - FOREGROUND_DISTANCE) / 10)
+            target = torch.tensor(COLORS[color], dtype=rgb.dtype, device=rgb.device).view(3, 1, 1)
+            nearness = 1 - (rgb - target).norm(dim=0) / (255 * 3**0.5)
+            least = MIN_FOREGROUND_FRACTION * foreground.numel()  # a speck of color is no shape of it
+            color_score = (foreground * nearness).sum() / foreground.sum().clamp(min=least)
+        scores.append(0.5 * shape_score + 0.5 * color_score)
+    return torch.stack([torch.as_tensor(score, dtype=images.dtype, device=images.device) for score in scores])
+
+
 @dataclass
 class EvalSettings:
     samples_per_prompt: int = 8

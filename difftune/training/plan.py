@@ -315,6 +315,8 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
         # An encoder that runs every step does so before the denoiser, its activations gone when the step's come.
         "activations and gradients": max(step, encoding) if "device" in placement.values() else step,
     }
+    if config.reward.enabled:  # a round's drawn states, every step's (`reward.Round`)
+        on_device["drawn states (reward)"] = _reward_states(components, config)
     if device_type == "cpu":
         on_device["heap growth (CPU allocator)"] = round((step - kept) * (CPU_HEAP_GROWTH - 1))
     # Filling the caches: the autoencoders and their activations on the device for the latents, then the text
@@ -903,6 +905,27 @@ def _encoding_peaks(components: Components, config: Config, dtype: torch.dtype) 
     return text.peak, images.peak
 
 
+def _reward_batch(config: Config) -> int:
+    """The images one reward step's forward and backward hold at once: a denoising step of the round's images (twice,
+    with guidance), or DRaFT's last K steps of its images."""
+    reward = config.reward
+    guided = 2 if reward.guidance_scale > 1 else 1
+    if reward.method == "draft":
+        return config.train.batch_size * guided * reward.draft_last_steps
+    return config.train.batch_size * reward.group_size * guided
+
+
+def _reward_states(components: Components, config: Config) -> int:
+    """A GRPO round's states in fp32 (`reward.steps` + 1 of each image's latents), kept through its updates."""
+    from difftune.models.autoencoders import downsampling, latent_channels
+
+    if config.reward.method != "grpo":
+        return 0
+    side = config.data.largest_resolution() // downsampling(components.vae)
+    images = config.train.batch_size * config.reward.group_size
+    return (config.reward.steps + 1) * images * latent_channels(components.vae) * side * side * 4
+
+
 def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tuple[int, int]:
     """The peak of one training step's forward and backward (activations, gradients, temporaries), and the part
     of it still held after the step (gradients, buffers kept for the next step). Diffusion-DPO's and a concept
@@ -910,6 +933,8 @@ def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tu
     gradients before the backward): planned as one batch of twice the size."""
     two_passes = config.preference.method == "dpo" or config.slider.enabled
     batch = config.train.batch_size * (2 if two_passes else 1)
+    if config.reward.enabled:
+        batch = _reward_batch(config)
     ids, latents, full, frames = _inputs(components, config, dtype, batch)
     side = config.data.largest_resolution()
     pixels = torch.zeros(batch, 3, *((frames,) if frames else ()), side, side, device=META)

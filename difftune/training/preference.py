@@ -26,17 +26,24 @@ from difftune.errors import DifftuneError
 
 def dpo_loss(
     loss_of: Callable[[torch.Tensor], torch.Tensor],
-    denoiser: torch.nn.Module,
+    model: torch.nn.Module,
     chosen: torch.Tensor,
     rejected: torch.Tensor,
     beta: float,
+    chosen_weight: float = 0.0,
+    reference_loss_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Diffusion-DPO's per-sample loss (B,). `loss_of(latents)`: the objective's per-sample loss of the denoiser on
-    `latents` at the batch's timesteps and noise; `chosen` and `rejected`: the pairs' latents (B, C, ...)."""
-    model = loss_of(chosen) - loss_of(rejected)
-    with torch.no_grad(), adapters_switched_off(denoiser):
-        reference = loss_of(chosen) - loss_of(rejected)
-    return -F.logsigmoid(-0.5 * beta * (model - reference))
+    """Diffusion-DPO's per-sample loss (B,), plus `chosen_weight` x the objective's own loss on the chosen image.
+    `loss_of(latents)`: the objective's per-sample loss of the model on `latents` at the batch's timesteps and
+    noise; `chosen` and `rejected`: the pairs' latents (B, C, ...). The reference is `model` (every module holding a
+    trained adapter) with its adapters off, through `reference_loss_of` where the reference reads its inputs anew
+    (captions through text encoders whose adapters are off), else through `loss_of`."""
+    chosen_loss = loss_of(chosen)
+    model_gap = chosen_loss - loss_of(rejected)
+    reference_loss_of = reference_loss_of or loss_of
+    with torch.no_grad(), adapters_switched_off(model):
+        reference_gap = reference_loss_of(chosen) - reference_loss_of(rejected)
+    return -F.logsigmoid(-0.5 * beta * (model_gap - reference_gap)) + chosen_weight * chosen_loss
 
 
 def check_preference_pairs(examples: list, family, key: str = "data.path") -> None:

@@ -43,7 +43,8 @@ def _check_paths(config: Config) -> None:
     if not Path(base).exists() and (unavailable := hub_unavailable(base)):  # before the memory plan's own failure
         raise DifftuneError(unreachable_base("model.base", base, unavailable))
     folders = [("validation.path", config.validation.path, "captioned images", data_source)]
-    for data, key in zip(config.data.each_dataset(), config.data.dataset_keys(), strict=True):
+    datasets = [] if config.reward.enabled else config.data.each_dataset()  # a reward run reads prompts alone
+    for data, key in zip(datasets, config.data.dataset_keys(), strict=False):
         setting = key.removesuffix(".path")  # `data`, or `data.datasets[1]`
         folders += [
             (key, data.path, "captioned images", data_source),
@@ -89,8 +90,8 @@ def _check_batch_within_data(config: Config) -> None:
     """A batch larger than the data could ever hold, refused from the folders' file names in milliseconds (a batch of
     600,000 over 16 images tokenised 600,000 prompts in the memory check first, silently); the run refuses it again
     once the data is read, counting what is usable and the processes. Not said where the names cannot tell (clips,
-    records, metadata.jsonl, class images to come)."""
-    if config.prior.enabled:
+    records, metadata.jsonl, class images to come), nor for a reward run (its batch is of prompts)."""
+    if config.prior.enabled or config.reward.enabled:
         return
     total = 0
     for data in config.data.each_dataset():

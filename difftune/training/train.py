@@ -114,6 +114,7 @@ from difftune.training.preference import check_preference_pairs, dpo_loss
 from difftune.training.preflight import check_before_start
 from difftune.training.prior import class_examples, class_folder, fill_class_images
 from difftune.training.resolved import resolve
+from difftune.training.reward import RewardTraining, reward_batches
 from difftune.training.run_requests import RunRequests
 from difftune.training.slider import encoded_prompts, slider_loss
 from difftune.training.training_adapter import merge_training_adapter, without_merged_changes
@@ -154,6 +155,7 @@ class Run:
     best: BestResults | None  # with a validator
     metrics: MetricsLog
     slider_prompts: dict | None = None  # a concept slider's prompts, encoded once (`slider.encoded_prompts`)
+    reward: RewardTraining | None = None  # a reward run's step (it draws its own images)
     losses: list[float] = field(default_factory=list)
     stop_reason: str | None = None  # `RunRequests.agreed`'s, when the loop ended before train.max_steps
 
@@ -235,6 +237,119 @@ def setup(config: Config, resume: str | None = None) -> Run:
     set_seed(config.train.seed)  # the adapters' random init
 
     components.noise_scheduler = training_noise_scheduler(components.noise_scheduler, config.loss)
+    if config.reward.enabled:  # no images: the prompts are drawn and scored
+        data, media = None, f"{len(config.reward.prompts)} prompts"
+    else:
+        data = _scanned_and_cached(config, components, accelerator, output_dir, class_dir, print_status)
+        media = data.media
+    validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
+    slider_prompts = encoded_prompts(components, config.slider, accelerator.device) if config.slider.enabled else None
+    if encoders_first:  # the encoders the caches replace go before the denoiser comes: never resident beside it
+        _release_unneeded(components, config)
+        # Kept off the seeded generator: a denoiser whose loading draws random numbers (LTX-2's builds some of its
+        # tensors) would otherwise give the adapters another init than a run that loaded it before the seed.
+        with phase(f"loading the {components.family.denoiser_name}", print_status), torch.random.fork_rng(devices=[]):
+            load_training_denoiser(components, config, dtypes)
+    if config.sample.before and config.sample.prompts and main and not resume:
+        with phase("drawing the base's samples (before training)", print_status):
+            _sample_before_training(components, config, output_dir, accelerator.device)
+    with phase("preparing the model for training", print_status):
+        _release_unneeded(components, config)
+        _shape_for_training(components, config, dtypes, accelerator)
+    if config.sample.prompts:  # the samples' pipeline arguments, refused now rather than at the end of the run
+        components.family.drawing.sampling_arguments(
+            components, config.sample.guidance_scale, config.sample.negative_prompt
+        )
+    export.check_layout(components, config)
+    if config.train.compile:  # after the adapters, so the compiled graph includes them
+        compile_denoiser(components.denoiser)
+
+    named = trainable_parameters(components, config.adapter)
+    global_batch = config.train.batch_size * accelerator.num_processes * config.train.gradient_accumulation_steps
+    lr_scale = learning_rate_scale(config.optim.scale_lr, global_batch)
+    optimizer = build_optimizer(named, tuple(components.text_encoders), config.optim, accelerator.device, lr_scale)
+    lr_scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps, accelerator.num_processes)
+    # Only trained modules are prepared: DDP refuses a module with nothing to train.
+    trained = trained_parts(components, config.adapter)
+    *prepared, optimizer, lr_scheduler = accelerator.prepare(*trained.values(), optimizer, lr_scheduler)
+    for part, module in zip(trained, prepared, strict=True):
+        components.replace_part(part, module)
+    # FSDP's prepare swaps the trained parameters for sharded ones (the optimizer follows): name those.
+    named = trainable_parameters(_unwrapped(components, accelerator), config.adapter)
+
+    ema = build_ema(list(named.values()), config.ema)
+    checkpointer = Checkpointer(accelerator, output_dir, config)
+    # A preference loss falls towards 0 as its pairs separate, and a reward step's is an advantage-weighted sum
+    # around 0: a step over 10x the mean is no outlier, so only non-finite values (and guard.max_loss) are judged.
+    plain = config.preference.method == "off" and not config.reward.enabled
+    guarded = config.guard if plain else config.guard.model_copy(update={"spike_factor": 0})
+    guard = Guard(guarded, output_dir if main else None)
+    best = BestResults(config.validation, output_dir) if validator else None
+    checkpoint = _resume_point(accelerator, output_dir, resume) if resume else None
+    progress = checkpointer.load(checkpoint, named, ema, guard, best) if checkpoint else Progress()
+    guard.start_at(progress.global_step)
+    if config.reward.enabled:  # the run draws its own images
+        batches = BatchesAhead(reward_batches(config, progress.micro_batches, accelerator.process_index))
+        rewarding = RewardTraining(components, config, accelerator.device, accelerator.process_index)
+    else:
+        batches, rewarding = BatchesAhead(_data_batches(config, data, components, accelerator, progress)), None
+    _start_trackers(accelerator, config, output_dir)
+    accelerator.print(
+        f"difftune: {components.family.description}, {media}, "
+        f"{sum(p.numel() for p in named.values()):,} trained parameters ({config.adapter.kind}), "
+        f"{accelerator.num_processes} process(es) on {accelerator.device}, global batch {global_batch}"
+        + (f", learning rates x {lr_scale:.4g} (optim.scale_lr = {config.optim.scale_lr})" if lr_scale != 1 else "")
+    )
+    metrics = MetricsLog(output_dir, accelerator, resumed_at_step=progress.global_step)
+    return Run(
+        config,
+        dtypes,
+        accelerator,
+        output_dir,
+        components,
+        named,
+        list(prepared),
+        optimizer,
+        lr_scheduler,
+        ema,
+        guard,
+        checkpointer,
+        progress,
+        batches,
+        validator,
+        best,
+        metrics,
+        slider_prompts,
+        rewarding,
+    )
+
+
+@dataclass
+class TrainingData:
+    """What a run read of its data (`_scanned_and_cached`) and the cache entries it filled, for its batches."""
+
+    examples: list
+    media: str  # what the data holds, in words (`_media_count`)
+    sizes: list
+    controls: list
+    tokenize: Callable
+    rates: list | None
+    latent_files: list | None
+    control_files: list | None
+    text_files: list | None
+
+
+def _scanned_and_cached(
+    config: Config,
+    components: Components,
+    accelerator: Accelerator,
+    output_dir: Path,
+    class_dir: Path | None,
+    print_status: Callable[[str], None] | None,
+) -> TrainingData:
+    """The datasets read (and the class images, with a prior), checked for what the run asks of them, and the
+    caches filled."""
+    main = accelerator.is_main_process
     # Stored records are scanned once a machine (the first process writes the scan's index, the others read it).
     datasets = config.data.each_dataset()
     paths = ", ".join(dict.fromkeys(data.path for data in datasets))
@@ -277,63 +392,27 @@ def setup(config: Config, resume: str | None = None) -> Run:
         latent_files, control_files, text_files = _fill_caches(
             components, tokenize, examples, sizes, controls, config, accelerator, rates
         )
-    validator = Validator(components, config, accelerator.device) if config.validation.path and main else None
-    slider_prompts = encoded_prompts(components, config.slider, accelerator.device) if config.slider.enabled else None
-    if encoders_first:  # the encoders the caches replace go before the denoiser comes: never resident beside it
-        _release_unneeded(components, config)
-        # Kept off the seeded generator: a denoiser whose loading draws random numbers (LTX-2's builds some of its
-        # tensors) would otherwise give the adapters another init than a run that loaded it before the seed.
-        with phase(f"loading the {components.family.denoiser_name}", print_status), torch.random.fork_rng(devices=[]):
-            load_training_denoiser(components, config, dtypes)
-    if config.sample.before and config.sample.prompts and main and not resume:
-        with phase("drawing the base's samples (before training)", print_status):
-            _sample_before_training(components, config, output_dir, accelerator.device)
-    with phase("preparing the model for training", print_status):
-        _release_unneeded(components, config)
-        _shape_for_training(components, config, dtypes, accelerator)
-    if config.sample.prompts:  # the samples' pipeline arguments, refused now rather than at the end of the run
-        components.family.drawing.sampling_arguments(
-            components, config.sample.guidance_scale, config.sample.negative_prompt
-        )
-    export.check_layout(components, config)
-    if config.train.compile:  # after the adapters, so the compiled graph includes them
-        compile_denoiser(components.denoiser)
+    return TrainingData(examples, media, sizes, controls, tokenize, rates, latent_files, control_files, text_files)
 
-    named = trainable_parameters(components, config.adapter)
-    global_batch = config.train.batch_size * accelerator.num_processes * config.train.gradient_accumulation_steps
-    lr_scale = learning_rate_scale(config.optim.scale_lr, global_batch)
-    optimizer = build_optimizer(named, tuple(components.text_encoders), config.optim, accelerator.device, lr_scale)
-    lr_scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps, accelerator.num_processes)
-    # Only trained modules are prepared: DDP refuses a module with nothing to train.
-    trained = trained_parts(components, config.adapter)
-    *prepared, optimizer, lr_scheduler = accelerator.prepare(*trained.values(), optimizer, lr_scheduler)
-    for part, module in zip(trained, prepared, strict=True):
-        components.replace_part(part, module)
-    # FSDP's prepare swaps the trained parameters for sharded ones (the optimizer follows): name those.
-    named = trainable_parameters(_unwrapped(components, accelerator), config.adapter)
 
-    ema = build_ema(list(named.values()), config.ema)
-    checkpointer = Checkpointer(accelerator, output_dir, config)
-    # A preference loss falls towards 0 as its pairs separate: a step over 10x that mean is no outlier, so only
-    # non-finite values (and guard.max_loss) are judged.
-    guarded = config.guard if config.preference.method == "off" else config.guard.model_copy(update={"spike_factor": 0})
-    guard = Guard(guarded, output_dir if main else None)
-    best = BestResults(config.validation, output_dir) if validator else None
-    checkpoint = _resume_point(accelerator, output_dir, resume) if resume else None
-    progress = checkpointer.load(checkpoint, named, ema, guard, best) if checkpoint else Progress()
-    guard.start_at(progress.global_step)
+def _data_batches(
+    config: Config, data: TrainingData, components: Components, accelerator: Accelerator, progress: Progress
+) -> Iterator[dict]:
+    """The data's batches in the run's order, from `progress` on."""
+    examples, sizes, controls, rates = data.examples, data.sizes, data.controls, data.rates
+    datasets = config.data.each_dataset()
     dataset = CaptionedImages(
         examples,
         config.data,
-        tokenize,
+        data.tokenize,
         config.train.seed,
-        latent_files,
-        text_files,
+        data.latent_files,
+        data.text_files,
         sizes,
         memory_bytes=config.cache.memory_mb * 2**20,
         uncached_conditioning=components.family.conditioning.uncached_conditioning,
         control_sizes=controls,
-        control_entries=control_files,
+        control_entries=data.control_files,
         sees_controls=components.family.conditioning.prompts_see_controls,
     )
     order = TrainingOrder(
@@ -345,37 +424,7 @@ def setup(config: Config, resume: str | None = None) -> Run:
         start_batch=progress.micro_batches,
         buckets=batch_groups(sizes, controls, any(data.buckets for data in datasets), frame_counts(examples), rates),
     )
-    batches = BatchesAhead(
-        iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
-    )
-    _start_trackers(accelerator, config, output_dir)
-    accelerator.print(
-        f"difftune: {components.family.description}, {media}, "
-        f"{sum(p.numel() for p in named.values()):,} trained parameters ({config.adapter.kind}), "
-        f"{accelerator.num_processes} process(es) on {accelerator.device}, global batch {global_batch}"
-        + (f", learning rates x {lr_scale:.4g} (optim.scale_lr = {config.optim.scale_lr})" if lr_scale != 1 else "")
-    )
-    metrics = MetricsLog(output_dir, accelerator, resumed_at_step=progress.global_step)
-    return Run(
-        config,
-        dtypes,
-        accelerator,
-        output_dir,
-        components,
-        named,
-        list(prepared),
-        optimizer,
-        lr_scheduler,
-        ema,
-        guard,
-        checkpointer,
-        progress,
-        batches,
-        validator,
-        best,
-        metrics,
-        slider_prompts,
-    )
+    return iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
 
 
 def loop(run: Run) -> None:
@@ -432,7 +481,7 @@ def loop(run: Run) -> None:
                 "skipped": bool(skip),
                 "seconds": seconds,
                 "samples_per_second": global_batch / seconds,
-            }
+            } | {name: float(value) for name, value in batch.get("metrics", {}).items()}  # a reward step's scores
             if watch:
                 values |= _activation_values(run, global_step, activations)
             diverged = run.guard.divergence(step_loss)
@@ -463,8 +512,11 @@ def accumulate_gradients(run: Run) -> tuple[torch.Tensor, list[str], dict]:
         batch = next(run.batches)
         recasting = computed_copies_saved_as_stored() if config.frozen_weights_kept_apart else nullcontext()
         with accelerator.accumulate(*run.trained_modules), recasting, _denoiser_autocast(run):
-            loss = _training_loss(run.components, batch, config, accelerator.device, run.slider_prompts).mean()
-            accelerator.backward(loss)
+            if run.reward:  # a reward step runs its backward a denoising step at a time
+                loss, batch["metrics"] = run.reward.loss(run.components, batch, accelerator.backward)
+            else:
+                loss = _training_loss(run.components, batch, config, accelerator.device, run.slider_prompts).mean()
+                accelerator.backward(loss)
         step_loss += loss.detach() / accumulation
         paths += batch["path"]
     return accelerator.reduce(step_loss, reduction="mean"), paths, batch
@@ -673,9 +725,7 @@ def _training_loss(
         conditioning = {name: to_device(value, device) for name, value in batch["conditioning"].items()}
     else:
         with torch.set_grad_enabled(config.adapter.trains_text_encoders):
-            conditioning = family.conditioning.encode_prompts(
-                components, {name: to_device(ids, device) for name, ids in batch["token_ids"].items()}
-            )
+            conditioning = _encoded_captions(components, batch, device)
     # What the family made of the pixels (an image-to-video base's first frame)
     conditioning |= {name: to_device(value, device) for name, value in from_pixels.items()}
     if config.adapter.trains_controlnet:  # what the ControlNet reads: the control image, or its latents
@@ -706,7 +756,34 @@ def _training_loss(
         )
 
     if config.preference.method == "dpo":  # a pair's rejected image is its control, at the chosen one's size
-        loss = dpo_loss(loss_of, components.denoiser, latents, controls[0], config.preference.beta)
+        reference_loss_of, base_conditioning = None, {}
+        if config.adapter.trains_text_encoders:  # the base reads the captions with its encoders' adapters off too
+
+            def reference_loss_of(latents: torch.Tensor) -> torch.Tensor:
+                if not base_conditioning:  # called in `dpo_loss`'s block with every adapter off: once for both images
+                    base_conditioning.update(conditioning | _encoded_captions(components, batch, device))
+                return family.objective.loss(
+                    components,
+                    latents,
+                    timesteps,
+                    noise,
+                    base_conditioning,
+                    batch["geometry"],
+                    config.loss,
+                    input_noise,
+                    mask,
+                )
+
+        adapted = torch.nn.ModuleList([components.denoiser, *filter(None, components.text_encoders.values())])
+        loss = dpo_loss(
+            loss_of,
+            adapted,
+            latents,
+            controls[0],
+            config.preference.beta,
+            config.preference.chosen_weight,
+            reference_loss_of,
+        )
     elif slider_prompts:
         loss = slider_loss(
             components, latents, timesteps, noise, slider_prompts, batch["geometry"], config.slider.guidance
@@ -714,6 +791,12 @@ def _training_loss(
     else:
         loss = loss_of(latents)
     return loss * to_device(batch["loss_weight"], device, loss.dtype)  # prior preservation's class images' weight
+
+
+def _encoded_captions(components: Components, batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch's captions through the text encoders (as they are now: their adapters on or off)."""
+    ids = {name: to_device(value, device) for name, value in batch["token_ids"].items()}
+    return components.family.conditioning.encode_prompts(components, ids)
 
 
 def _controls(components: Components, batch: dict, device: torch.device, as_latents: bool) -> list[torch.Tensor]:

@@ -402,6 +402,8 @@ def _train_tab(jobs_dir: Path):
                 x="step", y="val_loss", color="series", title="val_loss", height=220, elem_id="plot-val_loss"
             )
         )
+        # A reward run's mean score per step (`reward.method`): what it trains for.
+        plots.append(gr.LinePlot(x="step", y="reward", title="reward", height=220, elem_id="plot-reward"))
     # Sample grids at their own size or smaller, whole: a tiny model's 128 px grid is not blown up, a wide one not cut.
     previews = gr.Gallery(
         label="Samples (newest first)", columns=4, height="auto", object_fit="scale-down", elem_id="previews"
@@ -448,6 +450,8 @@ def _train_tab(jobs_dir: Path):
         frames = [frame[["step", column]] if frame is not None else None for column in PLOTTED]
         # A run without validation has no validation loss to plot: no empty frame for it.
         frames.append(gr.update(value=jobs.validation_frame(rows, best), visible=bool(config.validation.path)))
+        rewards = pd.DataFrame(rows, columns=["step", "reward"]) if rows and config.reward.enabled else None
+        frames.append(gr.update(value=rewards, visible=config.reward.enabled))
         grids = [(str(path), str(path.parent.relative_to(job.dir))) for path in jobs.preview_grids(job)]
         running = status == "running"
         buttons = [gr.update(visible=running), gr.update(visible=status in ("stopped", "failed"))]

@@ -127,6 +127,22 @@ class FlowMatching(Objective):
         sigmas = (timesteps.float() / 1000).view(-1, *[1] * (latents.dim() - 1))  # an image's or a clip's latents
         return (1 - sigmas) * latents + sigmas * noise
 
+    def sampling_timesteps(self, components, latents, steps):
+        # The pipelines' sigmas (1 down to 1 / steps, then 0), shifted as the base's scheduler shifts this size
+        shift = self.resolution_shift(components, components.family.image_tokens(latents))
+        return shifted(torch.linspace(1, 0, steps + 1, device=latents.device), shift) * 1000
+
+    def sampler_step(self, components, schedule, index, noisy, prediction, noise_level, config):
+        """Flow-GRPO's SDE step: the ODE's marginals kept with noise of scale a sqrt(sigma / (1 - sigma)) (a:
+        `noise_level`), its mean Euler's step plus the drift that noise asks for; at sigma = 1, where that scale is
+        infinite, it is read at the schedule's next sigma, as Flow-GRPO does. At a = 0: the Euler step."""
+        sigma, below = schedule[index] / 1000, schedule[index + 1] / 1000
+        step = below - sigma  # negative
+        scale = noise_level * (sigma / (1 - torch.where(sigma >= 1, schedule[1] / 1000, sigma))).sqrt()
+        drift = scale**2 / (2 * sigma)
+        mean = noisy * (1 + drift * step) + prediction * (1 + drift * (1 - sigma)) * step
+        return mean, scale * (-step).sqrt()
+
     def loss(self, components, latents, timesteps, noise, conditioning, geometry, config, input_noise=None, mask=None):
         noisy = self.noised(components, latents, timesteps, noise if input_noise is None else input_noise)
         prediction = components.family.denoise(components, noisy, timesteps, conditioning, geometry)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from diffusers import DDPMScheduler
+from diffusers import DDIMScheduler, DDPMScheduler
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
 
 from difftune.config import Config, LossConfig
@@ -283,6 +283,26 @@ class Objective:
         each latent pixel (`objective.per_sample_error`)."""
         raise NotImplementedError
 
+    def sampling_timesteps(self, components: Components, latents: torch.Tensor, steps: int) -> torch.Tensor:
+        """The (steps + 1,) timesteps a `steps`-step sample of `latents`' size passes: from pure noise, each step
+        from one to the next (`sampler_step`), the last the image's."""
+        raise NotImplementedError
+
+    def sampler_step(
+        self,
+        components: Components,
+        schedule: torch.Tensor,
+        index: int,
+        noisy: torch.Tensor,
+        prediction: torch.Tensor,
+        noise_level: float,
+        config: LossConfig,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step `index` of `schedule` as a stochastic sampler takes it (reward training's policy): the mean and the
+        standard deviation of the next latents given `noisy` and the denoiser's `prediction`; at `noise_level` 0,
+        the family's deterministic sampler (a zero deviation)."""
+        raise NotImplementedError
+
 
 class DDPM(Objective):
     """DDPM's noise process with epsilon or v targets (the UNet families): the schedule is the pipeline's own, read
@@ -308,6 +328,31 @@ class DDPM(Objective):
 
     def noised(self, components, latents, timesteps, noise):
         return components.noise_scheduler.add_noise(latents, noise, timesteps)
+
+    def sampling_timesteps(self, components, latents, steps):
+        # DDIM's timesteps for this schedule (its spacing and offset), then the step below the last: DDIM's final one
+        ddim = DDIMScheduler.from_config(components.noise_scheduler.config)
+        ddim.set_timesteps(steps)
+        below = ddim.timesteps[-1:] - ddim.config.num_train_timesteps // steps
+        return torch.cat([ddim.timesteps, below]).to(latents.device)
+
+    def sampler_step(self, components, schedule, index, noisy, prediction, noise_level, config):
+        """DDIM's step with eta = `noise_level` (DDPO's policy; eta 0 is DDIM itself). Below timestep 0 the final
+        alpha is the schedule's first (or 1 where the scheduler sets it so), as DDIM's."""
+        scheduler = components.noise_scheduler
+        alphas = scheduler.alphas_cumprod.to(noisy.device, torch.float32)
+        step, below = int(schedule[index]), int(schedule[index + 1])
+        final = torch.ones_like(alphas[0]) if scheduler.config.get("set_alpha_to_one", False) else alphas[0]
+        alpha, alpha_below = alphas[step], alphas[below] if below >= 0 else final
+        if prediction_type(config, scheduler) == "v_prediction":
+            clean = alpha.sqrt() * noisy - (1 - alpha).sqrt() * prediction
+            noise = alpha.sqrt() * prediction + (1 - alpha).sqrt() * noisy
+        else:
+            clean, noise = (noisy - (1 - alpha).sqrt() * prediction) / alpha.sqrt(), prediction
+        variance = (1 - alpha_below) / (1 - alpha) * (1 - alpha / alpha_below)
+        std = noise_level * variance.sqrt()
+        mean = alpha_below.sqrt() * clean + (1 - alpha_below - std**2).clamp(min=0).sqrt() * noise
+        return mean, std
 
     def loss(self, components, latents, timesteps, noise, conditioning, geometry, config, input_noise=None, mask=None):
         family = components.family
