@@ -1045,7 +1045,7 @@ class PreferenceConfig(Section):
         ge=0,
         description="`dpo`: the weight of the objective's own loss on the chosen image, added to the preference loss "
         "(DPO with an SFT term, as RPO): it holds the model to drawing the chosen images where the preference alone "
-        "can be met by raising the loss of both (the tiny job forgot 0.25 of the seen prompts without it, 0.01-0.03 "
+        "can be met by raising the loss of both (the tiny job forgot 0.25 of the seen prompts without it, 0.00-0.03 "
         "at 5).",
     )
 

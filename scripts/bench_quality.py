@@ -229,12 +229,18 @@ VARIANTS = {
         **at_seeds("lora_r8"),
     },
     "tiny_dpo": {
-        **at_seeds("dpo_text_encoder_chosen_weight_5"),
-        # Issue 91's search for the forgetting: the job before it (the UNet's LoRA alone, no chosen loss, 400 steps),
-        # then each of the two changes alone.
-        "plain_dpo": ["adapter.text_encoder=false", "preference.chosen_weight=0", "train.max_steps=400"],
-        "unet_only_chosen_weight_5": ["adapter.text_encoder=false"],
-        "text_encoder_no_chosen_loss": ["preference.chosen_weight=0"],
+        **at_seeds("dpo_text_encoder_chosen_weight_5_rank_32"),
+        # Issue 91's search for the forgetting: the job before it (the UNet's LoRA alone at rank 16, no chosen loss,
+        # 400 steps), then each of the two changes alone, and both at rank 16.
+        "plain_dpo": [
+            "adapter.rank=16",
+            "adapter.text_encoder=false",
+            "preference.chosen_weight=0",
+            "train.max_steps=400",
+        ],
+        "unet_only_chosen_weight_5": ["adapter.rank=16", "adapter.text_encoder=false"],
+        "text_encoder_no_chosen_loss": ["adapter.rank=16", "preference.chosen_weight=0"],
+        **at_seeds("rank_16", "adapter.rank=16"),  # seed 2 drew 7 of 8 purple squares
     },
     "tiny_reward": {
         **at_seeds("grpo"),
