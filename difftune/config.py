@@ -1050,16 +1050,20 @@ class PreferenceConfig(Section):
     )
 
 
+def switchable_adapter_problems(config: Config) -> list[str]:
+    """What keeps a run from taking the base as its reference by switching its adapter off (Diffusion-DPO's and the
+    reward runs' reference): a full fine-tune, an embedding or a ControlNet cannot be switched off."""
+    if isinstance(config.adapter.kind_type, PeftAdapter):
+        return []
+    return [f'adapter.kind = "{config.adapter.kind}" (use lora, dora, loha or lokr: an adapter to switch off)']
+
+
 def preference_fits_the_run(config: Config) -> None:
-    """Diffusion-DPO's reference is the base with the adapter off: an adapter that can be switched off, on the
-    denoiser alone (the text conditioning is then the same for the model and its reference)."""
+    """Diffusion-DPO's reference is the base with every adapter off (the text encoders' too): adapters that can be
+    switched off."""
     if config.preference.method == "off":
         return
-    problems = []
-    if not isinstance(config.adapter.kind_type, PeftAdapter):
-        problems.append(
-            f'adapter.kind = "{config.adapter.kind}" (use lora, dora, loha or lokr: an adapter to switch off)'
-        )
+    problems = switchable_adapter_problems(config)
     if config.prior.enabled:
         problems.append("[prior] (class images have no rejected image)")
     if problems:
@@ -1118,7 +1122,7 @@ class RewardConfig(Section):
     method: Literal["off", "grpo", "draft"] = Field(
         "off",
         description="Reward fine-tuning: no images, a scorer. `grpo`: Flow-GRPO (Liu et al. 2025; DDPO's form for the "
-        "epsilon and v families): each step draws `group_size` images of each of `prompts_per_step` prompts with the "
+        "epsilon and v families): each step draws `group_size` images of each of `train.batch_size` prompts with the "
         "family's sampler made stochastic, scores them, and raises the log-probability of the steps that led to the "
         "images scored above their prompt's group mean (a clipped ratio, as PPO's), with a KL term to the base (the "
         "adapter off). `draft`: DRaFT-K (Clark et al. 2024): gradients from a differentiable scorer through the last "
@@ -1194,11 +1198,7 @@ def reward_fits_the_run(config: Config) -> None:
     """The reward run's reference is the base with the adapter off (as Diffusion-DPO's), and it draws its own images."""
     if not config.reward.enabled:
         return
-    problems = []
-    if not isinstance(config.adapter.kind_type, PeftAdapter):
-        problems.append(
-            f'adapter.kind = "{config.adapter.kind}" (use lora, dora, loha or lokr: an adapter to switch off)'
-        )
+    problems = switchable_adapter_problems(config)
     if config.adapter.text_encoder:
         problems.append("adapter.text_encoder = true (the prompts are encoded once; the denoiser's adapter is tuned)")
     for setting, is_set in {

@@ -155,8 +155,7 @@ class RewardTraining:
     def _sample(self, components, conditioning, batch: int, generator: torch.Generator):
         """The stochastic sampler's states and log-probabilities, from noise to the image's latents."""
         noise_level = self.config.reward.noise_level
-        state = torch.randn((batch, *self.latent_shape), generator=generator).to(self.device)
-        schedule = components.family.objective.sampling_timesteps(components, state, self.config.reward.steps)
+        state, schedule = self._noise_and_schedule(components, batch, generator)
         states, log_probs = [state], []
         for step in range(len(schedule) - 1):
             prediction = self._predict(components, state, schedule[step], conditioning)
@@ -167,6 +166,11 @@ class RewardTraining:
             states.append(state)
             log_probs.append(gaussian_log_prob(state, mean, std))
         return schedule, torch.stack(states), torch.stack(log_probs)
+
+    def _noise_and_schedule(self, components, batch: int, generator: torch.Generator):
+        """A sample's starting noise (`batch` latents) and the timesteps its `reward.steps` pass."""
+        state = torch.randn((batch, *self.latent_shape), generator=generator).to(self.device)
+        return state, components.family.objective.sampling_timesteps(components, state, self.config.reward.steps)
 
     def _step(self, components, drawn: Round, step: int, noisy: torch.Tensor, timestep: torch.Tensor):
         prediction = self._predict(components, noisy, timestep, drawn.conditioning)
@@ -208,8 +212,7 @@ class RewardTraining:
         reward = self.config.reward
         generator = self._generator(number)
         conditioning = self._encoded(components, prompts)
-        state = torch.randn((len(prompts), *self.latent_shape), generator=generator).to(self.device)
-        schedule = components.family.objective.sampling_timesteps(components, state, reward.steps)
+        state, schedule = self._noise_and_schedule(components, len(prompts), generator)
         for step in range(reward.steps):
             with torch.set_grad_enabled(step >= reward.steps - reward.draft_last_steps):
                 prediction = self._predict(components, state, schedule[step], conditioning)
