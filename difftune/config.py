@@ -1168,7 +1168,10 @@ class RewardConfig(Section):
     )
     clip_range: float = Field(1e-4, gt=0, description="`grpo`: the policy ratio's clip (Flow-GRPO's 1e-4).")
     kl_weight: float = Field(
-        0.04, ge=0, description="`grpo`: the KL term's weight, to the base's step (the adapter off)."
+        0.04,
+        ge=0,
+        description="The KL term's weight, the base (the adapter off) its reference. `grpo`: each trained step's KL "
+        "divergence from the base's step. `draft`: the squared distance of each step's prediction from the base's.",
     )
     draft_last_steps: int = Field(
         1, ge=1, description="`draft`: the last steps gradients flow through (DRaFT-K's K; DRaFT-LV is K = 1)."

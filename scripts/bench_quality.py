@@ -231,19 +231,32 @@ VARIANTS = {
     "tiny_dpo": {
         **at_seeds("dpo_text_encoder_chosen_weight_5_rank_32"),
         # Issue 91's search for the forgetting: the job before it (the UNet's LoRA alone at rank 16, no chosen loss,
-        # 400 steps), then each of the two changes alone, and both at rank 16.
+        # 400 steps), then each of the two changes alone, and both at rank 16, over 600 steps.
         "plain_dpo": [
             "adapter.rank=16",
             "adapter.text_encoder=false",
             "preference.chosen_weight=0",
             "train.max_steps=400",
         ],
-        "unet_only_chosen_weight_5": ["adapter.rank=16", "adapter.text_encoder=false"],
-        "text_encoder_no_chosen_loss": ["adapter.rank=16", "preference.chosen_weight=0"],
-        **at_seeds("rank_16", "adapter.rank=16"),  # seed 2 drew 7 of 8 purple squares
+        "unet_only_chosen_weight_5": ["train.max_steps=600", "adapter.rank=16", "adapter.text_encoder=false"],
+        "text_encoder_no_chosen_loss": ["train.max_steps=600", "adapter.rank=16", "preference.chosen_weight=0"],
+        **at_seeds("rank_16", "train.max_steps=600", "adapter.rank=16"),  # seed 2 drew 7 of 8 purple squares
+        **at_seeds("600_steps", "train.max_steps=600"),  # seed 0 drew 7 of 8 purple squares
     },
     "tiny_reward": {
-        **at_seeds("grpo"),
+        **at_seeds("draft_anchored"),
+        "draft_anchored_4_steps": ["reward.steps=4"],
+        "draft_anchored_500_steps": ["train.max_steps=500"],
+        "draft_unanchored": ["reward.kl_weight=0", "train.max_steps=150"],
+        # Flow-GRPO's policy gradient (DDPO's DDIM policy on this epsilon base): 6 images of 3 prompts a step.
+        "grpo": [
+            "reward.method=grpo",
+            "reward.group_size=6",
+            "reward.trained_steps=4",
+            "reward.noise_level=1.0",
+            "train.batch_size=3",
+            "optim.learning_rate=2e-3",
+        ],
     },
     "tiny_datasets": {
         **at_seeds("purple_and_seen"),

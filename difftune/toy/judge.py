@@ -158,7 +158,9 @@ def shapes_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         if color is not None:
             border = torch.cat([rgb[:, 0], rgb[:, -1], rgb[:, :, 0], rgb[:, :, -1]], dim=1)
             background = border.median(dim=1).values.detach().view(3, 1, 1)
-            foreground = torch.sigmoid(((rgb - background).norm(dim=0) - FOREGROUND_DISTANCE) / 10)
+            # The foreground's weights carry no gradient: the color half moves the drawn pixels' colors, never the
+            # outline (with them, dropping a square's off-color corners from the foreground raised the score).
+            foreground = torch.sigmoid(((rgb - background).norm(dim=0) - FOREGROUND_DISTANCE) / 10).detach()
             target = torch.tensor(COLORS[color], dtype=rgb.dtype, device=rgb.device).view(3, 1, 1)
             nearness = 1 - (rgb - target).norm(dim=0) / (255 * 3**0.5)
             least = MIN_FOREGROUND_FRACTION * foreground.numel()  # a speck of color is no shape of it

@@ -11,7 +11,8 @@ Log-probabilities are means over the latent's elements, as Flow-GRPO takes them.
 
 `draft` is DRaFT-K (Clark et al., "Directly Fine-Tuning Diffusion Models on Differentiable Rewards", 2024): a
 deterministic sample whose last `draft_last_steps` steps and decode keep their graph, and the loss is minus the
-score, so a scorer with gradients (a CLIP similarity) trains the adapter directly.
+score, so a scorer with gradients (a CLIP similarity) trains the adapter directly. `kl_weight` anchors it to the base
+at every step of the sample, so what the scorer has no gradient for is kept.
 
 A round's randomness comes from the run's seed and the round's number: a run resumed at a round's start draws what
 the uninterrupted run drew.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from difftune.adapters.trained import adapters_switched_off
 from difftune.config import Config, RewardConfig
@@ -116,18 +118,15 @@ class RewardTraining:
         total = torch.zeros((), device=self.device)
         kl_total = torch.zeros((), device=self.device)
         for step in drawn.trained_steps:
-            noisy, timestep = drawn.states[step], drawn.schedule[step]
-            mean, std = self._step(components, drawn, step, noisy, timestep)
+            noisy = drawn.states[step]
+            mean, std = self._policy_step(components, drawn.schedule, step, noisy, drawn.conditioning)
             log_prob = gaussian_log_prob(drawn.states[step + 1], mean, std)
             ratio = torch.exp(log_prob - drawn.log_probs[step])
             clipped = ratio.clamp(1 - reward.clip_range, 1 + reward.clip_range)
             policy = torch.maximum(-drawn.advantages * ratio, -drawn.advantages * clipped).mean()
             kl = torch.zeros((), device=self.device)
             if reward.kl_weight:
-                with torch.no_grad(), adapters_switched_off(components.denoiser):
-                    base_mean, _ = self._step(components, drawn, step, noisy, timestep)
-                kl = ((mean - base_mean) ** 2).mean(dim=tuple(range(1, mean.dim()))) / (2 * std**2)
-                kl = kl.mean()
+                kl = self._kl_to_base(components, drawn.schedule, step, noisy, drawn.conditioning, mean, std)
             loss = (policy + reward.kl_weight * kl) / len(drawn.trained_steps)
             backward(loss)
             total += loss.detach()
@@ -154,14 +153,10 @@ class RewardTraining:
 
     def _sample(self, components, conditioning, batch: int, generator: torch.Generator):
         """The stochastic sampler's states and log-probabilities, from noise to the image's latents."""
-        noise_level = self.config.reward.noise_level
         state, schedule = self._noise_and_schedule(components, batch, generator)
         states, log_probs = [state], []
         for step in range(len(schedule) - 1):
-            prediction = self._predict(components, state, schedule[step], conditioning)
-            mean, std = components.family.objective.sampler_step(
-                components, schedule, step, state, prediction, noise_level, self.config.loss
-            )
+            mean, std = self._policy_step(components, schedule, step, state, conditioning)
             state = mean + std * torch.randn(mean.shape, generator=generator).to(self.device)
             states.append(state)
             log_probs.append(gaussian_log_prob(state, mean, std))
@@ -172,11 +167,19 @@ class RewardTraining:
         state = torch.randn((batch, *self.latent_shape), generator=generator).to(self.device)
         return state, components.family.objective.sampling_timesteps(components, state, self.config.reward.steps)
 
-    def _step(self, components, drawn: Round, step: int, noisy: torch.Tensor, timestep: torch.Tensor):
-        prediction = self._predict(components, noisy, timestep, drawn.conditioning)
+    def _policy_step(self, components, schedule, step: int, noisy, conditioning):
+        """The stochastic step's mean and deviation from `noisy` at `reward.noise_level`."""
+        prediction = self._predict(components, noisy, schedule[step], conditioning)
         return components.family.objective.sampler_step(
-            components, drawn.schedule, step, noisy, prediction, self.config.reward.noise_level, self.config.loss
+            components, schedule, step, noisy, prediction, self.config.reward.noise_level, self.config.loss
         )
+
+    def _kl_to_base(self, components, schedule, step: int, noisy, conditioning, mean, std) -> torch.Tensor:
+        """The KL divergence of the stochastic step (`mean`, `std`) from the base's at `noisy`, the adapter switched
+        off: the squared distance of their means over 2 std^2, averaged over each image's elements and the images."""
+        with torch.no_grad(), adapters_switched_off(components.denoiser):
+            base_mean, _ = self._policy_step(components, schedule, step, noisy, conditioning)
+        return (((mean - base_mean) ** 2).mean(dim=tuple(range(1, mean.dim()))) / (2 * std**2)).mean()
 
     def _predict(self, components, noisy, timestep, conditioning) -> torch.Tensor:
         """The denoiser's prediction, guided (classifier-free, the empty prompt as the negative) when asked: both halves
@@ -195,39 +198,50 @@ class RewardTraining:
     def _encoded(self, components: Components, prompts: list[str]) -> dict[str, torch.Tensor]:
         """The prompts' text conditioning; with guidance, the empty prompt's for each after them (one batch, so the
         two halves are padded alike)."""
-        family = components.family
         captions = prompts + ([""] * len(prompts) if self.config.reward.guidance_scale > 1 else [])
-        with torch.no_grad():
-            ids = family.conditioning.tokenize(components.tokenizers, captions)
-            return family.conditioning.encode_prompts(
-                components, {name: value.to(self.device) for name, value in ids.items()}
-            )
+        return components.family.conditioning.encoded_texts(components, captions, self.device)
 
     def _decoded(self, components: Components, latents: torch.Tensor) -> torch.Tensor:
         vae = components.vae
         return ((decode_latents(vae, latents.to(vae.dtype)).float() + 1) / 2).clamp(0, 1)
 
     def _draft(self, components, prompts: list[str], number: int, backward) -> tuple:
-        """DRaFT-K: the last K steps and the decode with their graphs, minus the mean score the loss."""
-        reward = self.config.reward
+        """DRaFT-K: the last K steps and the decode with their graphs, minus the mean score the loss. With
+        `kl_weight`, every step of the sample also pays the squared distance of its prediction from the base's, so
+        what the reward does not ask for (a shape the scorer has no gradient for) stays as the base draws it: a step
+        before the last K pays it in a backward of its own. The distance weighs the steps as the denoising loss does,
+        not as the policy's KL, whose last, nearly noiseless steps would outweigh the rest by a hundredfold and hold
+        back the very step DRaFT-1 trains."""
+        reward, objective = self.config.reward, components.family.objective
         generator = self._generator(number)
         conditioning = self._encoded(components, prompts)
         state, schedule = self._noise_and_schedule(components, len(prompts), generator)
+        kl_in_graph, kl_total = state.new_zeros(()), state.new_zeros(())
         for step in range(reward.steps):
-            with torch.set_grad_enabled(step >= reward.steps - reward.draft_last_steps):
+            in_graph = step >= reward.steps - reward.draft_last_steps
+            with torch.set_grad_enabled(in_graph or reward.kl_weight > 0):
                 prediction = self._predict(components, state, schedule[step], conditioning)
-                state, _ = components.family.objective.sampler_step(
-                    components, schedule, step, state, prediction, 0.0, self.config.loss
-                )
+                if reward.kl_weight:
+                    with torch.no_grad(), adapters_switched_off(components.denoiser):
+                        base_prediction = self._predict(components, state, schedule[step], conditioning)
+                    kl = F.mse_loss(prediction, base_prediction) / reward.steps
+                    kl_total += kl.detach()
+                    if in_graph:
+                        kl_in_graph = kl_in_graph + kl
+                    else:
+                        backward(reward.kl_weight * kl)
+                        prediction = prediction.detach()
+                state, _ = objective.sampler_step(components, schedule, step, state, prediction, 0.0, self.config.loss)
         scores = self.scorer(self._decoded(components, state), prompts)
         if not scores.requires_grad:
             raise DifftuneError(
                 f'reward.method = "draft": reward.scorer {reward.scorer} returned scores without gradients; DRaFT '
                 'needs a differentiable scorer (or use reward.method = "grpo")'
             )
-        loss = -scores.mean()
+        loss = -scores.mean() + reward.kl_weight * kl_in_graph
         backward(loss)
-        return loss.detach(), self._metrics(scores.detach())
+        metrics = self._metrics(scores.detach()) | {"kl": kl_total}
+        return loss.detach() + reward.kl_weight * (kl_total - kl_in_graph.detach()), metrics
 
     def _generator(self, number: int) -> torch.Generator:
         """Round `number`'s randomness (its noise, its draws, its trained steps) on this process."""

@@ -53,13 +53,6 @@ def encoded_prompts(components, slider, device: torch.device) -> dict[str, dict[
     are frozen, and may leave memory once the captions are cached)."""
     from difftune.models.components import encoders_on
 
-    family = components.family
-    encoded = {}
-    with torch.no_grad(), encoders_on(device, list(components.text_encoders.values())):
-        for name in PROMPTS:
-            ids = family.conditioning.tokenize(components.tokenizers, [getattr(slider, name)])
-            conditioning = family.conditioning.encode_prompts(
-                components, {key: value.to(device) for key, value in ids.items()}
-            )
-            encoded[name] = {key: value.to(device) for key, value in conditioning.items()}
-    return encoded
+    conditioning = components.family.conditioning
+    with encoders_on(device, list(components.text_encoders.values())):
+        return {name: conditioning.encoded_texts(components, [getattr(slider, name)], device) for name in PROMPTS}

@@ -209,6 +209,14 @@ class Conditioning(Role):
         batch first. This is what the text cache stores."""
         raise NotImplementedError
 
+    @torch.no_grad()
+    def encoded_texts(self, components: Components, texts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        """Prompts the run writes itself (a slider's, a reward run's) tokenized and encoded at once, without
+        gradients: their conditioning on `device`, the text encoders already there."""
+        token_ids = self.tokenize(components.tokenizers, texts)
+        encoded = self.encode_prompts(components, {name: value.to(device) for name, value in token_ids.items()})
+        return {name: value.to(device) for name, value in encoded.items()}
+
     def cached_conditioning(self, conditioning: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One caption's conditioning (no batch axis) as the text cache stores it: as it is, unless the family can
         drop what `uncached_conditioning` restores (padding: `padded_text_tokens`, in the states with a token axis;
