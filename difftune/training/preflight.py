@@ -43,8 +43,8 @@ def _check_paths(config: Config) -> None:
     if not Path(base).exists() and (unavailable := hub_unavailable(base)):  # before the memory plan's own failure
         raise DifftuneError(unreachable_base("model.base", base, unavailable))
     folders = [("validation.path", config.validation.path, "captioned images", data_source)]
-    datasets = [] if config.reward.enabled else config.data.each_dataset()  # a reward run reads prompts alone
-    for data, key in zip(datasets, config.data.dataset_keys(), strict=False):
+    datasets = zip(config.data.each_dataset(), config.data.dataset_keys(), strict=True)
+    for data, key in [] if config.reward.enabled else datasets:  # a reward run reads prompts alone
         setting = key.removesuffix(".path")  # `data`, or `data.datasets[1]`
         folders += [
             (key, data.path, "captioned images", data_source),

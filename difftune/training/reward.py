@@ -35,8 +35,6 @@ from difftune.errors import DifftuneError
 from difftune.models.autoencoders import decode_latents, downsampling, latent_channels
 from difftune.models.components import Components
 
-Scorer = Callable[..., torch.Tensor]
-
 
 def load_scorer(reward: RewardConfig) -> Callable[[torch.Tensor, list[str]], torch.Tensor]:
     """`reward.scorer` (`module:function`) imported, bound to `reward.scorer_options`: images (B, 3, H, W) in [0, 1]

@@ -400,7 +400,7 @@ def _data_batches(
 ) -> Iterator[dict]:
     """The data's batches in the run's order, from `progress` on."""
     examples, sizes, controls, rates = data.examples, data.sizes, data.controls, data.rates
-    datasets = config.data.each_dataset()
+    bucketed = any(settings.buckets for settings in config.data.each_dataset())
     dataset = CaptionedImages(
         examples,
         config.data,
@@ -422,7 +422,7 @@ def _data_batches(
         accelerator.process_index,
         accelerator.num_processes,
         start_batch=progress.micro_batches,
-        buckets=batch_groups(sizes, controls, any(data.buckets for data in datasets), frame_counts(examples), rates),
+        buckets=batch_groups(sizes, controls, bucketed, frame_counts(examples), rates),
     )
     return iter(build_dataloader(dataset, order, config.data.num_workers, pin_memory=accelerator.device.type == "cuda"))
 
@@ -750,7 +750,7 @@ def _training_loss(
         else None
     )
 
-    def loss_of(latents: torch.Tensor) -> torch.Tensor:
+    def loss_of(latents: torch.Tensor, conditioning: dict[str, torch.Tensor] = conditioning) -> torch.Tensor:
         return family.objective.loss(
             components, latents, timesteps, noise, conditioning, batch["geometry"], config.loss, input_noise, mask
         )
@@ -762,17 +762,7 @@ def _training_loss(
             def reference_loss_of(latents: torch.Tensor) -> torch.Tensor:
                 if not base_conditioning:  # called in `dpo_loss`'s block with every adapter off: once for both images
                     base_conditioning.update(conditioning | _encoded_captions(components, batch, device))
-                return family.objective.loss(
-                    components,
-                    latents,
-                    timesteps,
-                    noise,
-                    base_conditioning,
-                    batch["geometry"],
-                    config.loss,
-                    input_noise,
-                    mask,
-                )
+                return loss_of(latents, base_conditioning)
 
         adapted = torch.nn.ModuleList([components.denoiser, *filter(None, components.text_encoders.values())])
         loss = dpo_loss(
