@@ -252,7 +252,13 @@ def unet_inputs(unet, batch: int = 2, seed: int = 0):
 # Families whose single file ComfyUI loads as its HunyuanVideo model, renaming Tencent's layers to that model's
 # (Flux.1's layers: `img_attn_qkv` -> `img_attn.qkv`, `mlp.fc1` -> `mlp.0`; comfyui_lora.in_hunyuan_video_names) before
 # its LoRA key map names them.
-COMFYUI_HUNYUAN_VIDEO_MODEL = {"hunyuan_image", "hunyuan_video", "hunyuan_video15", "hunyuan_video15_i2v"}
+COMFYUI_HUNYUAN_VIDEO_MODEL = {
+    "hunyuan_image",
+    "hunyuan_video",
+    "hunyuan_video15",
+    "hunyuan_video15_i2v",
+    "hunyuan_video_skyreels_i2v",
+}
 
 
 def comfyui_applies_as(lora: dict[str, torch.Tensor], base, expected) -> bool:

@@ -337,6 +337,7 @@ PIPELINE_PROMPTS = {
     "hidream": _hidream_prompts,
     "hunyuan_image": _hunyuan_prompts,
     "hunyuan_video": _hunyuan_video_prompts,
+    "hunyuan_video_skyreels_i2v": _hunyuan_video_prompts,
     "hunyuan_video15": _hunyuan_prompts,
     "hunyuan_video15_i2v": _hunyuan_prompts,
     "wan": _wan_prompts,
@@ -430,6 +431,9 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         return pipeline(prompt=prompt, num_frames=1, **guidance, **arguments).frames[0][:, 0].numpy()
     elif name == "hunyuan_video":  # a one-frame clip; guidance-distilled: the scale is its embedding's input
         return pipeline(prompt=prompt, num_frames=1, guidance_scale=3.0, **arguments).frames[0][:, 0].numpy()
+    elif name == "hunyuan_video_skyreels_i2v":  # a one-frame clip of the image; a second pass guides, the embedding 1
+        clip = {"num_frames": 1, "image": CONTROL, "true_cfg_scale": 3.0, "negative_prompt": ""}
+        return pipeline(prompt=prompt, guidance_scale=1.0, **clip, **arguments).frames[0][:, 0].numpy()
     elif name == "sana_video":  # a one-frame clip (its `frames`), classifier-free guidance, at the size asked
         return (
             pipeline(
@@ -780,7 +784,14 @@ def _gguf_values(path: Path) -> dict[str, torch.Tensor]:
 
 # Families whose published widths diffusers' GGUF reader writes into its converter (FLUX.1's 3072, Lumina 2's 2304):
 # their micro files are checked against gguf's own dequantization instead.
-READ_AT_PUBLISHED_WIDTHS_ONLY = {"flux", "flux_kontext", "chroma", "lumina2", "hunyuan_video"}
+READ_AT_PUBLISHED_WIDTHS_ONLY = {
+    "flux",
+    "flux_kontext",
+    "chroma",
+    "lumina2",
+    "hunyuan_video",
+    "hunyuan_video_skyreels_i2v",
+}
 # Families whose transformer class diffusers' single-file reader does not take (`FromOriginalModelMixin`'s list):
 # checked against gguf's own dequantization alone.
 NO_DIFFUSERS_SINGLE_FILE_READER = {

@@ -1,6 +1,6 @@
 """HunyuanVideo (1.0) beyond the conformance suite: the transformer fed as the pipeline feeds it (its guidance embedding
-reading the scale x 1000), the single file in Tencent's layout as diffusers' own reader reads it, and the
-image-to-video pipelines refused by name."""
+reading the scale x 1000), the single file in Tencent's layout as diffusers' own reader reads it, and Tencent's
+image-to-video pipeline refused by name."""
 
 from __future__ import annotations
 
@@ -9,11 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import (
-    HunyuanSkyreelsImageToVideoPipeline,
-    HunyuanVideoImageToVideoPipeline,
-    HunyuanVideoTransformer3DModel,
-)
+from diffusers import HunyuanVideoImageToVideoPipeline, HunyuanVideoTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_hunyuan_video_transformer_to_diffusers
 from safetensors.torch import save_file
 
@@ -79,9 +75,11 @@ def test_the_single_file_is_tencents_layout_as_diffusers_reads_it():
         "single_blocks.0.linear1.weight",
         "vector_in.in_layer.weight",
     } <= set(original)
-    # Flux.1's files have `vector_in` too, HunyuanImage 2.1's the caption's token refiner: this family's alone reads it.
+    # Flux.1's files have `vector_in` too, HunyuanImage 2.1's the caption's token refiner: HunyuanVideo's alone read it
+    # (SkyReels' image-to-video transformer has the same keys: read when model.family names it).
     assert [name for name, family in FAMILIES.items() if family.layout.reads_single_file(set(original))] == [
-        "hunyuan_video"
+        "hunyuan_video",
+        "hunyuan_video_skyreels_i2v",
     ]
     theirs = convert_hunyuan_video_transformer_to_diffusers(dict(original))
     assert theirs.keys() == ours.keys()
@@ -90,12 +88,11 @@ def test_the_single_file_is_tencents_layout_as_diffusers_reads_it():
     assert all(torch.equal(back[key].view(torch.uint8), value.view(torch.uint8)) for key, value in ours.items())
 
 
-@pytest.mark.parametrize("pipeline", [HunyuanVideoImageToVideoPipeline, HunyuanSkyreelsImageToVideoPipeline])
-def test_the_image_to_video_pipelines_are_refused_by_name(base, pipeline, tmp_path):
+def test_tencents_image_to_video_pipeline_is_refused_by_name(base, tmp_path):
     index = json.loads((Path(base) / "model_index.json").read_text())
-    index["_class_name"] = pipeline.__name__
+    index["_class_name"] = HunyuanVideoImageToVideoPipeline.__name__
     (tmp_path / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(DifftuneError, match=f"is a {pipeline.__name__}; difftune trains"):
+    with pytest.raises(DifftuneError, match="is a HunyuanVideoImageToVideoPipeline; difftune trains"):
         family_of(ModelConfig(base=str(tmp_path)))
 
 

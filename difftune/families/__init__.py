@@ -156,7 +156,7 @@ def family_of(config: ModelConfig) -> Family:
     base = config.base
     if config.family != "auto":
         family = FAMILIES[config.family]
-        readers, what = _readers(config) if Path(base).exists() else ([], "")
+        readers, what = _readers(config, by_folder=False) if Path(base).exists() else ([], "")
         if readers and family not in readers:
             raise wrong_family(family.name, base, what, readers[0].name)
         return family
@@ -171,8 +171,11 @@ def family_of(config: ModelConfig) -> Family:
     return readers[0]
 
 
-def _readers(config: ModelConfig) -> tuple[list[Family], str]:
-    """The families that read `model.base` (by a single file's keys, or a pipeline's class), and what the base is."""
+def _readers(config: ModelConfig, by_folder: bool = True) -> tuple[list[Family], str]:
+    """The families that read `model.base` (by a single file's keys, or a pipeline's class), and what the base is.
+    Where several read a single file's keys, `by_folder` keeps those of `model.single_file_config`'s pipeline class:
+    what `auto` takes; a family named by hand may be any of them (SkyReels' image-to-video transformer, whose keys
+    are HunyuanVideo's, read with a HunyuanVideo folder)."""
     base = config.base
     if base.endswith(SINGLE_FILE_SUFFIXES):
         keys = _single_file_keys(base)
@@ -190,7 +193,7 @@ def _readers(config: ModelConfig) -> tuple[list[Family], str]:
                 'the bf16/fp16 file, and set model.weight_dtype = "fp8" to keep the weights in fp8 while training'
             )
         if (
-            len(readers) > 1 and config.single_file_config
+            len(readers) > 1 and config.single_file_config and by_folder
         ):  # one transformer's keys, several pipelines (Qwen-Image's edits)
             class_name = _pipeline_class_name(config.model_copy(update={"base": config.single_file_config}))
             readers = [family for family in readers if class_name in family.pipeline_classes] or readers

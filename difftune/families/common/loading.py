@@ -192,10 +192,16 @@ class Loading(Role):
         `.safetensors` file tensor by tensor, a GGUF file's blocks quantized (denoiser_files.py)."""
         source = self.part_source(config.single_file_config, part, config.revision or None)
         with init_empty_weights():
-            denoiser = self.family.denoiser_class.from_config(source.config())
+            denoiser = self.family.denoiser_class.from_config(self.denoiser_file_config(source.config()))
         if is_gguf(config.base):
             return load_gguf_file(denoiser, config.base, self.family.layout.diffusers_names, dtypes.others)
         return load_denoiser_file(denoiser, self.denoiser_file_weights(config.base), dtypes)
+
+    def denoiser_file_config(self, config: dict) -> dict:
+        """The denoiser's config a single file is read into, from `model.single_file_config`'s: as it is, unless a
+        family's files are a variant of the folder's model (SkyReels' image-to-video transformer in a HunyuanVideo
+        folder)."""
+        return config
 
     @property
     def reads_denoiser_files(self) -> bool:

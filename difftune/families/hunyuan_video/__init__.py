@@ -22,8 +22,8 @@ on clips (dataset.py cuts them into windows of frames) and images, each a one-fr
   the caption refiner's `self_attn_qkv`), the tables HunyuanImage 2.1's files share (hunyuan_image.py) with
   HunyuanVideo's own embedders (`time_in`, `guidance_in`, `vector_in`); files saved from ComfyUI's model, in its
   module names (`img_attn.qkv`, `mlp.0`, `mod.lin`, `in_layer`), are read too.
-- Not built: the image-to-video models (`HunyuanVideoImageToVideoPipeline`, SkyReels' I2V
-  `HunyuanSkyreelsImageToVideoPipeline`), refused by their pipeline classes.
+- SkyReels V1's image-to-video model is its own family (hunyuan_video_skyreels_i2v); Tencent's
+  (`HunyuanVideoImageToVideoPipeline`) is not built, refused by its pipeline class.
 """
 
 from __future__ import annotations
@@ -152,19 +152,23 @@ class HunyuanVideo(FlowMatchingFamily):
     reads_clips = True
 
     def latent_channels(self, denoiser: torch.nn.Module) -> int:
-        return denoiser.config.in_channels  # the transformer patches the latents itself
+        return denoiser.config.out_channels  # the transformer patches the latents itself (SkyReels' reads more in)
 
     def guidance(self, components: Components, batch: int, device) -> torch.Tensor | None:
         """The pipeline's guidance embedding input: the scale x 1000."""
         guidance = super().guidance(components, batch, device)
         return None if guidance is None else guidance * 1000.0
 
+    def transformer_input(self, components: Components, clip: torch.Tensor, conditioning: dict) -> torch.Tensor:
+        """What the transformer reads as its hidden states for the noisy clip (B, C, t, h, w): the clip itself."""
+        return clip
+
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         """An image's latents (B, C, h, w) as one-frame clips; a clip's (B, C, T, h, w) as they are."""
         states = conditioning["encoder_hidden_states"]
         clip = noisy if noisy.dim() == 5 else noisy[:, :, None]
         prediction = components.denoiser(
-            hidden_states=clip.to(states.dtype),
+            hidden_states=self.transformer_input(components, clip, conditioning).to(states.dtype),
             timestep=timesteps.to(states.dtype),
             encoder_hidden_states=states,
             encoder_attention_mask=conditioning["text_mask"].to(states.dtype),
