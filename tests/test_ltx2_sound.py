@@ -14,13 +14,14 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
 
-from difftune.config import DataConfig, ModelConfig
+from difftune.config import DataConfig, ModelConfig, SampleConfig
 from difftune.data.cache_folders import read_tensors
-from difftune.data.clips import FrameWindows
+from difftune.data.clips import FrameWindows, Sound, write_clip
 from difftune.data.dataset import TrainingOrder, batch_groups, frame_counts, frame_rates, scan_examples
 from difftune.data.sound import log_mel_spectrogram, read_sound
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
+from difftune.families.common.drawing import generate_images, save_images
 from difftune.training.train import train
 
 from test_ltx2 import first_transformer_call
@@ -32,22 +33,7 @@ RATE = 16000  # the audio autoencoder's, and the clips'
 def write_clip_with_sound(path, frames: list[Image.Image], fps: int, sound: np.ndarray | None, sample_rate: int = RATE):
     """Frames (lossless FFV1) and `sound` (channels, samples) in [-1, 1] as 16-bit PCM, in one Matroska file; no
     audio stream where `sound` is None."""
-    with av.open(str(path), "w") as container:
-        video = container.add_stream("ffv1", rate=fps)
-        video.width, video.height = frames[0].size
-        video.pix_fmt = "bgr0"
-        layout = None if sound is None else "stereo" if len(sound) == 2 else "mono"
-        audio = container.add_stream("pcm_s16le", rate=sample_rate, layout=layout) if layout else None
-        for image in frames:
-            container.mux(video.encode(av.VideoFrame.from_image(image)))
-        container.mux(video.encode())
-        if audio:
-            pcm = np.round(sound.T * 32767).astype(np.int16).reshape(1, -1)  # interleaved
-            frame = av.AudioFrame.from_ndarray(pcm, format="s16", layout=layout)
-            frame.sample_rate, frame.pts = sample_rate, 0
-            container.mux(audio.encode(frame))
-            container.mux(audio.encode())
-    return path
+    return write_clip(path, frames, fps, lossless=True, sound=None if sound is None else Sound(sound, sample_rate))
 
 
 def tones(seconds: float, left_hz: float, right_hz: float) -> np.ndarray:
@@ -272,3 +258,28 @@ def test_a_run_with_sound_refuses_what_it_cannot_train(make_config, base, tmp_pa
     (clips / "silent.txt").write_text("a silent clip")
     with pytest.raises(DifftuneError, match=r"silent.mkv: has no sound; model.family_options.sound"):
         train(sound_run(make_config, base, clips, tmp_path / "run"))
+
+
+def test_a_sample_carries_the_sound_drawn_beside_its_frames(base, tmp_path):
+    """A sample clip is an mp4 with the pipeline's sound: its frames at the rate they were drawn for (24, whatever
+    `sample.fps` says of silent clips), its track at the vocoder's rate holding the waveform the pipeline drew (AAC,
+    so compared by energy, not sample by sample)."""
+    components = load_components(ModelConfig(base=base))
+    config = SampleConfig(prompts=["a red square"], frames=9, steps=2, resolution=32, fps=4)
+    [sample] = generate_images(components, config, torch.device("cpu"))
+    drawn = sample.clip.sound
+    assert drawn.rate == components.drawing_parts["vocoder"].config.output_sampling_rate
+    assert np.sqrt((drawn.samples**2).mean()) > 1e-3
+    path = save_images([sample], config, tmp_path)[0]
+    assert path.suffix == ".mp4"
+    with av.open(str(path)) as container:
+        video = container.streams.video[0]
+        assert video.average_rate == 24 and sum(1 for _ in container.decode(video)) == 9
+    with av.open(str(path)) as container:
+        track = container.streams.audio[0]
+        assert (track.rate, track.channels) == (drawn.rate, len(drawn.samples))
+        decoded = np.concatenate([frame.to_ndarray() for frame in container.decode(track)], axis=1)
+    # AAC adds its silent priming and pads its last frame (at most three frames of 1024 samples more): the track's
+    # energy is the waveform's
+    assert 0 <= decoded.shape[1] - drawn.samples.shape[1] <= 3 * 1024
+    assert (decoded**2).sum() == pytest.approx((drawn.samples**2).sum(), rel=0.15)

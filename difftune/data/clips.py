@@ -151,12 +151,35 @@ def frame_size(path: Path) -> tuple[int, int]:
         raise BadClip(f"cannot be decoded as a video: {err}") from None
 
 
+@dataclass(frozen=True)
+class Sound:
+    """A sound track: `samples` (channels, n) as floats in [-1, 1], `rate` of them a second."""
+
+    samples: np.ndarray
+    rate: int
+
+
+class SoundingClip(list):
+    """A drawn clip with its sound (an audio-video base's sample): its frames, as any clip's, the `sound` drawn beside
+    them and the frame rate `fps` both were drawn for (the sound lasts as long as the frames at that rate)."""
+
+    def __init__(self, frames: list[Image.Image], sound: Sound, fps: float):
+        super().__init__(frames)
+        self.sound, self.fps = sound, fps
+
+
 def write_clip(
-    path: Path, frames: list[Image.Image], fps: float = 16, lossless: bool = False, tags: dict[str, str] | None = None
+    path: Path,
+    frames: list[Image.Image],
+    fps: float = 16,
+    lossless: bool = False,
+    tags: dict[str, str] | None = None,
+    sound: Sound | None = None,
 ) -> Path:
     """Frames as a video file, with PyAV: H.264 (yuv420p, which every player and browser reads; sides cut down to even
     numbers, as it needs) or, `lossless`, FFV1 (every pixel decodes back as written; Matroska). `tags`: the container's
-    metadata, kept under their own names (MP4's `use_metadata_tags`)."""
+    metadata, kept under their own names (MP4's `use_metadata_tags`). `sound`: a track beside the frames from their
+    start, AAC (16-bit PCM where `lossless`: every sample decodes back as written, to 16 bits)."""
     av = pyav()
     width, height = frames[0].size
     if not lossless:
@@ -168,9 +191,23 @@ def write_clip(
         stream.pix_fmt = "bgr0" if lossless else "yuv420p"
         if not lossless:
             stream.options = {"crf": "16"}  # visually lossless for samples
+        if sound is not None:  # every stream is added before the first is written
+            layout = "stereo" if len(sound.samples) == 2 else "mono"
+            track = container.add_stream("pcm_s16le" if lossless else "aac", rate=sound.rate, layout=layout)
         for image in frames:
             container.mux(stream.encode(av.VideoFrame.from_image(image.convert("RGB").crop((0, 0, width, height)))))
         container.mux(stream.encode())
+        if sound is not None:
+            samples = np.clip(sound.samples, -1, 1)
+            if lossless:  # interleaved 16-bit
+                frame = av.AudioFrame.from_ndarray(
+                    np.round(samples.T * 32767).astype(np.int16).reshape(1, -1), format="s16", layout=layout
+                )
+            else:
+                frame = av.AudioFrame.from_ndarray(samples.astype(np.float32), format="fltp", layout=layout)
+            frame.sample_rate, frame.pts = sound.rate, 0
+            container.mux(track.encode(frame))  # PyAV cuts it into the codec's frame size
+            container.mux(track.encode())
     return path
 
 

@@ -21,7 +21,7 @@ from PIL import Image, ImageDraw, ImageFont
 from PIL.PngImagePlugin import PngInfo
 
 from difftune.config import DataConfig, PromptWithControls, SampleConfig
-from difftune.data.clips import read_frames, write_clip
+from difftune.data.clips import SoundingClip, read_frames, write_clip
 from difftune.data.dataset import BadImage, open_image
 from difftune.data.sources import is_clip
 from difftune.errors import DifftuneError
@@ -391,9 +391,11 @@ def video_encoder_installed() -> bool:
 
 def save_clip(frames: list[Image.Image], stem: Path, fps: int, tags: dict[str, str]) -> Path:
     """A clip as `stem`.mp4 with `tags` as its metadata, or without PyAV `stem`.webp (animated, lossless) with them as
-    its EXIF image description (one `name: text` line each)."""
+    its EXIF image description (one `name: text` line each). A clip drawn with its sound (`SoundingClip`) carries it
+    in the mp4, both at the frame rate they were drawn for, so they stay in step (`fps` is for silent clips)."""
     if video_encoder_installed():
-        return write_clip(stem.with_suffix(".mp4"), frames, fps, tags=tags)
+        sound, fps = (frames.sound, frames.fps) if isinstance(frames, SoundingClip) else (None, fps)
+        return write_clip(stem.with_suffix(".mp4"), frames, fps, tags=tags, sound=sound)
     path = stem.with_suffix(".webp")
     exif = Image.Exif()
     exif[0x010E] = "\n".join(f"{name}: {text}" for name, text in tags.items())  # ImageDescription

@@ -30,7 +30,9 @@ flow matching (flow.py) on clips (dataset.py cuts them into windows of frames) a
 - Samples: clips of `sample.frames` frames (images: one-frame clips) at the size asked (a multiple of 32), at the
   pipeline's default 24 frames per second (the frame rate the video positions are conditioned on, in training too),
   guided by classifier-free guidance at `sample.guidance_scale` for video and audio alike; the pipeline's
-  spatio-temporal and modality guidance and its rescaling are off (one pass per prompt and guidance side).
+  spatio-temporal and modality guidance and its rescaling are off (one pass per prompt and guidance side). Each clip
+  keeps the sound the pipeline drew beside it (its vocoder's waveform): the sample's mp4 carries it as an AAC track,
+  the frames written at the 24 per second they were drawn for, so the two stay in step.
 - Files: diffusers' layout (`transformer.`, what `LTX2Pipeline.load_lora_weights` reads). The kohya layout is the
   original model's names (`lora_unet_transformer_blocks_0_attn1_to_q`; outside the blocks `patchify_proj`,
   `adaln_single`...), the key ComfyUI maps for every weight of the model it loads; Lightricks' trainer's
@@ -52,6 +54,7 @@ from pydantic import Field
 
 from difftune.config import Config, ModelConfig
 from difftune.data.cache import model_identity
+from difftune.data.clips import Sound, SoundingClip
 from difftune.data.sound import log_mel_spectrogram, read_sound
 from difftune.errors import DifftuneError
 from difftune.families.common.conditioning import NO_TOKEN, Conditioning, padded_token_ids
@@ -201,6 +204,16 @@ class LTX2Loading(Loading):
 
 
 class LTX2Drawing(ClipDrawing, FlowDrawing):
+    def draw_clips(self, pipeline, prompt, controls, height, width, frames, **arguments) -> list[list]:
+        """Each clip with the sound the pipeline drew beside it (its vocoder's waveform), which lasts as long as the
+        frames at the frame rate they were drawn for: written together (`save_clip`)."""
+        drawn = pipeline(prompt=prompt, height=height, width=width, num_frames=frames, output_type="pil", **arguments)
+        rate, fps = pipeline.vocoder.config.output_sampling_rate, arguments.get("frame_rate", FRAME_RATE)
+        return [
+            SoundingClip(clip, Sound(sound.float().cpu().numpy(), rate), fps)
+            for clip, sound in zip(drawn.frames, drawn.audio, strict=True)
+        ]
+
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
         """Classifier-free guidance at this scale for video and audio, the pipeline's other guidance off (see the
         module's docstring), at the frame rate training conditions on."""
