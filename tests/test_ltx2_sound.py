@@ -250,14 +250,52 @@ def test_clips_at_several_frame_rates_train_with_their_sound_in_batches_of_one_r
 
 
 def test_a_run_with_sound_refuses_what_it_cannot_train(make_config, base, tmp_path):
-    """Sound needs the latent cache (refused before any work), and sound in every example: a silent clip is named."""
+    """Sound needs the latent cache (refused before any work), and a clip in every example: an image is named."""
     clips = sound_clips(tmp_path / "clips", count=2)
     with pytest.raises(DifftuneError, match=r"model.family_options.sound: cache.latents must be on"):
         train(sound_run(make_config, base, clips, tmp_path / "uncached", cache__latents=False))
+    frames_of(1, 100)[0].save(clips / "still.png")
+    (clips / "still.txt").write_text("a still image")
+    with pytest.raises(DifftuneError, match=r"still.png: is an image; model.family_options.sound"):
+        train(sound_run(make_config, base, clips, tmp_path / "run"))
+
+
+def test_a_silent_clip_trains_its_frames_its_sounds_error_masked(make_config, base, tmp_path):
+    """A clip without an audio stream trains beside sounding ones: cached with digital silence as long as its window
+    (a sounding window's tokens), marked unheard; its sound's error is left out of its loss, its video's kept."""
+    clips = sound_clips(tmp_path / "clips", count=2)
     write_clip_with_sound(clips / "silent.mkv", frames_of(9, 200), 24, None)
     (clips / "silent.txt").write_text("a silent clip")
-    with pytest.raises(DifftuneError, match=r"silent.mkv: has no sound; model.family_options.sound"):
-        train(sound_run(make_config, base, clips, tmp_path / "run"))
+    config = sound_run(make_config, base, clips, tmp_path / "run", train__max_steps=2)
+    train(config)
+    cached = [read_tensors(entry) for entry in (tmp_path / "run" / "cache").rglob("*.safetensors")]
+    cached = [entry for entry in cached if "sound_latents" in entry]
+    assert sorted(float(entry["sound_heard"]) for entry in cached).count(0.0) >= 1
+    assert len({entry["sound_latents"].shape for entry in cached}) == 1
+
+    components = load_components(ModelConfig(base=base, family_options={"sound": True}))
+    sounds = FAMILY.conditioning.sound_conditioning(
+        components, [(clips / "0.mkv", (0, 9)), (clips / "silent.mkv", (0, 9))]
+    )
+    assert sounds["sound_heard"].tolist() == [1.0, 0.0]
+    latents = torch.randn(2, 8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    tokens = FAMILY.conditioning.tokenize(components.tokenizers, ["a clip with tone 0", "a silent clip"])
+    timesteps = torch.tensor([300.0, 800.0])
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        conditioning = FAMILY.conditioning.encode_prompts(components, tokens) | sounds
+        generators = [torch.Generator().manual_seed(seed) for seed in (5, 6)]
+        conditioning |= FAMILY.objective.stream_noise(generators, conditioning)
+        masked = FAMILY.objective.loss(components, latents, timesteps, noise, conditioning, None, config.loss)
+        heard = conditioning | {"sound_heard": torch.ones(2)}
+        both = FAMILY.objective.loss(components, latents, timesteps, noise, heard, None, config.loss)
+        noisy = FAMILY.objective.noised(components, latents, timesteps, noise)
+        sound_noise = conditioning["sound_noise"]
+        noisy_sound = FAMILY.objective.noised(components, sounds["sound_latents"], timesteps, sound_noise)
+        video, _ = FAMILY.denoise_with_sound(components, noisy, noisy_sound, timesteps, conditioning)
+    assert masked[0] == both[0] and masked[1] < both[1]
+    video_error = (video - (noise - latents)).square().mean(dim=(1, 2, 3, 4))
+    torch.testing.assert_close(masked[1], video_error[1], rtol=1e-5, atol=1e-6)
 
 
 def test_a_sample_carries_the_sound_drawn_beside_its_frames(base, tmp_path):

@@ -45,7 +45,7 @@ def read_sound(path: Path, start: int, length: int, sample_rate: int) -> tuple[t
             # A mono clip's channel is copied to both sides (FFmpeg's own upmix would lower it by 3 dB).
             mono = container.streams.audio[0].codec_context.channels == 1
             resampler = av.AudioResampler(format="fltp", layout="mono" if mono else "stereo", rate=sample_rate)
-            first, count = round(start / fps * sample_rate), round(length / fps * sample_rate)
+            first, count = window_samples(start, length, fps, sample_rate)
             chunks, samples = [], 0
             for frame in container.decode(container.streams.audio[0]):
                 for resampled in resampler.resample(frame):
@@ -63,6 +63,12 @@ def read_sound(path: Path, start: int, length: int, sample_rate: int) -> tuple[t
     waveform = np.repeat(waveform, 2, axis=0) if mono else waveform
     window = torch.from_numpy(np.ascontiguousarray(waveform[:, first : first + count], dtype=np.float32))
     return torch.nn.functional.pad(window, (0, count - window.shape[1])), fps
+
+
+def window_samples(start: int, length: int, fps: float, sample_rate: int) -> tuple[int, int]:
+    """The first sample and the count of samples at `sample_rate` under frames `start` to `start + length` of a clip
+    at `fps`."""
+    return round(start / fps * sample_rate), round(length / fps * sample_rate)
 
 
 def log_mel_spectrogram(waveforms: torch.Tensor, sample_rate: int, hop_length: int, mel_bins: int) -> torch.Tensor:

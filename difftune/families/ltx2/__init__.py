@@ -25,8 +25,9 @@ flow matching (flow.py) on clips (dataset.py cuts them into windows of frames) a
   then run joined, as the pipeline runs them: the sound noised at the clip's noise level with its own noise, the
   video positioned at the clip's frame rate (so both streams' positions are in the clip's seconds), and the loss the
   video's mean error plus the sound's (Lightricks' trainer's `video_loss + audio_loss`). The adapters go on the audio
-  stream's layers and the attention between the streams too. A run with sound needs the latent cache and a clip with
-  sound in every example (an image or a silent clip is refused by name); the validation loss stays the video's.
+  stream's layers and the attention between the streams too. A run with sound needs the latent cache and a clip in
+  every example (an image is refused by name); a clip without an audio stream trains its frames beside the
+  sounding ones, its sound's loss masked; the validation loss stays the video's.
 - Samples: clips of `sample.frames` frames (images: one-frame clips) at the size asked (a multiple of 32), at the
   pipeline's default 24 frames per second (the frame rate the video positions are conditioned on, in training too),
   guided by classifier-free guidance at `sample.guidance_scale` for video and audio alike; the pipeline's
@@ -54,8 +55,8 @@ from pydantic import Field
 
 from difftune.config import Config, ModelConfig
 from difftune.data.cache import model_identity
-from difftune.data.clips import Sound, SoundingClip
-from difftune.data.sound import log_mel_spectrogram, read_sound
+from difftune.data.clips import Sound, SoundingClip, frame_rate
+from difftune.data.sound import log_mel_spectrogram, read_sound, window_samples
 from difftune.errors import DifftuneError
 from difftune.families.common.conditioning import NO_TOKEN, Conditioning, padded_token_ids
 from difftune.families.common.drawing import ClipDrawing
@@ -145,8 +146,8 @@ class LTX2Options(FamilyOptions):
         False,
         description="Train each clip's sound beside its frames (Lightricks' trainer's `with_audio`, musubi-tuner's "
         "`--ltx_mode av`): the audio stream and the attention between the streams get adapters too. Every example "
-        "must be a clip with an audio stream, and cache.latents on. false: the video alone, the audio stream left as "
-        "the base's (the pipeline still draws sound).",
+        "must be a clip (one without an audio stream trains its frames, its sound's loss masked), and cache.latents "
+        "on. false: the video alone, the audio stream left as the base's (the pipeline still draws sound).",
     )
 
 
@@ -168,7 +169,10 @@ class SoundAndVideoFlow(FlowMatching):
         noisy = self.noised(components, latents, timesteps, noise if input_noise is None else input_noise)
         noisy_sound = self.noised(components, sound, timesteps, sound_noise)
         video, heard = components.family.denoise_with_sound(components, noisy, noisy_sound, timesteps, conditioning)
-        per_sample = flow_error(video, noise - latents, timesteps, config, mask) + flow_error(
+        # A silent clip's sound (digital silence, not what was there) is not trained: its error is masked. Caches
+        # made before silent clips trained hold sounds all heard.
+        sound_heard = conditioning.get("sound_heard", torch.ones(len(sound))).to(sound.device)
+        per_sample = flow_error(video, noise - latents, timesteps, config, mask) + sound_heard * flow_error(
             heard, sound_noise - sound, timesteps, config
         )
         return self.weighted(per_sample, timesteps, config)
@@ -246,20 +250,25 @@ class LTX2Conditioning(Conditioning):
         return f"{identity}+sound+{model_identity(components.pixel_encoders['audio_vae'])}"
 
     def sound_conditioning(self, components: Components, clips: list[tuple[Path, tuple[int, int] | None]]) -> dict:
-        """Each clip window's sound as the transformer reads it, (B, tokens, channels), and the clip's frame rate (B,),
-        for the latent cache: its log-mel spectrogram encoded by the audio autoencoder (the posterior's mode), packed
-        and normalised as the pipeline reads `audio_latents`."""
+        """Each clip window's sound as the transformer reads it, (B, tokens, channels), the clip's frame rate (B,) and
+        whether it was heard (B,: 0 for a clip without an audio stream, whose sound's loss is masked), for the latent
+        cache: its log-mel spectrogram encoded by the audio autoencoder (the posterior's mode), packed and normalised
+        as the pipeline reads `audio_latents`. A silent clip's is digital silence of the window's length."""
         audio_vae = components.pixel_encoders["audio_vae"]
         config = audio_vae.config
-        sounds = []
+        sounds, heard = [], []
         for path, window in clips:
-            sound = read_sound(path, *window, config.sample_rate) if window else None
-            if sound is None:
-                what = "has no sound" if window else "is an image"
+            if not window:
                 raise DifftuneError(
-                    f"{path}: {what}; model.family_options.sound trains every example's sound beside its frames: "
-                    "train clips with an audio stream, or set it to false"
+                    f"{path}: is an image; model.family_options.sound trains clips' sound beside their frames: train "
+                    "clips, or set it to false"
                 )
+            sound = read_sound(path, *window, config.sample_rate)
+            heard.append(sound is not None)
+            if sound is None:
+                if not (fps := frame_rate(path)):
+                    raise DifftuneError(f"{path}: states no frame rate to time its (silent) sound by; re-encode it")
+                sound = torch.zeros(2, window_samples(*window, fps, config.sample_rate)[1]), fps
             sounds.append(sound)
         lengths = {waveform.shape[1] for waveform, _ in sounds}
         if len(lengths) > 1:
@@ -274,7 +283,11 @@ class LTX2Conditioning(Conditioning):
         latents = audio_vae.encode(spectrograms.to(weight)).latent_dist.mode().float()
         packed = LTX2Pipeline._pack_audio_latents(latents)
         normalised = LTX2Pipeline._normalize_audio_latents(packed, audio_vae.latents_mean, audio_vae.latents_std)
-        return {"sound_latents": normalised, "frame_rate": torch.tensor([rate for _, rate in sounds])}
+        return {
+            "sound_latents": normalised,
+            "frame_rate": torch.tensor([rate for _, rate in sounds]),
+            "sound_heard": torch.tensor(heard, dtype=torch.float32),
+        }
 
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         """Each stripped caption's ids (with Gemma's start token), left-padded with -1 (no token's id) to the length
