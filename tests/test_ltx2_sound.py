@@ -5,6 +5,8 @@ two streams' mean errors summed (Lightricks' trainer's), its adapters on the aud
 
 from __future__ import annotations
 
+import math
+
 import av
 import numpy as np
 import pytest
@@ -22,7 +24,9 @@ from difftune.data.sound import log_mel_spectrogram, read_sound
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.families.common.drawing import generate_images, save_images
+from difftune.training.metrics import read_metrics
 from difftune.training.train import train
+from difftune.training.validation import Validator
 
 from test_ltx2 import first_transformer_call
 
@@ -296,6 +300,35 @@ def test_a_silent_clip_trains_its_frames_its_sounds_error_masked(make_config, ba
     assert masked[0] == both[0] and masked[1] < both[1]
     video_error = (video - (noise - latents)).square().mean(dim=(1, 2, 3, 4))
     torch.testing.assert_close(masked[1], video_error[1], rtol=1e-5, atol=1e-6)
+
+
+def test_the_validation_loss_counts_a_clips_sound(make_config, base, tmp_path):
+    """A run with sound scores its held-out clips' sound beside their frames: each clip's sound as the cache holds it
+    (a silent one's marked unheard), logged as the run goes, and the loss moves with the sound."""
+    held_out = sound_clips(tmp_path / "held_out", count=2)
+    write_clip_with_sound(held_out / "silent.mkv", frames_of(9, 200), 24, None)
+    (held_out / "silent.txt").write_text("a silent clip")
+    config = sound_run(
+        make_config,
+        base,
+        sound_clips(tmp_path / "clips", count=2),
+        tmp_path / "run",
+        validation__path=str(held_out),
+        validation__every_steps=1,
+        train__max_steps=1,
+    )
+    train(config)
+    assert [math.isfinite(row["val_loss"]) for row in read_metrics(tmp_path / "run") if "val_loss" in row] == [True]
+
+    components = load_components(ModelConfig(base=base, family_options={"sound": True}))
+    validator = Validator(components, config, torch.device("cpu"))
+    [group] = validator.groups  # three clips of one length and rate, each at every validation timestep
+    expected = FAMILY.conditioning.sound_conditioning(components, [(held_out / "0.mkv", (0, 9))])
+    assert any(torch.equal(row, expected["sound_latents"][0]) for row in group["from_pixels"]["sound_latents"])
+    assert sorted(set(group["from_pixels"]["sound_heard"].tolist())) == [0.0, 1.0]
+    loss = validator.loss(components)
+    group["from_pixels"]["sound_latents"] = torch.zeros_like(group["from_pixels"]["sound_latents"])
+    assert abs(validator.loss(components) - loss) > 1e-4
 
 
 def test_a_sample_carries_the_sound_drawn_beside_its_frames(base, tmp_path):

@@ -109,6 +109,13 @@ class Validator:
             sees_controls=family.conditioning.prompts_see_controls,
         )
         items = [dataset[(0, i)] for i in range(len(examples))]
+        # A run that trains its clips' sound scores it too: each clip's sound under its window, as the cache holds it.
+        sounds = [
+            family.conditioning.sound_conditioning(components, [(example.path, example.frames)])
+            if family.conditioning.trains_sound(components)
+            else {}
+            for example in examples
+        ]
         seed = config.validation.seed
         timesteps = [
             t for t in config.validation.timesteps if family.objective.trains_noise_level(components, t / 1000)
@@ -121,7 +128,8 @@ class Validator:
         noise_generator = torch.Generator().manual_seed(derive_seed(VALIDATION_STREAM, seed, len(items)))
         by_size: dict[tuple, list[int]] = {}
         for i, item in enumerate(items):
-            shapes = (item["pixel_values"].shape, *(control.shape for control in item.get("control_pixels", [])))
+            controls = [control.shape for control in item.get("control_pixels", [])]
+            shapes = (item["pixel_values"].shape, *controls, *(value.shape for value in sounds[i].values()))
             by_size.setdefault(tuple(map(tuple, shapes)), []).append(i)
         # One group per image size, each with every (image, timestep) pair and its own fixed noise: (N * T, C, h, w).
         self.groups = []
@@ -161,6 +169,16 @@ class Validator:
                 )  # a layered base's: the image and its layers
                 control_latents = conditioning.pop("control_latents", [])
                 from_pixels |= conditioning  # what the family made of the controls (the image a layered base splits)
+            noise = torch.randn(latents.shape, generator=noise_generator).to(device)
+            if sounds[indices[0]]:
+                from_pixels |= {
+                    name: torch.cat([sounds[i][name] for i in indices])
+                    .repeat_interleave(len(timesteps), dim=0)
+                    .to(device)
+                    for name in sounds[indices[0]]
+                }
+                sound_shape = from_pixels["sound_latents"].shape
+                from_pixels["sound_noise"] = torch.randn(sound_shape, generator=noise_generator).to(device)
             self.groups.append(
                 {
                     "latents": latents,
@@ -172,7 +190,7 @@ class Validator:
                     "image_of_pair": torch.arange(len(indices)).repeat_interleave(len(timesteps)),
                     "geometry": per_pair([items[i]["geometry"] for i in indices]),
                     "timesteps": torch.tensor(timesteps * len(indices), device=device),
-                    "noise": torch.randn(latents.shape, generator=noise_generator).to(device),
+                    "noise": noise,
                     "control_latents": control_latents,
                     "from_pixels": from_pixels,
                 }

@@ -27,7 +27,7 @@ flow matching (flow.py) on clips (dataset.py cuts them into windows of frames) a
   video's mean error plus the sound's (Lightricks' trainer's `video_loss + audio_loss`). The adapters go on the audio
   stream's layers and the attention between the streams too. A run with sound needs the latent cache and a clip in
   every example (an image is refused by name); a clip without an audio stream trains its frames beside the
-  sounding ones, its sound's loss masked; the validation loss stays the video's.
+  sounding ones, its sound's loss masked; the validation loss counts the held-out clips' sound too.
 - Samples: clips of `sample.frames` frames (images: one-frame clips) at the size asked (a multiple of 32), at the
   pipeline's default 24 frames per second (the frame rate the video positions are conditioned on, in training too),
   guided by classifier-free guidance at `sample.guidance_scale` for video and audio alike; the pipeline's
