@@ -74,19 +74,23 @@ def test_the_first_frame_is_read_as_the_pipeline_reads_the_image(base):
 
 def test_a_single_file_is_read_into_hunyuan_videos_folder_at_twice_the_channels(base, micro_base, tmp_path):
     """Kijai's files hold the transformer alone in Tencent's layout, its keys HunyuanVideo's: with the family named
-    and a HunyuanVideo folder for the rest, the transformer reads 32 channels in and holds the file's weights."""
+    and a HunyuanVideo folder for the rest, the transformer reads 32 channels in and holds the file's weights; with
+    the family left to `auto`, a message says the file is another variant."""
     components = load_components(ModelConfig(base=base))
     save_file(FAMILY.layout.to_single_file(components), tmp_path / "skyreels_hunyuan_i2v.safetensors")
     again = load_components(
         ModelConfig(
             base=str(tmp_path / "skyreels_hunyuan_i2v.safetensors"),
             family="hunyuan_video_skyreels_i2v",
-            single_file_config=str(micro_base("hunyuan_video")),
+            single_file_config=(folder := str(micro_base("hunyuan_video"))),
         )
     )
     assert again.family is FAMILY and again.denoiser.config.in_channels == 32
     theirs = components.denoiser.state_dict()
     assert all(torch.equal(value, theirs[key]) for key, value in again.denoiser.state_dict().items())
+    # Left to `auto`, the folder's pipeline class picks HunyuanVideo: the file does not fit it, and says so.
+    with pytest.raises(DifftuneError, match=r"does not fit the HunyuanVideo transformer .* set model.family"):
+        load_components(ModelConfig(base=str(tmp_path / "skyreels_hunyuan_i2v.safetensors"), single_file_config=folder))
 
 
 def test_samples_guide_by_the_second_pass_and_name_their_image(base):

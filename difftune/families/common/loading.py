@@ -195,7 +195,18 @@ class Loading(Role):
             denoiser = self.family.denoiser_class.from_config(self.denoiser_file_config(source.config()))
         if is_gguf(config.base):
             return load_gguf_file(denoiser, config.base, self.family.layout.diffusers_names, dtypes.others)
-        return load_denoiser_file(denoiser, self.denoiser_file_weights(config.base), dtypes)
+        try:
+            return load_denoiser_file(denoiser, self.denoiser_file_weights(config.base), dtypes)
+        except RuntimeError as error:
+            mismatch = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), None)
+            if mismatch is None:
+                raise
+            raise DifftuneError(
+                f"model.base {config.base}: does not fit the {self.family.description} {part} that "
+                f"model.single_file_config {config.single_file_config} describes ({mismatch}): it is another variant "
+                "of the model; set model.family to the family of that variant, or model.single_file_config to a "
+                "folder of its own configs"
+            ) from None
 
     def denoiser_file_config(self, config: dict) -> dict:
         """The denoiser's config a single file is read into, from `model.single_file_config`'s: as it is, unless a
