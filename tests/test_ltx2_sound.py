@@ -354,3 +354,35 @@ def test_a_sample_carries_the_sound_drawn_beside_its_frames(base, tmp_path):
     # energy is the waveform's
     assert 0 <= decoded.shape[1] - drawn.samples.shape[1] <= 3 * 1024
     assert (decoded**2).sum() == pytest.approx((drawn.samples**2).sum(), rel=0.15)
+
+
+def test_the_plan_counts_the_sound_stream(make_config, base, tmp_path):
+    """A run with sound plans both streams joined, as it trains them: on LTX-2's published configs (19B), more
+    activations than the same run on the video alone; the sound planned is as many tokens as the pipeline gives a clip
+    of the same frames at its 24 per second, within one of what training encodes of such a window (the micro model)."""
+    from difftune.training import plan
+
+    clips = sound_clips(tmp_path / "clips", count=2)
+    step = "activations and gradients"
+    published = {"model__base": "Lightricks/LTX-2", "data__resolution": 512, "data__target_frames": [49]}
+    with_sound = sound_run(make_config, base, clips, tmp_path / "run", **published)
+    video_alone = sound_run(make_config, base, clips, tmp_path / "run", **published, model__family_options={})
+    assert plan.plan_memory(with_sound, "cuda").device[step] > plan.plan_memory(video_alone, "cuda").device[step]
+
+    planned_tokens = []
+    joined = FAMILY.denoise_with_sound
+
+    def counted(components, noisy, noisy_sound, timesteps, conditioning):
+        planned_tokens.append(noisy_sound.shape[1])
+        return joined(components, noisy, noisy_sound, timesteps, conditioning)
+
+    FAMILY.denoise_with_sound = counted
+    try:
+        plan.plan_memory(sound_run(make_config, base, clips, tmp_path / "run"), "cuda")
+    finally:
+        del FAMILY.denoise_with_sound
+    components = load_components(ModelConfig(base=base, family_options={"sound": True}))
+    window = FAMILY.conditioning.sound_conditioning(components, [(clips / "0.mkv", (0, 9))])  # 24 fps clips
+    # The pipeline's count (duration x 25 tokens a second, rounded: 9); the encoder's causal frames give one more.
+    [tokens] = planned_tokens
+    assert tokens == round(9 / 24 * 25) and abs(tokens - window["sound_latents"].shape[1]) <= 1

@@ -956,7 +956,7 @@ def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tu
     geometry = torch.tensor([[side, side, 0, 0, side, side]] * batch, device=META)
     timesteps = torch.full((batch,), 500, device=META)
     with _counting(full) as counter, _meta_autocast_as_cpu():
-        components.family.denoise(
+        components.family.planned_prediction(
             components, latents, timesteps, conditioning, geometry
         ).float().square().mean().backward()
         return counter.peak, counter.now

@@ -158,6 +158,18 @@ class Family:
         (original height, width, crop top, left, target height, width) in pixels (`data.image_geometry`)."""
         raise NotImplementedError
 
+    def planned_prediction(
+        self,
+        components: Components,
+        noisy: torch.Tensor,
+        timesteps: torch.Tensor,
+        conditioning: dict,
+        geometry: torch.Tensor,
+    ) -> torch.Tensor:
+        """What the memory plan runs forward and back as one training step's denoising: `denoise`, unless training runs
+        more than it (LTX-2's sound stream beside the video's)."""
+        return self.denoise(components, noisy, timesteps, conditioning, geometry)
+
     def control_residuals(
         self, components: Components, conditioning: dict, hidden_states: torch.Tensor, timestep: torch.Tensor, **inputs
     ) -> dict:

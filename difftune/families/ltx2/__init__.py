@@ -365,6 +365,21 @@ class LTX2(FlowMatchingFamily):
         }
         return self._run(components, noisy, timesteps, conditioning, silence)[0]
 
+    def planned_prediction(self, components, noisy, timesteps, conditioning, geometry):
+        """A run with sound plans both streams joined, as it trains them, over the sound of a window as long as the
+        clip's frames at the pipeline's frame rate (its token count as `LTX2Pipeline` counts a clip's audio latents)."""
+        if not self.conditioning.trains_sound(components) or noisy.dim() != 5:
+            return super().planned_prediction(components, noisy, timesteps, conditioning, geometry)
+        audio_vae = components.pixel_encoders["audio_vae"]
+        seconds = ((noisy.shape[2] - 1) * components.vae.temporal_compression_ratio + 1) / FRAME_RATE
+        per_second = (
+            audio_vae.config.sample_rate / audio_vae.config.mel_hop_length / audio_vae.temporal_compression_ratio
+        )
+        sound = noisy.new_zeros(len(noisy), round(seconds * per_second), components.denoiser.config.audio_in_channels)
+        rates = {"frame_rate": torch.full((len(noisy),), FRAME_RATE)}
+        video, heard = self.denoise_with_sound(components, noisy, sound, timesteps, conditioning | rates)
+        return torch.cat([video.flatten(1), heard.flatten(1)], dim=1)
+
     def denoise_with_sound(self, components, noisy, noisy_sound, timesteps, conditioning):
         """A clip's latents (B, C, t, h, w) and its sound's (B, tokens, channels) through both streams, joined, as the
         pipeline runs them (the video positioned at the clip's frame rate): both predictions."""
