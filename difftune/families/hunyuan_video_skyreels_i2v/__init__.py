@@ -7,8 +7,8 @@ else is HunyuanVideo's (hunyuan_video): text, latents, the guidance embedding, f
   latents, condition] along the channels (16 + 16 = 32). In training the image is the training window's own first
   frame (flipped and cut with it), encoded by the same frozen autoencoder as the clip (`pixel_conditioning`) and cached
   beside its posterior. The pipeline draws the image's latents from its posterior; training takes the posterior's
-  mode (the autoencoder's spread is small beside the noise the transformer reads next to it). The loss covers every
-  frame, the first too, as musubi-tuner's does.
+  mode, as HunyuanVideo 1.5's image-to-video pipeline encodes its image. The loss covers every frame, the first too,
+  as musubi-tuner's does.
 - Guidance: the pipeline gives the guidance embedding `guidance_scale` x 1000 (1 by default, as the model was trained)
   and guides by a second pass with a negative prompt (`true_cfg_scale`, 6 by default). Samples give the embedding
   `model.family_options.guidance`, what training conditions it on, and `sample.guidance_scale` as the second pass's
