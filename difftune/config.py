@@ -1153,9 +1153,10 @@ class RewardConfig(Section):
     )
     noise_level: float = Field(
         0.7,
-        gt=0,
-        description="`grpo`: the stochastic sampler's noise (Flow-GRPO's a; DDIM's eta for the epsilon and v "
-        "families).",
+        ge=0,
+        description="The noise of the sampler that draws the images while training (Flow-GRPO's a; DDIM's eta for "
+        "the epsilon and v families, 1 being DDPM's ancestral sampler). `grpo` explores by it; `draft` at 0 draws "
+        "deterministically, as the DRaFT paper, and above 0 trains on the states a stochastic sampler passes.",
     )
     trained_steps: int = Field(
         0, ge=0, description="`grpo`: denoising steps trained per image each step, drawn at random; 0: all of them."
@@ -1192,6 +1193,8 @@ class RewardConfig(Section):
             )
         if not self.prompts:
             raise ValueError("reward.prompts: list the prompts to draw and score (reward training reads no images)")
+        if self.method == "grpo" and self.noise_level == 0:
+            raise ValueError("reward.noise_level 0: GRPO explores by the sampler's noise; set it above 0 (e.g. 0.7)")
         if self.method == "draft" and self.draft_last_steps > self.steps:
             raise ValueError(f"reward.draft_last_steps {self.draft_last_steps}: at most reward.steps ({self.steps})")
         return self

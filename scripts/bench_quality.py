@@ -244,10 +244,16 @@ VARIANTS = {
         **at_seeds("600_steps", "train.max_steps=600"),  # seed 0 drew 7 of 8 purple squares
     },
     "tiny_reward": {
-        **at_seeds("draft_anchored"),
-        "draft_anchored_4_steps": ["reward.steps=4"],
-        "draft_anchored_500_steps": ["train.max_steps=500"],
-        "draft_unanchored": ["reward.kl_weight=0", "train.max_steps=150"],
+        **at_seeds("draft_anchored_noise_1"),
+        "draft_anchored_noise_1_500_steps": ["train.max_steps=500"],
+        "draft_anchored_noise_1_anchor_0.005": ["reward.kl_weight=0.005"],
+        # DDIM at eta 1 over 20 steps is the judge's own sampler (DDPM, 20 steps)
+        "draft_anchored_noise_1_20_steps": ["reward.steps=20"],
+        # The DRaFT paper's deterministic sample (DDIM, eta 0)
+        **at_seeds("draft_anchored", "reward.noise_level=0"),
+        "draft_anchored_4_steps": ["reward.noise_level=0", "reward.steps=4"],
+        "draft_anchored_500_steps": ["reward.noise_level=0", "train.max_steps=500"],
+        "draft_unanchored": ["reward.noise_level=0", "reward.kl_weight=0", "train.max_steps=150"],
         # Flow-GRPO's policy gradient (DDPO's DDIM policy on this epsilon base): 6 images of 3 prompts a step.
         "grpo": [
             "reward.method=grpo",

@@ -1,8 +1,10 @@
 """Reward fine-tuning (Flow-GRPO / DDPO's policy, DRaFT-K): the stochastic samplers against diffusers' schedulers and
 the marginals they must keep, the policy's log-probabilities, and runs that draw, score and train."""
 
+import importlib
 import math
 
+import numpy as np
 import pytest
 import torch
 from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
@@ -10,10 +12,12 @@ from safetensors.torch import load_file
 
 from difftune.config import LossConfig
 from difftune.errors import DifftuneError
+from difftune.families import load_components
 from difftune.families.common.flow import FlowMatching
 from difftune.families.common.objective import DDPM
+from difftune.toy.judge import shapes_reward
 from difftune.training.metrics import read_metrics
-from difftune.training.reward import gaussian_log_prob
+from difftune.training.reward import gaussian_log_prob, reward_batches
 from difftune.training.train import train
 
 
@@ -206,6 +210,45 @@ def test_draft_trains_through_a_differentiable_scorer_and_refuses_one_without_gr
         train(make_config(**refused))
 
 
+SCORED: list[torch.Tensor] = []  # what `recorded_shapes_reward` was given, each call's images
+
+
+def recorded_shapes_reward(images, prompts):
+    SCORED.append(images.detach().clone())
+    return shapes_reward(images, prompts)
+
+
+def test_a_draft_sample_is_the_pipelines_own_at_noise_0_and_stochastic_above(make_config, tmp_path):
+    """The first round (the adapter still zero: the base) scores what StableDiffusionPipeline draws with DDIM from
+    the round's noise; at noise level 1 (DDIM's eta 1, DDPM's ancestral sampler) it draws other images."""
+    scored = importlib.import_module("tests.test_reward").SCORED  # the run imports the scorer by that name
+    drawn = {}
+    for level in (0.0, 1.0):
+        overrides = {
+            "reward.method": "draft",
+            "reward.noise_level": level,
+            "reward.scorer": "tests.test_reward:recorded_shapes_reward",
+            "train.max_steps": 1,
+            "train.output_dir": str(tmp_path / f"noise_{level}"),
+        }
+        config = make_config(**reward_settings(tmp_path, **overrides))
+        scored.clear()
+        train(config)
+        drawn[level] = scored[0]
+    prompts = next(reward_batches(config, 0, 0))["prompt"]
+    components = load_components(config.model)
+    # A round's noise: the run's seed, the process and the round's number (reward.py's _generator)
+    seed = np.random.SeedSequence([config.train.seed, 0, 0]).generate_state(1)[0]
+    noise = torch.randn(drawn[0.0].shape[0], 4, 8, 8, generator=torch.Generator().manual_seed(int(seed)))
+    scheduler = DDIMScheduler.from_config(components.noise_scheduler.config, set_alpha_to_one=False)
+    pipeline = components.pipeline(scheduler)
+    expected = pipeline(
+        prompts, latents=noise, num_inference_steps=3, guidance_scale=2.0, eta=0.0, output_type="pt"
+    ).images
+    torch.testing.assert_close(drawn[0.0], expected, rtol=1e-4, atol=1e-4)
+    assert (drawn[1.0] - drawn[0.0]).abs().max() > 0.05
+
+
 def judged_count(images, prompts):
     """A scorer with no gradients: each image's count of bright pixels."""
     return [float((image > 0.5).sum()) for image in images]
@@ -220,6 +263,7 @@ def judged_count(images, prompts):
         ({"adapter.text_encoder": True}, "the denoiser's adapter is tuned"),
         ({"preference.method": "dpo"}, 'preference.method = "dpo"'),
         ({"reward.method": "draft", "reward.draft_last_steps": 9}, "at most reward.steps"),
+        ({"reward.noise_level": 0}, "GRPO explores by the sampler's noise"),
     ],
 )
 def test_settings_a_reward_run_cannot_train_with_are_refused(make_config, tmp_path, overrides, message):
@@ -362,8 +406,6 @@ def test_a_flow_family_trains_from_rewards(make_config, tiny_flux_base, tmp_path
 
 def test_each_epoch_draws_every_prompt_once_and_a_resumed_run_the_same_rounds(make_config, tmp_path):
     from itertools import islice
-
-    from difftune.training.reward import reward_batches
 
     prompts = [f"a prompt {k}" for k in range(5)]
     config = make_config(**reward_settings(tmp_path, **{"reward.prompts": prompts, "reward.updates_per_round": 2}))

@@ -10,9 +10,11 @@ as PPO's, and a KL term holds each step's mean near the base's (the adapter swit
 Log-probabilities are means over the latent's elements, as Flow-GRPO takes them.
 
 `draft` is DRaFT-K (Clark et al., "Directly Fine-Tuning Diffusion Models on Differentiable Rewards", 2024): a
-deterministic sample whose last `draft_last_steps` steps and decode keep their graph, and the loss is minus the
-score, so a scorer with gradients (a CLIP similarity) trains the adapter directly. `kl_weight` anchors it to the base
-at every step of the sample, so what the scorer has no gradient for is kept.
+sample whose last `draft_last_steps` steps and decode keep their graph, and the loss is minus the score, so a scorer
+with gradients (a CLIP similarity) trains the adapter directly. The sample is drawn by the same sampler at
+`noise_level` (0: deterministic, as the paper's), so the adapter trains on the states an ancestral sampler (DDPM's)
+passes as well. `kl_weight` anchors it to the base at every step of the sample, so what the scorer has no gradient
+for is kept.
 
 A round's randomness comes from the run's seed and the round's number: a run resumed at a round's start draws what
 the uninterrupted run drew.
@@ -229,7 +231,10 @@ class RewardTraining:
                     else:
                         backward(reward.kl_weight * kl)
                         prediction = prediction.detach()
-                state, _ = objective.sampler_step(components, schedule, step, state, prediction, 0.0, self.config.loss)
+                mean, std = objective.sampler_step(
+                    components, schedule, step, state, prediction, reward.noise_level, self.config.loss
+                )
+                state = mean + std * torch.randn(mean.shape, generator=generator).to(self.device)
         scores = self.scorer(self._decoded(components, state), prompts)
         if not scores.requires_grad:
             raise DifftuneError(
