@@ -247,6 +247,8 @@ VARIANTS = {
         **at_seeds("draft_anchored_noise_1"),
         "draft_anchored_noise_1_500_steps": ["train.max_steps=500"],
         "draft_anchored_noise_1_anchor_0.005": ["reward.kl_weight=0.005"],
+        "draft_anchored_noise_1_anchor_0.02": ["reward.kl_weight=0.02"],
+        "draft_anchored_noise_1_rank_32": ["adapter.rank=32"],
         # DDIM at eta 1 over 20 steps is the judge's own sampler (DDPM, 20 steps)
         "draft_anchored_noise_1_20_steps": ["reward.steps=20"],
         # The DRaFT paper's deterministic sample (DDIM, eta 0)
