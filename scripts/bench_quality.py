@@ -54,6 +54,15 @@ def at_seeds(name: str, *overrides: str) -> dict[str, list[str]]:
     return {name + suffix: [*overrides, *seed] for suffix, seed in SEEDS.items()}
 
 
+# The reward job's prompts with the purple three listed three times (the seen twelve once)
+PURPLE_PROMPTS_X3 = str(
+    [f"a purple {shape}" for shape in ("circle", "square", "triangle")] * 3
+    + [
+        f"a {color} {shape}"
+        for color in ("red", "green", "blue", "yellow")
+        for shape in ("circle", "square", "triangle")
+    ]
+).replace("'", '"')
 PURPLE, SEEN = 'path = "examples/purple"', 'path = "examples/purple_with_seen/1_seen"'
 
 
@@ -249,6 +258,7 @@ VARIANTS = {
         "draft_anchored_noise_1_anchor_0.005": ["reward.kl_weight=0.005"],
         "draft_anchored_noise_1_anchor_0.02": ["reward.kl_weight=0.02"],
         "draft_anchored_noise_1_rank_32": ["adapter.rank=32"],
+        "draft_anchored_noise_1_purple_prompts_x3": ["reward.prompts=" + PURPLE_PROMPTS_X3],
         # DDIM at eta 1 over 20 steps is the judge's own sampler (DDPM, 20 steps)
         "draft_anchored_noise_1_20_steps": ["reward.steps=20"],
         # The DRaFT paper's deterministic sample (DDIM, eta 0)
