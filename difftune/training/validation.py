@@ -128,8 +128,8 @@ class Validator:
         noise_generator = torch.Generator().manual_seed(derive_seed(VALIDATION_STREAM, seed, len(items)))
         by_size: dict[tuple, list[int]] = {}
         for i, item in enumerate(items):
-            controls = [control.shape for control in item.get("control_pixels", [])]
-            shapes = (item["pixel_values"].shape, *controls, *(value.shape for value in sounds[i].values()))
+            control_shapes = [control.shape for control in item.get("control_pixels", [])]
+            shapes = (item["pixel_values"].shape, *control_shapes, *(value.shape for value in sounds[i].values()))
             by_size.setdefault(tuple(map(tuple, shapes)), []).append(i)
         # One group per image size, each with every (image, timestep) pair and its own fixed noise: (N * T, C, h, w).
         self.groups = []

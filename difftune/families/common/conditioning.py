@@ -83,6 +83,21 @@ def processed_frames(processor, frames: torch.Tensor, encoder: torch.nn.Module, 
 # The edit pipelines that keep a reference at its own size (Z-Image Omni's, FLUX.3's and FLUX.2's) take sides in
 # multiples of 16 (the autoencoder's 8x times the transformer's 2x2 patches: what they crop or pad a reference to) and
 # at least 64 px (Z-Image Omni's and FLUX.2's refuse less; FLUX.3's pads to it).
+def first_frame(pixels: torch.Tensor) -> torch.Tensor:
+    """A training view's first frame (an image is its own), as a one-frame clip (B, 3, 1, H, W): the image an
+    image-to-video base animates."""
+    return (pixels if pixels.dim() == 5 else pixels[:, :, None])[:, :, :1]
+
+
+def first_frame_clip(components: Components, clip: torch.Tensor, first_frame_latents: torch.Tensor) -> torch.Tensor:
+    """A clip of zeros shaped as the noisy `clip` (B, C, t, h, w) whose first latent frame is the image's latents
+    (unnormalised, as the cache keeps them), normalised as the clip's: what HunyuanVideo 1.5's and SkyReels'
+    image-to-video pipelines give their transformers beside the noisy clip."""
+    condition = torch.zeros_like(clip)
+    condition[:, :, :1] = components.latent_normalization.apply(first_frame_latents.float())
+    return condition
+
+
 REFERENCE_GRID = 16
 SHORTEST_REFERENCE_SIDE = 64
 

@@ -24,7 +24,7 @@ import math
 import torch
 from diffusers import HunyuanVideo15ImageToVideoPipeline
 
-from difftune.families.common.conditioning import processed_frames
+from difftune.families.common.conditioning import first_frame, first_frame_clip, processed_frames
 from difftune.families.common.drawing import ImageToVideoDrawing
 from difftune.families.common.hunyuan_text import attributes_set
 from difftune.families.common.loading import with_transformer_lora_loading
@@ -76,7 +76,7 @@ class HunyuanVideo15ImageToVideoConditioning(HunyuanVideo15Conditioning):
     def pixel_conditioning(self, components: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         """The first frame encoded alone, to its posterior's mode (unnormalised, as the cache keeps posteriors):
         (B, C, 1, h, w); and its SigLIP image states (B, tokens, D)."""
-        first = (pixels if pixels.dim() == 5 else pixels[:, :, None])[:, :, :1]
+        first = first_frame(pixels)
         return {
             "first_frame_latents": encode_posterior(components.vae, first)[0],
             "image_embeds": siglip_image_states(components, first[:, :, 0]),
@@ -98,8 +98,7 @@ class HunyuanVideo15ImageToVideo(HunyuanVideo15):
     def conditions(self, components: Components, clip: torch.Tensor, conditioning: dict) -> dict[str, torch.Tensor]:
         """The first frame's latents as the first latent frame of a clip of zeros, its mask 1 there; the frame's
         image states."""
-        condition = torch.zeros_like(clip)
-        condition[:, :, :1] = components.latent_normalization.apply(conditioning["first_frame_latents"].float())
+        condition = first_frame_clip(components, clip, conditioning["first_frame_latents"])
         mask = torch.zeros_like(clip[:, :1])
         mask[:, :, 0] = 1  # the first latent frame is given
         return {"clip": torch.cat([condition, mask], dim=1), "image_embeds": conditioning["image_embeds"]}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from diffusers import HunyuanSkyreelsImageToVideoPipeline
 
+from difftune.families.common.conditioning import first_frame, first_frame_clip
 from difftune.families.common.drawing import ImageToVideoDrawing
 from difftune.families.hunyuan_video import (
     HunyuanVideo,
@@ -51,8 +52,7 @@ class SkyReelsImageToVideoConditioning(HunyuanVideoConditioning):
     def pixel_conditioning(self, components: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         """The first frame encoded alone, to its posterior's mode (unnormalised, as the cache keeps posteriors):
         (B, C, 1, h, w)."""
-        first = (pixels if pixels.dim() == 5 else pixels[:, :, None])[:, :, :1]
-        return {"first_frame_latents": encode_posterior(components.vae, first)[0]}
+        return {"first_frame_latents": encode_posterior(components.vae, first_frame(pixels))[0]}
 
 
 class SkyReelsImageToVideoDrawing(ImageToVideoDrawing, HunyuanVideoDrawing):
@@ -79,9 +79,7 @@ class SkyReelsImageToVideo(HunyuanVideo):
 
     def transformer_input(self, components: Components, clip: torch.Tensor, conditioning: dict) -> torch.Tensor:
         """The noisy clip, then the first frame's latents as the first latent frame of a clip of zeros."""
-        condition = torch.zeros_like(clip)
-        condition[:, :, :1] = components.latent_normalization.apply(conditioning["first_frame_latents"].float())
-        return torch.cat([clip, condition.to(clip.dtype)], dim=1)
+        return torch.cat([clip, first_frame_clip(components, clip, conditioning["first_frame_latents"])], dim=1)
 
 
 FAMILY = SkyReelsImageToVideo()
