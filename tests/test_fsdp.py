@@ -30,7 +30,8 @@ COMMON = [
 
 def _run(args, extra_env=None):
     run = run_in_repo(args, extra_env)
-    assert run.returncode == 0, run.stderr[-4000:]
+    # How far it got (the output's end) beside why it stopped (the errors' end)
+    assert run.returncode == 0, run.stdout[-1500:] + run.stderr[-4000:]
     return run
 
 

@@ -612,6 +612,11 @@ def finish(run: Run) -> TrainResult:
         )
     for line in run.best.summary() if run.best else ():
         accelerator.print(f"difftune: {line}")
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
+        # CPU processes take gloo's group down together: one that tore it down while the main process still wrote
+        # the results aborted now and then (SIGABRT). Under NCCL the others leave at once, as accelerate's examples
+        # do, so a long save never meets NCCL's collective timeout.
+        accelerator.wait_for_everyone()
     accelerator.end_training()
     return TrainResult(components, trained_path, run.losses, run.optimizer, ema)
 
