@@ -41,6 +41,7 @@ from difftune.cli import main
 from difftune.config import FAMILY_NAMES, Config, ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, family_table_markdown, load_components
+from difftune.families.common.inpainting import InpaintDrawing
 from difftune.families.common.layouts import FusedLayout
 from difftune.families.common.modular import ModularLoading
 from difftune.families.lumina2 import SYSTEM_PROMPT
@@ -304,12 +305,15 @@ def _ideogram4_prompts(pipeline, prompts):
 READS_FEWER_TOKENS = {"z_image", "z_image_omni", "ideogram4"}
 # Whose pipelines read a micro model's kohya file: diffusers' Flux reader assumes FLUX.1's widths for a single
 # block's fused linear1 (tests/test_flux.py checks its double blocks).
-KOHYA_READ_BY_PIPELINE = {"sd", "sdxl", "qwen_image", "z_image", "wan", "wan_i2v"}
+KOHYA_READ_BY_PIPELINE = {"sd", "sd_inpaint", "sdxl", "sdxl_inpaint", "qwen_image", "z_image", "wan", "wan_i2v"}
 PIPELINE_PROMPTS = {
     "sd": _sd_prompts,
+    "sd_inpaint": _sd_prompts,
     "sdxl": _sdxl_prompts,
+    "sdxl_inpaint": _sdxl_prompts,
     "flux": _flux_prompts,
     "flux_kontext": _flux_prompts,
+    "flux_fill": _flux_prompts,
     "qwen_image": _qwen_prompts,
     "qwen_image21": _qwen_image21_prompts,
     "qwen_image_edit": _qwen_edit_prompts,
@@ -344,6 +348,20 @@ PIPELINE_PROMPTS = {
     "wan_i2v": _wan_prompts,
 }
 CONTROL = recolor_pairs(1, seed=4)[0][0]
+MASK = Image.new("L", CONTROL.size, 0)  # an inpainting family's samples: white where it draws
+MASK.paste(255, (8, 4, 24, 20))
+
+
+def _sample_controls(family, folder: Path) -> list[str]:
+    """The files a family's sample prompt names where its pipeline draws only from images: an edit's control, an
+    inpainting family's image and mask."""
+    CONTROL.save(folder / "control.png")
+    if not isinstance(family.drawing, InpaintDrawing):
+        return [str(folder / "control.png")]
+    MASK.save(folder / "mask.png")
+    return [str(folder / "control.png"), str(folder / "mask.png")]
+
+
 # The micro FLUX.2 transformer's 4-step render moves little with its conditioning (another prompt: 0.0065), so a
 # 4-step adapter's change is smaller than the other families' too; so does the micro ERNIE-Image's over the same
 # latents (0.0038); the micro Qwen-Image 2.1 draws 32 px as 2 x 2 latents at its 16x, four tokens (0.020).
@@ -490,6 +508,9 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
                 output_type="np",
             )
         return last["latents"][0].numpy()
+    elif isinstance(family.drawing, InpaintDrawing):  # the image it paints into where the mask is white
+        length = {"max_sequence_length": 32} if name == "flux_fill" else {"negative_prompt": "", "strength": 1.0}
+        arguments |= {"image": CONTROL, "mask_image": MASK, "guidance_scale": 3.0, **length}
     elif family.drawing.needs_controls_to_draw:  # the control at the drawn size, as difftune trains and samples it
         with family.sized_controls(32 * 32):
             return (
@@ -787,6 +808,7 @@ def _gguf_values(path: Path) -> dict[str, torch.Tensor]:
 READ_AT_PUBLISHED_WIDTHS_ONLY = {
     "flux",
     "flux_kontext",
+    "flux_fill",
     "chroma",
     "lumina2",
     "hunyuan_video",
@@ -1043,8 +1065,7 @@ def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind,
     in-training sample. A LoRA's kohya layout loads in the pipeline too, as the same change (diffusers drops a
     kohya file's DoRA magnitudes, saying so)."""
     family, base = FAMILIES[name], micro_base(name)
-    control = tmp_path / "control.png"
-    CONTROL.save(control)
+    controls = _sample_controls(family, tmp_path)
     edit = (
         family.drawing.needs_controls_to_draw
     )  # its samples edit the control, with a blank negative prompt as its pipeline's
@@ -1055,7 +1076,7 @@ def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind,
         adapter__kind=kind,
         train__max_steps=4,
         optim__learning_rate=2e-2,
-        sample__prompts=[{"prompt": "a purple circle", "controls": [str(control)]} if edit else "a purple circle"],
+        sample__prompts=[{"prompt": "a purple circle", "controls": controls} if edit else "a purple circle"],
         sample__steps=4,
         sample__guidance_scale=3.0,
         sample__negative_prompt=" " if edit else "",
@@ -1081,7 +1102,7 @@ def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind,
     effect = np.abs(ours - render(name, untouched)).max()  # the adapter changes the image, far beyond the agreement
     assert effect > MIN_ADAPTER_EFFECT.get(name, 0.05) and effect > 20 * agreement, (effect, agreement)
 
-    edit_arguments = ["--control", str(control), "--negative-prompt", " "] if edit else []
+    edit_arguments = [*(f"--control={path}" for path in controls), "--negative-prompt", " "] if edit else []
     assert (
         main(
             [
@@ -1132,10 +1153,8 @@ def test_a_lycoris_run_on_a_fused_layout_family_ends_with_the_layout_it_can_writ
     """LoHa in the diffusers layout trains and saves on a family whose kohya layout fuses q, k and v: the end-of-run
     parity check draws the file it wrote and says why the kohya layout was not checked (it crashed the run's end
     before), and converting the file to kohya is refused by name."""
-    control = tmp_path / "control.png"
-    CONTROL.save(control)
     prompt = (
-        {"prompt": "a purple circle", "controls": [str(control)]}
+        {"prompt": "a purple circle", "controls": _sample_controls(FAMILIES[name], tmp_path)}
         if FAMILIES[name].drawing.needs_controls_to_draw
         else None
     )

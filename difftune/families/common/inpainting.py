@@ -1,0 +1,71 @@
+"""What the inpainting families share (SD's `sd_inpaint`, FLUX.1 Fill's `flux_fill`): bases that read, beside the
+noisy latents, a mask and the latents of the image with the masked part blanked, and draw what the mask covers.
+
+- Training: each view gets a random mask (data/inpaint_masks.py: rectangles, ellipses, brush strokes, now and then
+  the whole image) drawn from its own pixels, so cached and encoded-each-step runs see the same one. The masked image
+  is the view with the mask's pixels set to 0 (mid-grey in [-1, 1]), as both pipelines blank it for a binary mask,
+  encoded by the frozen autoencoder to its posterior's mode and cached beside the view's posterior with the mask
+  (`pixel_conditioning`). The loss covers the whole image, as diffusers' inpainting scripts' does.
+- Samples: each sample prompt names its image and its mask (`{prompt = "...", controls = ["photo.png",
+  "mask.png"]}`, white where the base draws), given to the pipeline as `image` and `mask_image`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from difftune.data.inpaint_masks import RECIPE, view_masks
+from difftune.families.common.conditioning import Conditioning
+from difftune.families.common.drawing import Drawing
+from difftune.models.autoencoders import encode_posterior
+from difftune.models.components import Components
+
+
+class InpaintConditioning(Conditioning):
+    def pixel_conditioning(self, components: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The view's mask (B, 1, H, W; 1 where the base draws, kept as bytes) and its masked image's latents (its
+        posterior's mode, unnormalised as the cache keeps posteriors)."""
+        masks = view_masks(pixels)
+        masked = pixels * (masks < 0.5)
+        return {"inpaint_mask": masks.to(torch.uint8), "masked_latents": encode_posterior(components.vae, masked)[0]}
+
+    def latent_identity(self, components: Components) -> str:
+        """Another mask recipe is another cache entry."""
+        return f"{super().latent_identity(components)}+{RECIPE}"
+
+
+def masked_image_latents(components: Components, conditioning: dict) -> torch.Tensor:
+    """The masked image's latents, normalised as the noisy latents are (what both pipelines give their denoisers)."""
+    return components.latent_normalization.apply(conditioning["masked_latents"].float())
+
+
+def unet_inpaint_input(components: Components, noisy: torch.Tensor, conditioning: dict) -> torch.Tensor:
+    """What the SD and SDXL inpainting UNets read (B, 4 + 1 + 4, h, w): the noisy latents, the mask resized to them by
+    nearest neighbour (`interpolate`'s default, as their pipelines resize it: each latent pixel reads its block's
+    top-left pixel), then the masked image's latents."""
+    mask = torch.nn.functional.interpolate(conditioning["inpaint_mask"].float(), size=noisy.shape[-2:])
+    return torch.cat([noisy, mask, masked_image_latents(components, conditioning)], dim=1).to(noisy.dtype)
+
+
+class InpaintDrawing(Drawing):
+    """Samples drawn by the family's inpaint pipeline, from the image and mask each sample prompt names."""
+
+    needs_controls_to_draw = True
+
+    def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
+        image, mask = controls
+        return {"image": image, "mask_image": mask}
+
+    def prompt_control_problems(self, prompts: list) -> list[str]:
+        """Every sample prompt names two images: the one it paints into, then the mask (white where it draws)."""
+        problems = []
+        for entry in prompts:
+            controls = [] if isinstance(entry, str) else entry.controls
+            text = entry if isinstance(entry, str) else entry.prompt
+            if len(controls) != 2:
+                problems.append(
+                    f"sample.prompts: {text!r} has {len(controls)} images; {self.family.description} pipelines paint "
+                    f"into an image where its mask is white: write it as "
+                    f'{{prompt = {text!r}, controls = ["image.png", "mask.png"]}}'
+                )
+        return problems

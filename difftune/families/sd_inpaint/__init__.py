@@ -1,0 +1,42 @@
+"""Stable Diffusion 1.x / 2.x inpainting (`stable-diffusion-inpainting`, `StableDiffusionInpaintPipeline`): SD's UNet
+reading nine channels, the noisy latents, then the mask at the latents' size, then the masked image's latents
+(4 + 1 + 4: common/inpainting.py's `unet_inpaint_input`, which SDXL's inpainting shares). Everything else is SD's
+(sd): text, objective, files. What the inpainting families share (random masks, the masked image, samples from an
+image and its mask) is common/inpainting.py.
+
+- Single files: whole checkpoints in the LDM layout (`sd-v1-5-inpainting.safetensors`), whose keys are SD's: set
+  `model.family = "sd_inpaint"`, or give an inpainting pipeline folder as `model.single_file_config`.
+"""
+
+from __future__ import annotations
+
+from diffusers import StableDiffusionInpaintPipeline
+
+from difftune.families.common.inpainting import InpaintConditioning, InpaintDrawing, unet_inpaint_input
+from difftune.families.sd import StableDiffusion, StableDiffusionConditioning
+
+
+class StableDiffusionInpaintConditioning(InpaintConditioning, StableDiffusionConditioning):
+    """SD's text; the mask and masked image from the view's pixels."""
+
+
+class StableDiffusionInpaint(StableDiffusion):
+    name = "sd_inpaint"
+    page_family = "sd"
+    conditioning = StableDiffusionInpaintConditioning()
+    drawing = InpaintDrawing()
+    description = "Stable Diffusion 1.x / 2.x inpainting"
+    pipeline_class = StableDiffusionInpaintPipeline
+    pipeline_classes = ("StableDiffusionInpaintPipeline",)
+    controlnet = None  # diffusers' inpainting ControlNet pipeline is not wired here yet
+
+    def latent_channels(self, denoiser) -> int:
+        """The latents it predicts: it reads five channels more."""
+        return denoiser.config.out_channels
+
+    def denoise(self, components, noisy, timesteps, conditioning, geometry):
+        inputs = unet_inpaint_input(components, noisy, conditioning)
+        return super().denoise(components, inputs, timesteps, conditioning, geometry)
+
+
+FAMILY = StableDiffusionInpaint()

@@ -1,0 +1,44 @@
+"""Stable Diffusion XL inpainting (`diffusers/stable-diffusion-xl-1.0-inpainting-0.1`,
+`StableDiffusionXLInpaintPipeline`): SDXL's UNet reading nine channels, as SD's inpainting UNet reads them
+(common/inpainting.py's `unet_inpaint_input`). Everything else is SDXL's (sdxl): text, the size conditioning, objective,
+files. What the inpainting families share (random masks, the masked image, samples from an image and its mask) is
+common/inpainting.py.
+
+- Samples: the pipeline starts from the image noised to its `strength` (0.9999 by default), as it draws for anyone.
+- Single files: whole checkpoints in SDXL's layout, whose keys are SDXL's: set `model.family = "sdxl_inpaint"`, or give
+  an inpainting pipeline folder as `model.single_file_config`.
+"""
+
+from __future__ import annotations
+
+from diffusers import StableDiffusionXLInpaintPipeline
+
+from difftune.families.common.inpainting import InpaintConditioning, InpaintDrawing, unet_inpaint_input
+from difftune.families.sdxl import StableDiffusionXL, StableDiffusionXLConditioning
+
+
+class StableDiffusionXLInpaintConditioning(InpaintConditioning, StableDiffusionXLConditioning):
+    """SDXL's text; the mask and masked image from the view's pixels."""
+
+
+class StableDiffusionXLInpaint(StableDiffusionXL):
+    name = "sdxl_inpaint"
+    page_family = "sdxl"
+    conditioning = StableDiffusionXLInpaintConditioning()
+    drawing = InpaintDrawing()
+    description = "Stable Diffusion XL inpainting"
+    pipeline_class = StableDiffusionXLInpaintPipeline
+    pipeline_classes = ("StableDiffusionXLInpaintPipeline",)
+    pipeline_options = ("force_zeros_for_empty_prompt", "requires_aesthetics_score")
+    controlnet = None  # diffusers' inpainting ControlNet pipeline is not wired here yet
+
+    def latent_channels(self, denoiser) -> int:
+        """The latents it predicts: it reads five channels more."""
+        return denoiser.config.out_channels
+
+    def denoise(self, components, noisy, timesteps, conditioning, geometry):
+        inputs = unet_inpaint_input(components, noisy, conditioning)
+        return super().denoise(components, inputs, timesteps, conditioning, geometry)
+
+
+FAMILY = StableDiffusionXLInpaint()

@@ -1,0 +1,118 @@
+"""The inpainting families beyond the conformance suite: the random masks each view trains with, the mask and masked
+image read as `StableDiffusionInpaintPipeline` and `FluxFillPipeline` read theirs (one pipeline step equals
+difftune's), and samples that name an image and its mask."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DDIMScheduler
+from PIL import Image
+
+from difftune.config import Config, ModelConfig, SampleConfig
+from difftune.data.dataset import image_to_tensor
+from difftune.data.inpaint_masks import MASK_KINDS, random_mask, view_masks
+from difftune.errors import DifftuneError
+from difftune.families import FAMILIES, load_components
+from difftune.families.common.tokens import pack
+
+
+def _image(color=(240, 40, 40)) -> Image.Image:
+    image = Image.new("RGB", (32, 32), (30, 160, 220))
+    image.paste(color, (8, 8, 20, 20))
+    return image
+
+
+def test_each_view_gets_its_own_mask_of_every_kind_the_recipe_draws():
+    """A view's mask is its pixels' (the same view, the same mask: cached and encoded runs agree); another view, a
+    flipped one too, gets another. Drawn many times, every kind appears about as often as its share, each mask
+    binary, covering some of the image and, but for the whole-image kind, not all of it."""
+    pixels = image_to_tensor(_image())[None]
+    flipped = pixels.flip(-1)
+    assert torch.equal(view_masks(pixels), view_masks(pixels.clone()))
+    assert not torch.equal(view_masks(pixels), view_masks(flipped).flip(-1))
+    assert set(view_masks(pixels).unique().tolist()) <= {0.0, 1.0}
+    rng = random.Random(0)
+    covered = [np.asarray(random_mask(64, 48, rng), dtype=np.float32).mean() / 255 for _ in range(400)]
+    whole = sum(share == 1.0 for share in covered) / len(covered)
+    assert abs(whole - MASK_KINDS["whole"]) < 0.05
+    assert min(covered) > 0 and np.median(covered) < 0.5
+
+
+@pytest.mark.parametrize("name", ["sd_inpaint", "sdxl_inpaint", "flux_fill"])
+def test_the_mask_and_masked_image_are_read_as_the_pipeline_reads_them(name, micro_base):
+    """difftune's view conditioning is the pipeline's for that image and mask: the masked image encoded to its
+    posterior's mode. With the latents the pipeline drew from that posterior, one step of the pipeline equals
+    difftune's (SD's and SDXL's: DDIM from its first timestep; Fill: Euler from pure noise, the noise less the
+    velocity). Another mask changes the prediction."""
+    family = FAMILIES[name]
+    components = load_components(ModelConfig(base=str(micro_base(name))))
+    pipeline = components.pipeline()
+    pipeline.set_progress_bar_config(disable=True)
+    image, prompt = _image(), "a red square"
+    pixels = image_to_tensor(image)[None]
+    with torch.no_grad():
+        ours = family.conditioning.pixel_conditioning(components, pixels)
+        mask = Image.fromarray((ours["inpaint_mask"][0, 0].numpy() * 255).astype(np.uint8))
+        posterior = components.vae.encode(pixels * (ours["inpaint_mask"] < 0.5)).latent_dist
+        drawn = posterior.sample(torch.Generator().manual_seed(7))  # what the pipeline's generator draws
+        conditioning = family.conditioning.encode_prompts(
+            components, family.conditioning.tokenize(components.tokenizers, [prompt])
+        )
+        noise = torch.randn(1, family.latent_channels(components.denoiser), 8, 8, generator=torch.Generator())
+        arguments = {"prompt": prompt, "image": image, "mask_image": mask, "height": 32, "width": 32}
+        arguments |= {"num_inference_steps": 1, "generator": torch.Generator().manual_seed(7), "output_type": "latent"}
+        geometry = None
+        if name != "flux_fill":  # from pure noise (SDXL's pipeline starts from the noised image by default)
+            pipeline.scheduler = DDIMScheduler.from_config(pipeline.scheduler.config)
+            theirs = pipeline(**arguments, guidance_scale=1.0, latents=noise, strength=1.0).images
+            geometry = torch.tensor([[32.0, 32, 0, 0, 32, 32]])  # SDXL's size conditioning: sizes, crop, target
+            timestep = pipeline.scheduler.timesteps[0]
+        else:
+            length = family.max_sequence_length(components)
+            theirs = pipeline(
+                **arguments, sigmas=[1.0], guidance_scale=3.0, latents=pack(noise), max_sequence_length=length
+            )
+            theirs = theirs.images
+            timestep = torch.tensor(1000.0)
+        components.family_options = components.family_options.model_copy(update={"guidance": 3.0})
+
+        def prediction(mask):
+            view = conditioning | {"inpaint_mask": mask, "masked_latents": drawn}
+            return family.denoise(components, noise, timestep.reshape(1).float(), view, geometry)
+
+        predicted = prediction(ours["inpaint_mask"])
+        other = prediction(1 - ours["inpaint_mask"])
+    torch.testing.assert_close(ours["masked_latents"], posterior.mode(), rtol=0, atol=1e-6)
+    if name != "flux_fill":
+        alpha, last = pipeline.scheduler.alphas_cumprod[int(timestep)], pipeline.scheduler.final_alpha_cumprod
+        clean = (noise - (1 - alpha).sqrt() * predicted) / alpha.sqrt()
+        torch.testing.assert_close(theirs, last.sqrt() * clean + (1 - last).sqrt() * predicted, rtol=0, atol=1e-5)
+    else:
+        torch.testing.assert_close(theirs, pack(noise - predicted), rtol=0, atol=1e-5)
+    assert (predicted - other).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["sd_inpaint", "sdxl_inpaint", "flux_fill"])
+def test_samples_name_an_image_and_its_mask(name, micro_base):
+    """A sample prompt without both is refused before training, saying how to write it; Fill's samples give the
+    guidance embedding the scale and no negative prompt (its pipeline takes none)."""
+    base = str(micro_base(name))
+    family = FAMILIES[name]
+    with pytest.raises(DifftuneError, match=r'controls = \["image.png", "mask.png"\]'):
+        family.check_config(Config(model=ModelConfig(base=base), sample=SampleConfig(prompts=["a red square"])))
+    family.check_config(
+        Config(
+            model=ModelConfig(base=base),
+            sample=SampleConfig(prompts=[{"prompt": "a red square", "controls": ["a.png", "mask.png"]}]),
+        )
+    )
+    if name == "flux_fill":
+        components = load_components(ModelConfig(base=base))
+        assert family.drawing.sampling_arguments(components, 30.0, "blurry") == {
+            "max_sequence_length": family.max_sequence_length(components),
+            "guidance_scale": 30.0,
+        }
