@@ -116,3 +116,49 @@ def test_samples_name_an_image_and_its_mask(name, micro_base):
             "max_sequence_length": family.max_sequence_length(components),
             "guidance_scale": 30.0,
         }
+
+
+def test_a_subjects_mask_is_the_views_inpainting_mask_cached_or_not(micro_base, make_config, shapes, tmp_path):
+    """With `data.masks`, an image's mask is what its views learn to fill (0.5 and over), an image without one gets
+    random masks: a cached run's entries hold them, and it trains as a run that encodes every step. Another mask file
+    is another cache entry."""
+    from safetensors.torch import load_file
+
+    from difftune.data.dataset import image_to_tensor as to_tensor
+    from difftune.training.metrics import read_metrics
+    from difftune.training.train import train
+
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    images = sorted(shapes.glob("*.png"))
+    subject = Image.new("L", (32, 32), 0)
+    subject.paste(200, (4, 6, 20, 30))
+    for image in images[::2]:
+        subject.save(masks / image.name)
+    common = {
+        "model__base": str(micro_base("sd_inpaint")),
+        "data__masks": "folder",
+        "data__mask_path": str(masks),
+        "data__unmasked_weight": 1.0,  # the loss over the whole image: what the mask changes is the conditioning
+        "cache__dir": str(tmp_path / "cache"),
+    }
+
+    def losses(name, **settings):
+        train(make_config(train__output_dir=str(tmp_path / name), **common | settings))
+        return [row["loss"] for row in read_metrics(tmp_path / name)]
+
+    encoded = losses("encoded")
+    assert losses("cached", cache__latents=True) == pytest.approx(encoded, rel=1e-5)
+    assert losses("random", data__masks="off") != pytest.approx(encoded, rel=1e-3)  # every view's mask drawn
+    entries = {path: load_file(path) for path in (tmp_path / "cache" / "latents").rglob("*.safetensors")}
+    by_mask = {tuple(entry["inpaint_mask"].flatten().tolist()): entry for entry in entries.values()}
+    expected = (torch.from_numpy(np.array(subject)) >= 128).to(torch.uint8)
+    assert tuple(expected.flatten().tolist()) in by_mask  # the subject's, from the mask file
+    with Image.open(images[1]) as image:
+        drawn = view_masks(to_tensor(image.convert("RGB"))[None]).to(torch.uint8)
+    assert tuple(drawn.flatten().tolist()) in by_mask  # drawn from the pixels of an image without one
+
+    subject.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(masks / images[0].name)
+    before = set(entries)
+    losses("moved", cache__latents=True)
+    assert len(set((tmp_path / "cache" / "latents").rglob("*.safetensors")) - before) == 1

@@ -39,7 +39,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from difftune.config import Config
+from difftune.config import Config, DataConfig
 from difftune.data.cache_folders import existing, folder, write_tensors
 from difftune.data.clips import read_frames
 from difftune.data.dataset import (
@@ -48,6 +48,7 @@ from difftune.data.dataset import (
     Size,
     clip_to_tensor,
     image_to_tensor,
+    mask_file,
     open_image,
     place_crop,
     prompt_controls,
@@ -91,13 +92,21 @@ def _entry(root: Path, kind: str, *parts: str | bytes) -> Path:
 
 
 def latent_entries(
-    examples: list[Example], sizes: list[Size], vae_identity: str, config: Config
+    examples: list[Example], sizes: list[Size], vae_identity: str, config: Config, masks_kept: bool = False
 ) -> list[dict[str, Path]]:
     """Each example's cache files, one per view it can be trained in (`plain`, and `flipped` with its dataset's
-    `random_flip`); repeats of an image share them. Keyed by its training size (`data.training_sizes`)."""
+    `random_flip`); repeats of an image share them. Keyed by its training size (`data.training_sizes`) and, where
+    the entries hold what the family made of the views' masks (`masks_kept`), by its mask."""
     views, flips = _views(config, vae_identity), _flips(config)
+    datasets = config.data.each_dataset()
     return [
-        views(example.path, size, flips[example.dataset], example.frames)
+        views(
+            example.path,
+            size,
+            flips[example.dataset],
+            example.frames,
+            datasets[example.dataset] if masks_kept else None,
+        )
         for example, size in zip(examples, sizes, strict=True)
     ]
 
@@ -127,17 +136,31 @@ def _views(config: Config, vae_identity: str) -> Callable[..., dict[str, Path]]:
     settings = f"crop=center alpha_background={alpha}"
     contents: dict[Path, str] = {}
 
-    def entries(path: Path, size: Size, flips: bool, window: tuple[int, int] | None = None) -> dict[str, Path]:
+    def entries(
+        path: Path,
+        size: Size,
+        flips: bool,
+        window: tuple[int, int] | None = None,
+        masks: DataConfig | None = None,
+    ) -> dict[str, Path]:
         if path not in contents:  # a stored record was hashed as its source was read
-            contents[path] = path.digest if isinstance(path, Stored) else _file_digest(path)
+            contents[path] = _digest(path)
         width, height = size
         where = (f"frames={window[0]}+{window[1]}",) if window else ()  # images' keys as before clips were read
+        if masks is not None and masks.masks != "off" and window is None:  # the mask: the image's alpha, or its file
+            source = mask_file(path, masks) if masks.masks != "alpha" else None
+            where += (f"masks={masks.masks}", _digest(source) if source else "")
         return {
             view: _entry(root, "latents", contents[path], vae_identity, f"{width}x{height}", settings, *where, view)
             for view in (VIEWS if flips else VIEWS[:1])
         }
 
     return entries
+
+
+def _digest(path: Path | Stored) -> str:
+    """A file's digest: a stored record's, hashed as its source was read, or its bytes'."""
+    return path.digest if isinstance(path, Stored) else _file_digest(path)
 
 
 def _file_digest(path: Path) -> str:
@@ -160,13 +183,15 @@ def fill_latents(
     from_pixels: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
     from_sound: Callable[[list[tuple[Path, tuple[int, int] | None]]], dict[str, torch.Tensor]] | None = None,
     frame_rates: list[float] | None = None,
+    masks_of: Callable[[Path, Size, bool], torch.Tensor] | None = None,
 ) -> int:
     """Encode the views whose entries are missing (image `paths[i]` at `sizes[i]`, or a clip's window `windows[i]` of
     it, its views' files `entries[i]`), in batches of one training size, frame count and (given `frame_rates`) frame
     rate; returns how many. An entry holds the posterior's `mean` and `std`, what `from_pixels` (the family's
     `pixel_conditioning`) makes of the same pixels, and what `from_sound` (an audio-video family's
     `sound_conditioning`) makes of the clips' sound under the same windows (a flipped view's sound is the plain
-    one's; windows of one length hold as much sound at one rate only)."""
+    one's; windows of one length hold as much sound at one rate only). `masks_of` (image, size, flipped) -> the
+    view's mask (1, H, W), for a family whose `pixel_conditioning` reads them (an image without one: all ones)."""
     windows = windows or [None] * len(paths)
     frame_rates = frame_rates or [0.0] * len(paths)
     missing: dict[tuple, dict[Path, tuple[Path, tuple[int, int] | None, str]]] = {}
@@ -197,9 +222,12 @@ def fill_latents(
                 )
             )
         batch = torch.stack(pixels)
+        masks = {}
+        if masks_of:
+            masks["masks"] = torch.stack([masks_of(path, size, view == "flipped") for _, (path, _, view) in chunk])
         with torch.no_grad():
             mean, std = encode_posterior(vae, batch)
-            extra = from_pixels(batch) if from_pixels else {}
+            extra = from_pixels(batch, **masks) if from_pixels else {}
             if from_sound:
                 extra |= from_sound([(path, window) for _, (path, window, _) in chunk])
         for i, (entry, _) in enumerate(chunk):

@@ -569,6 +569,14 @@ def mask_view(mask: Image.Image | None, crop: Crop, size: tuple[int, int], flipp
     return torch.from_numpy(np.asarray(view, dtype=np.float32) / 255.0)[None]
 
 
+def centered_view_mask(
+    path: Path | Stored, config: DataConfig, size: tuple[int, int], flipped: bool, original: tuple[int, int]
+) -> torch.Tensor:
+    """The mask of an image's cached view (center-cropped to `size` from its `original` size, maybe flipped), as
+    `mask_view` makes it: all ones where the image has none."""
+    return mask_view(open_mask(path, config, original), place_crop(original, size, "center"), size, flipped)
+
+
 def _to_rgb(image: Image.Image, background: tuple[int, int, int]) -> Image.Image:
     if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
         # 16-bit (and 32-bit) grayscale: PIL's own convert("L") clips at 255; scale the range instead.
@@ -1083,11 +1091,8 @@ class CaptionedImages(Dataset):
         uint8: a quarter of the floats' memory)."""
         key = (path, data.masks, data.mask_path, size, flipped)
         if key not in self._masks:
-            original = self._original_size(path)
-            crop = place_crop(original, size, "center")
-            self._masks[key] = (
-                (mask_view(open_mask(path, data, original), crop, size, flipped) * 255).round().to(torch.uint8)
-            )
+            mask = centered_view_mask(path, data, size, flipped, self._original_size(path))
+            self._masks[key] = (mask * 255).round().to(torch.uint8)
         return self._masks[key].float() / 255
 
     def __len__(self) -> int:

@@ -56,10 +56,12 @@ from difftune.data.dataset import (
     TrainingOrder,
     batch_groups,
     build_dataloader,
+    centered_view_mask,
     check_one_control_each,
     control_sizes,
     frame_counts,
     frame_rates,
+    image_size,
     possible_prompts,
     report_bad_files,
     scan_datasets,
@@ -722,7 +724,12 @@ def _training_loss(
         pixels = to_device(batch["pixel_values"], device)
         with torch.no_grad():
             mean, std = encode_posterior(components.vae, pixels)
-            from_pixels = family.conditioning.pixel_conditioning(components, pixels)
+            masks = (
+                {"masks": to_device(batch["mask"], device)}
+                if family.conditioning.reads_masks and "mask" in batch
+                else {}
+            )
+            from_pixels = family.conditioning.pixel_conditioning(components, pixels, **masks)
     latents = sample_latents(mean, std, generators, components.latent_normalization).float()
     if slider_prompts:  # a slider reads its own prompts (`slider_loss`), never the captions
         conditioning = {}
@@ -854,7 +861,8 @@ def _fill_caches(
     latent_files = control_files = text_files = None
     if config.cache.latents == "on":
         vae_identity = components.family.conditioning.latent_identity(components)
-        latent_files = latent_entries(examples, sizes, vae_identity, config)
+        masks_kept = components.family.conditioning.reads_masks
+        latent_files = latent_entries(examples, sizes, vae_identity, config, masks_kept)
         if _controls_as_latents(components, config):
             control_files = control_latent_entries(examples, controls, vae_identity, config)
     if config.cache.text == "on":
@@ -888,6 +896,7 @@ def _fill_caches(
                 if components.family.conditioning.trains_sound(components)
                 else None,
                 [all_rates[i] for i in mine],
+                _view_masks(examples, config) if components.family.conditioning.reads_masks else None,
             )
             for autoencoder in components.autoencoders():  # off the device before the text encoders come (plan.py)
                 autoencoder.to("cpu")
@@ -898,6 +907,22 @@ def _fill_caches(
             fill_text(my_prompts, components, device, config)
         accelerator.wait_for_everyone()
     return latent_files, control_files, text_files
+
+
+def _view_masks(examples: list, config: Config) -> Callable[[Path, tuple[int, int], bool], torch.Tensor] | None:
+    """(image, size, flipped) -> its cached view's mask (all ones without one), for a family whose pixel conditioning
+    reads the data's masks; None where no dataset gives masks."""
+    datasets = config.data.each_dataset()
+    masked = {e.path: datasets[e.dataset] for e in examples if datasets[e.dataset].masks != "off" and e.frames is None}
+    if not masked:
+        return None
+
+    def view_mask(path: Path, size: tuple[int, int], flipped: bool) -> torch.Tensor:
+        if path not in masked:
+            return torch.ones(1, size[1], size[0])
+        return centered_view_mask(path, masked[path], size, flipped, image_size(path))
+
+    return view_mask
 
 
 def _cache_shares(accelerator) -> list[tuple[int, int]]:

@@ -133,6 +133,9 @@ class Conditioning(Role):
     # Its samples are an image and its layers (Qwen-Image-Layered): the data's `stem_1.png`... beside `stem.png` are
     # that image's layers (`scan_examples`' `layers`), held as its controls
     trains_layers = False
+    # `pixel_conditioning` reads the views' masks where the data gives them (`data.masks`; an inpainting base's
+    # subject): they are cached with what it makes, and key its cache entries
+    reads_masks = False
 
     def data_settings(self, data: DataConfig) -> DataConfig:
         """The data settings a run of this family reads its data with: `data`, unless the family needs one of them

@@ -1,11 +1,14 @@
-"""What the inpainting families share (SD's `sd_inpaint`, FLUX.1 Fill's `flux_fill`): bases that read, beside the
-noisy latents, a mask and the latents of the image with the masked part blanked, and draw what the mask covers.
+"""What the inpainting families share (SD's `sd_inpaint`, SDXL's `sdxl_inpaint`, FLUX.1 Fill's `flux_fill`): bases
+that read, beside the noisy latents, a mask and the latents of the image with the masked part blanked, and draw what
+the mask covers.
 
-- Training: each view gets a random mask (data/inpaint_masks.py: rectangles, ellipses, brush strokes, now and then
-  the whole image) drawn from its own pixels, so cached and encoded-each-step runs see the same one. The masked image
-  is the view with the mask's pixels set to 0 (mid-grey in [-1, 1]), as both pipelines blank it for a binary mask,
-  encoded by the frozen autoencoder to its posterior's mode and cached beside the view's posterior with the mask
-  (`pixel_conditioning`). The loss covers the whole image, as diffusers' inpainting scripts' does.
+- Training: each view gets its subject's mask where the data gives one (`data.masks`), else a random mask
+  (data/inpaint_masks.py: rectangles, ellipses, brush strokes, now and then the whole image) drawn from its own
+  pixels, so cached and encoded-each-step runs see the same one. The masked image is the view with the mask's pixels
+  set to 0 (mid-grey in [-1, 1]), as the pipelines blank it for a binary mask, encoded by the frozen autoencoder to
+  its posterior's mode and cached beside the view's posterior with the mask (`pixel_conditioning`). The loss covers
+  the whole image, as diffusers' inpainting scripts' does, unless a subject's mask weights it (`data.masks`, with
+  `data.unmasked_weight`).
 - Samples: each sample prompt names its image and its mask (`{prompt = "...", controls = ["photo.png",
   "mask.png"]}`, white where the base draws), given to the pipeline as `image` and `mask_image`.
 """
@@ -22,12 +25,22 @@ from difftune.models.components import Components
 
 
 class InpaintConditioning(Conditioning):
-    def pixel_conditioning(self, components: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+    reads_masks = True
+
+    def pixel_conditioning(
+        self, components: Components, pixels: torch.Tensor, masks: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """The view's mask (B, 1, H, W; 1 where the base draws, kept as bytes) and its masked image's latents (its
-        posterior's mode, unnormalised as the cache keeps posteriors)."""
-        masks = view_masks(pixels)
-        masked = pixels * (masks < 0.5)
-        return {"inpaint_mask": masks.to(torch.uint8), "masked_latents": encode_posterior(components.vae, masked)[0]}
+        posterior's mode, unnormalised as the cache keeps posteriors). The mask is the subject's where the data gives
+        one (`masks`, (B, 1, H, W) in [0, 1], as `data.masks` reads them; 0.5 and over is drawn), else drawn at random:
+        a view whose mask is all ones has none."""
+        drawn = view_masks(pixels)
+        if masks is not None:
+            given = (masks >= 0.5).to(drawn.dtype)
+            has_subject = (given.flatten(1).amin(dim=1) < 1).view(-1, 1, 1, 1)
+            drawn = torch.where(has_subject, given, drawn)
+        masked = pixels * (drawn < 0.5)
+        return {"inpaint_mask": drawn.to(torch.uint8), "masked_latents": encode_posterior(components.vae, masked)[0]}
 
     def latent_identity(self, components: Components) -> str:
         """Another mask recipe is another cache entry."""
