@@ -280,6 +280,9 @@ VARIANTS = {
         **at_seeds("purple_and_seen"),
         **at_seeds("seen_at_half_weight", datasets(PURPLE, f"{SEEN}, loss_weight = 0.5")),
     },
+    "tiny_inpaint_lora": {
+        **at_seeds("lora_r16"),
+    },
     "ltx2_lora": {
         **at_seeds("lora_r16"),
         **at_seeds("lora_r16_400_steps", "train.max_steps=400"),
@@ -386,6 +389,8 @@ def main() -> None:
                 "forgetting": round(before["seen"]["both"] - after["seen"]["both"], 3),
                 "date": time.strftime("%Y-%m-%d"),  # the quality table keeps each seed's newest
             }
+            if "fills" in after["concept"]:  # an inpainting job: drawn inside the mask, the rest kept
+                line["fills_after"] = {key: after["concept"][key] for key in ("inside", "kept", "kept_difference")}
             if "direction" in after["concept"]:  # a video job: each clip's motion too
                 line["directions_after"] = {"purple": after["concept"]["direction"], "seen": after["seen"]["direction"]}
             if args.convergence:
@@ -440,21 +445,24 @@ def convergence_table(lines: list[dict], margins=(0.05, 0.02)) -> str:
 
 def markdown_table(lines: list[dict]) -> str:
     clips = any("directions_after" in line for line in lines)  # a video job's lines: the motion's column too
+    fills = any("fills_after" in line for line in lines)  # an inpainting job's: inside the mask, the rest kept
+    extra = " directions after, purple / seen |" if clips else " purple inside the mask / rest kept |" if fills else ""
     rows = [
         "| run | overrides | train s | purple both, before -> after | circle / square / triangle | seen both, before "
-        "-> after | forgetting |" + (" directions after, purple / seen |" if clips else ""),
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if clips else ""),
+        "-> after | forgetting |" + extra,
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if extra else ""),
     ]
     for line in lines:
         name = f"**{line['run']} (default)**" if not line["overrides"] else line["run"]
         overrides = f"`{' '.join(line['overrides'])}`" if line["overrides"] else ""
         shapes = " / ".join(f"{value:.2f}" for value in line["by_shape"].values())
-        directions = line.get("directions_after", {})
+        directions, filled = line.get("directions_after", {}), line.get("fills_after", {})
         rows.append(
             f"| {name} | {overrides} | {line['train_s']:.0f} | {line['concept_before']:.2f} -> "
             f"{line['concept_after']:.2f} "
             f"| {shapes} | {line['seen_both_before']:.2f} -> {line['seen_both_after']:.2f} | {line['forgetting']:.3f} |"
             + (f" {directions['purple']:.2f} / {directions['seen']:.2f} |" if clips else "")
+            + (f" {filled['inside']:.2f} / {filled['kept']:.2f} |" if fills else "")
         )
     return "\n".join(rows)
 

@@ -13,9 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from difftune.config import ModelConfig
-from difftune.families import load_components
-from difftune.toy.judge import EvalSettings, edit_score
+from difftune.toy.judge import edit_score
 from difftune.toy.tiny import recolor_pairs, write_pair_folder
 from difftune.toy.tiny_base import (
     HELD_OUT_COLOR,
@@ -24,6 +22,7 @@ from difftune.toy.tiny_base import (
     build_edit_base,
     copy_into_borrowers,
     link_borrowed_files,
+    scored_build,
 )
 
 CARD = """---
@@ -108,33 +107,19 @@ def main() -> None:
     copy_into_borrowers(args.model_dir)
     facts = build_edit_base(args.model_dir, args.work_dir, args.source, recipe, args.seed)
     link_borrowed_files(args.model_dir)
-    settings = EvalSettings()
-    scores = edit_score(load_components(ModelConfig(base=str(args.model_dir))), SEEN_COLORS, HELD_OUT_COLOR, settings)
-    before = edit_score(
-        load_components(ModelConfig(base=str(args.work_dir / "init"))), SEEN_COLORS, HELD_OUT_COLOR, settings
+    facts = scored_build(
+        args.model_dir,
+        args.work_dir,
+        facts,
+        edit_score,
+        "before_edit_training",
+        CARD,
+        **{key: value for key, value in card.items() if key != "name"},
+        family=args.family,
+        source=args.source.name,
+        pairs=recipe["pairs_per_prompt"] * len(SEEN_COLORS) * 3,
     )
-    facts |= {"base": scores, "before_edit_training": before, "eval_settings": vars(settings)}
-    (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
-    components = load_components(ModelConfig(base=str(args.model_dir)))
-    (args.model_dir / "README.md").write_text(
-        CARD.format(
-            **card | {"name": args.model_dir.name},
-            family=args.family,
-            source=args.source.name,
-            seen=", ".join(SEEN_COLORS),
-            held_out=HELD_OUT_COLOR,
-            params=sum(p.numel() for p in components.denoiser.parameters()),
-            seed=args.seed,
-            pairs=recipe["pairs_per_prompt"] * len(SEEN_COLORS) * 3,
-            seconds=facts["seconds"]["transformer"],
-            n=settings.samples_per_prompt,
-            **{key: recipe[key] for key in ("steps", "batch_size", "learning_rate", "ema_decay")},
-            **scores["seen"],
-            **{f"before_{key}": value for key, value in before["seen"].items()},
-            before_concept=before["concept"]["both"],
-            concept=scores["concept"]["both"],
-        )
-    )
+    scores, before = facts["base"], facts["before_edit_training"]
     # The default edit job's pairs: 16 purple edits of seen-color shapes 3 times per epoch, and 15 seen edits beside
     # them (as the text-to-image jobs keep renders of the seen colors: the frozen T5 puts "purple" near "green").
     folder = args.examples_dir / "purple_edits"

@@ -38,9 +38,10 @@ from difftune.toy.judge import (
     judge_clip,
     judged_samples,
     prompts_for,
+    shape_mask,
 )
 from difftune.toy.micro import tiny_base_of
-from difftune.toy.tiny import COLORS, DIRECTIONS, SHAPES, moving_shape_clips, shape_images
+from difftune.toy.tiny import COLORS, DIRECTIONS, SHAPES, inpaint_cases, moving_shape_clips, shape_images
 from difftune.toy.tiny_base import (
     SEEN_COLORS,
     Recipe,
@@ -72,6 +73,7 @@ CHROMA_BASE = REPO / "models" / "tiny-chroma"
 SD3_BASE = REPO / "models" / "tiny-sd3"
 KONTEXT_BASE = REPO / "models" / "tiny-flux_kontext"
 QWEN_EDIT_BASE = REPO / "models" / "tiny-qwen_image_edit_plus"
+INPAINT_BASE = REPO / "models" / "tiny-sd_inpaint"
 WAN_BASE = REPO / "models" / "tiny-wan"
 LTX2_BASE = REPO / "models" / "tiny-ltx2"
 
@@ -95,6 +97,64 @@ def test_the_clip_judge_names_each_frame_and_the_motion_of_renders():
     assert scores["color"] >= 0.99 and scores["shape"] >= 0.99 and scores["direction"] == 1.0, scores
     still = [clips[0][0][0]] * 5
     assert judge_clip(still) == (["red"] * 5, ["circle"] * 5, None)
+
+
+def test_the_fill_cases_mask_a_shape_and_ask_for_another_color_and_shape():
+    """Each inpainting case masks its image's whole shape and some background around it, never all of the image, and
+    asks for a color and a shape the image does not have: what is drawn can only come from the prompt."""
+    import numpy as np
+
+    for image, mask, prompt in inpaint_cases(24, seed=3, source_colors=SEEN_COLORS):
+        inside = np.asarray(mask) > 127
+        color, shape = judge(image)
+        _, asked_color, asked_shape = prompt.split()
+        assert color != asked_color and shape != asked_shape, prompt
+        assert not (shape_mask(image) & ~inside).any() and 0.1 < inside.mean() < 1
+
+
+def test_the_fill_judge_scores_a_fill_in_the_mask_and_refuses_one_that_moves_the_rest(micro_base, monkeypatch):
+    """`inpaint_score` through an inpainting family's drawing, its draws replaced: a fill of the asked shape and color
+    in the mask's box on the image's own background scores 1 on everything; the same fill with the background
+    darkened by 20 levels is not kept; the image given back unchanged is neither the color nor the shape asked."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    from difftune.toy.judge import inpaint_score
+
+    def fill(image, mask, prompt, background_shift=0):
+        _, color, shape = prompt.split()
+        pixels = np.asarray(image, dtype=np.int16)
+        border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
+        background = tuple(int(v) for v in np.clip(np.median(border, axis=0) + background_shift, 0, 255))
+        drawn = Image.new("RGB", image.size, background)
+        left, top, right, bottom = mask.getbbox()
+        box = (left + 3, top + 3, right - 4, bottom - 4)
+        draw = ImageDraw.Draw(drawn)
+        if shape == "square":
+            draw.rectangle(box, fill=COLORS[color])
+        elif shape == "circle":
+            draw.ellipse(box, fill=COLORS[color])
+        else:
+            draw.polygon([((box[0] + box[2]) / 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=COLORS[color])
+        return drawn
+
+    components = load_components(ModelConfig(base=str(micro_base("sd_inpaint"))))
+    settings = EvalSettings(samples_per_prompt=2, steps=1)
+    drawing = type(components.family.drawing)
+    for how, expected in (
+        (lambda image, mask, prompt: fill(image, mask, prompt), {"all": 1.0}),
+        (lambda image, mask, prompt: fill(image, mask, prompt, -20), {"both": 1.0, "kept": 0.0}),
+        (lambda image, mask, prompt: image, {"both": 0.0}),
+    ):
+        monkeypatch.setattr(
+            drawing,
+            "draw",
+            lambda self, pipeline, options, prompt, controls, *_, how=how, **__: [how(*controls, prompt)],
+        )
+        scores = inpaint_score(components, SEEN_COLORS, "purple", settings)
+        assert scores["concept"]["fills"] == 2 * len(SHAPES)
+        for key, value in expected.items():
+            assert scores["seen"][key] == value and scores["concept"][key] == value, (key, scores)
 
 
 def test_the_judge_sees_no_shape_on_a_blank_image():
@@ -158,14 +218,18 @@ def test_committed_autoencoders_keep_every_two_colors_apart(base):
 
 
 def test_every_bundled_base_is_built_from_its_familys_tiny_base():
-    """models/tiny-<family> for each family that says how its tiny base is built (`TINY_BASE`), and the edit bases
-    its `edit_recipe` makes; the card of each names the family's own pipeline class."""
+    """models/tiny-<family> for each family that says how its tiny base is built (`TINY_BASE`), and the edit and
+    inpainting bases its `edit_recipe` and `inpaint_recipe` make; the card of each names the family's own pipeline
+    class."""
     from difftune.toy.tiny_base import TINY_BASES
 
     edits = {family for family, spec in TINY_BASES.items() if spec.edit_recipe}
+    inpaints = {family for family, spec in TINY_BASES.items() if spec.inpaint_recipe}
     bundled = {path.name for path in (REPO / "models").iterdir() if pipeline_index(path) is not None}
-    assert {f"tiny-{family}" for family in TINY_BASES} == bundled - {KONTEXT_BASE.name, QWEN_EDIT_BASE.name}
+    made_from_others = {KONTEXT_BASE.name, QWEN_EDIT_BASE.name, INPAINT_BASE.name}
+    assert {f"tiny-{family}" for family in TINY_BASES} == bundled - made_from_others
     assert edits == {"flux", "qwen_image"}  # tiny-flux_kontext's and tiny-qwen_image_edit_plus's sources
+    assert inpaints == {"sd"}  # tiny-sd_inpaint's
     for family, spec in TINY_BASES.items():
         card = (REPO / "models" / f"tiny-{family}" / "README.md").read_text()
         assert spec.architecture.split("\n")[0] in card, family
@@ -548,6 +612,25 @@ def test_fine_tuning_teaches_the_held_out_edit(job_reports, job, base):
     assert before["seen"]["both"] >= 0.90 and before["concept"]["color"] <= 0.15, before
     assert after["concept"]["both"] >= 0.90 and after["concept"]["shape"] >= 0.90, after["concept"]
     assert after["concept"]["place"] >= 0.90, after["concept"]
+    assert report["forgetting"] <= 0.05, report["forgetting"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job, base", [("tiny_inpaint_lora", INPAINT_BASE)], ids=["tiny-sd_inpaint"])
+def test_fine_tuning_teaches_the_held_out_fill(job_reports, job, base):
+    """The inpainting default job, scored as published (8 fixed fills per color and shape; docs/benchmarks.md): the
+    inpainting base fills the seen colors' shapes >= 0.95, inside the mask; after the job purple >= 0.90 for every
+    shape, inside the mask >= 0.90, the seen fills drop <= 0.05, and the rest of the image is kept about as well as the
+    base keeps it (mean difference outside the mask within 3 levels of the base's: 10.7 against 8.8 measured). Not
+    held: the rest kept within 12 levels in every fill (the base: 0.75 of its fills), and purple <= 0.15 before (the
+    base fills triangles purple-ish at 0.88 from the unseen word)."""
+    report = job_reports[job].result()
+    before, after = report["before"], report["after"]
+    assert report["scored"] == "fills" and after["concept"]["fills"] == 8 * len(SHAPES)
+    assert before["seen"]["both"] >= 0.95 and before["seen"]["inside"] >= 0.95, before["seen"]
+    assert all(after["concept_by_shape"][shape]["both"] >= 0.90 for shape in SHAPES), after["concept_by_shape"]
+    assert after["concept"]["inside"] >= 0.90, after["concept"]
+    assert after["concept"]["kept_difference"] <= before["seen"]["kept_difference"] + 3, (after, before)
     assert report["forgetting"] <= 0.05, report["forgetting"]
 
 

@@ -30,6 +30,7 @@ from difftune.adapter_kinds import KINDS
 from difftune.config import FAMILY_NAMES, ModelConfig, wrong_family
 from difftune.errors import DifftuneError
 from difftune.families.common.family import Family
+from difftune.families.common.inpainting import InpaintDrawing
 from difftune.files import PIPELINE_INDEXES, pipeline_index
 from difftune.models.autoencoders import latent_channels, load_vae
 from difftune.models.components import (
@@ -84,6 +85,7 @@ def family_table_markdown(models_dir: Path, pages: str = "docs/families/") -> st
         prefixes = ", ".join(f"`{prefix}`" for prefix in family.layout.kohya_prefixes.values())
         edits = {0: "no", 1: "1 control"}.get(family.max_controls, f"up to {family.max_controls} controls")
         edits = "an image into layers" if family.conditioning.trains_layers else edits
+        edits = "an image's masked part" if isinstance(family.drawing, InpaintDrawing) else edits
         cell = _family_cell(name, family.page, models_dir.parent, pages)
         rows.append(
             f"| {cell} | {', '.join(f'`{c}`' for c in family.pipeline_classes)} | "
@@ -107,6 +109,12 @@ def _tiny_base_scores(folder: Path) -> str:
     base = json.loads(scores.read_text(encoding="utf-8"))["base"]
     if "edits" in base["seen"]:
         return f"`{folder.name}`: seen edits right {base['seen']['all']:.2f}"
+    if "fills" in base["seen"]:
+        seen = base["seen"]
+        return (
+            f"`{folder.name}`: seen fills' color and shape {seen['both']:.2f}, inside the mask {seen['inside']:.2f}, "
+            f"the rest kept {seen['kept']:.2f}"
+        )
     direction = f", direction {base['seen']['direction']:.2f}" if "direction" in base["seen"] else ""  # a video base's
     return (
         f"`{folder.name}`: seen color {base['seen']['color']:.2f}, shape {base['seen']['shape']:.2f}{direction}; "

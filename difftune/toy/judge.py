@@ -16,6 +16,10 @@ A ControlNet or a control LoRA (`placement_score`) is scored on where it draws: 
 (`tiny.placed_shape_pairs`), each drawn from its caption, judged for color and shape and for the overlap of the drawn
 shape with the silhouette.
 
+An inpainting base is scored on fills (`inpaint_score`): fixed cases (`tiny.inpaint_cases`), a shape's bounding box
+masked and another color and shape asked for, each output judged for the asked color and shape, the drawn shape
+inside the mask (`MIN_INSIDE`) and the rest of the image kept (`MAX_KEPT_DIFFERENCE`).
+
 An edit base is scored on edits instead: fixed recolor pairs (`tiny.recolor_pairs`) asked "make it <color>", each
 output judged for the asked color, the control's shape kept, and the shape kept in place (the overlap of the
 control's and the output's shape masks).
@@ -35,11 +39,23 @@ from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import load_components
 from difftune.families.common.drawing import sampling_scheduler
+from difftune.families.common.inpainting import InpaintDrawing
 from difftune.models.components import Components
-from difftune.toy.tiny import CLIP_FRAMES, COLORS, DIRECTIONS, IMAGE_SIZE, SHAPES, placed_shape_pairs, recolor_pairs
+from difftune.toy.tiny import (
+    CLIP_FRAMES,
+    COLORS,
+    DIRECTIONS,
+    IMAGE_SIZE,
+    SHAPES,
+    inpaint_cases,
+    placed_shape_pairs,
+    recolor_pairs,
+)
 
 MIN_PLACE_OVERLAP = 0.5  # intersection over union of the control's and the edit's shape masks: "in place"
 MIN_MOTION = 3.0  # pixels the shape's centre moves over a clip to count as moving (the clips it learns from: 8)
+MIN_INSIDE = 0.9  # of an inpainted shape's pixels within the mask: drawn where it was asked
+MAX_KEPT_DIFFERENCE = 12.0  # mean absolute difference (0-255) outside an inpainting mask: the rest kept
 
 FOREGROUND_DISTANCE = 60.0  # RGB distance from the background; backgrounds vary by < 35 per channel
 MIN_FOREGROUND_FRACTION = 0.03
@@ -480,13 +496,95 @@ def edit_score(
 ) -> dict:
     """An edit base's accuracies on the seen colors' edits and on the concept's (overall and per shape); every
     control is of a seen color."""
-    seen = judged_edits(components, seen_colors, seen_colors, settings, _within(print_status, "seen edits"))
-    concept = judged_edits(components, [concept_color], seen_colors, settings, _within(print_status, "concept edits"))
+    return _seen_and_concept(
+        judged_edits, edit_accuracy, "edits", components, seen_colors, concept_color, settings, print_status
+    )
+
+
+def _seen_and_concept(
+    judged, accuracy_of, what: str, components, seen_colors, concept_color, settings, print_status
+) -> dict:
+    """`judged` (edits or fills) of the seen colors and of the concept's, each from images of the seen colors, and
+    `accuracy_of` them: overall, and the concept's per shape."""
+    seen = judged(components, seen_colors, seen_colors, settings, _within(print_status, f"seen {what}"))
+    concept = judged(components, [concept_color], seen_colors, settings, _within(print_status, f"concept {what}"))
     return {
-        "seen": edit_accuracy(seen),
-        "concept": edit_accuracy(concept),
-        "concept_by_shape": {shape: edit_accuracy([r for r in concept if r["shape"] == shape]) for shape in SHAPES},
+        "seen": accuracy_of(seen),
+        "concept": accuracy_of(concept),
+        "concept_by_shape": {shape: accuracy_of([r for r in concept if r["shape"] == shape]) for shape in SHAPES},
     }
+
+
+@torch.no_grad()
+def judged_inpaints(
+    components: Components, colors, source_colors, settings: EvalSettings, print_status: PrintStatus = None
+) -> list[dict]:
+    """`samples_per_prompt` fixed inpainting cases per (asked color, shape), each image of `source_colors`, drawn
+    into its mask (sample k of a prompt with seed + k), judged: its color and shape, the share of the drawn shape
+    inside the mask and the mean difference from the image outside it. One row per fill."""
+    pipeline, guidance = _eval_pipeline(components, settings)
+    rows = []
+    for prompt in _counted([f"{color} {shape}" for color in colors for shape in SHAPES], print_status):
+        color, shape = prompt.split()
+        case_seed = settings.seed + 1000 * list(COLORS).index(color) + 100 * SHAPES.index(shape)
+        cases = inpaint_cases(settings.samples_per_prompt, case_seed, (color,), source_colors, (shape,))
+        for k, (image, mask, text) in enumerate(cases):
+            [drawn] = components.family.drawing.draw(
+                pipeline,
+                components.family_options,
+                text,
+                [image, mask],
+                settings.resolution,
+                settings.resolution,
+                num_inference_steps=settings.steps,
+                **guidance,
+                generator=torch.Generator("cpu").manual_seed(settings.seed + k),
+            )
+            inside = np.asarray(mask) > 127
+            drawn_color, drawn_shape = judge(drawn)
+            blob = shape_mask(drawn)
+            difference = np.abs(np.asarray(drawn, np.float32) - np.asarray(image, np.float32))[~inside].mean()
+            rows.append(
+                {
+                    "asked": color,
+                    "shape": shape,
+                    "color": drawn_color,
+                    "drawn_shape": drawn_shape,
+                    "inside": float((blob & inside).sum() / blob.sum()) if blob is not None else 0.0,
+                    "kept_difference": float(difference),
+                    "image": drawn,
+                }
+            )
+    return rows
+
+
+def inpaint_accuracy(rows: list[dict]) -> dict:
+    """Fractions of fills in the asked color, shape, both, inside the mask, with the rest kept, and all of these;
+    the mean difference outside the masks."""
+    color = [row["color"] == row["asked"] for row in rows]
+    shape = [row["drawn_shape"] == row["shape"] for row in rows]
+    inside = [row["inside"] >= MIN_INSIDE for row in rows]
+    kept = [row["kept_difference"] <= MAX_KEPT_DIFFERENCE for row in rows]
+    return {
+        "color": float(np.mean(color)),
+        "shape": float(np.mean(shape)),
+        "both": float(np.mean(np.logical_and(color, shape))),
+        "inside": float(np.mean(inside)),
+        "kept": float(np.mean(kept)),
+        "all": float(np.mean(np.logical_and.reduce([color, shape, inside, kept]))),
+        "kept_difference": float(np.mean([row["kept_difference"] for row in rows])),
+        "fills": len(rows),
+    }
+
+
+def inpaint_score(
+    components: Components, seen_colors, concept_color: str, settings: EvalSettings, print_status: PrintStatus = None
+) -> dict:
+    """An inpainting base's accuracies on fills of the seen colors and of the concept (overall and per shape); every
+    image it fills is of a seen color."""
+    return _seen_and_concept(
+        judged_inpaints, inpaint_accuracy, "fills", components, seen_colors, concept_color, settings, print_status
+    )
 
 
 class ShapesJudge:
@@ -519,6 +617,8 @@ def model_score(
         return placement_score(components, seen_colors, settings, print_status)
     if scored == "edits":
         return edit_score(components, seen_colors, concept_color, settings, print_status)
+    if scored == "fills":
+        return inpaint_score(components, seen_colors, concept_color, settings, print_status)
     if scored == "clips":
         return clip_score(components, seen_colors, concept_color, settings, CLIP_FRAMES, concept_word, print_status)
     return score(components, seen_colors, concept_color, settings, concept_word, print_status)
@@ -526,11 +626,13 @@ def model_score(
 
 def scored_on(components: Components, placements: bool = False) -> str:
     """What a model is scored on: `placements` (a ControlNet or control LoRA: where the seen colors' shapes are
-    drawn), edits for an edit base, clips for a video base, else prompts (`score`)."""
+    drawn), edits for an edit base, fills for an inpainting base, clips for a video base, else prompts (`score`)."""
     if placements:
         return "placements"
     if components.family.edit_base:
         return "edits"
+    if isinstance(components.family.drawing, InpaintDrawing):
+        return "fills"
     return "clips" if components.family.reads_clips else "prompts"
 
 

@@ -860,6 +860,29 @@ def placed_shape_pairs(
     return out
 
 
+def inpaint_cases(
+    count: int, seed: int, colors=tuple(COLORS), source_colors=tuple(COLORS), shapes=SHAPES
+) -> list[tuple[Image.Image, Image.Image, str]]:
+    """`count` inpainting cases (image, mask, prompt): a shape in a color of `source_colors` and another shape, the
+    mask (white) its bounding box and 2 pixels around, and the prompt `a <color> <shape>` of `colors` and `shapes`
+    (never the image's color nor its shape): what is drawn in the box replaces it, the background around it stays.
+    Deterministic by seed; the asked colors and shapes cycle as `recolor_pairs`'."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    for i in range(count):
+        color, shape = colors[i % len(colors)], shapes[(i // len(colors)) % len(shapes)]
+        source_color = str(rng.choice([c for c in source_colors if c != color]))
+        source_shape = str(rng.choice([s for s in SHAPES if s != shape]))
+        image = render_shape(source_shape, source_color, rng)
+        pixels = np.asarray(image, dtype=np.int16)
+        border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
+        rows, columns = np.nonzero(np.abs(pixels - np.median(border, axis=0)).sum(axis=-1) > 0)
+        mask = Image.new("L", image.size, 0)
+        ImageDraw.Draw(mask).rectangle((columns.min() - 2, rows.min() - 2, columns.max() + 2, rows.max() + 2), fill=255)
+        cases.append((image, mask, f"a {color} {shape}"))
+    return cases
+
+
 def write_pair_folder(folder: Path, pairs: list[tuple[Image.Image, Image.Image, str]]) -> None:
     """The edit layout: target `NNNN.png` with its instruction in `NNNN.txt`, its control in `control/NNNN.png`."""
     write_caption_folder(folder, [(target, instruction) for _, target, instruction in pairs])

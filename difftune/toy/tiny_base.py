@@ -591,19 +591,80 @@ def build_edit_base(out_dir: Path, work_dir: Path, source: Path, recipe: dict, s
     """An edit pipeline folder (its family's micro `edit_pipeline_of`) from the text-to-image base `source`, its
     transformer (and with `recipe["text_encoder"]` its language model) trained by `difftune train` on "make it
     <color>" pairs of the seen colors; returns the facts for the model card."""
-    from difftune.training.train import train
-
-    seconds: dict[str, float] = {}
     torch.manual_seed(seed)  # new embedding rows are drawn
     pipeline = DiffusionPipeline.from_pretrained(source, dtype=torch.float32)
-    [family] = [name for name, family in FAMILIES.items() if type(pipeline).__name__ in family.pipeline_classes]
-    edit = builder(family).edit_pipeline_of(pipeline)
-    init_dir = work_dir / "init"
-    edit.save_pretrained(init_dir, safe_serialization=True)
+    edit = builder(_family_of(pipeline)).edit_pipeline_of(pipeline)
     count = recipe["pairs_per_prompt"] * len(SEEN_COLORS) * 3
     for folder, pairs, pair_seed in (("train", count, seed + 1), ("validation", len(SEEN_COLORS) * 3 * 2, seed + 2)):
         shutil.rmtree(work_dir / folder, ignore_errors=True)
         write_pair_folder(work_dir / folder, recolor_pairs(pairs, pair_seed, SEEN_COLORS, SEEN_COLORS))
+    settings = {"adapter.text_encoder": str(recipe["text_encoder"]).lower(), "loss.flow_shift_by_resolution": "true"}
+    return _fully_fine_tuned(edit, out_dir, work_dir, source, recipe, seed, settings)
+
+
+def build_inpaint_base(out_dir: Path, work_dir: Path, source: Path, recipe: dict, seed: int = 0) -> dict:
+    """An inpainting pipeline folder (its family's inpainting micro `inpaint_pipeline_of`: the denoiser's input widened
+    to the mask and the masked image, zero at first) from the text-to-image base `source`, its denoiser trained by
+    `difftune train` on the seen colors' shapes, each view with its random mask; returns the facts for the card."""
+    pipeline = DiffusionPipeline.from_pretrained(source, dtype=torch.float32)
+    inpaint = builder(f"{_family_of(pipeline)}_inpaint").inpaint_pipeline_of(pipeline)
+    count = recipe["images_per_prompt"] * len(SEEN_COLORS) * 3
+    for folder, images, image_seed in (("train", count, seed + 1), ("validation", len(SEEN_COLORS) * 3 * 8, seed + 2)):
+        shutil.rmtree(work_dir / folder, ignore_errors=True)
+        write_caption_folder(work_dir / folder, shape_images(images, image_seed, SEEN_COLORS))
+    # As the text-to-image base was trained: min-SNR weighting, an offset noise, both views
+    settings = {"adapter.text_encoder": "false", "loss.weighting": "min_snr", "loss.noise_offset": 0.1}
+    return _fully_fine_tuned(inpaint, out_dir, work_dir, source, recipe, seed, settings | {"data.random_flip": "true"})
+
+
+def scored_build(model_dir: Path, work_dir: Path, facts: dict, score, before_key: str, card: str, **fields) -> dict:
+    """A built edit or inpainting base scored by `score` (a judge's `edit_score` or `inpaint_score`), and the model
+    it was trained from (work_dir's `init`), written with the build's `facts` to its scores.json, and its model card
+    (`card` filled with `fields`, the recipe's and the scores'); returns the facts."""
+    from difftune.toy.judge import EvalSettings
+
+    settings = EvalSettings()
+    scores, before = (
+        score(load_components(ModelConfig(base=str(folder))), SEEN_COLORS, HELD_OUT_COLOR, settings)
+        for folder in (model_dir, work_dir / "init")
+    )
+    facts = facts | {"base": scores, before_key: before, "eval_settings": vars(settings)}
+    (model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
+    recipe, denoiser = facts["recipe"], load_components(ModelConfig(base=str(model_dir))).denoiser
+    text = card.format(
+        **fields,
+        name=model_dir.name,
+        seen=", ".join(SEEN_COLORS),
+        held_out=HELD_OUT_COLOR,
+        params=sum(p.numel() for p in denoiser.parameters()),
+        seconds=facts["seconds"]["denoiser"],
+        n=settings.samples_per_prompt,
+        **{key: recipe[key] for key in ("seed", "steps", "batch_size", "learning_rate", "ema_decay")},
+        **scores["seen"],
+        **{f"before_{key}": value for key, value in before["seen"].items()},
+        before_concept=before["concept"]["both"],
+        concept=scores["concept"]["both"],
+    )
+    (model_dir / "README.md").write_text(text)
+    return facts
+
+
+def _family_of(pipeline: DiffusionPipeline) -> str:
+    [family] = [name for name, family in FAMILIES.items() if type(pipeline).__name__ in family.pipeline_classes]
+    return family
+
+
+def _fully_fine_tuned(
+    pipeline: DiffusionPipeline, out_dir: Path, work_dir: Path, source: Path, recipe: dict, seed: int, settings: dict
+) -> dict:
+    """`pipeline`'s denoiser fully fine-tuned by `difftune train` on work_dir's `train` folder (validated on its
+    `validation` folder) with `settings` beside the recipe's, its EMA saved to `out_dir` in fp16 with `source`'s
+    TAESD; returns the facts for the model card."""
+    from difftune.training.train import train
+
+    seconds: dict[str, float] = {}
+    init_dir = work_dir / "init"
+    pipeline.save_pretrained(init_dir, safe_serialization=True)
     values = {
         "model.base": init_dir,
         "data.path": work_dir / "train",
@@ -611,8 +672,6 @@ def build_edit_base(out_dir: Path, work_dir: Path, source: Path, recipe: dict, s
         "data.num_workers": 0,
         "data.caption_dropout": 0.1,
         "adapter.kind": "none",
-        "adapter.text_encoder": str(recipe["text_encoder"]).lower(),
-        "loss.flow_shift_by_resolution": "true",
         "optim.learning_rate": recipe["learning_rate"],
         "optim.lr_schedule": "cosine",
         "optim.warmup_steps": 50,
@@ -630,13 +689,14 @@ def build_edit_base(out_dir: Path, work_dir: Path, source: Path, recipe: dict, s
         "cache.dir": work_dir / "cache",
         "checkpoint.every_steps": 0,
         "log.tensorboard": "false",
+        "sample.prompts": "[]",
     }
-    with timed(seconds, "transformer"):
-        train(load_config(None, [f"{key}={value}" for key, value in values.items()]))
-    pipeline = type(edit).from_pretrained(work_dir / "run" / "model_ema", dtype=torch.float32)
-    pipeline.scheduler = edit.scheduler  # the sampler's, not the training run's
+    with timed(seconds, "denoiser"):
+        train(load_config(None, [f"{key}={value}" for key, value in (values | settings).items()]))
+    trained = type(pipeline).from_pretrained(work_dir / "run" / "model_ema", dtype=torch.float32)
+    trained.scheduler = pipeline.scheduler  # the sampler's, not the training run's
     shutil.rmtree(out_dir, ignore_errors=True)
-    pipeline.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)
+    trained.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)
     shutil.copytree(source / "taesd", out_dir / "taesd")
     validation = [
         {key: row[key] for key in ("step", "val_loss", "val_loss_ema")}

@@ -24,6 +24,17 @@ TINY_BASE = TinyBase(
         "`AutoencoderKL`, `CLIPTextModel` with a character-level `CLIPTokenizer`)"
     ),
     denoiser=unet,
+    # tiny-sd_inpaint: its UNet widened to read the mask and the masked image (their weights zero at first) and fully
+    # fine-tuned on seen-color shapes under random masks, its autoencoders and text encoder kept. Pilots on the fill
+    # judge: 1000 steps at lr 1e-3 drew the asked color and shape in the mask (0.96), but the background around it
+    # drifted by 16 levels on average; 2500 steps at 2e-3, by 10 (the autoencoder alone: 4).
+    inpaint_recipe={
+        "steps": 5000,
+        "batch_size": 128,
+        "learning_rate": 2e-3,
+        "images_per_prompt": 200,
+        "ema_decay": 0.995,
+    },
 )
 
 

@@ -52,6 +52,7 @@ class TinyBase:
     clip_autoencoder: Callable | None = None
     text_note: str = ""  # a video base's card: what its text encoder is and how it stays
     edit_recipe: dict | None = None  # the edit base built from it (scripts/make_tiny_edit_base.py), if any
+    inpaint_recipe: dict | None = None  # the inpainting base built from it (scripts/make_tiny_inpaint_base.py), if any
 
 
 def two_stream_transformer(recipe) -> str:
