@@ -17,6 +17,7 @@ from difftune.data.dataset import image_to_tensor
 from difftune.data.inpaint_masks import MASK_KINDS, random_mask, view_masks
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
+from difftune.families.common.drawing import generate_images
 from difftune.families.common.tokens import pack
 
 
@@ -97,9 +98,10 @@ def test_the_mask_and_masked_image_are_read_as_the_pipeline_reads_them(name, mic
 
 
 @pytest.mark.parametrize("name", ["sd_inpaint", "sdxl_inpaint", "flux_fill"])
-def test_samples_name_an_image_and_its_mask(name, micro_base):
-    """A sample prompt without both is refused before training, saying how to write it; Fill's samples give the
-    guidance embedding the scale and no negative prompt (its pipeline takes none)."""
+def test_samples_name_an_image_and_its_mask(name, micro_base, tmp_path):
+    """A sample prompt without both is refused before training, saying how to write it; one with both is drawn, its
+    grid naming them; Fill's samples give the guidance embedding the scale and no negative prompt (its pipeline takes
+    none)."""
     base = str(micro_base(name))
     family = FAMILIES[name]
     with pytest.raises(DifftuneError, match=r'controls = \["image.png", "mask.png"\]'):
@@ -110,8 +112,13 @@ def test_samples_name_an_image_and_its_mask(name, micro_base):
             sample=SampleConfig(prompts=[{"prompt": "a red square", "controls": ["a.png", "mask.png"]}]),
         )
     )
+    components = load_components(ModelConfig(base=base))
+    _image().save(tmp_path / "a.png")
+    Image.new("L", (32, 32), 255).save(tmp_path / "mask.png")
+    entry = {"prompt": "a red square", "controls": [str(tmp_path / "a.png"), str(tmp_path / "mask.png")]}
+    [sample] = generate_images(components, SampleConfig(prompts=[entry], steps=2, resolution=32), torch.device("cpu"))
+    assert sample.control_names == ("image", "mask") and [c.size for c in sample.controls] == [(32, 32)] * 2
     if name == "flux_fill":
-        components = load_components(ModelConfig(base=base))
         assert family.drawing.sampling_arguments(components, 30.0, "blurry") == {
             "max_sequence_length": family.max_sequence_length(components),
             "guidance_scale": 30.0,

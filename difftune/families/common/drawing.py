@@ -46,6 +46,7 @@ class Drawing(Role):
     default_sampler = "ddim"  # what `sample.scheduler = "auto"` means
     samplers = SAMPLERS  # sampler name -> scheduler class, built over the model's own schedule config
     needs_controls_to_draw = False  # its pipeline draws only edits (a sample prompt without controls is refused)
+    control_names: tuple[str, ...] = ()  # what a sample grid calls its controls (none: "control", numbered if several)
 
     def sampler(self, name: str) -> type:
         """The scheduler class of sampler `name` (`auto`: the family's default)."""
@@ -247,6 +248,7 @@ class Sample:
     )  # an edit's control images, at the image's size (for the grid)
     clip: list[Image.Image] = field(default_factory=list)  # a video base's frames (`image` is the first)
     drawn_as: str = "edited"  # what the grid calls it beside its controls: an edit, or a ControlNet's drawing
+    control_names: tuple[str, ...] = ()  # what the grid calls its controls (its family drawing's `control_names`)
 
     @property
     def prompt(self) -> str:
@@ -310,7 +312,10 @@ def _sample(pipeline, config: SampleConfig, components: Components, entry, promp
         pipeline, components.family_options, prompt, controls, config.resolution, config.resolution, **arguments
     )
     drawn_as = "edited" if components.family.max_controls else "drawn"  # a ControlNet's or control LoRA's: drawn
-    return Sample(image, entry, seed, [at_height(c, image.height) for c in controls], drawn_as=drawn_as)
+    controls = [at_height(c, image.height) for c in controls]
+    return Sample(
+        image, entry, seed, controls, drawn_as=drawn_as, control_names=components.family.drawing.control_names
+    )
 
 
 def _open_control(path: str) -> Image.Image:
@@ -343,7 +348,7 @@ def save_images(
     for number, sample in enumerate(samples):
         before = _before(before_dir, number)
         panels = [
-            *_control_panels(sample.controls),
+            *_control_panels(sample.controls, sample.control_names),
             *([("before", before)] if before else []),
             ("after" if before else sample.drawn_as, sample.image),
         ]
@@ -352,7 +357,9 @@ def save_images(
     return paths
 
 
-def _control_panels(controls: list[Image.Image]) -> list[tuple[str, Image.Image]]:
+def _control_panels(controls: list[Image.Image], names: tuple[str, ...] = ()) -> list[tuple[str, Image.Image]]:
+    if len(names) == len(controls):
+        return list(zip(names, controls, strict=True))
     if len(controls) == 1:
         return [("control", controls[0])]
     return [(f"control {number}", control) for number, control in enumerate(controls, 1)]

@@ -64,6 +64,7 @@ class InpaintDrawing(Drawing):
     """Samples drawn by the family's inpaint pipeline, from the image and mask each sample prompt names."""
 
     needs_controls_to_draw = True
+    control_names = ("image", "mask")
 
     def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
         image, mask = controls
