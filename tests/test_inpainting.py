@@ -169,3 +169,21 @@ def test_a_subjects_mask_is_the_views_inpainting_mask_cached_or_not(micro_base, 
     before = set(entries)
     losses("moved", cache__latents=True)
     assert len(set((tmp_path / "cache" / "latents").rglob("*.safetensors")) - before) == 1
+
+
+@pytest.mark.parametrize("name, text_to_image", [("sd_inpaint", "sd"), ("sdxl_inpaint", "sdxl")])
+def test_an_inpainting_single_file_is_read_as_its_family_by_its_input_channels(
+    name, text_to_image, micro_base, tmp_path
+):
+    """An inpainting checkpoint's keys are its text-to-image family's: `auto` tells them apart by the UNet's input
+    layer (9 channels against 4), and a file named as the other family is refused, naming its own."""
+    from safetensors.torch import save_file
+
+    from difftune.families import family_of
+
+    for family in (name, text_to_image):
+        components = load_components(ModelConfig(base=str(micro_base(family))))
+        save_file(FAMILIES[family].layout.to_single_file(components), tmp_path / f"{family}.safetensors")
+        assert family_of(ModelConfig(base=str(tmp_path / f"{family}.safetensors"))) is FAMILIES[family]
+    with pytest.raises(DifftuneError, match=f"of the {name} family"):
+        family_of(ModelConfig(base=str(tmp_path / f"{name}.safetensors"), family=text_to_image))

@@ -40,7 +40,7 @@ from difftune.models.components import (
     explained_load_errors,
     quiet_loading,
 )
-from difftune.models.denoiser_files import gguf_tensor_names, is_gguf, is_scaled_fp8
+from difftune.models.denoiser_files import DENOISER_FILE_PREFIXES, gguf_tensor_names, is_gguf, is_scaled_fp8
 from difftune.models.dtypes import FP32_PARTS, PartDtypes
 
 # diffusers warns "Guiders are currently an experimental feature ..." at every guider made, and difftune makes them
@@ -205,6 +205,8 @@ def _readers(config: ModelConfig, by_folder: bool = True) -> tuple[list[Family],
         ):  # one transformer's keys, several pipelines (Qwen-Image's edits)
             class_name = _pipeline_class_name(config.model_copy(update={"base": config.single_file_config}))
             readers = [family for family in readers if class_name in family.pipeline_classes] or readers
+        if len(readers) > 1 and (inputs := _file_inputs(base, keys, readers[0].layout.input_file_key)):
+            readers = [family for family in readers if inputs in (family.file_inputs or (inputs,))] or readers
         return readers, "a single file"
     if published.is_published(base) and not Path(base).exists():  # known without asking the hub (offline too)
         class_name = published.model_index(base)["_class_name"]
@@ -212,6 +214,16 @@ def _readers(config: ModelConfig, by_folder: bool = True) -> tuple[list[Family],
         with explained_load_errors("model.base", base):
             class_name = _pipeline_class_name(config)
     return [family for family in FAMILIES.values() if class_name in family.pipeline_classes], f"a {class_name}"
+
+
+def _file_inputs(path: str, keys: set[str], input_key: str | None) -> int | None:
+    """The inputs of a single file's denoiser input layer (`Layout.input_file_key`), None where it has none to read (a
+    GGUF file: the families that read one file's keys alike take it)."""
+    found = [prefix + input_key for prefix in ("", *DENOISER_FILE_PREFIXES) if input_key and prefix + input_key in keys]
+    if not found or is_gguf(path):
+        return None
+    with safe_open(path, framework="pt") as handle:
+        return handle.get_slice(found[0]).get_shape()[1]
 
 
 def _pipeline_class_name(config: ModelConfig) -> str:

@@ -66,6 +66,9 @@ class Family:
     edit_base = False
     reads_clips = False  # a video base: trains on clips (`frame_windows`) and images alike
     page_family: str | None = None  # the family whose page for the real model tells of this one too (`page`)
+    # The inputs of its denoiser's input layer in its single files (`Layout.input_file_key`; none: any), where the
+    # families that read one file's keys differ in them: `auto` takes the file's
+    file_inputs: tuple[int, ...] = ()
     layout: Layout  # its files in other tools' layouts (layouts.py)
     objective: Objective = DDPM()  # what training minimises (objective.py; flow.py's for the flow families)
     controlnet: ControlNets | None = None  # its ControlNet (control.py), where diffusers has one

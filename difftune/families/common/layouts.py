@@ -86,6 +86,9 @@ class Layout:
     denoiser_file_key: str | None = None  # a key every denoiser-alone single file of the family has
     # Keys of another model's files that have `denoiser_file_key` too (a model built on the family's layers)
     other_models_file_keys: tuple[str, ...] = ()
+    # The denoiser's input layer's weight in its single files (ComfyUI's may prefix it): its inputs tell the family's
+    # variants apart where their keys are one (an inpainting UNet reads 9 channels, SD's 4: `Family.file_inputs`)
+    input_file_key: str | None = None
 
     def reads_single_file(self, keys: set[str]) -> bool:
         """Whether a single file with these keys is this family's: where its single files hold the denoiser alone,

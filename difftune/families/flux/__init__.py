@@ -132,6 +132,7 @@ class FluxLayout(SingleBlockRows, FusedLayout):
     single_file_layout = "transformer alone (BFL layout)"
 
     denoiser_file_key = "double_blocks.0.img_mod.lin.weight"  # FLUX.2's blocks share one modulation, Chroma's have none
+    input_file_key = "img_in.weight"
     # ComfyUI's HunyuanImage 2.1 and HunyuanVideo files, on Flux.1's block layers: ComfyUI tells them by their caption's
     # token refiner too.
     other_models_file_keys = ("txt_in.individual_token_refiner.blocks.0.norm1.weight",)
@@ -197,6 +198,7 @@ class Flux(FlowMatchingFamily):
     pipeline_classes = ("FluxPipeline", "FluxControlPipeline")  # the second: a control LoRA merged in
     controlnet = FluxControlNet(FluxControlNetPipeline)
     input_control = InputControl(FluxControlPipeline, "x_embedder", "proj_out")
+    file_inputs = (64, 128)  # FLUX.1 [dev]'s 2x2 patches; a control base's (Depth, Canny [dev]) twice that
     denoiser_class = FluxTransformer2DModel
     denoiser_name = "transformer"
     text_encoder_names = ("text_encoder", "text_encoder_2")

@@ -10,8 +10,9 @@ image and its mask) is common/inpainting.py.
   of the packed parts does.
 - Samples: the guidance embedding reads `sample.guidance_scale` (the pipeline's default is 30); the pipeline takes
   no negative prompt.
-- Single files: the transformer alone in BFL's layout (`flux1-fill-dev.safetensors`), whose keys are Flux.1's: set
-  `model.family = "flux_fill"`, or give a Fill pipeline folder as `model.single_file_config`.
+- Single files: the transformer alone in BFL's layout (`flux1-fill-dev.safetensors`), whose keys are Flux.1's: `auto`
+  tells it by its input layer (384 inputs; `file_inputs`), with a Fill pipeline folder as `model.single_file_config`
+  for the other parts.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class FluxFill(Flux):
     description = "FLUX.1 Fill inpainting"
     pipeline_class = FluxFillPipeline
     pipeline_classes = ("FluxFillPipeline",)
+    file_inputs = (384,)
     controlnet = None  # diffusers' Flux ControlNets are FLUX.1 [dev]'s
     input_control = None  # its input channels are the mask's and the masked image's
 

@@ -37,6 +37,7 @@ class FluxKontext(Flux):
     controlnet = None  # diffusers' Flux ControlNets are Flux.1 [dev]'s; none reads an edit's references
     input_control = None  # FluxControlPipeline draws Flux.1 [dev]'s widened transformer alone
     pipeline_classes = ("FluxKontextPipeline",)
+    file_inputs = (64,)
     max_controls = 1  # FluxKontextPipeline takes one image
     edit_base = True
     drawing = FluxKontextDrawing()

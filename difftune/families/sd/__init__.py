@@ -23,6 +23,7 @@ class StableDiffusionLayout(Layout):
     """StableDiffusion's files in other tools' layouts."""
 
     single_file_layout = "whole checkpoint (LDM layout)"
+    input_file_key = "input_blocks.0.0.weight"
 
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
 
@@ -88,6 +89,7 @@ class StableDiffusion(Family):
     pipeline_classes = ("StableDiffusionPipeline",)
     fixed_pipeline_arguments = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
     controlnet = UNetControlNet(StableDiffusionControlNetPipeline)
+    file_inputs = (4,)
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         states = conditioning["encoder_hidden_states"]

@@ -4,8 +4,8 @@ reading nine channels, the noisy latents, then the mask at the latents' size, th
 (sd): text, objective, files. What the inpainting families share (random masks, the masked image, samples from an
 image and its mask) is common/inpainting.py.
 
-- Single files: whole checkpoints in the LDM layout (`sd-v1-5-inpainting.safetensors`), whose keys are SD's: set
-  `model.family = "sd_inpaint"`, or give an inpainting pipeline folder as `model.single_file_config`.
+- Single files: whole checkpoints in the LDM layout (`sd-v1-5-inpainting.safetensors`), whose keys are SD's: `auto`
+  tells them by the UNet's input layer (9 channels in; `file_inputs`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class StableDiffusionInpaint(StableDiffusion):
     description = "Stable Diffusion 1.x / 2.x inpainting"
     pipeline_class = StableDiffusionInpaintPipeline
     pipeline_classes = ("StableDiffusionInpaintPipeline",)
+    file_inputs = (9,)
     controlnet = None  # diffusers' inpainting ControlNet pipeline is not wired here yet
 
     def latent_channels(self, denoiser) -> int:

@@ -31,6 +31,7 @@ class StableDiffusionXLLayout(Layout):
     """StableDiffusionXL's files in other tools' layouts."""
 
     single_file_layout = "whole checkpoint (SGM layout)"
+    input_file_key = "input_blocks.0.0.weight"
 
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
 
@@ -84,6 +85,7 @@ class StableDiffusionXL(Family):
     pipeline_options = ("force_zeros_for_empty_prompt",)
     fixed_pipeline_arguments = {"add_watermarker": False}  # the watermark is for published images, not samples
     controlnet = UNetControlNet(StableDiffusionXLControlNetPipeline)
+    file_inputs = (4,)
 
     def denoise(self, components, noisy, timesteps, conditioning, geometry):
         states = conditioning["encoder_hidden_states"]

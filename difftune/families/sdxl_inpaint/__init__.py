@@ -5,8 +5,8 @@ files. What the inpainting families share (random masks, the masked image, sampl
 common/inpainting.py.
 
 - Samples: the pipeline starts from the image noised to its `strength` (0.9999 by default), as it draws for anyone.
-- Single files: whole checkpoints in SDXL's layout, whose keys are SDXL's: set `model.family = "sdxl_inpaint"`, or give
-  an inpainting pipeline folder as `model.single_file_config`.
+- Single files: whole checkpoints in SDXL's layout, whose keys are SDXL's: `auto` tells them by the UNet's input layer
+  (9 channels in; `file_inputs`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class StableDiffusionXLInpaint(StableDiffusionXL):
     description = "Stable Diffusion XL inpainting"
     pipeline_class = StableDiffusionXLInpaintPipeline
     pipeline_classes = ("StableDiffusionXLInpaintPipeline",)
+    file_inputs = (9,)
     pipeline_options = ("force_zeros_for_empty_prompt", "requires_aesthetics_score")
     controlnet = None  # diffusers' inpainting ControlNet pipeline is not wired here yet
 
