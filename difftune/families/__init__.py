@@ -31,6 +31,7 @@ from difftune.config import FAMILY_NAMES, ModelConfig, wrong_family
 from difftune.errors import DifftuneError
 from difftune.families.common.family import Family
 from difftune.families.common.inpainting import InpaintDrawing
+from difftune.families.common.layouts import file_key
 from difftune.files import PIPELINE_INDEXES, pipeline_index
 from difftune.models.autoencoders import latent_channels, load_vae
 from difftune.models.components import (
@@ -40,7 +41,7 @@ from difftune.models.components import (
     explained_load_errors,
     quiet_loading,
 )
-from difftune.models.denoiser_files import DENOISER_FILE_PREFIXES, gguf_tensor_names, is_gguf, is_scaled_fp8
+from difftune.models.denoiser_files import gguf_tensor_names, is_gguf, is_scaled_fp8
 from difftune.models.dtypes import FP32_PARTS, PartDtypes
 
 # diffusers warns "Guiders are currently an experimental feature ..." at every guider made, and difftune makes them
@@ -219,11 +220,11 @@ def _readers(config: ModelConfig, by_folder: bool = True) -> tuple[list[Family],
 def _file_inputs(path: str, keys: set[str], input_key: str | None) -> int | None:
     """The inputs of a single file's denoiser input layer (`Layout.input_file_key`), None where it has none to read (a
     GGUF file: the families that read one file's keys alike take it)."""
-    found = [prefix + input_key for prefix in ("", *DENOISER_FILE_PREFIXES) if input_key and prefix + input_key in keys]
-    if not found or is_gguf(path):
+    found = file_key(keys, input_key) if input_key else None
+    if found is None or is_gguf(path):
         return None
     with safe_open(path, framework="pt") as handle:
-        return handle.get_slice(found[0]).get_shape()[1]
+        return handle.get_slice(found).get_shape()[1]
 
 
 def _pipeline_class_name(config: ModelConfig) -> str:

@@ -613,8 +613,13 @@ def build_inpaint_base(out_dir: Path, work_dir: Path, source: Path, recipe: dict
         shutil.rmtree(work_dir / folder, ignore_errors=True)
         write_caption_folder(work_dir / folder, shape_images(images, image_seed, SEEN_COLORS))
     # As the text-to-image base was trained: min-SNR weighting, an offset noise, both views
-    settings = {"adapter.text_encoder": "false", "loss.weighting": "min_snr", "loss.noise_offset": 0.1}
-    return _fully_fine_tuned(inpaint, out_dir, work_dir, source, recipe, seed, settings | {"data.random_flip": "true"})
+    settings = {
+        "adapter.text_encoder": "false",
+        "loss.weighting": "min_snr",
+        "loss.noise_offset": 0.1,
+        "data.random_flip": "true",
+    }
+    return _fully_fine_tuned(inpaint, out_dir, work_dir, source, recipe, seed, settings)
 
 
 def scored_build(model_dir: Path, work_dir: Path, facts: dict, score, before_key: str, card: str, **fields) -> dict:
@@ -624,19 +629,18 @@ def scored_build(model_dir: Path, work_dir: Path, facts: dict, score, before_key
     from difftune.toy.judge import EvalSettings
 
     settings = EvalSettings()
-    scores, before = (
-        score(load_components(ModelConfig(base=str(folder))), SEEN_COLORS, HELD_OUT_COLOR, settings)
-        for folder in (model_dir, work_dir / "init")
-    )
+    built = load_components(ModelConfig(base=str(model_dir)))
+    scores = score(built, SEEN_COLORS, HELD_OUT_COLOR, settings)
+    before = score(load_components(ModelConfig(base=str(work_dir / "init"))), SEEN_COLORS, HELD_OUT_COLOR, settings)
     facts = facts | {"base": scores, before_key: before, "eval_settings": vars(settings)}
     (model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
-    recipe, denoiser = facts["recipe"], load_components(ModelConfig(base=str(model_dir))).denoiser
+    recipe = facts["recipe"]
     text = card.format(
         **fields,
         name=model_dir.name,
         seen=", ".join(SEEN_COLORS),
         held_out=HELD_OUT_COLOR,
-        params=sum(p.numel() for p in denoiser.parameters()),
+        params=sum(p.numel() for p in built.denoiser.parameters()),
         seconds=facts["seconds"]["denoiser"],
         n=settings.samples_per_prompt,
         **{key: recipe[key] for key in ("seed", "steps", "batch_size", "learning_rate", "ema_decay")},

@@ -859,10 +859,10 @@ def _fill_caches(
     encoding what is missing, shared out among the processes (`_cache_shares`); `rates`: the examples' frame rates,
     where their sound is cached beside them."""
     latent_files = control_files = text_files = None
+    reads_masks = components.family.conditioning.reads_masks  # its latent entries hold what it made of the masks
     if config.cache.latents == "on":
         vae_identity = components.family.conditioning.latent_identity(components)
-        masks_kept = components.family.conditioning.reads_masks
-        latent_files = latent_entries(examples, sizes, vae_identity, config, masks_kept)
+        latent_files = latent_entries(examples, sizes, vae_identity, config, reads_masks)
         if _controls_as_latents(components, config):
             control_files = control_latent_entries(examples, controls, vae_identity, config)
     if config.cache.text == "on":
@@ -878,6 +878,7 @@ def _fill_caches(
     all_rates = (rates or [0.0] * len(examples)) + [0.0] * (len(paths) - len(examples))
     all_files = latent_files + [views for files in control_files or [] for views in files] if latent_files else []
     prompt_files = sorted(text_files.items()) if text_files else []
+    masks_of = _view_masks(examples, config) if reads_masks else None
     for share, shares in _cache_shares(accelerator):
         mine = [i for i in range(len(all_files)) if i % shares == share]
         if mine:
@@ -896,7 +897,7 @@ def _fill_caches(
                 if components.family.conditioning.trains_sound(components)
                 else None,
                 [all_rates[i] for i in mine],
-                _view_masks(examples, config) if components.family.conditioning.reads_masks else None,
+                masks_of,
             )
             for autoencoder in components.autoencoders():  # off the device before the text encoders come (plan.py)
                 autoencoder.to("cpu")

@@ -80,9 +80,6 @@ def processed_frames(processor, frames: torch.Tensor, encoder: torch.nn.Module, 
     return processor(images=images, return_tensors="pt", **options).pixel_values.to(weight.device, weight.dtype)
 
 
-# The edit pipelines that keep a reference at its own size (Z-Image Omni's, FLUX.3's and FLUX.2's) take sides in
-# multiples of 16 (the autoencoder's 8x times the transformer's 2x2 patches: what they crop or pad a reference to) and
-# at least 64 px (Z-Image Omni's and FLUX.2's refuse less; FLUX.3's pads to it).
 def first_frame(pixels: torch.Tensor) -> torch.Tensor:
     """A training view's first frame (an image is its own), as a one-frame clip (B, 3, 1, H, W): the image an
     image-to-video base animates."""
@@ -98,6 +95,9 @@ def first_frame_clip(components: Components, clip: torch.Tensor, first_frame_lat
     return condition
 
 
+# The edit pipelines that keep a reference at its own size (Z-Image Omni's, FLUX.3's and FLUX.2's) take sides in
+# multiples of 16 (the autoencoder's 8x times the transformer's 2x2 patches: what they crop or pad a reference to) and
+# at least 64 px (Z-Image Omni's and FLUX.2's refuse less; FLUX.3's pads to it).
 REFERENCE_GRID = 16
 SHORTEST_REFERENCE_SIDE = 64
 

@@ -221,14 +221,21 @@ class ReferenceSizedDrawing(Drawing):
 def one_image_each(prompts: list, pipelines_do: str, example: str) -> list[str]:
     """The `sample.prompts` entries that name other than one image (for a family whose pipeline draws from exactly one:
     `pipelines_do` says what they do with it, `example` names such a file), each named."""
+    return images_each(prompts, pipelines_do, (example,))
+
+
+def images_each(prompts: list, pipelines_do: str, examples: tuple[str, ...]) -> list[str]:
+    """The `sample.prompts` entries that name other than as many images as `examples` names, in their order (for a
+    family whose pipeline draws from exactly those: `pipelines_do` says what they do with them), each named."""
     problems = []
     for entry in prompts:
         controls = [] if isinstance(entry, str) else entry.controls
         text = entry if isinstance(entry, str) else entry.prompt
-        if len(controls) != 1:
+        if len(controls) != len(examples):
+            named = ", ".join(f'"{example}"' for example in examples)
             problems.append(
                 f"sample.prompts: {text!r} has {len(controls)} images; {pipelines_do}: write it as "
-                f'{{prompt = {text!r}, controls = ["{example}"]}}'
+                f"{{prompt = {text!r}, controls = [{named}]}}"
             )
     return problems
 

@@ -19,7 +19,7 @@ import torch
 
 from difftune.data.inpaint_masks import RECIPE, view_masks
 from difftune.families.common.conditioning import Conditioning
-from difftune.families.common.drawing import Drawing
+from difftune.families.common.drawing import Drawing, images_each
 from difftune.models.autoencoders import encode_posterior
 from difftune.models.components import Components
 
@@ -52,14 +52,6 @@ def masked_image_latents(components: Components, conditioning: dict) -> torch.Te
     return components.latent_normalization.apply(conditioning["masked_latents"].float())
 
 
-def unet_inpaint_input(components: Components, noisy: torch.Tensor, conditioning: dict) -> torch.Tensor:
-    """What the SD and SDXL inpainting UNets read (B, 4 + 1 + 4, h, w): the noisy latents, the mask resized to them by
-    nearest neighbour (`interpolate`'s default, as their pipelines resize it: each latent pixel reads its block's
-    top-left pixel), then the masked image's latents."""
-    mask = torch.nn.functional.interpolate(conditioning["inpaint_mask"].float(), size=noisy.shape[-2:])
-    return torch.cat([noisy, mask, masked_image_latents(components, conditioning)], dim=1).to(noisy.dtype)
-
-
 class InpaintDrawing(Drawing):
     """Samples drawn by the family's inpaint pipeline, from the image and mask each sample prompt names."""
 
@@ -72,14 +64,25 @@ class InpaintDrawing(Drawing):
 
     def prompt_control_problems(self, prompts: list) -> list[str]:
         """Every sample prompt names two images: the one it paints into, then the mask (white where it draws)."""
-        problems = []
-        for entry in prompts:
-            controls = [] if isinstance(entry, str) else entry.controls
-            text = entry if isinstance(entry, str) else entry.prompt
-            if len(controls) != 2:
-                problems.append(
-                    f"sample.prompts: {text!r} has {len(controls)} images; {self.family.description} pipelines paint "
-                    f"into an image where its mask is white: write it as "
-                    f'{{prompt = {text!r}, controls = ["image.png", "mask.png"]}}'
-                )
-        return problems
+        pipelines_do = f"{self.family.description} pipelines paint into an image where its mask is white"
+        return images_each(prompts, pipelines_do, ("image.png", "mask.png"))
+
+
+class UNetInpainting:
+    """What SD's and SDXL's inpainting families add to their text-to-image family (listed before it): a UNet reading
+    nine channels, the noisy latents, the mask resized to them by nearest neighbour (`interpolate`'s default, as their
+    pipelines resize it: each latent pixel reads its block's top-left pixel), then the masked image's latents; samples
+    drawn from an image and its mask."""
+
+    drawing = InpaintDrawing()
+    file_inputs = (9,)  # 4 + 1 + 4: what tells its single files from the text-to-image family's (4)
+    controlnet = None  # diffusers' inpainting ControlNet pipelines are not wired here yet
+
+    def latent_channels(self, denoiser) -> int:
+        """The latents it predicts: it reads five channels more."""
+        return denoiser.config.out_channels
+
+    def denoise(self, components, noisy, timesteps, conditioning, geometry):
+        mask = torch.nn.functional.interpolate(conditioning["inpaint_mask"].float(), size=noisy.shape[-2:])
+        inputs = torch.cat([noisy, mask, masked_image_latents(components, conditioning)], dim=1).to(noisy.dtype)
+        return super().denoise(components, inputs, timesteps, conditioning, geometry)

@@ -72,7 +72,12 @@ def kohya_globals_of(original_globals: dict[str, str], swapped_halves: tuple[str
 
 def has_file_key(keys: set[str], key: str) -> bool:
     """Whether a single file's `keys` hold `key`, as it is or under one of ComfyUI's prefixes."""
-    return any(prefix + key in keys for prefix in ("", *DENOISER_FILE_PREFIXES))
+    return file_key(keys, key) is not None
+
+
+def file_key(keys: set[str], key: str) -> str | None:
+    """How a single file's `keys` spell `key`: as it is or under one of ComfyUI's prefixes; None where they lack it."""
+    return next((prefix + key for prefix in ("", *DENOISER_FILE_PREFIXES) if prefix + key in keys), None)
 
 
 class Layout:

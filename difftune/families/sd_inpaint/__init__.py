@@ -1,6 +1,6 @@
 """Stable Diffusion 1.x / 2.x inpainting (`stable-diffusion-inpainting`, `StableDiffusionInpaintPipeline`): SD's UNet
 reading nine channels, the noisy latents, then the mask at the latents' size, then the masked image's latents
-(4 + 1 + 4: common/inpainting.py's `unet_inpaint_input`, which SDXL's inpainting shares). Everything else is SD's
+(4 + 1 + 4: common/inpainting.py's `UNetInpainting`, which SDXL's inpainting shares). Everything else is SD's
 (sd): text, objective, files. What the inpainting families share (random masks, the masked image, samples from an
 image and its mask) is common/inpainting.py.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from diffusers import StableDiffusionInpaintPipeline
 
-from difftune.families.common.inpainting import InpaintConditioning, InpaintDrawing, unet_inpaint_input
+from difftune.families.common.inpainting import InpaintConditioning, UNetInpainting
 from difftune.families.sd import StableDiffusion, StableDiffusionConditioning
 
 
@@ -20,24 +20,13 @@ class StableDiffusionInpaintConditioning(InpaintConditioning, StableDiffusionCon
     """SD's text; the mask and masked image from the view's pixels."""
 
 
-class StableDiffusionInpaint(StableDiffusion):
+class StableDiffusionInpaint(UNetInpainting, StableDiffusion):
     name = "sd_inpaint"
     page_family = "sd"
     conditioning = StableDiffusionInpaintConditioning()
-    drawing = InpaintDrawing()
     description = "Stable Diffusion 1.x / 2.x inpainting"
     pipeline_class = StableDiffusionInpaintPipeline
     pipeline_classes = ("StableDiffusionInpaintPipeline",)
-    file_inputs = (9,)
-    controlnet = None  # diffusers' inpainting ControlNet pipeline is not wired here yet
-
-    def latent_channels(self, denoiser) -> int:
-        """The latents it predicts: it reads five channels more."""
-        return denoiser.config.out_channels
-
-    def denoise(self, components, noisy, timesteps, conditioning, geometry):
-        inputs = unet_inpaint_input(components, noisy, conditioning)
-        return super().denoise(components, inputs, timesteps, conditioning, geometry)
 
 
 FAMILY = StableDiffusionInpaint()

@@ -27,5 +27,4 @@ def inpaint_pipeline_of(pipeline: StableDiffusionPipeline) -> StableDiffusionInp
     state["conv_in.weight"] = torch.cat([weight, weight.new_zeros(weight.shape[0], 5, *weight.shape[2:])], dim=1)
     unet = UNet2DConditionModel.from_config(pipeline.unet.config, in_channels=9)
     unet.load_state_dict(state)
-    parts = {name: part for name, part in pipeline.components.items() if name != "image_encoder"}
-    return StableDiffusionInpaint.pipeline_class(**parts | {"unet": unet})
+    return StableDiffusionInpaint.pipeline_class(**pipeline.components | {"unet": unet})

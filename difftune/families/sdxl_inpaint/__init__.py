@@ -1,6 +1,6 @@
 """Stable Diffusion XL inpainting (`diffusers/stable-diffusion-xl-1.0-inpainting-0.1`,
 `StableDiffusionXLInpaintPipeline`): SDXL's UNet reading nine channels, as SD's inpainting UNet reads them
-(common/inpainting.py's `unet_inpaint_input`). Everything else is SDXL's (sdxl): text, the size conditioning, objective,
+(common/inpainting.py's `UNetInpainting`). Everything else is SDXL's (sdxl): text, the size conditioning, objective,
 files. What the inpainting families share (random masks, the masked image, samples from an image and its mask) is
 common/inpainting.py.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from diffusers import StableDiffusionXLInpaintPipeline
 
-from difftune.families.common.inpainting import InpaintConditioning, InpaintDrawing, unet_inpaint_input
+from difftune.families.common.inpainting import InpaintConditioning, UNetInpainting
 from difftune.families.sdxl import StableDiffusionXL, StableDiffusionXLConditioning
 
 
@@ -21,25 +21,14 @@ class StableDiffusionXLInpaintConditioning(InpaintConditioning, StableDiffusionX
     """SDXL's text; the mask and masked image from the view's pixels."""
 
 
-class StableDiffusionXLInpaint(StableDiffusionXL):
+class StableDiffusionXLInpaint(UNetInpainting, StableDiffusionXL):
     name = "sdxl_inpaint"
     page_family = "sdxl"
     conditioning = StableDiffusionXLInpaintConditioning()
-    drawing = InpaintDrawing()
     description = "Stable Diffusion XL inpainting"
     pipeline_class = StableDiffusionXLInpaintPipeline
     pipeline_classes = ("StableDiffusionXLInpaintPipeline",)
-    file_inputs = (9,)
     pipeline_options = ("force_zeros_for_empty_prompt", "requires_aesthetics_score")
-    controlnet = None  # diffusers' inpainting ControlNet pipeline is not wired here yet
-
-    def latent_channels(self, denoiser) -> int:
-        """The latents it predicts: it reads five channels more."""
-        return denoiser.config.out_channels
-
-    def denoise(self, components, noisy, timesteps, conditioning, geometry):
-        inputs = unet_inpaint_input(components, noisy, conditioning)
-        return super().denoise(components, inputs, timesteps, conditioning, geometry)
 
 
 FAMILY = StableDiffusionXLInpaint()
