@@ -19,6 +19,7 @@ and after (overall and per shape) and the forgetting of the seen prompts. docs/b
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,11 @@ FLUX3_NO_IMAGE_BLOCKS = str(
         for layer in FLUX3_BLOCK_TARGETS
     ]
 ).replace(" ", "")
+
+
+# How a job's models are judged where it is not the judge's default (20 steps, guided at 3): a turbo base as it is
+# drawn, in 4 unguided steps.
+JOB_EVAL_SETTINGS = {"tiny_turbo_lora": EvalSettings(steps=4, guidance_scale=1.0)}
 
 
 def at_seeds(name: str, *overrides: str) -> dict[str, list[str]]:
@@ -283,6 +289,17 @@ VARIANTS = {
     "tiny_inpaint_lora": {
         **at_seeds("lora_r16"),
     },
+    # Over the turbo base's training adapter (as shipped), and the same run without it
+    "tiny_turbo_lora": {
+        **at_seeds("training_adapter"),
+        **at_seeds("without_training_adapter", "model.training_adapter="),
+        **at_seeds("training_adapter_2400_steps", "train.max_steps=2400"),
+        **at_seeds("training_adapter_lr_2e-3", "optim.learning_rate=2e-3"),
+        **at_seeds("more_seen", "data.path=examples/purple_with_more_seen"),
+        **at_seeds(
+            "more_seen_without_training_adapter", "data.path=examples/purple_with_more_seen", "model.training_adapter="
+        ),
+    },
     "ltx2_lora": {
         **at_seeds("lora_r16"),
         **at_seeds("lora_r16_400_steps", "train.max_steps=400"),
@@ -343,7 +360,9 @@ def main() -> None:
         print(convergence_table(lines) if args.convergence else markdown_table(lines))
         return
 
-    settings = EvalSettings(resolution=args.eval_resolution) if args.eval_resolution else EvalSettings()
+    settings = JOB_EVAL_SETTINGS.get(args.job, EvalSettings())
+    if args.eval_resolution:
+        settings = replace(settings, resolution=args.eval_resolution)
     base_config = load_config(config_file)
     before = model_score(load_components(base_config.model), SEEN_COLORS, HELD_OUT_COLOR, settings)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -389,6 +408,8 @@ def main() -> None:
                 "forgetting": round(before["seen"]["both"] - after["seen"]["both"], 3),
                 "date": time.strftime("%Y-%m-%d"),  # the quality table keeps each seed's newest
             }
+            if args.job in JOB_EVAL_SETTINGS:
+                line["judged_at"] = {"steps": settings.steps, "guidance_scale": settings.guidance_scale}
             if "fills" in after["concept"]:  # an inpainting job: drawn inside the mask, the rest kept
                 line["fills_after"] = {key: after["concept"][key] for key in ("inside", "kept", "kept_difference")}
             if "direction" in after["concept"]:  # a video job: each clip's motion too
