@@ -32,6 +32,7 @@ from difftune.families.flux3 import BLOCK_TARGETS as FLUX3_BLOCK_TARGETS
 from difftune.toy.judge import EvalSettings, model_score
 from difftune.toy.tiny import shape_images, write_caption_folder
 from difftune.toy.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
+from difftune.toy.turbo import TurboRecipe
 from difftune.training.metrics import read_metrics
 from difftune.training.train import train
 
@@ -52,7 +53,7 @@ FLUX3_NO_IMAGE_BLOCKS = str(
 
 # How a job's models are judged where it is not the judge's default (20 steps, guided at 3): a turbo base as it is
 # drawn, in 4 unguided steps.
-JOB_EVAL_SETTINGS = {"tiny_turbo_lora": EvalSettings(steps=4, guidance_scale=1.0)}
+JOB_EVAL_SETTINGS = {"tiny_turbo_lora": TurboRecipe().sampling()}
 
 
 def at_seeds(name: str, *overrides: str) -> dict[str, list[str]]:
@@ -293,12 +294,6 @@ VARIANTS = {
     "tiny_turbo_lora": {
         **at_seeds("training_adapter"),
         **at_seeds("without_training_adapter", "model.training_adapter="),
-        **at_seeds("training_adapter_2400_steps", "train.max_steps=2400"),
-        **at_seeds("training_adapter_lr_2e-3", "optim.learning_rate=2e-3"),
-        **at_seeds("more_seen", "data.path=examples/purple_with_more_seen"),
-        **at_seeds(
-            "more_seen_without_training_adapter", "data.path=examples/purple_with_more_seen", "model.training_adapter="
-        ),
     },
     "ltx2_lora": {
         **at_seeds("lora_r16"),

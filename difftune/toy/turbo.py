@@ -10,7 +10,8 @@ which is what makes it fit two CPU cores.
 
 The training adapter is made as ostris made Z-Image Turbo's and FLUX.1 [schnell]'s: images the turbo base drew
 itself (`write_own_samples`), and a LoRA trained on them by `difftune train`'s ordinary flow-matching loss at a low
-learning rate (`training_adapter_overrides`), which undoes the distillation without teaching anything new.
+learning rate (`training_adapter_overrides`), which moves it back toward an undistilled model without teaching anything
+new.
 """
 
 from __future__ import annotations
