@@ -219,15 +219,15 @@ def test_committed_autoencoders_keep_every_two_colors_apart(base):
 
 
 def test_every_bundled_base_is_built_from_its_familys_tiny_base():
-    """models/tiny-<family> for each family that says how its tiny base is built (`TINY_BASE`), and the edit and
-    inpainting bases its `edit_recipe` and `inpaint_recipe` make; the card of each names the family's own pipeline
-    class."""
+    """models/tiny-<family> for each family that says how its tiny base is built (`TINY_BASE`), the edit and
+    inpainting bases its `edit_recipe` and `inpaint_recipe` make, and the turbo base distilled from tiny-z_image; the
+    card of each names the family's own pipeline class."""
     from difftune.toy.tiny_base import TINY_BASES
 
     edits = {family for family, spec in TINY_BASES.items() if spec.edit_recipe}
     inpaints = {family for family, spec in TINY_BASES.items() if spec.inpaint_recipe}
     bundled = {path.name for path in (REPO / "models").iterdir() if pipeline_index(path) is not None}
-    made_from_others = {KONTEXT_BASE.name, QWEN_EDIT_BASE.name, INPAINT_BASE.name}
+    made_from_others = {KONTEXT_BASE.name, QWEN_EDIT_BASE.name, INPAINT_BASE.name, TURBO_BASE.name}
     assert {f"tiny-{family}" for family in TINY_BASES} == bundled - made_from_others
     assert edits == {"flux", "qwen_image"}  # tiny-flux_kontext's and tiny-qwen_image_edit_plus's sources
     assert inpaints == {"sd"}  # tiny-sd_inpaint's
@@ -236,6 +236,7 @@ def test_every_bundled_base_is_built_from_its_familys_tiny_base():
         assert spec.architecture.split("\n")[0] in card, family
         if spec.autoencoders_from:
             assert pipeline_index(REPO / "models" / spec.autoencoders_from) is not None
+    assert "`ZImagePipeline`" in (TURBO_BASE / "README.md").read_text()
 
 
 @pytest.mark.slow

@@ -126,13 +126,16 @@ def test_the_layouts_other_trainers_share_are_read_as_ours(make_config, qwen_bas
     assert (configs["transformer.r"], configs["transformer.lora_alpha"]) == (4, 4)
 
 
-def test_text_cache_entries_keep_the_caption_and_read_back_as_encoded(make_config, qwen_base):
+def test_text_cache_entries_keep_the_caption_and_read_back_as_encoded(make_config, qwen_base, tmp_path):
     """An entry holds the caption's valid states alone (not 512 padded rows: 7 MB each on the real model); read
-    back, it is what `encode_prompts` made, padding and mask included."""
+    back, it is what `encode_prompts` made, padding and mask included. In a cache of its own: the user's may hold the
+    entries already (a run of this test before), and then there is nothing to fill."""
     from difftune.data.cache import fill_text, text_entries, text_identity
     from difftune.data.dataset import Prompt
 
-    config = make_config(model__base=str(qwen_base), adapter__text_encoder=False, cache__text=True)
+    config = make_config(
+        model__base=str(qwen_base), adapter__text_encoder=False, cache__text=True, cache__dir=str(tmp_path / "cache")
+    )
     components = load_components(config.model)
     prompts = {Prompt("a red circle"), Prompt("a blue square with a long caption that runs on")}
     tokenize = lambda captions: QWEN.conditioning.tokenize(components.tokenizers, captions)  # noqa: E731
