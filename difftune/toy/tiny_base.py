@@ -108,7 +108,8 @@ def _batches(tensors: tuple[torch.Tensor, ...], batch_size: int, steps: int, see
         yield [tensor[rows] for tensor in tensors]
 
 
-def _cosine_lr(optimizer, peak: float, step: int, steps: int, warmup: int = 50) -> None:
+def cosine_lr(optimizer, peak: float, step: int, steps: int, warmup: int = 50) -> None:
+    """The learning rate at `step`: a linear warmup over `warmup` steps (1: none), then a cosine from `peak` to 0."""
     lr = peak * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -127,7 +128,7 @@ def _fit(
     """AdamW (no weight decay) with warmup + cosine on random batches: the loop every autoencoder stage shares."""
     optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
     for step, batch in enumerate(tqdm(_batches(tensors, batch_size, steps, seed), total=steps, desc=desc)):
-        _cosine_lr(optimizer, lr, step, steps)
+        cosine_lr(optimizer, lr, step, steps)
         loss = batch_loss(*batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

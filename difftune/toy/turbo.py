@@ -17,9 +17,7 @@ new.
 from __future__ import annotations
 
 import copy
-import math
 import shutil
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from difftune.models.autoencoders import downsampling, latent_channels
 from difftune.models.components import Components
 from difftune.toy.judge import EvalSettings, judged_samples, prompts_for
 from difftune.toy.tiny import IMAGE_SIZE, write_caption_folder
+from difftune.toy.tiny_base import cosine_lr, timed
 
 TRAINING_ADAPTER = "training_adapter.safetensors"  # in the turbo base's folder, as `model.training_adapter` reads it
 
@@ -141,8 +140,7 @@ def distil(components: Components, prompts: list[str], trajectories: Trajectorie
     generator = torch.Generator().manual_seed(recipe.seed + 1)
     losses = []
     for step in tqdm(range(recipe.distil_steps), desc="distil", unit="step"):
-        cosine = (1 + math.cos(math.pi * step / recipe.distil_steps)) / 2
-        optimizer.param_groups[0]["lr"] = recipe.learning_rate * cosine
+        cosine_lr(optimizer, recipe.learning_rate, step, recipe.distil_steps, warmup=1)
         rows = torch.randint(len(states), (recipe.batch_size,), generator=generator)
         level = torch.randint(recipe.steps, (recipe.batch_size,), generator=generator)
         high, low = schedule[level], schedule[level + 1]
@@ -206,28 +204,27 @@ def build_turbo_base(source: Path, out_dir: Path, work_dir: Path, recipe: TurboR
     (`make_training_adapter`); returns the build's facts (recipe, seconds, distillation losses)."""
     prompts = prompts_for(seen_colors)
     components = load_components(ModelConfig(base=str(source)))
-    started = time.perf_counter()
-    trajectories = teacher_trajectories(components, prompts, recipe)
-    seconds = {"teacher": time.perf_counter() - started}
-    losses = distil(components, prompts, trajectories, recipe)
-    seconds["distil"] = time.perf_counter() - started - seconds["teacher"]
+    seconds = {}
+    with timed(seconds, "teacher"):
+        trajectories = teacher_trajectories(components, prompts, recipe)
+    with timed(seconds, "distil"):
+        losses = distil(components, prompts, trajectories, recipe)
     shutil.rmtree(out_dir, ignore_errors=True)
     components.family.loading.save_pipeline(components.pipeline().to(torch.float16), out_dir)
     if (source / "taesd").is_dir():  # a bundled base's TAESD (a micro base has none)
         shutil.copytree(source / "taesd", out_dir / "taesd")
-    seconds["training_adapter"] = make_training_adapter(out_dir, work_dir, recipe, seen_colors)
+    with timed(seconds, "training_adapter"):
+        make_training_adapter(out_dir, work_dir, recipe, seen_colors)
     return {"recipe": asdict(recipe) | {"source": str(source)}, "seconds": seconds, "distil_loss": losses}
 
 
-def make_training_adapter(turbo_dir: Path, work_dir: Path, recipe: TurboRecipe, seen_colors) -> float:
+def make_training_adapter(turbo_dir: Path, work_dir: Path, recipe: TurboRecipe, seen_colors) -> None:
     """The turbo base's training adapter, written to `TRAINING_ADAPTER` in its folder from its own samples of the seen
-    prompts; returns the seconds it took."""
+    prompts."""
     from difftune.training.train import train
 
-    started = time.perf_counter()
     turbo = load_components(ModelConfig(base=str(turbo_dir)))
     data_dir = write_own_samples(turbo, work_dir / "own_samples", prompts_for(seen_colors), recipe)
     run_dir = work_dir / "training_adapter"
     result = train(load_config(None, training_adapter_overrides(recipe, turbo_dir, data_dir, run_dir)))
     shutil.copyfile(result.trained_path, turbo_dir / TRAINING_ADAPTER)
-    return time.perf_counter() - started
