@@ -10,13 +10,15 @@ run it, checked against its own diffusers pipeline wherever one can be asked:
   renders, and `difftune sample` redraws the in-training sample;
 - the kohya / ComfyUI layout round-trips bit for bit, and diffusers reads it as the same change.
 
-What differs between families here is only how their pipelines are asked (`PIPELINE_PROMPTS`, `render`).
+What differs between families here is only how their pipelines are asked (`PIPELINE_PROMPTS`, `render`), and what a
+sound family trains on: tones (toy/tones.py) where the others train on the shapes, `MICRO_SECONDS` long.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,8 +41,10 @@ from torch.nn.utils import parametrize
 from difftune.adapters import export
 from difftune.cli import main
 from difftune.config import FAMILY_NAMES, Config, ModelConfig
+from difftune.data.sound_files import read_sound_file
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, family_of, family_table_markdown, load_components
+from difftune.families.ace_step.micro import SAMPLE_RATE as ACE_STEP_RATE
 from difftune.families.common.inpainting import InpaintDrawing
 from difftune.families.common.layouts import FusedLayout
 from difftune.families.common.modular import ModularLoading
@@ -58,6 +62,7 @@ from difftune.toy.tiny import (
     write_caption_folder,
     write_layered_folder,
 )
+from difftune.toy.tones import tone_sounds, write_sound_folder
 from difftune.training.checkpoint import complete_checkpoints
 from difftune.training.metrics import read_metrics
 from difftune.training.plan import plan_memory
@@ -68,28 +73,40 @@ from conftest import comfyui_applies_as
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 NAMES = sorted(FAMILIES)
+MICRO_SECONDS = 1.0  # a sound family's windows and samples: 50 latent frames of the micro ACE-Step
 LAYERED_SAMPLE_LAYERS = LayeredOptions().layers  # what a layered base's samples split their image into
 
 
 def _settings(name: str, base: Path, out: Path, **overrides) -> dict:
-    """A family's run on the micro base; a layered base's (Qwen-Image-Layered's) on images with their layers."""
+    """A family's run on the micro base; a layered base's (Qwen-Image-Layered's) on images with their layers, a sound
+    base's on tones."""
     family = FAMILIES[name]
-    layered = {}
+    data = {}
     if family.conditioning.trains_layers:
-        layered = {"data__path": str(write_training_folder(name, out.parent / "layered", shape_images(8, seed=3)))}
+        data = {"data__path": str(write_training_folder(name, out.parent / "layered", shape_images(8, seed=3)))}
+    if family.reads_sound:
+        data = {
+            "data__path": str(write_training_folder(name, out.parent / "tones", shape_images(8, seed=3))),
+            "model__family_options": {"seconds": MICRO_SECONDS},
+        }
     return {
         "model__base": str(base),
         "train__output_dir": str(out),
         "adapter__text_encoder": bool(family.targets.adapted_text_encoders()),
-        **layered,
+        **data,
         **overrides,
     }
 
 
 def write_training_folder(name: str, folder: Path, examples: list[tuple[Image.Image, str]]) -> Path:
-    """`examples` (image, caption) as the family trains them: captioned images, or for a layered base each caption's
-    shape in two layers (`layered_shapes`, its color and shape the caption's)."""
+    """`examples` (image, caption) as the family trains them: captioned images, for a layered base each caption's
+    shape in two layers (`layered_shapes`, its color and shape the caption's), for a sound base tones under the
+    captions."""
     if folder.exists():
+        return folder
+    if FAMILIES[name].reads_sound:
+        tones = tone_sounds(len(examples), seed=3, seconds=MICRO_SECONDS, rate=ACE_STEP_RATE)
+        write_sound_folder(folder, [(tone, caption) for (tone, _), (_, caption) in zip(tones, examples, strict=True)])
         return folder
     if not FAMILIES[name].conditioning.trains_layers:
         write_caption_folder(folder, examples)
@@ -299,6 +316,18 @@ def _ideogram4_prompts(pipeline, prompts):
     }
 
 
+def _ace_step_prompts(pipeline, prompts):
+    """The condition encoder's sequence at each caption's tokens (the pipeline pads the batch's shorter captions, whose
+    padding's states the mask leaves out), and the silence its context reads, for the default 30 s."""
+    seconds, batch = 30.0, len(prompts)
+    text, text_mask, lyrics, lyric_mask = pipeline.encode_prompt(prompts, [""] * batch, "cpu", audio_duration=seconds)
+    frames = math.ceil(seconds * pipeline.latents_per_second)
+    timbre = pipeline.condition_encoder.silence_latent[:, :frames].expand(batch, -1, -1)
+    states, mask = pipeline.condition_encoder(text, text_mask, lyrics, lyric_mask, timbre, torch.arange(batch))
+    silence, _ = pipeline.prepare_src_latents("cpu", torch.float32, batch, latent_length=frames)
+    return {"encoder_hidden_states": states * mask[..., None], "text_mask": mask.long(), "silence": silence}
+
+
 # Z-Image's pipeline has its language model read every caption padded to 512 tokens, Ideogram 4's left-padded to its
 # `max_sequence_length`; difftune reads to the batch's longest (the causal model's states at the caption are the
 # same, for a fraction of the work).
@@ -307,6 +336,7 @@ READS_FEWER_TOKENS = {"z_image", "z_image_omni", "ideogram4"}
 # block's fused linear1 (tests/test_flux.py checks its double blocks).
 KOHYA_READ_BY_PIPELINE = {"sd", "sd_inpaint", "sdxl", "sdxl_inpaint", "qwen_image", "z_image", "wan", "wan_i2v"}
 PIPELINE_PROMPTS = {
+    "ace_step": _ace_step_prompts,
     "sd": _sd_prompts,
     "sd_inpaint": _sd_prompts,
     "sdxl": _sdxl_prompts,
@@ -422,6 +452,9 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
         arguments |= {"guidance_scale": 3.0, "negative_prompt": "", "use_pe": False}
     elif name in ("z_image", "z_image_omni", "krea2"):  # their own guidance convention: pos + s (pos - neg)
         arguments |= {"guidance_scale": 2.0, "negative_prompt": "", "max_sequence_length": 32}
+    elif family.reads_sound:  # a sound's latents (frames, C), guided as the pipeline guides
+        arguments = {key: arguments[key] for key in ("num_inference_steps", "output_type", "generator")}
+        return pipeline(prompt=prompt, audio_duration=MICRO_SECONDS, guidance_scale=3.0, **arguments).audios[0].numpy()
     elif name.startswith("wan"):  # a one-frame clip: its latents (C, 1, h, w) without the time axis
         image = {"image": CONTROL} if name == "wan_i2v" else {}  # the image it animates
         return (
@@ -817,6 +850,7 @@ READ_AT_PUBLISHED_WIDTHS_ONLY = {
 # Families whose transformer class diffusers' single-file reader does not take (`FromOriginalModelMixin`'s list):
 # checked against gguf's own dequantization alone.
 NO_DIFFUSERS_SINGLE_FILE_READER = {
+    "ace_step",
     "kandinsky5",
     "kandinsky5_video",
     "hunyuan_video15",
@@ -941,11 +975,13 @@ def test_the_autoencoder_is_read_as_the_pipeline_reads_it(name, micro_base):
     # FLUX.2's latents are read patched 2x2: a patched latent pixel is twice the autoencoder's own factor, which
     # ERNIE-Image's pipeline counts in its `vae_scale_factor` already.
     patched = 2 if isinstance(components.vae, PATCHED_AUTOENCODERS) and name != "ernie_image" else 1
-    # The video pipelines (Wan's, LTX-2's) name their spatial factor apart from the temporal one.
+    # The video pipelines (Wan's, LTX-2's) name their spatial factor apart from the temporal one; a sound pipeline
+    # counts latent frames a second.
     spatial = (
         getattr(pipeline, "vae_scale_factor_spatial", None)
         or getattr(pipeline, "vae_spatial_compression_ratio", None)
-        or pipeline.vae_scale_factor
+        or getattr(pipeline, "vae_scale_factor", None)
+        or pipeline.sample_rate / pipeline.latents_per_second
     )
     assert downsampling(components.vae) == spatial * patched
     assert latent_channels(components.vae) == FAMILIES[name].latent_channels(components.denoiser)
@@ -1103,6 +1139,7 @@ def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind,
     assert effect > MIN_ADAPTER_EFFECT.get(name, 0.05) and effect > 20 * agreement, (effect, agreement)
 
     edit_arguments = [*(f"--control={path}" for path in controls), "--negative-prompt", " "] if edit else []
+    samples = result.trained_path.parent / "samples"
     assert (
         main(
             [
@@ -1126,8 +1163,14 @@ def test_the_family_pipeline_renders_the_adapter_as_our_merged_model(name, kind,
         )
         == 0
     )
-    drawn = np.asarray(Image.open(tmp_path / "cli" / "000.png"), dtype=np.int16)
-    in_training = np.asarray(Image.open(result.trained_path.parent / "samples" / "000.png"), dtype=np.int16)
+    if family.reads_sound:  # 16-bit levels
+        drawn, in_training = (
+            read_sound_file(folder / "000.flac").samples * 32768 for folder in (tmp_path / "cli", samples)
+        )
+    else:
+        drawn, in_training = (
+            np.asarray(Image.open(folder / "000.png"), dtype=np.int16) for folder in (tmp_path / "cli", samples)
+        )
     assert np.abs(drawn - in_training).max() <= 2
 
 

@@ -534,22 +534,22 @@ def _attach_lycoris(components: Components, tensors: dict, lora_configs: dict, n
 
 
 def base_for_adapters(base: str, adapters: list[tuple[Path, float]]) -> ModelConfig:
-    """`base` as `adapters` need it loaded: with the family options that say where a difftune file's adapters go
-    (`Family.placement_options`: a Wan 2.2 expert's file onto that expert), as each file's recorded config has them;
-    files for different parts load together where the family has a setting that holds both (`combined_placement`:
+    """`base` as `adapters` need it loaded: with the family options a difftune file keeps (`recorded_options`: a Wan
+    2.2 expert's file onto that expert, an ACE-Step file's sounds as long as it trained them), as its config has them;
+    files for different parts load together where the family has a setting that holds both (`combined_option`:
     one file per Wan 2.2 expert), else are refused by name. Other tools' files record none (the family's default)."""
     config = ModelConfig(base=base)
     family = family_of(config)
     recorded: dict[str, dict[object, Path]] = {}
-    for path, _ in adapters if family.targets.placement_options else ():
+    for path, _ in adapters if family.targets.recorded_options else ():
         with open_safetensors(Path(path)) as handle:
             options = _recorded_options((handle.metadata() or {}).get(CONFIG_METADATA_KEY, ""))
-        for name in family.targets.placement_options:
+        for name in family.targets.recorded_options:
             if name in options:
                 recorded.setdefault(name, {}).setdefault(options[name], path)
     chosen = {}
     for name, values in recorded.items():
-        chosen[name] = next(iter(values)) if len(values) == 1 else family.targets.combined_placement(name, set(values))
+        chosen[name] = next(iter(values)) if len(values) == 1 else family.targets.combined_option(name, set(values))
         if chosen[name] is None:
             (first, value), (second, other) = [(path, value) for value, path in values.items()][:2]
             raise DifftuneError(
@@ -565,10 +565,10 @@ def _recorded_options(config_toml: str) -> dict:
 
 
 def _file_placement(components: Components, config_toml: str):
-    """The family options that say where a file's adapters go: as it records them (`Family.placement_options`: a
-    Wan 2.2 expert's file onto that expert), else as the components were loaded."""
+    """The family options a file keeps (`recorded_options`: a Wan 2.2 expert's file onto that expert), as it records
+    them, else as the components were loaded."""
     recorded = _recorded_options(config_toml)
-    placed = {name: recorded[name] for name in components.family.targets.placement_options if name in recorded}
+    placed = {name: recorded[name] for name in components.family.targets.recorded_options if name in recorded}
     return components.family_options.model_copy(update=placed) if placed else components.family_options
 
 

@@ -61,7 +61,7 @@ def sample_files(output_dir: Path, config: Config) -> list[tuple[str, str]]:
 
 def card_data(config: Config, family: Family, samples: list[tuple[str, str]]) -> ModelCardData:
     kind = config.adapter.kind
-    media = "video" if family.reads_clips else "image"
+    media = "audio" if family.reads_sound else "video" if family.reads_clips else "image"
     tags = ["difftune", family.name, KIND_TAGS.get(kind, kind), f"text-to-{media}", "diffusers"]
     if config.adapter.is_adapter:
         tags.append("template:sd-lora")  # the Hub's LoRA page layout, as diffusers' scripts tag their cards

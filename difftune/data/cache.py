@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -54,7 +53,8 @@ from difftune.data.dataset import (
     prompt_controls,
     resize_and_crop,
 )
-from difftune.data.sources import Stored
+from difftune.data.sound_files import read_window
+from difftune.data.sources import Stored, is_sound
 from difftune.models.autoencoders import encode_posterior
 from difftune.models.components import Components
 
@@ -208,6 +208,9 @@ def fill_latents(
     for size, chunk in tqdm(chunks, desc="caching latents", disable=not chunks or config.log.quiet):
         pixels = []
         for _, (path, window, view) in chunk:
+            if window and is_sound(path):  # at the autoencoder's rate, as the scan counted its window
+                pixels.append(read_window(path, window, vae.config.sampling_rate))
+                continue
             if window:
                 frames = read_frames(path, *window)
                 pixels.append(
@@ -267,7 +270,7 @@ def fill_text(entries: dict[Prompt, Path], components: Components, device: torch
     """Encode the prompts whose entries are missing (the text encoders on `device`), in batches of prompts whose
     controls share their sizes; returns how many."""
     family = components.family
-    tokenize = partial(family.conditioning.tokenize, components.tokenizers)
+    tokenize = family.conditioning.tokenizer(components)
     present = existing(list(entries.values()))
     todo = sorted((prompt, path) for prompt, path in entries.items() if path not in present)
     by_sizes: dict[tuple, list] = {}

@@ -16,6 +16,10 @@ frames (clips.py, `data.target_frames` and `data.frame_extraction`), each window
 (3, T, H, W), all its frames cut at one place and flipped together; images in the same run train as they are (the
 family reads them as one-frame clips), and a batch never mixes frame counts.
 
+Sound bases (`Family.reads_sound`: ACE-Step) train on sound files alone, captioned as images are: each file gives
+windows of time (sound_files.py), each window an example whose "pixels" are its waveform one row high (2, 1, samples),
+never flipped or cropped.
+
 Captions can be dressed (a prefix and suffix), varied per draw (tag shuffle and tag dropout, kohya's), and
 dropped (caption dropout); `CaptionDrawer` does all three.
 
@@ -49,16 +53,20 @@ from tqdm.auto import tqdm
 from difftune.config import DataConfig
 from difftune.data.cache_folders import read_tensors, write_text
 from difftune.data.clips import BadClip, FrameWindows, frame_rate, frame_size, probe, read_frames
+from difftune.data.sound_files import SoundWindows, read_window, sound_length, window_geometry
 from difftune.data.sources import (
     CLIP_SUFFIXES,
     IMAGE_EXTENSIONS,
     REPEATS_FOLDER,
+    SOUND_SUFFIXES,
     DataSource,
     FolderOfFiles,
     Stored,
     StoredRecords,
     data_source,
     is_clip,
+    is_sound,
+    is_timed,
     no_media,
     read_source,
     readable,
@@ -79,7 +87,9 @@ class Example:
     loss_weight: float = 1.0  # prior preservation's class images train at `prior.loss_weight`
     # An edit pair's control images, in the order the base reads them; a layered base's layers (Qwen-Image-Layered)
     control_paths: tuple[Path, ...] = ()
-    frames: tuple[int, int] | None = None  # a clip's window: (first frame, frame count); None for an image
+    # a clip's window: (first frame, frame count); a sound's: (first sample, sample count); None for an image
+    frames: tuple[int, int] | None = None
+    sound_rate: int = 0  # a sound's: the samples a second its window counts (its base's autoencoder's rate)
     dataset: int = 0  # the settings it is read with: an index into `DataConfig.each_dataset()`
 
 
@@ -96,17 +106,17 @@ class BadImage(Exception):
 def scan_examples(
     config: DataConfig,
     key: str = "data.path",
-    windows: FrameWindows | None = None,
+    windows: FrameWindows | SoundWindows | None = None,
     index_folder: Path | None = None,
     layers: bool = False,
 ) -> tuple[list[Example], list[BadFile]]:
     """Every usable (image, caption) pair under `config.path`, each listed as often as its folder repeats,
     and the files left out with their reasons. Every image is decoded once here, so a bad one is found
     before the first step, not at step 9,000. `key`: the setting the folder came from, as messages name it.
-    `windows`: how a base that reads clips cuts them (`Family.frame_windows`): each window of a clip is an example,
-    every clip decoded once here too; None: clips are left out and reported. `layers`: a layered base's folders
-    (Qwen-Image-Layered, musubi-tuner's layout): each image's layers lie beside it, numbered `stem_1.png`,
-    `stem_2.png`... (or from `_0`), and are its `control_paths`, not examples of their own.
+    `windows`: how a base that reads clips or sounds cuts them (`Family.frame_windows`): each window of a clip or
+    sound is an example, every one decoded once here too; None: clips and sounds are left out and reported.
+    `layers`: a layered base's folders (Qwen-Image-Layered, musubi-tuner's layout): each image's layers lie beside it,
+    numbered `stem_1.png`, `stem_2.png`... (or from `_0`), and are its `control_paths`, not examples of their own.
 
     `index_folder`: where the scan of stored records (sources.py) is kept, keyed by every file's size and version and
     the data settings: the first process to scan writes it, and later runs and processes read it instead of reading
@@ -163,7 +173,7 @@ SCAN_INDEX_FORMAT = "1"  # bumped when what the index holds changes
 
 def scan_datasets(
     config: DataConfig,
-    windows: Callable[[DataConfig], FrameWindows | None] = lambda data: None,
+    windows: Callable[[DataConfig], FrameWindows | SoundWindows | None] = lambda data: None,
     index_folder: Path | None = None,
     layers: bool = False,
 ) -> tuple[list[Example], list[BadFile]]:
@@ -189,14 +199,18 @@ def scan_datasets(
 
 
 def _scan(
-    source: DataSource, config: DataConfig, key: str, windows: FrameWindows | None, layers: bool = False
+    source: DataSource,
+    config: DataConfig,
+    key: str,
+    windows: FrameWindows | SoundWindows | None,
+    layers: bool = False,
 ) -> tuple[list[Example], list[BadFile]]:
     root = config.path
     bad: list[BadFile] = []
     examples = listed_examples(source, config, key, bad, layers)
     if not examples and not bad:
         raise DifftuneError(no_media(key, root))
-    examples = _cut_clips(examples, windows, bad)
+    examples = _cut_timed(examples, windows, bad)
     controls = {c for e in examples for c in e.control_paths}
     images = {e.path for e in examples if e.frames is None}
     unusable, sizes = _find_unusable_images(images | controls, config, controls)
@@ -277,7 +291,7 @@ def _scan_folder(
     metadata = folder / "metadata.jsonl"
     if metadata.is_file():
         return _read_metadata(metadata, bad)
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS or is_clip(p))
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS or is_timed(p))
     found_layers = _layer_files(files) if layers else {}
     layer_files = {path for numbered in found_layers.values() for _, path in numbered}
     files = [path for path in files if path not in layer_files]
@@ -405,45 +419,59 @@ def _with_controls(examples: list[Example], control_folder: Path, bad: list[BadF
     return paired
 
 
-def _cut_clips(examples: list[Example], windows: FrameWindows | None, bad: list[BadFile]) -> list[Example]:
-    """The examples with each clip's replaced by one per window; clips that cannot be read, are shorter than every
-    window or meet a base that trains images (`windows` None) are reported. Each clip is decoded once (in threads:
-    FFmpeg releases the GIL)."""
-    clips = sorted({example.path for example in examples if is_clip(example.path)})
-    if not clips:
-        return examples
-    if windows is None:
-        bad += [
-            BadFile(clip, "a clip: this base trains still images (a video base such as Wan reads clips)")
-            for clip in clips
-        ]
-        return [example for example in examples if not is_clip(example.path)]
+def _cut_timed(
+    examples: list[Example], windows: FrameWindows | SoundWindows | None, bad: list[BadFile]
+) -> list[Example]:
+    """The examples with each clip's (a sound base's: each sound's) replaced by one per window; what cannot be read, is
+    shorter than every window or is not what the base trains (a clip or sound for an image base, a sound for a video
+    base, anything but a sound for a sound base) is reported. Each file is decoded once (in threads: FFmpeg releases
+    the GIL)."""
+    sounds = isinstance(windows, SoundWindows)
+    trained = is_sound if sounds else is_clip
+    bad += [BadFile(path, reason) for path, reason in _untrained(examples, windows).items()]
+    timed = sorted({example.path for example in examples if trained(example.path)} if windows else set())
 
-    def cut(clip: Path) -> list[tuple[int, int]] | str:
+    def cut(path: Path) -> list[tuple[int, int]] | str:
         try:
-            frames = probe(clip).frames
+            length = sound_length(path, windows.rate) if sounds else probe(path).frames
         except BadClip as err:
             return str(err)
-        found = windows.windows(frames)
-        lengths = ", ".join(str(windows.rounded(length)) for length in windows.target_frames)
-        return found or f"{frames} frames: shorter than every window of data.target_frames ({lengths} frames)"
+        found = windows.windows(length)
+        if found or sounds:
+            return found
+        lengths = ", ".join(str(windows.rounded(frames)) for frames in windows.target_frames)
+        return f"{length} frames: shorter than every window of data.target_frames ({lengths} frames)"
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        cuts = dict(
-            zip(
-                clips,
-                tqdm(pool.map(cut, clips), total=len(clips), desc="reading clips", disable=len(clips) < 50),
-                strict=True,
-            )
-        )
-    bad += [BadFile(clip, reason) for clip, reason in cuts.items() if isinstance(reason, str)]
+        what = "reading sounds" if sounds else "reading clips"
+        found = tqdm(pool.map(cut, timed), total=len(timed), desc=what, disable=len(timed) < 50)
+        cuts = dict(zip(timed, found, strict=True))
+    bad += [BadFile(path, reason) for path, reason in cuts.items() if isinstance(reason, str)]
     out = []
     for example in examples:
-        if not is_clip(example.path):
-            out.append(example)
+        if example.path not in cuts:
+            out += [example] if not sounds and not is_timed(example.path) else []
         elif not isinstance(cuts[example.path], str):
-            out += [replace(example, frames=window) for window in cuts[example.path]]
+            rate = windows.rate if sounds else 0
+            out += [replace(example, frames=window, sound_rate=rate) for window in cuts[example.path]]
     return out
+
+
+def _untrained(examples: list[Example], windows: FrameWindows | SoundWindows | None) -> dict[Path, str]:
+    """The files of `examples` the base does not train, each with why (`_cut_timed`)."""
+    if isinstance(windows, SoundWindows):
+        return {
+            example.path: "not a sound: this base trains sound files alone (" + ", ".join(sorted(SOUND_SUFFIXES)) + ")"
+            for example in examples
+            if not is_sound(example.path)
+        }
+    found = {}
+    for example in examples:
+        if is_sound(example.path):
+            found[example.path] = "a sound: this base trains pictures (a sound base such as ACE-Step reads sounds)"
+        elif is_clip(example.path) and windows is None:
+            found[example.path] = "a clip: this base trains still images (a video base such as Wan reads clips)"
+    return found
 
 
 def _find_unusable_images(
@@ -720,6 +748,8 @@ def training_sizes(examples: list[Example], config: DataConfig) -> list[tuple[in
     aspects: dict[Path | Stored, float] = {}  # each image's header read once, whatever its datasets
 
     def size_of(example: Example) -> tuple[int, int]:
+        if example.sound_rate:  # a sound, one row high
+            return example.frames[1], 1
         if not buckets[example.dataset]:
             side = datasets[example.dataset].resolution
             return side, side
@@ -871,6 +901,11 @@ def load_clip(path: Path, window: tuple[int, int], config: DataConfig, rng: rand
         [],
         flipped,
     )
+
+
+def load_sound(path: Path, window: tuple[int, int], rate: int) -> View:
+    """A sound's window as `load_image` loads an image: its waveform (2, 1, samples), never cut or flipped."""
+    return View(read_window(path, window, rate), window_geometry(window), None, [], False)
 
 
 def clip_to_tensor(frames: list[Image.Image], crop: Crop, size: Size, flipped: bool) -> torch.Tensor:
@@ -1106,14 +1141,19 @@ class CaptionedImages(Dataset):
         rng = random.Random(seed)
         item = {"seed": seed, "epoch": epoch, "path": str(example.path), "loss_weight": example.loss_weight}
         if self.latent_entries:
-            # Cached images were center-cropped: the only image draw left is the flip, as in load_image.
-            flipped = draw_flip(data, rng)
+            # Cached images were center-cropped: the only image draw left is the flip, as in load_image (a sound's:
+            # none, as in load_sound).
+            flipped = not example.sound_rate and draw_flip(data, rng)
             posterior = self._read(self.latent_entries[index]["flipped" if flipped else "plain"])
             item["latent_mean"], item["latent_std"] = posterior["mean"], posterior["std"]  # (C, [t,] h, w)
             from_pixels = {name: value for name, value in posterior.items() if name not in ("mean", "std")}
             if from_pixels:  # the family's `pixel_conditioning`, made with it
                 item["pixel_conditioning"] = from_pixels
-            item["geometry"] = self._cached_geometry(example.path, self.sizes[index], flipped)  # (6,)
+            item["geometry"] = (
+                window_geometry(example.frames)
+                if example.sound_rate
+                else self._cached_geometry(example.path, self.sizes[index], flipped)
+            )  # (6,)
             if data.masks != "off" and example.frames is None:
                 item["mask"] = self._cached_mask(example.path, data, self.sizes[index], flipped)  # (1, H, W)
             if example.control_paths and self.control_entries is not None:
@@ -1131,7 +1171,9 @@ class CaptionedImages(Dataset):
                 ]
         else:
             view = (
-                load_clip(example.path, example.frames, data, rng, self.sizes[index])
+                load_sound(example.path, example.frames, example.sound_rate)
+                if example.sound_rate
+                else load_clip(example.path, example.frames, data, rng, self.sizes[index])
                 if example.frames
                 else load_image(
                     example.path,

@@ -42,27 +42,39 @@ def read_sound(path: Path, start: int, length: int, sample_rate: int) -> tuple[t
             fps = stated_rate(video) if video else 0.0
             if not fps:
                 raise BadClip("has no frame rate to place its sound by")
-            # A mono clip's channel is copied to both sides (FFmpeg's own upmix would lower it by 3 dB).
-            mono = container.streams.audio[0].codec_context.channels == 1
-            resampler = av.AudioResampler(format="fltp", layout="mono" if mono else "stereo", rate=sample_rate)
             first, count = window_samples(start, length, fps, sample_rate)
-            chunks, samples = [], 0
-            for frame in container.decode(container.streams.audio[0]):
-                for resampled in resampler.resample(frame):
-                    chunks.append(resampled.to_ndarray())
-                    samples += chunks[-1].shape[1]
-                if samples >= first + count:
-                    break
-            else:
-                chunks += [resampled.to_ndarray() for resampled in resampler.resample(None)]
+            waveform = stereo_samples(container, sample_rate, first + count)
     except BadClip:
         raise
     except (av.FFmpegError, OSError, ValueError, IndexError) as err:
         raise BadClip(f"its sound cannot be decoded: {err}") from None
-    waveform = np.concatenate(chunks, axis=1) if chunks else np.zeros((2, 0), np.float32)
-    waveform = np.repeat(waveform, 2, axis=0) if mono else waveform
+    return padded_window(waveform, first, count), fps
+
+
+def stereo_samples(container, sample_rate: int, until: int | None = None) -> np.ndarray:
+    """The container's first audio stream as (2, samples) floats at `sample_rate`, decoding no further than `until`
+    samples (None: all of it). Resampled by FFmpeg; a mono stream's channel is copied to both sides (FFmpeg's own
+    upmix would lower it by 3 dB)."""
+    av = pyav()
+    mono = container.streams.audio[0].codec_context.channels == 1
+    resampler = av.AudioResampler(format="fltp", layout="mono" if mono else "stereo", rate=sample_rate)
+    chunks, samples = [], 0
+    for frame in container.decode(container.streams.audio[0]):
+        for resampled in resampler.resample(frame):
+            chunks.append(resampled.to_ndarray())
+            samples += chunks[-1].shape[1]
+        if until is not None and samples >= until:
+            break
+    else:
+        chunks += [resampled.to_ndarray() for resampled in resampler.resample(None)]
+    waveform = np.concatenate(chunks, axis=1) if chunks else np.zeros((1 if mono else 2, 0), np.float32)
+    return np.repeat(waveform, 2, axis=0) if mono else waveform
+
+
+def padded_window(waveform: np.ndarray, first: int, count: int) -> torch.Tensor:
+    """Samples `first` to `first + count` of a (channels, n) waveform, zero-padded where it ends before them."""
     window = torch.from_numpy(np.ascontiguousarray(waveform[:, first : first + count], dtype=np.float32))
-    return torch.nn.functional.pad(window, (0, count - window.shape[1])), fps
+    return torch.nn.functional.pad(window, (0, count - window.shape[1]))
 
 
 def window_samples(start: int, length: int, fps: float, sample_rate: int) -> tuple[int, int]:

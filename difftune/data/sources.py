@@ -56,12 +56,22 @@ DATASET_FILES = ("state.json", "dataset_info.json")  # what Dataset.save_to_disk
 IMAGE_COLUMNS = ("image", "img", "jpg", "png", "webp")  # what `data.image_column = ""` looks for, in order
 CAPTION_COLUMNS = ("text", "caption", "txt", "prompt")
 CLIP_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi")
+SOUND_SUFFIXES = (".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a")  # what a sound base (ACE-Step) trains on
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 REPEATS_FOLDER = re.compile(r"^(\d+)_(.+)$")  # an `N_name` subfolder: its images listed N times
 
 
 def is_clip(path: Path) -> bool:
     return path.suffix.lower() in CLIP_SUFFIXES
+
+
+def is_sound(path: Path) -> bool:
+    return path.suffix.lower() in SOUND_SUFFIXES
+
+
+def is_timed(path: Path) -> bool:
+    """A file cut into windows of time: a clip, or a sound."""
+    return is_clip(path) or is_sound(path)
 
 
 @dataclass(frozen=True)
@@ -89,7 +99,7 @@ class FolderOfFiles(DataSource):
     def check_holds_media(self, key: str) -> None:
         """Refuse a folder with no image or clip in it or under it, before anything loads (the scan, after the base
         has loaded, says the same of a folder whose files it cannot use); stops at the first one found."""
-        suffixes = IMAGE_EXTENSIONS | set(CLIP_SUFFIXES)
+        suffixes = IMAGE_EXTENSIONS | set(CLIP_SUFFIXES) | set(SOUND_SUFFIXES)
         if not any(path.suffix.lower() in suffixes for path in Path(self.path).rglob("*")):
             raise DifftuneError(no_media(key, self.path))
 
@@ -108,7 +118,7 @@ class FolderOfFiles(DataSource):
         ]
         for folder, times in [(root, 1), *repeated]:
             files = [path for path in folder.iterdir() if path.is_file()]
-            if (folder / "metadata.jsonl").is_file() or any(is_clip(path) for path in files):
+            if (folder / "metadata.jsonl").is_file() or any(is_timed(path) for path in files):
                 return None
             total += times * sum(path.suffix.lower() in IMAGE_EXTENSIONS for path in files)
         return total
@@ -125,8 +135,8 @@ class StoredRecords(DataSource):
 
 def no_media(key: str, folder) -> str:
     return (
-        f"{key} {folder} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) or clips ({', '.join(CLIP_SUFFIXES)})"
-        " directly or in `N_name` subfolders"
+        f"{key} {folder} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))}), clips ({', '.join(CLIP_SUFFIXES)})"
+        f" or sounds ({', '.join(SOUND_SUFFIXES)}) directly or in `N_name` subfolders"
     )
 
 

@@ -33,6 +33,10 @@ autoencoder whose latents
 - `AutoencoderDC` (Sana's deep-compression autoencoder): deterministic (its encoder returns the latents themselves, a
   posterior of std 0, as TAESD's), 32 channels at 32x, normalised by one `scaling_factor` (0.41407) as
   `AutoencoderKL`, as `SanaPipeline` and diffusers' Sana script scale them.
+- `AutoencoderOobleck` (ACE-Step's, Stable Audio's kind): a sound's waveform (B, 2, samples) into 64 channels of
+  latent frames at its hop (`downsampling_ratios`' product: 1920 samples at 48 kHz, 25 a second), not normalised (its
+  config has no scale; `AceStepPipeline` decodes the latents as they are). Everything outside this module sees a
+  sound as an image one row high: its waveform (B, 2, 1, samples), its latents (B, C, 1, frames).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from diffusers import (
     AutoencoderKLQwenImage,
     AutoencoderKLQwenImage21,
     AutoencoderKLWan,
+    AutoencoderOobleck,
     AutoencoderTiny,
 )
 
@@ -69,6 +74,7 @@ VAE_CLASSES = {
     "AutoencoderKLHunyuanImage": AutoencoderKLHunyuanImage,
     "AutoencoderKLHunyuanVideo15": AutoencoderKLHunyuanVideo15,
     "AutoencoderDC": AutoencoderDC,
+    "AutoencoderOobleck": AutoencoderOobleck,
 }
 # Encoders that return their latents, not a posterior (a std of 0).
 DETERMINISTIC_AUTOENCODERS = (AutoencoderTiny, AutoencoderDC)
@@ -82,6 +88,7 @@ VIDEO_AUTOENCODERS = (
     AutoencoderKLLTX2Video,
 )
 PATCHED_AUTOENCODERS = (AutoencoderKLFlux2,)  # latents read patched 2x2 into channels
+SOUND_AUTOENCODERS = (AutoencoderOobleck,)  # waveforms, seen as images one row high
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,8 @@ def latent_normalization(vae, batch_norm_eps: float | None = None) -> LatentNorm
     if getattr(vae_config, "latents_std", None) is not None:
         scale = (1.0 / torch.tensor(vae_config.latents_std)).tolist()  # fp32, as the pipelines compute it
         return LatentNormalization(tuple(scale), tuple(float(m) for m in vae_config.latents_mean))
+    if isinstance(vae, SOUND_AUTOENCODERS):
+        return LatentNormalization()
     return LatentNormalization(
         float(vae_config.scaling_factor), float(getattr(vae_config, "shift_factor", None) or 0.0)
     )
@@ -128,11 +137,15 @@ def latent_channels(vae) -> int:
     config = vae.config
     if isinstance(vae, PATCHED_AUTOENCODERS):
         return config.latent_channels * 4
+    if isinstance(vae, SOUND_AUTOENCODERS):
+        return config.decoder_input_channels
     return config.latent_channels if "latent_channels" in config else config.z_dim
 
 
 def downsampling(vae) -> int:
-    """Image pixels per latent pixel, along each side."""
+    """Image pixels per latent pixel, along each side (a sound's samples per latent frame)."""
+    if isinstance(vae, SOUND_AUTOENCODERS):
+        return vae.hop_length
     if isinstance(vae, VIDEO_AUTOENCODERS):  # Wan 2.2's states 16: 8x by its blocks, 2x by its own patching
         config = vae.config
         return (
@@ -147,6 +160,11 @@ def downsampling(vae) -> int:
         else vae.config.block_out_channels
     )
     return 2 ** (len(blocks) - 1) * (2 if isinstance(vae, PATCHED_AUTOENCODERS) else 1)
+
+
+def sampling_rate(vae) -> int:
+    """A sound autoencoder's samples a second; 0 for a picture autoencoder (or none)."""
+    return int(vae.config.sampling_rate) if isinstance(vae, SOUND_AUTOENCODERS) else 0
 
 
 def frames_per_latent(vae) -> int:
@@ -178,6 +196,9 @@ def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     (B, 4, ...) with `data.keep_alpha`. TAESD and DC-AE are deterministic: their std is 0. This is what the latent
     cache stores."""
     weight = next(vae.parameters())  # not vae.device / vae.dtype: each walks every module, 1.6 ms a step
+    if isinstance(vae, SOUND_AUTOENCODERS):  # (B, 2, 1, samples) -> (B, C, 1, frames)
+        posterior = vae.encode(pixels[:, :, 0].to(weight.device, weight.dtype)).latent_dist
+        return posterior.mean[:, :, None], posterior.std[:, :, None]
     pixels = as_read_by(vae, pixels.to(weight.device, weight.dtype))
     if pixels.dim() == 5:
         if not isinstance(vae, VIDEO_AUTOENCODERS):
@@ -252,6 +273,8 @@ def reference_latents(mean: torch.Tensor, normalization: LatentNormalization) ->
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """Inverse of `encode_latents` (up to the autoencoder's loss): normalised latents -> pixels in [-1, 1]."""
     encoded = latent_normalization(vae).invert(latents.to(vae.dtype))
+    if isinstance(vae, SOUND_AUTOENCODERS):  # a sound's waveform, one row high
+        return vae.decode(encoded[:, :, 0]).sample[:, :, None]
     if latents.dim() == 5:  # a clip's
         decoded = vae.decode(encoded).sample
     elif isinstance(vae, VIDEO_AUTOENCODERS):

@@ -81,6 +81,8 @@ class Components:
     pixel_encoders: dict[str, torch.nn.Module | None] = field(default_factory=dict)
     # Image pixels per latent pixel along each side (the autoencoder's `downsampling`), known while it is released
     pixels_per_latent: int = 8
+    # A sound base's autoencoder's samples a second (0: a picture base's), known while it is released
+    samples_per_second: int = 0
     # A ControlNet beside the frozen denoiser (`adapter.kind = "controlnet"`, the family's `controlnet` role): trained,
     # or read from its folder for drawing; drawn through the family's ControlNet pipeline
     controlnet: torch.nn.Module | None = None

@@ -186,7 +186,7 @@ def denoiser_training_flops(options: BenchOptions, model_dir: Path, device: torc
     family, batch = components.family, options.batch
     size = options.resolution // downsampling(components.vae)
     latents = torch.randn(batch, latent_channels(components.vae), size, size, device=device)
-    token_ids = family.conditioning.tokenize(components.tokenizers, ["a red circle"] * batch)
+    token_ids = family.conditioning.tokenizer(components)(["a red circle"] * batch)
     with torch.no_grad():
         conditioning = family.conditioning.encode_prompts(
             components, {name: ids.to(device) for name, ids in token_ids.items()}

@@ -79,17 +79,22 @@ def check_parity(
                     module.forward = MethodType(convert_outputs_to_fp32(module.forward.__func__), module)
             with autocast():
                 drawn = generate_images(components, sample_config, device)[0]
-            frames = zip(
-                drawn.clip or [drawn.image], reference.clip or [reference.image], strict=True
-            )  # a clip's every frame
             difference = max(
-                np.abs(np.asarray(ours, np.int16) - np.asarray(theirs, np.int16)).max() for ours, theirs in frames
+                np.abs(ours - theirs).max() for ours, theirs in zip(_levels(drawn), _levels(reference), strict=True)
             )
             report["layouts"][layout] = {
                 "file": ", ".join(path.name for path in paths),
                 "max_pixel_difference": int(difference),
             }
     return report
+
+
+def _levels(sample: Sample) -> list[np.ndarray]:
+    """What a sample's file holds, as the levels compared: an image's 8-bit pixels, a clip's every frame's, a sound's
+    16-bit samples (its FLAC's)."""
+    if sample.sound is not None:
+        return [np.round(np.clip(sample.sound.samples, -1, 1) * 32767).astype(np.int32)]
+    return [np.asarray(frame, np.int32) for frame in sample.clip or [sample.image]]
 
 
 def room_for_a_fresh_copy(components, device: torch.device) -> str | None:

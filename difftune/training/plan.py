@@ -35,6 +35,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from difftune import published
 from difftune.config import Config, parse_size
+from difftune.data.clips import FrameWindows
+from difftune.data.sound_files import SoundWindows
 from difftune.data.sources import data_source
 from difftune.errors import DifftuneError
 from difftune.files import pipeline_index, replace_atomically
@@ -558,6 +560,8 @@ def empty_components(config: Config, source: tuple[Path, str] | None = None) -> 
             isinstance(spec, list) and len(spec) == 2 and all(isinstance(x, str) for x in spec)
         ):
             continue  # a setting (Krea 2's `text_encoder_select_layers`), or a part left out
+        if name in family.fixed_pipeline_arguments and family.fixed_pipeline_arguments[name] is None:
+            continue  # a part the family never loads (ACE-Step's audio tokenizer)
         part_class = index_part_class(*spec)
         if not issubclass(part_class, torch.nn.Module):
             holds_text = kept and not any(
@@ -856,21 +860,35 @@ def _counting(full: int):
 
 
 def _inputs(components: Components, config: Config, dtype: torch.dtype, batch: int):
-    """Token ids (the longest caption the tokenizers allow), latents of `batch` samples at the configured size (a
-    clip's of the longest window), the longest caption's length and that window's frames (`_planned_frames`; 0:
-    images)."""
-    from difftune.models.autoencoders import downsampling, frames_per_latent, latent_channels
-
-    family, side = components.family, config.data.largest_resolution()
+    """Token ids (the longest caption the tokenizers allow), pixels and latents of `batch` samples at the largest size
+    training draws (`_planned_media`), and the longest caption's length."""
     ids = {
         name: value.to(META)
-        for name, value in family.conditioning.tokenize(components.tokenizers, [""] * batch).items()
+        for name, value in components.family.conditioning.tokenizer(components)([""] * batch).items()
     }
-    size = side // downsampling(components.vae)
+    pixels, latents = _planned_media(components, config, dtype, batch)
+    return ids, pixels, latents, max(value.shape[1] for value in ids.values())
+
+
+def _planned_media(
+    components: Components, config: Config, dtype: torch.dtype, batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's pixels and latents at the largest size training draws: images at the largest resolution, a clip's of
+    the longest window (`_planned_frames`), a sound's of a window (one row high: `SoundWindows`)."""
+    from difftune.models.autoencoders import downsampling, frames_per_latent, latent_channels
+
+    vae, channels = components.vae, latent_channels(components.vae)
+    windows = components.family.conditioning.frame_windows(config.data, components)
+    if isinstance(windows, SoundWindows):
+        samples = windows.length
+        latents = torch.zeros(batch, channels, 1, samples // downsampling(vae), device=META, dtype=dtype)
+        return torch.zeros(batch, 2, 1, samples, device=META), latents
+    side = config.data.largest_resolution()
     frames = _planned_frames(components, config)
-    time = ((frames - 1) // frames_per_latent(components.vae) + 1,) if frames else ()
-    latents = torch.zeros(batch, latent_channels(components.vae), *time, size, size, device=META, dtype=dtype)
-    return ids, latents, max(value.shape[1] for value in ids.values()), frames
+    time = ((frames - 1) // frames_per_latent(vae) + 1,) if frames else ()
+    size = side // downsampling(vae)
+    latents = torch.zeros(batch, channels, *time, size, size, device=META, dtype=dtype)
+    return torch.zeros(batch, 3, *((frames,) if frames else ()), side, side, device=META), latents
 
 
 def _planned_frames(components: Components, config: Config) -> int:
@@ -879,8 +897,8 @@ def _planned_frames(components: Components, config: Config) -> int:
     them."""
     longest = 0
     for data in config.data.each_dataset():
-        windows = components.family.conditioning.frame_windows(data, components.vae)
-        if windows is None or not data_source(data.path).may_hold_clips():
+        windows = components.family.conditioning.frame_windows(data, components)
+        if not isinstance(windows, FrameWindows) or not data_source(data.path).may_hold_clips():
             continue
         if windows.extraction == "full":
             longest = max(longest, windows.rounded(windows.max_frames))
@@ -894,9 +912,7 @@ def _encoding_peaks(components: Components, config: Config, dtype: torch.dtype) 
     autoencoder's with the family's pixel conditioning (its images)."""
     from difftune.models.autoencoders import encode_posterior
 
-    ids, latents, full, frames = _inputs(components, config, dtype, config.train.batch_size)
-    side = config.data.largest_resolution()
-    pixels = torch.zeros(config.train.batch_size, 3, *((frames,) if frames else ()), side, side, device=META)
+    ids, pixels, latents, full = _inputs(components, config, dtype, config.train.batch_size)
     with torch.no_grad(), _counting(full) as text:
         components.family.conditioning.encode_prompts(components, ids)
     with torch.no_grad(), _counting(full) as images:
@@ -935,9 +951,8 @@ def _step_peak(components: Components, config: Config, dtype: torch.dtype) -> tu
     batch = config.train.batch_size * (2 if two_passes else 1)
     if config.reward.enabled:
         batch = _reward_batch(config)
-    ids, latents, full, frames = _inputs(components, config, dtype, batch)
+    ids, pixels, latents, full = _inputs(components, config, dtype, batch)
     side = config.data.largest_resolution()
-    pixels = torch.zeros(batch, 3, *((frames,) if frames else ()), side, side, device=META)
     with torch.no_grad(), _counting(full):
         conditioning = components.family.conditioning.encode_prompts(components, ids)
         conditioning |= components.family.conditioning.pixel_conditioning(

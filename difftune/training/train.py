@@ -360,7 +360,7 @@ def _scanned_and_cached(
         with phase(f"reading the data in {paths}", print_status):
             examples, bad_files = scan_datasets(
                 config.data,
-                windows=partial(components.family.conditioning.frame_windows, vae=components.vae),
+                windows=partial(components.family.conditioning.frame_windows, components=components),
                 index_folder=cache_root(config) / "scans",
                 layers=components.family.conditioning.trains_layers,
             )
@@ -386,7 +386,7 @@ def _scanned_and_cached(
     controls = control_sizes(
         examples, sizes, partial(components.family.conditioning.control_size, options=components.family_options)
     )
-    tokenize = partial(components.family.conditioning.tokenize, components.tokenizers)  # picklable for loader workers
+    tokenize = components.family.conditioning.tokenizer(components)  # picklable for loader workers
     rates = frame_rates(examples) if components.family.conditioning.trains_sound(components) else None
     with phase(
         "filling the caches", print_status if config.cache.latents == "on" or config.cache.text == "on" else None

@@ -92,7 +92,7 @@ class Validator:
         examples, bad_files = scan_examples(
             data,
             "validation.path",
-            family.conditioning.frame_windows(data, components.vae),
+            family.conditioning.frame_windows(data, components),
             layers=family.conditioning.trains_layers,
         )
         report_bad_files(bad_files, None)
@@ -102,7 +102,7 @@ class Validator:
         dataset = CaptionedImages(
             examples,
             data,
-            partial(family.conditioning.tokenize, components.tokenizers),
+            family.conditioning.tokenizer(components),
             config.validation.seed,
             sizes=sizes,
             control_sizes=control_sizes(examples, sizes, rule),

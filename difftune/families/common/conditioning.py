@@ -10,6 +10,8 @@ Edit pairs' controls and video clips are checked and cut here too. The facts it 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from difftune.config import DataConfig
 from difftune.data.cache import model_identity
 from difftune.data.clips import FrameWindows
+from difftune.data.sound_files import SoundWindows
 from difftune.errors import DifftuneError
 from difftune.families.common.loading import FamilyOptions
 from difftune.families.common.role import Role
@@ -172,10 +175,11 @@ class Conditioning(Role):
             f"at most {family.max_controls}"
         )
 
-    def frame_windows(self, data, vae) -> FrameWindows | None:
-        """How this family's data cuts clips into windows (`data`'s frame settings, lengths the autoencoder `vae`
-        takes); None for an image family, whose data leaves clips out and reports them."""
-        return FrameWindows.of(data, frames_per_latent(vae)) if self.family.reads_clips else None
+    def frame_windows(self, data, components: Components) -> FrameWindows | SoundWindows | None:
+        """How this family's data cuts clips into windows (`data`'s frame settings, lengths the base's autoencoder
+        takes); None for an image family, whose data leaves clips out and reports them. A sound family's cuts sounds
+        (`SoundWindows`)."""
+        return FrameWindows.of(data, frames_per_latent(components.vae)) if self.family.reads_clips else None
 
     def control_size(
         self, target_size: tuple[int, int], control_size: tuple[int, int], options: FamilyOptions | None = None
@@ -216,6 +220,12 @@ class Conditioning(Role):
             return identity
         return "+".join([identity, self.family.name, *map(model_identity, components.pixel_encoders.values())])
 
+    def tokenizer(self, components: Components) -> Callable[..., dict[str, torch.Tensor]]:
+        """`tokenize` over the base's tokenizers, as this run calls it (picklable, for data-loader workers): captions
+        [and their controls] -> token ids. A family whose prompts also say something of the run (ACE-Step's: the
+        length of its sounds) binds it here."""
+        return partial(self.tokenize, components.tokenizers)
+
     def tokenize(self, tokenizers: dict, captions: list[str], controls: list | None = None) -> dict[str, torch.Tensor]:
         """Captions -> token ids per text encoder (name -> (B, L)), padded and truncated as its pipeline does; where
         `prompts_see_controls`, each caption's control images (a list of PIL images each) join them. Takes the
@@ -231,7 +241,7 @@ class Conditioning(Role):
     def encoded_texts(self, components: Components, texts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         """Prompts the run writes itself (a slider's, a reward run's) tokenized and encoded at once, without
         gradients: their conditioning on `device`, the text encoders already there."""
-        token_ids = self.tokenize(components.tokenizers, texts)
+        token_ids = self.tokenizer(components)(texts)
         encoded = self.encode_prompts(components, {name: value.to(device) for name, value in token_ids.items()})
         return {name: value.to(device) for name, value in encoded.items()}
 

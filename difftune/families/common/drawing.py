@@ -1,7 +1,8 @@
 """Sampling: one function that training (previews, end-of-run samples) and later tools share. A prompt with control
 images (an edit base's) draws its edit of them, and its grid cell shows the controls before the result. A video base
 with `sample.frames` > 1 draws clips, written as MP4 (H.264, through PyAV) or, where PyAV is not installed, as
-animated WebP (Pillow's), each with its prompt and settings in its metadata as a PNG has them in its text chunks."""
+animated WebP (Pillow's), each with its prompt and settings in its metadata as a PNG has them in its text chunks. A
+sound base draws sounds, written as FLAC with their tags, its grid cells their spectrograms."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from PIL import Image, ImageDraw, ImageFont
 from PIL.PngImagePlugin import PngInfo
 
 from difftune.config import DataConfig, PromptWithControls, SampleConfig
-from difftune.data.clips import SoundingClip, read_frames, write_clip
+from difftune.data.clips import Sound, SoundingClip, read_frames, write_clip
 from difftune.data.dataset import BadImage, open_image
-from difftune.data.sources import is_clip
+from difftune.data.sound_files import read_sound_file, spectrogram_picture, write_sound
+from difftune.data.sources import is_clip, is_sound
 from difftune.errors import DifftuneError
 from difftune.families.common.loading import FamilyOptions
 from difftune.families.common.role import Role
@@ -166,6 +168,11 @@ class Drawing(Role):
         `reads_clips` first)."""
         raise DifftuneError(f"{self.family.description} bases draw images, not clips")
 
+    def draw_sounds(self, pipeline, options: FamilyOptions, prompt: str | list[str], **arguments) -> list[Sound]:
+        """A sound family's sounds for `prompt`, as `draw` draws images (under the base's `options`: how long they
+        are); refused by a picture family (callers check `reads_sound` first)."""
+        raise DifftuneError(f"{self.family.description} bases draw pictures, not sounds")
+
     def image_arguments(self, controls: list, height: int | None, width: int | None) -> dict:
         """`draw`'s arguments for the controls and size: none for a text-to-image family."""
         return {}
@@ -256,6 +263,7 @@ class Sample:
     clip: list[Image.Image] = field(default_factory=list)  # a video base's frames (`image` is the first)
     drawn_as: str = "edited"  # what the grid calls it beside its controls: an edit, or a ControlNet's drawing
     control_names: tuple[str, ...] = ()  # what the grid calls its controls (its family drawing's `control_names`)
+    sound: Sound | None = None  # a sound base's (`image` is its spectrogram)
 
     @property
     def prompt(self) -> str:
@@ -309,7 +317,10 @@ def _sample_all(pipeline, config: SampleConfig, guidance: dict, components: Comp
 
 
 def _sample(pipeline, config: SampleConfig, components: Components, entry, prompt, controls, seed, arguments) -> Sample:
-    """One image, or a clip with `sample.frames` > 1."""
+    """One image, a clip with `sample.frames` > 1, or a sound base's sound."""
+    if components.family.reads_sound:
+        [sound] = components.family.drawing.draw_sounds(pipeline, components.family_options, prompt, **arguments)
+        return Sample(spectrogram_picture(sound), entry, seed, sound=sound)
     if config.frames > 1:
         [clip] = components.family.drawing.draw_clips(
             pipeline, prompt, controls, config.resolution, config.resolution, config.frames, **arguments
@@ -335,13 +346,17 @@ def _open_control(path: str) -> Image.Image:
 def save_images(
     samples: list[Sample], config: SampleConfig, out_dir: Path, before_dir: Path | None = None
 ) -> list[Path]:
-    """Each image as a PNG with its prompt and settings in the text chunk (a clip as `save_clip` writes it), plus
+    """Each image as a PNG with its prompt and settings in the text chunk (a clip as `save_clip` writes it, a sound
+    as FLAC with them as its tags), plus
     `grid.png`: a cell per image (a clip's first frame), after its controls (an edit's) and, where `before_dir` holds
     the base's sample of the same number, after that; a cell of several panels names each above it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, sample in enumerate(samples):
         tags = sample_tags(sample, config)
+        if sample.sound is not None:
+            paths.append(write_sound(out_dir / f"{i:03d}.flac", sample.sound, tags))
+            continue
         if sample.clip:
             paths.append(save_clip(sample.clip, out_dir / f"{i:03d}", config.fps, tags))
             continue
@@ -373,10 +388,13 @@ def _control_panels(controls: list[Image.Image], names: tuple[str, ...] = ()) ->
 
 
 def _before(before_dir: Path | None, number: int) -> Image.Image | None:
-    """The base's sample `number` in `before_dir` (an image, or a clip's first frame), if it is there."""
+    """The base's sample `number` in `before_dir` (an image, a clip's first frame or a sound's spectrogram), if it is
+    there."""
     found = sorted(before_dir.glob(f"{number:03d}.*")) if before_dir else []
     if not found:
         return None
+    if is_sound(found[0]):
+        return spectrogram_picture(read_sound_file(found[0]))
     if is_clip(found[0]):
         return read_frames(found[0], 0, 1)[0]
     with Image.open(found[0]) as image:  # an animated WebP opens at its first frame
@@ -388,6 +406,8 @@ def sample_tags(sample: Sample, config: SampleConfig) -> dict[str, str]:
     size = f"{sample.image.width}x{sample.image.height}" + (
         f"x{len(sample.clip)} fps={config.fps}" if sample.clip else ""
     )
+    if sample.sound is not None:
+        size = f"{sample.sound.samples.shape[1] / sample.sound.rate:g}s@{sample.sound.rate}Hz"
     tags = {
         "prompt": sample.prompt,
         "parameters": f"negative_prompt={config.negative_prompt!r} steps={config.steps} "

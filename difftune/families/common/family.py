@@ -65,6 +65,7 @@ class Family:
     # models), not text-to-image bases that also read references (FLUX.3): scored on edits, and refused preference pairs
     edit_base = False
     reads_clips = False  # a video base: trains on clips (`frame_windows`) and images alike
+    reads_sound = False  # a sound base: trains on sound files alone (`frame_windows` cuts them), draws sounds
     page_family: str | None = None  # the family whose page for the real model tells of this one too (`page`)
     # The inputs of its denoiser's input layer in its single files (`Layout.input_file_key`; none: any), where the
     # families that read one file's keys differ in them: `auto` takes the file's

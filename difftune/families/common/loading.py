@@ -16,7 +16,7 @@ from diffusers.loaders.lora_pipeline import CogView4LoraLoaderMixin
 from difftune.config import ModelConfig, Section
 from difftune.errors import DifftuneError
 from difftune.families.common.role import Role
-from difftune.models.autoencoders import downsampling
+from difftune.models.autoencoders import downsampling, sampling_rate
 from difftune.models.components import SINGLE_FILE_SUFFIXES, Components, files_dtype
 from difftune.models.denoiser_files import (
     DenoiserFile,
@@ -248,6 +248,7 @@ class Loading(Role):
             },
             noise_scheduler=self.family.objective.training_scheduler(pipeline.scheduler),
             pixels_per_latent=downsampling(pipeline.vae) if pipeline.vae is not None else 8,
+            samples_per_second=sampling_rate(pipeline.vae),
             pipeline_options={
                 key: pipeline.config[key] for key in self.family.pipeline_options if key in pipeline.config
             },

@@ -39,13 +39,15 @@ class AdapterTargets(Role):
     lora_text_encoders: tuple[str, ...] | None = None  # those its pipeline's LoRA loader reads adapters of (None: all)
     default_targets: dict[str, list[str]]  # part -> modules that get an adapter unless the config lists others
     trains_embeddings = False  # textual inversion is built for it (`adapter.kind = "embedding"`)
-    placement_options: tuple[str, ...] = ()  # family options that say which part a file adapts (`denoiser_part`)
+    # Family options a difftune file's recorded config keeps where it is loaded to draw: which part it adapts (Wan 2.2's
+    # expert, `denoiser_part`), how long its sounds are (ACE-Step's seconds)
+    recorded_options: tuple[str, ...] = ()
 
     def lora_loading_arguments(self, options: FamilyOptions) -> dict:
         """What the pipeline's `load_lora_weights` needs to put a file's denoiser adapter on `denoiser_part`."""
         return {}
 
-    def combined_placement(self, name: str, values: set) -> object | None:
+    def combined_option(self, name: str, values: set) -> object | None:
         """The value of placement option `name` under which files recorded with `values` load together (Wan 2.2's
         "both" for a file of each expert), or None: they cannot."""
         return None

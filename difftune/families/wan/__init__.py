@@ -205,12 +205,12 @@ class WanLayout(RenamedLayout):
 class WanTargets(AdapterTargets):
     default_targets = {"transformer": TRANSFORMER_TARGETS}
     lora_text_encoders = ()  # WanPipeline's LoRA loader reads the transformer's adapters alone
-    placement_options = ("expert",)  # a file of each expert goes onto it (export.base_for_adapters)
+    recorded_options = ("expert",)  # a file of each expert goes onto it (export.base_for_adapters)
 
     def lora_loading_arguments(self, options: WanOptions) -> dict:
         return {"load_into_transformer_2": True} if options.expert == "low_noise" else {}
 
-    def combined_placement(self, name: str, values: set) -> object | None:
+    def combined_option(self, name: str, values: set) -> object | None:
         return "both" if name == "expert" and values == {"high_noise", "low_noise"} else None
 
     def adapter_file_suffixes(self, config: Config) -> tuple[str, ...]:

@@ -1,0 +1,155 @@
+"""ACE-Step, the first family that is not pictures: sound files as data, a training step as its pipeline denoises,
+its own trainer's files read, samples written as FLAC. The conformance suite (test_families.py) runs it as every
+family; this file checks what only a sound base has."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from difftune.adapters import export
+from difftune.config import DataConfig, ModelConfig
+from difftune.data.clips import Sound
+from difftune.data.dataset import scan_examples
+from difftune.data.sound_files import (
+    SoundWindows,
+    read_sound_file,
+    read_tags,
+    read_window,
+    sound_length,
+    spectrogram_picture,
+    write_sound,
+)
+from difftune.families import FAMILIES, load_components
+from difftune.families.ace_step.micro import SAMPLE_RATE
+from difftune.toy.tiny import shape_images, write_caption_folder
+from difftune.toy.tones import PITCHES, render_tone, tone_sounds, write_sound_folder
+from difftune.training.train import train
+
+from test_families import MICRO_SECONDS, _settings
+
+FAMILY = FAMILIES["ace_step"]
+
+
+def _tone(seconds: float, rate: int = SAMPLE_RATE, pitch: float = PITCHES["middle"]) -> Sound:
+    return render_tone(pitch, "hum", seconds, rate, np.random.default_rng(0))
+
+
+def test_a_sound_file_gives_whole_windows_back_to_back_and_a_short_one_one_padded_window(tmp_path):
+    windows = SoundWindows(SAMPLE_RATE, seconds=1.0, samples_per_latent=128)
+    assert windows.length == 6400  # 50 latent frames
+    assert windows.windows(6400 * 2 + 1000) == [(0, 6400), (6400, 6400)]  # the rest after the last is not read
+    assert windows.windows(1000) == [(0, 6400)]
+    assert SoundWindows(SAMPLE_RATE, seconds=0.99, samples_per_latent=128).length == 6400  # whole frames, as drawn
+
+    # A file at another rate is read resampled to the autoencoder's; past its end, silence.
+    path = write_sound(tmp_path / "short.flac", _tone(0.5, rate=16000))
+    assert sound_length(path, SAMPLE_RATE) == 3200
+    window = read_window(path, (0, 6400), SAMPLE_RATE)
+    assert window.shape == (2, 1, 6400)
+    assert window[:, :, :3000].abs().max() > 0.1 and not window[:, :, 3400:].any()
+
+
+def test_a_sound_base_trains_sounds_and_reports_the_rest(tmp_path):
+    folder = tmp_path / "mixed"
+    write_sound_folder(folder, tone_sounds(3, seed=0, seconds=2.5, rate=SAMPLE_RATE))
+    write_caption_folder(folder / "images", shape_images(2, seed=0))
+    for image in (folder / "images").iterdir():
+        image.rename(folder / f"image_{image.name}")
+    (folder / "broken.wav").write_bytes(b"RIFF not a sound")
+    (folder / "broken.txt").write_text("a broken sound")
+    data = DataConfig(path=str(folder))
+    windows = SoundWindows(SAMPLE_RATE, seconds=1.0, samples_per_latent=128)
+    examples, bad = scan_examples(data, windows=windows)
+    assert len(examples) == 3 * 2  # each 2.5 s tone: two whole 1 s windows
+    assert {example.frames for example in examples} == {(0, 6400), (6400, 6400)}
+    assert all(example.sound_rate == SAMPLE_RATE for example in examples)
+    reasons = {path.name: reason for path, reason in ((b.path, b.reason) for b in bad)}
+    assert reasons["image_0000.png"].startswith("not a sound")
+    assert "cannot be decoded as a sound" in reasons["broken.wav"]
+    # A picture base reports the sounds, naming the kind of base that reads them.
+    _, bad = scan_examples(data)
+    assert any("a sound base such as ACE-Step" in b.reason for b in bad if b.path.suffix == ".flac")
+
+
+def test_training_denoises_as_the_pipeline_does(micro_base):
+    """One step of `AceStepPipeline`, guided: its transformer's inputs and output at that step are what difftune's
+    conditioning and `denoise` give for the same noisy latents and time (the prompt, the context, the layout)."""
+    components = load_components(ModelConfig(base=str(micro_base("ace_step")), family_options={"seconds": 1.0}))
+    pipeline = components.pipeline()
+    pipeline.set_progress_bar_config(disable=True)
+    called = {}
+    forward = pipeline.transformer.forward
+
+    def kept(**inputs):
+        called.update(inputs, output=forward(**inputs)[0])
+        return (called["output"],)
+
+    pipeline.transformer.forward = kept
+    pipeline(prompt="a high buzz", audio_duration=1.0, num_inference_steps=1, guidance_scale=1.0, shift=3.0)
+    with torch.no_grad():
+        conditioning = FAMILY.conditioning.encoded_texts(components, ["a high buzz"], torch.device("cpu"))
+        latents = called["hidden_states"].transpose(1, 2)[:, :, None]  # (B, C, 1, frames)
+        ours = FAMILY.denoise(components, latents, called["timestep"] * 1000, conditioning, None)
+    length = int(conditioning["text_mask"].sum())
+    assert torch.equal(conditioning["encoder_hidden_states"][:, :length], called["encoder_hidden_states"])
+    frames = latents.shape[-1]
+    assert torch.equal(conditioning["silence"][:, :frames], called["context_latents"][..., : latents.shape[1]])
+    torch.testing.assert_close(ours[:, :, 0].transpose(1, 2), called["output"], rtol=0, atol=1e-6)
+
+
+def test_ace_steps_own_trainer_files_are_read_as_ours(micro_base, make_config, tmp_path):
+    """ACE-Step's trainer writes peft's names on the original modules (`base_model.model.layers.0.self_attn.q_proj`):
+    such a file converts to difftune's diffusers layout as the same tensors, as diffusers' own reader reads it."""
+    result = train(make_config(**_settings("ace_step", micro_base("ace_step"), tmp_path / "run", sample__prompts=[])))
+    ours = load_file(result.trained_path)
+    original = {
+        key.replace("transformer.", "base_model.model.", 1)
+        .replace(".to_q.", ".q_proj.")
+        .replace(".to_k.", ".k_proj.")
+        .replace(".to_v.", ".v_proj.")
+        .replace(".to_out.0.", ".o_proj."): value
+        for key, value in ours.items()
+    }
+    save_file(original, tmp_path / "adapter_model.safetensors")
+    back = load_file(
+        export.convert_adapter(tmp_path / "adapter_model.safetensors", tmp_path / "back.safetensors", "diffusers")
+    )
+    assert back.keys() == ours.keys() and all(torch.equal(back[key], ours[key]) for key in ours)
+
+
+def test_samples_are_flac_with_their_prompt_and_the_grid_shows_their_spectrograms(micro_base, make_config, tmp_path):
+    settings = _settings(
+        "ace_step", micro_base("ace_step"), tmp_path / "run", sample__prompts=["a low hum"], sample__steps=2
+    )
+    result = train(make_config(**settings))
+    samples = result.trained_path.parent / "samples"
+    sound = read_sound_file(samples / "000.flac")
+    assert sound.rate == SAMPLE_RATE and sound.samples.shape == (2, round(MICRO_SECONDS * SAMPLE_RATE))
+    tags = read_tags(samples / "000.flac")
+    assert tags["prompt"] == "a low hum" and "steps=2" in tags["parameters"] and "1s@6400Hz" in tags["parameters"]
+    card = (result.trained_path.parent / "README.md").read_text()
+    assert "pipeline_tag: text-to-audio" in card and "samples/000.flac" in card
+    parity = json.loads((result.trained_path.parent / "parity.json").read_text())
+    assert all(layout["max_pixel_difference"] <= 2 for layout in parity["layouts"].values())
+
+
+def test_a_spectrogram_puts_a_higher_pitch_higher():
+    low, high = (spectrogram_picture(_tone(1.0, pitch=PITCHES[pitch])) for pitch in ("low", "high"))
+    rows = [int(np.asarray(picture.convert("L")).mean(axis=1).argmax()) for picture in (low, high)]
+    assert rows[1] < rows[0]  # frequency grows upwards: the loudest row of the higher pitch sits higher
+
+
+@pytest.mark.parametrize("seconds", [0.5, 2.0])
+def test_the_plan_counts_a_window_of_the_runs_seconds(micro_base, make_config, tmp_path, seconds):
+    from difftune.training.plan import _planned_media
+
+    components = load_components(ModelConfig(base=str(micro_base("ace_step")), family_options={"seconds": seconds}))
+    config = make_config(**_settings("ace_step", micro_base("ace_step"), tmp_path / "run"))
+    pixels, latents = _planned_media(components, config, torch.float32, 2)
+    frames = round(seconds * SAMPLE_RATE / 128)
+    assert tuple(pixels.shape) == (2, 2, 1, frames * 128) and tuple(latents.shape) == (2, 8, 1, frames)
