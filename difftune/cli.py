@@ -321,7 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--base", default="models/tiny-sd", help="a base trained on the shapes (default: the bundled one)"
     )
     evaluate.add_argument("--adapter", type=Path, help="adapter to score after the base (either layout)")
-    evaluate.add_argument("--concept", default="purple", help="the held-out color the adapter teaches")
+    evaluate.add_argument(
+        "--concept",
+        help="the held-out concept the adapter teaches: a color for a shapes base (default purple), a pitch for a tone "
+        "base (default shrill)",
+    )
     evaluate.add_argument(
         "--concept-word",
         default="",
@@ -429,15 +433,16 @@ def _run(args: argparse.Namespace) -> None:
     if args.command == "eval":
         import json
 
-        from difftune.toy.judge import EvalSettings, evaluate
-        from difftune.toy.tiny import COLORS
+        from difftune.toy.judge import EvalSettings, concepts_of, evaluate
 
-        if args.concept not in COLORS:
+        concepts, held_out = concepts_of(args.base)
+        concept = args.concept or held_out
+        if concept not in concepts:
             raise DifftuneError(
-                f"difftune eval --concept {args.concept!r}: not a shapes color; one of {', '.join(COLORS)}"
+                f"difftune eval --concept {concept!r}: not one of {args.base}'s judged concepts: {', '.join(concepts)}"
             )
         settings = EvalSettings(args.samples_per_prompt, args.seed, args.steps, args.guidance_scale)
-        seen = [color for color in COLORS if color != args.concept]
+        seen = [other for other in concepts if other != concept]
 
         def print_status(line: str) -> None:  # stderr: stdout is the report
             print(f"difftune eval: {line}", file=sys.stderr, flush=True)
@@ -446,7 +451,7 @@ def _run(args: argparse.Namespace) -> None:
             args.base,
             args.adapter,
             seen,
-            args.concept,
+            concept,
             settings,
             args.concept_word,
             None if args.quiet else print_status,

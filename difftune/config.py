@@ -1255,8 +1255,8 @@ class ValidationConfig(Section):
     eval_concept: str = Field(
         "",
         description="For the bundled shapes bases (models/tiny-*): also judge samples at each validation as `difftune "
-        "eval` does, for this held-out color (logged as `eval_concept`, `eval_seen` and their mean `eval_score`), and "
-        "keep the best-scoring result as `<result>_best_eval`. Empty is off.",
+        "eval` does, for this held-out color (a tone base's: pitch; logged as `eval_concept`, `eval_seen` and their "
+        "mean `eval_score`), and keep the best-scoring result as `<result>_best_eval`. Empty is off.",
     )
     eval_samples_per_prompt: int = Field(2, ge=1, description="`eval_concept`: samples per prompt (fixed seeds).")
 

@@ -29,9 +29,9 @@ from difftune.adapters.export import apply_adapters, variant_of
 from difftune.config import load_config
 from difftune.families import load_components
 from difftune.families.flux3 import BLOCK_TARGETS as FLUX3_BLOCK_TARGETS
-from difftune.toy.judge import EvalSettings, model_score
+from difftune.toy.judge import EvalSettings, concepts_of, model_score
 from difftune.toy.tiny import shape_images, write_caption_folder
-from difftune.toy.tiny_base import HELD_OUT_COLOR, SEEN_COLORS
+from difftune.toy.tiny_base import HELD_OUT_COLOR
 from difftune.toy.turbo import TurboRecipe
 from difftune.training.metrics import read_metrics
 from difftune.training.train import train
@@ -290,6 +290,9 @@ VARIANTS = {
     "tiny_inpaint_lora": {
         **at_seeds("lora_r16"),
     },
+    "tiny_ace_step_lora": {
+        **at_seeds("lora_r4"),
+    },
     # Over the turbo base's training adapter (as shipped), and the same run without it
     "tiny_turbo_lora": {
         **at_seeds("training_adapter"),
@@ -359,7 +362,9 @@ def main() -> None:
     if args.eval_resolution:
         settings = replace(settings, resolution=args.eval_resolution)
     base_config = load_config(config_file)
-    before = model_score(load_components(base_config.model), SEEN_COLORS, HELD_OUT_COLOR, settings)
+    concepts, held_out = concepts_of(base_config.model.base)  # a sound base's are the tones' pitches
+    seen = [concept for concept in concepts if concept != held_out]
+    before = model_score(load_components(base_config.model), seen, held_out, settings)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     folders = {
         "renders_32": args.work_dir / "renders_32",
@@ -367,10 +372,10 @@ def main() -> None:
         "class_images": args.work_dir / "class_images",
         "held_out": args.work_dir / "held_out",
     }
-    renders_32 = shape_images(32, seed=7, colors=(HELD_OUT_COLOR,))
-    write_caption_folder(folders["renders_32"], renders_32)
-    write_caption_folder(folders["held_out"], shape_images(24, seed=11, colors=(HELD_OUT_COLOR,)))
-    write_foreground_masks(Path(base_config.data.path), folders["purple_masks"])
+    if held_out == HELD_OUT_COLOR:  # the shapes jobs' variants read these
+        write_caption_folder(folders["renders_32"], shape_images(32, seed=7, colors=(HELD_OUT_COLOR,)))
+        write_caption_folder(folders["held_out"], shape_images(24, seed=11, colors=(HELD_OUT_COLOR,)))
+        write_foreground_masks(Path(base_config.data.path), folders["purple_masks"])
     watch = ["validation.path=" + str(folders["held_out"]), "validation.every_steps=20"] if args.convergence else []
     for name, overrides in VARIANTS[args.job].items():
         if args.only and name not in args.only:
@@ -390,14 +395,18 @@ def main() -> None:
             apply_adapters(components, [(adapter, 1.0)])
             # An embedding's concept prompts say its token where the others say the color.
             word = config.adapter.embedding_token if config.adapter.kind == "embedding" else ""
-            after = model_score(components, SEEN_COLORS, HELD_OUT_COLOR, settings, word)
+            after = model_score(components, seen, held_out, settings, word)
             line = {
                 "run": name + (" (EMA weights)" if adapter.stem.endswith("_ema") else ""),
                 "overrides": overrides,
                 "train_s": round(seconds, 1),
                 "concept_before": before["concept"]["both"],
                 "concept_after": after["concept"]["both"],
-                "by_shape": {shape: scores["both"] for shape, scores in after["concept_by_shape"].items()},
+                **{
+                    f"by_{part}": {name: scores["both"] for name, scores in after[f"concept_by_{part}"].items()}
+                    for part in ("shape", "timbre")  # a sound job's concept is judged per timbre
+                    if f"concept_by_{part}" in after
+                },
                 "seen_both_before": before["seen"]["both"],
                 "seen_both_after": after["seen"]["both"],
                 "forgetting": round(before["seen"]["both"] - after["seen"]["both"], 3),
@@ -463,15 +472,17 @@ def markdown_table(lines: list[dict]) -> str:
     clips = any("directions_after" in line for line in lines)  # a video job's lines: the motion's column too
     fills = any("fills_after" in line for line in lines)  # an inpainting job's: inside the mask, the rest kept
     extra = " directions after, purple / seen |" if clips else " purple inside the mask / rest kept |" if fills else ""
+    sounds = any("by_timbre" in line for line in lines)  # a sound job's: the shrill pitch, per timbre
+    concept, parts = ("shrill", "hum / buzz") if sounds else ("purple", "circle / square / triangle")
     rows = [
-        "| run | overrides | train s | purple both, before -> after | circle / square / triangle | seen both, before "
+        f"| run | overrides | train s | {concept} both, before -> after | {parts} | heard or seen both, before "
         "-> after | forgetting |" + extra,
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if extra else ""),
     ]
     for line in lines:
         name = f"**{line['run']} (default)**" if not line["overrides"] else line["run"]
         overrides = f"`{' '.join(line['overrides'])}`" if line["overrides"] else ""
-        shapes = " / ".join(f"{value:.2f}" for value in line["by_shape"].values())
+        shapes = " / ".join(f"{value:.2f}" for value in line.get("by_shape", line.get("by_timbre", {})).values())
         directions, filled = line.get("directions_after", {}), line.get("fills_after", {})
         rows.append(
             f"| {name} | {overrides} | {line['train_s']:.0f} | {line['concept_before']:.2f} -> "

@@ -5,6 +5,7 @@ family; this file checks what only a sound base has."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -25,14 +26,16 @@ from difftune.data.sound_files import (
     write_sound,
 )
 from difftune.families import FAMILIES, load_components
-from difftune.families.ace_step.micro import SAMPLE_RATE
+from difftune.families.ace_step import split_lyrics
+from difftune.families.ace_step.micro import DOWNSAMPLING, SAMPLE_RATE
 from difftune.toy.tiny import shape_images, write_caption_folder
 from difftune.toy.tones import PITCHES, render_tone, tone_sounds, write_sound_folder
 from difftune.training.train import train
 
-from test_families import MICRO_SECONDS, _settings
+from test_families import MICRO_SECONDS, _ace_step_prompts, _settings
 
 FAMILY = FAMILIES["ace_step"]
+HOP = math.prod(DOWNSAMPLING)  # samples a latent frame
 
 
 def _tone(seconds: float, rate: int = SAMPLE_RATE, pitch: float = PITCHES["middle"]) -> Sound:
@@ -45,6 +48,7 @@ def test_a_sound_file_gives_whole_windows_back_to_back_and_a_short_one_one_padde
     assert windows.windows(6400 * 2 + 1000) == [(0, 6400), (6400, 6400)]  # the rest after the last is not read
     assert windows.windows(1000) == [(0, 6400)]
     assert SoundWindows(SAMPLE_RATE, seconds=0.99, samples_per_latent=128).length == 6400  # whole frames, as drawn
+    assert SoundWindows(SAMPLE_RATE, seconds=0.985, samples_per_latent=128).length == 6400
 
     # A file at another rate is read resampled to the autoencoder's; past its end, silence.
     path = write_sound(tmp_path / "short.flac", _tone(0.5, rate=16000))
@@ -79,7 +83,9 @@ def test_a_sound_base_trains_sounds_and_reports_the_rest(tmp_path):
 def test_training_denoises_as_the_pipeline_does(micro_base):
     """One step of `AceStepPipeline`, guided: its transformer's inputs and output at that step are what difftune's
     conditioning and `denoise` give for the same noisy latents and time (the prompt, the context, the layout)."""
-    components = load_components(ModelConfig(base=str(micro_base("ace_step")), family_options={"seconds": 1.0}))
+    components = load_components(
+        ModelConfig(base=str(micro_base("ace_step")), family_options={"seconds": MICRO_SECONDS})
+    )
     pipeline = components.pipeline()
     pipeline.set_progress_bar_config(disable=True)
     called = {}
@@ -90,7 +96,7 @@ def test_training_denoises_as_the_pipeline_does(micro_base):
         return (called["output"],)
 
     pipeline.transformer.forward = kept
-    pipeline(prompt="a high buzz", audio_duration=1.0, num_inference_steps=1, guidance_scale=1.0, shift=3.0)
+    pipeline(prompt="a high buzz", audio_duration=MICRO_SECONDS, num_inference_steps=1, guidance_scale=1.0, shift=3.0)
     with torch.no_grad():
         conditioning = FAMILY.conditioning.encoded_texts(components, ["a high buzz"], torch.device("cpu"))
         latents = called["hidden_states"].transpose(1, 2)[:, :, None]  # (B, C, 1, frames)
@@ -100,6 +106,54 @@ def test_training_denoises_as_the_pipeline_does(micro_base):
     frames = latents.shape[-1]
     assert torch.equal(conditioning["silence"][:, :frames], called["context_latents"][..., : latents.shape[1]])
     torch.testing.assert_close(ours[:, :, 0].transpose(1, 2), called["output"], rtol=0, atol=1e-6)
+
+
+def test_a_captions_lyrics_are_read_and_drawn_as_the_pipeline_reads_lyrics(micro_base):
+    """Lyrics follow a `[lyrics]` line of a caption or sample prompt: encoded as `AceStepPipeline` encodes its
+    `lyrics`, and drawn by passing them so."""
+    text = "a low hum\n[Lyrics]\n[verse]\nla la la"
+    assert split_lyrics(text) == ("a low hum", "[verse]\nla la la") and split_lyrics("a hum") == ("a hum", "")
+    components = load_components(
+        ModelConfig(base=str(micro_base("ace_step")), family_options={"seconds": MICRO_SECONDS})
+    )
+    pipeline = components.pipeline()
+    pipeline.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        ours = FAMILY.conditioning.encoded_texts(components, [text], torch.device("cpu"))
+        theirs = _ace_step_prompts(pipeline, ["a low hum"], ["[verse]\nla la la"], seconds=MICRO_SECONDS)
+        without = FAMILY.conditioning.encoded_texts(components, ["a low hum"], torch.device("cpu"))
+    length = theirs["encoder_hidden_states"].shape[1]
+    assert torch.equal(ours["encoder_hidden_states"][:, :length], theirs["encoder_hidden_states"])
+    assert int(ours["text_mask"].sum()) > int(without["text_mask"].sum())  # the lyric encoder's tokens are there
+    drawing = {"num_inference_steps": 2, "guidance_scale": 1.0}
+    [drawn] = FAMILY.drawing.draw_sounds(
+        pipeline, components.family_options, text, generator=torch.Generator().manual_seed(0), **drawing
+    )
+    asked = pipeline(
+        prompt="a low hum",
+        lyrics="[verse]\nla la la",
+        audio_duration=MICRO_SECONDS,
+        generator=torch.Generator().manual_seed(0),
+        **drawing,
+    ).audios[0]
+    assert np.array_equal(drawn.samples, asked.numpy())
+
+
+def test_a_dropped_caption_trains_as_the_learned_null_condition(micro_base):
+    """ACE-Step's trainer replaces a dropped sample's conditioning by `null_condition_emb` (what its pipeline guides
+    against): an empty caption's sequence is that embedding at each of its tokens; a caption beside it is encoded
+    as alone."""
+    components = load_components(
+        ModelConfig(base=str(micro_base("ace_step")), family_options={"seconds": MICRO_SECONDS})
+    )
+    with torch.no_grad():
+        both = FAMILY.conditioning.encoded_texts(components, ["", "a low hum"], torch.device("cpu"))
+        alone = FAMILY.conditioning.encoded_texts(components, ["a low hum"], torch.device("cpu"))
+    null = components.text_encoders["condition_encoder"].null_condition_emb[0, 0]
+    length = int(both["text_mask"][0].sum())
+    assert length > 0 and torch.equal(both["encoder_hidden_states"][0, :length], null.expand(length, -1))
+    assert not both["encoder_hidden_states"][0, length:].any()
+    torch.testing.assert_close(both["encoder_hidden_states"][1], alone["encoder_hidden_states"][0], rtol=0, atol=1e-6)
 
 
 def test_ace_steps_own_trainer_files_are_read_as_ours(micro_base, make_config, tmp_path):
@@ -131,11 +185,43 @@ def test_samples_are_flac_with_their_prompt_and_the_grid_shows_their_spectrogram
     sound = read_sound_file(samples / "000.flac")
     assert sound.rate == SAMPLE_RATE and sound.samples.shape == (2, round(MICRO_SECONDS * SAMPLE_RATE))
     tags = read_tags(samples / "000.flac")
-    assert tags["prompt"] == "a low hum" and "steps=2" in tags["parameters"] and "1s@6400Hz" in tags["parameters"]
+    assert (
+        tags["prompt"] == "a low hum"
+        and "steps=2" in tags["parameters"]
+        and f"{MICRO_SECONDS:g}s@6400Hz" in tags["parameters"]
+    )
     card = (result.trained_path.parent / "README.md").read_text()
     assert "pipeline_tag: text-to-audio" in card and "samples/000.flac" in card
     parity = json.loads((result.trained_path.parent / "parity.json").read_text())
     assert all(layout["max_pixel_difference"] <= 2 for layout in parity["layouts"].values())
+
+
+def test_the_ui_lists_a_jobs_sounds_and_plays_each_as_its_spectrogram_with_its_sound(micro_base, make_config, tmp_path):
+    """The Train tab's draws: a sound job's FLAC samples with their prompts; a gallery shows each as an MP4 whose
+    picture is its spectrogram and whose track is the sound (decoded back: as long, the same tone)."""
+    from difftune.data.clips import read_frames
+    from difftune.data.sound import stereo_samples
+    from difftune.webui import draws
+    from difftune.webui.jobs import Job
+
+    settings = _settings("ace_step", micro_base("ace_step"), tmp_path / "job", sample__prompts=["a high buzz"])
+    train(make_config(**settings))
+    [drawn] = draws.draws(Job(tmp_path / "job"))
+    [path] = drawn.files(Job(tmp_path / "job"))
+    assert drawn.label == "trained" and path.name == "000.flac" and draws.drawn_prompt(path) == "a high buzz"
+    played = draws.playable(path)
+    assert played.suffix == ".mp4" and draws.playable(path) == played  # made once
+    frame, picture = read_frames(played, 0, 1)[0], spectrogram_picture(read_sound_file(path))
+    assert frame.size == (picture.width - picture.width % 2, picture.height)  # H.264's even sides
+    # What it plays is the sound: a tone's pitch is still the loudest frequency (the 6.4 kHz sound played at 48 kHz).
+    tone = write_sound(tmp_path / "tone.flac", _tone(1.0, pitch=PITCHES["high"]))
+    import av
+
+    with av.open(str(draws.playable(tone))) as container:
+        heard = stereo_samples(container, SAMPLE_RATE)  # resampled back to the sound's rate
+    assert abs(heard.shape[1] - SAMPLE_RATE) < 0.05 * SAMPLE_RATE  # AAC pads its frames
+    spectrum = np.abs(np.fft.rfft(heard.mean(axis=0)[:SAMPLE_RATE]))
+    assert abs(int(spectrum.argmax()) - PITCHES["high"]) <= 2  # in Hz (a 1 s window: 1 Hz bins)
 
 
 def test_a_spectrogram_puts_a_higher_pitch_higher():
@@ -151,5 +237,5 @@ def test_the_plan_counts_a_window_of_the_runs_seconds(micro_base, make_config, t
     components = load_components(ModelConfig(base=str(micro_base("ace_step")), family_options={"seconds": seconds}))
     config = make_config(**_settings("ace_step", micro_base("ace_step"), tmp_path / "run"))
     pixels, latents = _planned_media(components, config, torch.float32, 2)
-    frames = round(seconds * SAMPLE_RATE / 128)
-    assert tuple(pixels.shape) == (2, 2, 1, frames * 128) and tuple(latents.shape) == (2, 8, 1, frames)
+    frames = round(seconds * SAMPLE_RATE / HOP)
+    assert tuple(pixels.shape) == (2, 2, 1, frames * HOP) and tuple(latents.shape) == (2, 8, 1, frames)

@@ -73,7 +73,7 @@ from conftest import comfyui_applies_as
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 NAMES = sorted(FAMILIES)
-MICRO_SECONDS = 1.0  # a sound family's windows and samples: 50 latent frames of the micro ACE-Step
+MICRO_SECONDS = 0.25  # a sound family's windows and samples: 50 latent frames of the micro ACE-Step
 LAYERED_SAMPLE_LAYERS = LayeredOptions().layers  # what a layered base's samples split their image into
 
 
@@ -316,11 +316,13 @@ def _ideogram4_prompts(pipeline, prompts):
     }
 
 
-def _ace_step_prompts(pipeline, prompts):
+def _ace_step_prompts(pipeline, prompts, lyrics=None, seconds=30.0):
     """The condition encoder's sequence at each caption's tokens (the pipeline pads the batch's shorter captions, whose
-    padding's states the mask leaves out), and the silence its context reads, for the default 30 s."""
-    seconds, batch = 30.0, len(prompts)
-    text, text_mask, lyrics, lyric_mask = pipeline.encode_prompt(prompts, [""] * batch, "cpu", audio_duration=seconds)
+    padding's states the mask leaves out), and the silence its context reads, for the default 30 s; `lyrics`, one per
+    prompt (none: instrumentals)."""
+    batch = len(prompts)
+    lyrics = lyrics or [""] * batch
+    text, text_mask, lyrics, lyric_mask = pipeline.encode_prompt(prompts, lyrics, "cpu", audio_duration=seconds)
     frames = math.ceil(seconds * pipeline.latents_per_second)
     timbre = pipeline.condition_encoder.silence_latent[:, :frames].expand(batch, -1, -1)
     states, mask = pipeline.condition_encoder(text, text_mask, lyrics, lyric_mask, timbre, torch.arange(batch))

@@ -116,6 +116,11 @@ def _tiny_base_scores(folder: Path) -> str:
             f"`{folder.name}`: seen fills' color and shape {seen['both']:.2f}, inside the mask {seen['inside']:.2f}, "
             f"the rest kept {seen['kept']:.2f}"
         )
+    if "pitch" in base["seen"]:  # a sound base's tones
+        return (
+            f"`{folder.name}`: heard pitch {base['seen']['pitch']:.2f}, timbre {base['seen']['timbre']:.2f}; "
+            f"shrill before {base['concept']['pitch']:.2f}"
+        )
     direction = f", direction {base['seen']['direction']:.2f}" if "direction" in base["seen"] else ""  # a video base's
     return (
         f"`{folder.name}`: seen color {base['seen']['color']:.2f}, shape {base['seen']['shape']:.2f}{direction}; "

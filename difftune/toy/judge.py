@@ -611,8 +611,13 @@ def model_score(
     print_status: PrintStatus = None,
     placements: bool = False,
 ) -> dict:
-    """A model's scores as `evaluate` takes them, on what `scored_on` says."""
+    """A model's scores as `evaluate` takes them, on what `scored_on` says (a sound base's: `seen_colors` and
+    `concept_color` are pitches, `concepts_of`)."""
     scored = scored_on(components, placements)
+    if scored == "sounds":
+        from difftune.toy.tone_judge import tone_score  # it judges with this module's settings and helpers
+
+        return tone_score(components, seen_colors, concept_color, settings, concept_word, print_status)
     if scored == "placements":
         return placement_score(components, seen_colors, settings, print_status)
     if scored == "edits":
@@ -626,14 +631,28 @@ def model_score(
 
 def scored_on(components: Components, placements: bool = False) -> str:
     """What a model is scored on: `placements` (a ControlNet or control LoRA: where the seen colors' shapes are
-    drawn), edits for an edit base, fills for an inpainting base, clips for a video base, else prompts (`score`)."""
+    drawn), edits for an edit base, fills for an inpainting base, clips for a video base, sounds for a sound base (the
+    tone judge's), else prompts (`score`)."""
     if placements:
         return "placements"
+    if components.family.reads_sound:
+        return "sounds"
     if components.family.edit_base:
         return "edits"
     if isinstance(components.family.drawing, InpaintDrawing):
         return "fills"
     return "clips" if components.family.reads_clips else "prompts"
+
+
+def concepts_of(base: str) -> tuple[tuple[str, ...], str]:
+    """What a base is judged by: the shapes' colors and the one the tiny bases never saw, or for a sound base the
+    tones' pitches and the one the tiny sound base never heard."""
+    from difftune.families import family_of
+    from difftune.toy.tones import HELD_OUT_PITCH, PITCHES
+
+    if family_of(ModelConfig(base=base)).reads_sound:
+        return tuple(PITCHES), HELD_OUT_PITCH
+    return tuple(COLORS), "purple"
 
 
 def evaluate(

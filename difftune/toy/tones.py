@@ -1,11 +1,13 @@
 """Tones: the sound bases' shapes. A tone is a pitch (low, middle, high, and shrill, which the tiny sound base never
 hears: its purple) in a timbre (a hum: a pure sine; a buzz: the sine with its odd harmonics, as a square wave has
-them), a little vibrato and a fade in and out, at a random phase and level, captioned "a low hum", "a shrill
-buzz"... The tiny sound base learns them as the tiny image bases learn the shapes, and its judge (tone_judge.py, a
-plain spectral check) tells a pitch and a timbre apart the way the shapes judge tells colors and shapes.
+them), with a fade in and out, at a random phase and level, captioned "a low hum", "a shrill buzz"... The tiny sound
+base learns them as the tiny image bases learn the shapes, and its judge (tone_judge.py, a plain spectral check)
+tells a pitch and a timbre apart the way the shapes judge tells colors and shapes.
 
-The pitches are a fifth apart (each 1.5 times the one below). A buzz keeps the harmonics below half the rate (the
-band a sound at that rate holds): every pitch's third harmonic is in it at the tiny base's 6.4 kHz.
+The pitches are whole multiples of the tiny base's latent frame rate (200 a second: 6.4 kHz over its 32-sample hop):
+its autoencoder, trained for minutes on a CPU, makes those again, where it moved pitches between them to the nearest
+multiple (450 Hz came back as 400). A buzz keeps the harmonics below half the rate (the band a sound at that rate
+holds): every pitch's third harmonic is in it at 6.4 kHz.
 """
 
 from __future__ import annotations
@@ -17,21 +19,18 @@ import numpy as np
 from difftune.data.clips import Sound
 from difftune.data.sound_files import write_sound
 
-PITCHES = {"low": 200.0, "middle": 300.0, "high": 450.0, "shrill": 675.0}  # Hz
+PITCHES = {"low": 200.0, "middle": 400.0, "high": 600.0, "shrill": 800.0}  # Hz
 HELD_OUT_PITCH = "shrill"  # what the tiny sound base never hears
 HEARD_PITCHES = tuple(pitch for pitch in PITCHES if pitch != HELD_OUT_PITCH)
 TIMBRES = ("hum", "buzz")
 BUZZ_HARMONICS = (3, 5)  # odd harmonics at 1/n, as a square wave's
-VIBRATO = (5.0, 0.01)  # Hz, and depth as a fraction of the pitch
 FADE_SECONDS = 0.05
 
 
 def render_tone(pitch: float, timbre: str, seconds: float, rate: int, rng: np.random.Generator) -> Sound:
     """One tone (see the module's docstring), stereo, its sides at slightly different levels."""
     time = np.arange(round(seconds * rate)) / rate
-    rate_hz, depth = VIBRATO
-    phase = 2 * np.pi * np.cumsum(pitch * (1 + depth * np.sin(2 * np.pi * rate_hz * time))) / rate
-    phase += rng.uniform(0, 2 * np.pi)
+    phase = 2 * np.pi * pitch * time + rng.uniform(0, 2 * np.pi)
     wave = np.sin(phase)
     if timbre == "buzz":
         wave = wave + sum(np.sin(n * phase) / n for n in BUZZ_HARMONICS if n * pitch < rate / 2)

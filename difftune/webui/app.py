@@ -544,7 +544,7 @@ def _drawn(jobs_dir: Path, name: str | None, label: str | None) -> list:
         return []
     job = jobs.Job(jobs_dir / name)
     found = next((draw for draw in draws.draws(job) if draw.label == label), None)
-    return [(str(path), draws.drawn_prompt(path)) for path in found.files(job)] if found else []
+    return [(str(draws.playable(path)), draws.drawn_prompt(path)) for path in found.files(job)] if found else []
 
 
 def _job_names(jobs_dir: Path) -> list[str]:
@@ -592,7 +592,10 @@ def _trained_base(adapter_text: str) -> str | None:
 
 
 def _shown(sample, config: SampleConfig):
-    """What the gallery shows of a sample: its image, or its clip written as `save_clip` writes it (a file)."""
+    """What the gallery shows of a sample: its image, its clip written as `save_clip` writes it (a file), or its sound
+    as a gallery plays it (`draws.playable`)."""
+    if sample.sound is not None:
+        return str(draws.playable(sample.sound))
     if not sample.clip:
         return sample.image
     from difftune.families.common.drawing import sample_tags, save_clip

@@ -264,8 +264,9 @@ def validation_frame(rows: list[dict], best: dict[str, dict]):
     return pd.DataFrame(points, columns=["step", "val_loss", "series"])
 
 
-# A video base's samples (families/common/drawing.py), beside its grid.
+# A video base's samples (families/common/drawing.py), beside its grid; a sound base's.
 SAMPLE_CLIPS = ("[0-9][0-9][0-9].mp4", "[0-9][0-9][0-9].webp")
+SAMPLE_SOUNDS = ("[0-9][0-9][0-9].flac",)
 
 
 def preview_grids(job: Job) -> list[Path]:

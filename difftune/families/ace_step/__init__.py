@@ -9,7 +9,8 @@ and the lyrics through the pipeline's condition encoder. Trained by flow matchin
   as an image one row high (autoencoders.py): latents (B, 64, 1, frames).
 - Text, exactly as `AceStepPipeline.encode_prompt`: the caption in the pipeline's own template (its text-to-music
   instruction, the caption, the metadata: no bpm, key or time signature, the duration), the Qwen3 model's last states;
-  the lyrics (none: an instrumental) in their template, as the embedding layer's token vectors alone; then the
+  the lyrics (`split_lyrics`: after a `[lyrics]` line of the caption or prompt; none: an instrumental) in their
+  template, as the embedding layer's token vectors alone; then the
   condition encoder (a frozen part, run as a text encoder: `text_encoder_names`) packs the lyric encoder's states, the
   timbre of the pipeline's learned silence (no reference sound) and the projected caption states into one sequence,
   which the transformer reads unmasked. So each sample is denoised with its own sequence at its own length, never
@@ -20,6 +21,8 @@ and the lyrics through the pipeline's condition encoder. Trained by flow matchin
 - Guidance: the base (SFT) models guide as the pipeline does (adaptive projected guidance against the learned null
   condition, at `sample.guidance_scale`); the turbo models are guidance-distilled and drawn unguided (their pipeline
   ignores the scale). The pipeline takes no negative prompt. Sampling follows the pipeline's own schedule (shift 3).
+  A dropped caption (`data.caption_dropout`, or an empty one) trains as that null condition over its sequence, as
+  ACE-Step's own trainer drops its conditions (its `cfg_ratio`), not as the encoding of an empty caption.
 - Files: diffusers' layout (`transformer.`, what `AceStepPipeline.load_lora_weights` reads); the kohya layout is the one
   ComfyUI maps from its ACE-Step 1.5 model, the original module names under `decoder.` (`lora_unet_decoder_layers_0_
   self_attn_q_proj`); ACE-Step's own trainer's files (`base_model.model.layers.0.self_attn.q_proj`) are read through
@@ -69,6 +72,14 @@ ORIGINAL_NAMES = {
     "proj_out_conv": "proj_out.1",
 }
 ORIGINAL_PREFIX = "decoder."
+LYRICS_LINE = re.compile(r"^\[lyrics\][ \t]*$", re.MULTILINE | re.IGNORECASE)  # what starts a caption's lyrics
+
+
+def split_lyrics(text: str) -> tuple[str, str]:
+    """A caption or prompt as (its caption, its lyrics): the lyrics are what follows a line `[lyrics]` (none: "", an
+    instrumental)."""
+    caption, *lyrics = LYRICS_LINE.split(text, maxsplit=1)
+    return caption.strip(), lyrics[0].strip() if lyrics else ""
 
 
 def _renamed(name: str, names: dict[str, str]) -> str:
@@ -148,7 +159,10 @@ class AceStepDrawing(FlowDrawing):
         raise NotImplementedError  # never called: a sound family draws sounds (`draw_sounds`)
 
     def draw_sounds(self, pipeline, options: AceStepOptions, prompt, **arguments) -> list[Sound]:
-        audios = pipeline(prompt=prompt, audio_duration=options.seconds, output_type="pt", **arguments).audios
+        captions, lyrics = zip(*map(split_lyrics, [prompt] if isinstance(prompt, str) else prompt), strict=True)
+        audios = pipeline(
+            prompt=list(captions), lyrics=list(lyrics), audio_duration=options.seconds, output_type="pt", **arguments
+        ).audios
         return [Sound(audio.float().cpu().numpy(), pipeline.sample_rate) for audio in audios]
 
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
@@ -172,10 +186,13 @@ class AceStepConditioning(Conditioning):
         return lambda captions, controls=None: tokenize(captions, controls, seconds=components.family_options.seconds)
 
     def tokenize(self, tokenizers, captions, controls=None, seconds: float = 30.0) -> dict[str, torch.Tensor]:
-        """Each caption in the pipeline's template, and its lyrics' (none), padded with -1 (no token's id) to the
-        pipeline's lengths."""
+        """Each caption in the pipeline's template, and its lyrics (`split_lyrics`) in theirs, padded with -1 (no
+        token's id) to the pipeline's lengths."""
         texts, lyrics = zip(
-            *(AceStepPipeline._format_prompt(AceStepPipeline, caption, audio_duration=seconds) for caption in captions),
+            *(
+                AceStepPipeline._format_prompt(AceStepPipeline, caption, lyrics, audio_duration=seconds)
+                for caption, lyrics in map(split_lyrics, captions)
+            ),
             strict=True,
         )
         tokenizer = tokenizers["tokenizer"]
@@ -204,6 +221,12 @@ class AceStepConditioning(Conditioning):
             refer_audio_acoustic_hidden_states_packed=silence[:, :timbre_frames].to(text_states).expand(batch, -1, -1),
             refer_audio_order_mask=torch.arange(batch, device=text_states.device),
         )
+        # A dropped (empty) caption is the learned null condition over its sequence, as ACE-Step's trainer drops its
+        # conditions and its pipeline guides against them.
+        empty = self.tokenize(components.tokenizers, [""], seconds=components.family_options.seconds)["text_encoder"]
+        dropped = (token_ids["text_encoder"] == empty.to(token_ids["text_encoder"].device)).all(dim=1)
+        null = conditions.null_condition_emb.to(states)
+        states = torch.where(dropped[:, None, None] & mask.bool()[..., None], null, states)
         frames = math.ceil(
             components.family_options.seconds * components.samples_per_second / components.pixels_per_latent
         )

@@ -1,5 +1,5 @@
 """Micro ACE-Step: a Qwen3 text encoder, ACE-Step's condition encoder and transformer over a small Oobleck autoencoder
-(6.4 kHz stereo, 50 latent frames a second)."""
+(6.4 kHz stereo, 200 latent frames a second)."""
 
 import torch
 from diffusers import AceStepPipeline, AceStepTransformer1DModel, AutoencoderOobleck, FlowMatchEulerDiscreteScheduler
@@ -9,19 +9,27 @@ from difftune.toy.micro import MicroSizes
 from difftune.toy.tiny import QWEN_HIDDEN_SIZE, build_qwen3_text_encoder, build_qwen3_tokenizer
 
 SAMPLE_RATE = 6400  # samples a second: tones and their third harmonics (toy/tones.py) up to 3.2 kHz
-DOWNSAMPLING = (4, 4, 8)  # 128 samples a latent frame: 50 frames a second
+# 32 samples a latent frame: 200 frames a second. A hop of 128 (ACE-Step's 25 a second at 6.4 kHz) left the tiny
+# base's autoencoder, trained for minutes, unable to make tones again (none judged right after 600 steps at width 32).
+DOWNSAMPLING = (2, 4, 4)
 LATENT_CHANNELS = 8
 HEAD_DIM = 16
 SLIDING_WINDOW = 16  # latent patches a sliding layer sees either side (ACE-Step's 128, at its 12.5 a second)
 
 
 def autoencoder(pixels) -> AutoencoderOobleck:
-    """Stable Audio's kind of autoencoder at toy size (the shapes' `pixels` say nothing of sound: unused)."""
+    """Stable Audio's kind of autoencoder at micro size (the shapes' `pixels` say nothing of sound: unused)."""
+    return sound_autoencoder()
+
+
+def sound_autoencoder(decoder_channels: int = 8) -> AutoencoderOobleck:
+    """Stable Audio's kind of autoencoder at toy size: `decoder_channels` wide at its widest (the tiny base's is
+    wider than the micro's)."""
     return AutoencoderOobleck(
         encoder_hidden_size=2 * LATENT_CHANNELS,  # the posterior's mean and scale
         downsampling_ratios=list(DOWNSAMPLING),
-        channel_multiples=[1, 2, 2],
-        decoder_channels=8,
+        channel_multiples=[1, 2, 4],
+        decoder_channels=decoder_channels,
         decoder_input_channels=LATENT_CHANNELS,
         audio_channels=2,
         sampling_rate=SAMPLE_RATE,
@@ -33,6 +41,7 @@ def pipeline(vae: AutoencoderOobleck, sizes: MicroSizes) -> AceStepPipeline:
     tokenizer = build_qwen3_tokenizer()
     text_encoder = build_qwen3_text_encoder(tokenizer, width)
     condition_encoder = build_condition_encoder(width, heads=sizes.dit_heads)
+    condition_encoder.silence_latent.copy_(silence_latents(vae, condition_encoder.silence_latent.shape[1]))
     return AceStepPipeline(
         vae=vae,
         text_encoder=text_encoder,
@@ -43,10 +52,19 @@ def pipeline(vae: AutoencoderOobleck, sizes: MicroSizes) -> AceStepPipeline:
     )
 
 
+def silence_latents(vae: AutoencoderOobleck, frames: int) -> torch.Tensor:
+    """What ACE-Step's condition encoder keeps as its learned silence (1, frames, C): the autoencoder's encoding of
+    silence, as ACE-Step's is (a short silence's steady middle frame repeated: away from its edges silence encodes
+    alike everywhere)."""
+    with torch.no_grad():
+        silence = torch.zeros(1, vae.config.audio_channels, 16 * vae.hop_length)
+        middle = vae.encode(silence).latent_dist.mean[:, :, 8:9]
+    return middle.transpose(1, 2).repeat(1, frames, 1)
+
+
 def build_condition_encoder(text_width: int, heads: int = 2, layers: int = 1) -> AceStepConditionEncoder:
-    """The lyric and timbre encoders (`layers` each) and the caption's projection, into the transformer's width; its
-    learned silence a random stand-in (the real one is the autoencoder's encoding of silence)."""
-    encoder = AceStepConditionEncoder(
+    """The lyric and timbre encoders (`layers` each) and the caption's projection, into the transformer's width."""
+    return AceStepConditionEncoder(
         hidden_size=heads * HEAD_DIM,
         intermediate_size=4 * heads * HEAD_DIM,
         text_hidden_dim=text_width,
@@ -58,8 +76,6 @@ def build_condition_encoder(text_width: int, heads: int = 2, layers: int = 1) ->
         head_dim=HEAD_DIM,
         sliding_window=SLIDING_WINDOW,
     )
-    encoder.silence_latent.copy_(torch.randn(encoder.silence_latent.shape) * 0.5)
-    return encoder
 
 
 def build_transformer(layers: int = 2, heads: int = 2, width: int = QWEN_HIDDEN_SIZE) -> AceStepTransformer1DModel:
