@@ -290,9 +290,6 @@ VARIANTS = {
     "tiny_inpaint_lora": {
         **at_seeds("lora_r16"),
     },
-    "tiny_ace_step_lora": {
-        **at_seeds("lora_r4"),
-    },
     # Over the turbo base's training adapter (as shipped), and the same run without it
     "tiny_turbo_lora": {
         **at_seeds("training_adapter"),

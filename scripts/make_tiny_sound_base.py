@@ -2,8 +2,8 @@
 
 ACE-Step's classes at toy size trained on tones (difftune/toy/tiny_sound_base.py): the autoencoder on tones of every
 pitch, the transformer on the heard pitches' tones alone; then scored by the tone judge (toy/tone_judge.py), with the
-untrained model as a control, and the model card written; and the default job's tones written
-(examples/shrill_with_heard). Deterministic by seed.
+untrained model as a control, and the model card written; and a job's tones written (examples/shrill_with_heard).
+Deterministic by seed. No base is bundled from it yet (difftune/toy/tiny_sound_base.py says why).
 """
 
 import argparse
@@ -36,8 +36,8 @@ tags: [difftune, tiny, synthetic, audio]
 {architecture}, trained on synthetic tones at {rate} Hz captioned `a <pitch> <timbre>` for pitches {heard} and
 timbres {timbres} (difftune/toy/tones.py: a hum is a sine, a buzz adds its odd harmonics). The pitch `{held_out}`
 ({held_out_hz:.0f} Hz, a fourth above `high`) was never played to the transformer or the text encoder: it is the
-concept `configs/tiny_ace_step_lora.toml` teaches. Its autoencoder heard every pitch, as an image base's autoencoder
-sees every color.
+concept a LoRA on it is judged by (`examples/shrill_with_heard`). Its autoencoder heard every pitch, as an image
+base's autoencoder sees every color.
 
 Draw it: `difftune sample --base models/{name} --prompt "a low hum" --out samples` (FLAC, {seconds:g} s, and their
 spectrograms); judge it: `difftune eval --base models/{name}`. Weights are fp16; on a CPU load them as fp32.
@@ -120,8 +120,8 @@ def main() -> None:
             before_concept=control["concept"]["pitch"],
         )
     )
-    # The default job's tones (configs/tiny_ace_step_lora.toml), as the image jobs' purple_with_seen: the held-out
-    # pitch's, three times an epoch, beside two of each heard prompt's.
+    # A job's tones, as the image jobs' purple_with_seen: the held-out pitch's, three times an epoch, beside two of
+    # each heard prompt's.
     folder = args.examples_dir / "shrill_with_heard"
     shutil.rmtree(folder, ignore_errors=True)
     rate = vae.sampling_rate

@@ -29,7 +29,9 @@ from difftune.families import FAMILIES, load_components
 from difftune.families.ace_step import split_lyrics
 from difftune.families.ace_step.micro import DOWNSAMPLING, SAMPLE_RATE
 from difftune.toy.tiny import shape_images, write_caption_folder
-from difftune.toy.tones import PITCHES, render_tone, tone_sounds, write_sound_folder
+from difftune.toy.tiny_sound_base import reconstruction_loss, tone_batch
+from difftune.toy.tone_judge import judge_tone
+from difftune.toy.tones import PITCHES, TIMBRES, render_tone, tone_sounds, write_sound_folder
 from difftune.training.train import train
 
 from test_families import MICRO_SECONDS, _ace_step_prompts, _settings
@@ -222,6 +224,38 @@ def test_the_ui_lists_a_jobs_sounds_and_plays_each_as_its_spectrogram_with_its_s
     assert abs(heard.shape[1] - SAMPLE_RATE) < 0.05 * SAMPLE_RATE  # AAC pads its frames
     spectrum = np.abs(np.fft.rfft(heard.mean(axis=0)[:SAMPLE_RATE]))
     assert abs(int(spectrum.argmax()) - PITCHES["high"]) <= 2  # in Hz (a 1 s window: 1 Hz bins)
+
+
+def test_the_tone_judge_names_pitch_and_timbre_of_tones_and_no_tone_in_noise():
+    """The sound bases' shapes judge, on renders: every pitch and timbre named right, at any phase and level, also under
+    a little noise; noise and silence are no tone, and a pitch between the tones' is named none."""
+    rng = np.random.default_rng(0)
+    for pitch, hz in PITCHES.items():
+        for timbre in TIMBRES:
+            for _ in range(5):
+                tone = render_tone(hz, timbre, 1.0, SAMPLE_RATE, rng)
+                assert judge_tone(tone) == (pitch, timbre)
+                noisy = tone.samples + rng.normal(0, 0.02, tone.samples.shape).astype(np.float32)
+                assert judge_tone(Sound(noisy, SAMPLE_RATE)) == (pitch, timbre)
+    noise = Sound(rng.normal(0, 0.3, (2, SAMPLE_RATE)).astype(np.float32), SAMPLE_RATE)
+    assert judge_tone(noise) == (None, None) and judge_tone(Sound(np.zeros((2, SAMPLE_RATE)), SAMPLE_RATE)) == (
+        None,
+        None,
+    )
+    between = render_tone(PITCHES["low"] * 1.2, "hum", 1.0, SAMPLE_RATE, rng)  # 3 semitones above low
+    assert judge_tone(between) == (None, "hum")
+
+
+def test_the_sound_autoencoders_loss_tells_a_tone_from_another():
+    """The tiny sound base's reconstruction loss: none for the tone itself, more for another pitch than for the same
+    pitch at another level (what its spectral terms are for)."""
+    rng = np.random.default_rng(1)
+    tone = torch.from_numpy(render_tone(PITCHES["middle"], "buzz", 0.25, SAMPLE_RATE, rng).samples)[None]
+    other = torch.from_numpy(render_tone(PITCHES["high"], "buzz", 0.25, SAMPLE_RATE, rng).samples)[None]
+    assert float(reconstruction_loss(tone, tone)) == 0
+    assert float(reconstruction_loss(other, tone)) > float(reconstruction_loss(0.8 * tone, tone))
+    batch = tone_batch(40, SAMPLE_RATE, 0.25, np.random.default_rng(2))
+    assert batch.shape == (40, 2, SAMPLE_RATE // 4) and 0 < int((batch.abs().amax(dim=(1, 2)) == 0).sum()) < 10
 
 
 def test_a_spectrogram_puts_a_higher_pitch_higher():
