@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -139,6 +140,18 @@ def test_a_captions_lyrics_are_read_and_drawn_as_the_pipeline_reads_lyrics(micro
         **drawing,
     ).audios[0]
     assert np.array_equal(drawn.samples, asked.numpy())
+
+
+def test_the_runs_tokenizer_says_its_seconds_and_pickles_for_loader_workers(micro_base):
+    """The prompt's metadata says the run's window (`model.family_options.seconds`), as the pipeline's says the sound's
+    duration it is asked for; the tokenizer a run hands its data-loader workers survives pickling (spawned workers)."""
+    components = load_components(ModelConfig(base=str(micro_base("ace_step")), family_options={"seconds": 12.0}))
+    tokenize = FAMILY.conditioning.tokenizer(components)
+    again = pickle.loads(pickle.dumps(tokenize))
+    assert all(torch.equal(again(["a low hum"])[key], value) for key, value in tokenize(["a low hum"]).items())
+    ids = tokenize(["a low hum"])["text_encoder"][0]
+    text = components.tokenizers["tokenizer"].decode(ids[ids != -1])
+    assert "- duration: 12 seconds" in text and "# Caption\na low hum" in text
 
 
 def test_a_dropped_caption_trains_as_the_learned_null_condition(micro_base):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import re
+from functools import partial
 
 import torch
 from diffusers import AceStepPipeline, AceStepTransformer1DModel
@@ -43,6 +44,7 @@ from pydantic import Field
 from difftune.config import Config
 from difftune.data.clips import Sound
 from difftune.data.sound_files import SoundWindows
+from difftune.errors import DifftuneError
 from difftune.families.common.conditioning import NO_TOKEN, Conditioning, padded_token_ids, valid_token_states
 from difftune.families.common.flow import FlowDrawing, FlowMatching, FlowMatchingFamily
 from difftune.families.common.layouts import RenamedLayout
@@ -156,7 +158,7 @@ class AceStepLoading(Loading):
 
 class AceStepDrawing(FlowDrawing):
     def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
-        raise NotImplementedError  # never called: a sound family draws sounds (`draw_sounds`)
+        raise DifftuneError(f"{self.family.description} bases draw sounds (`draw_sounds`), not pictures")
 
     def draw_sounds(self, pipeline, options: AceStepOptions, prompt, **arguments) -> list[Sound]:
         captions, lyrics = zip(*map(split_lyrics, [prompt] if isinstance(prompt, str) else prompt), strict=True)
@@ -182,8 +184,7 @@ class AceStepConditioning(Conditioning):
         return SoundWindows(rate, components.family_options.seconds, components.pixels_per_latent)
 
     def tokenizer(self, components: Components):
-        tokenize = super().tokenizer(components)
-        return lambda captions, controls=None: tokenize(captions, controls, seconds=components.family_options.seconds)
+        return partial(self.tokenize, components.tokenizers, seconds=components.family_options.seconds)
 
     def tokenize(self, tokenizers, captions, controls=None, seconds: float = 30.0) -> dict[str, torch.Tensor]:
         """Each caption in the pipeline's template, and its lyrics (`split_lyrics`) in theirs, padded with -1 (no
