@@ -77,7 +77,9 @@ def main() -> None:
         if field.name in ("seed", "steps", "vae_steps", "batch_size"):
             parser.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=field.default)
     args = parser.parse_args()
-    recipe = SoundRecipe(seed=args.seed, steps=args.steps, vae_steps=args.vae_steps, batch_size=args.batch_size)
+    recipe = SoundRecipe(
+        family="ace_step", seed=args.seed, steps=args.steps, vae_steps=args.vae_steps, batch_size=args.batch_size
+    )
     facts = build_sound_base(args.model_dir, args.work_dir, recipe)
     settings = EvalSettings()
     built = load_components(ModelConfig(base=str(args.model_dir)))

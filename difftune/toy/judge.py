@@ -27,8 +27,7 @@ control's and the output's shape masks).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,19 +37,19 @@ from PIL import Image
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
 from difftune.families import load_components
-from difftune.families.common.drawing import sampling_scheduler
 from difftune.families.common.inpainting import InpaintDrawing
 from difftune.models.components import Components
+from difftune.toy.judging import EvalSettings, PrintStatus, counted, eval_pipeline, within
 from difftune.toy.tiny import (
     CLIP_FRAMES,
     COLORS,
     DIRECTIONS,
-    IMAGE_SIZE,
     SHAPES,
     inpaint_cases,
     placed_shape_pairs,
     recolor_pairs,
 )
+from difftune.toy.tone_judge import tone_score
 
 MIN_PLACE_OVERLAP = 0.5  # intersection over union of the control's and the edit's shape masks: "in place"
 MIN_MOTION = 3.0  # pixels the shape's centre moves over a clip to count as moving (the clips it learns from: 8)
@@ -185,48 +184,14 @@ def shapes_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     return torch.stack([torch.as_tensor(score, dtype=images.dtype, device=images.device) for score in scores])
 
 
-@dataclass
-class EvalSettings:
-    samples_per_prompt: int = 8
-    seed: int = 1000  # sample k of a prompt uses seed + k, for every prompt and every model
-    steps: int = 20
-    guidance_scale: float = 3.0
-    scheduler: str = "auto"  # the family's default sampler
-    resolution: int = IMAGE_SIZE  # the judge's: a pipeline's own default may be another (FluxPipeline's is 1024 px)
-
-
-PrintStatus = Callable[[str], None] | None  # where a long evaluation says how far it is (None: nowhere)
-
-
-def _counted(prompts: list[str], print_status: PrintStatus):
-    """The prompts, each said as it starts: `3/24 a red circle`."""
-    for number, prompt in enumerate(prompts, 1):
-        if print_status:
-            print_status(f"{number}/{len(prompts)} {prompt}")
-        yield prompt
-
-
-def _within(print_status: PrintStatus, what: str) -> PrintStatus:
-    return (lambda line: print_status(f"{what} {line}")) if print_status else None
-
-
-def _eval_pipeline(components: Components, settings: EvalSettings) -> tuple:
-    """The components' pipeline with the eval's sampler, in eval mode, and its guidance arguments."""
-    pipeline = components.pipeline(sampling_scheduler(settings.scheduler, components))
-    pipeline.set_progress_bar_config(disable=True)
-    for module in components.modules():
-        module.eval()
-    return pipeline, components.family.drawing.sampling_arguments(components, settings.guidance_scale, "")
-
-
 @torch.no_grad()
 def judged_samples(
     components: Components, prompts: list[str], settings: EvalSettings, print_status: PrintStatus = None
 ) -> list[dict]:
     """Each prompt's samples (fixed seeds), judged: one row per image."""
-    pipeline, guidance = _eval_pipeline(components, settings)
+    pipeline, guidance = eval_pipeline(components, settings)
     rows = []
-    for prompt in _counted(prompts, print_status):
+    for prompt in counted(prompts, print_status):
         seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
         images = components.family.drawing.draw(
             pipeline,
@@ -250,9 +215,9 @@ def judged_clips(
     components: Components, prompts: list[str], settings: EvalSettings, frames: int, print_status: PrintStatus = None
 ) -> list[dict]:
     """Each prompt's clips (fixed seeds, as `judged_samples`), judged: one row per clip."""
-    pipeline, guidance = _eval_pipeline(components, settings)
+    pipeline, guidance = eval_pipeline(components, settings)
     rows = []
-    for prompt in _counted(prompts, print_status):
+    for prompt in counted(prompts, print_status):
         seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
         clips = components.family.drawing.draw_clips(
             pipeline,
@@ -318,13 +283,13 @@ def clip_score(
     """`score` for a video base: clip accuracies on the seen prompts and the concept's (overall and per shape), each
     prompt naming a direction; `samples_per_prompt` clips per (color, shape), spread over the directions."""
     per_direction = replace(settings, samples_per_prompt=max(1, settings.samples_per_prompt // len(DIRECTIONS)))
-    seen = judged_clips(components, clip_prompts_for(seen_colors), per_direction, frames, _within(print_status, "seen"))
+    seen = judged_clips(components, clip_prompts_for(seen_colors), per_direction, frames, within(print_status, "seen"))
     concept = judged_clips(
         components,
         clip_prompts_for([concept_word or concept_color]),
         per_direction,
         frames,
-        _within(print_status, "concept"),
+        within(print_status, "concept"),
     )
     for row in concept:
         row["prompt"] = row["prompt"].replace(concept_word or concept_color, concept_color)
@@ -364,9 +329,9 @@ def score(
 ) -> dict:
     """Accuracies on the seen prompts and on the concept's prompts (overall and per shape). `concept_word` is what
     the concept's prompts say instead of its color (a textual-inversion token); they are judged by the color."""
-    seen = judged_samples(components, prompts_for(seen_colors), settings, _within(print_status, "seen"))
+    seen = judged_samples(components, prompts_for(seen_colors), settings, within(print_status, "seen"))
     concept = judged_samples(
-        components, prompts_for([concept_word or concept_color]), settings, _within(print_status, "concept")
+        components, prompts_for([concept_word or concept_color]), settings, within(print_status, "concept")
     )
     for row in concept:
         row["prompt"] = row["prompt"].replace(concept_word or concept_color, concept_color)
@@ -403,9 +368,9 @@ def _judged_pairs(
     `pairs(count, seed, color, shape)`, each drawn from its prompt (and, `with_controls`, its control; sample k of a
     (color, shape) with seed + k), judged: its color, its shape and the overlap (intersection over union) of the drawn
     shape with `control_mask(control)`. One row per pair."""
-    pipeline, guidance = _eval_pipeline(components, settings)
+    pipeline, guidance = eval_pipeline(components, settings)
     rows = []
-    for prompt in _counted([f"{color} {shape}" for color in colors for shape in SHAPES], print_status):
+    for prompt in counted([f"{color} {shape}" for color in colors for shape in SHAPES], print_status):
         color, shape = prompt.split()
         pair_seed = settings.seed + 1000 * list(COLORS).index(color) + 100 * SHAPES.index(shape)
         for k, (control, _, text) in enumerate(pairs(settings.samples_per_prompt, pair_seed, color, shape)):
@@ -506,8 +471,8 @@ def _seen_and_concept(
 ) -> dict:
     """`judged` (edits or fills) of the seen colors and of the concept's, each from images of the seen colors, and
     `accuracy_of` them: overall, and the concept's per shape."""
-    seen = judged(components, seen_colors, seen_colors, settings, _within(print_status, f"seen {what}"))
-    concept = judged(components, [concept_color], seen_colors, settings, _within(print_status, f"concept {what}"))
+    seen = judged(components, seen_colors, seen_colors, settings, within(print_status, f"seen {what}"))
+    concept = judged(components, [concept_color], seen_colors, settings, within(print_status, f"concept {what}"))
     return {
         "seen": accuracy_of(seen),
         "concept": accuracy_of(concept),
@@ -522,9 +487,9 @@ def judged_inpaints(
     """`samples_per_prompt` fixed inpainting cases per (asked color, shape), each image of `source_colors`, drawn
     into its mask (sample k of a prompt with seed + k), judged: its color and shape, the share of the drawn shape
     inside the mask and the mean difference from the image outside it. One row per fill."""
-    pipeline, guidance = _eval_pipeline(components, settings)
+    pipeline, guidance = eval_pipeline(components, settings)
     rows = []
-    for prompt in _counted([f"{color} {shape}" for color in colors for shape in SHAPES], print_status):
+    for prompt in counted([f"{color} {shape}" for color in colors for shape in SHAPES], print_status):
         color, shape = prompt.split()
         case_seed = settings.seed + 1000 * list(COLORS).index(color) + 100 * SHAPES.index(shape)
         cases = inpaint_cases(settings.samples_per_prompt, case_seed, (color,), source_colors, (shape,))
@@ -615,8 +580,6 @@ def model_score(
     `concept_color` are pitches, `concepts_of`)."""
     scored = scored_on(components, placements)
     if scored == "sounds":
-        from difftune.toy.tone_judge import tone_score  # it judges with this module's settings and helpers
-
         return tone_score(components, seen_colors, concept_color, settings, concept_word, print_status)
     if scored == "placements":
         return placement_score(components, seen_colors, settings, print_status)
@@ -681,7 +644,7 @@ def evaluate(
     placements = adapted is not None and adapted.family.drawing.draws_from_control(adapted)
 
     def scored(components: Components, model: str, word: str = "") -> dict:
-        said = _within(print_status, f"{model}:")
+        said = within(print_status, f"{model}:")
         return model_score(components, seen_colors, concept_color, settings, word, said, placements)
 
     report["scored"] = scored_on(components, placements)

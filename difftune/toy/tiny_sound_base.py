@@ -36,15 +36,14 @@ from difftune.toy.tone_judge import judge_tone
 from difftune.toy.tones import HEARD_PITCHES, PITCHES, TIMBRES, render_tone, tone_sounds, write_sound_folder
 from difftune.training.metrics import read_metrics
 
-FAMILY = "ace_step"
 SPECTRAL_SIZES = (64, 256, 1024)  # FFT sizes of the spectral losses: 10 ms to 160 ms at 6.4 kHz
 
 
 @dataclass
 class SoundRecipe(Recipe):
-    """How the tiny sound base is made; the defaults are what `scripts/make_tiny_sound_base.py` commits."""
+    """How the tiny sound base is made (`family`: the sound family whose micro builders it trains); the defaults are
+    what `scripts/make_tiny_sound_base.py` commits."""
 
-    family: str = FAMILY
     seconds: float = 1.0  # each tone, window and sample
     vae_steps: int = 2500
     vae_batch: int = 16
@@ -96,7 +95,7 @@ def train_sound_vae(recipe: SoundRecipe):
     """The family's micro autoencoder trained on fresh tones each step (posterior samples decoded, plus a small KL
     term), its learning rate on a cosine schedule."""
     torch.manual_seed(recipe.seed)
-    vae = builder(FAMILY).sound_autoencoder(recipe.vae_decoder_channels)
+    vae = builder(recipe.family).sound_autoencoder(recipe.vae_decoder_channels)
     rate, rng = vae.config.sampling_rate, np.random.default_rng(recipe.seed + 100)
     optimizer = torch.optim.AdamW(vae.parameters(), lr=recipe.vae_learning_rate)
     for step in tqdm(range(recipe.vae_steps), desc="autoencoder"):
@@ -163,7 +162,7 @@ def build_sound_base(out_dir: Path, work_dir: Path, recipe: SoundRecipe) -> dict
         train(load_config(None, [*overrides, f"model.family_options={{seconds = {recipe.seconds}}}"]))
     pipeline = load_components(ModelConfig(base=str(run_dir / "model_ema"))).pipeline(init.scheduler)
     shutil.rmtree(out_dir, ignore_errors=True)
-    FAMILIES[FAMILY].loading.save_pipeline(pipeline.to(torch.float16), out_dir)
+    FAMILIES[recipe.family].loading.save_pipeline(pipeline.to(torch.float16), out_dir)
     validation = [
         {key: row[key] for key in ("step", "val_loss", "val_loss_ema")}
         for row in read_metrics(run_dir)

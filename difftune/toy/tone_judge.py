@@ -16,7 +16,7 @@ import torch
 
 from difftune.data.clips import Sound
 from difftune.models.components import Components
-from difftune.toy.judge import EvalSettings, PrintStatus, _counted, _eval_pipeline, _within
+from difftune.toy.judging import EvalSettings, PrintStatus, counted, eval_pipeline, within
 from difftune.toy.tones import FADE_SECONDS, PITCHES, TIMBRES
 
 LOWEST, HIGHEST = 100.0, 1100.0  # Hz: where a pitch is looked for (the tones': 200 to 800)
@@ -57,9 +57,9 @@ def judged_sounds(
     components: Components, prompts: list[str], settings: EvalSettings, print_status: PrintStatus = None
 ) -> list[dict]:
     """Each prompt's sounds (fixed seeds: sound k of every prompt from `settings.seed` + k), judged: one row each."""
-    pipeline, guidance = _eval_pipeline(components, settings)
+    pipeline, guidance = eval_pipeline(components, settings)
     rows = []
-    for prompt in _counted(prompts, print_status):
+    for prompt in counted(prompts, print_status):
         seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
         sounds = components.family.drawing.draw_sounds(
             pipeline,
@@ -94,9 +94,9 @@ def tone_score(
 ) -> dict:
     """Accuracies on the heard pitches' prompts and on the concept's (overall and per timbre); `concept_word` is what
     the concept's prompts say instead of its pitch (they are judged by the pitch)."""
-    seen = judged_sounds(components, prompts_for(heard_pitches), settings, _within(print_status, "seen"))
+    seen = judged_sounds(components, prompts_for(heard_pitches), settings, within(print_status, "seen"))
     word = concept_word or concept_pitch
-    concept = judged_sounds(components, prompts_for([word]), settings, _within(print_status, "concept"))
+    concept = judged_sounds(components, prompts_for([word]), settings, within(print_status, "concept"))
     for row in concept:
         row["prompt"] = row["prompt"].replace(word, concept_pitch)
     return {
