@@ -11,9 +11,11 @@ harmonics, which are its timbre. Not the log of magnitudes floored at 1e-4 that 
 leaves most frequencies silent, and matching those pulled the decoder's output to near silence (its level 0.001 of
 the tones' after 1,000 steps).
 
-Not bundled yet: trained for minutes on 2 CPU cores (1,000 to 4,000 steps), its autoencoder does not make every tone
-again (the tone judge's verdict on its reconstructions: every pitch at best, some pitches none), so no tiny sound base
-is built from it so far; the family's conformance suite runs on its micro model.
+The posterior starts narrow (`SCALE_BIAS`): at the default, a spread of 0.69, its samples drowned the latents and
+the decoder learned their average, a single pitch for every tone. With that, a 1e-6 KL weight and a learning rate of
+5e-4 (2e-3 collapsed too), 4,000 steps (about 14 minutes on 2 CPU cores) make every tone again: the tone judge names
+each pitch's reconstructions right (1.00 for each), at the tones' level (rms 0.50 against 0.49). No tiny sound base is
+bundled yet: the transformer's training on it, and a job over it, are next.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from difftune.toy.tones import HEARD_PITCHES, PITCHES, TIMBRES, render_tone, ton
 from difftune.training.metrics import read_metrics
 
 SPECTRAL_SIZES = (64, 256, 1024)  # FFT sizes of the spectral losses: 10 ms to 160 ms at 6.4 kHz
+SCALE_BIAS = -6.0  # the encoder's output bias for the posterior's scale at init: a spread of softplus(-6), 0.0025
 
 
 @dataclass
@@ -45,12 +48,12 @@ class SoundRecipe(Recipe):
     what `scripts/make_tiny_sound_base.py` commits."""
 
     seconds: float = 1.0  # each tone, window and sample
-    vae_steps: int = 2500
+    vae_steps: int = 4000
     vae_batch: int = 16
-    vae_learning_rate: float = 2e-3
+    vae_learning_rate: float = 5e-4
     vae_decoder_channels: int = 32
     vae_seconds: float = 0.25  # each tone it trains on: a convolution reads a quarter second as it reads a whole one
-    kl_weight: float = 1e-4
+    kl_weight: float = 1e-6
     tones_per_prompt: int = 100  # the denoiser's training tones per heard prompt
     validation_tones_per_prompt: int = 4
     steps: int = 1500
@@ -96,6 +99,8 @@ def train_sound_vae(recipe: SoundRecipe):
     term), its learning rate on a cosine schedule."""
     torch.manual_seed(recipe.seed)
     vae = builder(recipe.family).sound_autoencoder(recipe.vae_decoder_channels)
+    with torch.no_grad():  # the posterior's scale is the second half of the encoder's output channels
+        vae.encoder.conv2.bias[vae.config.decoder_input_channels :] = SCALE_BIAS
     rate, rng = vae.config.sampling_rate, np.random.default_rng(recipe.seed + 100)
     optimizer = torch.optim.AdamW(vae.parameters(), lr=recipe.vae_learning_rate)
     for step in tqdm(range(recipe.vae_steps), desc="autoencoder"):
