@@ -32,7 +32,7 @@ from difftune.families.ace_step.micro import DOWNSAMPLING, SAMPLE_RATE
 from difftune.toy.tiny import shape_images, write_caption_folder
 from difftune.toy.tiny_sound_base import reconstruction_loss, tone_batch
 from difftune.toy.tone_judge import judge_tone
-from difftune.toy.tones import PITCHES, TIMBRES, render_tone, tone_sounds, write_sound_folder
+from difftune.toy.tones import HEARD_PITCHES, PITCHES, TIMBRES, render_tone, tone_sounds, write_sound_folder
 from difftune.training.train import train
 
 from test_families import MICRO_SECONDS, _ace_step_prompts, _settings
@@ -257,6 +257,21 @@ def test_the_tone_judge_names_pitch_and_timbre_of_tones_and_no_tone_in_noise():
     )
     between = render_tone(PITCHES["low"] * 1.2, "hum", 1.0, SAMPLE_RATE, rng)  # 3 semitones above low
     assert judge_tone(between) == (None, "hum")
+
+
+def test_difftune_eval_judges_a_sound_base_by_its_tones(micro_base, tmp_path):
+    """`difftune eval` on a sound base draws every tone prompt (the heard pitches' and the held-out one's, each timbre)
+    and judges each sound: an untrained micro base plays none of them right."""
+    from difftune.cli import main
+
+    arguments = ["--base", str(micro_base("ace_step")), "--samples-per-prompt", "1", "--steps", "2", "--quiet"]
+    assert main(["eval", *arguments, "--out", str(tmp_path / "eval.json")]) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    before = report["before"]
+    assert report["scored"] == "sounds" and report["settings"]["concept_color"] == "shrill"
+    assert before["seen"]["sounds"] == len(HEARD_PITCHES) * len(TIMBRES)
+    assert set(before["concept_by_timbre"]) == set(TIMBRES) and before["concept"]["sounds"] == len(TIMBRES)
+    assert before["seen"]["both"] == 0 and before["concept"]["both"] == 0
 
 
 def test_the_sound_autoencoders_loss_tells_a_tone_from_another():

@@ -39,7 +39,7 @@ from difftune.errors import DifftuneError
 from difftune.families import load_components
 from difftune.families.common.inpainting import InpaintDrawing
 from difftune.models.components import Components
-from difftune.toy.judging import EvalSettings, PrintStatus, counted, eval_pipeline, within
+from difftune.toy.judging import EvalSettings, PrintStatus, counted, drawn_by_prompt, eval_pipeline, within
 from difftune.toy.tiny import (
     CLIP_FRAMES,
     COLORS,
@@ -188,25 +188,18 @@ def shapes_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 def judged_samples(
     components: Components, prompts: list[str], settings: EvalSettings, print_status: PrintStatus = None
 ) -> list[dict]:
-    """Each prompt's samples (fixed seeds), judged: one row per image."""
-    pipeline, guidance = eval_pipeline(components, settings)
+    """Each prompt's samples (fixed seeds, `drawn_by_prompt`), judged: one row per image."""
+    drawing, options, size = components.family.drawing, components.family_options, settings.resolution
     rows = []
-    for prompt in counted(prompts, print_status):
-        seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
-        images = components.family.drawing.draw(
-            pipeline,
-            components.family_options,
-            [prompt] * len(seeds),
-            [],
-            settings.resolution,
-            settings.resolution,
-            num_inference_steps=settings.steps,
-            generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
-            **guidance,
-        )
-        for seed, image in zip(seeds, images, strict=True):
-            color, shape = judge(image)
-            rows.append({"prompt": prompt, "seed": seed, "color": color, "shape": shape, "image": image})
+    for prompt, seed, image in drawn_by_prompt(
+        components,
+        prompts,
+        settings,
+        print_status,
+        lambda pipeline, batch, **arguments: drawing.draw(pipeline, options, batch, [], size, size, **arguments),
+    ):
+        color, shape = judge(image)
+        rows.append({"prompt": prompt, "seed": seed, "color": color, "shape": shape, "image": image})
     return rows
 
 
@@ -215,33 +208,19 @@ def judged_clips(
     components: Components, prompts: list[str], settings: EvalSettings, frames: int, print_status: PrintStatus = None
 ) -> list[dict]:
     """Each prompt's clips (fixed seeds, as `judged_samples`), judged: one row per clip."""
-    pipeline, guidance = eval_pipeline(components, settings)
+    drawing, size = components.family.drawing, settings.resolution
     rows = []
-    for prompt in counted(prompts, print_status):
-        seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
-        clips = components.family.drawing.draw_clips(
-            pipeline,
-            [prompt] * len(seeds),
-            [],
-            settings.resolution,
-            settings.resolution,
-            frames,
-            num_inference_steps=settings.steps,
-            generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
-            **guidance,
+    for prompt, seed, clip in drawn_by_prompt(
+        components,
+        prompts,
+        settings,
+        print_status,
+        lambda pipeline, batch, **arguments: drawing.draw_clips(pipeline, batch, [], size, size, frames, **arguments),
+    ):
+        colors, shapes, direction = judge_clip(clip)
+        rows.append(
+            {"prompt": prompt, "seed": seed, "colors": colors, "shapes": shapes, "direction": direction, "clip": clip}
         )
-        for seed, clip in zip(seeds, clips, strict=True):
-            colors, shapes, direction = judge_clip(clip)
-            rows.append(
-                {
-                    "prompt": prompt,
-                    "seed": seed,
-                    "colors": colors,
-                    "shapes": shapes,
-                    "direction": direction,
-                    "clip": clip,
-                }
-            )
     return rows
 
 

@@ -1,10 +1,12 @@
 """What every judge draws with (the shapes judge's, judge.py; the tone judge's, tone_judge.py): an evaluation's
-settings, the pipeline it draws through, and its progress lines."""
+settings, the pipeline it draws through, its progress lines, and each prompt's drawings at fixed seeds."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+import torch
 
 from difftune.families.common.drawing import sampling_scheduler
 from difftune.models.components import Components
@@ -43,3 +45,22 @@ def eval_pipeline(components: Components, settings: EvalSettings) -> tuple:
     for module in components.modules():
         module.eval()
     return pipeline, components.family.drawing.sampling_arguments(components, settings.guidance_scale, "")
+
+
+def drawn_by_prompt(
+    components: Components, prompts: list[str], settings: EvalSettings, print_status: PrintStatus, draw: Callable
+) -> Iterator[tuple[str, int, object]]:
+    """(prompt, seed, what was drawn) for each prompt's `settings.samples_per_prompt` drawings, sample k of every
+    prompt from seed `settings.seed` + k: `draw(pipeline, prompts, **arguments)` draws a prompt's all at once (images,
+    clips or sounds) through the evaluation's pipeline, with its steps, generators and guidance."""
+    pipeline, guidance = eval_pipeline(components, settings)
+    for prompt in counted(prompts, print_status):
+        seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
+        drawn = draw(
+            pipeline,
+            [prompt] * len(seeds),
+            num_inference_steps=settings.steps,
+            generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
+            **guidance,
+        )
+        yield from ((prompt, seed, item) for seed, item in zip(seeds, drawn, strict=True))

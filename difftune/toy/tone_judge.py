@@ -16,7 +16,7 @@ import torch
 
 from difftune.data.clips import Sound
 from difftune.models.components import Components
-from difftune.toy.judging import EvalSettings, PrintStatus, counted, eval_pipeline, within
+from difftune.toy.judging import EvalSettings, PrintStatus, drawn_by_prompt, within
 from difftune.toy.tones import FADE_SECONDS, PITCHES, TIMBRES
 
 LOWEST, HIGHEST = 100.0, 1100.0  # Hz: where a pitch is looked for (the tones': 200 to 800)
@@ -56,22 +56,18 @@ def prompts_for(pitches) -> list[str]:
 def judged_sounds(
     components: Components, prompts: list[str], settings: EvalSettings, print_status: PrintStatus = None
 ) -> list[dict]:
-    """Each prompt's sounds (fixed seeds: sound k of every prompt from `settings.seed` + k), judged: one row each."""
-    pipeline, guidance = eval_pipeline(components, settings)
+    """Each prompt's sounds (fixed seeds, `drawn_by_prompt`), judged: one row each."""
+    drawing, options = components.family.drawing, components.family_options
     rows = []
-    for prompt in counted(prompts, print_status):
-        seeds = [settings.seed + k for k in range(settings.samples_per_prompt)]
-        sounds = components.family.drawing.draw_sounds(
-            pipeline,
-            components.family_options,
-            [prompt] * len(seeds),
-            num_inference_steps=settings.steps,
-            generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds],
-            **guidance,
-        )
-        for seed, sound in zip(seeds, sounds, strict=True):
-            pitch, timbre = judge_tone(sound)
-            rows.append({"prompt": prompt, "seed": seed, "pitch": pitch, "timbre": timbre, "sound": sound})
+    for prompt, seed, sound in drawn_by_prompt(
+        components,
+        prompts,
+        settings,
+        print_status,
+        lambda pipeline, batch, **arguments: drawing.draw_sounds(pipeline, options, batch, **arguments),
+    ):
+        pitch, timbre = judge_tone(sound)
+        rows.append({"prompt": prompt, "seed": seed, "pitch": pitch, "timbre": timbre, "sound": sound})
     return rows
 
 
