@@ -92,8 +92,9 @@ def _add_sample_options(parser: argparse.ArgumentParser) -> None:
 
 def _sample_config(args: argparse.Namespace) -> SampleConfig:
     values = {name: getattr(args, f"sample_{name}") for name in _sample_fields()}
-    if getattr(args, "control", None) and values["prompts"]:
-        values["prompts"] = [{"prompt": prompt, "controls": args.control} for prompt in values["prompts"]]
+    mask = {"mask": args.mask} if getattr(args, "mask", None) else {}
+    if (getattr(args, "control", None) or mask) and values["prompts"]:
+        values["prompts"] = [{"prompt": prompt, "controls": args.control, **mask} for prompt in values["prompts"]]
     try:
         return SampleConfig.model_validate({k: v for k, v in values.items() if v is not None})
     except ValidationError as err:
@@ -309,6 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="an edit base's control image, or the one a ControlNet (--adapter a run's controlnet folder) draws from, "
         "for every prompt (repeat for several, in order)",
+    )
+    sample.add_argument(
+        "--mask",
+        help="an inpainting mask, white where the base draws, for every prompt: it paints into the first --control "
+        "(an inpainting base, Z-Image, FLUX.2 [klein])",
     )
     _add_sample_options(sample)
 

@@ -1277,6 +1277,12 @@ class PromptWithControls(Section):
 
     prompt: str = Field(description="The instruction, e.g. `make it purple`.")
     controls: list[str] = Field(min_length=1, description="Control image files, in the order the base reads them.")
+    mask: str | None = Field(
+        None,
+        description="An inpainting mask, white where the base draws: the prompt paints into its first control image, "
+        "through the family's inpaint pipeline (an inpainting base's; Z-Image's and FLUX.2 [klein]'s, which draw with "
+        "the text-to-image base and its adapters; [klein]'s further controls are its references).",
+    )
 
 
 class SampleConfig(Section):
@@ -1629,10 +1635,12 @@ def resolve_path_values(data: dict, base_dir: Path, tables: dict[str, type[BaseM
     for entry in (data.get("data") or {}).get("datasets") or []:  # each dataset's folders
         if isinstance(entry, dict):
             resolve_path_values({"data": entry}, base_dir, {"data": DatasetConfig})
-    # an edit prompt's control images (PromptWithControls)
+    # an edit prompt's control images and inpainting mask (PromptWithControls)
     for entry in (data.get("sample") or {}).get("prompts") or []:
         if isinstance(entry, dict) and isinstance(entry.get("controls"), list):
             entry["controls"] = [str(_resolved(c, base_dir)) if isinstance(c, str) else c for c in entry["controls"]]
+        if isinstance(entry, dict) and isinstance(entry.get("mask"), str):
+            entry["mask"] = str(_resolved(entry["mask"], base_dir))
 
 
 def _resolved(value: str, base_dir: Path) -> Path:

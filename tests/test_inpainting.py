@@ -12,6 +12,7 @@ import torch
 from diffusers import DDIMScheduler
 from PIL import Image
 
+from difftune.cli import main
 from difftune.config import Config, ModelConfig, SampleConfig
 from difftune.data.dataset import image_to_tensor
 from difftune.data.inpaint_masks import MASK_KINDS, random_mask, view_masks
@@ -19,6 +20,7 @@ from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.families.common.drawing import generate_images
 from difftune.families.common.tokens import pack
+from difftune.training.train import train
 
 
 def _image(color=(240, 40, 40)) -> Image.Image:
@@ -187,3 +189,71 @@ def test_an_inpainting_single_file_is_read_as_its_family_by_its_input_channels(
         assert family_of(ModelConfig(base=str(tmp_path / f"{family}.safetensors"))) is FAMILIES[family]
     with pytest.raises(DifftuneError, match=f"of the {name} family"):
         family_of(ModelConfig(base=str(tmp_path / f"{name}.safetensors"), family=text_to_image))
+
+
+@pytest.mark.parametrize("name", ["z_image", "flux2_klein"])
+def test_a_text_to_image_runs_masked_samples_are_painted_by_its_inpaint_pipeline(
+    name, micro_base, make_config, tmp_path
+):
+    """A sample prompt with a `mask` paints into its image through the family's inpaint pipeline (Z-Image's, FLUX.2
+    [klein]'s: the text-to-image base's own drawing blended into the image), with the run's adapter: diffusers' own
+    pipeline, reading the saved file with `load_lora_weights`, draws the same from the same seed, and so does `difftune
+    sample --control --mask`; the sample file names its mask. A base that paints into no image refuses a mask by name,
+    and Z-Image one with references."""
+    base = micro_base(name)
+    family = FAMILIES[name]
+    _image().save(tmp_path / "a.png")
+    mask = Image.new("L", (32, 32), 0)
+    mask.paste(255, (4, 4, 24, 24))
+    mask.save(tmp_path / "mask.png")
+    entry = {"prompt": "a red square", "controls": [str(tmp_path / "a.png")], "mask": str(tmp_path / "mask.png")}
+    config = make_config(
+        model__base=str(base),
+        adapter__text_encoder=False,
+        train__max_steps=2,
+        optim__learning_rate=2e-2,
+        sample__prompts=[entry],
+        sample__steps=3,
+        sample__guidance_scale=1.0,
+        sample__resolution=32,
+    )
+    result = train(config)
+    with Image.open(tmp_path / "run" / "samples" / "000.png") as sample:
+        assert sample.text["mask"] == str(tmp_path / "mask.png")
+        ours = np.asarray(sample.convert("RGB"), dtype=np.int16)
+
+    pipeline = family.drawing.inpaint_pipeline_class.from_pretrained(base, dtype=torch.float32)
+    pipeline.load_lora_weights(str(result.trained_path.parent), weight_name=result.trained_path.name)
+    pipeline.set_progress_bar_config(disable=True)
+    arguments = family.drawing.sampling_arguments(load_components(ModelConfig(base=str(base))), 1.0, "")
+    theirs = pipeline(
+        prompt="a red square",
+        image=_image(),
+        mask_image=mask,
+        height=32,
+        width=32,
+        num_inference_steps=3,
+        generator=torch.Generator("cpu").manual_seed(0),
+        **arguments,
+    ).images[0]
+    assert np.abs(ours - np.asarray(theirs, dtype=np.int16)).max() <= 2
+    drawn_by_cli = [
+        *("--base", str(base), "--adapter", str(result.trained_path), "--prompt", "a red square"),
+        *("--control", str(tmp_path / "a.png"), "--mask", str(tmp_path / "mask.png"), "--steps", "3"),
+        *("--guidance-scale", "1.0", "--resolution", "32", "--out", str(tmp_path / "cli")),
+    ]
+    assert main(["sample", *drawn_by_cli]) == 0
+    cli = np.asarray(Image.open(tmp_path / "cli" / "000.png").convert("RGB"), dtype=np.int16)
+    assert np.abs(ours - cli).max() <= 2
+
+    with pytest.raises(DifftuneError, match="has a mask; Stable Diffusion"):
+        FAMILIES["sd"].check_config(
+            Config(model=ModelConfig(base=str(micro_base("sd"))), sample=SampleConfig(prompts=[entry]))
+        )
+    with_reference = entry | {"controls": [str(tmp_path / "a.png")] * 2}
+    checked = Config(model=ModelConfig(base=str(base)), sample=SampleConfig(prompts=[with_reference]))
+    if name == "z_image":
+        with pytest.raises(DifftuneError, match="1 references beside the image it paints into; .* reads none"):
+            family.check_config(checked)
+    else:
+        family.check_config(checked)  # [klein]'s inpainting reads references

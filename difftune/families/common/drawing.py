@@ -49,6 +49,10 @@ class Drawing(Role):
     samplers = SAMPLERS  # sampler name -> scheduler class, built over the model's own schedule config
     needs_controls_to_draw = False  # its pipeline draws only edits (a sample prompt without controls is refused)
     control_names: tuple[str, ...] = ()  # what a sample grid calls its controls (none: "control", numbered if several)
+    # The pipeline that paints into a sample prompt's first control where its `mask` is white, over the same parts,
+    # where the family has one that needs no inpainting base (Z-Image's, FLUX.2 [klein]'s: they blend the base's own
+    # drawing into the image, so a run's adapter draws there as it is).
+    inpaint_pipeline_class: type | None = None
 
     def sampler(self, name: str) -> type:
         """The scheduler class of sampler `name` (`auto`: the family's default)."""
@@ -113,7 +117,9 @@ class Drawing(Role):
         for entry in prompts:
             controls = [] if isinstance(entry, str) else entry.controls
             text = entry if isinstance(entry, str) else entry.prompt
-            if len(controls) > most:
+            if not isinstance(entry, str) and entry.mask:
+                problems += self.mask_problems(text, len(controls) - 1)
+            elif len(controls) > most:
                 problems.append(
                     f"sample.prompts: {text!r} has {len(controls)} control images; these bases read "
                     f"{'none (they edit no image)' if not most else f'at most {most}'}"
@@ -124,6 +130,22 @@ class Drawing(Role):
                     f'edits: write it as {{prompt = {text!r}, controls = ["image.png"]}}'
                 )
         return problems
+
+    def mask_problems(self, text: str, references: int) -> list[str]:
+        """What is wrong with a sample prompt that paints into its first control where its mask is white, beside
+        `references` more controls."""
+        if self.inpaint_pipeline_class is None:
+            return [
+                f"sample.prompts: {text!r} has a mask; {self.family.description} bases paint into no image (Z-Image's, "
+                "FLUX.2 [klein]'s and the inpainting families' do)"
+            ]
+        most = self.family.max_controls
+        if references > most:
+            return [
+                f"sample.prompts: {text!r} has {references} references beside the image it paints into; "
+                f"{self.family.description} inpainting reads {f'at most {most}' if most else 'none'}"
+            ]
+        return []
 
     def draw(
         self,
@@ -151,6 +173,17 @@ class Drawing(Role):
             width=width,  # by name: an edit pipeline's first argument is the image
             **images,
             **arguments,
+        ).images
+
+    def inpaint(self, pipeline, options, prompt, controls: list, mask: Image.Image, height, width, **arguments) -> list:
+        """`draw`'s images for a sample prompt with a mask: the family's inpaint pipeline over the same parts
+        (`from_pipe`) paints into `controls[0]` where `mask` is white; the other controls are its references (FLUX.2
+        [klein]'s `image_reference`; `mask_problems` leaves none to a family without)."""
+        painter = self.inpaint_pipeline_class.from_pipe(pipeline)
+        painter.set_progress_bar_config(disable=True)
+        references = {"image_reference": controls[1:]} if controls[1:] else {}
+        return painter(
+            prompt=prompt, image=controls[0], mask_image=mask, height=height, width=width, **references, **arguments
         ).images
 
     def draw_clips(
@@ -298,6 +331,7 @@ def _sample_all(pipeline, config: SampleConfig, guidance: dict, components: Comp
         prompt, controls = (
             (entry, []) if isinstance(entry, str) else (entry.prompt, [_open_control(c) for c in entry.controls])
         )
+        mask = _open_control(entry.mask) if not isinstance(entry, str) and entry.mask else None
         for _ in range(config.images_per_prompt):
             seed = config.seed + len(samples)
             arguments = {
@@ -310,13 +344,15 @@ def _sample_all(pipeline, config: SampleConfig, guidance: dict, components: Comp
             devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)
-                samples.append(_sample(pipeline, config, components, entry, prompt, controls, seed, arguments))
+                samples.append(_sample(pipeline, config, components, entry, prompt, controls, mask, seed, arguments))
             drawn.update()
     drawn.close()
     return samples
 
 
-def _sample(pipeline, config: SampleConfig, components: Components, entry, prompt, controls, seed, arguments) -> Sample:
+def _sample(
+    pipeline, config: SampleConfig, components: Components, entry, prompt, controls, mask, seed, arguments
+) -> Sample:
     """One image, a clip with `sample.frames` > 1, or a sound base's sound."""
     if components.family.reads_sound:
         [sound] = components.family.drawing.draw_sounds(pipeline, components.family_options, prompt, **arguments)
@@ -326,14 +362,18 @@ def _sample(pipeline, config: SampleConfig, components: Components, entry, promp
             pipeline, prompt, controls, config.resolution, config.resolution, config.frames, **arguments
         )
         return Sample(clip[0], entry, seed, [c.resize(clip[0].size) for c in controls], clip)
-    [image] = components.family.drawing.draw(
-        pipeline, components.family_options, prompt, controls, config.resolution, config.resolution, **arguments
-    )
+    drawing = components.family.drawing
+    size, options = config.resolution, components.family_options
+    if mask is not None:
+        [image] = drawing.inpaint(pipeline, options, prompt, controls, mask, size, size, **arguments)
+    else:
+        [image] = drawing.draw(pipeline, options, prompt, controls, size, size, **arguments)
     drawn_as = "edited" if components.family.max_controls else "drawn"  # a ControlNet's or control LoRA's: drawn
+    names = drawing.control_names
+    if mask is not None:  # shown as the inpainting families' are: the image, its mask, then any references
+        controls, names = [controls[0], mask, *controls[1:]], ("image", "mask", *["reference"] * len(controls[1:]))
     controls = [at_height(c, image.height) for c in controls]
-    return Sample(
-        image, entry, seed, controls, drawn_as=drawn_as, control_names=components.family.drawing.control_names
-    )
+    return Sample(image, entry, seed, controls, drawn_as=drawn_as, control_names=names)
 
 
 def _open_control(path: str) -> Image.Image:
@@ -416,6 +456,8 @@ def sample_tags(sample: Sample, config: SampleConfig) -> dict[str, str]:
     }
     if sample.controls:
         tags["controls"] = "\n".join(sample.entry.controls)
+        if sample.entry.mask:
+            tags["mask"] = sample.entry.mask
     return tags
 
 

@@ -62,10 +62,21 @@ class InpaintDrawing(Drawing):
         image, mask = controls
         return {"image": image, "mask_image": mask}
 
+    def inpaint(self, pipeline, options, prompt, controls: list, mask, height, width, **arguments) -> list:
+        """A prompt whose mask is named as such: drawn as one naming it as its second control."""
+        return self.draw(pipeline, options, prompt, [*controls, mask], height, width, **arguments)
+
     def prompt_control_problems(self, prompts: list) -> list[str]:
-        """Every sample prompt names two images: the one it paints into, then the mask (white where it draws)."""
+        """Every sample prompt names two images: the one it paints into, then the mask (white where it draws), as
+        its controls or as its control and its `mask`."""
         pipelines_do = f"{self.family.description} pipelines paint into an image where its mask is white"
-        return images_each(prompts, pipelines_do, ("image.png", "mask.png"))
+        as_controls = [
+            entry.model_copy(update={"controls": [*entry.controls, entry.mask], "mask": None})
+            if not isinstance(entry, str) and entry.mask
+            else entry
+            for entry in prompts
+        ]
+        return images_each(as_controls, pipelines_do, ("image.png", "mask.png"))
 
 
 class UNetInpainting:

@@ -6,6 +6,8 @@ smaller sizes, conditioned on a Qwen3 language model instead of Mistral.
   `model_max_length` where shorter, which difftune's samples then pass as `max_sequence_length`: the tiny base
   reads 48); the hidden states of layers `text_layers` are stacked along the width, all positions kept.
 - References: as [dev]'s, at most `max_controls`.
+- Samples that paint into an image (a sample prompt's `mask`) are drawn by `Flux2KleinInpaintPipeline` over the same
+  parts: it blends the base's own drawing into the image, so a run's adapter paints there as it is.
 - Guidance: klein's pipeline uses classifier-free guidance with an empty negative prompt (it takes no other) above
   a scale of 1, none for the step-distilled bases (`is_distilled`); a base with a guidance embedding is conditioned
   on `model.family_options.guidance` in training, as diffusers' FLUX.2 scripts do.
@@ -14,9 +16,9 @@ smaller sizes, conditioned on a Qwen3 language model instead of Mistral.
 from __future__ import annotations
 
 import torch
-from diffusers import Flux2KleinPipeline
+from diffusers import Flux2KleinInpaintPipeline, Flux2KleinPipeline
 
-from difftune.families.flux2 import Flux2, Flux2Conditioning, Flux2Layout, text_tokens
+from difftune.families.flux2 import Flux2, Flux2Conditioning, Flux2Drawing, Flux2Layout, text_tokens
 
 
 class Flux2KleinLayout(Flux2Layout):
@@ -43,11 +45,16 @@ class Flux2KleinConditioning(Flux2Conditioning):
         return {"text_encoder": ids}
 
 
+class Flux2KleinDrawing(Flux2Drawing):
+    inpaint_pipeline_class = Flux2KleinInpaintPipeline  # a sample prompt's `mask`, its other controls references
+
+
 class Flux2Klein(Flux2):
     name = "flux2_klein"
     page_family = "flux2"
     layout = Flux2KleinLayout()
     conditioning = Flux2KleinConditioning()
+    drawing = Flux2KleinDrawing()
     description = "FLUX.2 [klein]"
     pipeline_class = Flux2KleinPipeline
     pipeline_classes = ("Flux2KleinPipeline",)

@@ -11,6 +11,8 @@ language model's second-to-last hidden states. Trained by flow matching (flow.py
 - Guidance: the pipeline's `guidance_scale` s means pos + s (pos - neg); difftune's `sample.guidance_scale` w
   means what it means for every family (neg + w (pos - neg)), so the pipeline is asked for s = w - 1. Turbo
   bases are sampled without guidance: w = 1 or less.
+- Samples that paint into an image (a sample prompt's `mask`) are drawn by `ZImageInpaintPipeline` over the same
+  parts: it blends the base's own drawing into the image, so a run's adapter paints there as it is.
 - Z-Image-Turbo is a few-step distilled model; a LoRA trained on it as on the base model drifts from the
   distillation with long runs. `model.training_adapter` merges a de-distilling LoRA into the base for training
   only (ai-toolkit's `assistant_lora_path`, musubi-tuner's `--base_weights`; train.py), so that what is saved
@@ -27,7 +29,7 @@ from __future__ import annotations
 import re
 
 import torch
-from diffusers import ZImagePipeline, ZImageTransformer2DModel
+from diffusers import ZImageInpaintPipeline, ZImagePipeline, ZImageTransformer2DModel
 from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
 
 from difftune.families.common.conditioning import Conditioning, valid_token_states
@@ -143,6 +145,8 @@ class ZImageLoading(Loading):
 
 
 class ZImageDrawing(FlowDrawing):
+    inpaint_pipeline_class = ZImageInpaintPipeline  # a sample prompt's `mask`, painted with the base as it is
+
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
         return {"max_sequence_length": TEXT_TOKENS} | anchored_guidance(guidance_scale, negative_prompt)
 

@@ -110,6 +110,8 @@ class ZImageOmniTargets(ZImageTargets):
 
 
 class ZImageOmniDrawing(ReferenceSizedDrawing, ZImageDrawing):
+    inpaint_pipeline_class = None  # ZImageInpaintPipeline draws Z-Image's transformer, not Omni's
+
     def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
         with inputs_in_dtype(pipeline.vae.encoder, pipeline.vae.dtype):
             return super().draw(pipeline, options, prompt, controls, height, width, **arguments)
