@@ -102,8 +102,8 @@ def test_the_mask_and_masked_image_are_read_as_the_pipeline_reads_them(name, mic
 @pytest.mark.parametrize("name", ["sd_inpaint", "sdxl_inpaint", "flux_fill"])
 def test_samples_name_an_image_and_its_mask(name, micro_base, tmp_path):
     """A sample prompt without both is refused before training, saying how to write it; one with both is drawn, its
-    grid naming them; Fill's samples give the guidance embedding the scale and no negative prompt (its pipeline takes
-    none)."""
+    grid naming them, and drawn the same with its mask named as `mask`; Fill's samples give the guidance embedding the
+    scale and no negative prompt (its pipeline takes none)."""
     base = str(micro_base(name))
     family = FAMILIES[name]
     with pytest.raises(DifftuneError, match=r'controls = \["image.png", "mask.png"\]'):
@@ -120,6 +120,10 @@ def test_samples_name_an_image_and_its_mask(name, micro_base, tmp_path):
     entry = {"prompt": "a red square", "controls": [str(tmp_path / "a.png"), str(tmp_path / "mask.png")]}
     [sample] = generate_images(components, SampleConfig(prompts=[entry], steps=2, resolution=32), torch.device("cpu"))
     assert sample.control_names == ("image", "mask") and [c.size for c in sample.controls] == [(32, 32)] * 2
+    named = {"prompt": "a red square", "controls": [str(tmp_path / "a.png")], "mask": str(tmp_path / "mask.png")}
+    [same] = generate_images(components, SampleConfig(prompts=[named], steps=2, resolution=32), torch.device("cpu"))
+    assert same.control_names == ("image", "mask")
+    assert np.array_equal(np.asarray(same.image), np.asarray(sample.image))  # the mask named as such: the same draw
     if name == "flux_fill":
         assert family.drawing.sampling_arguments(components, 30.0, "blurry") == {
             "max_sequence_length": family.max_sequence_length(components),
