@@ -9,7 +9,12 @@ import random
 import numpy as np
 import pytest
 import torch
-from diffusers import DDIMScheduler
+from diffusers import (
+    ControlNetModel,
+    DDIMScheduler,
+    StableDiffusionControlNetInpaintPipeline,
+    StableDiffusionXLControlNetInpaintPipeline,
+)
 from PIL import Image
 
 from difftune.cli import main
@@ -20,6 +25,7 @@ from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
 from difftune.families.common.drawing import generate_images
 from difftune.families.common.tokens import pack
+from difftune.toy.tiny import placed_shape_pairs, write_pair_folder
 from difftune.training.train import train
 
 
@@ -261,3 +267,103 @@ def test_a_text_to_image_runs_masked_samples_are_painted_by_its_inpaint_pipeline
             family.check_config(checked)
     else:
         family.check_config(checked)  # [klein]'s inpainting reads references
+
+
+@pytest.mark.parametrize(
+    "name, pipeline_class",
+    [
+        ("sd_inpaint", StableDiffusionControlNetInpaintPipeline),
+        ("sdxl_inpaint", StableDiffusionXLControlNetInpaintPipeline),
+    ],
+)
+def test_an_inpainting_bases_controlnet_draws_in_diffusers_controlnet_inpaint_pipeline(
+    name, pipeline_class, micro_base, make_config, tmp_path
+):
+    """A ControlNet trained on an inpainting base (random masks, control images from edit pairs) starts as the
+    inpainting UNet's blocks, its input layer the UNet's first four channels (it reads the noisy latents alone, as the
+    inpainting ControlNet pipelines give it them); its saved folder loads with `ControlNetModel.from_pretrained` into
+    diffusers' ControlNet inpainting pipeline, which draws the run's sample (image, mask, control image) exactly; a
+    sample prompt without its control image is refused, naming all three."""
+    base = micro_base(name)
+    placed = tmp_path / "placed"
+    write_pair_folder(placed, placed_shape_pairs(8, seed=0))
+    components = load_components(ModelConfig(base=str(base)))
+    started = FAMILIES[name].controlnet.build(components)
+    assert started.config.in_channels == 4 and components.denoiser.config.in_channels == 9
+    torch.testing.assert_close(started.conv_in.weight, components.denoiser.conv_in.weight[:, :4], rtol=0, atol=0)
+
+    _image().save(tmp_path / "a.png")
+    mask = Image.new("L", (32, 32), 0)
+    mask.paste(255, (4, 4, 28, 28))
+    mask.save(tmp_path / "mask.png")
+    control = placed / "control" / "0000.png"
+    entry = {
+        "prompt": "a red circle",
+        "controls": [str(tmp_path / "a.png"), str(control)],
+        "mask": str(tmp_path / "mask.png"),
+    }
+    settings = {
+        "model__base": str(base),
+        "data__path": str(placed),
+        "adapter__kind": "controlnet",
+        "adapter__text_encoder": False,
+        "train__max_steps": 4,
+        "optim__learning_rate": 1e-3,
+        "sample__steps": 4,
+    }
+    with pytest.raises(DifftuneError, match=r'controls = \["image.png", "mask.png", "control.png"\]'):
+        train(make_config(**settings, sample__prompts=[{"prompt": "a red circle", "controls": [str(control)]}]))
+    config = make_config(**settings, sample__prompts=[entry])
+    train(config)
+    out = tmp_path / "run"
+    controlnet = ControlNetModel.from_pretrained(out / "controlnet")
+    assert controlnet.config.in_channels == 4
+    pipeline = pipeline_class.from_pretrained(base, controlnet=controlnet)
+    pipeline.scheduler = DDIMScheduler.from_config(pipeline.scheduler.config)  # sample.scheduler "auto": DDIM
+    pipeline.set_progress_bar_config(disable=True)
+    [theirs] = pipeline(
+        prompt="a red circle",
+        image=_image(),
+        mask_image=mask,
+        control_image=Image.open(control),
+        height=32,
+        width=32,
+        num_inference_steps=config.sample.steps,
+        guidance_scale=config.sample.guidance_scale,
+        generator=torch.Generator("cpu").manual_seed(config.sample.seed),
+    ).images
+    ours = np.asarray(Image.open(out / "samples" / "000.png").convert("RGB"), np.int16)
+    assert np.abs(ours - np.asarray(theirs, np.int16)).max() == 0
+    assert '"max_pixel_difference": 0' in (out / "parity.json").read_text()
+
+
+def test_an_inpainting_bases_controlnet_reads_the_noisy_latents_alone(micro_base):
+    """`Family.denoise` with a ControlNet on an inpainting UNet is the ControlNet inpainting pipeline's step: the
+    ControlNet reads the noisy latents (not the mask and masked image beside them) and the control image in [0, 1], and
+    its residuals add to the UNet reading all nine channels."""
+    components = load_components(ModelConfig(base=str(micro_base("sd_inpaint"))))
+    family = components.family
+    controlnet = family.controlnet.build(components)
+    with torch.no_grad():  # zero convolutions out would add nothing: give them weights
+        for block in (*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block):
+            block.weight.normal_(0, 0.1)
+    components.controlnet = controlnet
+    generator = torch.Generator().manual_seed(0)
+    noisy, masked = (torch.randn(2, 4, 8, 8, generator=generator) for _ in range(2))
+    mask = (torch.rand(2, 1, 32, 32, generator=generator) > 0.5).to(torch.uint8)
+    states = torch.randn(2, 8, components.denoiser.config.cross_attention_dim, generator=generator)
+    pixels = torch.rand(2, 3, 32, 32, generator=generator) * 2 - 1
+    timesteps = torch.tensor([10, 500])
+    conditioning = {"encoder_hidden_states": states, "inpaint_mask": mask, "masked_latents": masked}
+    with torch.no_grad():
+        control = family.controlnet.control_input(components, pixels)
+        ours = family.denoise(components, noisy, timesteps, conditioning | {"control": control}, None)
+        down, mid = controlnet(noisy, timesteps, states, controlnet_cond=(pixels + 1) / 2, return_dict=False)
+        small_mask = torch.nn.functional.interpolate(mask.float(), size=(8, 8))
+        inputs = torch.cat([noisy, small_mask, components.latent_normalization.apply(masked)], dim=1)
+        expected = components.denoiser(
+            inputs, timesteps, states, down_block_additional_residuals=down, mid_block_additional_residual=mid
+        ).sample
+        plain = family.denoise(components, noisy, timesteps, conditioning, None)
+    torch.testing.assert_close(ours, expected)
+    assert not torch.allclose(ours, plain, atol=1e-4)  # the residuals changed the prediction

@@ -113,6 +113,37 @@ class UNetControlNet(ControlNets):
         return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
 
 
+class UNetInpaintControlNet(UNetControlNet):
+    """An inpainting UNet's ControlNet (diffusers' `StableDiffusionControlNetInpaintPipeline` and its SDXL twin): SD's
+    or SDXL's ControlNet, reading the noisy latents alone, as those pipelines give it the latents before the mask and
+    the masked image join them (their `control_model_input`). So a ControlNet trained on the text-to-image base draws
+    there too, and one trained here starts as the inpainting UNet's blocks, its input layer the UNet's first channels
+    (the noisy latents'); the pipelines take its control image as `control_image`."""
+
+    image_argument = "control_image"
+
+    def empty(self, components: Components) -> torch.nn.Module:
+        controlnet = super().empty(components)
+        latents, conv = components.denoiser.config.out_channels, controlnet.conv_in
+        controlnet.conv_in = torch.nn.Conv2d(latents, conv.out_channels, conv.kernel_size, padding=conv.padding)
+        controlnet.register_to_config(in_channels=latents)
+        return controlnet
+
+    def build(self, components: Components) -> torch.nn.Module:
+        controlnet = super().build(components)
+        if not next(controlnet.parameters()).is_meta:
+            conv = computed_tensors(components.denoiser, ["conv_in.weight", "conv_in.bias"])
+            with torch.no_grad():
+                controlnet.conv_in.weight.copy_(conv["conv_in.weight"][:, : controlnet.config.in_channels])
+                controlnet.conv_in.bias.copy_(conv["conv_in.bias"])
+        return controlnet
+
+    def residuals(self, controlnet, control, hidden_states, timestep, **inputs) -> dict:
+        """The UNet's input is [noisy latents, mask, masked image's latents]: the ControlNet reads the first."""
+        latents = hidden_states[:, : controlnet.config.in_channels]
+        return super().residuals(controlnet, control, latents, timestep, **inputs)
+
+
 class SD3ControlNet(ControlNets):
     """SD3's and SD3.5's ControlNet (diffusers' `SD3ControlNetModel`, `train_controlnet_sd3.py`): the transformer's
     first 12 blocks (all of a shallower one) with their embeddings, reading the control image's latents through an

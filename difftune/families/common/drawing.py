@@ -161,8 +161,11 @@ class Drawing(Role):
         size) from an edit prompt's control images (PIL; none for a text-to-image prompt, at most `max_controls`:
         callers check `prompt_control_problems` first), under the base's `options`; `arguments`: the rest of the call
         (steps, guidance, generators)."""
-        if getattr(pipeline, "controlnet", None) is not None:
-            images = {self.family.controlnet.image_argument: controls[0]}
+        if getattr(pipeline, "controlnet", None) is not None:  # its control image last, after the pipeline's own
+            images = {
+                **self.image_arguments(controls[:-1], height, width),
+                self.family.controlnet.image_argument: controls[-1],
+            }
         elif isinstance(pipeline, getattr(self.family.input_control, "pipeline_class", ())):
             images = {self.family.input_control.image_argument: controls[0]}
         else:

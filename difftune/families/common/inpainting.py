@@ -10,7 +10,11 @@ the mask covers.
   the whole image, as diffusers' inpainting scripts' does, unless a subject's mask weights it (`data.masks`, with
   `data.unmasked_weight`).
 - Samples: each sample prompt names its image and its mask (`{prompt = "...", controls = ["photo.png",
-  "mask.png"]}`, white where the base draws), given to the pipeline as `image` and `mask_image`.
+  "mask.png"]}`, or `controls = ["photo.png"], mask = "mask.png"`; white where the base draws), given to the pipeline
+  as `image` and `mask_image`.
+- ControlNets (SD's and SDXL's, control.py's `UNetInpaintControlNet`): a run with `adapter.kind = "controlnet"` on an
+  inpainting base trains one beside the random masks, its samples naming the control image last
+  (`controls = ["photo.png", "mask.png", "pose.png"]`), drawn by the family's ControlNet inpainting pipeline.
 """
 
 from __future__ import annotations
@@ -64,19 +68,22 @@ class InpaintDrawing(Drawing):
 
     def inpaint(self, pipeline, options, prompt, controls: list, mask, height, width, **arguments) -> list:
         """A prompt whose mask is named as such: drawn as one naming it as its second control."""
-        return self.draw(pipeline, options, prompt, [*controls, mask], height, width, **arguments)
+        return self.draw(pipeline, options, prompt, [controls[0], mask, *controls[1:]], height, width, **arguments)
 
-    def prompt_control_problems(self, prompts: list) -> list[str]:
+    def sample_prompt_problems(self, prompts: list, controlled: bool = False) -> list[str]:
         """Every sample prompt names two images: the one it paints into, then the mask (white where it draws), as
-        its controls or as its control and its `mask`."""
+        its controls or as its first control and its `mask`; where a ControlNet draws, its control image last."""
         pipelines_do = f"{self.family.description} pipelines paint into an image where its mask is white"
+        if controlled:
+            pipelines_do += ", as the ControlNet's control image says"
         as_controls = [
-            entry.model_copy(update={"controls": [*entry.controls, entry.mask], "mask": None})
+            entry.model_copy(update={"controls": [entry.controls[0], entry.mask, *entry.controls[1:]], "mask": None})
             if not isinstance(entry, str) and entry.mask
             else entry
             for entry in prompts
         ]
-        return images_each(as_controls, pipelines_do, ("image.png", "mask.png"))
+        named = ("image.png", "mask.png", *(("control.png",) if controlled else ()))
+        return images_each(as_controls, pipelines_do, named)
 
 
 class UNetInpainting:
@@ -87,7 +94,6 @@ class UNetInpainting:
 
     drawing = InpaintDrawing()
     file_inputs = (9,)  # 4 + 1 + 4: what tells its single files from the text-to-image family's (4)
-    controlnet = None  # diffusers' inpainting ControlNet pipelines are not wired here yet
 
     def latent_channels(self, denoiser) -> int:
         """The latents it predicts: it reads five channels more."""

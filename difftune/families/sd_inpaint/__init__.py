@@ -10,8 +10,9 @@ image and its mask) is common/inpainting.py.
 
 from __future__ import annotations
 
-from diffusers import StableDiffusionInpaintPipeline
+from diffusers import StableDiffusionControlNetInpaintPipeline, StableDiffusionInpaintPipeline
 
+from difftune.families.common.control import UNetInpaintControlNet
 from difftune.families.common.inpainting import InpaintConditioning, UNetInpainting
 from difftune.families.sd import StableDiffusion, StableDiffusionConditioning
 
@@ -27,6 +28,7 @@ class StableDiffusionInpaint(UNetInpainting, StableDiffusion):
     description = "Stable Diffusion 1.x / 2.x inpainting"
     pipeline_class = StableDiffusionInpaintPipeline
     pipeline_classes = ("StableDiffusionInpaintPipeline",)
+    controlnet = UNetInpaintControlNet(StableDiffusionControlNetInpaintPipeline)
 
 
 FAMILY = StableDiffusionInpaint()

@@ -11,8 +11,9 @@ common/inpainting.py.
 
 from __future__ import annotations
 
-from diffusers import StableDiffusionXLInpaintPipeline
+from diffusers import StableDiffusionXLControlNetInpaintPipeline, StableDiffusionXLInpaintPipeline
 
+from difftune.families.common.control import UNetInpaintControlNet
 from difftune.families.common.inpainting import InpaintConditioning, UNetInpainting
 from difftune.families.sdxl import StableDiffusionXL, StableDiffusionXLConditioning
 
@@ -28,6 +29,7 @@ class StableDiffusionXLInpaint(UNetInpainting, StableDiffusionXL):
     description = "Stable Diffusion XL inpainting"
     pipeline_class = StableDiffusionXLInpaintPipeline
     pipeline_classes = ("StableDiffusionXLInpaintPipeline",)
+    controlnet = UNetInpaintControlNet(StableDiffusionXLControlNetInpaintPipeline)
     pipeline_options = ("force_zeros_for_empty_prompt", "requires_aesthetics_score")
 
 
