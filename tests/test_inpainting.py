@@ -23,7 +23,7 @@ from difftune.data.dataset import image_to_tensor
 from difftune.data.inpaint_masks import MASK_KINDS, random_mask, view_masks
 from difftune.errors import DifftuneError
 from difftune.families import FAMILIES, load_components
-from difftune.families.common.drawing import generate_images
+from difftune.families.common.drawing import _control_panels, generate_images
 from difftune.families.common.tokens import pack
 from difftune.toy.tiny import placed_shape_pairs, write_pair_folder
 from difftune.training.train import train
@@ -367,3 +367,14 @@ def test_an_inpainting_bases_controlnet_reads_the_noisy_latents_alone(micro_base
         plain = family.denoise(components, noisy, timesteps, conditioning, None)
     torch.testing.assert_close(ours, expected)
     assert not torch.allclose(ours, plain, atol=1e-4)  # the residuals changed the prediction
+
+
+def test_a_grid_names_an_inpainting_bases_image_and_mask_then_the_controlnets_control():
+    image, mask, control = (Image.new("RGB", (4, 4)) for _ in range(3))
+    assert [name for name, _ in _control_panels([image, mask, control], ("image", "mask"))] == [
+        "image",
+        "mask",
+        "control",
+    ]
+    assert [name for name, _ in _control_panels([image, mask])] == ["control 1", "control 2"]
+    assert [name for name, _ in _control_panels([image], ())] == ["control"]

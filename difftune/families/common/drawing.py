@@ -423,11 +423,13 @@ def save_images(
 
 
 def _control_panels(controls: list[Image.Image], names: tuple[str, ...] = ()) -> list[tuple[str, Image.Image]]:
-    if len(names) == len(controls):
-        return list(zip(names, controls, strict=True))
-    if len(controls) == 1:
-        return [("control", controls[0])]
-    return [(f"control {number}", control) for number, control in enumerate(controls, 1)]
+    """Each control named: by `names` in order (an inpainting base's image and mask), the rest (all where no names)
+    "control", numbered if several (a ControlNet's after an inpainting base's image and mask)."""
+    named = list(zip(names, controls, strict=False))  # names for the first controls
+    rest = controls[len(named) :]
+    if len(rest) == 1:
+        return [*named, ("control", rest[0])]
+    return [*named, *((f"control {number}", control) for number, control in enumerate(rest, 1))]
 
 
 def _before(before_dir: Path | None, number: int) -> Image.Image | None:
