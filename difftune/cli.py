@@ -312,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
         "for every prompt (repeat for several, in order)",
     )
     sample.add_argument(
+        "--seconds",
+        type=float,
+        help="a sound base's sounds, in seconds (default: as long as the adapter's run trained them, else the "
+        "family's 30)",
+    )
+    sample.add_argument(
         "--mask",
         help="an inpainting mask, white where the base draws, for every prompt: it paints into the first --control "
         "(an inpainting base, Z-Image, FLUX.2 [klein])",
@@ -513,10 +519,12 @@ def _run(args: argparse.Namespace) -> None:
 
         dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
         with phase(f"loading {args.base} with {len(args.adapter)} adapter(s)", print):
-            components = export.load_with_adapters(args.base, args.adapter, dtype)
+            options = {"seconds": args.seconds} if args.seconds else None
+            components = export.load_with_adapters(args.base, args.adapter, dtype, options)
         samples = generate_images(components, config, components.denoiser.device, "samples")
         paths = save_images(samples, config, args.out)
-        print(f"difftune: wrote {len(paths)} {'clips' if config.frames > 1 else 'images'} and grid.png to {args.out}")
+        drawn = "sounds" if components.family.reads_sound else "clips" if config.frames > 1 else "images"
+        print(f"difftune: wrote {len(paths)} {drawn} and grid.png to {args.out}")
 
 
 def _find(args: argparse.Namespace) -> None:

@@ -295,6 +295,9 @@ VARIANTS = {
         **at_seeds("training_adapter"),
         **at_seeds("without_training_adapter", "model.training_adapter="),
     },
+    "tiny_ace_step_lora": {
+        **at_seeds("lora_r4"),
+    },
     "ltx2_lora": {
         **at_seeds("lora_r16"),
         **at_seeds("lora_r16_400_steps", "train.max_steps=400"),

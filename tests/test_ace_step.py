@@ -192,6 +192,8 @@ def test_ace_steps_own_trainer_files_are_read_as_ours(micro_base, make_config, t
 
 
 def test_samples_are_flac_with_their_prompt_and_the_grid_shows_their_spectrograms(micro_base, make_config, tmp_path):
+    """A run's samples are FLAC files as long as its windows, tagged with their prompt and settings, in its card and
+    parity check; `difftune sample` draws as long as the adapter trained, or `--seconds` long."""
     settings = _settings(
         "ace_step", micro_base("ace_step"), tmp_path / "run", sample__prompts=["a low hum"], sample__steps=2
     )
@@ -209,6 +211,15 @@ def test_samples_are_flac_with_their_prompt_and_the_grid_shows_their_spectrogram
     assert "pipeline_tag: text-to-audio" in card and "samples/000.flac" in card
     parity = json.loads((result.trained_path.parent / "parity.json").read_text())
     assert all(layout["max_pixel_difference"] <= 2 for layout in parity["layouts"].values())
+    # `difftune sample` draws as long as the adapter's run trained, or `--seconds` long
+    from difftune.cli import main
+
+    drawn = ["sample", "--base", str(micro_base("ace_step")), "--adapter", str(result.trained_path)]
+    drawn += ["--prompt", "a low hum", "--steps", "2"]
+    for seconds, out in ((MICRO_SECONDS, []), (0.5, ["--seconds", "0.5"])):
+        assert main([*drawn, *out, "--out", str(tmp_path / f"cli_{seconds}")]) == 0
+        sound = read_sound_file(tmp_path / f"cli_{seconds}" / "000.flac")
+        assert sound.samples.shape == (2, round(seconds * SAMPLE_RATE))
 
 
 def test_the_ui_lists_a_jobs_sounds_and_plays_each_as_its_spectrogram_with_its_sound(micro_base, make_config, tmp_path):
@@ -246,7 +257,7 @@ def test_the_tone_judge_names_pitch_and_timbre_of_tones_and_no_tone_in_noise():
     for pitch, hz in PITCHES.items():
         for timbre in TIMBRES:
             for _ in range(5):
-                tone = render_tone(hz, timbre, 1.0, SAMPLE_RATE, rng)
+                tone = render_tone(hz, timbre, 1.0, SAMPLE_RATE, rng, phase=rng.uniform(0, 2 * np.pi))
                 assert judge_tone(tone) == (pitch, timbre)
                 noisy = tone.samples + rng.normal(0, 0.02, tone.samples.shape).astype(np.float32)
                 assert judge_tone(Sound(noisy, SAMPLE_RATE)) == (pitch, timbre)

@@ -572,12 +572,17 @@ def _file_placement(components: Components, config_toml: str):
     return components.family_options.model_copy(update=placed) if placed else components.family_options
 
 
-def load_with_adapters(base: str, adapters: list[tuple[Path, float]], dtype: torch.dtype = torch.float32) -> Components:
+def load_with_adapters(
+    base: str, adapters: list[tuple[Path, float]], dtype: torch.dtype = torch.float32, options: dict | None = None
+) -> Components:
     """A base model with scaled adapters attached, on CUDA when there is one, ready to sample (the CLI's and UI's
     `sample`; `components.denoiser.device` says where), every part loaded in `dtype` (a KL autoencoder in fp32 under
-    fp16, where SD's overflow)."""
+    fp16, where SD's overflow); `options`: family options over those the adapters recorded (a sound's seconds)."""
     vae = torch.float32 if dtype == torch.float16 else dtype
-    components = load_components(base_for_adapters(base, adapters), PartDtypes(denoiser=dtype, vae=vae, others=dtype))
+    config = base_for_adapters(base, adapters)
+    if options:
+        config = config.model_copy(update={"family_options": {**config.family_options, **options}})
+    components = load_components(config, PartDtypes(denoiser=dtype, vae=vae, others=dtype))
     if adapters:
         apply_adapters(components, adapters)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

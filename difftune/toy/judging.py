@@ -11,6 +11,7 @@ import torch
 from difftune.families.common.drawing import sampling_scheduler
 from difftune.models.components import Components
 from difftune.toy.tiny import IMAGE_SIZE
+from difftune.toy.tones import TONE_SECONDS
 
 
 @dataclass
@@ -21,6 +22,7 @@ class EvalSettings:
     guidance_scale: float = 3.0
     scheduler: str = "auto"  # the family's default sampler
     resolution: int = IMAGE_SIZE  # the judge's: a pipeline's own default may be another (FluxPipeline's is 1024 px)
+    seconds: float = TONE_SECONDS  # a sound's, the tone judge's: a sound base's own may be another (ACE-Step's 30 s)
 
 
 PrintStatus = Callable[[str], None] | None  # where a long evaluation says how far it is (None: nowhere)

@@ -56,8 +56,9 @@ def prompts_for(pitches) -> list[str]:
 def judged_sounds(
     components: Components, prompts: list[str], settings: EvalSettings, print_status: PrintStatus = None
 ) -> list[dict]:
-    """Each prompt's sounds (fixed seeds, `drawn_by_prompt`), judged: one row each."""
-    drawing, options = components.family.drawing, components.family_options
+    """Each prompt's sounds (fixed seeds, `drawn_by_prompt`) as long as `settings.seconds`, judged: one row each."""
+    drawing = components.family.drawing
+    options = components.family_options.model_copy(update={"seconds": settings.seconds})
     rows = []
     for prompt, seed, sound in drawn_by_prompt(
         components,

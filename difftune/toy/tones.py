@@ -1,13 +1,16 @@
 """Tones: the sound bases' shapes. A tone is a pitch (low, middle, high, and shrill, which the tiny sound base never
 hears: its purple) in a timbre (a hum: a pure sine; a buzz: the sine with its odd harmonics, as a square wave has
-them), with a fade in and out, at a random phase and level, captioned "a low hum", "a shrill buzz"... The tiny sound
-base learns them as the tiny image bases learn the shapes, and its judge (tone_judge.py, a plain spectral check)
-tells a pitch and a timbre apart the way the shapes judge tells colors and shapes.
+them), with a fade in and out, at a random level, captioned "a low hum", "a shrill buzz"... The tiny sound base
+learns them as the tiny image bases learn the shapes, and its judge (tone_judge.py, a plain spectral check, blind to
+phase) tells a pitch and a timbre apart the way the shapes judge tells colors and shapes.
 
-The pitches are whole multiples of the tiny base's latent frame rate (200 a second: 6.4 kHz over its 32-sample hop):
-its autoencoder, trained for minutes on a CPU, makes those again, where it moved pitches between them to the nearest
-multiple (450 Hz came back as 400). A buzz keeps the harmonics below half the rate (the band a sound at that rate
-holds): every pitch's third harmonic is in it at 6.4 kHz.
+The pitches are whole multiples of the tiny base's latent frame rate (200 a second: 6.4 kHz over its 32-sample hop),
+and every tone starts at phase 0, as a drum machine's notes do: each latent frame then holds whole periods of the
+same wave. The tiny base's autoencoder, trained for minutes on a CPU, makes those again: it moved pitches between the
+multiples to the nearest one (450 Hz came back as 400), and tones at random phases it learned for some pitches only
+(after 4,000 steps it made the low and shrill hums as silence, 0 dB signal to noise; starting at phase 0, 16 dB after
+1,500 steps). A buzz keeps the harmonics below half the rate (the band a sound at that rate holds): every pitch's
+third harmonic is in it at 6.4 kHz.
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ HEARD_PITCHES = tuple(pitch for pitch in PITCHES if pitch != HELD_OUT_PITCH)
 TIMBRES = ("hum", "buzz")
 BUZZ_HARMONICS = (3, 5)  # odd harmonics at 1/n, as a square wave's
 FADE_SECONDS = 0.05
+TONE_SECONDS = 1.0  # how long the tiny sound base's tones are, and what its judge draws
 
 
-def render_tone(pitch: float, timbre: str, seconds: float, rate: int, rng: np.random.Generator) -> Sound:
-    """One tone (see the module's docstring), stereo, its sides at slightly different levels."""
+def render_tone(
+    pitch: float, timbre: str, seconds: float, rate: int, rng: np.random.Generator, phase: float = 0.0
+) -> Sound:
+    """One tone (see the module's docstring) starting at `phase` (radians), stereo, its sides at slightly different
+    levels."""
     time = np.arange(round(seconds * rate)) / rate
-    phase = 2 * np.pi * pitch * time + rng.uniform(0, 2 * np.pi)
+    phase = 2 * np.pi * pitch * time + phase
     wave = np.sin(phase)
     if timbre == "buzz":
         wave = wave + sum(np.sin(n * phase) / n for n in BUZZ_HARMONICS if n * pitch < rate / 2)
