@@ -373,8 +373,10 @@ def _sample(
         [image] = drawing.draw(pipeline, options, prompt, controls, size, size, **arguments)
     drawn_as = "edited" if components.family.max_controls else "drawn"  # a ControlNet's or control LoRA's: drawn
     names = drawing.control_names
-    if mask is not None:  # shown as the inpainting families' are: the image, its mask, then any references
-        controls, names = [controls[0], mask, *controls[1:]], ("image", "mask", *["reference"] * len(controls[1:]))
+    if mask is not None:  # shown as the inpainting families' are: the image, its mask, then the rest
+        controls = [controls[0], mask, *controls[1:]]
+        if drawing.inpaint_pipeline_class is not None:  # FLUX.2 [klein]'s references (else a ControlNet's control)
+            names = ("image", "mask", *["reference"] * (len(controls) - 2))
     controls = [at_height(c, image.height) for c in controls]
     return Sample(image, entry, seed, controls, drawn_as=drawn_as, control_names=names)
 
