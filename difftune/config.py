@@ -1290,7 +1290,9 @@ class SampleConfig(Section):
         [],
         description="Prompts to sample at the end of training; empty skips sampling. For an edit base an entry may "
         'carry its control images: `{prompt = "make it purple", controls = ["source.png"]}` (in the form, one '
-        "such JSON object a line); a ControlNet run's entries each carry the one control image it draws from.",
+        "such JSON object a line); a ControlNet run's entries each carry the one control image it draws from (on an "
+        'inpainting base, after the image and its mask); an entry with `mask = "mask.png"` paints into its first '
+        "control image where the mask is white (inpainting bases, Z-Image, FLUX.2 [klein]).",
     )
     negative_prompt: str = Field("", description="Negative prompt for every sample.")
     steps: int = Field(30, ge=1, description="Denoising steps per image.")
