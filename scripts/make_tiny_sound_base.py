@@ -84,19 +84,18 @@ def main() -> None:
     recipe = SoundRecipe(
         family="ace_step", seed=args.seed, steps=args.steps, vae_steps=args.vae_steps, batch_size=args.batch_size
     )
+    if not args.card_only:
+        facts = build_sound_base(args.model_dir, args.work_dir, recipe)
+    built = load_components(ModelConfig(base=str(args.model_dir)))  # loaded once: scored, then described
     if args.card_only:
         facts = json.loads((args.model_dir / "scores.json").read_text())
     else:
-        facts = build_sound_base(args.model_dir, args.work_dir, recipe)
         settings = EvalSettings()
-        scores = tone_score(
-            load_components(ModelConfig(base=str(args.model_dir))), HEARD_PITCHES, HELD_OUT_PITCH, settings
-        )
+        scores = tone_score(built, HEARD_PITCHES, HELD_OUT_PITCH, settings)
         untrained = load_components(ModelConfig(base=str(args.work_dir / "init")))
         control = tone_score(untrained, HEARD_PITCHES, HELD_OUT_PITCH, settings)
         facts |= {"base": scores, "untrained": control, "eval_settings": vars(settings)}
         (args.model_dir / "scores.json").write_text(json.dumps(facts, indent=2) + "\n")
-    built = load_components(ModelConfig(base=str(args.model_dir)))
     (args.model_dir / "README.md").write_text(model_card(args.model_dir.name, built, facts))
     write_job_tones(args.examples_dir, built.vae.config.sampling_rate, facts["recipe"]["seconds"], args.seed)
     print(json.dumps({"base": facts["base"]["seen"], "concept": facts["base"]["concept"]}, indent=1))

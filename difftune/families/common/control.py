@@ -59,9 +59,12 @@ class ControlNets:
         # its own init, as diffusers' non-strict copy of the blocks leaves the layers it lacks.
         own = controlnet.state_dict()
         wanted = [name for name in own if name.split(".")[0] in self.copied_parts]
-        copied = computed_tensors(denoiser, wanted)
+        copied = {
+            name: self.fitted(name, tensor, own[name].shape)
+            for name, tensor in computed_tensors(denoiser, wanted).items()
+        }
         controlnet.load_state_dict(
-            {name: tensor for name, tensor in copied.items() if tensor.shape == own[name].shape}, strict=False
+            {name: tensor for name, tensor in copied.items() if tensor is not None}, strict=False
         )
         for part in self.zeroed_parts:
             for parameter in getattr(controlnet, part).parameters():
@@ -71,6 +74,11 @@ class ControlNets:
     def empty(self, components: Components) -> torch.nn.Module:
         """A new ControlNet of the denoiser's shape, its weights not yet copied."""
         raise NotImplementedError
+
+    def fitted(self, name: str, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+        """The denoiser's `tensor` as the ControlNet's `name` of `shape` starts from, None where it has another
+        shape (the ControlNet's own init is kept)."""
+        return tensor if tensor.shape == shape else None
 
     def control_input(self, components: Components, control: torch.Tensor) -> torch.Tensor:
         """A batch of control images as the data gives them (with `reads_latents` their normalised latents (B, C, h,
@@ -129,14 +137,11 @@ class UNetInpaintControlNet(UNetControlNet):
         controlnet.register_to_config(in_channels=latents)
         return controlnet
 
-    def build(self, components: Components) -> torch.nn.Module:
-        controlnet = super().build(components)
-        if not next(controlnet.parameters()).is_meta:
-            conv = computed_tensors(components.denoiser, ["conv_in.weight", "conv_in.bias"])
-            with torch.no_grad():
-                controlnet.conv_in.weight.copy_(conv["conv_in.weight"][:, : controlnet.config.in_channels])
-                controlnet.conv_in.bias.copy_(conv["conv_in.bias"])
-        return controlnet
+    def fitted(self, name: str, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+        """The UNet's input layer's weights over the noisy latents' channels (its first)."""
+        if name == "conv_in.weight":
+            return tensor[:, : shape[1]]
+        return super().fitted(name, tensor, shape)
 
     def residuals(self, controlnet, control, hidden_states, timestep, **inputs) -> dict:
         """The UNet's input is [noisy latents, mask, masked image's latents]: the ControlNet reads the first."""

@@ -367,18 +367,23 @@ def _sample(
         return Sample(clip[0], entry, seed, [c.resize(clip[0].size) for c in controls], clip)
     drawing = components.family.drawing
     size, options = config.resolution, components.family_options
-    if mask is not None:
-        [image] = drawing.inpaint(pipeline, options, prompt, controls, mask, size, size, **arguments)
-    else:
-        [image] = drawing.draw(pipeline, options, prompt, controls, size, size, **arguments)
-    drawn_as = "edited" if components.family.max_controls else "drawn"  # a ControlNet's or control LoRA's: drawn
     names = drawing.control_names
-    if mask is not None:  # shown as the inpainting families' are: the image, its mask, then the rest
-        controls = [controls[0], mask, *controls[1:]]
+    if mask is None:
+        [image] = drawing.draw(pipeline, options, prompt, controls, size, size, **arguments)
+    else:  # shown as the inpainting families' are: the image, its mask, then the rest
+        [image] = drawing.inpaint(pipeline, options, prompt, controls, mask, size, size, **arguments)
+        controls = mask_second(controls, mask)
         if drawing.inpaint_pipeline_class is not None:  # FLUX.2 [klein]'s references (else a ControlNet's control)
             names = ("image", "mask", *["reference"] * (len(controls) - 2))
+    drawn_as = "edited" if components.family.max_controls else "drawn"  # a ControlNet's or control LoRA's: drawn
     controls = [at_height(c, image.height) for c in controls]
     return Sample(image, entry, seed, controls, drawn_as=drawn_as, control_names=names)
+
+
+def mask_second(controls: list, mask) -> list:
+    """A sample prompt's controls with its mask after the image it paints into (first), as an inpainting base's
+    pipeline and its sample grid take them."""
+    return [controls[0], mask, *controls[1:]]
 
 
 def _open_control(path: str) -> Image.Image:

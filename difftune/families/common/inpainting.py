@@ -23,7 +23,7 @@ import torch
 
 from difftune.data.inpaint_masks import RECIPE, view_masks
 from difftune.families.common.conditioning import Conditioning
-from difftune.families.common.drawing import Drawing, images_each
+from difftune.families.common.drawing import Drawing, images_each, mask_second
 from difftune.models.autoencoders import encode_posterior
 from difftune.models.components import Components
 
@@ -68,7 +68,7 @@ class InpaintDrawing(Drawing):
 
     def inpaint(self, pipeline, options, prompt, controls: list, mask, height, width, **arguments) -> list:
         """A prompt whose mask is named as such: drawn as one naming it as its second control."""
-        return self.draw(pipeline, options, prompt, [controls[0], mask, *controls[1:]], height, width, **arguments)
+        return self.draw(pipeline, options, prompt, mask_second(controls, mask), height, width, **arguments)
 
     def sample_prompt_problems(self, prompts: list, controlled: bool = False) -> list[str]:
         """Every sample prompt names two images: the one it paints into, then the mask (white where it draws), as
@@ -77,7 +77,7 @@ class InpaintDrawing(Drawing):
         if controlled:
             pipelines_do += ", as the ControlNet's control image says"
         as_controls = [
-            entry.model_copy(update={"controls": [entry.controls[0], entry.mask, *entry.controls[1:]], "mask": None})
+            entry.model_copy(update={"controls": mask_second(entry.controls, entry.mask), "mask": None})
             if not isinstance(entry, str) and entry.mask
             else entry
             for entry in prompts
