@@ -1119,20 +1119,22 @@ def slider_fits_the_run(config: Config) -> None:
 
 
 class RewardConfig(Section):
-    method: Literal["off", "grpo", "draft"] = Field(
+    method: Literal["off", "grpo", "draft", "refl"] = Field(
         "off",
         description="Reward fine-tuning: no images, a scorer. `grpo`: Flow-GRPO (Liu et al. 2025; DDPO's form for the "
         "epsilon and v families): each step draws `group_size` images of each of `train.batch_size` prompts with the "
         "family's sampler made stochastic, scores them, and raises the log-probability of the steps that led to the "
         "images scored above their prompt's group mean (a clipped ratio, as PPO's), with a KL term to the base (the "
         "adapter off). `draft`: DRaFT-K (Clark et al. 2024): gradients from a differentiable scorer through the last "
-        "`draft_last_steps` steps of a deterministic sample. Needs a LoRA-like adapter on the denoiser alone.",
+        "`draft_last_steps` steps of a deterministic sample. `refl`: ReFL (Xu et al. 2023, ImageReward): the sample "
+        "stops at a random one of its last `refl_last_steps` steps, and the scorer's gradient flows through the image "
+        "that step predicts in one jump. Needs a LoRA-like adapter on the denoiser alone.",
     )
     scorer: str = Field(
         "",
         description="`module:function` called as function(images, prompts, **scorer_options) -> scores: images a "
         "(B, 3, H, W) tensor in [0, 1], prompts B strings, scores B numbers, higher better (a tensor with gradients "
-        "for `draft`). Shipped: `difftune.rewards:clip_score` (a local CLIP model, `scorer_options.model`), "
+        "for `draft` and `refl`). Shipped: `difftune.rewards:clip_score` (a local CLIP model, `scorer_options.model`), "
         "`difftune.toy.judge:shapes_reward` (the tiny shapes bases' judge).",
     )
     scorer_options: dict[str, str | float | int | bool] = Field(
@@ -1172,10 +1174,17 @@ class RewardConfig(Section):
         0.04,
         ge=0,
         description="The KL term's weight, the base (the adapter off) its reference. `grpo`: each trained step's KL "
-        "divergence from the base's step. `draft`: the squared distance of each step's prediction from the base's.",
+        "divergence from the base's step. `draft`, `refl`: the squared distance of each step's prediction from the "
+        "base's.",
     )
     draft_last_steps: int = Field(
         1, ge=1, description="`draft`: the last steps gradients flow through (DRaFT-K's K; DRaFT-LV is K = 1)."
+    )
+    refl_last_steps: int = Field(
+        1,
+        ge=1,
+        description="`refl`: the steps the sample may stop at, the last ones (ReFL's range: 10 of 40 in its paper); "
+        "1 jumps from the last step alone.",
     )
 
     @property
@@ -1197,6 +1206,8 @@ class RewardConfig(Section):
             raise ValueError("reward.noise_level 0: GRPO explores by the sampler's noise; set it above 0 (e.g. 0.7)")
         if self.method == "draft" and self.draft_last_steps > self.steps:
             raise ValueError(f"reward.draft_last_steps {self.draft_last_steps}: at most reward.steps ({self.steps})")
+        if self.method == "refl" and self.refl_last_steps > self.steps:
+            raise ValueError(f"reward.refl_last_steps {self.refl_last_steps}: at most reward.steps ({self.steps})")
         return self
 
 

@@ -206,7 +206,7 @@ def test_draft_trains_through_a_differentiable_scorer_and_refuses_one_without_gr
             "train.output_dir": str(tmp_path / "refused"),
         },
     )
-    with pytest.raises(DifftuneError, match="without gradients; DRaFT needs a differentiable scorer"):
+    with pytest.raises(DifftuneError, match="without gradients; it needs a differentiable scorer"):
         train(make_config(**refused))
 
 
@@ -218,14 +218,16 @@ def recorded_shapes_reward(images, prompts):
     return shapes_reward(images, prompts)
 
 
-def test_a_draft_sample_is_the_pipelines_own_at_noise_0_and_stochastic_above(make_config, tmp_path):
+@pytest.mark.parametrize("method", ["draft", "refl"])
+def test_a_draft_sample_is_the_pipelines_own_at_noise_0_and_stochastic_above(make_config, tmp_path, method):
     """The first round (the adapter still zero: the base) scores what StableDiffusionPipeline draws with DDIM from
-    the round's noise; at noise level 1 (DDIM's eta 1, DDPM's ancestral sampler) it draws other images."""
+    the round's noise; at noise level 1 (DDIM's eta 1, DDPM's ancestral sampler) it draws other images. ReFL stopping
+    at the last step scores the same: its jump to the image from there is DDIM's last step."""
     scored = importlib.import_module("tests.test_reward").SCORED  # the run imports the scorer by that name
     drawn = {}
     for level in (0.0, 1.0):
         overrides = {
-            "reward.method": "draft",
+            "reward.method": method,
             "reward.noise_level": level,
             "reward.scorer": "tests.test_reward:recorded_shapes_reward",
             "train.max_steps": 1,
@@ -249,6 +251,31 @@ def test_a_draft_sample_is_the_pipelines_own_at_noise_0_and_stochastic_above(mak
     assert (drawn[1.0] - drawn[0.0]).abs().max() > 0.05
 
 
+def test_refl_scores_the_image_predicted_from_an_earlier_step_and_trains_through_it(make_config, tmp_path):
+    """ReFL stopping at a random one of all 3 steps: a round that stops early scores a blurrier image than the full
+    sample (the prediction from a noisier state), and its loss is minus the score plus the anchor."""
+    scored = importlib.import_module("tests.test_reward").SCORED
+    images = {}
+    for method in ("refl", "draft"):
+        overrides = {
+            "reward.method": method,
+            "reward.refl_last_steps": 3,
+            "reward.noise_level": 0.0,
+            "reward.scorer": "tests.test_reward:recorded_shapes_reward",
+            "train.max_steps": 8,
+            "optim.learning_rate": 1e-12,  # the base each round: rounds differ by their noise and their stopping step
+            "train.output_dir": str(tmp_path / method),
+        }
+        scored.clear()
+        train(make_config(**reward_settings(tmp_path, **overrides)))
+        images[method] = list(scored)
+    differences = [float((refl - draft).abs().max()) for refl, draft in zip(*images.values(), strict=True)]
+    assert min(differences) < 1e-4  # a round that stopped at the last step: DDIM's own sample
+    assert max(differences) > 0.05  # one that stopped earlier
+    rows = read_metrics(tmp_path / "refl")
+    assert all(row["loss"] == pytest.approx(-row["reward"] + 0.1 * row["kl"], abs=1e-6) for row in rows)
+
+
 def judged_count(images, prompts):
     """A scorer with no gradients: each image's count of bright pixels."""
     return [float((image > 0.5).sum()) for image in images]
@@ -263,6 +290,7 @@ def judged_count(images, prompts):
         ({"adapter.text_encoder": True}, "the denoiser's adapter is tuned"),
         ({"preference.method": "dpo"}, 'preference.method = "dpo"'),
         ({"reward.method": "draft", "reward.draft_last_steps": 9}, "at most reward.steps"),
+        ({"reward.method": "refl", "reward.refl_last_steps": 9}, "reward.refl_last_steps 9: at most reward.steps"),
         ({"reward.noise_level": 0}, "GRPO explores by the sampler's noise"),
     ],
 )
@@ -392,11 +420,14 @@ def test_the_plan_counts_the_drawn_images_and_their_states(make_config, tmp_path
     draft = planned(**settings | {"reward.method": "draft", "reward.draft_last_steps": 2})
     assert draft[step] == planned(**{"adapter.text_encoder": False, "train.batch_size": 4})[step]
     assert "drawn states (reward)" not in draft or not draft["drawn states (reward)"]
+    refl = planned(**settings | {"reward.method": "refl", "reward.refl_last_steps": 3})
+    assert refl[step] == planned(**{"adapter.text_encoder": False, "train.batch_size": 2})[step]  # one step's
 
 
-@pytest.mark.parametrize("method", ["grpo", "draft"])
+@pytest.mark.parametrize("method", ["grpo", "draft", "refl"])
 def test_a_flow_family_trains_from_rewards(make_config, tiny_flux_base, tmp_path, method):
-    """Flux's micro base: its sampler's SDE (Flow-GRPO's own family) or DRaFT's Euler steps, at its resolution shift."""
+    """Flux's micro base: its sampler's SDE (Flow-GRPO's own family), DRaFT's Euler steps at its resolution shift, or
+    ReFL's jump from a step to the image (Euler's to sigma 0)."""
     config = make_config(**reward_settings(tmp_path, **{"model.base": str(tiny_flux_base), "reward.method": method}))
     result = train(config)
     rows = read_metrics(tmp_path / "reward")

@@ -923,11 +923,13 @@ def _encoding_peaks(components: Components, config: Config, dtype: torch.dtype) 
 
 def _reward_batch(config: Config) -> int:
     """The images one reward step's forward and backward hold at once: a denoising step of the round's images (twice,
-    with guidance), or DRaFT's last K steps of its images."""
+    with guidance), DRaFT's last K steps of its images, or ReFL's one."""
     reward = config.reward
     guided = 2 if reward.guidance_scale > 1 else 1
     if reward.method == "draft":
         return config.train.batch_size * guided * reward.draft_last_steps
+    if reward.method == "refl":
+        return config.train.batch_size * guided
     return config.train.batch_size * reward.group_size * guided
 
 

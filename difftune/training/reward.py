@@ -13,7 +13,9 @@ Log-probabilities are means over the latent's elements, as Flow-GRPO takes them.
 sample whose last `draft_last_steps` steps and decode keep their graph, and the loss is minus the score, so a scorer
 with gradients (a CLIP similarity) trains the adapter directly. The sample is drawn by the same sampler at
 `noise_level` (0: deterministic, as the paper's), so the adapter trains on the states an ancestral sampler (DDPM's)
-passes as well. `kl_weight` anchors it to the base at every step of the sample, so what the scorer has no gradient
+passes as well. `refl` is ReFL (Xu et al., "ImageReward", 2023): the sample stops at a random one of its last
+`refl_last_steps` steps and jumps from there to the image in one deterministic step, the scorer's gradient through
+that prediction. `kl_weight` anchors both to the base at every step of the sample, so what the scorer has no gradient
 for is kept.
 
 A round's randomness comes from the run's seed and the round's number: a run resumed at a round's start draws what
@@ -110,7 +112,7 @@ class RewardTraining:
 
     def loss(self, components: Components, batch: dict, backward: Callable[[torch.Tensor], None]) -> tuple:
         reward = self.config.reward
-        if reward.method == "draft":
+        if reward.method in ("draft", "refl"):
             return self._draft(components, batch["prompt"], batch["round"], backward)
         if self.round is None or self.round.number != batch["round"]:
             self.round = self._draw(components, batch["prompt"], batch["round"])
@@ -206,19 +208,26 @@ class RewardTraining:
         return ((decode_latents(vae, latents.to(vae.dtype)).float() + 1) / 2).clamp(0, 1)
 
     def _draft(self, components, prompts: list[str], number: int, backward) -> tuple:
-        """DRaFT-K: the last K steps and the decode with their graphs, minus the mean score the loss. With
-        `kl_weight`, every step of the sample also pays the squared distance of its prediction from the base's, so
-        what the reward does not ask for (a shape the scorer has no gradient for) stays as the base draws it: a step
-        before the last K pays it in a backward of its own. The distance weighs the steps as the denoising loss does,
-        not as the policy's KL, whose last, nearly noiseless steps would outweigh the rest by a hundredfold and hold
-        back the very step DRaFT-1 trains."""
+        """DRaFT-K: the last K steps and the decode with their graphs, minus the mean score the loss. ReFL: the sample
+        stops at a random one of its last `refl_last_steps` steps, which jumps to the image in one deterministic step
+        (the sampler's step to the schedule's end at noise 0, the prediction's clean image) with its graph, so the
+        scorer trains the steps that decide what an image becomes, not the last alone. With `kl_weight`, every step of
+        the sample also pays the squared distance of its prediction from the base's, so what the reward does not ask
+        for (a shape the scorer has no gradient for) stays as the base draws it: a step outside the graph pays it in a
+        backward of its own. The distance weighs the steps as the denoising loss does, not as the policy's KL, whose
+        last, nearly noiseless steps would outweigh the rest by a hundredfold and hold back the very step DRaFT-1
+        trains."""
         reward, objective = self.config.reward, components.family.objective
         generator = self._generator(number)
         conditioning = self._encoded(components, prompts)
         state, schedule = self._noise_and_schedule(components, len(prompts), generator)
+        last, first_in_graph = reward.steps - 1, reward.steps - reward.draft_last_steps
+        if reward.method == "refl":
+            last -= int(torch.randint(reward.refl_last_steps, (), generator=generator))
+            first_in_graph = last
         kl_in_graph, kl_total = state.new_zeros(()), state.new_zeros(())
-        for step in range(reward.steps):
-            in_graph = step >= reward.steps - reward.draft_last_steps
+        for step in range(last + 1):
+            in_graph = step >= first_in_graph
             with torch.set_grad_enabled(in_graph or reward.kl_weight > 0):
                 prediction = self._predict(components, state, schedule[step], conditioning)
                 if reward.kl_weight:
@@ -231,6 +240,10 @@ class RewardTraining:
                     else:
                         backward(reward.kl_weight * kl)
                         prediction = prediction.detach()
+                if reward.method == "refl" and step == last:
+                    jump = schedule[[step, -1]]
+                    state, _ = objective.sampler_step(components, jump, 0, state, prediction, 0.0, self.config.loss)
+                    break
                 mean, std = objective.sampler_step(
                     components, schedule, step, state, prediction, reward.noise_level, self.config.loss
                 )
@@ -238,8 +251,8 @@ class RewardTraining:
         scores = self.scorer(self._decoded(components, state), prompts)
         if not scores.requires_grad:
             raise DifftuneError(
-                f'reward.method = "draft": reward.scorer {reward.scorer} returned scores without gradients; DRaFT '
-                'needs a differentiable scorer (or use reward.method = "grpo")'
+                f'reward.method = "{reward.method}": reward.scorer {reward.scorer} returned scores without gradients; '
+                'it needs a differentiable scorer (or use reward.method = "grpo")'
             )
         loss = -scores.mean() + reward.kl_weight * kl_in_graph
         backward(loss)
