@@ -336,7 +336,17 @@ def _ace_step_prompts(pipeline, prompts, lyrics=None, seconds=30.0):
 READS_FEWER_TOKENS = {"z_image", "z_image_omni", "ideogram4"}
 # Whose pipelines read a micro model's kohya file: diffusers' Flux reader assumes FLUX.1's widths for a single
 # block's fused linear1 (tests/test_flux.py checks its double blocks).
-KOHYA_READ_BY_PIPELINE = {"sd", "sd_inpaint", "sdxl", "sdxl_inpaint", "qwen_image", "z_image", "wan", "wan_i2v"}
+KOHYA_READ_BY_PIPELINE = {
+    "sd",
+    "sd_inpaint",
+    "sdxl",
+    "sdxl_inpaint",
+    "qwen_image",
+    "z_image",
+    "wan",
+    "wan_i2v",
+    "wan_vace",
+}
 PIPELINE_PROMPTS = {
     "ace_step": _ace_step_prompts,
     "sd": _sd_prompts,
@@ -378,6 +388,7 @@ PIPELINE_PROMPTS = {
     "hunyuan_video15_i2v": _hunyuan_prompts,
     "wan": _wan_prompts,
     "wan_i2v": _wan_prompts,
+    "wan_vace": _wan_prompts,
 }
 CONTROL = recolor_pairs(1, seed=4)[0][0]
 MASK = Image.new("L", CONTROL.size, 0)  # an inpainting family's samples: white where it draws

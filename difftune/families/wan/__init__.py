@@ -94,6 +94,7 @@ ORIGINAL_NAMES = {
     "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
 }
 BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
+VACE_FILE_KEY = "vace_blocks.0.after_proj.bias"  # what diffusers' reader tells a Wan VACE file by (wan_vace)
 # For single files: diffusers' weight names -> the original model's, in this order, the inverse of diffusers' reader
 # (`convert_wan_transformer_to_diffusers`); a block's norm2 and norm3 trade names, the modulations are
 # `scale_shift_table`.
@@ -186,6 +187,8 @@ class WanLayout(RenamedLayout):
     single_file_layout = "transformer alone (original layout)"
 
     denoiser_file_key = "head.modulation"  # what diffusers' reader detects Wan files by
+
+    other_models_file_keys = (VACE_FILE_KEY,)
 
     def original_name(self, module: str) -> str | None:
         if match := BLOCK.match(module):
@@ -419,11 +422,13 @@ class Wan(FlowMatchingFamily):
             p_t, p_h, p_w = components.denoiser.config.patch_size
             tokens = clip.shape[2] // p_t * (clip.shape[3] // p_h) * (clip.shape[4] // p_w)
             timesteps = timesteps[:, None].expand(-1, tokens)
+        control = conditioning.get("control_hidden_states")  # a VACE transformer's control latents (wan_vace)
         prediction = components.denoiser(
             hidden_states=clip.to(states.dtype),
             timestep=timesteps.to(states.dtype),
             encoder_hidden_states=states,
             encoder_hidden_states_image=image_states.to(states.dtype) if image_states is not None else None,
+            **({} if control is None else {"control_hidden_states": control.to(states.dtype)}),
             return_dict=False,
         )[0]
         return prediction if noisy.dim() == 5 else prediction[:, :, 0]
