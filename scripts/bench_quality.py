@@ -268,6 +268,17 @@ VARIANTS = {
         "draft_anchored_noise_1_purple_prompts_x3": ["reward.prompts=" + PURPLE_PROMPTS_X3],
         # DDIM at eta 1 over 20 steps is the judge's own sampler (DDPM, 20 steps)
         "draft_anchored_noise_1_20_steps": ["reward.steps=20"],
+        # ReFL: the image predicted in one jump from a random one of the last N of 8 steps, so the steps that decide a
+        # color train too (DRaFT-1 trains the last alone)
+        "refl_last_4": ["reward.method=refl", "reward.refl_last_steps=4"],
+        "refl_last_2": ["reward.method=refl", "reward.refl_last_steps=2"],
+        # Unguided (or less guided) while training: the adapter's color change is then the prompt's alone, and the
+        # judge's guidance (3) multiplies it
+        "draft_anchored_noise_1_unguided": ["reward.guidance_scale=1.0"],
+        "draft_anchored_noise_1_guidance_2": ["reward.guidance_scale=2.0"],
+        # The cross-attention's key and value projections alone: they read the prompt, not the noisy latents, so what
+        # the last step teaches them of "purple" acts the same at every step, the early ones that decide the color too
+        **at_seeds("draft_anchored_noise_1_cross_kv", 'adapter.target_modules=["attn2.to_k", "attn2.to_v"]'),
         # The DRaFT paper's deterministic sample (DDIM, eta 0)
         **at_seeds("draft_anchored", "reward.noise_level=0"),
         "draft_anchored_4_steps": ["reward.noise_level=0", "reward.steps=4"],
