@@ -1,5 +1,5 @@
 """Build the bundled tiny turbo base: `python scripts/make_tiny_turbo_base.py` (models/tiny-z_image_turbo from
-models/tiny-z_image, with its training adapter).
+models/tiny-z_image, with its training adapter, and examples/turbo_seen, its default job's seen images).
 
 The base distilled to four unguided steps (toy/turbo.py: its guided 32-step trajectories regressed step by step), then
 its de-distilling training adapter made as ai-toolkit's are (a LoRA at a low learning rate on the turbo's own
@@ -24,7 +24,13 @@ from difftune.toy.tiny_base import (
     link_borrowed_files,
     timed,
 )
-from difftune.toy.turbo import TRAINING_ADAPTER, TurboRecipe, build_turbo_base, make_training_adapter
+from difftune.toy.turbo import (
+    TRAINING_ADAPTER,
+    TurboRecipe,
+    build_turbo_base,
+    make_training_adapter,
+    write_own_samples,
+)
 
 CARD = """---
 library_name: diffusers
@@ -84,6 +90,13 @@ def main() -> None:
     parser.add_argument(
         "--adapter-only", action="store_true", help="keep the distilled base in --model-dir; make its adapter again"
     )
+    parser.add_argument(
+        "--examples-dir",
+        type=Path,
+        default=Path("examples/turbo_seen"),
+        help="where the turbo job's seen images go: the turbo's own drawings of the seen prompts",
+    )
+    parser.add_argument("--examples-only", action="store_true", help="write --examples-dir from --model-dir alone")
     args = parser.parse_args()
     given = {
         "seed": args.seed,
@@ -92,6 +105,9 @@ def main() -> None:
         "adapter_learning_rate": args.adapter_learning_rate,
     }
     recipe = replace(TurboRecipe(), **{key: value for key, value in given.items() if value is not None})
+    if args.examples_only:
+        write_job_examples(args.model_dir, args.examples_dir, recipe)
+        return
     if args.adapter_only:
         facts = json.loads((args.model_dir / "scores.json").read_text())
         del facts["seconds"]["training_adapter"]  # the stage timed anew, not added to the last build's
@@ -104,6 +120,7 @@ def main() -> None:
         as_published(args.model_dir)
         link_borrowed_files(args.model_dir)
 
+    write_job_examples(args.model_dir, args.examples_dir, recipe)
     settings = {"turbo": recipe.sampling(), "one": replace(recipe.sampling(), steps=1), "base": EvalSettings()}
     adapted = load_components(ModelConfig(base=str(args.model_dir)))
     apply_adapters(adapted, [(args.model_dir / TRAINING_ADAPTER, 1.0)])
@@ -139,6 +156,12 @@ def main() -> None:
     )
     (args.model_dir / "README.md").write_text(text)
     print(json.dumps({"seconds": facts["seconds"], "seen": seen}))
+
+
+def write_job_examples(model_dir: Path, examples_dir: Path, recipe: TurboRecipe) -> None:
+    """`configs/tiny_turbo_lora.toml`'s seen images: the turbo's own first drawings of each seen prompt."""
+    turbo = load_components(ModelConfig(base=str(model_dir)))
+    write_own_samples(turbo, examples_dir, prompts_for(SEEN_COLORS), recipe, recipe.job_seen_per_prompt)
 
 
 if __name__ == "__main__":

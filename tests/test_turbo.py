@@ -4,6 +4,8 @@ job's quality (its training adapter keeping the few-step drawing) is test_qualit
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from difftune.families import load_components
 from difftune.toy.turbo import TurboRecipe, distil, landing_error, teacher_trajectories
 
 PROMPTS = ["a red circle", "a blue square"]
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +116,25 @@ def test_a_built_turbo_base_loads_and_trains_over_its_training_adapter(base, tmp
     )
     saved = load_file(train(config).trained_path)
     assert saved.keys() == adapter.keys() and not any(torch.equal(saved[key], adapter[key]) for key in saved)
+
+
+def test_the_turbo_jobs_seen_images_are_the_turbos_own_first_drawings(tmp_path):
+    """examples/turbo_seen (configs/tiny_turbo_lora.toml's seen images) is what the bundled turbo base draws of the
+    seen prompts as it is drawn (4 unguided steps) from its training adapter's first seeds: drawn again here for two
+    prompts, one image each, within a level of the committed ones (a batch of one sums in another order)."""
+    import numpy as np
+    from PIL import Image
+
+    from difftune.toy.turbo import write_own_samples
+
+    examples = REPO / "examples" / "turbo_seen"
+    recipe = TurboRecipe()
+    captions = [path.read_text().strip() for path in sorted(examples.glob("*.txt"))]
+    assert len(captions) == 12 * recipe.job_seen_per_prompt
+    turbo = load_components(ModelConfig(base=str(REPO / "models" / "tiny-z_image_turbo")))
+    prompts = ["a red circle", "a blue square"]
+    drawn = write_own_samples(turbo, tmp_path / "drawn", prompts, recipe, per_prompt=1)
+    for index, prompt in enumerate(prompts):
+        committed = examples / f"{captions.index(prompt):04d}.png"  # the prompt's first drawing
+        ours = np.asarray(Image.open(drawn / f"{index:04d}.png"), dtype=np.int16)
+        assert np.abs(ours - np.asarray(Image.open(committed), dtype=np.int16)).max() <= 1

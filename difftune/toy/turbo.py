@@ -55,6 +55,9 @@ class TurboRecipe:
     adapter_batch_size: int = 16
     adapter_learning_rate: float = 1e-4
     adapter_rank: int = 16
+    # The turbo job's seen images: the turbo's own drawings of each seen prompt, so that what the job's LoRA learns of
+    # them is what the turbo already draws (with the renders the tiny base learned from, it forgot 0.06-0.13)
+    job_seen_per_prompt: int = 2
 
     def sampling(self, samples_per_prompt: int = 8, seed: int = 1000) -> EvalSettings:
         """How the turbo base is drawn and judged: `steps` steps, unguided (the judge's seeds by default)."""
@@ -161,10 +164,14 @@ def distil(components: Components, prompts: list[str], trajectories: Trajectorie
 
 
 @torch.no_grad()
-def write_own_samples(components: Components, folder: Path, prompts: list[str], recipe: TurboRecipe) -> Path:
-    """`adapter_images_per_prompt` samples of each prompt by the turbo base as it is drawn (`recipe.sampling`), in
-    the kohya layout: what its training adapter learns from."""
-    settings = recipe.sampling(recipe.adapter_images_per_prompt, seed=recipe.seed + 10_000)  # not the judge's seeds
+def write_own_samples(
+    components: Components, folder: Path, prompts: list[str], recipe: TurboRecipe, per_prompt: int | None = None
+) -> Path:
+    """`per_prompt` samples of each prompt (`adapter_images_per_prompt`: what its training adapter learns from) by the
+    turbo base as it is drawn (`recipe.sampling`), in the kohya layout; sample k of each from the same seed whatever
+    their count, so the turbo job's seen images (`job_seen_per_prompt`) are the adapter's first ones."""
+    count = per_prompt or recipe.adapter_images_per_prompt
+    settings = recipe.sampling(count, seed=recipe.seed + 10_000)  # not the judge's seeds
     rows = judged_samples(components, prompts, settings)
     shutil.rmtree(folder, ignore_errors=True)
     write_caption_folder(folder, [(row["image"], row["prompt"]) for row in rows])
