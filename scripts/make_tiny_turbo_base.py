@@ -106,7 +106,7 @@ def main() -> None:
     }
     recipe = replace(TurboRecipe(), **{key: value for key, value in given.items() if value is not None})
     if args.examples_only:
-        write_job_examples(args.model_dir, args.examples_dir, recipe)
+        write_job_examples(load_components(ModelConfig(base=str(args.model_dir))), args.examples_dir, recipe)
         return
     if args.adapter_only:
         facts = json.loads((args.model_dir / "scores.json").read_text())
@@ -120,15 +120,12 @@ def main() -> None:
         as_published(args.model_dir)
         link_borrowed_files(args.model_dir)
 
-    write_job_examples(args.model_dir, args.examples_dir, recipe)
+    turbo = load_components(ModelConfig(base=str(args.model_dir)))
+    write_job_examples(turbo, args.examples_dir, recipe)
     settings = {"turbo": recipe.sampling(), "one": replace(recipe.sampling(), steps=1), "base": EvalSettings()}
     adapted = load_components(ModelConfig(base=str(args.model_dir)))
     apply_adapters(adapted, [(args.model_dir / TRAINING_ADAPTER, 1.0)])
-    models = {
-        "source": load_components(ModelConfig(base=str(args.source))),
-        "turbo": load_components(ModelConfig(base=str(args.model_dir))),
-        "adapted": adapted,
-    }
+    models = {"source": load_components(ModelConfig(base=str(args.source))), "turbo": turbo, "adapted": adapted}
     scores = {
         model: {name: score(components, SEEN_COLORS, HELD_OUT_COLOR, at) for name, at in settings.items()}
         for model, components in models.items()
@@ -158,9 +155,8 @@ def main() -> None:
     print(json.dumps({"seconds": facts["seconds"], "seen": seen}))
 
 
-def write_job_examples(model_dir: Path, examples_dir: Path, recipe: TurboRecipe) -> None:
+def write_job_examples(turbo, examples_dir: Path, recipe: TurboRecipe) -> None:
     """`configs/tiny_turbo_lora.toml`'s seen images: the turbo's own first drawings of each seen prompt."""
-    turbo = load_components(ModelConfig(base=str(model_dir)))
     write_own_samples(turbo, examples_dir, prompts_for(SEEN_COLORS), recipe, recipe.job_seen_per_prompt)
 
 

@@ -2,7 +2,13 @@
 kinds (`wan22_pipeline`)."""
 
 import torch
-from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+from diffusers import (
+    AutoencoderKLWan,
+    UniPCMultistepScheduler,
+    WanPipeline,
+    WanTransformer3DModel,
+    WanVACETransformer3DModel,
+)
 from transformers import UMT5Config, UMT5EncoderModel
 
 from difftune.families.qwen_image.micro import RECIPE as QWEN_RECIPE
@@ -117,13 +123,17 @@ def build_wan_transformer(
     head_dim: int = 16,
     in_channels: int = FLUX_LATENT_CHANNELS,
     image_dim: int | None = None,
-) -> WanTransformer3DModel:
+    vace: dict | None = None,
+) -> WanTransformer3DModel | WanVACETransformer3DModel:
     """`layers` Wan blocks (self-attention over 1x2x2 patches of 16-channel latents, cross-attention to UMT5's states,
     an MLP) with their rotary axes split over (time, row, column) from the head's width, as Wan's. `in_channels`: an
     image-to-video one's reads the first frame's mask and latents too (16 + the temporal factor + 16); `image_dim`:
     Wan 2.1 image-to-video's also reads CLIP image states of that width (its cross-attention's image key and value
-    projections, to the block's width as Wan 2.1 I2V's)."""
-    return WanTransformer3DModel(
+    projections, to the block's width as Wan 2.1 I2V's); `vace`: a VACE transformer's `vace_layers` and
+    `vace_in_channels`, its VACE blocks beside the Wan ones."""
+    model_class = WanTransformer3DModel if vace is None else WanVACETransformer3DModel
+    return model_class(
+        **(vace or {}),
         image_dim=image_dim,
         added_kv_proj_dim=heads * head_dim if image_dim else None,
         patch_size=(1, 2, 2),

@@ -49,6 +49,12 @@ VACE_PROJECTIONS = re.compile(r"^(vace_blocks\.\d+\.)proj_(in|out)\.")
 ORIGINAL_IN_VACE_BLOCK = ORIGINAL_IN_BLOCK | {"proj_in": "before_proj", "proj_out": "after_proj"}
 
 
+def reference_frames(references: list[torch.Tensor]) -> torch.Tensor:
+    """An edit pair's reference latents (each (B, C, h, w)) as the frames before a clip's (B, C, R, h, w): the last
+    reference first, as the pipeline's `prepare_video_latents` puts them."""
+    return torch.stack(list(reversed(references)), dim=2)
+
+
 def _original_projection(match: re.Match) -> str:
     return f"{match.group(1)}{'before' if match.group(2) == 'in' else 'after'}_proj."
 
@@ -98,9 +104,10 @@ class WanVACEConditioning(WanConditioning):
     def pixel_conditioning(self, components: Components, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         """A clip of zeros the clip's size (an image's: a one-frame clip) encoded to its posterior's mode, unnormalised
         as the cache keeps posteriors (B, C, t, h, w): the inactive and reactive clips of a sample with no control
-        video."""
+        video. One is encoded for the batch: its clips are one size."""
         clip = pixels if pixels.dim() == 5 else pixels[:, :, None]
-        return {"vace_zeros_latents": encode_posterior(components.vae, torch.zeros_like(clip))[0]}
+        zeros = encode_posterior(components.vae, torch.zeros_like(clip[:1]))[0]
+        return {"vace_zeros_latents": zeros.expand(len(clip), *zeros.shape[1:])}
 
     def trained_latents(self, latents: torch.Tensor, conditioning: dict) -> torch.Tensor:
         """The reference frames, the last reference first as the pipeline puts them, then the clip's."""
@@ -108,7 +115,7 @@ class WanVACEConditioning(WanConditioning):
         if not references:
             return latents
         clip = latents if latents.dim() == 5 else latents[:, :, None]
-        return torch.cat([*(reference[:, :, None] for reference in reversed(references)), clip], dim=2)
+        return torch.cat([reference_frames(references), clip], dim=2)
 
 
 class WanVACE(Wan):
@@ -133,7 +140,7 @@ class WanVACE(Wan):
         mask_channels = components.denoiser.config.vace_in_channels - 2 * clip.shape[1]
         control = torch.cat([zeros, zeros, clip.new_ones(clip.shape[0], mask_channels, *zeros.shape[2:])], dim=1)
         if references := conditioning.get("control_latents"):
-            frames = torch.stack(list(reversed(references)), dim=2).to(clip.dtype)  # as `trained_latents` puts them
+            frames = reference_frames(references).to(clip.dtype)
             padding = clip.new_zeros(frames.shape[0], control.shape[1] - frames.shape[1], *frames.shape[2:])
             control = torch.cat([torch.cat([frames, padding], dim=1), control], dim=2)
         prediction = super().denoise(
