@@ -197,7 +197,9 @@ def test_a_run_with_sound_trains_both_streams(make_config, base, tmp_path):
         generators = [torch.Generator().manual_seed(seed) for seed in (5, 6)]
         timesteps = torch.tensor([300.0, 800.0])
         noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(2))
-        conditioning |= FAMILY.objective.stream_noise(generators, conditioning | {"sound_latents": sound})
+        conditioning |= FAMILY.objective.stream_noise(
+            components, generators, latents, conditioning | {"sound_latents": sound}
+        )
         conditioning["sound_latents"] = sound
         loss = FAMILY.objective.loss(components, latents, timesteps, noise, conditioning, None, config.loss)
         sigma = (timesteps / 1000).view(-1, 1, 1)
@@ -289,7 +291,7 @@ def test_a_silent_clip_trains_its_frames_its_sounds_error_masked(make_config, ba
     with torch.no_grad():
         conditioning = FAMILY.conditioning.encode_prompts(components, tokens) | sounds
         generators = [torch.Generator().manual_seed(seed) for seed in (5, 6)]
-        conditioning |= FAMILY.objective.stream_noise(generators, conditioning)
+        conditioning |= FAMILY.objective.stream_noise(components, generators, latents, conditioning)
         masked = FAMILY.objective.loss(components, latents, timesteps, noise, conditioning, None, config.loss)
         heard = conditioning | {"sound_heard": torch.ones(2)}
         both = FAMILY.objective.loss(components, latents, timesteps, noise, heard, None, config.loss)

@@ -386,7 +386,7 @@ def test_clips_in_shards_are_cut_into_windows_like_the_folders(tmp_path):
     folder = tmp_path / "clips"
     write_clip_folder(folder, moving_shape_clips(2, seed=1, colors=("red",)))
     shards = write_shards(folder, tmp_path / "shards", per_shard=1)
-    windows = FrameWindows.of(DataConfig(path=str(folder), target_frames=[5]), frame_multiple=4)
+    windows = FrameWindows.of(DataConfig(path=str(folder), target_frames=[5]), (4, 1))
     config = DataConfig(path=str(folder), resolution=32, random_flip=True)
     from_folder, _ = scan_examples(config, windows=windows)
     from_shards, bad = scan_examples(config.model_copy(update={"path": str(shards)}), windows=windows)

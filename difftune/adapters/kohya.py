@@ -39,7 +39,7 @@ import torch
 from difftune.adapter_kinds import file_kind
 from difftune.adapters.trained import DORA_MAGNITUDE, LYCORIS_TENSORS, adapter_scale, config_alpha, derived_lora_configs
 from difftune.families.common.family import Family
-from difftune.families.common.layouts import KOHYA_DENOISER_PREFIX, FusedLayout, Layout, RenamedLayout
+from difftune.families.common.layouts import KOHYA_DENOISER_PREFIX, FusedLayout, Layout, RenamedLayout, swap_halves
 
 TEXT_MODEL = "text_model."
 
@@ -377,6 +377,8 @@ def _fused_to_kohya(
                 f"into {name}: adapt all of them (or none), or write the diffusers layout"
             )
         fused = fuse(denoiser, lora_configs, denoiser_name, modules)
+        if layout.swaps_halves(name):
+            fused = _halves_swapped(fused)
         out |= {f"{KOHYA_DENOISER_PREFIX}{name}.{kind}": value for kind, value in fused.items()}
     unnamed = adapted - {module for modules in table.values() for module in modules}
     if unnamed:
@@ -384,6 +386,15 @@ def _fused_to_kohya(
             f"{prefix}{sorted(unnamed)[0]}: has no name in the kohya {layout.kohya_layout_name} layout; "
             "write the diffusers layout"
         )
+    return out
+
+
+def _halves_swapped(fused: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A fused layer's adapter for the same layer with its output rows' two halves swapped: the up's rows, and a DoRA
+    magnitude's, swapped (its own inverse)."""
+    out = fused | {"lora_up.weight": swap_halves(fused["lora_up.weight"])}
+    if "dora_scale" in fused:
+        out["dora_scale"] = swap_halves(fused["dora_scale"])
     return out
 
 
@@ -409,6 +420,8 @@ def _fused_from_kohya(
     ranks, alphas = {}, {}
     for name, found in by_name.items():
         modules = table[name]
+        if layout.swaps_halves(name):
+            found = _halves_swapped(found)
         sizes = layout.fused_row_sizes(modules, found["lora_up.weight"].shape[0], found["lora_down.weight"].shape[1])
         for module, part in zip(modules, split(found, sizes), strict=True):
             out |= {f"{denoiser_name}.{module}.{kind}": value for kind, value in part.tensors.items()}

@@ -53,23 +53,27 @@ class FrameWindows:
     stride: int = 1  # `slide`: frames between window starts
     samples: int = 1  # `uniform`: windows per length
     max_frames: int = 129  # `full`: the longest window
-    frame_multiple: int = 4  # lengths are k * frame_multiple + 1 (the autoencoder's temporal factor)
+    frame_multiple: int = 4  # lengths are k * frame_multiple + shortest (Wan's autoencoder: its temporal factor, 1)
+    shortest: int = 1
 
     @classmethod
-    def of(cls, data: DataConfig, frame_multiple: int) -> FrameWindows:
-        """The windows `data`'s frame settings ask for, for an autoencoder of temporal factor `frame_multiple`."""
+    def of(cls, data: DataConfig, lengths: tuple[int, int]) -> FrameWindows:
+        """The windows `data`'s frame settings ask for, for an autoencoder that takes clips of `lengths` (step,
+        shortest: `autoencoders.clip_lengths`)."""
         return cls(
             tuple(data.target_frames),
             data.frame_extraction,
             data.frame_stride,
             data.frame_samples,
             data.max_frames,
-            frame_multiple,
+            *lengths,
         )
 
     def rounded(self, frames: int) -> int:
-        """`frames` rounded down to a length the autoencoder takes (at least 1)."""
-        return max(1, (frames - 1) // self.frame_multiple * self.frame_multiple + 1)
+        """`frames` rounded down to a length the autoencoder takes (at least 1: one frame, an image's)."""
+        if frames < self.shortest:
+            return 1
+        return (frames - self.shortest) // self.frame_multiple * self.frame_multiple + self.shortest
 
     def windows(self, frame_count: int) -> list[tuple[int, int]]:
         """The (start, length) windows of a clip of `frame_count` frames; none where it is shorter than every length."""

@@ -37,6 +37,10 @@ autoencoder whose latents
   latent frames at its hop (`downsampling_ratios`' product: 1920 samples at 48 kHz, 25 a second), not normalised (its
   config has no scale; `AceStepPipeline` decodes the latents as they are). Everything outside this module sees a
   sound as an image one row high: its waveform (B, 2, 1, samples), its latents (B, C, 1, frames).
+- `AutoencoderKLMiniMaxH3` (MiniMax-H3): a causal 3D encoder at 16x in space with a ViT decoder, 24 channels,
+  per-channel statistics as Wan's. It reads ImageNet-normalised RGB over [0, 1] (`(pixel - mean) / std`, what its
+  pipeline gives it), not [-1, 1], and encodes clips in chunks of 17 frames, dropping 3 latent frames of each: clips
+  take 17n + 5 frames (5n + 2 latent frames), an image is one latent frame (`clip_lengths`, `latent_frames`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from diffusers import (
     AutoencoderKLHunyuanVideo,
     AutoencoderKLHunyuanVideo15,
     AutoencoderKLLTX2Video,
+    AutoencoderKLMiniMaxH3,
     AutoencoderKLQwenImage,
     AutoencoderKLQwenImage21,
     AutoencoderKLWan,
@@ -75,6 +80,7 @@ VAE_CLASSES = {
     "AutoencoderKLHunyuanVideo15": AutoencoderKLHunyuanVideo15,
     "AutoencoderDC": AutoencoderDC,
     "AutoencoderOobleck": AutoencoderOobleck,
+    "AutoencoderKLMiniMaxH3": AutoencoderKLMiniMaxH3,
 }
 # Encoders that return their latents, not a posterior (a std of 0).
 DETERMINISTIC_AUTOENCODERS = (AutoencoderTiny, AutoencoderDC)
@@ -86,7 +92,11 @@ VIDEO_AUTOENCODERS = (
     AutoencoderKLHunyuanVideo,
     AutoencoderKLHunyuanVideo15,
     AutoencoderKLLTX2Video,
+    AutoencoderKLMiniMaxH3,
 )
+# Pixels read ImageNet-normalised over [0, 1] (mean, std per channel), as their pipelines give them.
+IMAGENET_PIXELS = (AutoencoderKLMiniMaxH3,)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 PATCHED_AUTOENCODERS = (AutoencoderKLFlux2,)  # latents read patched 2x2 into channels
 SOUND_AUTOENCODERS = (AutoencoderOobleck,)  # waveforms, seen as images one row high
 
@@ -181,6 +191,22 @@ def frames_per_latent(vae) -> int:
     )
 
 
+def clip_lengths(vae) -> tuple[int, int]:
+    """(step, shortest): the clip lengths the autoencoder takes are shortest + k x step frames; a causal video
+    autoencoder's are k x its temporal factor + 1 (Wan's 4k + 1), MiniMax-H3's 17n + 5 (its chunks of 17 frames)."""
+    if isinstance(vae, AutoencoderKLMiniMaxH3):
+        return vae.config.clip_length, vae.tokens_chunk_size
+    return frames_per_latent(vae), 1
+
+
+def latent_frames(vae, frames: int) -> int:
+    """Latent frames of a clip of `frames` frames (a length `clip_lengths` allows; 1: an image)."""
+    if isinstance(vae, AutoencoderKLMiniMaxH3) and frames > 1:
+        step, shortest = clip_lengths(vae)
+        return (frames - shortest) // step * vae.tokens_chunk_size + shortest - vae.config.token_drop
+    return (frames - 1) // frames_per_latent(vae) + 1
+
+
 def load_vae(name: str):
     """An autoencoder of a kind above from a folder (or a pipeline folder's `vae/`) or hub id."""
     subfolder = "vae" if (Path(name) / "vae" / "config.json").is_file() else None
@@ -219,8 +245,10 @@ def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def as_read_by(vae, pixels: torch.Tensor) -> torch.Tensor:
-    """Pixels (B, 3 or 4, ...) as the autoencoder reads them: RGB given an opaque alpha where it reads RGBA; RGBA
-    refused where it reads RGB."""
+    """Pixels (B, 3 or 4, ...) in [-1, 1] as the autoencoder reads them: RGB given an opaque alpha where it reads
+    RGBA; RGBA refused where it reads RGB; ImageNet-normalised where it reads that (`IMAGENET_PIXELS`)."""
+    if isinstance(vae, IMAGENET_PIXELS):
+        return ((pixels + 1) / 2 - _per_channel(IMAGENET_MEAN, pixels)) / _per_channel(IMAGENET_STD, pixels)
     rgba = reads_rgba(vae)
     if pixels.shape[1] == 3 and rgba:
         return torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
@@ -283,4 +311,6 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
         decoded = vae.decode(unpatched(encoded)).sample
     else:
         decoded = vae.decode(encoded).sample
+    if isinstance(vae, IMAGENET_PIXELS):
+        decoded = (decoded * _per_channel(IMAGENET_STD, decoded) + _per_channel(IMAGENET_MEAN, decoded)) * 2 - 1
     return decoded[:, :3]  # an RGBA autoencoder's alpha left out

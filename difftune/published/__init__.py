@@ -91,7 +91,7 @@ def config_folder(base: str) -> Path:
         config = part_config(base, name)
         file = (
             "scheduler_config.json"
-            if name == "scheduler"
+            if name.endswith("scheduler")  # MiniMax-H3's `audio_scheduler` too
             else "preprocessor_config.json"
             if "image_processor_type" in config  # an image processor's (Wan 2.1 I2V's, HunyuanVideo 1.5 I2V's)
             else "config.json"

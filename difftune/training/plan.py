@@ -875,7 +875,7 @@ def _planned_media(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch's pixels and latents at the largest size training draws: images at the largest resolution, a clip's of
     the longest window (`_planned_frames`), a sound's of a window (one row high: `SoundWindows`)."""
-    from difftune.models.autoencoders import downsampling, frames_per_latent, latent_channels
+    from difftune.models.autoencoders import downsampling, latent_channels, latent_frames
 
     vae, channels = components.vae, latent_channels(components.vae)
     windows = components.family.conditioning.frame_windows(config.data, components)
@@ -885,7 +885,7 @@ def _planned_media(
         return torch.zeros(batch, 2, 1, samples, device=META), latents
     side = config.data.largest_resolution()
     frames = _planned_frames(components, config)
-    time = ((frames - 1) // frames_per_latent(vae) + 1,) if frames else ()
+    time = (latent_frames(vae, frames),) if frames else ()
     size = side // downsampling(vae)
     latents = torch.zeros(batch, channels, *time, size, size, device=META, dtype=dtype)
     return torch.zeros(batch, 3, *((frames,) if frames else ()), side, side, device=META), latents

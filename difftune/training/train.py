@@ -755,7 +755,8 @@ def _training_loss(
     timesteps, noise, input_noise = family.objective.draw_timesteps_and_noise(
         components, generators, latents, config.loss
     )
-    conditioning |= family.objective.stream_noise(generators, conditioning)  # a clip's sound's, where it trains
+    # A clip's sound's noise, where it trains beside the latents
+    conditioning |= family.objective.stream_noise(components, generators, latents, conditioning)
     mask = (
         latent_mask(to_device(batch["mask"], device), latents.shape[2:], config.data.unmasked_weight)
         if "mask" in batch

@@ -47,9 +47,9 @@ from difftune.owned_files import open_append
 PAGE_SIZE = 24
 THUMBNAIL_SIDE = 256
 HISTORY_FILE = "caption_history.jsonl"  # under the jobs folder's `datasets/`: every caption edited here, old and new
-# Clips are checked as a video base of this many frames per latent cuts them (Wan, HunyuanVideo, LTX-Video): the
-# tab knows no base; a still-image base leaves clips out, and its run says so.
-FRAMES_PER_LATENT = 4
+# Clips are checked as a video base of 4 frames per latent cuts them (4k + 1 frames: Wan, HunyuanVideo, LTX-Video):
+# the tab knows no base; a still-image base leaves clips out, and its run says so.
+CLIP_LENGTHS = (4, 1)
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ def check_dataset(data: DataConfig, key: str = "data.path") -> DatasetCheck:
     # Stored records are scanned as the run scans them: an uncaptioned one stops it with the run's own message.
     stops = data.missing_caption == "error" and isinstance(data_source(data.path), FolderOfFiles)
     scanned = data.model_copy(update={"missing_caption": "empty"}) if stops else data
-    examples, bad = scan_examples(scanned, key, FrameWindows.of(data, FRAMES_PER_LATENT))
+    examples, bad = scan_examples(scanned, key, FrameWindows.of(data, CLIP_LENGTHS))
     uncaptioned = [item.path for item in list_items(data) if item.caption is None] if stops else []
     return DatasetCheck(len(examples), bad, uncaptioned, Counter(training_sizes(examples, data)))
 

@@ -24,7 +24,7 @@ from difftune.data.sound_files import SoundWindows
 from difftune.errors import DifftuneError
 from difftune.families.common.loading import FamilyOptions
 from difftune.families.common.role import Role
-from difftune.models.autoencoders import LatentNormalization, frames_per_latent, latent_normalization
+from difftune.models.autoencoders import LatentNormalization, clip_lengths, latent_normalization
 from difftune.models.components import Components, tokenize
 
 NO_TOKEN = -1  # what padded ids hold where a caption has no token: no token's id, so masks and cache keys need no pad
@@ -179,7 +179,7 @@ class Conditioning(Role):
         """How this family's data cuts clips into windows (`data`'s frame settings, lengths the base's autoencoder
         takes); None for an image family, whose data leaves clips out and reports them. A sound family's cuts sounds
         (`SoundWindows`)."""
-        return FrameWindows.of(data, frames_per_latent(components.vae)) if self.family.reads_clips else None
+        return FrameWindows.of(data, clip_lengths(components.vae)) if self.family.reads_clips else None
 
     def control_size(
         self, target_size: tuple[int, int], control_size: tuple[int, int], options: FamilyOptions | None = None

@@ -159,6 +159,9 @@ class OriginalFileLayout:
     original_blocks: OriginalBlocks = {}
     original_globals: dict[str, str] = {}
     swapped_halves: tuple[str, ...] = ()
+    # Original layers in a block whose rows hold the module's two halves in the other order (MiniMax-H3's SwiGLU
+    # `mlp.fc1`: gate, value, where diffusers' `ff.net.0.proj` holds value, gate); its adapters' ups are swapped too.
+    swapped_block_layers: tuple[str, ...] = ()
 
     def fused_row_sizes(self, modules: list[str], rows: int, columns: int) -> list[int]:
         """How a fused layer's `rows` output rows split among its `modules` (`columns`: its input width): evenly,
@@ -196,7 +199,9 @@ class OriginalFileLayout:
                         keys = [f"{blocks}.{i}.{module}.{parameter}" for module in modules]
                         if keys[0] in weights:
                             saved = "scale" if ".norm." in f".{original}" else parameter
-                            out[f"{kind}.{i}.{original}.{saved}"] = torch.cat([weights.pop(key) for key in keys])
+                            value = torch.cat([weights.pop(key) for key in keys])
+                            swapped = original in self.swapped_block_layers
+                            out[f"{kind}.{i}.{original}.{saved}"] = swap_halves(value) if swapped else value
         for key, value in weights.items():
             module, parameter = key.rsplit(".", 1)
             if module not in self.original_globals:
@@ -226,6 +231,8 @@ class OriginalFileLayout:
                         "is this file of another model?"
                     )
                 parameter = "weight" if parameter == "scale" else parameter
+                if layer[match.end() :] in self.swapped_block_layers:
+                    value = swap_halves(value)
                 # A layer of one module is that module's, whole; a fused one splits as the family says.
                 columns = value.shape[-1] if value.ndim > 1 else 0
                 sizes = self.fused_row_sizes(modules, value.shape[0], columns) if len(modules) > 1 else [len(value)]
@@ -263,6 +270,11 @@ class FusedLayout(OriginalFileLayout, Layout):
                 for pattern, members in self.kohya_blocks[kind].items()
             }
         return table | self.kohya_globals
+
+    def swaps_halves(self, name: str) -> bool:
+        """Whether the kohya layer `name` holds its module's rows with the two halves swapped
+        (`swapped_block_layers`)."""
+        return any(name.endswith("_" + layer.replace(".", "_")) for layer in self.swapped_block_layers)
 
     def problems(self, config) -> list[str]:
         problems = super().problems(config)

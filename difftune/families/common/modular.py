@@ -52,11 +52,16 @@ def without_step_bars(blocks) -> None:
 
 class ModularLoading(Loading):
     left_out_steps: tuple[str, ...] = ()  # the default blocks' steps difftune never runs (by their names)
+    # The default blocks' workflow difftune trains and draws (`get_workflow`: MiniMax-H3's text-to-video, which loads
+    # its own transformer alone of the two its bases hold); None: the blocks whole.
+    workflow: str | None = None
 
     def modular_pipeline(self, folder: str | None = None, revision: str | None = None):
         """The family's modular pipeline over its blocks less `left_out_steps`, reading the component specs of
         `folder` (a base folder or hub id; None: none, every part to be given), no part loaded yet."""
         blocks = getattr(importlib.import_module("diffusers"), self.family.pipeline_class.default_blocks_name)()
+        if self.workflow:
+            blocks = blocks.get_workflow(self.workflow)
         for step in self.left_out_steps:
             blocks.sub_blocks.pop(step)
         without_step_bars(blocks)

@@ -256,9 +256,12 @@ class Objective:
         """Per sample, from its own generator: timesteps (B,), the target noise and the input noise (B, C, h, w)."""
         raise NotImplementedError
 
-    def stream_noise(self, generators: list[torch.Generator], conditioning: dict) -> dict[str, torch.Tensor]:
+    def stream_noise(
+        self, components: Components, generators: list[torch.Generator], latents: torch.Tensor, conditioning: dict
+    ) -> dict[str, torch.Tensor]:
         """Per sample, from its own generator after `draw_timesteps_and_noise`: the noise of what trains beside the
-        latents in `conditioning` (a clip's sound), by name, to join it; nothing for an objective of latents alone."""
+        `latents` in `conditioning` (a clip's sound), by name, to join it; nothing for an objective of latents
+        alone."""
         return {}
 
     def noised(

@@ -53,16 +53,16 @@ from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltx2_
 from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
 from pydantic import Field
 
-from difftune.config import Config, ModelConfig
-from difftune.data.cache import model_identity
+from difftune.config import Config
 from difftune.data.clips import Sound, SoundingClip, frame_rate
 from difftune.data.sound import log_mel_spectrogram, read_sound, window_samples
 from difftune.errors import DifftuneError
-from difftune.families.common.conditioning import NO_TOKEN, Conditioning, padded_token_ids
+from difftune.families.common.conditioning import NO_TOKEN, padded_token_ids
 from difftune.families.common.drawing import ClipDrawing
 from difftune.families.common.flow import FlowDrawing, FlowMatching, FlowMatchingFamily, flow_error
 from difftune.families.common.layouts import RenamedLayout
 from difftune.families.common.loading import FamilyOptions, Loading
+from difftune.families.common.sound import SoundConditioning, SoundLoading, sound_setting_problems
 from difftune.families.common.targets import AdapterTargets, targets_in_blocks
 from difftune.memory.transfer import host_randn
 from difftune.models.components import Components
@@ -155,7 +155,7 @@ class SoundAndVideoFlow(FlowMatching):
     """LTX-2's flow matching: a clip's latents, and where the batch holds its sound (`sound_latents`) the sound's
     latents too, at the clip's noise level with their own noise; the loss the video's mean error plus the sound's."""
 
-    def stream_noise(self, generators, conditioning):
+    def stream_noise(self, components, generators, latents, conditioning):
         if "sound_latents" not in conditioning:
             return {}
         sound = conditioning["sound_latents"]
@@ -194,17 +194,8 @@ class LTX2Targets(AdapterTargets):
         return targets
 
 
-class LTX2Loading(Loading):
+class LTX2Loading(SoundLoading):
     single_file_pipeline = Loading.pipeline_around_denoiser_file
-
-    def drawing_part_names_of(self, config: ModelConfig) -> tuple[str, ...]:
-        return ("vocoder",) if self.family.options(config).sound else self.family.drawing_part_names
-
-    def components_of(self, pipeline, options: LTX2Options) -> Components:
-        components = super().components_of(pipeline, options)
-        if options.sound:
-            components.pixel_encoders["audio_vae"] = components.drawing_parts.pop("audio_vae")
-        return components
 
 
 class LTX2Drawing(ClipDrawing, FlowDrawing):
@@ -236,18 +227,9 @@ class LTX2Drawing(ClipDrawing, FlowDrawing):
         }
 
 
-class LTX2Conditioning(Conditioning):
+class LTX2Conditioning(SoundConditioning):
     def encoder_tokenizers(self) -> list[tuple[str, str]]:
         return [("text_encoder", "tokenizer"), ("connectors", "tokenizer")]
-
-    def trains_sound(self, components: Components) -> bool:
-        return components.family_options.sound
-
-    def latent_identity(self, components: Components) -> str:
-        identity = super().latent_identity(components)
-        if not self.trains_sound(components):
-            return identity
-        return f"{identity}+sound+{model_identity(components.pixel_encoders['audio_vae'])}"
 
     def sound_conditioning(self, components: Components, clips: list[tuple[Path, tuple[int, int] | None]]) -> dict:
         """Each clip window's sound as the transformer reads it, (B, tokens, channels), the clip's frame rate (B,) and
@@ -337,14 +319,7 @@ class LTX2(FlowMatchingFamily):
     # autoencoder its frames; kept, placed and released with it (`pixel_encoders`) where sound trains.
 
     def unsupported_settings(self, config: Config) -> list[str]:
-        if not self.options(config.model).sound:
-            return []
-        needs_off = {
-            "cache.latents must be on (the sound is cached beside the frames)": config.cache.latents != "on",
-            "preference.method must be off": config.preference.method != "off",
-            "slider.enabled must be false": config.slider.enabled,
-        }
-        return [f"model.family_options.sound: {need}" for need, unmet in needs_off.items() if unmet]
+        return sound_setting_problems(config) if self.options(config.model).sound else []
 
     # Prompts and the transformer.
 
