@@ -261,6 +261,15 @@ class ReferenceSizedDrawing(Drawing):
         return {"image": controls} if controls else {}
 
 
+def one_call_each(prompt: str | list[str], arguments: dict) -> list[tuple[str, dict]]:
+    """For a pipeline that draws one prompt a call (a modular pipeline, VACE's, MiniMax-H3's): each prompt with the
+    call's `arguments` and its own generator (a list holds one a prompt; one generator, or none, serves every call)."""
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    generators = arguments.get("generator")
+    generators = generators if isinstance(generators, list) else [generators] * len(prompts)
+    return [(text, arguments | {"generator": generator}) for text, generator in zip(prompts, generators, strict=True)]
+
+
 def one_image_each(prompts: list, pipelines_do: str, example: str) -> list[str]:
     """The `sample.prompts` entries that name other than one image (for a family whose pipeline draws from exactly one:
     `pipelines_do` says what they do with it, `example` names such a file), each named."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from difftune.config import ModelConfig
 from difftune.errors import DifftuneError
-from difftune.families.common.drawing import Drawing
+from difftune.families.common.drawing import Drawing, one_call_each
 from difftune.families.common.loading import FamilyOptions, Loading, PartSource
 from difftune.models.components import SINGLE_FILE_SUFFIXES, Components
 from difftune.models.dtypes import FP32_PARTS, PartDtypes
@@ -162,18 +162,14 @@ class ModularDrawing(Drawing):
         parts = {name: arguments.pop(name) for name in list(arguments) if name in pipeline._component_specs}
         with diffusers_warnings_silenced():
             pipeline.update_components(**parts)
-        prompts = [prompt] if isinstance(prompt, str) else prompt
-        generators = arguments.pop("generator", None)
-        generators = generators if isinstance(generators, list) else [generators] * len(prompts)
         images = []
-        for text, generator in zip(prompts, generators, strict=True):
+        for text, call in one_call_each(prompt, arguments):
             images += pipeline(
                 prompt=text,
                 height=height,
                 width=width,
-                generator=generator,
                 **self.image_arguments(controls, height, width),
-                **arguments,
+                **call,
                 output="images",
             )
         return images

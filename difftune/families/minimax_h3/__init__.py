@@ -64,7 +64,7 @@ from difftune.data.clips import Sound, SoundingClip
 from difftune.data.sound import read_sound, window_samples
 from difftune.errors import DifftuneError
 from difftune.families.common.conditioning import NO_TOKEN, padded_token_ids
-from difftune.families.common.drawing import ClipDrawing
+from difftune.families.common.drawing import ClipDrawing, one_call_each
 from difftune.families.common.flow import FlowDrawing, FlowMatching, FlowMatchingFamily, flow_error, shifted
 from difftune.families.common.layouts import FusedLayout, kohya_blocks_of, kohya_globals_of
 from difftune.families.common.loading import FamilyOptions
@@ -158,9 +158,8 @@ def sound_levels(components: Components, timesteps: torch.Tensor) -> torch.Tenso
     the unshifted schedule through each modality's shift."""
     video_shift = components.noise_scheduler.config.shift
     audio_shift = components.pipeline_options["audio_scheduler"].config.shift
-    sigmas = timesteps.float() / 1000
-    unshifted = sigmas / (video_shift - (video_shift - 1) * sigmas)
-    return shifted(unshifted, audio_shift) * 1000
+    # Shifts compose by their product (s1 then s2 is s1 x s2), so undoing the video's and applying the sound's is one.
+    return shifted(timesteps.float() / 1000, audio_shift / video_shift) * 1000
 
 
 class PackedSoundAndVideoFlow(FlowMatching):
@@ -175,11 +174,11 @@ class PackedSoundAndVideoFlow(FlowMatching):
         return {"sound_noise": host_randn(shape, generators, latents.device, torch.float32)}
 
     def loss(self, components, latents, timesteps, noise, conditioning, geometry, config, input_noise=None, mask=None):
+        if "sound_latents" not in conditioning:  # the video alone: `denoise` beside unheard sound
+            arguments = (components, latents, timesteps, noise, conditioning, geometry, config, input_noise, mask)
+            return super().loss(*arguments)
         family = components.family
         noisy = self.noised(components, latents, timesteps, noise if input_noise is None else input_noise)
-        if "sound_latents" not in conditioning:
-            video = family.denoise(components, noisy, timesteps, conditioning, geometry)
-            return self.weighted(flow_error(video, noise - latents, timesteps, config, mask), timesteps, config)
         sound, sound_noise = conditioning["sound_latents"], conditioning["sound_noise"]
         levels = sound_levels(components, timesteps)
         noisy_sound = self.noised(components, sound, levels, sound_noise)
@@ -231,19 +230,15 @@ class MiniMaxH3Drawing(ModularDrawing, ClipDrawing, FlowDrawing):
     def draw_clips(self, pipeline, prompt, controls, height, width, frames, **arguments) -> list[list]:
         """Each prompt's clip in a call of its own (the pipeline packs one request), with its generator, and with the
         sound drawn beside it."""
-        prompts = [prompt] if isinstance(prompt, str) else prompt
-        generators = arguments.pop("generator", None)
-        generators = generators if isinstance(generators, list) else [generators] * len(prompts)
         clips = []
-        for text, generator in zip(prompts, generators, strict=True):
+        for text, call in one_call_each(prompt, arguments):
             drawn = pipeline(
                 prompt=text,
                 height=height,
                 width=width,
                 num_frames=frames,
-                generator=generator,
                 output=["videos", "audio", "sampling_rate"],
-                **arguments,
+                **call,
             )
             sound = Sound(drawn["audio"][0].float().cpu().numpy(), drawn["sampling_rate"])
             clips.append(SoundingClip(drawn["videos"][0], sound, MINIMAX_H3_FPS))

@@ -28,6 +28,7 @@ import re
 import torch
 from diffusers import WanVACEPipeline, WanVACETransformer3DModel
 
+from difftune.families.common.drawing import one_call_each
 from difftune.families.common.targets import targets_in_blocks
 from difftune.families.wan import (
     ORIGINAL_IN_BLOCK,
@@ -89,14 +90,10 @@ class WanVACEDrawing(WanDrawing):
     def draw_clips(self, pipeline, prompt, controls, height, width, frames, **arguments) -> list[list]:
         """Each prompt's clip in a call of its own, with its generator (the pipeline draws one video a call); the
         controls are every clip's reference images."""
-        prompts = [prompt] if isinstance(prompt, str) else prompt
-        generators = arguments.pop("generator", None)
-        generators = generators if isinstance(generators, list) else [generators] * len(prompts)
         references = {"reference_images": controls} if controls else {}
         clips = []
-        for text, generator in zip(prompts, generators, strict=True):
-            arguments |= {"generator": generator, **references}
-            clips += super().draw_clips(pipeline, text, [], height, width, frames, **arguments)
+        for text, call in one_call_each(prompt, arguments | references):
+            clips += super().draw_clips(pipeline, text, [], height, width, frames, **call)
         return clips
 
 
