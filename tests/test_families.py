@@ -32,6 +32,7 @@ from diffusers import ClassifierFreeGuidance, GGUFQuantizationConfig
 from diffusers.modular_pipelines.anima.before_denoise import AnimaTextConditioningStep
 from diffusers.modular_pipelines.anima.encoders import AnimaTextEncoderStep
 from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
+from diffusers.modular_pipelines.ltx2.encoders import _get_gemma_prompt_embeds
 from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
 from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter, dequantize_gguf_tensor
 from PIL import Image
@@ -49,6 +50,8 @@ from difftune.families.ace_step.micro import SAMPLE_RATE as ACE_STEP_RATE
 from difftune.families.common.inpainting import InpaintDrawing
 from difftune.families.common.layouts import FusedLayout
 from difftune.families.common.modular import ModularLoading
+from difftune.families.ltx2 import text_tokens
+from difftune.families.ltx25 import shortest_clip
 from difftune.families.lumina2 import SYSTEM_PROMPT
 from difftune.families.qwen_image_edit import set_for_the_call
 from difftune.families.qwen_image_layered import LayeredOptions
@@ -284,6 +287,15 @@ def _ltx2_prompts(pipeline, prompts):
     return {"encoder_hidden_states": video, "text_mask": video_mask}
 
 
+def _ltx25_prompts(pipeline, prompts):
+    """Its text step's Gemma 4 states (the same function as LTX-2's pipeline) through its connectors: the video
+    stream's caption states and their mask."""
+    length = text_tokens(pipeline.tokenizer)
+    states, mask = _get_gemma_prompt_embeds(pipeline, prompts, length, "cpu", pipeline.text_encoder.dtype)
+    video, _, video_mask = pipeline.connectors(states, mask, padding_side=pipeline.tokenizer.padding_side)
+    return {"encoder_hidden_states": video, "text_mask": video_mask}
+
+
 def _hidream_prompts(pipeline, prompts):
     t5, _, llama, _, pooled, _ = pipeline.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False)
     return {
@@ -389,6 +401,7 @@ PIPELINE_PROMPTS = {
     "sana": _sana_prompts,
     "sana_video": _sana_prompts,
     "ltx2": _ltx2_prompts,
+    "ltx25": _ltx25_prompts,
     "minimax_h3": _minimax_h3_prompts,
     "ideogram4": _ideogram4_prompts,
     "ernie_image": _ernie_image_prompts,
@@ -510,6 +523,13 @@ def render(name: str, pipeline, prompt: str = "a purple circle") -> np.ndarray:
             SimpleNamespace(tokenizers={"tokenizer": pipeline.tokenizer}), 3.0, ""
         )
         return pipeline(prompt=prompt, num_frames=1, **guidance, **arguments).frames[0][:, 0].numpy()
+    elif name == "ltx25":  # the shortest clip its decoder draws, its first latent frame; its guiders are components
+        guidance = family.drawing.sampling_arguments(
+            SimpleNamespace(tokenizers={"tokenizer": pipeline.tokenizer}), 3.0, ""
+        )
+        pipeline.update_components(guider=guidance.pop("guider"), audio_guider=guidance.pop("audio_guider"))
+        clip = {"num_frames": shortest_clip(pipeline), **guidance}
+        return pipeline(prompt=prompt, **clip, **arguments, output="videos")[0][:, 0].numpy()
     elif name == "hunyuan_video":  # a one-frame clip; guidance-distilled: the scale is its embedding's input
         return pipeline(prompt=prompt, num_frames=1, guidance_scale=3.0, **arguments).frames[0][:, 0].numpy()
     elif name == "hunyuan_video_skyreels_i2v":  # a one-frame clip of the image; a second pass guides, the embedding 1

@@ -343,11 +343,16 @@ def test_a_sample_carries_the_sound_drawn_beside_its_frames(base, tmp_path):
     drawn = sample.clip.sound
     assert drawn.rate == components.drawing_parts["vocoder"].config.output_sampling_rate
     assert np.sqrt((drawn.samples**2).mean()) > 1e-3
-    path = save_images([sample], config, tmp_path)[0]
+    assert_the_mp4_carries(save_images([sample], config, tmp_path)[0], drawn, frames=9)
+
+
+def assert_the_mp4_carries(path, drawn: Sound, frames: int) -> None:
+    """`path` is an mp4 of `frames` frames at 24 a second with an AAC track of the `drawn` sound: at its rate and
+    channels, its energy the waveform's (AAC does not keep samples)."""
     assert path.suffix == ".mp4"
     with av.open(str(path)) as container:
         video = container.streams.video[0]
-        assert video.average_rate == 24 and sum(1 for _ in container.decode(video)) == 9
+        assert video.average_rate == 24 and sum(1 for _ in container.decode(video)) == frames
     with av.open(str(path)) as container:
         track = container.streams.audio[0]
         assert (track.rate, track.channels) == (drawn.rate, len(drawn.samples))

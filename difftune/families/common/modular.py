@@ -142,6 +142,7 @@ class ModularDrawing(Drawing):
                 **components.text_encoders,
                 **components.tokenizers,
                 **components.drawing_parts,
+                **components.pixel_encoders,
                 scheduler=scheduler or components.noise_scheduler,
                 **components.pipeline_options,
             )
@@ -155,15 +156,19 @@ class ModularDrawing(Drawing):
             arguments = {"guider": ClassifierFreeGuidance(guidance_scale=guidance_scale)}
         return arguments | ({"negative_prompt": negative_prompt or ""} if guidance_scale > 1 else {})
 
-    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
-        """Through the modular pipeline's blocks, one prompt a call (as its text step takes them), each prompt of a
-        list with its own generator; an argument that names one of its components (the guider of a guidance scale)
-        replaces that component first."""
+    def components_given(self, pipeline, arguments: dict) -> dict:
+        """`arguments` less those that name one of the pipeline's components (the guider of a guidance scale), each
+        of which replaces that component first."""
         parts = {name: arguments.pop(name) for name in list(arguments) if name in pipeline._component_specs}
         with diffusers_warnings_silenced():
             pipeline.update_components(**parts)
+        return arguments
+
+    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
+        """Through the modular pipeline's blocks, one prompt a call (as its text step takes them), each prompt of a
+        list with its own generator."""
         images = []
-        for text, call in one_call_each(prompt, arguments):
+        for text, call in one_call_each(prompt, self.components_given(pipeline, arguments)):
             images += pipeline(
                 prompt=text,
                 height=height,

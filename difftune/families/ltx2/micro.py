@@ -89,8 +89,14 @@ def pipeline(vae, sizes: MicroSizes):
         heads=sizes.dit_heads,
         latent_channels=vae.config.latent_channels,
     )
-    # LTX-2's schedule, as diffusers' conversion script writes the base model's: a dynamic shift over a clip's tokens.
-    scheduler = FlowMatchEulerDiscreteScheduler(
+    scheduler = build_ltx2_scheduler()
+    return LTX2Pipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler, **parts)
+
+
+def build_ltx2_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """LTX-2's schedule, as diffusers' conversion script writes the base model's: a dynamic shift over a clip's
+    tokens."""
+    return FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True,
         base_shift=0.95,
         max_shift=2.05,
@@ -98,47 +104,62 @@ def pipeline(vae, sizes: MicroSizes):
         max_image_seq_len=4096,
         shift_terminal=0.1,
     )
-    return LTX2Pipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler, **parts)
 
 
-def build_ltx2_parts(text_width: int, text_layers: int, layers: int = 1, heads: int = 2, latent_channels: int = 8):
+def build_ltx2_parts(
+    text_width: int,
+    text_layers: int,
+    layers: int = 1,
+    heads: int = 2,
+    latent_channels: int = 8,
+    connector_options: dict | None = None,
+    transformer_options: dict | None = None,
+):
     """LTX-2's text connectors (with learnable registers in the padding, as the real ones), its audio-video
     transformer (a video stream of `heads` x 8 and an audio stream of 2 x 2 `heads`), its audio autoencoder
-    (2-channel mel spectrograms of 8 bins) and its vocoder, as diffusers' own LTX-2 tests build them small."""
+    (2-channel mel spectrograms of 8 bins) and its vocoder, as diffusers' own LTX-2 tests build them small; the
+    connectors' and the transformer's arguments updated by `connector_options` and `transformer_options` (a later
+    generation's configuration)."""
     connectors = LTX2TextConnectors(
-        caption_channels=text_width,
-        text_proj_in_factor=text_layers + 1,  # every hidden state, the embeddings' too
-        video_connector_num_attention_heads=2,
-        video_connector_attention_head_dim=text_width // 2,
-        video_connector_num_layers=1,
-        video_connector_num_learnable_registers=8,
-        audio_connector_num_attention_heads=2,
-        audio_connector_attention_head_dim=text_width // 2,
-        audio_connector_num_layers=1,
-        audio_connector_num_learnable_registers=8,
-        connector_rope_base_seq_len=32,
-        rope_double_precision=False,
-        causal_temporal_positioning=False,
-        rope_type="split",
+        **{
+            "caption_channels": text_width,
+            "text_proj_in_factor": text_layers + 1,  # every hidden state, the embeddings' too
+            "video_connector_num_attention_heads": 2,
+            "video_connector_attention_head_dim": text_width // 2,
+            "video_connector_num_layers": 1,
+            "video_connector_num_learnable_registers": 8,
+            "audio_connector_num_attention_heads": 2,
+            "audio_connector_attention_head_dim": text_width // 2,
+            "audio_connector_num_layers": 1,
+            "audio_connector_num_learnable_registers": 8,
+            "connector_rope_base_seq_len": 32,
+            "rope_double_precision": False,
+            "causal_temporal_positioning": False,
+            "rope_type": "split",
+        }
+        | (connector_options or {})
     )
     transformer = LTX2VideoTransformer3DModel(
-        in_channels=latent_channels,
-        out_channels=latent_channels,
-        num_attention_heads=heads,
-        attention_head_dim=8,
-        cross_attention_dim=heads * 8,
-        audio_in_channels=4,
-        audio_out_channels=4,
-        # The rope of the attention between the streams spans the audio width and splits over the video heads (2 per
-        # head at least): the audio stream widens with them (2 x 4 beside 2 video heads).
-        audio_num_attention_heads=2,
-        audio_attention_head_dim=2 * heads,
-        audio_cross_attention_dim=4 * heads,
-        num_layers=layers,
-        caption_channels=text_width,
-        vae_scale_factors=(4, 4, 4),
-        rope_double_precision=False,
-        rope_type="split",
+        **{
+            "in_channels": latent_channels,
+            "out_channels": latent_channels,
+            "num_attention_heads": heads,
+            "attention_head_dim": 8,
+            "cross_attention_dim": heads * 8,
+            "audio_in_channels": 4,
+            "audio_out_channels": 4,
+            # The rope of the attention between the streams spans the audio width and splits over the video heads (2
+            # per head at least): the audio stream widens with them (2 x 4 beside 2 video heads).
+            "audio_num_attention_heads": 2,
+            "audio_attention_head_dim": 2 * heads,
+            "audio_cross_attention_dim": 4 * heads,
+            "num_layers": layers,
+            "caption_channels": text_width,
+            "vae_scale_factors": (4, 4, 4),
+            "rope_double_precision": False,
+            "rope_type": "split",
+        }
+        | (transformer_options or {})
     )
     audio_vae = AutoencoderKLLTX2Audio(
         base_channels=4,
@@ -193,23 +214,29 @@ def build_ltx2_vae(latent_channels: int = 8, channels: tuple[int, int] = (8, 16)
     )
 
 
+def gemma_text_sizes(tokenizer, hidden_size: int, layers: int) -> dict:
+    """A micro Gemma's text model (3's and 4's config classes alike): `layers` layers `hidden_size` wide, 2 heads over
+    1 key/value head, a window of 16 tokens."""
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": hidden_size // 2,
+        "max_position_embeddings": 2048,
+        "sliding_window": 16,
+        "pad_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
 def build_gemma3_text_encoder(tokenizer, hidden_size: int = QWEN_HIDDEN_SIZE, layers: int = 2):
     """A Gemma 3 model with its (tiny) SigLIP vision tower, as LTX-2's text encoder is one
     (`Gemma3ForConditionalGeneration`); its pipeline reads every layer's states of the text alone."""
-    text = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=hidden_size // 2,
-        max_position_embeddings=2048,
-        sliding_window=16,
-        pad_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    text = Gemma3TextConfig(**gemma_text_sizes(tokenizer, hidden_size, layers))
     vision = SiglipVisionConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
     )

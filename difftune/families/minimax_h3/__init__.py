@@ -213,12 +213,6 @@ class MiniMaxH3Loading(SoundLoading, ModularLoading):
 class MiniMaxH3Drawing(ModularDrawing, ClipDrawing, FlowDrawing):
     samplers = {"euler": MiniMaxH3Scheduler}
 
-    def assemble_pipeline(self, components: Components, scheduler=None):
-        """As any modular family's, with the audio autoencoder where a run with sound keeps it (`pixel_encoders`)."""
-        pipeline = super().assemble_pipeline(components, scheduler)
-        pipeline.update_components(**components.pixel_encoders)
-        return pipeline
-
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
         return {}  # guidance-distilled: one pass a step, no guidance to give
 
