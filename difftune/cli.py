@@ -584,7 +584,7 @@ def _plan(args: argparse.Namespace) -> None:
 
     with plan.plans_remembered():  # the settings tried start from the job's own plan
         with phase("planning the run's memory (its model built without weights, one step counted)", print_status):
-            predicted = plan.plan_memory(config, device)
+            predicted = plan.on_a_device_of(plan.plan_memory(config, device), device_memory)
         with phase("trying the settings that fit", print_status if device_memory or host_memory else None):
             fitting = (
                 plan.fitting_overrides(

@@ -16,6 +16,7 @@ import torch
 from difftune.cli import main
 from difftune.config import load_config
 from difftune.errors import DifftuneError
+from difftune.memory.turns import ROOM_TO_COMPUTE
 from difftune.models.components import store_loaded_text_encoders
 from difftune.models.dtypes import run_dtypes
 from difftune.training import plan
@@ -573,3 +574,32 @@ def test_a_plan_is_kept_between_runs_for_the_same_settings_and_base(make_config,
     unet.write_text(published)
     plan.plan_memory(make_config(**{"model.base": str(base)}), "cuda")  # its kept file unreadable: traced, kept anew
     assert len(traced) == 4 and json.loads(kept.read_text())["device"] == first.device
+
+
+def test_prompts_read_by_turns_count_the_denoiser_waiting_in_host_memory(make_config):
+    """A run whose captions are cached reads its sample prompts with the text encoders brought from host memory
+    (turns.py): on a GPU that cannot hold them beside the training state, the denoiser's frozen and trained weights
+    wait in host memory meanwhile, in the phases that draw (the end samples; the training phase too where previews or
+    validation read prompts); on one that can, nothing is added. Text encoders kept on the device take no turns."""
+    job = dict(
+        model__base=str(REPO / "models" / "tiny-qwen_image"),
+        data__resolution=64,
+        cache__latents=True,
+        cache__text=True,
+        sample__prompts=["a purple circle"],
+    )
+    planned = _plan(make_config, **job)
+    assert planned.prompts_read > 0 and planned.denoiser_waiting > 0
+    assert tuple(planned.drawing_phases) == ("end of run samples",)
+    enough = planned.device_training + planned.prompts_read + ROOM_TO_COMPUTE
+    assert plan.on_a_device_of(planned, enough) == planned
+    short = plan.on_a_device_of(planned, enough - 1)
+    end = short.host_phases["end of run samples"]
+    assert end["denoiser (waiting while prompts are read)"] == planned.denoiser_waiting
+    assert short.host_peak == max(sum(held.values()) for held in short.host_phases.values()) >= sum(end.values())
+    assert short.host_phases["training"] == planned.host_phases["training"]
+
+    previews = _plan(make_config, **job, sample__every_steps=10)
+    assert tuple(previews.drawing_phases) == ("training", "end of run samples")
+    kept = _plan(make_config, **job | {"cache__text": False})
+    assert kept.drawing_phases == () and plan.on_a_device_of(kept, 1) == kept

@@ -42,6 +42,7 @@ from difftune.errors import DifftuneError
 from difftune.files import pipeline_index, replace_atomically
 from difftune.memory.checkpointing import enable_gradient_checkpointing
 from difftune.memory.storage import own_cast_buffers, storage_key
+from difftune.memory.turns import ROOM_TO_COMPUTE
 from difftune.models.components import Components
 from difftune.owned_files import write_file
 from difftune.progress import process_status_bytes
@@ -89,6 +90,13 @@ class MemoryPlan:
     configs: str = ""  # where the model's configs were read: a local folder, or the published base kept in difftune
     host_phases: dict[str, dict[str, int]] = field(default_factory=dict)  # each phase's, in the run's order
     device_caching: int = 0  # the device's own peak while the caches fill (the encoders and their activations)
+    # Drawing samples with the text encoders in host memory (turns.py): the device's training state, what the text
+    # encoders need beside it while they read the prompts, the denoiser's bytes that wait in host memory meanwhile
+    # where the device cannot hold both, and the host phases that draw.
+    device_training: int = 0
+    prompts_read: int = 0
+    denoiser_waiting: int = 0
+    drawing_phases: tuple[str, ...] = ()
 
     @property
     def device_peak(self) -> int:
@@ -378,8 +386,42 @@ def _plan_memory(config: Config, device_type: str) -> MemoryPlan:
         )
     if device_type == "cpu":
         device = max(phases.values(), key=lambda held: sum(held.values()))
-    plan = MemoryPlan(device_type, device, {}, configs_read(config.model, source), phases, sum(caching.values()))
+    # Samples and validation read prompts with the text encoders brought from host memory (turns.py).
+    turns = {
+        "device_training": sum(on_device.values()),
+        "prompts_read": sum(map(_bytes, text_encoders)) + text_encoding,
+        "denoiser_waiting": frozen - waiting + trained_bytes,
+        "drawing_phases": tuple(
+            phase
+            for phase, draws in (("training", placement["text"] == "host"), ("end of run samples", True))
+            if draws and phase in phases
+        ),
+    }
+    reads_prompts_by_turns = device_type == "cuda" and placement["text"] != "device"
+    plan = MemoryPlan(
+        device_type,
+        device,
+        {},
+        configs_read(config.model, source),
+        phases,
+        sum(caching.values()),
+        **(turns if reads_prompts_by_turns else {}),
+    )
     return _with_process_memory(plan, baseline)
+
+
+def on_a_device_of(plan: MemoryPlan, device_memory: int | None) -> MemoryPlan:
+    """`plan` on a GPU of `device_memory` bytes: where it cannot hold the text encoders beside the training state while
+    they read the prompts of samples or validation, the denoiser waits in host memory meanwhile (turns.py), in the
+    phases that draw; else as it is."""
+    needed = plan.device_training + plan.prompts_read + ROOM_TO_COMPUTE
+    if not device_memory or not plan.drawing_phases or needed <= device_memory:
+        return plan
+    waiting = {"denoiser (waiting while prompts are read)": plan.denoiser_waiting}
+    phases = {
+        phase: held | waiting if phase in plan.drawing_phases else held for phase, held in plan.host_phases.items()
+    }
+    return replace(plan, host=max(phases.values(), key=lambda held: sum(held.values())), host_phases=phases)
 
 
 def fitting_overrides(
@@ -403,7 +445,7 @@ def fitting_overrides(
         return device_fits(plan) and (host_memory is None or plan.host_peak <= host_memory)
 
     def planned(overrides: list[str]) -> MemoryPlan:
-        plan = plan_memory(_with(config, overrides), device_type)
+        plan = on_a_device_of(plan_memory(_with(config, overrides), device_type), device_memory)
         if report:
             report(f"{' '.join(overrides) or 'as configured'}: {peaks(plan)}: {'fits' if fits(plan) else 'too large'}")
         return plan
@@ -513,6 +555,8 @@ def check_fits(config: Config, device_type: str, kept_in: Path | None = None) ->
 
 def _check_fits(config: Config, device_type: str, kept_in: Path | None) -> str | None:
     plan = plan_memory(config, device_type)
+    if device_type == "cuda":
+        plan = on_a_device_of(plan, torch.cuda.mem_get_info()[1])
     if kept_in is not None:
         Path(kept_in).mkdir(parents=True, exist_ok=True)
         write_file(Path(kept_in) / PLAN_FILE, json.dumps(asdict(plan), indent=2) + "\n", RUN_FOLDER, ours=False)

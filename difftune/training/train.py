@@ -76,6 +76,7 @@ from difftune.memory.checkpointing import enable_gradient_checkpointing
 from difftune.memory.quantize import quantize_linear_layers
 from difftune.memory.storage import computed_copies_saved_as_stored
 from difftune.memory.transfer import to_device
+from difftune.memory.turns import taking_turns
 from difftune.models.autoencoders import encode_posterior, reference_latents, sample_latents
 from difftune.models.components import (
     Components,
@@ -603,8 +604,10 @@ def finish(run: Run) -> TrainResult:
     if run.main and needs_encoders and not components.encoders_loaded():
         with phase("loading the encoders again for the end of the run", run.print_status):
             _reload_released(components, config, run.dtypes, accelerator.device)
+    text = list(components.text_encoders.values())  # in host memory: they come to the device by turns (turns.py)
     for module in host_kept_encoders(components, config) if run.main else ():
-        module.to(accelerator.device)
+        if not any(module is encoder for encoder in text):
+            module.to(accelerator.device)
     components.denoiser.eval()
     trained_path = _save_results(run, components, ema, parameters) if run.main else None
     if run.stop_reason == "early_stop":
@@ -977,13 +980,13 @@ def _reload_released(components: Components, config: Config, dtypes: RunDtypes, 
     store_loaded_text_encoders(loaded, dtypes)
     dtype = dtypes.compute
 
-    def placed(module: torch.nn.Module, is_vae: bool = False) -> torch.nn.Module:
-        cast_frozen(module.to(device).eval(), dtype, is_vae)
+    def placed(module: torch.nn.Module, is_vae: bool = False, where: torch.device = device) -> torch.nn.Module:
+        cast_frozen(module.to(where).eval(), dtype, is_vae)
         return module
 
     components.vae = components.vae or placed(loaded.vae, is_vae=True)
-    for name, encoder in components.text_encoders.items():
-        components.text_encoders[name] = encoder or placed(loaded.text_encoders[name])
+    for name, encoder in components.text_encoders.items():  # in host memory: they come to the device by turns
+        components.text_encoders[name] = encoder or placed(loaded.text_encoders[name], where=torch.device("cpu"))
     for name, part in components.drawing_parts.items():
         components.drawing_parts[name] = part or placed(loaded.drawing_parts[name])
     for name, part in components.pixel_encoders.items():
@@ -1033,8 +1036,14 @@ def _periodic_work(run: Run, step: int, asked: set[str] = frozenset()) -> dict:
 
 
 def _validate_preview_snapshot(run: Run, step: int, validate: bool, preview: bool, snapshot: bool) -> dict:
+    """Validation, previews and snapshots; the autoencoders and drawing parts kept in host memory on the device
+    meanwhile, the text encoders coming to it only as they compute (turns.py: the trained denoiser, its adapters and
+    their optimizer state stay, unless the device cannot hold both)."""
     config, values, components = run.config, {}, run.unwrapped()
-    with encoders_on(run.accelerator.device, host_kept_encoders(components, config)):
+    text = list(components.text_encoders.values())
+    kept = [module for module in host_kept_encoders(components, config) if not any(module is t for t in text)]
+    denoising = [components.denoiser, components.controlnet, *components.drawing_parts.values()]
+    with encoders_on(run.accelerator.device, kept), taking_turns(text, denoising, run.accelerator.device):
         if validate:
             with phase(f"step {step}: validation", run.print_status):
                 values |= _validate(run, components, step)
