@@ -80,7 +80,12 @@ def _bytes(modules: list[torch.nn.Module]) -> int:
 
 
 def _off(modules: list[torch.nn.Module], device: torch.device) -> list[torch.nn.Module]:
-    return [m for m in modules if any(t.device != device for t in m.parameters())]
+    """The modules with a parameter elsewhere than `device` ("cuda" and "cuda:0" alike where no index is given)."""
+    return [m for m in modules if any(not _on(t.device, device) for t in m.parameters())]
+
+
+def _on(where: torch.device, device: torch.device) -> bool:
+    return where.type == device.type and (where.index is None or device.index is None or where.index == device.index)
 
 
 @contextmanager
