@@ -32,7 +32,9 @@ class Turns:
     """Groups of models (by name) taking turns on `device`: a group comes when one of its models computes; unless
     `together`, the groups there leave first."""
 
-    def __init__(self, groups: dict[str, list[torch.nn.Module]], present: set[str], device: torch.device, together):
+    def __init__(
+        self, groups: dict[str, list[torch.nn.Module]], present: set[str], device: torch.device, together: bool
+    ):
         self.groups, self.present, self.device, self.together = groups, present, device, together
         self.moves: list[tuple[str, torch.device]] = []  # each group moved, and where: what tests read
 
