@@ -101,7 +101,7 @@ def taking_turns(text_encoders: list[torch.nn.Module], denoisers: list[torch.nn.
     if not arriving or any(hasattr(m, "_hf_hook") or _sharded(m) for m in models):
         yield None
         return
-    homes = {m: next(m.parameters()).device for m in (*text_encoders, *denoisers)}
+    homes = {m: next(m.parameters()).device for m in models}
     together = device_has_room(device, _bytes(arriving))
     present = {"denoisers"} if not _off(denoisers, device) else set()
     turns = Turns({"text encoders": text_encoders, "denoisers": denoisers}, present, device, together)

@@ -17,6 +17,7 @@ from difftune.errors import DifftuneError
 from difftune.files import hub_unavailable, part_weight_files, unreachable_base
 from difftune.memory.offload import Offloader, offload_blocks
 from difftune.memory.storage import store_frozen_layers
+from difftune.memory.turns import taking_turns
 from difftune.models.autoencoders import LatentNormalization
 from difftune.models.dtypes import RunDtypes
 
@@ -198,6 +199,20 @@ def host_kept_encoders(components: Components, config: Config) -> list[torch.nn.
         + (list(components.drawing_parts.values()) if placement["drawing"] == "host" else [])
     )
     return [module for module in kept if module is not None]
+
+
+def host_kept_for_drawing(components: Components, config: Config) -> list[torch.nn.Module]:
+    """The encoders `encoder_placement` keeps in host memory that drawing and validation bring to the device whole:
+    all but the text encoders, which come as they read prompts (`prompts_read_by_turns`)."""
+    text = list(components.text_encoders.values())
+    return [module for module in host_kept_encoders(components, config) if not any(module is t for t in text)]
+
+
+def prompts_read_by_turns(components: Components, device: torch.device):
+    """The text encoders on `device` only while they read prompts, the models that denoise (the denoiser, a
+    ControlNet, the drawing parts) leaving it meanwhile where it cannot hold both: turns.py's `taking_turns`."""
+    denoising = [components.denoiser, components.controlnet, *components.drawing_parts.values()]
+    return taking_turns(list(components.text_encoders.values()), denoising, device)
 
 
 @contextmanager

@@ -76,7 +76,6 @@ from difftune.memory.checkpointing import enable_gradient_checkpointing
 from difftune.memory.quantize import quantize_linear_layers
 from difftune.memory.storage import computed_copies_saved_as_stored
 from difftune.memory.transfer import to_device
-from difftune.memory.turns import taking_turns
 from difftune.models.autoencoders import encode_posterior, reference_latents, sample_latents
 from difftune.models.components import (
     Components,
@@ -85,8 +84,10 @@ from difftune.models.components import (
     encoder_placement,
     encoders_on,
     host_kept_encoders,
+    host_kept_for_drawing,
     loads_encoders_first,
     place_frozen,
+    prompts_read_by_turns,
     set_attention,
     store_loaded_denoiser,
     store_loaded_text_encoders,
@@ -604,10 +605,8 @@ def finish(run: Run) -> TrainResult:
     if run.main and needs_encoders and not components.encoders_loaded():
         with phase("loading the encoders again for the end of the run", run.print_status):
             _reload_released(components, config, run.dtypes, accelerator.device)
-    text = list(components.text_encoders.values())  # in host memory: they come to the device by turns (turns.py)
-    for module in host_kept_encoders(components, config) if run.main else ():
-        if not any(module is encoder for encoder in text):
-            module.to(accelerator.device)
+    for module in host_kept_for_drawing(components, config) if run.main else ():
+        module.to(accelerator.device)
     components.denoiser.eval()
     trained_path = _save_results(run, components, ema, parameters) if run.main else None
     if run.stop_reason == "early_stop":
@@ -1039,11 +1038,8 @@ def _validate_preview_snapshot(run: Run, step: int, validate: bool, preview: boo
     """Validation, previews and snapshots; the autoencoders and drawing parts kept in host memory on the device
     meanwhile, the text encoders coming to it only as they compute (turns.py: the trained denoiser, its adapters and
     their optimizer state stay, unless the device cannot hold both)."""
-    config, values, components = run.config, {}, run.unwrapped()
-    text = list(components.text_encoders.values())
-    kept = [module for module in host_kept_encoders(components, config) if not any(module is t for t in text)]
-    denoising = [components.denoiser, components.controlnet, *components.drawing_parts.values()]
-    with encoders_on(run.accelerator.device, kept), taking_turns(text, denoising, run.accelerator.device):
+    config, values, components, device = run.config, {}, run.unwrapped(), run.accelerator.device
+    with encoders_on(device, host_kept_for_drawing(components, config)), prompts_read_by_turns(components, device):
         if validate:
             with phase(f"step {step}: validation", run.print_status):
                 values |= _validate(run, components, step)

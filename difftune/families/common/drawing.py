@@ -29,9 +29,8 @@ from difftune.data.sources import is_clip, is_sound
 from difftune.errors import DifftuneError
 from difftune.families.common.loading import FamilyOptions
 from difftune.families.common.role import Role
-from difftune.memory.turns import taking_turns
 from difftune.models.autoencoders import load_vae
-from difftune.models.components import Components, eval_mode
+from difftune.models.components import Components, eval_mode, prompts_read_by_turns
 from difftune.progress import bar
 
 SAMPLERS = {
@@ -333,13 +332,8 @@ def generate_images(
     pipeline = replace(components, vae=decoder).pipeline(sampling_scheduler(config.scheduler, components))
     pipeline.set_progress_bar_config(disable=True)
     guidance = components.family.drawing.sampling_arguments(components, config.guidance_scale, config.negative_prompt)
-    # The text encoders (in host memory where the captions are cached) come to the device as they read the prompts,
-    # the models that denoise leaving it meanwhile where it cannot hold both (turns.py).
-    denoising = [components.denoiser, components.controlnet, *components.drawing_parts.values()]
-    with (
-        eval_mode(*components.parts().values()),
-        taking_turns(list(components.text_encoders.values()), denoising, device),
-    ):
+    # The text encoders (in host memory where the captions are cached) come to the device as they read the prompts.
+    with eval_mode(*components.parts().values()), prompts_read_by_turns(components, device):
         return _sample_all(pipeline, config, guidance, components, shown_as)
 
 

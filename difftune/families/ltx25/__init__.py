@@ -53,7 +53,7 @@ def shortest_clip(pipeline) -> int:
     return math.ceil((kernel - 1) / ratio) * ratio + 1
 
 
-class LTX25Drawing(ModularDrawing, ClipDrawing, FlowDrawing):
+class LTX25Drawing(ClipDrawing, ModularDrawing, FlowDrawing):  # an image: a clip's first frame (ClipDrawing.draw)
     def sampling_arguments(self, components: Components, guidance_scale: float, negative_prompt: str) -> dict:
         """The pipeline's two guiders at this scale (video's and sound's), their other guidance off, at the frame rate
         training conditions on."""
@@ -64,11 +64,6 @@ class LTX25Drawing(ModularDrawing, ClipDrawing, FlowDrawing):
             "max_sequence_length": self.family.max_sequence_length(components),
             "frame_rate": FRAME_RATE,
         }
-
-    def draw(self, pipeline, options, prompt, controls, height, width, **arguments) -> list:
-        """Each prompt's image: the first frame of the shortest clip the diffusion decoder draws."""
-        clips = self.draw_clips(pipeline, prompt, controls, height, width, 1, **arguments)
-        return [clip[0] for clip in clips]
 
     def draw_clips(self, pipeline, prompt, controls, height, width, frames, **arguments) -> list[list]:
         """Each prompt's clip in a call of its own (the pipeline's text step takes one), with its generator, and with
